@@ -1,0 +1,307 @@
+"""KVConfig: the one config of kvcompile, and `configure`, its per-module overrides.
+
+    kvcompile.compile(model, KVConfig(kv_dtype="fp8_e4m3", page_size=16))
+    torch.compile(model, backend="kvcompile", options={"kv_dtype": "fp8_e4m3"})
+
+Both take the same fields. Every bad value raises `KVConfigError` naming the field and the values
+it allows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from kvcompile.errors import KVConfigError
+
+# Storage formats of the cache. "auto" keeps the model's own dtype (bf16/fp16/fp32).
+KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "int4", "int2")
+PAGE_SIZES = (8, 16, 32, 64, 128)
+# page: one fp32 scale per (page, kv-head); token: per (token, kv-head); tensor: one static scale
+# per layer; channel: per (page, kv-head, channel), KIVI-style, for keys.
+SCALE_GRANULARITIES = ("page", "token", "tensor", "channel")
+ROTATIONS = (None, "hadamard")
+INNER_BACKENDS = ("inductor", "aot_eager", "eager")
+KERNEL_CHOICES = ("auto", "triton", "reference")
+
+# Fields that `configure` may override per module; the rest are global to the pool.
+PER_MODULE_FIELDS = (
+    "kv_dtype", "k_dtype", "v_dtype", "scale_granularity", "static_scale", "eviction",
+    "rotate", "enabled",
+)
+
+
+class EvictionPolicy:
+    """Base type of eviction policies (`kvcompile.SinkWindow`, `H2O`, `SnapKV`).
+
+    A policy is a frozen dataclass; the eviction runtime maps each policy type to its
+    implementation. `KVConfig.eviction` accepts an instance, None, or a dict
+    `{"policy": "sink_window", "sinks": 4, "window": 1020}`.
+    """
+
+    name: str = "base"
+
+    def tokens_kept(self, seq_len: int) -> int:
+        """How many tokens a sequence of `seq_len` tokens keeps in the cache under this policy."""
+        raise NotImplementedError
+
+
+def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (
+            hi is not None and value > hi):
+        rng = f">= {lo}" if hi is None else f"{lo}..{hi}"
+        raise KVConfigError(name, value, f"an int {rng}")
+
+
+@dataclass(frozen=True)
+class SinkWindow(EvictionPolicy):
+    """StreamingLLM: keep the first `sinks` tokens and the last `window` tokens."""
+
+    sinks: int = 4
+    window: int = 1020
+    granularity: str = "token"  # "token" (compact slots) or "page" (free whole pages only)
+    name = "sink_window"
+
+    def __post_init__(self):
+        _check_int("eviction.sinks", self.sinks, 0)
+        _check_int("eviction.window", self.window, 1)
+        if self.granularity not in ("token", "page"):
+            raise KVConfigError("eviction.granularity", self.granularity, "'token', 'page'")
+
+    def tokens_kept(self, seq_len: int) -> int:
+        return min(seq_len, self.sinks + self.window)
+
+
+@dataclass(frozen=True)
+class H2O(EvictionPolicy):
+    """Heavy hitters: keep `sinks` first tokens, the `recent` last, and the keys with the most
+    attention mass accumulated during decode, up to `budget` tokens in all."""
+
+    budget: int = 1024
+    recent: int = 256
+    sinks: int = 4
+    granularity: str = "token"
+    name = "h2o"
+
+    def __post_init__(self):
+        _check_int("eviction.budget", self.budget, 1)
+        _check_int("eviction.recent", self.recent, 0)
+        _check_int("eviction.sinks", self.sinks, 0)
+        if self.recent + self.sinks > self.budget:
+            raise KVConfigError("eviction.budget", self.budget,
+                                f"at least recent + sinks = {self.recent + self.sinks}")
+        if self.granularity not in ("token", "page"):
+            raise KVConfigError("eviction.granularity", self.granularity, "'token', 'page'")
+
+    def tokens_kept(self, seq_len: int) -> int:
+        return min(seq_len, self.budget)
+
+
+@dataclass(frozen=True)
+class SnapKV(EvictionPolicy):
+    """SnapKV: at the end of prefill, keep the `budget` keys most attended by the last `window`
+    queries (scores average-pooled with `kernel`), plus the window itself."""
+
+    budget: int = 1024
+    window: int = 32
+    kernel: int = 5
+    per_head: bool = True
+    name = "snapkv"
+
+    def __post_init__(self):
+        _check_int("eviction.budget", self.budget, 1)
+        _check_int("eviction.window", self.window, 1)
+        _check_int("eviction.kernel", self.kernel, 1)
+        if self.kernel % 2 == 0:
+            raise KVConfigError("eviction.kernel", self.kernel, "an odd int (pooling is centered)")
+
+    def tokens_kept(self, seq_len: int) -> int:
+        return min(seq_len, self.budget)
+
+
+_POLICIES = {"sink_window": SinkWindow, "streaming": SinkWindow, "h2o": H2O, "snapkv": SnapKV}
+
+
+def _coerce_eviction(value) -> EvictionPolicy | None:
+    if value is None or isinstance(value, EvictionPolicy):
+        return value
+    if isinstance(value, dict):
+        kw = dict(value)
+        kind = kw.pop("policy", None)
+        if kind not in _POLICIES:
+            raise KVConfigError("eviction", value, f"a dict with 'policy' in {sorted(_POLICIES)}")
+        return _POLICIES[kind](**kw)
+    raise KVConfigError("eviction", value, "None, SinkWindow(...), H2O(...), SnapKV(...) or a dict")
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """How the KV cache of a compiled model is stored, bounded and evicted.
+
+    kv_dtype: storage format of K and V ("auto" keeps the model's dtype). k_dtype / v_dtype
+        override it for keys or values alone (e.g. keys fp8, values fp4).
+    page_size: tokens per page of the paged pool.
+    scale_granularity: "page" (one fp32 scale per page and kv-head), "token", "tensor" (one
+        static scale per layer: `static_scale`, or calibrated on the first write), or "channel"
+        (per page, kv-head and channel; keys only, KIVI-style).
+    max_kv_bytes / memory_fraction: the pool's budget; bytes, or a fraction of the device
+        memory free when the pool is built (on the CPU: of available RAM, at most 4 GiB).
+    max_seq_len: longest sequence allowed; longer raises SequenceTooLongError.
+    eviction: None or a policy (SinkWindow, H2O, SnapKV).
+    rotate: None or "hadamard": rotate q and k over head_dim before quantizing keys.
+    check_finite: raise NonFiniteKVError when NaN/Inf enters the cache (costs a sync).
+    inner: the backend the rest of the graph goes to ("inductor"; "aot_eager" to debug).
+    kernels: "auto" (Triton on CUDA, PyTorch reference on the CPU), "triton" or "reference".
+    residual: keep a sequence's last, partly filled page in bf16 until it fills (int4/int2).
+    enabled: False leaves attention sites untouched (useful per module through `configure`).
+    """
+
+    kv_dtype: str = "auto"
+    k_dtype: str | None = None
+    v_dtype: str | None = None
+    page_size: int = 16
+    scale_granularity: str = "page"
+    static_scale: float | None = None
+    max_kv_bytes: int | None = None
+    memory_fraction: float = 0.9
+    max_seq_len: int | None = None
+    eviction: EvictionPolicy | None = None
+    rotate: str | None = None
+    check_finite: bool = False
+    inner: str = "inductor"
+    kernels: str = "auto"
+    residual: bool = False
+    enabled: bool = True
+
+    def __post_init__(self):
+        for name in ("kv_dtype", "k_dtype", "v_dtype"):
+            v = getattr(self, name)
+            if v is None and name != "kv_dtype":
+                continue
+            if v not in KV_DTYPES:
+                raise KVConfigError(name, v, ", ".join(repr(d) for d in KV_DTYPES))
+        if self.page_size not in PAGE_SIZES:
+            raise KVConfigError("page_size", self.page_size, ", ".join(map(str, PAGE_SIZES)))
+        if self.scale_granularity not in SCALE_GRANULARITIES:
+            raise KVConfigError("scale_granularity", self.scale_granularity,
+                                ", ".join(repr(g) for g in SCALE_GRANULARITIES))
+        if self.static_scale is not None and not (
+                isinstance(self.static_scale, (int, float)) and self.static_scale > 0):
+            raise KVConfigError("static_scale", self.static_scale, "None or a float > 0")
+        if self.max_kv_bytes is not None:
+            _check_int("max_kv_bytes", self.max_kv_bytes, 1)
+        if not (isinstance(self.memory_fraction, (int, float)) and 0 < self.memory_fraction <= 1):
+            raise KVConfigError("memory_fraction", self.memory_fraction, "a float in (0, 1]")
+        if self.max_seq_len is not None:
+            _check_int("max_seq_len", self.max_seq_len, 1)
+        object.__setattr__(self, "eviction", _coerce_eviction(self.eviction))
+        if self.rotate not in ROTATIONS:
+            raise KVConfigError("rotate", self.rotate, "None, 'hadamard'")
+        if self.inner not in INNER_BACKENDS:
+            raise KVConfigError("inner", self.inner, ", ".join(repr(b) for b in INNER_BACKENDS))
+        if self.kernels not in KERNEL_CHOICES:
+            raise KVConfigError("kernels", self.kernels, ", ".join(repr(k) for k in KERNEL_CHOICES))
+        for name in ("check_finite", "residual", "enabled"):
+            if not isinstance(getattr(self, name), bool):
+                raise KVConfigError(name, getattr(self, name), "True, False")
+
+    # The storage formats of keys and values, with `kv_dtype` as the default of both.
+    @property
+    def key_dtype(self) -> str:
+        return self.k_dtype or self.kv_dtype
+
+    @property
+    def value_dtype(self) -> str:
+        return self.v_dtype or self.kv_dtype
+
+    @classmethod
+    def from_options(cls, options: KVConfig | dict[str, Any] | None) -> KVConfig:
+        """Build a config from `torch.compile(..., options={...})` (a dict), or pass one through."""
+        if options is None:
+            return cls()
+        if isinstance(options, KVConfig):
+            return options
+        if not isinstance(options, dict):
+            raise KVConfigError("options", options, "a dict of KVConfig fields or a KVConfig")
+        known = {f.name for f in fields(cls)}
+        for key in options:
+            if key not in known:
+                raise KVConfigError(key, options[key], "a KVConfig field: " + ", ".join(sorted(known)),
+                                    hint="Unknown option.")
+        return cls(**options)
+
+    def replace(self, **changes) -> KVConfig:
+        return dataclasses.replace(self, **changes)
+
+    def cache_key(self) -> str:
+        """A stable string of every field, for inductor's cache key and the report."""
+        return repr(sorted((f.name, repr(getattr(self, f.name))) for f in fields(self)))
+
+
+# --- per-module overrides --------------------------------------------------------------------
+
+_OVERRIDE_ATTR = "_kvcompile_overrides"
+# Instances configured with `configure(module, ...)`; weak so that configuring never leaks a model.
+_configured_instances: weakref.WeakSet = weakref.WeakSet()
+
+
+def _validate_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
+    for key in overrides:
+        if key not in PER_MODULE_FIELDS:
+            raise KVConfigError(key, overrides[key], "a per-module field: " +
+                                ", ".join(PER_MODULE_FIELDS),
+                                hint="Global fields (page_size, budgets) belong in KVConfig.")
+    KVConfig().replace(**overrides)  # validates values with the same messages as KVConfig
+    return dict(overrides)
+
+
+def configure(target=None, /, **overrides):
+    """Override config fields for one module class or one module instance.
+
+        @kvcompile.configure(kv_dtype="bf16")          # every instance of the class
+        class MyAttention(nn.Module): ...
+
+        kvcompile.configure(model.model.layers[0], kv_dtype="bf16")   # one instance
+
+    The passes apply overrides through each attention site's `nn_module_stack`: instance
+    overrides beat class overrides, and inner modules beat outer ones.
+    """
+    import torch.nn as nn
+
+    checked = _validate_overrides(overrides)
+
+    def apply(obj):
+        if isinstance(obj, type) and issubclass(obj, nn.Module):
+            merged = dict(obj.__dict__.get(_OVERRIDE_ATTR, {}))
+            merged.update(checked)
+            setattr(obj, _OVERRIDE_ATTR, merged)
+            return obj
+        if isinstance(obj, nn.Module):
+            merged = dict(obj.__dict__.get(_OVERRIDE_ATTR, {}))
+            merged.update(checked)
+            obj.__dict__[_OVERRIDE_ATTR] = merged  # instance dict: not inherited by the class
+            _configured_instances.add(obj)
+            return obj
+        raise KVConfigError("configure target", obj, "an nn.Module subclass or instance")
+
+    if target is None:
+        return apply
+    return apply(target)
+
+
+def class_overrides(cls: type) -> dict[str, Any]:
+    """Overrides set on `cls` or its bases by `@configure` (nearest class wins)."""
+    merged: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        merged.update(klass.__dict__.get(_OVERRIDE_ATTR, {}))
+    return merged
+
+
+def instance_overrides(module) -> dict[str, Any]:
+    return dict(module.__dict__.get(_OVERRIDE_ATTR, {}))
+
+
+def configured_instances() -> list:
+    return list(_configured_instances)

@@ -1,0 +1,79 @@
+"""Tolerances and error measures shared by every kvcompile test, in one place.
+
+Kernels and passes are compared with a plain-PyTorch reference computed in fp32 (or fp64).
+Full-precision paths are judged by a relative norm error bounded per compute dtype; quantized
+storage is judged by SQNR in dB and by bit-exact encode/decode, never by a looser atol.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Relative Frobenius error ||out - ref|| / ||ref|| allowed for an attention output computed with
+# operands of this dtype, against an fp32/fp64 reference of the same math on the same stored
+# values. fp32 leaves room for tf32-like accumulation order; bf16 follows FlashInfer's 1e-2.
+REL_ERR = {
+    torch.float64: 1e-9,
+    torch.float32: 2e-5,
+    torch.float16: 2e-3,
+    torch.bfloat16: 1.6e-2,
+}
+
+# Elementwise (atol, rtol) for torch.testing.assert_close, by dtype.
+ASSERT_CLOSE = {
+    torch.float64: (1e-10, 1e-8),
+    torch.float32: (1e-5, 1e-4),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+
+# SQNR floors (dB) of each storage format on standard Gaussian data, measured (see
+# tests/cache/test_formats.py for the measurement, and the foundation issue's note).
+SQNR_FLOOR_DB = {
+    "fp8_e4m3": 30.0,
+    "fp8_e5m2": 24.0,
+    "fp4_e2m1": 17.0,
+}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; inf if either holds NaN."""
+    out64, ref64 = out.detach().double(), ref.detach().double()
+    if not torch.isfinite(out64).all() or not torch.isfinite(ref64).all():
+        return math.inf
+    denom = ref64.norm().item()
+    num = (out64 - ref64).norm().item()
+    return num / denom if denom > 0 else num
+
+
+def assert_rel_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, factor: float = 1.0,
+                     what: str = "output") -> None:
+    err = rel_err(out, ref)
+    bound = REL_ERR[dtype] * factor
+    assert err <= bound, f"{what}: relative error {err:.3e} > {bound:.1e} allowed for {dtype}"
+
+
+def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio, 10*log10(sum ref^2 / sum (ref - approx)^2)."""
+    ref64, approx64 = ref.detach().double(), approx.detach().double()
+    noise = (ref64 - approx64).pow(2).sum().item()
+    signal = ref64.pow(2).sum().item()
+    if noise == 0:
+        return math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def kl_divergence(logits_ref: torch.Tensor, logits: torch.Tensor) -> float:
+    """Mean KL(p_ref || p) over all positions of next-token distributions given as logits."""
+    lp_ref = torch.log_softmax(logits_ref.double(), dim=-1)
+    lp = torch.log_softmax(logits.double(), dim=-1)
+    return (lp_ref.exp() * (lp_ref - lp)).sum(-1).mean().item()
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill an output buffer with NaN (or the max integer) so unwritten elements show up."""
+    if t.dtype.is_floating_point:
+        return t.fill_(float("nan"))
+    return t.fill_(torch.iinfo(t.dtype).max)
