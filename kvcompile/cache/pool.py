@@ -1,0 +1,463 @@
+"""PagePool: the paged KV store of every layer of a model.
+
+    seq = pool.allocate()[0]
+    slots = pool.reserve([seq], 128)      # [128] int64, page * P + offset
+    pool.write(layer, slots, k, v)        # k: [128, Hkv, D], for each layer
+    pool.block_table([seq])               # [1, max_pages] int32, for the paged kernels
+
+Page ids are shared across layers (page p of a block table is page p of every layer's storage),
+so one block table per sequence serves all layers. Pages are reference-counted: `fork` shares
+every page, and only a shared, partially filled last page is copied (all layers) when a sequence
+appends to it. Full pages are never written again. The allocator is a stack of free page ids.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvcompile.cache.formats import KVFormat, PagedTensor
+from kvcompile.errors import (
+    CacheStateError,
+    KVCacheFullError,
+    SequenceTooLongError,
+    UnsupportedShapeError,
+)
+
+_CPU_BUDGET_CAP = 4 << 30  # bytes: a CPU pool never takes more than this by default
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Shape and storage format of one attention layer's cache."""
+
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    k_format: KVFormat
+    v_format: KVFormat
+
+    def __post_init__(self):
+        for name in ("num_kv_heads", "head_dim", "v_head_dim"):
+            _check_int(f"LayerSpec.{name}", getattr(self, name), 1)
+
+    def bytes_per_page(self, page_size: int) -> float:
+        h, p = self.num_kv_heads, page_size
+        return p * (self.k_format.bytes_per_token(h, self.head_dim, p)
+                    + self.v_format.bytes_per_token(h, self.v_head_dim, p))
+
+
+@dataclass
+class PoolStats:
+    pages_total: int
+    pages_used: int
+    pages_free: int
+    pages_shared: int       # pages held by more than one sequence
+    sequences: int
+    tokens: int             # sum of sequence lengths (a shared token counts once per sequence)
+    bytes_total: int
+    bytes_used: int
+    bytes_per_token: float  # all layers, K + V, scales included
+    internal_waste: float   # fraction of the slots of used pages that hold no token
+
+
+class _Sequence:
+    """One sequence: its pages in order, its length and its block-table row. Invariant:
+    len(pages) == ceil(length / page_size); eviction may drop or compact pages if it keeps that
+    (and updates the table row: PagePool._drop_pages / _sync_row)."""
+
+    __slots__ = ("pages", "length", "row")
+
+    def __init__(self, pages: list[int], length: int, row: int):
+        self.pages, self.length, self.row = pages, length, row
+
+
+class PagePool:
+    def __init__(self, layers: Sequence[LayerSpec], num_pages: int, page_size: int, device="cpu",
+                 *, max_seq_len: int | None = None, writer=None):
+        if not layers:
+            raise ValueError("PagePool needs at least one LayerSpec")
+        _check_int("PagePool num_pages", num_pages, 1)
+        _check_int("PagePool page_size", page_size, 1)
+        if max_seq_len is not None:
+            _check_int("PagePool max_seq_len", max_seq_len, 1)
+        self.layers = list(layers)
+        self.num_pages, self.page_size = num_pages, page_size
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.max_seq_len = max_seq_len
+        self.writer = writer or (lambda paged, slots, x: paged.write(slots, x))
+        self.k: list[PagedTensor] = []
+        self.v: list[PagedTensor] = []
+        for spec in self.layers:  # torch.empty inside allocate: the pool is never zero-filled
+            self.k.append(spec.k_format.allocate(num_pages, spec.num_kv_heads, page_size,
+                                                 spec.head_dim, self.device))
+            self.v.append(spec.v_format.allocate(num_pages, spec.num_kv_heads, page_size,
+                                                 spec.v_head_dim, self.device))
+        self.bytes_per_page = _page_bytes(self.layers, page_size)
+        self.bytes_per_token = self.bytes_per_page / page_size
+        # Allocator: a stack of free ids (popped from the end, so page 0 goes out first).
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._ref: list[int] = [0] * num_pages
+        self._seqs: dict[int, _Sequence] = {}
+        self._next_id = 0
+        # Block tables: a CPU master updated row by row, mirrored on the pool device. Only rows
+        # marked dirty travel to the device, when a table is asked for.
+        width = math.ceil(max_seq_len / page_size) if max_seq_len else 16
+        self._table = torch.zeros(16, min(width, num_pages), dtype=torch.int32)
+        self._mirror = self._table.to(self.device, copy=True)
+        self._dirty: set[int] = set()
+        self._free_rows: list[int] = list(range(15, -1, -1))
+        self._rows: tuple = (None, None)  # the last batch's rows, and as an index tensor
+
+    # --- sizing ------------------------------------------------------------------------------
+
+    @classmethod
+    def from_budget(cls, layers: Sequence[LayerSpec], page_size: int, budget_bytes: int,
+                    device="cpu", **kw) -> PagePool:
+        """As many pages as fit in `budget_bytes` (all layers, K + V, scales included)."""
+        per_page = _page_bytes(layers, page_size)
+        num_pages = int(budget_bytes) // per_page
+        if num_pages < 1:
+            raise KVCacheFullError(1, 0, 0, detail=f"a budget of {int(budget_bytes)} bytes holds "
+                                   f"no page of {per_page} bytes")
+        return cls(layers, num_pages, page_size, device, **kw)
+
+    @staticmethod
+    def budget_bytes(config, device) -> int:
+        """`config.max_kv_bytes`, else `memory_fraction` of the device's free memory (on the CPU:
+        of available RAM, at most 4 GiB)."""
+        if config.max_kv_bytes is not None:
+            return int(config.max_kv_bytes)
+        device = torch.device(device)
+        free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
+                else min(_available_ram(), _CPU_BUDGET_CAP))
+        return int(config.memory_fraction * free)
+
+    # --- sequences ---------------------------------------------------------------------------
+
+    def allocate(self, n: int = 1) -> list[int]:
+        """`n` new empty sequences; returns their ids (never reused)."""
+        _check_int("allocate(n)", n, 0)
+        ids = []
+        for _ in range(n):
+            sid, self._next_id = self._next_id, self._next_id + 1
+            self._seqs[sid] = _Sequence([], 0, self._take_row())
+            ids.append(sid)
+        return ids
+
+    def fork(self, seq_id: int) -> int:
+        """A new sequence sharing every page of `seq_id` (copy-on-write of its partial page)."""
+        src = self._lookup([seq_id])[0]
+        sid, self._next_id = self._next_id, self._next_id + 1
+        seq = _Sequence(list(src.pages), src.length, self._take_row())
+        for p in seq.pages:
+            self._ref[p] += 1
+        self._seqs[sid] = seq
+        self._sync_row(seq, 0)
+        return sid
+
+    def free(self, seq_ids) -> None:
+        """Drop sequences; their pages return to the free list when no sequence holds them."""
+        for seq in self._lookup(seq_ids):
+            self._drop_pages(seq, 0)
+            self._free_rows.append(seq.row)
+        for sid in _as_list(seq_ids):
+            del self._seqs[sid]
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Shorten a sequence to `length` tokens, releasing pages past it; like HF `crop`, a
+        length >= the sequence's is a no-op."""
+        seq = self._lookup([seq_id])[0]
+        _check_int("truncate(length)", length, 0)
+        if length < seq.length:
+            self._drop_pages(seq, math.ceil(length / self.page_size))
+            seq.length = length
+
+    def reserve(self, seq_ids, num_tokens) -> torch.Tensor:
+        """Extend each sequence by `num_tokens` (an int, or one per sequence).
+
+        Returns the slots of the new tokens, [sum] int64 (page * P + offset) in sequence order, on
+        the pool device. Atomic: on KVCacheFullError / SequenceTooLongError nothing changes.
+        """
+        seqs = self._lookup(seq_ids)
+        counts = _counts(num_tokens, len(seqs))
+        P = self.page_size
+        # Plan without touching state: new pages, plus one copy of each shared partial last
+        # page. Copies are simulated in order, since one copy may leave the page unshared.
+        need, released = 0, {}
+        for seq, n in zip(seqs, counts):
+            if n == 0:
+                continue
+            new_len = seq.length + n
+            if self.max_seq_len is not None and new_len > self.max_seq_len:
+                raise SequenceTooLongError(new_len, self.max_seq_len)
+            need += math.ceil(new_len / P) - len(seq.pages)
+            if seq.length % P:
+                last = seq.pages[-1]
+                if self._ref[last] - released.get(last, 0) > 1:
+                    need += 1
+                    released[last] = released.get(last, 0) + 1
+        if need > len(self._free):
+            raise KVCacheFullError(need, len(self._free), self.num_pages)
+        # Commit.
+        cow_src, cow_dst, bases, lens = [], [], [], []
+        for seq, n in zip(seqs, counts):
+            if n == 0:
+                continue
+            start, first_new = seq.length, len(seq.pages)
+            if start % P and self._ref[seq.pages[-1]] > 1:
+                old, new = seq.pages[-1], self._free.pop()
+                self._ref[old] -= 1
+                self._ref[new] = 1
+                seq.pages[-1] = new
+                cow_src.append(old)
+                cow_dst.append(new)
+                first_new -= 1
+            for _ in range(math.ceil((start + n) / P) - len(seq.pages)):
+                p = self._free.pop()
+                self._ref[p] = 1
+                seq.pages.append(p)
+            seq.length = start + n
+            self._sync_row(seq, first_new)
+            # One run of consecutive slots per page touched.
+            for i in range(start // P, (start + n - 1) // P + 1):
+                lo, hi = max(start, i * P), min(start + n, (i + 1) * P)
+                bases.append(seq.pages[i] * P + lo - i * P)
+                lens.append(hi - lo)
+        if cow_src:
+            self._copy_pages(cow_src, cow_dst)
+        return _runs_to_slots(bases, lens).to(self.device)
+
+    # --- data --------------------------------------------------------------------------------
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new keys / values at reserved slots. k: [T, Hkv, D], v: [T, Hkv, Dv]."""
+        if slots.dim() != 1 or slots.dtype != torch.int64:
+            raise UnsupportedShapeError(f"slots must be a 1-D int64 tensor (from reserve); got "
+                                        f"{tuple(slots.shape)} {slots.dtype}")
+        self._check_kv(layer, slots.shape[0], k, v)
+        if slots.shape[0] == 0:
+            return
+        self.writer(self.k[layer], slots, k)
+        self.writer(self.v[layer], slots, v)
+
+    def append(self, seq_id: int, k_layers, v_layers) -> torch.Tensor:
+        """Reserve and write every layer at once. k_layers[i]: [T, Hkv, D]; returns the slots."""
+        L = len(self.layers)
+        if len(k_layers) != L or len(v_layers) != L:
+            raise UnsupportedShapeError(f"append needs one k and one v per layer ({L}); got "
+                                        f"{len(k_layers)}, {len(v_layers)}")
+        T = k_layers[0].shape[0]
+        for i in range(len(self.layers)):  # validate everything before any state changes
+            self._check_kv(i, T, k_layers[i], v_layers[i])
+        seq = self._lookup([seq_id])[0]
+        start = seq.length
+        slots = self.reserve([seq_id], T)
+        try:
+            for i in range(len(self.layers)):
+                self.write(i, slots, k_layers[i], v_layers[i])
+        except BaseException:
+            self.truncate(seq_id, start)
+            raise
+        return slots
+
+    def gather(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized cache of one sequence: k [Hkv, L, D], v [Hkv, L, Dv] fp32 (reference)."""
+        seq = self._lookup([seq_id])[0]
+        ids = torch.tensor(seq.pages, dtype=torch.int64, device=self.device)
+        out = []
+        for paged in (self.k[layer], self.v[layer]):
+            pages = paged.read(ids)  # [n, H, P, D]
+            n, h, p, d = pages.shape
+            out.append(pages.permute(1, 0, 2, 3).reshape(h, n * p, d)[:, :seq.length])
+        return out[0], out[1]
+
+    # --- views for the kernels ---------------------------------------------------------------
+
+    def seq_len(self, seq_id: int) -> int:
+        return self._lookup([seq_id])[0].length
+
+    def pages_of(self, seq_id: int) -> list[int]:
+        return list(self._lookup([seq_id])[0].pages)
+
+    def seq_lens(self, seq_ids, device=None) -> torch.Tensor:
+        lens = [s.length for s in self._lookup(seq_ids)]
+        return torch.tensor(lens, dtype=torch.int32, device=device or self.device)
+
+    def block_table(self, seq_ids, device=None) -> torch.Tensor:
+        """[B, max_pages] int32 page ids, padded with 0 (at least one column)."""
+        seqs = self._lookup(seq_ids)
+        self._flush_table()
+        key = tuple(s.row for s in seqs)  # rows are fixed for a sequence's life
+        if key != self._rows[0]:
+            self._rows = (key, torch.tensor(key, dtype=torch.int64, device=self.device))
+        width = max([len(s.pages) for s in seqs] + [1])
+        out = self._mirror[:, :width].index_select(0, self._rows[1])
+        return out if device is None else out.to(device)
+
+    # --- accounting --------------------------------------------------------------------------
+
+    def stats(self) -> PoolStats:
+        used = self.num_pages - len(self._free)
+        fill: dict[int, int] = {}  # page -> tokens held (the most any holder has written)
+        for seq in self._seqs.values():
+            for i, p in enumerate(seq.pages):
+                fill[p] = max(fill.get(p, 0), min(self.page_size, seq.length - i * self.page_size))
+        slots = used * self.page_size
+        return PoolStats(
+            pages_total=self.num_pages, pages_used=used, pages_free=len(self._free),
+            pages_shared=sum(r > 1 for r in self._ref), sequences=len(self._seqs),
+            tokens=sum(s.length for s in self._seqs.values()),
+            bytes_total=sum(t.nbytes() for t in self.k + self.v),
+            bytes_used=used * self.bytes_per_page, bytes_per_token=self.bytes_per_token,
+            internal_waste=(slots - sum(fill.values())) / slots if slots else 0.0)
+
+    def check_invariants(self) -> None:
+        """Raise CacheStateError unless every page is owned as its refcount says (for tests)."""
+        P, held = self.page_size, [0] * self.num_pages
+        rows = set()
+        for sid, seq in self._seqs.items():
+            if len(set(seq.pages)) != len(seq.pages):
+                raise CacheStateError(f"sequence {sid} holds a page twice: {seq.pages}")
+            if len(seq.pages) != math.ceil(seq.length / P):
+                raise CacheStateError(f"sequence {sid}: {len(seq.pages)} pages for {seq.length}"
+                                      f" tokens of page size {P}")
+            for p in seq.pages:
+                held[p] += 1
+            if seq.row in rows:
+                raise CacheStateError(f"sequence {sid} shares block-table row {seq.row}")
+            rows.add(seq.row)
+            row = self._table[seq.row].tolist()
+            if row[:len(seq.pages)] != seq.pages or any(row[len(seq.pages):]):
+                raise CacheStateError(f"block-table row of sequence {sid} is {row}, pages are "
+                                      f"{seq.pages}")
+        if held != self._ref:
+            bad = [p for p in range(self.num_pages) if held[p] != self._ref[p]][:8]
+            raise CacheStateError(f"refcounts disagree with owners at pages {bad}")
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise CacheStateError("a page is on the free list twice")
+        if free != {p for p in range(self.num_pages) if held[p] == 0}:
+            raise CacheStateError("free list != pages no sequence holds (leak or double use)")
+        if rows & set(self._free_rows) or len(rows) + len(self._free_rows) != len(self._table):
+            raise CacheStateError("block-table rows leaked or double-assigned")
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _lookup(self, seq_ids) -> list[_Sequence]:
+        ids = _as_list(seq_ids)
+        if len(set(ids)) != len(ids):
+            raise CacheStateError(f"sequence ids {ids} repeat; pass each sequence once")
+        try:
+            return [self._seqs[i] for i in ids]
+        except (KeyError, TypeError):
+            bad = [i for i in ids if not isinstance(i, int) or i not in self._seqs]
+            raise CacheStateError(f"sequence(s) {bad} are not in the pool (never allocated, or "
+                                  f"freed); call allocate() or fork() first") from None
+
+    def _check_kv(self, layer: int, T: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if not 0 <= layer < len(self.layers):
+            raise UnsupportedShapeError(f"layer {layer} out of range [0, {len(self.layers)})")
+        spec = self.layers[layer]
+        for name, x, d in (("k", k, spec.head_dim), ("v", v, spec.v_head_dim)):
+            if tuple(x.shape) != (T, spec.num_kv_heads, d):
+                raise UnsupportedShapeError(
+                    f"layer {layer}: {name} has shape {tuple(x.shape)}, expected [T={T}, "
+                    f"Hkv={spec.num_kv_heads}, {'D' if name == 'k' else 'Dv'}={d}]")
+            if x.device != self.device:
+                raise UnsupportedShapeError(f"layer {layer}: {name} is on {x.device}, the pool "
+                                            f"on {self.device}")
+
+    def _copy_pages(self, src: list[int], dst: list[int]) -> None:
+        s = torch.tensor(src, dtype=torch.int64, device=self.device)
+        d = torch.tensor(dst, dtype=torch.int64, device=self.device)
+        for paged in self.k + self.v:
+            paged.copy_pages(s, d)
+
+    def _drop_pages(self, seq: _Sequence, keep: int) -> None:
+        """Release seq.pages[keep:] and clear them from its table row."""
+        dropped = seq.pages[keep:]
+        for p in dropped:
+            self._ref[p] -= 1
+            if self._ref[p] == 0:
+                self._free.append(p)
+        if dropped:
+            del seq.pages[keep:]
+            self._table[seq.row, keep:keep + len(dropped)] = 0
+            self._dirty.add(seq.row)
+
+    def _sync_row(self, seq: _Sequence, start: int) -> None:
+        """Copy seq.pages[start:] into the master table row (growing the table if needed)."""
+        if len(seq.pages) > self._table.shape[1]:
+            new_w = min(max(len(seq.pages), 2 * self._table.shape[1]), self.num_pages)
+            self._table = torch.nn.functional.pad(self._table, (0, new_w - self._table.shape[1]))
+        if len(seq.pages) > start:
+            self._table[seq.row, start:len(seq.pages)] = torch.tensor(seq.pages[start:],
+                                                                      dtype=torch.int32)
+            self._dirty.add(seq.row)
+
+    def _take_row(self) -> int:
+        if not self._free_rows:
+            n = self._table.shape[0]
+            self._table = torch.cat([self._table, torch.zeros_like(self._table)])
+            self._free_rows = list(range(2 * n - 1, n - 1, -1))
+        return self._free_rows.pop()
+
+    def _flush_table(self) -> None:
+        if self._mirror.shape != self._table.shape:
+            self._mirror = self._table.to(self.device, copy=True)
+        elif self._dirty:
+            rows = torch.tensor(sorted(self._dirty), dtype=torch.int64)
+            self._mirror.index_copy_(0, rows.to(self.device),
+                                     self._table.index_select(0, rows).to(self.device))
+        self._dirty.clear()
+
+
+def _check_int(what: str, v, lo: int, hi: int | None = None) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        raise ValueError(f"{what}={v!r}: must be an int in [{lo}, {'inf' if hi is None else hi}]")
+
+
+def _as_list(seq_ids) -> list[int]:
+    if isinstance(seq_ids, int):
+        return [seq_ids]
+    if isinstance(seq_ids, torch.Tensor):
+        return seq_ids.tolist()
+    return list(seq_ids)
+
+
+def _counts(num_tokens, n: int) -> list[int]:
+    counts = [num_tokens] * n if isinstance(num_tokens, int) else list(num_tokens)
+    if len(counts) != n or any(isinstance(c, bool) or not isinstance(c, int) or c < 0
+                               for c in counts):
+        raise ValueError(f"num_tokens={num_tokens!r}: give an int >= 0, or one per sequence "
+                         f"({n})")
+    return counts
+
+
+def _runs_to_slots(bases: list[int], lens: list[int]) -> torch.Tensor:
+    """Expand runs (first slot, length) into slots: [sum(lens)] int64."""
+    if all(n == 1 for n in lens):  # decode: one token per sequence
+        return torch.tensor(bases, dtype=torch.int64)
+    b = torch.tensor(bases, dtype=torch.int64)
+    n = torch.tensor(lens, dtype=torch.int64)
+    total = int(sum(lens))
+    offsets = torch.arange(total, dtype=torch.int64)
+    return torch.repeat_interleave(b - (torch.cumsum(n, 0) - n), n, output_size=total) + offsets
+
+
+def _page_bytes(layers: Sequence[LayerSpec], page_size: int) -> int:
+    return round(sum(s.bytes_per_page(page_size) for s in layers))
+
+
+def _available_ram() -> int:
+    if os.path.exists("/proc/meminfo"):  # MemAvailable counts reclaimable cache; AVPHYS doesn't
+        with open("/proc/meminfo") as f:
+            return next(int(x.split()[1]) * 1024 for x in f if x.startswith("MemAvailable:"))
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
