@@ -106,12 +106,12 @@ class PagePool:
         self._ref: list[int] = [0] * num_pages
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
-        # Block tables: a CPU master updated row by row, mirrored on the pool device. Only rows
-        # marked dirty travel to the device, when a table is asked for.
+        # Block tables: one persistent int32 table on the pool device, a row per sequence. Changes
+        # wait in `_pending` ((row, col) -> page, the last write wins) and reach the table in one
+        # scatter when a table is asked for: a decode step moves a few entries, not the table.
         width = math.ceil(max_seq_len / page_size) if max_seq_len else 16
-        self._table = torch.zeros(16, min(width, num_pages), dtype=torch.int32)
-        self._mirror = self._table.to(self.device, copy=True)
-        self._dirty: set[int] = set()
+        self._table = torch.zeros(16, min(width, num_pages), dtype=torch.int32, device=self.device)
+        self._pending: dict[tuple[int, int], int] = {}
         self._free_rows: list[int] = list(range(15, -1, -1))
         self._rows: tuple = (None, None)  # the last batch's rows, and as an index tensor
 
@@ -187,49 +187,54 @@ class PagePool:
         """
         seqs = self._lookup(seq_ids)
         counts = _counts(num_tokens, len(seqs))
-        P = self.page_size
+        P, ref, free, max_len = self.page_size, self._ref, self._free, self.max_seq_len
         # Plan without touching state: new pages, plus one copy of each shared partial last
         # page. Copies are simulated in order, since one copy may leave the page unshared.
         need, released = 0, {}
         for seq, n in zip(seqs, counts):
-            if n == 0:
-                continue
-            new_len = seq.length + n
-            if self.max_seq_len is not None and new_len > self.max_seq_len:
-                raise SequenceTooLongError(new_len, self.max_seq_len)
-            need += math.ceil(new_len / P) - len(seq.pages)
-            if seq.length % P:
-                last = seq.pages[-1]
-                if self._ref[last] - released.get(last, 0) > 1:
-                    need += 1
-                    released[last] = released.get(last, 0) + 1
-        if need > len(self._free):
-            raise KVCacheFullError(need, len(self._free), self.num_pages)
+            if n:
+                new_len = seq.length + n
+                if max_len is not None and new_len > max_len:
+                    raise SequenceTooLongError(new_len, max_len)
+                need += (new_len + P - 1) // P - len(seq.pages)
+                if seq.length % P:
+                    last = seq.pages[-1]
+                    if ref[last] - released.get(last, 0) > 1:
+                        need += 1
+                        released[last] = released.get(last, 0) + 1
+        if need > len(free):
+            raise KVCacheFullError(need, len(free), self.num_pages)
         # Commit.
         cow_src, cow_dst, bases, lens = [], [], [], []
         for seq, n in zip(seqs, counts):
-            if n == 0:
+            if not n:
                 continue
-            start, first_new = seq.length, len(seq.pages)
-            if start % P and self._ref[seq.pages[-1]] > 1:
-                old, new = seq.pages[-1], self._free.pop()
-                self._ref[old] -= 1
-                self._ref[new] = 1
-                seq.pages[-1] = new
-                cow_src.append(old)
-                cow_dst.append(new)
-                first_new -= 1
-            for _ in range(math.ceil((start + n) / P) - len(seq.pages)):
-                p = self._free.pop()
-                self._ref[p] = 1
-                seq.pages.append(p)
+            start, pages = seq.length, seq.pages
+            first_new = grow = (start + n + P - 1) // P - len(pages)
+            if start % P and ref[pages[-1]] > 1:
+                cow_src.append(pages[-1])
+                ref[pages[-1]] -= 1
+                pages[-1] = free.pop()
+                ref[pages[-1]] = 1
+                cow_dst.append(pages[-1])
+                first_new += 1
+            for _ in range(grow):
+                pages.append(free.pop())
+                ref[pages[-1]] = 1
             seq.length = start + n
-            self._sync_row(seq, first_new)
+            if first_new:
+                self._sync_row(seq, len(pages) - first_new)
             # One run of consecutive slots per page touched.
-            for i in range(start // P, (start + n - 1) // P + 1):
-                lo, hi = max(start, i * P), min(start + n, (i + 1) * P)
-                bases.append(seq.pages[i] * P + lo - i * P)
+            if start % P + n <= P:  # within the last page (every decode step)
+                bases.append(pages[-1] * P + start % P)
+                lens.append(n)
+                continue
+            i, lo = start // P, start
+            while lo < start + n:
+                hi = min(start + n, (i + 1) * P)
+                bases.append(pages[i] * P + lo - i * P)
                 lens.append(hi - lo)
+                i, lo = i + 1, hi
         if cow_src:
             self._copy_pages(cow_src, cow_dst)
         return _runs_to_slots(bases, lens).to(self.device)
@@ -298,7 +303,7 @@ class PagePool:
         if key != self._rows[0]:
             self._rows = (key, torch.tensor(key, dtype=torch.int64, device=self.device))
         width = max([len(s.pages) for s in seqs] + [1])
-        out = self._mirror[:, :width].index_select(0, self._rows[1])
+        out = self._table[:, :width].index_select(0, self._rows[1])
         return out if device is None else out.to(device)
 
     # --- accounting --------------------------------------------------------------------------
@@ -320,8 +325,9 @@ class PagePool:
 
     def check_invariants(self) -> None:
         """Raise CacheStateError unless every page is owned as its refcount says (for tests)."""
-        P, held = self.page_size, [0] * self.num_pages
-        rows = set()
+        P, held, rows = self.page_size, [0] * self.num_pages, set()
+        self._flush_table()
+        table = self._table.cpu()
         for sid, seq in self._seqs.items():
             if len(set(seq.pages)) != len(seq.pages):
                 raise CacheStateError(f"sequence {sid} holds a page twice: {seq.pages}")
@@ -333,7 +339,7 @@ class PagePool:
             if seq.row in rows:
                 raise CacheStateError(f"sequence {sid} shares block-table row {seq.row}")
             rows.add(seq.row)
-            row = self._table[seq.row].tolist()
+            row = table[seq.row].tolist()
             if row[:len(seq.pages)] != seq.pages or any(row[len(seq.pages):]):
                 raise CacheStateError(f"block-table row of sequence {sid} is {row}, pages are "
                                       f"{seq.pages}")
@@ -345,8 +351,10 @@ class PagePool:
             raise CacheStateError("a page is on the free list twice")
         if free != {p for p in range(self.num_pages) if held[p] == 0}:
             raise CacheStateError("free list != pages no sequence holds (leak or double use)")
-        if rows & set(self._free_rows) or len(rows) + len(self._free_rows) != len(self._table):
+        if rows & set(self._free_rows) or len(rows) + len(self._free_rows) != len(table):
             raise CacheStateError("block-table rows leaked or double-assigned")
+        if table[self._free_rows].any():
+            raise CacheStateError("a free block-table row is not all zeros")
 
     # --- internals ---------------------------------------------------------------------------
 
@@ -389,18 +397,17 @@ class PagePool:
                 self._free.append(p)
         if dropped:
             del seq.pages[keep:]
-            self._table[seq.row, keep:keep + len(dropped)] = 0
-            self._dirty.add(seq.row)
+            for j in range(keep, keep + len(dropped)):
+                self._pending[seq.row, j] = 0
 
     def _sync_row(self, seq: _Sequence, start: int) -> None:
-        """Copy seq.pages[start:] into the master table row (growing the table if needed)."""
-        if len(seq.pages) > self._table.shape[1]:
-            new_w = min(max(len(seq.pages), 2 * self._table.shape[1]), self.num_pages)
-            self._table = torch.nn.functional.pad(self._table, (0, new_w - self._table.shape[1]))
-        if len(seq.pages) > start:
-            self._table[seq.row, start:len(seq.pages)] = torch.tensor(seq.pages[start:],
-                                                                      dtype=torch.int32)
-            self._dirty.add(seq.row)
+        """Queue seq.pages[start:] for its table row (growing the table's width if needed)."""
+        n, width = len(seq.pages), self._table.shape[1]
+        if n > width:
+            new_w = min(max(n, 2 * width), self.num_pages)
+            self._table = torch.nn.functional.pad(self._table, (0, new_w - width))
+        for j in range(start, n):
+            self._pending[seq.row, j] = seq.pages[j]
 
     def _take_row(self) -> int:
         if not self._free_rows:
@@ -410,13 +417,11 @@ class PagePool:
         return self._free_rows.pop()
 
     def _flush_table(self) -> None:
-        if self._mirror.shape != self._table.shape:
-            self._mirror = self._table.to(self.device, copy=True)
-        elif self._dirty:
-            rows = torch.tensor(sorted(self._dirty), dtype=torch.int64)
-            self._mirror.index_copy_(0, rows.to(self.device),
-                                     self._table.index_select(0, rows).to(self.device))
-        self._dirty.clear()
+        if self._pending:
+            upd = torch.tensor([(r, c, p) for (r, c), p in self._pending.items()],
+                               dtype=torch.int64).to(self.device)  # [K, 3]: one transfer
+            self._table[upd[:, 0], upd[:, 1]] = upd[:, 2].to(torch.int32)
+            self._pending.clear()
 
 
 def _check_int(what: str, v, lo: int, hi: int | None = None) -> None:
@@ -433,7 +438,11 @@ def _as_list(seq_ids) -> list[int]:
 
 
 def _counts(num_tokens, n: int) -> list[int]:
-    counts = [num_tokens] * n if isinstance(num_tokens, int) else list(num_tokens)
+    if isinstance(num_tokens, int) and not isinstance(num_tokens, bool) and num_tokens >= 0:
+        return [num_tokens] * n  # the decode path: validated once
+    if isinstance(num_tokens, torch.Tensor):
+        num_tokens = num_tokens.tolist()
+    counts = list(num_tokens) if isinstance(num_tokens, (list, tuple)) else [num_tokens]
     if len(counts) != n or any(isinstance(c, bool) or not isinstance(c, int) or c < 0
                                for c in counts):
         raise ValueError(f"num_tokens={num_tokens!r}: give an int >= 0, or one per sequence "
@@ -443,11 +452,11 @@ def _counts(num_tokens, n: int) -> list[int]:
 
 def _runs_to_slots(bases: list[int], lens: list[int]) -> torch.Tensor:
     """Expand runs (first slot, length) into slots: [sum(lens)] int64."""
-    if all(n == 1 for n in lens):  # decode: one token per sequence
+    total = sum(lens)
+    if total == len(lens):  # decode: one token per sequence
         return torch.tensor(bases, dtype=torch.int64)
     b = torch.tensor(bases, dtype=torch.int64)
     n = torch.tensor(lens, dtype=torch.int64)
-    total = int(sum(lens))
     offsets = torch.arange(total, dtype=torch.int64)
     return torch.repeat_interleave(b - (torch.cumsum(n, 0) - n), n, output_size=total) + offsets
 

@@ -23,6 +23,15 @@ from kvcompile.testing import SQNR_FLOOR_DB, sqnr_db
 H, D, DV = 2, 16, 32  # kv heads, key head dim, value head dim (different, to catch swaps)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors only: with intra-op threads, a loaded 2-core CI machine stalls each op."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _specs(kv_dtype="fp32", n_layers=2, heads=H, d=D, dv=DV, granularity="page"):
     fmt = resolve_format(kv_dtype, torch.float32, granularity)
     return [LayerSpec(heads, d, dv, fmt, fmt) for _ in range(n_layers)]
@@ -56,7 +65,7 @@ def _storage_bytes(pool):
 def _snapshot(pool):
     seqs = {i: (list(s.pages), s.length, s.row) for i, s in pool._seqs.items()}
     return (list(pool._free), list(pool._ref), seqs, pool._table.clone(), pool.stats(),
-            pool._next_id, _storage_bytes(pool))
+            (pool._next_id, dict(pool._pending)), _storage_bytes(pool))
 
 
 def _assert_same(a, b):
@@ -159,6 +168,12 @@ def test_block_table_and_seq_lens():
     pool.free([a])
     d = pool.allocate()[0]  # reuses a's row, which must read as empty
     assert pool.block_table([d, b]).tolist() == [[0], [pool.pages_of(b)[0]]]
+    # Decode steps move single entries to the table, never whole rows.
+    pool.block_table([d, b])
+    pool.reserve([b], 1)  # stays in its page
+    assert pool._pending == {}
+    pool.reserve([b, d], 1)  # b: 4th token, same page; d: a first page
+    assert list(pool._pending.values()) == pool.pages_of(d)
     # Growth past the initial table width and row count.
     many = pool.allocate(40)
     pool.reserve(many[:1], 4 * 30)
@@ -435,12 +450,15 @@ def _check_against_model(pool, model, check_content, tol_db):
     pool.check_invariants()
     st = pool.stats()
     assert st.pages_free == model.free and st.sequences == len(model.seqs)
-    fwd, back = {}, {}  # the sharing structure must be the same, up to renaming pages
+    fwd, back, fill = {}, {}, {}  # sharing must be the same, up to renaming pages
     for sid, (pages, toks) in model.seqs.items():
         real = pool.pages_of(sid)
         assert pool.seq_len(sid) == len(toks) and len(real) == len(pages)
-        for m, r in zip(pages, real):
+        for i, (m, r) in enumerate(zip(pages, real)):
             assert fwd.setdefault(m, r) == r and back.setdefault(r, m) == m
+            fill[m] = max(fill.get(m, 0), min(model.P, len(toks) - i * model.P))
+    if fill:
+        assert st.internal_waste == pytest.approx(1 - sum(fill.values()) / (len(fill) * model.P))
     if check_content is None:
         return
     sid = check_content
