@@ -1,0 +1,133 @@
+"""The public entry points: `kvcompile.compile`, `kvcompile.report`, `kvcompile.stats`."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcompile.backend import kvcompile_backend
+from kvcompile.config import KVConfig
+from kvcompile.runtime import ModelState, all_states
+
+_STATE_ATTR = "_kvcompile_state"
+
+
+def compile(model: torch.nn.Module, config: KVConfig | dict | None = None, **options):
+    """Compile `model` so that its attention runs on kvcompile's paged, quantized KV cache.
+
+    A Hugging Face `PreTrainedModel` is compiled in place (`model.forward` is replaced, so
+    `model(...)` and `model.generate(...)` go through the backend) and returned. Any other module
+    is returned compiled (`torch.compile(module, backend=...)`).
+    """
+    if config is not None and options:
+        raise TypeError("pass either a KVConfig/dict or keyword options, not both")
+    cfg = KVConfig.from_options(config if config is not None else options)
+    state = ModelState(cfg)
+    state.param_ids = {id(p) for p in model.parameters()}
+    backend = functools.partial(kvcompile_backend, state=state)
+    functools.update_wrapper(backend, kvcompile_backend)
+    if _is_hf_model(model):
+        model.forward = torch.compile(model.forward, backend=backend)
+        model.__dict__[_STATE_ATTR] = state
+        return model
+    compiled = torch.compile(model, backend=backend)
+    compiled.__dict__[_STATE_ATTR] = state
+    model.__dict__[_STATE_ATTR] = state
+    return compiled
+
+
+def _is_hf_model(model) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def state_of(model) -> ModelState | None:
+    st = model.__dict__.get(_STATE_ATTR) if hasattr(model, "__dict__") else None
+    if st is not None:
+        return st
+    ids = {id(p) for p in model.parameters()} if isinstance(model, torch.nn.Module) else set()
+    matches = [s for s in all_states() if s.param_ids & ids]
+    return matches[-1] if matches else None
+
+
+@dataclass
+class Report:
+    """What kvcompile found and did for one model. `str()` is a readable table."""
+
+    sites: list = field(default_factory=list)       # SiteRecord, latest graph per site
+    layers: list = field(default_factory=list)      # per pool layer: name, formats, policy
+    pool: dict = field(default_factory=dict)
+    counters: dict = field(default_factory=dict)
+    graphs: int = 0
+    compile_seconds: float = 0.0
+    config: KVConfig | None = None
+
+    @property
+    def rewritten(self) -> list:
+        return [s for s in self.sites if s.rewritten]
+
+    @property
+    def skipped(self) -> list:
+        return [s for s in self.sites if not s.rewritten]
+
+    def as_dict(self) -> dict:
+        return {
+            "sites": [s.as_dict() for s in self.sites], "layers": self.layers,
+            "pool": self.pool, "counters": self.counters, "graphs": self.graphs,
+            "compile_seconds": self.compile_seconds,
+            "config": repr(self.config) if self.config else None,
+        }
+
+    def __str__(self) -> str:
+        lines = [f"kvcompile report: {len(self.rewritten)} of {len(self.sites)} attention "
+                 f"site(s) rewritten, {self.graphs} graph(s), compile {self.compile_seconds:.1f}s"]
+        head = f"{'site':40s} {'pattern':14s} {'gqa':17s} {'cache':10s} {'K/V format':20s} status"
+        lines += [head, "-" * len(head)]
+        for s in self.sites:
+            fmt = f"{s.k_format}/{s.v_format}" if s.k_format else "-"
+            status = "rewritten" if s.rewritten else f"left alone: {s.reason}"
+            if s.rewritten and s.eviction != "none":
+                status += f", eviction {s.eviction}"
+            lines.append(f"{s.name[:40]:40s} {s.pattern:14s} {s.gqa:17s} {s.cache:10s} "
+                         f"{fmt:20s} {status}")
+        if self.pool:
+            p = self.pool
+            lines.append(
+                f"pool: {p.get('pages_used', 0)}/{p.get('pages_total', 0)} pages used, "
+                f"{p.get('sequences', 0)} sequence(s), {p.get('tokens', 0)} token(s), "
+                f"{p.get('bytes_per_token', 0):.1f} B/token, waste "
+                f"{100 * p.get('internal_waste', 0):.1f}%")
+        return "\n".join(lines)
+
+
+def report(model) -> Report:
+    st = state_of(model)
+    if st is None:
+        raise ValueError("this model was not compiled with kvcompile (or has not run yet: "
+                         "the passes run at the first forward)")
+    latest = {}
+    for rec in st.records:
+        latest[rec.name] = rec
+    pool = {}
+    if st.pool is not None:
+        pool = dict(st.pool.stats().__dict__)
+    return Report(sites=list(latest.values()), layers=list(st.layer_meta), pool=pool,
+                  counters=dict(st.counters), graphs=st.graphs,
+                  compile_seconds=st.compile_seconds, config=st.config)
+
+
+def stats(model=None) -> dict:
+    """Pool telemetry: pages used/free, fill, waste, tokens, bytes per token, counters."""
+    states = [state_of(model)] if model is not None else all_states()
+    out = {}
+    for i, st in enumerate(s for s in states if s is not None):
+        entry = dict(st.counters)
+        if st.pool is not None:
+            entry.update(st.pool.stats().__dict__)
+        out[i] = entry
+    return out if model is None else out.get(0, {})

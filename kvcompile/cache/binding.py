@@ -1,0 +1,162 @@
+"""Binding a model's own cache object to pool sequences, through zero-byte stub tensors.
+
+A Hugging Face cache stores the tensors a compiled graph returns. kvcompile returns *stubs*
+instead: `base.expand(B, Hkv, L, D)`, zero-stride views of a one-element `base`. Shapes stay
+right (`get_seq_length()` reads `keys.shape[-2]`), memory is one element, and every stub of one
+batch shares `base`'s storage, so any stub leads back to its `Binding`: the pool sequences of the
+batch rows. When the last stub dies (the cache object is dropped), a finalizer frees the pages.
+
+Real buffer caches (a StaticCache allocated outside the graph, gpt-fast `k_cache` buffers) are
+turned into stubs in place after their first compiled call (`Binding.adopt`), which releases
+their memory.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+_lock = threading.Lock()
+_by_ptr: dict[int, Binding] = {}
+
+
+class Binding:
+    """The pool sequences behind one cache object, one per batch row."""
+
+    def __init__(self, state, seq_ids: list[int], device: torch.device):
+        self.state = state                    # ModelState (owns the pool)
+        self.seq_ids = list(seq_ids)
+        self.kv_start = [0] * len(seq_ids)    # left-padding offset per row
+        self.alive = True
+        self.device = torch.device(device)
+        self._bases: dict[torch.dtype, weakref.ref] = {}
+        self._live_bases = 0
+
+    # -- stubs -------------------------------------------------------------------------------
+    def stub(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A zero-byte tensor of `shape` that leads back to this binding."""
+        ref = self._bases.get(dtype)
+        base = ref() if ref is not None else None
+        with torch.inference_mode(False), torch.no_grad():
+            if base is None:
+                base = torch.zeros(1, device=self.device, dtype=dtype)
+                ptr = base.untyped_storage().data_ptr()
+                with _lock:
+                    _by_ptr[ptr] = self
+                self._bases[dtype] = weakref.ref(base)
+                self._live_bases += 1
+                weakref.finalize(base, _base_died, ptr)
+            # views keep `base` alive (outside inference mode), so the stubs own the binding
+            return base.expand(*shape)
+
+    @property
+    def has_stubs(self) -> bool:
+        return self._live_bases > 0
+
+    def adopt(self, t: torch.Tensor) -> None:
+        """Turn a real cache buffer (StaticCache made outside the graph, gpt-fast `k_cache`)
+        into a stub of this binding, in place: its memory is released and any later read sees
+        zeros instead of freed memory. The binding lives as long as the buffer."""
+        view = self.stub(t.shape, t.dtype)
+        base = self._bases[t.dtype]()
+        self._pinned = getattr(self, "_pinned", [])
+        self._pinned.append(base)          # set_() shares storage only: keep the base alive
+        self._live_bases += 1
+        with torch.inference_mode(False), torch.no_grad():
+            t.set_(view.untyped_storage(), 0, t.shape, [0] * t.dim())
+        weakref.finalize(t, _adopted_died, self, base)
+
+    @property
+    def pool(self):
+        return self.state.pool
+
+    @property
+    def batch(self) -> int:
+        return len(self.seq_ids)
+
+    def seq_len(self) -> int:
+        return self.pool.seq_len(self.seq_ids[0]) if self.seq_ids else 0
+
+    # -- cache-object operations (Hugging Face generate) ---------------------------------------
+    def select(self, rows: list[int]) -> None:
+        """New batch = old rows `rows` (may repeat: beam search / num_return_sequences).
+        Repeated rows fork (pages shared, copy-on-write); rows no longer used are freed."""
+        pool = self.pool
+        new_ids, new_start, used = [], [], set()
+        for r in rows:
+            sid = self.seq_ids[r]
+            if sid in used:
+                sid = pool.fork(sid)
+            used.add(self.seq_ids[r])
+            new_ids.append(sid)
+            new_start.append(self.kv_start[r])
+        dropped = [s for s in self.seq_ids if s not in used]
+        if dropped:
+            pool.free(dropped)
+        self.seq_ids, self.kv_start = new_ids, new_start
+
+    def restart(self, batch: int) -> None:
+        """Free every sequence and start `batch` empty ones (a write at position 0)."""
+        pool = self.pool
+        if self.seq_ids:
+            pool.free(self.seq_ids)
+        self.seq_ids = pool.allocate(batch)
+        self.kv_start = [0] * batch
+
+    def crop(self, new_len: int) -> None:
+        for sid in self.seq_ids:
+            self.pool.truncate(sid, new_len)
+
+    def release(self) -> None:
+        """Free the pages; the binding stays usable (a new prefill restarts it)."""
+        if self.seq_ids and self.state.pool is not None:
+            self.state.pool.free(self.seq_ids)
+        self.seq_ids = []
+        self.kv_start = []
+
+
+def _base_died(ptr: int) -> None:
+    with _lock:
+        binding = _by_ptr.pop(ptr, None)
+    if binding is None:
+        return
+    binding._live_bases -= 1
+    if binding._live_bases <= 0:
+        binding.alive = False
+        try:
+            binding.release()
+        except Exception:  # the pool may already be gone at interpreter exit
+            pass
+
+
+def _adopted_died(binding: Binding, base) -> None:
+    try:
+        binding._pinned.remove(base)
+    except ValueError:
+        pass
+    binding._live_bases -= 1
+    if binding._live_bases <= 0:
+        binding.alive = False
+        binding.release()
+
+
+def binding_of(t: torch.Tensor) -> Binding | None:
+    """The binding a stub tensor (or a bound buffer) belongs to, or None."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    if is_stub(t):
+        with _lock:
+            return _by_ptr.get(t.untyped_storage().data_ptr())
+    return None
+
+
+def is_stub(t) -> bool:
+    return (isinstance(t, torch.Tensor) and t.dim() > 0 and t.numel() > 1
+            and all(s == 0 for s in t.stride()) and t.untyped_storage().nbytes() <= 16)
+
+
+def live_bindings() -> list[Binding]:
+    with _lock:
+        return [b for b in _by_ptr.values() if b.alive]

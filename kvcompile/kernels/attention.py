@@ -1,0 +1,90 @@
+"""`torch.ops.kvcompile.attention`: the one op the rewrite pass inserts for attention.
+
+    out = torch.ops.kvcompile.attention(q, k, v, attn_mask, positions, layer, scale, is_causal,
+                                        sliding_window, softcap, tag)
+    # q: [B, Hq, S, D]  k: [B, Hkv, S, D]  v: [B, Hkv, S, Dv]  ->  out: [B, Hq, S, Dv]
+
+With a forward context (cache/context.py) the new k/v are written into the pool in the layer's
+format, then q attends over the sequence's tokens as stored. Without one (a graph run outside
+kvcompile's wrapper) it is plain attention over the given k/v. `tag` carries the config's hash
+so that inductor's cache key changes with the config.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvcompile.cache import context as _context
+from kvcompile.errors import NonFiniteKVError
+from kvcompile.kernels import masks
+from kvcompile.kernels.dense import dense_attention, paged_reference_attention
+
+
+@torch.library.custom_op("kvcompile::attention", mutates_args=())
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              attn_mask: torch.Tensor | None, positions: torch.Tensor | None, layer: str,
+              scale: float, is_causal: bool, sliding_window: int, softcap: float,
+              tag: str) -> torch.Tensor:
+    ctx = _context.current()
+    if ctx is None or ctx.binding is None and ctx.plan is None:
+        return dense_attention(q, k, v, attn_mask, scale, is_causal, sliding_window, softcap)
+    return _cached_attention(ctx, q, k, v, attn_mask, positions, layer, scale, is_causal,
+                             sliding_window, softcap)
+
+
+@attention.register_fake
+def _(q, k, v, attn_mask, positions, layer, scale, is_causal, sliding_window, softcap, tag):
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+def _cached_attention(ctx, q, k, v, attn_mask, positions, layer, scale, is_causal,
+                      sliding_window, softcap):
+    state = ctx.state
+    li = state.layer_index(layer)
+    plan = ctx.prepare(q.shape[0], q.shape[2], positions, q.device)
+    pool = state.pool
+    B, Hkv, S, D = k.shape
+    if plan.packed:  # engine: [1, H, T, D] packed over sequences
+        k_flat = k[0].transpose(0, 1).reshape(-1, Hkv, D)
+        v_flat = v[0].transpose(0, 1).reshape(-1, Hkv, v.shape[-1])
+    else:
+        k_flat = k.transpose(1, 2).reshape(B * S, Hkv, D)
+        v_flat = v.transpose(1, 2).reshape(B * S, Hkv, v.shape[-1])
+    mask_info = None
+    if attn_mask is not None and not plan.packed:
+        mask_info = masks.analyze(plan, attn_mask, is_causal, sliding_window)
+        if plan.past_lens and max(plan.past_lens) == 0 and any(mask_info.kv_start):
+            # left padding in a prefill: pad tokens' K/V are stored as zeros, never attended
+            plan.kv_start = list(mask_info.kv_start)
+            if ctx.binding is not None:
+                ctx.binding.kv_start = list(mask_info.kv_start)
+    if any(plan.kv_start) and max(plan.past_lens) == 0 and not plan.packed:
+        keep = masks.token_keep(plan, k.device)  # [B*S] bool
+        k_flat = k_flat * keep[:, None, None].to(k_flat.dtype)
+        v_flat = v_flat * keep[:, None, None].to(v_flat.dtype)
+    if state.config.check_finite:
+        _check_finite(li, "key", k_flat, plan)
+        _check_finite(li, "value", v_flat, plan)
+    pool.write(li, plan.slots, k_flat, v_flat)
+    if scale is None or scale <= 0:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    out = state.kernels.attend(li, q, plan, mask_info, attn_mask, is_causal, sliding_window,
+                               softcap, scale)
+    if out is None:
+        out = paged_reference_attention(pool, li, q, plan, attn_mask, is_causal,
+                                        sliding_window, softcap, scale)
+    return out.to(q.dtype)
+
+
+def _check_finite(layer: int, which: str, x: torch.Tensor, plan) -> None:
+    bad = ~torch.isfinite(x)
+    if bool(bad.any()):
+        t, h, _ = (int(i) for i in bad.nonzero()[0])
+        if plan.packed:
+            row, pos = 0, t
+        else:
+            row, pos = divmod(t, plan.new_tokens)
+            pos += plan.past_lens[row]
+        raise NonFiniteKVError(layer, which, row, pos, h)

@@ -1,0 +1,157 @@
+"""Canonical views of Dynamo FX nodes.
+
+Dynamo graphs are torch-level: the same op appears as a function (`torch.matmul`), an operator
+(`operator.matmul`, `@`) or a method (`x.matmul(y)`). `kind(node)` maps all of them to one name,
+and `arg(node, i, name)` reads an argument wherever it was passed, so patterns are written once.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+_FUNCTION_KINDS = {
+    torch._C._nn.scaled_dot_product_attention: "sdpa",
+    F.scaled_dot_product_attention: "sdpa",
+    torch.matmul: "matmul", operator.matmul: "matmul", torch.bmm: "matmul",
+    torch.softmax: "softmax", F.softmax: "softmax", torch.nn.functional.softmax: "softmax",
+    F.dropout: "dropout", torch.dropout: "dropout",
+    operator.mul: "mul", torch.mul: "mul",
+    operator.truediv: "div", torch.div: "div",
+    operator.add: "add", torch.add: "add",
+    operator.getitem: "getitem",
+    operator.setitem: "setitem",
+    torch.cat: "cat", torch.concat: "cat", torch.concatenate: "cat",
+    torch.where: "where",
+    torch.repeat_interleave: "repeat_interleave",
+    torch.transpose: "transpose", torch.permute: "permute",
+    torch.reshape: "reshape",
+    torch.index_copy: "index_copy",
+    torch.zeros: "zeros", torch.empty: "empty", torch.tensor: "tensor",
+    torch._C._nn.linear: "linear", F.linear: "linear", torch.addmm: "addmm",
+    torch.tanh: "tanh",
+    torch.ops.aten.sym_size.int: "size", torch.ops.aten.sym_size: "size", getattr: "size",
+}
+
+_METHOD_KINDS = {
+    "matmul": "matmul", "bmm": "matmul", "__matmul__": "matmul",
+    "softmax": "softmax",
+    "mul": "mul", "__mul__": "mul", "div": "div", "__truediv__": "div",
+    "add": "add", "__add__": "add",
+    "transpose": "transpose", "permute": "permute", "mT": "transpose",
+    "view": "view", "reshape": "reshape", "expand": "expand", "contiguous": "contiguous",
+    "to": "to", "float": "to", "half": "to", "bfloat16": "to", "type_as": "to", "type": "to",
+    "repeat_interleave": "repeat_interleave",
+    "index_copy_": "index_copy_", "index_copy": "index_copy",
+    "index_put_": "index_put_", "index_put": "index_put",
+    "copy_": "copy_", "unsqueeze": "unsqueeze", "split": "split", "chunk": "chunk",
+    "masked_fill": "masked_fill", "masked_fill_": "masked_fill",
+    "size": "size", "dim": "size", "numel": "size",
+}
+
+# Ops that only re-view or re-type a tensor: following them keeps "the same data".
+VIEW_KINDS = {"view", "reshape", "transpose", "permute", "contiguous", "expand", "unsqueeze",
+              "getitem", "to"}
+
+
+def kind(node: fx.Node) -> str | None:
+    if node.op == "call_function":
+        return _FUNCTION_KINDS.get(node.target)
+    if node.op == "call_method":
+        return _METHOD_KINDS.get(node.target)
+    return None
+
+
+def arg(node: fx.Node, index: int, name: str | None = None, default=None):
+    """Argument `index` (positional, counting `self` for methods) or keyword `name`."""
+    if index < len(node.args):
+        return node.args[index]
+    if name is not None and name in node.kwargs:
+        return node.kwargs[name]
+    return default
+
+
+def val(node) -> torch.Tensor | None:
+    """The fake tensor Dynamo recorded for a node (None for non-tensors and literals)."""
+    if not isinstance(node, fx.Node):
+        return None
+    v = node.meta.get("example_value", node.meta.get("val"))
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def shape(node) -> tuple | None:
+    v = val(node)
+    return tuple(v.shape) if v is not None else None
+
+
+def ndim(node) -> int | None:
+    v = val(node)
+    return v.dim() if v is not None else None
+
+
+def is_scalar(x) -> bool:
+    """A Python number, or a 0-d / one-element tensor node."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return True
+    v = val(x)
+    return v is not None and v.numel() == 1
+
+
+def scalar_value(x) -> float | None:
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return float(x)
+    return None
+
+
+def single_user(node: fx.Node) -> fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def module_stack(node: fx.Node) -> list[tuple[str, type]]:
+    """The node's nn_module_stack as [(path, class)], outermost first, paths cleaned of Dynamo's
+    `L['self'].` / `L['args'][0].` prefixes."""
+    stack = node.meta.get("nn_module_stack") or {}
+    out = []
+    for key, value in stack.items():
+        path, cls = value if isinstance(value, tuple) else (key, value)
+        out.append((clean_path(str(path)), cls if isinstance(cls, type) else type(None)))
+    return out
+
+
+def clean_path(path: str) -> str:
+    for prefix in ("L['self'].", "L['self']", "L['args'][0].", "L['args'][0]"):
+        if path.startswith(prefix):
+            path = path[len(prefix):]
+            break
+    # layers[0] -> layers.0 ; _modules['x'] -> x
+    out = path.replace("._modules['", ".").replace("']", "")
+    out = out.replace("[", ".").replace("]", "")
+    return out.strip(".") or "<root>"
+
+
+def ancestors_until(node: fx.Node, stop, limit: int = 64) -> set[fx.Node]:
+    """Breadth-first ancestors of `node`, not expanding past nodes for which `stop(n)` is true
+    (those are included). Bounded by `limit` nodes."""
+    seen: set[fx.Node] = set()
+    frontier = [node]
+    while frontier and len(seen) < limit:
+        nxt = []
+        for n in frontier:
+            for a in n.all_input_nodes:
+                if a in seen:
+                    continue
+                seen.add(a)
+                if not stop(a):
+                    nxt.append(a)
+        frontier = nxt
+    return seen
+
+
+def graph_outputs(gm: fx.GraphModule) -> list:
+    out = gm.graph.output_node()
+    res = out.args[0]
+    return list(res) if isinstance(res, (tuple, list)) else [res]

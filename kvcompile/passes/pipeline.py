@@ -1,0 +1,105 @@
+"""The pass pipeline: find attention, find the cache, resolve configs, rewrite, eviction.
+
+Each pass is recorded (what it found or changed, and optionally the graph code after it) so the
+report and `kvcompile inspect --passes` can show every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from kvcompile.passes.find_attention import find_attention_sites
+from kvcompile.passes.find_cache import find_caches
+from kvcompile.passes.rewrite import RewritePlan, rewrite_sites
+from kvcompile.passes.site_config import resolve_site_configs
+from kvcompile.passes.sites import SiteRecord
+
+PASS_NAMES = ("find_attention", "find_cache", "resolve_config", "rewrite", "eviction")
+
+
+@dataclass
+class PassLog:
+    name: str
+    summary: str
+    code_after: str | None = None
+
+
+@dataclass
+class PipelineResult:
+    plan: RewritePlan
+    logs: list[PassLog] = field(default_factory=list)
+    code_before: str | None = None
+
+
+def run_passes(gm: fx.GraphModule, example_inputs, state, *, keep_code: bool = False,
+               stop_after: str | None = None) -> PipelineResult:
+    from kvcompile.cache.formats import resolve_format
+    from kvcompile.cache.pool import LayerSpec
+
+    if stop_after is not None and stop_after not in PASS_NAMES:
+        raise ValueError(f"unknown pass {stop_after!r}; passes: {', '.join(PASS_NAMES)}")
+    res = PipelineResult(plan=RewritePlan(), code_before=gm.code if keep_code else None)
+
+    def log(name, summary):
+        res.logs.append(PassLog(name, summary, gm.code if keep_code else None))
+        return stop_after == name
+
+    sites = find_attention_sites(gm)
+    res.plan.sites = sites
+    patterns = ", ".join(sorted({f"{s.pattern}/{s.gqa}" for s in sites})) or "-"
+    if log("find_attention", f"{len(sites)} attention site(s): {patterns}"):
+        return res
+    find_caches(gm, sites)
+    kinds = ", ".join(sorted({s.cache_kind for s in sites if s.k_cache})) or "-"
+    if log("find_cache", f"cache ops: {kinds}; "
+           f"{sum(1 for s in sites if s.reason)} site(s) not rewritable"):
+        return res
+    resolve_site_configs(gm, example_inputs, sites, state.config)
+    for site in sites:
+        if site.reason or not site.config.enabled:
+            continue
+        cfg = site.config
+        try:
+            kf = resolve_format(cfg.key_dtype, site.dtype, cfg.scale_granularity,
+                               cfg.static_scale)
+            vf = resolve_format(cfg.value_dtype, site.dtype,
+                                "page" if cfg.scale_granularity == "channel"
+                                else cfg.scale_granularity, cfg.static_scale)
+            _check_format(kf, site.head_dim)
+            _check_format(vf, site.v_head_dim)
+        except (ValueError, NotImplementedError) as e:
+            site.skip(f"format not applicable: {e}")
+            continue
+        site.k_format_name, site.v_format_name = kf.name, vf.name
+        spec = LayerSpec(num_kv_heads=site.num_kv_heads, head_dim=site.head_dim,
+                         v_head_dim=site.v_head_dim, k_format=kf, v_format=vf)
+        site.layer_index = state.register_layer(site, spec, {
+            "name": site.name, "k_format": kf.name, "v_format": vf.name,
+            "eviction": cfg.eviction, "rotate": cfg.rotate})
+    if log("resolve_config", f"{len({s.name for s in sites if s.layer_index >= 0})} layer(s) "
+           f"configured"):
+        return res
+    tag = state.config.cache_key()
+    res.plan = rewrite_sites(gm, sites, tag)
+    n = len(res.plan.rewritten)
+    state.count("attention_rewritten", n)
+    state.count("attention_skipped", len(sites) - n)
+    torch._dynamo.utils.counters["kvcompile"]["attention_rewritten"] += n
+    torch._dynamo.utils.counters["kvcompile"]["attention_skipped"] += len(sites) - n
+    if log("rewrite", f"{n} of {len(sites)} site(s) rewritten onto the pool"):
+        return res
+    if state.eviction_pass is not None:
+        summary = state.eviction_pass(gm, res.plan, state)
+        log("eviction", summary)
+    state.graphs += 1
+    state.records.extend(SiteRecord.of(s, state.graphs) for s in sites)
+    return res
+
+
+def _check_format(fmt, head_dim: int) -> None:
+    if fmt.name == "fp4_e2m1" and head_dim % 16:
+        raise ValueError(f"fp4_e2m1 needs head_dim divisible by 16 (micro-blocks of 16), "
+                         f"got {head_dim}; use fp8_e4m3 or bf16 for this layer")

@@ -1,0 +1,226 @@
+"""Pass 3: rewrite each (cache op + attention) onto the paged pool.
+
+Before (DynamicCache, GQA by repeat_kv):
+
+    keys = torch.cat([past_k, k_new], dim=-2)            # stored back into the HF cache
+    values = torch.cat([past_v, v_new], dim=-2)
+    out = sdpa(q, repeat_kv(keys), repeat_kv(values), attn_mask=m, scale=s)
+
+After:
+
+    out = torch.ops.kvcompile.attention(q, k_new, v_new, m, None, "model.layers.0.self_attn",
+                                        s, False, 0, 0.0, tag)
+    keys = _virtual_cat(past_k, k_new)                    # zero-byte stub of cat's shape
+    values = _virtual_cat(past_v, v_new)
+
+Index-written buffers lose their write (`buf.index_copy_(2, pos, k_new)` goes; `pos` becomes
+the op's `positions`), and a buffer made in the graph (`torch.zeros(...)`) becomes a stub. The
+rewrite of a site happens only after all its checks passed, so a site is either fully rewritten
+or left exactly as it was.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from kvcompile.passes.graph_utils import VIEW_KINDS, arg, graph_outputs, kind, val
+from kvcompile.passes.sites import AttentionSite
+
+STUB_META = "kvcompile_stub"
+
+
+def _virtual_cat(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """A zero-stride tensor shaped like torch.cat([past, new], dim=-2)."""
+    length = new.shape[-2] + (past.shape[-2] if past.dim() == new.dim() else 0)
+    return new.new_zeros(()).expand(*new.shape[:-2], length, new.shape[-1])
+
+
+def _zero_stub(*size, dtype=None, device=None, **_ignored) -> torch.Tensor:
+    """A zero-stride tensor shaped like torch.zeros(size): an in-graph cache buffer."""
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    return torch.zeros((), dtype=dtype, device=device).expand(*size)
+
+
+def _slice_positions(start, stop, ref: torch.Tensor) -> torch.Tensor:
+    return torch.arange(0 if start is None else start, stop, device=ref.device)
+
+
+@dataclass
+class RewritePlan:
+    """What the backend wrapper needs at run time."""
+
+    sites: list[AttentionSite] = field(default_factory=list)
+    handle_inputs: list[int] = field(default_factory=list)   # placeholder index of past/buffer
+    handle_kinds: list[str] = field(default_factory=list)    # "cat" | "index_copy" | "index_put"
+    buffer_inputs: list[int] = field(default_factory=list)   # real buffers to release
+    stub_outputs: list[int] = field(default_factory=list)    # output index of stubs
+
+    @property
+    def rewritten(self) -> list[AttentionSite]:
+        return [s for s in self.sites if s.rewritten]
+
+
+def rewrite_sites(gm: fx.GraphModule, sites: list[AttentionSite], tag: str) -> RewritePlan:
+    plan = RewritePlan(sites=sites)
+    graph = gm.graph
+    handles: list[tuple[fx.Node, str]] = []
+    for site in sites:
+        if site.reason or not site.config.enabled:
+            if not site.reason:
+                site.skip("disabled by configure(enabled=False)")
+            continue
+        mask = _bool_mask_source(site.mask)
+        positions = _positions(graph, site)
+        scale = site.scale if site.scale is not None else 1.0 / math.sqrt(site.head_dim)
+        is_causal = site.is_causal
+        with graph.inserting_before(site.output):
+            if positions is _NEEDS_SLICE:
+                sl = site.k_cache.positions
+                positions = graph.call_function(_slice_positions,
+                                                (sl.start, sl.stop, site.k_cache.new))
+                _set_meta(positions, site.output)
+            node = graph.call_function(
+                torch.ops.kvcompile.attention.default,
+                (site.q, site.k_cache.new, site.v_cache.new, mask, positions, site.name,
+                 float(scale), bool(is_causal), 0, float(site.softcap), tag))
+            _set_meta(node, site.output)
+            out_val = val(site.output)
+            result = node
+            if out_val is not None and out_val.dtype != site.dtype:
+                result = graph.call_method("to", (node, out_val.dtype))
+                _set_meta(result, site.output)
+        site.output.replace_all_uses_with(result)
+        _erase_dead(graph, list(reversed(site.chain)))
+        for cache in (site.k_cache, site.v_cache):
+            _rewrite_cache(graph, cache, handles)
+        site.rewritten = True
+    _erase_dead(graph, [n for n in graph.nodes if kind(n) in VIEW_KINDS | {
+        "repeat_interleave", "cat", "where"}])
+    graph.lint()
+    gm.recompile()
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for h, k in handles:
+        if h in placeholders:
+            plan.handle_inputs.append(placeholders.index(h))
+            plan.handle_kinds.append(k)
+    plan.stub_outputs = _stub_output_indices(gm)
+    return plan
+
+
+_NEEDS_SLICE = object()
+
+
+def _positions(graph: fx.Graph, site: AttentionSite):
+    cache = site.k_cache
+    if cache.kind in ("cat", "none"):
+        return None
+    if isinstance(cache.positions, slice):
+        return _NEEDS_SLICE
+    return cache.positions
+
+
+def _rewrite_cache(graph: fx.Graph, cache, handles: list) -> None:
+    if cache.kind == "cat":
+        cat = _find_cat_of(cache)
+        if cat is not None:
+            with graph.inserting_before(cat):
+                stub = graph.call_function(_virtual_cat, (cache.past, cache.new))
+            _set_meta(stub, cat)
+            stub.meta[STUB_META] = True
+            cat.replace_all_uses_with(stub)
+            graph.erase_node(cat)
+        if isinstance(cache.past, fx.Node) and cache.past.op == "placeholder":
+            handles.append((cache.past, "cat"))
+    elif cache.kind in ("index_copy", "index_put"):
+        for w in cache.write_nodes:
+            if w in graph.nodes and not w.users:
+                graph.erase_node(w)
+        buf = cache.buffer
+        if buf.op == "placeholder":
+            handles.append((buf, cache.kind))
+        elif kind(buf) in ("zeros", "empty"):
+            buf.target = _zero_stub
+            buf.meta[STUB_META] = True
+
+
+def _find_cat_of(cache) -> fx.Node | None:
+    for u in cache.new.users:
+        if kind(u) == "cat" and cache.past in arg(u, 0, "tensors", ()):
+            return u
+    return None
+
+
+def _bool_mask_source(mask):
+    """HF eager masks are `where(bool_mask, 0, finfo.min)`: pass the bool mask instead."""
+    if isinstance(mask, fx.Node) and kind(mask) == "where":
+        cond, a, b = arg(mask, 0), arg(mask, 1), arg(mask, 2)
+        v = val(cond)
+        if v is not None and v.dtype == torch.bool and _is_zero(a) and _is_very_negative(b):
+            return cond
+    return mask
+
+
+def _is_zero(x) -> bool:
+    if isinstance(x, (int, float)):
+        return x == 0
+    if isinstance(x, fx.Node) and kind(x) in ("zeros", "tensor"):
+        a0 = arg(x, 0)
+        return kind(x) == "zeros" or (isinstance(a0, (int, float)) and a0 == 0)
+    return False
+
+
+def _is_very_negative(x) -> bool:
+    return isinstance(x, (int, float)) and x <= -1e4
+
+
+def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    alive = set(graph.nodes)
+    changed = True
+    while changed:
+        changed = False
+        for n in nodes:
+            if n in alive and not n.users and n.op in ("call_function", "call_method") and (
+                    "kvcompile" not in str(n.target)):
+                if kind(n) in ("index_copy_", "index_put_", "setitem", "copy_"):
+                    continue
+                graph.erase_node(n)
+                alive.discard(n)
+                changed = True
+
+
+def _stub_output_indices(gm: fx.GraphModule) -> list[int]:
+    out = []
+    for i, o in enumerate(graph_outputs(gm)):
+        n = o
+        while isinstance(n, fx.Node) and not n.meta.get(STUB_META) and kind(n) in VIEW_KINDS:
+            n = arg(n, 0)
+        if isinstance(n, fx.Node) and n.meta.get(STUB_META):
+            out.append(i)
+    return out
+
+
+def _set_meta(node: fx.Node, like: fx.Node) -> None:
+    """Copy module-stack metadata and compute the fake value of a new node."""
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if key in like.meta:
+            node.meta[key] = like.meta[key]
+    try:
+        fake_args = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get(
+            "example_value", n.meta.get("val")))
+        leaves = [a for a in torch.utils._pytree.tree_leaves(fake_args)
+                  if isinstance(a, torch.Tensor)]
+        mode = torch._guards.detect_fake_mode(leaves) if leaves else None
+        fn = node.target if node.op == "call_function" else getattr(torch.Tensor, node.target)
+        args, kwargs = fake_args
+        if mode is not None:
+            with mode:
+                node.meta["example_value"] = fn(*args, **kwargs)
+        else:
+            node.meta["example_value"] = fn(*args, **kwargs)
+    except Exception:  # meta is advisory: AOTAutograd re-traces from the inputs
+        pass

@@ -1,0 +1,115 @@
+"""What the passes find: attention sites, the cache op feeding each, and what was done."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx as fx
+
+
+@dataclass
+class CacheOp:
+    """How the keys (or values) reaching an attention site are cached.
+
+    kind: "cat"        torch.cat([past, new], dim=-2): DynamicCache
+          "index_copy" buf.index_copy_(2, positions, new): StaticCache
+          "index_put"  buf[:, :, positions] = new / index_put_: gpt-fast-style buffers
+          "none"       a plain forward: attention over this forward's own k/v
+    """
+
+    kind: str
+    new: fx.Node                       # [B, Hkv, S, D] this forward's keys (values)
+    past: fx.Node | None = None        # cat: the past tensor (placeholder or in-graph empty)
+    buffer: fx.Node | None = None      # index ops: the cache buffer (placeholder or in-graph zeros)
+    positions: Any = None              # index ops: node [S] / [B, S], or a slice object
+    write_nodes: list[fx.Node] = field(default_factory=list)   # the index_copy_/setitem nodes
+
+
+@dataclass
+class AttentionSite:
+    """One attention computation found in a graph."""
+
+    name: str                          # module path, e.g. "model.layers.3.self_attn"
+    module_class: str
+    module_stack: list                 # [(path, class)] outermost first
+    pattern: str                       # "sdpa" | "eager"
+    gqa: str                           # "mha" | "enable_gqa" | "repeat_kv" | "repeat_interleave"
+    q: fx.Node
+    k: fx.Node                         # keys as attention consumes them (after unwrapping GQA)
+    v: fx.Node
+    output: fx.Node                    # the node whose value is the attention output
+    chain: list[fx.Node]               # nodes of the attention computation, in order
+    mask: Any = None                   # node, or None
+    mask_kind: str | None = None       # "bool" | "additive" | None
+    scale: float | None = None         # None: 1/sqrt(D) (SDPA default)
+    is_causal: bool = False
+    softcap: float = 0.0
+    n_rep: int = 1
+    k_cache: CacheOp | None = None
+    v_cache: CacheOp | None = None
+    # filled by the rewrite pass
+    rewritten: bool = False
+    reason: str = ""                   # why it was left alone
+    config: Any = None                 # the KVConfig that applies to this site
+    layer_index: int = -1
+    num_q_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    v_head_dim: int = 0
+    dtype: Any = None
+
+    @property
+    def cache_kind(self) -> str:
+        return self.k_cache.kind if self.k_cache is not None else "?"
+
+    def skip(self, reason: str) -> AttentionSite:
+        self.rewritten = False
+        self.reason = reason
+        return self
+
+
+@dataclass
+class SiteRecord:
+    """A graph-independent summary of a site, kept for `kvcompile.report` and the CLI."""
+
+    name: str
+    module_class: str
+    pattern: str
+    gqa: str
+    cache: str
+    rewritten: bool
+    reason: str
+    k_format: str = ""
+    v_format: str = ""
+    eviction: str = "none"
+    rotate: str = "none"
+    num_q_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    mask: str = "none"
+    graph: int = 0
+
+    @classmethod
+    def of(cls, site: AttentionSite, graph_index: int) -> SiteRecord:
+        cfg = site.config
+        return cls(
+            name=site.name, module_class=site.module_class, pattern=site.pattern,
+            gqa=site.gqa, cache=site.cache_kind, rewritten=site.rewritten, reason=site.reason,
+            k_format=getattr(site, "k_format_name", "") or "",
+            v_format=getattr(site, "v_format_name", "") or "",
+            eviction=_policy_str(cfg.eviction) if cfg is not None else "none",
+            rotate=str(cfg.rotate) if cfg is not None and cfg.rotate else "none",
+            num_q_heads=site.num_q_heads, num_kv_heads=site.num_kv_heads,
+            head_dim=site.head_dim, mask=site.mask_kind or "none", graph=graph_index,
+        )
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _policy_str(policy) -> str:
+    if policy is None:
+        return "none"
+    args = ", ".join(f"{k}={v}" for k, v in policy.__dict__.items())
+    return f"{type(policy).__name__}({args})"

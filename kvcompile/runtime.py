@@ -1,0 +1,189 @@
+"""Run-time state of one compiled model: its layers, its pool, its kernels, its report.
+
+One `ModelState` serves every graph Dynamo compiles for a model (prefill, decode, recompiles):
+layers are keyed by the attention module's path, so all graphs agree on the layer index. The
+pool is built at the first forward, when the weights are on their device, from the budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+
+from kvcompile.config import KVConfig
+from kvcompile.errors import CacheStateError, UnsupportedShapeError
+
+log = logging.getLogger("kvcompile")
+
+_states: list[weakref.ref] = []
+
+
+class ModelState:
+    def __init__(self, config: KVConfig):
+        self.config = config
+        self.layer_names: dict[str, int] = {}
+        self.layer_specs: list = []
+        self.layer_meta: list[dict] = []       # per layer: site name, formats, policy
+        self.pool = None
+        self.device: torch.device | None = None
+        self.records: list = []                # SiteRecord of every site of every graph
+        self.graphs = 0
+        self.compile_seconds = 0.0
+        self.counters: dict[str, int] = {}
+        self.param_ids: set[int] = set()
+        self.kernels = KernelDispatch(self)
+        self.eviction = None                   # eviction runtime (kvcompile.eviction), if any
+        self.eviction_pass = None              # (gm, plan, state) -> summary, set by eviction
+        _states.append(weakref.ref(self))
+
+    # -- layers -------------------------------------------------------------------------------
+    def register_layer(self, site, layer_spec, meta: dict) -> int:
+        if site.name in self.layer_names:
+            idx = self.layer_names[site.name]
+            if self.layer_specs[idx] != layer_spec:
+                raise CacheStateError(
+                    f"attention site {site.name} was compiled twice with different shapes or "
+                    f"formats ({self.layer_specs[idx]} vs {layer_spec})")
+            return idx
+        if self.pool is not None:
+            if self.pool.stats().sequences:
+                raise CacheStateError(
+                    f"a new attention site {site.name} appeared in a later graph while sequences "
+                    f"are cached; compile the whole model in one graph (fullgraph=True)")
+            self.pool = None  # rebuilt with the new layer at the next forward
+        idx = len(self.layer_specs)
+        self.layer_names[site.name] = idx
+        self.layer_specs.append(layer_spec)
+        self.layer_meta.append(meta)
+        return idx
+
+    def layer_index(self, name: str) -> int:
+        try:
+            return self.layer_names[name]
+        except KeyError:
+            raise CacheStateError(f"unknown attention site {name!r}") from None
+
+    # -- pool ---------------------------------------------------------------------------------
+    def ensure_pool(self, device: torch.device):
+        if self.pool is not None:
+            return self.pool
+        from kvcompile.cache.pool import PagePool
+
+        self.device = torch.device(device)
+        budget = PagePool.budget_bytes(self.config, self.device)
+        writer = self.kernels.writer(self.device)
+        self.pool = PagePool.from_budget(
+            self.layer_specs, self.config.page_size, budget, self.device,
+            max_seq_len=self.config.max_seq_len, writer=writer)
+        log.info("kvcompile pool: %d pages of %d tokens, %.1f MiB, %.1f B/token",
+                 self.pool.num_pages, self.config.page_size, budget / 2**20,
+                 self.pool.bytes_per_token)
+        return self.pool
+
+    def count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+
+def find_state(example_inputs, config: KVConfig) -> ModelState:
+    """The state of the model whose parameters these graph inputs are (or a new one)."""
+    ids = {id(x) for x in example_inputs if isinstance(x, torch.nn.Parameter)}
+    for ref in list(_states):
+        st = ref()
+        if st is None:
+            _states.remove(ref)
+            continue
+        if st.config == config and ids and st.param_ids & ids:
+            st.param_ids |= ids
+            return st
+    st = ModelState(config)
+    st.param_ids = ids
+    return st
+
+
+def all_states() -> list[ModelState]:
+    return [s for s in (r() for r in _states) if s is not None]
+
+
+class KernelDispatch:
+    """Chooses the Triton kernels (CUDA, or KVConfig.kernels="triton") or the reference."""
+
+    def __init__(self, state: ModelState):
+        self.state = state
+        self._warned: set[str] = set()
+
+    def use_triton(self, device: torch.device) -> bool:
+        choice = self.state.config.kernels
+        if choice == "reference":
+            return False
+        if choice == "triton":
+            return True
+        return device.type == "cuda"
+
+    def writer(self, device: torch.device):
+        if not self.use_triton(device):
+            return None
+        try:
+            from kvcompile.kernels.append import quantize_append
+        except ImportError:
+            return None
+        return quantize_append
+
+    def _fallback(self, why: str) -> None:
+        if why not in self._warned:
+            self._warned.add(why)
+            log.info("kvcompile: reference attention used (%s)", why)
+        self.state.count("reference_fallback")
+
+    def attend(self, layer: int, q, plan, mask_info, attn_mask, is_causal, window, softcap,
+               scale):
+        """Output [B, Hq, S, Dv] from a kernel, or None to use the reference."""
+        if not self.use_triton(q.device):
+            return None
+        pool = self.state.pool
+        kc, vc = pool.k[layer], pool.v[layer]
+        key_mask, kv_start = None, None
+        if attn_mask is not None:
+            if mask_info is None or mask_info.key_mask is None:
+                return self._fallback("mask with per-head or per-row structure")
+            if plan.new_tokens == 1 and plan.is_decode:
+                key_mask = mask_info.key_mask
+            elif mask_info.exact:
+                kv_start = mask_info.kv_start
+                window = window or mask_info.window
+            else:
+                return self._fallback("mask that is not causal + padding + window")
+        elif not is_causal and plan.new_tokens > 1:
+            return self._fallback("non-causal attention over several new tokens")
+        try:
+            if plan.is_decode:
+                from kvcompile.kernels.decode import paged_decode_attention
+
+                if kv_start is not None and any(kv_start):
+                    return self._fallback("padded speculative decode")
+                return paged_decode_attention(
+                    q, kc, vc, plan.block_tables, plan.seq_lens, scale, key_mask=key_mask,
+                    sliding_window=window, softcap=softcap)
+            from kvcompile.kernels.prefill import paged_prefill_attention
+
+            B, Hq, S, D = q.shape
+            if plan.packed:
+                qp = q[0].transpose(0, 1)
+                cu = plan.cu_seqlens_q
+            else:
+                qp = q.transpose(1, 2).reshape(B * S, Hq, D)
+                cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q.device)
+            start = None
+            if kv_start is not None or any(plan.kv_start):
+                start = torch.tensor(kv_start or plan.kv_start, dtype=torch.int32,
+                                     device=q.device)
+            out = paged_prefill_attention(
+                qp.contiguous(), kc, vc, plan.block_tables, cu, plan.seq_lens, scale,
+                sliding_window=window, softcap=softcap, kv_start=start)
+            if plan.packed:
+                return out.transpose(0, 1).unsqueeze(0)
+            return out.reshape(B, S, Hq, -1).transpose(1, 2)
+        except (ImportError, UnsupportedShapeError) as e:
+            self._fallback(f"{type(e).__name__}: {e}")
+            return None
