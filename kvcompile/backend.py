@@ -61,7 +61,7 @@ class GraphRunner:
     def __call__(self, *args):
         outer = current()
         if outer is not None and outer.state is self.state and outer.plan is not None:
-            return self.compiled(*args)  # the engine set the context for this step
+            return self.compiled(*args)  # the engine set the context (and runs the hooks)
         b, fresh, ephemeral = self._bind(args)
         ctx = ForwardContext(self.state, b)
         try:
@@ -70,6 +70,8 @@ class GraphRunner:
         except BaseException:
             self._rollback(ctx, fresh and not b.has_stubs)
             raise
+        for hook in self.state.hooks:
+            hook.after_forward(ctx)
         if ephemeral:
             b.release()
         elif self.plan.stub_outputs:

@@ -36,6 +36,7 @@ class ModelState:
         self.kernels = KernelDispatch(self)
         self.eviction = None                   # eviction runtime (kvcompile.eviction), if any
         self.eviction_pass = None              # (gm, plan, state) -> summary, set by eviction
+        self.hooks: list[RuntimeHook] = []     # eviction / telemetry / calibration hooks
         _states.append(weakref.ref(self))
 
     # -- layers -------------------------------------------------------------------------------
@@ -84,6 +85,28 @@ class ModelState:
 
     def count(self, key: str, n: int = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
+
+
+class RuntimeHook:
+    """Extension point for run-time policies (eviction, telemetry). All methods optional.
+
+    before_write(ctx, layer, k, v) -> (k, v)   new tokens [T, Hkv, D] before they are stored
+    attention_extras(ctx, layer) -> dict        extra kernel kwargs (e.g. attn_mass buffer)
+    after_attention(ctx, layer, q, out, extras) after a layer attended (q [B, Hq, S, D])
+    after_forward(ctx)                          after the whole graph ran (evict here)
+    """
+
+    def before_write(self, ctx, layer, k, v):
+        return k, v
+
+    def attention_extras(self, ctx, layer) -> dict:
+        return {}
+
+    def after_attention(self, ctx, layer, q, out, extras) -> None:
+        pass
+
+    def after_forward(self, ctx) -> None:
+        pass
 
 
 def find_state(example_inputs, config: KVConfig) -> ModelState:
@@ -137,10 +160,13 @@ class KernelDispatch:
         self.state.count("reference_fallback")
 
     def attend(self, layer: int, q, plan, mask_info, attn_mask, is_causal, window, softcap,
-               scale):
+               scale, extras: dict | None = None):
         """Output [B, Hq, S, Dv] from a kernel, or None to use the reference."""
         if not self.use_triton(q.device):
             return None
+        extras = extras or {}
+        if plan.packed:
+            attn_mask = None  # the engine's plan defines the structure (causal per sequence)
         pool = self.state.pool
         kc, vc = pool.k[layer], pool.v[layer]
         key_mask, kv_start = None, None
@@ -164,7 +190,7 @@ class KernelDispatch:
                     return self._fallback("padded speculative decode")
                 return paged_decode_attention(
                     q, kc, vc, plan.block_tables, plan.seq_lens, scale, key_mask=key_mask,
-                    sliding_window=window, softcap=softcap)
+                    sliding_window=window, softcap=softcap, **extras)
             from kvcompile.kernels.prefill import paged_prefill_attention
 
             B, Hq, S, D = q.shape

@@ -56,8 +56,9 @@ class ForwardContext:
     def prepare(self, batch: int, new_tokens: int, positions: torch.Tensor | None,
                 device: torch.device) -> StepPlan:
         if self.plan is not None:
-            if self.plan.batch != batch or (
-                    not self.plan.packed and self.plan.new_tokens != new_tokens):
+            if self.plan.packed:
+                return self.plan  # the engine laid out the packed batch itself
+            if self.plan.batch != batch or self.plan.new_tokens != new_tokens:
                 raise CacheStateError(
                     f"attention ops of one forward disagree on the batch: {batch}x{new_tokens} "
                     f"vs {self.plan.batch}x{self.plan.new_tokens}")

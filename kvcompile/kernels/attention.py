@@ -64,17 +64,24 @@ def _cached_attention(ctx, q, k, v, attn_mask, positions, layer, scale, is_causa
         keep = masks.token_keep(plan, k.device)  # [B*S] bool
         k_flat = k_flat * keep[:, None, None].to(k_flat.dtype)
         v_flat = v_flat * keep[:, None, None].to(v_flat.dtype)
+    for hook in state.hooks:
+        k_flat, v_flat = hook.before_write(ctx, li, k_flat, v_flat)
     if state.config.check_finite:
         _check_finite(li, "key", k_flat, plan)
         _check_finite(li, "value", v_flat, plan)
     pool.write(li, plan.slots, k_flat, v_flat)
     if scale is None or scale <= 0:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    extras = {}
+    for hook in state.hooks:
+        extras.update(hook.attention_extras(ctx, li))
     out = state.kernels.attend(li, q, plan, mask_info, attn_mask, is_causal, sliding_window,
-                               softcap, scale)
+                               softcap, scale, extras)
     if out is None:
         out = paged_reference_attention(pool, li, q, plan, attn_mask, is_causal,
                                         sliding_window, softcap, scale)
+    for hook in state.hooks:
+        hook.after_attention(ctx, li, q, out, extras)
     return out.to(q.dtype)
 
 
