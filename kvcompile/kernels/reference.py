@@ -1,0 +1,154 @@
+"""Plain-PyTorch attention references: what the kernels are tested against (fp32 math)."""
+
+from __future__ import annotations
+
+import torch
+
+
+# --- decode references ---
+# Plain-PyTorch versions of kernels/decode.py: pages dequantized with formats.py, fp32 math.
+
+def gather_pages(cache, table_row: torch.Tensor, length: int) -> torch.Tensor:
+    """One sequence's first `length` tokens of a PagedTensor, dequantized: [H, length, D] fp32."""
+    P = cache.page_size
+    pages = table_row[:(length + P - 1) // P].long()
+    x = cache.read(pages)                                   # [n, H, P, D]
+    return x.permute(1, 0, 2, 3).reshape(cache.num_heads, -1, cache.head_dim)[:, :length]
+
+
+def decode_mask_ref(q_pos: torch.Tensor, length: int, *, sliding_window: int = 0,
+                    sinks: int = 0, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[Sq, L] bool: may the query at q_pos [Sq] see key j < L? Causal; with a window only
+    q_pos - j < window, plus the first `sinks` keys; key_mask [Lm] hides keys j < Lm."""
+    j = torch.arange(length, device=q_pos.device)
+    ok = j[None, :] <= q_pos[:, None]
+    if sliding_window:
+        ok = ok & ((q_pos[:, None] - j[None, :] < sliding_window) | (j[None, :] < sinks))
+    if key_mask is not None:
+        km = torch.ones(length, dtype=torch.bool, device=q_pos.device)
+        n = min(length, key_mask.shape[0])
+        km[:n] = key_mask[:n]
+        ok = ok & km[None, :]
+    return ok
+
+
+def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale: float, *,
+                               key_mask=None, sliding_window: int = 0, sinks: int = 0,
+                               softcap: float = 0.0, attn_mass=None):
+    """q [B, Hq, Sq, D]; query i at position seq_lens[b] - Sq + i. -> [B, Hq, Sq, Dv] fp32.
+
+    A row that sees no key outputs 0; values of keys that no row sees are treated as 0 (they may
+    hold anything). attn_mass [B, Hkv, Lmax] fp32, if given, gets += each key's probability
+    summed over the query heads of its group and the Sq queries (keys < Lmax)."""
+    B, Hq, Sq, _ = q.shape
+    Hkv = k_cache.num_heads
+    g = Hq // Hkv
+    out = torch.zeros(B, Hq, Sq, v_cache.head_dim, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        L = int(seq_lens[b])
+        if L == 0:
+            continue
+        k = gather_pages(k_cache, block_tables[b], L).repeat_interleave(g, 0)   # [Hq, L, D]
+        v = gather_pages(v_cache, block_tables[b], L).repeat_interleave(g, 0)   # [Hq, L, Dv]
+        q_pos = torch.arange(L - Sq, L, device=q.device)
+        allowed = decode_mask_ref(q_pos, L, sliding_window=sliding_window, sinks=sinks,
+                                  key_mask=None if key_mask is None else key_mask[b])
+        s = torch.einsum("hsd,hld->hsl", q[b].float(), k) * scale                # [Hq, Sq, L]
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        s = s.masked_fill(~allowed, float("-inf"))
+        m = s.amax(-1, keepdim=True)
+        p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
+        denom = p.sum(-1, keepdim=True)
+        p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
+        v = torch.where(allowed.any(0)[None, :, None], v, torch.zeros_like(v))
+        out[b] = torch.einsum("hsl,hld->hsd", p, v)
+        if attn_mass is not None:
+            n = min(L, attn_mass.shape[2])
+            attn_mass[b, :, :n] += p.reshape(Hkv, g * Sq, L).sum(1)[:, :n]
+    return out
+
+# --- prefill references ---
+# Plain-PyTorch versions of kernels/prefill.py, in fp32: what its kernels are tested against.
+
+def prefill_mask_ref(q_pos, k_pos, kv_start: int = 0, *, causal: bool = True,
+                     sliding_window: int = 0, sinks: int = 0):
+    """[S, L] bool: may the query at q_pos [S] see the key at k_pos [L]?
+
+    Keys before kv_start never; later keys only if causal allows; with a sliding window W only
+    keys with q_pos - k_pos < W, except the first `sinks` keys from kv_start, always seen."""
+    q, k = q_pos[:, None], k_pos[None, :]
+    ok = k >= kv_start
+    if causal:
+        ok = ok & (k <= q)
+    if sliding_window:
+        near = (q - k) < sliding_window
+        if sinks:
+            near = near | (k < kv_start + sinks)
+        ok = ok & near
+    return ok
+
+
+def _prefill_attend_ref(q, k, v, allowed, scale: float, softcap: float):
+    # q [S, Hq, D], k [L, Hkv, D], v [L, Hkv, Dv], allowed [S, L] -> [S, Hq, Dv] fp32
+    g = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(g, dim=1)
+    vf = v.float().repeat_interleave(g, dim=1)
+    s = torch.einsum("shd,lhd->hsl", q.float(), kf) * scale               # [Hq, S, L]
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~allowed, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
+    denom = p.sum(-1, keepdim=True)
+    p = p / torch.where(denom > 0, denom, torch.ones_like(denom))          # no key seen -> 0
+    seen = allowed.any(0)                                                 # [L]
+    vf = torch.where(seen[:, None, None], vf, torch.zeros_like(vf))       # unseen slots: 0
+    return torch.einsum("hsl,lhd->shd", p, vf)
+
+
+def prefill_attention_ref(q, k, v, cu_seqlens, scale: float, *, causal: bool = True,
+                          sliding_window: int = 0, sinks: int = 0, softcap: float = 0.0):
+    """q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv], cu_seqlens [B+1] -> [T, Hq, Dv] fp32.
+    Each packed sequence attends to itself only; positions restart at 0 per sequence."""
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float32, device=q.device)
+    for b in range(len(cu) - 1):
+        s0, s1 = cu[b], cu[b + 1]
+        if s1 == s0:
+            continue
+        pos = torch.arange(s1 - s0, device=q.device)
+        allowed = prefill_mask_ref(pos, pos, 0, causal=causal, sliding_window=sliding_window,
+                                   sinks=sinks)
+        out[s0:s1] = _prefill_attend_ref(q[s0:s1], k[s0:s1], v[s0:s1], allowed, scale, softcap)
+    return out
+
+
+def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+                                scale: float, *, sliding_window: int = 0, sinks: int = 0,
+                                softcap: float = 0.0, kv_start=None):
+    """Chunked prefill over pages, dequantized with formats.py (PagedTensor.read).
+
+    q [T, Hq, D] packed chunks (cu_seqlens_q [B+1]); sequence b holds seq_lens[b] tokens in the
+    pages of block_tables[b], its chunk's queries at positions seq_lens[b] - q_len + i.
+    -> [T, Hq, Dv] fp32."""
+    cu = [int(x) for x in cu_seqlens_q.tolist()]
+    lens = [int(x) for x in seq_lens.tolist()]
+    starts = [0] * len(lens) if kv_start is None else [int(x) for x in kv_start.tolist()]
+    P = k_cache.page_size
+    out = torch.zeros(q.shape[0], q.shape[1], v_cache.head_dim, dtype=torch.float32,
+                      device=q.device)
+    for b in range(len(cu) - 1):
+        q0, q1, L = cu[b], cu[b + 1], lens[b]
+        if q1 == q0:
+            continue
+        pages = block_tables[b, :(L + P - 1) // P].long()
+        k = k_cache.read(pages).permute(0, 2, 1, 3).reshape(-1, k_cache.num_heads,
+                                                           k_cache.head_dim)[:L]
+        v = v_cache.read(pages).permute(0, 2, 1, 3).reshape(-1, v_cache.num_heads,
+                                                           v_cache.head_dim)[:L]
+        q_pos = torch.arange(L - (q1 - q0), L, device=q.device)
+        allowed = prefill_mask_ref(q_pos, torch.arange(L, device=q.device), starts[b],
+                                   sliding_window=sliding_window, sinks=sinks)
+        out[q0:q1] = _prefill_attend_ref(q[q0:q1], k, v, allowed, scale, softcap)
+    return out
