@@ -1,0 +1,231 @@
+"""Paged decode kernel vs the plain-PyTorch reference, over formats x head_dim x GQA x page size.
+
+On the CPU the kernel runs under TRITON_INTERPRET=1 (conftest.py) in fp32 on small shapes; on
+CUDA the same tests run the compiled kernels (benchmarks/gpu_check_decode.py runs the full
+matrix there).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kvcompile.cache.formats import KVFormat  # noqa: E402
+from kvcompile.errors import UnsupportedShapeError  # noqa: E402
+from kvcompile.kernels.decode import launch_decode, paged_decode_attention  # noqa: E402
+from kvcompile.kernels.reference import paged_decode_attention_ref  # noqa: E402
+from kvcompile.testing import REL_ERR, poison_, rel_err  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+PLAIN = ("bf16", "fp16", "fp32")
+
+
+def make_format(name: str, gran: str = "page") -> KVFormat:
+    return KVFormat(name) if name in PLAIN else KVFormat(name, gran)
+
+
+def make_paged_kv(k_fmt: KVFormat, v_fmt: KVFormat, lens, Hkv: int, D: int, P: int, *,
+                  Dv: int | None = None, device=DEV, chunks: int = 2, spare_pages: int = 3,
+                  gen=None, nan_fill: bool = True):
+    """Random K/V for sequences of `lens` tokens, written with PagedTensor.write (the reference
+    append) in `chunks` appends per sequence, into shuffled pages. Unwritten slots hold NaN.
+    -> (k_cache, v_cache, block_tables [B, maxP] int32, seq_lens [B] int32)."""
+    Dv = Dv or D
+    need = [(n + P - 1) // P for n in lens]
+    N = sum(need) + spare_pages
+    kc = k_fmt.allocate(N, Hkv, P, D, device)
+    vc = v_fmt.allocate(N, Hkv, P, Dv, device)
+    if nan_fill:
+        for c in (kc, vc):
+            if c.data.dtype == torch.uint8:
+                c.data.fill_(0x77)
+                c.micro.view(torch.uint8).fill_(0x7F)  # e4m3 NaN micro: the block reads NaN
+            else:
+                c.data.fill_(float("nan"))
+    perm = torch.randperm(N, generator=gen)
+    bt = torch.zeros(len(lens), max(1, max(need)), dtype=torch.int32)
+    i = 0
+    for b, n in enumerate(lens):
+        bt[b, :need[b]] = perm[i:i + need[b]].int()
+        i += need[b]
+        if n == 0:
+            continue
+        pages = bt[b, :need[b]].long()
+        slots = (pages[:, None] * P + torch.arange(P)[None]).reshape(-1)[:n].to(device)
+        k = torch.randn(n, Hkv, D, generator=gen) * 1.5
+        k[:, :, 0] += 3.0  # an outlier channel, as real keys have
+        v = torch.randn(n, Hkv, Dv, generator=gen)
+        cuts = sorted({0, n, *[(n * j) // chunks for j in range(1, chunks)]})
+        for a, z in zip(cuts[:-1], cuts[1:]):
+            kc.write(slots[a:z], k[a:z].to(device))
+            vc.write(slots[a:z], v[a:z].to(device))
+    return kc, vc, bt.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
+
+
+def compute_dtype(k_fmt: KVFormat, device) -> torch.dtype:
+    """Operand dtype of the kernel's dots: fp32 under the interpreter, else the page dtype
+    (bf16 / fp16) or fp16 for quantized pages."""
+    if torch.device(device).type != "cuda":
+        return torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}.get(k_fmt.name, torch.float16)
+
+
+def run_case(k_fmt, v_fmt, lens, Hkv, G, D, P, *, Sq=1, Dv=None, q_dtype=torch.float32,
+             splits=0, config=None, window=0, sinks=0, softcap=0.0, key_mask=None,
+             with_mass=False, device=DEV, gen=None):
+    """Kernel vs reference on fresh inputs; returns (relative error, bound, out, mass pair)."""
+    kc, vc, bt, sl = make_paged_kv(k_fmt, v_fmt, lens, Hkv, D, P, Dv=Dv, device=device, gen=gen)
+    B, Hq = len(lens), Hkv * G
+    q = torch.randn(B, Hq, Sq, D, generator=gen).to(device=device, dtype=q_dtype)
+    scale = 1.0 / math.sqrt(D)
+    out = poison_(torch.empty(B, Hq, Sq, vc.head_dim, dtype=q_dtype, device=device))
+    mass = mass_ref = None
+    if with_mass:
+        mass = torch.rand(B, Hkv, max(lens) + 5, generator=gen).to(device)
+        mass_ref = mass.clone()
+    launch_decode(q, kc.data, kc.scale, kc.micro, vc.data, vc.scale, vc.micro, bt, sl,
+                  key_mask, mass, out, kc.fmt.name, kc.fmt.granularity, vc.fmt.name,
+                  vc.fmt.granularity, scale, window, sinks, softcap, splits, config)
+    ref = paged_decode_attention_ref(q, kc, vc, bt, sl, scale, key_mask=key_mask,
+                                     sliding_window=window, sinks=sinks, softcap=softcap,
+                                     attn_mass=mass_ref)
+    assert not torch.isnan(out).any(), "unwritten (poisoned) or NaN output elements"
+    cdt = compute_dtype(k_fmt, device)
+    if q_dtype != torch.float32 and cdt == torch.float32:
+        cdt = q_dtype  # the output is rounded to q's dtype
+    return rel_err(out, ref), REL_ERR[cdt], out, (mass, mass_ref)
+
+
+CASES = [  # k format, v format, granularity, head_dim, G, page size, lens
+    ("fp32", "fp32", "page", 64, 1, 16, [37, 70]),
+    ("bf16", "bf16", "page", 128, 4, 32, [65]),
+    ("fp16", "fp16", "page", 64, 8, 8, [19, 40, 3]),
+    ("fp8_e4m3", "fp8_e4m3", "page", 64, 4, 16, [37, 70]),
+    ("fp8_e4m3", "fp8_e4m3", "token", 128, 1, 32, [91, 5]),
+    ("fp8_e5m2", "fp8_e5m2", "tensor", 64, 8, 16, [53]),
+    ("fp8_e5m2", "fp8_e5m2", "page", 64, 1, 64, [130, 1]),
+    ("fp4_e2m1", "fp4_e2m1", "page", 64, 4, 16, [45, 77]),
+    ("fp4_e2m1", "fp4_e2m1", "token", 128, 8, 32, [33]),
+    ("fp4_e2m1", "fp4_e2m1", "tensor", 64, 1, 16, [71, 16]),
+    ("fp8_e4m3", "fp4_e2m1", "page", 64, 4, 16, [50]),  # keys fp8, values fp4
+    ("bf16", "fp8_e4m3", "token", 64, 4, 16, [29, 61]),
+]
+
+
+@pytest.mark.parametrize("kf,vf,gran,D,G,P,lens", CASES)
+def test_decode_matches_reference(kf, vf, gran, D, G, P, lens):
+    gen = torch.Generator().manual_seed(hash((kf, vf, gran, D, G, P)) % 2**31)
+    err, bound, _, _ = run_case(make_format(kf, gran), make_format(vf, gran), lens, 2, G, D, P,
+                                splits=2, config={"BLOCK_T": 32}, gen=gen)
+    assert err <= bound, f"relative error {err:.2e} > {bound:.1e}"
+
+
+@pytest.mark.parametrize("splits,block_t", [(1, 32), (3, 16), (16, 16)])
+def test_decode_splits_and_tiles(splits, block_t):
+    # direct write (1 split), uneven splits, and more splits than tiles (empty splits)
+    gen = torch.Generator().manual_seed(splits)
+    fmt = make_format("fp8_e4m3", "page")
+    err, bound, _, _ = run_case(fmt, fmt, [41, 100, 7], 2, 4, 64, 16, splits=splits,
+                                config={"BLOCK_T": block_t}, gen=gen)
+    assert err <= bound
+
+
+@pytest.mark.parametrize("Sq,G", [(3, 4), (8, 1)])
+def test_decode_speculative_queries_are_causal(Sq, G):
+    gen = torch.Generator().manual_seed(Sq)
+    fmt = make_format("fp4_e2m1", "token")
+    err, bound, _, _ = run_case(fmt, fmt, [29, 64], 2, G, 64, 16, Sq=Sq, splits=2,
+                                config={"BLOCK_T": 16}, gen=gen)
+    assert err <= bound
+
+
+def test_decode_window_sinks_softcap_and_key_mask():
+    gen = torch.Generator().manual_seed(7)
+    fmt = make_format("fp8_e5m2", "page")
+    lens = [90, 37]
+    km = torch.rand(2, 60, generator=gen) > 0.3
+    km[:, 0] = True
+    err, bound, _, _ = run_case(fmt, fmt, lens, 2, 4, 64, 16, Sq=2, window=24, sinks=3,
+                                softcap=5.0, key_mask=km.to(DEV), splits=3,
+                                config={"BLOCK_T": 16}, gen=gen)
+    assert err <= bound
+
+
+def test_decode_attention_mass_matches_reference():
+    gen = torch.Generator().manual_seed(11)
+    fmt = make_format("fp8_e4m3", "token")
+    err, bound, _, (mass, mass_ref) = run_case(fmt, fmt, [40, 75], 2, 4, 64, 16, Sq=2,
+                                                window=32, sinks=2, with_mass=True, splits=3,
+                                                config={"BLOCK_T": 16}, gen=gen)
+    assert err <= bound
+    assert rel_err(mass, mass_ref) <= 1e-4
+
+
+def test_decode_fully_masked_row_and_empty_sequence_give_zero():
+    gen = torch.Generator().manual_seed(3)
+    fmt = make_format("bf16")
+    km = torch.zeros(2, 40, dtype=torch.bool)  # sequence 0 sees nothing
+    err, bound, out, _ = run_case(fmt, fmt, [33, 0], 1, 4, 64, 16, key_mask=km.to(DEV),
+                                  splits=2, config={"BLOCK_T": 16}, gen=gen)
+    assert err <= bound
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_decode_public_api_with_out_and_bf16_queries():
+    gen = torch.Generator().manual_seed(5)
+    fmt = make_format("fp4_e2m1", "page")
+    kc, vc, bt, sl = make_paged_kv(fmt, fmt, [50, 17], 2, 64, 16, gen=gen)
+    q = torch.randn(2, 8, 1, 64, generator=gen).to(DEV, torch.bfloat16)
+    out = poison_(torch.empty(2, 8, 1, 64, dtype=torch.bfloat16, device=DEV))
+    got = paged_decode_attention(q, kc, vc, bt, sl, 0.125, out=out)
+    assert got is out and not torch.isnan(out).any()
+    ref = paged_decode_attention_ref(q, kc, vc, bt, sl, 0.125)
+    assert rel_err(out, ref) <= REL_ERR[torch.bfloat16]
+    again = paged_decode_attention(q, kc, vc, bt, sl, 0.125)
+    assert again.dtype == torch.bfloat16 and again.shape == (2, 8, 1, 64)
+    assert rel_err(again, ref) <= REL_ERR[torch.bfloat16]
+
+
+def test_decode_op_has_fake_and_compiles():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fmt = make_format("fp8_e4m3", "page")
+    kc, vc, bt, sl = make_paged_kv(fmt, fmt, [20], 2, 64, 16)
+    q = torch.randn(1, 4, 2, 64, device=DEV)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = paged_decode_attention(torch.empty(1, 4, 2, 64, device=DEV), kc, vc, bt, sl, 0.1)
+    assert fake.shape == (1, 4, 2, 64)
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def f(q):
+        return paged_decode_attention(q * 1.0, kc, vc, bt, sl, 0.1) + 1.0
+
+    ref = paged_decode_attention_ref(q, kc, vc, bt, sl, 0.1) + 1.0
+    assert rel_err(f(q), ref) <= REL_ERR[compute_dtype(fmt, DEV)]
+
+
+def _bad(**over):
+    fmt = make_format(over.pop("fmt", "fp8_e4m3"), over.pop("gran", "page"))
+    kc, vc, bt, sl = make_paged_kv(fmt, fmt, [20], 2, over.pop("D", 64), 16, nan_fill=False)
+    q = over.pop("q", torch.randn(1, 4, 1, 64, device=DEV))
+    bt = over.pop("bt", bt)
+    paged_decode_attention(q, kc, vc, bt, sl, 0.1)
+
+
+@pytest.mark.parametrize("what,over,msg", [
+    ("head_dim", {"D": 32, "q": torch.randn(1, 4, 1, 32, device=DEV)}, "head_dim 32"),
+    ("Sq", {"q": torch.randn(1, 4, 9, 64, device=DEV)}, "Sq=9"),
+    ("q dtype", {"q": torch.randn(1, 4, 1, 64, device=DEV).to(torch.float64)}, "dtype"),
+    ("q head_dim mismatch", {"q": torch.randn(1, 4, 1, 128, device=DEV)}, "head_dim 128"),
+    ("heads", {"q": torch.randn(1, 3, 1, 64, device=DEV)}, "multiple"),
+    ("block table dtype", {"bt": torch.zeros(1, 2, dtype=torch.int64, device=DEV)}, "int32"),
+])
+def test_decode_rejects_unsupported_inputs(what, over, msg):
+    with pytest.raises(UnsupportedShapeError, match=msg):
+        _bad(**over)
