@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-
 # --- decode references ---
 # Plain-PyTorch versions of kernels/decode.py: pages dequantized with formats.py, fp32 math.
 

@@ -1,0 +1,151 @@
+"""quantize_append kernel vs PagedTensor.write (the reference append): bit-exact storage.
+
+On the CPU the kernel runs under TRITON_INTERPRET=1 (conftest.py) with explicit fp8 / bf16
+rounding; on CUDA with the hardware casts (benchmarks/gpu_check_decode.py runs it there).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kvcompile.cache.formats import KVFormat  # noqa: E402
+from kvcompile.errors import UnsupportedShapeError  # noqa: E402
+from kvcompile.kernels.append import quantize_append  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _fmt(name, gran="page"):
+    return KVFormat(name) if name in ("bf16", "fp16", "fp32") else KVFormat(name, gran)
+
+
+def _pair(fmt, N, H, P, D):
+    a, b = fmt.allocate(N, H, P, D, DEV), fmt.allocate(N, H, P, D, DEV)
+    for t in (a, b):  # identical (garbage-free) starting storage
+        t.data.view(torch.uint8).fill_(0x5A)
+        if t.micro is not None:
+            t.micro.view(torch.uint8).fill_(0x30)
+    return a, b
+
+
+def assert_same_storage(ref, got, what=""):
+    for name in ("data", "scale", "micro"):
+        r, g = getattr(ref, name), getattr(got, name)
+        if r is None:
+            continue
+        if r.dtype in (torch.float32, torch.float16, torch.bfloat16):
+            same = torch.equal(r.isnan(), g.isnan()) and torch.equal(
+                r.nan_to_num(0).view(torch.uint8), g.nan_to_num(0).view(torch.uint8))
+        else:
+            same = torch.equal(r.view(torch.uint8), g.view(torch.uint8))
+        if not same:
+            bad = (r.view(torch.uint8) != g.view(torch.uint8)).sum().item()
+            raise AssertionError(f"{what}: {name} differs from PagedTensor.write in {bad} bytes")
+
+
+def _appends(lens_steps, P, pages_per_seq, gen):
+    """Slots of successive writes: each write appends `n` tokens to every sequence."""
+    B = len(pages_per_seq)
+    filled = [0] * B
+    for n in lens_steps:
+        slots = []
+        for b in range(B):
+            for t in range(filled[b], filled[b] + n):
+                slots.append(pages_per_seq[b][t // P] * P + t % P)
+            filled[b] += n
+        yield torch.tensor(slots, dtype=torch.int64)
+
+
+CASES = [  # format, granularity, head_dim, page size
+    ("bf16", "page", 64, 16), ("fp16", "page", 128, 8), ("fp32", "page", 64, 32),
+    ("fp8_e4m3", "page", 64, 16), ("fp8_e4m3", "token", 128, 32), ("fp8_e4m3", "tensor", 64, 16),
+    ("fp8_e5m2", "page", 128, 16), ("fp8_e5m2", "token", 64, 64),
+    ("fp4_e2m1", "page", 64, 16), ("fp4_e2m1", "token", 64, 32), ("fp4_e2m1", "tensor", 128, 16),
+    ("fp4_e2m1", "page", 256, 8),
+]
+
+
+@pytest.mark.parametrize("name,gran,D,P", CASES)
+def test_append_is_bit_exact_with_reference(name, gran, D, P):
+    # a bulk prefill, then decode-style single-token appends whose magnitudes grow (page scales
+    # grow and re-encode the page's earlier tokens), then a multi-token chunk
+    gen = torch.Generator().manual_seed(hash((name, gran, D, P)) % 2**31)
+    H, N = 2, 12
+    ref, got = _pair(_fmt(name, gran), N, H, P, D)
+    perm = torch.randperm(N, generator=gen).tolist()
+    pages = [perm[0:4], perm[4:8]]
+    steps = [P + 3, 1, 1, 2, 1, P // 2 + 1]
+    for i, slots in enumerate(_appends(steps, P, pages, gen)):
+        x = torch.randn(slots.numel(), H, D, generator=gen) * (1.0 + 3.0 * i)
+        x[:, :, 1] *= 8.0
+        order = torch.randperm(slots.numel(), generator=gen)  # any slot order
+        ref.write(slots[order].to(DEV), x[order].to(DEV))
+        quantize_append(got, slots[order].to(DEV), x[order].to(DEV))
+        assert_same_storage(ref, got, f"write {i}")
+
+
+def test_append_growing_page_scale_reencodes_earlier_tokens():
+    gen = torch.Generator().manual_seed(1)
+    ref, got = _pair(_fmt("fp8_e4m3", "page"), 2, 1, 16, 64)
+    x0 = torch.randn(5, 1, 64, generator=gen)
+    ref.write(torch.arange(5, device=DEV), x0.to(DEV))
+    quantize_append(got, torch.arange(5, device=DEV), x0.to(DEV))
+    codes_before = got.data[0, 0, :5].view(torch.uint8).clone()
+    scale_before = got.scale[0, 0].item()
+    x1 = torch.randn(1, 1, 64, generator=gen) * 100.0  # raises the page's amax
+    ref.write(torch.tensor([5], device=DEV), x1.to(DEV))
+    quantize_append(got, torch.tensor([5], device=DEV), x1.to(DEV))
+    assert got.scale[0, 0].item() > scale_before
+    assert not torch.equal(got.data[0, 0, :5].view(torch.uint8), codes_before)  # re-encoded
+    assert_same_storage(ref, got, "after growth")
+
+
+def test_append_nonfinite_values_match_reference():
+    gen = torch.Generator().manual_seed(2)
+    for name, gran in (("fp8_e4m3", "page"), ("fp8_e5m2", "token"), ("fp4_e2m1", "page")):
+        ref, got = _pair(_fmt(name, gran), 2, 2, 16, 64)
+        x = torch.randn(7, 2, 64, generator=gen)
+        x[1, 0, 3] = float("nan")
+        x[2, 1, 5] = float("inf")
+        x[3, 0, 9] = -float("inf")
+        slots = torch.arange(7, device=DEV) + 16
+        ref.write(slots, x.to(DEV))
+        quantize_append(got, slots, x.to(DEV))
+        assert_same_storage(ref, got, name)
+
+
+def test_append_op_has_fake_and_compiles():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cache = _fmt("fp8_e4m3", "token").allocate(4, 2, 16, 64, DEV)
+    ref = _fmt("fp8_e4m3", "token").allocate(4, 2, 16, 64, DEV)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        quantize_append(cache, torch.arange(3, device=DEV), torch.empty(3, 2, 64, device=DEV))
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def f(slots, x):
+        quantize_append(cache, slots, x * 2.0)
+
+    x = torch.randn(3, 2, 64, device=DEV)
+    f(torch.arange(3, device=DEV), x)
+    ref.write(torch.arange(3, device=DEV), x * 2.0)
+    assert torch.equal(cache.data[0, :, :3].view(torch.uint8), ref.data[0, :, :3].view(torch.uint8))
+
+
+@pytest.mark.parametrize("x,slots,msg", [
+    (torch.randn(3, 2, 32), torch.arange(3), "x must be"),
+    (torch.randn(3, 2, 64), torch.arange(2), "slots must be"),
+    (torch.randn(3, 2, 64).to(torch.int32), torch.arange(3), "x must be"),
+])
+def test_append_rejects_bad_inputs(x, slots, msg):
+    cache = _fmt("fp8_e4m3").allocate(4, 2, 16, 64, DEV)
+    before = cache.data.view(torch.uint8).clone()
+    with pytest.raises(UnsupportedShapeError, match=msg):
+        quantize_append(cache, slots.to(DEV), x.to(DEV))
+    assert torch.equal(cache.data.view(torch.uint8), before)  # state untouched
