@@ -1,0 +1,308 @@
+"""The eviction runtime: per-sequence bookkeeping, attention over kept tokens, and eviction.
+
+One `EvictionRuntime` per compiled model, installed by the eviction pass (insert.py) as a
+`RuntimeHook` (runtime.py). Per forward:
+
+    before_write(layer)     logical index of each new token -> its slot (book.pos[layer])
+    attend(layer)           attention over the kept slots by logical position (attend.py),
+                            accumulating H2O mass / SnapKV observation scores
+    after_forward()         for each sequence over budget: choose (policies.py), then
+                            token granularity: compact each (layer, head) into slots [0, n) by
+                            moving the kept tokens of the tail into holes (pool.move_tokens),
+                            and free the tail (pool.evict_tail);
+                            page granularity: drop whole pages, one decision for all layers
+                            (pool.evict_pages); no data moves
+
+Shapes inside the graph never change: only block tables and sequence lengths do. The model's
+cache object keeps its logical length (`pool.logical_len`), so positions and masks follow the
+text, not the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvcompile.config import H2O, EvictionPolicy, SinkWindow, SnapKV
+from kvcompile.errors import CacheStateError
+from kvcompile.eviction import policies as P
+from kvcompile.eviction.attend import attend_kept, rotation
+from kvcompile.kernels.masks import to_bool
+from kvcompile.runtime import RuntimeHook
+
+log = logging.getLogger("kvcompile")
+
+# Positions of kept sink tokens (SinkWindow): "cache" re-rotates them to sit just before the
+# window, as StreamingLLM assigns positions within the cache; "original" leaves them where the
+# text put them (their distance to the query grows without bound). See docs/architecture.md,
+# "Eviction", for the measurement behind the default.
+SINK_POSITIONS = ("cache", "original")
+
+
+class _Book:
+    """Bookkeeping of one sequence: per policy layer, the logical index in each slot
+    (pos [Hkv, L] int64, -1 = hole), H2O mass [Hkv, L], SnapKV observation [Hkv, L]."""
+
+    __slots__ = ("pos", "mass", "obs", "start")
+
+    def __init__(self, start: int):
+        self.pos: dict[int, torch.Tensor] = {}
+        self.mass: dict[int, torch.Tensor] = {}
+        self.obs: dict[int, torch.Tensor] = {}
+        self.start = start  # first logical index that is a real token (left padding)
+
+    def copy(self) -> _Book:
+        b = _Book(self.start)
+        b.pos = {k: v.clone() for k, v in self.pos.items()}
+        b.mass = {k: v.clone() for k, v in self.mass.items()}
+        return b
+
+
+class EvictionRuntime(RuntimeHook):
+    def __init__(self, state):
+        self.state = state
+        self.policies: dict[int, EvictionPolicy] = {}   # layer index -> policy
+        self.inv_freq: torch.Tensor | None = None       # RoPE frequencies, for sink positions
+        self.sink_positions = "cache"
+        self.books: dict[int, _Book] = {}
+        self._pool = None
+
+    # -- layout decisions ---------------------------------------------------------------------
+    @property
+    def page_mode(self) -> bool:
+        """Whole pages can be dropped only if every layer evicts at page granularity."""
+        n_layers = len(self.state.layer_specs)
+        return (n_layers > 0 and len(self.policies) == n_layers
+                and all(getattr(p, "granularity", "token") == "page"
+                        for p in self.policies.values()))
+
+    def _rerotate(self, policy) -> bool:
+        return (isinstance(policy, SinkWindow) and self.sink_positions == "cache"
+                and self.inv_freq is not None and policy.sinks > 0)
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+    def _watch(self, pool) -> None:
+        if pool is not self._pool:
+            pool.fork_listeners.append(self._on_fork)
+            self._pool = pool
+            self.books.clear()
+
+    def _on_fork(self, parent: int, child: int) -> None:
+        if parent in self.books:
+            self.books[child] = self.books[parent].copy()
+
+    def _rows(self, plan):
+        """(row, seq id, stored tokens before, new tokens) of each sequence of the plan."""
+        for i, sid in enumerate(plan.seq_ids):
+            n = plan.q_lens[i] if plan.packed else plan.new_tokens
+            yield i, sid, plan.past_lens[i], n
+
+    def before_write(self, ctx, layer, k, v):
+        if layer not in self.policies:
+            return k, v
+        plan, pool = ctx.plan, ctx.state.pool
+        self._watch(pool)
+        heads = pool.layers[layer].num_kv_heads
+        for i, sid, past, n in self._rows(plan):
+            book = self.books.get(sid)
+            fresh = past == 0 and ("eviction_book", sid) not in plan.cache
+            if book is None or fresh:  # a new sequence, or a prefill restarting it
+                plan.cache[("eviction_book", sid)] = True
+                if past and pool.evicted(sid):
+                    raise CacheStateError(f"sequence {sid} lost its eviction bookkeeping")
+                book = self.books[sid] = _Book(plan.kv_start[i] if not plan.packed else 0)
+            pos = book.pos.get(layer)
+            if pos is None:  # a layer seen for the first time: nothing was evicted yet
+                pos = torch.arange(past, device=k.device).expand(heads, past)
+            if pos.shape[1] < past:
+                raise CacheStateError(f"eviction bookkeeping of sequence {sid}, layer {layer} "
+                                      f"holds {pos.shape[1]} slots, the pool {past}")
+            first = pool.logical_len(sid) - n
+            new = torch.arange(first, first + n, device=k.device).expand(heads, n)
+            book.pos[layer] = torch.cat([pos[:, :past], new], 1)
+            if isinstance(self.policies[layer], H2O):
+                mass = book.mass.get(layer, torch.zeros(heads, past, device=k.device))
+                book.mass[layer] = torch.cat([mass[:, :past], mass.new_zeros(heads, n)], 1)
+        return k, v
+
+    # -- attention ------------------------------------------------------------------------------
+    def attend(self, ctx, layer, q, plan, attn_mask, is_causal, window, softcap, scale, extras):
+        policy = self.policies.get(layer)
+        if policy is None:
+            return None
+        pool = ctx.state.pool
+        out = torch.empty((*q.shape[:-1], pool.v[layer].head_dim), dtype=torch.float32,
+                          device=q.device)
+        cu = plan.cu_seqlens_q.tolist() if plan.packed else None
+        for i, sid, past, n in self._rows(plan):
+            book = self.books[sid]
+            pos = book.pos[layer]
+            k, v = pool.gather(layer, sid)                     # [Hkv, L, D] fp32
+            total = pool.logical_len(sid)
+            q_pos = torch.arange(total - n, total, device=q.device)
+            qi = q[0, :, cu[i]:cu[i + 1]] if plan.packed else q[i]
+            mask_b = None
+            if attn_mask is not None and not plan.packed:
+                mask_b = _row_mask(attn_mask, i, n)
+            sink_slots = sink_rot = None
+            if self._rerotate(policy):
+                sink_slots, sink_rot = self._sinks(policy, pos, book.start)
+            obs_rows = min(policy.window, n) if isinstance(policy, SnapKV) and n > 1 else 0
+            o, mass, obs = attend_kept(
+                qi, k, v, pos, q_pos, scale, causal=is_causal, window=window,
+                start=book.start, softcap=softcap, mask_b=mask_b, total=total,
+                sink_slots=sink_slots, sink_rot=sink_rot,
+                want_mass=isinstance(policy, H2O), obs_rows=obs_rows)
+            if plan.packed:
+                out[0, :, cu[i]:cu[i + 1]] = o
+            else:
+                out[i] = o
+            if mass is not None:
+                book.mass[layer] += mass
+            if obs is not None:
+                book.obs[layer] = obs
+        return out
+
+    def _sinks(self, policy: SinkWindow, pos: torch.Tensor, start: int):
+        """Slots of the sinks [Hkv, n] and the rotation that moves them before the window."""
+        real = pos >= start
+        sink = real & (pos - start < policy.sinks)
+        rest = torch.where(real & ~sink, pos, torch.iinfo(pos.dtype).max)
+        oldest = int(rest.min())
+        shift = oldest - (start + policy.sinks)
+        if shift <= 0 or oldest == torch.iinfo(pos.dtype).max:
+            return None, None
+        counts = sink.sum(-1)
+        if not bool((counts == counts[0]).all()):
+            return None, None
+        slots = sink.nonzero()[:, 1].view(pos.shape[0], -1)
+        return slots, rotation(self.inv_freq.to(pos.device), -shift)
+
+    # -- eviction -------------------------------------------------------------------------------
+    def after_forward(self, ctx) -> None:
+        plan, pool = ctx.plan, ctx.state.pool
+        if plan is None or pool is None or not self.policies:
+            return
+        for _i, sid, _past, _n in self._rows(plan):
+            book = self.books.get(sid)
+            if book is not None and pool.has(sid):
+                self.evict(sid, book)
+                book.obs.clear()
+        for sid in [s for s in self.books if not pool.has(s)]:
+            del self.books[sid]
+
+    def evict(self, sid: int, book: _Book) -> None:
+        pool, state = self.state.pool, self.state
+        total = pool.logical_len(sid)
+        due = []
+        for layer, policy in self.policies.items():
+            pos = book.pos.get(layer)
+            if pos is None:
+                continue
+            if isinstance(policy, SnapKV) and layer not in book.obs:
+                continue  # SnapKV chooses at the end of a multi-token forward only
+            if P.over_budget(policy, pos, book.start):
+                due.append(layer)
+        if not due:
+            return
+        before = pool.seq_len(sid)
+        if self.page_mode:
+            self._evict_pages(sid, book, total)
+        else:
+            self._evict_tokens(sid, book, total, set(due))
+        state.count("eviction_runs")
+        state.count("evicted_tokens", before - pool.seq_len(sid))
+
+    def _scores(self, layer, book):
+        return P.token_scores(self.policies[layer], book.mass.get(layer), book.obs.get(layer))
+
+    def _evict_pages(self, sid, book, total) -> None:
+        pool = self.state.pool
+        layers = sorted(book.pos)
+        keep = P.select_pages([self.policies[li] for li in layers],
+                              [book.pos[li] for li in layers], book.start, total,
+                              [self._scores(li, book) for li in layers], pool.page_size)
+        L, Ps = pool.seq_len(sid), pool.page_size
+        full = L // Ps
+        drop = [j for j in range(full) if not bool(keep[j])]
+        if not drop:
+            return
+        pool.evict_pages(sid, drop)
+        cols = torch.ones(L, dtype=torch.bool)
+        for j in drop:
+            cols[j * Ps:(j + 1) * Ps] = False
+        for li in layers:
+            c = cols.to(book.pos[li].device)
+            book.pos[li] = book.pos[li][:, c]
+            if li in book.mass:
+                book.mass[li] = book.mass[li][:, c]
+        self.state.count("evicted_pages", len(drop))
+
+    def _evict_tokens(self, sid, book, total, due: set) -> None:
+        pool = self.state.pool
+        L = pool.seq_len(sid)
+        lens = [L] if len(book.pos) < len(pool.layers) else []  # a layer without a policy
+        for li in sorted(book.pos):
+            pos = book.pos[li]
+            if li in due:
+                keep = P.select_tokens(self.policies[li], pos, book.start, total,
+                                       self._scores(li, book))
+            else:
+                keep = pos >= 0
+            lens.append(self._compact(sid, li, book, keep))
+        new_len = max(lens)
+        pool.evict_tail(sid, new_len)
+        for li in book.pos:
+            book.pos[li] = _fit(book.pos[li], new_len, -1)
+            if li in book.mass:
+                book.mass[li] = _fit(book.mass[li], new_len, 0.0)
+
+    def _compact(self, sid, layer, book, keep: torch.Tensor) -> int:
+        """Move kept tokens of slots >= n into holes below n, n = most kept by any head."""
+        pos = book.pos[layer]
+        n = int(keep.sum(-1).max())
+        srcs, dsts, hs = [], [], []
+        for h in range(pos.shape[0]):
+            holes = (~keep[h, :n]).nonzero()[:, 0]
+            movers = keep[h, n:].nonzero()[:, 0] + n
+            m = movers.numel()
+            if m:
+                srcs.append(movers)
+                dsts.append(holes[:m])
+                hs.append(torch.full((m,), h, dtype=torch.int64, device=pos.device))
+        new_pos = torch.where(keep[:, :n], pos[:, :n], -1)
+        mass = book.mass.get(layer)
+        new_mass = torch.where(keep[:, :n], mass[:, :n], 0.0) if mass is not None else None
+        if srcs:
+            src, dst, head = torch.cat(srcs), torch.cat(dsts), torch.cat(hs)
+            self.state.pool.move_tokens(layer, sid, src, dst, head)
+            new_pos[head, dst] = pos[head, src]
+            if new_mass is not None:
+                new_mass[head, dst] = mass[head, src]
+            self.state.count("eviction_moves", src.numel())
+        book.pos[layer] = torch.cat([new_pos, pos[:, n:].new_full((pos.shape[0],
+                                                                   pos.shape[1] - n), -1)], 1)
+        if new_mass is not None:
+            book.mass[layer] = torch.cat([new_mass, mass.new_zeros(mass.shape[0],
+                                                                   mass.shape[1] - n)], 1)
+        return n
+
+
+def _fit(x: torch.Tensor, n: int, fill) -> torch.Tensor:
+    if x.shape[1] >= n:
+        return x[:, :n]
+    return torch.cat([x, x.new_full((x.shape[0], n - x.shape[1]), fill)], 1)
+
+
+def _row_mask(attn_mask: torch.Tensor, row: int, n: int) -> torch.Tensor:
+    """The model's mask for batch row `row` as [Hm, S, Lm] (bool if it is binary)."""
+    m = attn_mask[row if attn_mask.shape[0] > 1 else 0] if attn_mask.dim() == 4 else attn_mask
+    while m.dim() < 3:
+        m = m.unsqueeze(0)
+    m = m.expand(m.shape[0], n, m.shape[-1])
+    if m.dtype != torch.bool:
+        allowed, binary = to_bool(m)
+        if binary:
+            return allowed
+    return m
