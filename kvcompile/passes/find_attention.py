@@ -179,6 +179,12 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | None:
         if isinstance(a, fx.Node) and is_scalar(b) and _is_scores(a, cond):
             chain_bwd.append(x)
             x, mask, mask_kind = a, cond, "bool"
+    elif kind(x) == "masked_fill":
+        # nanoGPT: s.masked_fill(bias[..., :T, :T] == 0, float("-inf")): True = masked out
+        a, cond, fill = arg(x, 0), arg(x, 1, "mask"), arg(x, 2, "value")
+        if isinstance(fill, (int, float)) and fill <= -1e4 and _is_scores(a, cond):
+            chain_bwd.append(x)
+            x, mask, mask_kind = a, cond, "bool_inverted"
     # logit soft-capping: tanh(s / cap) * cap
     if kind(x) == "mul" and kind(arg(x, 0)) == "tanh":
         cap = scalar_value(arg(x, 1))

@@ -75,6 +75,10 @@ def rewrite_sites(gm: fx.GraphModule, sites: list[AttentionSite], tag: str) -> R
                 site.skip("disabled by configure(enabled=False)")
             continue
         mask = _bool_mask_source(site.mask)
+        if site.mask_kind == "bool_inverted":
+            with graph.inserting_before(site.output):
+                mask = graph.call_function(torch.logical_not, (site.mask,))
+                _set_meta(mask, site.output)
         positions = _positions(graph, site)
         scale = site.scale if site.scale is not None else 1.0 / math.sqrt(site.head_dim)
         is_causal = site.is_causal
