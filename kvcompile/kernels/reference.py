@@ -107,19 +107,22 @@ def _prefill_attend_ref(q, k, v, allowed, scale: float, softcap: float):
 
 
 def prefill_attention_ref(q, k, v, cu_seqlens, scale: float, *, causal: bool = True,
-                          sliding_window: int = 0, sinks: int = 0, softcap: float = 0.0):
-    """q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv], cu_seqlens [B+1] -> [T, Hq, Dv] fp32.
-    Each packed sequence attends to itself only; positions restart at 0 per sequence."""
+                          sliding_window: int = 0, sinks: int = 0, softcap: float = 0.0,
+                          cu_seqlens_k=None):
+    """q [T, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv], cu_seqlens [B+1] -> [T, Hq, Dv] fp32.
+    Each packed sequence attends to itself only. With cu_seqlens_k, sequence b has k_len keys
+    and its q_len queries are the last q_len positions (k_len - q_len + i)."""
     cu = [int(x) for x in cu_seqlens.tolist()]
+    cuk = cu if cu_seqlens_k is None else [int(x) for x in cu_seqlens_k.tolist()]
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float32, device=q.device)
     for b in range(len(cu) - 1):
-        s0, s1 = cu[b], cu[b + 1]
+        s0, s1, k0, k1 = cu[b], cu[b + 1], cuk[b], cuk[b + 1]
         if s1 == s0:
             continue
-        pos = torch.arange(s1 - s0, device=q.device)
-        allowed = prefill_mask_ref(pos, pos, 0, causal=causal, sliding_window=sliding_window,
-                                   sinks=sinks)
-        out[s0:s1] = _prefill_attend_ref(q[s0:s1], k[s0:s1], v[s0:s1], allowed, scale, softcap)
+        q_pos = torch.arange(k1 - k0 - (s1 - s0), k1 - k0, device=q.device)
+        allowed = prefill_mask_ref(q_pos, torch.arange(k1 - k0, device=q.device), 0,
+                                   causal=causal, sliding_window=sliding_window, sinks=sinks)
+        out[s0:s1] = _prefill_attend_ref(q[s0:s1], k[k0:k1], v[k0:k1], allowed, scale, softcap)
     return out
 
 

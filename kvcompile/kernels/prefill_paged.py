@@ -1,0 +1,202 @@
+"""Chunked prefill: a chunk of new queries attends causally over its sequence's paged KV, read
+straight from the stored format (bf16 / fp16 / fp32 pages, FP8 E4M3 / E5M2 codes with page,
+token or tensor scales, FP4 E2M1 codes with E4M3 micro scales).
+
+Sequence b's q_len_b queries sit at positions seq_lens[b] - q_len_b + i (their own K/V already
+written to the pages) and see keys [kv_start[b], position]. One program owns one tile of a
+sequence's chunk and one kv head, with the GROUP query heads packed into its rows, so every page
+tile is gathered and dequantized once per group.
+
+Quantized pages are dequantized in registers as they arrive (code * micro * page/token scale,
+in fp32, then fp16 for the tensor cores; a tensor scale instead folds into the softmax scale and
+the output). fp16 holds every E4M3 / E5M2 / E2M1*E4M3 code exactly and keeps 3 more mantissa
+bits than bf16 for the dequantized values.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvcompile.kernels.prefill_tiles import (
+    key_ranges,
+    sink_range,
+    softcap_log2,
+    softmax_step,
+    softmax_step_scaled,
+    visible,
+)
+
+# format codes (constexpr)
+FMT_PLAIN, FMT_FP8, FMT_FP4 = 0, 1, 2
+GRAN_NONE, GRAN_PAGE, GRAN_TOKEN, GRAN_TENSOR = 0, 1, 2, 3
+
+
+@triton.jit
+def _e2m1_value(codes):
+    """E2M1 code (uint8 0..15) -> fp32 value on the grid {0, .5, 1, 1.5, 2, 3, 4, 6}."""
+    c = codes.to(tl.int32)
+    e = (c >> 1) & 3
+    m = (c & 1).to(tl.float32)
+    mag = tl.where(e == 0, m * 0.5, (2.0 + m) * (1 << e).to(tl.float32) * 0.25)
+    return tl.where((c & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _page_tile(Data, Scale, Micro, bt_row, keys, ok, hkv, sp, sh, st, ssp, ssh, sst, mp, mh, mt,
+               FMT: tl.constexpr, GRAN: tl.constexpr, DIM: tl.constexpr, PAGE: tl.constexpr,
+               BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr):
+    """Gather keys' rows [BN, DIM] from their pages, dequantized (but for a tensor scale) and
+    cast to COMPUTE. The per-row scale is applied here, in the load layout, where each thread
+    holds whole 16-byte row chunks, rather than per score column."""
+    page = tl.load(bt_row + keys // PAGE, mask=ok, other=0).to(tl.int64)
+    off = keys % PAGE
+    base = page * sp + hkv * sh + off * st
+    if FMT == 2:
+        offs_b = tl.arange(0, DIM // 2)
+        byte = tl.load(Data + base[:, None] + offs_b[None, :], mask=ok[:, None], other=0)
+        codes = tl.reshape(tl.join(byte & 15, byte >> 4), [BLOCK_N, DIM])  # 2i: low nibble
+        offs_u = tl.arange(0, DIM // 16)
+        mbase = page * mp + hkv * mh + off * mt
+        micro = tl.load(Micro + mbase[:, None] + offs_u[None, :], mask=ok[:, None], other=0.0)
+        micro = tl.broadcast_to(micro.to(tl.float32)[:, :, None], [BLOCK_N, DIM // 16, 16])
+        x = _e2m1_value(codes) * tl.reshape(micro, [BLOCK_N, DIM])
+    else:
+        offs_d = tl.arange(0, DIM)
+        x = tl.load(Data + base[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
+    if GRAN == 1:
+        sc = tl.load(Scale + page * ssp + hkv * ssh, mask=ok, other=0.0)
+        x = x.to(tl.float32) * sc[:, None]
+    elif GRAN == 2:
+        sc = tl.load(Scale + page * ssp + hkv * ssh + off * sst, mask=ok, other=0.0)
+        x = x.to(tl.float32) * sc[:, None]
+    return x.to(COMPUTE)
+
+
+@triton.jit
+def _paged_tiles(acc, m_i, l_i, q, c_q, pos, bt_row, lo, hi, kv_lo, kv_hi, window, sinks,
+                 softcap_log2e, inv_softcap, hkv,
+                 K_data, K_scale, K_micro, k_sp, k_sh, k_st, k_ssp, k_ssh, k_sst, k_mp, k_mh, k_mt,
+                 V_data, V_scale, V_micro, v_sp, v_sh, v_st, v_ssp, v_ssh, v_sst, v_mp, v_mh, v_mt,
+                 MASKED: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr,
+                 SOFTCAP: tl.constexpr, K_FMT: tl.constexpr, K_GRAN: tl.constexpr,
+                 V_FMT: tl.constexpr, V_GRAN: tl.constexpr, PAGE: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
+                 COMPUTE: tl.constexpr, NUM_STAGES: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    for n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+        keys = n + offs_n
+        if MASKED:  # masked tiles also keep unwritten slots (any bits, NaN too) out of P @ V
+            ok = (keys >= kv_lo) & (keys < kv_hi)
+        else:
+            ok = keys < kv_hi
+        k = _page_tile(K_data, K_scale, K_micro, bt_row, keys, ok, hkv, k_sp, k_sh, k_st,
+                       k_ssp, k_ssh, k_sst, k_mp, k_mh, k_mt, K_FMT, K_GRAN, HEAD_DIM, PAGE,
+                       BLOCK_N, COMPUTE)
+        qk = tl.dot(q, tl.trans(k))
+        if MASKED or SOFTCAP:
+            s = qk * c_q[:, None]
+            if SOFTCAP:
+                s = softcap_log2(s, softcap_log2e, inv_softcap)
+            if MASKED:
+                vis = visible(pos, keys, kv_lo, kv_hi, window, sinks, True, WINDOW, SINKS)
+                s = tl.where(vis, s, float("-inf"))
+            p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, MASKED, 0.0)
+        else:
+            p, alpha, m_i, l_i = softmax_step_scaled(qk, c_q, m_i, l_i, 0.0)
+        v = _page_tile(V_data, V_scale, V_micro, bt_row, keys, ok, hkv, v_sp, v_sh, v_st,
+                       v_ssp, v_ssh, v_sst, v_mp, v_mh, v_mt, V_FMT, V_GRAN, HEAD_DIM_V, PAGE,
+                       BLOCK_N, COMPUTE)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(COMPUTE), v, acc)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def paged_prefill_kernel(
+        Q, Out, block_tables, cu_seqlens_q, seq_lens, kv_starts,
+        K_data, K_scale, K_micro, V_data, V_scale, V_micro,
+        sm_scale_c, softcap_log2e, inv_softcap, window, sinks, q_bucket,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+        k_sp, k_sh, k_st, k_ssp, k_ssh, k_sst, k_mp, k_mh, k_mt,
+        v_sp, v_sh, v_st, v_ssp, v_ssh, v_sst, v_mp, v_mh, v_mt,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+        PAGE: tl.constexpr, K_FMT: tl.constexpr, K_GRAN: tl.constexpr, V_FMT: tl.constexpr,
+        V_GRAN: tl.constexpr, COMPUTE: tl.constexpr, WINDOW: tl.constexpr,
+        SINKS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KV_START: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
+    # Q: [T, Hq, D]  Out: [T, Hq, Dv]  block_tables: [B, max_pages] int32
+    # K_data: [N, Hkv, P, D] (fp4: [N, Hkv, P, D//2] uint8)  K_scale: [N, Hkv] | [N, Hkv, P] | [1]
+    TOK_M: tl.constexpr = BLOCK_M // GROUP
+    hkv = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q + b)
+    q_len = tl.load(cu_seqlens_q + b + 1) - q_start
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    t0 = tile * TOK_M
+    live = t0 < q_len  # no early return: warp specialization wants structured control flow
+    kv_hi = tl.load(seq_lens + b)
+    kv_lo = 0
+    if HAS_KV_START:
+        kv_lo = tl.load(kv_starts + b)
+    pos0 = kv_hi - q_len  # position of the chunk's first query
+    rows = tl.arange(0, BLOCK_M)
+    tok = t0 + rows // GROUP
+    head = hkv * GROUP + rows % GROUP
+    row_ok = (rows < TOK_M * GROUP) & (tok < q_len)
+    tok = tl.minimum(tok, q_len - 1)
+    pos = pos0 + tok
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_rows = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
+    q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q = q.to(COMPUTE)
+    c_q = tl.full([BLOCK_M], 1.0, tl.float32) * sm_scale_c
+    if K_GRAN == 3:
+        c_q = c_q * tl.load(K_scale)
+    bt_row = block_tables + b.to(tl.int64) * stride_bt
+    pos_hi = pos0 + tl.minimum(t0 + TOK_M, q_len) - 1
+    lo, a, bb, hi = key_ranges(pos0 + t0, pos_hi, kv_lo, kv_hi, window, live,
+                               BLOCK_N, True, WINDOW)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V], tl.float32)
+    if WINDOW and SINKS:
+        s_lo, s_hi = sink_range(kv_lo, sinks, lo, BLOCK_N)
+        acc, m_i, l_i = _paged_tiles(
+            acc, m_i, l_i, q, c_q, pos, bt_row, s_lo, s_hi, kv_lo, kv_hi, window, sinks,
+            softcap_log2e, inv_softcap, hkv,
+            K_data, K_scale, K_micro, k_sp, k_sh, k_st, k_ssp, k_ssh, k_sst, k_mp, k_mh, k_mt,
+            V_data, V_scale, V_micro, v_sp, v_sh, v_st, v_ssp, v_ssh, v_sst, v_mp, v_mh, v_mt,
+            True, WINDOW, SINKS, SOFTCAP, K_FMT, K_GRAN, V_FMT, V_GRAN, PAGE, HEAD_DIM,
+            HEAD_DIM_V, BLOCK_N, COMPUTE, NUM_STAGES)
+    acc, m_i, l_i = _paged_tiles(
+        acc, m_i, l_i, q, c_q, pos, bt_row, lo, a, kv_lo, kv_hi, window, sinks,
+        softcap_log2e, inv_softcap, hkv,
+        K_data, K_scale, K_micro, k_sp, k_sh, k_st, k_ssp, k_ssh, k_sst, k_mp, k_mh, k_mt,
+        V_data, V_scale, V_micro, v_sp, v_sh, v_st, v_ssp, v_ssh, v_sst, v_mp, v_mh, v_mt,
+        True, WINDOW, SINKS, SOFTCAP, K_FMT, K_GRAN, V_FMT, V_GRAN, PAGE, HEAD_DIM,
+        HEAD_DIM_V, BLOCK_N, COMPUTE, NUM_STAGES)
+    acc, m_i, l_i = _paged_tiles(
+        acc, m_i, l_i, q, c_q, pos, bt_row, a, bb, kv_lo, kv_hi, window, sinks,
+        softcap_log2e, inv_softcap, hkv,
+        K_data, K_scale, K_micro, k_sp, k_sh, k_st, k_ssp, k_ssh, k_sst, k_mp, k_mh, k_mt,
+        V_data, V_scale, V_micro, v_sp, v_sh, v_st, v_ssp, v_ssh, v_sst, v_mp, v_mh, v_mt,
+        False, WINDOW, SINKS, SOFTCAP, K_FMT, K_GRAN, V_FMT, V_GRAN, PAGE, HEAD_DIM,
+        HEAD_DIM_V, BLOCK_N, COMPUTE, NUM_STAGES)
+    acc, m_i, l_i = _paged_tiles(
+        acc, m_i, l_i, q, c_q, pos, bt_row, bb, hi, kv_lo, kv_hi, window, sinks,
+        softcap_log2e, inv_softcap, hkv,
+        K_data, K_scale, K_micro, k_sp, k_sh, k_st, k_ssp, k_ssh, k_sst, k_mp, k_mh, k_mt,
+        V_data, V_scale, V_micro, v_sp, v_sh, v_st, v_ssp, v_ssh, v_sst, v_mp, v_mh, v_mt,
+        True, WINDOW, SINKS, SOFTCAP, K_FMT, K_GRAN, V_FMT, V_GRAN, PAGE, HEAD_DIM,
+        HEAD_DIM_V, BLOCK_N, COMPUTE, NUM_STAGES)
+
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)  # a row that sees no key writes zeros
+    o = acc / l_i[:, None]
+    if V_GRAN == 3:
+        o = o * tl.load(V_scale)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    o_rows = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
+    tl.store(Out + o_rows[:, None] + offs_dv[None, :], o.to(Out.dtype.element_ty),
+             mask=row_ok[:, None])
