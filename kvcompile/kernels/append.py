@@ -180,7 +180,7 @@ def _store_rows(X, DATA, SCALE, MICRO, src, dst, ok, scale, H, h,
         tl.store(SCALE + drow, scale, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "H"])
 def _append_rows_kernel(X, SLOTS, DATA, SCALE, MICRO, T, H, D: tl.constexpr, P: tl.constexpr,
                         R: tl.constexpr, FMT: tl.constexpr, SM: tl.constexpr,
                         EXPLICIT: tl.constexpr, FMAX: tl.constexpr, DIV: tl.constexpr):
@@ -264,7 +264,7 @@ def _grow_scale(scale, cover):
     return tl.where(cover > scale, grown, scale)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "H"])
 def _append_pages_kernel(X, SORTED, ORDER, DATA, SCALE, MICRO, T, H, D: tl.constexpr,
                          P: tl.constexpr, R: tl.constexpr, FMT: tl.constexpr,
                          DATA_DT: tl.constexpr, EXPLICIT: tl.constexpr, FMAX: tl.constexpr,

@@ -42,13 +42,16 @@ MAX_SQ = 8
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# Runtime ints are not specialized (divisibility, == 1): the binary depends on the constexprs
+# alone, so a warm-up on small inputs compiles what a large launch uses.
+@triton.jit(do_not_specialize=["stride_bt", "n_kmask", "scores_len", "H", "window", "sinks",
+                               "NUM_SPLITS"])
 def _decode_split_kernel(
         Q, KD, KS, KM, VD, VS, VM, BT, SL, KMASK, ACC, LSE, OUT, SCORES,
         stride_bt, n_kmask, scores_len, H, qk_scale, cap_in, cap_out, k_mult, v_mult,
-        window, sinks,
+        window, sinks, NUM_SPLITS,
         G: tl.constexpr, SQ: tl.constexpr, M: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-        P: tl.constexpr, BLOCK_T: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        P: tl.constexpr, BLOCK_T: tl.constexpr,
         KFMT: tl.constexpr, VFMT: tl.constexpr, KSM: tl.constexpr, VSM: tl.constexpr,
         CDT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KMASK: tl.constexpr,
         WRITE_SCORES: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
@@ -194,7 +197,7 @@ def _decode_split_kernel(
         tl.store(LSE + part, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_SPLITS"])
 def _combine_kernel(ACC, PLSE, OUT, LSE, NUM_SPLITS, DV: tl.constexpr, S_PAD: tl.constexpr,
                     CHUNK: tl.constexpr):
     # one program per output row: out = sum_s 2^(lse_s - lse) * acc_s
@@ -221,7 +224,7 @@ def _combine_kernel(ACC, PLSE, OUT, LSE, NUM_SPLITS, DV: tl.constexpr, S_PAD: tl
     tl.store(LSE + row, tl.where(total > 0, m_safe + tl.log2(t_safe), float("-inf")))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["scores_len", "H"])
 def _attn_mass_kernel(SCORES, LSE, MASS, SL, scores_len, H, G: tl.constexpr, SQ: tl.constexpr,
                       BLOCK: tl.constexpr):
     # MASS[b, kvh, j] += sum over the group's rows of 2^(s - lse): the probability of key j
@@ -402,7 +405,7 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
         block_tables.stride(0), key_mask.shape[1] if key_mask is not None else 0, scores_len,
         Hkv, qk_scale, float(scale) / softcap if softcap else 0.0, softcap * LOG2E,
         fold if kfmt == FMT_E2M1 else 1.0, fold if vfmt == FMT_E2M1 else 1.0, window, sinks,
-        G=G, SQ=Sq, M=M, D=D, DV=DV, P=P, BLOCK_T=block_t, NUM_SPLITS=num_splits,
+        num_splits, G=G, SQ=Sq, M=M, D=D, DV=DV, P=P, BLOCK_T=block_t,
         KFMT=kfmt, VFMT=vfmt, KSM=ksm, VSM=vsm, CDT=cdt, SOFTCAP=bool(softcap),
         HAS_KMASK=key_mask is not None, WRITE_SCORES=attn_mass is not None, DIRECT=direct,
         IEEE=cdt == tl.float32, WINDOW=window > 0, ASM=asm, BIG=big,

@@ -14,52 +14,19 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kvcompile.cache.formats import KVFormat  # noqa: E402
 from kvcompile.errors import UnsupportedShapeError  # noqa: E402
 from kvcompile.kernels.append import quantize_append  # noqa: E402
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+from tests.kernels.kernel_cases import (  # noqa: E402
+    DEV,
+    append_slot_steps,
+    assert_same_storage,
+    make_format,
+    storage_pair,
+)
 
 
 def _fmt(name, gran="page"):
-    return KVFormat(name) if name in ("bf16", "fp16", "fp32") else KVFormat(name, gran)
-
-
-def _pair(fmt, N, H, P, D):
-    a, b = fmt.allocate(N, H, P, D, DEV), fmt.allocate(N, H, P, D, DEV)
-    for t in (a, b):  # identical (garbage-free) starting storage
-        t.data.view(torch.uint8).fill_(0x5A)
-        if t.micro is not None:
-            t.micro.view(torch.uint8).fill_(0x30)
-    return a, b
-
-
-def assert_same_storage(ref, got, what=""):
-    for name in ("data", "scale", "micro"):
-        r, g = getattr(ref, name), getattr(got, name)
-        if r is None:
-            continue
-        if r.dtype in (torch.float32, torch.float16, torch.bfloat16):
-            same = torch.equal(r.isnan(), g.isnan()) and torch.equal(
-                r.nan_to_num(0).view(torch.uint8), g.nan_to_num(0).view(torch.uint8))
-        else:
-            same = torch.equal(r.view(torch.uint8), g.view(torch.uint8))
-        if not same:
-            bad = (r.view(torch.uint8) != g.view(torch.uint8)).sum().item()
-            raise AssertionError(f"{what}: {name} differs from PagedTensor.write in {bad} bytes")
-
-
-def _appends(lens_steps, P, pages_per_seq, gen):
-    """Slots of successive writes: each write appends `n` tokens to every sequence."""
-    B = len(pages_per_seq)
-    filled = [0] * B
-    for n in lens_steps:
-        slots = []
-        for b in range(B):
-            for t in range(filled[b], filled[b] + n):
-                slots.append(pages_per_seq[b][t // P] * P + t % P)
-            filled[b] += n
-        yield torch.tensor(slots, dtype=torch.int64)
+    return make_format(name, gran)
 
 
 CASES = [  # format, granularity, head_dim, page size
@@ -77,11 +44,11 @@ def test_append_is_bit_exact_with_reference(name, gran, D, P):
     # grow and re-encode the page's earlier tokens), then a multi-token chunk
     gen = torch.Generator().manual_seed(hash((name, gran, D, P)) % 2**31)
     H, N = 2, 12
-    ref, got = _pair(_fmt(name, gran), N, H, P, D)
+    ref, got = storage_pair(_fmt(name, gran), N, H, P, D)
     perm = torch.randperm(N, generator=gen).tolist()
     pages = [perm[0:4], perm[4:8]]
     steps = [P + 3, 1, 1, 2, 1, P // 2 + 1]
-    for i, slots in enumerate(_appends(steps, P, pages, gen)):
+    for i, slots in enumerate(append_slot_steps(steps, P, pages, gen)):
         x = torch.randn(slots.numel(), H, D, generator=gen) * (1.0 + 3.0 * i)
         x[:, :, 1] *= 8.0
         order = torch.randperm(slots.numel(), generator=gen)  # any slot order
@@ -92,7 +59,7 @@ def test_append_is_bit_exact_with_reference(name, gran, D, P):
 
 def test_append_growing_page_scale_reencodes_earlier_tokens():
     gen = torch.Generator().manual_seed(1)
-    ref, got = _pair(_fmt("fp8_e4m3", "page"), 2, 1, 16, 64)
+    ref, got = storage_pair(_fmt("fp8_e4m3", "page"), 2, 1, 16, 64)
     x0 = torch.randn(5, 1, 64, generator=gen)
     ref.write(torch.arange(5, device=DEV), x0.to(DEV))
     quantize_append(got, torch.arange(5, device=DEV), x0.to(DEV))
@@ -109,7 +76,7 @@ def test_append_growing_page_scale_reencodes_earlier_tokens():
 def test_append_nonfinite_values_match_reference():
     gen = torch.Generator().manual_seed(2)
     for name, gran in (("fp8_e4m3", "page"), ("fp8_e5m2", "token"), ("fp4_e2m1", "page")):
-        ref, got = _pair(_fmt(name, gran), 2, 2, 16, 64)
+        ref, got = storage_pair(_fmt(name, gran), 2, 2, 16, 64)
         x = torch.randn(7, 2, 64, generator=gen)
         x[1, 0, 3] = float("nan")
         x[2, 1, 5] = float("inf")
