@@ -65,6 +65,20 @@ class PoolStats:
     internal_waste: float   # fraction of the slots of used pages that hold no token
 
 
+@dataclass
+class SwappedSequence:
+    """A sequence's pages in host memory (PagePool.swap_out): per PagedTensor of `k + v`, its
+    `data` / `scale` / `micro` rows of the sequence's pages, in page order."""
+
+    length: int
+    num_pages: int
+    tensors: list
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for parts in self.tensors for t in parts.values())
+
+
 class _Sequence:
     """One sequence: its pages in order, its length and its block-table row. Invariant:
     len(pages) == ceil(length / page_size); eviction may drop or compact pages if it keeps that
@@ -104,6 +118,7 @@ class PagePool:
         # Allocator: a stack of free ids (popped from the end, so page 0 goes out first).
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._ref: list[int] = [0] * num_pages
+        self._pins: dict[int, int] = {}  # page -> pins (prefix cache), counted in _ref
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
         # Block tables: one persistent int32 table on the pool device, a row per sequence. Changes
@@ -306,6 +321,98 @@ class PagePool:
         out = self._table[:, :width].index_select(0, self._rows[1])
         return out if device is None else out.to(device)
 
+    # --- prefix sharing and swapping (kvcompile/engine) ---------------------------------------
+
+    def pin(self, pages) -> None:
+        """Hold full pages outside any sequence (the engine's prefix cache). A pinned page is not
+        freed when its sequences are, and counts as shared: a sequence that appends to it after
+        a truncation copies it first, so pinned pages are never written."""
+        pages = [int(p) for p in pages]
+        for p in pages:
+            if not 0 <= p < self.num_pages or self._ref[p] == 0:
+                raise CacheStateError(f"pin: page {p} is not held by any sequence (pin a page "
+                                      f"while the sequence that wrote it still holds it)")
+        for p in pages:
+            self._ref[p] += 1
+            self._pins[p] = self._pins.get(p, 0) + 1
+
+    def unpin(self, pages) -> None:
+        """Drop pins; a page no sequence holds returns to the free list."""
+        pages = [int(p) for p in pages]
+        for p in pages:
+            if self._pins.get(p, 0) < 1:
+                raise CacheStateError(f"unpin: page {p} is not pinned")
+        for p in pages:
+            self._pins[p] -= 1
+            if not self._pins[p]:
+                del self._pins[p]
+            self._ref[p] -= 1
+            if self._ref[p] == 0:
+                self._free.append(p)
+
+    @property
+    def num_free(self) -> int:
+        """Pages on the free list (cheap; `stats()` walks every sequence)."""
+        return len(self._free)
+
+    def refcount(self, page: int) -> int:
+        """Holders of a page: sequences plus pins (0 = free)."""
+        return self._ref[int(page)]
+
+    def attach(self, seq_id: int, pages) -> None:
+        """Give an empty sequence full pages that hold its first len(pages) * page_size tokens
+        (a prefix-cache hit): shared, never copied; its next tokens start a new page."""
+        seq = self._lookup([seq_id])[0]
+        pages = [int(p) for p in pages]
+        if seq.length:
+            raise CacheStateError(f"attach: sequence {seq_id} already holds {seq.length} tokens")
+        if self.max_seq_len is not None and len(pages) * self.page_size > self.max_seq_len:
+            raise SequenceTooLongError(len(pages) * self.page_size, self.max_seq_len)
+        for p in pages:
+            if not 0 <= p < self.num_pages or self._ref[p] == 0:
+                raise CacheStateError(f"attach: page {p} holds nothing (freed, or never used)")
+        for p in pages:
+            self._ref[p] += 1
+        seq.pages, seq.length = pages, len(pages) * self.page_size
+        self._sync_row(seq, 0)
+
+    def swap_out(self, seq_id: int, pin_memory: bool = False) -> SwappedSequence:
+        """Copy a sequence's pages (every layer, K and V, scales included) to host memory and
+        free the sequence. `swap_in` restores it bit for bit."""
+        seq = self._lookup([seq_id])[0]
+        ids = torch.tensor(seq.pages, dtype=torch.int64, device=self.device)
+        saved = []
+        for paged in self.k + self.v:
+            parts = {}
+            for name in ("data", "scale", "micro"):
+                t = getattr(paged, name)
+                if t is None or (name == "scale" and paged.fmt.granularity == "tensor"):
+                    continue
+                host = t[ids].to("cpu")
+                parts[name] = host.pin_memory() if pin_memory else host
+            saved.append(parts)
+        swapped = SwappedSequence(seq.length, len(seq.pages), saved)
+        self.free([seq_id])
+        return swapped
+
+    def swap_in(self, swapped: SwappedSequence) -> int:
+        """A new sequence holding the swapped-out tokens again. Atomic: on KVCacheFullError
+        nothing changes."""
+        n = swapped.num_pages
+        if n > len(self._free):
+            raise KVCacheFullError(n, len(self._free), self.num_pages, detail="swap in")
+        sid = self.allocate(1)[0]
+        try:
+            self.reserve([sid], swapped.length)
+        except BaseException:
+            self.free([sid])
+            raise
+        ids = torch.tensor(self._seqs[sid].pages, dtype=torch.int64, device=self.device)
+        for paged, parts in zip(self.k + self.v, swapped.tensors):
+            for name, host in parts.items():
+                getattr(paged, name)[ids] = host.to(self.device, non_blocking=True)
+        return sid
+
     # --- accounting --------------------------------------------------------------------------
 
     def stats(self) -> PoolStats:
@@ -314,6 +421,8 @@ class PagePool:
         for seq in self._seqs.values():
             for i, p in enumerate(seq.pages):
                 fill[p] = max(fill.get(p, 0), min(self.page_size, seq.length - i * self.page_size))
+        for p in self._pins:  # prefix-cache pages are full
+            fill[p] = self.page_size
         slots = used * self.page_size
         return PoolStats(
             pages_total=self.num_pages, pages_used=used, pages_free=len(self._free),
@@ -343,6 +452,8 @@ class PagePool:
             if row[:len(seq.pages)] != seq.pages or any(row[len(seq.pages):]):
                 raise CacheStateError(f"block-table row of sequence {sid} is {row}, pages are "
                                       f"{seq.pages}")
+        for p, n in self._pins.items():  # pins (prefix cache) hold pages too
+            held[p] += n
         if held != self._ref:
             bad = [p for p in range(self.num_pages) if held[p] != self._ref[p]][:8]
             raise CacheStateError(f"refcounts disagree with owners at pages {bad}")

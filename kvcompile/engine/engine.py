@@ -1,0 +1,379 @@
+"""`kvcompile.Engine`: continuous batching over the paged, quantized KV pool.
+
+    engine = kvcompile.Engine(model, tokenizer, KVConfig(kv_dtype="fp8_e4m3"),
+                              max_num_batched_tokens=2048)
+    outs = engine.generate(["Hello", "Tell me"], SamplingParams(temperature=0, max_tokens=64))
+    for delta in engine.stream("Once upon a time", SamplingParams(max_tokens=128)):
+        print(delta.new_text, end="")
+
+Requests may be added at any time (`add_request`, thread-safe); each `step()` runs one forward
+over a token budget (scheduler.py), samples, and returns what each request produced. Bad input
+raises `RequestError` at `add_request`; a request whose logits turn non-finite finishes with
+`finish_reason="error"`; the others are not affected.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+
+from kvcompile.engine.params import RequestError, SamplingParams
+from kvcompile.engine.prefix_cache import PrefixCache, page_hashes
+from kvcompile.engine.request import Request, RequestOutput, Status
+from kvcompile.engine.runner import ModelRunner
+from kvcompile.engine.sampling import make_generator, sample
+from kvcompile.engine.scheduler import Scheduler
+from kvcompile.engine.stats import EngineStats, StepStats
+from kvcompile.errors import NonFiniteKVError
+
+log = logging.getLogger("kvcompile.engine")
+
+
+class Engine:
+    """model: a Hugging Face causal LM (compiled here with `config` unless already compiled with
+    kvcompile). tokenizer: needed for string prompts, text output and stop strings.
+    max_num_batched_tokens: tokens per step (prefill chunks + decodes). max_num_seqs: running
+    requests at most. max_model_len: prompt + output tokens at most (default: the model's
+    max_position_embeddings, capped by KVConfig.max_seq_len and the pool).
+    preemption_mode: "recompute" or "swap" (host memory, at most swap_space_bytes)."""
+
+    def __init__(self, model, tokenizer=None, config=None, *, max_num_batched_tokens: int = 2048,
+                 max_num_seqs: int = 128, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True, preemption_mode: str = "recompute",
+                 swap_space_bytes: int = 4 << 30, seed: int = 0, log_every: int = 0):
+        from kvcompile.api import compile as kv_compile
+        from kvcompile.api import state_of
+
+        for name, v in (("max_num_batched_tokens", max_num_batched_tokens),
+                        ("max_num_seqs", max_num_seqs), ("swap_space_bytes", swap_space_bytes)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise RequestError(f"Engine {name}={v!r}: must be an int >= 1")
+        if preemption_mode not in ("recompute", "swap"):
+            raise RequestError(f"Engine preemption_mode={preemption_mode!r}: allowed: "
+                               f"'recompute', 'swap'")
+        state = state_of(model)
+        if state is None:
+            kv_compile(model, config)
+            state = state_of(model)
+        elif config is not None:
+            raise RequestError("this model is already compiled with kvcompile; pass config=None "
+                               "(the engine uses the model's own KVConfig)")
+        self.model, self.tokenizer, self.state = model, tokenizer, state
+        self.runner = ModelRunner(model, state)
+        if state.pool is None:
+            self.runner.warm_up()
+        self.pool = state.pool
+        P = self.pool.page_size
+        limits = [self.pool.num_pages * P]
+        for v in (getattr(model.config, "max_position_embeddings", None), state.config.max_seq_len):
+            if v:
+                limits.append(int(v))
+        self.max_model_len = min(limits) if max_model_len is None else int(max_model_len)
+        if self.max_model_len < 2:
+            raise RequestError(f"Engine max_model_len={self.max_model_len}: must be >= 2")
+        self.prefix_cache = PrefixCache(self.pool) if enable_prefix_caching else None
+        self.scheduler = Scheduler(self.pool, self.prefix_cache, max_num_batched_tokens,
+                                   max_num_seqs, preemption_mode, swap_space_bytes)
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.vocab_size = _vocab_size(model)
+        self.seed = seed
+        self.log_every = log_every
+        self.stats = EngineStats()
+        self.history: deque[StepStats] = deque(maxlen=4096)
+        self.on_step: list = []                # callbacks(StepStats)
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._lock = threading.RLock()
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None, on_output=None) -> str:
+        """Queue a request: `prompt` is a string (needs the tokenizer) or token ids. Returns its
+        id. `on_output(RequestOutput)` is called after every step that changes it."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        ids = self._tokenize(prompt)
+        self._validate(ids, params)
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer: Engine(model, tokenizer)")
+        with self._lock:
+            n = next(self._ids)
+            rid = str(n) if request_id is None else str(request_id)
+            if rid in self._requests:
+                raise RequestError(f"request id {rid!r} is already in use")
+            seed = params.seed if params.seed is not None else hash((self.seed, n)) % (1 << 62)
+            gen = make_generator(seed, self.runner.device)
+            req = Request(rid, ids, params, gen, self.tokenizer, on_output)
+            self._requests[rid] = req
+            self.scheduler.add(req)
+            self.stats.requests_added += 1
+            self.stats.prompt_tokens += len(ids)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its pages; False if it is unknown or already finished."""
+        with self._lock:
+            req = self._requests.get(str(request_id))
+            if req is None or req.finished:
+                return False
+            self.scheduler.release(req)
+            req.finish("abort")
+            self._done(req)
+            self._emit(req)
+            return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- driving --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, sample; the outputs of the requests that changed."""
+        with self._lock:
+            t0 = time.perf_counter()
+            out = self.scheduler.schedule()
+            changed: list[Request] = []
+            generated = 0
+            if out.seqs:
+                try:
+                    logits = self.runner.forward(out)
+                except NonFiniteKVError as e:
+                    self.scheduler.rollback(out)
+                    changed.append(self._fail_at(out, e))
+                    logits = None
+                except BaseException:
+                    self.scheduler.rollback(out)
+                    raise
+                if logits is not None:
+                    generated = self._advance(out, logits, changed)
+            for req in changed:
+                if req.finished:
+                    self._done(req)
+            outputs = [self._emit(req) for req in changed]
+            self._record(out, time.perf_counter() - t0, generated)
+            return outputs
+
+    def generate(self, prompts, params: SamplingParams | list | None = None
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion (with whatever else is queued); outputs in prompt order."""
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        prompts = [prompts] if single else list(prompts)
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise RequestError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
+        final: dict[str, RequestOutput] = {}
+        rids = [self.add_request(p, sp, on_output=lambda o: o.finished and final.setdefault(
+            o.request_id, o)) for p, sp in zip(prompts, plist)]
+        while any(r not in final for r in rids):
+            self.step()
+        return [final[r] for r in rids]
+
+    def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield a request's output after every step that adds to it (new_token_ids, new_text);
+        the last one has finished=True. Other requests in flight progress meanwhile."""
+        q: deque[RequestOutput] = deque()
+        rid = self.add_request(prompt, params, on_output=q.append)
+        finished = False
+        try:
+            while not finished:
+                while not q:
+                    self.step()
+                o = q.popleft()
+                finished = o.finished
+                yield o
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
+        """One chat turn: the tokenizer's chat template with a generation prompt."""
+        if self.tokenizer is None:
+            raise RequestError("chat needs a tokenizer: Engine(model, tokenizer)")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return self.generate([list(ids)], params)[0]
+
+    def close(self) -> None:
+        """Abort everything and drop the prefix cache: the engine's pages return to the pool."""
+        with self._lock:
+            for rid in list(self._requests):
+                self.abort(rid)
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()
+
+    # -- internals ------------------------------------------------------------------------------
+    def _advance(self, out, logits, changed: list[Request]) -> int:
+        rows, reqs = [], []
+        for i, s in enumerate(out.seqs):
+            s.req.num_computed = s.start + s.n
+            if s.req.num_computed == s.req.num_tokens:
+                rows.append(i)
+                reqs.append(s.req)
+        if not rows:
+            return 0
+        sel = logits if len(rows) == len(out.seqs) else logits[rows]
+        banned = [self._banned(r) for r in reqs]
+        tokens, lps, ok = sample(sel, [r.params for r in reqs], [r.generator for r in reqs],
+                                 [r.all_ids if r.params.repetition_penalty != 1.0 else []
+                                  for r in reqs], banned)
+        now = time.perf_counter()
+        for req, tok, lp, good in zip(reqs, tokens, lps, ok):
+            changed.append(req)
+            if not good:
+                req.finish("error", f"non-finite logits at token {req.num_tokens} of request "
+                           f"{req.id}; this request was stopped, the others go on")
+                self.stats.requests_failed += 1
+                continue
+            self._register(req)
+            req.output_ids.append(tok)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if req.logprobs is not None:
+                req.logprobs.append(lp)
+            self._check_stop(req, tok)
+        self.stats.generated_tokens += sum(ok)
+        return sum(ok)
+
+    def _banned(self, req: Request) -> list[int]:
+        p = req.params
+        if len(req.output_ids) >= p.min_tokens:
+            return []
+        return ([] if p.ignore_eos else list(self.eos_ids)) + list(p.stop_token_ids)
+
+    def _check_stop(self, req: Request, tok: int) -> None:
+        p = req.params
+        stop_str = req.detok.add(tok) if req.detok is not None else None
+        n = len(req.output_ids)
+        if n >= p.min_tokens and (stop_str is not None or tok in p.stop_token_ids
+                                  or (not p.ignore_eos and tok in self.eos_ids)):
+            req.finish("stop")
+        elif n >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            req.finish("length")
+
+    def _register(self, req: Request) -> None:
+        """Offer the request's newly filled pages to the prefix cache."""
+        if self.prefix_cache is None or req.seq_id is None:
+            return
+        P = self.pool.page_size
+        full = req.num_computed // P
+        if full <= req.num_registered:
+            return
+        req.page_hashes = page_hashes(req.tokens(0, full * P), P, req.page_hashes[:full])
+        pages = self.pool.pages_of(req.seq_id)
+        lo = req.num_registered
+        self.prefix_cache.insert(req.page_hashes[lo:full], pages[lo:full])
+        req.num_registered = full
+
+    def _fail_at(self, out, e: NonFiniteKVError) -> Request:
+        """NonFiniteKVError (KVConfig.check_finite) in a packed step: fail the request whose
+        token it was; the step is retried without it."""
+        pos = e.position
+        for s in out.seqs:
+            pos -= s.n
+            if pos < 0:
+                break
+        req = s.req
+        self.scheduler.release(req)
+        req.finish("error", f"non-finite {e.which} entering the KV cache (layer {e.layer}); "
+                   f"this request was stopped, the others go on")
+        self.stats.requests_failed += 1
+        return req
+
+    def _done(self, req: Request) -> None:
+        self.scheduler.release(req)
+        self._requests.pop(req.id, None)
+        self.stats.requests_finished += 1
+
+    def _emit(self, req: Request) -> RequestOutput:
+        o = req.output()
+        if req.on_output is not None:
+            req.on_output(o)
+        return o
+
+    def _record(self, out, dt: float, generated: int) -> None:
+        s = self.stats
+        s.steps += 1
+        s.preemptions += len(out.preempted)
+        s.computed_tokens += out.num_tokens
+        s.busy_s += dt
+        decode = sum(1 for x in out.seqs if x.n == 1 and x.start >= len(x.req.prompt_ids))
+        st = StepStats(
+            step=s.steps, duration_s=dt, num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting), num_swapped=len(self.scheduler.swapped),
+            num_scheduled=len(out.seqs), prefill_tokens=out.num_tokens - decode,
+            decode_tokens=decode, generated_tokens=generated, pages_used=self.pool.num_pages
+            - self.pool.num_free, pages_free=self.pool.num_free,
+            pages_cached=len(self.prefix_cache) if self.prefix_cache is not None else 0,
+            preemptions=len(out.preempted),
+            tokens_per_s=out.num_tokens / dt if dt > 0 else 0.0,
+            generated_per_s=generated / dt if dt > 0 else 0.0,
+            prefix_hit_rate=self.prefix_cache.hit_rate if self.prefix_cache is not None else 0.0)
+        self.history.append(st)
+        for cb in self.on_step:
+            cb(st)
+        if self.log_every and s.steps % self.log_every == 0:
+            log.info("%s", st)
+
+    def _tokenize(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("a string prompt needs a tokenizer: Engine(model, tokenizer), "
+                                   "or pass token ids")
+            return list(self.tokenizer(prompt).input_ids)
+        if hasattr(prompt, "tolist"):
+            prompt = prompt.tolist()
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise RequestError(f"prompt must be a string or a list of token ids, got "
+                               f"{type(prompt).__name__}") from None
+        return ids
+
+    def _validate(self, ids: list[int], p: SamplingParams) -> None:
+        n = len(ids)
+        if n == 0:
+            raise RequestError("the prompt is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token ids {bad[:4]} are outside the vocabulary "
+                               f"[0, {self.vocab_size})")
+        if n >= self.max_model_len:
+            raise RequestError(f"the prompt has {n} tokens; the engine's max_model_len is "
+                               f"{self.max_model_len} (prompt + at least one new token). "
+                               f"Shorten the prompt or raise max_model_len / KVConfig budget.")
+        if n + p.max_tokens > self.max_model_len:
+            raise RequestError(f"prompt ({n}) + max_tokens ({p.max_tokens}) = {n + p.max_tokens}"
+                               f" tokens exceeds max_model_len={self.max_model_len}; lower "
+                               f"max_tokens to at most {self.max_model_len - n}")
+        P = self.pool.page_size
+        pages = -(-(n + p.max_tokens - 1) // P)
+        if pages > self.pool.num_pages:
+            raise RequestError(f"prompt ({n}) + max_tokens ({p.max_tokens}) needs {pages} "
+                               f"pages, the whole pool holds {self.pool.num_pages}: it can never "
+                               f"fit, even alone. Raise KVConfig.max_kv_bytes, use a smaller "
+                               f"kv_dtype, or lower max_tokens.")
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for src in (getattr(model, "generation_config", None), getattr(model, "config", None),
+                tokenizer):
+        v = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+    return ids
+
+
+def _vocab_size(model) -> int:
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if emb is not None and hasattr(emb, "num_embeddings"):
+        return int(emb.num_embeddings)
+    return int(model.config.vocab_size)

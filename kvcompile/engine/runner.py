@@ -1,0 +1,86 @@
+"""Runs one engine step on the compiled model: a packed batch over the pool.
+
+The scheduled tokens of every sequence are packed into one row, `input_ids [1, T]` with their
+absolute `position_ids [1, T]`, and the model is called with `use_cache=False`: its attention
+sites are then "none" caches, rewritten onto `kvcompile::attention` like any other. The forward
+context carries a packed `StepPlan` (docs/architecture.md, "The engine drives the same graphs
+with its own plan"): the op stores each sequence's new K/V at the reserved slots and attends
+causally within each sequence (`cu_seqlens_q`), ignoring whatever mask the model built.
+
+T varies from step to step; it is marked dynamic, so Dynamo compiles a handful of graphs
+(T = 1 is specialized), not one per length.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from kvcompile.cache.context import ForwardContext, StepPlan, forward_context
+from kvcompile.engine.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model, state):
+        self.model = model
+        self.state = state
+        self.device = next(model.parameters()).device
+        fwd = inspect.signature(type(model).forward).parameters
+        self.keep_arg = "logits_to_keep" in fwd
+
+    @property
+    def pool(self):
+        return self.state.pool
+
+    def warm_up(self) -> None:
+        """One forward outside any context: Dynamo traces, the passes register every attention
+        layer, and the pool is built (the GraphRunner binds a throwaway sequence)."""
+        ids = torch.zeros(1, 2, dtype=torch.long, device=self.device)
+        pos = torch.arange(2, device=self.device)[None]
+        keep = torch.tensor([1], device=self.device)
+        self._call(ids, pos, keep)
+        self.state.ensure_pool(self.device)
+
+    def forward(self, out: SchedulerOutput) -> torch.Tensor:
+        """Logits [B, V] at the last scheduled token of each sequence of the step."""
+        seqs = out.seqs
+        ids, pos, cu, q_lens, past, lens = [], [], [0], [], [], []
+        for s in seqs:
+            ids += s.req.tokens(s.start, s.start + s.n)
+            pos += range(s.start, s.start + s.n)
+            cu.append(cu[-1] + s.n)
+            q_lens.append(s.n)
+            past.append(s.start)
+            lens.append(s.start + s.n)
+        dev = self.device
+        seq_ids = [s.req.seq_id for s in seqs]
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        plan = StepPlan(
+            seq_ids=seq_ids, batch=len(seqs), new_tokens=max(q_lens), past_lens=past,
+            slots=torch.cat([s.slots for s in seqs]).to(dev),
+            block_tables=self.pool.block_table(seq_ids, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev), seq_lens_list=lens,
+            kv_start=[0] * len(seqs), packed=True, cu_seqlens_q=cu_t.to(dev), q_lens=q_lens)
+        ctx = ForwardContext(self.state, None, plan=plan)
+        ids_t = torch.tensor([ids], dtype=torch.long, device=dev)
+        pos_t = torch.tensor([pos], dtype=torch.long, device=dev)
+        keep = (cu_t[1:] - 1).to(dev, torch.long)
+        with forward_context(ctx):
+            logits = self._call(ids_t, pos_t, keep)
+        for hook in self.state.hooks:  # the GraphRunner leaves an engine's context alone
+            hook.after_forward(ctx)
+        return logits
+
+    def _call(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        # ids, pos: [1, T]  keep: [B] indices of the rows whose logits are needed -> [B, V]
+        if ids.shape[1] > 1:
+            torch._dynamo.maybe_mark_dynamic(ids, 1)
+            torch._dynamo.maybe_mark_dynamic(pos, 1)
+        if keep.shape[0] > 1:
+            torch._dynamo.maybe_mark_dynamic(keep, 0)
+        kw = dict(input_ids=ids, position_ids=pos, use_cache=False)
+        with torch.no_grad():
+            if self.keep_arg:
+                return self.model(**kw, logits_to_keep=keep).logits[0]
+            return self.model(**kw).logits[0].index_select(0, keep)

@@ -1,0 +1,241 @@
+"""The scheduler: which requests run in a step, and how many of their tokens.
+
+Each step has a token budget (`max_num_batched_tokens`), spent in this order:
+  1. running requests that decode (one token each), oldest first;
+  2. running requests in the middle of a chunked prefill, one chunk each;
+  3. swapped-out requests, brought back while pages allow;
+  4. waiting requests, first come first served, while pages and the budget allow.
+So a long prompt is cut into chunks that share steps with the decodes and never stalls them.
+A partial chunk ends on a page boundary where it can, so pages are written in one piece.
+
+Pages are reserved here (PagePool.reserve, atomic). When the pool is full, the prefix cache
+gives back pages only it holds (least recently used first); when that is not enough, the most
+recently admitted running request is preempted: its pages are freed and it is recomputed later
+(`preemption_mode="recompute"`), or copied to host memory and copied back ("swap").
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcompile.engine.prefix_cache import PrefixCache, page_hashes
+from kvcompile.engine.request import Request, Status
+from kvcompile.errors import KVCacheFullError
+
+
+@dataclass
+class ScheduledSeq:
+    req: Request
+    start: int              # tokens of the request cached before this step
+    n: int                  # tokens computed in this step
+    slots: torch.Tensor     # [n] int64 pool slots of those tokens
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.n for s in self.seqs)
+
+
+class Scheduler:
+    def __init__(self, pool, prefix_cache: PrefixCache | None, max_num_batched_tokens: int,
+                 max_num_seqs: int, preemption_mode: str = "recompute",
+                 swap_space_bytes: int = 4 << 30, watermark: float = 0.01):
+        self.pool = pool
+        self.cache = prefix_cache
+        self.max_tokens = max_num_batched_tokens
+        self.max_seqs = max_num_seqs
+        self.mode = preemption_mode
+        self.swap_space = swap_space_bytes
+        self.swap_used = 0
+        self.watermark = max(1, int(watermark * pool.num_pages))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        self.num_preemptions = 0
+
+    # -- queues ---------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def release(self, req: Request) -> None:
+        """Take a request out of every queue and free its pages (finished or aborted)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        elif req in self.swapped:
+            self.swapped.remove(req)
+        if req.seq_id is not None:
+            self.pool.free([req.seq_id])
+            req.seq_id = None
+        if req.swapped is not None:
+            self.swap_used -= req.swapped.nbytes
+            req.swapped = None
+
+    # -- one step -------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_tokens
+        done: set[int] = set()
+        # 1-2. running: decodes first, then one chunk of each prefill in progress
+        for decode_pass in (True, False):
+            for req in list(self.running):
+                if budget <= 0:
+                    break
+                if id(req) in done or req.status is not Status.RUNNING:
+                    continue
+                if (req.to_compute == 1) != decode_pass:
+                    continue
+                n = self._chunk(req, budget)
+                slots = self._reserve(req, n)
+                while slots is None:
+                    victim = self._victim(done, req)
+                    if victim is None:
+                        break
+                    self._preempt(victim, out)
+                    if victim is req:
+                        break
+                    slots = self._reserve(req, n)
+                if slots is None:
+                    continue
+                out.seqs.append(ScheduledSeq(req, req.num_computed, n, slots))
+                done.add(id(req))
+                budget -= n
+        if out.preempted:
+            return out  # no admissions while the running ones do not fit
+        # 3. swapped-out requests come back first
+        while self.swapped and len(self.running) < self.max_seqs:
+            if not self._swap_in(self.swapped[0]):
+                break
+            self.running.append(self.swapped.popleft())
+        # 4. waiting requests, first come first served
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+            req = self.waiting[0]
+            fresh = req.seq_id is None
+            if fresh:
+                self._start(req)
+            n = self._chunk(req, budget)
+            slots = self._reserve(req, n, keep=self.watermark if self.running else 0)
+            if slots is None:
+                if fresh:
+                    self.pool.free([req.seq_id])
+                    req.seq_id, req.num_computed = None, 0
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.seqs.append(ScheduledSeq(req, req.num_computed, n, slots))
+            budget -= n
+        return out
+
+    def rollback(self, out: SchedulerOutput) -> None:
+        """Undo a step's reservations (the forward failed)."""
+        for s in out.seqs:
+            if s.req.seq_id is not None:
+                self.pool.truncate(s.req.seq_id, s.start)
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _chunk(self, req: Request, budget: int) -> int:
+        n = min(req.to_compute, budget)
+        if n < req.to_compute:  # partial chunk: end on a page boundary if that leaves any
+            P = self.pool.page_size
+            end = (req.num_computed + n) // P * P
+            if end > req.num_computed:
+                n = end - req.num_computed
+        return n
+
+    def _start(self, req: Request) -> None:
+        """Give a waiting request a sequence, starting from the longest cached prefix."""
+        req.seq_id = self.pool.allocate(1)[0]
+        req.num_computed = 0
+        req.num_registered = 0
+        if self.cache is None:
+            return
+        P = self.pool.page_size
+        req.page_hashes = page_hashes(req.all_ids, P, req.page_hashes)
+        max_pages = (req.num_tokens - 1) // P   # at least one token left to compute
+        query = len(req.prompt_ids) if req.num_preemptions == 0 else 0
+        pages = self.cache.match(req.page_hashes, max_pages, query)
+        if pages:
+            self.pool.attach(req.seq_id, pages)
+            req.num_computed, req.num_registered = len(pages) * P, len(pages)
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = min(len(pages) * P, len(req.prompt_ids))
+
+    def _reserve(self, req: Request, n: int, keep: int = 0) -> torch.Tensor | None:
+        """Slots for the next n tokens of req, evicting cached pages if needed; None if the pool
+        cannot hold them (keeping `keep` pages free)."""
+        for _ in range(2):
+            try:
+                if keep:
+                    self._need_free(req, n, keep)
+                return self.pool.reserve([req.seq_id], n)
+            except KVCacheFullError as e:
+                short = e.pages_requested - e.pages_free
+                if self.cache is None or self.cache.evict(short) < short:
+                    return None
+        return None
+
+    def _need_free(self, req: Request, n: int, keep: int) -> None:
+        P, have = self.pool.page_size, self.pool.seq_len(req.seq_id)
+        need = -(-(have + n) // P) - -(-have // P) + keep
+        free = self.pool.num_free
+        if need > free:
+            raise KVCacheFullError(need, free, self.pool.num_pages)
+
+    def _victim(self, done: set[int], current: Request) -> Request | None:
+        for req in reversed(self.running):
+            if id(req) not in done:
+                return req
+        return None
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(req)
+        if self.mode == "swap" and req.seq_id is not None:
+            need = self._swap_bytes(req)
+            if self.swap_used + need <= self.swap_space:
+                req.swapped = self.pool.swap_out(req.seq_id)
+                self.swap_used += req.swapped.nbytes
+                req.seq_id = None
+                req.status = Status.SWAPPED
+                self.swapped.append(req)
+                return
+        if req.seq_id is not None:
+            self.pool.free([req.seq_id])
+        req.seq_id, req.num_computed, req.num_registered = None, 0, 0
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+
+    def _swap_bytes(self, req: Request) -> int:
+        pages = len(self.pool.pages_of(req.seq_id))
+        return int(pages * self.pool.bytes_per_page)
+
+    def _swap_in(self, req: Request) -> bool:
+        for _ in range(2):
+            try:
+                req.seq_id = self.pool.swap_in(req.swapped)
+                break
+            except KVCacheFullError as e:
+                short = e.pages_requested - e.pages_free
+                if self.cache is None or self.cache.evict(short) < short:
+                    return False
+        else:
+            return False
+        self.swap_used -= req.swapped.nbytes
+        req.swapped = None
+        req.status = Status.RUNNING
+        return True
