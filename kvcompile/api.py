@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass, field
 
 import torch
 
+from kvcompile import telemetry as _telemetry  # noqa: F401  (the silent `kvcompile` logger)
 from kvcompile.backend import kvcompile_backend
 from kvcompile.config import KVConfig
 from kvcompile.runtime import ModelState, all_states
@@ -25,6 +27,7 @@ def compile(model: torch.nn.Module, config: KVConfig | dict | None = None, **opt
         raise TypeError("pass either a KVConfig/dict or keyword options, not both")
     cfg = KVConfig.from_options(config if config is not None else options)
     state = ModelState(cfg)
+    state.created_at = time.monotonic()  # telemetry rates count from here
     state.param_ids = {id(p) for p in model.parameters()}
     backend = functools.partial(kvcompile_backend, state=state)
     functools.update_wrapper(backend, kvcompile_backend)
@@ -122,12 +125,12 @@ def report(model) -> Report:
 
 
 def stats(model=None) -> dict:
-    """Pool telemetry: pages used/free, fill, waste, tokens, bytes per token, counters."""
-    states = [state_of(model)] if model is not None else all_states()
-    out = {}
-    for i, st in enumerate(s for s in states if s is not None):
-        entry = dict(st.counters)
-        if st.pool is not None:
-            entry.update(st.pool.stats().__dict__)
-        out[i] = entry
-    return out if model is None else out.get(0, {})
+    """Telemetry of one compiled model (or of all, keyed 0, 1, ...): pages used / free / total,
+    fill_ratio, internal_waste, tokens, bytes_per_token, evictions_per_s, evicted_tokens_per_s,
+    preemptions_per_s (60 s window), prefix_cache_hit_rate, and the raw counters."""
+    from kvcompile.telemetry import state_stats
+
+    if model is not None:
+        st = state_of(model)
+        return state_stats(st) if st is not None else {}
+    return {i: state_stats(st) for i, st in enumerate(all_states())}

@@ -1,0 +1,224 @@
+"""What every `kvcompile` command shares: exit codes, errors, output, progress, devices.
+
+A command is `run(args) -> Result`: `payload` is what `--json` prints (one JSON object on
+stdout), `text` what a person reads. Errors are raised as `CLIError(message, hint, code)`; main.py
+prints them as one line plus a hint (the traceback only with --debug).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+# Exit codes (docs/cli.md lists them; tests check them).
+EXIT_OK = 0
+EXIT_INTERNAL = 1       # an unexpected error: a bug in kvcompile (rerun with --debug)
+EXIT_USAGE = 2          # bad command line: unknown option or value, unknown pass, bad config
+EXIT_MODEL = 3          # the model cannot be found or loaded
+EXIT_VERIFY = 4         # --verify: compiled output diverged beyond tolerance
+EXIT_UNAVAILABLE = 5    # needs what this machine lacks: CUDA, an optional package, a harness
+EXIT_RUNTIME = 6        # kvcompile refused at run time (pool full, sequence too long, ...)
+EXIT_INTERRUPTED = 130  # Ctrl-C
+
+EXIT_CODES = {
+    EXIT_OK: "success",
+    EXIT_INTERNAL: "unexpected error (a bug: rerun with --debug and report the traceback)",
+    EXIT_USAGE: "bad command line: unknown option or value, unknown pass, bad KVConfig value",
+    EXIT_MODEL: "the model cannot be found or loaded",
+    EXIT_VERIFY: "inspect --verify: the compiled model diverged from eager beyond tolerance",
+    EXIT_UNAVAILABLE: "needs something this machine lacks (CUDA, an optional package, a "
+                      "benchmark script)",
+    EXIT_RUNTIME: "kvcompile refused at run time (KV pool full, sequence too long, cache state)",
+    EXIT_INTERRUPTED: "interrupted",
+}
+
+
+class CLIError(Exception):
+    """An error the CLI reports as one line plus a hint, with exit code `code`."""
+
+    def __init__(self, message: str, hint: str = "", code: int = EXIT_USAGE):
+        super().__init__(message)
+        self.message, self.hint, self.code = message, hint, code
+
+
+@dataclass
+class Result:
+    payload: dict
+    text: str = ""
+    code: int = EXIT_OK
+    extra_json: dict = field(default_factory=dict)
+
+
+def to_jsonable(x):
+    """Tensors, dtypes, devices, dataclasses and non-finite floats -> plain JSON values."""
+    if isinstance(x, dict):
+        return {str(k): to_jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [to_jsonable(v) for v in x]
+    if isinstance(x, float):
+        return x if math.isfinite(x) else (None if math.isnan(x) else str(x))
+    if isinstance(x, (bool, int, str)) or x is None:
+        return x
+    if isinstance(x, torch.Tensor):
+        return to_jsonable(x.tolist())
+    if hasattr(x, "__dataclass_fields__"):
+        return to_jsonable(dict(x.__dict__))
+    return str(x)
+
+
+def dumps(payload: dict) -> str:
+    return json.dumps(to_jsonable(payload), indent=2, sort_keys=False)
+
+
+# --- progress ---------------------------------------------------------------------------------
+
+class Console:
+    """Where progress and notes go: stderr, only for a person (not with --json / --quiet, not
+    when stderr is no terminal unless `force`)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    @classmethod
+    def for_args(cls, args) -> Console:
+        quiet = getattr(args, "json", False) or getattr(args, "quiet", False)
+        return cls(not quiet and (sys.stderr.isatty() or getattr(args, "progress", False)))
+
+    def note(self, msg: str) -> None:
+        if self.enabled:
+            print(msg, file=sys.stderr, flush=True)
+
+    @contextmanager
+    def stage(self, what: str):
+        """`what ... 3.2 s` on stderr around a step of unknown length; yields a timer dict."""
+        timer = {"seconds": 0.0}
+        if self.enabled:
+            print(f"{what} ...", end="", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        try:
+            yield timer
+        finally:
+            timer["seconds"] = time.perf_counter() - t0
+            if self.enabled:
+                print(f" {timer['seconds']:.1f} s", file=sys.stderr, flush=True)
+
+    def progress(self, total: int | None, desc: str):
+        return Progress(total, desc, self.enabled)
+
+
+class Progress:
+    """tqdm when installed, else a line every 2 s; silent when disabled."""
+
+    def __init__(self, total: int | None, desc: str, enabled: bool):
+        self.total, self.desc, self.enabled, self.n = total, desc, enabled, 0
+        self._bar, self._t0, self._last = None, time.perf_counter(), 0.0
+        if enabled:
+            try:
+                from tqdm.auto import tqdm
+
+                self._bar = tqdm(total=total, desc=desc, file=sys.stderr, leave=False)
+            except ImportError:
+                self._bar = None
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(n)
+            return
+        now = time.perf_counter()
+        if now - self._last >= 2.0 or self.n == self.total:
+            self._last = now
+            of = f"/{self.total}" if self.total else ""
+            print(f"{self.desc}: {self.n}{of} ({now - self._t0:.0f} s)", file=sys.stderr,
+                  flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# --- devices and dtypes -----------------------------------------------------------------------
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError("--device cuda was asked for, but CUDA is not available here",
+                       hint="use --device cpu (or auto)", code=EXIT_UNAVAILABLE)
+    return dev
+
+
+def pick_dtype(name: str | None) -> torch.dtype | None:
+    if name is None or name == "auto":
+        return None
+    return DTYPES[name]
+
+
+def load(args, console: Console):
+    """args.model -> LoadedModel, with model errors as CLIError(EXIT_MODEL)."""
+    from kvcompile.models import ModelNotFoundError, load_model
+
+    device = pick_device(getattr(args, "device", "auto"))
+    with console.stage(f"loading {args.model}"):
+        try:
+            return load_model(args.model, device=device, dtype=pick_dtype(args.dtype))
+        except ModelNotFoundError as e:
+            raise CLIError(str(e), e.hint, EXIT_MODEL) from e
+        except (OSError, ValueError) as e:
+            raise CLIError(f"cannot load {args.model!r}: {e}".splitlines()[0],
+                           "check the path, or try --debug for the full traceback",
+                           EXIT_MODEL) from e
+
+
+def kv_config(args, **overrides):
+    """The KVConfig of a command's --kv-dtype / --page-size / --max-kv-mib / --inner options."""
+    from kvcompile.config import KVConfig
+
+    fields = dict(kv_dtype=args.kv_dtype, page_size=args.page_size, inner=args.inner,
+                  max_kv_bytes=int(args.max_kv_mib * 2**20))
+    fields.update(overrides)
+    return KVConfig(**fields)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def table(rows: list[list], header: list[str]) -> str:
+    """A plain text table, columns padded to their widest cell."""
+    cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def resolve_inner(name: str, device: torch.device) -> str:
+    """--inner auto: inductor on CUDA; aot_eager on the CPU, where inductor's C++ codegen
+    takes minutes for a 30-layer model on 2 cores (the passes are the same either way)."""
+    if name != "auto":
+        return name
+    return "inductor" if torch.device(device).type == "cuda" else "aot_eager"
