@@ -45,17 +45,23 @@ FORMATS = ["bf16", "fp8_e4m3/page", "fp8_e4m3/token", "fp8_e5m2/page", "fp4_e2m1
 TARGET = {"bf16": 1.10, "fp8": 0.55, "fp4": 0.33}
 # Variants timed on B16_L32k; the best per format family becomes the config of the final table.
 # ASM: 3 = keys and values widened by inline PTX, 2 = values only, 0 = plain Triton casts.
+_W4 = dict(num_warps=4)
 VARIANTS = {
-    "bf16": [dict(BLOCK_T=64, num_warps=4, num_stages=2), dict(BLOCK_T=32, num_warps=4,
-             num_stages=2), dict(BLOCK_T=128, num_warps=4, num_stages=2),
-             dict(BLOCK_T=64, num_warps=4, num_stages=3)],
-    "fp8": [dict(BLOCK_T=128, num_warps=4, num_stages=2, ASM=3), dict(BLOCK_T=64, num_warps=4,
-            num_stages=2, ASM=3), dict(BLOCK_T=128, num_warps=4, num_stages=3, ASM=3),
-            dict(BLOCK_T=128, num_warps=8, num_stages=2, ASM=3), dict(BLOCK_T=128, num_warps=4,
-            num_stages=1, ASM=3), dict(BLOCK_T=128, num_warps=4, num_stages=2, ASM=0)],
-    "fp4": [dict(BLOCK_T=128, num_warps=4, num_stages=2, ASM=3), dict(BLOCK_T=64, num_warps=4,
-            num_stages=2, ASM=3), dict(BLOCK_T=128, num_warps=8, num_stages=2, ASM=3),
-            dict(BLOCK_T=128, num_warps=4, num_stages=2, ASM=0)],
+    "bf16": [dict(BLOCK_T=128, num_stages=2, **_W4), dict(BLOCK_T=128, num_stages=2, SPLIT=1,
+             **_W4), dict(BLOCK_T=128, num_stages=3, **_W4),
+             dict(BLOCK_T=256, num_warps=8, num_stages=2)],
+    "fp8": [dict(BLOCK_T=128, num_stages=3, ASM=3, **_W4),
+            dict(BLOCK_T=128, num_stages=1, ASM=3, SPLIT=1, **_W4),
+            dict(BLOCK_T=128, num_stages=2, ASM=3, SPLIT=1, **_W4),
+            dict(BLOCK_T=128, num_stages=1, ASM=3, SPLIT=1, WORDS=1, PREFETCH=1, **_W4),
+            dict(BLOCK_T=64, num_stages=1, ASM=3, SPLIT=1, WORDS=1, PREFETCH=1, **_W4),
+            dict(BLOCK_T=128, num_stages=1, ASM=3, WORDS=1, PREFETCH=1, **_W4),
+            dict(BLOCK_T=256, num_stages=1, ASM=3, SPLIT=1, **_W4),
+            dict(BLOCK_T=256, num_warps=8, num_stages=1, ASM=3, SPLIT=1)],
+    "fp4": [dict(BLOCK_T=128, num_stages=2, ASM=3, **_W4),
+            dict(BLOCK_T=128, num_stages=1, ASM=3, **_W4),
+            dict(BLOCK_T=128, num_stages=3, ASM=3, **_W4),
+            dict(BLOCK_T=256, num_warps=8, num_stages=1, ASM=3)],
 }
 WAVES = (4, 8, 16)
 SWEEP_SHAPE = "B16_L32k"

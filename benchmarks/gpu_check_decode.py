@@ -69,6 +69,26 @@ def decode_cases(quick: bool):
 DEV = "cuda"
 
 
+def config_cases():
+    """Every tile variant bench_decode.py may pick, checked before its timing is trusted."""
+    from benchmarks.bench_decode import VARIANTS
+
+    fmts = {"bf16": [("bf16", "page")], "fp8": [("fp8_e4m3", "page"), ("fp8_e5m2", "token")],
+            "fp4": [("fp4_e2m1", "page")]}
+    cases = []
+    for fam, variants in VARIANTS.items():
+        for cfg in variants:
+            for k, (name, gran) in enumerate(fmts[fam]):
+                D, G, P, Sq = ((128, 4, 16, 1), (64, 8, 32, 3))[k % 2]
+                cases.append(dict(kf=name, vf=name, gran=gran, D=D, G=G, P=P, Sq=Sq,
+                                  lens=[1500, 37, 640], config=dict(cfg)))
+                if fam != "fp8":
+                    D, G, P, Sq = 64, 8, 32, 3
+                    cases.append(dict(kf=name, vf=name, gran=gran, D=D, G=G, P=P, Sq=Sq,
+                                      lens=[900, 5], config=dict(cfg)))
+    return cases
+
+
 def check_decode(c, gen) -> str:
     c = dict(c)
     km = None
@@ -120,8 +140,9 @@ def main() -> int:
     ap.add_argument("--cpu-smoke", type=int, default=0,
                     help="run the first N cases on the CPU interpreter with short sequences")
     a = ap.parse_args()
-    work = [("decode", c) for c in decode_cases(a.quick)] + [("append", c) for c in
-                                                             append_cases(a.quick)]
+    work = ([("decode", c) for c in decode_cases(a.quick)]
+            + [("decode", c) for c in config_cases()]
+            + [("append", c) for c in append_cases(a.quick)])
     work = work[a.shard::a.shards]
     if a.cpu_smoke:
         global DEV

@@ -18,7 +18,7 @@ NS=9
 for i in $(seq 0 $((NS - 1))); do
   timeout "$T1" python3 benchmarks/gpu_check_decode.py $QUICK --shard "$i" --shards $NS > "$LOGS/check_$i.log" 2>&1 &
 done
-NW=5
+NW=6
 for i in $(seq 0 $((NW - 1))); do
   timeout "$T1" python3 benchmarks/bench_decode.py warmup --part "$i" --parts $NW > "$LOGS/warm_$i.log" 2>&1 &
 done

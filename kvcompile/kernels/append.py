@@ -72,6 +72,17 @@ def _encode_fp8(x, scale, FMT: tl.constexpr, FMAX: tl.constexpr, EXPLICIT: tl.co
 
 
 @triton.jit
+def _div_const(x, DIV: tl.constexpr, RECIP: tl.constexpr):
+    # x / DIV as torch computes `tensor / python_float`: on CUDA a multiplication by the fp32
+    # reciprocal (RECIP), on the CPU a true division; so storage stays bit-exact with
+    # PagedTensor.write on either device
+    if RECIP:
+        return x * (1.0 / DIV)
+    else:
+        return tl.math.div_rn(x, DIV)
+
+
+@triton.jit
 def _decode_fp8(code, scale, FMT: tl.constexpr, DATA_DT: tl.constexpr):
     return code.to(DATA_DT, bitcast=True).to(tl.float32) * scale
 
@@ -88,13 +99,13 @@ def _fp4_codes(q):
 
 
 @triton.jit
-def _encode_fp4(xe, xo, scale, EXPLICIT: tl.constexpr):
+def _encode_fp4(xe, xo, scale, EXPLICIT: tl.constexpr, RECIP: tl.constexpr):
     # xe, xo: [R, D // 16, 8] even / odd elements of each 16-value micro-block; scale: [R, 1, 1]
     # -> (packed bytes [R, D // 16, 8] uint8, micro codes [R, D // 16] uint8)
     fin_e = tl.where(tl.abs(xe) < float("inf"), tl.abs(xe), 0.0)
     fin_o = tl.where(tl.abs(xo) < float("inf"), tl.abs(xo), 0.0)
     amax16 = tl.max(tl.maximum(fin_e, fin_o), 2)                         # [R, G]
-    mic = tl.minimum(tl.math.div_rn(tl.math.div_rn(amax16, 6.0), tl.reshape(scale, [
+    mic = tl.minimum(tl.math.div_rn(_div_const(amax16, 6.0, RECIP), tl.reshape(scale, [
         scale.shape[0], 1])), 448.0)
     if EXPLICIT:
         mcode = _round_fp8_bits(mic, 3, -6, 7)
@@ -133,7 +144,8 @@ def _finite_abs(x):
 @triton.jit
 def _store_rows(X, DATA, SCALE, MICRO, src, dst, ok, scale, H, h,
                 D: tl.constexpr, FMT: tl.constexpr, TOKEN_SCALE: tl.constexpr,
-                EXPLICIT: tl.constexpr, FMAX: tl.constexpr, DIV: tl.constexpr):
+                EXPLICIT: tl.constexpr, FMAX: tl.constexpr, DIV: tl.constexpr,
+                RECIP: tl.constexpr):
     # Encode rows x[src[r], h, :] and store them at page rows dst[r] (row = (page*H+h)*P+off).
     # scale: [R] fp32 scale of each row (ignored if TOKEN_SCALE: computed from the row's amax)
     xrow = (src * H + h).to(tl.int64) * D
@@ -149,10 +161,10 @@ def _store_rows(X, DATA, SCALE, MICRO, src, dst, ok, scale, H, h,
         xe, xo = tl.split(x)
         if TOKEN_SCALE:
             amax = tl.max(tl.max(tl.maximum(_finite_abs(xe), _finite_abs(xo)), 2), 1)
-            scale = tl.math.div_rn(amax, DIV)
+            scale = _div_const(amax, DIV, RECIP)
             scale = tl.where(scale > 0, scale, 1.0)
         sc3 = scale[:, None, None]
-        packed, mcode = _encode_fp4(xe, xo, sc3, EXPLICIT)
+        packed, mcode = _encode_fp4(xe, xo, sc3, EXPLICIT, RECIP)
         tl.store(DATA + drow[:, None, None] * (D // 2) + g[None, :, None] * 8
                  + j[None, None, :], packed, mask=ok[:, None, None])
         tl.store(MICRO + drow[:, None] * G + g[None, :], mcode, mask=ok[:, None])
@@ -172,7 +184,7 @@ def _store_rows(X, DATA, SCALE, MICRO, src, dst, ok, scale, H, h,
         else:
             x = x.to(tl.float32)
             if TOKEN_SCALE:
-                scale = tl.math.div_rn(tl.max(_finite_abs(x), 1), DIV)
+                scale = _div_const(tl.max(_finite_abs(x), 1), DIV, RECIP)
                 scale = tl.where(scale > 0, scale, 1.0)
             code = _encode_fp8(x, scale[:, None], FMT, FMAX, EXPLICIT)
             tl.store(DATA + drow[:, None] * D + d[None, :], code, mask=ok[:, None])
@@ -180,10 +192,20 @@ def _store_rows(X, DATA, SCALE, MICRO, src, dst, ok, scale, H, h,
         tl.store(SCALE + drow, scale, mask=ok)
 
 
+@triton.jit(do_not_specialize=["N"])
+def _calibrate_amax_kernel(X, N, SCALE, AMAX, BLOCK: tl.constexpr):
+    # tensor scale not yet calibrated (0): AMAX = finite amax of all of x (else nothing to do)
+    if tl.load(SCALE) == 0.0:
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(X + i, mask=i < N, other=0.0).to(tl.float32)
+        tl.atomic_max(AMAX, tl.max(_finite_abs(x), 0))
+
+
 @triton.jit(do_not_specialize=["T", "H"])
-def _append_rows_kernel(X, SLOTS, DATA, SCALE, MICRO, T, H, D: tl.constexpr, P: tl.constexpr,
-                        R: tl.constexpr, FMT: tl.constexpr, SM: tl.constexpr,
-                        EXPLICIT: tl.constexpr, FMAX: tl.constexpr, DIV: tl.constexpr):
+def _append_rows_kernel(X, SLOTS, DATA, SCALE, MICRO, AMAX, T, H, D: tl.constexpr,
+                        P: tl.constexpr, R: tl.constexpr, FMT: tl.constexpr, SM: tl.constexpr,
+                        EXPLICIT: tl.constexpr, FMAX: tl.constexpr, DIV: tl.constexpr,
+                        RECIP: tl.constexpr):
     # plain formats, token scales (SM == 3) or one tensor scale (SM == 1): R tokens of head h
     h = tl.program_id(1)
     t = tl.program_id(0) * R + tl.arange(0, R)
@@ -191,11 +213,16 @@ def _append_rows_kernel(X, SLOTS, DATA, SCALE, MICRO, T, H, D: tl.constexpr, P: 
     slot = tl.load(SLOTS + t, mask=ok, other=0)
     dst = ((slot // P) * H + h) * P + slot % P
     if SM == 1:
-        scale = tl.load(SCALE + t * 0)
+        s0 = tl.load(SCALE)
+        fresh = _div_const(tl.load(AMAX), DIV, RECIP)
+        s0 = tl.where(s0 == 0.0, tl.where(fresh > 0, fresh, 1.0), s0)
+        scale = tl.zeros([R], tl.float32) + s0
+        if (tl.program_id(0) == 0) & (h == 0):
+            tl.store(SCALE, s0)
     else:
         scale = tl.full([R], 1.0, tl.float32)
     _store_rows(X, DATA, SCALE, MICRO, t, dst, ok, scale, H, h, D, FMT, SM == 3, EXPLICIT, FMAX,
-                DIV)
+                DIV, RECIP)
 
 
 @triton.jit
@@ -222,7 +249,8 @@ def _row_amax(DATA, MICRO, rows, ok, scale, D: tl.constexpr, FMT: tl.constexpr,
 
 @triton.jit
 def _reencode_rows(DATA, MICRO, rows, ok, old, new, D: tl.constexpr, FMT: tl.constexpr,
-                   DATA_DT: tl.constexpr, EXPLICIT: tl.constexpr, FMAX: tl.constexpr):
+                   DATA_DT: tl.constexpr, EXPLICIT: tl.constexpr, FMAX: tl.constexpr,
+                   RECIP: tl.constexpr):
     # page rows decoded with scale `old`, encoded again with `new`
     rows = rows.to(tl.int64)
     if FMT == 3:
@@ -237,7 +265,8 @@ def _reencode_rows(DATA, MICRO, rows, ok, old, new, D: tl.constexpr, FMT: tl.con
         xe = _e2m1_value(byte & 15).to(tl.float32) * mval * old
         xo = _e2m1_value(byte >> 4).to(tl.float32) * mval * old
         R: tl.constexpr = rows.shape[0]
-        packed, mcode = _encode_fp4(xe, xo, tl.zeros([R, 1, 1], tl.float32) + new, EXPLICIT)
+        packed, mcode = _encode_fp4(xe, xo, tl.zeros([R, 1, 1], tl.float32) + new, EXPLICIT,
+                                    RECIP)
         tl.store(bptr, packed, mask=ok[:, None, None])
         tl.store(mptr, mcode, mask=ok[:, None])
     else:
@@ -264,54 +293,68 @@ def _grow_scale(scale, cover):
     return tl.where(cover > scale, grown, scale)
 
 
+@triton.jit
+def _append_page_run(X, SORTED, ORDER, DATA, SCALE, MICRO, i, T, H, h, D: tl.constexpr,
+                     P: tl.constexpr, R: tl.constexpr, FMT: tl.constexpr, DATA_DT: tl.constexpr,
+                     EXPLICIT: tl.constexpr, FMAX: tl.constexpr, DIV: tl.constexpr,
+                     RECIP: tl.constexpr):
+    # the run of sorted slots starting at i (all in one page), head h
+    slot = tl.load(SORTED + i)
+    page = slot // P
+    k = tl.arange(0, P)
+    nxt = tl.load(SORTED + i + k, mask=i + k < T, other=-1)
+    n = tl.sum(((nxt >= 0) & (nxt // P == page)).to(tl.int32), 0)
+    min_off = (slot % P).to(tl.int32)
+    base = (page * H + h) * P  # page row of offset 0 for head h
+    old_scale = tl.load(SCALE + page * H + h)
+    r = tl.arange(0, R)
+    new_amax = 0.0
+    for c in range(0, n, R):
+        ok = c + r < n
+        src = tl.load(ORDER + i + c + r, mask=ok, other=0)
+        x = tl.load(X + (src * H + h).to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :],
+                    mask=ok[:, None], other=0.0).to(tl.float32)
+        new_amax = tl.maximum(new_amax, tl.max(tl.max(_finite_abs(x), 1), 0))
+    old_amax = 0.0
+    for c in range(0, min_off, R):
+        ok = c + r < min_off
+        old_amax = tl.maximum(old_amax, _row_amax(DATA, MICRO, base + c + r, ok, old_scale, D,
+                                                  FMT, DATA_DT))
+    cover = _div_const(new_amax, DIV, RECIP)
+    fresh = tl.where(cover > 0, cover, 1.0)
+    new_scale = tl.where(old_amax == 0, fresh, _grow_scale(old_scale, cover))
+    if new_scale != old_scale:
+        for c in range(0, min_off, R):
+            ok = c + r < min_off
+            _reencode_rows(DATA, MICRO, base + c + r, ok, old_scale, new_scale, D, FMT, DATA_DT,
+                           EXPLICIT, FMAX, RECIP)
+    for c in range(0, n, R):
+        ok = c + r < n
+        src = tl.load(ORDER + i + c + r, mask=ok, other=0)
+        s = tl.load(SORTED + i + c + r, mask=ok, other=0)
+        _store_rows(X, DATA, SCALE, MICRO, src, base + (s % P), ok,
+                    tl.zeros([R], tl.float32) + new_scale, H, h, D, FMT, False, EXPLICIT, FMAX,
+                    DIV, RECIP)
+    tl.store(SCALE + page * H + h, new_scale)
+
+
 @triton.jit(do_not_specialize=["T", "H"])
 def _append_pages_kernel(X, SORTED, ORDER, DATA, SCALE, MICRO, T, H, D: tl.constexpr,
                          P: tl.constexpr, R: tl.constexpr, FMT: tl.constexpr,
                          DATA_DT: tl.constexpr, EXPLICIT: tl.constexpr, FMAX: tl.constexpr,
-                         DIV: tl.constexpr):
-    # page scales: program (i, h) owns the run of sorted slots that starts at i, if one does
-    i = tl.program_id(0)
+                         DIV: tl.constexpr, RECIP: tl.constexpr, WIN: tl.constexpr):
+    # page scales: program (w, h) handles the runs of sorted slots (one page each) that start
+    # in positions [w * WIN, (w + 1) * WIN): WIN = 1 for decode steps (one token per page),
+    # WIN = P for bulk writes, so programs are neither idle nor serial
     h = tl.program_id(1)
-    slot = tl.load(SORTED + i)
-    page = slot // P
-    prev = tl.load(SORTED + tl.maximum(i - 1, 0)) // P
-    if (i == 0) | (prev != page):
-        k = tl.arange(0, P)
-        nxt = tl.load(SORTED + i + k, mask=i + k < T, other=-1)
-        n = tl.sum(((nxt >= 0) & (nxt // P == page)).to(tl.int32), 0)
-        min_off = (slot % P).to(tl.int32)
-        base = (page * H + h) * P  # page row of offset 0 for head h
-        old_scale = tl.load(SCALE + page * H + h)
-        r = tl.arange(0, R)
-        new_amax = 0.0
-        for c in range(0, n, R):
-            ok = c + r < n
-            src = tl.load(ORDER + i + c + r, mask=ok, other=0)
-            x = tl.load(X + (src * H + h).to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :],
-                        mask=ok[:, None], other=0.0).to(tl.float32)
-            new_amax = tl.maximum(new_amax, tl.max(tl.max(_finite_abs(x), 1), 0))
-        old_amax = 0.0
-        for c in range(0, min_off, R):
-            ok = c + r < min_off
-            old_amax = tl.maximum(old_amax, _row_amax(DATA, MICRO, base + c + r, ok, old_scale,
-                                                      D, FMT, DATA_DT))
-        fresh = tl.math.div_rn(new_amax, DIV)
-        fresh = tl.where(fresh > 0, fresh, 1.0)
-        new_scale = tl.where(old_amax == 0, fresh,
-                             _grow_scale(old_scale, tl.math.div_rn(new_amax, DIV)))
-        if new_scale != old_scale:
-            for c in range(0, min_off, R):
-                ok = c + r < min_off
-                _reencode_rows(DATA, MICRO, base + c + r, ok, old_scale, new_scale, D, FMT,
-                               DATA_DT, EXPLICIT, FMAX)
-        for c in range(0, n, R):
-            ok = c + r < n
-            src = tl.load(ORDER + i + c + r, mask=ok, other=0)
-            s = tl.load(SORTED + i + c + r, mask=ok, other=0)
-            _store_rows(X, DATA, SCALE, MICRO, src, base + (s % P), ok,
-                        tl.zeros([R], tl.float32) + new_scale, H, h, D, FMT, False, EXPLICIT,
-                        FMAX, DIV)
-        tl.store(SCALE + page * H + h, new_scale)
+    for j in range(WIN):
+        i = tl.program_id(0) * WIN + j
+        if i < T:
+            page = tl.load(SORTED + i) // P
+            prev = tl.load(SORTED + tl.maximum(i - 1, 0)) // P
+            if (i == 0) | (prev != page):
+                _append_page_run(X, SORTED, ORDER, DATA, SCALE, MICRO, i, T, H, h, D, P, R, FMT,
+                                 DATA_DT, EXPLICIT, FMAX, DIV, RECIP)
 
 
 # --- launcher ------------------------------------------------------------------------------
@@ -353,14 +396,15 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str)
     x = x.contiguous()
     slots = slots.to(torch.int64)
     explicit = _interpreting()
+    recip = not explicit  # torch divides by a python float through its reciprocal on CUDA
     R = max(1, min(64, 4096 // D))
     if fmt == FMT_PLAIN:
         code = {torch.bfloat16: _PLAIN_BF16, torch.float16: _PLAIN_FP16,
                 torch.float32: _PLAIN_FP32}[data.dtype]
         dst = data.view(torch.int16) if data.dtype == torch.bfloat16 else data
         _append_rows_kernel[(triton.cdiv(T, R), H)](
-            x, slots, dst, x, x, T, H, D=D, P=P, R=R, FMT=code, SM=0, EXPLICIT=explicit,
-            FMAX=1.0, DIV=1.0, num_warps=4)
+            x, slots, dst, x, x, x, T, H, D=D, P=P, R=R, FMT=code, SM=0, EXPLICIT=explicit,
+            FMAX=1.0, DIV=1.0, RECIP=recip, num_warps=4)
         return
     fmax = 6.0 if fmt == FMT_E2M1 else float(torch.finfo(data.dtype).max)
     div = 6.0 * 448.0 if fmt == FMT_E2M1 else fmax
@@ -369,19 +413,22 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str)
     data_dt = {FMT_E4M3: tl.float8e4nv, FMT_E5M2: tl.float8e5}.get(fmt, tl.float8e4nv)
     if granularity == "page":
         sorted_slots, order = torch.sort(slots)
-        _append_pages_kernel[(T, H)](
+        win = 1 if T <= 4096 else P
+        _append_pages_kernel[(triton.cdiv(T, win), H)](
             x, sorted_slots, order, d8, scale, m8, T, H, D=D, P=P, R=min(R, P), FMT=fmt,
-            DATA_DT=data_dt, EXPLICIT=explicit, FMAX=fmax, DIV=div, num_warps=4)
+            DATA_DT=data_dt, EXPLICIT=explicit, FMAX=fmax, DIV=div, RECIP=recip, WIN=win,
+            num_warps=4)
         return
+    amax = scale
     if granularity == "tensor":
-        from kvcompile.cache.fp4 import finite_amax, scale_from_amax
-
-        amax = finite_amax(x.float(), tuple(range(x.dim())), keepdim=False)
-        scale.copy_(torch.where(scale == 0, scale_from_amax(amax, div).view(1), scale))
+        amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+        blk = 4096
+        _calibrate_amax_kernel[(triton.cdiv(x.numel(), blk),)](x, x.numel(), scale, amax,
+                                                                BLOCK=blk, num_warps=4)
     _append_rows_kernel[(triton.cdiv(T, R), H)](
-        x, slots, d8, scale, m8, T, H, D=D, P=P, R=R, FMT=fmt,
+        x, slots, d8, scale, m8, amax, T, H, D=D, P=P, R=R, FMT=fmt,
         SM=3 if granularity == "token" else 1, EXPLICIT=explicit, FMAX=fmax, DIV=div,
-        num_warps=4)
+        RECIP=recip, num_warps=4)
 
 
 @torch.library.custom_op("kvcompile::quantize_append", mutates_args=("data", "scale", "micro"))

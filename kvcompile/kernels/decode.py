@@ -32,14 +32,121 @@ from kvcompile.kernels.decode_tiles import (
     FP4_ASM_FOLD,
     SCALE_CODES,
     SCALE_NONE,
-    load_tile,
+    load_codes,
     load_token_scales,
+    widen,
 )
 
 HEAD_DIMS = (64, 128, 256)
 PAGE_SIZES = (8, 16, 32, 64, 128)
 MAX_SQ = 8
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tile_meta(t, t1, b, L, lo, lo_t, n_sink, sinks, BT, stride_bt, KMASK, n_kmask,
+               P: tl.constexpr, BLOCK_T: tl.constexpr, WINDOW: tl.constexpr,
+               HAS_KMASK: tl.constexpr):
+    # tile t -> key positions [T], keys some row of the program may see [T], their page ids
+    start = tl.where(t < n_sink, t * BLOCK_T, lo_t + (t - n_sink) * BLOCK_T)
+    pos = start + tl.arange(0, BLOCK_T)
+    seen = (pos < L) & (pos * 0 + t < t1)
+    if WINDOW:
+        seen = seen & ((pos >= lo) | (pos < sinks))
+    if HAS_KMASK:
+        km = tl.load(KMASK + b * n_kmask + pos, mask=seen & (pos < n_kmask), other=1)
+        seen = seen & (km != 0)
+    page = tl.load(BT + b * stride_bt + pos // P, mask=seen, other=0)
+    return pos, seen, page
+
+
+@triton.jit
+def _tile_data(KD, KS, KM, VD, VS, VM, pos, seen, page, kvh, H, k_mult, v_mult,
+               D: tl.constexpr, DV: tl.constexpr, P: tl.constexpr, KFMT: tl.constexpr,
+               VFMT: tl.constexpr, KSM: tl.constexpr, VSM: tl.constexpr, ASM: tl.constexpr,
+               BIG: tl.constexpr, SPLIT: tl.constexpr, WORDS: tl.constexpr):
+    # raw codes and per-token scales of one tile (loads only, nothing waits on them here).
+    # (kx, km): fp4 (bytes, micro); SPLIT: the two column halves; else (codes, codes)
+    off = pos % P
+    tok = (page * H + kvh) * P + off
+    if SPLIT and KFMT != 3:
+        kx, _ = load_codes(KD, KM, tok, seen, D, KFMT, ASM, BIG, 0, D // 2, WORDS)
+        km, _ = load_codes(KD, KM, tok, seen, D, KFMT, ASM, BIG, D // 2, D // 2, WORDS)
+    else:
+        kx, km = load_codes(KD, KM, tok, seen, D, KFMT, ASM, BIG, 0, 0, WORDS)
+    if SPLIT and VFMT != 3:
+        vx, _ = load_codes(VD, VM, tok, seen, DV, VFMT, ASM, BIG, 0, DV // 2, WORDS)
+        vm, _ = load_codes(VD, VM, tok, seen, DV, VFMT, ASM, BIG, DV // 2, DV // 2, WORDS)
+    else:
+        vx, vm = load_codes(VD, VM, tok, seen, DV, VFMT, ASM, BIG, 0, 0, WORDS)
+    ks = load_token_scales(KS, page, off, kvh, H, P, KSM, seen) * k_mult
+    vs = load_token_scales(VS, page, off, kvh, H, P, VSM, seen) * v_mult
+    return kx, km, vx, vm, ks, vs
+
+
+@triton.jit
+def _attend_tile(q_a, q_b, kx, km, vx, vm, ks, vs, pos, seen, q_pos, row_ok, q_row, m_i, l_i,
+                 w_run, acc_a, acc_b, SCORES, scores_len, qk_scale, cap_in, cap_out, window,
+                 sinks, D: tl.constexpr, DV: tl.constexpr, SQ: tl.constexpr,
+                 KFMT: tl.constexpr, VFMT: tl.constexpr, KSM: tl.constexpr, VSM: tl.constexpr,
+                 CDT: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_SCORES: tl.constexpr,
+                 PREC: tl.constexpr, WINDOW: tl.constexpr, ASM: tl.constexpr,
+                 SPLIT: tl.constexpr, WORDS: tl.constexpr):
+    # ---- scores s [M, T] in log2 units; two half-width dots for fp4 (even / odd columns) or
+    # SPLIT (first / second half): half the operand registers live at a time
+    if SPLIT and KFMT != 3:
+        k_a, _ = widen(kx, kx, D // 2, KFMT, CDT, ASM, WORDS)
+        k_b, _ = widen(km, km, D // 2, KFMT, CDT, ASM, WORDS)
+    else:
+        k_a, k_b = widen(kx, km, D, KFMT, CDT, ASM, WORDS)
+    s = tl.dot(q_a, tl.trans(k_a), input_precision=PREC)
+    if KFMT == 3 or SPLIT:
+        s = tl.dot(q_b, tl.trans(k_b), s, input_precision=PREC)
+    if KSM != 0:
+        s = s * ks[None, :]
+    if SOFTCAP:
+        x = s * cap_in
+        e = tl.exp(-2.0 * tl.abs(x))
+        th = (1.0 - e) / (1.0 + e)
+        s = tl.where(x < 0, -th, th) * cap_out
+    else:
+        s = s * qk_scale
+    ok = seen[None, :] & row_ok[:, None]
+    if SQ > 1:
+        ok = ok & (pos[None, :] <= q_pos[:, None])
+    if WINDOW:
+        ok = ok & ((q_pos[:, None] - pos[None, :] < window) | (pos[None, :] < sinks))
+    s = tl.where(ok, s, float("-inf"))
+    if WRITE_SCORES:
+        tl.store(SCORES + q_row[:, None].to(tl.int64) * scores_len + pos[None, :], s,
+                 mask=ok & (pos < scores_len)[None, :])
+
+    # ---- online softmax
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    # ---- values: each token's scale goes into p, divided by the tile's largest so that the
+    # 16-bit p operand keeps its precision; acc is kept in units of that largest
+    if SPLIT and VFMT != 3:
+        v_a, _ = widen(vx, vx, DV // 2, VFMT, CDT, ASM, WORDS)
+        v_b, _ = widen(vm, vm, DV // 2, VFMT, CDT, ASM, WORDS)
+    else:
+        v_a, v_b = widen(vx, vm, DV, VFMT, CDT, ASM, WORDS)
+    if VSM == 0:
+        pv = p.to(CDT)
+        corr = alpha
+    else:
+        w_tile = tl.maximum(tl.max(vs, 0), 1e-30)
+        pv = (p * (vs / w_tile)[None, :]).to(CDT)
+        corr = alpha * (w_run / w_tile)
+        w_run = tl.zeros_like(w_run) + w_tile
+    acc_a = tl.dot(pv, v_a, acc_a * corr[:, None], input_precision=PREC)
+    if VFMT == 3 or SPLIT:
+        acc_b = tl.dot(pv, v_b, acc_b * corr[:, None], input_precision=PREC)
+    return m_new, l_i, w_run, acc_a, acc_b
 
 
 # Runtime ints are not specialized (divisibility, == 1): the binary depends on the constexprs
@@ -55,7 +162,8 @@ def _decode_split_kernel(
         KFMT: tl.constexpr, VFMT: tl.constexpr, KSM: tl.constexpr, VSM: tl.constexpr,
         CDT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KMASK: tl.constexpr,
         WRITE_SCORES: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
-        WINDOW: tl.constexpr, ASM: tl.constexpr, BIG: tl.constexpr):
+        WINDOW: tl.constexpr, ASM: tl.constexpr, BIG: tl.constexpr, PREFETCH: tl.constexpr,
+        SPLIT: tl.constexpr, WORDS: tl.constexpr):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // H
@@ -74,6 +182,12 @@ def _decode_split_kernel(
         q_a = tl.load(Q + q_row[:, None] * D + 2 * dh[None, :], mask=row_ok[:, None],
                       other=0.0).to(CDT)
         q_b = tl.load(Q + q_row[:, None] * D + 2 * dh[None, :] + 1, mask=row_ok[:, None],
+                      other=0.0).to(CDT)
+    elif SPLIT:
+        dh = tl.arange(0, D // 2)
+        q_a = tl.load(Q + q_row[:, None] * D + dh[None, :], mask=row_ok[:, None],
+                      other=0.0).to(CDT)
+        q_b = tl.load(Q + q_row[:, None] * D + D // 2 + dh[None, :], mask=row_ok[:, None],
                       other=0.0).to(CDT)
     else:
         d = tl.arange(0, D)
@@ -101,74 +215,52 @@ def _decode_split_kernel(
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     w_run = tl.full([M], 1.0, tl.float32)  # acc holds output * l / w_run (value-scale units)
-    if VFMT == 3:
+    if VFMT == 3 or SPLIT:
         acc_a = tl.zeros([M, DV // 2], tl.float32)
         acc_b = tl.zeros([M, DV // 2], tl.float32)
     else:
         acc_a = tl.zeros([M, DV], tl.float32)
         acc_b = acc_a
 
-    t_off = tl.arange(0, BLOCK_T)
-    for t in range(t0, t1):
-        start = tl.where(t < n_sink, t * BLOCK_T, lo_t + (t - n_sink) * BLOCK_T)
-        pos = start + t_off
-        seen = pos < L  # [T]: keys some row of this program may see
-        if WINDOW:
-            seen = seen & ((pos >= lo) | (pos < sinks))
-        if HAS_KMASK:
-            km = tl.load(KMASK + b * n_kmask + pos, mask=pos < n_kmask, other=1)
-            seen = seen & (km != 0)
-        page = tl.load(BT + b * stride_bt + pos // P, mask=seen, other=0)
-        off = pos % P
-        tok = (page * H + kvh) * P + off
-
-        # ---- scores s [M, T] in log2 units
-        k_a, k_b = load_tile(KD, KM, tok, seen, D, KFMT, CDT, ASM, BIG)
-        s = tl.dot(q_a, tl.trans(k_a), input_precision=PREC)
-        if KFMT == 3:
-            s = tl.dot(q_b, tl.trans(k_b), s, input_precision=PREC)
-        if KSM != 0:
-            s = s * (load_token_scales(KS, page, off, kvh, H, P, KSM, seen) * k_mult)[None, :]
-        if SOFTCAP:
-            x = s * cap_in
-            e = tl.exp(-2.0 * tl.abs(x))
-            th = (1.0 - e) / (1.0 + e)
-            s = tl.where(x < 0, -th, th) * cap_out
-        else:
-            s = s * qk_scale
-        ok = seen[None, :] & row_ok[:, None]
-        if SQ > 1:
-            ok = ok & (pos[None, :] <= q_pos[:, None])
-        if WINDOW:
-            ok = ok & ((q_pos[:, None] - pos[None, :] < window) | (pos[None, :] < sinks))
-        s = tl.where(ok, s, float("-inf"))
-        if WRITE_SCORES:
-            tl.store(SCORES + q_row[:, None].to(tl.int64) * scores_len + pos[None, :], s,
-                     mask=ok & (pos < scores_len)[None, :])
-
-        # ---- online softmax
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
-
-        # ---- values: each token's scale goes into p, divided by the tile's largest so that
-        # the 16-bit p operand keeps its precision; acc is kept in units of that largest
-        v_a, v_b = load_tile(VD, VM, tok, seen, DV, VFMT, CDT, ASM, BIG)
-        if VSM == 0:
-            pv = p.to(CDT)
-            corr = alpha
-        else:
-            vs = load_token_scales(VS, page, off, kvh, H, P, VSM, seen) * v_mult
-            w_tile = tl.maximum(tl.max(vs, 0), 1e-30)
-            pv = (p * (vs / w_tile)[None, :]).to(CDT)
-            corr = alpha * (w_run / w_tile)
-            w_run = tl.zeros_like(w_run) + w_tile
-        acc_a = tl.dot(pv, v_a, acc_a * corr[:, None], input_precision=PREC)
-        if VFMT == 3:
-            acc_b = tl.dot(pv, v_b, acc_b * corr[:, None], input_precision=PREC)
+    if PREFETCH:
+        # software pipeline in registers: while tile t is computed, the codes of tile t + 1
+        # and the page ids of tile t + 2 are in flight (the block-table -> page address chain
+        # is why Triton's own pipeliner waits for every copy at the top of each iteration)
+        pos, seen, page = _tile_meta(t0, t1, b, L, lo, lo_t, n_sink, sinks, BT, stride_bt,
+                                     KMASK, n_kmask, P, BLOCK_T, WINDOW, HAS_KMASK)
+        pos_n, seen_n, page_n = _tile_meta(t0 + 1, t1, b, L, lo, lo_t, n_sink, sinks, BT,
+                                           stride_bt, KMASK, n_kmask, P, BLOCK_T, WINDOW,
+                                           HAS_KMASK)
+        kx, km, vx, vm, ks, vs = _tile_data(KD, KS, KM, VD, VS, VM, pos, seen, page, kvh, H,
+                                            k_mult, v_mult, D, DV, P, KFMT, VFMT, KSM, VSM,
+                                            ASM, BIG, SPLIT, WORDS)
+        for t in range(t0, t1):
+            kx_n, km_n, vx_n, vm_n, ks_n, vs_n = _tile_data(
+                KD, KS, KM, VD, VS, VM, pos_n, seen_n, page_n, kvh, H, k_mult, v_mult, D, DV,
+                P, KFMT, VFMT, KSM, VSM, ASM, BIG, SPLIT, WORDS)
+            pos_nn, seen_nn, page_nn = _tile_meta(t + 2, t1, b, L, lo, lo_t, n_sink, sinks,
+                                                  BT, stride_bt, KMASK, n_kmask, P, BLOCK_T,
+                                                  WINDOW, HAS_KMASK)
+            m_i, l_i, w_run, acc_a, acc_b = _attend_tile(
+                q_a, q_b, kx, km, vx, vm, ks, vs, pos, seen, q_pos, row_ok, q_row, m_i, l_i,
+                w_run, acc_a, acc_b, SCORES, scores_len, qk_scale, cap_in, cap_out, window,
+                sinks, D, DV, SQ, KFMT, VFMT, KSM, VSM, CDT, SOFTCAP, WRITE_SCORES, PREC,
+                WINDOW, ASM, SPLIT, WORDS)
+            kx, km, vx, vm, ks, vs = kx_n, km_n, vx_n, vm_n, ks_n, vs_n
+            pos, seen = pos_n, seen_n
+            pos_n, seen_n, page_n = pos_nn, seen_nn, page_nn
+    else:
+        for t in range(t0, t1):
+            pos, seen, page = _tile_meta(t, t1, b, L, lo, lo_t, n_sink, sinks, BT, stride_bt,
+                                         KMASK, n_kmask, P, BLOCK_T, WINDOW, HAS_KMASK)
+            kx, km, vx, vm, ks, vs = _tile_data(KD, KS, KM, VD, VS, VM, pos, seen, page, kvh,
+                                                H, k_mult, v_mult, D, DV, P, KFMT, VFMT, KSM,
+                                                VSM, ASM, BIG, SPLIT, WORDS)
+            m_i, l_i, w_run, acc_a, acc_b = _attend_tile(
+                q_a, q_b, kx, km, vx, vm, ks, vs, pos, seen, q_pos, row_ok, q_row, m_i, l_i,
+                w_run, acc_a, acc_b, SCORES, scores_len, qk_scale, cap_in, cap_out, window,
+                sinks, D, DV, SQ, KFMT, VFMT, KSM, VSM, CDT, SOFTCAP, WRITE_SCORES, PREC,
+                WINDOW, ASM, SPLIT, WORDS)
 
     # ---- epilogue: normalized partial and lse (log2 units); a split with no key has l = 0
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -177,6 +269,9 @@ def _decode_split_kernel(
     if VFMT == 3:
         cols_a = 2 * tl.arange(0, DV // 2)
         cols_b = cols_a + 1
+    elif SPLIT:
+        cols_a = tl.arange(0, DV // 2)
+        cols_b = cols_a + DV // 2
     else:
         cols_a = tl.arange(0, DV)
         cols_b = cols_a
@@ -184,7 +279,7 @@ def _decode_split_kernel(
         o_ptr = OUT + q_row[:, None] * DV
         tl.store(o_ptr + cols_a[None, :], (acc_a * inv[:, None]).to(OUT.dtype.element_ty),
                  mask=row_ok[:, None])
-        if VFMT == 3:
+        if VFMT == 3 or SPLIT:
             tl.store(o_ptr + cols_b[None, :], (acc_b * inv[:, None]).to(OUT.dtype.element_ty),
                      mask=row_ok[:, None])
         tl.store(LSE + q_row, lse, mask=row_ok)
@@ -192,7 +287,7 @@ def _decode_split_kernel(
         part = q_row * NUM_SPLITS + split
         a_ptr = ACC + part[:, None] * DV
         tl.store(a_ptr + cols_a[None, :], acc_a * inv[:, None], mask=row_ok[:, None])
-        if VFMT == 3:
+        if VFMT == 3 or SPLIT:
             tl.store(a_ptr + cols_b[None, :], acc_b * inv[:, None], mask=row_ok[:, None])
         tl.store(LSE + part, lse, mask=row_ok)
 
@@ -283,7 +378,8 @@ def default_config(kfmt: int, d: int, dv: int, m: int) -> dict:
     block_t = 128 if quantized else 64
     if max(d, dv) >= 256 or m >= 64:
         block_t = 64 if quantized else 32
-    return {"BLOCK_T": block_t, "num_warps": 4, "num_stages": 2, "ASM": 3, "waves": 8}
+    return {"BLOCK_T": block_t, "num_warps": 4, "num_stages": 2, "ASM": 3, "waves": 8,
+            "PREFETCH": 0, "SPLIT": 0, "WORDS": 0}
 
 
 def choose_splits(batch: int, kv_heads: int, max_len: int, block_t: int, sm_count: int,
@@ -409,6 +505,7 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
         KFMT=kfmt, VFMT=vfmt, KSM=ksm, VSM=vsm, CDT=cdt, SOFTCAP=bool(softcap),
         HAS_KMASK=key_mask is not None, WRITE_SCORES=attn_mass is not None, DIRECT=direct,
         IEEE=cdt == tl.float32, WINDOW=window > 0, ASM=asm, BIG=big,
+        PREFETCH=bool(cfg["PREFETCH"]), SPLIT=bool(cfg["SPLIT"]), WORDS=bool(cfg["WORDS"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if not direct:
         _combine_kernel[(rows,)](acc, plse, out, lse, num_splits, DV=DV,

@@ -60,6 +60,39 @@ def _e5m2_to_f16_asm(x):
 
 
 @triton.jit
+def _fp8_word_to_f16(x, FMT: tl.constexpr, CDT: tl.constexpr, ASM: tl.constexpr):
+    # x: int32 words of 4 fp8 codes -> 4 CDT tensors, the codes in byte order
+    if ASM:
+        if FMT == 1:
+            o0, o1, o2, o3 = tl.inline_asm_elementwise(
+                asm="""{ .reg .b16 lo, hi; .reg .b32 r0, r1;
+                mov.b32 {lo, hi}, $4;
+                cvt.rn.f16x2.e4m3x2 r0, lo;
+                cvt.rn.f16x2.e4m3x2 r1, hi;
+                mov.b32 {$0, $1}, r0;
+                mov.b32 {$2, $3}, r1; }""",
+                constraints="=h,=h,=h,=h,r", args=[x],
+                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=False, pack=1)
+        else:
+            o0, o1, o2, o3 = tl.inline_asm_elementwise(
+                asm="""{ .reg .b32 r0, r1;
+                prmt.b32 r0, $4, 0, 0x1404;
+                prmt.b32 r1, $4, 0, 0x3424;
+                mov.b32 {$0, $1}, r0;
+                mov.b32 {$2, $3}, r1; }""",
+                constraints="=h,=h,=h,=h,r", args=[x],
+                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=False, pack=1)
+        return o0, o1, o2, o3
+    else:
+        F8: tl.constexpr = tl.float8e4nv if FMT == 1 else tl.float8e5
+        o0 = (x & 0xFF).to(tl.uint8).to(F8, bitcast=True).to(CDT)
+        o1 = ((x >> 8) & 0xFF).to(tl.uint8).to(F8, bitcast=True).to(CDT)
+        o2 = ((x >> 16) & 0xFF).to(tl.uint8).to(F8, bitcast=True).to(CDT)
+        o3 = ((x >> 24) & 0xFF).to(tl.uint8).to(F8, bitcast=True).to(CDT)
+        return o0, o1, o2, o3
+
+
+@triton.jit
 def _e2m1_to_f16_asm(x, m):
     # x: uint8, two e2m1 codes per byte; m: uint8, the e4m3 micro scale of each byte's block.
     # -> (low nibble, high nibble) as fp16 e2m1 * micro * 2**-7, exact: (c & 7) << 9 |
@@ -107,11 +140,15 @@ def load_token_scales(scale_ptr, page, off, kvh, H, P: tl.constexpr, MODE: tl.co
 
 
 @triton.jit
-def load_tile(data_ptr, micro_ptr, tok, ok, D: tl.constexpr, FMT: tl.constexpr,
-              CDT: tl.constexpr, ASM: tl.constexpr, BIG: tl.constexpr):
+def load_codes(data_ptr, micro_ptr, tok, ok, D: tl.constexpr, FMT: tl.constexpr,
+               ASM: tl.constexpr, BIG: tl.constexpr, C0: tl.constexpr = 0, W: tl.constexpr = 0,
+               WORDS: tl.constexpr = False):
     # tok: [T] token rows; ok: [T] rows to read (others read as 0).
-    # -> codes as CDT, unscaled: ([T, D], same) for plain / fp8; for fp4 the (low, high) nibble
-    # halves [T, D // 2] each, i.e. the even and the odd elements of head_dim
+    # -> raw (codes, micro): plain / fp8: columns [C0, C0 + W) of each row ([T, W]; W = 0: all
+    # D), uint8 for fp8 when ASM, micro unused; fp4: bytes [T, D // 16, 8] (the 16 codes of one
+    # micro block on the last axis, so the micro scale [T, D // 16] broadcasts along it).
+    # WORDS (fp8): int32 words [T, W // 4], four codes each: a tile prefetched into registers
+    # takes a quarter of the registers of one held as bytes
     if BIG:
         tok = tok.to(tl.int64)
     if FMT == 3:
@@ -119,32 +156,64 @@ def load_tile(data_ptr, micro_ptr, tok, ok, D: tl.constexpr, FMT: tl.constexpr,
         cols = tl.arange(0, D // 2)
         byte = tl.load(data_ptr + tok[:, None] * (D // 2) + cols[None, :], mask=ok[:, None],
                        other=0)
-        # view as [T, D // 16, 8]: the 8 bytes (16 codes) of one micro block on the last axis,
-        # so the micro scale broadcasts along it in registers
-        byte = tl.reshape(byte, [T, D // 16, 8])
         grp = tl.arange(0, D // 16)
         if ASM:
             micro = tl.load(micro_ptr.to(tl.pointer_type(tl.uint8)) + tok[:, None] * (D // 16)
                             + grp[None, :], mask=ok[:, None], other=0)
-            lo, hi = _e2m1_to_f16_asm(byte, micro[:, :, None])
         else:
             micro = tl.load(micro_ptr + tok[:, None] * (D // 16) + grp[None, :],
                             mask=ok[:, None], other=0.0)
-            mic = micro.to(CDT)[:, :, None]
-            lo = e2m1_to_f16(byte & 15).to(CDT) * mic
-            hi = e2m1_to_f16(byte >> 4).to(CDT) * mic
-        return tl.reshape(lo, [T, D // 2]), tl.reshape(hi, [T, D // 2])
+        return tl.reshape(byte, [T, D // 16, 8]), micro
     else:
-        cols = tl.arange(0, D)
-        if ASM and FMT == 1:
+        WW: tl.constexpr = D if W == 0 else W
+        cols = C0 + tl.arange(0, WW)
+        if WORDS and (FMT == 1 or FMT == 2):
+            wcols = C0 // 4 + tl.arange(0, WW // 4)
+            x = tl.load(data_ptr.to(tl.pointer_type(tl.int32)) + tok[:, None] * (D // 4)
+                        + wcols[None, :], mask=ok[:, None], other=0)
+        elif ASM and (FMT == 1 or FMT == 2):
             x = tl.load(data_ptr.to(tl.pointer_type(tl.uint8)) + tok[:, None] * D
                         + cols[None, :], mask=ok[:, None], other=0)
-            y = _e4m3_to_f16_asm(x)
-        elif ASM and FMT == 2:
-            x = tl.load(data_ptr.to(tl.pointer_type(tl.uint8)) + tok[:, None] * D
-                        + cols[None, :], mask=ok[:, None], other=0)
-            y = _e5m2_to_f16_asm(x)
         else:
             x = tl.load(data_ptr + tok[:, None] * D + cols[None, :], mask=ok[:, None], other=0.0)
-            y = x.to(CDT)
+        return x, x
+
+
+@triton.jit
+def widen(x, micro, D: tl.constexpr, FMT: tl.constexpr, CDT: tl.constexpr, ASM: tl.constexpr,
+          WORDS: tl.constexpr = False):
+    # raw codes from load_codes -> CDT, unscaled: ([T, D], same) for plain / fp8; for fp4 the
+    # (low, high) nibble halves [T, D // 2] each, i.e. the even and odd elements of head_dim
+    if FMT == 3:
+        T: tl.constexpr = x.shape[0]
+        if ASM:
+            lo, hi = _e2m1_to_f16_asm(x, micro[:, :, None])
+        else:
+            mic = micro.to(CDT)[:, :, None]
+            lo = e2m1_to_f16(x & 15).to(CDT) * mic
+            hi = e2m1_to_f16(x >> 4).to(CDT) * mic
+        return tl.reshape(lo, [T, D // 2]), tl.reshape(hi, [T, D // 2])
+    elif WORDS and (FMT == 1 or FMT == 2):
+        T: tl.constexpr = x.shape[0]
+        NW: tl.constexpr = x.shape[1]
+        o0, o1, o2, o3 = _fp8_word_to_f16(x, FMT, CDT, ASM)
+        # join(join(o0, o2), join(o1, o3))[j, k, w] = o_{2k + w}: code 4j + 2k + w
+        y = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), [T, NW * 4])
         return y, y
+    elif ASM and FMT == 1:
+        y = _e4m3_to_f16_asm(x)
+        return y, y
+    elif ASM and FMT == 2:
+        y = _e5m2_to_f16_asm(x)
+        return y, y
+    else:
+        y = x.to(CDT)
+        return y, y
+
+
+@triton.jit
+def load_tile(data_ptr, micro_ptr, tok, ok, D: tl.constexpr, FMT: tl.constexpr,
+              CDT: tl.constexpr, ASM: tl.constexpr, BIG: tl.constexpr):
+    # load_codes + widen
+    x, m = load_codes(data_ptr, micro_ptr, tok, ok, D, FMT, ASM, BIG)
+    return widen(x, m, D, FMT, CDT, ASM)

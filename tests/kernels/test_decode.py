@@ -61,6 +61,22 @@ def test_decode_splits_and_tiles(splits, block_t):
     assert err <= bound
 
 
+@pytest.mark.parametrize("fmt,cfg", [
+    ("fp8_e4m3", {"SPLIT": 1}),
+    ("bf16", {"SPLIT": 1, "num_stages": 1}),
+    ("fp8_e5m2", {"SPLIT": 1, "WORDS": 1, "PREFETCH": 1, "num_stages": 1}),
+    ("fp8_e4m3", {"WORDS": 1, "PREFETCH": 1, "num_stages": 1}),
+    ("fp4_e2m1", {"PREFETCH": 1, "num_stages": 1}),
+])
+def test_decode_tile_variants(fmt, cfg):
+    # column-split dots, fp8 codes as int32 words, registers prefetched one tile ahead
+    gen = torch.Generator().manual_seed(len(cfg))
+    f = make_format(fmt, "token")
+    err, bound, _, _ = run_case(f, f, [70, 9, 33], 2, 4, 64, 16, Sq=2, splits=2,
+                                config={"BLOCK_T": 16, **cfg}, gen=gen)
+    assert err <= bound
+
+
 @pytest.mark.parametrize("Sq,G", [(3, 4), (8, 1)])
 def test_decode_speculative_queries_are_causal(Sq, G):
     gen = torch.Generator().manual_seed(Sq)
