@@ -35,7 +35,7 @@ class ModelState:
         self.param_ids: set[int] = set()
         self.kernels = KernelDispatch(self)
         self.eviction = None                   # eviction runtime (kvcompile.eviction), if any
-        self.eviction_pass = None              # (gm, plan, state) -> summary, set by eviction
+        self.eviction_pass = _eviction_pass    # (gm, plan, state) -> summary (kvcompile.eviction)
         self.hooks: list[RuntimeHook] = []     # eviction / telemetry / calibration hooks
         _states.append(weakref.ref(self))
 
@@ -94,7 +94,13 @@ class RuntimeHook:
     attention_extras(ctx, layer) -> dict        extra kernel kwargs (e.g. attn_mass buffer)
     after_attention(ctx, layer, q, out, extras) after a layer attended (q [B, Hq, S, D])
     after_forward(ctx)                          after the whole graph ran (evict here)
+    attend(ctx, layer, q, plan, attn_mask, is_causal, window, softcap, scale, extras)
+        -> out [B, Hq, S, Dv] or None           replaces the kernel / reference attention of
+                                                a layer (eviction: attention over kept slots)
     """
+
+    def attend(self, ctx, layer, q, plan, attn_mask, is_causal, window, softcap, scale, extras):
+        return None
 
     def before_write(self, ctx, layer, k, v):
         return k, v
@@ -107,6 +113,13 @@ class RuntimeHook:
 
     def after_forward(self, ctx) -> None:
         pass
+
+
+def _eviction_pass(gm, plan, state):
+    # the eviction pass lives in kvcompile/eviction; imported here lazily (import cycle)
+    from kvcompile.eviction.insert import eviction_pass
+
+    return eviction_pass(gm, plan, state)
 
 
 def find_state(example_inputs, config: KVConfig) -> ModelState:

@@ -77,7 +77,8 @@ class Binding:
         return len(self.seq_ids)
 
     def seq_len(self) -> int:
-        return self.pool.seq_len(self.seq_ids[0]) if self.seq_ids else 0
+        # logical length (stored + evicted): what the model's cache object reports
+        return self.pool.logical_len(self.seq_ids[0]) if self.seq_ids else 0
 
     # -- cache-object operations (Hugging Face generate) ---------------------------------------
     def select(self, rows: list[int]) -> None:

@@ -129,6 +129,11 @@ class PagePool:
         self._pending: dict[tuple[int, int], int] = {}
         self._free_rows: list[int] = list(range(15, -1, -1))
         self._rows: tuple = (None, None)  # the last batch's rows, and as an index tensor
+        # Eviction (kvcompile/eviction): tokens dropped from each sequence, so that its logical
+        # length (what the model's cache object reports) is length + evicted; and callbacks
+        # (parent, child) run by fork, for per-sequence eviction bookkeeping.
+        self._evicted: dict[int, int] = {}
+        self.fork_listeners: list = []
 
     # --- sizing ------------------------------------------------------------------------------
 
@@ -175,6 +180,10 @@ class PagePool:
             self._ref[p] += 1
         self._seqs[sid] = seq
         self._sync_row(seq, 0)
+        if seq_id in self._evicted:  # eviction bookkeeping follows the pages
+            self._evicted[sid] = self._evicted[seq_id]
+        for listener in self.fork_listeners:
+            listener(seq_id, sid)
         return sid
 
     def free(self, seq_ids) -> None:
@@ -184,6 +193,7 @@ class PagePool:
             self._free_rows.append(seq.row)
         for sid in _as_list(seq_ids):
             del self._seqs[sid]
+            self._evicted.pop(sid, None)
 
     def truncate(self, seq_id: int, length: int) -> None:
         """Shorten a sequence to `length` tokens, releasing pages past it; like HF `crop`, a
@@ -320,6 +330,99 @@ class PagePool:
         width = max([len(s.pages) for s in seqs] + [1])
         out = self._table[:, :width].index_select(0, self._rows[1])
         return out if device is None else out.to(device)
+
+    # --- eviction (kvcompile/eviction) ---------------------------------------------------------
+
+    def has(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def logical_len(self, seq_id: int) -> int:
+        """Tokens the sequence has seen: stored (`seq_len`) + evicted."""
+        return self._lookup([seq_id])[0].length + self._evicted.get(seq_id, 0)
+
+    def evicted(self, seq_id: int) -> int:
+        self._lookup([seq_id])
+        return self._evicted.get(seq_id, 0)
+
+    def evict_tail(self, seq_id: int, length: int) -> None:
+        """Shorten a sequence to `length` stored tokens after compaction moved every kept token
+        below it; the dropped tokens count as evicted (the logical length is unchanged)."""
+        seq = self._lookup([seq_id])[0]
+        _check_int("evict_tail(length)", length, 0, seq.length)
+        dropped = seq.length - length
+        if dropped:
+            self._drop_pages(seq, math.ceil(length / self.page_size))
+            seq.length = length
+            self._evicted[seq_id] = self._evicted.get(seq_id, 0) + dropped
+
+    def evict_pages(self, seq_id: int, page_indices) -> None:
+        """Drop whole pages of a sequence (indices into its page list; a partly filled last
+        page cannot be dropped). Later pages move up; the pages return to the free list when no
+        other sequence holds them; every layer loses those tokens."""
+        seq = self._lookup([seq_id])[0]
+        idx = sorted(set(int(i) for i in page_indices))
+        if not idx:
+            return
+        n, P = len(seq.pages), self.page_size
+        full = n if seq.length % P == 0 else n - 1
+        if idx[0] < 0 or idx[-1] >= full:
+            raise CacheStateError(f"evict_pages: page indices {idx} outside the {full} full "
+                                  f"page(s) of sequence {seq_id}")
+        gone = set(idx)
+        for p in (seq.pages[i] for i in idx):
+            self._ref[p] -= 1
+            if self._ref[p] == 0:
+                self._free.append(p)
+        seq.pages = [p for i, p in enumerate(seq.pages) if i not in gone]
+        seq.length -= P * len(idx)
+        self._sync_row(seq, idx[0])
+        for j in range(len(seq.pages), n):
+            self._pending[seq.row, j] = 0
+        self._evicted[seq_id] = self._evicted.get(seq_id, 0) + P * len(idx)
+
+    def move_tokens(self, layer: int, seq_id: int, src: torch.Tensor, dst: torch.Tensor,
+                    heads: torch.Tensor) -> None:
+        """Copy tokens of one layer within a sequence, per kv head (compaction). src, dst:
+        [M] int64 token indices of the sequence (< seq_len), heads: [M] kv head of each move.
+        Destination pages shared with another sequence (fork) are copied first."""
+        from kvcompile.eviction.compaction import move_slots
+
+        seq = self._lookup([seq_id])[0]
+        if src.numel() == 0:
+            return
+        if src.shape != dst.shape or src.shape != heads.shape or src.dim() != 1:
+            raise UnsupportedShapeError("move_tokens: src, dst and heads must be [M] alike")
+        lo, hi = torch.stack([torch.cat([src, dst]).min(), torch.cat([src, dst]).max()]).tolist()
+        if lo < 0 or hi >= seq.length:
+            raise CacheStateError(f"move_tokens: token index out of [0, {seq.length})")
+        P = self.page_size
+        self._make_private(seq, sorted(set((dst // P).tolist())))
+        table = torch.tensor(seq.pages, dtype=torch.int64, device=self.device)
+        src, dst, heads = (t.to(self.device, torch.int64) for t in (src, dst, heads))
+        gsrc = table[src // P] * P + src % P
+        gdst = table[dst // P] * P + dst % P
+        move_slots(self.k[layer], gsrc, gdst, heads)
+        move_slots(self.v[layer], gsrc, gdst, heads)
+
+    def _make_private(self, seq: _Sequence, page_indices: list[int]) -> None:
+        """Copy-on-write of the listed pages of `seq` that other sequences also hold."""
+        shared = [i for i in page_indices if self._ref[seq.pages[i]] > 1]
+        if not shared:
+            return
+        if len(shared) > len(self._free):
+            raise KVCacheFullError(len(shared), len(self._free), self.num_pages,
+                                   detail="copy-on-write before compaction")
+        src, dst = [], []
+        for i in shared:
+            old = seq.pages[i]
+            self._ref[old] -= 1
+            new = self._free.pop()
+            self._ref[new] = 1
+            seq.pages[i] = new
+            src.append(old)
+            dst.append(new)
+            self._pending[seq.row, i] = new
+        self._copy_pages(src, dst)
 
     # --- prefix sharing and swapping (kvcompile/engine) ---------------------------------------
 

@@ -56,6 +56,7 @@ class _Book:
         b = _Book(self.start)
         b.pos = {k: v.clone() for k, v in self.pos.items()}
         b.mass = {k: v.clone() for k, v in self.mass.items()}
+        b.obs = {k: v.clone() for k, v in self.obs.items()}
         return b
 
 
@@ -66,19 +67,47 @@ class EvictionRuntime(RuntimeHook):
         self.inv_freq: torch.Tensor | None = None       # RoPE frequencies, for sink positions
         self.sink_positions = "cache"
         self.books: dict[int, _Book] = {}
+        # Per-sequence overrides (engine requests, side-by-side evaluation of policies on
+        # forks of one prefill): the policy of every managed layer, and sink positions.
+        self.seq_policy: dict[int, EvictionPolicy | None] = {}
+        self.seq_sink_positions: dict[int, str] = {}
+        # > 0: every managed layer records H2O mass and SnapKV observation scores (window of
+        # this many queries) for every sequence, so that forks can be evicted by any policy.
+        self.observe_all = 0
         self._pool = None
+
+    def set_sequence_policy(self, seq_id: int, policy: EvictionPolicy | None,
+                            sink_positions: str | None = None) -> None:
+        """Evict `seq_id` with `policy` (None: never) in every layer that has a policy."""
+        if sink_positions is not None and sink_positions not in SINK_POSITIONS:
+            raise ValueError(f"sink_positions={sink_positions!r}: one of {SINK_POSITIONS}")
+        self.seq_policy[seq_id] = policy
+        if sink_positions is not None:
+            self.seq_sink_positions[seq_id] = sink_positions
+
+    def policy_of(self, seq_id: int, layer: int) -> EvictionPolicy | None:
+        if layer not in self.policies:
+            return None
+        if seq_id in self.seq_policy:
+            return self.seq_policy[seq_id]
+        return self.policies[layer]
 
     # -- layout decisions ---------------------------------------------------------------------
     @property
     def page_mode(self) -> bool:
+        return self.page_mode_of(None)
+
+    def page_mode_of(self, seq_id: int | None) -> bool:
         """Whole pages can be dropped only if every layer evicts at page granularity."""
         n_layers = len(self.state.layer_specs)
+        pols = [self.policies[li] if seq_id is None else self.policy_of(seq_id, li)
+                for li in self.policies]
         return (n_layers > 0 and len(self.policies) == n_layers
-                and all(getattr(p, "granularity", "token") == "page"
-                        for p in self.policies.values()))
+                and all(getattr(p, "granularity", "token") == "page" for p in pols))
 
-    def _rerotate(self, policy) -> bool:
-        return (isinstance(policy, SinkWindow) and self.sink_positions == "cache"
+    def _rerotate(self, sid: int, policy) -> bool:
+        where = self.seq_sink_positions.get(sid, self.sink_positions)
+        return (isinstance(policy, SinkWindow) and where == "cache"
                 and self.inv_freq is not None and policy.sinks > 0)
 
     # -- bookkeeping ----------------------------------------------------------------------------
@@ -121,15 +150,15 @@ class EvictionRuntime(RuntimeHook):
             first = pool.logical_len(sid) - n
             new = torch.arange(first, first + n, device=k.device).expand(heads, n)
             book.pos[layer] = torch.cat([pos[:, :past], new], 1)
-            if isinstance(self.policies[layer], H2O):
+            if (isinstance(self.policy_of(sid, layer), H2O) or self.observe_all
+                    or layer in book.mass):
                 mass = book.mass.get(layer, torch.zeros(heads, past, device=k.device))
                 book.mass[layer] = torch.cat([mass[:, :past], mass.new_zeros(heads, n)], 1)
         return k, v
 
     # -- attention ------------------------------------------------------------------------------
     def attend(self, ctx, layer, q, plan, attn_mask, is_causal, window, softcap, scale, extras):
-        policy = self.policies.get(layer)
-        if policy is None:
+        if layer not in self.policies:
             return None
         pool = ctx.state.pool
         out = torch.empty((*q.shape[:-1], pool.v[layer].head_dim), dtype=torch.float32,
@@ -137,6 +166,7 @@ class EvictionRuntime(RuntimeHook):
         cu = plan.cu_seqlens_q.tolist() if plan.packed else None
         for i, sid, past, n in self._rows(plan):
             book = self.books[sid]
+            policy = self.policy_of(sid, layer)
             pos = book.pos[layer]
             k, v = pool.gather(layer, sid)                     # [Hkv, L, D] fp32
             total = pool.logical_len(sid)
@@ -146,14 +176,16 @@ class EvictionRuntime(RuntimeHook):
             if attn_mask is not None and not plan.packed:
                 mask_b = _row_mask(attn_mask, i, n)
             sink_slots = sink_rot = None
-            if self._rerotate(policy):
+            if self._rerotate(sid, policy):
                 sink_slots, sink_rot = self._sinks(policy, pos, book.start)
-            obs_rows = min(policy.window, n) if isinstance(policy, SnapKV) and n > 1 else 0
+            obs_rows = 0
+            if n > 1 and (isinstance(policy, SnapKV) or self.observe_all):
+                obs_rows = min(self.observe_all or policy.window, n)
             o, mass, obs = attend_kept(
                 qi, k, v, pos, q_pos, scale, causal=is_causal, window=window,
                 start=book.start, softcap=softcap, mask_b=mask_b, total=total,
                 sink_slots=sink_slots, sink_rot=sink_rot,
-                want_mass=isinstance(policy, H2O), obs_rows=obs_rows)
+                want_mass=layer in book.mass, obs_rows=obs_rows)
             if plan.packed:
                 out[0, :, cu[i]:cu[i + 1]] = o
             else:
@@ -188,17 +220,20 @@ class EvictionRuntime(RuntimeHook):
             book = self.books.get(sid)
             if book is not None and pool.has(sid):
                 self.evict(sid, book)
-                book.obs.clear()
+                if not self.observe_all:  # kept for forks evicted later (observe_all)
+                    book.obs.clear()
         for sid in [s for s in self.books if not pool.has(s)]:
             del self.books[sid]
+            self.seq_policy.pop(sid, None)
+            self.seq_sink_positions.pop(sid, None)
 
     def evict(self, sid: int, book: _Book) -> None:
         pool, state = self.state.pool, self.state
         total = pool.logical_len(sid)
         due = []
-        for layer, policy in self.policies.items():
-            pos = book.pos.get(layer)
-            if pos is None:
+        for layer in self.policies:
+            policy, pos = self.policy_of(sid, layer), book.pos.get(layer)
+            if pos is None or policy is None:
                 continue
             if isinstance(policy, SnapKV) and layer not in book.obs:
                 continue  # SnapKV chooses at the end of a multi-token forward only
@@ -207,22 +242,23 @@ class EvictionRuntime(RuntimeHook):
         if not due:
             return
         before = pool.seq_len(sid)
-        if self.page_mode:
+        if self.page_mode_of(sid):
             self._evict_pages(sid, book, total)
         else:
             self._evict_tokens(sid, book, total, set(due))
         state.count("eviction_runs")
         state.count("evicted_tokens", before - pool.seq_len(sid))
 
-    def _scores(self, layer, book):
-        return P.token_scores(self.policies[layer], book.mass.get(layer), book.obs.get(layer))
+    def _scores(self, sid, layer, book):
+        return P.token_scores(self.policy_of(sid, layer), book.mass.get(layer),
+                              book.obs.get(layer))
 
     def _evict_pages(self, sid, book, total) -> None:
         pool = self.state.pool
         layers = sorted(book.pos)
-        keep = P.select_pages([self.policies[li] for li in layers],
+        keep = P.select_pages([self.policy_of(sid, li) for li in layers],
                               [book.pos[li] for li in layers], book.start, total,
-                              [self._scores(li, book) for li in layers], pool.page_size)
+                              [self._scores(sid, li, book) for li in layers], pool.page_size)
         L, Ps = pool.seq_len(sid), pool.page_size
         full = L // Ps
         drop = [j for j in range(full) if not bool(keep[j])]
@@ -246,8 +282,8 @@ class EvictionRuntime(RuntimeHook):
         for li in sorted(book.pos):
             pos = book.pos[li]
             if li in due:
-                keep = P.select_tokens(self.policies[li], pos, book.start, total,
-                                       self._scores(li, book))
+                keep = P.select_tokens(self.policy_of(sid, li), pos, book.start, total,
+                                       self._scores(sid, li, book))
             else:
                 keep = pos >= 0
             lens.append(self._compact(sid, li, book, keep))

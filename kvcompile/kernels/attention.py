@@ -75,8 +75,15 @@ def _cached_attention(ctx, q, k, v, attn_mask, positions, layer, scale, is_causa
     extras = {}
     for hook in state.hooks:
         extras.update(hook.attention_extras(ctx, li))
-    out = state.kernels.attend(li, q, plan, mask_info, attn_mask, is_causal, sliding_window,
-                               softcap, scale, extras)
+    out = None
+    for hook in state.hooks:  # eviction: attention over the kept slots (kvcompile/eviction)
+        out = hook.attend(ctx, li, q, plan, attn_mask, is_causal, sliding_window, softcap,
+                          scale, extras)
+        if out is not None:
+            break
+    if out is None:
+        out = state.kernels.attend(li, q, plan, mask_info, attn_mask, is_causal,
+                                   sliding_window, softcap, scale, extras)
     if out is None:
         out = paged_reference_attention(pool, li, q, plan, attn_mask, is_causal,
                                         sliding_window, softcap, scale)

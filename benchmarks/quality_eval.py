@@ -1,0 +1,153 @@
+"""Evaluation drivers of the quality harness: every policy runs through the compiler.
+
+The model is compiled once per storage format (`kvcompile.compile`, a placeholder policy that
+never evicts on every layer); each policy under test is then set per sequence
+(`EvictionRuntime.set_sequence_policy`) on forks of one prefill, so that a context is prefilled
+once and evicted by every policy side by side (the pages are shared until compaction copies
+them). Rows of a batch are independent sequences of the pool.
+
+    ev = Evaluator(model)
+    rt = ev.compile("fp8_e4m3")
+    rows = ev.prefill_and_fork(ctx_ids, [None, SinkWindow(4, 508), ...])   # one row each
+    logits = ev.step(rows, next_ids)                                        # [K, C, V]
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+import kvcompile
+from kvcompile.api import state_of
+from kvcompile.cache.binding import binding_of
+from kvcompile.config import H2O, KVConfig, SinkWindow, SnapKV
+
+# Never over budget: every layer is managed by the eviction runtime, nothing is evicted unless
+# a sequence gets a real policy.
+PLACEHOLDER = SinkWindow(sinks=0, window=1 << 30)
+
+
+def policies_at(ratio: float, context: int, page: bool = False) -> dict:
+    """The policies compared at compression `ratio` of a `context`-token prompt (budget =
+    (1 - ratio) * context tokens kept)."""
+    b = max(8, round((1 - ratio) * context))
+    g = "page" if page else "token"
+    out = {
+        "SinkWindow": SinkWindow(sinks=4, window=b - 4, granularity=g),
+        "H2O": H2O(budget=b, recent=b // 2, sinks=4, granularity=g),
+    }
+    if not page:
+        out["SnapKV"] = SnapKV(budget=b, window=32, kernel=5, per_head=True)
+        out["SnapKV-shared"] = SnapKV(budget=b, window=32, kernel=5, per_head=False)
+    return out
+
+
+class Rows:
+    """A batch of forked sequences: the HF cache, their pool ids and per-row labels."""
+
+    def __init__(self, cache, labels: list[str], last_logits: torch.Tensor):
+        self.cache, self.labels, self.last_logits = cache, labels, last_logits
+
+    @property
+    def seq_ids(self) -> list[int]:
+        return binding_of(self.cache.layers[0].keys).seq_ids
+
+
+class Evaluator:
+    def __init__(self, model, max_kv_bytes: int = 3 << 30):
+        self.model = model
+        self.max_kv_bytes = max_kv_bytes
+        self.rt = None
+
+    def compile(self, kv_dtype: str = "auto", page_size: int = 16):
+        """Compile the model for `kv_dtype` (fresh Dynamo state); returns self."""
+        m = self.model
+        m.__dict__.pop("forward", None)
+        m.__dict__.pop("_kvcompile_state", None)
+        torch._dynamo.reset()
+        kvcompile.compile(m, KVConfig(kv_dtype=kv_dtype, page_size=page_size, inner="eager",
+                                      max_kv_bytes=self.max_kv_bytes, eviction=PLACEHOLDER))
+        self.rt = None
+        self.kv_dtype = kv_dtype
+        from transformers import DynamicCache
+
+        self._forward(torch.tensor([[1, 2]]), DynamicCache())  # runs the passes: the runtime
+        return self
+
+    @property
+    def state(self):
+        return state_of(self.model)
+
+    def _forward(self, ids: torch.Tensor, cache) -> torch.Tensor:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        if self.rt is None:
+            self.rt = self.state.eviction
+        return out.logits.float()
+
+    def prefill_and_fork(self, ctx_ids: torch.Tensor, policies: dict, observe: int = 32,
+                         sink_positions: dict | None = None) -> Rows:
+        """Prefill ctx_ids [T] once (recording H2O mass and SnapKV scores), fork one row per
+        policy ({label: policy or None}) and evict each row with its policy."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        self.rt.observe_all = observe
+        try:
+            logits = self._forward(ctx_ids[None], cache)
+        finally:
+            self.rt.observe_all = 0
+        labels = list(policies)
+        cache.batch_repeat_interleave(len(labels))
+        rows = Rows(cache, labels, logits[:, -1].expand(len(labels), -1))
+        rt = self.rt
+        sinkpos = sink_positions or {}
+        for sid, label in zip(rows.seq_ids, labels):
+            rt.set_sequence_policy(sid, policies[label], sinkpos.get(label))
+            rt.evict(sid, rt.books[sid])
+            rt.books[sid].obs.clear()
+        return rows
+
+    def step(self, rows: Rows, ids: torch.Tensor) -> torch.Tensor:
+        """Feed ids [C] (teacher forcing, same tokens for every row) or [K, C]: logits."""
+        if ids.dim() == 1:
+            ids = ids[None].expand(len(rows.labels), -1)
+        return self._forward(ids.contiguous(), rows.cache)
+
+    def kept(self, rows: Rows) -> dict:
+        """Fraction of the logical tokens each row stores."""
+        pool = self.state.pool
+        return {lab: pool.seq_len(s) / pool.logical_len(s)
+                for lab, s in zip(rows.labels, rows.seq_ids)}
+
+    def release(self, rows: Rows) -> None:
+        rows.cache = None
+
+
+def nll_and_agreement(logits: torch.Tensor, targets: torch.Tensor, ref_row: int = 0):
+    """logits [K, C, V], targets [C] -> per row: (sum nll, sum KL vs ref row, top-1 matches)."""
+    lp = torch.log_softmax(logits.double(), -1)
+    nll = -lp.gather(-1, targets[None, :, None].expand(lp.shape[0], -1, 1))[..., 0].sum(-1)
+    ref = lp[ref_row:ref_row + 1]
+    kl = (ref.exp() * (ref - lp)).sum(-1).sum(-1)
+    top1 = (lp.argmax(-1) == ref.argmax(-1)).sum(-1)
+    return nll, kl, top1
+
+
+def greedy(ev: Evaluator, rows: Rows, first_ids: torch.Tensor, max_new: int) -> list[list[int]]:
+    """Greedy decoding of every row after feeding first_ids [C]; returns generated ids."""
+    logits = ev.step(rows, first_ids)[:, -1]
+    out = [[] for _ in rows.labels]
+    for _ in range(max_new):
+        nxt = logits.argmax(-1)
+        for r, t in enumerate(nxt.tolist()):
+            out[r].append(t)
+        logits = ev.step(rows, nxt[:, None])[:, -1]
+    return out
+
+
+def ppl(nll_sum: float, count: int) -> float:
+    return math.exp(nll_sum / max(1, count))

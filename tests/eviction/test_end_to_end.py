@@ -1,0 +1,205 @@
+"""Eviction through the compiler on a tiny Llama: exact against HF attention with the mask
+that the policy implies, budgets held, bookkeeping, report, forks, formats, per-module config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcompile
+from kvcompile.api import state_of
+from kvcompile.config import H2O, KVConfig, SinkWindow, SnapKV
+from kvcompile.testing import assert_rel_close
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig  # noqa: E402
+
+V = 96
+
+
+def _model(seed=0, impl="sdpa", layers=2):
+    cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=96,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512)
+    cfg._attn_implementation = impl
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _compiled(policy, seed=0, impl="sdpa", layers=2, **kw):
+    torch._dynamo.reset()
+    m = _model(seed, impl, layers)
+    cfg = KVConfig(inner="eager", max_kv_bytes=1 << 22, page_size=kw.pop("page_size", 8),
+                   eviction=policy, **kw)
+    kvcompile.compile(m, cfg)
+    return m
+
+
+def _stream(m, ids, prefill, chunk=1):
+    """Logits [T, V] of prefill, then `chunk` tokens per forward, through the compiled model."""
+    cache = DynamicCache()
+    outs = []
+    with torch.no_grad():
+        outs.append(m(input_ids=ids[:, :prefill], past_key_values=cache).logits[0])
+        for t in range(prefill, ids.shape[1], chunk):
+            outs.append(m(input_ids=ids[:, t:t + chunk], past_key_values=cache).logits[0])
+    return torch.cat(outs), cache
+
+
+def _masked_reference(ids, allowed):
+    """Uncompiled model over the whole sequence with an explicit [T, T] bool mask."""
+    torch._dynamo.reset()
+    m = _model(0, "eager")
+    add = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        return m(input_ids=ids, attention_mask=add[None, None]).logits[0]
+
+
+def _sink_window_mask(T, prefill, sinks, window, chunk=1, page=0):
+    """Keys each query sees when the cache evicts to sinks + window after every forward."""
+    t = torch.arange(T)[:, None]
+    j = torch.arange(T)[None, :]
+    start = torch.where(t < prefill, torch.zeros_like(t),
+                        prefill + (t - prefill) // chunk * chunk)     # first token of t's forward
+    kept = (j < sinks) | (j >= start - window)
+    if page:
+        kept = (j // page == 0) | ((j // page + 1) * page > start - window)
+    return (j <= t) & ((j >= start) | kept | (start == 0))
+
+
+@pytest.mark.parametrize("chunk", [1, 5])
+def test_sink_window_equals_masked_attention(chunk):
+    ids = torch.randint(1, V, (1, 44), generator=torch.Generator().manual_seed(1))
+    m = _compiled(SinkWindow(2, 12))
+    state_of(m)  # compiled lazily
+    out, cache = _stream_original(m, ids, 20, chunk)
+    ref = _masked_reference(ids, _sink_window_mask(44, 20, 2, 12, chunk))
+    assert_rel_close(out, ref, torch.float32, factor=10, what="SinkWindow logits")
+    st = state_of(m)
+    assert st.pool.seq_len(_sid(cache)) == 14                       # sinks + window
+    assert cache.get_seq_length() == 44                              # the model sees all tokens
+    assert st.counters["evicted_tokens"] == 30
+    st.pool.check_invariants()
+
+
+def _stream_original(m, ids, prefill, chunk):
+    """As _stream, with sinks at their original positions (no re-rotation): equal to a mask."""
+    m(input_ids=ids[:, :2], past_key_values=DynamicCache())         # creates the runtime
+    state_of(m).eviction.sink_positions = "original"
+    return _stream(m, ids, prefill, chunk)
+
+
+def _sid(cache):
+    from kvcompile.cache.binding import binding_of
+    return binding_of(cache.layers[0].keys).seq_ids[0]
+
+
+def test_page_granularity_drops_whole_pages():
+    ids = torch.randint(1, V, (1, 48), generator=torch.Generator().manual_seed(2))
+    m = _compiled(SinkWindow(2, 12, granularity="page"))
+    out, cache = _stream_original(m, ids, 20, 1)
+    ref = _masked_reference(ids, _sink_window_mask(48, 20, 2, 12, page=8))
+    assert_rel_close(out, ref, torch.float32, factor=10, what="page-mode logits")
+    st = state_of(m)
+    assert st.counters["evicted_pages"] > 0 and "eviction_moves" not in st.counters
+    assert st.pool.seq_len(_sid(cache)) <= 8 + 12 + 8
+    st.pool.check_invariants()
+
+
+def test_sink_rerotation_matches_cache_positions():
+    """StreamingLLM positions: the same logits as a model that saw the kept tokens at
+    positions 0..n-1 (sinks, then the window). One layer, so that the kept keys themselves do
+    not depend on what earlier layers attended to."""
+    ids = torch.randint(1, V, (1, 40), generator=torch.Generator().manual_seed(3))
+    m = _compiled(SinkWindow(2, 12), layers=1)
+    out, _ = _stream(m, ids, 20, 1)
+    ref_m = _model(0, "eager", layers=1)
+    for t in (25, 33, 39):
+        keep = list(range(2)) + list(range(t - 12, t + 1))
+        with torch.no_grad():
+            lg = ref_m(input_ids=ids[:, keep]).logits[0, -1]
+        assert_rel_close(out[t], lg, torch.float32, factor=10, what=f"logits at {t}")
+    # and not the same as leaving the sinks at their original positions
+    m2 = _compiled(SinkWindow(2, 12), layers=1)
+    out2, _ = _stream_original(m2, ids, 20, 1)
+    assert (out2[39] - out[39]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("policy", [H2O(budget=12, recent=4, sinks=2),
+                                    SnapKV(budget=12, window=4, kernel=3),
+                                    SnapKV(budget=12, window=4, kernel=3, per_head=False),
+                                    H2O(budget=16, recent=4, sinks=2, granularity="page")])
+def test_budget_held_and_bookkeeping(policy):
+    ids = torch.randint(1, V, (1, 40), generator=torch.Generator().manual_seed(4))
+    m = _compiled(policy)
+    cache = DynamicCache()
+    st = None
+    with torch.no_grad():
+        m(input_ids=ids[:, :24], past_key_values=cache)
+        st = state_of(m)
+        sid = _sid(cache)
+        assert st.pool.seq_len(sid) <= policy.budget + (8 if policy.name == "h2o" and
+                                                        policy.granularity == "page" else 0)
+        for t in range(24, 40):
+            m(input_ids=ids[:, t:t + 1], past_key_values=cache)
+            if isinstance(policy, H2O):
+                assert st.pool.seq_len(sid) <= policy.budget + 8
+    rt = st.eviction
+    book = rt.books[sid]
+    for li, pos in book.pos.items():
+        real = pos[pos >= 0]
+        assert real.unique().numel() == real.numel()                 # no token twice per head
+        assert int(pos.max()) == 39                                    # the newest is kept
+        assert pos.shape[1] == st.pool.seq_len(sid)
+    assert st.pool.logical_len(sid) == cache.get_seq_length() == 40
+    st.pool.check_invariants()
+
+
+def test_report_shows_policy_per_layer_and_configure_overrides():
+    torch._dynamo.reset()
+    m = _model()
+    kvcompile.configure(m.model.layers[1].self_attn, eviction=None)
+    kvcompile.compile(m, KVConfig(inner="eager", max_kv_bytes=1 << 22, page_size=8,
+                                  eviction=SinkWindow(2, 6)))
+    ids = torch.randint(1, V, (1, 20))
+    cache = DynamicCache()
+    with torch.no_grad():
+        m(input_ids=ids, past_key_values=cache)
+        m(input_ids=ids[:, :1], past_key_values=cache)
+    rep = kvcompile.report(m)
+    ev = {s.name: s.eviction for s in rep.sites}
+    assert ev["model.layers.0.self_attn"].startswith("SinkWindow(sinks=2, window=6")
+    assert ev["model.layers.1.self_attn"] == "none"
+    st = state_of(m)
+    assert list(st.eviction.policies) == [0]
+    # layer 1 keeps everything, so no slot can be freed; layer 0 still evicts (holes)
+    sid = _sid(cache)
+    assert st.pool.seq_len(sid) == 21
+    pos0 = st.eviction.books[sid].pos[0]
+    assert int((pos0 >= 0).sum(-1).max()) == 8
+    assert "eviction" in str(rep)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3", "fp4_e2m1"])
+def test_policies_combine_with_formats(kv_dtype):
+    ids = torch.randint(1, V, (1, 40), generator=torch.Generator().manual_seed(5))
+    full = _compiled(None, kv_dtype=kv_dtype)
+    ref, _ = _stream(full, ids, 20, 1)
+    m = _compiled(SinkWindow(4, 36), kv_dtype=kv_dtype)   # never over budget before t = 40
+    out, _ = _stream(m, ids, 20, 1)
+    assert_rel_close(out, ref, torch.float32, factor=10, what=f"{kv_dtype} without eviction")
+    m = _compiled(H2O(budget=16, recent=6, sinks=2), kv_dtype=kv_dtype)
+    out, cache = _stream(m, ids, 20, 1)
+    assert torch.isfinite(out).all()
+    assert state_of(m).pool.seq_len(_sid(cache)) == 16
+
+
+def test_generate_with_beams_forks_bookkeeping():
+    m = _compiled(SinkWindow(2, 10))
+    ids = torch.randint(1, V, (2, 14), generator=torch.Generator().manual_seed(6))
+    out = m.generate(ids, max_new_tokens=8, num_beams=2, num_return_sequences=2,
+                     do_sample=False, pad_token_id=0)
+    assert out.shape == (4, 22)
+    st = state_of(m)
+    st.pool.check_invariants()
+    assert st.counters["evicted_tokens"] > 0
