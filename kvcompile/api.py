@@ -34,6 +34,11 @@ def compile(model: torch.nn.Module, config: KVConfig | dict | None = None, **opt
     if _is_hf_model(model):
         model.forward = torch.compile(model.forward, backend=backend)
         model.__dict__[_STATE_ATTR] = state
+        # engine issue (#6): a generate call's pages return to the pool when it returns, not at
+        # the next gc (HF cache objects sit in reference cycles); see integrations/hf.py
+        from kvcompile.integrations.hf import wrap_generate
+
+        wrap_generate(model)
         return model
     compiled = torch.compile(model, backend=backend)
     compiled.__dict__[_STATE_ATTR] = state

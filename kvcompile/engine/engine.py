@@ -77,7 +77,8 @@ class Engine:
             raise RequestError(f"Engine max_model_len={self.max_model_len}: must be >= 2")
         self.prefix_cache = PrefixCache(self.pool) if enable_prefix_caching else None
         self.scheduler = Scheduler(self.pool, self.prefix_cache, max_num_batched_tokens,
-                                   max_num_seqs, preemption_mode, swap_space_bytes)
+                                   max_num_seqs, preemption_mode, swap_space_bytes,
+                                   count=state.count)
         self.eos_ids = _eos_ids(model, tokenizer)
         self.vocab_size = _vocab_size(model)
         self.seed = seed

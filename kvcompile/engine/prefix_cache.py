@@ -51,9 +51,9 @@ class PrefixCache:
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
 
-    def match(self, hashes: list[bytes], max_pages: int, query_tokens: int) -> list[int]:
+    def match(self, hashes: list[bytes], max_pages: int) -> list[int]:
         """The cached pages of the longest prefix of `hashes` (at most `max_pages`); marks them
-        recently used. Counts `query_tokens` looked up."""
+        recently used."""
         out = []
         for h in hashes[:max_pages]:
             page = self._pages.get(h)
@@ -61,9 +61,12 @@ class PrefixCache:
                 break
             self._pages.move_to_end(h)
             out.append(page)
-        self.queries += query_tokens
-        self.hits += len(out) * self.pool.page_size
         return out
+
+    def record(self, query_tokens: int, hit_tokens: int) -> None:
+        """Count a prompt's lookup: `hit_tokens` of its `query_tokens` were cached."""
+        self.queries += query_tokens
+        self.hits += hit_tokens
 
     def insert(self, hashes: list[bytes], pages: list[int]) -> None:
         """Offer full pages (hashes[i] keys pages[i]); keys already cached keep their page."""

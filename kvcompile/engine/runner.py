@@ -7,8 +7,8 @@ context carries a packed `StepPlan` (docs/architecture.md, "The engine drives th
 with its own plan"): the op stores each sequence's new K/V at the reserved slots and attends
 causally within each sequence (`cu_seqlens_q`), ignoring whatever mask the model built.
 
-T varies from step to step; it is marked dynamic, so Dynamo compiles a handful of graphs
-(T = 1 is specialized), not one per length.
+T and the number of sequences vary from step to step; they are marked dynamic, so Dynamo
+compiles two graphs (any T, and T = 1), not one per length.
 """
 
 from __future__ import annotations
@@ -34,11 +34,12 @@ class ModelRunner:
         return self.state.pool
 
     def warm_up(self) -> None:
-        """One forward outside any context: Dynamo traces, the passes register every attention
-        layer, and the pool is built (the GraphRunner binds a throwaway sequence)."""
-        ids = torch.zeros(1, 2, dtype=torch.long, device=self.device)
-        pos = torch.arange(2, device=self.device)[None]
-        keep = torch.tensor([1], device=self.device)
+        """One forward outside any context: Dynamo traces (T and the kept rows dynamic from the
+        start), the passes register every attention layer, and the pool is built (the
+        GraphRunner binds a throwaway sequence)."""
+        ids = torch.zeros(1, 4, dtype=torch.long, device=self.device)
+        pos = torch.arange(4, device=self.device)[None]
+        keep = torch.tensor([1, 3], device=self.device)
         self._call(ids, pos, keep)
         self.state.ensure_pool(self.device)
 
@@ -74,13 +75,17 @@ class ModelRunner:
 
     def _call(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         # ids, pos: [1, T]  keep: [B] indices of the rows whose logits are needed -> [B, V]
-        if ids.shape[1] > 1:
+        B = keep.shape[0]
+        if B == 1:  # a size-1 dim would be specialized (one more graph): ask for a row twice
+            keep = keep.repeat(2)
+        torch._dynamo.maybe_mark_dynamic(keep, 0)
+        if ids.shape[1] > 1:  # T == 1 (one decode alone) is its own graph
             torch._dynamo.maybe_mark_dynamic(ids, 1)
             torch._dynamo.maybe_mark_dynamic(pos, 1)
-        if keep.shape[0] > 1:
-            torch._dynamo.maybe_mark_dynamic(keep, 0)
         kw = dict(input_ids=ids, position_ids=pos, use_cache=False)
         with torch.no_grad():
             if self.keep_arg:
-                return self.model(**kw, logits_to_keep=keep).logits[0]
-            return self.model(**kw).logits[0].index_select(0, keep)
+                logits = self.model(**kw, logits_to_keep=keep).logits[0]
+            else:
+                logits = self.model(**kw).logits[0].index_select(0, keep)
+        return logits[:B]

@@ -47,8 +47,9 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, pool, prefix_cache: PrefixCache | None, max_num_batched_tokens: int,
                  max_num_seqs: int, preemption_mode: str = "recompute",
-                 swap_space_bytes: int = 4 << 30, watermark: float = 0.01):
+                 swap_space_bytes: int = 4 << 30, watermark: float = 0.01, count=None):
         self.pool = pool
+        self.count = count or (lambda name, n=1: None)   # ModelState.count (telemetry)
         self.cache = prefix_cache
         self.max_tokens = max_num_batched_tokens
         self.max_seqs = max_num_seqs
@@ -165,13 +166,16 @@ class Scheduler:
         P = self.pool.page_size
         req.page_hashes = page_hashes(req.all_ids, P, req.page_hashes)
         max_pages = (req.num_tokens - 1) // P   # at least one token left to compute
-        query = len(req.prompt_ids) if req.num_preemptions == 0 else 0
-        pages = self.cache.match(req.page_hashes, max_pages, query)
+        pages = self.cache.match(req.page_hashes, max_pages)
         if pages:
             self.pool.attach(req.seq_id, pages)
             req.num_computed, req.num_registered = len(pages) * P, len(pages)
-            if req.num_preemptions == 0:
-                req.num_cached_tokens = min(len(pages) * P, len(req.prompt_ids))
+        if req.num_preemptions == 0:  # a prompt's first admission: count the lookup
+            n = len(req.prompt_ids)
+            req.num_cached_tokens = min(len(pages) * P, n)
+            self.cache.record(n, req.num_cached_tokens)
+            self.count("prefix_query_tokens", n)
+            self.count("prefix_hit_tokens", req.num_cached_tokens)
 
     def _reserve(self, req: Request, n: int, keep: int = 0) -> torch.Tensor | None:
         """Slots for the next n tokens of req, evicting cached pages if needed; None if the pool
@@ -204,6 +208,7 @@ class Scheduler:
         self.running.remove(req)
         req.num_preemptions += 1
         self.num_preemptions += 1
+        self.count("preemptions")
         out.preempted.append(req)
         if self.mode == "swap" and req.seq_id is not None:
             need = self._swap_bytes(req)

@@ -9,6 +9,10 @@ tensors are stubs, and leave every other cache untouched:
     batch_select_indices(idx)     contrastive search / row selection
     crop(n)                       assisted decoding: truncate sequences
     reset()                       StaticCache reuse: free the sequences (no zero_ on stubs)
+
+`wrap_generate(model)` (installed by `kvcompile.compile`) returns a `generate` call's pages to
+the pool when it returns: HF cache objects sit in reference cycles, so without it the pages
+would wait for the garbage collector.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import functools
 
 import torch
 
-from kvcompile.cache.binding import binding_of, is_stub
+from kvcompile.cache.binding import binding_of, is_stub, live_bindings
 
 _installed = False
 
@@ -49,6 +53,8 @@ def _wrap(cls, name: str, handler) -> None:
         b = _binding_of_cache(self)
         if b is None:
             return original(self, *args, **kwargs)
+        if handler is _crop:  # crop reshapes the stubs the way HF's own crop does
+            return handler(self, b, functools.partial(original, self), *args, **kwargs)
         return handler(self, b, *args, **kwargs)
 
     setattr(cls, name, method)
@@ -101,16 +107,27 @@ def _select(cache, b, indices: torch.Tensor) -> None:
     _reshape_stubs(cache, b, batch=len(rows))
 
 
-def _crop(cache, b, tokens_to_remove: int) -> None:
+def _crop(cache, b, original, tokens_to_remove: int) -> None:
+    """HF's own crop slices the stubs (and moves static caches' `cumulative_length`); the pool
+    sequences are then cut to the length the cache now holds. Negative = remove that many
+    tokens; positive = keep that many (the legacy meaning, older transformers); 0 = nothing
+    (sliding layers may shrink to their window: the pool keeps those tokens)."""
     length = b.seq_len()
-    new_len = length - abs(tokens_to_remove) if tokens_to_remove < 0 else tokens_to_remove
-    if new_len >= length:
-        return
-    b.crop(new_len)
-    _reshape_stubs(cache, b, length=new_len)
-    for layer in getattr(cache, "layers", []):
-        if hasattr(layer, "cumulative_length") and isinstance(layer.cumulative_length, int):
-            layer.cumulative_length = new_len
+    original(tokens_to_remove)
+    full = [layer.keys.shape[-2] for layer in _stub_layers(cache)
+            if not _is_static(layer) and not getattr(layer, "is_sliding", False)]
+    static = [layer.cumulative_length for layer in getattr(cache, "layers", [])
+              if _is_static(layer) and hasattr(layer, "cumulative_length")]
+    if full:
+        new_len = max(full)
+    elif static:
+        new_len = int(static[0])
+    elif tokens_to_remove < 0:
+        new_len = length + tokens_to_remove
+    else:
+        new_len = tokens_to_remove or length
+    if 0 <= new_len < length:
+        b.crop(new_len)
 
 
 def _reset(cache, b) -> None:
@@ -124,3 +141,123 @@ def _reset(cache, b) -> None:
         if not _is_static(layer):
             layer.keys = layer.values = None
             layer.is_initialized = False
+
+
+# --- generate ----------------------------------------------------------------------------------
+
+_CACHE_KWARGS = ("past_key_values", "cache")
+
+
+def wrap_generate(model) -> None:
+    """Make `model.generate` share prompt pages among the copies HF makes of each prompt, and
+    free the pool sequences of the caches it made when it returns.
+
+    Sharing: for `num_return_sequences` and beam search, HF repeats every prompt row
+    (`_expand_inputs_for_generation`) before the prefill. The wrapped `_prefill` runs each
+    distinct row once and forks its sequence (`batch_repeat_interleave`, pages shared), so a
+    shared prefix is never computed or stored twice.
+
+    Release: a cache the caller passed in (`past_key_values=` / `cache=`) or gets back
+    (`return_dict_in_generate=True`) keeps its pages; they return when that object is dropped.
+    A StaticCache that HF keeps on the model for reuse is released too: its next use resets it.
+    """
+    if getattr(model.generate, "_kvcompile_wrapped", False):
+        return
+    original = model.generate
+    expand = {"size": 1}
+
+    @functools.wraps(original)
+    def generate(*args, **kwargs):
+        before = {id(b) for b in live_bindings()}
+        expand["size"] = 1
+        result = None
+        try:
+            result = original(*args, **kwargs)
+            return result
+        finally:
+            keep = {id(b) for b in (_binding_of_cache(c) for c in _caches(kwargs, result))
+                    if b is not None}
+            for b in live_bindings():
+                if id(b) not in before and id(b) not in keep and b.state.pool is not None:
+                    b.release()
+
+    expand_inputs = model._expand_inputs_for_generation
+    prefill = getattr(model, "_prefill", None)
+
+    @functools.wraps(expand_inputs)
+    def expand_inputs_recorded(*args, **kwargs):
+        size = kwargs.get("expand_size", args[0] if args else 1)
+        expand["size"] = int(size) if isinstance(size, int) else 1
+        return expand_inputs(*args, **kwargs)
+
+    def prefill_shared(input_ids, generation_config, model_kwargs, *args, **kwargs):
+        g = expand["size"]
+        shared = _shared_prefill_inputs(input_ids, generation_config, model_kwargs, g)
+        if shared is None:
+            return prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
+        ids_u, kwargs_u, cache = shared
+        out = prefill(ids_u, generation_config, kwargs_u, *args, **kwargs)
+        b = _binding_of_cache(cache)
+        if b is None or b.batch != ids_u.shape[0]:
+            raise RuntimeError("kvcompile: shared prefill did not bind its cache")
+        cache.batch_repeat_interleave(g)                  # forks: pages shared, not copied
+        for k, v in kwargs_u.items():                     # what the model's forward added
+            if k not in model_kwargs:
+                model_kwargs[k] = v
+        return _repeat_outputs(out, g, ids_u.shape[0])
+
+    generate._kvcompile_wrapped = True
+    model.generate = generate
+    model._expand_inputs_for_generation = expand_inputs_recorded
+    if prefill is not None:
+        model._prefill = prefill_shared
+
+
+def _shared_prefill_inputs(input_ids, generation_config, model_kwargs, g: int):
+    """(distinct rows of input_ids, model_kwargs for them, cache) when a prefill may run each
+    repeated prompt once, else None (then nothing is shared and HF runs as usual)."""
+    if g <= 1 or input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] % g:
+        return None
+    if getattr(generation_config, "prefill_chunk_size", None) is not None:
+        return None
+    if model_kwargs.get("inputs_embeds") is not None:
+        return None
+    cache = next((model_kwargs[k] for k in _CACHE_KWARGS if model_kwargs.get(k) is not None),
+                 None)
+    if cache is None or type(cache).__name__ != "DynamicCache" or cache.get_seq_length() != 0:
+        return None
+    B = input_ids.shape[0]
+    out = {}
+    for k, v in model_kwargs.items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == B:
+            u = v[::g]
+            if not torch.equal(u.repeat_interleave(g, dim=0), v):
+                return None   # rows are not repeats of each other
+            out[k] = u
+        else:
+            out[k] = v
+    u = input_ids[::g]
+    if not torch.equal(u.repeat_interleave(g, dim=0), input_ids):
+        return None
+    return u, out, cache
+
+
+def _repeat_outputs(out, g: int, rows: int):
+    """Model outputs of the distinct rows -> outputs of every repeated row (batch-dim tensors,
+    also inside tuples: hidden states, attentions)."""
+    def rep(v):
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == rows:
+            return v.repeat_interleave(g, dim=0)
+        if isinstance(v, tuple) and v and all(isinstance(x, torch.Tensor) for x in v):
+            return tuple(rep(x) for x in v)
+        return v
+
+    for k in list(out.keys()):
+        out[k] = rep(out[k])
+    return out
+
+
+def _caches(kwargs: dict, result) -> list:
+    out = [kwargs.get(k) for k in _CACHE_KWARGS]
+    out.append(getattr(result, "past_key_values", None))
+    return [c for c in out if c is not None and hasattr(c, "layers")]
