@@ -150,14 +150,15 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | None:
     dim = arg(softmax, 1, "dim")
     if not _is_last_dim(softmax, dim):
         return None
-    # forwards: softmax -> [to] -> [dropout] -> matmul(p, v)
+    # forwards: softmax -> [to] -> [dropout] -> matmul(p, v); a step may have other users
+    # (probabilities returned too): follow the chain, the user check below reports them
     chain_fwd = []
     cur = softmax
-    user = single_user(cur)
-    while user is not None and kind(user) in ("to", "dropout"):
-        chain_fwd.append(user)
-        cur, user = user, single_user(user)
-    out = user
+    nxt = _next_in_chain(cur)
+    while nxt is not None and kind(nxt) in ("to", "dropout"):
+        chain_fwd.append(nxt)
+        cur, nxt = nxt, _next_in_chain(nxt)
+    out = nxt
     # backwards: softmax <- [to] <- [add mask | where] <- [softcap] <- [scale] <- matmul(q, kT)
     chain_bwd = []
     x = arg(softmax, 0, "input")
@@ -238,6 +239,17 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | None:
     if gqa_k != gqa_v or rep_k != rep_v:
         return site.skip("keys and values are repeated differently for GQA")
     return _check_shapes(site)
+
+
+def _next_in_chain(node: fx.Node) -> fx.Node | None:
+    """The user of `node` that continues an attention chain (cast, dropout, matmul by v)."""
+    for u in node.users:
+        k = kind(u)
+        if k in ("to", "dropout") and arg(u, 0) is node:
+            return u
+        if k == "matmul" and arg(u, 0) is node:
+            return u
+    return None
 
 
 def _is_scores(scores, mask) -> bool:
