@@ -47,21 +47,18 @@ TARGET = {"bf16": 1.10, "fp8": 0.55, "fp4": 0.33}
 # ASM: 3 = keys and values widened by inline PTX, 2 = values only, 0 = plain Triton casts.
 _W4 = dict(num_warps=4)
 VARIANTS = {
-    "bf16": [dict(BLOCK_T=128, num_stages=2, **_W4), dict(BLOCK_T=128, num_stages=2, SPLIT=1,
-             **_W4), dict(BLOCK_T=128, num_stages=3, **_W4),
-             dict(BLOCK_T=256, num_warps=8, num_stages=2)],
-    "fp8": [dict(BLOCK_T=128, num_stages=3, ASM=3, **_W4),
-            dict(BLOCK_T=128, num_stages=1, ASM=3, SPLIT=1, **_W4),
-            dict(BLOCK_T=128, num_stages=2, ASM=3, SPLIT=1, **_W4),
-            dict(BLOCK_T=128, num_stages=1, ASM=3, SPLIT=1, WORDS=1, PREFETCH=1, **_W4),
-            dict(BLOCK_T=64, num_stages=1, ASM=3, SPLIT=1, WORDS=1, PREFETCH=1, **_W4),
-            dict(BLOCK_T=128, num_stages=1, ASM=3, WORDS=1, PREFETCH=1, **_W4),
-            dict(BLOCK_T=256, num_stages=1, ASM=3, SPLIT=1, **_W4),
-            dict(BLOCK_T=256, num_warps=8, num_stages=1, ASM=3, SPLIT=1)],
-    "fp4": [dict(BLOCK_T=128, num_stages=2, ASM=3, **_W4),
-            dict(BLOCK_T=128, num_stages=1, ASM=3, **_W4),
-            dict(BLOCK_T=128, num_stages=3, ASM=3, **_W4),
-            dict(BLOCK_T=256, num_warps=8, num_stages=1, ASM=3)],
+    "bf16": [dict(BLOCK_T=128, num_stages=2, **_W4), dict(BLOCK_T=128, num_stages=1, SPLIT=1,
+             **_W4), dict(BLOCK_T=64, num_stages=1, SPLIT=1, **_W4),
+             dict(BLOCK_T=128, num_stages=1, SPLIT=1, maxnreg=128, **_W4)],
+    "fp8": [dict(BLOCK_T=128, num_stages=1, ASM=3, SPLIT=1, **_W4),
+            dict(BLOCK_T=128, num_stages=1, ASM=3, SPLIT=1, maxnreg=128, **_W4),
+            dict(BLOCK_T=64, num_stages=1, ASM=3, SPLIT=1, **_W4),
+            dict(BLOCK_T=128, num_warps=8, num_stages=1, ASM=3, SPLIT=1),
+            dict(BLOCK_T=64, num_stages=1, ASM=3, SPLIT=1, maxnreg=96, **_W4)],
+    "fp4": [dict(BLOCK_T=128, num_stages=1, ASM=3, **_W4),
+            dict(BLOCK_T=128, num_stages=1, ASM=3, maxnreg=128, **_W4),
+            dict(BLOCK_T=64, num_stages=1, ASM=3, **_W4),
+            dict(BLOCK_T=128, num_warps=8, num_stages=1, ASM=3)],
 }
 WAVES = (4, 8, 16)
 SWEEP_SHAPE = "B16_L32k"

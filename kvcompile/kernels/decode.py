@@ -373,13 +373,19 @@ def _codes(fmt_name: str, granularity: str) -> tuple[int, int]:
 
 
 def default_config(kfmt: int, d: int, dv: int, m: int) -> dict:
-    """Tile shape per format, from the sm_90 SASS / timings in benchmarks/RESULTS.md."""
+    """Tile shape per format, from the H200 sweeps in benchmarks/RESULTS.md. Quantized pages:
+    no Triton software pipelining (num_stages=1: with the block-table -> page address chain its
+    pipeliner waits on every copy, so it only costs shared memory), column-split dots (fewer
+    live operand registers, so 3-4 programs per SM)."""
     quantized = kfmt != FMT_PLAIN
-    block_t = 128 if quantized else 64
+    block_t = 128
     if max(d, dv) >= 256 or m >= 64:
-        block_t = 64 if quantized else 32
-    return {"BLOCK_T": block_t, "num_warps": 4, "num_stages": 2, "ASM": 3, "waves": 8,
-            "PREFETCH": 0, "SPLIT": 0, "WORDS": 0}
+        block_t = 64
+    if quantized:
+        return {"BLOCK_T": block_t, "num_warps": 4, "num_stages": 1, "ASM": 3, "waves": 8,
+                "PREFETCH": 0, "SPLIT": 1, "WORDS": 0, "maxnreg": None}
+    return {"BLOCK_T": block_t, "num_warps": 4, "num_stages": 2, "ASM": 0, "waves": 8,
+            "PREFETCH": 0, "SPLIT": 0, "WORDS": 0, "maxnreg": None}
 
 
 def choose_splits(batch: int, kv_heads: int, max_len: int, block_t: int, sm_count: int,
@@ -506,7 +512,8 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
         HAS_KMASK=key_mask is not None, WRITE_SCORES=attn_mass is not None, DIRECT=direct,
         IEEE=cdt == tl.float32, WINDOW=window > 0, ASM=asm, BIG=big,
         PREFETCH=bool(cfg["PREFETCH"]), SPLIT=bool(cfg["SPLIT"]), WORDS=bool(cfg["WORDS"]),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not interp else {}))
     if not direct:
         _combine_kernel[(rows,)](acc, plse, out, lse, num_splits, DV=DV,
                                  S_PAD=triton.next_power_of_2(num_splits),
