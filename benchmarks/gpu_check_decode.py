@@ -112,18 +112,23 @@ def check_decode(c, gen) -> str:
 
 
 def append_cases(quick: bool):
-    return [dict(name=n, gran=g, D=D, P=P) for (n, g), D, P in itertools.product(
+    cases = [dict(name=n, gran=g, D=D, P=P) for (n, g), D, P in itertools.product(
         FORMATS, (64, 128, 256), (16,) if quick else (16, 64))]
+    bulk = [dict(name=n, gran=g, D=128, P=16, bulk=True) for n, g in FORMATS if g != "token"]
+    return cases + bulk
 
 
 def check_append(c, gen) -> str:
     from kvcompile.kernels.append import quantize_append
 
-    H, N, P = 4, 40, c["P"]
+    H, P = 4, c["P"]
+    steps = [1700, 1, 5, 300] if c.get("bulk") else [2 * P + 3, 1, 1, 5, 1, P + 1]
+    per_seq = -(-sum(steps) // P)
+    N = 3 * per_seq + 4
     ref, got = storage_pair(make_format(c["name"], c["gran"]), N, H, P, c["D"], DEV)
     perm = torch.randperm(N, generator=gen).tolist()
-    pages = [perm[0:12], perm[12:24], perm[24:36]]
-    for i, slots in enumerate(append_slot_steps([2 * P + 3, 1, 1, 5, 1, P + 1], P, pages, gen)):
+    pages = [perm[k * per_seq:(k + 1) * per_seq] for k in range(3)]
+    for i, slots in enumerate(append_slot_steps(steps, P, pages, gen)):
         x = torch.randn(slots.numel(), H, c["D"], generator=gen) * (1.0 + 2.0 * i)
         x = x.to(torch.bfloat16 if i % 2 else torch.float32).to(DEV)
         ref.write(slots.to(DEV), x)

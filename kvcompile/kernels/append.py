@@ -29,6 +29,9 @@ from kvcompile.kernels.decode_tiles import FMT_E2M1, FMT_E4M3, FMT_E5M2, FMT_PLA
 from kvcompile.kernels.decode_tiles import e2m1_to_f16 as _e2m1_value
 
 _PLAIN_BF16, _PLAIN_FP16, _PLAIN_FP32 = 10, 11, 12
+# Page-scaled writes of more tokens than this scan a window of P sorted slots per program
+# (bulk prefill); fewer, one slot per program (decode steps).
+BULK_TOKENS = 4096
 
 
 @triton.jit
@@ -336,6 +339,7 @@ def _append_page_run(X, SORTED, ORDER, DATA, SCALE, MICRO, i, T, H, h, D: tl.con
                     tl.zeros([R], tl.float32) + new_scale, H, h, D, FMT, False, EXPLICIT, FMAX,
                     DIV, RECIP)
     tl.store(SCALE + page * H + h, new_scale)
+    return n
 
 
 @triton.jit(do_not_specialize=["T", "H"])
@@ -345,16 +349,18 @@ def _append_pages_kernel(X, SORTED, ORDER, DATA, SCALE, MICRO, T, H, D: tl.const
                          DIV: tl.constexpr, RECIP: tl.constexpr, WIN: tl.constexpr):
     # page scales: program (w, h) handles the runs of sorted slots (one page each) that start
     # in positions [w * WIN, (w + 1) * WIN): WIN = 1 for decode steps (one token per page),
-    # WIN = P for bulk writes, so programs are neither idle nor serial
+    # WIN = P for bulk writes; runs are visited start to start, so no position is polled
     h = tl.program_id(1)
-    for j in range(WIN):
-        i = tl.program_id(0) * WIN + j
-        if i < T:
-            page = tl.load(SORTED + i) // P
-            prev = tl.load(SORTED + tl.maximum(i - 1, 0)) // P
-            if (i == 0) | (prev != page):
-                _append_page_run(X, SORTED, ORDER, DATA, SCALE, MICRO, i, T, H, h, D, P, R, FMT,
-                                 DATA_DT, EXPLICIT, FMAX, DIV, RECIP)
+    base_i = tl.program_id(0) * WIN
+    idx = base_i + tl.arange(0, WIN)
+    pg = tl.load(SORTED + idx, mask=idx < T, other=-1) // P
+    prv = tl.load(SORTED + idx - 1, mask=(idx >= 1) & (idx < T), other=-1) // P
+    starts = (idx < T) & ((idx == 0) | (pg != prv))
+    i = tl.min(tl.where(starts, idx, base_i + WIN), 0)
+    while i < tl.minimum(base_i + WIN, T):
+        n = _append_page_run(X, SORTED, ORDER, DATA, SCALE, MICRO, i, T, H, h, D, P, R, FMT,
+                             DATA_DT, EXPLICIT, FMAX, DIV, RECIP)
+        i = i + n
 
 
 # --- launcher ------------------------------------------------------------------------------
@@ -413,7 +419,7 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str)
     data_dt = {FMT_E4M3: tl.float8e4nv, FMT_E5M2: tl.float8e5}.get(fmt, tl.float8e4nv)
     if granularity == "page":
         sorted_slots, order = torch.sort(slots)
-        win = 1 if T <= 4096 else P
+        win = 1 if T <= BULK_TOKENS else P
         _append_pages_kernel[(triton.cdiv(T, win), H)](
             x, sorted_slots, order, d8, scale, m8, T, H, D=D, P=P, R=min(R, P), FMT=fmt,
             DATA_DT=data_dt, EXPLICIT=explicit, FMAX=fmax, DIV=div, RECIP=recip, WIN=win,

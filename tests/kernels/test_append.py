@@ -57,6 +57,22 @@ def test_append_is_bit_exact_with_reference(name, gran, D, P):
         assert_same_storage(ref, got, f"write {i}")
 
 
+@pytest.mark.parametrize("name", ["fp8_e5m2", "fp4_e2m1"])
+def test_append_bulk_window_path_is_bit_exact(name, monkeypatch):
+    # the windowed scan used for bulk prefill writes (forced on with a small write)
+    import kvcompile.kernels.append as app
+
+    monkeypatch.setattr(app, "BULK_TOKENS", 0)
+    gen = torch.Generator().manual_seed(9)
+    ref, got = storage_pair(_fmt(name, "page"), 10, 2, 8, 64)
+    perm = torch.randperm(10, generator=gen).tolist()
+    for i, slots in enumerate(append_slot_steps([11, 1, 9], 8, [perm[:5], perm[5:]], gen)):
+        x = (torch.randn(slots.numel(), 2, 64, generator=gen) * (1 + 5 * i)).to(DEV)
+        ref.write(slots.to(DEV), x)
+        quantize_append(got, slots.to(DEV), x)
+        assert_same_storage(ref, got, f"write {i}")
+
+
 def test_append_growing_page_scale_reencodes_earlier_tokens():
     gen = torch.Generator().manual_seed(1)
     ref, got = storage_pair(_fmt("fp8_e4m3", "page"), 2, 1, 16, 64)
