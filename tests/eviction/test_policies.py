@@ -1,0 +1,67 @@
+"""Which tokens each policy keeps (token and page granularity)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcompile.config import H2O, SinkWindow, SnapKV
+from kvcompile.eviction import policies as P
+
+
+def _pos(L, heads=2):
+    return torch.arange(L).expand(heads, L).clone()
+
+
+def _kept(keep, pos, h=0):
+    return sorted(pos[h][keep[h]].tolist())
+
+
+def test_sink_window_keeps_sinks_and_window_and_drops_padding():
+    pos = _pos(20)
+    keep = P.select_tokens(SinkWindow(2, 5), pos, 0, 20, None)
+    assert _kept(keep, pos) == [0, 1, 15, 16, 17, 18, 19]
+    keep = P.select_tokens(SinkWindow(2, 5), pos, 3, 20, None)   # 3 tokens of left padding
+    assert _kept(keep, pos) == [3, 4, 15, 16, 17, 18, 19]
+    assert P.over_budget(SinkWindow(2, 5), pos, 0)
+    assert not P.over_budget(SinkWindow(2, 18), pos, 0)
+    holes = pos.clone()
+    holes[:, 5:] = -1
+    assert not P.over_budget(SinkWindow(2, 3), holes, 0)            # holes do not count
+
+
+def test_h2o_keeps_heavy_hitters_per_head():
+    pos = _pos(20)
+    mass = torch.zeros(2, 20)
+    mass[0, [5, 6, 7, 8]] = torch.tensor([4.0, 3.0, 2.0, 1.0])
+    mass[1, [9, 10, 11, 12]] = torch.tensor([4.0, 3.0, 2.0, 1.0])
+    keep = P.select_tokens(H2O(budget=7, recent=3, sinks=1), pos, 0, 20, mass)
+    assert _kept(keep, pos, 0) == [0, 5, 6, 7, 17, 18, 19]
+    assert _kept(keep, pos, 1) == [0, 9, 10, 11, 17, 18, 19]
+    assert keep.sum(-1).tolist() == [7, 7]
+
+
+def test_snapkv_pools_scores_and_can_share_one_selection():
+    pos = _pos(24)
+    obs = torch.zeros(2, 24)
+    obs[0, 6] = 10.0     # head 0 looks at 6, head 1 at 12
+    obs[1, 12] = 10.0
+    per_head = SnapKV(budget=7, window=4, kernel=3)
+    keep = P.select_tokens(per_head, pos, 0, 24, P.token_scores(per_head, None, obs))
+    assert _kept(keep, pos, 0) == [5, 6, 7, 20, 21, 22, 23]          # neighbours pooled in
+    assert _kept(keep, pos, 1) == [11, 12, 13, 20, 21, 22, 23]
+    shared = SnapKV(budget=7, window=4, kernel=1, per_head=False)
+    keep = P.select_tokens(shared, pos, 0, 24, P.token_scores(shared, None, obs))
+    assert _kept(keep, pos, 0) == _kept(keep, pos, 1)                # one selection
+    assert {6, 12, 20, 21, 22, 23} <= set(_kept(keep, pos, 0)) and keep.sum(-1).tolist() == [7, 7]
+
+
+def test_select_pages_is_one_decision_for_all_layers():
+    pos = _pos(40)
+    pol = SinkWindow(2, 10, granularity="page")
+    keep = P.select_pages([pol, pol], [pos, pos], 0, 40, [None, None], 8)
+    assert keep.tolist() == [True, False, False, True, True]          # sinks, window, tail
+    h = H2O(budget=24, recent=4, sinks=2, granularity="page")
+    mass = torch.zeros(2, 40)
+    mass[:, 17] = 5.0                                                 # page 2 is heavy
+    keep = P.select_pages([h, h], [pos, pos], 0, 40, [mass, mass], 8)
+    assert keep.tolist() == [True, False, True, False, True]
