@@ -60,39 +60,6 @@ def _e5m2_to_f16_asm(x):
 
 
 @triton.jit
-def _fp8_word_to_f16(x, FMT: tl.constexpr, CDT: tl.constexpr, ASM: tl.constexpr):
-    # x: int32 words of 4 fp8 codes -> 4 CDT tensors, the codes in byte order
-    if ASM:
-        if FMT == 1:
-            o0, o1, o2, o3 = tl.inline_asm_elementwise(
-                asm="""{ .reg .b16 lo, hi; .reg .b32 r0, r1;
-                mov.b32 {lo, hi}, $4;
-                cvt.rn.f16x2.e4m3x2 r0, lo;
-                cvt.rn.f16x2.e4m3x2 r1, hi;
-                mov.b32 {$0, $1}, r0;
-                mov.b32 {$2, $3}, r1; }""",
-                constraints="=h,=h,=h,=h,r", args=[x],
-                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=False, pack=1)
-        else:
-            o0, o1, o2, o3 = tl.inline_asm_elementwise(
-                asm="""{ .reg .b32 r0, r1;
-                prmt.b32 r0, $4, 0, 0x1404;
-                prmt.b32 r1, $4, 0, 0x3424;
-                mov.b32 {$0, $1}, r0;
-                mov.b32 {$2, $3}, r1; }""",
-                constraints="=h,=h,=h,=h,r", args=[x],
-                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=False, pack=1)
-        return o0, o1, o2, o3
-    else:
-        F8: tl.constexpr = tl.float8e4nv if FMT == 1 else tl.float8e5
-        o0 = (x & 0xFF).to(tl.uint8).to(F8, bitcast=True).to(CDT)
-        o1 = ((x >> 8) & 0xFF).to(tl.uint8).to(F8, bitcast=True).to(CDT)
-        o2 = ((x >> 16) & 0xFF).to(tl.uint8).to(F8, bitcast=True).to(CDT)
-        o3 = ((x >> 24) & 0xFF).to(tl.uint8).to(F8, bitcast=True).to(CDT)
-        return o0, o1, o2, o3
-
-
-@triton.jit
 def _e2m1_to_f16_asm(x, m):
     # x: uint8, two e2m1 codes per byte; m: uint8, the e4m3 micro scale of each byte's block.
     # -> (low nibble, high nibble) as fp16 e2m1 * micro * 2**-7, exact: (c & 7) << 9 |
@@ -141,14 +108,11 @@ def load_token_scales(scale_ptr, page, off, kvh, H, P: tl.constexpr, MODE: tl.co
 
 @triton.jit
 def load_codes(data_ptr, micro_ptr, tok, ok, D: tl.constexpr, FMT: tl.constexpr,
-               ASM: tl.constexpr, BIG: tl.constexpr, C0: tl.constexpr = 0, W: tl.constexpr = 0,
-               WORDS: tl.constexpr = False):
+               ASM: tl.constexpr, BIG: tl.constexpr, C0: tl.constexpr = 0, W: tl.constexpr = 0):
     # tok: [T] token rows; ok: [T] rows to read (others read as 0).
     # -> raw (codes, micro): plain / fp8: columns [C0, C0 + W) of each row ([T, W]; W = 0: all
     # D), uint8 for fp8 when ASM, micro unused; fp4: bytes [T, D // 16, 8] (the 16 codes of one
-    # micro block on the last axis, so the micro scale [T, D // 16] broadcasts along it).
-    # WORDS (fp8): int32 words [T, W // 4], four codes each: a tile prefetched into registers
-    # takes a quarter of the registers of one held as bytes
+    # micro block on the last axis, so the micro scale [T, D // 16] broadcasts along it)
     if BIG:
         tok = tok.to(tl.int64)
     if FMT == 3:
@@ -167,11 +131,7 @@ def load_codes(data_ptr, micro_ptr, tok, ok, D: tl.constexpr, FMT: tl.constexpr,
     else:
         WW: tl.constexpr = D if W == 0 else W
         cols = C0 + tl.arange(0, WW)
-        if WORDS and (FMT == 1 or FMT == 2):
-            wcols = C0 // 4 + tl.arange(0, WW // 4)
-            x = tl.load(data_ptr.to(tl.pointer_type(tl.int32)) + tok[:, None] * (D // 4)
-                        + wcols[None, :], mask=ok[:, None], other=0)
-        elif ASM and (FMT == 1 or FMT == 2):
+        if ASM and (FMT == 1 or FMT == 2):
             x = tl.load(data_ptr.to(tl.pointer_type(tl.uint8)) + tok[:, None] * D
                         + cols[None, :], mask=ok[:, None], other=0)
         else:
@@ -180,8 +140,7 @@ def load_codes(data_ptr, micro_ptr, tok, ok, D: tl.constexpr, FMT: tl.constexpr,
 
 
 @triton.jit
-def widen(x, micro, D: tl.constexpr, FMT: tl.constexpr, CDT: tl.constexpr, ASM: tl.constexpr,
-          WORDS: tl.constexpr = False):
+def widen(x, micro, D: tl.constexpr, FMT: tl.constexpr, CDT: tl.constexpr, ASM: tl.constexpr):
     # raw codes from load_codes -> CDT, unscaled: ([T, D], same) for plain / fp8; for fp4 the
     # (low, high) nibble halves [T, D // 2] each, i.e. the even and odd elements of head_dim
     if FMT == 3:
@@ -193,13 +152,6 @@ def widen(x, micro, D: tl.constexpr, FMT: tl.constexpr, CDT: tl.constexpr, ASM: 
             lo = e2m1_to_f16(x & 15).to(CDT) * mic
             hi = e2m1_to_f16(x >> 4).to(CDT) * mic
         return tl.reshape(lo, [T, D // 2]), tl.reshape(hi, [T, D // 2])
-    elif WORDS and (FMT == 1 or FMT == 2):
-        T: tl.constexpr = x.shape[0]
-        NW: tl.constexpr = x.shape[1]
-        o0, o1, o2, o3 = _fp8_word_to_f16(x, FMT, CDT, ASM)
-        # join(join(o0, o2), join(o1, o3))[j, k, w] = o_{2k + w}: code 4j + 2k + w
-        y = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), [T, NW * 4])
-        return y, y
     elif ASM and FMT == 1:
         y = _e4m3_to_f16_asm(x)
         return y, y
