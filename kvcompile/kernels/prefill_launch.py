@@ -46,7 +46,7 @@ _VARLEN = {
 _PAGED = {
     64: [TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3)],
     128: [TileConfig(128, 64, 8, 3), TileConfig(128, 64, 8, 2), TileConfig(64, 64, 4, 3)],
-    256: [TileConfig(64, 64, 4, 2), TileConfig(128, 32, 8, 2)],
+    256: [TileConfig(128, 32, 8, 2), TileConfig(64, 64, 8, 2)],
 }
 INTERPRET_CONFIG = TileConfig(32, 16, 4, 1)
 
@@ -60,6 +60,12 @@ def candidates(table: dict, head_dim: int, group: int, warp_spec: bool) -> list[
             f"prefill: {group} query heads per kv head exceeds the largest query tile (128 "
             f"rows); repeat the kv heads (k.repeat_interleave) to lower the group size.")
     return cfgs
+
+
+def ws_ok(hopper: bool, fp8: bool, window: int, sinks: int) -> bool:
+    """Where the warp-specialized variant builds and pays: Hopper, bf16/fp16 (triton 3.6's
+    automatic warp specialization fails on the FP8 kernel), one key range (not window + sinks)."""
+    return hopper and not fp8 and not (window and sinks)
 
 
 class Tuner:
@@ -225,7 +231,7 @@ def launch_prefill(q, k, v, cu_seqlens, out, scale, causal, window, sinks, softc
     hopper = is_hopper(q.device)
     configs = ([config] if config is not None else
                [INTERPRET_CONFIG] if interpreting() else
-               candidates(_VARLEN, D, group, hopper and fp8 is None))
+               candidates(_VARLEN, D, group, ws_ok(hopper, fp8 is not None, window, sinks)))
 
     def launch(c: TileConfig):
         ws = c.warp_spec and tma and not (window and sinks)
