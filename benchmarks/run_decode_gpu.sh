@@ -10,7 +10,7 @@ mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1
 T1=${1:-130}
 T2=${2:-140}
-QUICK=${QUICK:---quick}
+QUICK=${QUICK---quick}  # QUICK= (empty) runs the full matrix
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv,noheader
 start=$(date +%s)
