@@ -138,22 +138,19 @@ def load_smollm2(dtype: torch.dtype = torch.float32):
 
 
 def load_gguf(path: str, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) from a GGUF file, through transformers' GGUF converter."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    """(model, tokenizer) from a GGUF file, through transformers' GGUF converter. The parsed
+    file (config, tokenizer, dequantized tensors) of the last file loaded is kept, so loading it
+    again in the same process (tests, a notebook) takes a second, not a minute."""
+    from transformers import AutoModelForCausalLM
 
     try:
         from transformers.initialization import no_init_weights
     except ImportError:  # transformers < 5.20
         from transformers.modeling_utils import no_init_weights
 
-    folder, name = os.path.split(os.path.abspath(path))
-    with _gguf_parsed_once():
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        cfg = AutoConfig.from_pretrained(folder, gguf_file=name)
-        with no_init_weights():
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-        tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    cfg, tok, tensors = _parse_gguf(os.path.realpath(path))
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     model.tie_weights()
     tied = {"lm_head.weight"} if getattr(cfg, "tie_word_embeddings", False) else set()
@@ -163,6 +160,33 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32):
                                  f"{sorted(unexpected)[:3]})",
                                  hint="this GGUF architecture is not supported by transformers")
     return model.to(dtype).eval(), tok
+
+
+_PARSED: dict = {}  # realpath -> (config, tokenizer, tensors): the last GGUF file parsed
+
+
+def _parse_gguf(path: str):
+    if path in _PARSED:
+        return _PARSED[path]
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers < 5.20
+        from transformers.modeling_utils import no_init_weights
+
+    folder, name = os.path.split(path)
+    with _gguf_parsed_once():
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        cfg = AutoConfig.from_pretrained(folder, gguf_file=name)
+        with no_init_weights(), torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(cfg)  # names only, no memory
+        tensors = load_gguf_checkpoint(path, return_tensors=True,
+                                       model_to_load=skeleton)["tensors"]
+    _PARSED.clear()
+    _PARSED[path] = (cfg, tok, tensors)
+    return _PARSED[path]
 
 
 @contextlib.contextmanager

@@ -49,7 +49,7 @@ def run(args) -> Result:
         env["KVC_BENCH_DRY"] = "1"
         env.setdefault("TRITON_INTERPRET", "1")
     cmd = [sys.executable, benches[args.name], *rest]
-    out = sys.stderr if getattr(args, "json", False) else None  # keep stdout for the JSON
+    out = 2 if getattr(args, "json", False) else None  # fd 2: keep stdout for the JSON
     t0 = time.perf_counter()
     rc = subprocess.call(cmd, env=env, cwd=os.path.dirname(folder), stdout=out)
     payload = {"benchmark": args.name, "command": cmd, "dry_run": dry, "exit_code": rc,

@@ -137,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv
     as_json = "--json" in argv
     try:
-        args = build_parser().parse_args(argv)
+        head, tail = _split_passthrough(argv)
+        args = build_parser().parse_args(head)
+        if tail is not None:
+            args.args = tail
         debug = getattr(args, "debug", False) or debug
         as_json = getattr(args, "json", False) or as_json
         if getattr(args, "log_level", None):
@@ -169,6 +172,29 @@ def main(argv: list[str] | None = None) -> int:
     elif result.text:
         print(result.text)
     return result.code
+
+
+_BENCH_OWN = ("--list", "--dry", "--json", "--debug", "--quiet", "-q", "--help", "-h")
+
+
+def _split_passthrough(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """`eval` and `bench NAME` hand every later argument to the harness / benchmark untouched
+    (argparse would reject their options); kvcompile's own flags are picked out of that tail by
+    the command (cli/benchmarks.py: split_own_flags)."""
+    for i, a in enumerate(argv):
+        if a.startswith("-"):
+            continue
+        if a == "eval":
+            return argv[:i + 1], argv[i + 1:]
+        if a == "bench":
+            j = i + 1
+            while j < len(argv) and argv[j] in _BENCH_OWN:
+                j += 1
+            if j < len(argv):
+                j += 1  # NAME
+            return argv[:j], argv[j:]
+        break
+    return argv, None
 
 
 def _dispatch(args):

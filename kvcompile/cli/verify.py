@@ -6,9 +6,12 @@ quantized cache and its attention), not from diverging text. Forward hooks on th
 modules capture each layer's attention output (the module's output); the final logits are
 compared by max error, KL divergence and top-1 agreement.
 
-A layer diverges when its output is further from eager than the cache format allows
-(kvcompile/testing.py): relative error above REL_ERR[dtype] for unquantized storage, SQNR below
-SQNR_FLOOR_DB[format] for fp8 / fp4.
+A layer diverges when its output is further from eager than the cache format allows: more than
+twice the format's own error (the rule kernels are held to: at most 2x the error of PyTorch at
+the same precision), with the bounds of kvcompile/testing.py: SQNR below
+SQNR_FLOOR_DB[format] - 6.02 dB for fp8 / fp4, relative error above 2 * REL_ERR[dtype] for
+unquantized storage. Errors compound through the layers, so the first layer past its bound is
+where to look.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import torch
 
 from kvcompile.testing import REL_ERR, SQNR_FLOOR_DB, kl_divergence, rel_err, sqnr_db
 
+_TWICE = 2.0                      # allowed error: twice the format's own
+_TWICE_DB = 20 * math.log10(_TWICE)  # 6.02 dB
 _ATTN_CLASS = re.compile(r"attention|attn", re.IGNORECASE)
 
 
@@ -38,17 +43,39 @@ def attention_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
             if name and _ATTN_CLASS.search(type(m).__name__)}
 
 
+# Forward hooks route each attention module's output through this op. Inside a compiled graph
+# it is one opaque node (no Python state for Dynamo to guard on, so no recompiles), and at run
+# time, eager or compiled, it records the tensor.
+_RECORDS: dict[str, list] = {}
+
+
+@torch.library.custom_op("kvcompile_cli::record", mutates_args=())
+def _record(x: torch.Tensor, name: str) -> torch.Tensor:
+    _RECORDS.setdefault(name, []).append(x.detach().float().clone())
+    return x.clone()
+
+
+@_record.register_fake
+def _(x, name):
+    return torch.empty_like(x)
+
+
+def _hook(name: str):
+    def hook(_m, _args, out):
+        if isinstance(out, torch.Tensor):
+            return _record(out, name)
+        if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+            return (_record(out[0], name), *out[1:])
+        return None
+    return hook
+
+
 def capture(lm, fn, ids: torch.Tensor | None, steps: int, tokens: list | None = None) -> Capture:
     """Run `fn` (the eager or the compiled model) over the prompt and `steps` decode steps."""
     cap = Capture()
-    per_call: dict[str, list] = {}
-    handles = []
-    for name, mod in attention_modules(lm.model).items():
-        def hook(_m, _args, out, name=name):
-            t = out[0] if isinstance(out, (tuple, list)) else out
-            if isinstance(t, torch.Tensor):
-                per_call.setdefault(name, []).append(t.detach().float().clone())
-        handles.append(mod.register_forward_hook(hook))
+    _RECORDS.clear()
+    handles = [mod.register_forward_hook(_hook(name))
+               for name, mod in attention_modules(lm.model).items()]
     logits = []
     try:
         with torch.inference_mode():
@@ -61,12 +88,12 @@ def capture(lm, fn, ids: torch.Tensor | None, steps: int, tokens: list | None = 
         for h in handles:
             h.remove()
     cap.logits = torch.cat(logits, dim=-2) if logits[0].dim() >= 2 else logits[0]
-    for name, outs in per_call.items():
-        if all(o.dim() >= 2 and o.shape[:1] == outs[0].shape[:1] for o in outs):
-            try:
-                cap.outputs[name] = torch.cat(outs, dim=1)
-            except RuntimeError:
-                cap.outputs[name] = outs[-1]
+    for name, outs in _RECORDS.items():
+        try:
+            cap.outputs[name] = torch.cat(outs, dim=1) if outs[0].dim() >= 2 else outs[-1]
+        except RuntimeError:
+            cap.outputs[name] = outs[-1]
+    _RECORDS.clear()
     return cap
 
 
@@ -143,16 +170,18 @@ def _sites_in_order(state) -> list:
 def _tolerance(formats, model_dtype, config) -> dict:
     """The bound a layer's attention output must meet (kvcompile/testing.py)."""
     if formats is None:  # left alone: compiled == eager up to the inner backend's rounding
-        return {"rel_err": REL_ERR[torch.float32] * 10, "text": "rel<=2e-4 (not rewritten)"}
+        bound = REL_ERR[torch.float32] * 10
+        return {"rel_err": bound, "text": f"rel<={bound:.0e} (not rewritten)"}
     worst = None
     for f in formats:
         if f in SQNR_FLOOR_DB and (worst is None or SQNR_FLOOR_DB[f] < SQNR_FLOOR_DB[worst]):
             worst = f
     if worst is not None:
-        return {"sqnr_db": SQNR_FLOOR_DB[worst], "text": f"SQNR>={SQNR_FLOOR_DB[worst]:.0f}dB"}
+        floor = SQNR_FLOOR_DB[worst] - _TWICE_DB
+        return {"sqnr_db": floor, "text": f"SQNR>={floor:.1f}dB"}
     storage = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     dts = [storage.get(f, torch.float32) for f in formats]
-    bound = max(REL_ERR[d] for d in dts)
+    bound = _TWICE * max(REL_ERR[d] for d in dts)
     if config.inner == "inductor":
         bound = max(bound, REL_ERR[torch.float32] * 10)  # inductor re-associates fp32 sums
     return {"rel_err": bound, "text": f"rel<={bound:.0e}"}
