@@ -251,8 +251,10 @@ class Engine:
         p = req.params
         stop_str = req.detok.add(tok) if req.detok is not None else None
         n = len(req.output_ids)
-        if n >= p.min_tokens and (stop_str is not None or tok in p.stop_token_ids
-                                  or (not p.ignore_eos and tok in self.eos_ids)):
+        if n >= p.min_tokens and stop_str is not None:
+            req.finish("stop", stop_string=True)
+        elif n >= p.min_tokens and (tok in p.stop_token_ids
+                                    or (not p.ignore_eos and tok in self.eos_ids)):
             req.finish("stop")
         elif n >= p.max_tokens or req.num_tokens >= self.max_model_len:
             req.finish("length")

@@ -100,7 +100,9 @@ class Request:
             return self.output_ids[start - n:stop - n]
         return self.prompt_ids[start:] + self.output_ids[:stop - n]
 
-    def finish(self, reason: str, error: str | None = None) -> None:
+    def finish(self, reason: str, error: str | None = None, stop_string: bool = False) -> None:
+        if self.detok is not None and not stop_string:
+            self.detok.flush()
         self.status = Status.FINISHED
         self.finish_reason = reason
         self.error = error
@@ -127,20 +129,20 @@ class Request:
 class Detokenizer:
     """Incremental text of a request's output, and stop-string detection.
 
-    Text is decoded from a window that starts a few tokens back (`prefix`), so a token whose
-    text depends on its neighbours (byte pieces, leading spaces) is read in context; text that
-    ends in an incomplete UTF-8 character, or that could be the start of a stop string, is held
-    back from streaming until it is settled."""
-
-    _CONTEXT = 6
+    Each new token is decoded in the context of the tokens since the last settled point
+    (`prefix`), as vLLM does, so a token whose text depends on its neighbours (byte pieces,
+    leading spaces) is read in context. A token whose text ends in an incomplete UTF-8
+    character waits for the next one. Text that could be the start of a stop string is held
+    back from streaming until it is settled. When the request ends (not on a stop string), the
+    text becomes the decode of every output token."""
 
     def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams):
         self.tok = tokenizer
         self.params = params
         self.ids: list[int] = []
-        self.text = ""              # settled output text (stop string removed at a stop)
+        self.text = ""              # output text so far (cut at a stop string)
         self._sent = 0              # characters of `text` already streamed
-        self._prefix = 0            # ids[prefix:read] decode to the text already in `text`
+        self._prefix = 0            # ids[prefix:read] decode to the end of `text`
         self._read = 0
         self.max_stop = max((len(s) for s in params.stop), default=0)
 
@@ -152,17 +154,16 @@ class Detokenizer:
         self.ids.append(token)
         before = self._decode(self.ids[self._prefix:self._read])
         after = self._decode(self.ids[self._prefix:])
-        if after.endswith("\ufffd") or len(after) < len(before) or not after.startswith(before):
-            if not after.endswith("\ufffd"):
-                self.text = self._decode(self.ids)   # context changed the text: redo it whole
-                self._prefix, self._read = max(0, len(self.ids) - self._CONTEXT), len(self.ids)
-            return self._check_stop(0)
-        delta = after[len(before):]
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return None   # nothing new yet, or an incomplete character
         old_len = len(self.text)
-        self.text += delta
-        self._prefix = max(self._prefix, len(self.ids) - self._CONTEXT)
-        self._read = len(self.ids)
+        self.text += after[len(before):]
+        self._prefix, self._read = self._read, len(self.ids)
         return self._check_stop(old_len)
+
+    def flush(self) -> None:
+        """The request ended (not on a stop string): the text is every token, decoded."""
+        self.text = self._decode(self.ids)
 
     def _check_stop(self, old_len: int) -> str | None:
         if not self.params.stop:
