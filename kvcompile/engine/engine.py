@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 from kvcompile.engine.params import RequestError, SamplingParams
 from kvcompile.engine.prefix_cache import PrefixCache, page_hashes
-from kvcompile.engine.request import Request, RequestOutput, Status
+from kvcompile.engine.request import Request, RequestOutput
 from kvcompile.engine.runner import ModelRunner
 from kvcompile.engine.sampling import make_generator, sample
 from kvcompile.engine.scheduler import Scheduler

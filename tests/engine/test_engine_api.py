@@ -248,7 +248,7 @@ def test_packed_step_ignores_the_models_mask(attn):
     builds for packed position_ids (block-diagonal, or causal over the whole row), the op
     attends within each sequence, so the logits are each sequence's own."""
     from kvcompile.engine.request import Request
-    from kvcompile.engine.scheduler import SchedulerOutput, ScheduledSeq
+    from kvcompile.engine.scheduler import ScheduledSeq, SchedulerOutput
 
     torch._dynamo.reset()
     ref = make_hf("llama", attn)
