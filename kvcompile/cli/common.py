@@ -216,9 +216,11 @@ def table(rows: list[list], header: list[str]) -> str:
     return "\n".join(lines)
 
 
-def resolve_inner(name: str, device: torch.device) -> str:
-    """--inner auto: inductor on CUDA; aot_eager on the CPU, where inductor's C++ codegen
-    takes minutes for a 30-layer model on 2 cores (the passes are the same either way)."""
+def resolve_inner(name: str, device: torch.device, cpu_default: str = "aot_eager") -> str:
+    """--inner auto: inductor on CUDA. On the CPU, inductor's C++ codegen takes minutes for a
+    30-layer model on 2 cores, so `cpu_default`: aot_eager for inspect (AOTAutograd
+    functionalizes the rewritten graph as inductor would), eager for the demo (the fastest start;
+    the passes and the cache are the same)."""
     if name != "auto":
         return name
-    return "inductor" if torch.device(device).type == "cuda" else "aot_eager"
+    return "inductor" if torch.device(device).type == "cuda" else cpu_default

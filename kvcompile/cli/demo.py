@@ -36,7 +36,7 @@ def run(args) -> Result:
         raise CLIError(f"the demo generates text: {args.model} is not a Hugging Face model",
                        hint="use `kvcompile inspect` for plain modules")
     model, tok = lm.model, lm.tokenizer
-    inner = resolve_inner(args.inner, lm.device)
+    inner = resolve_inner(args.inner, lm.device, cpu_default="eager")
     cfg = kv_config(args, inner=inner)
     prompt = args.prompt or DEFAULT_PROMPT
     inputs = _encode(lm, prompt, chat=not args.no_chat_template)

@@ -59,8 +59,9 @@ def _model_options(p: argparse.ArgumentParser, kv_default: str) -> None:
     g.add_argument("--max-kv-mib", type=float, default=256.0,
                    help="KV pool budget in MiB (default 256)")
     g.add_argument("--inner", default="auto", choices=("auto",) + INNER_BACKENDS,
-                   help="backend for the rest of the graph (auto: inductor on CUDA, "
-                        "aot_eager on the CPU, where inductor's C++ compile takes minutes)")
+                   help="backend for the rest of the graph (auto: inductor on CUDA; on the CPU, "
+                        "where inductor's C++ compile takes minutes, eager for demo and "
+                        "aot_eager for inspect)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -27,6 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # per layer K+V = 2 * 2 heads * (16 code bytes + 4/16 scale bytes) = 65 B; bf16 = 128 B
 FP8_BYTES_PER_TOKEN = 2 * 2 * 2 * (16 + 4 / 16)
 BF16_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 2
+# The inner backend does not change the passes or the cache: most tests skip AOTAutograd's time.
+EAGER = ("--inner", "eager")
 
 
 def _one_line_error(err: str) -> None:
@@ -58,7 +60,7 @@ def test_inspect_json_sites_and_memory_plan(cli_json):
 
 
 def test_inspect_text_other_family_and_format(cli):
-    code, out, err = cli("inspect", "tiny-gpt2", "--kv-dtype", "bf16")
+    code, out, err = cli("inspect", "tiny-gpt2", "--kv-dtype", "bf16", *EAGER)
     assert code == EXIT_OK, err
     assert "2 attention site(s), 2 rewritten" in out
     assert "bf16/bf16" in out and "memory plan" in out
@@ -66,7 +68,7 @@ def test_inspect_text_other_family_and_format(cli):
 
 
 def test_inspect_passes_shows_the_rewrite_diff(cli_json):
-    code, out, _ = cli_json("inspect", "tiny-llama", "--passes", "--graph", 2)
+    code, out, _ = cli_json("inspect", "tiny-llama", "--passes", "--graph", 2, *EAGER)
     assert code == EXIT_OK
     (graph,) = out["passes"]
     names = [p["pass"] for p in graph["passes"]]
@@ -80,7 +82,7 @@ def test_inspect_passes_shows_the_rewrite_diff(cli_json):
 
 
 def test_inspect_stop_after_a_pass(cli_json):
-    code, out, _ = cli_json("inspect", "tiny-llama", "--pass", "find_cache")
+    code, out, _ = cli_json("inspect", "tiny-llama", "--pass", "find_cache", *EAGER)
     assert code == EXIT_OK
     assert out["rewritten"] == 0 and len(out["sites"]) == 2
     assert all(s["cache"] == "cat" for s in out["sites"])
@@ -90,7 +92,8 @@ def test_inspect_stop_after_a_pass(cli_json):
 
 
 def test_inspect_factory_model_with_buffer_cache(cli_json):
-    code, out, _ = cli_json("inspect", "tests.cli.factories:static_cache", "--kv-dtype", "bf16")
+    code, out, _ = cli_json("inspect", "tests.cli.factories:static_cache", "--kv-dtype", "bf16",
+                            *EAGER)
     assert code == EXIT_OK
     (site,) = out["sites"]
     assert site["rewritten"] and site["cache"] in ("index_put", "index_copy")
@@ -99,7 +102,7 @@ def test_inspect_factory_model_with_buffer_cache(cli_json):
 def test_inspect_pictures(cli, tmp_path):
     dot, svg = tmp_path / "site.dot", tmp_path / "site.svg"
     code, out, err = cli("inspect", "tiny-llama", "--dot", dot, "--svg", svg,
-                         "--site", "model.layers.1.self_attn")
+                         "--site", "model.layers.1.self_attn", *EAGER)
     assert code == EXIT_OK, err
     text = dot.read_text()
     assert text.startswith("digraph") and "cluster_b" in text and "cluster_a" in text
@@ -111,7 +114,8 @@ def test_inspect_pictures(cli, tmp_path):
 
 
 def test_inspect_picture_unknown_site(cli, tmp_path):
-    code, _, err = cli("inspect", "tiny-llama", "--svg", tmp_path / "x.svg", "--site", "nope")
+    code, _, err = cli("inspect", "tiny-llama", "--svg", tmp_path / "x.svg", "--site", "nope",
+                       *EAGER)
     assert code == EXIT_USAGE
     _one_line_error(err)
     assert "no site named 'nope'" in err and "model.layers.0.self_attn" in err
@@ -147,7 +151,7 @@ def test_verify_names_the_first_divergent_layer(cli_json, monkeypatch):
         return out
 
     monkeypatch.setattr(kvcompile, "compile", compile_with_bug)
-    code, out, err = cli_json("inspect", "tiny-llama", "--verify", "--kv-dtype", "bf16")
+    code, out, err = cli_json("inspect", "tiny-llama", "--verify", "--kv-dtype", "bf16", *EAGER)
     assert code == EXIT_VERIFY and out["exit_code"] == EXIT_VERIFY
     v = out["verify"]
     assert v["first_divergent_layer"] == "model.layers.1.self_attn"
@@ -172,7 +176,7 @@ def test_demo_tiny_json(cli_json):
 
 def test_demo_text(cli):
     code, out, err = cli("demo", "--model", "tiny-qwen2", "--max-new-tokens", 3,
-                         "--kv-dtype", "fp4_e2m1")
+                         "--kv-dtype", "fp4_e2m1", "--inner", "aot_eager")
     assert code == EXIT_OK, err
     assert "attention sites rewritten: 2 of 2" in out
     assert "KV bytes per token" in out and "tok/s" in out
