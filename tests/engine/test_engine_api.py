@@ -291,3 +291,20 @@ def test_packed_step_ignores_the_models_mask(attn):
     assert masks and all(s is None or s[-2:] == (T, T) for s in masks)  # a whole-row mask
     pool.free([r.seq_id for r in reqs])
     assert state_of(m).graphs <= 2
+
+
+def test_decode_steps_take_the_decode_kernel():
+    """kernels="triton" (the interpreter on the CPU): a packed step of one token per sequence
+    runs the split-K decode kernel, with the same tokens as the reference."""
+    from tests.engine.tiny import make_llama64
+
+    prompts = random_prompts(random.Random(7), 3, 3, 20)
+    outs = {}
+    for kernels in ("reference", "triton"):
+        torch._dynamo.reset()
+        m = make_llama64()
+        eng = Engine(m, config=config(kernels=kernels, kv_dtype="fp32", page_size=PAGE))
+        outs[kernels] = [o.token_ids for o in eng.generate(prompts, GREEDY)]
+        calls = state_of(m).counters.get("engine_decode_kernel_calls", 0)
+        assert calls == (2 * (GREEDY.max_tokens - 1) if kernels == "triton" else 0)
+    assert outs["triton"] == outs["reference"]

@@ -65,3 +65,19 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
                          do_sample=False, pad_token_id=0, eos_token_id=None)
     return out[0, len(prompt):].tolist()
+
+
+def make_llama64(dtype=torch.float32, seed: int = 0):
+    """A tiny Llama with head_dim 64 (the Triton decode kernel's smallest)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                                   num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=1, max_position_embeddings=512,
+                                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model.to(dtype)
