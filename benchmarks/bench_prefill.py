@@ -72,6 +72,7 @@ def sdpa_backend(backend):
 
 
 def try_time(fn, rows, name, flops, check=None):
+    print(f"START {name}", flush=True)  # a hang shows which variant it was
     try:
         fn()
         torch.cuda.synchronize()
@@ -124,12 +125,6 @@ def bench_shape(s, quick: bool):
         return f
 
     try_time(cudnn_run, rows, "sdpa cudnn (bf16)", flops)
-    flash = sdpa_backend("flash")
-    try_time(lambda: flash(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa), rows,
-             "sdpa flash (bf16)", flops)
-    if not quick:
-        flex = flex_fn(Lq, hq, hkv)
-        try_time(lambda: flex(qb, kb, vb), rows, "flex_attention compiled (bf16)", flops)
 
     def ours():
         return prefill_attention(q, k, v, cu, scale, max_seqlen=Lq)
@@ -145,6 +140,12 @@ def bench_shape(s, quick: bool):
     quantize_fp8_prefill(q, k, v, cu)
     torch.cuda.synchronize()
     rows[-1]["quantize_ms_torch"] = (time.time() - t) * 1e3
+    flash = sdpa_backend("flash")
+    try_time(lambda: flash(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa), rows,
+             "sdpa flash (bf16)", flops)
+    if not quick:
+        flex = flex_fn(Lq, hq, hkv)
+        try_time(lambda: flex(qb, kb, vb), rows, "flex_attention compiled (bf16)", flops)
     return rows
 
 
@@ -214,7 +215,12 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--warm-flex", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--budget", type=float, default=170.0,
+                    help="seconds; past it, print every thread's stack (a hung kernel) and exit")
     args = ap.parse_args()
+    import faulthandler
+
+    faulthandler.dump_traceback_later(args.budget, exit=True)
     if args.warm_flex:
         for s in SHAPES:
             x = torch.randn(s["B"], s["hq"], s["L"], D, device="cuda", dtype=torch.bfloat16)

@@ -9,6 +9,7 @@ candidate that fails to compile (shared memory, an older triton) is skipped, not
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -63,8 +64,12 @@ def candidates(table: dict, head_dim: int, group: int, warp_spec: bool) -> list[
 
 
 def ws_ok(hopper: bool, fp8: bool, window: int, sinks: int) -> bool:
-    """Where the warp-specialized variant builds and pays: Hopper, bf16/fp16 (triton 3.6's
-    automatic warp specialization fails on the FP8 kernel), one key range (not window + sinks)."""
+    """Whether to offer the warp-specialized tiles: Hopper, bf16/fp16 (triton 3.6's automatic
+    warp specialization fails to build the FP8 kernel), one key range (not window + sinks), and
+    only on request (KVCOMPILE_PREFILL_WARP_SPEC=1): the first H200 run stalled with them among
+    the candidates, and it is not yet known which kernel hung."""
+    if os.environ.get("KVCOMPILE_PREFILL_WARP_SPEC", "0") != "1":
+        return False
     return hopper and not fp8 and not (window and sinks)
 
 
