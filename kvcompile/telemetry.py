@@ -35,6 +35,7 @@ RATE_COUNTERS = {  # rate field -> counter it differentiates
     "preemptions_per_s": "preemptions",
 }
 RATE_WINDOW_S = 60.0
+_MAX_SAMPLES = 512  # per model: a caller polling every token keeps a bounded history
 
 _history: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # state -> deque of samples
 _lock = threading.Lock()
@@ -81,7 +82,8 @@ def _rates(state, counters: dict, now: float) -> dict:
         hist = _history.get(state)
         if hist is None:
             born = getattr(state, "created_at", None)
-            hist = deque([(born if born is not None else now, dict.fromkeys(sample[1], 0))])
+            hist = deque([(born if born is not None else now, dict.fromkeys(sample[1], 0))],
+                         maxlen=_MAX_SAMPLES)
             _history[state] = hist
         hist.append(sample)
         while len(hist) > 2 and now - hist[1][0] >= RATE_WINDOW_S:

@@ -193,10 +193,31 @@ def kv_config(args, **overrides):
     """The KVConfig of a command's --kv-dtype / --page-size / --max-kv-mib / --inner options."""
     from kvcompile.config import KVConfig
 
+    if not args.max_kv_mib > 0:
+        raise CLIError(f"--max-kv-mib must be > 0, got {args.max_kv_mib}")
     fields = dict(kv_dtype=args.kv_dtype, page_size=args.page_size, inner=args.inner,
-                  max_kv_bytes=int(args.max_kv_mib * 2**20))
+                  max_kv_bytes=int(args.max_kv_mib * 2**20),
+                  eviction=parse_eviction(getattr(args, "eviction", None)))
     fields.update(overrides)
     return KVConfig(**fields)
+
+
+def parse_eviction(spec: str | None) -> dict | None:
+    """'h2o:budget=512,recent=128' -> {'policy': 'h2o', 'budget': 512, 'recent': 128}; the
+    values are checked by the policy's dataclass (KVConfigError names the field)."""
+    if not spec or spec == "none":
+        return None
+    name, _, rest = spec.partition(":")
+    out: dict = {"policy": name.strip()}
+    for item in filter(None, (x.strip() for x in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise CLIError(f"--eviction {spec!r}: {item!r} is not key=value",
+                           hint="e.g. --eviction sink_window:sinks=4,window=1020")
+        v = value.strip()
+        out[key.strip()] = (int(v) if v.lstrip("-").isdigit() else
+                            v.lower() == "true" if v.lower() in ("true", "false") else v)
+    return out
 
 
 def fmt_bytes(n: float) -> str:

@@ -22,6 +22,7 @@ from kvcompile.cli.common import (
     resolve_inner,
     table,
 )
+from kvcompile.cli.memory import policy_name
 
 CONTEXT_CAP = 32768
 
@@ -148,7 +149,7 @@ def _site_rows(state, traces, stop_pass) -> list[dict]:
         rows = []
         for rec in latest.values():
             d = rec.as_dict()
-            d["rewrite"] = ("kvcompile.attention (paged pool)" if rec.rewritten else "none")
+            d["rewrite"] = _rewrite_label(rec.rewritten, rec.reason, stop_pass)
             d["cache_by_graph"] = per_graph.get(rec.name, {})
             rows.append(d)
         return rows
@@ -160,10 +161,21 @@ def _site_rows(state, traces, stop_pass) -> list[dict]:
                      "rewritten": s.rewritten, "reason": s.reason,
                      "k_format": getattr(s, "k_format_name", "") or "",
                      "v_format": getattr(s, "v_format_name", "") or "",
-                     "eviction": "-", "mask": s.mask_kind or "none", "graph": last.index,
-                     "rewrite": "(not reached: stopped after " + str(stop_pass) + ")",
+                     "eviction": policy_name(s.config.eviction) if s.config is not None
+                     else "-", "mask": s.mask_kind or "none", "graph": last.index,
+                     "rewrite": _rewrite_label(s.rewritten, s.reason, stop_pass),
                      "cache_by_graph": per_graph.get(s.name, {})})
     return rows
+
+
+def _rewrite_label(rewritten: bool, reason: str, stop_pass) -> str:
+    if rewritten:
+        return "kvcompile.attention (paged pool)"
+    if reason:
+        return f"left alone: {reason}"
+    if stop_pass in ("find_attention", "find_cache", "resolve_config"):
+        return f"not reached (stopped after {stop_pass})"
+    return "none"
 
 
 def _sites_text(rows: list[dict], graphs: int, stop_pass) -> str:
@@ -173,8 +185,7 @@ def _sites_text(rows: list[dict], graphs: int, stop_pass) -> str:
     body = []
     for r in rows:
         fmt = f"{r['k_format']}/{r['v_format']}" if r.get("k_format") else "-"
-        status = "rewritten" if r["rewritten"] else (
-            f"left alone: {r['reason']}" if r.get("reason") else "not rewritten")
+        status = "rewritten" if r["rewritten"] else r["rewrite"]
         caches = ",".join(sorted(set(r["cache_by_graph"].values()))) or r["cache"]
         body.append([r["name"], r["pattern"], r["gqa"], r.get("mask", "-"), caches, fmt,
                      r.get("eviction", "-"), status])

@@ -58,6 +58,9 @@ def _model_options(p: argparse.ArgumentParser, kv_default: str) -> None:
     g.add_argument("--page-size", type=int, default=16, choices=PAGE_SIZES)
     g.add_argument("--max-kv-mib", type=float, default=256.0,
                    help="KV pool budget in MiB (default 256)")
+    g.add_argument("--eviction", metavar="POLICY[:k=v,...]", default=None,
+                   help="eviction policy, e.g. sink_window:sinks=4,window=1020 | "
+                        "h2o:budget=1024,recent=256 | snapkv:budget=1024")
     g.add_argument("--inner", default="auto", choices=("auto",) + INNER_BACKENDS,
                    help="backend for the rest of the graph (auto: inductor on CUDA; on the CPU, "
                         "where inductor's C++ compile takes minutes, eager for demo and "

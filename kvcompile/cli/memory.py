@@ -27,7 +27,7 @@ def memory_plan(state, batch: int, context: int) -> dict:
                        "v_format": spec.v_format.name, "kv_heads": spec.num_kv_heads,
                        "head_dim": spec.head_dim, "bytes_per_token": per_tok,
                        "bf16_bytes_per_token": per_tok_bf16, "tokens_kept": kept,
-                       "eviction": _policy_name(policy)})
+                       "eviction": policy_name(policy)})
     per_tok = sum(r["bytes_per_token"] for r in layers)
     per_tok_bf16 = sum(r["bf16_bytes_per_token"] for r in layers)
     # Page ids are shared by all layers: a sequence holds ceil(kept / P) pages, each of which
@@ -53,7 +53,7 @@ def memory_plan(state, batch: int, context: int) -> dict:
     return plan
 
 
-def _policy_name(policy) -> str:
+def policy_name(policy) -> str:
     if policy is None:
         return "none"
     args = ", ".join(f"{k}={v}" for k, v in policy.__dict__.items())

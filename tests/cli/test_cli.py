@@ -86,9 +86,31 @@ def test_inspect_stop_after_a_pass(cli_json):
     assert code == EXIT_OK
     assert out["rewritten"] == 0 and len(out["sites"]) == 2
     assert all(s["cache"] == "cat" for s in out["sites"])
+    assert all(s["rewrite"] == "not reached (stopped after find_cache)" for s in out["sites"])
     assert "memory" not in out
     for graph in out["passes"]:
         assert [p["pass"] for p in graph["passes"]] == ["find_attention", "find_cache"]
+
+
+def test_inspect_stop_after_rewrite(cli_json):
+    code, out, _ = cli_json("inspect", "tiny-llama", "--pass", "rewrite", *EAGER)
+    assert code == EXIT_OK and out["rewritten"] == 2
+    assert all(s["rewrite"] == "kvcompile.attention (paged pool)" for s in out["sites"])
+    assert out["memory"]["bytes_per_token"] == pytest.approx(FP8_BYTES_PER_TOKEN)
+    for graph in out["passes"]:
+        assert [p["pass"] for p in graph["passes"]][-1] == "rewrite"
+
+
+def test_inspect_with_eviction(cli_json):
+    code, out, _ = cli_json("inspect", "tiny-llama", "--eviction", "sink_window:sinks=4,window=60",
+                            "--context", 4096, "--passes", *EAGER)
+    assert code == EXIT_OK and out["rewritten"] == 2
+    assert all(s["eviction"].startswith("SinkWindow(sinks=4, window=60") for s in out["sites"])
+    mem = out["memory"]
+    assert mem["tokens_kept_per_sequence"] == 64 and mem["pages_per_sequence"] == 4
+    assert mem["pool_bytes"] == pytest.approx(4 * 16 * FP8_BYTES_PER_TOKEN)
+    last = out["passes"][-1]["passes"]
+    assert last[-1]["pass"] == "eviction"
 
 
 def test_inspect_factory_model_with_buffer_cache(cli_json):
@@ -204,6 +226,8 @@ def test_demo_needs_a_generating_model(cli):
     (["inspect", "tiny-llama", "--full"], EXIT_USAGE, "go with --passes"),
     (["inspect", "tiny-llama", "--svg", "/no/such/dir/x.svg"], EXIT_USAGE, "does not exist"),
     (["demo", "--max-new-tokens", "0"], EXIT_USAGE, "--max-new-tokens must be >= 1"),
+    (["inspect", "tiny-llama", "--eviction", "lru"], EXIT_USAGE, "KVConfig.eviction"),
+    (["inspect", "tiny-llama", "--eviction", "h2o:budget"], EXIT_USAGE, "not key=value"),
     (["frobnicate"], EXIT_USAGE, "invalid choice"),
     ([], EXIT_USAGE, "no command given"),
 ])
