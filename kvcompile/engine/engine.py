@@ -190,15 +190,20 @@ class Engine:
             if not finished:
                 self.abort(rid)
 
-    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
-        """One chat turn: the tokenizer's chat template with a generation prompt."""
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation under the tokenizer's chat template, with the assistant's
+        generation prompt."""
         if self.tokenizer is None:
             raise RequestError("chat needs a tokenizer: Engine(model, tokenizer)")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                  tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        if not isinstance(ids, list):   # a BatchEncoding (transformers 5 returns a dict)
             ids = ids["input_ids"]
-        return self.generate([list(ids)], params)[0]
+        return [int(t) for t in ids]
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
+        """One chat turn: the tokenizer's chat template with a generation prompt."""
+        return self.generate([self.chat_prompt(messages)], params)[0]
 
     def close(self) -> None:
         """Abort everything and drop the prefix cache: the engine's pages return to the pool."""
