@@ -25,7 +25,7 @@ import logging
 import torch
 
 from kvcompile.config import H2O, EvictionPolicy, SinkWindow, SnapKV
-from kvcompile.errors import CacheStateError
+from kvcompile.errors import CacheStateError, UnsupportedShapeError
 from kvcompile.eviction import policies as P
 from kvcompile.eviction.attend import attend_kept, rotation
 from kvcompile.kernels.masks import to_bool
@@ -161,6 +161,9 @@ class EvictionRuntime(RuntimeHook):
         if layer not in self.policies:
             return None
         pool = ctx.state.pool
+        out = self._attend_kernel(ctx, layer, q, plan, attn_mask, window, softcap, scale)
+        if out is not None:
+            return out
         out = torch.empty((*q.shape[:-1], pool.v[layer].head_dim), dtype=torch.float32,
                           device=q.device)
         cu = plan.cu_seqlens_q.tolist() if plan.packed else None
@@ -195,6 +198,52 @@ class EvictionRuntime(RuntimeHook):
             if obs is not None:
                 book.obs[layer] = obs
         return out
+
+    def _attend_kernel(self, ctx, layer, q, plan, attn_mask, window, softcap, scale):
+        """Decode through the paged decode kernel when the kept slots need no per-slot rule:
+        no holes, no padding left, no sink to re-rotate, the model's mask and window see every
+        kept key. Slot order does not matter to a single query. H2O mass comes from the
+        kernel's `attn_mass` output."""
+        state = ctx.state
+        if not (plan.is_decode and not plan.packed and state.kernels.use_triton(q.device)):
+            return None
+        mass_rows = []
+        for i, sid, _past, n in self._rows(plan):
+            book, policy = self.books[sid], self.policy_of(sid, layer)
+            pos = book.pos[layer]
+            total = state.pool.logical_len(sid)
+            if book.start or bool((pos < 0).any()) or self._needs_rotation(sid, policy, pos,
+                                                                             book.start):
+                return None
+            if window and total - int(pos.min()) > window:
+                return None
+            if attn_mask is not None and not _mask_sees_all(attn_mask, i, pos, total):
+                return None
+            mass_rows.append(layer in book.mass)
+        from kvcompile.kernels.decode import paged_decode_attention
+
+        pool = state.pool
+        mass = None
+        if any(mass_rows):
+            mass = torch.zeros(plan.batch, pool.layers[layer].num_kv_heads,
+                               max(plan.seq_lens_list), dtype=torch.float32, device=q.device)
+        try:
+            out = paged_decode_attention(q, pool.k[layer], pool.v[layer], plan.block_tables,
+                                         plan.seq_lens, scale, softcap=softcap, attn_mass=mass)
+        except (ImportError, UnsupportedShapeError) as e:
+            state.kernels._fallback(f"eviction decode: {type(e).__name__}: {e}")
+            return None
+        if mass is not None:
+            for i, sid, _past, _n in self._rows(plan):
+                book = self.books[sid]
+                if layer in book.mass:
+                    L = book.mass[layer].shape[1]
+                    book.mass[layer] += mass[i, :, :L]
+        self.state.count("eviction_kernel_decode")
+        return out.float()
+
+    def _needs_rotation(self, sid, policy, pos, start) -> bool:
+        return self._rerotate(sid, policy) and self._sinks(policy, pos, start)[0] is not None
 
     def _sinks(self, policy: SinkWindow, pos: torch.Tensor, start: int):
         """Slots of the sinks [Hkv, n] and the rotation that moves them before the window."""
@@ -329,6 +378,18 @@ def _fit(x: torch.Tensor, n: int, fill) -> torch.Tensor:
     if x.shape[1] >= n:
         return x[:, :n]
     return torch.cat([x, x.new_full((x.shape[0], n - x.shape[1]), fill)], 1)
+
+
+def _mask_sees_all(attn_mask: torch.Tensor, row: int, pos: torch.Tensor, total: int) -> bool:
+    """Does the last query's row of the model's mask allow every kept key?"""
+    m = _row_mask(attn_mask, row, 1)                                    # [Hm, 1, Lm]
+    if m.dtype != torch.bool:
+        return False
+    lm = m.shape[-1]
+    col = pos - max(0, total - lm)
+    if bool((col < 0).any()):
+        return False
+    return bool(m[:, -1][:, col.reshape(-1)].all())
 
 
 def _row_mask(attn_mask: torch.Tensor, row: int, n: int) -> torch.Tensor:

@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+# Kernel paths run through the Triton interpreter without a GPU; Triton reads this when a kernel
+# is decorated, so it must be set before kvcompile.kernels loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,115 @@
+"""Tables (GitHub markdown) and a plot from benchmarks/quality_results.json.
+
+    python benchmarks/quality.py --report
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+# SmolLM2-135M: 30 layers x 3 kv heads x 64 dims, K and V
+ELEMS_PER_TOKEN = 30 * 3 * 64 * 2
+ELEM_BYTES = {"auto": 4.0, "bf16": 2.0, "fp8_e4m3": 1.0 + 4 / (16 * 64),
+              "fp8_e5m2": 1.0 + 4 / (16 * 64), "fp4_e2m1": 0.5 + 1 / 16 + 4 / (16 * 64)}
+FMT_NAME = {"auto": "fp32"}
+
+
+def _rate(hits: list) -> str:
+    return f"{100 * sum(hits) / len(hits):.0f}% ({sum(hits)}/{len(hits)})" if hits else "-"
+
+
+def _retrieval_table(res: dict, title: str) -> list[str]:
+    keys = sorted({k for v in res.values() for k in v}, key=lambda x: (len(x), x))
+    out = [f"| {title} | " + " | ".join(keys) + " | all |",
+           "|---|" + "---|" * (len(keys) + 1)]
+    for label, per in res.items():
+        allh = [h for k in keys for h in per.get(k, [])]
+        out.append(f"| {label} | " + " | ".join(_rate(per.get(k, [])) for k in keys)
+                   + f" | {_rate(allh)} |")
+    return out
+
+
+def tables(data: dict) -> str:
+    lines = []
+    if "ppl" in data:
+        p = data["ppl"]
+        lines += [f"### Perplexity after a compressed {p['ctx']}-token context "
+                  f"({p['cont']} scored tokens x {p['windows']} windows of the Lee corpus)", "",
+                  "| format | row | kept | ppl | KL vs full (nats) | top-1 agreement | "
+                  "KB / token |", "|---|---|---|---|---|---|---|"]
+        for fmt, rows in p["results"].items():
+            for label, r in rows.items():
+                kb = ELEMS_PER_TOKEN * ELEM_BYTES[fmt] * r["kept"] / 1024
+                lines.append(f"| {FMT_NAME.get(fmt, fmt)} | {label} | {100 * r['kept']:.0f}% | "
+                             f"{r['ppl']:.2f} | {r['kl']:.4f} | {100 * r['top1']:.1f}% | "
+                             f"{kb:.1f} |")
+        lines.append("")
+    if "stream" in data:
+        s = data["stream"]
+        lines += [f"### Streaming perplexity, first {s['tokens']} Lee tokens "
+                  f"(chunks of {s['chunk']})", "", "| cache | ppl | tokens |", "|---|---|---|"]
+        for label, r in s["results"].items():
+            lines.append(f"| {label} | {r['ppl']:.2f} | {r['tokens']} |")
+        lines.append("")
+    for suite, title in (("passkey", "passkey (tokens)"), ("kvpress", "kvpress press"),
+                         ("ruler", "RULER-like task")):
+        if suite in data:
+            lines += [f"### {suite}", ""] + _retrieval_table(data[suite]["results"], title)
+            lines.append("")
+    return "\n".join(lines)
+
+
+def plot(data: dict, path: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    if "ppl" in data:
+        ax = axes[0]
+        for fmt, rows in data["ppl"]["results"].items():
+            for label, r in rows.items():
+                kb = ELEMS_PER_TOKEN * ELEM_BYTES[fmt] * r["kept"] / 1024
+                pol = label.split("@")[0]
+                ax.scatter(kb, r["ppl"], marker={"full": "o", "SinkWindow": "s", "H2O": "^",
+                                                 "SnapKV": "D"}.get(pol, "x"),
+                           label=f"{FMT_NAME.get(fmt, fmt)} {label}", s=22)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("KV cache KB per context token (all layers, K+V)")
+        ax.set_ylabel("perplexity (lower is better)")
+        ax.set_title("SmolLM2-135M, Lee corpus")
+        ax.legend(fontsize=5, ncol=2)
+    if "passkey" in data:
+        ax = axes[1]
+        res = data["passkey"]["results"]
+        for label, per in res.items():
+            hits = [h for v in per.values() for h in v]
+            ratio = 0 if label == "full" else int(label.split("@")[1])
+            kb = ELEMS_PER_TOKEN * 4.0 * (1 - ratio / 100) / 1024
+            ax.scatter(kb, 100 * sum(hits) / len(hits), label=label, s=22)
+        if "kvpress" in data:
+            for label, per in data["kvpress"]["results"].items():
+                hits = [h for v in per.values() for h in v]
+                ratio = int(label.split("@")[1])
+                kb = ELEMS_PER_TOKEN * 4.0 * (1 - ratio / 100) / 1024
+                ax.scatter(kb, 100 * sum(hits) / len(hits), marker="x",
+                           label=f"kvpress {label}", s=30)
+        ax.set_xlabel("KV cache KB per context token (fp32 storage)")
+        ax.set_ylabel("passkey retrieval %")
+        ax.set_title("passkey, compressed prompt")
+        ax.legend(fontsize=5, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    return True
+
+
+def report(results_path: str, out_dir: str) -> None:
+    with open(results_path) as f:
+        data = json.load(f)
+    print(tables(data))
+    png = os.path.join(out_dir, "quality_eviction.png")
+    if plot(data, png):
+        print(f"plot: {png}")
