@@ -50,6 +50,8 @@ def run(args) -> Result:
         lm.compiled = kvcompile.compile(lm.model, cfg)
         with console.stage(f"compiling (kv {cfg.kv_dtype}, inner {cfg.inner}) and running"):
             if args.verify:
+                local = verify.LocalError(traces)
+                _state(lm).hooks.insert(0, local)  # first: sees K/V before any other hook
                 compiled = verify.capture(lm, lm.compiled, ids, args.steps, tokens=eager.tokens)
             else:
                 _trace.drive(lm, ids)
@@ -86,7 +88,8 @@ def run(args) -> Result:
 
         if state is None:
             raise CLIError("no attention site was compiled, nothing to verify", code=1)
-        res = verify.compare(eager, compiled, state)
+        res = verify.compare(eager, compiled, state, local.errors(),
+                             next(lm.model.parameters()).dtype)
         payload["verify"] = res
         text.append(verify.verify_text(res, args.steps if lm.is_hf else 0))
         if not res["ok"]:
