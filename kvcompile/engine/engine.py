@@ -45,8 +45,8 @@ class Engine:
                  max_num_seqs: int = 128, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute",
                  swap_space_bytes: int = 4 << 30, seed: int = 0, log_every: int = 0):
+        from kvcompile.api import _STATE_ATTR
         from kvcompile.api import compile as kv_compile
-        from kvcompile.api import state_of
 
         for name, v in (("max_num_batched_tokens", max_num_batched_tokens),
                         ("max_num_seqs", max_num_seqs), ("swap_space_bytes", swap_space_bytes)):
@@ -55,10 +55,10 @@ class Engine:
         if preemption_mode not in ("recompute", "swap"):
             raise RequestError(f"Engine preemption_mode={preemption_mode!r}: allowed: "
                                f"'recompute', 'swap'")
-        state = state_of(model)
+        state = model.__dict__.get(_STATE_ATTR)   # compiled by kvcompile.compile(model)
         if state is None:
             kv_compile(model, config)
-            state = state_of(model)
+            state = model.__dict__[_STATE_ATTR]
         elif config is not None:
             raise RequestError("this model is already compiled with kvcompile; pass config=None "
                                "(the engine uses the model's own KVConfig)")

@@ -1,0 +1,480 @@
+"""Generation speed and capacity: Hugging Face generate on kvcompile's pool vs HF's own caches,
+and the continuous-batching engine.
+
+    python benchmarks/bench_generate.py                  # H200: the issue's setup
+    python benchmarks/bench_generate.py --smoke          # CPU: a tiny model through every path
+
+Setup (issue 6): an 8-layer Llama-3-8B-shaped model (hidden 4096, 32 q / 8 kv heads, head_dim
+128, MLP 14336, vocab 128256), random bf16 weights, B=16, prompt 4096, 128 new tokens, greedy.
+Sections, each in its own try/except, within one deadline (`--budget-s`), printed as tables:
+
+  capacity   concurrent 32k-token sequences a 40 GiB KV budget holds, per format (pool layout)
+  hf_eager   HF generate, DynamicCache, eager                 (baseline; reference tokens)
+  hf_static  HF generate, StaticCache + torch.compile         (baseline; compiled run excluded)
+  kvc_fp8    kvcompile.compile(model, kv_dtype="fp8_e4m3") + HF generate
+  kvc_bf16   same with bf16 pages: tokens vs hf_eager (free run, and teacher-forced)
+  engine     Engine throughput / latency against concurrency (closed loop) -> PNG
+
+tok/s = B * new tokens / wall time of the whole generate call (prefill included); decode tok/s
+= B * (N - 1) / (t_N - t_1), with t_1 from a max_new_tokens=1 call. Timings are wall clock
+around synchronized calls (a generate call is not a kernel: do_bench does not apply), the
+median of `--repeats` runs after a warm-up run that compiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import kvcompile  # noqa: E402
+from kvcompile import Engine, KVConfig, SamplingParams  # noqa: E402
+
+GIB = 1 << 30
+
+
+# --- setup -------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, every path")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--prompt", type=int, default=4096)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--budget-s", type=float, default=330.0, help="skip sections past this")
+    p.add_argument("--sections", default="capacity,hf_eager,hf_static,kvc_fp8,kvc_bf16,engine")
+    p.add_argument("--concurrency", default="1,4,16,64")
+    p.add_argument("--engine-prompt", type=int, default=1024)
+    p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "benchmarks"))
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.batch, a.prompt, a.new, a.layers = 3, 40, 12, 2
+        a.concurrency, a.engine_prompt = "1,2,4", 24
+    return a
+
+
+def model_config(args):
+    from transformers import LlamaConfig
+
+    if args.smoke:
+        cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                          num_hidden_layers=args.layers, num_attention_heads=2,
+                          num_key_value_heads=1, max_position_embeddings=2048)
+    else:
+        cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                          num_hidden_layers=args.layers, num_attention_heads=32,
+                          num_key_value_heads=8, max_position_embeddings=8192,
+                          rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def make_model(args, device, dtype):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(model_config(args), dtype=dtype)
+    return model.eval()
+
+
+class Clock:
+    def __init__(self, budget_s: float):
+        self.t0, self.budget = time.perf_counter(), budget_s
+
+    @property
+    def left(self) -> float:
+        return self.budget - (time.perf_counter() - self.t0)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device):
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - t0
+
+
+def uncompile(model):
+    """Undo kvcompile.compile on an HF model (instance attributes), so another config can be
+    compiled on the same weights."""
+    for name in ("forward", "generate", "_prefill", "_expand_inputs_for_generation",
+                 "_kvcompile_state"):
+        model.__dict__.pop(name, None)
+    torch._dynamo.reset()
+
+
+# --- sections ----------------------------------------------------------------------------------
+
+CAPACITY_FORMATS = (("bf16", "page"), ("fp8_e4m3", "page"), ("fp8_e4m3", "tensor"),
+                    ("fp8_e5m2", "page"), ("fp4_e2m1", "page"), ("fp4_e2m1", "tensor"))
+
+
+def capacity(args, device, ctx):
+    """Concurrent 32k-token sequences that fit a 40 GiB KV budget, from the pool's own layout
+    (pages of 16 tokens, K + V, scales included), for Llama-3-8B (32 layers) and for the bench
+    model (--layers). On CUDA the pool is allocated to check the page count."""
+    from kvcompile.cache.formats import resolve_format
+    from kvcompile.cache.pool import LayerSpec, PagePool
+
+    cfg = model_config(argparse.Namespace(smoke=False, layers=32))
+    hkv, d = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    P, per_seq = 16, math.ceil(32768 / 16)
+    rows = []
+    for fmt_name, gran in CAPACITY_FORMATS:
+        fmt = resolve_format(fmt_name, torch.bfloat16, gran)
+        spec = LayerSpec(hkv, d, d, fmt, fmt)
+        row = dict(format=f"{fmt_name} ({gran} scale)" if fmt.is_quantized else fmt_name)
+        for layers in (32, args.layers):
+            per_page = round(layers * spec.bytes_per_page(P))
+            pages = int(40 * GIB // per_page)
+            if layers == args.layers and device.type == "cuda" and not args.smoke:
+                pool = PagePool.from_budget([spec] * layers, P, 40 * GIB, device)
+                assert pool.num_pages == pages, (pool.num_pages, pages)
+                del pool
+                torch.cuda.empty_cache()
+            row[f"bytes_per_token_{layers}L"] = per_page / P
+            row[f"seqs_32k_{layers}L"] = pages // per_seq
+        rows.append(row)
+    b = rows[0]
+    for r in rows:
+        r["x_bf16_bytes"] = b["bytes_per_token_32L"] / r["bytes_per_token_32L"]
+        r["x_bf16_seqs_32L"] = r["seqs_32k_32L"] / b["seqs_32k_32L"]
+        r[f"x_bf16_seqs_{args.layers}L"] = (r[f"seqs_32k_{args.layers}L"]
+                                            / b[f"seqs_32k_{args.layers}L"])
+    return rows
+
+
+def _inputs(args, device, vocab):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(10, vocab, (args.batch, args.prompt), generator=g).to(device)
+    return ids, torch.ones_like(ids)
+
+
+def _gen_kwargs(args, **kw):
+    return dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False,
+                pad_token_id=0, eos_token_id=None, **kw)
+
+
+def run_generate(model, args, device, ids, am, label, extra=None, warm=True):
+    """(tok/s, decode tok/s, tokens [B, new], first-token seconds, whole-call seconds)."""
+    extra = extra or {}
+    if warm:  # compiles (excluded)
+        model.generate(ids, attention_mask=am, **_gen_kwargs(args, **extra))
+    _, t1 = timed(lambda: model.generate(ids, attention_mask=am,
+                                         **dict(_gen_kwargs(args, **extra), max_new_tokens=1,
+                                                min_new_tokens=1)), device)
+    times, out = [], None
+    for _ in range(args.repeats):
+        out, t = timed(lambda: model.generate(ids, attention_mask=am,
+                                              **_gen_kwargs(args, **extra)), device)
+        times.append(t)
+    t = statistics.median(times)
+    B, N = ids.shape[0], args.new
+    toks = out[:, ids.shape[1]:].cpu() if isinstance(out, torch.Tensor) else None
+    return dict(label=label, tok_s=B * N / t, decode_tok_s=B * (N - 1) / max(t - t1, 1e-9),
+                first_token_s=t1, total_s=t), toks
+
+
+def hf_eager(model, args, device, ctx):
+    ids, am = ctx["inputs"]
+    row, toks = run_generate(model, args, device, ids, am, "HF eager, DynamicCache", warm=False)
+    ctx["ref_tokens"] = toks
+    # logits of eager's own path, for the bf16 identity check (teacher forcing)
+    out = model.generate(ids, attention_mask=am, output_logits=True,
+                         return_dict_in_generate=True, **_gen_kwargs(args))
+    ctx["ref_logits"] = [x.float().cpu() for x in out.logits]
+    return row
+
+
+def hf_static(model, args, device, ctx):
+    ids, am = ctx["inputs"]
+    extra = dict(cache_implementation="static")
+    if args.smoke:  # no inductor C++ compile on the CPU
+        row, toks = run_generate(model, args, device, ids, am, "HF StaticCache (eager, smoke)",
+                                 extra)
+    else:
+        row, toks = run_generate(model, args, device, ids, am,
+                                 "HF StaticCache + torch.compile (inductor)", extra)
+    row["same_tokens_as_eager"] = _match(toks, ctx.get("ref_tokens"))
+    model.__dict__.pop("_cache", None)
+    torch._dynamo.reset()
+    return row
+
+
+def _kvc_config(args, kv_dtype):
+    return KVConfig(kv_dtype=kv_dtype, max_kv_bytes=(64 << 20) if args.smoke else 8 * GIB,
+                    inner="aot_eager" if args.smoke else "inductor",
+                    kernels="reference" if args.smoke else "auto")
+
+
+def kvc(model, args, device, ctx, kv_dtype):
+    ids, am = ctx["inputs"]
+    uncompile(model)
+    kvcompile.compile(model, _kvc_config(args, kv_dtype))
+    dyn = torch._dynamo.config.assume_static_by_default
+    torch._dynamo.config.assume_static_by_default = False  # prefill + decode: 2 graphs, not 3
+    try:
+        row, toks = run_generate(model, args, device, ids, am,
+                                 f"kvcompile {kv_dtype} pages + HF generate")
+        st = kvcompile.stats(model)
+        row["graphs"] = st.get("graphs")
+        row["reference_fallbacks"] = st.get("reference_fallback", 0)
+        row["same_tokens_as_eager"] = _match(toks, ctx.get("ref_tokens"))
+        row["bytes_per_token"] = st.get("bytes_per_token")
+        row["pages_after_generate"] = st.get("pages_used")
+        if kv_dtype == "bf16" and ctx.get("ref_logits") is not None:
+            row.update(_teacher_forced(model, args, ids, am, ctx))
+    finally:
+        torch._dynamo.config.assume_static_by_default = dyn
+    return row
+
+
+def _match(toks, ref) -> float | None:
+    if toks is None or ref is None:
+        return None
+    return float((toks == ref).float().mean())
+
+
+class _Force:
+    def __init__(self, seq):
+        self.seq = seq
+
+    def __call__(self, input_ids, scores):
+        nxt = self.seq[:, input_ids.shape[1]].to(scores.device)
+        forced = torch.full_like(scores, float("-inf"))
+        forced[torch.arange(scores.shape[0], device=scores.device), nxt] = 0.0
+        return forced
+
+
+def _teacher_forced(model, args, ids, am, ctx) -> dict:
+    """Along eager's own greedy path: how often the compiled model picks eager's token, at the
+    steps where eager's top-two logits are more than 2 bf16 ulps apart (not a rounding tie)."""
+    ref = torch.cat([ids.cpu(), ctx["ref_tokens"]], dim=1)
+    out = model.generate(ids, attention_mask=am, logits_processor=[_Force(ref)],
+                         output_logits=True, return_dict_in_generate=True, **_gen_kwargs(args))
+    agree = decisive = 0
+    max_rel = 0.0
+    for lr, lo in zip(ctx["ref_logits"], out.logits):
+        lo = lo.float().cpu()
+        top2 = lr.topk(2, dim=-1).values
+        ulp = torch.finfo(torch.bfloat16).eps * top2[:, 0].abs().clamp_min(1e-3)
+        dec = (top2[:, 0] - top2[:, 1]) > 2 * ulp
+        decisive += int(dec.sum())
+        agree += int((lo.argmax(-1) == lr.argmax(-1))[dec].sum())
+        max_rel = max(max_rel, float(((lo - lr).abs().amax(-1)
+                                      / lr.abs().amax(-1).clamp_min(1e-6)).max()))
+    n = args.batch * args.new
+    return dict(forced_decisive_steps=f"{decisive}/{n}",
+                forced_agree_at_decisive=agree / max(decisive, 1),
+                forced_max_rel_logit_diff=max_rel)
+
+
+def engine_curve(model, args, device, ctx, clock):
+    """Closed loop: c requests (prompt --engine-prompt, --new tokens) submitted at once, for
+    each concurrency c; generated tok/s, time to first token and time per output token."""
+    uncompile(model)
+    cfg = _kvc_config(args, "fp8_e4m3")
+    if not args.smoke:
+        cfg = KVConfig(**{**cfg.__dict__, "max_kv_bytes": 20 * GIB})
+    eng = Engine(model, None, cfg, max_num_batched_tokens=8192 if not args.smoke else 64,
+                 max_num_seqs=256, enable_prefix_caching=False)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(2)
+    params = SamplingParams(temperature=0, max_tokens=args.new, ignore_eos=True)
+    warm = [torch.randint(10, vocab, (args.engine_prompt,), generator=g).tolist()
+            for _ in range(2)]
+    for batch in (warm, warm[:1]):  # compiles both graphs: any T, and T = 1
+        eng.generate(batch, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    rows = []
+    for c in [int(x) for x in args.concurrency.split(",")]:
+        if clock.left < 20:
+            print(f"engine: out of time before concurrency {c}", flush=True)
+            break
+        prompts = [torch.randint(10, vocab, (args.engine_prompt,), generator=g).tolist()
+                   for _ in range(c)]
+        steps0 = eng.stats.steps
+        outs, t = timed(lambda p=prompts: eng.generate(p, params), device)
+        ttft = [o.first_token_time - o.arrival_time for o in outs]
+        tpot = [(o.finish_time - o.first_token_time) / max(len(o.token_ids) - 1, 1)
+                for o in outs]
+        rows.append(dict(concurrency=c, tok_s=sum(len(o.token_ids) for o in outs) / t,
+                         ttft_p50_ms=1e3 * _pct(ttft, 50), ttft_p99_ms=1e3 * _pct(ttft, 99),
+                         tpot_p50_ms=1e3 * _pct(tpot, 50), tpot_p99_ms=1e3 * _pct(tpot, 99),
+                         steps=eng.stats.steps - steps0, preemptions=eng.stats.preemptions))
+        print(f"engine c={c}: {rows[-1]['tok_s']:.0f} tok/s", flush=True)
+    eng.close()
+    return rows
+
+
+def _pct(xs, q):
+    xs = sorted(xs)
+    k = min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))
+    return xs[k]
+
+
+def plot_curve(rows, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = [r["concurrency"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    a.plot(c, [r["tok_s"] for r in rows], "o-")
+    a.set(xscale="log", xlabel="concurrent requests (offered load)", ylabel="generated tok/s",
+          title="throughput")
+    for key, style in (("ttft_p50_ms", "o-"), ("ttft_p99_ms", "o--"), ("tpot_p50_ms", "s-"),
+                       ("tpot_p99_ms", "s--")):
+        b.plot(c, [r[key] for r in rows], style, label=key.replace("_ms", ""))
+    b.set(xscale="log", yscale="log", xlabel="concurrent requests", ylabel="ms",
+          title="latency percentiles")
+    b.legend(fontsize=8)
+    for ax in (a, b):
+        ax.set_xticks(c, [str(x) for x in c])
+        ax.minorticks_off()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- report ------------------------------------------------------------------------------------
+
+def table(rows, cols) -> str:
+    if not rows:
+        return "(no rows)"
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        out.append("| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |")
+    return "\n".join(out)
+
+
+def _fmt(v):
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 10 else f"{v:.0f}"
+    return str(v)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    clock = Clock(args.budget_s)
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    if args.smoke:
+        torch.set_num_threads(1)
+    os.makedirs(args.out, exist_ok=True)
+    import transformers
+    import triton
+
+    env = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name()
+               if device.type == "cuda" else "cpu", torch=torch.__version__,
+               triton=triton.__version__, transformers=transformers.__version__,
+               setup=f"{args.layers} layers, B={args.batch}, prompt {args.prompt}, "
+                     f"{args.new} new tokens, greedy")
+    print(env, flush=True)
+    sections = args.sections.split(",")
+    # rough minimum seconds each needs on the H200 (compiles included)
+    need = dict(capacity=1, hf_eager=25, hf_static=90, kvc_fp8=80, kvc_bf16=70, engine=60)
+    results, errors, ctx = {"env": env}, {}, {}
+    model = None
+    try:
+        model = make_model(args, device, dtype)
+        ctx["inputs"] = _inputs(args, device, model.config.vocab_size)
+    except Exception as e:  # noqa: BLE001
+        errors["setup"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    steps = dict(
+        capacity=lambda: capacity(args, device, ctx),
+        hf_eager=lambda: hf_eager(model, args, device, ctx),
+        hf_static=lambda: hf_static(model, args, device, ctx),
+        kvc_fp8=lambda: kvc(model, args, device, ctx, "fp8_e4m3"),
+        kvc_bf16=lambda: kvc(model, args, device, ctx, "bf16"),
+        engine=lambda: engine_curve(model, args, device, ctx, clock))
+    for name in sections:
+        if name != "capacity" and model is None:
+            continue
+        if clock.left < (0 if args.smoke else need.get(name, 30)):
+            errors[name] = f"skipped: {clock.left:.0f} s left"
+            print(f"== {name}: skipped ({clock.left:.0f} s left)", flush=True)
+            continue
+        t0 = time.perf_counter()
+        try:
+            results[name] = steps[name]()
+            print(f"== {name}: done in {time.perf_counter() - t0:.0f} s", flush=True)
+        except Exception as e:  # noqa: BLE001  (one section failing must not sink the rest)
+            errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"== {name}: FAILED {errors[name]}", flush=True)
+            traceback.print_exc()
+            torch._dynamo.reset()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    report(results, errors, args)
+    return 0
+
+
+def report(results, errors, args):
+    gen = [results[k] for k in ("hf_eager", "hf_static", "kvc_fp8", "kvc_bf16") if k in results]
+    base = results.get("hf_static", {}).get("tok_s")
+    for r in gen:
+        r["x_static"] = r["tok_s"] / base if base else None
+    print("\n### HF generate, " + results["env"]["setup"])
+    print(table(gen, ["label", "tok_s", "decode_tok_s", "first_token_s", "total_s", "x_static",
+                      "same_tokens_as_eager", "graphs", "reference_fallbacks"]))
+    bf = results.get("kvc_bf16")
+    if bf and "forced_decisive_steps" in bf:
+        print(f"\nbf16 pages vs eager, teacher-forced: decisive steps {bf['forced_decisive_steps']}"
+              f", same token at {100 * bf['forced_agree_at_decisive']:.2f}% of them, max "
+              f"relative logit difference {bf['forced_max_rel_logit_diff']:.4f}")
+    if "capacity" in results:
+        L = args.layers
+        print("\n### Engine capacity: concurrent 32k-token sequences in a 40 GiB KV budget "
+              f"(8 kv heads, head_dim 128, page 16; Llama-3-8B 32 layers, bench model {L})")
+        print(table(results["capacity"], [
+            "format", "bytes_per_token_32L", "x_bf16_bytes", "seqs_32k_32L", "x_bf16_seqs_32L",
+            f"seqs_32k_{L}L", f"x_bf16_seqs_{L}L"]))
+    if results.get("engine"):
+        print(f"\n### Engine (fp8 pages), closed loop: prompt {args.engine_prompt}, "
+              f"{args.new} new tokens")
+        print(table(results["engine"], ["concurrency", "tok_s", "ttft_p50_ms", "ttft_p99_ms",
+                                        "tpot_p50_ms", "tpot_p99_ms", "steps", "preemptions"]))
+        name = "generate_concurrency_smoke.png" if args.smoke else "generate_concurrency.png"
+        try:
+            shape = "tiny Llama (smoke)" if args.smoke else f"{args.layers}-layer Llama-3-8B"
+            plot_curve(results["engine"], os.path.join(args.out, name),
+                       f"kvcompile Engine, fp8 pages, {results['env']['device']}, {shape}, "
+                       f"prompt {args.engine_prompt}, {args.new} new tokens, random weights")
+            print(f"plot: {os.path.join(args.out, name)}")
+        except Exception as e:  # noqa: BLE001
+            print(f"plot failed: {e}")
+    if errors:
+        print("\nerrors / skipped:", json.dumps(errors, indent=1))
+    path = os.path.join(args.out, "bench_generate_smoke.json" if args.smoke
+                        else "bench_generate.json")
+    with open(path, "w") as f:
+        json.dump({"results": results, "errors": errors}, f, indent=1, default=str)
+    print(f"json: {path}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
