@@ -8,6 +8,7 @@ pool is built at the first forward, when the weights are on their device, from t
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 
 import torch
@@ -142,6 +143,19 @@ def all_states() -> list[ModelState]:
     return [s for s in (r() for r in _states) if s is not None]
 
 
+# Storage the Triton kernels read (kernels/decode.py, prefill*.py, append.py). int4 / int2,
+# channel scales and residual pages are read by the reference until the kernels learn them.
+TRITON_FORMATS = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1")
+TRITON_GRANULARITIES = ("page", "token", "tensor")
+
+
+def kernel_readable(paged) -> bool:
+    f = paged.fmt
+    if f.name not in TRITON_FORMATS or getattr(f, "residual", False):
+        return False
+    return not f.is_quantized or f.granularity in TRITON_GRANULARITIES
+
+
 class KernelDispatch:
     """Chooses the Triton kernels (CUDA, or KVConfig.kernels="triton") or the reference."""
 
@@ -164,7 +178,15 @@ class KernelDispatch:
             from kvcompile.kernels.append import quantize_append
         except ImportError:
             return None
-        return quantize_append
+
+        def write(paged, slots, x):
+            # formats the append kernel does not know (int, channel scales, residual pages)
+            # are written by the reference, which defines the same bytes
+            if not kernel_readable(paged):
+                return paged.write(slots, x)
+            return quantize_append(paged, slots, x)
+
+        return write
 
     def _fallback(self, why: str) -> None:
         if why not in self._warned:
@@ -182,6 +204,10 @@ class KernelDispatch:
             attn_mask = None  # the engine's plan defines the structure (causal per sequence)
         pool = self.state.pool
         kc, vc = pool.k[layer], pool.v[layer]
+        if not (kernel_readable(kc) and kernel_readable(vc)):
+            return self._fallback(f"{kc.fmt.name}/{vc.fmt.name} pages "
+                                  f"({kc.fmt.granularity} scales, residual "
+                                  f"{kc.fmt.residual or vc.fmt.residual}) have no Triton kernel")
         key_mask, kv_start = None, None
         if attn_mask is not None:
             if mask_info is None or mask_info.key_mask is None:
@@ -204,6 +230,14 @@ class KernelDispatch:
                 return paged_decode_attention(
                     q, kc, vc, plan.block_tables, plan.seq_lens, scale, key_mask=key_mask,
                     sliding_window=window, softcap=softcap, **extras)
+            mode = os.environ.get("KVCOMPILE_PREFILL", "sdpa")
+            if mode != "triton":
+                # The Triton prefill kernels pass the CPU interpreter but failed their first
+                # H200 run (CUDA "misaligned address", 2026-11-30): until they pass on the GPU
+                # they are opt-in (KVCOMPILE_PREFILL=triton). Prefill then gathers the pages and
+                # runs torch SDPA (kernels/dense.py), exact for any stored format.
+                self.state.count("prefill_gathered_sdpa")
+                return None
             from kvcompile.kernels.prefill import paged_prefill_attention
 
             B, Hq, S, D = q.shape

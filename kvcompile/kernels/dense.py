@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from kvcompile.kernels.masks import align
 
@@ -38,6 +39,30 @@ def attend_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed, addi
     # masked keys contribute exactly zero, even if their stored values are not finite
     vf = torch.where(torch.isfinite(vf), vf, torch.zeros_like(vf)) if allowed is not None else vf
     return torch.matmul(p, vf)
+
+
+def attend_sdpa(q, k, v, allowed, additive, scale: float, causal: bool = False) -> torch.Tensor:
+    """The same contract as `attend_fp32`, through torch SDPA in the model's dtype: the CUDA
+    prefill path while the Triton prefill kernels are opt-in (runtime.KernelDispatch)."""
+    dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    mask = None
+    if additive is not None:
+        mask = additive.to(dt)
+        if allowed is not None:
+            mask = mask.masked_fill(~allowed, float("-inf"))
+    elif allowed is not None and not causal:
+        mask = allowed
+    out = F.scaled_dot_product_attention(
+        q[None].to(dt), k[None].to(dt), v[None].to(dt),
+        attn_mask=None if mask is None else mask[None], scale=scale,
+        is_causal=causal and mask is None, enable_gqa=q.shape[0] != k.shape[0])[0]
+    return torch.nan_to_num(out.float(), nan=0.0)  # rows with no key: 0, as attend_fp32
+
+
+def _attend(q, k, v, allowed, additive, scale, softcap, causal_only: bool):
+    if q.is_cuda and not softcap:
+        return attend_sdpa(q, k, v, allowed, additive, scale, causal=causal_only)
+    return attend_fp32(q, k, v, allowed, additive, scale, softcap)
 
 
 def _structure(s: int, total: int, is_causal: bool, window: int, device) -> torch.Tensor | None:
@@ -100,8 +125,9 @@ def paged_reference_attention(pool, layer: int, q, plan, attn_mask, is_causal, s
             k, v = _gather(pool, kt, vt, sid, total)
             s = cu[i + 1] - cu[i]
             allowed = _structure(s, total, True, sliding_window, q.device)
-            out[0, :, cu[i]:cu[i + 1]] = attend_fp32(
-                q[0, :, cu[i]:cu[i + 1]], k, v, allowed, None, scale, softcap)
+            out[0, :, cu[i]:cu[i + 1]] = _attend(
+                q[0, :, cu[i]:cu[i + 1]], k, v, allowed, None, scale, softcap,
+                causal_only=s == total and not sliding_window)
         return out
     B, _, S, _ = q.shape
     outs = []
@@ -114,9 +140,11 @@ def paged_reference_attention(pool, layer: int, q, plan, attn_mask, is_causal, s
         if plan.kv_start[b]:
             start_ok = torch.arange(total, device=q.device) >= plan.kv_start[b]
             struct = start_ok[None].expand(S, total) if struct is None else struct & start_ok
+        causal_only = (mb is None and is_causal and not sliding_window and S == total
+                       and not plan.kv_start[b])
         if struct is not None:
             allowed = struct if allowed is None else allowed & struct
-        outs.append(attend_fp32(q[b], k, v, allowed, additive, scale, softcap))
+        outs.append(_attend(q[b], k, v, allowed, additive, scale, softcap, causal_only))
     return torch.stack(outs)
 
 
