@@ -52,3 +52,12 @@ def test_stream():
     hf = [int(t) for t in re.search(r"\[([\d, ]+)\]\n\[pool", hf_part).group(1).split(",")]
     assert len(streamed) == 6 and streamed == hf, out   # engine and HF generate agree
     assert "0 sequences" in hf_part
+
+
+def test_bench_generate_smoke(tmp_path):
+    out = _run(os.path.join("..", "benchmarks", "bench_generate.py"), "--smoke", "--sections",
+               "capacity,hf_eager,kvc_bf16,engine", "--out", str(tmp_path))
+    assert "FAILED" not in out, out
+    assert "| fp8_e4m3 (tensor scale) | 65536 | 2.000 | 20 | 2.000 |" in out, out
+    assert "same token at 100.00%" in out, out
+    assert (tmp_path / "generate_concurrency_smoke.png").stat().st_size > 10_000

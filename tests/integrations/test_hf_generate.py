@@ -185,7 +185,6 @@ def test_text_streamer(pair):
 def test_pages_return_and_are_reused(pair):
     _, model = pair
     ids, am = _batch()
-    pool = state_of(model).pool
     gc.disable()  # pages must come back without the garbage collector
     try:
         peaks = []
@@ -193,6 +192,7 @@ def test_pages_return_and_are_reused(pair):
             with watch(model) as w:
                 model.generate(ids, attention_mask=am, max_new_tokens=NEW, do_sample=False,
                                pad_token_id=0, eos_token_id=None)
+            pool = state_of(model).pool
             peaks.append(max(s.pages_used for s in w.seen))
             assert pool.stats().pages_used == 0
             assert kvcompile.stats(model)["pages_used"] == 0
@@ -203,6 +203,16 @@ def test_pages_return_and_are_reused(pair):
         assert pool.stats().pages_used > 0
         assert out.past_key_values.get_seq_length() == 11 + 8 - 1
         del out
+        gc.collect()
+        assert pool.stats().pages_used == 0
+        # so does a cache the caller passed in
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
+        model.generate(ids, attention_mask=am, max_new_tokens=8, do_sample=False,
+                       pad_token_id=0, eos_token_id=None, past_key_values=cache)
+        assert pool.stats().pages_used > 0 and cache.get_seq_length() == 11 + 8 - 1
+        del cache
     finally:
         gc.enable()
     gc.collect()
