@@ -7,12 +7,14 @@ tensors are stubs, and leave every other cache untouched:
     reorder_cache(beam_idx)       beam search: rows select/fork pool sequences (no copies)
     batch_repeat_interleave(n)    num_return_sequences: fork each row n times
     batch_select_indices(idx)     contrastive search / row selection
-    crop(n)                       assisted decoding: truncate sequences
+    crop(n)                       assisted decoding: HF's own crop on the stubs, then the
+                                  sequences are cut to the length the cache now holds
     reset()                       StaticCache reuse: free the sequences (no zero_ on stubs)
 
-`wrap_generate(model)` (installed by `kvcompile.compile`) returns a `generate` call's pages to
-the pool when it returns: HF cache objects sit in reference cycles, so without it the pages
-would wait for the garbage collector.
+`wrap_generate(model)` (installed by `kvcompile.compile`) changes two things in `generate`:
+num_return_sequences / beam search prefill each distinct prompt once and fork it (HF would
+prefill and store every copy), and the call's pages return to the pool when it returns (HF
+cache objects sit in reference cycles: without it the pages would wait for the gc).
 """
 
 from __future__ import annotations
