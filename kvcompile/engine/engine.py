@@ -66,6 +66,10 @@ class Engine:
         self.runner = ModelRunner(model, state)
         if state.pool is None:
             self.runner.warm_up()
+        if any(m.get("eviction") is not None for m in state.layer_meta):
+            # eviction compacts a sequence's tokens behind the scheduler's back
+            raise RequestError("the engine does not run models compiled with an eviction "
+                               "policy yet; compile without KVConfig.eviction for the engine")
         self.pool = state.pool
         P = self.pool.page_size
         limits = [self.pool.num_pages * P]

@@ -77,6 +77,9 @@ def test_engine_options_are_validated(model):
                       (dict(config=config()), "already compiled")):
         with pytest.raises(RequestError, match=match):
             Engine(model, **kw)
+    torch._dynamo.reset()
+    with pytest.raises(RequestError, match="eviction policy"):
+        Engine(make_hf("llama", "sdpa"), config=config(eviction=kvcompile.SinkWindow(4, 60)))
     eng = Engine(model)
     with pytest.raises(RequestError, match="needs a tokenizer"):
         eng.add_request("hello", GREEDY)
