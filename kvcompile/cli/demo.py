@@ -21,7 +21,7 @@ from kvcompile.cli.common import (
     resolve_inner,
 )
 
-DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
+DEFAULT_PROMPT = "What does a cache do in a computer? Answer in one sentence."
 
 
 def run(args) -> Result:
