@@ -20,31 +20,25 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list,
     token list (EOS before min_tokens) per row -> (tokens [B], logprob of each token (None
     unless asked), ok [B]). A row with a NaN or +Inf logit, or with every logit -Inf, is not
     ok (its token is -1)."""
-    x = logits.float()
-    ok_t = torch.isfinite(x).any(-1) & ~torch.isnan(x).any(-1) & ~(x == float("inf")).any(-1)
-    x = torch.where(ok_t[:, None], x, torch.zeros_like(x))
-    ok = ok_t.tolist()
+    x = logits.to(torch.float32, copy=True)  # banned tokens / penalties edit it in place
+    bad = torch.isnan(x).any(-1) | (x == float("inf")).any(-1) | ~torch.isfinite(x).any(-1)
     for i, ban in enumerate(banned or []):
         if ban:
             x[i, torch.tensor(ban, device=x.device)] = float("-inf")
     for i, p in enumerate(params):
-        if p.repetition_penalty != 1.0 and ok[i] and histories[i]:
+        if p.repetition_penalty != 1.0 and histories[i]:
             _penalize(x[i], histories[i], p.repetition_penalty)
-    tokens = [-1] * len(params)
+    # one device-to-host transfer for the common case: validity and argmax of every row
+    flags, best = torch.stack([bad.long(), x.argmax(-1)]).tolist()
+    ok = [not f for f in flags]
+    tokens = [b if ok[i] and p.greedy else -1 for i, (b, p) in enumerate(zip(best, params))]
     logprobs: list[float | None] = [None] * len(params)
-    greedy = [i for i, p in enumerate(params) if p.greedy and ok[i]]
-    if greedy:
-        idx = torch.tensor(greedy, device=x.device)
-        best = x.index_select(0, idx).argmax(-1).tolist()
-        for i, t in zip(greedy, best):
-            tokens[i] = t
     for i, p in enumerate(params):
         if not ok[i]:
             continue
         if not p.greedy:
             row = _filter(x[i] / p.temperature, p)
-            probs = torch.softmax(row, -1)
-            tokens[i] = _draw(probs, generators[i])
+            tokens[i] = _draw(torch.softmax(row, -1), generators[i])
         if p.logprobs:
             row = x[i] if p.greedy else _filter(x[i] / p.temperature, p)
             logprobs[i] = float(torch.log_softmax(row, -1)[tokens[i]])

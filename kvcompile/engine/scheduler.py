@@ -89,6 +89,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_tokens
         done: set[int] = set()
+        budget = self._decode_all(out, done, budget)
         # 1-2. running: decodes first, then one chunk of each prefill in progress
         for decode_pass in (True, False):
             for req in list(self.running):
@@ -139,6 +140,22 @@ class Scheduler:
             out.seqs.append(ScheduledSeq(req, req.num_computed, n, slots))
             budget -= n
         return out
+
+    def _decode_all(self, out: SchedulerOutput, done: set[int], budget: int) -> int:
+        """The common case in one reserve call (one host-to-device copy of slots): every
+        running decode fits. Otherwise nothing is taken here and the per-request loop decides
+        (and preempts)."""
+        reqs = [r for r in self.running if r.to_compute == 1][:budget]
+        if len(reqs) < 2:
+            return budget
+        try:
+            slots = self.pool.reserve([r.seq_id for r in reqs], 1)
+        except KVCacheFullError:
+            return budget
+        for i, r in enumerate(reqs):
+            out.seqs.append(ScheduledSeq(r, r.num_computed, 1, slots[i:i + 1]))
+            done.add(id(r))
+        return budget - len(reqs)
 
     def rollback(self, out: SchedulerOutput) -> None:
         """Undo a step's reservations (the forward failed)."""
