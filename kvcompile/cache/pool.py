@@ -483,13 +483,17 @@ class PagePool:
         """Copy a sequence's pages (every layer, K and V, scales included) to host memory and
         free the sequence. `swap_in` restores it bit for bit."""
         seq = self._lookup([seq_id])[0]
+        if any(getattr(t, "res_slot", None) is not None for t in self.k + self.v):
+            raise UnsupportedShapeError("swap_out: pages with a bf16 residual tail are not "
+                                        "swapped (recompute instead)")
         ids = torch.tensor(seq.pages, dtype=torch.int64, device=self.device)
         saved = []
         for paged in self.k + self.v:
             parts = {}
-            for name in ("data", "scale", "micro"):
-                t = getattr(paged, name)
-                if t is None or (name == "scale" and paged.fmt.granularity == "tensor"):
+            for name in ("data", "scale", "zero", "micro"):   # every per-page tensor
+                t = getattr(paged, name, None)
+                if t is None or (name in ("scale", "zero")
+                                 and paged.fmt.granularity == "tensor"):
                     continue
                 host = t[ids].to("cpu")
                 parts[name] = host.pin_memory() if pin_memory else host

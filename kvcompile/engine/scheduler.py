@@ -57,6 +57,9 @@ class Scheduler:
         self.swap_space = swap_space_bytes
         self.swap_used = 0
         self.watermark = max(1, int(watermark * pool.num_pages))
+        # pages with a bf16 residual tail (int formats, KVConfig.residual) are recomputed
+        self.pool_swappable = not any(getattr(t, "res_slot", None) is not None
+                                      for t in pool.k + pool.v)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
@@ -227,7 +230,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.count("preemptions")
         out.preempted.append(req)
-        if self.mode == "swap" and req.seq_id is not None:
+        if self.mode == "swap" and req.seq_id is not None and self.pool_swappable:
             need = self._swap_bytes(req)
             if self.swap_used + need <= self.swap_space:
                 req.swapped = self.pool.swap_out(req.seq_id)

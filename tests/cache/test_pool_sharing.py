@@ -8,7 +8,12 @@ import torch
 
 from kvcompile.cache.formats import resolve_format
 from kvcompile.cache.pool import LayerSpec, PagePool
-from kvcompile.errors import CacheStateError, KVCacheFullError, SequenceTooLongError
+from kvcompile.errors import (
+    CacheStateError,
+    KVCacheFullError,
+    SequenceTooLongError,
+    UnsupportedShapeError,
+)
 
 H, D, DV, P = 2, 16, 32, 4
 
@@ -39,8 +44,9 @@ def _raw(pool, seq):
     ids = torch.tensor(pool.pages_of(seq))
     out = []
     for t in pool.k + pool.v:
-        for x in (t.data, t.scale, t.micro):
-            if x is not None and (x is not t.scale or t.fmt.granularity != "tensor"):
+        for x in (t.data, t.scale, getattr(t, "zero", None), t.micro):
+            if x is not None and (x is t.data or x is t.micro
+                                  or t.fmt.granularity != "tensor"):
                 out.append(x[ids].reshape(len(ids), -1).view(torch.uint8).clone())
     return out
 
@@ -102,7 +108,7 @@ def test_pin_and_attach_reject_bad_pages():
 
 @pytest.mark.parametrize("kv_dtype,granularity", [
     ("fp32", "page"), ("bf16", "page"), ("fp8_e4m3", "page"), ("fp8_e4m3", "token"),
-    ("fp8_e5m2", "tensor"), ("fp4_e2m1", "page")])
+    ("fp8_e5m2", "tensor"), ("fp4_e2m1", "page"), ("int4", "page"), ("int2", "token")])
 def test_swap_roundtrip_is_bit_exact(kv_dtype, granularity):
     pool = _pool(kv_dtype, granularity=granularity)
     a, other = pool.allocate(2)
@@ -160,4 +166,15 @@ def test_shared_pages_survive_swap_of_one_holder():
     assert pool.stats().pages_used == 4  # the swap-in owns fresh copies
     for i in range(2):
         assert torch.equal(pool.gather(i, c)[0], pool.gather(i, b)[0])
+    pool.check_invariants()
+
+
+def test_residual_pages_are_not_swapped():
+    fmt = resolve_format("int4", torch.float32, "page", residual=True)
+    pool = PagePool([LayerSpec(H, D, DV, fmt, fmt)], 8, P)
+    a = pool.allocate()[0]
+    _fill(pool, a, P + 1)
+    with pytest.raises(UnsupportedShapeError, match="recompute"):
+        pool.swap_out(a)
+    assert pool.seq_len(a) == P + 1
     pool.check_invariants()
