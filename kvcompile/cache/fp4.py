@@ -96,18 +96,36 @@ def fp4_encode(x: torch.Tensor, scale) -> tuple[torch.Tensor, torch.Tensor]:
     _check_head_dim(x.shape[-1])
     blocks = x.float().unflatten(-1, (-1, MICRO_BLOCK))                # [..., D/16, 16]
     s = _per_vector(scale, x)                                         # [..., 1, 1]
-    amax16 = finite_amax(blocks, -1)                                  # [..., D/16, 1]
-    micro = (amax16 / E2M1_MAX / s).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
-    denom = micro.float() * s
-    q = torch.where(denom > 0, blocks / denom, 0.0)
+    micro = micro_scale(finite_amax(blocks, -1), s)                   # [..., D/16, 1]
+    code = e2m1_codes(blocks, micro.float() * s)
+    micro = torch.where(torch.isnan(blocks).any(-1, keepdim=True), float("nan"), micro.float())
+    return pack_e2m1(code.flatten(-2)), micro.squeeze(-1).to(torch.float8_e4m3fn)
+
+
+def micro_scale(amax: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 micro scale of blocks with finite amax `amax` under fp32 `scale`."""
+    return (amax / E2M1_MAX / scale).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def e2m1_codes(x: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
+    """Unpacked E2M1 codes uint8 of x / denom (RNE, saturating at 6; code 0 where denom is 0
+    and for NaN; the sign bit is signbit(x / denom))."""
+    q = torch.where(denom > 0, x / denom, 0.0)
     code = torch.bucketize(q.abs(), _table("bounds", q.device)).to(torch.uint8)  # saturates at 7
     code |= torch.signbit(q).to(torch.uint8) << 3
-    nan = torch.isnan(blocks)
-    code = torch.where(nan, 0, code).to(torch.uint8)
-    micro = torch.where(nan.any(-1, keepdim=True), float("nan"), micro.float())
-    code = code.flatten(-2)                                           # [..., D]
-    packed = code[..., 0::2] | (code[..., 1::2] << 4)
-    return packed, micro.squeeze(-1).to(torch.float8_e4m3fn)
+    return torch.where(torch.isnan(x), 0, code).to(torch.uint8)
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """codes uint8 [..., D] -> packed uint8 [..., D//2], element 2i in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of unpacked E2M1 codes (any shape)."""
+    # index_select: plain advanced indexing of a 16-entry table is ~1000x slower on the CPU.
+    vals = _table("values", codes.device).index_select(0, codes.flatten().long())
+    return vals.view(codes.shape)
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
@@ -119,8 +137,6 @@ def fp4_decode(packed: torch.Tensor, micro: torch.Tensor, scale) -> torch.Tensor
     """packed: [..., D//2] uint8; micro: [..., D//16] float8_e4m3fn; scale: one per vector.
     Returns fp32 [..., D] = (e2m1(code) * micro) * scale."""
     codes = unpack_e2m1(packed)
-    # index_select: plain advanced indexing of a 16-entry table is ~1000x slower on the CPU.
-    vals = _table("values", packed.device).index_select(0, codes.flatten().long())
-    vals = vals.view(*codes.shape[:-1], codes.shape[-1] // MICRO_BLOCK, MICRO_BLOCK)
+    vals = e2m1_values(codes).unflatten(-1, (-1, MICRO_BLOCK))
     out = vals * micro.float().unsqueeze(-1) * _per_vector(scale, codes)
     return out.flatten(-2)

@@ -613,6 +613,10 @@ class PagePool:
             self._ref[p] -= 1
             if self._ref[p] == 0:
                 self._free.append(p)
+        freed = [p for p in dropped if self._ref[p] == 0]
+        if freed and any(t.res_slot is not None for t in self.k + self.v):
+            for paged in self.k + self.v:  # a freed page's bf16 residual row goes too
+                paged.drop_residual(freed)
         if dropped:
             del seq.pages[keep:]
             for j in range(keep, keep + len(dropped)):

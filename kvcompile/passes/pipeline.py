@@ -1,4 +1,4 @@
-"""The pass pipeline: find attention, find the cache, resolve configs, rewrite, eviction.
+"""The pass pipeline: find attention, find the cache, resolve configs, rewrite, rotate, eviction.
 
 Each pass is recorded (what it found or changed, and optionally the graph code after it) so the
 report and `kvcompile inspect --passes` can show every step.
@@ -14,10 +14,12 @@ import torch.fx as fx
 from kvcompile.passes.find_attention import find_attention_sites
 from kvcompile.passes.find_cache import find_caches
 from kvcompile.passes.rewrite import RewritePlan, rewrite_sites
+from kvcompile.passes.rotate import rotate_pass
 from kvcompile.passes.site_config import resolve_site_configs
 from kvcompile.passes.sites import SiteRecord
 
-PASS_NAMES = ("find_attention", "find_cache", "resolve_config", "rewrite", "eviction")
+PASS_NAMES = ("find_attention", "find_cache", "resolve_config", "rewrite", "rotate",
+              "eviction")
 
 
 @dataclass
@@ -64,12 +66,12 @@ def run_passes(gm: fx.GraphModule, example_inputs, state, *, keep_code: bool = F
         cfg = site.config
         try:
             kf = resolve_format(cfg.key_dtype, site.dtype, cfg.scale_granularity,
-                               cfg.static_scale)
+                                cfg.static_scale, cfg.residual)
             vf = resolve_format(cfg.value_dtype, site.dtype,
-                                "page" if cfg.scale_granularity == "channel"
-                                else cfg.scale_granularity, cfg.static_scale)
-            _check_format(kf, site.head_dim)
-            _check_format(vf, site.v_head_dim)
+                                _value_granularity(cfg.value_dtype, cfg.scale_granularity),
+                                cfg.static_scale, cfg.residual)
+            kf.check_shape(site.head_dim, state.config.page_size)
+            vf.check_shape(site.v_head_dim, state.config.page_size)
         except (ValueError, NotImplementedError) as e:
             site.skip(f"format not applicable: {e}")
             continue
@@ -91,15 +93,21 @@ def run_passes(gm: fx.GraphModule, example_inputs, state, *, keep_code: bool = F
     torch._dynamo.utils.counters["kvcompile"]["attention_skipped"] += len(sites) - n
     if log("rewrite", f"{n} of {len(sites)} site(s) rewritten onto the pool"):
         return res
+    if log("rotate", rotate_pass(gm, res.plan, state, example_inputs)):
+        return res
     if state.eviction_pass is not None:
         summary = state.eviction_pass(gm, res.plan, state)
         log("eviction", summary)
     state.graphs += 1
-    state.records.extend(SiteRecord.of(s, state.graphs) for s in sites)
+    for s in sites:
+        rec = SiteRecord.of(s, state.graphs)
+        rec.rotate = getattr(s, "rotation", "") or rec.rotate  # what the rotate pass did
+        state.records.append(rec)
     return res
 
 
-def _check_format(fmt, head_dim: int) -> None:
-    if fmt.name == "fp4_e2m1" and head_dim % 16:
-        raise ValueError(f"fp4_e2m1 needs head_dim divisible by 16 (micro-blocks of 16), "
-                         f"got {head_dim}; use fp8_e4m3 or bf16 for this layer")
+def _value_granularity(value_dtype: str, granularity: str) -> str:
+    """Channel scales are for keys; values keep per-token int scales (KIVI) or page fp ones."""
+    if granularity != "channel":
+        return granularity
+    return "token" if value_dtype in ("int4", "int2") else "page"

@@ -1,0 +1,410 @@
+"""PagedTensor: one layer's keys (or values) in pages, in any storage format (formats.py).
+
+    data:  [N, H, P, Ds] storage dtype; Ds = D (fp8, plain), D/2 (fp4, int4), D/4 (int2)
+    scale: fp8 / fp4: fp32, page [N, H] | token [N, H, P] | tensor [1] | channel [N, H, D]
+           (fp4 channel: the page scale [N, H]); int: fp16, page | token | channel
+    zero:  int only, fp16, shaped like scale
+    micro: fp4 only, E4M3: [N, H, P, D/16] along head_dim, or [N, H, P/16, D] along tokens
+           for "channel" (one micro scale per channel per 16 tokens)
+    res_data / res_slot: with `residual`, the full-precision tail: res_data [R, H, P, D] bf16,
+           res_slot [N] int32 (the res_data row of a page, -1 = none)
+
+Storage is torch.empty: slots never written hold arbitrary values (NaN included), so readers
+mask them with `where`, never by multiplying with zero.
+
+Residual: a page that a write leaves partly filled is kept in bf16 in a res_data row; the write
+that fills it quantizes the whole page at once (its scales see every token: no re-rounding) and
+frees the row. Tokens are rounded to bf16 first in both cases, so a page is quantized from the
+same values whichever write fills it. `read` returns the bf16 row for such pages. Rows are per page, so a forked
+sequence's shared partial page shares its row, and copy-on-write copies it (`copy_pages`);
+the pool frees the rows of pages it releases (`drop_residual`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvcompile.cache import grouped
+from kvcompile.cache.fp4 import (
+    MICRO_BLOCK,
+    e2m1_codes,
+    e2m1_values,
+    finite_amax,
+    fp4_decode,
+    fp4_encode,
+    pack_e2m1,
+    scale_from_amax,
+    unpack_e2m1,
+)
+from kvcompile.cache.fp8 import fp8_decode, fp8_encode
+from kvcompile.cache.intq import int_decode, int_encode, int_params
+from kvcompile.errors import CacheStateError, UnsupportedShapeError
+
+if TYPE_CHECKING:
+    from kvcompile.cache.formats import KVFormat
+
+RESIDUAL_DTYPE = torch.bfloat16
+
+
+class PagedTensor:
+    # Class defaults: views built with __new__ over existing storage (kernels' reference paths)
+    # have no zero point and no residual.
+    zero: torch.Tensor | None = None
+    micro: torch.Tensor | None = None
+    res_data: torch.Tensor | None = None
+    res_slot: torch.Tensor | None = None
+
+    def __init__(self, fmt: KVFormat, num_pages: int, num_heads: int, page_size: int,
+                 head_dim: int, device=None):
+        for what, v in (("num_pages", num_pages), ("num_heads", num_heads),
+                        ("page_size", page_size), ("head_dim", head_dim)):
+            if not isinstance(v, int) or v < 1:
+                raise UnsupportedShapeError(f"PagedTensor {what}={v!r}: must be an int >= 1")
+        fmt.check_shape(head_dim, page_size)
+        self.fmt = fmt
+        self.num_pages, self.num_heads, self.page_size, self.head_dim = (
+            num_pages, num_heads, page_size, head_dim)
+        n, h, p, d = num_pages, num_heads, page_size, head_dim
+        self.data = torch.empty(n, h, p, fmt.stored_dim(d), dtype=fmt.storage_dtype,
+                                device=device)
+        self.scale: torch.Tensor | None = None
+        g = fmt.granularity
+        if fmt.is_quantized:
+            if g == "tensor":
+                self.scale = torch.full((1,), float(fmt.static_scale or 0.0), device=device)
+            else:
+                shape = {"page": (n, h), "token": (n, h, p), "channel": (n, h, d)}[g]
+                if fmt.name == "fp4_e2m1" and g == "channel":
+                    shape = (n, h)
+                self.scale = torch.ones(shape, dtype=fmt.scale_dtype, device=device)
+            if fmt.is_int:
+                self.zero = torch.zeros(self.scale.shape, dtype=fmt.scale_dtype, device=device)
+        if fmt.name == "fp4_e2m1":
+            mshape = (n, h, p // MICRO_BLOCK, d) if g == "channel" else (n, h, p, d // MICRO_BLOCK)
+            self.micro = torch.empty(mshape, dtype=torch.float8_e4m3fn, device=device)
+        if fmt.residual:
+            self.res_data = torch.empty(0, h, p, d, dtype=RESIDUAL_DTYPE, device=device)
+            self.res_slot = torch.full((n,), -1, dtype=torch.int32, device=device)
+            self._res_of: dict[int, int] = {}
+            self._res_free: list[int] = []
+
+    def __repr__(self) -> str:
+        res = ", residual" if self.fmt.residual else ""
+        return (f"PagedTensor({self.fmt.name}/{self.fmt.granularity}{res}, "
+                f"pages={self.num_pages}, heads={self.num_heads}, page_size={self.page_size}, "
+                f"head_dim={self.head_dim})")
+
+    # -- scales, broadcastable to [n, H, P, D] --
+
+    def scale_of(self, page_ids: torch.Tensor) -> torch.Tensor:
+        """The scale of every element of pages page_ids [n] (fp32), broadcastable to
+        [n, H, P, D] (fp8 / int; fp4's outer scale)."""
+        return self._bcast(self.scale, page_ids).float()
+
+    def _bcast(self, t: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
+        g = self.fmt.granularity
+        if g == "tensor":
+            return t.view(1, 1, 1, 1)
+        if g == "token":
+            return t[page_ids][..., None]
+        if g == "channel" and self.fmt.name != "fp4_e2m1":
+            return t[page_ids][:, :, None, :]
+        return t[page_ids][:, :, None, None]
+
+    # -- codec of this format --
+
+    def _encode(self, x: torch.Tensor, scale: torch.Tensor):
+        """fp8 / fp4 with head_dim micro-blocks: (codes, micro or None) of x [..., D] under an
+        fp32 scale broadcastable to x (the keepdim form)."""
+        if self.fmt.name == "fp4_e2m1":
+            return fp4_encode(x, scale)
+        return fp8_encode(x, scale, self.fmt.storage_dtype), None
+
+    def _encode_tile(self, tile: torch.Tensor, params: dict) -> dict:
+        """Per-token stored tensors of whole pages tile [U, H, P, D] under params (scale,
+        zero, micro gathered for these pages)."""
+        fmt, g = self.fmt, self.fmt.granularity
+        s = params["scale"]
+        sb = s[:, :, None, :] if g == "channel" and s.dim() == 3 else s[:, :, None, None]
+        if fmt.is_int:
+            zb = params["zero"]
+            zb = zb[:, :, None, :] if g == "channel" else zb[:, :, None, None]
+            return {"data": int_encode(tile, sb, zb, fmt.int_bits)}
+        if fmt.name == "fp4_e2m1" and g == "channel":
+            m = params["micro"].float().repeat_interleave(MICRO_BLOCK, dim=2)
+            return {"data": pack_e2m1(e2m1_codes(tile, m * sb))}
+        codes, micro = self._encode(tile, sb)
+        return {"data": codes} if micro is None else {"data": codes, "micro": micro}
+
+    def _decode_pages(self, page_ids: torch.Tensor) -> torch.Tensor:
+        """[n] -> the stored codes of those pages, dequantized: [n, H, P, D] fp32."""
+        codes = self.data[page_ids]
+        fmt = self.fmt
+        if not fmt.is_quantized:
+            return codes.float()
+        if fmt.is_int:
+            return int_decode(codes, self._bcast(self.scale, page_ids),
+                              self._bcast(self.zero, page_ids), fmt.int_bits)
+        scale = self.scale_of(page_ids)
+        if fmt.name == "fp4_e2m1":
+            if fmt.granularity == "channel":
+                m = self.micro[page_ids].float().repeat_interleave(MICRO_BLOCK, dim=2)
+                return (e2m1_values(unpack_e2m1(codes)) * m) * scale
+            return fp4_decode(codes, self.micro[page_ids], scale)
+        return fp8_decode(codes, scale)
+
+    # -- public API --
+
+    def read(self, page_ids: torch.Tensor) -> torch.Tensor:
+        """page_ids: [n] -> dequantized pages [n, H, P, D] fp32 (the bf16 residual of pages
+        that have one)."""
+        page_ids = torch.as_tensor(page_ids, dtype=torch.long, device=self.data.device)
+        out = self._decode_pages(page_ids)
+        if self.res_slot is not None and self._res_of:
+            r = self.res_slot[page_ids].long()
+            tail = self.res_data[r.clamp(min=0)].float()
+            out = torch.where((r >= 0)[:, None, None, None], tail, out)
+        return out
+
+    def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """Quantize and append. slots: [T] int (page * P + offset), distinct; x: [T, H, D].
+
+        Within each page touched, the slots before the smallest new offset are the page's valid
+        tokens. Page- and channel-granular scales are set from the new tokens if the valid ones
+        have no value, else changed only as far as the new tokens need (grouped.py), re-encoding
+        the valid tokens of a (page, head) whose scales changed. Token scales come from each
+        token; tensor scales are static or calibrated on the first write. NaN / Inf never enter
+        a scale. With `residual`, see the module docstring."""
+        self._check_write(slots, x)
+        if x.shape[0] == 0:
+            return
+        slots = slots.to(device=self.data.device, dtype=torch.long)
+        x = x.to(self.data.device)
+        page, off = slots // self.page_size, slots % self.page_size
+        if not self.fmt.is_quantized:
+            self.data[page, :, off] = x.to(self.fmt.storage_dtype)
+        elif self.fmt.residual:
+            self._write_residual(page, off, x.float())
+        else:
+            self._write_codes(page, off, x.float())
+
+    def _write_codes(self, page: torch.Tensor, off: torch.Tensor, x: torch.Tensor) -> None:
+        # page, off: [T]; x: [T, H, D] fp32
+        fmt, g = self.fmt, self.fmt.granularity
+        if g in ("page", "channel"):
+            self._write_grouped(page, off, x)
+            return
+        if fmt.is_int:  # token
+            s, z = int_params(x, -1, fmt.int_bits)                       # [T, H, 1]
+            self.scale[page, :, off] = s[..., 0]
+            self.zero[page, :, off] = z[..., 0]
+            self.data[page, :, off] = int_encode(x, s, z, fmt.int_bits)
+            return
+        if g == "tensor":
+            self.calibrate(x)
+            scale = self.scale.view(1, 1, 1)
+        else:
+            scale = scale_from_amax(finite_amax(x, -1), fmt.scale_divisor)  # [T, H, 1]
+            self.scale[page, :, off] = scale[..., 0]
+        codes, micro = self._encode(x, scale)
+        self.data[page, :, off] = codes
+        if micro is not None:
+            self.micro[page, :, off] = micro
+
+    def calibrate(self, x: torch.Tensor) -> None:
+        """Tensor granularity without a static scale: on the first write, scale = amax(x) /
+        scale_divisor (1.0 if x has no finite non-zero value). Later calls do nothing."""
+        if self.fmt.granularity == "tensor" and self.fmt.is_quantized and not bool(self.scale[0]):
+            amax = finite_amax(x.float(), tuple(range(x.dim())), keepdim=False)
+            self.scale.copy_(scale_from_amax(amax, self.fmt.scale_divisor).view(1))
+
+    def _write_grouped(self, page: torch.Tensor, off: torch.Tensor, x: torch.Tensor) -> None:
+        # Works on the U distinct pages touched, whole.
+        P, fmt, g = self.page_size, self.fmt, self.fmt.granularity
+        upages, inv = torch.unique(page, return_inverse=True)                     # [U], [T]
+        U, dev = upages.numel(), page.device
+        min_off = torch.full((U,), P, dtype=torch.long, device=dev)
+        min_off = min_off.scatter_reduce(0, inv, off, "amin")
+        old = torch.arange(P, device=dev)[None, :] < min_off[:, None]            # [U, P]
+        new = torch.zeros(U, P, dtype=torch.bool, device=dev)
+        new[inv, off] = True
+        tile = torch.where(old[:, None, :, None], self._decode_pages(upages), 0.0)
+        tile[inv, :, off] = x                                                     # [U, H, P, D]
+        s_old = self.scale[upages]
+        if fmt.is_int:
+            z_old = self.zero[upages]
+            s_new, z_new = grouped.update_int_params(s_old, z_old, tile, old, new, g,
+                                                     fmt.int_bits)
+            params = {"scale": s_new, "zero": z_new}
+            pairs = [(s_old, s_new), (z_old, z_new)]
+        else:
+            s_new = grouped.update_float_scale(s_old, tile, old, new,
+                                               "page" if s_old.dim() == 2 else g,
+                                               fmt.scale_divisor)
+            params = {"scale": s_new}
+            pairs = [(s_old, s_new)]
+            if fmt.name == "fp4_e2m1" and g == "channel":
+                m_old = self.micro[upages]
+                m_new = grouped.update_fp4_channel_micro(m_old, s_old, s_new, tile, old, new)
+                params["micro"] = m_new
+                pairs.append((m_old, m_new))
+        changed = grouped.changed_heads(pairs, g)                                 # [U, H]
+        take = (new[:, None, :] | (old[:, None, :] & changed[:, :, None]))[..., None]
+        for name, codes in self._encode_tile(tile, params).items():
+            buf = getattr(self, name)
+            cur = buf[upages]
+            buf[upages] = torch.where(take, codes.view(torch.uint8),
+                                      cur.view(torch.uint8)).view(cur.dtype)
+        self.scale[upages] = s_new
+        if fmt.is_int:
+            self.zero[upages] = params["zero"]
+        if "micro" in params:
+            self.micro[upages] = params["micro"]
+
+    # -- residual: the bf16 tail of partly filled pages --
+
+    def _write_residual(self, page: torch.Tensor, off: torch.Tensor, x: torch.Tensor) -> None:
+        # Every token passes through bf16, the residual's precision, whether it waits in a row
+        # or fills its page at once: a page is quantized from the same values either way.
+        P, H, D = self.page_size, self.num_heads, self.head_dim
+        x = x.to(RESIDUAL_DTYPE).float()
+        upages, inv = torch.unique(page, return_inverse=True)
+        U, dev = upages.numel(), page.device
+        max_off = torch.full((U,), -1, dtype=torch.long, device=dev)
+        max_off = max_off.scatter_reduce(0, inv, off, "amax")
+        min_off = torch.full((U,), P, dtype=torch.long, device=dev)
+        min_off = min_off.scatter_reduce(0, inv, off, "amin")
+        fills = max_off == P - 1                                                  # [U]
+        to_full = fills[inv]                                                      # [T]
+        if bool(fills.any()):  # quantize these pages whole, from the residual or stored codes
+            fpages = upages[fills]
+            where = torch.cumsum(fills.long(), 0) - 1                             # [U]
+            full = self.read(fpages)                                              # [F, H, P, D]
+            full[where[inv[to_full]], :, off[to_full]] = x[to_full]
+            self.drop_residual(fpages)
+            F = fpages.numel()
+            all_off = torch.arange(P, device=dev).repeat(F)
+            self._write_codes(fpages.repeat_interleave(P), all_off,
+                              full.permute(0, 2, 1, 3).reshape(F * P, H, D))
+        if bool(to_full.all()):
+            return
+        partial = ~fills
+        ppages = upages[partial].tolist()
+        starts = min_off[partial].tolist()
+        fresh = [(p, s) for p, s in zip(ppages, starts) if p not in self._res_of]
+        if fresh:
+            rows = self._res_assign([p for p, _ in fresh])
+            carry = [(p, r) for (p, s), r in zip(fresh, rows) if s > 0]
+            if carry:  # a page quantized earlier (e.g. after a truncation) continues in bf16
+                ids = torch.tensor([p for p, _ in carry], dtype=torch.long, device=dev)
+                rr = torch.tensor([r for _, r in carry], dtype=torch.long, device=dev)
+                self.res_data[rr] = self._decode_pages(ids).to(RESIDUAL_DTYPE)
+        keep = ~to_full
+        rows = self.res_slot[page[keep]].long()
+        self.res_data[rows, :, off[keep]] = x[keep].to(RESIDUAL_DTYPE)
+
+    def _res_assign(self, pages: list[int]) -> list[int]:
+        """Give each page a res_data row (growing res_data by doubling); returns the rows."""
+        need = len(pages) - len(self._res_free)
+        if need > 0:
+            cap = self.res_data.shape[0]
+            new_cap = max(cap + need, 2 * cap, 4)
+            grown = torch.empty(new_cap, *self.res_data.shape[1:], dtype=RESIDUAL_DTYPE,
+                                device=self.res_data.device)
+            grown[:cap] = self.res_data
+            self.res_data = grown
+            self._res_free.extend(range(new_cap - 1, cap - 1, -1))
+        rows = []
+        for p in pages:
+            r = self._res_free.pop()
+            self._res_of[p] = r
+            rows.append(r)
+        self.res_slot[torch.tensor(pages, dtype=torch.long, device=self.res_slot.device)] = (
+            torch.tensor(rows, dtype=torch.int32).to(self.res_slot.device))
+        return rows
+
+    def drop_residual(self, page_ids) -> None:
+        """Free the residual rows of these pages (pages released, or quantized whole)."""
+        if self.res_slot is None:
+            return
+        pages = torch.as_tensor(page_ids).reshape(-1).tolist()
+        gone = [p for p in pages if p in self._res_of]
+        for p in gone:
+            self._res_free.append(self._res_of.pop(p))
+        if gone:
+            self.res_slot[torch.tensor(gone, dtype=torch.long, device=self.res_slot.device)] = -1
+
+    def residual_pages(self) -> list[int]:
+        """Pages whose tokens live in the bf16 residual."""
+        return sorted(self._res_of) if self.res_slot is not None else []
+
+    # -- checks, copies, sizes --
+
+    def _check_write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+        H, D = self.num_heads, self.head_dim
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or tuple(x.shape[1:]) != (H, D):
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise UnsupportedShapeError(f"PagedTensor.write: x must be [T, {H}, {D}], got {got}")
+        if not x.is_floating_point():
+            raise UnsupportedShapeError(f"PagedTensor.write: x must be floating, got {x.dtype}")
+        if (not isinstance(slots, torch.Tensor) or slots.dim() != 1
+                or slots.dtype.is_floating_point or slots.dtype == torch.bool):
+            raise UnsupportedShapeError("PagedTensor.write: slots must be a 1-D integer tensor")
+        if slots.shape[0] != x.shape[0]:
+            raise UnsupportedShapeError(f"PagedTensor.write: {slots.shape[0]} slots for "
+                                        f"{x.shape[0]} tokens")
+        if slots.numel() == 0:
+            return
+        s = slots.long().sort().values
+        lo, hi, dup = torch.stack([s[0], s[-1], (s[1:] == s[:-1]).sum()]).tolist()
+        total = self.num_pages * self.page_size
+        if lo < 0 or hi >= total:
+            raise CacheStateError(f"PagedTensor.write: slot {lo if lo < 0 else hi} out of range "
+                                  f"[0, {total}) ({self.num_pages} pages of {self.page_size})")
+        if dup:
+            raise CacheStateError(f"PagedTensor.write: {dup} duplicate slot(s); each token of a "
+                                  f"write needs its own slot")
+
+    def copy_pages(self, src, dst) -> None:
+        """Copy whole pages src[i] -> dst[i] (data, scales, residual), for copy-on-write."""
+        dev = self.data.device
+        src = torch.as_tensor(src, dtype=torch.long, device=dev).reshape(-1)
+        dst = torch.as_tensor(dst, dtype=torch.long, device=dev).reshape(-1)
+        if src.shape != dst.shape:
+            raise UnsupportedShapeError(f"copy_pages: {src.numel()} sources, {dst.numel()} "
+                                        f"destinations")
+        if src.numel() == 0:
+            return
+        lo, hi = torch.cat([src, dst]).aminmax()
+        if int(lo) < 0 or int(hi) >= self.num_pages:
+            raise CacheStateError(f"copy_pages: page id out of range [0, {self.num_pages})")
+        self.data[dst] = self.data[src]
+        if self.micro is not None:
+            self.micro[dst] = self.micro[src]
+        if self.scale is not None and self.fmt.granularity != "tensor":
+            self.scale[dst] = self.scale[src]
+            if self.zero is not None:
+                self.zero[dst] = self.zero[src]
+        if self.res_slot is not None:
+            pairs = list(zip(src.tolist(), dst.tolist()))
+            self.drop_residual([d for s, d in pairs if s not in self._res_of])
+            pairs = [(s, d) for s, d in pairs if s in self._res_of]
+            fresh = [d for _, d in pairs if d not in self._res_of]
+            if fresh:
+                self._res_assign(fresh)
+            for s, d in pairs:
+                self.res_data[self._res_of[d]] = self.res_data[self._res_of[s]]
+
+    def nbytes(self) -> int:
+        """Bytes held: pages (data, scales, zero points, micro scales) and residual rows."""
+        return self.residual_nbytes() + sum(
+            t.numel() * t.element_size() for t in (self.data, self.scale, self.zero, self.micro)
+            if t is not None)
+
+    def residual_nbytes(self) -> int:
+        if self.res_slot is None:
+            return 0
+        return (self.res_data.numel() * self.res_data.element_size()
+                + self.res_slot.numel() * self.res_slot.element_size())
