@@ -17,6 +17,8 @@ from kvcompile.errors import (
     UnsupportedShapeError,
 )
 
+import kvcompile.telemetry  # noqa: F401,E402  (installs the silent `kvcompile` logger)
+
 __version__ = "0.1.0"
 
 # Entry points that pull in torch._dynamo / transformers are imported on first use, so that
