@@ -9,7 +9,8 @@ are logical indices (left-aligned when at least as long as the sequence, else ri
 
 The same pass over the probabilities yields the bookkeeping the policies need: `mass` (H2O: the
 attention each slot received, summed over the group's query heads and the queries) and `obs`
-(SnapKV: the same over the last `obs_rows` queries only).
+(SnapKV: per query for the last `obs_rows` queries, [Hkv, obs_rows, L], so that a policy
+with a shorter observation window can use the tail of it).
 
 Sink re-rotation (StreamingLLM's positions within the cache): keys are stored after RoPE at
 their original positions. To make sink key i appear at position `p_i + shift` instead, its score
@@ -68,7 +69,7 @@ def attend_kept(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Te
     """q [Hq, S, D], k [Hkv, L, D], v [Hkv, L, Dv] (fp32), pos [Hkv, L] int64, q_pos [S] int64.
 
     sink_slots [Hkv, n] int64 + sink_rot (cos, sin) [D]: score those slots with the rotated
-    query. Returns out [Hq, S, Dv] fp32, mass [Hkv, L] or None, obs [Hkv, L] or None."""
+    query. Returns out [Hq, S, Dv] fp32, mass [Hkv, L] or None, obs [Hkv, R, L] or None."""
     Hq, S, D = q.shape
     Hkv, L, _ = k.shape
     G = Hq // Hkv
@@ -77,7 +78,8 @@ def attend_kept(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Te
     ok_key = pos >= start                                                 # [Hkv, L]
     vf = torch.where(ok_key[..., None] & torch.isfinite(vf), vf, 0.0)
     mass = torch.zeros(Hkv, L, dtype=torch.float32, device=q.device) if want_mass else None
-    obs = torch.zeros(Hkv, L, dtype=torch.float32, device=q.device) if obs_rows else None
+    obs = (torch.zeros(Hkv, obs_rows, L, dtype=torch.float32, device=q.device)
+           if obs_rows else None)
     out = torch.empty(Hq, S, v.shape[-1], dtype=torch.float32, device=q.device)
     for lo in range(0, S, _Q_BLOCK):
         hi = min(S, lo + _Q_BLOCK)
@@ -112,6 +114,6 @@ def attend_kept(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Te
         if mass is not None:
             mass += p.sum((1, 2))
         if obs is not None and hi > S - obs_rows:
-            first = max(lo, S - obs_rows) - lo
-            obs += p[:, :, first:].sum((1, 2))
+            first = max(lo, S - obs_rows)
+            obs[:, first - (S - obs_rows):hi - (S - obs_rows)] = p[:, :, first - lo:].sum(1)
     return out, mass, obs

@@ -55,6 +55,8 @@ def token_scores(policy: EvictionPolicy, mass: torch.Tensor | None,
     if isinstance(policy, SnapKV):
         if obs is None:
             return None
+        if obs.dim() == 3:  # [H, R, L]: attention of each of the last R queries
+            obs = obs[:, -policy.window:].sum(1)
         k = policy.kernel
         pooled = F.avg_pool1d(obs[:, None], k, stride=1, padding=k // 2,
                               count_include_pad=False)[:, 0]

@@ -42,7 +42,7 @@ SINK_POSITIONS = ("cache", "original")
 
 class _Book:
     """Bookkeeping of one sequence: per policy layer, the logical index in each slot
-    (pos [Hkv, L] int64, -1 = hole), H2O mass [Hkv, L], SnapKV observation [Hkv, L]."""
+    (pos [Hkv, L] int64, -1 = hole), H2O mass [Hkv, L], SnapKV observation [Hkv, R, L]."""
 
     __slots__ = ("pos", "mass", "obs", "start")
 

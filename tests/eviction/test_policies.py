@@ -65,3 +65,16 @@ def test_select_pages_is_one_decision_for_all_layers():
     mass[:, 17] = 5.0                                                 # page 2 is heavy
     keep = P.select_pages([h, h], [pos, pos], 0, 40, [mass, mass], 8)
     assert keep.tolist() == [True, False, True, False, True]
+
+
+def test_snapkv_uses_the_last_window_queries_of_the_observation():
+    pos = _pos(16)
+    obs = torch.zeros(2, 4, 16)       # 4 observed queries: the first looks at 3, the last at 9
+    obs[:, 0, 3] = 10.0
+    obs[:, 3, 9] = 1.0
+    last_only = SnapKV(budget=2, window=1, kernel=1, per_head=False)
+    keep = P.select_tokens(last_only, pos, 0, 16, P.token_scores(last_only, None, obs))
+    assert _kept(keep, pos) == [9, 15]
+    four = SnapKV(budget=5, window=4, kernel=1, per_head=False)
+    keep = P.select_tokens(four, pos, 0, 16, P.token_scores(four, None, obs))
+    assert _kept(keep, pos) == [3, 12, 13, 14, 15]
