@@ -61,3 +61,33 @@ def test_smollm2_perplexity_fp8_within_one_percent_of_bf16(smollm2, record_prope
     assert rel_fp8 <= 0.01, f"fp8_e4m3 raised perplexity by {100 * rel_fp8:.2f}%"
     # fp4 is recorded, and bounded loosely (REFERENCE.md measured +10% by simulation)
     assert ppl["fp4_e2m1"] / ppl["bf16"] - 1 <= 0.25
+
+
+def test_smollm2_bf16_pages_token_identical_to_eager(smollm2):
+    """A trained model decides its tokens by clear margins: with a bf16 model and bf16 pages,
+    48 greedy tokens through kvcompile equal eager Hugging Face's."""
+    model, tok = smollm2
+    model = model.to(torch.bfloat16)
+    prompt = ["The capital of France is", "def fibonacci(n):\n   "]
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    enc = tok(prompt, return_tensors="pt", padding=True)
+    kw = dict(max_new_tokens=48, do_sample=False, pad_token_id=tok.pad_token_id,
+              eos_token_id=None)
+    try:
+        model.__dict__.pop("forward", None)
+        model.__dict__.pop("generate", None)
+        torch._dynamo.reset()
+        with torch.no_grad():
+            ref = model.generate(**enc, **kw)
+        kvcompile.compile(model, kvcompile.KVConfig(kv_dtype="bf16", inner="eager",
+                                                    max_kv_bytes=1 << 26))
+        with torch.no_grad():
+            out = model.generate(**enc, **kw)
+    finally:
+        model.__dict__.pop("forward", None)
+        model.__dict__.pop("generate", None)
+        model.to(torch.float32)
+    assert len(kvcompile.report(model).rewritten) == 30
+    assert torch.equal(out, ref), tok.batch_decode(out[:, enc["input_ids"].shape[1]:])
