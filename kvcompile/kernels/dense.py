@@ -21,10 +21,11 @@ def attend_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed, addi
     """q [Hq, S, D], k [Hkv, L, D], v [Hkv, L, Dv] (any float), allowed [.., S, L] bool or None,
     additive [.., S, L] or None -> [Hq, S, Dv] fp32. Rows with no allowed key give 0."""
     hq, hkv = q.shape[0], k.shape[0]
-    rep = hq // hkv
-    kf = k.float().repeat_interleave(rep, dim=0)
-    vf = v.float().repeat_interleave(rep, dim=0)
-    s = torch.matmul(q.float(), kf.transpose(-1, -2)) * scale          # [Hq, S, L]
+    rep, S, L = hq // hkv, q.shape[1], k.shape[1]
+    kf, vf = k.float(), v.float()
+    # GQA without repeating K/V: the query heads of a group share one matmul
+    qg = q.float().reshape(hkv, rep * S, q.shape[-1])                  # [Hkv, rep*S, D]
+    s = torch.matmul(qg, kf.transpose(-1, -2)).reshape(hq, S, L) * scale   # [Hq, S, L]
     if softcap:
         s = softcap * torch.tanh(s / softcap)
     if additive is not None:
@@ -38,7 +39,8 @@ def attend_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed, addi
     p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
     # masked keys contribute exactly zero, even if their stored values are not finite
     vf = torch.where(torch.isfinite(vf), vf, torch.zeros_like(vf)) if allowed is not None else vf
-    return torch.matmul(p, vf)
+    out = torch.matmul(p.reshape(hkv, rep * S, L), vf)                   # [Hkv, rep*S, Dv]
+    return out.reshape(hq, S, vf.shape[-1])
 
 
 def attend_sdpa(q, k, v, allowed, additive, scale: float, causal: bool = False) -> torch.Tensor:
