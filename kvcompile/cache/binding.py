@@ -107,6 +107,11 @@ class Binding:
         self.kv_start = [0] * batch
 
     def crop(self, new_len: int) -> None:
+        """Drop tokens past `new_len` (assisted decoding rolls back rejected drafts)."""
+        if any(self.pool.evicted(sid) for sid in self.seq_ids):
+            raise CacheStateError(
+                "cannot crop a cache after eviction removed tokens: its slots no longer map "
+                "to positions one to one. Use assisted decoding without an eviction policy.")
         for sid in self.seq_ids:
             self.pool.truncate(sid, new_len)
 
