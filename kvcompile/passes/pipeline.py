@@ -6,6 +6,7 @@ report and `kvcompile inspect --passes` can show every step.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +52,11 @@ def run_passes(gm: fx.GraphModule, example_inputs, state, *, keep_code: bool = F
 
     sites = find_attention_sites(gm)
     res.plan.sites = sites
+    if _needs_grad(example_inputs):
+        for site in sites:
+            site.skip(site.reason or "autograd is recording (parameters require grad): "
+                      "kvcompile rewrites inference graphs; run under torch.no_grad() or "
+                      "torch.inference_mode()")
     patterns = ", ".join(sorted({f"{s.pattern}/{s.gqa}" for s in sites})) or "-"
     if log("find_attention", f"{len(sites)} attention site(s): {patterns}"):
         return res
@@ -84,7 +90,9 @@ def run_passes(gm: fx.GraphModule, example_inputs, state, *, keep_code: bool = F
     if log("resolve_config", f"{len({s.name for s in sites if s.layer_index >= 0})} layer(s) "
            f"configured"):
         return res
-    tag = state.config.cache_key()
+    # the config's hash goes into the graph (the op's `tag`), so inductor's cache key changes
+    # with the config; a hash keeps `--passes` diffs readable
+    tag = "kvcompile-" + hashlib.sha1(state.config.cache_key().encode()).hexdigest()[:12]
     res.plan = rewrite_sites(gm, sites, tag)
     n = len(res.plan.rewritten)
     state.count("attention_rewritten", n)
@@ -106,8 +114,13 @@ def run_passes(gm: fx.GraphModule, example_inputs, state, *, keep_code: bool = F
     return res
 
 
+def _needs_grad(example_inputs) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
+
+
 def _value_granularity(value_dtype: str, granularity: str) -> str:
     """Channel scales are for keys; values keep per-token int scales (KIVI) or page fp ones."""
     if granularity != "channel":
         return granularity
-    return "token" if value_dtype in ("int4", "int2") else "page"
+    return "token" if value_dtype.startswith("int") else "page"
