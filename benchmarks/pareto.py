@@ -74,7 +74,9 @@ def load_model():
     return model.eval(), tok
 
 
-def corpora(tok, n_tokens: int) -> dict[str, torch.Tensor]:
+def corpora(tok, n_tokens: int, windows: int = 1) -> dict[str, torch.Tensor]:
+    """{"lee": ids [1, n_tokens], "pydoc": ...}; with windows > 1 also "lee@1", "lee@2", ...:
+    the following non-overlapping windows of each text."""
     lee = os.path.join(_package_dir("gensim"), "test", "test_data", "lee_background.cor")
     with open(lee) as f:
         lee_text = f.read()
@@ -83,8 +85,10 @@ def corpora(tok, n_tokens: int) -> dict[str, torch.Tensor]:
     pydoc_text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
     out = {}
     for name, text in (("lee", lee_text), ("pydoc", pydoc_text)):
-        ids = tok(text, return_tensors="pt").input_ids[:, :n_tokens]
-        out[name] = ids
+        ids = tok(text, return_tensors="pt").input_ids
+        for w in range(windows):
+            key = name if w == 0 else f"{name}@{w}"
+            out[key] = ids[:, w * n_tokens:(w + 1) * n_tokens]
     return out
 
 
@@ -132,7 +136,7 @@ def bits_per_element(fields: dict) -> float:
     cfg = KVConfig(**fields)
     p, g = cfg.page_size, cfg.scale_granularity
     kf = resolve_format(cfg.key_dtype, torch.float32, g)
-    vg = g if g != "channel" else ("token" if cfg.value_dtype in ("int4", "int2") else "page")
+    vg = g if g != "channel" else ("token" if cfg.value_dtype.startswith("int") else "page")
     vf = resolve_format(cfg.value_dtype, torch.float32, vg)
     return (kf.bits_per_element(HEAD_DIM, p) + vf.bits_per_element(HEAD_DIM, p)) / 2
 
@@ -159,10 +163,11 @@ class SdpaOverPages(RuntimeHook):
         if S != total:  # queries are the last S positions
             qp = torch.arange(total - S, total)[:, None]
             mask = torch.arange(total)[None, :] <= qp
+        rep = q.shape[1] // k.shape[0]  # repeated heads: CPU SDPA's GQA path is the slow math one
         out = F.scaled_dot_product_attention(
-            q[0].float(), k, v, attn_mask=mask, is_causal=mask is None and S > 1, scale=scale,
-            enable_gqa=True)
-        return out[None]
+            q.float(), k.repeat_interleave(rep, 0)[None], v.repeat_interleave(rep, 0)[None],
+            attn_mask=mask, is_causal=mask is None and S > 1, scale=scale)
+        return out
 
 
 def perplexity(model, ids: torch.Tensor) -> float:
@@ -172,7 +177,26 @@ def perplexity(model, ids: torch.Tensor) -> float:
     return math.exp(nll.item())
 
 
-def run_config(base, fields: dict, texts: dict, reference_path: bool = False) -> dict:
+def decode_tail_ppl(model, ids: torch.Tensor, tail: int) -> float:
+    """Perplexity of the last `tail` tokens of ids [1, T] predicted one decode step at a time
+    after a prefill of the rest: every query sees the cache as decode leaves it (the current,
+    partly filled page in bf16 when `residual` is on)."""
+    T = ids.shape[1]
+    nll = 0.0
+    with torch.no_grad():
+        out = model(input_ids=ids[:, :T - tail], use_cache=True)
+        past, logits = out.past_key_values, out.logits[0, -1]
+        for t in range(T - tail, T):
+            nll += F.cross_entropy(logits.float()[None], ids[0, t:t + 1]).item()
+            if t == T - 1:
+                break
+            out = model(input_ids=ids[:, t:t + 1], past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[0, -1]
+    return math.exp(nll / tail)
+
+
+def run_config(base, fields: dict, texts: dict, reference_path: bool = False,
+               decode_tail: int = 0) -> dict:
     torch._dynamo.reset()
     model = copy.deepcopy(base)
     cfg = KVConfig(inner="eager", kernels="reference", max_kv_bytes=1 << 30, **fields)
@@ -184,6 +208,8 @@ def run_config(base, fields: dict, texts: dict, reference_path: bool = False) ->
     t0 = time.time()
     for name, ids in texts.items():
         out[name] = perplexity(model, ids)
+    if decode_tail:
+        out["lee_tail"] = decode_tail_ppl(model, texts["lee"], decode_tail)
     rep = kvcompile.report(model)
     out["seconds"] = time.time() - t0
     out["rewritten"] = len(rep.rewritten)
@@ -266,6 +292,11 @@ def main(argv=None) -> None:
     ap.add_argument("--redo", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=RESULTS, help="results JSON")
+    ap.add_argument("--windows", type=int, default=1,
+                    help="windows of --tokens tokens per corpus (the spread of Δppl over "
+                         "windows measures the noise)")
+    ap.add_argument("--decode-tail", type=int, default=0,
+                    help="also the perplexity of the last N Lee tokens decoded one at a time")
     ap.add_argument("--check-reference", action="store_true",
                     help="also run each config through the reference attention path")
     args = ap.parse_args(argv)
@@ -281,24 +312,29 @@ def main(argv=None) -> None:
     torch._dynamo.config.cache_size_limit = 64
     log("loading SmolLM2")
     base, tok = load_model()
-    texts = corpora(tok, args.tokens)
-    if "eager" not in results or args.redo:
-        t0 = time.time()
-        results["eager"] = {c: perplexity(base, ids) for c, ids in texts.items()}
-        results["eager"]["seconds"] = time.time() - t0
-        log(f"eager baseline {results['eager']}")
+    texts = corpora(tok, args.tokens, args.windows)
+    eager = results.setdefault("eager", {})
+    missing = [c for c in texts if c not in eager or args.redo]
+    if missing:
+        eager.update({c: perplexity(base, texts[c]) for c in missing})
+        log(f"eager baseline {eager}")
+    if args.decode_tail and ("lee_tail" not in eager or args.redo):
+        eager["lee_tail"] = decode_tail_ppl(base, texts["lee"], args.decode_tail)
     for name, fields in grid().items():
-        if not fnmatch.fnmatch(name, args.only) or (name in results and not args.redo):
+        have = results.get(name, {})
+        want = list(texts) + (["lee_tail"] if args.decode_tail else [])
+        if not fnmatch.fnmatch(name, args.only) or (
+                all(c in have for c in want) and not args.redo):
             continue
         try:
-            r = run_config(base, fields, texts)
+            r = run_config(base, fields, texts, decode_tail=args.decode_tail)
         except Exception as e:  # a config that fails is recorded, not fatal to the grid
             log(f"{name}: FAILED {type(e).__name__}: {e}")
             results[name] = {"error": f"{type(e).__name__}: {e}", "fields": fields}
             continue
         r["bits"] = bits_per_element(fields)
         r["fields"] = fields
-        results[name] = r
+        results[name] = {**have, **r}
         d = {c: f"{100 * (r[c] / results['eager'][c] - 1):+.2f}%" for c in texts}
         log(f"{name}: bits {r['bits']:.3f} ppl {d} ({r['seconds']:.0f}s) {r['rotation']}")
         if args.check_reference:

@@ -6,6 +6,7 @@
     #                                   options={"kv_dtype": "fp8_e4m3", "page_size": 16})
 """
 
+import kvcompile.telemetry  # noqa: F401,E402  (installs the silent `kvcompile` logger)
 from kvcompile.config import H2O, EvictionPolicy, KVConfig, SinkWindow, SnapKV, configure
 from kvcompile.errors import (
     CacheStateError,
@@ -16,8 +17,6 @@ from kvcompile.errors import (
     SequenceTooLongError,
     UnsupportedShapeError,
 )
-
-import kvcompile.telemetry  # noqa: F401,E402  (installs the silent `kvcompile` logger)
 
 __version__ = "0.1.0"
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from kvcompile.errors import KVConfigError
 
 # Storage formats of the cache. "auto" keeps the model's own dtype (bf16/fp16/fp32).
-KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "int4", "int2")
+KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "int4", "int3",
+             "int2")
 PAGE_SIZES = (8, 16, 32, 64, 128)
 # page: one fp32 scale per (page, kv-head); token: per (token, kv-head); tensor: one static scale
 # per layer; channel: per (page, kv-head, channel), KIVI-style, for keys.

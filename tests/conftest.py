@@ -18,6 +18,27 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny tensors only: with intra-op threads, a loaded 2-core CI machine stalls each op."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def dynamo_per_module():
+    """For folders that compile a model once per module instead of once per test (compiling
+    is most of their time on the CPU): they override `_fresh_dynamo` and use this."""
+    limit = torch._dynamo.config.cache_size_limit
+    torch._dynamo.config.cache_size_limit = 64
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    torch._dynamo.config.cache_size_limit = limit
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

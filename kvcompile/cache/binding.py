@@ -18,6 +18,8 @@ import weakref
 
 import torch
 
+from kvcompile.errors import CacheStateError
+
 _lock = threading.Lock()
 _by_ptr: dict[int, Binding] = {}
 

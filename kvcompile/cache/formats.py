@@ -6,7 +6,7 @@ against. Layout and value semantics: docs/architecture.md, "Storage layout".
     k.write(slots, k_new)                                     # slots [T]: page * P + offset
     pages = k.read(page_ids)                                  # [n, H, P, D] fp32
 
-fp8: see fp8.py; fp4 (NVFP4-style): fp4.py; int4 / int2 asymmetric (scale + zero point):
+fp8: see fp8.py; fp4 (NVFP4-style): fp4.py; int4 / int3 / int2 asymmetric (scale + zero point):
 intq.py. Scale granularities: "page" (one per page and kv head), "token", "tensor" (one static
 or calibrated scale per layer), "channel" (per page, kv head and channel, KIVI-style, for keys;
 for fp4 the micro-blocks then run along tokens: one E4M3 scale per channel per 16 tokens).
@@ -35,7 +35,8 @@ from kvcompile.cache.intq import INT_BITS, PARAM_DTYPE, check_head_dim, int_deco
 from kvcompile.cache.paged import PagedTensor
 from kvcompile.errors import KVConfigError, UnsupportedShapeError
 
-FORMAT_NAMES = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "int4", "int2")
+FORMAT_NAMES = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "int4", "int3",
+                "int2")
 GRANULARITIES = ("page", "token", "tensor", "channel")
 # The granularities each quantized family supports.
 _FAMILY_GRANULARITIES = {"fp": GRANULARITIES, "int": ("page", "token", "channel")}
@@ -43,10 +44,10 @@ _FAMILY_GRANULARITIES = {"fp": GRANULARITIES, "int": ("page", "token", "channel"
 _STORAGE_DTYPE = {
     "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
     "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "fp4_e2m1": torch.uint8,
-    "int4": torch.uint8, "int2": torch.uint8,
+    "int4": torch.uint8, "int3": torch.uint8, "int2": torch.uint8,
 }
 _BITS = {"bf16": 16, "fp16": 16, "fp32": 32, "fp8_e4m3": 8, "fp8_e5m2": 8, "fp4_e2m1": 4,
-         "int4": 4, "int2": 2}
+         "int4": 4, "int3": 3, "int2": 2}
 _AUTO = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 __all__ = [
@@ -80,7 +81,7 @@ class KVFormat:
                                 ", ".join(map(repr, GRANULARITIES)))
         if self.is_int and self.granularity not in _FAMILY_GRANULARITIES["int"]:
             raise KVConfigError("scale_granularity", self.granularity,
-                                "'page', 'token', 'channel' for int4 / int2",
+                                "'page', 'token', 'channel' for int4 / int3 / int2",
                                 hint="Asymmetric int formats calibrate per block, not per "
                                      "tensor.")
         if self.static_scale is not None:

@@ -1,5 +1,5 @@
-"""INT4 / INT2 asymmetric codec (scale and zero point), in plain PyTorch: the reference the
-kernels are tested against.
+"""INT4 / INT3 / INT2 asymmetric codec (scale and zero point), in plain PyTorch: the reference
+the kernels are tested against.
 
 Value of an element, per group (a token's head_dim, a page's channel, or a whole page):
 
@@ -13,7 +13,8 @@ fp16 rounding, so a channel with a large offset and a small spread (a key outlie
 its resolution. Values saturate at fp16's max (65504). A NaN stores code 0 and makes its group's
 scale NaN, so the group decodes to NaN and nothing else does; +-Inf saturates to the group's
 range. Codes pack along head_dim: int4 two per byte (element 2i in the low nibble), int2 four
-per byte (element 4i + j in bits 2j..2j+1).
+per byte (element 4i + j in bits 2j..2j+1), int3 eight per three bytes (element 8i + j in bits
+3j..3j+2 of the little-endian 24-bit word made of bytes 3i, 3i+1, 3i+2).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from kvcompile.errors import UnsupportedShapeError
 
-INT_BITS = {"int4": 4, "int2": 2}
+INT_BITS = {"int4": 4, "int3": 3, "int2": 2}
 PARAM_DTYPE = torch.float16
 _F16_MAX = 65504.0
 
@@ -72,6 +73,13 @@ def int_codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """codes uint8 [..., D] -> packed uint8 [..., D * bits / 8]."""
+    if bits == 3:
+        c = codes.unflatten(-1, (-1, 8)).int()
+        word = c[..., 0]
+        for j in range(1, 8):
+            word = word | (c[..., j] << (3 * j))
+        return torch.stack([(word >> (8 * b)) & 0xFF for b in range(3)], -1).flatten(-2).to(
+            torch.uint8)
     per = 8 // bits
     c = codes.unflatten(-1, (-1, per))
     out = c[..., 0].clone()
@@ -82,7 +90,13 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """packed uint8 [..., D * bits / 8] -> codes uint8 [..., D]."""
-    per, mask = 8 // bits, levels(bits)
+    mask = levels(bits)
+    if bits == 3:
+        b = packed.unflatten(-1, (-1, 3)).int()
+        word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+        return torch.stack([(word >> (3 * j)) & mask for j in range(8)], -1).flatten(-2).to(
+            torch.uint8)
+    per = 8 // bits
     return torch.stack([(packed >> (bits * j)) & mask for j in range(per)], -1).flatten(-2)
 
 
@@ -105,8 +119,9 @@ def covers(scale: torch.Tensor, zero: torch.Tensor, lo: torch.Tensor, hi: torch.
 
 
 def check_head_dim(d: int, bits: int) -> None:
-    per = 8 // bits
+    per = 8 if bits == 3 else 8 // bits   # codes per packed unit (3 bytes for int3)
     if d % per:
+        unit = "three bytes" if bits == 3 else "byte"
         raise UnsupportedShapeError(
-            f"int{bits} packs {per} codes per byte along head_dim, so head_dim must be a "
+            f"int{bits} packs {per} codes per {unit} along head_dim, so head_dim must be a "
             f"multiple of {per}, got {d}; use fp8_e4m3 or bf16 for this layer")

@@ -24,11 +24,14 @@ After, V explicit (anything else between them):
     out = _rotate(torch.ops.kvcompile.attention(_rotate(q, R), _rotate(k, R), _rotate(v, Rv),
                                                 ...), Rv.T)
 
+Keys stored with per-channel scales (scale_granularity="channel") are left unrotated: those
+scales exploit the channel structure a rotation mixes away; the values are rotated all the same.
+
 Folding changes the model's v_proj / o_proj weights, not the function the model computes (in
 exact arithmetic); the folded parameters are marked so that no later compile folds them again.
 The pass does not fire (and says why) on sites that were not rewritten, on SinkWindow layers
-(their sink keys are re-rotated with RoPE, which needs unrotated keys), and where head_dim has
-no power-of-two block of at least 8.
+whose keys it would rotate (their sink keys are re-rotated with RoPE, which needs unrotated
+keys), and where head_dim has no power-of-two block of at least 8.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class LayerRotation:
     seed: int
     v_mode: str          # "folded" | "explicit"
     note: str = ""
+    keys: bool = True    # False: keys with per-channel scales stay unrotated
 
     @property
     def r(self) -> torch.Tensor:
@@ -70,6 +74,8 @@ class LayerRotation:
         how = ("V folded into v_proj/o_proj" if self.v_mode == "folded"
                else f"V rotated explicitly ({self.note})" if self.note
                else "V rotated explicitly")
+        if not self.keys:
+            return f"hadamard V only (keys keep their per-channel scales); {how}"
         return f"hadamard q,k (D={len(self.signs)}); {how}"
 
 
@@ -126,10 +132,19 @@ def rotation_matrix(d: int, seed: int) -> torch.Tensor:
     return (signs[:, None] * h).float()
 
 
+def rotates_keys(site) -> bool:
+    """Keys stored with per-channel scales are not rotated: those scales exploit the channel
+    structure (offsets, outlier channels) that a rotation would mix away (measured: int4
+    channel keys lose more with it); their values still are."""
+    cfg = site.config
+    quantized = cfg.key_dtype.startswith(("fp8", "fp4", "int"))
+    return not (quantized and cfg.scale_granularity == "channel")
+
+
 def why_not_rotatable(site) -> str:
     """'' if the site's pattern allows the rotation, else the reason."""
     policy = site.config.eviction if site.config is not None else None
-    if isinstance(policy, SinkWindow) and policy.sinks > 0:
+    if isinstance(policy, SinkWindow) and policy.sinks > 0 and rotates_keys(site):
         return ("SinkWindow re-rotates its sink keys with RoPE, which needs unrotated keys; "
                 "use sinks=0, H2O / SnapKV, or rotate=None for this layer")
     for name, d in (("head_dim", site.head_dim), ("v head_dim", site.v_head_dim)):
@@ -181,10 +196,11 @@ def _new_rotation(site, node: fx.Node, params: dict) -> LayerRotation:
     seed = zlib.crc32(site.name.encode())
     signs = rotation_signs(site.head_dim, seed)
     v_signs = rotation_signs(site.v_head_dim, seed + 1)
+    keys = rotates_keys(site)
     fold, why = _fold_plan(node, site, params)
     if fold is None:
-        return LayerRotation(signs, v_signs, seed, "explicit", why)
-    rot = LayerRotation(signs, v_signs, seed, "folded")
+        return LayerRotation(signs, v_signs, seed, "explicit", why, keys)
+    rot = LayerRotation(signs, v_signs, seed, "folded", "", keys)
     w_v, b_v, w_o = fold
     if {getattr(p, _FOLD_MARK, None) for p in (w_v, w_o)} != {None}:
         return rot  # folded by an earlier compile of this model: V is rotated already
@@ -199,9 +215,11 @@ def _insert(gm: fx.GraphModule, node: fx.Node, site, rot: LayerRotation) -> None
     is rotated explicitly. The signs are literals of the graph: no new tensor constants."""
     graph = gm.graph
     args = list(node.args)
+    todo = ((0, rot.signs), (1, rot.signs)) if rot.keys else ()
+    if rot.v_mode == "explicit":
+        todo += ((2, rot.v_signs),)
     with graph.inserting_before(node):
-        for i, signs in ((0, rot.signs), (1, rot.signs)) + (
-                ((2, rot.v_signs),) if rot.v_mode == "explicit" else ()):
+        for i, signs in todo:
             rotated = graph.call_function(_rotate, (args[i], signs))
             _set_meta(rotated, args[i])
             args[i] = rotated

@@ -119,12 +119,12 @@ def test_kvformat_properties():
     cases = {"bf16": (torch.bfloat16, 16), "fp16": (torch.float16, 16),
              "fp32": (torch.float32, 32), "fp8_e4m3": (torch.float8_e4m3fn, 8),
              "fp8_e5m2": (torch.float8_e5m2, 8), "fp4_e2m1": (torch.uint8, 4),
-             "int4": (torch.uint8, 4), "int2": (torch.uint8, 2)}
+             "int4": (torch.uint8, 4), "int3": (torch.uint8, 3), "int2": (torch.uint8, 2)}
     assert tuple(cases) == FORMAT_NAMES
     for name, (dtype, bits) in cases.items():
         fmt = KVFormat(name)
         assert fmt.storage_dtype == dtype and fmt.bits_per_value == bits
-        assert fmt.is_quantized == (name in QUANTIZED + ("int4", "int2"))
+        assert fmt.is_quantized == (name in QUANTIZED + ("int4", "int3", "int2"))
         assert fmt.is_int == name.startswith("int")
         assert fmt.micro_block == (16 if name == "fp4_e2m1" else None)
     assert KVFormat("fp8_e4m3").fmax == 448 and KVFormat("fp8_e5m2").fmax == 57344
@@ -148,7 +148,7 @@ def test_kvformat_and_resolve_errors():
     with pytest.raises(KVConfigError, match="kv_dtype"):
         resolve_format("auto", torch.float64)
     with pytest.raises(KVConfigError, match="kv_dtype"):
-        resolve_format("int3", torch.bfloat16)
+        resolve_format("int5", torch.bfloat16)
 
 
 def test_resolve_format():
@@ -170,7 +170,7 @@ def test_bytes_per_token_llama3_8b():
     assert KVFormat("fp8_e5m2", "tensor").bytes_per_token(h, d, p) == 1024
     assert KVFormat("fp4_e2m1").bytes_per_token(h, d, p) == 8 * (64 + 8 + 0.25)
     rows = {(r["format"], r["granularity"]): r for r in format_table(32, 8, 128, 16)}
-    assert len(rows) == 3 + 3 * 4 + 2 * 3
+    assert len(rows) == 3 + 3 * 4 + 3 * 3
     assert rows[("bf16", "-")]["bytes_per_token"] == 131072 and rows[("bf16", "-")][
         "ratio_vs_bf16"] == 1.0
     assert rows[("fp8_e4m3", "page")]["bytes_per_token"] == 65664

@@ -21,7 +21,7 @@ from kvcompile.cache.intq import int_decode, int_encode, int_params
 from kvcompile.errors import KVConfigError, UnsupportedShapeError
 from kvcompile.testing import SQNR_FLOOR_DB, sqnr_db
 
-INT_GRANS = [(n, g) for n in ("int4", "int2") for g in ("page", "token", "channel")]
+INT_GRANS = [(n, g) for n in ("int4", "int3", "int2") for g in ("page", "token", "channel")]
 CHANNEL = [("fp8_e4m3", "channel"), ("fp8_e5m2", "channel"), ("fp4_e2m1", "channel"),
            ("int4", "channel"), ("int2", "channel")]
 ALL_NEW = sorted(set(INT_GRANS + CHANNEL))
@@ -52,8 +52,8 @@ def test_allocate_layout(name, gran):
     N, H, P, D = 5, 3, 16, 32
     fmt = KVFormat(name, gran)
     t = fmt.allocate(N, H, P, D)
-    per_byte = {"int4": 2, "int2": 4, "fp4_e2m1": 2}.get(name, 1)
-    assert t.data.shape == (N, H, P, D // per_byte)
+    bits = {"int4": 4, "int3": 3, "int2": 2, "fp4_e2m1": 4}.get(name, 8)
+    assert t.data.shape == (N, H, P, D * bits // 8)
     sdt = torch.float16 if fmt.is_int else torch.float32
     shape = {"page": (N, H), "token": (N, H, P), "channel": (N, H, D)}[gran]
     if name == "fp4_e2m1":
@@ -70,6 +70,7 @@ def test_bytes_per_token():
     h, d, p = 8, 128, 16
     assert KVFormat("int4", "token").bytes_per_token(h, d, p) == 8 * (64 + 4)
     assert KVFormat("int2", "token").bytes_per_token(h, d, p) == 8 * (32 + 4)
+    assert KVFormat("int3", "token").bytes_per_token(h, d, p) == 8 * (48 + 4)
     assert KVFormat("int4", "page").bytes_per_token(h, d, p) == 8 * (64 + 4 / 16)
     assert KVFormat("int4", "channel").bytes_per_token(h, d, p) == 8 * (64 + 4 * 128 / 16)
     assert KVFormat("int4", "channel").bytes_per_token(h, d, 128) == 8 * (64 + 4)

@@ -21,23 +21,25 @@ from kvcompile.cache.intq import (
 from kvcompile.errors import UnsupportedShapeError
 from kvcompile.testing import sqnr_db
 
-BITS = (4, 2)
+BITS = (4, 3, 2)
 # SQNR floors (dB), measured on standard Gaussian groups of 64 (min-max range, one scale and
-# zero point per group): int4 17.2, int2 2.7 (int2 has four levels). Set a little below.
-INT_SQNR_FLOOR_DB = {4: 16.5, 2: 2.2}
+# zero point per group): int4 17.2, int3 10.7, int2 2.7 (int2 has four levels). Set a little
+# below.
+INT_SQNR_FLOOR_DB = {4: 16.5, 3: 10.0, 2: 2.2}
 
 
 @pytest.mark.parametrize("bits", BITS)
 def test_pack_layout(bits):
-    per = 8 // bits
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(0, levels(bits) + 1, (5, 3, 32), generator=g, dtype=torch.uint8)
     packed = pack(codes, bits)
-    assert packed.shape == (5, 3, 32 // per) and packed.dtype == torch.uint8
+    assert packed.shape == (5, 3, 32 * bits // 8) and packed.dtype == torch.uint8
     assert torch.equal(unpack(packed, bits), codes)
-    # element per*i + j sits in bits [bits*j, bits*(j+1)) of byte i
-    j = 1
-    assert torch.equal((packed[..., 2] >> (bits * j)) & levels(bits), codes[..., per * 2 + j])
+    # bit k of the packed row is bit (k % bits) of code k // bits, bytes little-endian
+    row = packed[1, 2].tolist()
+    stream = [(row[i // 8] >> (i % 8)) & 1 for i in range(8 * len(row))]
+    want = [(int(c) >> b) & 1 for c in codes[1, 2] for b in range(bits)]
+    assert stream == want
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -123,6 +125,9 @@ def test_mask_selects_values():
 
 
 def test_head_dim_checks():
+    with pytest.raises(UnsupportedShapeError, match="multiple of 8"):
+        int_encode(torch.randn(2, 12), torch.ones(2, 1, dtype=PARAM_DTYPE),
+                   torch.zeros(2, 1, dtype=PARAM_DTYPE), 3)
     with pytest.raises(UnsupportedShapeError, match="multiple of 4"):
         int_encode(torch.randn(2, 6), torch.ones(2, 1, dtype=PARAM_DTYPE),
                    torch.zeros(2, 1, dtype=PARAM_DTYPE), 2)

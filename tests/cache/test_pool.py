@@ -24,12 +24,8 @@ H, D, DV = 2, 16, 32  # kv heads, key head dim, value head dim (different, to ca
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors only: with intra-op threads, a loaded 2-core CI machine stalls each op."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)
 
 
 def _specs(kv_dtype="fp32", n_layers=2, heads=H, d=D, dv=DV, granularity="page"):

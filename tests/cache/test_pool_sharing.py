@@ -19,11 +19,8 @@ H, D, DV, P = 2, 16, 32, 4
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)
 
 
 def _pool(kv_dtype="fp32", num_pages=16, granularity="page", **kw):

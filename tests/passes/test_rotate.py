@@ -271,3 +271,27 @@ def test_fold_only_when_proven(mode, expect):
     assert folded == (expect == "folded")
     assert torch.equal(model.q.weight, base.q.weight) and torch.equal(model.k.weight,
                                                                        base.k.weight)
+
+
+def test_channel_scaled_keys_keep_their_basis():
+    # With per-channel key scales only V is rotated: the stored keys are byte-identical to an
+    # unrotated compile, the stored values are not; SinkWindow is then allowed.
+    ids = torch.randint(3, 200, (1, 20), generator=torch.Generator().manual_seed(7))
+    base = make_hf("llama")
+    pools = {}
+    for rot in (None, "hadamard"):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        kvcompile.compile(model, _cfg(kv_dtype="int4", scale_granularity="channel", rotate=rot,
+                                      eviction=SinkWindow(sinks=2, window=64)))
+        with torch.no_grad():
+            out = model(input_ids=ids, use_cache=True)
+        pools[rot] = (kvcompile.api.state_of(model).pool, out)
+        if rot:
+            desc = _rotations(model)
+            assert len(desc) == 1 and desc.pop().startswith("hadamard V only")
+    (p0, _), (p1, _) = pools[None], pools["hadamard"]
+    assert p0.has(0) and p1.has(0) and p0.pages_of(0) == p1.pages_of(0)
+    k0, v0 = p0.gather(0, 0)
+    k1, v1 = p1.gather(0, 0)
+    assert torch.equal(k0, k1) and not torch.equal(v0, v1)

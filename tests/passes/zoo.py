@@ -73,7 +73,7 @@ def make_hf(family: str, attn: str = "sdpa", dtype=torch.float32, seed: int = 0)
 
 def num_attention_layers(model) -> int:
     cfg = model.config
-    return getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer")
+    return getattr(cfg, "num_hidden_layers", None) or cfg.n_layer
 
 
 # --- custom models ----------------------------------------------------------------------------
