@@ -137,7 +137,7 @@ def bench(fn) -> float:
 
 def base_config(fmt: str, D: int, best: dict) -> dict:
     fam = family(fmt)
-    code = dec.FORMAT_CODES[make_format(fmt).name]
+    code = dec.DECODE_FORMAT_CODES[make_format(fmt).name]
     cfg = dec.default_config(code, D, D, 16)
     if fam in best:
         cfg.update(best[fam])

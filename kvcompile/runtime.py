@@ -143,17 +143,32 @@ def all_states() -> list[ModelState]:
     return [s for s in (r() for r in _states) if s is not None]
 
 
-# Storage the Triton kernels read (kernels/decode.py, prefill*.py, append.py). int4 / int2,
-# channel scales and residual pages are read by the reference until the kernels learn them.
+# Storage the Triton kernels read or write (kernels/decode.py, prefill*.py, append.py).
+# The decode kernel reads every storage format: also int4 / int3 / int2 (page, token and channel
+# scale + zero point), channel-granular fp8 / fp4, and bf16 residual pages, dequantized in
+# registers. The append kernel and the prefill kernels know only TRITON_FORMATS with
+# TRITON_GRANULARITIES and no residual: the other formats are written by the reference
+# PagedTensor.write (it defines the same bytes) and prefilled by gathered SDPA / the reference.
 TRITON_FORMATS = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1")
 TRITON_GRANULARITIES = ("page", "token", "tensor")
+DECODE_FORMATS = TRITON_FORMATS + ("int4", "int3", "int2")
+DECODE_GRANULARITIES = TRITON_GRANULARITIES + ("channel",)
 
 
-def kernel_readable(paged) -> bool:
+def kernel_readable(paged, op: str = "decode") -> bool:
+    """Whether the Triton kernel of `op` ("decode", "prefill", "append") takes these pages."""
     f = paged.fmt
-    if f.name not in TRITON_FORMATS or getattr(f, "residual", False):
+    if op != "decode":
+        if f.name not in TRITON_FORMATS or getattr(f, "residual", False):
+            return False
+        return not f.is_quantized or f.granularity in TRITON_GRANULARITIES
+    if f.name not in DECODE_FORMATS:
         return False
-    return not f.is_quantized or f.granularity in TRITON_GRANULARITIES
+    if not f.is_quantized:
+        return True
+    if f.granularity == "channel" and f.name != "fp4_e2m1" and paged.page_size < 16:
+        return False  # a channel-scaled tile is one page of >= 16 keys (decode.py)
+    return f.granularity in DECODE_GRANULARITIES
 
 
 class KernelDispatch:
@@ -182,7 +197,7 @@ class KernelDispatch:
         def write(paged, slots, x):
             # formats the append kernel does not know (int, channel scales, residual pages)
             # are written by the reference, which defines the same bytes
-            if not kernel_readable(paged):
+            if not kernel_readable(paged, "append"):
                 return paged.write(slots, x)
             return quantize_append(paged, slots, x)
 
@@ -204,10 +219,11 @@ class KernelDispatch:
             attn_mask = None  # the engine's plan defines the structure (causal per sequence)
         pool = self.state.pool
         kc, vc = pool.k[layer], pool.v[layer]
-        if not (kernel_readable(kc) and kernel_readable(vc)):
+        op = "decode" if plan.is_decode else "prefill"
+        if not (kernel_readable(kc, op) and kernel_readable(vc, op)):
             return self._fallback(f"{kc.fmt.name}/{vc.fmt.name} pages "
                                   f"({kc.fmt.granularity} scales, residual "
-                                  f"{kc.fmt.residual or vc.fmt.residual}) have no Triton kernel")
+                                  f"{kc.fmt.residual or vc.fmt.residual}) have no Triton {op} kernel")
         key_mask, kv_start = None, None
         if attn_mask is not None:
             if mask_info is None or mask_info.key_mask is None:

@@ -32,12 +32,16 @@ from kvcompile.kernels.decode_kernels import (
     decode_split_kernel,
 )
 from kvcompile.kernels.decode_tiles import (
+    DECODE_FORMAT_CODES,
     FMT_E2M1,
+    FMT_E2M1_TOKMICRO,
     FMT_PLAIN,
-    FORMAT_CODES,
     FP4_ASM_FOLD,
+    INT_FMT_BITS,
+    SCALE_CHANNEL,
     SCALE_CODES,
     SCALE_NONE,
+    SCALE_PAGE,
 )
 
 HEAD_DIMS = (64, 128, 256)
@@ -65,18 +69,32 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _codes(fmt_name: str, granularity: str) -> tuple[int, int]:
-    if fmt_name not in FORMAT_CODES:
+    """(format code, scale mode) of the kernel for a storage format and scale granularity."""
+    if fmt_name not in DECODE_FORMAT_CODES:
         raise UnsupportedShapeError(
             f"KV format {fmt_name!r} has no Triton decode kernel; supported: "
-            f"{', '.join(FORMAT_CODES)}. Use KVConfig(kernels='reference') for it.")
-    code = FORMAT_CODES[fmt_name]
+            f"{', '.join(DECODE_FORMAT_CODES)}. Use KVConfig(kernels='reference') for it.")
+    code = DECODE_FORMAT_CODES[fmt_name]
     if code == FMT_PLAIN:
         return code, SCALE_NONE
-    if granularity not in SCALE_CODES:
+    if granularity not in SCALE_CODES or (code in INT_FMT_BITS and granularity == "tensor"):
         raise UnsupportedShapeError(
-            f"scale granularity {granularity!r} has no Triton decode kernel; supported: "
-            f"{', '.join(SCALE_CODES)}. Use KVConfig(kernels='reference') for it.")
+            f"{fmt_name} with scale granularity {granularity!r} has no Triton decode kernel; "
+            f"supported: {', '.join(SCALE_CODES)} (int formats: no 'tensor'). Use "
+            f"KVConfig(kernels='reference') for it.")
+    if code == FMT_E2M1 and granularity == "channel":
+        # fp4 "channel": a page scale, and E4M3 micro scales per channel per 16 tokens
+        return FMT_E2M1_TOKMICRO, SCALE_PAGE
     return code, SCALE_CODES[granularity]
+
+
+def _head_dim(data: torch.Tensor, fmt: int) -> int:
+    """head_dim of pages data [N, H, P, Ds] in kernel format `fmt` (codes packed in bytes)."""
+    if fmt in (FMT_E2M1, FMT_E2M1_TOKMICRO):
+        return data.shape[3] * 2
+    if fmt in INT_FMT_BITS:
+        return data.shape[3] * 8 // INT_FMT_BITS[fmt]
+    return data.shape[3]
 
 
 def default_config(kfmt: int, d: int, dv: int, m: int) -> dict:
@@ -117,8 +135,7 @@ def _check(q, kd, vd, kfmt, vfmt, block_tables, seq_lens, key_mask, attn_mass, o
         raise UnsupportedShapeError(f"paged_decode: Sq={Sq} new tokens; the decode kernel takes "
                                     f"1..{MAX_SQ} (use the prefill kernel for more)")
     N, Hkv, P = kd.shape[:3]
-    dk = kd.shape[3] * (2 if kfmt == FMT_E2M1 else 1)
-    dv = vd.shape[3] * (2 if vfmt == FMT_E2M1 else 1)
+    dk, dv = _head_dim(kd, kfmt), _head_dim(vd, vfmt)
     if dk != D:
         raise UnsupportedShapeError(f"paged_decode: q head_dim {D} != key pages' {dk}")
     for name, d in (("head_dim", D), ("value head_dim", dv)):
@@ -160,21 +177,51 @@ def _check(q, kd, vd, kfmt, vfmt, block_tables, seq_lens, key_mask, attn_mass, o
     return B, Hq, Sq, D, dv, N, Hkv, P
 
 
+def _check_residual(name, res, res_slot, N, Hkv, P, D) -> bool:
+    """Whether a residual is read: res [R, Hkv, P, D] bf16 with R > 0, res_slot [N] int32."""
+    if res is None or res.numel() == 0:  # no row was ever assigned: no page has a residual
+        return False
+    if (res.dtype != torch.bfloat16 or res.dim() != 4 or tuple(res.shape[1:]) != (Hkv, P, D)
+            or not res.is_contiguous() or res_slot is None or res_slot.dtype != torch.int32
+            or tuple(res_slot.shape) != (N,)):
+        raise UnsupportedShapeError(f"paged_decode: {name}' residual must be contiguous bf16 "
+                                    f"[R, {Hkv}, {P}, {D}] with int32 res_slot [{N}]")
+    return True
+
+
 def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, attn_mass, out,
                   k_fmt: str, k_gran: str, v_fmt: str, v_gran: str, scale: float,
                   sliding_window: int, sinks: int, softcap: float, num_splits: int,
-                  config: dict | None = None) -> torch.Tensor:
-    """Check, then launch split kernel (+ combine, + attention-mass pass). Writes `out`."""
+                  config: dict | None = None, kz=None, vz=None, k_res=None, k_res_slot=None,
+                  v_res=None, v_res_slot=None) -> torch.Tensor:
+    """Check, then launch split kernel (+ combine, + attention-mass pass). Writes `out`.
+    kz / vz: int zero points (shaped like the scales); k_res / v_res [R, Hkv, P, D] bf16 and
+    k_res_slot / v_res_slot [N] int32: residual pages (PagedTensor.res_data / res_slot)."""
     kfmt, ksm = _codes(k_fmt, k_gran)
     vfmt, vsm = _codes(v_fmt, v_gran)
     B, Hq, Sq, D, DV, N, Hkv, P = _check(q, kd, vd, kfmt, vfmt, block_tables, seq_lens,
                                          key_mask, attn_mass, out)
+    for name, code, z in (("keys", kfmt, kz), ("values", vfmt, vz)):
+        if code in INT_FMT_BITS and (z is None or z.dtype != torch.float16):
+            raise UnsupportedShapeError(f"paged_decode: int {name} need fp16 zero points")
+    kres = _check_residual("keys", k_res, k_res_slot, N, Hkv, P, D)
+    vres = _check_residual("values", v_res, v_res_slot, N, Hkv, P, DV)
     G = Hq // Hkv
     M = max(16, triton.next_power_of_2(G * Sq))
     interp = interpreting()
     cfg = default_config(kfmt, D, DV, M)
     cfg.update(config or {})
     block_t = cfg["BLOCK_T"]
+    if SCALE_CHANNEL in (ksm, vsm):
+        # channel scales are per page: a tile must not cross one (tiles start at multiples of
+        # BLOCK_T, both powers of two), and tl.dot needs 16 keys
+        if P < 16:
+            raise UnsupportedShapeError(
+                f"paged_decode: channel-granular scales need page_size >= 16 (got {P}); use "
+                f"KVConfig(kernels='reference') or a larger page")
+        block_t = min(block_t, P)
+    if SCALE_CHANNEL in (ksm, vsm) or kres or vres or FMT_E2M1_TOKMICRO in (kfmt, vfmt):
+        cfg["SPLIT"] = 0  # these read whole rows (column halves only for the plain formats)
     if interp:  # the interpreter's bf16 dot is wrong and it cannot run PTX: fp32, plain ops
         cdt, asm = tl.float32, 0
     elif kfmt == FMT_PLAIN and vfmt == FMT_PLAIN and kd.dtype == vd.dtype:
@@ -206,19 +253,24 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
     scores = (torch.full((rows, scores_len), float("-inf"), dtype=torch.float32, device=dev)
               if attn_mass is not None else lse)
     kmask = key_mask.view(torch.uint8) if key_mask is not None else seq_lens
-    big = max(kd.numel(), vd.numel()) >= 2**31 - 2**20
+    big = max(kd.numel(), vd.numel(), k_res.numel() if kres else 0,
+              v_res.numel() if vres else 0) >= 2**31 - 2**20
+    none = lse  # pointer of the arguments a launch does not read
     fold = FP4_ASM_FOLD if asm else 1.0
     qk_scale = float(scale) * LOG2E
     grid = (B * Hkv, num_splits)
     decode_split_kernel[grid](
-        q, kd, ks if ks is not None else lse, km if km is not None else kd,
-        vd, vs if vs is not None else lse, vm if vm is not None else vd,
+        q, kd, none if ks is None else ks, kd if km is None else km, none if kz is None else kz,
+        k_res if kres else none, k_res_slot if kres else none,
+        vd, none if vs is None else vs, vd if vm is None else vm, none if vz is None else vz,
+        v_res if vres else none, v_res_slot if vres else none,
         block_tables, seq_lens, kmask, acc, plse, out, scores,
         block_tables.stride(0), key_mask.shape[1] if key_mask is not None else 0, scores_len,
         Hkv, qk_scale, float(scale) / softcap if softcap else 0.0, softcap * LOG2E,
         fold if kfmt == FMT_E2M1 else 1.0, fold if vfmt == FMT_E2M1 else 1.0, window, sinks,
         num_splits, G=G, SQ=Sq, M=M, D=D, DV=DV, P=P, BLOCK_T=block_t,
-        KFMT=kfmt, VFMT=vfmt, KSM=ksm, VSM=vsm, CDT=cdt, SOFTCAP=bool(softcap),
+        KFMT=kfmt, VFMT=vfmt, KSM=ksm, VSM=vsm, KRES=kres, VRES=vres, CDT=cdt,
+        SOFTCAP=bool(softcap),
         HAS_KMASK=key_mask is not None, WRITE_SCORES=attn_mass is not None, DIRECT=direct,
         IEEE=cdt == tl.float32, WINDOW=window > 0, ASM=asm, BIG=big,
         SPLIT=bool(cfg["SPLIT"]),
@@ -245,17 +297,22 @@ def paged_decode(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor | 
                  block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  key_mask: torch.Tensor | None, attn_mass: torch.Tensor | None, k_fmt: str,
                  k_gran: str, v_fmt: str, v_gran: str, scale: float, sliding_window: int,
-                 sinks: int, softcap: float, num_splits: int) -> torch.Tensor:
+                 sinks: int, softcap: float, num_splits: int,
+                 k_zero: torch.Tensor | None = None, v_zero: torch.Tensor | None = None,
+                 k_res: torch.Tensor | None = None, k_res_slot: torch.Tensor | None = None,
+                 v_res: torch.Tensor | None = None,
+                 v_res_slot: torch.Tensor | None = None) -> torch.Tensor:
     return launch_decode(q, k_data, k_scale, k_micro, v_data, v_scale, v_micro, block_tables,
                          seq_lens, key_mask, attn_mass, None, k_fmt, k_gran, v_fmt, v_gran,
-                         scale, sliding_window, sinks, softcap, num_splits)
+                         scale, sliding_window, sinks, softcap, num_splits, None, k_zero,
+                         v_zero, k_res, k_res_slot, v_res, v_res_slot)
 
 
 @paged_decode.register_fake
 def _(q, k_data, k_scale, k_micro, v_data, v_scale, v_micro, block_tables, seq_lens, key_mask,
       attn_mass, k_fmt, k_gran, v_fmt, v_gran, scale, sliding_window, sinks, softcap,
-      num_splits):
-    dv = v_data.shape[3] * (2 if v_fmt == "fp4_e2m1" else 1)
+      num_splits, *extra):
+    dv = _head_dim(v_data, _codes(v_fmt, v_gran)[0])
     return q.new_empty((*q.shape[:3], dv))
 
 
@@ -267,14 +324,19 @@ def paged_decode_out(out: torch.Tensor, q: torch.Tensor, k_data: torch.Tensor,
                      seq_lens: torch.Tensor, key_mask: torch.Tensor | None,
                      attn_mass: torch.Tensor | None, k_fmt: str, k_gran: str, v_fmt: str,
                      v_gran: str, scale: float, sliding_window: int, sinks: int,
-                     softcap: float, num_splits: int) -> None:
+                     softcap: float, num_splits: int, k_zero: torch.Tensor | None = None,
+                     v_zero: torch.Tensor | None = None, k_res: torch.Tensor | None = None,
+                     k_res_slot: torch.Tensor | None = None,
+                     v_res: torch.Tensor | None = None,
+                     v_res_slot: torch.Tensor | None = None) -> None:
     launch_decode(q, k_data, k_scale, k_micro, v_data, v_scale, v_micro, block_tables,
                   seq_lens, key_mask, attn_mass, out, k_fmt, k_gran, v_fmt, v_gran, scale,
-                  sliding_window, sinks, softcap, num_splits)
+                  sliding_window, sinks, softcap, num_splits, None, k_zero, v_zero, k_res,
+                  k_res_slot, v_res, v_res_slot)
 
 
 @paged_decode_out.register_fake
-def _(out, *args):
+def _(out, *args, **kwargs):
     return None
 
 
@@ -296,7 +358,13 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: f
             k_cache.fmt.name, k_cache.fmt.granularity, v_cache.fmt.name,
             v_cache.fmt.granularity, float(scale), int(sliding_window or 0), int(sinks or 0),
             float(softcap or 0.0), int(num_splits or 0))
+    extra = {}  # int zero points, residual pages: only when the caches have them
+    for name, c in (("k", k_cache), ("v", v_cache)):
+        if c.zero is not None:
+            extra[f"{name}_zero"] = c.zero
+        if c.res_data is not None:
+            extra[f"{name}_res"], extra[f"{name}_res_slot"] = c.res_data, c.res_slot
     if out is None:
-        return torch.ops.kvcompile.paged_decode(*args)
-    torch.ops.kvcompile.paged_decode_out(out, *args)
+        return torch.ops.kvcompile.paged_decode(*args, **extra)
+    torch.ops.kvcompile.paged_decode_out(out, *args, **extra)
     return out

@@ -18,13 +18,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Storage-format codes of the kernels.
+# Storage-format codes of the kernels. FORMAT_CODES: what the append kernel also writes.
 FMT_PLAIN, FMT_E4M3, FMT_E5M2, FMT_E2M1 = 0, 1, 2, 3
 FORMAT_CODES = {"bf16": FMT_PLAIN, "fp16": FMT_PLAIN, "fp32": FMT_PLAIN,
                 "fp8_e4m3": FMT_E4M3, "fp8_e5m2": FMT_E5M2, "fp4_e2m1": FMT_E2M1}
-# Scale modes: none (plain formats), one static scale, one per (page, head), one per token.
-SCALE_NONE, SCALE_TENSOR, SCALE_PAGE, SCALE_TOKEN = 0, 1, 2, 3
-SCALE_CODES = {"tensor": SCALE_TENSOR, "page": SCALE_PAGE, "token": SCALE_TOKEN}
+# Decode-only codes: fp4 with "channel" scales (micro scales along tokens: [N, H, P/16, D]) and
+# the asymmetric ints (codes packed along head_dim, fp16 scale + zero point; intq.py).
+FMT_E2M1_TOKMICRO, FMT_INT4, FMT_INT3, FMT_INT2 = 4, 5, 6, 7
+DECODE_FORMAT_CODES = {**FORMAT_CODES, "int4": FMT_INT4, "int3": FMT_INT3, "int2": FMT_INT2}
+INT_FMT_BITS = {FMT_INT4: 4, FMT_INT3: 3, FMT_INT2: 2}
+# Scale modes: none (plain formats), one static scale, one per (page, head), one per token,
+# one per (page, head, channel) (fp8 / int; the kernel's tiles then never cross a page).
+SCALE_NONE, SCALE_TENSOR, SCALE_PAGE, SCALE_TOKEN, SCALE_CHANNEL = 0, 1, 2, 3, 4
+SCALE_CODES = {"tensor": SCALE_TENSOR, "page": SCALE_PAGE, "token": SCALE_TOKEN,
+               "channel": SCALE_CHANNEL}
 # The asm fp4 widening yields e2m1 * micro * 2**-7 (see _e2m1_to_f16_asm): callers multiply the
 # token scale by this when ASM is on.
 FP4_ASM_FOLD = 2.0**7
@@ -103,7 +110,73 @@ def load_token_scales(scale_ptr, page, off, kvh, H, P: tl.constexpr, MODE: tl.co
         s = tl.load(scale_ptr + (page * H + kvh) * P + off, mask=ok, other=0.0)
     else:
         s = tl.full(off.shape, 1.0, tl.float32)
-    return s
+    return s.to(tl.float32)
+
+
+@triton.jit
+def load_token_zeros(zero_ptr, page, off, kvh, H, P: tl.constexpr, MODE: tl.constexpr, ok):
+    # -> fp32 [T]: the int zero point of each token (page / token modes; 0 where not ok)
+    if MODE == 2:
+        z = tl.load(zero_ptr + page * H + kvh, mask=ok, other=0.0)
+    else:
+        z = tl.load(zero_ptr + (page * H + kvh) * P + off, mask=ok, other=0.0)
+    return z.to(tl.float32)
+
+
+@triton.jit
+def load_channel_params(scale_ptr, zero_ptr, page0, kvh, H, D: tl.constexpr,
+                        HAS_ZERO: tl.constexpr, n_ok):
+    # -> fp32 ([D] scales, [D] zero points; 0 without) of the tile's single page page0; n_ok:
+    # int scalar, 0 loads nothing (0)
+    c = tl.arange(0, D)
+    row = (page0 * H + kvh).to(tl.int64) * D
+    m = c < D * n_ok
+    s = tl.load(scale_ptr + row + c, mask=m, other=0.0).to(tl.float32)
+    if HAS_ZERO:
+        z = tl.load(zero_ptr + row + c, mask=m, other=0.0).to(tl.float32)
+    else:
+        z = s * 0.0
+    return s, z
+
+
+@triton.jit
+def load_row_pair(ptr, row, ok, D: tl.constexpr, HALVES: tl.constexpr, CDT: tl.constexpr):
+    # rows [T] of D elements (q, bf16 residual pages) -> (a, b) in CDT, 0 where not ok:
+    # HALVES 0: all columns [T, D] (b = a); 1: even / odd columns; 2: first / second half
+    if HALVES == 0:
+        d = tl.arange(0, D)
+        a = tl.load(ptr + row[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(CDT)
+        b = a
+    else:
+        h = tl.arange(0, D // 2)
+        if HALVES == 1:
+            ca = 2 * h
+            cb = ca + 1
+        else:
+            ca = h
+            cb = h + D // 2
+        a = tl.load(ptr + row[:, None] * D + ca[None, :], mask=ok[:, None], other=0.0).to(CDT)
+        b = tl.load(ptr + row[:, None] * D + cb[None, :], mask=ok[:, None], other=0.0).to(CDT)
+    return a, b
+
+
+@triton.jit
+def _unpack_int(x, D: tl.constexpr, BITS: tl.constexpr):
+    # packed rows -> codes [T, D] int32 in head_dim order (intq.py): int4 / int2: x uint8
+    # [T, D * BITS / 8], element (8 / BITS) * i + j in bits BITS*j of byte i; int3: x int32
+    # [T, D / 8], the 24-bit words of three bytes, element 8i + j in bits 3j of word i.
+    # The parts are interleaved by nested joins: join's new axis is the fastest.
+    T: tl.constexpr = x.shape[0]
+    w = x.to(tl.int32)
+    if BITS == 4:
+        y = tl.join(w & 15, w >> 4)
+    elif BITS == 2:
+        y = tl.join(tl.join(w & 3, (w >> 4) & 3), tl.join((w >> 2) & 3, (w >> 6) & 3))
+    else:
+        y = tl.join(tl.join(tl.join(w & 7, (w >> 12) & 7), tl.join((w >> 6) & 7, (w >> 18) & 7)),
+                    tl.join(tl.join((w >> 3) & 7, (w >> 15) & 7),
+                            tl.join((w >> 9) & 7, (w >> 21) & 7)))
+    return tl.reshape(y, [T, D])
 
 
 @triton.jit
@@ -115,7 +188,33 @@ def load_codes(data_ptr, micro_ptr, tok, ok, D: tl.constexpr, FMT: tl.constexpr,
     # micro block on the last axis, so the micro scale [T, D // 16] broadcasts along it)
     if BIG:
         tok = tok.to(tl.int64)
-    if FMT == 3:
+    if FMT == 5 or FMT == 7:  # int4 / int2: bytes [T, W * bits / 8]
+        PER: tl.constexpr = 2 if FMT == 5 else 4
+        WW: tl.constexpr = D if W == 0 else W
+        cols = C0 // PER + tl.arange(0, WW // PER)
+        x = tl.load(data_ptr + tok[:, None] * (D // PER) + cols[None, :], mask=ok[:, None],
+                    other=0)
+        return x, x
+    elif FMT == 6:  # int3: 24-bit words [T, W / 8] from three strided byte loads
+        WW: tl.constexpr = D if W == 0 else W
+        base = data_ptr + tok[:, None] * (3 * D // 8) + 3 * (C0 // 8 + tl.arange(0, WW // 8))[
+            None, :]
+        b0 = tl.load(base, mask=ok[:, None], other=0).to(tl.int32)
+        b1 = tl.load(base + 1, mask=ok[:, None], other=0).to(tl.int32)
+        b2 = tl.load(base + 2, mask=ok[:, None], other=0).to(tl.int32)
+        x = b0 | (b1 << 8) | (b2 << 16)
+        return x, x
+    elif FMT == 4:  # fp4, micro scales along tokens: bytes [T, D/2], micro (even, odd) cols
+        cols = tl.arange(0, D // 2)
+        byte = tl.load(data_ptr + tok[:, None] * (D // 2) + cols[None, :], mask=ok[:, None],
+                       other=0)
+        # micro row of token row tok = (page * H + head) * P + off: (page * H + head) * P/16
+        # + off / 16 = tok // 16 (P is a multiple of 16)
+        mrow = tok[:, None] // 16 * D
+        m_lo = tl.load(micro_ptr + mrow + 2 * cols[None, :], mask=ok[:, None], other=0.0)
+        m_hi = tl.load(micro_ptr + mrow + 2 * cols[None, :] + 1, mask=ok[:, None], other=0.0)
+        return byte, tl.join(m_lo, m_hi)
+    elif FMT == 3:
         T: tl.constexpr = tok.shape[0]
         cols = tl.arange(0, D // 2)
         byte = tl.load(data_ptr + tok[:, None] * (D // 2) + cols[None, :], mask=ok[:, None],
@@ -141,9 +240,18 @@ def load_codes(data_ptr, micro_ptr, tok, ok, D: tl.constexpr, FMT: tl.constexpr,
 
 @triton.jit
 def widen(x, micro, D: tl.constexpr, FMT: tl.constexpr, CDT: tl.constexpr, ASM: tl.constexpr):
-    # raw codes from load_codes -> CDT, unscaled: ([T, D], same) for plain / fp8; for fp4 the
-    # (low, high) nibble halves [T, D // 2] each, i.e. the even and odd elements of head_dim
-    if FMT == 3:
+    # raw codes from load_codes -> CDT, unscaled: ([T, D], same) for plain / fp8 / int (int
+    # codes: exact integers, zero point not applied); for fp4 the (low, high) nibble halves
+    # [T, D // 2] each, i.e. the even and odd elements of head_dim
+    if FMT == 5 or FMT == 6 or FMT == 7:
+        y = _unpack_int(x, D, 4 if FMT == 5 else (3 if FMT == 6 else 2)).to(CDT)
+        return y, y
+    elif FMT == 4:
+        m_lo, m_hi = tl.split(micro)
+        lo = e2m1_to_f16(x & 15).to(CDT) * m_lo.to(CDT)
+        hi = e2m1_to_f16(x >> 4).to(CDT) * m_hi.to(CDT)
+        return lo, hi
+    elif FMT == 3:
         T: tl.constexpr = x.shape[0]
         if ASM:
             lo, hi = _e2m1_to_f16_asm(x, micro[:, :, None])

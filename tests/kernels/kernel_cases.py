@@ -16,8 +16,8 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 PLAIN = ("bf16", "fp16", "fp32")
 
 
-def make_format(name: str, gran: str = "page") -> KVFormat:
-    return KVFormat(name) if name in PLAIN else KVFormat(name, gran)
+def make_format(name: str, gran: str = "page", residual: bool = False) -> KVFormat:
+    return KVFormat(name) if name in PLAIN else KVFormat(name, gran, residual=residual)
 
 
 def make_paged_kv(k_fmt: KVFormat, v_fmt: KVFormat, lens, Hkv: int, D: int, P: int, *,
@@ -33,9 +33,12 @@ def make_paged_kv(k_fmt: KVFormat, v_fmt: KVFormat, lens, Hkv: int, D: int, P: i
     vc = v_fmt.allocate(N, Hkv, P, Dv, device)
     if nan_fill:
         for c in (kc, vc):
+            if c.fmt.is_int and c.fmt.granularity == "token":  # unwritten slots' scales
+                c.scale.fill_(float("nan"))
             if c.data.dtype == torch.uint8:
                 c.data.fill_(0x77)
-                c.micro.view(torch.uint8).fill_(0x7F)  # e4m3 NaN micro: the block reads NaN
+                if c.micro is not None:  # e4m3 NaN micro: the block reads NaN
+                    c.micro.view(torch.uint8).fill_(0x7F)
             else:
                 c.data.fill_(float("nan"))
     perm = torch.randperm(N, generator=gen)
@@ -81,7 +84,9 @@ def run_case(k_fmt, v_fmt, lens, Hkv, G, D, P, *, Sq=1, Dv=None, q_dtype=torch.f
         mass_ref = mass.clone()
     launch_decode(q, kc.data, kc.scale, kc.micro, vc.data, vc.scale, vc.micro, bt, sl,
                   key_mask, mass, out, kc.fmt.name, kc.fmt.granularity, vc.fmt.name,
-                  vc.fmt.granularity, scale, window, sinks, softcap, splits, config)
+                  vc.fmt.granularity, scale, window, sinks, softcap, splits, config,
+                  kz=kc.zero, vz=vc.zero, k_res=kc.res_data, k_res_slot=kc.res_slot,
+                  v_res=vc.res_data, v_res_slot=vc.res_slot)
     ref = paged_decode_attention_ref(q, kc, vc, bt, sl, scale, key_mask=key_mask,
                                      sliding_window=window, sinks=sinks, softcap=softcap,
                                      attn_mass=mass_ref)

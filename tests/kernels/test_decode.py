@@ -169,3 +169,122 @@ def _bad(**over):
 def test_decode_rejects_unsupported_inputs(what, over, msg):
     with pytest.raises(UnsupportedShapeError, match=msg):
         _bad(**over)
+
+
+# --- int4 / int3 / int2, channel scales, residual pages ---------------------------------------
+
+NEW_CASES = [  # k format/granularity, v format/granularity, head_dim, G, page size, lens
+    ("int4/channel", "int4/token", 64, 4, 64, [130, 37]),  # the 4-bit config of issue 9
+    ("int4/channel", "int4/token", 64, 1, 16, [37, 70, 5]),
+    ("int4/channel", "fp4_e2m1/page", 64, 4, 64, [77, 130]),
+    ("int4/page", "int4/page", 128, 1, 16, [45, 19]),
+    ("int4/token", "int4/channel", 64, 4, 16, [33, 70]),
+    ("int2/channel", "int2/token", 64, 4, 64, [130, 61]),
+    ("int2/page", "int2/page", 64, 1, 16, [37, 70]),
+    ("int2/token", "int2/channel", 128, 4, 16, [29]),
+    ("int3/channel", "int3/token", 64, 4, 16, [37, 70]),
+    ("int3/page", "int3/page", 64, 1, 64, [71]),
+    ("int3/token", "int3/channel", 128, 4, 16, [45]),
+    ("fp8_e4m3/channel", "fp8_e4m3/page", 64, 4, 16, [37, 70]),
+    ("fp8_e5m2/channel", "fp8_e5m2/token", 128, 1, 64, [130]),
+    ("fp8_e4m3/channel", "int4/token", 64, 4, 64, [99, 3]),
+    ("fp4_e2m1/channel", "fp4_e2m1/page", 64, 4, 16, [45, 77]),
+    ("fp4_e2m1/channel", "fp4_e2m1/channel", 64, 1, 64, [90]),
+]
+
+
+def _fmt(spec: str, residual: bool = False):
+    name, _, gran = spec.partition("/")
+    return make_format(name, gran or "page", residual)
+
+
+@pytest.mark.parametrize("kf,vf,D,G,P,lens", NEW_CASES)
+def test_decode_int_and_channel_formats(kf, vf, D, G, P, lens):
+    gen = torch.Generator().manual_seed(hash((kf, vf, D, G, P)) % 2**31)
+    err, bound, _, _ = run_case(_fmt(kf), _fmt(vf), lens, 2, G, D, P, splits=2,
+                                config={"BLOCK_T": 32}, gen=gen)
+    assert err <= bound, f"relative error {err:.2e} > {bound:.1e}"
+
+
+RESIDUAL_CASES = [  # the sequences' last, partly filled pages are read from bf16 rows
+    ("int4/channel", "int4/token", 64, 4, 64, [130, 37]),
+    ("int2/page", "int2/page", 64, 1, 16, [37, 70]),
+    ("int3/token", "int3/channel", 64, 4, 16, [45, 20]),
+    ("fp4_e2m1/page", "fp4_e2m1/page", 64, 4, 16, [45]),
+    ("fp8_e4m3/token", "fp8_e4m3/channel", 128, 1, 16, [61, 33]),
+    ("int4/channel", "fp4_e2m1/page", 64, 4, 64, [77]),
+]
+
+
+@pytest.mark.parametrize("kf,vf,D,G,P,lens", RESIDUAL_CASES)
+def test_decode_residual_pages(kf, vf, D, G, P, lens):
+    gen = torch.Generator().manual_seed(hash((kf, vf, D, P)) % 2**31)
+    kc, vc, bt, sl = make_paged_kv(_fmt(kf, True), _fmt(vf, True), lens, 2, D, P, gen=gen)
+    assert kc.residual_pages() and vc.residual_pages()  # the case reads residual rows
+    q = torch.randn(len(lens), 2 * G, 1, D, generator=gen).to(DEV)
+    out = poison_(torch.empty(len(lens), 2 * G, 1, D, device=DEV))
+    paged_decode_attention(q, kc, vc, bt, sl, D**-0.5, out=out, num_splits=2)
+    ref = paged_decode_attention_ref(q, kc, vc, bt, sl, D**-0.5)
+    assert rel_err(out, ref) <= REL_ERR[compute_dtype(kc.fmt, DEV)]
+
+
+@pytest.mark.parametrize("kf,vf,cfg", [
+    ("int4/token", "int2/page", {"SPLIT": 1}),       # column halves for per-token int scales
+    ("int4/channel", "int4/token", {"BLOCK_T": 128}),  # tiles clamped to the page
+])
+def test_decode_int_tile_variants(kf, vf, cfg):
+    gen = torch.Generator().manual_seed(len(kf) + len(cfg))
+    err, bound, _, _ = run_case(_fmt(kf), _fmt(vf), [70, 9, 33], 2, 4, 64, 16, Sq=2, splits=2,
+                                config={"BLOCK_T": 16, **cfg}, gen=gen)
+    assert err <= bound
+
+
+def test_decode_int_masks_window_mass_and_speculative():
+    gen = torch.Generator().manual_seed(19)
+    km = torch.rand(2, 60, generator=gen) > 0.3
+    km[:, 0] = True
+    err, bound, _, (mass, mass_ref) = run_case(
+        _fmt("int4/channel", True), _fmt("int4/token", True), [90, 37], 2, 4, 64, 16, Sq=3,
+        window=24, sinks=3, softcap=5.0, key_mask=km.to(DEV), with_mass=True, splits=3,
+        config={"BLOCK_T": 16}, gen=gen)
+    assert err <= bound
+    assert rel_err(mass, mass_ref) <= 1e-4
+
+
+def test_decode_int_public_op_compiles_with_bf16_queries():
+    gen = torch.Generator().manual_seed(23)
+    kc, vc, bt, sl = make_paged_kv(_fmt("int4/channel", True), _fmt("int4/token", True),
+                                   [50, 17], 2, 64, 16, gen=gen)
+    q = torch.randn(2, 8, 1, 64, generator=gen).to(DEV, torch.bfloat16)
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def f(q):
+        return paged_decode_attention(q, kc, vc, bt, sl, 0.125)
+
+    ref = paged_decode_attention_ref(q, kc, vc, bt, sl, 0.125)
+    got = f(q)
+    assert got.dtype == torch.bfloat16 and rel_err(got, ref) <= REL_ERR[torch.bfloat16]
+
+
+def test_decode_channel_scales_need_pages_of_16():
+    # a channel-scaled tile is one page of >= 16 keys: P=8 is refused, and the runtime sends
+    # such layers to the reference
+    from kvcompile.runtime import kernel_readable
+
+    fmt = _fmt("int4/channel")
+    kc, vc, bt, sl = make_paged_kv(fmt, fmt, [20], 2, 64, 8, nan_fill=False)
+    assert not kernel_readable(kc)
+    with pytest.raises(UnsupportedShapeError, match="page_size >= 16"):
+        paged_decode_attention(torch.randn(1, 4, 1, 64, device=DEV), kc, vc, bt, sl, 0.1)
+
+
+def test_kernel_readable_by_op():
+    from kvcompile.runtime import kernel_readable
+
+    for spec, res in (("int4/channel", False), ("int2/token", True), ("fp8_e4m3/channel", False),
+                      ("fp4_e2m1/channel", False), ("fp4_e2m1/page", True)):
+        c = _fmt(spec, res).allocate(2, 1, 16, 64)
+        assert kernel_readable(c) and kernel_readable(c, "decode")
+        assert not kernel_readable(c, "append") and not kernel_readable(c, "prefill")
+    plain = _fmt("fp8_e4m3/page").allocate(2, 1, 16, 64)
+    assert all(kernel_readable(plain, op) for op in ("decode", "append", "prefill"))

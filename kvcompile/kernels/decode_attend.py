@@ -1,0 +1,189 @@
+"""One tile of the paged decode kernel (decode_kernels.py): its key positions, its loads, and
+the online-softmax update it makes.
+
+Block scales are never applied to the codes in HBM or element by element when they can be
+factored out of the dots:
+- one scale per token (page / token / tensor modes): keys multiply the scores, values the
+  probabilities (divided by the tile's largest, see `attend_tile`);
+- int zero points per token: keys add zero_t * sum_d q_d to the scores, values add
+  sum_t p_t * zero_t to every output column;
+- "channel" scales (fp8 / int, per page, kv head and channel; a tile then lies in one page):
+  keys scale q's columns before the dot and add sum_d q_d * zero_d, values scale the dot's
+  columns after it and add (sum_t p_t) * zero_d.
+Residual pages (a sequence's partly filled page, kept in bf16) are read row by row next to the
+codes: each token is either a code (its residual rows masked off) or a residual row (its codes
+masked off), and one more dot per operand adds the residual rows' share.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvcompile.kernels.decode_tiles import (
+    load_channel_params,
+    load_codes,
+    load_row_pair,
+    load_token_scales,
+    load_token_zeros,
+    widen,
+)
+
+
+@triton.jit
+def tile_meta(t, t1, b, L, lo, lo_t, n_sink, sinks, BT, stride_bt, KMASK, n_kmask,
+               P: tl.constexpr, BLOCK_T: tl.constexpr, WINDOW: tl.constexpr,
+               HAS_KMASK: tl.constexpr):
+    # tile t -> key positions [T], keys some row of the program may see [T], their page ids
+    start = tl.where(t < n_sink, t * BLOCK_T, lo_t + (t - n_sink) * BLOCK_T)
+    pos = start + tl.arange(0, BLOCK_T)
+    seen = (pos < L) & (pos * 0 + t < t1)
+    if WINDOW:
+        seen = seen & ((pos >= lo) | (pos < sinks))
+    if HAS_KMASK:
+        km = tl.load(KMASK + b * n_kmask + pos, mask=seen & (pos < n_kmask), other=1)
+        seen = seen & (km != 0)
+    page = tl.load(BT + b * stride_bt + pos // P, mask=seen, other=0)
+    return pos, seen, page
+
+
+@triton.jit
+def tile_operand(XD, XS, XM, XZ, XR, XRS, page, off, seen, kvh, H, mult, D: tl.constexpr,
+             P: tl.constexpr, FMT: tl.constexpr, SM: tl.constexpr, RES: tl.constexpr,
+             HALVES: tl.constexpr, CDT: tl.constexpr, ASM: tl.constexpr, BIG: tl.constexpr,
+             SPLIT: tl.constexpr):
+    # Loads of one operand (K or V) of a tile: raw codes (x, m) (fp4: bytes and micro; SPLIT:
+    # the two column halves), scales sc ([T] per token, or [D] channel), zero points zp (same
+    # shape; int only), code_ok [T] (seen and not residual), residual rows (r_a, r_b) in CDT
+    # (zeros where not residual; columns as q's: HALVES 1 even / odd, 2 halves, 0 all)
+    tok = (page * H + kvh) * P + off
+    if RES:
+        rs = tl.load(XRS + page, mask=seen, other=-1)
+        code_ok = seen & (rs < 0)
+        rrow = (rs * H + kvh) * P + off
+        if BIG:
+            rrow = rrow.to(tl.int64)
+        r_a, r_b = load_row_pair(XR, rrow, seen & (rs >= 0), D, HALVES, CDT)
+    else:
+        code_ok = seen
+    if HALVES == 2:
+        x, _ = load_codes(XD, XM, tok, code_ok, D, FMT, ASM, BIG, 0, D // 2)
+        m, _ = load_codes(XD, XM, tok, code_ok, D, FMT, ASM, BIG, D // 2, D // 2)
+    else:
+        x, m = load_codes(XD, XM, tok, code_ok, D, FMT, ASM, BIG)
+    if SM == 4:
+        # the tile lies in one page: that of its seen keys (none seen: nothing is loaded)
+        page0 = tl.max(tl.where(seen, page, 0), 0)
+        n_seen = tl.max(seen.to(tl.int32), 0)
+        sc, zp = load_channel_params(XS, XZ, page0, kvh, H, D, FMT >= 5, n_seen)
+    else:
+        sc = load_token_scales(XS, page, off, kvh, H, P, SM, code_ok) * mult
+        if FMT >= 5:
+            zp = load_token_zeros(XZ, page, off, kvh, H, P, SM, code_ok)
+        else:
+            zp = sc
+    if not RES:
+        r_a = x
+        r_b = x
+    return x, m, sc, zp, code_ok, r_a, r_b
+
+
+@triton.jit
+def attend_tile(q_a, q_b, q_sum, kx, km, vx, vm, ks, vs, kz, vz, k_ok, v_ok, kr_a, kr_b,
+                 vr_a, vr_b, pos, seen, q_pos, row_ok, q_row, m_i, l_i, w_run, acc_a, acc_b,
+                 SCORES, scores_len, qk_scale, cap_in, cap_out, window, sinks,
+                 D: tl.constexpr, DV: tl.constexpr, SQ: tl.constexpr,
+                 KFMT: tl.constexpr, VFMT: tl.constexpr, KSM: tl.constexpr, VSM: tl.constexpr,
+                 KRES: tl.constexpr, VRES: tl.constexpr, KH: tl.constexpr, VH: tl.constexpr,
+                 CDT: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_SCORES: tl.constexpr,
+                 PREC: tl.constexpr, WINDOW: tl.constexpr, ASM: tl.constexpr,
+                 SPLIT: tl.constexpr):
+    # ---- scores s [M, T] in log2 units; two half-width dots for fp4 (even / odd columns) or
+    # SPLIT (first / second half): half the operand registers live at a time
+    if SPLIT and KH == 2:
+        k_a, _ = widen(kx, kx, D // 2, KFMT, CDT, ASM)
+        k_b, _ = widen(km, km, D // 2, KFMT, CDT, ASM)
+    else:
+        k_a, k_b = widen(kx, km, D, KFMT, CDT, ASM)
+    if KSM == 4:  # channel scales (full-width tiles): scale q's columns
+        s = tl.dot((q_a.to(tl.float32) * ks[None, :]).to(CDT), tl.trans(k_a),
+                   input_precision=PREC)
+    else:
+        s = tl.dot(q_a, tl.trans(k_a), input_precision=PREC)
+        if KH != 0:
+            s = tl.dot(q_b, tl.trans(k_b), s, input_precision=PREC)
+        if KSM != 0:
+            s = s * ks[None, :]
+    if KFMT >= 5:  # int zero points
+        if KSM == 4:
+            qz = tl.sum(q_a.to(tl.float32) * kz[None, :], 1)
+            s = s + qz[:, None] * k_ok.to(tl.float32)[None, :]
+        else:
+            s = s + q_sum[:, None] * kz[None, :]
+    if KRES:
+        s = tl.dot(q_a, tl.trans(kr_a), s, input_precision=PREC)
+        if KH != 0:
+            s = tl.dot(q_b, tl.trans(kr_b), s, input_precision=PREC)
+    if SOFTCAP:
+        x = s * cap_in
+        e = tl.exp(-2.0 * tl.abs(x))
+        th = (1.0 - e) / (1.0 + e)
+        s = tl.where(x < 0, -th, th) * cap_out
+    else:
+        s = s * qk_scale
+    ok = seen[None, :] & row_ok[:, None]
+    if SQ > 1:
+        ok = ok & (pos[None, :] <= q_pos[:, None])
+    if WINDOW:
+        ok = ok & ((q_pos[:, None] - pos[None, :] < window) | (pos[None, :] < sinks))
+    s = tl.where(ok, s, float("-inf"))
+    if WRITE_SCORES:
+        tl.store(SCORES + q_row[:, None].to(tl.int64) * scores_len + pos[None, :], s,
+                 mask=ok & (pos < scores_len)[None, :])
+
+    # ---- online softmax
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    # ---- values: each token's scale goes into p, divided by the tile's largest so that the
+    # 16-bit p operand keeps its precision; acc is kept in units of that largest (residual
+    # rows count as scale 1)
+    if SPLIT and VH == 2:
+        v_a, _ = widen(vx, vx, DV // 2, VFMT, CDT, ASM)
+        v_b, _ = widen(vm, vm, DV // 2, VFMT, CDT, ASM)
+    else:
+        v_a, v_b = widen(vx, vm, DV, VFMT, CDT, ASM)
+    if VSM == 0 or VSM == 4:
+        pv = p.to(CDT)
+        corr = alpha
+        w_tile = w_run
+    else:
+        f = vs
+        if VRES:
+            f = tl.where(v_ok, vs, 1.0)
+        w_tile = tl.maximum(tl.max(f, 0), 1e-30)
+        pv = (p * (f / w_tile)[None, :]).to(CDT)
+        corr = alpha * (w_run / w_tile)
+        w_run = tl.zeros_like(w_run) + w_tile
+    if VSM == 4:  # channel scales (full-width tiles): scale the dot's columns
+        acc_a = acc_a * corr[:, None] + tl.dot(pv, v_a, input_precision=PREC) * vs[None, :]
+        if VFMT >= 5:
+            p_codes = tl.sum(tl.where(v_ok[None, :], p, 0.0), 1)
+            acc_a = acc_a + p_codes[:, None] * vz[None, :]
+    else:
+        acc_a = tl.dot(pv, v_a, acc_a * corr[:, None], input_precision=PREC)
+        if VH != 0:
+            acc_b = tl.dot(pv, v_b, acc_b * corr[:, None], input_precision=PREC)
+        if VFMT >= 5:  # zero points per token, in acc's units
+            pz = tl.sum(p * (vz / w_tile)[None, :], 1)
+            acc_a = acc_a + pz[:, None]
+            if VH != 0:
+                acc_b = acc_b + pz[:, None]
+    if VRES:
+        acc_a = tl.dot(pv, vr_a, acc_a, input_precision=PREC)
+        if VH != 0:
+            acc_b = tl.dot(pv, vr_b, acc_b, input_precision=PREC)
+    return m_new, l_i, w_run, acc_a, acc_b
