@@ -13,6 +13,7 @@ appends to it. Full pages are never written again. The allocator is a stack of f
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from collections.abc import Sequence
@@ -105,7 +106,11 @@ class PagePool:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.max_seq_len = max_seq_len
-        self.writer = writer or (lambda paged, slots, x: paged.write(slots, x))
+        # writer(paged, slots, x[, grouped]): grouped = the slots come from reserve(), so each
+        # page's slots are adjacent and increasing (a writer may skip sorting them)
+        self.writer = writer or (lambda paged, slots, x, grouped=False: paged.write(slots, x))
+        self._writer_grouped = _takes_grouped(self.writer)
+        self._reserved: torch.Tensor | None = None  # the last slots reserve() returned
         self.k: list[PagedTensor] = []
         self.v: list[PagedTensor] = []
         for spec in self.layers:  # torch.empty inside allocate: the pool is never zero-filled
@@ -262,7 +267,9 @@ class PagePool:
                 i, lo = i + 1, hi
         if cow_src:
             self._copy_pages(cow_src, cow_dst)
-        return _runs_to_slots(bases, lens).to(self.device)
+        # one run per page, runs of distinct pages: write() may tell the writer so
+        self._reserved = _runs_to_slots(bases, lens).to(self.device)
+        return self._reserved
 
     # --- data --------------------------------------------------------------------------------
 
@@ -274,8 +281,13 @@ class PagePool:
         self._check_kv(layer, slots.shape[0], k, v)
         if slots.shape[0] == 0:
             return
-        self.writer(self.k[layer], slots, k)
-        self.writer(self.v[layer], slots, v)
+        if self._writer_grouped:
+            grouped = slots is self._reserved  # reserve's order: each page's slots adjacent
+            self.writer(self.k[layer], slots, k, grouped)
+            self.writer(self.v[layer], slots, v, grouped)
+        else:
+            self.writer(self.k[layer], slots, k)
+            self.writer(self.v[layer], slots, v)
 
     def append(self, seq_id: int, k_layers, v_layers) -> torch.Tensor:
         """Reserve and write every layer at once. k_layers[i]: [T, Hkv, D]; returns the slots."""
@@ -644,6 +656,15 @@ class PagePool:
                                dtype=torch.int64).to(self.device)  # [K, 3]: one transfer
             self._table[upd[:, 0], upd[:, 1]] = upd[:, 2].to(torch.int32)
             self._pending.clear()
+
+
+def _takes_grouped(writer) -> bool:
+    try:
+        params = inspect.signature(writer).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind == p.VAR_POSITIONAL for p in params) or len(
+        [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 4
 
 
 def _check_int(what: str, v, lo: int, hi: int | None = None) -> None:

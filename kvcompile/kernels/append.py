@@ -369,8 +369,11 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str) -> None:
-    """Check, then store x [T, H, D] at slots [T] into data / scale / micro (mutated)."""
+def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str,
+                  grouped: bool = False) -> None:
+    """Check, then store x [T, H, D] at slots [T] into data / scale / micro (mutated).
+    grouped: the caller guarantees that the slots of each page are adjacent and increasing
+    (PagePool.reserve's order), so page-scaled writes skip the device sort."""
     if fmt_name not in FORMAT_CODES:
         raise UnsupportedShapeError(f"quantize_append: format {fmt_name!r} has no kernel; "
                                     f"supported {', '.join(FORMAT_CODES)}")
@@ -418,7 +421,10 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str)
     m8 = micro.view(torch.uint8) if micro is not None else d8
     data_dt = {FMT_E4M3: tl.float8e4nv, FMT_E5M2: tl.float8e5}.get(fmt, tl.float8e4nv)
     if granularity == "page":
-        sorted_slots, order = torch.sort(slots)
+        if grouped:  # runs of one page are already adjacent: identity order
+            sorted_slots, order = slots, _iota(T, x.device)
+        else:
+            sorted_slots, order = torch.sort(slots)
         win = 1 if T <= BULK_TOKENS else P
         _append_pages_kernel[(triton.cdiv(T, win), H)](
             x, sorted_slots, order, d8, scale, m8, T, H, D=D, P=P, R=min(R, P), FMT=fmt,
@@ -437,6 +443,17 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str)
         RECIP=recip, num_warps=4)
 
 
+_IOTA: dict[torch.device, torch.Tensor] = {}
+
+
+def _iota(n: int, device: torch.device) -> torch.Tensor:
+    """arange(n) int64 on device, sliced from a buffer kept per device (no launch per call)."""
+    buf = _IOTA.get(device)
+    if buf is None or buf.shape[0] < n:
+        buf = _IOTA[device] = torch.arange(max(n, 1024), dtype=torch.int64, device=device)
+    return buf[:n]
+
+
 @torch.library.custom_op("kvcompile::quantize_append", mutates_args=("data", "scale", "micro"))
 def quantize_append_op(x: torch.Tensor, slots: torch.Tensor, data: torch.Tensor,
                        scale: torch.Tensor | None, micro: torch.Tensor | None, fmt: str,
@@ -449,7 +466,16 @@ def _(x, slots, data, scale, micro, fmt, granularity):
     return None
 
 
-def quantize_append(cache, slots: torch.Tensor, x: torch.Tensor) -> None:
-    """Store x [T, Hkv, D] at slots [T] (page * P + offset) of a PagedTensor, as cache.write."""
+def quantize_append(cache, slots: torch.Tensor, x: torch.Tensor, grouped: bool = False, *,
+                    direct: bool = False) -> None:
+    """Store x [T, Hkv, D] at slots [T] (page * P + offset) of a PagedTensor, as cache.write.
+
+    Through the custom op (traceable), unless direct=True: the runtime's writer, which runs
+    eagerly inside kvcompile.attention, launches without the op's dispatch and may pass
+    grouped=True (slots in PagePool.reserve's order, see launch_append)."""
+    if direct:
+        launch_append(x, slots, cache.data, cache.scale, cache.micro, cache.fmt.name,
+                      cache.fmt.granularity, grouped)
+        return
     torch.ops.kvcompile.quantize_append(x, slots, cache.data, cache.scale, cache.micro,
                                         cache.fmt.name, cache.fmt.granularity)

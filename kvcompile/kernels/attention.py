@@ -89,7 +89,8 @@ def _cached_attention(ctx, q, k, v, attn_mask, positions, layer, scale, is_causa
                                         sliding_window, softcap, scale)
     for hook in state.hooks:
         hook.after_attention(ctx, li, q, out, extras)
-    return out.to(q.dtype)
+    # the fake promises a contiguous [B, Hq, S, Dv]; inductor asserts the strides it was told
+    return out.to(q.dtype).contiguous()
 
 
 def _check_finite(layer: int, which: str, x: torch.Tensor, plan) -> None:

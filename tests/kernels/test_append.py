@@ -6,6 +6,7 @@ rounding; on CUDA with the hardware casts (benchmarks/gpu_check_decode.py runs i
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -55,6 +56,25 @@ def test_append_is_bit_exact_with_reference(name, gran, D, P):
         ref.write(slots[order].to(DEV), x[order].to(DEV))
         quantize_append(got, slots[order].to(DEV), x[order].to(DEV))
         assert_same_storage(ref, got, f"write {i}")
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp4_e2m1"])
+def test_append_grouped_slots_skip_the_sort_bit_exact(name):
+    # slots in PagePool.reserve's order (sequences in any order, each page's run adjacent and
+    # increasing, pages not sorted): grouped=True must store what the sorted path stores
+    from kvcompile.cache.pool import LayerSpec, PagePool
+
+    gen = torch.Generator().manual_seed(11)
+    H, D, P = 2, 64, 8
+    pool = PagePool([LayerSpec(H, D, D, _fmt(name), _fmt(name))], 16, P, device=DEV)
+    seqs = pool.allocate(3)
+    ref = copy.deepcopy(pool.k[0])
+    for i, n in enumerate([P + 3, 1, 5, 1]):
+        slots = pool.reserve(seqs[::-1] if i % 2 else seqs, n)
+        x = (torch.randn(slots.numel(), H, D, generator=gen) * (1 + 4 * i)).to(DEV)
+        ref.write(slots, x)
+        quantize_append(pool.k[0], slots, x, grouped=True, direct=True)
+        assert_same_storage(ref, pool.k[0], f"write {i}")
 
 
 @pytest.mark.parametrize("name", ["fp8_e5m2", "fp4_e2m1"])

@@ -1,0 +1,141 @@
+"""Where a decode step's time goes: kvcompile vs HF StaticCache + inductor, on the
+bench_generate model (8-layer Llama-3-8B shape, random bf16 weights).
+
+    python benchmarks/profile_generate.py [--batch 16 --prompt 4096 --new 16]
+
+For each path: wall time per generated token of a `generate` call, then one profiled
+`generate` call, with the top host-side ops by self CPU time, the top device kernels, and the
+count of host-device synchronizations (cudaStreamSynchronize, item / _local_scalar_dense,
+blocking copies). A decode step that syncs cannot run ahead of the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import bench_generate as bg  # noqa: E402
+
+import kvcompile  # noqa: E402
+
+SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::_local_scalar_dense",
+            "cudaMemcpy", "cudaEventSynchronize")
+
+
+def per_token(model, ids, am, new, **kw):
+    def gen(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=am, max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, **kw)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+    t1 = min(gen(1) for _ in range(2))
+    tn = min(gen(new) for _ in range(2))
+    return (tn - t1) / (new - 1)
+
+
+def profile(model, ids, am, new, label, **kw):
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        model.generate(ids, attention_mask=am, max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, **kw)
+        torch.cuda.synchronize()
+    ka = p.key_averages()
+    print(f"\n#### {label}: top host ops by self CPU time ({new} new tokens)")
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=60))
+    print(f"\n#### {label}: top device kernels")
+    print(ka.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+    syncs = {e.key: e.count for e in ka if any(s in e.key for s in SYNC_OPS)}
+    print(f"#### {label}: sync-like events {syncs}")
+
+
+def python_breakdown(model, ids, am, label, **kw):
+    """Per decode step: the Python functions (with_stack tracing) and ops of a 9-token generate
+    minus a 1-token generate, divided by 8. Tracing inflates Python time; compare rows."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    def run(n):
+        with prof(activities=[ProfilerActivity.CPU], with_stack=True) as p:
+            model.generate(ids, attention_mask=am, max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, **kw)
+            torch.cuda.synchronize()
+        return {e.key: (e.self_cpu_time_total, e.cpu_time_total, e.count)
+                for e in p.key_averages()}
+
+    one, nine = run(1), run(9)
+    diff = {k: tuple((v[i] - one.get(k, (0, 0, 0))[i]) / 8 for i in range(3))
+            for k, v in nine.items()}
+    mine = [(k, v) for k, v in diff.items() if "kvcompile/" in k or "transformers/" in k
+            or "torch/_dynamo" in k or "torch/_inductor" in k or "triton/" in k]
+    print(f"\n#### {label}: per decode step, Python functions by total CPU us (traced)")
+    for k, v in sorted(mine, key=lambda kv: -kv[1][1])[:40]:
+        print(f"{v[1]:9.0f} total {v[0]:8.0f} self {v[2]:6.1f}x  {k[-110:]}")
+    print(f"#### {label}: per decode step, top entries by self CPU us")
+    for k, v in sorted(diff.items(), key=lambda kv: -kv[1][0])[:25]:
+        print(f"{v[0]:9.0f} self {v[1]:9.0f} total {v[2]:6.1f}x  {k[-110:]}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=4096)
+    ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--paths", default="static,fp8")
+    ap.add_argument("--stack", action="store_true", help="per-step Python function breakdown")
+    args = ap.parse_args()
+    a = bg.parse_args(["--batch", str(args.batch), "--prompt", str(args.prompt), "--new",
+                       str(args.new), "--layers", str(args.layers)])
+    dev = torch.device("cuda")
+    model = bg.make_model(a, dev, torch.bfloat16)
+    ids, am = bg._inputs(a, dev, model.config.vocab_size)
+    rows = []
+    for path in args.paths.split(","):
+        bg.uncompile(model)
+        kw = {}
+        if path == "static":
+            model.forward = torch.compile(model.forward)
+            kw = dict(cache_implementation="static")
+        elif path == "eager":
+            pass
+        else:
+            kvcompile.compile(model, bg._kvc_config(a, {"fp8": "fp8_e4m3"}.get(path, path)))
+            torch._dynamo.config.assume_static_by_default = False
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=am, max_new_tokens=4, min_new_tokens=4,
+                       do_sample=False, **kw)
+        torch.cuda.synchronize()
+        warm = time.perf_counter() - t0
+        s = per_token(model, ids, am, args.new, **kw)
+        rows.append((path, warm, s * 1e3, args.batch / s))
+        print(f"== {path}: warm-up {warm:.1f} s, {s * 1e3:.2f} ms per decode step, "
+              f"{args.batch / s:.0f} decode tok/s", flush=True)
+        if path != "eager":
+            st = kvcompile.stats(model) if path not in ("static",) else {}
+            if st:
+                print({k: st.get(k) for k in ("graphs", "reference_fallback",
+                                              "prefill_gathered_sdpa")})
+            if args.stack:
+                python_breakdown(model, ids, am, path, **kw)
+            else:
+                profile(model, ids, am, 8, path, **kw)
+        torch._dynamo.config.assume_static_by_default = True
+    print("\n| path | warm-up s | ms / decode step | decode tok/s |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]:.1f} | {r[2]:.2f} | {r[3]:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
