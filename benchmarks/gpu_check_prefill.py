@@ -165,14 +165,15 @@ def paged_cases(quick: bool):
 def warm_cases():
     """Small inputs with the benchmark kernels' specializations, on every candidate config."""
     cases = []
+    ws = L.ws_ok(True, False, 0, 0)  # warp-specialized tiles only when they are offered
     for hkv in (32, 8):
-        for cfg in L.candidates(L._VARLEN, 128, 32 // hkv, warp_spec=True):
+        for cfg in L.candidates(L._VARLEN, 128, 32 // hkv, warp_spec=ws):
             cases.append(dict(kind="varlen", dt="bf16", D=128, hq=32, hkv=hkv,
                               lens=[1024, 1024], mask={}, cfg=cfg, warm=True))
         for cfg in L.candidates(L._VARLEN, 128, 32 // hkv, warp_spec=False):
             cases.append(dict(kind="fp8", D=128, hq=32, hkv=hkv, lens=[1024, 1024], cfg=cfg,
                               warm=True))
-    for cfg in L.candidates(L._VARLEN, 128, 4, warp_spec=True):
+    for cfg in L.candidates(L._VARLEN, 128, 4, warp_spec=ws):
         cases.append(dict(kind="varlen", dt="bf16", D=128, hq=32, hkv=8, lens=[256],
                           k_lens=[2048], mask={}, cfg=cfg, warm=True))
     for name in ("fp8_e4m3", "bf16"):

@@ -157,8 +157,17 @@ def descriptor(t2d: torch.Tensor, block: list[int]):
     return TensorDescriptor(t2d, list(t2d.shape), list(t2d.stride()), block)
 
 
+def env_switch(name: str, default: bool) -> bool:
+    """Diagnostic switches (benchmarks/prefill_diag.py): KVCOMPILE_PREFILL_TMA=0 forces the
+    pointer path, KVCOMPILE_PREFILL_Q_TMA=0 loads only Q by pointers, KVCOMPILE_PREFILL_SCALE_TMA=1
+    brings back the FP8 scale descriptors that fault on triton <= 3.8 (see launch_prefill)."""
+    v = os.environ.get(name)
+    return default if v is None or v == "" else v not in ("0", "false", "False")
+
+
 def device_has_tma(device: torch.device) -> bool:
-    return use_tma(device) and TensorDescriptor is not None
+    return (use_tma(device) and TensorDescriptor is not None
+            and env_switch("KVCOMPILE_PREFILL_TMA", True))
 
 
 def is_hopper(device: torch.device) -> bool:
@@ -225,12 +234,19 @@ def launch_prefill(q, k, v, cu_seqlens, out, scale, causal, window, sinks, softc
     else:
         k2, v2 = k.reshape(T, Hkv * D), v
         tma = tma and tma_ok(k2, v2)
-    q_tma = (tma and group & (group - 1) == 0 and q.stride(1) == D
-             and tma_ok(q.reshape(T, Hq * D)))
+    q_tma = (tma and env_switch("KVCOMPILE_PREFILL_Q_TMA", True) and group & (group - 1) == 0
+             and q.stride(1) == D and tma_ok(q.reshape(T, Hq * D)))
     dummy = cu_seqlens
     qd, kd, vd, cb = fp8 if fp8 is not None else (dummy, dummy, dummy, dummy)
     n_blocks = kd.shape[0] if fp8 is not None else 0
-    if fp8 is not None and tma:  # in-loop scales through TMA too: [Hkv * NB, 4] (16-byte rows)
+    # The FP8 K/V descales are read in the key loop by plain scalar loads. They used to come
+    # through TMA as [Hkv * NB, 4] fp32 rows (16-byte boxes): triton <= 3.8 pipelines such a
+    # load into a ring of 16-byte stages, and a TMA copy into a stage that is not 128-byte
+    # aligned faults with CUDA "misaligned address" (num_stages >= 3: triton-lang/triton#10474,
+    # fixed upstream by #10898, not in triton 3.6). KVCOMPILE_PREFILL_SCALE_TMA=1 keeps the old
+    # form for benchmarks/prefill_diag.py only.
+    scale_tma = fp8 is not None and tma and env_switch("KVCOMPILE_PREFILL_SCALE_TMA", False)
+    if scale_tma:
         kd, vd = (descriptor(x.t().reshape(-1, 1).expand(-1, 4).contiguous(), [1, 4])
                   for x in (kd, vd))
     hopper = is_hopper(q.device)
@@ -255,15 +271,16 @@ def launch_prefill(q, k, v, cu_seqlens, out, scale, causal, window, sinks, softc
             cu_seqlens if cu_seqlens_k is None else cu_seqlens_k, cb, qd, kd, vd,
             mult, cap_l2, inv_cap, int(window), int(sinks), seq_bucket(max_seqlen),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), sv[0], sv[1],
-            out.stride(0), out.stride(1), n_blocks if tma else Hkv, Hkv,
+            out.stride(0), out.stride(1), n_blocks if scale_tma else Hkv, Hkv,
             RATIO=group, GROUP=rows, HEAD_DIM=D, HEAD_DIM_V=Dv, CAUSAL=bool(causal),
             WINDOW=window > 0, SINKS=sinks > 0 and window > 0, SOFTCAP=softcap > 0,
-            FP8=fp8 is not None, TMA=tma, SCALE_BLK=SCALE_BLOCK,
+            FP8=fp8 is not None, TMA=tma, Q_TMA=bool(tma and q_tma), SCALE_TMA=scale_tma,
+            SCALE_BLK=SCALE_BLOCK,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, WARP_SPEC=ws,
             num_warps=c.num_warps, num_stages=c.num_stages)
 
     key = (D, Dv, group, causal, window > 0, sinks > 0, softcap > 0, fp8 is not None, tma,
-           q.dtype, seq_bucket(max_seqlen), Tk != T)
+           q_tma, scale_tma, q.dtype, seq_bucket(max_seqlen), Tk != T)
     VARLEN_TUNER.run(key, configs, launch)
     return out
 

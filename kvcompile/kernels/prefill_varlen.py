@@ -38,7 +38,8 @@ def _varlen_tiles(acc, m_i, l_i, v_prev, q, c_q, pos, K, V, k_descale, v_descale
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                   SINKS: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr,
                   TMA: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                  BLOCK_N: tl.constexpr, WARP_SPEC: tl.constexpr, SCALE_BLK: tl.constexpr):
+                  BLOCK_N: tl.constexpr, WARP_SPEC: tl.constexpr, SCALE_BLK: tl.constexpr,
+                  SCALE_TMA: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, HEAD_DIM_V)
@@ -53,11 +54,12 @@ def _varlen_tiles(acc, m_i, l_i, v_prev, q, c_q, pos, K, V, k_descale, v_descale
                         other=0.0)
         qk = tl.dot(q, tl.trans(k))
         if FP8:
-            if TMA:  # descales as [Hkv * NB, 4] rows (a 16-byte TMA box), stride_ks = NB
+            if SCALE_TMA:  # diagnostic only: [Hkv * NB, 4] rows (16-byte TMA boxes) fault on
+                # triton <= 3.8 once pipelined (misaligned ring stages); stride_ks = NB
                 row = hkv * stride_ks + kblk0 + n // SCALE_BLK
                 vs = tl.max(v_descale.load([row, 0]))
                 c = c_q * tl.max(k_descale.load([row, 0]))
-            else:  # [NB, Hkv], stride_ks = Hkv
+            else:  # scalar loads from [NB, Hkv], stride_ks = Hkv
                 blk = (kblk0 + n // SCALE_BLK) * stride_ks + hkv
                 vs = tl.load(v_descale + blk)
                 c = c_q * tl.load(k_descale + blk)
@@ -105,7 +107,8 @@ def prefill_varlen_kernel(
         RATIO: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_DIM_V: tl.constexpr,
         CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr, SOFTCAP: tl.constexpr,
-        FP8: tl.constexpr, TMA: tl.constexpr, SCALE_BLK: tl.constexpr,
+        FP8: tl.constexpr, TMA: tl.constexpr, Q_TMA: tl.constexpr, SCALE_TMA: tl.constexpr,
+        SCALE_BLK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPEC: tl.constexpr):
     # Q: [T, Hq, D]  K: [T, Hkv, D]  V: [T, Hkv, Dv] (fp8: [Hkv*Dv, T_pad])  Out: [T, Hq, Dv]
     TOK_M: tl.constexpr = BLOCK_M // GROUP
@@ -127,7 +130,7 @@ def prefill_varlen_kernel(
     tok = tl.minimum(tok, q_len - 1)
     offs_d = tl.arange(0, HEAD_DIM)
     q_rows = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
-    if TMA and TOK_M * GROUP == BLOCK_M:  # one TMA box [TOK_M, GROUP * D] = the tile's rows
+    if Q_TMA and TOK_M * GROUP == BLOCK_M:  # one TMA box [TOK_M, GROUP * D]: the tile's rows
         q = tl.reshape(Qd.load([q_start + t0, h0 * HEAD_DIM]), [BLOCK_M, HEAD_DIM])
     else:
         q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -153,7 +156,8 @@ def prefill_varlen_kernel(
             acc, m_i, l_i, v_prev, q, c_q, pos, K, V, k_descale, v_descale, kblk0, hkv,
             k_start, k_len, lo, hi, window, sinks, softcap_log2e, inv_softcap,
             stride_kt, stride_kh, stride_vt, stride_vh, stride_ks, True, CAUSAL, WINDOW, SINKS,
-            SOFTCAP, FP8, TMA, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, SCALE_BLK)
+            SOFTCAP, FP8, TMA, HEAD_DIM, HEAD_DIM_V, BLOCK_N, True, SCALE_BLK,
+            SCALE_TMA)
     else:
         if WINDOW and SINKS:
             s_lo, s_hi = sink_range(0, sinks, lo, BLOCK_N)
@@ -161,23 +165,27 @@ def prefill_varlen_kernel(
                 acc, m_i, l_i, v_prev, q, c_q, pos, K, V, k_descale, v_descale, kblk0, hkv,
                 k_start, k_len, s_lo, s_hi, window, sinks, softcap_log2e, inv_softcap,
                 stride_kt, stride_kh, stride_vt, stride_vh, stride_ks, True, CAUSAL, WINDOW, SINKS,
-                SOFTCAP, FP8, TMA, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, SCALE_BLK)
+                SOFTCAP, FP8, TMA, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, SCALE_BLK,
+                SCALE_TMA)
         if WINDOW:
             acc, m_i, l_i, v_prev = _varlen_tiles(
                 acc, m_i, l_i, v_prev, q, c_q, pos, K, V, k_descale, v_descale, kblk0, hkv,
                 k_start, k_len, lo, a, window, sinks, softcap_log2e, inv_softcap,
                 stride_kt, stride_kh, stride_vt, stride_vh, stride_ks, True, CAUSAL, WINDOW, SINKS,
-                SOFTCAP, FP8, TMA, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, SCALE_BLK)
+                SOFTCAP, FP8, TMA, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, SCALE_BLK,
+                SCALE_TMA)
         acc, m_i, l_i, v_prev = _varlen_tiles(
             acc, m_i, l_i, v_prev, q, c_q, pos, K, V, k_descale, v_descale, kblk0, hkv,
             k_start, k_len, a, bb, window, sinks, softcap_log2e, inv_softcap,
             stride_kt, stride_kh, stride_vt, stride_vh, stride_ks, False, CAUSAL, WINDOW, SINKS,
-            SOFTCAP, FP8, TMA, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, SCALE_BLK)
+            SOFTCAP, FP8, TMA, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, SCALE_BLK,
+            SCALE_TMA)
         acc, m_i, l_i, v_prev = _varlen_tiles(
             acc, m_i, l_i, v_prev, q, c_q, pos, K, V, k_descale, v_descale, kblk0, hkv,
             k_start, k_len, bb, hi, window, sinks, softcap_log2e, inv_softcap,
             stride_kt, stride_kh, stride_vt, stride_vh, stride_ks, True, CAUSAL, WINDOW, SINKS,
-            SOFTCAP, FP8, TMA, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, SCALE_BLK)
+            SOFTCAP, FP8, TMA, HEAD_DIM, HEAD_DIM_V, BLOCK_N, False, SCALE_BLK,
+            SCALE_TMA)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # a row that sees no key writes zeros
     o = acc * (v_prev / l_i)[:, None]
