@@ -3,13 +3,16 @@
     python benchmarks/bench_decode.py run [--out DIR]        # sweep, final table, append table
     python benchmarks/bench_decode.py warmup --part I --parts N   # compile kernels (parallel)
     python benchmarks/bench_decode.py flexwarm               # compile the FlexAttention baseline
+    python benchmarks/bench_decode.py run --no-sweep --no-flex --no-append --waves 8 \
+        --shapes B64_L8k,B16_L32k --formats 'int4/channel+int4/token@64'   # a few rows only
 
 Shapes (issue 4): Hq 32, Hkv 8, D 128 at B=64/L=8192, B=16/L=32768, B=1/L=131072, and D=64 at
-B=64/L=8192; page size 16. Baselines in the same process: torch SDPA over contiguous bf16 K/V
+B=64/L=8192; page size 16 (issue 9's rows: 64, and K / V in different formats). Baselines in the same process: torch SDPA over contiguous bf16 K/V
 with enable_gqa=True, and compiled FlexAttention over the same paged bf16 pool (flex_paged.py).
 Every timing is the median of CUDA-graph replays (triton.testing.do_bench_cudagraph), so
 Python launch overhead is excluded for every contender alike. TB/s counts the bytes actually
-stored for the tokens read (codes + micro scales + fp32 scales). Inputs are random, never zeros.
+stored for the tokens read (codes, micro scales, scales and zero points). Inputs are random,
+never zeros.
 """
 
 from __future__ import annotations
@@ -41,7 +44,11 @@ SHAPES = {  # name: (B, L, Hq, Hkv, D)
     "B1_L128k": (1, 131072, 32, 8, 128),
     "D64_B64_L8k": (64, 8192, 32, 8, 64),
 }
-FORMATS = ["bf16", "fp8_e4m3/page", "fp8_e4m3/token", "fp8_e5m2/page", "fp4_e2m1/page"]
+# A row's format: "name/granularity" for K and V, or "K+V" for different ones; "@64" sets the
+# row's page size (default P).
+FORMATS = ["bf16", "fp8_e4m3/page", "fp8_e4m3/token", "fp8_e5m2/page", "fp4_e2m1/page",
+           "int4/channel+int4/token@64", "int4/channel+fp4_e2m1/page@64",
+           "int2/channel+int2/token@64"]
 TARGET = {"bf16": 1.10, "fp8": 0.55, "fp4": 0.33}
 # Variants timed on B16_L32k; the best per format family becomes the config of the final table.
 # ASM: 3 = keys and values widened by inline PTX, 2 = values only, 0 = plain Triton casts.
@@ -61,6 +68,7 @@ VARIANTS = {
             dict(BLOCK_T=128, num_warps=8, num_stages=1, ASM=3)],
 }
 WAVES = (4, 8, 16)
+CONFIG_OVERRIDE: dict = {}  # --config
 SWEEP_SHAPE = "B16_L32k"
 if DRY:
     SHAPES = {"B2_L100": (2, 100, 8, 2, 64), "B1_L300": (1, 300, 8, 2, 64)}
@@ -78,31 +86,44 @@ def make_format(fmt: str) -> KVFormat:
     return KVFormat(name) if name == "bf16" else KVFormat(name, gran)
 
 
-def stored_bytes(fmt: str, B: int, L: int, Hkv: int, D: int) -> float:
-    return 2 * B * L * make_format(fmt).bytes_per_token(Hkv, D, P)
+def split_spec(spec: str) -> tuple[str, str, int]:
+    """Row spec -> (K format, V format, page size)."""
+    fmts, _, page = spec.partition("@")
+    k, _, v = fmts.partition("+")
+    return k, v or k, int(page) if page else P
 
 
-def build_paged(fmt: str, B: int, L: int, Hkv: int, D: int, gen):
-    """Random K/V pages (random codes and scales, not zeros) and shuffled block tables."""
-    f = make_format(fmt)
-    npg = (L + P - 1) // P
+def stored_bytes(spec: str, B: int, L: int, Hkv: int, D: int) -> float:
+    k, v, page = split_spec(spec)
+    return B * L * sum(make_format(f).bytes_per_token(Hkv, D, page) for f in (k, v))
+
+
+def build_paged(spec: str, B: int, L: int, Hkv: int, D: int, gen):
+    """Random K/V pages (random codes, scales and zero points, not zeros) and shuffled block
+    tables, in the row's K and V formats and page size."""
+    k, v, page = split_spec(spec)
+    npg = (L + page - 1) // page
     N = B * npg
     caches = []
-    for _ in range(2):
-        c = f.allocate(N, Hkv, P, D, DEV)
+    for fmt in (k, v):
+        f = make_format(fmt)
+        c = f.allocate(N, Hkv, page, D, DEV)
         if f.name == "bf16":
             c.data.normal_(generator=gen)
-        elif f.name == "fp4_e2m1":
+        elif c.data.dtype == torch.uint8:  # fp4 and int codes: any byte is a code
             c.data.copy_(torch.randint(0, 256, c.data.shape, dtype=torch.uint8, device=DEV,
                                        generator=gen))
-            c.micro.copy_((torch.rand(c.micro.shape, device=DEV, generator=gen) * 4 + 0.5)
-                          .to(torch.float8_e4m3fn))
         else:
             for chunk in c.data.split(max(1, N // 8)):
                 chunk.copy_((torch.randn(chunk.shape, device=DEV, generator=gen) * 60)
                             .to(chunk.dtype))
+        if c.micro is not None:
+            c.micro.copy_((torch.rand(c.micro.shape, device=DEV, generator=gen) * 4 + 0.5)
+                          .to(torch.float8_e4m3fn))
         if c.scale is not None:
             c.scale.copy_(torch.rand(c.scale.shape, device=DEV, generator=gen) * 0.01 + 0.01)
+        if c.zero is not None:
+            c.zero.copy_(torch.randn(c.zero.shape, device=DEV, generator=gen) * 0.1)
         caches.append(c)
     perm = torch.randperm(N, device=DEV, generator=gen).to(torch.int32)
     bt = perm.view(B, npg).contiguous()
@@ -119,7 +140,8 @@ def decode_fn(q, kc, vc, bt, sl, out, cfg, waves=None, splits=0):
     def fn():
         dec.launch_decode(q, kc.data, kc.scale, kc.micro, vc.data, vc.scale, vc.micro, bt, sl,
                           None, None, out, kc.fmt.name, kc.fmt.granularity, vc.fmt.name,
-                          vc.fmt.granularity, scale, 0, 0, 0.0, splits, cfg)
+                          vc.fmt.granularity, scale, 0, 0, 0.0, splits, cfg, kz=kc.zero,
+                          vz=vc.zero)
     return fn
 
 
@@ -137,12 +159,13 @@ def bench(fn) -> float:
 
 def base_config(fmt: str, D: int, best: dict) -> dict:
     fam = family(fmt)
-    code = dec.DECODE_FORMAT_CODES[make_format(fmt).name]
+    code = dec.DECODE_FORMAT_CODES[make_format(split_spec(fmt)[0]).name]
     cfg = dec.default_config(code, D, D, 16)
     if fam in best:
         cfg.update(best[fam])
         if D >= 256:  # keep the register tile of D=256 rows within bounds
             cfg["BLOCK_T"] = min(cfg["BLOCK_T"], 64)
+    cfg.update(CONFIG_OVERRIDE)
     return cfg
 
 
@@ -184,7 +207,7 @@ def cmd_warmup(part: int, parts: int) -> None:
     tiny inputs (the kernels do not specialize on runtime ints, so the binaries are the same)."""
     gen = torch.Generator(device=DEV).manual_seed(part)
     items = [(fmt, D, cfg) for fmt in FORMATS for D in sorted({s[4] for s in SHAPES.values()})
-             for cfg in VARIANTS[family(fmt)]]
+             for cfg in VARIANTS.get(family(fmt), [base_config(fmt, D, {})])]
     for i, (fmt, D, cfg) in enumerate(items):
         if i % parts != part:
             continue
@@ -219,7 +242,7 @@ def cmd_flexwarm(part: int, parts: int) -> None:
             print(f"flex {shape} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
-def cmd_run(out_dir: str, sweep: bool) -> None:
+def cmd_run(out_dir: str, sweep: bool, flex: bool = True, append: bool = True) -> None:
     gen = torch.Generator(device=DEV).manual_seed(0)
     res = {"device": "cpu (dry run)" if DRY else torch.cuda.get_device_name(),
            "torch": torch.__version__,
@@ -255,10 +278,11 @@ def cmd_run(out_dir: str, sweep: bool) -> None:
         base_ms = bench(sdpa_fn(B, L, Hq, Hkv, D, gen))
         kv_bf16 = 2 * B * L * Hkv * D * 2
         row = {"shape": shape, "sdpa_ms": base_ms, "sdpa_tbs": kv_bf16 / base_ms / 1e9}
+        row["flex_ms"] = None
         try:
-            row["flex_ms"] = bench(flex_fn(B, L, Hq, Hkv, D, gen))
+            if flex:
+                row["flex_ms"] = bench(flex_fn(B, L, Hq, Hkv, D, gen))
         except Exception as e:  # noqa: BLE001
-            row["flex_ms"] = None
             print(f"flex {shape} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
         torch.cuda.empty_cache() if not DRY else None
         q = torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16, generator=gen)
@@ -284,7 +308,7 @@ def cmd_run(out_dir: str, sweep: bool) -> None:
         res["final"].append(row)
         print(json.dumps(row, default=str), flush=True)
     # 3. append bandwidth on a bulk prefill, vs a device copy
-    res["append"] = bench_append(gen)
+    res["append"] = bench_append(gen) if append else []
     with open(os.path.join(out_dir, "bench_decode.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
     print_tables(res)
@@ -322,16 +346,17 @@ def bench_append(gen, T: int = 65536, H: int = 8, D: int = 128):
 
 def print_tables(res) -> None:
     print(f"\n## Decode, {res['device']}, torch {res['torch']}, triton {res['triton']}, "
-          f"page size {P}; ms = median of CUDA-graph replays")
+          f"page size {P} unless @; ms = median of CUDA-graph replays")
     print("| shape | SDPA bf16 ms (TB/s) | flex paged ms | format | kvcompile ms | TB/s "
           "| x SDPA | target |")
     print("|---|---|---|---|---|---|---|---|")
     for row in res["final"]:
         flex = f"{row['flex_ms']:.3f}" if row.get("flex_ms") else "n/a"
         for fmt, k in row["kernels"].items():
+            target = TARGET.get(family(fmt))
             print(f"| {row['shape']} | {row['sdpa_ms']:.3f} ({row['sdpa_tbs']:.2f}) | {flex} | "
                   f"{fmt} | {k['ms']:.3f} | {k['tbs']:.2f} | {k['ratio']:.2f} | "
-                  f"{TARGET[family(fmt)]:.2f} |")
+                  f"{'-' if target is None else f'{target:.2f}'} |")
     print("\n| append (T=65536, H=8, D=128, bf16 in) | ms | TB/s | x copy |")
     print("|---|---|---|---|")
     for r in res["append"]:
@@ -343,19 +368,37 @@ def print_tables(res) -> None:
 
 
 def main() -> None:
+    global FORMATS, SHAPES, WAVES
     ap = argparse.ArgumentParser()
     ap.add_argument("cmd", choices=["run", "warmup", "flexwarm"])
     ap.add_argument("--part", type=int, default=0)
     ap.add_argument("--parts", type=int, default=1)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--no-flex", action="store_true", help="skip the FlexAttention baseline")
+    ap.add_argument("--no-append", action="store_true", help="skip the append table")
+    ap.add_argument("--formats", help="comma-separated rows, e.g. 'fp4_e2m1/page,"
+                    "int4/channel+int4/token@64' (default: all of FORMATS)")
+    ap.add_argument("--shapes", help=f"comma-separated subset of {', '.join(SHAPES)}")
+    ap.add_argument("--waves", help="comma-separated waves per SM to try (default "
+                    f"{','.join(map(str, WAVES))})")
+    ap.add_argument("--config", help="JSON tile config applied to every row, e.g. "
+                    "'{\"BLOCK_T\": 64, \"maxnreg\": null}'")
     a = ap.parse_args()
+    if a.config:
+        CONFIG_OVERRIDE.update(json.loads(a.config))
+    if a.formats:
+        FORMATS = a.formats.split(",")
+    if a.shapes:
+        SHAPES = {k: SHAPES[k] for k in a.shapes.split(",")}
+    if a.waves:
+        WAVES = tuple(int(w) for w in a.waves.split(","))
     if a.cmd == "warmup":
         cmd_warmup(a.part, a.parts)
     elif a.cmd == "flexwarm":
         cmd_flexwarm(a.part, a.parts)
     else:
-        cmd_run(a.out, not a.no_sweep)
+        cmd_run(a.out, not a.no_sweep, not a.no_flex, not a.no_append)
 
 
 if __name__ == "__main__":

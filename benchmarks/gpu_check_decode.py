@@ -1,14 +1,17 @@
 """Full correctness matrix of the decode and append kernels, on the GPU (H200).
 
     python benchmarks/gpu_check_decode.py [--shard I --shards N] [--quick]
+    python benchmarks/gpu_check_decode.py --only decode-only-formats --quick   # issue 9's cases
 
-Decode: every storage format and scale granularity x head_dim {64, 128, 256} x GQA ratio
-{1, 4, 8} x page size {16, 32, 64, 128} x Sq {1, 3, 8}, odd and mixed lengths in each batch,
-against the fp32 reference (kernels/reference.py) on fresh random inputs, outputs poisoned with
-NaN before each launch; plus masks (window + sinks, key_mask, softcap), the attention mass, one
-split (direct write) and many splits. Append: bit-exact with PagedTensor.write for every format,
-granularity and head_dim, bulk and decode-style appends. Shards split the cases so that several
-processes compile in parallel. Exit status 1 if any case fails.
+Decode: every storage format and scale granularity (int4 / int3 / int2 and channel scales
+included) x head_dim {64, 128, 256} x GQA ratio {1, 4, 8} x page size {16, 32, 64, 128} x Sq
+{1, 3, 8}, odd and mixed lengths in each batch, against the fp32 reference
+(kernels/reference.py) on fresh random inputs, outputs poisoned with NaN before each launch;
+plus masks (window + sinks, key_mask, softcap), the attention mass, one split (direct write)
+and many splits, K / V in different formats, and bf16 residual pages. Append: bit-exact with
+PagedTensor.write for every format it writes, granularity and head_dim, bulk and decode-style
+appends. Shards split the cases so that several processes compile in parallel. Exit status 1 if
+any case fails.
 """
 
 from __future__ import annotations
@@ -39,12 +42,18 @@ from tests.kernels.kernel_cases import (  # noqa: E402
 FORMATS = [("bf16", "page"), ("fp16", "page"), ("fp8_e4m3", "page"), ("fp8_e4m3", "token"),
            ("fp8_e4m3", "tensor"), ("fp8_e5m2", "page"), ("fp8_e5m2", "token"),
            ("fp4_e2m1", "page"), ("fp4_e2m1", "token"), ("fp4_e2m1", "tensor")]
+# Read by the decode kernel only (the append kernel leaves them to PagedTensor.write).
+DECODE_ONLY = [("int4", "page"), ("int4", "token"), ("int4", "channel"), ("int3", "page"),
+               ("int3", "token"), ("int3", "channel"), ("int2", "page"), ("int2", "token"),
+               ("int2", "channel"), ("fp8_e4m3", "channel"), ("fp8_e5m2", "channel"),
+               ("fp4_e2m1", "channel")]
 
 
 def decode_cases(quick: bool):
     geo = [(1, 16, 1), (4, 32, 3), (8, 128, 1), (4, 16, 8), (8, 64, 1), (1, 128, 3)]
     cases = []
-    for i, ((name, gran), D) in enumerate(itertools.product(FORMATS, (64, 128, 256))):
+    for i, ((name, gran), D) in enumerate(itertools.product(FORMATS + DECODE_ONLY,
+                                                            (64, 128, 256))):
         for j in range(1 if quick else 2):
             G, P, Sq = geo[(i + 3 * j) % len(geo)]
             lens = [1 + (37 * i + 11 * j) % 300, 777 + 13 * i, 2 * P + 5, 4000 + 97 * j]
@@ -62,6 +71,23 @@ def decode_cases(quick: bool):
              lens=[20000], splits=300),
         dict(kf="bf16", vf="bf16", gran="page", D=128, G=4, P=16, Sq=1, lens=[5000, 70],
              q_dtype=torch.bfloat16, window=1000, sinks=1),
+        # issue 9: K / V in different formats and granularities, residual pages
+        dict(kf="int4", vf="int4", gran="channel", vgran="token", D=128, G=4, P=64, Sq=1,
+             lens=[4001, 77, 64]),
+        dict(kf="int4", vf="int4", gran="channel", vgran="token", D=64, G=1, P=64, Sq=3,
+             lens=[1000, 5], residual=True),
+        dict(kf="int4", vf="fp4_e2m1", gran="channel", vgran="page", D=128, G=4, P=64, Sq=1,
+             lens=[3000, 130], residual=True),
+        dict(kf="int2", vf="int2", gran="channel", vgran="token", D=128, G=8, P=64, Sq=1,
+             lens=[2500, 63], window=700, sinks=4, with_mass=True),
+        dict(kf="int3", vf="int3", gran="channel", vgran="token", D=128, G=4, P=16, Sq=2,
+             lens=[1800, 17], key_mask=True, residual=True),
+        dict(kf="fp8_e4m3", vf="fp8_e4m3", gran="channel", vgran="token", D=128, G=4, P=64,
+             Sq=1, lens=[6000, 300], residual=True, q_dtype=torch.bfloat16),
+        dict(kf="fp4_e2m1", vf="fp4_e2m1", gran="channel", vgran="page", D=128, G=4, P=32,
+             Sq=1, lens=[2222, 31], softcap=30.0),
+        dict(kf="int4", vf="int2", gran="token", vgran="page", D=128, G=4, P=16, Sq=1,
+             lens=[3000, 41], config=dict(BLOCK_T=128, num_stages=1, SPLIT=1, num_warps=4)),
     ]
     return cases + extra
 
@@ -96,10 +122,11 @@ def check_decode(c, gen) -> str:
         km = torch.rand(len(c["lens"]), max(c["lens"]) - 3, generator=gen) > 0.2
         km = km.to(DEV)
     kf, vf, gran = c.pop("kf"), c.pop("vf"), c.pop("gran")
+    vgran, res = c.pop("vgran", gran), c.pop("residual", False)
     lens, D, G, P = c.pop("lens"), c.pop("D"), c.pop("G"), c.pop("P")
-    err, bound, _, (mass, mass_ref) = run_case(make_format(kf, gran), make_format(vf, gran),
-                                                lens, 2, G, D, P, key_mask=km, device=DEV,
-                                                gen=gen, **c)
+    err, bound, _, (mass, mass_ref) = run_case(make_format(kf, gran, res),
+                                                make_format(vf, vgran, res), lens, 2, G, D, P,
+                                                key_mask=km, device=DEV, gen=gen, **c)
     ok = err <= bound
     msg = f"err {err:.2e} <= {bound:.1e}"
     if mass is not None:
@@ -142,12 +169,19 @@ def main() -> int:
     ap.add_argument("--shard", type=int, default=0)
     ap.add_argument("--shards", type=int, default=1)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", choices=["decode-only-formats"],
+                    help="decode-only-formats: just the cases of the int / channel / residual "
+                         "formats (issue 9)")
     ap.add_argument("--cpu-smoke", type=int, default=0,
                     help="run the first N cases on the CPU interpreter with short sequences")
     a = ap.parse_args()
     work = ([("decode", c) for c in decode_cases(a.quick)]
             + [("decode", c) for c in config_cases()]
             + [("append", c) for c in append_cases(a.quick)])
+    if a.only == "decode-only-formats":
+        work = [(k, c) for k, c in work if k == "decode" and (
+            (c["kf"], c["gran"]) in DECODE_ONLY or c.get("residual")
+            or (c["vf"], c.get("vgran", c["gran"])) in DECODE_ONLY)]
     work = work[a.shard::a.shards]
     if a.cpu_smoke:
         global DEV
