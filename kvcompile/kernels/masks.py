@@ -69,6 +69,10 @@ def _analyze(plan, attn_mask, is_causal, sliding_window) -> MaskInfo:
     key_row = allowed[:, -1]                                # [B, L]
     if not binary:
         return MaskInfo(key_row, [0] * B, 0, False)
+    if S == 1 and plan.is_decode:
+        # one decode query per row: the kernels take the key row as it is, so nothing about
+        # the mask needs to reach the host (no sync per step); kv_start stays the binding's
+        return MaskInfo(key_row, list(plan.kv_start), 0, False)
     # kv_start: earliest key any query of the row may see
     any_row = allowed.any(dim=1)                            # [B, L]
     first = torch.where(any_row.any(-1), any_row.float().argmax(-1), torch.full_like(
@@ -76,10 +80,11 @@ def _analyze(plan, attn_mask, is_causal, sliding_window) -> MaskInfo:
     kv_start = [int(x) for x in first.tolist()]
     q_pos = torch.arange(total - S, total, device=allowed.device)[:, None]   # [S, 1]
     k_pos = torch.arange(total, device=allowed.device)[None, :]             # [1, L]
-    last_first = key_row.float().argmax(-1).tolist()
+    last_first, seen = torch.stack([key_row.float().argmax(-1),
+                                    key_row.any(-1).long()]).tolist()  # one transfer
     window = 0
     for b in range(B):
-        if key_row[b].any() and last_first[b] > kv_start[b]:
+        if seen[b] and last_first[b] > kv_start[b]:
             window = max(window, (total - 1) - last_first[b] + 1)
     if sliding_window:
         window = sliding_window if not window else min(window, sliding_window)
