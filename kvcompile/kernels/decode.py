@@ -1,16 +1,21 @@
-"""Paged decode attention: split-K flash-decoding over bf16 / fp16 / FP8 / FP4 pages.
+"""Paged decode attention: split-K flash-decoding over bf16 / fp16 / FP8 / FP4 / INT4 / INT3 /
+INT2 pages, K and V each in its own format, with bf16 residual pages.
 
     out = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
     # q: [B, Hq, Sq, D] (Sq 1..8); k_cache / v_cache: PagedTensor; -> [B, Hq, Sq, Dv]
 
 One program owns (sequence, kv head, split) and holds the G = Hq / Hkv query heads of the group
 times Sq queries as the M rows of its tiles, so every page is read once for the whole group.
-Quantized pages are widened in registers (decode_tiles.py), never dequantized in HBM; the fp32
-block scales are folded into the scores (keys) and into the probabilities (values) as one factor
-per token. FP4 pages split head_dim into even and odd halves (low and high nibbles) and run two
-dots, so no nibble interleave is built. Splits write (acc, lse) partials that a Triton combine
-kernel merges; with one split the kernel writes the output directly. Kernels: decode_kernels.py;
-in-register tile loads and widening: decode_tiles.py.
+Quantized pages are widened in registers (decode_tiles.py), never dequantized in HBM; the block
+scales are folded into the scores (keys) and into the probabilities (values) as one factor
+per token, int zero points as one term per token, and channel scales (fp8 / int, per page) into
+q's columns or the output's, with tiles that never cross a page (decode_attend.py). FP4 pages
+split head_dim into even and odd halves (low and high nibbles) and run two dots, so no nibble
+interleave is built; int codes are unpacked into head_dim order. A page whose tokens live in
+the bf16 residual (PagedTensor.res_slot >= 0) is read from its res_data row instead. Splits
+write (acc, lse) partials that a Triton combine kernel merges; with one split the kernel writes
+the output directly. Kernels: decode_kernels.py; one tile: decode_attend.py; in-register tile
+loads and widening: decode_tiles.py.
 
 Query i of Sq sits at position seq_len - Sq + i and sees keys j <= its position (causal among
 the new tokens), with a window: q_pos - j < window, or j < sinks; key_mask[b, j] False hides

@@ -4,9 +4,11 @@ Shared by the decode kernel (decode.py) and usable by the prefill kernel. A tile
 one kv head, gathered through the block table: `tok` [T] is each token's row in the pages viewed
 as [N * H * P] rows (row = (page * H + head) * P + offset).
 
-Codes are widened to the compute dtype and the fp32 block scale is NOT applied: callers fold one
-multiplier per token (`load_token_scales`) into scores or probabilities instead, so the per-
-element work is the widening alone. On the GPU the widening is inline PTX on packed registers:
+Codes are widened to the compute dtype and the block scale is NOT applied: callers fold one
+multiplier per token (`load_token_scales`; int zero points: `load_token_zeros`) into scores or
+probabilities instead, or per channel (`load_channel_params`) into q's columns or the output's,
+so the per-element work is the widening alone (int codes: shifts and masks, then an exact
+conversion). On the GPU the widening is inline PTX on packed registers:
 an asm block is opaque to Triton, so it runs in the load layout (16 contiguous bytes per thread)
 instead of being hoisted into byte-wise shared-memory reads of the dot operand, which is what a
 plain `.to(tl.float16)` gets for a transposed (value) operand. Measured in SASS (sm_90, 128-token
@@ -184,8 +186,10 @@ def load_codes(data_ptr, micro_ptr, tok, ok, D: tl.constexpr, FMT: tl.constexpr,
                ASM: tl.constexpr, BIG: tl.constexpr, C0: tl.constexpr = 0, W: tl.constexpr = 0):
     # tok: [T] token rows; ok: [T] rows to read (others read as 0).
     # -> raw (codes, micro): plain / fp8: columns [C0, C0 + W) of each row ([T, W]; W = 0: all
-    # D), uint8 for fp8 when ASM, micro unused; fp4: bytes [T, D // 16, 8] (the 16 codes of one
-    # micro block on the last axis, so the micro scale [T, D // 16] broadcasts along it)
+    # D), uint8 for fp8 when ASM, micro unused; int: the packed bytes of those columns (int3:
+    # 24-bit words), micro unused; fp4: bytes [T, D // 16, 8] (the 16 codes of one micro block
+    # on the last axis, so the micro scale [T, D // 16] broadcasts along it); fp4 with micro
+    # scales along tokens: bytes [T, D // 2] and the (even, odd) columns' micro [T, D // 2, 2]
     if BIG:
         tok = tok.to(tl.int64)
     if FMT == 5 or FMT == 7:  # int4 / int2: bytes [T, W * bits / 8]
@@ -213,7 +217,8 @@ def load_codes(data_ptr, micro_ptr, tok, ok, D: tl.constexpr, FMT: tl.constexpr,
         mrow = tok[:, None] // 16 * D
         m_lo = tl.load(micro_ptr + mrow + 2 * cols[None, :], mask=ok[:, None], other=0.0)
         m_hi = tl.load(micro_ptr + mrow + 2 * cols[None, :] + 1, mask=ok[:, None], other=0.0)
-        return byte, tl.join(m_lo, m_hi)
+        # e4m3 is exact in fp16; joined so that (codes, micro) stay one pair
+        return byte, tl.join(m_lo.to(tl.float16), m_hi.to(tl.float16))
     elif FMT == 3:
         T: tl.constexpr = tok.shape[0]
         cols = tl.arange(0, D // 2)

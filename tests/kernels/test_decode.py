@@ -288,3 +288,27 @@ def test_kernel_readable_by_op():
         assert not kernel_readable(c, "append") and not kernel_readable(c, "prefill")
     plain = _fmt("fp8_e4m3/page").allocate(2, 1, 16, 64)
     assert all(kernel_readable(plain, op) for op in ("decode", "append", "prefill"))
+
+
+def test_engine_decode_steps_read_int4_channel_residual_pages_with_the_kernel():
+    """KVConfig int4 + channel scales (keys int4 channel, values int4 token) + residual pages:
+    decode steps take the kernel (prefill stays on the reference), same tokens as the reference
+    attention."""
+    import random
+
+    from kvcompile import Engine, SamplingParams
+    from kvcompile.api import state_of
+    from tests.engine.tiny import config, make_llama64, random_prompts
+
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = random_prompts(random.Random(7), 2, 20, 40)
+    outs = {}
+    for kernels in ("reference", "triton"):
+        torch._dynamo.reset()
+        m = make_llama64()
+        eng = Engine(m, config=config(kernels=kernels, kv_dtype="int4", residual=True,
+                                      scale_granularity="channel", page_size=16))
+        outs[kernels] = [o.token_ids for o in eng.generate(prompts, greedy)]
+        calls = state_of(m).counters.get("engine_decode_kernel_calls", 0)
+        assert calls == (2 * (greedy.max_tokens - 1) if kernels == "triton" else 0)
+    assert outs["triton"] == outs["reference"]
