@@ -262,6 +262,8 @@ def run_paged(c, gen):
             sd_out[c_[b]:c_[b + 1]] = sdpa_masked(q[c_[b]:c_[b + 1]], kk, vv, allowed, scale)
         sd = rel_err(sd_out, ref)
         return err, 2 * sd, sd
+    if c["fmt"] in ("bf16", "fp16"):  # plain pages in another dtype than q: q's dtype
+        return err, REL_ERR[dt], None
     return err, REL_ERR[torch.float16], None  # quantized pages: fp16 tensor-core operands
 
 

@@ -246,12 +246,13 @@ class KernelDispatch:
                 return paged_decode_attention(
                     q, kc, vc, plan.block_tables, plan.seq_lens, scale, key_mask=key_mask,
                     sliding_window=window, softcap=softcap, **extras)
-            mode = os.environ.get("KVCOMPILE_PREFILL", "sdpa")
+            # CUDA prefill runs the Triton chunked-prefill kernel over the pages (checked on the
+            # H200, benchmarks/prefill_diag.py and gpu_check_prefill.py, 2026-11-30). Escape
+            # hatch: KVCOMPILE_PREFILL=sdpa gathers the pages and runs torch SDPA
+            # (kernels/dense.py), exact for any stored format; that stays the default off CUDA
+            # (KVConfig(kernels="triton") on the CPU), where KVCOMPILE_PREFILL=triton opts in.
+            mode = os.environ.get("KVCOMPILE_PREFILL") or ("triton" if q.is_cuda else "sdpa")
             if mode != "triton":
-                # The Triton prefill kernels pass the CPU interpreter but failed their first
-                # H200 run (CUDA "misaligned address", 2026-11-30): until they pass on the GPU
-                # they are opt-in (KVCOMPILE_PREFILL=triton). Prefill then gathers the pages and
-                # runs torch SDPA (kernels/dense.py), exact for any stored format.
                 self.state.count("prefill_gathered_sdpa")
                 return None
             from kvcompile.kernels.prefill import paged_prefill_attention
@@ -270,6 +271,7 @@ class KernelDispatch:
             out = paged_prefill_attention(
                 qp.contiguous(), kc, vc, plan.block_tables, cu, plan.seq_lens, scale,
                 sliding_window=window, softcap=softcap, kv_start=start)
+            self.state.count("prefill_triton")
             if plan.packed:
                 return out.transpose(0, 1).unsqueeze(0)
             return out.reshape(B, S, Hq, -1).transpose(1, 2)
