@@ -66,7 +66,14 @@ VARIANTS = {
             dict(BLOCK_T=128, num_stages=1, ASM=3, maxnreg=128, **_W4),
             dict(BLOCK_T=64, num_stages=1, ASM=3, **_W4),
             dict(BLOCK_T=128, num_warps=8, num_stages=1, ASM=3)],
+    # int rows (channel keys: tiles clamped to the 64-token page)
+    "int": [dict(BLOCK_T=64, num_stages=1, maxnreg=128, **_W4),
+            dict(BLOCK_T=64, num_stages=1, maxnreg=None, **_W4),
+            dict(BLOCK_T=64, num_stages=2, maxnreg=None, **_W4),
+            dict(BLOCK_T=64, num_warps=8, num_stages=1, maxnreg=None)],
 }
+SWEEP_FORMAT = {"bf16": "bf16", "fp8": "fp8_e4m3/page", "fp4": "fp4_e2m1/page",
+                "int": "int4/channel+int4/token@64"}
 WAVES = (4, 8, 16)
 CONFIG_OVERRIDE: dict = {}  # --config
 SWEEP_SHAPE = "B16_L32k"
@@ -255,7 +262,9 @@ def cmd_run(out_dir: str, sweep: bool, flex: bool = True, append: bool = True) -
         q = torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16, generator=gen)
         out = torch.empty(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16)
         for fam, variants in VARIANTS.items():
-            fmt = {"bf16": "bf16", "fp8": "fp8_e4m3/page", "fp4": "fp4_e2m1/page"}[fam]
+            if fam not in {family(f) for f in FORMATS}:
+                continue  # only the families of the rows asked for
+            fmt = SWEEP_FORMAT[fam]
             kc, vc, bt, sl = build_paged(fmt, B, L, Hkv, D, gen)
             nbytes = stored_bytes(fmt, B, L, Hkv, D)
             for cfg in variants:

@@ -103,6 +103,13 @@ def config_cases():
             "fp4": [("fp4_e2m1", "page")]}
     cases = []
     for fam, variants in VARIANTS.items():
+        if fam == "int":  # the bench's int rows: K channel, V token or fp4 page, pages of 64
+            for cfg in variants:
+                cases += [dict(kf="int4", vf="int4", gran="channel", vgran="token", D=128, G=4,
+                               P=64, Sq=1, lens=[1500, 37, 640], config=dict(cfg)),
+                          dict(kf="int2", vf="fp4_e2m1", gran="channel", vgran="page", D=64,
+                               G=8, P=64, Sq=3, lens=[900, 5], config=dict(cfg))]
+            continue
         for cfg in variants:
             for k, (name, gran) in enumerate(fmts[fam]):
                 D, G, P, Sq = ((128, 4, 16, 1), (64, 8, 32, 3))[k % 2]
