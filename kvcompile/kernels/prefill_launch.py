@@ -66,8 +66,9 @@ def candidates(table: dict, head_dim: int, group: int, warp_spec: bool) -> list[
 def ws_ok(hopper: bool, fp8: bool, window: int, sinks: int) -> bool:
     """Whether to offer the warp-specialized tiles: Hopper, bf16/fp16 (triton 3.6's automatic
     warp specialization fails to build the FP8 kernel), one key range (not window + sinks), and
-    only on request (KVCOMPILE_PREFILL_WARP_SPEC=1): the first H200 run stalled with them among
-    the candidates, and it is not yet known which kernel hung."""
+    only on request (KVCOMPILE_PREFILL_WARP_SPEC=1): on the H200 (triton 3.6) every
+    warp-specialized tile hangs (benchmarks/prefill_diag.py, 2026-11-30: none returned in 60 s,
+    bf16, head_dim 64 / 128, GQA 1 / 4); the cause is not known."""
     if os.environ.get("KVCOMPILE_PREFILL_WARP_SPEC", "0") != "1":
         return False
     return hopper and not fp8 and not (window and sinks)
