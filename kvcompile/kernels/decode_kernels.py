@@ -49,9 +49,11 @@ def decode_split_kernel(
     KH: tl.constexpr = 1 if (KFMT == 3 or KFMT == 4) else (2 if SPLIT else 0)
     VH: tl.constexpr = 1 if (VFMT == 3 or VFMT == 4) else (2 if SPLIT else 0)
     q_a, q_b = load_row_pair(Q, q_row, row_ok, D, KH, CDT)
-    q_sum = tl.sum(q_a.to(tl.float32), 1)  # int keys' zero points: zero * sum_d q_d
-    if KH != 0:
-        q_sum += tl.sum(q_b.to(tl.float32), 1)
+    q_sum = row_ok.to(tl.float32)  # int keys' zero points add zero * sum_d q_d to the scores
+    if KFMT >= 5:
+        q_sum = tl.sum(q_a.to(tl.float32), 1)
+        if KH != 0:
+            q_sum += tl.sum(q_b.to(tl.float32), 1)
 
     # key range: [lo_t, L) plus the tiles of the first `sinks` keys when the window cuts them
     if WINDOW:
