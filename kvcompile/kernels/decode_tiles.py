@@ -163,6 +163,14 @@ def load_row_pair(ptr, row, ok, D: tl.constexpr, HALVES: tl.constexpr, CDT: tl.c
 
 
 @triton.jit
+def _codes_to_f16(c):
+    # uint8 codes -> fp16, exactly, with no int -> float conversion (I2F runs at 16 per clock
+    # and SM on sm_90, an int4 tile would wait on it): 0x6400 | c is the fp16 of 1024 + c, and
+    # subtracting 1024 is exact
+    return (c.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
 def _bits3(w, shift: tl.constexpr):
     return ((w >> shift) & 7).to(tl.uint8)
 
@@ -255,8 +263,8 @@ def widen(x, micro, D: tl.constexpr, FMT: tl.constexpr, CDT: tl.constexpr, ASM: 
     # codes: exact integers, zero point not applied); for fp4 the (low, high) nibble halves
     # [T, D // 2] each, i.e. the even and odd elements of head_dim
     if FMT == 5 or FMT == 6 or FMT == 7:
-        y = _unpack_int(x, D, 4 if FMT == 5 else (3 if FMT == 6 else 2)).to(CDT)
-        return y, y
+        y = _codes_to_f16(_unpack_int(x, D, 4 if FMT == 5 else (3 if FMT == 6 else 2)))
+        return y.to(CDT), y.to(CDT)
     elif FMT == 4:
         m_lo, m_hi = tl.split(micro)
         lo = e2m1_to_f16(x & 15).to(CDT) * m_lo.to(CDT)
