@@ -119,6 +119,9 @@ def grid() -> dict[str, dict]:
         "K fp4/V int2 P64": ("fp4_e2m1", "int2", "channel", 64),
         "K int2/V int2 P64": ("int2", "int2", "channel", 64),
         "K fp8_e4m3/V int2": ("fp8_e4m3", "int2", "token", 16),
+        "K int3/V int3 P64": ("int3", "int3", "channel", 64),
+        "K int3/V int3 P128": ("int3", "int3", "channel", 128),
+        "K int4/V int3 P64": ("int4", "int3", "channel", 64),
     }
     for name, (k, v, g, p) in mixed.items():
         for rot in (None, "hadamard"):
