@@ -48,24 +48,27 @@ def tile_meta(t, t1, b, L, lo, lo_t, n_sink, sinks, BT, stride_bt, KMASK, n_kmas
 
 
 @triton.jit
-def tile_operand(XD, XS, XM, XZ, XR, XRS, page, off, seen, kvh, H, mult, D: tl.constexpr,
+def tile_operand(XD, XS, XM, XZ, XRS, page, off, seen, kvh, H, mult, D: tl.constexpr,
              P: tl.constexpr, FMT: tl.constexpr, SM: tl.constexpr, RES: tl.constexpr,
              HALVES: tl.constexpr, CDT: tl.constexpr, ASM: tl.constexpr, BIG: tl.constexpr,
              SPLIT: tl.constexpr):
     # Loads of one operand (K or V) of a tile: raw codes (x, m) (fp4: bytes and micro; SPLIT:
     # the two column halves), scales sc ([T] per token, or [D] channel), zero points zp (same
-    # shape; int only), code_ok [T] (seen and not residual), residual rows (r_a, r_b) in CDT
-    # (zeros where not residual; columns as q's: HALVES 1 even / odd, 2 halves, 0 all)
+    # shape; int only), code_ok [T] (seen and not residual); with RES, each key's row in the
+    # residual rows (< 0: none) and how many seen keys have one (their rows are loaded by
+    # attend_tile, and only in the tiles that have some)
     tok = (page * H + kvh) * P + off
     if RES:
         rs = tl.load(XRS + page, mask=seen, other=-1)
         code_ok = seen & (rs < 0)
-        rrow = (rs * H + kvh) * P + off
+        rrow = (rs * H + kvh) * P + off  # < 0 when rs is -1 (kvh < H, off < P)
         if BIG:
             rrow = rrow.to(tl.int64)
-        r_a, r_b = load_row_pair(XR, rrow, seen & (rs >= 0), D, HALVES, CDT)
+        n_res = tl.sum((seen & (rs >= 0)).to(tl.int32), 0)
     else:
         code_ok = seen
+        rrow = off
+        n_res = 0
     if HALVES == 2:
         x, _ = load_codes(XD, XM, tok, code_ok, D, FMT, ASM, BIG, 0, D // 2)
         m, _ = load_codes(XD, XM, tok, code_ok, D, FMT, ASM, BIG, D // 2, D // 2)
@@ -82,15 +85,13 @@ def tile_operand(XD, XS, XM, XZ, XR, XRS, page, off, seen, kvh, H, mult, D: tl.c
             zp = load_token_zeros(XZ, page, off, kvh, H, P, SM, code_ok)
         else:
             zp = sc
-    if not RES:
-        r_a = x
-        r_b = x
-    return x, m, sc, zp, code_ok, r_a, r_b
+    return x, m, sc, zp, code_ok, rrow, n_res
 
 
 @triton.jit
-def attend_tile(q_a, q_b, q_sum, kx, km, vx, vm, ks, vs, kz, vz, k_ok, v_ok, kr_a, kr_b,
-                 vr_a, vr_b, pos, seen, q_pos, row_ok, q_row, m_i, l_i, w_run, acc_a, acc_b,
+def attend_tile(q_a, q_b, q_sum, kx, km, vx, vm, ks, vs, kz, vz, k_ok, v_ok, KR, k_row,
+                k_nres, VR, v_row, v_nres, pos, seen, q_pos, row_ok, q_row, m_i, l_i, w_run,
+                acc_a, acc_b,
                  SCORES, scores_len, qk_scale, cap_in, cap_out, window, sinks,
                  D: tl.constexpr, DV: tl.constexpr, SQ: tl.constexpr,
                  KFMT: tl.constexpr, VFMT: tl.constexpr, KSM: tl.constexpr, VSM: tl.constexpr,
@@ -121,9 +122,11 @@ def attend_tile(q_a, q_b, q_sum, kx, km, vx, vm, ks, vs, kz, vz, k_ok, v_ok, kr_
         else:
             s = s + q_sum[:, None] * kz[None, :]
     if KRES:
-        s = tl.dot(q_a, tl.trans(kr_a), s, input_precision=PREC)
-        if KH != 0:
-            s = tl.dot(q_b, tl.trans(kr_b), s, input_precision=PREC)
+        if k_nres > 0:  # residual rows: loaded and multiplied only in the tiles that have some
+            kr_a, kr_b = load_row_pair(KR, k_row, seen & (k_row >= 0), D, KH, CDT)
+            s = tl.dot(q_a, tl.trans(kr_a), s, input_precision=PREC)
+            if KH != 0:
+                s = tl.dot(q_b, tl.trans(kr_b), s, input_precision=PREC)
     if SOFTCAP:
         x = s * cap_in
         e = tl.exp(-2.0 * tl.abs(x))
@@ -183,7 +186,9 @@ def attend_tile(q_a, q_b, q_sum, kx, km, vx, vm, ks, vs, kz, vz, k_ok, v_ok, kr_
             if VH != 0:
                 acc_b = acc_b + pz[:, None]
     if VRES:
-        acc_a = tl.dot(pv, vr_a, acc_a, input_precision=PREC)
-        if VH != 0:
-            acc_b = tl.dot(pv, vr_b, acc_b, input_precision=PREC)
+        if v_nres > 0:
+            vr_a, vr_b = load_row_pair(VR, v_row, seen & (v_row >= 0), DV, VH, CDT)
+            acc_a = tl.dot(pv, vr_a, acc_a, input_precision=PREC)
+            if VH != 0:
+                acc_b = tl.dot(pv, vr_b, acc_b, input_precision=PREC)
     return m_new, l_i, w_run, acc_a, acc_b

@@ -86,15 +86,15 @@ def decode_split_kernel(
         pos, seen, page = tile_meta(t, t1, b, L, lo, lo_t, n_sink, sinks, BT, stride_bt,
                                      KMASK, n_kmask, P, BLOCK_T, WINDOW, HAS_KMASK)
         off = pos % P
-        kx, km, ks, kz, k_ok, kr_a, kr_b = tile_operand(
-            KD, KS, KM, KZ, KR, KRS, page, off, seen, kvh, H, k_mult, D, P, KFMT, KSM, KRES,
+        kx, km, ks, kz, k_ok, k_row, k_nres = tile_operand(
+            KD, KS, KM, KZ, KRS, page, off, seen, kvh, H, k_mult, D, P, KFMT, KSM, KRES,
             KH, CDT, ASM, BIG, SPLIT)
-        vx, vm, vs, vz, v_ok, vr_a, vr_b = tile_operand(
-            VD, VS, VM, VZ, VR, VRS, page, off, seen, kvh, H, v_mult, DV, P, VFMT, VSM, VRES,
+        vx, vm, vs, vz, v_ok, v_row, v_nres = tile_operand(
+            VD, VS, VM, VZ, VRS, page, off, seen, kvh, H, v_mult, DV, P, VFMT, VSM, VRES,
             VH, CDT, ASM, BIG, SPLIT)
         m_i, l_i, w_run, acc_a, acc_b = attend_tile(
-            q_a, q_b, q_sum, kx, km, vx, vm, ks, vs, kz, vz, k_ok, v_ok, kr_a, kr_b, vr_a,
-            vr_b, pos, seen, q_pos, row_ok, q_row, m_i, l_i, w_run, acc_a, acc_b, SCORES,
+            q_a, q_b, q_sum, kx, km, vx, vm, ks, vs, kz, vz, k_ok, v_ok, KR, k_row, k_nres, VR,
+            v_row, v_nres, pos, seen, q_pos, row_ok, q_row, m_i, l_i, w_run, acc_a, acc_b, SCORES,
             scores_len, qk_scale, cap_in, cap_out, window, sinks, D, DV, SQ, KFMT, VFMT, KSM,
             VSM, KRES, VRES, KH, VH, CDT, SOFTCAP, WRITE_SCORES, PREC, WINDOW, ASM, SPLIT)
 
