@@ -11,8 +11,10 @@ factored out of the dots:
   keys scale q's columns before the dot and add sum_d q_d * zero_d, values scale the dot's
   columns after it and add (sum_t p_t) * zero_d.
 Residual pages (a sequence's partly filled page, kept in bf16) are read row by row next to the
-codes: each token is either a code (its residual rows masked off) or a residual row (its codes
-masked off), and one more dot per operand adds the residual rows' share.
+codes: each token is either a code (its residual row masked off) or a residual row (its codes
+masked off), and one more dot per operand adds the residual rows' share, only in the tiles
+that hold residual rows (a runtime branch). Residual rows are widened to the compute dtype
+(fp16 on the GPU: bf16 values beyond fp16's range, 65504, would not survive).
 """
 
 from __future__ import annotations
@@ -49,9 +51,9 @@ def tile_meta(t, t1, b, L, lo, lo_t, n_sink, sinks, BT, stride_bt, KMASK, n_kmas
 
 @triton.jit
 def tile_operand(XD, XS, XM, XZ, XRS, page, off, seen, kvh, H, mult, D: tl.constexpr,
-             P: tl.constexpr, FMT: tl.constexpr, SM: tl.constexpr, RES: tl.constexpr,
-             HALVES: tl.constexpr, CDT: tl.constexpr, ASM: tl.constexpr, BIG: tl.constexpr,
-             SPLIT: tl.constexpr):
+                 P: tl.constexpr, FMT: tl.constexpr, SM: tl.constexpr, RES: tl.constexpr,
+                 HALVES: tl.constexpr, CDT: tl.constexpr, ASM: tl.constexpr,
+                 BIG: tl.constexpr, SPLIT: tl.constexpr):
     # Loads of one operand (K or V) of a tile: raw codes (x, m) (fp4: bytes and micro; SPLIT:
     # the two column halves), scales sc ([T] per token, or [D] channel), zero points zp (same
     # shape; int only), code_ok [T] (seen and not residual); with RES, each key's row in the
@@ -91,14 +93,15 @@ def tile_operand(XD, XS, XM, XZ, XRS, page, off, seen, kvh, H, mult, D: tl.const
 @triton.jit
 def attend_tile(q_a, q_b, q_sum, kx, km, vx, vm, ks, vs, kz, vz, k_ok, v_ok, KR, k_row,
                 k_nres, VR, v_row, v_nres, pos, seen, q_pos, row_ok, q_row, m_i, l_i, w_run,
-                acc_a, acc_b,
-                 SCORES, scores_len, qk_scale, cap_in, cap_out, window, sinks,
-                 D: tl.constexpr, DV: tl.constexpr, SQ: tl.constexpr,
-                 KFMT: tl.constexpr, VFMT: tl.constexpr, KSM: tl.constexpr, VSM: tl.constexpr,
-                 KRES: tl.constexpr, VRES: tl.constexpr, KH: tl.constexpr, VH: tl.constexpr,
-                 CDT: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_SCORES: tl.constexpr,
-                 PREC: tl.constexpr, WINDOW: tl.constexpr, ASM: tl.constexpr,
-                 SPLIT: tl.constexpr):
+                acc_a, acc_b, SCORES, scores_len, qk_scale, cap_in, cap_out, window, sinks,
+                D: tl.constexpr, DV: tl.constexpr, SQ: tl.constexpr,
+                KFMT: tl.constexpr, VFMT: tl.constexpr, KSM: tl.constexpr, VSM: tl.constexpr,
+                KRES: tl.constexpr, VRES: tl.constexpr, KH: tl.constexpr, VH: tl.constexpr,
+                CDT: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_SCORES: tl.constexpr,
+                PREC: tl.constexpr, WINDOW: tl.constexpr, ASM: tl.constexpr,
+                SPLIT: tl.constexpr):
+    # One tile's update of the online softmax (m_i, l_i, w_run, acc_a, acc_b) from the loads
+    # of tile_operand; KR / VR: the residual rows (read here, in tiles with k_nres / v_nres)
     # ---- scores s [M, T] in log2 units; two half-width dots for fp4 (even / odd columns) or
     # SPLIT (first / second half): half the operand registers live at a time
     if SPLIT and KH == 2:
