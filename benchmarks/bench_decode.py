@@ -224,10 +224,10 @@ def cmd_warmup(part: int, parts: int) -> None:
         widths = set()
         for B, L, _hq, Hkv, _ in SHAPES.values():
             for w in WAVES:  # the combine kernel specializes on the padded split count
-                bt = cfg.get("BLOCK_T", 128)
+                tile = cfg.get("BLOCK_T", 128)
                 if "channel" in fmt.replace("fp4_e2m1/channel", ""):  # tiles of one page
-                    bt = min(bt, split_spec(fmt)[2])
-                s = dec.choose_splits(B, Hkv, L, bt, 132, w)
+                    tile = min(tile, split_spec(fmt)[2])
+                s = dec.choose_splits(B, Hkv, L, tile, 132, w)
                 if s > 1 and 1 << (s - 1).bit_length() in widths:
                     continue
                 widths.add(1 << (s - 1).bit_length())
