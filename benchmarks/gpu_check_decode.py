@@ -56,6 +56,8 @@ def decode_cases(quick: bool):
                                                             (64, 128, 256))):
         for j in range(1 if quick else 2):
             G, P, Sq = geo[(i + 3 * j) % len(geo)]
+            if name.startswith("int") and gran == "channel":
+                P = max(P, 32)  # the kernel refuses smaller pages (decode.channel_min_page)
             lens = [1 + (37 * i + 11 * j) % 300, 777 + 13 * i, 2 * P + 5, 4000 + 97 * j]
             cases.append(dict(kf=name, vf=name, gran=gran, D=D, G=G, P=P, Sq=Sq, lens=lens))
     extra = [
@@ -80,8 +82,10 @@ def decode_cases(quick: bool):
              lens=[3000, 130], residual=True),
         dict(kf="int2", vf="int2", gran="channel", vgran="token", D=128, G=8, P=64, Sq=1,
              lens=[2500, 63], window=700, sinks=4, with_mass=True),
-        dict(kf="int3", vf="int3", gran="channel", vgran="token", D=128, G=4, P=16, Sq=2,
+        dict(kf="int3", vf="int3", gran="channel", vgran="token", D=128, G=4, P=32, Sq=2,
              lens=[1800, 17], key_mask=True, residual=True),
+        dict(kf="int4", vf="int4", gran="token", vgran="page", D=64, G=1, P=16, Sq=1,
+             lens=[1000, 21], config=dict(BLOCK_T=16)),  # bumped to 32-token tiles
         dict(kf="fp8_e4m3", vf="fp8_e4m3", gran="channel", vgran="token", D=128, G=4, P=64,
              Sq=1, lens=[6000, 300], residual=True, q_dtype=torch.bfloat16),
         dict(kf="fp4_e2m1", vf="fp4_e2m1", gran="channel", vgran="page", D=128, G=4, P=32,

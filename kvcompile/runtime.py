@@ -166,8 +166,11 @@ def kernel_readable(paged, op: str = "decode") -> bool:
         return False
     if not f.is_quantized:
         return True
-    if f.granularity == "channel" and f.name != "fp4_e2m1" and paged.page_size < 16:
-        return False  # a channel-scaled tile is one page of >= 16 keys (decode.py)
+    if f.granularity == "channel" and f.name != "fp4_e2m1":
+        # a channel-scaled tile is one page: >= 16 keys, >= 32 for int codes
+        # (kernels/decode.py channel_min_page)
+        if paged.page_size < (32 if f.is_int else 16):
+            return False
     return f.granularity in DECODE_GRANULARITIES
 
 

@@ -93,6 +93,14 @@ def _codes(fmt_name: str, granularity: str) -> tuple[int, int]:
     return code, SCALE_CODES[granularity]
 
 
+def channel_min_page(fmt_name: str) -> int:
+    """Smallest page the kernel takes for channel scales of this format (kernel_readable in
+    runtime.py says the same). Int codes in 16-token tiles (pages of 16) gave wrong results
+    on the H200 (triton 3.6; 2026-11-30: relative error 2-4 in 4 of 4 such cases, while 32-
+    to 128-token tiles and fp8 channel tiles of 16 passed), cause not found yet: refused."""
+    return 32 if fmt_name in ("int4", "int3", "int2") else 16
+
+
 def _head_dim(data: torch.Tensor, fmt: int) -> int:
     """head_dim of pages data [N, H, P, Ds] in kernel format `fmt` (codes packed in bytes)."""
     if fmt in (FMT_E2M1, FMT_E2M1_TOKMICRO):
@@ -217,13 +225,18 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
     cfg = default_config(kfmt, D, DV, M)
     cfg.update(config or {})
     block_t = cfg["BLOCK_T"]
+    if kfmt in INT_FMT_BITS or vfmt in INT_FMT_BITS:
+        block_t = max(block_t, 32)  # no 16-token tiles of int codes (see channel_min_page)
     if SCALE_CHANNEL in (ksm, vsm):
         # channel scales are per page: a tile must not cross one (tiles start at multiples of
         # BLOCK_T, both powers of two), and tl.dot needs 16 keys
-        if P < 16:
+        min_page = channel_min_page(k_fmt if ksm == SCALE_CHANNEL else v_fmt)
+        if ksm == vsm == SCALE_CHANNEL:
+            min_page = max(min_page, channel_min_page(v_fmt))
+        if P < min_page:
             raise UnsupportedShapeError(
-                f"paged_decode: channel-granular scales need page_size >= 16 (got {P}); use "
-                f"KVConfig(kernels='reference') or a larger page")
+                f"paged_decode: {k_fmt}/{v_fmt} with channel-granular scales needs page_size "
+                f">= {min_page} (got {P}); use KVConfig(kernels='reference') or a larger page")
         block_t = min(block_t, P)
     if SCALE_CHANNEL in (ksm, vsm) or kres or vres or FMT_E2M1_TOKMICRO in (kfmt, vfmt):
         cfg["SPLIT"] = 0  # these read whole rows (column halves only for the plain formats)

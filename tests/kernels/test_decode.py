@@ -175,16 +175,16 @@ def test_decode_rejects_unsupported_inputs(what, over, msg):
 
 NEW_CASES = [  # k format/granularity, v format/granularity, head_dim, G, page size, lens
     ("int4/channel", "int4/token", 64, 4, 64, [130, 37]),  # the 4-bit config of issue 9
-    ("int4/channel", "int4/token", 64, 1, 16, [37, 70, 5]),
+    ("int4/channel", "int4/token", 64, 1, 32, [37, 70, 5]),
     ("int4/channel", "fp4_e2m1/page", 64, 4, 64, [77, 130]),
     ("int4/page", "int4/page", 128, 1, 16, [45, 19]),
-    ("int4/token", "int4/channel", 64, 4, 16, [33, 70]),
+    ("int4/token", "int4/channel", 64, 4, 32, [33, 70]),
     ("int2/channel", "int2/token", 64, 4, 64, [130, 61]),
     ("int2/page", "int2/page", 64, 1, 16, [37, 70]),
-    ("int2/token", "int2/channel", 128, 4, 16, [29]),
-    ("int3/channel", "int3/token", 64, 4, 16, [37, 70]),
+    ("int2/token", "int2/channel", 128, 4, 32, [29]),
+    ("int3/channel", "int3/token", 64, 4, 32, [37, 70]),
     ("int3/page", "int3/page", 64, 1, 64, [71]),
-    ("int3/token", "int3/channel", 128, 4, 16, [45]),
+    ("int3/token", "int3/channel", 128, 4, 32, [45]),
     ("fp8_e4m3/channel", "fp8_e4m3/page", 64, 4, 16, [37, 70]),
     ("fp8_e5m2/channel", "fp8_e5m2/token", 128, 1, 64, [130]),
     ("fp8_e4m3/channel", "int4/token", 64, 4, 64, [99, 3]),
@@ -209,7 +209,7 @@ def test_decode_int_and_channel_formats(kf, vf, D, G, P, lens):
 RESIDUAL_CASES = [  # the sequences' last, partly filled pages are read from bf16 rows
     ("int4/channel", "int4/token", 64, 4, 64, [130, 37]),
     ("int2/page", "int2/page", 64, 1, 16, [37, 70]),
-    ("int3/token", "int3/channel", 64, 4, 16, [45, 20]),
+    ("int3/token", "int3/channel", 64, 4, 32, [45, 20]),
     ("fp4_e2m1/page", "fp4_e2m1/page", 64, 4, 16, [45]),
     ("fp8_e4m3/token", "fp8_e4m3/channel", 128, 1, 16, [61, 33]),
     ("int4/channel", "fp4_e2m1/page", 64, 4, 64, [77]),
@@ -228,14 +228,14 @@ def test_decode_residual_pages(kf, vf, D, G, P, lens):
     assert rel_err(out, ref) <= REL_ERR[compute_dtype(kc.fmt, DEV)]
 
 
-@pytest.mark.parametrize("kf,vf,cfg", [
-    ("int4/token", "int2/page", {"SPLIT": 1}),       # column halves for per-token int scales
-    ("int4/channel", "int4/token", {"BLOCK_T": 128}),  # tiles clamped to the page
+@pytest.mark.parametrize("kf,vf,P,cfg", [
+    ("int4/token", "int2/page", 16, {"SPLIT": 1}),      # column halves for per-token int scales
+    ("int4/channel", "int4/token", 32, {"BLOCK_T": 128}),  # tiles clamped to the page
 ])
-def test_decode_int_tile_variants(kf, vf, cfg):
+def test_decode_int_tile_variants(kf, vf, P, cfg):
     gen = torch.Generator().manual_seed(len(kf) + len(cfg))
-    err, bound, _, _ = run_case(_fmt(kf), _fmt(vf), [70, 9, 33], 2, 4, 64, 16, Sq=2, splits=2,
-                                config={"BLOCK_T": 16, **cfg}, gen=gen)
+    err, bound, _, _ = run_case(_fmt(kf), _fmt(vf), [70, 9, 33], 2, 4, 64, P, Sq=2, splits=2,
+                                config={"BLOCK_T": 32, **cfg}, gen=gen)
     assert err <= bound
 
 
@@ -244,9 +244,9 @@ def test_decode_int_masks_window_mass_and_speculative():
     km = torch.rand(2, 60, generator=gen) > 0.3
     km[:, 0] = True
     err, bound, _, (mass, mass_ref) = run_case(
-        _fmt("int4/channel", True), _fmt("int4/token", True), [90, 37], 2, 4, 64, 16, Sq=3,
-        window=24, sinks=3, softcap=5.0, key_mask=km.to(DEV), with_mass=True, splits=3,
-        config={"BLOCK_T": 16}, gen=gen)
+        _fmt("int4/channel", True), _fmt("int4/token", True), [90, 37], 2, 4, 64, 32, Sq=3,
+        window=40, sinks=3, softcap=5.0, key_mask=km.to(DEV), with_mass=True, splits=3,
+        config={"BLOCK_T": 32}, gen=gen)
     assert err <= bound
     assert rel_err(mass, mass_ref) <= 1e-4
 
@@ -254,7 +254,7 @@ def test_decode_int_masks_window_mass_and_speculative():
 def test_decode_int_public_op_compiles_with_bf16_queries():
     gen = torch.Generator().manual_seed(23)
     kc, vc, bt, sl = make_paged_kv(_fmt("int4/channel", True), _fmt("int4/token", True),
-                                   [50, 17], 2, 64, 16, gen=gen)
+                                   [50, 17], 2, 64, 32, gen=gen)
     q = torch.randn(2, 8, 1, 64, generator=gen).to(DEV, torch.bfloat16)
 
     @torch.compile(backend="aot_eager", fullgraph=True)
@@ -266,15 +266,17 @@ def test_decode_int_public_op_compiles_with_bf16_queries():
     assert got.dtype == torch.bfloat16 and rel_err(got, ref) <= REL_ERR[torch.bfloat16]
 
 
-def test_decode_channel_scales_need_pages_of_16():
-    # a channel-scaled tile is one page of >= 16 keys: P=8 is refused, and the runtime sends
-    # such layers to the reference
+@pytest.mark.parametrize("spec,P,least", [("fp8_e4m3/channel", 8, 16), ("int4/channel", 16, 32)])
+def test_decode_channel_scales_need_large_enough_pages(spec, P, least):
+    # a channel-scaled tile is one page of >= 16 keys (int codes: >= 32, see channel_min_page):
+    # smaller pages are refused, and the runtime sends such layers to the reference
     from kvcompile.runtime import kernel_readable
 
-    fmt = _fmt("int4/channel")
-    kc, vc, bt, sl = make_paged_kv(fmt, fmt, [20], 2, 64, 8, nan_fill=False)
+    fmt = _fmt(spec)
+    kc, vc, bt, sl = make_paged_kv(fmt, fmt, [20], 2, 64, P, nan_fill=False)
     assert not kernel_readable(kc)
-    with pytest.raises(UnsupportedShapeError, match="page_size >= 16"):
+    assert kernel_readable(fmt.allocate(2, 2, least, 64))
+    with pytest.raises(UnsupportedShapeError, match=f"page_size >= {least}"):
         paged_decode_attention(torch.randn(1, 4, 1, 64, device=DEV), kc, vc, bt, sl, 0.1)
 
 
@@ -283,7 +285,7 @@ def test_kernel_readable_by_op():
 
     for spec, res in (("int4/channel", False), ("int2/token", True), ("fp8_e4m3/channel", False),
                       ("fp4_e2m1/channel", False), ("fp4_e2m1/page", True)):
-        c = _fmt(spec, res).allocate(2, 1, 16, 64)
+        c = _fmt(spec, res).allocate(2, 1, 32, 64)
         assert kernel_readable(c) and kernel_readable(c, "decode")
         assert not kernel_readable(c, "append") and not kernel_readable(c, "prefill")
     plain = _fmt("fp8_e4m3/page").allocate(2, 1, 16, 64)
@@ -307,7 +309,7 @@ def test_engine_decode_steps_read_int4_channel_residual_pages_with_the_kernel():
         torch._dynamo.reset()
         m = make_llama64()
         eng = Engine(m, config=config(kernels=kernels, kv_dtype="int4", residual=True,
-                                      scale_granularity="channel", page_size=16))
+                                      scale_granularity="channel", page_size=32))
         outs[kernels] = [o.token_ids for o in eng.generate(prompts, greedy)]
         calls = state_of(m).counters.get("engine_decode_kernel_calls", 0)
         assert calls == (2 * (greedy.max_tokens - 1) if kernels == "triton" else 0)
