@@ -25,7 +25,7 @@ def main(job_path: str, out_path: str) -> None:
 
     with open(job_path) as f:
         job = json.load(f)
-    torch.set_num_threads(2)
+    torch.set_num_threads(job.get("threads", 1))
     model, _ = load_smollm2()
     results = []
     for press_name in job["presses"]:

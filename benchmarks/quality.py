@@ -38,7 +38,14 @@ from quality_data import (  # noqa: E402
     passkey_prompt,
     variable_tracking_prompt,
 )
-from quality_eval import Evaluator, greedy, nll_and_agreement, policies_at, ppl  # noqa: E402
+from quality_eval import (  # noqa: E402
+    DEFAULT_ROWS,
+    Evaluator,
+    greedy,
+    nll_and_agreement,
+    policies_at,
+    ppl,
+)
 
 from kvcompile.config import SinkWindow  # noqa: E402
 
@@ -53,25 +60,46 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+TAG = [""]  # --tag: suffix of the suite names saved by this run
+
+
 def save(suite: str, data) -> None:
-    allr = {}
-    if os.path.exists(RESULTS):
-        with open(RESULTS) as f:
-            allr = json.load(f)
-    allr[suite] = data
-    with open(RESULTS, "w") as f:
-        json.dump(allr, f, indent=1)
+    """Replace one suite's entry of the results file (locked: suites may run in parallel
+    processes)."""
+    import fcntl
+
+    with open(RESULTS + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        allr = {}
+        if os.path.exists(RESULTS):
+            with open(RESULTS) as f:
+                allr = json.load(f)
+        allr[suite + TAG[0]] = data
+        with open(RESULTS + ".tmp", "w") as f:
+            json.dump(allr, f, indent=1)
+        os.replace(RESULTS + ".tmp", RESULTS)
 
 
-def row_policies(ratios, context: int, page: bool = True) -> dict:
+def row_policies(ratios, context: int, page: bool = True, rows=DEFAULT_ROWS) -> dict:
+    """{label: policy}: full, then each row at each of `ratios`; a row "Name@25" runs at 25%
+    only (whether or not 0.25 is in ratios)."""
     pols = {"full": None}
-    for r in ratios:
-        for name, p in policies_at(r, context).items():
-            pols[f"{name}@{int(r * 100)}"] = p
+    for r in _ratios_of(rows, ratios):
+        pct = int(round(r * 100))
+        names = [n.split("@")[0] for n in rows
+                 if ("@" not in n and r in ratios) or ("@" in n and int(n.split("@")[1]) == pct)]
+        for name, p in policies_at(r, context, names=names).items():
+            pols[f"{name}@{pct}"] = p
         if page and r == 0.5:
-            for name, p in policies_at(r, context, page=True).items():
-                pols[f"{name}-page@{int(r * 100)}"] = p
+            for name, p in policies_at(r, context, page=True, names=names).items():
+                pols[f"{name}-page@{pct}"] = p
     return pols
+
+
+def _ratios_of(rows, ratios) -> list:
+    """ratios plus those named by "Name@pct" rows, in order."""
+    extra = {int(n.split("@")[1]) / 100 for n in rows if "@" in n}
+    return sorted(set(ratios) | extra)
 
 
 # --- perplexity --------------------------------------------------------------------------------
@@ -84,8 +112,8 @@ def suite_ppl(model, tok, args) -> dict:
     ev = Evaluator(model)
     out = {}
     for fmt in args.formats:
-        ratios = (0.25, 0.5, 0.75) if fmt == args.formats[0] else (0.5,)
-        pols = row_policies(ratios, ctx, page=fmt == args.formats[0])
+        ratios = args.ratios if fmt == args.formats[0] else (0.5,)
+        pols = row_policies(ratios, ctx, page=fmt == args.formats[0], rows=args.rows)
         ev.compile(fmt)
         acc = {k: [0.0, 0.0, 0, 0] for k in pols}
         kept = {k: 0.0 for k in pols}
@@ -145,11 +173,39 @@ def suite_stream(model, tok, args) -> dict:
                 f"{k}={v['ppl']:.2f}" for k, v in res.items()))
             save("stream", {"tokens": i + chunk, "chunk": chunk, "results": res})
     rows.cache = None
+    t0 = time.time()
+    slide = _sliding_ppl(model, ids, 1024, chunk)
+    res["full attention, sliding 1024-token window"] = slide
+    log(f"stream sliding-window full attention: {slide['ppl']:.2f} ({time.time() - t0:.0f}s)")
+    save("stream", {"tokens": len(ids), "chunk": chunk, "results": res})
     win = _windowed_ppl(model, ids, 2048)
     res["full attention, 2048-token windows"] = win
     save("stream", {"tokens": len(ids), "chunk": chunk, "results": res})
     log(f"stream windowed full attention: {win['ppl']:.2f}")
     return res
+
+
+def _sliding_ppl(model, ids: torch.Tensor, window: int, chunk: int) -> dict:
+    """Plain HF model, full attention recomputed over a sliding window: the tokens scored by
+    the streaming rows (ids[chunk:]), each chunk predicted from the `window` tokens that end
+    with it (so every token sees window - chunk .. window - 1 tokens before it)."""
+    fwd = model.__dict__.pop("forward", None)
+    nll, n = 0.0, 0
+    try:
+        for i in range(chunk, len(ids), chunk):
+            end = min(i + chunk, len(ids))
+            s = max(0, end - window)
+            x = ids[s:end][None]
+            with torch.no_grad():
+                lg = model(input_ids=x).logits.float()[0]
+            m = end - i                                   # tokens scored: ids[i:end]
+            lp = torch.log_softmax(lg[-m - 1:-1].double(), -1)
+            nll -= float(lp.gather(-1, ids[i:end, None]).sum())
+            n += m
+    finally:
+        if fwd is not None:
+            model.forward = fwd
+    return {"ppl": ppl(nll, n), "tokens": n}
 
 
 def _windowed_ppl(model, ids: torch.Tensor, window: int) -> dict:
@@ -203,7 +259,7 @@ def suite_passkey(model, tok, args) -> dict:
     out = {}
     for key, text, ans in prompts:
         n = len(tok(text).input_ids) - 1
-        p = row_policies((0.25, 0.5, 0.75), n, page=False)
+        p = row_policies(args.ratios, n, page=False, rows=args.rows)
         h = _retrieval(ev, tok, [(key, text, ans)], p, 8, "passkey")
         for k, v in h.items():
             out.setdefault(k, {}).setdefault(key, []).extend(v[key])
@@ -211,10 +267,10 @@ def suite_passkey(model, tok, args) -> dict:
     return out
 
 
-def suite_ruler(model, tok, args) -> dict:
-    ev = Evaluator(model).compile("auto")
+def _ruler_prompts(tok, args) -> list:
+    """[(task/length, text, answer)], the same for kvcompile and kvpress (seeded)."""
     rng = random.Random(1)
-    out = {}
+    out = []
     for task in ("multikey", "vartrack"):
         for length in args.ruler_lengths:
             for _ in range(args.ruler_samples):
@@ -222,13 +278,21 @@ def suite_ruler(model, tok, args) -> dict:
                     text, ans = multikey_prompt(tok, length, 4, rng)
                 else:
                     text, ans = variable_tracking_prompt(tok, length, 2, rng)
-                n = len(tok(text).input_ids) - 1
-                pols = row_policies((0.5,), n, page=False)
-                h = _retrieval(ev, tok, [(f"{task}/{length}", text, ans)], pols, 8, task)
-                for k, v in h.items():
-                    for kk, vv in v.items():
-                        out.setdefault(k, {}).setdefault(kk, []).extend(vv)
-                save("ruler", {"results": out})
+                out.append((f"{task}/{length}", text, ans))
+    return out
+
+
+def suite_ruler(model, tok, args) -> dict:
+    ev = Evaluator(model).compile("auto")
+    out = {}
+    for key, text, ans in _ruler_prompts(tok, args):
+        n = len(tok(text).input_ids) - 1
+        pols = row_policies((0.5,), n, page=False, rows=[r for r in args.rows if "@" not in r])
+        h = _retrieval(ev, tok, [(key, text, ans)], pols, 8, key.split("/")[0])
+        for k, v in h.items():
+            for kk, vv in v.items():
+                out.setdefault(k, {}).setdefault(kk, []).extend(vv)
+        save("ruler", {"results": out})
     return out
 
 
@@ -251,9 +315,12 @@ def suite_kvpress(model, tok, args) -> dict:
             text, ans = passkey_prompt(tok, length, depth, key)
             if length in args.kvpress_lengths:
                 items.append({"key": str(length), "ids": tok(text).input_ids, "answer": ans})
+    if args.kvpress_ruler:
+        for key, text, ans in _ruler_prompts(tok, args):
+            items.append({"key": key, "ids": tok(text).input_ids, "answer": ans})
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"items": items, "presses": args.presses, "ratios": args.kvpress_ratios,
-                   "max_new": 8}, f)
+                   "max_new": 8, "threads": args.threads}, f)
         job = f.name
     outp = job + ".out"
     cmd = [py, os.path.join(HERE, "kvpress_runner.py"), job, outp]
@@ -261,13 +328,16 @@ def suite_kvpress(model, tok, args) -> dict:
     subprocess.run(cmd, check=True, cwd=HERE)
     with open(outp) as f:
         res = json.load(f)
-    out = {}
+    out, ruler = {}, {}
     for r in res:
         txt = tok.decode(r["generated"])
         ok = r["answer"] in txt.replace(" ", "")
-        out.setdefault(f"{r['press']}@{int(r['ratio'] * 100)}", {}).setdefault(
+        dest = ruler if "/" in r["key"] else out
+        dest.setdefault(f"{r['press']}@{int(round(r['ratio'] * 100))}", {}).setdefault(
             r["key"], []).append(ok)
     save("kvpress", {"results": out})
+    if ruler:
+        save("kvpress_ruler", {"results": ruler})
     return out
 
 
@@ -293,7 +363,13 @@ def parse(argv):
     ap.add_argument("--kvpress-lengths", default="1024,2048")
     ap.add_argument("--kvpress-ratios", default="0.5")
     ap.add_argument("--presses", default="StreamingLLMPress,SnapKVPress,TOVAPress,KnormPress")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default=",".join(DEFAULT_ROWS),
+                    help="policy rows (quality_eval.ROWS); Name@25 runs at that ratio only")
+    ap.add_argument("--ratios", default="0.25,0.5,0.75")
+    ap.add_argument("--kvpress-ruler", action="store_true",
+                    help="also run the presses on the RULER-like prompts")
+    ap.add_argument("--tag", default="", help="save suites as <suite><tag> (extra runs)")
+    ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
     a.formats = a.formats.split(",")
     a.lengths = [int(x) for x in a.lengths.split(",")]
@@ -302,6 +378,8 @@ def parse(argv):
     a.kvpress_lengths = [int(x) for x in a.kvpress_lengths.split(",")]
     a.kvpress_ratios = [float(x) for x in a.kvpress_ratios.split(",")]
     a.presses = a.presses.split(",")
+    a.rows = a.rows.split(",")
+    a.ratios = [float(x) for x in a.ratios.split(",")]
     if a.quick:
         a.ctx, a.cont, a.windows, a.stream_tokens = 256, 64, 1, 1024
         a.lengths, a.depths, a.ruler_lengths, a.ruler_samples = [512], [0.5], [512], 1
@@ -317,6 +395,7 @@ def main(argv=None) -> int:
         report(RESULTS, HERE)
         return 0
     torch.set_num_threads(args.threads)
+    TAG[0] = args.tag
     t = time.time()
     model, tok = load_smollm2()
     log(f"SmolLM2-135M loaded in {time.time() - t:.0f}s")

@@ -29,19 +29,29 @@ from kvcompile.config import H2O, KVConfig, SinkWindow, SnapKV
 PLACEHOLDER = SinkWindow(sinks=0, window=1 << 30)
 
 
-def policies_at(ratio: float, context: int, page: bool = False) -> dict:
+# Rows of the harness by name: budget b tokens -> policy. The SnapKV rows spell out every
+# field, so that they keep their meaning whatever SnapKV's defaults are.
+ROWS = {
+    "SinkWindow": lambda b, g: SinkWindow(sinks=4, window=b - 4, granularity=g),
+    "H2O": lambda b, g: H2O(budget=b, recent=b // 2, sinks=4, granularity=g),
+    # SnapKV as published: the last 32 queries, pooled over 5 keys, one choice per kv head
+    "SnapKV": lambda b, g: SnapKV(budget=b, window=32, kernel=5, per_head=True),
+    "SnapKV-shared": lambda b, g: SnapKV(budget=b, window=32, kernel=5, per_head=False),
+    "SnapKV-w8-shared": lambda b, g: SnapKV(budget=b, window=8, kernel=5, per_head=False),
+    # TOVA-like: the last query's attention, summed over the heads of a layer, no pooling
+    "TOVA-like": lambda b, g: SnapKV(budget=b, window=1, kernel=1, per_head=False),
+    "SnapKV-w1k5-shared": lambda b, g: SnapKV(budget=b, window=1, kernel=5, per_head=False),
+}
+DEFAULT_ROWS = ("SinkWindow", "H2O", "SnapKV", "SnapKV-shared")
+PAGE_ROWS = ("SinkWindow", "H2O")  # the policies with a page granularity
+
+
+def policies_at(ratio: float, context: int, page: bool = False, names=DEFAULT_ROWS) -> dict:
     """The policies compared at compression `ratio` of a `context`-token prompt (budget =
-    (1 - ratio) * context tokens kept)."""
+    (1 - ratio) * context tokens kept), {name: policy}."""
     b = max(8, round((1 - ratio) * context))
     g = "page" if page else "token"
-    out = {
-        "SinkWindow": SinkWindow(sinks=4, window=b - 4, granularity=g),
-        "H2O": H2O(budget=b, recent=b // 2, sinks=4, granularity=g),
-    }
-    if not page:
-        out["SnapKV"] = SnapKV(budget=b, window=32, kernel=5, per_head=True)
-        out["SnapKV-shared"] = SnapKV(budget=b, window=32, kernel=5, per_head=False)
-    return out
+    return {n: ROWS[n](b, g) for n in names if not page or n in PAGE_ROWS}
 
 
 class Rows:
