@@ -66,11 +66,11 @@ VARIANTS = {
             dict(BLOCK_T=128, num_stages=1, ASM=3, maxnreg=128, **_W4),
             dict(BLOCK_T=64, num_stages=1, ASM=3, **_W4),
             dict(BLOCK_T=128, num_warps=8, num_stages=1, ASM=3)],
-    # int rows (channel keys: tiles clamped to the 64-token page)
-    "int": [dict(BLOCK_T=64, num_stages=1, maxnreg=128, **_W4),
-            dict(BLOCK_T=64, num_stages=1, maxnreg=None, **_W4),
-            dict(BLOCK_T=64, num_stages=2, maxnreg=None, **_W4),
-            dict(BLOCK_T=64, num_warps=8, num_stages=1, maxnreg=None)],
+    # int rows (channel keys: 128-token tiles = two 64-token pages, each query row held once
+    # per page (PAIR); BLOCK_T 64: one page per tile, as before 2026-11-30's rework)
+    "int": [dict(BLOCK_T=128, num_stages=1, maxnreg=128, **_W4),
+            dict(BLOCK_T=128, num_stages=1, maxnreg=None, **_W4),
+            dict(BLOCK_T=64, num_stages=1, maxnreg=128, **_W4)],
 }
 SWEEP_FORMAT = {"bf16": "bf16", "fp8": "fp8_e4m3/page", "fp4": "fp4_e2m1/page",
                 "int": "int4/channel+int4/token@64"}
@@ -225,8 +225,9 @@ def cmd_warmup(part: int, parts: int) -> None:
         for B, L, _hq, Hkv, _ in SHAPES.values():
             for w in WAVES:  # the combine kernel specializes on the padded split count
                 tile = cfg.get("BLOCK_T", 128)
-                if "channel" in fmt.replace("fp4_e2m1/channel", ""):  # tiles of one page
-                    tile = min(tile, split_spec(fmt)[2])
+                if "channel" in fmt.replace("fp4_e2m1/channel", ""):  # one or two pages
+                    tile = dec.channel_tile(tile, split_spec(fmt)[2], "int" in fmt and
+                                            cfg.get("PAIR", True))
                 s = dec.choose_splits(B, Hkv, L, tile, 132, w)
                 if s > 1 and 1 << (s - 1).bit_length() in widths:
                     continue

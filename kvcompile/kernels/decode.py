@@ -9,9 +9,11 @@ times Sq queries as the M rows of its tiles, so every page is read once for the 
 Quantized pages are widened in registers (decode_tiles.py), never dequantized in HBM; the block
 scales are folded into the scores (keys) and into the probabilities (values) as one factor
 per token, int zero points as one term per token, and channel scales (fp8 / int, per page) into
-q's columns or the output's, with tiles that never cross a page (decode_attend.py). FP4 pages
-split head_dim into even and odd halves (low and high nibbles) and run two dots, so no nibble
-interleave is built; int codes are unpacked into head_dim order. A page whose tokens live in
+q's columns or the output's, with tiles of one page, or for int codes of two pages with each
+query row held twice in the padded M rows (one copy per page, merged at the end: PAIR in
+decode_kernels.py) (decode_attend.py). FP4 and INT4 pages split head_dim into even and odd
+halves (low and high nibbles) and run two dots, so no nibble interleave is built; int3 / int2
+codes are unpacked into head_dim order. A page whose tokens live in
 the bf16 residual (PagedTensor.res_slot >= 0) is read from its res_data row instead. Splits
 write (acc, lse) partials that a Triton combine kernel merges; with one split the kernel writes
 the output directly. Kernels: decode_kernels.py; one tile: decode_attend.py; in-register tile
@@ -99,6 +101,22 @@ def channel_min_page(fmt_name: str) -> int:
     on the H200 (triton 3.6; 2026-11-30: relative error 2-4 in 4 of 4 such cases, while 32-
     to 128-token tiles and fp8 channel tiles of 16 passed), cause not found yet: refused."""
     return 32 if fmt_name in ("int4", "int3", "int2") else 16
+
+
+def channel_tile(block_t: int, page: int, pair: bool) -> int:
+    """Tile of a kernel with channel scales: one page at most, or two whole pages (2 * page <=
+    block_t) when `pair` (int codes and at most M / 2 query rows, see decode_split_kernel's
+    PAIR: each query row is held twice, one copy per page). A two-page tile pays the softmax,
+    barriers and loop overhead once for both pages: int4 pages of 64 read in 64-token tiles
+    took 2.3x the time of fp4's 128-token tiles on the H200."""
+    if pair and block_t >= 2 * page:
+        return 2 * page
+    return min(block_t, page)
+
+
+def pair_rows(rows: int, m: int) -> bool:
+    """Whether `rows` = G * Sq query rows fit twice in M = m padded rows."""
+    return 2 * rows <= m
 
 
 def _head_dim(data: torch.Tensor, fmt: int) -> int:
@@ -227,6 +245,7 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
     block_t = cfg["BLOCK_T"]
     if kfmt in INT_FMT_BITS or vfmt in INT_FMT_BITS:
         block_t = max(block_t, 32)  # no 16-token tiles of int codes (see channel_min_page)
+    pair = False
     if SCALE_CHANNEL in (ksm, vsm):
         # channel scales are per page: a tile must not cross one (tiles start at multiples of
         # BLOCK_T, both powers of two), and tl.dot needs 16 keys
@@ -237,7 +256,10 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
             raise UnsupportedShapeError(
                 f"paged_decode: {k_fmt}/{v_fmt} with channel-granular scales needs page_size "
                 f">= {min_page} (got {P}); use KVConfig(kernels='reference') or a larger page")
-        block_t = min(block_t, P)
+        pair = ((kfmt in INT_FMT_BITS or vfmt in INT_FMT_BITS) and pair_rows(G * Sq, M)
+                and cfg.get("PAIR", True))
+        block_t = channel_tile(block_t, P, pair)
+        pair = block_t > P
     if SCALE_CHANNEL in (ksm, vsm) or kres or vres or FMT_E2M1_TOKMICRO in (kfmt, vfmt):
         cfg["SPLIT"] = 0  # these read whole rows (column halves only for the plain formats)
     if interp:  # the interpreter's bf16 dot is wrong and it cannot run PTX: fp32, plain ops
@@ -291,7 +313,7 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
         SOFTCAP=bool(softcap),
         HAS_KMASK=key_mask is not None, WRITE_SCORES=attn_mass is not None, DIRECT=direct,
         IEEE=cdt == tl.float32, WINDOW=window > 0, ASM=asm, BIG=big,
-        SPLIT=bool(cfg["SPLIT"]),
+        SPLIT=bool(cfg["SPLIT"]), PAIR=pair,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not interp else {}))
     if not direct:

@@ -7,7 +7,8 @@ factored out of the dots:
   probabilities (divided by the tile's largest, see `attend_tile`);
 - int zero points per token: keys add zero_t * sum_d q_d to the scores, values add
   sum_t p_t * zero_t to every output column;
-- "channel" scales (fp8 / int, per page, kv head and channel; a tile then lies in one page):
+- "channel" scales (fp8 / int, per page, kv head and channel; a tile then lies in one page,
+  or in two with PAIR, where rows r and r + M/2 are the same query scaled by each page's):
   keys scale q's columns before the dot and add sum_d q_d * zero_d, values scale the dot's
   columns after it and add (sum_t p_t) * zero_d.
 Residual pages (a sequence's partly filled page, kept in bf16) are read row by row next to the
@@ -53,7 +54,7 @@ def tile_meta(t, t1, b, L, lo, lo_t, n_sink, sinks, BT, stride_bt, KMASK, n_kmas
 def tile_operand(XD, XS, XM, XZ, XRS, page, off, seen, kvh, H, mult, D: tl.constexpr,
                  P: tl.constexpr, FMT: tl.constexpr, SM: tl.constexpr, RES: tl.constexpr,
                  HALVES: tl.constexpr, CDT: tl.constexpr, ASM: tl.constexpr,
-                 BIG: tl.constexpr, SPLIT: tl.constexpr):
+                 BIG: tl.constexpr, SPLIT: tl.constexpr, cpage0, cpage1, cok0, cok1):
     # Loads of one operand (K or V) of a tile: raw codes (x, m) (fp4: bytes and micro; SPLIT:
     # the two column halves), scales sc ([T] per token, or [D] channel), zero points zp (same
     # shape; int only), code_ok [T] (seen and not residual); with RES, each key's row in the
@@ -77,10 +78,16 @@ def tile_operand(XD, XS, XM, XZ, XRS, page, off, seen, kvh, H, mult, D: tl.const
     else:
         x, m = load_codes(XD, XM, tok, code_ok, D, FMT, ASM, BIG)
     if SM == 4:
-        # the tile lies in one page: that of its seen keys (none seen: nothing is loaded)
-        page0 = tl.max(tl.where(seen, page, 0), 0)
-        n_seen = tl.max(seen.to(tl.int32), 0)
-        sc, zp = load_channel_params(XS, XZ, page0, kvh, H, D, FMT >= 5, n_seen)
+        # fp16 params of the tile's page cpage0 (scalars: block-table entry and whether the
+        # page holds keys of the sequence), and of cpage1 when the tile has two pages (T > P):
+        # then joined on a last axis ([..., 2]); with HALVES == 1 each is the even / odd
+        # channels joined ([D // 2, 2])
+        T: tl.constexpr = page.shape[0]
+        sc, zp = load_channel_params(XS, XZ, cpage0, kvh, H, D, FMT >= 5, cok0, HALVES)
+        if T > P:
+            s1, z1 = load_channel_params(XS, XZ, cpage1, kvh, H, D, FMT >= 5, cok1, HALVES)
+            sc = tl.join(sc, s1)
+            zp = tl.join(zp, z1)
     else:
         sc = load_token_scales(XS, page, off, kvh, H, P, SM, code_ok) * mult
         if FMT >= 5:
@@ -88,6 +95,125 @@ def tile_operand(XD, XS, XM, XZ, XRS, page, off, seen, kvh, H, mult, D: tl.const
         else:
             zp = sc
     return x, m, sc, zp, code_ok, rrow, n_res
+
+
+@triton.jit
+def _halves(v, HALVES: tl.constexpr):
+    # channel params from load_channel_params -> (even, odd) channels when HALVES == 1
+    # ([D // 2, 2] split), else (v, v)
+    if HALVES == 1:
+        a, b = tl.split(v)
+        return a, b
+    else:
+        return v, v
+
+
+@triton.jit
+def _rows(v, M: tl.constexpr, PAIR: tl.constexpr):
+    # a channel vector (PAIR: the two pages' joined on a last axis) -> its value per row
+    # [M, C] (PAIR: rows of the second half take the second page's), or [1, C]
+    if PAIR:
+        v0, v1 = tl.split(v)
+        copy = (tl.arange(0, M) >= M // 2)[:, None]
+        return tl.where(copy, v1[None, :], v0[None, :])
+    else:
+        return v[None, :]
+
+
+@triton.jit
+def _scaled(q, s, CDT: tl.constexpr):
+    # q [M, C] * s ([M, C] or [1, C]) in the compute dtype, rounded once: fp16 scales multiply
+    # in fp16 (exact product rounded once), others in fp32
+    if s.dtype == tl.float16:
+        return q * s.to(CDT)
+    else:
+        return (q.to(tl.float32) * s.to(tl.float32)).to(CDT)
+
+
+@triton.jit
+def _channel_scores(q_a, q_b, k_a, k_b, ks, kz, k_ok, D: tl.constexpr, KFMT: tl.constexpr,
+                    KH: tl.constexpr, CDT: tl.constexpr, PREC: tl.constexpr,
+                    PAIR: tl.constexpr):
+    # scores [M, T] of keys with channel scales ks (and int zero points kz) from
+    # tile_operand: q's columns scaled, plus sum_d q_d * zero_d for the code (non-residual)
+    # keys. q * scale (see _scaled): fp16 int scales keep q 16-bit in the dot operand's
+    # layout (fp32 q there held 64 registers per thread)
+    M: tl.constexpr = q_a.shape[0]
+    if KH == 1:
+        if PAIR:
+            s0, s1 = tl.split(ks)
+            s0a, s0b = tl.split(s0)
+            s1a, s1b = tl.split(s1)
+            s_a = tl.join(s0a, s1a)
+            s_b = tl.join(s0b, s1b)
+        else:
+            s_a, s_b = tl.split(ks)
+        s = tl.dot(_scaled(q_a, _rows(s_a, M, PAIR), CDT), tl.trans(k_a),
+                   input_precision=PREC)
+        s = tl.dot(_scaled(q_b, _rows(s_b, M, PAIR), CDT), tl.trans(k_b), s,
+                   input_precision=PREC)
+    else:  # full-width tiles
+        s = tl.dot(_scaled(q_a, _rows(ks, M, PAIR), CDT), tl.trans(k_a),
+                   input_precision=PREC)
+    if KFMT >= 5:
+        if KH == 1:
+            if PAIR:
+                z0, z1 = tl.split(kz)
+                z0a, z0b = tl.split(z0)
+                z1a, z1b = tl.split(z1)
+                z_a = tl.join(z0a, z1a)
+                z_b = tl.join(z0b, z1b)
+            else:
+                z_a, z_b = tl.split(kz)
+            qz = tl.sum(q_a.to(tl.float32) * _rows(z_a, M, PAIR).to(tl.float32)
+                        + q_b.to(tl.float32) * _rows(z_b, M, PAIR).to(tl.float32), 1)
+        else:
+            qz = tl.sum(q_a.to(tl.float32) * _rows(kz, M, PAIR).to(tl.float32), 1)
+        s = s + qz[:, None] * k_ok.to(tl.float32)[None, :]
+    return s
+
+
+@triton.jit
+def _channel_values(pv, p, v_a, v_b, vs, vz, v_ok, acc_a, acc_b, DV: tl.constexpr,
+                    VFMT: tl.constexpr, VH: tl.constexpr, PREC: tl.constexpr,
+                    PAIR: tl.constexpr):
+    # acc + p @ v with channel scales vs (PAIR: per row copy) on the dot's columns, plus
+    # (sum of p over the code keys) * zero_d for int values; pv: p in the compute dtype
+    M: tl.constexpr = p.shape[0]
+    if VH == 1:
+        if PAIR:
+            s0, s1 = tl.split(vs)
+            s0a, s0b = tl.split(s0)
+            s1a, s1b = tl.split(s1)
+            s_a = tl.join(s0a, s1a)
+            s_b = tl.join(s0b, s1b)
+        else:
+            s_a, s_b = tl.split(vs)
+    else:
+        s_a = vs
+        s_b = vs
+    acc_a = acc_a + tl.dot(pv, v_a, input_precision=PREC) * _rows(s_a, M, PAIR).to(tl.float32)
+    if VH != 0:
+        acc_b = acc_b + tl.dot(pv, v_b, input_precision=PREC) * _rows(s_b, M, PAIR).to(
+            tl.float32)
+    if VFMT >= 5:
+        p_codes = tl.sum(tl.where(v_ok[None, :], p, 0.0), 1)
+        if VH == 1:
+            if PAIR:
+                z0, z1 = tl.split(vz)
+                z0a, z0b = tl.split(z0)
+                z1a, z1b = tl.split(z1)
+                z_a = tl.join(z0a, z1a)
+                z_b = tl.join(z0b, z1b)
+            else:
+                z_a, z_b = tl.split(vz)
+        else:
+            z_a = vz
+            z_b = vz
+        acc_a = acc_a + p_codes[:, None] * _rows(z_a, M, PAIR).to(tl.float32)
+        if VH != 0:
+            acc_b = acc_b + p_codes[:, None] * _rows(z_b, M, PAIR).to(tl.float32)
+    return acc_a, acc_b
 
 
 @triton.jit
@@ -99,7 +225,7 @@ def attend_tile(q_a, q_b, q_sum, kx, km, vx, vm, ks, vs, kz, vz, k_ok, v_ok, KR,
                 KRES: tl.constexpr, VRES: tl.constexpr, KH: tl.constexpr, VH: tl.constexpr,
                 CDT: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_SCORES: tl.constexpr,
                 PREC: tl.constexpr, WINDOW: tl.constexpr, ASM: tl.constexpr,
-                SPLIT: tl.constexpr):
+                SPLIT: tl.constexpr, P: tl.constexpr, PAIR: tl.constexpr):
     # One tile's update of the online softmax (m_i, l_i, w_run, acc_a, acc_b) from the loads
     # of tile_operand; KR / VR: the residual rows (read here, in tiles with k_nres / v_nres)
     # ---- scores s [M, T] in log2 units; two half-width dots for fp4 (even / odd columns) or
@@ -109,21 +235,21 @@ def attend_tile(q_a, q_b, q_sum, kx, km, vx, vm, ks, vs, kz, vz, k_ok, v_ok, KR,
         k_b, _ = widen(km, km, D // 2, KFMT, CDT, ASM)
     else:
         k_a, k_b = widen(kx, km, D, KFMT, CDT, ASM)
-    if KSM == 4:  # channel scales (full-width tiles): scale q's columns
-        s = tl.dot((q_a.to(tl.float32) * ks[None, :]).to(CDT), tl.trans(k_a),
-                   input_precision=PREC)
+    T: tl.constexpr = pos.shape[0]
+    M: tl.constexpr = row_ok.shape[0]
+    if PAIR:  # rows of the second copy (they see the tile's second page), keys of that page
+        copy = tl.arange(0, M) >= M // 2
+        second = tl.arange(0, T) >= P
+    if KSM == 4:  # channel scales: scale q's columns (PAIR: each copy by its page's)
+        s = _channel_scores(q_a, q_b, k_a, k_b, ks, kz, k_ok, D, KFMT, KH, CDT, PREC, PAIR)
     else:
         s = tl.dot(q_a, tl.trans(k_a), input_precision=PREC)
         if KH != 0:
             s = tl.dot(q_b, tl.trans(k_b), s, input_precision=PREC)
         if KSM != 0:
             s = s * ks[None, :]
-    if KFMT >= 5:  # int zero points
-        if KSM == 4:
-            qz = tl.sum(q_a.to(tl.float32) * kz[None, :], 1)
-            s = s + qz[:, None] * k_ok.to(tl.float32)[None, :]
-        else:
-            s = s + q_sum[:, None] * kz[None, :]
+    if KFMT >= 5 and KSM != 4:  # int zero points per token
+        s = s + q_sum[:, None] * kz[None, :]
     if KRES:
         if k_nres > 0:  # residual rows: loaded and multiplied only in the tiles that have some
             kr_a, kr_b = load_row_pair(KR, k_row, seen & (k_row >= 0), D, KH, CDT)
@@ -138,6 +264,8 @@ def attend_tile(q_a, q_b, q_sum, kx, km, vx, vm, ks, vs, kz, vz, k_ok, v_ok, KR,
     else:
         s = s * qk_scale
     ok = seen[None, :] & row_ok[:, None]
+    if PAIR:
+        ok = ok & (copy[:, None] == second[None, :])
     if SQ > 1:
         ok = ok & (pos[None, :] <= q_pos[:, None])
     if WINDOW:
@@ -174,11 +302,9 @@ def attend_tile(q_a, q_b, q_sum, kx, km, vx, vm, ks, vs, kz, vz, k_ok, v_ok, KR,
         pv = (p * (f / w_tile)[None, :]).to(CDT)
         corr = alpha * (w_run / w_tile)
         w_run = tl.zeros_like(w_run) + w_tile
-    if VSM == 4:  # channel scales (full-width tiles): scale the dot's columns
-        acc_a = acc_a * corr[:, None] + tl.dot(pv, v_a, input_precision=PREC) * vs[None, :]
-        if VFMT >= 5:
-            p_codes = tl.sum(tl.where(v_ok[None, :], p, 0.0), 1)
-            acc_a = acc_a + p_codes[:, None] * vz[None, :]
+    if VSM == 4:  # channel scales: scale the dot's columns (PAIR: each copy by its page's)
+        acc_a, acc_b = _channel_values(pv, p, v_a, v_b, vs, vz, v_ok, acc_a * corr[:, None],
+                                       acc_b * corr[:, None], DV, VFMT, VH, PREC, PAIR)
     else:
         acc_a = tl.dot(pv, v_a, acc_a * corr[:, None], input_precision=PREC)
         if VH != 0:

@@ -28,7 +28,8 @@ def decode_split_kernel(
         KRES: tl.constexpr, VRES: tl.constexpr,
         CDT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KMASK: tl.constexpr,
         WRITE_SCORES: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
-        WINDOW: tl.constexpr, ASM: tl.constexpr, BIG: tl.constexpr, SPLIT: tl.constexpr):
+        WINDOW: tl.constexpr, ASM: tl.constexpr, BIG: tl.constexpr, SPLIT: tl.constexpr,
+        PAIR: tl.constexpr = False):
     # K / V (KZ, VZ: int zero points; KR, KRS / VR, VRS: bf16 residual rows and the row of
     # each page) in the formats KFMT / VFMT (decode_tiles.py codes) with scale modes KSM / VSM
     pid_bh = tl.program_id(0)
@@ -38,16 +39,21 @@ def decode_split_kernel(
     HQ = H * G
     PREC: tl.constexpr = "ieee" if IEEE else None
 
-    # rows r = g * SQ + i: query i of the group's head g
+    # rows r = g * SQ + i: query i of the group's head g. PAIR (channel scales, tiles of two
+    # pages, G * SQ <= M / 2): rows r and r + M / 2 hold the same query, the first scaled by
+    # the tile's first page's channel scales and seeing its keys, the second by the second
+    # page's; one dot serves both pages, and the two copies' softmax partials merge at the end
+    HM: tl.constexpr = M // 2 if PAIR else M
     r = tl.arange(0, M)
-    row_ok = r < G * SQ
-    q_row = (b * HQ + kvh * G + r // SQ) * SQ + r % SQ  # row of q / out as [B*Hq*Sq, D]
+    rq = r % HM
+    row_ok = rq < G * SQ
+    q_row = (b * HQ + kvh * G + rq // SQ) * SQ + rq % SQ  # row of q / out as [B*Hq*Sq, D]
     L = tl.load(SL + b)
-    q_pos = L - SQ + r % SQ
-    # column layout of q / K (KH) and of V / out (VH): 1 = even / odd columns (fp4 nibbles),
-    # 2 = first / second half (SPLIT), 0 = all
-    KH: tl.constexpr = 1 if (KFMT == 3 or KFMT == 4) else (2 if SPLIT else 0)
-    VH: tl.constexpr = 1 if (VFMT == 3 or VFMT == 4) else (2 if SPLIT else 0)
+    q_pos = L - SQ + rq % SQ
+    # column layout of q / K (KH) and of V / out (VH): 1 = even / odd columns (fp4 / int4
+    # nibbles), 2 = first / second half (SPLIT), 0 = all
+    KH: tl.constexpr = 1 if (KFMT == 3 or KFMT == 4 or KFMT == 5) else (2 if SPLIT else 0)
+    VH: tl.constexpr = 1 if (VFMT == 3 or VFMT == 4 or VFMT == 5) else (2 if SPLIT else 0)
     q_a, q_b = load_row_pair(Q, q_row, row_ok, D, KH, CDT)
     q_sum = row_ok.to(tl.float32)  # int keys' zero points add zero * sum_d q_d to the scores
     if KFMT >= 5:
@@ -86,17 +92,45 @@ def decode_split_kernel(
         pos, seen, page = tile_meta(t, t1, b, L, lo, lo_t, n_sink, sinks, BT, stride_bt,
                                      KMASK, n_kmask, P, BLOCK_T, WINDOW, HAS_KMASK)
         off = pos % P
+        if KSM == 4 or VSM == 4:
+            # channel scales: the tile's page(s) from the block table, as scalars (a tile of
+            # one page, or of two when BLOCK_T = 2P)
+            start = tl.where(t < n_sink, t * BLOCK_T, lo_t + (t - n_sink) * BLOCK_T)
+            cok0 = (start < L).to(tl.int32)
+            cok1 = (start + P < L).to(tl.int32)
+            cpage0 = tl.load(BT + b * stride_bt + start // P, mask=cok0 != 0, other=0)
+            cpage1 = tl.load(BT + b * stride_bt + start // P + 1, mask=cok1 != 0, other=0)
+        else:
+            cok0 = 0
+            cok1 = 0
+            cpage0 = 0
+            cpage1 = 0
         kx, km, ks, kz, k_ok, k_row, k_nres = tile_operand(
             KD, KS, KM, KZ, KRS, page, off, seen, kvh, H, k_mult, D, P, KFMT, KSM, KRES,
-            KH, CDT, ASM, BIG, SPLIT)
+            KH, CDT, ASM, BIG, SPLIT, cpage0, cpage1, cok0, cok1)
         vx, vm, vs, vz, v_ok, v_row, v_nres = tile_operand(
             VD, VS, VM, VZ, VRS, page, off, seen, kvh, H, v_mult, DV, P, VFMT, VSM, VRES,
-            VH, CDT, ASM, BIG, SPLIT)
+            VH, CDT, ASM, BIG, SPLIT, cpage0, cpage1, cok0, cok1)
         m_i, l_i, w_run, acc_a, acc_b = attend_tile(
             q_a, q_b, q_sum, kx, km, vx, vm, ks, vs, kz, vz, k_ok, v_ok, KR, k_row, k_nres, VR,
             v_row, v_nres, pos, seen, q_pos, row_ok, q_row, m_i, l_i, w_run, acc_a, acc_b, SCORES,
             scores_len, qk_scale, cap_in, cap_out, window, sinks, D, DV, SQ, KFMT, VFMT, KSM,
-            VSM, KRES, VRES, KH, VH, CDT, SOFTCAP, WRITE_SCORES, PREC, WINDOW, ASM, SPLIT)
+            VSM, KRES, VRES, KH, VH, CDT, SOFTCAP, WRITE_SCORES, PREC, WINDOW, ASM, SPLIT, P,
+            PAIR)
+
+    if PAIR:  # merge the two copies of each query row (w_run is the same in every row)
+        m2 = tl.reshape(m_i, [2, HM])
+        m_i = tl.max(m2, 0)
+        m_s = tl.where(m_i == float("-inf"), 0.0, m_i)
+        wgt = tl.exp2(m2 - m_s[None, :])
+        l_i = tl.sum(tl.reshape(l_i, [2, HM]) * wgt, 0)
+        acc_a = tl.sum(tl.reshape(acc_a, [2, HM, acc_a.shape[1]]) * wgt[:, :, None], 0)
+        if VH != 0:
+            acc_b = tl.sum(tl.reshape(acc_b, [2, HM, acc_b.shape[1]]) * wgt[:, :, None], 0)
+        w_run = tl.max(tl.reshape(w_run, [2, HM]), 0)
+        r = tl.arange(0, HM)
+        row_ok = r < G * SQ
+        q_row = (b * HQ + kvh * G + r // SQ) * SQ + r % SQ
 
     # ---- epilogue: normalized partial and lse (log2 units); a split with no key has l = 0
     l_safe = tl.where(l_i > 0, l_i, 1.0)

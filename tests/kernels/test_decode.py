@@ -239,6 +239,39 @@ def test_decode_int_tile_variants(kf, vf, P, cfg):
     assert err <= bound
 
 
+PAIR_CASES = [  # channel scales in tiles of two pages: each query row held twice (PAIR)
+    ("int4/channel", "int4/token", 64, 4, 32, [130, 37, 5], 1, 2),
+    ("int4/channel", "int4/token", 128, 8, 32, [64, 95], 1, 1),     # G = 8: M = 16 exactly
+    ("int4/token", "int4/channel", 64, 2, 32, [77, 33], 3, 2),      # value channel scales
+    ("int4/channel", "int4/channel", 64, 1, 64, [200, 64], 2, 3),
+    ("int4/channel", "fp4_e2m1/page", 64, 4, 32, [99], 1, 2),
+    ("int2/channel", "int2/token", 64, 4, 32, [70, 129], 1, 2),    # full-width (int2) rows
+    ("int3/token", "int3/channel", 64, 4, 32, [45, 96], 1, 1),
+    ("fp8_e4m3/channel", "int4/token", 64, 4, 32, [99, 3], 1, 2),  # fp32 channel scales
+    ("int4/channel", "int4/token", 64, 4, 32, [70, 33], 3, 2),     # G * Sq = 12: no pair
+]
+
+
+@pytest.mark.parametrize("kf,vf,D,G,P,lens,Sq,splits", PAIR_CASES)
+def test_decode_channel_tiles_of_two_pages(kf, vf, D, G, P, lens, Sq, splits):
+    gen = torch.Generator().manual_seed(hash((kf, vf, D, G, P, Sq)) % 2**31)
+    err, bound, _, _ = run_case(_fmt(kf), _fmt(vf), lens, 2, G, D, P, Sq=Sq, splits=splits,
+                                config={"BLOCK_T": 2 * P}, gen=gen)
+    assert err <= bound, f"relative error {err:.2e} > {bound:.1e}"
+
+
+def test_decode_channel_tiles_of_two_pages_with_masks_window_mass_and_residual():
+    gen = torch.Generator().manual_seed(29)
+    km = torch.rand(2, 100, generator=gen) > 0.3
+    km[:, 0] = True
+    err, bound, _, (mass, mass_ref) = run_case(
+        _fmt("int4/channel", True), _fmt("int4/channel", True), [150, 61], 2, 2, 64, 32, Sq=2,
+        window=70, sinks=3, softcap=5.0, key_mask=km.to(DEV), with_mass=True, splits=2,
+        config={"BLOCK_T": 64}, gen=gen)
+    assert err <= bound
+    assert rel_err(mass, mass_ref) <= 1e-4
+
+
 def test_decode_int_masks_window_mass_and_speculative():
     gen = torch.Generator().manual_seed(19)
     km = torch.rand(2, 60, generator=gen) > 0.3
