@@ -156,30 +156,52 @@ def _channel_scores(q_a, q_b, k_a, k_b, ks, kz, k_ok, D: tl.constexpr, KFMT: tl.
         s = tl.dot(_scaled(q_a, _rows(ks, M, PAIR), CDT), tl.trans(k_a),
                    input_precision=PREC)
     if KFMT >= 5:
-        if KH == 1:
-            if PAIR:
-                z0, z1 = tl.split(kz)
-                z0a, z0b = tl.split(z0)
-                z1a, z1b = tl.split(z1)
-                z_a = tl.join(z0a, z1a)
-                z_b = tl.join(z0b, z1b)
-            else:
-                z_a, z_b = tl.split(kz)
-            qz = tl.sum(q_a.to(tl.float32) * _rows(z_a, M, PAIR).to(tl.float32)
-                        + q_b.to(tl.float32) * _rows(z_b, M, PAIR).to(tl.float32), 1)
-        else:
-            qz = tl.sum(q_a.to(tl.float32) * _rows(kz, M, PAIR).to(tl.float32), 1)
+        qz = _channel_qz(q_a, q_b, kz, KH, PAIR)
         s = s + qz[:, None] * k_ok.to(tl.float32)[None, :]
     return s
 
 
 @triton.jit
-def _channel_values(pv, p, v_a, v_b, vs, vz, v_ok, acc_a, acc_b, DV: tl.constexpr,
+def _channel_zero_rows(kz, M: tl.constexpr, KH: tl.constexpr, PAIR: tl.constexpr):
+    # int channel zero points from tile_operand -> per-row ([M, C] with PAIR, else [1, C])
+    # (even, odd) channels (KH == 1), or (all, all)
+    if KH == 1:
+        if PAIR:
+            z0, z1 = tl.split(kz)
+            z0a, z0b = tl.split(z0)
+            z1a, z1b = tl.split(z1)
+            z_a = tl.join(z0a, z1a)
+            z_b = tl.join(z0b, z1b)
+        else:
+            z_a, z_b = tl.split(kz)
+        return _rows(z_a, M, PAIR), _rows(z_b, M, PAIR)
+    else:
+        z = _rows(kz, M, PAIR)
+        return z, z
+
+
+@triton.jit
+def _channel_qz(q_a, q_b, kz, KH: tl.constexpr, PAIR: tl.constexpr):
+    # sum_d q_d * zero_d per row [M], fp32
+    z_a, z_b = _channel_zero_rows(kz, q_a.shape[0], KH, PAIR)
+    qz = q_a.to(tl.float32) * z_a.to(tl.float32)
+    if KH == 1:
+        qz += q_b.to(tl.float32) * z_b.to(tl.float32)
+    return tl.sum(qz, 1)
+
+
+@triton.jit
+def _add_pair(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _channel_values(pv, p_codes, v_a, v_b, vs, vz, acc_a, acc_b, DV: tl.constexpr,
                     VFMT: tl.constexpr, VH: tl.constexpr, PREC: tl.constexpr,
                     PAIR: tl.constexpr):
     # acc + p @ v with channel scales vs (PAIR: per row copy) on the dot's columns, plus
-    # (sum of p over the code keys) * zero_d for int values; pv: p in the compute dtype
-    M: tl.constexpr = p.shape[0]
+    # p_codes (sum of p over the code keys) * zero_d for int values; pv: p in the compute dtype
+    M: tl.constexpr = pv.shape[0]
     if VH == 1:
         if PAIR:
             s0, s1 = tl.split(vs)
@@ -197,7 +219,6 @@ def _channel_values(pv, p, v_a, v_b, vs, vz, v_ok, acc_a, acc_b, DV: tl.constexp
         acc_b = acc_b + tl.dot(pv, v_b, input_precision=PREC) * _rows(s_b, M, PAIR).to(
             tl.float32)
     if VFMT >= 5:
-        p_codes = tl.sum(tl.where(v_ok[None, :], p, 0.0), 1)
         if VH == 1:
             if PAIR:
                 z0, z1 = tl.split(vz)
@@ -280,7 +301,9 @@ def attend_tile(q_a, q_b, q_sum, kx, km, vx, vm, ks, vs, kz, vz, k_ok, v_ok, KR,
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    if VFMT < 5:
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pz = alpha  # (no zero points)
 
     # ---- values: each token's scale goes into p, divided by the tile's largest so that the
     # 16-bit p operand keeps its precision; acc is kept in units of that largest (residual
@@ -302,15 +325,23 @@ def attend_tile(q_a, q_b, q_sum, kx, km, vx, vm, ks, vs, kz, vz, k_ok, v_ok, KR,
         pv = (p * (f / w_tile)[None, :]).to(CDT)
         corr = alpha * (w_run / w_tile)
         w_run = tl.zeros_like(w_run) + w_tile
+    if VFMT >= 5:
+        # int zero points: sum_t p_t * z_t (per token, in acc's units) or the sum of p over the
+        # code keys (channel zero points, applied per column), in one reduction with l's sum
+        if VSM == 4:
+            zt = v_ok.to(tl.float32)
+        else:
+            zt = vz / w_tile
+        p_sum, pz = tl.reduce((p, p * zt[None, :]), 1, _add_pair)
+        l_i = l_i * alpha + p_sum
     if VSM == 4:  # channel scales: scale the dot's columns (PAIR: each copy by its page's)
-        acc_a, acc_b = _channel_values(pv, p, v_a, v_b, vs, vz, v_ok, acc_a * corr[:, None],
+        acc_a, acc_b = _channel_values(pv, pz, v_a, v_b, vs, vz, acc_a * corr[:, None],
                                        acc_b * corr[:, None], DV, VFMT, VH, PREC, PAIR)
     else:
         acc_a = tl.dot(pv, v_a, acc_a * corr[:, None], input_precision=PREC)
         if VH != 0:
             acc_b = tl.dot(pv, v_b, acc_b * corr[:, None], input_precision=PREC)
         if VFMT >= 5:  # zero points per token, in acc's units
-            pz = tl.sum(p * (vz / w_tile)[None, :], 1)
             acc_a = acc_a + pz[:, None]
             if VH != 0:
                 acc_b = acc_b + pz[:, None]

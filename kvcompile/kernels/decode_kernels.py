@@ -45,7 +45,10 @@ def decode_split_kernel(
     # page's; one dot serves both pages, and the two copies' softmax partials merge at the end
     HM: tl.constexpr = M // 2 if PAIR else M
     r = tl.arange(0, M)
-    rq = r % HM
+    if PAIR:
+        rq = r % HM
+    else:
+        rq = r
     row_ok = rq < G * SQ
     q_row = (b * HQ + kvh * G + rq // SQ) * SQ + rq % SQ  # row of q / out as [B*Hq*Sq, D]
     L = tl.load(SL + b)
