@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from kvcompile.kernels.decode_tiles import (
+    channel_pair,
     load_channel_params,
     load_codes,
     load_row_pair,
@@ -80,14 +81,18 @@ def tile_operand(XD, XS, XM, XZ, XRS, page, off, seen, kvh, H, mult, D: tl.const
     if SM == 4:
         # fp16 params of the tile's page cpage0 (scalars: block-table entry and whether the
         # page holds keys of the sequence), and of cpage1 when the tile has two pages (T > P):
-        # then joined on a last axis ([..., 2]); with HALVES == 1 each is the even / odd
-        # channels joined ([D // 2, 2])
+        # then joined on a last axis ([..., 2]), or with HALVES == 1 (int32 words of channel
+        # pairs, load_channel_params) as the two words of an int64
         T: tl.constexpr = page.shape[0]
         sc, zp = load_channel_params(XS, XZ, cpage0, kvh, H, D, FMT >= 5, cok0, HALVES)
         if T > P:
             s1, z1 = load_channel_params(XS, XZ, cpage1, kvh, H, D, FMT >= 5, cok1, HALVES)
-            sc = tl.join(sc, s1)
-            zp = tl.join(zp, z1)
+            if HALVES == 1:  # two int32 words in one int64 (elementwise: no layout change)
+                sc = (sc.to(tl.int64) & 0xFFFFFFFF) | (s1.to(tl.int64) << 32)
+                zp = (zp.to(tl.int64) & 0xFFFFFFFF) | (z1.to(tl.int64) << 32)
+            else:
+                sc = tl.join(sc, s1)
+                zp = tl.join(zp, z1)
     else:
         sc = load_token_scales(XS, page, off, kvh, H, P, SM, code_ok) * mult
         if FMT >= 5:
@@ -106,6 +111,31 @@ def _halves(v, HALVES: tl.constexpr):
         return a, b
     else:
         return v, v
+
+
+@triton.jit
+def _pages_halves(w, PAIR: tl.constexpr):
+    # channel params of tile_operand with HALVES == 1 -> (even, odd) of the first page, and of
+    # the second with PAIR (else the first's again)
+    if PAIR:
+        a0, b0 = channel_pair(w.to(tl.int32))
+        a1, b1 = channel_pair((w >> 32).to(tl.int32))
+    else:
+        a0, b0 = channel_pair(w)
+        a1 = a0
+        b1 = b0
+    return a0, b0, a1, b1
+
+
+@triton.jit
+def _rows2(v0, v1, M: tl.constexpr, PAIR: tl.constexpr):
+    # per-row [M, C] values: v0 for the first half of the rows, v1 for the second (PAIR), or
+    # v0 as [1, C]
+    if PAIR:
+        copy = (tl.arange(0, M) >= M // 2)[:, None]
+        return tl.where(copy, v1[None, :], v0[None, :])
+    else:
+        return v0[None, :]
 
 
 @triton.jit
@@ -140,17 +170,10 @@ def _channel_scores(q_a, q_b, k_a, k_b, ks, kz, k_ok, D: tl.constexpr, KFMT: tl.
     # layout (fp32 q there held 64 registers per thread)
     M: tl.constexpr = q_a.shape[0]
     if KH == 1:
-        if PAIR:
-            s0, s1 = tl.split(ks)
-            s0a, s0b = tl.split(s0)
-            s1a, s1b = tl.split(s1)
-            s_a = tl.join(s0a, s1a)
-            s_b = tl.join(s0b, s1b)
-        else:
-            s_a, s_b = tl.split(ks)
-        s = tl.dot(_scaled(q_a, _rows(s_a, M, PAIR), CDT), tl.trans(k_a),
+        s0a, s0b, s1a, s1b = _pages_halves(ks, PAIR)
+        s = tl.dot(_scaled(q_a, _rows2(s0a, s1a, M, PAIR), CDT), tl.trans(k_a),
                    input_precision=PREC)
-        s = tl.dot(_scaled(q_b, _rows(s_b, M, PAIR), CDT), tl.trans(k_b), s,
+        s = tl.dot(_scaled(q_b, _rows2(s0b, s1b, M, PAIR), CDT), tl.trans(k_b), s,
                    input_precision=PREC)
     else:  # full-width tiles
         s = tl.dot(_scaled(q_a, _rows(ks, M, PAIR), CDT), tl.trans(k_a),
@@ -166,15 +189,8 @@ def _channel_zero_rows(kz, M: tl.constexpr, KH: tl.constexpr, PAIR: tl.constexpr
     # int channel zero points from tile_operand -> per-row ([M, C] with PAIR, else [1, C])
     # (even, odd) channels (KH == 1), or (all, all)
     if KH == 1:
-        if PAIR:
-            z0, z1 = tl.split(kz)
-            z0a, z0b = tl.split(z0)
-            z1a, z1b = tl.split(z1)
-            z_a = tl.join(z0a, z1a)
-            z_b = tl.join(z0b, z1b)
-        else:
-            z_a, z_b = tl.split(kz)
-        return _rows(z_a, M, PAIR), _rows(z_b, M, PAIR)
+        z0a, z0b, z1a, z1b = _pages_halves(kz, PAIR)
+        return _rows2(z0a, z1a, M, PAIR), _rows2(z0b, z1b, M, PAIR)
     else:
         z = _rows(kz, M, PAIR)
         return z, z
@@ -203,37 +219,20 @@ def _channel_values(pv, p_codes, v_a, v_b, vs, vz, acc_a, acc_b, DV: tl.constexp
     # p_codes (sum of p over the code keys) * zero_d for int values; pv: p in the compute dtype
     M: tl.constexpr = pv.shape[0]
     if VH == 1:
-        if PAIR:
-            s0, s1 = tl.split(vs)
-            s0a, s0b = tl.split(s0)
-            s1a, s1b = tl.split(s1)
-            s_a = tl.join(s0a, s1a)
-            s_b = tl.join(s0b, s1b)
-        else:
-            s_a, s_b = tl.split(vs)
+        s0a, s0b, s1a, s1b = _pages_halves(vs, PAIR)
+        s_a = _rows2(s0a, s1a, M, PAIR)
+        s_b = _rows2(s0b, s1b, M, PAIR)
     else:
-        s_a = vs
-        s_b = vs
-    acc_a = acc_a + tl.dot(pv, v_a, input_precision=PREC) * _rows(s_a, M, PAIR).to(tl.float32)
+        s_a = _rows(vs, M, PAIR)
+        s_b = s_a
+    acc_a = acc_a + tl.dot(pv, v_a, input_precision=PREC) * s_a.to(tl.float32)
     if VH != 0:
-        acc_b = acc_b + tl.dot(pv, v_b, input_precision=PREC) * _rows(s_b, M, PAIR).to(
-            tl.float32)
+        acc_b = acc_b + tl.dot(pv, v_b, input_precision=PREC) * s_b.to(tl.float32)
     if VFMT >= 5:
-        if VH == 1:
-            if PAIR:
-                z0, z1 = tl.split(vz)
-                z0a, z0b = tl.split(z0)
-                z1a, z1b = tl.split(z1)
-                z_a = tl.join(z0a, z1a)
-                z_b = tl.join(z0b, z1b)
-            else:
-                z_a, z_b = tl.split(vz)
-        else:
-            z_a = vz
-            z_b = vz
-        acc_a = acc_a + p_codes[:, None] * _rows(z_a, M, PAIR).to(tl.float32)
+        z_a, z_b = _channel_zero_rows(vz, M, VH, PAIR)
+        acc_a = acc_a + p_codes[:, None] * z_a.to(tl.float32)
         if VH != 0:
-            acc_b = acc_b + p_codes[:, None] * _rows(z_b, M, PAIR).to(tl.float32)
+            acc_b = acc_b + p_codes[:, None] * z_b.to(tl.float32)
     return acc_a, acc_b
 
 

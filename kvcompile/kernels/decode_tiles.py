@@ -153,18 +153,21 @@ def load_token_zeros(zero_ptr, page, off, kvh, H, P: tl.constexpr, MODE: tl.cons
 @triton.jit
 def load_channel_params(scale_ptr, zero_ptr, page0, kvh, H, D: tl.constexpr,
                         HAS_ZERO: tl.constexpr, n_ok, HALVES: tl.constexpr = 0):
-    # -> (scales, zero points; 0 without), as stored, of page page0 (a scalar); n_ok: int scalar, 0
-    # loads nothing (0). HALVES 0: [D] each; 1: the even and odd channels joined, [D // 2, 2]
-    # (loaded as such, so no reshape of the vector is needed)
+    # -> (scales, zero points; 0 without) of page page0 (a scalar); n_ok: int scalar, 0 loads
+    # nothing (0). HALVES 0: [D] each, as stored; 1 (fp16 params): int32 words [D // 2], each
+    # the (even, odd) channel pair of one code byte (channel_pair splits them): elementwise
+    # from the load, so the vectors load in the layout their use needs
     row = (page0 * H + kvh).to(tl.int64) * D
     if HALVES == 1:
-        c = 2 * tl.arange(0, D // 2)[:, None] + tl.arange(0, 2)[None, :]
-        m = c < D * n_ok
-        s = tl.load(scale_ptr + row + c, mask=m, other=0.0)
+        tl.static_assert(scale_ptr.dtype.element_ty == tl.float16)
+        c = tl.arange(0, D // 2)
+        m = c < (D // 2) * n_ok
+        s = tl.load(scale_ptr.to(tl.pointer_type(tl.int32)) + row // 2 + c, mask=m, other=0)
         if HAS_ZERO:
-            z = tl.load(zero_ptr + row + c, mask=m, other=0.0)
+            z = tl.load(zero_ptr.to(tl.pointer_type(tl.int32)) + row // 2 + c, mask=m,
+                        other=0)
         else:
-            z = s * 0.0
+            z = s * 0
     else:
         c = tl.arange(0, D)
         m = c < D * n_ok
@@ -174,6 +177,14 @@ def load_channel_params(scale_ptr, zero_ptr, page0, kvh, H, D: tl.constexpr,
         else:
             z = s * 0.0
     return s, z
+
+
+@triton.jit
+def channel_pair(w):
+    # int32 words of load_channel_params (HALVES 1) -> (even, odd) channels, fp16
+    even = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    odd = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return even, odd
 
 
 @triton.jit
