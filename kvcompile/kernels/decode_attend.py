@@ -81,8 +81,9 @@ def tile_operand(XD, XS, XM, XZ, XRS, page, off, seen, kvh, H, mult, D: tl.const
     if SM == 4:
         # fp16 params of the tile's page cpage0 (scalars: block-table entry and whether the
         # page holds keys of the sequence), and of cpage1 when the tile has two pages (T > P):
-        # then joined on a last axis ([..., 2]), or with HALVES == 1 (int32 words of channel
-        # pairs, load_channel_params) as the two words of an int64
+        # then the two pages' bits packed in one integer of twice the width (_pack2; with
+        # HALVES == 1, int32 words of channel pairs (load_channel_params), in one int64):
+        # elementwise, so the vectors keep the layout of their use
         T: tl.constexpr = page.shape[0]
         sc, zp = load_channel_params(XS, XZ, cpage0, kvh, H, D, FMT >= 5, cok0, HALVES)
         if T > P:
@@ -91,8 +92,8 @@ def tile_operand(XD, XS, XM, XZ, XRS, page, off, seen, kvh, H, mult, D: tl.const
                 sc = (sc.to(tl.int64) & 0xFFFFFFFF) | (s1.to(tl.int64) << 32)
                 zp = (zp.to(tl.int64) & 0xFFFFFFFF) | (z1.to(tl.int64) << 32)
             else:
-                sc = tl.join(sc, s1)
-                zp = tl.join(zp, z1)
+                sc = _pack2(sc, s1)
+                zp = _pack2(zp, z1)
     else:
         sc = load_token_scales(XS, page, off, kvh, H, P, SM, code_ok) * mult
         if FMT >= 5:
@@ -139,13 +140,36 @@ def _rows2(v0, v1, M: tl.constexpr, PAIR: tl.constexpr):
 
 
 @triton.jit
+def _pack2(a, b):
+    # two fp16 / fp32 vectors -> their bits in one int32 / int64 vector (a low, b high)
+    if a.dtype == tl.float16:
+        lo = a.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return lo | (b.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+    else:
+        lo = a.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+        return lo | (b.to(tl.int32, bitcast=True).to(tl.int64) << 32)
+
+
+@triton.jit
+def _unpack2(w):
+    # _pack2's inverse
+    if w.dtype == tl.int32:
+        a = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+        b = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        a = w.to(tl.int32).to(tl.float32, bitcast=True)
+        b = (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    return a, b
+
+
+@triton.jit
 def _rows(v, M: tl.constexpr, PAIR: tl.constexpr):
-    # a channel vector (PAIR: the two pages' joined on a last axis) -> its value per row
-    # [M, C] (PAIR: rows of the second half take the second page's), or [1, C]
+    # a channel vector of tile_operand (full width; PAIR: the two pages' packed, _pack2) ->
+    # its value per row [M, C] (PAIR: rows of the second half take the second page's), or
+    # [1, C]
     if PAIR:
-        v0, v1 = tl.split(v)
-        copy = (tl.arange(0, M) >= M // 2)[:, None]
-        return tl.where(copy, v1[None, :], v0[None, :])
+        v0, v1 = _unpack2(v)
+        return _rows2(v0, v1, M, PAIR)
     else:
         return v[None, :]
 
