@@ -67,9 +67,9 @@ VARIANTS = {
             dict(BLOCK_T=64, num_stages=1, ASM=3, **_W4),
             dict(BLOCK_T=128, num_warps=8, num_stages=1, ASM=3)],
     # int rows (channel keys: 128-token tiles = two 64-token pages, each query row held once
-    # per page (PAIR); BLOCK_T 64: one page per tile, as before 2026-11-30's rework)
-    "int": [dict(BLOCK_T=128, num_stages=1, maxnreg=128, **_W4),
-            dict(BLOCK_T=128, num_stages=1, maxnreg=168, **_W4),  # 3 programs / SM, no spill
+    # per page (PAIR), register cap PAIR_MAXNREG; BLOCK_T 64: one page per tile)
+    "int": [dict(BLOCK_T=128, num_stages=1, PAIR_MAXNREG=168, **_W4),  # 3 programs / SM
+            dict(BLOCK_T=128, num_stages=1, PAIR_MAXNREG=128, **_W4),
             dict(BLOCK_T=64, num_stages=1, maxnreg=128, **_W4)],
 }
 SWEEP_FORMAT = {"bf16": "bf16", "fp8": "fp8_e4m3/page", "fp4": "fp4_e2m1/page",
