@@ -142,8 +142,8 @@ def default_config(kfmt: int, d: int, dv: int, m: int) -> dict:
     if quantized:
         cap = 128 if max(d, dv) <= 128 and m <= 16 else None
         # PAIR_MAXNREG: the cap of int channel tiles of two pages (launch_decode), 168 (3
-        # programs / SM, no spill): 0.458 ms against 0.490 with 128 (int4 K channel + int4 V
-        # token, pages of 64, B16 L32k, H200 2026-11-30)
+        # programs / SM, 16 spill loads per tile instead of 45): 0.458 ms against 0.490 with
+        # 128 (int4 K channel + int4 V token, pages of 64, B16 L32k, H200 2026-11-30)
         return {"BLOCK_T": block_t, "num_warps": 4, "num_stages": 1, "ASM": 3, "waves": 8,
                 "SPLIT": 1, "maxnreg": cap, "PAIR_MAXNREG": 168 if cap else None}
     return {"BLOCK_T": block_t, "num_warps": 4, "num_stages": 2, "ASM": 0, "waves": 8,
