@@ -77,7 +77,7 @@ def test_configure_rejects_global_fields_and_bad_values():
     with pytest.raises(kvcompile.KVConfigError, match="page_size"):
         kvcompile.configure(m, page_size=32)
     with pytest.raises(kvcompile.KVConfigError, match="kv_dtype"):
-        kvcompile.configure(m, kv_dtype="int3")
+        kvcompile.configure(m, kv_dtype="int5")
 
 
 def _hf_cache_bytes(cache) -> int:
