@@ -149,6 +149,10 @@ def suite_ppl(model, tok, args) -> dict:
 def suite_stream(model, tok, args) -> dict:
     ids = lee_corpus_ids(tok)[:args.stream_tokens]
     chunk = 64
+    if args.stream_baselines_only:  # add the full-attention rows to a saved streaming run
+        with open(RESULTS) as f:
+            res = json.load(f)["stream" + TAG[0]]["results"]
+        return _stream_baselines(model, ids, chunk, args.slide_stride, res)
     ev = Evaluator(model).compile("auto")
     pols = {"sink4+window1020": SinkWindow(4, 1020), "sink4+window1020 (original pos)":
             SinkWindow(4, 1020), "window1024 (no sink)": SinkWindow(0, 1024)}
@@ -173,27 +177,33 @@ def suite_stream(model, tok, args) -> dict:
                 f"{k}={v['ppl']:.2f}" for k, v in res.items()))
             save("stream", {"tokens": i + chunk, "chunk": chunk, "results": res})
     rows.cache = None
+    return _stream_baselines(model, ids, chunk, args.slide_stride, res)
+
+
+def _stream_baselines(model, ids, chunk: int, stride: int, res: dict) -> dict:
     t0 = time.time()
-    slide = _sliding_ppl(model, ids, 1024, chunk)
-    res["full attention, sliding 1024-token window"] = slide
-    log(f"stream sliding-window full attention: {slide['ppl']:.2f} ({time.time() - t0:.0f}s)")
-    save("stream", {"tokens": len(ids), "chunk": chunk, "results": res})
     win = _windowed_ppl(model, ids, 2048)
     res["full attention, 2048-token windows"] = win
     save("stream", {"tokens": len(ids), "chunk": chunk, "results": res})
-    log(f"stream windowed full attention: {win['ppl']:.2f}")
+    log(f"stream windowed full attention: {win['ppl']:.2f} ({time.time() - t0:.0f}s)")
+    t0 = time.time()
+    slide = _sliding_ppl(model, ids, 1024, stride, chunk)
+    res[f"full attention, sliding 1024-token window (stride {stride})"] = slide
+    log(f"stream sliding-window full attention: {slide['ppl']:.2f} ({time.time() - t0:.0f}s)")
+    save("stream", {"tokens": len(ids), "chunk": chunk, "results": res})
     return res
 
 
-def _sliding_ppl(model, ids: torch.Tensor, window: int, chunk: int) -> dict:
+def _sliding_ppl(model, ids: torch.Tensor, window: int, stride: int, first: int) -> dict:
     """Plain HF model, full attention recomputed over a sliding window: the tokens scored by
-    the streaming rows (ids[chunk:]), each chunk predicted from the `window` tokens that end
-    with it (so every token sees window - chunk .. window - 1 tokens before it)."""
+    the streaming rows (ids[first:]), each `stride` tokens predicted from the `window` tokens
+    that end with them (every token sees window - stride .. window - 1 tokens before it,
+    fewer in the first window)."""
     fwd = model.__dict__.pop("forward", None)
     nll, n = 0.0, 0
     try:
-        for i in range(chunk, len(ids), chunk):
-            end = min(i + chunk, len(ids))
+        for i in range(first, len(ids), stride):
+            end = min(i + stride, len(ids))
             s = max(0, end - window)
             x = ids[s:end][None]
             with torch.no_grad():
@@ -355,6 +365,11 @@ def parse(argv):
     ap.add_argument("--cont", type=int, default=256)
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--stream-tokens", type=int, default=1 << 30)
+    ap.add_argument("--slide-stride", type=int, default=256,
+                    help="stride of the sliding-window full-attention baseline (64: exact "
+                    "match of the streaming chunks, 16x the compute of stride 1024)")
+    ap.add_argument("--stream-baselines-only", action="store_true",
+                    help="add the full-attention baselines to the saved streaming run")
     ap.add_argument("--lengths", default="1024,2048,4096,7680")
     ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
     ap.add_argument("--ruler-lengths", default="1024,2048")

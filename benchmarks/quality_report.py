@@ -32,9 +32,9 @@ def _retrieval_table(res: dict, title: str) -> list[str]:
 
 def tables(data: dict) -> str:
     lines = []
-    if "ppl" in data:
-        p = data["ppl"]
-        lines += [f"### Perplexity after a compressed {p['ctx']}-token context "
+    for key in [k for k in data if k.startswith("ppl")]:
+        p = data[key]
+        lines += [f"### {key}: perplexity after a compressed {p['ctx']}-token context "
                   f"({p['cont']} scored tokens x {p['windows']} windows of the Lee corpus)", "",
                   "| format | row | kept | ppl | KL vs full (nats) | top-1 agreement | "
                   "KB / token |", "|---|---|---|---|---|---|---|"]
@@ -71,40 +71,43 @@ def plot(data: dict, path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    if "ppl" in data:
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"wspace": 0.9})
+    seen = set()
+    for key in [k for k in data if k.startswith("ppl")]:
         ax = axes[0]
-        for fmt, rows in data["ppl"]["results"].items():
+        for fmt, rows in data[key]["results"].items():
             for label, r in rows.items():
+                if (fmt, label) in seen:  # a row measured again by a later run: same figure
+                    continue
+                seen.add((fmt, label))
                 kb = ELEMS_PER_TOKEN * ELEM_BYTES[fmt] * r["kept"] / 1024
                 pol = label.split("@")[0]
                 ax.scatter(kb, r["ppl"], marker={"full": "o", "SinkWindow": "s", "H2O": "^",
-                                                 "SnapKV": "D"}.get(pol, "x"),
+                                                 "SnapKV": "D", "SnapKV-w8-shared": "*",
+                                                 "TOVA-like": "P"}.get(pol, "x"),
                            label=f"{FMT_NAME.get(fmt, fmt)} {label}", s=22)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("KV cache KB per context token (all layers, K+V)")
         ax.set_ylabel("perplexity (lower is better)")
         ax.set_title("SmolLM2-135M, Lee corpus")
-        ax.legend(fontsize=5, ncol=2)
+        ax.legend(fontsize=5, ncol=1, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     if "passkey" in data:
         ax = axes[1]
-        res = data["passkey"]["results"]
-        for label, per in res.items():
-            hits = [h for v in per.values() for h in v]
-            ratio = 0 if label == "full" else int(label.split("@")[1])
-            kb = ELEMS_PER_TOKEN * 4.0 * (1 - ratio / 100) / 1024
-            ax.scatter(kb, 100 * sum(hits) / len(hits), label=label, s=22)
-        if "kvpress" in data:
-            for label, per in data["kvpress"]["results"].items():
+        bars = []  # (label, % retrieved, n), kvcompile rows then kvpress presses
+        for suite, prefix in (("passkey", ""), ("kvpress", "kvpress "), ("kvpress_ratios",
+                                                                         "kvpress ")):
+            for label, per in data.get(suite, {}).get("results", {}).items():
                 hits = [h for v in per.values() for h in v]
-                ratio = int(label.split("@")[1])
-                kb = ELEMS_PER_TOKEN * 4.0 * (1 - ratio / 100) / 1024
-                ax.scatter(kb, 100 * sum(hits) / len(hits), marker="x",
-                           label=f"kvpress {label}", s=30)
-        ax.set_xlabel("KV cache KB per context token (fp32 storage)")
-        ax.set_ylabel("passkey retrieval %")
-        ax.set_title("passkey, compressed prompt")
-        ax.legend(fontsize=5, ncol=2)
+                if hits:
+                    bars.append((prefix + label, 100 * sum(hits) / len(hits), len(hits)))
+        y = list(range(len(bars)))[::-1]
+        ax.barh(y, [b[1] for b in bars],
+                color=["tab:orange" if b[0].startswith("kvpress") else "tab:blue" for b in bars])
+        ax.set_yticks(y, [f"{b[0]} (n={b[2]})" for b in bars], fontsize=6)
+        ax.set_xlim(0, 100)
+        ax.set_xlabel("passkey retrieved (%)")
+        lengths = sorted({k for v in data["passkey"]["results"].values() for k in v}, key=int)
+        ax.set_title(f"passkey at {'/'.join(lengths)} tokens (name@% evicted)")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     return True
