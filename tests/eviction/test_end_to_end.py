@@ -128,7 +128,7 @@ def test_sink_rerotation_matches_cache_positions():
 
 
 @pytest.mark.parametrize("policy", [H2O(budget=12, recent=4, sinks=2),
-                                    SnapKV(budget=12, window=4, kernel=3),
+                                    SnapKV(budget=12, window=4, kernel=3, per_head=True),
                                     SnapKV(budget=12, window=4, kernel=3, per_head=False),
                                     H2O(budget=16, recent=4, sinks=2, granularity="page")])
 def test_budget_held_and_bookkeeping(policy):
