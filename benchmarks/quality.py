@@ -67,8 +67,10 @@ def save(suite: str, data) -> None:
     """Replace one suite's entry of the results file (locked: suites may run in parallel
     processes)."""
     import fcntl
+    import tempfile
 
-    with open(RESULTS + ".lock", "w") as lock:
+    lock_path = os.path.join(tempfile.gettempdir(), "kvcompile_quality_results.lock")
+    with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         allr = {}
         if os.path.exists(RESULTS):
