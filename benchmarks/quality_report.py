@@ -94,12 +94,18 @@ def plot(data: dict, path: str) -> bool:
     if "passkey" in data:
         ax = axes[1]
         bars = []  # (label, % retrieved, n), kvcompile rows then kvpress presses
-        for suite, prefix in (("passkey", ""), ("kvpress", "kvpress "), ("kvpress_ratios",
-                                                                         "kvpress ")):
-            for label, per in data.get(suite, {}).get("results", {}).items():
+        for prefix in ("passkey", "kvpress"):
+            # runs with the same prompts (--tag, --skip-lengths): one entry per (row, length)
+            merged = {}
+            for suite in [k for k in data if k.startswith(prefix) and "ruler" not in k]:
+                for label, per in data[suite]["results"].items():
+                    for length, h in per.items():
+                        merged.setdefault(label, {}).setdefault(length, h)
+            for label, per in merged.items():
                 hits = [h for v in per.values() for h in v]
                 if hits:
-                    bars.append((prefix + label, 100 * sum(hits) / len(hits), len(hits)))
+                    name = label if prefix == "passkey" else f"kvpress {label}"
+                    bars.append((name, 100 * sum(hits) / len(hits), len(hits)))
         y = list(range(len(bars)))[::-1]
         ax.barh(y, [b[1] for b in bars],
                 color=["tab:orange" if b[0].startswith("kvpress") else "tab:blue" for b in bars])
