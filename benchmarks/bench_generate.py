@@ -13,6 +13,8 @@ Sections, each in its own try/except, within one deadline (`--budget-s`), printe
   hf_static  HF generate, StaticCache + torch.compile         (baseline; compiled run excluded)
   kvc_fp8    kvcompile.compile(model, kv_dtype="fp8_e4m3") + HF generate
   kvc_bf16   same with bf16 pages: tokens vs hf_eager (free run, and teacher-forced)
+  engine_b   the same B prompts through kvcompile.Engine (fp8 pages, one prefill step, decode
+             steps replayed from CUDA graphs); engine_b_nograph: the same without graphs
   engine     Engine throughput / latency against concurrency (closed loop) -> PNG
 
 tok/s = B * new tokens / wall time of the whole generate call (prefill included); decode tok/s
@@ -55,7 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--budget-s", type=float, default=330.0, help="skip sections past this")
-    p.add_argument("--sections", default="capacity,hf_eager,hf_static,kvc_fp8,kvc_bf16,engine")
+    p.add_argument("--sections", default="capacity,hf_eager,hf_static,kvc_fp8,kvc_bf16,"
+                                         "engine_b,engine_b_nograph,engine")
     p.add_argument("--concurrency", default="1,4,16,64")
     p.add_argument("--engine-prompt", type=int, default=1024)
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "benchmarks"))
@@ -325,6 +328,42 @@ def engine_curve(model, args, device, ctx, clock):
     return rows
 
 
+def engine_batch(model, args, device, ctx, graphs: bool = True):
+    """The HF rows' setup through the Engine: the same B prompts at once, one prefill step
+    (max_num_batched_tokens = B x prompt), then decode steps (CUDA graphs unless `graphs` is
+    False). tok/s = B x new / wall time of the whole `generate` (prefill included), after a
+    warm-up call that compiles and captures."""
+    ids, _ = ctx["inputs"]
+    uncompile(model)
+    cfg = _kvc_config(args, "fp8_e4m3")
+    B, N = ids.shape[0], args.new
+    eng = Engine(model, None, cfg, max_num_batched_tokens=B * ids.shape[1], max_num_seqs=B,
+                 enable_prefix_caching=False, cuda_graphs=graphs)
+    prompts = [row.tolist() for row in ids.cpu()]
+    eng.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+    times, outs = [], None
+    for _ in range(args.repeats):
+        outs, t = timed(lambda: eng.generate(prompts, params), device)
+        times.append(t)
+    t = statistics.median(times)
+    first = max(o.first_token_time - o.arrival_time for o in outs)
+    g = eng.runner.graphs
+    toks = torch.tensor([o.token_ids for o in outs])
+    row = dict(label="kvcompile Engine, fp8 pages" + (", CUDA-graph decode" if graphs else
+                                                      ", no CUDA graphs"),
+               tok_s=B * N / t, decode_tok_s=B * (N - 1) / max(t - first, 1e-9),
+               first_token_s=first, total_s=t,
+               graph_replays=g.replays if g is not None else 0,
+               graph_captures=g.captures if g is not None else 0,
+               graphs_off_because=g.why_not() if g is not None else "cuda_graphs=False")
+    ctx["engine_tokens" + ("" if graphs else "_nograph")] = toks
+    other = ctx.get("engine_tokens_nograph" if graphs else "engine_tokens")
+    row["same_tokens_as_other_engine_row"] = _match(toks, other)
+    eng.close()
+    return row
+
+
 def _pct(xs, q):
     xs = sorted(xs)
     k = min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))
@@ -395,7 +434,8 @@ def main(argv=None) -> int:
     print(env, flush=True)
     sections = args.sections.split(",")
     # rough minimum seconds each needs on the H200 (compiles included)
-    need = dict(capacity=1, hf_eager=25, hf_static=90, kvc_fp8=80, kvc_bf16=70, engine=60)
+    need = dict(capacity=1, hf_eager=25, hf_static=90, kvc_fp8=80, kvc_bf16=70, engine=60,
+                engine_b=40, engine_b_nograph=30)
     results, errors, ctx = {"env": env}, {}, {}
     model = None
     try:
@@ -410,6 +450,8 @@ def main(argv=None) -> int:
         hf_static=lambda: hf_static(model, args, device, ctx),
         kvc_fp8=lambda: kvc(model, args, device, ctx, "fp8_e4m3"),
         kvc_bf16=lambda: kvc(model, args, device, ctx, "bf16"),
+        engine_b=lambda: engine_batch(model, args, device, ctx),
+        engine_b_nograph=lambda: engine_batch(model, args, device, ctx, graphs=False),
         engine=lambda: engine_curve(model, args, device, ctx, clock))
     for name in sections:
         if name != "capacity" and model is None:
@@ -434,13 +476,18 @@ def main(argv=None) -> int:
 
 
 def report(results, errors, args):
-    gen = [results[k] for k in ("hf_eager", "hf_static", "kvc_fp8", "kvc_bf16") if k in results]
+    gen = [results[k] for k in ("hf_eager", "hf_static", "kvc_fp8", "kvc_bf16", "engine_b",
+                                "engine_b_nograph") if k in results]
     base = results.get("hf_static", {}).get("tok_s")
     for r in gen:
         r["x_static"] = r["tok_s"] / base if base else None
     print("\n### HF generate, " + results["env"]["setup"])
     print(table(gen, ["label", "tok_s", "decode_tok_s", "first_token_s", "total_s", "x_static",
                       "same_tokens_as_eager", "graphs", "reference_fallbacks"]))
+    eng = [results[k] for k in ("engine_b", "engine_b_nograph") if k in results]
+    if eng:
+        print(table(eng, ["label", "graph_captures", "graph_replays", "graphs_off_because",
+                          "same_tokens_as_other_engine_row"]))
     bf = results.get("kvc_bf16")
     if bf and "forced_decisive_steps" in bf:
         print(f"\nbf16 pages vs eager, teacher-forced: decisive steps {bf['forced_decisive_steps']}"

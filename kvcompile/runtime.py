@@ -238,7 +238,9 @@ class KernelDispatch:
                 window = window or mask_info.window
             else:
                 return self._fallback("mask that is not causal + padding + window")
-        elif not is_causal and plan.new_tokens > 1:
+        elif not is_causal and plan.new_tokens > 1 and not plan.packed:
+            # (a packed plan is causal within each sequence whatever mask the model built: the
+            # engine calls the model with use_cache=False, so HF passes a mask, not is_causal)
             return self._fallback("non-causal attention over several new tokens")
         try:
             if plan.is_decode:

@@ -343,6 +343,31 @@ class PagePool:
         out = self._table[:, :width].index_select(0, self._rows[1])
         return out if device is None else out.to(device)
 
+    def table(self) -> torch.Tensor:
+        """The whole block table [rows, width] int32, pending changes applied. Row r belongs
+        to the sequence whose `row` is r (decode_slots / sequence_slots give them). The tensor
+        is replaced when the table grows: do not keep it across reserve / fork calls."""
+        self._flush_table()
+        return self._table
+
+    def decode_slots(self, seq_ids) -> tuple[list[int], list[int], list[int]]:
+        """Host-side view of a decode step after reserve(seq_ids, 1): for each sequence the
+        slot of its last token, its block-table row and its length (no device work)."""
+        P = self.page_size
+        slots, rows, lens = [], [], []
+        for s in self._lookup(seq_ids):
+            last = s.length - 1
+            slots.append(s.pages[last // P] * P + last % P)
+            rows.append(s.row)
+            lens.append(s.length)
+        return slots, rows, lens
+
+    def sequence_slots(self, seq_id: int) -> tuple[list[int], int]:
+        """The slots of every token of a sequence, in order, and its block-table row."""
+        s = self._lookup([seq_id])[0]
+        P = self.page_size
+        return [s.pages[i // P] * P + i % P for i in range(s.length)], s.row
+
     # --- eviction (kvcompile/eviction) ---------------------------------------------------------
 
     def has(self, seq_id: int) -> bool:

@@ -39,12 +39,15 @@ class Engine:
     max_num_batched_tokens: tokens per step (prefill chunks + decodes). max_num_seqs: running
     requests at most. max_model_len: prompt + output tokens at most (default: the model's
     max_position_embeddings, capped by KVConfig.max_seq_len and the pool).
-    preemption_mode: "recompute" or "swap" (host memory, at most swap_space_bytes)."""
+    preemption_mode: "recompute" or "swap" (host memory, at most swap_space_bytes).
+    cuda_graphs: replay decode steps from CUDA graphs on CUDA (engine/cudagraph.py; also
+    KVCOMPILE_CUDA_GRAPHS=0 turns them off)."""
 
     def __init__(self, model, tokenizer=None, config=None, *, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 128, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute",
-                 swap_space_bytes: int = 4 << 30, seed: int = 0, log_every: int = 0):
+                 swap_space_bytes: int = 4 << 30, seed: int = 0, log_every: int = 0,
+                 cuda_graphs: bool = True):
         from kvcompile.api import _STATE_ATTR
         from kvcompile.api import compile as kv_compile
 
@@ -63,7 +66,7 @@ class Engine:
             raise RequestError("this model is already compiled with kvcompile; pass config=None "
                                "(the engine uses the model's own KVConfig)")
         self.model, self.tokenizer, self.state = model, tokenizer, state
-        self.runner = ModelRunner(model, state)
+        self.runner = ModelRunner(model, state, max_batch=max_num_seqs, cuda_graphs=cuda_graphs)
         if state.pool is None:
             self.runner.warm_up()
         if any(m.get("eviction") is not None for m in state.layer_meta):
@@ -79,6 +82,8 @@ class Engine:
         self.max_model_len = min(limits) if max_model_len is None else int(max_model_len)
         if self.max_model_len < 2:
             raise RequestError(f"Engine max_model_len={self.max_model_len}: must be >= 2")
+        if self.runner.graphs is not None:
+            self.runner.graphs.max_len = self.max_model_len
         self.prefix_cache = PrefixCache(self.pool) if enable_prefix_caching else None
         self.scheduler = Scheduler(self.pool, self.prefix_cache, max_num_batched_tokens,
                                    max_num_seqs, preemption_mode, swap_space_bytes,
@@ -216,6 +221,8 @@ class Engine:
                 self.abort(rid)
             if self.prefix_cache is not None:
                 self.prefix_cache.clear()
+            if self.runner.graphs is not None:
+                self.runner.graphs.close()
 
     # -- internals ------------------------------------------------------------------------------
     def _advance(self, out, logits, changed: list[Request]) -> int:

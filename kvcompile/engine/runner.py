@@ -24,7 +24,9 @@ from kvcompile.runtime import RuntimeHook
 
 
 class ModelRunner:
-    def __init__(self, model, state):
+    def __init__(self, model, state, max_batch: int = 128, cuda_graphs: bool = True):
+        from kvcompile.engine.cudagraph import DecodeGraphs
+
         self.model = model
         self.state = state
         self.device = next(model.parameters()).device
@@ -32,6 +34,8 @@ class ModelRunner:
         self.keep_arg = "logits_to_keep" in fwd
         if not any(isinstance(h, PackedDecodeHook) for h in state.hooks):
             state.hooks.append(PackedDecodeHook(state))
+        # decode steps replayed from CUDA graphs (engine/cudagraph.py), where they can be
+        self.graphs = DecodeGraphs(self, max_batch) if cuda_graphs else None
 
     @property
     def pool(self):
@@ -49,6 +53,8 @@ class ModelRunner:
 
     def forward(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits [B, V] at the last scheduled token of each sequence of the step."""
+        if self.graphs is not None and self.graphs.usable(out):
+            return self.graphs.run(out)
         seqs = out.seqs
         ids, pos, cu, q_lens, past, lens = [], [], [0], [], [], []
         for s in seqs:

@@ -1,0 +1,179 @@
+"""CUDA-graph decode steps of the engine against the same steps run eagerly (CUDA only).
+
+    python benchmarks/gpu_check_engine_graphs.py
+
+A tiny Llama (fp32 weights, so the comparison sees kvcompile's kernels rather than bf16
+rounding) runs requests of mixed prompt lengths through `kvcompile.Engine`. At every decode
+step the graph replay computes the logits first, then the same step runs eagerly (graphs off)
+over the same pool state; the eager logits drive the engine. Both write the same K/V to the
+same slots (the second write stores the same bytes), so every step compares the two paths on
+identical inputs. Per format (bf16, fp8_e4m3 page scales, fp4_e2m1) and batch sizes that hit
+a bucket exactly and that need padding rows (1, 3, 5, 16): the largest relative logit
+difference and the argmax agreement (on rows whose top two logits are decisively apart: the
+two paths split the keys differently, so a near-tie may flip). The prefill steps (packed,
+Triton prefill kernel) are compared with the plain fp32 model at each prompt's last token.
+Then: a whole run with graphs against a whole run
+without (greedy tokens), the pool empty after close (scratch pages returned), and the step
+time of both paths on this model. Prints a table; exits 1 on a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import kvcompile  # noqa: E402
+from kvcompile import Engine, KVConfig, SamplingParams  # noqa: E402
+
+TOL = {"bf16": 2e-3, "fp8_e4m3": 2e-3, "fp4_e2m1": 2e-3}   # graph vs eager: same kernels
+# engine prefill (packed, Triton prefill kernel over the stored pages) vs the plain fp32 model
+PREFILL_TOL = {"bf16": 3e-2, "fp8_e4m3": 1e-1, "fp4_e2m1": 3e-1}
+
+
+def tiny(seed: int = 0):
+    import transformers as t
+
+    torch.manual_seed(seed)
+    cfg = t.LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1024,
+                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                        max_position_embeddings=2048, pad_token_id=0, bos_token_id=1,
+                        eos_token_id=2)
+    m = t.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(8.0)  # sharper logits: greedy decided by the model
+    return m.to("cuda", torch.float32)
+
+
+def prompts_for(batch: int) -> list[list[int]]:
+    rng = random.Random(batch)
+    return [[rng.randrange(3, 512) for _ in range(rng.randrange(5, 300))] for _ in range(batch)]
+
+
+def reference_last_logits(model, prompts) -> list[torch.Tensor]:
+    """Plain HF forward (fp32, uncompiled): logits at each prompt's last token."""
+    with torch.no_grad():
+        return [model(input_ids=torch.tensor([p], device="cuda")).logits[0, -1].float()
+                for p in prompts]
+
+
+def decisive(le: torch.Tensor, margin: float = 1e-3) -> torch.Tensor:
+    """Rows whose top two logits are more than `margin` (relative) apart."""
+    top = le.topk(2, dim=-1).values
+    return (top[:, 0] - top[:, 1]) > margin * top[:, 0].abs().clamp_min(1.0)
+
+
+def check(model, fmt: str, batch: int, prompts, ref, new: int = 24) -> dict:
+    eng = Engine(model, None, None, max_num_batched_tokens=4096, max_num_seqs=64,
+                 enable_prefix_caching=False)
+    runner = eng.runner
+    graphs = runner.graphs
+    orig = runner.forward
+    diffs, agree, steps = [], [], 0
+    prefill = {}
+
+    def both(out):
+        nonlocal steps
+        if graphs is None or not graphs.usable(out):
+            lg = orig(out)
+            for i, s in enumerate(out.seqs):   # prefill logits at a prompt's last token
+                if s.start + s.n == len(s.req.prompt_ids) and s.req.prompt_ids:
+                    prefill[tuple(s.req.prompt_ids)] = lg[i].float()
+            return lg
+        lg = graphs.run(out).float().clone()
+        runner.graphs = None
+        try:
+            le = orig(out).float()
+        finally:
+            runner.graphs = graphs
+        steps += 1
+        diffs.append(float((lg - le).abs().max() / le.abs().max().clamp_min(1e-6)))
+        sel = decisive(le)
+        if bool(sel.any()):
+            agree.append(float((lg.argmax(-1) == le.argmax(-1))[sel].float().mean()))
+        return le
+
+    runner.forward = both
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    eng.generate(prompts, params)
+    runner.forward = orig
+    # whole runs: graphs on vs off, same prompts
+    t0 = time.perf_counter()
+    a = eng.generate(prompts, params)
+    torch.cuda.synchronize()
+    t_graph = time.perf_counter() - t0
+    runner.graphs = None
+    t0 = time.perf_counter()
+    b = eng.generate(prompts, params)
+    torch.cuda.synchronize()
+    t_eager = time.perf_counter() - t0
+    runner.graphs = graphs
+    same = sum(x.token_ids == y.token_ids for x, y in zip(a, b)) / batch
+    eng.close()
+    eng.pool.check_invariants()
+    used = eng.pool.stats().pages_used if hasattr(eng.pool.stats(), "pages_used") else None
+    st = kvcompile.stats(model)
+    pre = [float((prefill[tuple(p)] - r).abs().max() / r.abs().max()) for p, r in zip(prompts, ref)
+           if tuple(p) in prefill]
+    pre_top1 = [float(prefill[tuple(p)].argmax() == r.argmax()) for p, r in zip(prompts, ref)
+                if tuple(p) in prefill]
+    return dict(fmt=fmt, batch=batch, steps=steps, max_rel=max(diffs or [float("nan")]),
+                prefill_rel=max(pre or [float("nan")]),
+                prefill_top1=sum(pre_top1) / max(len(pre_top1), 1),
+                prefill_kernel=st.get("prefill_triton", 0),
+                argmax=min(agree or [1.0]), same_run=same,
+                captures=graphs.captures if graphs else 0,
+                replays=graphs.replays if graphs else 0,
+                off=graphs.why_not() if graphs else "none", pages_left=used,
+                ms_graph=1e3 * t_graph / new, ms_eager=1e3 * t_eager / new,
+                fallbacks=st.get("reference_fallback", 0))
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("CUDA only")
+        return 0
+    rows, bad = [], []
+    batches = (1, 3, 5, 16)
+    for fmt in ("bf16", "fp8_e4m3", "fp4_e2m1"):
+        model = tiny()   # compiled once per format; each batch size gets its own engine
+        prompts = {b: prompts_for(b) for b in batches}
+        ref = {b: reference_last_logits(model, prompts[b]) for b in batches}
+        kvcompile.compile(model, KVConfig(kv_dtype=fmt, max_kv_bytes=256 << 20, page_size=16))
+        for batch in batches:
+            try:
+                r = check(model, fmt, batch, prompts[batch], ref[batch])
+            except Exception as e:  # noqa: BLE001
+                import traceback
+
+                traceback.print_exc()
+                r = dict(fmt=fmt, batch=batch, error=f"{type(e).__name__}: {str(e)[:200]}")
+            ok = ("error" not in r and r["steps"] > 0 and r["max_rel"] <= TOL[fmt]
+                  and r["argmax"] == 1.0 and r["replays"] > 0 and not r["pages_left"]
+                  and r["prefill_rel"] <= PREFILL_TOL[fmt] and r["prefill_kernel"] > 0)
+            r["ok"] = ok
+            if not ok:
+                bad.append(r)
+            rows.append(r)
+            print(r, flush=True)
+    cols = ["fmt", "batch", "steps", "max_rel", "argmax", "same_run", "prefill_rel",
+            "prefill_top1", "prefill_kernel", "captures", "replays", "pages_left", "ms_graph",
+            "ms_eager", "fallbacks", "ok"]
+    print("| " + " | ".join(cols) + " |")
+
+    def fmt(v):
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    for r in rows:
+        print("| " + " | ".join(fmt(r.get(c, r.get("error", "-"))) for c in cols) + " |")
+    print(f"engine graph check: {len(rows) - len(bad)}/{len(rows)} passed")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

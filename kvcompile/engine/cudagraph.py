@@ -1,0 +1,233 @@
+"""CUDA graphs of the engine's decode steps.
+
+A decode step of B sequences launches a few hundred kernels (the compiled model's, plus per
+layer the append and the split-K decode attention); its host time, not the GPU's, sets the
+step time at small and medium batches (benchmarks/RESULTS.md, "Generation"). A step in which
+every scheduled sequence adds one token is replayed from a CUDA graph captured once per padded
+batch size ("bucket"), as vLLM does:
+
+- every input of the step lives in static device buffers the graph was captured with: token
+  ids, positions, the slots the new K/V go to, the block tables and the sequence lengths. A
+  step writes them (two host-to-device copies from pinned memory, one gather of the block
+  table rows) and replays;
+- the kernels read lengths and pages from those buffers, never from the host: the split-K
+  decode kernel's grid depends only on the block table's width, fixed at the pool's
+  `max_seq_len`, and splits past a sequence's end exit at once;
+- rows past B (the bucket's padding) run a scratch sequence of the pool: each writes its own
+  slot of the scratch pages and attends to one key there. Their logits are never read;
+- the pool lives outside the graph, as before: its pages and scales are fixed addresses, the
+  block tables change between steps only, never a shape inside the graph.
+
+Graphs are used only where nothing in the step needs the host: CUDA, the Triton kernels for
+both K and V formats, no runtime hook other than the engine's own (no eviction, no telemetry
+hook), no `check_finite`. Anything else runs eagerly, as before. `KVCOMPILE_CUDA_GRAPHS=0`
+turns graphs off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from kvcompile.cache.context import ForwardContext, StepPlan, forward_context
+from kvcompile.runtime import kernel_readable
+
+log = logging.getLogger("kvcompile.engine")
+
+BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    """Padded batch sizes up to max_batch (which is always one of them)."""
+    out = [b for b in BUCKETS if b < max_batch]
+    return out + [max_batch]
+
+
+def graphs_wanted() -> bool:
+    return os.environ.get("KVCOMPILE_CUDA_GRAPHS", "1") not in ("0", "false", "False", "")
+
+
+class _Graph:
+    """One captured decode step of `bp` rows and its static buffers."""
+
+    def __init__(self, bp: int, width: int, device: torch.device):
+        self.bp = bp
+        # int64 inputs in one buffer (one copy per step): ids | positions | slots | table rows
+        self.host64 = torch.zeros(4 * bp, dtype=torch.int64, pin_memory=True)
+        self.host32 = torch.ones(bp, dtype=torch.int32, pin_memory=True)
+        self.dev64 = torch.zeros(4 * bp, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(bp, dtype=torch.int32, device=device)
+        self.ids = self.dev64[:bp].view(1, bp)
+        self.pos = self.dev64[bp:2 * bp].view(1, bp)
+        self.slots = self.dev64[2 * bp:3 * bp]
+        self.rows = self.dev64[3 * bp:]
+        self.block_tables = torch.zeros(bp, width, dtype=torch.int32, device=device)
+        self.keep = torch.arange(bp, dtype=torch.int64, device=device)
+        self.cu = torch.arange(bp + 1, dtype=torch.int32, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        self.h64 = self.host64.numpy()
+        self.h32 = self.host32.numpy()
+
+    def plan(self) -> StepPlan:
+        bp = self.bp
+        return StepPlan(
+            seq_ids=[-1] * bp, batch=bp, new_tokens=1, past_lens=[1] * bp, slots=self.slots,
+            block_tables=self.block_tables, seq_lens=self.seq_lens, seq_lens_list=[1] * bp,
+            kv_start=[0] * bp, packed=True, cu_seqlens_q=self.cu, q_lens=[1] * bp)
+
+
+class DecodeGraphs:
+    """Captures and replays the engine's decode steps (see the module docstring)."""
+
+    def __init__(self, runner, max_batch: int):
+        self.runner = runner
+        self.state = runner.state
+        self.max_batch = max(1, int(max_batch))
+        self.buckets = bucket_sizes(self.max_batch)
+        self.graphs: dict[int, _Graph] = {}
+        self.mempool = None
+        self.scratch: tuple[int, list[int], int] | None = None   # (seq id, slots, table row)
+        self.max_len: int | None = None   # block-table capacity (the engine's max_model_len)
+        self.replays = 0
+        self.captures = 0
+        self._why_not: str | None = None
+
+    # -- when ---------------------------------------------------------------------------------
+    def why_not(self) -> str | None:
+        """None if decode steps can be graphed here, else the reason (fixed for the engine's
+        life, except the hooks, checked at every step)."""
+        if self._why_not is not None:
+            return self._why_not
+        st = self.state
+        reason = None
+        if not graphs_wanted():
+            reason = "KVCOMPILE_CUDA_GRAPHS=0"
+        elif self.runner.device.type != "cuda":
+            reason = "not on CUDA"
+        elif not st.kernels.use_triton(self.runner.device):
+            reason = "the reference kernels are selected"
+        elif st.config.check_finite:
+            reason = "check_finite syncs with the host"
+        elif st.pool is None or not (self.max_len or st.pool.max_seq_len):
+            reason = "no maximum sequence length (the block tables' width)"
+        else:
+            for k, v in zip(st.pool.k, st.pool.v):
+                if not (kernel_readable(k) and kernel_readable(v) and kernel_readable(k, "append")
+                        and kernel_readable(v, "append")):
+                    reason = f"{k.fmt.name}/{v.fmt.name} pages are written by the reference"
+                    break
+        self._why_not = reason
+        if reason:
+            log.info("kvcompile engine: decode steps run without CUDA graphs (%s)", reason)
+        return reason
+
+    def usable(self, out) -> bool:
+        from kvcompile.engine.runner import PackedDecodeHook
+
+        seqs = out.seqs
+        if not seqs or len(seqs) > self.max_batch or self.why_not() is not None:
+            return False
+        if any(not isinstance(h, PackedDecodeHook) for h in self.state.hooks):
+            return False
+        return all(s.n == 1 and s.start > 0 for s in seqs)
+
+    # -- run ----------------------------------------------------------------------------------
+    def run(self, out) -> torch.Tensor:
+        """Logits [B, V] of a decode step (every sequence adds one token)."""
+        seqs = out.seqs
+        n = len(seqs)
+        bp = next(b for b in self.buckets if b >= n)
+        g = self.graphs.get(bp)
+        if g is None:
+            g = self._capture(bp)
+        pool = self.runner.pool
+        sids = [s.req.seq_id for s in seqs]
+        slots, rows, lens = pool.decode_slots(sids)
+        h64, h32 = g.h64, g.h32
+        h64[:n] = [s.req.token_at(s.start) for s in seqs]
+        h64[bp:bp + n] = [s.start for s in seqs]
+        h64[2 * bp:2 * bp + n] = slots
+        h64[3 * bp:3 * bp + n] = rows
+        h32[:n] = lens
+        if n < bp:  # padding rows: the scratch sequence, one slot each, one key seen
+            self._pad(g, n)
+        g.dev64.copy_(g.host64, non_blocking=True)
+        g.seq_lens.copy_(g.host32, non_blocking=True)
+        table = pool.table()                     # flushed; its width may have grown
+        w = min(table.shape[1], g.block_tables.shape[1])
+        g.block_tables[:, :w] = table[:, :w].index_select(0, g.rows)
+        g.graph.replay()
+        self.replays += 1
+        self.state.count("engine_cuda_graph_replays")
+        return g.logits[:n]
+
+    def _pad(self, g: _Graph, n: int) -> None:
+        sid, slots, row = self._scratch(g.bp)
+        bp = g.bp
+        pad = bp - n
+        g.h64[n:bp] = 0
+        g.h64[bp + n:2 * bp] = 0
+        g.h64[2 * bp + n:3 * bp] = slots[:pad]
+        g.h64[3 * bp + n:4 * bp] = row
+        g.h32[n:bp] = 1
+
+    def _scratch(self, rows: int):
+        """A pool sequence holding one slot per padding row (never read by a real row)."""
+        pool = self.runner.pool
+        if self.scratch is None or len(self.scratch[1]) < rows:
+            if self.scratch is not None:
+                pool.free([self.scratch[0]])
+            sid = pool.allocate(1)[0]
+            pool.reserve([sid], rows)
+            slots, row = pool.sequence_slots(sid)
+            self.scratch = (sid, slots, row)
+        return self.scratch
+
+    # -- capture ------------------------------------------------------------------------------
+    def _capture(self, bp: int) -> _Graph:
+        pool = self.runner.pool
+        dev = self.runner.device
+        width = -(-(self.max_len or pool.max_seq_len) // pool.page_size)
+        g = _Graph(bp, width, dev)
+        # every row is padding while capturing: the warm-up runs write the scratch pages only
+        self._pad(g, 0)
+        g.dev64.copy_(g.host64)
+        g.seq_lens.copy_(g.host32)
+        table = pool.table()
+        w = min(table.shape[1], width)
+        g.block_tables[:, :w] = table[:, :w].index_select(0, g.rows)
+        ctx = ForwardContext(self.state, None, plan=g.plan())
+
+        def step():
+            with forward_context(ctx):
+                return self.runner._call(g.ids, g.pos, g.keep[:bp])
+
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):   # Dynamo / inductor / Triton compile and autotune here
+                step()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        torch.cuda.synchronize(dev)
+        if self.mempool is None:
+            self.mempool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            logits = step()
+        g.graph, g.logits = graph, logits
+        self.graphs[bp] = g
+        self.captures += 1
+        self.state.count("engine_cuda_graph_captures")
+        log.info("kvcompile engine: captured the decode step for %d rows", bp)
+        return g
+
+    def close(self) -> None:
+        """Drop the graphs and return the scratch pages."""
+        self.graphs.clear()
+        if self.scratch is not None and self.runner.pool is not None:
+            if self.runner.pool.has(self.scratch[0]):
+                self.runner.pool.free([self.scratch[0]])
+            self.scratch = None

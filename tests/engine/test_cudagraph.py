@@ -1,0 +1,94 @@
+"""The engine's CUDA-graph decode steps (engine/cudagraph.py): the host-side pieces on the CPU,
+and graph replay against eager steps on CUDA (benchmarks/gpu_check_engine_graphs.py runs the
+fuller check on the H200)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import kvcompile
+from kvcompile import Engine, SamplingParams
+from kvcompile.cache.pool import LayerSpec, PagePool
+from kvcompile.config import KVConfig
+from kvcompile.engine.cudagraph import DecodeGraphs, bucket_sizes
+from tests.engine.tiny import config, make_hf, random_prompts
+
+
+@pytest.fixture
+def pool():
+    from kvcompile.cache.formats import resolve_format
+
+    fmt = resolve_format("bf16", torch.float32)
+    return PagePool([LayerSpec(2, 8, 8, fmt, fmt)], 64, 4)
+
+
+def test_decode_slots_match_reserve(pool):
+    rng = random.Random(0)
+    seqs = pool.allocate(5)
+    for s in seqs:
+        pool.reserve([s], rng.randrange(1, 11))
+    for _ in range(6):  # decode steps: one token each, some sequences forked
+        slots = pool.reserve(seqs, 1)
+        got, rows, lens = pool.decode_slots(seqs)
+        assert got == slots.tolist()
+        assert lens == [pool.seq_len(s) for s in seqs]
+        table = pool.table()
+        for s, r in zip(seqs, rows):
+            n = len(pool.pages_of(s))
+            assert table[r, :n].tolist() == pool.pages_of(s)
+    child = pool.fork(seqs[0])
+    got, _, _ = pool.decode_slots([child])
+    before = pool.pages_of(child)
+    slot = pool.reserve([child], 1)
+    assert pool.decode_slots([child])[0] == slot.tolist()
+    assert pool.pages_of(child)[-1] != before[-1] or len(before) < len(pool.pages_of(child))
+    all_slots, row = pool.sequence_slots(seqs[1])
+    assert len(all_slots) == pool.seq_len(seqs[1]) and len(set(all_slots)) == len(all_slots)
+    P = pool.page_size
+    assert [s // P for s in all_slots[::P]] == pool.pages_of(seqs[1])
+
+
+def test_bucket_sizes():
+    assert bucket_sizes(16) == [1, 2, 4, 8, 12, 16]
+    assert bucket_sizes(20)[-1] == 20 and bucket_sizes(1) == [1]
+    for m in (3, 17, 64, 300):
+        b = bucket_sizes(m)
+        assert b == sorted(set(b)) and b[-1] == m and all(x <= m for x in b)
+
+
+def test_graphs_off_on_cpu_and_engine_unchanged():
+    """Off the GPU the engine never tries a graph, and says why."""
+    m = make_hf("llama", "sdpa")
+    kvcompile.compile(m, config(kv_dtype="bf16", page_size=8, max_kv_bytes=1 << 20))
+    eng = Engine(m, max_num_batched_tokens=256, enable_prefix_caching=False)
+    g = eng.runner.graphs
+    assert isinstance(g, DecodeGraphs)
+    assert g.why_not() == "not on CUDA"
+    outs = eng.generate(random_prompts(random.Random(1), 3),
+                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert all(len(o.token_ids) == 4 for o in outs)
+    assert g.replays == 0 and g.captures == 0 and g.scratch is None
+    eng.close()
+    off = Engine(m, max_num_batched_tokens=256, enable_prefix_caching=False, cuda_graphs=False)
+    assert off.runner.graphs is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
+def test_graph_steps_match_eager_on_cuda(fmt):
+    m = make_hf("llama", "sdpa").cuda()
+    kvcompile.compile(m, KVConfig(kv_dtype=fmt, page_size=16, max_kv_bytes=64 << 20,
+                                  inner="eager"))
+    prompts = random_prompts(random.Random(2), 5, 3, 60)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    eng = Engine(m, max_num_batched_tokens=512, enable_prefix_caching=False)
+    a = eng.generate(prompts, params)
+    assert eng.runner.graphs.replays > 0
+    eng.runner.graphs = None
+    b = eng.generate(prompts, params)
+    assert [x.token_ids for x in a] == [y.token_ids for y in b]
+    eng.close()
+    assert eng.pool.stats().pages_used == 0
