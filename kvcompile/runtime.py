@@ -250,7 +250,7 @@ class KernelDispatch:
                     return self._fallback("padded speculative decode")
                 return paged_decode_attention(
                     q, kc, vc, plan.block_tables, plan.seq_lens, scale, key_mask=key_mask,
-                    sliding_window=window, softcap=softcap, **extras)
+                    sliding_window=window, softcap=softcap, direct=True, **extras)
             # CUDA prefill runs the Triton chunked-prefill kernel over the pages (checked on the
             # H200, benchmarks/prefill_diag.py and gpu_check_prefill.py, 2026-11-30). Escape
             # hatch: KVCOMPILE_PREFILL=sdpa gathers the pages and runs torch SDPA

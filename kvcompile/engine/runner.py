@@ -127,7 +127,8 @@ class PackedDecodeHook(RuntimeHook):
         qd = q[0].transpose(0, 1).unsqueeze(2).contiguous()        # [B, Hq, 1, D]
         try:
             out = paged_decode_attention(qd, kc, vc, plan.block_tables, plan.seq_lens, scale,
-                                         sliding_window=window, softcap=softcap, **extras)
+                                         sliding_window=window, softcap=softcap,
+                                         direct=True, **extras)
         except UnsupportedShapeError:
             return None   # e.g. a head_dim the kernel does not take: the usual path
         self.state.count("engine_decode_kernel_calls")

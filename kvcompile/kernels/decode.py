@@ -389,7 +389,7 @@ def _(out, *args, **kwargs):
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float, *,
                            key_mask=None, sliding_window: int = 0, sinks: int = 0,
                            softcap: float = 0.0, attn_mass=None, out=None,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, direct: bool = False) -> torch.Tensor:
     """Decode attention over paged K/V in any storage format.
 
     q: [B, Hq, Sq, D], Sq in 1..8; k_cache, v_cache: PagedTensor (data [N, Hkv, P, D]);
@@ -398,7 +398,17 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: f
     sliding_window / sinks: keep keys with q_pos - k_pos < window, plus the first `sinks`.
     attn_mass: fp32 [B, Hkv, Lmax], += each key's attention probability summed over the group's
     query heads (and queries). out: optional [B, Hq, Sq, Dv] buffer. -> [B, Hq, Sq, Dv], q.dtype.
+    direct: launch without the custom op's dispatch (for callers that already run eagerly
+    inside an op, like kvcompile.attention: the dispatch costs host time on every layer).
     """
+    if direct:
+        return launch_decode(
+            q, k_cache.data, k_cache.scale, k_cache.micro, v_cache.data, v_cache.scale,
+            v_cache.micro, block_tables, seq_lens, key_mask, attn_mass, out, k_cache.fmt.name,
+            k_cache.fmt.granularity, v_cache.fmt.name, v_cache.fmt.granularity, float(scale),
+            int(sliding_window or 0), int(sinks or 0), float(softcap or 0.0),
+            int(num_splits or 0), None, k_cache.zero, v_cache.zero, k_cache.res_data,
+            k_cache.res_slot, v_cache.res_data, v_cache.res_slot)
     args = (q, k_cache.data, k_cache.scale, k_cache.micro, v_cache.data, v_cache.scale,
             v_cache.micro, block_tables, seq_lens, key_mask, attn_mass,
             k_cache.fmt.name, k_cache.fmt.granularity, v_cache.fmt.name,
