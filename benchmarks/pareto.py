@@ -42,7 +42,7 @@ from quality_data import lee_corpus_ids  # noqa: E402  (benchmarks/: the Lee cor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "pareto.json")
-HEAD_DIM, KV_HEADS = 64, 3
+HEAD_DIM, KV_HEADS, N_LAYERS = 64, 3, 30
 
 
 def log(msg: str) -> None:
@@ -57,9 +57,9 @@ def load_model():
     return model, tok
 
 
-def corpora(tok, n_tokens: int, windows: int = 1) -> dict[str, torch.Tensor]:
+def corpora(tok, n_tokens: int, windows: int = 1, offset: int = 0) -> dict[str, torch.Tensor]:
     """{"lee": ids [1, n_tokens], "pydoc": ...}; with windows > 1 also "lee@1", "lee@2", ...:
-    the following non-overlapping windows of each text."""
+    the following non-overlapping windows of each text. offset: tokens skipped first."""
     import pydoc_data.topics as topics
 
     pydoc_text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
@@ -68,15 +68,19 @@ def corpora(tok, n_tokens: int, windows: int = 1) -> dict[str, torch.Tensor]:
                       ("pydoc", tok(pydoc_text, return_tensors="pt").input_ids)):
         for w in range(windows):
             key = name if w == 0 else f"{name}@{w}"
-            out[key] = ids[:, w * n_tokens:(w + 1) * n_tokens]
+            out[key] = ids[:, offset + w * n_tokens:offset + (w + 1) * n_tokens]
     return out
 
 
 # --- the grid ----------------------------------------------------------------------------------
 
-def grid() -> dict[str, dict]:
+def grid(scan: bool = False) -> dict[str, dict]:
     """name -> KVConfig fields. Same format for K and V over every granularity x rotation,
-    then mixed K/V formats, larger pages for channel scales, and the residual page."""
+    then mixed K/V formats, larger pages for channel scales, the residual page, and per-layer
+    mixes. scan: only the per-layer sensitivity scans (one layer changed at a time; run them
+    with --tokens 1024 --offset 8192 --out elsewhere, on text the table does not score)."""
+    if scan:
+        return scan_grid()
     cfgs: dict[str, dict] = {"fp32": dict(kv_dtype="fp32"), "bf16": dict(kv_dtype="bf16")}
     grans = {"fp8_e4m3": ("page", "token", "tensor", "channel"),
              "fp8_e5m2": ("page", "token", "channel"),
@@ -110,12 +114,62 @@ def grid() -> dict[str, dict]:
     for name in ("K int4/V int2 P64", "K int4/V int4 P64"):
         base = dict(cfgs[name + "+rot"])
         cfgs[name + "+rot+residual"] = dict(base, residual=True)
+    # second search (targets missed by the grid above): larger pages, fp8 page sizes, and
+    # per-layer mixes (`kvcompile.configure` on layers[i].self_attn; "layers": {"a-b": fields})
+    more = {  # (k_dtype, v_dtype, granularity, page size)
+        "K int4/V fp4 P128": ("int4", "fp4_e2m1", "channel", 128),
+        "K int4/V int3 P128": ("int4", "int3", "channel", 128),
+    }
+    for name, (k, v, g, p) in more.items():
+        for rot in (None, "hadamard"):
+            cfgs[name + ("+rot" if rot else "")] = dict(
+                kv_dtype=k, k_dtype=k, v_dtype=v, scale_granularity=g, page_size=p, rotate=rot)
+    for p in (64, 128):
+        cfgs[f"fp8_e4m3/page+rot P{p}"] = dict(kv_dtype="fp8_e4m3", scale_granularity="page",
+                                               rotate="hadamard", page_size=p)
+    k3v3 = dict(cfgs["K int3/V int3 P64+rot"])
+    k4 = {"k_dtype": "int4"}
+    for label, ranges in (("0-5", ("0-5",)), ("24-29", ("24-29",)), ("0-2,27-29", ("0-2", "27-29")),
+                          ("0-1", ("0-1",)), ("0", ("0",))):
+        cfgs[f"K int3/V int3 P64+rot, K int4 in layers {label}"] = dict(
+            k3v3, layers={r: k4 for r in ranges})
     return cfgs
+
+
+def scan_grid() -> dict[str, dict]:
+    """K int4 (channel) / V int3 (token) at page 128 with V rotated (3.875 bits), with the keys
+    of one layer at a time in int3 (3.375 bits in that layer): which layers' keys need 4 bits."""
+    base = dict(grid()["K int4/V int3 P128+rot"])
+    cfgs = {"scan base": base}
+    for i in range(N_LAYERS):
+        cfgs[f"scan K int3 in layer {i}"] = dict(base, layers={str(i): {"k_dtype": "int3"}})
+    return cfgs
+
+
+def layer_indices(spec: str) -> range:
+    """'7' -> range(7, 8); '0-5' -> range(0, 6) (inclusive)."""
+    a, _, b = spec.partition("-")
+    return range(int(a), int(b or a) + 1)
+
+
+def split_layers(fields: dict) -> tuple[dict, dict[int, dict]]:
+    """fields -> (KVConfig fields, {layer index: per-layer overrides})."""
+    fields = dict(fields)
+    per = {}
+    for spec, ov in (fields.pop("layers", None) or {}).items():
+        for i in layer_indices(spec):
+            per[i] = dict(ov)
+    return fields, per
 
 
 def bits_per_element(fields: dict) -> float:
     """Storage bits per cached K/V element, scales and zero points included (the residual's
-    per-sequence bf16 page is not per token and is not counted)."""
+    per-sequence bf16 page is not per token and is not counted), averaged over the layers when
+    some have their own formats."""
+    fields, per = split_layers(fields)
+    if per:
+        return sum(bits_per_element({**fields, **per.get(i, {})})
+                   for i in range(N_LAYERS)) / N_LAYERS
     cfg = KVConfig(**fields)
     p, g = cfg.page_size, cfg.scale_granularity
     kf = resolve_format(cfg.key_dtype, torch.float32, g)
@@ -182,6 +236,9 @@ def run_config(base, fields: dict, texts: dict, reference_path: bool = False,
                decode_tail: int = 0) -> dict:
     torch._dynamo.reset()
     model = copy.deepcopy(base)
+    fields, per = split_layers(fields)
+    for i, ov in per.items():
+        kvcompile.configure(model.model.layers[i].self_attn, **ov)
     cfg = KVConfig(inner="eager", kernels="reference", max_kv_bytes=1 << 30, **fields)
     model = kvcompile.compile(model, cfg)
     state = kvcompile.api.state_of(model)
@@ -215,15 +272,26 @@ def report(results: dict) -> str:
         rows.append((r["bits"], name, r, d))
     rows.sort(key=lambda t: (t[0], t[3].get("lee", 0)))
     lines = [f"Baseline (fp32, no kvcompile): Lee {base['lee']:.3f}, pydoc {base['pydoc']:.3f}",
-             "", "| config | bits/elem | ppl Lee | Δppl Lee | ppl pydoc | Δppl pydoc | V |",
+             "", "| config | bits/elem | ppl Lee | Δppl Lee | ppl pydoc | Δppl pydoc | rotated |",
              "|---|---|---|---|---|---|---|"]
     for bits, name, r, d in rows:
-        vmode = ",".join(x.split("; ")[-1].replace("V ", "")[:20] for x in r["rotation"]
-                         if x != "none")
         lines.append(f"| {name} | {bits:.3f} | {r['lee']:.3f} | {d['lee']:+.2f}% | "
                      f"{r.get('pydoc', float('nan')):.3f} | {d.get('pydoc', float('nan')):+.2f}% "
-                     f"| {vmode or '-'} |")
+                     f"| {rotated(r['rotation'])} |")
     return "\n".join(lines)
+
+
+def rotated(rotation: list[str]) -> str:
+    """What the rotate pass rotated, from the report's per-site strings: "q,k+V", "V" or "-"
+    (V folded into v_proj/o_proj unless marked "explicit"); "/" joins layers that differ."""
+    out = []
+    for x in rotation:
+        if x == "none":
+            out.append("-")
+            continue
+        what = "V" if "V only" in x else "q,k+V"
+        out.append(what + (" (V explicit)" if "explicitly" in x else ""))
+    return "/".join(sorted(set(out))) or "-"
 
 
 def pareto_front(points: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
@@ -269,7 +337,8 @@ def plot(results: dict, path: str) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="*", help="fnmatch pattern of config names")
+    ap.add_argument("--only", default="*",
+                    help="fnmatch pattern of config names ('|' separates several)")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--report", action="store_true")
     ap.add_argument("--redo", action="store_true")
@@ -278,6 +347,10 @@ def main(argv=None) -> None:
     ap.add_argument("--windows", type=int, default=1,
                     help="windows of --tokens tokens per corpus (the spread of Δppl over "
                          "windows measures the noise)")
+    ap.add_argument("--offset", type=int, default=0,
+                    help="skip this many tokens of each corpus (held-out text for --scan)")
+    ap.add_argument("--scan", action="store_true",
+                    help="run the per-layer sensitivity scans instead of the grid")
     ap.add_argument("--decode-tail", type=int, default=0,
                     help="also the perplexity of the last N Lee tokens decoded one at a time")
     ap.add_argument("--check-reference", action="store_true",
@@ -295,7 +368,7 @@ def main(argv=None) -> None:
     torch._dynamo.config.cache_size_limit = 64
     log("loading SmolLM2")
     base, tok = load_model()
-    texts = corpora(tok, args.tokens, args.windows)
+    texts = corpora(tok, args.tokens, args.windows, args.offset)
     eager = results.setdefault("eager", {})
     missing = [c for c in texts if c not in eager or args.redo]
     if missing:
@@ -303,10 +376,10 @@ def main(argv=None) -> None:
         log(f"eager baseline {eager}")
     if args.decode_tail and ("lee_tail" not in eager or args.redo):
         eager["lee_tail"] = decode_tail_ppl(base, texts["lee"], args.decode_tail)
-    for name, fields in grid().items():
+    for name, fields in grid(args.scan).items():
         have = results.get(name, {})
         want = list(texts) + (["lee_tail"] if args.decode_tail else [])
-        if not fnmatch.fnmatch(name, args.only) or (
+        if not any(fnmatch.fnmatch(name, p) for p in args.only.split("|")) or (
                 all(c in have for c in want) and not args.redo):
             continue
         try:
