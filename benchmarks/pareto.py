@@ -74,13 +74,10 @@ def corpora(tok, n_tokens: int, windows: int = 1, offset: int = 0) -> dict[str, 
 
 # --- the grid ----------------------------------------------------------------------------------
 
-def grid(scan: bool = False) -> dict[str, dict]:
+def grid() -> dict[str, dict]:
     """name -> KVConfig fields. Same format for K and V over every granularity x rotation,
     then mixed K/V formats, larger pages for channel scales, the residual page, and per-layer
-    mixes. scan: only the per-layer sensitivity scans (one layer changed at a time; run them
-    with --tokens 1024 --offset 8192 --out elsewhere, on text the table does not score)."""
-    if scan:
-        return scan_grid()
+    mixes."""
     cfgs: dict[str, dict] = {"fp32": dict(kv_dtype="fp32"), "bf16": dict(kv_dtype="bf16")}
     grans = {"fp8_e4m3": ("page", "token", "tensor", "channel"),
              "fp8_e5m2": ("page", "token", "channel"),
@@ -133,16 +130,10 @@ def grid(scan: bool = False) -> dict[str, dict]:
                           ("0-1", ("0-1",)), ("0", ("0",))):
         cfgs[f"K int3/V int3 P64+rot, K int4 in layers {label}"] = dict(
             k3v3, layers={r: k4 for r in ranges})
-    return cfgs
-
-
-def scan_grid() -> dict[str, dict]:
-    """K int4 (channel) / V int3 (token) at page 128 with V rotated (3.875 bits), with the keys
-    of one layer at a time in int3 (3.375 bits in that layer): which layers' keys need 4 bits."""
-    base = dict(grid()["K int4/V int3 P128+rot"])
-    cfgs = {"scan base": base}
-    for i in range(N_LAYERS):
-        cfgs[f"scan K int3 in layer {i}"] = dict(base, layers={str(i): {"k_dtype": "int3"}})
+    k3v3 = dict(cfgs["K int3/V int3 P128+rot"])
+    for label, ranges in (("0-12", ("0-12",)), ("0-7,25-29", ("0-7", "25-29"))):
+        cfgs[f"K int3/V int3 P128+rot, K int4 in layers {label}"] = dict(
+            k3v3, layers={r: k4 for r in ranges})
     return cfgs
 
 
@@ -348,9 +339,7 @@ def main(argv=None) -> None:
                     help="windows of --tokens tokens per corpus (the spread of Δppl over "
                          "windows measures the noise)")
     ap.add_argument("--offset", type=int, default=0,
-                    help="skip this many tokens of each corpus (held-out text for --scan)")
-    ap.add_argument("--scan", action="store_true",
-                    help="run the per-layer sensitivity scans instead of the grid")
+                    help="skip this many tokens of each corpus (e.g. held-out text)")
     ap.add_argument("--decode-tail", type=int, default=0,
                     help="also the perplexity of the last N Lee tokens decoded one at a time")
     ap.add_argument("--check-reference", action="store_true",
@@ -376,7 +365,7 @@ def main(argv=None) -> None:
         log(f"eager baseline {eager}")
     if args.decode_tail and ("lee_tail" not in eager or args.redo):
         eager["lee_tail"] = decode_tail_ppl(base, texts["lee"], args.decode_tail)
-    for name, fields in grid(args.scan).items():
+    for name, fields in grid().items():
         have = results.get(name, {})
         want = list(texts) + (["lee_tail"] if args.decode_tail else [])
         if not any(fnmatch.fnmatch(name, p) for p in args.only.split("|")) or (
