@@ -244,6 +244,9 @@ def kvc(model, args, device, ctx, kv_dtype):
         row["same_tokens_as_eager"] = _match(toks, ctx.get("ref_tokens"))
         row["bytes_per_token"] = st.get("bytes_per_token")
         row["pages_after_generate"] = st.get("pages_used")
+        fwd = model.__dict__.get("forward")
+        row["graph_replays"] = getattr(fwd, "replays", None)
+        row["graph_captures"] = getattr(fwd, "captures", None)
         if kv_dtype == "bf16" and ctx.get("ref_logits") is not None:
             row.update(_teacher_forced(model, args, ids, am, ctx))
     finally:
@@ -483,7 +486,8 @@ def report(results, errors, args):
         r["x_static"] = r["tok_s"] / base if base else None
     print("\n### HF generate, " + results["env"]["setup"])
     print(table(gen, ["label", "tok_s", "decode_tok_s", "first_token_s", "total_s", "x_static",
-                      "same_tokens_as_eager", "graphs", "reference_fallbacks"]))
+                      "same_tokens_as_eager", "graphs", "reference_fallbacks", "graph_captures",
+                      "graph_replays"]))
     eng = [results[k] for k in ("engine_b", "engine_b_nograph") if k in results]
     if eng:
         print(table(eng, ["label", "graph_captures", "graph_replays", "graphs_off_because",

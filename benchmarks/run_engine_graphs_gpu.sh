@@ -1,6 +1,6 @@
 #!/bin/bash
-# One device call for issue 6: the engine's CUDA-graph decode steps against eager steps
-# (correctness, tiny Llama), then the generation benchmark's rows that share one run:
+# One device call for issue 6: the engine's and HF generate's CUDA-graph decode steps against
+# eager steps (correctness, tiny Llama), then the generation benchmark's rows that share one run:
 # HF StaticCache + inductor (baseline), kvcompile fp8 + HF generate, and the same B prompts
 # through the Engine with and without CUDA graphs. Logs to $OUT.
 #   bash benchmarks/run_engine_graphs_gpu.sh [check_seconds] [bench_seconds]
@@ -16,6 +16,9 @@ start=$(date +%s)
 timeout "$T1" python3 benchmarks/gpu_check_engine_graphs.py > "$OUT/engine_graphs_check.log" 2>&1
 echo "check exit $? after $(( $(date +%s) - start ))s"
 grep -E "^\||passed|Error|error" "$OUT/engine_graphs_check.log" | tail -n 25
+timeout "$T1" python3 benchmarks/gpu_check_hf_graphs.py > "$OUT/hf_graphs_check.log" 2>&1
+echo "hf check exit $? after $(( $(date +%s) - start ))s"
+grep -E "^\||passed|Error|error" "$OUT/hf_graphs_check.log" | tail -n 25
 timeout $((T2 + 30)) python3 benchmarks/bench_generate.py --budget-s "$T2" --out "$OUT" \
   --sections ${SECTIONS:-hf_static,kvc_fp8,engine_b,engine_b_nograph} > "$OUT/bench_generate.log" 2>&1
 echo "bench exit $? after $(( $(date +%s) - start ))s"

@@ -32,7 +32,11 @@ def compile(model: torch.nn.Module, config: KVConfig | dict | None = None, **opt
     backend = functools.partial(kvcompile_backend, state=state)
     functools.update_wrapper(backend, kvcompile_backend)
     if _is_hf_model(model):
-        model.forward = torch.compile(model.forward, backend=backend)
+        from kvcompile.integrations.hf_graphs import GraphedForward
+
+        # generate's decode steps replay CUDA graphs where they can (integrations/hf_graphs.py)
+        model.forward = GraphedForward(torch.compile(model.forward, backend=backend), state,
+                                       model)
         model.__dict__[_STATE_ATTR] = state
         # engine issue (#6): a generate call's pages return to the pool when it returns, not at
         # the next gc (HF cache objects sit in reference cycles); see integrations/hf.py

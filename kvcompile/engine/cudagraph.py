@@ -187,6 +187,16 @@ class DecodeGraphs:
         return self.scratch
 
     # -- capture ------------------------------------------------------------------------------
+    def capture_all(self) -> int:
+        """Capture every bucket now (largest first, so the smaller graphs reuse its memory), so
+        that no step pays a capture; the engine calls it at construction. Returns the count."""
+        if self.why_not() is not None:
+            return 0
+        for bp in reversed(self.buckets):
+            if bp not in self.graphs:
+                self._capture(bp)
+        return len(self.graphs)
+
     def _capture(self, bp: int) -> _Graph:
         pool = self.runner.pool
         dev = self.runner.device

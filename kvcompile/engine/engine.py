@@ -84,6 +84,8 @@ class Engine:
             raise RequestError(f"Engine max_model_len={self.max_model_len}: must be >= 2")
         if self.runner.graphs is not None:
             self.runner.graphs.max_len = self.max_model_len
+            # every decode bucket captured up front (CUDA only): no step pays a capture
+            self.runner.graphs.capture_all()
         self.prefix_cache = PrefixCache(self.pool) if enable_prefix_caching else None
         self.scheduler = Scheduler(self.pool, self.prefix_cache, max_num_batched_tokens,
                                    max_num_seqs, preemption_mode, swap_space_bytes,

@@ -24,6 +24,7 @@ import functools
 import torch
 
 from kvcompile.cache.binding import binding_of, is_stub, live_bindings
+from kvcompile.integrations.hf_graphs import generating
 
 _installed = False
 
@@ -174,7 +175,8 @@ def wrap_generate(model) -> None:
         expand["size"] = 1
         result = None
         try:
-            result = original(*args, **kwargs)
+            with generating():   # its decode steps may replay CUDA graphs (hf_graphs.py)
+                result = original(*args, **kwargs)
             return result
         finally:
             keep = {id(b) for b in (_binding_of_cache(c) for c in _caches(kwargs, result))

@@ -1,0 +1,342 @@
+"""CUDA graphs of Hugging Face `generate`'s decode steps on a kvcompile-compiled model.
+
+`kvcompile.compile(model)` wraps the compiled `model.forward` in `GraphedForward`. Inside a
+`generate` call (integrations/hf.py marks it), a decode step of a `DynamicCache` bound to the
+pool (`input_ids [B, 1]`) is replayed from a CUDA graph captured once per batch size and
+attention-mask width; every other call goes to the compiled forward as before. A decode step
+of a compiled model launches a few hundred kernels; on the H200 their host time, not the GPU,
+set the step time (benchmarks/RESULTS.md, "Generation").
+
+How a step replays (the engine's decode graphs, engine/cudagraph.py, work the same way):
+- the graph was captured with static device buffers for every input: token ids, position ids,
+  cache_position, the 2-D attention mask (width W fixed at capture), and the step plan that
+  the attention ops read (slots of the new tokens, block tables as wide as the pool's or the
+  model's maximum length, sequence lengths). A step reserves its slots in the pool (host
+  bookkeeping), writes the buffers (device copies, one pinned host-to-device copy, one gather
+  of the block-table rows) and replays;
+- the attention ops saw `key_mask = mask[:, :W]` while capturing: keys past W are seen by
+  every row, which is what `generate` asks for (it appends ones), and the left padding of a
+  prompt lies inside W (W is at least the prompt's length + 1; a longer prompt recaptures);
+- the cache object's stubs (cache/binding.py) grow by one token after the replay, as the
+  compiled graph's own side effects would have done;
+- capture-time warm-up runs write a scratch sequence of the pool only (one slot per row),
+  freed once the graph is captured.
+
+Graphs are used only where nothing in the step needs the host: CUDA, the Triton kernels for
+every layer's formats, no runtime hook (eviction, `kvcompile inspect`), no `check_finite`, a
+plain `DynamicCache` whose rows are the binding's sequences, and the keyword arguments
+`generate` passes for a decode step (anything else, e.g. output_attentions, runs as before).
+`KVCOMPILE_CUDA_GRAPHS=0` turns them off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+
+import torch
+
+from kvcompile.cache.binding import binding_of, is_stub
+from kvcompile.cache.context import ForwardContext, StepPlan, forward_context
+from kvcompile.runtime import kernel_readable
+
+log = logging.getLogger("kvcompile")
+
+_local = threading.local()
+_CACHE_KEYS = ("past_key_values", "cache")
+_TENSOR_KEYS = {"input_ids", "position_ids", "attention_mask", "cache_position"}
+_PLAIN_KEYS = {"use_cache": (True,), "return_dict": (True, None),
+               "output_attentions": (False, None), "output_hidden_states": (False, None)}
+
+
+@contextlib.contextmanager
+def generating():
+    """Marks a `generate` call: only its decode steps may replay graphs."""
+    prev = getattr(_local, "generate", False)
+    _local.generate = True
+    try:
+        yield
+    finally:
+        _local.generate = prev
+
+
+def in_generate() -> bool:
+    return getattr(_local, "generate", False)
+
+
+class _Graph:
+    def __init__(self, key, B: int, width: int, table_width: int, device, has_pos: bool,
+                 has_cp: bool, mask_dtype):
+        self.key, self.B, self.width = key, B, width
+        self.ids = torch.zeros(B, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(B, 1, dtype=torch.long, device=device) if has_pos else None
+        self.cp = torch.zeros(1, dtype=torch.long, device=device) if has_cp else None
+        self.mask = (torch.ones(B, width, dtype=mask_dtype, device=device)
+                     if mask_dtype is not None else None)
+        # slots | block-table rows (int64, one copy), lengths (int32)
+        self.host64 = torch.zeros(2 * B, dtype=torch.int64, pin_memory=True)
+        self.host32 = torch.ones(B, dtype=torch.int32, pin_memory=True)
+        self.dev64 = torch.zeros(2 * B, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(B, dtype=torch.int32, device=device)
+        self.slots = self.dev64[:B]
+        self.rows = self.dev64[B:]
+        self.block_tables = torch.zeros(B, table_width, dtype=torch.int32, device=device)
+        self.h64, self.h32 = self.host64.numpy(), self.host32.numpy()
+        self.graph = None
+        self.out = None          # the output captured (logits live in the graph's pool)
+
+
+class GraphedForward:
+    """`model.forward` of a kvcompile-compiled HF model: the compiled forward, plus decode
+    steps of `generate` replayed from CUDA graphs (module docstring)."""
+
+    def __init__(self, compiled, state, model):
+        functools.update_wrapper(self, compiled)
+        self.compiled = compiled
+        self.state = state
+        self.model_max_len = getattr(getattr(model, "config", None), "max_position_embeddings",
+                                     None)
+        self.graphs: dict = {}
+        self.mempool = None
+        self.scratch = None          # (pool, seq id, slots, row)
+        self.replays = 0
+        self.captures = 0
+        self._why_not = None
+
+    def __call__(self, *args, **kwargs):
+        if in_generate() and not args:
+            step = self._eligible(kwargs)
+            if step is not None:
+                return self._run(kwargs, *step)
+        return self.compiled(*args, **kwargs)
+
+    def __get__(self, obj, objtype=None):   # stays a plain callable on the instance
+        return self
+
+    # -- eligibility --------------------------------------------------------------------------
+    def why_not(self) -> str | None:
+        """None when decode steps may be graphed here (per model), else the reason."""
+        from kvcompile.engine.cudagraph import graphs_wanted
+
+        if self._why_not is not None:
+            return self._why_not or None
+        st = self.state
+        reason = ""
+        if not graphs_wanted():
+            reason = "KVCOMPILE_CUDA_GRAPHS=0"
+        elif st.pool is None or st.device is None or st.device.type != "cuda":
+            return "no CUDA pool yet"            # asked again at the next step
+        elif not st.kernels.use_triton(st.device):
+            reason = "the reference kernels are selected"
+        elif st.config.check_finite:
+            reason = "check_finite syncs with the host"
+        else:
+            for k, v in zip(st.pool.k, st.pool.v):
+                if not all(kernel_readable(c, op) for c in (k, v) for op in ("decode", "append")):
+                    reason = f"{k.fmt.name}/{v.fmt.name} pages are written by the reference"
+                    break
+        self._why_not = reason
+        if reason:
+            log.info("kvcompile: generate's decode steps run without CUDA graphs (%s)", reason)
+        return reason or None
+
+    def _eligible(self, kw):
+        if self.why_not() is not None or self.state.hooks:
+            return None
+        cache = None
+        for k, v in kw.items():
+            if k in _CACHE_KEYS:
+                cache = v
+            elif k in _TENSOR_KEYS:
+                if v is not None and not (isinstance(v, torch.Tensor) and v.is_cuda):
+                    return None
+            elif k == "logits_to_keep":
+                if not isinstance(v, int):
+                    return None
+            elif k in _PLAIN_KEYS:
+                if v not in _PLAIN_KEYS[k]:
+                    return None
+            elif v is not None:
+                return None
+        ids = kw.get("input_ids")
+        if cache is None or ids is None or ids.dim() != 2 or ids.shape[1] != 1:
+            return None
+        if type(cache).__name__ != "DynamicCache":
+            return None
+        layers = getattr(cache, "layers", None)
+        if not layers or any(type(layer).__name__ != "DynamicLayer" for layer in layers):
+            return None
+        if not all(is_stub(layer.keys) and is_stub(layer.values) for layer in layers):
+            return None
+        b = binding_of(layers[0].keys)
+        B = ids.shape[0]
+        if b is None or b.state is not self.state or b.batch != B or not b.seq_ids:
+            return None
+        past = b.seq_len()
+        pool = self.state.pool
+        if past == 0 or any(pool.evicted(s) for s in b.seq_ids):
+            return None
+        if any(layer.keys.shape[-2] != past or layer.keys.shape[0] != B for layer in layers):
+            return None
+        if len({pool.seq_len(s) for s in b.seq_ids}) != 1:
+            return None
+        mask = kw.get("attention_mask")
+        if mask is not None and (mask.dim() != 2 or mask.shape != (B, past + 1)):
+            return None
+        pos = kw.get("position_ids")
+        if pos is not None and tuple(pos.shape) != (B, 1):
+            return None
+        cp = kw.get("cache_position")
+        if cp is not None and tuple(cp.shape) != (1,):
+            return None
+        return cache, b, past
+
+    # -- replay -------------------------------------------------------------------------------
+    def _run(self, kw, cache, b, past):
+        B = b.batch
+        mask = kw.get("attention_mask")
+        L = past + 1
+        key = (B, kw.get("position_ids") is not None, kw.get("cache_position") is not None,
+               None if mask is None else mask.dtype, kw.get("logits_to_keep"),
+               tuple(sorted(k for k, v in kw.items() if v is not None)))
+        g = self.graphs.get(key)
+        if g is not None and mask is not None and L > g.width and b is not getattr(g, "bound",
+                                                                                 None):
+            g = None   # a longer prompt than the capture's mask width: recapture
+        if g is None:
+            g = self._capture(key, kw, cache, b, past)
+        g.bound = b
+        pool = self.state.pool
+        pool.reserve(b.seq_ids, 1)
+        try:
+            slots, rows, lens = pool.decode_slots(b.seq_ids)
+            g.h64[:B] = slots
+            g.h64[B:] = rows
+            g.h32[:] = lens
+            g.dev64.copy_(g.host64, non_blocking=True)
+            g.seq_lens.copy_(g.host32, non_blocking=True)
+            table = pool.table()
+            w = min(table.shape[1], g.block_tables.shape[1])
+            g.block_tables[:, :w] = table[:, :w].index_select(0, g.rows)
+            g.ids.copy_(kw["input_ids"])
+            if g.pos is not None:
+                g.pos.copy_(kw["position_ids"])
+            if g.cp is not None:
+                g.cp.copy_(kw["cache_position"])
+            if g.mask is not None:
+                n = min(L, g.width)
+                g.mask[:, :n].copy_(mask[:, :n])
+                if n < g.width:
+                    g.mask[:, n:].fill_(1)
+            g.graph.replay()
+        except BaseException:
+            for sid in b.seq_ids:
+                pool.truncate(sid, past)
+            raise
+        self.replays += 1
+        self.state.count("generate_cuda_graph_replays")
+        _grow_stubs(cache, b, past + 1)
+        out = g.out
+        fields = {k: v for k, v in out.items()}
+        fields["logits"] = out["logits"].clone()
+        for k in _CACHE_KEYS:
+            if k in fields:
+                fields[k] = cache
+        return type(out)(**fields)
+
+    # -- capture ------------------------------------------------------------------------------
+    def _scratch_for(self, rows: int):
+        pool = self.state.pool
+        if self.scratch is not None and (self.scratch[0] is not pool or
+                                         not pool.has(self.scratch[1])):
+            self.scratch = None
+        if self.scratch is None or len(self.scratch[2]) < rows:
+            if self.scratch is not None:
+                pool.free([self.scratch[1]])
+            sid = pool.allocate(1)[0]
+            pool.reserve([sid], rows)
+            slots, row = pool.sequence_slots(sid)
+            self.scratch = (pool, sid, slots, row)
+        return self.scratch
+
+    def _capture(self, key, kw, cache, b, past):
+        pool = self.state.pool
+        dev = self.state.device
+        B = b.batch
+        L = past + 1
+        max_len = pool.max_seq_len or self.model_max_len or pool.num_pages * pool.page_size
+        table_width = -(-max(max_len, L) // pool.page_size)
+        mask = kw.get("attention_mask")
+        g = _Graph(key, B, L, table_width, dev, kw.get("position_ids") is not None,
+                   kw.get("cache_position") is not None,
+                   None if mask is None else mask.dtype)
+        _, _, slots, row = self._scratch_for(B)
+        g.h64[:B] = slots[:B]
+        g.h64[B:] = row
+        g.h32[:] = 1
+        g.dev64.copy_(g.host64)
+        g.seq_lens.copy_(g.host32)
+        table = pool.table()
+        w = min(table.shape[1], table_width)
+        g.block_tables[:, :w] = table[:, :w].index_select(0, g.rows)
+        g.ids.copy_(kw["input_ids"])
+        if g.pos is not None:
+            g.pos.copy_(kw["position_ids"])
+        if g.cp is not None:
+            g.cp.copy_(kw["cache_position"])
+        if g.mask is not None:
+            g.mask.copy_(mask)
+        plan = StepPlan(
+            seq_ids=list(b.seq_ids), batch=B, new_tokens=1, past_lens=[past] * B,
+            slots=g.slots, block_tables=g.block_tables, seq_lens=g.seq_lens,
+            seq_lens_list=[L] * B, kv_start=list(b.kv_start))
+        ctx = ForwardContext(self.state, b, plan=plan)
+        call = {k: v for k, v in kw.items()}
+        call.update(input_ids=g.ids)
+        for name, buf in (("position_ids", g.pos), ("cache_position", g.cp),
+                          ("attention_mask", g.mask)):
+            if buf is not None:
+                call[name] = buf
+        saved = [(layer, layer.keys, layer.values) for layer in cache.layers]
+
+        def step():
+            try:
+                with forward_context(ctx):
+                    return self.compiled(**call)
+            finally:   # the graph's cache side effects: undone (the replays grow the stubs)
+                for layer, k, v in saved:
+                    layer.keys, layer.values = k, v
+
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        torch.cuda.synchronize(dev)
+        if self.mempool is None:
+            self.mempool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            out = step()
+        g.graph, g.out = graph, out
+        self.graphs[key] = g
+        # the scratch slots served the warm-up only (replays have no padding rows)
+        if self.scratch is not None and pool.has(self.scratch[1]):
+            pool.free([self.scratch[1]])
+        self.scratch = None
+        self.captures += 1
+        self.state.count("generate_cuda_graph_captures")
+        log.info("kvcompile: captured generate's decode step (batch %d, mask width %d)", B, L)
+        return g
+
+
+def _grow_stubs(cache, b, length: int) -> None:
+    for layer in cache.layers:
+        for attr in ("keys", "values"):
+            t = getattr(layer, attr)
+            shape = list(t.shape)
+            shape[-2] = length
+            setattr(layer, attr, b.stub(shape, t.dtype))
