@@ -2,6 +2,9 @@
 
     python benchmarks/gpu_check_decode.py [--shard I --shards N] [--quick]
     python benchmarks/gpu_check_decode.py --only decode-only-formats --quick   # issue 9's cases
+    python benchmarks/gpu_check_decode.py --half H --halves 2 --shard I --shards 16 --budget 330
+    python benchmarks/gpu_check_decode.py --plan [--halves 2 --shards 16]   # print the split only
+    bash benchmarks/run_decode_check_gpu.sh          # SHARDSET=0 / 1 / all: the runner
 
 Decode: every storage format and scale granularity (int4 / int3 / int2 and channel scales
 included) x head_dim {64, 128, 256} x GQA ratio {1, 4, 8} x page size {16, 32, 64, 128} x Sq
@@ -10,8 +13,15 @@ included) x head_dim {64, 128, 256} x GQA ratio {1, 4, 8} x page size {16, 32, 6
 plus masks (window + sinks, key_mask, softcap), the attention mass, one split (direct write)
 and many splits, K / V in different formats, and bf16 residual pages. Append: bit-exact with
 PagedTensor.write for every format it writes, granularity and head_dim, bulk and decode-style
-appends. Shards split the cases so that several processes compile in parallel. Exit status 1 if
-any case fails.
+appends. Exit status 1 if any case fails or is skipped.
+
+Sharding: Triton compiles dominate the wall time (almost every case is its own kernel
+specialization: 175 decode binaries for the 180 decode cases of the full matrix, and 125
+append binaries for its 67 append cases). Cases are grouped by
+everything that selects a binary (spec_key: every field but the lengths), each group gets an
+estimated cost (est_seconds), and the groups are dealt largest first to the least loaded half,
+then within the half to the least loaded shard (plan()). So the halves and the shards compile
+disjoint sets of the main kernel's specializations, and every process computes the same plan.
 """
 
 from __future__ import annotations
@@ -175,10 +185,72 @@ def check_append(c, gen) -> str:
     return "bit-exact"
 
 
+def spec_key(kind: str, c: dict) -> tuple:
+    """Everything of a case that selects a kernel binary (all fields but the lengths): cases
+    with the same key reuse one compile, so they go to the same shard."""
+    return (kind,) + tuple(sorted((k, repr(v)) for k, v in c.items() if k != "lens"))
+
+
+def est_seconds(kind: str, c: dict) -> float:
+    """Rough seconds of a case: the compile of its kernels dominates. Means per kind of case from
+    compiling this whole matrix for sm_90 on a CPU (triton 3.9 + ptxas, one loaded core,
+    2026-12: 1100 s in all, decode 1.5-25 s per case): plain pages 2.5 s; fp8 / fp4 3.3 s; channel
+    scales 5 s (head_dim 256: 10 s); int codes 6-11 s; an append case 3.4 s (2-3 small kernels)."""
+    if kind == "append":
+        return 1.5 if c.get("bulk") else 3.4
+    fmts = (c["kf"], c["vf"])
+    channel = "channel" in (c["gran"], c.get("vgran"))
+    if any(f.startswith("int") for f in fmts):
+        t = 7.0 if channel else 6.0 + {256: 5.0, 128: 2.0}.get(c["D"], 0.0)
+    elif channel:
+        t = 5.0 + (4.0 if c["D"] == 256 else 0.0)
+    elif any(f not in ("bf16", "fp16") for f in fmts):
+        t = 3.3 + (0.7 if c["D"] == 256 else 0.0)
+    else:
+        t = 2.5
+    return t + 0.5  # the run: inputs, reference, checks
+
+
+def _deal(groups, bins: int):
+    """Largest first onto the least loaded bin (LPT). groups: [(cost, first index, items)]."""
+    load = [0.0] * bins
+    out = [[] for _ in range(bins)]
+    for cost, _, items in sorted(groups, key=lambda g: (-g[0], g[1])):
+        b = min(range(bins), key=lambda i: (load[i], i))
+        load[b] += cost
+        out[b].append((cost, _, items))
+    return out, load
+
+
+def plan(work, halves: int, shards: int):
+    """-> [half][shard] = list of (index, kind, case) in matrix order, and the estimated seconds
+    [half][shard]. Same-key cases stay together; halves and shards are balanced by cost."""
+    groups: dict[tuple, list] = {}
+    for i, (kind, c) in enumerate(work):
+        groups.setdefault(spec_key(kind, c), []).append((i, kind, c))
+    glist = [(sum(est_seconds(k, c) for _, k, c in g), g[0][0], g) for g in groups.values()]
+    by_half, _ = _deal(glist, halves)
+    out, loads = [], []
+    for hg in by_half:
+        by_shard, load = _deal(hg, shards)
+        out.append([sorted(x for _, _, g in sg for x in g) for sg in by_shard])
+        loads.append(load)
+    return out, loads
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shard", type=int, default=0)
     ap.add_argument("--shards", type=int, default=1)
+    ap.add_argument("--half", type=int, default=0,
+                    help="which part of the matrix (0 .. halves-1): one device call each")
+    ap.add_argument("--halves", type=int, default=1)
+    ap.add_argument("--budget", type=float, default=0.0,
+                    help="seconds: start no case after this (the rest print SKIP and count as "
+                         "not passed); 0 = no limit")
+    ap.add_argument("--plan", action="store_true",
+                    help="print the split (cases and estimated seconds per half and shard) "
+                         "and exit")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=["decode-only-formats"],
                     help="decode-only-formats: just the cases of the int / channel / residual "
@@ -186,6 +258,7 @@ def main() -> int:
     ap.add_argument("--cpu-smoke", type=int, default=0,
                     help="run the first N cases on the CPU interpreter with short sequences")
     a = ap.parse_args()
+    t0 = time.time()
     work = ([("decode", c) for c in decode_cases(a.quick)]
             + [("decode", c) for c in config_cases()]
             + [("append", c) for c in append_cases(a.quick)])
@@ -193,7 +266,22 @@ def main() -> int:
         work = [(k, c) for k, c in work if k == "decode" and (
             (c["kf"], c["gran"]) in DECODE_ONLY or c.get("residual")
             or (c["vf"], c.get("vgran", c["gran"])) in DECODE_ONLY)]
-    work = work[a.shard::a.shards]
+    parts, loads = plan(work, a.halves, a.shards)
+    if a.plan:
+        keys = {spec_key(k, c) for k, c in work}
+        print(f"{len(work)} cases ({sum(k == 'decode' for k, _ in work)} decode, "
+              f"{sum(k == 'append' for k, _ in work)} append), {len(keys)} distinct case keys, "
+              f"{a.halves} half(s) x {a.shards} shard(s)")
+        for h, (hp, hl) in enumerate(zip(parts, loads)):
+            n = sum(len(x) for x in hp)
+            print(f"half {h}: {n} cases, est. {sum(hl):.0f} s of compile + run in all, "
+                  f"per shard {min(hl):.0f}-{max(hl):.0f} s")
+            for i, (sp, sl) in enumerate(zip(hp, hl)):
+                print(f"  shard {h}.{i}: {len(sp)} cases, est. {sl:.0f} s: "
+                      + " ".join(str(j) for j, _, _ in sp))
+        return 0
+    mine = parts[a.half][a.shard]
+    work = [(k, c) for _, k, c in mine]
     if a.cpu_smoke:
         global DEV
         DEV = "cpu"
@@ -202,21 +290,30 @@ def main() -> int:
             if "lens" in c:
                 c["lens"] = [max(1, n // 100) for n in c["lens"]]
             c.pop("splits", None)
-    fails = 0
-    t0 = time.time()
-    for i, (kind, c) in enumerate(work):
-        gen = torch.Generator().manual_seed(1000 * a.shard + i)
+    name = f"{a.half}.{a.shard}" if a.halves > 1 else f"{a.shard}"
+    print(f"plan of shard {name}: {len(work)} cases, est. {loads[a.half][a.shard]:.0f} s",
+          flush=True)
+    fails = skips = 0
+    for idx, kind, c in mine[:len(work)]:
         label = " ".join(f"{k}={v}" for k, v in c.items() if k != "lens")
+        if a.budget and time.time() - t0 > a.budget:
+            skips += 1
+            print(f"SKIP (budget) {kind} #{idx} {label}", flush=True)
+            continue
+        gen = torch.Generator().manual_seed(1000 + idx)  # per case, not per shard
+        t = time.time()
         try:
             msg = (check_decode if kind == "decode" else check_append)(c, gen)
-            print(f"PASS {kind} {label}: {msg}", flush=True)
+            print(f"PASS {kind} #{idx} {label}: {msg} ({time.time() - t:.1f}s)", flush=True)
         except Exception as e:  # noqa: BLE001 - report every failing case, keep going
             fails += 1
-            print(f"FAIL {kind} {label}: {type(e).__name__}: {e}", flush=True)
+            print(f"FAIL {kind} #{idx} {label}: {type(e).__name__}: {e} "
+                  f"({time.time() - t:.1f}s)", flush=True)
             traceback.print_exc(limit=3)
-    print(f"shard {a.shard}/{a.shards}: {len(work) - fails}/{len(work)} passed in "
-          f"{time.time() - t0:.0f}s", flush=True)
-    return 1 if fails else 0
+    n = len(work)
+    print(f"shard {name}/{a.shards}: {n - fails - skips}/{n} passed, {fails} failed, "
+          f"{skips} skipped in {time.time() - t0:.0f}s", flush=True)
+    return 1 if fails or skips else 0
 
 
 if __name__ == "__main__":
