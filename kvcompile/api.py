@@ -35,8 +35,10 @@ def compile(model: torch.nn.Module, config: KVConfig | dict | None = None, **opt
         from kvcompile.integrations.hf_graphs import GraphedForward
 
         # generate's decode steps replay CUDA graphs where they can (integrations/hf_graphs.py)
-        model.forward = GraphedForward(torch.compile(model.forward, backend=backend), state,
-                                       model)
+        fwd = model.forward
+        if isinstance(fwd, GraphedForward):  # compiled before: compile what was compiled
+            fwd = fwd.compiled
+        model.forward = GraphedForward(torch.compile(fwd, backend=backend), state, model)
         model.__dict__[_STATE_ATTR] = state
         # engine issue (#6): a generate call's pages return to the pool when it returns, not at
         # the next gc (HF cache objects sit in reference cycles); see integrations/hf.py

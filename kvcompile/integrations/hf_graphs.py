@@ -93,7 +93,9 @@ class GraphedForward:
     steps of `generate` replayed from CUDA graphs (module docstring)."""
 
     def __init__(self, compiled, state, model):
-        functools.update_wrapper(self, compiled)
+        # name, doc, __wrapped__ (so inspect.signature sees the model's forward); not the
+        # compiled function's attributes (Dynamo refuses to wrap a callable carrying them)
+        functools.update_wrapper(self, compiled, updated=())
         self.compiled = compiled
         self.state = state
         self.model_max_len = getattr(getattr(model, "config", None), "max_position_embeddings",
