@@ -47,9 +47,23 @@ def load_smollm2(dtype=torch.float32):
     return model.to(dtype).eval(), tok
 
 
+LEE_ENV = "KVCOMPILE_LEE_CORPUS"  # path of lee_background.cor where gensim is not installed
+
+
+def lee_corpus_path() -> str:
+    """gensim's lee_background.cor ($KVCOMPILE_LEE_CORPUS first: a copy carried to a machine
+    without gensim, benchmarks/run_quality_gpu.sh)."""
+    path = os.environ.get(LEE_ENV)
+    if path:
+        if not os.path.isfile(path):
+            raise RuntimeError(f"${LEE_ENV}={path}: no such file")
+        return path
+    return os.path.join(_package_dir("gensim"), "test", "test_data", "lee_background.cor")
+
+
 def lee_corpus_ids(tok) -> torch.Tensor:
     """The whole gensim Lee background corpus, tokenized: [T] int64 (about 75k tokens)."""
-    path = os.path.join(_package_dir("gensim"), "test", "test_data", "lee_background.cor")
+    path = lee_corpus_path()
     with open(path) as f:
         text = f.read()
     return tok(text, return_tensors="pt").input_ids[0]

@@ -83,7 +83,8 @@ class Evaluator:
         self.kv_dtype = kv_dtype
         from transformers import DynamicCache
 
-        self._forward(torch.tensor([[1, 2]]), DynamicCache())  # runs the passes: the runtime
+        dev = next(m.parameters()).device
+        self._forward(torch.tensor([[1, 2]], device=dev), DynamicCache())  # runs the passes
         return self
 
     @property
@@ -150,13 +151,13 @@ def nll_and_agreement(logits: torch.Tensor, targets: torch.Tensor, ref_row: int 
 def greedy(ev: Evaluator, rows: Rows, first_ids: torch.Tensor, max_new: int) -> list[list[int]]:
     """Greedy decoding of every row after feeding first_ids [C]; returns generated ids."""
     logits = ev.step(rows, first_ids)[:, -1]
-    out = [[] for _ in rows.labels]
+    out = []
     for _ in range(max_new):
         nxt = logits.argmax(-1)
-        for r, t in enumerate(nxt.tolist()):
-            out[r].append(t)
-        logits = ev.step(rows, nxt[:, None])[:, -1]
-    return out
+        out.append(nxt)  # stays on the device: one copy to the host at the end
+        if len(out) < max_new:  # the last token's logits are never read
+            logits = ev.step(rows, nxt[:, None])[:, -1]
+    return torch.stack(out, 1).tolist() if out else [[] for _ in rows.labels]
 
 
 def ppl(nll_sum: float, count: int) -> float:

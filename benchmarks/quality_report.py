@@ -1,11 +1,15 @@
 """Tables (GitHub markdown) and a plot from benchmarks/quality_results.json.
 
     python benchmarks/quality.py --report
+    python benchmarks/quality_report.py --only _h200 --no-plot      # some suites' tables
+    python benchmarks/quality_report.py --merge-from $OUT/quality_results_h200.json --only _h200
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 
 # SmolLM2-135M: 30 layers x 3 kv heads x 64 dims, K and V
@@ -13,6 +17,7 @@ ELEMS_PER_TOKEN = 30 * 3 * 64 * 2
 ELEM_BYTES = {"auto": 4.0, "bf16": 2.0, "fp8_e4m3": 1.0 + 4 / (16 * 64),
               "fp8_e5m2": 1.0 + 4 / (16 * 64), "fp4_e2m1": 0.5 + 1 / 16 + 4 / (16 * 64)}
 FMT_NAME = {"auto": "fp32"}
+COMPARE_AT = 9216  # tokens of the published CPU streaming run: longer runs show that prefix too
 
 
 def _rate(hits: list) -> str:
@@ -27,6 +32,53 @@ def _retrieval_table(res: dict, title: str) -> list[str]:
         allh = [h for k in keys for h in per.get(k, [])]
         out.append(f"| {label} | " + " | ".join(_rate(per.get(k, [])) for k in keys)
                    + f" | {_rate(allh)} |")
+    return out
+
+
+def _at(curve: list, end: int):
+    """(ppl, tokens) of a row's curve point at `end` ([end, nll, n] points), or None."""
+    for e, nll, n in curve or []:
+        if e == end and n:
+            return math.exp(nll / n), n
+    return None
+
+
+def _stream_table(key: str, s: dict) -> list[str]:
+    """One streaming run: each row's ppl over what it covered; where a row stopped short of
+    the run's tokens (a deadline), and at COMPARE_AT tokens (the published CPU run) when the run
+    is longer, every row on the same prefix too (curve points of the streaming rows and of the
+    sliding baselines score the same tokens; the consecutive-window baseline scores others)."""
+    res, total = s["results"], s["tokens"]
+    win = "2048-token windows"
+    ups = [r.get("upto", total) for lab, r in res.items() if win not in lab]
+    common = min(ups) if ups else total
+    slides = [lab for lab in res if "sliding" in lab]
+    ref = next((lab for lab in slides if "(stride 64)" in lab), slides[0] if slides else None)
+    cols = [common] if 0 < common < total else []
+    if total > COMPARE_AT and all(_at(r.get("curve"), COMPARE_AT)
+                                  for lab, r in res.items() if win not in lab):
+        cols.append(COMPARE_AT)
+    out = [f"### {key}: streaming perplexity, {total:,} Lee tokens (chunks of {s['chunk']})", "",
+           "| cache | ppl | tokens scored | vs " + (ref or "-") + " |"
+           + "".join(f" ppl, first {c:,} tokens |" for c in cols),
+           "|---|---|---|---|" + "---|" * len(cols)]
+    for label, r in res.items():
+        upto = r.get("upto", total)
+        vs = "-"
+        if ref and label != ref and win not in label and r.get("ppl") is not None:
+            if upto == total and res[ref].get("upto", total) == total:
+                vs = f"{100 * (r['ppl'] / res[ref]['ppl'] - 1):+.1f}%"
+            else:
+                b = _at(res[ref].get("curve"), upto)
+                if b:
+                    vs = f"{100 * (r['ppl'] / b[0] - 1):+.1f}% (same prefix)"
+        cells = [label, "-" if r.get("ppl") is None else f"{r['ppl']:.2f}",
+                 f"{r['tokens']:,}" + (f" (stopped at token {upto:,})" if upto < total else ""),
+                 vs]
+        for c in cols:
+            v = None if win in label else _at(r.get("curve"), c)
+            cells.append(f"{v[0]:.2f}" if v else "-")
+        out.append("| " + " | ".join(cells) + " |")
     return out
 
 
@@ -45,13 +97,8 @@ def tables(data: dict) -> str:
                              f"{r['ppl']:.2f} | {r['kl']:.4f} | {100 * r['top1']:.1f}% | "
                              f"{kb:.1f} |")
         lines.append("")
-    if "stream" in data:
-        s = data["stream"]
-        lines += [f"### Streaming perplexity, first {s['tokens']} Lee tokens "
-                  f"(chunks of {s['chunk']})", "", "| cache | ppl | tokens |", "|---|---|---|"]
-        for label, r in s["results"].items():
-            lines.append(f"| {label} | {r['ppl']:.2f} | {r['tokens']} |")
-        lines.append("")
+    for key in [k for k in data if k.startswith("stream")]:
+        lines += _stream_table(key, data[key]) + [""]
     titles = {"passkey": "passkey (tokens)", "kvpress": "kvpress press",
               "ruler": "RULER-like task", "kvpress_ruler": "kvpress press, RULER-like task"}
     for suite in data:
@@ -112,17 +159,58 @@ def plot(data: dict, path: str) -> bool:
         ax.set_yticks(y, [f"{b[0]} (n={b[2]})" for b in bars], fontsize=6)
         ax.set_xlim(0, 100)
         ax.set_xlabel("passkey retrieved (%)")
-        lengths = sorted({k for v in data["passkey"]["results"].values() for k in v}, key=int)
+        lengths = sorted({k for s in data if s.startswith("passkey")
+                          for v in data[s]["results"].values() for k in v}, key=int)
         ax.set_title(f"passkey at {'/'.join(lengths)} tokens (name@% evicted)")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     return True
 
 
-def report(results_path: str, out_dir: str) -> None:
+def report(results_path: str, out_dir: str | None, only: str | None = None) -> None:
+    """Print the tables of every suite (only: those whose name contains it); write the plot
+    into out_dir (None: no plot)."""
     with open(results_path) as f:
         data = json.load(f)
-    print(tables(data))
+    print(tables({k: v for k, v in data.items() if only is None or only in k}))
+    if out_dir is None:
+        return
     png = os.path.join(out_dir, "quality_eviction.png")
     if plot(data, png):
         print(f"plot: {png}")
+
+
+def merge_into(results_path: str, other: str) -> list[str]:
+    """Copy every suite of `other` (a run saved elsewhere, e.g. a GPU run's --results) into
+    results_path, replacing suites of the same name; returns their names."""
+    with open(other) as f:
+        new = json.load(f)
+    data = {}
+    if os.path.exists(results_path):
+        with open(results_path) as f:
+            data = json.load(f)
+    data.update(new)
+    with open(results_path + ".tmp", "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(results_path + ".tmp", results_path)
+    return list(new)
+
+
+def main(argv=None) -> int:
+    here = os.path.dirname(os.path.abspath(__file__))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--results", default=os.path.join(here, "quality_results.json"))
+    ap.add_argument("--merge-from", default=None,
+                    help="first copy this file's suites into --results (same names replaced)")
+    ap.add_argument("--only", default=None, help="tables of the suites whose name has this")
+    ap.add_argument("--no-plot", action="store_true")
+    a = ap.parse_args(argv)
+    if a.merge_from:
+        names = merge_into(a.results, a.merge_from)
+        print(f"merged {', '.join(names)} from {a.merge_from} into {a.results}\n")
+    report(a.results, None if a.no_plot else here, a.only)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
