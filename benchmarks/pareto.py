@@ -124,6 +124,14 @@ def grid() -> dict[str, dict]:
     for p in (64, 128):
         cfgs[f"fp8_e4m3/page+rot P{p}"] = dict(kv_dtype="fp8_e4m3", scale_granularity="page",
                                                rotate="hadamard", page_size=p)
+    # fp8 with key treatment (issue 9's <= +0.5% target): keys and values with their own scale
+    # granularities (v_scale_granularity), rotated (channel-scaled keys stay unrotated: only V)
+    for kg, vg, p in (("page", "token", 16), ("token", "page", 16), ("page", "token", 64),
+                      ("channel", "token", 16), ("channel", "token", 64),
+                      ("channel", "page", 64)):
+        cfgs[f"fp8_e4m3 K {kg}/V {vg}+rot" + (f" P{p}" if p != 16 else "")] = dict(
+            kv_dtype="fp8_e4m3", scale_granularity=kg, v_scale_granularity=vg,
+            rotate="hadamard", page_size=p)
     k3v3 = dict(cfgs["K int3/V int3 P64+rot"])
     k4 = {"k_dtype": "int4"}
     for label, ranges in (("0-5", ("0-5",)), ("24-29", ("24-29",)), ("0-2,27-29", ("0-2", "27-29")),
@@ -164,8 +172,7 @@ def bits_per_element(fields: dict) -> float:
     cfg = KVConfig(**fields)
     p, g = cfg.page_size, cfg.scale_granularity
     kf = resolve_format(cfg.key_dtype, torch.float32, g)
-    vg = g if g != "channel" else ("token" if cfg.value_dtype.startswith("int") else "page")
-    vf = resolve_format(cfg.value_dtype, torch.float32, vg)
+    vf = resolve_format(cfg.value_dtype, torch.float32, cfg.value_granularity)
     return (kf.bits_per_element(HEAD_DIM, p) + vf.bits_per_element(HEAD_DIM, p)) / 2
 
 

@@ -29,8 +29,8 @@ KERNEL_CHOICES = ("auto", "triton", "reference")
 
 # Fields that `configure` may override per module; the rest are global to the pool.
 PER_MODULE_FIELDS = (
-    "kv_dtype", "k_dtype", "v_dtype", "scale_granularity", "static_scale", "eviction",
-    "rotate", "enabled",
+    "kv_dtype", "k_dtype", "v_dtype", "scale_granularity", "v_scale_granularity", "static_scale",
+    "eviction", "rotate", "enabled",
 )
 
 
@@ -156,6 +156,9 @@ class KVConfig:
     scale_granularity: "page" (one fp32 scale per page and kv-head), "token", "tensor" (one
         static scale per layer: `static_scale`, or calibrated on the first write), or "channel"
         (per page, kv-head and channel; keys only, KIVI-style).
+    v_scale_granularity: the values' own granularity ("page", "token", "tensor"; not
+        "channel"), e.g. keys "page" with values "token". None: the same as
+        scale_granularity, except that under "channel" values take "token" (int) or "page".
     max_kv_bytes / memory_fraction: the pool's budget; bytes, or a fraction of the device
         memory free when the pool is built (on the CPU: of available RAM, at most 4 GiB).
     max_seq_len: longest sequence allowed; longer raises SequenceTooLongError.
@@ -173,6 +176,7 @@ class KVConfig:
     v_dtype: str | None = None
     page_size: int = 16
     scale_granularity: str = "page"
+    v_scale_granularity: str | None = None
     static_scale: float | None = None
     max_kv_bytes: int | None = None
     memory_fraction: float = 0.9
@@ -197,6 +201,12 @@ class KVConfig:
         if self.scale_granularity not in SCALE_GRANULARITIES:
             raise KVConfigError("scale_granularity", self.scale_granularity,
                                 ", ".join(repr(g) for g in SCALE_GRANULARITIES))
+        if self.v_scale_granularity is not None and (
+                self.v_scale_granularity not in SCALE_GRANULARITIES
+                or self.v_scale_granularity == "channel"):
+            raise KVConfigError("v_scale_granularity", self.v_scale_granularity,
+                                "None, 'page', 'token', 'tensor'",
+                                hint="Channel scales are for keys.")
         if self.static_scale is not None and not (
                 isinstance(self.static_scale, (int, float)) and self.static_scale > 0):
             raise KVConfigError("static_scale", self.static_scale, "None or a float > 0")
@@ -225,6 +235,16 @@ class KVConfig:
     @property
     def value_dtype(self) -> str:
         return self.v_dtype or self.kv_dtype
+
+    @property
+    def value_granularity(self) -> str:
+        """The values' scale granularity: v_scale_granularity, else scale_granularity, with
+        "channel" (keys only) turned into per-token int scales (KIVI) or page fp ones."""
+        if self.v_scale_granularity is not None:
+            return self.v_scale_granularity
+        if self.scale_granularity != "channel":
+            return self.scale_granularity
+        return "token" if self.value_dtype.startswith("int") else "page"
 
     @classmethod
     def from_options(cls, options: KVConfig | dict[str, Any] | None) -> KVConfig:

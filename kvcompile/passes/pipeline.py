@@ -73,8 +73,7 @@ def run_passes(gm: fx.GraphModule, example_inputs, state, *, keep_code: bool = F
         try:
             kf = resolve_format(cfg.key_dtype, site.dtype, cfg.scale_granularity,
                                 cfg.static_scale, cfg.residual)
-            vf = resolve_format(cfg.value_dtype, site.dtype,
-                                _value_granularity(cfg.value_dtype, cfg.scale_granularity),
+            vf = resolve_format(cfg.value_dtype, site.dtype, cfg.value_granularity,
                                 cfg.static_scale, cfg.residual)
             kf.check_shape(site.head_dim, state.config.page_size)
             vf.check_shape(site.v_head_dim, state.config.page_size)
@@ -118,9 +117,3 @@ def _needs_grad(example_inputs) -> bool:
     return torch.is_grad_enabled() and any(
         isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
 
-
-def _value_granularity(value_dtype: str, granularity: str) -> str:
-    """Channel scales are for keys; values keep per-token int scales (KIVI) or page fp ones."""
-    if granularity != "channel":
-        return granularity
-    return "token" if value_dtype.startswith("int") else "page"

@@ -154,3 +154,23 @@ def test_options_dict_validation():
     cfg = kvcompile.KVConfig.from_options({"kv_dtype": "fp4_e2m1",
                                            "eviction": {"policy": "sink_window", "window": 64}})
     assert isinstance(cfg.eviction, kvcompile.SinkWindow) and cfg.eviction.window == 64
+
+
+def test_value_scale_granularity_separate_from_keys():
+    """v_scale_granularity gives values their own scales (keys page, values token); None keeps
+    the old rule (under "channel" keys: token int values, page fp ones)."""
+    cfg = kvcompile.KVConfig
+    assert cfg(scale_granularity="channel", kv_dtype="int4").value_granularity == "token"
+    assert cfg(scale_granularity="channel", kv_dtype="fp8_e4m3").value_granularity == "page"
+    assert cfg(scale_granularity="page", v_scale_granularity="token").value_granularity == "token"
+    with pytest.raises(kvcompile.KVConfigError, match="v_scale_granularity"):
+        cfg(v_scale_granularity="channel")
+    model = _llama()
+    kvcompile.compile(model, cfg(kv_dtype="fp8_e4m3", scale_granularity="page",
+                                 v_scale_granularity="token", inner="eager",
+                                 max_kv_bytes=1 << 24))
+    out = model.generate(_ids(), max_new_tokens=4, **GEN)
+    pool = kvcompile.api.state_of(model).pool
+    assert {(pool.k[i].fmt.granularity, pool.v[i].fmt.granularity) for i in range(3)} == {
+        ("page", "token")}
+    assert out.shape == (2, 20)
