@@ -128,7 +128,7 @@ def grid() -> dict[str, dict]:
     # granularities (v_scale_granularity), rotated (channel-scaled keys stay unrotated: only V)
     for kg, vg, p in (("page", "token", 16), ("token", "page", 16), ("page", "token", 64),
                       ("channel", "token", 16), ("channel", "token", 64),
-                      ("channel", "page", 64)):
+                      ("channel", "page", 64), ("token", "page", 64), ("token", "tensor", 16)):
         cfgs[f"fp8_e4m3 K {kg}/V {vg}+rot" + (f" P{p}" if p != 16 else "")] = dict(
             kv_dtype="fp8_e4m3", scale_granularity=kg, v_scale_granularity=vg,
             rotate="hadamard", page_size=p)
