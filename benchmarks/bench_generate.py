@@ -310,6 +310,12 @@ def engine_curve(model, args, device, ctx, clock):
             for _ in range(2)]
     for batch in (warm, warm[:1]):  # compiles both graphs: any T, and T = 1
         eng.generate(batch, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    # the step shapes of the timed runs (full token budgets, mixed prefill + decode steps):
+    # Triton autotunes the prefill kernel at each new shape key, which must not be timed
+    for c in [int(x) for x in args.concurrency.split(",")]:
+        if c > 1:
+            eng.generate([warm[0]] * min(c, 16), SamplingParams(temperature=0, max_tokens=2,
+                                                                ignore_eos=True))
     rows = []
     for c in [int(x) for x in args.concurrency.split(",")]:
         if clock.left < 20:

@@ -85,7 +85,7 @@ class _Graph:
         self.block_tables = torch.zeros(B, table_width, dtype=torch.int32, device=device)
         self.h64, self.h32 = self.host64.numpy(), self.host32.numpy()
         self.graph = None
-        self.out = None          # the output captured (logits live in the graph's pool)
+        self.out = None          # (output class, its fields but the cache; logits in the pool)
 
 
 class GraphedForward:
@@ -240,13 +240,14 @@ class GraphedForward:
         self.replays += 1
         self.state.count("generate_cuda_graph_replays")
         _grow_stubs(cache, b, past + 1)
-        out = g.out
-        fields = {k: v for k, v in out.items()}
-        fields["logits"] = out["logits"].clone()
-        for k in _CACHE_KEYS:
-            if k in fields:
+        cls, captured = g.out
+        fields = dict(captured)
+        fields["logits"] = captured["logits"].clone()
+        names = getattr(cls, "__dataclass_fields__", {})
+        for k in _CACHE_KEYS:   # transformers < 5.20 name it past_key_values, later `cache`
+            if k in names:
                 fields[k] = cache
-        return type(out)(**fields)
+        return cls(**fields)
 
     # -- capture ------------------------------------------------------------------------------
     def _scratch_for(self, rows: int):
@@ -323,7 +324,10 @@ class GraphedForward:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
             out = step()
-        g.graph, g.out = graph, out
+        # keep the output's fields but not the capture-time cache object: it would hold that
+        # call's pool sequences for the graph's life
+        g.graph = graph
+        g.out = (type(out), {k: v for k, v in out.items() if k not in _CACHE_KEYS})
         self.graphs[key] = g
         # the scratch slots served the warm-up only (replays have no padding rows)
         if self.scratch is not None and pool.has(self.scratch[1]):
