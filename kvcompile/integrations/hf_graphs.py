@@ -148,11 +148,13 @@ class GraphedForward:
         if self.why_not() is not None or self.state.hooks:
             return None
         cache = None
+        dev = self.state.device
         for k, v in kw.items():
             if k in _CACHE_KEYS:
                 cache = v
-            elif k in _TENSOR_KEYS:
-                if v is not None and not (isinstance(v, torch.Tensor) and v.is_cuda):
+            elif k in _TENSOR_KEYS:   # on the pool's device (why_not: a CUDA one)
+                if v is not None and not (isinstance(v, torch.Tensor) and dev is not None
+                                          and v.device.type == dev.type):
                     return None
             elif k == "logits_to_keep":
                 if not isinstance(v, int):

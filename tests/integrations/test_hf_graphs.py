@@ -1,0 +1,73 @@
+"""Which calls `GraphedForward` (integrations/hf_graphs.py) would replay from a CUDA graph.
+
+Replay itself needs CUDA (benchmarks/gpu_check_hf_graphs.py checks it on the H200); here the
+graph path is replaced by a recorder that runs the compiled forward, so the CPU checks the
+selection: every decode step of `generate` on a bound DynamicCache, and nothing else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcompile
+from kvcompile.integrations.hf_graphs import GraphedForward, in_generate
+from tests.engine.tiny import config, make_hf
+
+
+@pytest.fixture
+def recorded():
+    m = make_hf("llama", "sdpa")
+    kvcompile.compile(m, config(kv_dtype="bf16"))
+    fwd = m.forward
+    assert isinstance(fwd, GraphedForward)
+    assert fwd.why_not() is not None            # CPU: never replays
+    calls = []
+    fwd.why_not = lambda: None                  # pretend the device allows graphs
+
+    def record(kw, cache, b, past):
+        calls.append((tuple(kw["input_ids"].shape), past, b.batch))
+        return fwd.compiled(**kw)
+
+    fwd._run = record
+    return m, calls
+
+
+def _inputs(B=2, L=7, pad=True):
+    ids = torch.randint(3, 200, (B, L), generator=torch.Generator().manual_seed(0))
+    am = torch.ones_like(ids)
+    if pad:
+        am[0, :2] = 0
+    return ids, am
+
+
+def test_decode_steps_of_generate_are_selected(recorded):
+    m, calls = recorded
+    ids, am = _inputs()
+    out = m.generate(ids, attention_mask=am, max_new_tokens=4, do_sample=False)
+    assert out.shape == (2, 11)
+    # prefill runs the compiled graph; the 3 decode steps are selected, lengths growing
+    assert [c[1] for c in calls] == [7, 8, 9]
+    assert all(c[0] == (2, 1) and c[2] == 2 for c in calls)
+    assert not in_generate()
+
+
+def test_selected_steps_give_the_same_tokens(recorded):
+    m, calls = recorded
+    ids, am = _inputs()
+    a = m.generate(ids, attention_mask=am, max_new_tokens=5, do_sample=False)
+    m.forward.why_not = lambda: "off"
+    b = m.generate(ids, attention_mask=am, max_new_tokens=5, do_sample=False)
+    assert torch.equal(a, b) and len(calls) == 4
+
+
+def test_not_selected(recorded):
+    """Outside generate, with outputs the graph does not produce, or another cache class."""
+    m, calls = recorded
+    ids, am = _inputs(pad=False)
+    with torch.no_grad():
+        m(input_ids=ids, attention_mask=am)                       # not in generate
+    m.generate(ids, attention_mask=am, max_new_tokens=3, do_sample=False,
+               output_attentions=True, return_dict_in_generate=True)
+    m.generate(ids, attention_mask=am, max_new_tokens=3, do_sample=False,
+               cache_implementation="static")
+    assert calls == []
