@@ -26,21 +26,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import kvcompile  # noqa: E402
 from kvcompile import KVConfig  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(__file__))
+from gpu_check_engine_graphs import tiny  # noqa: E402  (the same tiny Llama, seed 0)
+
 TOL = 2e-3   # graph vs eager steps: the same kernels, other split-K partitions
-
-
-def tiny():
-    import transformers as t
-
-    torch.manual_seed(0)
-    cfg = t.LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1024,
-                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                        max_position_embeddings=2048, pad_token_id=0, bos_token_id=1,
-                        eos_token_id=2)
-    m = t.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        m.lm_head.weight.mul_(8.0)
-    return m.to("cuda", torch.float32)
 
 
 def inputs(B: int, L: int, pad: bool, seed: int):

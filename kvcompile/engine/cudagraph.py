@@ -49,6 +49,34 @@ def graphs_wanted() -> bool:
     return os.environ.get("KVCOMPILE_CUDA_GRAPHS", "1") not in ("0", "false", "False", "")
 
 
+def upload_plan(g, pool, non_blocking: bool = True) -> None:
+    """Fill a graph's static plan buffers: `g.dev64` / `g.seq_lens` from its pinned host buffers
+    (one int64 and one int32 copy), then `g.block_tables` as the pool's table rows `g.rows`.
+    Shared by the engine's and `generate`'s graphs (integrations/hf_graphs.py)."""
+    g.dev64.copy_(g.host64, non_blocking=non_blocking)
+    g.seq_lens.copy_(g.host32, non_blocking=non_blocking)
+    table = pool.table()                     # flushed; its width may have grown
+    w = min(table.shape[1], g.block_tables.shape[1])
+    g.block_tables[:, :w] = table[:, :w].index_select(0, g.rows)
+
+
+def capture(step, device: torch.device, mempool):
+    """Run `step` twice on a side stream (Dynamo / inductor / Triton compile and autotune
+    there), then capture it into a new CUDA graph drawing on `mempool`. Returns (graph, what
+    the captured call returned: static outputs, valid after each replay)."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=mempool):
+        out = step()
+    return graph, out
+
+
 class _Graph:
     """One captured decode step of `bp` rows and its static buffers."""
 
@@ -154,11 +182,7 @@ class DecodeGraphs:
         h32[:n] = lens
         if n < bp:  # padding rows: the scratch sequence, one slot each, one key seen
             self._pad(g, n)
-        g.dev64.copy_(g.host64, non_blocking=True)
-        g.seq_lens.copy_(g.host32, non_blocking=True)
-        table = pool.table()                     # flushed; its width may have grown
-        w = min(table.shape[1], g.block_tables.shape[1])
-        g.block_tables[:, :w] = table[:, :w].index_select(0, g.rows)
+        upload_plan(g, pool)
         g.graph.replay()
         self.replays += 1
         self.state.count("engine_cuda_graph_replays")
@@ -204,30 +228,16 @@ class DecodeGraphs:
         g = _Graph(bp, width, dev)
         # every row is padding while capturing: the warm-up runs write the scratch pages only
         self._pad(g, 0)
-        g.dev64.copy_(g.host64)
-        g.seq_lens.copy_(g.host32)
-        table = pool.table()
-        w = min(table.shape[1], width)
-        g.block_tables[:, :w] = table[:, :w].index_select(0, g.rows)
+        upload_plan(g, pool, non_blocking=False)
         ctx = ForwardContext(self.state, None, plan=g.plan())
 
         def step():
             with forward_context(ctx):
                 return self.runner._call(g.ids, g.pos, g.keep[:bp])
 
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):   # Dynamo / inductor / Triton compile and autotune here
-                step()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        torch.cuda.synchronize(dev)
         if self.mempool is None:
             self.mempool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
-            logits = step()
-        g.graph, g.logits = graph, logits
+        g.graph, g.logits = capture(step, dev, self.mempool)
         self.graphs[bp] = g
         self.captures += 1
         self.state.count("engine_cuda_graph_captures")

@@ -40,6 +40,7 @@ import torch
 
 from kvcompile.cache.binding import binding_of, is_stub
 from kvcompile.cache.context import ForwardContext, StepPlan, forward_context
+from kvcompile.engine.cudagraph import capture, upload_plan
 from kvcompile.runtime import kernel_readable
 
 log = logging.getLogger("kvcompile")
@@ -219,21 +220,8 @@ class GraphedForward:
             g.h64[:B] = slots
             g.h64[B:] = rows
             g.h32[:] = lens
-            g.dev64.copy_(g.host64, non_blocking=True)
-            g.seq_lens.copy_(g.host32, non_blocking=True)
-            table = pool.table()
-            w = min(table.shape[1], g.block_tables.shape[1])
-            g.block_tables[:, :w] = table[:, :w].index_select(0, g.rows)
-            g.ids.copy_(kw["input_ids"])
-            if g.pos is not None:
-                g.pos.copy_(kw["position_ids"])
-            if g.cp is not None:
-                g.cp.copy_(kw["cache_position"])
-            if g.mask is not None:
-                n = min(L, g.width)
-                g.mask[:, :n].copy_(mask[:, :n])
-                if n < g.width:
-                    g.mask[:, n:].fill_(1)
+            upload_plan(g, pool)
+            _load_inputs(g, kw)
             g.graph.replay()
         except BaseException:
             for sid in b.seq_ids:
@@ -281,18 +269,8 @@ class GraphedForward:
         g.h64[:B] = slots[:B]
         g.h64[B:] = row
         g.h32[:] = 1
-        g.dev64.copy_(g.host64)
-        g.seq_lens.copy_(g.host32)
-        table = pool.table()
-        w = min(table.shape[1], table_width)
-        g.block_tables[:, :w] = table[:, :w].index_select(0, g.rows)
-        g.ids.copy_(kw["input_ids"])
-        if g.pos is not None:
-            g.pos.copy_(kw["position_ids"])
-        if g.cp is not None:
-            g.cp.copy_(kw["cache_position"])
-        if g.mask is not None:
-            g.mask.copy_(mask)
+        upload_plan(g, pool, non_blocking=False)
+        _load_inputs(g, kw)
         plan = StepPlan(
             seq_ids=list(b.seq_ids), batch=B, new_tokens=1, past_lens=[past] * B,
             slots=g.slots, block_tables=g.block_tables, seq_lens=g.seq_lens,
@@ -314,18 +292,9 @@ class GraphedForward:
                 for layer, k, v in saved:
                     layer.keys, layer.values = k, v
 
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        torch.cuda.synchronize(dev)
         if self.mempool is None:
             self.mempool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
-            out = step()
+        graph, out = capture(step, dev, self.mempool)
         # keep the output's fields but not the capture-time cache object: it would hold that
         # call's pool sequences for the graph's life
         g.graph = graph
@@ -339,6 +308,23 @@ class GraphedForward:
         self.state.count("generate_cuda_graph_captures")
         log.info("kvcompile: captured generate's decode step (batch %d, mask width %d)", B, L)
         return g
+
+
+def _load_inputs(g: _Graph, kw) -> None:
+    """The step's inputs into the graph's static buffers. The mask's columns past the width
+    captured are ones in `generate`; columns past this step's width (a shorter prompt than
+    the capture's) are set to one: keys there are past every row's length, never read."""
+    g.ids.copy_(kw["input_ids"])
+    if g.pos is not None:
+        g.pos.copy_(kw["position_ids"])
+    if g.cp is not None:
+        g.cp.copy_(kw["cache_position"])
+    if g.mask is not None:
+        mask = kw["attention_mask"]
+        n = min(mask.shape[1], g.width)
+        g.mask[:, :n].copy_(mask[:, :n])
+        if n < g.width:
+            g.mask[:, n:].fill_(1)
 
 
 def _grow_stubs(cache, b, length: int) -> None:
