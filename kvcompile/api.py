@@ -80,6 +80,7 @@ class Report:
     graphs: int = 0
     compile_seconds: float = 0.0
     config: KVConfig | None = None
+    kernel_notes: list = field(default_factory=list)  # why a portable kernel ran, once each
 
     @property
     def rewritten(self) -> list:
@@ -109,6 +110,10 @@ class Report:
                 status += f", eviction {s.eviction}"
             lines.append(f"{s.name[:40]:40s} {s.pattern:14s} {s.gqa:17s} {s.cache:10s} "
                          f"{fmt:20s} {status}")
+        kc = {k: v for k, v in self.counters.items() if k.startswith(("decode_", "prefill_"))}
+        if kc:
+            lines.append("kernels: " + ", ".join(f"{k} {v}" for k, v in sorted(kc.items())))
+        lines += [f"  {n}" for n in self.kernel_notes]
         if self.pool:
             p = self.pool
             lines.append(
@@ -132,7 +137,8 @@ def report(model) -> Report:
         pool = dict(st.pool.stats().__dict__)
     return Report(sites=list(latest.values()), layers=list(st.layer_meta), pool=pool,
                   counters=dict(st.counters), graphs=st.graphs,
-                  compile_seconds=st.compile_seconds, config=st.config)
+                  compile_seconds=st.compile_seconds, config=st.config,
+                  kernel_notes=list(getattr(st, "kernel_notes", [])))
 
 
 def stats(model=None) -> dict:

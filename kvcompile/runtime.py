@@ -38,6 +38,7 @@ class ModelState:
         self.eviction = None                   # eviction runtime (kvcompile.eviction), if any
         self.eviction_pass = _eviction_pass    # (gm, plan, state) -> summary (kvcompile.eviction)
         self.hooks: list[RuntimeHook] = []     # eviction / telemetry / calibration hooks
+        self.kernel_notes: list[str] = []      # which kernels ran and why (kvcompile.report)
         _states.append(weakref.ref(self))
 
     # -- layers -------------------------------------------------------------------------------
@@ -206,6 +207,24 @@ class KernelDispatch:
 
         return write
 
+    def _note_decode(self, q, kc, vc, extras: dict) -> None:
+        """Count which decode kernel runs (CUDA on sm_90, else Triton) and say why once."""
+        from kvcompile.kernels.decode import fast_path_reason
+
+        why = fast_path_reason(
+            q, kc.fmt.name, kc.fmt.granularity, vc.fmt.name, vc.fmt.granularity, kc.head_dim,
+            vc.head_dim, kc.page_size, q.shape[1] // kc.num_heads * q.shape[2],
+            extras.get("attn_mass"), bool(kc.fmt.residual or vc.fmt.residual))
+        if not why:
+            self.state.count("decode_cuda")
+            return
+        self.state.count("decode_triton")
+        key = f"decode: Triton kernel ({why})"
+        if key not in self._warned:
+            self._warned.add(key)
+            self.state.kernel_notes.append(key)
+            log.info("kvcompile: %s", key)
+
     def _fallback(self, why: str) -> None:
         if why not in self._warned:
             self._warned.add(why)
@@ -248,9 +267,15 @@ class KernelDispatch:
 
                 if kv_start is not None and any(kv_start):
                     return self._fallback("padded speculative decode")
+                if self.state.config.kernels == "triton":
+                    self.state.count("decode_triton")
+                else:
+                    self._note_decode(q, kc, vc, extras)
                 return paged_decode_attention(
                     q, kc, vc, plan.block_tables, plan.seq_lens, scale, key_mask=key_mask,
-                    sliding_window=window, softcap=softcap, direct=True, **extras)
+                    sliding_window=window, softcap=softcap, direct=True,
+                    backend="triton" if self.state.config.kernels == "triton" else "auto",
+                    **extras)
             # CUDA prefill runs the Triton chunked-prefill kernel over the pages (checked on the
             # H200, benchmarks/prefill_diag.py and gpu_check_prefill.py, 2026-11-30). Escape
             # hatch: KVCOMPILE_PREFILL=sdpa gathers the pages and runs torch SDPA

@@ -223,11 +223,43 @@ def _check_residual(name, res, res_slot, N, Hkv, P, D) -> bool:
     return True
 
 
+_FAST_DEVICE: dict[int, str] = {}
+
+
+def fast_path_reason(q, k_fmt: str, k_gran: str, v_fmt: str, v_gran: str, d: int, dv: int,
+                     page: int, rows: int, attn_mass=None, residual: bool = False) -> str:
+    """'' when the CUDA kernel (decode_sm90.py, Hopper) runs this decode, else why not."""
+    if q.device.type != "cuda":
+        return "not on CUDA"
+    idx = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if idx not in _FAST_DEVICE:
+        from kvcompile.kernels.decode_sm90 import device_ok
+
+        ok, why = device_ok(q.device)
+        _FAST_DEVICE[idx] = "" if ok else why
+    if _FAST_DEVICE[idx]:
+        return _FAST_DEVICE[idx]
+    from kvcompile.kernels.decode_sm90 import MAX_ROWS, unsupported
+
+    if rows > MAX_ROWS:
+        return f"{rows} query rows per kv head (G * Sq > {MAX_ROWS})"
+    return unsupported(q, k_fmt, k_gran, v_fmt, v_gran, d, dv, page, attn_mass=attn_mass,
+                       residual=residual)
+
+
+def _combine(acc, plse, out, lse, num_splits: int, dv: int) -> None:
+    rows = acc.shape[0]
+    combine_splits_kernel[(rows,)](acc, plse, out, lse, num_splits, DV=dv,
+                                   S_PAD=triton.next_power_of_2(num_splits),
+                                   CHUNK=min(16, triton.next_power_of_2(num_splits)),
+                                   num_warps=4)
+
+
 def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, attn_mass, out,
                   k_fmt: str, k_gran: str, v_fmt: str, v_gran: str, scale: float,
                   sliding_window: int, sinks: int, softcap: float, num_splits: int,
                   config: dict | None = None, kz=None, vz=None, k_res=None, k_res_slot=None,
-                  v_res=None, v_res_slot=None) -> torch.Tensor:
+                  v_res=None, v_res_slot=None, backend: str = "auto") -> torch.Tensor:
     """Check, then launch split kernel (+ combine, + attention-mass pass). Writes `out`.
     kz / vz: int zero points (shaped like the scales); k_res / v_res [R, Hkv, P, D] bf16 and
     k_res_slot / v_res_slot [N] int32: residual pages (PagedTensor.res_data / res_slot)."""
@@ -235,6 +267,21 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
     vfmt, vsm = _codes(v_fmt, v_gran)
     B, Hq, Sq, D, DV, N, Hkv, P = _check(q, kd, vd, kfmt, vfmt, block_tables, seq_lens,
                                          key_mask, attn_mass, out)
+    if backend != "triton" and not interpreting():
+        residual = _check_residual("keys", k_res, k_res_slot, N, Hkv, P, D) or \
+            _check_residual("values", v_res, v_res_slot, N, Hkv, P, DV)
+        why = fast_path_reason(q, k_fmt, k_gran, v_fmt, v_gran, D, DV, P, Hq // Hkv * Sq,
+                               attn_mass, residual)
+        if not why:
+            from kvcompile.kernels.decode_sm90 import launch_decode_sm90
+
+            return launch_decode_sm90(
+                q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out, k_fmt, k_gran, v_fmt,
+                v_gran, scale, sliding_window, sinks, softcap, num_splits, _sm_count(q.device),
+                _combine)
+        if backend == "cuda":
+            raise UnsupportedShapeError(f"paged_decode: the CUDA kernel does not take {why}; "
+                                        f"use the Triton kernel (KVConfig(kernels='triton'))")
     for name, code, z in (("keys", kfmt, kz), ("values", vfmt, vz)):
         if code in INT_FMT_BITS and (z is None or z.dtype != torch.float16):
             raise UnsupportedShapeError(f"paged_decode: int {name} need fp16 zero points")
@@ -389,7 +436,8 @@ def _(out, *args, **kwargs):
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float, *,
                            key_mask=None, sliding_window: int = 0, sinks: int = 0,
                            softcap: float = 0.0, attn_mass=None, out=None,
-                           num_splits: int | None = None, direct: bool = False) -> torch.Tensor:
+                           num_splits: int | None = None, direct: bool = False,
+                           backend: str = "auto") -> torch.Tensor:
     """Decode attention over paged K/V in any storage format.
 
     q: [B, Hq, Sq, D], Sq in 1..8; k_cache, v_cache: PagedTensor (data [N, Hkv, P, D]);
@@ -400,6 +448,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: f
     query heads (and queries). out: optional [B, Hq, Sq, Dv] buffer. -> [B, Hq, Sq, Dv], q.dtype.
     direct: launch without the custom op's dispatch (for callers that already run eagerly
     inside an op, like kvcompile.attention: the dispatch costs host time on every layer).
+    backend (direct only): "auto" = the CUDA kernel on sm_90 where it takes the call
+    (decode_sm90.py), else Triton; "triton" = the portable kernel; "cuda" = CUDA or an error.
     """
     if direct:
         return launch_decode(
@@ -408,7 +458,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: f
             k_cache.fmt.granularity, v_cache.fmt.name, v_cache.fmt.granularity, float(scale),
             int(sliding_window or 0), int(sinks or 0), float(softcap or 0.0),
             int(num_splits or 0), None, k_cache.zero, v_cache.zero, k_cache.res_data,
-            k_cache.res_slot, v_cache.res_data, v_cache.res_slot)
+            k_cache.res_slot, v_cache.res_data, v_cache.res_slot, backend=backend)
     args = (q, k_cache.data, k_cache.scale, k_cache.micro, v_cache.data, v_cache.scale,
             v_cache.micro, block_tables, seq_lens, key_mask, attn_mass,
             k_cache.fmt.name, k_cache.fmt.granularity, v_cache.fmt.name,

@@ -1,0 +1,101 @@
+"""Building kvcompile's CUDA kernels at first use: nvcc -> cubin, cached on disk.
+
+    cubin = build_cubin("paged_decode.cuh", "kvc_paged_decode", defines, arch="sm_90")
+
+A variant is one set of compile-time constants (`defines`); its cubin is cached under
+`$XDG_CACHE_HOME/kvcompile/cuda` (default `~/.cache/kvcompile/cuda`) keyed by the source, the
+constants, the target and nvcc's version, so each variant compiles once per machine (about 2 s).
+`available()` says whether a compiler is there; without one the portable Triton kernels run and
+`kvcompile.report` says why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from functools import lru_cache
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+_lock = threading.Lock()
+
+_WRAPPER = """#include "{header}"
+extern "C" __global__ void __launch_bounds__({threads}, {min_blocks})
+{name}(const __grid_constant__ {params} p) {{
+  {call}(p);
+}}
+"""
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+@lru_cache(maxsize=1)
+def nvcc_path() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and Path(root, "bin", "nvcc").exists():
+            return str(Path(root, "bin", "nvcc"))
+    return None
+
+
+@lru_cache(maxsize=1)
+def nvcc_version() -> str:
+    nvcc = nvcc_path()
+    if nvcc is None:
+        return ""
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60)
+    return out.stdout.strip().splitlines()[-1] if out.stdout else ""
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") when nvcc can build kernels here, else (False, the reason)."""
+    if nvcc_path() is None:
+        return False, "nvcc not found (install the CUDA toolkit or put nvcc on PATH)"
+    return True, ""
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvcompile" / "cuda"
+
+
+def build_cubin(header: str, name: str, call: str, defines: dict[str, int], *, arch: str,
+                threads: int, min_blocks: int, params: str = "DecodeParams") -> bytes:
+    """The cubin of kernel `name` = `call<defines>(params)` from `header`, built once."""
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise BuildError(available()[1])
+    src = (_HERE / header).read_text()
+    wrapper = _WRAPPER.format(header=header, threads=threads, min_blocks=min_blocks, name=name,
+                              params=params, call=call)
+    flags = ["-cubin", f"-arch={arch}", "-O3", "--use_fast_math", "-std=c++17",
+             f"-I{_HERE}"] + [f"-D{k}={v}" for k, v in sorted(defines.items())]
+    key = hashlib.sha256("\0".join([src, wrapper, nvcc_version(), *flags]).encode()).hexdigest()
+    path = cache_dir() / f"{name}-{key[:24]}.cubin"
+    if path.exists():
+        return path.read_bytes()
+    with _lock:
+        if path.exists():
+            return path.read_bytes()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            cu = Path(tmp, "kernel.cu")
+            cu.write_text(wrapper)
+            out = Path(tmp, "kernel.cubin")
+            res = subprocess.run([nvcc, *flags, "-o", str(out), str(cu)], capture_output=True,
+                                 text=True, timeout=600)
+            if res.returncode != 0:
+                raise BuildError(f"nvcc failed for {name} {defines}:\n{res.stderr[-4000:]}")
+            data = out.read_bytes()
+        tmp_path = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp_path.write_bytes(data)
+        os.replace(tmp_path, path)  # atomic: concurrent builders agree on the result
+        return data

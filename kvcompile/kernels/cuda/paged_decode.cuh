@@ -1,0 +1,559 @@
+// Paged decode attention for Hopper (sm_90) and Ada (sm_89), below Triton's tile abstraction.
+//
+//   out[b, hq, i, :] = softmax_j(q[b, hq, i] . k[b, j] * scale) @ v[b, j]    over stored pages
+//
+// One CTA of 4 warps owns (sequence b, kv head h, split). The split's keys are cut into steps of
+// 16 tokens; warp w takes steps w, w + 4, ... and runs its own online softmax over them (no
+// barrier in the main loop). Each warp streams its steps through a private ring of NS shared-
+// memory stages filled by cp.async (page ids from the block table, 16-byte copies, zero-filled
+// past the sequence's end), so several steps' bytes are in flight per warp while it computes.
+//
+// Tensor cores via mma.sync m16n8k16 (f32 accumulators), query rows as M (the G = Hq / Hkv heads
+// of the group times Sq queries, padded to 8 or 16), tokens as N for q.k and as K for p.v:
+//   S[16 x 16 tokens] = Q[16 x D] K^T      two n-tiles of 8 tokens, D / 16 k-steps
+//   O[16 x DV]       += P[16 x 16] V       P reused from S's accumulators (FA2 register reuse)
+// Layouts are chosen so that every fragment comes from contiguous bytes:
+//   - q.k sums over d, so d is permuted: thread t of a quad owns 16-byte chunks t, t + 4, ... of
+//     each key row, and k-step s reads 4 consecutive elements of them (Q is permuted alike);
+//   - p.v's output columns are permuted: thread g (of 8) owns chunks g, g + 8, ... of each value
+//     row, n-tile nb's column g is element nb of them; the pairs of tokens a k-register needs are
+//     interleaved with one byte_perm (fp8) or half-word perm (16-bit) per 4 or 2 elements.
+// FP8 codes widen to f16 with one cvt.rn.f16x2.e4m3x2 / e5m2x2 per two values (sm_89+); block
+// scales fold into the scores (keys) and the probabilities (values), one multiply per token.
+// Shared-memory rows are XOR-swizzled in 16-byte chunks (see swz) so that fragment loads are
+// free of bank conflicts.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+struct DecodeParams {
+  const void* q;            // [B, Hq, SQ, D]    f16 / bf16 / f32, contiguous
+  const uint8_t* k;         // [N, H, P, D]      key codes (fp8) or elements (f16 / bf16)
+  const uint8_t* v;         // [N, H, P, DV]
+  const float* ks;          // key scales:   page [N, H] | token [N, H, P] | tensor [1]
+  const float* vs;          // value scales: alike
+  const int* bt;            // [B, stride_bt]    block tables
+  const int* seq_lens;      // [B]               tokens stored, new ones included
+  const uint8_t* kmask;     // [B, stride_km]    1 = key visible (covers every slot), or null
+  void* out;                // [B, Hq, SQ, DV]   q's dtype (written when direct)
+  float* acc;               // [B*Hq*SQ, S, DV]  normalized partial outputs (splits)
+  float* lse;               // [B*Hq*SQ, S]      log2-sum-exp of each split
+  long long stride_bt;
+  long long stride_km;
+  int H, G, SQ, num_splits, log2p, window, sinks, direct;
+  float qk_scale;           // scale * log2(e)
+  float cap_in;             // softcap: s = cap_out * tanh(cap_in * q.k), 0 = none
+  float cap_out;
+  int pad_;
+};
+
+// element kinds
+#define KVC_E4M3 0
+#define KVC_E5M2 1
+#define KVC_F16 2
+#define KVC_BF16 3
+// scale modes
+#define KVC_SC_NONE 0
+#define KVC_SC_PAGE 1
+#define KVC_SC_TOKEN 2
+#define KVC_SC_TENSOR 3
+
+namespace kvc {
+
+constexpr int WARPS = 4;
+constexpr int STEP = 16;  // tokens per step
+
+__device__ __forceinline__ int swz(int row) {  // XOR of a row's 16-byte chunks (rows % 8)
+  row &= 7;
+  return ((row & 1) << 2) ^ (row & 6);
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ uint4 lds128(const uint8_t* p) {
+  uint4 r;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "r"(smem_u32(p)));
+  return r;
+}
+
+__device__ __forceinline__ uint2 lds64(const uint8_t* p) {
+  uint2 r;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(r.x), "=r"(r.y) : "r"(smem_u32(p)));
+  return r;
+}
+
+template <bool BF16>
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  if constexpr (BF16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// two fp8 codes (low byte first) -> f16x2 (low half first)
+template <int KIND>
+__device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t x16) {
+  uint32_t r;
+  const uint16_t h = static_cast<uint16_t>(x16);
+  if constexpr (KIND == KVC_E5M2) {
+    asm("cvt.rn.f16x2.e5m2x2 %0, %1;\n" : "=r"(r) : "h"(h));
+  } else {
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(r) : "h"(h));
+  }
+  return r;
+}
+
+template <bool BF16>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (BF16) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
+template <int QT>
+__device__ __forceinline__ float load_q(const void* q, long long i) {
+  if constexpr (QT == 0) return __half2float(reinterpret_cast<const __half*>(q)[i]);
+  else if constexpr (QT == 1) return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(q)[i]);
+  else return reinterpret_cast<const float*>(q)[i];
+}
+
+template <int QT>
+__device__ __forceinline__ void store_o(void* o, long long i, float x) {
+  if constexpr (QT == 0) reinterpret_cast<__half*>(o)[i] = __float2half_rn(x);
+  else if constexpr (QT == 1) reinterpret_cast<__nv_bfloat16*>(o)[i] = __float2bfloat16_rn(x);
+  else reinterpret_cast<float*>(o)[i] = x;
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& w, int i) {
+  return i == 0 ? w.x : i == 1 ? w.y : i == 2 ? w.z : w.w;
+}
+
+// Kernel geometry for element kinds KK (keys) / VK (values), head dims D / DV, stages NS.
+template <int KK, int VK, int D, int DV, int NS, int KSM, int VSM>
+struct Geo {
+  static constexpr int KEB = KK >= KVC_F16 ? 2 : 1;   // bytes per element
+  static constexpr int VEB = VK >= KVC_F16 ? 2 : 1;
+  static constexpr int RBK = D * KEB, RBV = DV * VEB;  // bytes per token row
+  static constexpr int NCK = RBK / 16, NCV = RBV / 16;  // 16-byte chunks per row
+  static constexpr int KEPC = 16 / KEB;                 // key elements per chunk
+  static constexpr int KPC = KEPC / 4;                  // k-steps per key chunk
+  static constexpr int KS = D / 16;                     // k-steps of q.k
+  // values: thread g owns units g + 8 i of VU bytes (a chunk, or half of one for 64-byte rows)
+  static constexpr int VU = NCV >= 8 ? 16 : RBV / 8;
+  static constexpr int VUN = RBV / (8 * VU);            // units per thread per row
+  static constexpr int VEPU = VU / VEB;                 // value elements per unit
+  static constexpr int NT = DV / 8;                     // n-tiles of p.v
+  static constexpr int KBYTES = STEP * RBK, VBYTES = STEP * RBV;
+  static constexpr int SC_OFF = KBYTES + VBYTES;        // 16 key scales, then 16 value scales
+  static constexpr bool HAS_SC = KSM == KVC_SC_PAGE || KSM == KVC_SC_TOKEN ||
+                                 VSM == KVC_SC_PAGE || VSM == KVC_SC_TOKEN;
+  static constexpr int MASK_OFF = SC_OFF + (HAS_SC ? 128 : 0);  // 16 key-mask bytes
+  static constexpr int STAGE = MASK_OFF + 16;
+  static constexpr int STAGE_ALIGNED = (STAGE + 15) / 16 * 16;
+  static_assert(NCK >= 4 && NCK % 4 == 0, "key rows of at least 64 bytes");
+  static_assert(RBV % 64 == 0, "value rows of at least 64 bytes");
+};
+
+// Byte offset of chunk c (of 16 bytes) of row `row` in a stage region with `nc` chunks a row.
+__device__ __forceinline__ int chunk_off(int row, int c, int nc) {
+  return row * nc * 16 + ((nc >= 8 ? (c ^ swz(row)) : c) << 4);
+}
+
+template <int KK, int VK, int KSM, int VSM, int D, int DV, int ROWS, int NS, int QT>
+__device__ __forceinline__ void paged_decode(const DecodeParams& p) {
+  using Gm = Geo<KK, VK, D, DV, NS, KSM, VSM>;
+  constexpr bool KBF = KK == KVC_BF16, VBF = VK == KVC_BF16;
+  const float NEG_INF = -INFINITY;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int H = p.H, G = p.G, SQ = p.SQ, R = G * SQ;
+  const int b = blockIdx.x / H, h = blockIdx.x % H;
+  const int split = blockIdx.y;
+  const int L = p.seq_lens[b];
+  const int P = 1 << p.log2p;
+  const long long Hq = (long long)H * G;
+
+  // ---- q -> shared (compute dtype of q.k), rows >= R zero; then A fragments in registers
+  uint16_t* qs = reinterpret_cast<uint16_t*>(smem);  // [ROWS][D]
+  uint8_t* stages = smem + ROWS * D * 2;
+  for (int e = threadIdx.x; e < ROWS * D; e += WARPS * 32) {
+    const int r = e / D, d = e % D;
+    float x = 0.f;
+    if (r < R) {
+      const long long row = (b * Hq + (long long)h * G + r / SQ) * SQ + r % SQ;
+      x = load_q<QT>(p.q, row * D + d);
+    }
+    if constexpr (KBF) {
+      __nv_bfloat16 y = __float2bfloat16_rn(x);
+      qs[e] = *reinterpret_cast<uint16_t*>(&y);
+    } else {
+      __half y = __float2half_rn(x);
+      qs[e] = *reinterpret_cast<uint16_t*>(&y);
+    }
+  }
+  __syncthreads();
+  uint32_t qa[Gm::KS][4];
+#pragma unroll
+  for (int s = 0; s < Gm::KS; ++s) {
+    const int c = t + 4 * (s / Gm::KPC);
+    const int d0 = Gm::KEPC * c + 4 * (s % Gm::KPC);
+    const uint32_t* r0 = reinterpret_cast<const uint32_t*>(qs + g * D + d0);
+    qa[s][0] = r0[0];
+    qa[s][2] = r0[1];
+    if constexpr (ROWS == 16) {
+      const uint32_t* r1 = reinterpret_cast<const uint32_t*>(qs + (g + 8) * D + d0);
+      qa[s][1] = r1[0];
+      qa[s][3] = r1[1];
+    } else {
+      qa[s][1] = 0u;
+      qa[s][3] = 0u;
+    }
+  }
+
+  float kt = 1.f, vt = 1.f;  // tensor scales
+  if constexpr (KSM == KVC_SC_TENSOR) kt = p.ks[0];
+  if constexpr (VSM == KVC_SC_TENSOR) vt = p.vs[0];
+  const float qk = p.qk_scale * kt, cap_in = p.cap_in * kt;
+
+  // ---- the split's steps: [lo_s, ceil(L / 16)) plus the sink steps a window cuts off
+  int lo_s = 0, n_sink = 0;
+  if (p.window > 0) {
+    const int lo = max(L - SQ + 1 - p.window, 0);
+    lo_s = lo / STEP;
+    n_sink = (min(p.sinks, lo) + STEP - 1) / STEP;
+    if (n_sink >= lo_s) { n_sink = 0; lo_s = 0; }
+  }
+  const int n_steps = n_sink + (L + STEP - 1) / STEP - lo_s;
+  const int per = (n_steps + p.num_splits - 1) / p.num_splits;
+  const int v0 = split * per, v1 = min(n_steps, v0 + per);
+  const int my_steps = v1 - v0 > warp ? (v1 - v0 - warp + WARPS - 1) / WARPS : 0;
+
+  uint8_t* ring = stages + warp * NS * Gm::STAGE_ALIGNED;
+  const int* bt = p.bt + (long long)b * p.stride_bt;
+  const long long head_k = (long long)h * P;  // (page * H + h) * P = page * H * P + h * P
+
+  auto step_tok0 = [&](int i) {  // first token of the warp's i-th step
+    const int v = v0 + warp + i * WARPS;
+    return (v < n_sink ? v : lo_s + v - n_sink) * STEP;
+  };
+
+  auto issue = [&](int i) {  // cp.async of the warp's i-th step into its ring slot
+    uint8_t* st = ring + (i % NS) * Gm::STAGE_ALIGNED;
+    const int tok0 = step_tok0(i);
+    const int last = L - 1;
+    // page ids of the step's two halves (equal unless pages of 8)
+    const int pg0 = bt[min(tok0, last) >> p.log2p];
+    const int pg1 = bt[min(tok0 + 8, last) >> p.log2p];
+#pragma unroll
+    for (int k = 0; k < Gm::NCK / 2; ++k) {
+      const int q = lane + 32 * k, row = q / Gm::NCK, c = q % Gm::NCK;
+      const int tok = tok0 + row;
+      const int pg = row < 8 ? pg0 : pg1;
+      const long long off = ((long long)pg * H * P + head_k + (tok & (P - 1))) * Gm::RBK + c * 16;
+      cp_async16(smem_u32(st + chunk_off(row, c, Gm::NCK)), p.k + off, tok < L ? 16 : 0);
+    }
+#pragma unroll
+    for (int k = 0; k < Gm::NCV / 2; ++k) {
+      const int q = lane + 32 * k, row = q / Gm::NCV, c = q % Gm::NCV;
+      const int tok = tok0 + row;
+      const int pg = row < 8 ? pg0 : pg1;
+      const long long off = ((long long)pg * H * P + head_k + (tok & (P - 1))) * Gm::RBV + c * 16;
+      cp_async16(smem_u32(st + Gm::KBYTES + chunk_off(row, c, Gm::NCV)), p.v + off,
+                 tok < L ? 16 : 0);
+    }
+    if constexpr (Gm::HAS_SC) {
+      float* sc = reinterpret_cast<float*>(st + Gm::SC_OFF);
+      // lanes 0-3: key token scales (4 per lane) or lanes 0-1 page scales; 8-11 / 8-9 values
+      const bool is_v = lane >= 8;
+      const int l = lane & 7;
+      const int mode = is_v ? VSM : KSM;
+      const float* src = is_v ? p.vs : p.ks;
+      if (mode == KVC_SC_TOKEN && l < 4 && lane < 16) {
+        const int tok = tok0 + 4 * l;
+        const int pg = l < 2 ? pg0 : pg1;
+        const long long off = (long long)pg * H * P + head_k + (tok & (P - 1));
+        cp_async16(smem_u32(sc + (is_v ? 16 : 0) + 4 * l), src + off, tok < L ? 16 : 0);
+      } else if (mode == KVC_SC_PAGE && l < 2 && lane < 16) {
+        const int pg = l == 0 ? pg0 : pg1;
+        cp_async4(smem_u32(sc + (is_v ? 16 : 0) + l), src + (long long)pg * H + h, 4);
+      }
+    }
+    if (p.kmask != nullptr && lane == 31) {
+      cp_async16(smem_u32(st + Gm::MASK_OFF), p.kmask + (long long)b * p.stride_km + tok0, 16);
+    }
+  };
+
+  float o[Gm::NT][4];
+#pragma unroll
+  for (int n = 0; n < Gm::NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+  const int qpos_first = L - SQ;  // position of the first query
+  const int i_row0 = g % SQ, i_row1 = (g + 8) % SQ;  // query index of rows g, g + 8
+
+#pragma unroll
+  for (int k = 0; k < NS - 1; ++k) {
+    if (k < my_steps) issue(k);
+    cp_commit();
+  }
+
+  for (int it = 0; it < my_steps; ++it) {
+    if (it + NS - 1 < my_steps) issue(it + NS - 1);
+    cp_commit();
+    cp_wait<NS - 1>();
+    __syncwarp();
+    const uint8_t* st = ring + (it % NS) * Gm::STAGE_ALIGNED;
+    const int tok0 = step_tok0(it);
+
+    // ---- S = Q K^T: n-tile j holds tokens 8 j + n
+    float sa[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      sa[j][0] = sa[j][1] = sa[j][2] = sa[j][3] = 0.f;
+      const int row = 8 * j + g;
+#pragma unroll
+      for (int i = 0; i < Gm::NCK / 4; ++i) {
+        const uint4 w = lds128(st + chunk_off(row, t + 4 * i, Gm::NCK));
+        if constexpr (Gm::KEB == 1) {
+#pragma unroll
+          for (int ww = 0; ww < 4; ++ww) {
+            const uint32_t x = word(w, ww);
+            mma16816<false>(sa[j], qa[4 * i + ww], fp8x2_to_f16x2<KK>(x & 0xffffu),
+                            fp8x2_to_f16x2<KK>(x >> 16));
+          }
+        } else {
+#pragma unroll
+          for (int ww = 0; ww < 2; ++ww)
+            mma16816<KBF>(sa[j], qa[2 * i + ww], word(w, 2 * ww), word(w, 2 * ww + 1));
+        }
+      }
+    }
+
+    // ---- scores (log2 units), masks; thread's tokens: 8 j + 2 t + e, rows g (c < 2), g + 8
+    const float* sc = reinterpret_cast<const float*>(st + Gm::SC_OFF);
+    float kf[2][2], vf[2][2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int tau = 8 * j + 2 * t + e;
+        kf[j][e] = KSM == KVC_SC_TOKEN ? sc[tau] : KSM == KVC_SC_PAGE ? sc[j] : 1.f;
+        vf[j][e] = VSM == KVC_SC_TOKEN ? sc[16 + tau] : VSM == KVC_SC_PAGE ? sc[16 + j] : 1.f;
+      }
+    float x[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float raw = sa[j][c] * kf[j][c & 1];
+        x[j][c] = p.cap_out != 0.f ? p.cap_out * tanhf(raw * cap_in) : raw * qk;
+      }
+    const bool full = tok0 + STEP <= L - SQ + 1 && p.kmask == nullptr &&
+                      (p.window <= 0 || tok0 >= L - SQ - p.window + 1 ||
+                       tok0 + STEP <= p.sinks);
+    bool tok_ok[2][2] = {{true, true}, {true, true}};
+    if (!full) {
+      const uint8_t* km = st + Gm::MASK_OFF;
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int tau = 8 * j + 2 * t + e, pos = tok0 + tau;
+          bool any = pos < L && (p.kmask == nullptr || km[tau] != 0);
+#pragma unroll
+          for (int c = e; c < 4; c += 2) {
+            const int qpos = L - SQ + (c < 2 ? i_row0 : i_row1);
+            const bool vis = any && pos <= qpos &&
+                             (p.window <= 0 || qpos - pos < p.window || pos < p.sinks);
+            if (!vis) x[j][c] = NEG_INF;
+          }
+          // a key no query sees is read by nobody: its values must stay inert (NaN there)
+          tok_ok[j][e] = any && (p.window <= 0 || qpos_first - pos < p.window || pos < p.sinks);
+        }
+    }
+
+    // ---- online softmax, rescaled only when a row's max grows by more than 2^8
+    float mx0 = fmaxf(fmaxf(x[0][0], x[0][1]), fmaxf(x[1][0], x[1][1]));
+    float mx1 = fmaxf(fmaxf(x[0][2], x[0][3]), fmaxf(x[1][2], x[1][3]));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    if constexpr (ROWS == 16) {
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    }
+    const bool need = mx0 > m0 + 8.f || (ROWS == 16 && mx1 > m1 + 8.f);
+    if (__any_sync(0xffffffffu, need)) {
+      const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+      const float a0 = n0 == NEG_INF ? 1.f : exp2f(m0 - n0);
+      const float a1 = n1 == NEG_INF ? 1.f : exp2f(m1 - n1);
+      m0 = n0;
+      m1 = n1;
+      l0 *= a0;
+      l1 *= a1;
+#pragma unroll
+      for (int n = 0; n < Gm::NT; ++n) {
+        o[n][0] *= a0;
+        o[n][1] *= a0;
+        o[n][2] *= a1;
+        o[n][3] *= a1;
+      }
+    }
+    const float mu0 = m0 == NEG_INF ? 0.f : m0, mu1 = m1 == NEG_INF ? 0.f : m1;
+    uint32_t pa[4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float p0 = exp2f(x[j][0] - mu0), p1 = exp2f(x[j][1] - mu0);
+      const float p2 = exp2f(x[j][2] - mu1), p3 = exp2f(x[j][3] - mu1);
+      l0 += p0 + p1;
+      l1 += p2 + p3;
+      pa[2 * j] = pack2<VBF>(p0 * vf[j][0], p1 * vf[j][1]);
+      pa[2 * j + 1] = ROWS == 16 ? pack2<VBF>(p2 * vf[j][0], p3 * vf[j][1]) : 0u;
+    }
+
+    // ---- O += P V: k = tokens (2t, 2t+1 | 2t+8, 2t+9), n-tile nb's column g = unit element
+#pragma unroll
+    for (int i = 0; i < Gm::VUN; ++i) {
+      const int u = g + 8 * i;
+      uint32_t va[Gm::VU / 4], vb[Gm::VU / 4], vc[Gm::VU / 4], vd[Gm::VU / 4];
+      const uint8_t* vbase = st + Gm::KBYTES;
+      auto load_unit = [&](int row, uint32_t* dst) {
+        if constexpr (Gm::VU == 16) {
+          const uint4 w = lds128(vbase + chunk_off(row, u, Gm::NCV));
+          dst[0] = w.x; dst[1] = w.y; dst[2] = w.z; dst[3] = w.w;
+        } else {
+          const uint2 w = lds64(vbase + row * Gm::RBV + u * Gm::VU);
+          dst[0] = w.x; dst[1] = w.y;
+        }
+      };
+      load_unit(2 * t, va);
+      load_unit(2 * t + 1, vb);
+      load_unit(2 * t + 8, vc);
+      load_unit(2 * t + 9, vd);
+      if (!full) {
+#pragma unroll
+        for (int w = 0; w < Gm::VU / 4; ++w) {
+          va[w] = tok_ok[0][0] ? va[w] : 0u;
+          vb[w] = tok_ok[0][1] ? vb[w] : 0u;
+          vc[w] = tok_ok[1][0] ? vc[w] : 0u;
+          vd[w] = tok_ok[1][1] ? vd[w] : 0u;
+        }
+      }
+#pragma unroll
+      for (int w = 0; w < Gm::VU / 4; ++w) {
+        if constexpr (Gm::VEB == 1) {
+          const uint32_t x0 = __byte_perm(va[w], vb[w], 0x5140);
+          const uint32_t x1 = __byte_perm(va[w], vb[w], 0x7362);
+          const uint32_t y0 = __byte_perm(vc[w], vd[w], 0x5140);
+          const uint32_t y1 = __byte_perm(vc[w], vd[w], 0x7362);
+          const int nb = Gm::VEPU * i + 4 * w;
+          mma16816<false>(o[nb + 0], pa, fp8x2_to_f16x2<VK>(x0 & 0xffffu),
+                          fp8x2_to_f16x2<VK>(y0 & 0xffffu));
+          mma16816<false>(o[nb + 1], pa, fp8x2_to_f16x2<VK>(x0 >> 16),
+                          fp8x2_to_f16x2<VK>(y0 >> 16));
+          mma16816<false>(o[nb + 2], pa, fp8x2_to_f16x2<VK>(x1 & 0xffffu),
+                          fp8x2_to_f16x2<VK>(y1 & 0xffffu));
+          mma16816<false>(o[nb + 3], pa, fp8x2_to_f16x2<VK>(x1 >> 16),
+                          fp8x2_to_f16x2<VK>(y1 >> 16));
+        } else {
+          const int nb = Gm::VEPU * i + 2 * w;
+          mma16816<VBF>(o[nb + 0], pa, __byte_perm(va[w], vb[w], 0x5410),
+                        __byte_perm(vc[w], vd[w], 0x5410));
+          mma16816<VBF>(o[nb + 1], pa, __byte_perm(va[w], vb[w], 0x7632),
+                        __byte_perm(vc[w], vd[w], 0x7632));
+        }
+      }
+    }
+    __syncwarp();
+  }
+  cp_wait<0>();
+
+  // ---- merge the warps: each writes (m, l, O) of its real rows into its own ring
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  __syncthreads();  // every warp is past its last stage read
+  float* mo = reinterpret_cast<float*>(ring);  // [ROWS][DV] then m [ROWS], l [ROWS]
+  float* ml = mo + ROWS * DV;
+#pragma unroll
+  for (int nb = 0; nb < Gm::NT; ++nb)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int r = g + 8 * (c >> 1);
+      const int col = 2 * t + (c & 1);  // column of the n-tile -> value element
+      const int dv = Gm::VEPU * (col + 8 * (nb / Gm::VEPU)) + nb % Gm::VEPU;
+      if (r < ROWS) mo[r * DV + dv] = o[nb][c];
+    }
+  if (t == 0) {
+    ml[g] = m0;
+    ml[ROWS + g] = l0;
+    if (ROWS == 16) {
+      ml[g + 8] = m1;
+      ml[ROWS + g + 8] = l1;
+    }
+  }
+  __syncthreads();
+  const int slot = NS * Gm::STAGE_ALIGNED / 4;  // floats between two warps' rings
+  const float* all = reinterpret_cast<const float*>(stages);
+  for (int e = threadIdx.x; e < R * DV; e += WARPS * 32) {
+    const int r = e / DV, dv = e % DV;
+    float M = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, all[w * slot + ROWS * DV + r]);
+    const float Ms = M == NEG_INF ? 0.f : M;
+    float lsum = 0.f, acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float mw = all[w * slot + ROWS * DV + r];
+      const float sw = mw == NEG_INF ? 0.f : exp2f(mw - Ms);
+      lsum += all[w * slot + ROWS * DV + ROWS + r] * sw;
+      acc += all[w * slot + r * DV + dv] * sw;
+    }
+    const float outv = lsum == 0.f ? 0.f : acc / lsum * vt;  // NaN propagates
+    const long long qrow = (b * Hq + (long long)h * G + r / SQ) * SQ + r % SQ;
+    if (p.direct) {
+      store_o<QT>(p.out, qrow * DV + dv, outv);
+    } else {
+      p.acc[(qrow * p.num_splits + split) * DV + dv] = outv;
+      if (dv == 0) p.lse[qrow * p.num_splits + split] = lsum == 0.f ? NEG_INF : Ms + log2f(lsum);
+    }
+  }
+}
+
+}  // namespace kvc

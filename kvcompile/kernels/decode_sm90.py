@@ -1,0 +1,180 @@
+"""The fast paged-decode path on Hopper: a CUDA C++ kernel (kernels/cuda/paged_decode.cuh).
+
+    reason = unsupported(q, k_fmt, k_gran, v_fmt, v_gran, k_data, v_data, page, attn_mass, ...)
+    launch_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out, k_fmt, ...)
+
+It takes bf16 / fp16 / fp8 (e4m3, e5m2) pages with page, token or tensor scales, head_dim 64 or
+128, up to 16 query rows per kv head (G * Sq), pages of 8-128 tokens, windows with sinks, key
+masks and softcapping. `unsupported` names what it does not take; the caller (decode.py) then
+runs the portable Triton kernel and the run time reports why. Why CUDA C++ and not Triton or
+Gluon: docs/architecture.md, "Decode kernels".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+
+from kvcompile.errors import UnsupportedShapeError
+from kvcompile.kernels.cuda import build
+from kvcompile.kernels.cuda.driver import Kernel
+
+_KIND = {"fp8_e4m3": 0, "fp8_e5m2": 1, "fp16": 2, "bf16": 3}
+_SCALE = {"page": 1, "token": 2, "tensor": 3}
+_QT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+HEAD_DIMS = (64, 128)
+MAX_ROWS = 16
+WARPS = 4
+_SMEM_PER_SM = 227 * 1024
+LOG2E = 1.4426950408889634
+
+
+class DecodeParams(ctypes.Structure):  # paged_decode.cuh DecodeParams, field for field
+    _fields_ = [(n, ctypes.c_void_p) for n in (
+        "q", "k", "v", "ks", "vs", "bt", "seq_lens", "kmask", "out", "acc", "lse")] + [
+        ("stride_bt", ctypes.c_longlong), ("stride_km", ctypes.c_longlong)] + [
+        (n, ctypes.c_int) for n in (
+            "H", "G", "SQ", "num_splits", "log2p", "window", "sinks", "direct")] + [
+        (n, ctypes.c_float) for n in ("qk_scale", "cap_in", "cap_out")] + [
+        ("pad_", ctypes.c_int)]
+
+
+def device_ok(device: torch.device) -> tuple[bool, str]:
+    """Whether this device runs the kernel: sm_90 (Hopper) with nvcc available."""
+    if device.type != "cuda":
+        return False, "not a CUDA device"
+    cap = torch.cuda.get_device_capability(device)
+    if cap != (9, 0):
+        return False, f"compute capability {cap[0]}.{cap[1]} (the CUDA decode kernel is sm_90)"
+    return build.available()
+
+
+def unsupported(q: torch.Tensor, k_fmt: str, k_gran: str, v_fmt: str, v_gran: str,
+                d: int, dv: int, page: int, *, attn_mass=None, residual: bool = False) -> str:
+    """'' when the kernel takes this call, else why not (one short phrase)."""
+    for name, fmt, gran in (("keys", k_fmt, k_gran), ("values", v_fmt, v_gran)):
+        if fmt not in _KIND:
+            return f"{name} in {fmt}"
+        if fmt.startswith("fp8") and gran not in _SCALE:
+            return f"{name} with {gran} scales"
+    if residual:
+        return "residual pages"
+    if attn_mass is not None:
+        return "attention-mass output (H2O)"
+    if d not in HEAD_DIMS or dv not in HEAD_DIMS:
+        return f"head_dim {d}/{dv}"
+    B, Hq, Sq, _ = q.shape
+    if q.dtype not in _QT:
+        return f"q dtype {q.dtype}"
+    if page not in (8, 16, 32, 64, 128):
+        return f"page size {page}"
+    return ""
+
+
+_kernels: dict[tuple, Kernel] = {}
+
+
+def _stages(kk: int, vk: int, d: int, dv: int, rows: int) -> tuple[int, int, int]:
+    """(stages per warp, CTAs per SM, shared bytes per CTA) of a variant."""
+    rbk, rbv = d * (2 if kk >= 2 else 1), dv * (2 if vk >= 2 else 1)
+    stage = 16 * (rbk + rbv) + 128 + 16
+    stage = (stage + 15) // 16 * 16
+    ctas = 3 if rbk + rbv <= 256 else 2
+    fixed = rows * d * 2
+    ns = (_SMEM_PER_SM // ctas - 1024 - fixed) // (WARPS * stage)
+    ns = max(2, min(6, ns))
+    return ns, ctas, fixed + WARPS * ns * stage
+
+
+def _kernel(kk: int, vk: int, ksm: int, vsm: int, d: int, dv: int, rows: int, qt: int) -> Kernel:
+    key = (kk, vk, ksm, vsm, d, dv, rows, qt)
+    k = _kernels.get(key)
+    if k is None:
+        ns, ctas, smem = _stages(kk, vk, d, dv, rows)
+        defines = {"KVC_KK": kk, "KVC_VK": vk, "KVC_KSM": ksm, "KVC_VSM": vsm, "KVC_D": d,
+                   "KVC_DV": dv, "KVC_ROWS": rows, "KVC_NS": ns, "KVC_QT": qt}
+        cubin = build.build_cubin(
+            "paged_decode.cuh", "kvc_paged_decode",
+            "kvc::paged_decode<KVC_KK, KVC_VK, KVC_KSM, KVC_VSM, KVC_D, KVC_DV, KVC_ROWS, "
+            "KVC_NS, KVC_QT>", defines, arch="sm_90", threads=WARPS * 32, min_blocks=ctas)
+        k = Kernel(cubin, "kvc_paged_decode", smem)
+        _kernels[key] = k
+    return k
+
+
+def choose_splits(batch: int, kv_heads: int, max_len: int, sm_count: int,
+                  waves: float = 4.0) -> int:
+    """Splits per (sequence, kv head) from shapes only (no device sync, graph-safe): enough
+    CTAs for `waves` x SMs, each with at least 4 steps per warp (256 tokens)."""
+    want = -(-int(waves * sm_count) // max(1, batch * kv_heads))
+    return int(max(1, min(want, max_len // 256, 1024)))
+
+
+def _padded_mask(key_mask: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, Lm] bool -> [B, width] uint8 (width a multiple of 16), 1 past Lm (keys seen)."""
+    B, lm = key_mask.shape
+    out = torch.ones(B, width, dtype=torch.uint8, device=key_mask.device)
+    n = min(lm, width)
+    out[:, :n] = key_mask[:, :n].to(torch.uint8)
+    return out
+
+
+def launch_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
+                       k_fmt: str, k_gran: str, v_fmt: str, v_gran: str, scale: float,
+                       sliding_window: int, sinks: int, softcap: float, num_splits: int,
+                       sm_count: int, combine) -> torch.Tensor:
+    """q [B, Hq, Sq, D]; kd / vd [N, Hkv, P, D(v)] pages; ks / vs their fp32 scales (or None);
+    block_tables [B, W] int32; seq_lens [B] int32; key_mask [B, Lm] bool or None; out
+    [B, Hq, Sq, DV] or None. `combine(acc, plse, out, lse, num_splits, dv)` merges splits."""
+    B, Hq, Sq, D = q.shape
+    N, Hkv, P, _ = kd.shape
+    kk, vk = _KIND[k_fmt], _KIND[v_fmt]
+    dv = vd.shape[3]
+    G = Hq // Hkv
+    rows = G * Sq
+    if rows > MAX_ROWS:
+        raise UnsupportedShapeError(f"sm90 decode: {rows} query rows per kv head (> {MAX_ROWS})")
+    ksm = _SCALE[k_gran] if kk < 2 else 0
+    vsm = _SCALE[v_gran] if vk < 2 else 0
+    kern = _kernel(kk, vk, ksm, vsm, D, dv, 8 if rows <= 8 else 16, _QT[q.dtype])
+    q = q.contiguous()
+    dev = q.device
+    max_len = block_tables.shape[1] * P
+    if num_splits <= 0:
+        num_splits = choose_splits(B, Hkv, max_len, sm_count)
+    if out is None:
+        out = torch.empty(B, Hq, Sq, dv, dtype=q.dtype, device=dev)
+    direct = num_splits == 1
+    nrows = B * Hq * Sq
+    if direct:
+        acc = plse = out
+    else:
+        acc = torch.empty(nrows, num_splits, dv, dtype=torch.float32, device=dev)
+        plse = torch.empty(nrows, num_splits, dtype=torch.float32, device=dev)
+    km = None
+    if key_mask is not None:
+        km = _padded_mask(key_mask, -(-max_len // 16) * 16)
+    window = int(sliding_window) if sliding_window and sliding_window > 0 else 0
+    prm = DecodeParams()
+    prm.q, prm.k, prm.v = q.data_ptr(), kd.data_ptr(), vd.data_ptr()
+    prm.ks = ks.data_ptr() if ks is not None else 0
+    prm.vs = vs.data_ptr() if vs is not None else 0
+    prm.bt, prm.seq_lens = block_tables.data_ptr(), seq_lens.data_ptr()
+    prm.kmask = km.data_ptr() if km is not None else 0
+    prm.out, prm.acc, prm.lse = out.data_ptr(), acc.data_ptr(), plse.data_ptr()
+    prm.stride_bt = block_tables.stride(0)
+    prm.stride_km = km.shape[1] if km is not None else 0
+    prm.H, prm.G, prm.SQ, prm.num_splits = Hkv, G, Sq, num_splits
+    prm.log2p = int(math.log2(P))
+    prm.window, prm.sinks = window, int(sinks) if window else 0
+    prm.direct = int(direct)
+    prm.qk_scale = float(scale) * LOG2E
+    prm.cap_in = float(scale) / softcap if softcap else 0.0
+    prm.cap_out = softcap * LOG2E if softcap else 0.0
+    kern.launch((B * Hkv, num_splits, 1), WARPS * 32, prm, dev)
+    if not direct:
+        lse = torch.empty(nrows, dtype=torch.float32, device=dev)
+        combine(acc, plse, out, lse, num_splits, dv)
+    return out
