@@ -25,7 +25,7 @@ PAGE_SIZES = (8, 16, 32, 64, 128)
 SCALE_GRANULARITIES = ("page", "token", "tensor", "channel")
 ROTATIONS = (None, "hadamard")
 INNER_BACKENDS = ("inductor", "aot_eager", "eager")
-KERNEL_CHOICES = ("auto", "triton", "reference")
+KERNEL_CHOICES = ("auto", "triton", "cuda", "reference")
 
 # Fields that `configure` may override per module; the rest are global to the pool.
 PER_MODULE_FIELDS = (
@@ -166,7 +166,10 @@ class KVConfig:
     rotate: None or "hadamard": rotate q and k over head_dim before quantizing keys.
     check_finite: raise NonFiniteKVError when NaN/Inf enters the cache (costs a sync).
     inner: the backend the rest of the graph goes to ("inductor"; "aot_eager" to debug).
-    kernels: "auto" (Triton on CUDA, PyTorch reference on the CPU), "triton" or "reference".
+    kernels: "auto" (Triton on CUDA, PyTorch reference on the CPU), "triton", "reference", or
+        "cuda": decode through the CUDA C++ kernel on Hopper (sm_90) where it takes the pages
+        (bf16 / fp16 / fp8; kernels/decode_sm90.py), Triton for the rest. Not yet the default:
+        it has not been run on a GPU (see kernels/decode.py CUDA_DECODE_DEFAULT).
     residual: keep a sequence's last, partly filled page in bf16 until it fills (int4/int2).
     enabled: False leaves attention sites untouched (useful per module through `configure`).
     """

@@ -186,8 +186,8 @@ class KernelDispatch:
         choice = self.state.config.kernels
         if choice == "reference":
             return False
-        if choice == "triton":
-            return True
+        if choice in ("triton", "cuda"):
+            return choice == "triton" or device.type == "cuda"
         return device.type == "cuda"
 
     def writer(self, device: torch.device):
@@ -207,23 +207,29 @@ class KernelDispatch:
 
         return write
 
-    def _note_decode(self, q, kc, vc, extras: dict) -> None:
-        """Count which decode kernel runs (CUDA on sm_90, else Triton) and say why once."""
-        from kvcompile.kernels.decode import fast_path_reason
+    def _decode_backend(self, q, kc, vc, extras: dict) -> str:
+        """Which decode kernel runs ("cuda" on sm_90 where it applies, else "triton"); counted
+        for the report, with the reason a requested CUDA kernel did not run said once."""
+        from kvcompile.kernels.decode import CUDA_DECODE_DEFAULT, fast_path_reason
 
+        choice = self.state.config.kernels
+        if choice == "triton" or choice == "auto" and not CUDA_DECODE_DEFAULT:
+            self.state.count("decode_triton")
+            return "triton"
         why = fast_path_reason(
             q, kc.fmt.name, kc.fmt.granularity, vc.fmt.name, vc.fmt.granularity, kc.head_dim,
             vc.head_dim, kc.page_size, q.shape[1] // kc.num_heads * q.shape[2],
             extras.get("attn_mass"), bool(kc.fmt.residual or vc.fmt.residual))
         if not why:
             self.state.count("decode_cuda")
-            return
+            return "cuda"
         self.state.count("decode_triton")
-        key = f"decode: Triton kernel ({why})"
+        key = f"decode: Triton kernel, not the CUDA one ({why})"
         if key not in self._warned:
             self._warned.add(key)
             self.state.kernel_notes.append(key)
-            log.info("kvcompile: %s", key)
+            log.warning("kvcompile: %s", key)
+        return "triton"
 
     def _fallback(self, why: str) -> None:
         if why not in self._warned:
@@ -267,14 +273,10 @@ class KernelDispatch:
 
                 if kv_start is not None and any(kv_start):
                     return self._fallback("padded speculative decode")
-                if self.state.config.kernels == "triton":
-                    self.state.count("decode_triton")
-                else:
-                    self._note_decode(q, kc, vc, extras)
+                backend = self._decode_backend(q, kc, vc, extras)
                 return paged_decode_attention(
                     q, kc, vc, plan.block_tables, plan.seq_lens, scale, key_mask=key_mask,
-                    sliding_window=window, softcap=softcap, direct=True,
-                    backend="triton" if self.state.config.kernels == "triton" else "auto",
+                    sliding_window=window, softcap=softcap, direct=True, backend=backend,
                     **extras)
             # CUDA prefill runs the Triton chunked-prefill kernel over the pages (checked on the
             # H200, benchmarks/prefill_diag.py and gpu_check_prefill.py, 2026-11-30). Escape

@@ -224,6 +224,11 @@ def _check_residual(name, res, res_slot, N, Hkv, P, D) -> bool:
 
 
 _FAST_DEVICE: dict[int, str] = {}
+# The CUDA kernel (decode_sm90.py) becomes the default on sm_90 once the H200 decode matrix
+# (benchmarks/gpu_decode_fast.py) passes on it. It was written and checked in a session with no
+# GPU (its host emulation, tests/kernels/test_decode_sm90_emu.py, runs it on the CPU), so until
+# then it runs only when asked for: KVConfig(kernels="cuda") / backend="cuda".
+CUDA_DECODE_DEFAULT = False
 
 
 def fast_path_reason(q, k_fmt: str, k_gran: str, v_fmt: str, v_gran: str, d: int, dv: int,
@@ -267,7 +272,7 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
     vfmt, vsm = _codes(v_fmt, v_gran)
     B, Hq, Sq, D, DV, N, Hkv, P = _check(q, kd, vd, kfmt, vfmt, block_tables, seq_lens,
                                          key_mask, attn_mass, out)
-    if backend != "triton" and not interpreting():
+    if (backend == "cuda" or backend == "auto" and CUDA_DECODE_DEFAULT) and not interpreting():
         residual = _check_residual("keys", k_res, k_res_slot, N, Hkv, P, D) or \
             _check_residual("values", v_res, v_res_slot, N, Hkv, P, DV)
         why = fast_path_reason(q, k_fmt, k_gran, v_fmt, v_gran, D, DV, P, Hq // Hkv * Sq,
@@ -279,9 +284,6 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
                 q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out, k_fmt, k_gran, v_fmt,
                 v_gran, scale, sliding_window, sinks, softcap, num_splits, _sm_count(q.device),
                 _combine)
-        if backend == "cuda":
-            raise UnsupportedShapeError(f"paged_decode: the CUDA kernel does not take {why}; "
-                                        f"use the Triton kernel (KVConfig(kernels='triton'))")
     for name, code, z in (("keys", kfmt, kz), ("values", vfmt, vz)):
         if code in INT_FMT_BITS and (z is None or z.dtype != torch.float16):
             raise UnsupportedShapeError(f"paged_decode: int {name} need fp16 zero points")
@@ -448,8 +450,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: f
     query heads (and queries). out: optional [B, Hq, Sq, Dv] buffer. -> [B, Hq, Sq, Dv], q.dtype.
     direct: launch without the custom op's dispatch (for callers that already run eagerly
     inside an op, like kvcompile.attention: the dispatch costs host time on every layer).
-    backend (direct only): "auto" = the CUDA kernel on sm_90 where it takes the call
-    (decode_sm90.py), else Triton; "triton" = the portable kernel; "cuda" = CUDA or an error.
+    backend (direct only): "triton" = the portable kernel; "cuda" = the CUDA kernel on sm_90
+    (decode_sm90.py) where it takes the call, else Triton; "auto" = "cuda" when
+    CUDA_DECODE_DEFAULT, else "triton".
     """
     if direct:
         return launch_decode(
