@@ -55,8 +55,7 @@ def _cached_attention(ctx, q, k, v, attn_mask, positions, layer, scale, is_causa
     mask_info = None
     if attn_mask is not None and not plan.packed:
         mask_info = masks.analyze(plan, attn_mask, is_causal, sliding_window)
-        if not plan.is_decode:
-            _update_kv_start(ctx, plan, mask_info)
+        _update_kv_start(ctx, plan, mask_info)
     if not plan.packed and any(s > p for s, p in zip(plan.kv_start, plan.past_lens)):
         # left padding among the new tokens: their K/V are stored as zeros, never attended
         # (where, not a product: a pad token's K/V may be NaN, its row of the mask being empty)
