@@ -123,12 +123,12 @@ def run_row(args) -> dict:
     else:
         kv_dtype = fmt.removesuffix("_whole")
         if fmt.endswith("_whole"):
-            hf_prefill.PREFILL_MEMORY_FRACTION = float("inf")   # one forward, whatever it costs
+            hf_prefill.prefill_activation_budget = lambda device, state: None  # one forward
         elif args.smoke:  # the CPU has no device budget: one that splits the prompt in 3
             per_token = hf_prefill.activation_bytes_per_token(model, args.prompt)
             hf_prefill.MIN_CHUNK = 16
             hf_prefill.prefill_activation_budget = (
-                lambda device: args.batch * (args.prompt // 3) * per_token)
+                lambda device, state: args.batch * (args.prompt // 3) * per_token)
         kvcompile.compile(model, kvcompile.KVConfig(
             kv_dtype=kv_dtype, max_kv_bytes=kv_bytes_for(args, cfg, kv_dtype),
             inner="eager" if args.smoke else "inductor",

@@ -39,11 +39,18 @@ def activation_bytes_per_token(model, kv_len: int) -> int:
     return math.ceil(1.25 * elem * (2 * hidden + 3 * inter)) + kv_len
 
 
-def prefill_activation_budget(device: torch.device) -> int | None:
-    """Bytes one prefill forward may use beside the pool, or None where not known (CPU)."""
+def prefill_activation_budget(device: torch.device, state=None) -> int | None:
+    """Bytes one prefill forward may use beside the pool, or None where not known (CPU):
+    PREFILL_MEMORY_FRACTION of the device, and once the pool exists at most 0.9 of what is
+    left beside it (free + cached by torch but unused)."""
     if device.type != "cuda":
         return None
-    return int(PREFILL_MEMORY_FRACTION * torch.cuda.get_device_properties(device).total_memory)
+    budget = PREFILL_MEMORY_FRACTION * torch.cuda.get_device_properties(device).total_memory
+    if state is not None and state.pool is not None:
+        free = torch.cuda.mem_get_info(device)[0]
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        budget = min(budget, 0.9 * free)
+    return int(budget)
 
 
 def chunk_size(batch: int, prompt: int, per_token: int, budget: int | None,
@@ -72,7 +79,8 @@ def auto_prefill_chunk(model, input_ids, generation_config, model_kwargs, state)
         return None
     B, S = input_ids.shape
     size = chunk_size(B, S, activation_bytes_per_token(model, S),
-                      prefill_activation_budget(input_ids.device), state.config.page_size)
+                      prefill_activation_budget(input_ids.device, state),
+                      state.config.page_size)
     if size is not None:
         state.count("prefill_chunked")
     return size

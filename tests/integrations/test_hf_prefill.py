@@ -115,7 +115,7 @@ def test_auto_chunk_when_the_batch_does_not_fit(pair, monkeypatch):
     per_token = hf_prefill.activation_bytes_per_token(model, ids.shape[1])
     monkeypatch.setattr(hf_prefill, "MIN_CHUNK", 8)
     monkeypatch.setattr(hf_prefill, "prefill_activation_budget",
-                        lambda device: 3 * 20 * per_token)   # 20 tokens per row fit
+                        lambda device, state: 3 * 20 * per_token)   # 20 tokens per row fit
     before = state_of(model).counters.get("prefill_chunked", 0)
     auto, seen = _generate(model, ids, am)
     assert state_of(model).counters.get("prefill_chunked", 0) == before + 1
