@@ -11,6 +11,8 @@ padding (`--pad N`: row b gets b*N pad tokens on the left). A row is `generate(m
 over that call (reset before), both from the second call (the first compiles and autotunes).
 
 Rows (each in its own process: the driver spawns them and prints one table):
+  mask_analysis    kernels/masks.py alone on HF's [B, 1, S, S] mask: extra peak over the mask,
+                   time, exactness, a one-element hole refused (PASS / FAIL in `note`)
   hf_dynamic       HF DynamicCache, eager (HF's default)
   hf_static        HF StaticCache (its prefill runs eagerly: HF compiles only decode steps)
   bf16 / fp8_e4m3 / fp4_e2m1   kvcompile.compile(model, kv_dtype=..., inner inductor); the
@@ -36,9 +38,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 GIB = 1 << 30
-ROWS = ("hf_static", "fp8_e4m3", "bf16", "fp4_e2m1", "hf_dynamic", "bf16_whole",
+ROWS = ("mask_analysis", "hf_static", "fp8_e4m3", "bf16", "fp4_e2m1", "hf_dynamic", "bf16_whole",
         "fp8_e4m3_whole")
-DEFAULT_ROWS = "hf_static,fp8_e4m3,bf16,fp4_e2m1,bf16_whole"
+DEFAULT_ROWS = "mask_analysis,hf_static,fp8_e4m3,bf16,fp4_e2m1,bf16_whole"
 
 
 def parse_args(argv=None):
@@ -94,7 +96,54 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def mask_analysis_row(args) -> dict:
+    """The mask analysis alone on HF's own [B, 1, S, L] bool mask (left padding 256 * b tokens
+    per row): extra peak memory over the mask, time, and that a one-element hole is refused."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    from kvcompile.cache.context import StepPlan
+    from kvcompile.kernels import masks
+
+    device = torch.device("cpu" if args.smoke else "cuda")
+    B, S = args.batch, args.prompt
+    pads = [min(256 * b, S - 1) for b in range(B)]
+    am = torch.ones(B, S, dtype=torch.bool, device=device)
+    for b, p in enumerate(pads):
+        am[b, :p] = False
+    mask = sdpa_mask(batch_size=B, q_length=S, kv_length=S, mask_function=causal_mask_function,
+                     attention_mask=am, allow_is_causal_skip=False, device=device)
+
+    def plan():
+        return StepPlan(seq_ids=list(range(B)), batch=B, new_tokens=S, past_lens=[0] * B,
+                        slots=torch.zeros(1, dtype=torch.long, device=device),
+                        block_tables=torch.zeros(B, 1, dtype=torch.int32, device=device),
+                        seq_lens=torch.full((B,), S, dtype=torch.int32, device=device),
+                        seq_lens_list=[S] * B, kv_start=[0] * B)
+
+    row = dict(row=args.format, batch=B, prompt=S, mask_gib=mask.numel() / GIB)
+    for _ in range(2):                             # the second call is the one reported
+        sync(device)
+        base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        info = masks.analyze(plan(), mask, True, 0)
+        sync(device)
+        row["analysis_ms"] = 1e3 * (time.perf_counter() - t0)
+        if device.type == "cuda":
+            row["analysis_extra_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / GIB
+    row["exact"] = info.exact
+    row["kv_start_ok"] = info.kv_start == pads
+    mask[B - 1, 0, S - 1, S // 2] = False          # one hole in the last real query row
+    row["hole_refused"] = not masks.analyze(plan(), mask, True, 0).exact
+    ok = row["exact"] and row["kv_start_ok"] and row["hole_refused"]
+    row["error"] = "PASS" if ok else "FAIL"
+    return row
+
+
 def run_row(args) -> dict:
+    if args.format == "mask_analysis":
+        return mask_analysis_row(args)
     from transformers import AutoModelForCausalLM
 
     import kvcompile
@@ -214,11 +263,14 @@ def table(rows: list[dict]) -> str:
     head = (f"{'row':16s} {'peak GiB':>9s} {'vs static':>9s} {'TTFT s':>7s} {'vs static':>9s} "
             f"{'weights':>7s} {'pool':>6s} {'chunks (tokens/row)':22s} {'ref':>4s} note")
     out = [head, "-" * len(head)]
+
     def f(r, key, fmt="{:.2f}"):
         v = r.get(key)
         return fmt.format(v) if isinstance(v, (int, float)) else "-"
 
     for r in rows:
+        if r["row"] == "mask_analysis":
+            continue
         rel = (f"{r['peak_gib'] / static:.2f}x" if static and r.get("peak_gib") else "-")
         trel = (f"{r['ttft_s'] / ttft0:.2f}x" if ttft0 and r.get("ttft_s") else "-")
         out.append(f"{r['row']:16s} {f(r, 'peak_gib'):>9s} {rel:>9s} "
@@ -226,6 +278,11 @@ def table(rows: list[dict]) -> str:
                    f"{f(r, 'pool_gib'):>6s} "
                    f"{str(r.get('chunks', '-')):22s} {str(r.get('reference_fallbacks', '-')):>4s}"
                    f" {r.get('error', '')}")
+    for r in rows:
+        if r["row"] == "mask_analysis":
+            out.append(f"mask analysis on HF's mask ({f(r, 'mask_gib')} GiB bool): extra peak "
+                       f"{f(r, 'analysis_extra_peak_gib', '{:.3f}')} GiB, "
+                       f"{f(r, 'analysis_ms', '{:.1f}')} ms, {r.get('error', '')}")
     return "\n".join(out)
 
 
