@@ -255,7 +255,8 @@ class KernelDispatch:
         key_mask, kv_start = None, None
         if attn_mask is not None:
             if mask_info is None or mask_info.key_mask is None:
-                return self._fallback("mask with per-head or per-row structure")
+                return self._fallback(getattr(mask_info, "reason", "")
+                                      or "mask with per-head or per-row structure")
             if plan.new_tokens == 1 and plan.is_decode:
                 key_mask = mask_info.key_mask
             elif mask_info.exact:

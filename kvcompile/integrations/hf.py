@@ -24,6 +24,7 @@ import functools
 import torch
 
 from kvcompile.cache.binding import binding_of, is_stub, live_bindings
+from kvcompile.integrations import hf_prefill as _hf_prefill
 from kvcompile.integrations.hf_graphs import generating
 
 _installed = False
@@ -187,6 +188,8 @@ def wrap_generate(model) -> None:
 
     expand_inputs = model._expand_inputs_for_generation
     prefill = getattr(model, "_prefill", None)
+    if prefill is not None:  # long prompt batches are prefilled in chunks (hf_prefill.py)
+        prefill = functools.partial(_hf_prefill.prefill, prefill, model)
 
     @functools.wraps(expand_inputs)
     def expand_inputs_recorded(*args, **kwargs):

@@ -55,15 +55,13 @@ def _cached_attention(ctx, q, k, v, attn_mask, positions, layer, scale, is_causa
     mask_info = None
     if attn_mask is not None and not plan.packed:
         mask_info = masks.analyze(plan, attn_mask, is_causal, sliding_window)
-        if plan.past_lens and max(plan.past_lens) == 0 and any(mask_info.kv_start):
-            # left padding in a prefill: pad tokens' K/V are stored as zeros, never attended
-            plan.kv_start = list(mask_info.kv_start)
-            if ctx.binding is not None:
-                ctx.binding.kv_start = list(mask_info.kv_start)
-    if any(plan.kv_start) and max(plan.past_lens) == 0 and not plan.packed:
-        keep = masks.token_keep(plan, k.device)  # [B*S] bool
-        k_flat = k_flat * keep[:, None, None].to(k_flat.dtype)
-        v_flat = v_flat * keep[:, None, None].to(v_flat.dtype)
+        _update_kv_start(ctx, plan, mask_info)
+    if not plan.packed and any(s > p for s, p in zip(plan.kv_start, plan.past_lens)):
+        # left padding among the new tokens: their K/V are stored as zeros, never attended
+        # (where, not a product: a pad token's K/V may be NaN, its row of the mask being empty)
+        keep = masks.token_keep(plan, k.device)[:, None, None]  # [B*S, 1, 1] bool
+        k_flat = torch.where(keep, k_flat, k_flat.new_zeros(()))
+        v_flat = torch.where(keep, v_flat, v_flat.new_zeros(()))
     for hook in state.hooks:
         k_flat, v_flat = hook.before_write(ctx, li, k_flat, v_flat)
     if state.config.check_finite:
@@ -91,6 +89,18 @@ def _cached_attention(ctx, q, k, v, attn_mask, positions, layer, scale, is_causa
         hook.after_attention(ctx, li, q, out, extras)
     # the fake promises a contiguous [B, Hq, S, Dv]; inductor asserts the strides it was told
     return out.to(q.dtype).contiguous()
+
+
+def _update_kv_start(ctx, plan, mask_info) -> None:
+    """Left padding from the mask of a prefill (or of a prefill chunk): a row whose cached
+    tokens are all padding (kv_start >= past) takes the mask's kv_start, so that a row's
+    padding may span several chunks of a chunked prefill (HF prefill_chunk_size)."""
+    new = [max(s, m) if s >= p else s
+           for s, m, p in zip(plan.kv_start, mask_info.kv_start, plan.past_lens)]
+    if new != plan.kv_start:
+        plan.kv_start = new
+        if ctx.binding is not None:
+            ctx.binding.kv_start = list(new)
 
 
 def _check_finite(layer: int, which: str, x: torch.Tensor, plan) -> None:

@@ -8,6 +8,13 @@ ALiBi bias), callers use the dense reference, which applies the mask as given.
 Mask columns map to key positions: a mask at least as long as the sequence is left-aligned
 (column j is position j, as StaticCache masks are); a shorter one is right-aligned (its last
 column is the newest key, as a sliding-window cache's mask is) and older keys are masked.
+
+Memory: the model's own mask is [B, H, S, L] (16 GiB of bool at B16 / S = L = 32k); the
+analysis adds O(B x L) plus one block of query rows at a time (`BLOCK_ELEMENTS`), never a
+tensor of the mask's size. It reads the mask twice: once for the first key any query sees
+(`kv_start`) and the last row (the window), once to compare every real query row with the
+structure found, block by block, reducing each block to one flag on the device (two host
+syncs per analysis, memoized per forward).
 """
 
 from __future__ import annotations
@@ -18,6 +25,10 @@ import torch
 
 _MASKED = -1e4  # additive values at or below this are treated as "masked"
 
+# Elements of one block of mask rows compared at a time: 64 Mi (64 MiB of bool temporaries;
+# 64 query rows per block at B16 / L = 32k). Bounds the analysis' memory, whatever S is.
+BLOCK_ELEMENTS = 1 << 26
+
 
 @dataclass
 class MaskInfo:
@@ -25,6 +36,7 @@ class MaskInfo:
     kv_start: list[int]             # leading keys masked for every query, per row
     window: int                     # sliding window found in the mask (0 = none)
     exact: bool                     # mask == (j >= kv_start) & causal & window
+    reason: str = ""                # why the mask is not exact (for the fallback's message)
 
 
 def to_bool(mask: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -54,51 +66,140 @@ def analyze(plan, attn_mask: torch.Tensor, is_causal: bool, sliding_window: int)
     return info
 
 
+def _view4(attn_mask: torch.Tensor, B: int, S: int, total: int) -> tuple[torch.Tensor, int]:
+    """The mask as a [B, H, S, Lc] view (no copy) and the key position of its column 0.
+
+    Lc = min(Lm, total): columns past the sequence are dropped (StaticCache), a shorter mask's
+    columns are the last Lc positions. A head dim broadcast by stride 0 becomes H = 1."""
+    m = attn_mask
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    m = m.expand(B, m.shape[1], S, m.shape[-1])
+    if m.shape[1] > 1 and m.stride(1) == 0:
+        m = m[:, :1]
+    lc = min(m.shape[-1], total)
+    return m[..., :lc], total - lc
+
+
+def _allowed(block: torch.Tensor) -> torch.Tensor:
+    return block if block.dtype == torch.bool else block == 0
+
+
+def _key_row(m: torch.Tensor, off: int) -> torch.Tensor:
+    """[B, L] bool: the keys the last query of each row may see (head 0)."""
+    row = _allowed(m[:, 0, -1])                                          # [B, Lc]
+    if off:
+        row = torch.cat([row.new_zeros(row.shape[0], off), row], dim=-1)
+    return row
+
+
+def _rows_per_block(m: torch.Tensor) -> int:
+    B, H, S, lc = m.shape
+    return max(1, min(S, BLOCK_ELEMENTS // max(B * H * lc, 1)))
+
+
 def _analyze(plan, attn_mask, is_causal, sliding_window) -> MaskInfo:
     B, S = plan.batch, plan.new_tokens
     total = max(plan.seq_lens_list)
-    allowed, binary = to_bool(attn_mask)
-    while allowed.dim() < 4:
-        allowed = allowed.unsqueeze(0)
-    allowed = allowed.expand(B, allowed.shape[1], S, allowed.shape[-1])
-    if allowed.shape[1] > 1 and not bool((allowed == allowed[:, :1]).all()):
-        return MaskInfo(None, [0] * B, 0, False)
+    m, off = _view4(attn_mask, B, S, total)                              # [B, H, S, Lc]
     if len(set(plan.seq_lens_list)) != 1:
-        return MaskInfo(None, [0] * B, 0, False)
-    allowed = align(allowed[:, 0], total)                  # [B, S, L]
-    key_row = allowed[:, -1]                                # [B, L]
-    if not binary:
-        return MaskInfo(key_row, [0] * B, 0, False)
+        return MaskInfo(None, [0] * B, 0, False, "rows of different lengths")
     if S == 1 and plan.is_decode:
-        # one decode query per row: the kernels take the key row as it is, so nothing about
-        # the mask needs to reach the host (no sync per step); kv_start stays the binding's
-        return MaskInfo(key_row, list(plan.kv_start), 0, False)
-    # kv_start: earliest key any query of the row may see
-    any_row = allowed.any(dim=1)                            # [B, L]
-    first = torch.where(any_row.any(-1), any_row.float().argmax(-1), torch.full_like(
-        any_row[:, 0], total, dtype=torch.long))
-    kv_start = [int(x) for x in first.tolist()]
-    q_pos = torch.arange(total - S, total, device=allowed.device)[:, None]   # [S, 1]
-    k_pos = torch.arange(total, device=allowed.device)[None, :]             # [1, L]
-    last_first, seen = torch.stack([key_row.float().argmax(-1),
-                                    key_row.any(-1).long()]).tolist()  # one transfer
+        return _decode_info(plan, m, off)
+    stats = _first_pass(m, off, total).tolist()                          # one transfer
+    if stats[0]:
+        return MaskInfo(None, [0] * B, 0, False, "mask with per-head structure")
+    if stats[1]:
+        return MaskInfo(None, [0] * B, 0, False, "additive mask that is not 0 / -inf (a bias)")
+    kv_start, last_first, seen = (stats[2 + i * B:2 + (i + 1) * B] for i in range(3))
     window = 0
     for b in range(B):
         if seen[b] and last_first[b] > kv_start[b]:
             window = max(window, (total - 1) - last_first[b] + 1)
     if sliding_window:
         window = sliding_window if not window else min(window, sliding_window)
-    start = torch.tensor(kv_start, device=allowed.device)[:, None, None]
-    cand = (k_pos[None] >= start) & (k_pos[None] <= q_pos[None])
+    key_row = _key_row(m, off)
+    exact = _matches(m, off, total, kv_start, window)
+    reason = "" if exact else "mask that is not causal + padding + window"
+    return MaskInfo(key_row, kv_start, window, exact, reason)
+
+
+def _decode_info(plan, m, off) -> MaskInfo:
+    """One decode query per row: the kernels take the key row as it is, so nothing about the
+    mask needs to reach the host for a bool mask (no sync per step); kv_start stays the
+    binding's. A per-head or non-binary (bias) mask has no key row: the reference applies it."""
+    B = m.shape[0]
+    allowed = _allowed(m)                                                # [B, H, 1, Lc]
+    if m.dtype != torch.bool and not bool(((m == 0) | (m <= _MASKED)).all()):
+        return MaskInfo(None, [0] * B, 0, False, "additive mask that is not 0 / -inf (a bias)")
+    if allowed.shape[1] > 1 and not bool((allowed == allowed[:, :1]).all()):
+        return MaskInfo(None, [0] * B, 0, False, "mask with per-head structure")
+    return MaskInfo(_key_row(m, off), list(plan.kv_start), 0, False, "decode")
+
+
+def _first_pass(m: torch.Tensor, off: int, total: int) -> torch.Tensor:
+    """[2 + 3B] int64 on the mask's device: per-head-differs flag, not-binary flag, kv_start
+    (first key any query sees, `total` if none), first key of the last row, last row non-empty.
+
+    Streams over blocks of query rows: O(B x L) state plus one block's temporaries."""
+    B, H, S, lc = m.shape
+    dev = m.device
+    binary = m.dtype == torch.bool
+    seen_any = torch.zeros(B, lc, dtype=torch.bool, device=dev)          # [B, Lc]
+    per_head = torch.zeros((), dtype=torch.bool, device=dev)
+    not_binary = torch.zeros((), dtype=torch.bool, device=dev)
+    rows = _rows_per_block(m)
+    for s0 in range(0, S, rows):
+        blk = m[:, :, s0:s0 + rows]                                      # [B, H, r, Lc]
+        allowed = _allowed(blk)
+        if not binary:
+            ok = blk <= _MASKED
+            ok |= allowed
+            not_binary |= ~ok.all()
+            del ok
+        if H > 1:
+            per_head |= (allowed[:, 1:] != allowed[:, :1]).any()
+        seen_any |= allowed[:, 0].any(dim=1)
+        del allowed, blk
+    k_pos = torch.arange(lc, device=dev)
+    big = torch.full_like(k_pos, lc)
+    first = torch.where(seen_any, k_pos, big).amin(-1) + off             # [B]
+    first = torch.where(seen_any.any(-1), first, torch.full_like(first, total))
+    last = _allowed(m[:, 0, -1])                                         # [B, Lc]
+    last_first = torch.where(last, k_pos, big).amin(-1) + off
+    return torch.cat([per_head.long().reshape(1), not_binary.long().reshape(1), first,
+                      last_first, last.any(-1).long()])
+
+
+def _matches(m: torch.Tensor, off: int, total: int, kv_start: list[int], window: int) -> bool:
+    """Whether every real query row (position >= kv_start) of head 0 equals
+    kv_start <= j <= q_pos (and q_pos - j < window). Head equality was checked before.
+
+    Block by block over query rows; each block reduces to a flag on the device."""
+    B, _, S, lc = m.shape
+    dev = m.device
+    k_pos = (torch.arange(lc, device=dev) + off)[None, None, :]         # [1, 1, Lc]
+    q_pos = torch.arange(total - S, total, device=dev)                   # [S]
+    start = torch.tensor(kv_start, device=dev)[:, None]                  # [B, 1]
+    lo = start.expand(B, S)                                              # [B, S]
     if window:
-        cand &= (q_pos[None] - k_pos[None]) < window
-    real_q = q_pos[None, :, 0] >= start[:, :, 0]                           # [B, S]
-    exact = bool(((cand == allowed) | ~real_q[:, :, None]).all())
-    return MaskInfo(key_row, kv_start, window, exact)
+        lo = torch.maximum(lo, (q_pos - window + 1)[None])
+    real = q_pos[None] >= start                                          # [B, S]
+    bad = torch.zeros((), dtype=torch.bool, device=dev)
+    rows = _rows_per_block(m)
+    for s0 in range(0, S, rows):
+        s1 = min(s0 + rows, S)
+        expect = k_pos >= lo[:, s0:s1, None]                             # [B, r, Lc]
+        expect &= k_pos <= q_pos[None, s0:s1, None]
+        expect ^= _allowed(m[:, 0, s0:s1])                               # mismatches
+        bad |= (expect.any(-1) & real[:, s0:s1]).any()
+        del expect
+    return not bool(bad)
 
 
 def token_keep(plan, device) -> torch.Tensor:
-    """[B*S] bool: False for left-padding tokens of a prefill (their K/V are stored as zeros)."""
+    """[B*S] bool: False for left-padding tokens among a forward's new tokens (their K/V are
+    stored as zeros). A row's padding may span several prefill chunks."""
     pos = torch.arange(plan.new_tokens, device=device)
     start = torch.tensor(plan.kv_start, device=device)[:, None]
     past = torch.tensor(plan.past_lens, device=device)[:, None]
