@@ -430,9 +430,10 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
         const float raw = sa[j][c] * kf[j][c & 1];
         x[j][c] = p.cap_out != 0.f ? p.cap_out * tanhf(raw * cap_in) : raw * qk;
       }
+    // every row sees every token of the step: the first query (position L - SQ) sees the last
+    // token, the last query (L - 1) the first one through its window
     const bool full = tok0 + STEP <= L - SQ + 1 && p.kmask == nullptr &&
-                      (p.window <= 0 || tok0 >= L - SQ - p.window + 1 ||
-                       tok0 + STEP <= p.sinks);
+                      (p.window <= 0 || tok0 >= L - p.window || tok0 + STEP <= p.sinks);
     bool tok_ok[2][2] = {{true, true}, {true, true}};
     if (!full) {
       const uint8_t* km = st + Gm::MASK_OFF;
