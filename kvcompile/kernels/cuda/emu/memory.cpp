@@ -7,7 +7,9 @@
 // wait and a barrier. The emulation takes the latest moment: at issue it poisons the destination
 // (0xff: NaN in every float format the kernel reads) and marks it in flight; the copy lands when
 // its own thread's wait covers it. ld.shared of bytes still in flight, or landed by another lane
-// with no __syncwarp / __syncthreads since, and a second copy to bytes in flight are errors.
+// with no __syncwarp / __syncthreads since (read after write), a cp.async to bytes another lane
+// read with no such barrier since (write after read), and a second copy to bytes in flight are
+// errors. (mma.sync and shfl order nothing in PTX's memory model, so they do not count.)
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -29,6 +31,9 @@ uint8_t s_pend[SMEM_CAP];      // 1 while a cp.async to the byte is in flight
 uint8_t s_pend_tid[SMEM_CAP];  // the thread that issued it
 uint8_t s_land_tid[SMEM_CAP];  // the thread whose copy landed there last (NOBODY: none)
 uint32_t s_land_wep[SMEM_CAP], s_land_cep[SMEM_CAP];  // its warp's / the CTA's epoch then
+uint8_t s_rd_tid[SMEM_CAP];    // the thread that read the byte (ld.shared) last
+uint8_t s_rd_multi[SMEM_CAP];  // 1: more than one thread read it in that epoch
+uint32_t s_rd_wep[SMEM_CAP], s_rd_cep[SMEM_CAP];  // the reader's warp's / the CTA's epoch then
 
 struct Guard {
   const void* orig;
@@ -77,6 +82,7 @@ void smem_reset(int smem_bytes) {
   memset(kvc::smem + smem_bytes, CANARY, SMEM_CAP + SMEM_TAIL - smem_bytes);
   memset(s_pend, 0, smem_bytes);
   memset(s_land_tid, NOBODY, smem_bytes);
+  memset(s_rd_tid, NOBODY, smem_bytes);
 }
 
 const char* smem_check_tail() {
@@ -126,10 +132,18 @@ void cp_async(uint32_t dst, const void* src, int cp_size, int src_size) {
       fail("cp.async reads %d bytes at offset %lld of '%s', past its %zu bytes", src_size,
            static_cast<long long>(s - g->data), g->name.c_str(), g->n);
   }
-  for (int i = 0; i < cp_size; ++i)
-    if (s_pend[dst + i])
-      fail("cp.async to shared byte %u while a copy there (thread %d's) is still in flight",
-           dst + i, s_pend_tid[dst + i]);
+  for (uint32_t a = dst; a < dst + cp_size; ++a) {
+    if (s_pend[a])
+      fail("cp.async to shared byte %u while a copy there (thread %d's) is still in flight", a,
+           s_pend_tid[a]);
+    const int r = s_rd_tid[a];
+    if (r == NOBODY || (r == me.id && !s_rd_multi[a])) continue;
+    if (r / WARP == me.warp && s_rd_wep[a] == cta.warps[me.warp].epoch)
+      fail("cp.async to shared byte %u, read by lane %d with no __syncwarp since", a, r % WARP);
+    if (r / WARP != me.warp && s_rd_cep[a] == cta.epoch)
+      fail("cp.async to shared byte %u, read by thread %d (another warp) with no "
+           "__syncthreads since", a, r);
+  }
   memset(kvc::smem + dst, POISON, cp_size);
   memset(s_pend + dst, 1, cp_size);
   memset(s_pend_tid + dst, me.id, cp_size);
@@ -159,13 +173,25 @@ void ld_shared(uint32_t addr, void* out, int bytes) {
       fail("ld.shared of byte %u, whose cp.async (thread %d's) has not been waited for", a,
            s_pend_tid[a]);
     const int t = s_land_tid[a];
-    if (t == NOBODY || t == me.id) continue;
+    if (t == NOBODY || t == me.id) continue;  // (read-after-read needs nothing)
     if (t / WARP == me.warp && s_land_wep[a] == cta.warps[me.warp].epoch)
       fail("ld.shared of byte %u, landed by lane %d's cp.async with no __syncwarp since", a,
            t % WARP);
     if (t / WARP != me.warp && s_land_cep[a] == cta.epoch)
       fail("ld.shared of byte %u, landed by thread %d (another warp) with no __syncthreads "
            "since", a, t);
+  }
+  const uint32_t wep = cta.warps[me.warp].epoch;
+  for (uint32_t a = addr; a < addr + bytes; ++a) {
+    const int r = s_rd_tid[a];
+    const bool same_epoch = r != NOBODY && s_rd_wep[a] == cta.warps[r / WARP].epoch &&
+                            s_rd_cep[a] == cta.epoch;
+    if (same_epoch && r != me.id) s_rd_multi[a] = 1;
+    if (same_epoch) continue;  // keep the first reader; multi says there were others
+    s_rd_tid[a] = static_cast<uint8_t>(me.id);
+    s_rd_multi[a] = 0;
+    s_rd_wep[a] = wep;
+    s_rd_cep[a] = cta.epoch;
   }
   memcpy(out, kvc::smem + addr, bytes);
 }
