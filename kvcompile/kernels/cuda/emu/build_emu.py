@@ -25,7 +25,7 @@ import torch
 from kvcompile.kernels.cuda import build
 
 _HERE = Path(__file__).resolve().parent
-_SOURCES = ("emu_decode.cpp", "lanes.cpp", "memory.cpp")
+_SOURCES = ("emu_decode.cpp", "lanes.cpp", "memory.cpp", "selftest.cpp")
 _HEADERS = ("cuda_emu.h", "runtime.h", "state.h", "../paged_decode.cuh")
 _FLAGS = ["-std=c++17", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-U_FORTIFY_SOURCE",
           "-Wall", "-Wno-unknown-pragmas", "-DKVC_EMU"]
@@ -102,6 +102,8 @@ def load(defines: dict[str, int]) -> ctypes.CDLL:
         lib.kvc_emu_convert.restype = None
         lib.kvc_emu_convert.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                         ctypes.c_longlong]
+        lib.kvc_emu_selftest.restype = ctypes.c_int
+        lib.kvc_emu_selftest.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
         lib.kvc_emu_byte_perm.restype = ctypes.c_uint
         lib.kvc_emu_byte_perm.argtypes = [ctypes.c_uint] * 3
         _libs[path] = lib
@@ -131,6 +133,13 @@ def run(lp, seed: int = 0) -> None:
                             len(err))
     if rc != 0:
         raise EmuError(f"emulated paged_decode {defines}: {err.value.decode()}")
+
+
+def selftest(lib: ctypes.CDLL, which: int) -> str:
+    """'' or what the emulation reported for selftest.cpp's kernel `which`."""
+    err = ctypes.create_string_buffer(2048)
+    rc = lib.kvc_emu_selftest(which, err, len(err))
+    return err.value.decode() if rc else ""
 
 
 def combine_splits(acc: torch.Tensor, plse: torch.Tensor) -> torch.Tensor:
