@@ -62,12 +62,14 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
-def build_so(defines: dict[str, int]) -> Path:
+def build_so(defines: dict[str, int], root: Path | None = None) -> Path:
     """The shared library of one kernel variant (decode_sm90.variant's constants), built once
-    per source / constants / compiler (about 5 s of g++ at -O2)."""
+    per source / constants / compiler (3-7 s of g++ at -O2; -O1 builds 30% faster but runs 2x slower). root: another directory laid
+    out as kernels/cuda (paged_decode.cuh, emu/), e.g. a deliberately broken kernel in a test."""
     if gxx_path() is None:
         raise build.BuildError(available()[1])
-    src = "\0".join((_HERE / f).read_text() for f in _SOURCES + _HEADERS)
+    here = _HERE if root is None else Path(root) / "emu"
+    src = "\0".join((here / f).read_text() for f in _SOURCES + _HEADERS)
     flags = _FLAGS + [f"-D{k}={v}" for k, v in sorted(defines.items())]
     key = hashlib.sha256("\0".join([src, _gxx_version(), *flags]).encode()).hexdigest()
     path = build.cache_dir().parent / "cuda_emu" / f"kvc_emu_decode-{key[:24]}.so"
@@ -79,7 +81,7 @@ def build_so(defines: dict[str, int]) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp, "kernel.so")
-            res = subprocess.run([gxx_path(), *flags, *(str(_HERE / f) for f in _SOURCES),
+            res = subprocess.run([gxx_path(), *flags, *(str(here / f) for f in _SOURCES),
                                   "-o", str(out)], capture_output=True, text=True, timeout=900)
             if res.returncode != 0:
                 raise build.BuildError(f"g++ failed for {defines}:\n{res.stderr[-4000:]}")
@@ -89,8 +91,8 @@ def build_so(defines: dict[str, int]) -> Path:
     return path
 
 
-def load(defines: dict[str, int]) -> ctypes.CDLL:
-    path = build_so(defines)
+def load(defines: dict[str, int], root: Path | None = None) -> ctypes.CDLL:
+    path = build_so(defines, root)
     lib = _libs.get(path)
     if lib is None:
         lib = ctypes.CDLL(str(path))
@@ -110,13 +112,13 @@ def load(defines: dict[str, int]) -> ctypes.CDLL:
     return lib
 
 
-def run(lp, seed: int = 0) -> None:
+def run(lp, seed: int = 0, root: Path | None = None) -> None:
     """Runs the kernel launch `lp` (decode_sm90.Launch over CPU tensors) in the emulation.
     seed 0: lanes resume in lane order at each meeting point; others: a random order."""
     from kvcompile.kernels import decode_sm90
 
     defines, _, smem = decode_sm90.variant(*lp.key)
-    lib = load(defines)
+    lib = load(defines, root)
     names, bufs = [], []
     for name, t in lp.tensors.items():
         if t is None:
