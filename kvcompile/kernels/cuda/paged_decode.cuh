@@ -311,6 +311,8 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
   const int v0 = split * per, v1 = min(n_steps, v0 + per);
   const int my_steps = v1 - v0 > warp ? (v1 - v0 - warp + WARPS - 1) / WARPS : 0;
 
+  // the merge reuses each warp's ring for its (O, m, l) rows
+  static_assert(ROWS * DV * 4 + 2 * ROWS * 4 <= NS * Gm::STAGE_ALIGNED, "ring < merge rows");
   uint8_t* ring = stages + warp * NS * Gm::STAGE_ALIGNED;
   const int* bt = p.bt + (long long)b * p.stride_bt;
   const long long head_k = (long long)h * P;  // (page * H + h) * P = page * H * P + h * P
@@ -355,7 +357,9 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
         const int tok = tok0 + 4 * l;
         const int pg = l < 2 ? pg0 : pg1;
         const long long off = (long long)pg * H * P + head_k + (tok & (P - 1));
-        cp_async16(smem_u32(sc + (is_v ? 16 : 0) + 4 * l), src + off, tok < L ? 16 : 0);
+        // the scales of tokens past L (unwritten slots) are zero-filled, never read
+        cp_async16(smem_u32(sc + (is_v ? 16 : 0) + 4 * l), src + off,
+                   4 * min(max(L - tok, 0), 4));
       } else if (mode == KVC_SC_PAGE && l < 2 && lane < 16) {
         const int pg = l == 0 ? pg0 : pg1;
         cp_async4(smem_u32(sc + (is_v ? 16 : 0) + l), src + (long long)pg * H + h, 4);
