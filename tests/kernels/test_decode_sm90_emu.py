@@ -126,6 +126,31 @@ def test_key_mask_and_softcap():
     check(E4, E4, 128, 4, 16, 1, softcap=30.0)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_launcher_with_triton_combine(splits, monkeypatch):
+    # launch_decode_sm90 as decode.py calls it, the kernel emulated and the splits merged by the
+    # real combine_splits_kernel (Triton interpreter)
+    from kvcompile.kernels import decode as dec
+
+    plans = []
+    plan = fast.plan_decode_sm90
+    monkeypatch.setattr(fast, "plan_decode_sm90", lambda *a: plans.append(plan(*a)) or plans[-1])
+
+    class _Emulated:
+        def launch(self, grid, block, prm, dev):
+            assert grid == plans[-1].grid and prm is plans[-1].prm and block == 128
+            emu.run(plans[-1])
+
+    monkeypatch.setattr(fast, "_kernel", lambda *key: _Emulated())
+    kc, vc, bt, sl, q, km = _inputs(E4, E4, 128, 4, 16, 1, [1, 17, 300, 1033])
+    out = poison_(torch.empty_like(q))
+    scale = 1.0 / math.sqrt(128)
+    fast.launch_decode_sm90(q, kc.data, kc.scale, vc.data, vc.scale, bt, sl, None, out, *E4, *E4,
+                            scale, 0, 0, 0.0, splits, 132, dec._combine)
+    ref = paged_decode_attention_ref(q, kc, vc, bt, sl, scale)
+    assert rel_err(out, ref) <= _bound(E4, E4)
+
+
 # ---- NaN semantics: a NaN a query reads reaches its output; a NaN nobody reads does not
 def _slot(bt, b, tok, P):
     return int(bt[b, tok // P]), tok % P

@@ -25,7 +25,7 @@ import torch
 from kvcompile.kernels.cuda import build
 
 _HERE = Path(__file__).resolve().parent
-_SOURCES = ("emu_decode.cpp", "lanes.cpp", "memory.cpp", "selftest.cpp")
+_SOURCES = ("emu_decode.cpp", "lanes.cpp", "collectives.cpp", "memory.cpp", "selftest.cpp")
 _HEADERS = ("cuda_emu.h", "runtime.h", "state.h", "../paged_decode.cuh")
 _FLAGS = ["-std=c++17", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-U_FORTIFY_SOURCE",
           "-Wall", "-Wno-unknown-pragmas", "-DKVC_EMU"]

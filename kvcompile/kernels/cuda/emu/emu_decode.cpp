@@ -8,15 +8,12 @@
 // of one); the kernel runs on guarded copies of them (runtime.h). Returns 0, or -1 with why.
 #include <stdio.h>
 
-#include <mutex>
 #include <type_traits>
 
 #include "../paged_decode.cuh"
 #include "runtime.h"
 
 namespace {
-
-std::mutex g_mu;  // one static shared memory and one fiber set: one launch at a time
 
 void body(const void* arg) {
   kvc::paged_decode<KVC_KK, KVC_VK, KVC_KSM, KVC_VSM, KVC_D, KVC_DV, KVC_ROWS, KVC_NS, KVC_QT>(
@@ -28,7 +25,7 @@ void body(const void* arg) {
 extern "C" int kvc_emu_decode(const DecodeParams* p, int grid_x, int grid_y, int smem_bytes,
                               const kvc_emu::Buffer* bufs, int nbufs, uint64_t seed, char* err,
                               int errlen) {
-  std::lock_guard<std::mutex> lock(g_mu);
+  std::lock_guard<std::mutex> lock(kvc_emu::launch_lock());
   kvc_emu::guard_begin(bufs, nbufs);
   DecodeParams g = *p;
   bool ok = true;

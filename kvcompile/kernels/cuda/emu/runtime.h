@@ -3,6 +3,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <mutex>
+
 namespace kvc_emu {
 
 constexpr int SMEM_CAP = 227 * 1024;  // the largest dynamic shared memory an sm_90 CTA may have
@@ -13,6 +15,9 @@ struct Buffer {          // one tensor the kernel may touch (Python passes a lis
   int writable;          // copied back after the run
   const char* name;
 };
+
+// One static shared memory, one fiber set, one buffer set: each entry point holds this lock.
+std::mutex& launch_lock();
 
 // Copies every buffer into its own mapping that ends at a PROT_NONE page, so that a plain load
 // or store past a buffer's end faults (reported, not a crash) and cp.async sources are checked

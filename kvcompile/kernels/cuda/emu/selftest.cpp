@@ -99,6 +99,7 @@ void body(const void* p) {
 }  // namespace
 
 extern "C" int kvc_emu_selftest(int which, char* err, int errlen) {
+  std::lock_guard<std::mutex> lock(kvc_emu::launch_lock());
   float src[64], dst[128];
   for (int i = 0; i < 64; ++i) src[i] = static_cast<float>(i);
   const kvc_emu::Buffer bufs[2] = {{src, sizeof src, 0, "src"}, {dst, sizeof dst, 1, "dst"}};

@@ -1,5 +1,5 @@
-// State shared by the emulation runtime's two halves: lanes.cpp (fibers, scheduling,
-// collectives, errors) and memory.cpp (shared memory, cp.async, guarded global buffers).
+// State shared by the emulation runtime: lanes.cpp (fibers, scheduling, errors),
+// collectives.cpp (warp collectives, barrier), memory.cpp (shared memory, cp.async, buffers).
 #pragma once
 #include <deque>
 #include <vector>
