@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -88,13 +89,21 @@ def _stages(kk: int, vk: int, d: int, dv: int, rows: int) -> tuple[int, int, int
     return ns, ctas, fixed + WARPS * ns * stage
 
 
+def variant(kk: int, vk: int, ksm: int, vsm: int, d: int, dv: int, rows: int,
+            qt: int) -> tuple[dict[str, int], int, int]:
+    """(compile-time constants, CTAs per SM, shared bytes per CTA) of a kernel variant; the
+    host emulation (kernels/cuda/emu) builds the same constants."""
+    ns, ctas, smem = _stages(kk, vk, d, dv, rows)
+    defines = {"KVC_KK": kk, "KVC_VK": vk, "KVC_KSM": ksm, "KVC_VSM": vsm, "KVC_D": d,
+               "KVC_DV": dv, "KVC_ROWS": rows, "KVC_NS": ns, "KVC_QT": qt}
+    return defines, ctas, smem
+
+
 def _kernel(kk: int, vk: int, ksm: int, vsm: int, d: int, dv: int, rows: int, qt: int) -> Kernel:
     key = (kk, vk, ksm, vsm, d, dv, rows, qt)
     k = _kernels.get(key)
     if k is None:
-        ns, ctas, smem = _stages(kk, vk, d, dv, rows)
-        defines = {"KVC_KK": kk, "KVC_VK": vk, "KVC_KSM": ksm, "KVC_VSM": vsm, "KVC_D": d,
-                   "KVC_DV": dv, "KVC_ROWS": rows, "KVC_NS": ns, "KVC_QT": qt}
+        defines, ctas, smem = variant(*key)
         cubin = build.build_cubin(
             "paged_decode.cuh", "kvc_paged_decode",
             "kvc::paged_decode<KVC_KK, KVC_VK, KVC_KSM, KVC_VSM, KVC_D, KVC_DV, KVC_ROWS, "
@@ -121,6 +130,24 @@ def _padded_mask(key_mask: torch.Tensor, width: int) -> torch.Tensor:
     return out
 
 
+@dataclass
+class Launch:
+    """One launch of the kernel as launch_decode_sm90 sets it up (the emulation runs it too)."""
+    key: tuple             # the variant: _kernel(*key)
+    grid: tuple            # (B * Hkv, num_splits, 1)
+    prm: DecodeParams
+    tensors: dict          # name -> the tensor prm points into (None: null), kept alive
+    out: torch.Tensor      # [B, Hq, Sq, DV]
+    acc: torch.Tensor      # [B*Hq*Sq, S, DV] fp32 partial outputs (out when direct)
+    plse: torch.Tensor     # [B*Hq*Sq, S] their log2-sum-exp (out when direct)
+    num_splits: int
+    dv: int
+
+    @property
+    def direct(self) -> bool:
+        return self.num_splits == 1
+
+
 def launch_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
                        k_fmt: str, k_gran: str, v_fmt: str, v_gran: str, scale: float,
                        sliding_window: int, sinks: int, softcap: float, num_splits: int,
@@ -128,6 +155,21 @@ def launch_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
     """q [B, Hq, Sq, D]; kd / vd [N, Hkv, P, D(v)] pages; ks / vs their fp32 scales (or None);
     block_tables [B, W] int32; seq_lens [B] int32; key_mask [B, Lm] bool or None; out
     [B, Hq, Sq, DV] or None. `combine(acc, plse, out, lse, num_splits, dv)` merges splits."""
+    lp = plan_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out, k_fmt,
+                          k_gran, v_fmt, v_gran, scale, sliding_window, sinks, softcap,
+                          num_splits, sm_count)
+    _kernel(*lp.key).launch(lp.grid, WARPS * 32, lp.prm, q.device)
+    if not lp.direct:
+        lse = torch.empty(lp.acc.shape[0], dtype=torch.float32, device=q.device)
+        combine(lp.acc, lp.plse, lp.out, lse, lp.num_splits, lp.dv)
+    return lp.out
+
+
+def plan_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
+                     k_fmt: str, k_gran: str, v_fmt: str, v_gran: str, scale: float,
+                     sliding_window: int, sinks: int, softcap: float, num_splits: int,
+                     sm_count: int) -> Launch:
+    """launch_decode_sm90's arguments -> the launch: variant, grid, DecodeParams, buffers."""
     B, Hq, Sq, D = q.shape
     N, Hkv, P, _ = kd.shape
     kk, vk = _KIND[k_fmt], _KIND[v_fmt]
@@ -138,7 +180,7 @@ def launch_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
         raise UnsupportedShapeError(f"sm90 decode: {rows} query rows per kv head (> {MAX_ROWS})")
     ksm = _SCALE[k_gran] if kk < 2 else 0
     vsm = _SCALE[v_gran] if vk < 2 else 0
-    kern = _kernel(kk, vk, ksm, vsm, D, dv, 8 if rows <= 8 else 16, _QT[q.dtype])
+    key = (kk, vk, ksm, vsm, D, dv, 8 if rows <= 8 else 16, _QT[q.dtype])
     q = q.contiguous()
     dev = q.device
     max_len = block_tables.shape[1] * P
@@ -173,8 +215,6 @@ def launch_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
     prm.qk_scale = float(scale) * LOG2E
     prm.cap_in = float(scale) / softcap if softcap else 0.0
     prm.cap_out = softcap * LOG2E if softcap else 0.0
-    kern.launch((B * Hkv, num_splits, 1), WARPS * 32, prm, dev)
-    if not direct:
-        lse = torch.empty(nrows, dtype=torch.float32, device=dev)
-        combine(acc, plse, out, lse, num_splits, dv)
-    return out
+    tensors = {"q": q, "k": kd, "v": vd, "ks": ks, "vs": vs, "bt": block_tables,
+               "seq_lens": seq_lens, "kmask": km, "out": out, "acc": acc, "lse": plse}
+    return Launch(key, (B * Hkv, num_splits, 1), prm, tensors, out, acc, plse, num_splits, dv)

@@ -22,9 +22,17 @@
 // scales fold into the scores (keys) and the probabilities (values), one multiply per token.
 // Shared-memory rows are XOR-swizzled in 16-byte chunks (see swz) so that fragment loads are
 // free of bank conflicts.
+//
+// Built with -DKVC_EMU, the same source runs on the CPU (emu/cuda_emu.h, tested by
+// tests/kernels/test_decode_sm90_emu.py): each inline-PTX helper below has its host version
+// beside it, and nothing else differs.
 #pragma once
+#ifdef KVC_EMU
+#include "emu/cuda_emu.h"
+#else
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#endif
 #include <stdint.h>
 
 struct DecodeParams {
@@ -74,39 +82,68 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 }
 
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+#ifdef KVC_EMU
+  kvc_emu::cp_async(dst, src, 16, src_bytes);
+#else
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(src_bytes));
+#endif
 }
 
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, int src_bytes) {
+#ifdef KVC_EMU
+  kvc_emu::cp_async(dst, src, 4, src_bytes);
+#else
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
                "r"(src_bytes));
+#endif
 }
 
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_commit() {
+#ifdef KVC_EMU
+  kvc_emu::cp_commit();
+#else
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
 
 template <int N>
 __device__ __forceinline__ void cp_wait() {
+#ifdef KVC_EMU
+  kvc_emu::cp_wait(N);
+#else
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
 }
 
 __device__ __forceinline__ uint4 lds128(const uint8_t* p) {
   uint4 r;
+#ifdef KVC_EMU
+  kvc_emu::ld_shared(smem_u32(p), &r, 16);
+#else
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
                : "r"(smem_u32(p)));
+#endif
   return r;
 }
 
 __device__ __forceinline__ uint2 lds64(const uint8_t* p) {
   uint2 r;
+#ifdef KVC_EMU
+  kvc_emu::ld_shared(smem_u32(p), &r, 8);
+#else
   asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(r.x), "=r"(r.y) : "r"(smem_u32(p)));
+#endif
   return r;
 }
 
 template <bool BF16>
 __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                          uint32_t b1) {
+#ifdef KVC_EMU
+  kvc_emu::mma_m16n8k16(d, a, b0, b1, BF16);
+#else
   if constexpr (BF16) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
@@ -120,6 +157,7 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
+#endif
 }
 
 // two fp8 codes (low byte first) -> f16x2 (low half first)
@@ -127,11 +165,19 @@ template <int KIND>
 __device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t x16) {
   uint32_t r;
   const uint16_t h = static_cast<uint16_t>(x16);
+#ifdef KVC_EMU
+  // the low byte becomes the low half (cuda_fp8.hpp's __nv_cvt_fp8x2_to_halfraw2 fallback)
+  auto one = [](uint8_t c) {
+    return KIND == KVC_E5M2 ? kvc_emu::e5m2_to_f16(c) : kvc_emu::e4m3_to_f16(c);
+  };
+  r = one(h & 0xffu) | (static_cast<uint32_t>(one(h >> 8)) << 16);
+#else
   if constexpr (KIND == KVC_E5M2) {
     asm("cvt.rn.f16x2.e5m2x2 %0, %1;\n" : "=r"(r) : "h"(h));
   } else {
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(r) : "h"(h));
   }
+#endif
   return r;
 }
 
@@ -265,6 +311,8 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
   const int v0 = split * per, v1 = min(n_steps, v0 + per);
   const int my_steps = v1 - v0 > warp ? (v1 - v0 - warp + WARPS - 1) / WARPS : 0;
 
+  // the merge reuses each warp's ring for its (O, m, l) rows
+  static_assert(ROWS * DV * 4 + 2 * ROWS * 4 <= NS * Gm::STAGE_ALIGNED, "ring < merge rows");
   uint8_t* ring = stages + warp * NS * Gm::STAGE_ALIGNED;
   const int* bt = p.bt + (long long)b * p.stride_bt;
   const long long head_k = (long long)h * P;  // (page * H + h) * P = page * H * P + h * P
@@ -309,7 +357,9 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
         const int tok = tok0 + 4 * l;
         const int pg = l < 2 ? pg0 : pg1;
         const long long off = (long long)pg * H * P + head_k + (tok & (P - 1));
-        cp_async16(smem_u32(sc + (is_v ? 16 : 0) + 4 * l), src + off, tok < L ? 16 : 0);
+        // the scales of tokens past L (unwritten slots) are zero-filled, never read
+        cp_async16(smem_u32(sc + (is_v ? 16 : 0) + 4 * l), src + off,
+                   4 * min(max(L - tok, 0), 4));
       } else if (mode == KVC_SC_PAGE && l < 2 && lane < 16) {
         const int pg = l == 0 ? pg0 : pg1;
         cp_async4(smem_u32(sc + (is_v ? 16 : 0) + l), src + (long long)pg * H + h, 4);
@@ -384,9 +434,10 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
         const float raw = sa[j][c] * kf[j][c & 1];
         x[j][c] = p.cap_out != 0.f ? p.cap_out * tanhf(raw * cap_in) : raw * qk;
       }
+    // every row sees every token of the step: the first query (position L - SQ) sees the last
+    // token, the last query (L - 1) the first one through its window
     const bool full = tok0 + STEP <= L - SQ + 1 && p.kmask == nullptr &&
-                      (p.window <= 0 || tok0 >= L - SQ - p.window + 1 ||
-                       tok0 + STEP <= p.sinks);
+                      (p.window <= 0 || tok0 >= L - p.window || tok0 + STEP <= p.sinks);
     bool tok_ok[2][2] = {{true, true}, {true, true}};
     if (!full) {
       const uint8_t* km = st + Gm::MASK_OFF;

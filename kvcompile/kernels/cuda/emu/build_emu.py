@@ -1,0 +1,163 @@
+"""paged_decode.cuh on the CPU: g++ builds a variant (the kernel's own source, KVC_EMU) into a
+shared library, cached like build.py's cubins; ctypes runs a decode_sm90 launch with it.
+
+    lp = decode_sm90.plan_decode_sm90(q, kd, ks, vd, vs, bt, sl, key_mask, out, ...)  # CPU
+    run(lp, seed=0)            # the grid, lane by lane (cuda_emu.h); raises EmuError on a fault
+    out = finish(lp)           # splits merged as combine_splits_kernel merges them
+
+Needs only g++ (no CUDA toolkit). `available()` says whether it is there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from kvcompile.kernels.cuda import build
+
+_HERE = Path(__file__).resolve().parent
+_SOURCES = ("emu_decode.cpp", "lanes.cpp", "collectives.cpp", "memory.cpp", "selftest.cpp")
+_HEADERS = ("cuda_emu.h", "runtime.h", "state.h", "../paged_decode.cuh")
+_FLAGS = ["-std=c++17", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-U_FORTIFY_SOURCE",
+          "-Wall", "-Wno-unknown-pragmas", "-DKVC_EMU"]
+_WRITABLE = ("out", "acc", "lse")
+_lock = threading.Lock()
+_libs: dict[Path, ctypes.CDLL] = {}
+
+
+class EmuError(RuntimeError):
+    """The emulated kernel did something a GPU would fault on or race at (the message says
+    which block, thread and instruction)."""
+
+
+class _Buffer(ctypes.Structure):  # runtime.h kvc_emu::Buffer
+    _fields_ = [("ptr", ctypes.c_void_p), ("nbytes", ctypes.c_longlong),
+                ("writable", ctypes.c_int), ("name", ctypes.c_char_p)]
+
+
+@lru_cache(maxsize=1)
+def gxx_path() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++")
+
+
+@lru_cache(maxsize=1)
+def _gxx_version() -> str:
+    out = subprocess.run([gxx_path(), "--version"], capture_output=True, text=True, timeout=60)
+    return out.stdout.splitlines()[0] if out.stdout else ""
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") when g++ can build the emulation here, else (False, the reason)."""
+    if gxx_path() is None:
+        return False, "g++ not found (set CXX or install g++)"
+    return True, ""
+
+
+def build_so(defines: dict[str, int], root: Path | None = None) -> Path:
+    """The shared library of one kernel variant (decode_sm90.variant's constants), built once
+    per source / constants / compiler (3-7 s of g++ at -O2; -O1 builds 30% faster but runs 2x slower). root: another directory laid
+    out as kernels/cuda (paged_decode.cuh, emu/), e.g. a deliberately broken kernel in a test."""
+    if gxx_path() is None:
+        raise build.BuildError(available()[1])
+    here = _HERE if root is None else Path(root) / "emu"
+    src = "\0".join((here / f).read_text() for f in _SOURCES + _HEADERS)
+    flags = _FLAGS + [f"-D{k}={v}" for k, v in sorted(defines.items())]
+    key = hashlib.sha256("\0".join([src, _gxx_version(), *flags]).encode()).hexdigest()
+    path = build.cache_dir().parent / "cuda_emu" / f"kvc_emu_decode-{key[:24]}.so"
+    if path.exists():
+        return path
+    with _lock:
+        if path.exists():
+            return path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp, "kernel.so")
+            res = subprocess.run([gxx_path(), *flags, *(str(here / f) for f in _SOURCES),
+                                  "-o", str(out)], capture_output=True, text=True, timeout=900)
+            if res.returncode != 0:
+                raise build.BuildError(f"g++ failed for {defines}:\n{res.stderr[-4000:]}")
+            tmp_path = path.with_suffix(f".{os.getpid()}.tmp")
+            shutil.copyfile(out, tmp_path)
+        os.replace(tmp_path, path)  # atomic: concurrent builders agree on the result
+    return path
+
+
+def load(defines: dict[str, int], root: Path | None = None) -> ctypes.CDLL:
+    path = build_so(defines, root)
+    lib = _libs.get(path)
+    if lib is None:
+        lib = ctypes.CDLL(str(path))
+        lib.kvc_emu_decode.restype = ctypes.c_int
+        lib.kvc_emu_decode.argtypes = [
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+            ctypes.POINTER(_Buffer), ctypes.c_int, ctypes.c_uint64, ctypes.c_char_p,
+            ctypes.c_int]
+        lib.kvc_emu_convert.restype = None
+        lib.kvc_emu_convert.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                        ctypes.c_longlong]
+        lib.kvc_emu_selftest.restype = ctypes.c_int
+        lib.kvc_emu_selftest.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+        lib.kvc_emu_byte_perm.restype = ctypes.c_uint
+        lib.kvc_emu_byte_perm.argtypes = [ctypes.c_uint] * 3
+        _libs[path] = lib
+    return lib
+
+
+def run(lp, seed: int = 0, root: Path | None = None) -> None:
+    """Runs the kernel launch `lp` (decode_sm90.Launch over CPU tensors) in the emulation.
+    seed 0: lanes resume in lane order at each meeting point; others: a random order."""
+    from kvcompile.kernels import decode_sm90
+
+    defines, _, smem = decode_sm90.variant(*lp.key)
+    lib = load(defines, root)
+    names, bufs = [], []
+    for name, t in lp.tensors.items():
+        if t is None:
+            continue
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"emulated decode: '{name}' must be a contiguous CPU tensor")
+        names.append(name.encode())
+        bufs.append(_Buffer(t.data_ptr(), t.numel() * t.element_size(), name in _WRITABLE,
+                            names[-1]))
+    arr = (_Buffer * len(bufs))(*bufs)
+    err = ctypes.create_string_buffer(4096)
+    gx, gy, _ = lp.grid
+    rc = lib.kvc_emu_decode(ctypes.addressof(lp.prm), gx, gy, smem, arr, len(bufs), seed, err,
+                            len(err))
+    if rc != 0:
+        raise EmuError(f"emulated paged_decode {defines}: {err.value.decode()}")
+
+
+def selftest(lib: ctypes.CDLL, which: int) -> str:
+    """'' or what the emulation reported for selftest.cpp's kernel `which`."""
+    err = ctypes.create_string_buffer(2048)
+    rc = lib.kvc_emu_selftest(which, err, len(err))
+    return err.value.decode() if rc else ""
+
+
+def combine_splits(acc: torch.Tensor, plse: torch.Tensor) -> torch.Tensor:
+    """acc [R, S, DV] normalized partial outputs, plse [R, S] their log2-sum-exp -> [R, DV]
+    fp32, as decode_kernels.combine_splits_kernel: out = sum_s 2^(lse_s - lse) acc_s."""
+    m = plse.max(1, keepdim=True).values
+    m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    w = torch.exp2(plse - m_safe)                                # [R, S]
+    total = w.sum(1, keepdim=True)
+    out = (acc * w[:, :, None]).sum(1)
+    t_safe = torch.where(total > 0, total, torch.ones_like(total))
+    return torch.where(total > 0, out / t_safe, torch.zeros_like(out))
+
+
+def finish(lp) -> torch.Tensor:
+    """lp.out after run(lp): the splits merged into it unless the launch wrote it directly."""
+    if not lp.direct:
+        lp.out.copy_(combine_splits(lp.acc, lp.plse).view(lp.out.shape))
+    return lp.out

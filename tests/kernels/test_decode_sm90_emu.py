@@ -1,0 +1,325 @@
+"""The CUDA decode kernel (kernels/cuda/paged_decode.cuh) on the CPU, through its host emulation
+(kernels/cuda/emu: the kernel's own source built with g++, lanes as fibers, PTX emulated; see
+cuda_emu.h), against the fp32 reference on fresh random inputs with NaN-poisoned unwritten slots
+and outputs. The launch is set up by decode_sm90.plan_decode_sm90, as on the GPU; splits are
+merged with combine_splits_kernel's math (build_emu.combine_splits).
+
+Each kernel variant is one g++ build (~5 s, cached under ~/.cache/kvcompile/cuda_emu); the default
+run uses a handful of variants, the wider matrix is marked slow."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+import math
+import shutil
+
+import pytest
+import torch
+
+from kvcompile.kernels import decode_sm90 as fast
+from kvcompile.kernels.cuda.emu import build_emu as emu
+from kvcompile.kernels.reference import paged_decode_attention_ref
+from kvcompile.testing import REL_ERR, poison_, rel_err
+from tests.kernels.kernel_cases import make_format, make_paged_kv
+
+pytestmark = pytest.mark.skipif(not emu.available()[0], reason=emu.available()[1] or "g++")
+
+LENS = [1, 17, 300, 16, 15, 129]  # 1, page-crossing, non-multiples of 16, exact multiples
+
+
+def _inputs(k, v, D, G, P, Sq, lens, Hkv=2, kmask=False, q_dtype=torch.float32, seed=0):
+    # fresh copies: the tests poke NaNs into them
+    return copy.deepcopy(_make_inputs(k, v, D, G, P, Sq, tuple(lens), Hkv, kmask, q_dtype, seed))
+
+
+@functools.lru_cache(maxsize=16)  # the reference append (PagedTensor.write) is the slow part
+def _make_inputs(k, v, D, G, P, Sq, lens, Hkv, kmask, q_dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    kc, vc, bt, sl = make_paged_kv(make_format(*k), make_format(*v), lens, Hkv, D, P, gen=gen,
+                                   device="cpu")
+    q = torch.randn(len(lens), Hkv * G, Sq, D, generator=gen).to(q_dtype)
+    km = None
+    if kmask:
+        km = torch.rand(len(lens), max(lens), generator=gen) > 0.3
+        km[:, -1] = True
+    return kc, vc, bt, sl, q, km
+
+
+def _decode(kc, vc, bt, sl, q, km, *, splits=1, window=0, sinks=0, softcap=0.0, seed=0,
+            root=None):
+    # -> (emulated kernel output [B, Hq, Sq, D] in q's dtype, fp32 reference)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out = poison_(torch.empty(*q.shape[:3], vc.head_dim, dtype=q.dtype))
+    lp = fast.plan_decode_sm90(q, kc.data, kc.scale, vc.data, vc.scale, bt, sl, km, out,
+                               kc.fmt.name, kc.fmt.granularity, vc.fmt.name,
+                               vc.fmt.granularity, scale, window, sinks, softcap, splits, 132)
+    emu.run(lp, seed=seed, root=root)
+    ref = paged_decode_attention_ref(q, kc, vc, bt, sl, scale, key_mask=km,
+                                     sliding_window=window, sinks=sinks, softcap=softcap)
+    return emu.finish(lp), ref
+
+
+def _bound(k, v, q_dtype=torch.float32) -> float:
+    """fp16 operands for fp8 / f16 pages, bf16 where keys, values or q are bf16."""
+    bf = "bf16" in (k[0], v[0]) or q_dtype == torch.bfloat16
+    return REL_ERR[torch.bfloat16 if bf else torch.float16]
+
+
+def check(k, v, D, G, P, Sq, lens=LENS, *, q_dtype=torch.float32, kmask=False, seed=0,
+          **kw) -> float:
+    kc, vc, bt, sl, q, km = _inputs(k, v, D, G, P, Sq, lens, kmask=kmask, q_dtype=q_dtype,
+                                    seed=seed)
+    out, ref = _decode(kc, vc, bt, sl, q, km, seed=seed, **kw)
+    assert not torch.isnan(out).any(), "NaN (unwritten or poisoned) output elements"
+    err = rel_err(out, ref)
+    assert err <= _bound(k, v, q_dtype), f"relative error {err:.2e} > {_bound(k, v, q_dtype)}"
+    return err
+
+
+E4 = ("fp8_e4m3", "page")
+BF = ("bf16", "page")
+
+F32, F16, B16 = torch.float32, torch.float16, torch.bfloat16
+# (keys, values, D, G, Sq, P, q dtype): each row one variant (formats, D, ROWS = 8 or 16 for
+# G * Sq, q dtype); the other tests reuse these builds
+CASES = [
+    (E4, E4, 128, 4, 1, 16, F32),
+    (E4, E4, 128, 1, 1, 64, F32),
+    (("fp8_e4m3", "token"), ("fp8_e4m3", "token"), 64, 8, 2, 128, F32),
+    (("fp8_e4m3", "tensor"), ("fp8_e4m3", "tensor"), 128, 4, 1, 8, F32),
+    (("fp8_e5m2", "page"), ("fp8_e5m2", "page"), 64, 4, 2, 16, F32),
+    (("fp8_e5m2", "token"), ("fp8_e5m2", "token"), 128, 4, 4, 32, F32),
+    (BF, BF, 128, 8, 2, 16, F32),
+    (("fp16", "page"), ("fp16", "page"), 64, 4, 1, 8, F16),
+    (E4, BF, 128, 4, 1, 16, B16),  # K and V in different formats
+]
+
+
+@pytest.mark.parametrize("k,v,D,G,Sq,P,q_dtype", CASES)
+def test_matches_reference(k, v, D, G, Sq, P, q_dtype):
+    check(k, v, D, G, P, Sq, q_dtype=q_dtype, seed=1)  # seed 1: lanes resume in random order
+
+
+@pytest.mark.parametrize("splits", [2, 7])
+def test_splits(splits):
+    # splits past the work (7 splits of 1-token sequences) write lse = -inf and 0
+    check(E4, E4, 128, 4, 16, 1, lens=[1, 17, 300, 1033], splits=splits)
+    check(BF, BF, 128, 8, 16, 2, lens=[1, 300, 129], splits=splits, window=100, sinks=4)
+
+
+@pytest.mark.parametrize("window,sinks", [(37, 3), (38, 0), (100, 4)])
+@pytest.mark.parametrize("variant", [(E4, 4, 1), (BF, 8, 2), (("fp8_e5m2", "token"), 4, 4)])
+def test_sliding_window(window, sinks, variant):
+    # L = 16 j + Sq + window - 1: step j is seen whole by the first query, not by the last (the
+    # kernel's `full` test once looked at the first query only: errors 9e-3 .. 4e-2, Sq > 1)
+    fmt, G, Sq = variant
+    D = 128
+    lens = [16 * 18 + Sq + window - 1, 16 * 30 + Sq + window + 4, 300, 1]
+    check(fmt, fmt, D, G, 16, Sq, lens=lens, window=window, sinks=sinks)
+
+
+def test_key_mask_and_softcap():
+    check(E4, E4, 128, 4, 16, 1, kmask=True)
+    check(BF, BF, 128, 8, 16, 2, kmask=True, window=37, sinks=3)
+    check(E4, E4, 128, 4, 16, 1, softcap=30.0)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_launcher_with_triton_combine(splits, monkeypatch):
+    # launch_decode_sm90 as decode.py calls it, the kernel emulated and the splits merged by the
+    # real combine_splits_kernel (Triton interpreter)
+    from kvcompile.kernels import decode as dec
+
+    plans = []
+    plan = fast.plan_decode_sm90
+    monkeypatch.setattr(fast, "plan_decode_sm90", lambda *a: plans.append(plan(*a)) or plans[-1])
+
+    class _Emulated:
+        def launch(self, grid, block, prm, dev):
+            assert grid == plans[-1].grid and prm is plans[-1].prm and block == 128
+            emu.run(plans[-1])
+
+    monkeypatch.setattr(fast, "_kernel", lambda *key: _Emulated())
+    kc, vc, bt, sl, q, km = _inputs(E4, E4, 128, 4, 16, 1, [1, 17, 300, 1033])
+    out = poison_(torch.empty_like(q))
+    scale = 1.0 / math.sqrt(128)
+    fast.launch_decode_sm90(q, kc.data, kc.scale, vc.data, vc.scale, bt, sl, None, out, *E4, *E4,
+                            scale, 0, 0, 0.0, splits, 132, dec._combine)
+    ref = paged_decode_attention_ref(q, kc, vc, bt, sl, scale)
+    assert rel_err(out, ref) <= _bound(E4, E4)
+
+
+# ---- NaN semantics: a NaN a query reads reaches its output; a NaN nobody reads does not
+def _slot(bt, b, tok, P):
+    return int(bt[b, tok // P]), tok % P
+
+
+COMBINE_NAN = pytest.mark.xfail(strict=True, reason="combine_splits_kernel: a split whose lse "
+                                "is NaN makes total NaN, `total > 0` fails and the row is 0")
+
+
+@pytest.mark.parametrize("where,splits", [("value", 1), ("value", 3), ("key", 1),
+                                          pytest.param("key", 3, marks=COMBINE_NAN)])
+def test_nan_in_visible_slot(where, splits):
+    G, P, D = 4, 16, 128
+    kc, vc, bt, sl, q, km = _inputs(E4, E4, D, G, P, 1, [200, 200])
+    page, off = _slot(bt, 1, 123, P)
+    (vc if where == "value" else kc).data[page, 0, off, 5] = float("nan")
+    out, ref = _decode(kc, vc, bt, sl, q, km, splits=splits)
+    hit = torch.zeros_like(out, dtype=torch.bool)  # sequence 1, kv head 0's query heads
+    if where == "value":
+        hit[1, :G, :, 5] = True  # the NaN value's column
+    else:
+        hit[1, :G] = True        # its whole score row
+    assert torch.equal(torch.isnan(ref), hit)
+    assert torch.equal(torch.isnan(out), hit), "NaN must reach exactly the rows that read it"
+    assert rel_err(out[~hit], ref[~hit]) <= _bound(E4, E4)
+
+
+def test_nan_in_unread_slots_is_inert():
+    # masked keys, keys outside every query's window (past the sinks), unwritten slots (NaN from
+    # make_paged_kv), with their NaN keys and values in steps that other keys make visible
+    G, P, D, Sq, W, S = 4, 16, 128, 2, 37, 3
+    lens = [300, 301, 17]
+    kc, vc, bt, sl, q, km = _inputs(E4, E4, D, G, P, Sq, lens, kmask=True)
+    for b, L in enumerate(lens):
+        first = L - Sq - W + 1  # the oldest key a query sees (beside the sinks)
+        hidden = [t for t in range(L) if not km[b, t]] + list(range(S, max(S, first)))
+        for t in hidden:
+            page, off = _slot(bt, b, t, P)
+            kc.data[page, :, off] = float("nan")
+            vc.data[page, :, off] = float("nan")
+    out, ref = _decode(kc, vc, bt, sl, q, km, window=W, sinks=S)
+    assert not torch.isnan(out).any()
+    assert rel_err(out, ref) <= _bound(E4, E4)
+
+
+@pytest.mark.parametrize("side", ["keys", "values"])
+def test_nan_scales_of_unwritten_slots_are_inert(side):
+    # token scales are copied 4 at a time: those of unwritten slots past L must not be read
+    # (the kernel read them, and a value scale's NaN reached the output through p = 0)
+    T = ("fp8_e4m3", "token")
+    lens = [301, 18]
+    kc, vc, bt, sl, q, km = _inputs(T, T, 128, 4, 16, 1, lens)
+    c = kc if side == "keys" else vc
+    for b, L in enumerate(lens):
+        for t in range(L, (L + 3) // 4 * 4):
+            c.scale[bt[b, t // 16], :, t % 16] = float("nan")
+    out, ref = _decode(kc, vc, bt, sl, q, km)
+    assert not torch.isnan(out).any()
+    assert rel_err(out, ref) <= _bound(T, T)
+
+
+# ---- the emulation itself
+def _lib():  # the build of CASES[0] (e4m3 pages, D 128, ROWS 8, fp32 q)
+    return emu.load(fast.variant(0, 0, 1, 1, 128, 128, 8, 2)[0])
+
+
+SELFTESTS = {  # selftest.cpp kernel -> what the emulation must report
+    1: "has not been waited for", 2: "no __syncwarp since", 3: "__syncwarp since|waited for",
+    4: "divergent collectives", 5: "deadlock", 6: "past its 256 bytes",
+    7: "from the end of 'src'", 8: "not 16-byte aligned", 9: "past the CTA's 4096 bytes",
+    10: ".aligned needs one"}
+
+
+def test_emulation_reports_faults_and_races():
+    import re
+
+    lib = _lib()
+    assert emu.selftest(lib, 0) == ""  # the correct ring runs and sums what it should
+    for which, want in SELFTESTS.items():
+        got = emu.selftest(lib, which)
+        assert re.search(want, got), f"selftest {which}: {got!r} lacks {want!r}"
+
+
+def test_conversions_bit_exact():
+    lib = _lib()
+
+    def conv(kind, x, out_dtype):
+        out = torch.empty(x.numel(), dtype=out_dtype)
+        lib.kvc_emu_convert(kind, x.data_ptr(), out.data_ptr(), x.numel())
+        return out
+
+    gen = torch.Generator().manual_seed(0)
+    f16 = (torch.arange(65536) - 32768).to(torch.int16)  # every f16 bit pattern
+    want = f16.view(torch.float16).float()
+    got = conv(2, f16, torch.float32)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~want.isnan()],
+                                                                  want[~want.isnan()])
+    # f32 -> f16 / bf16: random bit patterns, and every tie between neighbouring f16 values
+    bits = torch.randint(-2**31, 2**31 - 1, (1 << 18,), generator=gen, dtype=torch.int64)
+    x = torch.cat([bits.to(torch.int32).view(torch.float32),
+                   (want[:-1] + (want[1:] - want[:-1]) / 2)[want[:-1].isfinite()]])
+    x = torch.cat([x, torch.tensor([0.0, -0.0, 65504.0, 65519.99, 65520.0, 2.0**-25, 2.0**-24,
+                                    float("inf"), float("-inf"), float("nan")])])
+    for kind, dt in ((0, torch.float16), (1, torch.bfloat16)):
+        got, ref = conv(kind, x, torch.int16), x.to(dt).view(torch.int16)
+        nan = x.isnan()
+        assert torch.equal(got[~nan], ref[~nan]), f"f32 -> {dt} differs from torch"
+        assert got[nan].view(dt).isnan().all()
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    for kind, dt in ((3, torch.float8_e4m3fn), (4, torch.float8_e5m2)):
+        got, ref = conv(kind, codes, torch.int16).view(torch.float16), codes.view(dt).half()
+        assert torch.equal(got.isnan(), ref.isnan())
+        assert torch.equal(got[~ref.isnan()].view(torch.int16), ref[~ref.isnan()].view(torch.int16))
+    for a, b, s in ((0x03020100, 0x07060504, 0x5140), (0xDDCCBBAA, 0x44332211, 0x7362),
+                    (0x12345678, 0x9ABCDEF0, 0x5410)):
+        vb = (b << 32 | a).to_bytes(8, "little")
+        want_p = int.from_bytes(bytes(vb[(s >> 4 * n) & 7] for n in range(4)), "little")
+        assert lib.kvc_emu_byte_perm(a, b, s) == want_p
+
+
+@pytest.mark.xfail(strict=True, reason="paged_decode.cuh folds value scales into the f16 "
+                   "probabilities (p * vf): small fp8 value scales underflow into f16 subnormals")
+def test_small_value_scales():
+    kc, vc, bt, sl, q, km = _inputs(("fp8_e5m2", "page"), ("fp8_e5m2", "page"), 64, 4, 16, 2,
+                                    [300, 1033])
+    vc.scale.mul_(1e-2)  # values of std 0.01: scales ~6e-7
+    out, ref = _decode(kc, vc, bt, sl, q, km)
+    assert rel_err(out, ref) <= _bound(("fp8_e5m2", "page"), ("fp8_e5m2", "page"))
+
+
+# ---- slow: the kernel with a ring bug put in is caught; the wide matrix
+MUTATIONS = {  # (what, replaced by) in paged_decode.cuh -> what the emulation reports
+    "wait_group one too loose": (("cp_wait<NS - 1>();", "cp_wait<NS>();"),
+                                 "has not been waited for"),
+    "no __syncwarp after the wait": (("cp_wait<NS - 1>();\n    __syncwarp();",
+                                      "cp_wait<NS - 1>();"), "no __syncwarp since"),
+    "no __syncwarp before refilling": (("    __syncwarp();\n  }\n  cp_wait<0>();",
+                                        "  }\n  cp_wait<0>();"), "__syncwarp since"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_broken_ring_is_caught(name, tmp_path):
+    (old, new), want = MUTATIONS[name]
+    root = tmp_path / "cuda"
+    shutil.copytree(emu._HERE, root / "emu", ignore=shutil.ignore_patterns("*.py", "__py*"))
+    src = (emu._HERE.parent / "paged_decode.cuh").read_text()
+    assert src.count(old) == 1
+    (root / "paged_decode.cuh").write_text(src.replace(old, new))
+    kc, vc, bt, sl, q, km = _inputs(E4, E4, 128, 4, 16, 1, [300, 17])
+    for seed in (0, 1):
+        with pytest.raises(emu.EmuError, match=want):
+            _decode(kc, vc, bt, sl, q, km, seed=seed, root=root)
+
+
+FORMATS = [BF, ("fp16", "page"), E4, ("fp8_e4m3", "token"), ("fp8_e4m3", "tensor"),
+           ("fp8_e5m2", "page"), ("fp8_e5m2", "token")]
+
+
+MATRIX = [(f, D, G, Sq) for f, D, (G, Sq) in itertools.product(
+    FORMATS, (64, 128), ((1, 1), (4, 1), (8, 1), (4, 2), (8, 2), (4, 4)))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt,D,G,Sq", MATRIX,
+                         ids=[f"{f[0]}-{f[1]}-D{D}-G{G}-Sq{Sq}" for f, D, G, Sq in MATRIX])
+def test_matrix(fmt, D, G, Sq):
+    for P in (8, 16, 64, 128):
+        check(fmt, fmt, D, G, P, Sq, lens=[1, 17, 300, 1033, 16, 15], seed=P)
+    check(fmt, fmt, D, G, 16, Sq, lens=[310, 1033, 17], window=37, sinks=3, splits=3)
+    check(fmt, fmt, D, G, 16, Sq, kmask=True, softcap=20.0)
