@@ -731,16 +731,16 @@ class PagePool:
             if self.num_pages + short <= self.max_pages:
                 target = sizing.grow_target(self.num_pages, short, self.max_pages,
                                             sizing.chunk_pages(self.bytes_per_page))
-                try:
-                    self._grow(target)
-                except torch.OutOfMemoryError:
-                    if target == self.num_pages + short:
-                        raise KVCacheFullError(need, len(self._free), self.max_pages, detail=(
-                            f"the device ran out of memory growing the pool from "
-                            f"{self.num_pages} to {target} pages; lower "
-                            f"KVConfig.memory_fraction / max_kv_bytes")) from None
-                    self._grow(self.num_pages + short)   # just what is needed
-                return
+                exact = self.num_pages + short
+                for n in dict.fromkeys((target, exact)):   # then just what is needed
+                    try:
+                        self._grow(n)
+                        return
+                    except torch.OutOfMemoryError:
+                        pass
+                raise KVCacheFullError(need, len(self._free), self.max_pages, detail=(
+                    f"the device ran out of memory growing the pool from {self.num_pages} to "
+                    f"{exact} pages; lower KVConfig.memory_fraction or max_kv_bytes"))
         raise KVCacheFullError(need, self.num_available, max(self.max_pages, self.num_pages),
                                detail=detail)
 
