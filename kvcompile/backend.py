@@ -148,6 +148,10 @@ class GraphRunner:
         for t, kind in zip(handles, self.plan.handle_kinds):
             b = _binding.binding_of(t)
             if b is not None:
+                if b.released and t.shape[-2]:
+                    raise CacheStateError(
+                        "this cache's pages were given back by kvcompile.release(model); "
+                        "start a new cache (a new generate call)")
                 # a sliding-window cache object keeps only its window: fewer, never more
                 if kind == "cat" and b.seq_len() < t.shape[-2]:
                     raise CacheStateError(
