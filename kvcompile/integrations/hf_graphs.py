@@ -147,12 +147,12 @@ class GraphedForward:
             pool.free([self.scratch[1]])
         self.scratch = None
         self.graphs.clear()
-        self._why_not = None
 
     def release(self) -> None:
         """kvcompile.release(model): the graphs, and their private memory pool."""
         self.release_graphs()
         self.mempool = None
+        self._why_not = None   # asked again of the next pool
 
     # -- eligibility --------------------------------------------------------------------------
     def why_not(self) -> str | None:
