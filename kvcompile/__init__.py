@@ -24,6 +24,7 @@ __version__ = "0.1.0"
 # `import kvcompile` stays light and free of import cycles.
 _LAZY = {
     "compile": ("kvcompile.api", "compile"),
+    "release": ("kvcompile.api", "release"),
     "report": ("kvcompile.api", "report"),
     "stats": ("kvcompile.api", "stats"),
     "Engine": ("kvcompile.engine", "Engine"),
@@ -43,7 +44,7 @@ def __getattr__(name):
 
 
 __all__ = [
-    "KVConfig", "configure", "compile", "report", "stats", "Engine", "SamplingParams",
+    "KVConfig", "configure", "compile", "release", "report", "stats", "Engine", "SamplingParams",
     "EvictionPolicy", "SinkWindow", "H2O", "SnapKV",
     "KVCompileError", "KVConfigError", "KVCacheFullError", "NonFiniteKVError",
     "SequenceTooLongError", "UnsupportedShapeError", "CacheStateError",

@@ -1,9 +1,10 @@
-"""The public entry points: `kvcompile.compile`, `kvcompile.report`, `kvcompile.stats`."""
+"""The public entry points: `kvcompile.compile`, `release`, `report`, `stats`."""
 
 from __future__ import annotations
 
 import functools
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -14,6 +15,22 @@ from kvcompile.config import KVConfig
 from kvcompile.runtime import ModelState, all_states
 
 _STATE_ATTR = "_kvcompile_state"
+
+
+def _backend_for(state: ModelState):
+    """The backend of one `kvcompile.compile` call. Dynamo keeps every backend it was given in a
+    global table (`torch._dynamo.eval_frame.cached_backends`) until `torch._dynamo.reset()`, so
+    this one reaches the state through a weak reference: the model alone keeps it alive."""
+    ref = weakref.ref(state)
+
+    def backend(gm, example_inputs, **kwargs):
+        st = ref()
+        if st is None:
+            raise RuntimeError("kvcompile: the model this graph was compiled for is gone")
+        return kvcompile_backend(gm, example_inputs, state=st, **kwargs)
+
+    functools.update_wrapper(backend, kvcompile_backend)
+    return backend
 
 
 def compile(model: torch.nn.Module, config: KVConfig | dict | None = None, **options):
@@ -29,16 +46,21 @@ def compile(model: torch.nn.Module, config: KVConfig | dict | None = None, **opt
     state = ModelState(cfg)
     state.created_at = time.monotonic()  # telemetry rates count from here
     state.param_ids = {id(p) for p in model.parameters()}
-    backend = functools.partial(kvcompile_backend, state=state)
-    functools.update_wrapper(backend, kvcompile_backend)
+    backend = _backend_for(state)
     if _is_hf_model(model):
         from kvcompile.integrations.hf_graphs import GraphedForward
+        from kvcompile.recompiles import own_frame
 
-        # generate's decode steps replay CUDA graphs where they can (integrations/hf_graphs.py)
         fwd = model.forward
-        if isinstance(fwd, GraphedForward):  # compiled before: compile what was compiled
-            fwd = fwd.compiled
-        model.forward = GraphedForward(torch.compile(fwd, backend=backend), state, model)
+        if isinstance(fwd, GraphedForward):  # compiled before: start again from the original
+            fwd.state.release()
+            fwd = fwd.original
+        # Dynamo caches compiled code per code object, and every HF model's forward is the same
+        # transformers wrapper: compile a function of this model's own (kvcompile/recompiles.py)
+        frame = own_frame(fwd)
+        # generate's decode steps replay CUDA graphs where they can (integrations/hf_graphs.py)
+        model.forward = GraphedForward(torch.compile(frame, backend=backend), state, model,
+                                       frame=frame, original=fwd)
         model.__dict__[_STATE_ATTR] = state
         # engine issue (#6): a generate call's pages return to the pool when it returns, not at
         # the next gc (HF cache objects sit in reference cycles); see integrations/hf.py
@@ -50,6 +72,17 @@ def compile(model: torch.nn.Module, config: KVConfig | dict | None = None, **opt
     compiled.__dict__[_STATE_ATTR] = state
     model.__dict__[_STATE_ATTR] = state
     return compiled
+
+
+def release(model) -> None:
+    """Give back what kvcompile holds for `model`: its page pool (every cached sequence's
+    pages), its CUDA graphs and their buffers. The model stays compiled: its next forward
+    builds a new pool (cache objects from before the release cannot be continued). Also
+    happens when the model is garbage-collected."""
+    st = state_of(model)
+    if st is None:
+        raise ValueError("this model was not compiled with kvcompile (nothing to release)")
+    st.release()
 
 
 def _is_hf_model(model) -> bool:

@@ -5,11 +5,16 @@
 Dynamo hands each graph to `kvcompile_backend`, which runs the passes (kvcompile/passes) on the
 torch-level graph, compiles the result with inductor (or `options["inner"]`), and wraps it in a
 `GraphRunner` that binds each call to its pool sequences and sets the forward context.
+
+Dynamo keeps the GraphRunner as long as the code object it compiled, which on this route is a
+transformers function shared by every model: the runner holds its model's state weakly and
+finds the caller's state from the parameters it is called with (kvcompile/ownership.py).
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 
@@ -25,17 +30,37 @@ from kvcompile.runtime import ModelState, find_state
 def kvcompile_backend(gm: torch.fx.GraphModule, example_inputs, options=None, mode=None,
                       state: ModelState | None = None):
     from kvcompile.integrations import hf as _hf
+    from kvcompile.recompiles import raise_limit_for_models
 
     _hf.install()
     config = state.config if state is not None else KVConfig.from_options(options)
-    state = state or find_state(example_inputs, config)
+    if state is None:   # torch.compile(..., backend="kvcompile"): the shared transformers code
+        state = find_state(example_inputs, config)
+        raise_limit_for_models()
     t0 = time.perf_counter()
-    result = run_passes(gm, example_inputs, state)
+    with state.lock:
+        result = run_passes(gm, example_inputs, state)
     compiled = compile_inner(gm, example_inputs, config.inner)
     state.compile_seconds += time.perf_counter() - t0
     if not result.plan.rewritten:
-        return compiled
-    return GraphRunner(compiled, result.plan, state)
+        # attention left alone (the report says why): count its calls anyway, so that a
+        # forward running it does not read as one Dynamo ran eagerly (recompiles.py)
+        return _Counted(compiled, state) if result.plan.sites else compiled
+    return GraphRunner(compiled, result.plan, state, example_inputs)
+
+
+class _Counted:
+    """A compiled graph whose attention sites were all left alone."""
+
+    def __init__(self, compiled, state: ModelState):
+        self.compiled = compiled
+        self._state = weakref.ref(state)
+
+    def __call__(self, *args):
+        st = self._state()
+        if st is not None:
+            st.graph_calls += 1
+        return self.compiled(*args)
 
 
 def compile_inner(gm, example_inputs, inner: str):
@@ -53,24 +78,57 @@ def compile_inner(gm, example_inputs, inner: str):
 class GraphRunner:
     """Calls a compiled graph inside the forward context of its cache binding."""
 
-    def __init__(self, compiled, plan, state: ModelState):
+    def __init__(self, compiled, plan, state: ModelState, example_inputs=()):
+        from kvcompile.ownership import Layout
+
         self.compiled = compiled
         self.plan = plan
-        self.state = state
+        self._state = weakref.ref(state)
+        # the first parameter among the inputs tells whose model calls (None: no parameter in
+        # the graph, so no owner to find: then the runner keeps its state alive itself)
+        self._param = next((i for i, x in enumerate(example_inputs)
+                            if isinstance(x, torch.nn.Parameter)), None)
+        self._keep = state if self._param is None else None
+        self._layout = Layout.of(state) if self._param is not None else None
+
+    @property
+    def state(self) -> ModelState | None:
+        return self._state()
+
+    def state_for(self, args) -> ModelState:
+        """The state of the model these inputs come from (another model of the same class may
+        run this graph: Dynamo's guards check types and shapes)."""
+        st = self._state()
+        if self._param is None:
+            return st
+        p = args[self._param]
+        if st is not None and id(p) in st.param_ids:
+            return st
+        from kvcompile.ownership import state_for_param
+
+        st = state_for_param(p, self._layout)
+        self._state = weakref.ref(st)
+        return st
 
     def __call__(self, *args):
+        st = self.state_for(args)
+        with st.lock:   # one forward of a model at a time (runtime.ModelState.lock)
+            st.graph_calls += 1
+            return self._call(st, args)
+
+    def _call(self, st: ModelState, args):
         outer = current()
-        if outer is not None and outer.state is self.state and outer.plan is not None:
+        if outer is not None and outer.state is st and outer.plan is not None:
             return self.compiled(*args)  # the engine set the context (and runs the hooks)
-        b, fresh, ephemeral = self._bind(args)
-        ctx = ForwardContext(self.state, b)
+        b, fresh, ephemeral = self._bind(st, args)
+        ctx = ForwardContext(st, b)
         try:
             with forward_context(ctx):
                 outs = self.compiled(*args)
         except BaseException:
             self._rollback(ctx, fresh and not b.has_stubs)
             raise
-        for hook in self.state.hooks:
+        for hook in st.hooks:
             hook.after_forward(ctx)
         if ephemeral:
             b.release()
@@ -85,11 +143,15 @@ class GraphRunner:
                     b.adopt(t)
         return outs
 
-    def _bind(self, args):
+    def _bind(self, st: ModelState, args):
         handles = [args[i] for i in self.plan.handle_inputs]
         for t, kind in zip(handles, self.plan.handle_kinds):
             b = _binding.binding_of(t)
             if b is not None:
+                if b.released and t.shape[-2]:
+                    raise CacheStateError(
+                        "this cache's pages were given back by kvcompile.release(model); "
+                        "start a new cache (a new generate call)")
                 # a sliding-window cache object keeps only its window: fewer, never more
                 if kind == "cat" and b.seq_len() < t.shape[-2]:
                     raise CacheStateError(
@@ -97,7 +159,7 @@ class GraphRunner:
                         f"holds {b.seq_len()} for it (was the cache modified outside the "
                         f"compiled model, or its pages freed?)")
                 return b, False, False
-        b = _binding.Binding(self.state, [], _device(args))
+        b = _binding.Binding(st, [], _device(args))
         ephemeral = not handles and not self.plan.stub_outputs
         return b, True, ephemeral
 
@@ -107,9 +169,9 @@ class GraphRunner:
             return
         if release:
             b.release()
-        elif plan is not None and self.state.pool is not None:
+        elif plan is not None and ctx.state.pool is not None:
             for sid, past in zip(plan.seq_ids, plan.past_lens):
-                self.state.pool.truncate(sid, past)
+                ctx.state.pool.truncate(sid, past)
 
     def _restub(self, outs, b):
         seq = list(outs)
@@ -125,3 +187,17 @@ def _device(args) -> torch.device:
         if isinstance(a, torch.Tensor) and a.is_floating_point():
             return a.device
     return torch.device("cpu")
+
+
+def _install_early() -> None:
+    # torch.compile(..., backend="kvcompile") imports this module when it is called, before the
+    # model's first generate: patch transformers now, so that even that call frees its pages
+    import sys
+
+    if "transformers" in sys.modules:
+        from kvcompile.integrations import hf as _hf
+
+        _hf.install()
+
+
+_install_early()

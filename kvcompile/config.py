@@ -26,6 +26,9 @@ SCALE_GRANULARITIES = ("page", "token", "tensor", "channel")
 ROTATIONS = (None, "hadamard")
 INNER_BACKENDS = ("inductor", "aot_eager", "eager")
 KERNEL_CHOICES = ("auto", "triton", "cuda", "reference")
+# When the pool takes its memory (cache/sizing.py): "grow" on demand up to the budget,
+# "upfront" all of it at the first forward; "auto": grow for HF generate, upfront for the Engine.
+RESERVE_POLICIES = ("auto", "grow", "upfront")
 
 # Fields that `configure` may override per module; the rest are global to the pool.
 PER_MODULE_FIELDS = (
@@ -160,7 +163,11 @@ class KVConfig:
         "channel"), e.g. keys "page" with values "token". None: the same as
         scale_granularity, except that under "channel" values take "token" (int) or "page".
     max_kv_bytes / memory_fraction: the pool's budget; bytes, or a fraction of the device
-        memory free when the pool is built (on the CPU: of available RAM, at most 4 GiB).
+        memory free when the pool is built or grows (on the CPU: of available RAM, at most
+        4 GiB). The rest stays free for activations.
+    reserve: when the pool takes its budget: "grow" (start with one chunk, grow on demand,
+        as Hugging Face caches do), "upfront" (all of it at the first forward, as vLLM does),
+        or "auto": grow for `generate` / the torch.compile backend, upfront for the Engine.
     max_seq_len: longest sequence allowed; longer raises SequenceTooLongError.
     eviction: None or a policy (SinkWindow, H2O, SnapKV).
     rotate: None or "hadamard": rotate q and k over head_dim before quantizing keys.
@@ -183,6 +190,7 @@ class KVConfig:
     static_scale: float | None = None
     max_kv_bytes: int | None = None
     memory_fraction: float = 0.9
+    reserve: str = "auto"
     max_seq_len: int | None = None
     eviction: EvictionPolicy | None = None
     rotate: str | None = None
@@ -217,6 +225,8 @@ class KVConfig:
             _check_int("max_kv_bytes", self.max_kv_bytes, 1)
         if not (isinstance(self.memory_fraction, (int, float)) and 0 < self.memory_fraction <= 1):
             raise KVConfigError("memory_fraction", self.memory_fraction, "a float in (0, 1]")
+        if self.reserve not in RESERVE_POLICIES:
+            raise KVConfigError("reserve", self.reserve, ", ".join(map(repr, RESERVE_POLICIES)))
         if self.max_seq_len is not None:
             _check_int("max_seq_len", self.max_seq_len, 1)
         object.__setattr__(self, "eviction", _coerce_eviction(self.eviction))

@@ -55,7 +55,7 @@ def state_stats(state, now: float | None = None) -> dict:
     now = time.monotonic() if now is None else now
     counters = dict(state.counters)
     out: dict = {
-        "pages_total": 0, "pages_used": 0, "pages_free": 0, "pages_shared": 0,
+        "pages_total": 0, "pages_used": 0, "pages_free": 0, "pages_shared": 0, "pages_max": 0,
         "fill_ratio": 0.0, "internal_waste": 0.0, "sequences": 0, "tokens": 0,
         "bytes_total": 0, "bytes_used": 0, "bytes_per_token": 0.0,
     }

@@ -9,10 +9,15 @@ batch rows. When the last stub dies (the cache object is dropped), a finalizer f
 Real buffer caches (a StaticCache allocated outside the graph, gpt-fast `k_cache` buffers) are
 turned into stubs in place after their first compiled call (`Binding.adopt`), which releases
 their memory.
+
+A call that owns the caches it makes (Hugging Face `generate`, integrations/hf.py) opens a
+`call_scope()`: every binding created in that thread until it closes is recorded there, so the
+call frees the pages of its own caches when it returns, and other threads' calls are untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 
@@ -22,6 +27,22 @@ from kvcompile.errors import CacheStateError
 
 _lock = threading.Lock()
 _by_ptr: dict[int, Binding] = {}
+_local = threading.local()   # .scopes: the open call scopes of this thread (lists of bindings)
+
+
+@contextlib.contextmanager
+def call_scope():
+    """Record the bindings this thread creates until the block ends; yields their list. A
+    nested scope hands what it created (and did not release) to the enclosing one."""
+    scopes = _local.__dict__.setdefault("scopes", [])
+    mine: list[Binding] = []
+    scopes.append(mine)
+    try:
+        yield mine
+    finally:
+        scopes.pop()
+        if scopes:
+            scopes[-1].extend(b for b in mine if b.seq_ids)
 
 
 class Binding:
@@ -35,6 +56,10 @@ class Binding:
         self.device = torch.device(device)
         self._bases: dict[torch.dtype, weakref.ref] = {}
         self._live_bases = 0
+        self.released = False                 # by kvcompile.release(model): pages gone
+        scopes = getattr(_local, "scopes", None)
+        if scopes:
+            scopes[-1].append(self)
 
     # -- stubs -------------------------------------------------------------------------------
     def stub(self, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -119,10 +144,28 @@ class Binding:
 
     def release(self) -> None:
         """Free the pages; the binding stays usable (a new prefill restarts it)."""
-        if self.seq_ids and self.state.pool is not None:
-            self.state.pool.free(self.seq_ids)
-        self.seq_ids = []
-        self.kv_start = []
+        pool = self.state.pool
+        if pool is None:
+            self.seq_ids, self.kv_start = [], []
+            return
+        with pool._lock:   # (a finalizer of this binding may run meanwhile: free once)
+            ids, self.seq_ids, self.kv_start = self.seq_ids, [], []
+            if ids:
+                pool.free([i for i in ids if pool.has(i)])
+
+    def detach(self) -> None:
+        """The pool went away (kvcompile.release): forget the sequences, free nothing."""
+        self.seq_ids, self.kv_start = [], []
+        self.released = True
+
+    def _died(self) -> None:
+        # the last stub is gone: called from a garbage-collector finalizer, maybe in the middle
+        # of a pool method of this thread (PagePool.discard defers the free then)
+        self.alive = False
+        ids, self.seq_ids, self.kv_start = self.seq_ids, [], []
+        pool = self.state.pool
+        if ids and pool is not None:
+            pool.discard(ids)
 
 
 def _base_died(ptr: int) -> None:
@@ -132,9 +175,8 @@ def _base_died(ptr: int) -> None:
         return
     binding._live_bases -= 1
     if binding._live_bases <= 0:
-        binding.alive = False
         try:
-            binding.release()
+            binding._died()
         except Exception:  # the pool may already be gone at interpreter exit
             pass
 
@@ -146,8 +188,7 @@ def _adopted_died(binding: Binding, base) -> None:
         pass
     binding._live_bases -= 1
     if binding._live_bases <= 0:
-        binding.alive = False
-        binding.release()
+        binding._died()
 
 
 def binding_of(t: torch.Tensor) -> Binding | None:

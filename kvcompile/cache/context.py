@@ -71,6 +71,10 @@ class ForwardContext:
             start = _first_position(positions)
             if start == 0:
                 b.restart(batch)
+            elif b.released:
+                raise CacheStateError(
+                    f"cache write at position {start}, but this cache's pages were given back "
+                    f"by kvcompile.release(model); start a new cache (a new generate call)")
             elif b.batch != batch:
                 raise CacheStateError(
                     f"cache write at position {start} for a batch of {batch}, but kvcompile "

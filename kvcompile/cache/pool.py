@@ -9,18 +9,30 @@ Page ids are shared across layers (page p of a block table is page p of every la
 so one block table per sequence serves all layers. Pages are reference-counted: `fork` shares
 every page, and only a shared, partially filled last page is copied (all layers) when a sequence
 appends to it. Full pages are never written again. The allocator is a stack of free page ids.
+
+A pool built with a `limit` grows on demand (cache/sizing.py): when `reserve` (or a copy-on-write,
+or `swap_in`) runs out of free pages, every layer's storage is reallocated to a larger page count
+and copied, page ids unchanged. `generation` counts the growths: whatever holds pointers into the
+storage tensors (CUDA graphs) must compare it and rebuild. KVCacheFullError means the budget is
+exhausted, not the pages allocated so far.
+
+Thread safety: one re-entrant lock guards the bookkeeping and the storage (every public method
+that reads or changes them takes it). A free requested by a garbage-collector finalizer while
+the same thread is inside a pool method (`discard`) waits until that method returns.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
-import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from kvcompile.cache import sizing
 from kvcompile.cache.formats import KVFormat, PagedTensor
 from kvcompile.errors import (
     CacheStateError,
@@ -29,7 +41,32 @@ from kvcompile.errors import (
     UnsupportedShapeError,
 )
 
-_CPU_BUDGET_CAP = 4 << 30  # bytes: a CPU pool never takes more than this by default
+_CPU_BUDGET_CAP = sizing.CPU_BUDGET_CAP  # bytes: a CPU pool never takes more by default
+
+
+def _locked(method):
+    """Run a PagePool method under the pool's lock; the outermost call first runs the frees
+    that finalizers queued meanwhile (`discard`)."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            self._depth += 1
+            outer = self._depth == 1
+            if outer:
+                self._owner = threading.get_ident()
+            try:
+                if outer and self._deferred:
+                    self._run_deferred()
+                return method(self, *args, **kwargs)
+            finally:
+                if outer and self._deferred:
+                    self._run_deferred()
+                self._depth -= 1
+                if outer:
+                    self._owner = None
+
+    return run
 
 
 @dataclass(frozen=True)
@@ -54,7 +91,7 @@ class LayerSpec:
 
 @dataclass
 class PoolStats:
-    pages_total: int
+    pages_total: int        # pages allocated now (a growing pool: so far)
     pages_used: int
     pages_free: int
     pages_shared: int       # pages held by more than one sequence
@@ -64,6 +101,7 @@ class PoolStats:
     bytes_used: int
     bytes_per_token: float  # all layers, K + V, scales included
     internal_waste: float   # fraction of the slots of used pages that hold no token
+    pages_max: int = 0      # the most pages the pool may hold (its budget, as last evaluated)
 
 
 @dataclass
@@ -93,7 +131,10 @@ class _Sequence:
 
 class PagePool:
     def __init__(self, layers: Sequence[LayerSpec], num_pages: int, page_size: int, device="cpu",
-                 *, max_seq_len: int | None = None, writer=None):
+                 *, max_seq_len: int | None = None, writer=None,
+                 limit: Callable[[int], int] | None = None):
+        """`limit`: None for a fixed pool of `num_pages`; else a growing pool starting with
+        `num_pages`, where limit(bytes held now) -> the most bytes it may hold (its budget)."""
         if not layers:
             raise ValueError("PagePool needs at least one LayerSpec")
         _check_int("PagePool num_pages", num_pages, 1)
@@ -120,6 +161,16 @@ class PagePool:
                                                  spec.v_head_dim, self.device))
         self.bytes_per_page = _page_bytes(self.layers, page_size)
         self.bytes_per_token = self.bytes_per_page / page_size
+        self._limit = limit
+        self.max_pages = num_pages   # a growing pool: its budget in pages, as last evaluated
+        if limit is not None:
+            self.max_pages = max(num_pages, int(limit(num_pages * self.bytes_per_page))
+                                 // self.bytes_per_page)
+        self.generation = 0          # storage growths so far (CUDA graphs compare it)
+        self._lock = threading.RLock()
+        self._depth = 0              # nesting of locked calls in the thread holding the lock
+        self._owner: int | None = None
+        self._deferred: list[list[int]] = []   # frees queued by `discard`
         # Allocator: a stack of free ids (popped from the end, so page 0 goes out first).
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._ref: list[int] = [0] * num_pages
@@ -130,7 +181,8 @@ class PagePool:
         # wait in `_pending` ((row, col) -> page, the last write wins) and reach the table in one
         # scatter when a table is asked for: a decode step moves a few entries, not the table.
         width = math.ceil(max_seq_len / page_size) if max_seq_len else 16
-        self._table = torch.zeros(16, min(width, num_pages), dtype=torch.int32, device=self.device)
+        self._table = torch.zeros(16, min(width, self.max_pages), dtype=torch.int32,
+                                  device=self.device)
         self._pending: dict[tuple[int, int], int] = {}
         self._free_rows: list[int] = list(range(15, -1, -1))
         self._rows: tuple = (None, None)  # the last batch's rows, and as an index tensor
@@ -153,19 +205,51 @@ class PagePool:
                                    f"no page of {per_page} bytes")
         return cls(layers, num_pages, page_size, device, **kw)
 
+    @classmethod
+    def growing(cls, layers: Sequence[LayerSpec], page_size: int, budget, device="cpu",
+                **kw) -> PagePool:
+        """A pool that starts with one chunk (sizing.CHUNK_BYTES) and grows on demand up to
+        `budget`: bytes, or a callable (bytes held now) -> bytes it may hold now."""
+        limit = budget if callable(budget) else (lambda held, b=int(budget): b)
+        per_page = _page_bytes(layers, page_size)
+        most = int(limit(0)) // per_page
+        if most < 1:
+            raise KVCacheFullError(1, 0, 0, detail=f"a budget of {int(limit(0))} bytes holds "
+                                   f"no page of {per_page} bytes")
+        first = min(most, sizing.chunk_pages(per_page))
+        return cls(layers, first, page_size, device, limit=limit, **kw)
+
     @staticmethod
     def budget_bytes(config, device) -> int:
         """`config.max_kv_bytes`, else `memory_fraction` of the device's free memory (on the CPU:
         of available RAM, at most 4 GiB)."""
-        if config.max_kv_bytes is not None:
-            return int(config.max_kv_bytes)
-        device = torch.device(device)
-        free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
-                else min(_available_ram(), _CPU_BUDGET_CAP))
-        return int(config.memory_fraction * free)
+        return sizing.budget_bytes(config, device)
+
+    @property
+    def growable(self) -> bool:
+        return self._limit is not None
+
+    @property
+    def num_available(self) -> int:
+        """Pages a reservation may still take: free ones plus the budget's unallocated ones (as
+        last evaluated)."""
+        return len(self._free) + max(0, self.max_pages - self.num_pages)
+
+    @_locked
+    def reserve_all(self) -> None:
+        """Allocate the whole budget now and stop growing (a growing pool handed to the Engine,
+        whose scheduler plans against a fixed page count)."""
+        if self._limit is None:
+            return
+        self._refresh_limit()
+        if self.max_pages > self.num_pages:
+            self._grow(self.max_pages)
+        self._limit = None
+        self.max_pages = self.num_pages
 
     # --- sequences ---------------------------------------------------------------------------
 
+    @_locked
     def allocate(self, n: int = 1) -> list[int]:
         """`n` new empty sequences; returns their ids (never reused)."""
         _check_int("allocate(n)", n, 0)
@@ -176,6 +260,7 @@ class PagePool:
             ids.append(sid)
         return ids
 
+    @_locked
     def fork(self, seq_id: int) -> int:
         """A new sequence sharing every page of `seq_id` (copy-on-write of its partial page)."""
         src = self._lookup([seq_id])[0]
@@ -191,6 +276,7 @@ class PagePool:
             listener(seq_id, sid)
         return sid
 
+    @_locked
     def free(self, seq_ids) -> None:
         """Drop sequences; their pages return to the free list when no sequence holds them."""
         for seq in self._lookup(seq_ids):
@@ -200,6 +286,7 @@ class PagePool:
             del self._seqs[sid]
             self._evicted.pop(sid, None)
 
+    @_locked
     def truncate(self, seq_id: int, length: int) -> None:
         """Shorten a sequence to `length` tokens, releasing pages past it; like HF `crop`, a
         length >= the sequence's is a no-op."""
@@ -209,6 +296,7 @@ class PagePool:
             self._drop_pages(seq, math.ceil(length / self.page_size))
             seq.length = length
 
+    @_locked
     def reserve(self, seq_ids, num_tokens) -> torch.Tensor:
         """Extend each sequence by `num_tokens` (an int, or one per sequence).
 
@@ -233,7 +321,8 @@ class PagePool:
                         need += 1
                         released[last] = released.get(last, 0) + 1
         if need > len(free):
-            raise KVCacheFullError(need, len(free), self.num_pages)
+            self._make_room(need)
+            ref, free = self._ref, self._free   # (a growth extended them)
         # Commit.
         cow_src, cow_dst, bases, lens = [], [], [], []
         for seq, n in zip(seqs, counts):
@@ -273,6 +362,7 @@ class PagePool:
 
     # --- data --------------------------------------------------------------------------------
 
+    @_locked
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new keys / values at reserved slots. k: [T, Hkv, D], v: [T, Hkv, Dv]."""
         if slots.dim() != 1 or slots.dtype != torch.int64:
@@ -289,6 +379,7 @@ class PagePool:
             self.writer(self.k[layer], slots, k)
             self.writer(self.v[layer], slots, v)
 
+    @_locked
     def append(self, seq_id: int, k_layers, v_layers) -> torch.Tensor:
         """Reserve and write every layer at once. k_layers[i]: [T, Hkv, D]; returns the slots."""
         L = len(self.layers)
@@ -309,6 +400,7 @@ class PagePool:
             raise
         return slots
 
+    @_locked
     def gather(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized cache of one sequence: k [Hkv, L, D], v [Hkv, L, Dv] fp32 (reference)."""
         seq = self._lookup([seq_id])[0]
@@ -332,6 +424,7 @@ class PagePool:
         lens = [s.length for s in self._lookup(seq_ids)]
         return torch.tensor(lens, dtype=torch.int32, device=device or self.device)
 
+    @_locked
     def block_table(self, seq_ids, device=None) -> torch.Tensor:
         """[B, max_pages] int32 page ids, padded with 0 (at least one column)."""
         seqs = self._lookup(seq_ids)
@@ -343,6 +436,7 @@ class PagePool:
         out = self._table[:, :width].index_select(0, self._rows[1])
         return out if device is None else out.to(device)
 
+    @_locked
     def table(self) -> torch.Tensor:
         """The whole block table [rows, width] int32, pending changes applied. Row r belongs
         to the sequence whose `row` is r (decode_slots / sequence_slots give them). The tensor
@@ -350,6 +444,7 @@ class PagePool:
         self._flush_table()
         return self._table
 
+    @_locked
     def decode_slots(self, seq_ids) -> tuple[list[int], list[int], list[int]]:
         """Host-side view of a decode step after reserve(seq_ids, 1): for each sequence the
         slot of its last token, its block-table row and its length (no device work)."""
@@ -362,6 +457,7 @@ class PagePool:
             lens.append(s.length)
         return slots, rows, lens
 
+    @_locked
     def sequence_slots(self, seq_id: int) -> tuple[list[int], int]:
         """The slots of every token of a sequence, in order, and its block-table row."""
         s = self._lookup([seq_id])[0]
@@ -381,6 +477,7 @@ class PagePool:
         self._lookup([seq_id])
         return self._evicted.get(seq_id, 0)
 
+    @_locked
     def evict_tail(self, seq_id: int, length: int) -> None:
         """Shorten a sequence to `length` stored tokens after compaction moved every kept token
         below it; the dropped tokens count as evicted (the logical length is unchanged)."""
@@ -392,6 +489,7 @@ class PagePool:
             seq.length = length
             self._evicted[seq_id] = self._evicted.get(seq_id, 0) + dropped
 
+    @_locked
     def evict_pages(self, seq_id: int, page_indices) -> None:
         """Drop whole pages of a sequence (indices into its page list; a partly filled last
         page cannot be dropped). Later pages move up; the pages return to the free list when no
@@ -417,6 +515,7 @@ class PagePool:
             self._pending[seq.row, j] = 0
         self._evicted[seq_id] = self._evicted.get(seq_id, 0) + P * len(idx)
 
+    @_locked
     def move_tokens(self, layer: int, seq_id: int, src: torch.Tensor, dst: torch.Tensor,
                     heads: torch.Tensor) -> None:
         """Copy tokens of one layer within a sequence, per kv head (compaction). src, dst:
@@ -446,9 +545,7 @@ class PagePool:
         shared = [i for i in page_indices if self._ref[seq.pages[i]] > 1]
         if not shared:
             return
-        if len(shared) > len(self._free):
-            raise KVCacheFullError(len(shared), len(self._free), self.num_pages,
-                                   detail="copy-on-write before compaction")
+        self._make_room(len(shared), "copy-on-write before compaction")
         src, dst = [], []
         for i in shared:
             old = seq.pages[i]
@@ -463,6 +560,7 @@ class PagePool:
 
     # --- prefix sharing and swapping (kvcompile/engine) ---------------------------------------
 
+    @_locked
     def pin(self, pages) -> None:
         """Hold full pages outside any sequence (the engine's prefix cache). A pinned page is not
         freed when its sequences are, and counts as shared: a sequence that appends to it after
@@ -476,6 +574,7 @@ class PagePool:
             self._ref[p] += 1
             self._pins[p] = self._pins.get(p, 0) + 1
 
+    @_locked
     def unpin(self, pages) -> None:
         """Drop pins; a page no sequence holds returns to the free list."""
         pages = [int(p) for p in pages]
@@ -499,6 +598,7 @@ class PagePool:
         """Holders of a page: sequences plus pins (0 = free)."""
         return self._ref[int(page)]
 
+    @_locked
     def attach(self, seq_id: int, pages) -> None:
         """Give an empty sequence full pages that hold its first len(pages) * page_size tokens
         (a prefix-cache hit): shared, never copied; its next tokens start a new page."""
@@ -516,6 +616,7 @@ class PagePool:
         seq.pages, seq.length = pages, len(pages) * self.page_size
         self._sync_row(seq, 0)
 
+    @_locked
     def swap_out(self, seq_id: int, pin_memory: bool = False) -> SwappedSequence:
         """Copy a sequence's pages (every layer, K and V, scales included) to host memory and
         free the sequence. `swap_in` restores it bit for bit."""
@@ -539,12 +640,11 @@ class PagePool:
         self.free([seq_id])
         return swapped
 
+    @_locked
     def swap_in(self, swapped: SwappedSequence) -> int:
         """A new sequence holding the swapped-out tokens again. Atomic: on KVCacheFullError
         nothing changes."""
-        n = swapped.num_pages
-        if n > len(self._free):
-            raise KVCacheFullError(n, len(self._free), self.num_pages, detail="swap in")
+        self._make_room(swapped.num_pages, "swap in")
         sid = self.allocate(1)[0]
         try:
             self.reserve([sid], swapped.length)
@@ -559,6 +659,7 @@ class PagePool:
 
     # --- accounting --------------------------------------------------------------------------
 
+    @_locked
     def stats(self) -> PoolStats:
         used = self.num_pages - len(self._free)
         fill: dict[int, int] = {}  # page -> tokens held (the most any holder has written)
@@ -574,8 +675,10 @@ class PagePool:
             tokens=sum(s.length for s in self._seqs.values()),
             bytes_total=sum(t.nbytes() for t in self.k + self.v),
             bytes_used=used * self.bytes_per_page, bytes_per_token=self.bytes_per_token,
-            internal_waste=(slots - sum(fill.values())) / slots if slots else 0.0)
+            internal_waste=(slots - sum(fill.values())) / slots if slots else 0.0,
+            pages_max=max(self.max_pages, self.num_pages))
 
+    @_locked
     def check_invariants(self) -> None:
         """Raise CacheStateError unless every page is owned as its refcount says (for tests)."""
         P, held, rows = self.page_size, [0] * self.num_pages, set()
@@ -610,6 +713,69 @@ class PagePool:
             raise CacheStateError("block-table rows leaked or double-assigned")
         if table[self._free_rows].any():
             raise CacheStateError("a free block-table row is not all zeros")
+
+    # --- growth ------------------------------------------------------------------------------
+
+    def _refresh_limit(self) -> None:
+        held = self.num_pages * self.bytes_per_page
+        self.max_pages = max(self.num_pages, int(self._limit(held)) // self.bytes_per_page)
+
+    def _make_room(self, need: int, detail: str = "") -> None:
+        """Make `need` pages free, growing the storage when the budget allows it; else raise
+        KVCacheFullError with nothing changed (a growth happens only if it is enough)."""
+        if need <= len(self._free):
+            return
+        if self._limit is not None:
+            self._refresh_limit()
+            short = need - len(self._free)
+            if self.num_pages + short <= self.max_pages:
+                target = sizing.grow_target(self.num_pages, short, self.max_pages,
+                                            sizing.chunk_pages(self.bytes_per_page))
+                exact = self.num_pages + short
+                for n in dict.fromkeys((target, exact)):   # then just what is needed
+                    try:
+                        self._grow(n)
+                        return
+                    except torch.OutOfMemoryError:
+                        pass
+                raise KVCacheFullError(need, len(self._free), self.max_pages, detail=(
+                    f"the device ran out of memory growing the pool from {self.num_pages} to "
+                    f"{exact} pages; lower KVConfig.memory_fraction or max_kv_bytes"))
+        raise KVCacheFullError(need, self.num_available, max(self.max_pages, self.num_pages),
+                               detail=detail)
+
+    def _grow(self, num_pages: int) -> None:
+        """Reallocate every layer's storage to `num_pages` pages (cache/sizing.py)."""
+        old = self.num_pages
+        for paged in self.k + self.v:
+            sizing.grow_paged(paged, num_pages)
+        self._ref.extend([0] * (num_pages - old))
+        self._free[:0] = range(num_pages - 1, old - 1, -1)   # popped after the old free pages
+        self.num_pages = num_pages
+        self.generation += 1
+
+    # --- frees from finalizers ----------------------------------------------------------------
+
+    def discard(self, seq_ids) -> None:
+        """Free sequences from a garbage-collector finalizer (cache/binding.py): now, or, when
+        this thread is inside a pool method (the collector ran in the middle of it), as that
+        method returns. Sequences already gone are skipped."""
+        ids = list(seq_ids)
+        if not ids:
+            return
+        self._deferred.append(ids)
+        if self._owner != threading.get_ident():
+            self._flush_deferred()
+
+    @_locked
+    def _flush_deferred(self) -> None:
+        pass   # (the lock's outermost call runs the queued frees)
+
+    def _run_deferred(self) -> None:
+        while self._deferred:
+            ids = [i for i in self._deferred.pop() if i in self._seqs]
+            if ids:
+                self.free(ids)
 
     # --- internals ---------------------------------------------------------------------------
 
@@ -663,7 +829,7 @@ class PagePool:
         """Queue seq.pages[start:] for its table row (growing the table's width if needed)."""
         n, width = len(seq.pages), self._table.shape[1]
         if n > width:
-            new_w = min(max(n, 2 * width), self.num_pages)
+            new_w = max(n, min(2 * width, self.max_pages))
             self._table = torch.nn.functional.pad(self._table, (0, new_w - width))
         for j in range(start, n):
             self._pending[seq.row, j] = seq.pages[j]
@@ -732,9 +898,3 @@ def _runs_to_slots(bases: list[int], lens: list[int]) -> torch.Tensor:
 def _page_bytes(layers: Sequence[LayerSpec], page_size: int) -> int:
     return round(sum(s.bytes_per_page(page_size) for s in layers))
 
-
-def _available_ram() -> int:
-    if os.path.exists("/proc/meminfo"):  # MemAvailable counts reclaimable cache; AVPHYS doesn't
-        with open("/proc/meminfo") as f:
-            return next(int(x.split()[1]) * 1024 for x in f if x.startswith("MemAvailable:"))
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -16,7 +16,9 @@ batch size ("bucket"), as vLLM does:
 - rows past B (the bucket's padding) run a scratch sequence of the pool: each writes its own
   slot of the scratch pages and attends to one key there. Their logits are never read;
 - the pool lives outside the graph, as before: its pages and scales are fixed addresses, the
-  block tables change between steps only, never a shape inside the graph.
+  block tables change between steps only, never a shape inside the graph. A pool that grows
+  (KVConfig.reserve="grow", cache/sizing.py) moves its storage: the graphs are dropped and
+  captured again (`pool.generation`); `kvcompile.release` drops them too (`close`).
 
 Graphs are used only where nothing in the step needs the host: CUDA, the Triton kernels for
 both K and V formats, no runtime hook other than the engine's own (no eviction, no telemetry
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 
 import torch
 
@@ -122,6 +125,8 @@ class DecodeGraphs:
         self.replays = 0
         self.captures = 0
         self._why_not: str | None = None
+        self._generation: int | None = None   # the pool storage the graphs captured
+        self.state.release_hooks.append(weakref.WeakMethod(self.close))
 
     # -- when ---------------------------------------------------------------------------------
     def why_not(self) -> str | None:
@@ -168,10 +173,13 @@ class DecodeGraphs:
         seqs = out.seqs
         n = len(seqs)
         bp = next(b for b in self.buckets if b >= n)
+        pool = self.runner.pool
+        if self._generation != pool.generation:
+            self.graphs.clear()   # the pool grew (or is new): the graphs read the old storage
+            self._generation = pool.generation
         g = self.graphs.get(bp)
         if g is None:
             g = self._capture(bp)
-        pool = self.runner.pool
         sids = [s.req.seq_id for s in seqs]
         slots, rows, lens = pool.decode_slots(sids)
         h64, h32 = g.h64, g.h32
@@ -216,6 +224,7 @@ class DecodeGraphs:
         that no step pays a capture; the engine calls it at construction. Returns the count."""
         if self.why_not() is not None:
             return 0
+        self._generation = self.runner.pool.generation
         for bp in reversed(self.buckets):
             if bp not in self.graphs:
                 self._capture(bp)
@@ -228,6 +237,9 @@ class DecodeGraphs:
         g = _Graph(bp, width, dev)
         # every row is padding while capturing: the warm-up runs write the scratch pages only
         self._pad(g, 0)
+        if self._generation != pool.generation:   # (the scratch sequence grew the pool)
+            self.graphs.clear()
+            self._generation = pool.generation
         upload_plan(g, pool, non_blocking=False)
         ctx = ForwardContext(self.state, None, plan=g.plan())
 

@@ -75,7 +75,7 @@ class Engine:
                                "policy yet; compile without KVConfig.eviction for the engine")
         self.pool = state.pool
         P = self.pool.page_size
-        limits = [self.pool.num_pages * P]
+        limits = [self.pool.max_pages * P]   # (a growing pool: its budget)
         for v in (getattr(model.config, "max_position_embeddings", None), state.config.max_seq_len):
             if v:
                 limits.append(int(v))

@@ -29,6 +29,7 @@ class ModelRunner:
 
         self.model = model
         self.state = state
+        state.serve()   # KVConfig.reserve="auto": the whole pool up front (cache/sizing.py)
         self.device = next(model.parameters()).device
         fwd = inspect.signature(type(model).forward).parameters
         self.keep_arg = "logits_to_keep" in fwd

@@ -56,7 +56,7 @@ class Scheduler:
         self.mode = preemption_mode
         self.swap_space = swap_space_bytes
         self.swap_used = 0
-        self.watermark = max(1, int(watermark * pool.num_pages))
+        self.watermark = max(1, int(watermark * pool.max_pages))
         # pages with a bf16 residual tail (int formats, KVConfig.residual) are recomputed
         self.pool_swappable = not any(getattr(t, "res_slot", None) is not None
                                       for t in pool.k + pool.v)
@@ -214,9 +214,9 @@ class Scheduler:
     def _need_free(self, req: Request, n: int, keep: int) -> None:
         P, have = self.pool.page_size, self.pool.seq_len(req.seq_id)
         need = -(-(have + n) // P) - -(-have // P) + keep
-        free = self.pool.num_free
+        free = self.pool.num_available   # free pages, plus what a growing pool may add
         if need > free:
-            raise KVCacheFullError(need, free, self.pool.num_pages)
+            raise KVCacheFullError(need, free, self.pool.max_pages)
 
     def _victim(self, done: set[int], current: Request) -> Request | None:
         for req in reversed(self.running):

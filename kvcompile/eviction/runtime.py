@@ -117,6 +117,11 @@ class EvictionRuntime(RuntimeHook):
             self._pool = pool
             self.books.clear()
 
+    def release(self) -> None:
+        """kvcompile.release(model): the pool goes, and every sequence's bookkeeping with it."""
+        self._pool = None
+        self.books.clear()
+
     def _on_fork(self, parent: int, child: int) -> None:
         if parent in self.books:
             self.books[child] = self.books[parent].copy()

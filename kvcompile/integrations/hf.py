@@ -11,19 +11,23 @@ tensors are stubs, and leave every other cache untouched:
                                   sequences are cut to the length the cache now holds
     reset()                       StaticCache reuse: free the sequences (no zero_ on stubs)
 
-`wrap_generate(model)` (installed by `kvcompile.compile`) changes two things in `generate`:
-num_return_sequences / beam search prefill each distinct prompt once and fork it (HF would
-prefill and store every copy), and the call's pages return to the pool when it returns (HF
-cache objects sit in reference cycles: without it the pages would wait for the gc).
+Every `generate` call (GenerationMixin.generate, patched by `install`, on every route) returns
+the pages of the caches it made when it returns, in the thread that made them (a call scope,
+cache/binding.py): HF cache objects sit in reference cycles, so without it the pages would wait
+for the garbage collector, and calls in other threads are left alone.
+
+`wrap_generate(model)` (installed by `kvcompile.compile`) makes num_return_sequences / beam
+search prefill each distinct prompt once and fork it (HF would prefill and store every copy).
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
-from kvcompile.cache.binding import binding_of, is_stub, live_bindings
+from kvcompile.cache.binding import binding_of, call_scope, is_stub
 from kvcompile.integrations import hf_prefill as _hf_prefill
 from kvcompile.integrations.hf_graphs import generating
 
@@ -45,6 +49,38 @@ def install() -> None:
     _wrap(cache, "batch_select_indices", _select)
     _wrap(cache, "crop", _crop)
     _wrap(cache, "reset", _reset)
+    try:
+        from transformers.generation.utils import GenerationMixin
+    except ImportError:
+        return
+    if not getattr(GenerationMixin.generate, "_kvcompile_owns_pages", False):
+        GenerationMixin.generate = _own_pages(GenerationMixin.generate)
+
+
+def _own_pages(generate):
+    """`generate` that frees, when it returns, the pages of the caches the call made in this
+    thread, except those the caller holds: passed in (`past_key_values=` / `cache=`) or given
+    back (`return_dict_in_generate=True`); those return when that object is dropped. A
+    StaticCache that HF keeps on the model for reuse is released too: its next use resets it."""
+
+    @functools.wraps(generate)
+    def run(*args, **kwargs):
+        result = None
+        with call_scope() as made:
+            try:
+                with generating():   # its decode steps may replay CUDA graphs (hf_graphs.py)
+                    result = generate(*args, **kwargs)
+                return result
+            finally:
+                if made:
+                    keep = {id(b) for b in (_binding_of_cache(c)
+                                            for c in _caches(kwargs, result)) if b is not None}
+                    for b in made:
+                        if id(b) not in keep:
+                            b.release()
+
+    run._kvcompile_owns_pages = True
+    return run
 
 
 def _wrap(cls, name: str, handler) -> None:
@@ -153,38 +189,24 @@ _CACHE_KWARGS = ("past_key_values", "cache")
 
 
 def wrap_generate(model) -> None:
-    """Make `model.generate` share prompt pages among the copies HF makes of each prompt, and
-    free the pool sequences of the caches it made when it returns.
+    """Make `model.generate` share prompt pages among the copies HF makes of each prompt.
 
-    Sharing: for `num_return_sequences` and beam search, HF repeats every prompt row
+    For `num_return_sequences` and beam search, HF repeats every prompt row
     (`_expand_inputs_for_generation`) before the prefill. The wrapped `_prefill` runs each
     distinct row once and forks its sequence (`batch_repeat_interleave`, pages shared), so a
-    shared prefix is never computed or stored twice.
-
-    Release: a cache the caller passed in (`past_key_values=` / `cache=`) or gets back
-    (`return_dict_in_generate=True`) keeps its pages; they return when that object is dropped.
-    A StaticCache that HF keeps on the model for reuse is released too: its next use resets it.
+    shared prefix is never computed or stored twice. (Pages return at the call's end through
+    the patched GenerationMixin.generate, `install`.)
     """
+    install()
     if getattr(model.generate, "_kvcompile_wrapped", False):
         return
     original = model.generate
-    expand = {"size": 1}
+    expand = threading.local()   # per thread: concurrent calls expand independently
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
-        before = {id(b) for b in live_bindings()}
-        expand["size"] = 1
-        result = None
-        try:
-            with generating():   # its decode steps may replay CUDA graphs (hf_graphs.py)
-                result = original(*args, **kwargs)
-            return result
-        finally:
-            keep = {id(b) for b in (_binding_of_cache(c) for c in _caches(kwargs, result))
-                    if b is not None}
-            for b in live_bindings():
-                if id(b) not in before and id(b) not in keep and b.state.pool is not None:
-                    b.release()
+        expand.size = 1
+        return original(*args, **kwargs)
 
     expand_inputs = model._expand_inputs_for_generation
     prefill = getattr(model, "_prefill", None)
@@ -194,11 +216,11 @@ def wrap_generate(model) -> None:
     @functools.wraps(expand_inputs)
     def expand_inputs_recorded(*args, **kwargs):
         size = kwargs.get("expand_size", args[0] if args else 1)
-        expand["size"] = int(size) if isinstance(size, int) else 1
+        expand.size = int(size) if isinstance(size, int) else 1
         return expand_inputs(*args, **kwargs)
 
     def prefill_shared(input_ids, generation_config, model_kwargs, *args, **kwargs):
-        g = expand["size"]
+        g = getattr(expand, "size", 1)
         shared = _shared_prefill_inputs(input_ids, generation_config, model_kwargs, g)
         if shared is None:
             return prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)

@@ -22,6 +22,10 @@ How a step replays (the engine's decode graphs, engine/cudagraph.py, work the sa
 - capture-time warm-up runs write a scratch sequence of the pool only (one slot per row),
   freed once the graph is captured.
 
+A growing pool (cache/sizing.py) replaces its storage tensors, which the graphs captured: a
+growth (`pool.generation`) drops every graph, and the next step captures again. So does
+`kvcompile.release(model)` (`release_graphs`).
+
 Graphs are used only where nothing in the step needs the host: CUDA, the Triton kernels for
 every layer's formats, no runtime hook (eviction, `kvcompile inspect`), no `check_finite`, a
 plain `DynamicCache` whose rows are the binding's sequences, and the keyword arguments
@@ -35,12 +39,14 @@ import contextlib
 import functools
 import logging
 import threading
+import weakref
 
 import torch
 
 from kvcompile.cache.binding import binding_of, is_stub
 from kvcompile.cache.context import ForwardContext, StepPlan, forward_context
 from kvcompile.engine.cudagraph import capture, upload_plan
+from kvcompile.recompiles import check_forward, recompile_budget
 from kvcompile.runtime import kernel_readable
 
 log = logging.getLogger("kvcompile")
@@ -87,18 +93,22 @@ class _Graph:
         self.h64, self.h32 = self.host64.numpy(), self.host32.numpy()
         self.graph = None
         self.out = None          # (output class, its fields but the cache; logits in the pool)
+        self.generation = -1     # the pool's storage generation the graph captured
 
 
 class GraphedForward:
     """`model.forward` of a kvcompile-compiled HF model: the compiled forward, plus decode
     steps of `generate` replayed from CUDA graphs (module docstring)."""
 
-    def __init__(self, compiled, state, model):
+    def __init__(self, compiled, state, model, frame=None, original=None):
         # name, doc, __wrapped__ (so inspect.signature sees the model's forward); not the
         # compiled function's attributes (Dynamo refuses to wrap a callable carrying them)
         functools.update_wrapper(self, compiled, updated=())
         self.compiled = compiled
+        self.frame = frame            # the function Dynamo compiles (recompiles.own_frame)
+        self.original = original      # the model's own forward (a second compile starts here)
         self.state = state
+        self.model_name = type(model).__name__
         self.model_max_len = getattr(getattr(model, "config", None), "max_position_embeddings",
                                      None)
         self.graphs: dict = {}
@@ -107,16 +117,42 @@ class GraphedForward:
         self.replays = 0
         self.captures = 0
         self._why_not = None
+        state.release_hooks.append(weakref.WeakMethod(self.release))
 
     def __call__(self, *args, **kwargs):
-        if in_generate() and not args:
-            step = self._eligible(kwargs)
-            if step is not None:
-                return self._run(kwargs, *step)
-        return self.compiled(*args, **kwargs)
+        st = self.state
+        with st.lock:   # one forward of a model at a time (runtime.ModelState.lock)
+            if in_generate() and not args:
+                step = self._eligible(kwargs)
+                if step is not None:
+                    return self._run(kwargs, *step)
+            before = st.graph_calls
+            with recompile_budget():
+                out = self.compiled(*args, **kwargs)
+            check_forward(st, before, self.frame, self.model_name)
+            return out
 
     def __get__(self, obj, objtype=None):   # stays a plain callable on the instance
         return self
+
+    def __deepcopy__(self, memo):
+        # a deep copy of a compiled model shares its compiled forward (and pool) with it
+        return self
+
+    def release_graphs(self) -> None:
+        """Drop every captured graph, its static buffers and the scratch sequence (a pool
+        growth, or kvcompile.release)."""
+        pool = self.scratch[0] if self.scratch is not None else None
+        if pool is not None and pool is self.state.pool and pool.has(self.scratch[1]):
+            pool.free([self.scratch[1]])
+        self.scratch = None
+        self.graphs.clear()
+
+    def release(self) -> None:
+        """kvcompile.release(model): the graphs, and their private memory pool."""
+        self.release_graphs()
+        self.mempool = None
+        self._why_not = None   # asked again of the next pool
 
     # -- eligibility --------------------------------------------------------------------------
     def why_not(self) -> str | None:
@@ -206,16 +242,19 @@ class GraphedForward:
         key = (B, kw.get("position_ids") is not None, kw.get("cache_position") is not None,
                None if mask is None else mask.dtype, kw.get("logits_to_keep"),
                tuple(sorted(k for k, v in kw.items() if v is not None)))
-        g = self.graphs.get(key)
-        if g is not None and mask is not None and L > g.width and b is not getattr(g, "bound",
-                                                                                 None):
-            g = None   # a longer prompt than the capture's mask width: recapture
-        if g is None:
-            g = self._capture(key, kw, cache, b, past)
-        g.bound = b
         pool = self.state.pool
-        pool.reserve(b.seq_ids, 1)
+        pool.reserve(b.seq_ids, 1)   # first: it may grow the pool, which drops the graphs
         try:
+            g = self.graphs.get(key)
+            if g is not None and g.generation != pool.generation:
+                self.release_graphs()   # the pool grew: every graph read the old storage
+                g = None
+            if g is not None and mask is not None and L > g.width and b is not getattr(
+                    g, "bound", None):
+                g = None   # a longer prompt than the capture's mask width: recapture
+            if g is None:
+                g = self._capture(key, kw, cache, b, past)
+            g.bound = b
             slots, rows, lens = pool.decode_slots(b.seq_ids)
             g.h64[:B] = slots
             g.h64[B:] = rows
@@ -294,10 +333,12 @@ class GraphedForward:
 
         if self.mempool is None:
             self.mempool = torch.cuda.graph_pool_handle()
+        generation = pool.generation   # (the scratch sequence's reserve may have grown it)
         graph, out = capture(step, dev, self.mempool)
         # keep the output's fields but not the capture-time cache object: it would hold that
         # call's pool sequences for the graph's life
         g.graph = graph
+        g.generation = generation
         g.out = (type(out), {k: v for k, v in out.items() if k not in _CACHE_KEYS})
         self.graphs[key] = g
         # the scratch slots served the warm-up only (replays have no padding rows)

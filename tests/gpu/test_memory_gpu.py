@@ -1,0 +1,166 @@
+"""GPU memory of kvcompile on CUDA (issue 15, section 1). Run on the H200:
+
+    pytest -s -q -m gpu tests/gpu/test_memory_gpu.py
+
+Each test prints one line per measurement (`torch.cuda.memory_allocated()`, MiB) and asserts:
+- HF generate on a growing pool (the default): the pool holds about what the workload needs,
+  not 0.9 of the device; after `kvcompile.release(model)` memory is back to the weights, after
+  `del model; gc.collect()` back to where it started (the state is gone); a second compile
+  (fp4 pages) in the same process gets a full-size budget and runs;
+- a pool that grows in the middle of generate's CUDA-graph decode steps drops and re-captures
+  its graphs and gives the tokens (and logits, within the graphs check's 2e-3) of a pool
+  reserved up front;
+- the Engine reserves its budget up front and gives it back on release.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import kvcompile
+from kvcompile import KVConfig
+from kvcompile.api import state_of
+from kvcompile.cache import sizing
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+MiB = 1 << 20
+SLACK = 16 * MiB          # allocator rounding, the few small tensors a model keeps (masks)
+GEN = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+
+
+def _mib(x: int) -> str:
+    return f"{x / MiB:10.1f} MiB"
+
+
+def _allocated() -> int:
+    gc.collect()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+def _llama(layers=4, dtype=torch.bfloat16, seed=0):
+    """Llama-3-8B-like layer shapes (head_dim 128, 8 kv heads), 4 layers: 0.9 GiB of weights."""
+    import transformers as t
+
+    torch.manual_seed(seed)
+    cfg = t.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                        num_hidden_layers=layers, num_attention_heads=16,
+                        num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return t.LlamaForCausalLM(cfg).eval().to("cuda", dtype)
+
+
+def test_generate_takes_what_it_needs_and_gives_it_back():
+    torch._dynamo.reset()
+    start = _allocated()
+    free0 = sizing.free_bytes("cuda")
+    model = _llama()
+    weights = _allocated() - start
+    kvcompile.compile(model, KVConfig(kv_dtype="fp8_e4m3", inner="eager"))
+    B, P, N = 8, 1024, 32
+    ids = torch.randint(3, 32000, (B, P), device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+    out = model.generate(ids, max_new_tokens=N, min_new_tokens=N, **GEN)
+    assert out.shape == (B, P + N)
+    st = kvcompile.stats(model)
+    need = B * (P + N) * st["bytes_per_token"]
+    after = _allocated() - start
+    peak = torch.cuda.max_memory_allocated() - start
+    print(f"\nweights {_mib(weights)} | KV needed {_mib(need)} | pool {_mib(st['bytes_total'])}"
+          f" (budget {_mib(st['pages_max'] * st['bytes_total'] / st['pages_total'])}) | after "
+          f"generate {_mib(after)} | peak {_mib(peak)}")
+    assert st["pages_used"] == 0                      # the call gave its pages back
+    assert need <= st["bytes_total"] <= 2 * need + 2 * sizing.CHUNK_BYTES
+    assert st["bytes_total"] < 0.05 * free0           # not 0.9 of the device
+
+    kvcompile.release(model)
+    released = _allocated() - start
+    print(f"after release {_mib(released)} (weights {_mib(weights)})")
+    assert released <= weights + SLACK
+
+    state = weakref.ref(state_of(model))
+    model.generate(ids[:, :64], max_new_tokens=4, **GEN)    # still compiled: a new pool
+    del model
+    gone = _allocated() - start
+    print(f"after del + gc {_mib(gone)}")
+    assert state() is None and gone <= SLACK
+
+    second = _llama(seed=1)
+    kvcompile.compile(second, KVConfig(kv_dtype="fp4_e2m1", inner="eager"))
+    out = second.generate(ids, max_new_tokens=8, **GEN)
+    st2 = kvcompile.stats(second)
+    budget2 = st2["pages_max"] * st2["bytes_total"] / st2["pages_total"]
+    print(f"second compile (fp4): pool {_mib(st2['bytes_total'])}, budget {_mib(budget2)}")
+    assert out.shape == (B, P + 8) and budget2 > 0.5 * free0
+    del second, out
+    assert _allocated() - start <= SLACK
+
+
+def _tiny(seed=0):
+    import transformers as t
+
+    torch.manual_seed(seed)
+    cfg = t.LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1024,
+                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                        max_position_embeddings=2048, pad_token_id=0, bos_token_id=1,
+                        eos_token_id=2)
+    m = t.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(8.0)   # greedy decided by the model, not by rounding
+    return m.to("cuda", torch.float32)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
+def test_growth_during_graph_replays_matches_an_upfront_pool(fmt, monkeypatch):
+    ids = torch.randint(3, 512, (3, 40), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(0))
+    runs = {}
+    for reserve in ("upfront", "grow"):
+        torch._dynamo.reset()
+        # one-page chunks: the pool grows every few decode steps, between graph replays
+        monkeypatch.setattr(sizing, "CHUNK_BYTES", 1 if reserve == "grow" else 2 << 20)
+        model = _tiny()
+        kvcompile.compile(model, KVConfig(kv_dtype=fmt, inner="eager", reserve=reserve,
+                                          max_kv_bytes=64 << 20))
+        out = model.generate(ids, max_new_tokens=48, min_new_tokens=48, output_logits=True,
+                             return_dict_in_generate=True, **GEN)
+        fwd, pool = model.forward, state_of(model).pool
+        runs[reserve] = (out.sequences, [x.float() for x in out.logits], fwd.replays,
+                         fwd.captures, pool.generation)
+        del out
+        kvcompile.release(model)
+    (ta, la, ra, ca, ga), (tb, lb, rb, cb, gb) = runs["upfront"], runs["grow"]
+    diff = max(float((a - b).abs().max() / a.abs().max()) for a, b in zip(la, lb))
+    print(f"\n{fmt}: upfront replays {ra} captures {ca} growths {ga} | grow replays {rb} "
+          f"captures {cb} growths {gb} | tokens equal {torch.equal(ta, tb)} | max rel logit "
+          f"diff {diff:.2e}")
+    assert ga == 0 and gb >= 3 and cb > ca and rb > 0
+    assert torch.equal(ta, tb) and diff < 2e-3
+
+
+def test_engine_reserves_up_front_and_gives_it_back():
+    torch._dynamo.reset()
+    start = _allocated()
+    free0 = sizing.free_bytes("cuda")
+    model = _tiny()
+    weights = _allocated() - start
+    engine = kvcompile.Engine(model, config=KVConfig(kv_dtype="fp8_e4m3", inner="eager"),
+                              max_num_batched_tokens=512, max_num_seqs=8)
+    st = kvcompile.stats(model)
+    outs = engine.generate([[5, 6, 7, 8]] * 4, kvcompile.SamplingParams(temperature=0,
+                                                                        max_tokens=8))
+    print(f"\nengine pool {_mib(st['bytes_total'])} of {_mib(free0)} free at start")
+    assert st["bytes_total"] > 0.8 * free0 and not state_of(model).pool.growable
+    assert all(len(o.token_ids) == 8 for o in outs)
+    engine.close()
+    del engine
+    kvcompile.release(model)
+    released = _allocated() - start
+    print(f"after release {_mib(released)} (weights {_mib(weights)})")
+    assert released <= weights + SLACK
