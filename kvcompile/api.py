@@ -23,22 +23,29 @@ def compile(model: torch.nn.Module, config: KVConfig | dict | None = None, **opt
     `model(...)` and `model.generate(...)` go through the backend) and returned. Any other module
     is returned compiled (`torch.compile(module, backend=...)`).
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"kvcompile.compile(model): model must be a torch.nn.Module (a Hugging "
+                        f"Face model or any module), got {type(model).__name__}; compile a "
+                        f"function with torch.compile(fn, backend='kvcompile')")
     if config is not None and options:
         raise TypeError("pass either a KVConfig/dict or keyword options, not both")
     cfg = KVConfig.from_options(config if config is not None else options)
     state = ModelState(cfg)
+    state.model_name = type(model).__name__  # for the warnings of the passes
     state.created_at = time.monotonic()  # telemetry rates count from here
     state.param_ids = {id(p) for p in model.parameters()}
     backend = functools.partial(kvcompile_backend, state=state)
     functools.update_wrapper(backend, kvcompile_backend)
     if _is_hf_model(model):
+        from kvcompile.inputs import CheckedForward
         from kvcompile.integrations.hf_graphs import GraphedForward
 
         # generate's decode steps replay CUDA graphs where they can (integrations/hf_graphs.py)
         fwd = model.forward
         if isinstance(fwd, GraphedForward):  # compiled before: compile what was compiled
             fwd = fwd.compiled
-        model.forward = GraphedForward(torch.compile(fwd, backend=backend), state, model)
+        # inputs checked before Dynamo sees them (kvcompile/inputs.py)
+        model.forward = CheckedForward(torch.compile(fwd, backend=backend), state, model)
         model.__dict__[_STATE_ATTR] = state
         # engine issue (#6): a generate call's pages return to the pool when it returns, not at
         # the next gc (HF cache objects sit in reference cycles); see integrations/hf.py

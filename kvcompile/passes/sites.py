@@ -70,6 +70,26 @@ class AttentionSite:
 
 
 @dataclass
+class NearMiss:
+    """A softmax (or attention-like op) that did not become an attention site, and why: the
+    pattern step that failed and the node it failed on. Shown by `kvcompile inspect` and by
+    `kvcompile.report` when no site was rewritten."""
+
+    name: str                          # module path of the candidate, e.g. "blocks.0.attn"
+    node: str                          # the candidate node (a softmax, an unknown attention op)
+    step: str                          # pattern step that failed: "softmax", "scores", ...
+    at: str                            # the node the step failed on, with its op
+    reason: str
+    graph: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.node}: {self.step} step failed at {self.at}: {self.reason}"
+
+
+@dataclass
 class SiteRecord:
     """A graph-independent summary of a site, kept for `kvcompile.report` and the CLI."""
 
