@@ -87,6 +87,7 @@ class Report:
     graphs: int = 0
     compile_seconds: float = 0.0
     config: KVConfig | None = None
+    near_misses: list = field(default_factory=list)  # NearMiss: softmaxes that were no site
 
     @property
     def rewritten(self) -> list:
@@ -102,6 +103,7 @@ class Report:
             "pool": self.pool, "counters": self.counters, "graphs": self.graphs,
             "compile_seconds": self.compile_seconds,
             "config": repr(self.config) if self.config else None,
+            "near_misses": [m.as_dict() for m in self.near_misses],
         }
 
     def __str__(self) -> str:
@@ -116,6 +118,10 @@ class Report:
                 status += f", eviction {s.eviction}"
             lines.append(f"{s.name[:40]:40s} {s.pattern:14s} {s.gqa:17s} {s.cache:10s} "
                          f"{fmt:20s} {status}")
+        if not self.rewritten:
+            lines.append("nothing rewritten: the model runs with its own cache; "
+                         "`kvcompile inspect MODEL` shows why")
+            lines += [f"near miss: {m}" for m in self.near_misses]
         if self.pool:
             p = self.pool
             lines.append(
@@ -137,9 +143,11 @@ def report(model) -> Report:
     pool = {}
     if st.pool is not None:
         pool = dict(st.pool.stats().__dict__)
+    misses = {(m.name, m.node): m for m in st.__dict__.get("near_misses", [])}
     return Report(sites=list(latest.values()), layers=list(st.layer_meta), pool=pool,
                   counters=dict(st.counters), graphs=st.graphs,
-                  compile_seconds=st.compile_seconds, config=st.config)
+                  compile_seconds=st.compile_seconds, config=st.config,
+                  near_misses=list(misses.values()))
 
 
 def stats(model=None) -> dict:

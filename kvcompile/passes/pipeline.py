@@ -33,9 +33,18 @@ import torch.fx as fx
 from kvcompile.errors import CacheStateError, KVConfigError
 from kvcompile.passes import notices
 from kvcompile.passes.find_attention import _site_location, candidates, match_attention, name_sites
-from kvcompile.passes.find_cache import find_cache
-from kvcompile.passes.rewrite import RewritePlan, finish_rewrite, rewrite_site
-from kvcompile.passes.rotate import finish_rotation, rotate_site, rotation_context, wants_rotation
+from kvcompile.passes.find_cache import find_cache  # noqa: F401  (called via PASS_FUNCTIONS)
+from kvcompile.passes.rewrite import (
+    RewritePlan,
+    finish_rewrite,
+    rewrite_site,  # noqa: F401
+)
+from kvcompile.passes.rotate import (
+    finish_rotation,
+    rotate_site,  # noqa: F401
+    rotation_context,
+    wants_rotation,
+)
 from kvcompile.passes.site_config import config_scope, resolve_site_config
 from kvcompile.passes.sites import AttentionSite, NearMiss, SiteRecord
 
@@ -182,7 +191,7 @@ class _Run:
                     f"{sum(1 for s in sites if s.reason)} site(s) not rewritable"):
             return res
         self.configure(sites)
-        if self.log("resolve_config", f"{len({s.name for s in sites if s.layer_index >= 0})} "
+        if self.log("resolve_config", f"{sum(1 for s in sites if s.layer_spec is not None)} "
                     f"layer(s) configured"):
             return res
         # the config's hash goes into the graph (the op's `tag`), so inductor's cache key
@@ -195,6 +204,8 @@ class _Run:
                     site.skip("disabled by configure(enabled=False)")
                 continue
             self.guard("rewrite", site, gm, site, tag, handles)
+            if site.rewritten:
+                site.layer_index = self.layer_index(site)
         res.plan = self.finish(finish_rewrite, gm, sites, handles)
         n = len(res.plan.rewritten)
         if self.log("rewrite", f"{n} of {len(sites)} site(s) rewritten onto the pool"):
@@ -241,7 +252,7 @@ class _Run:
                 refused.append((site, p))
         if not refused:
             return
-        configured = [s for s in sites if s.layer_index >= 0]
+        configured = [s for s in sites if s.layer_spec is not None]
         if not configured and not any(r.rewritten for r in self.state.records):
             raise _refusal(refused, self.state)
         for site, p in refused:
@@ -251,6 +262,16 @@ class _Run:
                               f"{p.value!r} cannot store it: {p.reason}. Formats that fit: "
                               f"{_names(p.fits)}; give this module one with "
                               f"kvcompile.configure(module, {p.field}={_pick(p.fits)!r})")
+
+    def layer_index(self, site: AttentionSite) -> int:
+        """The pool layer the site will have: it joins the pool at commit, when no pass can
+        fail for it any more (a new layer cannot join while sequences are cached)."""
+        idx = self.state.layer_names.get(site.name)
+        if idx is None:
+            new = self.__dict__.setdefault("new_layers", [])
+            idx = len(self.state.layer_specs) + len(new)
+            new.append(site.name)
+        return idx
 
     def finish(self, fn, *args):
         try:
@@ -295,6 +316,10 @@ class _Run:
         """The run succeeded: count, record, and say what was not done."""
         state, sites = self.state, self.res.plan.sites
         _check_consistent(sites, state, before=len(state.records))
+        for s in self.res.plan.rewritten:
+            if state.register_layer(s, s.layer_spec, s.layer_meta) != s.layer_index:
+                raise CacheStateError(f"attention site {s.name}: pool layer changed while "
+                                      f"compiling (a bug in kvcompile's pipeline)")
         n = len(self.res.plan.rewritten)
         state.count("attention_rewritten", n)
         state.count("attention_skipped", len(sites) - n)
@@ -332,11 +357,11 @@ def configure_site(site: AttentionSite, state, scope) -> None:
     kf = _format(cfg, "k", site.dtype, site.head_dim, state.config.page_size)
     vf = _format(cfg, "v", site.dtype, site.v_head_dim, state.config.page_size)
     site.k_format_name, site.v_format_name = kf.name, vf.name
-    spec = LayerSpec(num_kv_heads=site.num_kv_heads, head_dim=site.head_dim,
-                     v_head_dim=site.v_head_dim, k_format=kf, v_format=vf)
-    site.layer_index = state.register_layer(site, spec, {
-        "name": site.name, "k_format": kf.name, "v_format": vf.name,
-        "eviction": cfg.eviction, "rotate": cfg.rotate})
+    # the layer joins the pool once the site is rewritten (_Run.go)
+    site.layer_spec = LayerSpec(num_kv_heads=site.num_kv_heads, head_dim=site.head_dim,
+                                v_head_dim=site.v_head_dim, k_format=kf, v_format=vf)
+    site.layer_meta = {"name": site.name, "k_format": kf.name, "v_format": vf.name,
+                       "eviction": cfg.eviction, "rotate": cfg.rotate}
 
 
 def evict_site(gm: fx.GraphModule, site: AttentionSite, state) -> str:

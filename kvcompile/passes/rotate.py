@@ -201,6 +201,8 @@ def rotate_site(gm: fx.GraphModule, site, state, ctx: RotationContext) -> str:
         ctx.rotations[site.name] = rot
     _insert(gm, node, site, rot)
     site.rotation = rot.describe()
+    if site.layer_meta is not None:          # a layer joining the pool with this graph
+        site.layer_meta["rotate"] = site.rotation
     if 0 <= site.layer_index < len(state.layer_meta):
         state.layer_meta[site.layer_index]["rotate"] = site.rotation
     return rot.v_mode

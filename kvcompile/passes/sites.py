@@ -53,6 +53,8 @@ class AttentionSite:
     reason: str = ""                   # why it was left alone
     config: Any = None                 # the KVConfig that applies to this site
     layer_index: int = -1
+    layer_spec: Any = None             # the pool layer it would get (resolve_config)
+    layer_meta: dict | None = None
     num_q_heads: int = 0
     num_kv_heads: int = 0
     head_dim: int = 0
