@@ -148,7 +148,15 @@ def _coerce_eviction(value) -> EvictionPolicy | None:
         kind = kw.pop("policy", None)
         if kind not in _POLICIES:
             raise KVConfigError("eviction", value, f"a dict with 'policy' in {sorted(_POLICIES)}")
-        return _POLICIES[kind](**kw)
+        cls = _POLICIES[kind]
+        names = [f.name for f in fields(cls)]
+        for key in kw:
+            if key not in names:
+                close = difflib.get_close_matches(str(key), names, n=1)
+                raise KVConfigError(f"eviction.{key}", kw[key], f"a field of {cls.__name__}: "
+                                    + ", ".join(names),
+                                    hint=f"Did you mean {close[0]!r}?" if close else "")
+        return cls(**kw)
     raise KVConfigError("eviction", value, "None, SinkWindow(...), H2O(...), SnapKV(...) or a dict")
 
 
