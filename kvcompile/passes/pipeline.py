@@ -45,7 +45,14 @@ from kvcompile.passes.rotate import (
     rotation_context,
     wants_rotation,
 )
-from kvcompile.passes.site_config import config_scope, resolve_site_config
+from kvcompile.passes.site_config import config_scope
+from kvcompile.passes.site_formats import (  # noqa: F401  (configure_site: PASS_FUNCTIONS)
+    FormatProblem,
+    configure_site,
+    pick,
+    quoted,
+    refusal,
+)
 from kvcompile.passes.sites import AttentionSite, NearMiss, SiteRecord
 
 PASS_NAMES = ("find_attention", "find_cache", "resolve_config", "rewrite", "rotate",
@@ -71,11 +78,14 @@ class PipelineResult:
     code_before: str | None = None
     near_misses: list[NearMiss] = field(default_factory=list)
     pristine: fx.Graph | None = None      # the graph as Dynamo gave it
+    checkpoint: _Checkpoint | None = None  # the model's state before this graph's passes
 
     def abandon(self, gm: fx.GraphModule, state, reason: str) -> None:
         """Put the graph back as it came and leave every site alone (the inner compiler failed
         on the rewritten graph): the backend then compiles the original."""
         _restore(gm, self.pristine)
+        if self.checkpoint is not None:
+            self.checkpoint.restore(state)   # the layers this graph added leave the pool
         rewritten = [s for s in self.plan.sites if s.rewritten]
         for s in self.plan.sites:
             s.rewritten = False
@@ -99,14 +109,6 @@ class _Restart(Exception):
     def __init__(self, site: str | None, reason: str):
         super().__init__(reason)
         self.site, self.reason = site, reason
-
-
-class FormatProblem(Exception):
-    """A site's config names a storage format that cannot hold it."""
-
-    def __init__(self, field_name: str, value, reason: str, fits: list[str]):
-        super().__init__(reason)
-        self.field, self.value, self.reason, self.fits = field_name, value, reason, fits
 
 
 def run_passes(gm: fx.GraphModule, example_inputs, state, *, keep_code: bool = False,
@@ -143,7 +145,7 @@ def run_passes(gm: fx.GraphModule, example_inputs, state, *, keep_code: bool = F
             res = _leave_all_alone(gm, pristine, state, "kvcompile's passes failed on this "
                                    f"graph: {_one_line(e)}")
         break
-    res.code_before, res.pristine = code_before, pristine
+    res.code_before, res.pristine, res.checkpoint = code_before, pristine, checkpoint
     return res
 
 
@@ -254,14 +256,14 @@ class _Run:
             return
         configured = [s for s in sites if s.layer_spec is not None]
         if not configured and not any(r.rewritten for r in self.state.records):
-            raise _refusal(refused, self.state)
+            raise refusal(refused, self.state)
         for site, p in refused:
             notices.warn_once(self.state, ("format", site.name),
                               f"kvcompile left attention site {site.name} of "
                               f"{notices.model_name(self.state)} alone: KVConfig.{p.field}="
                               f"{p.value!r} cannot store it: {p.reason}. Formats that fit: "
-                              f"{_names(p.fits)}; give this module one with "
-                              f"kvcompile.configure(module, {p.field}={_pick(p.fits)!r})")
+                              f"{quoted(p.fits)}; give this module one with "
+                              f"kvcompile.configure(module, {p.field}={pick(p.fits)!r})")
 
     def layer_index(self, site: AttentionSite) -> int:
         """The pool layer the site will have: it joins the pool at commit, when no pass can
@@ -345,25 +347,6 @@ class _Run:
 
 # --- the per-site passes defined here ----------------------------------------------------------
 
-def configure_site(site: AttentionSite, state, scope) -> None:
-    """resolve_config for one site: its KVConfig (overrides applied), its K/V storage formats,
-    and its layer in the pool. FormatProblem if a format cannot hold the site."""
-    from kvcompile.cache.pool import LayerSpec
-
-    resolve_site_config(site, state.config, scope)
-    if not site.config.enabled:
-        return
-    cfg = site.config
-    kf = _format(cfg, "k", site.dtype, site.head_dim, state.config.page_size)
-    vf = _format(cfg, "v", site.dtype, site.v_head_dim, state.config.page_size)
-    site.k_format_name, site.v_format_name = kf.name, vf.name
-    # the layer joins the pool once the site is rewritten (_Run.go)
-    site.layer_spec = LayerSpec(num_kv_heads=site.num_kv_heads, head_dim=site.head_dim,
-                                v_head_dim=site.v_head_dim, k_format=kf, v_format=vf)
-    site.layer_meta = {"name": site.name, "k_format": kf.name, "v_format": vf.name,
-                       "eviction": cfg.eviction, "rotate": cfg.rotate}
-
-
 def evict_site(gm: fx.GraphModule, site: AttentionSite, state) -> str:
     """eviction for one site: binds its layer to its policy (kvcompile/eviction/insert.py)."""
     return state.eviction_pass(gm, _OneSite([site]), state)
@@ -372,66 +355,6 @@ def evict_site(gm: fx.GraphModule, site: AttentionSite, state) -> str:
 @dataclass
 class _OneSite:
     rewritten: list
-
-
-_AUTO = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _format(cfg, which: str, model_dtype, head_dim: int, page_size: int):
-    from kvcompile.cache.formats import resolve_format
-
-    name = cfg.key_dtype if which == "k" else cfg.value_dtype
-    gran = cfg.scale_granularity if which == "k" else cfg.value_granularity
-    field_name = f"{which}_dtype" if getattr(cfg, f"{which}_dtype") else "kv_dtype"
-    if name == "auto" and model_dtype not in _AUTO:
-        raise FormatProblem(field_name, name, f"the model computes in {model_dtype}, which has "
-                            f"no storage format of its own", _fits(model_dtype, gran, head_dim,
-                                                                  page_size))
-    fmt = resolve_format(name, model_dtype, gran, cfg.static_scale, cfg.residual)
-    try:
-        fmt.check_shape(head_dim, page_size)
-    except ValueError as e:
-        raise FormatProblem(field_name, name, str(e).split("; use ")[0],
-                            _fits(model_dtype, gran, head_dim, page_size)) from e
-    return fmt
-
-
-def _fits(model_dtype, gran: str, head_dim: int, page_size: int) -> list[str]:
-    """The storage formats that hold a site of this head_dim at this page size."""
-    from kvcompile.cache.formats import FORMAT_NAMES, KVFormat
-
-    out = []
-    for name in FORMAT_NAMES:
-        quantized = name.startswith(("fp8", "fp4", "int"))
-        g = gran if quantized else "page"
-        if name.startswith("int") and g == "tensor":
-            g = "page"
-        try:
-            KVFormat(name, g).check_shape(head_dim, page_size)
-        except ValueError:
-            continue
-        out.append(name)
-    return out
-
-
-def _pick(fits: list[str]) -> str:
-    for name in ("fp8_e4m3", "int4", "bf16", "fp32"):
-        if name in fits:
-            return name
-    return fits[0] if fits else "bf16"
-
-
-def _names(fits: list[str]) -> str:
-    return ", ".join(repr(f) for f in fits) or "none"
-
-
-def _refusal(refused: list, state) -> KVConfigError:
-    site, p = refused[0]
-    names = ", ".join(s.name for s, _ in refused[:3]) + (", ..." if len(refused) > 3 else "")
-    return KVConfigError(p.field, p.value, f"a format that fits this model: {_names(p.fits)}",
-                         hint=f"{p.reason} (at all {len(refused)} attention site(s) of "
-                              f"{notices.model_name(state)}: {names}), so nothing would be "
-                              f"compiled.")
 
 
 # --- helpers -----------------------------------------------------------------------------------
@@ -493,6 +416,7 @@ class _Checkpoint:
         self.names = dict(state.layer_names)
         self.pool = state.pool
         ev = getattr(state, "eviction", None)
+        self.eviction = ev
         self.policies = dict(ev.policies) if ev is not None else None
 
     def restore(self, state) -> None:
@@ -504,7 +428,10 @@ class _Checkpoint:
             if state.pool is None:
                 state.pool = self.pool  # built for the layers we keep
         ev = getattr(state, "eviction", None)
-        if ev is not None:
+        if ev is not None and self.eviction is None:   # made by the failed run: drop it
+            state.eviction = None
+            state.hooks[:] = [h for h in state.hooks if h is not ev]
+        elif ev is not None:
             ev.policies.clear()
             ev.policies.update(self.policies or {})
 
