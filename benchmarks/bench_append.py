@@ -1,5 +1,5 @@
-"""Quantize-and-append bandwidth (issue 4: at least 70% of copy bandwidth on bulk prefill
-appends), every format the append kernel writes, against device copies in the same run.
+"""Quantize-and-append bandwidth (target: at least 70% of copy bandwidth on bulk
+prefill appends), every format the append kernel writes, against device copies in the same run.
 
     python benchmarks/bench_append.py [--tokens 65536 --heads 8 --dim 128 --page 16]
                                       [--json OUT/bench_append.json]
@@ -16,7 +16,7 @@ Bytes = input read (T*H*D*2) + bytes stored (codes, micro scales, scales:
 KVFormat.bytes_per_token).
 Baselines: `copy` = dst.copy_(x) of the bf16 input (its GB/s counts read + write); `same-bytes
 copy` = a uint8 copy moving the same total bytes as the append. "x copy" = append GB/s / copy
-GB/s (the issue's ratio); "x same" = same-bytes copy ms / append ms. Times: median of CUDA-graph
+GB/s (the target's ratio); "x same" = same-bytes copy ms / append ms. Times: median of CUDA-graph
 replays (triton.testing.do_bench_cudagraph; do_bench if graphs fail).
 """
 

@@ -6,8 +6,8 @@
     python benchmarks/bench_decode.py run --no-sweep --no-flex --no-append --waves 8 \
         --shapes B64_L8k,B16_L32k --formats 'int4/channel+int4/token@64'   # a few rows only
 
-Shapes (issue 4): Hq 32, Hkv 8, D 128 at B=64/L=8192, B=16/L=32768, B=1/L=131072, and D=64 at
-B=64/L=8192; page size 16 (issue 9's rows: 64, and K / V in different formats). Baselines in the same process: torch SDPA over contiguous bf16 K/V
+Shapes: Hq 32, Hkv 8, D 128 at B=64/L=8192, B=16/L=32768, B=1/L=131072, and D=64 at
+B=64/L=8192; page size 16 (some rows at 64, and K / V in different formats). Baselines in the same process: torch SDPA over contiguous bf16 K/V
 with enable_gqa=True, and compiled FlexAttention over the same paged bf16 pool (flex_paged.py).
 Every timing is the median of CUDA-graph replays (triton.testing.do_bench_cudagraph), so
 Python launch overhead is excluded for every contender alike. TB/s counts the bytes actually
@@ -254,6 +254,7 @@ def cmd_flexwarm(part: int, parts: int) -> None:
 
 
 def cmd_run(out_dir: str, sweep: bool, flex: bool = True, append: bool = True) -> None:
+    os.makedirs(out_dir, exist_ok=True)  # before the sweep, not after it
     gen = torch.Generator(device=DEV).manual_seed(0)
     res = {"device": "cpu (dry run)" if DRY else torch.cuda.get_device_name(),
            "torch": torch.__version__,

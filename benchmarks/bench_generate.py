@@ -1,10 +1,10 @@
 """Generation speed and capacity: Hugging Face generate on kvcompile's pool vs HF's own caches,
 and the continuous-batching engine.
 
-    python benchmarks/bench_generate.py                  # H200: the issue's setup
+    python benchmarks/bench_generate.py                  # H200: the setup below
     python benchmarks/bench_generate.py --smoke          # CPU: a tiny model through every path
 
-Setup (issue 6): an 8-layer Llama-3-8B-shaped model (hidden 4096, 32 q / 8 kv heads, head_dim
+Setup: an 8-layer Llama-3-8B-shaped model (hidden 4096, 32 q / 8 kv heads, head_dim
 128, MLP 14336, vocab 128256), random bf16 weights, B=16, prompt 4096, 128 new tokens, greedy.
 Sections, each in its own try/except, within one deadline (`--budget-s`), printed as tables:
 

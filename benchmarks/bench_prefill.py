@@ -5,7 +5,7 @@ and compiled FlexAttention, timed in the same process. TFLOP/s count causal FLOP
     python benchmarks/bench_prefill.py [--quick] [--json out.json]
     python benchmarks/bench_prefill.py --warm-flex     # compile FlexAttention only (cache)
 
-Shapes (issue 5): H=32, D=128 causal at B=4/L=8192 and B=1/L=32768; GQA 32/8 at B=4/L=8192;
+Shapes: H=32, D=128 causal at B=4/L=8192 and B=1/L=32768; GQA 32/8 at B=4/L=8192;
 chunked prefill of a 2,048-token chunk over a 30,720-token paged FP8 prefix (GQA 32/8, page 16)
 against the same varlen kernel over contiguous bf16 K/V. Targets: bf16 >= 0.90x cuDNN SDPA;
 FP8 >= 1.3x cuDNN SDPA bf16; chunked over FP8 pages >= 0.8x the same kernel over contiguous bf16.

@@ -3,7 +3,7 @@
     python benchmarks/quality.py --suite passkey,ppl,stream,ruler,kvpress [--quick]
     python benchmarks/quality.py --report          # tables -> stdout, plot -> benchmarks/*.png
     kvcompile eval ...                              # the same (calls main(argv))
-    bash benchmarks/run_quality_gpu.sh              # issue 7's long runs on one H200 (see there)
+    bash benchmarks/run_quality_gpu.sh              # the long runs on one H200 (see there)
 
 Device: --device auto (CUDA when there is one; the compiled path then uses the Triton append
 and decode kernels, KVConfig's default), fp32 weights (--dtype) as the published CPU rows, no
@@ -592,17 +592,24 @@ SUITES = {"ppl": suite_ppl, "stream": suite_stream, "passkey": suite_passkey,
 
 def parse(argv):
     ap = argparse.ArgumentParser(prog="kvcompile eval", description=__doc__.split("\n")[0])
-    ap.add_argument("--suite", default="passkey,ppl,stream,ruler,kvpress")
+    ap.add_argument("--suite", default="passkey,ppl,stream,ruler,kvpress",
+                    help="comma-separated suites to run: " + ", ".join(SUITES))
     ap.add_argument("--report", action="store_true", help="print tables and write the plot")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
     ap.add_argument("--canary", action="store_true",
                     help="no SmolLM2: the device paths on a random model of its attention "
                     "layout, against the CPU (run_canary)")
-    ap.add_argument("--formats", default=",".join(FORMATS))
-    ap.add_argument("--ctx", type=int, default=1024)
-    ap.add_argument("--cont", type=int, default=256)
-    ap.add_argument("--windows", type=int, default=4)
-    ap.add_argument("--stream-tokens", type=int, default=1 << 30)
+    ap.add_argument("--formats", default=",".join(FORMATS),
+                    help="ppl: KV storage formats (KVConfig.kv_dtype); every policy ratio on "
+                    "the first, ratio 0.5 on the others")
+    ap.add_argument("--ctx", type=int, default=1024,
+                    help="ppl: context tokens the policies compress")
+    ap.add_argument("--cont", type=int, default=256,
+                    help="ppl: continuation tokens scored after the context")
+    ap.add_argument("--windows", type=int, default=4,
+                    help="ppl: context windows taken along the Lee corpus")
+    ap.add_argument("--stream-tokens", type=int, default=1 << 30,
+                    help="stream: corpus tokens streamed (default: all of it)")
     ap.add_argument("--slide-stride", default="256",
                     help="stride(s) of the sliding-window full-attention baseline, e.g. 256,64 "
                     "(64: exact match of the streaming chunks, 16x the compute of stride 1024)")
@@ -618,26 +625,38 @@ def parse(argv):
                     help="tokens fed before a part's first scored token (--stream-segment)")
     ap.add_argument("--no-stream-baselines", dest="stream_baselines", action="store_false",
                     help="skip the full-attention baselines (another process runs them)")
-    ap.add_argument("--lengths", default="1024,2048,4096,7680")
-    ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
+    ap.add_argument("--lengths", default="1024,2048,4096,7680",
+                    help="passkey: prompt lengths in tokens")
+    ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9",
+                    help="passkey: where the key sits, as a fraction of the prompt")
     ap.add_argument("--skip-lengths", default="",
                     help="passkey lengths to leave out (the keys stay those of --lengths)")
-    ap.add_argument("--ruler-lengths", default="1024,2048")
+    ap.add_argument("--ruler-lengths", default="1024,2048",
+                    help="ruler: prompt lengths in tokens")
     ap.add_argument("--ruler-skip-lengths", default="",
                     help="RULER-like lengths to leave out (the prompts stay those of "
                     "--ruler-lengths)")
-    ap.add_argument("--ruler-samples", type=int, default=5)
-    ap.add_argument("--kvpress-python", default=None)
-    ap.add_argument("--kvpress-lengths", default="1024,2048")
-    ap.add_argument("--kvpress-ratios", default="0.5")
-    ap.add_argument("--presses", default="StreamingLLMPress,SnapKVPress,TOVAPress,KnormPress")
+    ap.add_argument("--ruler-samples", type=int, default=5,
+                    help="ruler: prompts per task and length")
+    ap.add_argument("--kvpress-python", default=None,
+                    help="kvpress: the Python of a venv with kvpress installed (default "
+                    "$KVPRESS_PYTHON, else /tmp/kvpress-venv/bin/python)")
+    ap.add_argument("--kvpress-lengths", default="1024,2048",
+                    help="kvpress: passkey prompt lengths in tokens")
+    ap.add_argument("--kvpress-ratios", default="0.5",
+                    help="kvpress: compression ratios of the presses")
+    ap.add_argument("--presses", default="StreamingLLMPress,SnapKVPress,TOVAPress,KnormPress",
+                    help="kvpress: the presses to compare")
     ap.add_argument("--rows", default=",".join(DEFAULT_ROWS),
                     help="policy rows (quality_eval.ROWS); Name@25 runs at that ratio only")
-    ap.add_argument("--ratios", default="0.25,0.5,0.75")
+    ap.add_argument("--ratios", default="0.25,0.5,0.75",
+                    help="compression ratios of kvcompile's policies (share of the cache "
+                    "evicted)")
     ap.add_argument("--kvpress-ruler", action="store_true",
                     help="also run the presses on the RULER-like prompts")
     ap.add_argument("--tag", default="", help="save suites as <suite><tag> (extra runs)")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="CPU threads (torch.set_num_threads; kvpress too)")
     ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
                     help="model weights and activations (fp32: the published rows)")

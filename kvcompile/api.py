@@ -40,14 +40,20 @@ def compile(model: torch.nn.Module, config: KVConfig | dict | None = None, **opt
     `model(...)` and `model.generate(...)` go through the backend) and returned. Any other module
     is returned compiled (`torch.compile(module, backend=...)`).
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"kvcompile.compile(model): model must be a torch.nn.Module (a Hugging "
+                        f"Face model or any module), got {type(model).__name__}; compile a "
+                        f"function with torch.compile(fn, backend='kvcompile')")
     if config is not None and options:
         raise TypeError("pass either a KVConfig/dict or keyword options, not both")
     cfg = KVConfig.from_options(config if config is not None else options)
     state = ModelState(cfg)
+    state.model_name = type(model).__name__  # for the warnings of the passes
     state.created_at = time.monotonic()  # telemetry rates count from here
     state.param_ids = {id(p) for p in model.parameters()}
     backend = _backend_for(state)
     if _is_hf_model(model):
+        from kvcompile.inputs import CheckedForward
         from kvcompile.integrations.hf_graphs import GraphedForward
         from kvcompile.recompiles import own_frame
 
@@ -59,7 +65,8 @@ def compile(model: torch.nn.Module, config: KVConfig | dict | None = None, **opt
         # transformers wrapper: compile a function of this model's own (kvcompile/recompiles.py)
         frame = own_frame(fwd)
         # generate's decode steps replay CUDA graphs where they can (integrations/hf_graphs.py)
-        model.forward = GraphedForward(torch.compile(frame, backend=backend), state, model,
+        # inputs checked before Dynamo sees them (kvcompile/inputs.py)
+        model.forward = CheckedForward(torch.compile(frame, backend=backend), state, model,
                                        frame=frame, original=fwd)
         model.__dict__[_STATE_ATTR] = state
         # engine issue (#6): a generate call's pages return to the pool when it returns, not at
@@ -114,6 +121,7 @@ class Report:
     compile_seconds: float = 0.0
     config: KVConfig | None = None
     kernel_notes: list = field(default_factory=list)  # why a portable kernel ran, once each
+    near_misses: list = field(default_factory=list)  # NearMiss: softmaxes that were no site
 
     @property
     def rewritten(self) -> list:
@@ -129,6 +137,7 @@ class Report:
             "pool": self.pool, "counters": self.counters, "graphs": self.graphs,
             "compile_seconds": self.compile_seconds,
             "config": repr(self.config) if self.config else None,
+            "near_misses": [m.as_dict() for m in self.near_misses],
         }
 
     def __str__(self) -> str:
@@ -147,6 +156,10 @@ class Report:
         if kc:
             lines.append("kernels: " + ", ".join(f"{k} {v}" for k, v in sorted(kc.items())))
         lines += [f"  {n}" for n in self.kernel_notes]
+        if not self.rewritten:
+            lines.append("nothing rewritten: the model runs with its own cache; "
+                         "`kvcompile inspect MODEL` shows why")
+            lines += [f"near miss: {m}" for m in self.near_misses]
         if self.pool:
             p = self.pool
             lines.append(
@@ -168,10 +181,12 @@ def report(model) -> Report:
     pool = {}
     if st.pool is not None:
         pool = dict(st.pool.stats().__dict__)
+    misses = {(m.name, m.node): m for m in st.__dict__.get("near_misses", [])}
     return Report(sites=list(latest.values()), layers=list(st.layer_meta), pool=pool,
                   counters=dict(st.counters), graphs=st.graphs,
                   compile_seconds=st.compile_seconds, config=st.config,
-                  kernel_notes=list(getattr(st, "kernel_notes", [])))
+                  kernel_notes=list(getattr(st, "kernel_notes", [])),
+                  near_misses=list(misses.values()))
 
 
 def stats(model=None) -> dict:

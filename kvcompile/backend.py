@@ -21,7 +21,7 @@ import torch
 from kvcompile.cache import binding as _binding
 from kvcompile.cache.context import ForwardContext, current, forward_context
 from kvcompile.config import KVConfig
-from kvcompile.errors import CacheStateError
+from kvcompile.errors import CacheStateError, KVCompileError
 from kvcompile.kernels import attention as _attention_op  # noqa: F401  (registers the op)
 from kvcompile.passes.pipeline import run_passes
 from kvcompile.runtime import ModelState, find_state
@@ -29,6 +29,15 @@ from kvcompile.runtime import ModelState, find_state
 
 def kvcompile_backend(gm: torch.fx.GraphModule, example_inputs, options=None, mode=None,
                       state: ModelState | None = None):
+    try:
+        return _compile(gm, example_inputs, options, state)
+    except KVCompileError as e:
+        # Dynamo would wrap it in a BackendCompilerFailed whose message starts with
+        # "backend='kvcompile' raised:"; this one is both, and leads with our one line
+        raise _backend_error(e).with_traceback(e.__traceback__) from None
+
+
+def _compile(gm, example_inputs, options, state):
     from kvcompile.integrations import hf as _hf
     from kvcompile.recompiles import raise_limit_for_models
 
@@ -40,7 +49,15 @@ def kvcompile_backend(gm: torch.fx.GraphModule, example_inputs, options=None, mo
     t0 = time.perf_counter()
     with state.lock:
         result = run_passes(gm, example_inputs, state)
-    compiled = compile_inner(gm, example_inputs, config.inner)
+    try:
+        compiled = compile_inner(gm, example_inputs, config.inner)
+    except Exception as e:
+        if not result.plan.rewritten:
+            raise
+        text = str(e).strip().splitlines()
+        result.abandon(gm, state, f"the inner compiler ({config.inner}) failed on the "
+                       f"rewritten graph: {type(e).__name__}: {text[0] if text else ''}")
+        compiled = compile_inner(gm, example_inputs, config.inner)
     state.compile_seconds += time.perf_counter() - t0
     if not result.plan.rewritten:
         # attention left alone (the report says why): count its calls anyway, so that a
@@ -61,6 +78,26 @@ class _Counted:
         if st is not None:
             st.graph_calls += 1
         return self.compiled(*args)
+
+
+_BACKEND_ERRORS: dict[type, type] = {}
+
+
+def _backend_error(e: KVCompileError) -> Exception:
+    """`e` as an exception that is both its own class and Dynamo's BackendCompilerFailed (which
+    Dynamo re-raises as it is), with e's one-line message."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    cls = _BACKEND_ERRORS.get(type(e))
+    if cls is None:
+        cls = type(type(e).__name__, (type(e), BackendCompilerFailed),
+                   {"__module__": type(e).__module__, "__init__": Exception.__init__,
+                    "__str__": Exception.__str__})
+        _BACKEND_ERRORS[type(e)] = cls
+    err = cls(str(e))
+    err.__dict__.update(e.__dict__)
+    err.backend_name, err.inner_exception, err.first_useful_frame = "kvcompile", e, None
+    return err
 
 
 def compile_inner(gm, example_inputs, inner: str):
@@ -136,11 +173,13 @@ class GraphRunner:
             outs = self._restub(outs, b)
         if fresh:
             # real cache buffers (gpt-fast k_cache, a StaticCache made eagerly) become stubs:
-            # their memory is released; the next call recompiles once for the new strides
-            for i in self.plan.handle_inputs:
+            # their memory is released; the next call recompiles once for the new strides.
+            # Buffers the model writes by slice assignment stay (a stub cannot take that
+            # write when Dynamo re-traces it): bound by their storage instead
+            for i, kind in zip(self.plan.handle_inputs, self.plan.handle_kinds):
                 t = args[i]
                 if isinstance(t, torch.Tensor) and not _binding.is_stub(t):
-                    b.adopt(t)
+                    b.bind_buffer(t) if kind == "slice" else b.adopt(t)
         return outs
 
     def _bind(self, st: ModelState, args):

@@ -10,6 +10,8 @@ it allows.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 import weakref
 from dataclasses import dataclass, fields
 from typing import Any
@@ -50,6 +52,10 @@ class EvictionPolicy:
     def tokens_kept(self, seq_len: int) -> int:
         """How many tokens a sequence of `seq_len` tokens keeps in the cache under this policy."""
         raise NotImplementedError
+
+
+def _quantized(kv_dtype: str) -> bool:
+    return kv_dtype.startswith(("fp8", "fp4", "int"))
 
 
 def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
@@ -145,7 +151,15 @@ def _coerce_eviction(value) -> EvictionPolicy | None:
         kind = kw.pop("policy", None)
         if kind not in _POLICIES:
             raise KVConfigError("eviction", value, f"a dict with 'policy' in {sorted(_POLICIES)}")
-        return _POLICIES[kind](**kw)
+        cls = _POLICIES[kind]
+        names = [f.name for f in fields(cls)]
+        for key in kw:
+            if key not in names:
+                close = difflib.get_close_matches(str(key), names, n=1)
+                raise KVConfigError(f"eviction.{key}", kw[key], f"a field of {cls.__name__}: "
+                                    + ", ".join(names),
+                                    hint=f"Did you mean {close[0]!r}?" if close else "")
+        return cls(**kw)
     raise KVConfigError("eviction", value, "None, SinkWindow(...), H2O(...), SnapKV(...) or a dict")
 
 
@@ -219,8 +233,10 @@ class KVConfig:
                                 "None, 'page', 'token', 'tensor'",
                                 hint="Channel scales are for keys.")
         if self.static_scale is not None and not (
-                isinstance(self.static_scale, (int, float)) and self.static_scale > 0):
-            raise KVConfigError("static_scale", self.static_scale, "None or a float > 0")
+                isinstance(self.static_scale, (int, float))
+                and not isinstance(self.static_scale, bool)
+                and 0 < self.static_scale < math.inf):
+            raise KVConfigError("static_scale", self.static_scale, "None or a finite float > 0")
         if self.max_kv_bytes is not None:
             _check_int("max_kv_bytes", self.max_kv_bytes, 1)
         if not (isinstance(self.memory_fraction, (int, float)) and 0 < self.memory_fraction <= 1):
@@ -239,6 +255,36 @@ class KVConfig:
         for name in ("check_finite", "residual", "enabled"):
             if not isinstance(getattr(self, name), bool):
                 raise KVConfigError(name, getattr(self, name), "True, False")
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        """Field combinations that no storage format can honour: refused here, by name, rather
+        than leaving every attention site alone at compile time."""
+        kq, vq = _quantized(self.key_dtype), _quantized(self.value_dtype)
+        v_field = "v_scale_granularity" if self.v_scale_granularity else "scale_granularity"
+        for dtype, gran, field in ((self.key_dtype, self.scale_granularity, "scale_granularity"),
+                                   (self.value_dtype, self.value_granularity, v_field)):
+            if dtype.startswith("int") and gran == "tensor":
+                raise KVConfigError(field, gran, "'page', 'token', 'channel' with " + dtype,
+                                    hint="The asymmetric int formats calibrate a scale and a "
+                                         "zero point per block, never one per layer.")
+        if self.static_scale is not None:
+            # one fixed scale per layer is what "tensor" granularity means; unquantized pages
+            # have no scale at all
+            if self.scale_granularity != "tensor" or (vq and self.value_granularity != "tensor"):
+                gran = (self.scale_granularity if self.scale_granularity != "tensor"
+                        else self.value_granularity)
+                raise KVConfigError("static_scale", self.static_scale,
+                                    f"None with scale granularity {gran!r}",
+                                    hint="A static scale is one scale per layer: set "
+                                         "scale_granularity='tensor' (fp8 / fp4 formats), or "
+                                         "drop static_scale.")
+        if (kq and self.key_dtype == "fp4_e2m1" and self.scale_granularity == "channel"
+                and self.page_size % 16):
+            raise KVConfigError("page_size", self.page_size,
+                                "16, 32, 64, 128 with fp4_e2m1 channel-scaled keys",
+                                hint="fp4_e2m1 with channel scales keeps one micro scale per 16 "
+                                     "tokens of a channel; or use scale_granularity='page'.")
 
     # The storage formats of keys and values, with `kv_dtype` as the default of both.
     @property
@@ -271,8 +317,11 @@ class KVConfig:
         known = {f.name for f in fields(cls)}
         for key in options:
             if key not in known:
+                close = difflib.get_close_matches(str(key), sorted(known), n=1)
+                hint = f"Unknown option; did you mean {close[0]!r}?" if close else \
+                    "Unknown option."
                 raise KVConfigError(key, options[key], "a KVConfig field: " + ", ".join(sorted(known)),
-                                    hint="Unknown option.")
+                                    hint=hint)
         return cls(**options)
 
     def replace(self, **changes) -> KVConfig:

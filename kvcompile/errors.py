@@ -11,6 +11,11 @@ class KVCompileError(Exception):
     """Base class of kvcompile's errors."""
 
 
+class KVCompileWarning(UserWarning):
+    """kvcompile left part of a model as it was (an attention site, a rotation, the whole model)
+    and says why, once, with the fix."""
+
+
 class KVConfigError(KVCompileError, ValueError):
     """A config field has a bad value. The message names the field and the allowed values."""
 
@@ -63,6 +68,11 @@ class SequenceTooLongError(KVCompileError, ValueError):
             f"max_seq_len, shorten the prompt / max_new_tokens, or add an eviction policy "
             f"(kvcompile.SinkWindow) to bound the cache."
         )
+
+
+class InvalidInputError(KVCompileError, ValueError):
+    """A compiled model was called with inputs it cannot take (empty or non-integer input_ids,
+    a sequence past the model's learned positions). The message names the input and the fix."""
 
 
 class UnsupportedShapeError(KVCompileError, ValueError):

@@ -44,6 +44,8 @@ def call_scope():
         if scopes:
             scopes[-1].extend(b for b in mine if b.seq_ids)
 
+_by_buffer: dict[int, Binding] = {}   # storage of a bound real buffer -> its binding
+
 
 class Binding:
     """The pool sequences behind one cache object, one per batch row."""
@@ -81,6 +83,17 @@ class Binding:
     @property
     def has_stubs(self) -> bool:
         return self._live_bases > 0
+
+    def bind_buffer(self, t: torch.Tensor) -> None:
+        """Bind a real cache buffer that the model writes by slice assignment
+        (`buf[:, :, a:b] = k`): Dynamo re-traces that write at every recompile, and a zero-stride
+        stub cannot take it, so the buffer keeps its memory (the compiled graphs no longer write
+        it) and leads back to this binding by its storage. The binding lives as long as it."""
+        ptr = t.untyped_storage().data_ptr()
+        with _lock:
+            _by_buffer[ptr] = self
+        self._live_bases += 1
+        weakref.finalize(t, _buffer_died, self, ptr)
 
     def adopt(self, t: torch.Tensor) -> None:
         """Turn a real cache buffer (StaticCache made outside the graph, gpt-fast `k_cache`)
@@ -191,14 +204,26 @@ def _adopted_died(binding: Binding, base) -> None:
         binding._died()
 
 
+def _buffer_died(binding: Binding, ptr: int) -> None:
+    with _lock:
+        _by_buffer.pop(ptr, None)
+    binding._live_bases -= 1
+    if binding._live_bases <= 0:
+        binding.alive = False
+        try:
+            binding.release()
+        except Exception:  # the pool may already be gone at interpreter exit
+            pass
+
+
 def binding_of(t: torch.Tensor) -> Binding | None:
     """The binding a stub tensor (or a bound buffer) belongs to, or None."""
     if not isinstance(t, torch.Tensor):
         return None
-    if is_stub(t):
-        with _lock:
+    with _lock:
+        if is_stub(t):
             return _by_ptr.get(t.untyped_storage().data_ptr())
-    return None
+        return _by_buffer.get(t.untyped_storage().data_ptr()) if _by_buffer else None
 
 
 def is_stub(t) -> bool:

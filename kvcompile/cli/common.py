@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import pickle
+import re
 import sys
 import time
 from contextlib import contextmanager
@@ -183,18 +186,74 @@ def load(args, console: Console):
             return load_model(args.model, device=device, dtype=pick_dtype(args.dtype))
         except ModelNotFoundError as e:
             raise CLIError(str(e), e.hint, EXIT_MODEL) from e
+        except pickle.UnpicklingError as e:
+            raise CLIError(f"cannot load {args.model!r}: torch.load refused its pickle "
+                           f"checkpoint: {_unpickling_reason(e)}",
+                           "convert it to safetensors where you trust its source, or load it "
+                           "yourself and give a module:factory", EXIT_MODEL) from e
         except (OSError, ValueError) as e:
             raise CLIError(f"cannot load {args.model!r}: {e}".splitlines()[0],
                            "check the path, or try --debug for the full traceback",
                            EXIT_MODEL) from e
+        except TypeError as e:
+            if _innermost_function(e) != "_load_factory":
+                raise  # raised inside the factory: its own error
+            raise CLIError(f"cannot call {args.model}: {e}",
+                           "MODULE:FACTORY must be callable without arguments; wrap it, e.g. "
+                           "def make(): return factory(...)", EXIT_MODEL) from e
+        except Exception as e:  # noqa: BLE001
+            if not _in_gguf_reader(e):
+                raise
+            raise CLIError(f"cannot read the GGUF file of {args.model!r}: "
+                           f"{_type_name(e)}: {_first(e)}",
+                           "the file looks truncated or damaged: check its size, or copy it "
+                           "again", EXIT_MODEL) from e
+
+
+def _type_name(e: BaseException) -> str:
+    mod = type(e).__module__
+    return type(e).__name__ if mod == "builtins" else f"{mod.lstrip('_')}.{type(e).__name__}"
+
+
+def _first(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+def _frames(e: BaseException) -> list:
+    import traceback
+
+    return traceback.extract_tb(e.__traceback__)
+
+
+def _innermost_function(e: BaseException) -> str:
+    frames = _frames(e)
+    return frames[-1].name if frames else ""
+
+
+def _in_gguf_reader(e: BaseException) -> bool:
+    # the `gguf` package's reader, or transformers' GGUF converter
+    return any(f"{os.sep}gguf{os.sep}" in f.filename or "gguf_pytorch_utils" in f.filename
+               for f in _frames(e))
+
+
+def _unpickling_reason(e: BaseException) -> str:
+    """torch.load's multi-paragraph refusal -> the one line that says what it refused."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("WeightsUnpickler error:"):
+            return line[len("WeightsUnpickler error:"):].strip().split(". Please use")[0]
+    return _first(e)
 
 
 def kv_config(args, **overrides):
     """The KVConfig of a command's --kv-dtype / --page-size / --max-kv-mib / --inner options."""
     from kvcompile.config import KVConfig
 
-    if not args.max_kv_mib > 0:
-        raise CLIError(f"--max-kv-mib must be > 0, got {args.max_kv_mib}")
+    if not (args.max_kv_mib > 0 and math.isfinite(args.max_kv_mib)):
+        raise CLIError(f"--max-kv-mib must be a finite number of MiB > 0, got "
+                       f"{args.max_kv_mib}", hint="e.g. --max-kv-mib 256")
     fields = dict(kv_dtype=args.kv_dtype, page_size=args.page_size, inner=args.inner,
                   max_kv_bytes=int(args.max_kv_mib * 2**20),
                   eviction=parse_eviction(getattr(args, "eviction", None)))

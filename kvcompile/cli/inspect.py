@@ -68,6 +68,10 @@ def run(args) -> Result:
     payload["sites"] = rows
     payload["rewritten"] = sum(1 for r in rows if r["rewritten"])
     text.append(_sites_text(rows, len(traces), args.stop_pass))
+    misses = _near_misses(traces)
+    payload["near_misses"] = misses
+    if misses:
+        text.append(_near_misses_text(misses))
 
     if state is not None and state.layer_specs and args.stop_pass in (None, "rewrite",
                                                                        "eviction"):
@@ -194,6 +198,24 @@ def _sites_text(rows: list[dict], graphs: int, stop_pass) -> str:
                      r.get("eviction", "-"), status])
     return head + "\n" + table(body, ["site", "pattern", "gqa", "mask", "cache op",
                                       "K/V format", "eviction", "rewrite"])
+
+
+def _near_misses(traces) -> list[dict]:
+    """Softmaxes and attention-like ops that became no site, once each (the first graph's
+    reason), with the pattern step that failed and the node it failed on."""
+    seen: dict[tuple, dict] = {}
+    for t in traces:
+        for m in getattr(t.result, "near_misses", []):
+            d = m.as_dict()
+            d["graph"] = t.index
+            seen.setdefault((m.name, m.node), d)
+    return list(seen.values())
+
+
+def _near_misses_text(misses: list[dict]) -> str:
+    body = [[m["name"], m["node"], m["step"], m["at"], m["reason"]] for m in misses]
+    return (f"{len(misses)} near miss(es): softmax / attention-like ops that are no attention "
+            f"site\n" + table(body, ["module", "node", "failed step", "at node", "why"]))
 
 
 # --- passes -----------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from kvcompile.cli.common import (
     EXIT_INTERNAL,
@@ -140,6 +141,28 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     as_json = "--json" in argv
+    with warnings.catch_warnings():
+        _one_line_warnings()
+        return _main(argv, debug, as_json)
+
+
+def _one_line_warnings() -> None:
+    """kvcompile's warnings (a site or model left as it was) as `kvcompile: warning: ...` on
+    stderr, without the source line Python adds."""
+    from kvcompile.errors import KVCompileWarning
+
+    show = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, KVCompileWarning):
+            print(f"kvcompile: warning: {message}", file=sys.stderr, flush=True)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = showwarning
+
+
+def _main(argv: list[str], debug: bool, as_json: bool) -> int:
     try:
         head, tail = _split_passthrough(argv)
         args = build_parser().parse_args(head)

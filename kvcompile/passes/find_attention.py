@@ -33,24 +33,70 @@ from kvcompile.passes.graph_utils import (
     single_user,
     val,
 )
-from kvcompile.passes.sites import AttentionSite
+from kvcompile.passes.sites import AttentionSite, NearMiss
 
 
 def find_attention_sites(gm: fx.GraphModule) -> list[AttentionSite]:
-    sites = []
-    for node in gm.graph.nodes:
-        k = kind(node)
-        if k == "sdpa":
-            sites.append(_match_sdpa(node))
-        elif k == "softmax":
-            site = _match_eager(node)
-            if site is not None:
-                sites.append(site)
-    _name_sites(sites)
+    """Every attention site of the graph (near misses dropped; the pipeline keeps them)."""
+    sites = [m for m in (match_attention(n) for n in candidates(gm))
+             if isinstance(m, AttentionSite)]
+    name_sites(sites)
     return sites
 
 
-def _name_sites(sites: list[AttentionSite]) -> None:
+def candidates(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes an attention site is anchored on: SDPA calls, softmaxes, and other
+    softmax-like ops (which become near misses: no pattern rewrites them)."""
+    return [n for n in gm.graph.nodes if kind(n) in ("sdpa", "softmax") or softmax_like(n)]
+
+
+def softmax_like(node: fx.Node) -> bool:
+    """A softmax or an attention op by any spelling (log_softmax, flex_attention, aten SDPA
+    variants): what makes a graph with no site worth a warning."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if kind(node) in ("sdpa", "softmax"):
+        return True
+    name = node.target if isinstance(node.target, str) else getattr(
+        node.target, "__name__", str(node.target))
+    return any(w in str(name).lower() for w in ("softmax", "attention", "scaled_dot_product"))
+
+
+def match_attention(node: fx.Node) -> AttentionSite | NearMiss | None:
+    """The attention site anchored on `node` (maybe left alone, with its reason), or a
+    near miss saying which pattern step failed where."""
+    k = kind(node)
+    if k == "sdpa":
+        return _match_sdpa(node)
+    if k == "softmax":
+        return _match_eager(node)
+    if softmax_like(node):
+        return _miss(node, "pattern", node, f"{_op(node)} is not an attention op kvcompile "
+                     f"rewrites (SDPA, or softmax(q @ k^T) @ v)")
+    return None
+
+
+def _op(node) -> str:
+    """A node's op, readable: 'matmul', 'torch.einsum', '.baddbmm'."""
+    if not isinstance(node, fx.Node):
+        return repr(node)
+    if node.op == "call_method":
+        return f".{node.target}"
+    if node.op == "call_function":
+        mod = getattr(node.target, "__module__", "") or ""
+        name = getattr(node.target, "__name__", str(node.target))
+        return f"{'torch.' if mod.startswith('torch') and mod != 'torch' else ''}{name}" \
+            if not mod.startswith("_operator") else name
+    return node.op
+
+
+def _miss(anchor: fx.Node, step: str, at, reason: str) -> NearMiss:
+    name, _, _ = _site_location(anchor)
+    where = f"{at.name} ({_op(at)})" if isinstance(at, fx.Node) else repr(at)
+    return NearMiss(name=name, node=anchor.name, step=step, at=where, reason=reason)
+
+
+def name_sites(sites: list[AttentionSite]) -> None:
     seen: dict[str, int] = {}
     for s in sites:
         n = seen.get(s.name, 0)
@@ -146,10 +192,11 @@ def _is_last_dim(node, dim) -> bool:
     return dim == -1 or (n is not None and dim == n - 1)
 
 
-def _match_eager(softmax: fx.Node) -> AttentionSite | None:
+def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
     dim = arg(softmax, 1, "dim")
     if not _is_last_dim(softmax, dim):
-        return None
+        return _miss(softmax, "softmax", softmax, f"softmax over dim {dim}, not the last "
+                     f"(key) dim")
     # forwards: softmax -> [to] -> [dropout] -> matmul(p, v); a step may have other users
     # (probabilities returned too): follow the chain, the user check below reports them
     chain_fwd = []
@@ -199,12 +246,18 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | None:
         chain_bwd.append(x)
         x = arg(x, 0)
     if kind(x) != "matmul":
-        return None
+        return _miss(softmax, "scores", x, "the scores are not matmul(q, k.transpose(-2, -1)) "
+                     "(matmul, @, bmm), optionally scaled, soft-capped and masked")
     qk = x
     q, kt = arg(qk, 0), arg(qk, 1, "other")
     k = _untranspose(kt)
-    if k is None or out is None or kind(out) != "matmul" or arg(out, 0) is not cur:
-        return None
+    if k is None:
+        return _miss(softmax, "keys", kt, "the scores' second operand is not the keys "
+                     "transposed (k.transpose(-2, -1), k.mT, permute(0, 1, 3, 2))")
+    if out is None or kind(out) != "matmul" or arg(out, 0) is not cur:
+        users = ", ".join(f"{u.name} ({_op(u)})" for u in cur.users) or "nothing"
+        return _miss(softmax, "output", cur, f"the probabilities do not feed matmul(p, v) "
+                     f"(used by {users})")
     v = arg(out, 1, "other")
     # q-side scale: matmul(q * c, kT)
     if kind(q) in ("mul", "div") and scalar_value(arg(q, 1)) is not None and (

@@ -31,24 +31,28 @@ _WRITE_KINDS = ("index_copy_", "index_put_", "setitem", "index_copy")
 
 def find_caches(gm: fx.GraphModule, sites: list[AttentionSite]) -> None:
     for site in sites:
-        if site.reason:
-            continue
-        try:
-            site.k_cache = _find_one(site.k, site, "keys")
-            site.v_cache = _find_one(site.v, site, "values")
-        except _NotACache as e:
-            site.skip(str(e))
-            continue
-        if site.k_cache.kind != site.v_cache.kind:
-            site.skip(f"keys cached by {site.k_cache.kind}, values by {site.v_cache.kind}")
-            continue
-        if not _same_tokens(site.q, site.k_cache.new):
-            site.skip("keys do not come from the query's tokens (cross-attention over other "
-                      "states)")
-            continue
-        sq, sk = shape(site.q), shape(site.k_cache.new)
-        if sq[2] != sk[2] or sq[0] != sk[0]:
-            site.skip(f"new keys {sk} do not align with queries {sq} (batch/length)")
+        if not site.reason:
+            find_cache(gm, site)
+
+
+def find_cache(gm: fx.GraphModule, site: AttentionSite) -> None:
+    """Set site.k_cache / v_cache, or leave the site alone with the reason. Changes no code."""
+    try:
+        site.k_cache = _find_one(site.k, site, "keys")
+        site.v_cache = _find_one(site.v, site, "values")
+    except _NotACache as e:
+        site.skip(str(e))
+        return
+    if site.k_cache.kind != site.v_cache.kind:
+        site.skip(f"keys cached by {site.k_cache.kind}, values by {site.v_cache.kind}")
+        return
+    if not _same_tokens(site.q, site.k_cache.new):
+        site.skip("keys do not come from the query's tokens (cross-attention over other "
+                  "states)")
+        return
+    sq, sk = shape(site.q), shape(site.k_cache.new)
+    if sq[2] != sk[2] or sq[0] != sk[0]:
+        site.skip(f"new keys {sk} do not align with queries {sq} (batch/length)")
 
 
 class _NotACache(Exception):

@@ -8,6 +8,7 @@ and `arg(node, i, name)` reads an argument wherever it was passed, so patterns a
 from __future__ import annotations
 
 import operator
+import re
 
 import torch
 import torch.fx as fx
@@ -122,13 +123,15 @@ def module_stack(node: fx.Node) -> list[tuple[str, type]]:
     return out
 
 
+# Dynamo's source of the root module: L['self'], L['args'][0], or the forward's own name for
+# `self` (research code writes `def forward(s, x)` or compiles `fn(model, x)`)
+_ROOT_SOURCE = re.compile(r"^L\['[A-Za-z_]\w*'\](\[\d+\])?\.?")
+
+
 def clean_path(path: str) -> str:
-    for prefix in ("L['self'].", "L['self']", "L['args'][0].", "L['args'][0]"):
-        if path.startswith(prefix):
-            path = path[len(prefix):]
-            break
+    path = _ROOT_SOURCE.sub("", path, count=1)
     # layers[0] -> layers.0 ; _modules['x'] -> x
-    out = path.replace("._modules['", ".").replace("']", "")
+    out = re.sub(r"(^|\.)_modules\['([^']*)'\]", r"\1\2", path).replace("']", "")
     out = out.replace("[", ".").replace("]", "")
     return out.strip(".") or "<root>"
 

@@ -22,12 +22,13 @@ or left exactly as it was.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
-from kvcompile.passes.graph_utils import VIEW_KINDS, arg, graph_outputs, kind, val
+from kvcompile.passes.graph_utils import VIEW_KINDS, arg, graph_outputs, kind, ndim, val
 from kvcompile.passes.sites import AttentionSite
 
 STUB_META = "kvcompile_stub"
@@ -66,43 +67,59 @@ class RewritePlan:
 
 
 def rewrite_sites(gm: fx.GraphModule, sites: list[AttentionSite], tag: str) -> RewritePlan:
-    plan = RewritePlan(sites=sites)
-    graph = gm.graph
     handles: list[tuple[fx.Node, str]] = []
     for site in sites:
         if site.reason or not site.config.enabled:
             if not site.reason:
                 site.skip("disabled by configure(enabled=False)")
             continue
-        mask = _bool_mask_source(site.mask)
-        if site.mask_kind == "bool_inverted":
-            with graph.inserting_before(site.output):
-                mask = graph.call_function(torch.logical_not, (site.mask,))
-                _set_meta(mask, site.output)
-        positions = _positions(graph, site)
-        scale = site.scale if site.scale is not None else 1.0 / math.sqrt(site.head_dim)
-        is_causal = site.is_causal
+        rewrite_site(gm, site, tag, handles)
+    return finish_rewrite(gm, sites, handles)
+
+
+def rewrite_site(gm: fx.GraphModule, site: AttentionSite, tag: str,
+                 handles: list[tuple[fx.Node, str]]) -> None:
+    """Replace one site's attention and cache ops by `kvcompile.attention`; appends the cache
+    inputs it binds to `handles`. Sets site.rewritten."""
+    graph = gm.graph
+    mask = _bool_mask_source(site.mask)
+    if site.mask_kind == "bool_inverted":
         with graph.inserting_before(site.output):
-            if positions is _NEEDS_SLICE:
-                sl = site.k_cache.positions
-                positions = graph.call_function(_slice_positions,
-                                                (sl.start, sl.stop, site.k_cache.new))
-                _set_meta(positions, site.output)
-            node = graph.call_function(
-                torch.ops.kvcompile.attention.default,
-                (site.q, site.k_cache.new, site.v_cache.new, mask, positions, site.name,
-                 float(scale), bool(is_causal), 0, float(site.softcap), tag))
-            _set_meta(node, site.output)
-            out_val = val(site.output)
-            result = node
-            if out_val is not None and out_val.dtype != site.dtype:
-                result = graph.call_method("to", (node, out_val.dtype))
-                _set_meta(result, site.output)
-        site.output.replace_all_uses_with(result)
-        _erase_dead(graph, list(reversed(site.chain)))
-        for cache in (site.k_cache, site.v_cache):
-            _rewrite_cache(graph, cache, handles)
-        site.rewritten = True
+            mask = graph.call_function(torch.logical_not, (site.mask,))
+            _set_meta(mask, site.output)
+    mask = _to_4d(graph, mask, site.output)
+    positions = _positions(graph, site)
+    scale = site.scale if site.scale is not None else 1.0 / math.sqrt(site.head_dim)
+    is_causal = site.is_causal
+    with graph.inserting_before(site.output):
+        if positions is _NEEDS_SLICE:
+            sl = site.k_cache.positions
+            positions = graph.call_function(_slice_positions,
+                                            (sl.start, sl.stop, site.k_cache.new))
+            _set_meta(positions, site.output)
+        node = graph.call_function(
+            torch.ops.kvcompile.attention.default,
+            (site.q, site.k_cache.new, site.v_cache.new, mask, positions, site.name,
+             float(scale), bool(is_causal), 0, float(site.softcap), tag))
+        _set_meta(node, site.output)
+        out_val = val(site.output)
+        result = node
+        if out_val is not None and out_val.dtype != site.dtype:
+            result = graph.call_method("to", (node, out_val.dtype))
+            _set_meta(result, site.output)
+    site.output.replace_all_uses_with(result)
+    _erase_dead(graph, list(reversed(site.chain)))
+    for cache in (site.k_cache, site.v_cache):
+        _rewrite_cache(graph, cache, handles)
+    site.rewritten = True
+
+
+def finish_rewrite(gm: fx.GraphModule, sites: list[AttentionSite],
+                   handles: list[tuple[fx.Node, str]]) -> RewritePlan:
+    """Drop what the rewrites left dead, check and recompile the graph, and say which graph
+    inputs and outputs are cache handles and stubs."""
+    plan = RewritePlan(sites=sites)
+    graph = gm.graph
     _erase_dead(graph, [n for n in graph.nodes if kind(n) in VIEW_KINDS | {
         "repeat_interleave", "cat", "where"}])
     graph.lint()
@@ -117,6 +134,18 @@ def rewrite_sites(gm: fx.GraphModule, sites: list[AttentionSite], tag: str) -> R
 
 
 _NEEDS_SLICE = object()
+
+
+def _to_4d(graph: fx.Graph, mask, before: fx.Node):
+    """A mask broadcasts like SDPA's (trailing dims: [S, L] is [1, 1, S, L], [H, S, L] is
+    [1, H, S, L]); the op takes it 4-D, dim 0 the batch: mask[None, ...] as needed."""
+    n = ndim(mask)
+    if not isinstance(mask, fx.Node) or n is None or n >= 4:
+        return mask
+    with graph.inserting_before(before):
+        out = graph.call_function(operator.getitem, (mask, (None,) * (4 - n)))
+    _set_meta(out, mask)
+    return out
 
 
 def _positions(graph: fx.Graph, site: AttentionSite):
@@ -146,7 +175,8 @@ def _rewrite_cache(graph: fx.Graph, cache, handles: list) -> None:
                 graph.erase_node(w)
         buf = cache.buffer
         if buf.op == "placeholder":
-            handles.append((buf, cache.kind))
+            # "slice": written by slice assignment, the buffer stays real (backend.py)
+            handles.append((buf, "slice" if isinstance(cache.positions, slice) else cache.kind))
         elif kind(buf) in ("zeros", "empty"):
             buf.target = _zero_stub
             buf.meta[STUB_META] = True

@@ -158,37 +158,64 @@ def why_not_rotatable(site) -> str:
 # --- the pass ----------------------------------------------------------------------------------
 
 def rotate_pass(gm: fx.GraphModule, plan, state, example_inputs) -> str:
-    sites = [s for s in plan.rewritten if s.config is not None and s.config.rotate == "hadamard"]
+    sites = [s for s in plan.rewritten if wants_rotation(s)]
     if not sites:
         return "no site asks for rotate='hadamard'"
-    rotations = state.__dict__.setdefault("rotations", {})
+    ctx = rotation_context(gm, state, example_inputs)
+    modes = [rotate_site(gm, site, state, ctx) for site in sites]
+    return finish_rotation(gm, modes)
+
+
+def wants_rotation(site) -> bool:
+    return site.rewritten and site.config is not None and site.config.rotate == "hadamard"
+
+
+@dataclass
+class RotationContext:
+    """What every site's rotation of one graph shares."""
+
+    rotations: dict      # layer name -> LayerRotation, kept on the model's state
+    ops: dict            # layer name -> its kvcompile.attention node
+    params: dict         # placeholder -> nn.Parameter
+
+
+def rotation_context(gm: fx.GraphModule, state, example_inputs) -> RotationContext:
     ops = {n.args[5]: n for n in gm.graph.nodes
            if n.op == "call_function" and n.target is torch.ops.kvcompile.attention.default}
-    params = _real_params(gm, example_inputs)
-    done, skipped = [], []
-    for site in sites:
-        node = ops.get(site.name)
-        reason = why_not_rotatable(site) or ("" if node is not None else
-                                             "attention op not found after the rewrite")
-        if reason:
-            site.rotation = f"not rotated: {reason}"
-            skipped.append(site.name)
-            continue
-        rot = rotations.get(site.name)
-        if rot is None:
-            rot = _new_rotation(site, node, params)
-            rotations[site.name] = rot
-        _insert(gm, node, site, rot)
-        site.rotation = rot.describe()
-        if 0 <= site.layer_index < len(state.layer_meta):
-            state.layer_meta[site.layer_index]["rotate"] = site.rotation
-        done.append(rot.v_mode)
+    return RotationContext(state.__dict__.setdefault("rotations", {}), ops,
+                           _real_params(gm, example_inputs))
+
+
+def rotate_site(gm: fx.GraphModule, site, state, ctx: RotationContext) -> str:
+    """Rotate one rewritten site: returns its V mode ("folded" / "explicit"), or "" when its
+    pattern does not allow the rotation (site.rotation says why)."""
+    node = ctx.ops.get(site.name)
+    reason = why_not_rotatable(site) or ("" if node is not None else
+                                         "attention op not found after the rewrite")
+    if reason:
+        site.rotation = f"not rotated: {reason}"
+        return ""
+    rot = ctx.rotations.get(site.name)
+    if rot is None:
+        rot = _new_rotation(site, node, ctx.params)
+        ctx.rotations[site.name] = rot
+    _insert(gm, node, site, rot)
+    site.rotation = rot.describe()
+    if site.layer_meta is not None:          # a layer joining the pool with this graph
+        site.layer_meta["rotate"] = site.rotation
+    if 0 <= site.layer_index < len(state.layer_meta):
+        state.layer_meta[site.layer_index]["rotate"] = site.rotation
+    return rot.v_mode
+
+
+def finish_rotation(gm: fx.GraphModule, modes: list[str]) -> str:
     gm.graph.lint()
     gm.recompile()
+    done = [m for m in modes if m]
     out = (f"{len(done)} site(s) rotated (V folded: {done.count('folded')}, explicit: "
            f"{done.count('explicit')})")
-    if skipped:
-        out += f"; {len(skipped)} left unrotated (see the report)"
+    if len(done) < len(modes):
+        out += f"; {len(modes) - len(done)} left unrotated (see the report)"
     return out
 
 

@@ -9,6 +9,8 @@ instance's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.fx as fx
 
@@ -19,22 +21,41 @@ from kvcompile.passes.sites import AttentionSite
 
 def resolve_site_configs(gm: fx.GraphModule, example_inputs, sites: list[AttentionSite],
                          base: KVConfig) -> None:
+    scope = config_scope(gm, example_inputs)
+    for site in sites:
+        resolve_site_config(site, base, scope)
+
+
+@dataclass
+class ConfigScope:
+    """What the overrides of one graph depend on: the configured instances' parameter ids,
+    and the parameters each module scope of the graph uses."""
+
+    scope_params: dict
+    inst_ids: list
+
+
+def config_scope(gm: fx.GraphModule, example_inputs) -> ConfigScope:
     instances = configured_instances()
     scope_params = _scope_params(gm, example_inputs) if instances else {}
-    inst_ids = [({id(t) for t in m.parameters()}, m) for m in instances]
-    for site in sites:
-        cfg = base
-        for path, cls in site.module_stack:
-            if isinstance(cls, type):
-                over = class_overrides(cls)
-                if over:
-                    cfg = cfg.replace(**over)
-            used = scope_params.get(path)
-            if used:
-                for ids, module in inst_ids:
-                    if used <= ids:
-                        cfg = cfg.replace(**instance_overrides(module))
-        site.config = cfg
+    return ConfigScope(scope_params, [({id(t) for t in m.parameters()}, m) for m in instances])
+
+
+def resolve_site_config(site: AttentionSite, base: KVConfig, scope: ConfigScope) -> None:
+    """site.config = `base` with the class and instance overrides of the modules around it.
+    A combination no format can honour raises KVConfigError (the user's config, not a bug)."""
+    cfg = base
+    for path, cls in site.module_stack:
+        if isinstance(cls, type):
+            over = class_overrides(cls)
+            if over:
+                cfg = cfg.replace(**over)
+        used = scope.scope_params.get(path)
+        if used:
+            for ids, module in scope.inst_ids:
+                if used <= ids:
+                    cfg = cfg.replace(**instance_overrides(module))
+    site.config = cfg
 
 
 def _scope_params(gm: fx.GraphModule, example_inputs) -> dict[str, set[int]]:

@@ -53,6 +53,8 @@ class AttentionSite:
     reason: str = ""                   # why it was left alone
     config: Any = None                 # the KVConfig that applies to this site
     layer_index: int = -1
+    layer_spec: Any = None             # the pool layer it would get (resolve_config)
+    layer_meta: dict | None = None
     num_q_heads: int = 0
     num_kv_heads: int = 0
     head_dim: int = 0
@@ -67,6 +69,26 @@ class AttentionSite:
         self.rewritten = False
         self.reason = reason
         return self
+
+
+@dataclass
+class NearMiss:
+    """A softmax (or attention-like op) that did not become an attention site, and why: the
+    pattern step that failed and the node it failed on. Shown by `kvcompile inspect` and by
+    `kvcompile.report` when no site was rewritten."""
+
+    name: str                          # module path of the candidate, e.g. "blocks.0.attn"
+    node: str                          # the candidate node (a softmax, an unknown attention op)
+    step: str                          # pattern step that failed: "softmax", "scores", ...
+    at: str                            # the node the step failed on, with its op
+    reason: str
+    graph: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.node}: {self.step} step failed at {self.at}: {self.reason}"
 
 
 @dataclass

@@ -53,3 +53,15 @@ def no_inputs():
 
 def not_a_module():
     return 42
+
+
+def einsum_attention():
+    """Attention written with torch.einsum: no pattern matches it yet (a near miss)."""
+    from tests.passes.research import EinsumAttention, make
+
+    return make(EinsumAttention), (torch.randint(0, 256, (1, 8)), 0)
+
+
+def needs_arguments(n_layers):
+    """A factory that cannot be called as `module:factory` (it needs an argument)."""
+    raise AssertionError("never called")

@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kvcompile
+from tests.passes.caught import has, kv_warnings
 
 
 class ScoresReturned(nn.Module):
@@ -66,11 +67,13 @@ def test_grad_mode_graph_left_alone():
     m = CrossAttentionDecoder()
     x, enc = torch.randn(2, 6, 32), torch.randn(2, 6, 32)
     ref = m(x, enc)
-    got = _compile(m)(x, enc)  # autograd is recording: an inference-only rewrite must not fire
+    with kv_warnings() as warned:
+        got = _compile(m)(x, enc)  # autograd is recording: an inference-only rewrite must not
     torch.testing.assert_close(got, ref)
     got.sum().backward()
     rep = kvcompile.report(m)
     assert not rep.rewritten and all("torch.no_grad" in s.reason for s in rep.sites)
+    assert has(warned, "rewrote no attention site of CrossAttentionDecoder.*: 2 attention site")
 
 
 def _compile(module):
@@ -84,10 +87,12 @@ def test_scores_used_elsewhere_left_alone():
     m = ScoresReturned().eval()
     x = torch.randn(2, 7, 32)
     ref_out, ref_p = m(x)
-    out, p = _compile(m)(x)
+    with kv_warnings() as warned:
+        out, p = _compile(m)(x)
     rep = kvcompile.report(m)
     assert len(rep.sites) == 1 and not rep.rewritten
     assert "used elsewhere" in rep.sites[0].reason
+    assert has(warned, "rewrote no attention site of ScoresReturned.*used elsewhere")
     torch.testing.assert_close(out, ref_out)   # untouched: exact
     torch.testing.assert_close(p, ref_p)
 
@@ -99,10 +104,16 @@ def test_softmax_that_is_not_attention_is_not_a_site():
     x = torch.randn(2, 5, 32)
     before = torch._dynamo.utils.counters["kvcompile"]["attention_rewritten"]
     ref = m(x)
-    got = _compile(m)(x)
+    with kv_warnings() as warned:
+        got = _compile(m)(x)
     torch.testing.assert_close(got, ref)
-    assert kvcompile.report(m).sites == []
+    rep = kvcompile.report(m)
+    assert rep.sites == []
     assert torch._dynamo.utils.counters["kvcompile"]["attention_rewritten"] == before
+    # both softmaxes are near misses, with the step that failed
+    steps = {(n.node, n.step) for n in rep.near_misses}
+    assert steps == {("w", "scores"), ("softmax_1", "softmax")}, steps
+    assert has(warned, "rewrote no attention site of RouterSoftmax")
 
 
 @torch.no_grad()

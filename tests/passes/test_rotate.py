@@ -18,6 +18,7 @@ from kvcompile.cache.formats import KVFormat
 from kvcompile.config import SinkWindow
 from kvcompile.passes.rotate import _FOLD_MARK, hadamard, hadamard_block, rotation_matrix
 from kvcompile.testing import rel_err, sqnr_db
+from tests.passes.caught import has, kv_warnings
 from tests.passes.zoo import make_hf
 
 ROT_TOL = 1e-5  # issue 9: in fp32, attention with rotation equals attention without, to 1e-5
@@ -192,8 +193,11 @@ def test_not_fired_without_option_or_with_sink_window():
         base = make_hf("llama")
         model = copy.deepcopy(base)
         kvcompile.compile(model, _cfg(kv_dtype="fp8_e4m3", **kw))
-        with torch.no_grad():
+        with kv_warnings() as warned, torch.no_grad():
             model(input_ids=ids, use_cache=True)
+        # a rotation asked for and not applied says so, once per site
+        assert len(warned) == (0 if reason is None else 2), warned
+        assert all("did not rotate attention site model.layers" in w for w in warned)
         rot = _rotations(model)
         assert _rot_nodes(model) == 0
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), base.parameters()))
@@ -219,8 +223,9 @@ def test_not_fired_on_small_head_dim_or_disabled_layer():
     tiny = TinyAttention(dim=36, heads=3)          # head_dim 12: no Hadamard block >= 8
     compiled = kvcompile.compile(tiny, _cfg(kv_dtype="fp32", rotate="hadamard"))
     x = torch.randn(1, 5, 36)
-    with torch.no_grad():
+    with kv_warnings() as warned, torch.no_grad():
         assert rel_err(compiled(x), tiny(x)) <= ROT_TOL
+    assert has(warned, "did not rotate attention site <root> of TinyAttention .*head_dim 12")
     rot = _rotations(tiny)
     assert len(rot) == 1 and "no power-of-two Hadamard block" in rot.pop()
 
