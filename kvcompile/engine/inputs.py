@@ -72,6 +72,10 @@ def max_model_len(model, state, requested) -> int:
             raise RequestError(f"Engine max_model_len={requested} exceeds the model's position "
                                f"limit {positions} (config.max_position_embeddings); use "
                                f"max_model_len <= {positions}")
+        cap = state.config.max_seq_len
+        if cap and requested > cap:  # the pool would refuse such a sequence at every step
+            raise RequestError(f"Engine max_model_len={requested} exceeds KVConfig.max_seq_len="
+                               f"{cap}; use max_model_len <= {cap} or raise max_seq_len")
         return requested
     limits = [state.pool.num_pages * state.pool.page_size]
     for v in (positions, state.config.max_seq_len):

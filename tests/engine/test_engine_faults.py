@@ -115,6 +115,10 @@ def test_max_model_len_against_the_models_positions(model):
     assert max_model_len(gpt2, state, None) == 1024
     with pytest.raises(RequestError, match="position limit 1024"):
         max_model_len(gpt2, state, 2048)
+    state.config.max_seq_len = 300                 # KVConfig.max_seq_len: the pool's limit
+    assert max_model_len(gpt2, state, None) == 300
+    with pytest.raises(RequestError, match="exceeds KVConfig.max_seq_len=300"):
+        max_model_len(gpt2, state, 512)
     eng = Engine(model, max_model_len=512)       # above the pool (192 tokens): per request
     with pytest.raises(RequestError, match="can never fit, even alone"):
         eng.add_request([5] * 100, SamplingParams(max_tokens=300))
