@@ -8,8 +8,9 @@
 
 Requests may be added at any time (`add_request`, thread-safe); each `step()` runs one forward
 over a token budget (scheduler.py), samples, and returns what each request produced. Bad input
-raises `RequestError` at `add_request`; a request whose logits turn non-finite finishes with
-`finish_reason="error"`; the others are not affected.
+raises `RequestError` at `add_request`. A request whose logits turn non-finite, whose forward
+raises, or that can never get its pages finishes with `finish_reason="error"` and says why in
+`error` (faults.py); the others are not affected.
 """
 
 from __future__ import annotations
