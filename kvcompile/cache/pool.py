@@ -611,6 +611,10 @@ class PagePool:
         for p in pages:
             if not 0 <= p < self.num_pages or self._ref[p] == 0:
                 raise CacheStateError(f"attach: page {p} holds nothing (freed, or never used)")
+        if len(set(pages)) != len(pages):
+            dup = next(p for p in pages if pages.count(p) > 1)
+            raise CacheStateError(f"attach: page {dup} is listed twice; a page holds one "
+                                  f"stretch of one prefix")
         for p in pages:
             self._ref[p] += 1
         seq.pages, seq.length = pages, len(pages) * self.page_size

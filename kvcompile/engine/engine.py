@@ -8,19 +8,22 @@
 
 Requests may be added at any time (`add_request`, thread-safe); each `step()` runs one forward
 over a token budget (scheduler.py), samples, and returns what each request produced. Bad input
-raises `RequestError` at `add_request`; a request whose logits turn non-finite finishes with
-`finish_reason="error"`; the others are not affected.
+raises `RequestError` at `add_request`. A request whose logits turn non-finite, whose forward
+raises, or that can never get its pages finishes with `finish_reason="error"` and says why in
+`error` (faults.py); the others are not affected.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator
 
+from kvcompile.engine import faults, inputs
 from kvcompile.engine.params import RequestError, SamplingParams
 from kvcompile.engine.prefix_cache import PrefixCache, page_hashes
 from kvcompile.engine.request import Request, RequestOutput
@@ -74,14 +77,7 @@ class Engine:
             raise RequestError("the engine does not run models compiled with an eviction "
                                "policy yet; compile without KVConfig.eviction for the engine")
         self.pool = state.pool
-        P = self.pool.page_size
-        limits = [self.pool.max_pages * P]   # (a growing pool: its budget)
-        for v in (getattr(model.config, "max_position_embeddings", None), state.config.max_seq_len):
-            if v:
-                limits.append(int(v))
-        self.max_model_len = min(limits) if max_model_len is None else int(max_model_len)
-        if self.max_model_len < 2:
-            raise RequestError(f"Engine max_model_len={self.max_model_len}: must be >= 2")
+        self.max_model_len = inputs.max_model_len(model, state, max_model_len)
         if self.runner.graphs is not None:
             self.runner.graphs.max_len = self.max_model_len
             # every decode bucket captured up front (CUDA only): no step pays a capture
@@ -90,8 +86,8 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.prefix_cache, max_num_batched_tokens,
                                    max_num_seqs, preemption_mode, swap_space_bytes,
                                    count=state.count)
-        self.eos_ids = _eos_ids(model, tokenizer)
-        self.vocab_size = _vocab_size(model)
+        self.eos_ids = inputs.eos_ids(model, tokenizer)
+        self.vocab_size = inputs.vocab_size(model)
         self.seed = seed
         self.log_every = log_every
         self.stats = EngineStats()
@@ -109,12 +105,15 @@ class Engine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
-        ids = self._tokenize(prompt)
-        self._validate(ids, params)
+        ids = inputs.token_ids(prompt, self.tokenizer)
+        inputs.check_request(ids, params, self.vocab_size, self.max_model_len, self.pool)
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer: Engine(model, tokenizer)")
         with self._lock:
             n = next(self._ids)
+            if request_id is None:  # skip numbers an explicit id already took
+                while str(n) in self._requests:
+                    n = next(self._ids)
             rid = str(n) if request_id is None else str(request_id)
             if rid in self._requests:
                 raise RequestError(f"request id {rid!r} is already in use")
@@ -151,17 +150,9 @@ class Engine:
             changed: list[Request] = []
             generated = 0
             if out.seqs:
-                try:
-                    logits = self.runner.forward(out)
-                except NonFiniteKVError as e:
-                    self.scheduler.rollback(out)
-                    changed.append(self._fail_at(out, e))
-                    logits = None
-                except BaseException:
-                    self.scheduler.rollback(out)
-                    raise
-                if logits is not None:
-                    generated = self._advance(out, logits, changed)
+                generated = self._run(out, changed)
+            elif faults.stalled(self, out):
+                changed.append(faults.fail_unschedulable(self))
             for req in changed:
                 if req.finished:
                     self._done(req)
@@ -172,14 +163,24 @@ class Engine:
     def generate(self, prompts, params: SamplingParams | list | None = None
                  ) -> list[RequestOutput]:
         """Run prompts to completion (with whatever else is queued); outputs in prompt order."""
-        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        if hasattr(prompts, "tolist"):   # a tensor or array of token ids
+            prompts = prompts.tolist()
+        single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0],
+                                                                           numbers.Number))
         prompts = [prompts] if single else list(prompts)
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise RequestError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
         final: dict[str, RequestOutput] = {}
-        rids = [self.add_request(p, sp, on_output=lambda o: o.finished and final.setdefault(
-            o.request_id, o)) for p, sp in zip(prompts, plist)]
+        rids: list[str] = []
+        try:
+            for p, sp in zip(prompts, plist):
+                rids.append(self.add_request(p, sp, on_output=lambda o: o.finished and
+                                             final.setdefault(o.request_id, o)))
+        except BaseException:  # a bad prompt: none of this call's requests stays queued
+            for rid in rids:
+                self.abort(rid)
+            raise
         while any(r not in final for r in rids):
             self.step()
         return [final[r] for r in rids]
@@ -227,6 +228,22 @@ class Engine:
                 self.runner.graphs.close()
 
     # -- internals ------------------------------------------------------------------------------
+    def _run(self, out, changed: list[Request]) -> int:
+        """The step's forward and sampling; a failure stays with its request (faults.py)."""
+        try:
+            logits = self.runner.forward(out)
+        except NonFiniteKVError as e:
+            self.scheduler.rollback(out)
+            changed.append(self._fail_at(out, e))
+            return 0
+        except Exception as e:  # noqa: BLE001  (isolated to the request that causes it)
+            self.scheduler.rollback(out)
+            return faults.forward_failed(self, out, e, changed)
+        except BaseException:   # KeyboardInterrupt and the like: the step did not happen
+            self.scheduler.rollback(out)
+            raise
+        return self._advance(out, logits, changed)
+
     def _advance(self, out, logits, changed: list[Request]) -> int:
         rows, reqs = [], []
         for i, s in enumerate(out.seqs):
@@ -340,61 +357,3 @@ class Engine:
             cb(st)
         if self.log_every and s.steps % self.log_every == 0:
             log.info("%s", st)
-
-    def _tokenize(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("a string prompt needs a tokenizer: Engine(model, tokenizer), "
-                                   "or pass token ids")
-            return list(self.tokenizer(prompt).input_ids)
-        if hasattr(prompt, "tolist"):
-            prompt = prompt.tolist()
-        try:
-            ids = [int(t) for t in prompt]
-        except (TypeError, ValueError):
-            raise RequestError(f"prompt must be a string or a list of token ids, got "
-                               f"{type(prompt).__name__}") from None
-        return ids
-
-    def _validate(self, ids: list[int], p: SamplingParams) -> None:
-        n = len(ids)
-        if n == 0:
-            raise RequestError("the prompt is empty: give at least one token")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(f"prompt token ids {bad[:4]} are outside the vocabulary "
-                               f"[0, {self.vocab_size})")
-        if n >= self.max_model_len:
-            raise RequestError(f"the prompt has {n} tokens; the engine's max_model_len is "
-                               f"{self.max_model_len} (prompt + at least one new token). "
-                               f"Shorten the prompt or raise max_model_len / KVConfig budget.")
-        if n + p.max_tokens > self.max_model_len:
-            raise RequestError(f"prompt ({n}) + max_tokens ({p.max_tokens}) = {n + p.max_tokens}"
-                               f" tokens exceeds max_model_len={self.max_model_len}; lower "
-                               f"max_tokens to at most {self.max_model_len - n}")
-        P = self.pool.page_size
-        pages = -(-(n + p.max_tokens - 1) // P)
-        if pages > self.pool.num_pages:
-            raise RequestError(f"prompt ({n}) + max_tokens ({p.max_tokens}) needs {pages} "
-                               f"pages, the whole pool holds {self.pool.num_pages}: it can never "
-                               f"fit, even alone. Raise KVConfig.max_kv_bytes, use a smaller "
-                               f"kv_dtype, or lower max_tokens.")
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    ids = set()
-    for src in (getattr(model, "generation_config", None), getattr(model, "config", None),
-                tokenizer):
-        v = getattr(src, "eos_token_id", None) if src is not None else None
-        if isinstance(v, int):
-            ids.add(v)
-        elif isinstance(v, (list, tuple)):
-            ids.update(int(x) for x in v)
-    return ids
-
-
-def _vocab_size(model) -> int:
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if emb is not None and hasattr(emb, "num_embeddings"):
-        return int(emb.num_embeddings)
-    return int(model.config.vocab_size)

@@ -3,12 +3,22 @@
     move_slots(paged, src, dst, heads)   # src, dst: [M] global slots (page * P + offset)
                                          # heads:    [M] kv head of each move
 
-Token `m` of head `heads[m]` is copied from slot `src[m]` to slot `dst[m]`, with its scale:
-- unquantized, token-scaled and tensor-scaled formats copy codes (and per-token scales / fp4
-  micro-scales) bit for bit: compaction is exact;
-- page-scaled formats decode the moved tokens, then re-encode each destination (page, head) whose
-  scale must grow to cover them (`grow_page_scale`, a power of two, so the tokens already there
-  keep their decoded values); only the moved tokens are quantized a second time.
+Token `m` of head `heads[m]` goes from slot `src[m]` to slot `dst[m]` with every part that
+holds it (paged.py lists them per format):
+- into a page whose tokens wait in a bf16 residual row: the token's value, in bf16 (exact when
+  it comes from a residual row, as it does: the residual page is a sequence's last);
+- unquantized, token- and tensor-scaled formats: its codes and its own parameters (fp4 micro
+  scales, token scales, int zero points) bit for bit, so compaction is exact; a token that comes
+  from a residual row is quantized as a write would quantize it;
+- page- and channel-scaled formats (one parameter set per (page, head) or (page, head,
+  channel), and fp4 "channel" micro scales per 16 tokens of a channel): the moved token is
+  encoded under the destination's parameters; those change only where the moved tokens fall
+  outside them, and only then is the destination (page, head) re-encoded: fp8 / fp4 scales grow
+  by powers of two (`grow_page_scale`, earlier tokens keep their decoded values), int ranges
+  widen to cover both (earlier tokens are rounded again, as an append that widens them does),
+  fp4 channel micro scales take the larger of theirs and the moved tokens' need. Parameters are
+  never derived from a page's stored slots, so slots that hold no token (holes, a partly filled
+  page's end) cannot change them. A NaN moved into a group makes that group NaN, as a write does.
 All sources are read before any destination is written, so src and dst may overlap.
 """
 
@@ -16,8 +26,18 @@ from __future__ import annotations
 
 import torch
 
-from kvcompile.cache.formats import PagedTensor, grow_page_scale
-from kvcompile.cache.fp4 import finite_amax, scale_from_amax
+from kvcompile.cache import grouped
+from kvcompile.cache.fp4 import E2M1_MAX, MICRO_BLOCK, finite_amax, micro_scale, scale_from_amax
+from kvcompile.cache.fp8 import grow_page_scale
+from kvcompile.cache.intq import (
+    _F16_MAX,
+    covers,
+    int_encode,
+    int_params,
+    levels,
+    params_from_range,
+)
+from kvcompile.cache.paged import RESIDUAL_DTYPE, PagedTensor
 
 
 def move_slots(paged: PagedTensor, src: torch.Tensor, dst: torch.Tensor,
@@ -25,36 +45,165 @@ def move_slots(paged: PagedTensor, src: torch.Tensor, dst: torch.Tensor,
     # src, dst, heads: [M] int64 on the storage device
     if src.numel() == 0:
         return
-    P = paged.page_size
+    P, fmt = paged.page_size, paged.fmt
     ps, os_, pd, od = src // P, src % P, dst // P, dst % P
-    fmt = paged.fmt
-    if not fmt.is_quantized or fmt.granularity in ("token", "tensor"):
-        paged.data[pd, heads, od] = paged.data[ps, heads, os_]
-        if paged.micro is not None:
-            paged.micro[pd, heads, od] = paged.micro[ps, heads, os_]
-        if fmt.is_quantized and fmt.granularity == "token":
-            paged.scale[pd, heads, od] = paged.scale[ps, heads, os_]
+    res_src, res_dst = _residual_rows(paged, ps), _residual_rows(paged, pd)
+    vals = _values(paged, ps, os_, heads, res_src)                       # [M, D] fp32
+    parts = {name: buf[ps, heads, os_] for name, buf in _token_parts(paged).items()}
+    to_res = res_dst >= 0
+    if bool(to_res.any()):
+        paged.res_data[res_dst[to_res], heads[to_res], od[to_res]] = (
+            vals[to_res].to(RESIDUAL_DTYPE))
+    coded = ~to_res
+    if not bool(coded.any()):
         return
-    _move_page_scaled(paged, ps, os_, pd, od, heads)
+    if not fmt.is_quantized or fmt.granularity in ("token", "tensor"):
+        copy = coded & (res_src < 0)
+        _put(paged, {n: t[copy] for n, t in parts.items()}, pd[copy], od[copy], heads[copy])
+        enc = coded & (res_src >= 0)
+        if bool(enc.any()):
+            _put(paged, _encode_tokens(paged, vals[enc]), pd[enc], od[enc], heads[enc])
+        return
+    _move_grouped(paged, vals[coded], pd[coded], od[coded], heads[coded])
 
 
-def _move_page_scaled(paged, ps, os_, pd, od, heads) -> None:
+def _residual_rows(paged: PagedTensor, pages: torch.Tensor) -> torch.Tensor:
+    """[M] the residual row of each page (-1: its tokens are codes)."""
+    if paged.res_slot is None:
+        return torch.full_like(pages, -1)
+    return paged.res_slot[pages].long()
+
+
+def _values(paged, ps, os_, heads, res_rows) -> torch.Tensor:
+    """Decoded value of each source token [M, D] fp32 (its bf16 row where it has one)."""
     up, inv = torch.unique(ps, return_inverse=True)
-    vals = paged.read(up)[inv, heads, os_]                               # [M, D] fp32
-    ud, dinv = torch.unique(pd, return_inverse=True)
-    tiles = paged.read(ud)                                               # [U, H, P, D]
-    H = paged.num_heads
-    old = paged.scale[ud]                                                # [U, H]
-    need = torch.zeros_like(old).view(-1).scatter_reduce(
-        0, dinv * H + heads, finite_amax(vals, -1, keepdim=False), "amax").view_as(old)
-    div = paged.fmt.scale_divisor
-    # A (page, head) whose scale is still the initial 1.0 placeholder of an unused page cannot
-    # occur here: destinations are slots of pages the sequence already holds.
-    new = grow_page_scale(old, need / div)
-    new = torch.where(old > 0, new, scale_from_amax(need, div))
-    tiles[dinv, heads, od] = vals
-    codes, micro = paged._encode(tiles, new[:, :, None, None])
-    paged.data[ud] = codes
+    vals = paged._decode_pages(up)[inv, heads, os_]
+    has = res_rows >= 0
+    if bool(has.any()):
+        vals[has] = paged.res_data[res_rows[has], heads[has], os_[has]].float()
+    return vals
+
+
+def _token_parts(paged: PagedTensor) -> dict[str, torch.Tensor]:
+    """The stored tensors indexed [page, head, slot] that hold one token each."""
+    fmt = paged.fmt
+    parts = {"data": paged.data}
+    if paged.micro is not None and fmt.granularity != "channel":
+        parts["micro"] = paged.micro
+    if fmt.is_quantized and fmt.granularity == "token":
+        parts["scale"] = paged.scale
+        if paged.zero is not None:
+            parts["zero"] = paged.zero
+    return parts
+
+
+def _put(paged, parts: dict, pd, od, heads) -> None:
+    for name, t in parts.items():
+        getattr(paged, name)[pd, heads, od] = t
+
+
+def _encode_tokens(paged: PagedTensor, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """x [M, D] fp32 -> the per-token parts of a token- or tensor-scaled format."""
+    fmt = paged.fmt
+    if not fmt.is_quantized:
+        return {"data": x.to(fmt.storage_dtype)}
+    if fmt.is_int:  # token scales
+        s, z = int_params(x, -1, fmt.int_bits)                              # [M, 1]
+        return {"data": int_encode(x, s, z, fmt.int_bits), "scale": s[:, 0], "zero": z[:, 0]}
+    if fmt.granularity == "tensor":
+        paged.calibrate(x)   # a tensor scale not set yet: every earlier token was residual
+        scale = paged.scale.view(1, 1)
+    else:
+        scale = scale_from_amax(finite_amax(x, -1), fmt.scale_divisor)      # [M, 1]
+    codes, micro = paged._encode(x, scale)
+    out = {"data": codes}
     if micro is not None:
-        paged.micro[ud] = micro
-    paged.scale[ud] = new
+        out["micro"] = micro
+    if fmt.granularity == "token":
+        out["scale"] = scale[:, 0]
+    return out
+
+
+# --- page- and channel-scaled formats ----------------------------------------------------------
+
+def _scatter(init: float, shape, index, src, how: str) -> torch.Tensor:
+    out = torch.full(shape, init, dtype=torch.float32, device=src.device)
+    return out.view(-1).scatter_reduce(0, index.reshape(-1), src.reshape(-1).float(), how,
+                                       include_self=True).view(shape)
+
+
+def _group_stats(vals: torch.Tensor, cell: torch.Tensor, shape):
+    """Per parameter group of the moved elements: finite min, finite max, finite amax, any NaN.
+    vals [M, D]; cell [M, D] the flat index of each element's group in `shape`."""
+    fin = torch.isfinite(vals)
+    lo = _scatter(torch.inf, shape, cell, torch.where(fin, vals, torch.inf), "amin")
+    hi = _scatter(-torch.inf, shape, cell, torch.where(fin, vals, -torch.inf), "amax")
+    amax = _scatter(0.0, shape, cell, torch.where(fin, vals.abs(), 0.0), "amax")
+    nan = _scatter(0.0, shape, cell, torch.isnan(vals).float(), "amax") > 0
+    return lo, hi, amax, nan
+
+
+def _move_grouped(paged: PagedTensor, vals, pd, od, heads) -> None:
+    # vals [M, D] fp32; pd, od, heads [M]: destination page, offset and head of each token
+    fmt, g = paged.fmt, paged.fmt.granularity
+    H, P, D = paged.num_heads, paged.page_size, paged.head_dim
+    ud, dinv = torch.unique(pd, return_inverse=True)
+    U, M = ud.numel(), vals.shape[0]
+    gid = dinv * H + heads                                                   # [M] (page, head)
+    if g == "channel" and fmt.name != "fp4_e2m1":   # one group per (page, head, channel)
+        shape = (U, H, D)
+        cell = gid[:, None] * D + torch.arange(D, device=vals.device)
+    else:                                           # one per (page, head)
+        shape = (U, H)
+        cell = gid[:, None].expand(M, D)
+    lo, hi, amax, nan = _group_stats(vals, cell, shape)
+    s_old = paged.scale[ud]
+    if fmt.is_int:
+        z_old = paged.zero[ud]
+        lo, hi = lo.clamp(max=_F16_MAX), hi.clamp(min=-_F16_MAX)     # saturate as int_params
+        top = z_old.float() + levels(fmt.int_bits) * s_old.float()
+        # a group whose range holds the moved tokens keeps it; one that is NaN stays NaN
+        keep = covers(s_old, z_old, lo, hi, fmt.int_bits) | torch.isnan(s_old.float())
+        s_w, z_w = params_from_range(torch.minimum(lo, z_old.float()).clamp(min=-_F16_MAX),
+                                     torch.maximum(hi, top).clamp(max=_F16_MAX), fmt.int_bits)
+        s_new = torch.where(keep, s_old, s_w)
+        s_new = torch.where(nan, torch.nan, s_new.float()).to(s_old.dtype)
+        params = {"scale": s_new, "zero": torch.where(keep, z_old, z_w)}
+        pairs = [(s_old, s_new), (z_old, params["zero"])]
+    else:
+        s_new = grow_page_scale(s_old, amax / fmt.scale_divisor)
+        params = {"scale": s_new}
+        pairs = [(s_old, s_new)]
+        if fmt.name == "fp4_e2m1" and g == "channel":
+            params["micro"] = _fp4_channel_micro(paged, ud, s_old, s_new, vals, gid, od)
+            pairs.append((paged.micro[ud], params["micro"]))
+    changed = grouped.changed_heads(pairs, g)                                # [U, H]
+    tile = paged._decode_pages(ud)                                           # [U, H, P, D]
+    tile[dinv, heads, od] = vals
+    moved = torch.zeros(U, H, P, dtype=torch.bool, device=vals.device)
+    moved[dinv, heads, od] = True
+    take = (moved | changed[:, :, None])[..., None]
+    for name, codes in paged._encode_tile(tile, params).items():
+        buf = getattr(paged, name)
+        cur = buf[ud]
+        buf[ud] = torch.where(take, codes.view(torch.uint8),
+                              cur.view(torch.uint8)).view(cur.dtype)
+    for name, t in params.items():
+        getattr(paged, name)[ud] = t
+
+
+def _fp4_channel_micro(paged, ud, s_old, s_new, vals, gid, od) -> torch.Tensor:
+    """fp4 "channel" micro scales [U, H, G, D] after the moves: the old ones rescaled to the
+    grown page scale (exact for a power of two), raised where a moved token needs more; NaN in
+    a moved token's channel makes its 16-token group NaN."""
+    D = paged.head_dim
+    m_old = paged.micro[ud]
+    U, H, G, _ = m_old.shape
+    shifted = (m_old.float() * (s_old / s_new)[:, :, None, None]).to(torch.float8_e4m3fn)
+    shifted = torch.where(torch.isnan(m_old.float()), torch.nan, shifted.float())
+    cell = (gid * G + od // MICRO_BLOCK)[:, None] * D + torch.arange(D, device=vals.device)
+    _lo, _hi, need, nan = _group_stats(vals, cell, (U, H, G, D))
+    s = s_new[:, :, None, None]
+    short = need > E2M1_MAX * shifted * s
+    micro = torch.where(short, torch.maximum(shifted, micro_scale(need, s).float()), shifted)
+    return torch.where(nan, torch.nan, micro).to(torch.float8_e4m3fn)

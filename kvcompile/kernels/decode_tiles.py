@@ -17,6 +17,8 @@ fp8 tile, 4 warps): 732 instructions per warp per tile instead of 1054.
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -34,6 +36,11 @@ INT_FMT_BITS = {FMT_INT4: 4, FMT_INT3: 3, FMT_INT2: 2}
 SCALE_NONE, SCALE_TENSOR, SCALE_PAGE, SCALE_TOKEN, SCALE_CHANNEL = 0, 1, 2, 3, 4
 SCALE_CODES = {"tensor": SCALE_TENSOR, "page": SCALE_PAGE, "token": SCALE_TOKEN,
                "channel": SCALE_CHANNEL}
+# The interpreter's fp8 upcast (triton 3.9) reads e4m3fn's NaN code 0x7F as 480 and e5m2's NaN /
+# Inf codes as finite numbers (114688, 65536), so a NaN stored in fp8 codes or E4M3 micro
+# scales vanished from the output under it while bf16 pages kept it. GPUs convert them right
+# (benchmarks/gpu_check_nan.py checks): the correction runs under the interpreter only.
+FP8_SPECIALS = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 # The asm fp4 widening yields e2m1 * micro * 2**-7 (see _e2m1_to_f16_asm): callers multiply the
 # token scale by this when ASM is on.
 FP4_ASM_FOLD = 2.0**7
@@ -123,6 +130,21 @@ def _int4_to_f16_asm(x):
         fma.rn.f16x2 $3, t, h, n; }""",
         constraints="=r,=r,=r,=r,r", args=[x], dtype=(tl.float16, tl.float16),
         is_pure=False, pack=4)
+
+
+@triton.jit
+def fp8_specials(x, y):
+    # x: fp8 codes (e4m3fn / e5m2), y: x widened -> y with NaN (e5m2: also +-Inf) where x
+    # holds them (see FP8_SPECIALS)
+    if FP8_SPECIALS:
+        b = x.to(tl.uint8, bitcast=True)
+        m = b & 0x7F
+        if x.dtype == tl.float8e5:
+            y = tl.where(m == 0x7C, tl.where(b > 0x7F, float("-inf"), float("inf")), y)
+            y = tl.where(m > 0x7C, float("nan"), y)
+        else:
+            y = tl.where(m == 0x7F, float("nan"), y)
+    return y
 
 
 @triton.jit
@@ -278,7 +300,8 @@ def load_codes(data_ptr, micro_ptr, tok, ok, D: tl.constexpr, FMT: tl.constexpr,
         m_lo = tl.load(micro_ptr + mrow + 2 * cols[None, :], mask=ok[:, None], other=0.0)
         m_hi = tl.load(micro_ptr + mrow + 2 * cols[None, :] + 1, mask=ok[:, None], other=0.0)
         # e4m3 is exact in fp16; joined so that (codes, micro) stay one pair
-        return byte, tl.join(m_lo.to(tl.float16), m_hi.to(tl.float16))
+        return byte, tl.join(fp8_specials(m_lo, m_lo.to(tl.float16)),
+                             fp8_specials(m_hi, m_hi.to(tl.float16)))
     elif FMT == 3:
         T: tl.constexpr = tok.shape[0]
         cols = tl.arange(0, D // 2)
@@ -330,7 +353,7 @@ def widen(x, micro, D: tl.constexpr, FMT: tl.constexpr, CDT: tl.constexpr, ASM: 
         if ASM:
             lo, hi = _e2m1_to_f16_asm(x, micro[:, :, None])
         else:
-            mic = micro.to(CDT)[:, :, None]
+            mic = fp8_specials(micro, micro.to(CDT))[:, :, None]
             lo = e2m1_to_f16(x & 15).to(CDT) * mic
             hi = e2m1_to_f16(x >> 4).to(CDT) * mic
         return tl.reshape(lo, [T, D // 2]), tl.reshape(hi, [T, D // 2])
@@ -342,6 +365,8 @@ def widen(x, micro, D: tl.constexpr, FMT: tl.constexpr, CDT: tl.constexpr, ASM: 
         return y, y
     else:
         y = x.to(CDT)
+        if FMT == 1 or FMT == 2:
+            y = fp8_specials(x, y)
         return y, y
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvcompile.kernels.decode_tiles import fp8_specials
 from kvcompile.kernels.prefill_tiles import (
     key_ranges,
     sink_range,
@@ -59,11 +60,14 @@ def _page_tile(Data, Scale, Micro, bt_row, keys, ok, hkv, sp, sh, st, ssp, ssh, 
         offs_u = tl.arange(0, DIM // 16)
         mbase = page * mp + hkv * mh + off * mt
         micro = tl.load(Micro + mbase[:, None] + offs_u[None, :], mask=ok[:, None], other=0.0)
-        micro = tl.broadcast_to(micro.to(tl.float32)[:, :, None], [BLOCK_N, DIM // 16, 16])
+        micro = fp8_specials(micro, micro.to(tl.float32))
+        micro = tl.broadcast_to(micro[:, :, None], [BLOCK_N, DIM // 16, 16])
         x = _e2m1_value(codes) * tl.reshape(micro, [BLOCK_N, DIM])
     else:
         offs_d = tl.arange(0, DIM)
         x = tl.load(Data + base[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
+        if FMT == 1:
+            x = fp8_specials(x, x.to(tl.float32))
     if GRAN == 1:
         sc = tl.load(Scale + page * ssp + hkv * ssh, mask=ok, other=0.0)
         x = x.to(tl.float32) * sc[:, None]

@@ -134,3 +134,163 @@ def append_slot_steps(lens_steps, P, pages_per_seq, gen):
                 slots.append(pages_per_seq[b][t // P] * P + t % P)
             filled[b] += n
         yield torch.tensor(slots, dtype=torch.int64)
+
+
+# --- NaN in K / V (tests/kernels/test_nan.py; benchmarks/gpu_check_nan.py on the GPU) --------
+
+NAN_LENS = [40, 33]          # two sequences; the NaN goes into sequence 0, kv head 1
+NAN_HKV, NAN_G, NAN_D = 2, 2, 64
+
+
+def nan_pages(fmt, P, which, token, dim, gen, device=DEV):
+    """K/V caches of NAN_LENS (shuffled pages, unwritten slots NaN) with x[token, head 1, dim]
+    NaN in sequence 0's K or V, written by PagedTensor.write -> (kc, vc, block_tables,
+    seq_lens)."""
+    Hkv, D = NAN_HKV, NAN_D
+    need = [-(-n // P) for n in NAN_LENS]
+    N = sum(need) + 2
+    kc, vc = fmt.allocate(N, Hkv, P, D, device), fmt.allocate(N, Hkv, P, D, device)
+    for c in (kc, vc):                       # what a slot never written may hold
+        if c.data.element_size() == 1:
+            c.data.view(torch.uint8).fill_(0x7F)
+        else:
+            c.data.fill_(float("nan"))
+    perm = torch.randperm(N, generator=gen)
+    bt = torch.zeros(len(NAN_LENS), max(need), dtype=torch.int32)
+    i = 0
+    for b, n in enumerate(NAN_LENS):
+        bt[b, :need[b]] = perm[i:i + need[b]].int()
+        i += need[b]
+        pages = bt[b, :need[b]].long()
+        slots = (pages[:, None] * P + torch.arange(P)).reshape(-1)[:n]
+        k = torch.randn(n, Hkv, D, generator=gen) * 1.5
+        k[:, :, 0] += 3.0
+        v = torch.randn(n, Hkv, D, generator=gen)
+        if b == 0:
+            (k if which == "k" else v)[token, 1, dim] = float("nan")
+        kc.write(slots.to(device), k.to(device))
+        vc.write(slots.to(device), v.to(device))
+    return kc, vc, bt.to(device), torch.tensor(NAN_LENS, dtype=torch.int32, device=device)
+
+
+def _stored(c, bt, b):
+    # sequence b's dequantized cache [L, Hkv, D]
+    L, P = NAN_LENS[b], c.page_size
+    pages = bt[b, :-(-L // P)].long()
+    return c.read(pages).permute(0, 2, 1, 3).reshape(-1, c.num_heads, c.head_dim)[:L]
+
+
+def expected_nan(kc, vc, bt, allowed_of):
+    """Per sequence, [S, Hq, D] bool (must, may): where eager attention over the stored values
+    outputs NaN, for the visible keys allowed_of(b) [S, L]. `must`: a query that sees a NaN
+    key (all dims) or value (its dims). `may` adds, for a NaN value that some query of the
+    chunk sees, its dims in the chunk's other queries: eager multiplies their probability 0 by
+    it (0 * NaN), and so does a kernel tile that holds such a query."""
+    out = []
+    for b in range(len(NAN_LENS)):
+        k, v = _stored(kc, bt, b), _stored(vc, bt, b)
+        allowed = allowed_of(b)                                           # [S, L]
+        nan_k = torch.isnan(k).any(-1)                                    # [L, Hkv]
+        nan_v = torch.isnan(v)                                            # [L, Hkv, D]
+        row_k = (allowed[:, :, None] & nan_k[None]).any(1)                # [S, Hkv]
+        row_v = (allowed[:, :, None, None] & nan_v[None]).any(1)          # [S, Hkv, D]
+        seen_v = (allowed.any(0)[:, None, None] & nan_v).any(0)           # [Hkv, D]
+        must = row_k[..., None] | row_v
+        may = must | seen_v[None]
+        out.append((must.repeat_interleave(NAN_G, 1), may.repeat_interleave(NAN_G, 1)))
+    return out
+
+
+def check_nan(out_rows, ref_rows, expect, what, tol):
+    # out_rows / ref_rows: per sequence [S, Hq, D]; expect: expected_nan's
+    for b, (o, r, (must, may)) in enumerate(zip(out_rows, ref_rows, expect)):
+        got = torch.isnan(o.float())
+        assert not (must & ~got).any(), f"{what}, sequence {b}: a NaN the query sees was lost"
+        assert not (got & ~may).any(), f"{what}, sequence {b}: NaN where no query sees one"
+        fine = ~may & torch.isfinite(r)
+        err = rel_err(o[fine], r[fine])
+        assert err <= tol, f"{what}, sequence {b}: relative error {err:.2e} > {tol:.1e}"
+
+
+def _nan_tol(fmt, q_dtype, device) -> float:
+    return max(REL_ERR[compute_dtype(fmt, device)], REL_ERR[q_dtype])
+
+
+def nan_decode_case(name, gran, residual, which, seed=1, device=DEV, q_dtype=torch.float32):
+    """NaN at sequence 0's token 5 (residual: 37, in the bf16 tail), kv head 1, dim 3 of K or
+    V: the decode kernel's output is NaN where eager attention puts it, with the token seen,
+    hidden by a window, hidden by key_mask. AssertionError otherwise."""
+    from kvcompile.kernels.reference import decode_mask_ref
+
+    P = 32 if name.startswith("int") and gran == "channel" else 16
+    fmt = make_format(name, gran, residual)
+    gen = torch.Generator().manual_seed(seed)
+    token = 37 if residual else 5
+    kc, vc, bt, sl = nan_pages(fmt, P, which, token, 3, gen, device)
+    B, D = len(NAN_LENS), NAN_D
+    q = torch.randn(B, NAN_HKV * NAN_G, 1, D, generator=gen).to(device, q_dtype)
+    tol = _nan_tol(fmt, q_dtype, device)
+    hide = 2 if residual else 16                  # a window that leaves the token out
+    for window, mask in ((0, None), (hide, None), (0, "hide")):
+        key_mask = None
+        if mask:
+            key_mask = torch.ones(B, max(NAN_LENS), dtype=torch.bool, device=device)
+            key_mask[0, token] = False
+        out = poison_(torch.empty_like(q))
+        launch_decode(q, kc.data, kc.scale, kc.micro, vc.data, vc.scale, vc.micro, bt, sl,
+                      key_mask, None, out, kc.fmt.name, kc.fmt.granularity, vc.fmt.name,
+                      vc.fmt.granularity, 1 / math.sqrt(D), window, 0, 0.0, 0, None,
+                      kz=kc.zero, vz=vc.zero, k_res=kc.res_data, k_res_slot=kc.res_slot,
+                      v_res=vc.res_data, v_res_slot=vc.res_slot)
+        ref = paged_decode_attention_ref(q, kc, vc, bt, sl, 1 / math.sqrt(D),
+                                         key_mask=key_mask, sliding_window=window)
+
+        def allowed(b, window=window, key_mask=key_mask):
+            L = NAN_LENS[b]
+            return decode_mask_ref(torch.arange(L - 1, L, device=device), L,
+                                   sliding_window=window,
+                                   key_mask=None if key_mask is None else key_mask[b])
+
+        expect = expected_nan(kc, vc, bt, allowed)
+        if not (window or mask):
+            assert expect[0][0].any() and not expect[1][1].any()
+        elif not (fmt.is_int or name == "fp4_e2m1"):   # NaN in its own code: hidden, inert
+            assert not any(e[1].any() for e in expect)
+        check_nan([out[b].transpose(0, 1) for b in range(B)],
+                  [ref[b].transpose(0, 1) for b in range(B)], expect,
+                  f"decode {name}/{gran} {which}, window {window}, key_mask {mask}", tol)
+
+
+def nan_prefill_case(name, gran, which, seed=2, device=DEV, q_dtype=torch.float32):
+    """The chunked prefill kernel over pages: chunks of 12 and 33 queries, the NaN at sequence
+    0's token 31, inside its chunk (seen by its queries from 31 on only), then behind a
+    sliding window that hides it from all."""
+    from kvcompile.kernels.prefill_launch import launch_paged_prefill
+    from kvcompile.kernels.reference import paged_prefill_attention_ref, prefill_mask_ref
+
+    fmt = make_format(name, gran)
+    gen = torch.Generator().manual_seed(seed)
+    kc, vc, bt, sl = nan_pages(fmt, 16, which, 31, 20, gen, device)
+    q_lens = [12, 33]
+    cu = torch.tensor([0, 12, 45], dtype=torch.int32, device=device)
+    q = torch.randn(45, NAN_HKV * NAN_G, NAN_D, generator=gen).to(device, q_dtype)
+    scale = 1 / math.sqrt(NAN_D)
+    tol = _nan_tol(fmt, q_dtype, device)
+    for window in (0, 4):
+        out = poison_(torch.empty_like(q))
+        launch_paged_prefill(q, out, (name, gran, kc.data, kc.scale, kc.micro),
+                             (name, gran, vc.data, vc.scale, vc.micro), bt, cu, sl, None,
+                             scale, window, 0, 0.0, max(q_lens))
+        ref = paged_prefill_attention_ref(q, kc, vc, bt, cu, sl, scale, sliding_window=window)
+
+        def allowed(b, window=window):
+            L, S = NAN_LENS[b], q_lens[b]
+            return prefill_mask_ref(torch.arange(L - S, L, device=device),
+                                    torch.arange(L, device=device), sliding_window=window)
+
+        expect = expected_nan(kc, vc, bt, allowed)
+        if window == 0:
+            must = expect[0][0]
+            assert not must[:3].any() and must[3:].any()   # queries 28-30 do not see it
+        check_nan([out[0:12], out[12:45]], [ref[0:12], ref[12:45]], expect,
+                  f"prefill {name}/{gran} {which}, window {window}", tol)
