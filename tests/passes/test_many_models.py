@@ -70,10 +70,26 @@ def test_twelve_families_in_one_process_are_all_compiled():
     assert not _kvcompile_warnings(record)
 
 
+def _only_this_model(monkeypatch, model) -> None:
+    import kvcompile.runtime as rt
+
+    real = rt.all_states
+    if model is None:   # backend route: the state appears at the first compile
+        created = set(id(s) for s in real())
+        monkeypatch.setattr(rt, "all_states", lambda: [s for s in real()
+                                                       if id(s) not in created])
+    else:
+        st = kvcompile.api.state_of(model)
+        monkeypatch.setattr(rt, "all_states", lambda: [st])
+
+
 def test_a_forward_dynamo_runs_eagerly_warns_once(monkeypatch):
     monkeypatch.setattr(recompiles, "DEFAULT_LIMIT", 1)     # a budget of one graph per model
     model = make_hf("llama")
     kvcompile.compile(model, _cfg())
+    # the budget scales with live kvcompile models: count only this one (models of earlier
+    # tests may still be alive, which would raise the limit past this test's one graph)
+    _only_this_model(monkeypatch, model)
     ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(0))
     with torch._dynamo.config.patch(recompile_limit=1), pytest.warns(RuntimeWarning, match="LlamaForCausalLM ran a forward without "
                       "kvcompile .*recompile limit.* Fix: raise torch._dynamo.config."
@@ -92,6 +108,7 @@ def test_backend_route_warns_when_dynamo_stops_compiling(monkeypatch):
     model = make_hf("llama")
     model.forward = torch.compile(model.forward, backend="kvcompile",
                                   options=dict(inner="eager", max_kv_bytes=1 << 22))
+    _only_this_model(monkeypatch, None)
     ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(0))
     limits = dict(recompile_limit=1, accumulated_recompile_limit=1)
     with torch._dynamo.config.patch(**limits), pytest.warns(RuntimeWarning, match="Dynamo stopped compiling .* a model compiled "
