@@ -109,7 +109,7 @@ def test_max_model_len_against_the_models_positions(model):
     for bad in (1, 2.5, True):
         with pytest.raises(RequestError, match="max_model_len"):
             Engine(model, max_model_len=bad)
-    state = SimpleNamespace(pool=SimpleNamespace(num_pages=1000, page_size=16),
+    state = SimpleNamespace(pool=SimpleNamespace(max_pages=1000, page_size=16),
                             config=SimpleNamespace(max_seq_len=None))
     gpt2 = SimpleNamespace(config=SimpleNamespace(n_positions=1024))   # GPT-2's name
     assert max_model_len(gpt2, state, None) == 1024
