@@ -1,0 +1,128 @@
+"""CPU generate speed: kvcompile (reference kernels) against plain Hugging Face, SmolLM2-135M.
+
+    python benchmarks/bench_cpu_generate.py                       # bf16 and fp8 pages
+    python benchmarks/bench_cpu_generate.py --kv fp8_e4m3 --repeats 7 --inner eager inductor
+
+Setup: SmolLM2-135M-Instruct (kvcompile.models, fp32 weights unless --dtype), a prompt of
+`--prompt` tokens of the Lee corpus (random ids if gensim is missing), `--new` greedy tokens
+(min_new_tokens = max_new_tokens). "hf" is the uncompiled model with its DynamicCache (HF's
+default attention, SDPA); each "kvc" row is a deep copy compiled with
+`kvcompile.compile(model, KVConfig(kv_dtype=..., inner=...))`, warmed up first (the first
+calls compile: their time is printed apart).
+
+The CPU is shared, so every repetition runs each model once, in turn (hf, kvc_a, kvc_b, ...,
+the order rotating): the ratio kvc / hf is taken pair by pair, within one repetition, and the
+table gives min / median over repetitions.
+
+    tok/s         new tokens / wall time of the whole generate call (prefill included)
+    decode tok/s  (new - 1) / (t_new - t_1), t_1 from a max_new_tokens=1 call of the same
+                  repetition
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import kvcompile  # noqa: E402
+from kvcompile.models import load_smollm2  # noqa: E402
+
+
+def prompt_ids(tok, n: int) -> torch.Tensor:
+    try:
+        from quality_data import lee_corpus_ids
+
+        ids = lee_corpus_ids(tok)[:n]
+    except Exception as e:  # noqa: BLE001  (gensim missing: any text does)
+        print(f"# Lee corpus unavailable ({e}); random token ids", flush=True)
+        ids = torch.randint(3, 49000, (n,), generator=torch.Generator().manual_seed(0))
+    return ids[None]
+
+
+def timed_generate(model, ids, n: int) -> float:
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                             min_new_tokens=n, do_sample=False, pad_token_id=0)
+    dt = time.perf_counter() - t0
+    assert out.shape[1] == ids.shape[1] + n
+    return dt
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kv", nargs="+", default=["bf16", "fp8_e4m3"])
+    ap.add_argument("--inner", nargs="+", default=["eager"],
+                    help="inner backends to compare (eager, inductor, aot_eager)")
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    model, tok, _ = load_smollm2(dtype)
+    ids = prompt_ids(tok, args.prompt)
+    print(f"# SmolLM2-135M {args.dtype}, prompt {ids.shape[1]}, {args.new} new tokens, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}", flush=True)
+    models = {"hf": model}
+    for inner in args.inner:
+        for kv in args.kv:
+            name = f"kvc_{kv}" + ("" if len(args.inner) == 1 else f"_{inner}")
+            m = copy.deepcopy(model)
+            t0 = time.perf_counter()
+            kvcompile.compile(m, kvcompile.KVConfig(kv_dtype=kv, inner=inner,
+                                                    max_kv_bytes=1 << 28))
+            # the first calls compile: prefill, the first decode step, then the dynamic-length
+            # decode graph; two calls reach the steady state
+            timed_generate(m, ids, 3)
+            first = time.perf_counter() - t0
+            timed_generate(m, ids, 3)
+            print(f"# {name}: compile + first generate(3) {first:.1f} s, "
+                  f"{len(kvcompile.report(m).rewritten)} sites rewritten", flush=True)
+            models[name] = m
+    timed_generate(model, ids, 3)  # HF warm-up
+    names = list(models)
+    full = {n: [] for n in names}
+    one = {n: [] for n in names}
+    for r in range(args.repeats):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for n in order:
+            one[n].append(timed_generate(models[n], ids, 1))
+            full[n].append(timed_generate(models[n], ids, args.new))
+        print(f"# repeat {r + 1}/{args.repeats}: " + ", ".join(
+            f"{n} {args.new / full[n][-1]:.2f} tok/s" for n in names), flush=True)
+
+    def tps(n):
+        return [args.new / t for t in full[n]]
+
+    def dps(n):
+        return [(args.new - 1) / max(t - t1, 1e-9) for t, t1 in zip(full[n], one[n])]
+
+    def mm(xs):
+        return f"{min(xs):7.2f} {statistics.median(xs):7.2f}"
+
+    print(f"\n{'path':22s} {'tok/s min':>9s} {'med':>7s} {'decode min':>10s} {'med':>7s}"
+          f" {'ratio tok/s min':>15s} {'med':>7s} {'ratio decode min':>16s} {'med':>7s}")
+    for n in names:
+        rt = [a / b for a, b in zip(tps(n), tps("hf"))]
+        rd = [a / b for a, b in zip(dps(n), dps("hf"))]
+        print(f"{n:22s} {mm(tps(n)):>17s} {mm(dps(n)):>18s} {mm(rt):>23s} {mm(rd):>24s}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
