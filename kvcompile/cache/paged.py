@@ -194,7 +194,8 @@ class PagedTensor:
         # page, off: [T]; x: [T, H, D] fp32
         fmt, g = self.fmt, self.fmt.granularity
         if g in ("page", "channel"):
-            self._write_grouped(page, off, x)
+            if not (g == "page" and fmt.name.startswith("fp8") and self._append_fp8(page, off, x)):
+                self._write_grouped(page, off, x)
             return
         if fmt.is_int:  # token
             s, z = int_params(x, -1, fmt.int_bits)                       # [T, H, 1]
@@ -212,6 +213,34 @@ class PagedTensor:
         self.data[page, :, off] = codes
         if micro is not None:
             self.micro[page, :, off] = micro
+
+    # fp8 codes whose low 7 bits minus 1 fall below this are finite and non-zero
+    _FP8_FINITE = {torch.float8_e4m3fn: 0x7E, torch.float8_e5m2: 0x7B}
+
+    def _append_fp8(self, page: torch.Tensor, off: torch.Tensor, x: torch.Tensor) -> bool:
+        """fp8 page scales, one new token per page (a decode step): what _write_grouped writes,
+        without decoding the pages, when no page's scale grows over earlier values (then no
+        earlier code changes). Returns False, having written nothing, otherwise."""
+        T, P = page.shape[0], self.page_size
+        if T > 1 and torch.unique(page).shape[0] != T:
+            return False
+        amax = finite_amax(x, -1, keepdim=False)                                   # [T, H]
+        s_old = self.scale[page]                                                   # [T, H]
+        # earlier valid tokens with a finite non-zero value (those that _write_grouped's
+        # old_amax sees): finite non-zero codes, whatever the scale
+        u = self.data[page].view(torch.uint8) & 0x7F                               # [T, H, P, D]
+        live = (u - 1) < self._FP8_FINITE[self.fmt.storage_dtype]
+        before = (torch.arange(P, device=page.device)[None, :] < off[:, None])[:, None, :, None]
+        had = (live & before).flatten(2).any(-1)                                   # [T, H]
+        cover = amax / self.fmt.scale_divisor
+        if bool((had & (cover > s_old)).any()):
+            return False  # a scale grows: earlier tokens are re-encoded by _write_grouped
+        # a group without such values takes its scale from the new token; its earlier codes
+        # (zeros, NaN) encode the same under any scale
+        s_new = torch.where(had, s_old, scale_from_amax(amax, self.fmt.scale_divisor))
+        self.scale[page] = s_new
+        self.data[page, :, off] = fp8_encode(x, s_new[..., None], self.fmt.storage_dtype)
+        return True
 
     def calibrate(self, x: torch.Tensor) -> None:
         """Tensor granularity without a static scale: on the first write, scale = amax(x) /
@@ -357,8 +386,12 @@ class PagedTensor:
                                         f"{x.shape[0]} tokens")
         if slots.numel() == 0:
             return
-        s = slots.long().sort().values
-        lo, hi, dup = torch.stack([s[0], s[-1], (s[1:] == s[:-1]).sum()]).tolist()
+        if slots.numel() == 1:  # a decode step's token: no duplicates to look for
+            lo = hi = int(slots[0])
+            dup = 0
+        else:
+            s = slots.long().sort().values
+            lo, hi, dup = torch.stack([s[0], s[-1], (s[1:] == s[:-1]).sum()]).tolist()
         total = self.num_pages * self.page_size
         if lo < 0 or hi >= total:
             raise CacheStateError(f"PagedTensor.write: slot {lo if lo < 0 else hi} out of range "
