@@ -140,7 +140,7 @@ class PagedTensor:
 
     def _decode_pages(self, page_ids: torch.Tensor) -> torch.Tensor:
         """[n] -> the stored codes of those pages, dequantized: [n, H, P, D] fp32."""
-        codes = self.data[page_ids]
+        codes = self.data.index_select(0, page_ids)
         fmt = self.fmt
         if not fmt.is_quantized:
             return codes.float()
