@@ -311,11 +311,10 @@ def _gather(paged, idx: torch.Tensor, b: int, total: int, dtype: torch.dtype) ->
     """The first `total` tokens of b rows whose pages are idx [b * n] -> [b, H, total, D] in
     `dtype` (dequantized by PagedTensor.read; unquantized pages read as stored)."""
     n, H, P, D = idx.numel() // b, paged.num_heads, paged.page_size, paged.head_dim
-    if not paged.fmt.is_quantized:
-        # heads first: the gather itself lays each head's tokens out contiguously (measured
-        # 1.5x faster than gathering pages and permuting them after)
-        x = paged.data.transpose(0, 1).index_select(1, idx)                  # [H, b*n, P, D]
-        return x.view(H, b, n * P, D).transpose(0, 1)[:, :, :total].to(dtype)
-    x = paged.read(idx).view(b, n, H, P, D).transpose(1, 2)                 # [b, H, n, P, D] fp32
+    if paged.fmt.is_quantized:
+        x = paged.read(idx)                                                  # [b*n, H, P, D]
+    else:
+        x = paged.data.index_select(0, idx)  # (a heads-first view of data would copy the pool)
+    # one pass lays each head's tokens out contiguously, in the compute dtype
     out = torch.empty((b, H, n, P, D), dtype=dtype, device=x.device)
-    return out.copy_(x).view(b, H, n * P, D)[:, :, :total]
+    return out.copy_(x.view(b, n, H, P, D).transpose(1, 2)).view(b, H, n * P, D)[:, :, :total]
