@@ -29,6 +29,7 @@ import torch
 from kvcompile.cache import grouped
 from kvcompile.cache.fp4 import (
     MICRO_BLOCK,
+    MIN_SCALE,
     e2m1_codes,
     e2m1_values,
     finite_amax,
@@ -177,8 +178,10 @@ class PagedTensor:
         the valid tokens of a (page, head) whose scales changed. Token scales come from each
         token; tensor scales are static or calibrated on the first write. NaN / Inf never enter
         a scale. With `residual`, see the module docstring."""
-        self._check_write(slots, x)
+        one = self._check_write(slots, x)
         if x.shape[0] == 0:
+            return
+        if one is not None and self._write_one(one, x[0]):
             return
         slots = slots.to(device=self.data.device, dtype=torch.long)
         x = x.to(self.data.device)
@@ -213,6 +216,35 @@ class PagedTensor:
         self.data[page, :, off] = codes
         if micro is not None:
             self.micro[page, :, off] = micro
+
+    # -- one token (a decode step of one sequence), in as few tensor ops as the CPU allows --
+
+    def _write_one(self, slot: int, x: torch.Tensor) -> bool:
+        """x [H, D] into `slot`, as write() stores it, for the formats that have a short path
+        (unquantized; fp8 with page scales that need not grow). False: nothing written."""
+        fmt = self.fmt
+        if fmt.residual or (fmt.is_quantized and not (fmt.name.startswith("fp8")
+                                                      and fmt.granularity == "page")):
+            return False
+        p, o = divmod(slot, self.page_size)
+        x = x.to(self.data.device)
+        if not fmt.is_quantized:
+            self.data[p, :, o] = x
+            return True
+        x = x.float()
+        amax = x.abs().nan_to_num_(0.0, 0.0, 0.0).amax(-1)                   # [H] finite amax
+        cover = amax / fmt.scale_divisor
+        fresh = torch.where(amax > 0, cover.clamp(min=MIN_SCALE), 1.0)       # scale_from_amax
+        if o:
+            s_old = self.scale[p]                                             # [H]
+            u = self.data[p, :, :o].view(torch.uint8) & 0x7F                  # [H, o, D]
+            had = ((u - 1) < self._FP8_FINITE[fmt.storage_dtype]).flatten(1).any(-1)
+            if bool((had & (cover > s_old)).any()):
+                return False  # the scale grows: _write_grouped re-encodes the earlier tokens
+            fresh = torch.where(had, s_old, fresh)
+        self.data[p, :, o] = fp8_encode(x, fresh[:, None], fmt.storage_dtype)
+        self.scale[p] = fresh
+        return True
 
     # fp8 codes whose low 7 bits minus 1 fall below this are finite and non-zero
     _FP8_FINITE = {torch.float8_e4m3fn: 0x7E, torch.float8_e5m2: 0x7B}
@@ -385,7 +417,7 @@ class PagedTensor:
             raise UnsupportedShapeError(f"PagedTensor.write: {slots.shape[0]} slots for "
                                         f"{x.shape[0]} tokens")
         if slots.numel() == 0:
-            return
+            return None
         if slots.numel() == 1:  # a decode step's token: no duplicates to look for
             lo = hi = int(slots[0])
             dup = 0
@@ -399,6 +431,7 @@ class PagedTensor:
         if dup:
             raise CacheStateError(f"PagedTensor.write: {dup} duplicate slot(s); each token of a "
                                   f"write needs its own slot")
+        return lo if slots.numel() == 1 else None
 
     def copy_pages(self, src, dst) -> None:
         """Copy whole pages src[i] -> dst[i] (data, scales, residual), for copy-on-write."""

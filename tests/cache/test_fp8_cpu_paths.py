@@ -37,8 +37,9 @@ def _appends(g, H, D, steps):
     return out
 
 
+@pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
-def test_one_token_append_equals_general_path(name, monkeypatch):
+def test_one_token_append_equals_general_path(name, rows, monkeypatch):
     fmt = KVFormat(name, "page")
     H, D, P, N = 3, 16, 8, 6
     fast, slow = fmt.allocate(N, H, P, D), fmt.allocate(N, H, P, D)
@@ -46,14 +47,18 @@ def test_one_token_append_equals_general_path(name, monkeypatch):
         t.data.view(torch.uint8).fill_(0x7F)   # unwritten slots: NaN codes
     g = torch.Generator().manual_seed(len(name))
     taken = {"fast": 0, "general": 0}
-    real = PagedTensor._append_fp8
+    # rows=1: one token per write (PagedTensor._write_one); rows=2: a token per page of two
+    # (PagedTensor._append_fp8); `slow` always takes the general path
+    real = PagedTensor._write_one if rows == 1 else PagedTensor._append_fp8
 
-    def counted(self, page, off, x):
-        ok = self is fast and real(self, page, off, x)
+    def counted(self, *args):
+        ok = self is fast and real(self, *args)
         taken["fast" if ok else "general"] += self is fast
         return ok
 
-    monkeypatch.setattr(PagedTensor, "_append_fp8", counted)
+    monkeypatch.setattr(PagedTensor, "_write_one" if rows == 1 else "_append_fp8", counted)
+    if rows == 1:
+        monkeypatch.setattr(PagedTensor, "_append_fp8", lambda self, *a: False)
     # a zero prefix (padding) then tokens one at a time; two sequences: rows of one step
     pad = torch.zeros(3, H, D)
     for t in (fast, slow):
@@ -62,17 +67,17 @@ def test_one_token_append_equals_general_path(name, monkeypatch):
     xs = _appends(g, H, D, 2 * (P * 3 - 3))
     for i in range(0, len(xs), 2):
         n = 3 + i // 2
-        slots = torch.tensor([n, 3 * P + n])
-        x = torch.cat(xs[i:i + 2])
+        slots = torch.tensor([n, 3 * P + n])[:rows]
+        x = torch.cat(xs[i:i + 2])[:rows]
         fast.write(slots, x)
         slow.write(slots, x)
-        valid = torch.cat([torch.arange(n + 1), 3 * P + torch.arange(n + 1)])
+        valid = torch.cat([torch.arange(n + 1), 3 * P + torch.arange(n + 1)][:rows])
         pg, off = valid // P, valid % P
         assert torch.equal(fast.data[pg, :, off].view(torch.uint8),
                            slow.data[pg, :, off].view(torch.uint8)), f"codes after token {n}"
         assert torch.equal(fast.scale[pg], slow.scale[pg]), f"scales after token {n}"
     assert taken["fast"] > 0 and taken["general"] > 0, taken
-    # two tokens of one page in one write: the general path
-    before = taken["general"]
-    fast.write(torch.tensor([P * 5, P * 5 + 1]), torch.randn(2, H, D, generator=g))
-    assert taken["general"] == before + 1
+    if rows == 2:  # two tokens of one page in one write: the general path
+        before = taken["general"]
+        fast.write(torch.tensor([P * 5, P * 5 + 1]), torch.randn(2, H, D, generator=g))
+        assert taken["general"] == before + 1
