@@ -26,6 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kvcompile.cache.fp8 import fp8_to_float
 from kvcompile.kernels.masks import align
 
 _MASKED = -1e4  # additive mask values at or below this mask their key (as masks.py reads them)
@@ -311,10 +312,19 @@ def _gather(paged, idx: torch.Tensor, b: int, total: int, dtype: torch.dtype) ->
     """The first `total` tokens of b rows whose pages are idx [b * n] -> [b, H, total, D] in
     `dtype` (dequantized by PagedTensor.read; unquantized pages read as stored)."""
     n, H, P, D = idx.numel() // b, paged.num_heads, paged.page_size, paged.head_dim
-    if paged.fmt.is_quantized:
+    fmt = paged.fmt
+    out = torch.empty((b, H, n, P, D), dtype=dtype, device=paged.data.device)
+    if fmt.name.startswith("fp8") and not fmt.residual:
+        # PagedTensor.read's fp8_decode, with the scale product writing the output layout
+        x = fp8_to_float(paged.data.index_select(0, idx))                    # [b*n, H, P, D]
+        sc = paged.scale_of(idx)                                             # bcast to x
+        if sc.shape[0] == x.shape[0]:
+            sc = sc.view(b, n, *sc.shape[1:]).transpose(1, 2)
+        torch.mul(x.view(b, n, H, P, D).transpose(1, 2), sc, out=out)
+        return out.view(b, H, n * P, D)[:, :, :total]
+    if fmt.is_quantized:
         x = paged.read(idx)                                                  # [b*n, H, P, D]
     else:
         x = paged.data.index_select(0, idx)  # (a heads-first view of data would copy the pool)
     # one pass lays each head's tokens out contiguously, in the compute dtype
-    out = torch.empty((b, H, n, P, D), dtype=dtype, device=x.device)
     return out.copy_(x.view(b, n, H, P, D).transpose(1, 2)).view(b, H, n * P, D)[:, :, :total]

@@ -163,7 +163,8 @@ def test_nonfinite_softcap_and_unmasked():
 # --- the paged path: every format ---------------------------------------------------------------
 
 FORMATS = [("bf16", "page"), ("fp16", "page"), ("fp32", "page"), ("fp8_e4m3", "page"),
-           ("fp8_e4m3", "token"), ("fp8_e4m3", "tensor"), ("fp8_e5m2", "page"), ("fp4_e2m1", "page"),
+           ("fp8_e4m3", "token"), ("fp8_e4m3", "tensor"), ("fp8_e4m3", "channel"),
+           ("fp8_e5m2", "page"), ("fp4_e2m1", "page"),
            ("fp4_e2m1", "token"), ("int4", "page"), ("int4", "token"), ("int3", "token"),
            ("int2", "page")]
 PLAIN = ("bf16", "fp16", "fp32")
