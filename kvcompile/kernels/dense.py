@@ -59,8 +59,8 @@ def sdpa_attention(q, k, v, allowed, additive, scale: float, causal: bool = Fals
         if allowed is not None:
             mask = mask.masked_fill(~allowed, float("-inf"))
     out = _sdpa(q.to(dt), k.to(dt), v.to(dt), mask, scale, causal)
-    if _all_finite(out):
-        return out
+    if (mask is None and not causal) or _all_finite(out):
+        return out  # (every query sees every key: SDPA propagates NaN / Inf as eager does)
     # a NaN / Inf in K or V (or in a masked slot): the exact rules of the module docstring
     return exact_attention(q, k, v, _causal_if(allowed, causal, S, L, q.device), additive,
                            scale, 0.0).to(dt)
