@@ -17,7 +17,8 @@ least disturbed by other processes).
 
     tok/s         new tokens / wall time of the whole generate call (prefill included)
     decode tok/s  (new - 1) / (t_new - t_1), t_1 from a max_new_tokens=1 call of the same
-                  repetition
+                  repetition; also per CPU second of the process (with --threads 1, the figure
+                  least moved by other processes on a shared machine)
 """
 
 from __future__ import annotations
@@ -51,14 +52,15 @@ def prompt_ids(tok, n: int) -> torch.Tensor:
     return ids[None]
 
 
-def timed_generate(model, ids, n: int) -> float:
-    t0 = time.perf_counter()
+def timed_generate(model, ids, n: int) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one greedy generate call."""
+    t0, c0 = time.perf_counter(), time.process_time()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                              min_new_tokens=n, do_sample=False, pad_token_id=0)
-    dt = time.perf_counter() - t0
+    dt, dc = time.perf_counter() - t0, time.process_time() - c0
     assert out.shape[1] == ids.shape[1] + n
-    return dt
+    return dt, dc
 
 
 def main(argv=None) -> int:
@@ -68,7 +70,7 @@ def main(argv=None) -> int:
                     help="inner backends to compare (eager, inductor, aot_eager)")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args(argv)
@@ -97,21 +99,21 @@ def main(argv=None) -> int:
             models[name] = m
     timed_generate(model, ids, 3)  # HF warm-up
     names = list(models)
-    full = {n: [] for n in names}
-    one = {n: [] for n in names}
+    full = {n: [] for n in names}   # (wall, cpu) of generate(new)
+    one = {n: [] for n in names}    # (wall, cpu) of generate(1)
     for r in range(args.repeats):
         order = names[r % len(names):] + names[:r % len(names)]
         for n in order:
             one[n].append(timed_generate(models[n], ids, 1))
             full[n].append(timed_generate(models[n], ids, args.new))
         print(f"# repeat {r + 1}/{args.repeats}: " + ", ".join(
-            f"{n} {args.new / full[n][-1]:.2f} tok/s" for n in names), flush=True)
+            f"{n} {args.new / full[n][-1][0]:.2f} tok/s" for n in names), flush=True)
 
-    def tps(n):
-        return [args.new / t for t in full[n]]
+    def tps(n, i=0):
+        return [args.new / t[i] for t in full[n]]
 
-    def dps(n):
-        return [(args.new - 1) / max(t - t1, 1e-9) for t, t1 in zip(full[n], one[n])]
+    def dps(n, i=0):
+        return [(args.new - 1) / max(t[i] - t1[i], 1e-9) for t, t1 in zip(full[n], one[n])]
 
     def row(name, xs, base):
         pair = [a / b for a, b in zip(xs, base)]
@@ -121,12 +123,13 @@ def main(argv=None) -> int:
     head = (f"{'path':24s} {'min':>8s} {'median':>8s} {'best':>8s} {'ratio':>8s} {'ratio':>8s} "
             f"{'ratio':>8s}\n{'':24s} {'':>8s} {'':>8s} {'':>8s} {'min':>8s} {'median':>8s} "
             f"{'best':>8s}")
-    for title, f in ((f"tok/s, whole generate({args.new})", tps),
-                     (f"decode tok/s, (t_{args.new} - t_1) / {args.new - 1}", dps)):
+    for title, f, i in ((f"tok/s, whole generate({args.new})", tps, 0),
+                        (f"decode tok/s, (t_{args.new} - t_1) / {args.new - 1}", dps, 0),
+                        ("decode tok/s per CPU second (process CPU time, not wall)", dps, 1)):
         print(f"\n{title}; ratio = path / hf, pair by pair (min, median) and best / best")
         print(head)
         for n in names:
-            print(row(n, f(n), f("hf")))
+            print(row(n, f(n, i), f("hf", i)))
     return 0
 
 

@@ -239,40 +239,48 @@ def paged_reference_attention(pool, layer: int, q, plan, attn_mask, is_causal, s
                               softcap, scale):
     """Attention of q over the pool's pages of `layer` for each sequence of the plan.
     q [B, Hq, S, D] (packed: [1, Hq, T, D]) -> [B, Hq, S, Dv] in compute_dtype(q.dtype).
-    Rows of one length share one gather and one SDPA call (every row, in a generate call)."""
+    Rows of one length share one gather and one SDPA call (every row, in a generate call);
+    what the layers of a forward share (page indices, masks) is built by the first."""
     kt, vt = pool.k[layer], pool.v[layer]
     if plan.packed:
         return _packed_attention(kt, vt, q, plan, sliding_window, softcap, scale)
+    key = ("reference", None if attn_mask is None else (attn_mask.data_ptr(),
+                                                       tuple(attn_mask.shape)),
+           is_causal, sliding_window, q.shape[2])
+    groups = plan.cache.get(key)
+    if groups is None:
+        groups = plan.cache[key] = _groups(plan, attn_mask, is_causal, sliding_window, q.shape[2],
+                                           kt.page_size, q.device)
+    dt = compute_dtype(q.dtype)
+    if len(groups) == 1 and groups[0][0] is None:  # every row one length
+        _, idx, b, total, allowed, additive, causal = groups[0]
+        return sdpa_attention(q, _gather(kt, idx, b, total, dt), _gather(vt, idx, b, total, dt),
+                              allowed, additive, scale, causal, softcap)
     B, Hq, S, _ = q.shape
-    groups: dict[int, list[int]] = {}
+    out = torch.empty((B, Hq, S, vt.head_dim), dtype=dt, device=q.device)
+    for rows, idx, b, total, allowed, additive, causal in groups:
+        out[rows] = sdpa_attention(q[rows], _gather(kt, idx, b, total, dt),
+                                   _gather(vt, idx, b, total, dt), allowed, additive, scale,
+                                   causal, softcap)
+    return out
+
+
+def _groups(plan, attn_mask, is_causal: bool, window: int, s: int, page_size: int, device):
+    """Rows of the plan by length: (rows [b] index or None for all, page index [b * n], b,
+    total, allowed, additive, causal) each."""
+    by_len: dict[int, list[int]] = {}
     for b, total in enumerate(plan.seq_lens_list):
-        groups.setdefault(total, []).append(b)
-    out = None
-    for total, rows in groups.items():
-        whole = len(rows) == B
-        key = ("reference", total, None if whole else tuple(rows))
-        if key not in plan.cache:
-            plan.cache[key] = _pages(plan.block_tables, rows, whole, total, kt.page_size)
-        idx = plan.cache[key]
-        dt = compute_dtype(q.dtype)
-        k, v = _gather(kt, idx, len(rows), total, dt), _gather(vt, idx, len(rows), total, dt)
-        mkey = ("reference_mask", total, None if whole else tuple(rows),
-                None if attn_mask is None else (attn_mask.data_ptr(), tuple(attn_mask.shape)),
-                is_causal, sliding_window, S, tuple(plan.kv_start[b] for b in rows))
-        if mkey not in plan.cache:
-            m = attn_mask
-            if m is not None and not whole and m.dim() == 4 and m.shape[0] > 1:
-                m = m[rows]
-            starts = [plan.kv_start[b] for b in rows]
-            plan.cache[mkey] = _masks(m, S, total, is_causal, sliding_window, starts, q.device)
-        allowed, additive, causal = plan.cache[mkey]
-        o = sdpa_attention(q if whole else q[rows], k, v, allowed, additive, scale, causal,
-                           softcap)
-        if whole:
-            return o
-        if out is None:
-            out = o.new_empty((B, Hq, S, o.shape[-1]))
-        out[rows] = o
+        by_len.setdefault(total, []).append(b)
+    out = []
+    for total, rows in by_len.items():
+        whole = len(rows) == plan.batch
+        m = attn_mask
+        if m is not None and not whole and m.dim() == 4 and m.shape[0] > 1:
+            m = m[rows]
+        masks = _masks(m, s, total, is_causal, window, [plan.kv_start[b] for b in rows], device)
+        idx = _pages(plan.block_tables, rows, whole, total, page_size)
+        sel = None if whole else torch.tensor(rows, device=device)
+        out.append((sel, idx, len(rows), total, *masks))
     return out
 
 

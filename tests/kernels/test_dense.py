@@ -241,3 +241,43 @@ def test_paged_reference_bf16_is_sdpa_on_the_stored_values():
         q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=0.125, enable_gqa=True)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_paged_reference_rows_of_different_lengths(packed):
+    """Rows of a batch (or sequences of an engine's packed batch) with different lengths: each
+    attends over its own tokens, as eager over its K/V alone."""
+    g = torch.Generator().manual_seed(11)
+    fmt, H, Hq, D, P = KVFormat("fp8_e4m3", "page"), 2, 4, 32, 16
+    lens, s = [37, 20, 37], 3
+    kvs = [(torch.randn(n, H, D, generator=g), torch.randn(n, H, D, generator=g)) for n in lens]
+    n_pages = [(n + P - 1) // P for n in lens]
+    kc, vc = fmt.allocate(sum(n_pages) + 1, H, P, D), fmt.allocate(sum(n_pages) + 1, H, P, D)
+    bt = torch.zeros(len(lens), max(n_pages), dtype=torch.int32)
+    first = 1  # page 0 unused: block-table padding points at it
+    for b, ((k, v), n) in enumerate(zip(kvs, lens)):
+        pages = torch.arange(first, first + n_pages[b])
+        first += n_pages[b]
+        bt[b, :n_pages[b]] = pages.int()
+        slots = (pages[:, None] * P + torch.arange(P)[None]).reshape(-1)[:n]
+        kc.write(slots, k)
+        vc.write(slots, v)
+    pool = SimpleNamespace(k=[kc], v=[vc])
+    q = torch.randn(len(lens), Hq, s, D, generator=g)
+    lens_t = torch.tensor(lens)
+    if packed:
+        plan = StepPlan([0, 1, 2], 3, s, [n - s for n in lens], torch.zeros(1), bt, lens_t,
+                        lens, [0] * 3, packed=True,
+                        cu_seqlens_q=torch.arange(0, 3 * s + 1, s, dtype=torch.int32))
+        got = paged_reference_attention(pool, 0, q.transpose(0, 1).reshape(1, Hq, 3 * s, D)
+                                        .contiguous(), plan, None, True, 0, 0.0, 0.2)
+        got = got.reshape(Hq, 3, s, D).transpose(0, 1)
+    else:
+        plan = StepPlan([0, 1, 2], 3, s, [n - s for n in lens], torch.zeros(1), bt, lens_t,
+                        lens, [0] * 3)
+        got = paged_reference_attention(pool, 0, q, plan, None, True, 0, 0.0, 0.2)
+    for b, n in enumerate(lens):
+        kd, vd = gather_pages(kc, bt[b], n)[None], gather_pages(vc, bt[b], n)[None]
+        seen = torch.arange(n)[None] <= torch.arange(n - s, n)[:, None]
+        ref = eager_rows(q[b:b + 1], kd, vd, seen[None, None], 0.2)
+        assert_matches_eager(got[b:b + 1], ref, torch.float32, f"row {b}, packed={packed}")
