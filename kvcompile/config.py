@@ -24,7 +24,7 @@ PAGE_SIZES = (8, 16, 32, 64, 128)
 # per layer; channel: per (page, kv-head, channel), KIVI-style, for keys.
 SCALE_GRANULARITIES = ("page", "token", "tensor", "channel")
 ROTATIONS = (None, "hadamard")
-INNER_BACKENDS = ("inductor", "aot_eager", "eager")
+INNER_BACKENDS = ("auto", "inductor", "aot_eager", "eager")
 KERNEL_CHOICES = ("auto", "triton", "reference")
 
 # Fields that `configure` may override per module; the rest are global to the pool.
@@ -165,7 +165,11 @@ class KVConfig:
     eviction: None or a policy (SinkWindow, H2O, SnapKV).
     rotate: None or "hadamard": rotate q and k over head_dim before quantizing keys.
     check_finite: raise NonFiniteKVError when NaN/Inf enters the cache (costs a sync).
-    inner: the backend the rest of the graph goes to ("inductor"; "aot_eager" to debug).
+    inner: the backend the rest of the graph goes to. "auto" (the default): inductor on CUDA,
+        "eager" on the CPU, where inductor's C++ compile is slow and buys the CPU path nothing
+        (SmolLM2-135M on 2 cores: compile + the first generate took 280 s with inductor
+        against about 28 s eager, and decode ran no faster; benchmarks/RESULTS.md, "CPU
+        generate"). "aot_eager" functionalizes the graph as inductor would (debugging).
     kernels: "auto" (Triton on CUDA, PyTorch reference on the CPU), "triton" or "reference".
     residual: keep a sequence's last, partly filled page in bf16 until it fills (int4/int2).
     enabled: False leaves attention sites untouched (useful per module through `configure`).
@@ -184,7 +188,7 @@ class KVConfig:
     eviction: EvictionPolicy | None = None
     rotate: str | None = None
     check_finite: bool = False
-    inner: str = "inductor"
+    inner: str = "auto"
     kernels: str = "auto"
     residual: bool = False
     enabled: bool = True
