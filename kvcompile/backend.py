@@ -3,8 +3,9 @@
     torch.compile(model.forward, backend="kvcompile", options={"kv_dtype": "fp8_e4m3"})
 
 Dynamo hands each graph to `kvcompile_backend`, which runs the passes (kvcompile/passes) on the
-torch-level graph, compiles the result with inductor (or `options["inner"]`), and wraps it in a
-`GraphRunner` that binds each call to its pool sequences and sets the forward context.
+torch-level graph, compiles the result with `options["inner"]` (auto: inductor on CUDA, eager on
+the CPU), and wraps it in a `GraphRunner` that binds each call to its pool sequences and sets the
+forward context.
 
 Dynamo keeps the GraphRunner as long as the code object it compiled, which on this route is a
 transformers function shared by every model: the runner holds its model's state weakly and
@@ -100,7 +101,17 @@ def _backend_error(e: KVCompileError) -> Exception:
     return err
 
 
+def resolve_inner(inner: str, example_inputs) -> str:
+    """KVConfig.inner "auto": inductor where the graph runs on CUDA, eager on the CPU (see
+    KVConfig's docstring for what inductor costs there)."""
+    if inner != "auto":
+        return inner
+    cuda = any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
+    return "inductor" if cuda else "eager"
+
+
 def compile_inner(gm, example_inputs, inner: str):
+    inner = resolve_inner(inner, example_inputs)
     if inner == "inductor":
         from torch._inductor.compile_fx import compile_fx
 

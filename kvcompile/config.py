@@ -26,7 +26,7 @@ PAGE_SIZES = (8, 16, 32, 64, 128)
 # per layer; channel: per (page, kv-head, channel), KIVI-style, for keys.
 SCALE_GRANULARITIES = ("page", "token", "tensor", "channel")
 ROTATIONS = (None, "hadamard")
-INNER_BACKENDS = ("inductor", "aot_eager", "eager")
+INNER_BACKENDS = ("auto", "inductor", "aot_eager", "eager")
 KERNEL_CHOICES = ("auto", "triton", "cuda", "reference")
 # When the pool takes its memory (cache/sizing.py): "grow" on demand up to the budget,
 # "upfront" all of it at the first forward; "auto": grow for HF generate, upfront for the Engine.
@@ -186,7 +186,11 @@ class KVConfig:
     eviction: None or a policy (SinkWindow, H2O, SnapKV).
     rotate: None or "hadamard": rotate q and k over head_dim before quantizing keys.
     check_finite: raise NonFiniteKVError when NaN/Inf enters the cache (costs a sync).
-    inner: the backend the rest of the graph goes to ("inductor"; "aot_eager" to debug).
+    inner: the backend the rest of the graph goes to. "auto" (the default): inductor on CUDA,
+        "eager" on the CPU, where inductor's C++ compile is slow and buys the CPU path nothing
+        (SmolLM2-135M on 2 cores: compile + the first generate took 280 s with inductor
+        against about 28 s eager, and decode ran no faster; benchmarks/RESULTS.md, "CPU
+        generate"). "aot_eager" functionalizes the graph as inductor would (debugging).
     kernels: "auto" (Triton on CUDA, PyTorch reference on the CPU), "triton", "reference", or
         "cuda": decode through the CUDA C++ kernel on Hopper (sm_90) where it takes the pages
         (bf16 / fp16 / fp8; kernels/decode_sm90.py), Triton for the rest. Not yet the default:
@@ -209,7 +213,7 @@ class KVConfig:
     eviction: EvictionPolicy | None = None
     rotate: str | None = None
     check_finite: bool = False
-    inner: str = "inductor"
+    inner: str = "auto"
     kernels: str = "auto"
     residual: bool = False
     enabled: bool = True

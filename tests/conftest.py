@@ -1,5 +1,6 @@
 """Test session setup shared by every test folder."""
 
+import logging
 import os
 
 import pytest
@@ -8,6 +9,30 @@ import torch
 if not torch.cuda.is_available():
     # Triton kernels run under the interpreter on the CPU machines.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _quiet_torch_trace() -> None:
+    # torch's structured-trace logger ("torch.__trace", always DEBUG) never propagates, and
+    # pytest attaches its capture handler to every logger that does not: torch then sees a
+    # handler, builds the trace payload of every compile event and logs it (about 3,000 DEBUG
+    # lines in one failure report of tests/test_realmodel.py). A propagating logger keeps
+    # pytest's handler off it, and without TORCH_TRACE torch's own lazy handler, which would
+    # remove itself at the first record, goes now: torch builds no payload and logs nothing.
+    trace = logging.getLogger("torch.__trace")
+    trace.propagate = True
+    for h in list(trace.handlers):
+        if type(h).__name__ == "LazyTraceHandler" and getattr(h, "root_dir", "") is None:
+            trace.removeHandler(h)
+
+
+_quiet_torch_trace()
+
+
+@pytest.fixture(autouse=True)
+def _quiet_logs():
+    """Again before each test: torch._logging.set_logs (a test checking recompile logs)
+    resets the logger."""
+    _quiet_torch_trace()
 
 
 @pytest.fixture(autouse=True)

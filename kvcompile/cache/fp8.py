@@ -26,7 +26,24 @@ def fp8_encode(x: torch.Tensor, scale, dtype: torch.dtype) -> torch.Tensor:
 
 
 def fp8_decode(codes: torch.Tensor, scale) -> torch.Tensor:
-    return codes.float() * scale
+    return fp8_to_float(codes) * scale
+
+
+# torch's CPU fp8 -> fp32 cast of E4M3 runs element by element (about 10 ns per element on
+# torch 2.13, 2026-12), and a CPU decode step dequantizes every cached token of every layer: on
+# the CPU the codes index a table of the 256 values instead (3-5x faster, the same values).
+_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def fp8_to_float(codes: torch.Tensor) -> torch.Tensor:
+    """float(codes): fp8 codes [...] -> fp32 [...], NaN kept."""
+    if codes.device.type != "cpu":
+        return codes.float()
+    key = (codes.dtype, codes.device)
+    if key not in _TABLES:
+        _TABLES[key] = torch.arange(256, dtype=torch.uint8).view(codes.dtype).float()
+    flat = codes.reshape(-1).view(torch.uint8).int()
+    return _TABLES[key].index_select(0, flat).view(codes.shape)
 
 
 def grow_page_scale(scale: torch.Tensor, cover: torch.Tensor) -> torch.Tensor:

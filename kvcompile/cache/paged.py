@@ -29,6 +29,7 @@ import torch
 from kvcompile.cache import grouped
 from kvcompile.cache.fp4 import (
     MICRO_BLOCK,
+    MIN_SCALE,
     e2m1_codes,
     e2m1_values,
     finite_amax,
@@ -140,7 +141,7 @@ class PagedTensor:
 
     def _decode_pages(self, page_ids: torch.Tensor) -> torch.Tensor:
         """[n] -> the stored codes of those pages, dequantized: [n, H, P, D] fp32."""
-        codes = self.data[page_ids]
+        codes = self.data.index_select(0, page_ids)
         fmt = self.fmt
         if not fmt.is_quantized:
             return codes.float()
@@ -177,8 +178,10 @@ class PagedTensor:
         the valid tokens of a (page, head) whose scales changed. Token scales come from each
         token; tensor scales are static or calibrated on the first write. NaN / Inf never enter
         a scale. With `residual`, see the module docstring."""
-        self._check_write(slots, x)
+        one = self._check_write(slots, x)
         if x.shape[0] == 0:
+            return
+        if one is not None and self._write_one(one, x[0]):
             return
         slots = slots.to(device=self.data.device, dtype=torch.long)
         x = x.to(self.data.device)
@@ -194,7 +197,8 @@ class PagedTensor:
         # page, off: [T]; x: [T, H, D] fp32
         fmt, g = self.fmt, self.fmt.granularity
         if g in ("page", "channel"):
-            self._write_grouped(page, off, x)
+            if not (g == "page" and fmt.name.startswith("fp8") and self._append_fp8(page, off, x)):
+                self._write_grouped(page, off, x)
             return
         if fmt.is_int:  # token
             s, z = int_params(x, -1, fmt.int_bits)                       # [T, H, 1]
@@ -212,6 +216,63 @@ class PagedTensor:
         self.data[page, :, off] = codes
         if micro is not None:
             self.micro[page, :, off] = micro
+
+    # -- one token (a decode step of one sequence), in as few tensor ops as the CPU allows --
+
+    def _write_one(self, slot: int, x: torch.Tensor) -> bool:
+        """x [H, D] into `slot`, as write() stores it, for the formats that have a short path
+        (unquantized; fp8 with page scales that need not grow). False: nothing written."""
+        fmt = self.fmt
+        if fmt.residual or (fmt.is_quantized and not (fmt.name.startswith("fp8")
+                                                      and fmt.granularity == "page")):
+            return False
+        p, o = divmod(slot, self.page_size)
+        x = x.to(self.data.device)
+        if not fmt.is_quantized:
+            self.data[p, :, o] = x
+            return True
+        x = x.float()
+        amax = x.abs().nan_to_num_(0.0, 0.0, 0.0).amax(-1)                   # [H] finite amax
+        cover = amax / fmt.scale_divisor
+        fresh = torch.where(amax > 0, cover.clamp(min=MIN_SCALE), 1.0)       # scale_from_amax
+        if o:
+            s_old = self.scale[p]                                             # [H]
+            u = self.data[p, :, :o].view(torch.uint8) & 0x7F                  # [H, o, D]
+            had = ((u - 1) < self._FP8_FINITE[fmt.storage_dtype]).flatten(1).any(-1)
+            if bool((had & (cover > s_old)).any()):
+                return False  # the scale grows: _write_grouped re-encodes the earlier tokens
+            fresh = torch.where(had, s_old, fresh)
+        self.data[p, :, o] = fp8_encode(x, fresh[:, None], fmt.storage_dtype)
+        self.scale[p] = fresh
+        return True
+
+    # fp8 codes whose low 7 bits minus 1 fall below this are finite and non-zero
+    _FP8_FINITE = {torch.float8_e4m3fn: 0x7E, torch.float8_e5m2: 0x7B}
+
+    def _append_fp8(self, page: torch.Tensor, off: torch.Tensor, x: torch.Tensor) -> bool:
+        """fp8 page scales, one new token per page (a decode step): what _write_grouped writes,
+        without decoding the pages, when no page's scale grows over earlier values (then no
+        earlier code changes). Returns False, having written nothing, otherwise."""
+        T, P = page.shape[0], self.page_size
+        if T > 1 and torch.unique(page).shape[0] != T:
+            return False
+        amax = finite_amax(x, -1, keepdim=False)                                   # [T, H]
+        s_old = self.scale[page]                                                   # [T, H]
+        # earlier valid tokens with a finite non-zero value (those that _write_grouped's
+        # old_amax sees): finite non-zero codes, whatever the scale
+        u = self.data[page].view(torch.uint8) & 0x7F                               # [T, H, P, D]
+        live = (u - 1) < self._FP8_FINITE[self.fmt.storage_dtype]
+        before = (torch.arange(P, device=page.device)[None, :] < off[:, None])[:, None, :, None]
+        had = (live & before).flatten(2).any(-1)                                   # [T, H]
+        cover = amax / self.fmt.scale_divisor
+        if bool((had & (cover > s_old)).any()):
+            return False  # a scale grows: earlier tokens are re-encoded by _write_grouped
+        # a group without such values takes its scale from the new token; its earlier codes
+        # (zeros, NaN) encode the same under any scale
+        s_new = torch.where(had, s_old, scale_from_amax(amax, self.fmt.scale_divisor))
+        self.scale[page] = s_new
+        self.data[page, :, off] = fp8_encode(x, s_new[..., None], self.fmt.storage_dtype)
+        return True
 
     def calibrate(self, x: torch.Tensor) -> None:
         """Tensor granularity without a static scale: on the first write, scale = amax(x) /
@@ -356,9 +417,13 @@ class PagedTensor:
             raise UnsupportedShapeError(f"PagedTensor.write: {slots.shape[0]} slots for "
                                         f"{x.shape[0]} tokens")
         if slots.numel() == 0:
-            return
-        s = slots.long().sort().values
-        lo, hi, dup = torch.stack([s[0], s[-1], (s[1:] == s[:-1]).sum()]).tolist()
+            return None
+        if slots.numel() == 1:  # a decode step's token: no duplicates to look for
+            lo = hi = int(slots[0])
+            dup = 0
+        else:
+            s = slots.long().sort().values
+            lo, hi, dup = torch.stack([s[0], s[-1], (s[1:] == s[:-1]).sum()]).tolist()
         total = self.num_pages * self.page_size
         if lo < 0 or hi >= total:
             raise CacheStateError(f"PagedTensor.write: slot {lo if lo < 0 else hi} out of range "
@@ -366,6 +431,7 @@ class PagedTensor:
         if dup:
             raise CacheStateError(f"PagedTensor.write: {dup} duplicate slot(s); each token of a "
                                   f"write needs its own slot")
+        return lo if slots.numel() == 1 else None
 
     def copy_pages(self, src, dst) -> None:
         """Copy whole pages src[i] -> dst[i] (data, scales, residual), for copy-on-write."""

@@ -1,9 +1,22 @@
 """Plain-PyTorch attention used at run time where no kernel applies.
 
-`dense_attention` is attention over given k/v (a graph run without a cache binding).
-`paged_reference_attention` gathers a layer's pages, dequantizes them with the formats'
-reference decoders and attends in fp32, applying any mask exactly as given. It is what the CPU
-runs (KVConfig.kernels="reference") and the fallback for masks no kernel can express.
+`paged_reference_attention` is what the CPU runs (KVConfig.kernels="reference", the default off
+CUDA) and the fallback for masks or formats no kernel takes. It gathers a layer's pages for the
+rows of a forward (one page-index tensor per forward, shared by every layer), dequantizes them
+with the formats' reference decoders (PagedTensor.read) and calls torch SDPA in the model's
+dtype with GQA: the kernel and dtype of Hugging Face's own SDPA attention, so that bf16 pages
+give eager's numbers. `dense_attention` is the same over given k/v (a graph run without a cache
+binding).
+
+Non-finite values. A query's output is attention over the keys it may see:
+- a NaN / Inf in a seen key's K or V reaches that query's output as it does in eager attention
+  (softmax(q k^T) v: NaN, or +-Inf through V);
+- masked keys are inert whatever they hold: stored slots never written may hold anything
+  (storage is torch.empty). Eager instead multiplies their probability 0 by their value, so
+  that a NaN under the mask (or a causally later one) turns rows that never see it into NaN;
+- a query that sees no key outputs 0 (as torch SDPA does on the CPU).
+SDPA runs first; only where its output is not finite is the attention recomputed in fp32 by
+`exact_attention`, which applies these rules.
 """
 
 from __future__ import annotations
@@ -13,148 +26,313 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kvcompile.cache.fp8 import fp8_to_float
 from kvcompile.kernels.masks import align
 
+_MASKED = -1e4  # additive mask values at or below this mask their key (as masks.py reads them)
+_Q_BLOCK = 1024  # queries per block of exact_attention: bounds its [B, Hq, S, L] scores
 
-def attend_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed, additive,
-                scale: float, softcap: float) -> torch.Tensor:
-    """q [Hq, S, D], k [Hkv, L, D], v [Hkv, L, Dv] (any float), allowed [.., S, L] bool or None,
-    additive [.., S, L] or None -> [Hq, S, Dv] fp32. Rows with no allowed key give 0."""
-    hq, hkv = q.shape[0], k.shape[0]
-    rep, S, L = hq // hkv, q.shape[1], k.shape[1]
-    kf, vf = k.float(), v.float()
-    # GQA without repeating K/V: the query heads of a group share one matmul
-    qg = q.float().reshape(hkv, rep * S, q.shape[-1])                  # [Hkv, rep*S, D]
-    s = torch.matmul(qg, kf.transpose(-1, -2)).reshape(hq, S, L) * scale   # [Hq, S, L]
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype SDPA runs in: the model's if half precision, else fp32."""
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def sdpa_attention(q, k, v, allowed, additive, scale: float, causal: bool = False,
+                   softcap: float = 0.0) -> torch.Tensor:
+    """q [B, Hq, S, D], k [B, Hkv, L, D], v [B, Hkv, L, Dv] (any float dtypes); allowed
+    [B|1, Hq|1, S, L] bool or None; additive [B|1, Hq|1, S, L] float or None (values <= -1e4
+    mask their key); causal: the S queries are the last S of the L positions and see only keys
+    at or before their own. -> [B, Hq, S, Dv] in compute_dtype(q.dtype)."""
+    S, L = q.shape[2], k.shape[2]
+    if causal and (allowed is not None or additive is not None or S != L):
+        c = _causal(S, L, q.device)[None, None]
+        allowed = c if allowed is None else allowed & c
+        causal = False
+    dt = compute_dtype(q.dtype)
     if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    if additive is not None:
-        s = s + additive.float()
-    if allowed is not None:
-        s = s.masked_fill(~allowed, float("-inf"))
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = torch.exp(s - m)
-    denom = p.sum(-1, keepdim=True)
-    p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
-    # masked keys contribute exactly zero, even if their stored values are not finite
-    vf = torch.where(torch.isfinite(vf), vf, torch.zeros_like(vf)) if allowed is not None else vf
-    out = torch.matmul(p.reshape(hkv, rep * S, L), vf)                   # [Hkv, rep*S, Dv]
-    return out.reshape(hq, S, vf.shape[-1])
-
-
-def attend_sdpa(q, k, v, allowed, additive, scale: float, causal: bool = False) -> torch.Tensor:
-    """The same contract as `attend_fp32`, through torch SDPA in the model's dtype: the CUDA
-    prefill path while the Triton prefill kernels are opt-in (runtime.KernelDispatch)."""
-    dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
-    mask = None
+        return exact_attention(q, k, v, _causal_if(allowed, causal, S, L, q.device), additive,
+                               scale, softcap).to(dt)
+    mask = allowed
     if additive is not None:
         mask = additive.to(dt)
         if allowed is not None:
             mask = mask.masked_fill(~allowed, float("-inf"))
-    elif allowed is not None and not causal:
-        mask = allowed
-    out = F.scaled_dot_product_attention(
-        q[None].to(dt), k[None].to(dt), v[None].to(dt),
-        attn_mask=None if mask is None else mask[None], scale=scale,
-        is_causal=causal and mask is None, enable_gqa=q.shape[0] != k.shape[0])[0]
-    return torch.nan_to_num(out.float(), nan=0.0)  # rows with no key: 0, as attend_fp32
+    out = _sdpa(q.to(dt), k.to(dt), v.to(dt), mask, scale, causal)
+    if (mask is None and not causal) or _all_finite(out):
+        return out  # (every query sees every key: SDPA propagates NaN / Inf as eager does)
+    # a NaN / Inf in K or V (or in a masked slot): the exact rules of the module docstring
+    return exact_attention(q, k, v, _causal_if(allowed, causal, S, L, q.device), additive,
+                           scale, 0.0).to(dt)
 
 
-def _attend(q, k, v, allowed, additive, scale, softcap, causal_only: bool):
-    if q.is_cuda and not softcap:
-        return attend_sdpa(q, k, v, allowed, additive, scale, causal=causal_only)
-    return attend_fp32(q, k, v, allowed, additive, scale, softcap)
+def _sdpa(q, k, v, mask, scale: float, causal: bool) -> torch.Tensor:
+    B, Hq, S, _ = q.shape
+    Hkv = k.shape[1]
+    if S == 1 and Hq != Hkv and (mask is None or mask.shape[1] == 1):
+        # one query per row: the query heads of a group become the group's query rows (as HF
+        # does for a masked decode step), so that each K/V head is read once
+        out = F.scaled_dot_product_attention(q.reshape(B, Hkv, Hq // Hkv, -1), k, v,
+                                             attn_mask=mask, scale=scale)
+        return out.reshape(B, Hq, 1, -1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                          is_causal=causal, enable_gqa=Hq != Hkv)
 
+
+def exact_attention(q, k, v, allowed, additive, scale: float, softcap: float) -> torch.Tensor:
+    """The contract of `sdpa_attention` (causality given in `allowed`), in fp32 math, with the
+    non-finite rules of the module docstring. -> [B, Hq, S, Dv] fp32."""
+    S = q.shape[2]
+    if S <= _Q_BLOCK:
+        return _exact(q, k, v, allowed, additive, scale, softcap)
+    outs = []
+    for s0 in range(0, S, _Q_BLOCK):
+        rows = slice(s0, min(S, s0 + _Q_BLOCK))
+        outs.append(_exact(q[:, :, rows], k, v, _rows(allowed, rows), _rows(additive, rows),
+                           scale, softcap))
+    return torch.cat(outs, dim=2)
+
+
+def _exact(q, k, v, allowed, additive, scale, softcap):
+    B, Hq, S, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    rep = Hq // Hkv
+    # GQA without repeating K/V: the query heads of a group share one matmul
+    qg = q.float().reshape(B, Hkv, rep * S, D)
+    s = torch.matmul(qg, k.float().transpose(-1, -2)).reshape(B, Hq, S, L) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    seen = allowed
+    if additive is not None:
+        s = s + additive.float()
+        kept = additive > _MASKED
+        seen = kept if seen is None else seen & kept
+    if seen is not None:
+        s = s.masked_fill(~seen, float("-inf"))   # a masked key's NaN score is gone here
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, 0.0)   # NaN stays NaN through exp; -inf rows -> 0
+    p = torch.exp(s - m)
+    denom = p.sum(-1, keepdim=True)
+    p = p / torch.where(denom > 0, denom, 1.0)
+    pg = p.reshape(B, Hkv, rep * S, L)
+    vf = v.float()
+    bad = ~torch.isfinite(vf)
+    if seen is None or not bool(bad.any()):
+        return torch.matmul(pg, vf).reshape(B, Hq, S, -1)
+    # Finite values by one matmul; a seen key's non-finite value then reaches the output as
+    # p * v does in eager: NaN always, +-Inf where p > 0 (NaN where p == 0, or where +Inf and
+    # -Inf meet). Masked keys add nothing. Hits are counted with 0/1 matmuls (exact in fp32).
+    out = torch.matmul(pg, torch.where(bad, 0.0, vf))                       # [B, Hkv, rep*S, Dv]
+    sg = seen.expand(B, Hq, S, L).reshape(B, Hkv, rep * S, L)
+
+    def hit(rows, cols):
+        return torch.matmul(rows.float(), cols.float()) > 0
+
+    pos, neg = hit(sg & (pg > 0), vf == math.inf), hit(sg & (pg > 0), vf == -math.inf)
+    nan = hit(sg, torch.isnan(vf)) | hit(sg & (pg == 0), torch.isinf(vf)) | (pos & neg)
+    out = torch.where(pos, math.inf, torch.where(neg, -math.inf, out))
+    out = torch.where(nan, math.nan, out)
+    return out.reshape(B, Hq, S, -1)
+
+
+def _all_finite(out: torch.Tensor) -> bool:
+    if out.is_cuda and torch.cuda.is_current_stream_capturing():
+        return True  # no host sync inside a CUDA graph capture
+    return bool(torch.isfinite(out).all())
+
+
+def _rows(mask, rows: slice):
+    return None if mask is None or mask.shape[2] == 1 else mask[:, :, rows]
+
+
+def _causal(s: int, total: int, device) -> torch.Tensor:
+    """[S, L] bool: query i (position total - S + i) sees keys <= its position."""
+    return torch.ones(s, total, dtype=torch.bool, device=device).tril(total - s)
+
+
+def _causal_if(allowed, causal: bool, s: int, total: int, device):
+    return _causal(s, total, device)[None, None] if causal else allowed
+
+
+# --- unbatched forms (the CLI's verify, tests) --------------------------------------------------
+
+def _batched(mask):
+    return None if mask is None else mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+
+
+def attend_fp32(q, k, v, allowed, additive, scale: float, softcap: float) -> torch.Tensor:
+    """q [Hq, S, D], k [Hkv, L, D], v [Hkv, L, Dv], allowed / additive [.., S, L] or None ->
+    [Hq, S, Dv] fp32, by `exact_attention`."""
+    return exact_attention(q[None], k[None], v[None], _batched(allowed), _batched(additive),
+                           scale, softcap)[0]
+
+
+def attend_sdpa(q, k, v, allowed, additive, scale: float, causal: bool = False) -> torch.Tensor:
+    """The contract of `attend_fp32` through `sdpa_attention` (torch SDPA in the model's
+    dtype): [Hq, S, Dv] fp32."""
+    return sdpa_attention(q[None], k[None], v[None], _batched(allowed), _batched(additive),
+                          scale, causal)[0].float()
+
+
+# --- masks ---------------------------------------------------------------------------------------
 
 def _structure(s: int, total: int, is_causal: bool, window: int, device) -> torch.Tensor | None:
-    """[S, L] bool from causality (queries are the last S positions) and a sliding window."""
-    if not is_causal and not window:
+    """[S, L] bool from causality (queries are the last S positions) and a sliding window, or
+    None where it masks nothing."""
+    causal = is_causal and s > 1
+    window = window if window and total > window else 0
+    if not causal and not window:
         return None
     q_pos = torch.arange(total - s, total, device=device)[:, None]
     k_pos = torch.arange(total, device=device)[None, :]
-    ok = torch.ones(s, total, dtype=torch.bool, device=device)
-    if is_causal:
-        ok &= k_pos <= q_pos
+    ok = k_pos <= q_pos if causal else torch.ones(s, total, dtype=torch.bool, device=device)
     if window:
-        ok &= (q_pos - k_pos) < window
+        ok = ok & ((q_pos - k_pos) < window)
     return ok
 
 
-def _split_mask(mask_b: torch.Tensor | None, s: int, total: int):
-    """A row of the model's mask -> (allowed, additive), aligned to `total` keys."""
-    if mask_b is None:
+def _model_mask(attn_mask: torch.Tensor | None, total: int):
+    """The model's mask [B|1, H|1, S, Lm] (or fewer dims) -> (allowed, additive), 4-d, aligned
+    to `total` keys (masks.py's column convention)."""
+    if attn_mask is None:
         return None, None
-    while mask_b.dim() < 3:
-        mask_b = mask_b.unsqueeze(0)
-    mask_b = mask_b.expand(mask_b.shape[0], s, mask_b.shape[-1])
-    if mask_b.dtype == torch.bool:
-        return align(mask_b, total), None
-    lm = mask_b.shape[-1]
+    m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    if m.dtype == torch.bool:
+        return align(m, total), None
+    lm = m.shape[-1]
     if lm >= total:
-        return None, mask_b[..., :total]
-    pad = mask_b.new_full((*mask_b.shape[:-1], total - lm), float("-inf"))
-    return None, torch.cat([pad, mask_b], dim=-1)
+        return None, m[..., :total]
+    pad = m.new_full((*m.shape[:-1], total - lm), float("-inf"))
+    return None, torch.cat([pad, m], dim=-1)
+
+
+def _masks(attn_mask, s: int, total: int, is_causal: bool, window: int, starts, device):
+    """(allowed, additive, causal) for sdpa_attention: the model's mask, causality, the window
+    and per-row kv_start (starts: list or None), combined. causal=True (and no mask) where
+    plain causal attention over S == L keys is all there is, as the model's own SDPA call."""
+    if (attn_mask is None and is_causal and s == total and not (window and total > window)
+            and not any(starts or ())):
+        return None, None, True
+    allowed, additive = _model_mask(attn_mask, total)
+    struct = _structure(s, total, is_causal, window, device)
+    if struct is not None:
+        allowed = struct[None, None] if allowed is None else allowed & struct
+    if any(starts or ()):
+        st = torch.tensor(starts, device=device)[:, None, None, None]          # [b, 1, 1, 1]
+        ok = torch.arange(total, device=device) >= st                          # [b, 1, 1, L]
+        allowed = ok if allowed is None else allowed & ok
+    return allowed, additive, False
 
 
 def dense_attention(q, k, v, attn_mask, scale, is_causal, sliding_window, softcap):
-    # q [B, Hq, S, D], k [B, Hkv, L, D], v [B, Hkv, L, Dv] -> [B, Hq, S, Dv]
+    # q [B, Hq, S, D], k [B, Hkv, L, D], v [B, Hkv, L, Dv] -> [B, Hq, S, Dv] in q's dtype
     if scale is None or scale <= 0:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    B, _, S, _ = q.shape
-    total = k.shape[2]
-    struct = _structure(S, total, is_causal, sliding_window, q.device)
-    outs = []
-    for b in range(B):
-        mb = None if attn_mask is None else attn_mask[b if attn_mask.shape[0] > 1 else 0]
-        allowed, additive = _split_mask(mb, S, total)
-        if struct is not None:
-            allowed = struct if allowed is None else allowed & struct
-        outs.append(attend_fp32(q[b], k[b], v[b], allowed, additive, scale, softcap))
-    return torch.stack(outs).to(q.dtype)
+    allowed, additive, causal = _masks(attn_mask, q.shape[2], k.shape[2], is_causal,
+                                       sliding_window, None, q.device)
+    return sdpa_attention(q, k, v, allowed, additive, scale, causal, softcap).to(q.dtype)
 
+
+# --- paged ---------------------------------------------------------------------------------------
 
 def paged_reference_attention(pool, layer: int, q, plan, attn_mask, is_causal, sliding_window,
                               softcap, scale):
-    """Attention of q over the pool's pages of `layer` for each sequence of the plan."""
+    """Attention of q over the pool's pages of `layer` for each sequence of the plan.
+    q [B, Hq, S, D] (packed: [1, Hq, T, D]) -> [B, Hq, S, Dv] in compute_dtype(q.dtype).
+    Rows of one length share one gather and one SDPA call (every row, in a generate call);
+    what the layers of a forward share (page indices, masks) is built by the first."""
     kt, vt = pool.k[layer], pool.v[layer]
     if plan.packed:
-        # q [1, Hq, T, D] packed: sequence i owns q columns cu[i]:cu[i+1]
-        out = q.new_empty((*q.shape[:-1], vt.head_dim), dtype=torch.float32)
-        cu = plan.cu_seqlens_q.tolist()
-        for i, sid in enumerate(plan.seq_ids):
-            total = plan.seq_lens_list[i]
-            k, v = _gather(pool, kt, vt, sid, total)
-            s = cu[i + 1] - cu[i]
-            allowed = _structure(s, total, True, sliding_window, q.device)
-            out[0, :, cu[i]:cu[i + 1]] = _attend(
-                q[0, :, cu[i]:cu[i + 1]], k, v, allowed, None, scale, softcap,
-                causal_only=s == total and not sliding_window)
-        return out
-    B, _, S, _ = q.shape
-    outs = []
-    for b, sid in enumerate(plan.seq_ids):
-        total = plan.seq_lens_list[b]
-        k, v = _gather(pool, kt, vt, sid, total)
-        mb = None if attn_mask is None else attn_mask[b if attn_mask.shape[0] > 1 else 0]
-        allowed, additive = _split_mask(mb, S, total)
-        struct = _structure(S, total, is_causal, sliding_window, q.device)
-        if plan.kv_start[b]:
-            start_ok = torch.arange(total, device=q.device) >= plan.kv_start[b]
-            struct = start_ok[None].expand(S, total) if struct is None else struct & start_ok
-        causal_only = (mb is None and is_causal and not sliding_window and S == total
-                       and not plan.kv_start[b])
-        if struct is not None:
-            allowed = struct if allowed is None else allowed & struct
-        outs.append(_attend(q[b], k, v, allowed, additive, scale, softcap, causal_only))
-    return torch.stack(outs)
+        return _packed_attention(kt, vt, q, plan, sliding_window, softcap, scale)
+    key = ("reference", None if attn_mask is None else (attn_mask.data_ptr(),
+                                                       tuple(attn_mask.shape)),
+           is_causal, sliding_window, q.shape[2])
+    groups = plan.cache.get(key)
+    if groups is None:
+        groups = plan.cache[key] = _groups(plan, attn_mask, is_causal, sliding_window, q.shape[2],
+                                           kt.page_size, q.device)
+    dt = compute_dtype(q.dtype)
+    if len(groups) == 1 and groups[0][0] is None:  # every row one length
+        _, idx, b, total, allowed, additive, causal = groups[0]
+        return sdpa_attention(q, _gather(kt, idx, b, total, dt), _gather(vt, idx, b, total, dt),
+                              allowed, additive, scale, causal, softcap)
+    B, Hq, S, _ = q.shape
+    out = torch.empty((B, Hq, S, vt.head_dim), dtype=dt, device=q.device)
+    for rows, idx, b, total, allowed, additive, causal in groups:
+        out[rows] = sdpa_attention(q[rows], _gather(kt, idx, b, total, dt),
+                                   _gather(vt, idx, b, total, dt), allowed, additive, scale,
+                                   causal, softcap)
+    return out
 
 
-def _gather(pool, kt, vt, seq_id: int, total: int):
-    """k [Hkv, L, D], v [Hkv, L, Dv] fp32 of one sequence, dequantized."""
-    pages = torch.as_tensor(pool.pages_of(seq_id), dtype=torch.long, device=kt.data.device)
-    k = kt.read(pages)   # [n, H, P, D]
-    v = vt.read(pages)
-    k = k.permute(1, 0, 2, 3).reshape(kt.num_heads, -1, kt.head_dim)[:, :total]
-    v = v.permute(1, 0, 2, 3).reshape(vt.num_heads, -1, vt.head_dim)[:, :total]
-    return k, v
+def _groups(plan, attn_mask, is_causal: bool, window: int, s: int, page_size: int, device):
+    """Rows of the plan by length: (rows [b] index or None for all, page index [b * n], b,
+    total, allowed, additive, causal) each."""
+    by_len: dict[int, list[int]] = {}
+    for b, total in enumerate(plan.seq_lens_list):
+        by_len.setdefault(total, []).append(b)
+    out = []
+    for total, rows in by_len.items():
+        whole = len(rows) == plan.batch
+        m = attn_mask
+        if m is not None and not whole and m.dim() == 4 and m.shape[0] > 1:
+            m = m[rows]
+        masks = _masks(m, s, total, is_causal, window, [plan.kv_start[b] for b in rows], device)
+        idx = _pages(plan.block_tables, rows, whole, total, page_size)
+        sel = None if whole else torch.tensor(rows, device=device)
+        out.append((sel, idx, len(rows), total, *masks))
+    return out
+
+
+def _packed_attention(kt, vt, q, plan, sliding_window, softcap, scale):
+    # q [1, Hq, T, D] packed: sequence i owns q columns cu[i]:cu[i+1]; causal within each
+    if "reference_cu" not in plan.cache:
+        plan.cache["reference_cu"] = plan.cu_seqlens_q.tolist()
+    cu = plan.cache["reference_cu"]
+    out = None
+    for i, total in enumerate(plan.seq_lens_list):
+        s = cu[i + 1] - cu[i]
+        if s == 0:
+            continue
+        key = ("reference", total, (i,))
+        if key not in plan.cache:
+            plan.cache[key] = _pages(plan.block_tables, [i], False, total, kt.page_size)
+        idx = plan.cache[key]
+        allowed, additive, causal = _masks(None, s, total, True, sliding_window, None, q.device)
+        dt = compute_dtype(q.dtype)
+        o = sdpa_attention(q[:, :, cu[i]:cu[i + 1]], _gather(kt, idx, 1, total, dt),
+                           _gather(vt, idx, 1, total, dt), allowed, additive, scale, causal,
+                           softcap)
+        if out is None:
+            out = o.new_zeros((*q.shape[:-1], o.shape[-1]))
+        out[:, :, cu[i]:cu[i + 1]] = o
+    return out if out is not None else q.new_zeros((*q.shape[:-1], vt.head_dim))
+
+
+def _pages(block_tables, rows, whole: bool, total: int, page_size: int) -> torch.Tensor:
+    """[b * n] int64: the first n = ceil(total / P) pages of each of the rows, row-major."""
+    n = (total + page_size - 1) // page_size
+    bt = block_tables if whole else block_tables[torch.tensor(rows, device=block_tables.device)]
+    return bt[:, :n].long().reshape(-1)
+
+
+def _gather(paged, idx: torch.Tensor, b: int, total: int, dtype: torch.dtype) -> torch.Tensor:
+    """The first `total` tokens of b rows whose pages are idx [b * n] -> [b, H, total, D] in
+    `dtype` (dequantized by PagedTensor.read; unquantized pages read as stored)."""
+    n, H, P, D = idx.numel() // b, paged.num_heads, paged.page_size, paged.head_dim
+    fmt = paged.fmt
+    out = torch.empty((b, H, n, P, D), dtype=dtype, device=paged.data.device)
+    if fmt.name.startswith("fp8") and not fmt.residual:
+        # PagedTensor.read's fp8_decode, with the scale product writing the output layout
+        x = fp8_to_float(paged.data.index_select(0, idx))                    # [b*n, H, P, D]
+        sc = paged.scale_of(idx)                                             # bcast to x
+        if sc.shape[0] == x.shape[0]:
+            sc = sc.view(b, n, *sc.shape[1:]).transpose(1, 2)
+        torch.mul(x.view(b, n, H, P, D).transpose(1, 2), sc, out=out)
+        return out.view(b, H, n * P, D)[:, :, :total]
+    if fmt.is_quantized:
+        x = paged.read(idx)                                                  # [b*n, H, P, D]
+    else:
+        x = paged.data.index_select(0, idx)  # (a heads-first view of data would copy the pool)
+    # one pass lays each head's tokens out contiguously, in the compute dtype
+    return out.copy_(x.view(b, n, H, P, D).transpose(1, 2)).view(b, H, n * P, D)[:, :, :total]

@@ -1,10 +1,25 @@
-"""The plain-PyTorch attention used at run time: the fp32 path and the SDPA path agree."""
+"""The plain-PyTorch attention used at run time (kernels/dense.py): the SDPA path against the
+exact fp32 path, NaN / Inf against eager attention, and the paged path over every format."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from kvcompile.kernels.dense import attend_fp32, attend_sdpa
+from kvcompile.cache.context import StepPlan
+from kvcompile.cache.formats import KVFormat
+from kvcompile.kernels.dense import (
+    attend_fp32,
+    attend_sdpa,
+    dense_attention,
+    exact_attention,
+    paged_reference_attention,
+    sdpa_attention,
+)
+from kvcompile.kernels.reference import gather_pages
 from kvcompile.testing import assert_rel_close
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
@@ -38,3 +53,231 @@ def test_sdpa_causal_fast_path():
     ref = attend_fp32(q, k, v, allowed, None, 0.2, 0.0)
     assert_rel_close(attend_sdpa(q, k, v, allowed, None, 0.2, causal=True), ref, torch.float32,
                      factor=10)
+    # causal over the last S of L keys (a chunk after cached tokens): not SDPA's top-left rule
+    k2, v2 = torch.randn(4, 20, 32, generator=g), torch.randn(4, 20, 32, generator=g)
+    allowed2 = torch.arange(20)[None] <= torch.arange(4, 20)[:, None]
+    assert_rel_close(attend_sdpa(q, k2, v2, None, None, 0.2, causal=True),
+                     attend_fp32(q, k2, v2, allowed2, None, 0.2, 0.0), torch.float32, factor=10)
+
+
+# --- NaN / Inf: eager attention over the keys each query sees ----------------------------------
+
+def eager_rows(q, k, v, allowed, scale: float) -> torch.Tensor:
+    """Eager attention (matmul, softmax in fp32, matmul; HF's eager_attention_forward), each query
+    over the keys it may see. q [B, Hq, S, D], k/v [B, Hkv, L, D], allowed [B|1, Hq|1, S, L] ->
+    [B, Hq, S, Dv] fp32; a query that sees no key gives 0."""
+    B, Hq, S, _ = q.shape
+    rep = Hq // k.shape[1]
+    allowed = allowed.expand(B, Hq, S, k.shape[2])
+    out = torch.zeros(B, Hq, S, v.shape[-1])
+    for b in range(B):
+        for h in range(Hq):
+            for i in range(S):
+                keys = allowed[b, h, i].nonzero()[:, 0]
+                if keys.numel():
+                    s = (q[b, h, i].float() @ k[b, h // rep, keys].float().T) * scale
+                    out[b, h, i] = torch.softmax(s, -1) @ v[b, h // rep, keys].float()
+    return out
+
+
+def assert_matches_eager(got, ref, dtype, what: str) -> None:
+    got = got.float()
+    for name, f in (("NaN", torch.isnan), ("+Inf", torch.isposinf), ("-Inf", torch.isneginf)):
+        assert torch.equal(f(got), f(ref)), (
+            f"{what}: {name} at {int(f(got).sum())} places, eager has {int(f(ref).sum())}")
+    fin = torch.isfinite(ref)
+    assert_rel_close(got[fin], ref[fin], dtype, factor=10, what=what)
+
+
+CASES = ["v_nan_seen", "v_inf_seen", "v_both_inf", "k_nan_seen", "k_inf_seen", "masked_nan",
+         "later_nan", "row_empty", "finite"]
+
+
+def _case(case: str, mask: str, g):
+    B, Hq, Hkv, S, L, D = 2, 4, 2, 5, 12, 16
+    q = torch.randn(B, Hq, S, D, generator=g)
+    k = torch.randn(B, Hkv, L, D, generator=g)
+    v = torch.randn(B, Hkv, L, D, generator=g)
+    allowed = (torch.arange(L)[None] <= torch.arange(L - S, L)[:, None])[None, None]
+    allowed = allowed.expand(B, 1, S, L).clone()                     # causal, [B, 1, S, L]
+    allowed[1, :, :, :3] = False                                      # row 1: left padding
+    if case == "v_nan_seen":
+        v[0, 1, 4, 3] = float("nan")
+    elif case == "v_inf_seen":
+        v[1, 0, 6, 2] = float("inf")
+    elif case == "v_both_inf":
+        v[0, 0, 2, 5], v[0, 0, 5, 5] = float("inf"), float("-inf")
+    elif case == "k_nan_seen":
+        k[1, 1, 5, 0] = float("nan")
+    elif case == "k_inf_seen":
+        k[0, 0, 3, 7] = float("inf")
+    elif case == "masked_nan":  # under row 1's padding: inert
+        k[1, 0, 1, 0] = v[1, 1, 0, 2] = float("nan")
+    elif case == "later_nan":   # the last key: only the last query sees it
+        v[0, 0, L - 1, 1] = float("nan")
+    elif case == "row_empty":
+        allowed[0, :, 2] = False
+    if mask == "additive":
+        return q, k, v, allowed, None, torch.where(allowed, 0.0, float("-inf"))
+    return q, k, v, allowed, allowed, None
+
+
+@pytest.mark.parametrize("mask", ["bool", "additive"])
+@pytest.mark.parametrize("case", CASES)
+def test_nonfinite_kv_as_eager(case, mask):
+    g = torch.Generator().manual_seed(CASES.index(case))
+    q, k, v, seen, allowed, additive = _case(case, mask, g)
+    ref = eager_rows(q, k, v, seen, 0.25)
+    assert_matches_eager(exact_attention(q, k, v, allowed, additive, 0.25, 0.0), ref,
+                         torch.float32, f"exact, {case}")
+    assert_matches_eager(sdpa_attention(q, k, v, allowed, additive, 0.25), ref,
+                         torch.float32, f"sdpa, {case}")
+    got = sdpa_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), allowed, additive, 0.25)
+    assert got.dtype == torch.bfloat16
+    ref16 = eager_rows(q.bfloat16(), k.bfloat16(), v.bfloat16(), seen, 0.25)
+    assert_matches_eager(got, ref16, torch.bfloat16, f"sdpa bf16, {case}")
+    if case == "masked_nan":
+        assert bool(torch.isfinite(ref).all())
+    if case in ("v_nan_seen", "k_nan_seen", "later_nan"):
+        assert bool(torch.isnan(ref).any()) and not bool(torch.isnan(ref).all())
+
+
+def test_nonfinite_softcap_and_unmasked():
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(1, 4, 3, 8, generator=g), *(torch.randn(1, 2, 6, 8, generator=g)
+                                                      for _ in range(2))
+    v[0, 1, 2, 0] = float("nan")
+    ref = eager_rows(q, k, v, torch.ones(1, 1, 3, 6, dtype=torch.bool), 0.3)
+    assert_matches_eager(sdpa_attention(q, k, v, None, None, 0.3), ref, torch.float32, "no mask")
+    # softcap: exact path only; with a large cap it is plain attention
+    assert_matches_eager(sdpa_attention(q, k, v, None, None, 0.3, softcap=1e4), ref,
+                         torch.float32, "softcap")
+    # dense_attention (a graph run without a cache) with the model's mask
+    mask = torch.ones(1, 1, 3, 6, dtype=torch.bool)
+    mask[..., 2] = False  # the NaN key masked: inert
+    out = dense_attention(q, k, v, mask, 0.3, False, 0, 0.0)
+    assert bool(torch.isfinite(out).all())
+    assert_matches_eager(out, eager_rows(q, k, v, mask, 0.3), torch.float32, "dense masked")
+
+
+# --- the paged path: every format ---------------------------------------------------------------
+
+FORMATS = [("bf16", "page"), ("fp16", "page"), ("fp32", "page"), ("fp8_e4m3", "page"),
+           ("fp8_e4m3", "token"), ("fp8_e4m3", "tensor"), ("fp8_e4m3", "channel"),
+           ("fp8_e5m2", "page"), ("fp4_e2m1", "page"),
+           ("fp4_e2m1", "token"), ("int4", "page"), ("int4", "token"), ("int3", "token"),
+           ("int2", "page")]
+PLAIN = ("bf16", "fp16", "fp32")
+
+
+def _paged(fmt: KVFormat, k, v, P: int):
+    # k/v [L, Hkv, D] -> pages of one sequence (shuffled, spare pages filled with NaN)
+    L, H, D = k.shape
+    n = (L + P - 1) // P
+    kc, vc = fmt.allocate(n + 2, H, P, D), fmt.allocate(n + 2, H, P, D)
+    for c in (kc, vc):
+        if c.data.dtype.is_floating_point:
+            c.data.fill_(float("nan"))
+    pages = torch.randperm(n + 2, generator=torch.Generator().manual_seed(L))[:n]
+    slots = (pages[:, None] * P + torch.arange(P)[None]).reshape(-1)[:L]
+    for a, z in ((0, L - 3), (L - 3, L - 1), (L - 1, L)):  # appends, like a prefill + decode
+        kc.write(slots[a:z], k[a:z])
+        vc.write(slots[a:z], v[a:z])
+    return kc, vc, pages.int()[None]
+
+
+@pytest.mark.parametrize("where", ["v_seen", "k_seen", "v_masked", "none"])
+@pytest.mark.parametrize("name,gran", FORMATS)
+def test_paged_reference_nan_as_eager(name, gran, where):
+    """NaN written into one token of the pages reaches exactly the queries that see it, as
+    eager attention over what the format decodes (PagedTensor.read): masked tokens (left
+    padding, kv_start) are inert. Decoders keep NaN in its own value (fp8, bf16), its micro
+    block (fp4) or its scale group (int: the group decodes NaN, a page for page scales)."""
+    fmt = KVFormat(name) if name in PLAIN else KVFormat(name, gran)
+    g = torch.Generator().manual_seed(len(name) * 7 + len(where))
+    L, H, Hq, D, P, S = 37, 2, 4, 32, 16, 4
+    k, v = torch.randn(L, H, D, generator=g), torch.randn(L, H, D, generator=g)
+    if where == "v_seen":
+        v[20, 1, 5] = float("nan")
+    elif where == "k_seen":
+        k[34, 0, 2] = float("nan")  # a key the chunk's last queries see, the first does not
+    elif where == "v_masked":
+        v[1, 0, 3] = float("nan")   # under kv_start
+    kc, vc, bt = _paged(fmt, k, v, P)
+    pool = SimpleNamespace(k=[kc], v=[vc])
+    kd, vd = gather_pages(kc, bt[0], L)[None], gather_pages(vc, bt[0], L)[None]  # decoded
+    start = 4 if where == "v_masked" else 0
+    for s in (1, S):  # a decode step, then a chunk of S queries (the last S positions)
+        q = torch.randn(1, Hq, s, D, generator=g)
+        plan = StepPlan([0], 1, s, [L - s], torch.zeros(s, dtype=torch.long), bt,
+                        torch.tensor([L]), [L], [start])
+        got = paged_reference_attention(pool, 0, q, plan, None, True, 0, 0.0, 0.2)
+        seen = (torch.arange(L)[None] <= torch.arange(L - s, L)[:, None]) & (
+            torch.arange(L)[None] >= start)
+        ref = eager_rows(q, kd, vd, seen[None, None], 0.2)
+        assert_matches_eager(got, ref, torch.float32, f"{name}/{gran} {where} S={s}")
+        if where == "v_seen":
+            assert bool(torch.isnan(got).any())
+        local = not (fmt.is_int and gran == "page")  # int page scales: the page decodes NaN
+        if where == "k_seen" and s == S and local:
+            assert bool(torch.isfinite(got[:, :, 0]).all()) and bool(torch.isnan(got).any())
+        if where in ("v_masked", "none") and local:
+            assert bool(torch.isfinite(got).all())
+
+
+def test_paged_reference_bf16_is_sdpa_on_the_stored_values():
+    """bf16 pages, bf16 queries: the same SDPA call on the same values as eager, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    L, H, Hq, D, P = 45, 3, 9, 64, 16
+    k = torch.randn(L, H, D, generator=g).bfloat16()
+    v = torch.randn(L, H, D, generator=g).bfloat16()
+    kc, vc, bt = _paged(KVFormat("bf16"), k, v, P)
+    q = torch.randn(1, Hq, 1, D, generator=g).bfloat16()
+    plan = StepPlan([0], 1, 1, [L - 1], torch.zeros(1, dtype=torch.long), bt,
+                    torch.tensor([L]), [L], [0])
+    got = paged_reference_attention(SimpleNamespace(k=[kc], v=[vc]), 0, q, plan, None, False, 0,
+                                    0.0, 0.125)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=0.125, enable_gqa=True)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_paged_reference_rows_of_different_lengths(packed):
+    """Rows of a batch (or sequences of an engine's packed batch) with different lengths: each
+    attends over its own tokens, as eager over its K/V alone."""
+    g = torch.Generator().manual_seed(11)
+    fmt, H, Hq, D, P = KVFormat("fp8_e4m3", "page"), 2, 4, 32, 16
+    lens, s = [37, 20, 37], 3
+    kvs = [(torch.randn(n, H, D, generator=g), torch.randn(n, H, D, generator=g)) for n in lens]
+    n_pages = [(n + P - 1) // P for n in lens]
+    kc, vc = fmt.allocate(sum(n_pages) + 1, H, P, D), fmt.allocate(sum(n_pages) + 1, H, P, D)
+    bt = torch.zeros(len(lens), max(n_pages), dtype=torch.int32)
+    first = 1  # page 0 unused: block-table padding points at it
+    for b, ((k, v), n) in enumerate(zip(kvs, lens)):
+        pages = torch.arange(first, first + n_pages[b])
+        first += n_pages[b]
+        bt[b, :n_pages[b]] = pages.int()
+        slots = (pages[:, None] * P + torch.arange(P)[None]).reshape(-1)[:n]
+        kc.write(slots, k)
+        vc.write(slots, v)
+    pool = SimpleNamespace(k=[kc], v=[vc])
+    q = torch.randn(len(lens), Hq, s, D, generator=g)
+    lens_t = torch.tensor(lens)
+    if packed:
+        plan = StepPlan([0, 1, 2], 3, s, [n - s for n in lens], torch.zeros(1), bt, lens_t,
+                        lens, [0] * 3, packed=True,
+                        cu_seqlens_q=torch.arange(0, 3 * s + 1, s, dtype=torch.int32))
+        got = paged_reference_attention(pool, 0, q.transpose(0, 1).reshape(1, Hq, 3 * s, D)
+                                        .contiguous(), plan, None, True, 0, 0.0, 0.2)
+        got = got.reshape(Hq, 3, s, D).transpose(0, 1)
+    else:
+        plan = StepPlan([0, 1, 2], 3, s, [n - s for n in lens], torch.zeros(1), bt, lens_t,
+                        lens, [0] * 3)
+        got = paged_reference_attention(pool, 0, q, plan, None, True, 0, 0.0, 0.2)
+    for b, n in enumerate(lens):
+        kd, vd = gather_pages(kc, bt[b], n)[None], gather_pages(vc, bt[b], n)[None]
+        seen = torch.arange(n)[None] <= torch.arange(n - s, n)[:, None]
+        ref = eager_rows(q[b:b + 1], kd, vd, seen[None, None], 0.2)
+        assert_matches_eager(got[b:b + 1], ref, torch.float32, f"row {b}, packed={packed}")

@@ -1,0 +1,83 @@
+"""The CPU's fast fp8 paths give the bytes and values of the general ones: the table decode
+(fp8.fp8_to_float) and the one-token page-scale append (PagedTensor._append_fp8)."""
+
+import pytest
+import torch
+
+from kvcompile.cache.formats import KVFormat
+from kvcompile.cache.fp8 import fp8_decode, fp8_to_float
+from kvcompile.cache.paged import PagedTensor
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_to_float_every_code(dtype):
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype).reshape(4, 8, 8)
+    ref = codes.float()
+    got = fp8_to_float(codes)
+    same = (ref.view(torch.int32) == got.view(torch.int32)) | (ref.isnan() & got.isnan())
+    assert got.shape == codes.shape and bool(same.all())
+    scale = torch.rand(4, 1, 1) * 3
+    assert torch.equal(fp8_decode(codes, scale).nan_to_num(7.0), (ref * scale).nan_to_num(7.0))
+
+
+def _appends(g, H, D, steps):
+    """Tokens of a decode: mostly Gaussian, some a page's first, some larger (the page scale
+    grows), some zero (left padding) or holding NaN."""
+    out = []
+    for i in range(steps):
+        x = torch.randn(1, H, D, generator=g)
+        r = i % 7
+        if r == 3:
+            x *= 8.0
+        elif r == 5:
+            x.zero_()
+        elif r == 6:
+            x[0, 1, 2] = float("nan")
+        out.append(x)
+    return out
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_one_token_append_equals_general_path(name, rows, monkeypatch):
+    fmt = KVFormat(name, "page")
+    H, D, P, N = 3, 16, 8, 6
+    fast, slow = fmt.allocate(N, H, P, D), fmt.allocate(N, H, P, D)
+    for t in (fast, slow):
+        t.data.view(torch.uint8).fill_(0x7F)   # unwritten slots: NaN codes
+    g = torch.Generator().manual_seed(len(name))
+    taken = {"fast": 0, "general": 0}
+    # rows=1: one token per write (PagedTensor._write_one); rows=2: a token per page of two
+    # (PagedTensor._append_fp8); `slow` always takes the general path
+    real = PagedTensor._write_one if rows == 1 else PagedTensor._append_fp8
+
+    def counted(self, *args):
+        ok = self is fast and real(self, *args)
+        taken["fast" if ok else "general"] += self is fast
+        return ok
+
+    monkeypatch.setattr(PagedTensor, "_write_one" if rows == 1 else "_append_fp8", counted)
+    if rows == 1:
+        monkeypatch.setattr(PagedTensor, "_append_fp8", lambda self, *a: False)
+    # a zero prefix (padding) then tokens one at a time; two sequences: rows of one step
+    pad = torch.zeros(3, H, D)
+    for t in (fast, slow):
+        t.write(torch.arange(3), pad)
+        t.write(torch.arange(3) + 3 * P, pad)
+    xs = _appends(g, H, D, 2 * (P * 3 - 3))
+    for i in range(0, len(xs), 2):
+        n = 3 + i // 2
+        slots = torch.tensor([n, 3 * P + n])[:rows]
+        x = torch.cat(xs[i:i + 2])[:rows]
+        fast.write(slots, x)
+        slow.write(slots, x)
+        valid = torch.cat([torch.arange(n + 1), 3 * P + torch.arange(n + 1)][:rows])
+        pg, off = valid // P, valid % P
+        assert torch.equal(fast.data[pg, :, off].view(torch.uint8),
+                           slow.data[pg, :, off].view(torch.uint8)), f"codes after token {n}"
+        assert torch.equal(fast.scale[pg], slow.scale[pg]), f"scales after token {n}"
+    assert taken["fast"] > 0 and taken["general"] > 0, taken
+    if rows == 2:  # two tokens of one page in one write: the general path
+        before = taken["general"]
+        fast.write(torch.tensor([P * 5, P * 5 + 1]), torch.randn(2, H, D, generator=g))
+        assert taken["general"] == before + 1
