@@ -133,7 +133,9 @@ class _LimitWatch(logging.Filter):
         if (isinstance(msg, str) and msg.startswith("torch._dynamo hit config.")
                 and isinstance(args, tuple) and len(args) >= 3 and all_states()):
             func = str(args[2])
-            if func not in self.seen:
+            # kvcompile.compile's own frames are checked per model by check_forward, which
+            # names the model: one warning for one event
+            if func not in self.seen and "kvcompile_forward_" not in func:
                 self.seen.add(func)
                 _warn(f"kvcompile: Dynamo stopped compiling {func} ({args[0]} = {args[1]}): "
                       f"a model compiled with kvcompile that runs it now runs without kvcompile's "

@@ -59,9 +59,14 @@ def _raw(n, seed, key):
     return x
 
 
+class _State(SimpleNamespace):
+    """A stand-in for the model state (a SimpleNamespace cannot be weakly referenced)."""
+
+
 def _runtime(pool, policy):
-    state = SimpleNamespace(pool=pool, layer_specs=pool.layers, count=lambda *a, **k: None)
+    state = _State(pool=pool, layer_specs=pool.layers, count=lambda *a, **k: None)
     rt = EvictionRuntime(state)
+    rt._test_state = state      # the runtime holds its state weakly (the model state owns it)
     rt.policies = {0: policy}
     return rt
 

@@ -3,7 +3,7 @@
 - the Hugging Face path grows its pool on demand (KVConfig.reserve="auto"), the Engine reserves
   up front; a pool growing in the middle of `generate` gives eager's tokens;
 - `kvcompile.release(model)` and the model's death give back the pool (its byte counter, the
-  storage tensors, RSS) and the state; a second compile in the process works;
+  storage tensors) and the state; a second compile in the process works;
 - every `generate` call returns its pages when it returns, with the garbage collector off, on
   the `kvcompile.compile` route and on the `torch.compile(..., backend="kvcompile")` route,
   and `stats()` says the same on both;
@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import gc
-import os
 import threading
 import weakref
 
@@ -33,11 +32,6 @@ MiB = 1 << 20
 def _ids(B=2, S=9, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, 256, (B, S), generator=g)
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def test_generate_grows_the_pool_instead_of_reserving_the_budget():
@@ -81,24 +75,20 @@ def test_release_and_deletion_give_the_memory_back():
     ref = make_hf("llama")
     ids = _ids()
     want = ref.generate(ids, max_new_tokens=6, **GEN)
-    gc.collect()
-    base = _rss()
     model = make_hf("llama")
     kvcompile.compile(model, config(reserve="upfront", max_kv_bytes=budget))
     assert torch.equal(model.generate(ids, max_new_tokens=6, **GEN), want)
     st = state_of(model)
+    # The pool's storages, held weakly: each must die at release. (The process' RSS is no
+    # measure on the CPU: glibc may keep freed memory of earlier tests resident and hand it
+    # out again, so a filled 192 MiB pool grew RSS by 0.7 MiB after other tests in CI.)
     storage = [weakref.ref(t.data) for t in st.pool.k + st.pool.v]
-    for paged in st.pool.k + st.pool.v:   # never zero-filled: touch it so that RSS counts it
-        paged.data.view(torch.uint8).fill_(1)
-    del paged
     assert kvcompile.stats(model)["bytes_total"] > 0.95 * budget
-    assert _rss() - base > 0.9 * budget
     kept = model.generate(ids, max_new_tokens=3, return_dict_in_generate=True, **GEN)
 
     kvcompile.release(model)
     assert st.pool is None and kvcompile.stats(model)["bytes_total"] == 0
     assert all(r() is None for r in storage)
-    assert _rss() - base < 32 * MiB
     with torch.no_grad(), pytest.raises(CacheStateError, match="kvcompile.release"):
         model(input_ids=ids[:, -1:], past_key_values=kept.past_key_values)   # its pages: gone
     # still compiled: the next call builds a new pool
@@ -109,7 +99,6 @@ def test_release_and_deletion_give_the_memory_back():
     del model, st, kept
     gc.collect()
     assert state() is None                                  # nothing else held it
-    assert _rss() - base < 32 * MiB
     second = make_hf("llama")                               # a second compile in the process
     kvcompile.compile(second, config(reserve="upfront", max_kv_bytes=budget))
     assert torch.equal(second.generate(ids, max_new_tokens=6, **GEN), want)
