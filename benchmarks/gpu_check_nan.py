@@ -51,6 +51,7 @@ def main() -> int:
             name = "/".join(str(x) for x in case)
             rows.append(f"| {kind} | {name} | {which} | {str(q_dtype)[6:]} | "
                         f"{time.perf_counter() - t0:.1f} s | {status} |")
+            print(rows[-1], flush=True)   # progress (a run cut by its time limit says where)
     print("| kernel | format | NaN in | q | time | result |\n|---|---|---|---|---|---|")
     print("\n".join(rows))
     print(f"\n{len(rows) - failed} PASS, {failed} FAIL")

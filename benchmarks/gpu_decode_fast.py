@@ -88,7 +88,9 @@ def check(gen) -> tuple[int, int, list]:
     ]
     cases += extra
     npass, fails = 0, []
-    for c in cases:
+    t0 = time.perf_counter()
+    for i, c in enumerate(cases):
+        print(f"case {i + 1}/{len(cases)} at {time.perf_counter() - t0:.1f} s: {c}", flush=True)
         lens = [1, 17, 300, 1033, 16, 15][: 3 if c["D"] == 64 else 6]
         kc, vc, bt, sl = make_paged_kv(make_format(*c["k"]), make_format(*c["v"]), lens, 2,
                                        c["D"], c["P"], gen=gen)

@@ -1,0 +1,50 @@
+#!/bin/bash
+# One device call, a list of named jobs run one after another, each with its own time limit and
+# log ($OUT/<job>.log); a PASS/FAIL/TIMEOUT line per job at the end (also $OUT/summary.txt).
+#
+#   bash benchmarks/gpu_jobs.sh env decode_fast memory nan dense
+#   DEADLINE=560 bash benchmarks/gpu_jobs.sh prefill_memory
+#
+# A job still running at its own limit, or at DEADLINE seconds after the start, is stopped so
+# that the logs come back. Jobs (name: command, limit in seconds):
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kvc_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+DEADLINE=${DEADLINE:-570}
+start=$(date +%s)
+
+job() {   # job NAME -> "LIMIT COMMAND"
+  case "$1" in
+    env)            echo "20 nvidia-smi; python3 -c 'import torch,triton,transformers as t;print(torch.__version__,triton.__version__,t.__version__,torch.cuda.get_device_name())'; nvcc --version | tail -1" ;;
+    decode_fast)    echo "300 python3 benchmarks/gpu_decode_fast.py --out $OUT" ;;
+    decode_check)   echo "200 python3 benchmarks/gpu_decode_fast.py --check --accuracy --out $OUT" ;;
+    decode_bench)   echo "200 python3 benchmarks/gpu_decode_fast.py --bench --out $OUT" ;;
+    memory)         echo "200 python3 -m pytest -s -q -m gpu tests/gpu/test_memory_gpu.py -p no:cacheprovider" ;;
+    nan)            echo "120 python3 benchmarks/gpu_check_nan.py" ;;
+    dense)          echo "60 python3 benchmarks/gpu_check_dense.py" ;;
+    prefill_memory) echo "560 python3 benchmarks/bench_prefill_memory.py --budget-s 540 --json $OUT/prefill_memory.json" ;;
+    *)              echo "" ;;
+  esac
+}
+
+: > "$OUT/summary.txt"
+for name in "$@"; do
+  spec=$(job "$name")
+  if [ -z "$spec" ]; then echo "$name: unknown job" | tee -a "$OUT/summary.txt"; continue; fi
+  limit=${spec%% *}
+  cmd=${spec#* }
+  left=$(( DEADLINE - ($(date +%s) - start) ))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -le 5 ]; then echo "$name: SKIPPED (deadline)" | tee -a "$OUT/summary.txt"; continue; fi
+  t0=$(date +%s)
+  timeout -k 5 "$limit" bash -c "$cmd" > "$OUT/$name.log" 2>&1
+  rc=$?
+  secs=$(( $(date +%s) - t0 ))
+  case $rc in 0) verdict=PASS ;; 124|137) verdict=TIMEOUT ;; *) verdict="FAIL (exit $rc)" ;; esac
+  echo "$name: $verdict in ${secs}s" | tee -a "$OUT/summary.txt"
+  grep -v -i "warn" "$OUT/$name.log" | tail -n "${TAIL:-25}"
+  echo "-----"
+done
+cat "$OUT/summary.txt"
