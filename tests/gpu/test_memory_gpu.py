@@ -44,12 +44,61 @@ def _allocated() -> int:
     return torch.cuda.memory_allocated()
 
 
+@pytest.fixture(autouse=True)
+def _memory_history():
+    """Record where each CUDA block was allocated (Python stacks), so that a failed release
+    check can name the code that allocated what is still held."""
+    try:
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=200000)
+    except Exception:       # older torch: the check still runs, without allocation sites
+        yield
+        return
+    yield
+    torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def _allocation_sites(top: int = 6) -> list[str]:
+    """Blocks still allocated, grouped by the innermost kvcompile / transformers / torch frame
+    of the stack that allocated them, largest first."""
+    try:
+        snap = torch.cuda.memory._snapshot()
+    except Exception as e:
+        return [f"(no allocation history: {e})"]
+    sites: dict[str, list[int]] = {}
+    for seg in snap.get("segments", []):
+        for blk in seg.get("blocks", []):
+            if blk.get("state") != "active_allocated":
+                continue
+            frames = blk.get("frames") or []
+            where = "?"
+            for want in ("kvcompile", "transformers", "torch"):
+                hit = [f for f in frames if want in f.get("filename", "")]
+                if hit:
+                    f = hit[0]
+                    where = f"{f['filename'].split('site-packages/')[-1]}:{f['line']} {f['name']}"
+                    break
+            acc = sites.setdefault(where, [0, 0])
+            acc[0] += blk.get("size", 0)
+            acc[1] += 1
+    rows = sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]
+    return [f"  {size / MiB:9.1f} MiB in {n:4d} blocks from {where}" for where, (size, n) in rows]
+
+
 def _holders(top: int = 4) -> str:
-    """The largest live CUDA tensors and what refers to them (three levels up): the message of
-    a failed release check."""
-    ts = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda]
+    """What is still allocated, by allocation site, then the largest live CUDA tensors that
+    are not a parameter or buffer of a live module, with what refers to them (three levels up):
+    the message of a failed release check."""
+    owned = set()
+    for o in gc.get_objects():
+        if isinstance(o, torch.nn.Module):
+            for t in list(o.parameters(recurse=False)) + list(o.buffers(recurse=False)):
+                if t.is_cuda:
+                    owned.add(t.untyped_storage().data_ptr())
+    ts = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda
+          and o.untyped_storage().data_ptr() not in owned]
     ts.sort(key=lambda t: t.untyped_storage().nbytes(), reverse=True)
-    lines = [f"{len(ts)} live CUDA tensors"]
+    lines = ["still allocated, by allocation site:", *_allocation_sites(),
+             f"{len(ts)} live CUDA tensors besides module parameters and buffers"]
     skip = {id(ts)}
     for t in ts[:top]:
         lines.append(f"  {tuple(t.shape)} {t.dtype} {t.untyped_storage().nbytes() / MiB:.1f} MiB")
