@@ -12,6 +12,7 @@ import torch
 from kvcompile import telemetry as _telemetry  # noqa: F401  (the silent `kvcompile` logger)
 from kvcompile.backend import kvcompile_backend
 from kvcompile.config import KVConfig
+from kvcompile.passes.notices import warn_quality
 from kvcompile.runtime import ModelState, all_states
 
 _STATE_ATTR = "_kvcompile_state"
@@ -51,6 +52,7 @@ def compile(model: torch.nn.Module, config: KVConfig | dict | None = None, **opt
     state.model_name = type(model).__name__  # for the warnings of the passes
     state.created_at = time.monotonic()  # telemetry rates count from here
     state.param_ids = {id(p) for p in model.parameters()}
+    warn_quality(state)
     backend = _backend_for(state)
     if _is_hf_model(model):
         from kvcompile.inputs import CheckedForward

@@ -336,6 +336,40 @@ class KVConfig:
         return repr(sorted((f.name, repr(getattr(self, f.name))) for f in fields(self)))
 
 
+# --- configurations known to cost quality ---------------------------------------------------
+
+# Perplexity through the pool against fp32, SmolLM2-135M, 4,096 tokens each of the Lee corpus
+# and of stdlib pydoc topics (benchmarks/pareto.py, README "Key-aware 4-bit caches"). A key
+# format below this table's rows loses more than a few percent; the key-aware 4-bit layout
+# (int4 keys with per-channel scales, int4 values per token, page 64, values rotated) costs
+# +1.7% on both texts at 4.5 bits.
+KEY_AWARE_4BIT = ('KVConfig(kv_dtype="int4", scale_granularity="channel", page_size=64, '
+                  'rotate="hadamard")')
+_LOSSY_KEYS = {
+    # key format: (perplexity cost as measured, what it was measured with)
+    "fp4_e2m1": ("+9.6% (Lee) / +15.0% (pydoc); +5.4% / +8.8% with rotate='hadamard'",
+                 "without per-channel scales; measured with page scales"),
+    "int3": ("+10.7% / +13.6% even with channel-scaled keys", "3-bit keys"),
+    "int2": ("more than 3-bit keys' +10.7% / +13.6%", "2-bit keys"),
+}
+
+
+def quality_warning(cfg: KVConfig) -> str | None:
+    """A one-paragraph warning when `cfg` stores keys in a format measured to raise perplexity
+    by more than a few percent (fp4 keys without channel scales, 2- or 3-bit keys), naming the
+    measured cost and the key-aware layout that keeps it near +2%; else None."""
+    k = cfg.k_dtype or cfg.kv_dtype
+    if k not in _LOSSY_KEYS:
+        return None
+    if k == "fp4_e2m1" and cfg.scale_granularity == "channel":
+        return None   # channel-scaled fp4 keys: the key-aware treatment (Pareto table)
+    cost, what = _LOSSY_KEYS[k]
+    return (f"kvcompile: keys stored as {k} ({what}) raised perplexity by {cost} on "
+            f"SmolLM2-135M (README, 'Key-aware 4-bit caches'). For a 4-bit cache at about +2%, "
+            f"use {KEY_AWARE_4BIT}; for near-lossless, kv_dtype='fp8_e4m3' with "
+            f"rotate='hadamard'.")
+
+
 # --- per-module overrides --------------------------------------------------------------------
 
 _OVERRIDE_ATTR = "_kvcompile_overrides"

@@ -36,8 +36,11 @@ def find_state(example_inputs, config) -> ModelState:
         st = next((s for s in all_states() if s.config == config and ids and s.param_ids & ids),
                   None)
     if st is None:
+        from kvcompile.passes.notices import warn_quality
+
         st = ModelState(config)
         st.created_at = time.monotonic()
+        warn_quality(st)
     st.param_ids |= ids
     for p in params:
         if p not in _owners:

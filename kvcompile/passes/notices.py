@@ -26,6 +26,16 @@ def warn_once(state, key, message: str) -> bool:
     return True
 
 
+def warn_quality(state) -> None:
+    """Once per model: its config stores keys in a format measured to cost more than a few
+    percent of perplexity (config.quality_warning names the cost and the alternative)."""
+    from kvcompile.config import quality_warning
+
+    msg = quality_warning(state.config)
+    if msg is not None:
+        warn_once(state, "quality", msg)
+
+
 def model_name(state) -> str:
     name = getattr(state, "model_name", None)
     return name or "the model compiled with backend='kvcompile'"
