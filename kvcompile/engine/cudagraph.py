@@ -63,11 +63,28 @@ def upload_plan(g, pool, non_blocking: bool = True) -> None:
     g.block_tables[:, :w] = table[:, :w].index_select(0, g.rows)
 
 
+# One warm-up stream per device for every capture of the process. cuBLAS keeps a workspace
+# for each (handle, stream) it has run on (32 MiB on Hopper), never freed: a new stream per
+# capture made every capture (and every re-capture after a pool growth) keep 32 MiB more.
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The warm-up stream of `device` (created at its first capture, then reused)."""
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return stream
+
+
 def capture(step, device: torch.device, mempool):
-    """Run `step` twice on a side stream (Dynamo / inductor / Triton compile and autotune
-    there), then capture it into a new CUDA graph drawing on `mempool`. Returns (graph, what
-    the captured call returned: static outputs, valid after each replay)."""
-    side = torch.cuda.Stream(device=device)
+    """Run `step` twice on the device's warm-up stream (Dynamo / inductor / Triton compile and
+    autotune there), then capture it into a new CUDA graph drawing on `mempool`. Returns
+    (graph, what the captured call returned: static outputs, valid after each replay)."""
+    side = side_stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(2):

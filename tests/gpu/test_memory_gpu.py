@@ -2,6 +2,13 @@
 
     pytest -s -q -m gpu tests/gpu/test_memory_gpu.py
 
+On the H200 (2026-12-03) the release checks failed by 96 MiB (generate) and 128 MiB (Engine)
+while the pool itself was gone (a weak reference to it and to a page tensor were dead): the
+leftover was blocks of 32 MiB allocated by the model's matmuls, no Python tensor holding them,
+one per stream (the main stream, the capture stream, and a new warm-up stream per capture):
+cuBLAS workspaces. Captures now share one warm-up stream (engine/cudagraph.py side_stream), and
+the checks measure without cuBLAS's workspaces. Not yet re-run on the GPU.
+
 Each test prints one line per measurement (`torch.cuda.memory_allocated()`, MiB) and asserts:
 - HF generate on a growing pool (the default): the pool holds about what the workload needs,
   not 0.9 of the device; after `kvcompile.release(model)` memory is back to the weights, after
@@ -39,8 +46,14 @@ def _mib(x: int) -> str:
 
 
 def _allocated() -> int:
+    """Bytes allocated, less cuBLAS's workspaces: cuBLAS keeps one per stream it ran on (32 MiB
+    each on Hopper) for the life of the process, whoever ran the matmul. The leak check of
+    torch's own test suite (torch.testing._internal.common_utils) clears them the same way.
+    That kvcompile does not add one per CUDA-graph capture is checked on its own
+    (test_captures_do_not_accumulate_memory)."""
     gc.collect()
     torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
     return torch.cuda.memory_allocated()
 
 
@@ -94,8 +107,14 @@ def _holders(top: int = 4) -> str:
             for t in list(o.parameters(recurse=False)) + list(o.buffers(recurse=False)):
                 if t.is_cuda:
                     owned.add(t.untyped_storage().data_ptr())
-    ts = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda
-          and o.untyped_storage().data_ptr() not in owned]
+    ts = []
+    for o in gc.get_objects():
+        try:
+            if isinstance(o, torch.Tensor) and o.is_cuda and (
+                    o.untyped_storage().data_ptr() not in owned):
+                ts.append(o)
+        except Exception:   # fake / functional tensors (Dynamo's) have no storage pointer
+            continue
     ts.sort(key=lambda t: t.untyped_storage().nbytes(), reverse=True)
     lines = ["still allocated, by allocation site:", *_allocation_sites(),
              f"{len(ts)} live CUDA tensors besides module parameters and buffers"]
@@ -120,6 +139,66 @@ def _holders(top: int = 4) -> str:
             lines.append(f"    {'  ' * depth}<- {', '.join(desc)}")
             frontier = nxt[:6]
     return "\n".join(lines)
+
+
+def _chain(obj, depth: int = 7) -> str:
+    """What keeps `obj` alive: its referrers, breadth first, `depth` levels up (types, and the
+    keys or attribute names that hold it)."""
+    import types
+
+    lines, frontier, seen = [], [obj], {id(obj)}
+    for level in range(depth):
+        nxt = []
+        for o in frontier:
+            for r in gc.get_referrers(o):
+                if id(r) in seen or isinstance(r, types.FrameType) or r is frontier:
+                    continue
+                seen.add(id(r))
+                nxt.append(r)
+                if isinstance(r, dict):
+                    keys = [str(k) for k, v in list(r.items()) if v is o][:3]
+                    desc = f"dict{keys}"
+                elif isinstance(r, (list, tuple)):
+                    desc = f"{type(r).__name__}[{len(r)}]"
+                else:
+                    desc = type(r).__module__ + "." + type(r).__qualname__
+                lines.append(f"{'  ' * level}<- {desc}")
+        frontier = nxt[:12]
+        if not frontier:
+            break
+    return "\n".join(lines[:80])
+
+
+def _explain_leftover(start: int) -> None:
+    """Diagnostics of memory left after release that no Python tensor holds: the stacks that
+    allocated it, whether an allocation lets the allocator settle it (streams), and whether
+    Dynamo's caches hold it."""
+    try:
+        snap = torch.cuda.memory._snapshot()
+        shown = 0
+        for seg in snap.get("segments", []):
+            for blk in seg.get("blocks", []):
+                if blk.get("state") != "active_allocated" or blk.get("size", 0) < 8 * MiB:
+                    continue
+                frames = [f for f in (blk.get("frames") or [])
+                          if "kvcompile" in f["filename"] or "transformers" in f["filename"]
+                          or "_dynamo" in f["filename"]]
+                if any("modeling_utils" in f["filename"] for f in frames[:1]):
+                    continue
+                print(f"block {blk['size'] / MiB:.1f} MiB, stream {seg.get('stream')}, "
+                      f"pool {seg.get('segment_pool_id')}:")
+                for f in frames[:14]:
+                    print(f"    {f['filename'].split('site-packages/')[-1]}:{f['line']} "
+                          f"{f['name']}")
+                shown += 1
+                if shown >= 3:
+                    break
+    except Exception as e:
+        print("no snapshot:", e)
+    torch.empty(1, device="cuda")
+    print(f"after one allocation {_mib(_allocated() - start)}")
+    torch._dynamo.reset()
+    print(f"after torch._dynamo.reset() {_mib(_allocated() - start)}")
 
 
 def _llama(layers=4, dtype=torch.bfloat16, seed=0):
@@ -157,9 +236,20 @@ def test_generate_takes_what_it_needs_and_gives_it_back():
     assert need <= st["bytes_total"] <= 2 * need + 2 * sizing.CHUNK_BYTES
     assert st["bytes_total"] < 0.05 * free0           # not 0.9 of the device
 
+    pool_ref = weakref.ref(state_of(model).pool)
+    page_ref = weakref.ref(state_of(model).pool.k[0].data)
     kvcompile.release(model)
     released = _allocated() - start
     print(f"after release {_mib(released)} (weights {_mib(weights)})")
+    if released > weights + SLACK:
+        print("pool alive:", pool_ref() is not None, "| page tensor alive:",
+              page_ref() is not None)
+        if pool_ref() is not None:
+            print("pool held by:\n" + _chain(pool_ref()))
+        elif page_ref() is not None:
+            print("page tensor held by:\n" + _chain(page_ref()))
+    if released > weights + SLACK:
+        _explain_leftover(start)
     assert released <= weights + SLACK, _holders()
 
     state = weakref.ref(state_of(model))
@@ -242,3 +332,35 @@ def test_engine_reserves_up_front_and_gives_it_back():
     released = _allocated() - start
     print(f"after release {_mib(released)} (weights {_mib(weights)})")
     assert released <= weights + SLACK, _holders()
+
+
+def test_captures_do_not_accumulate_memory(monkeypatch):
+    """Re-captures (a pool that grows every few steps drops its graphs) reuse one warm-up
+    stream: memory held after release, cuBLAS workspaces included, does not grow with the
+    number of captures (each new stream kept a 32 MiB cuBLAS workspace on Hopper)."""
+    ids = torch.randint(3, 512, (2, 24), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(0))
+    left = {}
+    # a first run makes the streams every run uses (main, capture, warm-up); then a run with
+    # few captures, and one with a capture every few decode steps
+    for chunk in (3 << 20, 2 << 20, 1):
+        torch._dynamo.reset()
+        monkeypatch.setattr(sizing, "CHUNK_BYTES", chunk)
+        gc.collect()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        model = _tiny()
+        kvcompile.compile(model, KVConfig(kv_dtype="bf16", inner="eager", reserve="grow",
+                                          max_kv_bytes=64 << 20))
+        model.generate(ids, max_new_tokens=40, min_new_tokens=40, **GEN)
+        captures = model.forward.captures
+        kvcompile.release(model)
+        del model
+        gc.collect()
+        torch.cuda.synchronize()
+        left[chunk] = (torch.cuda.memory_allocated() - before, captures)
+    (few, n_few), (many, n_many) = left[2 << 20], left[1]
+    print(f"\nheld after release: {_mib(few)} after {n_few} captures, {_mib(many)} after "
+          f"{n_many} captures")
+    assert n_many >= n_few + 3
+    assert many <= few + SLACK
