@@ -4,7 +4,7 @@
     python benchmarks/bench_prefill_memory.py --format fp8_e4m3   # one row, this process
     python benchmarks/bench_prefill_memory.py --smoke         # CPU: tiny model, every row
 
-Setup (issue 16 item 0): an 8-layer Llama-3-8B-shaped model (hidden 4096, 32 q / 8 kv heads,
+Setup: an 8-layer Llama-3-8B-shaped model (hidden 4096, 32 q / 8 kv heads,
 head_dim 128, MLP 14336, vocab 32,000), random bf16 weights, B=16 prompts of 32,768 tokens, no
 padding (`--pad N`: row b gets b*N pad tokens on the left). A row is `generate(max_new_tokens=1)`
 (the prefill and one token): TTFT is its wall time, the peak is `torch.cuda.max_memory_allocated`

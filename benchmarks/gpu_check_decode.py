@@ -1,7 +1,7 @@
 """Full correctness matrix of the decode and append kernels, on the GPU (H200).
 
     python benchmarks/gpu_check_decode.py [--shard I --shards N] [--quick]
-    python benchmarks/gpu_check_decode.py --only decode-only-formats --quick   # issue 9's cases
+    python benchmarks/gpu_check_decode.py --only decode-only-formats --quick   # int / mixed K-V
     python benchmarks/gpu_check_decode.py --half H --halves 2 --shard I --shards 16 --budget 330
     python benchmarks/gpu_check_decode.py --plan [--halves 2 --shards 16]   # print the split only
     bash benchmarks/run_decode_check_gpu.sh          # SHARDSET=0 / 1 / all: the runner
@@ -254,7 +254,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=["decode-only-formats"],
                     help="decode-only-formats: just the cases of the int / channel / residual "
-                         "formats (issue 9)")
+                         "formats (K and V in different formats and scale granularities)")
     ap.add_argument("--cpu-smoke", type=int, default=0,
                     help="run the first N cases on the CPU interpreter with short sequences")
     a = ap.parse_args()

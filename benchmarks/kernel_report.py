@@ -1,6 +1,7 @@
 """What the compiler made of the decode and prefill kernels: registers, spills, shared memory,
 warps / stages, occupancy, and the SASS instruction mix of the whole kernel and of its main
-loop (issues 4 and 5: a missed speed target is explained from the compiled kernel, not a guess).
+loop, so that a missed speed target (decode at the HBM limit of its bytes, prefill against
+cuDNN SDPA) is explained from the compiled kernel, not a guess.
 
     python benchmarks/kernel_report.py [--out DIR] [--decode bf16,fp8_e4m3/page,fp4_e2m1/page]
                                        [--prefill varlen_bf16,varlen_fp8,paged_fp8,paged_bf16]

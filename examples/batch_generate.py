@@ -62,16 +62,27 @@ def prompts_for(lm, n: int) -> list:
     return out
 
 
+def phase(what: str) -> None:
+    """One line on stderr before a step that can take a while, so a log never sits silent."""
+    print(f"[{what} ...]", file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    phase(f"loading {args.model} (SmolLM2-135M: about 30 s on 2 CPU cores)")
     lm = load_model(args.model, device=args.device)
     cfg = kvcompile.KVConfig(kv_dtype=args.kv_dtype, max_kv_bytes=args.kv_mib << 20,
                              inner="inductor" if args.device.startswith("cuda") else "eager")
+    phase("compiling with kvcompile: Dynamo traces the model (SmolLM2-135M on 2 CPU cores: about "
+          "30 s, and the first request about 15 s more; on CUDA, inductor and CUDA-graph capture "
+          "take a few minutes)")
     engine = Engine(lm.model, lm.tokenizer, cfg,
                     max_num_batched_tokens=args.max_num_batched_tokens)
     prompts = prompts_for(lm, args.num_prompts)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
+    phase("compiling the batched prefill and decode steps (one short request)")
     engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2))  # compile
+    phase(f"generating {len(prompts)} requests")
     t0 = time.perf_counter()
     steps0 = engine.stats.steps
     outs = engine.generate(prompts, params)

@@ -38,13 +38,22 @@ def parse_args(argv=None):
 
 
 def make_engine(args) -> Engine:
+    phase(f"loading {args.model} (SmolLM2-135M: about 30 s on 2 CPU cores)")
     lm = load_model(args.model, device=args.device)
     if lm.tokenizer is None:
         sys.exit(f"{args.model} has no tokenizer: chat needs one")
     cfg = kvcompile.KVConfig(kv_dtype=args.kv_dtype, max_kv_bytes=args.kv_mib << 20,
                              # CPU: skip inductor's C++ compile (minutes); GPU: inductor
                              inner="inductor" if args.device.startswith("cuda") else "eager")
+    phase("compiling with kvcompile: Dynamo traces the model (SmolLM2-135M on 2 CPU cores: about "
+          "30 s, and the first request about 15 s more; on CUDA, inductor and CUDA-graph capture "
+          "take a few minutes)")
     return Engine(lm.model, lm.tokenizer, cfg, max_num_batched_tokens=512)
+
+
+def phase(what: str) -> None:
+    """One line on stderr before a step that can take a while, so a log never sits silent."""
+    print(f"[{what} ...]", file=sys.stderr, flush=True)
 
 
 def turns(args):

@@ -44,11 +44,20 @@ def _ids(lm, text: str) -> list[int]:
     return tok(text).input_ids
 
 
+def phase(what: str) -> None:
+    """One line on stderr before a step that can take a while, so a log never sits silent."""
+    print(f"[{what} ...]", file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    phase(f"loading {args.model} (SmolLM2-135M: about 30 s on 2 CPU cores)")
     lm = load_model(args.model, device=args.device)
     cfg = kvcompile.KVConfig(kv_dtype=args.kv_dtype, max_kv_bytes=128 << 20,
                              inner="inductor" if args.device.startswith("cuda") else "eager")
+    phase("compiling with kvcompile: Dynamo traces the model (SmolLM2-135M on 2 CPU cores: about "
+          "30 s, and the first request about 15 s more; on CUDA, inductor and CUDA-graph capture "
+          "take a few minutes)")
     engine = Engine(lm.model, lm.tokenizer, cfg)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
 
@@ -74,6 +83,8 @@ def main(argv=None) -> int:
         from transformers import TextStreamer
 
         streamer = TextStreamer(lm.tokenizer, skip_prompt=True, skip_special_tokens=True)
+    phase("the first Hugging Face generate traces its own prefill and decode graphs "
+          "(SmolLM2-135M: about 40 s on 2 CPU cores)")
     out = lm.model.generate(ids, max_new_tokens=args.max_tokens, do_sample=False,
                             streamer=streamer, pad_token_id=lm.model.config.pad_token_id or 0)
     if streamer is None:

@@ -17,6 +17,7 @@ import contextlib
 import importlib
 import importlib.util
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -177,7 +178,7 @@ def _parse_gguf(path: str):
         from transformers.modeling_utils import no_init_weights
 
     folder, name = os.path.split(path)
-    with _gguf_parsed_once():
+    with _gguf_parsed_once(), _gguf_bar_on_terminals_only():
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         cfg = AutoConfig.from_pretrained(folder, gguf_file=name)
         with no_init_weights(), torch.device("meta"):
@@ -208,6 +209,42 @@ def _gguf_parsed_once():
         yield
     finally:
         gguf.GGUFReader = original
+
+
+@contextlib.contextmanager
+def _gguf_bar_on_terminals_only():
+    """transformers' GGUF converter draws a tqdm bar ("Converting and de-quantizing GGUF
+    tensors...") on stderr with tqdm itself, so `transformers.utils.logging.
+    disable_progress_bar()` and HF_HUB_DISABLE_PROGRESS_BARS do not reach it. Where stderr is no
+    terminal (a log file, a pipe, CI) each redraw lands in the log: draw it on a terminal only,
+    and not there either when transformers' progress bars are switched off."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as converter
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    original = getattr(converter, "tqdm", None)
+    if original is None or (_stderr_is_terminal() and hf_logging.is_progress_bar_enabled()):
+        yield
+        return
+
+    def no_bar(*args, **kwargs):
+        kwargs["disable"] = True
+        return original(*args, **kwargs)
+
+    converter.tqdm = no_bar
+    try:
+        yield
+    finally:
+        converter.tqdm = original
+
+
+def _stderr_is_terminal() -> bool:
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # a replaced or closed stream
+        return False
 
 
 def _load_hf_dir(spec: str, path: str, dtype: torch.dtype) -> LoadedModel:

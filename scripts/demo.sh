@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
+# the demo prints one line per step (load, compile, generate) with its rough duration
 python -m kvcompile demo "$@"

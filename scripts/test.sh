@@ -11,6 +11,11 @@ if ! python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 start=$(date +%s)
 status=0
+if [ $# -eq 0 ]; then
+  echo "running the whole test suite: about 20-25 min on 2 CPU cores (pytest -q: a dot per test)"
+else
+  echo "running pytest $*"
+fi
 python -m pytest -q --durations=15 "$@" || status=$?
 secs=$(( $(date +%s) - start ))
 echo "test run: $((secs / 60)) min $((secs % 60)) s on $(nproc) CPU core(s), pytest exit status $status"

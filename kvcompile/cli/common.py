@@ -82,27 +82,39 @@ def dumps(payload: dict) -> str:
 # --- progress ---------------------------------------------------------------------------------
 
 class Console:
-    """Where progress and notes go: stderr, only for a person (not with --json / --quiet, not
-    when stderr is no terminal unless `force`)."""
+    """Where progress and notes go: stderr, for a person, never with --json / --quiet.
 
-    def __init__(self, enabled: bool):
+    On a terminal (`enabled`): `what ... 3.2 s` around each step, tqdm bars, notes. Where stderr
+    is no terminal (a log file, a pipe, CI: `lines`): no bars and no notes, but one line when a
+    long step starts, `kvcompile: what (about ...) ...`, so a log never sits silent for a
+    minute without saying why. Steps are long when the caller gives their expected duration
+    (`about`); quick ones (tiny models, factories) print nothing there."""
+
+    def __init__(self, enabled: bool, lines: bool = False):
         self.enabled = enabled
+        self.lines = lines and not enabled
 
     @classmethod
     def for_args(cls, args) -> Console:
         quiet = getattr(args, "json", False) or getattr(args, "quiet", False)
-        return cls(not quiet and (sys.stderr.isatty() or getattr(args, "progress", False)))
+        terminal = sys.stderr.isatty() or getattr(args, "progress", False)
+        return cls(not quiet and terminal, lines=not quiet and not terminal)
 
     def note(self, msg: str) -> None:
         if self.enabled:
             print(msg, file=sys.stderr, flush=True)
 
     @contextmanager
-    def stage(self, what: str):
-        """`what ... 3.2 s` on stderr around a step of unknown length; yields a timer dict."""
+    def stage(self, what: str, about: str | None = None):
+        """`what (about) ... 3.2 s` on stderr around a step on a terminal; elsewhere
+        `kvcompile: what (about) ...` when it starts, for long steps (`about` given). Yields a
+        timer dict."""
         timer = {"seconds": 0.0}
+        label = f"{what} ({about})" if about else what
         if self.enabled:
-            print(f"{what} ...", end="", file=sys.stderr, flush=True)
+            print(f"{label} ...", end="", file=sys.stderr, flush=True)
+        elif self.lines and about:
+            print(f"kvcompile: {label} ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         try:
             yield timer
@@ -181,7 +193,7 @@ def load(args, console: Console):
     from kvcompile.models import ModelNotFoundError, load_model
 
     device = pick_device(getattr(args, "device", "auto"))
-    with console.stage(f"loading {args.model}"):
+    with console.stage(f"loading {args.model}", about=load_about(args.model)):
         try:
             return load_model(args.model, device=device, dtype=pick_dtype(args.dtype))
         except ModelNotFoundError as e:
@@ -208,6 +220,37 @@ def load(args, console: Console):
                            f"{_type_name(e)}: {_first(e)}",
                            "the file looks truncated or damaged: check its size, or copy it "
                            "again", EXIT_MODEL) from e
+
+
+def load_about(spec: str) -> str | None:
+    """What loading `spec` does and roughly how long it takes, for the progress line; None
+    for the quick ones (tiny-* models, factories, checkpoints of a few MB, a spec that names
+    nothing)."""
+    from kvcompile.models import SMOLLM2_ALIASES
+
+    s = str(spec).strip()
+    if s.lower() in SMOLLM2_ALIASES:
+        return "SmolLM2-135M's GGUF: tokenizer, config, weights dequantized; about 30 s on 2 " \
+               "CPU cores"
+    path = os.path.expanduser(s)
+    try:
+        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+            ggufs = [f for f in os.listdir(path) if f.endswith(".gguf")]
+            path = os.path.join(path, ggufs[0]) if len(ggufs) == 1 else path
+        if os.path.isfile(path) and path.endswith(".gguf"):
+            # SmolLM2-135M's 98 MB Q4_1 file takes about 30 s on 2 cores
+            seconds = 30 * os.path.getsize(path) / 98e6
+            if seconds >= 5:
+                return f"a {fmt_bytes(os.path.getsize(path))} GGUF, weights dequantized by " \
+                       f"transformers; about {max(10, round(seconds, -1)):.0f} s on 2 CPU cores"
+        elif os.path.isfile(os.path.join(path, "config.json")):
+            size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+                       if f.endswith((".safetensors", ".bin", ".pt", ".pth")))
+            if size >= 100e6:
+                return f"a Hugging Face checkpoint, {fmt_bytes(size)} of weights"
+    except OSError:
+        pass
+    return None
 
 
 def _type_name(e: BaseException) -> str:

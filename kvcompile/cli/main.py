@@ -56,7 +56,8 @@ def _model_options(p: argparse.ArgumentParser, kv_default: str) -> None:
                    help="model dtype (auto: fp32 on the CPU, bf16 on CUDA)")
     g.add_argument("--kv-dtype", default=kv_default, choices=KV_DTYPES,
                    help=f"KV cache storage format (default {kv_default})")
-    g.add_argument("--page-size", type=int, default=16, choices=PAGE_SIZES)
+    g.add_argument("--page-size", type=int, default=16, choices=PAGE_SIZES,
+                   help="tokens per KV page (default 16)")
     g.add_argument("--max-kv-mib", type=float, default=256.0,
                    help="KV pool budget in MiB (default 256)")
     g.add_argument("--eviction", metavar="POLICY[:k=v,...]", default=None,
@@ -84,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="SmolLM2-135M compiled with kvcompile answers a prompt")
     demo.add_argument("--model", default="smollm2", help="model spec (default smollm2)")
     demo.add_argument("--prompt", default=None, help="the question (a default one is used)")
-    demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.add_argument("--max-new-tokens", type=int, default=48,
+                      help="most tokens in the answer (default 48; greedy, stops at EOS)")
     demo.add_argument("--no-chat-template", action="store_true",
                       help="feed the prompt raw, without the model's chat template")
     _model_options(demo, "fp8_e4m3")
@@ -95,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                          description="MODEL: a local HF directory, a .gguf file, smollm2, "
                                      "tiny-llama | tiny-qwen2 | tiny-mistral | tiny-gpt2, or "
                                      "module:factory")
-    ins.add_argument("model", metavar="MODEL")
+    ins.add_argument("model", metavar="MODEL",
+                     help="smollm2, a Hugging Face directory, a .gguf file, tiny-llama "
+                          "(tiny-qwen2, tiny-mistral, tiny-gpt2), or module:factory")
     ins.add_argument("--batch", type=int, default=1, help="memory plan: sequences (default 1)")
     ins.add_argument("--context", type=int, default=None,
                      help="memory plan: tokens per sequence (default: the model's context, at "
