@@ -184,7 +184,7 @@ def test_soak(kind):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [1])
 @pytest.mark.parametrize("kind", list(FORMATS))
 def test_soak_long(kind, seed):
     _check_figures(soak(kind, 1200, seed=seed))
