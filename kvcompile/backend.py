@@ -241,13 +241,12 @@ def _device(args) -> torch.device:
 
 def _install_early() -> None:
     # torch.compile(..., backend="kvcompile") imports this module when it is called, before the
-    # model's first generate: patch transformers now, so that even that call frees its pages
-    import sys
+    # model's first generate: patch transformers now (or, when this module was imported before
+    # transformers, e.g. by `from kvcompile import stats`, as soon as transformers' generation
+    # code is imported), so that even that call frees its pages
+    from kvcompile.integrations import hf as _hf
 
-    if "transformers" in sys.modules:
-        from kvcompile.integrations import hf as _hf
-
-        _hf.install()
+    _hf.install_soon()
 
 
 _install_early()

@@ -24,7 +24,7 @@ EXIT_OK = 0
 EXIT_INTERNAL = 1       # an unexpected error: a bug in kvcompile (rerun with --debug)
 EXIT_USAGE = 2          # bad command line: unknown option or value, unknown pass, bad config
 EXIT_MODEL = 3          # the model cannot be found or loaded
-EXIT_VERIFY = 4         # --verify: compiled output diverged beyond tolerance
+EXIT_VERIFY = 4         # --verify: a layer or the final logits diverged beyond tolerance
 EXIT_UNAVAILABLE = 5    # needs what this machine lacks: CUDA, an optional package, a harness
 EXIT_RUNTIME = 6        # kvcompile refused at run time (pool full, sequence too long, ...)
 EXIT_INTERRUPTED = 130  # Ctrl-C
@@ -34,7 +34,8 @@ EXIT_CODES = {
     EXIT_INTERNAL: "unexpected error (a bug: rerun with --debug and report the traceback)",
     EXIT_USAGE: "bad command line: unknown option or value, unknown pass, bad KVConfig value",
     EXIT_MODEL: "the model cannot be found or loaded",
-    EXIT_VERIFY: "inspect --verify: the compiled model diverged from eager beyond tolerance",
+    EXIT_VERIFY: "inspect --verify: a layer, or the final logits, diverged from eager beyond "
+                 "tolerance (the logits: beyond the storage format's bound)",
     EXIT_UNAVAILABLE: "needs something this machine lacks (CUDA, an optional package, a "
                       "benchmark script)",
     EXIT_RUNTIME: "kvcompile refused at run time (KV pool full, sequence too long, cache state)",

@@ -93,7 +93,7 @@ def run(args) -> Result:
         if state is None:
             raise CLIError("no attention site was compiled, nothing to verify", code=1)
         res = verify.compare(eager, compiled, state, local.errors(),
-                             next(lm.model.parameters()).dtype)
+                             next(lm.model.parameters()).dtype, next_token_logits=lm.is_hf)
         payload["verify"] = res
         text.append(verify.verify_text(res, args.steps if lm.is_hf else 0))
         if not res["ok"]:

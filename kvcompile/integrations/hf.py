@@ -14,7 +14,11 @@ tensors are stubs, and leave every other cache untouched:
 Every `generate` call (GenerationMixin.generate, patched by `install`, on every route) returns
 the pages of the caches it made when it returns, in the thread that made them (a call scope,
 cache/binding.py): HF cache objects sit in reference cycles, so without it the pages would wait
-for the garbage collector, and calls in other threads are left alone.
+for the garbage collector, and calls in other threads are left alone. The patch must be in
+place before the first `generate` starts: the backend's first compile happens inside that call,
+too late for it. `install_soon()` (run when kvcompile.backend is imported, which
+`torch.compile(..., backend="kvcompile")` and `from kvcompile import stats` both do) patches
+now when transformers is loaded, else the moment transformers' generation code is imported.
 
 `wrap_generate(model)` (installed by `kvcompile.compile`) makes num_return_sequences / beam
 search prefill each distinct prompt once and fork it (HF would prefill and store every copy).
@@ -23,6 +27,9 @@ search prefill each distinct prompt once and fork it (HF would prefill and store
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import logging
+import sys
 import threading
 
 import torch
@@ -32,6 +39,67 @@ from kvcompile.integrations import hf_prefill as _hf_prefill
 from kvcompile.integrations.hf_graphs import generating
 
 _installed = False
+_GENERATION = "transformers.generation.utils"   # defines GenerationMixin, imports cache_utils
+_log = logging.getLogger("kvcompile")
+
+
+def install_soon() -> None:
+    """`install()` now if transformers is loaded; else as soon as `transformers.generation.utils`
+    has been imported (an import hook that removes itself), so that the first `generate` call
+    already frees its pages. (Without it, `from kvcompile import stats` before `import
+    transformers` left the first call on the torch.compile route holding its pages until the
+    garbage collector ran.)"""
+    if _installed:
+        return
+    if "transformers" in sys.modules:
+        install()
+        return
+    if not any(isinstance(f, _InstallOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _InstallOnImport())
+
+
+class _InstallOnImport(importlib.abc.MetaPathFinder):
+    """Finds `transformers.generation.utils` with the other finders and runs `install()` right
+    after the module has executed; does nothing for any other module."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _GENERATION:
+            return None
+        _remove_hook()
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _ThenInstall(spec.loader)
+        return spec
+
+
+class _ThenInstall(importlib.abc.Loader):
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        try:
+            install()
+        except Exception as e:  # noqa: BLE001  (never break the user's import)
+            _log.warning("kvcompile: could not patch transformers' generate: %s", e)
+
+    def __getattr__(self, name):   # get_source, get_filename, ... of the real loader
+        if name == "_loader":
+            raise AttributeError(name)
+        return getattr(self._loader, name)
+
+
+def _remove_hook() -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _InstallOnImport)]
 
 
 def install() -> None:
@@ -43,6 +111,7 @@ def install() -> None:
     except ImportError:
         return
     _installed = True
+    _remove_hook()
     cache = cache_utils.Cache
     _wrap(cache, "reorder_cache", _reorder)
     _wrap(cache, "batch_repeat_interleave", _repeat)

@@ -6,13 +6,19 @@
   storage tensors) and the state; a second compile in the process works;
 - every `generate` call returns its pages when it returns, with the garbage collector off, on
   the `kvcompile.compile` route and on the `torch.compile(..., backend="kvcompile")` route,
-  and `stats()` says the same on both;
+  and `stats()` says the same on both; in a fresh process too, where kvcompile was imported
+  before transformers (the first call then used to keep its pages until the gc ran);
 - generate calls from 6 threads on one compiled model give the tokens of sequential calls.
 """
 
 from __future__ import annotations
 
 import gc
+import json
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import weakref
 
@@ -152,6 +158,55 @@ def test_stats_agree_between_routes():
             gc.enable()
         got.append({k: st[k] for k in POOL_FIELDS + ("pages_max", "bytes_per_token")})
     assert got[0] == got[1] and got[0]["pages_used"] == 0
+
+
+# A fresh process: in this one, earlier tests have patched transformers' generate already.
+# `from kvcompile import stats` before `from transformers import ...` (isort's order) imports
+# kvcompile.backend before transformers; the torch.compile route then compiles inside the first
+# generate call, and that call kept its pages (pages_used 4, sequences 2) until the gc ran.
+_FRESH = textwrap.dedent("""
+    import gc, json, sys
+    import torch
+    from kvcompile import stats            # kvcompile.backend before transformers
+    import kvcompile
+    from tests.engine.tiny import make_hf  # transformers comes in here
+    torch.set_num_threads(1)
+    opts = dict(inner="eager", kernels="reference", max_kv_bytes=64 * 4096, page_size=8)
+    ids = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for route in ("torch.compile", "kvcompile.compile"):   # torch.compile first: nothing
+        model = make_hf("llama")                           # has patched generate yet
+        if route == "torch.compile":
+            model.forward = torch.compile(model.forward, backend="kvcompile", options=opts)
+        else:
+            kvcompile.compile(model, kvcompile.KVConfig(**opts))
+        calls = []
+        for _ in range(2):
+            gc.disable()
+            try:
+                model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                               eos_token_id=None)
+                st = stats(model)
+            finally:
+                gc.enable()
+            calls.append({k: st[k] for k in sys.argv[1:]})
+        out[route] = {"calls": calls, "rewritten": len(kvcompile.report(model).rewritten)}
+    print(json.dumps(out))
+""")
+
+
+def test_first_generate_returns_its_pages_in_a_fresh_process_on_both_routes():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"),
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", _FRESH, *POOL_FIELDS], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    empty = dict.fromkeys(POOL_FIELDS, 0)
+    for route in ("torch.compile", "kvcompile.compile"):
+        assert got[route]["rewritten"] == 2, route          # compiled, not an eager fallback
+        assert got[route]["calls"] == [empty, empty], route
 
 
 def test_generate_from_threads_equals_sequential_calls():
