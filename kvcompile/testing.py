@@ -35,6 +35,12 @@ SQNR_FLOOR_DB = {
     "fp8_e4m3": 31.0,
     "fp8_e5m2": 25.0,
     "fp4_e2m1": 20.0,
+    # int formats at their coarsest scales (page; token and channel scales do better: int4
+    # 17.5 / 20.0 / 23.7 dB with page / token / channel scales, int3 10.9 / 13.4 / 17.1,
+    # int2 3.4 / 6.0 / 9.7; measured 2026-12-03 on the data of test_sqnr_floor_gaussian_int)
+    "int4": 17.0,
+    "int3": 10.5,
+    "int2": 3.0,
 }
 
 

@@ -443,6 +443,19 @@ def test_sqnr_floor_gaussian(name):
     assert abs(figures["page, one token at a time"] - figures["page"]) < 0.1
 
 
+@pytest.mark.parametrize("name", ["int4", "int3", "int2"])
+def test_sqnr_floor_gaussian_int(name):
+    # The floors in SQNR_FLOOR_DB hold at every granularity an int format offers; finer scales
+    # do better (token over page; channel scales over 16-token pages better still).
+    x = torch.randn(512, 8, 128, generator=torch.Generator().manual_seed(5))
+    figures = {gran: _sqnr(name, gran, x, 32) for gran in ("page", "token", "channel")}
+    print(f"\nSQNR {name}: " + ", ".join(f"{k} {v:.2f} dB" for k, v in figures.items()))
+    for what, db in figures.items():
+        assert db >= SQNR_FLOOR_DB[name], f"{name} {what}: {db:.2f} dB"
+    assert figures["page"] < figures["token"] < figures["channel"]
+    assert figures["page"] < SQNR_FLOOR_DB[name] + 1.0   # the floor is tight, not a free pass
+
+
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_block_scales_beat_tensor_scale_on_outlier(name):
     # One outlier large enough that a per-tensor scale pushes the rest of the data below the
