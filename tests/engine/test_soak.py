@@ -17,7 +17,6 @@ two seeds.
 from __future__ import annotations
 
 import os
-
 import random
 import time
 
