@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -198,7 +199,8 @@ def bench(gen, waves_list) -> list[dict]:
         q = torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16, generator=gen)
         k = torch.randn(B, Hkv, L, D, device=DEV, dtype=torch.bfloat16, generator=gen)
         v = torch.randn(B, Hkv, L, D, device=DEV, dtype=torch.bfloat16, generator=gen)
-        t_sdpa = _bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        t_sdpa = _bench(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
+            q, k, v, enable_gqa=True))
         del k, v
         kv_bf16 = 2 * B * L * Hkv * D * 2
         rows.append({"shape": name, "row": "sdpa bf16", "ms": t_sdpa, "x": 1.0,
@@ -219,7 +221,8 @@ def bench(gen, waves_list) -> list[dict]:
                     if w is not None:
                         splits = fast.choose_splits(B, Hkv, bt.shape[1] * 16,
                                                     dec._sm_count(q.device), waves=w)
-                    t = _bench(lambda: _launch(q, kc, vc, bt, sl, out, backend, splits=splits))
+                    t = _bench(functools.partial(_launch, q, kc, vc, bt, sl, out, backend,
+                                                 splits=splits))
                     rows.append({"shape": name, "row": f"{kf}/{kg} {backend}"
                                  + (f" waves={w} splits={splits}" if w is not None else ""),
                                  "ms": t, "x": t / t_sdpa, "TB/s": stored / t / 1e9})
