@@ -75,7 +75,7 @@ def auto_prefill_chunk(model, input_ids, generation_config, model_kwargs, state)
         return None
     cache = next((model_kwargs[k] for k in ("cache", "past_key_values")
                   if model_kwargs.get(k) is not None), None)
-    if cache is None or type(cache).__name__ != "DynamicCache" or cache.get_seq_length() != 0:
+    if cache is None or type(cache).__name__ != "DynamicCache" or _cached_tokens(cache) != 0:
         return None
     B, S = input_ids.shape
     size = chunk_size(B, S, activation_bytes_per_token(model, S),
@@ -84,6 +84,15 @@ def auto_prefill_chunk(model, input_ids, generation_config, model_kwargs, state)
     if size is not None:
         state.count("prefill_chunked")
     return size
+
+
+def _cached_tokens(cache) -> int | None:
+    """Tokens an attention layer of `cache` holds; None when it has none (a state-space
+    model's DynamicCache holds only LinearAttention layers and raises on get_seq_length)."""
+    try:
+        return cache.get_seq_length()
+    except ValueError:
+        return None
 
 
 def prefill(original, model, input_ids, generation_config, model_kwargs, *args, **kwargs):
