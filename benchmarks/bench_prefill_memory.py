@@ -56,6 +56,9 @@ def parse_args(argv=None):
     p.add_argument("--row-timeout-s", type=float, default=240.0)
     p.add_argument("--smoke", action="store_true", help="CPU: tiny model, reference kernels")
     p.add_argument("--json", default=None, help="driver: also write the rows here")
+    p.add_argument("--trace", action="store_true",
+                   help="CUDA: record the second call's allocations and report the blocks "
+                        "live at its peak, grouped by the code that allocated them")
     a = p.parse_args(argv)
     if a.smoke:
         a.batch, a.layers, a.vocab = 2, 2, 512
@@ -205,10 +208,15 @@ def run_row(args) -> dict:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         sync(device)
+        if args.trace and device.type == "cuda":
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=400000)
         t0 = time.perf_counter()
         model.generate(ids, **kw)
         sync(device)
         row["ttft_s"] = time.perf_counter() - t0
+        if args.trace and device.type == "cuda":
+            row["peak_live"] = live_at_peak(torch.cuda.memory._snapshot())
+            torch.cuda.memory._record_memory_history(enabled=None)
     except Exception as e:  # noqa: BLE001 - an OOM (also one raised inside a compiled kernel)
         row["error"] = f"{type(e).__name__}: " + (str(e).splitlines() or [""])[0][:160]
     if device.type == "cuda":
@@ -227,6 +235,47 @@ def run_row(args) -> dict:
     return row
 
 
+def _site(frames) -> str:
+    """Where a block was allocated: the innermost frames in kvcompile, transformers, or an
+    inductor-generated module (its buffer line), as 'file:line fn' joined by ' < '."""
+    keep = []
+    for f in frames or []:
+        name = f.get("filename", "")
+        if any(k in name for k in ("kvcompile/", "transformers/", "torchinductor", "/tmp/")):
+            keep.append(f"{name.rsplit('/', 1)[-1]}:{f.get('line')} {f.get('name')}")
+        if len(keep) == 3:
+            break
+    return " < ".join(keep) or "?"
+
+
+def live_at_peak(snapshot, top: int = 14) -> list:
+    """Replay the allocation trace; the blocks live at the highest point (bytes above the
+    trace's start), grouped by allocating site: [[GiB, count, site], ...], largest first."""
+    events = [e for trace in snapshot.get("device_traces", []) for e in trace]
+    live, cur, peak, peak_i = {}, 0, 0, -1
+    for i, e in enumerate(events):
+        if e["action"] == "alloc":
+            live[e["addr"]] = e["size"]
+            cur += e["size"]
+            if cur > peak:
+                peak, peak_i = cur, i
+        elif e["action"] in ("free_completed",) and e["addr"] in live:
+            cur -= live.pop(e["addr"])
+    live = {}
+    for e in events[:peak_i + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        elif e["action"] == "free_completed":
+            live.pop(e["addr"], None)
+    groups = {}
+    for e in live.values():
+        g = groups.setdefault(_site(e.get("frames")), [0, 0])
+        g[0] += e["size"]
+        g[1] += 1
+    out = sorted(([b / GIB, n, site] for site, (b, n) in groups.items()), reverse=True)
+    return [[round(peak / GIB, 3), len(live), "TOTAL above the trace's start"]] + out[:top]
+
+
 def driver(args) -> list[dict]:
     t_end = time.perf_counter() + args.budget_s
     rows = []
@@ -240,6 +289,8 @@ def driver(args) -> list[dict]:
                "--layers", str(args.layers), "--vocab", str(args.vocab), "--pad", str(args.pad)]
         if args.smoke:
             cmd.append("--smoke")
+        if args.trace:
+            cmd.append("--trace")
         t0 = time.perf_counter()
         try:
             p = subprocess.run(cmd, capture_output=True, text=True,
@@ -278,6 +329,9 @@ def table(rows: list[dict]) -> str:
                    f"{f(r, 'pool_gib'):>6s} "
                    f"{str(r.get('chunks', '-')):22s} {str(r.get('reference_fallbacks', '-')):>4s}"
                    f" {r.get('error', '')}")
+    for r in rows:
+        for gib, n, site in r.get("peak_live", []):
+            out.append(f"  {r['row']} at peak: {gib:8.3f} GiB {n:5d} blocks  {site}")
     for r in rows:
         if r["row"] == "mask_analysis":
             out.append(f"mask analysis on HF's mask ({f(r, 'mask_gib')} GiB bool): extra peak "

@@ -34,9 +34,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs CUDA")
         return 1
+    kinds = sys.argv[1:] or ["decode", "prefill"]   # e.g. `gpu_check_nan.py prefill`
     rows, failed = [], 0
-    cases = [("decode", c, w) for c in DECODE for w in "kv"] + [
-        ("prefill", c, w) for c in PREFILL for w in "kv"]
+    cases = [("decode", c, w) for c in DECODE for w in "kv" if "decode" in kinds] + [
+        ("prefill", c, w) for c in PREFILL for w in "kv" if "prefill" in kinds]
     for kind, case, which in cases:
         for q_dtype in (torch.float16, torch.bfloat16):
             t0 = time.perf_counter()

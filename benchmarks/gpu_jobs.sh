@@ -22,9 +22,9 @@ job() {   # job NAME -> "LIMIT COMMAND"
     decode_check)   echo "200 python3 benchmarks/gpu_decode_fast.py --check --accuracy --out $OUT" ;;
     decode_bench)   echo "200 python3 benchmarks/gpu_decode_fast.py --bench --out $OUT" ;;
     memory)         echo "${MEM_LIMIT:-200} python3 -m pytest -s -q -m gpu tests/gpu/test_memory_gpu.py -p no:cacheprovider" ;;
-    nan)            echo "120 python3 benchmarks/gpu_check_nan.py" ;;
+    nan)            echo "${NAN_LIMIT:-240} python3 benchmarks/gpu_check_nan.py ${NAN_KINDS:-}" ;;
     dense)          echo "60 python3 benchmarks/gpu_check_dense.py" ;;
-    prefill_memory) echo "${PM_BUDGET:-540} python3 benchmarks/bench_prefill_memory.py --budget-s $(( ${PM_BUDGET:-540} - 15 )) --rows ${PM_ROWS:-mask_analysis,hf_static,fp8_e4m3,bf16,fp4_e2m1,bf16_whole} --json $OUT/prefill_memory.json" ;;
+    prefill_memory) echo "${PM_BUDGET:-540} python3 benchmarks/bench_prefill_memory.py --budget-s $(( ${PM_BUDGET:-540} - 15 )) --rows ${PM_ROWS:-mask_analysis,hf_static,fp8_e4m3,bf16,fp4_e2m1,bf16_whole} --json $OUT/prefill_memory.json ${PM_ARGS:-}" ;;
     *)              echo "" ;;
   esac
 }

@@ -351,8 +351,10 @@ def test_captures_do_not_accumulate_memory(monkeypatch):
         before = torch.cuda.memory_allocated()
         model = _tiny()
         kvcompile.compile(model, KVConfig(kv_dtype="bf16", inner="eager", reserve="grow",
-                                          max_kv_bytes=64 << 20))
-        model.generate(ids, max_new_tokens=40, min_new_tokens=40, **GEN)
+                                          page_size=8, max_kv_bytes=64 << 20))
+        # 2 x (24 + 120) tokens in 8-token pages: 6 pages after prefill, 36 at the end; one-page
+        # chunks grow x1.5 (6 -> 9 -> 14 -> 21 -> 32 -> 48): four re-captures during decode
+        model.generate(ids, max_new_tokens=120, min_new_tokens=120, **GEN)
         captures = model.forward.captures
         kvcompile.release(model)
         del model
