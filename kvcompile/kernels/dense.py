@@ -26,7 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvcompile.cache.fp8 import fp8_to_float
+from kvcompile.cache.fp8 import fp8_widen
 from kvcompile.kernels.masks import align
 
 _MASKED = -1e4  # additive mask values at or below this mask their key (as masks.py reads them)
@@ -339,10 +339,15 @@ def _gather(paged, idx: torch.Tensor, b: int, total: int, dtype: torch.dtype) ->
     out = torch.empty((b, H, n, P, D), dtype=dtype, device=paged.data.device)
     if fmt.name.startswith("fp8") and not fmt.residual:
         # PagedTensor.read's fp8_decode, with the scale product writing the output layout
-        x = fp8_to_float(paged.data.index_select(0, idx))                    # [b*n, H, P, D]
+        x, factor = fp8_widen(paged.data.index_select(0, idx))              # [b*n, H, P, D]
         sc = paged.scale_of(idx)                                             # bcast to x
         if sc.shape[0] == x.shape[0]:
             sc = sc.view(b, n, *sc.shape[1:]).transpose(1, 2)
+        if factor != 1.0:   # fold E4M3's 2^120 into the scale (fp32: exact below 2^8)
+            if bool(sc.amax() < 2.0 ** 7):
+                sc = sc * factor
+            else:
+                x.mul_(factor)
         torch.mul(x.view(b, n, H, P, D).transpose(1, 2), sc, out=out)
         return out.view(b, H, n * P, D)[:, :, :total]
     if fmt.is_quantized:

@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from kvcompile.passes.graph_utils import VIEW_KINDS, arg, graph_outputs, kind, ndim, val
+from kvcompile.passes.mask_inputs import unexpand_masks
 from kvcompile.passes.sites import AttentionSite
 
 STUB_META = "kvcompile_stub"
@@ -120,6 +121,7 @@ def finish_rewrite(gm: fx.GraphModule, sites: list[AttentionSite],
     inputs and outputs are cache handles and stubs."""
     plan = RewritePlan(sites=sites)
     graph = gm.graph
+    unexpand_masks(graph)
     _erase_dead(graph, [n for n in graph.nodes if kind(n) in VIEW_KINDS | {
         "repeat_interleave", "cat", "where"}])
     graph.lint()

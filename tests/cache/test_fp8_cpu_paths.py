@@ -1,12 +1,19 @@
-"""The CPU's fast fp8 paths give the bytes and values of the general ones: the table decode
-(fp8.fp8_to_float) and the one-token page-scale append (PagedTensor._append_fp8)."""
+"""The CPU's fast fp8 paths give the bytes and values of the general ones: the integer-op decode
+(fp8.fp8_to_float / fp8_widen, against torch's own cast), the reference attention's page
+gather (dense._gather), and the one-token page-scale append (PagedTensor._append_fp8)."""
 
 import pytest
 import torch
 
 from kvcompile.cache.formats import KVFormat
-from kvcompile.cache.fp8 import fp8_decode, fp8_to_float
+from kvcompile.cache.fp8 import fp8_decode, fp8_to_float, fp8_widen
 from kvcompile.cache.paged import PagedTensor
+from kvcompile.kernels.dense import _gather
+from kvcompile.kernels.reference import gather_pages
+
+
+def _same_bits(a, b):
+    return bool(((a.view(torch.int32) == b.view(torch.int32)) | (a.isnan() & b.isnan())).all())
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
@@ -18,6 +25,51 @@ def test_fp8_to_float_every_code(dtype):
     assert got.shape == codes.shape and bool(same.all())
     scale = torch.rand(4, 1, 1) * 3
     assert torch.equal(fp8_decode(codes, scale).nan_to_num(7.0), (ref * scale).nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_widen_with_denormals_flushed(dtype):
+    """With torch.set_flush_denormal(True) the E4M3 subnormal codes would read as 0 through
+    the placed-bits route: the cast is used there, the values stay torch's."""
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        w, factor = fp8_widen(codes)
+        got = w * factor
+        ref = codes.float()
+    finally:
+        torch.set_flush_denormal(False)
+    # (a flushed fp32 subnormal compares as 0 either way: E5M2's smallest codes are fp16
+    # subnormals, widened exactly; compare what the flush leaves)
+    assert _same_bits(got, ref) or dtype == torch.float8_e5m2
+    assert bool(((got == ref) | (got.isnan() & ref.isnan())).all())
+
+
+@pytest.mark.parametrize("gran", ["page", "token", "tensor"])
+@pytest.mark.parametrize("big", [False, True])
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_reference_gather_equals_read(name, gran, big):
+    """dense._gather (the CPU decode's page gather: scale folded, heads-first layout) gives
+    PagedTensor.read's values bit for bit: NaN codes, scales >= 2^8 (where 2^120 is not folded
+    into an fp32 scale) and rows of one length gathered together."""
+    fmt = KVFormat(name, gran)
+    H, D, P, N = 3, 16, 8, 9
+    t = fmt.allocate(N, H, P, D)
+    g = torch.Generator().manual_seed(int(big) + len(gran))
+    x = torch.randn(N * P, H, D, generator=g) * (1e7 if big else 1.0)
+    x[5, 1, 2] = float("nan")
+    t.write(torch.arange(N * P), x)
+    if big and gran != "tensor":
+        assert bool(t.scale.amax() >= 2.0 ** 8)
+    tables = torch.cat([torch.zeros(1, dtype=torch.long),   # page 0 (its token 5: NaN) first
+                        1 + torch.randperm(N - 1, generator=g)[:7]]).view(2, 4)
+    total = 4 * P - 3
+    got = _gather(t, tables.reshape(-1), 2, total, torch.float32)
+    for b in range(2):
+        want = gather_pages(t, tables[b], total)
+        assert _same_bits(got[b].contiguous(), want.contiguous()), (name, gran, big, b)
+    assert bool(got[0, 1, 5].isnan().any()) and int(got.isnan().sum()) == 1
 
 
 def _appends(g, H, D, steps):
