@@ -195,17 +195,18 @@ class GraphRunner:
 
     def _bind(self, st: ModelState, args):
         handles = [args[i] for i in self.plan.handle_inputs]
-        for t, kind in zip(handles, self.plan.handle_kinds):
+        seq_dims = self.plan.handle_seq_dims or [-2] * len(handles)
+        for t, kind, seq in zip(handles, self.plan.handle_kinds, seq_dims):
             b = _binding.binding_of(t)
             if b is not None:
-                if b.released and t.shape[-2]:
+                if b.released and t.shape[seq]:
                     raise CacheStateError(
                         "this cache's pages were given back by kvcompile.release(model); "
                         "start a new cache (a new generate call)")
                 # a sliding-window cache object keeps only its window: fewer, never more
-                if kind == "cat" and b.seq_len() < t.shape[-2]:
+                if kind == "cat" and b.seq_len() < t.shape[seq]:
                     raise CacheStateError(
-                        f"the cache object holds {t.shape[-2]} tokens but kvcompile's pool "
+                        f"the cache object holds {t.shape[seq]} tokens but kvcompile's pool "
                         f"holds {b.seq_len()} for it (was the cache modified outside the "
                         f"compiled model, or its pages freed?)")
                 return b, False, False

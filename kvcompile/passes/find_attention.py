@@ -33,6 +33,7 @@ from kvcompile.passes.graph_utils import (
     single_user,
     val,
 )
+from kvcompile.passes.layouts import BHSD, Layout, pv_operands, qk_operands
 from kvcompile.passes.sites import AttentionSite, NearMiss
 
 
@@ -123,14 +124,15 @@ def _match_sdpa(node: fx.Node) -> AttentionSite:
     scale = arg(node, 6, "scale")
     enable_gqa = arg(node, 7, "enable_gqa", False)
     name, cls, stack = _site_location(node)
-    k_src, gqa_k, rep_k = unwrap_gqa(k)
-    v_src, gqa_v, rep_v = unwrap_gqa(v)
+    k_src, gqa_k, rep_k, k_layout = unwrap_gqa(k)
+    v_src, gqa_v, rep_v, v_layout = unwrap_gqa(v)
     gqa = "enable_gqa" if enable_gqa else gqa_k
     site = AttentionSite(
         name=name, module_class=cls, module_stack=stack, pattern="sdpa", gqa=gqa,
         q=q, k=k_src, v=v_src, output=node, chain=[node], mask=mask,
         mask_kind=_mask_kind(mask), scale=scalar_value(scale) if scale is not None else None,
         is_causal=bool(is_causal) if isinstance(is_causal, bool) else False, n_rep=rep_k,
+        k_layout=k_layout, v_layout=v_layout,
     )
     if not isinstance(is_causal, bool):
         return site.skip("is_causal is not a Python bool (data-dependent causality)")
@@ -153,29 +155,40 @@ def _mask_kind(mask) -> str | None:
         "additive" if v.dtype.is_floating_point else "unknown")
 
 
-def unwrap_gqa(node) -> tuple[fx.Node, str, int]:
-    """Strip a GQA repeat from keys/values: returns (source, form, n_rep)."""
+def unwrap_gqa(node, layout: Layout = BHSD) -> tuple[fx.Node, str, int, Layout]:
+    """Strip a GQA repeat from keys/values held in `layout`: (source, form, n_rep, the
+    source's layout). Forms: repeat_kv (x[:, :, None].expand(..).reshape(..)), MQA / GQA
+    flattened into the batch (the same expand reshaped to [B*H, S, D], or x.expand(B, H, S, D)
+    of a single kv head), repeat_interleave along the heads dim."""
     if not isinstance(node, fx.Node):
-        return node, "mha", 1
+        return node, "mha", 1, layout
     k = kind(node)
     if k == "repeat_interleave":
-        reps = arg(node, 1, "repeats")
-        dim = arg(node, 2, "dim")
-        if isinstance(reps, int) and dim in (1, -3):
-            return arg(node, 0), "repeat_interleave", reps
-    if k == "reshape" or k == "view":
+        reps, dim = arg(node, 1, "repeats"), arg(node, 2, "dim")
+        if isinstance(reps, int) and isinstance(dim, int) and not layout.flat and (
+                dim % 4 == layout.head_dim_index):
+            return arg(node, 0), "repeat_interleave", reps, layout
+    if k in ("reshape", "view") and kind(arg(node, 0)) == "expand":
         src = arg(node, 0)
-        if kind(src) == "expand":
-            inner = arg(src, 0)
-            s_out, s_exp = shape(node), shape(src)
-            if kind(inner) == "getitem" and s_exp is not None and len(s_exp) == 5 and (
-                    s_out is not None and len(s_out) == 4):
-                idx = arg(inner, 1)
-                if isinstance(idx, tuple) and len(idx) >= 3 and idx[2] is None:
-                    n_rep = s_exp[2]
-                    if isinstance(n_rep, int):
-                        return arg(inner, 0), "repeat_kv", n_rep
-    return node, "mha", 1
+        inner, s_out, s_exp = arg(src, 0), shape(node), shape(src)
+        if s_exp is None or s_out is None or layout.perm != BHSD.perm:
+            return node, "mha", 1, layout
+        if kind(inner) == "getitem" and len(s_exp) == 5 and len(s_out) in (3, 4):
+            idx = arg(inner, 1)
+            if isinstance(idx, tuple) and len(idx) >= 3 and idx[2] is None and isinstance(
+                    s_exp[2], int):
+                return arg(inner, 0), "repeat_kv", s_exp[2], BHSD
+        if len(s_exp) == 4 and len(s_out) == 3 and shape(inner) is not None and (
+                shape(inner)[1] == 1 and isinstance(s_exp[1], int)):
+            return inner, "expand", s_exp[1], BHSD
+    if k == "expand" and not layout.flat:
+        s_in, s_exp = shape(arg(node, 0)), shape(node)
+        h = layout.head_dim_index
+        if s_in is not None and len(s_in) == 4 and s_in[h] == 1 and isinstance(s_exp[h], int):
+            return arg(node, 0), "expand", s_exp[h], layout
+    if layout.flat and k in ("reshape", "view") and ndim(arg(node, 0)) == 4:
+        return arg(node, 0), "mha", 1, BHSD   # [B, H, S, D] flattened: its cache is 4-D
+    return node, "mha", 1, layout
 
 
 # --- eager -----------------------------------------------------------------------------------
@@ -202,7 +215,7 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
     chain_fwd = []
     cur = softmax
     nxt = _next_in_chain(cur)
-    while nxt is not None and kind(nxt) in ("to", "dropout"):
+    while nxt is not None and (kind(nxt) in ("to", "dropout") or _unviews_scores(nxt)):
         chain_fwd.append(nxt)
         cur, nxt = nxt, _next_in_chain(nxt)
     out = nxt
@@ -227,12 +240,22 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
         if isinstance(a, fx.Node) and is_scalar(b) and _is_scores(a, cond):
             chain_bwd.append(x)
             x, mask, mask_kind = a, cond, "bool"
+        elif isinstance(b, fx.Node) and is_scalar(a) and _is_scores(b, cond):
+            chain_bwd.append(x)   # where(masked_out, -inf, s)
+            x, mask, mask_kind = b, cond, "bool_inverted"
     elif kind(x) == "masked_fill":
         # nanoGPT: s.masked_fill(bias[..., :T, :T] == 0, float("-inf")): True = masked out
         a, cond, fill = arg(x, 0), arg(x, 1, "mask"), arg(x, 2, "value")
         if isinstance(fill, (int, float)) and fill <= -1e4 and _is_scores(a, cond):
             chain_bwd.append(x)
             x, mask, mask_kind = a, cond, "bool_inverted"
+    # a position bias added under the mask (MPT's ALiBi: (s + bias).masked_fill(m, min))
+    bias = None
+    if mask is not None and kind(x) == "add":
+        a, b = arg(x, 0), arg(x, 1, "other")
+        if _is_scores(a, b, nested=False) or _is_scores(b, a, nested=False):
+            chain_bwd.append(x)
+            x, bias = (a, b) if _is_scores(a, b, nested=False) else (b, a)
     # logit soft-capping: tanh(s / cap) * cap
     if kind(x) == "mul" and kind(arg(x, 0)) == "tanh":
         cap = scalar_value(arg(x, 1))
@@ -245,20 +268,34 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
         scale = c if kind(x) == "mul" else 1.0 / c
         chain_bwd.append(x)
         x = arg(x, 0)
-    if kind(x) != "matmul":
-        return _miss(softmax, "scores", x, "the scores are not matmul(q, k.transpose(-2, -1)) "
-                     "(matmul, @, bmm), optionally scaled, soft-capped and masked")
+    if _views_scores(x):   # BLOOM: baddbmm's [B*H, T, L] scores viewed as [B, H, T, L]
+        chain_bwd.append(x)
+        x = arg(x, 0)
+    if kind(x) not in ("matmul", "einsum", "baddbmm"):
+        return _miss(softmax, "scores", x, "the scores are not q·kᵀ (matmul, @, bmm, baddbmm, "
+                     "einsum), optionally scaled, soft-capped and masked")
     qk = x
-    q, kt = arg(qk, 0), arg(qk, 1, "other")
-    k = _untranspose(kt)
-    if k is None:
-        return _miss(softmax, "keys", kt, "the scores' second operand is not the keys "
-                     "transposed (k.transpose(-2, -1), k.mT, permute(0, 1, 3, 2))")
-    if out is None or kind(out) != "matmul" or arg(out, 0) is not cur:
+    ops = qk_operands(qk)
+    if isinstance(ops, str):
+        return _miss(softmax, "keys", qk, ops)
+    q, k, kt = ops.q, ops.k, ops.kt
+    if ops.scale != 1.0:
+        scale = ops.scale * (scale if scale is not None else 1.0)
+    if ops.bias is not None and bias is not None:
+        return _miss(softmax, "mask", qk, "baddbmm's bias, a position bias and a mask")
+    if ops.bias is not None and mask is None:
+        mask, mask_kind = ops.bias, "additive"
+    elif ops.bias is not None:
+        bias = ops.bias    # baddbmm's bias (ALiBi) beside a mask: the rewrite adds them
+    pv = pv_operands(out, cur) if out is not None else None
+    if pv is None:
         users = ", ".join(f"{u.name} ({_op(u)})" for u in cur.users) or "nothing"
-        return _miss(softmax, "output", cur, f"the probabilities do not feed matmul(p, v) "
-                     f"(used by {users})")
-    v = arg(out, 1, "other")
+        return _miss(softmax, "output", cur, f"the probabilities do not feed p·v (matmul, bmm, "
+                     f"einsum) (used by {users})")
+    v, v_layout, out_layout = pv.v, pv.v_layout, pv.out_layout
+    if ops.q_layout.flat:   # the output and values share the query's flattening
+        out_layout = ops.q_layout
+        v_layout = ops.q_layout if v_layout.heads else v_layout
     # q-side scale: matmul(q * c, kT)
     if kind(q) in ("mul", "div") and scalar_value(arg(q, 1)) is not None and (
             single_user(q) is qk):
@@ -268,20 +305,23 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
         chain_bwd.append(q)
         q = arg(q, 0)
     name, cls, stack = _site_location(softmax)
-    k_src, gqa_k, rep_k = unwrap_gqa(k)
-    v_src, gqa_v, rep_v = unwrap_gqa(v)
-    chain = [qk] + list(reversed(chain_bwd)) + [kt, softmax] + chain_fwd + [out]
+    k_src, gqa_k, rep_k, k_layout = unwrap_gqa(k, ops.k_layout)
+    v_src, gqa_v, rep_v, v_layout = unwrap_gqa(v, v_layout)
+    chain = [qk] + list(reversed(chain_bwd)) + ([kt] if kt is not None else []) + [
+        softmax] + chain_fwd + [out]
     site = AttentionSite(
         name=name, module_class=cls, module_stack=stack, pattern="eager", gqa=gqa_k,
         q=q, k=k_src, v=v_src, output=out, chain=chain, mask=mask, mask_kind=mask_kind,
         scale=scale if scale is not None else 1.0, softcap=softcap, n_rep=rep_k,
+        q_layout=ops.q_layout, k_layout=k_layout, v_layout=v_layout, out_layout=out_layout,
+        bias=bias,
     )
     for n in [qk] + chain_bwd + [softmax] + chain_fwd:
         if n is q:
             continue
         if len(n.users) != 1:
             return site.skip(f"attention scores/probabilities ({n.name}) are used elsewhere")
-    if len(kt.users) != 1:
+    if kt is not None and len(kt.users) != 1:
         return site.skip("transposed keys are used elsewhere")
     for d in chain_fwd:
         if kind(d) == "dropout":
@@ -302,42 +342,49 @@ def _next_in_chain(node: fx.Node) -> fx.Node | None:
             return u
         if k == "matmul" and arg(u, 0) is node:
             return u
+        if k == "einsum" and node in u.all_input_nodes:
+            return u
+        if _unviews_scores(u):
+            return u
     return None
 
 
-def _is_scores(scores, mask) -> bool:
-    """`scores` looks like the [B, H, S, L] score tensor and `mask` broadcasts onto it."""
+def _views_scores(x) -> bool:
+    """x is a [B, H, T, L] view of 3-D scores from bmm / baddbmm."""
+    return kind(x) in ("view", "reshape") and ndim(x) == 4 and ndim(arg(x, 0)) == 3 and (
+        kind(arg(x, 0)) in ("matmul", "baddbmm", "einsum"))
+
+
+def _unviews_scores(u) -> bool:
+    """u views [B, H, T, L] probabilities as [B*H, T, L] for a bmm by the values."""
+    return kind(u) in ("view", "reshape") and ndim(u) == 3 and ndim(arg(u, 0)) == 4 and any(
+        kind(w) == "matmul" and arg(w, 0) is u for w in u.users)
+
+
+def _is_scores(scores, mask, nested: bool = True) -> bool:
+    """`scores` looks like the [B, H, S, L] score tensor and `mask` broadcasts onto it
+    (`nested`: it may be scores plus a position bias)."""
     s = shape(scores)
-    return s is not None and len(s) == 4 and isinstance(scores, fx.Node) and (
-        kind(scores) in ("matmul", "mul", "div") or kind(scores) == "to")
-
-
-def _untranspose(kt):
-    """k from k.transpose(-2, -1) / transpose(2, 3) / permute(0, 1, 3, 2) / k.mT."""
-    if not isinstance(kt, fx.Node):
-        return None
-    kk = kind(kt)
-    n = ndim(kt)
-    if kk == "transpose":
-        if kt.op == "call_method" and kt.target == "mT":
-            return arg(kt, 0)
-        d0, d1 = arg(kt, 1, "dim0"), arg(kt, 2, "dim1")
-        if n is not None and {d % n for d in (d0, d1) if isinstance(d, int)} == {n - 2, n - 1}:
-            return arg(kt, 0)
-    if kk == "permute":
-        dims = kt.args[1:] if len(kt.args) > 2 else arg(kt, 1, "dims")
-        dims = tuple(dims) if isinstance(dims, (tuple, list)) else None
-        if dims == (0, 1, 3, 2):
-            return arg(kt, 0)
-    return None
+    if s is None or len(s) not in (3, 4) or not isinstance(scores, fx.Node):
+        return False
+    if nested and kind(scores) == "add":
+        return any(_is_scores(a, None, nested=False) for a in scores.args[:2])
+    return kind(scores) in ("matmul", "einsum", "baddbmm", "mul", "div", "to") or \
+        _views_scores(scores)
 
 
 def _check_shapes(site: AttentionSite) -> AttentionSite:
+    lq, lk, lv = (site.q_layout or BHSD, site.k_layout or BHSD, site.v_layout or BHSD)
+    if lq.heads < 0 or lv.heads < 0:
+        return site.skip("flattened [B*H, S, D] values whose heads could not be traced")
     sq, sk, sv = shape(site.q), shape(site.k), shape(site.v)
     if sq is None or sk is None or sv is None:
         return site.skip("q/k/v shapes unknown")
-    if len(sq) != 4 or len(sk) != 4 or len(sv) != 4:
-        return site.skip(f"q/k/v are not 4-D [B, H, S, D] (q {len(sq)}-D, k {len(sk)}-D)")
+    want = {False: 4, True: 3}
+    if len(sq) != want[lq.flat] or len(sk) != want[lk.flat] or len(sv) != want[lv.flat]:
+        return site.skip(f"q/k/v are not [B, H, S, D], [B, S, H, D] or [B*H, S, D] "
+                         f"(q {len(sq)}-D, k {len(sk)}-D)")
+    sq, sk, sv = lq.canon(sq), lk.canon(sk), lv.canon(sv)
     hq, hkv, d, dv = sq[1], sk[1], sq[3], sv[3]
     if not all(isinstance(x, int) for x in (hq, hkv, d, dv)):
         return site.skip("head counts / head_dim are not static")

@@ -24,6 +24,7 @@ from kvcompile.passes.graph_utils import (
     ndim,
     shape,
 )
+from kvcompile.passes.layouts import BHSD, Layout
 from kvcompile.passes.sites import AttentionSite, CacheOp
 
 _WRITE_KINDS = ("index_copy_", "index_put_", "setitem", "index_copy")
@@ -38,8 +39,8 @@ def find_caches(gm: fx.GraphModule, sites: list[AttentionSite]) -> None:
 def find_cache(gm: fx.GraphModule, site: AttentionSite) -> None:
     """Set site.k_cache / v_cache, or leave the site alone with the reason. Changes no code."""
     try:
-        site.k_cache = _find_one(site.k, site, "keys")
-        site.v_cache = _find_one(site.v, site, "values")
+        site.k_cache = _find_one(site.k, site, "keys", site.k_layout or BHSD)
+        site.v_cache = _find_one(site.v, site, "values", site.v_layout or BHSD)
     except _NotACache as e:
         site.skip(str(e))
         return
@@ -50,8 +51,15 @@ def find_cache(gm: fx.GraphModule, site: AttentionSite) -> None:
         site.skip("keys do not come from the query's tokens (cross-attention over other "
                   "states)")
         return
-    sq, sk = shape(site.q), shape(site.k_cache.new)
-    if sq[2] != sk[2] or sq[0] != sk[0]:
+    sq = (site.q_layout or BHSD).canon(shape(site.q))
+    sk = site.k_cache.layout.canon(shape(site.k_cache.new))
+    if site.k_cache.kind == "none" and sq[2] != sk[2]:
+        site.skip("the keys attention reads are computed from the cached tensors by ops "
+                  "kvcompile does not follow (e.g. a latent cache expanded by a projection "
+                  "after the cache update, as in MLA): kvcompile pages only the K/V that "
+                  "attention reads")
+        return
+    if sq[2] != sk[2] or (sq[0] != sk[0] and -1 not in (sq[0], sk[0])):
         site.skip(f"new keys {sk} do not align with queries {sq} (batch/length)")
 
 
@@ -59,16 +67,43 @@ class _NotACache(Exception):
     pass
 
 
-def _strip_length_slice(x: fx.Node) -> fx.Node:
-    """keys[:, :, :kv_len] (HF slices a static buffer to the live length): the buffer."""
+_FULL = slice(None, None, None)
+
+
+def _strip_length_slice(x: fx.Node, seq: int) -> fx.Node:
+    """keys[:, :, :kv_len] (HF slices a static buffer to the live length; [:, :kv_len] for a
+    [B, S, H, D] buffer): the buffer."""
     if kind(x) == "getitem" and ndim(x) == 4:
         idx = arg(x, 1)
-        full = slice(None, None, None)
-        if (isinstance(idx, tuple) and len(idx) >= 3 and idx[0] == full and idx[1] == full
-                and isinstance(idx[2], slice) and idx[2].start in (None, 0)
-                and idx[2].step in (None, 1) and all(i == full for i in idx[3:])):
+        if (isinstance(idx, tuple) and len(idx) > seq and all(i == _FULL for i in idx[:seq])
+                and isinstance(idx[seq], slice) and idx[seq].start in (None, 0)
+                and idx[seq].step in (None, 1) and all(i == _FULL for i in idx[seq + 1:])):
             return arg(x, 0)
     return x
+
+
+def _through_permutes(x: fx.Node, layout: Layout) -> tuple[fx.Node, Layout]:
+    """k_cat.transpose(1, 2) / .permute(..) / .contiguous(): the cached tensor and its
+    layout ([B, S, H, D] caches attended as [B, H, S, D])."""
+    while isinstance(x, fx.Node) and not layout.flat and ndim(x) == 4:
+        k = kind(x)
+        if k == "contiguous" or (k == "to" and len(x.args) == 1):
+            x = arg(x, 0)
+        elif k == "transpose" and x.target != "mT":
+            d0, d1 = arg(x, 1, "dim0"), arg(x, 2, "dim1")
+            if not (isinstance(d0, int) and isinstance(d1, int)):
+                break
+            perm = list(range(4))
+            perm[d0 % 4], perm[d1 % 4] = perm[d1 % 4], perm[d0 % 4]
+            x, layout = arg(x, 0), layout.then(tuple(perm))
+        elif k == "permute":
+            dims = x.args[1:] if len(x.args) > 2 else arg(x, 1, "dims")
+            if not (isinstance(dims, (tuple, list)) and len(dims) == 4):
+                break
+            x, layout = arg(x, 0), layout.then(tuple(d % 4 for d in dims))
+        else:
+            break
+    return x, layout
 
 
 def _root(x: fx.Node) -> fx.Node:
@@ -77,19 +112,28 @@ def _root(x: fx.Node) -> fx.Node:
     return x
 
 
-def _find_one(x: fx.Node, site: AttentionSite, what: str) -> CacheOp:
-    x = _strip_length_slice(x)
+def _find_one(x: fx.Node, site: AttentionSite, what: str, layout: Layout) -> CacheOp:
+    consumed = x
+    x, layout = _through_permutes(x, layout)
+    if layout.flat:
+        raise _NotACache(f"{what}: a cache kept flattened as [B*H, S, D] (kvcompile reads "
+                         f"caches held as [B, H, S, D] or [B, S, H, D])")
+    seq = layout.seq_dim
+    x = _strip_length_slice(x, seq)
+    x, layout = _through_permutes(x, layout)
+    seq = layout.seq_dim
     k = kind(x)
     if k == "cat":
         tensors = arg(x, 0, "tensors")
         dim = arg(x, 1, "dim", 0)
         n = ndim(x)
         if not (isinstance(tensors, (list, tuple)) and len(tensors) == 2 and n == 4
-                and isinstance(dim, int) and dim % 4 == 2):
-            raise _NotACache(f"{what}: cat is not cat([past, new], dim=-2) over 4-D tensors")
+                and isinstance(dim, int) and dim % 4 == seq):
+            raise _NotACache(f"{what}: cat is not cat([past, new]) along the sequence dim "
+                             f"({seq}) of 4-D tensors")
         past, new = tensors
         _views_to_outputs_only(x, site, what, allowed_extra=_attention_readers(site, x))
-        return CacheOp(kind="cat", new=new, past=past)
+        return CacheOp(kind="cat", new=new, past=past, layout=layout, seq_dim=seq)
     # index-written buffers: the attention reads the buffer (or the index_copy_ result)
     buf = x
     if k in ("index_copy_", "index_copy"):
@@ -99,7 +143,7 @@ def _find_one(x: fx.Node, site: AttentionSite, what: str) -> CacheOp:
         if len(writes) != 1:
             raise _NotACache(f"{what}: the cache buffer is written {len(writes)} times")
         w = writes[0]
-        new, positions = _write_args(w, what)
+        new, positions = _write_args(w, what, seq)
         readers = _attention_readers(site, buf) | {w}
         if k in ("index_copy_", "index_copy"):
             readers |= _attention_readers(site, x)
@@ -107,7 +151,8 @@ def _find_one(x: fx.Node, site: AttentionSite, what: str) -> CacheOp:
         if w is not x and len(w.users) and not all(u in readers for u in w.users):
             raise _NotACache(f"{what}: the result of the cache write is used elsewhere")
         return CacheOp(kind="index_put" if kind(w) in ("setitem", "index_put_") else "index_copy",
-                       new=new, buffer=buf, positions=positions, write_nodes=[w])
+                       new=new, buffer=buf, positions=positions, write_nodes=[w],
+                       layout=layout, seq_dim=seq)
     if x.op == "placeholder":
         raise _NotACache(f"{what} come from a graph input that nothing in the graph writes "
                          f"(a cache read without an update, e.g. cross-attention keys cached "
@@ -118,28 +163,54 @@ def _find_one(x: fx.Node, site: AttentionSite, what: str) -> CacheOp:
     if root.op == "placeholder" or kind(root) in ("zeros", "empty", "tensor"):
         raise _NotACache(f"{what} are read from {root.name}, a tensor this graph neither "
                          f"computes nor writes as a cache")
-    return CacheOp(kind="none", new=x)
+    # no cache: this forward's own keys, in the layout the attention consumed them; unless
+    # the model also keeps them (returns them, or stores them on a module) to grow a cache by
+    # cat from the next call on: a cache that starts here, its stored copy a stub
+    layout = site_layout(site, what)
+    kept = _kept_readers(consumed, site)
+    if kept:
+        seq = layout.seq_dim if not layout.flat else -1
+        if seq < 0:
+            raise _NotACache(f"{what}: kept for a later call in a flattened [B*H, S, D] layout")
+        return CacheOp(kind="cat", new=consumed, layout=layout, seq_dim=seq, write_nodes=kept)
+    return CacheOp(kind="none", new=consumed, layout=layout, seq_dim=-1)
 
 
-def _write_args(w: fx.Node, what: str):
+def _kept_readers(new: fx.Node, site: AttentionSite) -> list[fx.Node]:
+    """The readers of `new`, other than the attention, that only carry it (through views)
+    to the graph's outputs; [] when there are none, or when something else reads it too."""
+    readers = _attention_readers(site, new)
+    others = [u for u in new.users if u not in readers]
+    try:
+        _views_to_outputs_only(new, site, "keys", allowed_extra=readers)
+    except _NotACache:
+        return []
+    return others
+
+
+def site_layout(site: AttentionSite, what: str) -> Layout:
+    return (site.k_layout if what == "keys" else site.v_layout) or BHSD
+
+
+def _write_args(w: fx.Node, what: str, seq: int):
     k = kind(w)
     if k in ("index_copy_", "index_copy"):
         dim, index, src = arg(w, 1, "dim"), arg(w, 2, "index"), arg(w, 3, "source")
-        if not (isinstance(dim, int) and dim % 4 == 2):
+        if not (isinstance(dim, int) and dim % 4 == seq):
             raise _NotACache(f"{what}: index_copy_ along dim {dim}, not the sequence dim")
         return src, index
     if k == "setitem":
         idx, src = arg(w, 1), arg(w, 2)
     else:  # index_put_(indices, values)
         idx, src = arg(w, 1, "indices"), arg(w, 2, "values")
-    if not isinstance(idx, (tuple, list)) or len(idx) != 3:
-        raise _NotACache(f"{what}: buffer write index {idx!r} is not [:, :, positions]")
-    a, b, pos = idx
-    full = slice(None, None, None)
-    if k == "setitem" and not (a == full and b == full):
+    if not isinstance(idx, (tuple, list)) or not seq < len(idx) <= 4:
+        raise _NotACache(f"{what}: buffer write index {idx!r} is not "
+                         f"[{':, ' * seq}positions]")
+    before, pos, after = idx[:seq], idx[seq], idx[seq + 1:]
+    if k == "setitem" and not all(i == _FULL for i in (*before, *after)):
         raise _NotACache(f"{what}: buffer write does not cover all batch rows and heads")
-    if k == "index_put_" and not (a is None and b is None):
-        raise _NotACache(f"{what}: index_put_ indices are not (None, None, positions)")
+    if k == "index_put_" and not (all(i is None for i in before) and not after):
+        raise _NotACache(f"{what}: index_put_ indices are not ({'None, ' * seq}positions)")
     if isinstance(pos, slice):
         if pos.step not in (None, 1):
             raise _NotACache(f"{what}: strided slice assignment into the cache")
@@ -207,8 +278,22 @@ def _linear_inputs(node: fx.Node) -> set[fx.Node]:
     return found
 
 
+def _inputs_two_projections_back(node: fx.Node) -> set[fx.Node]:
+    """The projections' inputs behind `node`, and those one projection further back: low-rank
+    projections (DeepSeek's MLA: x -> kv_a_proj -> norm -> kv_b_proj) reach the hidden states
+    only there."""
+    first = _linear_inputs(node)
+    out = set(first)
+    for n in first:
+        if isinstance(n, fx.Node):
+            out |= _linear_inputs(n)
+    return out
+
+
 def _same_tokens(q: fx.Node, k_new: fx.Node) -> bool:
     qi, ki = _linear_inputs(q), _linear_inputs(k_new)
+    if qi and ki and not (qi & ki) and not _same_source(qi, ki):
+        qi, ki = _inputs_two_projections_back(q), _inputs_two_projections_back(k_new)
     if not qi or not ki:
         return True  # no projection in sight (a bare attention function): nothing to compare
     return bool(qi & ki) or _same_source(qi, ki)

@@ -18,6 +18,8 @@ _FUNCTION_KINDS = {
     torch._C._nn.scaled_dot_product_attention: "sdpa",
     F.scaled_dot_product_attention: "sdpa",
     torch.matmul: "matmul", operator.matmul: "matmul", torch.bmm: "matmul",
+    torch.einsum: "einsum", torch.functional.einsum: "einsum", torch.baddbmm: "baddbmm",
+    torch.masked_fill: "masked_fill", torch.flatten: "flatten",
     torch.softmax: "softmax", F.softmax: "softmax", torch.nn.functional.softmax: "softmax",
     F.dropout: "dropout", torch.dropout: "dropout",
     operator.mul: "mul", torch.mul: "mul",
@@ -38,7 +40,7 @@ _FUNCTION_KINDS = {
 }
 
 _METHOD_KINDS = {
-    "matmul": "matmul", "bmm": "matmul", "__matmul__": "matmul",
+    "matmul": "matmul", "bmm": "matmul", "__matmul__": "matmul", "baddbmm": "baddbmm",
     "softmax": "softmax",
     "mul": "mul", "__mul__": "mul", "div": "div", "__truediv__": "div",
     "add": "add", "__add__": "add",
@@ -50,12 +52,12 @@ _METHOD_KINDS = {
     "index_put_": "index_put_", "index_put": "index_put",
     "copy_": "copy_", "unsqueeze": "unsqueeze", "split": "split", "chunk": "chunk",
     "masked_fill": "masked_fill", "masked_fill_": "masked_fill",
-    "size": "size", "dim": "size", "numel": "size",
+    "size": "size", "dim": "size", "numel": "size", "flatten": "flatten",
 }
 
 # Ops that only re-view or re-type a tensor: following them keeps "the same data".
 VIEW_KINDS = {"view", "reshape", "transpose", "permute", "contiguous", "expand", "unsqueeze",
-              "getitem", "to"}
+              "getitem", "to", "flatten"}
 
 
 def kind(node: fx.Node) -> str | None:

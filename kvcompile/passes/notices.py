@@ -64,3 +64,18 @@ def warn_if_nothing_rewritten(gm: fx.GraphModule, state, res) -> None:
               f"own KV cache, as without kvcompile: {why}. Run `kvcompile inspect MODEL` "
               f"(MODEL: its directory, .gguf file or module:factory) to see every site and "
               f"near miss; kvcompile.report(model) lists them too")
+
+
+def warn_if_rewritten_only_elsewhere(state, sites) -> None:
+    """Sites rewritten in an earlier graph (e.g. the prefill, where a cache-less attention
+    matched) but left alone in this one (e.g. the decode): the calls this graph runs use the
+    model's own cache. Say so once per model, with the first such site's reason."""
+    earlier = {r.name for r in state.records[:len(state.records) - len(sites)] if r.rewritten}
+    later = [s for s in sites if not s.rewritten and s.reason and s.name in earlier]
+    if later:
+        warn_once(state, "rewritten only elsewhere",
+                  f"kvcompile rewrote {len(later)} attention site(s) of {model_name(state)} "
+                  f"in an earlier graph but leaves them alone in graph {state.graphs}, whose "
+                  f"calls run with the model's own KV cache: {later[0].name}: "
+                  f"{later[0].reason}. `kvcompile inspect MODEL` or kvcompile.report(model) "
+                  f"shows every site")

@@ -342,6 +342,7 @@ class _Run:
                                   f"kvcompile left attention site {s.name} of "
                                   f"{notices.model_name(state)} alone: {s.reason}")
         notices.warn_if_nothing_rewritten(self.gm, state, self.res)
+        notices.warn_if_rewritten_only_elsewhere(state, sites)
         return self.res
 
 

@@ -29,16 +29,19 @@ import torch
 import torch.fx as fx
 
 from kvcompile.passes.graph_utils import VIEW_KINDS, arg, graph_outputs, kind, ndim, val
+from kvcompile.passes.layouts import BHSD
 from kvcompile.passes.mask_inputs import unexpand_masks
 from kvcompile.passes.sites import AttentionSite
 
 STUB_META = "kvcompile_stub"
 
 
-def _virtual_cat(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """A zero-stride tensor shaped like torch.cat([past, new], dim=-2)."""
-    length = new.shape[-2] + (past.shape[-2] if past.dim() == new.dim() else 0)
-    return new.new_zeros(()).expand(*new.shape[:-2], length, new.shape[-1])
+def _virtual_cat(past: torch.Tensor, new: torch.Tensor, dim: int | None = -2) -> torch.Tensor:
+    """A zero-stride tensor shaped like torch.cat([past, new], dim)."""
+    size = list(new.shape)
+    if dim is not None:   # None: no past (a cache that starts with `new`)
+        size[dim] += past.shape[dim] if past.dim() == new.dim() else 0
+    return new.new_zeros(()).expand(*size)
 
 
 def _zero_stub(*size, dtype=None, device=None, **_ignored) -> torch.Tensor:
@@ -59,6 +62,7 @@ class RewritePlan:
     sites: list[AttentionSite] = field(default_factory=list)
     handle_inputs: list[int] = field(default_factory=list)   # placeholder index of past/buffer
     handle_kinds: list[str] = field(default_factory=list)    # "cat" | "index_copy" | "index_put"
+    handle_seq_dims: list[int] = field(default_factory=list)  # each handle's sequence dim
     buffer_inputs: list[int] = field(default_factory=list)   # real buffers to release
     stub_outputs: list[int] = field(default_factory=list)    # output index of stubs
 
@@ -88,7 +92,12 @@ def rewrite_site(gm: fx.GraphModule, site: AttentionSite, tag: str,
         with graph.inserting_before(site.output):
             mask = graph.call_function(torch.logical_not, (site.mask,))
             _set_meta(mask, site.output)
+    q_layout = site.q_layout or BHSD
+    if q_layout.flat and ndim(mask) == 3 and val(mask).shape[0] != 1:
+        mask = _adapt(graph, q_layout.to_bhsd, mask, site.output)   # [B*H, S, L] bias
     mask = _to_4d(graph, mask, site.output)
+    if site.bias is not None:
+        mask = _add_bias(graph, site, mask, q_layout)
     positions = _positions(graph, site)
     scale = site.scale if site.scale is not None else 1.0 / math.sqrt(site.head_dim)
     is_causal = site.is_causal
@@ -98,11 +107,17 @@ def rewrite_site(gm: fx.GraphModule, site: AttentionSite, tag: str,
             positions = graph.call_function(_slice_positions,
                                             (sl.start, sl.stop, site.k_cache.new))
             _set_meta(positions, site.output)
+    q = _adapt(graph, q_layout.to_bhsd, site.q, site.output)
+    k_new = _adapt(graph, (site.k_cache.layout or BHSD).to_bhsd, site.k_cache.new, site.output)
+    v_new = _adapt(graph, (site.v_cache.layout or BHSD).to_bhsd, site.v_cache.new, site.output)
+    with graph.inserting_before(site.output):
         node = graph.call_function(
             torch.ops.kvcompile.attention.default,
-            (site.q, site.k_cache.new, site.v_cache.new, mask, positions, site.name,
+            (q, k_new, v_new, mask, positions, site.name,
              float(scale), bool(is_causal), 0, float(site.softcap), tag))
         _set_meta(node, site.output)
+    node = _adapt(graph, (site.out_layout or BHSD).from_bhsd, node, site.output)
+    with graph.inserting_before(site.output):
         out_val = val(site.output)
         result = node
         if out_val is not None and out_val.dtype != site.dtype:
@@ -113,6 +128,31 @@ def rewrite_site(gm: fx.GraphModule, site: AttentionSite, tag: str,
     for cache in (site.k_cache, site.v_cache):
         _rewrite_cache(graph, cache, handles)
     site.rewritten = True
+
+
+def _add_bias(graph: fx.Graph, site: AttentionSite, mask, q_layout):
+    """One additive mask from the mask and baddbmm's bias ([B*H, 1, L] ALiBi)."""
+    bias = site.bias
+    if q_layout.flat and ndim(bias) == 3 and val(bias).shape[0] != 1:
+        bias = _adapt(graph, q_layout.to_bhsd, bias, site.output)
+    bias = _to_4d(graph, bias, site.output)
+    with graph.inserting_before(site.output):
+        if val(mask) is not None and val(mask).dtype == torch.bool:
+            out = graph.call_function(torch.where, (mask, bias, float("-inf")))
+        else:
+            out = graph.call_function(operator.add, (mask, bias))
+    _set_meta(out, site.output)
+    site.mask_kind = "additive"
+    return out
+
+
+def _adapt(graph: fx.Graph, how, node, before: fx.Node):
+    """`how(graph, node)` (a Layout's to_bhsd / from_bhsd) inserted before `before`."""
+    with graph.inserting_before(before):
+        out = how(graph, node)
+    if out is not node:
+        _set_meta(out, before)
+    return out
 
 
 def finish_rewrite(gm: fx.GraphModule, sites: list[AttentionSite],
@@ -127,10 +167,11 @@ def finish_rewrite(gm: fx.GraphModule, sites: list[AttentionSite],
     graph.lint()
     gm.recompile()
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    for h, k in handles:
+    for h, k, seq in handles:
         if h in placeholders:
             plan.handle_inputs.append(placeholders.index(h))
             plan.handle_kinds.append(k)
+            plan.handle_seq_dims.append(seq)
     plan.stub_outputs = _stub_output_indices(gm)
     return plan
 
@@ -160,17 +201,25 @@ def _positions(graph: fx.Graph, site: AttentionSite):
 
 
 def _rewrite_cache(graph: fx.Graph, cache, handles: list) -> None:
+    if cache.kind == "cat" and cache.past is None:   # a cache that starts in this graph
+        with graph.inserting_after(cache.new):
+            stub = graph.call_function(_virtual_cat, (cache.new, cache.new, None))
+        _set_meta(stub, cache.new)
+        stub.meta[STUB_META] = True
+        for u in cache.write_nodes:
+            u.replace_input_with(cache.new, stub)
+        return
     if cache.kind == "cat":
         cat = _find_cat_of(cache)
         if cat is not None:
             with graph.inserting_before(cat):
-                stub = graph.call_function(_virtual_cat, (cache.past, cache.new))
+                stub = graph.call_function(_virtual_cat, (cache.past, cache.new, cache.seq_dim))
             _set_meta(stub, cat)
             stub.meta[STUB_META] = True
             cat.replace_all_uses_with(stub)
             graph.erase_node(cat)
         if isinstance(cache.past, fx.Node) and cache.past.op == "placeholder":
-            handles.append((cache.past, "cat"))
+            handles.append((cache.past, "cat", cache.seq_dim))
     elif cache.kind in ("index_copy", "index_put"):
         for w in cache.write_nodes:
             if w in graph.nodes and not w.users:
@@ -178,7 +227,8 @@ def _rewrite_cache(graph: fx.Graph, cache, handles: list) -> None:
         buf = cache.buffer
         if buf.op == "placeholder":
             # "slice": written by slice assignment, the buffer stays real (backend.py)
-            handles.append((buf, "slice" if isinstance(cache.positions, slice) else cache.kind))
+            handles.append((buf, "slice" if isinstance(cache.positions, slice) else cache.kind,
+                            cache.seq_dim))
         elif kind(buf) in ("zeros", "empty"):
             buf.target = _zero_stub
             buf.meta[STUB_META] = True

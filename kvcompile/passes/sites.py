@@ -24,6 +24,8 @@ class CacheOp:
     buffer: fx.Node | None = None      # index ops: the cache buffer (placeholder or in-graph zeros)
     positions: Any = None              # index ops: node [S] / [B, S], or a slice object
     write_nodes: list[fx.Node] = field(default_factory=list)   # the index_copy_/setitem nodes
+    layout: Any = None                 # Layout of `new` (passes/layouts.py); None: [B, H, S, D]
+    seq_dim: int = 2                   # the sequence dim of the cached tensor
 
 
 @dataclass
@@ -60,6 +62,13 @@ class AttentionSite:
     head_dim: int = 0
     v_head_dim: int = 0
     dtype: Any = None
+    # how q, k, v (as consumed, after unwrapping GQA) and the output hold their heads
+    # (passes/layouts.py); None: [B, H, S, D]
+    q_layout: Any = None
+    k_layout: Any = None
+    v_layout: Any = None
+    out_layout: Any = None
+    bias: Any = None                   # an additive bias beside the mask (baddbmm's ALiBi)
 
     @property
     def cache_kind(self) -> str:
