@@ -13,6 +13,8 @@ kvcompile did not warn is a *silent* zero-site compile, counted apart.
     python benchmarks/coverage_sweep.py                    # all families -> docs/coverage.md
     python benchmarks/coverage_sweep.py --only llama gpt2  # some families, merged into results
     python benchmarks/coverage_sweep.py --jobs 2 --timeout 240
+    python benchmarks/coverage_sweep.py --skip-done             # the families not yet swept
+    python benchmarks/coverage_sweep.py --doc-only              # the table from stored results
 
 Results accumulate in benchmarks/results/coverage.json (one entry per family; a later run of a
 family replaces its entry), and docs/coverage.md is regenerated from all of them.
@@ -48,7 +50,8 @@ TINY = dict(
     qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1, hidden_dim=64,
     word_embed_proj_dim=64, embedding_size=64, num_kv_heads=2, multi_query_group_num=2,
     attention_head_dim=16, d_ff=128, d_kv=16, ffn_hidden_size=128, n_inner=128,
-    tie_word_embeddings=False,
+    tie_word_embeddings=False, rotary_dim=8, n_layers=2, n_heads=4,
+    attention_types=[[["global", "local"], 1]],
     # hybrids: put an attention layer among the two (Jamba's default puts it at layer 4)
     attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2,
 )
@@ -74,36 +77,80 @@ def _tiny_kwargs(cfg_cls_defaults: dict) -> dict:
     return kw
 
 
-def _tiny_config(model_type: str):
+# Each family is tried with these overrides in turn, until it builds and generates eagerly:
+# all of TINY; TINY without the head-dim and MLA sizes (which some configs derive from others);
+# only the core sizes, with the family's own layer count (hybrids place attention by index).
+CORE = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+        "num_key_value_heads", "n_embd", "n_head", "d_model", "num_heads", "ffn_dim",
+        "tie_word_embeddings", "num_experts", "num_local_experts", "n_routed_experts",
+        "moe_intermediate_size", "num_experts_per_tok")
+LEVELS = (
+    lambda k: True,
+    lambda k: k not in ("head_dim", "v_head_dim", "kv_lora_rank", "q_lora_rank",
+                        "qk_rope_head_dim", "qk_nope_head_dim", "attention_head_dim", "d_kv"),
+    lambda k: k in CORE,
+)
+
+
+def _tiny_config(model_type: str, level: int = 0):
     import transformers
 
+    keep = LEVELS[level]
     base = transformers.AutoConfig.for_model(model_type)
-    kw = _tiny_kwargs(base.to_dict())
+
+    def tiny(d):
+        kw = {k: v for k, v in TINY.items() if k in d and keep(k)}
+        kw.update({k: v for k, v in SPECIAL_IDS.items() if k in d})
+        return kw
+
+    kw = tiny(base.to_dict())
     # sub-configs (multimodal text towers, decoders)
     for name in ("text_config", "decoder", "decoder_config", "language_config", "llm_config"):
         sub = getattr(base, name, None)
         if sub is not None and hasattr(sub, "to_dict"):
-            kw[name] = {**sub.to_dict(), **_tiny_kwargs(sub.to_dict())}
+            kw[name] = {**sub.to_dict(), **tiny(sub.to_dict())}
             for key in ("layer_types", "mlp_layer_types", "sliding_window_pattern"):
                 kw[name].pop(key, None)
-    for attempt in (kw, {k: v for k, v in kw.items() if k not in ("head_dim", "v_head_dim")}):
-        try:
-            cfg = transformers.AutoConfig.for_model(model_type, **attempt)
-            break
-        except Exception as e:  # noqa: BLE001
-            err = e
-    else:
-        raise err
+    cfg = transformers.AutoConfig.for_model(model_type, **kw)
     if hasattr(cfg, "is_decoder"):
         cfg.is_decoder = True     # BERT-style *ForCausalLM: only meaningful as a decoder
     return cfg
+
+
+def _build(model_type: str, level: int):
+    import torch
+    import transformers
+
+    cfg = _tiny_config(model_type, level)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    except Exception:  # noqa: BLE001  (no SDPA path: the family's own attention)
+        cfg._attn_implementation = "eager"
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model = model.float().eval()
+    head = model.get_output_embeddings()
+    if head is not None and getattr(head, "weight", None) is not None:
+        with torch.no_grad():
+            head.weight.mul_(8.0)   # greedy decided by the model, not by rounding
+    vocab = getattr(cfg, "vocab_size", None) or cfg.get_text_config().vocab_size
+    ids = torch.randint(3, min(vocab, 256), (1, PROMPT),
+                        generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model.generate(ids, **GEN)
+    return model, cfg, ids, want
+
+
+GEN = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+           pad_token_id=0, eos_token_id=None)
 
 
 def run_family(model_type: str) -> dict:
     import warnings
 
     import torch
-    import transformers
 
     import kvcompile
     from kvcompile.errors import KVCompileWarning
@@ -112,33 +159,19 @@ def run_family(model_type: str) -> dict:
     row = dict(family=model_type, built=False, applicable=None, sites=0, rewritten=0,
                identical=None, left_alone="", error="", warned=False, seconds=0.0)
     t0 = time.time()
-    stage = "config"
+    stage = "build"
     try:
-        cfg = _tiny_config(model_type)
-        stage = "build"
-        cfg._attn_implementation = "sdpa"
-        torch.manual_seed(0)
-        try:
-            model = transformers.AutoModelForCausalLM.from_config(cfg)
-        except Exception:  # noqa: BLE001  (no SDPA path: the family's own attention)
-            cfg._attn_implementation = "eager"
-            torch.manual_seed(0)
-            model = transformers.AutoModelForCausalLM.from_config(cfg)
-        model = model.float().eval()
-        head = model.get_output_embeddings()
-        if head is not None and getattr(head, "weight", None) is not None:
-            with torch.no_grad():
-                head.weight.mul_(8.0)   # greedy decided by the model, not by rounding
-        row["attn"] = cfg._attn_implementation
-        stage = "eager generate"
-        vocab = getattr(cfg, "vocab_size", None) or getattr(cfg.get_text_config(), "vocab_size")
-        ids = torch.randint(3, min(vocab, 256), (1, PROMPT),
-                            generator=torch.Generator().manual_seed(0))
-        gen = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                   pad_token_id=0, eos_token_id=None)
-        with torch.no_grad():
-            want = model.generate(ids, **gen)
-        row["built"] = True
+        errors = []
+        for level in range(len(LEVELS)):
+            try:
+                model, cfg, ids, want = _build(model_type, level)
+                break
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}")
+        else:
+            raise RuntimeError(errors[0])
+        row["built"], row["attn"], row["level"] = True, cfg._attn_implementation, level
+        gen = GEN
         stage = "kvcompile"
         with warnings.catch_warnings(record=True) as rec:
             warnings.simplefilter("always")
@@ -190,6 +223,8 @@ def status(row: dict) -> str:
     """One word per row: ok, partial, not-identical, left-alone, n/a, not-built, crash."""
     if row.get("stage") in ("config", "build", "eager generate"):
         return "not-built"
+    if row.get("stage") == "timeout":
+        return "timeout"
     if row.get("error"):
         return "crash"
     if not row.get("applicable"):
@@ -208,15 +243,15 @@ def families() -> list[str]:
 
 
 def write_doc(rows: dict[str, dict]) -> str:
-    import transformers
-
     import torch
+    import transformers
 
     counts: dict[str, int] = {}
     for r in rows.values():
         counts[status(r)] = counts.get(status(r), 0) + 1
-    built = sum(1 for r in rows.values() if status(r) != "not-built")
-    applicable = sum(1 for r in rows.values() if status(r) not in ("not-built", "n/a"))
+    built = sum(1 for r in rows.values() if status(r) not in ("not-built", "timeout"))
+    applicable = sum(1 for r in rows.values() if status(r) not in ("not-built", "n/a",
+                                                                    "timeout"))
     ok = counts.get("ok", 0) + counts.get("partial", 0)
     lines = [
         "# Coverage: transformers' causal LM families through kvcompile",
@@ -234,14 +269,15 @@ def write_doc(rows: dict[str, dict]) -> str:
         f"{counts.get('left-alone', 0)} left alone with a warning; "
         f"{counts.get('not-identical', 0)} rewritten but not token-identical; "
         f"{counts.get('crash', 0)} crashes; {counts.get('silent', 0)} silent zero-site "
-        f"compiles.**",
+        f"compiles; {counts.get('timeout', 0)} timed out.**",
         "",
         "Status: `ok` every site rewritten, tokens identical; `partial` some sites rewritten, "
         "tokens identical, the rest left alone with the reason shown; `left-alone` no site "
         "rewritten, kvcompile warned why; `n/a` no softmax attention in the model's graphs; "
         "`not-built` the tiny model could not be built or generate eagerly (nothing to do with "
-        "kvcompile); `crash` kvcompile raised; `silent` attention present, nothing rewritten, "
-        "no warning.",
+        "kvcompile); `timeout` the family (eager and compiled runs together) did not finish "
+        "in its time on the shared 2-core CPU; `crash` kvcompile raised; `silent` attention "
+        "present, nothing rewritten, no warning.",
         "",
         "| family | status | sites rewritten | identical | left alone / reason | s |",
         "|---|---|---|---|---|---|",
@@ -255,12 +291,17 @@ def write_doc(rows: dict[str, dict]) -> str:
         if st in ("left-alone", "silent") and not why and r.get("near_misses"):
             why = "near miss: " + r["near_misses"][0]
         sites = f"{r.get('rewritten', 0)} / {r.get('sites', 0)}" if st not in (
-            "not-built", "n/a") else ""
+            "not-built", "n/a", "timeout") else ""
         ident = {True: "yes", False: "**no**", None: ""}[r.get("identical")] if st not in (
-            "not-built",) else ""
+            "not-built", "timeout") else ""
         why = why.replace("|", "\\|").replace("\n", " ")
         lines.append(f"| {fam} | {st} | {sites} | {ident} | {why[:300]} | "
                      f"{r.get('seconds', '')} |")
+    missing = [f for f in families() if f not in rows]
+    if missing:
+        lines += ["", f"Not swept in this run ({len(missing)} of transformers' "
+                  f"{len(families())} families; run `python benchmarks/coverage_sweep.py "
+                  f"--skip-done` to add them): " + ", ".join(missing) + "."]
     DOC.write_text("\n".join(lines) + "\n")
     return next(x for x in lines if x.startswith("**")).strip("*")
 
@@ -271,12 +312,17 @@ def main() -> None:
     ap.add_argument("--skip-done", action="store_true", help="skip families already in results")
     ap.add_argument("--jobs", type=int, default=1, help="families run at once (default 1)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per family")
+    ap.add_argument("--doc-only", action="store_true", help="rewrite docs/coverage.md from "
+                    "the stored results, running nothing")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         print("ROW " + json.dumps(run_family(a.child)), flush=True)
         return
     rows = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    if a.doc_only:
+        print(write_doc(rows))
+        return
     todo = a.only or families()
     if a.skip_done:
         todo = [f for f in todo if f not in rows]
