@@ -56,8 +56,8 @@ def _denormals_kept() -> bool:
 def fp8_widen(codes: torch.Tensor) -> tuple[torch.Tensor, float]:
     """(w, factor) with float(codes) == w * factor elementwise, NaN kept: w fp32 [...] (on the
     CPU by integer ops: see above; elsewhere the cast, factor 1.0)."""
-    if codes.device.type != "cpu" or codes.dtype not in (torch.float8_e4m3fn,
-                                                          torch.float8_e5m2):
+    if codes.device.type != "cpu" or codes.numel() == 0 or codes.dtype not in (
+            torch.float8_e4m3fn, torch.float8_e5m2):
         return codes.float(), 1.0
     i16 = codes.view(torch.int8).to(torch.int16)   # sign-extended: the sign lands in bit 15
     if codes.dtype == torch.float8_e5m2:

@@ -39,7 +39,7 @@ from kvcompile.cache.fp4 import (
     scale_from_amax,
     unpack_e2m1,
 )
-from kvcompile.cache.fp8 import fp8_decode, fp8_encode
+from kvcompile.cache.fp8 import fp8_decode, fp8_encode, grow_page_scale
 from kvcompile.cache.intq import int_decode, int_encode, int_params
 from kvcompile.errors import CacheStateError, UnsupportedShapeError
 
@@ -221,7 +221,7 @@ class PagedTensor:
 
     def _write_one(self, slot: int, x: torch.Tensor) -> bool:
         """x [H, D] into `slot`, as write() stores it, for the formats that have a short path
-        (unquantized; fp8 with page scales that need not grow). False: nothing written."""
+        (unquantized; fp8 with page scales). False: nothing written."""
         fmt = self.fmt
         if fmt.residual or (fmt.is_quantized and not (fmt.name.startswith("fp8")
                                                       and fmt.granularity == "page")):
@@ -239,20 +239,35 @@ class PagedTensor:
             s_old = self.scale[p]                                             # [H]
             u = self.data[p, :, :o].view(torch.uint8) & 0x7F                  # [H, o, D]
             had = ((u - 1) < self._FP8_FINITE[fmt.storage_dtype]).flatten(1).any(-1)
-            if bool((had & (cover > s_old)).any()):
-                return False  # the scale grows: _write_grouped re-encodes the earlier tokens
-            fresh = torch.where(had, s_old, fresh)
+            grow = had & (cover > s_old)
+            if bool(grow.any()):
+                # the scale grows (by a power of two): the earlier tokens of those heads are
+                # re-encoded under it, as _write_grouped does (same decode and encode)
+                fresh = torch.where(had, grow_page_scale(s_old, cover), fresh)
+                self._reencode(self.data[p, :, :o], s_old, fresh, grow)
+            else:
+                fresh = torch.where(had, s_old, fresh)
         self.data[p, :, o] = fp8_encode(x, fresh[:, None], fmt.storage_dtype)
         self.scale[p] = fresh
         return True
+
+    def _reencode(self, codes: torch.Tensor, s_old: torch.Tensor, s_new: torch.Tensor,
+                  which: torch.Tensor) -> None:
+        """fp8 codes [..., H, t, D] (a view into data) of the groups `which` [..., H]:
+        decoded under s_old [..., H] and encoded under s_new, in place; others kept."""
+        re = fp8_encode(fp8_decode(codes, s_old[..., None, None]), s_new[..., None, None],
+                        self.fmt.storage_dtype)
+        u = codes.view(torch.uint8)
+        u.copy_(torch.where(which[..., None, None], re.view(torch.uint8), u))
 
     # fp8 codes whose low 7 bits minus 1 fall below this are finite and non-zero
     _FP8_FINITE = {torch.float8_e4m3fn: 0x7E, torch.float8_e5m2: 0x7B}
 
     def _append_fp8(self, page: torch.Tensor, off: torch.Tensor, x: torch.Tensor) -> bool:
         """fp8 page scales, one new token per page (a decode step): what _write_grouped writes,
-        without decoding the pages, when no page's scale grows over earlier values (then no
-        earlier code changes). Returns False, having written nothing, otherwise."""
+        without decoding the pages whose scale does not grow (then no earlier code changes);
+        a page-head whose scale grows has its earlier tokens re-encoded. Returns False, having
+        written nothing, when two tokens share a page."""
         T, P = page.shape[0], self.page_size
         if T > 1 and torch.unique(page).shape[0] != T:
             return False
@@ -265,11 +280,20 @@ class PagedTensor:
         before = (torch.arange(P, device=page.device)[None, :] < off[:, None])[:, None, :, None]
         had = (live & before).flatten(2).any(-1)                                   # [T, H]
         cover = amax / self.fmt.scale_divisor
-        if bool((had & (cover > s_old)).any()):
-            return False  # a scale grows: earlier tokens are re-encoded by _write_grouped
         # a group without such values takes its scale from the new token; its earlier codes
         # (zeros, NaN) encode the same under any scale
-        s_new = torch.where(had, s_old, scale_from_amax(amax, self.fmt.scale_divisor))
+        fresh = scale_from_amax(amax, self.fmt.scale_divisor)
+        grow = had & (cover > s_old)
+        if bool(grow.any()):
+            s_new = torch.where(had, grow_page_scale(s_old, cover), fresh)
+            codes = self.data[page]                                    # [T, H, P, D], a copy
+            re = fp8_encode(fp8_decode(codes, s_old[..., None, None]), s_new[..., None, None],
+                            self.fmt.storage_dtype)
+            take = before & grow[:, :, None, None]          # earlier tokens of grown groups
+            self.data[page] = torch.where(take, re.view(torch.uint8),
+                                          codes.view(torch.uint8)).view(codes.dtype)
+        else:
+            s_new = torch.where(had, s_old, fresh)
         self.scale[page] = s_new
         self.data[page, :, off] = fp8_encode(x, s_new[..., None], self.fmt.storage_dtype)
         return True

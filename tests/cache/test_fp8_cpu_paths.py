@@ -117,18 +117,24 @@ def test_one_token_append_equals_general_path(name, rows, monkeypatch):
         t.write(torch.arange(3), pad)
         t.write(torch.arange(3) + 3 * P, pad)
     xs = _appends(g, H, D, 2 * (P * 3 - 3))
+    taken.update(fast=0, general=0)   # (the prefix: three tokens of a page, the general path)
+    grown = 0
     for i in range(0, len(xs), 2):
         n = 3 + i // 2
         slots = torch.tensor([n, 3 * P + n])[:rows]
         x = torch.cat(xs[i:i + 2])[:rows]
+        before = slow.scale[slots // P].clone()
         fast.write(slots, x)
         slow.write(slots, x)
+        # a page scale that grows over earlier tokens' values: they are re-encoded
+        grown += int(bool(((slow.scale[slots // P] > before) & (n % P > 0)).any()))
         valid = torch.cat([torch.arange(n + 1), 3 * P + torch.arange(n + 1)][:rows])
         pg, off = valid // P, valid % P
         assert torch.equal(fast.data[pg, :, off].view(torch.uint8),
                            slow.data[pg, :, off].view(torch.uint8)), f"codes after token {n}"
         assert torch.equal(fast.scale[pg], slow.scale[pg]), f"scales after token {n}"
-    assert taken["fast"] > 0 and taken["general"] > 0, taken
+    # every one-token write took the short path, scale growths included
+    assert taken["fast"] == len(xs) // 2 and taken["general"] == 0 and grown > 3, (taken, grown)
     if rows == 2:  # two tokens of one page in one write: the general path
         before = taken["general"]
         fast.write(torch.tensor([P * 5, P * 5 + 1]), torch.randn(2, H, D, generator=g))
