@@ -214,6 +214,34 @@ class BmmFlatGQA(nn.Module):
         return self.proj(y.permute(0, 2, 1, 3).reshape(B, T, C))
 
 
+class LatentCacheAttention(nn.Module):
+    """MLA-like: the cache holds a low-rank latent [B, T, r] (cat along dim 1); keys and values
+    are projected from the whole cached latent at every step, so the K/V attention reads are
+    not what is cached."""
+
+    def __init__(self, dim=64, n_head=4, rank=16, **_):
+        super().__init__()
+        self.h, self.hd = n_head, dim // n_head
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.down = nn.Linear(dim, rank, bias=False)
+        self.up_k = nn.Linear(rank, dim, bias=False)
+        self.up_v = nn.Linear(rank, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.latent = None
+
+    def forward(self, x, start_pos: int):
+        B, T, C = x.shape
+        c = self.down(x)                                                     # [B, T, r]
+        if start_pos > 0:
+            c = torch.cat([self.latent, c], dim=1)
+        self.latent = c
+        q = self.wq(x).view(B, T, self.h, self.hd).transpose(1, 2)
+        k = self.up_k(c).view(B, -1, self.h, self.hd).transpose(1, 2)       # [B, H, L, D]
+        v = self.up_v(c).view(B, -1, self.h, self.hd).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)   # prefill or one token
+        return self.wo(y.transpose(1, 2).reshape(B, T, C))
+
+
 # --- look-alikes: a softmax between two products that is not attention over a cache ---------
 
 class LinearAttentionLike(nn.Module):

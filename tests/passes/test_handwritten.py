@@ -99,3 +99,19 @@ def test_einsum_subscripts_are_read_not_assumed():
     assert torch.equal(got, want)
     rep = kvcompile.report(model)
     assert not rep.rewritten and rep.near_misses
+
+
+def test_keys_projected_from_a_latent_cache_are_left_alone_and_said():
+    """The prefill's attention reads this forward's own keys (rewritten, no cache); the decode's
+    keys are projected from the cached latent: left alone with that reason, and a warning
+    that the site runs uncompiled there (it was silent before)."""
+    torch._dynamo.reset()
+    model = research.make(research.LatentCacheAttention)
+    want, _ = research.greedy(copy.deepcopy(model), _prompt(), 5)
+    with kv_warnings() as warned:
+        got, _ = research.greedy(_compile(model), _prompt(), 5)
+    assert torch.equal(got, want)
+    rep = kvcompile.report(model)
+    alone = [s for s in rep.sites if not s.rewritten]
+    assert alone and all("computed from the cached tensors" in s.reason for s in alone), str(rep)
+    assert has(warned, "in an earlier graph but leaves them alone in graph"), warned
