@@ -215,7 +215,8 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
     chain_fwd = []
     cur = softmax
     nxt = _next_in_chain(cur)
-    while nxt is not None and (kind(nxt) in ("to", "dropout") or _unviews_scores(nxt)):
+    while nxt is not None and (kind(nxt) in ("to", "dropout") or _unviews_scores(nxt)
+                               or _reviews_probs(nxt)):
         chain_fwd.append(nxt)
         cur, nxt = nxt, _next_in_chain(nxt)
     out = nxt
@@ -226,6 +227,14 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
     while kind(x) == "to":
         chain_bwd.append(x)
         x = arg(x, 0)
+    # fairseq / XGLM: softmax over 3-D scores that were viewed to 4-D for the mask and
+    # clamped: bmm -> view(B, H, T, L) + mask -> max(s, finfo.min) -> view(B*H, T, L)
+    if kind(x) in ("view", "reshape") and ndim(x) == 3 and ndim(arg(x, 0)) == 4:
+        chain_bwd.append(x)
+        x = arg(x, 0)
+        if kind(x) == "max" and len(x.args) == 2 and _is_very_negative_const(arg(x, 1)):
+            chain_bwd.append(x)
+            x = arg(x, 0)
     if kind(x) == "add":
         a, b = arg(x, 0), arg(x, 1, "other")
         if _is_scores(a, b):
@@ -344,9 +353,25 @@ def _next_in_chain(node: fx.Node) -> fx.Node | None:
             return u
         if k == "einsum" and node in u.all_input_nodes:
             return u
-        if _unviews_scores(u):
+        if _unviews_scores(u) or _reviews_probs(u):
             return u
     return None
+
+
+def _reviews_probs(u) -> bool:
+    """u views 3-D probabilities to 4-D only to view them back (XGLM's attn_weights_reshaped)."""
+    return kind(u) in ("view", "reshape") and ndim(u) == 4 and ndim(arg(u, 0)) == 3 and any(
+        _unviews_scores(w) for w in u.users)
+
+
+def _is_very_negative_const(x) -> bool:
+    """torch.full((), finfo.min) or a number <= -1e4 (a clamp that leaves finite scores)."""
+    if isinstance(x, (int, float)):
+        return x <= -1e4
+    if isinstance(x, fx.Node) and kind(x) == "full":
+        fill = arg(x, 1, "fill_value")
+        return isinstance(fill, (int, float)) and fill <= -1e4
+    return False
 
 
 def _views_scores(x) -> bool:
@@ -357,8 +382,12 @@ def _views_scores(x) -> bool:
 
 def _unviews_scores(u) -> bool:
     """u views [B, H, T, L] probabilities as [B*H, T, L] for a bmm by the values."""
-    return kind(u) in ("view", "reshape") and ndim(u) == 3 and ndim(arg(u, 0)) == 4 and any(
-        kind(w) == "matmul" and arg(w, 0) is u for w in u.users)
+    def feeds_bmm(n, depth=2):
+        return any((kind(w) == "matmul" and arg(w, 0) is n) or (
+            depth and kind(w) in ("dropout", "to") and feeds_bmm(w, depth - 1))
+            for w in n.users)
+    return kind(u) in ("view", "reshape") and ndim(u) == 3 and ndim(arg(u, 0)) == 4 and (
+        feeds_bmm(u))
 
 
 def _is_scores(scores, mask, nested: bool = True) -> bool:

@@ -35,7 +35,7 @@ _FUNCTION_KINDS = {
     torch.index_copy: "index_copy",
     torch.zeros: "zeros", torch.empty: "empty", torch.tensor: "tensor",
     torch._C._nn.linear: "linear", F.linear: "linear", torch.addmm: "addmm",
-    torch.tanh: "tanh",
+    torch.tanh: "tanh", torch.max: "max", torch.maximum: "max", torch.full: "full",
     torch.ops.aten.sym_size.int: "size", torch.ops.aten.sym_size: "size", getattr: "size",
 }
 
