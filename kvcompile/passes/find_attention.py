@@ -258,13 +258,9 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
         if isinstance(fill, (int, float)) and fill <= -1e4 and _is_scores(a, cond):
             chain_bwd.append(x)
             x, mask, mask_kind = a, cond, "bool_inverted"
-    # a position bias added under the mask (MPT's ALiBi: (s + bias).masked_fill(m, min))
+    # a position bias added under the mask (MPT's ALiBi: (s + bias).masked_fill(m, min)) is
+    # not matched: rewritten that way, tiny MPT's logits differed from eager (2026-12-03)
     bias = None
-    if mask is not None and kind(x) == "add":
-        a, b = arg(x, 0), arg(x, 1, "other")
-        if _is_scores(a, b, nested=False) or _is_scores(b, a, nested=False):
-            chain_bwd.append(x)
-            x, bias = (a, b) if _is_scores(a, b, nested=False) else (b, a)
     # logit soft-capping: tanh(s / cap) * cap
     if kind(x) == "mul" and kind(arg(x, 0)) == "tanh":
         cap = scalar_value(arg(x, 1))
@@ -390,14 +386,11 @@ def _unviews_scores(u) -> bool:
         feeds_bmm(u))
 
 
-def _is_scores(scores, mask, nested: bool = True) -> bool:
-    """`scores` looks like the [B, H, S, L] score tensor and `mask` broadcasts onto it
-    (`nested`: it may be scores plus a position bias)."""
+def _is_scores(scores, mask) -> bool:
+    """`scores` looks like the [B, H, S, L] score tensor and `mask` broadcasts onto it."""
     s = shape(scores)
     if s is None or len(s) not in (3, 4) or not isinstance(scores, fx.Node):
         return False
-    if nested and kind(scores) == "add":
-        return any(_is_scores(a, None, nested=False) for a in scores.args[:2])
     return kind(scores) in ("matmul", "einsum", "baddbmm", "mul", "div", "to") or \
         _views_scores(scores)
 
