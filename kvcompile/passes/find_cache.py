@@ -23,6 +23,7 @@ from kvcompile.passes.graph_utils import (
     kind,
     ndim,
     shape,
+    val,
 )
 from kvcompile.passes.layouts import BHSD, Layout
 from kvcompile.passes.sites import AttentionSite, CacheOp
@@ -132,6 +133,12 @@ def _find_one(x: fx.Node, site: AttentionSite, what: str, layout: Layout) -> Cac
             raise _NotACache(f"{what}: cat is not cat([past, new]) along the sequence dim "
                              f"({seq}) of 4-D tensors")
         past, new = tensors
+        pv = val(past)
+        if isinstance(past, fx.Node) and past.op != "placeholder" and not (
+                pv is not None and (pv.numel() == 0 or pv.shape[seq] == 0)):
+            raise _NotACache(f"{what}: cat onto {past.name}, keys computed in this graph, not "
+                             f"a cache passed in (e.g. a layer run twice in one forward, "
+                             f"reading its first pass's keys)")
         _views_to_outputs_only(x, site, what, allowed_extra=_attention_readers(site, x))
         return CacheOp(kind="cat", new=new, past=past, layout=layout, seq_dim=seq)
     # index-written buffers: the attention reads the buffer (or the index_copy_ result)
