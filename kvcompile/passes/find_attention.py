@@ -298,8 +298,8 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
         return _miss(softmax, "output", cur, f"the probabilities do not feed p·v (matmul, bmm, "
                      f"einsum) (used by {users})")
     v, v_layout, out_layout = pv.v, pv.v_layout, pv.out_layout
-    if ops.q_layout.flat:   # the output and values share the query's flattening
-        out_layout = ops.q_layout
+    if ops.q_layout.flat:   # flattened values / output share the query's flattening
+        out_layout = ops.q_layout if out_layout.heads else out_layout
         v_layout = ops.q_layout if v_layout.heads else v_layout
     # q-side scale: matmul(q * c, kT)
     if kind(q) in ("mul", "div") and scalar_value(arg(q, 1)) is not None and (
