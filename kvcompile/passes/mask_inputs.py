@@ -16,7 +16,10 @@ tensor before the expand. Before:
 After:
     out = torch.ops.kvcompile.attention(q, k, v, causal[None...], ...)   # [1, 1, 16384, 32768]
 
-Only an expand is looked through: a mask whose values a later op changes is taken as it is.
+Looked through: expands, slices that keep the shape (older transformers cut the mask to the
+keys' length, `mask[:, :, :, :L]`, also when it has that length: inductor copies such a view
+for each op too), and basic slicing of an expand: the slice moves onto the smaller tensor, a
+broadcast dim left whole. A mask whose values a later op changes is taken as it is.
 """
 
 from __future__ import annotations
@@ -63,6 +66,49 @@ def _source(mask: fx.Node) -> fx.Node | None:
     return src
 
 
+def _sliced_expand(mask: fx.Node):
+    """(source, index) when `mask` is `expand(...)[slices]` with basic slices only: the same
+    view is `source[index]` broadcast, index keeping the source's size-1 dims whole."""
+    if not (mask.op == "call_function" and mask.target is operator.getitem
+            and isinstance(mask.args[0], fx.Node)):
+        return None
+    idx = mask.args[1] if isinstance(mask.args[1], tuple) else (mask.args[1],)
+    if not all(isinstance(i, slice) or i is Ellipsis for i in idx) or idx.count(Ellipsis) > 1:
+        return None
+    big = val(mask.args[0])
+    src = _source(mask.args[0])
+    if src is None or big is None or val(src) is None:
+        return None
+    if Ellipsis in idx:
+        at = idx.index(Ellipsis)
+        idx = idx[:at] + (slice(None),) * (big.dim() - len(idx) + 1) + idx[at + 1:]
+    idx = idx + (slice(None),) * (big.dim() - len(idx))
+    small = val(src)
+    lead = big.dim() - small.dim()
+    if any(i != slice(None) for i in idx[:lead]):
+        return None
+    out = []
+    for d, sl in enumerate(idx[lead:]):
+        broadcast = small.shape[d] == 1 and big.shape[lead + d] != 1
+        out.append(slice(None) if broadcast else sl)
+    return src, tuple(out)
+
+
+def _noop_slice(node: fx.Node) -> fx.Node | None:
+    """x when node is x[slices] with basic slices that keep x's shape (transformers' cut of
+    the mask to the keys' length when it already has that length), else None."""
+    if not (node.op == "call_function" and node.target is operator.getitem
+            and isinstance(node.args[0], fx.Node)):
+        return None
+    idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    if not all(isinstance(i, slice) or i is Ellipsis for i in idx):
+        return None
+    a, b = val(node.args[0]), val(node)
+    if a is None or b is None or tuple(a.shape) != tuple(b.shape):
+        return None
+    return node.args[0]
+
+
 def unexpand_masks(graph: fx.Graph) -> int:
     """Give every attention op its mask before the batch broadcast; how many were changed.
     (The expand nodes left without users are dropped by the rewrite's dead-code pass.)"""
@@ -70,12 +116,28 @@ def unexpand_masks(graph: fx.Graph) -> int:
     for node in list(graph.nodes):
         if not _is_attention(node) or len(node.args) <= _MASK_ARG:
             continue
-        mask = node.args[_MASK_ARG]
-        src = _source(mask) if isinstance(mask, fx.Node) else None
-        if src is None:
+        mask = orig = node.args[_MASK_ARG]
+        if not isinstance(mask, fx.Node):
             continue
-        n = ndim(src)
-        new = src
+        while (inner := _noop_slice(mask)) is not None:
+            mask = inner
+        src, new = _source(mask), None
+        if src is None:
+            found = _sliced_expand(mask)
+            if found is None and mask is orig:
+                continue
+            if found is None:
+                found = (mask, ())
+            src, index = found
+            if any(sl != slice(None) for sl in index):
+                with graph.inserting_before(node):
+                    new = graph.call_function(operator.getitem, (src, index))
+                from kvcompile.passes.rewrite import _set_meta
+
+                _set_meta(new, src)
+        new = src if new is None else new
+        n = ndim(new)
+        src = new
         if n is not None and n < 4:   # the op takes masks 4-d, dim 0 the batch
             with graph.inserting_before(node):
                 new = graph.call_function(operator.getitem, (src, (None,) * (4 - n)))

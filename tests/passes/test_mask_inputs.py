@@ -60,8 +60,8 @@ def test_chunked_prefill_mask_is_not_broadcast_to_the_batch(padded, monkeypatch)
         assert shape[0] == (B if padded else 1), shape   # no batch broadcast materialized
 
 
-def _graph_with(mask_ops):
-    """attention(q, k, v, mask) where mask = mask_ops(placeholder [1, 1, 4, 6])."""
+def _graph_with(mask_ops, mask_shape=(1, 1, 4, 6)):
+    """attention(q, k, v, mask) where mask = mask_ops(placeholder `mask_shape`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     g = fx.Graph()
@@ -69,7 +69,7 @@ def _graph_with(mask_ops):
     q, k, v, m0 = (g.placeholder(n) for n in "qkvm")
     with mode:
         for node, shape in ((q, (2, 2, 4, 8)), (k, (2, 2, 4, 8)), (v, (2, 2, 4, 8)),
-                            (m0, (1, 1, 4, 6))):
+                            (m0, mask_shape)):
             node.meta["example_value"] = torch.empty(shape, dtype=torch.bool if node is m0
                                                      else torch.float32)
         mask = mask_ops(g, m0)
@@ -97,3 +97,46 @@ def test_unexpand_looks_through_expand_only():
     g, op, m0 = _graph_with(changed)
     before = op.args[3]
     assert unexpand_masks(g) == 0 and op.args[3] is before
+
+
+def test_unexpand_moves_a_key_slice_onto_the_small_mask():
+    """Older transformers cut the mask to the keys' length after the expand:
+    expand(m)[:, :, :, :6] becomes m[:, :, :, :6] (the batch dim stays broadcast)."""
+    def sliced(g, m0):
+        e = g.call_method("expand", (m0, 2, -1, 4, 8))
+        e.meta["example_value"] = m0.meta["example_value"].expand(2, -1, 4, 8)
+        s = g.call_function(operator.getitem, (e, (slice(None), slice(None), slice(None),
+                                                   slice(None, 6))))
+        s.meta["example_value"] = e.meta["example_value"][:, :, :, :6]
+        return s
+
+    g, op, m0 = _graph_with(sliced, (1, 1, 4, 8))
+    assert unexpand_masks(g) == 1
+    new = op.args[3]
+    assert new.target is operator.getitem and new.args[0] is m0
+    assert tuple(new.meta["example_value"].shape) == (1, 1, 4, 6)
+    m = torch.rand(1, 1, 4, 8) > 0.5   # the same values, broadcast
+    assert torch.equal(m[new.args[1]].expand(2, -1, -1, -1), m.expand(2, -1, 4, 8)[:, :, :, :6])
+
+
+def test_unexpand_drops_a_slice_that_keeps_the_shape():
+    """mask[:, :, :, :L] of a [B, 1, S, L] mask is the mask: the op takes the mask itself (an
+    op's view input is copied per op by inductor)."""
+    def sliced(g, m0):
+        s = g.call_function(operator.getitem, (m0, (slice(None), slice(None), slice(None),
+                                                    slice(None, 6))))
+        s.meta["example_value"] = m0.meta["example_value"][:, :, :, :6]
+        return s
+
+    g, op, m0 = _graph_with(sliced, (2, 1, 4, 6))
+    assert unexpand_masks(g) == 1 and op.args[3] is m0
+
+    def shorter(g, m0):   # a slice that cuts keys: a real change, kept
+        s = g.call_function(operator.getitem, (m0, (slice(None), slice(None), slice(None),
+                                                    slice(None, 5))))
+        s.meta["example_value"] = m0.meta["example_value"][:, :, :, :5]
+        return s
+
+    g, op, m0 = _graph_with(shorter, (2, 1, 4, 6))
+    kept = op.args[3]
+    assert unexpand_masks(g) == 0 and op.args[3] is kept
