@@ -287,7 +287,8 @@ def write_doc(rows: dict[str, dict]) -> str:
         st = status(r)
         why = r.get("error") or r.get("left_alone") or ""
         if st == "n/a":
-            why = NO_ATTENTION.get(fam, "no softmax attention op in the compiled graphs")
+            why = NO_ATTENTION.get(fam, "no softmax attention op in the compiled graphs of the "
+                                        "tiny 2-layer config (a hybrid may place none there)")
         if st in ("left-alone", "silent") and not why and r.get("near_misses"):
             why = "near miss: " + r["near_misses"][0]
         sites = f"{r.get('rewritten', 0)} / {r.get('sites', 0)}" if st not in (
