@@ -761,7 +761,7 @@ class PagePool:
     # --- frees from finalizers ----------------------------------------------------------------
 
     def discard(self, seq_ids) -> None:
-        """Free sequences from a garbage-collector finalizer (cache/binding.py): now, or, when
+        """Free sequences from a garbage-collector finalizer (runtime/binding.py): now, or, when
         this thread is inside a pool method (the collector ran in the middle of it), as that
         method returns. Sequences already gone are skipped."""
         ids = list(seq_ids)

@@ -21,8 +21,7 @@ batch size ("bucket"), as vLLM does:
   captured again (`pool.generation`); `kvcompile.release` drops them too (`close`).
 
 Graphs are used only where nothing in the step needs the host: CUDA, the Triton kernels for
-both K and V formats, no runtime hook other than the engine's own (no eviction, no telemetry
-hook), no `check_finite`. Anything else runs eagerly, as before. `KVCOMPILE_CUDA_GRAPHS=0`
+both K and V formats, no runtime hook (no eviction, no telemetry hook), no `check_finite`. Anything else runs eagerly, as before. `KVCOMPILE_CUDA_GRAPHS=0`
 turns graphs off.
 """
 
@@ -34,8 +33,8 @@ import weakref
 
 import torch
 
-from kvcompile.cache.context import ForwardContext, StepPlan, forward_context
-from kvcompile.runtime import kernel_readable
+from kvcompile.runtime.context import ForwardContext, StepPlan, forward_context
+from kvcompile.runtime.kernel_formats import kernel_readable
 
 log = logging.getLogger("kvcompile.engine")
 
@@ -175,12 +174,10 @@ class DecodeGraphs:
         return reason
 
     def usable(self, out) -> bool:
-        from kvcompile.engine.runner import PackedDecodeHook
-
         seqs = out.seqs
         if not seqs or len(seqs) > self.max_batch or self.why_not() is not None:
             return False
-        if any(not isinstance(h, PackedDecodeHook) for h in self.state.hooks):
+        if self.state.hooks:   # a hook may read or change K/V, or attend, on the host
             return False
         return all(s.n == 1 and s.start > 0 for s in seqs)
 

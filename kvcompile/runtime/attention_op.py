@@ -4,10 +4,11 @@
                                         sliding_window, softcap, tag)
     # q: [B, Hq, S, D]  k: [B, Hkv, S, D]  v: [B, Hkv, S, Dv]  ->  out: [B, Hq, S, Dv]
 
-With a forward context (cache/context.py) the new k/v are written into the pool in the layer's
-format, then q attends over the sequence's tokens as stored. Without one (a graph run outside
-kvcompile's wrapper) it is plain attention over the given k/v. `tag` carries the config's hash
-so that inductor's cache key changes with the config.
+With a forward context (runtime/context.py) the new k/v are written into the pool in the
+layer's format, then q attends over the sequence's tokens as stored; who attends is decided by
+runtime/dispatch.py `attend`. Without one (a graph run outside kvcompile's wrapper) it is plain
+attention over the given k/v. `tag` carries the config's hash so that inductor's cache key
+changes with the config.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import math
 
 import torch
 
-from kvcompile.cache import context as _context
 from kvcompile.errors import NonFiniteKVError
 from kvcompile.kernels import masks
-from kvcompile.kernels.dense import dense_attention, paged_reference_attention
+from kvcompile.kernels.dense import dense_attention
+from kvcompile.runtime import context as _context
+from kvcompile.runtime import dispatch
 
 
 @torch.library.custom_op("kvcompile::attention", mutates_args=())
@@ -73,18 +75,8 @@ def _cached_attention(ctx, q, k, v, attn_mask, positions, layer, scale, is_causa
     extras = {}
     for hook in state.hooks:
         extras.update(hook.attention_extras(ctx, li))
-    out = None
-    for hook in state.hooks:  # eviction: attention over the kept slots (kvcompile/eviction)
-        out = hook.attend(ctx, li, q, plan, attn_mask, is_causal, sliding_window, softcap,
-                          scale, extras)
-        if out is not None:
-            break
-    if out is None:
-        out = state.kernels.attend(li, q, plan, mask_info, attn_mask, is_causal,
-                                   sliding_window, softcap, scale, extras)
-    if out is None:
-        out = paged_reference_attention(pool, li, q, plan, attn_mask, is_causal,
-                                        sliding_window, softcap, scale)
+    out = dispatch.attend(ctx, li, q, plan, mask_info, attn_mask, is_causal, sliding_window,
+                          softcap, scale, extras)
     for hook in state.hooks:
         hook.after_attention(ctx, li, q, out, extras)
     # the fake promises a contiguous [B, Hq, S, Dv]; inductor asserts the strides it was told
