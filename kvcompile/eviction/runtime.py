@@ -1,7 +1,7 @@
 """The eviction runtime: per-sequence bookkeeping, attention over kept tokens, and eviction.
 
-One `EvictionRuntime` per compiled model, installed by the eviction pass (insert.py) as a
-`RuntimeHook` (runtime/hooks.py). Per forward:
+One `EvictionRuntime` per compiled model, installed by the eviction pass (passes/eviction.py)
+as a `RuntimeHook` (runtime/hooks.py). Per forward:
 
     before_write(layer)     logical index of each new token -> its slot (book.pos[layer])
     attend_kept(layer)      attention over the kept slots by logical position (attend.py),

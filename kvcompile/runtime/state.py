@@ -45,7 +45,6 @@ class ModelState:
         self.param_ids: set[int] = set()
         self.kernels = KernelDispatch(self)
         self.eviction = None                   # eviction runtime (kvcompile.eviction), if any
-        self.eviction_pass = _eviction_pass    # (gm, plan, state) -> summary (kvcompile.eviction)
         self.hooks: list[RuntimeHook] = []     # eviction / telemetry / calibration hooks
         self.kernel_notes: list[str] = []      # which kernels ran and why (kvcompile.report)
         # Forwards of one model run one at a time (GraphRunner, GraphedForward): they share
@@ -157,12 +156,6 @@ class ModelState:
 
     def count(self, key: str, n: int = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
-
-
-def _eviction_pass(gm, plan, state):
-    from kvcompile.eviction.insert import eviction_pass
-
-    return eviction_pass(gm, plan, state)
 
 
 def all_states() -> list[ModelState]:
