@@ -21,14 +21,13 @@ batch size ("bucket"), as vLLM does:
   captured again (`pool.generation`); `kvcompile.release` drops them too (`close`).
 
 Graphs are used only where nothing in the step needs the host: CUDA, the Triton kernels for
-both K and V formats, no runtime hook (no eviction, no telemetry hook), no `check_finite`. Anything else runs eagerly, as before. `KVCOMPILE_CUDA_GRAPHS=0`
-turns graphs off.
+both K and V formats, no runtime hook (no eviction, no telemetry hook), no `check_finite`. Anything else runs eagerly, as before. `KVConfig.cuda_graphs=False`
+(or KVCOMPILE_CUDA_GRAPHS=0, its default) turns graphs off.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 
 import torch
@@ -45,10 +44,6 @@ def bucket_sizes(max_batch: int) -> list[int]:
     """Padded batch sizes up to max_batch (which is always one of them)."""
     out = [b for b in BUCKETS if b < max_batch]
     return out + [max_batch]
-
-
-def graphs_wanted() -> bool:
-    return os.environ.get("KVCOMPILE_CUDA_GRAPHS", "1") not in ("0", "false", "False", "")
 
 
 def upload_plan(g, pool, non_blocking: bool = True) -> None:
@@ -152,8 +147,8 @@ class DecodeGraphs:
             return self._why_not
         st = self.state
         reason = None
-        if not graphs_wanted():
-            reason = "KVCOMPILE_CUDA_GRAPHS=0"
+        if not st.config.cuda_graphs:
+            reason = "KVConfig.cuda_graphs is False (KVCOMPILE_CUDA_GRAPHS=0)"
         elif self.runner.device.type != "cuda":
             reason = "not on CUDA"
         elif not st.kernels.use_triton(self.runner.device):

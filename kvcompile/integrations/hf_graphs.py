@@ -30,7 +30,7 @@ Graphs are used only where nothing in the step needs the host: CUDA, the Triton 
 every layer's formats, no runtime hook (eviction, `kvcompile inspect`), no `check_finite`, a
 plain `DynamicCache` whose rows are the binding's sequences, and the keyword arguments
 `generate` passes for a decode step (anything else, e.g. output_attentions, runs as before).
-`KVCOMPILE_CUDA_GRAPHS=0` turns them off.
+`KVConfig.cuda_graphs=False` (KVCOMPILE_CUDA_GRAPHS=0) turns them off.
 """
 
 from __future__ import annotations
@@ -157,14 +157,12 @@ class GraphedForward:
     # -- eligibility --------------------------------------------------------------------------
     def why_not(self) -> str | None:
         """None when decode steps may be graphed here (per model), else the reason."""
-        from kvcompile.engine.cudagraph import graphs_wanted
-
         if self._why_not is not None:
             return self._why_not or None
         st = self.state
         reason = ""
-        if not graphs_wanted():
-            reason = "KVCOMPILE_CUDA_GRAPHS=0"
+        if not st.config.cuda_graphs:
+            reason = "KVConfig.cuda_graphs is False (KVCOMPILE_CUDA_GRAPHS=0)"
         elif st.pool is None or st.device is None or st.device.type != "cuda":
             return "no CUDA pool yet"            # asked again at the next step
         elif not st.kernels.use_triton(st.device):

@@ -21,7 +21,6 @@ Kernels get tensors, block tables and constants: never the pool or the forward c
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 
 import torch
@@ -60,15 +59,17 @@ def attend(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, window, so
     return out
 
 
-def prefill_mode(q: torch.Tensor) -> str:
+def prefill_mode(config, q: torch.Tensor) -> str:
     """"triton" (the chunked-prefill kernel over the pages) or "sdpa" (gather the pages, torch
-    SDPA: kernels/dense.py, exact for any stored format).
+    SDPA: kernels/dense.py, exact for any stored format): KVConfig.prefill.
 
     CUDA prefill runs the Triton chunked-prefill kernel over the pages (checked on the H200,
     benchmarks/prefill_diag.py and gpu_check_prefill.py, 2026-11-30). Escape hatch:
-    KVCOMPILE_PREFILL=sdpa; "sdpa" stays the default off CUDA (KVConfig(kernels="triton") on
-    the CPU), where KVCOMPILE_PREFILL=triton opts in."""
-    return os.environ.get("KVCOMPILE_PREFILL") or ("triton" if q.is_cuda else "sdpa")
+    prefill="sdpa"; "sdpa" stays the default off CUDA (KVConfig(kernels="triton") on the CPU),
+    where prefill="triton" opts in."""
+    if config.prefill != "auto":
+        return config.prefill
+    return "triton" if q.is_cuda else "sdpa"
 
 
 def _packed_decode(state, layer, q, plan, window, softcap, scale, extras):
@@ -206,7 +207,7 @@ class KernelDispatch:
                     q, kc, vc, plan.block_tables, plan.seq_lens, scale, key_mask=key_mask,
                     sliding_window=window, softcap=softcap, direct=True, backend=backend,
                     **extras)
-            if prefill_mode(q) != "triton":
+            if prefill_mode(self.state.config, q) != "triton":
                 self.state.count("prefill_gathered_sdpa")
                 return None
             from kvcompile.kernels.prefill import paged_prefill_attention
