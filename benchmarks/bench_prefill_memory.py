@@ -104,8 +104,8 @@ def mask_analysis_row(args) -> dict:
     per row): extra peak memory over the mask, time, and that a one-element hole is refused."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-    from kvcompile.cache.context import StepPlan
     from kvcompile.kernels import masks
+    from kvcompile.runtime.context import StepPlan
 
     device = torch.device("cpu" if args.smoke else "cuda")
     B, S = args.batch, args.prompt
@@ -151,7 +151,7 @@ def run_row(args) -> dict:
 
     import kvcompile
     from kvcompile.integrations import hf_prefill
-    from kvcompile.runtime import RuntimeHook
+    from kvcompile.runtime.hooks import RuntimeHook
 
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16

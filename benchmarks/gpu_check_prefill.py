@@ -33,6 +33,7 @@ sys.path.insert(0, ROOT)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from kvcompile.config import KVConfig  # noqa: E402
 from kvcompile.kernels import prefill_launch as L  # noqa: E402
 from kvcompile.kernels.prefill import dequantize_fp8_prefill, quantize_fp8_prefill  # noqa: E402
 from kvcompile.kernels.reference import (  # noqa: E402
@@ -119,7 +120,8 @@ def varlen_cases(quick: bool):
         mask = masks[i % len(masks)]
         lens = lens_sets[i % len(lens_sets)]
         group = hq // hkv
-        ws = L.ws_ok(True, False, mask.get("sliding_window", 0), mask.get("sinks", 0))
+        ws = L.ws_ok(True, False, mask.get("sliding_window", 0), mask.get("sinks", 0),
+                     KVConfig().prefill_warp_spec)
         for cfg in L.candidates(L._VARLEN, D, group, warp_spec=ws):
             if quick and cfg != L._VARLEN[D][0]:
                 continue
@@ -166,7 +168,8 @@ def paged_cases(quick: bool):
 def warm_cases():
     """Small inputs with the benchmark kernels' specializations, on every candidate config."""
     cases = []
-    ws = L.ws_ok(True, False, 0, 0)  # warp-specialized tiles only when they are offered
+    # warp-specialized tiles only when they are offered
+    ws = L.ws_ok(True, False, 0, 0, KVConfig().prefill_warp_spec)
     for hkv in (32, 8):
         for cfg in L.candidates(L._VARLEN, 128, 32 // hkv, warp_spec=ws):
             cases.append(dict(kind="varlen", dt="bf16", D=128, hq=32, hkv=hkv,

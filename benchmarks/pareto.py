@@ -35,7 +35,7 @@ import kvcompile  # noqa: E402
 from kvcompile.cache.formats import resolve_format  # noqa: E402
 from kvcompile.config import KVConfig  # noqa: E402
 from kvcompile.models import load_smollm2  # noqa: E402
-from kvcompile.runtime import RuntimeHook  # noqa: E402
+from kvcompile.runtime.hooks import RuntimeHook  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from quality_data import lee_corpus_ids  # noqa: E402  (benchmarks/: the Lee corpus, tokenized)

@@ -12,7 +12,8 @@ CUDA_LAUNCH_BLOCKING=1 on a small input, against the fp32 references of kernels/
 under a timeout (a hung kernel is reported as TIMEOUT). The table gives variant -> status, relative
 error / bound, max abs error, and the first error line.
 
-The switches are environment variables read by kernels/prefill_launch.py:
+The switches are environment variables, the defaults of KVConfig's prefill_* fields (read by
+kvcompile/config.py), which each child passes to kernels/prefill_launch.py as PrefillSwitches:
 KVCOMPILE_PREFILL_TMA=0 (no tensor descriptors at all), KVCOMPILE_PREFILL_Q_TMA=0 (K/V through
 TMA, Q by pointers), KVCOMPILE_PREFILL_WARP_SPEC=1 (offer the warp-specialized tiles),
 KVCOMPILE_PREFILL_SCALE_TMA=1 (FP8 K/V descales through 16-byte [1, 4] TMA boxes, the form of the
@@ -110,6 +111,7 @@ def child(spec: dict) -> dict:
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     sys.path.insert(0, ROOT)
+    from kvcompile.config import KVConfig
     from kvcompile.kernels import prefill_launch as L
     from kvcompile.kernels.prefill import dequantize_fp8_prefill, quantize_fp8_prefill
     from kvcompile.kernels.reference import paged_prefill_attention_ref, prefill_attention_ref
@@ -117,6 +119,9 @@ def child(spec: dict) -> dict:
     from tests.kernels.test_prefill import FP8_REL_ERR, cu_of, make_format, make_paged_kv, make_qkv
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    kv = KVConfig()   # the switches, from this child's environment
+    switches = L.PrefillSwitches(kv.prefill_tma, kv.prefill_q_tma, kv.prefill_scale_tma,
+                                 kv.prefill_warp_spec)
     gen = torch.Generator().manual_seed(1234)
     cfg = L.TileConfig(*spec["cfg"])
     lens, plens, pq = LENS, PLENS, PQ
@@ -140,7 +145,8 @@ def child(spec: dict) -> dict:
         out = poison_(torch.empty_like(q))
         L.launch_prefill(q, k, v, cu, out, scale, mask.get("causal", True),
                          mask.get("sliding_window", 0), mask.get("sinks", 0),
-                         mask.get("softcap", 0.0), max(lens), None, config=cfg, cu_seqlens_k=cu_k)
+                         mask.get("softcap", 0.0), max(lens), None, config=cfg, cu_seqlens_k=cu_k,
+                         switches=switches)
         torch.cuda.synchronize() if dev == "cuda" else None
         ref = prefill_attention_ref(q, k, v, cu, scale, cu_seqlens_k=cu_k, **mask)
         bound = REL_ERR[dt] if dt != torch.float32 else REL_ERR[torch.bfloat16]
@@ -150,7 +156,7 @@ def child(spec: dict) -> dict:
         q8, k8, vt8, sc = quantize_fp8_prefill(q, k, v, cu)
         out = poison_(torch.empty(q.shape, dtype=torch.bfloat16, device=dev))
         L.launch_prefill(q8, k8, vt8, cu, out, scale, True, 0, 0, 0.0, max(lens), sc,
-                         config=cfg)
+                         config=cfg, switches=switches)
         torch.cuda.synchronize() if dev == "cuda" else None
         ref = prefill_attention_ref(*dequantize_fp8_prefill(q8, k8, vt8, sc, cu), cu, scale)
         bound = FP8_REL_ERR

@@ -21,8 +21,8 @@ import torch
 
 import kvcompile
 from kvcompile.api import state_of
-from kvcompile.cache.binding import binding_of
 from kvcompile.config import H2O, KVConfig, SinkWindow, SnapKV
+from kvcompile.runtime.binding import binding_of
 
 # Never over budget: every layer is managed by the eviction runtime, nothing is evicted unless
 # a sequence gets a real policy.

@@ -13,7 +13,7 @@ from kvcompile import telemetry as _telemetry  # noqa: F401  (the silent `kvcomp
 from kvcompile.backend import kvcompile_backend
 from kvcompile.config import KVConfig
 from kvcompile.passes.notices import warn_quality
-from kvcompile.runtime import ModelState, all_states
+from kvcompile.runtime.state import ModelState, all_states
 
 _STATE_ATTR = "_kvcompile_state"
 

@@ -9,7 +9,7 @@ forward context.
 
 Dynamo keeps the GraphRunner as long as the code object it compiled, which on this route is a
 transformers function shared by every model: the runner holds its model's state weakly and
-finds the caller's state from the parameters it is called with (kvcompile/ownership.py).
+finds the caller's state from the parameters it is called with (kvcompile/runtime/ownership.py).
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ import weakref
 
 import torch
 
-from kvcompile.cache import binding as _binding
-from kvcompile.cache.context import ForwardContext, current, forward_context
 from kvcompile.config import KVConfig
 from kvcompile.errors import CacheStateError, KVCompileError
-from kvcompile.kernels import attention as _attention_op  # noqa: F401  (registers the op)
 from kvcompile.passes.pipeline import run_passes
-from kvcompile.runtime import ModelState, find_state
+from kvcompile.runtime import attention_op as _attention_op  # noqa: F401  (registers the op)
+from kvcompile.runtime import binding as _binding
+from kvcompile.runtime.context import ForwardContext, current, forward_context
+from kvcompile.runtime.ownership import find_state
+from kvcompile.runtime.state import ModelState
 
 
 def kvcompile_backend(gm: torch.fx.GraphModule, example_inputs, options=None, mode=None,
@@ -127,7 +128,7 @@ class GraphRunner:
     """Calls a compiled graph inside the forward context of its cache binding."""
 
     def __init__(self, compiled, plan, state: ModelState, example_inputs=()):
-        from kvcompile.ownership import Layout
+        from kvcompile.runtime.ownership import Layout
 
         self.compiled = compiled
         self.plan = plan
@@ -152,7 +153,7 @@ class GraphRunner:
         p = args[self._param]
         if st is not None and id(p) in st.param_ids:
             return st
-        from kvcompile.ownership import state_for_param
+        from kvcompile.runtime.ownership import state_for_param
 
         st = state_for_param(p, self._layout)
         self._state = weakref.ref(st)
@@ -160,7 +161,7 @@ class GraphRunner:
 
     def __call__(self, *args):
         st = self.state_for(args)
-        with st.lock:   # one forward of a model at a time (runtime.ModelState.lock)
+        with st.lock:   # one forward of a model at a time (runtime/state.py ModelState.lock)
             st.graph_calls += 1
             return self._call(st, args)
 

@@ -4,7 +4,9 @@
     torch.compile(model, backend="kvcompile", options={"kv_dtype": "fp8_e4m3"})
 
 Both take the same fields. Every bad value raises `KVConfigError` naming the field and the values
-it allows.
+it allows. The KVCOMPILE_* environment variables set the defaults of the run-time switches
+(`cuda_graphs`, `prefill`, `prefill_*`); they are read here, when a KVConfig is made, and
+nowhere else in the package.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import weakref
 from dataclasses import dataclass, fields
 from typing import Any
@@ -31,6 +34,9 @@ KERNEL_CHOICES = ("auto", "triton", "cuda", "reference")
 # When the pool takes its memory (cache/sizing.py): "grow" on demand up to the budget,
 # "upfront" all of it at the first forward; "auto": grow for HF generate, upfront for the Engine.
 RESERVE_POLICIES = ("auto", "grow", "upfront")
+# Prefill attention over the pages: "triton" (the chunked-prefill kernel), "sdpa" (gather the
+# pages, torch SDPA: exact for every format); "auto": triton on CUDA, sdpa elsewhere.
+PREFILL_CHOICES = ("auto", "triton", "sdpa")
 
 # Fields that `configure` may override per module; the rest are global to the pool.
 PER_MODULE_FIELDS = (
@@ -163,6 +169,27 @@ def _coerce_eviction(value) -> EvictionPolicy | None:
     raise KVConfigError("eviction", value, "None, SinkWindow(...), H2O(...), SnapKV(...) or a dict")
 
 
+# --- defaults set by the environment (read here only) -----------------------------------------
+
+def _env_on(var: str, default: bool) -> bool:
+    """Unset or empty: the default; "0", "false", "False": off; anything else: on."""
+    v = os.environ.get(var)
+    return default if v is None or v == "" else v not in ("0", "false", "False")
+
+
+def _cuda_graphs_default() -> bool:
+    return os.environ.get("KVCOMPILE_CUDA_GRAPHS", "1") not in ("0", "false", "False", "")
+
+
+def _prefill_default() -> str:
+    v = os.environ.get("KVCOMPILE_PREFILL")
+    return "auto" if not v else "triton" if v == "triton" else "sdpa"   # any other value: sdpa
+
+
+def _env_field(default):
+    return dataclasses.field(default_factory=default)
+
+
 @dataclass(frozen=True)
 class KVConfig:
     """How the KV cache of a compiled model is stored, bounded and evicted.
@@ -197,6 +224,20 @@ class KVConfig:
         it has not been run on a GPU (see kernels/decode.py CUDA_DECODE_DEFAULT).
     residual: keep a sequence's last, partly filled page in bf16 until it fills (int4/int2).
     enabled: False leaves attention sites untouched (useful per module through `configure`).
+
+    Run-time switches, whose defaults the environment sets:
+    cuda_graphs: replay decode steps from CUDA graphs where they can be (the Engine's,
+        engine/cudagraph.py, and `generate`'s, integrations/hf_graphs.py). Default True;
+        KVCOMPILE_CUDA_GRAPHS=0 sets False.
+    prefill: "auto", "triton" or "sdpa" (PREFILL_CHOICES). Default from KVCOMPILE_PREFILL
+        ("triton"; any other value set means "sdpa").
+    prefill_tma / prefill_q_tma / prefill_scale_tma / prefill_warp_spec: diagnostic switches
+        of the packed varlen prefill kernel (kernels/prefill_launch.py `PrefillSwitches`:
+        K/V and Q through TMA descriptors, FP8 scales through TMA, warp-specialized tiles),
+        used by benchmarks/prefill_diag.py; the compiled model's paged prefill does not read
+        them. Defaults True / True / False / False, from KVCOMPILE_PREFILL_TMA,
+        KVCOMPILE_PREFILL_Q_TMA, KVCOMPILE_PREFILL_SCALE_TMA ("0" / "false" off, other
+        values on) and KVCOMPILE_PREFILL_WARP_SPEC (on only for "1").
     """
 
     kv_dtype: str = "auto"
@@ -217,6 +258,14 @@ class KVConfig:
     kernels: str = "auto"
     residual: bool = False
     enabled: bool = True
+    # run-time switches: their defaults come from the environment (see the docstring)
+    cuda_graphs: bool = _env_field(_cuda_graphs_default)
+    prefill: str = _env_field(_prefill_default)
+    prefill_tma: bool = _env_field(lambda: _env_on("KVCOMPILE_PREFILL_TMA", True))
+    prefill_q_tma: bool = _env_field(lambda: _env_on("KVCOMPILE_PREFILL_Q_TMA", True))
+    prefill_scale_tma: bool = _env_field(lambda: _env_on("KVCOMPILE_PREFILL_SCALE_TMA", False))
+    prefill_warp_spec: bool = _env_field(
+        lambda: os.environ.get("KVCOMPILE_PREFILL_WARP_SPEC", "0") == "1")
 
     def __post_init__(self):
         for name in ("kv_dtype", "k_dtype", "v_dtype"):
@@ -256,7 +305,10 @@ class KVConfig:
             raise KVConfigError("inner", self.inner, ", ".join(repr(b) for b in INNER_BACKENDS))
         if self.kernels not in KERNEL_CHOICES:
             raise KVConfigError("kernels", self.kernels, ", ".join(repr(k) for k in KERNEL_CHOICES))
-        for name in ("check_finite", "residual", "enabled"):
+        if self.prefill not in PREFILL_CHOICES:
+            raise KVConfigError("prefill", self.prefill, ", ".join(map(repr, PREFILL_CHOICES)))
+        for name in ("check_finite", "residual", "enabled", "cuda_graphs", "prefill_tma",
+                     "prefill_q_tma", "prefill_scale_tma", "prefill_warp_spec"):
             if not isinstance(getattr(self, name), bool):
                 raise KVConfigError(name, getattr(self, name), "True, False")
         self._check_combinations()

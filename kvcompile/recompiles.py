@@ -74,7 +74,7 @@ def recompile_budget():
     """Raise Dynamo's recompile limits to the default per live kvcompile model while the block
     runs (nested and concurrent blocks share one raise; the user's values come back after)."""
     global _depth, _saved
-    from kvcompile.runtime import all_states
+    from kvcompile.runtime.state import all_states
 
     cfg = torch._dynamo.config
     with _lock:
@@ -98,7 +98,7 @@ def raise_limit_for_models() -> None:
     shares, so its limit must cover every live kvcompile model (a lasting, global raise; it
     only grows, and never lowers a limit the user set)."""
     global _saved
-    from kvcompile.runtime import all_states
+    from kvcompile.runtime.state import all_states
 
     watch_dynamo_log()
     cfg = torch._dynamo.config
@@ -127,7 +127,7 @@ class _LimitWatch(logging.Filter):
         self.seen: set[str] = set()
 
     def filter(self, record) -> bool:
-        from kvcompile.runtime import all_states
+        from kvcompile.runtime.state import all_states
 
         msg, args = record.msg, record.args
         if (isinstance(msg, str) and msg.startswith("torch._dynamo hit config.")

@@ -141,7 +141,7 @@ class KVCompileCollector:
 
 
 def _all_stats() -> dict[str, dict]:
-    from kvcompile.runtime import all_states
+    from kvcompile.runtime.state import all_states
 
     return {str(i): state_stats(st) for i, st in enumerate(all_states())}
 

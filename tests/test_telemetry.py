@@ -11,7 +11,7 @@ import torch
 import kvcompile
 from kvcompile import telemetry
 from kvcompile.config import KVConfig
-from kvcompile.runtime import ModelState
+from kvcompile.runtime.state import ModelState
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -22,8 +22,6 @@ the pool frees the rows of pages it releases (`drop_residual`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from kvcompile.cache import grouped
@@ -43,9 +41,6 @@ from kvcompile.cache.fp8 import fp8_decode, fp8_encode, grow_page_scale
 from kvcompile.cache.intq import int_decode, int_encode, int_params
 from kvcompile.errors import CacheStateError, UnsupportedShapeError
 
-if TYPE_CHECKING:
-    from kvcompile.cache.formats import KVFormat
-
 RESIDUAL_DTYPE = torch.bfloat16
 
 
@@ -57,7 +52,8 @@ class PagedTensor:
     res_data: torch.Tensor | None = None
     res_slot: torch.Tensor | None = None
 
-    def __init__(self, fmt: KVFormat, num_pages: int, num_heads: int, page_size: int,
+    # fmt: a formats.py KVFormat (not imported: formats.py builds PagedTensors, allocate())
+    def __init__(self, fmt, num_pages: int, num_heads: int, page_size: int,
                  head_dim: int, device=None):
         for what, v in (("num_pages", num_pages), ("num_heads", num_heads),
                         ("page_size", page_size), ("head_dim", head_dim)):

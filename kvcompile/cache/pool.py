@@ -521,7 +521,7 @@ class PagePool:
         """Copy tokens of one layer within a sequence, per kv head (compaction). src, dst:
         [M] int64 token indices of the sequence (< seq_len), heads: [M] kv head of each move.
         Destination pages shared with another sequence (fork) are copied first."""
-        from kvcompile.eviction.compaction import move_slots
+        from kvcompile.cache.compaction import move_slots
 
         seq = self._lookup([seq_id])[0]
         if src.numel() == 0:
@@ -761,7 +761,7 @@ class PagePool:
     # --- frees from finalizers ----------------------------------------------------------------
 
     def discard(self, seq_ids) -> None:
-        """Free sequences from a garbage-collector finalizer (cache/binding.py): now, or, when
+        """Free sequences from a garbage-collector finalizer (runtime/binding.py): now, or, when
         this thread is inside a pool method (the collector ran in the middle of it), as that
         method returns. Sequences already gone are skipped."""
         ids = list(seq_ids)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcompile.runtime import RuntimeHook
+from kvcompile.runtime.hooks import RuntimeHook
 from kvcompile.testing import REL_ERR, SQNR_FLOOR_DB, kl_divergence, rel_err, sqnr_db
 
 _TWICE = 2.0                      # allowed error: twice the format's own

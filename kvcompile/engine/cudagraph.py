@@ -21,21 +21,19 @@ batch size ("bucket"), as vLLM does:
   captured again (`pool.generation`); `kvcompile.release` drops them too (`close`).
 
 Graphs are used only where nothing in the step needs the host: CUDA, the Triton kernels for
-both K and V formats, no runtime hook other than the engine's own (no eviction, no telemetry
-hook), no `check_finite`. Anything else runs eagerly, as before. `KVCOMPILE_CUDA_GRAPHS=0`
-turns graphs off.
+both K and V formats, no runtime hook (no eviction, no telemetry hook), no `check_finite`. Anything else runs eagerly, as before. `KVConfig.cuda_graphs=False`
+(or KVCOMPILE_CUDA_GRAPHS=0, its default) turns graphs off.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 
 import torch
 
-from kvcompile.cache.context import ForwardContext, StepPlan, forward_context
-from kvcompile.runtime import kernel_readable
+from kvcompile.runtime.context import ForwardContext, StepPlan, forward_context
+from kvcompile.runtime.kernel_formats import kernel_readable
 
 log = logging.getLogger("kvcompile.engine")
 
@@ -46,10 +44,6 @@ def bucket_sizes(max_batch: int) -> list[int]:
     """Padded batch sizes up to max_batch (which is always one of them)."""
     out = [b for b in BUCKETS if b < max_batch]
     return out + [max_batch]
-
-
-def graphs_wanted() -> bool:
-    return os.environ.get("KVCOMPILE_CUDA_GRAPHS", "1") not in ("0", "false", "False", "")
 
 
 def upload_plan(g, pool, non_blocking: bool = True) -> None:
@@ -153,8 +147,8 @@ class DecodeGraphs:
             return self._why_not
         st = self.state
         reason = None
-        if not graphs_wanted():
-            reason = "KVCOMPILE_CUDA_GRAPHS=0"
+        if not st.config.cuda_graphs:
+            reason = "KVConfig.cuda_graphs is False (KVCOMPILE_CUDA_GRAPHS=0)"
         elif self.runner.device.type != "cuda":
             reason = "not on CUDA"
         elif not st.kernels.use_triton(self.runner.device):
@@ -175,12 +169,10 @@ class DecodeGraphs:
         return reason
 
     def usable(self, out) -> bool:
-        from kvcompile.engine.runner import PackedDecodeHook
-
         seqs = out.seqs
         if not seqs or len(seqs) > self.max_batch or self.why_not() is not None:
             return False
-        if any(not isinstance(h, PackedDecodeHook) for h in self.state.hooks):
+        if self.state.hooks:   # a hook may read or change K/V, or attend, on the host
             return False
         return all(s.n == 1 and s.start > 0 for s in seqs)
 

@@ -44,7 +44,7 @@ class Engine:
     max_position_embeddings, capped by KVConfig.max_seq_len and the pool).
     preemption_mode: "recompute" or "swap" (host memory, at most swap_space_bytes).
     cuda_graphs: replay decode steps from CUDA graphs on CUDA (engine/cudagraph.py; also
-    KVCOMPILE_CUDA_GRAPHS=0 turns them off)."""
+    KVConfig.cuda_graphs=False turns them off)."""
 
     def __init__(self, model, tokenizer=None, config=None, *, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 128, max_model_len: int | None = None,

@@ -5,7 +5,8 @@ absolute `position_ids [1, T]`, and the model is called with `use_cache=False`: 
 sites are then "none" caches, rewritten onto `kvcompile::attention` like any other. The forward
 context carries a packed `StepPlan` (docs/architecture.md, "The engine drives the same graphs
 with its own plan"): the op stores each sequence's new K/V at the reserved slots and attends
-causally within each sequence (`cu_seqlens_q`), ignoring whatever mask the model built.
+causally within each sequence (`cu_seqlens_q`), ignoring whatever mask the model built; a step
+in which every sequence adds one token goes to the split-K decode kernel (runtime/dispatch.py).
 
 T and the number of sequences vary from step to step; they are marked dynamic, so Dynamo
 compiles two graphs (any T, and T = 1), not one per length.
@@ -17,10 +18,8 @@ import inspect
 
 import torch
 
-from kvcompile.cache.context import ForwardContext, StepPlan, forward_context
 from kvcompile.engine.scheduler import SchedulerOutput
-from kvcompile.errors import UnsupportedShapeError
-from kvcompile.runtime import RuntimeHook
+from kvcompile.runtime.context import ForwardContext, StepPlan, forward_context
 
 
 class ModelRunner:
@@ -33,8 +32,6 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         fwd = inspect.signature(type(model).forward).parameters
         self.keep_arg = "logits_to_keep" in fwd
-        if not any(isinstance(h, PackedDecodeHook) for h in state.hooks):
-            state.hooks.append(PackedDecodeHook(state))
         # decode steps replayed from CUDA graphs (engine/cudagraph.py), where they can be
         self.graphs = DecodeGraphs(self, max_batch) if cuda_graphs else None
 
@@ -100,43 +97,3 @@ class ModelRunner:
             else:
                 logits = self.model(**kw).logits[0].index_select(0, keep)
         return logits[:B]
-
-
-class PackedDecodeHook(RuntimeHook):
-    """A packed step in which every sequence adds one token is a decode step: send it to the
-    split-K decode kernel (q [1, Hq, B, D] viewed as [B, Hq, 1, D]) rather than the varlen
-    prefill kernel, which has one program per query block and no split over the keys."""
-
-    def __init__(self, state):
-        self.state = state
-
-    def attend(self, ctx, layer, q, plan, attn_mask, is_causal, window, softcap, scale, extras):
-        # q: [1, Hq, B, D] -> out [1, Hq, B, Dv], or None (the usual kernel / reference)
-        if not plan.packed or not plan.q_lens or max(plan.q_lens) != 1:
-            return None
-        if min(plan.past_lens) == 0 or not self.state.kernels.use_triton(q.device):
-            return None
-        pool = self.state.pool
-        kc, vc = pool.k[layer], pool.v[layer]
-        readable = getattr(_runtime(), "kernel_readable", None)
-        if readable is not None and not (readable(kc) and readable(vc)):
-            return None
-        try:
-            from kvcompile.kernels.decode import paged_decode_attention
-        except ImportError:
-            return None
-        qd = q[0].transpose(0, 1).unsqueeze(2).contiguous()        # [B, Hq, 1, D]
-        try:
-            out = paged_decode_attention(qd, kc, vc, plan.block_tables, plan.seq_lens, scale,
-                                         sliding_window=window, softcap=softcap,
-                                         direct=True, **extras)
-        except UnsupportedShapeError:
-            return None   # e.g. a head_dim the kernel does not take: the usual path
-        self.state.count("engine_decode_kernel_calls")
-        return out.squeeze(2).transpose(0, 1).unsqueeze(0)          # [1, Hq, B, Dv]
-
-
-def _runtime():
-    import kvcompile.runtime as rt
-
-    return rt

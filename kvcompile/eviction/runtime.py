@@ -1,10 +1,10 @@
 """The eviction runtime: per-sequence bookkeeping, attention over kept tokens, and eviction.
 
-One `EvictionRuntime` per compiled model, installed by the eviction pass (insert.py) as a
-`RuntimeHook` (runtime.py). Per forward:
+One `EvictionRuntime` per compiled model, installed by the eviction pass (passes/eviction.py)
+as a `RuntimeHook` (runtime/hooks.py). Per forward:
 
     before_write(layer)     logical index of each new token -> its slot (book.pos[layer])
-    attend(layer)           attention over the kept slots by logical position (attend.py),
+    attend_kept(layer)      attention over the kept slots by logical position (attend.py),
                             accumulating H2O mass / SnapKV observation scores
     after_forward()         for each sequence over budget: choose (policies.py), then
                             token granularity: compact each (layer, head) into slots [0, n) by
@@ -29,7 +29,7 @@ from kvcompile.errors import CacheStateError, UnsupportedShapeError
 from kvcompile.eviction import policies as P
 from kvcompile.eviction.attend import attend_kept, rotation
 from kvcompile.kernels.masks import to_bool
-from kvcompile.runtime import RuntimeHook
+from kvcompile.runtime.hooks import RuntimeHook
 
 log = logging.getLogger("kvcompile")
 
@@ -162,7 +162,10 @@ class EvictionRuntime(RuntimeHook):
         return k, v
 
     # -- attention ------------------------------------------------------------------------------
-    def attend(self, ctx, layer, q, plan, attn_mask, is_causal, window, softcap, scale, extras):
+    def attend_kept(self, ctx, layer, q, plan, attn_mask, is_causal, window, softcap, scale,
+                    extras):
+        """Attention of a layer with a policy over its kept slots (runtime/dispatch.py asks
+        this first), or None for a layer without one."""
         if layer not in self.policies:
             return None
         pool = ctx.state.pool

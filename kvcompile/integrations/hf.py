@@ -1,6 +1,6 @@
 """Hugging Face cache objects holding kvcompile stubs.
 
-After the rewrite, a `DynamicCache` / `StaticCache` holds zero-byte stubs (cache/binding.py)
+After the rewrite, a `DynamicCache` / `StaticCache` holds zero-byte stubs (runtime/binding.py)
 instead of K/V. These patches make the cache object's own operations act on the pool when its
 tensors are stubs, and leave every other cache untouched:
 
@@ -13,7 +13,7 @@ tensors are stubs, and leave every other cache untouched:
 
 Every `generate` call (GenerationMixin.generate, patched by `install`, on every route) returns
 the pages of the caches it made when it returns, in the thread that made them (a call scope,
-cache/binding.py): HF cache objects sit in reference cycles, so without it the pages would wait
+runtime/binding.py): HF cache objects sit in reference cycles, so without it the pages would wait
 for the garbage collector, and calls in other threads are left alone. The patch must be in
 place before the first `generate` starts: the backend's first compile happens inside that call,
 too late for it. `install_soon()` (run when kvcompile.backend is imported, which
@@ -34,9 +34,9 @@ import threading
 
 import torch
 
-from kvcompile.cache.binding import binding_of, call_scope, is_stub
 from kvcompile.integrations import hf_prefill as _hf_prefill
 from kvcompile.integrations.hf_graphs import generating
+from kvcompile.runtime.binding import binding_of, call_scope, is_stub
 
 _installed = False
 _GENERATION = "transformers.generation.utils"   # defines GenerationMixin, imports cache_utils

@@ -17,7 +17,7 @@ How a step replays (the engine's decode graphs, engine/cudagraph.py, work the sa
 - the attention ops saw `key_mask = mask[:, :W]` while capturing: keys past W are seen by
   every row, which is what `generate` asks for (it appends ones), and the left padding of a
   prompt lies inside W (W is at least the prompt's length + 1; a longer prompt recaptures);
-- the cache object's stubs (cache/binding.py) grow by one token after the replay, as the
+- the cache object's stubs (runtime/binding.py) grow by one token after the replay, as the
   compiled graph's own side effects would have done;
 - capture-time warm-up runs write a scratch sequence of the pool only (one slot per row),
   freed once the graph is captured.
@@ -30,7 +30,7 @@ Graphs are used only where nothing in the step needs the host: CUDA, the Triton 
 every layer's formats, no runtime hook (eviction, `kvcompile inspect`), no `check_finite`, a
 plain `DynamicCache` whose rows are the binding's sequences, and the keyword arguments
 `generate` passes for a decode step (anything else, e.g. output_attentions, runs as before).
-`KVCOMPILE_CUDA_GRAPHS=0` turns them off.
+`KVConfig.cuda_graphs=False` (KVCOMPILE_CUDA_GRAPHS=0) turns them off.
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ import weakref
 
 import torch
 
-from kvcompile.cache.binding import binding_of, is_stub
-from kvcompile.cache.context import ForwardContext, StepPlan, forward_context
 from kvcompile.engine.cudagraph import capture, upload_plan
 from kvcompile.recompiles import check_forward, recompile_budget
-from kvcompile.runtime import kernel_readable
+from kvcompile.runtime.binding import binding_of, is_stub
+from kvcompile.runtime.context import ForwardContext, StepPlan, forward_context
+from kvcompile.runtime.kernel_formats import kernel_readable
 
 log = logging.getLogger("kvcompile")
 
@@ -121,7 +121,7 @@ class GraphedForward:
 
     def __call__(self, *args, **kwargs):
         st = self.state
-        with st.lock:   # one forward of a model at a time (runtime.ModelState.lock)
+        with st.lock:   # one forward of a model at a time (runtime/state.py ModelState.lock)
             if in_generate() and not args:
                 step = self._eligible(kwargs)
                 if step is not None:
@@ -157,14 +157,12 @@ class GraphedForward:
     # -- eligibility --------------------------------------------------------------------------
     def why_not(self) -> str | None:
         """None when decode steps may be graphed here (per model), else the reason."""
-        from kvcompile.engine.cudagraph import graphs_wanted
-
         if self._why_not is not None:
             return self._why_not or None
         st = self.state
         reason = ""
-        if not graphs_wanted():
-            reason = "KVCOMPILE_CUDA_GRAPHS=0"
+        if not st.config.cuda_graphs:
+            reason = "KVConfig.cuda_graphs is False (KVCOMPILE_CUDA_GRAPHS=0)"
         elif st.pool is None or st.device is None or st.device.type != "cuda":
             return "no CUDA pool yet"            # asked again at the next step
         elif not st.kernels.use_triton(st.device):
@@ -182,7 +180,9 @@ class GraphedForward:
         return reason or None
 
     def _eligible(self, kw):
-        if self.why_not() is not None or self.state.hooks:
+        # (a model an Engine serves keeps generate's steps eager, as it did when the engine's
+        # packed decode was a hook in state.hooks)
+        if self.why_not() is not None or self.state.hooks or self.state.serving:
             return None
         cache = None
         dev = self.state.device

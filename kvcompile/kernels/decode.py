@@ -97,7 +97,7 @@ def _codes(fmt_name: str, granularity: str) -> tuple[int, int]:
 
 def channel_min_page(fmt_name: str) -> int:
     """Smallest page the kernel takes for channel scales of this format (kernel_readable in
-    runtime.py says the same). Int codes in 16-token tiles (pages of 16) gave wrong results
+    runtime/kernel_formats.py says the same). Int codes in 16-token tiles (pages of 16) gave wrong results
     on the H200 (triton 3.6; 2026-11-30: relative error 2-4 in 4 of 4 such cases, while 32-
     to 128-token tiles and fp8 channel tiles of 16 passed), cause not found yet: refused."""
     return 32 if fmt_name in ("int4", "int3", "int2") else 16

@@ -250,13 +250,13 @@ def dense_attention(q, k, v, attn_mask, scale, is_causal, sliding_window, softca
 
 # --- paged ---------------------------------------------------------------------------------------
 
-def paged_reference_attention(pool, layer: int, q, plan, attn_mask, is_causal, sliding_window,
+def paged_reference_attention(kt, vt, q, plan, attn_mask, is_causal, sliding_window,
                               softcap, scale):
-    """Attention of q over the pool's pages of `layer` for each sequence of the plan.
+    """Attention of q over one layer's pages (kt, vt: PagedTensor, [N, P, Hkv, D] pages) for
+    each sequence of the plan (its block tables, lengths and padding offsets).
     q [B, Hq, S, D] (packed: [1, Hq, T, D]) -> [B, Hq, S, Dv] in compute_dtype(q.dtype).
     Rows of one length share one gather and one SDPA call (every row, in a generate call);
     what the layers of a forward share (page indices, masks) is built by the first."""
-    kt, vt = pool.k[layer], pool.v[layer]
     if plan.packed:
         return _packed_attention(kt, vt, q, plan, sliding_window, softcap, scale)
     key = ("reference", None if attn_mask is None else (attn_mask.data_ptr(),

@@ -9,8 +9,8 @@ candidate that fails to compile (shared memory, an older triton) is skipped, not
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -63,13 +63,29 @@ def candidates(table: dict, head_dim: int, group: int, warp_spec: bool) -> list[
     return cfgs
 
 
-def ws_ok(hopper: bool, fp8: bool, window: int, sinks: int) -> bool:
+class PrefillSwitches(NamedTuple):
+    """Diagnostic switches of the packed varlen prefill (benchmarks/prefill_diag.py; set from
+    KVConfig.prefill_tma / prefill_q_tma / prefill_scale_tma / prefill_warp_spec): tma=False
+    forces the pointer path, q_tma=False loads only Q by pointers, scale_tma=True brings back
+    the FP8 scale descriptors that fault on triton <= 3.8 (see launch_prefill), warp_spec=True
+    offers the warp-specialized tiles (ws_ok)."""
+
+    tma: bool = True
+    q_tma: bool = True
+    scale_tma: bool = False
+    warp_spec: bool = False
+
+
+DEFAULT_SWITCHES = PrefillSwitches()
+
+
+def ws_ok(hopper: bool, fp8: bool, window: int, sinks: int, requested: bool = False) -> bool:
     """Whether to offer the warp-specialized tiles: Hopper, bf16/fp16 (triton 3.6's automatic
     warp specialization fails to build the FP8 kernel), one key range (not window + sinks), and
-    only on request (KVCOMPILE_PREFILL_WARP_SPEC=1): on the H200 (triton 3.6) every
+    only on request (PrefillSwitches.warp_spec): on the H200 (triton 3.6) every
     warp-specialized tile hangs (benchmarks/prefill_diag.py, 2026-11-30: none returned in 60 s,
     bf16, head_dim 64 / 128, GQA 1 / 4); the cause is not known."""
-    if os.environ.get("KVCOMPILE_PREFILL_WARP_SPEC", "0") != "1":
+    if not requested:
         return False
     return hopper and not fp8 and not (window and sinks)
 
@@ -158,17 +174,8 @@ def descriptor(t2d: torch.Tensor, block: list[int]):
     return TensorDescriptor(t2d, list(t2d.shape), list(t2d.stride()), block)
 
 
-def env_switch(name: str, default: bool) -> bool:
-    """Diagnostic switches (benchmarks/prefill_diag.py): KVCOMPILE_PREFILL_TMA=0 forces the
-    pointer path, KVCOMPILE_PREFILL_Q_TMA=0 loads only Q by pointers, KVCOMPILE_PREFILL_SCALE_TMA=1
-    brings back the FP8 scale descriptors that fault on triton <= 3.8 (see launch_prefill)."""
-    v = os.environ.get(name)
-    return default if v is None or v == "" else v not in ("0", "false", "False")
-
-
 def device_has_tma(device: torch.device) -> bool:
-    return (use_tma(device) and TensorDescriptor is not None
-            and env_switch("KVCOMPILE_PREFILL_TMA", True))
+    return use_tma(device) and TensorDescriptor is not None
 
 
 def is_hopper(device: torch.device) -> bool:
@@ -181,7 +188,8 @@ VARLEN_TUNER = Tuner("prefill")
 
 
 def launch_prefill(q, k, v, cu_seqlens, out, scale, causal, window, sinks, softcap,
-                   max_seqlen, fp8, config=None, cu_seqlens_k=None):
+                   max_seqlen, fp8, config=None, cu_seqlens_k=None,
+                   switches: PrefillSwitches = DEFAULT_SWITCHES):
     # q: [T, Hq, D]  k: [Tk, Hkv, D]  v: [Tk, Hkv, Dv] (fp8: vt [Hkv*Dv, NB*128])
     # out: [T, Hq, Dv]; cu_seqlens_k [B+1] (default cu_seqlens): queries are each sequence's last
     # q_len positions of its k_len keys
@@ -227,7 +235,7 @@ def launch_prefill(q, k, v, cu_seqlens, out, scale, causal, window, sinks, softc
         return out
 
     mult, cap_l2, inv_cap = softmax_constants(scale, softcap)
-    tma = device_has_tma(q.device)
+    tma = switches.tma and device_has_tma(q.device)
     if fp8 is None:
         k2, v2 = k.reshape(Tk, Hkv * D), v.reshape(Tk, Hkv * Dv)
         if tma and not (k.stride(1) == D and v.stride(1) == Dv and tma_ok(k2, v2)):
@@ -235,7 +243,7 @@ def launch_prefill(q, k, v, cu_seqlens, out, scale, causal, window, sinks, softc
     else:
         k2, v2 = k.reshape(T, Hkv * D), v
         tma = tma and tma_ok(k2, v2)
-    q_tma = (tma and env_switch("KVCOMPILE_PREFILL_Q_TMA", True) and group & (group - 1) == 0
+    q_tma = (tma and switches.q_tma and group & (group - 1) == 0
              and q.stride(1) == D and tma_ok(q.reshape(T, Hq * D)))
     dummy = cu_seqlens
     qd, kd, vd, cb = fp8 if fp8 is not None else (dummy, dummy, dummy, dummy)
@@ -244,16 +252,17 @@ def launch_prefill(q, k, v, cu_seqlens, out, scale, causal, window, sinks, softc
     # through TMA as [Hkv * NB, 4] fp32 rows (16-byte boxes): triton <= 3.8 pipelines such a
     # load into a ring of 16-byte stages, and a TMA copy into a stage that is not 128-byte
     # aligned faults with CUDA "misaligned address" (num_stages >= 3: triton-lang/triton#10474,
-    # fixed upstream by #10898, not in triton 3.6). KVCOMPILE_PREFILL_SCALE_TMA=1 keeps the old
+    # fixed upstream by #10898, not in triton 3.6). PrefillSwitches.scale_tma keeps the old
     # form for benchmarks/prefill_diag.py only.
-    scale_tma = fp8 is not None and tma and env_switch("KVCOMPILE_PREFILL_SCALE_TMA", False)
+    scale_tma = fp8 is not None and tma and switches.scale_tma
     if scale_tma:
         kd, vd = (descriptor(x.t().reshape(-1, 1).expand(-1, 4).contiguous(), [1, 4])
                   for x in (kd, vd))
     hopper = is_hopper(q.device)
     configs = ([config] if config is not None else
                [INTERPRET_CONFIG] if interpreting() else
-               candidates(_VARLEN, D, group, ws_ok(hopper, fp8 is not None, window, sinks)))
+               candidates(_VARLEN, D, group,
+                          ws_ok(hopper, fp8 is not None, window, sinks, switches.warp_spec)))
 
     def launch(c: TileConfig):
         ws = c.warp_spec and tma and not (window and sinks)

@@ -32,6 +32,7 @@ import torch.fx as fx
 
 from kvcompile.errors import CacheStateError, KVConfigError
 from kvcompile.passes import notices
+from kvcompile.passes.eviction import eviction_pass
 from kvcompile.passes.find_attention import _site_location, candidates, match_attention, name_sites
 from kvcompile.passes.find_cache import find_cache  # noqa: F401  (called via PASS_FUNCTIONS)
 from kvcompile.passes.rewrite import (
@@ -214,8 +215,7 @@ class _Run:
             return self.commit()
         if self.log("rotate", self.rotate()):
             return self.commit()
-        if state.eviction_pass is not None:
-            self.log("eviction", self.evict())
+        self.log("eviction", self.evict())
         return self.commit()
 
     def find_sites(self) -> list[AttentionSite]:
@@ -349,8 +349,8 @@ class _Run:
 # --- the per-site passes defined here ----------------------------------------------------------
 
 def evict_site(gm: fx.GraphModule, site: AttentionSite, state) -> str:
-    """eviction for one site: binds its layer to its policy (kvcompile/eviction/insert.py)."""
-    return state.eviction_pass(gm, _OneSite([site]), state)
+    """eviction for one site: binds its layer to its policy (passes/eviction.py)."""
+    return eviction_pass(gm, _OneSite([site]), state)
 
 
 @dataclass

@@ -227,7 +227,7 @@ def test_reserve_all_allocates_the_budget_and_stops_growing():
 
 
 def test_discard_inside_a_pool_method_runs_when_it_returns():
-    """A garbage-collector finalizer (cache/binding.py) may free a sequence while this thread
+    """A garbage-collector finalizer (runtime/binding.py) may free a sequence while this thread
     is inside a pool method: the free waits until the method returns."""
     specs = _specs()
     state = {}

@@ -162,7 +162,7 @@ def test_verify_names_the_first_divergent_layer(cli_json, monkeypatch):
     """A bug injected into layer 1 only (its values are stored scaled by 1.5) must be found."""
     import kvcompile
     from kvcompile.api import state_of
-    from kvcompile.runtime import RuntimeHook
+    from kvcompile.runtime.hooks import RuntimeHook
 
     class CorruptLayer1(RuntimeHook):
         def before_write(self, ctx, layer, k, v):

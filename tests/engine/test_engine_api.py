@@ -257,7 +257,7 @@ def test_packed_step_ignores_the_models_mask(attn):
     m = make_hf("llama", attn)
     eng = Engine(m, config=config(page_size=PAGE), max_num_batched_tokens=64)
     masks = []
-    import kvcompile.kernels.attention as op
+    import kvcompile.runtime.attention_op as op
 
     inner = op._cached_attention
 

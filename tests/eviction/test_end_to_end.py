@@ -92,7 +92,7 @@ def _stream_original(m, ids, prefill, chunk):
 
 
 def _sid(cache):
-    from kvcompile.cache.binding import binding_of
+    from kvcompile.runtime.binding import binding_of
     return binding_of(cache.layers[0].keys).seq_ids[0]
 
 

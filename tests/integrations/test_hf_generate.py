@@ -18,7 +18,7 @@ import torch
 
 import kvcompile
 from kvcompile.api import state_of
-from kvcompile.runtime import RuntimeHook
+from kvcompile.runtime.hooks import RuntimeHook
 from tests.engine.tiny import byte_tokenizer, config, make_hf
 
 NEW = 48

@@ -10,7 +10,7 @@ import torch
 import kvcompile
 from kvcompile.api import state_of
 from kvcompile.integrations import hf_prefill
-from kvcompile.runtime import RuntimeHook
+from kvcompile.runtime.hooks import RuntimeHook
 from tests.engine.tiny import config, make_hf
 
 NEW = 6

@@ -303,7 +303,7 @@ def test_decode_int_public_op_compiles_with_bf16_queries():
 def test_decode_channel_scales_need_large_enough_pages(spec, P, least):
     # a channel-scaled tile is one page of >= 16 keys (int codes: >= 32, see channel_min_page):
     # smaller pages are refused, and the runtime sends such layers to the reference
-    from kvcompile.runtime import kernel_readable
+    from kvcompile.runtime.kernel_formats import kernel_readable
 
     fmt = _fmt(spec)
     kc, vc, bt, sl = make_paged_kv(fmt, fmt, [20], 2, 64, P, nan_fill=False)
@@ -314,7 +314,7 @@ def test_decode_channel_scales_need_large_enough_pages(spec, P, least):
 
 
 def test_kernel_readable_by_op():
-    from kvcompile.runtime import kernel_readable
+    from kvcompile.runtime.kernel_formats import kernel_readable
 
     for spec, res in (("int4/channel", False), ("int2/token", True), ("fp8_e4m3/channel", False),
                       ("fp4_e2m1/channel", False), ("fp4_e2m1/page", True)):

@@ -1,12 +1,10 @@
 """The plain-PyTorch attention used at run time (kernels/dense.py): the SDPA path against the
 exact fp32 path, NaN / Inf against eager attention, and the paged path over every format."""
 
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from kvcompile.cache.context import StepPlan
 from kvcompile.cache.formats import KVFormat
 from kvcompile.kernels.dense import (
     attend_fp32,
@@ -17,6 +15,7 @@ from kvcompile.kernels.dense import (
     sdpa_attention,
 )
 from kvcompile.kernels.reference import gather_pages
+from kvcompile.runtime.context import StepPlan
 from kvcompile.testing import assert_rel_close
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -204,14 +203,13 @@ def test_paged_reference_nan_as_eager(name, gran, where):
     elif where == "v_masked":
         v[1, 0, 3] = float("nan")   # under kv_start
     kc, vc, bt = _paged(fmt, k, v, P)
-    pool = SimpleNamespace(k=[kc], v=[vc])
     kd, vd = gather_pages(kc, bt[0], L)[None], gather_pages(vc, bt[0], L)[None]  # decoded
     start = 4 if where == "v_masked" else 0
     for s in (1, S):  # a decode step, then a chunk of S queries (the last S positions)
         q = torch.randn(1, Hq, s, D, generator=g)
         plan = StepPlan([0], 1, s, [L - s], torch.zeros(s, dtype=torch.long), bt,
                         torch.tensor([L]), [L], [start])
-        got = paged_reference_attention(pool, 0, q, plan, None, True, 0, 0.0, 0.2)
+        got = paged_reference_attention(kc, vc, q, plan, None, True, 0, 0.0, 0.2)
         seen = (torch.arange(L)[None] <= torch.arange(L - s, L)[:, None]) & (
             torch.arange(L)[None] >= start)
         ref = eager_rows(q, kd, vd, seen[None, None], 0.2)
@@ -235,8 +233,7 @@ def test_paged_reference_bf16_is_sdpa_on_the_stored_values():
     q = torch.randn(1, Hq, 1, D, generator=g).bfloat16()
     plan = StepPlan([0], 1, 1, [L - 1], torch.zeros(1, dtype=torch.long), bt,
                     torch.tensor([L]), [L], [0])
-    got = paged_reference_attention(SimpleNamespace(k=[kc], v=[vc]), 0, q, plan, None, False, 0,
-                                    0.0, 0.125)
+    got = paged_reference_attention(kc, vc, q, plan, None, False, 0, 0.0, 0.125)
     ref = torch.nn.functional.scaled_dot_product_attention(
         q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=0.125, enable_gqa=True)
     assert got.dtype == torch.bfloat16
@@ -262,20 +259,19 @@ def test_paged_reference_rows_of_different_lengths(packed):
         slots = (pages[:, None] * P + torch.arange(P)[None]).reshape(-1)[:n]
         kc.write(slots, k)
         vc.write(slots, v)
-    pool = SimpleNamespace(k=[kc], v=[vc])
     q = torch.randn(len(lens), Hq, s, D, generator=g)
     lens_t = torch.tensor(lens)
     if packed:
         plan = StepPlan([0, 1, 2], 3, s, [n - s for n in lens], torch.zeros(1), bt, lens_t,
                         lens, [0] * 3, packed=True,
                         cu_seqlens_q=torch.arange(0, 3 * s + 1, s, dtype=torch.int32))
-        got = paged_reference_attention(pool, 0, q.transpose(0, 1).reshape(1, Hq, 3 * s, D)
+        got = paged_reference_attention(kc, vc, q.transpose(0, 1).reshape(1, Hq, 3 * s, D)
                                         .contiguous(), plan, None, True, 0, 0.0, 0.2)
         got = got.reshape(Hq, 3, s, D).transpose(0, 1)
     else:
         plan = StepPlan([0, 1, 2], 3, s, [n - s for n in lens], torch.zeros(1), bt, lens_t,
                         lens, [0] * 3)
-        got = paged_reference_attention(pool, 0, q, plan, None, True, 0, 0.0, 0.2)
+        got = paged_reference_attention(kc, vc, q, plan, None, True, 0, 0.0, 0.2)
     for b, n in enumerate(lens):
         kd, vd = gather_pages(kc, bt[b], n)[None], gather_pages(vc, bt[b], n)[None]
         seen = torch.arange(n)[None] <= torch.arange(n - s, n)[:, None]

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvcompile.cache.context import StepPlan
 from kvcompile.kernels import masks
+from kvcompile.runtime.context import StepPlan
 
 hf_masks = pytest.importorskip("transformers.masking_utils")
 

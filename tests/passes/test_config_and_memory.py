@@ -10,7 +10,7 @@ import torch
 import transformers
 
 import kvcompile
-from kvcompile.cache.binding import is_stub
+from kvcompile.runtime.binding import is_stub
 from tests.passes.zoo import make_hf
 
 GEN = dict(do_sample=False, pad_token_id=0, eos_token_id=None)

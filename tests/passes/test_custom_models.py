@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvcompile
-from kvcompile.cache.binding import is_stub
+from kvcompile.runtime.binding import is_stub
 from kvcompile.testing import kl_divergence
 from tests.passes.zoo import GptFast, NanoGPT, seeded
 

@@ -71,7 +71,7 @@ def test_twelve_families_in_one_process_are_all_compiled():
 
 
 def _only_this_model(monkeypatch, model) -> None:
-    import kvcompile.runtime as rt
+    import kvcompile.runtime.state as rt
 
     real = rt.all_states
     if model is None:   # backend route: the state appears at the first compile

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kvcompile
-import kvcompile.kernels.attention  # noqa: F401  (registers torch.ops.kvcompile.attention)
+import kvcompile.runtime.attention_op  # noqa: F401  (registers torch.ops.kvcompile.attention)
 from kvcompile.cache.formats import KVFormat
 from kvcompile.config import SinkWindow
 from kvcompile.passes.rotate import _FOLD_MARK, hadamard, hadamard_block, rotation_matrix

@@ -4,10 +4,24 @@
                                         sliding_window, softcap, tag)
     # q: [B, Hq, S, D]  k: [B, Hkv, S, D]  v: [B, Hkv, S, Dv]  ->  out: [B, Hq, S, Dv]
 
-With a forward context (cache/context.py) the new k/v are written into the pool in the layer's
-format, then q attends over the sequence's tokens as stored. Without one (a graph run outside
-kvcompile's wrapper) it is plain attention over the given k/v. `tag` carries the config's hash
-so that inductor's cache key changes with the config.
+With a forward context (runtime/context.py) the new k/v are written into the pool in the
+layer's format, then q attends over the sequence's tokens as stored; who attends is decided by
+runtime/dispatch.py `attend`. Without one (a graph run outside kvcompile's wrapper) it is plain
+attention over the given k/v. `tag` carries the config's hash so that inductor's cache key
+changes with the config.
+
+What it mutates. The op writes the pool (the new K/V, and the pool's bookkeeping: slots,
+lengths), but the pool is not an argument: it lives outside the graph and is found through the
+forward context, so that graph inputs, shapes and guards never change as the cache grows, pages
+move or the pool is rebuilt. `mutates_args` can only name arguments, so it is empty, and the op
+is registered with `torch.fx.node.has_side_effect` instead: FX dead-code elimination (Dynamo,
+AOTAutograd) and inductor's scheduler (`is_impure`) keep a call whose output nobody reads,
+which aot_eager and inductor drop for an op not so registered (tests/runtime/
+test_attention_op.py). Order needs no more than the
+data: layer l + 1's q is computed from layer l's output, each call writes before it reads
+within itself, layers own disjoint storage, and nothing else in a graph reads the pool.
+(`register_effect(ORDERED)` would also order the calls, by threading effect tokens through
+every compiled graph's inputs and outputs: a change of every graph, not made here.)
 """
 
 from __future__ import annotations
@@ -16,10 +30,11 @@ import math
 
 import torch
 
-from kvcompile.cache import context as _context
 from kvcompile.errors import NonFiniteKVError
 from kvcompile.kernels import masks
-from kvcompile.kernels.dense import dense_attention, paged_reference_attention
+from kvcompile.kernels.dense import dense_attention
+from kvcompile.runtime import context as _context
+from kvcompile.runtime import dispatch
 
 
 @torch.library.custom_op("kvcompile::attention", mutates_args=())
@@ -37,6 +52,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 @attention.register_fake
 def _(q, k, v, attn_mask, positions, layer, scale, is_causal, sliding_window, softcap, tag):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+# the pool is written outside the op's arguments: no pass may drop a call (see the docstring)
+torch.fx.node.has_side_effect(torch.ops.kvcompile.attention.default)
 
 
 def _cached_attention(ctx, q, k, v, attn_mask, positions, layer, scale, is_causal,
@@ -73,18 +92,8 @@ def _cached_attention(ctx, q, k, v, attn_mask, positions, layer, scale, is_causa
     extras = {}
     for hook in state.hooks:
         extras.update(hook.attention_extras(ctx, li))
-    out = None
-    for hook in state.hooks:  # eviction: attention over the kept slots (kvcompile/eviction)
-        out = hook.attend(ctx, li, q, plan, attn_mask, is_causal, sliding_window, softcap,
-                          scale, extras)
-        if out is not None:
-            break
-    if out is None:
-        out = state.kernels.attend(li, q, plan, mask_info, attn_mask, is_causal,
-                                   sliding_window, softcap, scale, extras)
-    if out is None:
-        out = paged_reference_attention(pool, li, q, plan, attn_mask, is_causal,
-                                        sliding_window, softcap, scale)
+    out = dispatch.attend(ctx, li, q, plan, mask_info, attn_mask, is_causal, sliding_window,
+                          softcap, scale, extras)
     for hook in state.hooks:
         hook.after_attention(ctx, li, q, out, extras)
     # the fake promises a contiguous [B, Hq, S, Dv]; inductor asserts the strides it was told

@@ -46,7 +46,7 @@ class ForwardContext:
 
     def __init__(self, state, binding=None, *, plan: StepPlan | None = None):
         self.state = state         # backend ModelState: pool, layer index, config
-        self.binding = binding     # cache/binding.Binding, or None for a cache-less forward
+        self.binding = binding     # runtime/binding.Binding, or None for a cache-less forward
         self.plan = plan           # prepared lazily by the first attention op (or given)
 
     @property

@@ -1,13 +1,13 @@
 """Pass 5: eviction bookkeeping for each rewritten attention site (per-layer policy).
 
-Runs after the rewrite (passes/pipeline.py calls `state.eviction_pass`). For every rewritten
+Runs after the rewrite (passes/pipeline.py `evict_site`). For every rewritten
 site whose config has a policy:
 
     out = torch.ops.kvcompile.attention(q, k, v, m, None, "model.layers.3.self_attn", ...)
 
 gets `node.meta["kvcompile_eviction"] = "SinkWindow(sinks=4, window=1020, ...)"` and layer 3 is
-bound to that policy in the model's `EvictionRuntime`, which runs inside the op as a
-RuntimeHook. The bookkeeping is not a separate graph node: H2O's mass and SnapKV's scores are
+bound to that policy in the model's `EvictionRuntime` (eviction/runtime.py), which runs
+inside the op (runtime/dispatch.py, hooks). The bookkeeping is not a separate graph node: H2O's mass and SnapKV's scores are
 the attention probabilities themselves, which exist only inside the op (or the decode kernel's
 `attn_mass` output), and eviction happens between forwards, on block tables, never on graph
 shapes. The pass also finds the model's RoPE `inv_freq` (for sink positions).
@@ -19,14 +19,13 @@ import torch
 import torch.fx as fx
 
 from kvcompile.errors import CacheStateError
+from kvcompile.eviction.runtime import EvictionRuntime
 from kvcompile.passes.sites import _policy_str
 
 META_KEY = "kvcompile_eviction"
 
 
 def eviction_pass(gm: fx.GraphModule, plan, state) -> str:
-    from kvcompile.eviction.runtime import EvictionRuntime
-
     sites = [s for s in plan.rewritten if s.config is not None and s.config.eviction]
     if not sites:
         return "no eviction policy"

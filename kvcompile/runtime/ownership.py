@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from kvcompile.runtime import ModelState, all_states
+from kvcompile.runtime.state import ModelState, all_states
 
 _owners = WeakIdKeyDictionary()   # parameter -> the state its model runs on (backend route)
 

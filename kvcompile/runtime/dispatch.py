@@ -1,0 +1,235 @@
+"""Who attends: the one ordered dispatch of every attention op's layer, and the kernels' choice.
+
+    out = attend(ctx, layer, q, plan, mask_info, attn_mask, is_causal, window, softcap, scale,
+                 extras)           # q: [B, Hq, S, D] -> out: [B, Hq, S, Dv]
+
+`attend` asks, in this order, and the first that answers attends:
+
+1. eviction: a layer with an eviction policy attends over its kept slots (eviction/runtime.py;
+   through the decode kernel where the kept slots allow it);
+2. an extension hook's `attend` (runtime/hooks.py), in the order of `state.hooks`;
+3. packed engine decode: an engine step in which every sequence adds one token runs the
+   split-K decode kernel (q [1, Hq, B, D] seen as [B, Hq, 1, D]), not the varlen prefill
+   kernel, which has one program per query block and no split over the keys;
+4. the kernels (`KernelDispatch.attend`): the CUDA decode kernel on sm_90 where it applies,
+   else the Triton decode or chunked-prefill kernel, for pages they read (kernel_formats.py);
+5. the reference over the stored pages (kernels/dense.py), exact for every format.
+
+Kernels get tensors, block tables and constants: never the pool or the forward context.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+
+from kvcompile.errors import UnsupportedShapeError
+from kvcompile.kernels.dense import paged_reference_attention
+from kvcompile.runtime.kernel_formats import kernel_readable
+
+log = logging.getLogger("kvcompile")
+
+
+def attend(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, window, softcap, scale,
+           extras: dict):
+    """Attention of layer `layer` over the pages of the plan's sequences (the new K/V are
+    already written): out [B, Hq, S, Dv] (fp32 or q's dtype). See the module docstring."""
+    state = ctx.state
+    ev = state.eviction
+    if ev is not None:
+        out = ev.attend_kept(ctx, layer, q, plan, attn_mask, is_causal, window, softcap, scale,
+                             extras)
+        if out is not None:
+            return out
+    for hook in state.hooks:
+        out = hook.attend(ctx, layer, q, plan, attn_mask, is_causal, window, softcap, scale,
+                          extras)
+        if out is not None:
+            return out
+    out = _packed_decode(state, layer, q, plan, window, softcap, scale, extras)
+    if out is None:
+        out = state.kernels.attend(layer, q, plan, mask_info, attn_mask, is_causal, window,
+                                   softcap, scale, extras)
+    if out is None:
+        pool = state.pool
+        out = paged_reference_attention(pool.k[layer], pool.v[layer], q, plan, attn_mask,
+                                        is_causal, window, softcap, scale)
+    return out
+
+
+def prefill_mode(config, q: torch.Tensor) -> str:
+    """"triton" (the chunked-prefill kernel over the pages) or "sdpa" (gather the pages, torch
+    SDPA: kernels/dense.py, exact for any stored format): KVConfig.prefill.
+
+    CUDA prefill runs the Triton chunked-prefill kernel over the pages (checked on the H200,
+    benchmarks/prefill_diag.py and gpu_check_prefill.py, 2026-11-30). Escape hatch:
+    prefill="sdpa"; "sdpa" stays the default off CUDA (KVConfig(kernels="triton") on the CPU),
+    where prefill="triton" opts in."""
+    if config.prefill != "auto":
+        return config.prefill
+    return "triton" if q.is_cuda else "sdpa"
+
+
+def _packed_decode(state, layer, q, plan, window, softcap, scale, extras):
+    """An engine step in which every sequence adds one token, on the split-K decode kernel.
+    q: [1, Hq, B, D] -> out [1, Hq, B, Dv], or None (the usual kernels / the reference)."""
+    if not plan.packed or not plan.q_lens or max(plan.q_lens) != 1:
+        return None
+    if min(plan.past_lens) == 0 or not state.kernels.use_triton(q.device):
+        return None
+    pool = state.pool
+    kc, vc = pool.k[layer], pool.v[layer]
+    if not (kernel_readable(kc) and kernel_readable(vc)):
+        return None
+    try:
+        from kvcompile.kernels.decode import paged_decode_attention
+    except ImportError:
+        return None
+    qd = q[0].transpose(0, 1).unsqueeze(2).contiguous()        # [B, Hq, 1, D]
+    try:
+        out = paged_decode_attention(qd, kc, vc, plan.block_tables, plan.seq_lens, scale,
+                                     sliding_window=window, softcap=softcap,
+                                     direct=True, **extras)
+    except UnsupportedShapeError:
+        return None   # e.g. a head_dim the kernel does not take: the usual path
+    state.count("engine_decode_kernel_calls")
+    return out.squeeze(2).transpose(0, 1).unsqueeze(0)          # [1, Hq, B, Dv]
+
+
+class KernelDispatch:
+    """Chooses the Triton kernels (CUDA, or KVConfig.kernels="triton") or the reference."""
+
+    def __init__(self, state):
+        self._state = weakref.ref(state)   # (the state holds this: no cycle, see RuntimeHook)
+        self._warned: set[str] = set()
+
+    @property
+    def state(self):   # runtime/state.py ModelState
+        return self._state()
+
+    def use_triton(self, device: torch.device) -> bool:
+        choice = self.state.config.kernels
+        if choice == "reference":
+            return False
+        if choice in ("triton", "cuda"):
+            return choice == "triton" or device.type == "cuda"
+        return device.type == "cuda"
+
+    def writer(self, device: torch.device):
+        if not self.use_triton(device):
+            return None
+        try:
+            from kvcompile.kernels.append import quantize_append
+        except ImportError:
+            return None
+
+        def write(paged, slots, x, grouped=False):
+            # formats the append kernel does not know (int, channel scales, residual pages)
+            # are written by the reference, which defines the same bytes
+            if not kernel_readable(paged, "append"):
+                return paged.write(slots, x)
+            return quantize_append(paged, slots, x, grouped, direct=True)
+
+        return write
+
+    def _decode_backend(self, q, kc, vc, extras: dict) -> str:
+        """Which decode kernel runs ("cuda" on sm_90 where it applies, else "triton"); counted
+        for the report, with the reason a requested CUDA kernel did not run said once."""
+        from kvcompile.kernels.decode import CUDA_DECODE_DEFAULT, fast_path_reason
+
+        choice = self.state.config.kernels
+        if choice == "triton" or choice == "auto" and not CUDA_DECODE_DEFAULT:
+            self.state.count("decode_triton")
+            return "triton"
+        why = fast_path_reason(
+            q, kc.fmt.name, kc.fmt.granularity, vc.fmt.name, vc.fmt.granularity, kc.head_dim,
+            vc.head_dim, kc.page_size, q.shape[1] // kc.num_heads * q.shape[2],
+            extras.get("attn_mass"), bool(kc.fmt.residual or vc.fmt.residual))
+        if not why:
+            self.state.count("decode_cuda")
+            return "cuda"
+        self.state.count("decode_triton")
+        key = f"decode: Triton kernel, not the CUDA one ({why})"
+        if key not in self._warned:
+            self._warned.add(key)
+            self.state.kernel_notes.append(key)
+            log.warning("kvcompile: %s", key)
+        return "triton"
+
+    def _fallback(self, why: str) -> None:
+        if why not in self._warned:
+            self._warned.add(why)
+            log.info("kvcompile: reference attention used (%s)", why)
+        self.state.count("reference_fallback")
+
+    def attend(self, layer: int, q, plan, mask_info, attn_mask, is_causal, window, softcap,
+               scale, extras: dict | None = None):
+        """Output [B, Hq, S, Dv] from a kernel (fast CUDA or portable Triton), or None to use
+        the reference. q: [B, Hq, S, D] ([1, Hq, T, D] packed)."""
+        if not self.use_triton(q.device):
+            return None
+        extras = extras or {}
+        if plan.packed:
+            attn_mask = None  # the engine's plan defines the structure (causal per sequence)
+        pool = self.state.pool
+        kc, vc = pool.k[layer], pool.v[layer]
+        op = "decode" if plan.is_decode else "prefill"
+        if not (kernel_readable(kc, op) and kernel_readable(vc, op)):
+            return self._fallback(f"{kc.fmt.name}/{vc.fmt.name} pages "
+                                  f"({kc.fmt.granularity} scales, residual "
+                                  f"{kc.fmt.residual or vc.fmt.residual}) have no Triton {op} kernel")
+        key_mask, kv_start = None, None
+        if attn_mask is not None:
+            if mask_info is None or mask_info.key_mask is None:
+                return self._fallback(getattr(mask_info, "reason", "")
+                                      or "mask with per-head or per-row structure")
+            if plan.new_tokens == 1 and plan.is_decode:
+                key_mask = mask_info.key_mask
+            elif mask_info.exact:
+                kv_start = mask_info.kv_start
+                window = window or mask_info.window
+            else:
+                return self._fallback("mask that is not causal + padding + window")
+        elif not is_causal and plan.new_tokens > 1 and not plan.packed:
+            # (a packed plan is causal within each sequence whatever mask the model built: the
+            # engine calls the model with use_cache=False, so HF passes a mask, not is_causal)
+            return self._fallback("non-causal attention over several new tokens")
+        try:
+            if plan.is_decode:
+                from kvcompile.kernels.decode import paged_decode_attention
+
+                if kv_start is not None and any(kv_start):
+                    return self._fallback("padded speculative decode")
+                backend = self._decode_backend(q, kc, vc, extras)
+                return paged_decode_attention(
+                    q, kc, vc, plan.block_tables, plan.seq_lens, scale, key_mask=key_mask,
+                    sliding_window=window, softcap=softcap, direct=True, backend=backend,
+                    **extras)
+            if prefill_mode(self.state.config, q) != "triton":
+                self.state.count("prefill_gathered_sdpa")
+                return None
+            from kvcompile.kernels.prefill import paged_prefill_attention
+
+            B, Hq, S, D = q.shape
+            if plan.packed:
+                qp = q[0].transpose(0, 1)
+                cu = plan.cu_seqlens_q
+            else:
+                qp = q.transpose(1, 2).reshape(B * S, Hq, D)
+                cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q.device)
+            start = None
+            if kv_start is not None or any(plan.kv_start):
+                start = torch.tensor(kv_start or plan.kv_start, dtype=torch.int32,
+                                     device=q.device)
+            out = paged_prefill_attention(
+                qp.contiguous(), kc, vc, plan.block_tables, cu, plan.seq_lens, scale,
+                sliding_window=window, softcap=softcap, kv_start=start)
+            self.state.count("prefill_triton")
+            if plan.packed:
+                return out.transpose(0, 1).unsqueeze(0)
+            return out.reshape(B, S, Hq, -1).transpose(1, 2)
+        except (ImportError, UnsupportedShapeError) as e:
+            self._fallback(f"{type(e).__name__}: {e}")
+            return None

@@ -1,0 +1,74 @@
+"""Every KVCOMPILE_* switch of the package is a KVConfig field whose default the environment
+sets, read in config.py only (the CLI may read its own, KVCOMPILE_BENCHMARKS)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kvcompile.config import KVConfig
+from kvcompile.errors import KVConfigError
+
+PACKAGE = Path(__file__).resolve().parents[1] / "kvcompile"
+SWITCHES = ("KVCOMPILE_CUDA_GRAPHS", "KVCOMPILE_PREFILL", "KVCOMPILE_PREFILL_TMA",
+            "KVCOMPILE_PREFILL_Q_TMA", "KVCOMPILE_PREFILL_SCALE_TMA",
+            "KVCOMPILE_PREFILL_WARP_SPEC")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for var in SWITCHES:
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def test_defaults_without_the_environment(clean_env):
+    c = KVConfig()
+    assert (c.cuda_graphs, c.prefill, c.prefill_tma, c.prefill_q_tma, c.prefill_scale_tma,
+            c.prefill_warp_spec) == (True, "auto", True, True, False, False)
+
+
+@pytest.mark.parametrize("var,value,field,expected", [
+    ("KVCOMPILE_CUDA_GRAPHS", "0", "cuda_graphs", False),
+    ("KVCOMPILE_CUDA_GRAPHS", "", "cuda_graphs", False),
+    ("KVCOMPILE_CUDA_GRAPHS", "1", "cuda_graphs", True),
+    ("KVCOMPILE_PREFILL", "triton", "prefill", "triton"),
+    ("KVCOMPILE_PREFILL", "sdpa", "prefill", "sdpa"),
+    ("KVCOMPILE_PREFILL", "reference", "prefill", "sdpa"),   # any value but triton gathers
+    ("KVCOMPILE_PREFILL", "", "prefill", "auto"),
+    ("KVCOMPILE_PREFILL_TMA", "0", "prefill_tma", False),
+    ("KVCOMPILE_PREFILL_TMA", "", "prefill_tma", True),
+    ("KVCOMPILE_PREFILL_Q_TMA", "false", "prefill_q_tma", False),
+    ("KVCOMPILE_PREFILL_SCALE_TMA", "1", "prefill_scale_tma", True),
+    ("KVCOMPILE_PREFILL_WARP_SPEC", "1", "prefill_warp_spec", True),
+    ("KVCOMPILE_PREFILL_WARP_SPEC", "yes", "prefill_warp_spec", False),
+])
+def test_the_environment_sets_the_default(clean_env, var, value, field, expected):
+    clean_env.setenv(var, value)
+    assert getattr(KVConfig(), field) == expected
+    assert getattr(KVConfig(**{field: expected}), field) == expected
+
+
+def test_an_explicit_field_wins_over_the_environment(clean_env):
+    clean_env.setenv("KVCOMPILE_CUDA_GRAPHS", "0")
+    clean_env.setenv("KVCOMPILE_PREFILL", "triton")
+    c = KVConfig.from_options({"cuda_graphs": True, "prefill": "sdpa"})
+    assert c.cuda_graphs is True and c.prefill == "sdpa"
+
+
+@pytest.mark.parametrize("field,value", [("prefill", "flash"), ("cuda_graphs", "yes"),
+                                         ("prefill_tma", 1)])
+def test_bad_values_name_the_field(clean_env, field, value):
+    with pytest.raises(KVConfigError, match=field):
+        KVConfig(**{field: value})
+
+
+def test_no_switch_is_read_outside_the_config_module():
+    # os.environ / os.getenv with a KVCOMPILE_ name, anywhere but config.py and the CLI
+    read = re.compile(r"(environ|getenv)[^\n]*KVCOMPILE_")
+    bad = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+           if p.name != "config.py" and "cli" not in p.relative_to(PACKAGE).parts
+           and read.search(p.read_text())]
+    assert bad == []
