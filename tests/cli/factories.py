@@ -55,11 +55,30 @@ def not_a_module():
     return 42
 
 
-def einsum_attention():
-    """Attention written with torch.einsum: no pattern matches it yet (a near miss)."""
-    from tests.passes.research import EinsumAttention, make
+class DistanceAttention(torch.nn.Module):
+    """Softmax over negative query-key distances (torch.cdist), not over q . k: attention-like,
+    but no pattern matches it (a near miss at the scores)."""
 
-    return make(EinsumAttention), (torch.randint(0, 256, (1, 8)), 0)
+    def __init__(self, dim=64, n_head=4):
+        super().__init__()
+        self.h, self.hd = n_head, dim // n_head
+        self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
+        self.wo = torch.nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x, start_pos: int = 0):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.h, self.hd).permute(2, 0, 3, 1, 4).unbind(0)
+        s = -torch.cdist(q, k)                                              # [B, H, T, T]
+        causal = torch.triu(torch.ones(T, T, dtype=torch.bool, device=x.device), 1)
+        p = torch.softmax(s.masked_fill(causal, float("-inf")), dim=-1)
+        return self.wo((p @ v).transpose(1, 2).reshape(B, T, C))
+
+
+def distance_attention():
+    """A near miss for `inspect` (see DistanceAttention)."""
+    from tests.passes.research import make
+
+    return make(DistanceAttention), (torch.randint(0, 256, (1, 8)), 0)
 
 
 def needs_arguments(n_layers):

@@ -62,18 +62,18 @@ def test_inputs_exit_with_their_documented_code(cli, truncated_gguf, pickle_chec
 
 
 def test_inspect_lists_near_misses(cli_json, cli):
-    code, out, err = cli_json("inspect", "tests.cli.factories:einsum_attention",
+    code, out, err = cli_json("inspect", "tests.cli.factories:distance_attention",
                               "--inner", "eager")
     assert code == EXIT_OK and out["rewritten"] == 0
     misses = {(m["name"], m["step"]) for m in out["near_misses"]}
     assert misses == {("layers.0", "scores"), ("layers.1", "scores")}
-    assert all("einsum" in m["at"] for m in out["near_misses"])
+    assert all("masked_fill" in m["at"] for m in out["near_misses"])
     # the warning is one line of ours, not Python's two-line default with the source line
     assert re.search(r"^kvcompile: warning: kvcompile rewrote no attention site of TinyLM",
                      err, re.M), err
     assert "warn_once(" not in err
-    code, text, _ = cli("inspect", "tests.cli.factories:einsum_attention", "--inner", "eager")
-    assert "2 near miss(es)" in text and "einsum (torch.einsum)" in text
+    code, text, _ = cli("inspect", "tests.cli.factories:distance_attention", "--inner", "eager")
+    assert "2 near miss(es)" in text and "the scores are not q·kᵀ" in text
 
 
 # --- bench -------------------------------------------------------------------------------------
