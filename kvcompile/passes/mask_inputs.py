@@ -29,7 +29,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from kvcompile.passes.graph_utils import ndim, val
+from kvcompile.passes.graph_utils import ndim, set_meta, val
 
 _ATTENTION = "kvcompile.attention"
 _MASK_ARG = 3   # attention(q, k, v, attn_mask, positions, ...)
@@ -132,18 +132,14 @@ def unexpand_masks(graph: fx.Graph) -> int:
             if any(sl != slice(None) for sl in index):
                 with graph.inserting_before(node):
                     new = graph.call_function(operator.getitem, (src, index))
-                from kvcompile.passes.rewrite import _set_meta
-
-                _set_meta(new, src)
+                set_meta(new, src)
         new = src if new is None else new
         n = ndim(new)
         src = new
         if n is not None and n < 4:   # the op takes masks 4-d, dim 0 the batch
             with graph.inserting_before(node):
                 new = graph.call_function(operator.getitem, (src, (None,) * (4 - n)))
-            from kvcompile.passes.rewrite import _set_meta
-
-            _set_meta(new, src)
+            set_meta(new, src)
         args = list(node.args)
         args[_MASK_ARG] = new
         node.args = tuple(args)

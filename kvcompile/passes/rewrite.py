@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from kvcompile.passes.graph_utils import VIEW_KINDS, arg, graph_outputs, kind, ndim, val
+from kvcompile.passes.graph_utils import set_meta as _set_meta
 from kvcompile.passes.layouts import BHSD
 from kvcompile.passes.mask_inputs import unexpand_masks
 from kvcompile.passes.sites import AttentionSite
@@ -290,23 +291,3 @@ def _stub_output_indices(gm: fx.GraphModule) -> list[int]:
     return out
 
 
-def _set_meta(node: fx.Node, like: fx.Node) -> None:
-    """Copy module-stack metadata and compute the fake value of a new node."""
-    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
-        if key in like.meta:
-            node.meta[key] = like.meta[key]
-    try:
-        fake_args = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get(
-            "example_value", n.meta.get("val")))
-        leaves = [a for a in torch.utils._pytree.tree_leaves(fake_args)
-                  if isinstance(a, torch.Tensor)]
-        mode = torch._guards.detect_fake_mode(leaves) if leaves else None
-        fn = node.target if node.op == "call_function" else getattr(torch.Tensor, node.target)
-        args, kwargs = fake_args
-        if mode is not None:
-            with mode:
-                node.meta["example_value"] = fn(*args, **kwargs)
-        else:
-            node.meta["example_value"] = fn(*args, **kwargs)
-    except Exception:  # meta is advisory: AOTAutograd re-traces from the inputs
-        pass
