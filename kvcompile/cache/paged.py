@@ -240,21 +240,22 @@ class PagedTensor:
                 # the scale grows (by a power of two): the earlier tokens of those heads are
                 # re-encoded under it, as _write_grouped does (same decode and encode)
                 fresh = torch.where(had, grow_page_scale(s_old, cover), fresh)
-                self._reencode(self.data[p, :, :o], s_old, fresh, grow)
+                earlier = self.data[p, :, :o]                                 # [H, o, D] view
+                earlier.view(torch.uint8).copy_(
+                    self._reencoded(earlier, s_old, fresh, grow[:, None, None]))
             else:
                 fresh = torch.where(had, s_old, fresh)
         self.data[p, :, o] = fp8_encode(x, fresh[:, None], fmt.storage_dtype)
         self.scale[p] = fresh
         return True
 
-    def _reencode(self, codes: torch.Tensor, s_old: torch.Tensor, s_new: torch.Tensor,
-                  which: torch.Tensor) -> None:
-        """fp8 codes [..., H, t, D] (a view into data) of the groups `which` [..., H]:
-        decoded under s_old [..., H] and encoded under s_new, in place; others kept."""
+    def _reencoded(self, codes: torch.Tensor, s_old: torch.Tensor, s_new: torch.Tensor,
+                   take: torch.Tensor) -> torch.Tensor:
+        """fp8 codes [..., H, t, D] as uint8, those where `take` (broadcast to them) decoded
+        under s_old [..., H] and encoded under s_new (as _write_grouped does), others kept."""
         re = fp8_encode(fp8_decode(codes, s_old[..., None, None]), s_new[..., None, None],
                         self.fmt.storage_dtype)
-        u = codes.view(torch.uint8)
-        u.copy_(torch.where(which[..., None, None], re.view(torch.uint8), u))
+        return torch.where(take, re.view(torch.uint8), codes.view(torch.uint8))
 
     # fp8 codes whose low 7 bits minus 1 fall below this are finite and non-zero
     _FP8_FINITE = {torch.float8_e4m3fn: 0x7E, torch.float8_e5m2: 0x7B}
@@ -283,11 +284,8 @@ class PagedTensor:
         if bool(grow.any()):
             s_new = torch.where(had, grow_page_scale(s_old, cover), fresh)
             codes = self.data[page]                                    # [T, H, P, D], a copy
-            re = fp8_encode(fp8_decode(codes, s_old[..., None, None]), s_new[..., None, None],
-                            self.fmt.storage_dtype)
             take = before & grow[:, :, None, None]          # earlier tokens of grown groups
-            self.data[page] = torch.where(take, re.view(torch.uint8),
-                                          codes.view(torch.uint8)).view(codes.dtype)
+            self.data[page] = self._reencoded(codes, s_old, s_new, take).view(codes.dtype)
         else:
             s_new = torch.where(had, s_old, fresh)
         self.scale[page] = s_new

@@ -4,6 +4,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tests.passes.research import FusedQKV
+
 
 class StaticCacheAttention(nn.Module):
     """gpt-fast style: k_cache / v_cache buffers written with index_put, then SDPA."""
@@ -55,15 +57,9 @@ def not_a_module():
     return 42
 
 
-class DistanceAttention(torch.nn.Module):
+class DistanceAttention(FusedQKV):
     """Softmax over negative query-key distances (torch.cdist), not over q . k: attention-like,
     but no pattern matches it (a near miss at the scores)."""
-
-    def __init__(self, dim=64, n_head=4):
-        super().__init__()
-        self.h, self.hd = n_head, dim // n_head
-        self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
-        self.wo = torch.nn.Linear(dim, dim, bias=False)
 
     def forward(self, x, start_pos: int = 0):
         B, T, C = x.shape

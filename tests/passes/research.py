@@ -41,14 +41,18 @@ class SliceCacheAttention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, T, C))
 
 
-class EinsumAttention(nn.Module):
-    """Attention by torch.einsum over a [B, T, H, D] layout, causal mask by triu."""
+class FusedQKV(nn.Module):
+    """A block with one fused q/k/v projection (`qkv`) and an output projection (`wo`)."""
 
-    def __init__(self, dim=64, n_head=4):
+    def __init__(self, dim=64, n_head=4, **_):
         super().__init__()
         self.h, self.hd = n_head, dim // n_head
         self.qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.wo = nn.Linear(dim, dim, bias=False)
+
+
+class EinsumAttention(FusedQKV):
+    """Attention by torch.einsum over a [B, T, H, D] layout, causal mask by triu."""
 
     def forward(self, x, start_pos: int = 0):
         B, T, C = x.shape
@@ -244,14 +248,8 @@ class LatentCacheAttention(nn.Module):
 
 # --- look-alikes: a softmax between two products that is not attention over a cache ---------
 
-class LinearAttentionLike(nn.Module):
+class LinearAttentionLike(FusedQKV):
     """softmax over a k·vᵀ summary (contracted over time), then q·summary: not q·kᵀ."""
-
-    def __init__(self, dim=64, n_head=4, **_):
-        super().__init__()
-        self.h, self.hd = n_head, dim // n_head
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.wo = nn.Linear(dim, dim, bias=False)
 
     def forward(self, x, start_pos: int = 0):
         B, T, C = x.shape
