@@ -19,6 +19,9 @@ Rows (each in its own process: the driver spawns them and prints one table):
                    pool sized by max_kv_bytes for exactly the workload; prefill chunked
                    automatically (integrations/hf_prefill.py) when it would not fit
   bf16_whole / fp8_e4m3_whole  the same, automatic chunking off (one prefill forward)
+  *_stored         the same, KVConfig(prefill_attends="stored"): a fresh prompt attends to the
+                   pages just written, not to its K/V as computed (the default, "fresh")
+The `fresh` column counts attention calls that took the fresh-prompt SDPA path.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ if ROOT not in sys.path:
 
 GIB = 1 << 30
 ROWS = ("mask_analysis", "hf_static", "fp8_e4m3", "bf16", "fp4_e2m1", "hf_dynamic", "bf16_whole",
-        "fp8_e4m3_whole")
+        "fp8_e4m3_whole", "fp8_e4m3_stored", "bf16_stored", "fp4_e2m1_stored")
 DEFAULT_ROWS = "mask_analysis,hf_static,fp8_e4m3,bf16,fp4_e2m1,bf16_whole"
 
 
@@ -174,7 +177,7 @@ def run_row(args) -> dict:
         if fmt == "hf_static":
             kw["cache_implementation"] = "static"
     else:
-        kv_dtype = fmt.removesuffix("_whole")
+        kv_dtype = fmt.removesuffix("_whole").removesuffix("_stored")
         if fmt.endswith("_whole"):
             hf_prefill.prefill_activation_budget = lambda device, state: None  # one forward
         elif args.smoke:  # the CPU has no device budget: one that splits the prompt in 3
@@ -184,6 +187,7 @@ def run_row(args) -> dict:
                 lambda device, state: args.batch * (args.prompt // 3) * per_token)
         kvcompile.compile(model, kvcompile.KVConfig(
             kv_dtype=kv_dtype, max_kv_bytes=kv_bytes_for(args, cfg, kv_dtype),
+            prefill_attends="stored" if fmt.endswith("_stored") else "fresh",
             inner="eager" if args.smoke else "inductor",
             kernels="reference" if args.smoke else "auto"))
         row["kv_bytes_gib"] = kv_bytes_for(args, cfg, kv_dtype) / GIB
@@ -227,6 +231,7 @@ def run_row(args) -> dict:
         row["chunks"] = "+".join(str(n) for n in forwards) or "-"
         row["reference_fallbacks"] = st.get("reference_fallback", 0)
         row["prefill_triton"] = st.get("prefill_triton", 0)
+        row["prefill_fresh"] = st.get("prefill_fresh_sdpa", 0)
         row["pool_gib"] = st.get("bytes_total", 0) / GIB
         row["graphs"] = st.get("graphs")
         row["sites_left_alone"] = st.get("attention_skipped", 0)
@@ -312,7 +317,8 @@ def table(rows: list[dict]) -> str:
     static = next((r.get("peak_gib") for r in rows if r["row"] == "hf_static"), None)
     ttft0 = next((r.get("ttft_s") for r in rows if r["row"] == "hf_static"), None)
     head = (f"{'row':16s} {'peak GiB':>9s} {'vs static':>9s} {'TTFT s':>7s} {'vs static':>9s} "
-            f"{'weights':>7s} {'pool':>6s} {'chunks (tokens/row)':22s} {'ref':>4s} note")
+            f"{'weights':>7s} {'pool':>6s} {'chunks (tokens/row)':22s} {'ref':>4s} "
+            f"{'fresh':>5s} note")
     out = [head, "-" * len(head)]
 
     def f(r, key, fmt="{:.2f}"):
@@ -328,7 +334,7 @@ def table(rows: list[dict]) -> str:
                    f"{f(r, 'ttft_s', '{:.3f}'):>7s} {trel:>9s} {f(r, 'weights_gib'):>7s} "
                    f"{f(r, 'pool_gib'):>6s} "
                    f"{str(r.get('chunks', '-')):22s} {str(r.get('reference_fallbacks', '-')):>4s}"
-                   f" {r.get('error', '')}")
+                   f" {str(r.get('prefill_fresh', '-')):>5s} {r.get('error', '')}")
     for r in rows:
         for gib, n, site in r.get("peak_live", []):
             out.append(f"  {r['row']} at peak: {gib:8.3f} GiB {n:5d} blocks  {site}")

@@ -25,6 +25,12 @@ job() {   # job NAME -> "LIMIT COMMAND"
     nan)            echo "${NAN_LIMIT:-240} python3 benchmarks/gpu_check_nan.py ${NAN_KINDS:-}" ;;
     dense)          echo "60 python3 benchmarks/gpu_check_dense.py" ;;
     prefill_memory) echo "${PM_BUDGET:-540} python3 benchmarks/bench_prefill_memory.py --budget-s $(( ${PM_BUDGET:-540} - 15 )) --rows ${PM_ROWS:-mask_analysis,hf_static,fp8_e4m3,bf16,fp4_e2m1,bf16_whole} --json $OUT/prefill_memory.json ${PM_ARGS:-}" ;;
+    pm32k)          echo "${PM_BUDGET:-400} python3 benchmarks/bench_prefill_memory.py --budget-s $(( ${PM_BUDGET:-400} - 15 )) --rows ${PM_ROWS:-hf_static,fp8_e4m3,bf16,fp4_e2m1} --json $OUT/pm32k.json" ;;
+    ttft4k)         echo "${TT_BUDGET:-240} python3 benchmarks/bench_prefill_memory.py --batch 16 --prompt 4096 --budget-s $(( ${TT_BUDGET:-240} - 10 )) --rows ${TT_ROWS:-hf_static,fp8_e4m3,fp8_e4m3_stored,bf16,fp4_e2m1} --json $OUT/ttft4k.json" ;;
+    ttft32k1)       echo "${TT1_BUDGET:-200} python3 benchmarks/bench_prefill_memory.py --batch 1 --prompt 32768 --budget-s $(( ${TT1_BUDGET:-200} - 10 )) --rows ${TT1_ROWS:-hf_static,fp8_e4m3,bf16} --json $OUT/ttft32k1.json" ;;
+    e2e)            echo "${E2E_LIMIT:-240} python3 benchmarks/gpu_check_e2e.py --quick" ;;
+    hf_graphs)      echo "${HG_LIMIT:-150} python3 benchmarks/gpu_check_hf_graphs.py" ;;
+    prefill_check)  echo "${PC_LIMIT:-220} python3 benchmarks/gpu_check_prefill.py --quick --shards 16 --budget $(( ${PC_LIMIT:-220} - 20 ))" ;;
     *)              echo "" ;;
   esac
 }

@@ -37,6 +37,9 @@ RESERVE_POLICIES = ("auto", "grow", "upfront")
 # Prefill attention over the pages: "triton" (the chunked-prefill kernel), "sdpa" (gather the
 # pages, torch SDPA: exact for every format); "auto": triton on CUDA, sdpa elsewhere.
 PREFILL_CHOICES = ("auto", "triton", "sdpa")
+# What a fresh prompt's prefill attends to: "fresh" (its K/V as computed, torch SDPA; the pages
+# are written for the decode steps) or "stored" (the pages, as every later step does).
+PREFILL_ATTENDS = ("fresh", "stored")
 
 # Fields that `configure` may override per module; the rest are global to the pool.
 PER_MODULE_FIELDS = (
@@ -224,6 +227,11 @@ class KVConfig:
         it has not been run on a GPU (see kernels/decode.py CUDA_DECODE_DEFAULT).
     residual: keep a sequence's last, partly filled page in bf16 until it fills (int4/int2).
     enabled: False leaves attention sites untouched (useful per module through `configure`).
+    prefill_attends: what a fresh prompt's prefill (nothing of any row cached yet) attends to:
+        "fresh" (the default) its K/V as the model computed them, through torch SDPA (flash /
+        cuDNN on CUDA), as the model's own path and vLLM do; "stored": the pages just written
+        (quantized), as every later step does. The pages are written either way; padded
+        batches, windows shorter than the prompt, softcaps and eviction take the paged path.
 
     Run-time switches, whose defaults the environment sets:
     cuda_graphs: replay decode steps from CUDA graphs where they can be (the Engine's,
@@ -258,6 +266,7 @@ class KVConfig:
     kernels: str = "auto"
     residual: bool = False
     enabled: bool = True
+    prefill_attends: str = "fresh"
     # run-time switches: their defaults come from the environment (see the docstring)
     cuda_graphs: bool = _env_field(_cuda_graphs_default)
     prefill: str = _env_field(_prefill_default)
@@ -305,6 +314,9 @@ class KVConfig:
             raise KVConfigError("inner", self.inner, ", ".join(repr(b) for b in INNER_BACKENDS))
         if self.kernels not in KERNEL_CHOICES:
             raise KVConfigError("kernels", self.kernels, ", ".join(repr(k) for k in KERNEL_CHOICES))
+        if self.prefill_attends not in PREFILL_ATTENDS:
+            raise KVConfigError("prefill_attends", self.prefill_attends,
+                                ", ".join(map(repr, PREFILL_ATTENDS)))
         if self.prefill not in PREFILL_CHOICES:
             raise KVConfigError("prefill", self.prefill, ", ".join(map(repr, PREFILL_CHOICES)))
         for name in ("check_finite", "residual", "enabled", "cuda_graphs", "prefill_tma",

@@ -39,6 +39,85 @@ class MaskInfo:
     reason: str = ""                # why the mask is not exact (for the fallback's message)
 
 
+class AndMask:
+    """`a & b` of two bool masks that broadcast together ([1, 1, S, L] causality / window and
+    [B, 1, 1, L] padding, as the rewrite splits HF's mask), never built whole: indexing ANDs
+    the same block of both, so the analysis below reads it in O(B x L) plus one block."""
+
+    dtype = torch.bool
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor):
+        if a.dtype != torch.bool or b.dtype != torch.bool:
+            raise TypeError(f"AndMask takes bool masks, got {a.dtype} and {b.dtype}")
+        while a.dim() < 4:
+            a = a.unsqueeze(0)
+        while b.dim() < 4:
+            b = b.unsqueeze(0)
+        self.shape = torch.broadcast_shapes(a.shape, b.shape)
+        self.a, self.b = a, b
+        self.device = a.device
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def key(self) -> tuple:
+        return (self.a.data_ptr(), tuple(self.a.shape), self.b.data_ptr(), tuple(self.b.shape))
+
+    def expand(self, *shape) -> "AndMask":
+        out = AndMask.__new__(AndMask)
+        out.a, out.b = self.a.expand(*shape), self.b.expand(*shape)
+        out.shape, out.device = out.a.shape, self.device
+        return out
+
+    def slice_keys(self, n: int) -> "AndMask":
+        """The first n key columns (a view of each part)."""
+        out = AndMask.__new__(AndMask)
+        out.a = self.a[..., :n] if self.a.shape[-1] != 1 else self.a
+        out.b = self.b[..., :n] if self.b.shape[-1] != 1 else self.b
+        out.shape, out.device = torch.Size((*self.shape[:-1], n)), self.device
+        return out
+
+    def __getitem__(self, idx):
+        a, b = self.a, self.b
+        if a.shape != self.shape:
+            a = a.expand(self.shape)
+        if b.shape != self.shape:
+            b = b.expand(self.shape)
+        return a[idx] & b[idx]
+
+    def materialize(self) -> torch.Tensor:
+        return self.a & self.b
+
+
+def combine(attn_mask, key_mask):
+    """One tensor for `attn_mask & key_mask` (either may be None): for the dense paths."""
+    if key_mask is None:
+        return attn_mask
+    if attn_mask is None:
+        return key_mask
+    return attn_mask & key_mask
+
+
+def dense(plan, mask):
+    """The mask as one tensor, for the paths that apply it as given (the reference, eviction,
+    hooks): an AndMask is built once per forward and kept on the plan, so that every layer
+    reading the same two parts shares it (and a cache keyed by its address cannot see a
+    freed tensor's address reused by another mask)."""
+    if not isinstance(mask, AndMask):
+        return mask
+    key = ("dense_mask",) + mask.key()
+    out = plan.cache.get(key)
+    if out is None:
+        out = plan.cache[key] = mask.materialize()
+    return out
+
+
+def _mask_key(mask) -> tuple:
+    if isinstance(mask, AndMask):
+        return mask.key()
+    return (mask.data_ptr(), tuple(mask.shape))
+
+
 def to_bool(mask: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """(allowed, binary): an additive mask is binary when it holds only 0 and <= -1e4."""
     if mask.dtype == torch.bool:
@@ -58,7 +137,7 @@ def align(allowed: torch.Tensor, total_len: int) -> torch.Tensor:
 
 
 def analyze(plan, attn_mask: torch.Tensor, is_causal: bool, sliding_window: int) -> MaskInfo:
-    key = ("mask", attn_mask.data_ptr(), tuple(attn_mask.shape), is_causal, sliding_window)
+    key = ("mask", _mask_key(attn_mask), is_causal, sliding_window)
     if key in plan.cache:
         return plan.cache[key]
     info = _analyze(plan, attn_mask, is_causal, sliding_window)
@@ -72,6 +151,10 @@ def _view4(attn_mask: torch.Tensor, B: int, S: int, total: int) -> tuple[torch.T
     Lc = min(Lm, total): columns past the sequence are dropped (StaticCache), a shorter mask's
     columns are the last Lc positions. A head dim broadcast by stride 0 becomes H = 1."""
     m = attn_mask
+    if isinstance(m, AndMask):
+        m = m.expand(B, m.shape[1], S, m.shape[-1])
+        lc = min(m.shape[-1], total)
+        return (m if lc == m.shape[-1] else m.slice_keys(lc)), total - lc
     while m.dim() < 4:
         m = m.unsqueeze(0)
     m = m.expand(B, m.shape[1], S, m.shape[-1])
@@ -90,7 +173,7 @@ def _key_row(m: torch.Tensor, off: int) -> torch.Tensor:
     row = _allowed(m[:, 0, -1])                                          # [B, Lc]
     if off:
         row = torch.cat([row.new_zeros(row.shape[0], off), row], dim=-1)
-    return row
+    return row.contiguous()   # kernels index it [b * L + j]: a broadcast row has stride 0
 
 
 def _rows_per_block(m: torch.Tensor) -> int:
@@ -129,6 +212,8 @@ def _decode_info(plan, m, off) -> MaskInfo:
     mask needs to reach the host for a bool mask (no sync per step); kv_start stays the
     binding's. A per-head or non-binary (bias) mask has no key row: the reference applies it."""
     B = m.shape[0]
+    if isinstance(m, AndMask):
+        m = m.materialize()                                              # one row per batch row
     allowed = _allowed(m)                                                # [B, H, 1, Lc]
     if m.dtype != torch.bool and not bool(((m == 0) | (m <= _MASKED)).all()):
         return MaskInfo(None, [0] * B, 0, False, "additive mask that is not 0 / -inf (a bias)")

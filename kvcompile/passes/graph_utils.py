@@ -172,7 +172,11 @@ def set_meta(node: fx.Node, like: fx.Node) -> None:
             "example_value", n.meta.get("val")))
         leaves = [a for a in torch.utils._pytree.tree_leaves(fake_args)
                   if isinstance(a, torch.Tensor)]
-        mode = torch._guards.detect_fake_mode(leaves) if leaves else None
+        # the inputs' own mode: detect_fake_mode prefers the tracing context's, which is not
+        # always the one Dynamo recorded the example values in
+        mode = next((a.fake_mode for a in leaves if hasattr(a, "fake_mode")), None)
+        if mode is None and leaves:
+            mode = torch._guards.detect_fake_mode(leaves)
         fn = node.target if node.op == "call_function" else getattr(torch.Tensor, node.target)
         args, kwargs = fake_args
         if mode is not None:

@@ -20,6 +20,14 @@ Looked through: expands, slices that keep the shape (older transformers cut the 
 keys' length, `mask[:, :, :, :L]`, also when it has that length: inductor copies such a view
 for each op too), and basic slicing of an expand: the slice moves onto the smaller tensor, a
 broadcast dim left whole. A mask whose values a later op changes is taken as it is.
+
+Split: transformers (5.17 always, later versions with padding) computes the mask as an AND of
+index comparisons: `(kv_idx <= q_idx)` [1, 1, S, L] & `attention_mask[b, kv_idx]` [B, 1, 1, L].
+The AND is [B, 1, S, L] however it is spelled (8 GiB at B16 x 16k x 32k). When every leaf of
+the mask's AND tree is either shared by the batch ([1, H|1, S|1, L]) or a per-row key mask
+([B, 1, 1, L]), the op gets the two ANDs of each kind (`attn_mask` and `key_mask`), and nothing
+[B, S, L] is built: kernels/masks.py reads the pair block by block. A leaf of any other shape
+(per-row and per-query, as packed documents are) keeps the mask whole.
 """
 
 from __future__ import annotations
@@ -33,6 +41,12 @@ from kvcompile.passes.graph_utils import ndim, set_meta, val
 
 _ATTENTION = "kvcompile.attention"
 _MASK_ARG = 3   # attention(q, k, v, attn_mask, positions, ...)
+_KEY_MASK_ARG = 11   # ..., tag, key_mask)
+
+_AND_FUNCTIONS = (operator.and_, operator.iand, torch.bitwise_and, torch.logical_and,
+                  torch.ops.aten.bitwise_and.Tensor, torch.ops.aten.logical_and.default)
+_AND_METHODS = ("__and__", "__iand__", "bitwise_and", "logical_and", "bitwise_and_",
+                "logical_and_")
 
 
 def _is_attention(node: fx.Node) -> bool:
@@ -109,10 +123,120 @@ def _noop_slice(node: fx.Node) -> fx.Node | None:
     return node.args[0]
 
 
+def _is_and(node) -> bool:
+    if not isinstance(node, fx.Node) or len(node.args) != 2 or node.kwargs:
+        return False
+    if node.op == "call_method":
+        return node.target in _AND_METHODS
+    return node.op == "call_function" and node.target in _AND_FUNCTIONS
+
+
+def _and_leaves(node: fx.Node, out: list) -> bool:
+    """Collect the leaves of `node`'s AND tree into out; False when a leaf is not a bool
+    tensor node (a Python bool, an int mask)."""
+    if _is_and(node):
+        return all(_and_leaves(a, out) for a in node.args)
+    v = val(node)
+    if v is None or v.dtype != torch.bool:
+        return False
+    out.append(node)
+    return True
+
+
+def _is_one(n) -> bool:
+    return isinstance(n, int) and n == 1
+
+
+def _split(mask: fx.Node):
+    """(shared leaves, key leaves) when mask is an AND of batch-shared and per-row key masks
+    (see the module docstring), else None."""
+    big = val(mask)
+    if big is None or big.dim() != 4 or big.dtype != torch.bool or _is_one(big.shape[0]):
+        return None
+    leaves: list = []
+    if not _is_and(mask) or not _and_leaves(mask, leaves):
+        return None
+    shared, keys = [], []
+    for leaf in leaves:
+        shp = (1,) * (4 - val(leaf).dim()) + tuple(val(leaf).shape)
+        if len(shp) != 4:
+            return None
+        if _is_one(shp[0]):
+            shared.append((leaf, shp))
+        elif _is_one(shp[1]) and _is_one(shp[2]):
+            keys.append((leaf, shp))
+        else:
+            return None    # per-row and per-query: keep the mask whole
+    if not keys or not any(not _is_one(shp[2]) for _, shp in shared):
+        return None        # the AND is already O(B x L) or O(S x L): nothing to gain
+    return [n for n, _ in shared], [n for n, _ in keys]
+
+
+def _and_chain(graph: fx.Graph, leaves: list, before: fx.Node, built: dict) -> fx.Node:
+    """The AND of leaves, 4-d; one node per set of leaves for the whole graph (every layer
+    reads the same mask: one buffer, not one per op)."""
+    key = tuple(leaves)
+    if key in built:
+        return built[key]
+    out = leaves[0]
+    for leaf in leaves[1:]:
+        with graph.inserting_before(before):
+            node = graph.call_function(operator.and_, (out, leaf))
+        set_meta(node, leaf)
+        out = node
+    n = ndim(out)
+    if n is not None and n < 4:   # the op takes masks 4-d, dim 0 the batch
+        with graph.inserting_before(before):
+            node = graph.call_function(operator.getitem, (out, (None,) * (4 - n)))
+        set_meta(node, out)
+        out = node
+    built[key] = out
+    return out
+
+
+def split_masks(graph: fx.Graph) -> int:
+    """Give every attention op whose mask is such an AND its two parts; how many were split.
+    (The AND nodes left without users are dropped.)"""
+    changed, built = 0, {}
+    for node in list(graph.nodes):
+        if not _is_attention(node) or len(node.args) <= _MASK_ARG or len(node.args) > 11:
+            continue
+        mask = node.args[_MASK_ARG]
+        if not isinstance(mask, fx.Node):
+            continue
+        inner = mask
+        while _is_expand(inner) and isinstance(inner.args[0], fx.Node):
+            inner = inner.args[0]
+        found = _split(inner)
+        if found is None:
+            continue
+        shared, keys = found
+        args = list(node.args) + [None] * (_KEY_MASK_ARG + 1 - len(node.args))
+        args[_MASK_ARG] = _and_chain(graph, shared, node, built)
+        args[_KEY_MASK_ARG] = _and_chain(graph, keys, node, built)
+        node.args = tuple(args)
+        changed += 1
+        _drop_unused(graph, mask)
+    return changed
+
+
+def _drop_unused(graph: fx.Graph, node) -> None:
+    """Erase node and the expand / AND nodes under it that no longer have users."""
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if not isinstance(n, fx.Node) or n.users or not (_is_and(n) or _is_expand(n)):
+            continue
+        inputs = list(n.all_input_nodes)
+        graph.erase_node(n)
+        todo.extend(inputs)
+
+
 def unexpand_masks(graph: fx.Graph) -> int:
-    """Give every attention op its mask before the batch broadcast; how many were changed.
-    (The expand nodes left without users are dropped by the rewrite's dead-code pass.)"""
-    changed = 0
+    """Give every attention op its mask before the batch broadcast, split in two parts where
+    it is an AND of shared and per-row parts; how many were changed. (The expand nodes left
+    without users are dropped by the rewrite's dead-code pass.)"""
+    changed = split_masks(graph)
     for node in list(graph.nodes):
         if not _is_attention(node) or len(node.args) <= _MASK_ARG:
             continue

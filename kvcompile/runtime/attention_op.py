@@ -1,8 +1,19 @@
 """`torch.ops.kvcompile.attention`: the one op the rewrite pass inserts for attention.
 
     out = torch.ops.kvcompile.attention(q, k, v, attn_mask, positions, layer, scale, is_causal,
-                                        sliding_window, softcap, tag)
+                                        sliding_window, softcap, tag, key_mask=None)
     # q: [B, Hq, S, D]  k: [B, Hkv, S, D]  v: [B, Hkv, S, Dv]  ->  out: [B, Hq, S, Dv]
+
+The mask is `attn_mask & key_mask` when the rewrite found the model's mask to be an AND of a
+part shared by the batch ([1, 1, S, L]: causality, a window) and a per-row key part ([B, 1, 1,
+L]: padding), passes/mask_inputs.py: the [B, 1, S, L] product is never built (kernels/masks.py
+reads the two block by block; only a dense fallback materializes it, once per forward).
+
+Layout: the op is tagged `flexible_layout`: inductor hands it its inputs as they are realized,
+without a copy to the strides the FX graph recorded. With the default constraint inductor
+copies an unrealized input (the model's mask is one: a pointwise of aranges and the 2-d mask)
+once per op that reads it, one [B, 1, S, L] buffer per layer alive together (six 8 GiB masks
+in the B16 x 32k prefill on the H200). The op accepts any strides.
 
 With a forward context (runtime/context.py) the new k/v are written into the pool in the
 layer's format, then q attends over the sequence's tokens as stored; who attends is decided by
@@ -37,20 +48,25 @@ from kvcompile.runtime import context as _context
 from kvcompile.runtime import dispatch
 
 
-@torch.library.custom_op("kvcompile::attention", mutates_args=())
+@torch.library.custom_op("kvcompile::attention", mutates_args=(),
+                         tags=(torch.Tag.flexible_layout,))
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               attn_mask: torch.Tensor | None, positions: torch.Tensor | None, layer: str,
               scale: float, is_causal: bool, sliding_window: int, softcap: float,
-              tag: str) -> torch.Tensor:
+              tag: str, key_mask: torch.Tensor | None = None) -> torch.Tensor:
     ctx = _context.current()
     if ctx is None or ctx.binding is None and ctx.plan is None:
-        return dense_attention(q, k, v, attn_mask, scale, is_causal, sliding_window, softcap)
+        return dense_attention(q, k, v, masks.combine(attn_mask, key_mask), scale, is_causal,
+                               sliding_window, softcap)
+    if key_mask is not None:
+        attn_mask = key_mask if attn_mask is None else masks.AndMask(attn_mask, key_mask)
     return _cached_attention(ctx, q, k, v, attn_mask, positions, layer, scale, is_causal,
                              sliding_window, softcap)
 
 
 @attention.register_fake
-def _(q, k, v, attn_mask, positions, layer, scale, is_causal, sliding_window, softcap, tag):
+def _(q, k, v, attn_mask, positions, layer, scale, is_causal, sliding_window, softcap, tag,
+      key_mask=None):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
@@ -93,7 +109,7 @@ def _cached_attention(ctx, q, k, v, attn_mask, positions, layer, scale, is_causa
     for hook in state.hooks:
         extras.update(hook.attention_extras(ctx, li))
     out = dispatch.attend(ctx, li, q, plan, mask_info, attn_mask, is_causal, sliding_window,
-                          softcap, scale, extras)
+                          softcap, scale, extras, fresh=(k, v))
     for hook in state.hooks:
         hook.after_attention(ctx, li, q, out, extras)
     # the fake promises a contiguous [B, Hq, S, Dv]; inductor asserts the strides it was told

@@ -26,37 +26,82 @@ import weakref
 import torch
 
 from kvcompile.errors import UnsupportedShapeError
-from kvcompile.kernels.dense import paged_reference_attention
+from kvcompile.kernels import masks
+from kvcompile.kernels.dense import paged_reference_attention, sdpa_attention
+from kvcompile.runtime.hooks import RuntimeHook
 from kvcompile.runtime.kernel_formats import kernel_readable
 
 log = logging.getLogger("kvcompile")
 
 
 def attend(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, window, softcap, scale,
-           extras: dict):
+           extras: dict, fresh=None):
     """Attention of layer `layer` over the pages of the plan's sequences (the new K/V are
-    already written): out [B, Hq, S, Dv] (fp32 or q's dtype). See the module docstring."""
+    already written): out [B, Hq, S, Dv] (fp32 or q's dtype). See the module docstring.
+    fresh: (k, v) [B, Hkv, S, D] as the model computed them, for a fresh prompt's prefill
+    (`_fresh_prefill`)."""
     state = ctx.state
     ev = state.eviction
+    # attn_mask may be a masks.AndMask (two parts never multiplied out): the kernels take the
+    # structure in mask_info; the paths that apply a mask as given get it built (once per
+    # forward, masks.dense)
     if ev is not None:
-        out = ev.attend_kept(ctx, layer, q, plan, attn_mask, is_causal, window, softcap, scale,
-                             extras)
+        out = ev.attend_kept(ctx, layer, q, plan, masks.dense(plan, attn_mask), is_causal,
+                             window, softcap, scale, extras)
         if out is not None:
             return out
     for hook in state.hooks:
-        out = hook.attend(ctx, layer, q, plan, attn_mask, is_causal, window, softcap, scale,
-                          extras)
+        if type(hook).attend is RuntimeHook.attend:
+            continue
+        out = hook.attend(ctx, layer, q, plan, masks.dense(plan, attn_mask), is_causal, window,
+                          softcap, scale, extras)
         if out is not None:
             return out
-    out = _packed_decode(state, layer, q, plan, window, softcap, scale, extras)
+    out = _fresh_prefill(state, q, fresh, plan, mask_info, attn_mask, is_causal, window,
+                         softcap, scale, extras)
+    if out is None:
+        out = _packed_decode(state, layer, q, plan, window, softcap, scale, extras)
     if out is None:
         out = state.kernels.attend(layer, q, plan, mask_info, attn_mask, is_causal, window,
                                    softcap, scale, extras)
     if out is None:
         pool = state.pool
-        out = paged_reference_attention(pool.k[layer], pool.v[layer], q, plan, attn_mask,
-                                        is_causal, window, softcap, scale)
+        out = paged_reference_attention(pool.k[layer], pool.v[layer], q, plan,
+                                        masks.dense(plan, attn_mask), is_causal, window,
+                                        softcap, scale)
     return out
+
+
+def _fresh_prefill(state, q, fresh, plan, mask_info, attn_mask, is_causal, window, softcap,
+                   scale, extras):
+    """A fresh prompt's prefill (no token of any row cached before this forward) attends to its
+    K/V as the model computed them, with torch SDPA (flash / cuDNN on CUDA: faster than the
+    paged kernels, and no gather of the pages just written), as the model's own path and
+    vLLM's do; the pages are written all the same, for the decode steps.
+    KVConfig(prefill_attends="stored") attends to the stored (quantized) pages instead.
+
+    Taken for causal (or unmasked) attention without padding, window or softcap, where SDPA
+    needs no [B, S, L] mask; anything else (left padding, a window shorter than the prompt, a
+    custom mask, eviction, which scores the prompt's attention) goes to the paged paths.
+    -> [B, Hq, S, Dv] in compute_dtype(q.dtype), or None."""
+    if (fresh is None or state.config.prefill_attends != "fresh" or plan.packed
+            or plan.is_decode or q.shape[2] < 2 or max(plan.past_lens) != 0
+            or state.eviction is not None or softcap or extras):
+        return None
+    S = q.shape[2]
+    if window and window < S:
+        return None
+    if attn_mask is not None:
+        if mask_info is None or not mask_info.exact or any(mask_info.kv_start):
+            return None
+        if mask_info.window and mask_info.window < S:
+            return None
+        causal = True
+    else:
+        causal = bool(is_causal)
+    k, v = fresh
+    state.count("prefill_fresh_sdpa")
+    return sdpa_attention(q, k, v, None, None, scale, causal)
 
 
 def prefill_mode(config, q: torch.Tensor) -> str:

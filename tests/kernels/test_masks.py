@@ -233,3 +233,56 @@ def test_token_keep_spans_chunks():
     plan.kv_start = [0, 20, 16]
     keep = masks.token_keep(plan, torch.device("cpu")).reshape(3, 8)
     assert keep[0].all() and not keep[1, :4].any() and keep[1, 4:].all() and keep[2].all()
+
+
+# --- the split mask (causal part x key part, never multiplied out) ------------------------------
+
+def _split(pads, S, total, window=0, kv_len=None):
+    """HF's mask as the rewrite hands it to the op: [1, 1, S, Lk] causality (+ window) and
+    [B, 1, 1, Lk] padding, whose AND is hf_mask."""
+    kv_len = kv_len or total
+    shared = hf_mask([0], S, total, window, kv_len)                     # [1, 1, S, Lk]
+    key = torch.zeros(len(pads), 1, 1, kv_len, dtype=torch.bool)
+    key[..., :total] = _pad2d(pads, total).bool()[:, None, None]
+    key[..., total:] = True
+    return shared, key
+
+
+@pytest.mark.parametrize("pads,S,total,window,kv_len", CASES)
+def test_split_mask_reads_as_the_whole(pads, S, total, window, kv_len):
+    shared, key = _split(pads, S, total, window, kv_len)
+    whole = shared & key
+    assert torch.equal(whole, hf_mask(pads, S, total, window, kv_len))
+    got = masks.analyze(_plan(len(pads), S, total), masks.AndMask(shared, key), True, 0)
+    want = masks.analyze(_plan(len(pads), S, total), whole, True, 0)
+    assert (got.exact, got.kv_start, got.window) == (want.exact, want.kv_start, want.window)
+    assert torch.equal(got.key_mask, want.key_mask) and got.key_mask.is_contiguous()
+    plan = _plan(len(pads), S, total)
+    assert torch.equal(masks.dense(plan, masks.AndMask(shared, key)), whole)
+
+
+def test_split_mask_with_a_hole_is_not_exact(small_blocks):
+    shared, key = _split([0, 3], 24, 24)
+    shared = shared.clone()
+    shared[0, 0, 20, 5] = False
+    info = masks.analyze(_plan(2, 24, 24), masks.AndMask(shared, key), True, 0)
+    assert not info.exact
+
+
+def test_split_mask_decode_rows():
+    shared, key = _split([2, 0, 5], 1, 30)
+    info = masks.analyze(_plan(3, 1, 30), masks.AndMask(shared, key), True, 0)
+    assert torch.equal(info.key_mask, (shared & key)[:, 0, -1])
+
+
+def test_split_mask_analysis_memory_is_o_b_l(monkeypatch):
+    """B=4, S=L=4096 split: the analysis holds O(B x L) plus one block, and never the
+    [B, 1, S, L] product (64 MiB here)."""
+    B, S = 4, 4096
+    shared, key = _split([0, 1000, 7, 4095], S, S, window=1024)
+    monkeypatch.setattr(masks, "BLOCK_ELEMENTS", 16 * B * S)
+    info, peak = peak_bytes(lambda: masks.analyze(_plan(B, S, S), masks.AndMask(shared, key),
+                                                  True, 0))
+    assert info.exact and info.kv_start == [0, 1000, 7, 4095] and info.window == 1024
+    bound = 4 * 16 * B * S + 64 * B * S
+    assert peak <= bound, f"analysis peak {peak / 2**20:.1f} MiB > {bound / 2**20:.1f} MiB"

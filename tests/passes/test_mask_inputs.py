@@ -25,9 +25,12 @@ def _masks_seen(monkeypatch):
         for n in gm.graph.nodes:
             if n.op == "call_function" and "kvcompile.attention" in str(n.target):
                 m = n.args[3]
+                km = n.args[11] if len(n.args) > 11 else None
                 if isinstance(m, fx.Node):
                     v = m.meta.get("example_value", m.meta.get("val"))
-                    seen.append((m.target, tuple(v.shape) if v is not None else None))
+                    kv = None if km is None else km.meta.get("example_value")
+                    seen.append((m.target, tuple(v.shape) if v is not None else None,
+                                 None if kv is None else tuple(kv.shape)))
         return real(gm, example_inputs, inner)
 
     monkeypatch.setattr(backend, "compile_inner", spy)
@@ -53,11 +56,15 @@ def test_chunked_prefill_mask_is_not_broadcast_to_the_batch(padded, monkeypatch)
         want = ref.generate(ids, **kw)
         got = model.generate(ids, **kw)
     assert torch.equal(got, want)
-    masked = [(t, s) for t, s in seen if s is not None and len(s) == 4 and s[2] > 1]
+    masked = [x for x in seen if x[1] is not None and len(x[1]) == 4 and x[1][2] > 1]
     assert masked, seen   # chunks after the first attend over a prefix: HF passes a mask
-    for target, shape in masked:
+    for target, shape, key_shape in masked:
         assert target not in ("expand", torch.Tensor.expand), (target, shape)
-        assert shape[0] == (B if padded else 1), shape   # no batch broadcast materialized
+        # no [B, 1, S, L] materialized: the shared part [1, 1, S, L], padding (when HF builds
+        # it into the mask) as a [B, 1, 1, L] key mask
+        assert shape[0] == 1, shape
+        if padded:
+            assert key_shape is not None and key_shape[0] == B and key_shape[2] == 1, key_shape
 
 
 def _graph_with(mask_ops, mask_shape=(1, 1, 4, 6)):
@@ -140,3 +147,88 @@ def test_unexpand_drops_a_slice_that_keeps_the_shape():
     g, op, m0 = _graph_with(shorter, (2, 1, 4, 6))
     kept = op.args[3]
     assert unexpand_masks(g) == 0 and op.args[3] is kept
+
+
+# --- the split of an AND of a shared and a per-row part ------------------------------------------
+
+def _and_graph(shapes, B=2):
+    """attention(q, k, v, m0 & m1 & ...) over bool placeholders of the given shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    g = fx.Graph()
+    mode = FakeTensorMode()
+    q, k, v = (g.placeholder(n) for n in "qkv")
+    leaves = [g.placeholder(f"m{i}") for i in range(len(shapes))]
+    with mode:
+        for node in (q, k, v):
+            node.meta["example_value"] = torch.empty(B, 2, 4, 8)
+        for node, shape in zip(leaves, shapes):
+            node.meta["example_value"] = torch.empty(shape, dtype=torch.bool)
+        mask = leaves[0]
+        for leaf in leaves[1:]:
+            n = g.call_function(operator.and_, (mask, leaf))
+            n.meta["example_value"] = mask.meta["example_value"] & leaf.meta["example_value"]
+            mask = n
+    ops = [g.call_function(torch.ops.kvcompile.attention.default,
+                           (q, k, v, mask, None, f"l{i}", 0.5, False, 0, 0.0, "t"))
+           for i in range(2)]
+    g.output(tuple(ops))
+    return g, ops, leaves
+
+
+def _shape(n):
+    return tuple(n.meta["example_value"].shape)
+
+
+def test_split_hands_the_op_a_shared_and_a_key_part():
+    """causal [1, 1, 4, 6] & scalar & padding [2, 1, 1, 6]: two parts, one node each for both
+    ops, the [2, 1, 4, 6] AND gone from the graph; the parts AND to the same values."""
+    g, ops, (causal, one, pad) = _and_graph([(1, 1, 4, 6), (), (2, 1, 1, 6)])
+    assert unexpand_masks(g) == 2
+    shared, key = ops[0].args[3], ops[0].args[11]
+    assert ops[1].args[3] is shared and ops[1].args[11] is key
+    assert _shape(shared) == (1, 1, 4, 6) and key is pad
+    assert not any(n.op == "call_function" and n.target is operator.and_
+                   and _shape(n)[0] == 2 for n in g.nodes)
+    g.lint()
+    c, p = torch.rand(1, 1, 4, 6) > 0.3, torch.rand(2, 1, 1, 6) > 0.3
+    env = {"m0": c, "m1": torch.tensor(True), "m2": p}
+
+    def ev(n):
+        if n.op == "placeholder":
+            return env[n.name]
+        return n.target(*fx.node.map_arg(n.args, ev))
+
+    assert torch.equal(ev(shared) & ev(key), c & True & p)
+
+
+@pytest.mark.parametrize("shapes", [
+    [(1, 1, 4, 6), (2, 1, 4, 6)],      # a per-row, per-query leaf: kept whole
+    [(1, 1, 1, 6), (2, 1, 1, 6)],      # the AND is [2, 1, 1, 6] already: nothing to gain
+    [(1, 1, 4, 6), (1, 1, 4, 6)],      # no per-row part (and no batch in the AND)
+], ids=["per-row-query", "key-only", "shared-only"])
+def test_split_does_not_fire(shapes):
+    g, ops, _ = _and_graph(shapes)
+    before = ops[0].args[3]
+    unexpand_masks(g)
+    assert len(ops[0].args) == 11 and ops[0].args[3] is before
+
+
+def test_split_needs_bool_leaves():
+    """An additive (float) mask is not an AND of bools: left alone."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    g = fx.Graph()
+    q, k, v, a, b = (g.placeholder(n) for n in ("q", "k", "v", "a", "b"))
+    with FakeTensorMode():
+        for node in (q, k, v):
+            node.meta["example_value"] = torch.empty(2, 2, 4, 8)
+        a.meta["example_value"] = torch.empty(1, 1, 4, 6, dtype=torch.int64)
+        b.meta["example_value"] = torch.empty(2, 1, 1, 6, dtype=torch.int64)
+        m = g.call_function(operator.and_, (a, b))
+        m.meta["example_value"] = a.meta["example_value"] & b.meta["example_value"]
+    op = g.call_function(torch.ops.kvcompile.attention.default,
+                         (q, k, v, m, None, "l0", 0.5, False, 0, 0.0, "t"))
+    g.output(op)
+    unexpand_masks(g)
+    assert len(op.args) == 11 and op.args[3] is m

@@ -1,0 +1,72 @@
+"""A fresh prompt's prefill attends to its K/V as computed (runtime/dispatch.py `_fresh_prefill`,
+KVConfig.prefill_attends): with quantized pages its logits are the model's own, the pages are
+written all the same (the decode steps read them), and every case SDPA cannot take without a
+[B, S, L] mask goes to the paged path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcompile
+from kvcompile.errors import KVConfigError
+from tests.engine.tiny import config, make_hf
+
+B, S, NEW = 2, 24, 4
+
+
+def _run(prefill_attends: str, kv_dtype: str = "fp8_e4m3", pad: bool = False, **kw):
+    ref = make_hf("llama", "sdpa")
+    model = make_hf("llama", "sdpa")
+    kvcompile.compile(model, config(kv_dtype=kv_dtype, prefill_attends=prefill_attends, **kw))
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 256, (B, S), generator=g)
+    am = torch.ones_like(ids)
+    if pad:
+        am[1, :5] = 0
+    gen = dict(attention_mask=am, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+               pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        want = ref.generate(ids, **gen)
+        got = model.generate(ids, **gen)
+    return want, got, kvcompile.stats(model)
+
+
+def test_fresh_prefill_logits_are_the_models_own_with_fp8_pages():
+    want, got, st = _run("fresh")
+    assert st.get("prefill_fresh_sdpa", 0) == 2          # both layers, the one prefill forward
+    torch.testing.assert_close(got.logits[0], want.logits[0], rtol=0, atol=1e-5)
+    # the pages were written: decode steps read fp8 keys/values, so later logits move
+    assert st["bytes_per_token"] < 2 * 2 * 2 * 8 * 4     # fp8, not fp32 storage
+    later = max((g - w).abs().max().item() for g, w in zip(got.logits[1:], want.logits[1:]))
+    assert later > 0
+
+
+def test_stored_prefill_attends_to_the_quantized_pages():
+    want, got, st = _run("stored")
+    assert st.get("prefill_fresh_sdpa", 0) == 0          # negative: the switch is honoured
+    assert (got.logits[0] - want.logits[0]).abs().max().item() > 1e-4
+
+
+@pytest.mark.parametrize("prefill_attends", ["fresh", "stored"])
+def test_full_precision_pages_give_the_same_tokens_either_way(prefill_attends):
+    want, got, _ = _run(prefill_attends, kv_dtype="auto")
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(got.logits[0], want.logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_padded_prompts_take_the_paged_path():
+    """Left padding would need a [B, 1, S, L] mask for SDPA: the paged path takes it."""
+    want, got, st = _run("fresh", kv_dtype="auto", pad=True)
+    assert st.get("prefill_fresh_sdpa", 0) == 0
+    assert torch.equal(got.sequences, want.sequences)
+
+
+def test_eviction_takes_the_paged_path():
+    _, _, st = _run("fresh", kv_dtype="auto", eviction=kvcompile.SinkWindow(4, 64))
+    assert st.get("prefill_fresh_sdpa", 0) == 0
+
+
+def test_bad_value_names_the_field():
+    with pytest.raises(KVConfigError, match="prefill_attends"):
+        kvcompile.KVConfig(prefill_attends="pages")
