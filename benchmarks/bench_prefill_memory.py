@@ -181,7 +181,7 @@ def run_row(args) -> dict:
         if fmt.endswith("_whole"):
             hf_prefill.prefill_activation_budget = lambda device, state: None  # one forward
         elif args.smoke:  # the CPU has no device budget: one that splits the prompt in 3
-            per_token = hf_prefill.activation_bytes_per_token(model, args.prompt)
+            per_token = hf_prefill.activation_bytes_per_token(model)
             hf_prefill.MIN_CHUNK = 16
             hf_prefill.prefill_activation_budget = (
                 lambda device, state: args.batch * (args.prompt // 3) * per_token)
@@ -192,7 +192,7 @@ def run_row(args) -> dict:
             kernels="reference" if args.smoke else "auto"))
         row["kv_bytes_gib"] = kv_bytes_for(args, cfg, kv_dtype) / GIB
         # the automatic chunking's inputs, to hold against the measured peak
-        row["est_bytes_per_token"] = hf_prefill.activation_bytes_per_token(model, args.prompt)
+        row["est_bytes_per_token"] = hf_prefill.activation_bytes_per_token(model)
         budget = hf_prefill.prefill_activation_budget(device, None)
         row["chunk_budget_gib"] = budget / GIB if budget else None
 

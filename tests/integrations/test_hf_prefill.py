@@ -97,13 +97,20 @@ def test_chunked_prefill_matches_unchunked(pair, chunk):
 def test_chunk_size_rule():
     page = 16
     assert hf_prefill.chunk_size(4, 1000, 100, None, page) is None         # CPU: not known
-    assert hf_prefill.chunk_size(4, 1000, 100, 10**6, page) is None         # fits
+    assert hf_prefill.chunk_size(4, 1000, 100, 2 * 10**6, page) is None     # fits
     size = hf_prefill.chunk_size(16, 32768, 160_000, 40 << 30, page)
     assert size % page == 0 and 16 * size * 160_000 <= 40 << 30 and size >= 8192
     for prompt in (4105, 8200, 9000, 20_003):  # no tail chunk of <= 8 tokens (decode path)
         size = hf_prefill.chunk_size(8, prompt, 50_000, 200 << 20, page)
         assert size is not None and size % page == 0 and not 0 < prompt % size <= 8, prompt
     assert hf_prefill.chunk_size(8, 400, 10**6, 1, page) is None            # <= MIN_CHUNK
+    # the H200 case (8-layer Llama-3-8B shape, 128 KB per token): B16 x 32k runs whole in
+    # PREFILL_MEMORY_FRACTION of 140 GiB, and in two chunks in half that
+    budget = int(hf_prefill.PREFILL_MEMORY_FRACTION * (140 << 30))
+    assert hf_prefill.chunk_size(16, 32768, 128_000, budget, page) is None
+    assert hf_prefill.chunk_size(16, 32768, 128_000, budget // 2, page) == 16384
+    # the mask part counts: activations that fit alone, but not with the [1, 1, C, L] mask
+    assert hf_prefill.chunk_size(1, 4096, 1, 4096 + 4096 * 4096 - 1, page) is not None
 
 
 def test_auto_chunk_when_the_batch_does_not_fit(pair, monkeypatch):
@@ -112,7 +119,7 @@ def test_auto_chunk_when_the_batch_does_not_fit(pair, monkeypatch):
     ref, model = pair
     ids, am = _batch()
     whole, _ = _generate(model, ids, am)
-    per_token = hf_prefill.activation_bytes_per_token(model, ids.shape[1])
+    per_token = hf_prefill.activation_bytes_per_token(model)
     monkeypatch.setattr(hf_prefill, "MIN_CHUNK", 8)
     monkeypatch.setattr(hf_prefill, "prefill_activation_budget",
                         lambda device, state: 3 * 20 * per_token)   # 20 tokens per row fit

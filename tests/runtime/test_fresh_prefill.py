@@ -42,6 +42,19 @@ def test_fresh_prefill_logits_are_the_models_own_with_fp8_pages():
     assert later > 0
 
 
+@pytest.mark.parametrize("kv_dtype,gran", [("bf16", "page"), ("fp8_e5m2", "token"),
+                                           ("fp4_e2m1", "page"), ("int4", "channel"),
+                                           ("int2", "page")])
+def test_every_format_prefills_fresh_and_decodes_from_its_pages(kv_dtype, gran):
+    """Whatever the pages' format: the prefill's logits are the model's own, and the decode
+    steps read the pages (their logits differ from the model's, for a lossy format)."""
+    want, got, st = _run("fresh", kv_dtype=kv_dtype, scale_granularity=gran)
+    assert st.get("prefill_fresh_sdpa", 0) == 2
+    torch.testing.assert_close(got.logits[0], want.logits[0], rtol=0, atol=1e-5)
+    if kv_dtype != "bf16":
+        assert max((g - w).abs().max().item() for g, w in zip(got.logits[1:], want.logits[1:])) > 0
+
+
 def test_stored_prefill_attends_to_the_quantized_pages():
     want, got, st = _run("stored")
     assert st.get("prefill_fresh_sdpa", 0) == 0          # negative: the switch is honoured
