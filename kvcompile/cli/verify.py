@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcompile.runtime.dispatch import attended_fresh
 from kvcompile.runtime.hooks import RuntimeHook
 from kvcompile.testing import REL_ERR, SQNR_FLOOR_DB, kl_divergence, rel_err, sqnr_db
 
@@ -117,6 +118,10 @@ class LocalError(RuntimeHook):
         exact = attend_fp32(q[0], K, V, allowed, None, scale, cap)
         if Ks.shape != K.shape:  # eviction dropped tokens: no token-for-token comparison
             over_stored = None
+        elif attended_fresh(ctx.plan, layer):
+            # a fresh prompt's prefill attends to the K/V as computed (KVConfig.prefill_attends)
+            over_stored = exact
+            self.stored[layer] = (K, Ks, V, Vs)
         else:
             over_stored = attend_fp32(q[0], Ks, Vs, allowed, None, scale, cap)
             self.stored[layer] = (K, Ks, V, Vs)

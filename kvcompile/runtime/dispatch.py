@@ -57,7 +57,7 @@ def attend(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, window, so
                           softcap, scale, extras)
         if out is not None:
             return out
-    out = _fresh_prefill(state, q, fresh, plan, mask_info, attn_mask, is_causal, window,
+    out = _fresh_prefill(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal, window,
                          softcap, scale, extras)
     if out is None:
         out = _packed_decode(state, layer, q, plan, window, softcap, scale, extras)
@@ -72,8 +72,8 @@ def attend(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, window, so
     return out
 
 
-def _fresh_prefill(state, q, fresh, plan, mask_info, attn_mask, is_causal, window, softcap,
-                   scale, extras):
+def _fresh_prefill(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal, window,
+                   softcap, scale, extras):
     """A fresh prompt's prefill (no token of any row cached before this forward) attends to its
     K/V as the model computed them, with torch SDPA (flash / cuDNN on CUDA: faster than the
     paged kernels, and no gather of the pages just written), as the model's own path and
@@ -83,7 +83,9 @@ def _fresh_prefill(state, q, fresh, plan, mask_info, attn_mask, is_causal, windo
     Taken for causal (or unmasked) attention without padding, window or softcap, where SDPA
     needs no [B, S, L] mask; anything else (left padding, a window shorter than the prompt, a
     custom mask, eviction, which scores the prompt's attention) goes to the paged paths.
-    -> [B, Hq, S, Dv] in compute_dtype(q.dtype), or None."""
+    -> [B, Hq, S, Dv] in compute_dtype(q.dtype), or None. A layer that took it is marked in
+    the forward's plan (`attended_fresh(plan, layer)`: what `kvcompile inspect --verify` holds
+    the output against)."""
     if (fresh is None or state.config.prefill_attends != "fresh" or plan.packed
             or plan.is_decode or q.shape[2] < 2 or max(plan.past_lens) != 0
             or state.eviction is not None or softcap or extras):
@@ -101,7 +103,13 @@ def _fresh_prefill(state, q, fresh, plan, mask_info, attn_mask, is_causal, windo
         causal = bool(is_causal)
     k, v = fresh
     state.count("prefill_fresh_sdpa")
+    plan.cache[("attended_fresh", layer)] = True
     return sdpa_attention(q, k, v, None, None, scale, causal)
+
+
+def attended_fresh(plan, layer: int) -> bool:
+    """Whether layer `layer` of this forward attended to its fresh K/V (`_fresh_prefill`)."""
+    return bool(plan.cache.get(("attended_fresh", layer)))
 
 
 def prefill_mode(config, q: torch.Tensor) -> str:
