@@ -262,10 +262,11 @@ def paged_reference_attention(kt, vt, q, plan, attn_mask, is_causal, sliding_win
     key = ("reference", None if attn_mask is None else (attn_mask.data_ptr(),
                                                        tuple(attn_mask.shape)),
            is_causal, sliding_window, q.shape[2])
-    groups = plan.cache.get(key)
-    if groups is None:
-        groups = plan.cache[key] = _groups(plan, attn_mask, is_causal, sliding_window, q.shape[2],
-                                           kt.page_size, q.device)
+    entry = plan.cache.get(key)
+    if entry is None:   # the entry holds the mask, so that its address is not reused (masks.py)
+        entry = plan.cache[key] = (attn_mask, _groups(plan, attn_mask, is_causal, sliding_window,
+                                                      q.shape[2], kt.page_size, q.device))
+    groups = entry[1]
     dt = compute_dtype(q.dtype)
     if len(groups) == 1 and groups[0][0] is None:  # every row one length
         _, idx, b, total, allowed, additive, causal = groups[0]

@@ -139,9 +139,11 @@ def align(allowed: torch.Tensor, total_len: int) -> torch.Tensor:
 def analyze(plan, attn_mask: torch.Tensor, is_causal: bool, sliding_window: int) -> MaskInfo:
     key = ("mask", _mask_key(attn_mask), is_causal, sliding_window)
     if key in plan.cache:
-        return plan.cache[key]
+        return plan.cache[key][1]
     info = _analyze(plan, attn_mask, is_causal, sliding_window)
-    plan.cache[key] = info
+    # the entry holds the mask: keyed by address, it must not see a freed mask's address
+    # reused by another layer's mask within the forward (a mask built per layer)
+    plan.cache[key] = (attn_mask, info)
     return info
 
 

@@ -15,10 +15,11 @@ from tests.engine.tiny import config, make_hf
 B, S, NEW = 2, 24, 4
 
 
+_REFERENCE: dict = {}
+
+
 def _run(prefill_attends: str, kv_dtype: str = "fp8_e4m3", pad: bool = False, **kw):
-    ref = make_hf("llama", "sdpa")
-    model = make_hf("llama", "sdpa")
-    kvcompile.compile(model, config(kv_dtype=kv_dtype, prefill_attends=prefill_attends, **kw))
+    """(eager HF's generate output, kvcompile's, kvcompile.stats) for the same prompts."""
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(3, 256, (B, S), generator=g)
     am = torch.ones_like(ids)
@@ -26,10 +27,14 @@ def _run(prefill_attends: str, kv_dtype: str = "fp8_e4m3", pad: bool = False, **
         am[1, :5] = 0
     gen = dict(attention_mask=am, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
                pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    if pad not in _REFERENCE:   # eager HF, computed once per padding for the module
+        with torch.no_grad():
+            _REFERENCE[pad] = make_hf("llama", "sdpa").generate(ids, **gen)
+    model = make_hf("llama", "sdpa")
+    kvcompile.compile(model, config(kv_dtype=kv_dtype, prefill_attends=prefill_attends, **kw))
     with torch.no_grad():
-        want = ref.generate(ids, **gen)
         got = model.generate(ids, **gen)
-    return want, got, kvcompile.stats(model)
+    return _REFERENCE[pad], got, kvcompile.stats(model)
 
 
 def test_fresh_prefill_logits_are_the_models_own_with_fp8_pages():
@@ -42,17 +47,15 @@ def test_fresh_prefill_logits_are_the_models_own_with_fp8_pages():
     assert later > 0
 
 
-@pytest.mark.parametrize("kv_dtype,gran", [("bf16", "page"), ("fp8_e5m2", "token"),
-                                           ("fp4_e2m1", "page"), ("int4", "channel"),
-                                           ("int2", "page")])
+@pytest.mark.parametrize("kv_dtype,gran", [("fp8_e5m2", "token"), ("fp4_e2m1", "page"),
+                                           ("int4", "channel")])
 def test_every_format_prefills_fresh_and_decodes_from_its_pages(kv_dtype, gran):
     """Whatever the pages' format: the prefill's logits are the model's own, and the decode
     steps read the pages (their logits differ from the model's, for a lossy format)."""
     want, got, st = _run("fresh", kv_dtype=kv_dtype, scale_granularity=gran)
     assert st.get("prefill_fresh_sdpa", 0) == 2
     torch.testing.assert_close(got.logits[0], want.logits[0], rtol=0, atol=1e-5)
-    if kv_dtype != "bf16":
-        assert max((g - w).abs().max().item() for g, w in zip(got.logits[1:], want.logits[1:])) > 0
+    assert max((g - w).abs().max().item() for g, w in zip(got.logits[1:], want.logits[1:])) > 0
 
 
 def test_stored_prefill_attends_to_the_quantized_pages():
@@ -61,9 +64,8 @@ def test_stored_prefill_attends_to_the_quantized_pages():
     assert (got.logits[0] - want.logits[0]).abs().max().item() > 1e-4
 
 
-@pytest.mark.parametrize("prefill_attends", ["fresh", "stored"])
-def test_full_precision_pages_give_the_same_tokens_either_way(prefill_attends):
-    want, got, _ = _run(prefill_attends, kv_dtype="auto")
+def test_full_precision_pages_give_the_models_tokens():
+    want, got, _ = _run("fresh", kv_dtype="auto")
     assert torch.equal(got.sequences, want.sequences)
     torch.testing.assert_close(got.logits[0], want.logits[0], rtol=1e-5, atol=1e-5)
 
