@@ -202,7 +202,10 @@ def run_family(model_type: str) -> dict:
 # --- the sweep ---------------------------------------------------------------------------------
 
 def _child(model_type: str, timeout: float) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+    # the child runs benchmarks/coverage_sweep.py, so sys.path[0] is benchmarks/: put this
+    # checkout first, or `import kvcompile` finds whichever copy is installed (another worktree)
+    path = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=path,
                TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
     t0 = time.time()
     try:

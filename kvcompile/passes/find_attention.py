@@ -20,6 +20,7 @@ returned as attention weights), the site is reported and left alone.
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from kvcompile.passes.graph_utils import (
@@ -216,14 +217,14 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
     cur = softmax
     nxt = _next_in_chain(cur)
     while nxt is not None and (kind(nxt) in ("to", "dropout") or _unviews_scores(nxt)
-                               or _reviews_probs(nxt)):
+                               or _reviews_probs(nxt) or _zeroes_probs(nxt, cur)):
         chain_fwd.append(nxt)
         cur, nxt = nxt, _next_in_chain(nxt)
     out = nxt
     # backwards: softmax <- [to] <- [add mask | where] <- [softcap] <- [scale] <- matmul(q, kT)
     chain_bwd = []
     x = arg(softmax, 0, "input")
-    mask, mask_kind, scale, softcap = None, None, None, 0.0
+    scale, softcap = None, 0.0
     while kind(x) == "to":
         chain_bwd.append(x)
         x = arg(x, 0)
@@ -235,32 +236,13 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
         if kind(x) == "max" and len(x.args) == 2 and _is_very_negative_const(arg(x, 1)):
             chain_bwd.append(x)
             x = arg(x, 0)
-    if kind(x) == "add":
-        a, b = arg(x, 0), arg(x, 1, "other")
-        if _is_scores(a, b):
-            chain_bwd.append(x)
-            x, mask = a, b
-        elif _is_scores(b, a):
-            chain_bwd.append(x)
-            x, mask = b, a
-        mask_kind = "additive" if mask is not None else None
-    elif kind(x) == "where":
-        cond, a, b = arg(x, 0), arg(x, 1), arg(x, 2)
-        if isinstance(a, fx.Node) and is_scalar(b) and _is_scores(a, cond):
-            chain_bwd.append(x)
-            x, mask, mask_kind = a, cond, "bool"
-        elif isinstance(b, fx.Node) and is_scalar(a) and _is_scores(b, cond):
-            chain_bwd.append(x)   # where(masked_out, -inf, s)
-            x, mask, mask_kind = b, cond, "bool_inverted"
-    elif kind(x) == "masked_fill":
-        # nanoGPT: s.masked_fill(bias[..., :T, :T] == 0, float("-inf")): True = masked out
-        a, cond, fill = arg(x, 0), arg(x, 1, "mask"), arg(x, 2, "value")
-        if isinstance(fill, (int, float)) and fill <= -1e4 and _is_scores(a, cond):
-            chain_bwd.append(x)
-            x, mask, mask_kind = a, cond, "bool_inverted"
-    # a position bias added under the mask (MPT's ALiBi: (s + bias).masked_fill(m, min)) is
-    # not matched: rewritten that way, tiny MPT's logits differed from eager (2026-12-03)
-    bias = None
+    # masks and position biases, any number in any order (GPT-Neo: where(causal, s, min) +
+    # mask; MPT: (s + alibi).masked_fill(m, min); CPM-Ant: masked_fill(s + rel_bias, m, -inf))
+    masks: list[tuple] = []
+    while len(masks) < 4 and (step := _mask_step(x)) is not None:
+        chain_bwd.append(x)
+        x, m, k = step
+        masks.append((m, k))
     # logit soft-capping: tanh(s / cap) * cap
     if kind(x) == "mul" and kind(arg(x, 0)) == "tanh":
         cap = scalar_value(arg(x, 1))
@@ -286,12 +268,16 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
     q, k, kt = ops.q, ops.k, ops.kt
     if ops.scale != 1.0:
         scale = ops.scale * (scale if scale is not None else 1.0)
-    if ops.bias is not None and bias is not None:
-        return _miss(softmax, "mask", qk, "baddbmm's bias, a position bias and a mask")
-    if ops.bias is not None and mask is None:
-        mask, mask_kind = ops.bias, "additive"
-    elif ops.bias is not None:
-        bias = ops.bias    # baddbmm's bias (ALiBi) beside a mask: the rewrite adds them
+    if ops.bias is not None:   # baddbmm's input: an additive mask or bias (BLOOM's ALiBi)
+        masks.append((ops.bias, "additive"))
+    mask, mask_kind = masks[0] if masks else (None, None)
+    for z in chain_fwd:
+        # p.masked_fill(m, 0) after the softmax (CPM-Ant) only zeroes keys the softmax
+        # already gave 0: the same mask m, applied before it
+        if _zeroes_probs(z, arg(z, 0)) and not any(
+                k == "bool_inverted" and _same_value(m, arg(z, 1, "mask")) for m, k in masks):
+            return _miss(softmax, "output", z, "the probabilities are masked after the "
+                         "softmax by a mask not applied before it")
     pv = pv_operands(out, cur) if out is not None else None
     if pv is None:
         users = ", ".join(f"{u.name} ({_op(u)})" for u in cur.users) or "nothing"
@@ -319,7 +305,7 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
         q=q, k=k_src, v=v_src, output=out, chain=chain, mask=mask, mask_kind=mask_kind,
         scale=scale if scale is not None else 1.0, softcap=softcap, n_rep=rep_k,
         q_layout=ops.q_layout, k_layout=k_layout, v_layout=v_layout, out_layout=out_layout,
-        bias=bias,
+        more_masks=masks[1:],
     )
     for n in [qk] + chain_bwd + [softmax] + chain_fwd:
         if n is q:
@@ -339,6 +325,30 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
     return _check_shapes(site)
 
 
+def _mask_step(x, depth: int = 4):
+    """(scores, mask, kind) when x applies a mask or a bias to scores: s + m ("additive"),
+    where(m, s, -big) ("bool"), where(m, -big, s) / s.masked_fill(m, -big) ("bool_inverted");
+    else None. -big: a constant <= -1e4 (a number, torch.tensor(finfo.min), -inf)."""
+    k = kind(x)
+    if k == "add":
+        a, b = arg(x, 0), arg(x, 1, "other")
+        sa, sb = _is_scores(a, b, depth), _is_scores(b, a, depth)
+        if sa != sb:   # scores + scores is not a mask
+            return (a, b, "additive") if sa else (b, a, "additive")
+    elif k == "where":
+        cond, a, b = arg(x, 0), arg(x, 1), arg(x, 2)
+        if _is_very_negative_const(b) and _is_scores(a, cond, depth):
+            return a, cond, "bool"
+        if _is_very_negative_const(a) and _is_scores(b, cond, depth):
+            return b, cond, "bool_inverted"
+    elif k == "masked_fill":
+        # nanoGPT: s.masked_fill(bias[..., :T, :T] == 0, float("-inf")): True = masked out
+        a, cond, fill = arg(x, 0), arg(x, 1, "mask"), arg(x, 2, "value")
+        if _is_very_negative_const(fill) and _is_scores(a, cond, depth):
+            return a, cond, "bool_inverted"
+    return None
+
+
 def _next_in_chain(node: fx.Node) -> fx.Node | None:
     """The user of `node` that continues an attention chain (cast, dropout, matmul by v)."""
     for u in node.users:
@@ -349,9 +359,39 @@ def _next_in_chain(node: fx.Node) -> fx.Node | None:
             return u
         if k == "einsum" and node in u.all_input_nodes:
             return u
-        if _unviews_scores(u) or _reviews_probs(u):
+        if _unviews_scores(u) or _reviews_probs(u) or _zeroes_probs(u, node):
             return u
     return None
+
+
+def _zeroes_probs(u, p) -> bool:
+    """u is p.masked_fill(mask, 0) / torch.masked_fill(p, mask, 0)."""
+    return kind(u) == "masked_fill" and arg(u, 0) is p and _constant(arg(u, 2, "value")) == 0 \
+        and isinstance(arg(u, 1, "mask"), fx.Node)
+
+
+def _constant(x):
+    """A number, or the number a 0-d torch.tensor(v) / scalar_tensor(v) / full((), v) holds."""
+    if isinstance(x, fx.Node) and x.op == "call_function" and (
+            kind(x) == "tensor" or x.target is torch.scalar_tensor):
+        x = arg(x, 0)
+    elif isinstance(x, fx.Node) and kind(x) == "full":
+        x = arg(x, 1, "fill_value")
+    return x if isinstance(x, (int, float, bool)) else None
+
+
+def _same_value(a, b, depth: int = 6) -> bool:
+    """a and b are the same node, or the same ops over the same inputs (a mask computed twice
+    from one tensor, as CPM-Ant does before and after its softmax)."""
+    if a is b:
+        return True
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+        return not isinstance(a, fx.Node) and not isinstance(b, fx.Node) and a == b
+    if depth <= 0 or a.op != b.op or a.target != b.target or a.op not in (
+            "call_function", "call_method") or a.kwargs != b.kwargs or len(a.args) != len(
+            b.args):
+        return False
+    return all(_same_value(x, y, depth - 1) for x, y in zip(a.args, b.args))
 
 
 def _reviews_probs(u) -> bool:
@@ -361,13 +401,12 @@ def _reviews_probs(u) -> bool:
 
 
 def _is_very_negative_const(x) -> bool:
-    """torch.full((), finfo.min) or a number <= -1e4 (a clamp that leaves finite scores)."""
-    if isinstance(x, (int, float)):
+    """A number <= -1e4 (-inf, finfo.min), or a 0-d tensor made of one in the graph:
+    torch.full((), v), torch.tensor(v), torch.scalar_tensor(v)."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
         return x <= -1e4
-    if isinstance(x, fx.Node) and kind(x) == "full":
-        fill = arg(x, 1, "fill_value")
-        return isinstance(fill, (int, float)) and fill <= -1e4
-    return False
+    fill = _constant(x) if isinstance(x, fx.Node) else None
+    return isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill <= -1e4
 
 
 def _views_scores(x) -> bool:
@@ -386,13 +425,20 @@ def _unviews_scores(u) -> bool:
         feeds_bmm(u))
 
 
-def _is_scores(scores, mask) -> bool:
-    """`scores` looks like the [B, H, S, L] score tensor and `mask` broadcasts onto it."""
-    s = shape(scores)
-    if s is None or len(s) not in (3, 4) or not isinstance(scores, fx.Node):
+def _is_scores(scores, mask=None, depth: int = 4) -> bool:
+    """`scores` is the [B, H, S, L] (or [B*H, S, L]) q·kᵀ tensor, maybe scaled, cast, viewed,
+    soft-capped or already masked (`depth` such steps at most); `mask` (unused) is what would
+    be applied to it."""
+    if not isinstance(scores, fx.Node) or ndim(scores) not in (3, 4):
         return False
-    return kind(scores) in ("matmul", "einsum", "baddbmm", "mul", "div", "to") or \
-        _views_scores(scores)
+    k = kind(scores)
+    if k in ("matmul", "einsum", "baddbmm") or _views_scores(scores):
+        return True
+    if depth <= 0:
+        return False
+    if k in ("mul", "div", "to", "tanh"):
+        return any(_is_scores(a, None, depth - 1) for a in scores.args[:2])
+    return _mask_step(scores, depth - 1) is not None
 
 
 def _check_shapes(site: AttentionSite) -> AttentionSite:

@@ -14,6 +14,7 @@ the same tokens as the queries (cross-attention over encoder states is left alon
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from kvcompile.passes.graph_utils import (
@@ -88,7 +89,7 @@ def _through_permutes(x: fx.Node, layout: Layout) -> tuple[fx.Node, Layout]:
     layout ([B, S, H, D] caches attended as [B, H, S, D])."""
     while isinstance(x, fx.Node) and not layout.flat and ndim(x) == 4:
         k = kind(x)
-        if k == "contiguous" or (k == "to" and len(x.args) == 1):
+        if k == "contiguous" or _float_cast(x):
             x = arg(x, 0)
         elif k == "transpose" and x.target != "mT":
             d0, d1 = arg(x, 1, "dim0"), arg(x, 2, "dim1")
@@ -105,6 +106,15 @@ def _through_permutes(x: fx.Node, layout: Layout) -> tuple[fx.Node, Layout]:
         else:
             break
     return x, layout
+
+
+def _float_cast(x: fx.Node) -> bool:
+    """x.float() / x.to(torch.float32): attention computed in another float dtype than the
+    cache's (GPT-Neo upcasts its cached keys); the op reads the pages in the query's dtype."""
+    if kind(x) != "to" or x.kwargs.keys() - {"dtype"}:
+        return False
+    rest = list(x.args[1:]) + list(x.kwargs.values())
+    return all(isinstance(a, torch.dtype) and a.is_floating_point for a in rest)
 
 
 def _root(x: fx.Node) -> fx.Node:
