@@ -184,6 +184,8 @@ def _find_one(x: fx.Node, site: AttentionSite, what: str, layout: Layout) -> Cac
     # the model also keeps them (returns them, or stores them on a module) to grow a cache by
     # cat from the next call on: a cache that starts here, its stored copy a stub
     layout = site_layout(site, what)
+    while _float_cast(consumed):   # keys kept as they are, attended upcast (GPT-Neo)
+        consumed = arg(consumed, 0)
     kept = _kept_readers(consumed, site)
     if kept:
         seq = layout.seq_dim if not layout.flat else -1

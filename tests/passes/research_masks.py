@@ -1,0 +1,130 @@
+"""Hand-written attention whose scores get several masks and position biases before the softmax
+(the idioms of MPT, GPT-Neo and CPM-Ant), and look-alikes that must stay as they are.
+
+Each block takes (x [B, T, dim], start_pos) and keeps its own cache, like tests/passes/research.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from tests.passes.research import FusedQKV
+
+
+class _CatCache(FusedQKV):
+    """q, k, v [B, H, T, D] from one projection; keys/values grown by cat(dim=2) on the module."""
+
+    def __init__(self, dim=64, n_head=4, **kw):
+        super().__init__(dim, n_head)
+        self.kv = None
+
+    def qkv_cached(self, x, start_pos):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.h, self.hd).permute(2, 0, 3, 1, 4)
+        if start_pos > 0:
+            k, v = torch.cat([self.kv[0], k], dim=2), torch.cat([self.kv[1], v], dim=2)
+        self.kv = (k, v)
+        return q, k, v
+
+    def out(self, y):
+        B, H, T, D = y.shape
+        return self.wo(y.transpose(1, 2).reshape(B, T, H * D))
+
+
+def _future(T, L, device):
+    # [T, L] bool: True where the key is after the query (queries are the last T positions)
+    return torch.arange(L, device=device)[None, :] > torch.arange(L - T, L, device=device)[:, None]
+
+
+class AlibiMaskedFill(_CatCache):
+    """MPT: ALiBi [H, 1, L] added to the scaled scores, then masked_fill(future, finfo.min)."""
+
+    def forward(self, x, start_pos: int):
+        q, k, v = self.qkv_cached(x, start_pos)
+        T, L = q.shape[2], k.shape[2]
+        slopes = 2.0 ** -torch.arange(1, self.h + 1, device=x.device).float()
+        alibi = slopes[:, None, None] * torch.arange(1 - L, 1, device=x.device)   # [H, 1, L]
+        s = torch.matmul(q, k.transpose(-1, -2)) * self.hd ** -0.5
+        s = (s + alibi).masked_fill(_future(T, L, x.device), torch.finfo(s.dtype).min)
+        p = torch.softmax(s.float(), dim=-1).to(v.dtype)
+        return self.out(torch.matmul(p, v))
+
+
+class CausalWhereLocalAdd(_CatCache):
+    """GPT-Neo: attention in fp32 (cached keys upcast), where(causal, s, torch.tensor(min)),
+    then an additive local-window mask (keys 4 or more positions back: -1e9)."""
+
+    def forward(self, x, start_pos: int):
+        q, k, v = self.qkv_cached(x, start_pos)
+        T, L = q.shape[2], k.shape[2]
+        s = torch.matmul(q.to(torch.float32), k.to(torch.float32).transpose(-1, -2))
+        low = torch.tensor(torch.finfo(s.dtype).min, dtype=s.dtype, device=x.device)
+        s = torch.where(~_future(T, L, x.device), s, low)
+        back = torch.arange(L - T, L, device=x.device)[:, None] - torch.arange(L, device=x.device)
+        s = s + (back >= 4).float() * -1e9                                     # [T, L]
+        p = torch.softmax(s, dim=-1).to(v.dtype)
+        return self.out(torch.matmul(p, v))
+
+
+class RelBiasZeroedProbs(_CatCache):
+    """CPM-Ant: a learned bias per head and relative distance [1, H, T, L] under
+    torch.masked_fill(.., mask == False, scalar_tensor(-inf)); after the softmax the same mask,
+    computed again, zeroes the probabilities."""
+
+    def __init__(self, dim=64, n_head=4, max_dist=8, **kw):
+        super().__init__(dim, n_head)
+        self.max_dist = max_dist
+        self.rel = nn.Embedding(max_dist, n_head)
+
+    def forward(self, x, start_pos: int):
+        q, k, v = self.qkv_cached(x, start_pos)
+        T, L = q.shape[2], k.shape[2]
+        dist = torch.arange(L - T, L, device=x.device)[:, None] - torch.arange(L, device=x.device)
+        bias = self.rel(dist.clamp(0, self.max_dist - 1)).permute(2, 0, 1)[None]   # [1, H, T, L]
+        allowed = ~_future(T, L, x.device)
+        s = torch.matmul(q, k.transpose(-1, -2)) / self.hd ** 0.5
+        s = torch.masked_fill(s + bias, allowed == torch.tensor(False),
+                              torch.scalar_tensor(float("-inf")))
+        p = torch.softmax(s, dim=-1)
+        p = torch.masked_fill(p, allowed == torch.tensor(False), torch.scalar_tensor(0))
+        return self.out(torch.matmul(p, v))
+
+
+# --- look-alikes ------------------------------------------------------------------------------
+
+class WhereZeroFill(_CatCache):
+    """where(causal, s, 0.0): future scores set to 0, not removed; no attention mask."""
+
+    def forward(self, x, start_pos: int):
+        q, k, v = self.qkv_cached(x, start_pos)
+        T, L = q.shape[2], k.shape[2]
+        s = torch.matmul(q, k.transpose(-1, -2)) * self.hd ** -0.5
+        s = torch.where(~_future(T, L, x.device), s, 0.0)
+        return self.out(torch.matmul(torch.softmax(s, dim=-1), v))
+
+
+class KeyNormBias(_CatCache):
+    """A bias computed from the cached keys themselves (their norms): the cache is read by more
+    than attention, so paging it would change what the bias sees."""
+
+    def forward(self, x, start_pos: int):
+        q, k, v = self.qkv_cached(x, start_pos)
+        T, L = q.shape[2], k.shape[2]
+        s = torch.matmul(q, k.transpose(-1, -2)) * self.hd ** -0.5
+        s = (s + k.norm(dim=-1)[:, :, None, :]).masked_fill(_future(T, L, x.device),
+                                                            float("-inf"))
+        return self.out(torch.matmul(torch.softmax(s, dim=-1), v))
+
+
+class ProbsZeroedByAnotherMask(_CatCache):
+    """Causal attention whose probabilities are then zeroed on the first key: a mask after the
+    softmax that was not applied before it (the rows no longer sum to 1)."""
+
+    def forward(self, x, start_pos: int):
+        q, k, v = self.qkv_cached(x, start_pos)
+        T, L = q.shape[2], k.shape[2]
+        s = torch.matmul(q, k.transpose(-1, -2)) * self.hd ** -0.5
+        p = torch.softmax(s.masked_fill(_future(T, L, x.device), float("-inf")), dim=-1)
+        first = torch.arange(L, device=x.device)[None, :].expand(T, L) == 0
+        return self.out(torch.matmul(p.masked_fill(first, 0.0), v))
