@@ -20,6 +20,8 @@ returned as attention weights), the site is reported and left alone.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -240,8 +242,8 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
     # mask; MPT: (s + alibi).masked_fill(m, min); CPM-Ant: masked_fill(s + rel_bias, m, -inf))
     masks: list[tuple] = []
     while len(masks) < 4 and (step := _mask_step(x)) is not None:
-        chain_bwd.append(x)
-        x, m, k = step
+        x, m, k, nodes = step
+        chain_bwd += nodes
         masks.append((m, k))
     # logit soft-capping: tanh(s / cap) * cap
     if kind(x) == "mul" and kind(arg(x, 0)) == "tanh":
@@ -326,27 +328,64 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
 
 
 def _mask_step(x, depth: int = 4):
-    """(scores, mask, kind) when x applies a mask or a bias to scores: s + m ("additive"),
-    where(m, s, -big) ("bool"), where(m, -big, s) / s.masked_fill(m, -big) ("bool_inverted");
-    else None. -big: a constant <= -1e4 (a number, torch.tensor(finfo.min), -inf)."""
+    """(scores, mask, kind, nodes) when x applies a mask or a bias to scores: s + m
+    ("additive"), where(m, s, -big) ("bool"), where(m, -big, s) / s.masked_fill(m, -big)
+    ("bool_inverted"), s * m + -big * (1 - m) with m a 0/1 buffer ("binary", GPT-1); else None.
+    -big: a constant <= -1e4 (a number, torch.tensor(finfo.min), -inf); nodes: the chain's
+    nodes of this step."""
     k = kind(x)
     if k == "add":
         a, b = arg(x, 0), arg(x, 1, "other")
+        for kept, rest in ((a, b), (b, a)):
+            found = _kept_by_product(kept, rest, depth)
+            if found is not None:
+                return found[0], found[1], "binary", [x, kept]
         sa, sb = _is_scores(a, b, depth), _is_scores(b, a, depth)
         if sa != sb:   # scores + scores is not a mask
-            return (a, b, "additive") if sa else (b, a, "additive")
+            return (a, b, "additive", [x]) if sa else (b, a, "additive", [x])
     elif k == "where":
         cond, a, b = arg(x, 0), arg(x, 1), arg(x, 2)
         if _is_very_negative_const(b) and _is_scores(a, cond, depth):
-            return a, cond, "bool"
+            return a, cond, "bool", [x]
         if _is_very_negative_const(a) and _is_scores(b, cond, depth):
-            return b, cond, "bool_inverted"
+            return b, cond, "bool_inverted", [x]
     elif k == "masked_fill":
         # nanoGPT: s.masked_fill(bias[..., :T, :T] == 0, float("-inf")): True = masked out
         a, cond, fill = arg(x, 0), arg(x, 1, "mask"), arg(x, 2, "value")
         if _is_very_negative_const(fill) and _is_scores(a, cond, depth):
-            return a, cond, "bool_inverted"
+            return a, cond, "bool_inverted", [x]
     return None
+
+
+def _kept_by_product(kept, rest, depth: int):
+    """(s, m) when kept = s * m and rest = -big * (1 - m) (either order) for one m: the
+    masking of OpenAI GPT, w * b + -1e4 * (1 - b), a where(b, w, -big) when b holds only 0 and
+    1, which is checked on the buffer b is sliced from (its value at compile time)."""
+    if kind(kept) != "mul" or kind(rest) != "mul":
+        return None
+    for s, m in ((arg(kept, 0), arg(kept, 1)), (arg(kept, 1), arg(kept, 0))):
+        if not (isinstance(m, fx.Node) and _is_scores(s, m, depth)):
+            continue
+        for c, one_minus in ((arg(rest, 0), arg(rest, 1)), (arg(rest, 1), arg(rest, 0))):
+            if _is_very_negative_const(c) and isinstance(one_minus, fx.Node) and (
+                    one_minus.op == "call_function" and one_minus.target is operator.sub
+                    and _constant(arg(one_minus, 0)) == 1
+                    and _same_value(arg(one_minus, 1), m) and _binary_buffer(m)):
+                return s, m
+    return None
+
+
+def _binary_buffer(m) -> bool:
+    """m is a view of a graph input (a module buffer) whose value holds only 0 and 1."""
+    while isinstance(m, fx.Node) and kind(m) in ("getitem", "view", "reshape", "expand", "to"):
+        m = arg(m, 0)
+    if not (isinstance(m, fx.Node) and m.op == "placeholder"):
+        return False
+    example = getattr(m.meta.get("grapharg"), "example", None)
+    if not isinstance(example, torch.Tensor) or isinstance(
+            example, torch._subclasses.FakeTensor) or example.numel() > 1 << 24:
+        return False
+    return bool(((example == 0) | (example == 1)).all())
 
 
 def _next_in_chain(node: fx.Node) -> fx.Node | None:

@@ -126,6 +126,7 @@ def _root(x: fx.Node) -> fx.Node:
 def _find_one(x: fx.Node, site: AttentionSite, what: str, layout: Layout) -> CacheOp:
     consumed = x
     x, layout = _through_permutes(x, layout)
+    unpermuted, unpermuted_layout = x, layout
     if layout.flat:
         raise _NotACache(f"{what}: a cache kept flattened as [B*H, S, D] (kvcompile reads "
                          f"caches held as [B, H, S, D] or [B, S, H, D])")
@@ -187,6 +188,10 @@ def _find_one(x: fx.Node, site: AttentionSite, what: str, layout: Layout) -> Cac
     while _float_cast(consumed):   # keys kept as they are, attended upcast (GPT-Neo)
         consumed = arg(consumed, 0)
     kept = _kept_readers(consumed, site)
+    if not kept and unpermuted is not consumed and _kept_readers(unpermuted, site):
+        # kept in another layout than attention reads them (OpenAI GPT: [B, T, H, D])
+        consumed, layout = unpermuted, unpermuted_layout
+        kept = _kept_readers(consumed, site)
     if kept:
         seq = layout.seq_dim if not layout.flat else -1
         if seq < 0:

@@ -128,6 +128,10 @@ def _mask_operand(graph: fx.Graph, site: AttentionSite, mask, mask_kind, q_layou
     if mask is None:
         return None
     src = _bool_mask_source(mask)
+    if mask_kind == "binary":   # a 0/1 float mask (find_attention checked its values)
+        with graph.inserting_before(site.output):
+            src = graph.call_method("to", (mask, torch.bool))
+        _set_meta(src, site.output)
     if mask_kind == "bool_inverted":
         with graph.inserting_before(site.output):
             src = graph.call_function(torch.logical_not, (mask,))

@@ -91,7 +91,43 @@ class RelBiasZeroedProbs(_CatCache):
         return self.out(torch.matmul(p, v))
 
 
+class ProductMaskGPT1(FusedQKV):
+    """OpenAI GPT: a [B, T, H, D] cache by cat(dim=1), keys permuted straight to [B, H, D, S],
+    masking by product with a 0/1 float buffer: w * b + -1e4 * (1 - b)."""
+
+    def __init__(self, dim=64, n_head=4, max_len=64, **kw):
+        super().__init__(dim, n_head)
+        self.register_buffer("bias", self._mask(max_len), persistent=False)
+        self.kv = None
+
+    @staticmethod
+    def _mask(n):
+        return torch.ones(n, n).tril().view(1, 1, n, n)
+
+    def forward(self, x, start_pos: int):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.h, self.hd).unbind(2)         # [B, T, H, D]
+        if start_pos > 0:
+            k, v = torch.cat([self.kv[0], k], dim=1), torch.cat([self.kv[1], v], dim=1)
+        self.kv = (k, v)
+        L = k.shape[1]
+        w = torch.matmul(q.permute(0, 2, 1, 3), k.permute(0, 2, 3, 1)) / self.hd ** 0.5
+        b = self.bias[:, :, L - T:L, :L]
+        w = w * b + -1e4 * (1 - b)
+        y = torch.matmul(torch.softmax(w, dim=-1), v.permute(0, 2, 1, 3))
+        return self.wo(y.transpose(1, 2).reshape(B, T, C))
+
+
 # --- look-alikes ------------------------------------------------------------------------------
+
+class ProductSoftMask(ProductMaskGPT1):
+    """The same product, with a buffer of soft weights (a decay in (0, 1]): a reweighting of
+    the scores, not a mask."""
+
+    @staticmethod
+    def _mask(n):
+        i = torch.arange(n)
+        return (0.9 ** (i[:, None] - i[None, :]).clamp(min=0).float()).view(1, 1, n, n)
 
 class WhereZeroFill(_CatCache):
     """where(causal, s, 0.0): future scores set to 0, not removed; no attention mask."""

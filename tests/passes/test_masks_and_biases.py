@@ -25,7 +25,7 @@ def _compile(model):
 
 
 @pytest.mark.parametrize("style", ["AlibiMaskedFill", "CausalWhereLocalAdd",
-                                   "RelBiasZeroedProbs"])
+                                   "RelBiasZeroedProbs", "ProductMaskGPT1"])
 def test_masks_and_biases_rewritten_and_token_identical(style):
     torch._dynamo.reset()
     model = research.make(getattr(research_masks, style))
@@ -46,6 +46,7 @@ def test_masks_and_biases_rewritten_and_token_identical(style):
     ("WhereZeroFill", "scores step failed"),                   # a fill of 0 is no mask
     ("ProbsZeroedByAnotherMask", "masked after the softmax"),
     ("KeyNormBias", "also read by"),                            # the bias reads the cache
+    ("ProductSoftMask", "scores step failed"),                  # not a 0/1 buffer
 ])
 def test_mask_lookalike_is_left_alone(style, why):
     torch._dynamo.reset()
