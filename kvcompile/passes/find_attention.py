@@ -238,6 +238,9 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
         if kind(x) == "max" and len(x.args) == 2 and _is_very_negative_const(arg(x, 1)):
             chain_bwd.append(x)
             x = arg(x, 0)
+    sinks = _sink_logits(x)
+    if sinks is not None:
+        return _miss(softmax, "sinks", sinks, _SINKS)
     # masks and position biases, any number in any order (GPT-Neo: where(causal, s, min) +
     # mask; MPT: (s + alibi).masked_fill(m, min); CPM-Ant: masked_fill(s + rel_bias, m, -inf))
     masks: list[tuple] = []
@@ -312,6 +315,8 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
     for n in [qk] + chain_bwd + [softmax] + chain_fwd:
         if n is q:
             continue
+        if any("logsumexp" in str(u.target) for u in n.users):   # Granite-SWA's sinks
+            return site.skip(_SINKS + " (here as a scale by the scores' logsumexp)")
         if len(n.users) != 1:
             return site.skip(f"attention scores/probabilities ({n.name}) are used elsewhere")
     if kt is not None and len(kt.users) != 1:
@@ -325,6 +330,26 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
     if gqa_k != gqa_v or rep_k != rep_v:
         return site.skip("keys and values are repeated differently for GQA")
     return _check_shapes(site)
+
+
+_SINKS = ("attention sinks (a learned logit per head in the softmax's denominator) are not "
+          "supported by kvcompile.attention, which has no sink input")
+
+
+def _sink_logits(x):
+    """The cat node when x is softmax's input cat([scores, sinks], -1), maybe stabilized as
+    cat(..) - cat(..).max(-1) (gpt-oss, Flint): None otherwise."""
+    if kind(x) not in ("cat", "add") and not (
+            x.op == "call_function" and x.target is operator.sub):
+        return None
+    if kind(x) != "cat":
+        x = arg(x, 0)
+    if kind(x) != "cat":
+        return None
+    parts, dim = arg(x, 0, "tensors"), arg(x, 1, "dim", 0)
+    if not (isinstance(parts, (list, tuple)) and _is_last_dim(x, dim)):
+        return None
+    return x if any(_is_scores(p) for p in parts) else None
 
 
 def _mask_step(x, depth: int = 4):

@@ -164,3 +164,36 @@ class ProbsZeroedByAnotherMask(_CatCache):
         p = torch.softmax(s.masked_fill(_future(T, L, x.device), float("-inf")), dim=-1)
         first = torch.arange(L, device=x.device)[None, :].expand(T, L) == 0
         return self.out(torch.matmul(p.masked_fill(first, 0.0), v))
+
+
+class SinkLogits(_CatCache):
+    """gpt-oss: a learned logit per head concatenated to the scores, softmax, the sink column
+    dropped (kvcompile.attention has no sink input: left alone, said so)."""
+
+    def __init__(self, dim=64, n_head=4, **kw):
+        super().__init__(dim, n_head)
+        self.sinks = nn.Parameter(torch.randn(n_head) * 0.5)
+
+    def forward(self, x, start_pos: int):
+        q, k, v = self.qkv_cached(x, start_pos)
+        B, H, T, _ = q.shape
+        L = k.shape[2]
+        s = torch.matmul(q, k.transpose(-1, -2)) * self.hd ** -0.5
+        s = s.masked_fill(_future(T, L, x.device), float("-inf"))
+        s = torch.cat([s, self.sinks.reshape(1, -1, 1, 1).expand(B, -1, T, 1)], dim=-1)
+        s = s - s.max(dim=-1, keepdim=True).values
+        p = torch.softmax(s, dim=-1)[..., :-1]
+        return self.out(torch.matmul(p, v))
+
+
+class SinkByLogsumexp(SinkLogits):
+    """Granite-SWA: the same sink as a scale of the output, sigmoid(logsumexp(s) - sink)."""
+
+    def forward(self, x, start_pos: int):
+        q, k, v = self.qkv_cached(x, start_pos)
+        T, L = q.shape[2], k.shape[2]
+        s = torch.matmul(q, k.transpose(-1, -2)) * self.hd ** -0.5
+        s = s.masked_fill(_future(T, L, x.device), float("-inf"))
+        scale = (torch.logsumexp(s, dim=-1) - self.sinks.view(1, -1, 1)).sigmoid()
+        y = torch.matmul(torch.softmax(s, dim=-1), v) * scale.unsqueeze(-1)
+        return self.out(y)

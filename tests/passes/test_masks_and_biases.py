@@ -47,6 +47,8 @@ def test_masks_and_biases_rewritten_and_token_identical(style):
     ("ProbsZeroedByAnotherMask", "masked after the softmax"),
     ("KeyNormBias", "also read by"),                            # the bias reads the cache
     ("ProductSoftMask", "scores step failed"),                  # not a 0/1 buffer
+    ("SinkLogits", "attention sinks"),                          # no sink input in the op
+    ("SinkByLogsumexp", "attention sinks"),
 ])
 def test_mask_lookalike_is_left_alone(style, why):
     torch._dynamo.reset()
