@@ -84,12 +84,41 @@ CORE = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
         "num_key_value_heads", "n_embd", "n_head", "d_model", "num_heads", "ffn_dim",
         "tie_word_embeddings", "num_experts", "num_local_experts", "n_routed_experts",
         "moe_intermediate_size", "num_experts_per_tok")
+# all of TINY again, with the config's per-layer lists cut to two layers (_two_layers): for
+# configs that validate their lists against the layer count (Llama4, Zamba), which otherwise
+# only build at the last level, at their full depth (48 and 76 layers: timeouts)
 LEVELS = (
     lambda k: True,
     lambda k: k not in ("head_dim", "v_head_dim", "kv_lora_rank", "q_lora_rank",
                         "qk_rope_head_dim", "qk_nope_head_dim", "attention_head_dim", "d_kv"),
+    lambda k: True,
     lambda k: k in CORE,
 )
+TRIM_LEVEL = 2
+_LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
+
+
+def _two_layers(d: dict) -> dict:
+    """Per-layer lists of a config dict cut to the layers kept: the first layer of each kind
+    (by `layer_types`-like lists), so a hybrid keeps an attention layer; lists of layer indices
+    (`moe_layers`) are dropped, the config's default applies."""
+    n = next((d[k] for k in _LAYER_COUNTS if isinstance(d.get(k), int)), None)
+    per_layer = {k: v for k, v in d.items() if isinstance(v, list) and n and len(v) == n
+                 and len(v) > 2}
+    if not per_layer:
+        return {}
+    kinds = next((v for k, v in per_layer.items() if "type" in k), None)
+    keep = sorted({kinds.index(t) for t in kinds} if kinds else {0})[:2]
+    keep = (keep + [i for i in range(n) if i not in keep])[:2]
+    keep.sort()
+    out = {}
+    for k, v in per_layer.items():
+        if k.endswith("_layers") and all(isinstance(x, int) and not isinstance(x, bool)
+                                         and x >= 2 for x in v[2:]) and v == sorted(v):
+            out[k] = None         # indices of layers, not one entry per layer
+        else:
+            out[k] = [v[i] for i in keep]
+    return out
 
 
 def _tiny_config(model_type: str, level: int = 0):
@@ -103,12 +132,19 @@ def _tiny_config(model_type: str, level: int = 0):
         kw.update({k: v for k, v in SPECIAL_IDS.items() if k in d})
         return kw
 
+    trim = level == TRIM_LEVEL
     kw = tiny(base.to_dict())
+    if trim:
+        kw.update({k: v for k, v in _two_layers(base.to_dict()).items() if v is not None})
     # sub-configs (multimodal text towers, decoders)
     for name in ("text_config", "decoder", "decoder_config", "language_config", "llm_config"):
         sub = getattr(base, name, None)
         if sub is not None and hasattr(sub, "to_dict"):
             kw[name] = {**sub.to_dict(), **tiny(sub.to_dict())}
+            if trim:
+                for key, v in _two_layers(sub.to_dict()).items():
+                    kw[name].pop(key) if v is None else kw[name].__setitem__(key, v)
+                continue
             for key in ("layer_types", "mlp_layer_types", "sliding_window_pattern"):
                 kw[name].pop(key, None)
     cfg = transformers.AutoConfig.for_model(model_type, **kw)

@@ -244,9 +244,14 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
     # masks and position biases, any number in any order (GPT-Neo: where(causal, s, min) +
     # mask; MPT: (s + alibi).masked_fill(m, min); CPM-Ant: masked_fill(s + rel_bias, m, -inf))
     masks: list[tuple] = []
-    while len(masks) < 4 and (step := _mask_step(x)) is not None:
+    reader = chain_bwd[-1] if chain_bwd else softmax
+    while len(masks) < 4:
+        step = _mask_step(x) or _masked_in_place(x, reader)
+        if step is None:
+            break
         x, m, k, nodes = step
         chain_bwd += nodes
+        reader = nodes[0]
         masks.append((m, k))
     # logit soft-capping: tanh(s / cap) * cap
     if kind(x) == "mul" and kind(arg(x, 0)) == "tanh":
@@ -313,11 +318,12 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
         more_masks=masks[1:],
     )
     for n in [qk] + chain_bwd + [softmax] + chain_fwd:
-        if n is q:
+        if n is q or (_in_place_fill(n, chain_bwd) and not n.users):
             continue
         if any("logsumexp" in str(u.target) for u in n.users):   # Granite-SWA's sinks
             return site.skip(_SINKS + " (here as a scale by the scores' logsumexp)")
-        if len(n.users) != 1:
+        if len([u for u in n.users if not (_in_place_fill(u, chain_bwd)
+                                           or _reads_shape_only(u, n))]) != 1:
             return site.skip(f"attention scores/probabilities ({n.name}) are used elsewhere")
     if kt is not None and len(kt.users) != 1:
         return site.skip("transposed keys are used elsewhere")
@@ -334,6 +340,17 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
 
 _SINKS = ("attention sinks (a learned logit per head in the softmax's denominator) are not "
           "supported by kvcompile.attention, which has no sink input")
+
+
+def _reads_shape_only(u, n) -> bool:
+    """u reads only n's shape or dtype (XLM: mask.expand_as(scores), p.type_as(scores)); it
+    keeps n in the graph after the rewrite, as a value nobody reads."""
+    return u.op == "call_method" and u.target in ("expand_as", "type_as", "view_as",
+                                                  "reshape_as") and arg(u, 0) is not n
+
+
+def _in_place_fill(u, chain) -> bool:
+    return u in chain and u.op == "call_method" and u.target == "masked_fill_"
 
 
 def _sink_logits(x):
@@ -379,6 +396,21 @@ def _mask_step(x, depth: int = 4):
         a, cond, fill = arg(x, 0), arg(x, 1, "mask"), arg(x, 2, "value")
         if _is_very_negative_const(fill) and _is_scores(a, cond, depth):
             return a, cond, "bool_inverted", [x]
+    return None
+
+
+def _masked_in_place(x, reader):
+    """(x, mask, "bool_inverted", [fill]) when x.masked_fill_(mask, -big) runs before `reader`
+    reads x (XLM masks its scores in place); None otherwise."""
+    fills = [u for u in x.users if u.op == "call_method" and u.target == "masked_fill_"
+             and arg(u, 0) is x]
+    if len(fills) != 1 or not _is_very_negative_const(arg(fills[0], 2, "value")):
+        return None
+    n = fills[0]
+    for _ in range(64):   # program order: the fill, then the read
+        n = n.next
+        if n is reader:
+            return x, arg(fills[0], 1, "mask"), "bool_inverted", [fills[0]]
     return None
 
 

@@ -118,6 +118,20 @@ class ProductMaskGPT1(FusedQKV):
         return self.wo(y.transpose(1, 2).reshape(B, T, C))
 
 
+class InPlaceMaskedFill(_CatCache):
+    """XLM: q pre-scaled, scores masked in place (scores.masked_fill_(mask.expand_as(scores),
+    min)), probabilities cast back by type_as(scores)."""
+
+    def forward(self, x, start_pos: int):
+        q, k, v = self.qkv_cached(x, start_pos)
+        T, L = q.shape[2], k.shape[2]
+        scores = torch.matmul(q / self.hd ** 0.5, k.transpose(2, 3))
+        mask = _future(T, L, x.device)[None, None].expand_as(scores)
+        scores.masked_fill_(mask, torch.finfo(scores.dtype).min)
+        weights = torch.softmax(scores.float(), dim=-1).type_as(scores)
+        return self.out(torch.matmul(weights, v))
+
+
 # --- look-alikes ------------------------------------------------------------------------------
 
 class ProductSoftMask(ProductMaskGPT1):

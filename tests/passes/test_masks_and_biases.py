@@ -25,7 +25,8 @@ def _compile(model):
 
 
 @pytest.mark.parametrize("style", ["AlibiMaskedFill", "CausalWhereLocalAdd",
-                                   "RelBiasZeroedProbs", "ProductMaskGPT1"])
+                                   "RelBiasZeroedProbs", "ProductMaskGPT1",
+                                   "InPlaceMaskedFill"])
 def test_masks_and_biases_rewritten_and_token_identical(style):
     torch._dynamo.reset()
     model = research.make(getattr(research_masks, style))
