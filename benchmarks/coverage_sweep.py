@@ -337,6 +337,16 @@ def write_doc(rows: dict[str, dict]) -> str:
         why = why.replace("|", "\\|").replace("\n", " ")
         lines.append(f"| {fam} | {st} | {sites} | {ident} | {why[:300]} | "
                      f"{r.get('seconds', '')} |")
+    alone = [f for f in sorted(rows) if status(rows[f]) in ("left-alone", "partial")]
+    if alone:
+        by_cause: dict[str, list[str]] = {}
+        for f in alone:
+            r = rows[f]
+            text = " ".join([r.get("left_alone") or ""] + (r.get("near_misses") or [])[:1])
+            by_cause.setdefault(_cause(text), []).append(f)
+        lines += ["", "Left alone, by cause (each family's reason is in its row):", ""]
+        lines += [f"- {cause}: {', '.join(fams)}" for cause, fams in
+                  sorted(by_cause.items(), key=lambda kv: -len(kv[1]))]
     missing = [f for f in families() if f not in rows]
     if missing:
         lines += ["", f"Not swept in this run ({len(missing)} of transformers' "
@@ -344,6 +354,25 @@ def write_doc(rows: dict[str, dict]) -> str:
                   f"--skip-done` to add them): " + ", ".join(missing) + "."]
     DOC.write_text("\n".join(lines) + "\n")
     return next(x for x in lines if x.startswith("**")).strip("*")
+
+
+# reason text -> the cause it belongs to, first match wins (write_doc's summary by cause)
+CAUSES = (
+    ("attention sinks", "attention sinks (a learned logit per head in the softmax's "
+     "denominator): kvcompile.attention has no sink input"),
+    ("computed from the cached tensors", "keys/values projected from a cached latent after "
+     "the cache update (MLA): kvcompile pages the K/V attention reads"),
+    ("keys computed in this graph", "a layer run twice in one forward (its second pass reads "
+     "the first one's keys)"),
+    ("also read by", "the cache is also read by other ops (two attentions over one cache, a "
+     "mask computed from the cached values)"),
+    ("used elsewhere", "the scores or probabilities are used by more than the attention"),
+)
+
+
+def _cause(text: str) -> str:
+    return next((c for key, c in CAUSES if key in text),
+                "the scores are combined in a way no pattern reads (near miss)")
 
 
 def main() -> None:
