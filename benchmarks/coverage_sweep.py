@@ -328,6 +328,8 @@ def write_doc(rows: dict[str, dict]) -> str:
         if st == "n/a":
             why = NO_ATTENTION.get(fam, "no softmax attention op in the compiled graphs of the "
                                         "tiny 2-layer config (a hybrid may place none there)")
+        if st == "not-identical" and not why and r.get("warnings"):
+            why = r["warnings"][0]    # e.g. a forward Dynamo stopped compiling
         if st in ("left-alone", "silent") and not why and r.get("near_misses"):
             why = "near miss: " + r["near_misses"][0]
         sites = f"{r.get('rewritten', 0)} / {r.get('sites', 0)}" if st not in (

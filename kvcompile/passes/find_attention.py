@@ -344,7 +344,9 @@ _SINKS = ("attention sinks (a learned logit per head in the softmax's denominato
 
 def _reads_shape_only(u, n) -> bool:
     """u reads only n's shape or dtype (XLM: mask.expand_as(scores), p.type_as(scores)); it
-    keeps n in the graph after the rewrite, as a value nobody reads."""
+    keeps n in the graph after the rewrite, as a value nobody reads (or it is dead code)."""
+    if kind(u) in ("view", "reshape") and all(kind(w) == "size" for w in u.users):
+        return True    # ProphetNet: scores.view(*scores.shape), then only .shape is read
     return u.op == "call_method" and u.target in ("expand_as", "type_as", "view_as",
                                                   "reshape_as") and arg(u, 0) is not n
 
