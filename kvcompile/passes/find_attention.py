@@ -20,9 +20,6 @@ returned as attention weights), the site is reported and left alone.
 
 from __future__ import annotations
 
-import operator
-
-import torch
 import torch.fx as fx
 
 from kvcompile.passes.graph_utils import (
@@ -37,6 +34,19 @@ from kvcompile.passes.graph_utils import (
     val,
 )
 from kvcompile.passes.layouts import BHSD, Layout, pv_operands, qk_operands
+from kvcompile.passes.score_masks import (
+    SINKS,
+    in_place_fill,
+    is_last_dim,
+    is_very_negative_const,
+    mask_step,
+    masked_in_place,
+    reads_shape_only,
+    same_value,
+    sink_logits,
+    views_scores,
+    zeroes_probs,
+)
 from kvcompile.passes.sites import AttentionSite, NearMiss
 
 
@@ -203,14 +213,9 @@ def _strip_to(node):
     return node
 
 
-def _is_last_dim(node, dim) -> bool:
-    n = ndim(node)
-    return dim == -1 or (n is not None and dim == n - 1)
-
-
 def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
     dim = arg(softmax, 1, "dim")
-    if not _is_last_dim(softmax, dim):
+    if not is_last_dim(softmax, dim):
         return _miss(softmax, "softmax", softmax, f"softmax over dim {dim}, not the last "
                      f"(key) dim")
     # forwards: softmax -> [to] -> [dropout] -> matmul(p, v); a step may have other users
@@ -219,7 +224,7 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
     cur = softmax
     nxt = _next_in_chain(cur)
     while nxt is not None and (kind(nxt) in ("to", "dropout") or _unviews_scores(nxt)
-                               or _reviews_probs(nxt) or _zeroes_probs(nxt, cur)):
+                               or _reviews_probs(nxt) or zeroes_probs(nxt, cur)):
         chain_fwd.append(nxt)
         cur, nxt = nxt, _next_in_chain(nxt)
     out = nxt
@@ -235,18 +240,18 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
     if kind(x) in ("view", "reshape") and ndim(x) == 3 and ndim(arg(x, 0)) == 4:
         chain_bwd.append(x)
         x = arg(x, 0)
-        if kind(x) == "max" and len(x.args) == 2 and _is_very_negative_const(arg(x, 1)):
+        if kind(x) == "max" and len(x.args) == 2 and is_very_negative_const(arg(x, 1)):
             chain_bwd.append(x)
             x = arg(x, 0)
-    sinks = _sink_logits(x)
+    sinks = sink_logits(x)
     if sinks is not None:
-        return _miss(softmax, "sinks", sinks, _SINKS)
+        return _miss(softmax, "sinks", sinks, SINKS)
     # masks and position biases, any number in any order (GPT-Neo: where(causal, s, min) +
     # mask; MPT: (s + alibi).masked_fill(m, min); CPM-Ant: masked_fill(s + rel_bias, m, -inf))
     masks: list[tuple] = []
     reader = chain_bwd[-1] if chain_bwd else softmax
     while len(masks) < 4:
-        step = _mask_step(x) or _masked_in_place(x, reader)
+        step = mask_step(x) or masked_in_place(x, reader)
         if step is None:
             break
         x, m, k, nodes = step
@@ -265,7 +270,7 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
         scale = c if kind(x) == "mul" else 1.0 / c
         chain_bwd.append(x)
         x = arg(x, 0)
-    if _views_scores(x):   # BLOOM: baddbmm's [B*H, T, L] scores viewed as [B, H, T, L]
+    if views_scores(x):   # BLOOM: baddbmm's [B*H, T, L] scores viewed as [B, H, T, L]
         chain_bwd.append(x)
         x = arg(x, 0)
     if kind(x) not in ("matmul", "einsum", "baddbmm"):
@@ -284,8 +289,8 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
     for z in chain_fwd:
         # p.masked_fill(m, 0) after the softmax (CPM-Ant) only zeroes keys the softmax
         # already gave 0: the same mask m, applied before it
-        if _zeroes_probs(z, arg(z, 0)) and not any(
-                k == "bool_inverted" and _same_value(m, arg(z, 1, "mask")) for m, k in masks):
+        if zeroes_probs(z, arg(z, 0)) and not any(
+                k == "bool_inverted" and same_value(m, arg(z, 1, "mask")) for m, k in masks):
             return _miss(softmax, "output", z, "the probabilities are masked after the "
                          "softmax by a mask not applied before it")
     pv = pv_operands(out, cur) if out is not None else None
@@ -318,12 +323,12 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
         more_masks=masks[1:],
     )
     for n in [qk] + chain_bwd + [softmax] + chain_fwd:
-        if n is q or (_in_place_fill(n, chain_bwd) and not n.users):
+        if n is q or (in_place_fill(n, chain_bwd) and not n.users):
             continue
         if any("logsumexp" in str(u.target) for u in n.users):   # Granite-SWA's sinks
-            return site.skip(_SINKS + " (here as a scale by the scores' logsumexp)")
-        if len([u for u in n.users if not (_in_place_fill(u, chain_bwd)
-                                           or _reads_shape_only(u, n))]) != 1:
+            return site.skip(SINKS + " (here as a scale by the scores' logsumexp)")
+        if len([u for u in n.users if not (in_place_fill(u, chain_bwd)
+                                           or reads_shape_only(u, n))]) != 1:
             return site.skip(f"attention scores/probabilities ({n.name}) are used elsewhere")
     if kt is not None and len(kt.users) != 1:
         return site.skip("transposed keys are used elsewhere")
@@ -338,115 +343,6 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
     return _check_shapes(site)
 
 
-_SINKS = ("attention sinks (a learned logit per head in the softmax's denominator) are not "
-          "supported by kvcompile.attention, which has no sink input")
-
-
-def _reads_shape_only(u, n) -> bool:
-    """u reads only n's shape or dtype (XLM: mask.expand_as(scores), p.type_as(scores)); it
-    keeps n in the graph after the rewrite, as a value nobody reads (or it is dead code)."""
-    if kind(u) in ("view", "reshape") and all(kind(w) == "size" for w in u.users):
-        return True    # ProphetNet: scores.view(*scores.shape), then only .shape is read
-    return u.op == "call_method" and u.target in ("expand_as", "type_as", "view_as",
-                                                  "reshape_as") and arg(u, 0) is not n
-
-
-def _in_place_fill(u, chain) -> bool:
-    return u in chain and u.op == "call_method" and u.target == "masked_fill_"
-
-
-def _sink_logits(x):
-    """The cat node when x is softmax's input cat([scores, sinks], -1), maybe stabilized as
-    cat(..) - cat(..).max(-1) (gpt-oss, Flint): None otherwise."""
-    if kind(x) not in ("cat", "add") and not (
-            x.op == "call_function" and x.target is operator.sub):
-        return None
-    if kind(x) != "cat":
-        x = arg(x, 0)
-    if kind(x) != "cat":
-        return None
-    parts, dim = arg(x, 0, "tensors"), arg(x, 1, "dim", 0)
-    if not (isinstance(parts, (list, tuple)) and _is_last_dim(x, dim)):
-        return None
-    return x if any(_is_scores(p) for p in parts) else None
-
-
-def _mask_step(x, depth: int = 4):
-    """(scores, mask, kind, nodes) when x applies a mask or a bias to scores: s + m
-    ("additive"), where(m, s, -big) ("bool"), where(m, -big, s) / s.masked_fill(m, -big)
-    ("bool_inverted"), s * m + -big * (1 - m) with m a 0/1 buffer ("binary", GPT-1); else None.
-    -big: a constant <= -1e4 (a number, torch.tensor(finfo.min), -inf); nodes: the chain's
-    nodes of this step."""
-    k = kind(x)
-    if k == "add":
-        a, b = arg(x, 0), arg(x, 1, "other")
-        for kept, rest in ((a, b), (b, a)):
-            found = _kept_by_product(kept, rest, depth)
-            if found is not None:
-                return found[0], found[1], "binary", [x, kept]
-        sa, sb = _is_scores(a, b, depth), _is_scores(b, a, depth)
-        if sa != sb:   # scores + scores is not a mask
-            return (a, b, "additive", [x]) if sa else (b, a, "additive", [x])
-    elif k == "where":
-        cond, a, b = arg(x, 0), arg(x, 1), arg(x, 2)
-        if _is_very_negative_const(b) and _is_scores(a, cond, depth):
-            return a, cond, "bool", [x]
-        if _is_very_negative_const(a) and _is_scores(b, cond, depth):
-            return b, cond, "bool_inverted", [x]
-    elif k == "masked_fill":
-        # nanoGPT: s.masked_fill(bias[..., :T, :T] == 0, float("-inf")): True = masked out
-        a, cond, fill = arg(x, 0), arg(x, 1, "mask"), arg(x, 2, "value")
-        if _is_very_negative_const(fill) and _is_scores(a, cond, depth):
-            return a, cond, "bool_inverted", [x]
-    return None
-
-
-def _masked_in_place(x, reader):
-    """(x, mask, "bool_inverted", [fill]) when x.masked_fill_(mask, -big) runs before `reader`
-    reads x (XLM masks its scores in place); None otherwise."""
-    fills = [u for u in x.users if u.op == "call_method" and u.target == "masked_fill_"
-             and arg(u, 0) is x]
-    if len(fills) != 1 or not _is_very_negative_const(arg(fills[0], 2, "value")):
-        return None
-    n = fills[0]
-    for _ in range(64):   # program order: the fill, then the read
-        n = n.next
-        if n is reader:
-            return x, arg(fills[0], 1, "mask"), "bool_inverted", [fills[0]]
-    return None
-
-
-def _kept_by_product(kept, rest, depth: int):
-    """(s, m) when kept = s * m and rest = -big * (1 - m) (either order) for one m: the
-    masking of OpenAI GPT, w * b + -1e4 * (1 - b), a where(b, w, -big) when b holds only 0 and
-    1, which is checked on the buffer b is sliced from (its value at compile time)."""
-    if kind(kept) != "mul" or kind(rest) != "mul":
-        return None
-    for s, m in ((arg(kept, 0), arg(kept, 1)), (arg(kept, 1), arg(kept, 0))):
-        if not (isinstance(m, fx.Node) and _is_scores(s, m, depth)):
-            continue
-        for c, one_minus in ((arg(rest, 0), arg(rest, 1)), (arg(rest, 1), arg(rest, 0))):
-            if _is_very_negative_const(c) and isinstance(one_minus, fx.Node) and (
-                    one_minus.op == "call_function" and one_minus.target is operator.sub
-                    and _constant(arg(one_minus, 0)) == 1
-                    and _same_value(arg(one_minus, 1), m) and _binary_buffer(m)):
-                return s, m
-    return None
-
-
-def _binary_buffer(m) -> bool:
-    """m is a view of a graph input (a module buffer) whose value holds only 0 and 1."""
-    while isinstance(m, fx.Node) and kind(m) in ("getitem", "view", "reshape", "expand", "to"):
-        m = arg(m, 0)
-    if not (isinstance(m, fx.Node) and m.op == "placeholder"):
-        return False
-    example = getattr(m.meta.get("grapharg"), "example", None)
-    if not isinstance(example, torch.Tensor) or isinstance(
-            example, torch._subclasses.FakeTensor) or example.numel() > 1 << 24:
-        return False
-    return bool(((example == 0) | (example == 1)).all())
-
-
 def _next_in_chain(node: fx.Node) -> fx.Node | None:
     """The user of `node` that continues an attention chain (cast, dropout, matmul by v)."""
     for u in node.users:
@@ -457,60 +353,15 @@ def _next_in_chain(node: fx.Node) -> fx.Node | None:
             return u
         if k == "einsum" and node in u.all_input_nodes:
             return u
-        if _unviews_scores(u) or _reviews_probs(u) or _zeroes_probs(u, node):
+        if _unviews_scores(u) or _reviews_probs(u) or zeroes_probs(u, node):
             return u
     return None
-
-
-def _zeroes_probs(u, p) -> bool:
-    """u is p.masked_fill(mask, 0) / torch.masked_fill(p, mask, 0)."""
-    return kind(u) == "masked_fill" and arg(u, 0) is p and _constant(arg(u, 2, "value")) == 0 \
-        and isinstance(arg(u, 1, "mask"), fx.Node)
-
-
-def _constant(x):
-    """A number, or the number a 0-d torch.tensor(v) / scalar_tensor(v) / full((), v) holds."""
-    if isinstance(x, fx.Node) and x.op == "call_function" and (
-            kind(x) == "tensor" or x.target is torch.scalar_tensor):
-        x = arg(x, 0)
-    elif isinstance(x, fx.Node) and kind(x) == "full":
-        x = arg(x, 1, "fill_value")
-    return x if isinstance(x, (int, float, bool)) else None
-
-
-def _same_value(a, b, depth: int = 6) -> bool:
-    """a and b are the same node, or the same ops over the same inputs (a mask computed twice
-    from one tensor, as CPM-Ant does before and after its softmax)."""
-    if a is b:
-        return True
-    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
-        return not isinstance(a, fx.Node) and not isinstance(b, fx.Node) and a == b
-    if depth <= 0 or a.op != b.op or a.target != b.target or a.op not in (
-            "call_function", "call_method") or a.kwargs != b.kwargs or len(a.args) != len(
-            b.args):
-        return False
-    return all(_same_value(x, y, depth - 1) for x, y in zip(a.args, b.args))
 
 
 def _reviews_probs(u) -> bool:
     """u views 3-D probabilities to 4-D only to view them back (XGLM's attn_weights_reshaped)."""
     return kind(u) in ("view", "reshape") and ndim(u) == 4 and ndim(arg(u, 0)) == 3 and any(
         _unviews_scores(w) for w in u.users)
-
-
-def _is_very_negative_const(x) -> bool:
-    """A number <= -1e4 (-inf, finfo.min), or a 0-d tensor made of one in the graph:
-    torch.full((), v), torch.tensor(v), torch.scalar_tensor(v)."""
-    if isinstance(x, (int, float)) and not isinstance(x, bool):
-        return x <= -1e4
-    fill = _constant(x) if isinstance(x, fx.Node) else None
-    return isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill <= -1e4
-
-
-def _views_scores(x) -> bool:
-    """x is a [B, H, T, L] view of 3-D scores from bmm / baddbmm."""
-    return kind(x) in ("view", "reshape") and ndim(x) == 4 and ndim(arg(x, 0)) == 3 and (
-        kind(arg(x, 0)) in ("matmul", "baddbmm", "einsum"))
 
 
 def _unviews_scores(u) -> bool:
@@ -521,22 +372,6 @@ def _unviews_scores(u) -> bool:
             for w in n.users)
     return kind(u) in ("view", "reshape") and ndim(u) == 3 and ndim(arg(u, 0)) == 4 and (
         feeds_bmm(u))
-
-
-def _is_scores(scores, mask=None, depth: int = 4) -> bool:
-    """`scores` is the [B, H, S, L] (or [B*H, S, L]) q·kᵀ tensor, maybe scaled, cast, viewed,
-    soft-capped or already masked (`depth` such steps at most); `mask` (unused) is what would
-    be applied to it."""
-    if not isinstance(scores, fx.Node) or ndim(scores) not in (3, 4):
-        return False
-    k = kind(scores)
-    if k in ("matmul", "einsum", "baddbmm") or _views_scores(scores):
-        return True
-    if depth <= 0:
-        return False
-    if k in ("mul", "div", "to", "tanh"):
-        return any(_is_scores(a, None, depth - 1) for a in scores.args[:2])
-    return _mask_step(scores, depth - 1) is not None
 
 
 def _check_shapes(site: AttentionSite) -> AttentionSite:
