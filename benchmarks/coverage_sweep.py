@@ -344,7 +344,7 @@ def write_doc(rows: dict[str, dict]) -> str:
         by_cause: dict[str, list[str]] = {}
         for f in alone:
             r = rows[f]
-            text = " ".join([r.get("left_alone") or ""] + (r.get("near_misses") or [])[:1])
+            text = " ".join([r.get("left_alone") or ""] + (r.get("near_misses") or []))
             by_cause.setdefault(_cause(text), []).append(f)
         lines += ["", "Left alone, by cause (each family's reason is in its row):", ""]
         lines += [f"- {cause}: {', '.join(fams)}" for cause, fams in
