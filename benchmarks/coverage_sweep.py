@@ -84,12 +84,41 @@ CORE = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
         "num_key_value_heads", "n_embd", "n_head", "d_model", "num_heads", "ffn_dim",
         "tie_word_embeddings", "num_experts", "num_local_experts", "n_routed_experts",
         "moe_intermediate_size", "num_experts_per_tok")
+# all of TINY again, with the config's per-layer lists cut to two layers (_two_layers): for
+# configs that validate their lists against the layer count (Llama4, Zamba), which otherwise
+# only build at the last level, at their full depth (48 and 76 layers: timeouts)
 LEVELS = (
     lambda k: True,
     lambda k: k not in ("head_dim", "v_head_dim", "kv_lora_rank", "q_lora_rank",
                         "qk_rope_head_dim", "qk_nope_head_dim", "attention_head_dim", "d_kv"),
+    lambda k: True,
     lambda k: k in CORE,
 )
+TRIM_LEVEL = 2
+_LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
+
+
+def _two_layers(d: dict) -> dict:
+    """Per-layer lists of a config dict cut to the layers kept: the first layer of each kind
+    (by `layer_types`-like lists), so a hybrid keeps an attention layer; lists of layer indices
+    (`moe_layers`) are dropped, the config's default applies."""
+    n = next((d[k] for k in _LAYER_COUNTS if isinstance(d.get(k), int)), None)
+    per_layer = {k: v for k, v in d.items() if isinstance(v, list) and n and len(v) == n
+                 and len(v) > 2}
+    if not per_layer:
+        return {}
+    kinds = next((v for k, v in per_layer.items() if "type" in k), None)
+    keep = sorted({kinds.index(t) for t in kinds} if kinds else {0})[:2]
+    keep = (keep + [i for i in range(n) if i not in keep])[:2]
+    keep.sort()
+    out = {}
+    for k, v in per_layer.items():
+        if k.endswith("_layers") and all(isinstance(x, int) and not isinstance(x, bool)
+                                         and x >= 2 for x in v[2:]) and v == sorted(v):
+            out[k] = None         # indices of layers, not one entry per layer
+        else:
+            out[k] = [v[i] for i in keep]
+    return out
 
 
 def _tiny_config(model_type: str, level: int = 0):
@@ -103,12 +132,19 @@ def _tiny_config(model_type: str, level: int = 0):
         kw.update({k: v for k, v in SPECIAL_IDS.items() if k in d})
         return kw
 
+    trim = level == TRIM_LEVEL
     kw = tiny(base.to_dict())
+    if trim:
+        kw.update({k: v for k, v in _two_layers(base.to_dict()).items() if v is not None})
     # sub-configs (multimodal text towers, decoders)
     for name in ("text_config", "decoder", "decoder_config", "language_config", "llm_config"):
         sub = getattr(base, name, None)
         if sub is not None and hasattr(sub, "to_dict"):
             kw[name] = {**sub.to_dict(), **tiny(sub.to_dict())}
+            if trim:
+                for key, v in _two_layers(sub.to_dict()).items():
+                    kw[name].pop(key) if v is None else kw[name].__setitem__(key, v)
+                continue
             for key in ("layer_types", "mlp_layer_types", "sliding_window_pattern"):
                 kw[name].pop(key, None)
     cfg = transformers.AutoConfig.for_model(model_type, **kw)
@@ -202,7 +238,10 @@ def run_family(model_type: str) -> dict:
 # --- the sweep ---------------------------------------------------------------------------------
 
 def _child(model_type: str, timeout: float) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+    # the child runs benchmarks/coverage_sweep.py, so sys.path[0] is benchmarks/: put this
+    # checkout first, or `import kvcompile` finds whichever copy is installed (another worktree)
+    path = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=path,
                TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
     t0 = time.time()
     try:
@@ -289,6 +328,8 @@ def write_doc(rows: dict[str, dict]) -> str:
         if st == "n/a":
             why = NO_ATTENTION.get(fam, "no softmax attention op in the compiled graphs of the "
                                         "tiny 2-layer config (a hybrid may place none there)")
+        if st == "not-identical" and not why and r.get("warnings"):
+            why = r["warnings"][0]    # e.g. a forward Dynamo stopped compiling
         if st in ("left-alone", "silent") and not why and r.get("near_misses"):
             why = "near miss: " + r["near_misses"][0]
         sites = f"{r.get('rewritten', 0)} / {r.get('sites', 0)}" if st not in (
@@ -298,6 +339,16 @@ def write_doc(rows: dict[str, dict]) -> str:
         why = why.replace("|", "\\|").replace("\n", " ")
         lines.append(f"| {fam} | {st} | {sites} | {ident} | {why[:300]} | "
                      f"{r.get('seconds', '')} |")
+    alone = [f for f in sorted(rows) if status(rows[f]) in ("left-alone", "partial")]
+    if alone:
+        by_cause: dict[str, list[str]] = {}
+        for f in alone:
+            r = rows[f]
+            text = " ".join([r.get("left_alone") or ""] + (r.get("near_misses") or []))
+            by_cause.setdefault(_cause(text), []).append(f)
+        lines += ["", "Left alone, by cause (each family's reason is in its row):", ""]
+        lines += [f"- {cause}: {', '.join(fams)}" for cause, fams in
+                  sorted(by_cause.items(), key=lambda kv: -len(kv[1]))]
     missing = [f for f in families() if f not in rows]
     if missing:
         lines += ["", f"Not swept in this run ({len(missing)} of transformers' "
@@ -305,6 +356,25 @@ def write_doc(rows: dict[str, dict]) -> str:
                   f"--skip-done` to add them): " + ", ".join(missing) + "."]
     DOC.write_text("\n".join(lines) + "\n")
     return next(x for x in lines if x.startswith("**")).strip("*")
+
+
+# reason text -> the cause it belongs to, first match wins (write_doc's summary by cause)
+CAUSES = (
+    ("attention sinks", "attention sinks (a learned logit per head in the softmax's "
+     "denominator): kvcompile.attention has no sink input"),
+    ("computed from the cached tensors", "keys/values projected from a cached latent after "
+     "the cache update (MLA): kvcompile pages the K/V attention reads"),
+    ("keys computed in this graph", "a layer run twice in one forward (its second pass reads "
+     "the first one's keys)"),
+    ("also read by", "the cache is also read by other ops (two attentions over one cache, a "
+     "mask computed from the cached values)"),
+    ("used elsewhere", "the scores or probabilities are used by more than the attention"),
+)
+
+
+def _cause(text: str) -> str:
+    return next((c for key, c in CAUSES if key in text),
+                "the scores are combined in a way no pattern reads (near miss)")
 
 
 def main() -> None:

@@ -43,7 +43,10 @@ def activation_bytes_per_token(model) -> int:
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
         else model.config
     hidden = int(getattr(cfg, "hidden_size", 0) or 0)
-    inter = int(getattr(cfg, "intermediate_size", 0) or 4 * hidden)
+    inter = getattr(cfg, "intermediate_size", 0) or 4 * hidden
+    if isinstance(inter, (list, tuple)):   # one size per layer (Gemma 3n): the largest
+        inter = max(inter)
+    inter = int(inter)
     elem = torch.finfo(model.dtype).bits // 8 if model.dtype.is_floating_point else 4
     return math.ceil(1.25 * elem * (2 * hidden + 3 * inter))
 

@@ -34,6 +34,19 @@ from kvcompile.passes.graph_utils import (
     val,
 )
 from kvcompile.passes.layouts import BHSD, Layout, pv_operands, qk_operands
+from kvcompile.passes.score_masks import (
+    SINKS,
+    in_place_fill,
+    is_last_dim,
+    is_very_negative_const,
+    mask_step,
+    masked_in_place,
+    reads_shape_only,
+    same_value,
+    sink_logits,
+    views_scores,
+    zeroes_probs,
+)
 from kvcompile.passes.sites import AttentionSite, NearMiss
 
 
@@ -200,14 +213,9 @@ def _strip_to(node):
     return node
 
 
-def _is_last_dim(node, dim) -> bool:
-    n = ndim(node)
-    return dim == -1 or (n is not None and dim == n - 1)
-
-
 def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
     dim = arg(softmax, 1, "dim")
-    if not _is_last_dim(softmax, dim):
+    if not is_last_dim(softmax, dim):
         return _miss(softmax, "softmax", softmax, f"softmax over dim {dim}, not the last "
                      f"(key) dim")
     # forwards: softmax -> [to] -> [dropout] -> matmul(p, v); a step may have other users
@@ -216,14 +224,14 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
     cur = softmax
     nxt = _next_in_chain(cur)
     while nxt is not None and (kind(nxt) in ("to", "dropout") or _unviews_scores(nxt)
-                               or _reviews_probs(nxt)):
+                               or _reviews_probs(nxt) or zeroes_probs(nxt, cur)):
         chain_fwd.append(nxt)
         cur, nxt = nxt, _next_in_chain(nxt)
     out = nxt
     # backwards: softmax <- [to] <- [add mask | where] <- [softcap] <- [scale] <- matmul(q, kT)
     chain_bwd = []
     x = arg(softmax, 0, "input")
-    mask, mask_kind, scale, softcap = None, None, None, 0.0
+    scale, softcap = None, 0.0
     while kind(x) == "to":
         chain_bwd.append(x)
         x = arg(x, 0)
@@ -232,35 +240,24 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
     if kind(x) in ("view", "reshape") and ndim(x) == 3 and ndim(arg(x, 0)) == 4:
         chain_bwd.append(x)
         x = arg(x, 0)
-        if kind(x) == "max" and len(x.args) == 2 and _is_very_negative_const(arg(x, 1)):
+        if kind(x) == "max" and len(x.args) == 2 and is_very_negative_const(arg(x, 1)):
             chain_bwd.append(x)
             x = arg(x, 0)
-    if kind(x) == "add":
-        a, b = arg(x, 0), arg(x, 1, "other")
-        if _is_scores(a, b):
-            chain_bwd.append(x)
-            x, mask = a, b
-        elif _is_scores(b, a):
-            chain_bwd.append(x)
-            x, mask = b, a
-        mask_kind = "additive" if mask is not None else None
-    elif kind(x) == "where":
-        cond, a, b = arg(x, 0), arg(x, 1), arg(x, 2)
-        if isinstance(a, fx.Node) and is_scalar(b) and _is_scores(a, cond):
-            chain_bwd.append(x)
-            x, mask, mask_kind = a, cond, "bool"
-        elif isinstance(b, fx.Node) and is_scalar(a) and _is_scores(b, cond):
-            chain_bwd.append(x)   # where(masked_out, -inf, s)
-            x, mask, mask_kind = b, cond, "bool_inverted"
-    elif kind(x) == "masked_fill":
-        # nanoGPT: s.masked_fill(bias[..., :T, :T] == 0, float("-inf")): True = masked out
-        a, cond, fill = arg(x, 0), arg(x, 1, "mask"), arg(x, 2, "value")
-        if isinstance(fill, (int, float)) and fill <= -1e4 and _is_scores(a, cond):
-            chain_bwd.append(x)
-            x, mask, mask_kind = a, cond, "bool_inverted"
-    # a position bias added under the mask (MPT's ALiBi: (s + bias).masked_fill(m, min)) is
-    # not matched: rewritten that way, tiny MPT's logits differed from eager (2026-12-03)
-    bias = None
+    sinks = sink_logits(x)
+    if sinks is not None:
+        return _miss(softmax, "sinks", sinks, SINKS)
+    # masks and position biases, any number in any order (GPT-Neo: where(causal, s, min) +
+    # mask; MPT: (s + alibi).masked_fill(m, min); CPM-Ant: masked_fill(s + rel_bias, m, -inf))
+    masks: list[tuple] = []
+    reader = chain_bwd[-1] if chain_bwd else softmax
+    while len(masks) < 4:
+        step = mask_step(x) or masked_in_place(x, reader)
+        if step is None:
+            break
+        x, m, k, nodes = step
+        chain_bwd += nodes
+        reader = nodes[0]
+        masks.append((m, k))
     # logit soft-capping: tanh(s / cap) * cap
     if kind(x) == "mul" and kind(arg(x, 0)) == "tanh":
         cap = scalar_value(arg(x, 1))
@@ -273,7 +270,7 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
         scale = c if kind(x) == "mul" else 1.0 / c
         chain_bwd.append(x)
         x = arg(x, 0)
-    if _views_scores(x):   # BLOOM: baddbmm's [B*H, T, L] scores viewed as [B, H, T, L]
+    if views_scores(x):   # BLOOM: baddbmm's [B*H, T, L] scores viewed as [B, H, T, L]
         chain_bwd.append(x)
         x = arg(x, 0)
     if kind(x) not in ("matmul", "einsum", "baddbmm"):
@@ -286,12 +283,16 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
     q, k, kt = ops.q, ops.k, ops.kt
     if ops.scale != 1.0:
         scale = ops.scale * (scale if scale is not None else 1.0)
-    if ops.bias is not None and bias is not None:
-        return _miss(softmax, "mask", qk, "baddbmm's bias, a position bias and a mask")
-    if ops.bias is not None and mask is None:
-        mask, mask_kind = ops.bias, "additive"
-    elif ops.bias is not None:
-        bias = ops.bias    # baddbmm's bias (ALiBi) beside a mask: the rewrite adds them
+    if ops.bias is not None:   # baddbmm's input: an additive mask or bias (BLOOM's ALiBi)
+        masks.append((ops.bias, "additive"))
+    mask, mask_kind = masks[0] if masks else (None, None)
+    for z in chain_fwd:
+        # p.masked_fill(m, 0) after the softmax (CPM-Ant) only zeroes keys the softmax
+        # already gave 0: the same mask m, applied before it
+        if zeroes_probs(z, arg(z, 0)) and not any(
+                k == "bool_inverted" and same_value(m, arg(z, 1, "mask")) for m, k in masks):
+            return _miss(softmax, "output", z, "the probabilities are masked after the "
+                         "softmax by a mask not applied before it")
     pv = pv_operands(out, cur) if out is not None else None
     if pv is None:
         users = ", ".join(f"{u.name} ({_op(u)})" for u in cur.users) or "nothing"
@@ -319,12 +320,15 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
         q=q, k=k_src, v=v_src, output=out, chain=chain, mask=mask, mask_kind=mask_kind,
         scale=scale if scale is not None else 1.0, softcap=softcap, n_rep=rep_k,
         q_layout=ops.q_layout, k_layout=k_layout, v_layout=v_layout, out_layout=out_layout,
-        bias=bias,
+        more_masks=masks[1:],
     )
     for n in [qk] + chain_bwd + [softmax] + chain_fwd:
-        if n is q:
+        if n is q or (in_place_fill(n, chain_bwd) and not n.users):
             continue
-        if len(n.users) != 1:
+        if any("logsumexp" in str(u.target) for u in n.users):   # Granite-SWA's sinks
+            return site.skip(SINKS + " (here as a scale by the scores' logsumexp)")
+        if len([u for u in n.users if not (in_place_fill(u, chain_bwd)
+                                           or reads_shape_only(u, n))]) != 1:
             return site.skip(f"attention scores/probabilities ({n.name}) are used elsewhere")
     if kt is not None and len(kt.users) != 1:
         return site.skip("transposed keys are used elsewhere")
@@ -349,7 +353,7 @@ def _next_in_chain(node: fx.Node) -> fx.Node | None:
             return u
         if k == "einsum" and node in u.all_input_nodes:
             return u
-        if _unviews_scores(u) or _reviews_probs(u):
+        if _unviews_scores(u) or _reviews_probs(u) or zeroes_probs(u, node):
             return u
     return None
 
@@ -360,22 +364,6 @@ def _reviews_probs(u) -> bool:
         _unviews_scores(w) for w in u.users)
 
 
-def _is_very_negative_const(x) -> bool:
-    """torch.full((), finfo.min) or a number <= -1e4 (a clamp that leaves finite scores)."""
-    if isinstance(x, (int, float)):
-        return x <= -1e4
-    if isinstance(x, fx.Node) and kind(x) == "full":
-        fill = arg(x, 1, "fill_value")
-        return isinstance(fill, (int, float)) and fill <= -1e4
-    return False
-
-
-def _views_scores(x) -> bool:
-    """x is a [B, H, T, L] view of 3-D scores from bmm / baddbmm."""
-    return kind(x) in ("view", "reshape") and ndim(x) == 4 and ndim(arg(x, 0)) == 3 and (
-        kind(arg(x, 0)) in ("matmul", "baddbmm", "einsum"))
-
-
 def _unviews_scores(u) -> bool:
     """u views [B, H, T, L] probabilities as [B*H, T, L] for a bmm by the values."""
     def feeds_bmm(n, depth=2):
@@ -384,15 +372,6 @@ def _unviews_scores(u) -> bool:
             for w in n.users)
     return kind(u) in ("view", "reshape") and ndim(u) == 3 and ndim(arg(u, 0)) == 4 and (
         feeds_bmm(u))
-
-
-def _is_scores(scores, mask) -> bool:
-    """`scores` looks like the [B, H, S, L] score tensor and `mask` broadcasts onto it."""
-    s = shape(scores)
-    if s is None or len(s) not in (3, 4) or not isinstance(scores, fx.Node):
-        return False
-    return kind(scores) in ("matmul", "einsum", "baddbmm", "mul", "div", "to") or \
-        _views_scores(scores)
 
 
 def _check_shapes(site: AttentionSite) -> AttentionSite:

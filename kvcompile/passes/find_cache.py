@@ -14,6 +14,7 @@ the same tokens as the queries (cross-attention over encoder states is left alon
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from kvcompile.passes.graph_utils import (
@@ -88,7 +89,7 @@ def _through_permutes(x: fx.Node, layout: Layout) -> tuple[fx.Node, Layout]:
     layout ([B, S, H, D] caches attended as [B, H, S, D])."""
     while isinstance(x, fx.Node) and not layout.flat and ndim(x) == 4:
         k = kind(x)
-        if k == "contiguous" or (k == "to" and len(x.args) == 1):
+        if k == "contiguous" or _float_cast(x):
             x = arg(x, 0)
         elif k == "transpose" and x.target != "mT":
             d0, d1 = arg(x, 1, "dim0"), arg(x, 2, "dim1")
@@ -107,6 +108,15 @@ def _through_permutes(x: fx.Node, layout: Layout) -> tuple[fx.Node, Layout]:
     return x, layout
 
 
+def _float_cast(x: fx.Node) -> bool:
+    """x.float() / x.to(torch.float32): attention computed in another float dtype than the
+    cache's (GPT-Neo upcasts its cached keys); the op reads the pages in the query's dtype."""
+    if kind(x) != "to" or x.kwargs.keys() - {"dtype"}:
+        return False
+    rest = list(x.args[1:]) + list(x.kwargs.values())
+    return all(isinstance(a, torch.dtype) and a.is_floating_point for a in rest)
+
+
 def _root(x: fx.Node) -> fx.Node:
     while isinstance(x, fx.Node) and kind(x) in VIEW_KINDS:
         x = arg(x, 0)
@@ -116,6 +126,7 @@ def _root(x: fx.Node) -> fx.Node:
 def _find_one(x: fx.Node, site: AttentionSite, what: str, layout: Layout) -> CacheOp:
     consumed = x
     x, layout = _through_permutes(x, layout)
+    unpermuted, unpermuted_layout = x, layout
     if layout.flat:
         raise _NotACache(f"{what}: a cache kept flattened as [B*H, S, D] (kvcompile reads "
                          f"caches held as [B, H, S, D] or [B, S, H, D])")
@@ -174,7 +185,13 @@ def _find_one(x: fx.Node, site: AttentionSite, what: str, layout: Layout) -> Cac
     # the model also keeps them (returns them, or stores them on a module) to grow a cache by
     # cat from the next call on: a cache that starts here, its stored copy a stub
     layout = site_layout(site, what)
+    while _float_cast(consumed):   # keys kept as they are, attended upcast (GPT-Neo)
+        consumed = arg(consumed, 0)
     kept = _kept_readers(consumed, site)
+    if not kept and unpermuted is not consumed and _kept_readers(unpermuted, site):
+        # kept in another layout than attention reads them (OpenAI GPT: [B, T, H, D])
+        consumed, layout = unpermuted, unpermuted_layout
+        kept = _kept_readers(consumed, site)
     if kept:
         seq = layout.seq_dim if not layout.flat else -1
         if seq < 0:

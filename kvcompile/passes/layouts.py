@@ -116,6 +116,18 @@ def untranspose(kt):
     return None
 
 
+def _permuted_keys(kt):
+    """(k, k's layout) when kt = k.permute(p) is [B, H, D, S] straight from another layout
+    (OpenAI GPT: [B, T, H, D] keys permuted (0, 2, 3, 1)); (None, None) otherwise."""
+    if kind(kt) != "permute" or ndim(kt) != 4:
+        return None, None
+    dims = kt.args[1:] if len(kt.args) > 2 else arg(kt, 1, "dims")
+    if not (isinstance(dims, (tuple, list)) and sorted(d % 4 for d in dims) == [0, 1, 2, 3]):
+        return None, None
+    d = [x % 4 for x in dims]
+    return arg(kt, 0), Layout(perm=(d[0], d[1], d[3], d[2]))
+
+
 def flat_heads(node) -> int:
     """Heads of a [B*H, S, D] tensor, read from the [B, H, S, D] it was flattened from."""
     seen = 0
@@ -162,14 +174,16 @@ def qk_operands(node: fx.Node) -> QK | str:
         bias = bias if scalar_value(beta) == 1.0 else None
     else:
         q, kt = arg(node, 0), arg(node, 1, "other")
-    key = untranspose(kt)
+    key, lk = untranspose(kt), None
+    if key is None:
+        key, lk = _permuted_keys(kt)
     if key is None:
         return "the scores' second operand is not the keys transposed (k.transpose(-2, -1), " \
-               "k.mT, permute(0, 1, 3, 2))"
+               "k.mT, a permute to [B, H, D, S])"
     lq = _layout_of(q)
     if isinstance(lq, str):
         return lq
-    lk = BHSD if ndim(key) == 4 else Layout(heads=lq.heads)
+    lk = lk or (BHSD if ndim(key) == 4 else Layout(heads=lq.heads))
     return QK(q=q, k=key, kt=kt, q_layout=lq, k_layout=lk, scale=scale, bias=bias)
 
 

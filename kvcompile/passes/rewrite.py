@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from kvcompile.passes.graph_utils import VIEW_KINDS, arg, graph_outputs, kind, ndim, val
-from kvcompile.passes.graph_utils import set_meta as _set_meta
+from kvcompile.passes.graph_utils import VIEW_KINDS, arg, graph_outputs, kind, ndim, set_meta, val
 from kvcompile.passes.layouts import BHSD
 from kvcompile.passes.mask_inputs import unexpand_masks
 from kvcompile.passes.sites import AttentionSite
@@ -88,17 +87,10 @@ def rewrite_site(gm: fx.GraphModule, site: AttentionSite, tag: str,
     """Replace one site's attention and cache ops by `kvcompile.attention`; appends the cache
     inputs it binds to `handles`. Sets site.rewritten."""
     graph = gm.graph
-    mask = _bool_mask_source(site.mask)
-    if site.mask_kind == "bool_inverted":
-        with graph.inserting_before(site.output):
-            mask = graph.call_function(torch.logical_not, (site.mask,))
-            _set_meta(mask, site.output)
     q_layout = site.q_layout or BHSD
-    if q_layout.flat and ndim(mask) == 3 and val(mask).shape[0] != 1:
-        mask = _adapt(graph, q_layout.to_bhsd, mask, site.output)   # [B*H, S, L] bias
-    mask = _to_4d(graph, mask, site.output)
-    if site.bias is not None:
-        mask = _add_bias(graph, site, mask, q_layout)
+    mask = _mask_operand(graph, site, site.mask, site.mask_kind, q_layout)
+    for m, k in site.more_masks:
+        mask = _combine_masks(graph, site, mask, _mask_operand(graph, site, m, k, q_layout))
     positions = _positions(graph, site)
     scale = site.scale if site.scale is not None else 1.0 / math.sqrt(site.head_dim)
     is_causal = site.is_causal
@@ -131,19 +123,43 @@ def rewrite_site(gm: fx.GraphModule, site: AttentionSite, tag: str,
     site.rewritten = True
 
 
-def _add_bias(graph: fx.Graph, site: AttentionSite, mask, q_layout):
-    """One additive mask from the mask and baddbmm's bias ([B*H, 1, L] ALiBi)."""
-    bias = site.bias
-    if q_layout.flat and ndim(bias) == 3 and val(bias).shape[0] != 1:
-        bias = _adapt(graph, q_layout.to_bhsd, bias, site.output)
-    bias = _to_4d(graph, bias, site.output)
+def _mask_operand(graph: fx.Graph, site: AttentionSite, mask, mask_kind, q_layout):
+    """One of the site's masks as the op takes it: bool (True = attend) or additive, 4-D."""
+    if mask is None:
+        return None
+    src = _bool_mask_source(mask)
+    if mask_kind == "binary":   # a 0/1 float mask (find_attention checked its values)
+        with graph.inserting_before(site.output):
+            src = graph.call_method("to", (mask, torch.bool))
+        _set_meta(src, site.output)
+    if mask_kind == "bool_inverted":
+        with graph.inserting_before(site.output):
+            src = graph.call_function(torch.logical_not, (mask,))
+        _set_meta(src, site.output)
+    if q_layout.flat and ndim(src) == 3 and val(src).shape[0] != 1:
+        src = _adapt(graph, q_layout.to_bhsd, src, site.output)   # [B*H, S, L] bias
+    return _to_4d(graph, src, site.output)
+
+
+def _combine_masks(graph: fx.Graph, site: AttentionSite, a, b):
+    """Two masks applied one after the other as one: bool & bool, where(bool, additive, -inf),
+    additive + additive (a position bias under a mask: MPT's ALiBi, BLOOM's baddbmm bias)."""
+    if a is None or b is None:
+        return a if b is None else b
+    if val(a) is None or val(b) is None:   # never guess: a bool mask added as 0 / 1 is wrong
+        raise ValueError("a mask's dtype is unknown, so the site's masks cannot be combined")
+    a_bool, b_bool = val(a).dtype == torch.bool, val(b).dtype == torch.bool
     with graph.inserting_before(site.output):
-        if val(mask) is not None and val(mask).dtype == torch.bool:
-            out = graph.call_function(torch.where, (mask, bias, float("-inf")))
+        if a_bool and b_bool:
+            out = graph.call_function(torch.logical_and, (a, b))
+        elif a_bool or b_bool:
+            keep, add = (a, b) if a_bool else (b, a)
+            out = graph.call_function(torch.where, (keep, add, float("-inf")))
         else:
-            out = graph.call_function(operator.add, (mask, bias))
+            out = graph.call_function(operator.add, (a, b))
     _set_meta(out, site.output)
-    site.mask_kind = "additive"
+    if not (a_bool and b_bool):
+        site.mask_kind = "additive"
     return out
 
 
@@ -178,6 +194,28 @@ def finish_rewrite(gm: fx.GraphModule, sites: list[AttentionSite],
 
 
 _NEEDS_SLICE = object()
+
+
+def _set_meta(node: fx.Node, like: fx.Node) -> None:
+    """graph_utils.set_meta, and where it left no value, the value computed in the fake mode of
+    the node's inputs: the tracing context's mode, which set_meta takes, need not be the one
+    Dynamo recorded the graph in (seen under torch 2.13: MPT's logical_not(mask) got no value,
+    so its ALiBi bias was added to the bool mask as 0/1 instead of under it)."""
+    set_meta(node, like)
+    if val(node) is not None or node.op not in ("call_function", "call_method"):
+        return
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: val(n))
+    leaves = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))
+              if isinstance(a, torch.Tensor)]
+    modes = {id(m): m for m in (getattr(a, "fake_mode", None) for a in leaves) if m is not None}
+    if len(modes) != 1:
+        return
+    fn = node.target if node.op == "call_function" else getattr(torch.Tensor, node.target)
+    try:
+        with next(iter(modes.values())):
+            node.meta["example_value"] = fn(*args, **kwargs)
+    except Exception:  # noqa: BLE001  (meta is advisory, as in set_meta)
+        pass
 
 
 def _to_4d(graph: fx.Graph, mask, before: fx.Node):

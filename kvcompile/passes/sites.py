@@ -68,7 +68,9 @@ class AttentionSite:
     k_layout: Any = None
     v_layout: Any = None
     out_layout: Any = None
-    bias: Any = None                   # an additive bias beside the mask (baddbmm's ALiBi)
+    # further masks / position biases applied with `mask` ([(node, kind)]): ALiBi, a second
+    # causal mask; the rewrite combines them into one
+    more_masks: list = field(default_factory=list)
 
     @property
     def cache_kind(self) -> str:

@@ -136,3 +136,16 @@ def test_auto_chunk_when_the_batch_does_not_fit(pair, monkeypatch):
     o = model.generate(ids, attention_mask=am, max_new_tokens=NEW, do_sample=False,
                        pad_token_id=0, eos_token_id=None, num_beams=2, num_return_sequences=2)
     torch.testing.assert_close(o, r, rtol=0, atol=0)
+
+
+def test_activation_bytes_with_one_intermediate_size_per_layer():
+    """Gemma 3n's config lists one intermediate size per layer: the largest counts (the sweep
+    found compile crashing on int(list))."""
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(hidden_size=64, intermediate_size=[128, 256])
+    model = SimpleNamespace(config=cfg, dtype=torch.float32)
+    want = hf_prefill.activation_bytes_per_token(
+        SimpleNamespace(config=SimpleNamespace(hidden_size=64, intermediate_size=256),
+                        dtype=torch.float32), 10)
+    assert hf_prefill.activation_bytes_per_token(model, 10) == want

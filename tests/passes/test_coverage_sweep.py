@@ -36,3 +36,14 @@ def test_sweep_subset(sweep, tmp_path, monkeypatch):
     assert "0 crashes; 0 silent" in summary
     table = (tmp_path / "coverage.md").read_text()
     assert "| mamba | n/a |" in table and "| llama | ok | 2 / 2 | yes |" in table
+
+
+def test_per_layer_lists_cut_to_two_layers(sweep):
+    """A config whose lists follow its layer count keeps the first layer of each type (a hybrid
+    keeps an attention layer); a list of layer indices is dropped (the default applies)."""
+    d = dict(num_hidden_layers=6, layer_types=["mamba", "mamba", "attention"] * 2,
+             no_rope_layers=[1, 1, 0, 1, 1, 0], moe_layers=[0, 1, 2, 3, 4, 5], other=[1, 2])
+    assert sweep._two_layers(d) == dict(layer_types=["mamba", "attention"],
+                                        no_rope_layers=[1, 0], moe_layers=None)
+    assert sweep._two_layers(dict(num_hidden_layers=2, layer_types=["a", "b"])) == {}
+    assert "sinks" in sweep._cause("left alone: attention sinks (a learned logit ...)")
