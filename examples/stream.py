@@ -53,7 +53,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     phase(f"loading {args.model} (SmolLM2-135M: about 30 s on 2 CPU cores)")
     lm = load_model(args.model, device=args.device)
+    # prefill_attends="stored": generate's prefill attends to the pages as the Engine's does, so
+    # that both give the same tokens with lossy pages (by default generate's fresh prompt
+    # attends to its K/V as computed; the Engine's packed prefill always reads the pages)
     cfg = kvcompile.KVConfig(kv_dtype=args.kv_dtype, max_kv_bytes=128 << 20,
+                             prefill_attends="stored",
                              inner="inductor" if args.device.startswith("cuda") else "eager")
     phase("compiling with kvcompile: Dynamo traces the model (SmolLM2-135M on 2 CPU cores: about "
           "30 s, and the first request about 15 s more; on CUDA, inductor and CUDA-graph capture "

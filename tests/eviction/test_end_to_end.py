@@ -186,7 +186,9 @@ def test_report_shows_policy_per_layer_and_configure_overrides():
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3", "fp4_e2m1"])
 def test_policies_combine_with_formats(kv_dtype):
     ids = torch.randint(1, V, (1, 40), generator=torch.Generator().manual_seed(5))
-    full = _compiled(None, kv_dtype=kv_dtype)
+    # the reference attends to the stored pages in prefill too, as an evicting model does (a
+    # fresh prompt without eviction attends to its K/V as computed: KVConfig.prefill_attends)
+    full = _compiled(None, kv_dtype=kv_dtype, prefill_attends="stored")
     ref, _ = _stream(full, ids, 20, 1)
     m = _compiled(SinkWindow(4, 36), kv_dtype=kv_dtype)   # never over budget before t = 40
     out, _ = _stream(m, ids, 20, 1)
