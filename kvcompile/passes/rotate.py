@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from kvcompile.cache.registry import is_quantized
 from kvcompile.config import SinkWindow
 from kvcompile.passes.graph_utils import arg, kind, val
 from kvcompile.passes.rewrite import _set_meta
@@ -137,7 +138,7 @@ def rotates_keys(site) -> bool:
     structure (offsets, outlier channels) that a rotation would mix away (measured: int4
     channel keys lose more with it); their values still are."""
     cfg = site.config
-    quantized = cfg.key_dtype.startswith(("fp8", "fp4", "int"))
+    quantized = is_quantized(cfg.key_dtype)
     return not (quantized and cfg.scale_granularity == "channel")
 
 
