@@ -107,6 +107,24 @@ def test_pages_round_trip_against_reference():
         NAME, "token").bytes_per_token(2, 32, 8)
 
 
+def test_compaction_moves_tokens_of_the_toy_format():
+    from kvcompile.cache.compaction import move_slots
+
+    g = torch.Generator().manual_seed(2)
+    pages = KVFormat(NAME, "token").allocate(3, 2, 8, 32)
+    x = torch.randn(16, 2, 32, generator=g)
+    pages.write(torch.arange(16), x)
+    before = pages.read(torch.tensor([0, 1])).permute(0, 2, 1, 3).reshape(16, 2, 32)
+    src = torch.tensor([9, 11, 13, 9])                # page 1's tokens -> page 0's slots 2..
+    dst = torch.tensor([2, 3, 4, 2])
+    heads = torch.tensor([0, 0, 0, 1])
+    move_slots(pages, src, dst, heads)
+    after = pages.read(torch.tensor([0])).permute(0, 2, 1, 3).reshape(8, 2, 32)
+    for s_, d_, h in zip(src.tolist(), dst.tolist(), heads.tolist()):
+        torch.testing.assert_close(after[d_, h], before[s_, h], rtol=0, atol=0)
+    torch.testing.assert_close(after[:2], before[:2], rtol=0, atol=0)  # untouched slots
+
+
 # --- end to end: a tiny HF model compiled with the toy format --------------------------------
 
 def test_generate_with_toy_format():
