@@ -55,6 +55,11 @@ PER_MODULE_FIELDS = (
 )
 
 
+# Policy types by the name a dict form gives (`{"policy": "h2o", ...}`), filled by
+# EvictionPolicy.__init_subclass__.
+_POLICIES: dict[str, type] = {}
+
+
 class EvictionPolicy:
     """Base type of eviction policies (`kvcompile.SinkWindow`, `H2O`, `SnapKV`).
 
@@ -64,6 +69,12 @@ class EvictionPolicy:
     """
 
     name: str = "base"
+
+    def __init_subclass__(cls, **kw):
+        # a subclass with its own `name` is accepted by that name in dict form
+        super().__init_subclass__(**kw)
+        if "name" in cls.__dict__:
+            _POLICIES[cls.name] = cls
 
     def tokens_kept(self, seq_len: int) -> int:
         """How many tokens a sequence of `seq_len` tokens keeps in the cache under this policy."""
@@ -156,7 +167,7 @@ class SnapKV(EvictionPolicy):
         return min(seq_len, self.budget)
 
 
-_POLICIES = {"sink_window": SinkWindow, "streaming": SinkWindow, "h2o": H2O, "snapkv": SnapKV}
+_POLICIES["streaming"] = SinkWindow
 
 
 def _coerce_eviction(value) -> EvictionPolicy | None:

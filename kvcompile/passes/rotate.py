@@ -44,7 +44,7 @@ import torch
 import torch.fx as fx
 
 from kvcompile.cache.registry import is_quantized
-from kvcompile.config import SinkWindow
+from kvcompile.eviction.policies import rerotated_sinks
 from kvcompile.passes.graph_utils import arg, kind, val
 from kvcompile.passes.rewrite import _set_meta
 
@@ -145,8 +145,9 @@ def rotates_keys(site) -> bool:
 def why_not_rotatable(site) -> str:
     """'' if the site's pattern allows the rotation, else the reason."""
     policy = site.config.eviction if site.config is not None else None
-    if isinstance(policy, SinkWindow) and policy.sinks > 0 and rotates_keys(site):
-        return ("SinkWindow re-rotates its sink keys with RoPE, which needs unrotated keys; "
+    if rerotated_sinks(policy) > 0 and rotates_keys(site):
+        return (f"{type(policy).__name__} re-rotates its sink keys with RoPE, which needs "
+                "unrotated keys; "
                 "use sinks=0, H2O / SnapKV, or rotate=None for this layer")
     for name, d in (("head_dim", site.head_dim), ("v head_dim", site.v_head_dim)):
         b = hadamard_block(d)
