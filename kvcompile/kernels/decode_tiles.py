@@ -53,7 +53,7 @@ INT_FMT_BITS = {s.kernels.code: s.bits for s in map(format_spec, BUILTIN_NAMES)
 # The interpreter's fp8 upcast (triton 3.9) reads e4m3fn's NaN code 0x7F as 480 and e5m2's NaN /
 # Inf codes as finite numbers (114688, 65536), so a NaN stored in fp8 codes or E4M3 micro
 # scales vanished from the output under it while bf16 pages kept it. GPUs convert them right
-# (benchmarks/gpu_check_nan.py checks): the correction runs under the interpreter only.
+# (tests/gpu/test_nan_gpu.py checks): the correction runs under the interpreter only.
 FP8_SPECIALS = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 # The asm fp4 widening yields e2m1 * micro * 2**-7 (see _e2m1_to_f16_asm): callers multiply the
 # token scale by this when ASM is on.
