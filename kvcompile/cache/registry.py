@@ -120,9 +120,11 @@ def register_format(spec: FormatSpec) -> FormatSpec:
     bad = [g for g in spec.granularities if g not in GRANULARITIES]
     if bad:
         raise KVConfigError("granularities", bad[0], ", ".join(map(repr, GRANULARITIES)))
-    if spec.family == "custom" and None in (spec.parts, spec.encode, spec.decode):
-        raise KVConfigError("FormatSpec", spec.name, "parts, encode and decode all given",
-                            hint="A format kvcompile has no write path for brings its own "
+    if spec.family != "custom" or None in (spec.parts, spec.encode, spec.decode):
+        raise KVConfigError("FormatSpec", spec.name, "family 'custom' with parts, encode and "
+                            "decode all given",
+                            hint="The built-in families' write paths (paged.py) are for the "
+                                 "built-in formats; a registered format brings its own codec "
                                  "(docs/adding-a-format.md).")
     _FORMATS[spec.name] = spec
     return spec

@@ -172,6 +172,9 @@ def test_register_refuses_duplicates_and_incomplete_specs():
                                    decode=_decode))
     with pytest.raises(KVConfigError, match="parts, encode and decode"):
         register_format(FormatSpec("toy_no_codec", torch.int8, 8, granularities=("token",)))
-    assert "toy_no_codec" not in format_names()
+    with pytest.raises(KVConfigError, match="family 'custom'"):
+        register_format(FormatSpec("toy_fp", torch.int8, 8, "fp", parts=_parts, encode=_encode,
+                                   decode=_decode))
+    assert "toy_no_codec" not in format_names() and "toy_fp" not in format_names()
     with pytest.raises(KVConfigError, match="built-in"):
         unregister_format("bf16")
