@@ -31,6 +31,7 @@ if os.environ.get("KVC_BENCH_DRY") == "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvcompile.cache.formats import KVFormat  # noqa: E402
+from kvcompile.cache.registry import format_spec  # noqa: E402
 from kvcompile.kernels import decode as dec  # noqa: E402
 from kvcompile.kernels.append import quantize_append  # noqa: E402
 
@@ -166,7 +167,7 @@ def bench(fn) -> float:
 
 def base_config(fmt: str, D: int, best: dict) -> dict:
     fam = family(fmt)
-    code = dec.DECODE_FORMAT_CODES[make_format(split_spec(fmt)[0]).name]
+    code = format_spec(make_format(split_spec(fmt)[0]).name).kernels.code
     cfg = dec.default_config(code, D, D, 16)
     if fam in best:
         cfg.update(best[fam])

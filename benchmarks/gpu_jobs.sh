@@ -3,6 +3,8 @@
 # log ($OUT/<job>.log); a PASS/FAIL/TIMEOUT line per job at the end (also $OUT/summary.txt).
 #
 #   bash benchmarks/gpu_jobs.sh env decode_fast memory nan dense
+#   bash benchmarks/gpu_jobs.sh gpu_tests          # every pytest test marked gpu (tests/gpu/)
+#   NAN_KINDS=prefill bash benchmarks/gpu_jobs.sh nan   # a -k selection of tests/gpu/test_nan_gpu.py
 #   DEADLINE=560 bash benchmarks/gpu_jobs.sh prefill_memory
 #
 # A job still running at its own limit, or at DEADLINE seconds after the start, is stopped so
@@ -22,14 +24,17 @@ job() {   # job NAME -> "LIMIT COMMAND"
     decode_check)   echo "200 python3 benchmarks/gpu_decode_fast.py --check --accuracy --out $OUT" ;;
     decode_bench)   echo "200 python3 benchmarks/gpu_decode_fast.py --bench --out $OUT" ;;
     memory)         echo "${MEM_LIMIT:-200} python3 -m pytest -s -q -m gpu tests/gpu/test_memory_gpu.py -p no:cacheprovider" ;;
-    nan)            echo "${NAN_LIMIT:-240} python3 benchmarks/gpu_check_nan.py ${NAN_KINDS:-}" ;;
-    dense)          echo "60 python3 benchmarks/gpu_check_dense.py" ;;
+    nan)            echo "${NAN_LIMIT:-240} python3 -m pytest -q -m gpu tests/gpu/test_nan_gpu.py -p no:cacheprovider ${NAN_KINDS:+-k $NAN_KINDS}" ;;
+    dense)          echo "60 python3 -m pytest -q -m gpu tests/gpu/test_dense_gpu.py -p no:cacheprovider" ;;
+    engine_graphs)  echo "${EG_LIMIT:-240} python3 -m pytest -s -q -m gpu tests/gpu/test_engine_graphs_gpu.py -p no:cacheprovider" ;;
+    hf_graphs)      echo "${HG_LIMIT:-150} python3 -m pytest -s -q -m gpu tests/gpu/test_hf_graphs_gpu.py -p no:cacheprovider" ;;
+    kernels)        echo "${K_LIMIT:-300} python3 -m pytest -q ${K_TESTS:-tests/kernels/test_decode.py tests/kernels/test_prefill.py tests/kernels/test_append.py} -p no:cacheprovider" ;;
+    gpu_tests)      echo "${GPU_TESTS_LIMIT:-540} python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider" ;;
     prefill_memory) echo "${PM_BUDGET:-540} python3 benchmarks/bench_prefill_memory.py --budget-s $(( ${PM_BUDGET:-540} - 15 )) --rows ${PM_ROWS:-mask_analysis,hf_static,fp8_e4m3,bf16,fp4_e2m1,bf16_whole} --json $OUT/prefill_memory.json ${PM_ARGS:-}" ;;
     pm32k)          echo "${PM_BUDGET:-400} python3 benchmarks/bench_prefill_memory.py --budget-s $(( ${PM_BUDGET:-400} - 15 )) --rows ${PM_ROWS:-hf_static,fp8_e4m3,bf16,fp4_e2m1} --json $OUT/pm32k.json" ;;
     ttft4k)         echo "${TT_BUDGET:-240} python3 benchmarks/bench_prefill_memory.py --batch 16 --prompt 4096 --budget-s $(( ${TT_BUDGET:-240} - 10 )) --rows ${TT_ROWS:-hf_static,fp8_e4m3,fp8_e4m3_stored,bf16,fp4_e2m1} --json $OUT/ttft4k.json" ;;
     ttft32k1)       echo "${TT1_BUDGET:-200} python3 benchmarks/bench_prefill_memory.py --batch 1 --prompt 32768 --budget-s $(( ${TT1_BUDGET:-200} - 10 )) --rows ${TT1_ROWS:-hf_static,fp8_e4m3,bf16} --json $OUT/ttft32k1.json" ;;
     e2e)            echo "${E2E_LIMIT:-240} python3 benchmarks/gpu_check_e2e.py --quick" ;;
-    hf_graphs)      echo "${HG_LIMIT:-150} python3 benchmarks/gpu_check_hf_graphs.py" ;;
     prefill_check)  echo "${PC_LIMIT:-220} python3 benchmarks/gpu_check_prefill.py --quick --shards 16 --budget $(( ${PC_LIMIT:-220} - 20 ))" ;;
     *)              echo "" ;;
   esac

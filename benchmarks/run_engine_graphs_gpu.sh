@@ -13,12 +13,12 @@ T1=${1:-200}
 T2=${2:-330}
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 start=$(date +%s)
-timeout "$T1" python3 benchmarks/gpu_check_engine_graphs.py > "$OUT/engine_graphs_check.log" 2>&1
+timeout "$T1" python3 -m pytest -s -q -m gpu tests/gpu/test_engine_graphs_gpu.py -p no:cacheprovider > "$OUT/engine_graphs_check.log" 2>&1
 echo "check exit $? after $(( $(date +%s) - start ))s"
-grep -E "^\||passed|Error|error" "$OUT/engine_graphs_check.log" | tail -n 25
-timeout "$T1" python3 benchmarks/gpu_check_hf_graphs.py > "$OUT/hf_graphs_check.log" 2>&1
+grep -E "^\{|passed|failed|Error|error" "$OUT/engine_graphs_check.log" | tail -n 25
+timeout "$T1" python3 -m pytest -s -q -m gpu tests/gpu/test_hf_graphs_gpu.py -p no:cacheprovider > "$OUT/hf_graphs_check.log" 2>&1
 echo "hf check exit $? after $(( $(date +%s) - start ))s"
-grep -E "^\||passed|Error|error" "$OUT/hf_graphs_check.log" | tail -n 25
+grep -E "^\{|passed|failed|Error|error" "$OUT/hf_graphs_check.log" | tail -n 25
 timeout $((T2 + 30)) python3 benchmarks/bench_generate.py --budget-s "$T2" --out "$OUT" \
   --sections ${SECTIONS:-hf_static,kvc_fp8,engine_b,engine_b_nograph} > "$OUT/bench_generate.log" 2>&1
 echo "bench exit $? after $(( $(date +%s) - start ))s"

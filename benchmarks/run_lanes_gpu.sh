@@ -4,7 +4,7 @@
 #     GPU 0: the full decode correctness matrix, then the prefill matrix + kernel report +
 #            append bandwidth (run_issue45_gpu.sh decode, prefill_report)          issues 4, 5
 #     GPU 1: the quality harness canary (run_quality_gpu.sh canary), then the HF generate
-#            CUDA-graph check (gpu_check_hf_graphs.py)                              issues 7, 6
+#            CUDA-graph check (tests/gpu/test_hf_graphs_gpu.py)                              issues 7, 6
 #   call 2 (carry .kvc_gpu_b, right after call 1 on the same warm machine):
 #                               bash benchmarks/run_lanes_gpu.sh 2
 #     GPU 0: bench_generate.py (HF StaticCache + inductor, kvcompile fp8 + HF generate, the
@@ -49,7 +49,7 @@ if [ "$CALL" = 1 ]; then
   (export CUDA_VISIBLE_DEVICES=1 OUT=$L1
    bash benchmarks/run_quality_gpu.sh canary > "$L1/canary.out" 2>&1
    echo "canary exit $? at $(( $(date +%s) - start ))s" >> "$L1/lane.txt"
-   timeout 240 python3 benchmarks/gpu_check_hf_graphs.py > "$L1/hf_graphs_check.log" 2>&1
+   timeout 240 python3 -m pytest -s -q -m gpu tests/gpu/test_hf_graphs_gpu.py -p no:cacheprovider > "$L1/hf_graphs_check.log" 2>&1
    echo "hf graph check exit $? at $(( $(date +%s) - start ))s" >> "$L1/lane.txt") &
   P1=$!
   waitlanes $P0 $P1

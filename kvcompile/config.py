@@ -19,11 +19,18 @@ import weakref
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvcompile.cache.registry import (
+    ADD_FORMAT_HINT,
+    BUILTIN_NAMES,
+    format_names,
+    format_spec,
+    is_quantized,
+)
 from kvcompile.errors import KVConfigError
 
-# Storage formats of the cache. "auto" keeps the model's own dtype (bf16/fp16/fp32).
-KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "int4", "int3",
-             "int2")
+# Storage formats of the cache: the registry's (cache/registry.py), built-ins here for the CLI's
+# choices. "auto" keeps the model's own dtype (bf16/fp16/fp32).
+KV_DTYPES = ("auto",) + BUILTIN_NAMES
 PAGE_SIZES = (8, 16, 32, 64, 128)
 # page: one fp32 scale per (page, kv-head); token: per (token, kv-head); tensor: one static scale
 # per layer; channel: per (page, kv-head, channel), KIVI-style, for keys.
@@ -48,6 +55,11 @@ PER_MODULE_FIELDS = (
 )
 
 
+# Policy types by the name a dict form gives (`{"policy": "h2o", ...}`), filled by
+# EvictionPolicy.__init_subclass__.
+_POLICIES: dict[str, type] = {}
+
+
 class EvictionPolicy:
     """Base type of eviction policies (`kvcompile.SinkWindow`, `H2O`, `SnapKV`).
 
@@ -58,13 +70,19 @@ class EvictionPolicy:
 
     name: str = "base"
 
+    def __init_subclass__(cls, **kw):
+        # a subclass with its own `name` is accepted by that name in dict form
+        super().__init_subclass__(**kw)
+        if "name" in cls.__dict__:
+            _POLICIES[cls.name] = cls
+
     def tokens_kept(self, seq_len: int) -> int:
         """How many tokens a sequence of `seq_len` tokens keeps in the cache under this policy."""
         raise NotImplementedError
 
 
 def _quantized(kv_dtype: str) -> bool:
-    return kv_dtype.startswith(("fp8", "fp4", "int"))
+    return is_quantized(kv_dtype)
 
 
 def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
@@ -149,7 +167,7 @@ class SnapKV(EvictionPolicy):
         return min(seq_len, self.budget)
 
 
-_POLICIES = {"sink_window": SinkWindow, "streaming": SinkWindow, "h2o": H2O, "snapkv": SnapKV}
+_POLICIES["streaming"] = SinkWindow
 
 
 def _coerce_eviction(value) -> EvictionPolicy | None:
@@ -281,8 +299,9 @@ class KVConfig:
             v = getattr(self, name)
             if v is None and name != "kv_dtype":
                 continue
-            if v not in KV_DTYPES:
-                raise KVConfigError(name, v, ", ".join(repr(d) for d in KV_DTYPES))
+            if v != "auto" and v not in format_names():
+                raise KVConfigError(name, v, ", ".join(repr(d) for d in ("auto",) +
+                                                       format_names()), hint=ADD_FORMAT_HINT)
         if self.page_size not in PAGE_SIZES:
             raise KVConfigError("page_size", self.page_size, ", ".join(map(str, PAGE_SIZES)))
         if self.scale_granularity not in SCALE_GRANULARITIES:
@@ -332,10 +351,12 @@ class KVConfig:
         v_field = "v_scale_granularity" if self.v_scale_granularity else "scale_granularity"
         for dtype, gran, field in ((self.key_dtype, self.scale_granularity, "scale_granularity"),
                                    (self.value_dtype, self.value_granularity, v_field)):
-            if dtype.startswith("int") and gran == "tensor":
-                raise KVConfigError(field, gran, "'page', 'token', 'channel' with " + dtype,
-                                    hint="The asymmetric int formats calibrate a scale and a "
-                                         "zero point per block, never one per layer.")
+            takes = format_spec(dtype).granularities if dtype != "auto" else ()
+            if takes and gran not in takes:
+                int_hint = ("The asymmetric int formats calibrate a scale and a zero point per "
+                            "block, never one per layer.")
+                raise KVConfigError(field, gran, ", ".join(map(repr, takes)) + " with " + dtype,
+                                    hint=int_hint if format_spec(dtype).family == "int" else "")
         if self.static_scale is not None:
             # one fixed scale per layer is what "tensor" granularity means; unquantized pages
             # have no scale at all
@@ -371,7 +392,8 @@ class KVConfig:
             return self.v_scale_granularity
         if self.scale_granularity != "channel":
             return self.scale_granularity
-        return "token" if self.value_dtype.startswith("int") else "page"
+        v = self.value_dtype
+        return format_spec(v).default_value_granularity if v != "auto" else "page"
 
     @classmethod
     def from_options(cls, options: KVConfig | dict[str, Any] | None) -> KVConfig:

@@ -57,6 +57,9 @@ def move_slots(paged: PagedTensor, src: torch.Tensor, dst: torch.Tensor,
     coded = ~to_res
     if not bool(coded.any()):
         return
+    if fmt.spec.encode is not None:
+        _move_custom(paged, vals[coded], pd[coded], od[coded], heads[coded])
+        return
     if not fmt.is_quantized or fmt.granularity in ("token", "tensor"):
         copy = coded & (res_src < 0)
         _put(paged, {n: t[copy] for n, t in parts.items()}, pd[copy], od[copy], heads[copy])
@@ -122,6 +125,20 @@ def _encode_tokens(paged: PagedTensor, x: torch.Tensor) -> dict[str, torch.Tenso
     if fmt.granularity == "token":
         out["scale"] = scale[:, 0]
     return out
+
+
+def _move_custom(paged: PagedTensor, vals, pd, od, heads) -> None:
+    """A registered format with its own codec (cache/registry.py): the destination pages are
+    decoded, the moved tokens placed, and the pages encoded again whole. Kept tokens sit at the
+    front of a page, so the slots up to the last one a move fills are the valid ones."""
+    P = paged.page_size
+    ud, dinv = torch.unique(pd, return_inverse=True)
+    tile = paged._decode_pages(ud)                                           # [U, H, P, D]
+    tile[dinv, heads, od] = vals
+    last = torch.full((ud.numel(),), -1, dtype=torch.long, device=vals.device)
+    last = last.scatter_reduce(0, dinv, od, "amax")
+    valid = torch.arange(P, device=vals.device)[None, :] <= last[:, None]    # [U, P]
+    paged.encode_pages(ud, tile, valid)
 
 
 # --- page- and channel-scaled formats ----------------------------------------------------------

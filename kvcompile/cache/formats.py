@@ -23,31 +23,27 @@ import torch
 
 from kvcompile.cache.fp4 import (
     E2M1_VALUES,
-    FP4_SCALE_DIVISOR,
-    MICRO_BLOCK,
     finite_amax,
     fp4_decode,
     fp4_encode,
     fp4_scale,
 )
 from kvcompile.cache.fp8 import fp8_decode, fp8_encode, fp8_scale, grow_page_scale
-from kvcompile.cache.intq import INT_BITS, PARAM_DTYPE, check_head_dim, int_decode, int_encode
+from kvcompile.cache.intq import int_decode, int_encode
 from kvcompile.cache.paged import PagedTensor
-from kvcompile.errors import KVConfigError, UnsupportedShapeError
+from kvcompile.cache.registry import (
+    ADD_FORMAT_HINT,
+    BUILTIN_NAMES,
+    GRANULARITIES,
+    FormatSpec,
+    format_names,
+    format_spec,
+    measured_bytes_per_token,
+)
+from kvcompile.errors import KVConfigError
 
-FORMAT_NAMES = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "int4", "int3",
-                "int2")
-GRANULARITIES = ("page", "token", "tensor", "channel")
-# The granularities each quantized family supports.
-_FAMILY_GRANULARITIES = {"fp": GRANULARITIES, "int": ("page", "token", "channel")}
-
-_STORAGE_DTYPE = {
-    "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "fp4_e2m1": torch.uint8,
-    "int4": torch.uint8, "int3": torch.uint8, "int2": torch.uint8,
-}
-_BITS = {"bf16": 16, "fp16": 16, "fp32": 32, "fp8_e4m3": 8, "fp8_e5m2": 8, "fp4_e2m1": 4,
-         "int4": 4, "int3": 3, "int2": 2}
+# The built-in formats (the registry, cache/registry.py, may hold more: format_names()).
+FORMAT_NAMES = BUILTIN_NAMES
 _AUTO = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 __all__ = [
@@ -61,12 +57,12 @@ __all__ = [
 
 @dataclass(frozen=True)
 class KVFormat:
-    """One storage format: `name` in FORMAT_NAMES and, for the quantized ones, the scale
-    `granularity`: "page" (one scale per (page, kv head)), "token" (per (page, kv head, slot)),
-    "tensor" (fp8 / fp4: one per layer, `static_scale` or calibrated on the first write as its
-    amax / scale_divisor) or "channel" (per (page, kv head, channel); fp4: an E4M3 micro scale
-    per channel per 16 tokens under a page scale). `residual`: keep partly filled pages in bf16
-    until they fill (quantized formats only)."""
+    """One storage format: `name` of a registered format (cache/registry.py) and, for the
+    quantized ones, the scale `granularity`: "page" (one scale per (page, kv head)), "token"
+    (per (page, kv head, slot)), "tensor" (fp8 / fp4: one per layer, `static_scale` or
+    calibrated on the first write as its amax / scale_divisor) or "channel" (per (page, kv
+    head, channel); fp4: an E4M3 micro scale per channel per 16 tokens under a page scale).
+    `residual`: keep partly filled pages in bf16 until they fill (quantized formats only)."""
 
     name: str
     granularity: str = "page"
@@ -74,16 +70,18 @@ class KVFormat:
     residual: bool = False
 
     def __post_init__(self):
-        if self.name not in FORMAT_NAMES:
-            raise KVConfigError("kv_dtype", self.name, ", ".join(map(repr, FORMAT_NAMES)))
+        spec = format_spec(self.name)   # KVConfigError naming the formats and how to add one
         if self.granularity not in GRANULARITIES:
             raise KVConfigError("scale_granularity", self.granularity,
                                 ", ".join(map(repr, GRANULARITIES)))
-        if self.is_int and self.granularity not in _FAMILY_GRANULARITIES["int"]:
-            raise KVConfigError("scale_granularity", self.granularity,
-                                "'page', 'token', 'channel' for int4 / int3 / int2",
-                                hint="Asymmetric int formats calibrate per block, not per "
-                                     "tensor.")
+        if spec.quantized and self.granularity not in spec.granularities:
+            takes = ", ".join(map(repr, spec.granularities))
+            if spec.family == "int":
+                raise KVConfigError("scale_granularity", self.granularity,
+                                    f"{takes} for int4 / int3 / int2",
+                                    hint="Asymmetric int formats calibrate per block, not per "
+                                         "tensor.")
+            raise KVConfigError("scale_granularity", self.granularity, f"{takes} for {self.name}")
         if self.static_scale is not None:
             v = self.static_scale
             if not (isinstance(v, (int, float)) and 0 < v < float("inf")):
@@ -99,85 +97,69 @@ class KVFormat:
                                      "bf16.")
 
     @property
+    def spec(self) -> FormatSpec:
+        return format_spec(self.name)
+
+    @property
     def is_quantized(self) -> bool:
-        return self.name.startswith(("fp8", "fp4", "int"))
+        return self.spec.quantized
 
     @property
     def is_int(self) -> bool:
-        return self.name in INT_BITS
+        return self.spec.family == "int"
 
     @property
     def int_bits(self) -> int:
-        return INT_BITS[self.name]
+        return self.spec.bits
 
     @property
     def storage_dtype(self) -> torch.dtype:
-        return _STORAGE_DTYPE[self.name]
+        return self.spec.storage_dtype
 
     @property
     def scale_dtype(self) -> torch.dtype:
         """fp32 for fp8 / fp4 scales; fp16 for int scales and zero points."""
-        return PARAM_DTYPE if self.is_int else torch.float32
+        return self.spec.scale_dtype
 
     @property
     def fmax(self) -> float:
         """Largest code value: 448 / 57344 for fp8, 6 for fp4, 2^bits - 1 for int, the dtype's
         max otherwise."""
-        if self.name == "fp4_e2m1":
-            return 6.0
-        if self.is_int:
-            return float((1 << self.int_bits) - 1)
-        return float(torch.finfo(self.storage_dtype).max)
+        return self.spec.fmax
 
     @property
     def scale_divisor(self) -> float:
         """scale = amax / scale_divisor: fmax for fp8, 6 * 448 for fp4 (int: range / fmax)."""
-        return FP4_SCALE_DIVISOR if self.name == "fp4_e2m1" else self.fmax
+        return self.spec.scale_divisor
 
     @property
     def bits_per_value(self) -> int:
-        return _BITS[self.name]
+        return self.spec.bits
 
     @property
     def micro_block(self) -> int | None:
-        return MICRO_BLOCK if self.name == "fp4_e2m1" else None
+        return self.spec.micro_block
 
     def stored_dim(self, head_dim: int) -> int:
         """Last dim of `data`: head_dim codes packed into bytes (or elements)."""
-        return head_dim * self.bits_per_value // 8 if self.storage_dtype == torch.uint8 \
-            else head_dim
+        return self.spec.stored_dim(head_dim)
+
+    def parts(self, num_pages: int, num_heads: int, page_size: int,
+              head_dim: int) -> dict:
+        """The tensors pages of this format hold: {name: registry.Part(shape, dtype, fill)}."""
+        return self.spec.parts(self, num_pages, num_heads, page_size, head_dim)
 
     def check_shape(self, head_dim: int, page_size: int) -> None:
         """UnsupportedShapeError if pages of this head_dim / page_size cannot hold the format."""
-        if self.is_int:
-            check_head_dim(head_dim, self.int_bits)
-        elif self.name == "fp4_e2m1" and self.granularity == "channel":
-            if page_size % MICRO_BLOCK or head_dim % 2:
-                raise UnsupportedShapeError(
-                    f"fp4_e2m1 with channel scales keeps one micro scale per {MICRO_BLOCK} "
-                    f"tokens of a channel, so page_size must be a multiple of {MICRO_BLOCK} "
-                    f"(got {page_size}) and head_dim even (got {head_dim}); use page_size >= "
-                    f"16 or scale_granularity='page'")
-        elif self.name == "fp4_e2m1" and head_dim % MICRO_BLOCK:
-            raise UnsupportedShapeError(
-                f"fp4_e2m1 needs head_dim to be a multiple of {MICRO_BLOCK} (one micro scale per "
-                f"{MICRO_BLOCK} values), got {head_dim}; use fp8_e4m3 or bf16 for this layer")
+        if self.spec.check_shape is not None:
+            self.spec.check_shape(self, head_dim, page_size)
 
     def bytes_per_token(self, num_heads: int, head_dim: int, page_size: int) -> float:
         """Bytes one token takes in one K (or V) tensor of one layer: codes, micro scales, and
         its share of the scales / zero points (a page's count 1 / page_size, a tensor scale 0).
         The residual's bf16 rows are per sequence, not per token, and not counted."""
-        per_head = head_dim * self.bits_per_value / 8
-        if self.micro_block:
-            per_head += head_dim // self.micro_block
-        if self.is_quantized:
-            size = 4 if not self.is_int else 2 * PARAM_DTYPE.itemsize  # int: scale + zero
-            per_group = {"page": 1 / page_size, "token": 1.0, "tensor": 0.0,
-                         "channel": head_dim / page_size}[self.granularity]
-            if self.name == "fp4_e2m1" and self.granularity == "channel":
-                per_group = 1 / page_size  # the page scale; micro scales counted above
-            per_head += size * per_group
-        return num_heads * per_head
+        how = self.spec.bytes_per_token or measured_bytes_per_token
+        return how(self, num_heads, head_dim, page_size)
 
     def bits_per_element(self, head_dim: int, page_size: int) -> float:
         """Storage bits per cached element, scales included (bytes_per_token * 8 / head_dim)."""
@@ -194,13 +176,14 @@ def resolve_format(kv_dtype: str, model_dtype: torch.dtype, granularity: str = "
     Scale options and `residual` are ignored for the unquantized formats."""
     if kv_dtype == "auto":
         if model_dtype not in _AUTO:
-            raise KVConfigError("kv_dtype", "auto", ", ".join(map(repr, FORMAT_NAMES)),
+            raise KVConfigError("kv_dtype", "auto", ", ".join(map(repr, format_names())),
                                 hint=f"The model's dtype {model_dtype} has no storage format of "
                                      f"its own; name one explicitly.")
         kv_dtype = _AUTO[model_dtype]
-    if kv_dtype not in FORMAT_NAMES:
-        raise KVConfigError("kv_dtype", kv_dtype, "'auto', " + ", ".join(map(repr, FORMAT_NAMES)))
-    if kv_dtype in ("bf16", "fp16", "fp32"):
+    if kv_dtype not in format_names():
+        raise KVConfigError("kv_dtype", kv_dtype, "'auto', " + ", ".join(map(repr, format_names())),
+                            hint=ADD_FORMAT_HINT)
+    if not format_spec(kv_dtype).quantized:
         return KVFormat(kv_dtype)
     return KVFormat(kv_dtype, granularity, static_scale, residual)
 
@@ -210,10 +193,9 @@ def format_table(num_layers: int, num_kv_heads: int, head_dim: int,
     """Bytes per token of the whole cache (all layers, K + V) for each format and granularity."""
     bf16 = 2 * num_layers * KVFormat("bf16").bytes_per_token(num_kv_heads, head_dim, page_size)
     rows = []
-    for name in FORMAT_NAMES:
-        fam = "int" if name in INT_BITS else "fp"
-        quantized = name.startswith(("fp8", "fp4", "int"))
-        for gran in (_FAMILY_GRANULARITIES[fam] if quantized else ("-",)):
+    for name in format_names():
+        spec = format_spec(name)
+        for gran in (spec.granularities or ("-",)):
             fmt = KVFormat(name, "page" if gran == "-" else gran)
             nbytes = 2 * num_layers * fmt.bytes_per_token(num_kv_heads, head_dim, page_size)
             rows.append({"format": name, "granularity": gran, "bytes_per_token": nbytes,

@@ -39,6 +39,7 @@ from kvcompile.cache.fp4 import (
 )
 from kvcompile.cache.fp8 import fp8_decode, fp8_encode, grow_page_scale
 from kvcompile.cache.intq import int_decode, int_encode, int_params
+from kvcompile.cache.registry import PART_NAMES
 from kvcompile.errors import CacheStateError, UnsupportedShapeError
 
 RESIDUAL_DTYPE = torch.bfloat16
@@ -63,24 +64,15 @@ class PagedTensor:
         self.fmt = fmt
         self.num_pages, self.num_heads, self.page_size, self.head_dim = (
             num_pages, num_heads, page_size, head_dim)
-        n, h, p, d = num_pages, num_heads, page_size, head_dim
-        self.data = torch.empty(n, h, p, fmt.stored_dim(d), dtype=fmt.storage_dtype,
-                                device=device)
         self.scale: torch.Tensor | None = None
-        g = fmt.granularity
-        if fmt.is_quantized:
-            if g == "tensor":
-                self.scale = torch.full((1,), float(fmt.static_scale or 0.0), device=device)
+        # the format's parts (cache/registry.py): data, and scale / zero / micro where it has them
+        for name, part in fmt.parts(num_pages, num_heads, page_size, head_dim).items():
+            if part.fill is None:
+                t = torch.empty(part.shape, dtype=part.dtype, device=device)
             else:
-                shape = {"page": (n, h), "token": (n, h, p), "channel": (n, h, d)}[g]
-                if fmt.name == "fp4_e2m1" and g == "channel":
-                    shape = (n, h)
-                self.scale = torch.ones(shape, dtype=fmt.scale_dtype, device=device)
-            if fmt.is_int:
-                self.zero = torch.zeros(self.scale.shape, dtype=fmt.scale_dtype, device=device)
-        if fmt.name == "fp4_e2m1":
-            mshape = (n, h, p // MICRO_BLOCK, d) if g == "channel" else (n, h, p, d // MICRO_BLOCK)
-            self.micro = torch.empty(mshape, dtype=torch.float8_e4m3fn, device=device)
+                t = torch.full(part.shape, part.fill, dtype=part.dtype, device=device)
+            setattr(self, name, t)
+        n, h, p, d = num_pages, num_heads, page_size, head_dim
         if fmt.residual:
             self.res_data = torch.empty(0, h, p, d, dtype=RESIDUAL_DTYPE, device=device)
             self.res_slot = torch.full((n,), -1, dtype=torch.int32, device=device)
@@ -137,8 +129,10 @@ class PagedTensor:
 
     def _decode_pages(self, page_ids: torch.Tensor) -> torch.Tensor:
         """[n] -> the stored codes of those pages, dequantized: [n, H, P, D] fp32."""
-        codes = self.data.index_select(0, page_ids)
         fmt = self.fmt
+        if fmt.spec.decode is not None:
+            return fmt.spec.decode(fmt, self._parts_of(page_ids))
+        codes = self.data.index_select(0, page_ids)
         if not fmt.is_quantized:
             return codes.float()
         if fmt.is_int:
@@ -151,6 +145,47 @@ class PagedTensor:
                 return (e2m1_values(unpack_e2m1(codes)) * m) * scale
             return fp4_decode(codes, self.micro[page_ids], scale)
         return fp8_decode(codes, scale)
+
+    # -- a registered format's own codec (registry.FormatSpec encode / decode) --
+
+    def _parts_of(self, page_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{part: its rows of pages page_ids [n]}; a part not indexed by page (a tensor
+        scale) as stored."""
+        return {name: t if self._unpaged(name) else t.index_select(0, page_ids)
+                for name, t in self.parts().items()}
+
+    def _unpaged(self, name: str) -> bool:
+        return name in ("scale", "zero") and self.fmt.granularity == "tensor"
+
+    def _write_custom(self, page: torch.Tensor, off: torch.Tensor, x: torch.Tensor) -> None:
+        """Appends of a format with its own `encode`: the pages touched are decoded, the new
+        tokens placed, and the pages encoded again whole (valid: the slots before the
+        smallest new offset and the new ones)."""
+        P = self.page_size
+        upages, inv = torch.unique(page, return_inverse=True)                     # [U], [T]
+        U, dev = upages.numel(), page.device
+        min_off = torch.full((U,), P, dtype=torch.long, device=dev)
+        min_off = min_off.scatter_reduce(0, inv, off, "amin")
+        valid = torch.arange(P, device=dev)[None, :] < min_off[:, None]          # [U, P]
+        valid[inv, off] = True
+        tile = self._decode_pages(upages)                                         # [U, H, P, D]
+        tile[inv, :, off] = x
+        self.encode_pages(upages, tile, valid)
+
+    def encode_pages(self, upages: torch.Tensor, tile: torch.Tensor,
+                     valid: torch.Tensor) -> None:
+        """A registered format's pages upages [U] stored anew from their values tile
+        [U, H, P, D] fp32 (valid [U, P]: the slots that hold tokens; the others may hold
+        anything, NaN included)."""
+        for name, t in self.fmt.spec.encode(self.fmt, tile, valid).items():
+            if self._unpaged(name):
+                getattr(self, name).copy_(t)
+            else:
+                getattr(self, name)[upages] = t
+
+    def parts(self) -> dict[str, torch.Tensor]:
+        """The stored tensors of these pages, by part name (registry.PART_NAMES)."""
+        return {n: t for n in PART_NAMES if (t := getattr(self, n, None)) is not None}
 
     # -- public API --
 
@@ -182,7 +217,9 @@ class PagedTensor:
         slots = slots.to(device=self.data.device, dtype=torch.long)
         x = x.to(self.data.device)
         page, off = slots // self.page_size, slots % self.page_size
-        if not self.fmt.is_quantized:
+        if self.fmt.spec.encode is not None and not self.fmt.residual:
+            self._write_custom(page, off, x.float())
+        elif not self.fmt.is_quantized:
             self.data[page, :, off] = x.to(self.fmt.storage_dtype)
         elif self.fmt.residual:
             self._write_residual(page, off, x.float())
@@ -192,6 +229,9 @@ class PagedTensor:
     def _write_codes(self, page: torch.Tensor, off: torch.Tensor, x: torch.Tensor) -> None:
         # page, off: [T]; x: [T, H, D] fp32
         fmt, g = self.fmt, self.fmt.granularity
+        if fmt.spec.encode is not None:
+            self._write_custom(page, off, x)
+            return
         if g in ("page", "channel"):
             if not (g == "page" and fmt.name.startswith("fp8") and self._append_fp8(page, off, x)):
                 self._write_grouped(page, off, x)
@@ -219,6 +259,8 @@ class PagedTensor:
         """x [H, D] into `slot`, as write() stores it, for the formats that have a short path
         (unquantized; fp8 with page scales). False: nothing written."""
         fmt = self.fmt
+        if fmt.spec.encode is not None:
+            return False
         if fmt.residual or (fmt.is_quantized and not (fmt.name.startswith("fp8")
                                                       and fmt.granularity == "page")):
             return False
@@ -464,13 +506,9 @@ class PagedTensor:
         lo, hi = torch.cat([src, dst]).aminmax()
         if int(lo) < 0 or int(hi) >= self.num_pages:
             raise CacheStateError(f"copy_pages: page id out of range [0, {self.num_pages})")
-        self.data[dst] = self.data[src]
-        if self.micro is not None:
-            self.micro[dst] = self.micro[src]
-        if self.scale is not None and self.fmt.granularity != "tensor":
-            self.scale[dst] = self.scale[src]
-            if self.zero is not None:
-                self.zero[dst] = self.zero[src]
+        for name, t in self.parts().items():
+            if not self._unpaged(name):
+                t[dst] = t[src]
         if self.res_slot is not None:
             pairs = list(zip(src.tolist(), dst.tolist()))
             self.drop_residual([d for s, d in pairs if s not in self._res_of])
@@ -484,8 +522,7 @@ class PagedTensor:
     def nbytes(self) -> int:
         """Bytes held: pages (data, scales, zero points, micro scales) and residual rows."""
         return self.residual_nbytes() + sum(
-            t.numel() * t.element_size() for t in (self.data, self.scale, self.zero, self.micro)
-            if t is not None)
+            t.numel() * t.element_size() for t in self.parts().values())
 
     def residual_nbytes(self) -> int:
         if self.res_slot is None:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from kvcompile.kernels.reference import masked_softmax
+
 _Q_BLOCK = 1024  # queries per block: bounds the [Hq, S, L] score tensor of long prefills
 
 
@@ -105,11 +107,7 @@ def attend_kept(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Te
             allowed = allowed & m_allowed
             if m_add is not None:
                 s = s + m_add
-        s = s.masked_fill(~allowed, float("-inf"))
-        m = s.amax(-1, keepdim=True)
-        p = torch.exp(s - torch.where(torch.isfinite(m), m, 0.0))
-        den = p.sum(-1, keepdim=True)
-        p = p / torch.where(den > 0, den, 1.0)
+        p = masked_softmax(s, allowed)
         out[:, lo:hi] = torch.einsum("hgsl,hld->hgsd", p, vf).reshape(Hq, hi - lo, -1)
         if mass is not None:
             mass += p.sum((1, 2))

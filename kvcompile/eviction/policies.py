@@ -10,20 +10,106 @@ when a sequence holds more real tokens than its budget; padding is dropped at th
     SnapKV(budget, window, kernel, per_head)
                                   the last `window` tokens + the highest pooled attention from
                                   the last `window` queries of the latest multi-token forward
+
+The eviction runtime (runtime.py) asks a policy only through `rules_of(policy)`: a registry
+keyed by the policy's config type, as torchao keys its transforms by config type. A new policy
+is a frozen dataclass subclassing `kvcompile.EvictionPolicy` plus one
+`register_policy(MyPolicy, PolicyRules(...))` (docs/adding-a-policy.md).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kvcompile.config import H2O, EvictionPolicy, SinkWindow, SnapKV
+from kvcompile.errors import KVConfigError
+
+
+@dataclass(frozen=True)
+class PolicyRules:
+    """What the eviction runtime needs from one policy type. Every callable takes the policy
+    (the config instance) first.
+
+    budget(policy) -> int: tokens a sequence keeps per kv head; it evicts when it holds more.
+    protected(policy, pos [H, L], start, total) -> [H, L] bool: tokens kept whatever their
+        score (pos: logical index per slot, -1 a hole; start: the first real token; total:
+        the sequence's logical length).
+    scores(policy, mass [H, L] | None, obs [H, L] | [H, R, L] | None) -> [H, L] | None: the
+        rank of the other tokens (higher = keep; None: by recency). None for a policy that
+        keeps by position only (then nothing but `protected` is kept).
+    accumulates_mass: the runtime adds each decode step's attention probabilities per slot
+        (`mass`, what H2O ranks by).
+    observe_rows(policy) -> int: how many of the last queries of a multi-token forward have
+        their attention recorded (`obs`, what SnapKV ranks by); None: none.
+    waits_for_observation: evict only after such an observed forward (SnapKV chooses at the
+        end of prefill).
+    rerotated_sinks(policy) -> int: the leading tokens kept as sinks whose keys the runtime
+        re-rotates to sit just before the kept window (KVConfig `sink_positions="cache"`);
+        None: sinks, if any, keep their positions.
+    """
+    budget: Callable
+    protected: Callable
+    scores: Callable | None = None
+    accumulates_mass: bool = False
+    observe_rows: Callable | None = None
+    waits_for_observation: bool = False
+    rerotated_sinks: Callable | None = None
+
+
+_RULES: dict[type, PolicyRules] = {}
+
+
+def register_policy(policy_type: type, rules: PolicyRules) -> None:
+    """Run policies of `policy_type` (an EvictionPolicy subclass) by `rules`."""
+    if not (isinstance(policy_type, type) and issubclass(policy_type, EvictionPolicy)):
+        raise TypeError(f"register_policy: {policy_type!r} is not an EvictionPolicy subclass")
+    if not isinstance(rules, PolicyRules):
+        raise TypeError(f"register_policy: rules must be PolicyRules, got "
+                        f"{type(rules).__name__}")
+    _RULES[policy_type] = rules
+
+
+def unregister_policy(policy_type: type) -> None:
+    if policy_type in (SinkWindow, H2O, SnapKV):
+        raise KVConfigError("eviction", policy_type.__name__, "a registered, non-built-in policy")
+    _RULES.pop(policy_type, None)
+
+
+def rules_of(policy: EvictionPolicy) -> PolicyRules:
+    """The rules of `policy`'s type (or of its nearest registered base type)."""
+    for t in type(policy).__mro__:
+        if t in _RULES:
+            return _RULES[t]
+    raise KVConfigError("eviction", policy, "an instance of a registered policy type: "
+                        + ", ".join(t.__name__ for t in _RULES),
+                        hint="Register its type with kvcompile.eviction.policies."
+                             "register_policy (docs/adding-a-policy.md).")
 
 
 def budget_of(policy: EvictionPolicy) -> int:
-    if isinstance(policy, SinkWindow):
-        return policy.sinks + policy.window
-    return policy.budget
+    return rules_of(policy).budget(policy)
+
+
+def accumulates_mass(policy: EvictionPolicy | None) -> bool:
+    return policy is not None and rules_of(policy).accumulates_mass
+
+
+def observe_rows(policy: EvictionPolicy | None) -> int:
+    rows = policy is not None and rules_of(policy).observe_rows
+    return rows(policy) if rows else 0
+
+
+def waits_for_observation(policy: EvictionPolicy) -> bool:
+    return rules_of(policy).waits_for_observation
+
+
+def rerotated_sinks(policy: EvictionPolicy | None) -> int:
+    sinks = policy is not None and rules_of(policy).rerotated_sinks
+    return sinks(policy) if sinks else 0
 
 
 def real_tokens(pos: torch.Tensor, start: int) -> torch.Tensor:
@@ -37,33 +123,14 @@ def over_budget(policy: EvictionPolicy, pos: torch.Tensor, start: int) -> bool:
 
 def protected(policy: EvictionPolicy, pos: torch.Tensor, start: int, total: int) -> torch.Tensor:
     """[H, L] bool: tokens the policy keeps whatever their score (sinks, recent window)."""
-    real = pos >= start
-    if isinstance(policy, SinkWindow):
-        return real & ((pos - start < policy.sinks) | (pos >= total - policy.window))
-    if isinstance(policy, H2O):
-        return real & ((pos - start < policy.sinks) | (pos >= total - policy.recent))
-    if isinstance(policy, SnapKV):
-        return real & (pos >= total - policy.window)
-    raise TypeError(f"unknown eviction policy {policy!r}")
+    return rules_of(policy).protected(policy, pos, start, total)
 
 
 def token_scores(policy: EvictionPolicy, mass: torch.Tensor | None,
                  obs: torch.Tensor | None) -> torch.Tensor | None:
     """[H, L] fp32 score of each slot (higher = keep), or None (SinkWindow keeps by position)."""
-    if isinstance(policy, H2O):
-        return mass
-    if isinstance(policy, SnapKV):
-        if obs is None:
-            return None
-        if obs.dim() == 3:  # [H, R, L]: attention of each of the last R queries
-            obs = obs[:, -policy.window:].sum(1)
-        k = policy.kernel
-        pooled = F.avg_pool1d(obs[:, None], k, stride=1, padding=k // 2,
-                              count_include_pad=False)[:, 0]
-        if not policy.per_head:
-            pooled = pooled.sum(0, keepdim=True).expand_as(pooled)
-        return pooled
-    return None
+    scores = rules_of(policy).scores
+    return scores(policy, mass, obs) if scores is not None else None
 
 
 def select_tokens(policy: EvictionPolicy, pos: torch.Tensor, start: int, total: int,
@@ -71,7 +138,7 @@ def select_tokens(policy: EvictionPolicy, pos: torch.Tensor, start: int, total: 
     """keep [H, L] bool with at most budget tokens per head (token granularity)."""
     real = pos >= start
     keep = protected(policy, pos, start, total)
-    if isinstance(policy, SinkWindow):
+    if rules_of(policy).scores is None:   # keeps by position only (SinkWindow)
         return keep
     room = budget_of(policy) - keep.sum(-1)                       # [H]
     if scores is None:  # SnapKV without an observation: keep the most recent
@@ -114,3 +181,41 @@ def select_pages(policies: list, poss: list, start: int, total: int, scores: lis
         top = cand.topk(min(room, n_pages)).indices
         keep[top[torch.isfinite(cand[top])]] = True
     return keep
+
+
+# --- the built-in policies ---------------------------------------------------------------------
+
+def _sink_window_protected(p: SinkWindow, pos, start, total):
+    return (pos >= start) & ((pos - start < p.sinks) | (pos >= total - p.window))
+
+
+def _h2o_protected(p: H2O, pos, start, total):
+    return (pos >= start) & ((pos - start < p.sinks) | (pos >= total - p.recent))
+
+
+def _snapkv_protected(p: SnapKV, pos, start, total):
+    return (pos >= start) & (pos >= total - p.window)
+
+
+def _snapkv_scores(p: SnapKV, mass, obs):
+    if obs is None:
+        return None
+    if obs.dim() == 3:  # [H, R, L]: attention of each of the last R queries
+        obs = obs[:, -p.window:].sum(1)
+    k = p.kernel
+    pooled = F.avg_pool1d(obs[:, None], k, stride=1, padding=k // 2,
+                          count_include_pad=False)[:, 0]
+    if not p.per_head:
+        pooled = pooled.sum(0, keepdim=True).expand_as(pooled)
+    return pooled
+
+
+register_policy(SinkWindow, PolicyRules(
+    budget=lambda p: p.sinks + p.window, protected=_sink_window_protected,
+    rerotated_sinks=lambda p: p.sinks))
+register_policy(H2O, PolicyRules(
+    budget=lambda p: p.budget, protected=_h2o_protected, scores=lambda p, mass, obs: mass,
+    accumulates_mass=True))
+register_policy(SnapKV, PolicyRules(
+    budget=lambda p: p.budget, protected=_snapkv_protected, scores=_snapkv_scores,
+    observe_rows=lambda p: p.window, waits_for_observation=True))

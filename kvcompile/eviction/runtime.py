@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from kvcompile.config import H2O, EvictionPolicy, SinkWindow, SnapKV
+from kvcompile.config import EvictionPolicy
 from kvcompile.errors import CacheStateError, UnsupportedShapeError
 from kvcompile.eviction import policies as P
 from kvcompile.eviction.attend import attend_kept, rotation
@@ -107,8 +107,8 @@ class EvictionRuntime(RuntimeHook):
 
     def _rerotate(self, sid: int, policy) -> bool:
         where = self.seq_sink_positions.get(sid, self.sink_positions)
-        return (isinstance(policy, SinkWindow) and where == "cache"
-                and self.inv_freq is not None and policy.sinks > 0)
+        return (where == "cache" and self.inv_freq is not None
+                and P.rerotated_sinks(policy) > 0)
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def _watch(self, pool) -> None:
@@ -155,7 +155,7 @@ class EvictionRuntime(RuntimeHook):
             first = pool.logical_len(sid) - n
             new = torch.arange(first, first + n, device=k.device).expand(heads, n)
             book.pos[layer] = torch.cat([pos[:, :past], new], 1)
-            if (isinstance(self.policy_of(sid, layer), H2O) or self.observe_all
+            if (P.accumulates_mass(self.policy_of(sid, layer)) or self.observe_all
                     or layer in book.mass):
                 mass = book.mass.get(layer, torch.zeros(heads, past, device=k.device))
                 book.mass[layer] = torch.cat([mass[:, :past], mass.new_zeros(heads, n)], 1)
@@ -190,8 +190,8 @@ class EvictionRuntime(RuntimeHook):
             if self._rerotate(sid, policy):
                 sink_slots, sink_rot = self._sinks(policy, pos, book.start)
             obs_rows = 0
-            if n > 1 and (isinstance(policy, SnapKV) or self.observe_all):
-                obs_rows = min(self.observe_all or policy.window, n)
+            if n > 1 and (P.observe_rows(policy) or self.observe_all):
+                obs_rows = min(self.observe_all or P.observe_rows(policy), n)
             o, mass, obs = attend_kept(
                 qi, k, v, pos, q_pos, scale, causal=is_causal, window=window,
                 start=book.start, softcap=softcap, mask_b=mask_b, total=total,
@@ -253,13 +253,14 @@ class EvictionRuntime(RuntimeHook):
     def _needs_rotation(self, sid, policy, pos, start) -> bool:
         return self._rerotate(sid, policy) and self._sinks(policy, pos, start)[0] is not None
 
-    def _sinks(self, policy: SinkWindow, pos: torch.Tensor, start: int):
+    def _sinks(self, policy: EvictionPolicy, pos: torch.Tensor, start: int):
         """Slots of the sinks [Hkv, n] and the rotation that moves them before the window."""
+        n_sinks = P.rerotated_sinks(policy)
         real = pos >= start
-        sink = real & (pos - start < policy.sinks)
+        sink = real & (pos - start < n_sinks)
         rest = torch.where(real & ~sink, pos, torch.iinfo(pos.dtype).max)
         oldest = int(rest.min())
-        shift = oldest - (start + policy.sinks)
+        shift = oldest - (start + n_sinks)
         if shift <= 0 or oldest == torch.iinfo(pos.dtype).max:
             return None, None
         counts = sink.sum(-1)
@@ -292,7 +293,7 @@ class EvictionRuntime(RuntimeHook):
             policy, pos = self.policy_of(sid, layer), book.pos.get(layer)
             if pos is None or policy is None:
                 continue
-            if isinstance(policy, SnapKV) and layer not in book.obs:
+            if P.waits_for_observation(policy) and layer not in book.obs:
                 continue  # SnapKV chooses at the end of a multi-token forward only
             if P.over_budget(policy, pos, book.start):
                 due.append(layer)

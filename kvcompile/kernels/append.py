@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcompile.cache.registry import format_spec
 from kvcompile.errors import UnsupportedShapeError
 from kvcompile.kernels.decode_tiles import FMT_E2M1, FMT_E4M3, FMT_E5M2, FMT_PLAIN, FORMAT_CODES
 from kvcompile.kernels.decode_tiles import e2m1_to_f16 as _e2m1_value
@@ -386,9 +387,10 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str,
     if slots.dim() != 1 or slots.shape[0] != x.shape[0] or slots.dtype not in (torch.int64,
                                                                                 torch.int32):
         raise UnsupportedShapeError(f"quantize_append: slots must be int64 [{x.shape[0]}]")
-    if fmt != FMT_PLAIN and granularity not in ("page", "token", "tensor"):
+    takes = format_spec(fmt_name).kernels.append
+    if fmt != FMT_PLAIN and granularity not in takes:
         raise UnsupportedShapeError(f"quantize_append: granularity {granularity!r} has no "
-                                    f"kernel; supported page, token, tensor")
+                                    f"kernel; supported {', '.join(takes)}")
     if D % 16 or D > 512 or D & (D - 1):
         raise UnsupportedShapeError(f"quantize_append: head_dim {D} must be a power of two "
                                     f"in 16..512")

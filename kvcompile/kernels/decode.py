@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcompile.cache.registry import format_names, format_spec
 from kvcompile.errors import UnsupportedShapeError
 from kvcompile.kernels.decode_kernels import (
     attn_mass_kernel,
@@ -39,7 +40,6 @@ from kvcompile.kernels.decode_kernels import (
     decode_split_kernel,
 )
 from kvcompile.kernels.decode_tiles import (
-    DECODE_FORMAT_CODES,
     FMT_E2M1,
     FMT_E2M1_TOKMICRO,
     FMT_PLAIN,
@@ -76,31 +76,33 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _codes(fmt_name: str, granularity: str) -> tuple[int, int]:
-    """(format code, scale mode) of the kernel for a storage format and scale granularity."""
-    if fmt_name not in DECODE_FORMAT_CODES:
+    """(format code, scale mode) of the kernel for a storage format and scale granularity, as
+    the format declares them (cache/registry.py)."""
+    support = format_spec(fmt_name).kernels if fmt_name in format_names() else None
+    if support is None or support.code is None or not support.decode:
+        readable = [n for n in format_names() if format_spec(n).kernels.decode]
         raise UnsupportedShapeError(
             f"KV format {fmt_name!r} has no Triton decode kernel; supported: "
-            f"{', '.join(DECODE_FORMAT_CODES)}. Use KVConfig(kernels='reference') for it.")
-    code = DECODE_FORMAT_CODES[fmt_name]
-    if code == FMT_PLAIN:
-        return code, SCALE_NONE
-    if granularity not in SCALE_CODES or (code in INT_FMT_BITS and granularity == "tensor"):
+            f"{', '.join(readable)}. Use KVConfig(kernels='reference') for it.")
+    if support.code == FMT_PLAIN:
+        return support.code, SCALE_NONE
+    if granularity not in support.decode:
         raise UnsupportedShapeError(
             f"{fmt_name} with scale granularity {granularity!r} has no Triton decode kernel; "
-            f"supported: {', '.join(SCALE_CODES)} (int formats: no 'tensor'). Use "
-            f"KVConfig(kernels='reference') for it.")
-    if code == FMT_E2M1 and granularity == "channel":
+            f"supported: {', '.join(support.decode)}. Use KVConfig(kernels='reference') for it.")
+    if granularity == "channel" and support.channel_code is not None:
         # fp4 "channel": a page scale, and E4M3 micro scales per channel per 16 tokens
-        return FMT_E2M1_TOKMICRO, SCALE_PAGE
-    return code, SCALE_CODES[granularity]
+        return support.channel_code, SCALE_PAGE
+    return support.code, SCALE_CODES[granularity]
 
 
 def channel_min_page(fmt_name: str) -> int:
-    """Smallest page the kernel takes for channel scales of this format (kernel_readable in
-    runtime/kernel_formats.py says the same). Int codes in 16-token tiles (pages of 16) gave wrong results
-    on the H200 (triton 3.6; 2026-11-30: relative error 2-4 in 4 of 4 such cases, while 32-
-    to 128-token tiles and fp8 channel tiles of 16 passed), cause not found yet: refused."""
-    return 32 if fmt_name in ("int4", "int3", "int2") else 16
+    """Smallest page the kernel takes for channel scales of this format (the format declares
+    it: KernelSupport.channel_min_page; kernel_readable says the same). Int codes in 16-token
+    tiles (pages of 16) gave wrong results on the H200 (triton 3.6; 2026-11-30: relative error
+    2-4 in 4 of 4 such cases, while 32- to 128-token tiles and fp8 channel tiles of 16 passed),
+    cause not found yet: refused."""
+    return format_spec(fmt_name).kernels.channel_min_page
 
 
 def channel_tile(block_t: int, page: int, pair: bool) -> int:

@@ -22,24 +22,38 @@ import os
 import triton
 import triton.language as tl
 
-# Storage-format codes of the kernels. FORMAT_CODES: what the append kernel also writes.
-FMT_PLAIN, FMT_E4M3, FMT_E5M2, FMT_E2M1 = 0, 1, 2, 3
-FORMAT_CODES = {"bf16": FMT_PLAIN, "fp16": FMT_PLAIN, "fp32": FMT_PLAIN,
-                "fp8_e4m3": FMT_E4M3, "fp8_e5m2": FMT_E5M2, "fp4_e2m1": FMT_E2M1}
-# Decode-only codes: fp4 with "channel" scales (micro scales along tokens: [N, H, P/16, D]) and
-# the asymmetric ints (codes packed along head_dim, fp16 scale + zero point; intq.py).
-FMT_E2M1_TOKMICRO, FMT_INT4, FMT_INT3, FMT_INT2 = 4, 5, 6, 7
-DECODE_FORMAT_CODES = {**FORMAT_CODES, "int4": FMT_INT4, "int3": FMT_INT3, "int2": FMT_INT2}
-INT_FMT_BITS = {FMT_INT4: 4, FMT_INT3: 3, FMT_INT2: 2}
-# Scale modes: none (plain formats), one static scale, one per (page, head), one per token,
-# one per (page, head, channel) (fp8 / int; the kernel's tiles then never cross a page).
-SCALE_NONE, SCALE_TENSOR, SCALE_PAGE, SCALE_TOKEN, SCALE_CHANNEL = 0, 1, 2, 3, 4
-SCALE_CODES = {"tensor": SCALE_TENSOR, "page": SCALE_PAGE, "token": SCALE_TOKEN,
-               "channel": SCALE_CHANNEL}
+from kvcompile.cache.registry import (  # noqa: F401  (the kernels' constants, re-exported)
+    BUILTIN_NAMES,
+    FMT_E2M1,
+    FMT_E2M1_TOKMICRO,
+    FMT_E4M3,
+    FMT_E5M2,
+    FMT_INT2,
+    FMT_INT3,
+    FMT_INT4,
+    FMT_PLAIN,
+    SCALE_CHANNEL,
+    SCALE_CODES,
+    SCALE_NONE,
+    SCALE_PAGE,
+    SCALE_TENSOR,
+    SCALE_TOKEN,
+    format_spec,
+)
+
+# Format codes and scale modes of the kernels, numbered once in cache/registry.py (decode,
+# chunked prefill and append take the same constants). FORMAT_CODES: the formats the append
+# kernel also writes; DECODE_FORMAT_CODES: those the decode kernel reads.
+FORMAT_CODES = {s.name: s.kernels.code for s in map(format_spec, BUILTIN_NAMES)
+                if s.kernels.append}
+DECODE_FORMAT_CODES = {s.name: s.kernels.code for s in map(format_spec, BUILTIN_NAMES)
+                       if s.kernels.decode}
+INT_FMT_BITS = {s.kernels.code: s.bits for s in map(format_spec, BUILTIN_NAMES)
+                if s.family == "int"}
 # The interpreter's fp8 upcast (triton 3.9) reads e4m3fn's NaN code 0x7F as 480 and e5m2's NaN /
 # Inf codes as finite numbers (114688, 65536), so a NaN stored in fp8 codes or E4M3 micro
 # scales vanished from the output under it while bf16 pages kept it. GPUs convert them right
-# (benchmarks/gpu_check_nan.py checks): the correction runs under the interpreter only.
+# (tests/gpu/test_nan_gpu.py checks): the correction runs under the interpreter only.
 FP8_SPECIALS = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 # The asm fp4 widening yields e2m1 * micro * 2**-7 (see _e2m1_to_f16_asm): callers multiply the
 # token scale by this when ASM is on.

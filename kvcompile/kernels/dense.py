@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from kvcompile.cache.fp8 import fp8_widen
 from kvcompile.kernels.masks import align
+from kvcompile.kernels.reference import masked_softmax
 
 _MASKED = -1e4  # additive mask values at or below this mask their key (as masks.py reads them)
 _Q_BLOCK = 1024  # queries per block of exact_attention: bounds its [B, Hq, S, L] scores
@@ -111,13 +112,7 @@ def _exact(q, k, v, allowed, additive, scale, softcap):
         s = s + additive.float()
         kept = additive > _MASKED
         seen = kept if seen is None else seen & kept
-    if seen is not None:
-        s = s.masked_fill(~seen, float("-inf"))   # a masked key's NaN score is gone here
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, 0.0)   # NaN stays NaN through exp; -inf rows -> 0
-    p = torch.exp(s - m)
-    denom = p.sum(-1, keepdim=True)
-    p = p / torch.where(denom > 0, denom, 1.0)
+    p = masked_softmax(s, seen)   # a masked key's NaN score is gone; empty rows -> 0
     pg = p.reshape(B, Hkv, rep * S, L)
     vf = v.float()
     bad = ~torch.isfinite(vf)

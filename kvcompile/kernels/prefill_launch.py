@@ -15,6 +15,16 @@ from typing import NamedTuple
 import torch
 import triton
 
+from kvcompile.cache.registry import (
+    FMT_E2M1,
+    FMT_PLAIN,
+    SCALE_CODES,
+    SCALE_NONE,
+    SCALE_PAGE,
+    SCALE_TOKEN,
+    format_names,
+    format_spec,
+)
 from kvcompile.errors import UnsupportedShapeError
 from kvcompile.kernels.prefill_tiles import LOG2E, TensorDescriptor, interpreting, use_tma
 
@@ -298,37 +308,40 @@ def launch_prefill(q, k, v, cu_seqlens, out, scale, causal, window, sinks, softc
 # --- chunked prefill over pages ----------------------------------------------------------------
 
 PAGED_TUNER = Tuner("paged_prefill")
-_FMT_CODE = {"bf16": 0, "fp16": 0, "fp32": 0, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp4_e2m1": 2}
-_GRAN_CODE = {"page": 1, "token": 2, "tensor": 3}
-_FMT_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-              "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
-              "fp4_e2m1": torch.uint8}
+def _prefill_formats() -> dict:
+    """{format name: its FormatSpec} for the formats the prefill kernel reads (the registry's
+    KernelSupport.prefill)."""
+    return {n: format_spec(n) for n in format_names() if format_spec(n).kernels.prefill}
 
 
 def _page_args(op, which, fmt, gran, data, scale, micro, num_kv_heads, dim):
-    """Strides of one PagedTensor's tensors (page, head, token), checked against its format."""
-    if fmt not in _FMT_CODE:
+    """Strides of one PagedTensor's tensors (page, head, token), checked against its format.
+    Format codes and scale modes are the registry's (the decode kernel's numbering)."""
+    specs = _prefill_formats()
+    if fmt not in specs:
         raise UnsupportedShapeError(f"{op}: {which} format {fmt!r} is not supported by the "
-                                    f"prefill kernel (supported: {sorted(_FMT_CODE)})")
-    code = _FMT_CODE[fmt]
-    width = dim // 2 if code == 2 else dim
-    if (data.dtype != _FMT_DTYPE[fmt] or data.dim() != 4 or data.shape[1] != num_kv_heads
+                                    f"prefill kernel (supported: {sorted(specs)})")
+    spec = specs[fmt]
+    code = spec.kernels.code
+    width = spec.stored_dim(dim)
+    if (data.dtype != spec.storage_dtype or data.dim() != 4 or data.shape[1] != num_kv_heads
             or data.shape[3] != width or data.stride(3) != 1):
         raise UnsupportedShapeError(
-            f"{op}: {which} pages must be [N, {num_kv_heads}, P, {width}] {_FMT_DTYPE[fmt]} "
+            f"{op}: {which} pages must be [N, {num_kv_heads}, P, {width}] {spec.storage_dtype} "
             f"(last dim contiguous) for format {fmt}; got {data.dtype} {tuple(data.shape)}")
     d_str = (data.stride(0), data.stride(1), data.stride(2))
-    gran_code, s_str, m_str = 0, (0, 0, 0), (0, 0, 0)
-    if code:
-        if gran not in _GRAN_CODE or scale is None or scale.dtype != torch.float32:
+    gran_code, s_str, m_str = SCALE_NONE, (0, 0, 0), (0, 0, 0)
+    if code != FMT_PLAIN:
+        takes = spec.kernels.prefill
+        if gran not in takes or scale is None or scale.dtype != torch.float32:
             raise UnsupportedShapeError(f"{op}: {which} format {fmt} needs an fp32 scale with "
-                                        f"granularity page/token/tensor; got {gran!r}")
-        gran_code = _GRAN_CODE[gran]
-        if gran_code == 1:
+                                        f"granularity {'/'.join(takes)}; got {gran!r}")
+        gran_code = SCALE_CODES[gran]
+        if gran_code == SCALE_PAGE:
             s_str = (scale.stride(0), scale.stride(1), 0)
-        elif gran_code == 2:
+        elif gran_code == SCALE_TOKEN:
             s_str = (scale.stride(0), scale.stride(1), scale.stride(2))
-    if code == 2:
+    if code == FMT_E2M1:
         if micro is None or micro.dtype != torch.float8_e4m3fn or micro.shape[3] != dim // 16:
             raise UnsupportedShapeError(f"{op}: {which} fp4 pages need E4M3 micro scales "
                                         f"[N, Hkv, P, {dim // 16}]")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvcompile.cache import registry
 from kvcompile.kernels.decode_tiles import fp8_specials
 from kvcompile.kernels.prefill_tiles import (
     key_ranges,
@@ -28,9 +29,13 @@ from kvcompile.kernels.prefill_tiles import (
     visible,
 )
 
-# format codes (constexpr)
-FMT_PLAIN, FMT_FP8, FMT_FP4 = 0, 1, 2
-GRAN_NONE, GRAN_PAGE, GRAN_TOKEN, GRAN_TENSOR = 0, 1, 2, 3
+# Format codes and scale modes: the registry's, as the decode kernel numbers them (K_FMT /
+# V_FMT: plain, E4M3, E5M2, E2M1; K_GRAN / V_GRAN: none, tensor, page, token).
+_PLAIN = tl.constexpr(registry.FMT_PLAIN)
+_E2M1 = tl.constexpr(registry.FMT_E2M1)
+_TENSOR = tl.constexpr(registry.SCALE_TENSOR)
+_PAGE = tl.constexpr(registry.SCALE_PAGE)
+_TOKEN = tl.constexpr(registry.SCALE_TOKEN)
 
 
 @triton.jit
@@ -53,7 +58,7 @@ def _page_tile(Data, Scale, Micro, bt_row, keys, ok, hkv, sp, sh, st, ssp, ssh, 
     page = tl.load(bt_row + keys // PAGE, mask=ok, other=0).to(tl.int64)
     off = keys % PAGE
     base = page * sp + hkv * sh + off * st
-    if FMT == 2:
+    if FMT == _E2M1:
         offs_b = tl.arange(0, DIM // 2)
         byte = tl.load(Data + base[:, None] + offs_b[None, :], mask=ok[:, None], other=0)
         codes = tl.reshape(tl.join(byte & 15, byte >> 4), [BLOCK_N, DIM])  # 2i: low nibble
@@ -66,12 +71,12 @@ def _page_tile(Data, Scale, Micro, bt_row, keys, ok, hkv, sp, sh, st, ssp, ssh, 
     else:
         offs_d = tl.arange(0, DIM)
         x = tl.load(Data + base[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
-        if FMT == 1:
+        if FMT != _PLAIN:  # E4M3 / E5M2
             x = fp8_specials(x, x.to(tl.float32))
-    if GRAN == 1:
+    if GRAN == _PAGE:
         sc = tl.load(Scale + page * ssp + hkv * ssh, mask=ok, other=0.0)
         x = x.to(tl.float32) * sc[:, None]
-    elif GRAN == 2:
+    elif GRAN == _TOKEN:
         sc = tl.load(Scale + page * ssp + hkv * ssh + off * sst, mask=ok, other=0.0)
         x = x.to(tl.float32) * sc[:, None]
     return x.to(COMPUTE)
@@ -155,7 +160,7 @@ def paged_prefill_kernel(
     q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     q = q.to(COMPUTE)
     c_q = tl.full([BLOCK_M], 1.0, tl.float32) * sm_scale_c
-    if K_GRAN == 3:
+    if K_GRAN == _TENSOR:
         c_q = c_q * tl.load(K_scale)
     bt_row = block_tables + b.to(tl.int64) * stride_bt
     pos_hi = pos0 + tl.minimum(t0 + TOK_M, q_len) - 1
@@ -198,7 +203,7 @@ def paged_prefill_kernel(
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # a row that sees no key writes zeros
     o = acc / l_i[:, None]
-    if V_GRAN == 3:
+    if V_GRAN == _TENSOR:
         o = o * tl.load(V_scale)
     offs_dv = tl.arange(0, HEAD_DIM_V)
     o_rows = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh

@@ -4,6 +4,23 @@ from __future__ import annotations
 
 import torch
 
+
+def masked_softmax(s: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of scores s [..., L] (fp32), keys where `allowed` [..., L]
+    (bool, broadcast to s; None: every key) -> p, shaped like s.
+
+    Every reference path uses this one (the references below, kernels/dense.py's exact fp32
+    attention, eviction/attend.py): a masked key gets probability 0 whatever its score holds
+    (NaN included); a row that sees no key gets all zeros (no 0 / 0); a NaN score of a seen key
+    stays NaN in p, so the row's output p @ v is NaN, as in eager attention."""
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isfinite(m), m, 0.0))   # NaN stays NaN; -inf rows -> 0
+    denom = p.sum(-1, keepdim=True)
+    return p / torch.where(denom > 0, denom, 1.0)
+
+
 # --- decode references ---
 # Plain-PyTorch versions of kernels/decode.py: pages dequantized with formats.py, fp32 math.
 
@@ -55,11 +72,7 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scal
         s = torch.einsum("hsd,hld->hsl", q[b].float(), k) * scale                # [Hq, Sq, L]
         if softcap:
             s = softcap * torch.tanh(s / softcap)
-        s = s.masked_fill(~allowed, float("-inf"))
-        m = s.amax(-1, keepdim=True)
-        p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
-        denom = p.sum(-1, keepdim=True)
-        p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
+        p = masked_softmax(s, allowed)
         v = torch.where(allowed.any(0)[None, :, None], v, torch.zeros_like(v))
         out[b] = torch.einsum("hsl,hld->hsd", p, v)
         if attn_mass is not None:
@@ -96,11 +109,7 @@ def _prefill_attend_ref(q, k, v, allowed, scale: float, softcap: float):
     s = torch.einsum("shd,lhd->hsl", q.float(), kf) * scale               # [Hq, S, L]
     if softcap:
         s = softcap * torch.tanh(s / softcap)
-    s = s.masked_fill(~allowed, float("-inf"))
-    m = s.amax(-1, keepdim=True)
-    p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
-    denom = p.sum(-1, keepdim=True)
-    p = p / torch.where(denom > 0, denom, torch.ones_like(denom))          # no key seen -> 0
+    p = masked_softmax(s, allowed)                                        # no key seen -> 0
     seen = allowed.any(0)                                                 # [L]
     vf = torch.where(seen[:, None, None], vf, torch.zeros_like(vf))       # unseen slots: 0
     return torch.einsum("hsl,lhd->shd", p, vf)

@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from kvcompile.errors import CacheStateError
+from kvcompile.eviction.policies import rules_of
 from kvcompile.eviction.runtime import EvictionRuntime
 from kvcompile.passes.sites import _policy_str
 
@@ -29,6 +30,8 @@ def eviction_pass(gm: fx.GraphModule, plan, state) -> str:
     sites = [s for s in plan.rewritten if s.config is not None and s.config.eviction]
     if not sites:
         return "no eviction policy"
+    for site in sites:
+        rules_of(site.config.eviction)   # KVConfigError naming register_policy if unknown
     rt = state.eviction
     if rt is None:
         rt = state.eviction = EvictionRuntime(state)

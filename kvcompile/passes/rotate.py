@@ -43,7 +43,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from kvcompile.config import SinkWindow
+from kvcompile.cache.registry import is_quantized
+from kvcompile.eviction.policies import rerotated_sinks
 from kvcompile.passes.graph_utils import arg, kind, val
 from kvcompile.passes.rewrite import _set_meta
 
@@ -137,15 +138,16 @@ def rotates_keys(site) -> bool:
     structure (offsets, outlier channels) that a rotation would mix away (measured: int4
     channel keys lose more with it); their values still are."""
     cfg = site.config
-    quantized = cfg.key_dtype.startswith(("fp8", "fp4", "int"))
+    quantized = is_quantized(cfg.key_dtype)
     return not (quantized and cfg.scale_granularity == "channel")
 
 
 def why_not_rotatable(site) -> str:
     """'' if the site's pattern allows the rotation, else the reason."""
     policy = site.config.eviction if site.config is not None else None
-    if isinstance(policy, SinkWindow) and policy.sinks > 0 and rotates_keys(site):
-        return ("SinkWindow re-rotates its sink keys with RoPE, which needs unrotated keys; "
+    if rerotated_sinks(policy) > 0 and rotates_keys(site):
+        return (f"{type(policy).__name__} re-rotates its sink keys with RoPE, which needs "
+                "unrotated keys; "
                 "use sinks=0, H2O / SnapKV, or rotate=None for this layer")
     for name, d in (("head_dim", site.head_dim), ("v head_dim", site.v_head_dim)):
         b = hadamard_block(d)

@@ -67,14 +67,13 @@ def _format(cfg, which: str, model_dtype, head_dim: int, page_size: int):
 
 def _fits(model_dtype, gran: str, head_dim: int, page_size: int) -> list[str]:
     """The storage formats that hold a site of this head_dim at this page size."""
-    from kvcompile.cache.formats import FORMAT_NAMES, KVFormat
+    from kvcompile.cache.formats import KVFormat
+    from kvcompile.cache.registry import format_names, format_spec
 
     out = []
-    for name in FORMAT_NAMES:
-        quantized = name.startswith(("fp8", "fp4", "int"))
-        g = gran if quantized else "page"
-        if name.startswith("int") and g == "tensor":
-            g = "page"
+    for name in format_names():
+        takes = format_spec(name).granularities
+        g = "page" if not takes else gran if gran in takes else takes[0]
         try:
             KVFormat(name, g).check_shape(head_dim, page_size)
         except ValueError:

@@ -1,5 +1,5 @@
 """The engine's CUDA-graph decode steps (engine/cudagraph.py): the host-side pieces on the CPU,
-and graph replay against eager steps on CUDA (benchmarks/gpu_check_engine_graphs.py runs the
+and graph replay against eager steps on CUDA (tests/gpu/test_engine_graphs_gpu.py runs the
 fuller check on the H200)."""
 
 from __future__ import annotations

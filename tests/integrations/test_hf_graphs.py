@@ -1,6 +1,6 @@
 """Which calls `GraphedForward` (integrations/hf_graphs.py) would replay from a CUDA graph.
 
-Replay itself needs CUDA (benchmarks/gpu_check_hf_graphs.py checks it on the H200); here the
+Replay itself needs CUDA (tests/gpu/test_hf_graphs_gpu.py checks it on the H200); here the
 graph path is replaced by a recorder that runs the compiled forward, so the CPU checks the
 selection: every decode step of `generate` on a bound DynamicCache, and nothing else."""
 

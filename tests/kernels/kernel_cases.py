@@ -136,7 +136,7 @@ def append_slot_steps(lens_steps, P, pages_per_seq, gen):
         yield torch.tensor(slots, dtype=torch.int64)
 
 
-# --- NaN in K / V (tests/kernels/test_nan.py; benchmarks/gpu_check_nan.py on the GPU) --------
+# --- NaN in K / V (tests/kernels/test_nan.py; tests/gpu/test_nan_gpu.py on the GPU) --------
 
 NAN_LENS = [40, 33]          # two sequences; the NaN goes into sequence 0, kv head 1
 NAN_HKV, NAN_G, NAN_D = 2, 2, 64

@@ -1,6 +1,6 @@
 """CUDA-graph decode steps of the engine against the same steps run eagerly (CUDA only).
 
-    python benchmarks/gpu_check_engine_graphs.py
+    pytest -s -q -m gpu tests/gpu/test_engine_graphs_gpu.py   # or: gpu_jobs.sh engine_graphs
 
 A tiny Llama (fp32 weights, so the comparison sees kvcompile's kernels rather than bf16
 rounding) runs requests of mixed prompt lengths through `kvcompile.Engine`. At every decode
@@ -14,22 +14,22 @@ two paths split the keys differently, so a near-tie may flip). The prefill steps
 Triton prefill kernel) are compared with the plain fp32 model at each prompt's last token.
 Then: a whole run with graphs against a whole run
 without (greedy tokens), the pool empty after close (scratch pages returned), and the step
-time of both paths on this model. Prints a table; exits 1 on a failure.
+time of both paths on this model (printed with -s). (Was benchmarks/gpu_check_engine_graphs.py.)
 """
 
 from __future__ import annotations
 
-import os
 import random
-import sys
 import time
 
+import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import kvcompile
+from kvcompile import Engine, KVConfig, SamplingParams
 
-import kvcompile  # noqa: E402
-from kvcompile import Engine, KVConfig, SamplingParams  # noqa: E402
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 TOL = {"bf16": 2e-3, "fp8_e4m3": 2e-3, "fp4_e2m1": 2e-3}   # graph vs eager: same kernels
 # engine prefill (packed, Triton prefill kernel over the stored pages) vs the plain fp32 model
@@ -134,46 +134,34 @@ def check(model, fmt: str, batch: int, prompts, ref, new: int = 24) -> dict:
                 fallbacks=st.get("reference_fallback", 0))
 
 
-def main() -> int:
-    if not torch.cuda.is_available():
-        print("CUDA only")
-        return 0
-    rows, bad = [], []
-    batches = (1, 3, 5, 16)
-    for fmt in ("bf16", "fp8_e4m3", "fp4_e2m1"):
-        model = tiny()   # compiled once per format; each batch size gets its own engine
-        prompts = {b: prompts_for(b) for b in batches}
-        ref = {b: reference_last_logits(model, prompts[b]) for b in batches}
-        kvcompile.compile(model, KVConfig(kv_dtype=fmt, max_kv_bytes=256 << 20, page_size=16))
-        for batch in batches:
-            try:
-                r = check(model, fmt, batch, prompts[batch], ref[batch])
-            except Exception as e:  # noqa: BLE001
-                import traceback
-
-                traceback.print_exc()
-                r = dict(fmt=fmt, batch=batch, error=f"{type(e).__name__}: {str(e)[:200]}")
-            ok = ("error" not in r and r["steps"] > 0 and r["max_rel"] <= TOL[fmt]
-                  and r["argmax"] == 1.0 and r["replays"] > 0 and not r["pages_left"]
-                  and r["prefill_rel"] <= PREFILL_TOL[fmt] and r["prefill_kernel"] > 0)
-            r["ok"] = ok
-            if not ok:
-                bad.append(r)
-            rows.append(r)
-            print(r, flush=True)
-    cols = ["fmt", "batch", "steps", "max_rel", "argmax", "same_run", "prefill_rel",
-            "prefill_top1", "prefill_kernel", "captures", "replays", "pages_left", "ms_graph",
-            "ms_eager", "fallbacks", "ok"]
-    print("| " + " | ".join(cols) + " |")
-
-    def fmt(v):
-        return f"{v:.3g}" if isinstance(v, float) else str(v)
-
-    for r in rows:
-        print("| " + " | ".join(fmt(r.get(c, r.get("error", "-"))) for c in cols) + " |")
-    print(f"engine graph check: {len(rows) - len(bad)}/{len(rows)} passed")
-    return 1 if bad else 0
+BATCHES = (1, 3, 5, 16)   # buckets hit exactly and ones that need padding rows
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+@pytest.fixture(scope="module", params=["bf16", "fp8_e4m3", "fp4_e2m1"])
+def compiled(request):
+    """(format, model compiled once per format, prompts and fp32 references per batch)."""
+    fmt = request.param
+    torch._dynamo.reset()
+    model = tiny()
+    prompts = {b: prompts_for(b) for b in BATCHES}
+    ref = {b: reference_last_logits(model, prompts[b]) for b in BATCHES}
+    kvcompile.compile(model, KVConfig(kv_dtype=fmt, max_kv_bytes=256 << 20, page_size=16))
+    yield fmt, model, prompts, ref
+    kvcompile.release(model)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo(dynamo_per_module):  # overrides tests/conftest.py: one compile per format
+    yield
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_graph_steps_equal_eager_steps(compiled, batch):
+    fmt, model, prompts, ref = compiled
+    r = check(model, fmt, batch, prompts[batch], ref[batch])
+    print(r)
+    assert r["steps"] > 0 and r["replays"] > 0, r
+    assert r["max_rel"] <= TOL[fmt], r
+    assert r["argmax"] == 1.0, r
+    assert not r["pages_left"], r
+    assert r["prefill_kernel"] > 0 and r["prefill_rel"] <= PREFILL_TOL[fmt], r

@@ -1,0 +1,70 @@
+"""The reference attention (kernels/dense.py) on CUDA: NaN / Inf in K/V as eager attention,
+masked keys inert, empty rows 0 (the CUDA prefill fallback). On the H200:
+
+    pytest -q -m gpu tests/gpu/test_dense_gpu.py        # or: bash benchmarks/gpu_jobs.sh dense
+
+Each case compares sdpa_attention (torch SDPA, then the exact fp32 path where SDPA's output is
+not finite) on CUDA with eager attention computed per query over the keys it sees (fp64, CPU).
+(Was benchmarks/gpu_check_dense.py.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcompile.kernels.dense import sdpa_attention
+from kvcompile.testing import REL_ERR, rel_err
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+CASES = ("finite", "v_nan_seen", "v_inf_seen", "k_nan_seen", "masked_nan", "row_empty")
+
+
+def eager_rows(q, k, v, seen, scale):
+    # q [B, Hq, S, D], k/v [B, Hkv, L, D], seen [B, 1, S, L] -> [B, Hq, S, Dv] fp64
+    B, Hq, S, _ = q.shape
+    rep = Hq // k.shape[1]
+    out = torch.zeros(B, Hq, S, v.shape[-1], dtype=torch.float64)
+    for b in range(B):
+        for h in range(Hq):
+            for i in range(S):
+                keys = seen[b, 0, i].nonzero()[:, 0]
+                if keys.numel():
+                    s = (q[b, h, i].double() @ k[b, h // rep, keys].double().T) * scale
+                    out[b, h, i] = torch.softmax(s, -1) @ v[b, h // rep, keys].double()
+    return out
+
+
+def make_case(name, g):
+    B, Hq, Hkv, S, L, D = 2, 8, 2, 6, 40, 64
+    q, k, v = (torch.randn(B, h, n, D, generator=g) for h, n in ((Hq, S), (Hkv, L), (Hkv, L)))
+    seen = (torch.arange(L)[None] <= torch.arange(L - S, L)[:, None])[None, None]
+    seen = seen.expand(B, 1, S, L).clone()
+    seen[1, :, :, :5] = False
+    if name == "v_nan_seen":
+        v[0, 1, 36, 3] = float("nan")
+    elif name == "v_inf_seen":
+        v[1, 0, 20, 2] = float("inf")
+    elif name == "k_nan_seen":
+        k[1, 1, 37, 0] = float("nan")
+    elif name == "masked_nan":
+        k[1, 0, 1, 0] = v[1, 1, 2, 2] = float("nan")
+    elif name == "row_empty":
+        seen[0, :, 2] = False
+    return q, k, v, seen
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("name", CASES)
+def test_dense_non_finite_rules(name, dt):
+    q, k, v, seen = make_case(name, torch.Generator().manual_seed(CASES.index(name)))
+    ref = eager_rows(q, k, v, seen, 0.125)
+    got = sdpa_attention(q.cuda().to(dt), k.cuda().to(dt), v.cuda().to(dt),
+                         seen.cuda(), None, 0.125).double().cpu()
+    for where in (torch.isnan, torch.isposinf, torch.isneginf):
+        assert torch.equal(where(got), where(ref)), f"{name} {dt}: {where.__name__} differs"
+    fin = torch.isfinite(ref)
+    assert rel_err(got[fin], ref[fin]) <= 10 * REL_ERR[dt]

@@ -1,0 +1,110 @@
+"""CUDA-graph decode steps of HF `generate` (integrations/hf_graphs.py) against the same calls
+without graphs (CUDA only).
+
+    pytest -s -q -m gpu tests/gpu/test_hf_graphs_gpu.py       # or: gpu_jobs.sh hf_graphs
+
+A tiny Llama (fp32 weights, LM head sharpened so greedy decoding is decided by the model) is
+compiled with kvcompile; each case runs `generate` twice, graphs on and graphs off, and
+compares the tokens and the per-step logits (`output_logits=True`):
+greedy with left padding (B=3), a longer prompt after a shorter one (recapture) and a shorter
+one after it (reuse: mask columns past the prompt set to 1), beam search (2 beams: forks,
+reorder), sampling with num_return_sequences=2 (seeded), and B=1. Per case: graph captures
+and replays, largest relative logit difference, token agreement, pages left in the pool after
+the call. Formats: bf16, fp8_e4m3. (Was benchmarks/gpu_check_hf_graphs.py.)
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import kvcompile
+from kvcompile import KVConfig
+from tests.gpu.test_engine_graphs_gpu import tiny  # the same tiny Llama, seed 0
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+TOL = 2e-3   # graph vs eager steps: the same kernels, other split-K partitions
+
+
+def inputs(B: int, L: int, pad: bool, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 512, (B, L), generator=g)
+    am = torch.ones_like(ids)
+    if pad:
+        for r in range(B):
+            n = (r * 5) % max(L - 2, 1)
+            ids[r, :n] = 0
+            am[r, :n] = 0
+    return ids.cuda(), am.cuda()
+
+
+CASES = [
+    ("greedy B=3 left pad", dict(B=3, L=40, pad=True), dict(do_sample=False)),
+    ("longer prompt (recapture)", dict(B=3, L=90, pad=True), dict(do_sample=False)),
+    ("shorter prompt (reuse)", dict(B=3, L=20, pad=True), dict(do_sample=False)),
+    ("beam search 2", dict(B=2, L=30, pad=True), dict(do_sample=False, num_beams=2)),
+    ("sampling x2 seqs", dict(B=2, L=30, pad=False),
+     dict(do_sample=True, top_k=20, temperature=0.8, num_return_sequences=2)),
+    ("greedy B=1", dict(B=1, L=25, pad=False), dict(do_sample=False)),
+]
+
+
+def run(model, ids, am, kw, graphs: bool, seed: int):
+    fwd = model.forward
+    fwd._why_not = None if graphs else "off (check)"
+    torch.manual_seed(seed)
+    out = model.generate(ids, attention_mask=am, max_new_tokens=16, min_new_tokens=16,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kw)
+    fwd._why_not = None
+    toks, logits = out.sequences[:, ids.shape[1]:], [x.float() for x in out.logits]
+    del out
+    gc.collect()   # the returned cache sits in reference cycles: its pages go with it
+    return toks, logits
+
+
+@pytest.fixture(scope="module", params=["bf16", "fp8_e4m3"])
+def compiled(request):
+    fmt = request.param
+    torch._dynamo.reset()
+    # one model, many batch shapes: more recompiles than Dynamo's default cap
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = 64
+    model = tiny()
+    kvcompile.compile(model, KVConfig(kv_dtype=fmt, max_kv_bytes=256 << 20, page_size=16))
+    yield model
+    kvcompile.release(model)
+    torch._dynamo.config.recompile_limit = limit
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo(dynamo_per_module):  # overrides tests/conftest.py: one compile per format
+    yield
+
+
+# cases run in order on one compiled model: "recapture" and "reuse" depend on the one before
+@pytest.mark.parametrize("i", range(len(CASES)), ids=[c[0] for c in CASES])
+def test_graph_decode_equals_no_graph_decode(compiled, i):
+    model, (name, shape, kw) = compiled, CASES[i]
+    fwd = model.forward
+    ids, am = inputs(seed=i, **shape)
+    c0, r0 = fwd.captures, fwd.replays
+    tg, lg = run(model, ids, am, kw, True, seed=i)
+    replays = fwd.replays - r0
+    pages_left = kvcompile.stats(model).get("pages_used")
+    te, le = run(model, ids, am, kw, False, seed=i)
+    assert fwd.replays - r0 - replays == 0, "graphs replayed with graphs off"
+    # logits compared on the steps before the first token difference
+    first = next((j for j in range(tg.shape[1]) if not torch.equal(tg[:, j], te[:, j])),
+                 len(lg))
+    rel = max([float((a - b).abs().max() / b.abs().max()) for a, b in
+               zip(lg[:first], le[:first])] or [0.0])
+    print(dict(case=name, captures=fwd.captures - c0, replays=replays, max_rel=rel,
+               steps_compared=first, pages_left=pages_left))
+    assert replays > 0
+    assert rel <= TOL
+    assert torch.equal(tg, te)
+    assert not pages_left
