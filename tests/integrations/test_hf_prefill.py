@@ -147,5 +147,5 @@ def test_activation_bytes_with_one_intermediate_size_per_layer():
     model = SimpleNamespace(config=cfg, dtype=torch.float32)
     want = hf_prefill.activation_bytes_per_token(
         SimpleNamespace(config=SimpleNamespace(hidden_size=64, intermediate_size=256),
-                        dtype=torch.float32), 10)
-    assert hf_prefill.activation_bytes_per_token(model, 10) == want
+                        dtype=torch.float32))
+    assert hf_prefill.activation_bytes_per_token(model) == want
