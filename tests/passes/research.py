@@ -318,3 +318,37 @@ def greedy(model, prompt: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[
         out.append(tok)
         pos += 1
     return torch.cat(out, dim=1), logits
+
+
+def prompt() -> torch.Tensor:
+    """The [2, 7] prompt the hand-written models' tests decode from."""
+    return torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(1))
+
+
+def compile_eager(model):
+    import kvcompile
+
+    return kvcompile.compile(model, kvcompile.KVConfig(inner="eager", max_kv_bytes=1 << 22))
+
+
+def assert_rewritten_and_identical(model, name: str):
+    """Compile `model` (a two-layer `make(...)` model): 10 greedy tokens equal eager's, logits
+    within fp32 tolerance, both sites rewritten, the pool holding the cache, no warning.
+    Returns the report (for the caller's checks of how each site was read)."""
+    import copy
+
+    import kvcompile
+    from kvcompile.testing import assert_rel_close
+    from tests.passes.caught import kv_warnings
+
+    want, want_logits = greedy(copy.deepcopy(model), prompt(), 10)
+    with kv_warnings() as warned:
+        got, logits = greedy(compile_eager(model), prompt(), 10)
+    assert torch.equal(got, want), f"{name}: tokens differ from eager"
+    for a, b in zip(logits, want_logits):
+        assert_rel_close(a, b, torch.float32, factor=4, what="logits")
+    rep = kvcompile.report(model)
+    assert len(rep.sites) == 2 and len(rep.rewritten) == 2, str(rep)
+    assert kvcompile.stats(model)["tokens"] == 2 * (7 + 9)   # the pool holds the cache
+    assert not warned, warned
+    return rep

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import kvcompile
-from kvcompile.testing import assert_rel_close
 from tests.passes import research
 from tests.passes.caught import has, kv_warnings
 
@@ -29,31 +28,16 @@ STYLES = {
 }
 
 
-def _prompt():
-    return torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(1))
-
-
-def _compile(model):
-    return kvcompile.compile(model, kvcompile.KVConfig(inner="eager", max_kv_bytes=1 << 22))
+_prompt = research.prompt
+_compile = research.compile_eager
 
 
 @pytest.mark.parametrize("style", list(STYLES))
 def test_handwritten_style_rewritten_and_token_identical(style):
     torch._dynamo.reset()
-    model = research.make(getattr(research, style))
-    eager = copy.deepcopy(model)
-    want, want_logits = research.greedy(eager, _prompt(), 10)
-    with kv_warnings() as warned:
-        got, logits = research.greedy(_compile(model), _prompt(), 10)
-    assert torch.equal(got, want), f"{style}: tokens differ from eager"
-    for a, b in zip(logits, want_logits):
-        assert_rel_close(a, b, torch.float32, factor=4, what="logits")
-    rep = kvcompile.report(model)
-    assert len(rep.sites) == 2 and len(rep.rewritten) == 2, str(rep)
+    rep = research.assert_rewritten_and_identical(research.make(getattr(research, style)), style)
     cache, gqa = STYLES[style]
     assert {(s.cache, s.gqa) for s in rep.rewritten} == {(cache, gqa)}, str(rep)
-    assert kvcompile.stats(model)["tokens"] == 2 * (7 + 9)   # the pool holds the cache
-    assert not warned, warned
 
 
 @pytest.mark.parametrize("style,step", [("LinearAttentionLike", "output"),
