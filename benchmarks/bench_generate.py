@@ -63,6 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--engine-prompt", type=int, default=1024)
     p.add_argument("--kv-gib", type=float, default=8.0,
                    help="the pool's budget (KVConfig.max_kv_bytes) for the kvc_* sections")
+    p.add_argument("--dynamic", action="store_true",
+                   help="compile the kvc_* sections with assume_static_by_default=False")
     p.add_argument("--kernels", default="auto", choices=("auto", "triton", "cuda"),
                    help="KVConfig.kernels for the kvc_* sections (decode kernel choice)")
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "benchmarks"))
@@ -239,7 +241,10 @@ def kvc(model, args, device, ctx, kv_dtype):
     uncompile(model)
     kvcompile.compile(model, _kvc_config(args, kv_dtype))
     dyn = torch._dynamo.config.assume_static_by_default
-    torch._dynamo.config.assume_static_by_default = False  # prefill + decode: 2 graphs, not 3
+    # dynamic shapes save a graph (prefill + decode: 2 graphs, not 3) but on torch 2.11 the
+    # symbolic `self.scaling` they bring fails in the backend ("node ... must have
+    # _dynamo_source attribute", H200 2026-12-03): static, as HF's own compile runs
+    torch._dynamo.config.assume_static_by_default = args.dynamic
     try:
         row, toks = run_generate(model, args, device, ids, am,
                                  f"kvcompile {kv_dtype} pages + HF generate")
