@@ -54,7 +54,13 @@ def _compile(gm, example_inputs, options, state):
     try:
         compiled = compile_inner(gm, example_inputs, config.inner)
     except Exception as e:
-        if not result.plan.rewritten:
+        # Dynamo's restart requests are control flow, not failures: inductor raises
+        # TensorifyScalarRestartAnalysis to have a float input (HF's self.scaling under dynamic
+        # shapes) specialized and the frame traced again; abandoning the rewrite there would
+        # leave the graph uncompiled for good
+        from torch._dynamo.exc import RestartAnalysis
+
+        if not result.plan.rewritten or isinstance(e, RestartAnalysis):
             raise
         text = str(e).strip().splitlines()
         result.abandon(gm, state, f"the inner compiler ({config.inner}) failed on the "

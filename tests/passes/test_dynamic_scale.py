@@ -54,6 +54,40 @@ def test_symbolic_scale_is_specialized_and_sites_are_rewritten(dynamic_shapes):
     torch.testing.assert_close(got2, want2, rtol=1e-4, atol=1e-4)
 
 
+def test_a_restart_request_from_the_inner_compiler_is_not_taken_for_a_failure(monkeypatch):
+    """Inductor raises TensorifyScalarRestartAnalysis to have Dynamo retrace with a float input
+    specialized (HF's self.scaling under dynamic shapes). The backend used to catch it as an
+    inner-compiler failure and leave the graph unrewritten for good ("left graph 1 ... as it
+    was"); it must reach Dynamo, which retraces. Simulated on the eager inner compiler (inductor
+    on the CPU takes 90 s here)."""
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+
+    import kvcompile.backend as backend
+
+    real, calls = backend.compile_inner, []
+
+    def once_restart(gm, example_inputs, inner):
+        calls.append(inner)
+        if len(calls) == 1:
+            raise TensorifyScalarRestartAnalysis
+        return real(gm, example_inputs, inner)
+
+    monkeypatch.setattr(backend, "compile_inner", once_restart)
+    torch._dynamo.reset()
+    model, eager = _tiny(), _tiny()
+    kvcompile.compile(model, kvcompile.KVConfig(kv_dtype="fp32", inner="eager"))
+    ids = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3,
+                             do_sample=False)
+        want = eager.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3,
+                              do_sample=False)
+    assert torch.equal(got, want)
+    rep = kvcompile.report(model)
+    assert "left graph" not in str(rep) and len(rep.rewritten) == len(rep.sites) >= 2, str(rep)
+    assert len(calls) >= 2   # the restart traced the frame again
+
+
 def test_scalar_value_reads_numbers_and_symbolic_hints_but_not_tensors():
     assert scalar_value(0.125) == 0.125
     assert scalar_value(3) == 3.0
