@@ -381,9 +381,19 @@ def _check_consistent(sites: list[AttentionSite], state, before: int) -> None:
                 f"configure(module, enabled=False) before the first call")
 
 
+# Attributes Dynamo sets on placeholder nodes themselves (not in meta), which a deep copy of
+# the graph drops and AOTAutograd asserts on ("node ... must have _dynamo_source attribute")
+_PLACEHOLDER_ATTRS = ("_dynamo_source",)
+
+
 def _restore(gm: fx.GraphModule, pristine: fx.Graph | None) -> None:
     if pristine is not None:
+        kept = {n.name: {a: getattr(n, a) for a in _PLACEHOLDER_ATTRS if hasattr(n, a)}
+                for n in gm.graph.find_nodes(op="placeholder")}
         gm.graph = copy.deepcopy(pristine, {})
+        for n in gm.graph.find_nodes(op="placeholder"):
+            for a, v in kept.get(n.name, {}).items():
+                setattr(n, a, v)
         gm.recompile()
 
 

@@ -97,3 +97,31 @@ def test_scalar_value_reads_numbers_and_symbolic_hints_but_not_tensors():
     t.meta["example_value"] = torch.ones(2)
     assert scalar_value(t) is None        # a tensor is never a scale constant
     assert scalar_value("0.5") is None
+
+
+def test_an_abandoned_graph_keeps_what_dynamo_set_on_its_placeholders(monkeypatch):
+    """When the inner compiler fails on the rewritten graph, the backend restores Dynamo's graph
+    and compiles that. The restored placeholders must keep `_dynamo_source` (set on the node
+    objects, not in meta; a deep copy drops it), or AOTAutograd, inductor's front end, fails on
+    them."""
+    import kvcompile.backend as backend
+    from tests.passes.caught import kv_warnings
+
+    real, seen = backend.compile_inner, []
+
+    def fail_once(gm, example_inputs, inner):
+        seen.append([hasattr(n, "_dynamo_source") for n in gm.graph.find_nodes(op="placeholder")])
+        if len(seen) == 1:
+            raise RuntimeError("inner compiler failed (simulated)")
+        return real(gm, example_inputs, inner)
+
+    monkeypatch.setattr(backend, "compile_inner", fail_once)
+    torch._dynamo.reset()
+    model, eager = _tiny(), _tiny()
+    kvcompile.compile(model, kvcompile.KVConfig(kv_dtype="fp32", inner="eager"))
+    ids = torch.randint(0, 100, (1, 9), generator=torch.Generator().manual_seed(3))
+    with kv_warnings() as warned, torch.no_grad():
+        got = model(ids).logits
+    assert any("as it was" in w for w in warned), warned     # said once, with the reason
+    assert len(seen) == 2 and seen[0] and all(seen[1]), seen  # restored placeholders keep it
+    torch.testing.assert_close(got, eager(ids).logits)
