@@ -31,7 +31,7 @@ from kvcompile.kernels.reference import (  # noqa: E402
     paged_prefill_attention_ref,
     prefill_attention_ref,
 )
-from kvcompile.testing import REL_ERR, poison_, rel_err, sqnr_db  # noqa: E402
+from kvcompile.testing import REL_ERR, kernel_rel_err, poison_, rel_err, sqnr_db  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 PLAIN = ("bf16", "fp16", "fp32")
@@ -175,7 +175,7 @@ def test_prefill_pointer_path(mask):
     gen = torch.Generator().manual_seed(7)
     err, out, _ = run_prefill([45, 20], 4, 2, 64, torch.float32, config=CFG(32, 16, 4, 1),
                               tma=False, gen=gen, **mask)
-    assert err <= REL_ERR[torch.float32], err
+    assert err <= kernel_rel_err(torch.float32, DEV), err
 
 
 def test_prefill_queries_at_the_tail_of_longer_keys():
@@ -183,7 +183,7 @@ def test_prefill_queries_at_the_tail_of_longer_keys():
     gen = torch.Generator().manual_seed(8)
     err, _, _ = run_prefill([9, 24, 1], 4, 2, 64, torch.float32, k_lens=[50, 24, 33],
                             config=CFG(32, 16, 4, 1), gen=gen, sliding_window=17, sinks=3)
-    assert err <= REL_ERR[torch.float32], err
+    assert err <= kernel_rel_err(torch.float32, DEV), err
 
 
 def test_prefill_fp8_block_scales():
@@ -199,7 +199,7 @@ def test_prefill_fp8_block_scales():
         assert sqnr_db(a, b) > 30.0
     out = poison_(torch.empty(q.shape[0], 4, 64, dtype=torch.float32))
     L.launch_prefill(q8, k8, vt8, cu, out, 0.125, True, 0, 0, 0.0, max(lens), scales,
-                     config=CFG(32, 16, 4, 1))
+                     config=CFG(32, 32, 4, 1))   # an FP8 dot needs K >= 32 on the GPU
     ref_q = prefill_attention_ref(qd, kd, vd, cu, 0.125)   # same E4M3 values, fp32 math
     ref = prefill_attention_ref(q, k, v, cu, 0.125)        # unquantized
     assert rel_err(out, ref_q) <= FP8_REL_ERR
@@ -215,13 +215,13 @@ def test_prefill_public_api_and_custom_op():
     cu = cu_of(lens)
     ref = prefill_attention_ref(q, k, v, cu, 0.125, sliding_window=8)
     out = prefill_attention(q, k, v, cu, 0.125, sliding_window=8, max_seqlen=20)
-    assert rel_err(out, ref) <= REL_ERR[torch.float32]
+    assert rel_err(out, ref) <= kernel_rel_err(torch.float32, DEV)
 
     def f(q, k, v):
         return prefill_attention(q, k, v, cu, 0.125, sliding_window=8, max_seqlen=20) * 2
 
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
-    assert rel_err(compiled(q, k, v), 2 * ref) <= REL_ERR[torch.float32]
+    assert rel_err(compiled(q, k, v), 2 * ref) <= kernel_rel_err(torch.float32, DEV)
     out8 = prefill_attention(q, k, v, cu, 0.125, fp8=True)
     assert out8.dtype == torch.bfloat16
     assert rel_err(out8.float(), prefill_attention_ref(q, k, v, cu, 0.125)) <= 0.1
@@ -341,7 +341,7 @@ def test_paged_prefill_custom_op_traces():
 
     ref = paged_prefill_attention_ref(q, kc, vc, bt, cu, sl, 0.125)
     out = torch.compile(f, backend="aot_eager", fullgraph=True)(q)
-    assert rel_err(out - 1, ref) <= REL_ERR[torch.float32]
+    assert rel_err(out - 1, ref) <= kernel_rel_err(torch.float32, DEV)
 
 
 @pytest.mark.parametrize("bad", ["block_table", "fp4_micro", "head_dim", "kv_heads", "seq_lens",
