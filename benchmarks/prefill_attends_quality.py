@@ -26,8 +26,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import kvcompile  # noqa: E402
 from pareto import corpora, decode_tail_ppl, load_model  # noqa: E402
+
+import kvcompile  # noqa: E402
 
 CONFIGS = {   # name -> KVConfig fields (the recommended 4-bit: README's storage formats table)
     "fp8_e4m3": dict(kv_dtype="fp8_e4m3"),

@@ -63,13 +63,13 @@ class AndMask:
     def key(self) -> tuple:
         return (self.a.data_ptr(), tuple(self.a.shape), self.b.data_ptr(), tuple(self.b.shape))
 
-    def expand(self, *shape) -> "AndMask":
+    def expand(self, *shape) -> AndMask:
         out = AndMask.__new__(AndMask)
         out.a, out.b = self.a.expand(*shape), self.b.expand(*shape)
         out.shape, out.device = out.a.shape, self.device
         return out
 
-    def slice_keys(self, n: int) -> "AndMask":
+    def slice_keys(self, n: int) -> AndMask:
         """The first n key columns (a view of each part)."""
         out = AndMask.__new__(AndMask)
         out.a = self.a[..., :n] if self.a.shape[-1] != 1 else self.a
