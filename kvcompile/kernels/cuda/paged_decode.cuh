@@ -374,6 +374,8 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
 #pragma unroll
   for (int n = 0; n < Gm::NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
   float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+  int vexp = -126;       // O is in units of 2^vexp (value scales, see the main loop)
+  float vinv = 0x1p126f;  // 2^-vexp
   const int qpos_first = L - SQ;  // position of the first query
   const int i_row0 = g % SQ, i_row1 = (g + 8) % SQ;  // query index of rows g, g + 8
 
@@ -426,6 +428,36 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
         kf[j][e] = KSM == KVC_SC_TOKEN ? sc[tau] : KSM == KVC_SC_PAGE ? sc[j] : 1.f;
         vf[j][e] = VSM == KVC_SC_TOKEN ? sc[16 + tau] : VSM == KVC_SC_PAGE ? sc[16 + j] : 1.f;
       }
+    if constexpr (VSM == KVC_SC_PAGE || VSM == KVC_SC_TOKEN) {
+      // p * vf goes to the MMA in f16, where a small value scale (values of std 0.01 in e5m2:
+      // scales ~6e-7) would fall into subnormals. O accumulates p * vf * 2^-vexp instead, vexp
+      // the largest exponent of a value scale seen so far (warp-uniform: every lane reads the
+      // same scales), rescaled by a power of two when it grows and put back at the merge.
+      float vmax = VSM == KVC_SC_PAGE ? fmaxf(sc[16], sc[17]) : 0.f;
+      if constexpr (VSM == KVC_SC_TOKEN) {
+#pragma unroll
+        for (int tau = 0; tau < 16; ++tau) vmax = fmaxf(vmax, sc[16 + tau]);
+      }
+      int e = vexp;
+      if (vmax > 0.f && vmax < INFINITY) frexpf(vmax, &e);  // vmax < 2^e
+      if (e > vexp) {
+        const float a = exp2f(static_cast<float>(vexp - e));
+#pragma unroll
+        for (int n = 0; n < Gm::NT; ++n) {
+          o[n][0] *= a;
+          o[n][1] *= a;
+          o[n][2] *= a;
+          o[n][3] *= a;
+        }
+        vexp = e;
+        vinv = exp2f(static_cast<float>(-e));
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        vf[j][0] *= vinv;
+        vf[j][1] *= vinv;
+      }
+    }
     float x[2][4];
 #pragma unroll
     for (int j = 0; j < 2; ++j)
@@ -561,6 +593,8 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
   l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
   __syncthreads();  // every warp is past its last stage read
   float* mo = reinterpret_cast<float*>(ring);  // [ROWS][DV] then m [ROWS], l [ROWS]
+  const float ounit = VSM == KVC_SC_PAGE || VSM == KVC_SC_TOKEN
+                          ? exp2f(static_cast<float>(vexp)) : 1.f;  // O's units back to 1
   float* ml = mo + ROWS * DV;
 #pragma unroll
   for (int nb = 0; nb < Gm::NT; ++nb)
@@ -569,7 +603,7 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
       const int r = g + 8 * (c >> 1);
       const int col = 2 * t + (c & 1);  // column of the n-tile -> value element
       const int dv = Gm::VEPU * (col + 8 * (nb / Gm::VEPU)) + nb % Gm::VEPU;
-      if (r < ROWS) mo[r * DV + dv] = o[nb][c];
+      if (r < ROWS) mo[r * DV + dv] = o[nb][c] * ounit;
     }
   if (t == 0) {
     ml[g] = m0;
