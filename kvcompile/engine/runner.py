@@ -54,21 +54,26 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.usable(out):
             return self.graphs.run(out)
         seqs = out.seqs
+        pool = self.pool
         ids, pos, cu, q_lens, past, lens = [], [], [0], [], [], []
         for s in seqs:
             ids += s.req.tokens(s.start, s.start + s.n)
-            pos += range(s.start, s.start + s.n)
+            pos += range(s.start, s.start + s.n)   # logical positions
             cu.append(cu[-1] + s.n)
             q_lens.append(s.n)
-            past.append(s.start)
-            lens.append(s.start + s.n)
+            stored = pool.seq_len(s.req.seq_id)   # after reserve; < start once evicted
+            past.append(stored - s.n)
+            lens.append(stored)
+        ev = self.state.eviction
+        if ev is not None:   # a chunk before a prompt's end: no eviction after it
+            ev.hold([s.req.seq_id for s in seqs if s.start + s.n < len(s.req.prompt_ids)])
         dev = self.device
         seq_ids = [s.req.seq_id for s in seqs]
         cu_t = torch.tensor(cu, dtype=torch.int32)
         plan = StepPlan(
             seq_ids=seq_ids, batch=len(seqs), new_tokens=max(q_lens), past_lens=past,
             slots=torch.cat([s.slots for s in seqs]).to(dev),
-            block_tables=self.pool.block_table(seq_ids, device=dev),
+            block_tables=pool.block_table(seq_ids, device=dev),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev), seq_lens_list=lens,
             kv_start=[0] * len(seqs), packed=True, cu_seqlens_q=cu_t.to(dev), q_lens=q_lens)
         ctx = ForwardContext(self.state, None, plan=plan)

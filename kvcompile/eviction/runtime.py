@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 
 from kvcompile.config import EvictionPolicy
 from kvcompile.errors import CacheStateError, UnsupportedShapeError
@@ -44,16 +45,20 @@ class _Book:
     """Bookkeeping of one sequence: per policy layer, the logical index in each slot
     (pos [Hkv, L] int64, -1 = hole), H2O mass [Hkv, L], SnapKV observation [Hkv, R, L]."""
 
-    __slots__ = ("pos", "mass", "obs", "start")
+    __slots__ = ("pos", "mass", "obs", "start", "carry")
 
     def __init__(self, start: int):
         self.pos: dict[int, torch.Tensor] = {}
         self.mass: dict[int, torch.Tensor] = {}
         self.obs: dict[int, torch.Tensor] = {}
         self.start = start  # first logical index that is a real token (left padding)
+        # the last forward was held (the middle of an engine prompt): its observation rows
+        # continue into the next forward's, as if both had been one forward
+        self.carry = False
 
     def copy(self) -> _Book:
         b = _Book(self.start)
+        b.carry = self.carry
         b.pos = {k: v.clone() for k, v in self.pos.items()}
         b.mass = {k: v.clone() for k, v in self.mass.items()}
         b.obs = {k: v.clone() for k, v in self.obs.items()}
@@ -74,6 +79,9 @@ class EvictionRuntime(RuntimeHook):
         # > 0: every managed layer records H2O mass and SnapKV observation scores (window of
         # this many queries) for every sequence, so that forks can be evicted by any policy.
         self.observe_all = 0
+        # sequences whose next after_forward must not evict: an engine prompt computed in
+        # chunks attends fully until its last chunk, as one forward would (`hold`)
+        self.held: set[int] = set()
         self._pool = None
 
     def set_sequence_policy(self, seq_id: int, policy: EvictionPolicy | None,
@@ -84,6 +92,12 @@ class EvictionRuntime(RuntimeHook):
         self.seq_policy[seq_id] = policy
         if sink_positions is not None:
             self.seq_sink_positions[seq_id] = sink_positions
+
+    def hold(self, seq_ids) -> None:
+        """The next forward of these sequences is a chunk in the middle of a prompt: nothing
+        is evicted after it, and SnapKV's observation rows carry into the next chunk, so a
+        prompt chunked any way evicts as the prompt in one forward does (the engine)."""
+        self.held = set(seq_ids)
 
     def policy_of(self, seq_id: int, layer: int) -> EvictionPolicy | None:
         if layer not in self.policies:
@@ -190,10 +204,11 @@ class EvictionRuntime(RuntimeHook):
             if self._rerotate(sid, policy):
                 sink_slots, sink_rot = self._sinks(policy, pos, book.start)
             obs_rows = 0
-            if n > 1 and (P.observe_rows(policy) or self.observe_all):
-                obs_rows = min(self.observe_all or P.observe_rows(policy), n)
+            rows = self.observe_all or P.observe_rows(policy)
+            if (n > 1 or book.carry) and rows:   # a prompt's last chunk may be one token
+                obs_rows = min(rows, n)
             o, mass, obs = attend_kept(
-                qi, k, v, pos, q_pos, scale, causal=is_causal, window=window,
+                qi, k, v, pos, q_pos, scale, causal=is_causal or plan.packed, window=window,
                 start=book.start, softcap=softcap, mask_b=mask_b, total=total,
                 sink_slots=sink_slots, sink_rot=sink_rot,
                 want_mass=layer in book.mass, obs_rows=obs_rows)
@@ -204,7 +219,7 @@ class EvictionRuntime(RuntimeHook):
             if mass is not None:
                 book.mass[layer] += mass
             if obs is not None:
-                book.obs[layer] = obs
+                book.obs[layer] = _carried(book, layer, obs, rows)
         return out
 
     def _attend_kernel(self, ctx, layer, q, plan, attn_mask, window, softcap, scale):
@@ -276,10 +291,15 @@ class EvictionRuntime(RuntimeHook):
             return
         for _i, sid, _past, _n in self._rows(plan):
             book = self.books.get(sid)
-            if book is not None and pool.has(sid):
-                self.evict(sid, book)
-                if not self.observe_all:  # kept for forks evicted later (observe_all)
-                    book.obs.clear()
+            if book is None or not pool.has(sid):
+                continue
+            book.carry = sid in self.held
+            if book.carry:
+                continue
+            self.evict(sid, book)
+            if not self.observe_all:  # kept for forks evicted later (observe_all)
+                book.obs.clear()
+        self.held.clear()
         for sid in [s for s in self.books if not pool.has(s)]:
             del self.books[sid]
             self.seq_policy.pop(sid, None)
@@ -381,6 +401,17 @@ class EvictionRuntime(RuntimeHook):
             book.mass[layer] = torch.cat([new_mass, mass.new_zeros(mass.shape[0],
                                                                    mass.shape[1] - n)], 1)
         return n
+
+
+def _carried(book: _Book, layer: int, obs: torch.Tensor, rows: int) -> torch.Tensor:
+    """obs [Hkv, R, L] of this forward, after the held forward's rows when it carries (the
+    last `rows` in all): the earlier queries saw none of the new keys (causal), so zeros extend
+    their rows exactly."""
+    old = book.obs.get(layer) if book.carry else None
+    if old is None:
+        return obs
+    old = F.pad(old, (0, obs.shape[-1] - old.shape[-1]))
+    return torch.cat([old, obs], 1)[:, -rows:]
 
 
 def _fit(x: torch.Tensor, n: int, fill) -> torch.Tensor:
