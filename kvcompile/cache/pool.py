@@ -191,6 +191,7 @@ class PagePool:
         # (parent, child) run by fork, for per-sequence eviction bookkeeping.
         self._evicted: dict[int, int] = {}
         self.fork_listeners: list = []
+        self.free_listeners: list = []   # callables(seq_id) run when a sequence is freed
 
     # --- sizing ------------------------------------------------------------------------------
 
@@ -285,6 +286,8 @@ class PagePool:
         for sid in _as_list(seq_ids):
             del self._seqs[sid]
             self._evicted.pop(sid, None)
+            for listener in self.free_listeners:
+                listener(sid)
 
     @_locked
     def truncate(self, seq_id: int, length: int) -> None:

@@ -50,7 +50,7 @@ class Scheduler:
                  swap_space_bytes: int = 4 << 30, watermark: float = 0.01, count=None,
                  on_start=None):
         self.pool = pool
-        self.on_start = on_start or (lambda req: None)   # a request got a new sequence
+        self.on_start = on_start or (lambda req: None)   # a request got a new pool sequence
         self.count = count or (lambda name, n=1: None)   # ModelState.count (telemetry)
         self.cache = prefix_cache
         self.max_tokens = max_num_batched_tokens
@@ -269,6 +269,7 @@ class Scheduler:
                     return False
         else:
             return False
+        self.on_start(req)
         self.swap_used -= req.swapped.nbytes
         req.swapped = None
         req.status = Status.RUNNING

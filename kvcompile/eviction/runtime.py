@@ -128,6 +128,7 @@ class EvictionRuntime(RuntimeHook):
     def _watch(self, pool) -> None:
         if pool is not self._pool:
             pool.fork_listeners.append(self._on_fork)
+            pool.free_listeners.append(self._forget)
             self._pool = pool
             self.books.clear()
 
@@ -135,6 +136,12 @@ class EvictionRuntime(RuntimeHook):
         """kvcompile.release(model): the pool goes, and every sequence's bookkeeping with it."""
         self._pool = None
         self.books.clear()
+
+    def _forget(self, seq_id: int) -> None:
+        """The pool freed `seq_id`: its bookkeeping and per-sequence settings go with it."""
+        self.books.pop(seq_id, None)
+        self.seq_policy.pop(seq_id, None)
+        self.seq_sink_positions.pop(seq_id, None)
 
     def _on_fork(self, parent: int, child: int) -> None:
         if parent in self.books:
