@@ -543,6 +543,36 @@ class PagePool:
         move_slots(self.k[layer], gsrc, gdst, heads)
         move_slots(self.v[layer], gsrc, gdst, heads)
 
+    @_locked
+    def compact_front(self, layer: int, seq_id: int, src: torch.Tensor) -> None:
+        """Move token `src[h, k]` of kv head h to index k of the sequence, in one layer, with no
+        host sync (eviction between CUDA-graph decode steps). src: [Hkv, K] int64 token indices
+        of the sequence, each row increasing (so no kept token is overwritten before it
+        moves). Only for formats that move exactly (compaction.py `moves_exactly`); pages
+        shared with another sequence are copied first."""
+        from kvcompile.cache.compaction import move_slots_exact, moves_exactly
+
+        seq = self._lookup([seq_id])[0]
+        H, K = src.shape
+        if K > seq.length or H != self.layers[layer].num_kv_heads:
+            raise CacheStateError(f"compact_front: src {tuple(src.shape)} for a sequence of "
+                                  f"{seq.length} tokens and {self.layers[layer].num_kv_heads} "
+                                  f"kv heads")
+        for paged in (self.k[layer], self.v[layer]):
+            if not moves_exactly(paged):
+                raise UnsupportedShapeError(f"compact_front: {paged.fmt.name} pages re-encode "
+                                            f"moved tokens; use move_tokens")
+        P = self.page_size
+        self._make_private(seq, list(range(-(-K // P))))
+        table = self.table()[seq.row].to(torch.int64)           # device: no host copy
+        src = src.to(self.device, torch.int64)
+        dst = torch.arange(K, device=self.device).expand(H, K)
+        heads = torch.arange(H, device=self.device)[:, None].expand(H, K)
+        gsrc = table[src // P] * P + src % P
+        gdst = table[dst // P] * P + dst % P
+        for paged in (self.k[layer], self.v[layer]):
+            move_slots_exact(paged, gsrc.reshape(-1), gdst.reshape(-1), heads.reshape(-1))
+
     def _make_private(self, seq: _Sequence, page_indices: list[int]) -> None:
         """Copy-on-write of the listed pages of `seq` that other sequences also hold."""
         shared = [i for i in page_indices if self._ref[seq.pages[i]] > 1]

@@ -44,18 +44,29 @@ class Engine:
     max_position_embeddings, capped by KVConfig.max_seq_len and the pool).
     preemption_mode: "recompute" or "swap" (host memory, at most swap_space_bytes).
     cuda_graphs: replay decode steps from CUDA graphs on CUDA (engine/cudagraph.py; also
-    KVConfig.cuda_graphs=False turns them off)."""
+    KVConfig.cuda_graphs=False turns them off).
+
+    Eviction (KVConfig.eviction, per request SamplingParams.eviction): a prompt attends in
+    full, however it is chunked, and is evicted at its end; each decode step then evicts, or
+    every `eviction_interval` steps (a sequence holds at most budget + interval - 1 tokens).
+    Decode steps whose kept slots need no per-slot rule (SinkWindow with
+    `state_of(model).eviction.sink_positions = "original"`, SnapKV; not H2O, not re-rotated
+    sinks) run the decode kernel over the stored slots, from a CUDA graph where one applies,
+    and evict after it on the device, without a host sync, for formats that move tokens exactly
+    (unquantized, token- or tensor-scaled). Evicting requests neither read nor offer
+    prefix-cache pages and are preempted by recompute (which replays each eviction)."""
 
     def __init__(self, model, tokenizer=None, config=None, *, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 128, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute",
                  swap_space_bytes: int = 4 << 30, seed: int = 0, log_every: int = 0,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, eviction_interval: int = 1):
         from kvcompile.api import _STATE_ATTR
         from kvcompile.api import compile as kv_compile
 
         for name, v in (("max_num_batched_tokens", max_num_batched_tokens),
-                        ("max_num_seqs", max_num_seqs), ("swap_space_bytes", swap_space_bytes)):
+                        ("max_num_seqs", max_num_seqs), ("swap_space_bytes", swap_space_bytes),
+                        ("eviction_interval", eviction_interval)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise RequestError(f"Engine {name}={v!r}: must be an int >= 1")
         if preemption_mode not in ("recompute", "swap"):
@@ -77,6 +88,8 @@ class Engine:
         # the policy (SamplingParams.eviction)
         self.eviction = state.eviction if state.eviction is not None and \
             state.eviction.policies else None
+        if self.eviction is not None:
+            self.eviction.interval = eviction_interval
         self.max_model_len = inputs.max_model_len(model, state, max_model_len)
         if self.runner.graphs is not None:
             self.runner.graphs.max_len = self.max_model_len

@@ -25,6 +25,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from kvcompile.cache.compaction import moves_exactly
 from kvcompile.config import EvictionPolicy
 from kvcompile.errors import CacheStateError, UnsupportedShapeError
 from kvcompile.eviction import policies as P
@@ -45,7 +46,7 @@ class _Book:
     """Bookkeeping of one sequence: per policy layer, the logical index in each slot
     (pos [Hkv, L] int64, -1 = hole), H2O mass [Hkv, L], SnapKV observation [Hkv, R, L]."""
 
-    __slots__ = ("pos", "mass", "obs", "start", "carry")
+    __slots__ = ("pos", "mass", "obs", "start", "carry", "pending", "ragged")
 
     def __init__(self, start: int):
         self.pos: dict[int, torch.Tensor] = {}
@@ -55,10 +56,15 @@ class _Book:
         # the last forward was held (the middle of an engine prompt): its observation rows
         # continue into the next forward's, as if both had been one forward
         self.carry = False
+        # slots appended by decode steps the runtime stepped aside for (CUDA-graph replays):
+        # one token per step, so their logical indices are known without recording them
+        self.pending = 0
+        # kept counts differ between heads or layers (holes): decode needs per-slot rules
+        self.ragged = False
 
     def copy(self) -> _Book:
         b = _Book(self.start)
-        b.carry = self.carry
+        b.carry, b.pending, b.ragged = self.carry, self.pending, self.ragged
         b.pos = {k: v.clone() for k, v in self.pos.items()}
         b.mass = {k: v.clone() for k, v in self.mass.items()}
         b.obs = {k: v.clone() for k, v in self.obs.items()}
@@ -82,6 +88,11 @@ class EvictionRuntime(RuntimeHook):
         # sequences whose next after_forward must not evict: an engine prompt computed in
         # chunks attends fully until its last chunk, as one forward would (`hold`)
         self.held: set[int] = set()
+        # decode steps it steps aside for evict when a sequence holds budget + interval - 1
+        # tokens: 1 evicts after every step, as the forwards it attends do (the engine's
+        # eviction_interval)
+        self.interval = 1
+        self.windowed = False   # a managed layer has a sliding window (a per-slot rule)
         self._pool = None
 
     def set_sequence_policy(self, seq_id: int, policy: EvictionPolicy | None,
@@ -153,8 +164,24 @@ class EvictionRuntime(RuntimeHook):
             n = plan.q_lens[i] if plan.packed else plan.new_tokens
             yield i, sid, plan.past_lens[i], n
 
+    def _catch_up(self, sid: int, book: _Book, reserved: int = 0) -> None:
+        """Record the slots of the decode steps stepped aside for (`book.pending`, the last
+        stored slots before the `reserved` ones of the running forward)."""
+        k = book.pending
+        if not k:
+            return
+        book.pending = 0
+        pool = self.state.pool
+        stored, end = pool.seq_len(sid) - reserved, pool.logical_len(sid) - reserved
+        for layer, pos in book.pos.items():
+            new = torch.arange(end - k, end, device=pos.device).expand(pos.shape[0], k)
+            book.pos[layer] = torch.cat([pos[:, :stored - k], new], 1)
+            if layer in book.mass:
+                mass = book.mass[layer][:, :stored - k]
+                book.mass[layer] = torch.cat([mass, mass.new_zeros(mass.shape[0], k)], 1)
+
     def before_write(self, ctx, layer, k, v):
-        if layer not in self.policies:
+        if layer not in self.policies or ctx.plan.eviction_aside:
             return k, v
         plan, pool = ctx.plan, ctx.state.pool
         self._watch(pool)
@@ -167,6 +194,7 @@ class EvictionRuntime(RuntimeHook):
                 if past and pool.evicted(sid):
                     raise CacheStateError(f"sequence {sid} lost its eviction bookkeeping")
                 book = self.books[sid] = _Book(plan.kv_start[i] if not plan.packed else 0)
+            self._catch_up(sid, book, n)
             pos = book.pos.get(layer)
             if pos is None:  # a layer seen for the first time: nothing was evicted yet
                 pos = torch.arange(past, device=k.device).expand(heads, past)
@@ -187,8 +215,10 @@ class EvictionRuntime(RuntimeHook):
                     extras):
         """Attention of a layer with a policy over its kept slots (runtime/dispatch.py asks
         this first), or None for a layer without one."""
-        if layer not in self.policies:
+        if layer not in self.policies or plan.eviction_aside:
             return None
+        if window:
+            self.windowed = True
         pool = ctx.state.pool
         out = self._attend_kernel(ctx, layer, q, plan, attn_mask, window, softcap, scale)
         if out is not None:
@@ -294,8 +324,8 @@ class EvictionRuntime(RuntimeHook):
     # -- eviction -------------------------------------------------------------------------------
     def after_forward(self, ctx) -> None:
         plan, pool = ctx.plan, ctx.state.pool
-        if plan is None or pool is None or not self.policies:
-            return
+        if plan is None or pool is None or not self.policies or plan.eviction_aside:
+            return   # (a step stepped aside for: after_decode_step)
         for _i, sid, _past, _n in self._rows(plan):
             book = self.books.get(sid)
             if book is None or not pool.has(sid):
@@ -312,8 +342,82 @@ class EvictionRuntime(RuntimeHook):
             self.seq_policy.pop(sid, None)
             self.seq_sink_positions.pop(sid, None)
 
+    # -- decode steps it steps aside for (CUDA graphs) ---------------------------------------
+    def decode_aside(self, seq_ids) -> bool:
+        """Whether a decode step of these sequences needs nothing of this runtime inside the
+        step, so that it can replay a CUDA graph: the decode kernel over the stored slots
+        attends exactly as `attend_kept` would (slot order does not matter to one query).
+        Not when a slot needs its own rule (holes, left padding, a sliding window, sinks to
+        re-rotate), nor for H2O, whose mass each step would have to add up."""
+        if self.windowed or self.observe_all or len(self.policies) != len(self.state.layer_specs):
+            return False
+        for sid in seq_ids:
+            book = self.books.get(sid)
+            if book is None or book.start or book.ragged or book.carry:
+                return False
+            for layer in self.policies:
+                p = self.policy_of(sid, layer)
+                if p is not None and (P.accumulates_mass(p) or self._rerotate(sid, p)):
+                    return False
+        return True
+
+    def after_decode_step(self, seq_ids) -> None:
+        """Each sequence added one token in a step stepped aside for: record it (lazily) and
+        evict those that reached budget + interval - 1, on the device where the format moves
+        tokens exactly (no host sync: the next step's graph replays at once)."""
+        pool = self.state.pool
+        self.state.count("eviction_aside_steps")
+        for sid in seq_ids:
+            book = self.books.get(sid)
+            if book is None or not pool.has(sid):
+                continue
+            book.pending += 1
+            budget = self._decode_budget(sid)
+            if budget is not None and pool.seq_len(sid) >= budget + self.interval:
+                self._catch_up(sid, book)
+                if not self._evict_front(sid, book, budget):
+                    self.evict(sid, book)
+
+    def _decode_budget(self, sid: int) -> int | None:
+        """The budget decode steps evict to (None: they do not evict: no policy, or SnapKV,
+        which chooses at the end of a prompt)."""
+        budgets = [P.budget_of(p) for p in (self.policy_of(sid, li) for li in self.policies)
+                   if p is not None and not P.waits_for_observation(p)]
+        return min(budgets) if budgets else None
+
+    def _evict_front(self, sid: int, book: _Book, budget: int) -> bool:
+        """Token-granular eviction with no host sync: every layer keeps `budget` tokens per
+        head, moved to the front (`pool.compact_front`). False where it does not apply (then
+        `evict`, which reads counts on the host): mixed policies, page granularity, formats
+        that re-encode moved tokens, a policy type whose kept count is not its budget."""
+        pool = self.state.pool
+        pols = {self.policy_of(sid, li) for li in self.policies}
+        if len(pols) != 1:
+            return False
+        policy = pols.pop()
+        if (not P.keeps_budget(policy) or getattr(policy, "granularity", "token") != "token"
+                or not all(moves_exactly(pool.k[li]) and moves_exactly(pool.v[li])
+                           for li in self.policies)):
+            return False
+        total, before = pool.logical_len(sid), pool.seq_len(sid)
+        for li in sorted(book.pos):
+            pos = book.pos[li]
+            keep = P.select_tokens(policy, pos, 0, total, self._scores(sid, li, book))
+            # kept slots first, in slot order (a stable sort of "not kept"): [H, budget]
+            src = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[:, :budget]
+            pool.compact_front(li, sid, src)
+            book.pos[li] = pos.gather(1, src)
+            if li in book.mass:
+                book.mass[li] = book.mass[li].gather(1, src)
+        pool.evict_tail(sid, budget)
+        self.state.count("eviction_runs")
+        self.state.count("eviction_device_runs")
+        self.state.count("evicted_tokens", before - budget)
+        return True
+
     def evict(self, sid: int, book: _Book) -> None:
         pool, state = self.state.pool, self.state
+        self._catch_up(sid, book)
         total = pool.logical_len(sid)
         due = []
         for layer in self.policies:
@@ -373,6 +477,8 @@ class EvictionRuntime(RuntimeHook):
                 keep = pos >= 0
             lens.append(self._compact(sid, li, book, keep))
         new_len = max(lens)
+        if min(lens) != new_len:
+            book.ragged = True
         pool.evict_tail(sid, new_len)
         for li in book.pos:
             book.pos[li] = _fit(book.pos[li], new_len, -1)
@@ -382,7 +488,10 @@ class EvictionRuntime(RuntimeHook):
     def _compact(self, sid, layer, book, keep: torch.Tensor) -> int:
         """Move kept tokens of slots >= n into holes below n, n = most kept by any head."""
         pos = book.pos[layer]
-        n = int(keep.sum(-1).max())
+        counts = keep.sum(-1)
+        n, least = torch.stack([counts.max(), counts.min()]).tolist()
+        if least != n:
+            book.ragged = True
         srcs, dsts, hs = [], [], []
         for h in range(pos.shape[0]):
             holes = (~keep[h, :n]).nonzero()[:, 0]

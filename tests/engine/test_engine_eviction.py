@@ -215,3 +215,110 @@ def test_eviction_requests_refused_clearly(model):
         eng.add_request([5, 6, 7], SamplingParams(eviction=Unregistered()))
     assert not eng.has_unfinished()
     eng.close()
+
+
+# --- decode steps that eviction steps aside for (CUDA graphs on the GPU) -----------------------
+
+_SYNCS = ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "__index__")
+
+
+class _NoHostSync:
+    """Makes every tensor -> host read raise (Tensor.item, .tolist(), .nonzero(), bool(t),
+    int(t), ...): what a step between CUDA-graph replays must not do."""
+
+    def __enter__(self):
+        self.saved = {n: getattr(torch.Tensor, n) for n in _SYNCS}
+
+        def refuse(name):
+            def f(*_a, **_k):
+                raise AssertionError(f"host sync: Tensor.{name} between decode steps")
+            return f
+
+        for n in _SYNCS:
+            setattr(torch.Tensor, n, refuse(n))
+
+    def __exit__(self, *exc):
+        for n, f in self.saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+@pytest.fixture
+def original_sinks(model):
+    """SinkWindow's sinks at their text positions: no per-slot rotation, so decode steps can
+    step aside (re-rotated sinks need attend_kept)."""
+    rt = state_of(model).eviction
+    rt.sink_positions = "original"
+    yield
+    rt.sink_positions = "cache"
+
+
+def test_decode_steps_step_aside_and_equal_generate(model, original_sinks):
+    """SinkWindow (original sink positions), SnapKV and no policy decode through the plain
+    decode path over the stored slots, evicting on the device after each step without a host
+    sync: the tokens are generate's, whose every step attends over kept slots on the host."""
+    rng = random.Random(6)
+    pols = [SinkWindow(2, 12), SnapKV(budget=16, window=4), None]
+    prompts = random_prompts(rng, len(pols), 20, 40)
+    want = [_generate(model, [p], 20, pol)[0] for p, pol in zip(prompts, pols)]
+    st = state_of(model)
+    before = {k: st.counters.get(k, 0) for k in ("eviction_aside_steps", "eviction_device_runs")}
+    eng = Engine(model, max_num_batched_tokens=64)
+    rt = st.eviction
+    step = rt.after_decode_step
+
+    def checked(seq_ids):
+        with _NoHostSync():
+            step(seq_ids)
+
+    rt.after_decode_step = checked
+    try:
+        outs = eng.generate(prompts, [_greedy(20, p) for p in pols])
+    finally:
+        del rt.after_decode_step
+    assert [o.token_ids for o in outs] == want
+    assert st.counters["eviction_aside_steps"] - before["eviction_aside_steps"] >= 18
+    assert st.counters["eviction_device_runs"] - before["eviction_device_runs"] >= 18
+    eng.close()
+    assert eng.pool.stats().pages_used == 0
+
+
+def test_h2o_and_rerotated_sinks_do_not_step_aside(model):
+    """H2O adds up attention mass at every step and re-rotated sinks need their own query
+    rotation: their decode steps stay on the host path (attend_kept)."""
+    st = state_of(model)
+    before = st.counters.get("eviction_aside_steps", 0)
+    eng = Engine(model, max_num_batched_tokens=64)
+    eng.generate(random_prompts(random.Random(7), 2, 20, 30),
+                 [_greedy(8, "model"), _greedy(8, SinkWindow(2, 12))])
+    assert st.counters.get("eviction_aside_steps", 0) == before
+    eng.close()
+
+
+def test_eviction_interval_device_path_equals_host_path(model, original_sinks):
+    """Every 4 steps (a sequence holds at most budget + 3 tokens): eviction on the device
+    (pool.compact_front) and on the host (move_tokens, which reads counts) keep the same
+    tokens at the same cadence, and give the same outputs."""
+    rng = random.Random(8)
+    prompts = random_prompts(rng, 3, 20, 30)
+    pols = [SinkWindow(2, 10), SinkWindow(3, 9), SnapKV(budget=14, window=4)]
+    rt = state_of(model).eviction
+    runs = []
+    for device in (True, False):
+        eng = Engine(model, max_num_batched_tokens=64, eviction_interval=4)
+        lens = []   # (budget, stored) of each decoding SinkWindow request after each step
+        eng.on_step.append(lambda _st, eng=eng, lens=lens: lens.extend(
+            (_budget(r.params.eviction), eng.pool.seq_len(r.seq_id))
+            for r in eng.scheduler.running if isinstance(r.params.eviction, SinkWindow)
+            and r.num_computed > len(r.prompt_ids)))
+        if not device:
+            rt._evict_front = lambda *a: False
+        try:
+            outs = eng.generate(prompts, [_greedy(24, p) for p in pols])
+        finally:
+            rt.__dict__.pop("_evict_front", None)
+        runs.append(([o.token_ids for o in outs], lens))
+        eng.close()
+    assert runs[0] == runs[1]
+    held = runs[0][1]
+    assert held and all(b <= n <= b + 3 for b, n in held)
+    assert {n - b for b, n in held} == {0, 1, 2, 3}, "not every 4 steps"
