@@ -841,10 +841,8 @@ class PagePool:
                                             f"on {self.device}")
 
     def _copy_pages(self, src: list[int], dst: list[int]) -> None:
-        s = torch.tensor(src, dtype=torch.int64, device=self.device)
-        d = torch.tensor(dst, dtype=torch.int64, device=self.device)
         for paged in self.k + self.v:
-            paged.copy_pages(s, d)
+            paged.copy_pages(src, dst)   # host lists: checked without reading the device
 
     def _drop_pages(self, seq: _Sequence, keep: int) -> None:
         """Release seq.pages[keep:] and clear them from its table row."""
