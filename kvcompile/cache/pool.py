@@ -563,8 +563,12 @@ class PagePool:
                 raise UnsupportedShapeError(f"compact_front: {paged.fmt.name} pages re-encode "
                                             f"moved tokens; use move_tokens")
         P = self.page_size
-        self._make_private(seq, list(range(-(-K // P))))
-        table = self.table()[seq.row].to(torch.int64)           # device: no host copy
+        front = range(-(-K // P))
+        self._make_private(seq, list(front))
+        # the row's first pages as the device table holds them; flushed (a host-to-device
+        # copy) only when one of them changed since the last flush (copy-on-write above)
+        stale = any((seq.row, j) in self._pending for j in front)
+        table = (self.table() if stale else self._table)[seq.row].to(torch.int64)
         src = src.to(self.device, torch.int64)
         dst = torch.arange(K, device=self.device).expand(H, K)
         heads = torch.arange(H, device=self.device)[:, None].expand(H, K)
