@@ -65,6 +65,9 @@ def parse_args(argv=None):
                                          "engine_b,engine_b_nograph,engine")
     p.add_argument("--concurrency", default="1,4,16,64")
     p.add_argument("--engine-prompt", type=int, default=1024)
+    p.add_argument("--engine-scale", default="page", choices=("page", "token", "tensor"),
+                   help="engine_b / engine_evict_*: fp8 scale granularity (token: eviction "
+                        "moves tokens on the device, page: on the host between replays)")
     p.add_argument("--evict-interval", type=int, default=64,
                    help="engine_evict_*: decode steps between evictions (Engine "
                         "eviction_interval)")
@@ -354,6 +357,7 @@ def engine_batch(model, args, device, ctx, graphs: bool = True, eviction=None):
     uncompile(model)
     B, N = ids.shape[0], args.new
     cfg = _kvc_config(args, "fp8_e4m3")
+    cfg = KVConfig(**{**cfg.__dict__, "scale_granularity": args.engine_scale})
     if not args.smoke:
         per_token = model.config.num_hidden_layers * model.config.num_key_value_heads * (
             model.config.hidden_size // model.config.num_attention_heads) * 2 * 1.05
@@ -378,7 +382,8 @@ def engine_batch(model, args, device, ctx, graphs: bool = True, eviction=None):
     g = eng.runner.graphs
     toks = torch.tensor([o.token_ids for o in outs])
     counters = kvcompile.stats(model)
-    row = dict(label="kvcompile Engine, fp8 pages" + (", CUDA-graph decode" if graphs else
+    row = dict(label=f"kvcompile Engine, fp8 pages ({args.engine_scale} scale)"
+               + (", CUDA-graph decode" if graphs else
                                                       ", no CUDA graphs")
                + (f", {type(eviction).__name__} 50%" if eviction is not None else ""),
                tok_s=B * N / t, decode_tok_s=B * (N - 1) / max(t - first, 1e-9),
