@@ -71,6 +71,12 @@ def parse_args(argv=None):
     p.add_argument("--evict-interval", type=int, default=64,
                    help="engine_evict_*: decode steps between evictions (Engine "
                         "eviction_interval)")
+    p.add_argument("--kv-gib", type=float, default=8.0,
+                   help="the pool's budget (KVConfig.max_kv_bytes) for the kvc_* sections")
+    p.add_argument("--dynamic", action="store_true",
+                   help="compile the kvc_* sections with assume_static_by_default=False")
+    p.add_argument("--kernels", default="auto", choices=("auto", "triton", "cuda"),
+                   help="KVConfig.kernels for the kvc_* sections (decode kernel choice)")
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "benchmarks"))
     a = p.parse_args(argv)
     if a.smoke:
@@ -234,9 +240,10 @@ def hf_static(model, args, device, ctx):
 
 
 def _kvc_config(args, kv_dtype):
-    return KVConfig(kv_dtype=kv_dtype, max_kv_bytes=(64 << 20) if args.smoke else 8 * GIB,
+    return KVConfig(kv_dtype=kv_dtype,
+                    max_kv_bytes=(64 << 20) if args.smoke else int(args.kv_gib * GIB),
                     inner="aot_eager" if args.smoke else "inductor",
-                    kernels="reference" if args.smoke else "auto")
+                    kernels="reference" if args.smoke else args.kernels)
 
 
 def kvc(model, args, device, ctx, kv_dtype):
@@ -244,13 +251,17 @@ def kvc(model, args, device, ctx, kv_dtype):
     uncompile(model)
     kvcompile.compile(model, _kvc_config(args, kv_dtype))
     dyn = torch._dynamo.config.assume_static_by_default
-    torch._dynamo.config.assume_static_by_default = False  # prefill + decode: 2 graphs, not 3
+    # dynamic shapes save a graph (prefill + decode: 2 graphs, not 3) but on torch 2.11 the
+    # symbolic `self.scaling` they bring fails in the backend ("node ... must have
+    # _dynamo_source attribute", H200 2026-12-03): static, as HF's own compile runs
+    torch._dynamo.config.assume_static_by_default = args.dynamic
     try:
         row, toks = run_generate(model, args, device, ids, am,
                                  f"kvcompile {kv_dtype} pages + HF generate")
         st = kvcompile.stats(model)
         row["graphs"] = st.get("graphs")
         row["reference_fallbacks"] = st.get("reference_fallback", 0)
+        row["decode_kernel_calls"] = {k: st.get(k, 0) for k in ("decode_cuda", "decode_triton")}
         row["same_tokens_as_eager"] = _match(toks, ctx.get("ref_tokens"))
         row["bytes_per_token"] = st.get("bytes_per_token")
         row["pages_after_generate"] = st.get("pages_used")
@@ -352,7 +363,7 @@ def engine_batch(model, args, device, ctx, graphs: bool = True, eviction=None):
     most 128k tokens (one step up to B x prompt 4096), then decode steps (CUDA graphs unless
     `graphs` is False). tok/s = B x new / wall time of the whole `generate` (prefill
     included), after a warm-up call that compiles and captures. The pool holds B x (prompt +
-    new) tokens (at least 8 GiB). `eviction`: a policy for every layer (engine_evict_*)."""
+    new) tokens (at least --kv-gib). `eviction`: a policy for every layer (engine_evict_*)."""
     ids, _ = ctx["inputs"]
     uncompile(model)
     B, N = ids.shape[0], args.new
@@ -362,7 +373,7 @@ def engine_batch(model, args, device, ctx, graphs: bool = True, eviction=None):
         per_token = model.config.num_hidden_layers * model.config.num_key_value_heads * (
             model.config.hidden_size // model.config.num_attention_heads) * 2 * 1.05
         need = int(1.25 * B * (ids.shape[1] + N + 64) * per_token)
-        cfg = KVConfig(**{**cfg.__dict__, "max_kv_bytes": max(8 * GIB, need)})
+        cfg = KVConfig(**{**cfg.__dict__, "max_kv_bytes": max(cfg.max_kv_bytes, need)})
     if eviction is not None:
         cfg = KVConfig(**{**cfg.__dict__, "eviction": eviction})
     eng = Engine(model, None, cfg, max_num_batched_tokens=min(B * ids.shape[1], 131072),

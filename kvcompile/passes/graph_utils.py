@@ -104,8 +104,17 @@ def is_scalar(x) -> bool:
 
 
 def scalar_value(x) -> float | None:
+    """x as a Python float: a number, or a graph value Dynamo made symbolic (a float attribute
+    such as `self.scaling` becomes a SymFloat input under dynamic shapes,
+    assume_static_by_default=False). A symbolic one is specialized to its value with a guard
+    (float() on a SymFloat guards on it, as inductor does for a value it must know), so a call
+    with another value recompiles instead of running with this one."""
     if isinstance(x, (int, float)) and not isinstance(x, bool):
         return float(x)
+    if isinstance(x, fx.Node):
+        ev = x.meta.get("example_value", x.meta.get("val"))
+        if isinstance(ev, (torch.SymFloat, torch.SymInt)):
+            return float(ev)
     return None
 
 
