@@ -16,6 +16,10 @@ Sections, each in its own try/except, within one deadline (`--budget-s`), printe
   engine_b   the same B prompts through kvcompile.Engine (fp8 pages, one prefill step, decode
              steps replayed from CUDA graphs); engine_b_nograph: the same without graphs
   engine     Engine throughput / latency against concurrency (closed loop) -> PNG
+  engine_evict_sink / engine_evict_snapkv   engine_b's setup with eviction at 50% of the
+             prompt: SinkWindow(4, prompt/2 - 4) (original sink positions, so decode steps
+             replay graphs and evict on the device every --evict-interval steps) and
+             SnapKV(budget=prompt/2) (chooses at the prompt's end); compare with engine_b
 
 tok/s = B * new tokens / wall time of the whole generate call (prefill included); decode tok/s
 = B * (N - 1) / (t_N - t_1), with t_1 from a max_new_tokens=1 call. Timings are wall clock
@@ -61,6 +65,12 @@ def parse_args(argv=None):
                                          "engine_b,engine_b_nograph,engine")
     p.add_argument("--concurrency", default="1,4,16,64")
     p.add_argument("--engine-prompt", type=int, default=1024)
+    p.add_argument("--engine-scale", default="page", choices=("page", "token", "tensor"),
+                   help="engine_b / engine_evict_*: fp8 scale granularity (token: eviction "
+                        "moves tokens on the device, page: on the host between replays)")
+    p.add_argument("--evict-interval", type=int, default=64,
+                   help="engine_evict_*: decode steps between evictions (Engine "
+                        "eviction_interval)")
     p.add_argument("--kv-gib", type=float, default=8.0,
                    help="the pool's budget (KVConfig.max_kv_bytes) for the kvc_* sections")
     p.add_argument("--dynamic", action="store_true",
@@ -348,17 +358,29 @@ def engine_curve(model, args, device, ctx, clock):
     return rows
 
 
-def engine_batch(model, args, device, ctx, graphs: bool = True):
-    """The HF rows' setup through the Engine: the same B prompts at once, one prefill step
-    (max_num_batched_tokens = B x prompt), then decode steps (CUDA graphs unless `graphs` is
-    False). tok/s = B x new / wall time of the whole `generate` (prefill included), after a
-    warm-up call that compiles and captures."""
+def engine_batch(model, args, device, ctx, graphs: bool = True, eviction=None):
+    """The HF rows' setup through the Engine: the same B prompts at once, prefill steps of at
+    most 128k tokens (one step up to B x prompt 4096), then decode steps (CUDA graphs unless
+    `graphs` is False). tok/s = B x new / wall time of the whole `generate` (prefill
+    included), after a warm-up call that compiles and captures. The pool holds B x (prompt +
+    new) tokens (at least --kv-gib). `eviction`: a policy for every layer (engine_evict_*)."""
     ids, _ = ctx["inputs"]
     uncompile(model)
-    cfg = _kvc_config(args, "fp8_e4m3")
     B, N = ids.shape[0], args.new
-    eng = Engine(model, None, cfg, max_num_batched_tokens=B * ids.shape[1], max_num_seqs=B,
-                 enable_prefix_caching=False, cuda_graphs=graphs)
+    cfg = _kvc_config(args, "fp8_e4m3")
+    cfg = KVConfig(**{**cfg.__dict__, "scale_granularity": args.engine_scale})
+    if not args.smoke:
+        per_token = model.config.num_hidden_layers * model.config.num_key_value_heads * (
+            model.config.hidden_size // model.config.num_attention_heads) * 2 * 1.05
+        need = int(1.25 * B * (ids.shape[1] + N + 64) * per_token)
+        cfg = KVConfig(**{**cfg.__dict__, "max_kv_bytes": max(cfg.max_kv_bytes, need)})
+    if eviction is not None:
+        cfg = KVConfig(**{**cfg.__dict__, "eviction": eviction})
+    eng = Engine(model, None, cfg, max_num_batched_tokens=min(B * ids.shape[1], 131072),
+                 max_num_seqs=B, enable_prefix_caching=False, cuda_graphs=graphs,
+                 eviction_interval=args.evict_interval)
+    if eviction is not None and eng.eviction is not None:
+        eng.eviction.sink_positions = "original"   # no per-slot rotation: graph decode steps
     prompts = [row.tolist() for row in ids.cpu()]
     eng.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
@@ -370,18 +392,40 @@ def engine_batch(model, args, device, ctx, graphs: bool = True):
     first = max(o.first_token_time - o.arrival_time for o in outs)
     g = eng.runner.graphs
     toks = torch.tensor([o.token_ids for o in outs])
-    row = dict(label="kvcompile Engine, fp8 pages" + (", CUDA-graph decode" if graphs else
-                                                      ", no CUDA graphs"),
+    counters = kvcompile.stats(model)
+    row = dict(label=f"kvcompile Engine, fp8 pages ({args.engine_scale} scale)"
+               + (", CUDA-graph decode" if graphs else
+                                                      ", no CUDA graphs")
+               + (f", {type(eviction).__name__} 50%" if eviction is not None else ""),
                tok_s=B * N / t, decode_tok_s=B * (N - 1) / max(t - first, 1e-9),
                first_token_s=first, total_s=t,
                graph_replays=g.replays if g is not None else 0,
                graph_captures=g.captures if g is not None else 0,
                graphs_off_because=g.why_not() if g is not None else "cuda_graphs=False")
+    if eviction is not None:
+        row.update(eviction_aside_steps=counters.get("eviction_aside_steps", 0),
+                   eviction_device_runs=counters.get("eviction_device_runs", 0),
+                   evicted_tokens=counters.get("evicted_tokens", 0),
+                   min_pages_free=min(s.pages_free for s in eng.history),
+                   x_engine_b_decode=(row["decode_tok_s"] / ctx["engine_b_decode"]
+                                      if ctx.get("engine_b_decode") else None))
+        eng.close()
+        return row
     ctx["engine_tokens" + ("" if graphs else "_nograph")] = toks
+    if graphs:
+        ctx["engine_b_decode"] = row["decode_tok_s"]
     other = ctx.get("engine_tokens_nograph" if graphs else "engine_tokens")
     row["same_tokens_as_other_engine_row"] = _match(toks, other)
     eng.close()
     return row
+
+
+def _half(args):
+    """Eviction policies at 50% of the prompt (the issue's speed target)."""
+    from kvcompile.config import SinkWindow, SnapKV
+
+    half = max(8, args.prompt // 2)
+    return dict(sink=SinkWindow(4, half - 4), snapkv=SnapKV(budget=half))
 
 
 def _pct(xs, q):
@@ -455,7 +499,7 @@ def main(argv=None) -> int:
     sections = args.sections.split(",")
     # rough minimum seconds each needs on the H200 (compiles included)
     need = dict(capacity=1, hf_eager=25, hf_static=90, kvc_fp8=80, kvc_bf16=70, engine=60,
-                engine_b=40, engine_b_nograph=30)
+                engine_b=40, engine_b_nograph=30, engine_evict_sink=60, engine_evict_snapkv=60)
     results, errors, ctx = {"env": env}, {}, {}
     model = None
     try:
@@ -472,6 +516,10 @@ def main(argv=None) -> int:
         kvc_bf16=lambda: kvc(model, args, device, ctx, "bf16"),
         engine_b=lambda: engine_batch(model, args, device, ctx),
         engine_b_nograph=lambda: engine_batch(model, args, device, ctx, graphs=False),
+        engine_evict_sink=lambda: engine_batch(model, args, device, ctx,
+                                               eviction=_half(args)["sink"]),
+        engine_evict_snapkv=lambda: engine_batch(model, args, device, ctx,
+                                                 eviction=_half(args)["snapkv"]),
         engine=lambda: engine_curve(model, args, device, ctx, clock))
     for name in sections:
         if name != "capacity" and model is None:
@@ -509,6 +557,14 @@ def report(results, errors, args):
     if eng:
         print(table(eng, ["label", "graph_captures", "graph_replays", "graphs_off_because",
                           "same_tokens_as_other_engine_row"]))
+    ev = [results[k] for k in ("engine_b", "engine_evict_sink", "engine_evict_snapkv")
+          if k in results]
+    if len(ev) > 1:
+        print(f"\n### Engine with eviction at 50% of the prompt (fp8 pages, eviction every "
+              f"{args.evict_interval} decode steps), " + results["env"]["setup"])
+        print(table(ev, ["label", "tok_s", "decode_tok_s", "x_engine_b_decode", "first_token_s",
+                         "graph_replays", "eviction_aside_steps", "eviction_device_runs",
+                         "evicted_tokens", "min_pages_free"]))
     bf = results.get("kvc_bf16")
     if bf and "forced_decisive_steps" in bf:
         print(f"\nbf16 pages vs eager, teacher-forced: decisive steps {bf['forced_decisive_steps']}"

@@ -70,6 +70,27 @@ def move_slots(paged: PagedTensor, src: torch.Tensor, dst: torch.Tensor,
     _move_grouped(paged, vals[coded], pd[coded], od[coded], heads[coded])
 
 
+def moves_exactly(paged: PagedTensor) -> bool:
+    """Whether a token moves by copying its own stored parts (no residual rows, no parameter
+    shared with other tokens): what `move_slots_exact` takes."""
+    fmt = paged.fmt
+    return (paged.res_slot is None and fmt.spec.encode is None
+            and (not fmt.is_quantized or fmt.granularity in ("token", "tensor")))
+
+
+def move_slots_exact(paged: PagedTensor, src: torch.Tensor, dst: torch.Tensor,
+                     heads: torch.Tensor) -> None:
+    """`move_slots` for formats that move exactly (`moves_exactly`), with no host sync: every
+    part is gathered at the sources, then scattered at the destinations (src and dst may
+    overlap; a token moved onto itself is rewritten unchanged). For eviction between CUDA-graph
+    decode steps (eviction/runtime.py)."""
+    # src, dst, heads: [M] int64 on the storage device
+    P = paged.page_size
+    ps, os_, pd, od = src // P, src % P, dst // P, dst % P
+    parts = {name: buf[ps, heads, os_] for name, buf in _token_parts(paged).items()}
+    _put(paged, parts, pd, od, heads)
+
+
 def _residual_rows(paged: PagedTensor, pages: torch.Tensor) -> torch.Tensor:
     """[M] the residual row of each page (-1: its tokens are codes)."""
     if paged.res_slot is None:

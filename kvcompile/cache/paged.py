@@ -496,6 +496,11 @@ class PagedTensor:
     def copy_pages(self, src, dst) -> None:
         """Copy whole pages src[i] -> dst[i] (data, scales, residual), for copy-on-write."""
         dev = self.data.device
+        on_host = not isinstance(src, torch.Tensor) and not isinstance(dst, torch.Tensor)
+        if on_host:   # page ids checked on the host: no device read (eviction between graphs)
+            ids = [int(p) for p in src] + [int(p) for p in dst]
+            if ids and (min(ids) < 0 or max(ids) >= self.num_pages):
+                raise CacheStateError(f"copy_pages: page id out of range [0, {self.num_pages})")
         src = torch.as_tensor(src, dtype=torch.long, device=dev).reshape(-1)
         dst = torch.as_tensor(dst, dtype=torch.long, device=dev).reshape(-1)
         if src.shape != dst.shape:
@@ -503,9 +508,11 @@ class PagedTensor:
                                         f"destinations")
         if src.numel() == 0:
             return
-        lo, hi = torch.cat([src, dst]).aminmax()
-        if int(lo) < 0 or int(hi) >= self.num_pages:
-            raise CacheStateError(f"copy_pages: page id out of range [0, {self.num_pages})")
+        if not on_host:
+            lo, hi = torch.cat([src, dst]).aminmax()
+            if int(lo) < 0 or int(hi) >= self.num_pages:
+                raise CacheStateError(f"copy_pages: page id out of range [0, "
+                                      f"{self.num_pages})")
         for name, t in self.parts().items():
             if not self._unpaged(name):
                 t[dst] = t[src]

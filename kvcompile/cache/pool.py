@@ -191,6 +191,7 @@ class PagePool:
         # (parent, child) run by fork, for per-sequence eviction bookkeeping.
         self._evicted: dict[int, int] = {}
         self.fork_listeners: list = []
+        self.free_listeners: list = []   # callables(seq_id) run when a sequence is freed
 
     # --- sizing ------------------------------------------------------------------------------
 
@@ -285,6 +286,8 @@ class PagePool:
         for sid in _as_list(seq_ids):
             del self._seqs[sid]
             self._evicted.pop(sid, None)
+            for listener in self.free_listeners:
+                listener(sid)
 
     @_locked
     def truncate(self, seq_id: int, length: int) -> None:
@@ -539,6 +542,40 @@ class PagePool:
         gdst = table[dst // P] * P + dst % P
         move_slots(self.k[layer], gsrc, gdst, heads)
         move_slots(self.v[layer], gsrc, gdst, heads)
+
+    @_locked
+    def compact_front(self, layer: int, seq_id: int, src: torch.Tensor) -> None:
+        """Move token `src[h, k]` of kv head h to index k of the sequence, in one layer, with no
+        host sync (eviction between CUDA-graph decode steps). src: [Hkv, K] int64 token indices
+        of the sequence, each row increasing (so no kept token is overwritten before it
+        moves). Only for formats that move exactly (compaction.py `moves_exactly`); pages
+        shared with another sequence are copied first."""
+        from kvcompile.cache.compaction import move_slots_exact, moves_exactly
+
+        seq = self._lookup([seq_id])[0]
+        H, K = src.shape
+        if K > seq.length or H != self.layers[layer].num_kv_heads:
+            raise CacheStateError(f"compact_front: src {tuple(src.shape)} for a sequence of "
+                                  f"{seq.length} tokens and {self.layers[layer].num_kv_heads} "
+                                  f"kv heads")
+        for paged in (self.k[layer], self.v[layer]):
+            if not moves_exactly(paged):
+                raise UnsupportedShapeError(f"compact_front: {paged.fmt.name} pages re-encode "
+                                            f"moved tokens; use move_tokens")
+        P = self.page_size
+        front = range(-(-K // P))
+        self._make_private(seq, list(front))
+        # the row's first pages as the device table holds them; flushed (a host-to-device
+        # copy) only when one of them changed since the last flush (copy-on-write above)
+        stale = any((seq.row, j) in self._pending for j in front)
+        table = (self.table() if stale else self._table)[seq.row].to(torch.int64)
+        src = src.to(self.device, torch.int64)
+        dst = torch.arange(K, device=self.device).expand(H, K)
+        heads = torch.arange(H, device=self.device)[:, None].expand(H, K)
+        gsrc = table[src // P] * P + src % P
+        gdst = table[dst // P] * P + dst % P
+        for paged in (self.k[layer], self.v[layer]):
+            move_slots_exact(paged, gsrc.reshape(-1), gdst.reshape(-1), heads.reshape(-1))
 
     def _make_private(self, seq: _Sequence, page_indices: list[int]) -> None:
         """Copy-on-write of the listed pages of `seq` that other sequences also hold."""
@@ -808,10 +845,8 @@ class PagePool:
                                             f"on {self.device}")
 
     def _copy_pages(self, src: list[int], dst: list[int]) -> None:
-        s = torch.tensor(src, dtype=torch.int64, device=self.device)
-        d = torch.tensor(dst, dtype=torch.int64, device=self.device)
         for paged in self.k + self.v:
-            paged.copy_pages(s, d)
+            paged.copy_pages(src, dst)   # host lists: checked without reading the device
 
     def _drop_pages(self, seq: _Sequence, keep: int) -> None:
         """Release seq.pages[keep:] and clear them from its table row."""

@@ -21,7 +21,9 @@ batch size ("bucket"), as vLLM does:
   captured again (`pool.generation`); `kvcompile.release` drops them too (`close`).
 
 Graphs are used only where nothing in the step needs the host: CUDA, the Triton kernels for
-both K and V formats, no runtime hook (no eviction, no telemetry hook), no `check_finite`. Anything else runs eagerly, as before. `KVConfig.cuda_graphs=False`
+both K and V formats, no runtime hook but an eviction runtime that steps aside for the step
+(eviction/runtime.py `decode_aside`: it evicts after the replay, on the device, every
+`eviction_interval` steps), no `check_finite`. Anything else runs eagerly, as before. `KVConfig.cuda_graphs=False`
 (or KVCOMPILE_CUDA_GRAPHS=0, its default) turns graphs off.
 """
 
@@ -118,7 +120,8 @@ class _Graph:
         return StepPlan(
             seq_ids=[-1] * bp, batch=bp, new_tokens=1, past_lens=[1] * bp, slots=self.slots,
             block_tables=self.block_tables, seq_lens=self.seq_lens, seq_lens_list=[1] * bp,
-            kv_start=[0] * bp, packed=True, cu_seqlens_q=self.cu, q_lens=[1] * bp)
+            kv_start=[0] * bp, packed=True, cu_seqlens_q=self.cu, q_lens=[1] * bp,
+            eviction_aside=True)   # captured only for steps eviction steps aside for
 
 
 class DecodeGraphs:
@@ -168,12 +171,15 @@ class DecodeGraphs:
             log.info("kvcompile engine: decode steps run without CUDA graphs (%s)", reason)
         return reason
 
-    def usable(self, out) -> bool:
+    def usable(self, out, eviction_aside: bool = False) -> bool:
+        """eviction_aside: the eviction runtime needs nothing inside this step (its
+        `decode_aside`); it evicts after the replay (runner.py)."""
         seqs = out.seqs
         if not seqs or len(seqs) > self.max_batch or self.why_not() is not None:
             return False
-        if self.state.hooks:   # a hook may read or change K/V, or attend, on the host
-            return False
+        ev = self.state.eviction
+        if any(h is not ev or not eviction_aside for h in self.state.hooks):
+            return False   # a hook may read or change K/V, or attend, on the host
         return all(s.n == 1 and s.start > 0 for s in seqs)
 
     # -- run ----------------------------------------------------------------------------------

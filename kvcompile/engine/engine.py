@@ -44,18 +44,29 @@ class Engine:
     max_position_embeddings, capped by KVConfig.max_seq_len and the pool).
     preemption_mode: "recompute" or "swap" (host memory, at most swap_space_bytes).
     cuda_graphs: replay decode steps from CUDA graphs on CUDA (engine/cudagraph.py; also
-    KVConfig.cuda_graphs=False turns them off)."""
+    KVConfig.cuda_graphs=False turns them off).
+
+    Eviction (KVConfig.eviction, per request SamplingParams.eviction): a prompt attends in
+    full, however it is chunked, and is evicted at its end; each decode step then evicts, or
+    every `eviction_interval` steps (a sequence holds at most budget + interval - 1 tokens).
+    Decode steps whose kept slots need no per-slot rule (SinkWindow with
+    `state_of(model).eviction.sink_positions = "original"`, SnapKV; not H2O, not re-rotated
+    sinks) run the decode kernel over the stored slots, from a CUDA graph where one applies,
+    and evict after it on the device, without a host sync, for formats that move tokens exactly
+    (unquantized, token- or tensor-scaled). Evicting requests neither read nor offer
+    prefix-cache pages and are preempted by recompute (which replays each eviction)."""
 
     def __init__(self, model, tokenizer=None, config=None, *, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 128, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute",
                  swap_space_bytes: int = 4 << 30, seed: int = 0, log_every: int = 0,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, eviction_interval: int = 1):
         from kvcompile.api import _STATE_ATTR
         from kvcompile.api import compile as kv_compile
 
         for name, v in (("max_num_batched_tokens", max_num_batched_tokens),
-                        ("max_num_seqs", max_num_seqs), ("swap_space_bytes", swap_space_bytes)):
+                        ("max_num_seqs", max_num_seqs), ("swap_space_bytes", swap_space_bytes),
+                        ("eviction_interval", eviction_interval)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise RequestError(f"Engine {name}={v!r}: must be an int >= 1")
         if preemption_mode not in ("recompute", "swap"):
@@ -72,20 +83,25 @@ class Engine:
         self.runner = ModelRunner(model, state, max_batch=max_num_seqs, cuda_graphs=cuda_graphs)
         if state.pool is None:
             self.runner.warm_up()
-        if any(m.get("eviction") is not None for m in state.layer_meta):
-            # eviction compacts a sequence's tokens behind the scheduler's back
-            raise RequestError("the engine does not run models compiled with an eviction "
-                               "policy yet; compile without KVConfig.eviction for the engine")
         self.pool = state.pool
+        # the layers an eviction policy manages (KVConfig.eviction); requests may override
+        # the policy (SamplingParams.eviction)
+        self.eviction = state.eviction if state.eviction is not None and \
+            state.eviction.policies else None
+        if self.eviction is not None:
+            self.eviction.interval = eviction_interval
         self.max_model_len = inputs.max_model_len(model, state, max_model_len)
         if self.runner.graphs is not None:
             self.runner.graphs.max_len = self.max_model_len
             # every decode bucket captured up front (CUDA only): no step pays a capture
             self.runner.graphs.capture_all()
         self.prefix_cache = PrefixCache(self.pool) if enable_prefix_caching else None
+        if self.eviction is not None and self.prefix_cache is not None:
+            log.info("kvcompile engine: requests that evict neither read nor offer prefix-cache "
+                     "pages (compaction rewrites a sequence's pages in place)")
         self.scheduler = Scheduler(self.pool, self.prefix_cache, max_num_batched_tokens,
                                    max_num_seqs, preemption_mode, swap_space_bytes,
-                                   count=state.count)
+                                   count=state.count, on_start=self._on_start)
         self.eos_ids = inputs.eos_ids(model, tokenizer)
         self.vocab_size = inputs.vocab_size(model)
         self.seed = seed
@@ -109,6 +125,7 @@ class Engine:
         inputs.check_request(ids, params, self.vocab_size, self.max_model_len, self.pool)
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer: Engine(model, tokenizer)")
+        evicts = self._check_eviction(params)
         with self._lock:
             n = next(self._ids)
             if request_id is None:  # skip numbers an explicit id already took
@@ -120,11 +137,37 @@ class Engine:
             seed = params.seed if params.seed is not None else hash((self.seed, n)) % (1 << 62)
             gen = make_generator(seed, self.runner.device)
             req = Request(rid, ids, params, gen, self.tokenizer, on_output)
+            req.evicts = evicts
             self._requests[rid] = req
             self.scheduler.add(req)
             self.stats.requests_added += 1
             self.stats.prompt_tokens += len(ids)
         return rid
+
+    def _check_eviction(self, params: SamplingParams) -> bool:
+        """Whether the request evicts; RequestError for a policy the engine cannot run."""
+        policy = params.eviction
+        if policy == "model":
+            return self.eviction is not None
+        if policy is None:
+            return False
+        if self.eviction is None:
+            raise RequestError(f"SamplingParams.eviction={policy!r} needs a model compiled with "
+                               f"an eviction policy (KVConfig(eviction=...): the layers it "
+                               f"manages); this model keeps every token")
+        from kvcompile.errors import KVConfigError
+        from kvcompile.eviction.policies import rules_of
+
+        try:
+            rules_of(policy)
+        except KVConfigError as e:
+            raise RequestError(f"SamplingParams.eviction={policy!r}: {e}") from None
+        return True
+
+    def _on_start(self, req: Request) -> None:
+        """The scheduler gave `req` a new pool sequence: its eviction policy follows it."""
+        if self.eviction is not None and req.params.eviction != "model":
+            self.eviction.set_sequence_policy(req.seq_id, req.params.eviction)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its pages; False if it is unknown or already finished."""
@@ -296,8 +339,8 @@ class Engine:
 
     def _register(self, req: Request) -> None:
         """Offer the request's newly filled pages to the prefix cache."""
-        if self.prefix_cache is None or req.seq_id is None:
-            return
+        if self.prefix_cache is None or req.seq_id is None or req.evicts:
+            return   # compaction rewrites an evicting sequence's pages in place
         P = self.pool.page_size
         full = req.num_computed // P
         if full <= req.num_registered:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcompile.errors import KVCompileError
+from kvcompile.config import EvictionPolicy, _coerce_eviction
+from kvcompile.errors import KVCompileError, KVConfigError
 
 
 class RequestError(KVCompileError, ValueError):
@@ -31,7 +32,11 @@ class SamplingParams:
     generator, so a request samples the same tokens whatever else runs with it. stop: strings
     that end the output (needs a tokenizer); stop_token_ids: extra end tokens; ignore_eos: keep
     going past EOS; min_tokens: no EOS / stop before this many tokens. logprobs: return the
-    log-probability of each sampled token (after temperature and filtering)."""
+    log-probability of each sampled token (after temperature and filtering).
+    eviction: which tokens this request's KV cache keeps: "model" (the policy the model was
+    compiled with, KVConfig.eviction), None (every token), or a policy (`SinkWindow(4, 1020)`,
+    `H2O(...)`, `SnapKV(...)`, or a dict as KVConfig takes). A policy other than "model" needs a
+    model compiled with an eviction policy (the layers it manages)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -47,6 +52,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: bool = False
     skip_special_tokens: bool = True
+    eviction: EvictionPolicy | str | None = "model"
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -70,6 +76,12 @@ class SamplingParams:
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0
                for t in self.stop_token_ids):
             raise _bad("stop_token_ids", self.stop_token_ids, "token ids (ints >= 0)")
+        if self.eviction != "model":
+            try:
+                object.__setattr__(self, "eviction", _coerce_eviction(self.eviction))
+            except KVConfigError as e:
+                raise _bad("eviction", self.eviction, "'model', None, or an eviction policy "
+                           f"(SinkWindow, H2O, SnapKV or a registered one): {e}") from None
         for name in ("ignore_eos", "include_stop_str_in_output", "logprobs",
                      "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):

@@ -61,6 +61,9 @@ class Request:
         self.num_registered = 0               # full pages offered to the prefix cache
         self.num_cached_tokens = 0
         self.num_preemptions = 0
+        # an eviction policy applies (engine.py): prompt chunks stop at the prompt's end and
+        # later tokens are computed one per step, so a recompute replays each eviction
+        self.evicts = False
         self.logprobs: list[float] | None = [] if params.logprobs else None
         self.finish_reason: str | None = None
         self.error: str | None = None

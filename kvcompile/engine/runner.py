@@ -51,26 +51,44 @@ class ModelRunner:
 
     def forward(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits [B, V] at the last scheduled token of each sequence of the step."""
-        if self.graphs is not None and self.graphs.usable(out):
-            return self.graphs.run(out)
+        ev = self.state.eviction
+        # a decode step eviction needs nothing inside of: the decode kernel attends over the
+        # stored slots (a CUDA graph where one applies); eviction runs after it, on the device
+        aside = (ev is not None and all(s.n == 1 and s.start > 0 for s in out.seqs)
+                 and ev.decode_aside([s.req.seq_id for s in out.seqs]))
+        if self.graphs is not None and self.graphs.usable(out, eviction_aside=aside):
+            logits = self.graphs.run(out)
+        else:
+            logits = self._eager(out, aside)
+        if aside:
+            ev.after_decode_step([s.req.seq_id for s in out.seqs])
+        return logits
+
+    def _eager(self, out: SchedulerOutput, aside: bool) -> torch.Tensor:
         seqs = out.seqs
+        pool = self.pool
         ids, pos, cu, q_lens, past, lens = [], [], [0], [], [], []
         for s in seqs:
             ids += s.req.tokens(s.start, s.start + s.n)
-            pos += range(s.start, s.start + s.n)
+            pos += range(s.start, s.start + s.n)   # logical positions
             cu.append(cu[-1] + s.n)
             q_lens.append(s.n)
-            past.append(s.start)
-            lens.append(s.start + s.n)
+            stored = pool.seq_len(s.req.seq_id)   # after reserve; < start once evicted
+            past.append(stored - s.n)
+            lens.append(stored)
+        ev = self.state.eviction
+        if ev is not None and not aside:   # a chunk before a prompt's end: no eviction after it
+            ev.hold([s.req.seq_id for s in seqs if s.start + s.n < len(s.req.prompt_ids)])
         dev = self.device
         seq_ids = [s.req.seq_id for s in seqs]
         cu_t = torch.tensor(cu, dtype=torch.int32)
         plan = StepPlan(
             seq_ids=seq_ids, batch=len(seqs), new_tokens=max(q_lens), past_lens=past,
             slots=torch.cat([s.slots for s in seqs]).to(dev),
-            block_tables=self.pool.block_table(seq_ids, device=dev),
+            block_tables=pool.block_table(seq_ids, device=dev),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev), seq_lens_list=lens,
-            kv_start=[0] * len(seqs), packed=True, cu_seqlens_q=cu_t.to(dev), q_lens=q_lens)
+            kv_start=[0] * len(seqs), packed=True, cu_seqlens_q=cu_t.to(dev), q_lens=q_lens,
+            eviction_aside=aside)
         ctx = ForwardContext(self.state, None, plan=plan)
         ids_t = torch.tensor([ids], dtype=torch.long, device=dev)
         pos_t = torch.tensor([pos], dtype=torch.long, device=dev)

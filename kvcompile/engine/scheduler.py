@@ -47,8 +47,10 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, pool, prefix_cache: PrefixCache | None, max_num_batched_tokens: int,
                  max_num_seqs: int, preemption_mode: str = "recompute",
-                 swap_space_bytes: int = 4 << 30, watermark: float = 0.01, count=None):
+                 swap_space_bytes: int = 4 << 30, watermark: float = 0.01, count=None,
+                 on_start=None):
         self.pool = pool
+        self.on_start = on_start or (lambda req: None)   # a request got a new pool sequence
         self.count = count or (lambda name, n=1: None)   # ModelState.count (telemetry)
         self.cache = prefix_cache
         self.max_tokens = max_num_batched_tokens
@@ -162,13 +164,17 @@ class Scheduler:
 
     def rollback(self, out: SchedulerOutput) -> None:
         """Undo a step's reservations (the forward failed)."""
-        for s in out.seqs:
+        for s in out.seqs:   # (stored lengths: an evicting sequence stores fewer than start)
             if s.req.seq_id is not None:
-                self.pool.truncate(s.req.seq_id, s.start)
+                sid = s.req.seq_id
+                self.pool.truncate(sid, self.pool.seq_len(sid) - s.n)
 
     # -- helpers --------------------------------------------------------------------------------
     def _chunk(self, req: Request, budget: int) -> int:
         n = min(req.to_compute, budget)
+        if req.evicts:  # evicting: the prompt attends in full, then one token per forward
+            prompt = len(req.prompt_ids)
+            n = min(n, prompt - req.num_computed) if req.num_computed < prompt else 1
         if n < req.to_compute:  # partial chunk: end on a page boundary if that leaves any
             P = self.pool.page_size
             end = (req.num_computed + n) // P * P
@@ -181,7 +187,8 @@ class Scheduler:
         req.seq_id = self.pool.allocate(1)[0]
         req.num_computed = 0
         req.num_registered = 0
-        if self.cache is None:
+        self.on_start(req)
+        if self.cache is None or req.evicts:   # compaction rewrites its pages (engine.py)
             return
         P = self.pool.page_size
         req.page_hashes = page_hashes(req.all_ids, P, req.page_hashes)
@@ -230,7 +237,9 @@ class Scheduler:
         self.num_preemptions += 1
         self.count("preemptions")
         out.preempted.append(req)
-        if self.mode == "swap" and req.seq_id is not None and self.pool_swappable:
+        # an evicting request is recomputed: its eviction bookkeeping stays with the sequence
+        if (self.mode == "swap" and req.seq_id is not None and self.pool_swappable
+                and not req.evicts):
             need = self._swap_bytes(req)
             if self.swap_used + need <= self.swap_space:
                 req.swapped = self.pool.swap_out(req.seq_id)
@@ -260,6 +269,7 @@ class Scheduler:
                     return False
         else:
             return False
+        self.on_start(req)
         self.swap_used -= req.swapped.nbytes
         req.swapped = None
         req.status = Status.RUNNING

@@ -50,6 +50,9 @@ class PolicyRules:
     rerotated_sinks(policy) -> int: the leading tokens kept as sinks whose keys the runtime
         re-rotates to sit just before the kept window (KVConfig `sink_positions="cache"`);
         None: sinks, if any, keep their positions.
+    keeps_budget: every kv head keeps exactly `budget` tokens when it holds more, so an
+        eviction between CUDA-graph decode steps knows the new length without reading the
+        device (eviction/runtime.py `_evict_front`).
     """
     budget: Callable
     protected: Callable
@@ -58,6 +61,7 @@ class PolicyRules:
     observe_rows: Callable | None = None
     waits_for_observation: bool = False
     rerotated_sinks: Callable | None = None
+    keeps_budget: bool = False
 
 
 _RULES: dict[type, PolicyRules] = {}
@@ -110,6 +114,10 @@ def waits_for_observation(policy: EvictionPolicy) -> bool:
 def rerotated_sinks(policy: EvictionPolicy | None) -> int:
     sinks = policy is not None and rules_of(policy).rerotated_sinks
     return sinks(policy) if sinks else 0
+
+
+def keeps_budget(policy: EvictionPolicy) -> bool:
+    return rules_of(policy).keeps_budget
 
 
 def real_tokens(pos: torch.Tensor, start: int) -> torch.Tensor:
@@ -212,10 +220,10 @@ def _snapkv_scores(p: SnapKV, mass, obs):
 
 register_policy(SinkWindow, PolicyRules(
     budget=lambda p: p.sinks + p.window, protected=_sink_window_protected,
-    rerotated_sinks=lambda p: p.sinks))
+    rerotated_sinks=lambda p: p.sinks, keeps_budget=True))
 register_policy(H2O, PolicyRules(
     budget=lambda p: p.budget, protected=_h2o_protected, scores=lambda p, mass, obs: mass,
-    accumulates_mass=True))
+    accumulates_mass=True, keeps_budget=True))
 register_policy(SnapKV, PolicyRules(
     budget=lambda p: p.budget, protected=_snapkv_protected, scores=_snapkv_scores,
-    observe_rows=lambda p: p.window, waits_for_observation=True))
+    observe_rows=lambda p: p.window, waits_for_observation=True, keeps_budget=True))

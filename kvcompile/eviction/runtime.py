@@ -23,7 +23,9 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 
+from kvcompile.cache.compaction import moves_exactly
 from kvcompile.config import EvictionPolicy
 from kvcompile.errors import CacheStateError, UnsupportedShapeError
 from kvcompile.eviction import policies as P
@@ -44,16 +46,25 @@ class _Book:
     """Bookkeeping of one sequence: per policy layer, the logical index in each slot
     (pos [Hkv, L] int64, -1 = hole), H2O mass [Hkv, L], SnapKV observation [Hkv, R, L]."""
 
-    __slots__ = ("pos", "mass", "obs", "start")
+    __slots__ = ("pos", "mass", "obs", "start", "carry", "pending", "ragged")
 
     def __init__(self, start: int):
         self.pos: dict[int, torch.Tensor] = {}
         self.mass: dict[int, torch.Tensor] = {}
         self.obs: dict[int, torch.Tensor] = {}
         self.start = start  # first logical index that is a real token (left padding)
+        # the last forward was held (the middle of an engine prompt): its observation rows
+        # continue into the next forward's, as if both had been one forward
+        self.carry = False
+        # slots appended by decode steps the runtime stepped aside for (CUDA-graph replays):
+        # one token per step, so their logical indices are known without recording them
+        self.pending = 0
+        # kept counts differ between heads or layers (holes): decode needs per-slot rules
+        self.ragged = False
 
     def copy(self) -> _Book:
         b = _Book(self.start)
+        b.carry, b.pending, b.ragged = self.carry, self.pending, self.ragged
         b.pos = {k: v.clone() for k, v in self.pos.items()}
         b.mass = {k: v.clone() for k, v in self.mass.items()}
         b.obs = {k: v.clone() for k, v in self.obs.items()}
@@ -74,6 +85,14 @@ class EvictionRuntime(RuntimeHook):
         # > 0: every managed layer records H2O mass and SnapKV observation scores (window of
         # this many queries) for every sequence, so that forks can be evicted by any policy.
         self.observe_all = 0
+        # sequences whose next after_forward must not evict: an engine prompt computed in
+        # chunks attends fully until its last chunk, as one forward would (`hold`)
+        self.held: set[int] = set()
+        # decode steps it steps aside for evict when a sequence holds budget + interval - 1
+        # tokens: 1 evicts after every step, as the forwards it attends do (the engine's
+        # eviction_interval)
+        self.interval = 1
+        self.windowed = False   # a managed layer has a sliding window (a per-slot rule)
         self._pool = None
 
     def set_sequence_policy(self, seq_id: int, policy: EvictionPolicy | None,
@@ -84,6 +103,12 @@ class EvictionRuntime(RuntimeHook):
         self.seq_policy[seq_id] = policy
         if sink_positions is not None:
             self.seq_sink_positions[seq_id] = sink_positions
+
+    def hold(self, seq_ids) -> None:
+        """The next forward of these sequences is a chunk in the middle of a prompt: nothing
+        is evicted after it, and SnapKV's observation rows carry into the next chunk, so a
+        prompt chunked any way evicts as the prompt in one forward does (the engine)."""
+        self.held = set(seq_ids)
 
     def policy_of(self, seq_id: int, layer: int) -> EvictionPolicy | None:
         if layer not in self.policies:
@@ -114,6 +139,7 @@ class EvictionRuntime(RuntimeHook):
     def _watch(self, pool) -> None:
         if pool is not self._pool:
             pool.fork_listeners.append(self._on_fork)
+            pool.free_listeners.append(self._forget)
             self._pool = pool
             self.books.clear()
 
@@ -121,6 +147,12 @@ class EvictionRuntime(RuntimeHook):
         """kvcompile.release(model): the pool goes, and every sequence's bookkeeping with it."""
         self._pool = None
         self.books.clear()
+
+    def _forget(self, seq_id: int) -> None:
+        """The pool freed `seq_id`: its bookkeeping and per-sequence settings go with it."""
+        self.books.pop(seq_id, None)
+        self.seq_policy.pop(seq_id, None)
+        self.seq_sink_positions.pop(seq_id, None)
 
     def _on_fork(self, parent: int, child: int) -> None:
         if parent in self.books:
@@ -132,8 +164,24 @@ class EvictionRuntime(RuntimeHook):
             n = plan.q_lens[i] if plan.packed else plan.new_tokens
             yield i, sid, plan.past_lens[i], n
 
+    def _catch_up(self, sid: int, book: _Book, reserved: int = 0) -> None:
+        """Record the slots of the decode steps stepped aside for (`book.pending`, the last
+        stored slots before the `reserved` ones of the running forward)."""
+        k = book.pending
+        if not k:
+            return
+        book.pending = 0
+        pool = self.state.pool
+        stored, end = pool.seq_len(sid) - reserved, pool.logical_len(sid) - reserved
+        for layer, pos in book.pos.items():
+            new = torch.arange(end - k, end, device=pos.device).expand(pos.shape[0], k)
+            book.pos[layer] = torch.cat([pos[:, :stored - k], new], 1)
+            if layer in book.mass:
+                mass = book.mass[layer][:, :stored - k]
+                book.mass[layer] = torch.cat([mass, mass.new_zeros(mass.shape[0], k)], 1)
+
     def before_write(self, ctx, layer, k, v):
-        if layer not in self.policies:
+        if layer not in self.policies or ctx.plan.eviction_aside:
             return k, v
         plan, pool = ctx.plan, ctx.state.pool
         self._watch(pool)
@@ -146,6 +194,7 @@ class EvictionRuntime(RuntimeHook):
                 if past and pool.evicted(sid):
                     raise CacheStateError(f"sequence {sid} lost its eviction bookkeeping")
                 book = self.books[sid] = _Book(plan.kv_start[i] if not plan.packed else 0)
+            self._catch_up(sid, book, n)
             pos = book.pos.get(layer)
             if pos is None:  # a layer seen for the first time: nothing was evicted yet
                 pos = torch.arange(past, device=k.device).expand(heads, past)
@@ -166,8 +215,10 @@ class EvictionRuntime(RuntimeHook):
                     extras):
         """Attention of a layer with a policy over its kept slots (runtime/dispatch.py asks
         this first), or None for a layer without one."""
-        if layer not in self.policies:
+        if layer not in self.policies or plan.eviction_aside:
             return None
+        if window:
+            self.windowed = True
         pool = ctx.state.pool
         out = self._attend_kernel(ctx, layer, q, plan, attn_mask, window, softcap, scale)
         if out is not None:
@@ -190,10 +241,11 @@ class EvictionRuntime(RuntimeHook):
             if self._rerotate(sid, policy):
                 sink_slots, sink_rot = self._sinks(policy, pos, book.start)
             obs_rows = 0
-            if n > 1 and (P.observe_rows(policy) or self.observe_all):
-                obs_rows = min(self.observe_all or P.observe_rows(policy), n)
+            rows = self.observe_all or P.observe_rows(policy)
+            if (n > 1 or book.carry) and rows:   # a prompt's last chunk may be one token
+                obs_rows = min(rows, n)
             o, mass, obs = attend_kept(
-                qi, k, v, pos, q_pos, scale, causal=is_causal, window=window,
+                qi, k, v, pos, q_pos, scale, causal=is_causal or plan.packed, window=window,
                 start=book.start, softcap=softcap, mask_b=mask_b, total=total,
                 sink_slots=sink_slots, sink_rot=sink_rot,
                 want_mass=layer in book.mass, obs_rows=obs_rows)
@@ -204,7 +256,7 @@ class EvictionRuntime(RuntimeHook):
             if mass is not None:
                 book.mass[layer] += mass
             if obs is not None:
-                book.obs[layer] = obs
+                book.obs[layer] = _carried(book, layer, obs, rows)
         return out
 
     def _attend_kernel(self, ctx, layer, q, plan, attn_mask, window, softcap, scale):
@@ -272,21 +324,100 @@ class EvictionRuntime(RuntimeHook):
     # -- eviction -------------------------------------------------------------------------------
     def after_forward(self, ctx) -> None:
         plan, pool = ctx.plan, ctx.state.pool
-        if plan is None or pool is None or not self.policies:
-            return
+        if plan is None or pool is None or not self.policies or plan.eviction_aside:
+            return   # (a step stepped aside for: after_decode_step)
         for _i, sid, _past, _n in self._rows(plan):
             book = self.books.get(sid)
-            if book is not None and pool.has(sid):
-                self.evict(sid, book)
-                if not self.observe_all:  # kept for forks evicted later (observe_all)
-                    book.obs.clear()
+            if book is None or not pool.has(sid):
+                continue
+            book.carry = sid in self.held
+            if book.carry:
+                continue
+            self.evict(sid, book)
+            if not self.observe_all:  # kept for forks evicted later (observe_all)
+                book.obs.clear()
+        self.held.clear()
         for sid in [s for s in self.books if not pool.has(s)]:
             del self.books[sid]
             self.seq_policy.pop(sid, None)
             self.seq_sink_positions.pop(sid, None)
 
+    # -- decode steps it steps aside for (CUDA graphs) ---------------------------------------
+    def decode_aside(self, seq_ids) -> bool:
+        """Whether a decode step of these sequences needs nothing of this runtime inside the
+        step, so that it can replay a CUDA graph: the decode kernel over the stored slots
+        attends exactly as `attend_kept` would (slot order does not matter to one query).
+        Not when a slot needs its own rule (holes, left padding, a sliding window, sinks to
+        re-rotate), nor for H2O, whose mass each step would have to add up."""
+        if self.windowed or self.observe_all or len(self.policies) != len(self.state.layer_specs):
+            return False
+        for sid in seq_ids:
+            book = self.books.get(sid)
+            if book is None or book.start or book.ragged or book.carry:
+                return False
+            for layer in self.policies:
+                p = self.policy_of(sid, layer)
+                if p is not None and (P.accumulates_mass(p) or self._rerotate(sid, p)):
+                    return False
+        return True
+
+    def after_decode_step(self, seq_ids) -> None:
+        """Each sequence added one token in a step stepped aside for: record it (lazily) and
+        evict those that reached budget + interval - 1, on the device where the format moves
+        tokens exactly (no host sync: the next step's graph replays at once)."""
+        pool = self.state.pool
+        self.state.count("eviction_aside_steps")
+        for sid in seq_ids:
+            book = self.books.get(sid)
+            if book is None or not pool.has(sid):
+                continue
+            book.pending += 1
+            budget = self._decode_budget(sid)
+            if budget is not None and pool.seq_len(sid) >= budget + self.interval:
+                self._catch_up(sid, book)
+                if not self._evict_front(sid, book, budget):
+                    self.evict(sid, book)
+
+    def _decode_budget(self, sid: int) -> int | None:
+        """The budget decode steps evict to (None: they do not evict: no policy, or SnapKV,
+        which chooses at the end of a prompt)."""
+        budgets = [P.budget_of(p) for p in (self.policy_of(sid, li) for li in self.policies)
+                   if p is not None and not P.waits_for_observation(p)]
+        return min(budgets) if budgets else None
+
+    def _evict_front(self, sid: int, book: _Book, budget: int) -> bool:
+        """Token-granular eviction with no host sync: every layer keeps `budget` tokens per
+        head, moved to the front (`pool.compact_front`). False where it does not apply (then
+        `evict`, which reads counts on the host): mixed policies, page granularity, formats
+        that re-encode moved tokens, a policy type whose kept count is not its budget."""
+        pool = self.state.pool
+        pols = {self.policy_of(sid, li) for li in self.policies}
+        if len(pols) != 1:
+            return False
+        policy = pols.pop()
+        if (not P.keeps_budget(policy) or getattr(policy, "granularity", "token") != "token"
+                or not all(moves_exactly(pool.k[li]) and moves_exactly(pool.v[li])
+                           for li in self.policies)):
+            return False
+        total, before = pool.logical_len(sid), pool.seq_len(sid)
+        for li in sorted(book.pos):
+            pos = book.pos[li]
+            keep = P.select_tokens(policy, pos, 0, total, self._scores(sid, li, book))
+            # kept slots first, in slot order (a stable sort of "not kept"): [H, budget]
+            src = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[:, :budget]
+            pool.compact_front(li, sid, src)
+            book.pos[li] = pos.gather(1, src)
+            if li in book.mass:
+                book.mass[li] = book.mass[li].gather(1, src)
+        pool.evict_tail(sid, budget)
+        self.state.count("eviction_runs")
+        self.state.count("eviction_device_runs")
+        self.state.count("evicted_tokens", before - budget)
+        return True
+
     def evict(self, sid: int, book: _Book) -> None:
         pool, state = self.state.pool, self.state
+        self._catch_up(sid, book)
         total = pool.logical_len(sid)
         due = []
         for layer in self.policies:
@@ -346,6 +477,8 @@ class EvictionRuntime(RuntimeHook):
                 keep = pos >= 0
             lens.append(self._compact(sid, li, book, keep))
         new_len = max(lens)
+        if min(lens) != new_len:
+            book.ragged = True
         pool.evict_tail(sid, new_len)
         for li in book.pos:
             book.pos[li] = _fit(book.pos[li], new_len, -1)
@@ -355,7 +488,10 @@ class EvictionRuntime(RuntimeHook):
     def _compact(self, sid, layer, book, keep: torch.Tensor) -> int:
         """Move kept tokens of slots >= n into holes below n, n = most kept by any head."""
         pos = book.pos[layer]
-        n = int(keep.sum(-1).max())
+        counts = keep.sum(-1)
+        n, least = torch.stack([counts.max(), counts.min()]).tolist()
+        if least != n:
+            book.ragged = True
         srcs, dsts, hs = [], [], []
         for h in range(pos.shape[0]):
             holes = (~keep[h, :n]).nonzero()[:, 0]
@@ -381,6 +517,17 @@ class EvictionRuntime(RuntimeHook):
             book.mass[layer] = torch.cat([new_mass, mass.new_zeros(mass.shape[0],
                                                                    mass.shape[1] - n)], 1)
         return n
+
+
+def _carried(book: _Book, layer: int, obs: torch.Tensor, rows: int) -> torch.Tensor:
+    """obs [Hkv, R, L] of this forward, after the held forward's rows when it carries (the
+    last `rows` in all): the earlier queries saw none of the new keys (causal), so zeros extend
+    their rows exactly."""
+    old = book.obs.get(layer) if book.carry else None
+    if old is None:
+        return obs
+    old = F.pad(old, (0, obs.shape[-1] - old.shape[-1]))
+    return torch.cat([old, obs], 1)[:, -rows:]
 
 
 def _fit(x: torch.Tensor, n: int, fill) -> torch.Tensor:

@@ -35,6 +35,9 @@ class StepPlan:
     cu_seqlens_q: torch.Tensor | None = None   # [B+1] int32 (packed)
     q_lens: list[int] = field(default_factory=list)
     cache: dict = field(default_factory=dict)  # per-forward memo (mask analyses, ...)
+    # the eviction runtime steps aside: a decode step whose kept slots need no per-slot rule
+    # (eviction/runtime.py `decode_aside`), so that it can replay a CUDA graph
+    eviction_aside: bool = False
 
     @property
     def is_decode(self) -> bool:

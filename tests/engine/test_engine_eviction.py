@@ -1,0 +1,324 @@
+"""Eviction in the engine: per model (KVConfig.eviction) and per request
+(SamplingParams.eviction).
+
+The reference is Hugging Face `generate` on the same model compiled with the same policy (the
+eviction path tests/eviction checks against masked attention): prefill attends in full, then
+each decode step evicts. The engine must produce the same tokens whatever its chunking, batch
+neighbours, preemptions and prefix cache, and give evicted pages back to the pool.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import kvcompile
+from kvcompile import Engine, SamplingParams
+from kvcompile.api import state_of
+from kvcompile.config import H2O, EvictionPolicy, SinkWindow, SnapKV
+from kvcompile.engine.params import RequestError
+from tests.engine.test_engine import _run_arrivals
+from tests.engine.tiny import config, make_hf, random_prompts
+
+PAGE = 8
+MODEL_POLICY = H2O(budget=16, recent=4, sinks=2)
+POLICIES = [SinkWindow(2, 12), SnapKV(budget=16, window=4), None, "model"]
+
+
+def _budget(policy) -> int:
+    return policy.sinks + policy.window if isinstance(policy, SinkWindow) else policy.budget
+
+
+@pytest.fixture(scope="module")
+def model():
+    """fp32 tiny Llama compiled with H2O, fp32 pages of 8 tokens: the engine's model and the
+    reference's (generate)."""
+    torch._dynamo.reset()
+    m = make_hf("llama", "sdpa")
+    kvcompile.compile(m, config(page_size=PAGE, kv_dtype="fp32", eviction=MODEL_POLICY))
+    _generate(m, [[5, 6, 7]], 2)   # compiled, the pool built, at the first call
+    return m
+
+
+def _generate(m, prompts, n: int, policy="model") -> list[list[int]]:
+    """Greedy tokens of HF generate on `m`, one prompt at a time, its sequences under `policy`
+    ("model": the compiled one) through the run time's per-sequence policies."""
+    st = state_of(m)
+    pool = st.pool if policy != "model" else None
+    if pool is not None:
+        allocate = pool.allocate
+
+        def allocate_with_policy(k=1):
+            ids = allocate(k)
+            for sid in ids:
+                st.eviction.set_sequence_policy(sid, policy)
+            return ids
+
+        pool.allocate = allocate_with_policy
+    try:
+        out = []
+        for p in prompts:
+            ids = m.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0, eos_token_id=None)
+            out.append(ids[0, len(p):].tolist())
+    finally:
+        if pool is not None:
+            pool.allocate = allocate
+    return out
+
+
+def _greedy(n: int, eviction="model") -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, eviction=eviction)
+
+
+def test_engine_equals_generate_per_request_policy(model):
+    """Prompts of 20-40 tokens under a 16-token step budget, one batch with a request of each
+    policy (SinkWindow, SnapKV, none, the model's H2O): every prompt is chunked, yet it evicts
+    as generate's one-forward prefill does, and decodes evict after every step."""
+    rng = random.Random(0)
+    prompts = random_prompts(rng, len(POLICIES), 20, 40)
+    want = [_generate(model, [p], 20, pol)[0] for p, pol in zip(prompts, POLICIES)]
+    before = state_of(model).counters.get("evicted_tokens", 0)
+    eng = Engine(model, max_num_batched_tokens=16)
+    stored = {i: [] for i in range(len(POLICIES))}
+    rids = [eng.add_request(p, _greedy(20, pol)) for p, pol in zip(prompts, POLICIES)]
+
+    def watch(_st):
+        for r in eng.scheduler.running:
+            if r.seq_id is not None and r.num_computed > len(r.prompt_ids):
+                stored[rids.index(r.id)].append((eng.pool.seq_len(r.seq_id), r.num_computed))
+
+    eng.on_step.append(watch)
+    outs = {}
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    for i, pol in enumerate(POLICIES):
+        assert outs[rids[i]].token_ids == want[i], f"request {i} ({pol}) differs from generate"
+    assert state_of(model).counters["evicted_tokens"] > before
+    # (stored, computed) tokens of each request after each of its decode steps: SinkWindow
+    # and H2O hold their budget, SnapKV its budget + the tokens since its prompt, no policy all
+    assert {s for s, _ in stored[0]} == {_budget(POLICIES[0])}
+    assert {s for s, _ in stored[3]} == {_budget(MODEL_POLICY)}
+    assert stored[1] and all(s == _budget(POLICIES[1]) + c - len(prompts[1])
+                             for s, c in stored[1])
+    assert stored[2] and all(s == c for s, c in stored[2])
+    eng.close()
+    assert eng.pool.stats().sequences == 0 and eng.pool.stats().pages_used == 0
+    assert not state_of(model).eviction.seq_policy, "per-sequence policies leaked"
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_random_arrivals_with_preemption_and_prefix_caching(model, mode):
+    """A tiny pool forces preemption; prompts share a prefix; some requests evict and some do
+    not. Every request equals itself alone: a recompute replays each eviction (one token per
+    step past the prompt), and evicting requests never share pages through the prefix cache."""
+    rng = random.Random(3)
+    shared = random_prompts(rng, 1, 17, 17)[0]
+    choices = [None, "model", None, SinkWindow(2, 10)]
+    reqs = [(shared + p, SamplingParams(temperature=0, max_tokens=rng.randrange(15, 30),
+                                        ignore_eos=True, eviction=choices[i % 4]))
+            for i, p in enumerate(random_prompts(rng, 8, 4, 30))]
+    alone = Engine(model, max_num_batched_tokens=128, enable_prefix_caching=False)
+    expect = [alone.generate([p], sp)[0].token_ids for p, sp in reqs]
+    alone.close()
+    pool = state_of(model).pool
+    held = pool.num_pages - 12   # leave 12 pages of 8 tokens: each request fits alone
+    hog = pool.allocate(1)[0]
+    pool.reserve([hog], held * PAGE)
+    try:
+        eng = Engine(model, max_num_batched_tokens=32, preemption_mode=mode)
+        eng.scheduler.watermark = 1   # as a 12-page pool's (1% of the pages, at least 1)
+        final = _run_arrivals(eng, reqs, rng, lambda e, _: e.pool.check_invariants())
+        for i in range(len(reqs)):
+            assert final[i].token_ids == expect[i], f"request {i} changed by its neighbours"
+        assert eng.stats.preemptions > 0
+        evicting = [i for i, (_p, sp) in enumerate(reqs) if sp.eviction is not None]
+        assert all(final[i].num_cached_tokens == 0 for i in evicting)
+        assert any(o.num_cached_tokens for o in final.values()), "the prefix cache never hit"
+        eng.close()
+    finally:
+        pool.free([hog])
+    assert pool.stats().pages_used == 0
+
+
+def test_evicted_pages_go_back_and_admit_more():
+    """A pool of 12 pages of 8 tokens: three 30-token requests decoding to 60 tokens each do
+    not fit together without eviction (preemptions); with SinkWindow(2, 14) each holds at most
+    3 pages once its prompt is done, so all three run at once and none is preempted."""
+    torch._dynamo.reset()
+    m = make_hf("llama", "sdpa")
+    small = 12 * m.config.num_hidden_layers * 2 * 2 * PAGE * 16 * 4
+    kvcompile.compile(m, config(page_size=PAGE, kv_dtype="fp32", max_kv_bytes=small,
+                                eviction=SinkWindow(2, 14)))
+    prompts = random_prompts(random.Random(5), 3, 30, 30)
+    runs = {}
+    for eviction in (None, "model"):
+        eng = Engine(m, max_num_batched_tokens=96)
+        assert eng.pool.num_pages == 12
+        eng.generate(prompts, _greedy(30, eviction))
+        runs[eviction] = (eng.stats.preemptions, max(s.num_running for s in eng.history),
+                          [s.pages_free for s in eng.history])
+        eng.pool.check_invariants()
+        eng.close()
+        assert eng.pool.stats().pages_used == 0
+    assert runs[None][0] > 0
+    assert runs["model"][0] == 0 and runs["model"][1] == 3
+    assert min(runs["model"][2][3:]) >= 12 - 3 * 3, "evicted pages did not come back"
+    assert state_of(m).counters["evicted_tokens"] > 0
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(kv_dtype="bf16"),
+    dict(kv_dtype="fp8_e4m3"),
+    dict(kv_dtype="int4", scale_granularity="channel", residual=True, page_size=16),
+], ids=["bf16", "fp8", "int4-channel-residual"])
+def test_storage_formats_compose_with_eviction(cfg):
+    """The engine evicts (moves tokens in) quantized pages, channel-scaled keys and residual
+    pages as generate does: same tokens, same stored lengths."""
+    cfg = dict(cfg)
+    page = cfg.pop("page_size", PAGE)
+    prompts = random_prompts(random.Random(4), 2, 24, 36)
+    torch._dynamo.reset()
+    m = make_hf("llama", "sdpa")
+    kvcompile.compile(m, config(page_size=page, eviction=H2O(budget=20, recent=4, sinks=2),
+                                **cfg))
+    want = _generate(m, prompts, 16)
+    moves = state_of(m).counters["eviction_moves"]
+    eng = Engine(m, max_num_batched_tokens=64)
+    outs = eng.generate(prompts, _greedy(16))
+    assert [o.token_ids for o in outs] == want
+    assert state_of(m).counters["eviction_moves"] > moves
+    eng.close()
+    assert eng.pool.stats().pages_used == 0
+
+
+def test_eviction_requests_refused_clearly(model):
+    with pytest.raises(RequestError, match=r"SamplingParams.eviction='sometimes'.*allowed"):
+        SamplingParams(eviction="sometimes")
+    with pytest.raises(RequestError, match="SamplingParams.eviction"):
+        SamplingParams(eviction={"policy": "sink_window", "size": 3})
+    torch._dynamo.reset()
+    plain = make_hf("llama", "sdpa")
+    eng = Engine(plain, config=config(page_size=PAGE), max_num_batched_tokens=32)
+    with pytest.raises(RequestError, match=r"needs a model compiled with an eviction policy"):
+        eng.add_request([5, 6, 7], SamplingParams(eviction=SinkWindow(2, 8)))
+    eng.add_request([5, 6, 7], SamplingParams(eviction=None, max_tokens=2))  # keep all: fine
+    eng.close()
+
+    class Unregistered(EvictionPolicy):
+        pass
+
+    eng = Engine(model, max_num_batched_tokens=32)
+    with pytest.raises(RequestError, match="register_policy"):
+        eng.add_request([5, 6, 7], SamplingParams(eviction=Unregistered()))
+    assert not eng.has_unfinished()
+    eng.close()
+
+
+# --- decode steps that eviction steps aside for (CUDA graphs on the GPU) -----------------------
+
+_SYNCS = ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "__index__")
+
+
+class _NoHostSync:
+    """Makes every tensor -> host read raise (Tensor.item, .tolist(), .nonzero(), bool(t),
+    int(t), ...): what a step between CUDA-graph replays must not do."""
+
+    def __enter__(self):
+        self.saved = {n: getattr(torch.Tensor, n) for n in _SYNCS}
+
+        def refuse(name):
+            def f(*_a, **_k):
+                raise AssertionError(f"host sync: Tensor.{name} between decode steps")
+            return f
+
+        for n in _SYNCS:
+            setattr(torch.Tensor, n, refuse(n))
+
+    def __exit__(self, *exc):
+        for n, f in self.saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+@pytest.fixture
+def original_sinks(model):
+    """SinkWindow's sinks at their text positions: no per-slot rotation, so decode steps can
+    step aside (re-rotated sinks need attend_kept)."""
+    rt = state_of(model).eviction
+    rt.sink_positions = "original"
+    yield
+    rt.sink_positions = "cache"
+
+
+def test_decode_steps_step_aside_and_equal_generate(model, original_sinks):
+    """SinkWindow (original sink positions), SnapKV and no policy decode through the plain
+    decode path over the stored slots, evicting on the device after each step without a host
+    sync: the tokens are generate's, whose every step attends over kept slots on the host."""
+    rng = random.Random(6)
+    pols = [SinkWindow(2, 12), SnapKV(budget=16, window=4), None]
+    prompts = random_prompts(rng, len(pols), 20, 40)
+    want = [_generate(model, [p], 20, pol)[0] for p, pol in zip(prompts, pols)]
+    st = state_of(model)
+    before = {k: st.counters.get(k, 0) for k in ("eviction_aside_steps", "eviction_device_runs")}
+    eng = Engine(model, max_num_batched_tokens=64)
+    rt = st.eviction
+    step = rt.after_decode_step
+
+    def checked(seq_ids):
+        with _NoHostSync():
+            step(seq_ids)
+
+    rt.after_decode_step = checked
+    try:
+        outs = eng.generate(prompts, [_greedy(20, p) for p in pols])
+    finally:
+        del rt.after_decode_step
+    assert [o.token_ids for o in outs] == want
+    assert st.counters["eviction_aside_steps"] - before["eviction_aside_steps"] >= 18
+    assert st.counters["eviction_device_runs"] - before["eviction_device_runs"] >= 18
+    eng.close()
+    assert eng.pool.stats().pages_used == 0
+
+
+def test_h2o_and_rerotated_sinks_do_not_step_aside(model):
+    """H2O adds up attention mass at every step and re-rotated sinks need their own query
+    rotation: their decode steps stay on the host path (attend_kept)."""
+    st = state_of(model)
+    before = st.counters.get("eviction_aside_steps", 0)
+    eng = Engine(model, max_num_batched_tokens=64)
+    eng.generate(random_prompts(random.Random(7), 2, 20, 30),
+                 [_greedy(8, "model"), _greedy(8, SinkWindow(2, 12))])
+    assert st.counters.get("eviction_aside_steps", 0) == before
+    eng.close()
+
+
+def test_eviction_interval_device_path_equals_host_path(model, original_sinks):
+    """Every 4 steps (a sequence holds at most budget + 3 tokens): eviction on the device
+    (pool.compact_front) and on the host (move_tokens, which reads counts) keep the same
+    tokens at the same cadence, and give the same outputs."""
+    rng = random.Random(8)
+    prompts = random_prompts(rng, 3, 20, 30)
+    pols = [SinkWindow(2, 10), SinkWindow(3, 9), SnapKV(budget=14, window=4)]
+    rt = state_of(model).eviction
+    runs = []
+    for device in (True, False):
+        eng = Engine(model, max_num_batched_tokens=64, eviction_interval=4)
+        lens = []   # (budget, stored) of each decoding SinkWindow request after each step
+        eng.on_step.append(lambda _st, eng=eng, lens=lens: lens.extend(
+            (_budget(r.params.eviction), eng.pool.seq_len(r.seq_id))
+            for r in eng.scheduler.running if isinstance(r.params.eviction, SinkWindow)
+            and r.num_computed > len(r.prompt_ids)))
+        if not device:
+            rt._evict_front = lambda *a: False
+        try:
+            outs = eng.generate(prompts, [_greedy(24, p) for p in pols])
+        finally:
+            rt.__dict__.pop("_evict_front", None)
+        runs.append(([o.token_ids for o in outs], lens))
+        eng.close()
+    assert runs[0] == runs[1]
+    held = runs[0][1]
+    assert held and all(b <= n <= b + 3 for b, n in held)
+    assert {n - b for b, n in held} == {0, 1, 2, 3}, "not every 4 steps"

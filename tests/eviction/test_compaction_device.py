@@ -1,0 +1,100 @@
+"""Eviction on the device, with no host sync (EvictionRuntime._evict_front, pool.compact_front,
+compaction.move_slots_exact), against the host path (EvictionRuntime.evict: move_tokens, which
+reads counts): the same tokens kept, bit for bit, in every format that moves tokens exactly.
+The device path keeps kept tokens in slot order, the host path fills holes from the tail, so
+the two are compared by logical index."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcompile.cache.compaction import moves_exactly
+from kvcompile.cache.pool import LayerSpec, PagePool
+from kvcompile.config import H2O, SinkWindow, SnapKV
+from kvcompile.errors import UnsupportedShapeError
+from kvcompile.eviction.runtime import _Book
+from tests.eviction.test_compaction_formats import FORMATS, _formats, _raw, _runtime
+
+H, D, P, L = 2, 16, 16, 45
+EXACT = [f for f in FORMATS if moves_exactly(PagePool([LayerSpec(H, D, D, *_formats(*f))], 4,
+                                                      P).k[0])]
+POLICIES = [SinkWindow(2, 12), H2O(budget=14, recent=4, sinks=2),
+            SnapKV(budget=14, window=4, kernel=3, per_head=True)]
+
+
+def _setup(fmt, policy):
+    pool = PagePool([LayerSpec(H, D, D, *_formats(*fmt))], 8, P)
+    sid = pool.allocate()[0]
+    pool.append(sid, [_raw(L, 0, True)], [_raw(L, 1, False)])
+    rt = _runtime(pool, policy)
+    book = _Book(0)
+    g = torch.Generator().manual_seed(3)
+    book.pos[0] = torch.arange(L).expand(H, L).clone()
+    book.mass[0] = torch.rand(H, L, generator=g)
+    book.obs[0] = torch.rand(H, 4, L, generator=g)
+    return pool, sid, rt, book
+
+
+def _by_position(pool, sid, pos):
+    """[H, n, D] K and V of the kept tokens ordered by logical index, and those indices."""
+    order = pos.argsort(-1)
+    k, v = pool.gather(0, sid)
+    take = order[..., None].expand(-1, -1, D)
+    return torch.gather(k, 1, take), torch.gather(v, 1, take), pos.gather(1, order)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: type(p).__name__)
+@pytest.mark.parametrize("fmt", EXACT, ids=str)
+def test_device_eviction_equals_host_eviction(fmt, policy):
+    budget = policy.sinks + policy.window if isinstance(policy, SinkWindow) else policy.budget
+    host = _setup(fmt, policy)
+    host[2].evict(host[1], host[3])
+    dev = _setup(fmt, policy)
+    pool, sid, rt, book = dev
+    parent = pool.fork(sid)        # a page shared with another sequence is copied first
+    rt.books[parent] = book.copy()
+    keep_parent = pool.gather(0, parent)
+    with _no_sync():
+        assert rt._evict_front(sid, book, budget)
+    assert pool.seq_len(sid) == budget == host[0].seq_len(host[1])
+    kd, vd, pd = _by_position(pool, sid, book.pos[0])
+    kh, vh, ph = _by_position(host[0], host[1], host[3].pos[0])
+    assert torch.equal(pd, ph), "a different choice of tokens"
+    assert torch.equal(kd, kh) and torch.equal(vd, vh), "moved tokens changed"
+    for b in (book, host[3]):      # the mass each kept token had follows it
+        b.mass[0] = b.mass[0].gather(1, b.pos[0].argsort(-1))
+    assert torch.equal(book.mass[0], host[3].mass[0])
+    assert all(torch.equal(a, b) for a, b in zip(pool.gather(0, parent), keep_parent))
+    pool.check_invariants()
+
+
+def test_formats_that_re_encode_take_the_host_path():
+    fmt = next(f for f in FORMATS if f[0] == "fp8_e4m3" and f[1] == "page")
+    pool, sid, rt, book = _setup(fmt, SinkWindow(2, 12))
+    assert not moves_exactly(pool.k[0])
+    assert rt._evict_front(sid, book, 14) is False          # evict() (host) does it instead
+    assert pool.seq_len(sid) == L
+    with pytest.raises(UnsupportedShapeError, match="re-encode moved tokens; use move_tokens"):
+        pool.compact_front(0, sid, torch.arange(14).expand(H, 14))
+
+
+class _no_sync:
+    """Tensor -> host reads raise (as between CUDA-graph replays)."""
+
+    NAMES = ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "__index__")
+
+    def __enter__(self):
+        self.saved = {n: getattr(torch.Tensor, n) for n in self.NAMES}
+
+        def refuse(name):
+            def f(*_a, **_k):
+                raise AssertionError(f"host sync: Tensor.{name}")
+            return f
+
+        for n in self.NAMES:
+            setattr(torch.Tensor, n, refuse(n))
+
+    def __exit__(self, *exc):
+        for n, f in self.saved.items():
+            setattr(torch.Tensor, n, f)
