@@ -63,8 +63,12 @@ def match_latent(site: AttentionSite) -> LatentExpansion | str | None:
     if proj is None:
         return None
     lin, views = proj
+    # MLA's shape: the values are the other part of the keys' projection, and the keys' second
+    # part one head broadcast to all (any other model that splits a projection is not MLA)
     if not (kind(site.v) == "getitem" and arg(site.v, 0) is split and arg(site.v, 1) == 1):
-        return "MLA: the values are not the second part of the keys' split of kv_b_proj"
+        return None
+    if kind(k_rope_b) != "expand":
+        return None
     if site.n_rep != 1:
         return (f"MLA: the expanded keys and values are repeated {site.n_rep}x for GQA "
                 f"(num_key_value_heads != num_attention_heads); kvcompile rewrites MLA with "
@@ -77,8 +81,6 @@ def match_latent(site: AttentionSite) -> LatentExpansion | str | None:
             and all(isinstance(s, int) for s in sizes) and dim in (-1, 3)):
         return f"MLA: the expansion is split by {sizes!r} along dim {dim}, not [nope, v] on -1"
     dn, dv = sizes
-    if kind(k_rope_b) != "expand":
-        return "MLA: the rotary part of the keys is not the cached rotary key broadcast"
     rope = arg(k_rope_b, 0)
     latent, weight = arg(lin, 0), arg(lin, 1, "weight")
     s_lat, s_rope, s_w, s_q = shape(latent), shape(rope), shape(weight), shape(site.q)
