@@ -60,16 +60,15 @@ def _prompt(batch=2, length=10, pad=3):
 
 
 def _compile(model, **kw):
-    return kvcompile.compile(model, kvcompile.KVConfig(inner="aot_eager", max_kv_bytes=1 << 24,
+    return kvcompile.compile(model, kvcompile.KVConfig(inner="eager", max_kv_bytes=1 << 24,
                                                        **kw))
 
 
-@pytest.mark.parametrize("family,attn", [("deepseek_v3", "sdpa"), ("deepseek_v3", "eager"),
-                                         ("deepseek_v2", "sdpa"), ("deepseek_v2", "eager")])
+@pytest.mark.parametrize("family,attn", [("deepseek_v3", "sdpa"), ("deepseek_v2", "eager")])
 def test_greedy_generate_is_token_identical(family, attn):
     model = make_mla(family, attn)
     ids, mask = _prompt()
-    kw = dict(max_new_tokens=16, do_sample=False, attention_mask=mask, pad_token_id=0,
+    kw = dict(max_new_tokens=12, do_sample=False, attention_mask=mask, pad_token_id=0,
               eos_token_id=None)
     with torch.no_grad():
         ref = model.generate(ids, **kw)
@@ -85,8 +84,8 @@ def test_greedy_generate_is_token_identical(family, attn):
     assert all((s.num_kv_heads, s.head_dim) == (1, RANK) for s in rep.rewritten)
     st = kvcompile.stats(model)
     assert st["bytes_per_token"] == LAYERS * (RANK + ROPE) * 4   # fp32 latent + rotary key
-    assert st["counters"]["latent_absorbed"] >= LAYERS * 15      # every decode step absorbed
-    assert rep.graphs <= 4, f"{rep.graphs} graphs for 16 decode steps: recompiling per step"
+    assert st["counters"]["latent_absorbed"] >= LAYERS * 11      # every decode step absorbed
+    assert rep.graphs <= 4, f"{rep.graphs} graphs for 12 decode steps: recompiling per step"
 
 
 def test_fresh_prompt_expands_decode_absorbs_and_logits_match():
@@ -233,7 +232,7 @@ def test_kv_b_proj_with_a_bias_is_refused_with_the_reason():
 def test_eviction_on_latent_pages_is_refused_with_the_fix():
     model = make_mla("deepseek_v3", "sdpa")
     ids, mask = _prompt()
-    kw = dict(max_new_tokens=4, do_sample=False, attention_mask=mask, pad_token_id=0,
+    kw = dict(max_new_tokens=2, do_sample=False, attention_mask=mask, pad_token_id=0,
               eos_token_id=None)
     with torch.no_grad():
         ref = model.generate(ids, **kw)
@@ -246,3 +245,24 @@ def test_eviction_on_latent_pages_is_refused_with_the_fix():
     assert not rep.rewritten and all("not supported on latent pages" in s.reason
                                      for s in rep.sites), str(rep)
     assert has(warned, r"configure\(module, eviction=None\)"), warned
+
+
+def test_engine_serves_latent_pages_with_eager_tokens():
+    """The continuous-batching engine (packed steps, use_cache=False: "none" caches, the
+    rotary key joined from its halves in this forward) on latent pages: greedy tokens of
+    prompts packed together are eager Hugging Face's, decode steps absorbed."""
+    import random
+
+    from tests.engine.tiny import config, hf_greedy, random_prompts
+
+    torch._dynamo.reset()
+    prompts = random_prompts(random.Random(1), 3, 3, 20)
+    ref, model = make_mla("deepseek_v3", "sdpa"), make_mla("deepseek_v3", "sdpa")
+    eng = kvcompile.Engine(model, config=config(page_size=8), max_num_batched_tokens=64)
+    outs = eng.generate(prompts, kvcompile.SamplingParams(temperature=0, max_tokens=8,
+                                                          ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(ref, p, 8)
+    rep = kvcompile.report(model)
+    assert len(rep.rewritten) == LAYERS and all(s.gqa == "mla" for s in rep.rewritten)
+    assert state_of(model).counters["latent_absorbed"] >= LAYERS * 7
