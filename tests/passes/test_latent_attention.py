@@ -64,12 +64,15 @@ def _compile(model, **kw):
                                                        **kw))
 
 
-@pytest.mark.parametrize("family,attn", [("deepseek_v3", "sdpa"), ("deepseek_v2", "eager")])
-def test_greedy_generate_is_token_identical(family, attn):
+@pytest.mark.parametrize("family,attn,cache", [("deepseek_v3", "sdpa", "dynamic"),
+                                               ("deepseek_v2", "eager", "static")])
+def test_greedy_generate_is_token_identical(family, attn, cache):
+    """DynamicCache (the latent cat onto the past) and StaticCache (index_copy_ into latent
+    buffers, released)."""
     model = make_mla(family, attn)
     ids, mask = _prompt()
     kw = dict(max_new_tokens=12, do_sample=False, attention_mask=mask, pad_token_id=0,
-              eos_token_id=None)
+              eos_token_id=None, cache_implementation=cache)
     with torch.no_grad():
         ref = model.generate(ids, **kw)
     with kv_warnings() as warned:
@@ -80,7 +83,8 @@ def test_greedy_generate_is_token_identical(family, attn):
     assert not warned, warned
     rep = kvcompile.report(model)
     assert len(rep.sites) == LAYERS and len(rep.rewritten) == LAYERS, str(rep)
-    assert all(s.gqa == "mla" and s.cache == "cat" for s in rep.rewritten), str(rep)
+    op = {"dynamic": "cat", "static": "index_copy"}[cache]
+    assert all(s.gqa == "mla" and s.cache == op for s in rep.rewritten), str(rep)
     assert all((s.num_kv_heads, s.head_dim) == (1, RANK) for s in rep.rewritten)
     st = kvcompile.stats(model)
     assert st["bytes_per_token"] == LAYERS * (RANK + ROPE) * 4   # fp32 latent + rotary key
