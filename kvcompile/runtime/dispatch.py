@@ -141,6 +141,11 @@ def attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, win
         return sdpa_attention(q, k, v, None, None, scale, causal)
     pool = state.pool
     q_lat = absorb_query(q, kv_b_weight, nope_dim)                  # [B, H, S, r + dr]
+    o_lat = _latent_kernel(state, q_lat, pool.k[layer], pool.v[layer], plan, mask_info,
+                           attn_mask, window, softcap, scale)
+    if o_lat is not None:
+        state.count("latent_decode_triton")
+        return latent_output(o_lat.to(q_lat.dtype), kv_b_weight, nope_dim)
     o_lat = paged_reference_attention(pool.k[layer], pool.v[layer], q_lat, plan,
                                       masks.dense(plan, attn_mask), is_causal, window, softcap,
                                       scale, latent=True)           # [B, H, S, r]
@@ -164,6 +169,37 @@ def prefill_mode(config, q: torch.Tensor) -> str:
     if config.prefill != "auto":
         return config.prefill
     return "triton" if q.is_cuda else "sdpa"
+
+
+def _latent_kernel(state, q_lat, c_pages, r_pages, plan, mask_info, attn_mask, window,
+                   softcap, scale):
+    """The Triton absorbed decode (kernels/latent_decode.py) for a decode step of one query
+    per row whose mask hides no cached key (no padding, window or softcap), on CUDA or with
+    KVConfig(kernels="triton"): [B, H, 1, r] fp32, or None (the reference attends)."""
+    kernels = state.kernels
+    if not kernels.use_triton(q_lat.device) or not plan.is_decode or plan.packed:
+        return None
+    why = ""
+    if q_lat.shape[2] != 1:
+        why = "several queries per row"
+    elif window or softcap:
+        why = "a sliding window or soft-capping"
+    elif attn_mask is not None and (mask_info is None or not mask_info.exact
+                                    or any(mask_info.kv_start) or mask_info.window):
+        why = "a mask that hides cached keys (padding, window)"
+    if not why:
+        try:
+            from kvcompile.kernels.latent_decode import fast_path_reason, latent_decode_attention
+        except ImportError as e:
+            why = f"ImportError: {e}"
+        else:
+            why = fast_path_reason(q_lat, c_pages, r_pages)
+    if why:
+        kernels._fallback(f"latent decode: {why}")
+        return None
+    out = latent_decode_attention(q_lat[:, :, 0], c_pages, r_pages, plan.block_tables,
+                                  plan.seq_lens, scale)
+    return out[:, :, None]
 
 
 def _packed_decode(state, layer, q, plan, window, softcap, scale, extras):

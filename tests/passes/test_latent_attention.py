@@ -32,13 +32,13 @@ from tests.passes.test_hf_families import KL_BOUND, teacher_forced_logits
 RANK, ROPE, NOPE, VDIM, HEADS, LAYERS = 16, 8, 8, 16, 4, 2
 
 
-def make_mla(family: str, attn: str, seed: int = 0):
+def make_mla(family: str, attn: str, seed: int = 0, rope: int = ROPE):
     """A two-layer DeepSeek-V2 / V3 with random weights (MoE in layer 1, as the real ones)."""
     cls = {"deepseek_v2": transformers.DeepseekV2Config,
            "deepseek_v3": transformers.DeepseekV3Config}[family]
     cfg = cls(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
               num_attention_heads=HEADS, num_key_value_heads=HEADS, kv_lora_rank=RANK,
-              q_lora_rank=32, qk_rope_head_dim=ROPE, qk_nope_head_dim=NOPE, v_head_dim=VDIM,
+              q_lora_rank=32, qk_rope_head_dim=rope, qk_nope_head_dim=NOPE, v_head_dim=VDIM,
               moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
               n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
               max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -104,6 +104,28 @@ def test_fresh_prompt_expands_decode_absorbs_and_logits_match():
     assert_rel_close(got, ref, torch.float32, factor=4, what="logits")
     c = kvcompile.stats(model)["counters"]
     assert c["prefill_fresh_sdpa"] == LAYERS and c["latent_absorbed"] == LAYERS * 6, c
+
+
+def test_decode_steps_run_the_triton_latent_kernel():
+    """KVConfig(kernels="triton") (the interpreter here; CUDA's default): unpadded decode steps
+    run kernels/latent_decode.py, tokens equal eager's with fp32 pages; a padded batch's steps
+    go to the reference (its mask hides cached keys), with the reason counted."""
+    model = make_mla("deepseek_v3", "sdpa", rope=16)   # the kernel's dots need widths >= 16
+    ids = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(8))
+    kw = dict(max_new_tokens=5, do_sample=False, attention_mask=torch.ones_like(ids),
+              pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+        _compile(model, kernels="triton")
+        out = model.generate(ids, **kw)
+    assert torch.equal(out, ref)
+    c = kvcompile.stats(model)["counters"]
+    assert c["latent_decode_triton"] == LAYERS * 4 and "latent_absorbed" not in c, c
+    ids, mask = _prompt()
+    with torch.no_grad():
+        model.generate(ids, **{**kw, "attention_mask": mask})
+    c = kvcompile.stats(model)["counters"]
+    assert c["latent_absorbed"] == LAYERS * 5 and c["reference_fallback"] >= LAYERS * 4, c
 
 
 @pytest.mark.parametrize("kv_dtype,elem", [("bf16", 2.0), ("fp8_e4m3", 1.0)])
