@@ -11,8 +11,10 @@ new token per sequence. Contenders, each from the same latent and rotary key of 
 - `hf inductor`: the same function under torch.compile (what StaticCache + inductor runs);
 - `absorbed dense`: q_nope W_UK, SDPA of one kv head (MQA) over the contiguous latent, W_UV:
   the absorbed math with no paging, the plain-PyTorch bound of this design;
-- `kvc <fmt>`: kvcompile's run-time path (runtime/dispatch.py `attend_latent`: kernels/latent.py
-  absorption + kernels/dense.py paged reference over latent pages of 16 tokens), bf16 and fp8.
+- `kvc <fmt>, reference`: kernels/latent.py absorption + kernels/dense.py paged reference over
+  latent pages of 16 tokens (what `attend_latent` runs where no kernel applies), bf16 and fp8;
+- `kvc <fmt>, Triton kernel`: the same absorption + kernels/latent_decode.py (what
+  `attend_latent` runs for an unpadded decode step on CUDA).
 Timings are medians of triton.testing.do_bench; GB/s counts the latent pages' bytes read
 (codes and scales) over the step time. Rows whose HF expansion would need more than
 --hf-max-gib are skipped and say so (B64 x 32k expands 172 GB per layer).
@@ -31,15 +33,18 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+if os.environ.get("KVC_BENCH_DRY") == "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvcompile.cache.formats import KVFormat  # noqa: E402
 from kvcompile.cache.pool import LayerSpec, PagePool  # noqa: E402
 from kvcompile.kernels.dense import paged_reference_attention  # noqa: E402
 from kvcompile.kernels.latent import absorb_query, latent_output  # noqa: E402
+from kvcompile.kernels.latent_decode import latent_decode_attention  # noqa: E402
 
 DRY = os.environ.get("KVC_BENCH_DRY") == "1"
 DEV = "cpu" if DRY else "cuda"
-H, R, DR, DN, DV = (128, 512, 64, 128, 128) if not DRY else (8, 32, 8, 16, 16)
+H, R, DR, DN, DV = (128, 512, 64, 128, 128) if not DRY else (8, 32, 16, 16, 16)
 P = 16
 SHAPES = {"B16_L8k": (16, 8192), "B64_L8k": (64, 8192), "B16_L32k": (16, 32768),
           "B64_L32k": (64, 32768)}
@@ -103,9 +108,16 @@ def kvc_attend(pool, plan, q, w, scale):
     return latent_output(o, w, DN)
 
 
+def kvc_kernel(pool, plan, q, w, scale):
+    q_lat = absorb_query(q, w, DN)[:, :, 0]                          # [B, H, r + dr]
+    lens = torch.tensor(plan.seq_lens_list, dtype=torch.int32, device=q.device)
+    o = latent_decode_attention(q_lat, pool.k[0], pool.v[0], plan.block_tables, lens, scale)
+    return latent_output(o.to(q.dtype)[:, :, None], w, DN)
+
+
 def run_shape(name, B, L, hf_max_gib: float, compiled) -> list[dict]:
     g = torch.Generator(device=DEV).manual_seed(0)
-    dt = torch.bfloat16
+    dt = torch.float32 if DRY else torch.bfloat16   # (the interpreter's bf16 dots are wrong)
     q = torch.randn(B, H, 1, DN + DR, device=DEV, generator=g).to(dt)
     c = torch.randn(B, 1, L, R, device=DEV, generator=g).to(dt)
     rope = torch.randn(B, 1, L, DR, device=DEV, generator=g).to(dt)
@@ -133,8 +145,11 @@ def run_shape(name, B, L, hf_max_gib: float, compiled) -> list[dict]:
         pool, plan = latent_pool(c, rope, fmt)
         out = kvc_attend(pool, plan, q, w, scale)
         stored = pool.bytes_per_token * B * L
-        rows.append(dict(shape=name, row=f"kvc {fmt} pages", ms=bench(
+        rows.append(dict(shape=name, row=f"kvc {fmt} pages, reference", ms=bench(
             lambda: kvc_attend(pool, plan, q, w, scale)), bytes=stored, err=_rel(out, ref)))
+        out = kvc_kernel(pool, plan, q, w, scale)
+        rows.append(dict(shape=name, row=f"kvc {fmt} pages, Triton kernel", ms=bench(
+            lambda: kvc_kernel(pool, plan, q, w, scale)), bytes=stored, err=_rel(out, ref)))
         del pool
     del c, rope
     if not DRY:
