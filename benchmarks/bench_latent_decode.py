@@ -146,12 +146,12 @@ def run_shape(name, B, L, hf_max_gib: float, compiled) -> list[dict]:
         out = kvc_attend(pool, plan, q, w, scale)
         stored = pool.bytes_per_token * B * L
         rows.append(dict(shape=name, row=f"kvc {fmt} pages, reference", ms=bench(
-            lambda: kvc_attend(pool, plan, q, w, scale)), bytes=stored, err=_rel(out, ref)))
+            lambda pool=pool, plan=plan: kvc_attend(pool, plan, q, w, scale)), bytes=stored,
+            err=_rel(out, ref)))
         out = kvc_kernel(pool, plan, q, w, scale)
         rows.append(dict(shape=name, row=f"kvc {fmt} pages, Triton kernel", ms=bench(
-            lambda: kvc_kernel(pool, plan, q, w, scale)), bytes=stored, err=_rel(out, ref)))
-        del pool
-    del c, rope
+            lambda pool=pool, plan=plan: kvc_kernel(pool, plan, q, w, scale)), bytes=stored,
+            err=_rel(out, ref)))
     if not DRY:
         torch.cuda.empty_cache()
     return rows

@@ -104,7 +104,7 @@ def run_row(row, a, ids):
         info["bytes"] = c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * (
             2 if not a.smoke else 4)
         info["sites"] = "-"
-    del model
+    model = None   # the next row's model takes its memory
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return info

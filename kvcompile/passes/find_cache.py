@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from kvcompile.passes.find_latent import LatentExpansion, match_latent
 from kvcompile.passes.graph_utils import (
     VIEW_KINDS,
     ancestors_until,
@@ -26,7 +27,6 @@ from kvcompile.passes.graph_utils import (
     shape,
     val,
 )
-from kvcompile.passes.find_latent import LatentExpansion, match_latent
 from kvcompile.passes.layouts import BHSD, Layout
 from kvcompile.passes.sites import AttentionSite, CacheOp
 
