@@ -130,6 +130,11 @@ def _tiny_config(model_type: str, level: int = 0):
     def tiny(d):
         kw = {k: v for k, v in TINY.items() if k in d and keep(k)}
         kw.update({k: v for k, v in SPECIAL_IDS.items() if k in d})
+        if "kv_lora_rank" in d and "num_key_value_heads" in kw:
+            # MLA expands one key/value head per query head (DeepSeek-V3 ships 128 and 128);
+            # fewer kv heads make HF repeat the expansion past the query's heads
+            kw["num_key_value_heads"] = kw.get("num_attention_heads", d.get(
+                "num_attention_heads"))
         return kw
 
     trim = level == TRIM_LEVEL

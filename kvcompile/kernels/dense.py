@@ -246,14 +246,17 @@ def dense_attention(q, k, v, attn_mask, scale, is_causal, sliding_window, softca
 # --- paged ---------------------------------------------------------------------------------------
 
 def paged_reference_attention(kt, vt, q, plan, attn_mask, is_causal, sliding_window,
-                              softcap, scale):
+                              softcap, scale, latent: bool = False):
     """Attention of q over one layer's pages (kt, vt: PagedTensor, [N, P, Hkv, D] pages) for
     each sequence of the plan (its block tables, lengths and padding offsets).
     q [B, Hq, S, D] (packed: [1, Hq, T, D]) -> [B, Hq, S, Dv] in compute_dtype(q.dtype).
     Rows of one length share one gather and one SDPA call (every row, in a generate call);
-    what the layers of a forward share (page indices, masks) is built by the first."""
+    what the layers of a forward share (page indices, masks) is built by the first.
+    latent: MLA pages (kernels/latent.py): kt holds the latent c [.., r], vt the rotary key
+    [.., dr]; the keys are [c, k_rope], the values c, q is the absorbed [B, Hq, S, r + dr] and
+    the output the weighted latents [B, Hq, S, r]."""
     if plan.packed:
-        return _packed_attention(kt, vt, q, plan, sliding_window, softcap, scale)
+        return _packed_attention(kt, vt, q, plan, sliding_window, softcap, scale, latent)
     key = ("reference", None if attn_mask is None else (attn_mask.data_ptr(),
                                                        tuple(attn_mask.shape)),
            is_causal, sliding_window, q.shape[2])
@@ -265,15 +268,22 @@ def paged_reference_attention(kt, vt, q, plan, attn_mask, is_causal, sliding_win
     dt = compute_dtype(q.dtype)
     if len(groups) == 1 and groups[0][0] is None:  # every row one length
         _, idx, b, total, allowed, additive, causal = groups[0]
-        return sdpa_attention(q, _gather(kt, idx, b, total, dt), _gather(vt, idx, b, total, dt),
-                              allowed, additive, scale, causal, softcap)
+        return sdpa_attention(q, *_kv(kt, vt, idx, b, total, dt, latent), allowed, additive,
+                              scale, causal, softcap)
     B, Hq, S, _ = q.shape
-    out = torch.empty((B, Hq, S, vt.head_dim), dtype=dt, device=q.device)
+    out = torch.empty((B, Hq, S, (kt if latent else vt).head_dim), dtype=dt, device=q.device)
     for rows, idx, b, total, allowed, additive, causal in groups:
-        out[rows] = sdpa_attention(q[rows], _gather(kt, idx, b, total, dt),
-                                   _gather(vt, idx, b, total, dt), allowed, additive, scale,
-                                   causal, softcap)
+        out[rows] = sdpa_attention(q[rows], *_kv(kt, vt, idx, b, total, dt, latent), allowed,
+                                   additive, scale, causal, softcap)
     return out
+
+
+def _kv(kt, vt, idx, b, total: int, dt, latent: bool):
+    """The keys and values of b rows: [b, Hkv, total, D], [b, Hkv, total, Dv]."""
+    k, v = _gather(kt, idx, b, total, dt), _gather(vt, idx, b, total, dt)
+    if latent:   # MLA: keys [c, k_rope] (one head), values the latent c itself
+        return torch.cat([k, v], dim=-1), k
+    return k, v
 
 
 def _groups(plan, attn_mask, is_causal: bool, window: int, s: int, page_size: int, device):
@@ -295,7 +305,7 @@ def _groups(plan, attn_mask, is_causal: bool, window: int, s: int, page_size: in
     return out
 
 
-def _packed_attention(kt, vt, q, plan, sliding_window, softcap, scale):
+def _packed_attention(kt, vt, q, plan, sliding_window, softcap, scale, latent=False):
     # q [1, Hq, T, D] packed: sequence i owns q columns cu[i]:cu[i+1]; causal within each
     if "reference_cu" not in plan.cache:
         plan.cache["reference_cu"] = plan.cu_seqlens_q.tolist()
@@ -311,13 +321,13 @@ def _packed_attention(kt, vt, q, plan, sliding_window, softcap, scale):
         idx = plan.cache[key]
         allowed, additive, causal = _masks(None, s, total, True, sliding_window, None, q.device)
         dt = compute_dtype(q.dtype)
-        o = sdpa_attention(q[:, :, cu[i]:cu[i + 1]], _gather(kt, idx, 1, total, dt),
-                           _gather(vt, idx, 1, total, dt), allowed, additive, scale, causal,
-                           softcap)
+        o = sdpa_attention(q[:, :, cu[i]:cu[i + 1]], *_kv(kt, vt, idx, 1, total, dt, latent),
+                           allowed, additive, scale, causal, softcap)
         if out is None:
             out = o.new_zeros((*q.shape[:-1], o.shape[-1]))
         out[:, :, cu[i]:cu[i + 1]] = o
-    return out if out is not None else q.new_zeros((*q.shape[:-1], vt.head_dim))
+    width = (kt if latent else vt).head_dim
+    return out if out is not None else q.new_zeros((*q.shape[:-1], width))
 
 
 def _pages(block_tables, rows, whole: bool, total: int, page_size: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from kvcompile.passes.find_latent import LatentExpansion, match_latent
 from kvcompile.passes.graph_utils import (
     VIEW_KINDS,
     ancestors_until,
@@ -40,6 +41,13 @@ def find_caches(gm: fx.GraphModule, sites: list[AttentionSite]) -> None:
 
 def find_cache(gm: fx.GraphModule, site: AttentionSite) -> None:
     """Set site.k_cache / v_cache, or leave the site alone with the reason. Changes no code."""
+    latent = match_latent(site)
+    if isinstance(latent, str):
+        site.skip(latent)
+        return
+    if latent is not None:
+        _find_latent_cache(site, latent)
+        return
     try:
         site.k_cache = _find_one(site.k, site, "keys", site.k_layout or BHSD)
         site.v_cache = _find_one(site.v, site, "values", site.v_layout or BHSD)
@@ -63,6 +71,34 @@ def find_cache(gm: fx.GraphModule, site: AttentionSite) -> None:
         return
     if sq[2] != sk[2] or (sq[0] != sk[0] and -1 not in (sq[0], sk[0])):
         site.skip(f"new keys {sk} do not align with queries {sq} (batch/length)")
+
+
+def _find_latent_cache(site: AttentionSite, latent: LatentExpansion) -> None:
+    """MLA (passes/find_latent.py): the cache ops are those of the latent and the rotary key,
+    which the pool stores as one kv head's keys (width r) and values (width dr)."""
+    site.latent = latent
+    site.chain = site.chain + [n for n in latent.nodes if n not in site.chain]
+    try:
+        site.k_cache = _find_one(latent.latent, site, "latent", BHSD)
+        site.v_cache = _find_one(latent.rope, site, "rotary keys", BHSD, joined_ok=True)
+    except _NotACache as e:
+        site.skip(f"MLA: {e}")
+        return
+    if site.k_cache.kind != site.v_cache.kind:
+        site.skip(f"MLA: latent cached by {site.k_cache.kind}, rotary keys by "
+                  f"{site.v_cache.kind}")
+        return
+    if not _same_tokens(site.q, site.k_cache.new):
+        site.skip("keys do not come from the query's tokens (cross-attention over other "
+                  "states)")
+        return
+    sq = (site.q_layout or BHSD).canon(shape(site.q))
+    sk, sr = shape(site.k_cache.new), shape(site.v_cache.new)
+    if sq[2] != sk[2] or sk[2] != sr[2] or (sq[0] != sk[0] and -1 not in (sq[0], sk[0])):
+        site.skip(f"MLA: new latent {sk} / rotary keys {sr} do not align with queries {sq}")
+        return
+    site.gqa = "mla"
+    site.num_kv_heads, site.head_dim, site.v_head_dim = 1, latent.rank, latent.rope_dim
 
 
 class _NotACache(Exception):
@@ -123,7 +159,10 @@ def _root(x: fx.Node) -> fx.Node:
     return x
 
 
-def _find_one(x: fx.Node, site: AttentionSite, what: str, layout: Layout) -> CacheOp:
+def _find_one(x: fx.Node, site: AttentionSite, what: str, layout: Layout,
+              joined_ok: bool = False) -> CacheOp:
+    """joined_ok: a cat along the last dim is this forward's tensor (MLA's rotary key, its
+    rotated halves joined), not a cache."""
     consumed = x
     x, layout = _through_permutes(x, layout)
     unpermuted, unpermuted_layout = x, layout
@@ -135,6 +174,8 @@ def _find_one(x: fx.Node, site: AttentionSite, what: str, layout: Layout) -> Cac
     x, layout = _through_permutes(x, layout)
     seq = layout.seq_dim
     k = kind(x)
+    if k == "cat" and joined_ok and arg(x, 1, "dim", 0) in (-1, 3):
+        k = "joined"
     if k == "cat":
         tensors = arg(x, 0, "tensors")
         dim = arg(x, 1, "dim", 0)

@@ -35,6 +35,7 @@ _FUNCTION_KINDS = {
     torch.index_copy: "index_copy",
     torch.zeros: "zeros", torch.empty: "empty", torch.tensor: "tensor",
     torch._C._nn.linear: "linear", F.linear: "linear", torch.addmm: "addmm",
+    torch.split: "split", torch.functional.split: "split",
     torch.tanh: "tanh", torch.max: "max", torch.maximum: "max", torch.full: "full",
     torch.ops.aten.sym_size.int: "size", torch.ops.aten.sym_size: "size", getattr: "size",
 }
@@ -51,6 +52,7 @@ _METHOD_KINDS = {
     "index_copy_": "index_copy_", "index_copy": "index_copy",
     "index_put_": "index_put_", "index_put": "index_put",
     "copy_": "copy_", "unsqueeze": "unsqueeze", "split": "split", "chunk": "chunk",
+    "new_empty": "new_empty", "new_zeros": "new_empty",
     "masked_fill": "masked_fill", "masked_fill_": "masked_fill",
     "size": "size", "dim": "size", "numel": "size", "flatten": "flatten",
 }

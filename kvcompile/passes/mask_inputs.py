@@ -39,7 +39,8 @@ import torch.fx as fx
 
 from kvcompile.passes.graph_utils import ndim, set_meta, val
 
-_ATTENTION = "kvcompile.attention"
+# the ops whose args 3 and 11 are the mask and the key mask (runtime/attention_op.py)
+_ATTENTIONS = ("kvcompile.attention.", "kvcompile.latent_attention.")
 _MASK_ARG = 3   # attention(q, k, v, attn_mask, positions, ...)
 _KEY_MASK_ARG = 11   # ..., tag, key_mask)
 
@@ -50,7 +51,7 @@ _AND_METHODS = ("__and__", "__iand__", "bitwise_and", "logical_and", "bitwise_an
 
 
 def _is_attention(node: fx.Node) -> bool:
-    return node.op == "call_function" and _ATTENTION in str(node.target)
+    return node.op == "call_function" and any(a in str(node.target) for a in _ATTENTIONS)
 
 
 def _is_expand(node) -> bool:

@@ -35,11 +35,9 @@ from kvcompile.passes import notices
 from kvcompile.passes.eviction import eviction_pass
 from kvcompile.passes.find_attention import _site_location, candidates, match_attention, name_sites
 from kvcompile.passes.find_cache import find_cache  # noqa: F401  (called via PASS_FUNCTIONS)
-from kvcompile.passes.rewrite import (
-    RewritePlan,
-    finish_rewrite,
-    rewrite_site,  # noqa: F401
-)
+from kvcompile.passes.rewrite import RewritePlan, finish_rewrite
+from kvcompile.passes.rewrite import rewrite_site as rewrite_attention_site
+from kvcompile.passes.rewrite_latent import rewrite_latent_site
 from kvcompile.passes.rotate import (
     finish_rotation,
     rotate_site,  # noqa: F401
@@ -347,6 +345,14 @@ class _Run:
 
 
 # --- the per-site passes defined here ----------------------------------------------------------
+
+def rewrite_site(gm: fx.GraphModule, site: AttentionSite, tag: str, handles: list) -> None:
+    """rewrite for one site: an MLA site onto latent pages (rewrite_latent.py), any other onto
+    K/V pages (rewrite.py)."""
+    if site.latent is not None:
+        return rewrite_latent_site(gm, site, tag, handles)
+    return rewrite_attention_site(gm, site, tag, handles)
+
 
 def evict_site(gm: fx.GraphModule, site: AttentionSite, state) -> str:
     """eviction for one site: binds its layer to its policy (passes/eviction.py)."""

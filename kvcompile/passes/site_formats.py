@@ -33,6 +33,8 @@ def configure_site(site: AttentionSite, state, scope) -> None:
     if not site.config.enabled:
         return
     cfg = site.config
+    if site.latent is not None and _latent_refusal(site, state):
+        return
     kf = _format(cfg, "k", site.dtype, site.head_dim, state.config.page_size)
     vf = _format(cfg, "v", site.dtype, site.v_head_dim, state.config.page_size)
     site.k_format_name, site.v_format_name = kf.name, vf.name
@@ -40,7 +42,24 @@ def configure_site(site: AttentionSite, state, scope) -> None:
     site.layer_spec = LayerSpec(num_kv_heads=site.num_kv_heads, head_dim=site.head_dim,
                                 v_head_dim=site.v_head_dim, k_format=kf, v_format=vf)
     site.layer_meta = {"name": site.name, "k_format": kf.name, "v_format": vf.name,
-                       "eviction": cfg.eviction, "rotate": cfg.rotate}
+                       "eviction": cfg.eviction, "rotate": cfg.rotate,
+                       "latent": site.latent is not None}
+
+
+def _latent_refusal(site: AttentionSite, state) -> bool:
+    """An MLA site whose config asks for what latent pages do not do yet is left alone, and
+    says so once."""
+    cfg = site.config
+    field_name = "eviction" if cfg.eviction else "rotate" if cfg.rotate == "hadamard" else ""
+    if not field_name:
+        return False
+    site.skip(f"MLA: KVConfig.{field_name}={getattr(cfg, field_name)!r} is not supported on "
+              f"latent pages")
+    notices.warn_once(state, ("latent", site.name),
+                      f"kvcompile left attention site {site.name} of "
+                      f"{notices.model_name(state)} alone: {site.reason}; give it "
+                      f"kvcompile.configure(module, {field_name}=None) to page its latent")
+    return True
 
 
 _AUTO = (torch.bfloat16, torch.float16, torch.float32)

@@ -71,6 +71,9 @@ class AttentionSite:
     # further masks / position biases applied with `mask` ([(node, kind)]): ALiBi, a second
     # causal mask; the rewrite combines them into one
     more_masks: list = field(default_factory=list)
+    # MLA: how the keys and values are expanded from a cached latent (passes/find_latent.py
+    # LatentExpansion); None for attention over the cached K/V themselves
+    latent: Any = None
 
     @property
     def cache_kind(self) -> str:

@@ -42,6 +42,7 @@ import math
 import torch
 
 from kvcompile.errors import NonFiniteKVError
+from kvcompile.kernels import latent as latent_ref
 from kvcompile.kernels import masks
 from kvcompile.kernels.dense import dense_attention
 from kvcompile.runtime import context as _context
@@ -74,8 +75,75 @@ def _(q, k, v, attn_mask, positions, layer, scale, is_causal, sliding_window, so
 torch.fx.node.has_side_effect(torch.ops.kvcompile.attention.default)
 
 
+@torch.library.custom_op("kvcompile::latent_attention", mutates_args=(),
+                         tags=(torch.Tag.flexible_layout,))
+def latent_attention(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor,
+                     attn_mask: torch.Tensor | None, positions: torch.Tensor | None, layer: str,
+                     scale: float, is_causal: bool, sliding_window: int, softcap: float,
+                     tag: str, key_mask: torch.Tensor | None = None,
+                     kv_b_weight: torch.Tensor | None = None, nope_dim: int = 0
+                     ) -> torch.Tensor:
+    """MLA (passes/find_latent.py): q [B, H, S, dn + dr] (no-rope part, then rotary part),
+    latent [B, 1, S, r] and rope [B, 1, S, dr] of this forward's tokens, kv_b_weight
+    [H * (dn + dv), r] -> [B, H, S, dv]: attention over the keys k = [W_UK c, k_rope] and values
+    v = W_UV c of the cached latents c. With a forward context the latent and rotary key are
+    stored as the layer's keys and values, and attention runs in the latent space
+    (runtime/dispatch.py `attend_latent`); without one, over the expanded given tokens.
+    (kv_b_weight and nope_dim follow key_mask, which the mask pass may set, so they have
+    defaults; the rewrite always passes them.)"""
+    if kv_b_weight is None or nope_dim <= 0:
+        raise ValueError(f"kvcompile.latent_attention({layer!r}) needs kv_b_weight and "
+                         f"nope_dim > 0 (got nope_dim={nope_dim}); the MLA rewrite passes both")
+    ctx = _context.current()
+    if ctx is None or ctx.binding is None and ctx.plan is None:
+        k, v = latent_ref.expand_latent(latent, rope, kv_b_weight, nope_dim, q.shape[1])
+        return dense_attention(q, k, v, masks.combine(attn_mask, key_mask), scale, is_causal,
+                               sliding_window, softcap)
+    if key_mask is not None:
+        attn_mask = key_mask if attn_mask is None else masks.AndMask(attn_mask, key_mask)
+    li, plan, mask_info = _store(ctx, q, latent, rope, attn_mask, positions, layer, is_causal,
+                                 sliding_window)
+    if scale is None or scale <= 0:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    out = dispatch.attend_latent(ctx, li, q, plan, mask_info, attn_mask, is_causal,
+                                 sliding_window, softcap, scale, kv_b_weight, nope_dim,
+                                 fresh=(latent, rope))
+    return out.to(q.dtype).contiguous()
+
+
+@latent_attention.register_fake
+def _(q, latent, rope, attn_mask, positions, layer, scale, is_causal, sliding_window, softcap,
+      tag, key_mask=None, kv_b_weight=None, nope_dim=0):
+    heads = q.shape[1]
+    v_dim = kv_b_weight.shape[0] // heads - nope_dim
+    return q.new_empty((*q.shape[:-1], v_dim))
+
+
+torch.fx.node.has_side_effect(torch.ops.kvcompile.latent_attention.default)
+
+
 def _cached_attention(ctx, q, k, v, attn_mask, positions, layer, scale, is_causal,
                       sliding_window, softcap):
+    state = ctx.state
+    li, plan, mask_info = _store(ctx, q, k, v, attn_mask, positions, layer, is_causal,
+                                 sliding_window)
+    if scale is None or scale <= 0:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    extras = {}
+    for hook in state.hooks:
+        extras.update(hook.attention_extras(ctx, li))
+    out = dispatch.attend(ctx, li, q, plan, mask_info, attn_mask, is_causal, sliding_window,
+                          softcap, scale, extras, fresh=(k, v))
+    for hook in state.hooks:
+        hook.after_attention(ctx, li, q, out, extras)
+    # the fake promises a contiguous [B, Hq, S, Dv]; inductor asserts the strides it was told
+    return out.to(q.dtype).contiguous()
+
+
+def _store(ctx, q, k, v, attn_mask, positions, layer, is_causal, sliding_window):
+    """Prepare the forward's plan (once per forward), read the mask's structure, and write
+    this forward's k [B, Hkv, S, D] / v [B, Hkv, S, Dv] into the layer's pages.
+    -> (layer index, plan, mask_info)."""
     state = ctx.state
     li = state.layer_index(layer)
     plan = ctx.prepare(q.shape[0], q.shape[2], positions, q.device)
@@ -103,17 +171,7 @@ def _cached_attention(ctx, q, k, v, attn_mask, positions, layer, scale, is_causa
         _check_finite(li, "key", k_flat, plan)
         _check_finite(li, "value", v_flat, plan)
     pool.write(li, plan.slots, k_flat, v_flat)
-    if scale is None or scale <= 0:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    extras = {}
-    for hook in state.hooks:
-        extras.update(hook.attention_extras(ctx, li))
-    out = dispatch.attend(ctx, li, q, plan, mask_info, attn_mask, is_causal, sliding_window,
-                          softcap, scale, extras, fresh=(k, v))
-    for hook in state.hooks:
-        hook.after_attention(ctx, li, q, out, extras)
-    # the fake promises a contiguous [B, Hq, S, Dv]; inductor asserts the strides it was told
-    return out.to(q.dtype).contiguous()
+    return li, plan, mask_info
 
 
 def _update_kv_start(ctx, plan, mask_info) -> None:

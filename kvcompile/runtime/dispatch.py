@@ -28,6 +28,7 @@ import torch
 from kvcompile.errors import UnsupportedShapeError
 from kvcompile.kernels import masks
 from kvcompile.kernels.dense import paged_reference_attention, sdpa_attention
+from kvcompile.kernels.latent import absorb_query, expand_latent, latent_output
 from kvcompile.runtime.hooks import RuntimeHook
 from kvcompile.runtime.kernel_formats import kernel_readable
 
@@ -86,6 +87,20 @@ def _fresh_prefill(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal
     -> [B, Hq, S, Dv] in compute_dtype(q.dtype), or None. A layer that took it is marked in
     the forward's plan (`attended_fresh(plan, layer)`: what `kvcompile inspect --verify` holds
     the output against)."""
+    causal = _fresh_causal(state, q, fresh, plan, mask_info, attn_mask, is_causal, window,
+                           softcap, extras)
+    if causal is None:
+        return None
+    k, v = fresh
+    state.count("prefill_fresh_sdpa")
+    plan.cache[("attended_fresh", layer)] = True
+    return sdpa_attention(q, k, v, None, None, scale, causal)
+
+
+def _fresh_causal(state, q, fresh, plan, mask_info, attn_mask, is_causal, window, softcap,
+                  extras) -> bool | None:
+    """Whether this forward may attend to its fresh K/V (`_fresh_prefill`): None if not, else
+    whether that attention is causal."""
     if (fresh is None or state.config.prefill_attends != "fresh" or plan.packed
             or plan.is_decode or q.shape[2] < 2 or max(plan.past_lens) != 0
             or state.eviction is not None or softcap or extras):
@@ -98,13 +113,44 @@ def _fresh_prefill(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal
             return None
         if mask_info.window and mask_info.window < S:
             return None
-        causal = True
-    else:
-        causal = bool(is_causal)
-    k, v = fresh
-    state.count("prefill_fresh_sdpa")
-    plan.cache[("attended_fresh", layer)] = True
-    return sdpa_attention(q, k, v, None, None, scale, causal)
+        return True
+    return bool(is_causal)
+
+
+def attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, window, softcap,
+                  scale, kv_b_weight, nope_dim: int, fresh=None):
+    """Attention of an MLA layer (kernels/latent.py), whose pages hold the latent (keys,
+    width r) and the rotary key (values, width dr); the new tokens' are already written.
+    q [B, H, S, dn + dr] -> [B, H, S, dv].
+
+    A fresh prompt's prefill (the conditions of `_fresh_prefill`) expands its own latents
+    through kv_b_proj and runs dense SDPA, as the model does: compute-bound, the expansion is
+    cheap there. Everything else (decode steps, chunked prefill, padded prompts) attends in the
+    latent space over the stored pages: q_nope absorbed by W_UK once per step, one latent head
+    per token read for every query head, W_UV applied to the weighted latents; nothing of the
+    past is expanded. Eviction and rotation are refused for these layers at compile time
+    (passes/site_formats.py)."""
+    state = ctx.state
+    heads = q.shape[1]
+    causal = _fresh_causal(state, q, fresh, plan, mask_info, attn_mask, is_causal, window,
+                           softcap, None)
+    if causal is not None:
+        k, v = expand_latent(*fresh, kv_b_weight, nope_dim, heads)
+        state.count("prefill_fresh_sdpa")
+        plan.cache[("attended_fresh", layer)] = True
+        return sdpa_attention(q, k, v, None, None, scale, causal)
+    pool = state.pool
+    q_lat = absorb_query(q, kv_b_weight, nope_dim)                  # [B, H, S, r + dr]
+    o_lat = _latent_kernel(state, q_lat, pool.k[layer], pool.v[layer], plan, mask_info,
+                           attn_mask, window, softcap, scale)
+    if o_lat is not None:
+        state.count("latent_decode_triton")
+        return latent_output(o_lat.to(q_lat.dtype), kv_b_weight, nope_dim)
+    o_lat = paged_reference_attention(pool.k[layer], pool.v[layer], q_lat, plan,
+                                      masks.dense(plan, attn_mask), is_causal, window, softcap,
+                                      scale, latent=True)           # [B, H, S, r]
+    state.count("latent_absorbed")
+    return latent_output(o_lat, kv_b_weight, nope_dim)
 
 
 def attended_fresh(plan, layer: int) -> bool:
@@ -123,6 +169,37 @@ def prefill_mode(config, q: torch.Tensor) -> str:
     if config.prefill != "auto":
         return config.prefill
     return "triton" if q.is_cuda else "sdpa"
+
+
+def _latent_kernel(state, q_lat, c_pages, r_pages, plan, mask_info, attn_mask, window,
+                   softcap, scale):
+    """The Triton absorbed decode (kernels/latent_decode.py) for a decode step of one query
+    per row whose mask hides no cached key (no padding, window or softcap), on CUDA or with
+    KVConfig(kernels="triton"): [B, H, 1, r] fp32, or None (the reference attends)."""
+    kernels = state.kernels
+    if not kernels.use_triton(q_lat.device) or not plan.is_decode or plan.packed:
+        return None
+    why = ""
+    if q_lat.shape[2] != 1:
+        why = "several queries per row"
+    elif window or softcap:
+        why = "a sliding window or soft-capping"
+    elif attn_mask is not None and (mask_info is None or not mask_info.exact
+                                    or any(mask_info.kv_start) or mask_info.window):
+        why = "a mask that hides cached keys (padding, window)"
+    if not why:
+        try:
+            from kvcompile.kernels.latent_decode import fast_path_reason, latent_decode_attention
+        except ImportError as e:
+            why = f"ImportError: {e}"
+        else:
+            why = fast_path_reason(q_lat, c_pages, r_pages)
+    if why:
+        kernels._fallback(f"latent decode: {why}")
+        return None
+    out = latent_decode_attention(q_lat[:, :, 0], c_pages, r_pages, plan.block_tables,
+                                  plan.seq_lens, scale)
+    return out[:, :, None]
 
 
 def _packed_decode(state, layer, q, plan, window, softcap, scale, extras):

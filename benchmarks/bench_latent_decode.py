@@ -1,0 +1,197 @@
+"""MLA decode attention on the GPU: kvcompile's absorbed attention over latent pages vs
+Hugging Face's expanding path, one layer of a DeepSeek-V3-shaped model, in one process.
+
+    python benchmarks/bench_latent_decode.py [--shapes B16_L8k,B64_L8k,B16_L32k,B64_L32k]
+    KVC_BENCH_DRY=1 python benchmarks/bench_latent_decode.py   # CPU dry run, tiny shapes
+
+Shape: 128 query heads, kv_lora_rank 512, rope 64, nope 128, v 128 (DeepSeek-V3), bf16, one
+new token per sequence. Contenders, each from the same latent and rotary key of B x L tokens:
+- `hf eager`: transformers 5.x `expand_kv` as it runs each step: kv_b_proj over the whole
+  cached latent, the keys assembled, SDPA over 128 expanded heads;
+- `hf inductor`: the same function under torch.compile (what StaticCache + inductor runs);
+- `absorbed dense`: q_nope W_UK, SDPA of one kv head (MQA) over the contiguous latent, W_UV:
+  the absorbed math with no paging, the plain-PyTorch bound of this design;
+- `kvc <fmt>, reference`: kernels/latent.py absorption + kernels/dense.py paged reference over
+  latent pages of 16 tokens (what `attend_latent` runs where no kernel applies), bf16 and fp8;
+- `kvc <fmt>, Triton kernel`: the same absorption + kernels/latent_decode.py (what
+  `attend_latent` runs for an unpadded decode step on CUDA).
+Timings are medians of triton.testing.do_bench; GB/s counts the latent pages' bytes read
+(codes and scales) over the step time. Rows whose HF expansion would need more than
+--hf-max-gib are skipped and say so (B64 x 32k expands about 300 GiB per layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+if os.environ.get("KVC_BENCH_DRY") == "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kvcompile.cache.formats import KVFormat  # noqa: E402
+from kvcompile.cache.pool import LayerSpec, PagePool  # noqa: E402
+from kvcompile.kernels.dense import paged_reference_attention  # noqa: E402
+from kvcompile.kernels.latent import absorb_query, latent_output  # noqa: E402
+from kvcompile.kernels.latent_decode import latent_decode_attention  # noqa: E402
+
+DRY = os.environ.get("KVC_BENCH_DRY") == "1"
+DEV = "cpu" if DRY else "cuda"
+H, R, DR, DN, DV = (128, 512, 64, 128, 128) if not DRY else (8, 32, 16, 16, 16)
+P = 16
+SHAPES = {"B16_L8k": (16, 8192), "B64_L8k": (64, 8192), "B16_L32k": (16, 32768),
+          "B64_L32k": (64, 32768)}
+DRY_SHAPES = {"B2_L64": (2, 64), "B3_L100": (3, 100)}
+FORMATS = ["bf16", "fp8_e4m3"]
+
+
+def bench(fn) -> float:
+    """Median ms of fn()."""
+    if DRY:
+        fn()
+        t = time.perf_counter()
+        for _ in range(3):
+            fn()
+        return (time.perf_counter() - t) / 3 * 1e3
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def hf_expand_attend(q, c, rope, w, scale):
+    """transformers 5.x DeepseekV3Attention after the cache update (expand_kv + SDPA).
+    q [B, H, 1, dn + dr], c [B, 1, L, r], rope [B, 1, L, dr] -> [B, H, 1, dv]."""
+    B, _, L, _ = c.shape
+    kv = F.linear(c, w).view(B, L, -1, DN + DV).transpose(1, 2)
+    k_nope, v = torch.split(kv, [DN, DV], dim=-1)
+    k = kv.new_empty(B, H, L, DN + DR)
+    k[..., :DN].copy_(k_nope)
+    k[..., DN:].copy_(rope.expand(-1, H, -1, -1))
+    return F.scaled_dot_product_attention(q, k, v, scale=scale)
+
+
+def absorbed_dense(q, c, rope, w, scale):
+    q_lat = absorb_query(q, w, DN)                                   # [B, H, 1, r + dr]
+    kv = torch.cat([c, rope], dim=-1)                                # [B, 1, L, r + dr]
+    o = F.scaled_dot_product_attention(q_lat, kv, c, scale=scale, enable_gqa=True)
+    return latent_output(o, w, DN)
+
+
+def latent_pool(c, rope, fmt: str):
+    """A pool of one latent layer holding B sequences of L tokens: (pool, plan)."""
+    B, _, L, _ = c.shape
+    kf = KVFormat(fmt, "page")
+    spec = LayerSpec(num_kv_heads=1, head_dim=R, v_head_dim=DR, k_format=kf, v_format=kf)
+    pages = B * math.ceil(L / P)
+    pool = PagePool([spec], pages, P, device=DEV)
+    seqs = pool.allocate(B)
+    for b, s in enumerate(seqs):
+        slots = pool.reserve([s], L)
+        pool.write(0, slots, c[b, 0, :, None].contiguous(), rope[b, 0, :, None].contiguous())
+    plan = SimpleNamespace(
+        packed=False, batch=B, seq_lens_list=[L] * B, kv_start=[0] * B, cache={},
+        block_tables=pool.block_table(seqs, device=DEV), new_tokens=1, past_lens=[L - 1] * B)
+    return pool, plan
+
+
+def kvc_attend(pool, plan, q, w, scale):
+    q_lat = absorb_query(q, w, DN)
+    o = paged_reference_attention(pool.k[0], pool.v[0], q_lat, plan, None, True, 0, 0.0,
+                                  scale, latent=True)
+    return latent_output(o, w, DN)
+
+
+def kvc_kernel(pool, plan, q, w, scale):
+    q_lat = absorb_query(q, w, DN)[:, :, 0]                          # [B, H, r + dr]
+    lens = torch.tensor(plan.seq_lens_list, dtype=torch.int32, device=q.device)
+    o = latent_decode_attention(q_lat, pool.k[0], pool.v[0], plan.block_tables, lens, scale)
+    return latent_output(o.to(q.dtype)[:, :, None], w, DN)
+
+
+def run_shape(name, B, L, hf_max_gib: float, compiled) -> list[dict]:
+    g = torch.Generator(device=DEV).manual_seed(0)
+    dt = torch.float32 if DRY else torch.bfloat16   # (the interpreter's bf16 dots are wrong)
+    q = torch.randn(B, H, 1, DN + DR, device=DEV, generator=g).to(dt)
+    c = torch.randn(B, 1, L, R, device=DEV, generator=g).to(dt)
+    rope = torch.randn(B, 1, L, DR, device=DEV, generator=g).to(dt)
+    w = (torch.randn(H * (DN + DV), R, device=DEV, generator=g) / R ** 0.5).to(dt)
+    scale = (DN + DR) ** -0.5
+    latent_bytes = B * L * (R + DR) * 2
+    rows = []
+    # transient per step: kv_b_proj's output (dn + dv), the keys (dn + dr), SDPA's copy of v
+    expanded_gib = B * L * H * ((DN + DV) + (DN + DR) + DV) * 2 / 2 ** 30
+    ref = None
+    if expanded_gib <= hf_max_gib:
+        ref = hf_expand_attend(q, c, rope, w, scale).float()
+        rows.append(dict(shape=name, row="hf eager", ms=bench(
+            lambda: hf_expand_attend(q, c, rope, w, scale)), bytes=latent_bytes))
+        if compiled is not None:
+            rows.append(dict(shape=name, row="hf inductor", ms=bench(
+                lambda: compiled(q, c, rope, w, scale)), bytes=latent_bytes))
+    else:
+        rows.append(dict(shape=name, row="hf eager", ms=None, note=f"skipped: expands "
+                         f"{expanded_gib:.0f} GiB > --hf-max-gib {hf_max_gib:.0f}"))
+    out = absorbed_dense(q, c, rope, w, scale)
+    err = _rel(out, ref)
+    rows.append(dict(shape=name, row="absorbed dense", ms=bench(
+        lambda: absorbed_dense(q, c, rope, w, scale)), bytes=latent_bytes, err=err))
+    for fmt in FORMATS:
+        pool, plan = latent_pool(c, rope, fmt)
+        out = kvc_attend(pool, plan, q, w, scale)
+        stored = pool.bytes_per_token * B * L
+        rows.append(dict(shape=name, row=f"kvc {fmt} pages, reference", ms=bench(
+            lambda pool=pool, plan=plan: kvc_attend(pool, plan, q, w, scale)), bytes=stored,
+            err=_rel(out, ref)))
+        out = kvc_kernel(pool, plan, q, w, scale)
+        rows.append(dict(shape=name, row=f"kvc {fmt} pages, Triton kernel", ms=bench(
+            lambda pool=pool, plan=plan: kvc_kernel(pool, plan, q, w, scale)), bytes=stored,
+            err=_rel(out, ref)))
+    if not DRY:
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _rel(out, ref) -> float | None:
+    if ref is None:
+        return None
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(DRY_SHAPES if DRY else SHAPES))
+    ap.add_argument("--hf-max-gib", type=float, default=100.0)
+    ap.add_argument("--no-inductor", action="store_true")
+    a = ap.parse_args()
+    shapes = DRY_SHAPES if DRY else SHAPES
+    compiled = None if a.no_inductor or DRY else torch.compile(hf_expand_attend, dynamic=False)
+    print(f"# MLA decode, one layer: H {H}, r {R}, rope {DR}, nope {DN}, v {DV}, bf16, page "
+          f"{P}; torch {torch.__version__}"
+          + ("" if DRY else f", {torch.cuda.get_device_name()}"))
+    print("| shape | row | ms | vs hf eager | vs hf inductor | latent GB/s | rel err vs hf |")
+    print("|---|---|---|---|---|---|---|")
+    for name in a.shapes.split(","):
+        B, L = shapes[name]
+        rows = run_shape(name, B, L, a.hf_max_gib, compiled)
+        base = {r["row"]: r.get("ms") for r in rows}
+        for r in rows:
+            if r.get("ms") is None:
+                print(f"| {name} | {r['row']} | - | | | | {r['note']} |")
+                continue
+            ratio = [f"{base[k] / r['ms']:.2f}x" if base.get(k) else "-"
+                     for k in ("hf eager", "hf inductor")]
+            gbs = r["bytes"] / (r["ms"] * 1e-3) / 1e9
+            err = f"{r['err']:.1e}" if r.get("err") is not None else "-"
+            print(f"| {name} | {r['row']} | {r['ms']:.3f} | {ratio[0]} | {ratio[1]} | "
+                  f"{gbs:.0f} | {err} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

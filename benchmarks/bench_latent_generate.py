@@ -1,0 +1,142 @@
+"""MLA end to end: Hugging Face generate on a DeepSeek-V3-shaped stack, HF's own caches vs
+kvcompile's latent pages, in one process.
+
+    python benchmarks/bench_latent_generate.py [--batch 16] [--prompt 8192] [--new 64]
+    python benchmarks/bench_latent_generate.py --smoke      # CPU: a tiny stack, every row
+
+Model: DeepSeek-V3 attention (128 heads, q_lora 1536, kv_lora 512, rope 64, nope 128, v 128,
+hidden 7168) with a dense MLP in every layer (`first_k_dense_replace` = layers), `--layers`
+layers, vocab 32000, random bf16 weights, SDPA. Rows: HF eager (DynamicCache), HF StaticCache +
+torch.compile, kvcompile with bf16 and fp8_e4m3 latent pages. Each row: whether its tokens equal
+HF eager's, the sites rewritten (kvcompile rows: MLA sites must say "mla"), KV bytes per token,
+and decode tok/s = B * (N - 1) / (t_N - t_1) (t_1: a max_new_tokens=1 call), wall clock around
+synchronized calls, the median of --repeats after a warm-up that compiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import kvcompile  # noqa: E402
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--prompt", type=int, default=8192)
+    p.add_argument("--new", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rows", default="hf_eager,hf_static,kvc_bf16,kvc_fp8_e4m3")
+    a = p.parse_args()
+    if a.smoke:
+        a.batch, a.prompt, a.new, a.layers, a.repeats = 2, 24, 6, 2, 1
+    return a
+
+
+def make_model(a):
+    import transformers
+
+    dims = dict(hidden_size=7168, intermediate_size=18432, num_attention_heads=128,
+                num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+                qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, vocab_size=32000)
+    if a.smoke:
+        dims = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                    qk_nope_head_dim=8, v_head_dim=16, vocab_size=256)
+    cfg = transformers.DeepseekV3Config(
+        num_hidden_layers=a.layers, first_k_dense_replace=a.layers,
+        max_position_embeddings=a.prompt + a.new + 16, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, **dims)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    dev, dt = ("cpu", torch.float32) if a.smoke else ("cuda", torch.bfloat16)
+    with torch.device(dev):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dt).eval()
+    return model, dev
+
+
+def timed(fn) -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def run_row(row, a, ids):
+    model, _ = make_model(a)
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    if row == "hf_static":
+        kw["cache_implementation"] = "static"
+        model.forward = torch.compile(model.forward, mode="reduce-overhead" if not a.smoke
+                                      else "default")
+    elif row.startswith("kvc_"):
+        fmt = row[4:]
+        kvcompile.compile(model, kvcompile.KVConfig(kv_dtype=fmt, max_kv_bytes=(
+            1 << 26 if a.smoke else 40 << 30)))
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=a.new, **kw)    # warm-up, compiles
+        t1s, tns = [], []
+        for _ in range(a.repeats):
+            t1s.append(timed(lambda: model.generate(ids, max_new_tokens=1, **kw)))
+            tns.append(timed(lambda: model.generate(ids, max_new_tokens=a.new, **kw)))
+    t1, tn = statistics.median(t1s), statistics.median(tns)
+    info = dict(row=row, tokens=out, tok_s=a.batch * (a.new - 1) / max(tn - t1, 1e-9))
+    if row.startswith("kvc_"):
+        rep = kvcompile.report(model)
+        info["sites"] = f"{len(rep.rewritten)}/{len(rep.sites)} " + ",".join(
+            sorted({s.gqa for s in rep.rewritten}))
+        info["bytes"] = kvcompile.stats(model)["bytes_per_token"]
+    else:
+        c = model.config   # transformers 5.x caches the latent and the rotary key, as the pool
+        info["bytes"] = c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * (
+            2 if not a.smoke else 4)
+        info["sites"] = "-"
+    model = None   # the next row's model takes its memory
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return info
+
+
+def main():
+    a = parse_args()
+    import transformers
+
+    _, dev = make_model(argparse.Namespace(**{**vars(a), "layers": 1}))
+    ids = torch.randint(3, 256 if a.smoke else 32000, (a.batch, a.prompt), device=dev,
+                        generator=torch.Generator(device=dev).manual_seed(1))
+    print(f"# DeepSeek-V3-shaped, {a.layers} layers, B {a.batch}, prompt {a.prompt}, new "
+          f"{a.new}; torch {torch.__version__}, transformers {transformers.__version__}"
+          + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
+    print("| row | sites rewritten | KV bytes/token | decode tok/s | vs hf eager | tokens = eager |")
+    print("|---|---|---|---|---|---|")
+    ref = base = None
+    for row in a.rows.split(","):
+        try:
+            r = run_row(row, a, ids)
+        except Exception as e:  # noqa: BLE001  (a row that fails says why; the rest run)
+            print(f"| {row} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} |"
+                  f" | | | |", flush=True)
+            continue
+        if row == "hf_eager":
+            ref, base = r["tokens"], r["tok_s"]
+        same = "-" if ref is None else str(torch.equal(r["tokens"], ref))
+        ratio = f"{r['tok_s'] / base:.2f}x" if base else "-"
+        print(f"| {row} | {r['sites']} | {r['bytes']:,.1f} | {r['tok_s']:.1f} | {ratio} | "
+              f"{same} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

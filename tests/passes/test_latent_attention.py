@@ -1,0 +1,294 @@
+"""Multi-head latent attention (MLA): DeepSeek-V2 / V3 as transformers ships them.
+
+- every site found as MLA and rewritten onto latent pages (one kv head: the latent, width r,
+  as keys; the rotary key, width dr, as values): greedy `generate` equals eager with fp32
+  pages, and the pool's bytes per token are exactly layers x (r + dr) x element bytes;
+- decode steps attend in the latent space (the absorbed query), a fresh prompt by expansion;
+- logits within fp32 tolerance of eager (fp32 pages), within the KL bounds of the other
+  families for bf16 / fp8 pages;
+- the absorbed math equals the expanded one on fresh random inputs (float64 reference);
+- negative cases: cross-attention over a latent of other states is not MLA of this sequence
+  (left alone, said why); a projection with a bias, and eviction on latent pages, are refused
+  with the reason and the fix.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import transformers
+
+import kvcompile
+from kvcompile.api import state_of
+from kvcompile.kernels.latent import absorb_query, expand_latent, latent_output
+from kvcompile.testing import assert_rel_close, kl_divergence
+from tests.passes.caught import has, kv_warnings
+from tests.passes.test_hf_families import KL_BOUND, teacher_forced_logits
+
+RANK, ROPE, NOPE, VDIM, HEADS, LAYERS = 16, 8, 8, 16, 4, 2
+
+
+def make_mla(family: str, attn: str, seed: int = 0, rope: int = ROPE):
+    """A two-layer DeepSeek-V2 / V3 with random weights (MoE in layer 1, as the real ones)."""
+    cls = {"deepseek_v2": transformers.DeepseekV2Config,
+           "deepseek_v3": transformers.DeepseekV3Config}[family]
+    cfg = cls(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+              num_attention_heads=HEADS, num_key_value_heads=HEADS, kv_lora_rank=RANK,
+              q_lora_rank=32, qk_rope_head_dim=rope, qk_nope_head_dim=NOPE, v_head_dim=VDIM,
+              moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+              n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+              max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg._attn_implementation = attn
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)  # greedy decided by the model
+    return model
+
+
+def _prompt(batch=2, length=10, pad=3):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 256, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0  # left padding on the second row
+    ids[1, :pad] = 0
+    return ids, mask
+
+
+def _compile(model, **kw):
+    return kvcompile.compile(model, kvcompile.KVConfig(inner="eager", max_kv_bytes=1 << 24,
+                                                       **kw))
+
+
+@pytest.mark.parametrize("family,attn,cache", [("deepseek_v3", "sdpa", "dynamic"),
+                                               ("deepseek_v2", "eager", "static")])
+def test_greedy_generate_is_token_identical(family, attn, cache):
+    """DynamicCache (the latent cat onto the past) and StaticCache (index_copy_ into latent
+    buffers, released)."""
+    model = make_mla(family, attn)
+    ids, mask = _prompt()
+    kw = dict(max_new_tokens=12, do_sample=False, attention_mask=mask, pad_token_id=0,
+              eos_token_id=None, cache_implementation=cache)
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+    with kv_warnings() as warned:
+        _compile(model, kv_dtype="auto")
+        with torch.no_grad():
+            out = model.generate(ids, **kw)
+    assert torch.equal(out, ref), f"{family}/{attn}: tokens differ from eager"
+    assert not warned, warned
+    rep = kvcompile.report(model)
+    assert len(rep.sites) == LAYERS and len(rep.rewritten) == LAYERS, str(rep)
+    op = {"dynamic": "cat", "static": "index_copy"}[cache]
+    assert all(s.gqa == "mla" and s.cache == op for s in rep.rewritten), str(rep)
+    assert all((s.num_kv_heads, s.head_dim) == (1, RANK) for s in rep.rewritten)
+    st = kvcompile.stats(model)
+    assert st["bytes_per_token"] == LAYERS * (RANK + ROPE) * 4   # fp32 latent + rotary key
+    assert st["counters"]["latent_absorbed"] >= LAYERS * 11      # every decode step absorbed
+    assert rep.graphs <= 4, f"{rep.graphs} graphs for 12 decode steps: recompiling per step"
+
+
+def test_fresh_prompt_expands_decode_absorbs_and_logits_match():
+    """An unpadded prompt attends by expansion (fresh prefill); decode steps in the latent
+    space; teacher-forced logits of both stay within fp32 tolerance of eager."""
+    model = make_mla("deepseek_v3", "sdpa")
+    ids = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = teacher_forced_logits(model, ids, prefill=6)
+        _compile(model, kv_dtype="auto")
+        got = teacher_forced_logits(model, ids, prefill=6)
+    assert_rel_close(got, ref, torch.float32, factor=4, what="logits")
+    c = kvcompile.stats(model)["counters"]
+    assert c["prefill_fresh_sdpa"] == LAYERS and c["latent_absorbed"] == LAYERS * 6, c
+
+
+def test_decode_steps_run_the_triton_latent_kernel():
+    """KVConfig(kernels="triton") (the interpreter here; CUDA's default): unpadded decode steps
+    run kernels/latent_decode.py, tokens equal eager's with fp32 pages; a padded batch's steps
+    go to the reference (its mask hides cached keys), with the reason counted."""
+    model = make_mla("deepseek_v3", "sdpa", rope=16)   # the kernel's dots need widths >= 16
+    ids = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(8))
+    kw = dict(max_new_tokens=5, do_sample=False, attention_mask=torch.ones_like(ids),
+              pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+        _compile(model, kernels="triton")
+        out = model.generate(ids, **kw)
+    assert torch.equal(out, ref)
+    c = kvcompile.stats(model)["counters"]
+    assert c["latent_decode_triton"] == LAYERS * 4 and "latent_absorbed" not in c, c
+    ids, mask = _prompt()
+    with torch.no_grad():
+        model.generate(ids, **{**kw, "attention_mask": mask})
+    c = kvcompile.stats(model)["counters"]
+    assert c["latent_absorbed"] == LAYERS * 5 and c["reference_fallback"] >= LAYERS * 4, c
+
+
+@pytest.mark.parametrize("kv_dtype,elem", [("bf16", 2.0), ("fp8_e4m3", 1.0)])
+def test_quantized_latent_pages_stay_close(kv_dtype, elem):
+    """Prefill attends to the stored pages too (prefill_attends="stored"), so every logit
+    sees the quantized latent; KL against eager within the bound of the other families."""
+    model = make_mla("deepseek_v2", "sdpa")
+    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = teacher_forced_logits(model, ids, prefill=8)
+        _compile(model, kv_dtype=kv_dtype, prefill_attends="stored")
+        got = teacher_forced_logits(model, ids, prefill=8)
+    kl = kl_divergence(ref, got)
+    assert 0 < kl < KL_BOUND[kv_dtype], f"{kv_dtype}: KL {kl:.2e}"
+    bpt = kvcompile.stats(model)["bytes_per_token"]
+    page = state_of(model).pool.page_size
+    scales = 0.0 if kv_dtype == "bf16" else 2 * 4 / page     # one fp32 page scale, K and V
+    assert bpt == pytest.approx(LAYERS * ((RANK + ROPE) * elem + scales)), bpt
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "causal_padded"])
+def test_absorbed_equals_expanded(mask_kind):
+    """q_nope W_UK against the latent, output through W_UV: the same attention as expanding
+    the latent through kv_b_proj (float64 reference on fresh random inputs)."""
+    g = torch.Generator().manual_seed(4)
+    B, S, L = 3, 2, 11
+    q = torch.randn(B, HEADS, S, NOPE + ROPE, generator=g)
+    c = torch.randn(B, 1, L, RANK, generator=g)
+    rope = torch.randn(B, 1, L, ROPE, generator=g)
+    w = torch.randn(HEADS * (NOPE + VDIM), RANK, generator=g) / RANK ** 0.5
+    allowed = None
+    if mask_kind == "causal_padded":
+        allowed = torch.ones(B, 1, S, L, dtype=torch.bool).tril(L - S)
+        allowed[1, ..., :4] = False
+    k, v = expand_latent(c.double(), rope.double(), w.double(), NOPE, HEADS)
+    ref = F.scaled_dot_product_attention(q.double(), k, v, attn_mask=allowed, scale=0.3)
+    q_lat = absorb_query(q, w, NOPE)                                   # [B, H, S, r + dr]
+    kv_lat = torch.cat([c, rope], dim=-1)                              # one kv head
+    o_lat = F.scaled_dot_product_attention(q_lat, kv_lat, c, attn_mask=allowed, scale=0.3,
+                                           enable_gqa=True)
+    out = latent_output(o_lat, w, NOPE)
+    assert out.shape == (B, HEADS, S, VDIM)
+    assert_rel_close(out, ref, torch.float32)
+
+
+# --- negative cases ----------------------------------------------------------------------------
+
+class LatentBlock(nn.Module):
+    """MLA's expansion (HF's `expand_kv`) over a latent projected from `memory`: this
+    sequence's own tokens (self-attention, no cache) or another sequence's (cross-attention)."""
+
+    def __init__(self, dim=64, bias=False):
+        super().__init__()
+        self.q = nn.Linear(dim, HEADS * (NOPE + ROPE), bias=False)
+        self.kv_a = nn.Linear(dim, RANK + ROPE, bias=False)
+        self.kv_b = nn.Linear(RANK, HEADS * (NOPE + VDIM), bias=bias)
+        self.o = nn.Linear(HEADS * VDIM, dim, bias=False)
+
+    def forward(self, x, memory):
+        B, S, _ = x.shape
+        M = memory.shape[1]
+        q = self.q(x).view(B, S, HEADS, NOPE + ROPE).transpose(1, 2)
+        c, rope = self.kv_a(memory).split([RANK, ROPE], dim=-1)
+        c, rope = c.view(B, 1, M, RANK), rope.view(B, 1, M, ROPE)
+        kv = self.kv_b(c).view(B, M, -1, NOPE + VDIM).transpose(1, 2)
+        k_nope, v = torch.split(kv, [NOPE, VDIM], dim=-1)
+        k = torch.cat((k_nope, rope.expand(-1, HEADS, -1, -1)), dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.o(y.transpose(1, 2).reshape(B, S, -1))
+
+
+class SelfLatent(nn.Module):
+    def __init__(self, bias=False):
+        super().__init__()
+        self.attn = LatentBlock(bias=bias)
+
+    def forward(self, x):
+        return self.attn(x, x)
+
+
+class CrossLatent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = LatentBlock()
+
+    def forward(self, x, memory):
+        return self.attn(x, memory)
+
+
+def _run(model, *inputs):
+    torch._dynamo.reset()
+    want = copy.deepcopy(model)(*inputs)
+    with kv_warnings() as warned:
+        compiled = kvcompile.compile(model, kvcompile.KVConfig(inner="eager",
+                                                               max_kv_bytes=1 << 22))
+        got = compiled(*inputs)
+    return want, got, kvcompile.report(model), warned
+
+
+@torch.no_grad()
+def test_self_attention_over_its_own_latent_is_mla():
+    """The positive twin of the negative cases below: the same block over its own tokens is
+    found as MLA (no cache: attention over this forward's latent) and rewritten."""
+    torch.manual_seed(5)
+    x = torch.randn(2, 6, 64)
+    want, got, rep, warned = _run(SelfLatent().eval(), x)
+    assert len(rep.rewritten) == 1 and rep.rewritten[0].gqa == "mla", str(rep)
+    assert_rel_close(got, want, torch.float32)
+
+
+@torch.no_grad()
+def test_cross_attention_over_a_latent_is_not_mla():
+    torch.manual_seed(6)
+    x, memory = torch.randn(2, 5, 64), torch.randn(2, 9, 64)
+    want, got, rep, warned = _run(CrossLatent().eval(), x, memory)
+    assert len(rep.sites) == 1 and not rep.rewritten, str(rep)
+    assert "query's tokens" in rep.sites[0].reason, rep.sites[0].reason
+    assert torch.equal(got, want)   # left exactly as it was
+
+
+@torch.no_grad()
+def test_kv_b_proj_with_a_bias_is_refused_with_the_reason():
+    torch.manual_seed(7)
+    x = torch.randn(2, 6, 64)
+    want, got, rep, warned = _run(SelfLatent(bias=True).eval(), x)
+    assert not rep.rewritten and "kv_b_proj has a bias" in rep.sites[0].reason, str(rep)
+    assert torch.equal(got, want)
+
+
+def test_eviction_on_latent_pages_is_refused_with_the_fix():
+    model = make_mla("deepseek_v3", "sdpa")
+    ids, mask = _prompt()
+    kw = dict(max_new_tokens=2, do_sample=False, attention_mask=mask, pad_token_id=0,
+              eos_token_id=None)
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+    with kv_warnings() as warned:
+        _compile(model, eviction=kvcompile.SinkWindow(sinks=1, window=8))
+        with torch.no_grad():
+            out = model.generate(ids, **kw)
+    assert torch.equal(out, ref)
+    rep = kvcompile.report(model)
+    assert not rep.rewritten and all("not supported on latent pages" in s.reason
+                                     for s in rep.sites), str(rep)
+    assert has(warned, r"configure\(module, eviction=None\)"), warned
+
+
+def test_engine_serves_latent_pages_with_eager_tokens():
+    """The continuous-batching engine (packed steps, use_cache=False: "none" caches, the
+    rotary key joined from its halves in this forward) on latent pages: greedy tokens of
+    prompts packed together are eager Hugging Face's, decode steps absorbed."""
+    import random
+
+    from tests.engine.tiny import config, hf_greedy, random_prompts
+
+    torch._dynamo.reset()
+    prompts = random_prompts(random.Random(1), 3, 3, 20)
+    ref, model = make_mla("deepseek_v3", "sdpa"), make_mla("deepseek_v3", "sdpa")
+    eng = kvcompile.Engine(model, config=config(page_size=8), max_num_batched_tokens=64)
+    outs = eng.generate(prompts, kvcompile.SamplingParams(temperature=0, max_tokens=8,
+                                                          ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(ref, p, 8)
+    rep = kvcompile.report(model)
+    assert len(rep.rewritten) == LAYERS and all(s.gqa == "mla" for s in rep.rewritten)
+    assert state_of(model).counters["latent_absorbed"] >= LAYERS * 7
