@@ -71,6 +71,9 @@ class AttentionSite:
     # further masks / position biases applied with `mask` ([(node, kind)]): ALiBi, a second
     # causal mask; the rewrite combines them into one
     more_masks: list = field(default_factory=list)
+    # attention sinks: a node holding one logit per query head ([1, H, 1, 1] or [1, H, 1]);
+    # the rewrite passes it to kvcompile.attention as sink_logits [H]
+    sinks: Any = None
 
     @property
     def cache_kind(self) -> str:

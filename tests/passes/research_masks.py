@@ -181,8 +181,8 @@ class ProbsZeroedByAnotherMask(_CatCache):
 
 
 class SinkLogits(_CatCache):
-    """gpt-oss: a learned logit per head concatenated to the scores, softmax, the sink column
-    dropped (kvcompile.attention has no sink input: left alone, said so)."""
+    """gpt-oss: a learned logit per head concatenated to the scores, the row max subtracted,
+    softmax, the sink column dropped (kvcompile.attention's sink_logits)."""
 
     def __init__(self, dim=64, n_head=4, **kw):
         super().__init__(dim, n_head)
@@ -211,3 +211,32 @@ class SinkByLogsumexp(SinkLogits):
         scale = (torch.logsumexp(s, dim=-1) - self.sinks.view(1, -1, 1)).sigmoid()
         y = torch.matmul(torch.softmax(s, dim=-1), v) * scale.unsqueeze(-1)
         return self.out(y)
+
+
+class SinkPerQuery(SinkLogits):
+    """A look-alike of sinks: the extra column is computed from the queries (one logit per
+    query, not per head), so it is no input the op takes."""
+
+    def forward(self, x, start_pos: int):
+        q, k, v = self.qkv_cached(x, start_pos)
+        T, L = q.shape[2], k.shape[2]
+        s = torch.matmul(q, k.transpose(-1, -2)) * self.hd ** -0.5
+        s = s.masked_fill(_future(T, L, x.device), float("-inf"))
+        s = torch.cat([s, q.sum(-1, keepdim=True)], dim=-1)
+        p = torch.softmax(s, dim=-1)[..., :-1]
+        return self.out(torch.matmul(p, v))
+
+
+class SinkColumnKept(SinkLogits):
+    """A look-alike of sinks: after the softmax the *first* column is dropped, so the sink's
+    probability weighs the last key's value and the first key is ignored."""
+
+    def forward(self, x, start_pos: int):
+        q, k, v = self.qkv_cached(x, start_pos)
+        B, H, T, _ = q.shape
+        L = k.shape[2]
+        s = torch.matmul(q, k.transpose(-1, -2)) * self.hd ** -0.5
+        s = s.masked_fill(_future(T, L, x.device), float("-inf"))
+        s = torch.cat([s, self.sinks.reshape(1, -1, 1, 1).expand(B, -1, T, 1)], dim=-1)
+        p = torch.softmax(s, dim=-1)[..., 1:]
+        return self.out(torch.matmul(p, v))
