@@ -228,9 +228,14 @@ def run_family(model_type: str) -> dict:
         row["near_misses"] = near[:3]
         row["warnings"] = [m[:300] for m in msgs[:3]]
     except Exception as e:  # noqa: BLE001
+        from kvcompile.errors import KVCompileError
+
         text = str(e).strip().splitlines()
-        row["error"] = f"{stage}: {type(e).__name__}: {text[0][:300] if text else ''}"
+        row["error"] = f"{stage}: {type(e).__name__}: {text[0][:400] if text else ''}"
         row["stage"] = stage
+        # kvcompile refused with the reason and the fix (an error it raises on purpose, where
+        # going on would give a wrong answer): not a crash
+        row["refused"] = stage == "kvcompile" and isinstance(e, KVCompileError)
     row["seconds"] = round(time.time() - t0, 1)
     return row
 
@@ -259,11 +264,14 @@ def _child(model_type: str, timeout: float) -> dict:
 
 
 def status(row: dict) -> str:
-    """One word per row: ok, partial, not-identical, left-alone, n/a, not-built, crash."""
+    """One word per row: ok, partial, not-identical, left-alone, refused, n/a, not-built,
+    timeout, crash."""
     if row.get("stage") in ("config", "build", "eager generate"):
         return "not-built"
     if row.get("stage") == "timeout":
         return "timeout"
+    if row.get("refused"):
+        return "refused"
     if row.get("error"):
         return "crash"
     if not row.get("applicable"):
@@ -306,13 +314,16 @@ def write_doc(rows: dict[str, dict]) -> str:
         f"attention over a cache; {ok} of them rewritten and token-identical to eager "
         f"({counts.get('partial', 0)} with some sites left alone); "
         f"{counts.get('left-alone', 0)} left alone with a warning; "
+        f"{counts.get('refused', 0)} refused with an error naming the reason; "
         f"{counts.get('not-identical', 0)} rewritten but not token-identical; "
         f"{counts.get('crash', 0)} crashes; {counts.get('silent', 0)} silent zero-site "
         f"compiles; {counts.get('timeout', 0)} timed out.**",
         "",
         "Status: `ok` every site rewritten, tokens identical; `partial` some sites rewritten, "
         "tokens identical, the rest left alone with the reason shown; `left-alone` no site "
-        "rewritten, kvcompile warned why; `n/a` no softmax attention in the model's graphs; "
+        "rewritten, kvcompile warned why; `refused` kvcompile raised an error naming why it "
+        "cannot run the model correctly and the fix (never a wrong answer); `n/a` no softmax "
+        "attention in the model's graphs; "
         "`not-built` the tiny model could not be built or generate eagerly (nothing to do with "
         "kvcompile); `timeout` the family (eager and compiled runs together) did not finish "
         "in its time on the shared 2-core CPU; `crash` kvcompile raised; `silent` attention "
@@ -339,12 +350,14 @@ def write_doc(rows: dict[str, dict]) -> str:
         why = why.replace("|", "\\|").replace("\n", " ")
         lines.append(f"| {fam} | {st} | {sites} | {ident} | {why[:300]} | "
                      f"{r.get('seconds', '')} |")
-    alone = [f for f in sorted(rows) if status(rows[f]) in ("left-alone", "partial")]
+    alone = [f for f in sorted(rows) if status(rows[f]) in ("left-alone", "partial",
+                                                             "refused")]
     if alone:
         by_cause: dict[str, list[str]] = {}
         for f in alone:
             r = rows[f]
-            text = " ".join([r.get("left_alone") or ""] + (r.get("near_misses") or []))
+            text = " ".join([r.get("left_alone") or "", r.get("error") or ""]
+                            + (r.get("near_misses") or []))
             by_cause.setdefault(_cause(text), []).append(f)
         lines += ["", "Left alone, by cause (each family's reason is in its row):", ""]
         lines += [f"- {cause}: {', '.join(fams)}" for cause, fams in
@@ -360,8 +373,10 @@ def write_doc(rows: dict[str, dict]) -> str:
 
 # reason text -> the cause it belongs to, first match wins (write_doc's summary by cause)
 CAUSES = (
-    ("attention sinks", "attention sinks (a learned logit per head in the softmax's "
-     "denominator): kvcompile.attention has no sink input"),
+    ("while its cache lives in kvcompile's pool", "Dynamo recompiles the forward at every new "
+     "length (the model turns it into a Python int) until its recompile limit, then runs it "
+     "without kvcompile: refused with an error, never a wrong answer"),
+    ("attention sink", "attention sinks written in a way kvcompile does not read"),
     ("computed from the cached tensors", "keys/values projected from a cached latent after "
      "the cache update (MLA): kvcompile pages the K/V attention reads"),
     ("keys computed in this graph", "a layer run twice in one forward (its second pass reads "

@@ -24,6 +24,7 @@ returned as attention weights), the site is reported and left alone.
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from kvcompile.passes.graph_utils import (
@@ -183,6 +184,11 @@ def unwrap_gqa(node, layout: Layout = BHSD) -> tuple[fx.Node, str, int, Layout]:
     if not isinstance(node, fx.Node):
         return node, "mha", 1, layout
     k = kind(node)
+    if k == "to" and _widens_to_fp32(node):
+        # Flint: repeat_kv(keys).float(); exact, so the op may read the keys as stored
+        found = unwrap_gqa(arg(node, 0), layout)
+        if found[1] != "mha":
+            return found
     if k == "repeat_interleave":
         reps, dim = arg(node, 1, "repeats"), arg(node, 2, "dim")
         if isinstance(reps, int) and isinstance(dim, int) and not layout.flat and (
@@ -209,6 +215,13 @@ def unwrap_gqa(node, layout: Layout = BHSD) -> tuple[fx.Node, str, int, Layout]:
     if layout.flat and k in ("reshape", "view") and ndim(arg(node, 0)) == 4:
         return arg(node, 0), "mha", 1, BHSD   # [B, H, S, D] flattened: its cache is 4-D
     return node, "mha", 1, layout
+
+
+def _widens_to_fp32(node) -> bool:
+    """node casts a float tensor of at most 32 bits to fp32 (no rounding)."""
+    out, src = val(node), val(arg(node, 0))
+    return out is not None and src is not None and out.dtype == torch.float32 and (
+        src.dtype.is_floating_point and src.dtype.itemsize <= 4)
 
 
 # --- eager -----------------------------------------------------------------------------------
