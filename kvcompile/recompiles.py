@@ -170,10 +170,10 @@ def check_forward(state, calls_before: int, fn, model_name: str,
         return
     if state.graphs and not state.layer_specs:
         return   # compiled, but no site was rewritten: the report (and its warning) say why
+    state.count("uncompiled_forwards")
     if cache_in_pool:
         from kvcompile.errors import CacheStateError
 
-        state.count("uncompiled_forwards")
         raise CacheStateError(
             f"kvcompile: {model_name} ran a forward without kvcompile ({_why(fn)}) while its "
             f"cache lives in kvcompile's pool: the model's own attention read the cache "
@@ -192,7 +192,6 @@ def check_forward(state, calls_before: int, fn, model_name: str,
            f"or call torch._dynamo.reset() before compiling another model; "
            f"TORCH_LOGS=recompiles,graph_breaks shows what Dynamo did.")
     _warn(msg)
-    state.count("uncompiled_forwards")
 
 
 def _why(fn) -> str:
