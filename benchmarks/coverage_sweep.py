@@ -379,8 +379,9 @@ CAUSES = (
     ("attention sink", "attention sinks written in a way kvcompile does not read"),
     ("computed from the cached tensors", "keys/values projected from a cached latent after "
      "the cache update (MLA): kvcompile pages the K/V attention reads"),
-    ("keys computed in this graph", "a layer run twice in one forward (its second pass reads "
-     "the first one's keys)"),
+    ("keys computed in this graph", "a cache extended twice in one forward (a layer run twice "
+     "reading its first pass's keys; DeepSeek-V4's compressed KV appended to its window "
+     "cache): kvcompile pages one cache per attention"),
     ("also read by", "the cache is also read by other ops (two attentions over one cache, a "
      "mask computed from the cached values)"),
     ("used elsewhere", "the scores or probabilities are used by more than the attention"),

@@ -20,7 +20,8 @@ _compile = research.compile_eager
 
 @pytest.mark.parametrize("style", ["AlibiMaskedFill", "CausalWhereLocalAdd",
                                    "RelBiasZeroedProbs", "ProductMaskGPT1",
-                                   "InPlaceMaskedFill", "SinkLogits", "SinkByLogsumexp"])
+                                   "InPlaceMaskedFill", "SinkLogits", "SinkByLogsumexp",
+                                   "SinkGqaFloatKeys"])
 def test_masks_and_biases_rewritten_and_token_identical(style):
     torch._dynamo.reset()
     rep = research.assert_rewritten_and_identical(
