@@ -178,11 +178,12 @@ def _batched(mask):
     return None if mask is None else mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
 
 
-def attend_fp32(q, k, v, allowed, additive, scale: float, softcap: float) -> torch.Tensor:
-    """q [Hq, S, D], k [Hkv, L, D], v [Hkv, L, Dv], allowed / additive [.., S, L] or None ->
-    [Hq, S, Dv] fp32, by `exact_attention`."""
+def attend_fp32(q, k, v, allowed, additive, scale: float, softcap: float,
+                sink_logits=None) -> torch.Tensor:
+    """q [Hq, S, D], k [Hkv, L, D], v [Hkv, L, Dv], allowed / additive [.., S, L] or None,
+    sink_logits [Hq] or None -> [Hq, S, Dv] fp32, by `exact_attention`."""
     return exact_attention(q[None], k[None], v[None], _batched(allowed), _batched(additive),
-                           scale, softcap)[0]
+                           scale, softcap, sink_logits)[0]
 
 
 def attend_sdpa(q, k, v, allowed, additive, scale: float, causal: bool = False) -> torch.Tensor:
