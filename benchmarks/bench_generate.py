@@ -61,6 +61,10 @@ def parse_args(argv=None):
                                          "engine_b,engine_b_nograph,engine")
     p.add_argument("--concurrency", default="1,4,16,64")
     p.add_argument("--engine-prompt", type=int, default=1024)
+    p.add_argument("--kv-gib", type=float, default=8.0,
+                   help="the pool's budget (KVConfig.max_kv_bytes) for the kvc_* sections")
+    p.add_argument("--kernels", default="auto", choices=("auto", "triton", "cuda"),
+                   help="KVConfig.kernels for the kvc_* sections (decode kernel choice)")
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "benchmarks"))
     a = p.parse_args(argv)
     if a.smoke:
@@ -224,9 +228,10 @@ def hf_static(model, args, device, ctx):
 
 
 def _kvc_config(args, kv_dtype):
-    return KVConfig(kv_dtype=kv_dtype, max_kv_bytes=(64 << 20) if args.smoke else 8 * GIB,
+    return KVConfig(kv_dtype=kv_dtype,
+                    max_kv_bytes=(64 << 20) if args.smoke else int(args.kv_gib * GIB),
                     inner="aot_eager" if args.smoke else "inductor",
-                    kernels="reference" if args.smoke else "auto")
+                    kernels="reference" if args.smoke else args.kernels)
 
 
 def kvc(model, args, device, ctx, kv_dtype):
@@ -241,6 +246,7 @@ def kvc(model, args, device, ctx, kv_dtype):
         st = kvcompile.stats(model)
         row["graphs"] = st.get("graphs")
         row["reference_fallbacks"] = st.get("reference_fallback", 0)
+        row["decode_kernel_calls"] = {k: st.get(k, 0) for k in ("decode_cuda", "decode_triton")}
         row["same_tokens_as_eager"] = _match(toks, ctx.get("ref_tokens"))
         row["bytes_per_token"] = st.get("bytes_per_token")
         row["pages_after_generate"] = st.get("pages_used")

@@ -215,16 +215,25 @@ def bench(gen, waves_list) -> list[dict]:
             out = torch.empty(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16)
             stored = 2 * B * L * f.bytes_per_token(Hkv, D, 16)
             for backend in ("triton", "cuda"):
-                variants = [None] if backend == "triton" else waves_list
+                variants = [None] if backend == "triton" else [None] + waves_list
                 for w in variants:
-                    splits = 0
+                    splits = 0  # the CUDA kernel's own choice (decode_sm90.choose_splits)
                     if w is not None:
                         splits = fast.choose_splits(B, Hkv, bt.shape[1] * 16,
                                                     dec._sm_count(q.device), waves=w)
                     t = _bench(functools.partial(_launch, q, kc, vc, bt, sl, out, backend,
                                                  splits=splits))
-                    rows.append({"shape": name, "row": f"{kf}/{kg} {backend}"
-                                 + (f" waves={w} splits={splits}" if w is not None else ""),
+                    if backend == "cuda" and w is None:
+                        splits = fast.choose_splits(
+                            B, Hkv, bt.shape[1] * 16, dec._sm_count(q.device),
+                            ctas_per_sm=fast.variant(fast._KIND[kf], fast._KIND[kf],
+                                                     fast._SCALE[kg] if "fp8" in kf else 0,
+                                                     fast._SCALE[kg] if "fp8" in kf else 0,
+                                                     D, D, 8, fast._QT[q.dtype])[1])
+                    label = ("" if backend == "triton" else
+                             f" auto splits={splits}" if w is None else
+                             f" waves={w} splits={splits}")
+                    rows.append({"shape": name, "row": f"{kf}/{kg} {backend}{label}",
                                  "ms": t, "x": t / t_sdpa, "TB/s": stored / t / 1e9})
             del kc, vc
             torch.cuda.empty_cache()

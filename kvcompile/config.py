@@ -239,10 +239,13 @@ class KVConfig:
         (SmolLM2-135M on 2 cores: compile + the first generate took 280 s with inductor
         against about 28 s eager, and decode ran no faster; benchmarks/RESULTS.md, "CPU
         generate"). "aot_eager" functionalizes the graph as inductor would (debugging).
-    kernels: "auto" (Triton on CUDA, PyTorch reference on the CPU), "triton", "reference", or
-        "cuda": decode through the CUDA C++ kernel on Hopper (sm_90) where it takes the pages
-        (bf16 / fp16 / fp8; kernels/decode_sm90.py), Triton for the rest. Not yet the default:
-        it has not been run on a GPU (see kernels/decode.py CUDA_DECODE_DEFAULT).
+    kernels: "auto" (on CUDA: the CUDA C++ decode kernel on Hopper (sm_90) for fp8 pages,
+        Triton for the rest; the PyTorch reference on the CPU), "triton" (the portable
+        kernels only), "reference", or "cuda": the CUDA C++ decode kernel wherever it takes
+        the pages (bf16 / fp16 / fp8; kernels/decode_sm90.py), Triton for the rest, with the
+        reason said once. On the H200 the CUDA kernel measured 0.65-0.77x torch SDPA for fp8
+        pages against Triton's 0.76-0.96x, and slower than Triton for bf16 pages
+        (benchmarks/RESULTS.md, "The CUDA decode kernel runs").
     residual: keep a sequence's last, partly filled page in bf16 until it fills (int4/int2).
     enabled: False leaves attention sites untouched (useful per module through `configure`).
     prefill_attends: what a fresh prompt's prefill (nothing of any row cached yet) attends to:

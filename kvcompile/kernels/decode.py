@@ -231,11 +231,17 @@ def _check_residual(name, res, res_slot, N, Hkv, P, D) -> bool:
 
 
 _FAST_DEVICE: dict[int, str] = {}
-# The CUDA kernel (decode_sm90.py) becomes the default on sm_90 once the H200 decode matrix
-# (benchmarks/gpu_decode_fast.py) passes on it. It was written and checked in a session with no
-# GPU (its host emulation, tests/kernels/test_decode_sm90_emu.py, runs it on the CPU), so until
-# then it runs only when asked for: KVConfig(kernels="cuda") / backend="cuda".
-CUDA_DECODE_DEFAULT = False
+# Formats whose decode runs the CUDA kernel (decode_sm90.py) on sm_90 by default
+# (kernels="auto"): the H200 decode matrix (benchmarks/gpu_decode_fast.py --check, 334 cases)
+# passes on it, and it measured 0.65-0.77x torch SDPA over bf16 for fp8 pages against
+# 0.76-0.96x for the Triton kernel. bf16 / fp16 pages stay on Triton, which measured faster
+# there (1.03-1.14x against 1.13-1.29x). benchmarks/RESULTS.md, "The CUDA decode kernel runs".
+CUDA_DECODE_FORMATS = frozenset({"fp8_e4m3", "fp8_e5m2"})
+
+
+def cuda_decode_by_default(k_fmt: str, v_fmt: str) -> bool:
+    """Whether kernels="auto" asks for the CUDA decode kernel for these pages."""
+    return k_fmt in CUDA_DECODE_FORMATS and v_fmt in CUDA_DECODE_FORMATS
 
 
 def fast_path_reason(q, k_fmt: str, k_gran: str, v_fmt: str, v_gran: str, d: int, dv: int,
@@ -290,12 +296,12 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
         raise UnsupportedShapeError(f"paged_decode: sink_logits must be contiguous fp32 [{Hq}] "
                                     f"on {q.device}; got {sink_logits.dtype} "
                                     f"{tuple(sink_logits.shape)}")
-    if (backend == "cuda" or backend == "auto" and CUDA_DECODE_DEFAULT) and not interpreting() \
-            and sink_logits is None:
+    if (backend == "cuda" or backend == "auto" and cuda_decode_by_default(k_fmt, v_fmt)) \
+            and not interpreting():
         residual = _check_residual("keys", k_res, k_res_slot, N, Hkv, P, D) or \
             _check_residual("values", v_res, v_res_slot, N, Hkv, P, DV)
         why = fast_path_reason(q, k_fmt, k_gran, v_fmt, v_gran, D, DV, P, Hq // Hkv * Sq,
-                               attn_mass, residual)
+                               attn_mass, residual, sinks=sink_logits is not None)
         if not why:
             from kvcompile.kernels.decode_sm90 import launch_decode_sm90
 
@@ -477,8 +483,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: f
     direct: launch without the custom op's dispatch (for callers that already run eagerly
     inside an op, like kvcompile.attention: the dispatch costs host time on every layer).
     backend (direct only): "triton" = the portable kernel; "cuda" = the CUDA kernel on sm_90
-    (decode_sm90.py) where it takes the call, else Triton; "auto" = "cuda" when
-    CUDA_DECODE_DEFAULT, else "triton".
+    (decode_sm90.py) where it takes the call, else Triton; "auto" = "cuda" for the formats of
+    CUDA_DECODE_FORMATS (fp8 pages), else "triton".
     """
     if direct:
         return launch_decode(

@@ -114,11 +114,26 @@ def _kernel(kk: int, vk: int, ksm: int, vsm: int, d: int, dv: int, rows: int, qt
 
 
 def choose_splits(batch: int, kv_heads: int, max_len: int, sm_count: int,
-                  waves: float = 4.0) -> int:
-    """Splits per (sequence, kv head) from shapes only (no device sync, graph-safe): enough
-    CTAs for `waves` x SMs, each with at least 4 steps per warp (256 tokens)."""
-    want = -(-int(waves * sm_count) // max(1, batch * kv_heads))
-    return int(max(1, min(want, max_len // 256, 1024)))
+                  waves: float | None = None, ctas_per_sm: int = 3,
+                  cta_overhead_tokens: int = 256) -> int:
+    """Splits per (sequence, kv head) from shapes only (no device sync, graph-safe).
+
+    waves=None (the default) counts rounds: B * Hkv * s CTAs run in ceil(B * Hkv * s / slots)
+    rounds of `slots = sm_count * ctas_per_sm`; a CTA costs its share of the keys, max_len / s
+    tokens, plus a fixed `cta_overhead_tokens` (loading q, merging the warps, the split merge),
+    so the time goes as rounds * (max_len / s + overhead). The smallest s within 2% of the
+    best wins, with at least 256 tokens a split. A number for `waves` sets the older rule
+    instead: about `waves` x SMs CTAs."""
+    cap = int(max(1, min(max_len // 256, 1024)))
+    work = max(1, batch * kv_heads)
+    if waves is not None:
+        want = -(-int(waves * sm_count) // work)
+        return int(max(1, min(want, cap)))
+    slots = max(1, sm_count * ctas_per_sm)
+    cost = {s: -(-work * s // slots) * (max_len / s + cta_overhead_tokens)
+            for s in range(1, cap + 1)}
+    best = min(cost.values())
+    return min(s for s, c in cost.items() if c <= best * 1.02)
 
 
 def _padded_mask(key_mask: torch.Tensor, width: int) -> torch.Tensor:
@@ -185,7 +200,8 @@ def plan_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
     dev = q.device
     max_len = block_tables.shape[1] * P
     if num_splits <= 0:
-        num_splits = choose_splits(B, Hkv, max_len, sm_count)
+        num_splits = choose_splits(B, Hkv, max_len, sm_count,
+                                   ctas_per_sm=variant(*key)[1])
     if out is None:
         out = torch.empty(B, Hq, Sq, dv, dtype=q.dtype, device=dev)
     direct = num_splits == 1

@@ -216,10 +216,11 @@ class KernelDispatch:
     def _decode_backend(self, q, kc, vc, extras: dict) -> str:
         """Which decode kernel runs ("cuda" on sm_90 where it applies, else "triton"); counted
         for the report, with the reason a requested CUDA kernel did not run said once."""
-        from kvcompile.kernels.decode import CUDA_DECODE_DEFAULT, fast_path_reason
+        from kvcompile.kernels.decode import cuda_decode_by_default, fast_path_reason
 
         choice = self.state.config.kernels
-        if choice == "triton" or choice == "auto" and not CUDA_DECODE_DEFAULT:
+        if choice == "triton" or choice == "auto" and not cuda_decode_by_default(
+                kc.fmt.name, vc.fmt.name):
             self.state.count("decode_triton")
             return "triton"
         why = fast_path_reason(

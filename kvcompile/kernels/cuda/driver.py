@@ -15,7 +15,7 @@ import torch
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 _lib = None
-_lock = threading.Lock()
+_lock = threading.RLock()  # function() holds it while _driver() may take it again
 
 
 class CudaDriverError(RuntimeError):

@@ -1,0 +1,53 @@
+"""Which decode kernel runs on Hopper, and how the CUDA kernel cuts a sequence into splits.
+Both are decided from shapes and format names only (no device sync: CUDA graphs capture them),
+so they are tested here on the CPU; the kernel itself is tested by test_decode_sm90_emu.py and
+on the GPU by benchmarks/gpu_decode_fast.py --check."""
+
+import pytest
+
+from kvcompile.kernels.decode import CUDA_DECODE_FORMATS, cuda_decode_by_default
+from kvcompile.kernels.decode_sm90 import choose_splits, variant
+
+H200_SMS = 132
+
+
+@pytest.mark.parametrize("k,v,want", [
+    ("fp8_e4m3", "fp8_e4m3", True), ("fp8_e5m2", "fp8_e5m2", True),
+    ("bf16", "bf16", False), ("fp16", "fp16", False),   # Triton measured faster
+    ("fp8_e4m3", "bf16", False), ("int4", "int4", False), ("fp4_e2m1", "fp4_e2m1", False)])
+def test_auto_asks_for_the_cuda_kernel_only_for_fp8_pages(k, v, want):
+    assert cuda_decode_by_default(k, v) is want
+    assert CUDA_DECODE_FORMATS == {"fp8_e4m3", "fp8_e5m2"}
+
+
+def _rounds_cost(B, H, L, s, slots, overhead=256):
+    return -(-B * H * s // slots) * (L / s + overhead)
+
+
+@pytest.mark.parametrize("B,H,L", [(64, 8, 8192), (16, 8, 32768), (1, 8, 131072), (1, 8, 300),
+                                   (3, 2, 1033), (128, 8, 4096), (1, 1, 256), (7, 3, 50000)])
+def test_splits_are_within_two_percent_of_the_best_round_count(B, H, L):
+    ctas = variant(0, 0, 1, 1, 128, 128, 8, 1)[1]
+    s = choose_splits(B, H, L, H200_SMS, ctas_per_sm=ctas)
+    assert isinstance(s, int) and 1 <= s <= max(1, L // 256)
+    costs = [_rounds_cost(B, H, L, t, H200_SMS * ctas) for t in range(1, max(1, L // 256) + 1)]
+    assert _rounds_cost(B, H, L, s, H200_SMS * ctas) <= min(costs) * 1.02
+    # and no smaller split count is as good (fewer partial outputs to merge)
+    assert all(c > min(costs) * 1.02 for c in costs[:s - 1])
+
+
+def test_splits_on_the_measured_h200_shapes():
+    # fp8 pages, head_dim 128: 3 CTAs an SM; splits 3 measured fastest at these two shapes
+    ctas = variant(0, 0, 1, 1, 128, 128, 8, 1)[1]
+    assert ctas == 3
+    assert choose_splits(64, 8, 8192, H200_SMS, ctas_per_sm=ctas) == 3
+    assert choose_splits(16, 8, 32768, H200_SMS, ctas_per_sm=ctas) == 3
+    # one long sequence: enough splits to fill one round of every SM's slots, not two
+    s = choose_splits(1, 8, 131072, H200_SMS, ctas_per_sm=ctas)
+    assert 8 * s <= H200_SMS * ctas < 8 * (s + 2)
+
+
+def test_short_sequences_are_not_split_and_waves_keeps_the_old_rule():
+    assert choose_splits(4, 8, 255, H200_SMS) == 1          # under 256 tokens: one split
+    assert choose_splits(1, 8, 131072, H200_SMS, waves=2.0) == 33
+    assert choose_splits(64, 8, 8192, H200_SMS, waves=8.0) == 3
