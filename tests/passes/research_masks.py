@@ -271,3 +271,29 @@ class SinkGqaFloatKeys(nn.Module):
         p = torch.softmax(s, dim=-1)[..., :-1]
         y = torch.matmul(p, v)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MaxSubtracted(_CatCache):
+    """MiMo: the masked scores minus their row maximum (amax here) before the softmax, which
+    changes nothing the softmax returns."""
+
+    def forward(self, x, start_pos: int):
+        q, k, v = self.qkv_cached(x, start_pos)
+        T, L = q.shape[2], k.shape[2]
+        s = torch.matmul(q, k.transpose(-1, -2)) * self.hd ** -0.5
+        s = s.masked_fill(_future(T, L, x.device), float("-inf"))
+        p = torch.softmax(s - s.amax(-1, keepdim=True), dim=-1)
+        return self.out(torch.matmul(p, v))
+
+
+class MaxOverQueriesSubtracted(_CatCache):
+    """A look-alike: the scores minus their maximum over the *queries* (dim -2), a different
+    constant per key, which changes the softmax."""
+
+    def forward(self, x, start_pos: int):
+        q, k, v = self.qkv_cached(x, start_pos)
+        T, L = q.shape[2], k.shape[2]
+        s = torch.matmul(q, k.transpose(-1, -2)) * self.hd ** -0.5
+        s = s - s.max(dim=-2, keepdim=True).values
+        s = s.masked_fill(_future(T, L, x.device), float("-inf"))
+        return self.out(torch.matmul(torch.softmax(s, dim=-1), v))

@@ -21,7 +21,7 @@ _compile = research.compile_eager
 @pytest.mark.parametrize("style", ["AlibiMaskedFill", "CausalWhereLocalAdd",
                                    "RelBiasZeroedProbs", "ProductMaskGPT1",
                                    "InPlaceMaskedFill", "SinkLogits", "SinkByLogsumexp",
-                                   "SinkGqaFloatKeys"])
+                                   "SinkGqaFloatKeys", "MaxSubtracted"])
 def test_masks_and_biases_rewritten_and_token_identical(style):
     torch._dynamo.reset()
     rep = research.assert_rewritten_and_identical(
@@ -36,6 +36,7 @@ def test_masks_and_biases_rewritten_and_token_identical(style):
     ("ProductSoftMask", "scores step failed"),                  # not a 0/1 buffer
     ("SinkPerQuery", "not one learned logit per query head"),
     ("SinkColumnKept", "not the one dropped"),
+    ("MaxOverQueriesSubtracted", "scores step failed"),       # not the row's maximum
 ])
 def test_mask_lookalike_is_left_alone(style, why):
     torch._dynamo.reset()
