@@ -59,8 +59,10 @@ def main() -> int:
         Hkv = 2
         f = make_format(fmt, "page")
         kc, vc, bt, sl = make_paged_kv(f, f, lens, Hkv, D, P, device=dev, gen=gen)
-        cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32,
-                          device=dev)
+        cu = [0]
+        for n in q_lens:
+            cu.append(cu[-1] + n)
+        cu = torch.tensor(cu, dtype=torch.int32, device=dev)
         q = torch.randn(int(cu[-1]), Hkv * G, D, generator=gen).to(dev, dtype)
         sinks = (torch.randn(Hkv * G, generator=gen) * 2).to(dev)
         out = poison_(torch.empty_like(q))
