@@ -68,6 +68,18 @@ NO_ATTENTION = {
     "recurrent_gemma": "RG-LRU recurrence plus local attention",
 }
 
+# What a separate diagnosis measured for a family whose row alone does not explain its status
+# (shown in its row, after the reasons the run recorded).
+NOTES = {
+    "gemma3n_text": "diagnosed 2026-12-03: built only at its own 35 layers (head_dim 256; its "
+                    "15 KV-sharing layers and their 2 source layers left alone, the rest "
+                    "rewritten); prefill logits equal eager's, the first decode step's differ "
+                    "by 1.5e-4 at most, growing smoothly to 3e-2 over 19 steps (fp32 rounding "
+                    "through 35 random layers, no jump), until a greedy near-tie (top-2 gap "
+                    "3.6e-3) flips at step 20; a 6-layer copy with 2 shared layers is "
+                    "token-identical",
+}
+
 
 # --- one family, in a child process ------------------------------------------------------------
 
@@ -233,9 +245,14 @@ def run_family(model_type: str) -> dict:
         row["near_misses"] = near[:3]
         row["warnings"] = [m[:300] for m in msgs[:3]]
     except Exception as e:  # noqa: BLE001
+        from kvcompile.errors import KVCompileError
+
         text = str(e).strip().splitlines()
-        row["error"] = f"{stage}: {type(e).__name__}: {text[0][:300] if text else ''}"
+        row["error"] = f"{stage}: {type(e).__name__}: {text[0][:400] if text else ''}"
         row["stage"] = stage
+        # kvcompile refused with the reason and the fix (an error it raises on purpose, where
+        # going on would give a wrong answer): not a crash
+        row["refused"] = stage == "kvcompile" and isinstance(e, KVCompileError)
     row["seconds"] = round(time.time() - t0, 1)
     return row
 
@@ -264,11 +281,14 @@ def _child(model_type: str, timeout: float) -> dict:
 
 
 def status(row: dict) -> str:
-    """One word per row: ok, partial, not-identical, left-alone, n/a, not-built, crash."""
+    """One word per row: ok, partial, not-identical, left-alone, refused, n/a, not-built,
+    timeout, crash."""
     if row.get("stage") in ("config", "build", "eager generate"):
         return "not-built"
     if row.get("stage") == "timeout":
         return "timeout"
+    if row.get("refused"):
+        return "refused"
     if row.get("error"):
         return "crash"
     if not row.get("applicable"):
@@ -311,13 +331,16 @@ def write_doc(rows: dict[str, dict]) -> str:
         f"attention over a cache; {ok} of them rewritten and token-identical to eager "
         f"({counts.get('partial', 0)} with some sites left alone); "
         f"{counts.get('left-alone', 0)} left alone with a warning; "
+        f"{counts.get('refused', 0)} refused with an error naming the reason; "
         f"{counts.get('not-identical', 0)} rewritten but not token-identical; "
         f"{counts.get('crash', 0)} crashes; {counts.get('silent', 0)} silent zero-site "
         f"compiles; {counts.get('timeout', 0)} timed out.**",
         "",
         "Status: `ok` every site rewritten, tokens identical; `partial` some sites rewritten, "
         "tokens identical, the rest left alone with the reason shown; `left-alone` no site "
-        "rewritten, kvcompile warned why; `n/a` no softmax attention in the model's graphs; "
+        "rewritten, kvcompile warned why; `refused` kvcompile raised an error naming why it "
+        "cannot run the model correctly and the fix (never a wrong answer); `n/a` no softmax "
+        "attention in the model's graphs; "
         "`not-built` the tiny model could not be built or generate eagerly (nothing to do with "
         "kvcompile); `timeout` the family (eager and compiled runs together) did not finish "
         "in its time on the shared 2-core CPU; `crash` kvcompile raised; `silent` attention "
@@ -337,19 +360,23 @@ def write_doc(rows: dict[str, dict]) -> str:
             why = r["warnings"][0]    # e.g. a forward Dynamo stopped compiling
         if st in ("left-alone", "silent") and not why and r.get("near_misses"):
             why = "near miss: " + r["near_misses"][0]
+        if fam in NOTES:
+            why = NOTES[fam] + ("; left alone: " + why if why else "")
         sites = f"{r.get('rewritten', 0)} / {r.get('sites', 0)}" if st not in (
             "not-built", "n/a", "timeout") else ""
         ident = {True: "yes", False: "**no**", None: ""}[r.get("identical")] if st not in (
             "not-built", "timeout") else ""
         why = why.replace("|", "\\|").replace("\n", " ")
-        lines.append(f"| {fam} | {st} | {sites} | {ident} | {why[:300]} | "
+        lines.append(f"| {fam} | {st} | {sites} | {ident} | {why[:300 + len(NOTES.get(fam, ''))]} | "
                      f"{r.get('seconds', '')} |")
-    alone = [f for f in sorted(rows) if status(rows[f]) in ("left-alone", "partial")]
+    alone = [f for f in sorted(rows) if status(rows[f]) in ("left-alone", "partial",
+                                                             "refused")]
     if alone:
         by_cause: dict[str, list[str]] = {}
         for f in alone:
             r = rows[f]
-            text = " ".join([r.get("left_alone") or ""] + (r.get("near_misses") or []))
+            text = " ".join([r.get("left_alone") or "", r.get("error") or ""]
+                            + (r.get("near_misses") or []))
             by_cause.setdefault(_cause(text), []).append(f)
         lines += ["", "Left alone, by cause (each family's reason is in its row):", ""]
         lines += [f"- {cause}: {', '.join(fams)}" for cause, fams in
@@ -365,12 +392,15 @@ def write_doc(rows: dict[str, dict]) -> str:
 
 # reason text -> the cause it belongs to, first match wins (write_doc's summary by cause)
 CAUSES = (
-    ("attention sinks", "attention sinks (a learned logit per head in the softmax's "
-     "denominator): kvcompile.attention has no sink input"),
+    ("while its cache lives in kvcompile's pool", "Dynamo recompiles the forward at every new "
+     "length (the model turns it into a Python int) until its recompile limit, then runs it "
+     "without kvcompile: refused with an error, never a wrong answer"),
+    ("attention sink", "attention sinks written in a way kvcompile does not read"),
     ("computed from the cached tensors", "keys/values projected from a cached latent after "
      "the cache update (MLA): kvcompile pages the K/V attention reads"),
-    ("keys computed in this graph", "a layer run twice in one forward (its second pass reads "
-     "the first one's keys)"),
+    ("keys computed in this graph", "a cache extended twice in one forward (a layer run twice "
+     "reading its first pass's keys; DeepSeek-V4's compressed KV appended to its window "
+     "cache): kvcompile pages one cache per attention"),
     ("also read by", "the cache is also read by other ops (two attentions over one cache, a "
      "mask computed from the cached values)"),
     ("used elsewhere", "the scores or probabilities are used by more than the attention"),

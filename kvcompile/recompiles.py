@@ -16,7 +16,9 @@ after another shared those entries: the 7th model or so ran uncompiled.
   shared code object itself) the backend raises the global limit the same way
   (`raise_limit_for_models`).
 - `check_forward(state, ...)`: a forward of a compiled model that ran no kvcompile graph warns,
-  once per model, with the reason and the fix. On the backend route kvcompile does not see the
+  once per model, with the reason and the fix; when its cache object held the pool's stubs,
+  the model's own attention read no real K/V, so the forward's output is wrong: it raises
+  `CacheStateError` instead (every time), and the output is never returned. On the backend route kvcompile does not see the
   forwards Dynamo runs eagerly: `watch_dynamo_log` turns Dynamo's own "hit config.recompile_limit"
   record into a kvcompile warning (once per function) while kvcompile models are alive.
 """
@@ -159,13 +161,30 @@ def _warn(msg: str, stacklevel: int = 3) -> None:
     warnings.warn(msg, RuntimeWarning, stacklevel=stacklevel + 1)
 
 
-def check_forward(state, calls_before: int, fn, model_name: str) -> None:
+def check_forward(state, calls_before: int, fn, model_name: str,
+                  cache_in_pool: bool = False) -> None:
     """After a forward through Dynamo: warn (once per model) if it ran no kvcompile graph
-    although the model has rewritten layers, or Dynamo never handed kvcompile a graph."""
-    if state.graph_calls != calls_before or getattr(state, "_warned_uncompiled", False):
+    although the model has rewritten layers, or Dynamo never handed kvcompile a graph; raise
+    if that forward's cache lives in the pool (`cache_in_pool`: its output is wrong)."""
+    if state.graph_calls != calls_before:
         return
     if state.graphs and not state.layer_specs:
         return   # compiled, but no site was rewritten: the report (and its warning) say why
+    state.count("uncompiled_forwards")
+    if cache_in_pool:
+        from kvcompile.errors import CacheStateError
+
+        raise CacheStateError(
+            f"kvcompile: {model_name} ran a forward without kvcompile ({_why(fn)}) while its "
+            f"cache lives in kvcompile's pool: the model's own attention read the cache "
+            f"object's zero-byte stubs, not its keys and values, so the output is wrong and "
+            f"was not returned. A forward recompiled at every new length (TORCH_LOGS="
+            f"recompiles shows a size guard on input_ids failing each step: the model turns "
+            f"the length into a Python int) cannot stay compiled; run such a model without "
+            f"kvcompile, or raise torch._dynamo.config.recompile_limit (now "
+            f"{torch._dynamo.config.recompile_limit}) above its number of steps.")
+    if getattr(state, "_warned_uncompiled", False):
+        return
     state._warned_uncompiled = True
     msg = (f"kvcompile: {model_name} ran a forward without kvcompile ({_why(fn)}): its "
            f"attention used the model's own cache, not kvcompile's pool. Fix: raise "
@@ -173,7 +192,6 @@ def check_forward(state, calls_before: int, fn, model_name: str) -> None:
            f"or call torch._dynamo.reset() before compiling another model; "
            f"TORCH_LOGS=recompiles,graph_breaks shows what Dynamo did.")
     _warn(msg)
-    state.count("uncompiled_forwards")
 
 
 def _why(fn) -> str:

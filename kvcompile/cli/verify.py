@@ -115,7 +115,8 @@ class LocalError(RuntimeHook):
         rows = torch.arange(L - S, L, device=q.device)[:, None]
         allowed = torch.arange(L, device=q.device)[None, :] <= rows   # [S, L] causal
         cap = site.softcap or 0.0
-        exact = attend_fp32(q[0], K, V, allowed, None, scale, cap)
+        sinks = extras.get("sink_logits")
+        exact = attend_fp32(q[0], K, V, allowed, None, scale, cap, sinks)
         if Ks.shape != K.shape:  # eviction dropped tokens: no token-for-token comparison
             over_stored = None
         elif attended_fresh(ctx.plan, layer):
@@ -123,7 +124,7 @@ class LocalError(RuntimeHook):
             over_stored = exact
             self.stored[layer] = (K, Ks, V, Vs)
         else:
-            over_stored = attend_fp32(q[0], Ks, Vs, allowed, None, scale, cap)
+            over_stored = attend_fp32(q[0], Ks, Vs, allowed, None, scale, cap, sinks)
             self.stored[layer] = (K, Ks, V, Vs)
         self.outs.setdefault(layer, []).append((exact, over_stored,
                                                 out[0].detach().float().clone()))

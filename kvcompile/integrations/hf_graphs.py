@@ -96,6 +96,16 @@ class _Graph:
         self.generation = -1     # the pool's storage generation the graph captured
 
 
+def _cache_in_pool(kwargs: dict) -> bool:
+    """Whether the call's cache object holds kvcompile stubs (or bound buffers): its tokens
+    live in the pool, so a forward that runs without kvcompile reads no real K/V."""
+    for key in _CACHE_KEYS:
+        for layer in getattr(kwargs.get(key), "layers", None) or ():
+            if binding_of(getattr(layer, "keys", None)) is not None:
+                return True
+    return False
+
+
 class GraphedForward:
     """`model.forward` of a kvcompile-compiled HF model: the compiled forward, plus decode
     steps of `generate` replayed from CUDA graphs (module docstring)."""
@@ -127,9 +137,10 @@ class GraphedForward:
                 if step is not None:
                     return self._run(kwargs, *step)
             before = st.graph_calls
+            pooled = _cache_in_pool(kwargs)
             with recompile_budget():
                 out = self.compiled(*args, **kwargs)
-            check_forward(st, before, self.frame, self.model_name)
+            check_forward(st, before, self.frame, self.model_name, pooled)
             return out
 
     def __get__(self, obj, objtype=None):   # stays a plain callable on the instance

@@ -22,6 +22,11 @@ loads and widening: decode_tiles.py.
 Query i of Sq sits at position seq_len - Sq + i and sees keys j <= its position (causal among
 the new tokens), with a window: q_pos - j < window, or j < sinks; key_mask[b, j] False hides
 key j. A row that sees no key outputs 0. Keys nobody sees are never read (NaN there is inert).
+
+Sink logits (sink_logits [Hq] fp32, attention sinks of gpt-oss; not the `sinks` kept tokens of a
+window): one more column of each row's softmax, whose probability is dropped. They enter only
+where a row's (acc, lse) is final, the direct epilogue or the combine: out *= 2^(lse - lse'),
+lse' = log2(2^lse + 2^(sink * log2 e)), and the lse written (H2O's attn_mass) is lse'.
 """
 
 from __future__ import annotations
@@ -240,10 +245,13 @@ def cuda_decode_by_default(k_fmt: str, v_fmt: str) -> bool:
 
 
 def fast_path_reason(q, k_fmt: str, k_gran: str, v_fmt: str, v_gran: str, d: int, dv: int,
-                     page: int, rows: int, attn_mass=None, residual: bool = False) -> str:
+                     page: int, rows: int, attn_mass=None, residual: bool = False,
+                     sinks: bool = False) -> str:
     """'' when the CUDA kernel (decode_sm90.py, Hopper) runs this decode, else why not."""
     if q.device.type != "cuda":
         return "not on CUDA"
+    if sinks:
+        return "attention sinks (a per-head sink logit): the CUDA kernel has no sink input"
     idx = q.device.index if q.device.index is not None else torch.cuda.current_device()
     if idx not in _FAST_DEVICE:
         from kvcompile.kernels.decode_sm90 import device_ok
@@ -262,30 +270,38 @@ def fast_path_reason(q, k_fmt: str, k_gran: str, v_fmt: str, v_gran: str, d: int
 
 def _combine(acc, plse, out, lse, num_splits: int, dv: int) -> None:
     rows = acc.shape[0]
-    combine_splits_kernel[(rows,)](acc, plse, out, lse, num_splits, DV=dv,
+    combine_splits_kernel[(rows,)](acc, plse, out, lse, lse, num_splits, 1, 1, DV=dv,
                                    S_PAD=triton.next_power_of_2(num_splits),
                                    CHUNK=min(16, triton.next_power_of_2(num_splits)),
-                                   num_warps=4)
+                                   HAS_SINK=False, num_warps=4)
 
 
 def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, attn_mass, out,
                   k_fmt: str, k_gran: str, v_fmt: str, v_gran: str, scale: float,
                   sliding_window: int, sinks: int, softcap: float, num_splits: int,
                   config: dict | None = None, kz=None, vz=None, k_res=None, k_res_slot=None,
-                  v_res=None, v_res_slot=None, backend: str = "auto") -> torch.Tensor:
+                  v_res=None, v_res_slot=None, backend: str = "auto",
+                  sink_logits=None) -> torch.Tensor:
     """Check, then launch split kernel (+ combine, + attention-mass pass). Writes `out`.
     kz / vz: int zero points (shaped like the scales); k_res / v_res [R, Hkv, P, D] bf16 and
-    k_res_slot / v_res_slot [N] int32: residual pages (PagedTensor.res_data / res_slot)."""
+    k_res_slot / v_res_slot [N] int32: residual pages (PagedTensor.res_data / res_slot);
+    sink_logits [Hq] fp32: attention sinks (the module docstring)."""
     kfmt, ksm = _codes(k_fmt, k_gran)
     vfmt, vsm = _codes(v_fmt, v_gran)
     B, Hq, Sq, D, DV, N, Hkv, P = _check(q, kd, vd, kfmt, vfmt, block_tables, seq_lens,
                                          key_mask, attn_mass, out)
+    if sink_logits is not None and (sink_logits.dtype != torch.float32 or tuple(
+            sink_logits.shape) != (Hq,) or not sink_logits.is_contiguous()
+            or sink_logits.device != q.device):
+        raise UnsupportedShapeError(f"paged_decode: sink_logits must be contiguous fp32 [{Hq}] "
+                                    f"on {q.device}; got {sink_logits.dtype} "
+                                    f"{tuple(sink_logits.shape)}")
     if (backend == "cuda" or backend == "auto" and cuda_decode_by_default(k_fmt, v_fmt)) \
             and not interpreting():
         residual = _check_residual("keys", k_res, k_res_slot, N, Hkv, P, D) or \
             _check_residual("values", v_res, v_res_slot, N, Hkv, P, DV)
         why = fast_path_reason(q, k_fmt, k_gran, v_fmt, v_gran, D, DV, P, Hq // Hkv * Sq,
-                               attn_mass, residual)
+                               attn_mass, residual, sinks=sink_logits is not None)
         if not why:
             from kvcompile.kernels.decode_sm90 import launch_decode_sm90
 
@@ -369,21 +385,24 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
         vd, none if vs is None else vs, vd if vm is None else vm, none if vz is None else vz,
         v_res if vres else none, v_res_slot if vres else none,
         block_tables, seq_lens, kmask, acc, plse, out, scores,
+        sink_logits if sink_logits is not None else none,
         block_tables.stride(0), key_mask.shape[1] if key_mask is not None else 0, scores_len,
         Hkv, qk_scale, float(scale) / softcap if softcap else 0.0, softcap * LOG2E,
         fold if kfmt == FMT_E2M1 else 1.0, fold if vfmt == FMT_E2M1 else 1.0, window, sinks,
         num_splits, G=G, SQ=Sq, M=M, D=D, DV=DV, P=P, BLOCK_T=block_t,
         KFMT=kfmt, VFMT=vfmt, KSM=ksm, VSM=vsm, KRES=kres, VRES=vres, CDT=cdt,
-        SOFTCAP=bool(softcap),
+        SOFTCAP=bool(softcap), HAS_SINK=sink_logits is not None and direct,
         HAS_KMASK=key_mask is not None, WRITE_SCORES=attn_mass is not None, DIRECT=direct,
         IEEE=cdt == tl.float32, WINDOW=window > 0, ASM=asm, BIG=big,
         SPLIT=bool(cfg["SPLIT"]), PAIR=pair,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not interp else {}))
     if not direct:
-        combine_splits_kernel[(rows,)](acc, plse, out, lse, num_splits, DV=DV,
-                                 S_PAD=triton.next_power_of_2(num_splits),
-                                 CHUNK=min(16, triton.next_power_of_2(num_splits)), num_warps=4)
+        combine_splits_kernel[(rows,)](
+            acc, plse, out, lse, sink_logits if sink_logits is not None else lse, num_splits,
+            Hq, Sq, DV=DV, S_PAD=triton.next_power_of_2(num_splits),
+            CHUNK=min(16, triton.next_power_of_2(num_splits)),
+            HAS_SINK=sink_logits is not None, num_warps=4)
     if attn_mass is not None and scores_len > 0:
         blk = 256
         attn_mass_kernel[(B * Hkv, triton.cdiv(scores_len, blk))](
@@ -405,11 +424,12 @@ def paged_decode(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor | 
                  k_zero: torch.Tensor | None = None, v_zero: torch.Tensor | None = None,
                  k_res: torch.Tensor | None = None, k_res_slot: torch.Tensor | None = None,
                  v_res: torch.Tensor | None = None,
-                 v_res_slot: torch.Tensor | None = None) -> torch.Tensor:
+                 v_res_slot: torch.Tensor | None = None,
+                 sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     return launch_decode(q, k_data, k_scale, k_micro, v_data, v_scale, v_micro, block_tables,
                          seq_lens, key_mask, attn_mass, None, k_fmt, k_gran, v_fmt, v_gran,
                          scale, sliding_window, sinks, softcap, num_splits, None, k_zero,
-                         v_zero, k_res, k_res_slot, v_res, v_res_slot)
+                         v_zero, k_res, k_res_slot, v_res, v_res_slot, sink_logits=sink_logits)
 
 
 @paged_decode.register_fake
@@ -432,11 +452,12 @@ def paged_decode_out(out: torch.Tensor, q: torch.Tensor, k_data: torch.Tensor,
                      v_zero: torch.Tensor | None = None, k_res: torch.Tensor | None = None,
                      k_res_slot: torch.Tensor | None = None,
                      v_res: torch.Tensor | None = None,
-                     v_res_slot: torch.Tensor | None = None) -> None:
+                     v_res_slot: torch.Tensor | None = None,
+                     sink_logits: torch.Tensor | None = None) -> None:
     launch_decode(q, k_data, k_scale, k_micro, v_data, v_scale, v_micro, block_tables,
                   seq_lens, key_mask, attn_mass, out, k_fmt, k_gran, v_fmt, v_gran, scale,
                   sliding_window, sinks, softcap, num_splits, None, k_zero, v_zero, k_res,
-                  k_res_slot, v_res, v_res_slot)
+                  k_res_slot, v_res, v_res_slot, sink_logits=sink_logits)
 
 
 @paged_decode_out.register_fake
@@ -448,7 +469,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: f
                            key_mask=None, sliding_window: int = 0, sinks: int = 0,
                            softcap: float = 0.0, attn_mass=None, out=None,
                            num_splits: int | None = None, direct: bool = False,
-                           backend: str = "auto") -> torch.Tensor:
+                           backend: str = "auto", sink_logits=None) -> torch.Tensor:
     """Decode attention over paged K/V in any storage format.
 
     q: [B, Hq, Sq, D], Sq in 1..8; k_cache, v_cache: PagedTensor (data [N, Hkv, P, D]);
@@ -457,6 +478,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: f
     sliding_window / sinks: keep keys with q_pos - k_pos < window, plus the first `sinks`.
     attn_mass: fp32 [B, Hkv, Lmax], += each key's attention probability summed over the group's
     query heads (and queries). out: optional [B, Hq, Sq, Dv] buffer. -> [B, Hq, Sq, Dv], q.dtype.
+    sink_logits: fp32 [Hq], attention sinks (a logit per query head in each softmax's
+    denominator; the module docstring).
     direct: launch without the custom op's dispatch (for callers that already run eagerly
     inside an op, like kvcompile.attention: the dispatch costs host time on every layer).
     backend (direct only): "triton" = the portable kernel; "cuda" = the CUDA kernel on sm_90
@@ -470,7 +493,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: f
             k_cache.fmt.granularity, v_cache.fmt.name, v_cache.fmt.granularity, float(scale),
             int(sliding_window or 0), int(sinks or 0), float(softcap or 0.0),
             int(num_splits or 0), None, k_cache.zero, v_cache.zero, k_cache.res_data,
-            k_cache.res_slot, v_cache.res_data, v_cache.res_slot, backend=backend)
+            k_cache.res_slot, v_cache.res_data, v_cache.res_slot, backend=backend,
+            sink_logits=sink_logits)
     args = (q, k_cache.data, k_cache.scale, k_cache.micro, v_cache.data, v_cache.scale,
             v_cache.micro, block_tables, seq_lens, key_mask, attn_mass,
             k_cache.fmt.name, k_cache.fmt.granularity, v_cache.fmt.name,
@@ -482,6 +506,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: f
             extra[f"{name}_zero"] = c.zero
         if c.res_data is not None:
             extra[f"{name}_res"], extra[f"{name}_res_slot"] = c.res_data, c.res_slot
+    if sink_logits is not None:
+        extra["sink_logits"] = sink_logits
     if out is None:
         return torch.ops.kvcompile.paged_decode(*args, **extra)
     torch.ops.kvcompile.paged_decode_out(out, *args, **extra)

@@ -2,7 +2,8 @@
 
 decode_split_kernel: one program per (sequence, kv head, split) runs an online softmax over
 its tiles of BLOCK_T keys; combine_splits_kernel merges the splits; attn_mass_kernel turns the saved
-scores into per-key probability mass (H2O).
+scores into per-key probability mass (H2O). Sink logits (HAS_SINK) join a row's softmax where
+it is final: the direct epilogue, or the combine (`add_sink`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from kvcompile.kernels.decode_tiles import load_row_pair
                                "NUM_SPLITS"])
 def decode_split_kernel(
         Q, KD, KS, KM, KZ, KR, KRS, VD, VS, VM, VZ, VR, VRS, BT, SL, KMASK, ACC, LSE, OUT,
-        SCORES, stride_bt, n_kmask, scores_len, H, qk_scale, cap_in, cap_out, k_mult, v_mult,
+        SCORES, SINK, stride_bt, n_kmask, scores_len, H, qk_scale, cap_in, cap_out, k_mult, v_mult,
         window, sinks, NUM_SPLITS,
         G: tl.constexpr, SQ: tl.constexpr, M: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
         P: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -29,7 +30,7 @@ def decode_split_kernel(
         CDT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KMASK: tl.constexpr,
         WRITE_SCORES: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
         WINDOW: tl.constexpr, ASM: tl.constexpr, BIG: tl.constexpr, SPLIT: tl.constexpr,
-        PAIR: tl.constexpr = False):
+        PAIR: tl.constexpr = False, HAS_SINK: tl.constexpr = False):
     # K / V (KZ, VZ: int zero points; KR, KRS / VR, VRS: bf16 residual rows and the row of
     # each page) in the formats KFMT / VFMT (decode_tiles.py codes) with scale modes KSM / VSM
     pid_bh = tl.program_id(0)
@@ -149,6 +150,9 @@ def decode_split_kernel(
         cols_a = tl.arange(0, DV)
         cols_b = cols_a
     if DIRECT:
+        if HAS_SINK:  # SINK [Hq] fp32: one more softmax column per query head
+            sink = tl.load(SINK + kvh * G + r // SQ, mask=row_ok, other=0.0)
+            lse, inv = add_sink(lse, inv, sink)
         o_ptr = OUT + q_row[:, None] * DV
         tl.store(o_ptr + cols_a[None, :], (acc_a * inv[:, None]).to(OUT.dtype.element_ty),
                  mask=row_ok[:, None])
@@ -165,16 +169,33 @@ def decode_split_kernel(
         tl.store(LSE + part, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["NUM_SPLITS"])
-def combine_splits_kernel(ACC, PLSE, OUT, LSE, NUM_SPLITS, DV: tl.constexpr, S_PAD: tl.constexpr,
-                    CHUNK: tl.constexpr):
-    # one program per output row: out = sum_s 2^(lse_s - lse) * acc_s
+@triton.jit
+def add_sink(lse, inv, sink):
+    """A row's lse (log2 units) and output factor `inv` with the sink logit `sink` (natural
+    units) added to its softmax's denominator: lse' = log2(2^lse + 2^(sink log2 e)), inv *=
+    2^(lse - lse'). A row that saw no key (lse -inf) keeps inv 0."""
+    s2 = sink * 1.4426950408889634
+    top = tl.maximum(lse, s2)
+    lse_all = top + tl.log2(tl.exp2(lse - top) + tl.exp2(s2 - top))
+    return lse_all, inv * tl.exp2(lse - lse_all)
+
+
+@triton.jit(do_not_specialize=["NUM_SPLITS", "HQ", "SQ"])
+def combine_splits_kernel(ACC, PLSE, OUT, LSE, SINK, NUM_SPLITS, HQ, SQ, DV: tl.constexpr,
+                          S_PAD: tl.constexpr, CHUNK: tl.constexpr, HAS_SINK: tl.constexpr):
+    # one program per output row (b, head, query): out = sum_s 2^(lse_s - lse) * acc_s, with
+    # SINK [HQ] (HAS_SINK) one more term of the denominator
     row = tl.program_id(0)
     sp = tl.arange(0, S_PAD)
     lse_s = tl.load(PLSE + row * NUM_SPLITS + sp, mask=sp < NUM_SPLITS, other=float("-inf"))
     m = tl.max(lse_s, 0)
+    if HAS_SINK:
+        s2 = tl.load(SINK + (row // SQ) % HQ) * 1.4426950408889634
+        m = tl.maximum(m, s2)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.sum(tl.exp2(lse_s - m_safe), 0)
+    if HAS_SINK:
+        total += tl.exp2(s2 - m_safe)
     dv = tl.arange(0, DV)
     ch = tl.arange(0, CHUNK)
     out = tl.zeros([DV], tl.float32)

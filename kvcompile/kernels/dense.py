@@ -17,6 +17,10 @@ Non-finite values. A query's output is attention over the keys it may see:
 - a query that sees no key outputs 0 (as torch SDPA does on the CPU).
 SDPA runs first; only where its output is not finite is the attention recomputed in fp32 by
 `exact_attention`, which applies these rules.
+
+Attention sinks (`sink_logits [Hq]`, gpt-oss): a learned logit per query head joins each row's
+softmax denominator and its probability is dropped, p = exp(s) / (sum exp(s) + exp(sink)).
+SDPA has no such input, so attention with sinks runs `exact_attention` (fp32).
 """
 
 from __future__ import annotations
@@ -40,20 +44,21 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def sdpa_attention(q, k, v, allowed, additive, scale: float, causal: bool = False,
-                   softcap: float = 0.0) -> torch.Tensor:
+                   softcap: float = 0.0, sink_logits=None) -> torch.Tensor:
     """q [B, Hq, S, D], k [B, Hkv, L, D], v [B, Hkv, L, Dv] (any float dtypes); allowed
     [B|1, Hq|1, S, L] bool or None; additive [B|1, Hq|1, S, L] float or None (values <= -1e4
     mask their key); causal: the S queries are the last S of the L positions and see only keys
-    at or before their own. -> [B, Hq, S, Dv] in compute_dtype(q.dtype)."""
+    at or before their own; sink_logits [Hq] or None (attention sinks, the module docstring).
+    -> [B, Hq, S, Dv] in compute_dtype(q.dtype)."""
     S, L = q.shape[2], k.shape[2]
     if causal and (allowed is not None or additive is not None or S != L):
         c = _causal(S, L, q.device)[None, None]
         allowed = c if allowed is None else allowed & c
         causal = False
     dt = compute_dtype(q.dtype)
-    if softcap:
+    if softcap or sink_logits is not None:
         return exact_attention(q, k, v, _causal_if(allowed, causal, S, L, q.device), additive,
-                               scale, softcap).to(dt)
+                               scale, softcap, sink_logits).to(dt)
     mask = allowed
     if additive is not None:
         mask = additive.to(dt)
@@ -84,21 +89,24 @@ def _sdpa(q, k, v, mask, scale: float, causal: bool) -> torch.Tensor:
                                           is_causal=causal, enable_gqa=Hq != Hkv)
 
 
-def exact_attention(q, k, v, allowed, additive, scale: float, softcap: float) -> torch.Tensor:
+def exact_attention(q, k, v, allowed, additive, scale: float, softcap: float,
+                    sink_logits=None) -> torch.Tensor:
     """The contract of `sdpa_attention` (causality given in `allowed`), in fp32 math, with the
     non-finite rules of the module docstring. -> [B, Hq, S, Dv] fp32."""
     S = q.shape[2]
+    sink = None if sink_logits is None else sink_logits.float().view(1, -1, 1, 1)
     if S <= _Q_BLOCK:
-        return _exact(q, k, v, allowed, additive, scale, softcap)
+        return _exact(q, k, v, allowed, additive, scale, softcap, sink)
     outs = []
     for s0 in range(0, S, _Q_BLOCK):
         rows = slice(s0, min(S, s0 + _Q_BLOCK))
         outs.append(_exact(q[:, :, rows], k, v, _rows(allowed, rows), _rows(additive, rows),
-                           scale, softcap))
+                           scale, softcap, sink))
     return torch.cat(outs, dim=2)
 
 
-def _exact(q, k, v, allowed, additive, scale, softcap):
+def _exact(q, k, v, allowed, additive, scale, softcap, sink=None):
+    # sink: [1, Hq, 1, 1] fp32 sink logits (masked_softmax's `sink`) or None
     B, Hq, S, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     rep = Hq // Hkv
@@ -112,7 +120,7 @@ def _exact(q, k, v, allowed, additive, scale, softcap):
         s = s + additive.float()
         kept = additive > _MASKED
         seen = kept if seen is None else seen & kept
-    p = masked_softmax(s, seen)   # a masked key's NaN score is gone; empty rows -> 0
+    p = masked_softmax(s, seen, sink)   # a masked key's NaN score is gone; empty rows -> 0
     pg = p.reshape(B, Hkv, rep * S, L)
     vf = v.float()
     bad = ~torch.isfinite(vf)
@@ -170,11 +178,12 @@ def _batched(mask):
     return None if mask is None else mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
 
 
-def attend_fp32(q, k, v, allowed, additive, scale: float, softcap: float) -> torch.Tensor:
-    """q [Hq, S, D], k [Hkv, L, D], v [Hkv, L, Dv], allowed / additive [.., S, L] or None ->
-    [Hq, S, Dv] fp32, by `exact_attention`."""
+def attend_fp32(q, k, v, allowed, additive, scale: float, softcap: float,
+                sink_logits=None) -> torch.Tensor:
+    """q [Hq, S, D], k [Hkv, L, D], v [Hkv, L, Dv], allowed / additive [.., S, L] or None,
+    sink_logits [Hq] or None -> [Hq, S, Dv] fp32, by `exact_attention`."""
     return exact_attention(q[None], k[None], v[None], _batched(allowed), _batched(additive),
-                           scale, softcap)[0]
+                           scale, softcap, sink_logits)[0]
 
 
 def attend_sdpa(q, k, v, allowed, additive, scale: float, causal: bool = False) -> torch.Tensor:
@@ -234,29 +243,34 @@ def _masks(attn_mask, s: int, total: int, is_causal: bool, window: int, starts, 
     return allowed, additive, False
 
 
-def dense_attention(q, k, v, attn_mask, scale, is_causal, sliding_window, softcap):
-    # q [B, Hq, S, D], k [B, Hkv, L, D], v [B, Hkv, L, Dv] -> [B, Hq, S, Dv] in q's dtype
+def dense_attention(q, k, v, attn_mask, scale, is_causal, sliding_window, softcap,
+                    sink_logits=None):
+    # q [B, Hq, S, D], k [B, Hkv, L, D], v [B, Hkv, L, Dv], sink_logits [Hq] | None
+    # -> [B, Hq, S, Dv] in q's dtype
     if scale is None or scale <= 0:
         scale = 1.0 / math.sqrt(q.shape[-1])
     allowed, additive, causal = _masks(attn_mask, q.shape[2], k.shape[2], is_causal,
                                        sliding_window, None, q.device)
-    return sdpa_attention(q, k, v, allowed, additive, scale, causal, softcap).to(q.dtype)
+    return sdpa_attention(q, k, v, allowed, additive, scale, causal, softcap,
+                          sink_logits).to(q.dtype)
 
 
 # --- paged ---------------------------------------------------------------------------------------
 
 def paged_reference_attention(kt, vt, q, plan, attn_mask, is_causal, sliding_window,
-                              softcap, scale, latent: bool = False):
+                              softcap, scale, sink_logits=None, latent: bool = False):
     """Attention of q over one layer's pages (kt, vt: PagedTensor, [N, P, Hkv, D] pages) for
     each sequence of the plan (its block tables, lengths and padding offsets).
     q [B, Hq, S, D] (packed: [1, Hq, T, D]) -> [B, Hq, S, Dv] in compute_dtype(q.dtype).
     Rows of one length share one gather and one SDPA call (every row, in a generate call);
     what the layers of a forward share (page indices, masks) is built by the first.
+    sink_logits [Hq] or None: attention sinks (the module docstring).
     latent: MLA pages (kernels/latent.py): kt holds the latent c [.., r], vt the rotary key
     [.., dr]; the keys are [c, k_rope], the values c, q is the absorbed [B, Hq, S, r + dr] and
     the output the weighted latents [B, Hq, S, r]."""
     if plan.packed:
-        return _packed_attention(kt, vt, q, plan, sliding_window, softcap, scale, latent)
+        return _packed_attention(kt, vt, q, plan, sliding_window, softcap, scale, sink_logits,
+                                 latent)
     key = ("reference", None if attn_mask is None else (attn_mask.data_ptr(),
                                                        tuple(attn_mask.shape)),
            is_causal, sliding_window, q.shape[2])
@@ -269,12 +283,12 @@ def paged_reference_attention(kt, vt, q, plan, attn_mask, is_causal, sliding_win
     if len(groups) == 1 and groups[0][0] is None:  # every row one length
         _, idx, b, total, allowed, additive, causal = groups[0]
         return sdpa_attention(q, *_kv(kt, vt, idx, b, total, dt, latent), allowed, additive,
-                              scale, causal, softcap)
+                              scale, causal, softcap, sink_logits)
     B, Hq, S, _ = q.shape
     out = torch.empty((B, Hq, S, (kt if latent else vt).head_dim), dtype=dt, device=q.device)
     for rows, idx, b, total, allowed, additive, causal in groups:
         out[rows] = sdpa_attention(q[rows], *_kv(kt, vt, idx, b, total, dt, latent), allowed,
-                                   additive, scale, causal, softcap)
+                                   additive, scale, causal, softcap, sink_logits)
     return out
 
 
@@ -305,7 +319,8 @@ def _groups(plan, attn_mask, is_causal: bool, window: int, s: int, page_size: in
     return out
 
 
-def _packed_attention(kt, vt, q, plan, sliding_window, softcap, scale, latent=False):
+def _packed_attention(kt, vt, q, plan, sliding_window, softcap, scale, sink_logits=None,
+                      latent=False):
     # q [1, Hq, T, D] packed: sequence i owns q columns cu[i]:cu[i+1]; causal within each
     if "reference_cu" not in plan.cache:
         plan.cache["reference_cu"] = plan.cu_seqlens_q.tolist()
@@ -322,7 +337,7 @@ def _packed_attention(kt, vt, q, plan, sliding_window, softcap, scale, latent=Fa
         allowed, additive, causal = _masks(None, s, total, True, sliding_window, None, q.device)
         dt = compute_dtype(q.dtype)
         o = sdpa_attention(q[:, :, cu[i]:cu[i + 1]], *_kv(kt, vt, idx, 1, total, dt, latent),
-                           allowed, additive, scale, causal, softcap)
+                           allowed, additive, scale, causal, softcap, sink_logits)
         if out is None:
             out = o.new_zeros((*q.shape[:-1], o.shape[-1]))
         out[:, :, cu[i]:cu[i + 1]] = o

@@ -179,7 +179,7 @@ def _paged_prefill_op(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tens
                       block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       seq_lens: torch.Tensor, kv_start: torch.Tensor | None, scale: float,
                       sliding_window: int, sinks: int, softcap: float,
-                      max_q_len: int) -> torch.Tensor:
+                      max_q_len: int, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     dv = v_data.shape[3] * (2 if v_format == "fp4_e2m1" else 1)
     out = torch.empty(q.shape[0], q.shape[1], dv, dtype=q.dtype, device=q.device)
     k = (k_format, k_granularity, k_data, k_scale, k_micro)
@@ -189,17 +189,19 @@ def _paged_prefill_op(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tens
 
         ref = R.paged_prefill_attention_ref(
             q, _pages_view(*k), _pages_view(*v), block_tables, cu_seqlens_q, seq_lens, scale,
-            sliding_window=sliding_window, sinks=sinks, softcap=softcap, kv_start=kv_start)
+            sliding_window=sliding_window, sinks=sinks, softcap=softcap, kv_start=kv_start,
+            sink_logits=sink_logits)
         return out.copy_(ref)
     max_q_len = max_q_len if max_q_len > 0 else _max_seqlen(cu_seqlens_q)
     return L.launch_paged_prefill(q, out, k, v, block_tables, cu_seqlens_q, seq_lens, kv_start,
-                                  scale, sliding_window, sinks, softcap, max_q_len)
+                                  scale, sliding_window, sinks, softcap, max_q_len,
+                                  sink_logits=sink_logits)
 
 
 @_paged_prefill_op.register_fake
 def _(q, k_data, k_scale, k_micro, k_format, k_granularity, v_data, v_scale, v_micro, v_format,
       v_granularity, block_tables, cu_seqlens_q, seq_lens, kv_start, scale, sliding_window,
-      sinks, softcap, max_q_len):
+      sinks, softcap, max_q_len, sink_logits=None):
     dv = v_data.shape[3] * (2 if v_format == "fp4_e2m1" else 1)
     return q.new_empty(q.shape[0], q.shape[1], dv)
 
@@ -220,7 +222,8 @@ def _pages_view(fmt_name, granularity, data, scale, micro):
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
                             scale: float, *, sliding_window=0, sinks=0, softcap=0.0,
-                            kv_start=None, out=None, max_q_len: int | None = None):
+                            kv_start=None, out=None, max_q_len: int | None = None,
+                            sink_logits=None):
     """Chunked prefill: packed chunk queries attend causally over their sequences' pages.
 
     q: [T, Hq, D] (bf16/fp16/fp32), the chunks of B sequences packed by cu_seqlens_q [B+1] int32;
@@ -228,13 +231,15 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
     seq_lens: [B] int32, each sequence's length *including* its chunk (whose K/V are already
     written). Query i of sequence b sits at position seq_lens[b] - q_len_b + i and sees keys
     [kv_start[b], position] (kv_start: [B] int32 left padding, default 0), within the sliding
-    window if any, the first `sinks` keys from kv_start always. Returns [T, Hq, Dv] in q's dtype.
+    window if any, the first `sinks` keys from kv_start always. sink_logits [Hq] fp32:
+    attention sinks, one logit per query head in each softmax's denominator (kernels/decode.py).
+    Returns [T, Hq, Dv] in q's dtype.
     """
     res = torch.ops.kvcompile.paged_prefill(
         q, k_cache.data, k_cache.scale, k_cache.micro, k_cache.fmt.name,
         k_cache.fmt.granularity, v_cache.data, v_cache.scale, v_cache.micro, v_cache.fmt.name,
         v_cache.fmt.granularity, block_tables, cu_seqlens_q, seq_lens, kv_start, float(scale),
-        int(sliding_window), int(sinks), float(softcap), int(max_q_len or 0))
+        int(sliding_window), int(sinks), float(softcap), int(max_q_len or 0), sink_logits)
     if out is not None:
         return out.copy_(res)
     return res

@@ -350,8 +350,9 @@ def _page_args(op, which, fmt, gran, data, scale, micro, num_kv_heads, dim):
 
 
 def launch_paged_prefill(q, out, k, v, block_tables, cu_seqlens_q, seq_lens, kv_start, scale,
-                          window, sinks, softcap, max_q_len, config=None):
+                          window, sinks, softcap, max_q_len, config=None, sink_logits=None):
     # q: [T, Hq, D]  out: [T, Hq, Dv]  k/v: (fmt, gran, data, scale, micro)
+    # sink_logits: [Hq] fp32 attention sinks (one more softmax column per head) or None
     import triton
 
     from kvcompile.kernels.prefill_paged import paged_prefill_kernel
@@ -379,6 +380,12 @@ def launch_paged_prefill(q, out, k, v, block_tables, cu_seqlens_q, seq_lens, kv_
                                     f"{tuple(block_tables.shape)}")
     if v[2].shape[1] != Hkv or v[2].shape[2] != page:
         raise UnsupportedShapeError(f"{op}: k and v pages disagree on kv heads / page size")
+    if sink_logits is not None and (sink_logits.dtype != torch.float32 or tuple(
+            sink_logits.shape) != (Hq,) or not sink_logits.is_contiguous()
+            or sink_logits.device != q.device):
+        raise UnsupportedShapeError(f"{op}: sink_logits must be contiguous fp32 [{Hq}] on "
+                                    f"{q.device}; got {sink_logits.dtype} "
+                                    f"{tuple(sink_logits.shape)}")
     k_fmt, k_gran, k_str = _page_args(op, "k", *k, Hkv, D)
     v_fmt, v_gran, v_str = _page_args(op, "v", *v, Hkv, Dv)
     if T == 0 or B == 0:
@@ -404,17 +411,19 @@ def launch_paged_prefill(q, out, k, v, block_tables, cu_seqlens_q, seq_lens, kv_
         grid = (triton.cdiv(max_q_len, tok_m), Hkv, B)
         paged_prefill_kernel[grid](
             q, out, block_tables, cu_seqlens_q, seq_lens,
-            kv_start if kv_start is not None else dummy, *kt, *vt,
+            kv_start if kv_start is not None else dummy,
+            sink_logits if sink_logits is not None else dummy, *kt, *vt,
             mult, cap_l2, inv_cap, int(window), int(sinks), seq_bucket(max_q_len),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
             *k_str, *v_str,
             GROUP=group, HEAD_DIM=D, HEAD_DIM_V=Dv, PAGE=page, K_FMT=k_fmt, K_GRAN=k_gran,
             V_FMT=v_fmt, V_GRAN=v_gran, COMPUTE=tl_compute, WINDOW=window > 0,
             SINKS=sinks > 0 and window > 0, SOFTCAP=softcap > 0,
-            HAS_KV_START=kv_start is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+            HAS_KV_START=kv_start is not None, HAS_SINK=sink_logits is not None,
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n,
             NUM_STAGES=c.num_stages, num_warps=c.num_warps, num_stages=c.num_stages)
 
     key = (D, Dv, group, page, k[0], k[1], v[0], v[1], window > 0, sinks > 0, softcap > 0,
-           kv_start is not None, q.dtype, seq_bucket(max_q_len))
+           kv_start is not None, sink_logits is not None, q.dtype, seq_bucket(max_q_len))
     PAGED_TUNER.run(key, configs, launch)
     return out

@@ -123,7 +123,7 @@ def _paged_tiles(acc, m_i, l_i, q, c_q, pos, bt_row, lo, hi, kv_lo, kv_hi, windo
 
 @triton.jit
 def paged_prefill_kernel(
-        Q, Out, block_tables, cu_seqlens_q, seq_lens, kv_starts,
+        Q, Out, block_tables, cu_seqlens_q, seq_lens, kv_starts, Sink,
         K_data, K_scale, K_micro, V_data, V_scale, V_micro,
         sm_scale_c, softcap_log2e, inv_softcap, window, sinks, q_bucket,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
@@ -133,9 +133,10 @@ def paged_prefill_kernel(
         PAGE: tl.constexpr, K_FMT: tl.constexpr, K_GRAN: tl.constexpr, V_FMT: tl.constexpr,
         V_GRAN: tl.constexpr, COMPUTE: tl.constexpr, WINDOW: tl.constexpr,
         SINKS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KV_START: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
+        HAS_SINK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
     # Q: [T, Hq, D]  Out: [T, Hq, Dv]  block_tables: [B, max_pages] int32
     # K_data: [N, Hkv, P, D] (fp4: [N, Hkv, P, D//2] uint8)  K_scale: [N, Hkv] | [N, Hkv, P] | [1]
+    # Sink: [Hq] fp32 sink logits (HAS_SINK; SINKS is the window's kept first keys)
     TOK_M: tl.constexpr = BLOCK_M // GROUP
     hkv = tl.program_id(1)
     b = tl.program_id(2)
@@ -201,6 +202,9 @@ def paged_prefill_kernel(
         True, WINDOW, SINKS, SOFTCAP, K_FMT, K_GRAN, V_FMT, V_GRAN, PAGE, HEAD_DIM,
         HEAD_DIM_V, BLOCK_N, COMPUTE, NUM_STAGES)
 
+    if HAS_SINK:  # one more column of the softmax per head, its probability dropped
+        sink = tl.load(Sink + head) * 1.4426950408889634
+        l_i += tl.exp2(sink - tl.where(m_i == float("-inf"), 0.0, m_i))
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # a row that sees no key writes zeros
     o = acc / l_i[:, None]
     if V_GRAN == _TENSOR:

@@ -5,9 +5,14 @@ from __future__ import annotations
 import torch
 
 
-def masked_softmax(s: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+def masked_softmax(s: torch.Tensor, allowed: torch.Tensor | None,
+                   sink: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax over the last dim of scores s [..., L] (fp32), keys where `allowed` [..., L]
     (bool, broadcast to s; None: every key) -> p, shaped like s.
+
+    sink: an attention sink logit per row (broadcast to s[..., :1], e.g. [1, Hq, 1, 1]), a
+    column of the softmax whose probability is dropped (gpt-oss): p = exp(s) / (sum exp(s) +
+    exp(sink)); a row that sees no key still gets all zeros.
 
     Every reference path uses this one (the references below, kernels/dense.py's exact fp32
     attention, eviction/attend.py): a masked key gets probability 0 whatever its score holds
@@ -16,8 +21,13 @@ def masked_softmax(s: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tenso
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
     m = s.amax(-1, keepdim=True)
-    p = torch.exp(s - torch.where(torch.isfinite(m), m, 0.0))   # NaN stays NaN; -inf rows -> 0
+    if sink is not None:
+        m = torch.maximum(m, sink.float())
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    p = torch.exp(s - m)   # NaN stays NaN; -inf rows -> 0
     denom = p.sum(-1, keepdim=True)
+    if sink is not None:
+        denom = denom + torch.exp(sink.float() - m)
     return p / torch.where(denom > 0, denom, 1.0)
 
 
@@ -50,8 +60,9 @@ def decode_mask_ref(q_pos: torch.Tensor, length: int, *, sliding_window: int = 0
 
 def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale: float, *,
                                key_mask=None, sliding_window: int = 0, sinks: int = 0,
-                               softcap: float = 0.0, attn_mass=None):
+                               softcap: float = 0.0, attn_mass=None, sink_logits=None):
     """q [B, Hq, Sq, D]; query i at position seq_lens[b] - Sq + i. -> [B, Hq, Sq, Dv] fp32.
+    sink_logits [Hq]: attention sinks (masked_softmax's `sink`).
 
     A row that sees no key outputs 0; values of keys that no row sees are treated as 0 (they may
     hold anything). attn_mass [B, Hkv, Lmax] fp32, if given, gets += each key's probability
@@ -72,7 +83,7 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scal
         s = torch.einsum("hsd,hld->hsl", q[b].float(), k) * scale                # [Hq, Sq, L]
         if softcap:
             s = softcap * torch.tanh(s / softcap)
-        p = masked_softmax(s, allowed)
+        p = masked_softmax(s, allowed, _sink(sink_logits, 3))
         v = torch.where(allowed.any(0)[None, :, None], v, torch.zeros_like(v))
         out[b] = torch.einsum("hsl,hld->hsd", p, v)
         if attn_mass is not None:
@@ -101,7 +112,12 @@ def prefill_mask_ref(q_pos, k_pos, kv_start: int = 0, *, causal: bool = True,
     return ok
 
 
-def _prefill_attend_ref(q, k, v, allowed, scale: float, softcap: float):
+def _sink(sink_logits, dims: int):
+    """sink_logits [Hq] as masked_softmax's `sink` for scores [Hq, S, L] (dims 3), or None."""
+    return None if sink_logits is None else sink_logits.float().view(-1, *(1,) * (dims - 1))
+
+
+def _prefill_attend_ref(q, k, v, allowed, scale: float, softcap: float, sink_logits=None):
     # q [S, Hq, D], k [L, Hkv, D], v [L, Hkv, Dv], allowed [S, L] -> [S, Hq, Dv] fp32
     g = q.shape[1] // k.shape[1]
     kf = k.float().repeat_interleave(g, dim=1)
@@ -109,7 +125,7 @@ def _prefill_attend_ref(q, k, v, allowed, scale: float, softcap: float):
     s = torch.einsum("shd,lhd->hsl", q.float(), kf) * scale               # [Hq, S, L]
     if softcap:
         s = softcap * torch.tanh(s / softcap)
-    p = masked_softmax(s, allowed)                                        # no key seen -> 0
+    p = masked_softmax(s, allowed, _sink(sink_logits, 3))                 # no key seen -> 0
     seen = allowed.any(0)                                                 # [L]
     vf = torch.where(seen[:, None, None], vf, torch.zeros_like(vf))       # unseen slots: 0
     return torch.einsum("hsl,lhd->shd", p, vf)
@@ -137,7 +153,7 @@ def prefill_attention_ref(q, k, v, cu_seqlens, scale: float, *, causal: bool = T
 
 def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
                                 scale: float, *, sliding_window: int = 0, sinks: int = 0,
-                                softcap: float = 0.0, kv_start=None):
+                                softcap: float = 0.0, kv_start=None, sink_logits=None):
     """Chunked prefill over pages, dequantized with formats.py (PagedTensor.read).
 
     q [T, Hq, D] packed chunks (cu_seqlens_q [B+1]); sequence b holds seq_lens[b] tokens in the
@@ -161,5 +177,5 @@ def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q,
         q_pos = torch.arange(L - (q1 - q0), L, device=q.device)
         allowed = prefill_mask_ref(q_pos, torch.arange(L, device=q.device), starts[b],
                                    sliding_window=sliding_window, sinks=sinks)
-        out[q0:q1] = _prefill_attend_ref(q[q0:q1], k, v, allowed, scale, softcap)
+        out[q0:q1] = _prefill_attend_ref(q[q0:q1], k, v, allowed, scale, softcap, sink_logits)
     return out

@@ -32,6 +32,11 @@ def eviction_pass(gm: fx.GraphModule, plan, state) -> str:
         return "no eviction policy"
     for site in sites:
         rules_of(site.config.eviction)   # KVConfigError naming register_policy if unknown
+        if site.sinks is not None:   # the pipeline leaves the site alone with this reason
+            raise NotImplementedError(
+                f"{site.name} has attention sinks (a per-head sink logit), and attention over "
+                f"the slots an eviction policy keeps has no sink input; remove the policy for "
+                f"this module (kvcompile.configure(module, eviction=None))")
     rt = state.eviction
     if rt is None:
         rt = state.eviction = EvictionRuntime(state)

@@ -8,9 +8,13 @@ Matches, at the torch level (any of the function / method / operator spellings):
             s = s * scale | s / d                          # optional
             s = tanh(s / cap) * cap                        # optional logit soft-capping
             s = s + mask | where(mask, s, -big)            # optional
+            s = cat([s, sink.expand(B, H, S, 1)], -1)      # optional attention sinks
+            s = s - s.max(-1, keepdim=True).values         # optional, changes nothing
             p = softmax(s[.float()], dim=-1[, dtype])[.to(dtype)]
+            p = p[..., :-1]                                # with sinks: drop their column
             p = dropout(p, p=0.0 | training=False)         # optional
             out = matmul(p, v)
+            out = out * sigmoid(logsumexp(s) - sink)[..., None]   # sinks, Granite's way
 
 with keys/values repeated for GQA by `x[:, :, None].expand(..).reshape(..)` (repeat_kv),
 `repeat_interleave(x, n, dim=1)`, or SDPA's `enable_gqa=True`. Every intermediate of the eager
@@ -20,6 +24,7 @@ returned as attention weights), the site is reported and left alone.
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from kvcompile.passes.graph_utils import (
@@ -35,15 +40,18 @@ from kvcompile.passes.graph_utils import (
 )
 from kvcompile.passes.layouts import BHSD, Layout, pv_operands, qk_operands
 from kvcompile.passes.score_masks import (
-    SINKS,
+    SINK_NOT_DROPPED,
+    drops_sink_column,
     in_place_fill,
     is_last_dim,
     is_very_negative_const,
+    logsumexp_sink,
     mask_step,
     masked_in_place,
     reads_shape_only,
     same_value,
-    sink_logits,
+    sink_column,
+    stabilized,
     views_scores,
     zeroes_probs,
 )
@@ -176,6 +184,11 @@ def unwrap_gqa(node, layout: Layout = BHSD) -> tuple[fx.Node, str, int, Layout]:
     if not isinstance(node, fx.Node):
         return node, "mha", 1, layout
     k = kind(node)
+    if k == "to" and _widens_to_fp32(node):
+        # Flint: repeat_kv(keys).float(); exact, so the op may read the keys as stored
+        found = unwrap_gqa(arg(node, 0), layout)
+        if found[1] != "mha":
+            return found
     if k == "repeat_interleave":
         reps, dim = arg(node, 1, "repeats"), arg(node, 2, "dim")
         if isinstance(reps, int) and isinstance(dim, int) and not layout.flat and (
@@ -204,6 +217,13 @@ def unwrap_gqa(node, layout: Layout = BHSD) -> tuple[fx.Node, str, int, Layout]:
     return node, "mha", 1, layout
 
 
+def _widens_to_fp32(node) -> bool:
+    """node casts a float tensor of at most 32 bits to fp32 (no rounding)."""
+    out, src = val(node), val(arg(node, 0))
+    return out is not None and src is not None and out.dtype == torch.float32 and (
+        src.dtype.is_floating_point and src.dtype.itemsize <= 4)
+
+
 # --- eager -----------------------------------------------------------------------------------
 
 def _strip_to(node):
@@ -223,8 +243,12 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
     chain_fwd = []
     cur = softmax
     nxt = _next_in_chain(cur)
+    dropped = None   # p[..., :-1]: the sink column dropped
     while nxt is not None and (kind(nxt) in ("to", "dropout") or _unviews_scores(nxt)
-                               or _reviews_probs(nxt) or zeroes_probs(nxt, cur)):
+                               or _reviews_probs(nxt) or zeroes_probs(nxt, cur)
+                               or drops_sink_column(nxt, cur) and dropped is None):
+        if drops_sink_column(nxt, cur):
+            dropped = nxt
         chain_fwd.append(nxt)
         cur, nxt = nxt, _next_in_chain(nxt)
     out = nxt
@@ -243,9 +267,25 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
         if kind(x) == "max" and len(x.args) == 2 and is_very_negative_const(arg(x, 1)):
             chain_bwd.append(x)
             x = arg(x, 0)
-    sinks = sink_logits(x)
-    if sinks is not None:
-        return _miss(softmax, "sinks", sinks, SINKS)
+    # softmax's own stabilization, s - s.max(-1).values; then attention sinks
+    side = set()   # nodes that read a chain node besides its next step (max, logsumexp)
+    stab = stabilized(x)
+    if stab is not None:
+        x, nodes = stab
+        chain_bwd += nodes
+        side.update(nodes[1:])
+    sink = sink_column(x)
+    if isinstance(sink, str):
+        return _miss(softmax, "sinks", x, sink)
+    if sink is not None:
+        if dropped is None:
+            return _miss(softmax, "sinks", x, SINK_NOT_DROPPED)
+        chain_bwd.append(x)
+        x, sink = sink
+    elif dropped is not None:
+        return _miss(softmax, "sinks", dropped, "the probabilities lose their last column, "
+                     "but the softmax has no sink column")
+    scores_in = x   # what the masks and scale below read back from
     # masks and position biases, any number in any order (GPT-Neo: where(causal, s, min) +
     # mask; MPT: (s + alibi).masked_fill(m, min); CPM-Ant: masked_fill(s + rel_bias, m, -inf))
     masks: list[tuple] = []
@@ -298,6 +338,13 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
         users = ", ".join(f"{u.name} ({_op(u)})" for u in cur.users) or "nothing"
         return _miss(softmax, "output", cur, f"the probabilities do not feed p·v (matmul, bmm, "
                      f"einsum) (used by {users})")
+    output, scaled = out, []
+    lse = logsumexp_sink(scores_in, out) if sink is None else None
+    if isinstance(lse, str):
+        return _miss(softmax, "sinks", scores_in, lse)
+    if lse is not None:   # Granite-SWA: the sinks as a scale of the output
+        sink, scaled, output = lse
+        side.add(scaled[0])
     v, v_layout, out_layout = pv.v, pv.v_layout, pv.out_layout
     if ops.q_layout.flat:   # flattened values / output share the query's flattening
         out_layout = ops.q_layout if out_layout.heads else out_layout
@@ -314,20 +361,18 @@ def _match_eager(softmax: fx.Node) -> AttentionSite | NearMiss:
     k_src, gqa_k, rep_k, k_layout = unwrap_gqa(k, ops.k_layout)
     v_src, gqa_v, rep_v, v_layout = unwrap_gqa(v, v_layout)
     chain = [qk] + list(reversed(chain_bwd)) + ([kt] if kt is not None else []) + [
-        softmax] + chain_fwd + [out]
+        softmax] + chain_fwd + [out] + scaled[1:] + ([output] if scaled else [])
     site = AttentionSite(
         name=name, module_class=cls, module_stack=stack, pattern="eager", gqa=gqa_k,
-        q=q, k=k_src, v=v_src, output=out, chain=chain, mask=mask, mask_kind=mask_kind,
+        q=q, k=k_src, v=v_src, output=output, chain=chain, mask=mask, mask_kind=mask_kind,
         scale=scale if scale is not None else 1.0, softcap=softcap, n_rep=rep_k,
         q_layout=ops.q_layout, k_layout=k_layout, v_layout=v_layout, out_layout=out_layout,
-        more_masks=masks[1:],
+        more_masks=masks[1:], sinks=sink,
     )
     for n in [qk] + chain_bwd + [softmax] + chain_fwd:
-        if n is q or (in_place_fill(n, chain_bwd) and not n.users):
+        if n is q or n in side or (in_place_fill(n, chain_bwd) and not n.users):
             continue
-        if any("logsumexp" in str(u.target) for u in n.users):   # Granite-SWA's sinks
-            return site.skip(SINKS + " (here as a scale by the scores' logsumexp)")
-        if len([u for u in n.users if not (in_place_fill(u, chain_bwd)
+        if len([u for u in n.users if not (in_place_fill(u, chain_bwd) or u in side
                                            or reads_shape_only(u, n))]) != 1:
             return site.skip(f"attention scores/probabilities ({n.name}) are used elsewhere")
     if kt is not None and len(kt.users) != 1:
@@ -353,7 +398,8 @@ def _next_in_chain(node: fx.Node) -> fx.Node | None:
             return u
         if k == "einsum" and node in u.all_input_nodes:
             return u
-        if _unviews_scores(u) or _reviews_probs(u) or zeroes_probs(u, node):
+        if _unviews_scores(u) or _reviews_probs(u) or zeroes_probs(u, node) or (
+                drops_sink_column(u, node)):
             return u
     return None
 

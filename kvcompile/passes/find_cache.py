@@ -189,8 +189,9 @@ def _find_one(x: fx.Node, site: AttentionSite, what: str, layout: Layout,
         if isinstance(past, fx.Node) and past.op != "placeholder" and not (
                 pv is not None and (pv.numel() == 0 or pv.shape[seq] == 0)):
             raise _NotACache(f"{what}: cat onto {past.name}, keys computed in this graph, not "
-                             f"a cache passed in (e.g. a layer run twice in one forward, "
-                             f"reading its first pass's keys)")
+                             f"a cache passed in (a cache extended twice in one forward: a "
+                             f"layer run twice, reading its first pass's keys, or keys appended "
+                             f"to the cache, as DeepSeek-V4 appends its compressed KV)")
         _views_to_outputs_only(x, site, what, allowed_extra=_attention_readers(site, x))
         return CacheOp(kind="cat", new=new, past=past, layout=layout, seq_dim=seq)
     # index-written buffers: the attention reads the buffer (or the index_copy_ result)

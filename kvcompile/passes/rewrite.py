@@ -10,6 +10,7 @@ After:
 
     out = torch.ops.kvcompile.attention(q, k_new, v_new, m, None, "model.layers.0.self_attn",
                                         s, False, 0, 0.0, tag)
+    # (with attention sinks: ..., tag, sink_logits=sinks.reshape(-1))
     keys = _virtual_cat(past_k, k_new)                    # zero-byte stub of cat's shape
     values = _virtual_cat(past_v, v_new)
 
@@ -103,11 +104,16 @@ def rewrite_site(gm: fx.GraphModule, site: AttentionSite, tag: str,
     q = _adapt(graph, q_layout.to_bhsd, site.q, site.output)
     k_new = _adapt(graph, (site.k_cache.layout or BHSD).to_bhsd, site.k_cache.new, site.output)
     v_new = _adapt(graph, (site.v_cache.layout or BHSD).to_bhsd, site.v_cache.new, site.output)
+    kwargs = {}
+    if site.sinks is not None:   # one logit per query head, [1, H, 1, 1] -> [H]
+        with graph.inserting_before(site.output):
+            kwargs["sink_logits"] = graph.call_method("reshape", (site.sinks, -1))
+        _set_meta(kwargs["sink_logits"], site.sinks)
     with graph.inserting_before(site.output):
         node = graph.call_function(
             torch.ops.kvcompile.attention.default,
             (q, k_new, v_new, mask, positions, site.name,
-             float(scale), bool(is_causal), 0, float(site.softcap), tag))
+             float(scale), bool(is_causal), 0, float(site.softcap), tag), kwargs)
         _set_meta(node, site.output)
     node = _adapt(graph, (site.out_layout or BHSD).from_bhsd, node, site.output)
     with graph.inserting_before(site.output):

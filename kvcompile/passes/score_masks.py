@@ -9,8 +9,18 @@ mask.
     p = softmax(s).masked_fill(m, 0)            the same mask again after the softmax (CPM-Ant)
 
 -big is a constant <= -1e4 (-inf, finfo.min). Not a mask: a fill of 0, a product with soft
-weights, scores + scores. Attention sinks (cat([s, sinks], -1)) are recognised only to say why
-the site is left alone.
+weights, scores + scores.
+
+Also read here, as steps of the chain that change nothing or become the op's sink input:
+
+    s = s - s.max(-1, keepdim=True).values         softmax's own stabilization (gpt-oss, MiMo)
+    p = softmax(cat([s, sink.reshape(1, H, 1, 1).expand(B, H, S, 1)], -1))[..., :-1]
+                                                   attention sinks (gpt-oss, Flint, HY-V4)
+    out = (p @ v) * sigmoid(logsumexp(s, -1) - sink.view(1, H, 1)).unsqueeze(-1)
+                                                   the same sinks as a scale (Granite-SWA)
+
+A sink is one learned logit per query head: a sink that varies with the batch row or the
+query, or a column that is not the one dropped, is a near miss with its reason.
 """
 
 from __future__ import annotations
@@ -20,10 +30,13 @@ import operator
 import torch
 import torch.fx as fx
 
-from kvcompile.passes.graph_utils import arg, kind, ndim
+from kvcompile.passes.graph_utils import arg, kind, ndim, shape
 
-SINKS = ("attention sinks (a learned logit per head in the softmax's denominator) are not "
-         "supported by kvcompile.attention, which has no sink input")
+SINK_NOT_PER_HEAD = ("the attention sink column is not one learned logit per query head (a "
+                     "[1, H, 1, 1] tensor expanded): kvcompile.attention takes sink logits [H]")
+SINK_NOT_DROPPED = ("the softmax's sink column is not the one dropped after it (probs[..., :-1] "
+                    "with the sink last): not attention sinks as kvcompile.attention takes "
+                    "them")
 
 
 def reads_shape_only(u, n) -> bool:
@@ -39,20 +52,102 @@ def in_place_fill(u, chain) -> bool:
     return u in chain and u.op == "call_method" and u.target == "masked_fill_"
 
 
-def sink_logits(x):
-    """The cat node when x is softmax's input cat([scores, sinks], -1), maybe stabilized as
-    cat(..) - cat(..).max(-1) (gpt-oss, Flint): None otherwise."""
-    if kind(x) not in ("cat", "add") and not (
-            x.op == "call_function" and x.target is operator.sub):
+def stabilized(x):
+    """(a, [x, values, max]) when x = a - a.max(-1, keepdim=True).values (or a.amax(-1,
+    keepdim=True)): softmax's input shifted by its row maximum, which the softmax does itself,
+    so the step changes nothing. None otherwise."""
+    if not (isinstance(x, fx.Node) and x.op == "call_function" and x.target is operator.sub):
         return None
-    if kind(x) != "cat":
-        x = arg(x, 0)
+    a, m = arg(x, 0), arg(x, 1)
+    nodes = [x]
+    if isinstance(m, fx.Node) and kind(m) == "getitem" and arg(m, 1) == 0:
+        nodes.append(m)
+        m = arg(m, 0)
+    if not isinstance(m, fx.Node) or arg(m, 0) is not a or len(nodes) == 1 and kind(m) == "max":
+        return None
+    name = m.target if m.op == "call_method" else getattr(m.target, "__name__", "")
+    dim = arg(m, 1, "dim")
+    dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
+    if name not in ("max", "amax") or not is_last_dim(a, dim) or not arg(
+            m, 2, "keepdim", False) or len(m.users) != 1:
+        return None
+    return a, nodes + [m]
+
+
+def sink_column(x):
+    """(scores, sink) when x = cat([scores, col], -1) and col is one logit per query head,
+    col = sink.expand(B, H, S, 1) with sink [1, H, 1, 1] (through casts); the reason as a str
+    when x is such a cat but col is not that; None when x is no cat of the scores."""
     if kind(x) != "cat":
         return None
     parts, dim = arg(x, 0, "tensors"), arg(x, 1, "dim", 0)
-    if not (isinstance(parts, (list, tuple)) and is_last_dim(x, dim)):
+    if not (isinstance(parts, (list, tuple)) and len(parts) == 2 and is_last_dim(x, dim)):
         return None
-    return x if any(is_scores(p) for p in parts) else None
+    scores, col = parts
+    if not is_scores(scores):
+        return SINK_NOT_DROPPED if is_scores(col) else None
+    sink = col
+    while isinstance(sink, fx.Node) and kind(sink) in ("expand", "to", "contiguous"):
+        sink = arg(sink, 0)
+    s_col, s_sink = shape(col), shape(sink)
+    if s_col is None or s_sink is None or len(s_col) != 4 or s_col[3] != 1:
+        return SINK_NOT_PER_HEAD
+    if tuple(s_sink) != (1, s_col[1], 1, 1):
+        return SINK_NOT_PER_HEAD
+    return scores, sink
+
+
+def drops_sink_column(u, probs) -> bool:
+    """u = probs[..., :-1]: the softmax's last column (the sink's) dropped."""
+    if kind(u) != "getitem" or arg(u, 0) is not probs:
+        return False
+    idx = arg(u, 1)
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    last = idx[-1] if idx else None
+    lead_ok = all(i is Ellipsis or i == slice(None) for i in idx[:-1]) and (
+        Ellipsis in idx[:-1] or len(idx) == ndim(probs))
+    return lead_ok and isinstance(last, slice) and last.start in (None, 0) and (
+        last.stop == -1) and last.step in (None, 1)
+
+
+def logsumexp_sink(scores, out):
+    """(sink [1, H, 1], nodes, final) when the p·v output `out` is scaled by
+    sigmoid(logsumexp(scores, -1) - sink).unsqueeze(-1) (casts allowed): attention sinks
+    written as a scale of the output (Granite-SWA), `final` the scaled output; None when
+    scores feed no logsumexp; the reason as a str when they do, in another way."""
+    lses = [u for u in scores.users if "logsumexp" in str(u.target)]
+    if not lses:
+        return None
+    why = ("the scores' logsumexp is used other than as sigmoid(logsumexp(s) - sink) "
+           "scaling the attention output (attention sinks as Granite-SWA writes them)")
+    lse = lses[0]
+    if len(lses) != 1 or not is_last_dim(scores, arg(lse, 1, "dim")) or arg(
+            lse, 2, "keepdim", False) or len(lse.users) != 1:
+        return why
+    sub = next(iter(lse.users))
+    if not (sub.op == "call_function" and sub.target is operator.sub and arg(sub, 0) is lse):
+        return why
+    sink, s_lse = arg(sub, 1), shape(lse)
+    if shape(sink) is None or s_lse is None or tuple(shape(sink)) != (1, s_lse[1], 1):
+        return SINK_NOT_PER_HEAD
+    nodes, n = [lse, sub], sub
+    while True:
+        if len(n.users) != 1:
+            return why
+        u = next(iter(n.users))
+        name = u.target if u.op == "call_method" else getattr(u.target, "__name__", "")
+        if kind(u) == "to" or name == "sigmoid" or (kind(u) == "unsqueeze" and arg(u, 1) in (
+                -1, 3)):
+            nodes.append(u)
+            n = u
+            continue
+        break
+    names = [m.target if m.op == "call_method" else getattr(m.target, "__name__", "")
+             for m in nodes]
+    if names.count("sigmoid") != 1 or not any(kind(m) == "unsqueeze" for m in nodes) or (
+            kind(u) != "mul" or out not in (arg(u, 0), arg(u, 1)) or len(out.users) != 1):
+        return why
+    return sink, nodes, u
 
 
 def mask_step(x, depth: int = 4):

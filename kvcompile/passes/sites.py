@@ -74,6 +74,9 @@ class AttentionSite:
     # MLA: how the keys and values are expanded from a cached latent (passes/find_latent.py
     # LatentExpansion); None for attention over the cached K/V themselves
     latent: Any = None
+    # attention sinks: a node holding one logit per query head ([1, H, 1, 1] or [1, H, 1]);
+    # the rewrite passes it to kvcompile.attention as sink_logits [H]
+    sinks: Any = None
 
     @property
     def cache_kind(self) -> str:

@@ -1,8 +1,17 @@
 """`torch.ops.kvcompile.attention`: the one op the rewrite pass inserts for attention.
 
     out = torch.ops.kvcompile.attention(q, k, v, attn_mask, positions, layer, scale, is_causal,
-                                        sliding_window, softcap, tag, key_mask=None)
+                                        sliding_window, softcap, tag, key_mask=None,
+                                        sink_logits=None)
     # q: [B, Hq, S, D]  k: [B, Hkv, S, D]  v: [B, Hkv, S, Dv]  ->  out: [B, Hq, S, Dv]
+    # sink_logits: [Hq] or None
+
+Attention sinks (gpt-oss, Flint, MiMo, Granite-SWA): `sink_logits[h]` is a learned logit of
+query head h that joins the softmax's denominator as a column whose probability is dropped,
+out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink_h)). Every path that attends takes it
+(the references, the Triton decode and chunked-prefill kernels) or refuses with the reason:
+the CUDA decode kernel (the Triton one runs), eviction (the pass leaves the site alone), a
+hook's `attend` (an error).
 
 The mask is `attn_mask & key_mask` when the rewrite found the model's mask to be an AND of a
 part shared by the batch ([1, 1, S, L]: causality, a window) and a per-row key part ([B, 1, 1,
@@ -54,20 +63,23 @@ from kvcompile.runtime import dispatch
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               attn_mask: torch.Tensor | None, positions: torch.Tensor | None, layer: str,
               scale: float, is_causal: bool, sliding_window: int, softcap: float,
-              tag: str, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+              tag: str, key_mask: torch.Tensor | None = None,
+              sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     ctx = _context.current()
+    if sink_logits is not None:
+        _check_sinks(sink_logits, q)
     if ctx is None or ctx.binding is None and ctx.plan is None:
         return dense_attention(q, k, v, masks.combine(attn_mask, key_mask), scale, is_causal,
-                               sliding_window, softcap)
+                               sliding_window, softcap, sink_logits)
     if key_mask is not None:
         attn_mask = key_mask if attn_mask is None else masks.AndMask(attn_mask, key_mask)
     return _cached_attention(ctx, q, k, v, attn_mask, positions, layer, scale, is_causal,
-                             sliding_window, softcap)
+                             sliding_window, softcap, sink_logits)
 
 
 @attention.register_fake
 def _(q, k, v, attn_mask, positions, layer, scale, is_causal, sliding_window, softcap, tag,
-      key_mask=None):
+      key_mask=None, sink_logits=None):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
@@ -122,8 +134,17 @@ def _(q, latent, rope, attn_mask, positions, layer, scale, is_causal, sliding_wi
 torch.fx.node.has_side_effect(torch.ops.kvcompile.latent_attention.default)
 
 
+def _check_sinks(sink_logits: torch.Tensor, q: torch.Tensor) -> None:
+    # sink_logits: [Hq], one logit per query head
+    if sink_logits.dim() != 1 or sink_logits.shape[0] != q.shape[1] or not (
+            sink_logits.dtype.is_floating_point):
+        raise ValueError(f"kvcompile.attention: sink_logits must be a float tensor [Hq] = "
+                         f"[{q.shape[1]}] (one sink logit per query head); got "
+                         f"{sink_logits.dtype} {tuple(sink_logits.shape)}")
+
+
 def _cached_attention(ctx, q, k, v, attn_mask, positions, layer, scale, is_causal,
-                      sliding_window, softcap):
+                      sliding_window, softcap, sink_logits=None):
     state = ctx.state
     li, plan, mask_info = _store(ctx, q, k, v, attn_mask, positions, layer, is_causal,
                                  sliding_window)
@@ -132,6 +153,8 @@ def _cached_attention(ctx, q, k, v, attn_mask, positions, layer, scale, is_causa
     extras = {}
     for hook in state.hooks:
         extras.update(hook.attention_extras(ctx, li))
+    if sink_logits is not None:
+        extras["sink_logits"] = sink_logits.float().contiguous()
     out = dispatch.attend(ctx, li, q, plan, mask_info, attn_mask, is_causal, sliding_window,
                           softcap, scale, extras, fresh=(k, v))
     for hook in state.hooks:

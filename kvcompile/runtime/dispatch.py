@@ -16,6 +16,12 @@
 5. the reference over the stored pages (kernels/dense.py), exact for every format.
 
 Kernels get tensors, block tables and constants: never the pool or the forward context.
+
+Attention sinks arrive as `extras["sink_logits"]` ([Hq] fp32, runtime/attention_op.py), so
+every kernel call below passes them on. Who cannot take them says so: an eviction policy or a
+hook's `attend` on a layer with sinks raises (the eviction pass already leaves such a site
+alone), the CUDA decode kernel gives way to the Triton one (`_decode_backend`), and the fresh
+prefill's SDPA is skipped (it has no sink input).
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ def attend(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, window, so
     (`_fresh_prefill`)."""
     state = ctx.state
     ev = state.eviction
+    sinks = extras.get("sink_logits")
+    if sinks is not None:
+        _refuse_sinks(state, layer)
     # attn_mask may be a masks.AndMask (two parts never multiplied out): the kernels take the
     # structure in mask_info; the paths that apply a mask as given get it built (once per
     # forward, masks.dense)
@@ -69,8 +78,25 @@ def attend(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, window, so
         pool = state.pool
         out = paged_reference_attention(pool.k[layer], pool.v[layer], q, plan,
                                         masks.dense(plan, attn_mask), is_causal, window,
-                                        softcap, scale)
+                                        softcap, scale, sinks)
     return out
+
+
+def _refuse_sinks(state, layer: int) -> None:
+    """Attention sinks on a layer whose attention an eviction policy or a hook replaces: those
+    paths have no sink input, and a result without the sinks would be silently wrong."""
+    ev = state.eviction
+    if ev is not None and layer in ev.policies:
+        raise UnsupportedShapeError(
+            f"layer {layer} has attention sinks (a per-head sink logit) and an eviction policy, "
+            f"whose attention over kept slots has no sink input; remove the policy for this "
+            f"module (kvcompile.configure(module, eviction=None))")
+    for hook in state.hooks:
+        if type(hook).attend is not RuntimeHook.attend and hook is not ev:
+            raise UnsupportedShapeError(
+                f"layer {layer} has attention sinks (a per-head sink logit), and the hook "
+                f"{type(hook).__name__} replaces attention (RuntimeHook.attend), which has no "
+                f"sink input; remove the hook from state.hooks for this model")
 
 
 def _fresh_prefill(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal, window,
@@ -277,7 +303,8 @@ class KernelDispatch:
         why = fast_path_reason(
             q, kc.fmt.name, kc.fmt.granularity, vc.fmt.name, vc.fmt.granularity, kc.head_dim,
             vc.head_dim, kc.page_size, q.shape[1] // kc.num_heads * q.shape[2],
-            extras.get("attn_mass"), bool(kc.fmt.residual or vc.fmt.residual))
+            extras.get("attn_mass"), bool(kc.fmt.residual or vc.fmt.residual),
+            sinks=extras.get("sink_logits") is not None)
         if not why:
             self.state.count("decode_cuda")
             return "cuda"
@@ -356,7 +383,8 @@ class KernelDispatch:
                                      device=q.device)
             out = paged_prefill_attention(
                 qp.contiguous(), kc, vc, plan.block_tables, cu, plan.seq_lens, scale,
-                sliding_window=window, softcap=softcap, kv_start=start)
+                sliding_window=window, softcap=softcap, kv_start=start,
+                sink_logits=extras.get("sink_logits"))
             self.state.count("prefill_triton")
             if plan.packed:
                 return out.transpose(0, 1).unsqueeze(0)

@@ -71,8 +71,9 @@ def compute_dtype(k_fmt: KVFormat, device) -> torch.dtype:
 
 def run_case(k_fmt, v_fmt, lens, Hkv, G, D, P, *, Sq=1, Dv=None, q_dtype=torch.float32,
              splits=0, config=None, window=0, sinks=0, softcap=0.0, key_mask=None,
-             with_mass=False, device=DEV, gen=None):
-    """Kernel vs reference on fresh inputs; returns (relative error, bound, out, mass pair)."""
+             with_mass=False, device=DEV, gen=None, sink_logits=None):
+    """Kernel vs reference on fresh inputs; returns (relative error, bound, out, mass pair).
+    sink_logits [Hq] fp32: attention sinks (one logit per query head)."""
     kc, vc, bt, sl = make_paged_kv(k_fmt, v_fmt, lens, Hkv, D, P, Dv=Dv, device=device, gen=gen)
     B, Hq = len(lens), Hkv * G
     q = torch.randn(B, Hq, Sq, D, generator=gen).to(device=device, dtype=q_dtype)
@@ -86,10 +87,10 @@ def run_case(k_fmt, v_fmt, lens, Hkv, G, D, P, *, Sq=1, Dv=None, q_dtype=torch.f
                   key_mask, mass, out, kc.fmt.name, kc.fmt.granularity, vc.fmt.name,
                   vc.fmt.granularity, scale, window, sinks, softcap, splits, config,
                   kz=kc.zero, vz=vc.zero, k_res=kc.res_data, k_res_slot=kc.res_slot,
-                  v_res=vc.res_data, v_res_slot=vc.res_slot)
+                  v_res=vc.res_data, v_res_slot=vc.res_slot, sink_logits=sink_logits)
     ref = paged_decode_attention_ref(q, kc, vc, bt, sl, scale, key_mask=key_mask,
                                      sliding_window=window, sinks=sinks, softcap=softcap,
-                                     attn_mass=mass_ref)
+                                     attn_mass=mass_ref, sink_logits=sink_logits)
     assert not torch.isnan(out).any(), "unwritten (poisoned) or NaN output elements"
     cdt = compute_dtype(k_fmt, device)
     if q_dtype != torch.float32 and cdt == torch.float32:

@@ -181,8 +181,8 @@ class ProbsZeroedByAnotherMask(_CatCache):
 
 
 class SinkLogits(_CatCache):
-    """gpt-oss: a learned logit per head concatenated to the scores, softmax, the sink column
-    dropped (kvcompile.attention has no sink input: left alone, said so)."""
+    """gpt-oss: a learned logit per head concatenated to the scores, the row max subtracted,
+    softmax, the sink column dropped (kvcompile.attention's sink_logits)."""
 
     def __init__(self, dim=64, n_head=4, **kw):
         super().__init__(dim, n_head)
@@ -211,3 +211,89 @@ class SinkByLogsumexp(SinkLogits):
         scale = (torch.logsumexp(s, dim=-1) - self.sinks.view(1, -1, 1)).sigmoid()
         y = torch.matmul(torch.softmax(s, dim=-1), v) * scale.unsqueeze(-1)
         return self.out(y)
+
+
+class SinkPerQuery(SinkLogits):
+    """A look-alike of sinks: the extra column is computed from the queries (one logit per
+    query, not per head), so it is no input the op takes."""
+
+    def forward(self, x, start_pos: int):
+        q, k, v = self.qkv_cached(x, start_pos)
+        T, L = q.shape[2], k.shape[2]
+        s = torch.matmul(q, k.transpose(-1, -2)) * self.hd ** -0.5
+        s = s.masked_fill(_future(T, L, x.device), float("-inf"))
+        s = torch.cat([s, q.sum(-1, keepdim=True)], dim=-1)
+        p = torch.softmax(s, dim=-1)[..., :-1]
+        return self.out(torch.matmul(p, v))
+
+
+class SinkColumnKept(SinkLogits):
+    """A look-alike of sinks: after the softmax the *first* column is dropped, so the sink's
+    probability weighs the last key's value and the first key is ignored."""
+
+    def forward(self, x, start_pos: int):
+        q, k, v = self.qkv_cached(x, start_pos)
+        B, H, T, _ = q.shape
+        L = k.shape[2]
+        s = torch.matmul(q, k.transpose(-1, -2)) * self.hd ** -0.5
+        s = s.masked_fill(_future(T, L, x.device), float("-inf"))
+        s = torch.cat([s, self.sinks.reshape(1, -1, 1, 1).expand(B, -1, T, 1)], dim=-1)
+        p = torch.softmax(s, dim=-1)[..., 1:]
+        return self.out(torch.matmul(p, v))
+
+
+class SinkGqaFloatKeys(nn.Module):
+    """Flint: two kv heads repeated for four query heads (repeat_kv), the repeated keys then
+    cast with .float() before q·kᵀ (exact), with attention sinks."""
+
+    def __init__(self, dim=64, n_head=4, n_kv=2, **_):
+        super().__init__()
+        self.h, self.kv_h, self.hd = n_head, n_kv, dim // n_head
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wkv = nn.Linear(dim, 2 * n_kv * self.hd, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.sinks = nn.Parameter(torch.randn(n_head) * 0.5)
+        self.kv = None
+
+    def forward(self, x, start_pos: int):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.h, self.hd).transpose(1, 2)
+        k, v = self.wkv(x).view(B, T, 2, self.kv_h, self.hd).permute(2, 0, 3, 1, 4)
+        if start_pos > 0:
+            k, v = torch.cat([self.kv[0], k], dim=2), torch.cat([self.kv[1], v], dim=2)
+        self.kv = (k, v)
+        L, g = k.shape[2], self.h // self.kv_h
+        k = k[:, :, None].expand(B, self.kv_h, g, L, self.hd).reshape(B, self.h, L, self.hd)
+        v = v[:, :, None].expand(B, self.kv_h, g, L, self.hd).reshape(B, self.h, L, self.hd)
+        s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.hd ** -0.5
+        s = s.masked_fill(_future(T, L, x.device), float("-inf"))
+        s = torch.cat([s, self.sinks.reshape(1, -1, 1, 1).expand(B, -1, T, 1)], dim=-1)
+        p = torch.softmax(s, dim=-1)[..., :-1]
+        y = torch.matmul(p, v)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MaxSubtracted(_CatCache):
+    """MiMo: the masked scores minus their row maximum (amax here) before the softmax, which
+    changes nothing the softmax returns."""
+
+    def forward(self, x, start_pos: int):
+        q, k, v = self.qkv_cached(x, start_pos)
+        T, L = q.shape[2], k.shape[2]
+        s = torch.matmul(q, k.transpose(-1, -2)) * self.hd ** -0.5
+        s = s.masked_fill(_future(T, L, x.device), float("-inf"))
+        p = torch.softmax(s - s.amax(-1, keepdim=True), dim=-1)
+        return self.out(torch.matmul(p, v))
+
+
+class MaxOverQueriesSubtracted(_CatCache):
+    """A look-alike: the scores minus their maximum over the *queries* (dim -2), a different
+    constant per key, which changes the softmax."""
+
+    def forward(self, x, start_pos: int):
+        q, k, v = self.qkv_cached(x, start_pos)
+        T, L = q.shape[2], k.shape[2]
+        s = torch.matmul(q, k.transpose(-1, -2)) * self.hd ** -0.5
+        s = s - s.max(dim=-2, keepdim=True).values
+        s = s.masked_fill(_future(T, L, x.device), float("-inf"))
+        return self.out(torch.matmul(torch.softmax(s, dim=-1), v))

@@ -46,4 +46,14 @@ def test_per_layer_lists_cut_to_two_layers(sweep):
     assert sweep._two_layers(d) == dict(layer_types=["mamba", "attention"],
                                         no_rope_layers=[1, 0], moe_layers=None)
     assert sweep._two_layers(dict(num_hidden_layers=2, layer_types=["a", "b"])) == {}
-    assert "sinks" in sweep._cause("left alone: attention sinks (a learned logit ...)")
+    assert "sinks" in sweep._cause("left alone: the attention sink column is not one ...")
+    assert "recompiles" in sweep._cause("kvcompile: X ran a forward without kvcompile (...) "
+                                        "while its cache lives in kvcompile's pool: ...")
+
+
+def test_a_kvcompile_refusal_is_not_a_crash(sweep):
+    refused = dict(family="x", built=True, stage="kvcompile", refused=True,
+                   error="kvcompile: CacheStateError: ...")
+    crashed = dict(family="y", built=True, stage="kvcompile", refused=False,
+                   error="kvcompile: IndexError: ...")
+    assert sweep.status(refused) == "refused" and sweep.status(crashed) == "crash"

@@ -4,7 +4,8 @@ after another used to share 8 cache entries and the 7th or so ran uncompiled, si
 
 - 12 different tiny families compiled one after another: every site rewritten, eager's tokens;
 - when Dynamo does fall back (a tiny recompile budget forced here), the model warns once, with
-  the reason and the fix, on both routes;
+  the reason and the fix, on both routes; a forward that fell back while its cache lives in
+  the pool (the model's attention would read zero-byte stubs) raises instead, every time;
 - on the backend route, two models of one class share Dynamo's graphs but not a pool, and the
   first one's death leaves the second working.
 """
@@ -83,23 +84,32 @@ def _only_this_model(monkeypatch, model) -> None:
         monkeypatch.setattr(rt, "all_states", lambda: [st])
 
 
-def test_a_forward_dynamo_runs_eagerly_warns_once(monkeypatch):
+def test_a_forward_dynamo_runs_eagerly_warns_once_or_refuses_a_pooled_cache(monkeypatch):
+    from kvcompile.errors import CacheStateError
+
     monkeypatch.setattr(recompiles, "DEFAULT_LIMIT", 1)     # a budget of one graph per model
     model = make_hf("llama")
     kvcompile.compile(model, _cfg())
     # the budget scales with live kvcompile models: count only this one (models of earlier
     # tests may still be alive, which would raise the limit past this test's one graph)
     _only_this_model(monkeypatch, model)
-    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(0))
-    with torch._dynamo.config.patch(recompile_limit=1), pytest.warns(RuntimeWarning, match="LlamaForCausalLM ran a forward without "
-                      "kvcompile .*recompile limit.* Fix: raise torch._dynamo.config."
-                      "recompile_limit") as record:
-        model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0,
-                       eos_token_id=None)
-        model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0,
-                       eos_token_id=None)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 256, (1, 6), generator=gen)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        # prefill compiled; the decode step, over a cache held in the pool, falls back
+        with pytest.raises(CacheStateError, match="LlamaForCausalLM ran a forward without "
+                           "kvcompile .*recompile limit.* while its cache lives in kvcompile's "
+                           "pool: .* output is wrong and was not returned"):
+            model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                           eos_token_id=None)
+        # no cache: the eager forward is right, and says once that kvcompile did not run
+        with pytest.warns(RuntimeWarning, match="LlamaForCausalLM ran a forward without "
+                          "kvcompile .*recompile limit.* Fix: raise torch._dynamo.config."
+                          "recompile_limit") as record:
+            for n in (9, 11):
+                model(torch.randint(3, 256, (1, n), generator=gen), use_cache=False)
     assert len(_kvcompile_warnings(record)) == 1            # once per model
-    assert kvcompile.stats(model)["uncompiled_forwards"] == 1
+    assert kvcompile.stats(model)["uncompiled_forwards"] == 3
 
 
 def test_backend_route_warns_when_dynamo_stops_compiling(monkeypatch):

@@ -20,7 +20,8 @@ _compile = research.compile_eager
 
 @pytest.mark.parametrize("style", ["AlibiMaskedFill", "CausalWhereLocalAdd",
                                    "RelBiasZeroedProbs", "ProductMaskGPT1",
-                                   "InPlaceMaskedFill"])
+                                   "InPlaceMaskedFill", "SinkLogits", "SinkByLogsumexp",
+                                   "SinkGqaFloatKeys", "MaxSubtracted"])
 def test_masks_and_biases_rewritten_and_token_identical(style):
     torch._dynamo.reset()
     rep = research.assert_rewritten_and_identical(
@@ -33,8 +34,9 @@ def test_masks_and_biases_rewritten_and_token_identical(style):
     ("ProbsZeroedByAnotherMask", "masked after the softmax"),
     ("KeyNormBias", "also read by"),                            # the bias reads the cache
     ("ProductSoftMask", "scores step failed"),                  # not a 0/1 buffer
-    ("SinkLogits", "attention sinks"),                          # no sink input in the op
-    ("SinkByLogsumexp", "attention sinks"),
+    ("SinkPerQuery", "not one learned logit per query head"),
+    ("SinkColumnKept", "not the one dropped"),
+    ("MaxOverQueriesSubtracted", "scores step failed"),       # not the row's maximum
 ])
 def test_mask_lookalike_is_left_alone(style, why):
     torch._dynamo.reset()
