@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcompile.errors import KVCompileError
-
-
-class TensorParallelError(KVCompileError, ValueError):
-    """A tensor-parallel model kvcompile cannot shard its pool for."""
+from kvcompile.errors import TensorParallelError
 
 
 def _shard_count(weight) -> int:

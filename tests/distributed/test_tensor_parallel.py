@@ -34,8 +34,11 @@ PROMPTS = [[5, 9, 17, 33, 65, 129, 200, 7, 3, 11, 250], [40, 41, 42, 90, 91, 92,
                                                           60, 61]]
 TIMEOUT_S = 400
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
+pytestmark = [
+    pytest.mark.slow,  # two processes that import torch and compile 4 models each: ~80 s
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                       reason="torch.distributed with gloo is not available"),
+]
 
 
 def _free_port() -> int:
@@ -44,17 +47,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _unsharded(kv_dtype):
+def _unsharded(kv_dtype, new=NEW):
     """The same weights on one process: eager tokens, or compiled tokens + bytes per token."""
     model = make_hf("llama")
-    if kv_dtype is None:
-        out = model.generate(torch.tensor(PROMPTS), max_new_tokens=NEW, min_new_tokens=NEW,
-                             do_sample=False, pad_token_id=0, eos_token_id=None)
-        return out.tolist(), None
-    kvcompile.compile(model, config(kv_dtype=kv_dtype))
-    out = model.generate(torch.tensor(PROMPTS), max_new_tokens=NEW, min_new_tokens=NEW,
+    if kv_dtype is not None:
+        kvcompile.compile(model, config(kv_dtype=kv_dtype))
+    out = model.generate(torch.tensor(PROMPTS), max_new_tokens=new, min_new_tokens=new,
                          do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out.tolist(), kvcompile.stats(model)["bytes_per_token"]
+    bpt = kvcompile.stats(model)["bytes_per_token"] if kv_dtype is not None else None
+    return out.tolist(), bpt
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,8 @@ def ranks(tmp_path_factory):
     torch.set_num_threads(1)
     try:  # the unsharded references, while the ranks start up
         torch._dynamo.reset()
-        ref = {"eager": _unsharded(None), "auto": _unsharded("auto")}
+        # fp32 pages: the eager tokens are the reference; one prefill gives the bytes per token
+        ref = {"eager": _unsharded(None), "auto": _unsharded("auto", new=1)}
         torch._dynamo.reset()
         ref["fp8_e4m3"] = _unsharded("fp8_e4m3")
         torch._dynamo.reset()
@@ -145,3 +147,4 @@ def test_kv_heads_that_do_not_divide_by_tp_are_refused(ranks):
             assert part in msg, (part, msg)
         # without kvcompile the model fails only at its first forward, with a reshape error
         assert res["eager"] != "ran", res
+

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import time
 import traceback
 
 import torch
@@ -83,8 +84,10 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, uneven_dir: str, 
     res["accelerate"] = has_accelerate
 
     def case(name, fn):
+        t0 = time.monotonic()
         try:
             res[name] = fn()
+            res[name]["seconds"] = round(time.monotonic() - t0, 1)
         except Exception as e:  # the parent reports it; the other cases still run
             res[name] = dict(error=f"{type(e).__name__}: {e}", tb=traceback.format_exc())
 
