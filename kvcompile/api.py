@@ -12,6 +12,7 @@ import torch
 from kvcompile import telemetry as _telemetry  # noqa: F401  (the silent `kvcompile` logger)
 from kvcompile.backend import kvcompile_backend
 from kvcompile.config import KVConfig
+from kvcompile.integrations.tp import check_tensor_parallel
 from kvcompile.passes.notices import warn_quality
 from kvcompile.runtime.state import ModelState, all_states
 
@@ -48,6 +49,7 @@ def compile(model: torch.nn.Module, config: KVConfig | dict | None = None, **opt
     if config is not None and options:
         raise TypeError("pass either a KVConfig/dict or keyword options, not both")
     cfg = KVConfig.from_options(config if config is not None else options)
+    check_tensor_parallel(model)  # a head split across ranks: refused here, not mid-forward
     state = ModelState(cfg)
     state.model_name = type(model).__name__  # for the warnings of the passes
     state.created_at = time.monotonic()  # telemetry rates count from here

@@ -81,3 +81,7 @@ class UnsupportedShapeError(KVCompileError, ValueError):
 
 class CacheStateError(KVCompileError, RuntimeError):
     """The cache seen by a compiled graph does not match what kvcompile holds for it."""
+
+
+class TensorParallelError(KVCompileError, ValueError):
+    """A tensor-parallel model whose attention heads do not split evenly over its ranks."""

@@ -366,11 +366,12 @@ def _same_tokens(q: fx.Node, k_new: fx.Node) -> bool:
 
 
 def _same_source(qi: set[fx.Node], ki: set[fx.Node]) -> bool:
-    # fused-projection models reshape the same activation differently for q and k
+    # fused-projection models reshape the same activation differently for q and k; tensor-
+    # parallel ones (parallelize_module) wrap it in a DTensor once per projection
     def roots(ns):
         out = set()
         for n in ns:
-            while kind(n) in VIEW_KINDS:
+            while kind(n) in VIEW_KINDS or kind(n) == "from_local":
                 n = arg(n, 0)
             out.add(n)
         return out

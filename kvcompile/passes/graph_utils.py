@@ -39,6 +39,12 @@ _FUNCTION_KINDS = {
     torch.tanh: "tanh", torch.max: "max", torch.maximum: "max", torch.full: "full",
     torch.ops.aten.sym_size.int: "size", torch.ops.aten.sym_size: "size", getattr: "size",
 }
+try:  # a tensor-parallel projection wraps its local input (parallelize_module's input hook)
+    from torch.distributed.tensor import DTensor
+
+    _FUNCTION_KINDS[DTensor.from_local] = "from_local"
+except ImportError:  # torch built without distributed
+    pass
 
 _METHOD_KINDS = {
     "matmul": "matmul", "bmm": "matmul", "__matmul__": "matmul", "baddbmm": "baddbmm",

@@ -1,0 +1,150 @@
+"""kvcompile on a tensor-parallel model: 2 gloo ranks on the CPU against the unsharded model.
+
+Each rank (tests/distributed/tp_worker.py) loads a saved tiny Llama (4 query heads, 2 KV heads)
+with `from_pretrained(..., tp_plan="auto")`, compiles it and generates greedily; the checks:
+- every attention site is rewritten on every rank, for the rank's local heads (2 q, 1 KV);
+- fp32 pages: tokens identical to the unsharded eager model;
+- fp8_e4m3 pages: tokens identical to the unsharded model compiled with fp8_e4m3 pages (each
+  rank quantizes its own heads with the same per-head scales);
+- bytes per token per rank are exactly 1/2 of the unsharded compiled model's;
+- the same with a model sharded by hand (`parallelize_module`, Colwise q/k/v, Rowwise o_proj);
+- 3 KV heads over 2 ranks are refused by `kvcompile.compile` with the counts and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import transformers
+
+import kvcompile
+from tests.distributed.tp_worker import run_rank
+from tests.engine.tiny import config, make_hf
+
+WORLD = 2
+NEW = 12
+PROMPTS = [[5, 9, 17, 33, 65, 129, 200, 7, 3, 11, 250], [40, 41, 42, 90, 91, 92, 150, 151, 152,
+                                                          60, 61]]
+TIMEOUT_S = 400
+
+pytestmark = [
+    pytest.mark.slow,  # two processes that import torch and compile 4 models each: ~80 s
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                       reason="torch.distributed with gloo is not available"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _unsharded(kv_dtype, new=NEW):
+    """The same weights on one process: eager tokens, or compiled tokens + bytes per token."""
+    model = make_hf("llama")
+    if kv_dtype is not None:
+        kvcompile.compile(model, config(kv_dtype=kv_dtype))
+    out = model.generate(torch.tensor(PROMPTS), max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, pad_token_id=0, eos_token_id=None)
+    bpt = kvcompile.stats(model)["bytes_per_token"] if kv_dtype is not None else None
+    return out.tolist(), bpt
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Run both ranks once; returns ([rank0, rank1] results, unsharded references)."""
+    d = tmp_path_factory.mktemp("tp")
+    model_dir, uneven_dir, out = str(d / "llama"), str(d / "uneven"), str(d / "out")
+    os.makedirs(out)
+    make_hf("llama").save_pretrained(model_dir)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=96, intermediate_size=128,
+                                   num_hidden_layers=1, num_attention_heads=6,
+                                   num_key_value_heads=3, pad_token_id=0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(uneven_dir)
+
+    t0 = time.monotonic()
+    ctx = mp.start_processes(run_rank, args=(WORLD, _free_port(), model_dir, uneven_dir, out,
+                                             PROMPTS, NEW),
+                             nprocs=WORLD, join=False, start_method="spawn")
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:  # the unsharded references, while the ranks start up
+        torch._dynamo.reset()
+        # fp32 pages: the eager tokens are the reference; one prefill gives the bytes per token
+        ref = {"eager": _unsharded(None), "auto": _unsharded("auto", new=1)}
+        torch._dynamo.reset()
+        ref["fp8_e4m3"] = _unsharded("fp8_e4m3")
+        torch._dynamo.reset()
+    finally:
+        torch.set_num_threads(n)
+    while not ctx.join(timeout=5):
+        if time.monotonic() - t0 > TIMEOUT_S:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"the {WORLD} ranks did not finish in {TIMEOUT_S} s")
+    results = []
+    for r in range(WORLD):
+        with open(os.path.join(out, f"rank{r}.json")) as f:
+            results.append(json.load(f))
+    return results, ref
+
+
+def _case(results, name):
+    if not results[0]["accelerate"] and name != "hand_fp32":
+        pytest.skip("from_pretrained(tp_plan='auto') needs the `accelerate` package")
+    per_rank = [r[name] for r in results]
+    for r, res in enumerate(per_rank):
+        assert "error" not in res, f"rank {r}, {name}: {res.get('tb', res)}"
+    return per_rank
+
+
+@pytest.mark.parametrize("name", ["tp_plan_fp32", "tp_plan_fp8", "hand_fp32"])
+def test_each_rank_rewrites_its_local_heads(ranks, name):
+    results, _ = ranks
+    for r, res in enumerate(_case(results, name)):
+        assert res["k_proj_local"] == [16, 64], f"rank {r}: k_proj is not sharded"
+        assert [s["name"] for s in res["sites"]] == [
+            "model.layers.0.self_attn", "model.layers.1.self_attn"], res["sites"]
+        for s in res["sites"]:
+            assert s["rewritten"], f"rank {r}: {s['name']} left alone: {s['reason']}"
+            assert (s["num_q_heads"], s["num_kv_heads"]) == (2, 1), s
+        # every forward stored its tokens in the pool (prefill: 2 x 11, then one per step each)
+        tokens = [t for t, _ in res["pool_seen"]]
+        assert tokens == [2 * (len(PROMPTS[0]) + i) for i in range(NEW)], tokens
+
+
+@pytest.mark.parametrize("name,kv_dtype,against", [
+    ("tp_plan_fp32", "auto", "eager"),
+    ("tp_plan_fp8", "fp8_e4m3", "fp8_e4m3"),
+    ("hand_fp32", "auto", "eager"),
+])
+def test_tokens_and_bytes_per_token_match_the_unsharded_model(ranks, name, kv_dtype, against):
+    results, ref = ranks
+    tokens = ref[against][0]
+    _, whole_bpt = ref[kv_dtype]
+    for r, res in enumerate(_case(results, name)):
+        assert res["tokens"] == tokens, f"rank {r}: {res['tokens']} != {tokens}"
+        assert res["bytes_per_token"] == whole_bpt / WORLD, (r, res["bytes_per_token"], whole_bpt)
+    if kv_dtype == "auto":  # 2 layers x K+V x 2 KV heads x head_dim 16 x 4 bytes, on 2 ranks
+        assert whole_bpt == 2 * 2 * 2 * 16 * 4
+
+
+def test_kv_heads_that_do_not_divide_by_tp_are_refused(ranks):
+    results, _ = ranks
+    for r, res in enumerate(_case(results, "uneven")):
+        msg = res["compile"]
+        assert msg.startswith("TensorParallelError"), f"rank {r}: {res}"
+        for part in ("k_proj", "3 KV heads", "2 tensor-parallel ranks",
+                     "num_key_value_heads=3", "--nproc-per-node"):
+            assert part in msg, (part, msg)
+        # without kvcompile the model fails only at its first forward, with a reshape error
+        assert res["eager"] != "ran", res
+
