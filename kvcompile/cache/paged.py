@@ -282,12 +282,15 @@ class PagedTensor:
         op on [H] costs as much as one on the whole page at these sizes): a decode step of a
         CPU model writes 2 x layers tokens, and each torch op is a few microseconds."""
         fmt = self.fmt
-        a = x.abs().nan_to_num_(0.0, 0.0, 0.0).amax(-1).tolist()          # [H] finite amax
+        a = torch.linalg.vector_norm(x, math.inf, -1).tolist()            # [H] max |x|
+        if not all(v < math.inf for v in a):   # a NaN / Inf: the finite values' amax
+            a = x.abs().nan_to_num_(0.0, 0.0, 0.0).amax(-1).tolist()
         cover = _as_fp32([v / fmt.scale_divisor for v in a])   # amax / divisor, in fp32
         fresh = [max(c, MIN_SCALE) if v > 0 else 1.0 for v, c in zip(a, cover)]
         s_new, s_old, grow = fresh, None, None
+        s_view = self.scale[p]                                                 # [H] view
         if o:
-            s_old = self.scale[p].tolist()
+            s_old = s_view.tolist()
             # earlier tokens with a finite non-zero code (what _write_grouped's old amax sees):
             # the largest low-7-bit code of each head, looked at again exactly if not finite
             lim = self._FP8_FINITE[fmt.storage_dtype]
@@ -301,7 +304,7 @@ class PagedTensor:
             s_new = [(_grown_scale(s, c) if g else s) if h else f
                      for h, g, s, c, f in zip(had, grow, s_old, cover, fresh)]
         if s_new == s_old:
-            st = self.scale[p]                                                 # [H] view
+            st = s_view
         else:
             st = torch.tensor(s_new, dtype=torch.float32, device=x.device)
             if grow is not None and any(grow):
@@ -311,7 +314,7 @@ class PagedTensor:
                 old = torch.tensor(s_old, dtype=torch.float32, device=x.device)
                 codes = self.data[p, :, :o]
                 codes.view(torch.uint8).copy_(self._reencoded(codes, old, st, take))
-            self.scale[p] = st
+            s_view.copy_(st)
         # fp8_encode: clamp(x / scale, -fmax, fmax), cast to fp8 by the copy into the page
         fmax = torch.finfo(fmt.storage_dtype).max
         self.data[p, :, o] = (x / st[:, None]).clamp_(-fmax, fmax)
