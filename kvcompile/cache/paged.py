@@ -22,6 +22,9 @@ the pool frees the rows of pages it releases (`drop_residual`).
 
 from __future__ import annotations
 
+import math
+import struct
+
 import torch
 
 from kvcompile.cache import grouped
@@ -96,11 +99,12 @@ class PagedTensor:
         g = self.fmt.granularity
         if g == "tensor":
             return t.view(1, 1, 1, 1)
+        t = t.index_select(0, page_ids)
         if g == "token":
-            return t[page_ids][..., None]
+            return t[..., None]
         if g == "channel" and self.fmt.name != "fp4_e2m1":
-            return t[page_ids][:, :, None, :]
-        return t[page_ids][:, :, None, None]
+            return t[:, :, None, :]
+        return t[:, :, None, None]
 
     # -- codec of this format --
 
@@ -269,27 +273,51 @@ class PagedTensor:
         if not fmt.is_quantized:
             self.data[p, :, o] = x
             return True
-        x = x.float()
-        amax = x.abs().nan_to_num_(0.0, 0.0, 0.0).amax(-1)                   # [H] finite amax
-        cover = amax / fmt.scale_divisor
-        fresh = torch.where(amax > 0, cover.clamp(min=MIN_SCALE), 1.0)       # scale_from_amax
+        self._write_one_fp8(p, o, x.float())
+        return True
+
+    def _write_one_fp8(self, p: int, o: int, x: torch.Tensor) -> None:
+        """One token x [H, D] fp32 at offset o of page p, fp8 page scales: what _write_grouped
+        stores. The page-heads' scale decisions are taken on the H numbers in Python (a torch
+        op on [H] costs as much as one on the whole page at these sizes): a decode step of a
+        CPU model writes 2 x layers tokens, and each torch op is a few microseconds."""
+        fmt = self.fmt
+        a = torch.linalg.vector_norm(x, math.inf, -1).tolist()            # [H] max |x|
+        if not all(v < math.inf for v in a):   # a NaN / Inf: the finite values' amax
+            a = x.abs().nan_to_num_(0.0, 0.0, 0.0).amax(-1).tolist()
+        cover = _as_fp32([v / fmt.scale_divisor for v in a])   # amax / divisor, in fp32
+        fresh = [max(c, MIN_SCALE) if v > 0 else 1.0 for v, c in zip(a, cover)]
+        s_new, s_old, grow = fresh, None, None
+        s_view = self.scale[p]                                                 # [H] view
         if o:
-            s_old = self.scale[p]                                             # [H]
-            u = self.data[p, :, :o].view(torch.uint8) & 0x7F                  # [H, o, D]
-            had = ((u - 1) < self._FP8_FINITE[fmt.storage_dtype]).flatten(1).any(-1)
-            grow = had & (cover > s_old)
-            if bool(grow.any()):
+            s_old = s_view.tolist()
+            # earlier tokens with a finite non-zero code (what _write_grouped's old amax sees):
+            # the largest low-7-bit code of each head, looked at again exactly if not finite
+            lim = self._FP8_FINITE[fmt.storage_dtype]
+            earlier = self.data[p, :, :o].view(torch.uint8)                    # [H, o, D] view
+            top = earlier.bitwise_and(0x7F).amax((1, 2)).tolist()
+            if max(top) > lim:
+                had = (((earlier & 0x7F) - 1) < lim).flatten(1).any(-1).tolist()
+            else:
+                had = [t > 0 for t in top]
+            grow = [h and c > s for h, c, s in zip(had, cover, s_old)]
+            s_new = [(_grown_scale(s, c) if g else s) if h else f
+                     for h, g, s, c, f in zip(had, grow, s_old, cover, fresh)]
+        if s_new == s_old:
+            st = s_view
+        else:
+            st = torch.tensor(s_new, dtype=torch.float32, device=x.device)
+            if grow is not None and any(grow):
                 # the scale grows (by a power of two): the earlier tokens of those heads are
                 # re-encoded under it, as _write_grouped does (same decode and encode)
-                fresh = torch.where(had, grow_page_scale(s_old, cover), fresh)
-                earlier = self.data[p, :, :o]                                 # [H, o, D] view
-                earlier.view(torch.uint8).copy_(
-                    self._reencoded(earlier, s_old, fresh, grow[:, None, None]))
-            else:
-                fresh = torch.where(had, s_old, fresh)
-        self.data[p, :, o] = fp8_encode(x, fresh[:, None], fmt.storage_dtype)
-        self.scale[p] = fresh
-        return True
+                take = torch.tensor(grow, device=x.device)[:, None, None]
+                old = torch.tensor(s_old, dtype=torch.float32, device=x.device)
+                codes = self.data[p, :, :o]
+                codes.view(torch.uint8).copy_(self._reencoded(codes, old, st, take))
+            s_view.copy_(st)
+        # fp8_encode: clamp(x / scale, -fmax, fmax), cast to fp8 by the copy into the page
+        fmax = torch.finfo(fmt.storage_dtype).max
+        self.data[p, :, o] = (x / st[:, None]).clamp_(-fmax, fmax)
 
     def _reencoded(self, codes: torch.Tensor, s_old: torch.Tensor, s_new: torch.Tensor,
                    take: torch.Tensor) -> torch.Tensor:
@@ -536,3 +564,23 @@ class PagedTensor:
             return 0
         return (self.res_data.numel() * self.res_data.element_size()
                 + self.res_slot.numel() * self.res_slot.element_size())
+
+
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _as_fp32(values: list[float]) -> list[float]:
+    """Python floats rounded to fp32 (nearest even), as a torch fp32 op rounds its result:
+    for one division of fp32 values, rounding the double quotient again to fp32 is exact."""
+    n = len(values)
+    return list(struct.unpack(f"{n}f", struct.pack(f"{n}f", *values)))
+
+
+def _grown_scale(scale: float, cover: float) -> float:
+    """fp8.grow_page_scale on one page-head's fp32 numbers (cover > scale > 0): scale * 2^k
+    with the smallest k such that it is >= cover (frexp's mantissas in [0.5, 1)); inf past
+    fp32's range, as the fp32 cast of torch's double result."""
+    m_s, e_s = math.frexp(scale)
+    m_c, e_c = math.frexp(cover)
+    grown = math.ldexp(m_s, e_c + (m_c > m_s))
+    return grown if grown <= _FP32_MAX else math.inf

@@ -359,16 +359,13 @@ def _gather(paged, idx: torch.Tensor, b: int, total: int, dtype: torch.dtype) ->
     fmt = paged.fmt
     out = torch.empty((b, H, n, P, D), dtype=dtype, device=paged.data.device)
     if fmt.name.startswith("fp8") and not fmt.residual:
-        # PagedTensor.read's fp8_decode, with the scale product writing the output layout
+        # PagedTensor.read's fp8_decode in two passes: the widening (fp8_widen: fp16 on the
+        # CPU) and one scale product that writes the output layout and dtype (in fp32)
         x, factor = fp8_widen(paged.data.index_select(0, idx))              # [b*n, H, P, D]
-        sc = paged.scale_of(idx)                                             # bcast to x
-        if sc.shape[0] == x.shape[0]:
-            sc = sc.view(b, n, *sc.shape[1:]).transpose(1, 2)
-        if factor != 1.0:   # fold E4M3's 2^120 into the scale (fp32: exact below 2^8)
-            if bool(sc.amax() < 2.0 ** 7):
-                sc = sc * factor
-            else:
-                x.mul_(factor)
+        sc = _fp8_scales(paged, idx, b, n, factor)                           # bcast to out
+        if sc is None:   # a scale so large that factor * scale leaves fp32: unfolded
+            x = x.float().mul_(factor)
+            sc = _fp8_scales(paged, idx, b, n, 1.0)
         torch.mul(x.view(b, n, H, P, D).transpose(1, 2), sc, out=out)
         return out.view(b, H, n * P, D)[:, :, :total]
     if fmt.is_quantized:
@@ -377,3 +374,20 @@ def _gather(paged, idx: torch.Tensor, b: int, total: int, dtype: torch.dtype) ->
         x = paged.data.index_select(0, idx)  # (a heads-first view of data would copy the pool)
     # one pass lays each head's tokens out contiguously, in the compute dtype
     return out.copy_(x.view(b, n, H, P, D).transpose(1, 2)).view(b, H, n * P, D)[:, :, :total]
+
+
+def _fp8_scales(paged, idx: torch.Tensor, b: int, n: int, factor: float):
+    """The fp8 scales of pages idx [b * n] times `factor`, broadcastable to [b, H, n, P, D]
+    fp32, or None where a product leaves fp32's range (scales near 2^120; factor: 2^8 or 1)."""
+    g, s = paged.fmt.granularity, paged.scale
+    if g == "tensor":
+        sc = s.view(1, 1, 1, 1, 1) * factor
+    else:
+        sc = s.index_select(0, idx)
+        tail = (s.shape[2], 1) if g == "token" else (1, s.shape[2]) if g == "channel" else (1, 1)
+        sc = sc.view(b, n, paged.num_heads, *tail).transpose(1, 2)
+        if factor != 1.0:
+            sc = sc * factor
+    if factor != 1.0 and float(sc.amax()) == math.inf:
+        return None
+    return sc

@@ -2,12 +2,14 @@
 (fp8.fp8_to_float / fp8_widen, against torch's own cast), the reference attention's page
 gather (dense._gather), and the one-token page-scale append (PagedTensor._append_fp8)."""
 
+import math
+
 import pytest
 import torch
 
 from kvcompile.cache.formats import KVFormat
-from kvcompile.cache.fp8 import fp8_decode, fp8_to_float, fp8_widen
-from kvcompile.cache.paged import PagedTensor
+from kvcompile.cache.fp8 import fp8_decode, fp8_to_float, fp8_widen, grow_page_scale
+from kvcompile.cache.paged import PagedTensor, _as_fp32, _grown_scale
 from kvcompile.kernels.dense import _gather
 from kvcompile.kernels.reference import gather_pages
 
@@ -36,7 +38,7 @@ def test_fp8_widen_with_denormals_flushed(dtype):
         pytest.skip("this CPU cannot flush denormals")
     try:
         w, factor = fp8_widen(codes)
-        got = w * factor
+        got = w.float() * factor
         ref = codes.float()
     finally:
         torch.set_flush_denormal(False)
@@ -78,13 +80,18 @@ def _appends(g, H, D, steps):
     out = []
     for i in range(steps):
         x = torch.randn(1, H, D, generator=g)
-        r = i % 7
+        r = i % 9
         if r == 3:
             x *= 8.0
         elif r == 5:
             x.zero_()
         elif r == 6:
             x[0, 1, 2] = float("nan")
+        elif r == 7:   # codes that round to 0 under the page's scale: not "earlier values"
+            x *= 1e-6
+        elif r == 8:
+            x[0, 0, 5] = float("inf")
+            x[0, 2, 1] = float("-inf")
         out.append(x)
     return out
 
@@ -139,3 +146,48 @@ def test_one_token_append_equals_general_path(name, rows, monkeypatch):
         before = taken["general"]
         fast.write(torch.tensor([P * 5, P * 5 + 1]), torch.randn(2, H, D, generator=g))
         assert taken["general"] == before + 1
+
+
+def test_python_scale_arithmetic_equals_torch():
+    """The one-token append decides page scales on Python floats: amax / divisor rounded to
+    fp32 and the power-of-two growth give torch's fp32 results bit for bit, extremes included."""
+    g = torch.Generator().manual_seed(3)
+    mant = torch.rand(4000, generator=g) + 0.5
+    expo = torch.randint(-140, 128, (4000,), generator=g)
+    amax = torch.ldexp(mant, expo).float()
+    amax = amax[torch.isfinite(amax)]
+    for div in (448.0, 57344.0, 6.0 * 448.0):
+        want = amax / div
+        got = torch.tensor(_as_fp32([v / div for v in amax.tolist()]), dtype=torch.float32)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), div
+    s = torch.ldexp(torch.rand(3000, generator=g) + 0.5,
+                    torch.randint(-126, 120, (3000,), generator=g)).float()
+    c = s * torch.ldexp(torch.rand(3000, generator=g) + 0.5,
+                        torch.randint(0, 12, (3000,), generator=g)).float()
+    c = torch.where(c > s, c, s * 2)       # _grown_scale is only asked where cover > scale
+    c = torch.cat([c, torch.tensor([3.0e38])])
+    s = torch.cat([s, torch.tensor([2.0 ** 119])])   # grows past fp32's range: inf, as torch
+    want = grow_page_scale(s, c)
+    got = torch.tensor([_grown_scale(a, b) for a, b in zip(s.tolist(), c.tolist())],
+                       dtype=torch.float32)
+    assert torch.equal(got, want) and got[-1] == math.inf
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_one_token_append_with_nan_codes_among_earlier(name):
+    """A page whose earlier tokens hold NaN codes (and otherwise only zeros): whether they had
+    finite values is looked at exactly, not read from the largest code; the scale and bytes
+    are the general path's."""
+    fmt = KVFormat(name, "page")
+    H, D, P = 2, 8, 8
+    fast, slow = fmt.allocate(2, H, P, D), fmt.allocate(2, H, P, D)
+    first = torch.zeros(2, H, D)
+    first[0, 0, 3] = float("nan")           # head 0: NaN and zeros only; head 1: zeros
+    first[1, 1, 2] = 0.5                    # head 1 also has a finite value
+    for t in (fast, slow):
+        t.write(torch.arange(2), first)
+    x = torch.randn(1, H, D) * 3
+    fast.write(torch.tensor([2]), x)                         # the one-token path
+    slow._write_grouped(torch.tensor([0]), torch.tensor([2]), x.float())
+    assert torch.equal(fast.scale[0], slow.scale[0])
+    assert torch.equal(fast.data[0, :, :3].view(torch.uint8), slow.data[0, :, :3].view(torch.uint8))

@@ -24,15 +24,16 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 POISON = VOCAB - 1      # its embedding turns NaN: no clean prompt or output holds it
 
 
-def _poisoned_model(kv_dtype, poison):
+def _poisoned_model(kv_dtype, poison: torch.Tensor):
+    """The model whose embedding turns NaN on the tokens of `poison` [n] int64; a tensor, which
+    Dynamo reads as a graph input: changing it in place changes the poison without a new
+    compile (one compile per format, not two)."""
     torch._dynamo.reset()
     m = make_llama64()
 
     def nan_embedding(module, args, out):
         # out [1, T, hidden]: NaN where the token is one of `poison`
-        hit = torch.zeros_like(args[0], dtype=torch.bool)
-        for t in poison:
-            hit = hit | (args[0] == t)
+        hit = (args[0][..., None] == poison).any(-1)
         return out.masked_fill(hit[..., None], float("nan"))
 
     m.get_input_embeddings().register_forward_hook(nan_embedding)
@@ -47,12 +48,15 @@ def test_nan_request_fails_alone_on_the_triton_path(kv_dtype, monkeypatch):
     prompts = [p for p in random_prompts(rng, 8, 5, 24) if POISON not in p][:4]
     # the decode-time poison: the 3rd token request 3 generates alone, which no other request
     # of the test holds
-    probe = Engine(_poisoned_model(kv_dtype, [POISON]), max_num_batched_tokens=64)
+    poison = torch.tensor([POISON, POISON])
+    m = _poisoned_model(kv_dtype, poison)
+    probe = Engine(m, max_num_batched_tokens=64)
     alone = [probe.generate([p], GREEDY)[0].token_ids for p in prompts]
+    probe.close()
     later = alone[3][2]
     assert later != POISON and all(later not in p + a for p, a in zip(prompts[:3], alone[:3]))
 
-    m = _poisoned_model(kv_dtype, [POISON, later])
+    poison[1] = later                     # the same compiled model, now also poisoned there
     eng = Engine(m, max_num_batched_tokens=64)
     in_prompt = prompts[0][:3] + [POISON] + prompts[0][3:]
     outs = eng.generate([prompts[1], in_prompt, prompts[2], prompts[3]], GREEDY)
