@@ -12,7 +12,7 @@ fi
 start=$(date +%s)
 status=0
 if [ $# -eq 0 ]; then
-  echo "running the whole test suite: about 26-28 min on 2 CPU cores (pytest -q: a dot per test)"
+  echo "running the whole test suite: about 30-36 min on 2 CPU cores (pytest -q: a dot per test)"
 else
   echo "running pytest $*"
 fi
