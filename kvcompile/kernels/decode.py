@@ -55,6 +55,7 @@ from kvcompile.kernels.decode_tiles import (
     SCALE_NONE,
     SCALE_PAGE,
 )
+from kvcompile.kernels.prefill_launch import check_sink_logits
 
 HEAD_DIMS = (64, 128, 256)
 PAGE_SIZES = (8, 16, 32, 64, 128)
@@ -290,12 +291,7 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
     vfmt, vsm = _codes(v_fmt, v_gran)
     B, Hq, Sq, D, DV, N, Hkv, P = _check(q, kd, vd, kfmt, vfmt, block_tables, seq_lens,
                                          key_mask, attn_mass, out)
-    if sink_logits is not None and (sink_logits.dtype != torch.float32 or tuple(
-            sink_logits.shape) != (Hq,) or not sink_logits.is_contiguous()
-            or sink_logits.device != q.device):
-        raise UnsupportedShapeError(f"paged_decode: sink_logits must be contiguous fp32 [{Hq}] "
-                                    f"on {q.device}; got {sink_logits.dtype} "
-                                    f"{tuple(sink_logits.shape)}")
+    check_sink_logits("paged_decode", sink_logits, Hq, q.device)
     if (backend == "cuda" or backend == "auto" and cuda_decode_by_default(k_fmt, v_fmt)) \
             and not interpreting():
         residual = _check_residual("keys", k_res, k_res_slot, N, Hkv, P, D) or \

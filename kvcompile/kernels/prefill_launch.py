@@ -156,6 +156,16 @@ def check_cu_seqlens(op: str, name: str, cu: torch.Tensor, device: torch.device)
             f"{cu.dtype} {tuple(cu.shape)} on {cu.device}")
 
 
+def check_sink_logits(op: str, sink_logits, hq: int, device: torch.device) -> None:
+    """sink_logits (attention sinks, one logit per query head): None, or contiguous fp32 [Hq]."""
+    if sink_logits is not None and (sink_logits.dtype != torch.float32 or tuple(
+            sink_logits.shape) != (hq,) or not sink_logits.is_contiguous()
+            or sink_logits.device != device):
+        raise UnsupportedShapeError(f"{op}: sink_logits must be contiguous fp32 [{hq}] on "
+                                    f"{device}; got {sink_logits.dtype} "
+                                    f"{tuple(sink_logits.shape)}")
+
+
 def check_last_dim(op: str, **tensors) -> None:
     for name, t in tensors.items():
         if t.stride(-1) != 1:
@@ -380,12 +390,7 @@ def launch_paged_prefill(q, out, k, v, block_tables, cu_seqlens_q, seq_lens, kv_
                                     f"{tuple(block_tables.shape)}")
     if v[2].shape[1] != Hkv or v[2].shape[2] != page:
         raise UnsupportedShapeError(f"{op}: k and v pages disagree on kv heads / page size")
-    if sink_logits is not None and (sink_logits.dtype != torch.float32 or tuple(
-            sink_logits.shape) != (Hq,) or not sink_logits.is_contiguous()
-            or sink_logits.device != q.device):
-        raise UnsupportedShapeError(f"{op}: sink_logits must be contiguous fp32 [{Hq}] on "
-                                    f"{q.device}; got {sink_logits.dtype} "
-                                    f"{tuple(sink_logits.shape)}")
+    check_sink_logits(op, sink_logits, Hq, q.device)
     k_fmt, k_gran, k_str = _page_args(op, "k", *k, Hkv, D)
     v_fmt, v_gran, v_str = _page_args(op, "v", *v, Hkv, Dv)
     if T == 0 or B == 0:
