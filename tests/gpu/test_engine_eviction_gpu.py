@@ -20,23 +20,14 @@ import torch
 
 from kvcompile import Engine, KVConfig, SamplingParams, SinkWindow, SnapKV
 from kvcompile.api import state_of
+from tests.gpu.tiny import tiny_llama
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def tiny(seed: int = 0):
-    import transformers as t
-
-    torch.manual_seed(seed)
-    cfg = t.LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1024,
-                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                        max_position_embeddings=4096, pad_token_id=0, bos_token_id=1,
-                        eos_token_id=2)
-    m = t.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        m.lm_head.weight.mul_(8.0)
-    return m.to("cuda", torch.float32)
+    return tiny_llama(seed, max_positions=4096)
 
 
 def run(fmt, policy, graphs: bool, interval: int, prompts, new: int):

@@ -27,6 +27,7 @@ import torch
 
 import kvcompile
 from kvcompile import Engine, KVConfig, SamplingParams
+from tests.gpu.tiny import tiny_llama
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -37,17 +38,7 @@ PREFILL_TOL = {"bf16": 3e-2, "fp8_e4m3": 1e-1, "fp4_e2m1": 3e-1}
 
 
 def tiny(seed: int = 0):
-    import transformers as t
-
-    torch.manual_seed(seed)
-    cfg = t.LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1024,
-                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                        max_position_embeddings=2048, pad_token_id=0, bos_token_id=1,
-                        eos_token_id=2)
-    m = t.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        m.lm_head.weight.mul_(8.0)  # sharper logits: greedy decided by the model
-    return m.to("cuda", torch.float32)
+    return tiny_llama(seed)
 
 
 def prompts_for(batch: int) -> list[list[int]]:

@@ -32,6 +32,7 @@ import kvcompile
 from kvcompile import KVConfig
 from kvcompile.api import state_of
 from kvcompile.cache import sizing
+from tests.gpu.tiny import tiny_llama
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -270,18 +271,8 @@ def test_generate_takes_what_it_needs_and_gives_it_back():
     assert _allocated() - start <= SLACK
 
 
-def _tiny(seed=0):
-    import transformers as t
-
-    torch.manual_seed(seed)
-    cfg = t.LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1024,
-                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                        max_position_embeddings=2048, pad_token_id=0, bos_token_id=1,
-                        eos_token_id=2)
-    m = t.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        m.lm_head.weight.mul_(8.0)   # greedy decided by the model, not by rounding
-    return m.to("cuda", torch.float32)
+def _tiny(seed: int = 0):
+    return tiny_llama(seed)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
