@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -113,6 +114,7 @@ def _kernel(kk: int, vk: int, ksm: int, vsm: int, d: int, dv: int, rows: int, qt
     return k
 
 
+@lru_cache(maxsize=4096)  # per layer and step on the launch path: shapes repeat
 def choose_splits(batch: int, kv_heads: int, max_len: int, sm_count: int,
                   waves: float | None = None, ctas_per_sm: int = 3,
                   cta_overhead_tokens: int = 256) -> int:
