@@ -56,6 +56,12 @@ def attend(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, window, so
     # structure in mask_info; the paths that apply a mask as given get it built (once per
     # forward, masks.dense)
     if ev is not None:
+        if layer in ev.policies:
+            out = _fresh_prefill(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal,
+                                 window, softcap, scale, extras)
+            if out is not None:
+                ev.observe_fresh(ctx, layer, q, plan, is_causal, window, softcap, scale)
+                return out
         out = ev.attend_kept(ctx, layer, q, plan, masks.dense(plan, attn_mask), is_causal,
                              window, softcap, scale, extras)
         if out is not None:
@@ -109,12 +115,13 @@ def _fresh_prefill(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal
 
     Taken for causal (or unmasked) attention without padding, window or softcap, where SDPA
     needs no [B, S, L] mask; anything else (left padding, a window shorter than the prompt, a
-    custom mask, eviction, which scores the prompt's attention) goes to the paged paths.
+    custom mask, an eviction policy that adds up the prompt's attention mass: H2O) goes to the
+    paged paths. SnapKV's observation rows are scored apart (`EvictionRuntime.observe_fresh`).
     -> [B, Hq, S, Dv] in compute_dtype(q.dtype), or None. A layer that took it is marked in
     the forward's plan (`attended_fresh(plan, layer)`: what `kvcompile inspect --verify` holds
     the output against)."""
-    causal = _fresh_causal(state, q, fresh, plan, mask_info, attn_mask, is_causal, window,
-                           softcap, extras)
+    causal = _fresh_causal(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal,
+                           window, softcap, extras)
     if causal is None:
         return None
     k, v = fresh
@@ -123,13 +130,15 @@ def _fresh_prefill(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal
     return sdpa_attention(q, k, v, None, None, scale, causal)
 
 
-def _fresh_causal(state, q, fresh, plan, mask_info, attn_mask, is_causal, window, softcap,
-                  extras) -> bool | None:
+def _fresh_causal(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal, window,
+                  softcap, extras) -> bool | None:
     """Whether this forward may attend to its fresh K/V (`_fresh_prefill`): None if not, else
     whether that attention is causal."""
     if (fresh is None or state.config.prefill_attends != "fresh" or plan.packed
             or plan.is_decode or q.shape[2] < 2 or max(plan.past_lens) != 0
-            or state.eviction is not None or softcap or extras):
+            or softcap or extras):
+        return None
+    if state.eviction is not None and not state.eviction.takes_fresh_prefill(plan, layer):
         return None
     S = q.shape[2]
     if window and window < S:
@@ -158,8 +167,8 @@ def attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, win
     (passes/site_formats.py)."""
     state = ctx.state
     heads = q.shape[1]
-    causal = _fresh_causal(state, q, fresh, plan, mask_info, attn_mask, is_causal, window,
-                           softcap, None)
+    causal = _fresh_causal(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal,
+                           window, softcap, None)
     if causal is not None:
         k, v = expand_latent(*fresh, kv_b_weight, nope_dim, heads)
         state.count("prefill_fresh_sdpa")

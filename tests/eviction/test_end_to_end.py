@@ -186,9 +186,9 @@ def test_report_shows_policy_per_layer_and_configure_overrides():
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3", "fp4_e2m1"])
 def test_policies_combine_with_formats(kv_dtype):
     ids = torch.randint(1, V, (1, 40), generator=torch.Generator().manual_seed(5))
-    # the reference attends to the stored pages in prefill too, as an evicting model does (a
-    # fresh prompt without eviction attends to its K/V as computed: KVConfig.prefill_attends)
-    full = _compiled(None, kv_dtype=kv_dtype, prefill_attends="stored")
+    # a fresh prompt attends to its K/V as computed (KVConfig.prefill_attends="fresh"), with a
+    # SinkWindow policy as without one; the decode steps read the stored pages
+    full = _compiled(None, kv_dtype=kv_dtype)
     ref, _ = _stream(full, ids, 20, 1)
     m = _compiled(SinkWindow(4, 36), kv_dtype=kv_dtype)   # never over budget before t = 40
     out, _ = _stream(m, ids, 20, 1)
@@ -222,3 +222,34 @@ def test_decode_kernel_path_matches_reference(policy):
         outs.append(out)
     assert state_of(m).counters.get("eviction_kernel_decode", 0) > 0
     assert_rel_close(outs[1], outs[0], torch.float32, factor=20, what="kernel vs reference")
+
+
+@pytest.mark.parametrize("policy", [SnapKV(budget=12, window=4, kernel=3, per_head=True),
+                                    SinkWindow(2, 12)])
+def test_fresh_prompt_attends_through_sdpa_and_keeps_the_same_tokens(policy):
+    """A fresh prompt with a SnapKV / SinkWindow policy attends to its own K/V through SDPA (as
+    without eviction) and SnapKV scores its observation rows apart: the kept slots and the
+    logits equal those of the path that attends over the stored pages for every query."""
+    ids = torch.randint(1, V, (1, 36), generator=torch.Generator().manual_seed(6))
+    runs = {}
+    for attends in ("fresh", "stored"):
+        m = _compiled(policy, prefill_attends=attends)
+        out, cache = _stream(m, ids, 24)
+        st = state_of(m)
+        runs[attends] = (out, {li: p.clone() for li, p in st.eviction.books[_sid(cache)]
+                               .pos.items()}, dict(st.counters))
+    (out_f, pos_f, c_f), (out_s, pos_s, c_s) = runs["fresh"], runs["stored"]
+    assert c_f.get("prefill_fresh_sdpa", 0) == 2 and "prefill_fresh_sdpa" not in c_s
+    assert c_f.get("eviction_fresh_prefill", 0) == 2
+    for li in pos_s:
+        assert torch.equal(pos_f[li], pos_s[li])                  # the same tokens kept
+    assert_rel_close(out_f, out_s, torch.float32, what="logits, fresh vs stored prefill")
+
+
+def test_h2o_prompt_still_attends_over_its_pages():
+    """H2O adds up every query's attention mass over the prompt: no SDPA prefill for it."""
+    m = _compiled(H2O(budget=12, recent=4, sinks=2))
+    ids = torch.randint(1, V, (1, 30), generator=torch.Generator().manual_seed(7))
+    _stream(m, ids, 24)
+    c = state_of(m).counters
+    assert "prefill_fresh_sdpa" not in c and "eviction_fresh_prefill" not in c
