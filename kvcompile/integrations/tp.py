@@ -167,7 +167,8 @@ def tensor_parallel_of_graph(gm: torch.fx.GraphModule) -> TensorParallel | None:
     ops = {getattr(torch.ops._c10d_functional, "all_reduce", None),
            getattr(torch.ops._c10d_functional, "all_reduce_", None)}
     for n in gm.graph.nodes:
-        if n.op == "call_function" and getattr(n.target, "overloadpacket", None) in ops:
+        packet = getattr(n.target, "overloadpacket", n.target)   # Dynamo keeps the packet
+        if n.op == "call_function" and packet in ops:
             name = n.args[2] if len(n.args) > 2 else n.kwargs.get("group_name")
             group = _resolve_process_group(name)
             if dist.get_world_size(group) > 1:
