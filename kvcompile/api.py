@@ -207,7 +207,9 @@ def report(model) -> Report:
 def stats(model=None) -> dict:
     """Telemetry of one compiled model (or of all, keyed 0, 1, ...): pages used / free / total,
     fill_ratio, internal_waste, tokens, bytes_per_token, evictions_per_s, evicted_tokens_per_s,
-    preemptions_per_s (60 s window), prefix_cache_hit_rate, and the raw counters."""
+    preemptions_per_s (60 s window), prefix_cache_hit_rate, and the raw counters. Under tensor
+    parallelism the pool figures are this rank's, with tp_rank, tp_size and bytes_total /
+    bytes_used / bytes_per_token `_all_ranks` (this rank's x tp_size; no collective)."""
     from kvcompile.telemetry import state_stats
 
     if model is not None:

@@ -55,7 +55,12 @@ class Engine:
     sinks) run the decode kernel over the stored slots, from a CUDA graph where one applies,
     and evict after it on the device, without a host sync, for formats that move tokens exactly
     (unquantized, token- or tensor-scaled). Evicting requests neither read nor offer
-    prefix-cache pages and are preempted by recompute (which replays each eviction)."""
+    prefix-cache pages and are preempted by recompute (which replays each eviction).
+
+    Tensor parallelism (a model sharded over ranks, README "Multi-GPU"): one Engine per rank,
+    each fed the same requests in the same order; every step's schedule is compared across the
+    ranks before the forward (TensorParallelError when they differ) and rank 0's sampled tokens
+    are used on every rank."""
 
     def __init__(self, model, tokenizer=None, config=None, *, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 128, max_model_len: int | None = None,
