@@ -15,8 +15,9 @@ with `from_pretrained(..., tp_plan="auto")`, compiles it and generates greedily;
   the shards equal the unsharded folded weights' slices, tokens the unsharded rotated model's;
 - a layer-shared SnapKV sums its scores over the ranks: every rank keeps the positions the
   unsharded model keeps (which a per-rank choice would not: checked against per_head=True);
-- the Engine on both ranks (tp_cases.engine: preemption, seeded sampling) gives the unsharded
-  Engine's tokens and schedule, and leaves no page; ranks fed different requests are stopped
+- the Engine on both ranks (tp_cases.engine: staggered arrivals, a prefix-cache hit,
+  preemption, seeded sampling) gives the unsharded Engine's tokens and schedule, and leaves no
+  page; ranks fed different requests are stopped
   with TensorParallelError before their forward;
 - a gpt-fast model sharded as gpt-fast's tp.py does (no DTensor; funcol.all_reduce) is
   rewritten per rank, its tp group found in the graph, its tokens the unsharded model's.
@@ -225,9 +226,10 @@ def test_engine_on_every_rank_matches_the_unsharded_engine(ranks):
     results, ref = ranks
     whole = ref["engine"]
     assert whole["preemptions"] > 0, "the pool was not small enough to preempt"
+    assert whole["prefix_hit_tokens"] > 0, "no prefix-cache hit"
     for r, res in enumerate(_case(results, "engine")):
         assert res["tokens"] == whole["tokens"], f"rank {r}: {res['tokens']}"
-        for key in ("pages", "preemptions", "steps"):
+        for key in ("pages", "preemptions", "steps", "prefix_hit_tokens"):
             assert res[key] == whole[key], (r, key, res[key], whole[key])
         assert res["pages_left"] == 0
 

@@ -3,7 +3,8 @@
 
 - `rotate_snapkv`: fp8 pages, rotate="hadamard" (V folded into v_proj / o_proj, which are
   sharded) and a layer-shared SnapKV: tokens, the tokens each layer keeps, the folded weights;
-- `engine`: the Engine under a pool small enough to preempt, greedy and seeded sampling;
+- `engine`: the Engine with requests arriving at set steps, a shared prefix, a pool small
+  enough to preempt, greedy and seeded sampling;
 - `gptfast`: gpt-fast's own tp.py-style sharding (local heads, functional all_reduce).
 """
 
@@ -19,7 +20,8 @@ ENGINE_PAGES = 10          # each request fits alone, the four together do not: 
 ENGINE_PROMPTS = [[5, 9, 17, 33, 65, 129, 200, 7, 3, 11, 250],
                   [40, 41, 42, 90, 91, 92, 150, 151, 152, 60, 61, 62, 63, 64, 99],
                   [7, 7, 8, 200, 201, 3, 4],
-                  [100, 110, 120, 130, 140, 150, 160, 170, 180]]
+                  [5, 9, 17, 33, 65, 129, 200, 7, 130, 140, 150]]   # request 0's first page
+ENGINE_ARRIVALS = [0, 0, 2, 5]   # the step before which each request arrives
 ENGINE_NEW = 14
 
 
@@ -83,18 +85,22 @@ def engine(model, kv_heads: int) -> dict:
                  max_kv_bytes=ENGINE_PAGES * bytes_per_page)
     eng = kvcompile.Engine(model, None, cfg, max_num_batched_tokens=16, max_num_seqs=4)
     reqs = _engine_requests()
-    rids = [eng.add_request(p, sp) for p, sp in reqs]
-    done = {}
-    while len(done) < len(rids):
+    rids, done, step = [], {}, 0
+    while len(done) < len(reqs):
+        for (p, sp), at in zip(reqs, ENGINE_ARRIVALS):
+            if at == step:
+                rids.append(eng.add_request(p, sp))
         for o in eng.step():
             if o.finished:
                 done[o.request_id] = o.token_ids
+        step += 1
     pages = eng.pool.num_pages
     preempted = eng.stats.preemptions
     steps = eng.stats.steps
+    hits = kvcompile.stats(model).get("prefix_hit_tokens", 0)
     eng.close()
     return dict(tokens=[done[r] for r in rids], pages=pages, preemptions=preempted,
-                steps=steps, pages_left=eng.pool.stats().pages_used)
+                steps=steps, prefix_hit_tokens=hits, pages_left=eng.pool.stats().pages_used)
 
 
 def engine_diverging(model, rank: int) -> dict:
