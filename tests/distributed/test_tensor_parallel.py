@@ -50,7 +50,7 @@ PROMPTS = [[5, 9, 17, 33, 65, 129, 200, 7, 3, 11, 250], [40, 41, 42, 90, 91, 92,
 TIMEOUT_S = 400
 
 pytestmark = [
-    pytest.mark.slow,  # 2 processes compiling 7 models each: 278 s at load average 13
+    pytest.mark.slow,  # 2 processes compiling 7 models each: 288 s at load average 13
     pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                        reason="torch.distributed with gloo is not available"),
 ]
