@@ -15,6 +15,7 @@ from kvcompile.errors import (
     KVConfigError,
     NonFiniteKVError,
     SequenceTooLongError,
+    TensorParallelError,
     UnsupportedShapeError,
 )
 
@@ -47,5 +48,5 @@ __all__ = [
     "KVConfig", "configure", "compile", "release", "report", "stats", "Engine", "SamplingParams",
     "EvictionPolicy", "SinkWindow", "H2O", "SnapKV",
     "KVCompileError", "KVConfigError", "KVCacheFullError", "NonFiniteKVError",
-    "SequenceTooLongError", "UnsupportedShapeError", "CacheStateError",
+    "SequenceTooLongError", "UnsupportedShapeError", "CacheStateError", "TensorParallelError",
 ]

@@ -12,7 +12,7 @@ import torch
 from kvcompile import telemetry as _telemetry  # noqa: F401  (the silent `kvcompile` logger)
 from kvcompile.backend import kvcompile_backend
 from kvcompile.config import KVConfig
-from kvcompile.integrations.tp import check_tensor_parallel
+from kvcompile.integrations.tp import check_tensor_parallel, tensor_parallel_of
 from kvcompile.passes.notices import warn_quality
 from kvcompile.runtime.state import ModelState, all_states
 
@@ -51,6 +51,7 @@ def compile(model: torch.nn.Module, config: KVConfig | dict | None = None, **opt
     cfg = KVConfig.from_options(config if config is not None else options)
     check_tensor_parallel(model)  # a head split across ranks: refused here, not mid-forward
     state = ModelState(cfg)
+    state.tp = tensor_parallel_of(model)   # DTensor-sharded; else the backend looks at the graph
     state.model_name = type(model).__name__  # for the warnings of the passes
     state.created_at = time.monotonic()  # telemetry rates count from here
     state.param_ids = {id(p) for p in model.parameters()}
@@ -126,6 +127,8 @@ class Report:
     config: KVConfig | None = None
     kernel_notes: list = field(default_factory=list)  # why a portable kernel ran, once each
     near_misses: list = field(default_factory=list)  # NearMiss: softmaxes that were no site
+    tp_rank: int = 0     # tensor parallelism: this process's rank, of tp_size
+    tp_size: int = 1
 
     @property
     def rewritten(self) -> list:
@@ -142,11 +145,15 @@ class Report:
             "compile_seconds": self.compile_seconds,
             "config": repr(self.config) if self.config else None,
             "near_misses": [m.as_dict() for m in self.near_misses],
+            "tp_rank": self.tp_rank, "tp_size": self.tp_size,
         }
 
     def __str__(self) -> str:
         lines = [f"kvcompile report: {len(self.rewritten)} of {len(self.sites)} attention "
                  f"site(s) rewritten, {self.graphs} graph(s), compile {self.compile_seconds:.1f}s"]
+        if self.tp_size > 1:
+            lines.append(f"tensor parallel: rank {self.tp_rank} of {self.tp_size}; the sites "
+                         f"and pool below are this rank's (its share of the heads)")
         head = f"{'site':40s} {'pattern':14s} {'gqa':17s} {'cache':10s} {'K/V format':20s} status"
         lines += [head, "-" * len(head)]
         for s in self.sites:
@@ -170,7 +177,9 @@ class Report:
                 f"pool: {p.get('pages_used', 0)}/{p.get('pages_total', 0)} pages used, "
                 f"{p.get('sequences', 0)} sequence(s), {p.get('tokens', 0)} token(s), "
                 f"{p.get('bytes_per_token', 0):.1f} B/token, waste "
-                f"{100 * p.get('internal_waste', 0):.1f}%")
+                f"{100 * p.get('internal_waste', 0):.1f}%"
+                + (f" (this rank; {self.tp_size * p.get('bytes_per_token', 0):.1f} B/token "
+                   f"over all {self.tp_size} ranks)" if self.tp_size > 1 else ""))
         return "\n".join(lines)
 
 
@@ -190,13 +199,17 @@ def report(model) -> Report:
                   counters=dict(st.counters), graphs=st.graphs,
                   compile_seconds=st.compile_seconds, config=st.config,
                   kernel_notes=list(getattr(st, "kernel_notes", [])),
-                  near_misses=list(misses.values()))
+                  near_misses=list(misses.values()),
+                  tp_rank=st.tp.rank if st.tp is not None else 0,
+                  tp_size=st.tp.size if st.tp is not None else 1)
 
 
 def stats(model=None) -> dict:
     """Telemetry of one compiled model (or of all, keyed 0, 1, ...): pages used / free / total,
     fill_ratio, internal_waste, tokens, bytes_per_token, evictions_per_s, evicted_tokens_per_s,
-    preemptions_per_s (60 s window), prefix_cache_hit_rate, and the raw counters."""
+    preemptions_per_s (60 s window), prefix_cache_hit_rate, and the raw counters. Under tensor
+    parallelism the pool figures are this rank's, with tp_rank, tp_size and bytes_total /
+    bytes_used / bytes_per_token `_all_ranks` (this rank's x tp_size; no collective)."""
     from kvcompile.telemetry import state_stats
 
     if model is not None:

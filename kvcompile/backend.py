@@ -21,6 +21,7 @@ import torch
 
 from kvcompile.config import KVConfig
 from kvcompile.errors import CacheStateError, KVCompileError
+from kvcompile.integrations.tp import tensor_parallel_of_graph
 from kvcompile.passes.pipeline import run_passes
 from kvcompile.runtime import attention_op as _attention_op  # noqa: F401  (registers the op)
 from kvcompile.runtime import binding as _binding
@@ -48,6 +49,8 @@ def _compile(gm, example_inputs, options, state):
     if state is None:   # torch.compile(..., backend="kvcompile"): the shared transformers code
         state = find_state(example_inputs, config)
         raise_limit_for_models()
+    if state.tp is None:   # a hand-sharded model's all_reduce names its group
+        state.tp = tensor_parallel_of_graph(gm)
     t0 = time.perf_counter()
     with state.lock:
         result = run_passes(gm, example_inputs, state)

@@ -84,4 +84,5 @@ class CacheStateError(KVCompileError, RuntimeError):
 
 
 class TensorParallelError(KVCompileError, ValueError):
-    """A tensor-parallel model whose attention heads do not split evenly over its ranks."""
+    """A tensor-parallel model whose attention heads do not split evenly over its ranks, or
+    Engine ranks whose schedules differ (they must be fed the same requests in the same order)."""

@@ -63,6 +63,13 @@ def state_stats(state, now: float | None = None) -> dict:
         ps = state.pool.stats()
         out.update(ps.__dict__)
         out["fill_ratio"] = ps.pages_used / ps.pages_total if ps.pages_total else 0.0
+    # tensor parallelism: the figures above are this rank's pool shard. Every rank holds the
+    # same pages for its own kv heads (the same steps on the same layout), so the whole
+    # model's pool is this rank's times the tp size, known without a collective
+    tp = getattr(state, "tp", None)
+    out["tp_rank"], out["tp_size"] = (tp.rank, tp.size) if tp is not None else (0, 1)
+    for key in ("bytes_total", "bytes_used", "bytes_per_token"):
+        out[f"{key}_all_ranks"] = out[key] * out["tp_size"]
     hits = counters.get("prefix_hit_tokens", 0)
     queried = counters.get("prefix_query_tokens", 0)
     out["prefix_cache_hit_rate"] = hits / queried if queried else 0.0

@@ -76,7 +76,7 @@ def run(args) -> Result:
     if state is not None and state.layer_specs and args.stop_pass in (None, "rewrite",
                                                                        "eviction"):
         context = args.context or _default_context(lm)
-        plan = memory_plan(state, args.batch, context)
+        plan = memory_plan(state, args.batch, context, args.tp)
         payload["memory"] = plan
         text.append(plan_text(plan))
 
@@ -107,6 +107,8 @@ def _check_args(args) -> None:
         raise CLIError(f"--batch must be >= 1, got {args.batch}")
     if args.context is not None and args.context < 1:
         raise CLIError(f"--context must be >= 1, got {args.context}")
+    if args.tp < 1:
+        raise CLIError(f"--tp must be >= 1, got {args.tp}")
     if args.steps < 0:
         raise CLIError(f"--steps must be >= 0, got {args.steps}")
     if args.prompt_tokens < 1:

@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--context", type=int, default=None,
                      help="memory plan: tokens per sequence (default: the model's context, at "
                           "most 32768)")
+    ins.add_argument("--tp", type=int, default=1, metavar="N",
+                     help="memory plan: per rank of N tensor-parallel ranks (default 1)")
     ins.add_argument("--passes", action="store_true",
                      help="print each pass's summary and the graph diff it made")
     ins.add_argument("--pass", dest="stop_pass", metavar="NAME", choices=PASS_NAMES,

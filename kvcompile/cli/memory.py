@@ -1,15 +1,18 @@
 """The memory plan of `kvcompile inspect`: bytes per token and pages for a batch and context,
-against a bf16 Hugging Face cache (DynamicCache: every token of every layer, no pages)."""
+against a bf16 Hugging Face cache (DynamicCache: every token of every layer, no pages).
+`--tp N` adds each tensor-parallel rank's share: a rank's pool holds num_kv_heads / N heads of
+every layer (scales per head), and each rank sizes its pool from its own budget."""
 
 from __future__ import annotations
 
 import math
 
-from kvcompile.cli.common import fmt_bytes, table
+from kvcompile.cli.common import CLIError, fmt_bytes, table
 
 
-def memory_plan(state, batch: int, context: int) -> dict:
-    """Per layer and in all: bytes per token, tokens kept, pages, bytes; bf16 reference."""
+def memory_plan(state, batch: int, context: int, tp: int = 1) -> dict:
+    """Per layer and in all: bytes per token, tokens kept, pages, bytes; bf16 reference; with
+    tp > 1, the same per tensor-parallel rank."""
     from kvcompile.cache.formats import KVFormat
 
     P = state.config.page_size
@@ -20,6 +23,14 @@ def memory_plan(state, batch: int, context: int) -> dict:
                    + spec.v_format.bytes_per_token(spec.num_kv_heads, spec.v_head_dim, P))
         per_tok_bf16 = (bf16.bytes_per_token(spec.num_kv_heads, spec.head_dim, P)
                         + bf16.bytes_per_token(spec.num_kv_heads, spec.v_head_dim, P))
+        if spec.num_kv_heads % tp:
+            raise CLIError(
+                f"--tp {tp}: layer {meta.get('name', '?')} has {spec.num_kv_heads} KV heads, "
+                f"which do not divide by {tp}, so a rank would hold part of a head",
+                hint=f"use a --tp that divides num_key_value_heads={spec.num_kv_heads}")
+        h = spec.num_kv_heads // tp
+        per_rank = (spec.k_format.bytes_per_token(h, spec.head_dim, P)
+                    + spec.v_format.bytes_per_token(h, spec.v_head_dim, P))
         policy = meta.get("eviction")
         kept = min(context, policy.tokens_kept(context)) if policy is not None else context
         kept_max = max(kept_max, kept)
@@ -27,6 +38,7 @@ def memory_plan(state, batch: int, context: int) -> dict:
                        "v_format": spec.v_format.name, "kv_heads": spec.num_kv_heads,
                        "head_dim": spec.head_dim, "bytes_per_token": per_tok,
                        "bf16_bytes_per_token": per_tok_bf16, "tokens_kept": kept,
+                       "kv_heads_per_rank": h, "bytes_per_token_per_rank": per_rank,
                        "eviction": policy_name(policy)})
     per_tok = sum(r["bytes_per_token"] for r in layers)
     per_tok_bf16 = sum(r["bf16_bytes_per_token"] for r in layers)
@@ -36,7 +48,10 @@ def memory_plan(state, batch: int, context: int) -> dict:
     page_bytes = per_tok * P
     pool_bytes = batch * pages_per_seq * page_bytes
     bf16_bytes = batch * context * per_tok_bf16
+    per_rank = sum(r["bytes_per_token_per_rank"] for r in layers)
     budget = state.config.max_kv_bytes
+    # each rank's budget holds its own pages: tp times as many sequences fit in it
+    page_budget = per_rank * P if tp > 1 else page_bytes
     plan = {
         "batch": batch, "context": context, "page_size": P, "layers": layers,
         "bytes_per_token": per_tok, "bf16_bytes_per_token": per_tok_bf16,
@@ -46,8 +61,11 @@ def memory_plan(state, batch: int, context: int) -> dict:
         "pool_bytes": pool_bytes, "bf16_cache_bytes": bf16_bytes,
         "ratio": pool_bytes / bf16_bytes if bf16_bytes else None,
         "budget_bytes": budget,
-        "sequences_in_budget": (int(budget // (pages_per_seq * page_bytes))
+        "sequences_in_budget": (int(budget // (pages_per_seq * page_budget))
                                 if budget and pages_per_seq else None),
+        "tp": tp, "bytes_per_token_per_rank": per_rank,
+        "bytes_per_page_per_rank": per_rank * P,
+        "pool_bytes_per_rank": batch * pages_per_seq * per_rank * P,
         "formats": _format_alternatives(state, batch, context, bf16_bytes),
     }
     return plan
@@ -97,8 +115,15 @@ def plan_text(plan: dict) -> str:
                  f"{fmt_bytes(plan['bytes_per_page'])} each")
     lines.append(f"  KV pool: {fmt_bytes(plan['pool_bytes'])}   bf16 DynamicCache: "
                  f"{fmt_bytes(plan['bf16_cache_bytes'])}   ratio {100 * plan['ratio']:.1f}%")
+    if plan["tp"] > 1:
+        heads = sorted({r["kv_heads_per_rank"] for r in plan["layers"]})
+        lines.append(f"  tensor parallel, {plan['tp']} ranks: each holds "
+                     f"{'/'.join(map(str, heads))} KV head(s) per layer, "
+                     f"{plan['bytes_per_token_per_rank']:.1f} B/token, KV pool "
+                     f"{fmt_bytes(plan['pool_bytes_per_rank'])} per rank")
     if plan["sequences_in_budget"] is not None:
-        lines.append(f"  budget {fmt_bytes(plan['budget_bytes'])} holds "
+        lines.append(f"  budget {fmt_bytes(plan['budget_bytes'])}"
+                     f"{' per rank' if plan['tp'] > 1 else ''} holds "
                      f"{plan['sequences_in_budget']} such sequence(s)")
     if plan["formats"]:
         rows = [[r["format"], r["granularity"], f"{r['bytes_per_token']:.1f}",

@@ -20,6 +20,7 @@ import logging
 import numbers
 import threading
 import time
+import zlib
 from collections import deque
 from collections.abc import Iterator
 
@@ -54,7 +55,12 @@ class Engine:
     sinks) run the decode kernel over the stored slots, from a CUDA graph where one applies,
     and evict after it on the device, without a host sync, for formats that move tokens exactly
     (unquantized, token- or tensor-scaled). Evicting requests neither read nor offer
-    prefix-cache pages and are preempted by recompute (which replays each eviction)."""
+    prefix-cache pages and are preempted by recompute (which replays each eviction).
+
+    Tensor parallelism (a model sharded over ranks, README "Multi-GPU"): one Engine per rank,
+    each fed the same requests in the same order; every step's schedule is compared across the
+    ranks before the forward (TensorParallelError when they differ) and rank 0's sampled tokens
+    are used on every rank."""
 
     def __init__(self, model, tokenizer=None, config=None, *, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 128, max_model_len: int | None = None,
@@ -190,6 +196,8 @@ class Engine:
         with self._lock:
             t0 = time.perf_counter()
             out = self.scheduler.schedule()
+            if self.state.tp is not None:   # before the forward: its all-reduces would hang
+                self._check_same_schedule(out)
             changed: list[Request] = []
             generated = 0
             if out.seqs:
@@ -301,6 +309,9 @@ class Engine:
         tokens, lps, ok = sample(sel, [r.params for r in reqs], [r.generator for r in reqs],
                                  [r.all_ids if r.params.repetition_penalty != 1.0 else []
                                   for r in reqs], banned)
+        if self.state.tp is not None:   # rank 0 samples for all (identical logits or not)
+            tokens = self.state.tp.broadcast_tokens(tokens)
+            ok = [t >= 0 for t in tokens]
         now = time.perf_counter()
         for req, tok, lp, good in zip(reqs, tokens, lps, ok):
             changed.append(req)
@@ -318,6 +329,18 @@ class Engine:
             self._check_stop(req, tok)
         self.stats.generated_tokens += sum(ok)
         return sum(ok)
+
+    def _check_same_schedule(self, out) -> None:
+        """Tensor parallelism: every rank runs its own scheduler over its own pool shard, fed
+        the same requests in the same order; they must decide the same step (requests, token
+        counts, pages), or the ranks' forwards would no longer match. TensorParallelError on
+        every rank when they do not."""
+        step = [(s.req.id, s.start, s.n, tuple(self.pool.pages_of(s.req.seq_id)))
+                for s in out.seqs] + [("preempted", r.id) for r in out.preempted]
+        self.state.tp.check_same(
+            f"schedule at step {self.stats.steps + 1}", zlib.crc32(repr(step).encode()),
+            "every rank must add the same requests (same prompts, SamplingParams and ids) in "
+            "the same order, with the same Engine arguments, and step together")
 
     def _banned(self, req: Request) -> list[int]:
         p = req.params

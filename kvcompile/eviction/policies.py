@@ -53,6 +53,9 @@ class PolicyRules:
     keeps_budget: every kv head keeps exactly `budget` tokens when it holds more, so an
         eviction between CUDA-graph decode steps knows the new length without reading the
         device (eviction/runtime.py `_evict_front`).
+    shares_heads(policy) -> bool: one selection for all kv heads of a layer: `scores` returns
+        each head's scores and `token_scores` sums them over every kv head of the layer, on
+        every tensor-parallel rank (`sum_heads`), so that all ranks keep the same tokens.
     """
     budget: Callable
     protected: Callable
@@ -62,6 +65,7 @@ class PolicyRules:
     waits_for_observation: bool = False
     rerotated_sinks: Callable | None = None
     keeps_budget: bool = False
+    shares_heads: Callable | None = None
 
 
 _RULES: dict[type, PolicyRules] = {}
@@ -135,10 +139,21 @@ def protected(policy: EvictionPolicy, pos: torch.Tensor, start: int, total: int)
 
 
 def token_scores(policy: EvictionPolicy, mass: torch.Tensor | None,
-                 obs: torch.Tensor | None) -> torch.Tensor | None:
-    """[H, L] fp32 score of each slot (higher = keep), or None (SinkWindow keeps by position)."""
-    scores = rules_of(policy).scores
-    return scores(policy, mass, obs) if scores is not None else None
+                 obs: torch.Tensor | None, sum_heads: Callable | None = None
+                 ) -> torch.Tensor | None:
+    """[H, L] fp32 score of each slot (higher = keep), or None (SinkWindow keeps by position).
+    sum_heads: [1, L] -> [1, L], the sum over the other tensor-parallel ranks' heads too
+    (TensorParallel.sum_heads); None on one rank."""
+    rules = rules_of(policy)
+    if rules.scores is None:
+        return None
+    s = rules.scores(policy, mass, obs)
+    if s is None or not (rules.shares_heads and rules.shares_heads(policy)):
+        return s
+    shared = s.sum(0, keepdim=True)                               # [1, L]
+    if sum_heads is not None:
+        shared = sum_heads(shared)
+    return shared.expand_as(s)
 
 
 def select_tokens(policy: EvictionPolicy, pos: torch.Tensor, start: int, total: int,
@@ -160,13 +175,14 @@ def select_tokens(policy: EvictionPolicy, pos: torch.Tensor, start: int, total: 
 
 
 def select_pages(policies: list, poss: list, start: int, total: int, scores: list,
-                 page_size: int) -> torch.Tensor:
+                 page_size: int, sum_heads: Callable | None = None) -> torch.Tensor:
     """Page granularity: one decision for all layers (one block table serves them all).
 
     policies / poss / scores: per layer. Returns keep [n_pages] bool. A page is protected when
     any layer protects a token in it; the rest are ranked by the layers' scores (each layer's
     normalized to sum 1 per head, summed over the page's slots), and kept while the kept pages
-    hold at most max(budget) tokens (rounded up to whole pages)."""
+    hold at most max(budget) tokens (rounded up to whole pages). sum_heads: the page scores
+    summed over the other tensor-parallel ranks' heads too (None on one rank)."""
     L = poss[0].shape[-1]
     n_pages = -(-L // page_size)
     pad = n_pages * page_size - L
@@ -181,6 +197,8 @@ def select_pages(policies: list, poss: list, start: int, total: int, scores: lis
             s = torch.where(pos >= start, sc.float(), 0.0)
             s = s / s.sum(-1, keepdim=True).clamp(min=1e-30)
             score += F.pad(s, (0, pad)).view(pos.shape[0], n_pages, page_size).sum((0, 2))
+    if sum_heads is not None and any(s is not None for s in scores):
+        score = sum_heads(score[None])[0]
     prot[-1] = True  # the last page is where the sequence grows
     keep = prot.clone()
     room = -(-budget // page_size) - int(prot.sum())
@@ -213,9 +231,7 @@ def _snapkv_scores(p: SnapKV, mass, obs):
     k = p.kernel
     pooled = F.avg_pool1d(obs[:, None], k, stride=1, padding=k // 2,
                           count_include_pad=False)[:, 0]
-    if not p.per_head:
-        pooled = pooled.sum(0, keepdim=True).expand_as(pooled)
-    return pooled
+    return pooled   # per_head=False: summed over the layer's heads by token_scores
 
 
 register_policy(SinkWindow, PolicyRules(
@@ -226,4 +242,5 @@ register_policy(H2O, PolicyRules(
     accumulates_mass=True, keeps_budget=True))
 register_policy(SnapKV, PolicyRules(
     budget=lambda p: p.budget, protected=_snapkv_protected, scores=_snapkv_scores,
-    observe_rows=lambda p: p.window, waits_for_observation=True, keeps_budget=True))
+    observe_rows=lambda p: p.window, waits_for_observation=True, keeps_budget=True,
+    shares_heads=lambda p: not p.per_head))

@@ -481,14 +481,21 @@ class EvictionRuntime(RuntimeHook):
 
     def _scores(self, sid, layer, book):
         return P.token_scores(self.policy_of(sid, layer), book.mass.get(layer),
-                              book.obs.get(layer))
+                              book.obs.get(layer), self._sum_heads)
+
+    @property
+    def _sum_heads(self):
+        """Scores shared by a layer's heads are summed over every tensor-parallel rank."""
+        tp = self.state.tp
+        return tp.sum_heads if tp is not None else None
 
     def _evict_pages(self, sid, book, total) -> None:
         pool = self.state.pool
         layers = sorted(book.pos)
         keep = P.select_pages([self.policy_of(sid, li) for li in layers],
                               [book.pos[li] for li in layers], book.start, total,
-                              [self._scores(sid, li, book) for li in layers], pool.page_size)
+                              [self._scores(sid, li, book) for li in layers], pool.page_size,
+                              self._sum_heads)
         L, Ps = pool.seq_len(sid), pool.page_size
         full = L // Ps
         drop = [j for j in range(full) if not bool(keep[j])]

@@ -288,14 +288,34 @@ def _fold_plan(node: fx.Node, site, params: dict):
         if w is None:
             found.append(None)
             continue
-        p = params.get(w) if isinstance(w, fx.Node) else None
-        if p is None or len(w.users) != 1 or not p.is_floating_point():
+        p = _param_of(w, params)
+        if p is None or not p.is_floating_point():
             return None, "v_proj / o_proj weights are not parameters used only there"
         found.append(p)
     hv, dv, hq = site.num_kv_heads, site.v_head_dim, site.num_q_heads
-    if tuple(found[0].shape[:1]) != (hv * dv,) or found[2].shape[-1] != hq * dv:
+    # a sharded weight: the rank's own rows of v_proj (colwise) and columns of o_proj
+    # (rowwise) must be whole local heads, which the local shapes show
+    if tuple(_local(found[0]).shape[:1]) != (hv * dv,) or _local(found[2]).shape[-1] != hq * dv:
         return None, "v_proj / o_proj shapes do not match the heads"
     return (found[0], found[1], found[2]), ""
+
+
+def _param_of(w, params: dict):
+    """The nn.Parameter a linear's weight (or bias) node is, used only there: a lifted
+    parameter, or, under tensor parallelism (HF tp_plan), `param.to_local()` of a DTensor
+    parameter, whose local shard the fold rotates in place."""
+    if not isinstance(w, fx.Node) or len(w.users) != 1:
+        return None
+    if w.op == "call_method" and w.target == "to_local" and isinstance(w.args[0], fx.Node):
+        src = w.args[0]
+        return params.get(src) if len(src.users) == 1 else None
+    return params.get(w)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """A DTensor parameter's local shard (the rank's heads); any other tensor itself."""
+    to_local = getattr(p, "to_local", None)
+    return to_local() if to_local is not None else p
 
 
 def _v_source(op: fx.Node, site):
@@ -425,7 +445,10 @@ def _shape_only(u: fx.Node) -> bool:
 def _fold(w_v: torch.Tensor, b_v, w_o: torch.Tensor, rv: torch.Tensor, hkv: int,
           hq: int) -> None:
     """W_v[h] <- R^T W_v[h] (rows of kv head h), b_v[h] <- b_v[h] R, W_o[:, h] <- W_o[:, h] R
-    (columns of q head h); computed in fp64."""
+    (columns of q head h); computed in fp64. Sharded weights (DTensors) are folded in their
+    local shards: the same R for every head, so each rank rotates its own heads."""
+    w_v, w_o = _local(w_v), _local(w_o)
+    b_v = _local(b_v) if b_v is not None else None
     dv = rv.shape[0]
     r = rv.double().to(w_v.device)
     wv = w_v.double().view(hkv, dv, -1)

@@ -53,6 +53,8 @@ class ModelState:
         self.serving = False       # driven by the Engine: KVConfig.reserve="auto" is "upfront"
         self.graph_calls = 0       # calls of kvcompile graphs (a forward making none ran eagerly)
         self.release_hooks: list = []   # weak callables run by release() (CUDA graphs' owners)
+        # the tensor-parallel group its heads are split over (integrations/tp.py), or None
+        self.tp = None
         _states.append(weakref.ref(self))
 
     def __deepcopy__(self, memo):
@@ -112,11 +114,12 @@ class ModelState:
             kw = dict(max_seq_len=self.config.max_seq_len,
                       writer=self.kernels.writer(self.device))
             P = self.config.page_size
+            budget = functools.partial(sizing.budget_bytes, self.config, self.device)
+            if self.tp is not None:   # every rank's pool the same size: the least of them
+                budget = functools.partial(_least_of_ranks, self.tp, budget)
             if self.reserve_policy == "upfront":
-                budget = sizing.budget_bytes(self.config, self.device)
-                pool = PagePool.from_budget(self.layer_specs, P, budget, self.device, **kw)
+                pool = PagePool.from_budget(self.layer_specs, P, budget(), self.device, **kw)
             else:   # the budget is evaluated again at each growth (memory free then)
-                budget = functools.partial(sizing.budget_bytes, self.config, self.device)
                 pool = PagePool.growing(self.layer_specs, P, budget, self.device, **kw)
             self.pool = pool
             log.info("kvcompile pool (%s): %d pages of %d tokens allocated, at most %d "
@@ -156,6 +159,12 @@ class ModelState:
 
     def count(self, key: str, n: int = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
+
+
+def _least_of_ranks(tp, budget, *args, **kw) -> int:
+    """A pool budget every tensor-parallel rank agrees on (each measures its own free memory),
+    so that the same schedule fits every rank's pool."""
+    return tp.min_int(budget(*args, **kw))
 
 
 def all_states() -> list[ModelState]:

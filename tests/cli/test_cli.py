@@ -41,7 +41,7 @@ def _one_line_error(err: str) -> None:
 # --- inspect ----------------------------------------------------------------------------------
 
 def test_inspect_json_sites_and_memory_plan(cli_json):
-    code, out, _ = cli_json("inspect", "tiny-llama", "--batch", 3, "--context", 100)
+    code, out, _ = cli_json("inspect", "tiny-llama", "--batch", 3, "--context", 100, "--tp", 2)
     assert code == EXIT_OK and out["exit_code"] == EXIT_OK
     assert out["rewritten"] == 2 and len(out["sites"]) == 2
     for site in out["sites"]:
@@ -57,6 +57,18 @@ def test_inspect_json_sites_and_memory_plan(cli_json):
     assert mem["bf16_cache_bytes"] == pytest.approx(3 * 100 * BF16_BYTES_PER_TOKEN)
     fp4 = [r for r in mem["formats"] if (r["format"], r["granularity"]) == ("fp4_e2m1", "page")]
     assert fp4 and fp4[0]["bytes_per_token"] < mem["bytes_per_token"]
+    # --tp 2: a rank holds 1 of the 2 KV heads of each layer (page scales per head): half
+    assert mem["tp"] == 2 and {r["kv_heads_per_rank"] for r in mem["layers"]} == {1}
+    assert mem["bytes_per_token_per_rank"] == pytest.approx(FP8_BYTES_PER_TOKEN / 2)
+    assert mem["pool_bytes_per_rank"] == pytest.approx(mem["pool_bytes"] / 2)
+
+
+def test_inspect_tp_refuses_heads_split_across_ranks(cli):
+    # 2 KV heads over 4 ranks: refused, naming the heads and the fix
+    code, _, err = cli("inspect", "tiny-llama", "--tp", 4, "--steps", 0, *EAGER)
+    assert code == EXIT_USAGE, err
+    _one_line_error(err)
+    assert "2 KV heads, which do not divide by 4" in err and "num_key_value_heads=2" in err
 
 
 def test_inspect_text_other_family_and_format(cli):
@@ -236,6 +248,7 @@ def test_demo_needs_a_generating_model(cli):
     (["inspect", "tiny-llama", "--frobnicate"], EXIT_USAGE, "unrecognized arguments"),
     (["inspect", "tiny-llama", "--kv-dtype", "fp7"], EXIT_USAGE, "invalid choice"),
     (["inspect", "tiny-llama", "--batch", "0"], EXIT_USAGE, "--batch must be >= 1"),
+    (["inspect", "tiny-llama", "--tp", "0"], EXIT_USAGE, "--tp must be >= 1"),
     (["inspect", "tiny-llama", "--full"], EXIT_USAGE, "go with --passes"),
     (["inspect", "tiny-llama", "--svg", "/no/such/dir/x.svg"], EXIT_USAGE, "does not exist"),
     (["demo", "--max-new-tokens", "0"], EXIT_USAGE, "--max-new-tokens must be >= 1"),

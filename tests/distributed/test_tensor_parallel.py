@@ -8,7 +8,19 @@ with `from_pretrained(..., tp_plan="auto")`, compiles it and generates greedily;
   rank quantizes its own heads with the same per-head scales);
 - bytes per token per rank are exactly 1/2 of the unsharded compiled model's;
 - the same with a model sharded by hand (`parallelize_module`, Colwise q/k/v, Rowwise o_proj);
-- 3 KV heads over 2 ranks are refused by `kvcompile.compile` with the counts and the fix.
+- 3 KV heads over 2 ranks are refused by `kvcompile.compile` with the counts and the fix;
+- stats() and report() name the rank and the tp size, with whole-model figures beside the
+  rank's;
+- rotate="hadamard" folds V into each rank's shard of v_proj (colwise) and o_proj (rowwise):
+  the shards equal the unsharded folded weights' slices, tokens the unsharded rotated model's;
+- a layer-shared SnapKV sums its scores over the ranks: every rank keeps the positions the
+  unsharded model keeps (which a per-rank choice would not: checked against per_head=True);
+- the Engine on both ranks (tp_cases.engine: staggered arrivals, a prefix-cache hit,
+  preemption, seeded sampling) gives the unsharded Engine's tokens and schedule, and leaves no
+  page; ranks fed different requests are stopped
+  with TensorParallelError before their forward;
+- a gpt-fast model sharded as gpt-fast's tp.py does (no DTensor; funcol.all_reduce) is
+  rewritten per rank, its tp group found in the graph, its tokens the unsharded model's.
 """
 
 from __future__ import annotations
@@ -25,8 +37,11 @@ import torch.multiprocessing as mp
 import transformers
 
 import kvcompile
+from kvcompile.testing import ASSERT_CLOSE
+from tests.distributed import tp_cases
 from tests.distributed.tp_worker import run_rank
 from tests.engine.tiny import config, make_hf
+from tests.passes.zoo import GptFast, seeded
 
 WORLD = 2
 NEW = 12
@@ -35,7 +50,7 @@ PROMPTS = [[5, 9, 17, 33, 65, 129, 200, 7, 3, 11, 250], [40, 41, 42, 90, 91, 92,
 TIMEOUT_S = 400
 
 pytestmark = [
-    pytest.mark.slow,  # two processes that import torch and compile 4 models each: ~80 s
+    pytest.mark.slow,  # 2 processes compiling 7 models each: 288 s at load average 13
     pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                        reason="torch.distributed with gloo is not available"),
 ]
@@ -55,6 +70,10 @@ def _unsharded(kv_dtype, new=NEW):
     out = model.generate(torch.tensor(PROMPTS), max_new_tokens=new, min_new_tokens=new,
                          do_sample=False, pad_token_id=0, eos_token_id=None)
     bpt = kvcompile.stats(model)["bytes_per_token"] if kv_dtype is not None else None
+    if kv_dtype is not None:  # one process: rank 0 of 1, no line about ranks
+        st = kvcompile.stats(model)
+        assert (st["tp_rank"], st["tp_size"]) == (0, 1), st
+        assert "tensor parallel" not in str(kvcompile.report(model))
     return out.tolist(), bpt
 
 
@@ -83,6 +102,15 @@ def ranks(tmp_path_factory):
         torch._dynamo.reset()
         ref["fp8_e4m3"] = _unsharded("fp8_e4m3")
         torch._dynamo.reset()
+        ref["rotate_snapkv"] = tp_cases.rotate_snapkv(make_hf("llama"), PROMPTS, NEW)
+        torch._dynamo.reset()
+        ref["snapkv_per_head"] = tp_cases.rotate_snapkv(make_hf("llama"), PROMPTS, NEW,
+                                                        per_head=True)
+        torch._dynamo.reset()
+        ref["engine"] = tp_cases.engine(make_hf("llama"), kv_heads=2)
+        torch._dynamo.reset()
+        ref["gptfast"] = tp_cases.gptfast_tokens(seeded(GptFast), PROMPTS, NEW)
+        ref["original"] = make_hf("llama").model.layers[0].self_attn
     finally:
         torch.set_num_threads(n)
     while not ctx.join(timeout=5):
@@ -98,7 +126,7 @@ def ranks(tmp_path_factory):
 
 
 def _case(results, name):
-    if not results[0]["accelerate"] and name != "hand_fp32":
+    if not results[0]["accelerate"] and name not in ("hand_fp32", "gptfast"):
         pytest.skip("from_pretrained(tp_plan='auto') needs the `accelerate` package")
     per_rank = [r[name] for r in results]
     for r, res in enumerate(per_rank):
@@ -119,6 +147,13 @@ def test_each_rank_rewrites_its_local_heads(ranks, name):
         # every forward stored its tokens in the pool (prefill: 2 x 11, then one per step each)
         tokens = [t for t, _ in res["pool_seen"]]
         assert tokens == [2 * (len(PROMPTS[0]) + i) for i in range(NEW)], tokens
+        # stats and report: this rank's figures, named as such, and the whole model's
+        st = res["stats_tp"]
+        assert (st["tp_rank"], st["tp_size"]) == (r, WORLD), st
+        assert st["bytes_per_token_all_ranks"] == WORLD * res["bytes_per_token"], st
+        assert res["report_tp"] == [r, WORLD]
+        assert res["report"][1].startswith(f"tensor parallel: rank {r} of {WORLD}"), res["report"]
+        assert res["report"][-1].endswith(f"B/token over all {WORLD} ranks)"), res["report"]
 
 
 @pytest.mark.parametrize("name,kv_dtype,against", [
@@ -148,3 +183,73 @@ def test_kv_heads_that_do_not_divide_by_tp_are_refused(ranks):
         # without kvcompile the model fails only at its first forward, with a reshape error
         assert res["eager"] != "ran", res
 
+
+
+def test_rotation_folds_into_each_ranks_shard_of_v_proj_and_o_proj(ranks):
+    results, ref = ranks
+    whole = ref["rotate_snapkv"]
+    dv = 16   # head_dim: rank r holds kv head r (v_proj rows) and q heads 2r, 2r+1 (o_proj cols)
+    v_ref, o_ref = torch.tensor(whole["v_proj"]), torch.tensor(whole["o_proj"])
+    orig = ref["original"]
+    assert not torch.allclose(v_ref, orig.v_proj.weight), "the unsharded model did not fold"
+    atol, rtol = ASSERT_CLOSE[torch.float32]
+    for r, res in enumerate(_case(results, "rotate_snapkv")):
+        assert res["rewritten"] == [True, True], res["rewritten"]
+        for how in res["rotate"]:
+            assert how == "hadamard q,k (D=16); V folded into v_proj/o_proj", (r, how)
+        torch.testing.assert_close(torch.tensor(res["v_proj"]), v_ref[r * dv:(r + 1) * dv],
+                                   atol=atol, rtol=rtol)
+        torch.testing.assert_close(torch.tensor(res["o_proj"]),
+                                   o_ref[:, 2 * r * dv:2 * (r + 1) * dv], atol=atol, rtol=rtol)
+        assert res["tokens"] == whole["tokens"], f"rank {r}: {res['tokens']} != {whole['tokens']}"
+
+
+def test_layer_shared_snapkv_keeps_the_same_positions_on_every_rank(ranks):
+    results, ref = ranks
+    whole, per_head = ref["rotate_snapkv"], ref["snapkv_per_head"]
+    assert whole["evicted"] > 0, "nothing was evicted: the case does not test a selection"
+
+    def head(seen, h):  # kept positions per forward of kv head h: [[seq, layer, positions]]
+        return [[[sid, li, pos] for sid, li, hh, pos in fwd if hh == h] for fwd in seen]
+
+    for r, res in enumerate(_case(results, "rotate_snapkv")):
+        assert res["evicted"] == whole["evicted"], (r, res["evicted"], whole["evicted"])
+        # the rank's one kv head keeps what the unsharded model keeps for that head
+        assert head(res["kept"], 0) == head(whole["kept"], r), f"rank {r}"
+        assert head(res["kept"], 0) == head(whole["kept"], 0), f"rank {r}: not layer-shared"
+    # what a rank choosing from its own head only would keep (SnapKV per_head on that head)
+    # differs: without the sum over ranks the test would fail
+    assert any(head(per_head["kept"], h) != head(whole["kept"], h) for h in range(WORLD))
+
+
+def test_engine_on_every_rank_matches_the_unsharded_engine(ranks):
+    results, ref = ranks
+    whole = ref["engine"]
+    assert whole["preemptions"] > 0, "the pool was not small enough to preempt"
+    assert whole["prefix_hit_tokens"] > 0, "no prefix-cache hit"
+    for r, res in enumerate(_case(results, "engine")):
+        assert res["tokens"] == whole["tokens"], f"rank {r}: {res['tokens']}"
+        for key in ("pages", "preemptions", "steps", "prefix_hit_tokens"):
+            assert res[key] == whole[key], (r, key, res[key], whole[key])
+        assert res["pages_left"] == 0
+
+
+def test_engine_ranks_fed_different_requests_are_stopped(ranks):
+    results, _ = ranks
+    for r, res in enumerate(_case(results, "engine")):
+        msg = res["error_seen"]
+        assert msg.startswith("TensorParallelError"), (r, msg)
+        for part in ("rank(s) [1]", "schedule at step 1", "same requests"):
+            assert part in msg, (part, msg)
+
+
+def test_gptfast_with_its_own_sharding(ranks):
+    results, ref = ranks
+    for r, res in enumerate(_case(results, "gptfast")):
+        assert [(s["rewritten"], s["num_q_heads"], s["num_kv_heads"]) for s in res["sites"]] \
+            == [(True, 2, 1)] * 2, res["sites"]
+        assert "from the graph's functional all_reduce" in res["tp"], res["tp"]
+        assert (res["tp_rank"], res["tp_size"]) == (r, WORLD)
+        assert res["tokens"] == ref["gptfast"], f"rank {r}: {res['tokens']} != {ref['gptfast']}"
+        # 2 layers x K+V x 1 local KV head x head_dim 16 x 4 bytes (fp32 pages)
+        assert res["bytes_per_token"] == 2 * 2 * 1 * 16 * 4

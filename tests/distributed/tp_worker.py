@@ -3,8 +3,9 @@
 Started twice by `torch.multiprocessing` with the environment torchrun would set (RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); gloo on the CPU. Each rank compiles its shard of the
 saved tiny Llama three ways (tp_plan="auto" with fp32 pages, the same with fp8_e4m3 pages, and a
-model sharded by hand with parallelize_module), generates greedily, and writes what it saw to
-`out/rank{R}.json`; the parent compares that with the unsharded model.
+model sharded by hand with parallelize_module), generates greedily, runs the cases of
+tp_cases.py (rotation + SnapKV, the Engine, a gpt-fast model with its own sharding), and writes
+what it saw to `out/rank{R}.json`; the parent compares that with the unsharded model.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ def _compiled_run(model, prompts, new, **cfg) -> dict:
                     num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads,
                     k_format=s.k_format) for s in rep.sites],
         bytes_per_token=kvcompile.stats(model)["bytes_per_token"],
+        stats_tp={k: kvcompile.stats(model)[k] for k in (
+            "tp_rank", "tp_size", "bytes_per_token_all_ranks")},
+        report=str(rep).splitlines()[:2] + [str(rep).splitlines()[-1]],
+        report_tp=[rep.as_dict()["tp_rank"], rep.as_dict()["tp_size"]],
         pool_seen=hook.seen,
         k_proj_local=list(getattr(attn.k_proj.weight, "to_local", lambda: attn.k_proj.weight)()
                           .shape),
@@ -81,6 +86,8 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, uneven_dir: str, 
     torch.set_num_threads(1)
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
+
+    from tests.distributed import tp_cases
 
     res: dict = {}
     has_accelerate = importlib.util.find_spec("accelerate") is not None
@@ -117,14 +124,27 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, uneven_dir: str, 
             r["compile"] = f"{type(e).__name__}: {e}"
         return r
 
+    def load():
+        return AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto",
+                                                    dtype=torch.float32).eval()
+
+    def engine():
+        m = load()
+        r = tp_cases.engine(m, kv_heads=1)
+        r.update(tp_cases.engine_diverging(m, rank))
+        return r
+
     if has_accelerate:  # from_pretrained(tp_plan=...) needs it; hand sharding does not
         case("tp_plan_fp32", lambda: tp_plan("auto"))
         case("tp_plan_fp8", lambda: tp_plan("fp8_e4m3"))
         case("uneven", uneven)
+        case("rotate_snapkv", lambda: tp_cases.rotate_snapkv(load(), prompts, new))
+        case("engine", engine)
     else:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     case("hand_fp32", lambda: _compiled_run(_hand_sharded(model_dir, world), prompts, new,
                                             kv_dtype="auto"))
+    case("gptfast", lambda: tp_cases.gptfast(rank, world, prompts, new))
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
     dist.destroy_process_group()

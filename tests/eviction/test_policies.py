@@ -55,6 +55,38 @@ def test_snapkv_pools_scores_and_can_share_one_selection():
     assert {6, 12, 20, 21, 22, 23} <= set(_kept(keep, pos, 0)) and keep.sum(-1).tolist() == [7, 7]
 
 
+def _other_rank(part: torch.Tensor):
+    """sum_heads of a rank holding head 0 whose peer holds head 1: adds the peer's part."""
+    return lambda mine: mine + part
+
+
+def test_shared_selections_over_heads_split_across_ranks():
+    """Tensor parallelism (TensorParallel.sum_heads, here with the peer's part given): a rank
+    holding one of the two heads chooses what the whole layer chooses, and only with the sum."""
+    pos = _pos(24)
+    obs = torch.zeros(2, 24)
+    obs[0, 6], obs[0, 3], obs[1, 12], obs[1, 13] = 10.0, 5.0, 9.0, 8.0
+    shared = SnapKV(budget=6, window=4, kernel=1, per_head=False)
+    whole = P.select_tokens(shared, pos, 0, 24, P.token_scores(shared, None, obs))
+    peer = P.token_scores(shared, None, obs[1:])[:1]                  # what rank 1 sends
+    rank0 = P.select_tokens(shared, pos[:1], 0, 24,
+                            P.token_scores(shared, None, obs[:1], _other_rank(peer)))
+    assert _kept(rank0, pos, 0) == _kept(whole, pos, 0) == [6, 12, 20, 21, 22, 23]
+    alone = P.select_tokens(shared, pos[:1], 0, 24, P.token_scores(shared, None, obs[:1]))
+    assert _kept(alone, pos, 0) == [3, 6, 20, 21, 22, 23]            # without the sum: head 0's
+    # page eviction: page scores (each head's normalized mass) summed over the ranks
+    h = H2O(budget=24, recent=4, sinks=2, granularity="page")         # room for one page
+    pos40, mass = _pos(40), torch.zeros(2, 40)
+    mass[0, 9], mass[0, 26], mass[1, 17] = 1.0, 1.0, 1.0   # head 0: pages 1 and 3; head 1: 2
+    whole = P.select_pages([h], [pos40], 0, 40, [mass], 8)
+    s1 = mass[1:] / mass[1:].sum(-1, keepdim=True)
+    peer = s1.view(1, 5, 8).sum((0, 2))[None]                         # [1, n_pages]
+    rank0 = P.select_pages([h], [pos40[:1]], 0, 40, [mass[:1]], 8, _other_rank(peer))
+    assert rank0.tolist() == whole.tolist() == [True, False, True, False, True]
+    alone = P.select_pages([h], [pos40[:1]], 0, 40, [mass[:1]], 8)
+    assert alone.tolist() != whole.tolist()
+
+
 def test_select_pages_is_one_decision_for_all_layers():
     pos = _pos(40)
     pol = SinkWindow(2, 10, granularity="page")
