@@ -269,11 +269,12 @@ class PagedTensor:
                                                       and fmt.granularity == "page")):
             return False
         p, o = divmod(slot, self.page_size)
-        x = x.to(self.data.device)
+        if x.device != self.data.device:
+            x = x.to(self.data.device)
         if not fmt.is_quantized:
             self.data[p, :, o] = x
             return True
-        self._write_one_fp8(p, o, x.float())
+        self._write_one_fp8(p, o, x if x.dtype == torch.float32 else x.float())
         return True
 
     def _write_one_fp8(self, p: int, o: int, x: torch.Tensor) -> None:

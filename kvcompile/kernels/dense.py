@@ -30,7 +30,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvcompile.cache.fp8 import fp8_widen
+from kvcompile.cache.fp8 import fp8_to_float_paired, fp8_widen
 from kvcompile.kernels.masks import align
 from kvcompile.kernels.reference import masked_softmax
 
@@ -64,7 +64,7 @@ def sdpa_attention(q, k, v, allowed, additive, scale: float, causal: bool = Fals
         mask = additive.to(dt)
         if allowed is not None:
             mask = mask.masked_fill(~allowed, float("-inf"))
-    out = _sdpa(q.to(dt), k.to(dt), v.to(dt), mask, scale, causal)
+    out = _sdpa(_as(q, dt), _as(k, dt), _as(v, dt), mask, scale, causal)
     if mask is None and not causal:
         return out  # (every query sees every key: SDPA propagates NaN / Inf as eager does)
     if _all_finite(out):
@@ -74,6 +74,11 @@ def sdpa_attention(q, k, v, allowed, additive, scale: float, causal: bool = Fals
     # a NaN / Inf in K or V (or in a masked slot): the exact rules of the module docstring
     return exact_attention(q, k, v, _causal_if(allowed, causal, S, L, q.device), additive,
                            scale, 0.0).to(dt)
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # x in dtype, without an op call where it already is (a CPU decode step runs this 90 times)
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _sdpa(q, k, v, mask, scale: float, causal: bool) -> torch.Tensor:
@@ -359,9 +364,16 @@ def _gather(paged, idx: torch.Tensor, b: int, total: int, dtype: torch.dtype) ->
     fmt = paged.fmt
     out = torch.empty((b, H, n, P, D), dtype=dtype, device=paged.data.device)
     if fmt.name.startswith("fp8") and not fmt.residual:
-        # PagedTensor.read's fp8_decode in two passes: the widening (fp8_widen: fp16 on the
-        # CPU) and one scale product that writes the output layout and dtype (in fp32)
-        x, factor = fp8_widen(paged.data.index_select(0, idx))              # [b*n, H, P, D]
+        # PagedTensor.read's fp8_decode in two passes: the widening and one scale product
+        # that writes the output layout and dtype (in fp32). On the CPU the widening is a
+        # lookup per pair of codes (fp8_to_float_paired: torch's values, no host sync)
+        codes = paged.data.index_select(0, idx)                              # [b*n, H, P, D]
+        x = fp8_to_float_paired(codes)
+        if x is not None:
+            sc = _fp8_scales(paged, idx, b, n, 1.0)
+            torch.mul(x.view(b, n, H, P, D).transpose(1, 2), sc, out=out)
+            return out.view(b, H, n * P, D)[:, :, :total]
+        x, factor = fp8_widen(codes)
         sc = _fp8_scales(paged, idx, b, n, factor)                           # bcast to out
         if sc is None:   # a scale so large that factor * scale leaves fp32: unfolded
             x = x.float().mul_(factor)

@@ -160,7 +160,9 @@ def _cached_attention(ctx, q, k, v, attn_mask, positions, layer, scale, is_causa
     for hook in state.hooks:
         hook.after_attention(ctx, li, q, out, extras)
     # the fake promises a contiguous [B, Hq, S, Dv]; inductor asserts the strides it was told
-    return out.to(q.dtype).contiguous()
+    if out.dtype != q.dtype:
+        out = out.to(q.dtype)
+    return out if out.is_contiguous() else out.contiguous()
 
 
 def _store(ctx, q, k, v, attn_mask, positions, layer, is_causal, sliding_window):
@@ -175,6 +177,9 @@ def _store(ctx, q, k, v, attn_mask, positions, layer, is_causal, sliding_window)
     if plan.packed:  # engine: [1, H, T, D] packed over sequences
         k_flat = k[0].transpose(0, 1).reshape(-1, Hkv, D)
         v_flat = v[0].transpose(0, 1).reshape(-1, Hkv, v.shape[-1])
+    elif S == 1:     # a decode step: [B, Hkv, 1, D] is [B, Hkv, D] as it is (one op, not two)
+        k_flat = k.reshape(B, Hkv, D)
+        v_flat = v.reshape(B, Hkv, v.shape[-1])
     else:
         k_flat = k.transpose(1, 2).reshape(B * S, Hkv, D)
         v_flat = v.transpose(1, 2).reshape(B * S, Hkv, v.shape[-1])
