@@ -136,10 +136,11 @@ def decode_split_kernel(
         row_ok = r < G * SQ
         q_row = (b * HQ + kvh * G + r // SQ) * SQ + r % SQ
 
-    # ---- epilogue: normalized partial and lse (log2 units); a split with no key has l = 0
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    inv = tl.where(l_i > 0, w_run / l_safe, 0.0)
-    lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+    # ---- epilogue: normalized partial and lse (log2 units); a split with no key has l = 0;
+    # a NaN l (a NaN score) stays NaN in lse, so that the combine keeps it
+    l_safe = tl.where(l_i == 0, 1.0, l_i)
+    inv = tl.where(l_i == 0, 0.0, w_run / l_safe)
+    lse = tl.where(l_i == 0, float("-inf"), m_i + tl.log2(l_safe))
     if VH == 1:
         cols_a = 2 * tl.arange(0, DV // 2)
         cols_b = cols_a + 1
@@ -207,10 +208,12 @@ def combine_splits_kernel(ACC, PLSE, OUT, LSE, SINK, NUM_SPLITS, HQ, SQ, DV: tl.
         a = tl.load(ACC + (row * NUM_SPLITS + s_idx)[:, None] * DV + dv[None, :],
                     mask=(s_idx < NUM_SPLITS)[:, None], other=0.0)
         out += tl.sum(a * w[:, None], 0)
-    t_safe = tl.where(total > 0, total, 1.0)
-    out = tl.where(total > 0, out / t_safe, 0.0)
+    # total == 0: no split saw a key (a row that attends to nothing: 0, lse -inf); a NaN total
+    # (a split whose scores held a NaN) stays NaN in the output and its lse
+    t_safe = tl.where(total == 0, 1.0, total)
+    out = tl.where(total == 0, 0.0, out / t_safe)
     tl.store(OUT + row * DV + dv, out.to(OUT.dtype.element_ty))
-    tl.store(LSE + row, tl.where(total > 0, m_safe + tl.log2(t_safe), float("-inf")))
+    tl.store(LSE + row, tl.where(total == 0, float("-inf"), m_safe + tl.log2(t_safe)))
 
 
 @triton.jit(do_not_specialize=["scores_len", "H"])

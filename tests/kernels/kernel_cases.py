@@ -217,10 +217,12 @@ def _nan_tol(fmt, q_dtype, device) -> float:
     return max(REL_ERR[compute_dtype(fmt, device)], REL_ERR[q_dtype])
 
 
-def nan_decode_case(name, gran, residual, which, seed=1, device=DEV, q_dtype=torch.float32):
+def nan_decode_case(name, gran, residual, which, seed=1, device=DEV, q_dtype=torch.float32,
+                    splits=0):
     """NaN at sequence 0's token 5 (residual: 37, in the bf16 tail), kv head 1, dim 3 of K or
     V: the decode kernel's output is NaN where eager attention puts it, with the token seen,
-    hidden by a window, hidden by key_mask. AssertionError otherwise."""
+    hidden by a window, hidden by key_mask. AssertionError otherwise. splits: the kernel's
+    split count (0: its own choice; > 1: the combine kernel merges the splits)."""
     from kvcompile.kernels.reference import decode_mask_ref
 
     P = 32 if name.startswith("int") and gran == "channel" else 16
@@ -240,7 +242,7 @@ def nan_decode_case(name, gran, residual, which, seed=1, device=DEV, q_dtype=tor
         out = poison_(torch.empty_like(q))
         launch_decode(q, kc.data, kc.scale, kc.micro, vc.data, vc.scale, vc.micro, bt, sl,
                       key_mask, None, out, kc.fmt.name, kc.fmt.granularity, vc.fmt.name,
-                      vc.fmt.granularity, 1 / math.sqrt(D), window, 0, 0.0, 0, None,
+                      vc.fmt.granularity, 1 / math.sqrt(D), window, 0, 0.0, splits, None,
                       kz=kc.zero, vz=vc.zero, k_res=kc.res_data, k_res_slot=kc.res_slot,
                       v_res=vc.res_data, v_res_slot=vc.res_slot)
         ref = paged_decode_attention_ref(q, kc, vc, bt, sl, 1 / math.sqrt(D),

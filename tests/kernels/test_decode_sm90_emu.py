@@ -156,12 +156,8 @@ def _slot(bt, b, tok, P):
     return int(bt[b, tok // P]), tok % P
 
 
-COMBINE_NAN = pytest.mark.xfail(strict=True, reason="combine_splits_kernel: a split whose lse "
-                                "is NaN makes total NaN, `total > 0` fails and the row is 0")
-
-
 @pytest.mark.parametrize("where,splits", [("value", 1), ("value", 3), ("key", 1),
-                                          pytest.param("key", 3, marks=COMBINE_NAN)])
+                                          ("key", 3)])
 def test_nan_in_visible_slot(where, splits):
     G, P, D = 4, 16, 128
     kc, vc, bt, sl, q, km = _inputs(E4, E4, D, G, P, 1, [200, 200])

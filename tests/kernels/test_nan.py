@@ -38,6 +38,13 @@ def test_decode_nan_reaches_the_queries_that_see_it(name, gran, residual, which)
 
 
 @pytest.mark.parametrize("which", ["k", "v"])
+def test_decode_nan_survives_the_split_combine(which):
+    """Three splits: the split holding the NaN key gives a NaN lse, and the combine kernel keeps
+    it NaN (it used to take the NaN total for "no key seen" and write 0)."""
+    nan_decode_case("fp8_e4m3", "page", False, which, splits=3)
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
 @pytest.mark.parametrize("name,gran", PREFILL_FORMATS)
 def test_paged_prefill_nan_reaches_the_queries_that_see_it(name, gran, which):
     """Chunks of 12 and 33 queries; the NaN at sequence 0's token 31, inside its chunk (seen by

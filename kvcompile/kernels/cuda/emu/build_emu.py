@@ -152,8 +152,8 @@ def combine_splits(acc: torch.Tensor, plse: torch.Tensor) -> torch.Tensor:
     w = torch.exp2(plse - m_safe)                                # [R, S]
     total = w.sum(1, keepdim=True)
     out = (acc * w[:, :, None]).sum(1)
-    t_safe = torch.where(total > 0, total, torch.ones_like(total))
-    return torch.where(total > 0, out / t_safe, torch.zeros_like(out))
+    t_safe = torch.where(total == 0, torch.ones_like(total), total)
+    return torch.where(total == 0, torch.zeros_like(out), out / t_safe)   # NaN total stays NaN
 
 
 def finish(lp) -> torch.Tensor:
