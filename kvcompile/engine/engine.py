@@ -90,6 +90,7 @@ class Engine:
             state.eviction.policies else None
         if self.eviction is not None:
             self.eviction.interval = eviction_interval
+            self.eviction.set_aside_rows(max_num_seqs)   # H2O mass of decoding sequences
         self.max_model_len = inputs.max_model_len(model, state, max_model_len)
         if self.runner.graphs is not None:
             self.runner.graphs.max_len = self.max_model_len
