@@ -395,3 +395,40 @@ def test_eviction_interval_device_path_equals_host_path(model, original_sinks):
     held = runs[0][1]
     assert held and all(b <= n <= b + 3 for b, n in held)
     assert {n - b for b, n in held} == {0, 1, 2, 3}, "not every 4 steps"
+
+
+def test_eviction_interval_h2o_and_rerotated_sinks(model):
+    """Every 4 steps, H2O's mass accumulates in the device store between evictions and the
+    sinks' shift changes only at them: eviction on the device (compact_front) and on the host
+    (evict, which reads counts) give the same logits, kept positions and mass."""
+    rng = random.Random(9)
+    prompts = random_prompts(rng, 3, 20, 30)
+    pols = [SinkWindow(2, 10), H2O(budget=14, recent=3, sinks=1), "model"]
+    rt = state_of(model).eviction
+    runs = []
+    for device in (True, False):
+        eng = Engine(model, max_num_batched_tokens=64, eviction_interval=4)
+        logits, books = _record(eng, rt)
+        if not device:
+            rt._evict_front = lambda *a: False
+        try:
+            outs = eng.generate(prompts, [_greedy(16, p) for p in pols])
+        finally:
+            rt.__dict__.pop("_evict_front", None)
+        runs.append(([o.token_ids for o in outs], logits, books))
+        eng.close()
+    assert runs[0][0] == runs[1][0]
+    atol, rtol = ASSERT_CLOSE[torch.float32]
+    for rid in runs[1][1]:
+        torch.testing.assert_close(torch.stack(runs[0][1][rid]), torch.stack(runs[1][1][rid]),
+                                   atol=atol, rtol=rtol)
+    (_, _, got), (_, _, want) = runs
+    assert sorted(got) == sorted(want) and len(want) == 2
+    for rid in want:
+        assert len(got[rid]) == len(want[rid]) >= 3
+        for g, w in zip(got[rid], want[rid]):
+            for li in w:
+                og, ow = g[li][0].argsort(-1), w[li][0].argsort(-1)
+                assert torch.equal(g[li][0].gather(1, og), w[li][0].gather(1, ow))
+                torch.testing.assert_close(g[li][1].gather(1, og), w[li][1].gather(1, ow),
+                                           atol=atol, rtol=rtol)
