@@ -23,7 +23,9 @@ batch size ("bucket"), as vLLM does:
 Graphs are used only where nothing in the step needs the host: CUDA, the Triton kernels for
 both K and V formats, no runtime hook but an eviction runtime that steps aside for the step
 (eviction/runtime.py `decode_aside`: it evicts after the replay, on the device, every
-`eviction_interval` steps), no `check_finite`. Anything else runs eagerly, as before. `KVConfig.cuda_graphs=False`
+`eviction_interval` steps; what it needs inside the step, H2O's mass and re-rotated sinks, is an
+`AsideSpec` that keys the graphs with the bucket, captured at its first step), no
+`check_finite`. Anything else runs eagerly, as before. `KVConfig.cuda_graphs=False`
 (or KVCOMPILE_CUDA_GRAPHS=0, its default) turns graphs off.
 """
 

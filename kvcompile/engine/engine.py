@@ -49,11 +49,13 @@ class Engine:
     Eviction (KVConfig.eviction, per request SamplingParams.eviction): a prompt attends in
     full, however it is chunked, and is evicted at its end; each decode step then evicts, or
     every `eviction_interval` steps (a sequence holds at most budget + interval - 1 tokens).
-    Decode steps whose kept slots need no per-slot rule (SinkWindow with
-    `state_of(model).eviction.sink_positions = "original"`, SnapKV; not H2O, not re-rotated
-    sinks) run the decode kernel over the stored slots, from a CUDA graph where one applies,
-    and evict after it on the device, without a host sync, for formats that move tokens exactly
-    (unquantized, token- or tensor-scaled). Evicting requests neither read nor offer
+    Decode steps whose kept slots need no per-slot rule (SinkWindow, its sinks re-rotated or
+    not, H2O, SnapKV; eviction/runtime.py `decode_aside` logs each exception once) run the
+    decode kernel over the stored slots, from a CUDA graph where one applies, with H2O's mass
+    and the sinks' rotation inside the step (eviction/aside.py), and evict after it on the
+    device, without a host sync, for formats that move tokens exactly (unquantized, token- or
+    tensor-scaled). H2O's mass store takes max_num_seqs + 1 rows of (budget + interval) fp32
+    per layer and kv head, outside the pool's budget. Evicting requests neither read nor offer
     prefix-cache pages and are preempted by recompute (which replays each eviction)."""
 
     def __init__(self, model, tokenizer=None, config=None, *, max_num_batched_tokens: int = 2048,
