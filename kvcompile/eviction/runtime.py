@@ -373,6 +373,7 @@ class EvictionRuntime(RuntimeHook):
         evict whole pages (their sinks' slots and shift are not known on the host). Each
         reason is logged once."""
         why = None
+        new_rows = 0   # H2O sequences that start decoding aside: each takes a store row
         if self.windowed:
             why = "a sliding window (a per-slot rule)"
         elif self.observe_all:
@@ -392,9 +393,11 @@ class EvictionRuntime(RuntimeHook):
                 why = ("re-rotated sinks with per-layer policies or page granularity (the "
                        "sinks' shift is not known on the host)")
                 break
-            if any(P.accumulates_mass(p) for p in pols) and not self._mass_room(sid):
-                why = f"more H2O sequences than the mass store's {self.aside_rows} rows"
-                break
+            if any(P.accumulates_mass(p) for p in pols):
+                new_rows += self.store is None or sid not in self.store.row_of
+        free = len(self.store._free) if self.store is not None else self.aside_rows
+        if why is None and new_rows > free:
+            why = f"more H2O sequences than the mass store's {self.aside_rows} rows"
         if why is not None:
             self._say(f"eviction: decode steps run on the host path ({why})")
             return False
@@ -426,10 +429,6 @@ class EvictionRuntime(RuntimeHook):
         budgets = [P.budget_of(p) for p in (self.policy_of(sid, li) for li in self.policies)
                    if P.accumulates_mass(p)]
         return max(max(budgets) + self.interval, self.state.pool.seq_len(sid))
-
-    def _mass_room(self, sid: int) -> bool:
-        st = self.store
-        return st is None or sid in st.row_of or bool(st._free)
 
     def _ensure_store(self, need: int, device) -> MassStore:
         pool = self.state.pool

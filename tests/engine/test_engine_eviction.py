@@ -432,3 +432,29 @@ def test_eviction_interval_h2o_and_rerotated_sinks(model):
                 assert torch.equal(g[li][0].gather(1, og), w[li][0].gather(1, ow))
                 torch.testing.assert_close(g[li][1].gather(1, og), w[li][1].gather(1, ow),
                                            atol=atol, rtol=rtol)
+
+
+def test_full_mass_store_decodes_on_host_path_and_says_why(model, caplog):
+    """More H2O sequences decoding at once than the mass store has rows: their steps take the
+    host path (same tokens), and the reason is logged once."""
+    prompts = random_prompts(random.Random(10), 2, 20, 24)
+    alone = Engine(model, max_num_batched_tokens=64)
+    want = alone.generate(prompts, _greedy(4))
+    alone.close()
+    eng = Engine(model, max_num_batched_tokens=64)
+    rt = state_of(model).eviction
+    rt.set_aside_rows(1)
+    rt.store = None
+    st = state_of(model)
+    before = st.counters.get("eviction_aside_steps", 0)
+    try:
+        with caplog.at_level("WARNING", logger="kvcompile"):
+            outs = eng.generate(prompts, _greedy(4))
+    finally:
+        rt.set_aside_rows(128)   # (the engine's default max_num_seqs)
+        rt._said.clear()
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    assert st.counters.get("eviction_aside_steps", 0) == before
+    said = [r for r in caplog.records if "mass store's 1 rows" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
+    eng.close()

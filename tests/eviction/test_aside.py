@@ -102,3 +102,21 @@ def test_lse_out_contract():
                                lse_out=lse[:, :1])
     with pytest.raises(UnsupportedShapeError, match="needs direct=True"):
         paged_decode_attention(q, kc, vc, bt, lens, 0.1, lse_out=lse)
+
+
+@pytest.mark.parametrize("fmt", [("bf16",), ("int4", "channel", "residual")],
+                         ids=lambda f: "-".join(f))
+def test_reference_and_sink_merge_have_no_host_sync(fmt):
+    """What runs inside a replayed step on quantized pages (dequantization by PagedTensor.read,
+    the rotated sinks' scores and merge) reads nothing back to the host. (Not fp8 here: its
+    CPU-only widening, cache/fp8.py fp8_widen, reads a min / max on the host; on CUDA it is a
+    cast.)"""
+    from kvcompile.eviction.aside import merge_sinks
+    from tests.engine.test_engine_eviction import _NoHostSync
+
+    kc, vc, bt, lens, q, mass0, rot = _case(fmt, seed=2, page=32)
+    lse = torch.zeros(len(LENS), HKV * G, 1)
+    out = torch.zeros(len(LENS), HKV * G, 1, D)
+    with _NoHostSync():
+        aside_reference(q, kc, vc, bt, lens, D ** -0.5, 0.0, mass0.clone(), rot)
+        merge_sinks(out, lse, q, kc, vc, bt, rot, D ** -0.5, 0.0)
