@@ -80,6 +80,8 @@ def parse_args(argv=None):
                    help="compile the kvc_* sections with assume_static_by_default=False")
     p.add_argument("--kernels", default="auto", choices=("auto", "triton", "cuda"),
                    help="KVConfig.kernels for the kvc_* sections (decode kernel choice)")
+    p.add_argument("--peak-tbs", type=float, default=4.8,
+                   help="memory bandwidth in TB/s for the roofline column (H200: 4.8)")
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "benchmarks"))
     a = p.parse_args(argv)
     if a.smoke:
@@ -205,6 +207,9 @@ def run_generate(model, args, device, ids, am, label, extra=None, warm=True):
                                          **dict(_gen_kwargs(args, **extra), max_new_tokens=1,
                                                 min_new_tokens=1)), device)
     times, out = [], None
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     for _ in range(args.repeats):
         out, t = timed(lambda: model.generate(ids, attention_mask=am,
                                               **_gen_kwargs(args, **extra)), device)
@@ -212,13 +217,41 @@ def run_generate(model, args, device, ids, am, label, extra=None, warm=True):
     t = statistics.median(times)
     B, N = ids.shape[0], args.new
     toks = out[:, ids.shape[1]:].cpu() if isinstance(out, torch.Tensor) else None
-    return dict(label=label, tok_s=B * N / t, decode_tok_s=B * (N - 1) / max(t - t1, 1e-9),
-                first_token_s=t1, total_s=t), toks
+    row = dict(label=label, tok_s=B * N / t, decode_tok_s=B * (N - 1) / max(t - t1, 1e-9),
+               first_token_s=t1, total_s=t)
+    if device.type == "cuda":
+        row["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+    return row, toks
+
+
+def bf16_kv_bytes_per_token(model) -> int:
+    """K + V bytes per token over all layers in bf16 (HF's caches; the roofline of its rows)."""
+    c = model.config
+    d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return c.num_hidden_layers * 2 * c.num_key_value_heads * d * 2
+
+
+def add_roofline(row, model, args, kv_bytes_per_token):
+    """The decode step's bytes (every weight but the embedding table, which a step reads B rows
+    of, plus the stored KV bytes of the average context during decode) over --peak-tbs, as a
+    share of the measured step (B / decode tok/s)."""
+    emb = model.get_input_embeddings().weight
+    tied = emb is model.get_output_embeddings().weight
+    w = sum(p.numel() * p.element_size() for p in model.parameters()
+            if p is not emb or tied)
+    ctx_len = args.prompt + args.new / 2
+    kv = kv_bytes_per_token * args.batch * ctx_len
+    step_s = args.batch / row["decode_tok_s"]
+    ideal_s = (w + kv) / (args.peak_tbs * 1e12)
+    row.update(step_ms=1e3 * step_s, roofline_ms=1e3 * ideal_s,
+               pct_roofline=100 * ideal_s / step_s, weight_gb=w / 1e9, kv_gb_per_step=kv / 1e9)
+    return row
 
 
 def hf_eager(model, args, device, ctx):
     ids, am = ctx["inputs"]
     row, toks = run_generate(model, args, device, ids, am, "HF eager, DynamicCache", warm=False)
+    add_roofline(row, model, args, bf16_kv_bytes_per_token(model))
     ctx["ref_tokens"] = toks
     # logits of eager's own path, for the bf16 identity check (teacher forcing)
     out = model.generate(ids, attention_mask=am, output_logits=True,
@@ -236,6 +269,7 @@ def hf_static(model, args, device, ctx):
     else:
         row, toks = run_generate(model, args, device, ids, am,
                                  "HF StaticCache + torch.compile (inductor)", extra)
+    add_roofline(row, model, args, bf16_kv_bytes_per_token(model))
     row["same_tokens_as_eager"] = _match(toks, ctx.get("ref_tokens"))
     model.__dict__.pop("_cache", None)
     torch._dynamo.reset()
@@ -267,6 +301,8 @@ def kvc(model, args, device, ctx, kv_dtype):
         row["decode_kernel_calls"] = {k: st.get(k, 0) for k in ("decode_cuda", "decode_triton")}
         row["same_tokens_as_eager"] = _match(toks, ctx.get("ref_tokens"))
         row["bytes_per_token"] = st.get("bytes_per_token")
+        if row["bytes_per_token"]:
+            add_roofline(row, model, args, row["bytes_per_token"])
         row["pages_after_generate"] = st.get("pages_used")
         fwd = model.__dict__.get("forward")
         row["graph_replays"] = getattr(fwd, "replays", None)
@@ -417,6 +453,8 @@ def engine_batch(model, args, device, ctx, graphs: bool = True, eviction=None,
                                       if ctx.get("engine_b_decode") else None))
         eng.close()
         return row
+    if counters.get("bytes_per_token"):
+        add_roofline(row, model, args, counters["bytes_per_token"])
     ctx["engine_tokens" + ("" if graphs else "_nograph")] = toks
     if graphs:
         ctx["engine_b_decode"] = row["decode_tok_s"]
@@ -562,7 +600,11 @@ def report(results, errors, args):
     for r in gen:
         r["x_static"] = r["tok_s"] / base if base else None
     print("\n### HF generate, " + results["env"]["setup"])
+    for r in gen:
+        r["ttft_x_static"] = (r["first_token_s"] / results["hf_static"]["first_token_s"]
+                              if "hf_static" in results else None)
     print(table(gen, ["label", "tok_s", "decode_tok_s", "first_token_s", "total_s", "x_static",
+                      "ttft_x_static", "step_ms", "roofline_ms", "pct_roofline", "peak_gib",
                       "same_tokens_as_eager", "graphs", "reference_fallbacks", "graph_captures",
                       "graph_replays"]))
     eng = [results[k] for k in ("engine_b", "engine_b_nograph") if k in results]

@@ -1,6 +1,6 @@
 #!/bin/bash
 # The KV-dominated end-to-end rows of issue 14 (B16, prompt 32,768, 64 new tokens, 8-layer
-# Llama-3-8B shape): each row in its own process, bench_generate.py's kvc_* section, then one
+# Llama-3-8B shape; B / P / N / KV_GIB from the environment): each row in its own process, bench_generate.py's kvc_* section, then one
 # line per row (decode tok/s, first token s, which decode kernel ran).
 #   bash benchmarks/e2e_kv_rows.sh "kvc_bf16:auto kvc_fp8:auto kvc_fp8:triton"
 set -u
@@ -19,9 +19,12 @@ for r in $ROWS; do
 import json, sys
 d = json.load(open(sys.argv[1]))
 for k, r in d["results"].items():
-    if k.startswith("kvc"):
+    if k != "env" and isinstance(r, dict) and "decode_tok_s" in r:
+        pct = f"{r['pct_roofline']:.0f}%" if r.get("pct_roofline") else "-"
+        peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
         print(f"  {k}: decode {r['decode_tok_s']:.0f} tok/s, first token {r['first_token_s']:.3f} s,"
-              f" total {r['total_s']:.2f} s, kernels {r.get('decode_kernel_calls')}")
+              f" total {r['total_s']:.2f} s, roofline {pct}, peak {peak} GiB,"
+              f" kernels {r.get('decode_kernel_calls')}")
 print("  errors:", d["errors"]) if d["errors"] else None
 PY
 done
