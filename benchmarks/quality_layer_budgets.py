@@ -126,8 +126,8 @@ def main(argv=None) -> int:
             prev = lg[:, -1]
         rows.cache = None
     print(f"\nSmolLM2-135M, SnapKV, {time.strftime('%Y-%m-%d')}, {time.time() - t0:.0f} s")
-    print("\n| row | passkey (hits) | ppl (1024 ctx, 256 tokens) | stored slots / ctx | "
-          "mean tokens per layer / ctx |")
+    print(f"\n| row | passkey (hits) | ppl ({a.ctx} ctx, {a.cont * a.windows} tokens) | "
+          "stored slots / ctx | mean tokens per layer / ctx |")
     print("|---|---|---|---|---|")
     for k in pols:
         print(f"| {k} | {sum(hits[k])}/{len(hits[k])} | {ppl(*acc[k]):.2f} | "
