@@ -20,6 +20,9 @@ Sections, each in its own try/except, within one deadline (`--budget-s`), printe
              prompt: SinkWindow(4, prompt/2 - 4) (original sink positions, so decode steps
              replay graphs and evict on the device every --evict-interval steps) and
              SnapKV(budget=prompt/2) (chooses at the prompt's end); compare with engine_b
+  engine_evict_sink_rot / engine_evict_h2o   the same with SinkWindow's sinks re-rotated (the
+             default positions) and H2O(budget=prompt/2, recent=prompt/8, sinks=4), whose
+             rotation and mass run inside the replayed steps (eviction/aside.py)
 
 tok/s = B * new tokens / wall time of the whole generate call (prefill included); decode tok/s
 = B * (N - 1) / (t_N - t_1), with t_1 from a max_new_tokens=1 call. Timings are wall clock
@@ -394,7 +397,8 @@ def engine_curve(model, args, device, ctx, clock):
     return rows
 
 
-def engine_batch(model, args, device, ctx, graphs: bool = True, eviction=None):
+def engine_batch(model, args, device, ctx, graphs: bool = True, eviction=None,
+                 sinks: str = "original"):
     """The HF rows' setup through the Engine: the same B prompts at once, prefill steps of at
     most 128k tokens (one step up to B x prompt 4096), then decode steps (CUDA graphs unless
     `graphs` is False). tok/s = B x new / wall time of the whole `generate` (prefill
@@ -416,7 +420,7 @@ def engine_batch(model, args, device, ctx, graphs: bool = True, eviction=None):
                  max_num_seqs=B, enable_prefix_caching=False, cuda_graphs=graphs,
                  eviction_interval=args.evict_interval)
     if eviction is not None and eng.eviction is not None:
-        eng.eviction.sink_positions = "original"   # no per-slot rotation: graph decode steps
+        eng.eviction.sink_positions = sinks   # "cache": the sinks rotated inside the step
     prompts = [row.tolist() for row in ids.cpu()]
     eng.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
@@ -432,7 +436,9 @@ def engine_batch(model, args, device, ctx, graphs: bool = True, eviction=None):
     row = dict(label=f"kvcompile Engine, fp8 pages ({args.engine_scale} scale)"
                + (", CUDA-graph decode" if graphs else
                                                       ", no CUDA graphs")
-               + (f", {type(eviction).__name__} 50%" if eviction is not None else ""),
+               + (f", {type(eviction).__name__} 50%" if eviction is not None else "")
+               + (" (sinks re-rotated)" if eviction is not None and sinks == "cache"
+                  and type(eviction).__name__ == "SinkWindow" else ""),
                tok_s=B * N / t, decode_tok_s=B * (N - 1) / max(t - first, 1e-9),
                first_token_s=first, total_s=t,
                graph_replays=g.replays if g is not None else 0,
@@ -460,10 +466,11 @@ def engine_batch(model, args, device, ctx, graphs: bool = True, eviction=None):
 
 def _half(args):
     """Eviction policies at 50% of the prompt (the issue's speed target)."""
-    from kvcompile.config import SinkWindow, SnapKV
+    from kvcompile.config import H2O, SinkWindow, SnapKV
 
     half = max(8, args.prompt // 2)
-    return dict(sink=SinkWindow(4, half - 4), snapkv=SnapKV(budget=half))
+    return dict(sink=SinkWindow(4, half - 4), snapkv=SnapKV(budget=half),
+                h2o=H2O(budget=half, recent=max(1, half // 4), sinks=4))
 
 
 def _pct(xs, q):
@@ -537,7 +544,8 @@ def main(argv=None) -> int:
     sections = args.sections.split(",")
     # rough minimum seconds each needs on the H200 (compiles included)
     need = dict(capacity=1, hf_eager=25, hf_static=90, kvc_fp8=80, kvc_bf16=70, engine=60,
-                engine_b=40, engine_b_nograph=30, engine_evict_sink=60, engine_evict_snapkv=60)
+                engine_b=40, engine_b_nograph=30, engine_evict_sink=60, engine_evict_snapkv=60,
+                engine_evict_sink_rot=60, engine_evict_h2o=60)
     results, errors, ctx = {"env": env}, {}, {}
     model = None
     try:
@@ -558,6 +566,10 @@ def main(argv=None) -> int:
                                                eviction=_half(args)["sink"]),
         engine_evict_snapkv=lambda: engine_batch(model, args, device, ctx,
                                                  eviction=_half(args)["snapkv"]),
+        engine_evict_sink_rot=lambda: engine_batch(model, args, device, ctx,
+                                                   eviction=_half(args)["sink"], sinks="cache"),
+        engine_evict_h2o=lambda: engine_batch(model, args, device, ctx,
+                                              eviction=_half(args)["h2o"]),
         engine=lambda: engine_curve(model, args, device, ctx, clock))
     for name in sections:
         if name != "capacity" and model is None:
@@ -599,8 +611,8 @@ def report(results, errors, args):
     if eng:
         print(table(eng, ["label", "graph_captures", "graph_replays", "graphs_off_because",
                           "same_tokens_as_other_engine_row"]))
-    ev = [results[k] for k in ("engine_b", "engine_evict_sink", "engine_evict_snapkv")
-          if k in results]
+    ev = [results[k] for k in ("engine_b", "engine_evict_sink", "engine_evict_snapkv",
+                               "engine_evict_sink_rot", "engine_evict_h2o") if k in results]
     if len(ev) > 1:
         print(f"\n### Engine with eviction at 50% of the prompt (fp8 pages, eviction every "
               f"{args.evict_interval} decode steps), " + results["env"]["setup"])

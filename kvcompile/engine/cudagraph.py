@@ -23,7 +23,9 @@ batch size ("bucket"), as vLLM does:
 Graphs are used only where nothing in the step needs the host: CUDA, the Triton kernels for
 both K and V formats, no runtime hook but an eviction runtime that steps aside for the step
 (eviction/runtime.py `decode_aside`: it evicts after the replay, on the device, every
-`eviction_interval` steps), no `check_finite`. Anything else runs eagerly, as before. `KVConfig.cuda_graphs=False`
+`eviction_interval` steps; what it needs inside the step, H2O's mass and re-rotated sinks, is an
+`AsideSpec` that keys the graphs with the bucket, captured at its first step), no
+`check_finite`. Anything else runs eagerly, as before. `KVConfig.cuda_graphs=False`
 (or KVCOMPILE_CUDA_GRAPHS=0, its default) turns graphs off.
 """
 
@@ -34,10 +36,13 @@ import weakref
 
 import torch
 
+from kvcompile.eviction.aside import AsideInputs, AsideSpec
 from kvcompile.runtime.context import ForwardContext, StepPlan, forward_context
 from kvcompile.runtime.kernel_formats import kernel_readable
 
 log = logging.getLogger("kvcompile.engine")
+
+PLAIN = AsideSpec()   # a decode step with nothing of eviction inside it
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
@@ -94,19 +99,25 @@ def capture(step, device: torch.device, mempool):
 
 
 class _Graph:
-    """One captured decode step of `bp` rows and its static buffers."""
+    """One captured decode step of `bp` rows and its static buffers; `spec`: what it does for
+    eviction inside the step (eviction/aside.py)."""
 
-    def __init__(self, bp: int, width: int, device: torch.device):
+    def __init__(self, bp: int, width: int, device: torch.device, spec: AsideSpec = PLAIN):
         self.bp = bp
+        self.spec = spec
         # int64 inputs in one buffer (one copy per step): ids | positions | slots | table rows
-        self.host64 = torch.zeros(4 * bp, dtype=torch.int64, pin_memory=True)
+        # | eviction's mass rows | sink shifts | re-rotated sink counts
+        self.host64 = torch.zeros(7 * bp, dtype=torch.int64, pin_memory=True)
         self.host32 = torch.ones(bp, dtype=torch.int32, pin_memory=True)
-        self.dev64 = torch.zeros(4 * bp, dtype=torch.int64, device=device)
+        self.dev64 = torch.zeros(7 * bp, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(bp, dtype=torch.int32, device=device)
         self.ids = self.dev64[:bp].view(1, bp)
         self.pos = self.dev64[bp:2 * bp].view(1, bp)
         self.slots = self.dev64[2 * bp:3 * bp]
-        self.rows = self.dev64[3 * bp:]
+        self.rows = self.dev64[3 * bp:4 * bp]
+        self.mass_rows = self.dev64[4 * bp:5 * bp]
+        self.shift = self.dev64[5 * bp:6 * bp]
+        self.n_rot = self.dev64[6 * bp:]
         self.block_tables = torch.zeros(bp, width, dtype=torch.int32, device=device)
         self.keep = torch.arange(bp, dtype=torch.int64, device=device)
         self.cu = torch.arange(bp + 1, dtype=torch.int32, device=device)
@@ -121,7 +132,9 @@ class _Graph:
             seq_ids=[-1] * bp, batch=bp, new_tokens=1, past_lens=[1] * bp, slots=self.slots,
             block_tables=self.block_tables, seq_lens=self.seq_lens, seq_lens_list=[1] * bp,
             kv_start=[0] * bp, packed=True, cu_seqlens_q=self.cu, q_lens=[1] * bp,
-            eviction_aside=True)   # captured only for steps eviction steps aside for
+            eviction_aside=True,   # captured only for steps eviction steps aside for
+            aside=AsideInputs(self.spec, self.mass_rows, self.shift, self.n_rot)
+            if self.spec else None)
 
 
 class DecodeGraphs:
@@ -132,7 +145,7 @@ class DecodeGraphs:
         self.state = runner.state
         self.max_batch = max(1, int(max_batch))
         self.buckets = bucket_sizes(self.max_batch)
-        self.graphs: dict[int, _Graph] = {}
+        self.graphs: dict[tuple[int, AsideSpec], _Graph] = {}
         self.mempool = None
         self.scratch: tuple[int, list[int], int] | None = None   # (seq id, slots, table row)
         self.max_len: int | None = None   # block-table capacity (the engine's max_model_len)
@@ -140,6 +153,7 @@ class DecodeGraphs:
         self.captures = 0
         self._why_not: str | None = None
         self._generation: int | None = None   # the pool storage the graphs captured
+        self._store = None   # the eviction mass store the graphs with mass captured
         self.state.release_hooks.append(weakref.WeakMethod(self.close))
 
     # -- when ---------------------------------------------------------------------------------
@@ -183,8 +197,9 @@ class DecodeGraphs:
         return all(s.n == 1 and s.start > 0 for s in seqs)
 
     # -- run ----------------------------------------------------------------------------------
-    def run(self, out) -> torch.Tensor:
-        """Logits [B, V] of a decode step (every sequence adds one token)."""
+    def run(self, out, inputs=None) -> torch.Tensor:
+        """Logits [B, V] of a decode step (every sequence adds one token). inputs: eviction's
+        (spec, mass rows, shifts, sink counts) of the step (EvictionRuntime.aside_inputs)."""
         seqs = out.seqs
         n = len(seqs)
         bp = next(b for b in self.buckets if b >= n)
@@ -192,9 +207,15 @@ class DecodeGraphs:
         if self._generation != pool.generation:
             self.graphs.clear()   # the pool grew (or is new): the graphs read the old storage
             self._generation = pool.generation
-        g = self.graphs.get(bp)
+        spec = inputs[0] if inputs is not None else PLAIN
+        store = self.state.eviction.store if self.state.eviction is not None else None
+        if spec.mass_len and store is not self._store:
+            # the mass store is new or grew: graphs with mass read the old one
+            self.graphs = {k: g for k, g in self.graphs.items() if not k[1].mass_len}
+            self._store = store
+        g = self.graphs.get((bp, spec))
         if g is None:
-            g = self._capture(bp)
+            g = self._capture(bp, spec)
         sids = [s.req.seq_id for s in seqs]
         slots, rows, lens = pool.decode_slots(sids)
         h64, h32 = g.h64, g.h32
@@ -203,6 +224,10 @@ class DecodeGraphs:
         h64[2 * bp:2 * bp + n] = slots
         h64[3 * bp:3 * bp + n] = rows
         h32[:n] = lens
+        if spec:
+            h64[4 * bp:4 * bp + n] = inputs[1]
+            h64[5 * bp:5 * bp + n] = inputs[2]
+            h64[6 * bp:6 * bp + n] = inputs[3]
         if n < bp:  # padding rows: the scratch sequence, one slot each, one key seen
             self._pad(g, n)
         upload_plan(g, pool)
@@ -219,6 +244,10 @@ class DecodeGraphs:
         g.h64[bp + n:2 * bp] = 0
         g.h64[2 * bp + n:3 * bp] = slots[:pad]
         g.h64[3 * bp + n:4 * bp] = row
+        ev = self.state.eviction
+        store = ev.store if ev is not None else None
+        g.h64[4 * bp + n:5 * bp] = store.scratch if store is not None else 0   # mass: scratch
+        g.h64[5 * bp + n:] = 0                                                # no rotation
         g.h32[n:bp] = 1
 
     def _scratch(self, rows: int):
@@ -241,15 +270,15 @@ class DecodeGraphs:
             return 0
         self._generation = self.runner.pool.generation
         for bp in reversed(self.buckets):
-            if bp not in self.graphs:
+            if (bp, PLAIN) not in self.graphs:
                 self._capture(bp)
         return len(self.graphs)
 
-    def _capture(self, bp: int) -> _Graph:
+    def _capture(self, bp: int, spec: AsideSpec = PLAIN) -> _Graph:
         pool = self.runner.pool
         dev = self.runner.device
         width = -(-(self.max_len or pool.max_seq_len) // pool.page_size)
-        g = _Graph(bp, width, dev)
+        g = _Graph(bp, width, dev, spec)
         # every row is padding while capturing: the warm-up runs write the scratch pages only
         self._pad(g, 0)
         if self._generation != pool.generation:   # (the scratch sequence grew the pool)
@@ -265,10 +294,11 @@ class DecodeGraphs:
         if self.mempool is None:
             self.mempool = torch.cuda.graph_pool_handle()
         g.graph, g.logits = capture(step, dev, self.mempool)
-        self.graphs[bp] = g
+        self.graphs[(bp, spec)] = g
         self.captures += 1
         self.state.count("engine_cuda_graph_captures")
-        log.info("kvcompile engine: captured the decode step for %d rows", bp)
+        log.info("kvcompile engine: captured the decode step for %d rows%s", bp,
+                 f" ({spec})" if spec else "")
         return g
 
     def close(self) -> None:

@@ -50,11 +50,13 @@ class Engine:
     Eviction (KVConfig.eviction, per request SamplingParams.eviction): a prompt attends in
     full, however it is chunked, and is evicted at its end; each decode step then evicts, or
     every `eviction_interval` steps (a sequence holds at most budget + interval - 1 tokens).
-    Decode steps whose kept slots need no per-slot rule (SinkWindow with
-    `state_of(model).eviction.sink_positions = "original"`, SnapKV; not H2O, not re-rotated
-    sinks) run the decode kernel over the stored slots, from a CUDA graph where one applies,
-    and evict after it on the device, without a host sync, for formats that move tokens exactly
-    (unquantized, token- or tensor-scaled). Evicting requests neither read nor offer
+    Decode steps whose kept slots need no per-slot rule (SinkWindow, its sinks re-rotated or
+    not, H2O, SnapKV; eviction/runtime.py `decode_aside` logs each exception once) run the
+    decode kernel over the stored slots, from a CUDA graph where one applies, with H2O's mass
+    and the sinks' rotation inside the step (eviction/aside.py), and evict after it on the
+    device, without a host sync, for formats that move tokens exactly (unquantized, token- or
+    tensor-scaled). H2O's mass store takes max_num_seqs + 1 rows of (budget + interval) fp32
+    per layer and kv head, outside the pool's budget. Evicting requests neither read nor offer
     prefix-cache pages and are preempted by recompute (which replays each eviction).
 
     Tensor parallelism (a model sharded over ranks, README "Multi-GPU"): one Engine per rank,
@@ -96,6 +98,7 @@ class Engine:
             state.eviction.policies else None
         if self.eviction is not None:
             self.eviction.interval = eviction_interval
+            self.eviction.set_aside_rows(max_num_seqs)   # H2O mass of decoding sequences
         self.max_model_len = inputs.max_model_len(model, state, max_model_len)
         if self.runner.graphs is not None:
             self.runner.graphs.max_len = self.max_model_len

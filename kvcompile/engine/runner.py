@@ -19,6 +19,7 @@ import inspect
 import torch
 
 from kvcompile.engine.scheduler import SchedulerOutput
+from kvcompile.eviction.aside import AsideInputs
 from kvcompile.runtime.context import ForwardContext, StepPlan, forward_context
 
 
@@ -54,17 +55,20 @@ class ModelRunner:
         ev = self.state.eviction
         # a decode step eviction needs nothing inside of: the decode kernel attends over the
         # stored slots (a CUDA graph where one applies); eviction runs after it, on the device
+        sids = [s.req.seq_id for s in out.seqs]
         aside = (ev is not None and all(s.n == 1 and s.start > 0 for s in out.seqs)
-                 and ev.decode_aside([s.req.seq_id for s in out.seqs]))
+                 and ev.decode_aside(sids))
+        # what the step does for eviction inside it (H2O mass, re-rotated sinks: aside.py)
+        inputs = ev.aside_inputs(sids, self.device) if aside else None
         if self.graphs is not None and self.graphs.usable(out, eviction_aside=aside):
-            logits = self.graphs.run(out)
+            logits = self.graphs.run(out, inputs)
         else:
-            logits = self._eager(out, aside)
+            logits = self._eager(out, aside, inputs)
         if aside:
             ev.after_decode_step([s.req.seq_id for s in out.seqs])
         return logits
 
-    def _eager(self, out: SchedulerOutput, aside: bool) -> torch.Tensor:
+    def _eager(self, out: SchedulerOutput, aside: bool, inputs=None) -> torch.Tensor:
         seqs = out.seqs
         pool = self.pool
         ids, pos, cu, q_lens, past, lens = [], [], [0], [], [], []
@@ -89,6 +93,10 @@ class ModelRunner:
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev), seq_lens_list=lens,
             kv_start=[0] * len(seqs), packed=True, cu_seqlens_q=cu_t.to(dev), q_lens=q_lens,
             eviction_aside=aside)
+        if inputs is not None and inputs[0]:
+            spec, rows, shifts, n_rot = inputs
+            t = torch.tensor([rows, shifts, n_rot], dtype=torch.int64).to(dev)
+            plan.aside = AsideInputs(spec, t[0], t[1], t[2])
         ctx = ForwardContext(self.state, None, plan=plan)
         ids_t = torch.tensor([ids], dtype=torch.long, device=dev)
         pos_t = torch.tensor([pos], dtype=torch.long, device=dev)

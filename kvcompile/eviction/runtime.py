@@ -29,6 +29,7 @@ from kvcompile.cache.compaction import moves_exactly
 from kvcompile.config import EvictionPolicy
 from kvcompile.errors import CacheStateError, UnsupportedShapeError
 from kvcompile.eviction import policies as P
+from kvcompile.eviction.aside import AsideSpec, MassStore, attend_aside, store_length
 from kvcompile.eviction.attend import attend_kept, rotation
 from kvcompile.kernels.masks import to_bool
 from kvcompile.runtime.hooks import RuntimeHook
@@ -93,6 +94,12 @@ class EvictionRuntime(RuntimeHook):
         # eviction_interval)
         self.interval = 1
         self.windowed = False   # a managed layer has a sliding window (a per-slot rule)
+        # H2O mass of the sequences decoding aside (aside.py), made at the first such step;
+        # `aside_rows` sequences at most (the engine's max_num_seqs)
+        self.store: MassStore | None = None
+        self.aside_rows = 256
+        self._inv_freq_dev: dict = {}
+        self._said: set[str] = set()
         self._pool = None
 
     def set_sequence_policy(self, seq_id: int, policy: EvictionPolicy | None,
@@ -147,16 +154,22 @@ class EvictionRuntime(RuntimeHook):
         """kvcompile.release(model): the pool goes, and every sequence's bookkeeping with it."""
         self._pool = None
         self.books.clear()
+        self.store = None
 
     def _forget(self, seq_id: int) -> None:
         """The pool freed `seq_id`: its bookkeeping and per-sequence settings go with it."""
         self.books.pop(seq_id, None)
         self.seq_policy.pop(seq_id, None)
         self.seq_sink_positions.pop(seq_id, None)
+        if self.store is not None:
+            self.store.give_back(seq_id)
 
     def _on_fork(self, parent: int, child: int) -> None:
         if parent in self.books:
-            self.books[child] = self.books[parent].copy()
+            book = self.books[parent]
+            self._catch_up(parent, book)
+            self._pull_mass(parent, book, self.state.pool.seq_len(parent))
+            self.books[child] = book.copy()
 
     def _rows(self, plan):
         """(row, seq id, stored tokens before, new tokens) of each sequence of the plan."""
@@ -195,6 +208,7 @@ class EvictionRuntime(RuntimeHook):
                     raise CacheStateError(f"sequence {sid} lost its eviction bookkeeping")
                 book = self.books[sid] = _Book(plan.kv_start[i] if not plan.packed else 0)
             self._catch_up(sid, book, n)
+            self._pull_mass(sid, book, past)
             pos = book.pos.get(layer)
             if pos is None:  # a layer seen for the first time: nothing was evicted yet
                 pos = torch.arange(past, device=k.device).expand(heads, past)
@@ -215,8 +229,13 @@ class EvictionRuntime(RuntimeHook):
                     extras):
         """Attention of a layer with a policy over its kept slots (runtime/dispatch.py asks
         this first), or None for a layer without one."""
-        if layer not in self.policies or plan.eviction_aside:
+        if layer not in self.policies:
             return None
+        if plan.eviction_aside:   # the plain decode step attends itself (runtime/dispatch.py)
+            if plan.aside is None or not plan.aside.spec:
+                return None
+            return attend_aside(self.state, self.store, layer, q, plan, softcap, scale,
+                                self._rope(q.device))
         if window:
             self.windowed = True
         pool = ctx.state.pool
@@ -385,27 +404,128 @@ class EvictionRuntime(RuntimeHook):
 
     # -- decode steps it steps aside for (CUDA graphs) ---------------------------------------
     def decode_aside(self, seq_ids) -> bool:
-        """Whether a decode step of these sequences needs nothing of this runtime inside the
-        step, so that it can replay a CUDA graph: the decode kernel over the stored slots
-        attends exactly as `attend_kept` would (slot order does not matter to one query).
-        Not when a slot needs its own rule (holes, left padding, a sliding window, sinks to
-        re-rotate), nor for H2O, whose mass each step would have to add up."""
-        if self.windowed or self.observe_all or len(self.policies) != len(self.state.layer_specs):
-            return False
-        for sid in seq_ids:
+        """Whether a decode step of these sequences can run without this runtime's host code
+        inside it, so that it can replay a CUDA graph: the decode kernel over the stored slots
+        attends as `attend_kept` would (slot order does not matter to one query), H2O's mass
+        comes from the kernel's `attn_mass` output into the device store and re-rotated sinks
+        are scored by a rotated query inside the step (aside.py). Not when a slot needs its
+        own rule (holes, left padding, a sliding window), for the quality harness's
+        observation of every policy, nor for re-rotated sinks whose layers differ in policy or
+        evict whole pages (their sinks' slots and shift are not known on the host). Each
+        reason is logged once."""
+        why = None
+        new_rows = 0   # H2O sequences that start decoding aside: each takes a store row
+        if self.windowed:
+            why = "a sliding window (a per-slot rule)"
+        elif self.observe_all:
+            why = "observe_all (every policy's scores are recorded)"
+        elif len(self.policies) != len(self.state.layer_specs):
+            why = "a layer without a policy (its slots are holes in the others)"
+        for sid in seq_ids if why is None else ():
             book = self.books.get(sid)
-            if book is None or book.start or book.ragged or book.carry:
-                return False
-            for layer in self.policies:
-                p = self.policy_of(sid, layer)
-                if p is not None and (P.accumulates_mass(p) or self._rerotate(sid, p)):
-                    return False
+            if book is None or book.carry:
+                return False   # (not a decode step of a known sequence)
+            if book.start or book.ragged:
+                why = "left padding or heads that keep different counts (per-slot rules)"
+                break
+            pols = [self.policy_of(sid, li) for li in self.policies]
+            if any(p is not None and self._rerotate(sid, p) for p in pols) and (
+                    len(set(pols)) != 1 or getattr(pols[0], "granularity", "token") != "token"):
+                why = ("re-rotated sinks with per-layer policies or page granularity (the "
+                       "sinks' shift is not known on the host)")
+                break
+            if any(P.accumulates_mass(p) for p in pols):
+                new_rows += self.store is None or sid not in self.store.row_of
+        free = len(self.store._free) if self.store is not None else self.aside_rows
+        if why is None and new_rows > free:
+            why = f"more H2O sequences than the mass store's {self.aside_rows} rows"
+        if why is not None:
+            self._say(f"eviction: decode steps run on the host path ({why})")
+            return False
         return True
+
+    def set_aside_rows(self, rows: int) -> None:
+        """Sequences at most that decode aside with H2O mass at once (the engine's
+        max_num_seqs); a store with fewer rows and none in use is dropped."""
+        self.aside_rows = rows
+        if self.store is not None and self.store.rows < rows and not self.store.row_of:
+            self.store = None
+
+    def _say(self, why: str) -> None:
+        if why not in self._said:
+            self._said.add(why)
+            log.warning("kvcompile: %s", why)
+
+    def _rope(self, device):
+        """The RoPE frequencies on `device`, copied once (no copy inside a captured step)."""
+        if self.inv_freq is None:
+            return None
+        if device not in self._inv_freq_dev:
+            self._inv_freq_dev[device] = self.inv_freq.to(device)
+        return self._inv_freq_dev[device]
+
+    def _mass_need(self, sid: int) -> int:
+        """Slots of the store a sequence needs: its H2O budget + interval (the most it holds
+        between evictions), or what it holds now if more."""
+        budgets = [P.budget_of(p) for p in (self.policy_of(sid, li) for li in self.policies)
+                   if P.accumulates_mass(p)]
+        return max(max(budgets) + self.interval, self.state.pool.seq_len(sid))
+
+    def _ensure_store(self, need: int, device) -> MassStore:
+        pool = self.state.pool
+        length = store_length(need)
+        if self.store is None:
+            heads = {li: pool.layers[li].num_kv_heads for li in self.policies}
+            self.store = MassStore(heads, self.aside_rows, length, device)
+        elif self.store.length < length:
+            self.store = self.store.grown(length)   # (graphs of the old store are dropped)
+        return self.store
+
+    def aside_inputs(self, seq_ids, device) -> tuple[AsideSpec, list, list, list]:
+        """The spec and per-row inputs of a decode step stepped aside for (after `reserve`):
+        (spec, mass rows, shifts, sink counts). Moves the mass of H2O sequences that start
+        decoding aside into the store. Host work only, no sync."""
+        pool = self.state.pool
+        mass_len = sinks = 0
+        rows, shifts, n_rot = [], [], []
+        need = [self._mass_need(sid) for sid in seq_ids
+                if any(P.accumulates_mass(self.policy_of(sid, li)) for li in self.policies)]
+        store = self._ensure_store(max(need), device) if need else self.store
+        for sid in seq_ids:
+            book = self.books[sid]
+            pols = [self.policy_of(sid, li) for li in self.policies]
+            row, shift, n = store.scratch if store is not None else 0, 0, 0
+            if any(P.accumulates_mass(p) for p in pols):
+                mass_len = store.length
+                if sid not in store.row_of:
+                    self._catch_up(sid, book, 1)
+                    row = store.take(sid)
+                    store.write(row, book.mass)
+                row = store.row_of[sid]
+            rot = [P.rerotated_sinks(p) for p in pols if p is not None and self._rerotate(sid, p)]
+            if rot:
+                sinks = max(sinks, rot[0])
+                if pool.evicted(sid) > 0:   # the run after the sinks is gone: rotate them
+                    shift, n = pool.evicted(sid), rot[0]
+            rows.append(row)
+            shifts.append(shift)
+            n_rot.append(n)
+        return AsideSpec(mass_len, sinks), rows, shifts, n_rot
+
+    def _pull_mass(self, sid: int, book: _Book, stored: int) -> None:
+        """The sequence leaves the aside path (or evicts): its mass, slots [0, stored), back
+        from the store into the bookkeeping, and its row given back."""
+        st = self.store
+        if st is None or sid not in st.row_of:
+            return
+        book.mass.update(st.read(st.row_of[sid], list(book.mass), stored))
+        st.give_back(sid)
 
     def after_decode_step(self, seq_ids) -> None:
         """Each sequence added one token in a step stepped aside for: record it (lazily) and
         evict those that reached budget + interval - 1, on the device where the format moves
-        tokens exactly (no host sync: the next step's graph replays at once)."""
+        tokens exactly (no host sync: the next step's graph replays at once). An H2O sequence
+        ranks by the mass in the store, which goes back to its row after the eviction."""
         pool = self.state.pool
         self.state.count("eviction_aside_steps")
         for sid in seq_ids:
@@ -416,8 +536,12 @@ class EvictionRuntime(RuntimeHook):
             budget = self._decode_budget(sid)
             if budget is not None and pool.seq_len(sid) >= budget + self.interval:
                 self._catch_up(sid, book)
+                row = self.store.row_of.get(sid) if self.store is not None else None
+                self._pull_mass(sid, book, pool.seq_len(sid))
                 if not self._evict_front(sid, book, budget):
                     self.evict(sid, book)
+                if row is not None:
+                    self.store.write(self.store.take(sid), book.mass)
 
     def _decode_budget(self, sid: int) -> int | None:
         """The budget decode steps evict to (None: they do not evict: no policy, or SnapKV,

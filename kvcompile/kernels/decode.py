@@ -282,16 +282,25 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
                   sliding_window: int, sinks: int, softcap: float, num_splits: int,
                   config: dict | None = None, kz=None, vz=None, k_res=None, k_res_slot=None,
                   v_res=None, v_res_slot=None, backend: str = "auto",
-                  sink_logits=None) -> torch.Tensor:
+                  sink_logits=None, lse_out=None) -> torch.Tensor:
     """Check, then launch split kernel (+ combine, + attention-mass pass). Writes `out`.
     kz / vz: int zero points (shaped like the scales); k_res / v_res [R, Hkv, P, D] bf16 and
     k_res_slot / v_res_slot [N] int32: residual pages (PagedTensor.res_data / res_slot);
-    sink_logits [Hq] fp32: attention sinks (the module docstring)."""
+    sink_logits [Hq] fp32: attention sinks (the module docstring); lse_out [B, Hq, Sq] fp32:
+    gets each row's log-sum-exp in log2 units of the scaled scores (Triton kernel only: a
+    caller that merges more keys into the softmax, eviction/aside.py)."""
     kfmt, ksm = _codes(k_fmt, k_gran)
     vfmt, vsm = _codes(v_fmt, v_gran)
     B, Hq, Sq, D, DV, N, Hkv, P = _check(q, kd, vd, kfmt, vfmt, block_tables, seq_lens,
                                          key_mask, attn_mass, out)
     check_sink_logits("paged_decode", sink_logits, Hq, q.device)
+    if lse_out is not None and (lse_out.dtype != torch.float32 or not lse_out.is_contiguous()
+                                or tuple(lse_out.shape) != (B, Hq, Sq)):
+        raise UnsupportedShapeError(f"paged_decode: lse_out must be contiguous fp32 "
+                                    f"[{B}, {Hq}, {Sq}]")
+    if lse_out is not None and backend != "triton":
+        raise UnsupportedShapeError("paged_decode: lse_out is written by the Triton kernel "
+                                    "only; pass backend='triton'")
     if (backend == "cuda" or backend == "auto" and cuda_decode_by_default(k_fmt, v_fmt)) \
             and not interpreting():
         residual = _check_residual("keys", k_res, k_res_slot, N, Hkv, P, D) or \
@@ -358,7 +367,8 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
     if out is None:
         out = torch.empty(B, Hq, Sq, DV, dtype=q.dtype, device=dev)
     rows = B * Hq * Sq
-    lse = torch.empty(rows, dtype=torch.float32, device=dev)
+    lse = (lse_out.view(rows) if lse_out is not None
+           else torch.empty(rows, dtype=torch.float32, device=dev))
     direct = num_splits == 1
     if direct:
         acc = plse = lse
@@ -465,7 +475,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: f
                            key_mask=None, sliding_window: int = 0, sinks: int = 0,
                            softcap: float = 0.0, attn_mass=None, out=None,
                            num_splits: int | None = None, direct: bool = False,
-                           backend: str = "auto", sink_logits=None) -> torch.Tensor:
+                           backend: str = "auto", sink_logits=None,
+                           lse_out=None) -> torch.Tensor:
     """Decode attention over paged K/V in any storage format.
 
     q: [B, Hq, Sq, D], Sq in 1..8; k_cache, v_cache: PagedTensor (data [N, Hkv, P, D]);
@@ -481,7 +492,11 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: f
     backend (direct only): "triton" = the portable kernel; "cuda" = the CUDA kernel on sm_90
     (decode_sm90.py) where it takes the call, else Triton; "auto" = "cuda" for the formats of
     CUDA_DECODE_FORMATS (fp8 pages), else "triton".
+    lse_out (direct, backend "triton" only): fp32 [B, Hq, Sq], each row's log-sum-exp (log2
+    units of the scaled scores).
     """
+    if lse_out is not None and not direct:
+        raise UnsupportedShapeError("paged_decode_attention: lse_out needs direct=True")
     if direct:
         return launch_decode(
             q, k_cache.data, k_cache.scale, k_cache.micro, v_cache.data, v_cache.scale,
@@ -490,7 +505,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: f
             int(sliding_window or 0), int(sinks or 0), float(softcap or 0.0),
             int(num_splits or 0), None, k_cache.zero, v_cache.zero, k_cache.res_data,
             k_cache.res_slot, v_cache.res_data, v_cache.res_slot, backend=backend,
-            sink_logits=sink_logits)
+            sink_logits=sink_logits, lse_out=lse_out)
     args = (q, k_cache.data, k_cache.scale, k_cache.micro, v_cache.data, v_cache.scale,
             v_cache.micro, block_tables, seq_lens, key_mask, attn_mass,
             k_cache.fmt.name, k_cache.fmt.granularity, v_cache.fmt.name,

@@ -38,6 +38,9 @@ class StepPlan:
     # the eviction runtime steps aside: a decode step whose kept slots need no per-slot rule
     # (eviction/runtime.py `decode_aside`), so that it can replay a CUDA graph
     eviction_aside: bool = False
+    # what such a step does for eviction inside it (H2O mass, re-rotated sinks):
+    # eviction/aside.py AsideInputs, or None for the plain decode step
+    aside: object | None = None
 
     @property
     def is_decode(self) -> bool:

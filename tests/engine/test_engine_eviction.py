@@ -19,6 +19,7 @@ from kvcompile import Engine, SamplingParams
 from kvcompile.api import state_of
 from kvcompile.config import H2O, EvictionPolicy, SinkWindow, SnapKV
 from kvcompile.engine.params import RequestError
+from kvcompile.testing import ASSERT_CLOSE
 from tests.engine.test_engine import _run_arrivals
 from tests.engine.tiny import config, make_hf, random_prompts
 
@@ -282,16 +283,88 @@ def test_decode_steps_step_aside_and_equal_generate(model, original_sinks):
     assert eng.pool.stats().pages_used == 0
 
 
-def test_h2o_and_rerotated_sinks_do_not_step_aside(model):
-    """H2O adds up attention mass at every step and re-rotated sinks need their own query
-    rotation: their decode steps stay on the host path (attend_kept)."""
+def _record(eng, rt):
+    """Per request: the logits of each step, and after each step the kept positions and H2O
+    mass of every layer of each request that keeps mass (the bookkeeping is current after a
+    step that evicted: every step here, interval 1)."""
+    logits, books = {}, {}
+    fwd = eng.runner.forward
+
+    def forward(out):
+        lg = fwd(out)
+        for s, row in zip(out.seqs, lg):
+            logits.setdefault(s.req.id, []).append(row.clone())
+            book = rt.books.get(s.req.seq_id)
+            if book is not None and book.mass and not book.pending:
+                books.setdefault(s.req.id, []).append(
+                    {li: (book.pos[li].clone(), book.mass[li].clone()) for li in book.mass})
+        return lg
+
+    eng.runner.forward = forward
+    return logits, books
+
+
+def test_h2o_and_rerotated_sinks_step_aside_and_equal_host_path(model):
+    """H2O (the model's and a request's) and SinkWindow with its sinks re-rotated (the default
+    sink positions) decode aside: the mass comes from the decode attention's output into the
+    device store, the sinks' rotation is applied inside the step, and neither the step's
+    attention nor the eviction after it syncs with the host. Logits, kept positions and mass
+    after every step equal the host path's (decode_aside refused: attend_kept)."""
+    import kvcompile.eviction.runtime as R
+
+    rng = random.Random(6)
+    pols = ["model", SinkWindow(2, 12), H2O(budget=14, recent=3, sinks=1)]
+    prompts = random_prompts(rng, len(pols), 20, 40)
     st = state_of(model)
-    before = st.counters.get("eviction_aside_steps", 0)
-    eng = Engine(model, max_num_batched_tokens=64)
-    eng.generate(random_prompts(random.Random(7), 2, 20, 30),
-                 [_greedy(8, "model"), _greedy(8, SinkWindow(2, 12))])
-    assert st.counters.get("eviction_aside_steps", 0) == before
-    eng.close()
+    runs = []
+    for aside in (True, False):
+        eng = Engine(model, max_num_batched_tokens=64)
+        rt = st.eviction
+        logits, books = _record(eng, rt)
+        before = {k: st.counters.get(k, 0) for k in ("eviction_aside_steps",
+                                                     "eviction_aside_reference")}
+        attend, step = R.attend_aside, rt.after_decode_step
+
+        def attend_checked(*a, attend=attend, **k):
+            with _NoHostSync():
+                return attend(*a, **k)
+
+        def step_checked(seq_ids, step=step):
+            with _NoHostSync():
+                step(seq_ids)
+
+        R.attend_aside, rt.after_decode_step = attend_checked, step_checked
+        if not aside:
+            rt.decode_aside = lambda seq_ids: False
+        try:
+            outs = eng.generate(prompts, [_greedy(12, p) for p in pols])
+        finally:
+            R.attend_aside = attend
+            for name in ("after_decode_step", "decode_aside"):
+                rt.__dict__.pop(name, None)
+        steps = st.counters.get("eviction_aside_steps", 0) - before["eviction_aside_steps"]
+        assert (steps >= 11) == aside
+        if aside:
+            assert st.counters["eviction_aside_reference"] > before["eviction_aside_reference"]
+            assert rt.store is not None and not rt.store.row_of, "mass rows leaked"
+        runs.append(([o.token_ids for o in outs], logits, books))
+        eng.close()
+    (tok_a, log_a, books_a), (tok_h, log_h, books_h) = runs
+    assert tok_a == tok_h
+    atol, rtol = ASSERT_CLOSE[torch.float32]
+    for rid in log_h:
+        torch.testing.assert_close(torch.stack(log_a[rid]), torch.stack(log_h[rid]), atol=atol,
+                                   rtol=rtol, msg=lambda m, rid=rid: f"request {rid}: {m}")
+    assert sorted(books_h) == sorted(books_a) and len(books_h) == 2   # the two H2O requests
+    for rid in books_h:
+        assert len(books_a[rid]) == len(books_h[rid]) >= 10
+        for got, want in zip(books_a[rid], books_h[rid]):
+            for li in want:   # slot order differs (compact_front vs move_tokens): by position
+                (pg, mg), (pw, mw) = got[li], want[li]
+                og, ow = pg.argsort(-1), pw.argsort(-1)
+                assert torch.equal(pg.gather(1, og), pw.gather(1, ow)), "kept positions differ"
+                torch.testing.assert_close(mg.gather(1, og), mw.gather(1, ow), atol=atol,
+                                           rtol=rtol)
 
 
 def test_eviction_interval_device_path_equals_host_path(model, original_sinks):
@@ -322,3 +395,66 @@ def test_eviction_interval_device_path_equals_host_path(model, original_sinks):
     held = runs[0][1]
     assert held and all(b <= n <= b + 3 for b, n in held)
     assert {n - b for b, n in held} == {0, 1, 2, 3}, "not every 4 steps"
+
+
+def test_eviction_interval_h2o_and_rerotated_sinks(model):
+    """Every 4 steps, H2O's mass accumulates in the device store between evictions and the
+    sinks' shift changes only at them: eviction on the device (compact_front) and on the host
+    (evict, which reads counts) give the same logits, kept positions and mass."""
+    rng = random.Random(9)
+    prompts = random_prompts(rng, 3, 20, 30)
+    pols = [SinkWindow(2, 10), H2O(budget=14, recent=3, sinks=1), "model"]
+    rt = state_of(model).eviction
+    runs = []
+    for device in (True, False):
+        eng = Engine(model, max_num_batched_tokens=64, eviction_interval=4)
+        logits, books = _record(eng, rt)
+        if not device:
+            rt._evict_front = lambda *a: False
+        try:
+            outs = eng.generate(prompts, [_greedy(16, p) for p in pols])
+        finally:
+            rt.__dict__.pop("_evict_front", None)
+        runs.append(([o.token_ids for o in outs], logits, books))
+        eng.close()
+    assert runs[0][0] == runs[1][0]
+    atol, rtol = ASSERT_CLOSE[torch.float32]
+    for rid in runs[1][1]:
+        torch.testing.assert_close(torch.stack(runs[0][1][rid]), torch.stack(runs[1][1][rid]),
+                                   atol=atol, rtol=rtol)
+    (_, _, got), (_, _, want) = runs
+    assert sorted(got) == sorted(want) and len(want) == 2
+    for rid in want:
+        assert len(got[rid]) == len(want[rid]) >= 3
+        for g, w in zip(got[rid], want[rid]):
+            for li in w:
+                og, ow = g[li][0].argsort(-1), w[li][0].argsort(-1)
+                assert torch.equal(g[li][0].gather(1, og), w[li][0].gather(1, ow))
+                torch.testing.assert_close(g[li][1].gather(1, og), w[li][1].gather(1, ow),
+                                           atol=atol, rtol=rtol)
+
+
+def test_full_mass_store_decodes_on_host_path_and_says_why(model, caplog):
+    """More H2O sequences decoding at once than the mass store has rows: their steps take the
+    host path (same tokens), and the reason is logged once."""
+    prompts = random_prompts(random.Random(10), 2, 20, 24)
+    alone = Engine(model, max_num_batched_tokens=64)
+    want = alone.generate(prompts, _greedy(4))
+    alone.close()
+    eng = Engine(model, max_num_batched_tokens=64)
+    rt = state_of(model).eviction
+    rt.set_aside_rows(1)
+    rt.store = None
+    st = state_of(model)
+    before = st.counters.get("eviction_aside_steps", 0)
+    try:
+        with caplog.at_level("WARNING", logger="kvcompile"):
+            outs = eng.generate(prompts, _greedy(4))
+    finally:
+        rt.set_aside_rows(128)   # (the engine's default max_num_seqs)
+        rt._said.clear()
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    assert st.counters.get("eviction_aside_steps", 0) == before
+    said = [r for r in caplog.records if "mass store's 1 rows" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
+    eng.close()

@@ -1,0 +1,278 @@
+"""Eviction inside decode steps that replay CUDA graphs: H2O's attention mass and re-rotated
+sinks, with fixed shapes and no host sync.
+
+A decode step the eviction runtime steps aside for (runtime.py `decode_aside`) attends over
+the stored slots with the decode kernel; eviction runs after it, every `eviction_interval`
+steps. Two policies need something inside the step itself:
+
+- H2O adds each step's attention probabilities to every kept slot's mass. The mass of the
+  sequences that decode this way lives on the device in a `MassStore`: per layer
+  `[R + 1, Hkv, Lm]` fp32, one row per sequence, the last row scratch (padding rows, rows
+  that keep no mass). Each layer of a step gathers the rows of its batch (`mass_rows [B]`),
+  the decode kernel adds the step's probabilities (its `attn_mass` output; the reference's
+  off CUDA) and the rows are written back. Eviction reads a row, compacts, and writes it back;
+  a step on the host path first reads it back into the bookkeeping (runtime.py `_pull_mass`).
+- SinkWindow with its sinks re-rotated to sit just before the window (sink_positions="cache",
+  the default): slots [0, n_rot) hold the sinks (compaction keeps slot order) and their scores
+  use the query rotated by -shift, where shift is the number of tokens evicted so far
+  (SinkWindow evicts the run of tokens after the sinks, so the oldest kept token is
+  sinks + shift). The kernel attends with those slots hidden (`key_mask`) and returns its
+  log-sum-exp; the sinks' scores are computed here and merged into its softmax.
+
+Shapes depend only on the graph's bucket and its `AsideSpec` (mass length, sink count); before
+each replay the host writes each row's mass row, shift and sink count into static buffers.
+
+    out = attend_aside(state, store, layer, q, plan, softcap, scale, inv_freq)
+    # q: [1, Hq, B, D] packed (one token per sequence) -> out [1, Hq, B, Dv]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcompile.errors import UnsupportedShapeError
+from kvcompile.eviction.attend import rotate_half
+from kvcompile.kernels.reference import masked_softmax
+from kvcompile.runtime.kernel_formats import kernel_readable
+
+LOG2E = 1.4426950408889634
+MASS_ALIGN = 64   # the store's length is a multiple of this (fewer regrowths, graph variants)
+
+
+@dataclass(frozen=True)
+class AsideSpec:
+    """What the decode steps of one graph do for eviction: add H2O mass to rows of a store of
+    `mass_len` slots (0: no mass), score the first slots of rows with a rotated query, up to
+    `sinks` of them (0: no rotation). The empty spec is the plain decode step."""
+
+    mass_len: int = 0
+    sinks: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.mass_len or self.sinks)
+
+
+@dataclass
+class AsideInputs:
+    """Per-row inputs of a step (device tensors; a graph's static buffers when replayed).
+    mass_rows [B] int64: the store row of each batch row; shift [B] int64: sink rotation in
+    positions; n_rot [B] int64: how many leading slots are re-rotated sinks (0: none)."""
+
+    spec: AsideSpec
+    mass_rows: torch.Tensor
+    shift: torch.Tensor
+    n_rot: torch.Tensor
+
+
+class MassStore:
+    """H2O mass of the sequences decoding aside: per layer [rows + 1, Hkv, length] fp32."""
+
+    def __init__(self, heads: dict[int, int], rows: int, length: int, device):
+        self.rows, self.length = rows, length
+        self.mass = {li: torch.zeros(rows + 1, h, length, dtype=torch.float32, device=device)
+                     for li, h in heads.items()}
+        self.row_of: dict[int, int] = {}
+        self._free = list(range(rows - 1, -1, -1))
+
+    @property
+    def scratch(self) -> int:
+        return self.rows
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * 4 for t in self.mass.values())
+
+    def take(self, sid: int) -> int | None:
+        if sid in self.row_of:
+            return self.row_of[sid]
+        if not self._free:
+            return None
+        r = self.row_of[sid] = self._free.pop()
+        return r
+
+    def give_back(self, sid: int) -> None:
+        r = self.row_of.pop(sid, None)
+        if r is not None:
+            self._free.append(r)
+
+    def write(self, row: int, mass: dict[int, torch.Tensor]) -> None:
+        """Row `row` := the bookkeeping's mass [Hkv, L] per layer, zeros after L."""
+        for li, m in mass.items():
+            dst = self.mass[li][row]
+            n = m.shape[1]
+            dst[:, :n].copy_(m)
+            dst[:, n:].zero_()
+
+    def read(self, row: int, layers, length: int) -> dict[int, torch.Tensor]:
+        return {li: self.mass[li][row, :, :length].clone() for li in layers}
+
+    def grown(self, length: int) -> MassStore:
+        """A store of `length` slots holding this one's rows (a longer H2O budget arrived)."""
+        heads = {li: t.shape[1] for li, t in self.mass.items()}
+        dev = next(iter(self.mass.values())).device
+        new = MassStore(heads, self.rows, length, dev)
+        for li, t in self.mass.items():
+            new.mass[li][:, :, :self.length].copy_(t)
+        new.row_of, new._free = dict(self.row_of), list(self._free)
+        return new
+
+
+def store_length(need: int) -> int:
+    return -(-need // MASS_ALIGN) * MASS_ALIGN
+
+
+def sink_rotation(inv_freq: torch.Tensor, shift: torch.Tensor):
+    """cos, sin [B, D] of RoPE rotations by -shift[b] positions (HF rotate_half layout): the
+    same double-precision products as attend.py `rotation`, so the scores are the host path's."""
+    ang = inv_freq.double()[None, :] * (-shift).double()[:, None]
+    ang = torch.cat([ang, ang], -1)
+    return ang.cos().float(), ang.sin().float()
+
+
+def attend_aside(state, store: MassStore | None, layer: int, q: torch.Tensor, plan,
+                 softcap: float, scale: float, inv_freq: torch.Tensor | None) -> torch.Tensor:
+    """q [1, Hq, B, D] packed, one token per sequence -> [1, Hq, B, Dv] (the module docstring).
+    The decode kernel where it reads the pages (CUDA, or kernels="triton"), else the plain
+    PyTorch `aside_reference`; both without a host sync."""
+    a = plan.aside
+    pool = state.pool
+    kc, vc = pool.k[layer], pool.v[layer]
+    qd = q[0].transpose(0, 1).unsqueeze(2).contiguous()        # [B, Hq, 1, D]
+    mass = None
+    if a.spec.mass_len:
+        mass = store.mass[layer].index_select(0, a.mass_rows)   # [B, Hkv, Lm]
+    rot = None
+    if a.spec.sinks:
+        if inv_freq is None:
+            raise UnsupportedShapeError("eviction: re-rotated sinks need the model's RoPE "
+                                        "inv_freq (the eviction pass found none)")
+        cos, sin = sink_rotation(inv_freq, a.shift)
+        rot = (a.n_rot, cos, sin, a.spec.sinks)
+    out = None
+    if state.kernels.use_triton(q.device):
+        out = _kernel(state, qd, kc, vc, plan, scale, softcap, mass, rot)
+    if out is None:
+        out = aside_reference(qd, kc, vc, plan.block_tables, plan.seq_lens, scale, softcap,
+                              mass, rot)
+        state.count("eviction_aside_reference")
+    if mass is not None:
+        store.mass[layer].index_copy_(0, a.mass_rows, mass)
+    return out.squeeze(2).transpose(0, 1).unsqueeze(0)
+
+
+def _kernel(state, qd, kc, vc, plan, scale, softcap, mass, rot):
+    if not (kernel_readable(kc) and kernel_readable(vc)):
+        state.kernels._fallback(f"eviction aside decode: {kc.fmt.name}/{vc.fmt.name} pages "
+                                f"have no Triton decode kernel")
+        return None
+    try:
+        out = kernel_aside(qd, kc, vc, plan.block_tables, plan.seq_lens, scale, softcap, mass,
+                           rot)
+    except (ImportError, UnsupportedShapeError) as e:
+        state.kernels._fallback(f"eviction aside decode: {e}")
+        return None
+    state.count("eviction_aside_kernel")
+    return out
+
+
+def kernel_aside(qd, kc, vc, block_tables, seq_lens, scale: float, softcap: float, mass=None,
+                 rot=None) -> torch.Tensor:
+    """`aside_reference`'s contract on the Triton decode kernel: the kernel attends with the
+    rows' sinks hidden (key_mask) and adds `mass` (its attn_mass output); `merge_sinks` adds the
+    rotated sinks to its softmax. -> [B, Hq, 1, Dv] fp32. The mass of a row with sinks to
+    rotate is left undefined (it lacks the sinks' share): such a row is SinkWindow's, which
+    keeps no mass (its mass row is the store's scratch row)."""
+    from kvcompile.kernels.decode import paged_decode_attention
+
+    B, Hq = qd.shape[:2]
+    key_mask = lse = None
+    if rot is not None:
+        n_rot, _, _, sinks = rot
+        key_mask = torch.arange(sinks, device=qd.device)[None, :] >= n_rot[:, None]  # [B, S]
+        lse = torch.empty(B, Hq, 1, dtype=torch.float32, device=qd.device)
+    out = paged_decode_attention(qd, kc, vc, block_tables, seq_lens, scale, key_mask=key_mask,
+                                 softcap=softcap, attn_mass=mass, direct=True,
+                                 backend="triton", lse_out=lse).float()
+    if rot is not None:
+        out = merge_sinks(out, lse, qd, kc, vc, block_tables, rot, scale, softcap)
+    return out
+
+
+def _leading(paged, block_tables: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n slots of each row, dequantized: [B, Hkv, n, D] fp32."""
+    P = paged.page_size
+    pages = -(-n // P)
+    B = block_tables.shape[0]
+    x = paged.read(block_tables[:, :pages].long().reshape(-1))      # [B * pages, H, P, D]
+    x = x.view(B, pages, paged.num_heads, P, -1).transpose(1, 2)
+    return x.reshape(B, paged.num_heads, pages * P, -1)[:, :, :n]
+
+
+def _rotated_scores(qd, k, n_rot, cos, sin, scale, softcap):
+    """Scores [B, Hkv, G, n] of the rotated query against keys k [B, Hkv, n, D]; -inf past
+    each row's n_rot."""
+    B, Hq, _, D = qd.shape
+    Hkv, n = k.shape[1], k.shape[2]
+    qf = qd.float()[:, :, 0]                                         # [B, Hq, D]
+    qr = qf * cos[:, None] + rotate_half(qf) * sin[:, None]
+    s = torch.einsum("bhgd,bhnd->bhgn", qr.view(B, Hkv, Hq // Hkv, D), k) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    seen = torch.arange(n, device=qd.device)[None, :] < n_rot[:, None]   # [B, n]
+    return torch.where(seen[:, None, None], s, float("-inf")), seen
+
+
+def merge_sinks(out, lse, qd, kc, vc, block_tables, rot, scale, softcap) -> torch.Tensor:
+    """out [B, Hq, 1, Dv] fp32 and lse [B, Hq, 1] (log2 units) of the keys but the sinks, merged
+    with the sinks (slots [0, n_rot)) scored by the rotated query -> [B, Hq, 1, Dv] fp32.
+    Rows without sinks to rotate keep the kernel's output as it is."""
+    n_rot, cos, sin, sinks = rot
+    B, Hq, _, Dv = out.shape
+    Hkv = kc.num_heads
+    G = Hq // Hkv
+    k, v = _leading(kc, block_tables, sinks), _leading(vc, block_tables, sinks)
+    s, seen = _rotated_scores(qd, k, n_rot, cos, sin, scale, softcap)
+    s2 = s * LOG2E                                                   # [B, Hkv, G, n]
+    lk = lse.view(B, Hkv, G, 1)
+    m = torch.maximum(lk, s2.amax(-1, keepdim=True))
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    wk, ws = torch.exp2(lk - m), torch.exp2(s2 - m)
+    v = torch.where(seen[:, None, :, None], v, 0.0)
+    num = out.view(B, Hkv, G, Dv) * wk + torch.einsum("bhgn,bhnd->bhgd", ws, v)
+    den = wk + ws.sum(-1, keepdim=True)
+    merged = (num / torch.where(den > 0, den, 1.0)).view(B, Hq, 1, Dv)
+    return torch.where((n_rot > 0)[:, None, None, None], merged, out)
+
+
+def aside_reference(qd, kc, vc, block_tables, seq_lens, scale: float, softcap: float,
+                    mass=None, rot=None) -> torch.Tensor:
+    """Plain PyTorch (fp32) decode over every slot of the block tables' width, with fixed
+    shapes and no host sync: qd [B, Hq, 1, D]; seq_lens [B] int32 -> [B, Hq, 1, Dv] fp32.
+    mass [B, Hkv, Lm] fp32 or None: += each slot's probability summed over the group;
+    rot (n_rot [B], cos [B, D], sin [B, D], sinks) or None: slots < n_rot scored with the
+    rotated query (the module docstring)."""
+    B, Hq, _, D = qd.shape
+    Hkv, P = kc.num_heads, kc.page_size
+    W = block_tables.shape[1]
+    L = W * P
+    pages = block_tables.long().reshape(-1)
+    k = kc.read(pages).view(B, W, Hkv, P, D).transpose(1, 2).reshape(B, Hkv, L, D)
+    v = vc.read(pages).view(B, W, Hkv, P, -1).transpose(1, 2).reshape(B, Hkv, L, -1)
+    G = Hq // Hkv
+    s = torch.einsum("bhgd,bhld->bhgl", qd.float()[:, :, 0].view(B, Hkv, G, D), k) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if rot is not None:
+        n_rot, cos, sin, sinks = rot
+        n = min(sinks, L)
+        sr, seen = _rotated_scores(qd, k[:, :, :n], n_rot, cos, sin, scale, softcap)
+        s = torch.cat([torch.where(seen[:, None, None], sr, s[..., :n]), s[..., n:]], -1)
+    allowed = torch.arange(L, device=qd.device)[None, :] < seq_lens[:, None].long()  # [B, L]
+    p = masked_softmax(s, allowed[:, None, None, :])                  # [B, Hkv, G, L]
+    v = torch.where(allowed[:, None, :, None], v, 0.0)
+    out = torch.einsum("bhgl,bhld->bhgd", p, v).reshape(B, Hq, 1, -1)
+    if mass is not None:
+        n = min(L, mass.shape[2])
+        mass[:, :, :n] += p.sum(2)[:, :, :n]
+    return out

@@ -1,0 +1,122 @@
+"""Decode steps eviction steps aside for (eviction/aside.py): the fixed-shape reference against
+the host path's attention (eviction/attend.py `attend_kept`, re-rotated sinks and H2O mass
+included), the Triton kernel + sink merge against that reference, and the contract's errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcompile.errors import UnsupportedShapeError
+from kvcompile.eviction.aside import aside_reference, kernel_aside, sink_rotation
+from kvcompile.eviction.attend import attend_kept, rotation
+from kvcompile.kernels.reference import gather_pages
+from kvcompile.testing import ASSERT_CLOSE, kernel_rel_err, rel_err
+from tests.kernels.kernel_cases import compute_dtype, make_format, make_paged_kv
+
+LENS = [37, 20, 53]
+N_ROT = [2, 0, 3]       # re-rotated sinks per row (0: none)
+SHIFT = [5, 0, 11]      # tokens evicted after them
+HKV, G, D, P = 2, 2, 64, 16
+
+
+def _inv_freq(d: int = D) -> torch.Tensor:
+    return 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+
+
+def _case(fmt=("fp32",), seed: int = 0, page: int = P):
+    gen = torch.Generator().manual_seed(seed)
+    f = make_format(*fmt[:2], residual=len(fmt) > 2) if len(fmt) > 1 else make_format(fmt[0])
+    kc, vc, bt, lens = make_paged_kv(f, f, LENS, HKV, D, page, device="cpu", gen=gen)
+    q = torch.randn(len(LENS), HKV * G, 1, D, generator=gen)
+    mass0 = torch.rand(len(LENS), HKV, 64, generator=gen)   # mass accumulated before the step
+    shift = torch.tensor(SHIFT)
+    cos, sin = sink_rotation(_inv_freq(), shift)
+    rot = (torch.tensor(N_ROT), cos, sin, max(N_ROT))
+    return kc, vc, bt, lens, q, mass0, rot
+
+
+def _host_path(q, kc, vc, bt, lens, mass0, scale, softcap):
+    """attend_kept row by row, as the eviction runtime attends on the host."""
+    outs, masses = [], mass0.clone()
+    for b, L in enumerate(lens.tolist()):
+        k, v = gather_pages(kc, bt[b], L), gather_pages(vc, bt[b], L)      # [Hkv, L, D]
+        pos = torch.arange(L).expand(HKV, L)
+        slots = rot = None
+        if N_ROT[b]:
+            slots = torch.arange(N_ROT[b]).expand(HKV, N_ROT[b])
+            rot = rotation(_inv_freq(), -SHIFT[b])
+        o, m, _ = attend_kept(q[b], k, v, pos, torch.tensor([L - 1]), scale, softcap=softcap,
+                              total=L, sink_slots=slots, sink_rot=rot, want_mass=True)
+        outs.append(o)
+        n = min(L, masses.shape[2])
+        masses[b, :, :n] += m[:, :n]
+    return torch.stack(outs), masses
+
+
+@pytest.mark.parametrize("softcap", [0.0, 20.0])
+def test_reference_equals_host_path(softcap):
+    kc, vc, bt, lens, q, mass0, rot = _case()
+    scale = D ** -0.5
+    want, want_mass = _host_path(q, kc, vc, bt, lens, mass0, scale, softcap)
+    mass = mass0.clone()
+    got = aside_reference(q, kc, vc, bt, lens, scale, softcap, mass, rot)
+    atol, rtol = ASSERT_CLOSE[torch.float32]
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    torch.testing.assert_close(mass, want_mass, atol=atol, rtol=rtol)
+    # without the rotation the rotated rows differ (the comparison above can fail)
+    plain = aside_reference(q, kc, vc, bt, lens, scale, softcap)
+    assert rel_err(plain[0], want[0]) > 1e-3 and rel_err(plain[1], want[1]) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", [("bf16",), ("fp8_e4m3", "page"),
+                                 ("int4", "channel", "residual")],
+                         ids=lambda f: "-".join(f))
+def test_kernel_and_sink_merge_equal_reference(fmt):
+    """The decode kernel (TRITON_INTERPRET on the CPU) with the sinks hidden, its lse and
+    attn_mass outputs, and the rotated sinks merged: the reference's output and mass."""
+    # (int codes with channel scales take pages of 32 or more: decode.channel_min_page)
+    kc, vc, bt, lens, q, mass0, rot = _case(fmt, seed=1, page=32 if fmt[0] == "int4" else P)
+    scale = D ** -0.5
+    mass_ref = mass0.clone()
+    want = aside_reference(q, kc, vc, bt, lens, scale, 0.0, mass_ref, rot)
+    mass = mass0.clone()
+    got = kernel_aside(q, kc, vc, bt, lens, scale, 0.0, mass, rot)
+    tol = kernel_rel_err(compute_dtype(kc.fmt, "cpu"), "cpu")
+    for b in range(len(LENS)):
+        assert rel_err(got[b], want[b]) <= tol, f"row {b}"
+        if not N_ROT[b]:   # (a row with sinks to rotate keeps no mass: kernel_aside)
+            assert rel_err(mass[b], mass_ref[b]) <= tol, f"mass of row {b}"
+    assert rel_err(mass[1], mass0[1]) > 1e-2, "the step added no mass"
+
+
+def test_lse_out_contract():
+    kc, vc, bt, lens, q, _, _ = _case()
+    from kvcompile.kernels.decode import paged_decode_attention
+
+    lse = torch.empty(len(LENS), HKV * G, 1)
+    with pytest.raises(UnsupportedShapeError, match="backend='triton'"):
+        paged_decode_attention(q, kc, vc, bt, lens, 0.1, direct=True, lse_out=lse)
+    with pytest.raises(UnsupportedShapeError, match="lse_out must be contiguous fp32"):
+        paged_decode_attention(q, kc, vc, bt, lens, 0.1, direct=True, backend="triton",
+                               lse_out=lse[:, :1])
+    with pytest.raises(UnsupportedShapeError, match="needs direct=True"):
+        paged_decode_attention(q, kc, vc, bt, lens, 0.1, lse_out=lse)
+
+
+@pytest.mark.parametrize("fmt", [("bf16",), ("int4", "channel", "residual")],
+                         ids=lambda f: "-".join(f))
+def test_reference_and_sink_merge_have_no_host_sync(fmt):
+    """What runs inside a replayed step on quantized pages (dequantization by PagedTensor.read,
+    the rotated sinks' scores and merge) reads nothing back to the host. (Not fp8 here: its
+    CPU-only widening, cache/fp8.py fp8_widen, reads a min / max on the host; on CUDA it is a
+    cast.)"""
+    from kvcompile.eviction.aside import merge_sinks
+    from tests.engine.test_engine_eviction import _NoHostSync
+
+    kc, vc, bt, lens, q, mass0, rot = _case(fmt, seed=2, page=32)
+    lse = torch.zeros(len(LENS), HKV * G, 1)
+    out = torch.zeros(len(LENS), HKV * G, 1, D)
+    with _NoHostSync():
+        aside_reference(q, kc, vc, bt, lens, D ** -0.5, 0.0, mass0.clone(), rot)
+        merge_sinks(out, lse, q, kc, vc, bt, rot, D ** -0.5, 0.0)
