@@ -429,7 +429,15 @@ class EvictionRuntime(RuntimeHook):
                 why = "left padding or heads that keep different counts (per-slot rules)"
                 break
             pols = [self.policy_of(sid, li) for li in self.policies]
-            if any(p is not None and self._rerotate(sid, p) for p in pols) and (
+            rerot = any(p is not None and self._rerotate(sid, p) for p in pols)
+            if rerot and self.state.pool.device.type == "cuda":
+                # the aside path with re-rotated sinks passes on the CPU but failed its H200
+                # check (tests/gpu/test_engine_eviction_gpu.py, 2026-12-03, bf16 and fp8):
+                # the host path until that is understood
+                why = ("re-rotated sinks on CUDA (their graph-replayed path failed its GPU "
+                       "check; sink_positions='original' replays graphs)")
+                break
+            if rerot and (
                     len(set(pols)) != 1 or getattr(pols[0], "granularity", "token") != "token"):
                 why = ("re-rotated sinks with per-layer policies or page granularity (the "
                        "sinks' shift is not known on the host)")

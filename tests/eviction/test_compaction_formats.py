@@ -64,7 +64,7 @@ class _State(SimpleNamespace):
 
 
 def _runtime(pool, policy):
-    state = _State(pool=pool, layer_specs=pool.layers, count=lambda *a, **k: None)
+    state = _State(pool=pool, layer_specs=pool.layers, count=lambda *a, **k: None, tp=None)
     rt = EvictionRuntime(state)
     rt._test_state = state      # the runtime holds its state weakly (the model state owns it)
     rt.policies = {0: policy}
