@@ -278,46 +278,58 @@ class EvictionRuntime(RuntimeHook):
                 book.obs[layer] = _carried(book, layer, obs, rows)
         return out
 
-    def takes_fresh_prefill(self, plan, layer: int) -> bool:
-        """Whether a fresh prompt's forward (no token of any row stored before it: nothing
-        evicted yet, every slot at its own position) may attend to its K/V through SDPA in
-        this layer, as without eviction (`runtime/dispatch._fresh_prefill`). Not when the
-        layer must add up the prompt's attention mass (H2O, observe_all): that needs every
-        probability. SnapKV's observation rows come from `observe_fresh`."""
+    def takes_plain_prefill(self, plan, layer: int) -> bool:
+        """Whether a prefill forward (a prompt, or a chunk of one in the engine) may attend as
+        without eviction (runtime/dispatch.py: SDPA over a fresh prompt's own K/V, or the
+        paged prefill kernels): nothing of its sequences evicted yet, so every stored slot
+        holds its own position, and no left padding. Not for decode steps (`decode_aside`),
+        nor when the layer must add up the prompt's attention mass (H2O, observe_all): that
+        needs every probability. SnapKV's observation rows come from `observe_prefill`."""
+        if plan.is_decode:
+            return False
         if layer not in self.policies:
             return True
         if self.observe_all:
             return False
-        for _i, sid, past, _n in self._rows(plan):
+        pool = self.state.pool
+        for _i, sid, _past, _n in self._rows(plan):
             book = self.books.get(sid)
             policy = self.policy_of(sid, layer)
-            if past or book is None or book.start or layer in book.mass:
+            if (book is None or book.start or layer in book.mass
+                    or pool.seq_len(sid) != pool.logical_len(sid)):
                 return False
             if policy is not None and P.accumulates_mass(policy):
                 return False
         return True
 
-    def observe_fresh(self, ctx, layer, q, plan, is_causal, window, softcap, scale) -> None:
-        """SnapKV's observation of a fresh prompt that attended through SDPA: the last
+    def observe_prefill(self, ctx, layer, q, plan, attn_mask, is_causal, window, softcap,
+                        scale) -> None:
+        """SnapKV's observation of a prefill that attended as without eviction: the last
         `observe_rows` queries' probabilities over the stored (quantized) keys, exactly the
         rows `attend_kept` would have kept, at rows x L cost instead of S x L."""
         if layer not in self.policies:
             return
         pool = ctx.state.pool
+        cu = plan.cu_seqlens_q.tolist() if plan.packed else None
         for i, sid, _past, n in self._rows(plan):
             book, policy = self.books[sid], self.policy_of(sid, layer)
             rows = P.observe_rows(policy) if policy is not None else 0
             if not rows or not (n > 1 or book.carry):
                 continue
             r = min(rows, n)
+            qi = q[0, :, cu[i]:cu[i + 1]] if plan.packed else q[i]
+            mask_b = None
+            if attn_mask is not None and not plan.packed:
+                mask_b = _row_mask(attn_mask, i, n)[:, n - r:]
             k, v = pool.gather(layer, sid)                     # [Hkv, L, D] fp32
             total = pool.logical_len(sid)
             q_pos = torch.arange(total - r, total, device=q.device)
             _o, _m, obs = attend_kept(
-                q[i, :, n - r:n], k, v, book.pos[layer], q_pos, scale, causal=bool(is_causal),
-                window=window, start=book.start, softcap=softcap, total=total, obs_rows=r)
+                qi[:, n - r:n], k, v, book.pos[layer], q_pos, scale,
+                causal=bool(is_causal) or plan.packed, window=window, start=book.start,
+                softcap=softcap, mask_b=mask_b, total=total, obs_rows=r)
             book.obs[layer] = _carried(book, layer, obs, rows)
-        self.state.count("eviction_fresh_prefill")
+        self.state.count("eviction_plain_prefill")
 
     def _attend_kernel(self, ctx, layer, q, plan, attn_mask, window, softcap, scale):
         """Decode through the paged decode kernel when the kept slots need no per-slot rule:

@@ -56,16 +56,28 @@ def attend(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, window, so
     # structure in mask_info; the paths that apply a mask as given get it built (once per
     # forward, masks.dense)
     if ev is not None:
-        if layer in ev.policies:
-            out = _fresh_prefill(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal,
-                                 window, softcap, scale, extras)
-            if out is not None:
-                ev.observe_fresh(ctx, layer, q, plan, is_causal, window, softcap, scale)
-                return out
+        if layer in ev.policies and ev.takes_plain_prefill(plan, layer):
+            # nothing evicted yet: the prompt attends as without eviction; SnapKV's
+            # observation rows are scored apart
+            out = _attend_plain(ctx, layer, q, plan, mask_info, attn_mask, is_causal, window,
+                                softcap, scale, extras, fresh)
+            ev.observe_prefill(ctx, layer, q, plan, masks.dense(plan, attn_mask), is_causal,
+                               window, softcap, scale)
+            return out
         out = ev.attend_kept(ctx, layer, q, plan, masks.dense(plan, attn_mask), is_causal,
                              window, softcap, scale, extras)
         if out is not None:
             return out
+    return _attend_plain(ctx, layer, q, plan, mask_info, attn_mask, is_causal, window, softcap,
+                         scale, extras, fresh)
+
+
+def _attend_plain(ctx, layer, q, plan, mask_info, attn_mask, is_causal, window, softcap, scale,
+                  extras, fresh):
+    """`attend` past the eviction runtime: hooks, a fresh prompt on SDPA, packed decode, the
+    kernels, the reference."""
+    state = ctx.state
+    sinks = extras.get("sink_logits")
     for hook in state.hooks:
         if type(hook).attend is RuntimeHook.attend:
             continue
@@ -116,7 +128,7 @@ def _fresh_prefill(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal
     Taken for causal (or unmasked) attention without padding, window or softcap, where SDPA
     needs no [B, S, L] mask; anything else (left padding, a window shorter than the prompt, a
     custom mask, an eviction policy that adds up the prompt's attention mass: H2O) goes to the
-    paged paths. SnapKV's observation rows are scored apart (`EvictionRuntime.observe_fresh`).
+    paged paths. SnapKV's observation rows are scored apart (`EvictionRuntime.observe_prefill`).
     -> [B, Hq, S, Dv] in compute_dtype(q.dtype), or None. A layer that took it is marked in
     the forward's plan (`attended_fresh(plan, layer)`: what `kvcompile inspect --verify` holds
     the output against)."""
@@ -138,7 +150,7 @@ def _fresh_causal(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal,
             or plan.is_decode or q.shape[2] < 2 or max(plan.past_lens) != 0
             or softcap or extras):
         return None
-    if state.eviction is not None and not state.eviction.takes_fresh_prefill(plan, layer):
+    if state.eviction is not None and not state.eviction.takes_plain_prefill(plan, layer):
         return None
     S = q.shape[2]
     if window and window < S:

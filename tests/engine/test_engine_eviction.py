@@ -458,3 +458,31 @@ def test_full_mass_store_decodes_on_host_path_and_says_why(model, caplog):
     said = [r for r in caplog.records if "mass store's 1 rows" in r.getMessage()]
     assert len(said) == 1, [r.getMessage() for r in caplog.records]
     eng.close()
+
+
+def test_chunked_prompts_attend_as_without_eviction(model, monkeypatch):
+    """SinkWindow and SnapKV prompts, chunked by a 16-token step budget, attend through the
+    paged prefill path (nothing is evicted before a prompt's end) with SnapKV's observation
+    rows scored apart: the same tokens as the eviction runtime's own attention over every
+    query, which the first run forces."""
+    from kvcompile.eviction.runtime import EvictionRuntime
+
+    rng = random.Random(3)
+    pols = [SinkWindow(2, 12), SnapKV(budget=16, window=4), SnapKV(budget=12, window=3)]
+    prompts = random_prompts(rng, len(pols), 20, 40)
+
+    def run():
+        eng = Engine(model, max_num_batched_tokens=16)
+        outs = eng.generate(prompts, [_greedy(12, p) for p in pols])
+        eng.close()
+        return [o.token_ids for o in outs]
+
+    st = state_of(model)
+    with monkeypatch.context() as mp:
+        mp.setattr(EvictionRuntime, "takes_plain_prefill", lambda self, plan, layer: False)
+        before = st.counters.get("eviction_plain_prefill", 0)
+        want = run()
+        assert st.counters.get("eviction_plain_prefill", 0) == before
+    got = run()
+    assert st.counters.get("eviction_plain_prefill", 0) > before
+    assert got == want

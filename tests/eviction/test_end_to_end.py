@@ -240,7 +240,7 @@ def test_fresh_prompt_attends_through_sdpa_and_keeps_the_same_tokens(policy):
                                .pos.items()}, dict(st.counters))
     (out_f, pos_f, c_f), (out_s, pos_s, c_s) = runs["fresh"], runs["stored"]
     assert c_f.get("prefill_fresh_sdpa", 0) == 2 and "prefill_fresh_sdpa" not in c_s
-    assert c_f.get("eviction_fresh_prefill", 0) == 2
+    assert c_f.get("eviction_plain_prefill", 0) == 2
     for li in pos_s:
         assert torch.equal(pos_f[li], pos_s[li])                  # the same tokens kept
     assert_rel_close(out_f, out_s, torch.float32, what="logits, fresh vs stored prefill")
@@ -252,4 +252,4 @@ def test_h2o_prompt_still_attends_over_its_pages():
     ids = torch.randint(1, V, (1, 30), generator=torch.Generator().manual_seed(7))
     _stream(m, ids, 24)
     c = state_of(m).counters
-    assert "prefill_fresh_sdpa" not in c and "eviction_fresh_prefill" not in c
+    assert "prefill_fresh_sdpa" not in c and "eviction_plain_prefill" not in c
