@@ -3,7 +3,7 @@
 # (no -x) and how long the run took. Extra arguments go to pytest (e.g. -m "not slow", -k NAME).
 # Kernels run under the Triton interpreter (TRITON_INTERPRET=1) when no GPU is present.
 #
-# Tests run in one pytest-xdist worker per core (-n auto), a test file per worker at a time
+# Tests run in one pytest-xdist worker per core (-n $(nproc)), a test file per worker at a time
 # (--dist loadfile: a file's module fixtures, such as a model compiled once, stay in one
 # process), the heaviest files first (--no-loadscope-reorder keeps tests/conftest.py's order);
 # each worker gets its share of the cores (tests/conftest.py). Arguments that need one
@@ -16,7 +16,10 @@ bash scripts/setup.sh
 if ! python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   export TRITON_INTERPRET=1
 fi
-workers=${KVCOMPILE_TEST_WORKERS:-auto}
+# nproc, not -n auto: pytest-xdist's auto counts physical cores (psutil) and ignores the CPU
+# affinity a container or taskset gives; one core runs in this process, without workers
+workers=${KVCOMPILE_TEST_WORKERS:-$(nproc)}
+if [ "$workers" = 1 ]; then workers=0; fi
 for a in "$@"; do
   case "$a" in
     -n|-n?*|--numprocesses*|--dist*|no:xdist|-pno:xdist|--pdb|--trace|-s|--capture=no) workers=0 ;;
