@@ -32,7 +32,12 @@ fi
 start=$(date +%s)
 status=0
 if [ $# -eq 0 ]; then
-  echo "running the whole test suite: about 30-36 min on 2 CPU cores (pytest -q: a dot per test)"
+  # 36 min 15 s in one process on 2 cores (2026-12-03); not yet timed with one worker per core
+  # on an idle machine (README.md, "The two commands")
+  where="one process"
+  if [ "$workers" != 0 ]; then where="$workers xdist workers"; fi
+  echo "running the whole test suite in $where: 36 min in one process on 2 CPU cores, not yet" \
+       "timed in parallel (pytest -q: a dot per test)"
 else
   echo "running pytest ${xdist[*]} $*"
 fi
