@@ -28,6 +28,22 @@ def _quiet_torch_trace() -> None:
 _quiet_torch_trace()
 
 
+def _share_cores_among_xdist_workers() -> None:
+    # scripts/test.sh runs one pytest-xdist worker per core: each worker's intra-op threads get
+    # its share of the cores (2 workers x 2 threads on 2 cores stall each other), and so do the
+    # interpreters that tests start (README blocks, examples, tensor-parallel ranks).
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < 1:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, (cores or 1) // workers)
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+_share_cores_among_xdist_workers()
+
+
 @pytest.fixture(autouse=True)
 def _quiet_logs():
     """Again before each test: torch._logging.set_logs (a test checking recompile logs)
@@ -64,7 +80,19 @@ def dynamo_per_module():
     torch._dynamo.config.cache_size_limit = limit
 
 
+def _heavy_files_first(items) -> None:
+    """Under pytest-xdist (--dist loadfile --no-loadscope-reorder, as scripts/test.sh runs it)
+    files are handed out in this order: the files with `slow` or `realmodel` tests (a minute or
+    more each, one SmolLM2 load and compile after another) go first, so that none of them starts
+    last and runs on one core while the other worker sits idle. The order is otherwise kept."""
+    heavy = {item.path for item in items
+             if item.get_closest_marker("slow") or item.get_closest_marker("realmodel")}
+    items[:] = sorted(items, key=lambda item: item.path not in heavy)
+
+
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        _heavy_files_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

@@ -105,7 +105,8 @@ def runs(request):
              if getattr(item, "originalname", None) == "test_readme_block_runs"
              and hasattr(item, "callspec")}
     todo = [(n, c) for n, c in BLOCKS if n in lines and _skip_reason(n, c) is None]
-    threads = max(1, (os.cpu_count() or 1) // max(1, len(todo)))
+    # this process's share of the cores (all of them, or one xdist worker's: tests/conftest.py)
+    threads = max(1, torch.get_num_threads() // max(1, len(todo)))
     started = {n: _Run(n, c, threads) for n, c in todo}
     yield started
     for r in started.values():
