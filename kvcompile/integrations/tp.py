@@ -33,8 +33,12 @@ def _shard_count(weight) -> int:
 def check_tensor_parallel(model: torch.nn.Module) -> None:
     """Refuse attention whose query or KV heads do not split evenly over the tp ranks."""
     cfg = getattr(model, "config", None)
+    try:
+        cfg_head_dim = getattr(cfg, "head_dim", None)
+    except Exception:  # noqa: BLE001  (transformers >= 5.25 raises for a per-layer head_dim:
+        cfg_head_dim = None   # each attention module's own head_dim is used then)
     for name, mod in model.named_modules():
-        head_dim = getattr(mod, "head_dim", None) or getattr(cfg, "head_dim", None)
+        head_dim = getattr(mod, "head_dim", None) or cfg_head_dim
         for proj, kind in (("q_proj", "query"), ("k_proj", "KV"), ("v_proj", "KV")):
             lin = getattr(mod, proj, None)
             w = getattr(lin, "weight", None)
