@@ -32,12 +32,12 @@ fi
 start=$(date +%s)
 status=0
 if [ $# -eq 0 ]; then
-  # 36 min 15 s in one process on 2 cores (2026-12-03); not yet timed with one worker per core
-  # on an idle machine (README.md, "The two commands")
+  # 36 min 15 s in one process on 2 cores; 25 min 40 s in 2 workers, partly beside another job
+  # (2026-12-03; README.md, "The two commands")
   where="one process"
   if [ "$workers" != 0 ]; then where="$workers xdist workers"; fi
-  echo "running the whole test suite in $where: 36 min in one process on 2 CPU cores, not yet" \
-       "timed in parallel (pytest -q: a dot per test)"
+  echo "running the whole test suite in $where: about 26 min in 2 workers on 2 CPU cores, 36" \
+       "min in one process (pytest -q: a dot per test)"
 else
   echo "running pytest ${xdist[*]} $*"
 fi

@@ -77,8 +77,13 @@ def test_padded_prompts_take_the_paged_path():
     assert torch.equal(got.sequences, want.sequences)
 
 
-def test_eviction_takes_the_paged_path():
+def test_eviction_fresh_prompt_takes_sdpa_but_h2o_the_paged_path():
+    """Nothing is evicted before a prompt's end: a SinkWindow prompt attends through SDPA as
+    without eviction; H2O, which adds up every query's attention mass, does not."""
     _, _, st = _run("fresh", kv_dtype="auto", eviction=kvcompile.SinkWindow(4, 64))
+    assert st.get("prefill_fresh_sdpa", 0) > 0
+    _, _, st = _run("fresh", kv_dtype="auto", eviction=kvcompile.H2O(budget=64, recent=8,
+                                                                      sinks=4))
     assert st.get("prefill_fresh_sdpa", 0) == 0
 
 
