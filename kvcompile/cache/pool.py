@@ -190,6 +190,9 @@ class PagePool:
         # length (what the model's cache object reports) is length + evicted; and callbacks
         # (parent, child) run by fork, for per-sequence eviction bookkeeping.
         self._evicted: dict[int, int] = {}
+        # tokens still stored but no longer attended (a window evicted without moving tokens:
+        # eviction/runtime.py `_evict_window`); evicted() counts them, logical_len does not
+        self._hidden: dict[int, int] = {}
         self.fork_listeners: list = []
         self.free_listeners: list = []   # callables(seq_id) run when a sequence is freed
 
@@ -273,6 +276,8 @@ class PagePool:
         self._sync_row(seq, 0)
         if seq_id in self._evicted:  # eviction bookkeeping follows the pages
             self._evicted[sid] = self._evicted[seq_id]
+        if seq_id in self._hidden:
+            self._hidden[sid] = self._hidden[seq_id]
         for listener in self.fork_listeners:
             listener(seq_id, sid)
         return sid
@@ -286,6 +291,7 @@ class PagePool:
         for sid in _as_list(seq_ids):
             del self._seqs[sid]
             self._evicted.pop(sid, None)
+            self._hidden.pop(sid, None)
             for listener in self.free_listeners:
                 listener(sid)
 
@@ -477,8 +483,21 @@ class PagePool:
         return self._lookup([seq_id])[0].length + self._evicted.get(seq_id, 0)
 
     def evicted(self, seq_id: int) -> int:
+        """Tokens evicted: dropped from the pages, or stored but hidden (`hide`)."""
+        self._lookup([seq_id])
+        return self._evicted.get(seq_id, 0) + self._hidden.get(seq_id, 0)
+
+    def dropped(self, seq_id: int) -> int:
+        """Tokens evicted and no longer stored (logical_len - seq_len)."""
         self._lookup([seq_id])
         return self._evicted.get(seq_id, 0)
+
+    def hide(self, seq_id: int, n: int) -> None:
+        """`n` stored tokens of the sequence are evicted but keep their slots (the attention
+        masks them): evicted() counts them."""
+        self._lookup([seq_id])
+        _check_int("hide(n)", n, 0)
+        self._hidden[seq_id] = n
 
     @_locked
     def evict_tail(self, seq_id: int, length: int) -> None:

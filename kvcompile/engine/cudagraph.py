@@ -106,10 +106,10 @@ class _Graph:
         self.bp = bp
         self.spec = spec
         # int64 inputs in one buffer (one copy per step): ids | positions | slots | table rows
-        # | eviction's mass rows | sink shifts | re-rotated sink counts
-        self.host64 = torch.zeros(7 * bp, dtype=torch.int64, pin_memory=True)
+        # | eviction's mass rows | sink shifts | re-rotated sink counts | hidden slots [lo, hi)
+        self.host64 = torch.zeros(9 * bp, dtype=torch.int64, pin_memory=True)
         self.host32 = torch.ones(bp, dtype=torch.int32, pin_memory=True)
-        self.dev64 = torch.zeros(7 * bp, dtype=torch.int64, device=device)
+        self.dev64 = torch.zeros(9 * bp, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(bp, dtype=torch.int32, device=device)
         self.ids = self.dev64[:bp].view(1, bp)
         self.pos = self.dev64[bp:2 * bp].view(1, bp)
@@ -117,7 +117,9 @@ class _Graph:
         self.rows = self.dev64[3 * bp:4 * bp]
         self.mass_rows = self.dev64[4 * bp:5 * bp]
         self.shift = self.dev64[5 * bp:6 * bp]
-        self.n_rot = self.dev64[6 * bp:]
+        self.n_rot = self.dev64[6 * bp:7 * bp]
+        self.hide_lo = self.dev64[7 * bp:8 * bp]
+        self.hide_hi = self.dev64[8 * bp:]
         self.block_tables = torch.zeros(bp, width, dtype=torch.int32, device=device)
         self.keep = torch.arange(bp, dtype=torch.int64, device=device)
         self.cu = torch.arange(bp + 1, dtype=torch.int32, device=device)
@@ -133,8 +135,8 @@ class _Graph:
             block_tables=self.block_tables, seq_lens=self.seq_lens, seq_lens_list=[1] * bp,
             kv_start=[0] * bp, packed=True, cu_seqlens_q=self.cu, q_lens=[1] * bp,
             eviction_aside=True,   # captured only for steps eviction steps aside for
-            aside=AsideInputs(self.spec, self.mass_rows, self.shift, self.n_rot)
-            if self.spec else None)
+            aside=AsideInputs(self.spec, self.mass_rows, self.shift, self.n_rot, self.hide_lo,
+                              self.hide_hi) if self.spec else None)
 
 
 class DecodeGraphs:
@@ -199,7 +201,8 @@ class DecodeGraphs:
     # -- run ----------------------------------------------------------------------------------
     def run(self, out, inputs=None) -> torch.Tensor:
         """Logits [B, V] of a decode step (every sequence adds one token). inputs: eviction's
-        (spec, mass rows, shifts, sink counts) of the step (EvictionRuntime.aside_inputs)."""
+        (spec, mass rows, shifts, sink counts, hidden slots' lo, hi) of the step
+        (EvictionRuntime.aside_inputs)."""
         seqs = out.seqs
         n = len(seqs)
         bp = next(b for b in self.buckets if b >= n)
@@ -228,6 +231,8 @@ class DecodeGraphs:
             h64[4 * bp:4 * bp + n] = inputs[1]
             h64[5 * bp:5 * bp + n] = inputs[2]
             h64[6 * bp:6 * bp + n] = inputs[3]
+            h64[7 * bp:7 * bp + n] = inputs[4]
+            h64[8 * bp:8 * bp + n] = inputs[5]
         if n < bp:  # padding rows: the scratch sequence, one slot each, one key seen
             self._pad(g, n)
         upload_plan(g, pool)
@@ -247,7 +252,10 @@ class DecodeGraphs:
         ev = self.state.eviction
         store = ev.store if ev is not None else None
         g.h64[4 * bp + n:5 * bp] = store.scratch if store is not None else 0   # mass: scratch
-        g.h64[5 * bp + n:] = 0                                                # no rotation
+        g.h64[5 * bp + n:6 * bp] = 0                                          # no rotation
+        g.h64[6 * bp + n:7 * bp] = 0
+        g.h64[7 * bp + n:8 * bp] = 0                                          # nothing hidden
+        g.h64[8 * bp + n:] = 0
         g.h32[n:bp] = 1
 
     def _scratch(self, rows: int):
@@ -288,6 +296,7 @@ class DecodeGraphs:
         ctx = ForwardContext(self.state, None, plan=g.plan())
 
         def step():
+            ctx.plan.cache.clear()   # a per-forward memo: captured ops must not be memoized
             with forward_context(ctx):
                 return self.runner._call(g.ids, g.pos, g.keep[:bp])
 

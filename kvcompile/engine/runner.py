@@ -94,9 +94,9 @@ class ModelRunner:
             kv_start=[0] * len(seqs), packed=True, cu_seqlens_q=cu_t.to(dev), q_lens=q_lens,
             eviction_aside=aside)
         if inputs is not None and inputs[0]:
-            spec, rows, shifts, n_rot = inputs
-            t = torch.tensor([rows, shifts, n_rot], dtype=torch.int64).to(dev)
-            plan.aside = AsideInputs(spec, t[0], t[1], t[2])
+            spec, *rows = inputs
+            t = torch.tensor(rows, dtype=torch.int64).to(dev)
+            plan.aside = AsideInputs(spec, *t)
         ctx = ForwardContext(self.state, None, plan=plan)
         ids_t = torch.tensor([ids], dtype=torch.long, device=dev)
         pos_t = torch.tensor([pos], dtype=torch.long, device=dev)

@@ -19,7 +19,14 @@ steps. Two policies need something inside the step itself:
   sinks + shift). The kernel attends with those slots hidden (`key_mask`) and returns its
   log-sum-exp; the sinks' scores are computed here and merged into its softmax.
 
-Shapes depend only on the graph's bucket and its `AsideSpec` (mass length, sink count); before
+- SinkWindow with its sinks at their text positions (sink_positions="original") evicts without
+  moving a token (runtime.py `_evict_window`): pages wholly between the sinks and the window
+  leave the block table, and the tokens left between them, stored slots [hide_lo, hide_hi) of
+  each row (less than a page past the sinks' pages), are hidden from the kernel by a key mask
+  of `hidden` columns (keys past it are seen).
+
+Shapes depend only on the graph's bucket and its `AsideSpec` (mass length, sink count, hidden
+columns); before
 each replay the host writes each row's mass row, shift and sink count into static buffers.
 
     out = attend_aside(state, store, layer, q, plan, softcap, scale, inv_freq)
@@ -31,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvcompile.errors import UnsupportedShapeError
 from kvcompile.eviction.attend import rotate_half
@@ -49,21 +57,33 @@ class AsideSpec:
 
     mass_len: int = 0
     sinks: int = 0
+    hidden: int = 0   # key-mask columns of rows whose window hides slots (0: none)
 
     def __bool__(self) -> bool:
-        return bool(self.mass_len or self.sinks)
+        return bool(self.mass_len or self.sinks or self.hidden)
 
 
 @dataclass
 class AsideInputs:
     """Per-row inputs of a step (device tensors; a graph's static buffers when replayed).
     mass_rows [B] int64: the store row of each batch row; shift [B] int64: sink rotation in
-    positions; n_rot [B] int64: how many leading slots are re-rotated sinks (0: none)."""
+    positions; n_rot [B] int64: how many leading slots are re-rotated sinks (0: none);
+    hide_lo, hide_hi [B] int64: stored slots [lo, hi) hidden from the row's query (lo = hi:
+    none)."""
 
     spec: AsideSpec
     mass_rows: torch.Tensor
     shift: torch.Tensor
     n_rot: torch.Tensor
+    hide_lo: torch.Tensor | None = None
+    hide_hi: torch.Tensor | None = None
+
+    def key_mask(self) -> torch.Tensor | None:
+        """[B, hidden] bool, False at the hidden slots (None: nothing hidden)."""
+        if not self.spec.hidden:
+            return None
+        j = torch.arange(self.spec.hidden, device=self.hide_lo.device)[None, :]
+        return (j < self.hide_lo[:, None]) | (j >= self.hide_hi[:, None])
 
 
 class MassStore:
@@ -142,6 +162,11 @@ def attend_aside(state, store: MassStore | None, layer: int, q: torch.Tensor, pl
     mass = None
     if a.spec.mass_len:
         mass = store.mass[layer].index_select(0, a.mass_rows)   # [B, Hkv, Lm]
+    key_mask = None
+    if a.spec.hidden:   # one mask per forward, shared by the layers
+        key_mask = plan.cache.get("eviction_key_mask")
+        if key_mask is None:
+            key_mask = plan.cache["eviction_key_mask"] = a.key_mask()
     rot = None
     if a.spec.sinks:
         if inv_freq is None:
@@ -151,24 +176,24 @@ def attend_aside(state, store: MassStore | None, layer: int, q: torch.Tensor, pl
         rot = (a.n_rot, cos, sin, a.spec.sinks)
     out = None
     if state.kernels.use_triton(q.device):
-        out = _kernel(state, qd, kc, vc, plan, scale, softcap, mass, rot)
+        out = _kernel(state, qd, kc, vc, plan, scale, softcap, mass, rot, key_mask)
     if out is None:
         out = aside_reference(qd, kc, vc, plan.block_tables, plan.seq_lens, scale, softcap,
-                              mass, rot)
+                              mass, rot, key_mask)
         state.count("eviction_aside_reference")
     if mass is not None:
         store.mass[layer].index_copy_(0, a.mass_rows, mass)
     return out.squeeze(2).transpose(0, 1).unsqueeze(0)
 
 
-def _kernel(state, qd, kc, vc, plan, scale, softcap, mass, rot):
+def _kernel(state, qd, kc, vc, plan, scale, softcap, mass, rot, key_mask=None):
     if not (kernel_readable(kc) and kernel_readable(vc)):
         state.kernels._fallback(f"eviction aside decode: {kc.fmt.name}/{vc.fmt.name} pages "
                                 f"have no Triton decode kernel")
         return None
     try:
         out = kernel_aside(qd, kc, vc, plan.block_tables, plan.seq_lens, scale, softcap, mass,
-                           rot)
+                           rot, key_mask)
     except (ImportError, UnsupportedShapeError) as e:
         state.kernels._fallback(f"eviction aside decode: {e}")
         return None
@@ -177,23 +202,31 @@ def _kernel(state, qd, kc, vc, plan, scale, softcap, mass, rot):
 
 
 def kernel_aside(qd, kc, vc, block_tables, seq_lens, scale: float, softcap: float, mass=None,
-                 rot=None) -> torch.Tensor:
-    """`aside_reference`'s contract on the Triton decode kernel: the kernel attends with the
-    rows' sinks hidden (key_mask) and adds `mass` (its attn_mass output); `merge_sinks` adds the
-    rotated sinks to its softmax. -> [B, Hq, 1, Dv] fp32. The mass of a row with sinks to
-    rotate is left undefined (it lacks the sinks' share): such a row is SinkWindow's, which
-    keeps no mass (its mass row is the store's scratch row)."""
+                 rot=None, key_mask=None) -> torch.Tensor:
+    """`aside_reference`'s contract on the decode kernel: the kernel attends with the rows'
+    sinks and hidden slots masked (key_mask) and adds `mass` (its attn_mass output);
+    `merge_sinks` adds the rotated sinks to its softmax. -> [B, Hq, 1, Dv] fp32. The mass of a
+    row with sinks to rotate is left undefined (it lacks the sinks' share): such a row is
+    SinkWindow's, which keeps no mass (its mass row is the store's scratch row). Without sinks
+    to rotate (no log-sum-exp needed) the kernel is the decode path's default (the CUDA kernel
+    for fp8 pages on Hopper), else Triton."""
     from kvcompile.kernels.decode import paged_decode_attention
 
     B, Hq = qd.shape[:2]
-    key_mask = lse = None
+    lse = None
     if rot is not None:
         n_rot, _, _, sinks = rot
-        key_mask = torch.arange(sinks, device=qd.device)[None, :] >= n_rot[:, None]  # [B, S]
+        hide = torch.arange(sinks, device=qd.device)[None, :] >= n_rot[:, None]  # [B, S]
+        if key_mask is not None:   # (the rotated sinks lie inside the hidden columns' span)
+            w = max(sinks, key_mask.shape[1])
+            hide = F.pad(hide, (0, w - sinks), value=True) & F.pad(
+                key_mask, (0, w - key_mask.shape[1]), value=True)
+        key_mask = hide
         lse = torch.empty(B, Hq, 1, dtype=torch.float32, device=qd.device)
     out = paged_decode_attention(qd, kc, vc, block_tables, seq_lens, scale, key_mask=key_mask,
                                  softcap=softcap, attn_mass=mass, direct=True,
-                                 backend="triton", lse_out=lse).float()
+                                 backend="triton" if rot is not None else "auto",
+                                 lse_out=lse).float()
     if rot is not None:
         out = merge_sinks(out, lse, qd, kc, vc, block_tables, rot, scale, softcap)
     return out
@@ -246,12 +279,13 @@ def merge_sinks(out, lse, qd, kc, vc, block_tables, rot, scale, softcap) -> torc
 
 
 def aside_reference(qd, kc, vc, block_tables, seq_lens, scale: float, softcap: float,
-                    mass=None, rot=None) -> torch.Tensor:
+                    mass=None, rot=None, key_mask=None) -> torch.Tensor:
     """Plain PyTorch (fp32) decode over every slot of the block tables' width, with fixed
     shapes and no host sync: qd [B, Hq, 1, D]; seq_lens [B] int32 -> [B, Hq, 1, Dv] fp32.
     mass [B, Hkv, Lm] fp32 or None: += each slot's probability summed over the group;
     rot (n_rot [B], cos [B, D], sin [B, D], sinks) or None: slots < n_rot scored with the
-    rotated query (the module docstring)."""
+    rotated query (the module docstring); key_mask [B, Lm] bool or None: slot j < Lm seen
+    only where True (the decode kernel's key_mask)."""
     B, Hq, _, D = qd.shape
     Hkv, P = kc.num_heads, kc.page_size
     W = block_tables.shape[1]
@@ -269,6 +303,9 @@ def aside_reference(qd, kc, vc, block_tables, seq_lens, scale: float, softcap: f
         sr, seen = _rotated_scores(qd, k[:, :, :n], n_rot, cos, sin, scale, softcap)
         s = torch.cat([torch.where(seen[:, None, None], sr, s[..., :n]), s[..., n:]], -1)
     allowed = torch.arange(L, device=qd.device)[None, :] < seq_lens[:, None].long()  # [B, L]
+    if key_mask is not None:
+        n = min(L, key_mask.shape[1])
+        allowed = torch.cat([allowed[:, :n] & key_mask[:, :n], allowed[:, n:]], 1)
     p = masked_softmax(s, allowed[:, None, None, :])                  # [B, Hkv, G, L]
     v = torch.where(allowed[:, None, :, None], v, 0.0)
     out = torch.einsum("bhgl,bhld->bhgd", p, v).reshape(B, Hq, 1, -1)

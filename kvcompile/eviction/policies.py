@@ -53,6 +53,9 @@ class PolicyRules:
     keeps_budget: every kv head keeps exactly `budget` tokens when it holds more, so an
         eviction between CUDA-graph decode steps knows the new length without reading the
         device (eviction/runtime.py `_evict_front`).
+    window(policy) -> (sinks, window): the policy keeps the first `sinks` tokens and the last
+        `window`, by position only, the same in every head, so a sequence evicts it without
+        moving a token (eviction/runtime.py `_evict_window`); None: it keeps by other rules.
     shares_heads(policy) -> bool: one selection for all kv heads of a layer: `scores` returns
         each head's scores and `token_scores` sums them over every kv head of the layer, on
         every tensor-parallel rank (`sum_heads`), so that all ranks keep the same tokens.
@@ -66,6 +69,7 @@ class PolicyRules:
     rerotated_sinks: Callable | None = None
     keeps_budget: bool = False
     shares_heads: Callable | None = None
+    window: Callable | None = None
 
 
 _RULES: dict[type, PolicyRules] = {}
@@ -122,6 +126,12 @@ def rerotated_sinks(policy: EvictionPolicy | None) -> int:
 
 def keeps_budget(policy: EvictionPolicy) -> bool:
     return rules_of(policy).keeps_budget
+
+
+def window_of(policy: EvictionPolicy | None) -> tuple[int, int] | None:
+    """(sinks, window) of a policy that keeps those by position only, else None."""
+    w = policy is not None and rules_of(policy).window
+    return w(policy) if w else None
 
 
 def real_tokens(pos: torch.Tensor, start: int) -> torch.Tensor:
@@ -236,7 +246,8 @@ def _snapkv_scores(p: SnapKV, mass, obs):
 
 register_policy(SinkWindow, PolicyRules(
     budget=lambda p: p.sinks + p.window, protected=_sink_window_protected,
-    rerotated_sinks=lambda p: p.sinks, keeps_budget=True))
+    rerotated_sinks=lambda p: p.sinks, keeps_budget=True,
+    window=lambda p: (p.sinks, p.window)))
 register_policy(H2O, PolicyRules(
     budget=lambda p: p.budget, protected=_h2o_protected, scores=lambda p, mass, obs: mass,
     accumulates_mass=True, keeps_budget=True))

@@ -12,6 +12,10 @@ as a `RuntimeHook` (runtime/hooks.py). Per forward:
                             and free the tail (pool.evict_tail);
                             page granularity: drop whole pages, one decision for all layers
                             (pool.evict_pages); no data moves
+                            a window kept by position (SinkWindow, sinks at their text
+                            positions): no data moves either (`_evict_window`): the pages
+                            between the sinks and the window leave the sequence, the
+                            tokens left between them are hidden from attention
 
 Shapes inside the graph never change: only block tables and sequence lengths do. The model's
 cache object keeps its logical length (`pool.logical_len`), so positions and masks follow the
@@ -48,7 +52,8 @@ class _Book:
     """Bookkeeping of one sequence: per policy layer, the logical index in each slot
     (pos [Hkv, L] int64, -1 = hole), H2O mass [Hkv, L], SnapKV observation [Hkv, R, L]."""
 
-    __slots__ = ("pos", "mass", "obs", "start", "carry", "pending", "ragged")
+    __slots__ = ("pos", "mass", "obs", "start", "carry", "pending", "ragged", "window",
+                 "stale")
 
     def __init__(self, start: int):
         self.pos: dict[int, torch.Tensor] = {}
@@ -63,10 +68,17 @@ class _Book:
         self.pending = 0
         # kept counts differ between heads or layers (holes): decode needs per-slot rules
         self.ragged = False
+        # (lo, hi): a window evicted without moving tokens (`_evict_window`): stored slots
+        # [0, lo) hold the sinks, [lo, hi) are hidden, slot i >= hi holds logical index
+        # i + dropped (pool.dropped); the same in every layer and head. None: pos says.
+        self.window: tuple[int, int] | None = None
+        # pos is not built (a window book between evictions): `_catch_up` builds it
+        self.stale = False
 
     def copy(self) -> _Book:
         b = _Book(self.start)
         b.carry, b.pending, b.ragged = self.carry, self.pending, self.ragged
+        b.window, b.stale = self.window, self.stale
         b.pos = {k: v.clone() for k, v in self.pos.items()}
         b.mass = {k: v.clone() for k, v in self.mass.items()}
         b.obs = {k: v.clone() for k, v in self.obs.items()}
@@ -180,7 +192,11 @@ class EvictionRuntime(RuntimeHook):
 
     def _catch_up(self, sid: int, book: _Book, reserved: int = 0) -> None:
         """Record the slots of the decode steps stepped aside for (`book.pending`, the last
-        stored slots before the `reserved` ones of the running forward)."""
+        stored slots before the `reserved` ones of the running forward); a window book's
+        positions are built from its layout."""
+        if book.stale:
+            self._build_window_pos(sid, book, reserved)
+            return
         k = book.pending
         if not k:
             return
@@ -193,6 +209,18 @@ class EvictionRuntime(RuntimeHook):
             if layer in book.mass:
                 mass = book.mass[layer][:, :stored - k]
                 book.mass[layer] = torch.cat([mass, mass.new_zeros(mass.shape[0], k)], 1)
+
+    def _build_window_pos(self, sid: int, book: _Book, reserved: int) -> None:
+        """pos of every layer of a window book (`_Book.window`), slots [0, seq_len - reserved)."""
+        pool = self.state.pool
+        stored = pool.seq_len(sid) - reserved
+        lo, hi = book.window
+        j = torch.arange(stored, device=pool.device)
+        pos = torch.where(j < lo, j, torch.where(j < hi, -1, j + pool.dropped(sid)))
+        for li in self.policies:
+            book.pos[li] = pos.expand(pool.layers[li].num_kv_heads, stored)
+        book.pending = 0
+        book.stale = False
 
     def before_write(self, ctx, layer, k, v):
         if layer not in self.policies or ctx.plan.eviction_aside:
@@ -296,8 +324,8 @@ class EvictionRuntime(RuntimeHook):
         for _i, sid, _past, _n in self._rows(plan):
             book = self.books.get(sid)
             policy = self.policy_of(sid, layer)
-            if (book is None or book.start or layer in book.mass
-                    or pool.seq_len(sid) != pool.logical_len(sid)):
+            if (book is None or book.start or layer in book.mass or pool.evicted(sid)
+                    or book.window is not None):
                 return False
             if policy is not None and P.accumulates_mass(policy):
                 return False
@@ -336,17 +364,22 @@ class EvictionRuntime(RuntimeHook):
         """Decode through the paged decode kernel when the kept slots need no per-slot rule:
         no holes, no padding left, no sink to re-rotate, the model's mask and window see every
         kept key. Slot order does not matter to a single query. H2O mass comes from the
-        kernel's `attn_mass` output."""
+        kernel's `attn_mass` output. A window book's hidden slots are masked (`key_mask`)."""
         state = ctx.state
         if not (plan.is_decode and not plan.packed and state.kernels.use_triton(q.device)):
             return None
-        mass_rows = []
+        mass_rows, hidden = [], []
         for i, sid, _past, _n in self._rows(plan):
             book, policy = self.books[sid], self.policy_of(sid, layer)
             pos = book.pos[layer]
             total = state.pool.logical_len(sid)
-            if book.start or bool((pos < 0).any()) or self._needs_rotation(sid, policy, pos,
-                                                                             book.start):
+            lo, hi = book.window or (0, 0)
+            if hi > lo:   # holes exactly at [lo, hi) (the layout): the kept slots around them
+                pos = torch.cat([pos[:, :lo], pos[:, hi:]], 1)
+                hidden.append((i, lo, hi))
+            elif bool((pos < 0).any()):
+                return None
+            if book.start or self._needs_rotation(sid, policy, pos, book.start):
                 return None
             if window and total - int(pos.min()) > window:
                 return None
@@ -360,9 +393,19 @@ class EvictionRuntime(RuntimeHook):
         if any(mass_rows):
             mass = torch.zeros(plan.batch, pool.layers[layer].num_kv_heads,
                                max(plan.seq_lens_list), dtype=torch.float32, device=q.device)
+        key_mask = None
+        if hidden:   # one mask per forward, shared by the layers
+            key_mask = plan.cache.get("eviction_window_mask")
+            if key_mask is None:
+                key_mask = torch.ones(plan.batch, max(hi for _i, _lo, hi in hidden),
+                                      dtype=torch.bool)
+                for i, lo, hi in hidden:
+                    key_mask[i, lo:hi] = False
+                key_mask = plan.cache["eviction_window_mask"] = key_mask.to(q.device)
         try:
             out = paged_decode_attention(q, pool.k[layer], pool.v[layer], plan.block_tables,
-                                         plan.seq_lens, scale, softcap=softcap, attn_mass=mass)
+                                         plan.seq_lens, scale, softcap=softcap, attn_mass=mass,
+                                         key_mask=key_mask)
         except (ImportError, UnsupportedShapeError) as e:
             state.kernels._fallback(f"eviction decode: {type(e).__name__}: {e}")
             return None
@@ -504,18 +547,33 @@ class EvictionRuntime(RuntimeHook):
             self.store = self.store.grown(length)   # (graphs of the old store are dropped)
         return self.store
 
-    def aside_inputs(self, seq_ids, device) -> tuple[AsideSpec, list, list, list]:
+    def aside_inputs(self, seq_ids, device) -> tuple:
         """The spec and per-row inputs of a decode step stepped aside for (after `reserve`):
-        (spec, mass rows, shifts, sink counts). Moves the mass of H2O sequences that start
-        decoding aside into the store. Host work only, no sync."""
+        (spec, mass rows, shifts, sink counts, hidden slots' lo, hi). Moves the mass of H2O
+        sequences that start decoding aside into the store. Host work only, no sync."""
         pool = self.state.pool
-        mass_len = sinks = 0
-        rows, shifts, n_rot = [], [], []
+        mass_len = sinks = hidden = 0
+        rows, shifts, n_rot, los, his = [], [], [], [], []
         need = [self._mass_need(sid) for sid in seq_ids
                 if any(P.accumulates_mass(self.policy_of(sid, li)) for li in self.policies)]
         store = self._ensure_store(max(need), device) if need else self.store
         for sid in seq_ids:
             book = self.books[sid]
+            lo, hi = book.window or (0, 0)
+            if hi > lo:
+                # the mask's width: the sinks' pages and one more (hi is below it after each
+                # eviction), fixed per policy, so the graphs it keys stay few
+                Ps = pool.page_size
+                hidden = max(hidden, -(-lo // Ps) * Ps + Ps)
+            else:
+                lo = hi = 0
+            los.append(lo)
+            his.append(hi)
+            if book.window is not None:   # a window book keeps no mass and rotates no sink
+                rows.append(store.scratch if store is not None else 0)
+                shifts.append(0)
+                n_rot.append(0)
+                continue
             pols = [self.policy_of(sid, li) for li in self.policies]
             row, shift, n = store.scratch if store is not None else 0, 0, 0
             if any(P.accumulates_mass(p) for p in pols):
@@ -533,7 +591,7 @@ class EvictionRuntime(RuntimeHook):
             rows.append(row)
             shifts.append(shift)
             n_rot.append(n)
-        return AsideSpec(mass_len, sinks), rows, shifts, n_rot
+        return AsideSpec(mass_len, sinks, hidden), rows, shifts, n_rot, los, his
 
     def _pull_mass(self, sid: int, book: _Book, stored: int) -> None:
         """The sequence leaves the aside path (or evicts): its mass, slots [0, stored), back
@@ -557,7 +615,14 @@ class EvictionRuntime(RuntimeHook):
                 continue
             book.pending += 1
             budget = self._decode_budget(sid)
-            if budget is not None and pool.seq_len(sid) >= budget + self.interval:
+            held = pool.seq_len(sid)
+            if book.window is not None:
+                held -= book.window[1] - book.window[0]
+            if budget is not None and held >= budget + self.interval:
+                window = self._window_policy(sid, book)
+                if window is not None:
+                    self._evict_window(sid, book, window)
+                    continue
                 self._catch_up(sid, book)
                 row = self.store.row_of.get(sid) if self.store is not None else None
                 self._pull_mass(sid, book, pool.seq_len(sid))
@@ -603,8 +668,71 @@ class EvictionRuntime(RuntimeHook):
         self.state.count("evicted_tokens", before - budget)
         return True
 
+    def _window_policy(self, sid: int, book: _Book) -> EvictionPolicy | None:
+        """The policy of `sid` if it evicts without moving tokens (`_evict_window`): one
+        window policy (SinkWindow) in every layer, token granularity, sinks at their text
+        positions, no left padding, no scores recorded, no model window, and the sequence
+        either in that layout already or not evicted yet."""
+        if (book.start or book.ragged or book.mass or book.obs or self.observe_all
+                or self.windowed or len(self.policies) != len(self.state.layer_specs)):
+            return None
+        pols = {self.policy_of(sid, li) for li in self.policies}
+        if len(pols) != 1:
+            return None
+        policy = pols.pop()
+        if (P.window_of(policy) is None or getattr(policy, "granularity", "token") != "token"
+                or self._rerotate(sid, policy)):
+            return None
+        if book.window is None and self.state.pool.evicted(sid):
+            return None   # evicted by compaction before: its slots are not in that layout
+        return policy
+
+    def _evict_window(self, sid: int, book: _Book, policy: EvictionPolicy) -> None:
+        """Evict a window policy without moving a token, on the host's counts only (no device
+        work, no sync): the tokens between the sinks and the window are hidden (book.window);
+        the pages wholly among them leave the sequence (pool.evict_pages: freed unless another
+        sequence holds them), so at most one page past the sinks' pages holds hidden tokens.
+        The attention then masks the hidden slots (aside.py `hidden`, `_attend_kernel`'s
+        key_mask, attend_kept's holes)."""
+        pool = self.state.pool
+        sinks, window = P.window_of(policy)
+        L = pool.seq_len(sid)
+        lo, hi = book.window or (sinks, sinks)
+        kept = L - (hi - lo)
+        if kept <= sinks + window:
+            return
+        hi = max(hi, L - window)   # the window's first slot (the last `window` are kept)
+        Ps = pool.page_size
+        first = -(-lo // Ps)   # the first page past the sinks' pages
+        n_drop = max(0, hi // Ps - first)
+        if n_drop:
+            pool.evict_pages(sid, range(first, first + n_drop))
+            hi -= n_drop * Ps
+        book.window = (lo, hi)
+        pool.hide(sid, hi - lo)
+        book.pos.clear()
+        book.stale, book.pending = True, 0
+        self.state.count("eviction_runs")
+        self.state.count("eviction_window_runs")
+        self.state.count("evicted_tokens", kept - (pool.seq_len(sid) - (hi - lo)))
+        if n_drop:
+            self.state.count("evicted_pages", n_drop)
+
     def evict(self, sid: int, book: _Book) -> None:
         pool, state = self.state.pool, self.state
+        window = self._window_policy(sid, book)
+        if window is not None:
+            self._evict_window(sid, book, window)
+            return
+        if book.window is not None:
+            # the sequence no longer evicts as a window (its policy or the runtime's settings
+            # changed): its hidden slots become holes, compacted away as any eviction's
+            self._catch_up(sid, book)
+            book.window = None
+            self._evict_tokens(sid, book, pool.logical_len(sid), set())
+            pool.hide(sid, 0)
+            self._say("eviction: a sequence evicted as a window was compacted (its policy "
+                      "or the runtime's settings changed)")
         self._catch_up(sid, book)
         total = pool.logical_len(sid)
         due = []
