@@ -596,6 +596,18 @@ class PagePool:
         for paged in (self.k[layer], self.v[layer]):
             move_slots_exact(paged, gsrc.reshape(-1), gdst.reshape(-1), heads.reshape(-1))
 
+    @_locked
+    def make_private(self, seq_id: int, page_indices) -> None:
+        """Copy-on-write of the listed pages of a sequence (indices into its page list; those
+        past its end are ignored) that other sequences also hold: before moving tokens into
+        them (eviction/front.py)."""
+        seq = self._lookup([seq_id])[0]
+        self._make_private(seq, [i for i in page_indices if i < len(seq.pages)])
+
+    def row_of(self, seq_id: int) -> int:
+        """The sequence's row of the block table (`table`)."""
+        return self._lookup([seq_id])[0].row
+
     def _make_private(self, seq: _Sequence, page_indices: list[int]) -> None:
         """Copy-on-write of the listed pages of `seq` that other sequences also hold."""
         shared = [i for i in page_indices if self._ref[seq.pages[i]] > 1]

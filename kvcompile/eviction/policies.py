@@ -168,7 +168,8 @@ def token_scores(policy: EvictionPolicy, mass: torch.Tensor | None,
 
 def select_tokens(policy: EvictionPolicy, pos: torch.Tensor, start: int, total: int,
                   scores: torch.Tensor | None) -> torch.Tensor:
-    """keep [H, L] bool with at most budget tokens per head (token granularity)."""
+    """keep [H, L] bool with at most budget tokens per head (token granularity). Batched rows
+    [R, H, L] too (eviction/front.py), with `total` a tensor [R, 1, 1]."""
     real = pos >= start
     keep = protected(policy, pos, start, total)
     if rules_of(policy).scores is None:   # keeps by position only (SinkWindow)
@@ -180,7 +181,7 @@ def select_tokens(policy: EvictionPolicy, pos: torch.Tensor, start: int, total: 
     order = cand.argsort(-1, descending=True)                     # [H, L]
     rank = torch.empty_like(order)
     rank.scatter_(-1, order, torch.arange(order.shape[-1], device=pos.device).expand_as(order))
-    take = (rank < room[:, None].clamp(min=0)) & torch.isfinite(cand)
+    take = (rank < room[..., None].clamp(min=0)) & torch.isfinite(cand)
     return keep | take
 
 

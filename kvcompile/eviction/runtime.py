@@ -30,12 +30,12 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from kvcompile.cache.compaction import moves_exactly
 from kvcompile.config import EvictionPolicy
 from kvcompile.errors import CacheStateError, UnsupportedShapeError
 from kvcompile.eviction import policies as P
 from kvcompile.eviction.aside import AsideSpec, MassStore, attend_aside, store_length
 from kvcompile.eviction.attend import attend_kept, rotation
+from kvcompile.eviction.front import evict_fronts
 from kvcompile.kernels.masks import to_bool
 from kvcompile.runtime.hooks import RuntimeHook
 
@@ -609,6 +609,7 @@ class EvictionRuntime(RuntimeHook):
         ranks by the mass in the store, which goes back to its row after the eviction."""
         pool = self.state.pool
         self.state.count("eviction_aside_steps")
+        due = []
         for sid in seq_ids:
             book = self.books.get(sid)
             if book is None or not pool.has(sid):
@@ -622,14 +623,16 @@ class EvictionRuntime(RuntimeHook):
                 window = self._window_policy(sid, book)
                 if window is not None:
                     self._evict_window(sid, book, window)
-                    continue
-                self._catch_up(sid, book)
-                row = self.store.row_of.get(sid) if self.store is not None else None
-                self._pull_mass(sid, book, pool.seq_len(sid))
-                if not self._evict_front(sid, book, budget):
-                    self.evict(sid, book)
-                if row is not None:
-                    self.store.write(self.store.take(sid), book.mass)
+                else:
+                    due.append((sid, book, budget))
+        # every other sequence due: one batched pass (front.py), the rest one by one
+        for sid, book, _budget in self._evict_fronts(due) if due else ():
+            self._catch_up(sid, book)
+            row = self.store.row_of.get(sid) if self.store is not None else None
+            self._pull_mass(sid, book, pool.seq_len(sid))
+            self.evict(sid, book)
+            if row is not None:
+                self.store.write(self.store.take(sid), book.mass)
 
     def _decode_budget(self, sid: int) -> int | None:
         """The budget decode steps evict to (None: they do not evict: no policy, or SnapKV,
@@ -638,35 +641,17 @@ class EvictionRuntime(RuntimeHook):
                    if p is not None and not P.waits_for_observation(p)]
         return min(budgets) if budgets else None
 
+    def _evict_fronts(self, items: list) -> list:
+        """Token-granular eviction with no host sync of every (seq id, book, budget) due in a
+        step, batched over sequences and layers (front.py: the tail's kept tokens fill the
+        holes below the budget). Returns the items it does not take (then `evict`, which reads
+        counts on the host): mixed policies, page granularity, formats that re-encode moved
+        tokens, a policy type whose kept count is not its budget."""
+        return evict_fronts(self, items)
+
     def _evict_front(self, sid: int, book: _Book, budget: int) -> bool:
-        """Token-granular eviction with no host sync: every layer keeps `budget` tokens per
-        head, moved to the front (`pool.compact_front`). False where it does not apply (then
-        `evict`, which reads counts on the host): mixed policies, page granularity, formats
-        that re-encode moved tokens, a policy type whose kept count is not its budget."""
-        pool = self.state.pool
-        pols = {self.policy_of(sid, li) for li in self.policies}
-        if len(pols) != 1:
-            return False
-        policy = pols.pop()
-        if (not P.keeps_budget(policy) or getattr(policy, "granularity", "token") != "token"
-                or not all(moves_exactly(pool.k[li]) and moves_exactly(pool.v[li])
-                           for li in self.policies)):
-            return False
-        total, before = pool.logical_len(sid), pool.seq_len(sid)
-        for li in sorted(book.pos):
-            pos = book.pos[li]
-            keep = P.select_tokens(policy, pos, 0, total, self._scores(sid, li, book))
-            # kept slots first, in slot order (a stable sort of "not kept"): [H, budget]
-            src = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[:, :budget]
-            pool.compact_front(li, sid, src)
-            book.pos[li] = pos.gather(1, src)
-            if li in book.mass:
-                book.mass[li] = book.mass[li].gather(1, src)
-        pool.evict_tail(sid, budget)
-        self.state.count("eviction_runs")
-        self.state.count("eviction_device_runs")
-        self.state.count("evicted_tokens", before - budget)
-        return True
+        """`_evict_fronts` of one sequence: False where it does not apply."""
+        return not self._evict_fronts([(sid, book, budget)])
 
     def _window_policy(self, sid: int, book: _Book) -> EvictionPolicy | None:
         """The policy of `sid` if it evicts without moving tokens (`_evict_window`): one

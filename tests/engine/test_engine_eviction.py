@@ -262,7 +262,8 @@ def test_decode_steps_step_aside_and_equal_generate(model, original_sinks):
     prompts = random_prompts(rng, len(pols), 20, 40)
     want = [_generate(model, [p], 20, pol)[0] for p, pol in zip(prompts, pols)]
     st = state_of(model)
-    before = {k: st.counters.get(k, 0) for k in ("eviction_aside_steps", "eviction_device_runs")}
+    before = {k: st.counters.get(k, 0) for k in ("eviction_aside_steps", "eviction_device_runs",
+                                                 "eviction_window_runs")}
     eng = Engine(model, max_num_batched_tokens=64)
     rt = st.eviction
     step = rt.after_decode_step
@@ -278,7 +279,8 @@ def test_decode_steps_step_aside_and_equal_generate(model, original_sinks):
         del rt.after_decode_step
     assert [o.token_ids for o in outs] == want
     assert st.counters["eviction_aside_steps"] - before["eviction_aside_steps"] >= 18
-    assert st.counters["eviction_device_runs"] - before["eviction_device_runs"] >= 18
+    # SinkWindow evicts without moving tokens (_evict_window), once per step here
+    assert st.counters["eviction_window_runs"] - before["eviction_window_runs"] >= 18
     eng.close()
     assert eng.pool.stats().pages_used == 0
 
@@ -367,10 +369,26 @@ def test_h2o_and_rerotated_sinks_step_aside_and_equal_host_path(model):
                                            rtol=rtol)
 
 
+def _kept(pool, sid) -> int:
+    """Tokens a sequence keeps: stored, less those a window hides (pool.hide)."""
+    return pool.seq_len(sid) - (pool.evicted(sid) - pool.dropped(sid))
+
+
+def _host_path(rt) -> None:
+    """Every eviction on the host (evict: move_tokens, which reads counts), SinkWindow too."""
+    rt._evict_fronts = lambda items: list(items)
+    rt._window_policy = lambda *a: None
+
+
+def _device_path(rt) -> None:
+    for name in ("_evict_fronts", "_window_policy"):
+        rt.__dict__.pop(name, None)
+
+
 def test_eviction_interval_device_path_equals_host_path(model, original_sinks):
-    """Every 4 steps (a sequence holds at most budget + 3 tokens): eviction on the device
-    (pool.compact_front) and on the host (move_tokens, which reads counts) keep the same
-    tokens at the same cadence, and give the same outputs."""
+    """Every 4 steps (a sequence holds at most budget + 3 tokens): eviction without moving
+    tokens (SinkWindow: _evict_window) and on the host (move_tokens, which reads counts) keep
+    the same tokens at the same cadence, and give the same outputs."""
     rng = random.Random(8)
     prompts = random_prompts(rng, 3, 20, 30)
     pols = [SinkWindow(2, 10), SinkWindow(3, 9), SnapKV(budget=14, window=4)]
@@ -378,17 +396,17 @@ def test_eviction_interval_device_path_equals_host_path(model, original_sinks):
     runs = []
     for device in (True, False):
         eng = Engine(model, max_num_batched_tokens=64, eviction_interval=4)
-        lens = []   # (budget, stored) of each decoding SinkWindow request after each step
+        lens = []   # (budget, kept) of each decoding SinkWindow request after each step
         eng.on_step.append(lambda _st, eng=eng, lens=lens: lens.extend(
-            (_budget(r.params.eviction), eng.pool.seq_len(r.seq_id))
+            (_budget(r.params.eviction), _kept(eng.pool, r.seq_id))
             for r in eng.scheduler.running if isinstance(r.params.eviction, SinkWindow)
             and r.num_computed > len(r.prompt_ids)))
         if not device:
-            rt._evict_front = lambda *a: False
+            _host_path(rt)
         try:
             outs = eng.generate(prompts, [_greedy(24, p) for p in pols])
         finally:
-            rt.__dict__.pop("_evict_front", None)
+            _device_path(rt)
         runs.append(([o.token_ids for o in outs], lens))
         eng.close()
     assert runs[0] == runs[1]
@@ -399,8 +417,8 @@ def test_eviction_interval_device_path_equals_host_path(model, original_sinks):
 
 def test_eviction_interval_h2o_and_rerotated_sinks(model):
     """Every 4 steps, H2O's mass accumulates in the device store between evictions and the
-    sinks' shift changes only at them: eviction on the device (compact_front) and on the host
-    (evict, which reads counts) give the same logits, kept positions and mass."""
+    sinks' shift changes only at them: eviction on the device (front.py, batched) and on the
+    host (evict, which reads counts) give the same logits, kept positions and mass."""
     rng = random.Random(9)
     prompts = random_prompts(rng, 3, 20, 30)
     pols = [SinkWindow(2, 10), H2O(budget=14, recent=3, sinks=1), "model"]
@@ -410,11 +428,11 @@ def test_eviction_interval_h2o_and_rerotated_sinks(model):
         eng = Engine(model, max_num_batched_tokens=64, eviction_interval=4)
         logits, books = _record(eng, rt)
         if not device:
-            rt._evict_front = lambda *a: False
+            _host_path(rt)
         try:
             outs = eng.generate(prompts, [_greedy(16, p) for p in pols])
         finally:
-            rt.__dict__.pop("_evict_front", None)
+            _device_path(rt)
         runs.append(([o.token_ids for o in outs], logits, books))
         eng.close()
     assert runs[0][0] == runs[1][0]

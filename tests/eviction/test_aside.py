@@ -120,3 +120,62 @@ def test_reference_and_sink_merge_have_no_host_sync(fmt):
     with _NoHostSync():
         aside_reference(q, kc, vc, bt, lens, D ** -0.5, 0.0, mass0.clone(), rot)
         merge_sinks(out, lse, q, kc, vc, bt, rot, D ** -0.5, 0.0)
+
+
+HIDE = [(3, 20), (0, 0), (2, 9)]   # stored slots [lo, hi) a window hides, per row
+
+
+def _hidden_mask(width: int = 32) -> torch.Tensor:
+    from kvcompile.eviction.aside import AsideInputs, AsideSpec
+
+    lo, hi = (torch.tensor(x) for x in zip(*HIDE))
+    z = torch.zeros(len(HIDE), dtype=torch.int64)
+    return AsideInputs(AsideSpec(hidden=width), z, z, z, lo, hi).key_mask()
+
+
+def test_hidden_slots_equal_host_path_over_holes():
+    """Slots a window hides (SinkWindow evicted without moving tokens): the reference with the
+    key mask equals attend_kept over the same slots with those marked holes (pos -1), mass
+    included; without the mask the rows that hide slots differ."""
+    kc, vc, bt, lens, q, mass0, _ = _case(seed=3)
+    scale = D ** -0.5
+    km = _hidden_mask()
+    assert km.shape == (3, 32) and not km[0, 3:20].any() and km[0, :3].all() and km[1].all()
+    mass = mass0.clone()
+    got = aside_reference(q, kc, vc, bt, lens, scale, 0.0, mass, None, km)
+    atol, rtol = ASSERT_CLOSE[torch.float32]
+    for b, L in enumerate(lens.tolist()):
+        k, v = gather_pages(kc, bt[b], L), gather_pages(vc, bt[b], L)
+        lo, hi = HIDE[b]
+        pos = torch.arange(L)
+        pos = torch.where((pos >= lo) & (pos < hi), -1, pos).expand(HKV, L)
+        o, m, _ = attend_kept(q[b], k, v, pos, torch.tensor([L - 1]), scale, total=L,
+                              want_mass=True)
+        torch.testing.assert_close(got[b], o, atol=atol, rtol=rtol)
+        n = min(L, mass.shape[2])
+        torch.testing.assert_close(mass[b, :, :n], mass0[b, :, :n] + m[:, :n], atol=atol,
+                                   rtol=rtol)
+    plain = aside_reference(q, kc, vc, bt, lens, scale, 0.0)
+    assert rel_err(plain[0], got[0]) > 1e-3 and rel_err(plain[1], got[1]) < 1e-6
+
+
+@pytest.mark.parametrize("fmt", [("bf16",), ("fp8_e4m3", "token"), ("fp8_e4m3", "page")],
+                         ids=lambda f: "-".join(f))
+def test_kernel_with_hidden_slots_equals_reference(fmt):
+    """The decode kernel (TRITON_INTERPRET) with the window's key mask, alone and beside
+    re-rotated sinks in other rows: the reference's output."""
+    kc, vc, bt, lens, q, _, rot = _case(fmt, seed=4)
+    scale = D ** -0.5
+    km = _hidden_mask()
+    tol = kernel_rel_err(compute_dtype(kc.fmt, "cpu"), "cpu")
+    want = aside_reference(q, kc, vc, bt, lens, scale, 0.0, None, None, km)
+    got = kernel_aside(q, kc, vc, bt, lens, scale, 0.0, None, None, km)
+    for b in range(len(LENS)):
+        assert rel_err(got[b], want[b]) <= tol, f"row {b}"
+    # rows 0 and 2 hide slots and row 1 rotates no sink: give row 1 the sinks instead
+    n_rot, cos, sin, sinks = rot
+    rot1 = (torch.tensor([0, 2, 0]), cos, sin, sinks)
+    want = aside_reference(q, kc, vc, bt, lens, scale, 0.0, None, rot1, km)
+    got = kernel_aside(q, kc, vc, bt, lens, scale, 0.0, None, rot1, km)
+    for b in range(len(LENS)):
+        assert rel_err(got[b], want[b]) <= tol, f"row {b} beside rotated sinks"

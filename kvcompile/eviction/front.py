@@ -1,0 +1,178 @@
+"""Eviction between CUDA-graph decode steps, batched: every sequence that reached its budget +
+interval - 1 in a step, every layer at once, with no host sync.
+
+    left = evict_fronts(runtime, [(seq_id, book, budget), ...])   # the items it did not take
+
+Each kv head of each layer keeps exactly `budget` tokens (policies with `keeps_budget`). The
+kept tokens that sit at slots >= budget move into the holes below it, the i-th such token into
+the i-th hole in slot order, so an event moves at most (stored - budget) tokens per head, not
+the whole kept cache; the slots past `budget` are then dropped (pool.evict_tail). One pass
+serves all items:
+
+    pos   [R, H, Lmax]   logical index per slot of every (item, layer) row (-1 past a row's end)
+    keep  [R, H, Lmax]   the policy's choice (policies.select_tokens on the stacked rows)
+    src, dst [R, H, M]   M = max(stored - budget): the tail's kept slots and the holes they fill;
+                         a row with fewer moves pads with its last slot onto itself (dropped
+                         after, never a destination)
+
+then per layer one gather and one scatter of each stored part (compaction.move_slots_exact), and
+the H2O mass rows of the store moved the same way. The host only adds lengths and page lists.
+Not taken (the runtime's per-sequence path does them): mixed policies in one sequence, page
+granularity, a policy whose kept count is not its budget or whose scores are shared by heads,
+formats that re-encode moved tokens, heads of different counts across layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from kvcompile.cache.compaction import move_slots_exact, moves_exactly
+from kvcompile.eviction import policies as P
+
+
+def _policy(rt, sid):
+    """The one policy of every layer of `sid`, if the batched path takes it, else None."""
+    pols = {rt.policy_of(sid, li) for li in rt.policies}
+    if len(pols) != 1:
+        return None
+    policy = pols.pop()
+    rules = P.rules_of(policy)
+    if (not rules.keeps_budget or getattr(policy, "granularity", "token") != "token"
+            or (rules.shares_heads and rules.shares_heads(policy))):
+        return None
+    return policy
+
+
+def evict_fronts(rt, items: list) -> list:
+    """Evict the items (seq id, _Book, budget) that the batched path takes; returns the rest."""
+    pool = rt.state.pool
+    layers = sorted(rt.policies)
+    heads = {pool.layers[li].num_kv_heads for li in layers}
+    if (not items or len(heads) != 1 or not all(moves_exactly(pool.k[li])
+                                                and moves_exactly(pool.v[li]) for li in layers)):
+        return list(items)
+    store = rt.store
+    take, left, groups = [], [], {}
+    for item in items:
+        sid, book, _budget = item
+        policy = _policy(rt, sid)
+        in_store = store is not None and sid in store.row_of
+        if policy is None or (book.mass and not in_store and set(book.mass) != set(layers)):
+            left.append(item)
+            continue
+        take.append(item)
+        groups.setdefault(policy, []).append(len(take) - 1)
+    if not take:
+        return left
+    _evict(rt, pool, layers, heads.pop(), take, groups)
+    return left
+
+
+def _evict(rt, pool, layers, H, items, groups) -> None:
+    dev, Ps, Ly = pool.device, pool.page_size, len(layers)
+    store = rt.store
+    n = len(items)
+    stored = [pool.seq_len(sid) for sid, _b, _k in items]
+    total = [pool.logical_len(sid) for sid, _b, _k in items]
+    budget = [k for _s, _b, k in items]
+    pending = [b.pending for _s, b, _k in items]
+    Lmax = max(stored)
+    M = max(L - k for L, k in zip(stored, budget))
+    # [R, H, Lmax] logical index per slot (R = item-major, layer-minor); the slots of steps
+    # stepped aside for are not in the books yet: row b's last `pending` slots hold positions
+    # total - pending ... total - 1
+    rows = [book.pos[li][:, :L - k].T for (_s, book, _b), L, k in zip(items, stored, pending)
+            for li in layers]
+    pos = pad_sequence(rows, batch_first=True, padding_value=-1)               # [R, l, H]
+    pos = torch.nn.functional.pad(pos, (0, 0, 0, Lmax - pos.shape[1]), value=-1)
+    pos = pos.transpose(1, 2).contiguous()                                       # [R, H, Lmax]
+    ints = torch.tensor([stored, pending, total, budget], dtype=torch.int64).to(dev)
+    L_r, k_r, T_r, K_r = (t.repeat_interleave(Ly)[:, None, None] for t in ints)  # [R, 1, 1]
+    j = torch.arange(Lmax, device=dev)
+    pos = torch.where((j >= L_r - k_r) & (j < L_r), T_r - L_r + j, pos)
+    # H2O mass [R, H, Lmax]: the store's rows, or the books'
+    mass = None
+    in_store = [store is not None and sid in store.row_of for sid, _b, _k in items]
+    if any(in_store) or any(b.mass for _s, b, _k in items):
+        mass = torch.zeros(n, Ly, H, Lmax, dtype=torch.float32, device=dev)
+        if any(in_store):
+            srows = torch.tensor([store.row_of.get(sid, store.scratch) for sid, _b, _k in items],
+                                 dtype=torch.int64).to(dev)
+            w = min(Lmax, store.length)
+            for i, li in enumerate(layers):
+                mass[:, i, :, :w] = store.mass[li].index_select(0, srows)[:, :, :w]
+        for b, ((_s, book, _k), L, k) in enumerate(zip(items, stored, pending)):
+            if not in_store[b] and book.mass:
+                for i, li in enumerate(layers):
+                    mass[b, i, :, :L - k] = book.mass[li][:, :L - k]
+        mass = mass.view(n * Ly, H, Lmax)
+    # the policies' choice, one pass per policy over its rows
+    keep = torch.zeros(n * Ly, H, Lmax, dtype=torch.bool, device=dev)
+    for policy, idx in groups.items():
+        r = torch.tensor([b * Ly + i for b in idx for i in range(Ly)], dtype=torch.int64,
+                         device=dev)
+        T_g = T_r.index_select(0, r)
+        p = pos.index_select(0, r)
+        scores = None
+        if P.rules_of(policy).scores is not None:
+            m = mass.index_select(0, r) if mass is not None else None
+            scores = P.token_scores(policy, m, None)
+        keep[r] = P.select_tokens(policy, p, 0, T_g, scores)
+    # holes below the budget, and the kept slots at or past it, each in slot order: the i-th of
+    # the tail fills the i-th hole; rows with fewer than M pad with their last slot
+    hole = ~keep & (j < K_r)
+    tail = keep & (j >= K_r)
+    dst = torch.sort((~hole).to(torch.uint8), dim=-1, stable=True).indices[..., :M]
+    src = torch.sort((~tail).to(torch.uint8), dim=-1, stable=True).indices[..., :M]
+    moves = torch.minimum(tail.sum(-1, keepdim=True), hole.sum(-1, keepdim=True))
+    valid = torch.arange(M, device=dev) < moves                                 # [R, H, M]
+    last = (L_r - 1).expand_as(src)
+    src = torch.where(valid, src, last)
+    dst = torch.where(valid, dst, last)
+    # book and mass follow the moves
+    pos = pos.scatter(-1, dst, pos.gather(-1, src))
+    if mass is not None:
+        mass = mass.scatter(-1, dst, mass.gather(-1, src))
+        mass = torch.where(j < K_r, mass, 0.0)
+    # token index -> global slot through each sequence's block-table row (pages below the
+    # budget that another sequence shares are copied first)
+    for (sid, _b, _k), k in zip(items, budget):
+        pool.make_private(sid, range(-(-k // Ps)))
+    table = pool.table()
+    trows = torch.tensor([pool.row_of(sid) for sid, _b, _k in items], dtype=torch.int64)
+    bt = table.index_select(0, trows.to(dev)).to(torch.int64)                   # [n, W]
+    bt = bt.repeat_interleave(Ly, 0)[:, None, :].expand(n * Ly, H, bt.shape[1])
+    gsrc = bt.gather(-1, src // Ps) * Ps + src % Ps
+    gdst = bt.gather(-1, dst // Ps) * Ps + dst % Ps
+    hh = torch.arange(H, device=dev)[None, :, None].expand(n, H, M)
+    gsrc, gdst = gsrc.view(n, Ly, H, M), gdst.view(n, Ly, H, M)
+    for i, li in enumerate(layers):
+        s_i, d_i = gsrc[:, i].reshape(-1), gdst[:, i].reshape(-1)
+        for paged in (pool.k[li], pool.v[li]):
+            move_slots_exact(paged, s_i, d_i, hh.reshape(-1))
+    # commit: lengths, books, the store's mass rows
+    pos = pos.view(n, Ly, H, Lmax)
+    if mass is not None:
+        mass = mass.view(n, Ly, H, Lmax)
+        if any(in_store):
+            w = min(Lmax, store.length)
+            for i, li in enumerate(layers):
+                rows_m = store.mass[li].index_select(0, srows)
+                rows_m[:, :, :w] = mass[:, i, :, :w]
+                rows_m[:, :, w:] = 0
+                store.mass[li].index_copy_(0, srows, rows_m)
+    evicted = 0
+    for b, ((sid, book, _k), L, k) in enumerate(zip(items, stored, budget)):
+        pool.evict_tail(sid, k)
+        evicted += L - k
+        for i, li in enumerate(layers):
+            book.pos[li] = pos[b, i, :, :k]
+            if mass is not None and book.mass:   # (the store's row holds the same)
+                book.mass[li] = mass[b, i, :, :k]
+        book.pending = 0
+    st = rt.state
+    st.count("eviction_runs", n)
+    st.count("eviction_device_runs", n)
+    st.count("evicted_tokens", evicted)
+    st.count("eviction_moved_slots", n * Ly * H * M)
