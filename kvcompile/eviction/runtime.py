@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import logging
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +86,18 @@ class _Book:
         return b
 
 
+class _Facts(NamedTuple):
+    """What the decode steps stepped aside for ask of one sequence's policies, at every step:
+    worked out once (`EvictionRuntime._facts_of`), not per layer and step."""
+    pols: tuple                 # the policy of each managed layer
+    rerot: int                  # re-rotated sinks (0: none)
+    uniform: bool               # one policy in every layer, token granularity
+    mass: bool                  # a layer accumulates H2O mass
+    mass_budget: int            # the largest budget of those layers (0: none)
+    budget: int | None          # the budget decode steps evict to (`_decode_budget`)
+    window: EvictionPolicy | None   # the policy if it evicts as a window (`_window_policy`)
+
+
 class EvictionRuntime(RuntimeHook):
     def __init__(self, state):
         self.state = state
@@ -114,6 +127,8 @@ class EvictionRuntime(RuntimeHook):
         self._inv_freq_dev: dict = {}
         self._said: set[str] = set()
         self._pool = None
+        self._facts: dict[int, _Facts] = {}
+        self._facts_key = None
 
     def set_sequence_policy(self, seq_id: int, policy: EvictionPolicy | None,
                             sink_positions: str | None = None) -> None:
@@ -123,6 +138,7 @@ class EvictionRuntime(RuntimeHook):
         self.seq_policy[seq_id] = policy
         if sink_positions is not None:
             self.seq_sink_positions[seq_id] = sink_positions
+        self._facts.pop(seq_id, None)
 
     def hold(self, seq_ids) -> None:
         """The next forward of these sequences is a chunk in the middle of a prompt: nothing
@@ -174,6 +190,7 @@ class EvictionRuntime(RuntimeHook):
         self.books.pop(seq_id, None)
         self.seq_policy.pop(seq_id, None)
         self.seq_sink_positions.pop(seq_id, None)
+        self._facts.pop(seq_id, None)
         if self.store is not None:
             self.store.give_back(seq_id)
 
@@ -459,6 +476,33 @@ class EvictionRuntime(RuntimeHook):
             self.seq_sink_positions.pop(sid, None)
 
     # -- decode steps it steps aside for (CUDA graphs) ---------------------------------------
+    def _facts_of(self, sid: int) -> _Facts:
+        f = self._facts.get(sid)
+        if f is not None:
+            return f
+        pols = tuple(self.policy_of(sid, li) for li in self.policies)
+        rot = [P.rerotated_sinks(p) for p in pols if p is not None and self._rerotate(sid, p)]
+        uniform = len(set(pols)) == 1 and getattr(pols[0], "granularity", "token") == "token"
+        masses = [P.budget_of(p) for p in pols if P.accumulates_mass(p)]
+        budgets = [P.budget_of(p) for p in pols
+                   if p is not None and not P.waits_for_observation(p)]
+        window = None
+        if (uniform and pols[0] is not None and not rot and P.window_of(pols[0]) is not None
+                and len(self.policies) == len(self.state.layer_specs)):
+            window = pols[0]
+        f = self._facts[sid] = _Facts(pols, rot[0] if rot else 0, uniform, bool(masses),
+                                      max(masses, default=0), min(budgets) if budgets else None,
+                                      window)
+        return f
+
+    def _check_facts(self) -> None:
+        """Forget the facts when what they derive from changed (once per step)."""
+        key = (self.sink_positions, tuple(self.policies.items()), self.inv_freq is not None,
+               len(self.state.layer_specs))
+        if key != self._facts_key:
+            self._facts.clear()
+            self._facts_key = key
+
     def decode_aside(self, seq_ids) -> bool:
         """Whether a decode step of these sequences can run without this runtime's host code
         inside it, so that it can replay a CUDA graph: the decode kernel over the stored slots
@@ -477,6 +521,7 @@ class EvictionRuntime(RuntimeHook):
             why = "observe_all (every policy's scores are recorded)"
         elif len(self.policies) != len(self.state.layer_specs):
             why = "a layer without a policy (its slots are holes in the others)"
+        self._check_facts()
         for sid in seq_ids if why is None else ():
             book = self.books.get(sid)
             if book is None or book.carry:
@@ -484,8 +529,8 @@ class EvictionRuntime(RuntimeHook):
             if book.start or book.ragged:
                 why = "left padding or heads that keep different counts (per-slot rules)"
                 break
-            pols = [self.policy_of(sid, li) for li in self.policies]
-            rerot = any(p is not None and self._rerotate(sid, p) for p in pols)
+            facts = self._facts_of(sid)
+            rerot = facts.rerot > 0
             if (rerot and self.state.pool.device.type == "cuda"
                     and os.environ.get("KVCOMPILE_REROT_ASIDE", "1") == "0"):
                 # the graphs' padding rows used to zero the real rows' sink counts (fixed in
@@ -493,12 +538,11 @@ class EvictionRuntime(RuntimeHook):
                 # KVCOMPILE_REROT_ASIDE=0 keeps these steps on the host path
                 why = "re-rotated sinks on CUDA with KVCOMPILE_REROT_ASIDE=0"
                 break
-            if rerot and (
-                    len(set(pols)) != 1 or getattr(pols[0], "granularity", "token") != "token"):
+            if rerot and not facts.uniform:
                 why = ("re-rotated sinks with per-layer policies or page granularity (the "
                        "sinks' shift is not known on the host)")
                 break
-            if any(P.accumulates_mass(p) for p in pols):
+            if facts.mass:
                 new_rows += self.store is None or sid not in self.store.row_of
         free = len(self.store._free) if self.store is not None else self.aside_rows
         if why is None and new_rows > free:
@@ -531,9 +575,8 @@ class EvictionRuntime(RuntimeHook):
     def _mass_need(self, sid: int) -> int:
         """Slots of the store a sequence needs: its H2O budget + interval (the most it holds
         between evictions), or what it holds now if more."""
-        budgets = [P.budget_of(p) for p in (self.policy_of(sid, li) for li in self.policies)
-                   if P.accumulates_mass(p)]
-        return max(max(budgets) + self.interval, self.state.pool.seq_len(sid))
+        return max(self._facts_of(sid).mass_budget + self.interval,
+                   self.state.pool.seq_len(sid))
 
     def _ensure_store(self, need: int, device) -> MassStore:
         pool = self.state.pool
@@ -552,8 +595,7 @@ class EvictionRuntime(RuntimeHook):
         pool = self.state.pool
         mass_len = sinks = hidden = 0
         rows, shifts, n_rot, los, his = [], [], [], [], []
-        need = [self._mass_need(sid) for sid in seq_ids
-                if any(P.accumulates_mass(self.policy_of(sid, li)) for li in self.policies)]
+        need = [self._mass_need(sid) for sid in seq_ids if self._facts_of(sid).mass]
         store = self._ensure_store(max(need), device) if need else self.store
         for sid in seq_ids:
             book = self.books[sid]
@@ -572,20 +614,19 @@ class EvictionRuntime(RuntimeHook):
                 shifts.append(0)
                 n_rot.append(0)
                 continue
-            pols = [self.policy_of(sid, li) for li in self.policies]
+            facts = self._facts_of(sid)
             row, shift, n = store.scratch if store is not None else 0, 0, 0
-            if any(P.accumulates_mass(p) for p in pols):
+            if facts.mass:
                 mass_len = store.length
                 if sid not in store.row_of:
                     self._catch_up(sid, book, 1)
                     row = store.take(sid)
                     store.write(row, book.mass)
                 row = store.row_of[sid]
-            rot = [P.rerotated_sinks(p) for p in pols if p is not None and self._rerotate(sid, p)]
-            if rot:
-                sinks = max(sinks, rot[0])
+            if facts.rerot:
+                sinks = max(sinks, facts.rerot)
                 if pool.evicted(sid) > 0:   # the run after the sinks is gone: rotate them
-                    shift, n = pool.evicted(sid), rot[0]
+                    shift, n = pool.evicted(sid), facts.rerot
             rows.append(row)
             shifts.append(shift)
             n_rot.append(n)
@@ -635,9 +676,7 @@ class EvictionRuntime(RuntimeHook):
     def _decode_budget(self, sid: int) -> int | None:
         """The budget decode steps evict to (None: they do not evict: no policy, or SnapKV,
         which chooses at the end of a prompt)."""
-        budgets = [P.budget_of(p) for p in (self.policy_of(sid, li) for li in self.policies)
-                   if p is not None and not P.waits_for_observation(p)]
-        return min(budgets) if budgets else None
+        return self._facts_of(sid).budget
 
     def _evict_fronts(self, items: list) -> list:
         """Token-granular eviction with no host sync of every (seq id, book, budget) due in a
@@ -657,14 +696,11 @@ class EvictionRuntime(RuntimeHook):
         positions, no left padding, no scores recorded, no model window, and the sequence
         either in that layout already or not evicted yet."""
         if (book.start or book.ragged or book.mass or book.obs or self.observe_all
-                or self.windowed or len(self.policies) != len(self.state.layer_specs)):
+                or self.windowed):
             return None
-        pols = {self.policy_of(sid, li) for li in self.policies}
-        if len(pols) != 1:
-            return None
-        policy = pols.pop()
-        if (P.window_of(policy) is None or getattr(policy, "granularity", "token") != "token"
-                or self._rerotate(sid, policy)):
+        self._check_facts()
+        policy = self._facts_of(sid).window
+        if policy is None:
             return None
         if book.window is None and self.state.pool.evicted(sid):
             return None   # evicted by compaction before: its slots are not in that layout
