@@ -100,7 +100,9 @@ def model_config(args):
     else:
         cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                           num_hidden_layers=args.layers, num_attention_heads=32,
-                          num_key_value_heads=8, max_position_embeddings=8192,
+                          num_key_value_heads=8,
+                          # (the engine's max_model_len: long enough for --prompt 32768)
+                          max_position_embeddings=max(8192, args.prompt + args.new + 64),
                           rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001)
     cfg._attn_implementation = "sdpa"
     return cfg

@@ -37,7 +37,7 @@ job() {   # job NAME -> "LIMIT COMMAND"
     e2e)            echo "${E2E_LIMIT:-240} python3 benchmarks/gpu_check_e2e.py --quick" ;;
     prefill_check)  echo "${PC_LIMIT:-220} python3 benchmarks/gpu_check_prefill.py --quick --shards 16 --budget $(( ${PC_LIMIT:-220} - 20 ))" ;;
     evict_check)    echo "${EC_LIMIT:-200} python3 -m pytest -s -q -m gpu tests/gpu/test_engine_eviction_gpu.py -p no:cacheprovider ${EC_K:+-k $EC_K}" ;;
-    evict_bench)    echo "${EB_LIMIT:-260} python3 benchmarks/bench_generate.py --budget-s $(( ${EB_LIMIT:-260} - 20 )) --out $OUT --evict-interval ${INTERVAL:-64} --engine-scale ${SCALE:-token} --sections ${EB_SECTIONS:-engine_b,engine_evict_sink,engine_evict_h2o,engine_evict_snapkv}" ;;
+    evict_bench)    echo "${EB_LIMIT:-260} python3 benchmarks/bench_generate.py --budget-s $(( ${EB_LIMIT:-260} - 20 )) --out $OUT --evict-interval ${INTERVAL:-64} --engine-scale ${SCALE:-token} --sections ${EB_SECTIONS:-engine_b,engine_evict_sink,engine_evict_h2o,engine_evict_snapkv} ${EB_ARGS:-}" ;;
     profile)        echo "${PROF_LIMIT:-200} python3 benchmarks/profile_generate.py ${PROF_ARGS:-}" ;;
     *)              echo "" ;;
   esac
