@@ -8,7 +8,8 @@ decoding `--new` tokens through kvcompile.Engine with eviction at 50% of the pro
 `--interval` steps. Every aten op run inside the eviction runtime's per-step work is counted
 (TorchDispatchMode): inside `after_decode_step` (where decode-time eviction happens) and inside
 `decode_aside` + `aside_inputs` (the per-step host work before each step). Printed per policy:
-eviction events (sequence x event), aten ops per event and per step, host syncs
+eviction events (sequence x event), aten ops per event and per step (views apart: no kernel on
+a GPU), host syncs
 (`_local_scalar_dense`, `nonzero`, copies to the CPU from the device), bytes written into the
 pool's storage per event against the bytes of the tokens evicted; then the same generate again
 without counting, for host milliseconds (per event, and per step outside the events).
@@ -44,12 +45,15 @@ class _Count(TorchDispatchMode):
     def __init__(self, targets):
         super().__init__()
         self.targets = {t.untyped_storage().data_ptr() for t in targets}
-        self.ops = self.syncs = self.bytes = 0
+        self.ops = self.views = self.syncs = self.bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.__name__.split(".")[0]
-        self.ops += 1
+        if func.is_view or name in ("t", "transpose", "detach", "alias"):
+            self.views += 1   # metadata only: no kernel on a GPU
+        else:
+            self.ops += 1
         if name in _SYNCS:
             self.syncs += 1
         out = func(*args, **kwargs)
@@ -95,7 +99,8 @@ def run(policy, sinks: str, args, device) -> dict:
     prompts = torch.randint(3, 256, (args.batch, args.prompt), generator=g).tolist()
     pool = eng.pool
     targets = [t for pt in pool.k + pool.v for t in (pt.data, pt.scale) if t is not None]
-    rec = dict(step_ops=0, step_syncs=0, step_ms=0.0, steps=0, ev_ops=0, ev_syncs=0,
+    rec = dict(step_ops=0, step_views=0, step_syncs=0, step_ms=0.0, steps=0, ev_ops=0,
+               ev_views=0, ev_syncs=0,
                ev_bytes=0, ev_ms=0.0, calls=0)
     orig = {n: getattr(rt, n) for n in ("after_decode_step", "decode_aside", "aside_inputs")}
 
@@ -114,6 +119,7 @@ def run(policy, sinks: str, args, device) -> dict:
             with c:
                 out = orig[name](*a, **k)
             rec[f"{kind}_ops"] += c.ops
+            rec[f"{kind}_views"] += c.views
             rec[f"{kind}_syncs"] += c.syncs
             if kind == "ev":
                 rec["ev_bytes"] += c.bytes
@@ -143,7 +149,8 @@ def run(policy, sinks: str, args, device) -> dict:
     kvcompile.release(model)
     return dict(policy=f"{type(policy).__name__}" + (f" ({sinks})" if isinstance(
         policy, SinkWindow) else ""), steps=rec["steps"], events=events,
-        ops_per_event=rec["ev_ops"] / events, syncs_per_event=rec["ev_syncs"] / events,
+        ops_per_event=rec["ev_ops"] / events, view_ops_per_event=rec["ev_views"] / events,
+        syncs_per_event=rec["ev_syncs"] / events,
         bytes_moved_per_event=rec["ev_bytes"] / events,
         bytes_evicted_per_event=max(0, evicted_decode) * per_tok / events,
         host_ms_per_event=rec["ev_ms"] / events,

@@ -115,7 +115,18 @@ def _evict(rt, pool, layers, H, items, groups) -> None:
         T_g = T_r.index_select(0, r)
         p = pos.index_select(0, r)
         scores = None
-        if P.rules_of(policy).scores is not None:
+        if P.rules_of(policy).scores is not None and any(items[b][1].obs for b in idx):
+            # observation scores (SnapKV; its engine decode steps do not evict): per row
+            rows_s = []
+            for b in idx:
+                sid, book, _k = items[b]
+                for li in layers:
+                    sc = rt._scores(sid, li, book)
+                    sc = sc if sc is not None else book.pos[li].float()
+                    rows_s.append(sc[:, :Lmax].T)
+            scores = pad_sequence(rows_s, batch_first=True).transpose(1, 2)
+            scores = torch.nn.functional.pad(scores, (0, Lmax - scores.shape[-1]))
+        elif P.rules_of(policy).scores is not None:
             m = mass.index_select(0, r) if mass is not None else None
             scores = P.token_scores(policy, m, None)
         keep[r] = P.select_tokens(policy, p, 0, T_g, scores)
