@@ -490,6 +490,10 @@ class EvictionRuntime(RuntimeHook):
         if (uniform and pols[0] is not None and not rot and P.window_of(pols[0]) is not None
                 and len(self.policies) == len(self.state.layer_specs)):
             window = pols[0]
+            if os.environ.get("KVCOMPILE_WINDOW_EVICTION", "1") == "0":   # (to time both)
+                self._say("eviction: KVCOMPILE_WINDOW_EVICTION=0: SinkWindow compacts (moves "
+                          "tokens) instead of hiding them")
+                window = None
         f = self._facts[sid] = _Facts(pols, rot[0] if rot else 0, uniform, bool(masses),
                                       max(masses, default=0), min(budgets) if budgets else None,
                                       window)

@@ -575,3 +575,26 @@ def test_pool_on_cuda():
     assert slots.is_cuda and pool.block_table([a]).is_cuda and pool.seq_lens([a]).is_cuda
     assert pool.block_table([a]).tolist() == [pool.pages_of(a)]
     assert sqnr_db(k[0].transpose(0, 1), pool.gather(0, a)[0].cpu()) > SQNR_FLOOR_DB["fp8_e4m3"]
+
+
+def test_hidden_tokens_count_as_evicted_but_stay_stored():
+    """A window evicted without moving tokens (eviction/runtime.py `_evict_window`): whole
+    pages leave (`evict_pages`: dropped, the logical length kept), the tokens left between the
+    sinks and the window are hidden (`hide`): evicted() counts both, dropped() the pages only,
+    fork copies both, free forgets them."""
+    pool = _pool(page_size=4)
+    sid = pool.allocate()[0]
+    pool.append(sid, *_kv(pool, 22))
+    pool.evict_pages(sid, [1, 2])        # tokens 4..11
+    pool.hide(sid, 3)                    # e.g. tokens 1..3 of page 0
+    assert (pool.seq_len(sid), pool.logical_len(sid)) == (14, 22)
+    assert (pool.evicted(sid), pool.dropped(sid)) == (11, 8)
+    child = pool.fork(sid)
+    assert (pool.evicted(child), pool.dropped(child)) == (11, 8)
+    with pytest.raises(ValueError):
+        pool.hide(sid, -1)
+    pool.free([sid, child])
+    assert pool.stats().pages_used == 0
+    sid = pool.allocate()[0]
+    assert pool.evicted(sid) == pool.dropped(sid) == 0
+    pool.check_invariants()
