@@ -247,7 +247,8 @@ class DecodeGraphs:
         ev = self.state.eviction
         store = ev.store if ev is not None else None
         g.h64[4 * bp + n:5 * bp] = store.scratch if store is not None else 0   # mass: scratch
-        g.h64[5 * bp + n:] = 0                                                # no rotation
+        g.h64[5 * bp + n:6 * bp] = 0                                          # no rotation
+        g.h64[6 * bp + n:] = 0
         g.h32[n:bp] = 1
 
     def _scratch(self, rows: int):

@@ -59,6 +59,28 @@ def test_bucket_sizes():
         assert b == sorted(set(b)) and b[-1] == m and all(x <= m for x in b)
 
 
+def test_padding_rows_leave_the_real_rows_inputs_alone():
+    """_pad fills the padding rows of every segment of a graph's int64 inputs (ids | positions
+    | slots | table rows | mass rows | sink shifts | re-rotated sink counts) and nothing of the
+    real rows. It once zeroed the real rows' re-rotated sink counts, so a replay with padding
+    attended the sinks unrotated (the H200 check of re-rotated SinkWindow, 2026-12-03)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    bp, n = 4, 2
+    g = SimpleNamespace(bp=bp, h64=np.full(7 * bp, 7, dtype=np.int64),
+                        h32=np.full(bp, 9, dtype=np.int32))
+    store = SimpleNamespace(scratch=3)
+    graphs = SimpleNamespace(_scratch=lambda rows: (0, [100, 101, 102, 103], 5),
+                             state=SimpleNamespace(eviction=SimpleNamespace(store=store)))
+    DecodeGraphs._pad(graphs, g, n)
+    seg = g.h64.reshape(7, bp)
+    assert (seg[:, :n] == 7).all(), seg          # real rows untouched, every segment
+    assert seg[:, n:].tolist() == [[0, 0], [0, 0], [100, 101], [5, 5], [3, 3], [0, 0], [0, 0]]
+    assert g.h32.tolist() == [9, 9, 1, 1]
+
+
 def test_graphs_off_on_cpu_and_engine_unchanged():
     """Off the GPU the engine never tries a graph, and says why."""
     m = make_hf("llama", "sdpa")
