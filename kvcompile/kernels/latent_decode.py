@@ -267,7 +267,7 @@ def _check(q_lat, c_pages, r_pages, block_tables, seq_lens):
 _SMS: dict[int, int] = {}
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4   # the interpreter: a few splits, so that CPU tests take the merge
     i = device.index if device.index is not None else torch.cuda.current_device()
@@ -292,7 +292,7 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
     tiles = tiles or pick_tiles(H, R)
     max_len = block_tables.shape[1] * P
     if num_splits is None:
-        num_splits = pick_splits(B, H, max_len, tiles, _sm_count(q_lat.device))
+        num_splits = pick_splits(B, H, max_len, tiles, sm_count(q_lat.device))
     if num_splits < 1:
         raise UnsupportedShapeError(f"latent_decode_attention: num_splits={num_splits}; use "
                                     f">= 1 or None")

@@ -18,8 +18,13 @@ from kvcompile.cache.formats import KVFormat
 from kvcompile.cache.pool import LayerSpec, PagePool
 from kvcompile.errors import UnsupportedShapeError
 from kvcompile.kernels.dense import paged_reference_attention
-from kvcompile.kernels.latent_decode import (CANDIDATES, LatentTiles, latent_decode_attention,
-                                             pick_splits, pick_tiles)
+from kvcompile.kernels.latent_decode import (
+    CANDIDATES,
+    LatentTiles,
+    latent_decode_attention,
+    pick_splits,
+    pick_tiles,
+)
 from kvcompile.testing import assert_rel_close, rel_err
 
 R, DR = 64, 16
