@@ -13,8 +13,9 @@ tokens BLOCK_N at a time (a tile spans BLOCK_N / P pages, gathered through the b
     acc = acc * alpha + (p * c_scale) . c                    # [BLOCK_H, r],       tl.dot
 
 The latent tile [BLOCK_N, r] is loaded once and feeds both dots (its transpose for QK^T), and
-the head blocks of a sequence are neighbours in the grid so that the second reads the tile
-from L2. fp8 pages (E4M3 / E5M2, one scale per page) are widened to the dot dtype in
+the programs that read the same tiles are neighbours in the grid, so that all but the first
+find them in L2. With v_split 2 two programs share a head block, each accumulating half of
+the r columns (a [64, 512] fp32 accumulator does not fit one 4-warp program's registers). fp8 pages (E4M3 / E5M2, one scale per page) are widened to the dot dtype in
 registers; their page scale multiplies the score columns and the probabilities, never the
 tile. The rotary key is its own page tensor, in its own format (FlashMLA keeps it bf16 beside
 an fp8 latent). The softmax runs in base 2 (log2(e) is folded into the softmax scale).
@@ -22,6 +23,9 @@ Long contexts with few programs are split (split-K); a second small kernel merge
 
 Tile sizes are constexpr; `pick_tiles` chooses among CANDIDATES by a rule (the accumulator
 must stay in registers), `pick_splits` sizes split-K from the SM count.
+At 128 heads the tensor work is as large as the memory time: QK^T over r + dr and PV over r
+for every head is 36 GFLOP at B16 x 8k (about 46 us at 790 TFLOP/s) against 151 MB of bf16
+pages (about 37 us at 4.1 TB/s), and both 64-head layouts compute QK^T twice (1.5x that).
 Masks, windows and soft-capping are not taken (runtime/dispatch.py `attend_latent` sends
 those steps to the reference, kernels/dense.py); kernels/latent.py holds the math.
 """
@@ -79,8 +83,10 @@ CANDIDATES = (
     LatentTiles(64, 16, 4, 2, v_split=2),
     LatentTiles(64, 32, 8, 2),
     LatentTiles(64, 32, 4, 2, v_split=2),
-    LatentTiles(32, 32, 4, 2),
-    LatentTiles(16, 64, 4, 2),
+    # under 64 heads the dots fall back from wgmma to mma.sync, whose operands sit in
+    # registers: 8 warps keep r 512 without spills (4 spilled 60-416 B on sm_90)
+    LatentTiles(32, 32, 8, 2),
+    LatentTiles(16, 32, 8, 2),
 )
 MAX_ACC_REGS = 128
 
@@ -98,9 +104,10 @@ def pick_tiles(heads: int, r: int) -> LatentTiles:
 
 def pick_splits(batch: int, heads: int, max_len: int, tiles: LatentTiles, sms: int) -> int:
     """Splits of the context so that batch x head blocks x splits programs about fill the SMs
-    once (one program per SM at 8 warps, two at 4), each split >= MIN_SPLIT_TOKENS."""
+    once (one program per SM when it holds a [64, r] accumulator over 8 warps, else two),
+    each split >= MIN_SPLIT_TOKENS."""
     programs = batch * triton.cdiv(heads, tiles.block_h) * tiles.v_split
-    per_sm = 1 if tiles.num_warps == 8 else 2
+    per_sm = 1 if tiles.num_warps == 8 and tiles.block_h == 64 else 2
     want = max(1, round(sms * per_sm / programs))
     return max(1, min(want, triton.cdiv(max_len, MIN_SPLIT_TOKENS),
                       triton.cdiv(max_len, tiles.block_n), MAX_SPLITS))
