@@ -82,6 +82,7 @@ class LatentTiles:
 CANDIDATES = (
     LatentTiles(64, 16, 4, 2, v_split=2),
     LatentTiles(64, 32, 8, 2),
+    LatentTiles(64, 16, 8, 3),
     LatentTiles(64, 32, 4, 2, v_split=2),
     # under 64 heads the dots fall back from wgmma to mma.sync, whose operands sit in
     # registers: 8 warps keep r 512 without spills (4 spilled 60-416 B on sm_90)
