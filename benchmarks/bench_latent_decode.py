@@ -68,8 +68,8 @@ DRY_SHAPES = {"B2_L64": (2, 64), "B3_L100": (3, 100)}
 FORMATS = ["bf16", "fp8_e4m3"]
 
 
-def bench(fn) -> float:
-    """Median ms of fn()."""
+def bench(fn, warmup: int = 25, rep: int = 100) -> float:
+    """Median ms of fn() (do_bench's warmup and rep in ms)."""
     if DRY:
         fn()
         t = time.perf_counter()
@@ -78,7 +78,7 @@ def bench(fn) -> float:
         return (time.perf_counter() - t) / 3 * 1e3
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
 def hf_expand_attend(q, c, rope, w, scale):
@@ -234,7 +234,7 @@ def quick(shape_names: list[str]) -> None:
             for kernel, tiles, fn, t in runs:
                 try:
                     out = fn()
-                    ms = bench(fn)
+                    ms = bench(fn, warmup=10, rep=50)
                 except Exception as e:   # a candidate over the SM's resources: say so, go on
                     print(f"| {name} | {fmt} | {kernel} | {_tiles(tiles, t, B, L, sms)} | "
                           f"failed: {type(e).__name__}: {str(e)[:80]} | | | | | |", flush=True)
