@@ -57,6 +57,7 @@ from kvcompile.kernels.latent_decode import (  # noqa: E402
     pick_tiles,
     sm_count,
 )
+from kvcompile.testing import REL_ERR  # noqa: E402
 
 DRY = os.environ.get("KVC_BENCH_DRY") == "1"
 DEV = "cpu" if DRY else "cuda"
@@ -211,6 +212,8 @@ def quick(shape_names: list[str]) -> None:
     print("| shape | pages | kernel | tiles (h, n, warps, stages, v_split) x splits | ms | "
           "GB/s | % of copy | TFLOP/s | vs old | rel err vs old |")
     print("|---|---|---|---|---|---|---|---|---|---|")
+    bound = REL_ERR[dt]
+    best = []
     for name in shape_names:
         B, L = shapes[name]
         g = torch.Generator(device=DEV).manual_seed(0)
@@ -230,7 +233,7 @@ def quick(shape_names: list[str]) -> None:
                     ("new, rule", rule, lambda a=args: latent_decode_attention(*a), rule)]
             runs += [("new, candidate", t, lambda a=args, t=t: latent_decode_attention(
                 *a, tiles=t), t) for t in CANDIDATES if t.block_h == 64 and t != rule]
-            base = None
+            base, fastest = None, None
             for kernel, tiles, fn, t in runs:
                 try:
                     out = fn()
@@ -241,13 +244,22 @@ def quick(shape_names: list[str]) -> None:
                     continue
                 base = base or ms
                 gbs = nbytes / (ms * 1e-3) / 1e9
+                err = _rel(out, old.float())
+                if t is not None and (fastest is None or ms < fastest[0]):
+                    fastest = (ms, t, 100 * gbs / copy)
                 print(f"| {name} | {fmt} | {kernel} | {_tiles(tiles, t, B, L, sms)} | "
                       f"{ms:.3f} | {gbs:.0f} | {100 * gbs / copy:.1f}% | "
                       f"{flops / (ms * 1e-3) / 1e12:.0f} | {base / ms:.2f}x | "
-                      f"{_rel(out, old.float()):.1e} |", flush=True)
+                      f"{err:.1e}{'' if err <= bound else f' > {bound:.1e}: WRONG'} |",
+                      flush=True)
+            if fastest:
+                best.append(f"# {name} {fmt}: fastest {fastest[1]} {fastest[0]:.3f} ms, "
+                            f"{fastest[2]:.1f}% of copy (target 80%); the rule's pick "
+                            f"{'is' if fastest[1] == rule else 'is not'} it")
             del pool, plan
             if not DRY:
                 torch.cuda.empty_cache()
+    print("\n".join(best))
 
 
 def _tiles(tiles, t, B, L, sms) -> str:
