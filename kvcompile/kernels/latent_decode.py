@@ -74,11 +74,11 @@ class LatentTiles:
 # Candidates, in order of preference for many heads. 64 heads fill one Hopper wgmma M. A
 # [64, 512] fp32 accumulator is 128 registers a thread over 8 warps (256 over 4), so either
 # two programs share the head block (v_split 2: each accumulates 256 latent columns over 4
-# warps, and two such programs fit one SM: about 204 registers and 110 KB of shared memory
-# at r 512, sm_90, block_n 16) or one program of 8 warps holds it all (Triton then computes
-# QK^T in both warpgroups, its layout for a dot that feeds another). Each recomputes QK^T
-# twice; which is faster is for the GPU to say: benchmarks/bench_latent_decode.py --quick
-# times every candidate.
+# warps, and two such programs fit one SM: 204 registers and 110 KB of shared memory at
+# r 512, block_n 16, compiled for sm_90 by triton 3.9) or one program of 8 warps holds it all
+# (Triton then computes QK^T in both warpgroups, its layout for a dot that feeds another).
+# Both compute QK^T twice per head block; which is faster is for the GPU to say:
+# benchmarks/bench_latent_decode.py --quick times every 64-head candidate.
 CANDIDATES = (
     LatentTiles(64, 16, 4, 2, v_split=2),
     LatentTiles(64, 32, 8, 2),
