@@ -20,7 +20,6 @@ text, not the cache.
 
 from __future__ import annotations
 
-import os
 import logging
 
 import torch
@@ -444,14 +443,14 @@ class EvictionRuntime(RuntimeHook):
             pols = [self.policy_of(sid, li) for li in self.policies]
             rerot = any(p is not None and self._rerotate(sid, p) for p in pols)
             if (rerot and self.state.pool.device.type == "cuda"
-                    and os.environ.get("KVCOMPILE_REROT_ASIDE", "0") != "1"):
+                    and not self.state.config.rerotated_sinks_graphs):
                 # the H200 check (tests/gpu/test_engine_eviction_gpu.py) failed every
                 # re-rotated case until 2026-12-03 (seventh session): graph padding zeroed the
                 # real rows' sink counts (engine/cudagraph.py _pad, fixed). After the fix bf16
                 # pages pass 2 of 2 and the host-path comparison passes; fp8 pages still part
                 # from the eager steps after 29 and 62 tokens in 2 of 4 cases (cause not
                 # found: near-ties of a random model, or a real difference). Host path until
-                # that is settled; KVCOMPILE_REROT_ASIDE=1 forces the graphs.
+                # that is settled; KVConfig.rerotated_sinks_graphs forces the graphs.
                 why = ("re-rotated sinks on CUDA (their graph-replayed path failed its GPU "
                        "check; sink_positions='original' replays graphs)")
                 break
