@@ -10,8 +10,13 @@ Semantics are PagedTensor.write's (formats.py), bit for bit:
   `grow_page_scale`) re-encodes that page's earlier tokens: decode with the old scale, encode
   with the new. The page's valid tokens before the write are its slots [0, min new offset).
 
-Page-scaled writes sort the slots on the device (no host sync) and run one program per (run of
-tokens of one page, head); other writes run one program per (block of tokens, head).
+Page-scaled writes sort the slots on the device (no host sync; `grouped=True` skips the sort for
+slots in PagePool.reserve's order). Bulk writes (more than BULK_TOKENS tokens) run one program
+per (window of W tokens, head) that writes the window's fresh pages as one tile in one pass over
+x (`_append_pages_bulk_kernel`); decode steps run one program per (run of one page, head).
+Other writes run one program per (block of tokens, head).
+Encoding divides by a reciprocal plus one residual fma, bit-exact with the reference's division
+(see `_quotient`), and rounds to e2m1 in integer arithmetic (`_e2m1_magnitude`).
 Under TRITON_INTERPRET=1 the fp8 / bf16 roundings are done in explicit fp32 arithmetic (the
 interpreter's casts round wrongly); on the GPU they are the hardware's RNE-satfinite casts.
 """
@@ -88,13 +93,15 @@ def _scale_of(cover):
 
 
 @triton.jit
-def _quotient(x, y, d):
-    # RN(x / d) for finite x, d in [2^-80, 2^80], y = RN(1 / d) (see above); sign of x kept
+def _quotient(x, y, d, SIGN: tl.constexpr = True):
+    # RN(x / d) for finite x, d in [2^-80, 2^80], y = RN(1 / d) (see above); SIGN: the sign of
+    # a zero quotient made x's (without it only the magnitude is exact)
     q0 = x * y
-    r = tl.fma(-q0, d, x)
-    q = tl.fma(r, y, q0)
-    qb = q.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -2147483648)
-    return qb.to(tl.float32, bitcast=True)
+    q = tl.fma(tl.fma(-q0, d, x), y, q0)
+    if SIGN:
+        qb = q.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -2147483648)
+        q = qb.to(tl.float32, bitcast=True)
+    return q
 
 
 @triton.jit
@@ -182,9 +189,7 @@ def _fp4_half_codes(x, y, d, smask, FAST: tl.constexpr):
     # x [R, G, 8]; d: fp32 micro * scale (> 0 where smask is 8), y its reciprocal -> codes
     # (FAST: every x finite, y = 0 where d is 0, so that q is 0 there)
     if FAST:
-        q = x * y
-        q = tl.fma(tl.fma(-q, d, x), y, q)
-        c = _e2m1_magnitude(tl.abs(q))
+        c = _e2m1_magnitude(tl.abs(_quotient(x, y, d, False)))
     else:
         c = _e2m1_magnitude(tl.where(smask != 0, tl.abs(tl.math.div_rn(x, d)), 0.0))
     c = c | ((x.to(tl.int32, bitcast=True) >> 28) & smask)
