@@ -188,12 +188,11 @@ def _group_amax_finite(xe, xo):
 def _fp4_half_codes(x, y, d, smask, FAST: tl.constexpr):
     # x [R, G, 8]; d: fp32 micro * scale (> 0 where smask is 8), y its reciprocal -> codes
     # (FAST: every x finite, y = 0 where d is 0, so that q is 0 there)
+    sign = (x.to(tl.int32, bitcast=True) >> 28) & smask
     if FAST:
-        c = _e2m1_magnitude(tl.abs(_quotient(x, y, d, False)))
+        c = _e2m1_magnitude(tl.abs(_quotient(x, y, d, False))) | sign
     else:
-        c = _e2m1_magnitude(tl.where(smask != 0, tl.abs(tl.math.div_rn(x, d)), 0.0))
-    c = c | ((x.to(tl.int32, bitcast=True) >> 28) & smask)
-    if not FAST:
+        c = _e2m1_magnitude(tl.where(smask != 0, tl.abs(tl.math.div_rn(x, d)), 0.0)) | sign
         c = tl.where(x != x, 0, c)
     return c
 

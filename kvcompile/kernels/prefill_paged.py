@@ -84,8 +84,11 @@ def _page_tile(Data, Scale, Micro, bt_row, keys, ok, hkv, sp, sh, st, ssp, ssh, 
         sc = tl.load(Scale + page * ssp + hkv * ssh + off * sst, mask=ok, other=0.0)
     else:
         sc = tl.full([BLOCK_N], 1.0, tl.float32)
-    if (GRAN == _PAGE or GRAN == _TOKEN) and not FOLD:
-        x = x.to(tl.float32) * sc[:, None]
+    if GRAN == _PAGE or GRAN == _TOKEN:
+        if FOLD:
+            x = x.to(COMPUTE)
+        else:
+            x = x.to(tl.float32) * sc[:, None]
     return x.to(COMPUTE), sc
 
 
