@@ -133,6 +133,17 @@ def main() -> int:
         if gran == "page" and name not in ("bf16", "fp16"):
             label += ", grouped (no sort)" if grouped else ", sorted on device"
         row(label, fmt, slots, x, grouped)
+    # a batch of 16 prompts of odd lengths in reserve order: page runs start off the kernel's
+    # windows, so each window also has a run that crosses its end (written by the per-run path)
+    B = 16
+    L = T // B - 3
+    per = (L + P - 1) // P
+    seq_slots = [(perm[b * per:(b + 1) * per, None] * P + torch.arange(P, device=DEV)).reshape(-1)
+                 [:L] for b in range(B)]
+    odd = torch.cat(seq_slots).contiguous()
+    xo = x[:odd.numel()].contiguous()
+    for name in ("fp8_e4m3", "fp4_e2m1"):
+        row(f"{name} page, grouped, {B} prompts of {L}", KVFormat(name, "page"), odd, xo, True)
     # a decode step: one token into each of 64 pages (page-scaled fp8, the runtime's decode)
     dec_slots = slots[:: max(1, T // 64)][:64].contiguous()
     xd = x[:dec_slots.numel()].contiguous()

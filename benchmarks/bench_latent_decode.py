@@ -2,7 +2,8 @@
 Hugging Face's expanding path, one layer of a DeepSeek-V3-shaped model, in one process.
 
     python benchmarks/bench_latent_decode.py [--shapes B16_L8k,B64_L8k,B16_L32k,B64_L32k]
-    KVC_BENCH_DRY=1 python benchmarks/bench_latent_decode.py   # CPU dry run, tiny shapes
+    python benchmarks/bench_latent_decode.py --quick   # the kernel alone, old vs new (< 3 min)
+    KVC_BENCH_DRY=1 python benchmarks/bench_latent_decode.py [--quick]   # CPU dry run, tiny
 
 Shape: 128 query heads, kv_lora_rank 512, rope 64, nope 128, v 128 (DeepSeek-V3), bf16, one
 new token per sequence. Contenders, each from the same latent and rotary key of B x L tokens:
@@ -18,6 +19,13 @@ new token per sequence. Contenders, each from the same latent and rotary key of 
 Timings are medians of triton.testing.do_bench; GB/s counts the latent pages' bytes read
 (codes and scales) over the step time. Rows whose HF expansion would need more than
 --hf-max-gib are skipped and say so (B64 x 32k expands about 300 GiB per layer).
+
+--quick times only the attention over the pages (the absorbed query given), for B16 / B64 x
+8k / 32k and bf16 / fp8_e4m3 pages: the kernel before issue 22's rework
+(benchmarks/latent_decode_before.py), the new kernel with the tiles its rule picks, and every
+64-head candidate of kernels/latent_decode.py CANDIDATES; GB/s of latent pages read, its share
+of a device-to-device copy measured in the same run (bytes read + written over time, as
+shared/REFERENCE.md), TFLOP/s of the two GEMMs, and the relative error against the old kernel.
 """
 
 from __future__ import annotations
@@ -36,11 +44,20 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 if os.environ.get("KVC_BENCH_DRY") == "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import triton  # noqa: E402  (after TRITON_INTERPRET is set)
+
 from kvcompile.cache.formats import KVFormat  # noqa: E402
 from kvcompile.cache.pool import LayerSpec, PagePool  # noqa: E402
 from kvcompile.kernels.dense import paged_reference_attention  # noqa: E402
 from kvcompile.kernels.latent import absorb_query, latent_output  # noqa: E402
-from kvcompile.kernels.latent_decode import latent_decode_attention  # noqa: E402
+from kvcompile.kernels.latent_decode import (  # noqa: E402
+    CANDIDATES,
+    latent_decode_attention,
+    pick_splits,
+    pick_tiles,
+    sm_count,
+)
+from kvcompile.testing import REL_ERR  # noqa: E402
 
 DRY = os.environ.get("KVC_BENCH_DRY") == "1"
 DEV = "cpu" if DRY else "cuda"
@@ -52,8 +69,8 @@ DRY_SHAPES = {"B2_L64": (2, 64), "B3_L100": (3, 100)}
 FORMATS = ["bf16", "fp8_e4m3"]
 
 
-def bench(fn) -> float:
-    """Median ms of fn()."""
+def bench(fn, warmup: int = 25, rep: int = 100) -> float:
+    """Median ms of fn() (do_bench's warmup and rep in ms)."""
     if DRY:
         fn()
         t = time.perf_counter()
@@ -62,7 +79,7 @@ def bench(fn) -> float:
         return (time.perf_counter() - t) / 3 * 1e3
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
 def hf_expand_attend(q, c, rope, w, scale):
@@ -171,12 +188,98 @@ def _rel(out, ref) -> float | None:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
+def copy_bandwidth() -> float:
+    """Device-to-device copy, (bytes read + bytes written) / median time, in GB/s."""
+    n = (1 << 20) if DRY else (1 << 30)
+    x = torch.empty(n, dtype=torch.uint8, device=DEV)
+    y = torch.empty_like(x)
+    ms = bench(lambda: y.copy_(x))
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+def quick(shape_names: list[str]) -> None:
+    """The kernel alone: old vs new (rule's tiles) vs each 64-head candidate."""
+    from benchmarks.latent_decode_before import latent_decode_before
+
+    shapes = DRY_SHAPES if DRY else SHAPES
+    copy = copy_bandwidth()
+    dt = torch.float32 if DRY else torch.bfloat16
+    sms = sm_count(torch.device(DEV))
+    print(f"# MLA latent decode kernel alone: H {H}, r {R}, rope {DR}, page {P}, q {dt}; "
+          f"torch {torch.__version__}, triton {triton.__version__}"
+          + ("" if DRY else f", {torch.cuda.get_device_name()}, {sms} SMs"))
+    print(f"# device copy: {copy:.0f} GB/s (read + write)")
+    print("| shape | pages | kernel | tiles (h, n, warps, stages, v_split) x splits | ms | "
+          "GB/s | % of copy | TFLOP/s | vs old | rel err vs old |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    bound = REL_ERR[dt]
+    best = []
+    for name in shape_names:
+        B, L = shapes[name]
+        g = torch.Generator(device=DEV).manual_seed(0)
+        c = torch.randn(B, 1, L, R, device=DEV, generator=g).to(dt)
+        rope = torch.randn(B, 1, L, DR, device=DEV, generator=g).to(dt)
+        q_lat = (torch.randn(B, H, R + DR, device=DEV, generator=g) / 8).to(dt)
+        lens = torch.full((B,), L, dtype=torch.int32, device=DEV)
+        flops = 2 * B * H * L * (R + DR) + 2 * B * H * L * R
+        for fmt in FORMATS:
+            pool, plan = latent_pool(c, rope, fmt)
+            args = (q_lat, pool.k[0], pool.v[0], plan.block_tables, lens, (DN + DR) ** -0.5)
+            nbytes = pool.bytes_per_token * B * L
+            old = latent_decode_before(*args)
+            rule = pick_tiles(H, R)
+            runs = [("old (before #22)", "16 heads, 1 page",
+                     lambda a=args: latent_decode_before(*a), None),
+                    ("new, rule", rule, lambda a=args: latent_decode_attention(*a), rule)]
+            runs += [("new, candidate", t, lambda a=args, t=t: latent_decode_attention(
+                *a, tiles=t), t) for t in CANDIDATES if t.block_h == 64 and t != rule]
+            base, fastest = None, None
+            for kernel, tiles, fn, t in runs:
+                try:
+                    out = fn()
+                    ms = bench(fn, warmup=10, rep=50)
+                except Exception as e:   # a candidate over the SM's resources: say so, go on
+                    print(f"| {name} | {fmt} | {kernel} | {_tiles(tiles, t, B, L, sms)} | "
+                          f"failed: {type(e).__name__}: {str(e)[:80]} | | | | | |", flush=True)
+                    continue
+                base = base or ms
+                gbs = nbytes / (ms * 1e-3) / 1e9
+                err = _rel(out, old.float())
+                if t is not None and (fastest is None or ms < fastest[0]):
+                    fastest = (ms, t, 100 * gbs / copy)
+                print(f"| {name} | {fmt} | {kernel} | {_tiles(tiles, t, B, L, sms)} | "
+                      f"{ms:.3f} | {gbs:.0f} | {100 * gbs / copy:.1f}% | "
+                      f"{flops / (ms * 1e-3) / 1e12:.0f} | {base / ms:.2f}x | "
+                      f"{err:.1e}{'' if err <= bound else f' > {bound:.1e}: WRONG'} |",
+                      flush=True)
+            if fastest:
+                best.append(f"# {name} {fmt}: fastest {fastest[1]} {fastest[0]:.3f} ms, "
+                            f"{fastest[2]:.1f}% of copy (target 80%); the rule's pick "
+                            f"{'is' if fastest[1] == rule else 'is not'} it")
+            del pool, plan
+            if not DRY:
+                torch.cuda.empty_cache()
+    print("\n".join(best))
+
+
+def _tiles(tiles, t, B, L, sms) -> str:
+    if t is None:
+        return str(tiles)
+    splits = pick_splits(B, H, math.ceil(L / P) * P, t, sms)
+    return f"{t.block_h}, {t.block_n}, {t.num_warps}, {t.num_stages}, {t.v_split} x {splits}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(DRY_SHAPES if DRY else SHAPES))
     ap.add_argument("--hf-max-gib", type=float, default=100.0)
     ap.add_argument("--no-inductor", action="store_true")
+    ap.add_argument("--quick", action="store_true",
+                    help="the decode kernel alone, old vs new and the tile candidates")
     a = ap.parse_args()
+    if a.quick:
+        quick(a.shapes.split(","))
+        return
     shapes = DRY_SHAPES if DRY else SHAPES
     compiled = None if a.no_inductor or DRY else torch.compile(hf_expand_attend, dynamic=False)
     print(f"# MLA decode, one layer: H {H}, r {R}, rope {DR}, nope {DN}, v {DV}, bf16, page "

@@ -4,6 +4,7 @@ and compiled FlexAttention, timed in the same process. TFLOP/s count causal FLOP
 
     python benchmarks/bench_prefill.py [--quick] [--json out.json]
     python benchmarks/bench_prefill.py --warm-flex     # compile FlexAttention only (cache)
+    python benchmarks/bench_prefill.py --chunk-only    # the chunked-prefill rows alone
 
 Shapes: H=32, D=128 causal at B=4/L=8192 and B=1/L=32768; GQA 32/8 at B=4/L=8192;
 chunked prefill of a 2,048-token chunk over a 30,720-token paged FP8 prefix (GQA 32/8, page 16)
@@ -215,6 +216,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--warm-flex", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--chunk-only", action="store_true",
+                    help="only the chunked prefill over paged FP8 / bf16 rows")
     ap.add_argument("--budget", type=float, default=170.0,
                     help="seconds; past it, print every thread's stack (a hung kernel) and exit")
     args = ap.parse_args()
@@ -231,7 +234,7 @@ def main():
     info = env_info()
     print(json.dumps(info), flush=True)
     results = {}
-    for s in SHAPES:
+    for s in ([] if args.chunk_only else SHAPES):
         results[s["name"]] = bench_shape(s, args.quick)
     results["chunk 2048 over 30720 paged, GQA 32/8"] = bench_chunk(args.quick)
     tuned = {str(k): v for k, v in {**L.VARLEN_TUNER.timings, **L.PAGED_TUNER.timings}.items()}

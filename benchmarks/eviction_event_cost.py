@@ -72,7 +72,7 @@ class _Count(TorchDispatchMode):
 
 
 def make_model(device, layers: int):
-    from transformers import LlamaConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,

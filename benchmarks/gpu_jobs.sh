@@ -6,6 +6,9 @@
 #   bash benchmarks/gpu_jobs.sh gpu_tests          # every pytest test marked gpu (tests/gpu/)
 #   NAN_KINDS=prefill bash benchmarks/gpu_jobs.sh nan   # a -k selection of tests/gpu/test_nan_gpu.py
 #   DEADLINE=560 bash benchmarks/gpu_jobs.sh prefill_memory
+#   EC_K=rerotated bash benchmarks/gpu_jobs.sh evict_check evict_bench   # eviction in the Engine
+#   bash benchmarks/gpu_jobs.sh engine_graphs hf_graphs gen e2e prefill_check
+#   PROF_ARGS="--steps" bash benchmarks/gpu_jobs.sh profile   # a decode step by part
 #
 # A job still running at its own limit, or at DEADLINE seconds after the start, is stopped so
 # that the logs come back. Jobs (name: command, limit in seconds):
@@ -38,6 +41,7 @@ job() {   # job NAME -> "LIMIT COMMAND"
     prefill_check)  echo "${PC_LIMIT:-220} python3 benchmarks/gpu_check_prefill.py --quick --shards 16 --budget $(( ${PC_LIMIT:-220} - 20 ))" ;;
     evict_check)    echo "${EC_LIMIT:-200} python3 -m pytest -s -q -m gpu tests/gpu/test_engine_eviction_gpu.py -p no:cacheprovider ${EC_K:+-k $EC_K}" ;;
     evict_bench)    echo "${EB_LIMIT:-260} python3 benchmarks/bench_generate.py --budget-s $(( ${EB_LIMIT:-260} - 20 )) --out $OUT --evict-interval ${INTERVAL:-64} --engine-scale ${SCALE:-token} --sections ${EB_SECTIONS:-engine_b,engine_evict_sink,engine_evict_h2o,engine_evict_snapkv} ${EB_ARGS:-}" ;;
+    gen)            echo "${GEN_LIMIT:-360} python3 benchmarks/bench_generate.py --budget-s $(( ${GEN_LIMIT:-360} - 30 )) --out $OUT --sections ${GEN_SECTIONS:-hf_static,kvc_fp8,engine_b,engine_b_nograph} ${GEN_ARGS:-}" ;;
     profile)        echo "${PROF_LIMIT:-200} python3 benchmarks/profile_generate.py ${PROF_ARGS:-}" ;;
     *)              echo "" ;;
   esac

@@ -60,6 +60,60 @@ def profile(model, ids, am, new, label, **kw):
     print(f"#### {label}: sync-like events {syncs}")
 
 
+CATEGORIES = (  # (category, substrings of a device kernel's name), first match wins
+    ("GEMM", ("nvjet", "gemm", "cutlass", "sm90_xmma", "cublas", "mm_")),
+    ("attention", ("decode", "attention", "attn", "flash", "fmha", "sdpa", "cudnn")),
+    ("KV append", ("append", "quant", "encode", "scatter")),
+    ("sampling / logits", ("argmax", "topk", "sort", "softmax", "multinomial", "max_")),
+    ("memcpy / memset", ("memcpy", "memset", "copy")),
+    ("fused pointwise / norm (inductor)", ("triton_",)),
+)
+
+
+def decode_profile(model, ids, am, new, label, **kw):
+    """One decode step's device time by category: a `new`-token generate minus a 1-token
+    generate (prefill cancels), divided by new - 1, against the step's wall time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    def run(n):
+        torch.cuda.synchronize()
+        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            t0 = time.perf_counter()
+            model.generate(ids, attention_mask=am, max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, **kw)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        per = {}
+        for e in p.events():
+            if e.device_type == DeviceType.CUDA:
+                per[e.name] = per.get(e.name, 0.0) + e.device_time_total
+        return wall, per
+
+    w1, k1 = run(1)
+    wn, kn = run(new)
+    steps = new - 1
+    diff = {k: (v - k1.get(k, 0.0)) / steps / 1e3 for k, v in kn.items()}   # ms per step
+    wall = (wn - w1) / steps * 1e3
+    cats: dict[str, float] = {}
+    for name, ms in diff.items():
+        low = name.lower()
+        cat = next((c for c, subs in CATEGORIES if any(x in low for x in subs)), "other")
+        cats[cat] = cats.get(cat, 0.0) + ms
+    busy = sum(cats.values())
+    print(f"\n#### {label}: one decode step (generate of {new} minus 1 token, profiled)")
+    print("| part | ms / step | % of step |\n|---|---|---|")
+    for c, ms in sorted(cats.items(), key=lambda kv: -kv[1]):
+        print(f"| {c} | {ms:.3f} | {100 * ms / wall:.0f}% |")
+    print(f"| device busy (sum of kernels) | {busy:.3f} | {100 * busy / wall:.0f}% |")
+    print(f"| host / gaps (wall - busy) | {wall - busy:.3f} | {100 * (wall - busy) / wall:.0f}% |")
+    print(f"| step wall (profiled) | {wall:.3f} | 100% |")
+    print(f"#### {label}: top kernels per step")
+    for name, ms in sorted(diff.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {ms:8.3f} ms  {name[:100]}")
+
+
 def python_breakdown(model, ids, am, label, **kw):
     """Per decode step: the Python functions (with_stack tracing) and ops of a 9-token generate
     minus a 1-token generate, divided by 8. Tracing inflates Python time; compare rows."""
@@ -95,6 +149,9 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--paths", default="static,fp8")
     ap.add_argument("--stack", action="store_true", help="per-step Python function breakdown")
+    ap.add_argument("--steps", action="store_true",
+                    help="one decode step's device time by category (GEMM, attention, append, "
+                         "...) against its wall time")
     args = ap.parse_args()
     a = bg.parse_args(["--batch", str(args.batch), "--prompt", str(args.prompt), "--new",
                        str(args.new), "--layers", str(args.layers)])
@@ -129,6 +186,8 @@ def main():
                                               "prefill_gathered_sdpa")})
             if args.stack:
                 python_breakdown(model, ids, am, path, **kw)
+            elif args.steps:
+                decode_profile(model, ids, am, args.new, path, **kw)
             else:
                 profile(model, ids, am, 8, path, **kw)
         torch._dynamo.config.assume_static_by_default = True

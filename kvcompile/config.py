@@ -267,6 +267,14 @@ class KVConfig:
         them. Defaults True / True / False / False, from KVCOMPILE_PREFILL_TMA,
         KVCOMPILE_PREFILL_Q_TMA, KVCOMPILE_PREFILL_SCALE_TMA ("0" / "false" off, other
         values on) and KVCOMPILE_PREFILL_WARP_SPEC (on only for "1").
+    rerotated_sinks_graphs: let SinkWindow decode steps with re-rotated sinks
+        (sink_positions="cache") replay CUDA graphs on CUDA (eviction/runtime.py
+        `decode_aside`); off by default because fp8 pages failed 2 of 4 of its H200 checks.
+        A diagnostic switch; default False, KVCOMPILE_REROT_ASIDE=1 sets True.
+    window_eviction: SinkWindow with its sinks at their text positions evicts without moving
+        a token (pages between sinks and window freed, the rest hidden by a key mask:
+        eviction/runtime.py `_evict_window`); False compacts as other policies do (moves the
+        kept tokens), to time both. Default True; KVCOMPILE_WINDOW_EVICTION=0 sets False.
     """
 
     kv_dtype: str = "auto"
@@ -296,6 +304,9 @@ class KVConfig:
     prefill_scale_tma: bool = _env_field(lambda: _env_on("KVCOMPILE_PREFILL_SCALE_TMA", False))
     prefill_warp_spec: bool = _env_field(
         lambda: os.environ.get("KVCOMPILE_PREFILL_WARP_SPEC", "0") == "1")
+    rerotated_sinks_graphs: bool = _env_field(
+        lambda: os.environ.get("KVCOMPILE_REROT_ASIDE", "0") == "1")
+    window_eviction: bool = _env_field(lambda: _env_on("KVCOMPILE_WINDOW_EVICTION", True))
 
     def __post_init__(self):
         for name in ("kv_dtype", "k_dtype", "v_dtype"):

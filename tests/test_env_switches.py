@@ -14,7 +14,7 @@ from kvcompile.errors import KVConfigError
 PACKAGE = Path(__file__).resolve().parents[1] / "kvcompile"
 SWITCHES = ("KVCOMPILE_CUDA_GRAPHS", "KVCOMPILE_PREFILL", "KVCOMPILE_PREFILL_TMA",
             "KVCOMPILE_PREFILL_Q_TMA", "KVCOMPILE_PREFILL_SCALE_TMA",
-            "KVCOMPILE_PREFILL_WARP_SPEC")
+            "KVCOMPILE_PREFILL_WARP_SPEC", "KVCOMPILE_REROT_ASIDE", "KVCOMPILE_WINDOW_EVICTION")
 
 
 @pytest.fixture
@@ -27,7 +27,8 @@ def clean_env(monkeypatch):
 def test_defaults_without_the_environment(clean_env):
     c = KVConfig()
     assert (c.cuda_graphs, c.prefill, c.prefill_tma, c.prefill_q_tma, c.prefill_scale_tma,
-            c.prefill_warp_spec) == (True, "auto", True, True, False, False)
+            c.prefill_warp_spec, c.rerotated_sinks_graphs, c.window_eviction) == (
+                True, "auto", True, True, False, False, False, True)
 
 
 @pytest.mark.parametrize("var,value,field,expected", [
@@ -44,6 +45,10 @@ def test_defaults_without_the_environment(clean_env):
     ("KVCOMPILE_PREFILL_SCALE_TMA", "1", "prefill_scale_tma", True),
     ("KVCOMPILE_PREFILL_WARP_SPEC", "1", "prefill_warp_spec", True),
     ("KVCOMPILE_PREFILL_WARP_SPEC", "yes", "prefill_warp_spec", False),
+    ("KVCOMPILE_REROT_ASIDE", "1", "rerotated_sinks_graphs", True),
+    ("KVCOMPILE_REROT_ASIDE", "", "rerotated_sinks_graphs", False),
+    ("KVCOMPILE_WINDOW_EVICTION", "0", "window_eviction", False),
+    ("KVCOMPILE_WINDOW_EVICTION", "", "window_eviction", True),
 ])
 def test_the_environment_sets_the_default(clean_env, var, value, field, expected):
     clean_env.setenv(var, value)

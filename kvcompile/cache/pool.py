@@ -372,8 +372,11 @@ class PagePool:
     # --- data --------------------------------------------------------------------------------
 
     @_locked
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new keys / values at reserved slots. k: [T, Hkv, D], v: [T, Hkv, Dv]."""
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              grouped: bool = False) -> None:
+        """Store new keys / values at reserved slots. k: [T, Hkv, D], v: [T, Hkv, Dv].
+        grouped: the caller knows each page's slots are adjacent in `slots` (a decode step's
+        rows are distinct sequences); reserve()'s last slots are known to be."""
         if slots.dim() != 1 or slots.dtype != torch.int64:
             raise UnsupportedShapeError(f"slots must be a 1-D int64 tensor (from reserve); got "
                                         f"{tuple(slots.shape)} {slots.dtype}")
@@ -381,7 +384,7 @@ class PagePool:
         if slots.shape[0] == 0:
             return
         if self._writer_grouped:
-            grouped = slots is self._reserved  # reserve's order: each page's slots adjacent
+            grouped = grouped or slots is self._reserved  # each page's slots adjacent
             self.writer(self.k[layer], slots, k, grouped)
             self.writer(self.v[layer], slots, v, grouped)
         else:

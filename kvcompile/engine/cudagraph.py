@@ -135,6 +135,7 @@ class _Graph:
             block_tables=self.block_tables, seq_lens=self.seq_lens, seq_lens_list=[1] * bp,
             kv_start=[0] * bp, packed=True, cu_seqlens_q=self.cu, q_lens=[1] * bp,
             eviction_aside=True,   # captured only for steps eviction steps aside for
+            slots_grouped=True,    # one slot per sequence; padding rows: adjacent scratch slots
             aside=AsideInputs(self.spec, self.mass_rows, self.shift, self.n_rot, self.hide_lo,
                               self.hide_hi) if self.spec else None)
 

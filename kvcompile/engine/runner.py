@@ -92,7 +92,8 @@ class ModelRunner:
             block_tables=pool.block_table(seq_ids, device=dev),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev), seq_lens_list=lens,
             kv_start=[0] * len(seqs), packed=True, cu_seqlens_q=cu_t.to(dev), q_lens=q_lens,
-            eviction_aside=aside)
+            eviction_aside=aside,
+            slots_grouped=True)   # each sequence's slots in order, in pages it alone writes
         if inputs is not None and inputs[0]:
             spec, *rows = inputs
             t = torch.tensor(rows, dtype=torch.int64).to(dev)

@@ -326,7 +326,8 @@ class GraphedForward:
         plan = StepPlan(
             seq_ids=list(b.seq_ids), batch=B, new_tokens=1, past_lens=[past] * B,
             slots=g.slots, block_tables=g.block_tables, seq_lens=g.seq_lens,
-            seq_lens_list=[L] * B, kv_start=list(b.kv_start))
+            seq_lens_list=[L] * B, kv_start=list(b.kv_start),
+            slots_grouped=True)   # one new slot per sequence (capture: adjacent scratch slots)
         ctx = ForwardContext(self.state, b, plan=plan)
         call = {k: v for k, v in kw.items()}
         call.update(input_ids=g.ids)

@@ -10,8 +10,13 @@ Semantics are PagedTensor.write's (formats.py), bit for bit:
   `grow_page_scale`) re-encodes that page's earlier tokens: decode with the old scale, encode
   with the new. The page's valid tokens before the write are its slots [0, min new offset).
 
-Page-scaled writes sort the slots on the device (no host sync) and run one program per (run of
-tokens of one page, head); other writes run one program per (block of tokens, head).
+Page-scaled writes sort the slots on the device (no host sync; `grouped=True` skips the sort for
+slots in PagePool.reserve's order). Bulk writes (more than BULK_TOKENS tokens) run one program
+per (window of W tokens, head) that writes the window's fresh pages as one tile in one pass over
+x (`_append_pages_bulk_kernel`); decode steps run one program per (run of one page, head).
+Other writes run one program per (block of tokens, head).
+Encoding divides by a reciprocal plus one residual fma, bit-exact with the reference's division
+(see `_quotient`), and rounds to e2m1 in integer arithmetic (`_e2m1_magnitude`).
 Under TRITON_INTERPRET=1 the fp8 / bf16 roundings are done in explicit fp32 arithmetic (the
 interpreter's casts round wrongly); on the GPU they are the hardware's RNE-satfinite casts.
 """
@@ -33,6 +38,8 @@ _PLAIN_BF16, _PLAIN_FP16, _PLAIN_FP32 = 10, 11, 12
 # Page-scaled writes of more tokens than this scan a window of P sorted slots per program
 # (bulk prefill); fewer, one slot per program (decode steps).
 BULK_TOKENS = 4096
+# Tokens x head_dim of one bulk page-scaled program's tile (128 tokens at head_dim 128).
+BULK_TILE_ELEMS = 16384
 
 
 @triton.jit
@@ -61,18 +68,86 @@ def _round_fp8_bits(y, MB: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr)
     return code.to(tl.uint8) | sign
 
 
+# Fast encode paths (GPU and interpreter alike). A block whose values are all finite, and whose
+# divisor d (fp8: the scale; fp4: micro * scale) lies in [2^-80, 2^80] or is 0 (fp4), divides by
+# multiplying with y = RN(1 / d) and one residual step (Markstein): q0 = RN(x * y) is within an
+# ulp of x / d, r = x - d * q0 is exact in an fma, and RN(q0 + r * y) is RN(x / d), the
+# reference's quotient, bit for bit (tests/kernels/test_append_codes.py checks it on dense sets
+# around every rounding boundary). It costs a multiply and two fmas instead of an IEEE division
+# (a reciprocal, four fmas and a branch to a slow path). For |x| < 2^-100 the residual may
+# underflow, but the quotient is then below 2^-20, where every format stores +-0; the sign of a
+# zero quotient is taken from x. Other blocks (NaN, Inf, extreme d) take the exact division.
+_SAFE_LO, _SAFE_HI = 2.0 ** -80, 2.0 ** 80
+_MIN_SCALE = 2.0 ** -126  # cache/fp4.py MIN_SCALE: scales are never subnormal
+
+
 @triton.jit
-def _encode_fp8(x, scale, FMT: tl.constexpr, FMAX: tl.constexpr, EXPLICIT: tl.constexpr):
-    # clamp(x / scale, -fmax, fmax) -> uint8 code; NaN stays NaN
-    y = tl.math.div_rn(x, scale)
-    y = tl.where(y > FMAX, FMAX, tl.where(y < -FMAX, -FMAX, y))
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _scale_of(cover):
+    # cache/fp4.py scale_from_amax on amax / divisor: 1.0 where 0, else at least 2^-126
+    return tl.where(cover > 0, tl.maximum(cover, _MIN_SCALE), 1.0)
+
+
+@triton.jit
+def _quotient(x, y, d, SIGN: tl.constexpr = True):
+    # RN(x / d) for finite x, d in [2^-80, 2^80], y = RN(1 / d) (see above); SIGN: the sign of
+    # a zero quotient made x's (without it only the magnitude is exact)
+    q0 = x * y
+    q = tl.fma(tl.fma(-q0, d, x), y, q0)
+    if SIGN:
+        qb = q.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -2147483648)
+        q = qb.to(tl.float32, bitcast=True)
+    return q
+
+
+@triton.jit
+def _e2m1_magnitude(m):
+    # m: fp32 >= 0, not NaN -> e2m1 magnitude code 0..7, round to nearest even, saturating at 6.
+    # Below 1 the grid is the multiples of 0.5 and the code is twice the value: one add of 2^22
+    # (whose ulp is 0.5) rounds m there, ties to an even multiple (= an even code). From 1 up
+    # the code is the fp32 exponent and first mantissa bit, (bits >> 22) - 252, after rounding
+    # the 22 bits below to nearest even in integer arithmetic (a carry moves the exponent up).
+    b = m.to(tl.int32, bitcast=True)
+    sub = (m + 4194304.0).to(tl.int32, bitcast=True) - 0x4A800000
+    nrm = ((b + 0x1FFFFF + ((b >> 22) & 1)) >> 22) - 252
+    return tl.minimum(tl.where(b < 0x3F800000, sub, nrm), 7)
+
+
+@triton.jit
+def _fp8_cast(q, FMT: tl.constexpr, EXPLICIT: tl.constexpr):
+    # q: fp32 within +-fmax (or NaN) -> uint8 code, round to nearest even
     if EXPLICIT:
         if FMT == 1:
-            return _round_fp8_bits(y, 3, -6, 7)
-        return _round_fp8_bits(y, 2, -14, 15)
+            return _round_fp8_bits(q, 3, -6, 7)
+        return _round_fp8_bits(q, 2, -14, 15)
     if FMT == 1:
-        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    return y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        return q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return q.to(tl.float8e5).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def _in_safe_range(d):
+    return (d >= _SAFE_LO) & (d <= _SAFE_HI)
+
+
+@triton.jit
+def _encode_fp8(x, scale, arow, FMT: tl.constexpr, FMAX: tl.constexpr, EXPLICIT: tl.constexpr):
+    # x [R, D] fp32, scale [R] fp32, arow [R]: max |x| of each row, NaN if the row has a NaN
+    # -> codes of clamp(x / scale, -fmax, fmax) [R, D] uint8; NaN stays NaN
+    fast = (tl.reduce(arow, 0, _max_nan) < float("inf")) & (
+        tl.min(_in_safe_range(scale).to(tl.int32), 0) > 0)
+    if fast:
+        y = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+        q = _quotient(x, y[:, None], scale[:, None])
+        q = tl.minimum(tl.maximum(q, -FMAX), FMAX)
+    else:
+        q = tl.math.div_rn(x, scale[:, None])
+        q = tl.where(q > FMAX, FMAX, tl.where(q < -FMAX, -FMAX, q))
+    return _fp8_cast(q, FMT, EXPLICIT)
 
 
 @triton.jit
@@ -92,41 +167,64 @@ def _decode_fp8(code, scale, FMT: tl.constexpr, DATA_DT: tl.constexpr):
 
 
 @triton.jit
-def _fp4_codes(q):
-    # q: fp32 (x / (micro * scale)) -> e2m1 code: count of grid midpoints passed (ties to even)
-    m = tl.abs(q)
-    c = ((m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32)
-         + (m >= 1.75).to(tl.int32) + (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32)
-         + (m > 5.0).to(tl.int32))
-    c = c | ((q.to(tl.int32, bitcast=True) >> 28) & 8)
-    return tl.where(q != q, 0, c)
+def _group_amax_nan(xe, xo):
+    # [R, G, 8] even / odd values -> max |x| of each 16-value micro-block [R, G], NaN if it has one
+    return tl.reduce(tl.maximum(tl.abs(xe), tl.abs(xo), propagate_nan=tl.PropagateNan.ALL), 2,
+                     _max_nan)
 
 
 @triton.jit
-def _encode_fp4(xe, xo, scale, EXPLICIT: tl.constexpr, RECIP: tl.constexpr):
-    # xe, xo: [R, D // 16, 8] even / odd elements of each 16-value micro-block; scale: [R, 1, 1]
-    # -> (packed bytes [R, D // 16, 8] uint8, micro codes [R, D // 16] uint8)
-    fin_e = tl.where(tl.abs(xe) < float("inf"), tl.abs(xe), 0.0)
-    fin_o = tl.where(tl.abs(xo) < float("inf"), tl.abs(xo), 0.0)
-    amax16 = tl.max(tl.maximum(fin_e, fin_o), 2)                         # [R, G]
-    mic = tl.minimum(tl.math.div_rn(_div_const(amax16, 6.0, RECIP), tl.reshape(scale, [
-        scale.shape[0], 1])), 448.0)
+def _all_finite(a):
+    # a [R, G] of amax values (NaN propagated) -> scalar: every one finite
+    return tl.reduce(tl.reduce(a, 1, _max_nan), 0, _max_nan) < float("inf")
+
+
+@triton.jit
+def _group_amax_finite(xe, xo):
+    return tl.max(tl.maximum(_finite_abs(xe), _finite_abs(xo)), 2)
+
+
+@triton.jit
+def _fp4_half_codes(x, y, d, smask, FAST: tl.constexpr):
+    # x [R, G, 8]; d: fp32 micro * scale (> 0 where smask is 8), y its reciprocal -> codes
+    # (FAST: every x finite, y = 0 where d is 0, so that q is 0 there)
+    sign = (x.to(tl.int32, bitcast=True) >> 28) & smask
+    if FAST:
+        c = _e2m1_magnitude(tl.abs(_quotient(x, y, d, False))) | sign
+    else:
+        c = _e2m1_magnitude(tl.where(smask != 0, tl.abs(tl.math.div_rn(x, d)), 0.0)) | sign
+        c = tl.where(x != x, 0, c)
+    return c
+
+
+@triton.jit
+def _encode_fp4(xe, xo, scale, a16, EXPLICIT: tl.constexpr, RECIP: tl.constexpr):
+    # xe, xo: [R, G, 8] even / odd elements of each 16-value micro-block; scale: [R];
+    # a16 [R, G]: _group_amax_nan -> (packed bytes [R, G, 8] uint8, micro codes [R, G] uint8)
+    fin = _all_finite(a16)
+    if fin:
+        amax16 = a16
+    else:
+        amax16 = _group_amax_finite(xe, xo)
+    s2 = scale[:, None]
+    mic = tl.minimum(tl.math.div_rn(_div_const(amax16, 6.0, RECIP), s2), 448.0)
     if EXPLICIT:
         mcode = _round_fp8_bits(mic, 3, -6, 7)
     else:
         mcode = mic.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    mval = mcode.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    denom = (mval[:, :, None] * scale)
-    ce = _fp4_codes(tl.where(denom > 0, tl.math.div_rn(xe, tl.where(denom > 0, denom, 1.0)),
-                             0.0))
-    co = _fp4_codes(tl.where(denom > 0, tl.math.div_rn(xo, tl.where(denom > 0, denom, 1.0)),
-                             0.0))
-    nan_e = xe != xe
-    nan_o = xo != xo
-    ce = tl.where(nan_e, 0, ce)
-    co = tl.where(nan_o, 0, co)
-    has_nan = tl.max((nan_e | nan_o).to(tl.int32), 2) > 0
-    mcode = tl.where(has_nan, 0x7F, mcode)
+    d = mcode.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s2              # [R, G]
+    good = _in_safe_range(d)
+    smask = tl.where(d > 0, 8, 0)[:, :, None]
+    if fin & (tl.min(tl.min(((d == 0) | good).to(tl.int32), 1), 0) > 0):
+        dd = tl.where(good, d, 1.0)
+        y = tl.where(good, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), dd), 0.0)
+        ce = _fp4_half_codes(xe, y[:, :, None], dd[:, :, None], smask, True)
+        co = _fp4_half_codes(xo, y[:, :, None], dd[:, :, None], smask, True)
+    else:
+        dd = tl.where(d > 0, d, 1.0)[:, :, None]
+        ce = _fp4_half_codes(xe, dd, dd, smask, False)
+        co = _fp4_half_codes(xo, dd, dd, smask, False)
+    mcode = tl.where(a16 != a16, 0x7F, mcode)
     return (ce | (co << 4)).to(tl.uint8), mcode.to(tl.uint8)
 
 
@@ -146,12 +244,33 @@ def _finite_abs(x):
 
 
 @triton.jit
-def _store_rows(X, DATA, SCALE, MICRO, src, dst, ok, scale, H, h,
-                D: tl.constexpr, FMT: tl.constexpr, TOKEN_SCALE: tl.constexpr,
+def _seg_fwd(i1, v1, i2, v2):
+    # runs of equal, non-decreasing ids: (the later id, max of the values of that id)
+    return tl.maximum(i1, i2), tl.where(i1 == i2, tl.maximum(v1, v2), tl.where(i1 > i2, v1, v2))
+
+
+@triton.jit
+def _seg_bwd(i1, v1, i2, v2):
+    return tl.minimum(i1, i2), tl.where(i1 == i2, tl.maximum(v1, v2), tl.where(i1 < i2, v1, v2))
+
+
+@triton.jit
+def _run_max(key, v):
+    # key [R]: non-decreasing run ids; v [R] -> the max of v over each element's run
+    _, f = tl.associative_scan((key, v), 0, _seg_fwd)           # max over run start .. i
+    _, b = tl.associative_scan((key, f), 0, _seg_bwd, reverse=True)  # .. its last element
+    return b
+
+
+@triton.jit
+def _store_rows(X, DATA, SCALE, MICRO, src, dst, ok, scale, run, H, h,
+                D: tl.constexpr, FMT: tl.constexpr, SMODE: tl.constexpr,
                 EXPLICIT: tl.constexpr, FMAX: tl.constexpr, DIV: tl.constexpr,
                 RECIP: tl.constexpr):
     # Encode rows x[src[r], h, :] and store them at page rows dst[r] (row = (page*H+h)*P+off).
-    # scale: [R] fp32 scale of each row (ignored if TOKEN_SCALE: computed from the row's amax)
+    # SMODE 0: scale [R] given; 1 (token scales): each row's from its amax, stored at SCALE +
+    # dst; 2 (runs): each row's from the amax of its run (rows of equal `run` id, adjacent).
+    # Returns the scales [R] used.
     xrow = (src * H + h).to(tl.int64) * D
     drow = dst.to(tl.int64)
     if FMT == 3:
@@ -163,12 +282,16 @@ def _store_rows(X, DATA, SCALE, MICRO, src, dst, ok, scale, H, h,
         x = tl.load(X + xrow[:, None, None, None] + offs, mask=ok[:, None, None, None],
                     other=0.0).to(tl.float32)
         xe, xo = tl.split(x)
-        if TOKEN_SCALE:
-            amax = tl.max(tl.max(tl.maximum(_finite_abs(xe), _finite_abs(xo)), 2), 1)
-            scale = _div_const(amax, DIV, RECIP)
-            scale = tl.where(scale > 0, scale, 1.0)
-        sc3 = scale[:, None, None]
-        packed, mcode = _encode_fp4(xe, xo, sc3, EXPLICIT, RECIP)
+        a16 = _group_amax_nan(xe, xo)                                          # [R, G]
+        if SMODE != 0:
+            if _all_finite(a16):
+                arow = tl.max(a16, 1)
+            else:
+                arow = tl.max(_group_amax_finite(xe, xo), 1)
+            if SMODE == 2:
+                arow = _run_max(run, arow)
+            scale = _scale_of(_div_const(arow, DIV, RECIP))
+        packed, mcode = _encode_fp4(xe, xo, scale, a16, EXPLICIT, RECIP)
         tl.store(DATA + drow[:, None, None] * (D // 2) + g[None, :, None] * 8
                  + j[None, None, :], packed, mask=ok[:, None, None])
         tl.store(MICRO + drow[:, None] * G + g[None, :], mcode, mask=ok[:, None])
@@ -187,13 +310,20 @@ def _store_rows(X, DATA, SCALE, MICRO, src, dst, ok, scale, H, h,
                          x.to(DATA.dtype.element_ty), mask=ok[:, None])
         else:
             x = x.to(tl.float32)
-            if TOKEN_SCALE:
-                scale = _div_const(tl.max(_finite_abs(x), 1), DIV, RECIP)
-                scale = tl.where(scale > 0, scale, 1.0)
-            code = _encode_fp8(x, scale[:, None], FMT, FMAX, EXPLICIT)
+            anan = tl.reduce(tl.abs(x), 1, _max_nan)                            # [R]
+            if SMODE != 0:
+                if tl.reduce(anan, 0, _max_nan) < float("inf"):
+                    arow = anan
+                else:
+                    arow = tl.max(_finite_abs(x), 1)
+                if SMODE == 2:
+                    arow = _run_max(run, arow)
+                scale = _scale_of(_div_const(arow, DIV, RECIP))
+            code = _encode_fp8(x, scale, anan, FMT, FMAX, EXPLICIT)
             tl.store(DATA + drow[:, None] * D + d[None, :], code, mask=ok[:, None])
-    if TOKEN_SCALE:
+    if SMODE == 1:
         tl.store(SCALE + drow, scale, mask=ok)
+    return scale
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -218,15 +348,14 @@ def _append_rows_kernel(X, SLOTS, DATA, SCALE, MICRO, AMAX, T, H, D: tl.constexp
     dst = ((slot // P) * H + h) * P + slot % P
     if SM == 1:
         s0 = tl.load(SCALE)
-        fresh = _div_const(tl.load(AMAX), DIV, RECIP)
-        s0 = tl.where(s0 == 0.0, tl.where(fresh > 0, fresh, 1.0), s0)
+        s0 = tl.where(s0 == 0.0, _scale_of(_div_const(tl.load(AMAX), DIV, RECIP)), s0)
         scale = tl.zeros([R], tl.float32) + s0
         if (tl.program_id(0) == 0) & (h == 0):
             tl.store(SCALE, s0)
     else:
         scale = tl.full([R], 1.0, tl.float32)
-    _store_rows(X, DATA, SCALE, MICRO, t, dst, ok, scale, H, h, D, FMT, SM == 3, EXPLICIT, FMAX,
-                DIV, RECIP)
+    _store_rows(X, DATA, SCALE, MICRO, t, dst, ok, scale, t, H, h, D, FMT, 1 if SM == 3 else 0,
+                EXPLICIT, FMAX, DIV, RECIP)
 
 
 @triton.jit
@@ -269,8 +398,8 @@ def _reencode_rows(DATA, MICRO, rows, ok, old, new, D: tl.constexpr, FMT: tl.con
         xe = _e2m1_value(byte & 15).to(tl.float32) * mval * old
         xo = _e2m1_value(byte >> 4).to(tl.float32) * mval * old
         R: tl.constexpr = rows.shape[0]
-        packed, mcode = _encode_fp4(xe, xo, tl.zeros([R, 1, 1], tl.float32) + new, EXPLICIT,
-                                    RECIP)
+        packed, mcode = _encode_fp4(xe, xo, tl.zeros([R], tl.float32) + new,
+                                    _group_amax_nan(xe, xo), EXPLICIT, RECIP)
         tl.store(bptr, packed, mask=ok[:, None, None])
         tl.store(mptr, mcode, mask=ok[:, None])
     else:
@@ -278,7 +407,10 @@ def _reencode_rows(DATA, MICRO, rows, ok, old, new, D: tl.constexpr, FMT: tl.con
         ptr = DATA + rows[:, None] * D + d[None, :]
         code = tl.load(ptr, mask=ok[:, None], other=0)
         x = _decode_fp8(code, old, FMT, DATA_DT)
-        tl.store(ptr, _encode_fp8(x, new, FMT, FMAX, EXPLICIT), mask=ok[:, None])
+        R: tl.constexpr = rows.shape[0]
+        code = _encode_fp8(x, tl.zeros([R], tl.float32) + new, tl.reduce(tl.abs(x), 1, _max_nan),
+                           FMT, FMAX, EXPLICIT)
+        tl.store(ptr, code, mask=ok[:, None])
 
 
 @triton.jit
@@ -325,8 +457,7 @@ def _append_page_run(X, SORTED, ORDER, DATA, SCALE, MICRO, i, T, H, h, D: tl.con
         old_amax = tl.maximum(old_amax, _row_amax(DATA, MICRO, base + c + r, ok, old_scale, D,
                                                   FMT, DATA_DT))
     cover = _div_const(new_amax, DIV, RECIP)
-    fresh = tl.where(cover > 0, cover, 1.0)
-    new_scale = tl.where(old_amax == 0, fresh, _grow_scale(old_scale, cover))
+    new_scale = tl.where(old_amax == 0, _scale_of(cover), _grow_scale(old_scale, cover))
     if new_scale != old_scale:
         for c in range(0, min_off, R):
             ok = c + r < min_off
@@ -337,7 +468,7 @@ def _append_page_run(X, SORTED, ORDER, DATA, SCALE, MICRO, i, T, H, h, D: tl.con
         src = tl.load(ORDER + i + c + r, mask=ok, other=0)
         s = tl.load(SORTED + i + c + r, mask=ok, other=0)
         _store_rows(X, DATA, SCALE, MICRO, src, base + (s % P), ok,
-                    tl.zeros([R], tl.float32) + new_scale, H, h, D, FMT, False, EXPLICIT, FMAX,
+                    tl.zeros([R], tl.float32) + new_scale, r, H, h, D, FMT, 0, EXPLICIT, FMAX,
                     DIV, RECIP)
     tl.store(SCALE + page * H + h, new_scale)
     return n
@@ -362,6 +493,59 @@ def _append_pages_kernel(X, SORTED, ORDER, DATA, SCALE, MICRO, T, H, D: tl.const
         n = _append_page_run(X, SORTED, ORDER, DATA, SCALE, MICRO, i, T, H, h, D, P, R, FMT,
                              DATA_DT, EXPLICIT, FMAX, DIV, RECIP)
         i = i + n
+
+
+@triton.jit(do_not_specialize=["T", "H"])
+def _append_pages_bulk_kernel(X, SORTED, ORDER, DATA, SCALE, MICRO, T, H, D: tl.constexpr,
+                              P: tl.constexpr, W: tl.constexpr, R: tl.constexpr,
+                              FMT: tl.constexpr, DATA_DT: tl.constexpr, EXPLICIT: tl.constexpr,
+                              FMAX: tl.constexpr, DIV: tl.constexpr, RECIP: tl.constexpr,
+                              GROUPED: tl.constexpr):
+    # Page scales, bulk writes: program (w, h) owns the runs of sorted slots (one page each)
+    # that start in positions [w * W, (w + 1) * W). The runs that lie inside the window and
+    # start a page (offset 0: no earlier tokens to keep) are written as one [W, D] tile, in one
+    # pass over x: row amax, each run's amax by two segmented scans, scale, encode, store. The
+    # others (a page with earlier tokens, the run that crosses the window's end) go through
+    # _append_page_run, one after another.
+    h = tl.program_id(1)
+    i0 = tl.program_id(0) * W
+    idx = i0 + tl.arange(0, W)
+    live = idx < T
+    slot = tl.load(SORTED + idx, mask=live, other=0)
+    pg = slot // P
+    prv = tl.load(SORTED + idx - 1, mask=live & (idx > 0), other=0)
+    start = live & ((idx == 0) | (prv // P != pg))
+    fresh = start & (slot % P == 0)
+    # run key of each position: 2 * (its run's start - i0) + (that run starts a page); -1 for
+    # positions whose run started before the window (the previous program's)
+    key = tl.associative_scan(tl.where(start, (idx - i0) * 2 + fresh.to(tl.int32), -1), 0,
+                              _max_i32)
+    # (vector forms throughout: the interpreter mis-broadcasts scalar booleans into masks)
+    zero = tl.zeros([W], tl.int32)
+    last = tl.load(SORTED + i0 + W - 1 + zero, mask=i0 + W - 1 + zero < T, other=0)
+    after = tl.load(SORTED + i0 + W + zero, mask=i0 + W + zero < T, other=-P)
+    last_key = tl.max(tl.where(idx == i0 + W - 1, key, -1), 0)
+    crossing = (after // P == last // P) & (key == last_key)
+    vec = live & (key >= 0) & ((key & 1) == 1) & (crossing == 0)
+    if GROUPED:
+        src = idx
+    else:
+        src = tl.load(ORDER + idx, mask=vec, other=0)
+    dst = (pg * H + h) * P + slot % P
+    scale = _store_rows(X, DATA, SCALE, MICRO, src, dst, vec, tl.full([W], 1.0, tl.float32),
+                        key, H, h, D, FMT, 2, EXPLICIT, FMAX, DIV, RECIP)
+    tl.store(SCALE + pg * H + h, scale, mask=vec & start)
+    rest = start & (vec == 0)
+    i = tl.min(tl.where(rest, idx, i0 + W), 0)
+    while i < i0 + W:
+        _append_page_run(X, SORTED, ORDER, DATA, SCALE, MICRO, i, T, H, h, D, P, R, FMT,
+                         DATA_DT, EXPLICIT, FMAX, DIV, RECIP)
+        i = tl.min(tl.where(rest & (idx > i), idx, i0 + W), 0)
+
+
+@triton.jit
+def _max_i32(a, b):
+    return tl.maximum(a, b)
 
 
 # --- launcher ------------------------------------------------------------------------------
@@ -427,11 +611,17 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str,
             sorted_slots, order = slots, _iota(T, x.device)
         else:
             sorted_slots, order = torch.sort(slots)
-        win = 1 if T <= BULK_TOKENS else P
-        _append_pages_kernel[(triton.cdiv(T, win), H)](
-            x, sorted_slots, order, d8, scale, m8, T, H, D=D, P=P, R=min(R, P), FMT=fmt,
-            DATA_DT=data_dt, EXPLICIT=explicit, FMAX=fmax, DIV=div, RECIP=recip, WIN=win,
-            num_warps=4)
+        if T <= BULK_TOKENS:
+            _append_pages_kernel[(T, H)](
+                x, sorted_slots, order, d8, scale, m8, T, H, D=D, P=P, R=min(R, P), FMT=fmt,
+                DATA_DT=data_dt, EXPLICIT=explicit, FMAX=fmax, DIV=div, RECIP=recip, WIN=1,
+                num_warps=4)
+            return
+        W = max(2 * P, BULK_TILE_ELEMS // D)
+        _append_pages_bulk_kernel[(triton.cdiv(T, W), H)](
+            x, sorted_slots, order, d8, scale, m8, T, H, D=D, P=P, W=W, R=min(R, P), FMT=fmt,
+            DATA_DT=data_dt, EXPLICIT=explicit, FMAX=fmax, DIV=div, RECIP=recip,
+            GROUPED=grouped, num_warps=8)
         return
     amax = scale
     if granularity == "tensor":

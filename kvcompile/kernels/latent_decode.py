@@ -1,19 +1,38 @@
-"""Absorbed MLA decode over latent pages: a portable Triton kernel (split-K) and its launcher.
+"""Absorbed MLA decode over latent pages: a Triton kernel for tensor cores, and its launcher.
 
     out_lat = latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, scale)
     # q_lat: [B, H, r + dr] (absorbed query: q_nope W_UK, then q_rope)
     # c_pages: PagedTensor [N, 1, P, r] (the latent), r_pages: PagedTensor [N, 1, P, dr]
     # block_tables: [B, maxP] int32, seq_lens: [B] int32  ->  out_lat: [B, H, r] fp32
 
-One program per (sequence, split of its pages, block of BLOCK_H query heads): every head of the
-block scores the same page tile (one latent head per token: MQA), s = q_c . c + q_r . k_rope,
-an online softmax, acc += p . c; the splits are merged in torch. Pages in bf16 / fp16 / fp32, or
-fp8 (E4M3 / E5M2) with one scale per page, applied to the tile after the load. Masks, windows
-and soft-capping are not taken (runtime/dispatch.py `attend_latent` sends those steps to the
-reference, kernels/dense.py); kernels/latent.py holds the math.
+All H query heads attend to one latent per token (MQA), so the heads are the M dimension of
+both GEMMs. One program per (block of BLOCK_H heads, split of the context, sequence) walks its
+tokens BLOCK_N at a time (a tile spans BLOCK_N / P pages, gathered through the block table):
+
+    s   = q_c . c^T * c_scale + q_r . k_rope^T * r_scale     # [BLOCK_H, BLOCK_N], tl.dot
+    acc = acc * alpha + (p * c_scale) . c                    # [BLOCK_H, r],       tl.dot
+
+The latent tile [BLOCK_N, r] is loaded once and feeds both dots (its transpose for QK^T), and
+the programs that read the same tiles are neighbours in the grid, so that all but the first
+find them in L2. With v_split 2 two programs share a head block, each accumulating half of
+the r columns (a [64, 512] fp32 accumulator does not fit one 4-warp program's registers). fp8 pages (E4M3 / E5M2, one scale per page) are widened to the dot dtype in
+registers; their page scale multiplies the score columns and the probabilities, never the
+tile. The rotary key is its own page tensor, in its own format (FlashMLA keeps it bf16 beside
+an fp8 latent). The softmax runs in base 2 (log2(e) is folded into the softmax scale).
+Long contexts with few programs are split (split-K); a second small kernel merges the splits.
+
+Tile sizes are constexpr; `pick_tiles` chooses among CANDIDATES by a rule (the accumulator
+must stay in registers), `pick_splits` sizes split-K from the SM count.
+At 128 heads the tensor work is as large as the memory time: QK^T over r + dr and PV over r
+for every head is 36 GFLOP at B16 x 8k (about 46 us at 790 TFLOP/s) against 151 MB of bf16
+pages (about 37 us at 4.1 TB/s), and both 64-head layouts compute QK^T twice (1.5x that).
+Masks, windows and soft-capping are not taken (runtime/dispatch.py `attend_latent` sends
+those steps to the reference, kernels/dense.py); kernels/latent.py holds the math.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -23,54 +42,181 @@ from kvcompile.errors import UnsupportedShapeError
 
 _UNSCALED = ("bf16", "fp16", "fp32")
 _PAGE_SCALED = ("fp8_e4m3", "fp8_e5m2")
-BLOCK_H = 16
+_LOG2E = 1.4426950408889634
+MIN_SPLIT_TOKENS = 256    # a split shorter than this costs more in the merge than it saves
+MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class LatentTiles:
+    """One launch configuration of the decode kernel (all powers of two, >= 16)."""
+    block_h: int      # query heads per program: the M of both dots
+    block_n: int      # tokens per tile: N of QK^T, K of PV
+    num_warps: int
+    num_stages: int
+    v_split: int = 1  # programs sharing a head block, each accumulating r / v_split columns
+
+    def __post_init__(self):
+        for name in ("block_h", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"LatentTiles.{name}={v}: must be a power of two >= 16 "
+                                 f"(tl.dot needs M, N, K >= 16)")
+        if self.num_warps not in (4, 8) or self.num_stages < 1 or self.v_split not in (1, 2):
+            raise ValueError(f"LatentTiles: num_warps {self.num_warps} (4 or 8), num_stages "
+                             f"{self.num_stages} (>= 1), v_split {self.v_split} (1 or 2)")
+
+    def acc_regs(self, r: int) -> int:
+        """fp32 registers per thread that the [block_h, r] accumulator takes."""
+        return self.block_h * r // (self.v_split * 32 * self.num_warps)
+
+
+# Candidates, in order of preference for many heads. 64 heads fill one Hopper wgmma M. A
+# [64, 512] fp32 accumulator is 128 registers a thread over 8 warps (256 over 4), so either
+# two programs share the head block (v_split 2: each accumulates 256 latent columns over 4
+# warps, and two such programs fit one SM: 204 registers and 110 KB of shared memory at
+# r 512, block_n 16, compiled for sm_90 by triton 3.9) or one program of 8 warps holds it all
+# (Triton then computes QK^T in both warpgroups, its layout for a dot that feeds another).
+# Both compute QK^T twice per head block; which is faster is for the GPU to say:
+# benchmarks/bench_latent_decode.py --quick times every 64-head candidate.
+CANDIDATES = (
+    LatentTiles(64, 16, 4, 2, v_split=2),
+    LatentTiles(64, 32, 8, 2),
+    LatentTiles(64, 16, 8, 3),
+    LatentTiles(64, 32, 4, 2, v_split=2),
+    # under 64 heads the dots fall back from wgmma to mma.sync, whose operands sit in
+    # registers: 8 warps keep r 512 without spills (4 spilled 60-416 B on sm_90)
+    LatentTiles(32, 32, 8, 2),
+    LatentTiles(16, 32, 8, 2),
+)
+MAX_ACC_REGS = 128
+
+
+def pick_tiles(heads: int, r: int) -> LatentTiles:
+    """The first candidate whose head block the heads fill (the smallest block for fewer
+    than 16 heads), whose accumulator fits MAX_ACC_REGS registers a thread and whose value
+    split leaves >= 16 columns."""
+    for t in CANDIDATES:
+        if (t.block_h <= max(heads, 16) and t.acc_regs(r) <= MAX_ACC_REGS
+                and r // t.v_split >= 16):
+            return t
+    return LatentTiles(16, 16, 8, 1, v_split=2 if r >= 32 else 1)   # the smallest accumulator
+
+
+def pick_splits(batch: int, heads: int, max_len: int, tiles: LatentTiles, sms: int) -> int:
+    """Splits of the context so that batch x head blocks x splits programs about fill the SMs
+    once (one program per SM when it holds a [64, r] accumulator over 8 warps, else two),
+    each split >= MIN_SPLIT_TOKENS."""
+    programs = batch * triton.cdiv(heads, tiles.block_h) * tiles.v_split
+    per_sm = 1 if tiles.num_warps == 8 and tiles.block_h == 64 else 2
+    want = max(1, round(sms * per_sm / programs))
+    return max(1, min(want, triton.cdiv(max_len, MIN_SPLIT_TOKENS),
+                      triton.cdiv(max_len, tiles.block_n), MAX_SPLITS))
 
 
 @triton.jit
-def _latent_split_kernel(QL, CD, CS, RD, RS, BT, SL, ACC, ML, stride_bt, H, NUM_SPLITS,
-                         pages_per_split, scale, R: tl.constexpr, DR: tl.constexpr,
-                         P: tl.constexpr, BH: tl.constexpr, C_SCALED: tl.constexpr,
-                         R_SCALED: tl.constexpr, CDT: tl.constexpr):
-    b = tl.program_id(0)
+def _latent_tile_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, stride_qh,
+                        stride_bt, H, num_splits, tiles_per_split, qk_scale, R: tl.constexpr,
+                        DR: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_N: tl.constexpr, V_SPLIT: tl.constexpr, C_SCALED: tl.constexpr,
+                        R_SCALED: tl.constexpr, DT: tl.constexpr, DIRECT: tl.constexpr):
+    # V_SPLIT 2: two programs share a head block; each scores all r + dr columns but
+    # accumulates only its half of the latent ("own" columns v0..v0+RV, the "other" half
+    # only enters the scores), which halves the accumulator's registers
+    RV: tl.constexpr = R // V_SPLIT
+    hb = tl.program_id(0) // V_SPLIT
+    v0 = (tl.program_id(0) % V_SPLIT) * RV
     split = tl.program_id(1)
-    h = tl.program_id(2) * BH + tl.arange(0, BH)
+    b = tl.program_id(2)
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < H
+    rv = tl.arange(0, RV)
+    dd = tl.arange(0, DR)
+    t = tl.arange(0, BLOCK_N)
+    q_row = QL + b * stride_qb + h[:, None] * stride_qh                       # [BLOCK_H, 1]
+    # q stays as loaded (a dot operand Triton keeps in shared memory for the whole loop);
+    # the softmax scale multiplies the scores instead
+    q_c = tl.load(q_row + v0 + rv[None, :], mask=h_ok[:, None], other=0.0).to(DT)  # [BH, RV]
+    q_r = tl.load(q_row + R + dd[None, :], mask=h_ok[:, None], other=0.0).to(DT)   # [BH, DR]
+    if V_SPLIT == 2:
+        o0 = RV - v0
+        q_o = tl.load(q_row + o0 + rv[None, :], mask=h_ok[:, None], other=0.0).to(DT)
+    L = tl.load(SL + b)
+    n_lo = split * tiles_per_split * BLOCK_N
+    n_hi = tl.minimum(n_lo + tiles_per_split * BLOCK_N, L)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, RV], tl.float32)
+    bt_row = BT + b * stride_bt
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        j = n0 + t                                                            # token ids
+        ok = j < n_hi
+        page = tl.load(bt_row + j // P, mask=ok, other=0).to(tl.int64)
+        tok = page * P + (j % P)                                              # [BLOCK_N]
+        c = tl.load(CD + tok[:, None] * R + v0 + rv[None, :], mask=ok[:, None],
+                    other=0.0).to(DT)                                         # [BLOCK_N, RV]
+        kr = tl.load(RD + tok[:, None] * DR + dd[None, :], mask=ok[:, None], other=0.0)
+        s_c = tl.dot(q_c, tl.trans(c))                                        # [BH, BLOCK_N]
+        if V_SPLIT == 2:
+            c_o = tl.load(CD + tok[:, None] * R + o0 + rv[None, :], mask=ok[:, None],
+                          other=0.0).to(DT)
+            s_c = tl.dot(q_o, tl.trans(c_o), s_c)
+        s_r = tl.dot(q_r, tl.trans(kr.to(DT)))
+        if C_SCALED:
+            cs = tl.load(CS + page, mask=ok, other=0.0)                       # [BLOCK_N]
+            s_c = s_c * (cs * qk_scale)[None, :]
+        else:
+            s_c = s_c * qk_scale
+        if R_SCALED:
+            s_r = s_r * (tl.load(RS + page, mask=ok, other=0.0) * qk_scale)[None, :]
+        else:
+            s_r = s_r * qk_scale
+        s = tl.where(ok[None, :], s_c + s_r, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))      # finite: every tile has a token below n_hi
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if C_SCALED:
+            p = p * cs[None, :]
+        acc = tl.dot(p.to(DT), c, acc * alpha[:, None])
+        m_i = m_new
+    cols = v0 + rv[None, :]
+    if DIRECT:
+        inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+        tl.store(OUT + (b * H + h)[:, None] * R + cols, acc * inv[:, None], mask=h_ok[:, None])
+    else:
+        row = (b * num_splits + split) * H + h
+        tl.store(ACC + row[:, None] * R + cols, acc, mask=h_ok[:, None])
+        # both halves hold the same m and l (h * 0 + v0: the interpreter takes no scalar here)
+        first = h_ok & (h * 0 + v0 == 0)
+        tl.store(ML + row * 2, m_i, mask=first)
+        tl.store(ML + row * 2 + 1, l_i, mask=first)
+
+
+@triton.jit
+def _latent_merge_kernel(ACC, ML, OUT, H, num_splits, R: tl.constexpr, BLOCK_H: tl.constexpr):
+    # the splits' (acc, max m, sum l) of one block of heads -> their normalized sum
+    hb = tl.program_id(0)
+    b = tl.program_id(1)
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
     rr = tl.arange(0, R)
-    dd = tl.arange(0, DR)
-    t = tl.arange(0, P)
-    row = (b * H + h)[:, None] * (R + DR)
-    q_c = tl.load(QL + row + rr[None, :], mask=h_ok[:, None], other=0.0).to(CDT)   # [BH, R]
-    q_r = tl.load(QL + row + R + dd[None, :], mask=h_ok[:, None], other=0.0).to(CDT)
-    L = tl.load(SL + b)
-    p0 = split * pages_per_split
-    p1 = tl.minimum(p0 + pages_per_split, tl.cdiv(L, P))
-    m = tl.full([BH], float("-inf"), tl.float32)
-    lsum = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([BH, R], tl.float32)
-    for pi in range(p0, p1):
-        page = tl.load(BT + b * stride_bt + pi).to(tl.int64)
-        tok_ok = pi * P + t < L
-        c = tl.load(CD + page * (P * R) + t[:, None] * R + rr[None, :], mask=tok_ok[:, None],
-                    other=0.0).to(tl.float32)                                      # [P, R]
-        kr = tl.load(RD + page * (P * DR) + t[:, None] * DR + dd[None, :],
-                     mask=tok_ok[:, None], other=0.0).to(tl.float32)               # [P, DR]
-        if C_SCALED:
-            c = c * tl.load(CS + page)
-        if R_SCALED:
-            kr = kr * tl.load(RS + page)
-        c = c.to(CDT)
-        s = tl.dot(q_c, tl.trans(c)) + tl.dot(q_r, tl.trans(kr.to(CDT)))         # [BH, P]
-        s = tl.where(tok_ok[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        lsum = lsum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(CDT), c)
-        m = m_new
-    out = (b * NUM_SPLITS + split) * H + h
-    tl.store(ACC + out[:, None] * R + rr[None, :], acc, mask=h_ok[:, None])
-    tl.store(ML + out * 2, m, mask=h_ok)
-    tl.store(ML + out * 2 + 1, lsum, mask=h_ok)
+    top = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for s in range(0, num_splits):
+        row = (b * num_splits + s) * H + h
+        top = tl.maximum(top, tl.load(ML + row * 2, mask=h_ok, other=float("-inf")))
+    den = tl.zeros([BLOCK_H], tl.float32)
+    out = tl.zeros([BLOCK_H, R], tl.float32)
+    for s in range(0, num_splits):
+        row = (b * num_splits + s) * H + h
+        m = tl.load(ML + row * 2, mask=h_ok, other=float("-inf"))
+        w = tl.where(m > float("-inf"), tl.math.exp2(m - top), 0.0)   # empty splits weigh 0
+        den += w * tl.load(ML + row * 2 + 1, mask=h_ok, other=0.0)
+        a = tl.load(ACC + row[:, None] * R + rr[None, :], mask=h_ok[:, None], other=0.0)
+        out += w[:, None] * a
+    inv = tl.where(den > 0, 1.0 / den, 0.0)
+    tl.store(OUT + (b * H + h)[:, None] * R + rr[None, :], out * inv[:, None],
+             mask=h_ok[:, None])
 
 
 def fast_path_reason(q_lat, c_pages, r_pages) -> str:
@@ -86,44 +232,109 @@ def fast_path_reason(q_lat, c_pages, r_pages) -> str:
         d = pg.head_dim
         if d < 16 or d & (d - 1):
             return f"{name} width {d} is not a power of two >= 16"
-    if c_pages.page_size < 16 or c_pages.page_size & (c_pages.page_size - 1):
-        return f"page size {c_pages.page_size} is not a power of two >= 16"
+    if c_pages.page_size & (c_pages.page_size - 1):
+        return f"page size {c_pages.page_size} is not a power of two"
     return ""
 
 
-def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: float,
-                            num_splits: int | None = None) -> torch.Tensor:
-    """See the module docstring. q_lat [B, H, r + dr] -> [B, H, r] fp32."""
+def _check(q_lat, c_pages, r_pages, block_tables, seq_lens):
+    """The launcher's contract; each failure names the fix."""
     why = fast_path_reason(q_lat, c_pages, r_pages)
     if why:
         raise UnsupportedShapeError(f"latent_decode_attention: {why}")
+    if not isinstance(q_lat, torch.Tensor) or q_lat.dim() != 3 or q_lat.dtype not in (
+            torch.bfloat16, torch.float16, torch.float32):
+        raise UnsupportedShapeError("latent_decode_attention: q_lat must be a bf16 / fp16 / "
+                                    "fp32 tensor [B, H, r + dr]")
     B, H, W = q_lat.shape
+    R, DR = c_pages.head_dim, r_pages.head_dim
+    if W != R + DR:
+        raise UnsupportedShapeError(f"latent_decode_attention: q_lat width {W} != latent {R} + "
+                                    f"rotary {DR}; pass the absorbed query (kernels/latent.py "
+                                    f"absorb_query)")
+    N, P = c_pages.num_pages, c_pages.page_size
+    for name, pg, d in (("latent", c_pages, R), ("rotary key", r_pages, DR)):
+        if tuple(pg.data.shape) != (N, 1, P, d) or not pg.data.is_contiguous():
+            raise UnsupportedShapeError(f"latent_decode_attention: {name} pages must be "
+                                        f"contiguous [{N}, 1, {P}, {d}], got "
+                                        f"{tuple(pg.data.shape)}")
+        if pg.fmt.is_quantized and (pg.scale.dtype != torch.float32 or pg.scale.numel() != N
+                                    or not pg.scale.is_contiguous()):
+            raise UnsupportedShapeError(f"latent_decode_attention: {name} page scales must be "
+                                        f"contiguous fp32, one per page ({N})")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or \
+            block_tables.shape[0] != B or block_tables.stride(1) != 1:
+        raise UnsupportedShapeError(f"latent_decode_attention: block_tables must be int32 "
+                                    f"[{B}, max_pages] with unit stride; got "
+                                    f"{block_tables.dtype} {tuple(block_tables.shape)}")
+    if seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (B,):
+        raise UnsupportedShapeError(f"latent_decode_attention: seq_lens must be int32 [{B}], "
+                                    f"got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+
+
+_SMS: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4   # the interpreter: a few splits, so that CPU tests take the merge
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SMS:
+        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SMS[i]
+
+
+def _dot_dtype(q_dtype: torch.dtype):
+    return {torch.float32: tl.float32, torch.float16: tl.float16}.get(q_dtype, tl.bfloat16)
+
+
+def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: float,
+                            num_splits: int | None = None,
+                            tiles: LatentTiles | None = None) -> torch.Tensor:
+    """See the module docstring. q_lat [B, H, r + dr] -> [B, H, r] fp32.
+    num_splits / tiles: None picks them (pick_splits / pick_tiles); tests and benchmarks
+    pass them to run one configuration."""
+    _check(q_lat, c_pages, r_pages, block_tables, seq_lens)
+    B, H, _ = q_lat.shape
     R, DR, P = c_pages.head_dim, r_pages.head_dim, c_pages.page_size
-    if W != R + DR or block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
-        raise UnsupportedShapeError(
-            f"latent_decode_attention: q_lat width {W} != {R} + {DR}, or block tables / "
-            f"lengths not int32 ({block_tables.dtype}, {seq_lens.dtype})")
-    max_pages = block_tables.shape[1]
+    tiles = tiles or pick_tiles(H, R)
+    max_len = block_tables.shape[1] * P
     if num_splits is None:
-        sms = (torch.cuda.get_device_properties(q_lat.device).multi_processor_count
-               if q_lat.is_cuda else 4)
-        programs = B * triton.cdiv(H, BLOCK_H)
-        num_splits = max(1, min(max_pages, triton.cdiv(3 * sms, programs)))
-    per_split = triton.cdiv(max_pages, num_splits)
-    q = q_lat.contiguous()
-    acc = torch.empty((B, num_splits, H, R), dtype=torch.float32, device=q.device)
-    ml = torch.empty((B, num_splits, H, 2), dtype=torch.float32, device=q.device)
-    cdt = tl.float32 if q.dtype == torch.float32 else tl.bfloat16
-    dummy = torch.empty(1, dtype=torch.float32, device=q.device)
+        num_splits = pick_splits(B, H, max_len, tiles, sm_count(q_lat.device))
+    if num_splits < 1:
+        raise UnsupportedShapeError(f"latent_decode_attention: num_splits={num_splits}; use "
+                                    f">= 1 or None")
+    n_tiles = max(1, triton.cdiv(max_len, tiles.block_n))
+    tiles_per_split = triton.cdiv(n_tiles, num_splits)
+    q = q_lat if q_lat.stride(2) == 1 else q_lat.contiguous()
+    out = torch.empty((B, H, R), dtype=torch.float32, device=q.device)
+    direct = num_splits == 1
+    if direct:
+        acc = ml = out   # not read: the kernel normalizes and writes out itself
+    else:
+        acc = torch.empty((B, num_splits, H, R), dtype=torch.float32, device=q.device)
+        ml = torch.empty((B, num_splits, H, 2), dtype=torch.float32, device=q.device)
     c_scaled, r_scaled = c_pages.fmt.is_quantized, r_pages.fmt.is_quantized
-    grid = (B, num_splits, triton.cdiv(H, BLOCK_H))
-    _latent_split_kernel[grid](
+    dummy = out   # a valid pointer where a scale is not read
+    if R // tiles.v_split < 16:
+        raise UnsupportedShapeError(f"latent_decode_attention: latent width {R} split "
+                                    f"{tiles.v_split} ways is under 16; use v_split 1")
+    # the programs that read the same tiles (head blocks, value halves) are neighbours: L2
+    grid = (triton.cdiv(H, tiles.block_h) * tiles.v_split, num_splits, B)
+    _latent_tile_kernel[grid](
         q, c_pages.data, c_pages.scale if c_scaled else dummy, r_pages.data,
-        r_pages.scale if r_scaled else dummy, block_tables, seq_lens, acc, ml,
-        block_tables.stride(0), H, num_splits, per_split, float(scale),
-        R=R, DR=DR, P=P, BH=BLOCK_H, C_SCALED=c_scaled, R_SCALED=r_scaled, CDT=cdt)
-    m, lsum = ml[..., 0], ml[..., 1]                                   # [B, splits, H]
-    top = m.amax(dim=1, keepdim=True)
-    w = torch.where(torch.isfinite(m), torch.exp(m - top), 0.0)
-    den = (w * lsum).sum(dim=1)                                        # [B, H]
-    return (w[..., None] * acc).sum(dim=1) / den[..., None]
+        r_pages.scale if r_scaled else dummy, block_tables, seq_lens, out, acc, ml,
+        q.stride(0), q.stride(1), block_tables.stride(0), H, num_splits, tiles_per_split,
+        float(scale) * _LOG2E, R=R, DR=DR, P=P, BLOCK_H=tiles.block_h,
+        BLOCK_N=tiles.block_n, V_SPLIT=tiles.v_split, C_SCALED=c_scaled, R_SCALED=r_scaled,
+        DT=_dot_dtype(q.dtype), DIRECT=direct, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
+    if not direct:
+        merge_h = 16
+        _latent_merge_kernel[(triton.cdiv(H, merge_h), B)](
+            acc, ml, out, H, num_splits, R=R, BLOCK_H=merge_h, num_warps=4)
+    return out
+
+
+__all__ = ["CANDIDATES", "LatentTiles", "fast_path_reason", "latent_decode_attention",
+           "pick_splits", "pick_tiles"]

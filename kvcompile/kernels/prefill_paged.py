@@ -7,10 +7,13 @@ written to the pages) and see keys [kv_start[b], position]. One program owns one
 sequence's chunk and one kv head, with the GROUP query heads packed into its rows, so every page
 tile is gathered and dequantized once per group.
 
-Quantized pages are dequantized in registers as they arrive (code * micro * page/token scale,
-in fp32, then fp16 for the tensor cores; a tensor scale instead folds into the softmax scale and
-the output). fp16 holds every E4M3 / E5M2 / E2M1*E4M3 code exactly and keeps 3 more mantissa
-bits than bf16 for the dequantized values.
+Quantized K pages go to the tensor cores as their codes (fp8 -> fp16, or e2m1 * micro in
+fp16: exact, one conversion per element), and a key's page / token scale multiplies its column
+of q @ k^T (one multiply per score instead of a widen-multiply-narrow per element, as
+FlashAttention-3 folds its FP8 descales). V pages are dequantized in registers as they arrive
+(code * micro * scale in fp32, then fp16): folded into P's columns instead, P * scale would
+fall into fp16's subnormals for small-valued heads. A tensor scale folds into the softmax scale
+and the output. fp16 holds every E4M3 / E5M2 / E2M1*E4M3 code exactly.
 """
 
 from __future__ import annotations
@@ -51,10 +54,12 @@ def _e2m1_value(codes):
 @triton.jit
 def _page_tile(Data, Scale, Micro, bt_row, keys, ok, hkv, sp, sh, st, ssp, ssh, sst, mp, mh, mt,
                FMT: tl.constexpr, GRAN: tl.constexpr, DIM: tl.constexpr, PAGE: tl.constexpr,
-               BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr):
-    """Gather keys' rows [BN, DIM] from their pages, dequantized (but for a tensor scale) and
-    cast to COMPUTE. The per-row scale is applied here, in the load layout, where each thread
-    holds whole 16-byte row chunks, rather than per score column."""
+               BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr, FOLD: tl.constexpr):
+    """Gather keys' rows [BN, DIM] from their pages as COMPUTE values, and their page / token
+    scales [BN] fp32 (1.0 for plain pages and tensor scales). FOLD: the rows are the codes
+    (fp4: code * micro), exact in fp16, and the caller folds the scales into its columns; else
+    they are dequantized here (code * scale in fp32, in the load layout, where each thread
+    holds whole 16-byte row chunks)."""
     page = tl.load(bt_row + keys // PAGE, mask=ok, other=0).to(tl.int64)
     off = keys % PAGE
     base = page * sp + hkv * sh + off * st
@@ -71,15 +76,20 @@ def _page_tile(Data, Scale, Micro, bt_row, keys, ok, hkv, sp, sh, st, ssp, ssh, 
     else:
         offs_d = tl.arange(0, DIM)
         x = tl.load(Data + base[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
-        if FMT != _PLAIN:  # E4M3 / E5M2
-            x = fp8_specials(x, x.to(tl.float32))
+        if FMT != _PLAIN:  # E4M3 / E5M2: one cvt.rn.f16x2.e4m3x2 per two codes on sm_90
+            x = fp8_specials(x, x.to(COMPUTE if FOLD else tl.float32))
     if GRAN == _PAGE:
         sc = tl.load(Scale + page * ssp + hkv * ssh, mask=ok, other=0.0)
-        x = x.to(tl.float32) * sc[:, None]
     elif GRAN == _TOKEN:
         sc = tl.load(Scale + page * ssp + hkv * ssh + off * sst, mask=ok, other=0.0)
-        x = x.to(tl.float32) * sc[:, None]
-    return x.to(COMPUTE)
+    else:
+        sc = tl.full([BLOCK_N], 1.0, tl.float32)
+    if GRAN == _PAGE or GRAN == _TOKEN:
+        if FOLD:
+            x = x.to(COMPUTE)
+        else:
+            x = x.to(tl.float32) * sc[:, None]
+    return x.to(COMPUTE), sc
 
 
 @triton.jit
@@ -99,10 +109,12 @@ def _paged_tiles(acc, m_i, l_i, q, c_q, pos, bt_row, lo, hi, kv_lo, kv_hi, windo
             ok = (keys >= kv_lo) & (keys < kv_hi)
         else:
             ok = keys < kv_hi
-        k = _page_tile(K_data, K_scale, K_micro, bt_row, keys, ok, hkv, k_sp, k_sh, k_st,
-                       k_ssp, k_ssh, k_sst, k_mp, k_mh, k_mt, K_FMT, K_GRAN, HEAD_DIM, PAGE,
-                       BLOCK_N, COMPUTE)
+        k, k_sc = _page_tile(K_data, K_scale, K_micro, bt_row, keys, ok, hkv, k_sp, k_sh, k_st,
+                             k_ssp, k_ssh, k_sst, k_mp, k_mh, k_mt, K_FMT, K_GRAN, HEAD_DIM,
+                             PAGE, BLOCK_N, COMPUTE, True)
         qk = tl.dot(q, tl.trans(k))
+        if K_GRAN == _PAGE or K_GRAN == _TOKEN:  # q . (code * s) = (q . code) * s, per column
+            qk = qk * k_sc[None, :]
         if MASKED or SOFTCAP:
             s = qk * c_q[:, None]
             if SOFTCAP:
@@ -113,9 +125,11 @@ def _paged_tiles(acc, m_i, l_i, q, c_q, pos, bt_row, lo, hi, kv_lo, kv_hi, windo
             p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, MASKED, 0.0)
         else:
             p, alpha, m_i, l_i = softmax_step_scaled(qk, c_q, m_i, l_i, 0.0)
-        v = _page_tile(V_data, V_scale, V_micro, bt_row, keys, ok, hkv, v_sp, v_sh, v_st,
-                       v_ssp, v_ssh, v_sst, v_mp, v_mh, v_mt, V_FMT, V_GRAN, HEAD_DIM_V, PAGE,
-                       BLOCK_N, COMPUTE)
+        # V is dequantized per element: folding its scales into P's columns would put P * s
+        # (s = amax / 448, small for small-valued heads) into fp16's subnormals for P @ V
+        v, _ = _page_tile(V_data, V_scale, V_micro, bt_row, keys, ok, hkv, v_sp, v_sh, v_st,
+                          v_ssp, v_ssh, v_sst, v_mp, v_mh, v_mt, V_FMT, V_GRAN, HEAD_DIM_V,
+                          PAGE, BLOCK_N, COMPUTE, False)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(COMPUTE), v, acc)
     return acc, m_i, l_i

@@ -198,7 +198,7 @@ def _store(ctx, q, k, v, attn_mask, positions, layer, is_causal, sliding_window)
     if state.config.check_finite:
         _check_finite(li, "key", k_flat, plan)
         _check_finite(li, "value", v_flat, plan)
-    pool.write(li, plan.slots, k_flat, v_flat)
+    pool.write(li, plan.slots, k_flat, v_flat, grouped=plan.slots_grouped)
     return li, plan, mask_info
 
 

@@ -41,6 +41,10 @@ class StepPlan:
     # what such a step does for eviction inside it (H2O mass, re-rotated sinks):
     # eviction/aside.py AsideInputs, or None for the plain decode step
     aside: object | None = None
+    # each page's new slots are adjacent in `slots` (distinct sequences, each with its own run):
+    # the page-scaled append then needs no device sort (kernels/append.py); reserve()'s own
+    # slots are known to be so without this flag (cache/pool.py `write`)
+    slots_grouped: bool = False
 
     @property
     def is_decode(self) -> bool:

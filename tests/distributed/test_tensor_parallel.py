@@ -7,7 +7,8 @@ with `from_pretrained(..., tp_plan="auto")`, compiles it and generates greedily;
 - fp8_e4m3 pages: tokens identical to the unsharded model compiled with fp8_e4m3 pages (each
   rank quantizes its own heads with the same per-head scales);
 - bytes per token per rank are exactly 1/2 of the unsharded compiled model's;
-- the same with a model sharded by hand (`parallelize_module`, Colwise q/k/v, Rowwise o_proj);
+- the same with a model sharded by hand (`parallelize_module`, Colwise q/k/v, Rowwise o_proj),
+  and with a tiny Qwen2 (q/k/v biases) under its own tp_plan (fp32 pages);
 - 3 KV heads over 2 ranks are refused by `kvcompile.compile` with the counts and the fix;
 - stats() and report() name the rank and the tp size, with whole-model figures beside the
   rank's;
@@ -41,7 +42,7 @@ from kvcompile.testing import ASSERT_CLOSE
 from tests.distributed import tp_cases
 from tests.distributed.tp_worker import run_rank
 from tests.engine.tiny import config, make_hf
-from tests.passes.zoo import GptFast, seeded
+from tests.passes.zoo import GptFast, gptfast_generate, seeded
 
 WORLD = 2
 NEW = 12
@@ -62,9 +63,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _unsharded(kv_dtype, new=NEW):
+def _unsharded(kv_dtype, new=NEW, family="llama"):
     """The same weights on one process: eager tokens, or compiled tokens + bytes per token."""
-    model = make_hf("llama")
+    model = make_hf(family)
     if kv_dtype is not None:
         kvcompile.compile(model, config(kv_dtype=kv_dtype))
     out = model.generate(torch.tensor(PROMPTS), max_new_tokens=new, min_new_tokens=new,
@@ -84,6 +85,7 @@ def ranks(tmp_path_factory):
     model_dir, uneven_dir, out = str(d / "llama"), str(d / "uneven"), str(d / "out")
     os.makedirs(out)
     make_hf("llama").save_pretrained(model_dir)
+    make_hf("qwen2").save_pretrained(str(d / "qwen2"))   # tp_worker finds it beside the Llama
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=96, intermediate_size=128,
                                    num_hidden_layers=1, num_attention_heads=6,
                                    num_key_value_heads=3, pad_token_id=0)
@@ -98,7 +100,8 @@ def ranks(tmp_path_factory):
     try:  # the unsharded references, while the ranks start up
         torch._dynamo.reset()
         # fp32 pages: the eager tokens are the reference; one prefill gives the bytes per token
-        ref = {"eager": _unsharded(None), "auto": _unsharded("auto", new=1)}
+        ref = {"eager": _unsharded(None), "auto": _unsharded("auto", new=1),
+               "qwen2_eager": _unsharded(None, family="qwen2")}
         torch._dynamo.reset()
         ref["fp8_e4m3"] = _unsharded("fp8_e4m3")
         torch._dynamo.reset()
@@ -109,7 +112,7 @@ def ranks(tmp_path_factory):
         torch._dynamo.reset()
         ref["engine"] = tp_cases.engine(make_hf("llama"), kv_heads=2)
         torch._dynamo.reset()
-        ref["gptfast"] = tp_cases.gptfast_tokens(seeded(GptFast), PROMPTS, NEW)
+        ref["gptfast"] = gptfast_generate(seeded(GptFast), torch.tensor(PROMPTS), NEW).tolist()
         ref["original"] = make_hf("llama").model.layers[0].self_attn
     finally:
         torch.set_num_threads(n)
@@ -134,7 +137,7 @@ def _case(results, name):
     return per_rank
 
 
-@pytest.mark.parametrize("name", ["tp_plan_fp32", "tp_plan_fp8", "hand_fp32"])
+@pytest.mark.parametrize("name", ["tp_plan_fp32", "tp_plan_fp8", "hand_fp32", "qwen2_fp32"])
 def test_each_rank_rewrites_its_local_heads(ranks, name):
     results, _ = ranks
     for r, res in enumerate(_case(results, name)):
@@ -160,6 +163,7 @@ def test_each_rank_rewrites_its_local_heads(ranks, name):
     ("tp_plan_fp32", "auto", "eager"),
     ("tp_plan_fp8", "fp8_e4m3", "fp8_e4m3"),
     ("hand_fp32", "auto", "eager"),
+    ("qwen2_fp32", "auto", "qwen2_eager"),
 ])
 def test_tokens_and_bytes_per_token_match_the_unsharded_model(ranks, name, kv_dtype, against):
     results, ref = ranks

@@ -117,32 +117,19 @@ def engine_diverging(model, rank: int) -> dict:
         return dict(error_seen=f"{type(e).__name__}: {e}")
 
 
-def gptfast_tokens(model, prompts, steps: int) -> list:
-    """Greedy continuation of a gpt-fast model, one token per forward after the prefill."""
-    idx = torch.tensor(prompts)
-    S = idx.shape[1]
-    with torch.no_grad():
-        logits = model(idx, torch.arange(S))
-        out = [logits[:, -1].argmax(-1)]
-        for i in range(steps - 1):
-            logits = model(out[-1][:, None], torch.tensor([S + i]))
-            out.append(logits[:, -1].argmax(-1))
-    return torch.stack(out, 1).tolist()
-
-
 def gptfast(rank: int, world: int, prompts, new: int) -> dict:
     """The zoo's gpt-fast model sharded as gpt-fast's tp.py does, compiled, greedy tokens."""
     import kvcompile
     from kvcompile.api import state_of
     from tests.distributed.gptfast_tp import shard_gptfast
-    from tests.passes.zoo import GptFast, seeded
+    from tests.passes.zoo import GptFast, gptfast_generate, seeded
 
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     model = shard_gptfast(seeded(GptFast), rank, world)
     compiled = kvcompile.compile(model, kvcompile.KVConfig(inner="eager", kernels="reference",
                                                            max_kv_bytes=1 << 22))
-    tokens = gptfast_tokens(compiled, prompts, new)
+    tokens = gptfast_generate(compiled, torch.tensor(prompts), new).tolist()
     rep = kvcompile.report(model)
     st = kvcompile.stats(model)
     return dict(tokens=tokens, tp=repr(state_of(model).tp),

@@ -3,7 +3,8 @@
 Started twice by `torch.multiprocessing` with the environment torchrun would set (RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); gloo on the CPU. Each rank compiles its shard of the
 saved tiny Llama three ways (tp_plan="auto" with fp32 pages, the same with fp8_e4m3 pages, and a
-model sharded by hand with parallelize_module), generates greedily, runs the cases of
+model sharded by hand with parallelize_module) and a tiny Qwen2 with tp_plan="auto", generates
+greedily, runs the cases of
 tp_cases.py (rotation + SnapKV, the Engine, a gpt-fast model with its own sharding), and writes
 what it saw to `out/rank{R}.json`; the parent compares that with the unsharded model.
 """
@@ -138,6 +139,10 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, uneven_dir: str, 
         case("tp_plan_fp32", lambda: tp_plan("auto"))
         case("tp_plan_fp8", lambda: tp_plan("fp8_e4m3"))
         case("uneven", uneven)
+        # Qwen2 (q/k/v biases, its own tp_plan), saved beside the Llama by the parent
+        case("qwen2_fp32", lambda: _compiled_run(AutoModelForCausalLM.from_pretrained(
+            os.path.join(os.path.dirname(model_dir), "qwen2"), tp_plan="auto",
+            dtype=torch.float32).eval(), prompts, new, kv_dtype="auto"))
         case("rotate_snapkv", lambda: tp_cases.rotate_snapkv(load(), prompts, new))
         case("engine", engine)
     else:

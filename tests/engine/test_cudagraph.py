@@ -59,6 +59,29 @@ def test_bucket_sizes():
         assert b == sorted(set(b)) and b[-1] == m and all(x <= m for x in b)
 
 
+def test_padding_rows_leave_the_real_rows_inputs_alone():
+    """_pad fills the padding rows of every segment of a graph's int64 inputs (ids | positions
+    | slots | table rows | mass rows | sink shifts | re-rotated sink counts | hidden slots' lo,
+    hi) and nothing of the real rows. It once zeroed the real rows' re-rotated sink counts, so a replay with padding
+    attended the sinks unrotated (the H200 check of re-rotated SinkWindow, 2026-12-03)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    bp, n = 4, 2
+    g = SimpleNamespace(bp=bp, h64=np.full(9 * bp, 7, dtype=np.int64),
+                        h32=np.full(bp, 9, dtype=np.int32))
+    store = SimpleNamespace(scratch=3)
+    graphs = SimpleNamespace(_scratch=lambda rows: (0, [100, 101, 102, 103], 5),
+                             state=SimpleNamespace(eviction=SimpleNamespace(store=store)))
+    DecodeGraphs._pad(graphs, g, n)
+    seg = g.h64.reshape(9, bp)
+    assert (seg[:, :n] == 7).all(), seg          # real rows untouched, every segment
+    assert seg[:, n:].tolist() == [[0, 0], [0, 0], [100, 101], [5, 5], [3, 3], [0, 0], [0, 0],
+                                   [0, 0], [0, 0]]
+    assert g.h32.tolist() == [9, 9, 1, 1]
+
+
 def test_graphs_off_on_cpu_and_engine_unchanged():
     """Off the GPU the engine never tries a graph, and says why."""
     m = make_hf("llama", "sdpa")
@@ -92,35 +115,3 @@ def test_graph_steps_match_eager_on_cuda(fmt):
     assert [x.token_ids for x in a] == [y.token_ids for y in b]
     eng.close()
     assert eng.pool.stats().pages_used == 0
-
-
-def test_padding_rows_leave_the_real_rows_inputs(monkeypatch):
-    """A graph's padding rows (the scratch sequence) must not overwrite the real rows' inputs:
-    `_pad` once zeroed every row's re-rotated sink counts past the shifts, so replayed steps
-    never rotated sinks (what failed the re-rotated SinkWindow cases of
-    tests/gpu/test_engine_eviction_gpu.py on the H200). Runs on the CPU (no pinned memory)."""
-    import types
-
-    from kvcompile.engine import cudagraph as C
-    from kvcompile.eviction.aside import AsideSpec
-
-    zeros, ones = torch.zeros, torch.ones
-    monkeypatch.setattr(torch, "zeros", lambda *a, pin_memory=False, **k: zeros(*a, **k))
-    monkeypatch.setattr(torch, "ones", lambda *a, pin_memory=False, **k: ones(*a, **k))
-    bp, n = 8, 5
-    g = C._Graph(bp, 4, torch.device("cpu"), AsideSpec(mass_len=64, sinks=4, hidden=32))
-    blocks = g.h64.shape[0] // bp
-    assert blocks == 9
-    for blk in range(blocks):
-        g.h64[blk * bp:blk * bp + n] = [100 * blk + i for i in range(1, n + 1)]
-    stub = types.SimpleNamespace(_scratch=lambda rows: (0, list(range(50, 50 + rows)), 7),
-                                 state=types.SimpleNamespace(eviction=None))
-    C.DecodeGraphs._pad(stub, g, n)
-    for blk in range(blocks):
-        assert g.h64[blk * bp:blk * bp + n].tolist() == [100 * blk + i for i in range(1, n + 1)]
-    pad = bp - n
-    assert g.h64[2 * bp + n:3 * bp].tolist() == [50, 51, 52]       # scratch slots
-    assert g.h64[3 * bp + n:4 * bp].tolist() == [7] * pad          # its table row
-    for blk in (0, 1, 4, 5, 6, 7, 8):   # ids, positions, mass rows (no store: 0), no rotation,
-        assert g.h64[blk * bp + n:(blk + 1) * bp].tolist() == [0] * pad   # nothing hidden
-    assert g.h32[n:].tolist() == [1] * pad

@@ -17,7 +17,7 @@ import torch
 
 from kvcompile.cache.formats import FORMAT_NAMES, KVFormat
 from kvcompile.cache.pool import LayerSpec, PagePool
-from kvcompile.config import H2O, SinkWindow, SnapKV
+from kvcompile.config import H2O, KVConfig, SinkWindow, SnapKV
 from kvcompile.eviction.runtime import EvictionRuntime, _Book
 from kvcompile.testing import sqnr_db
 
@@ -64,7 +64,8 @@ class _State(SimpleNamespace):
 
 
 def _runtime(pool, policy):
-    state = _State(pool=pool, layer_specs=pool.layers, count=lambda *a, **k: None, tp=None)
+    state = _State(pool=pool, layer_specs=pool.layers, count=lambda *a, **k: None, tp=None,
+                   config=KVConfig())
     rt = EvictionRuntime(state)
     rt._test_state = state      # the runtime holds its state weakly (the model state owns it)
     rt.policies = {0: policy}

@@ -1,6 +1,7 @@
 """The absorbed MLA decode kernel (kernels/latent_decode.py) on CUDA at DeepSeek-V3 shape
 (128 heads, kv_lora_rank 512, rope 64) against the paged reference over the same pages
-(kernels/dense.py, latent=True), bf16 and fp8 pages, odd lengths (CUDA only).
+(kernels/dense.py, latent=True): bf16 and fp8 pages (fp8 latent beside a bf16 rotary key
+too), odd lengths, the rule's tiles and every candidate, split-K on and off (CUDA only).
 
     pytest -s -q -m gpu tests/gpu/test_latent_decode_gpu.py
 """
@@ -16,7 +17,7 @@ import torch
 from kvcompile.cache.formats import KVFormat
 from kvcompile.cache.pool import LayerSpec, PagePool
 from kvcompile.kernels.dense import paged_reference_attention
-from kvcompile.kernels.latent_decode import latent_decode_attention
+from kvcompile.kernels.latent_decode import CANDIDATES, latent_decode_attention
 from kvcompile.testing import assert_rel_close
 
 pytestmark = [pytest.mark.gpu,
@@ -25,12 +26,10 @@ pytestmark = [pytest.mark.gpu,
 H, R, DR, P = 128, 512, 64, 16
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
-@pytest.mark.parametrize("lens", [[1, 17, 1000], [4096] * 4])
-def test_kernel_matches_reference_on_cuda(fmt, lens):
+def _case(c_fmt, r_fmt, lens):
     g = torch.Generator(device="cuda").manual_seed(len(lens))
-    kf = KVFormat(fmt, "page")
-    spec = LayerSpec(num_kv_heads=1, head_dim=R, v_head_dim=DR, k_format=kf, v_format=kf)
+    spec = LayerSpec(num_kv_heads=1, head_dim=R, v_head_dim=DR,
+                     k_format=KVFormat(c_fmt, "page"), v_format=KVFormat(r_fmt, "page"))
     pool = PagePool([spec], sum(math.ceil(n / P) for n in lens) + 1, P, device="cuda")
     seqs = pool.allocate(len(lens))
     for s, n in zip(seqs, lens):
@@ -42,7 +41,25 @@ def test_kernel_matches_reference_on_cuda(fmt, lens):
                            block_tables=pool.block_table(seqs, device="cuda"))
     q = (torch.randn(len(lens), H, R + DR, device="cuda", generator=g) / 8).bfloat16()
     lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    out = latent_decode_attention(q, pool.k[0], pool.v[0], plan.block_tables, lens_t, 0.07)
     ref = paged_reference_attention(pool.k[0], pool.v[0], q.float()[:, :, None], plan, None,
                                     True, 0, 0.0, 0.07, latent=True)[:, :, 0]
-    assert_rel_close(out, ref, torch.bfloat16, what=f"{fmt} {lens}")
+    return pool, plan, q, lens_t, ref
+
+
+@pytest.mark.parametrize("c_fmt,r_fmt", [("bf16", "bf16"), ("fp8_e4m3", "fp8_e4m3"),
+                                         ("fp8_e4m3", "bf16")])
+@pytest.mark.parametrize("lens", [[1, 17, 1000], [4096] * 4])
+def test_kernel_matches_reference_on_cuda(c_fmt, r_fmt, lens):
+    pool, plan, q, lens_t, ref = _case(c_fmt, r_fmt, lens)
+    out = latent_decode_attention(q, pool.k[0], pool.v[0], plan.block_tables, lens_t, 0.07)
+    assert_rel_close(out, ref, torch.bfloat16, what=f"{c_fmt}/{r_fmt} {lens}")
+
+
+@pytest.mark.parametrize("tiles", CANDIDATES, ids=str)
+@pytest.mark.parametrize("splits", [1, 5])
+@pytest.mark.parametrize("c_fmt", ["bf16", "fp8_e4m3"])
+def test_every_candidate_on_cuda(tiles, splits, c_fmt):
+    pool, plan, q, lens_t, ref = _case(c_fmt, c_fmt, [3, 300, 2049])
+    out = latent_decode_attention(q, pool.k[0], pool.v[0], plan.block_tables, lens_t, 0.07,
+                                  num_splits=splits, tiles=tiles)
+    assert_rel_close(out, ref, torch.bfloat16, what=f"{c_fmt} {tiles} x {splits}")

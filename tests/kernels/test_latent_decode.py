@@ -1,7 +1,10 @@
 """The absorbed MLA decode kernel (kernels/latent_decode.py) against the paged reference over
-the same latent pages (kernels/dense.py, latent=True), on fresh random inputs: odd lengths,
-several splits, head counts that do not fill a block, fp32 and fp8 pages (the same stored
-values: the fp8 case checks the page scales are applied, not quantization error)."""
+the same latent pages (kernels/dense.py, latent=True), on fresh random inputs: ragged lengths,
+split-K on and off (empty splits included), head counts that do not fill a head block, tiles
+spanning several pages or part of one, fp32 / bf16 / fp8 pages and an fp8 latent beside a bf16
+rotary key (the same stored values: fp8 cases check that page scales are folded into the scores
+and probabilities, not quantization error). Queries are fp32: the interpreter's bf16 dots are
+wrong (shared/REFERENCE.md), so the dots run in fp32 here; tests/gpu/ runs bf16 on CUDA."""
 
 from __future__ import annotations
 
@@ -15,16 +18,22 @@ from kvcompile.cache.formats import KVFormat
 from kvcompile.cache.pool import LayerSpec, PagePool
 from kvcompile.errors import UnsupportedShapeError
 from kvcompile.kernels.dense import paged_reference_attention
-from kvcompile.kernels.latent_decode import latent_decode_attention
-from kvcompile.testing import assert_rel_close
+from kvcompile.kernels.latent_decode import (
+    CANDIDATES,
+    LatentTiles,
+    latent_decode_attention,
+    pick_splits,
+    pick_tiles,
+)
+from kvcompile.testing import assert_rel_close, rel_err
 
-R, DR, P = 32, 16, 16
+R, DR = 64, 16
 
 
-def _pool(fmt: str, lens: list[int], g):
-    kf = KVFormat(fmt, "page")
-    spec = LayerSpec(num_kv_heads=1, head_dim=R, v_head_dim=DR, k_format=kf, v_format=kf)
-    pool = PagePool([spec], sum(math.ceil(n / P) for n in lens) + 3, P)
+def _pool(c_fmt: str, r_fmt: str, lens: list[int], g, page: int = 16):
+    spec = LayerSpec(num_kv_heads=1, head_dim=R, v_head_dim=DR,
+                     k_format=KVFormat(c_fmt, "page"), v_format=KVFormat(r_fmt, "page"))
+    pool = PagePool([spec], sum(math.ceil(n / page) for n in lens) + 3, page)
     seqs = pool.allocate(len(lens))
     pool.allocate(1)   # a sequence between them: block tables are not the identity
     for s, n in zip(seqs, lens):
@@ -37,24 +46,101 @@ def _pool(fmt: str, lens: list[int], g):
     return pool, plan
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "fp8_e4m3"])
-@pytest.mark.parametrize("heads,lens,splits", [(4, [1, 17, 50], None), (20, [64, 33], 3)])
-def test_kernel_matches_paged_reference(fmt, heads, lens, splits):
-    g = torch.Generator().manual_seed(len(lens) * heads)
-    pool, plan = _pool(fmt, lens, g)
-    q_lat = torch.randn(len(lens), heads, R + DR, generator=g)
+def _run(pool, plan, q_lat, lens, **kw):
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     out = latent_decode_attention(q_lat, pool.k[0], pool.v[0], plan.block_tables, seq_lens,
-                                  0.2, num_splits=splits)
+                                  0.2, **kw)
     ref = paged_reference_attention(pool.k[0], pool.v[0], q_lat[:, :, None], plan, None, True,
                                     0, 0.0, 0.2, latent=True)[:, :, 0]
-    assert out.shape == (len(lens), heads, R)
+    return out, ref
+
+
+SMALL = LatentTiles(16, 16, 4, 1)
+WIDE = LatentTiles(16, 32, 4, 2)
+HALVES = LatentTiles(16, 16, 4, 2, v_split=2)   # two programs per head block, 32 columns each
+
+
+@pytest.mark.parametrize("c_fmt,r_fmt", [("fp32", "fp32"), ("bf16", "bf16"),
+                                         ("fp8_e4m3", "fp8_e4m3"), ("fp8_e4m3", "bf16"),
+                                         ("fp8_e5m2", "fp32")])
+@pytest.mark.parametrize("heads,lens,splits,tiles,page", [
+    (16, [1, 17, 50, 100], 1, WIDE, 16),        # no split: the kernel normalizes itself
+    (16, [1, 17, 50, 100], 3, WIDE, 16),        # split-K; row 0 has empty splits
+    (20, [64, 33], None, SMALL, 16),            # 20 heads in blocks of 16; rule's splits
+    (16, [70, 5], 2, SMALL, 32),                # a tile is half a page
+    (32, [45, 90], 2, LatentTiles(32, 32, 4, 1), 8),   # a tile spans 4 pages
+    (16, [1, 17, 50, 100], 3, HALVES, 16),      # value halves, split-K
+    (20, [64, 33], 1, HALVES, 16),              # value halves, no split, partial head block
+])
+def test_kernel_matches_paged_reference(c_fmt, r_fmt, heads, lens, splits, tiles, page):
+    g = torch.Generator().manual_seed(len(lens) * heads + page)
+    pool, plan = _pool(c_fmt, r_fmt, lens, g, page)
+    q_lat = torch.randn(len(lens), heads, R + DR, generator=g)
+    out, ref = _run(pool, plan, q_lat, lens, num_splits=splits, tiles=tiles)
+    assert out.shape == (len(lens), heads, R) and out.dtype == torch.float32
+    assert_rel_close(out, ref, torch.float32, factor=4, what=f"{c_fmt}/{r_fmt} {lens}")
+
+
+def test_default_tiles_and_splits():
+    """The launcher's own choice (pick_tiles / pick_splits) on a non-contiguous query."""
+    g = torch.Generator().manual_seed(7)
+    lens = [300, 3, 129]
+    pool, plan = _pool("fp8_e4m3", "bf16", lens, g)
+    q_lat = torch.randn(len(lens), 2 * (R + DR), 16, generator=g).transpose(1, 2)[..., ::2]
+    out, ref = _run(pool, plan, q_lat, lens)
     assert_rel_close(out, ref, torch.float32, factor=4)
 
 
-def test_refuses_pages_it_cannot_read():
+def test_scales_are_applied():
+    """Negative control: the same codes read as if every page scale were 1 give another
+    answer, so the fp8 cases above can fail."""
+    g = torch.Generator().manual_seed(3)
+    lens = [40, 20]
+    pool, plan = _pool("fp8_e4m3", "fp8_e4m3", lens, g)
+    q_lat = torch.randn(2, 16, R + DR, generator=g)
+    out, ref = _run(pool, plan, q_lat, lens, tiles=SMALL)
+    pool.k[0].scale.fill_(1.0)
+    wrong, _ = _run(pool, plan, q_lat, lens, tiles=SMALL)
+    assert rel_err(out, ref) < 1e-4 < rel_err(wrong, ref)
+
+
+def test_rule_picks():
+    """DeepSeek-V3 shape on the H200 (132 SMs): 64 heads a program, the value columns in two
+    halves over 4 warps (128 accumulator registers a thread); B16 splits 4 ways, B64 does not
+    split."""
+    t = pick_tiles(128, 512)
+    assert (t.block_h, t.num_warps, t.v_split) == (64, 4, 2) and t.acc_regs(512) == 128
+    assert pick_splits(16, 128, 8192, t, 132) == 4
+    assert pick_splits(64, 128, 32768, t, 132) == 1
+    assert pick_splits(1, 128, 131072, t, 132) == 64          # capped at MAX_SPLITS
+    assert pick_splits(1, 128, 100, t, 132) == 1              # too short to split
+    assert pick_tiles(8, 64).block_h == 16
+    assert all(c.acc_regs(512) <= 128 for c in CANDIDATES)
+
+
+def test_refuses_what_it_cannot_read():
     g = torch.Generator().manual_seed(0)
-    pool, plan = _pool("fp4_e2m1", [20], g)
+    lens = torch.tensor([20], dtype=torch.int32)
+    pool, plan = _pool("fp4_e2m1", "fp4_e2m1", [20], g)
     with pytest.raises(UnsupportedShapeError, match="fp4_e2m1"):
         latent_decode_attention(torch.randn(1, 4, R + DR), pool.k[0], pool.v[0],
-                                plan.block_tables, torch.tensor([20], dtype=torch.int32), 0.2)
+                                plan.block_tables, lens, 0.2)
+    pool, plan = _pool("fp32", "fp32", [20], g)
+    with pytest.raises(UnsupportedShapeError, match="width"):
+        latent_decode_attention(torch.randn(1, 4, R), pool.k[0], pool.v[0],
+                                plan.block_tables, lens, 0.2)
+    with pytest.raises(UnsupportedShapeError, match="block_tables"):
+        latent_decode_attention(torch.randn(1, 4, R + DR), pool.k[0], pool.v[0],
+                                plan.block_tables.long(), lens, 0.2)
+    with pytest.raises(UnsupportedShapeError, match="seq_lens"):
+        latent_decode_attention(torch.randn(1, 4, R + DR), pool.k[0], pool.v[0],
+                                plan.block_tables, lens.long(), 0.2)
+    with pytest.raises(UnsupportedShapeError, match="num_splits"):
+        latent_decode_attention(torch.randn(1, 4, R + DR), pool.k[0], pool.v[0],
+                                plan.block_tables, lens, 0.2, num_splits=0)
+    with pytest.raises(ValueError, match="power of two"):
+        LatentTiles(24, 32, 4, 1)
+    with pytest.raises(ValueError, match="power of two"):
+        LatentTiles(64, 8, 8, 1)
+    with pytest.raises(ValueError, match="v_split"):
+        LatentTiles(64, 16, 4, 1, v_split=4)

@@ -119,8 +119,11 @@ def run_prefill(lens, Hq, Hkv, D, dtype, *, config=None, tma=True, gen=None, Dv=
 
 
 def run_paged(fmt, lens, q_lens, Hq, Hkv, D, P, dtype, *, config=None, gen=None, kv_start=None,
-              **mask):
+              scale_mult=1.0, **mask):
     kc, vc, bt, sl = make_paged_kv(fmt, lens, Hkv, D, P, gen=gen)
+    if scale_mult != 1.0:  # every stored value times scale_mult (page / token scales)
+        kc.scale.mul_(scale_mult)
+        vc.scale.mul_(scale_mult)
     cu = cu_of(q_lens)
     q = torch.randn(int(cu[-1]), Hq, D, generator=gen).to(device=DEV, dtype=dtype)
     ks = None if kv_start is None else torch.tensor(kv_start, dtype=torch.int32, device=DEV)
@@ -308,6 +311,18 @@ def test_paged_prefill_matches_reference(case, dtype):
     # quantized pages are computed in fp16 (fp32 under the interpreter with fp32 q)
     bound = _bound(dtype) if name in PLAIN or dtype == torch.float32 else REL_ERR[torch.float16]
     assert err <= bound, f"rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp4_e2m1"])
+def test_paged_prefill_small_valued_pages_fp16(name):
+    # K / V of magnitude ~1e-3 (page scales ~2e-6 for fp8): K's scale folds into the score
+    # columns in fp32; V's must not be folded into fp16 P (P * scale would be subnormal)
+    gen = torch.Generator().manual_seed(31)
+    err, out, _ = run_paged(make_format(name, "page"), [70, 33], [30, 33], 4, 2, 64, 16,
+                            torch.float16, config=CFG(32, 16, 4, 1), gen=gen,
+                            scale_mult=2.0 ** -11)
+    assert torch.isfinite(out).all()
+    assert err <= REL_ERR[torch.float16], f"rel err {err:.2e}"
 
 
 def test_paged_equals_contiguous_chunk():

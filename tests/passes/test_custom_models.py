@@ -8,19 +8,7 @@ import torch
 import kvcompile
 from kvcompile.runtime.binding import is_stub
 from kvcompile.testing import kl_divergence
-from tests.passes.zoo import GptFast, NanoGPT, seeded
-
-
-def gptfast_generate(model, idx, steps: int):
-    # idx: [B, S] -> greedy continuation [B, steps], one token per forward after the prefill
-    S = idx.shape[1]
-    with torch.no_grad():
-        logits = model(idx, torch.arange(S))
-        out = [logits[:, -1].argmax(-1)]
-        for i in range(steps - 1):
-            logits = model(out[-1][:, None], torch.tensor([S + i]))
-            out.append(logits[:, -1].argmax(-1))
-    return torch.stack(out, 1)
+from tests.passes.zoo import GptFast, NanoGPT, gptfast_generate, seeded
 
 
 def test_gptfast_buffers_rewritten_and_released():

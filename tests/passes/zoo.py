@@ -178,3 +178,16 @@ def seeded(cls, *args, seed=0, **kw):
     with torch.no_grad():
         m.head.weight.mul_(8.0)
     return m
+
+
+def gptfast_generate(model, idx, steps: int):
+    """Greedy continuation [B, steps] of a gpt-fast model (idx [B, S]), one token per forward
+    after the prefill."""
+    S = idx.shape[1]
+    with torch.no_grad():
+        logits = model(idx, torch.arange(S))
+        out = [logits[:, -1].argmax(-1)]
+        for i in range(steps - 1):
+            logits = model(out[-1][:, None], torch.tensor([S + i]))
+            out.append(logits[:, -1].argmax(-1))
+    return torch.stack(out, 1)
