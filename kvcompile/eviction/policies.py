@@ -52,7 +52,7 @@ class PolicyRules:
         None: sinks, if any, keep their positions.
     keeps_budget: every kv head keeps exactly `budget` tokens when it holds more, so an
         eviction between CUDA-graph decode steps knows the new length without reading the
-        device (eviction/runtime.py `_evict_front`).
+        device (eviction/front.py).
     window(policy) -> (sinks, window): the policy keeps the first `sinks` tokens and the last
         `window`, by position only, the same in every head, so a sequence evicts it without
         moving a token (eviction/runtime.py `_evict_window`); None: it keeps by other rules.

@@ -1,8 +1,8 @@
-"""Eviction on the device, with no host sync (EvictionRuntime._evict_front, pool.compact_front,
+"""Eviction on the device, with no host sync (EvictionRuntime._evict_front: eviction/front.py,
 compaction.move_slots_exact), against the host path (EvictionRuntime.evict: move_tokens, which
 reads counts): the same tokens kept, bit for bit, in every format that moves tokens exactly.
-The device path keeps kept tokens in slot order, the host path fills holes from the tail, so
-the two are compared by logical index."""
+Both fill the holes below the budget from the tail, each in its own order, so the two are
+compared by logical index."""
 
 from __future__ import annotations
 
