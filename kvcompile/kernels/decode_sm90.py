@@ -40,7 +40,7 @@ class DecodeParams(ctypes.Structure):  # paged_decode.cuh DecodeParams, field fo
         (n, ctypes.c_int) for n in (
             "H", "G", "SQ", "num_splits", "log2p", "window", "sinks", "direct")] + [
         (n, ctypes.c_float) for n in ("qk_scale", "cap_in", "cap_out")] + [
-        ("pad_", ctypes.c_int)]
+        ("n_km", ctypes.c_int)]
 
 
 def device_ok(device: torch.device) -> tuple[bool, str]:
@@ -138,9 +138,12 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, sm_count: int,
     return min(s for s, c in cost.items() if c <= best * 1.02)
 
 
-def _padded_mask(key_mask: torch.Tensor, width: int) -> torch.Tensor:
-    """[B, Lm] bool -> [B, width] uint8 (width a multiple of 16), 1 past Lm (keys seen)."""
+def _padded_mask(key_mask: torch.Tensor, max_width: int) -> torch.Tensor:
+    """[B, Lm] bool -> [B, width] uint8, width = Lm rounded up to 16 (at most max_width, a
+    multiple of 16), 1 past Lm (keys seen). The kernel reads the mask for its first `width`
+    slots only (DecodeParams.n_km): the steps after it run unmasked."""
     B, lm = key_mask.shape
+    width = max(16, min(max_width, -(-lm // 16) * 16))
     out = torch.ones(B, width, dtype=torch.uint8, device=key_mask.device)
     n = min(lm, width)
     out[:, :n] = key_mask[:, :n].to(torch.uint8)
@@ -226,6 +229,7 @@ def plan_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
     prm.out, prm.acc, prm.lse = out.data_ptr(), acc.data_ptr(), plse.data_ptr()
     prm.stride_bt = block_tables.stride(0)
     prm.stride_km = km.shape[1] if km is not None else 0
+    prm.n_km = km.shape[1] if km is not None else 0
     prm.H, prm.G, prm.SQ, prm.num_splits = Hkv, G, Sq, num_splits
     prm.log2p = int(math.log2(P))
     prm.window, prm.sinks = window, int(sinks) if window else 0

@@ -41,7 +41,9 @@ def _make_inputs(k, v, D, G, P, Sq, lens, Hkv, kmask, q_dtype, seed):
                                    device="cpu")
     q = torch.randn(len(lens), Hkv * G, Sq, D, generator=gen).to(q_dtype)
     km = None
-    if kmask:
+    if kmask == "short":   # the first 20 slots only (eviction's hidden slots after the sinks)
+        km = torch.rand(len(lens), 20, generator=gen) > 0.3
+    elif kmask:
         km = torch.rand(len(lens), max(lens), generator=gen) > 0.3
         km[:, -1] = True
     return kc, vc, bt, sl, q, km
@@ -123,6 +125,16 @@ def test_sliding_window(window, sinks, variant):
 def test_key_mask_and_softcap():
     check(E4, E4, 128, 4, 16, 1, kmask=True)
     check(BF, BF, 128, 8, 16, 2, kmask=True, window=37, sinks=3)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_short_key_mask(splits):
+    """A mask of 20 columns (padded to 32, DecodeParams.n_km): the first two steps masked, the
+    rest read unmasked; hidden slots among the first 20 stay hidden (the reference's
+    `key_mask` semantics: slots past the mask are seen)."""
+    check(E4, E4, 128, 4, 16, 1, kmask="short", splits=splits)
+    check(("fp8_e4m3", "token"), ("fp8_e4m3", "token"), 64, 8, 128, 2, kmask="short",
+          splits=splits)
     check(E4, E4, 128, 4, 16, 1, softcap=30.0)
 
 

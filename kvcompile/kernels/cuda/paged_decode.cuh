@@ -43,7 +43,7 @@ struct DecodeParams {
   const float* vs;          // value scales: alike
   const int* bt;            // [B, stride_bt]    block tables
   const int* seq_lens;      // [B]               tokens stored, new ones included
-  const uint8_t* kmask;     // [B, stride_km]    1 = key visible (covers every slot), or null
+  const uint8_t* kmask;     // [B, stride_km]    1 = key visible (its first n_km slots), or null
   void* out;                // [B, Hq, SQ, DV]   q's dtype (written when direct)
   float* acc;               // [B*Hq*SQ, S, DV]  normalized partial outputs (splits)
   float* lse;               // [B*Hq*SQ, S]      log2-sum-exp of each split
@@ -53,7 +53,7 @@ struct DecodeParams {
   float qk_scale;           // scale * log2(e)
   float cap_in;             // softcap: s = cap_out * tanh(cap_in * q.k), 0 = none
   float cap_out;
-  int pad_;
+  int n_km;                 // key-mask columns (a multiple of 16): slots past them are seen
 };
 
 // element kinds
@@ -365,7 +365,7 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
         cp_async4(smem_u32(sc + (is_v ? 16 : 0) + l), src + (long long)pg * H + h, 4);
       }
     }
-    if (p.kmask != nullptr && lane == 31) {
+    if (p.kmask != nullptr && tok0 < p.n_km && lane == 31) {
       cp_async16(smem_u32(st + Gm::MASK_OFF), p.kmask + (long long)b * p.stride_km + tok0, 16);
     }
   };
@@ -468,7 +468,10 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
       }
     // every row sees every token of the step: the first query (position L - SQ) sees the last
     // token, the last query (L - 1) the first one through its window
-    const bool full = tok0 + STEP <= L - SQ + 1 && p.kmask == nullptr &&
+    // (a key mask covers the first n_km slots, whole steps of 16: later steps need no mask,
+    // so a short mask, as eviction's hidden slots after the sinks, costs only its own steps)
+    const bool masked = p.kmask != nullptr && tok0 < p.n_km;
+    const bool full = tok0 + STEP <= L - SQ + 1 && !masked &&
                       (p.window <= 0 || tok0 >= L - p.window || tok0 + STEP <= p.sinks);
     bool tok_ok[2][2] = {{true, true}, {true, true}};
     if (!full) {
@@ -478,7 +481,7 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int tau = 8 * j + 2 * t + e, pos = tok0 + tau;
-          bool any = pos < L && (p.kmask == nullptr || km[tau] != 0);
+          bool any = pos < L && (!masked || km[tau] != 0);
 #pragma unroll
           for (int c = e; c < 4; c += 2) {
             const int qpos = L - SQ + (c < 2 ? i_row0 : i_row1);
