@@ -77,8 +77,8 @@ def _round_fp8_bits(y, MB: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr)
 # (a reciprocal, four fmas and a branch to a slow path). For |x| < 2^-100 the residual may
 # underflow, but the quotient is then below 2^-20, where every format stores +-0; the sign of a
 # zero quotient is taken from x. Other blocks (NaN, Inf, extreme d) take the exact division.
-_SAFE_LO, _SAFE_HI = 2.0 ** -80, 2.0 ** 80
-_MIN_SCALE = 2.0 ** -126  # cache/fp4.py MIN_SCALE: scales are never subnormal
+_SAFE_LO, _SAFE_HI = tl.constexpr(2.0 ** -80), tl.constexpr(2.0 ** 80)
+_MIN_SCALE = tl.constexpr(2.0 ** -126)  # cache/fp4.py MIN_SCALE: scales are never subnormal
 
 
 @triton.jit
@@ -216,12 +216,15 @@ def _encode_fp4(xe, xo, scale, a16, EXPLICIT: tl.constexpr, RECIP: tl.constexpr)
     good = _in_safe_range(d)
     smask = tl.where(d > 0, 8, 0)[:, :, None]
     if fin & (tl.min(tl.min(((d == 0) | good).to(tl.int32), 1), 0) > 0):
-        dd = tl.where(good, d, 1.0)
-        y = tl.where(good, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), dd), 0.0)
-        ce = _fp4_half_codes(xe, y[:, :, None], dd[:, :, None], smask, True)
-        co = _fp4_half_codes(xo, y[:, :, None], dd[:, :, None], smask, True)
+        # (both branches give dd and y the same shape: compiled Triton requires it)
+        d1 = tl.where(good, d, 1.0)
+        y = tl.where(good, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d1), 0.0)[:, :, None]
+        dd = d1[:, :, None]
+        ce = _fp4_half_codes(xe, y, dd, smask, True)
+        co = _fp4_half_codes(xo, y, dd, smask, True)
     else:
         dd = tl.where(d > 0, d, 1.0)[:, :, None]
+        y = dd
         ce = _fp4_half_codes(xe, dd, dd, smask, False)
         co = _fp4_half_codes(xo, dd, dd, smask, False)
     mcode = tl.where(a16 != a16, 0x7F, mcode)

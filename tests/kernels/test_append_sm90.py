@@ -1,0 +1,86 @@
+"""The append kernels compiled for sm_90 (Hopper) on a machine without a GPU: every format
+and path (row / token / tensor scales, decode-step page scales, the bulk page-scale kernel,
+grouped or sorted) must get through the installed Triton's NVIDIA backend. The interpreter
+runs a kernel as Python and accepts what the compiler refuses: a non-constexpr global read
+in a kernel, a variable whose shape differs between the branches of an `if` (both reached the
+H200 on 2026-12-03 and failed there). Not a substitute for the CUDA run (tests/kernels/
+test_append.py on the GPU), and this Triton may differ from the GPU image's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow   # 16 compiles, about 60 s on the 2-core machine
+
+TYPES = dict(X="*bf16", SLOTS="*i64", SORTED="*i64", ORDER="*i64", DATA="*u8", SCALE="*fp32",
+             MICRO="*u8", AMAX="*fp32", T="i32", H="i32")
+
+
+def _compile(fn, consts: dict, types: dict | None = None, warps: int = 4) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    types = dict(TYPES, **(types or {}))
+    sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
+    try:
+        triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    except Exception as e:  # reported to the test, which fails with the innermost cause
+        while e.__cause__ is not None:
+            e = e.__cause__
+        return f"{type(e).__name__}: {e}"[-1500:]
+    return "ok"
+
+
+def _cases():
+    import triton.language as tl
+
+    from kvcompile.kernels import append as A
+
+    fmts = [(A.FMT_E4M3, tl.float8e4nv, 448.0, 448.0),
+            (A.FMT_E5M2, tl.float8e5, 57344.0, 57344.0),
+            (A.FMT_E2M1, tl.float8e4nv, 6.0, 6.0 * 448.0)]
+    for code, dt, fmax, div in fmts:
+        base = dict(D=128, P=16, FMT=code, EXPLICIT=False, FMAX=fmax, DIV=div, RECIP=True)
+        for sm in (1, 3):
+            yield f"rows fmt{code} scales{sm}", A._append_rows_kernel, dict(base, R=32, SM=sm), \
+                None, 4
+        yield f"pages fmt{code}", A._append_pages_kernel, dict(base, R=16, DATA_DT=dt, WIN=1), \
+            None, 4
+        for grouped in (False, True):
+            yield (f"bulk fmt{code} grouped={grouped}", A._append_pages_bulk_kernel,
+                   dict(base, R=16, W=128, DATA_DT=dt, GROUPED=grouped), None, 8)
+    yield ("rows plain bf16", A._append_rows_kernel,
+           dict(D=128, P=16, R=32, FMT=A._PLAIN_BF16, SM=0, EXPLICIT=False, FMAX=1.0, DIV=1.0,
+                RECIP=True), dict(DATA="*i16", SCALE="*bf16", MICRO="*bf16", AMAX="*bf16"), 4)
+
+
+def _main() -> None:
+    for name, fn, consts, types, warps in _cases():
+        print(json.dumps([name, _compile(fn, consts, types, warps)]), flush=True)
+
+
+def test_append_kernels_compile_for_sm90():
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"Triton without the NVIDIA backend's AOT compile: {e}")
+    # a process without TRITON_INTERPRET (the interpreter patches triton.language)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c",
+                        "import tests.kernels.test_append_sm90 as t; t._main()"],
+                       capture_output=True, text=True, env=env, cwd=root, timeout=1200)
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("[")]
+    if not rows:
+        pytest.fail(f"the sm_90 compile process gave nothing: {r.stderr[-3000:]}")
+    bad = [f"{name}: {msg}" for name, msg in rows if msg != "ok"]
+    assert len(rows) == 16 and not bad, "\n".join(bad) or f"{len(rows)} of 16 compiled"
