@@ -133,6 +133,14 @@ def main() -> int:
         if gran == "page" and name not in ("bf16", "fp16"):
             label += ", grouped (no sort)" if grouped else ", sorted on device"
         row(label, fmt, slots, x, grouped)
+        if gran == "page" and grouped:   # the other bulk kernel (append.PAGE_BULK)
+            import kvcompile.kernels.append as app
+
+            app.PAGE_BULK = "windows"
+            try:
+                row(label + ", windows kernel", fmt, slots, x, grouped)
+            finally:
+                app.PAGE_BULK = "runs"
     # a batch of 16 prompts of odd lengths in reserve order: page runs start off the kernel's
     # windows, so each window also has a run that crosses its end (written by the per-run path)
     B = 16

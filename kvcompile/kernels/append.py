@@ -40,6 +40,13 @@ _PLAIN_BF16, _PLAIN_FP16, _PLAIN_FP32 = 10, 11, 12
 BULK_TOKENS = 4096
 # Tokens x head_dim of one bulk page-scaled program's tile (128 tokens at head_dim 128).
 BULK_TILE_ELEMS = 16384
+# Which kernel writes bulk page-scaled appends: "runs" (_append_pages_kernel, one program per
+# window of P sorted slots, each page a serial amax -> scale -> encode) or "windows"
+# (_append_pages_bulk_kernel: a window of whole pages in one pass with segmented scans). On the
+# H200 (2026-12-03, bench_append.py, T 65536, fp8_e4m3 page scales, grouped) "windows" ran at
+# 0.37x copy against 0.44x for "runs" in an earlier session, and fp4 pages at 0.13x both: "runs"
+# stays the default until "windows" is faster; the tests and bench_append.py run both.
+PAGE_BULK = "runs"
 
 
 @triton.jit
@@ -614,10 +621,11 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str,
             sorted_slots, order = slots, _iota(T, x.device)
         else:
             sorted_slots, order = torch.sort(slots)
-        if T <= BULK_TOKENS:
-            _append_pages_kernel[(T, H)](
+        if T <= BULK_TOKENS or PAGE_BULK == "runs":
+            win = 1 if T <= BULK_TOKENS else P
+            _append_pages_kernel[(triton.cdiv(T, win), H)](
                 x, sorted_slots, order, d8, scale, m8, T, H, D=D, P=P, R=min(R, P), FMT=fmt,
-                DATA_DT=data_dt, EXPLICIT=explicit, FMAX=fmax, DIV=div, RECIP=recip, WIN=1,
+                DATA_DT=data_dt, EXPLICIT=explicit, FMAX=fmax, DIV=div, RECIP=recip, WIN=win,
                 num_warps=4)
             return
         W = max(2 * P, BULK_TILE_ELEMS // D)

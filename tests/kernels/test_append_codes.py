@@ -152,6 +152,7 @@ def test_quotient_is_the_correctly_rounded_division():
 def _bulk(monkeypatch):
     import kvcompile.kernels.append as app
 
+    monkeypatch.setattr(app, "PAGE_BULK", "windows")    # the bulk kernel, not the default
     monkeypatch.setattr(app, "BULK_TOKENS", 0)          # every write takes the bulk kernel
     monkeypatch.setattr(app, "BULK_TILE_ELEMS", 1)      # windows of 2 * page_size tokens
 
