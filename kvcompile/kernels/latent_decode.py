@@ -80,8 +80,10 @@ class LatentTiles:
 # Both compute QK^T twice per head block; which is faster is for the GPU to say:
 # benchmarks/bench_latent_decode.py --quick times every 64-head candidate.
 CANDIDATES = (
-    LatentTiles(64, 16, 4, 2, v_split=2),
+    # first: the fastest on the H200 at 128 heads in 7 of 8 shapes x pages (B16/B64 x 8k/32k,
+    # bf16 and fp8, bench_latent_decode.py --quick, 2026-12-03), within 0.2% in the eighth
     LatentTiles(64, 32, 8, 2),
+    LatentTiles(64, 16, 4, 2, v_split=2),
     LatentTiles(64, 16, 8, 3),
     LatentTiles(64, 32, 4, 2, v_split=2),
     # under 64 heads the dots fall back from wgmma to mma.sync, whose operands sit in

@@ -105,11 +105,12 @@ def test_scales_are_applied():
 
 
 def test_rule_picks():
-    """DeepSeek-V3 shape on the H200 (132 SMs): 64 heads a program, the value columns in two
-    halves over 4 warps (128 accumulator registers a thread); B16 splits 4 ways, B64 does not
-    split."""
+    """DeepSeek-V3 shape on the H200 (132 SMs): 64 heads a program over 8 warps, all 512 value
+    columns (128 accumulator registers a thread; the fastest tile measured); B16 splits 4
+    ways, B64 does not split."""
     t = pick_tiles(128, 512)
-    assert (t.block_h, t.num_warps, t.v_split) == (64, 4, 2) and t.acc_regs(512) == 128
+    assert (t.block_h, t.block_n, t.num_warps, t.v_split) == (64, 32, 8, 1)
+    assert t.acc_regs(512) == 128
     assert pick_splits(16, 128, 8192, t, 132) == 4
     assert pick_splits(64, 128, 32768, t, 132) == 1
     assert pick_splits(1, 128, 131072, t, 132) == 64          # capped at MAX_SPLITS
