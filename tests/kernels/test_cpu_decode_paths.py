@@ -25,7 +25,7 @@ FORMATS = [("bf16", None), ("fp8_e4m3", "page"), ("fp8_e5m2", "token"), ("fp8_e4
            ("fp4_e2m1", None), ("int4", None)]
 
 
-def _reference_gather(paged, idx, b, total, dtype):
+def _reference_gather(paged, idx, b, total, dtype, rows=None):
     # the pages of b rows idx [b * n] -> [b, H, total, D], each row by PagedTensor.read
     return torch.stack([gather_pages(paged, row, total) for row in idx.view(b, -1)]).to(dtype)
 
