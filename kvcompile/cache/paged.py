@@ -204,7 +204,8 @@ class PagedTensor:
             out = torch.where((r >= 0)[:, None, None, None], tail, out)
         return out
 
-    def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+    def write(self, slots: torch.Tensor, x: torch.Tensor,
+              host_slots: list[int] | None = None) -> None:
         """Quantize and append. slots: [T] int (page * P + offset), distinct; x: [T, H, D].
 
         Within each page touched, the slots before the smallest new offset are the page's valid
@@ -212,8 +213,9 @@ class PagedTensor:
         have no value, else changed only as far as the new tokens need (grouped.py), re-encoding
         the valid tokens of a (page, head) whose scales changed. Token scales come from each
         token; tensor scales are static or calibrated on the first write. NaN / Inf never enter
-        a scale. With `residual`, see the module docstring."""
-        one = self._check_write(slots, x)
+        a scale. With `residual`, see the module docstring. host_slots: the same slots as
+        host ints, where the caller has them (then none is read back from `slots`)."""
+        one = self._check_write(slots, x, host_slots)
         if x.shape[0] == 0:
             return
         if one is not None and self._write_one(one, x[0]):
@@ -492,7 +494,8 @@ class PagedTensor:
 
     # -- checks, copies, sizes --
 
-    def _check_write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+    def _check_write(self, slots: torch.Tensor, x: torch.Tensor,
+                     host_slots: list[int] | None = None) -> int | None:
         H, D = self.num_heads, self.head_dim
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or tuple(x.shape[1:]) != (H, D):
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -508,7 +511,7 @@ class PagedTensor:
         if slots.numel() == 0:
             return None
         if slots.numel() == 1:  # a decode step's token: no duplicates to look for
-            lo = hi = int(slots[0])
+            lo = hi = int(slots[0]) if host_slots is None else host_slots[0]
             dup = 0
         else:
             s = slots.long().sort().values

@@ -41,6 +41,9 @@ class StepPlan:
     # what such a step does for eviction inside it (H2O mass, re-rotated sinks):
     # eviction/aside.py AsideInputs, or None for the plain decode step
     aside: object | None = None
+    # the slots as host ints, where reading them cost nothing (a CPU pool's decode step): the
+    # reference writer then reads no slot back from the tensor, twice per layer
+    slots_host: list[int] | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -104,6 +107,7 @@ class ForwardContext:
             slots=slots.to(device), block_tables=pool.block_table(b.seq_ids, device=device),
             seq_lens=torch.tensor(seq_lens_list, dtype=torch.int32, device=device),
             seq_lens_list=seq_lens_list, kv_start=list(b.kv_start),
+            slots_host=slots.tolist() if slots.device.type == "cpu" and new_tokens == 1 else None,
         )
         return self.plan
 
