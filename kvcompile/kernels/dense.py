@@ -26,11 +26,12 @@ SDPA has no such input, so attention with sinks runs `exact_attention` (fp32).
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
 
-from kvcompile.cache.fp8 import fp8_to_float_paired, fp8_widen
+from kvcompile.cache.fp8 import fp8_pairs_to_float, fp8_widen
 from kvcompile.kernels.masks import align
 from kvcompile.kernels.reference import masked_softmax
 
@@ -383,45 +384,57 @@ def _gather(paged, idx: torch.Tensor, b: int, total: int, dtype: torch.dtype,
             rows: torch.Tensor | None = None) -> torch.Tensor:
     """The first `total` tokens of b rows whose pages are idx [b * n] -> [b, H, total, D] in
     `dtype` (dequantized by PagedTensor.read; unquantized pages read as stored). rows: their
-    `_page_rows`, which gather the page-heads heads first in one index_select (no second
+    `_page_rows`, by which one index_select gathers the page-heads heads first (no second
     pass to transpose them)."""
     n, H, P, D = idx.numel() // b, paged.num_heads, paged.page_size, paged.head_dim
     fmt = paged.fmt
+    fp8 = fmt.name.startswith("fp8")
+    if fmt.residual or (fmt.is_quantized and not fp8) or not paged.data.is_contiguous():
+        return _gather_read(paged, idx, b, n, total, dtype)
     if rows is None:
         rows = _page_rows(idx, b, H)
-    if fmt.name.startswith("fp8") and not fmt.residual:
+    if fp8:
         # PagedTensor.read's fp8_decode in two passes: the widening and the scale product. On
-        # the CPU the widening is a lookup per pair of codes (fp8_to_float_paired: torch's
-        # values, no host sync) of the page-heads gathered heads first
-        codes = paged.data.reshape(-1, P, D).index_select(0, rows)          # [b*H*n, P, D]
-        x = fp8_to_float_paired(codes)
-        if x is None:
+        # the CPU the widening is a lookup per pair of codes (fp8_pairs_to_float: torch's
+        # values, no host sync)
+        if not _pair_decode_applies(paged):
             return _gather_fp8_widened(paged, idx, b, n, total, dtype)
-        x, sc = x.view(b, H, n, P, D), _fp8_row_scales(paged, rows, b, n)
+        pairs = paged.rows_view("pairs").index_select(0, rows)              # [b*H*n, P*D/2]
+        x = fp8_pairs_to_float(pairs, fmt.storage_dtype).view(b, H, n, P, D)
+        sc = paged.scale if fmt.granularity == "tensor" else _fp8_row_scales(paged, rows, b, n)
         # (the product is taken in fp32 whatever the output's dtype, as PagedTensor.read does)
         out = x.mul_(sc) if dtype == torch.float32 else torch.mul(x, sc).to(dtype)
-        return out.view(b, H, n * P, D)[:, :, :total]
-    if fmt.is_quantized:
-        x = paged.read(idx)                                                  # [b*n, H, P, D]
-        out = torch.empty((b, H, n, P, D), dtype=dtype, device=paged.data.device)
-        # one pass lays each head's tokens out contiguously, in the compute dtype
-        out.copy_(x.view(b, n, H, P, D).transpose(1, 2))
-        return out.view(b, H, n * P, D)[:, :, :total]
-    # (reshape: a view of the pool's contiguous pages; a strided view given to an op is copied)
-    x = paged.data.reshape(-1, P, D).index_select(0, rows)                  # [b*H*n, P, D]
-    if x.dtype != dtype:
-        x = x.to(dtype)
-    return x.view(b, H, n * P, D)[:, :, :total]
+    else:
+        out = paged.rows_view("data").index_select(0, rows)                 # [b*H*n, P, D]
+        if out.dtype != dtype:
+            out = out.to(dtype)
+    return out.as_strided((b, H, total, D), (H * n * P * D, n * P * D, D, 1))
+
+
+def _pair_decode_applies(paged) -> bool:
+    """Whether fp8 pages decode by the pair table here: CPU, little-endian, an even number of
+    codes per token, contiguous scales."""
+    data, scale = paged.data, paged.scale
+    return (data.device.type == "cpu" and sys.byteorder == "little" and data.shape[-1] % 2 == 0
+            and scale.is_contiguous())
+
+
+def _gather_read(paged, idx, b: int, n: int, total: int, dtype) -> torch.Tensor:
+    """`_gather` by PagedTensor.read (the formats' reference decoders) and one pass that lays
+    each head's tokens out contiguously, in the compute dtype."""
+    H, P, D = paged.num_heads, paged.page_size, paged.head_dim
+    x = paged.read(idx)                                                      # [b*n, H, P, D]
+    out = torch.empty((b, H, n, P, D), dtype=dtype, device=paged.data.device)
+    out.copy_(x.view(b, n, H, P, D).transpose(1, 2))
+    return out.view(b, H, n * P, D)[:, :, :total]
 
 
 def _fp8_row_scales(paged, rows: torch.Tensor, b: int, n: int) -> torch.Tensor:
-    """The fp8 scales of the page-heads `rows` (`_page_rows`), broadcastable to
-    [b, H, n, P, D] fp32."""
-    g, s, H = paged.fmt.granularity, paged.scale, paged.num_heads
-    if g == "tensor":
-        return s.view(1, 1, 1, 1, 1)
+    """The fp8 scales (page, token or channel granularity) of the page-heads `rows`
+    (`_page_rows`), broadcastable to [b, H, n, P, D] fp32."""
+    g, s = paged.fmt.granularity, paged.scale
     tail = (s.shape[2], 1) if g == "token" else (1, s.shape[2]) if g == "channel" else (1, 1)
-    return s.reshape(-1, *tail).index_select(0, rows).view(b, H, n, *tail)
+    return paged.rows_view("scale").index_select(0, rows).view(b, paged.num_heads, n, *tail)
 
 
 def _gather_fp8_widened(paged, idx, b: int, n: int, total: int, dtype) -> torch.Tensor:

@@ -55,7 +55,7 @@ from kvcompile.kernels import latent as latent_ref
 from kvcompile.kernels import masks
 from kvcompile.kernels.dense import dense_attention
 from kvcompile.runtime import context as _context
-from kvcompile.runtime import dispatch
+from kvcompile.runtime import cpu_decode, dispatch
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -173,10 +173,16 @@ def _check_sinks(sink_logits: torch.Tensor, q: torch.Tensor) -> None:
 def _cached_attention(ctx, q, k, v, attn_mask, positions, layer, scale, is_causal,
                       sliding_window, softcap, sink_logits=None):
     state = ctx.state
-    li, plan, mask_info = _store(ctx, q, k, v, attn_mask, positions, layer, is_causal,
-                                 sliding_window)
     if scale is None or scale <= 0:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    if attn_mask is None and sink_logits is None and not softcap:
+        step = cpu_decode.for_forward(ctx, q, positions)   # a CPU decode step: fewer ops
+        if step is not None:
+            out = step.attend(state.layer_index(layer), q, k, v, scale, sliding_window)
+            if out is not None:
+                return _as_promised(out, q)
+    li, plan, mask_info = _store(ctx, q, k, v, attn_mask, positions, layer, is_causal,
+                                 sliding_window)
     extras = {}
     for hook in state.hooks:
         extras.update(hook.attention_extras(ctx, li))
@@ -186,7 +192,12 @@ def _cached_attention(ctx, q, k, v, attn_mask, positions, layer, scale, is_causa
                           softcap, scale, extras, fresh=(k, v))
     for hook in state.hooks:
         hook.after_attention(ctx, li, q, out, extras)
-    # the fake promises a contiguous [B, Hq, S, Dv]; inductor asserts the strides it was told
+    return _as_promised(out, q)
+
+
+def _as_promised(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    # the fake promises a contiguous [B, Hq, S, Dv] in q's dtype; inductor asserts the strides
+    # it was told
     if out.dtype != q.dtype:
         out = out.to(q.dtype)
     return out if out.is_contiguous() else out.contiguous()
