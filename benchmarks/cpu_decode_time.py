@@ -19,8 +19,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 
-import kvcompile  # noqa: E402
 from cpu_decode_counts import smollm2_shaped  # noqa: E402
+
+import kvcompile  # noqa: E402
 
 
 def main() -> None:
