@@ -70,7 +70,7 @@ def fp8_widen(codes: torch.Tensor) -> tuple[torch.Tensor, float]:
 
 # Decoding a whole gathered page block on the CPU (kernels/dense.py `_gather`): one table
 # lookup per *pair* of codes. The table maps each 16-bit pair (two adjacent codes, first code in
-# the low byte) to their two fp32 values as one int64, taken from torch's own cast, so every
+# the low byte) to their two fp32 values (one 8-byte row), taken from torch's own cast, so every
 # value (NaN, subnormals) is torch's bit for bit whatever the denormal mode; no host sync, no
 # NaN repair. 65,536 x 8 bytes = 512 KiB per fp8 dtype, built once. On the 2-core CPU (1
 # thread, 61,440 codes: one SmolLM2 layer's K at 320 tokens) it took 4 tensor ops and 116 us
@@ -79,14 +79,20 @@ _PAIR_TABLES: dict[torch.dtype, torch.Tensor] = {}
 
 
 def fp8_pair_table(dtype: torch.dtype) -> torch.Tensor:
-    """[65536] int64: entry (hi << 8) | lo holds float(lo code), float(hi code) as fp32 bits,
-    in memory order (little-endian)."""
+    """[65536, 2] fp32: row (hi << 8) | lo holds float(lo code), float(hi code), the values of
+    a little-endian uint16 pair of codes in memory order."""
     table = _PAIR_TABLES.get(dtype)
     if table is None:
         values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
-        pairs = torch.stack([values.repeat(256), values.repeat_interleave(256)], dim=-1)
-        table = _PAIR_TABLES[dtype] = pairs.contiguous().view(torch.int64).view(-1)
+        table = torch.stack([values.repeat(256), values.repeat_interleave(256)], dim=-1)
+        table = _PAIR_TABLES[dtype] = table.contiguous()
     return table
+
+
+def fp8_pairs_to_float(pairs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """pairs [...] uint16 (two fp8 codes of `dtype` each, on a little-endian CPU) -> their
+    values [pairs.numel(), 2] fp32 in memory order, torch's cast bit for bit."""
+    return fp8_pair_table(dtype).index_select(0, pairs.view(-1).to(torch.int32))
 
 
 def fp8_to_float_paired(codes: torch.Tensor) -> torch.Tensor | None:
@@ -96,8 +102,8 @@ def fp8_to_float_paired(codes: torch.Tensor) -> torch.Tensor | None:
     if (codes.device.type != "cpu" or codes.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2)
             or codes.numel() % 2 or not codes.is_contiguous() or sys.byteorder != "little"):
         return None
-    pairs = codes.view(-1).view(torch.uint16).to(torch.int32)
-    return fp8_pair_table(codes.dtype).index_select(0, pairs).view(torch.float32).view(codes.shape)
+    pairs = codes.view(-1).view(torch.uint16)
+    return fp8_pairs_to_float(pairs, codes.dtype).view(codes.shape)
 
 
 def fp8_to_float(codes: torch.Tensor) -> torch.Tensor:

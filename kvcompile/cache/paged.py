@@ -82,6 +82,55 @@ class PagedTensor:
             self._res_of: dict[int, int] = {}
             self._res_free: list[int] = []
 
+    # -- views of the parts by (page, head) row, for the CPU decode's gathers and writes --
+
+    def rows_view(self, name: str) -> torch.Tensor:
+        """A view of part `name` with one row per page-head: "data" [N * H, P, Ds], "pairs"
+        (fp8 data as uint16 pairs) [N * H, P * Ds / 2], "scale" [N * H, ...] (not tensor
+        granularity), "tokens" (data with one row per slot of a page-head) [1, N * H * P, 1,
+        Ds]. Made once per tensor: a growth that replaces the parts calls `forget_views`."""
+        views = self.__dict__.setdefault("_views", {})
+        view = views.get(name)
+        if view is None:
+            n, h = self.num_pages * self.num_heads, self.data.shape[-1]
+            if name == "data":
+                view = self.data.view(n, self.page_size, h)
+            elif name == "pairs":
+                view = self.data.view(torch.uint16).view(n, -1)
+            elif name == "tokens":
+                view = self.data.view(1, n * self.page_size, 1, h)
+            elif name == "page_scales":   # page granularity: [N, H, 1]
+                view = self.scale.view(self.num_pages, self.num_heads, 1)
+            else:
+                t = getattr(self, name)
+                view = t.view(n, *t.shape[2:])
+            views[name] = view
+        return view
+
+    def forget_views(self) -> None:
+        self.__dict__.pop("_views", None)
+
+    def __getstate__(self) -> dict:
+        # a copy (deepcopy, pickle) makes its own views: a copied numpy view (`_host_view`)
+        # would no longer share the copied tensor's memory
+        state = dict(self.__dict__)
+        state.pop("_views", None)
+        return state
+
+    def one_token_path(self) -> str:
+        """The short path of a one-token write this format has (`_write_one`): "plain"
+        (unquantized), "fp8" (fp8 with page scales), or "" (none: the general write)."""
+        kind = self.__dict__.get("_one_token")
+        if kind is None:
+            fmt, kind = self.fmt, ""
+            if fmt.spec.encode is None and not fmt.residual:
+                if not fmt.is_quantized:
+                    kind = "plain"
+                elif fmt.name.startswith("fp8") and fmt.granularity == "page":
+                    kind = "fp8"
+            self._one_token = kind
+        return kind
+
     def __repr__(self) -> str:
         res = ", residual" if self.fmt.residual else ""
         return (f"PagedTensor({self.fmt.name}/{self.fmt.granularity}{res}, "
@@ -204,7 +253,8 @@ class PagedTensor:
             out = torch.where((r >= 0)[:, None, None, None], tail, out)
         return out
 
-    def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+    def write(self, slots: torch.Tensor, x: torch.Tensor,
+              host_slots: list[int] | None = None) -> None:
         """Quantize and append. slots: [T] int (page * P + offset), distinct; x: [T, H, D].
 
         Within each page touched, the slots before the smallest new offset are the page's valid
@@ -212,8 +262,9 @@ class PagedTensor:
         have no value, else changed only as far as the new tokens need (grouped.py), re-encoding
         the valid tokens of a (page, head) whose scales changed. Token scales come from each
         token; tensor scales are static or calibrated on the first write. NaN / Inf never enter
-        a scale. With `residual`, see the module docstring."""
-        one = self._check_write(slots, x)
+        a scale. With `residual`, see the module docstring. host_slots: the same slots as
+        host ints, where the caller has them (then none is read back from `slots`)."""
+        one = self._check_write(slots, x, host_slots)
         if x.shape[0] == 0:
             return
         if one is not None and self._write_one(one, x[0]):
@@ -262,26 +313,37 @@ class PagedTensor:
     def _write_one(self, slot: int, x: torch.Tensor) -> bool:
         """x [H, D] into `slot`, as write() stores it, for the formats that have a short path
         (unquantized; fp8 with page scales). False: nothing written."""
-        fmt = self.fmt
-        if fmt.spec.encode is not None:
-            return False
-        if fmt.residual or (fmt.is_quantized and not (fmt.name.startswith("fp8")
-                                                      and fmt.granularity == "page")):
+        kind = self.one_token_path()
+        if not kind:
             return False
         p, o = divmod(slot, self.page_size)
         if x.device != self.data.device:
             x = x.to(self.data.device)
-        if not fmt.is_quantized:
+        if kind == "plain":
             self.data[p, :, o] = x
             return True
         self._write_one_fp8(p, o, x if x.dtype == torch.float32 else x.float())
         return True
 
+    def write_token(self, p: int, o: int, rows: torch.Tensor, x: torch.Tensor) -> None:
+        """A decode step's token x [1, H, 1, D] (any strides, on this tensor's device) at
+        offset o of page p, as write() stores it, for a format with a one-token path
+        (`one_token_path`). rows [H] int64: the token's rows of rows_view("tokens"),
+        (p * H + h) * P + o, which one index_copy_ writes (unquantized formats)."""
+        if self.one_token_path() == "plain":
+            dt = self.data.dtype
+            self.rows_view("tokens").index_copy_(1, rows, x if x.dtype == dt else x.to(dt))
+            return
+        x = x.reshape(self.num_heads, self.head_dim)
+        self._write_one_fp8(p, o, x if x.dtype == torch.float32 else x.float())
+
     def _write_one_fp8(self, p: int, o: int, x: torch.Tensor) -> None:
         """One token x [H, D] fp32 at offset o of page p, fp8 page scales: what _write_grouped
         stores. The page-heads' scale decisions are taken on the H numbers in Python (a torch
         op on [H] costs as much as one on the whole page at these sizes): a decode step of a
-        CPU model writes 2 x layers tokens, and each torch op is a few microseconds."""
+        CPU model writes 2 x layers tokens, and each torch op is a few microseconds. On the
+        CPU the page's scales and earlier codes are read (and the scales written) through
+        numpy views of the same memory (`_host_view`), which cost no torch op."""
         fmt = self.fmt
         a = torch.linalg.vector_norm(x, math.inf, -1).tolist()            # [H] max |x|
         if not all(v < math.inf for v in a):   # a NaN / Inf: the finite values' amax
@@ -289,36 +351,73 @@ class PagedTensor:
         cover = _as_fp32([v / fmt.scale_divisor for v in a])   # amax / divisor, in fp32
         fresh = [max(c, MIN_SCALE) if v > 0 else 1.0 for v, c in zip(a, cover)]
         s_new, s_old, grow = fresh, None, None
-        s_view = self.scale[p]                                                 # [H] view
+        host = self._host_view("scale")                        # [N, H] numpy, or None
         if o:
-            s_old = s_view.tolist()
-            # earlier tokens with a finite non-zero code (what _write_grouped's old amax sees):
-            # the largest low-7-bit code of each head, looked at again exactly if not finite
-            lim = self._FP8_FINITE[fmt.storage_dtype]
-            earlier = self.data[p, :, :o].view(torch.uint8)                    # [H, o, D] view
-            top = earlier.bitwise_and(0x7F).amax((1, 2)).tolist()
-            if max(top) > lim:
-                had = (((earlier & 0x7F) - 1) < lim).flatten(1).any(-1).tolist()
-            else:
-                had = [t > 0 for t in top]
+            s_old = self.scale[p].tolist() if host is None else host[p].tolist()
+            had = self._had_values(p, o)
             grow = [h and c > s for h, c, s in zip(had, cover, s_old)]
             s_new = [(_grown_scale(s, c) if g else s) if h else f
                      for h, g, s, c, f in zip(had, grow, s_old, cover, fresh)]
-        if s_new == s_old:
-            st = s_view
-        else:
-            st = torch.tensor(s_new, dtype=torch.float32, device=x.device)
+        if s_new != s_old:
             if grow is not None and any(grow):
                 # the scale grows (by a power of two): the earlier tokens of those heads are
                 # re-encoded under it, as _write_grouped does (same decode and encode)
-                take = torch.tensor(grow, device=x.device)[:, None, None]
-                old = torch.tensor(s_old, dtype=torch.float32, device=x.device)
-                codes = self.data[p, :, :o]
-                codes.view(torch.uint8).copy_(self._reencoded(codes, old, st, take))
-            s_view.copy_(st)
+                self._reencode_heads(p, o, s_old, s_new, grow)
+            if host is None:
+                self.scale[p] = torch.tensor(s_new, dtype=torch.float32, device=x.device)
+            else:
+                host[p] = s_new   # (fp32 values: stored exactly)
         # fp8_encode: clamp(x / scale, -fmax, fmax), cast to fp8 by the copy into the page
         fmax = torch.finfo(fmt.storage_dtype).max
-        self.data[p, :, o] = (x / st[:, None]).clamp_(-fmax, fmax)
+        st = self.rows_view("page_scales")[p]                                 # [H, 1] view
+        self.data[p, :, o] = (x / st).clamp_(-fmax, fmax)
+
+    def _had_values(self, p: int, o: int) -> list[bool]:
+        """Per head of page p: whether its first o tokens hold a finite non-zero code (what
+        _write_grouped's old amax sees): the largest low-7-bit code of each head, looked at
+        again exactly if that is not a finite one."""
+        lim = self._FP8_FINITE[self.fmt.storage_dtype]
+        host = self._host_view("codes")                       # [N, H, P, D] uint8 numpy
+        if host is not None:
+            top = (host[p, :, :o] & 0x7F).max(axis=(1, 2)).tolist()
+        else:
+            earlier = self.data[p, :, :o].view(torch.uint8)                    # [H, o, D] view
+            top = earlier.bitwise_and(0x7F).amax((1, 2)).tolist()
+        if max(top) <= lim:
+            return [t > 0 for t in top]
+        earlier = self.data[p, :, :o].view(torch.uint8)
+        return (((earlier & 0x7F) - 1) < lim).flatten(1).any(-1).tolist()
+
+    def _reencode_heads(self, p: int, o: int, s_old: list[float], s_new: list[float],
+                        grow: list[bool]) -> None:
+        """Re-encode the first o codes of page p's heads that `grow` under s_new (decoded
+        under s_old), as _write_grouped does."""
+        heads = [h for h, g in enumerate(grow) if g]
+        dev = self.data.device
+        take = torch.tensor(grow, device=dev)[:, None, None]
+        old = torch.tensor(s_old, dtype=torch.float32, device=dev)
+        new = torch.tensor(s_new, dtype=torch.float32, device=dev)
+        if len(heads) < len(grow):   # only the grown heads' codes
+            idx = torch.tensor(heads, device=dev)
+            codes = self.data[p, :, :o].index_select(0, idx)
+            re = self._reencoded(codes, old[idx], new[idx], take[idx])
+            self.data[p, :, :o].view(torch.uint8).index_copy_(0, idx, re)
+            return
+        codes = self.data[p, :, :o]
+        codes.view(torch.uint8).copy_(self._reencoded(codes, old, new, take))
+
+    def _host_view(self, name: str):
+        """A numpy view of this CPU tensor's "scale" ([N, H]) or "codes" (data as uint8,
+        [N, H, P, Ds]): the same memory, read and written without a torch op. None off the
+        CPU. Made once per tensor, as rows_view."""
+        if self.data.device.type != "cpu":
+            return None
+        views = self.__dict__.setdefault("_views", {})
+        view = views.get(("numpy", name))
+        if view is None:
+            t = self.scale if name == "scale" else self.data.view(torch.uint8)
+            view = views[("numpy", name)] = t.detach().numpy()
+        return view
 
     def _reencoded(self, codes: torch.Tensor, s_old: torch.Tensor, s_new: torch.Tensor,
                    take: torch.Tensor) -> torch.Tensor:
@@ -492,7 +591,8 @@ class PagedTensor:
 
     # -- checks, copies, sizes --
 
-    def _check_write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+    def _check_write(self, slots: torch.Tensor, x: torch.Tensor,
+                     host_slots: list[int] | None = None) -> int | None:
         H, D = self.num_heads, self.head_dim
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or tuple(x.shape[1:]) != (H, D):
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -508,7 +608,7 @@ class PagedTensor:
         if slots.numel() == 0:
             return None
         if slots.numel() == 1:  # a decode step's token: no duplicates to look for
-            lo = hi = int(slots[0])
+            lo = hi = int(slots[0]) if host_slots is None else host_slots[0]
             dup = 0
         else:
             s = slots.long().sort().values

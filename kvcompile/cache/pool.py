@@ -149,7 +149,7 @@ class PagePool:
         self.max_seq_len = max_seq_len
         # writer(paged, slots, x[, grouped]): grouped = the slots come from reserve(), so each
         # page's slots are adjacent and increasing (a writer may skip sorting them)
-        self.writer = writer or (lambda paged, slots, x, grouped=False: paged.write(slots, x))
+        self.writer = writer or _write_reference
         self._writer_grouped = _takes_grouped(self.writer)
         self._reserved: torch.Tensor | None = None  # the last slots reserve() returned
         self.k: list[PagedTensor] = []
@@ -373,17 +373,22 @@ class PagePool:
 
     @_locked
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              grouped: bool = False) -> None:
+              host_slots: list[int] | None = None, grouped: bool = False) -> None:
         """Store new keys / values at reserved slots. k: [T, Hkv, D], v: [T, Hkv, Dv].
-        grouped: the caller knows each page's slots are adjacent in `slots` (a decode step's
-        rows are distinct sequences); reserve()'s last slots are known to be."""
+        host_slots: the slots as host ints too (a CPU decode step's plan has them), so that
+        the reference writer reads no slot from the tensor. grouped: the caller knows each
+        page's slots are adjacent in `slots` (a decode step's rows are distinct sequences);
+        reserve()'s last slots are known to be."""
         if slots.dim() != 1 or slots.dtype != torch.int64:
             raise UnsupportedShapeError(f"slots must be a 1-D int64 tensor (from reserve); got "
                                         f"{tuple(slots.shape)} {slots.dtype}")
         self._check_kv(layer, slots.shape[0], k, v)
         if slots.shape[0] == 0:
             return
-        if self._writer_grouped:
+        if self.writer is _write_reference:
+            self.k[layer].write(slots, k, host_slots)
+            self.v[layer].write(slots, v, host_slots)
+        elif self._writer_grouped:
             grouped = grouped or slots is self._reserved  # each page's slots adjacent
             self.writer(self.k[layer], slots, k, grouped)
             self.writer(self.v[layer], slots, v, grouped)
@@ -929,6 +934,12 @@ def _takes_grouped(writer) -> bool:
         return False
     return any(p.kind == p.VAR_POSITIONAL for p in params) or len(
         [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 4
+
+
+def _write_reference(paged: PagedTensor, slots: torch.Tensor, x: torch.Tensor,
+                     grouped: bool = False) -> None:
+    """The pool's writer without a kernel: the format's reference encoder."""
+    paged.write(slots, x)
 
 
 def _check_int(what: str, v, lo: int, hi: int | None = None) -> None:

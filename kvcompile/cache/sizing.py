@@ -70,6 +70,7 @@ def grow_paged(paged, num_pages: int) -> None:
     old = paged.num_pages
     if num_pages <= old:
         return
+    paged.forget_views()   # (a cached view would keep its old tensor alive)
     for name, fill in _PER_PAGE:
         t = getattr(paged, name, None)
         if t is None or (name in ("scale", "zero") and paged.fmt.granularity == "tensor"):

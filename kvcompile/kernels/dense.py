@@ -26,11 +26,12 @@ SDPA has no such input, so attention with sinks runs `exact_attention` (fp32).
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
 
-from kvcompile.cache.fp8 import fp8_to_float_paired, fp8_widen
+from kvcompile.cache.fp8 import fp8_pairs_to_float, fp8_widen
 from kvcompile.kernels.masks import align
 from kvcompile.kernels.reference import masked_softmax
 
@@ -288,28 +289,39 @@ def paged_reference_attention(kt, vt, q, plan, attn_mask, is_causal, sliding_win
     groups = entry[1]
     dt = compute_dtype(q.dtype)
     if len(groups) == 1 and groups[0][0] is None:  # every row one length
-        _, idx, b, total, allowed, additive, causal = groups[0]
-        return sdpa_attention(q, *_kv(kt, vt, idx, b, total, dt, latent), allowed, additive,
-                              scale, causal, softcap, sink_logits)
+        _, idx, b, total, allowed, additive, causal, rows = groups[0]
+        return sdpa_attention(q, *_kv(kt, vt, idx, b, total, dt, latent, rows), allowed,
+                              additive, scale, causal, softcap, sink_logits)
     B, Hq, S, _ = q.shape
     out = torch.empty((B, Hq, S, (kt if latent else vt).head_dim), dtype=dt, device=q.device)
-    for rows, idx, b, total, allowed, additive, causal in groups:
-        out[rows] = sdpa_attention(q[rows], *_kv(kt, vt, idx, b, total, dt, latent), allowed,
-                                   additive, scale, causal, softcap, sink_logits)
+    for sel, idx, b, total, allowed, additive, causal, rows in groups:
+        out[sel] = sdpa_attention(q[sel], *_kv(kt, vt, idx, b, total, dt, latent, rows),
+                                  allowed, additive, scale, causal, softcap, sink_logits)
     return out
 
 
-def _kv(kt, vt, idx, b, total: int, dt, latent: bool):
-    """The keys and values of b rows: [b, Hkv, total, D], [b, Hkv, total, Dv]."""
-    k, v = _gather(kt, idx, b, total, dt), _gather(vt, idx, b, total, dt)
+def _kv(kt, vt, idx, b, total: int, dt, latent: bool, rows: dict | None = None):
+    """The keys and values of b rows: [b, Hkv, total, D], [b, Hkv, total, Dv]. rows: a
+    forward's memo of `_page_rows` by head count (shared by its layers)."""
+    k = _gather(kt, idx, b, total, dt, _rows_of(rows, idx, b, kt.num_heads))
+    v = _gather(vt, idx, b, total, dt, _rows_of(rows, idx, b, vt.num_heads))
     if latent:   # MLA: keys [c, k_rope] (one head), values the latent c itself
         return torch.cat([k, v], dim=-1), k
     return k, v
 
 
+def _rows_of(memo: dict | None, idx, b: int, heads: int) -> torch.Tensor:
+    if memo is None:
+        return _page_rows(idx, b, heads)
+    rows = memo.get(heads)
+    if rows is None:
+        rows = memo[heads] = _page_rows(idx, b, heads)
+    return rows
+
+
 def _groups(plan, attn_mask, is_causal: bool, window: int, s: int, page_size: int, device):
     """Rows of the plan by length: (rows [b] index or None for all, page index [b * n], b,
-    total, allowed, additive, causal) each."""
+    total, allowed, additive, causal, memo of `_page_rows` by head count) each."""
     by_len: dict[int, list[int]] = {}
     for b, total in enumerate(plan.seq_lens_list):
         by_len.setdefault(total, []).append(b)
@@ -322,7 +334,7 @@ def _groups(plan, attn_mask, is_causal: bool, window: int, s: int, page_size: in
         masks = _masks(m, s, total, is_causal, window, [plan.kv_start[b] for b in rows], device)
         idx = _pages(plan.block_tables, rows, whole, total, page_size)
         sel = None if whole else torch.tensor(rows, device=device)
-        out.append((sel, idx, len(rows), total, *masks))
+        out.append((sel, idx, len(rows), total, *masks, {}))
     return out
 
 
@@ -339,12 +351,13 @@ def _packed_attention(kt, vt, q, plan, sliding_window, softcap, scale, sink_logi
             continue
         key = ("reference", total, (i,))
         if key not in plan.cache:
-            plan.cache[key] = _pages(plan.block_tables, [i], False, total, kt.page_size)
-        idx = plan.cache[key]
+            plan.cache[key] = (_pages(plan.block_tables, [i], False, total, kt.page_size), {})
+        idx, rows = plan.cache[key]
         allowed, additive, causal = _masks(None, s, total, True, sliding_window, None, q.device)
         dt = compute_dtype(q.dtype)
-        o = sdpa_attention(q[:, :, cu[i]:cu[i + 1]], *_kv(kt, vt, idx, 1, total, dt, latent),
-                           allowed, additive, scale, causal, softcap, sink_logits)
+        o = sdpa_attention(q[:, :, cu[i]:cu[i + 1]],
+                           *_kv(kt, vt, idx, 1, total, dt, latent, rows), allowed, additive,
+                           scale, causal, softcap, sink_logits)
         if out is None:
             out = o.new_zeros((*q.shape[:-1], o.shape[-1]))
         out[:, :, cu[i]:cu[i + 1]] = o
@@ -359,35 +372,83 @@ def _pages(block_tables, rows, whole: bool, total: int, page_size: int) -> torch
     return bt[:, :n].long().reshape(-1)
 
 
-def _gather(paged, idx: torch.Tensor, b: int, total: int, dtype: torch.dtype) -> torch.Tensor:
+def _page_rows(idx: torch.Tensor, b: int, heads: int) -> torch.Tensor:
+    """[b * H * n] int64: the rows of a layer's pages seen as [N * H, ...] (one page-head each)
+    that lay out b rows' pages idx [b * n] heads first: row (r, h, j) = idx[r, j] * H + h."""
+    n = idx.numel() // b
+    ids = idx.view(b, 1, n) * heads + torch.arange(heads, device=idx.device).view(1, heads, 1)
+    return ids.reshape(-1)
+
+
+def _gather(paged, idx: torch.Tensor, b: int, total: int, dtype: torch.dtype,
+            rows: torch.Tensor | None = None) -> torch.Tensor:
     """The first `total` tokens of b rows whose pages are idx [b * n] -> [b, H, total, D] in
-    `dtype` (dequantized by PagedTensor.read; unquantized pages read as stored)."""
+    `dtype` (dequantized by PagedTensor.read; unquantized pages read as stored). rows: their
+    `_page_rows`, by which one index_select gathers the page-heads heads first (no second
+    pass to transpose them)."""
     n, H, P, D = idx.numel() // b, paged.num_heads, paged.page_size, paged.head_dim
     fmt = paged.fmt
-    out = torch.empty((b, H, n, P, D), dtype=dtype, device=paged.data.device)
-    if fmt.name.startswith("fp8") and not fmt.residual:
-        # PagedTensor.read's fp8_decode in two passes: the widening and one scale product
-        # that writes the output layout and dtype (in fp32). On the CPU the widening is a
-        # lookup per pair of codes (fp8_to_float_paired: torch's values, no host sync)
-        codes = paged.data.index_select(0, idx)                              # [b*n, H, P, D]
-        x = fp8_to_float_paired(codes)
-        if x is not None:
-            sc = _fp8_scales(paged, idx, b, n, 1.0)
-            torch.mul(x.view(b, n, H, P, D).transpose(1, 2), sc, out=out)
-            return out.view(b, H, n * P, D)[:, :, :total]
-        x, factor = fp8_widen(codes)
-        sc = _fp8_scales(paged, idx, b, n, factor)                           # bcast to out
-        if sc is None:   # a scale so large that factor * scale leaves fp32: unfolded
-            x = x.float().mul_(factor)
-            sc = _fp8_scales(paged, idx, b, n, 1.0)
-        torch.mul(x.view(b, n, H, P, D).transpose(1, 2), sc, out=out)
-        return out.view(b, H, n * P, D)[:, :, :total]
-    if fmt.is_quantized:
-        x = paged.read(idx)                                                  # [b*n, H, P, D]
+    fp8 = fmt.name.startswith("fp8")
+    if fmt.residual or (fmt.is_quantized and not fp8) or not paged.data.is_contiguous():
+        return _gather_read(paged, idx, b, n, total, dtype)
+    if rows is None:
+        rows = _page_rows(idx, b, H)
+    if fp8:
+        # PagedTensor.read's fp8_decode in two passes: the widening and the scale product. On
+        # the CPU the widening is a lookup per pair of codes (fp8_pairs_to_float: torch's
+        # values, no host sync)
+        if not _pair_decode_applies(paged):
+            return _gather_fp8_widened(paged, idx, b, n, total, dtype)
+        pairs = paged.rows_view("pairs").index_select(0, rows)              # [b*H*n, P*D/2]
+        x = fp8_pairs_to_float(pairs, fmt.storage_dtype).view(b, H, n, P, D)
+        sc = paged.scale if fmt.granularity == "tensor" else _fp8_row_scales(paged, rows, b, n)
+        # (the product is taken in fp32 whatever the output's dtype, as PagedTensor.read does)
+        out = x.mul_(sc) if dtype == torch.float32 else torch.mul(x, sc).to(dtype)
     else:
-        x = paged.data.index_select(0, idx)  # (a heads-first view of data would copy the pool)
-    # one pass lays each head's tokens out contiguously, in the compute dtype
-    return out.copy_(x.view(b, n, H, P, D).transpose(1, 2)).view(b, H, n * P, D)[:, :, :total]
+        out = paged.rows_view("data").index_select(0, rows)                 # [b*H*n, P, D]
+        if out.dtype != dtype:
+            out = out.to(dtype)
+    return out.as_strided((b, H, total, D), (H * n * P * D, n * P * D, D, 1))
+
+
+def _pair_decode_applies(paged) -> bool:
+    """Whether fp8 pages decode by the pair table here: CPU, little-endian, an even number of
+    codes per token, contiguous scales."""
+    data, scale = paged.data, paged.scale
+    return (data.device.type == "cpu" and sys.byteorder == "little" and data.shape[-1] % 2 == 0
+            and scale.is_contiguous())
+
+
+def _gather_read(paged, idx, b: int, n: int, total: int, dtype) -> torch.Tensor:
+    """`_gather` by PagedTensor.read (the formats' reference decoders) and one pass that lays
+    each head's tokens out contiguously, in the compute dtype."""
+    H, P, D = paged.num_heads, paged.page_size, paged.head_dim
+    x = paged.read(idx)                                                      # [b*n, H, P, D]
+    out = torch.empty((b, H, n, P, D), dtype=dtype, device=paged.data.device)
+    out.copy_(x.view(b, n, H, P, D).transpose(1, 2))
+    return out.view(b, H, n * P, D)[:, :, :total]
+
+
+def _fp8_row_scales(paged, rows: torch.Tensor, b: int, n: int) -> torch.Tensor:
+    """The fp8 scales (page, token or channel granularity) of the page-heads `rows`
+    (`_page_rows`), broadcastable to [b, H, n, P, D] fp32."""
+    g, s = paged.fmt.granularity, paged.scale
+    tail = (s.shape[2], 1) if g == "token" else (1, s.shape[2]) if g == "channel" else (1, 1)
+    return paged.rows_view("scale").index_select(0, rows).view(b, paged.num_heads, n, *tail)
+
+
+def _gather_fp8_widened(paged, idx, b: int, n: int, total: int, dtype) -> torch.Tensor:
+    """`_gather` of fp8 pages where the pair table does not apply: integer widening
+    (fp8_widen) and one scale product into the heads-first layout."""
+    H, P, D = paged.num_heads, paged.page_size, paged.head_dim
+    out = torch.empty((b, H, n, P, D), dtype=dtype, device=paged.data.device)
+    x, factor = fp8_widen(paged.data.index_select(0, idx))                  # [b*n, H, P, D]
+    sc = _fp8_scales(paged, idx, b, n, factor)                               # bcast to out
+    if sc is None:   # a scale so large that factor * scale leaves fp32: unfolded
+        x = x.float().mul_(factor)
+        sc = _fp8_scales(paged, idx, b, n, 1.0)
+    torch.mul(x.view(b, n, H, P, D).transpose(1, 2), sc, out=out)
+    return out.view(b, H, n * P, D)[:, :, :total]
 
 
 def _fp8_scales(paged, idx: torch.Tensor, b: int, n: int, factor: float):

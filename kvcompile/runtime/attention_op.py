@@ -55,16 +55,14 @@ from kvcompile.kernels import latent as latent_ref
 from kvcompile.kernels import masks
 from kvcompile.kernels.dense import dense_attention
 from kvcompile.runtime import context as _context
-from kvcompile.runtime import dispatch
+from kvcompile.runtime import cpu_decode, dispatch
 
 
-@torch.library.custom_op("kvcompile::attention", mutates_args=(),
-                         tags=(torch.Tag.flexible_layout,))
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              attn_mask: torch.Tensor | None, positions: torch.Tensor | None, layer: str,
-              scale: float, is_causal: bool, sliding_window: int, softcap: float,
-              tag: str, key_mask: torch.Tensor | None = None,
-              sink_logits: torch.Tensor | None = None) -> torch.Tensor:
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attn_mask: torch.Tensor | None, positions: torch.Tensor | None, layer: str,
+               scale: float, is_causal: bool, sliding_window: int, softcap: float,
+               tag: str, key_mask: torch.Tensor | None = None,
+               sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     ctx = _context.current()
     if sink_logits is not None:
         _check_sinks(sink_logits, q)
@@ -77,6 +75,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              sliding_window, softcap, sink_logits)
 
 
+attention = torch.library.custom_op("kvcompile::attention", mutates_args=(),
+                                    tags=(torch.Tag.flexible_layout,))(_attention)
+
+
 @attention.register_fake
 def _(q, k, v, attn_mask, positions, layer, scale, is_causal, sliding_window, softcap, tag,
       key_mask=None, sink_logits=None):
@@ -87,14 +89,12 @@ def _(q, k, v, attn_mask, positions, layer, scale, is_causal, sliding_window, so
 torch.fx.node.has_side_effect(torch.ops.kvcompile.attention.default)
 
 
-@torch.library.custom_op("kvcompile::latent_attention", mutates_args=(),
-                         tags=(torch.Tag.flexible_layout,))
-def latent_attention(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor,
-                     attn_mask: torch.Tensor | None, positions: torch.Tensor | None, layer: str,
-                     scale: float, is_causal: bool, sliding_window: int, softcap: float,
-                     tag: str, key_mask: torch.Tensor | None = None,
-                     kv_b_weight: torch.Tensor | None = None, nope_dim: int = 0
-                     ) -> torch.Tensor:
+def _latent_attention(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor,
+                      attn_mask: torch.Tensor | None, positions: torch.Tensor | None, layer: str,
+                      scale: float, is_causal: bool, sliding_window: int, softcap: float,
+                      tag: str, key_mask: torch.Tensor | None = None,
+                      kv_b_weight: torch.Tensor | None = None, nope_dim: int = 0
+                      ) -> torch.Tensor:
     """MLA (passes/find_latent.py): q [B, H, S, dn + dr] (no-rope part, then rotary part),
     latent [B, 1, S, r] and rope [B, 1, S, dr] of this forward's tokens, kv_b_weight
     [H * (dn + dv), r] -> [B, H, S, dv]: attention over the keys k = [W_UK c, k_rope] and values
@@ -123,6 +123,10 @@ def latent_attention(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor,
     return out.to(q.dtype).contiguous()
 
 
+latent_attention = torch.library.custom_op("kvcompile::latent_attention", mutates_args=(),
+                                           tags=(torch.Tag.flexible_layout,))(_latent_attention)
+
+
 @latent_attention.register_fake
 def _(q, latent, rope, attn_mask, positions, layer, scale, is_causal, sliding_window, softcap,
       tag, key_mask=None, kv_b_weight=None, nope_dim=0):
@@ -132,6 +136,29 @@ def _(q, latent, rope, attn_mask, positions, layer, scale, is_causal, sliding_wi
 
 
 torch.fx.node.has_side_effect(torch.ops.kvcompile.latent_attention.default)
+
+
+def _direct(op, impl):
+    def call(*args, **kwargs):
+        # with grad enabled the op keeps its autograd contract (it has no backward)
+        if torch.is_grad_enabled():
+            return op(*args, **kwargs)
+        return impl(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = f"kvcompile_{impl.__name__.lstrip('_')}"
+    return call
+
+
+# A graph that the eager inner compiler runs calls these instead of the ops (backend.py
+# `compile_inner`): the same implementation, without the custom op's Python dispatch
+# (autograd wrapper, redispatch, output aliasing check: about 20 us a call on the CPU, once
+# per layer and step). Tracing compilers (inductor, aot_eager) keep the ops.
+DIRECT_CALLS = {
+    torch.ops.kvcompile.attention.default: _direct(torch.ops.kvcompile.attention.default,
+                                                   _attention),
+    torch.ops.kvcompile.latent_attention.default: _direct(
+        torch.ops.kvcompile.latent_attention.default, _latent_attention),
+}
 
 
 def _check_sinks(sink_logits: torch.Tensor, q: torch.Tensor) -> None:
@@ -146,10 +173,16 @@ def _check_sinks(sink_logits: torch.Tensor, q: torch.Tensor) -> None:
 def _cached_attention(ctx, q, k, v, attn_mask, positions, layer, scale, is_causal,
                       sliding_window, softcap, sink_logits=None):
     state = ctx.state
-    li, plan, mask_info = _store(ctx, q, k, v, attn_mask, positions, layer, is_causal,
-                                 sliding_window)
     if scale is None or scale <= 0:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    if attn_mask is None and sink_logits is None and not softcap:
+        step = cpu_decode.for_forward(ctx, q, positions)   # a CPU decode step: fewer ops
+        if step is not None:
+            out = step.attend(state.layer_index(layer), q, k, v, scale, sliding_window)
+            if out is not None:
+                return _as_promised(out, q)
+    li, plan, mask_info = _store(ctx, q, k, v, attn_mask, positions, layer, is_causal,
+                                 sliding_window)
     extras = {}
     for hook in state.hooks:
         extras.update(hook.attention_extras(ctx, li))
@@ -159,7 +192,12 @@ def _cached_attention(ctx, q, k, v, attn_mask, positions, layer, scale, is_causa
                           softcap, scale, extras, fresh=(k, v))
     for hook in state.hooks:
         hook.after_attention(ctx, li, q, out, extras)
-    # the fake promises a contiguous [B, Hq, S, Dv]; inductor asserts the strides it was told
+    return _as_promised(out, q)
+
+
+def _as_promised(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    # the fake promises a contiguous [B, Hq, S, Dv] in q's dtype; inductor asserts the strides
+    # it was told
     if out.dtype != q.dtype:
         out = out.to(q.dtype)
     return out if out.is_contiguous() else out.contiguous()
@@ -187,7 +225,7 @@ def _store(ctx, q, k, v, attn_mask, positions, layer, is_causal, sliding_window)
     if attn_mask is not None and not plan.packed:
         mask_info = masks.analyze(plan, attn_mask, is_causal, sliding_window)
         _update_kv_start(ctx, plan, mask_info)
-    if not plan.packed and any(s > p for s, p in zip(plan.kv_start, plan.past_lens)):
+    if not plan.packed and _pads_new_tokens(plan):
         # left padding among the new tokens: their K/V are stored as zeros, never attended
         # (where, not a product: a pad token's K/V may be NaN, its row of the mask being empty)
         keep = masks.token_keep(plan, k.device)[:, None, None]  # [B*S, 1, 1] bool
@@ -198,8 +236,18 @@ def _store(ctx, q, k, v, attn_mask, positions, layer, is_causal, sliding_window)
     if state.config.check_finite:
         _check_finite(li, "key", k_flat, plan)
         _check_finite(li, "value", v_flat, plan)
-    pool.write(li, plan.slots, k_flat, v_flat, grouped=plan.slots_grouped)
+    pool.write(li, plan.slots, k_flat, v_flat, plan.slots_host, grouped=plan.slots_grouped)
     return li, plan, mask_info
+
+
+def _pads_new_tokens(plan) -> bool:
+    """Whether some row's left padding reaches into this forward's new tokens (once per
+    forward: kv_start only changes in `_update_kv_start`, which drops the memo)."""
+    pads = plan.cache.get("pads_new_tokens")
+    if pads is None:
+        pads = plan.cache["pads_new_tokens"] = any(
+            s > p for s, p in zip(plan.kv_start, plan.past_lens))
+    return pads
 
 
 def _update_kv_start(ctx, plan, mask_info) -> None:
@@ -210,6 +258,7 @@ def _update_kv_start(ctx, plan, mask_info) -> None:
            for s, m, p in zip(plan.kv_start, mask_info.kv_start, plan.past_lens)]
     if new != plan.kv_start:
         plan.kv_start = new
+        plan.cache.pop("pads_new_tokens", None)
         if ctx.binding is not None:
             ctx.binding.kv_start = list(new)
 

@@ -45,6 +45,9 @@ class StepPlan:
     # the page-scaled append then needs no device sort (kernels/append.py); reserve()'s own
     # slots are known to be so without this flag (cache/pool.py `write`)
     slots_grouped: bool = False
+    # the slots as host ints, where reading them cost nothing (a CPU pool's decode step): the
+    # reference writer then reads no slot back from the tensor, twice per layer
+    slots_host: list[int] | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -108,6 +111,7 @@ class ForwardContext:
             slots=slots.to(device), block_tables=pool.block_table(b.seq_ids, device=device),
             seq_lens=torch.tensor(seq_lens_list, dtype=torch.int32, device=device),
             seq_lens_list=seq_lens_list, kv_start=list(b.kv_start),
+            slots_host=slots.tolist() if slots.device.type == "cpu" and new_tokens == 1 else None,
         )
         return self.plan
 

@@ -25,7 +25,7 @@ FORMATS = [("bf16", None), ("fp8_e4m3", "page"), ("fp8_e5m2", "token"), ("fp8_e4
            ("fp4_e2m1", None), ("int4", None)]
 
 
-def _reference_gather(paged, idx, b, total, dtype):
+def _reference_gather(paged, idx, b, total, dtype, rows=None):
     # the pages of b rows idx [b * n] -> [b, H, total, D], each row by PagedTensor.read
     return torch.stack([gather_pages(paged, row, total) for row in idx.view(b, -1)]).to(dtype)
 
@@ -83,11 +83,11 @@ def test_generate_fp8_pair_decode_equals_previous_route(monkeypatch):
     am[1, :6], am[2, :3] = 0, 0
     ids[am == 0] = 0
     calls = {"paired": 0}
-    paired = dense.fp8_to_float_paired
+    paired = dense.fp8_pairs_to_float
 
-    def counted(codes):
+    def counted(pairs, dtype):
         calls["paired"] += 1
-        return paired(codes)
+        return paired(pairs, dtype)
 
     def run():
         with torch.no_grad():
@@ -96,10 +96,12 @@ def test_generate_fp8_pair_decode_equals_previous_route(monkeypatch):
                                  return_dict_in_generate=True)
         return out.sequences, torch.stack(out.logits)
 
-    monkeypatch.setattr(dense, "fp8_to_float_paired", counted)
+    monkeypatch.setattr(dense, "fp8_pairs_to_float", counted)
     seq, logits = run()
     assert calls["paired"] > 0, "the pair-table decode did not run"
-    monkeypatch.setattr(dense, "fp8_to_float_paired", lambda codes: None)   # previous route
+    monkeypatch.setattr(dense, "_pair_decode_applies", lambda paged: False)   # previous route
+    calls["paired"] = 0
     seq_old, logits_old = run()
+    assert calls["paired"] == 0, "the previous route used the pair table"
     assert torch.equal(seq, seq_old)
     assert torch.equal(logits, logits_old)

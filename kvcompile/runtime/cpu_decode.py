@@ -1,0 +1,88 @@
+"""A CPU decode step of one sequence on the reference path, in few tensor ops.
+
+    out = step.attend(layer, q, k, v, scale, window)    # q [1, Hq, 1, D], k / v [1, Hkv, 1, D]
+
+On the CPU every torch op of a decode step costs a few microseconds of dispatch whatever its
+size, and several times that inside a model's step, where each layer's matmuls evict the caches
+that dispatch runs from. `attention_op` + `dispatch.attend` + `dense.paged_reference_attention`
+reach the reference attention of a decode step through about 25 tensor ops and 90 Python calls
+per layer (bf16 pages), against HF's 2 `torch.cat` and 1 SDPA. This path computes the same
+bytes in the pool and the same output, bit for bit, with what one forward's layers share built
+once (`for_forward`): the new token's page and slot, the sequence's page-head rows. Per layer it
+writes K and V with one index_copy_ each (unquantized pages; fp8 pages through
+PagedTensor._write_one_fp8), gathers each with one index_select (plus the dtype pass, or fp8's
+pair-table decode and scale product: `dense._gather`) and calls SDPA once.
+
+It is taken where `runtime/dispatch.py` would run the reference itself and nothing else acts on
+the step: a forward of one row and one new token after a prompt, on a CPU pool; no eviction,
+no hooks, no check_finite, no Triton kernels (KVConfig.kernels); and per layer no mask, sliding
+window within reach, soft-capping or sinks, unquantized or fp8 page-scaled K and V. Otherwise
+`for_forward` / `attend` return None, having written nothing, and the general path runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcompile.kernels.dense import _gather, _page_rows, _pages, _sdpa, compute_dtype
+
+_KEY = "cpu_decode"
+
+
+class CpuDecodeStep:
+    """What the layers of one decode step share (see the module docstring)."""
+
+    def __init__(self, pool, plan):
+        self.pool = pool
+        self.page, self.offset = divmod(plan.slots_host[0], pool.page_size)
+        self.total = plan.seq_lens_list[0]
+        self.pages = _pages(plan.block_tables, [0], True, self.total, pool.page_size)
+        self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rows(self, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the sequence's page-head rows [H * n], the new token's rows [H]) of layers with
+        `heads` KV heads."""
+        r = self._rows.get(heads)
+        if r is None:
+            P = self.pool.page_size
+            token = (self.page * heads + torch.arange(heads)) * P + self.offset
+            r = self._rows[heads] = (_page_rows(self.pages, 1, heads), token)
+        return r
+
+    def attend(self, layer: int, q, k, v, scale: float, window: int):
+        """Write layer `layer`'s new k / v [1, Hkv, 1, D] and attend q [1, Hq, 1, D] over the
+        sequence: [1, Hq, 1, Dv] in compute_dtype(q.dtype), or None (nothing written) where
+        this path does not apply to the layer."""
+        if window and self.total > window:
+            return None
+        kt, vt = self.pool.k[layer], self.pool.v[layer]
+        H = kt.num_heads
+        if (not kt.one_token_path() or not vt.one_token_path()
+                or k.shape != (1, H, 1, kt.head_dim) or v.shape != (1, H, 1, vt.head_dim)):
+            return None   # (the general path writes these formats, or names the bad shape)
+        rows, token = self.rows(H)
+        kt.write_token(self.page, self.offset, token, k)
+        vt.write_token(self.page, self.offset, token, v)
+        dt = compute_dtype(q.dtype)
+        keys = _gather(kt, self.pages, 1, self.total, dt, rows)
+        values = _gather(vt, self.pages, 1, self.total, dt, rows)
+        return _sdpa(q if q.dtype == dt else q.to(dt), keys, values, None, scale, False)
+
+
+def for_forward(ctx, q, positions) -> CpuDecodeStep | None:
+    """The forward's CpuDecodeStep, built by its first attention op; None where the forward is
+    not such a step (see the module docstring)."""
+    plan = ctx.prepare(q.shape[0], q.shape[2], positions, q.device)
+    step = plan.cache.get(_KEY)
+    if step is None:
+        step = plan.cache[_KEY] = _build(ctx.state, plan, q.device) or False
+    return step or None
+
+
+def _build(state, plan, device) -> CpuDecodeStep | None:
+    if (device.type != "cpu" or plan.packed or plan.batch != 1 or plan.new_tokens != 1
+            or not plan.is_decode or plan.slots_host is None or plan.kv_start[0]
+            or state.hooks or state.eviction is not None or state.config.check_finite
+            or state.kernels.use_triton(device)):
+        return None
+    return CpuDecodeStep(state.pool, plan)
