@@ -161,7 +161,7 @@ def capacity(args, device, ctx):
     from kvcompile.cache.formats import resolve_format
     from kvcompile.cache.pool import LayerSpec, PagePool
 
-    cfg = model_config(argparse.Namespace(smoke=False, layers=32))
+    cfg = model_config(argparse.Namespace(smoke=False, layers=32, prompt=32768, new=0))
     hkv, d = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
     P, per_seq = 16, math.ceil(32768 / 16)
     rows = []

@@ -168,11 +168,11 @@ def test_prefix_cache_hits_and_never_writes_shared_pages(model, alone):
     written_shared = []
     write = pool.write
 
-    def spy(layer, slots, k, v):
+    def spy(layer, slots, k, v, *args, **kwargs):
         pages = set((slots // pool.page_size).tolist())
         shared = [p for p in pages if pool.refcount(p) > 1 or p in eng.prefix_cache.pages()]
         written_shared.extend(shared)
-        return write(layer, slots, k, v)
+        return write(layer, slots, k, v, *args, **kwargs)
 
     pool.write = spy
     try:
