@@ -32,7 +32,7 @@ fi
 start=$(date +%s)
 status=0
 if [ $# -eq 0 ]; then
-  # 36 min 15 s in one process on 2 cores; 25 min 40 s in 2 workers, partly beside another job
+  # 36 min 15 s in one process on 2 cores; 23 min 29 s in 2 workers (fresh clone, 2026-12-04)
   # (2026-12-03; README.md, "The two commands")
   where="one process"
   if [ "$workers" != 0 ]; then where="$workers xdist workers"; fi
