@@ -9,11 +9,10 @@ test_append.py on the GPU), and this Triton may differ from the GPU image's."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from tests.kernels.sm90_compile import compile_rows
 
 pytestmark = pytest.mark.slow   # 19 compiles, about 60 s on the 2-core machine
 
@@ -68,20 +67,6 @@ def _main() -> None:
 
 
 def test_append_kernels_compile_for_sm90():
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"Triton without the NVIDIA backend's AOT compile: {e}")
-    # a process without TRITON_INTERPRET (the interpreter patches triton.language)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c",
-                        "import tests.kernels.test_append_sm90 as t; t._main()"],
-                       capture_output=True, text=True, env=env, cwd=root, timeout=1200)
-    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("[")]
-    if not rows:
-        pytest.fail(f"the sm_90 compile process gave nothing: {r.stderr[-3000:]}")
+    rows = compile_rows("tests.kernels.test_append_sm90")
     bad = [f"{name}: {msg}" for name, msg in rows if msg != "ok"]
     assert len(rows) == 19 and not bad, "\n".join(bad) or f"{len(rows)} of 19 compiled"

@@ -8,13 +8,11 @@ Triton may differ from the GPU image's."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from kvcompile.kernels.latent_decode import CANDIDATES
+from tests.kernels.sm90_compile import compile_rows
 
 SMEM_LIMIT = 232448   # bytes of shared memory one block may use on sm_90 (227 KiB)
 TYPES = dict(QL="*bf16", CS="*fp32", RS="*fp32", BT="*i32", SL="*i32", OUT="*fp32",
@@ -64,20 +62,7 @@ def _main() -> None:
 
 @pytest.fixture(scope="module")
 def compiled():
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"Triton without the NVIDIA backend's AOT compile: {e}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c",
-                        "import tests.kernels.test_latent_decode_sm90 as t; t._main()"],
-                       capture_output=True, text=True, env=env, cwd=root, timeout=1200)
-    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("[")]
-    if not rows:
-        pytest.fail(f"the sm_90 compile process gave nothing: {r.stderr[-3000:]}")
+    rows = compile_rows("tests.kernels.test_latent_decode_sm90")
     if all("ptxas" in row[3].get("error", "") for row in rows):
         pytest.skip(f"no working ptxas for sm_90 here: {rows[0][3]['error'][:300]}")
     return {(i, page, direct): res for i, page, direct, res in rows}
