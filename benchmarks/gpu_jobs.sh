@@ -9,6 +9,7 @@
 #   EC_K=rerotated bash benchmarks/gpu_jobs.sh evict_check evict_bench   # eviction in the Engine
 #   bash benchmarks/gpu_jobs.sh engine_graphs hf_graphs gen e2e prefill_check
 #   PROF_ARGS="--steps" bash benchmarks/gpu_jobs.sh profile   # a decode step by part
+#   PB_ARGS=--quick bash benchmarks/gpu_jobs.sh prefill_bench  # the prefill matrix (bench_prefill)
 #
 # A job still running at its own limit, or at DEADLINE seconds after the start, is stopped so
 # that the logs come back. Jobs (name: command, limit in seconds):
@@ -41,6 +42,7 @@ job() {   # job NAME -> "LIMIT COMMAND"
     prefill_check)  echo "${PC_LIMIT:-220} python3 benchmarks/gpu_check_prefill.py --quick --shards 16 --budget $(( ${PC_LIMIT:-220} - 20 ))" ;;
     evict_check)    echo "${EC_LIMIT:-200} python3 -m pytest -s -q -m gpu tests/gpu/test_engine_eviction_gpu.py -p no:cacheprovider ${EC_K:+-k $EC_K}" ;;
     evict_bench)    echo "${EB_LIMIT:-260} python3 benchmarks/bench_generate.py --budget-s $(( ${EB_LIMIT:-260} - 20 )) --out $OUT --evict-interval ${INTERVAL:-64} --engine-scale ${SCALE:-token} --sections ${EB_SECTIONS:-engine_b,engine_evict_sink,engine_evict_h2o,engine_evict_snapkv} ${EB_ARGS:-}" ;;
+    prefill_bench)  echo "${PB_LIMIT:-200} python3 benchmarks/bench_prefill.py --budget $(( ${PB_LIMIT:-200} - 20 )) --json $OUT/bench_prefill.json ${PB_ARGS:-}" ;;
     append_check)   echo "${AC_LIMIT:-90} python3 -m pytest -q -x tests/kernels/test_append.py tests/kernels/test_append_codes.py -p no:cacheprovider" ;;
     append_bench)   echo "${AB_LIMIT:-80} python3 benchmarks/bench_append.py --json $OUT/bench_append.json" ;;
     latent_check)   echo "${LC_LIMIT:-90} python3 -m pytest -q -m gpu tests/gpu/test_latent_decode_gpu.py -p no:cacheprovider" ;;
