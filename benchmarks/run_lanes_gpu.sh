@@ -47,7 +47,7 @@ if [ "$CALL" = 1 ]; then
    echo "prefill_report exit $? at $(( $(date +%s) - start ))s" >> "$L0/lane.txt") &
   P0=$!
   (export CUDA_VISIBLE_DEVICES=1 OUT=$L1
-   bash benchmarks/run_quality_gpu.sh canary > "$L1/canary.out" 2>&1
+   bash benchmarks/quality/gpu_stages.sh canary > "$L1/canary.out" 2>&1
    echo "canary exit $? at $(( $(date +%s) - start ))s" >> "$L1/lane.txt"
    timeout 240 python3 -m pytest -s -q -m gpu tests/gpu/test_hf_graphs_gpu.py -p no:cacheprovider > "$L1/hf_graphs_check.log" 2>&1
    echo "hf graph check exit $? at $(( $(date +%s) - start ))s" >> "$L1/lane.txt") &
@@ -67,7 +67,7 @@ else
    echo "bench_generate exit $? at $(( $(date +%s) - start ))s" >> "$L0/lane.txt") &
   P0=$!
   (export CUDA_VISIBLE_DEVICES=1 OUT=$L1
-   bash benchmarks/run_quality_gpu.sh run > "$L1/quality.out" 2>&1
+   bash benchmarks/quality/gpu_stages.sh run > "$L1/quality.out" 2>&1
    echo "quality exit $? at $(( $(date +%s) - start ))s" >> "$L1/lane.txt") &
   P1=$!
   waitlanes $P0 $P1
