@@ -1,7 +1,7 @@
 """Quality of kvcompile's eviction policies and storage formats on SmolLM2-135M.
 
     python benchmarks/quality/quality.py --suite passkey,ppl,stream,ruler,kvpress [--quick]
-    python benchmarks/quality/quality.py --report          # tables -> stdout, plot -> benchmarks/quality/*.png
+    python benchmarks/quality/quality.py --report          # tables -> stdout, plot -> its folder
     kvcompile eval ...                              # the same (calls main(argv))
     bash benchmarks/quality/gpu_stages.sh              # the long runs on one H200 (see there)
 

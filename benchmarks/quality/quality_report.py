@@ -2,7 +2,8 @@
 
     python benchmarks/quality/quality.py --report
     python benchmarks/quality/quality_report.py --only _h200 --no-plot      # some suites' tables
-    python benchmarks/quality/quality_report.py --merge-from $OUT/quality_results_h200.json --only _h200
+    python benchmarks/quality/quality_report.py --merge-from $OUT/quality_results_h200.json \
+        --only _h200
 """
 
 from __future__ import annotations

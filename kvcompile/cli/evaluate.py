@@ -23,7 +23,8 @@ def run(args) -> Result:
     path = os.path.join(folder, "quality", "quality.py")
     if not os.path.isfile(path):
         raise CLIError(f"the quality harness {path} is missing",
-                       hint="update your checkout (benchmarks/quality/quality.py defines main(argv))",
+                       hint="update your checkout (benchmarks/quality/quality.py defines "
+                            "main(argv))",
                        code=EXIT_UNAVAILABLE)
     main = _load_main(path)
     sink = sys.stderr if getattr(args, "json", False) else sys.stdout

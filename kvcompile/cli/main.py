@@ -128,9 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     _model_options(ins, "fp8_e4m3")
     _common(ins, suppress=True)
 
-    ev = sub.add_parser("eval", help="quality harness (benchmarks/quality/quality.py): perplexity, "
-                        "passkey; arguments after `eval` go to the harness")
-    ev.add_argument("args", nargs=argparse.REMAINDER, help="arguments of benchmarks/quality/quality.py")
+    ev = sub.add_parser("eval", help="quality harness (benchmarks/quality/quality.py): "
+                        "perplexity, passkey; arguments after `eval` go to the harness")
+    ev.add_argument("args", nargs=argparse.REMAINDER,
+                    help="arguments of benchmarks/quality/quality.py")
     _common(ev, suppress=True)
 
     be = sub.add_parser("bench", help="speed benchmarks (benchmarks/bench_*.py; need CUDA)")

@@ -39,7 +39,8 @@ def tiny(family: str):
                 pad_token_id=0, bos_token_id=1, eos_token_id=2)
     cfg = {"llama": lambda: t.LlamaConfig(**base), "qwen2": lambda: t.Qwen2Config(**base),
            "gpt2": lambda: t.GPT2Config(vocab_size=512, n_embd=512, n_layer=4, n_head=8,
-                                        n_positions=2048, bos_token_id=1, eos_token_id=2)}[family]()
+                                        n_positions=2048, bos_token_id=1, eos_token_id=2)}
+    cfg = cfg[family]()
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     m = t.AutoModelForCausalLM.from_config(cfg).eval()

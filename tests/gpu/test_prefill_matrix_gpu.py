@@ -30,7 +30,8 @@ CASES = pc.warm_cases() + pc.varlen_cases(QUICK) + pc.paged_cases(QUICK)
 
 def _id(c) -> str:
     what = c.get("fmt", c.get("dt", "fp8")) + (f"/{c['gran']}" if "gran" in c else "")
-    return f"{c['kind']}-{what}-D{c['D']}-H{c['hq']}x{c['hkv']}" + ("-warm" if c.get("warm") else "")
+    warm = "-warm" if c.get("warm") else ""
+    return f"{c['kind']}-{what}-D{c['D']}-H{c['hq']}x{c['hkv']}{warm}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{i}-{_id(c)}" for i, c in enumerate(CASES)])
