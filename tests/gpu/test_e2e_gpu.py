@@ -12,6 +12,8 @@ bench_generate.py's hf_static / kvc_fp8 rows.)
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -49,8 +51,10 @@ def tiny(family: str):
     return m.to("cuda", torch.bfloat16)
 
 
+@functools.cache
 def compiled_vs_eager(family: str, kv_dtype: str, inner: str):
-    """-> (report, greedy token agreement, teacher-forced KL) of the compiled model vs eager."""
+    """-> (report, greedy token agreement, teacher-forced KL) of the compiled model vs eager
+    (cached: the negative case reuses the fp4 run)."""
     torch._dynamo.reset()
     m = tiny(family)
     g = torch.Generator().manual_seed(0)
@@ -91,6 +95,8 @@ def test_compiled_model_matches_eager(family, kv_dtype, inner):
 
 
 def test_fp4_pages_miss_the_bf16_floor():
-    """Negative case: the floors tell formats apart (fp4 pages do not pass bf16's KL bound)."""
-    _, _, kl = compiled_vs_eager("llama", "fp4_e2m1", "aot_eager")
+    """Negative case: the floors tell formats apart (fp4 pages do not pass bf16's KL bound and
+    agreement floor)."""
+    _, agree, kl = compiled_vs_eager("llama", "fp4_e2m1", "aot_eager")
     assert kl > KL_MAX["bf16"], f"fp4 pages KL {kl:.2e} within the bf16 bound"
+    assert agree < AGREE_MIN["bf16"], f"fp4 pages agreement {agree:.3f} above the bf16 floor"
