@@ -1,4 +1,4 @@
-"""CI subset of the quality harness (benchmarks/quality/quality.py) on the real SmolLM2: floors
+"""CI subset of the quality harness (benchmarks/quality/quality.py) on the real SmolLM2-135M: floors
 measured by these tests themselves (recorded in benchmarks/RESULTS.md, "Quality: eviction"),
 with margin.
 
