@@ -47,14 +47,25 @@ MIN_SPLIT_TOKENS = 256    # a split shorter than this costs more in the merge th
 MAX_SPLITS = 64
 
 
+LAYOUTS = ("once", "once_t", "heads")
+
+
 @dataclass(frozen=True)
 class LatentTiles:
-    """One launch configuration of the decode kernel (all powers of two, >= 16)."""
-    block_h: int      # query heads per program: the M of both dots
-    block_n: int      # tokens per tile: N of QK^T, K of PV
+    """One launch configuration of the decode kernel (block sizes powers of two, >= 16).
+
+    layout "once" / "once_t" (_latent_once_kernel): tokens are the M of QK^T, spread over the
+    warps 16 rows each (block_n == 16 x num_warps), so every score is computed by exactly one
+    warp; "once" accumulates [heads, r] from registers, "once_t" [r, heads] from shared memory.
+    layout "heads" (_latent_tile_kernel, issue 22's first rebuild, kept for the benchmark's
+    comparison): heads are the M of QK^T, which both warpgroups of 8 warps, or both programs
+    of a v_split pair, compute in full."""
+    block_h: int      # query heads per program
+    block_n: int      # tokens per tile: K of PV
     num_warps: int
     num_stages: int
-    v_split: int = 1  # programs sharing a head block, each accumulating r / v_split columns
+    v_split: int = 1  # "heads" only: programs sharing a head block, r / v_split columns each
+    layout: str = "once"
 
     def __post_init__(self):
         for name in ("block_h", "block_n"):
@@ -65,31 +76,48 @@ class LatentTiles:
         if self.num_warps not in (4, 8) or self.num_stages < 1 or self.v_split not in (1, 2):
             raise ValueError(f"LatentTiles: num_warps {self.num_warps} (4 or 8), num_stages "
                              f"{self.num_stages} (>= 1), v_split {self.v_split} (1 or 2)")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"LatentTiles.layout={self.layout!r}: one of {LAYOUTS}")
+        if self.layout != "heads" and (self.block_n != 16 * self.num_warps
+                                       or self.v_split != 1):
+            raise ValueError(f"LatentTiles: layout {self.layout!r} needs block_n == 16 x "
+                             f"num_warps ({16 * self.num_warps}: one warp per 16 score rows, "
+                             f"none computed twice) and v_split 1; got block_n "
+                             f"{self.block_n}, v_split {self.v_split}")
 
     def acc_regs(self, r: int) -> int:
         """fp32 registers per thread that the [block_h, r] accumulator takes."""
         return self.block_h * r // (self.v_split * 32 * self.num_warps)
 
+    def __str__(self) -> str:
+        v = f"/v{self.v_split}" if self.v_split > 1 else ""
+        return (f"{self.layout} h{self.block_h} n{self.block_n} w{self.num_warps} "
+                f"s{self.num_stages}{v}")
 
-# Candidates, in order of preference for many heads. 64 heads fill one Hopper wgmma M. A
-# [64, 512] fp32 accumulator is 128 registers a thread over 8 warps (256 over 4), so either
-# two programs share the head block (v_split 2: each accumulates 256 latent columns over 4
-# warps, and two such programs fit one SM: 204 registers and 110 KB of shared memory at
-# r 512, block_n 16, compiled for sm_90 by triton 3.9) or one program of 8 warps holds it all
-# (Triton then computes QK^T in both warpgroups, its layout for a dot that feeds another).
-# Both compute QK^T twice per head block; which is faster is for the GPU to say:
-# benchmarks/bench_latent_decode.py --quick times every 64-head candidate.
+
+# Candidates, in order of preference for many heads. "once" at 64 heads: 8 warps, each
+# scoring 16 of 128 tokens against all 64 heads (wgmma m64n64, the q block and the latent
+# tile in shared memory: 216 KB, one program an SM, no cp.async ring), then the [64, r]
+# accumulator over both warpgroups (128 registers a thread at r 512, p from registers,
+# m64n256). "once_t" keeps p in shared memory and accumulates r x heads; its 32-head,
+# 4-warp form fits a 3-stage cp.async ring (188 KB) at the price of 4 head blocks reading
+# each latent tile. sm_90 compile (triton 3.9, r 512): "once" 255 registers and a 104 B
+# stack for bf16, a 1.1 KB stack for fp8 pages (the whole tile is widened in registers);
+# "once_t" h32 no spill for bf16. Which is fastest is for the GPU to say:
+# benchmarks/bench_latent_decode.py --quick times every candidate of 32+ heads.
 CANDIDATES = (
-    # first: the fastest on the H200 at 128 heads in 7 of 8 shapes x pages (B16/B64 x 8k/32k,
-    # bf16 and fp8, bench_latent_decode.py --quick, 2026-12-03), within 0.2% in the eighth
-    LatentTiles(64, 32, 8, 2),
-    LatentTiles(64, 16, 4, 2, v_split=2),
-    LatentTiles(64, 16, 8, 3),
-    LatentTiles(64, 32, 4, 2, v_split=2),
+    LatentTiles(64, 128, 8, 1, layout="once"),
+    LatentTiles(64, 128, 8, 1, layout="once_t"),
+    # the first rebuild's layout (QK^T twice per head block), kept for comparison; the
+    # first was the fastest of its kind on the H200 (bench_latent_decode.py --quick,
+    # 2026-12-03)
+    LatentTiles(64, 32, 8, 2, layout="heads"),
+    LatentTiles(64, 16, 4, 2, v_split=2, layout="heads"),
     # under 64 heads the dots fall back from wgmma to mma.sync, whose operands sit in
     # registers: 8 warps keep r 512 without spills (4 spilled 60-416 B on sm_90)
-    LatentTiles(32, 32, 8, 2),
-    LatentTiles(16, 32, 8, 2),
+    LatentTiles(32, 32, 8, 2, layout="heads"),
+    LatentTiles(32, 64, 4, 3, layout="once_t"),   # not measured: after the measured one
+    LatentTiles(16, 32, 8, 2, layout="heads"),
 )
 MAX_ACC_REGS = 128
 
@@ -102,15 +130,18 @@ def pick_tiles(heads: int, r: int) -> LatentTiles:
         if (t.block_h <= max(heads, 16) and t.acc_regs(r) <= MAX_ACC_REGS
                 and r // t.v_split >= 16):
             return t
-    return LatentTiles(16, 16, 8, 1, v_split=2 if r >= 32 else 1)   # the smallest accumulator
+    return LatentTiles(16, 16, 8, 1, v_split=2 if r >= 32 else 1,
+                       layout="heads")   # the smallest accumulator
 
 
 def pick_splits(batch: int, heads: int, max_len: int, tiles: LatentTiles, sms: int) -> int:
     """Splits of the context so that batch x head blocks x splits programs about fill the SMs
-    once (one program per SM when it holds a [64, r] accumulator over 8 warps, else two),
-    each split >= MIN_SPLIT_TOKENS."""
+    once (one program per SM for the "once" layouts, whose tiles take most of its shared
+    memory, and for a [64, r] accumulator over 8 warps; else two), each split >=
+    MIN_SPLIT_TOKENS."""
     programs = batch * triton.cdiv(heads, tiles.block_h) * tiles.v_split
-    per_sm = 1 if tiles.num_warps == 8 and tiles.block_h == 64 else 2
+    per_sm = 1 if tiles.layout != "heads" or (tiles.num_warps == 8
+                                               and tiles.block_h == 64) else 2
     want = max(1, round(sms * per_sm / programs))
     return max(1, min(want, triton.cdiv(max_len, MIN_SPLIT_TOKENS),
                       triton.cdiv(max_len, tiles.block_n), MAX_SPLITS))
@@ -193,6 +224,83 @@ def _latent_tile_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
         first = h_ok & (h * 0 + v0 == 0)
         tl.store(ML + row * 2, m_i, mask=first)
         tl.store(ML + row * 2 + 1, l_i, mask=first)
+
+
+@triton.jit
+def _latent_once_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, stride_qh,
+                        stride_bt, H, num_splits, tiles_per_split, qk_scale, R: tl.constexpr,
+                        DR: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_N: tl.constexpr, OUT_T: tl.constexpr, C_SCALED: tl.constexpr,
+                        R_SCALED: tl.constexpr, DT: tl.constexpr, DIRECT: tl.constexpr):
+    # Scores transposed, s^T = [c, k_rope] . q^T: tokens are the M of the dot, and with
+    # BLOCK_N == 16 x num_warps Triton's layout for a dot that feeds another (all warps
+    # along M) gives each warp its own 16 tokens, so each score is computed once (with heads
+    # as M, 64 heads fill only one warpgroup's M and the other recomputes them)
+    hb = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < H
+    rr = tl.arange(0, R)
+    dd = tl.arange(0, DR)
+    t = tl.arange(0, BLOCK_N)
+    q_col = QL + b * stride_qb + h[None, :] * stride_qh                       # [1, BLOCK_H]
+    q_cT = tl.load(q_col + rr[:, None], mask=h_ok[None, :], other=0.0).to(DT)       # [R, BH]
+    q_rT = tl.load(q_col + R + dd[:, None], mask=h_ok[None, :], other=0.0).to(DT)   # [DR, BH]
+    L = tl.load(SL + b)
+    n_lo = split * tiles_per_split * BLOCK_N
+    n_hi = tl.minimum(n_lo + tiles_per_split * BLOCK_N, L)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    if OUT_T:
+        acc = tl.zeros([R, BLOCK_H], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_H, R], tl.float32)
+    bt_row = BT + b * stride_bt
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        j = n0 + t                                                            # token ids
+        ok = j < n_hi
+        page = tl.load(bt_row + j // P, mask=ok, other=0).to(tl.int64)
+        tok = page * P + (j % P)                                              # [BLOCK_N]
+        # one load and one widening per element; the tile feeds both dots
+        c = tl.load(CD + tok[:, None] * R + rr[None, :], mask=ok[:, None],
+                    other=0.0).to(DT)                                         # [BLOCK_N, R]
+        kr = tl.load(RD + tok[:, None] * DR + dd[None, :], mask=ok[:, None],
+                     other=0.0).to(DT)                                        # [BLOCK_N, DR]
+        if C_SCALED:
+            cs = tl.load(CS + page, mask=ok, other=0.0)                       # [BLOCK_N]
+            s_r = tl.dot(kr, q_rT)
+            if R_SCALED:
+                s_r = s_r * tl.load(RS + page, mask=ok, other=0.0)[:, None]
+            sT = (tl.dot(c, q_cT) * cs[:, None] + s_r) * qk_scale            # [BLOCK_N, BH]
+        elif R_SCALED:
+            rs = tl.load(RS + page, mask=ok, other=0.0)
+            sT = (tl.dot(c, q_cT) + tl.dot(kr, q_rT) * rs[:, None]) * qk_scale
+        else:
+            sT = tl.dot(kr, q_rT, tl.dot(c, q_cT)) * qk_scale
+        sT = tl.where(ok[:, None], sT, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sT, 0))     # finite: every tile has a token below n_hi
+        alpha = tl.math.exp2(m_i - m_new)
+        pT = tl.math.exp2(sT - m_new[None, :])                                # [BLOCK_N, BH]
+        l_i = l_i * alpha + tl.sum(pT, 0)
+        if C_SCALED:
+            pT = pT * cs[:, None]
+        if OUT_T:
+            acc = tl.dot(tl.trans(c), pT.to(DT), acc * alpha[None, :])       # [R, BH]
+        else:
+            acc = tl.dot(tl.trans(pT.to(DT)), c, acc * alpha[:, None])       # [BH, R]
+        m_i = m_new
+    if OUT_T:
+        acc = tl.trans(acc)
+    if DIRECT:
+        inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+        tl.store(OUT + (b * H + h)[:, None] * R + rr[None, :], acc * inv[:, None],
+                 mask=h_ok[:, None])
+    else:
+        row = (b * num_splits + split) * H + h
+        tl.store(ACC + row[:, None] * R + rr[None, :], acc, mask=h_ok[:, None])
+        tl.store(ML + row * 2, m_i, mask=h_ok)
+        tl.store(ML + row * 2 + 1, l_i, mask=h_ok)
 
 
 @triton.jit
@@ -322,15 +430,21 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
         raise UnsupportedShapeError(f"latent_decode_attention: latent width {R} split "
                                     f"{tiles.v_split} ways is under 16; use v_split 1")
     # the programs that read the same tiles (head blocks, value halves) are neighbours: L2
+    scales = (c_pages.scale if c_scaled else dummy, r_pages.data,
+              r_pages.scale if r_scaled else dummy)
+    common = (block_tables, seq_lens, out, acc, ml, q.stride(0), q.stride(1),
+              block_tables.stride(0), H, num_splits, tiles_per_split, float(scale) * _LOG2E)
+    shape = dict(R=R, DR=DR, P=P, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n,
+                 C_SCALED=c_scaled, R_SCALED=r_scaled, DT=_dot_dtype(q.dtype), DIRECT=direct,
+                 num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    # the programs that read the same tiles (head blocks, value halves) are neighbours: L2
     grid = (triton.cdiv(H, tiles.block_h) * tiles.v_split, num_splits, B)
-    _latent_tile_kernel[grid](
-        q, c_pages.data, c_pages.scale if c_scaled else dummy, r_pages.data,
-        r_pages.scale if r_scaled else dummy, block_tables, seq_lens, out, acc, ml,
-        q.stride(0), q.stride(1), block_tables.stride(0), H, num_splits, tiles_per_split,
-        float(scale) * _LOG2E, R=R, DR=DR, P=P, BLOCK_H=tiles.block_h,
-        BLOCK_N=tiles.block_n, V_SPLIT=tiles.v_split, C_SCALED=c_scaled, R_SCALED=r_scaled,
-        DT=_dot_dtype(q.dtype), DIRECT=direct, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages)
+    if tiles.layout == "heads":
+        _latent_tile_kernel[grid](q, c_pages.data, *scales, *common, V_SPLIT=tiles.v_split,
+                                  **shape)
+    else:
+        _latent_once_kernel[grid](q, c_pages.data, *scales, *common,
+                                  OUT_T=tiles.layout == "once_t", **shape)
     if not direct:
         merge_h = 16
         _latent_merge_kernel[(triton.cdiv(H, merge_h), B)](
@@ -338,5 +452,5 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
     return out
 
 
-__all__ = ["CANDIDATES", "LatentTiles", "fast_path_reason", "latent_decode_attention",
+__all__ = ["CANDIDATES", "LAYOUTS", "LatentTiles", "fast_path_reason", "latent_decode_attention",
            "pick_splits", "pick_tiles"]

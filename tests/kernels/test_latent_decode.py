@@ -55,9 +55,11 @@ def _run(pool, plan, q_lat, lens, **kw):
     return out, ref
 
 
-SMALL = LatentTiles(16, 16, 4, 1)
-WIDE = LatentTiles(16, 32, 4, 2)
-HALVES = LatentTiles(16, 16, 4, 2, v_split=2)   # two programs per head block, 32 columns each
+SMALL = LatentTiles(16, 16, 4, 1, layout="heads")
+WIDE = LatentTiles(16, 32, 4, 2, layout="heads")
+HALVES = LatentTiles(16, 16, 4, 2, v_split=2, layout="heads")   # two programs, 32 columns each
+ONCE = LatentTiles(16, 64, 4, 1)                    # scores once: tokens over the warps
+ONCE_T = LatentTiles(16, 64, 4, 1, layout="once_t")   # the same, accumulating r x heads
 
 
 @pytest.mark.parametrize("c_fmt,r_fmt", [("fp32", "fp32"), ("bf16", "bf16"),
@@ -68,7 +70,7 @@ HALVES = LatentTiles(16, 16, 4, 2, v_split=2)   # two programs per head block, 3
     (16, [1, 17, 50, 100], 3, WIDE, 16),        # split-K; row 0 has empty splits
     (20, [64, 33], None, SMALL, 16),            # 20 heads in blocks of 16; rule's splits
     (16, [70, 5], 2, SMALL, 32),                # a tile is half a page
-    (32, [45, 90], 2, LatentTiles(32, 32, 4, 1), 8),   # a tile spans 4 pages
+    (32, [45, 90], 2, LatentTiles(32, 32, 4, 1, layout="heads"), 8),   # a tile spans 4 pages
     (16, [1, 17, 50, 100], 3, HALVES, 16),      # value halves, split-K
     (20, [64, 33], 1, HALVES, 16),              # value halves, no split, partial head block
 ])
