@@ -73,6 +73,10 @@ ONCE_T = LatentTiles(16, 64, 4, 1, layout="once_t")   # the same, accumulating r
     (32, [45, 90], 2, LatentTiles(32, 32, 4, 1, layout="heads"), 8),   # a tile spans 4 pages
     (16, [1, 17, 50, 100], 3, HALVES, 16),      # value halves, split-K
     (20, [64, 33], 1, HALVES, 16),              # value halves, no split, partial head block
+    (16, [1, 17, 50, 100], 3, ONCE, 16),        # scores once, split-K, empty splits
+    (20, [64, 33, 130], 1, ONCE, 8),            # scores once, no split, partial head block
+    (20, [1, 17, 50, 100], 2, ONCE_T, 32),      # r x heads accumulator, split-K
+    (32, [129, 7], 1, ONCE_T, 16),              # r x heads, no split, a ragged last tile
 ])
 def test_kernel_matches_paged_reference(c_fmt, r_fmt, heads, lens, splits, tiles, page):
     g = torch.Generator().manual_seed(len(lens) * heads + page)
@@ -83,36 +87,40 @@ def test_kernel_matches_paged_reference(c_fmt, r_fmt, heads, lens, splits, tiles
     assert_rel_close(out, ref, torch.float32, factor=4, what=f"{c_fmt}/{r_fmt} {lens}")
 
 
-def test_default_tiles_and_splits():
+@pytest.mark.parametrize("heads", [16, 64])   # the rule's "heads" and "once" layouts
+def test_default_tiles_and_splits(heads):
     """The launcher's own choice (pick_tiles / pick_splits) on a non-contiguous query."""
     g = torch.Generator().manual_seed(7)
     lens = [300, 3, 129]
     pool, plan = _pool("fp8_e4m3", "bf16", lens, g)
-    q_lat = torch.randn(len(lens), 2 * (R + DR), 16, generator=g).transpose(1, 2)[..., ::2]
+    q_lat = torch.randn(len(lens), 2 * (R + DR), heads, generator=g).transpose(1, 2)[..., ::2]
     out, ref = _run(pool, plan, q_lat, lens)
     assert_rel_close(out, ref, torch.float32, factor=4)
 
 
-def test_scales_are_applied():
+@pytest.mark.parametrize("tiles", [SMALL, ONCE, ONCE_T], ids=str)
+def test_scales_are_applied(tiles):
     """Negative control: the same codes read as if every page scale were 1 give another
     answer, so the fp8 cases above can fail."""
     g = torch.Generator().manual_seed(3)
     lens = [40, 20]
     pool, plan = _pool("fp8_e4m3", "fp8_e4m3", lens, g)
     q_lat = torch.randn(2, 16, R + DR, generator=g)
-    out, ref = _run(pool, plan, q_lat, lens, tiles=SMALL)
+    out, ref = _run(pool, plan, q_lat, lens, tiles=tiles)
     pool.k[0].scale.fill_(1.0)
-    wrong, _ = _run(pool, plan, q_lat, lens, tiles=SMALL)
+    wrong, _ = _run(pool, plan, q_lat, lens, tiles=tiles)
     assert rel_err(out, ref) < 1e-4 < rel_err(wrong, ref)
 
 
 def test_rule_picks():
-    """DeepSeek-V3 shape on the H200 (132 SMs): 64 heads a program over 8 warps, all 512 value
-    columns (128 accumulator registers a thread; the fastest tile measured); B16 splits 4
-    ways, B64 does not split."""
+    """DeepSeek-V3 shape on the H200 (132 SMs): 64 heads a program, scores computed once by 8
+    warps of 16 tokens each, all 512 value columns (128 accumulator registers a thread); B16
+    splits 4 ways, B64 does not split. Under 64 heads, the measured layout of the first
+    rebuild."""
     t = pick_tiles(128, 512)
-    assert (t.block_h, t.block_n, t.num_warps, t.v_split) == (64, 32, 8, 1)
+    assert (t.layout, t.block_h, t.block_n, t.num_warps, t.v_split) == ("once", 64, 128, 8, 1)
     assert t.acc_regs(512) == 128
+    assert pick_tiles(32, 512).layout == "heads"
     assert pick_splits(16, 128, 8192, t, 132) == 4
     assert pick_splits(64, 128, 32768, t, 132) == 1
     assert pick_splits(1, 128, 131072, t, 132) == 64          # capped at MAX_SPLITS
@@ -147,3 +155,9 @@ def test_refuses_what_it_cannot_read():
         LatentTiles(64, 8, 8, 1)
     with pytest.raises(ValueError, match="v_split"):
         LatentTiles(64, 16, 4, 1, v_split=4)
+    with pytest.raises(ValueError, match="16 x num_warps"):   # 8 warps over 64 tokens: twice
+        LatentTiles(64, 64, 8, 1, layout="once")
+    with pytest.raises(ValueError, match="v_split 1"):
+        LatentTiles(64, 64, 4, 1, v_split=2, layout="once_t")
+    with pytest.raises(ValueError, match="layout"):
+        LatentTiles(64, 64, 4, 1, layout="twice")
