@@ -5,27 +5,32 @@
     # c_pages: PagedTensor [N, 1, P, r] (the latent), r_pages: PagedTensor [N, 1, P, dr]
     # block_tables: [B, maxP] int32, seq_lens: [B] int32  ->  out_lat: [B, H, r] fp32
 
-All H query heads attend to one latent per token (MQA), so the heads are the M dimension of
-both GEMMs. One program per (block of BLOCK_H heads, split of the context, sequence) walks its
-tokens BLOCK_N at a time (a tile spans BLOCK_N / P pages, gathered through the block table):
+All H query heads attend to one latent per token (MQA). One program per (block of BLOCK_H
+heads, split of the context, sequence) walks its tokens BLOCK_N at a time (a tile spans
+BLOCK_N / P pages, gathered through the block table), one pass with an online softmax:
 
-    s   = q_c . c^T * c_scale + q_r . k_rope^T * r_scale     # [BLOCK_H, BLOCK_N], tl.dot
+    s^T = c . q_c^T * c_scale + k_rope . q_r^T * r_scale   # [BLOCK_N, BLOCK_H], tl.dot
     acc = acc * alpha + (p * c_scale) . c                    # [BLOCK_H, r],       tl.dot
 
-The latent tile [BLOCK_N, r] is loaded once and feeds both dots (its transpose for QK^T), and
-the programs that read the same tiles are neighbours in the grid, so that all but the first
-find them in L2. With v_split 2 two programs share a head block, each accumulating half of
-the r columns (a [64, 512] fp32 accumulator does not fit one 4-warp program's registers). fp8 pages (E4M3 / E5M2, one scale per page) are widened to the dot dtype in
-registers; their page scale multiplies the score columns and the probabilities, never the
-tile. The rotary key is its own page tensor, in its own format (FlashMLA keeps it bf16 beside
-an fp8 latent). The softmax runs in base 2 (log2(e) is folded into the softmax scale).
-Long contexts with few programs are split (split-K); a second small kernel merges the splits.
+The latent tile [BLOCK_N, r] is loaded and widened once and feeds both dots. Tokens are the M
+of QK^T (layouts "once" / "once_t", _latent_once_kernel): with BLOCK_N = 16 x num_warps each
+warp scores its own 16 tokens against every head of the block, so every score is computed
+once. (With heads as M, layout "heads", _latent_tile_kernel, kept for the benchmark's
+comparison: Triton spreads all warps of a dot that feeds another along M, and 64 heads fill
+only one warpgroup's M, so the second warpgroup recomputes the same scores.) The programs
+that read the same tiles (head blocks) are neighbours in the grid, so that all but the first
+find them in L2. fp8 pages (E4M3 / E5M2, one scale per page) are widened to the dot dtype in
+registers; their page scale multiplies the score rows and the probabilities, never the tile.
+The rotary key is its own page tensor, in its own format (FlashMLA keeps it bf16 beside an
+fp8 latent). The softmax runs in base 2 (log2(e) is folded into the softmax scale). Long
+contexts with few programs are split (split-K); a second small kernel merges the splits.
 
 Tile sizes are constexpr; `pick_tiles` chooses among CANDIDATES by a rule (the accumulator
 must stay in registers), `pick_splits` sizes split-K from the SM count.
-At 128 heads the tensor work is as large as the memory time: QK^T over r + dr and PV over r
-for every head is 36 GFLOP at B16 x 8k (about 46 us at 790 TFLOP/s) against 151 MB of bf16
-pages (about 37 us at 4.1 TB/s), and both 64-head layouts compute QK^T twice (1.5x that).
+Work at 128 heads, per token: 128 x (576 + 512) MACs (278 KFLOP) against 1152 B of bf16 pages
+(576 B + scales for fp8), 242 FLOP/B; the H200's ridge is 989 TFLOP/s / 4.8 TB/s = 206 FLOP/B,
+so even at the dense peak the bf16 kernel is compute-bound (B16 x 8k: 36.5 GFLOP, 37 us at
+989 TFLOP/s, against 151 MB, 31 us at 4.8 TB/s); computing QK^T twice made it 1.53x that.
 Masks, windows and soft-capping are not taken (runtime/dispatch.py `attend_latent` sends
 those steps to the reference, kernels/dense.py); kernels/latent.py holds the math.
 """
