@@ -104,11 +104,11 @@ class LatentTiles:
 # scoring 16 of 128 tokens against all 64 heads (wgmma m64n64, the q block and the latent
 # tile in shared memory: 216 KB, one program an SM, no cp.async ring), then the [64, r]
 # accumulator over both warpgroups (128 registers a thread at r 512, p from registers,
-# m64n256). "once_t" keeps p in shared memory and accumulates r x heads; its 32-head,
-# 4-warp form fits a 3-stage cp.async ring (188 KB) at the price of 4 head blocks reading
-# each latent tile. sm_90 compile (triton 3.9, r 512): "once" 255 registers and a 104 B
-# stack for bf16, a 1.1 KB stack for fp8 pages (the whole tile is widened in registers);
-# "once_t" h32 no spill for bf16. Which is fastest is for the GPU to say:
+# m64n128 per latent half). "once_t" keeps p in shared memory and accumulates r x heads; its
+# 32-head, 4-warp form fits a 3-stage cp.async ring (188 KB) at the price of 4 head blocks
+# reading each latent tile. sm_90 compile (triton 3.9, r 512, 255 registers each), stack:
+# "once" 8 B for bf16 pages, 656 B for fp8 (the widened tile); "once_t" 72 / 1504 B at 64
+# heads, 64 / 1352 B at 32. Which is fastest is for the GPU to say:
 # benchmarks/bench_latent_decode.py --quick times every candidate of 32+ heads.
 CANDIDATES = (
     LatentTiles(64, 128, 8, 1, layout="once"),
@@ -240,27 +240,34 @@ def _latent_once_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
     # Scores transposed, s^T = [c, k_rope] . q^T: tokens are the M of the dot, and with
     # BLOCK_N == 16 x num_warps Triton's layout for a dot that feeds another (all warps
     # along M) gives each warp its own 16 tokens, so each score is computed once (with heads
-    # as M, 64 heads fill only one warpgroup's M and the other recomputes them)
+    # as M, 64 heads fill only one warpgroup's M and the other recomputes them). The latent
+    # is handled in two column halves (two loads, two accumulators): the registers that
+    # widen a tile before it is stored for the dots are half as many (sm_90, r 512, 64 heads:
+    # stack 104 -> 32 B for bf16 pages, 1128 -> 648 B for fp8)
+    RH: tl.constexpr = R // 2
     hb = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
-    rr = tl.arange(0, R)
+    rh = tl.arange(0, RH)
     dd = tl.arange(0, DR)
     t = tl.arange(0, BLOCK_N)
     q_col = QL + b * stride_qb + h[None, :] * stride_qh                       # [1, BLOCK_H]
-    q_cT = tl.load(q_col + rr[:, None], mask=h_ok[None, :], other=0.0).to(DT)       # [R, BH]
-    q_rT = tl.load(q_col + R + dd[:, None], mask=h_ok[None, :], other=0.0).to(DT)   # [DR, BH]
+    q0T = tl.load(q_col + rh[:, None], mask=h_ok[None, :], other=0.0).to(DT)      # [RH, BH]
+    q1T = tl.load(q_col + RH + rh[:, None], mask=h_ok[None, :], other=0.0).to(DT)  # [RH, BH]
+    q_rT = tl.load(q_col + R + dd[:, None], mask=h_ok[None, :], other=0.0).to(DT)  # [DR, BH]
     L = tl.load(SL + b)
     n_lo = split * tiles_per_split * BLOCK_N
     n_hi = tl.minimum(n_lo + tiles_per_split * BLOCK_N, L)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     if OUT_T:
-        acc = tl.zeros([R, BLOCK_H], tl.float32)
+        acc0 = tl.zeros([RH, BLOCK_H], tl.float32)
+        acc1 = tl.zeros([RH, BLOCK_H], tl.float32)
     else:
-        acc = tl.zeros([BLOCK_H, R], tl.float32)
+        acc0 = tl.zeros([BLOCK_H, RH], tl.float32)
+        acc1 = tl.zeros([BLOCK_H, RH], tl.float32)
     bt_row = BT + b * stride_bt
     for n0 in range(n_lo, n_hi, BLOCK_N):
         j = n0 + t                                                            # token ids
@@ -268,8 +275,9 @@ def _latent_once_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
         page = tl.load(bt_row + j // P, mask=ok, other=0).to(tl.int64)
         tok = page * P + (j % P)                                              # [BLOCK_N]
         # one load and one widening per element; the tile feeds both dots
-        c = tl.load(CD + tok[:, None] * R + rr[None, :], mask=ok[:, None],
-                    other=0.0).to(DT)                                         # [BLOCK_N, R]
+        row = CD + tok[:, None] * R + rh[None, :]
+        c0 = tl.load(row, mask=ok[:, None], other=0.0).to(DT)                # [BLOCK_N, RH]
+        c1 = tl.load(row + RH, mask=ok[:, None], other=0.0).to(DT)           # [BLOCK_N, RH]
         kr = tl.load(RD + tok[:, None] * DR + dd[None, :], mask=ok[:, None],
                      other=0.0).to(DT)                                        # [BLOCK_N, DR]
         if C_SCALED:
@@ -277,12 +285,12 @@ def _latent_once_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
             s_r = tl.dot(kr, q_rT)
             if R_SCALED:
                 s_r = s_r * tl.load(RS + page, mask=ok, other=0.0)[:, None]
-            sT = (tl.dot(c, q_cT) * cs[:, None] + s_r) * qk_scale            # [BLOCK_N, BH]
+            sT = (tl.dot(c1, q1T, tl.dot(c0, q0T)) * cs[:, None] + s_r) * qk_scale
         elif R_SCALED:
             rs = tl.load(RS + page, mask=ok, other=0.0)
-            sT = (tl.dot(c, q_cT) + tl.dot(kr, q_rT) * rs[:, None]) * qk_scale
+            sT = (tl.dot(c1, q1T, tl.dot(c0, q0T)) + tl.dot(kr, q_rT) * rs[:, None]) * qk_scale
         else:
-            sT = tl.dot(kr, q_rT, tl.dot(c, q_cT)) * qk_scale
+            sT = tl.dot(kr, q_rT, tl.dot(c1, q1T, tl.dot(c0, q0T))) * qk_scale  # [BLOCK_N, BH]
         sT = tl.where(ok[:, None], sT, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sT, 0))     # finite: every tile has a token below n_hi
         alpha = tl.math.exp2(m_i - m_new)
@@ -290,20 +298,27 @@ def _latent_once_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
         l_i = l_i * alpha + tl.sum(pT, 0)
         if C_SCALED:
             pT = pT * cs[:, None]
-        if OUT_T:
-            acc = tl.dot(tl.trans(c), pT.to(DT), acc * alpha[None, :])       # [R, BH]
-        else:
-            acc = tl.dot(tl.trans(pT.to(DT)), c, acc * alpha[:, None])       # [BH, R]
+        if OUT_T:                                                             # [RH, BH] each
+            acc0 = tl.dot(tl.trans(c0), pT.to(DT), acc0 * alpha[None, :])
+            acc1 = tl.dot(tl.trans(c1), pT.to(DT), acc1 * alpha[None, :])
+        else:                                                                 # [BH, RH] each
+            p = tl.trans(pT.to(DT))
+            acc0 = tl.dot(p, c0, acc0 * alpha[:, None])
+            acc1 = tl.dot(p, c1, acc1 * alpha[:, None])
         m_i = m_new
     if OUT_T:
-        acc = tl.trans(acc)
+        acc0 = tl.trans(acc0)
+        acc1 = tl.trans(acc1)
     if DIRECT:
         inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
-        tl.store(OUT + (b * H + h)[:, None] * R + rr[None, :], acc * inv[:, None],
-                 mask=h_ok[:, None])
+        o_row = OUT + (b * H + h)[:, None] * R + rh[None, :]
+        tl.store(o_row, acc0 * inv[:, None], mask=h_ok[:, None])
+        tl.store(o_row + RH, acc1 * inv[:, None], mask=h_ok[:, None])
     else:
         row = (b * num_splits + split) * H + h
-        tl.store(ACC + row[:, None] * R + rr[None, :], acc, mask=h_ok[:, None])
+        a_row = ACC + row[:, None] * R + rh[None, :]
+        tl.store(a_row, acc0, mask=h_ok[:, None])
+        tl.store(a_row + RH, acc1, mask=h_ok[:, None])
         tl.store(ML + row * 2, m_i, mask=h_ok)
         tl.store(ML + row * 2 + 1, l_i, mask=h_ok)
 
@@ -431,9 +446,10 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
         ml = torch.empty((B, num_splits, H, 2), dtype=torch.float32, device=q.device)
     c_scaled, r_scaled = c_pages.fmt.is_quantized, r_pages.fmt.is_quantized
     dummy = out   # a valid pointer where a scale is not read
-    if R // tiles.v_split < 16:
-        raise UnsupportedShapeError(f"latent_decode_attention: latent width {R} split "
-                                    f"{tiles.v_split} ways is under 16; use v_split 1")
+    if R // tiles.v_split < 16 or (tiles.layout != "heads" and R < 32):
+        raise UnsupportedShapeError(f"latent_decode_attention: latent width {R} in halves "
+                                    f"(layouts once / once_t) or split {tiles.v_split} ways "
+                                    f"is under 16; use layout 'heads' with v_split 1")
     # the programs that read the same tiles (head blocks, value halves) are neighbours: L2
     scales = (c_pages.scale if c_scaled else dummy, r_pages.data,
               r_pages.scale if r_scaled else dummy)

@@ -57,7 +57,27 @@ def _compile(tiles, page: str, direct: bool) -> dict:
     ttgir = k.asm["ttgir"]
     return {"shared": k.metadata.shared, "wgmma": ttgir.count("ttng.warp_group_dot "),
             "pipelined": "async_copy_global_to_local" in ttgir,
-            "score_copies": _score_copies(ttgir, tiles)}
+            "score_copies": _score_copies(ttgir, tiles), "usage": _usage(k.asm["cubin"])}
+
+
+def _usage(cubin: bytes) -> str:
+    """Registers and stack (spills) of the cubin, from the cuobjdump Triton ships; '' where
+    there is none. Reported, not asserted (the GPU timing judges a spill)."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    if not os.path.exists(tool):
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        r = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                           text=True)
+    return " ".join(re.findall(r"(?:REG|STACK):\d+", r.stdout))
 
 
 def _score_copies(ttgir: str, tiles) -> float:
