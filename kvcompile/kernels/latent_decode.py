@@ -236,7 +236,12 @@ def _latent_once_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
                         stride_bt, H, num_splits, tiles_per_split, qk_scale, R: tl.constexpr,
                         DR: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr,
                         BLOCK_N: tl.constexpr, OUT_T: tl.constexpr, C_SCALED: tl.constexpr,
-                        R_SCALED: tl.constexpr, DT: tl.constexpr, DIRECT: tl.constexpr):
+                        R_SCALED: tl.constexpr, DT: tl.constexpr, DT_R: tl.constexpr,
+                        Q_SHIFT: tl.constexpr, DIRECT: tl.constexpr):
+    # DT: the latent dots' dtype, DT_R the rotary one's. fp8 pages under bf16 queries take
+    # fp16 (e4m3x2 -> f16x2 is one instruction; bf16 would add one cvt per element), and the
+    # query is multiplied by Q_SHIFT (2^-8, exact) so that any bf16-range query up to 2^24
+    # fits fp16; the scores take 1 / Q_SHIFT back.
     # Scores transposed, s^T = [c, k_rope] . q^T: tokens are the M of the dot, and with
     # BLOCK_N == 16 x num_warps Triton's layout for a dot that feeds another (all warps
     # along M) gives each warp its own 16 tokens, so each score is computed once (with heads
@@ -254,9 +259,13 @@ def _latent_once_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
     dd = tl.arange(0, DR)
     t = tl.arange(0, BLOCK_N)
     q_col = QL + b * stride_qb + h[None, :] * stride_qh                       # [1, BLOCK_H]
-    q0T = tl.load(q_col + rh[:, None], mask=h_ok[None, :], other=0.0).to(DT)      # [RH, BH]
-    q1T = tl.load(q_col + RH + rh[:, None], mask=h_ok[None, :], other=0.0).to(DT)  # [RH, BH]
-    q_rT = tl.load(q_col + R + dd[:, None], mask=h_ok[None, :], other=0.0).to(DT)  # [DR, BH]
+    q0T = tl.load(q_col + rh[:, None], mask=h_ok[None, :], other=0.0)            # [RH, BH]
+    q1T = tl.load(q_col + RH + rh[:, None], mask=h_ok[None, :], other=0.0)       # [RH, BH]
+    q_rT = tl.load(q_col + R + dd[:, None], mask=h_ok[None, :], other=0.0)       # [DR, BH]
+    q0T = (q0T.to(tl.float32) * Q_SHIFT).to(DT)
+    q1T = (q1T.to(tl.float32) * Q_SHIFT).to(DT)
+    q_rT = (q_rT.to(tl.float32) * Q_SHIFT).to(DT_R)
+    qk_scale = qk_scale / Q_SHIFT
     L = tl.load(SL + b)
     n_lo = split * tiles_per_split * BLOCK_N
     n_hi = tl.minimum(n_lo + tiles_per_split * BLOCK_N, L)
@@ -279,7 +288,7 @@ def _latent_once_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
         c0 = tl.load(row, mask=ok[:, None], other=0.0).to(DT)                # [BLOCK_N, RH]
         c1 = tl.load(row + RH, mask=ok[:, None], other=0.0).to(DT)           # [BLOCK_N, RH]
         kr = tl.load(RD + tok[:, None] * DR + dd[None, :], mask=ok[:, None],
-                     other=0.0).to(DT)                                        # [BLOCK_N, DR]
+                     other=0.0).to(DT_R)                                      # [BLOCK_N, DR]
         if C_SCALED:
             cs = tl.load(CS + page, mask=ok, other=0.0)                       # [BLOCK_N]
             s_r = tl.dot(kr, q_rT)
@@ -418,6 +427,18 @@ def _dot_dtype(q_dtype: torch.dtype):
     return {torch.float32: tl.float32, torch.float16: tl.float16}.get(q_dtype, tl.bfloat16)
 
 
+_Q_SHIFT = 2.0 ** -8
+
+
+def _fp8_dots(dt, c_pages, r_pages) -> dict:
+    """The once kernel's dot dtypes: fp16 for fp8 pages under bf16 queries (one conversion
+    per fp8 pair, see the kernel), with the query shifted by 2^-8; else the query's."""
+    fp8_c = c_pages.fmt.name in _PAGE_SCALED and dt == tl.bfloat16
+    fp8_r = r_pages.fmt.name in _PAGE_SCALED and dt == tl.bfloat16
+    return dict(DT=tl.float16 if fp8_c else dt, DT_R=tl.float16 if fp8_r else dt,
+                Q_SHIFT=_Q_SHIFT if fp8_c or fp8_r else 1.0)
+
+
 def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: float,
                             num_splits: int | None = None,
                             tiles: LatentTiles | None = None) -> torch.Tensor:
@@ -455,8 +476,9 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
               r_pages.scale if r_scaled else dummy)
     common = (block_tables, seq_lens, out, acc, ml, q.stride(0), q.stride(1),
               block_tables.stride(0), H, num_splits, tiles_per_split, float(scale) * _LOG2E)
+    dt = _dot_dtype(q.dtype)
     shape = dict(R=R, DR=DR, P=P, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n,
-                 C_SCALED=c_scaled, R_SCALED=r_scaled, DT=_dot_dtype(q.dtype), DIRECT=direct,
+                 C_SCALED=c_scaled, R_SCALED=r_scaled, DT=dt, DIRECT=direct,
                  num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     # the programs that read the same tiles (head blocks, value halves) are neighbours: L2
     grid = (triton.cdiv(H, tiles.block_h) * tiles.v_split, num_splits, B)
@@ -464,6 +486,7 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
         _latent_tile_kernel[grid](q, c_pages.data, *scales, *common, V_SPLIT=tiles.v_split,
                                   **shape)
     else:
+        shape.update(_fp8_dots(dt, c_pages, r_pages))
         _latent_once_kernel[grid](q, c_pages.data, *scales, *common,
                                   OUT_T=tiles.layout == "once_t", **shape)
     if not direct:

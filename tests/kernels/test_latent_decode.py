@@ -87,6 +87,20 @@ def test_kernel_matches_paged_reference(c_fmt, r_fmt, heads, lens, splits, tiles
     assert_rel_close(out, ref, torch.float32, factor=4, what=f"{c_fmt}/{r_fmt} {lens}")
 
 
+@pytest.mark.parametrize("tiles", [ONCE, ONCE_T], ids=str)
+def test_fp8_pages_take_fp16_dots_under_bf16_queries(tiles):
+    """bf16 queries over fp8 latent and rotary pages: the once kernel runs its dots in fp16
+    with the query shifted by 2^-8 (the interpreter's fp16 dots are right, its bf16 ones are
+    not, so only this all-fp8 case runs on the CPU), within fp16's bound."""
+    g = torch.Generator().manual_seed(5)
+    lens = [1, 17, 50, 100]
+    pool, plan = _pool("fp8_e4m3", "fp8_e4m3", lens, g)
+    q_lat = (torch.randn(len(lens), 16, R + DR, generator=g) * 40).bfloat16()
+    out, ref = _run(pool, plan, q_lat, lens, num_splits=2, tiles=tiles)
+    _, ref = _run(pool, plan, q_lat.float(), lens, num_splits=2, tiles=tiles)
+    assert_rel_close(out, ref, torch.float16, what=str(tiles))
+
+
 @pytest.mark.parametrize("heads", [16, 64])   # the rule's "heads" and "once" layouts
 def test_default_tiles_and_splits(heads):
     """The launcher's own choice (pick_tiles / pick_splits) on a non-contiguous query."""

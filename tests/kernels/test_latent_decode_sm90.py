@@ -44,6 +44,9 @@ def _compile(tiles, page: str, direct: bool) -> dict:
         fn, consts["V_SPLIT"] = ld._latent_tile_kernel, tiles.v_split
     else:
         fn, consts["OUT_T"] = ld._latent_once_kernel, tiles.layout == "once_t"
+        # as the launcher runs fp8 pages under bf16 queries (latent_decode._fp8_dots)
+        dot = tl.float16 if scaled else tl.bfloat16
+        consts.update(DT=dot, DT_R=dot, Q_SHIFT=ld._Q_SHIFT if scaled else 1.0)
     types = dict(TYPES, CD=f"*{page}", RD=f"*{page}")
     sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
