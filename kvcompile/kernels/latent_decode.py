@@ -109,8 +109,9 @@ class LatentTiles:
 # 32-head, 4-warp form fits a 3-stage cp.async ring (188 KB) at the price of 4 head blocks
 # reading each latent tile. sm_90 compile (triton 3.9, r 512, 255 registers each), stack
 # for bf16 / fp8 pages: "once" 8-32 / 632-656 B (fp8: the widened tile); "once_t" 72-80 /
-# 1000 B at 64 heads, 56-64 / 624-656 B at 32 (the first rebuild's pick: 48-64 / 328-336). Which is fastest is for the GPU to say:
-# benchmarks/bench_latent_decode.py --quick times every candidate of 32+ heads.
+# 1000 B at 64 heads, 56-64 / 624-656 B at 32 (the first rebuild's pick: 48-64 / 328-336).
+# Which is fastest is for the GPU to say: benchmarks/bench_latent_decode.py --quick times
+# every candidate of 32+ heads.
 CANDIDATES = (
     LatentTiles(64, 128, 8, 1, layout="once"),
     LatentTiles(64, 128, 8, 1, layout="once_t"),
