@@ -72,8 +72,8 @@ job() {   # job NAME -> "LIMIT COMMAND"
     evict_bench)    echo "${EB_LIMIT:-260} python3 benchmarks/bench_generate.py --budget-s $(( ${EB_LIMIT:-260} - 20 )) --out $OUT --evict-interval ${INTERVAL:-64} --engine-scale ${SCALE:-token} --sections ${EB_SECTIONS:-engine_b,engine_evict_sink,engine_evict_h2o,engine_evict_snapkv} ${EB_ARGS:-}" ;;
     append_check)   echo "${AC_LIMIT:-90} python3 -m pytest -q -x tests/kernels/test_append.py tests/kernels/test_append_codes.py -p no:cacheprovider" ;;
     append_bench)   echo "${AB_LIMIT:-80} python3 benchmarks/bench_append.py --json $OUT/bench_append.json" ;;
-    latent_check)   echo "${LC_LIMIT:-90} python3 -m pytest -q -m gpu tests/gpu/test_latent_decode_gpu.py -p no:cacheprovider" ;;
-    latent_quick)   echo "${LQ_LIMIT:-180} python3 benchmarks/bench_latent_decode.py --quick ${LQ_ARGS:-}" ;;
+    latent_check)   echo "${LC_LIMIT:-200} python3 -m pytest -q -m gpu tests/gpu/test_latent_decode_gpu.py -p no:cacheprovider" ;;
+    latent_quick)   echo "${LQ_LIMIT:-420} python3 benchmarks/bench_latent_decode.py --quick ${LQ_ARGS:-}" ;;
     gen)            echo "${GEN_LIMIT:-360} python3 benchmarks/bench_generate.py --budget-s $(( ${GEN_LIMIT:-360} - 30 )) --out $OUT --sections ${GEN_SECTIONS:-hf_static,kvc_fp8,engine_b,engine_b_nograph} ${GEN_ARGS:-}" ;;
     profile)        echo "${PROF_LIMIT:-200} python3 benchmarks/profile_generate.py ${PROF_ARGS:-}" ;;
     *)              echo "" ;;
