@@ -109,3 +109,33 @@ def test_decode_rows_of_a_mixed_step_use_the_decode_kernel():
     assert mixed and got == want
     assert st.counters.get("eviction_kernel_decode_rows", 0) > before
     assert not calls, f"rows went to the fp32 reference: {calls}"
+
+
+@pytest.mark.parametrize("policy", [SinkWindow(2, 10), SnapKV(budget=12, window=3)],
+                         ids=["sinkwindow", "snapkv"])
+def test_decode_kernel_reads_the_kept_length(policy, monkeypatch):
+    """After eviction the decode kernel is called with the kept lengths (`seq_lens`, which
+    both decode kernels split; the table's width only sets the split count), never the
+    prompt's: SinkWindow at most budget + interval - 1 tokens plus its hidden slots (the rest
+    of the sinks' page and at most one page past it), SnapKV its budget + the new tokens."""
+    from kvcompile.kernels import decode
+
+    m = _model(policy, kernels="triton", head64=True)
+    lens = []
+    real = decode.paged_decode_attention
+
+    def spy(q, kc, vc, tables, seq_lens, *a, **kw):
+        lens.append(max(seq_lens.tolist()))
+        return real(q, kc, vc, tables, seq_lens, *a, **kw)
+
+    monkeypatch.setattr(decode, "paged_decode_attention", spy)
+    eng = Engine(m, max_num_batched_tokens=256, enable_prefix_caching=False,
+                 eviction_interval=4)
+    eng.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    eng.close()
+    assert len(lens) == 9 * len(m.model.layers)
+    if isinstance(policy, SinkWindow):
+        bound = 12 + 4 - 1 + 2 * PAGE - 1 - policy.sinks
+    else:   # SnapKV chooses once, at the prompt's end: its budget, then the new tokens
+        bound = 12 + 10 - 1
+    assert max(lens) <= bound < len(PROMPTS[2]), lens
