@@ -279,6 +279,8 @@ class EvictionRuntime(RuntimeHook):
         if layer not in self.policies:
             return None
         if rows is not None:
+            if window:
+                self.windowed = True
             return self._attend_rows(ctx, layer, q, plan, attn_mask, is_causal, window,
                                      softcap, scale, rows, into)
         if plan.eviction_aside:   # the plain decode step attends itself (runtime/dispatch.py)
