@@ -427,11 +427,15 @@ def engine_batch(model, args, device, ctx, graphs: bool = True, eviction=None,
     eng.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
     times, outs = [], None
+    captures0 = eng.runner.graphs.captures if eng.runner.graphs is not None else 0
     for _ in range(args.repeats):
         outs, t = timed(lambda: eng.generate(prompts, params), device)
         times.append(t)
     t = statistics.median(times)
     first = max(o.first_token_time - o.arrival_time for o in outs)
+    # the step itself, apart from the prefill and the TTFT-based formula: host wall time of
+    # the steps in which all B requests decoded (graph replays; eviction after them included)
+    full = [s.duration_s for s in eng.history if not s.prefill_tokens and s.decode_tokens == B]
     g = eng.runner.graphs
     toks = torch.tensor([o.token_ids for o in outs])
     counters = kvcompile.stats(model)
@@ -443,8 +447,11 @@ def engine_batch(model, args, device, ctx, graphs: bool = True, eviction=None,
                   and type(eviction).__name__ == "SinkWindow" else ""),
                tok_s=B * N / t, decode_tok_s=B * (N - 1) / max(t - first, 1e-9),
                first_token_s=first, total_s=t,
+               decode_step_ms_p50=1e3 * statistics.median(full) if full else None,
+               decode_steps_full_batch=len(full),
                graph_replays=g.replays if g is not None else 0,
                graph_captures=g.captures if g is not None else 0,
+               captures_in_timed=(g.captures - captures0) if g is not None else 0,
                graphs_off_because=g.why_not() if g is not None else "cuda_graphs=False")
     if eviction is not None:
         row.update(eviction_aside_steps=counters.get("eviction_aside_steps", 0),
@@ -611,7 +618,8 @@ def report(results, errors, args):
                       "graph_replays"]))
     eng = [results[k] for k in ("engine_b", "engine_b_nograph") if k in results]
     if eng:
-        print(table(eng, ["label", "graph_captures", "graph_replays", "graphs_off_because",
+        print(table(eng, ["label", "decode_step_ms_p50", "captures_in_timed", "graph_captures",
+                          "graph_replays", "graphs_off_because",
                           "same_tokens_as_other_engine_row"]))
     ev = [results[k] for k in ("engine_b", "engine_evict_sink", "engine_evict_snapkv",
                                "engine_evict_sink_rot", "engine_evict_h2o") if k in results]
@@ -619,6 +627,7 @@ def report(results, errors, args):
         print(f"\n### Engine with eviction at 50% of the prompt (fp8 pages, eviction every "
               f"{args.evict_interval} decode steps), " + results["env"]["setup"])
         print(table(ev, ["label", "tok_s", "decode_tok_s", "x_engine_b_decode", "first_token_s",
+                         "decode_step_ms_p50", "decode_steps_full_batch", "captures_in_timed",
                          "graph_replays", "eviction_aside_steps", "eviction_device_runs",
                          "evicted_tokens", "min_pages_free"]))
     bf = results.get("kvc_bf16")

@@ -271,11 +271,18 @@ class EvictionRuntime(RuntimeHook):
 
     # -- attention ------------------------------------------------------------------------------
     def attend_kept(self, ctx, layer, q, plan, attn_mask, is_causal, window, softcap, scale,
-                    extras):
+                    extras, rows=None, into=None):
         """Attention of a layer with a policy over its kept slots (runtime/dispatch.py asks
-        this first), or None for a layer without one."""
+        this first), or None for a layer without one. rows (a packed plan): attend these rows
+        only, writing them into `into` (the plain kernels' output of the whole step, in which
+        the other rows are already right; `plain_rows`); returns `into`."""
         if layer not in self.policies:
             return None
+        if rows is not None:
+            if window:
+                self.windowed = True
+            return self._attend_rows(ctx, layer, q, plan, attn_mask, is_causal, window,
+                                     softcap, scale, rows, into)
         if plan.eviction_aside:   # the plain decode step attends itself (runtime/dispatch.py)
             if plan.aside is None or not plan.aside.spec:
                 return None
@@ -323,6 +330,115 @@ class EvictionRuntime(RuntimeHook):
                 book.obs[layer] = _carried(book, layer, obs, rows)
         return out
 
+    def _attend_rows(self, ctx, layer, q, plan, attn_mask, is_causal, window, softcap, scale,
+                     rows, into):
+        """`attend_kept` of some rows of a packed step (q [1, Hq, T, D]) into `into`: a decode
+        row (one query, no observation carried) through the paged decode kernel where its
+        kept slots allow (`_decode_rows`), the others over their kept slots in fp32
+        (attend.py)."""
+        cu = plan.cu_seqlens_q.tolist()
+        single = [i for i, sid, _p, n in self._rows(plan)
+                  if i in rows and n == 1 and not self.books[sid].carry]
+        done = set(self._decode_rows(ctx, layer, q, plan, window, softcap, scale, single, cu,
+                                     into)) if single else set()
+        pool = ctx.state.pool
+        for i, sid, _past, n in self._rows(plan):
+            if i not in rows or i in done:
+                continue
+            book = self.books[sid]
+            policy = self.policy_of(sid, layer)
+            k, v = pool.gather(layer, sid)                     # [Hkv, L, D] fp32
+            total = pool.logical_len(sid)
+            q_pos = torch.arange(total - n, total, device=q.device)
+            sink_slots = sink_rot = None
+            if self._rerotate(sid, policy):
+                sink_slots, sink_rot = self._sinks(policy, book.pos[layer], book.start)
+            obs_rows = 0
+            want = self.observe_all or P.observe_rows(policy)
+            if (n > 1 or book.carry) and want:
+                obs_rows = min(want, n)
+            o, mass, obs = attend_kept(
+                q[0, :, cu[i]:cu[i + 1]], k, v, book.pos[layer], q_pos, scale, causal=True,
+                window=window, start=book.start, softcap=softcap, total=total,
+                sink_slots=sink_slots, sink_rot=sink_rot, want_mass=layer in book.mass,
+                obs_rows=obs_rows)
+            into[0, :, cu[i]:cu[i + 1]] = o.to(into.dtype)
+            if mass is not None:
+                book.mass[layer] += mass
+            if obs is not None:
+                book.obs[layer] = _carried(book, layer, obs, want)
+            self.state.count("eviction_reference_rows")
+        return into
+
+    def _decode_rows(self, ctx, layer, q, plan, window, softcap, scale, rows, cu, into):
+        """One-query rows of a packed step through the paged decode kernel, as a batch of
+        their own (`_attend_kernel`'s conditions per row); returns the rows it attended."""
+        state = ctx.state
+        if not state.kernels.use_triton(q.device):
+            return []
+        take, hidden, mass_rows = [], [], []
+        for i, sid, _past, _n in self._rows(plan):
+            if i not in rows:
+                continue
+            book, policy = self.books[sid], self.policy_of(sid, layer)
+            pos = book.pos[layer]   # (before_write caught it up)
+            total = state.pool.logical_len(sid)
+            lo, hi = book.window or (0, 0)
+            if hi > lo:
+                pos = torch.cat([pos[:, :lo], pos[:, hi:]], 1)
+            elif bool((pos < 0).any()):
+                continue
+            if book.start or self._needs_rotation(sid, policy, pos, book.start):
+                continue
+            if window and total - int(pos.min()) > window:
+                continue
+            if hi > lo:
+                hidden.append((len(take), lo, hi))
+            take.append(i)
+            mass_rows.append(layer in book.mass)
+        if not take:
+            return []
+        from kvcompile.kernels.decode import paged_decode_attention
+
+        pool = state.pool
+        idx = torch.tensor(take, dtype=torch.int64, device=q.device)
+        lens = [plan.seq_lens_list[i] for i in take]
+        key = ("eviction_decode_rows", tuple(take))
+        memo = plan.cache.get(key)
+        if memo is None:   # one table, length and mask per forward, shared by the layers
+            width = max(1, -(-max(lens) // pool.page_size))
+            km = None
+            if hidden:
+                km = torch.ones(len(take), max(h for _r, _lo, h in hidden), dtype=torch.bool)
+                for r, lo, hi in hidden:
+                    km[r, lo:hi] = False
+                km = km.to(q.device)
+            memo = plan.cache[key] = (plan.block_tables.index_select(0, idx)[:, :width]
+                                      .contiguous(), plan.seq_lens.index_select(0, idx), km)
+        tables, seq_lens, key_mask = memo
+        cols = torch.tensor([cu[i] for i in take], dtype=torch.int64, device=q.device)
+        qd = q[0].index_select(1, cols).transpose(0, 1).unsqueeze(2).contiguous()  # [R,Hq,1,D]
+        mass = None
+        if any(mass_rows):
+            mass = torch.zeros(len(take), pool.layers[layer].num_kv_heads, max(lens),
+                               dtype=torch.float32, device=q.device)
+        try:
+            o = paged_decode_attention(qd, pool.k[layer], pool.v[layer], tables, seq_lens,
+                                       scale, softcap=softcap, attn_mass=mass,
+                                       key_mask=key_mask)
+        except (ImportError, UnsupportedShapeError) as e:
+            state.kernels._fallback(f"eviction decode rows: {type(e).__name__}: {e}")
+            return []
+        into[0][:, cols] = o[:, :, 0].transpose(0, 1).to(into.dtype)
+        if mass is not None:
+            for r, i in enumerate(take):
+                book = self.books[plan.seq_ids[i]]
+                if layer in book.mass:
+                    L = book.mass[layer].shape[1]
+                    book.mass[layer] += mass[r, :, :L]
+        state.count("eviction_kernel_decode_rows", len(take))
+        return take
+
     def takes_plain_prefill(self, plan, layer: int) -> bool:
         """Whether a prefill forward (a prompt, or a chunk of one in the engine) may attend as
         without eviction (runtime/dispatch.py: SDPA over a fresh prompt's own K/V, or the
@@ -334,29 +450,41 @@ class EvictionRuntime(RuntimeHook):
             return False
         if layer not in self.policies:
             return True
-        if self.observe_all:
-            return False
+        return all(self.plain_rows(plan, layer))
+
+    def plain_rows(self, plan, layer: int) -> list[bool]:
+        """`takes_plain_prefill` row by row: for each row of the plan, whether it may attend as
+        without eviction. An engine step packs prompt chunks with the decode rows of sequences
+        already evicted; runtime/dispatch.py then runs the plain kernels for the whole step and
+        `attend_kept` for the other rows only (`rows=`), so that a prompt chunk never goes to
+        the fp32 reference because another sequence of its step evicted."""
+        if plan.is_decode or (layer in self.policies and self.observe_all):
+            return [False] * plan.batch
+        if layer not in self.policies:
+            return [True] * plan.batch
         pool = self.state.pool
+        out = []
         for _i, sid, _past, _n in self._rows(plan):
             book = self.books.get(sid)
             policy = self.policy_of(sid, layer)
-            if (book is None or book.start or layer in book.mass or pool.evicted(sid)
-                    or book.window is not None):
-                return False
-            if policy is not None and P.accumulates_mass(policy):
-                return False
-        return True
+            out.append(not (book is None or book.start or layer in book.mass
+                            or pool.evicted(sid) or book.window is not None
+                            or (policy is not None and P.accumulates_mass(policy))))
+        return out
 
     def observe_prefill(self, ctx, layer, q, plan, attn_mask, is_causal, window, softcap,
-                        scale) -> None:
+                        scale, only=None) -> None:
         """SnapKV's observation of a prefill that attended as without eviction: the last
         `observe_rows` queries' probabilities over the stored (quantized) keys, exactly the
-        rows `attend_kept` would have kept, at rows x L cost instead of S x L."""
+        rows `attend_kept` would have kept, at rows x L cost instead of S x L. only: these
+        rows of the plan (None: all)."""
         if layer not in self.policies:
             return
         pool = ctx.state.pool
         cu = plan.cu_seqlens_q.tolist() if plan.packed else None
         for i, sid, _past, n in self._rows(plan):
+            if only is not None and i not in only:
+                continue
             book, policy = self.books[sid], self.policy_of(sid, layer)
             rows = P.observe_rows(policy) if policy is not None else 0
             if not rows or not (n > 1 or book.carry):

@@ -64,6 +64,23 @@ def attend(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, window, so
             ev.observe_prefill(ctx, layer, q, plan, masks.dense(plan, attn_mask), is_causal,
                                window, softcap, scale)
             return out
+        if layer in ev.policies and plan.packed and not plan.eviction_aside:
+            # an engine step of prompt chunks and of sequences already evicted (or that add
+            # up H2O mass): the plain kernels attend the whole step, then the eviction
+            # runtime attends its rows over their kept slots, in place (decode rows through
+            # the paged decode kernel where their slots allow)
+            plain = ev.plain_rows(plan, layer)
+            if any(plain):
+                out = _attend_plain(ctx, layer, q, plan, mask_info, attn_mask, is_causal,
+                                    window, softcap, scale, extras, fresh)
+                ev.observe_prefill(ctx, layer, q, plan, None, is_causal, window, softcap,
+                                   scale, only={i for i, p in enumerate(plain) if p})
+            else:
+                out = torch.empty((*q.shape[:-1], state.pool.v[layer].head_dim),
+                                  dtype=torch.float32, device=q.device)
+            return ev.attend_kept(ctx, layer, q, plan, None, is_causal, window, softcap,
+                                  scale, extras,
+                                  rows={i for i, p in enumerate(plain) if not p}, into=out)
         out = ev.attend_kept(ctx, layer, q, plan, masks.dense(plan, attn_mask), is_causal,
                              window, softcap, scale, extras)
         if out is not None:

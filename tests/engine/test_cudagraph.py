@@ -115,3 +115,37 @@ def test_graph_steps_match_eager_on_cuda(fmt):
     assert [x.token_ids for x in a] == [y.token_ids for y in b]
     eng.close()
     assert eng.pool.stats().pages_used == 0
+
+
+def test_a_new_eviction_spec_captures_every_bucket_at_once():
+    """The first decode step with an eviction spec (a window's hidden slots, H2O mass) captures
+    that spec's graph for every bucket, largest first, so that the batch shrinking as requests
+    finish replays graphs instead of capturing inside the run; later steps capture nothing, and
+    the plain step (captured up front by capture_all) is not widened."""
+    from types import SimpleNamespace
+
+    from kvcompile.engine.cudagraph import PLAIN
+    from kvcompile.eviction.aside import AsideSpec
+
+    state = SimpleNamespace(release_hooks=[])
+    graphs = DecodeGraphs(SimpleNamespace(state=state), 16)
+    captured = []
+
+    def fake_capture(bp, spec=PLAIN):
+        captured.append((bp, spec))
+        graphs.graphs[(bp, spec)] = g = SimpleNamespace(bp=bp, spec=spec)
+        return g
+
+    graphs._capture = fake_capture
+    window = AsideSpec(hidden=32)
+    assert graphs._graph_for(4, window).bp == 4
+    assert captured == [(b, window) for b in (16, 12, 8, 4, 2, 1)]
+    for bp in (16, 12, 8, 1):
+        assert graphs._graph_for(bp, window).spec == window
+    assert len(captured) == 6
+    mass = AsideSpec(mass_len=64)
+    graphs._graph_for(16, mass)
+    assert [c for c in captured[6:]] == [(b, mass) for b in (16, 12, 8, 4, 2, 1)]
+    captured.clear()
+    graphs._graph_for(8, AsideSpec())   # the plain step: one bucket, as before
+    assert captured == [(8, AsideSpec())]

@@ -498,6 +498,8 @@ def test_chunked_prompts_attend_as_without_eviction(model, monkeypatch):
     st = state_of(model)
     with monkeypatch.context() as mp:
         mp.setattr(EvictionRuntime, "takes_plain_prefill", lambda self, plan, layer: False)
+        mp.setattr(EvictionRuntime, "plain_rows",
+                   lambda self, plan, layer: [False] * plan.batch)
         before = st.counters.get("eviction_plain_prefill", 0)
         want = run()
         assert st.counters.get("eviction_plain_prefill", 0) == before

@@ -120,3 +120,64 @@ def test_graph_decode_equals_host_path(policy):
     # bf16 pages: the kernel and attend_kept (fp32) round differently; greedy tokens of a
     # random model may part after a near tie, so at least 4 of the 5 requests must agree
     assert same >= 4, (graphed, host)
+
+
+@pytest.mark.parametrize("policy", [SinkWindow(4, 124), SnapKV(budget=128),
+                                    H2O(budget=128, recent=32, sinks=4)],
+                         ids=["SinkWindow-original", "SnapKV", "H2O"])
+def test_prompt_chunks_beside_evicted_rows(policy, monkeypatch):
+    """A 256-token step budget: long prompts are chunked while shorter requests, evicted at
+    their prompt's end, decode in the same steps. The chunks of SinkWindow / SnapKV prompts
+    attend through the paged prefill kernel (no fp32 attention over a chunk's queries), the
+    evicted decode rows through the decode kernel; tokens against the old path (every row of
+    such a step over its kept slots in fp32): at least 4 of the 6 requests agree (fp8 pages,
+    the kernel and the fp32 path round differently; a random model's greedy tokens may part
+    after a near tie)."""
+    from kvcompile.eviction import runtime as rt_mod
+    from kvcompile.eviction.runtime import EvictionRuntime
+
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (150, 200, 900, 1200, 700, 300)]
+
+    def go(old: bool):
+        torch._dynamo.reset()
+        m = tiny()
+        eng = Engine(m, None, KVConfig(kv_dtype="fp8_e4m3", scale_granularity="token",
+                                       eviction=policy, max_kv_bytes=1 << 28),
+                     max_num_batched_tokens=256, max_num_seqs=8, enable_prefix_caching=False)
+        eng.eviction.sink_positions = "original"
+        chunks = []
+        real = rt_mod.attend_kept
+
+        def spy(q, *a, **kw):
+            if q.shape[1] > 1 and q.shape[1] != kw.get("obs_rows", 0):
+                chunks.append(q.shape[1])
+            return real(q, *a, **kw)
+
+        with monkeypatch.context() as mp:
+            mp.setattr(rt_mod, "attend_kept", spy)
+            if old:
+                mp.setattr(EvictionRuntime, "plain_rows",
+                           lambda self, plan, layer: [False] * plan.batch)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=24,
+                                                        ignore_eos=True))
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+        st = state_of(m).counters
+        info = dict(seconds=dt, fp32_chunks=len(chunks),
+                    decode_rows_kernel=st.get("eviction_kernel_decode_rows", 0),
+                    mixed=any(s.prefill_tokens and s.decode_tokens for s in eng.history))
+        eng.close()
+        return [o.token_ids for o in outs], info
+
+    old, io = go(True)
+    new, inew = go(False)
+    print({"policy": type(policy).__name__, "old": io, "new": inew})
+    assert inew["mixed"] and io["fp32_chunks"] > 0
+    if isinstance(policy, H2O):
+        assert inew["fp32_chunks"] > 0   # H2O's own chunks add up their mass in fp32
+    else:
+        assert inew["fp32_chunks"] == 0 and inew["decode_rows_kernel"] > 0
+    assert sum(a == b for a, b in zip(new, old)) >= 4, (new, old)
