@@ -458,13 +458,17 @@ class EvictionRuntime(RuntimeHook):
         plan, pool = ctx.plan, ctx.state.pool
         if plan is None or pool is None or not self.policies or plan.eviction_aside:
             return   # (a step stepped aside for: after_decode_step)
-        for _i, sid, _past, _n in self._rows(plan):
+        if self.interval > 1:
+            self._check_facts()
+        for _i, sid, past, n in self._rows(plan):
             book = self.books.get(sid)
             if book is None or not pool.has(sid):
                 continue
             book.carry = sid in self.held
             if book.carry:
                 continue
+            if n == 1 and past > 0 and self.interval > 1 and not self._due(sid, book):
+                continue   # a decode step evicts every `interval` steps, as aside steps do
             self.evict(sid, book)
             if not self.observe_all:  # kept for forks evicted later (observe_all)
                 book.obs.clear()
@@ -536,15 +540,8 @@ class EvictionRuntime(RuntimeHook):
             rerot = facts.rerot > 0
             if (rerot and self.state.pool.device.type == "cuda"
                     and not self.state.config.rerotated_sinks_graphs):
-                # the H200 check (tests/gpu/test_engine_eviction_gpu.py) failed every
-                # re-rotated case until 2026-12-03 (seventh session): graph padding zeroed the
-                # real rows' sink counts (engine/cudagraph.py _pad, fixed). After the fix bf16
-                # pages pass 2 of 2 and the host-path comparison passes; fp8 pages still part
-                # from the eager steps after 29 and 62 tokens in 2 of 4 cases (cause not
-                # found: near-ties of a random model, or a real difference). Host path until
-                # that is settled; KVConfig.rerotated_sinks_graphs forces the graphs.
-                why = ("re-rotated sinks on CUDA (their graph-replayed path failed its GPU "
-                       "check; sink_positions='original' replays graphs)")
+                why = ("re-rotated sinks on CUDA with KVConfig.rerotated_sinks_graphs False "
+                       "(KVCOMPILE_REROT_ASIDE=0); unset it to replay CUDA graphs")
                 break
             if rerot and not facts.uniform:
                 why = ("re-rotated sinks with per-layer policies or page granularity (the "
@@ -662,16 +659,12 @@ class EvictionRuntime(RuntimeHook):
             if book is None or not pool.has(sid):
                 continue
             book.pending += 1
-            budget = self._decode_budget(sid)
-            held = pool.seq_len(sid)
-            if book.window is not None:
-                held -= book.window[1] - book.window[0]
-            if budget is not None and held >= budget + self.interval:
+            if self._due(sid, book):
                 window = self._window_policy(sid, book)
                 if window is not None:
                     self._evict_window(sid, book, window)
                 else:
-                    due.append((sid, book, budget))
+                    due.append((sid, book, self._decode_budget(sid)))
         # every other sequence due: one batched pass (front.py), the rest one by one
         for sid, book, _budget in self._evict_fronts(due) if due else ():
             self._catch_up(sid, book)
@@ -680,6 +673,17 @@ class EvictionRuntime(RuntimeHook):
             self.evict(sid, book)
             if row is not None:
                 self.store.write(self.store.take(sid), book.mass)
+
+    def _due(self, sid: int, book: _Book) -> bool:
+        """A decoding sequence evicts once it holds budget + interval tokens (hidden ones not
+        counted): on the host path (after_forward) as after the steps stepped aside for, so
+        that both keep the same tokens at any interval, and the host path pays one eviction
+        per `interval` steps, not one per step."""
+        budget = self._decode_budget(sid)
+        held = self.state.pool.seq_len(sid)
+        if book.window is not None:
+            held -= book.window[1] - book.window[0]
+        return budget is not None and held >= budget + self.interval
 
     def _decode_budget(self, sid: int) -> int | None:
         """The budget decode steps evict to (None: they do not evict: no policy, or SnapKV,

@@ -9,7 +9,11 @@ padded batch's GEMMs); on the H200 the graph replays a fixed block-table width a
 batch (other split-K counts, other GEMM shapes), whose rounding the fp8 cache can turn into
 a flipped element and then a parted near tie (benchmarks/RESULTS.md, issue 19). The criterion
 must still catch a real difference: DecodeGraphs._pad's old bug (padding zeroed the real rows'
-re-rotated sink counts: the sinks attended unrotated) fails it here.
+re-rotated sink counts: the sinks attended unrotated) fails it at the tolerance of two runs of
+the same kernels (kernel_rel_err fp32). Measured here: that bug moves this tiny model's logits
+by 0.6-1.5% of the row's largest, below the fp8 storage tolerance (2.8%), so the fp8 criterion
+alone would not see it; on the H200 the bf16 cases (tokens equal) and the host-path comparison
+are what caught it (0 of 5 requests agreed), and they keep that job.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import kvcompile
 import kvcompile.engine.cudagraph as CG
 from kvcompile import Engine, SamplingParams, SinkWindow
 from kvcompile.api import state_of
-from kvcompile.testing import greedy_parting, storage_rel_tol
+from kvcompile.testing import greedy_parting, kernel_rel_err, storage_rel_tol
 from tests.engine.tiny import config, make_hf, random_prompts
 
 POLICY = SinkWindow(2, 12)
@@ -130,8 +134,8 @@ def _run(m, mode: str, prompts, new: int) -> tuple[dict, dict]:
     return {r: torch.stack(v) for r, v in logits.items()}, counts
 
 
-def _diagnose(ref: dict, other: dict) -> list[dict]:
-    tol = storage_rel_tol("fp8_e4m3")
+def _diagnose(ref: dict, other: dict, tol: float | None = None) -> list[dict]:
+    tol = storage_rel_tol("fp8_e4m3") if tol is None else tol
     return [greedy_parting(ref[r], other[r], tol) for r in sorted(ref)]
 
 
@@ -149,8 +153,10 @@ def test_emulated_graph_steps_equal_eager_steps(runs):
     diag = _diagnose(eager, graphs)
     print(diag)
     assert all(d["ok"] for d in diag), diag
-    # the CPU runs the same reference kernels: no parting, fp32 rounding only
-    assert all(d["parted"] is None and d["worst"] < 1e-5 for d in diag), diag
+    # the CPU runs the same reference kernels: no parting, fp32 rounding only (the padded
+    # batch's GEMMs), within the bound of two runs of one kernel
+    same = _diagnose(eager, graphs, kernel_rel_err(torch.float32, "cpu"))
+    assert all(d["parted"] is None and d["ok"] for d in same), same
 
 
 def test_parting_criterion_fails_on_the_old_padding_bug(runs):
@@ -158,9 +164,11 @@ def test_parting_criterion_fails_on_the_old_padding_bug(runs):
     eager, _ = runs["eager"]
     bad, cb = runs["old_pad"]
     assert cb["replays"] >= 15
-    diag = _diagnose(eager, bad)
+    diag = _diagnose(eager, bad, kernel_rel_err(torch.float32, "cpu"))
     print(diag)
-    assert not all(d["ok"] for d in diag), diag
+    assert not any(d["ok"] for d in diag), diag
+    # (the fp8 storage tolerance is blind to it in this model: the module docstring)
+    print("fp8 criterion on the old bug:", [d["ok"] for d in _diagnose(eager, bad)])
 
 
 def test_greedy_parting_on_constructed_logits():
