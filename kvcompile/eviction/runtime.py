@@ -378,13 +378,21 @@ class EvictionRuntime(RuntimeHook):
 
     def _attend_kernel(self, ctx, layer, q, plan, attn_mask, window, softcap, scale):
         """Decode through the paged decode kernel when the kept slots need no per-slot rule:
-        no holes, no padding left, no sink to re-rotate, the model's mask and window see every
-        kept key. Slot order does not matter to a single query. H2O mass comes from the
-        kernel's `attn_mass` output. A window book's hidden slots are masked (`key_mask`)."""
+        no holes, no padding left, the model's mask and window see every kept key. Slot order
+        does not matter to a single query. H2O mass comes from the kernel's `attn_mass`
+        output. A window book's hidden slots are masked (`key_mask`). Re-rotated sinks in
+        slots [0, n) (as compaction leaves them) are scored by the rotated query and merged
+        into the kernel's softmax (aside.py `kernel_aside`), as the aside steps do. Also the
+        engine's packed steps of one token per sequence (q [1, Hq, B, D])."""
         state = ctx.state
-        if not (plan.is_decode and not plan.packed and state.kernels.use_triton(q.device)):
+        packed1 = plan.packed and all(n == 1 for n in plan.q_lens)
+        if not ((plan.is_decode and not plan.packed) or packed1):
             return None
-        mass_rows, hidden = [], []
+        if not state.kernels.use_triton(q.device):
+            return None
+        if plan.packed:   # the model's mask of a packed step is over the packed tokens:
+            attn_mask = None   # causal by logical position, as attend_kept takes it
+        mass_rows, hidden, n_rot, shifts = [], [], [], []
         for i, sid, _past, _n in self._rows(plan):
             book, policy = self.books[sid], self.policy_of(sid, layer)
             pos = book.pos[layer]
@@ -395,14 +403,25 @@ class EvictionRuntime(RuntimeHook):
                 hidden.append((i, lo, hi))
             elif bool((pos < 0).any()):
                 return None
-            if book.start or self._needs_rotation(sid, policy, pos, book.start):
+            if book.start:
                 return None
+            n, shift = 0, 0
+            if self._rerotate(sid, policy):
+                slots, shift = self._sink_layout(policy, pos, book.start)
+                if slots is not None:
+                    n = slots.shape[1]
+                    if hi > lo or not bool((slots == torch.arange(n, device=slots.device)).all()):
+                        return None   # (sinks elsewhere than slots [0, n): attend_kept)
             if window and total - int(pos.min()) > window:
                 return None
             if attn_mask is not None and not _mask_sees_all(attn_mask, i, pos, total):
                 return None
             mass_rows.append(layer in book.mass)
-        from kvcompile.kernels.decode import paged_decode_attention
+            n_rot.append(n)
+            shifts.append(shift)
+        if any(n_rot) and any(mass_rows):
+            return None   # (the kernel's mass lacks the rotated sinks' share)
+        from kvcompile.eviction.aside import kernel_aside, sink_rotation
 
         pool = state.pool
         mass = None
@@ -418,10 +437,27 @@ class EvictionRuntime(RuntimeHook):
                 for i, lo, hi in hidden:
                     key_mask[i, lo:hi] = False
                 key_mask = plan.cache["eviction_window_mask"] = key_mask.to(q.device)
+        rot = None
+        if any(n_rot):   # one rotation per forward, shared by the layers
+            rot = plan.cache.get(("eviction_host_rot", tuple(n_rot), tuple(shifts)))
+            if rot is None:
+                t = torch.tensor([n_rot, shifts], dtype=torch.int64).to(q.device)
+                cos, sin = sink_rotation(self._rope(q.device), t[1])
+                rot = (t[0], cos, sin, max(n_rot))
+                plan.cache[("eviction_host_rot", tuple(n_rot), tuple(shifts))] = rot
+        qd = q[0].transpose(0, 1).unsqueeze(2) if packed1 else q      # [B, Hq, 1, D]
         try:
-            out = paged_decode_attention(q, pool.k[layer], pool.v[layer], plan.block_tables,
-                                         plan.seq_lens, scale, softcap=softcap, attn_mass=mass,
-                                         key_mask=key_mask)
+            if rot is not None:
+                out = kernel_aside(qd.contiguous(), pool.k[layer], pool.v[layer],
+                                   plan.block_tables, plan.seq_lens, scale, softcap, None, rot,
+                                   key_mask)
+            else:
+                from kvcompile.kernels.decode import paged_decode_attention
+
+                out = paged_decode_attention(qd.contiguous(), pool.k[layer], pool.v[layer],
+                                             plan.block_tables, plan.seq_lens, scale,
+                                             softcap=softcap, attn_mass=mass,
+                                             key_mask=key_mask)
         except (ImportError, UnsupportedShapeError) as e:
             state.kernels._fallback(f"eviction decode: {type(e).__name__}: {e}")
             return None
@@ -432,13 +468,19 @@ class EvictionRuntime(RuntimeHook):
                     L = book.mass[layer].shape[1]
                     book.mass[layer] += mass[i, :, :L]
         self.state.count("eviction_kernel_decode")
-        return out.float()
-
-    def _needs_rotation(self, sid, policy, pos, start) -> bool:
-        return self._rerotate(sid, policy) and self._sinks(policy, pos, start)[0] is not None
+        out = out.float()
+        return out.squeeze(2).transpose(0, 1).unsqueeze(0) if packed1 else out
 
     def _sinks(self, policy: EvictionPolicy, pos: torch.Tensor, start: int):
         """Slots of the sinks [Hkv, n] and the rotation that moves them before the window."""
+        slots, shift = self._sink_layout(policy, pos, start)
+        if slots is None:
+            return None, None
+        return slots, rotation(self.inv_freq.to(pos.device), -shift)
+
+    def _sink_layout(self, policy: EvictionPolicy, pos: torch.Tensor, start: int):
+        """(slots of the sinks [Hkv, n], the shift in positions that moves them before the
+        window), or (None, 0): nothing to rotate, or heads that keep different sink counts."""
         n_sinks = P.rerotated_sinks(policy)
         real = pos >= start
         sink = real & (pos - start < n_sinks)
@@ -446,12 +488,11 @@ class EvictionRuntime(RuntimeHook):
         oldest = int(rest.min())
         shift = oldest - (start + n_sinks)
         if shift <= 0 or oldest == torch.iinfo(pos.dtype).max:
-            return None, None
+            return None, 0
         counts = sink.sum(-1)
         if not bool((counts == counts[0]).all()):
-            return None, None
-        slots = sink.nonzero()[:, 1].view(pos.shape[0], -1)
-        return slots, rotation(self.inv_freq.to(pos.device), -shift)
+            return None, 0
+        return sink.nonzero()[:, 1].view(pos.shape[0], -1), shift
 
     # -- eviction -------------------------------------------------------------------------------
     def after_forward(self, ctx) -> None:

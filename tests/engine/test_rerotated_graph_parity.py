@@ -193,3 +193,60 @@ def test_greedy_parting_on_constructed_logits():
     assert np.isclose(storage_rel_tol("fp8_e4m3"), 10 ** (-31 / 20))
     with pytest.raises(ValueError, match="no tolerance"):
         storage_rel_tol("int9")
+
+
+def test_host_path_decodes_rerotated_sinks_through_the_kernel():
+    """The host path (decode_aside refused) of the engine's decode steps attends through the
+    decode kernel with the sinks scored by the rotated query (kernel_aside), not per sequence
+    through attend_kept: same logits as attend_kept (Triton interpreter, fp32 pages), and it
+    evicts every eviction_interval steps as the aside steps do."""
+    import transformers as t
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)   # head_dim 64: a size the decode kernel takes
+    m = t.LlamaForCausalLM(t.LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, attn_implementation="sdpa")).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(8.0)
+    kvcompile.compile(m, config(page_size=8, kv_dtype="fp32", eviction=POLICY,
+                                kernels="triton"))
+    prompts = random_prompts(random.Random(4), 3, 20, 30)
+    st = state_of(m)
+    runs = []
+    for route in ("kernel", "attend_kept"):
+        mp = pytest.MonkeyPatch()
+        before = dict(st.counters)
+        eng = Engine(m, max_num_batched_tokens=128, enable_prefix_caching=False,
+                     eviction_interval=4)
+        mp.setattr(st.eviction, "decode_aside", lambda seq_ids: False)
+        if route == "attend_kept":
+            mp.setattr(st.eviction, "_attend_kernel", lambda *a, **k: None)
+        logits: dict[str, list] = {}
+        fwd = eng.runner.forward
+
+        def forward(out, fwd=fwd, logits=logits):
+            lg = fwd(out)
+            if all(s.n == 1 and s.start > 0 for s in out.seqs):
+                for s, row in zip(out.seqs, lg):
+                    logits.setdefault(s.req.id, []).append(row.double().clone())
+            return lg
+
+        eng.runner.forward = forward
+        try:
+            eng.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        finally:
+            mp.undo()
+            eng.close()
+        counts = {k: st.counters.get(k, 0) - before.get(k, 0) for k in st.counters}
+        runs.append(({r: torch.stack(v) for r, v in logits.items()}, counts))
+    (kern, ck), (ref, cr) = runs
+    assert ck.get("eviction_kernel_decode", 0) > 0 and cr.get("eviction_kernel_decode", 0) == 0
+    assert ck.get("eviction_aside_steps", 0) == 0
+    # 3 prompts of 20-30 tokens, budget 14, interval 4: evicted at the prompt's end, then
+    # every 4 decode steps (not every step)
+    assert 3 < ck["eviction_runs"] <= 3 + 3 * 3, ck["eviction_runs"]
+    diag = [greedy_parting(ref[r], kern[r], kernel_rel_err(torch.float32, "cpu"))
+            for r in sorted(ref)]
+    assert all(d["parted"] is None and d["ok"] for d in diag), diag

@@ -53,8 +53,9 @@ def run(fmt, policy, graphs: bool, interval: int, prompts, new: int, sinks: str 
                  max_num_batched_tokens=8192, max_num_seqs=16, enable_prefix_caching=False,
                  cuda_graphs=graphs, eviction_interval=interval)
     eng.eviction.sink_positions = sinks
-    if not aside:   # the host path: attend_kept on every decode step
+    if not aside:   # the host path: attend_kept on every decode step (not its kernel route)
         eng.eviction.decode_aside = lambda seq_ids: False
+        eng.eviction._attend_kernel = lambda *a, **k: None
     held = []   # tokens kept: stored, less those a window hides (SinkWindow, original sinks)
     pool = eng.pool
     eng.on_step.append(lambda _s: held.extend(
