@@ -35,7 +35,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "quality"))  # quality_data
 
 import kvcompile  # noqa: E402
 from kvcompile.models import load_smollm2  # noqa: E402

@@ -22,10 +22,17 @@ Timings are medians of triton.testing.do_bench; GB/s counts the latent pages' by
 
 --quick times only the attention over the pages (the absorbed query given), for B16 / B64 x
 8k / 32k and bf16 / fp8_e4m3 pages: the kernel before issue 22's rework
-(benchmarks/latent_decode_before.py), the new kernel with the tiles its rule picks, and every
-64-head candidate of kernels/latent_decode.py CANDIDATES; GB/s of latent pages read, its share
-of a device-to-device copy measured in the same run (bytes read + written over time, as
-shared/REFERENCE.md), TFLOP/s of the two GEMMs, and the relative error against the old kernel.
+(benchmarks/latent_decode_before.py), the kernel with the tiles its rule picks, and every
+candidate of kernels/latent_decode.py CANDIDATES of 32+ heads (or the --tiles given, each at
+the rule's splits and at every --splits given). Per shape it prints the work: GFLOP of the two
+GEMMs counting QK^T once (2 B H L (r + dr) + 2 B H L r), MB of latent pages read, and the
+bound each gives (MB at 100% of the copy, GFLOP at --peak-tflops). Per row: GB/s of pages
+read and its share of a device-to-device copy measured in the same run (bytes read + written
+over time, as shared/REFERENCE.md), TFLOP/s useful (QK^T once) and issued (the "heads"
+layout at 64 heads computes QK^T twice), and the relative error against the old kernel.
+
+    python benchmarks/bench_latent_decode.py --quick --tiles once:64:128:8:1,once_t:32:64:4:3 \
+        --splits 2,8   # tile spec: layout:heads:tokens:warps:stages[:v_split]
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from kvcompile.kernels.dense import paged_reference_attention  # noqa: E402
 from kvcompile.kernels.latent import absorb_query, latent_output  # noqa: E402
 from kvcompile.kernels.latent_decode import (  # noqa: E402
     CANDIDATES,
+    LatentTiles,
     latent_decode_attention,
     pick_splits,
     pick_tiles,
@@ -197,8 +205,29 @@ def copy_bandwidth() -> float:
     return 2 * n / (ms * 1e-3) / 1e9
 
 
-def quick(shape_names: list[str]) -> None:
-    """The kernel alone: old vs new (rule's tiles) vs each 64-head candidate."""
+def parse_tiles(spec: str) -> list:
+    """'once:64:128:8:1,heads:64:16:4:2:2' -> [LatentTiles, ...]"""
+    out = []
+    for item in filter(None, spec.split(",")):
+        layout, *nums = item.split(":")
+        if len(nums) not in (4, 5):
+            raise SystemExit(f"--tiles {item!r}: layout:heads:tokens:warps:stages[:v_split]")
+        h, n, w, st, *v = (int(x) for x in nums)
+        out.append(LatentTiles(h, n, w, st, v_split=v[0] if v else 1, layout=layout))
+    return out
+
+
+def score_copies(t) -> int:
+    """Times each QK^T score is computed (sm_90 layouts, tests/kernels/
+    test_latent_decode_sm90.py): the "heads" layout at 64 heads computes it in both
+    warpgroups (8 warps) or in both programs of a v_split pair."""
+    return 2 if t is not None and t.layout == "heads" and t.block_h == 64 and (
+        t.num_warps == 8 or t.v_split == 2) else 1
+
+
+def quick(shape_names: list[str], tiles: list | None, splits: list[int],
+          peak_tflops: float) -> None:
+    """The kernel alone: old vs the rule's tiles vs each candidate (or --tiles)."""
     from benchmarks.latent_decode_before import latent_decode_before
 
     shapes = DRY_SHAPES if DRY else SHAPES
@@ -208,12 +237,14 @@ def quick(shape_names: list[str]) -> None:
     print(f"# MLA latent decode kernel alone: H {H}, r {R}, rope {DR}, page {P}, q {dt}; "
           f"torch {torch.__version__}, triton {triton.__version__}"
           + ("" if DRY else f", {torch.cuda.get_device_name()}, {sms} SMs"))
-    print(f"# device copy: {copy:.0f} GB/s (read + write)")
-    print("| shape | pages | kernel | tiles (h, n, warps, stages, v_split) x splits | ms | "
-          "GB/s | % of copy | TFLOP/s | vs old | rel err vs old |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"# device copy: {copy:.0f} GB/s (read + write); compute bound at {peak_tflops:.0f} "
+          f"TFLOP/s (--peak-tflops)")
+    print("| shape | pages | kernel | tiles x splits | ms | GB/s | % of copy | TFLOP/s useful | "
+          "TFLOP/s issued | vs old | rel err vs old |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     bound = REL_ERR[dt]
-    best = []
+    best, work = [], []
+    sweep = tiles or [t for t in CANDIDATES if t.block_h >= min(32, H)]
     for name in shape_names:
         B, L = shapes[name]
         g = torch.Generator(device=DEV).manual_seed(0)
@@ -221,52 +252,58 @@ def quick(shape_names: list[str]) -> None:
         rope = torch.randn(B, 1, L, DR, device=DEV, generator=g).to(dt)
         q_lat = (torch.randn(B, H, R + DR, device=DEV, generator=g) / 8).to(dt)
         lens = torch.full((B,), L, dtype=torch.int32, device=DEV)
-        flops = 2 * B * H * L * (R + DR) + 2 * B * H * L * R
+        qk, pv = 2 * B * H * L * (R + DR), 2 * B * H * L * R
+        max_len = math.ceil(L / P) * P
         for fmt in FORMATS:
             pool, plan = latent_pool(c, rope, fmt)
             args = (q_lat, pool.k[0], pool.v[0], plan.block_tables, lens, (DN + DR) ** -0.5)
             nbytes = pool.bytes_per_token * B * L
+            t_mem = nbytes / (copy * 1e9) * 1e3      # ms at 100% of copy, as the % column
+            t_mma = (qk + pv) / (peak_tflops * 1e12) * 1e3
+            work.append(f"# {name} {fmt}: {(qk + pv) / 1e9:.1f} GFLOP (QK^T {qk / 1e9:.1f} + PV "
+                        f"{pv / 1e9:.1f}), {nbytes / 1e6:.0f} MB of pages ({nbytes / (B * L):.0f}"
+                        f" B a token, {(qk + pv) / nbytes:.0f} FLOP/B): {t_mem:.3f} ms at 100% "
+                        f"of copy ({t_mem / 0.8:.3f} at the 80% target), {t_mma:.3f} ms at "
+                        f"{peak_tflops:.0f} TFLOP/s")
             old = latent_decode_before(*args)
             rule = pick_tiles(H, R)
-            runs = [("old (before #22)", "16 heads, 1 page",
-                     lambda a=args: latent_decode_before(*a), None),
-                    ("new, rule", rule, lambda a=args: latent_decode_attention(*a), rule)]
-            runs += [("new, candidate", t, lambda a=args, t=t: latent_decode_attention(
-                *a, tiles=t), t) for t in CANDIDATES if t.block_h == 64 and t != rule]
+            runs = [("old (before #22)", None, None)]
+            for t in [rule] + [t for t in sweep if t != rule]:
+                own = pick_splits(B, H, max_len, t, sms)
+                for sp in dict.fromkeys([own] + splits):
+                    runs.append(("rule" if t == rule and sp == own else "sweep", t, sp))
             base, fastest = None, None
-            for kernel, tiles, fn, t in runs:
+            for kernel, t, sp in runs:
+                label = "16 heads, 1 page" if t is None else f"{t} x {sp}"
+                fn = (lambda a=args: latent_decode_before(*a)) if t is None else (
+                    lambda a=args, t=t, sp=sp: latent_decode_attention(*a, num_splits=sp,
+                                                                       tiles=t))
                 try:
                     out = fn()
                     ms = bench(fn, warmup=10, rep=50)
                 except Exception as e:   # a candidate over the SM's resources: say so, go on
-                    print(f"| {name} | {fmt} | {kernel} | {_tiles(tiles, t, B, L, sms)} | "
-                          f"failed: {type(e).__name__}: {str(e)[:80]} | | | | | |", flush=True)
+                    print(f"| {name} | {fmt} | {kernel} | {label} | failed: "
+                          f"{type(e).__name__}: {str(e)[:80]} | | | | | | |", flush=True)
                     continue
                 base = base or ms
                 gbs = nbytes / (ms * 1e-3) / 1e9
                 err = _rel(out, old.float())
                 if t is not None and (fastest is None or ms < fastest[0]):
-                    fastest = (ms, t, 100 * gbs / copy)
-                print(f"| {name} | {fmt} | {kernel} | {_tiles(tiles, t, B, L, sms)} | "
-                      f"{ms:.3f} | {gbs:.0f} | {100 * gbs / copy:.1f}% | "
-                      f"{flops / (ms * 1e-3) / 1e12:.0f} | {base / ms:.2f}x | "
+                    fastest = (ms, label, 100 * gbs / copy, kernel == "rule")
+                issued = (qk * score_copies(t) + pv) if t is not None else qk + pv
+                print(f"| {name} | {fmt} | {kernel} | {label} | {ms:.3f} | {gbs:.0f} | "
+                      f"{100 * gbs / copy:.1f}% | {(qk + pv) / (ms * 1e-3) / 1e12:.0f} | "
+                      f"{issued / (ms * 1e-3) / 1e12:.0f} | {base / ms:.2f}x | "
                       f"{err:.1e}{'' if err <= bound else f' > {bound:.1e}: WRONG'} |",
                       flush=True)
             if fastest:
                 best.append(f"# {name} {fmt}: fastest {fastest[1]} {fastest[0]:.3f} ms, "
                             f"{fastest[2]:.1f}% of copy (target 80%); the rule's pick "
-                            f"{'is' if fastest[1] == rule else 'is not'} it")
+                            f"{'is' if fastest[3] else 'is not'} it")
             del pool, plan
             if not DRY:
                 torch.cuda.empty_cache()
-    print("\n".join(best))
-
-
-def _tiles(tiles, t, B, L, sms) -> str:
-    if t is None:
-        return str(tiles)
-    splits = pick_splits(B, H, math.ceil(L / P) * P, t, sms)
-    return f"{t.block_h}, {t.block_n}, {t.num_warps}, {t.num_stages}, {t.v_split} x {splits}"
+    print("\n".join(work + best))
 
 
 def main() -> None:
@@ -276,9 +313,17 @@ def main() -> None:
     ap.add_argument("--no-inductor", action="store_true")
     ap.add_argument("--quick", action="store_true",
                     help="the decode kernel alone, old vs new and the tile candidates")
+    ap.add_argument("--tiles", default="", help="--quick: time these tiles instead of the "
+                    "candidates, layout:heads:tokens:warps:stages[:v_split], comma-separated")
+    ap.add_argument("--splits", default="", help="--quick: split counts to time each tile "
+                    "at, besides the rule's (comma-separated)")
+    ap.add_argument("--peak-tflops", type=float, default=989.0,
+                    help="dense bf16 tensor-core peak for the compute bound (H100/H200 SXM "
+                    "spec sheet: 989)")
     a = ap.parse_args()
     if a.quick:
-        quick(a.shapes.split(","))
+        quick(a.shapes.split(","), parse_tiles(a.tiles) or None,
+              [int(x) for x in a.splits.split(",") if x], a.peak_tflops)
         return
     shapes = DRY_SHAPES if DRY else SHAPES
     compiled = None if a.no_inductor or DRY else torch.compile(hf_expand_attend, dynamic=False)

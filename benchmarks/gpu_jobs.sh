@@ -1,14 +1,29 @@
 #!/bin/bash
 # One device call, a list of named jobs run one after another, each with its own time limit and
 # log ($OUT/<job>.log); a PASS/FAIL/TIMEOUT line per job at the end (also $OUT/summary.txt).
+# The one runner for the device: GPU correctness tests (tests/gpu/, pytest -m gpu), the
+# benchmarks, and the quality harness's device stages.
 #
 #   bash benchmarks/gpu_jobs.sh env decode_fast memory nan dense
 #   bash benchmarks/gpu_jobs.sh gpu_tests          # every pytest test marked gpu (tests/gpu/)
+#   bash benchmarks/gpu_jobs.sh decode_matrix append_matrix prefill_matrix sinks e2e decode_check
+#   KVC_GPU_FULL=1 bash benchmarks/gpu_jobs.sh decode_matrix   # the full matrix (quick otherwise)
+#   DM_K=donly bash benchmarks/gpu_jobs.sh decode_matrix       # decode-only formats (int, channel)
 #   NAN_KINDS=prefill bash benchmarks/gpu_jobs.sh nan   # a -k selection of tests/gpu/test_nan_gpu.py
 #   DEADLINE=560 bash benchmarks/gpu_jobs.sh prefill_memory
 #   EC_K=rerotated bash benchmarks/gpu_jobs.sh evict_check evict_bench   # eviction in the Engine
-#   bash benchmarks/gpu_jobs.sh engine_graphs hf_graphs gen e2e prefill_check
+#   bash benchmarks/gpu_jobs.sh engine_graphs hf_graphs gen e2e prefill_matrix
+#   bash benchmarks/gpu_jobs.sh triton_decode prefill_bench kernel_report append_bench
 #   PROF_ARGS="--steps" bash benchmarks/gpu_jobs.sh profile   # a decode step by part
+#   PB_ARGS=--quick bash benchmarks/gpu_jobs.sh prefill_bench  # the prefill matrix (bench_prefill)
+#   bash benchmarks/gpu_jobs.sh quality_canary     # then, same warm machine: quality (see
+#                                                  # benchmarks/quality/gpu_stages.sh: the model
+#                                                  # travels in two halves, .kvc_gpu_a / _b)
+# Two GPUs (nvidia-h200-x2): one runner per GPU, each with its own OUT, e.g.
+#   CUDA_VISIBLE_DEVICES=0 OUT=$OUT/g0 bash benchmarks/gpu_jobs.sh decode_matrix prefill_matrix &
+#   CUDA_VISIBLE_DEVICES=1 OUT=$OUT/g1 bash benchmarks/gpu_jobs.sh gen; wait
+# The matrix jobs run pytest-xdist with one worker per core (NPROC, 16) when it is installed
+# (compiles dominate; serially they take 10+ minutes).
 #
 # A job still running at its own limit, or at DEADLINE seconds after the start, is stopped so
 # that the logs come back. Jobs (name: command, limit in seconds):
@@ -19,32 +34,46 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 DEADLINE=${DEADLINE:-570}
 start=$(date +%s)
+PYTEST="python3 -m pytest -q -m gpu -p no:cacheprovider"
+XD=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${NPROC:-16}")   # pytest-xdist workers
+PAR="env OMP_NUM_THREADS=1 $PYTEST $XD"                                # compile-bound test files
+MATRICES="tests/gpu/test_decode_matrix_gpu.py tests/gpu/test_append_gpu.py tests/gpu/test_prefill_matrix_gpu.py"
+DI_ROWS=${DI_ROWS:-fp4_e2m1/page,int4/channel+int4/token@64,int4/channel+fp4_e2m1/page@64,int2/channel+int2/token@64}
+DI_SHAPES=${DI_SHAPES:-B64_L8k,B16_L32k,B1_L128k}
 
 job() {   # job NAME -> "LIMIT COMMAND"
   case "$1" in
     env)            echo "20 nvidia-smi; python3 -c 'import torch,triton,transformers as t;print(torch.__version__,triton.__version__,t.__version__,torch.cuda.get_device_name())'; nvcc --version | tail -1" ;;
     decode_fast)    echo "300 python3 benchmarks/gpu_decode_fast.py --out $OUT" ;;
-    decode_check)   echo "200 python3 benchmarks/gpu_decode_fast.py --check --accuracy --out $OUT" ;;
-    decode_bench)   echo "200 python3 benchmarks/gpu_decode_fast.py --bench --out $OUT" ;;
+    decode_check)   echo "${DC_LIMIT:-200} $PYTEST tests/gpu/test_decode_sm90_gpu.py" ;;
+    decode_matrix)  echo "${DM_LIMIT:-240} $PAR tests/gpu/test_decode_matrix_gpu.py ${DM_K:+-k $DM_K}" ;;
+    append_matrix)  echo "${AM_LIMIT:-150} $PAR tests/gpu/test_append_gpu.py" ;;
+    prefill_matrix) echo "${PC_LIMIT:-240} $PAR tests/gpu/test_prefill_matrix_gpu.py ${PC_K:+-k $PC_K}" ;;
+    sinks)          echo "${SK_LIMIT:-120} $PYTEST tests/gpu/test_sinks_gpu.py" ;;
+    e2e)            echo "${E2E_LIMIT:-240} $PYTEST tests/gpu/test_e2e_gpu.py" ;;
+    triton_decode)  echo "${TD_LIMIT:-300} for i in 0 1 2 3 4 5; do python3 benchmarks/bench_decode.py warmup --part \$i --parts 6 ${TD_WARM:-} & done; for i in 0 1 2 3; do python3 benchmarks/bench_decode.py flexwarm --part \$i --parts 4 & done; wait; python3 benchmarks/bench_decode.py run --out $OUT ${TD_RUN:-}" ;;
+    decode_int_bench) echo "${DI_LIMIT:-200} for i in 0 1 2 3; do python3 benchmarks/bench_decode.py warmup --formats $DI_ROWS --shapes $DI_SHAPES --waves 8 --part \$i --parts 4 & done; wait; python3 benchmarks/bench_decode.py run --no-sweep --no-flex --no-append --waves 8 --formats $DI_ROWS --shapes $DI_SHAPES --out $OUT" ;;
+    prefill_bench)  echo "${PB_LIMIT:-330} python3 benchmarks/bench_prefill.py --warm-flex --budget ${PB_WARM:-150} && python3 benchmarks/bench_prefill.py --budget ${PB_BUDGET:-150} --json $OUT/bench_prefill.json ${PB_ARGS:-}" ;;
+    kernel_report)  echo "${KR_LIMIT:-130} python3 benchmarks/kernel_report.py --out $OUT ${KR_ARGS:-}" ;;
+    quality_canary) echo "${QC_LIMIT:-320} bash benchmarks/quality/gpu_stages.sh canary" ;;
+    quality)        echo "${Q_LIMIT:-260} bash benchmarks/quality/gpu_stages.sh run" ;;
     memory)         echo "${MEM_LIMIT:-200} python3 -m pytest -s -q -m gpu tests/gpu/test_memory_gpu.py -p no:cacheprovider" ;;
     nan)            echo "${NAN_LIMIT:-240} python3 -m pytest -q -m gpu tests/gpu/test_nan_gpu.py -p no:cacheprovider ${NAN_KINDS:+-k $NAN_KINDS}" ;;
     dense)          echo "60 python3 -m pytest -q -m gpu tests/gpu/test_dense_gpu.py -p no:cacheprovider" ;;
     engine_graphs)  echo "${EG_LIMIT:-240} python3 -m pytest -s -q -m gpu tests/gpu/test_engine_graphs_gpu.py -p no:cacheprovider" ;;
     hf_graphs)      echo "${HG_LIMIT:-150} python3 -m pytest -s -q -m gpu tests/gpu/test_hf_graphs_gpu.py -p no:cacheprovider" ;;
     kernels)        echo "${K_LIMIT:-300} python3 -m pytest -q ${K_TESTS:-tests/kernels/test_decode.py tests/kernels/test_prefill.py tests/kernels/test_append.py} -p no:cacheprovider" ;;
-    gpu_tests)      echo "${GPU_TESTS_LIMIT:-540} python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider" ;;
+    gpu_tests)      echo "${GPU_TESTS_LIMIT:-540} $PAR $MATRICES; r=\$?; $PYTEST tests/gpu $(printf -- '--ignore=%s ' $MATRICES); s=\$?; exit \$(( r | s ))" ;;
     prefill_memory) echo "${PM_BUDGET:-540} python3 benchmarks/bench_prefill_memory.py --budget-s $(( ${PM_BUDGET:-540} - 15 )) --rows ${PM_ROWS:-mask_analysis,hf_static,fp8_e4m3,bf16,fp4_e2m1,bf16_whole} --json $OUT/prefill_memory.json ${PM_ARGS:-}" ;;
     pm32k)          echo "${PM_BUDGET:-400} python3 benchmarks/bench_prefill_memory.py --budget-s $(( ${PM_BUDGET:-400} - 15 )) --rows ${PM_ROWS:-hf_static,fp8_e4m3,bf16,fp4_e2m1} --json $OUT/pm32k.json" ;;
     ttft4k)         echo "${TT_BUDGET:-240} python3 benchmarks/bench_prefill_memory.py --batch 16 --prompt 4096 --budget-s $(( ${TT_BUDGET:-240} - 10 )) --rows ${TT_ROWS:-hf_static,fp8_e4m3,fp8_e4m3_stored,bf16,fp4_e2m1} --json $OUT/ttft4k.json" ;;
     ttft32k1)       echo "${TT1_BUDGET:-200} python3 benchmarks/bench_prefill_memory.py --batch 1 --prompt 32768 --budget-s $(( ${TT1_BUDGET:-200} - 10 )) --rows ${TT1_ROWS:-hf_static,fp8_e4m3,bf16} --json $OUT/ttft32k1.json" ;;
-    e2e)            echo "${E2E_LIMIT:-240} python3 benchmarks/gpu_check_e2e.py --quick" ;;
-    prefill_check)  echo "${PC_LIMIT:-220} python3 benchmarks/gpu_check_prefill.py --quick --shards 16 --budget $(( ${PC_LIMIT:-220} - 20 ))" ;;
     evict_check)    echo "${EC_LIMIT:-200} python3 -m pytest -s -q -m gpu tests/gpu/test_engine_eviction_gpu.py -p no:cacheprovider ${EC_K:+-k $EC_K}" ;;
     evict_bench)    echo "${EB_LIMIT:-260} python3 benchmarks/bench_generate.py --budget-s $(( ${EB_LIMIT:-260} - 20 )) --out $OUT --evict-interval ${INTERVAL:-64} --engine-scale ${SCALE:-token} --sections ${EB_SECTIONS:-engine_b,engine_evict_sink,engine_evict_h2o,engine_evict_snapkv} ${EB_ARGS:-}" ;;
     append_check)   echo "${AC_LIMIT:-90} python3 -m pytest -q -x tests/kernels/test_append.py tests/kernels/test_append_codes.py -p no:cacheprovider" ;;
     append_bench)   echo "${AB_LIMIT:-80} python3 benchmarks/bench_append.py --json $OUT/bench_append.json" ;;
-    latent_check)   echo "${LC_LIMIT:-90} python3 -m pytest -q -m gpu tests/gpu/test_latent_decode_gpu.py -p no:cacheprovider" ;;
-    latent_quick)   echo "${LQ_LIMIT:-180} python3 benchmarks/bench_latent_decode.py --quick ${LQ_ARGS:-}" ;;
+    latent_check)   echo "${LC_LIMIT:-200} python3 -m pytest -q -m gpu tests/gpu/test_latent_decode_gpu.py -p no:cacheprovider" ;;
+    latent_quick)   echo "${LQ_LIMIT:-420} python3 benchmarks/bench_latent_decode.py --quick ${LQ_ARGS:-}" ;;
     gen)            echo "${GEN_LIMIT:-360} python3 benchmarks/bench_generate.py --budget-s $(( ${GEN_LIMIT:-360} - 30 )) --out $OUT --sections ${GEN_SECTIONS:-hf_static,kvc_fp8,engine_b,engine_b_nograph} ${GEN_ARGS:-}" ;;
     profile)        echo "${PROF_LIMIT:-200} python3 benchmarks/profile_generate.py ${PROF_ARGS:-}" ;;
     *)              echo "" ;;

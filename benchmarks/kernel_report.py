@@ -10,8 +10,8 @@ cuDNN SDPA) is explained from the compiled kernel, not a guess.
 Each kernel is built the way the benchmarks build it, by launching it once on small inputs
 (the binaries depend on the constexprs, which small inputs share with the benchmark shapes):
 decode as bench_decode.py's rows (Hq 32, Hkv 8, D 128, page 16, bf16 q, default tile config,
-split-K with a combine: DIRECT off, as at the benchmark shapes); prefill as
-gpu_check_prefill.py's warm cases, i.e. bench_prefill.py's specializations (H 32, D 128, causal,
+split-K with a combine: DIRECT off, as at the benchmark shapes); prefill as the warm cases
+of tests/gpu/prefill_cases.py, i.e. bench_prefill.py's specializations (H 32, D 128, causal,
 G 1 and 4; FP8 E4M3; chunked prefill over fp8 / bf16 pages of 16), on every candidate tile.
 `kernel[grid](...)` returns triton's CompiledKernel (triton 3.x: JITFunction.run returns it;
 n_regs / n_spills are filled when the binary is loaded, metadata.shared / num_warps /
@@ -49,7 +49,7 @@ import traceback
 
 STAND_IN = "--stand-in" in sys.argv
 if STAND_IN:
-    os.environ["TRITON_INTERPRET"] = "0"  # compile, do not interpret (gpu_check_* default)
+    os.environ["TRITON_INTERPRET"] = "0"  # compile, do not interpret (as on the GPU)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -416,10 +416,10 @@ def decode_kernels(formats: list[str]) -> list[dict]:
 
 
 def prefill_kernels(sets: list[str]) -> list[dict]:
-    from benchmarks import gpu_check_prefill as gp
     from kvcompile.kernels import prefill_paged, prefill_varlen
+    from tests.gpu import prefill_cases as gp
 
-    if STAND_IN:  # the CPU dry-run defaults of gpu_check_prefill do not apply here
+    if STAND_IN:  # no GPU: build the sm_90 binaries with the GPU's dtypes, run nothing
         gp.BF = {"bf16": torch.bfloat16, "fp16": torch.float16}
         gp.DEV = "cpu"
         gp.L.device_has_tma = lambda device: True  # the sm_90 binaries load K/V through TMA
@@ -564,7 +564,7 @@ def main() -> int:
     ap.add_argument("--decode", default="bf16,fp8_e4m3/page,fp4_e2m1/page",
                     help="bench_decode.py row specs ('' for none)")
     ap.add_argument("--prefill", default="varlen_bf16,varlen_fp8,paged_fp8,paged_bf16",
-                    help="sets of gpu_check_prefill.py warm cases ('' for none); also: "
+                    help="sets of tests/gpu/prefill_cases.py warm cases ('' for none); also: "
                          "varlen_gqa_bf16, varlen_chunk_bf16")
     ap.add_argument("--stand-in", action="store_true",
                     help="no GPU: compile for sm_90 through a fake driver, do not run")

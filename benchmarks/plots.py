@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     inputs = {
         "decode": ("bench_decode.json", (HERE,), plot_decode),
         "prefill": ("bench_prefill.json", (HERE,), plot_prefill),
-        "quality": ("quality_results.json", (HERE,), plot_quality),
+        "quality": ("quality_results.json", (os.path.join(HERE, "quality"),), plot_quality),
     }
     for what, (name, fallbacks, plot) in inputs.items():
         path = find(name, args.results, fallbacks)

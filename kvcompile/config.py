@@ -441,8 +441,8 @@ class KVConfig:
 # --- configurations known to cost quality ---------------------------------------------------
 
 # Perplexity through the pool against fp32, SmolLM2-135M, 4,096 tokens each of the Lee corpus
-# and of stdlib pydoc topics (benchmarks/pareto.py, README "Key-aware 4-bit caches"). A key
-# format below this table's rows loses more than a few percent; the key-aware 4-bit layout
+# and of stdlib pydoc topics (benchmarks/quality/pareto.py, README "Key-aware 4-bit caches").
+# A key format below this table's rows loses more than a few percent; the key-aware 4-bit layout
 # (int4 keys with per-channel scales, int4 values per token, page 64, values rotated) costs
 # +1.7% on both texts at 4.5 bits.
 KEY_AWARE_4BIT = ('KVConfig(kv_dtype="int4", scale_granularity="channel", page_size=64, '

@@ -1,8 +1,8 @@
-"""`kvcompile eval [ARGS]`: the quality harness, benchmarks/quality.py `main(argv)`.
+"""`kvcompile eval [ARGS]`: the quality harness, benchmarks/quality/quality.py `main(argv)`.
 
 Its arguments pass through (`kvcompile eval --suite ppl --quick`). With --json the harness's
 own printout goes to stderr and stdout gets one JSON object: the exit code and the results file
-(benchmarks/quality_results.json) the harness keeps.
+(benchmarks/quality/quality_results.json) the harness keeps.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from kvcompile.cli.common import EXIT_UNAVAILABLE, CLIError, Result
 def run(args) -> Result:
     rest = split_own_flags(args, list(args.args or []))
     folder = benchmarks_dir()
-    path = os.path.join(folder, "quality.py")
+    path = os.path.join(folder, "quality", "quality.py")
     if not os.path.isfile(path):
         raise CLIError(f"the quality harness {path} is missing",
-                       hint="update your checkout (benchmarks/quality.py defines main(argv))",
+                       hint="update your checkout (benchmarks/quality/quality.py defines "
+                            "main(argv))",
                        code=EXIT_UNAVAILABLE)
     main = _load_main(path)
     sink = sys.stderr if getattr(args, "json", False) else sys.stdout
@@ -33,7 +34,7 @@ def run(args) -> Result:
         except SystemExit as e:  # the harness's own argparse: --help or a bad option
             rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     rc = int(rc or 0)
-    results = os.path.join(folder, "quality_results.json")
+    results = os.path.join(folder, "quality", "quality_results.json")
     payload = {"harness": path, "argv": rest, "exit_code": rc,
                "results_file": results if os.path.isfile(results) else None}
     if payload["results_file"]:

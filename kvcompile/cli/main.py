@@ -5,7 +5,7 @@
     kvcompile inspect MODEL --passes [--pass NAME]           # graph code and diff per pass
     kvcompile inspect MODEL --dot/--svg FILE [--site NAME]   # one site before / after
     kvcompile inspect MODEL --verify                         # eager vs compiled, per layer
-    kvcompile eval [ARGS]                                    # benchmarks/quality.py
+    kvcompile eval [ARGS]                                    # benchmarks/quality/quality.py
     kvcompile bench [NAME] [ARGS]                            # benchmarks/bench_NAME.py (CUDA)
 
 Every command takes --json (one JSON object on stdout), --debug (tracebacks), --quiet, and
@@ -128,9 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     _model_options(ins, "fp8_e4m3")
     _common(ins, suppress=True)
 
-    ev = sub.add_parser("eval", help="quality harness (benchmarks/quality.py): perplexity, "
-                        "passkey; arguments after `eval` go to the harness")
-    ev.add_argument("args", nargs=argparse.REMAINDER, help="arguments of benchmarks/quality.py")
+    ev = sub.add_parser("eval", help="quality harness (benchmarks/quality/quality.py): "
+                        "perplexity, passkey; arguments after `eval` go to the harness")
+    ev.add_argument("args", nargs=argparse.REMAINDER,
+                    help="arguments of benchmarks/quality/quality.py")
     _common(ev, suppress=True)
 
     be = sub.add_parser("bench", help="speed benchmarks (benchmarks/bench_*.py; need CUDA)")

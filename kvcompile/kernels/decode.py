@@ -233,7 +233,7 @@ def _check_residual(name, res, res_slot, N, Hkv, P, D) -> bool:
 
 _FAST_DEVICE: dict[int, str] = {}
 # Formats whose decode runs the CUDA kernel (decode_sm90.py) on sm_90 by default
-# (kernels="auto"): the H200 decode matrix (benchmarks/gpu_decode_fast.py --check, 334 cases)
+# (kernels="auto"): the H200 decode matrix (tests/gpu/test_decode_sm90_gpu.py, 334 cases)
 # passes on it, and it measured 0.65-0.77x torch SDPA over bf16 for fp8 pages against
 # 0.76-0.96x for the Triton kernel. bf16 / fp16 pages stay on Triton, which measured faster
 # there (1.03-1.14x against 1.13-1.29x). benchmarks/RESULTS.md, "The CUDA decode kernel runs".

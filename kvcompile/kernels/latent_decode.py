@@ -5,27 +5,32 @@
     # c_pages: PagedTensor [N, 1, P, r] (the latent), r_pages: PagedTensor [N, 1, P, dr]
     # block_tables: [B, maxP] int32, seq_lens: [B] int32  ->  out_lat: [B, H, r] fp32
 
-All H query heads attend to one latent per token (MQA), so the heads are the M dimension of
-both GEMMs. One program per (block of BLOCK_H heads, split of the context, sequence) walks its
-tokens BLOCK_N at a time (a tile spans BLOCK_N / P pages, gathered through the block table):
+All H query heads attend to one latent per token (MQA). One program per (block of BLOCK_H
+heads, split of the context, sequence) walks its tokens BLOCK_N at a time (a tile spans
+BLOCK_N / P pages, gathered through the block table), one pass with an online softmax:
 
-    s   = q_c . c^T * c_scale + q_r . k_rope^T * r_scale     # [BLOCK_H, BLOCK_N], tl.dot
+    s^T = c . q_c^T * c_scale + k_rope . q_r^T * r_scale   # [BLOCK_N, BLOCK_H], tl.dot
     acc = acc * alpha + (p * c_scale) . c                    # [BLOCK_H, r],       tl.dot
 
-The latent tile [BLOCK_N, r] is loaded once and feeds both dots (its transpose for QK^T), and
-the programs that read the same tiles are neighbours in the grid, so that all but the first
-find them in L2. With v_split 2 two programs share a head block, each accumulating half of
-the r columns (a [64, 512] fp32 accumulator does not fit one 4-warp program's registers). fp8 pages (E4M3 / E5M2, one scale per page) are widened to the dot dtype in
-registers; their page scale multiplies the score columns and the probabilities, never the
-tile. The rotary key is its own page tensor, in its own format (FlashMLA keeps it bf16 beside
-an fp8 latent). The softmax runs in base 2 (log2(e) is folded into the softmax scale).
-Long contexts with few programs are split (split-K); a second small kernel merges the splits.
+The latent tile [BLOCK_N, r] is loaded and widened once and feeds both dots. Tokens are the M
+of QK^T (layouts "once" / "once_t", _latent_once_kernel): with BLOCK_N = 16 x num_warps each
+warp scores its own 16 tokens against every head of the block, so every score is computed
+once. (With heads as M, layout "heads", latent_decode_heads.py, kept for the benchmark's
+comparison: Triton spreads all warps of a dot that feeds another along M, and 64 heads fill
+only one warpgroup's M, so the second warpgroup recomputes the same scores.) The programs
+that read the same tiles (head blocks) are neighbours in the grid, so that all but the first
+find them in L2. fp8 pages (E4M3 / E5M2, one scale per page) are widened to the dot dtype in
+registers; their page scale multiplies the score rows and the probabilities, never the tile.
+The rotary key is its own page tensor, in its own format (FlashMLA keeps it bf16 beside an
+fp8 latent). The softmax runs in base 2 (log2(e) is folded into the softmax scale). Long
+contexts with few programs are split (split-K); a second small kernel merges the splits.
 
 Tile sizes are constexpr; `pick_tiles` chooses among CANDIDATES by a rule (the accumulator
 must stay in registers), `pick_splits` sizes split-K from the SM count.
-At 128 heads the tensor work is as large as the memory time: QK^T over r + dr and PV over r
-for every head is 36 GFLOP at B16 x 8k (about 46 us at 790 TFLOP/s) against 151 MB of bf16
-pages (about 37 us at 4.1 TB/s), and both 64-head layouts compute QK^T twice (1.5x that).
+Work at 128 heads, per token: 128 x (576 + 512) MACs (278 KFLOP) against 1152 B of bf16 pages
+(576 B + scales for fp8), 242 FLOP/B; the H200's ridge is 989 TFLOP/s / 4.8 TB/s = 206 FLOP/B,
+so even at the dense peak the bf16 kernel is compute-bound (B16 x 8k: 36.5 GFLOP, 37 us at
+989 TFLOP/s, against 151 MB, 31 us at 4.8 TB/s); computing QK^T twice made it 1.53x that.
 Masks, windows and soft-capping are not taken (runtime/dispatch.py `attend_latent` sends
 those steps to the reference, kernels/dense.py); kernels/latent.py holds the math.
 """
@@ -39,6 +44,7 @@ import triton
 import triton.language as tl
 
 from kvcompile.errors import UnsupportedShapeError
+from kvcompile.kernels.latent_decode_heads import _latent_tile_kernel
 
 _UNSCALED = ("bf16", "fp16", "fp32")
 _PAGE_SCALED = ("fp8_e4m3", "fp8_e5m2")
@@ -47,14 +53,25 @@ MIN_SPLIT_TOKENS = 256    # a split shorter than this costs more in the merge th
 MAX_SPLITS = 64
 
 
+LAYOUTS = ("once", "once_t", "heads")
+
+
 @dataclass(frozen=True)
 class LatentTiles:
-    """One launch configuration of the decode kernel (all powers of two, >= 16)."""
-    block_h: int      # query heads per program: the M of both dots
-    block_n: int      # tokens per tile: N of QK^T, K of PV
+    """One launch configuration of the decode kernel (block sizes powers of two, >= 16).
+
+    layout "once" / "once_t" (_latent_once_kernel): tokens are the M of QK^T, spread over the
+    warps 16 rows each (block_n == 16 x num_warps), so every score is computed by exactly one
+    warp; "once" accumulates [heads, r] from registers, "once_t" [r, heads] from shared memory.
+    layout "heads" (_latent_tile_kernel, issue 22's first rebuild, kept for the benchmark's
+    comparison): heads are the M of QK^T, which both warpgroups of 8 warps, or both programs
+    of a v_split pair, compute in full."""
+    block_h: int      # query heads per program
+    block_n: int      # tokens per tile: K of PV
     num_warps: int
     num_stages: int
-    v_split: int = 1  # programs sharing a head block, each accumulating r / v_split columns
+    v_split: int = 1  # "heads" only: programs sharing a head block, r / v_split columns each
+    layout: str = "once"
 
     def __post_init__(self):
         for name in ("block_h", "block_n"):
@@ -65,31 +82,49 @@ class LatentTiles:
         if self.num_warps not in (4, 8) or self.num_stages < 1 or self.v_split not in (1, 2):
             raise ValueError(f"LatentTiles: num_warps {self.num_warps} (4 or 8), num_stages "
                              f"{self.num_stages} (>= 1), v_split {self.v_split} (1 or 2)")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"LatentTiles.layout={self.layout!r}: one of {LAYOUTS}")
+        if self.layout != "heads" and (self.block_n != 16 * self.num_warps
+                                       or self.v_split != 1):
+            raise ValueError(f"LatentTiles: layout {self.layout!r} needs block_n == 16 x "
+                             f"num_warps ({16 * self.num_warps}: one warp per 16 score rows, "
+                             f"none computed twice) and v_split 1; got block_n "
+                             f"{self.block_n}, v_split {self.v_split}")
 
     def acc_regs(self, r: int) -> int:
         """fp32 registers per thread that the [block_h, r] accumulator takes."""
         return self.block_h * r // (self.v_split * 32 * self.num_warps)
 
+    def __str__(self) -> str:
+        v = f"/v{self.v_split}" if self.v_split > 1 else ""
+        return (f"{self.layout} h{self.block_h} n{self.block_n} w{self.num_warps} "
+                f"s{self.num_stages}{v}")
 
-# Candidates, in order of preference for many heads. 64 heads fill one Hopper wgmma M. A
-# [64, 512] fp32 accumulator is 128 registers a thread over 8 warps (256 over 4), so either
-# two programs share the head block (v_split 2: each accumulates 256 latent columns over 4
-# warps, and two such programs fit one SM: 204 registers and 110 KB of shared memory at
-# r 512, block_n 16, compiled for sm_90 by triton 3.9) or one program of 8 warps holds it all
-# (Triton then computes QK^T in both warpgroups, its layout for a dot that feeds another).
-# Both compute QK^T twice per head block; which is faster is for the GPU to say:
-# benchmarks/bench_latent_decode.py --quick times every 64-head candidate.
+
+# Candidates, in order of preference for many heads. "once" at 64 heads: 8 warps, each
+# scoring 16 of 128 tokens against all 64 heads (wgmma m64n64, the q block and the latent
+# tile in shared memory: 216 KB, one program an SM, no cp.async ring), then the [64, r]
+# accumulator over both warpgroups (128 registers a thread at r 512, p from registers,
+# m64n128 per latent half). "once_t" keeps p in shared memory and accumulates r x heads; its
+# 32-head, 4-warp form fits a 3-stage cp.async ring (188 KB) at the price of 4 head blocks
+# reading each latent tile. sm_90 compile (triton 3.9, r 512, 255 registers each), stack
+# for bf16 / fp8 pages: "once" 8-32 / 632-656 B (fp8: the widened tile); "once_t" 72-80 /
+# 1000 B at 64 heads, 56-64 / 624-656 B at 32 (the first rebuild's pick: 48-64 / 328-336).
+# Which is fastest is for the GPU to say: benchmarks/bench_latent_decode.py --quick times
+# every candidate of 32+ heads.
 CANDIDATES = (
-    # first: the fastest on the H200 at 128 heads in 7 of 8 shapes x pages (B16/B64 x 8k/32k,
-    # bf16 and fp8, bench_latent_decode.py --quick, 2026-12-03), within 0.2% in the eighth
-    LatentTiles(64, 32, 8, 2),
-    LatentTiles(64, 16, 4, 2, v_split=2),
-    LatentTiles(64, 16, 8, 3),
-    LatentTiles(64, 32, 4, 2, v_split=2),
+    LatentTiles(64, 128, 8, 1, layout="once"),
+    LatentTiles(64, 128, 8, 1, layout="once_t"),
+    # the first rebuild's layout (QK^T twice per head block), kept for comparison; the
+    # first was the fastest of its kind on the H200 (bench_latent_decode.py --quick,
+    # 2026-12-03)
+    LatentTiles(64, 32, 8, 2, layout="heads"),
+    LatentTiles(64, 16, 4, 2, v_split=2, layout="heads"),
     # under 64 heads the dots fall back from wgmma to mma.sync, whose operands sit in
     # registers: 8 warps keep r 512 without spills (4 spilled 60-416 B on sm_90)
-    LatentTiles(32, 32, 8, 2),
-    LatentTiles(16, 32, 8, 2),
+    LatentTiles(32, 32, 8, 2, layout="heads"),
+    LatentTiles(32, 64, 4, 3, layout="once_t"),   # not measured: after the measured one
+    LatentTiles(16, 32, 8, 2, layout="heads"),
 )
 MAX_ACC_REGS = 128
 
@@ -102,97 +137,122 @@ def pick_tiles(heads: int, r: int) -> LatentTiles:
         if (t.block_h <= max(heads, 16) and t.acc_regs(r) <= MAX_ACC_REGS
                 and r // t.v_split >= 16):
             return t
-    return LatentTiles(16, 16, 8, 1, v_split=2 if r >= 32 else 1)   # the smallest accumulator
+    return LatentTiles(16, 16, 8, 1, v_split=2 if r >= 32 else 1,
+                       layout="heads")   # the smallest accumulator
 
 
 def pick_splits(batch: int, heads: int, max_len: int, tiles: LatentTiles, sms: int) -> int:
     """Splits of the context so that batch x head blocks x splits programs about fill the SMs
-    once (one program per SM when it holds a [64, r] accumulator over 8 warps, else two),
-    each split >= MIN_SPLIT_TOKENS."""
+    once (one program per SM for the "once" layouts, whose tiles take most of its shared
+    memory, and for a [64, r] accumulator over 8 warps; else two), each split >=
+    MIN_SPLIT_TOKENS."""
     programs = batch * triton.cdiv(heads, tiles.block_h) * tiles.v_split
-    per_sm = 1 if tiles.num_warps == 8 and tiles.block_h == 64 else 2
+    per_sm = 1 if tiles.layout != "heads" or (tiles.num_warps == 8
+                                               and tiles.block_h == 64) else 2
     want = max(1, round(sms * per_sm / programs))
     return max(1, min(want, triton.cdiv(max_len, MIN_SPLIT_TOKENS),
                       triton.cdiv(max_len, tiles.block_n), MAX_SPLITS))
 
 
 @triton.jit
-def _latent_tile_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, stride_qh,
+def _latent_once_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, stride_qh,
                         stride_bt, H, num_splits, tiles_per_split, qk_scale, R: tl.constexpr,
                         DR: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr,
-                        BLOCK_N: tl.constexpr, V_SPLIT: tl.constexpr, C_SCALED: tl.constexpr,
-                        R_SCALED: tl.constexpr, DT: tl.constexpr, DIRECT: tl.constexpr):
-    # V_SPLIT 2: two programs share a head block; each scores all r + dr columns but
-    # accumulates only its half of the latent ("own" columns v0..v0+RV, the "other" half
-    # only enters the scores), which halves the accumulator's registers
-    RV: tl.constexpr = R // V_SPLIT
-    hb = tl.program_id(0) // V_SPLIT
-    v0 = (tl.program_id(0) % V_SPLIT) * RV
+                        BLOCK_N: tl.constexpr, OUT_T: tl.constexpr, C_SCALED: tl.constexpr,
+                        R_SCALED: tl.constexpr, DT: tl.constexpr, DT_R: tl.constexpr,
+                        Q_SHIFT: tl.constexpr, DIRECT: tl.constexpr):
+    # DT: the latent dots' dtype, DT_R the rotary one's. fp8 pages under bf16 queries take
+    # fp16 (e4m3x2 -> f16x2 is one instruction; bf16 would add one cvt per element), and the
+    # query is multiplied by Q_SHIFT (2^-8, exact) so that any bf16-range query up to 2^24
+    # fits fp16; the scores take 1 / Q_SHIFT back.
+    # Scores transposed, s^T = [c, k_rope] . q^T: tokens are the M of the dot, and with
+    # BLOCK_N == 16 x num_warps Triton's layout for a dot that feeds another (all warps
+    # along M) gives each warp its own 16 tokens, so each score is computed once (with heads
+    # as M, 64 heads fill only one warpgroup's M and the other recomputes them). The latent
+    # is handled in two column halves (two loads, two accumulators): the registers that
+    # widen a tile before it is stored for the dots are half as many (sm_90, r 512, 64 heads:
+    # stack 104 -> 32 B for bf16 pages, 1128 -> 648 B for fp8)
+    RH: tl.constexpr = R // 2
+    hb = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
-    rv = tl.arange(0, RV)
+    rh = tl.arange(0, RH)
     dd = tl.arange(0, DR)
     t = tl.arange(0, BLOCK_N)
-    q_row = QL + b * stride_qb + h[:, None] * stride_qh                       # [BLOCK_H, 1]
-    # q stays as loaded (a dot operand Triton keeps in shared memory for the whole loop);
-    # the softmax scale multiplies the scores instead
-    q_c = tl.load(q_row + v0 + rv[None, :], mask=h_ok[:, None], other=0.0).to(DT)  # [BH, RV]
-    q_r = tl.load(q_row + R + dd[None, :], mask=h_ok[:, None], other=0.0).to(DT)   # [BH, DR]
-    if V_SPLIT == 2:
-        o0 = RV - v0
-        q_o = tl.load(q_row + o0 + rv[None, :], mask=h_ok[:, None], other=0.0).to(DT)
+    q_col = QL + b * stride_qb + h[None, :] * stride_qh                       # [1, BLOCK_H]
+    q0T = tl.load(q_col + rh[:, None], mask=h_ok[None, :], other=0.0)            # [RH, BH]
+    q1T = tl.load(q_col + RH + rh[:, None], mask=h_ok[None, :], other=0.0)       # [RH, BH]
+    q_rT = tl.load(q_col + R + dd[:, None], mask=h_ok[None, :], other=0.0)       # [DR, BH]
+    q0T = (q0T.to(tl.float32) * Q_SHIFT).to(DT)
+    q1T = (q1T.to(tl.float32) * Q_SHIFT).to(DT)
+    q_rT = (q_rT.to(tl.float32) * Q_SHIFT).to(DT_R)
+    qk_scale = qk_scale / Q_SHIFT
     L = tl.load(SL + b)
     n_lo = split * tiles_per_split * BLOCK_N
     n_hi = tl.minimum(n_lo + tiles_per_split * BLOCK_N, L)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, RV], tl.float32)
+    if OUT_T:
+        acc0 = tl.zeros([RH, BLOCK_H], tl.float32)
+        acc1 = tl.zeros([RH, BLOCK_H], tl.float32)
+    else:
+        acc0 = tl.zeros([BLOCK_H, RH], tl.float32)
+        acc1 = tl.zeros([BLOCK_H, RH], tl.float32)
     bt_row = BT + b * stride_bt
     for n0 in range(n_lo, n_hi, BLOCK_N):
         j = n0 + t                                                            # token ids
         ok = j < n_hi
         page = tl.load(bt_row + j // P, mask=ok, other=0).to(tl.int64)
         tok = page * P + (j % P)                                              # [BLOCK_N]
-        c = tl.load(CD + tok[:, None] * R + v0 + rv[None, :], mask=ok[:, None],
-                    other=0.0).to(DT)                                         # [BLOCK_N, RV]
-        kr = tl.load(RD + tok[:, None] * DR + dd[None, :], mask=ok[:, None], other=0.0)
-        s_c = tl.dot(q_c, tl.trans(c))                                        # [BH, BLOCK_N]
-        if V_SPLIT == 2:
-            c_o = tl.load(CD + tok[:, None] * R + o0 + rv[None, :], mask=ok[:, None],
-                          other=0.0).to(DT)
-            s_c = tl.dot(q_o, tl.trans(c_o), s_c)
-        s_r = tl.dot(q_r, tl.trans(kr.to(DT)))
+        # one load and one widening per element; the tile feeds both dots
+        row = CD + tok[:, None] * R + rh[None, :]
+        c0 = tl.load(row, mask=ok[:, None], other=0.0).to(DT)                # [BLOCK_N, RH]
+        c1 = tl.load(row + RH, mask=ok[:, None], other=0.0).to(DT)           # [BLOCK_N, RH]
+        kr = tl.load(RD + tok[:, None] * DR + dd[None, :], mask=ok[:, None],
+                     other=0.0).to(DT_R)                                      # [BLOCK_N, DR]
         if C_SCALED:
             cs = tl.load(CS + page, mask=ok, other=0.0)                       # [BLOCK_N]
-            s_c = s_c * (cs * qk_scale)[None, :]
+            s_r = tl.dot(kr, q_rT)
+            if R_SCALED:
+                s_r = s_r * tl.load(RS + page, mask=ok, other=0.0)[:, None]
+            sT = (tl.dot(c1, q1T, tl.dot(c0, q0T)) * cs[:, None] + s_r) * qk_scale
+        elif R_SCALED:
+            rs = tl.load(RS + page, mask=ok, other=0.0)
+            sT = (tl.dot(c1, q1T, tl.dot(c0, q0T)) + tl.dot(kr, q_rT) * rs[:, None]) * qk_scale
         else:
-            s_c = s_c * qk_scale
-        if R_SCALED:
-            s_r = s_r * (tl.load(RS + page, mask=ok, other=0.0) * qk_scale)[None, :]
-        else:
-            s_r = s_r * qk_scale
-        s = tl.where(ok[None, :], s_c + s_r, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))      # finite: every tile has a token below n_hi
+            sT = tl.dot(kr, q_rT, tl.dot(c1, q1T, tl.dot(c0, q0T))) * qk_scale  # [BLOCK_N, BH]
+        sT = tl.where(ok[:, None], sT, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sT, 0))     # finite: every tile has a token below n_hi
         alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        pT = tl.math.exp2(sT - m_new[None, :])                                # [BLOCK_N, BH]
+        l_i = l_i * alpha + tl.sum(pT, 0)
         if C_SCALED:
-            p = p * cs[None, :]
-        acc = tl.dot(p.to(DT), c, acc * alpha[:, None])
+            pT = pT * cs[:, None]
+        if OUT_T:                                                             # [RH, BH] each
+            acc0 = tl.dot(tl.trans(c0), pT.to(DT), acc0 * alpha[None, :])
+            acc1 = tl.dot(tl.trans(c1), pT.to(DT), acc1 * alpha[None, :])
+        else:                                                                 # [BH, RH] each
+            p = tl.trans(pT.to(DT))
+            acc0 = tl.dot(p, c0, acc0 * alpha[:, None])
+            acc1 = tl.dot(p, c1, acc1 * alpha[:, None])
         m_i = m_new
-    cols = v0 + rv[None, :]
+    if OUT_T:
+        acc0 = tl.trans(acc0)
+        acc1 = tl.trans(acc1)
     if DIRECT:
         inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
-        tl.store(OUT + (b * H + h)[:, None] * R + cols, acc * inv[:, None], mask=h_ok[:, None])
+        o_row = OUT + (b * H + h)[:, None] * R + rh[None, :]
+        tl.store(o_row, acc0 * inv[:, None], mask=h_ok[:, None])
+        tl.store(o_row + RH, acc1 * inv[:, None], mask=h_ok[:, None])
     else:
         row = (b * num_splits + split) * H + h
-        tl.store(ACC + row[:, None] * R + cols, acc, mask=h_ok[:, None])
-        # both halves hold the same m and l (h * 0 + v0: the interpreter takes no scalar here)
-        first = h_ok & (h * 0 + v0 == 0)
-        tl.store(ML + row * 2, m_i, mask=first)
-        tl.store(ML + row * 2 + 1, l_i, mask=first)
+        a_row = ACC + row[:, None] * R + rh[None, :]
+        tl.store(a_row, acc0, mask=h_ok[:, None])
+        tl.store(a_row + RH, acc1, mask=h_ok[:, None])
+        tl.store(ML + row * 2, m_i, mask=h_ok)
+        tl.store(ML + row * 2 + 1, l_i, mask=h_ok)
 
 
 @triton.jit
@@ -290,6 +350,18 @@ def _dot_dtype(q_dtype: torch.dtype):
     return {torch.float32: tl.float32, torch.float16: tl.float16}.get(q_dtype, tl.bfloat16)
 
 
+_Q_SHIFT = 2.0 ** -8
+
+
+def _fp8_dots(dt, c_pages, r_pages) -> dict:
+    """The once kernel's dot dtypes: fp16 for fp8 pages under bf16 queries (one conversion
+    per fp8 pair, see the kernel), with the query shifted by 2^-8; else the query's."""
+    fp8_c = c_pages.fmt.name in _PAGE_SCALED and dt == tl.bfloat16
+    fp8_r = r_pages.fmt.name in _PAGE_SCALED and dt == tl.bfloat16
+    return dict(DT=tl.float16 if fp8_c else dt, DT_R=tl.float16 if fp8_r else dt,
+                Q_SHIFT=_Q_SHIFT if fp8_c or fp8_r else 1.0)
+
+
 def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: float,
                             num_splits: int | None = None,
                             tiles: LatentTiles | None = None) -> torch.Tensor:
@@ -318,19 +390,28 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
         ml = torch.empty((B, num_splits, H, 2), dtype=torch.float32, device=q.device)
     c_scaled, r_scaled = c_pages.fmt.is_quantized, r_pages.fmt.is_quantized
     dummy = out   # a valid pointer where a scale is not read
-    if R // tiles.v_split < 16:
-        raise UnsupportedShapeError(f"latent_decode_attention: latent width {R} split "
-                                    f"{tiles.v_split} ways is under 16; use v_split 1")
+    if R // tiles.v_split < 16 or (tiles.layout != "heads" and R < 32):
+        raise UnsupportedShapeError(f"latent_decode_attention: latent width {R} in halves "
+                                    f"(layouts once / once_t) or split {tiles.v_split} ways "
+                                    f"is under 16; use layout 'heads' with v_split 1")
+    # the programs that read the same tiles (head blocks, value halves) are neighbours: L2
+    scales = (c_pages.scale if c_scaled else dummy, r_pages.data,
+              r_pages.scale if r_scaled else dummy)
+    common = (block_tables, seq_lens, out, acc, ml, q.stride(0), q.stride(1),
+              block_tables.stride(0), H, num_splits, tiles_per_split, float(scale) * _LOG2E)
+    dt = _dot_dtype(q.dtype)
+    shape = dict(R=R, DR=DR, P=P, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n,
+                 C_SCALED=c_scaled, R_SCALED=r_scaled, DT=dt, DIRECT=direct,
+                 num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     # the programs that read the same tiles (head blocks, value halves) are neighbours: L2
     grid = (triton.cdiv(H, tiles.block_h) * tiles.v_split, num_splits, B)
-    _latent_tile_kernel[grid](
-        q, c_pages.data, c_pages.scale if c_scaled else dummy, r_pages.data,
-        r_pages.scale if r_scaled else dummy, block_tables, seq_lens, out, acc, ml,
-        q.stride(0), q.stride(1), block_tables.stride(0), H, num_splits, tiles_per_split,
-        float(scale) * _LOG2E, R=R, DR=DR, P=P, BLOCK_H=tiles.block_h,
-        BLOCK_N=tiles.block_n, V_SPLIT=tiles.v_split, C_SCALED=c_scaled, R_SCALED=r_scaled,
-        DT=_dot_dtype(q.dtype), DIRECT=direct, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages)
+    if tiles.layout == "heads":
+        _latent_tile_kernel[grid](q, c_pages.data, *scales, *common, V_SPLIT=tiles.v_split,
+                                  **shape)
+    else:
+        shape.update(_fp8_dots(dt, c_pages, r_pages))
+        _latent_once_kernel[grid](q, c_pages.data, *scales, *common,
+                                  OUT_T=tiles.layout == "once_t", **shape)
     if not direct:
         merge_h = 16
         _latent_merge_kernel[(triton.cdiv(H, merge_h), B)](
@@ -338,5 +419,5 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
     return out
 
 
-__all__ = ["CANDIDATES", "LatentTiles", "fast_path_reason", "latent_decode_attention",
+__all__ = ["CANDIDATES", "LAYOUTS", "LatentTiles", "fast_path_reason", "latent_decode_attention",
            "pick_splits", "pick_tiles"]

@@ -210,9 +210,9 @@ def prefill_mode(config, q: torch.Tensor) -> str:
     SDPA: kernels/dense.py, exact for any stored format): KVConfig.prefill.
 
     CUDA prefill runs the Triton chunked-prefill kernel over the pages (checked on the H200,
-    benchmarks/prefill_diag.py and gpu_check_prefill.py, 2026-11-30). Escape hatch:
-    prefill="sdpa"; "sdpa" stays the default off CUDA (KVConfig(kernels="triton") on the CPU),
-    where prefill="triton" opts in."""
+    benchmarks/prefill_diag.py and tests/gpu/test_prefill_matrix_gpu.py, 2026-11-30). Escape
+    hatch: prefill="sdpa"; "sdpa" stays the default off CUDA (KVConfig(kernels="triton") on the
+    CPU), where prefill="triton" opts in."""
     if config.prefill != "auto":
         return config.prefill
     return "triton" if q.is_cuda else "sdpa"

@@ -330,7 +330,8 @@ def test_eval_without_harness(cli, tmp_path, monkeypatch):
 
 
 def test_eval_fronts_the_harness(cli, tmp_path, monkeypatch):
-    (tmp_path / "quality.py").write_text(
+    (tmp_path / "quality").mkdir()
+    (tmp_path / "quality" / "quality.py").write_text(
         "import json, os, sys\n"
         "def main(argv):\n"
         "    print('harness says hi')\n"

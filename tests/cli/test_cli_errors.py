@@ -150,7 +150,7 @@ def test_every_eval_option_has_help(monkeypatch):
 
     from kvcompile.cli.evaluate import _load_main
 
-    main = _load_main(os.path.join(ROOT, "benchmarks", "quality.py"))
+    main = _load_main(os.path.join(ROOT, "benchmarks", "quality", "quality.py"))
 
     class Built(Exception):
         pass

@@ -1,4 +1,4 @@
-"""The quality harness's own bookkeeping (benchmarks/quality.py, quality_report.py): suites
+"""The quality harness's own bookkeeping (benchmarks/quality/quality.py, quality_report.py): suites
 merged from several processes, a stream cut into parts, reports of runs stopped by a deadline.
 No SmolLM2: a tiny random Llama where a model is needed."""
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "quality"))
 
 quality = pytest.importorskip("quality")
 quality_report = pytest.importorskip("quality_report")

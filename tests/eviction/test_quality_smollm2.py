@@ -1,4 +1,4 @@
-"""CI subset of the quality harness (benchmarks/quality.py) on the real SmolLM2-135M: floors
+"""CI subset of the quality harness (benchmarks/quality/quality.py) on the real SmolLM2-135M: floors
 measured by these tests themselves (recorded in benchmarks/RESULTS.md, "Quality: eviction"),
 with margin.
 
@@ -23,7 +23,7 @@ pytestmark = [
                        reason="set KVCOMPILE_QUALITY=1 (loads SmolLM2, a few minutes)"),
 ]
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "quality"))
 
 
 @pytest.fixture(scope="module")

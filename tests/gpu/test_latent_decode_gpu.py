@@ -1,7 +1,8 @@
 """The absorbed MLA decode kernel (kernels/latent_decode.py) on CUDA at DeepSeek-V3 shape
 (128 heads, kv_lora_rank 512, rope 64) against the paged reference over the same pages
-(kernels/dense.py, latent=True): bf16 and fp8 pages (fp8 latent beside a bf16 rotary key
-too), odd lengths, the rule's tiles and every candidate, split-K on and off (CUDA only).
+(kernels/dense.py, latent=True): bf16 and fp8 pages (an fp8 latent beside a bf16 rotary key
+and the reverse: the once kernel's fp16 dots for one and bf16 for the other), odd lengths,
+the rule's tiles and every candidate, split-K on and off (CUDA only).
 
     pytest -s -q -m gpu tests/gpu/test_latent_decode_gpu.py
 """
@@ -47,7 +48,7 @@ def _case(c_fmt, r_fmt, lens):
 
 
 @pytest.mark.parametrize("c_fmt,r_fmt", [("bf16", "bf16"), ("fp8_e4m3", "fp8_e4m3"),
-                                         ("fp8_e4m3", "bf16")])
+                                         ("fp8_e4m3", "bf16"), ("bf16", "fp8_e4m3")])
 @pytest.mark.parametrize("lens", [[1, 17, 1000], [4096] * 4])
 def test_kernel_matches_reference_on_cuda(c_fmt, r_fmt, lens):
     pool, plan, q, lens_t, ref = _case(c_fmt, r_fmt, lens)

@@ -1,5 +1,5 @@
-"""Shared helpers of the kernel tests and benchmarks/gpu_check_decode.py (no pytest import, so
-the GPU machine, which has no pytest, can run the full matrix with them)."""
+"""Shared helpers of the kernel tests, the GPU matrices (tests/gpu/decode_cases.py) and the
+benchmarks that build paged inputs (no pytest import, so benchmarks can import them)."""
 
 from __future__ import annotations
 

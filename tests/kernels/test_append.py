@@ -1,7 +1,7 @@
 """quantize_append kernel vs PagedTensor.write (the reference append): bit-exact storage.
 
 On the CPU the kernel runs under TRITON_INTERPRET=1 (conftest.py) with explicit fp8 / bf16
-rounding; on CUDA with the hardware casts (benchmarks/gpu_check_decode.py runs it there).
+rounding; on CUDA with the hardware casts (tests/gpu/test_append_gpu.py runs it there).
 """
 
 from __future__ import annotations

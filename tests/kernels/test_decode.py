@@ -1,7 +1,7 @@
 """Paged decode kernel vs the plain-PyTorch reference, over formats x head_dim x GQA x page size.
 
 On the CPU the kernel runs under TRITON_INTERPRET=1 (conftest.py) in fp32 on small shapes; on
-CUDA the same tests run the compiled kernels (benchmarks/gpu_check_decode.py runs the full
+CUDA the same tests run the compiled kernels (tests/gpu/test_decode_matrix_gpu.py runs the full
 matrix there).
 """
 

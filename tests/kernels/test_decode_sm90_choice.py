@@ -1,7 +1,7 @@
 """Which decode kernel runs on Hopper, and how the CUDA kernel cuts a sequence into splits.
 Both are decided from shapes and format names only (no device sync: CUDA graphs capture them),
 so they are tested here on the CPU; the kernel itself is tested by test_decode_sm90_emu.py and
-on the GPU by benchmarks/gpu_decode_fast.py --check."""
+on the GPU by tests/gpu/test_decode_sm90_gpu.py."""
 
 import pytest
 

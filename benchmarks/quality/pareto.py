@@ -2,9 +2,9 @@
 change in teacher-forced perplexity, through the real cache, for every format x granularity x
 rotation (and the mixed K/V configurations worth having). CPU, fp32 model.
 
-    python benchmarks/pareto.py                      # the whole grid, resumable
-    python benchmarks/pareto.py --only 'int4*'       # configs whose name matches
-    python benchmarks/pareto.py --report             # table (markdown) + benchmarks/pareto.png
+    python benchmarks/quality/pareto.py                      # the whole grid, resumable
+    python benchmarks/quality/pareto.py --only 'int4*'       # configs whose name matches
+    python benchmarks/quality/pareto.py --report             # table (markdown) + pareto.png
 
 Each configuration compiles a fresh copy of the model with kvcompile (the rotation pass folds
 into the copy's weights), then runs one forward over the first T tokens of each corpus: every
@@ -12,7 +12,8 @@ layer's attention op stores K/V into the paged pool in the configured format and
 the stored (quantized) pages. Attention over the stored pages is computed with PyTorch's SDPA
 (a RuntimeHook; same math as the reference path, which materializes [Hq, T, T] scores and is
 ~5x slower on the CPU). Corpora: gensim's Lee background corpus (news) and the text of Python's
-pydoc_data topics (technical prose and code). Results accumulate in benchmarks/pareto.json.
+pydoc_data topics (technical prose and code). Results accumulate in pareto.json next to this
+script.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import kvcompile  # noqa: E402
 from kvcompile.cache.formats import resolve_format  # noqa: E402

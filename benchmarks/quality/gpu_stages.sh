@@ -1,6 +1,7 @@
 #!/bin/bash
-# Issue 7's missing eviction-quality runs on one H200 (benchmarks/RESULTS.md, "Against the
-# targets (issue 7)"), the harness of benchmarks/quality.py on CUDA, fp32 weights as the CPU rows:
+# The quality harness's device stages (benchmarks/quality/quality.py on CUDA, fp32 weights as the
+# CPU rows): issue 7's eviction-quality runs (benchmarks/RESULTS.md, "Against the targets
+# (issue 7)"). Run through the device runner: gpu_jobs.sh jobs quality_canary and quality.
 #   passkey   7.5k-token prompts x 5 depths, the rows of the 1k-4k runs (+ H2O@50), and the 1k
 #             prompts again (same keys as the CPU run: a check that CUDA gives the CPU's answers)
 #   stream    the whole Lee corpus (~75k tokens): SinkWindow(4, 1020) (sinks re-rotated, and at
@@ -9,19 +10,22 @@
 #             256 and 64)
 #   ruler     RULER-like multi-key needle and variable tracking at 2k and 4k, 5 prompts each
 # All stages run at once (the work is host-bound: one process per stage, 6 of the 16 cores),
-# each under its own `timeout` (whole script: at most ~235 s); results: $OUT/quality_results_h200.json (suites
-# <suite>_h200), logs $OUT/<stage>.log. A stage stopped by its deadline keeps what it saved: the
-# streaming rows save every 1,024 tokens, and the report compares rows on a common prefix.
+# each under its own `timeout` (whole script: at most ~235 s); results:
+# $OUT/quality_results_h200.json (suites <suite>_h200), logs $OUT/<stage>.log. A stage stopped
+# by its deadline keeps what it saved: the streaming rows save every 1,024 tokens, and the
+# report compares rows on a common prefix.
 #
 # SmolLM2's GGUF (94 MiB) is larger than one device call carries (64 MiB): it travels in two
 # halves, in two calls to the same machine, which stays warm for 30 s after a call:
-#   here, once:     bash benchmarks/run_quality_gpu.sh pack   # -> .kvc_gpu_a/ .kvc_gpu_b/ (ignored)
-#   device call 1:  carry [".kvc_gpu_a"]  command: bash benchmarks/run_quality_gpu.sh canary
+#   here, once:     bash benchmarks/quality/gpu_stages.sh pack   # -> .kvc_gpu_a/ .kvc_gpu_b/
+#                   (git-ignored)
+#   device call 1:  carry [".kvc_gpu_a"]  command: bash benchmarks/gpu_jobs.sh quality_canary
 #                   (about 2 min: random model of SmolLM2's layout, CUDA vs CPU, time per step;
 #                   its per-row "s for the Lee corpus" line says whether STREAM_PARTS is needed)
 #   device call 2:  at once after call 1 (same kind), carry [".kvc_gpu_b"]
-#                   command: bash benchmarks/run_quality_gpu.sh          (about 4 min)
-#   here:           python benchmarks/quality_report.py --merge-from <files_at>/quality_results_h200.json --only _h200
+#                   command: bash benchmarks/gpu_jobs.sh quality          (about 4 min)
+#   here:           python benchmarks/quality/quality_report.py \
+#                       --merge-from <files_at>/quality_results_h200.json --only _h200
 # If call 2 lands on a fresh machine it stops at once ("part A is missing"): repeat both calls.
 #
 # Env: OUT (default /tmp/kvc_out), TAG (_h200), STREAM_S (220) and STAGE_S (200) deadlines in
@@ -30,7 +34,7 @@
 # 2,048-token warm-up; see quality.py suite_stream). SMOKE=1: tiny sizes on the CPU, one stage
 # at a time (checks this script's commands; not a measurement).
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 ROOT=$PWD
 OUT=${OUT:-/tmp/kvc_out}
 TAG=${TAG:-_h200}
@@ -51,7 +55,7 @@ if [ "$MODE" = pack ]; then
       "first (else it travels with every device call and breaks the 64 MiB limit)"; exit 2; }
   done
   gguf=$($PY -c "from kvcompile.models import smollm2_path; print(smollm2_path())") || exit 2
-  lee=$($PY -c "import sys; sys.path.insert(0, 'benchmarks')
+  lee=$($PY -c "import sys; sys.path.insert(0, 'benchmarks/quality')
 from quality_data import lee_corpus_path; print(lee_corpus_path())") || exit 2
   ver=$($PY -c "import importlib.metadata as m; print(m.version('gguf'))") || exit 2
   rm -rf $A $B && mkdir -p $A $B
@@ -73,7 +77,7 @@ if [ "$MODE" = canary ]; then
 torch.cuda.is_available(), '| transformers', transformers.__version__, '| triton',
 triton.__version__)"
   ls -la $A 2>/dev/null | tail -n +2
-  timeout -k 5 "${CANARY_S:-300}" $PY benchmarks/quality.py --canary --device \
+  timeout -k 5 "${CANARY_S:-300}" $PY benchmarks/quality/quality.py --canary --device \
     "${DEVICE:-cuda}" --threads 8 2>&1 | grep -v -i "warn" | tee "$OUT/canary.log"
   exit "${PIPESTATUS[0]}"
 fi
@@ -131,7 +135,7 @@ logof() { case $1 in stream_part*) echo "$LOGS/$1.log" ;; *) echo "$OUT/$1.log" 
 stage() {  # stage NAME DEADLINE ARGS...: one harness process, its log in $OUT/NAME.log
   local name=$1 limit=$2
   shift 2
-  timeout -k 10 "$limit" $PY benchmarks/quality.py --device $DEV --threads 1 --tag "$TAG" \
+  timeout -k 10 "$limit" $PY benchmarks/quality/quality.py --device $DEV --threads 1 --tag "$TAG" \
     --results "$RES" "$@" > "$(logof "$name")" 2>&1 &
   PIDS[$name]=$!
   LIMITS[$name]=$limit
@@ -196,5 +200,5 @@ for f in "$LOGS"/stream_part*.log; do
 done
 rm -f "$RES.tmp"
 say "results: $RES"
-[ -f "$RES" ] && $PY benchmarks/quality_report.py --results "$RES" --no-plot
+[ -f "$RES" ] && $PY benchmarks/quality/quality_report.py --results "$RES" --no-plot
 exit $status

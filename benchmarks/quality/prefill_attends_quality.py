@@ -1,6 +1,6 @@
 """What a fresh prompt's prefill attends to, and what it costs in quality (SmolLM2-135M, CPU).
 
-    python benchmarks/prefill_attends_quality.py [--context 1024] [--tail 128]
+    python benchmarks/quality/prefill_attends_quality.py [--context 1024] [--tail 128]
 
 KVConfig.prefill_attends: "fresh" (the default) attends to the prompt's K/V as the model computed
 them (torch SDPA) while the pages are written; "stored" attends to the pages just written. The
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from pareto import corpora, decode_tail_ppl, load_model  # noqa: E402

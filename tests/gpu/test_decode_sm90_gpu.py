@@ -1,0 +1,169 @@
+"""The CUDA decode kernel (kernels/decode_sm90.py, Hopper) on the H200: correctness and accuracy.
+
+    pytest -q -m gpu tests/gpu/test_decode_sm90_gpu.py       # or: gpu_jobs.sh decode_sm90
+
+Cases: the kernel against the fp32 reference (kernels/reference.py) on fresh random inputs,
+outputs poisoned with NaN, over formats x head_dim x GQA x page size x Sq, plus masks, splits,
+mixed K / V formats and q dtypes, each asserting that the CUDA kernel (not the Triton one) takes
+the case. Accuracy: L = 131,072 with peaky attention (a few keys hold most of the mass), both
+backends against an fp32 reference over the same dequantized pages. All variants are built
+first, in parallel threads. The timing half is benchmarks/gpu_decode_fast.py.
+(Was benchmarks/gpu_decode_fast.py --check --accuracy.)
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from kvcompile.kernels import decode as dec
+from kvcompile.kernels.reference import paged_decode_attention_ref
+from kvcompile.testing import REL_ERR, poison_, rel_err
+from tests.kernels.kernel_cases import make_format, make_paged_kv
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+FAST_FORMATS = [("bf16", "page"), ("fp16", "page"), ("fp8_e4m3", "page"), ("fp8_e4m3", "token"),
+                ("fp8_e4m3", "tensor"), ("fp8_e5m2", "page"), ("fp8_e5m2", "token")]
+
+
+def launch(q, kc, vc, bt, sl, out, backend, *, key_mask=None, window=0, sinks=0,
+           softcap=0.0, splits=0):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    return dec.launch_decode(
+        q, kc.data, kc.scale, kc.micro, vc.data, vc.scale, vc.micro, bt, sl, key_mask, None,
+        out, kc.fmt.name, kc.fmt.granularity, vc.fmt.name, vc.fmt.granularity, scale, window,
+        sinks, softcap, splits, None, kz=kc.zero, vz=vc.zero, backend=backend)
+
+
+def _cases() -> list[dict]:
+    cases = []
+    for (kf, kg), D, G, P, Sq in itertools.product(FAST_FORMATS, (64, 128), (1, 4, 8),
+                                                   (8, 16, 64, 128), (1, 2)):
+        if G * Sq > 16 or (P == 8 and D == 64 and G == 1):
+            continue
+        cases.append(dict(k=(kf, kg), v=(kf, kg), D=D, G=G, P=P, Sq=Sq))
+    fp8, bf = ("fp8_e4m3", "page"), ("bf16", "page")
+    cases += [  # masks, splits, mixed formats, q dtypes
+        dict(k=fp8, v=fp8, D=128, G=4, P=16, Sq=1, window=100, sinks=4),
+        dict(k=("fp8_e4m3", "token"), v=("fp8_e4m3", "token"), D=128, G=4, P=16, Sq=2,
+             window=37, sinks=3),
+        dict(k=bf, v=bf, D=128, G=8, P=16, Sq=2, window=64, sinks=0),
+        dict(k=fp8, v=fp8, D=128, G=4, P=16, Sq=1, kmask=True),
+        dict(k=bf, v=bf, D=64, G=4, P=32, Sq=4, kmask=True),
+        dict(k=fp8, v=fp8, D=128, G=4, P=16, Sq=1, softcap=30.0),
+        dict(k=fp8, v=fp8, D=128, G=4, P=16, Sq=1, splits=1),
+        dict(k=fp8, v=fp8, D=128, G=4, P=16, Sq=1, splits=7),
+        dict(k=bf, v=bf, D=128, G=4, P=16, Sq=1, splits=1),
+        dict(k=fp8, v=bf, D=128, G=4, P=16, Sq=1),
+        dict(k=fp8, v=fp8, D=128, G=4, P=16, Sq=1, q=torch.bfloat16),
+        dict(k=bf, v=bf, D=128, G=4, P=16, Sq=1, q=torch.bfloat16),
+    ]
+    return cases
+
+
+CASES = _cases()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_variants():
+    """Compile every variant the cases use, in parallel threads (as the old script did)."""
+    from kvcompile.kernels import decode_sm90 as fast
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the CUDA decode kernel is sm_90 (Hopper) only")
+    ok, why = fast.device_ok(torch.device("cuda"))
+    if not ok:
+        pytest.fail(f"the CUDA decode kernel cannot be built on this H100/H200: {why}")
+    keys = set()
+    for (kf, kg), d, rows, qt in itertools.product(FAST_FORMATS, (64, 128), (8, 16),
+                                                    (torch.float32, torch.bfloat16)):
+        kk = fast._KIND[kf]
+        sm = fast._SCALE[kg] if kk < 2 else 0
+        keys.add((kk, kk, sm, sm, d, d, rows, fast._QT[qt]))
+    keys.add((0, 3, 1, 0, 128, 128, 8, 1))  # K fp8 / V bf16
+    with ThreadPoolExecutor(16) as ex:
+        list(ex.map(lambda k: fast._kernel(*k), sorted(keys)))
+
+
+def run_fast_case(c: dict, gen, corrupt: bool = False) -> tuple[float, float]:
+    lens = [1, 17, 300, 1033, 16, 15][: 3 if c["D"] == 64 else 6]
+    kc, vc, bt, sl = make_paged_kv(make_format(*c["k"]), make_format(*c["v"]), lens, 2,
+                                   c["D"], c["P"], gen=gen)
+    B, Hq = len(lens), 2 * c["G"]
+    qdt = c.get("q", torch.float32)
+    q = torch.randn(B, Hq, c["Sq"], c["D"], generator=gen).to("cuda", qdt)
+    km = None
+    if c.get("kmask"):
+        km = torch.rand(B, max(lens), generator=gen).cuda() > 0.3
+        km[:, -1] = True
+    out = poison_(torch.empty(B, Hq, c["Sq"], c["D"], dtype=qdt, device="cuda"))
+    why = dec.fast_path_reason(q, *c["k"], *c["v"], c["D"], c["D"], c["P"], c["G"] * c["Sq"])
+    assert why == "", f"fast path refused: {why}"
+    launch(q, kc, vc, bt, sl, out, "cuda", key_mask=km, window=c.get("window", 0),
+           sinks=c.get("sinks", 0), softcap=c.get("softcap", 0.0), splits=c.get("splits", 0))
+    torch.cuda.synchronize()
+    if corrupt:
+        out.mul_(1.05)
+    ref = paged_decode_attention_ref(q, kc, vc, bt, sl, 1 / math.sqrt(c["D"]), key_mask=km,
+                                     sliding_window=c.get("window", 0),
+                                     sinks=c.get("sinks", 0), softcap=c.get("softcap", 0.0))
+    assert not torch.isnan(out).any(), "unwritten (poisoned) or NaN output elements"
+    cdt = torch.bfloat16 if "bf16" in (c["k"][0], c["v"][0]) else torch.float16
+    if qdt == torch.bfloat16:
+        cdt = torch.bfloat16
+    return rel_err(out, ref), REL_ERR[cdt]
+
+
+def _id(i, c):
+    return f"{i}-" + json.dumps({k: (str(v) if isinstance(v, torch.dtype) else v)
+                                 for k, v in c.items()}, separators=(",", ":"))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_id(i, c) for i, c in enumerate(CASES)])
+def test_cuda_decode_case(case):
+    err, bound = run_fast_case(case, torch.Generator().manual_seed(CASES.index(case)))
+    assert err <= bound, f"rel err {err:.2e} > {bound:.1e}"
+
+
+def test_cuda_decode_check_catches_a_wrong_output():
+    """Negative case: the same check on an output off by 5% fails."""
+    err, bound = run_fast_case(CASES[0], torch.Generator().manual_seed(0), corrupt=True)
+    assert err > bound
+
+
+@pytest.mark.parametrize("kf,kg", [("fp8_e4m3", "page"), ("fp8_e4m3", "tensor"),
+                                   ("bf16", "page")])
+def test_accuracy_long_peaky(kf, kg):
+    """B=1, L=131072, Hkv 8, G 4: q aligned with 8 'needle' keys; the rest noise."""
+    gen = torch.Generator().manual_seed(7)
+    L, Hkv, G, D, P = 131072, 8, 4, 128, 16
+    f = make_format(kf, kg)
+    npg = L // P
+    kc, vc = f.allocate(npg, Hkv, P, D, "cuda"), f.allocate(npg, Hkv, P, D, "cuda")
+    q = torch.randn(1, Hkv * G, 1, D, generator=gen).cuda()
+    k = torch.randn(L, Hkv, D, generator=gen).cuda()
+    needles = torch.randint(0, L, (8,), generator=gen)
+    k[needles] = q[0, ::G, 0][None] * 1.5  # peaky: the group's first head finds its needles
+    v = torch.randn(L, Hkv, D, generator=gen).cuda()
+    slots = torch.arange(L, device="cuda")
+    for a in range(0, L, 16384):
+        kc.write(slots[a:a + 16384], k[a:a + 16384])
+        vc.write(slots[a:a + 16384], v[a:a + 16384])
+    bt = torch.arange(npg, dtype=torch.int32, device="cuda")[None]
+    sl = torch.tensor([L], dtype=torch.int32, device="cuda")
+    ref = paged_decode_attention_ref(q, kc, vc, bt, sl, 1 / math.sqrt(D))
+    bound = REL_ERR[torch.bfloat16 if kf == "bf16" else torch.float16]
+    errs = {}
+    for backend in ("cuda", "triton"):
+        out = poison_(torch.empty(1, Hkv * G, 1, D, device="cuda"))
+        launch(q, kc, vc, bt, sl, out, backend)
+        torch.cuda.synchronize()
+        errs[backend] = rel_err(out, ref)
+    assert max(errs.values()) <= bound, f"{kf}/{kg}: rel errs {errs} > {bound:.1e}"
