@@ -114,6 +114,9 @@ class EvictionRuntime(RuntimeHook):
         # sequences whose next after_forward must not evict: an engine prompt computed in
         # chunks attends fully until its last chunk, as one forward would (`hold`)
         self.held: set[int] = set()
+        # sequences whose next after_forward follows a decode step (the engine sets it, as
+        # `held`): they evict every `interval` steps (`_due`), as the aside steps do
+        self.decoding: set[int] = set()
         # decode steps it steps aside for evict when a sequence holds budget + interval - 1
         # tokens: 1 evicts after every step, as the forwards it attends do (the engine's
         # eviction_interval)
@@ -501,19 +504,20 @@ class EvictionRuntime(RuntimeHook):
             return   # (a step stepped aside for: after_decode_step)
         if self.interval > 1:
             self._check_facts()
-        for _i, sid, past, n in self._rows(plan):
+        for _i, sid, _past, _n in self._rows(plan):
             book = self.books.get(sid)
             if book is None or not pool.has(sid):
                 continue
             book.carry = sid in self.held
             if book.carry:
                 continue
-            if n == 1 and past > 0 and self.interval > 1 and not self._due(sid, book):
+            if sid in self.decoding and self.interval > 1 and not self._due(sid, book):
                 continue   # a decode step evicts every `interval` steps, as aside steps do
             self.evict(sid, book)
             if not self.observe_all:  # kept for forks evicted later (observe_all)
                 book.obs.clear()
         self.held.clear()
+        self.decoding.clear()
         for sid in [s for s in self.books if not pool.has(s)]:
             del self.books[sid]
             self.seq_policy.pop(sid, None)
