@@ -269,8 +269,11 @@ class KVConfig:
         values on) and KVCOMPILE_PREFILL_WARP_SPEC (on only for "1").
     rerotated_sinks_graphs: let SinkWindow decode steps with re-rotated sinks
         (sink_positions="cache") replay CUDA graphs on CUDA (eviction/runtime.py
-        `decode_aside`); off by default because fp8 pages failed 2 of 4 of its H200 checks.
-        A diagnostic switch; default False, KVCOMPILE_REROT_ASIDE=1 sets True.
+        `decode_aside`). Default True; KVCOMPILE_REROT_ASIDE=0 sets False: those steps take
+        the host path (attend_kept), which says so once. (Off from 2026-12-03 to 12-04
+        while fp8 pages parted from the eager steps in 2 of 4 H200 cases: the graph path's
+        logic equals the eager path's on the CPU, tests/engine/test_rerotated_graph_parity.py;
+        the partings are near ties after other rounding, see benchmarks/RESULTS.md.)
     window_eviction: SinkWindow with its sinks at their text positions evicts without moving
         a token (pages between sinks and window freed, the rest hidden by a key mask:
         eviction/runtime.py `_evict_window`); False compacts as other policies do (moves the
@@ -304,8 +307,7 @@ class KVConfig:
     prefill_scale_tma: bool = _env_field(lambda: _env_on("KVCOMPILE_PREFILL_SCALE_TMA", False))
     prefill_warp_spec: bool = _env_field(
         lambda: os.environ.get("KVCOMPILE_PREFILL_WARP_SPEC", "0") == "1")
-    rerotated_sinks_graphs: bool = _env_field(
-        lambda: os.environ.get("KVCOMPILE_REROT_ASIDE", "0") == "1")
+    rerotated_sinks_graphs: bool = _env_field(lambda: _env_on("KVCOMPILE_REROT_ASIDE", True))
     window_eviction: bool = _env_field(lambda: _env_on("KVCOMPILE_WINDOW_EVICTION", True))
 
     def __post_init__(self):

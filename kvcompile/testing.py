@@ -94,3 +94,58 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
     if t.dtype.is_floating_point:
         return t.fill_(float("nan"))
     return t.fill_(torch.iinfo(t.dtype).max)
+
+
+def storage_rel_tol(kv_dtype: str) -> float:
+    """Relative difference allowed between the logits of two correct orders of the same
+    operations over a KV cache stored as `kv_dtype` (e.g. a CUDA-graph replay and an eager
+    step: other split-K counts and padded GEMMs round differently upstream of the cache, and
+    the stored format rounds a key or value element to its neighbour where the two land on
+    either side of a rounding boundary). Quantized formats: the noise amplitude at the
+    format's SQNR floor (SQNR_FLOOR_DB), 10^(-dB/20) (fp8_e4m3: 0.028); 16-bit formats: their
+    compute bound (REL_ERR); fp32: REL_ERR[fp32]."""
+    if kv_dtype in SQNR_FLOOR_DB:
+        return 10.0 ** (-SQNR_FLOOR_DB[kv_dtype] / 20.0)
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(kv_dtype)
+    if dt is None:
+        raise ValueError(f"storage_rel_tol: no tolerance for kv_dtype={kv_dtype!r}; one of "
+                         f"{sorted(SQNR_FLOOR_DB) + ['bf16', 'fp16', 'fp32']}")
+    return REL_ERR[dt]
+
+
+def greedy_parting(ref: torch.Tensor, other: torch.Tensor, rel_tol: float) -> dict:
+    """Compare the per-step logits [steps, V] of one greedy request decoded two ways (`ref`:
+    the reference, e.g. eager steps; `other`: e.g. CUDA-graph replays). Both decoded the same
+    tokens up to and including the first step where their argmax parts (after it their
+    inputs differ, so later steps are not compared). Returns the diagnostic:
+
+        steps     steps compared (up to and including the parting step)
+        parted    the first step whose greedy token differs, or None
+        margin    ref's top-2 logit margin at that step (None if none parted)
+        max_diff  max |other - ref| over the compared steps
+        worst     max over those steps of max|other - ref| / max|ref| (the relative measure)
+        tol_ok    worst <= rel_tol
+        tie_ok    the tokens part only where ref's margin < 2 * rel_tol * max|ref| (a near
+                  tie the allowed difference can flip; a wider margin parting means a real
+                  difference, and tol_ok is False too)
+        ok        tol_ok and tie_ok
+    """
+    n = min(len(ref), len(other))
+    r, o = ref[:n].double(), other[:n].double()
+    top = r.topk(2, -1)
+    tok_r, tok_o = top.indices[:, 0], o.argmax(-1)
+    diff = (tok_r != tok_o).nonzero()
+    parted = int(diff[0, 0]) if len(diff) else None
+    upto = n if parted is None else parted + 1
+    d = (o[:upto] - r[:upto]).abs().amax(-1)
+    scale = r[:upto].abs().amax(-1).clamp_min(torch.finfo(torch.float32).tiny)
+    rel = d / scale
+    margin = None
+    tie_ok = True
+    if parted is not None:
+        margin = float(top.values[parted, 0] - top.values[parted, 1])
+        tie_ok = margin < 2 * rel_tol * float(scale[parted])
+    worst = float(rel.max()) if upto else 0.0
+    return dict(steps=upto, parted=parted, margin=margin,
+                max_diff=float(d.max()) if upto else 0.0, worst=worst,
+                tol_ok=worst <= rel_tol, tie_ok=tie_ok, ok=worst <= rel_tol and tie_ok)

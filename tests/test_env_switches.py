@@ -28,7 +28,7 @@ def test_defaults_without_the_environment(clean_env):
     c = KVConfig()
     assert (c.cuda_graphs, c.prefill, c.prefill_tma, c.prefill_q_tma, c.prefill_scale_tma,
             c.prefill_warp_spec, c.rerotated_sinks_graphs, c.window_eviction) == (
-                True, "auto", True, True, False, False, False, True)
+                True, "auto", True, True, False, False, True, True)
 
 
 @pytest.mark.parametrize("var,value,field,expected", [
@@ -45,8 +45,8 @@ def test_defaults_without_the_environment(clean_env):
     ("KVCOMPILE_PREFILL_SCALE_TMA", "1", "prefill_scale_tma", True),
     ("KVCOMPILE_PREFILL_WARP_SPEC", "1", "prefill_warp_spec", True),
     ("KVCOMPILE_PREFILL_WARP_SPEC", "yes", "prefill_warp_spec", False),
-    ("KVCOMPILE_REROT_ASIDE", "1", "rerotated_sinks_graphs", True),
-    ("KVCOMPILE_REROT_ASIDE", "", "rerotated_sinks_graphs", False),
+    ("KVCOMPILE_REROT_ASIDE", "0", "rerotated_sinks_graphs", False),
+    ("KVCOMPILE_REROT_ASIDE", "", "rerotated_sinks_graphs", True),
     ("KVCOMPILE_WINDOW_EVICTION", "0", "window_eviction", False),
     ("KVCOMPILE_WINDOW_EVICTION", "", "window_eviction", True),
 ])

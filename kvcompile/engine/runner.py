@@ -83,6 +83,9 @@ class ModelRunner:
         ev = self.state.eviction
         if ev is not None and not aside:   # a chunk before a prompt's end: no eviction after it
             ev.hold([s.req.seq_id for s in seqs if s.start + s.n < len(s.req.prompt_ids)])
+            # decode steps (past the prompt) evict every eviction_interval steps
+            ev.decoding = {s.req.seq_id for s in seqs
+                           if s.n == 1 and s.start >= len(s.req.prompt_ids)}
         dev = self.device
         seq_ids = [s.req.seq_id for s in seqs]
         cu_t = torch.tensor(cu, dtype=torch.int32)

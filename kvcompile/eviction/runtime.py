@@ -114,6 +114,9 @@ class EvictionRuntime(RuntimeHook):
         # sequences whose next after_forward must not evict: an engine prompt computed in
         # chunks attends fully until its last chunk, as one forward would (`hold`)
         self.held: set[int] = set()
+        # sequences whose next after_forward follows a decode step (the engine sets it, as
+        # `held`): they evict every `interval` steps (`_due`), as the aside steps do
+        self.decoding: set[int] = set()
         # decode steps it steps aside for evict when a sequence holds budget + interval - 1
         # tokens: 1 evicts after every step, as the forwards it attends do (the engine's
         # eviction_interval)
@@ -506,13 +509,21 @@ class EvictionRuntime(RuntimeHook):
 
     def _attend_kernel(self, ctx, layer, q, plan, attn_mask, window, softcap, scale):
         """Decode through the paged decode kernel when the kept slots need no per-slot rule:
-        no holes, no padding left, no sink to re-rotate, the model's mask and window see every
-        kept key. Slot order does not matter to a single query. H2O mass comes from the
-        kernel's `attn_mass` output. A window book's hidden slots are masked (`key_mask`)."""
+        no holes, no padding left, the model's mask and window see every kept key. Slot order
+        does not matter to a single query. H2O mass comes from the kernel's `attn_mass`
+        output. A window book's hidden slots are masked (`key_mask`). Re-rotated sinks in
+        slots [0, n) (as compaction leaves them) are scored by the rotated query and merged
+        into the kernel's softmax (aside.py `kernel_aside`), as the aside steps do. Also the
+        engine's packed steps of one token per sequence (q [1, Hq, B, D])."""
         state = ctx.state
-        if not (plan.is_decode and not plan.packed and state.kernels.use_triton(q.device)):
+        packed1 = plan.packed and all(n == 1 for n in plan.q_lens)
+        if not ((plan.is_decode and not plan.packed) or packed1):
             return None
-        mass_rows, hidden = [], []
+        if not state.kernels.use_triton(q.device):
+            return None
+        if plan.packed:   # the model's mask of a packed step is over the packed tokens:
+            attn_mask = None   # causal by logical position, as attend_kept takes it
+        mass_rows, hidden, n_rot, shifts = [], [], [], []
         for i, sid, _past, _n in self._rows(plan):
             book, policy = self.books[sid], self.policy_of(sid, layer)
             pos = book.pos[layer]
@@ -523,14 +534,25 @@ class EvictionRuntime(RuntimeHook):
                 hidden.append((i, lo, hi))
             elif bool((pos < 0).any()):
                 return None
-            if book.start or self._needs_rotation(sid, policy, pos, book.start):
+            if book.start:
                 return None
+            n, shift = 0, 0
+            if self._rerotate(sid, policy):
+                slots, shift = self._sink_layout(policy, pos, book.start)
+                if slots is not None:
+                    n = slots.shape[1]
+                    if hi > lo or not bool((slots == torch.arange(n, device=slots.device)).all()):
+                        return None   # (sinks elsewhere than slots [0, n): attend_kept)
             if window and total - int(pos.min()) > window:
                 return None
             if attn_mask is not None and not _mask_sees_all(attn_mask, i, pos, total):
                 return None
             mass_rows.append(layer in book.mass)
-        from kvcompile.kernels.decode import paged_decode_attention
+            n_rot.append(n)
+            shifts.append(shift)
+        if any(n_rot) and any(mass_rows):
+            return None   # (the kernel's mass lacks the rotated sinks' share)
+        from kvcompile.eviction.aside import kernel_aside, sink_rotation
 
         pool = state.pool
         mass = None
@@ -546,10 +568,27 @@ class EvictionRuntime(RuntimeHook):
                 for i, lo, hi in hidden:
                     key_mask[i, lo:hi] = False
                 key_mask = plan.cache["eviction_window_mask"] = key_mask.to(q.device)
+        rot = None
+        if any(n_rot):   # one rotation per forward, shared by the layers
+            rot = plan.cache.get(("eviction_host_rot", tuple(n_rot), tuple(shifts)))
+            if rot is None:
+                t = torch.tensor([n_rot, shifts], dtype=torch.int64).to(q.device)
+                cos, sin = sink_rotation(self._rope(q.device), t[1])
+                rot = (t[0], cos, sin, max(n_rot))
+                plan.cache[("eviction_host_rot", tuple(n_rot), tuple(shifts))] = rot
+        qd = q[0].transpose(0, 1).unsqueeze(2) if packed1 else q      # [B, Hq, 1, D]
         try:
-            out = paged_decode_attention(q, pool.k[layer], pool.v[layer], plan.block_tables,
-                                         plan.seq_lens, scale, softcap=softcap, attn_mass=mass,
-                                         key_mask=key_mask)
+            if rot is not None:
+                out = kernel_aside(qd.contiguous(), pool.k[layer], pool.v[layer],
+                                   plan.block_tables, plan.seq_lens, scale, softcap, None, rot,
+                                   key_mask)
+            else:
+                from kvcompile.kernels.decode import paged_decode_attention
+
+                out = paged_decode_attention(qd.contiguous(), pool.k[layer], pool.v[layer],
+                                             plan.block_tables, plan.seq_lens, scale,
+                                             softcap=softcap, attn_mass=mass,
+                                             key_mask=key_mask)
         except (ImportError, UnsupportedShapeError) as e:
             state.kernels._fallback(f"eviction decode: {type(e).__name__}: {e}")
             return None
@@ -560,13 +599,19 @@ class EvictionRuntime(RuntimeHook):
                     L = book.mass[layer].shape[1]
                     book.mass[layer] += mass[i, :, :L]
         self.state.count("eviction_kernel_decode")
-        return out.float()
-
-    def _needs_rotation(self, sid, policy, pos, start) -> bool:
-        return self._rerotate(sid, policy) and self._sinks(policy, pos, start)[0] is not None
+        out = out.float()
+        return out.squeeze(2).transpose(0, 1).unsqueeze(0) if packed1 else out
 
     def _sinks(self, policy: EvictionPolicy, pos: torch.Tensor, start: int):
         """Slots of the sinks [Hkv, n] and the rotation that moves them before the window."""
+        slots, shift = self._sink_layout(policy, pos, start)
+        if slots is None:
+            return None, None
+        return slots, rotation(self.inv_freq.to(pos.device), -shift)
+
+    def _sink_layout(self, policy: EvictionPolicy, pos: torch.Tensor, start: int):
+        """(slots of the sinks [Hkv, n], the shift in positions that moves them before the
+        window), or (None, 0): nothing to rotate, or heads that keep different sink counts."""
         n_sinks = P.rerotated_sinks(policy)
         real = pos >= start
         sink = real & (pos - start < n_sinks)
@@ -574,18 +619,19 @@ class EvictionRuntime(RuntimeHook):
         oldest = int(rest.min())
         shift = oldest - (start + n_sinks)
         if shift <= 0 or oldest == torch.iinfo(pos.dtype).max:
-            return None, None
+            return None, 0
         counts = sink.sum(-1)
         if not bool((counts == counts[0]).all()):
-            return None, None
-        slots = sink.nonzero()[:, 1].view(pos.shape[0], -1)
-        return slots, rotation(self.inv_freq.to(pos.device), -shift)
+            return None, 0
+        return sink.nonzero()[:, 1].view(pos.shape[0], -1), shift
 
     # -- eviction -------------------------------------------------------------------------------
     def after_forward(self, ctx) -> None:
         plan, pool = ctx.plan, ctx.state.pool
         if plan is None or pool is None or not self.policies or plan.eviction_aside:
             return   # (a step stepped aside for: after_decode_step)
+        if self.interval > 1:
+            self._check_facts()
         for _i, sid, _past, _n in self._rows(plan):
             book = self.books.get(sid)
             if book is None or not pool.has(sid):
@@ -593,10 +639,13 @@ class EvictionRuntime(RuntimeHook):
             book.carry = sid in self.held
             if book.carry:
                 continue
+            if sid in self.decoding and self.interval > 1 and not self._due(sid, book):
+                continue   # a decode step evicts every `interval` steps, as aside steps do
             self.evict(sid, book)
             if not self.observe_all:  # kept for forks evicted later (observe_all)
                 book.obs.clear()
         self.held.clear()
+        self.decoding.clear()
         for sid in [s for s in self.books if not pool.has(s)]:
             del self.books[sid]
             self.seq_policy.pop(sid, None)
@@ -664,15 +713,8 @@ class EvictionRuntime(RuntimeHook):
             rerot = facts.rerot > 0
             if (rerot and self.state.pool.device.type == "cuda"
                     and not self.state.config.rerotated_sinks_graphs):
-                # the H200 check (tests/gpu/test_engine_eviction_gpu.py) failed every
-                # re-rotated case until 2026-12-03 (seventh session): graph padding zeroed the
-                # real rows' sink counts (engine/cudagraph.py _pad, fixed). After the fix bf16
-                # pages pass 2 of 2 and the host-path comparison passes; fp8 pages still part
-                # from the eager steps after 29 and 62 tokens in 2 of 4 cases (cause not
-                # found: near-ties of a random model, or a real difference). Host path until
-                # that is settled; KVConfig.rerotated_sinks_graphs forces the graphs.
-                why = ("re-rotated sinks on CUDA (their graph-replayed path failed its GPU "
-                       "check; sink_positions='original' replays graphs)")
+                why = ("re-rotated sinks on CUDA with KVConfig.rerotated_sinks_graphs False "
+                       "(KVCOMPILE_REROT_ASIDE=0); unset it to replay CUDA graphs")
                 break
             if rerot and not facts.uniform:
                 why = ("re-rotated sinks with per-layer policies or page granularity (the "
@@ -790,16 +832,12 @@ class EvictionRuntime(RuntimeHook):
             if book is None or not pool.has(sid):
                 continue
             book.pending += 1
-            budget = self._decode_budget(sid)
-            held = pool.seq_len(sid)
-            if book.window is not None:
-                held -= book.window[1] - book.window[0]
-            if budget is not None and held >= budget + self.interval:
+            if self._due(sid, book):
                 window = self._window_policy(sid, book)
                 if window is not None:
                     self._evict_window(sid, book, window)
                 else:
-                    due.append((sid, book, budget))
+                    due.append((sid, book, self._decode_budget(sid)))
         # every other sequence due: one batched pass (front.py), the rest one by one
         for sid, book, _budget in self._evict_fronts(due) if due else ():
             self._catch_up(sid, book)
@@ -808,6 +846,17 @@ class EvictionRuntime(RuntimeHook):
             self.evict(sid, book)
             if row is not None:
                 self.store.write(self.store.take(sid), book.mass)
+
+    def _due(self, sid: int, book: _Book) -> bool:
+        """A decoding sequence evicts once it holds budget + interval tokens (hidden ones not
+        counted): on the host path (after_forward) as after the steps stepped aside for, so
+        that both keep the same tokens at any interval, and the host path pays one eviction
+        per `interval` steps, not one per step."""
+        budget = self._decode_budget(sid)
+        held = self.state.pool.seq_len(sid)
+        if book.window is not None:
+            held -= book.window[1] - book.window[0]
+        return budget is not None and held >= budget + self.interval
 
     def _decode_budget(self, sid: int) -> int | None:
         """The budget decode steps evict to (None: they do not evict: no policy, or SnapKV,

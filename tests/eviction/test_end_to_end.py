@@ -227,6 +227,19 @@ def test_decode_kernel_path_matches_reference(policy):
     assert_rel_close(outs[1], outs[0], torch.float32, factor=20, what="kernel vs reference")
 
 
+def test_decode_kernel_path_rotates_sinks():
+    """Re-rotated sinks (the default sink positions) decode through the paged decode kernel
+    too: the sinks hidden from it and scored by the rotated query (aside.py kernel_aside);
+    same logits as the reference path (attend_kept), which an unrotated sink would miss."""
+    ids = torch.randint(1, V, (1, 18), generator=torch.Generator().manual_seed(7))
+    outs = []
+    for kernels in ("reference", "triton"):
+        m = _compiled(SinkWindow(2, 6), kernels=kernels, head_dim=64, layers=1)
+        outs.append(_stream(m, ids, 10, 1)[0])
+    assert state_of(m).counters.get("eviction_kernel_decode", 0) > 0
+    assert_rel_close(outs[1], outs[0], torch.float32, factor=20, what="kernel vs reference")
+
+
 @pytest.mark.parametrize("policy", [SnapKV(budget=12, window=4, kernel=3, per_head=True),
                                     SinkWindow(2, 12)])
 def test_fresh_prompt_attends_through_sdpa_and_keeps_the_same_tokens(policy):

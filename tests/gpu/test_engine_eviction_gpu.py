@@ -6,10 +6,20 @@ replays (CUDA only).
     pytest -s -q -m gpu tests/gpu/test_engine_eviction_gpu.py
 
 A tiny fp32 Llama (head_dim 64, the Triton decode kernel's) in bf16 and fp8 pages. Per format
-and policy: the engine's greedy tokens with graphs equal the engine's without graphs (the same
-kernels, eager), the graphs replayed with eviction on (`eviction_aside_steps`,
+and policy: the engine's greedy tokens with graphs against the engine's without graphs (the
+same kernels, eager), the graphs replayed with eviction on (`eviction_aside_steps`,
 `eviction_device_runs`), stored lengths stayed within budget + interval - 1, and the pool is
 empty after close. Prints the decode step time with and without graphs (-s).
+
+bf16 pages: the tokens are equal. fp8 pages: a graph replays a padded batch and the block
+table's full width (other split-K counts and GEMM shapes than the eager step), and the fp8
+cache can turn that rounding into a flipped element, then a parted near tie (issue 19: 2 of 4
+re-rotated cases parted after 29 and 62 tokens). So fp8 is judged by
+kvcompile.testing.greedy_parting: per request, the logits up to and including the first step
+whose greedy token parts are within storage_rel_tol("fp8_e4m3") of the eager logits (relative
+to the row's largest), and the parting step is a near tie. Every case prints, per request, the
+parted step, the eager margin there, the max logit difference and the relative measure
+("parting" in the printed dict).
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import torch
 
 from kvcompile import H2O, Engine, KVConfig, SamplingParams, SinkWindow, SnapKV
 from kvcompile.api import state_of
+from kvcompile.testing import greedy_parting, storage_rel_tol
 from tests.gpu.tiny import tiny_llama
 
 pytestmark = [pytest.mark.gpu,
@@ -33,7 +44,7 @@ def tiny(seed: int = 0):
 
 
 def run(fmt, policy, graphs: bool, interval: int, prompts, new: int, sinks: str = "original",
-        aside: bool = True):
+        aside: bool = True, record: bool = False):
     torch._dynamo.reset()
     m = tiny()
     name, gran = fmt
@@ -42,8 +53,9 @@ def run(fmt, policy, graphs: bool, interval: int, prompts, new: int, sinks: str 
                  max_num_batched_tokens=8192, max_num_seqs=16, enable_prefix_caching=False,
                  cuda_graphs=graphs, eviction_interval=interval)
     eng.eviction.sink_positions = sinks
-    if not aside:   # the host path: attend_kept on every decode step
+    if not aside:   # the host path: attend_kept on every decode step (not its kernel route)
         eng.eviction.decode_aside = lambda seq_ids: False
+        eng.eviction._attend_kernel = lambda *a, **k: None
     held = []   # tokens kept: stored, less those a window hides (SinkWindow, original sinks)
     pool = eng.pool
     eng.on_step.append(lambda _s: held.extend(
@@ -51,6 +63,18 @@ def run(fmt, policy, graphs: bool, interval: int, prompts, new: int, sinks: str 
         for r in eng.scheduler.running if r.num_computed > len(r.prompt_ids)))
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     eng.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    logits: dict = {}   # request -> its decode steps' logits (recorded apart from the timing)
+    if record:
+        fwd = eng.runner.forward
+
+        def forward(out):
+            lg = fwd(out)
+            if all(s.n == 1 and s.start > 0 for s in out.seqs):
+                for s, row in zip(out.seqs, lg):
+                    logits.setdefault(s.req.id, []).append(row.float().cpu())
+            return lg
+
+        eng.runner.forward = forward
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = eng.generate(prompts, params)
@@ -68,7 +92,17 @@ def run(fmt, policy, graphs: bool, interval: int, prompts, new: int, sinks: str 
                 evicted=st.get("evicted_tokens", 0), max_held=max(held, default=0), seconds=dt)
     eng.close()
     assert eng.pool.stats().pages_used == 0
-    return [o.token_ids for o in outs], info
+    toks = [o.token_ids for o in outs]
+    if record:
+        info["logits"] = [torch.stack(logits[o.request_id]) for o in outs]
+    return toks, info
+
+
+def parting(eager: dict, graphed: dict, fmt) -> list[dict]:
+    """greedy_parting of each request, graphs against eager (logits recorded by `run`)."""
+    tol = storage_rel_tol(fmt[0])
+    return [greedy_parting(e, g, tol) for e, g in zip(eager.pop("logits"),
+                                                       graphed.pop("logits"))]
 
 
 # bf16 and fp8 token scales move tokens on the device; fp8 page scales re-encode them (the host
@@ -85,11 +119,17 @@ def test_graph_decode_with_eviction_equals_eager(fmt, policy, sinks, interval):
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(200, 400))]
                for _ in range(5)]
     new = 64
-    eager, ie = run(fmt, policy, False, interval, prompts, new, sinks)
-    graphed, ig = run(fmt, policy, True, interval, prompts, new, sinks)
+    eager, ie = run(fmt, policy, False, interval, prompts, new, sinks, record=True)
+    graphed, ig = run(fmt, policy, True, interval, prompts, new, sinks, record=True)
+    diag = parting(ie, ig, fmt)
     print({"fmt": "-".join(fmt), "policy": type(policy).__name__, "sinks": sinks,
-           "interval": interval, "eager": ie, "graphs": ig})
-    assert graphed == eager
+           "interval": interval, "eager": ie, "graphs": ig,
+           "parting": [{k: (round(v, 5) if isinstance(v, float) else v) for k, v in d.items()}
+                       for d in diag]})
+    if fmt[0] == "bf16":
+        assert graphed == eager, diag
+    else:
+        assert all(d["ok"] for d in diag), diag
     assert ig["replays"] > 0 and ig["aside"] > 0
     if isinstance(policy, H2O) or sinks == "cache" and isinstance(policy, SinkWindow):
         # the mass / the rotated sinks inside the replayed step, through the Triton kernel
