@@ -85,8 +85,8 @@ class PagedTensor:
     # -- views of the parts by (page, head) row, for the CPU decode's gathers and writes --
 
     def rows_view(self, name: str) -> torch.Tensor:
-        """A view of part `name` with one row per page-head: "data" [N * H, P, Ds], "pairs"
-        (fp8 data as uint16 pairs) [N * H, P * Ds / 2], "scale" [N * H, ...] (not tensor
+        """A view of part `name` with one row per page-head: "data" [N * H, P, Ds], "codes"
+        (fp8 data as uint8) [N * H, P * Ds], "scale" [N * H, ...] (not tensor
         granularity), "tokens" (data with one row per slot of a page-head) [1, N * H * P, 1,
         Ds]. Made once per tensor: a growth that replaces the parts calls `forget_views`."""
         views = self.__dict__.setdefault("_views", {})
@@ -95,8 +95,8 @@ class PagedTensor:
             n, h = self.num_pages * self.num_heads, self.data.shape[-1]
             if name == "data":
                 view = self.data.view(n, self.page_size, h)
-            elif name == "pairs":
-                view = self.data.view(torch.uint16).view(n, -1)
+            elif name == "codes":
+                view = self.data.view(torch.uint8).view(n, -1)
             elif name == "tokens":
                 view = self.data.view(1, n * self.page_size, 1, h)
             elif name == "page_scales":   # page granularity: [N, H, 1]
@@ -417,6 +417,18 @@ class PagedTensor:
         if view is None:
             t = self.scale if name == "scale" else self.data.view(torch.uint8)
             view = views[("numpy", name)] = t.detach().numpy()
+        return view
+
+    def host_rows(self, name: str):
+        """`_host_view(name)` ("codes" or "scale", not tensor granularity) with one row per
+        page-head: [N * H, ...] numpy, the same memory; None off the CPU."""
+        views = self.__dict__.setdefault("_views", {})
+        view = views.get(("rows", name))
+        if view is None:
+            host = self._host_view(name)
+            if host is None:
+                return None
+            view = views[("rows", name)] = host.reshape(self.num_pages * self.num_heads, -1)
         return view
 
     def _reencoded(self, codes: torch.Tensor, s_old: torch.Tensor, s_new: torch.Tensor,
