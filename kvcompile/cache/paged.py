@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import struct
 
+import numpy as np
 import torch
 
 from kvcompile.cache import grouped
@@ -344,11 +345,16 @@ class PagedTensor:
         CPU model writes 2 x layers tokens, and each torch op is a few microseconds. On the
         CPU the page's scales and earlier codes are read (and the scales written) through
         numpy views of the same memory (`_host_view`), which cost no torch op."""
-        fmt = self.fmt
+        consts = self.__dict__.get("_fp8_consts")
+        if consts is None:   # (the format's numbers, looked up once per tensor)
+            fmt = self.fmt
+            consts = self._fp8_consts = (fmt.scale_divisor, torch.finfo(fmt.storage_dtype).max,
+                                         self._FP8_FINITE[fmt.storage_dtype])
+        divisor, fmax, _ = consts
         a = torch.linalg.vector_norm(x, math.inf, -1).tolist()            # [H] max |x|
         if not all(v < math.inf for v in a):   # a NaN / Inf: the finite values' amax
             a = x.abs().nan_to_num_(0.0, 0.0, 0.0).amax(-1).tolist()
-        cover = _as_fp32([v / fmt.scale_divisor for v in a])   # amax / divisor, in fp32
+        cover = _as_fp32([v / divisor for v in a])             # amax / divisor, in fp32
         fresh = [max(c, MIN_SCALE) if v > 0 else 1.0 for v, c in zip(a, cover)]
         s_new, s_old, grow = fresh, None, None
         host = self._host_view("scale")                        # [N, H] numpy, or None
@@ -368,7 +374,6 @@ class PagedTensor:
             else:
                 host[p] = s_new   # (fp32 values: stored exactly)
         # fp8_encode: clamp(x / scale, -fmax, fmax), cast to fp8 by the copy into the page
-        fmax = torch.finfo(fmt.storage_dtype).max
         st = self.rows_view("page_scales")[p]                                 # [H, 1] view
         self.data[p, :, o] = (x / st).clamp_(-fmax, fmax)
 
@@ -377,9 +382,11 @@ class PagedTensor:
         _write_grouped's old amax sees): the largest low-7-bit code of each head, looked at
         again exactly if that is not a finite one."""
         lim = self._FP8_FINITE[self.fmt.storage_dtype]
-        host = self._host_view("codes")                       # [N, H, P, D] uint8 numpy
+        host = self.host_rows("codes")                        # [N * H, P * D] uint8 numpy
         if host is not None:
-            top = (host[p, :, :o] & 0x7F).max(axis=(1, 2)).tolist()
+            H = self.num_heads
+            earlier = host[p * H:(p + 1) * H, :o * self.data.shape[-1]]          # [H, o * D]
+            top = np.bitwise_and(earlier, 0x7F).max(axis=1).tolist()
         else:
             earlier = self.data[p, :, :o].view(torch.uint8)                    # [H, o, D] view
             top = earlier.bitwise_and(0x7F).amax((1, 2)).tolist()
