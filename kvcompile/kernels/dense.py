@@ -447,7 +447,8 @@ def _fp8_rows_host(paged, rows: torch.Tensor, b: int, n: int, total: int):
         g = fmt.granularity
         tail = (s.shape[1], 1) if g == "token" else (1, s.shape[1]) if g == "channel" else (1, 1)
     if factor != 1.0:
-        folded = s * np.float32(factor)
+        with np.errstate(over="ignore"):
+            folded = s * np.float32(factor)
         if np.isinf(folded).any():   # a scale so large that factor * scale leaves fp32
             x.mul_(factor)
         else:
