@@ -1,6 +1,6 @@
 """The CPU decode step (runtime/cpu_decode.py) stores and attends as the general path does: a
 compiled tiny Llama generates the same logits, token by token, with it and without it (bf16,
-fp32 and fp8 pages), and it is not taken for a left-padded batch."""
+fp32, fp8 E4M3 and E5M2 pages), and it is not taken for a left-padded batch."""
 
 import pytest
 import torch
@@ -33,7 +33,7 @@ def _counting(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp32", "fp8_e4m3"])
+@pytest.mark.parametrize("kv", ["bf16", "fp32", "fp8_e4m3", "fp8_e5m2"])
 def test_cpu_decode_step_equals_general_path(kv, monkeypatch):
     model = make_hf("llama", "sdpa")
     kvcompile.compile(model, config(kv_dtype=kv))
