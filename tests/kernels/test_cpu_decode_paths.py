@@ -2,11 +2,12 @@
 
 `kernels/dense.py` gathers a layer's pages with `_gather` (fp8: fp8_widen's integer ops by
 numpy on the page-heads' codes, then the fp16 -> fp32 widening and the scale product; other
-formats: PagedTensor.read, heads-first copy). Here the same attention runs again with the
-pages read row by row by `kernels/reference.py` `gather_pages` (PagedTensor.read, the formats' reference decoders), over rows of different
-lengths, left padding (kv_start), a decode step and a chunk of queries, in bf16, fp8 and 4-bit
-formats; then a compiled tiny Llama decodes a left-padded batch with that decode and with
-the whole-page fp8 route (`_gather_fp8_widened`), with identical logits at every step.
+formats: PagedTensor.read, heads-first copy). Here the same attention runs again with the pages
+read row by row by `kernels/reference.py` `gather_pages` (PagedTensor.read, the formats'
+reference decoders), over rows of different lengths, left padding (kv_start), a decode step and
+a chunk of queries, in bf16, fp8 and 4-bit formats; then a compiled tiny Llama decodes a left-
+padded batch with that decode and with the whole-page fp8 route (`_gather_fp8_widened`), with
+identical logits at every step.
 """
 
 import pytest
