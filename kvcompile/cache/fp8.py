@@ -68,13 +68,15 @@ def fp8_widen(codes: torch.Tensor) -> tuple[torch.Tensor, float]:
     return w, E4M3_SHIFT
 
 
-# Decoding a whole gathered page block on the CPU (kernels/dense.py `_gather`): one table
-# lookup per *pair* of codes. The table maps each 16-bit pair (two adjacent codes, first code in
-# the low byte) to their two fp32 values (one 8-byte row), taken from torch's own cast, so every
-# value (NaN, subnormals) is torch's bit for bit whatever the denormal mode; no host sync, no
-# NaN repair. 65,536 x 8 bytes = 512 KiB per fp8 dtype, built once. On the 2-core CPU (1
-# thread, 61,440 codes: one SmolLM2 layer's K at 320 tokens) it took 4 tensor ops and 116 us
-# where fp8_widen + its scale product took 8 ops, 2 host syncs and 163 us (same load).
+# A decode of fp8 codes by table (`fp8_to_float_paired`; until 2026-12-04 the CPU gather's,
+# which now runs fp8_widen's integer ops in numpy: kernels/dense.py `_fp8_rows_host`, about 2x
+# faster for one SmolLM2 layer's K and V): one table lookup per *pair* of codes. The table
+# maps each 16-bit pair (two adjacent codes, first code in the low byte) to their two fp32
+# values (one 8-byte row), taken from torch's own cast, so every value (NaN, subnormals) is
+# torch's bit for bit whatever the denormal mode; no host sync, no NaN repair. 65,536 x 8
+# bytes = 512 KiB per fp8 dtype, built once. On the 2-core CPU (1 thread, 61,440 codes: one
+# SmolLM2 layer's K at 320 tokens) it took 4 tensor ops and 116 us where fp8_widen + its scale
+# product took 8 ops, 2 host syncs and 163 us (same load).
 _PAIR_TABLES: dict[torch.dtype, torch.Tensor] = {}
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import struct
 
+import numpy as np
 import torch
 
 from kvcompile.cache import grouped
@@ -85,8 +86,8 @@ class PagedTensor:
     # -- views of the parts by (page, head) row, for the CPU decode's gathers and writes --
 
     def rows_view(self, name: str) -> torch.Tensor:
-        """A view of part `name` with one row per page-head: "data" [N * H, P, Ds], "pairs"
-        (fp8 data as uint16 pairs) [N * H, P * Ds / 2], "scale" [N * H, ...] (not tensor
+        """A view of part `name` with one row per page-head: "data" [N * H, P, Ds], "codes"
+        (fp8 data as uint8) [N * H, P * Ds], "scale" [N * H, ...] (not tensor
         granularity), "tokens" (data with one row per slot of a page-head) [1, N * H * P, 1,
         Ds]. Made once per tensor: a growth that replaces the parts calls `forget_views`."""
         views = self.__dict__.setdefault("_views", {})
@@ -95,8 +96,8 @@ class PagedTensor:
             n, h = self.num_pages * self.num_heads, self.data.shape[-1]
             if name == "data":
                 view = self.data.view(n, self.page_size, h)
-            elif name == "pairs":
-                view = self.data.view(torch.uint16).view(n, -1)
+            elif name == "codes":
+                view = self.data.view(torch.uint8).view(n, -1)
             elif name == "tokens":
                 view = self.data.view(1, n * self.page_size, 1, h)
             elif name == "page_scales":   # page granularity: [N, H, 1]
@@ -344,14 +345,25 @@ class PagedTensor:
         CPU model writes 2 x layers tokens, and each torch op is a few microseconds. On the
         CPU the page's scales and earlier codes are read (and the scales written) through
         numpy views of the same memory (`_host_view`), which cost no torch op."""
-        fmt = self.fmt
-        a = torch.linalg.vector_norm(x, math.inf, -1).tolist()            # [H] max |x|
+        consts = self.__dict__.get("_fp8_consts")
+        if consts is None:   # (the format's numbers, looked up once per tensor)
+            fmt = self.fmt
+            consts = self._fp8_consts = (fmt.scale_divisor, torch.finfo(fmt.storage_dtype).max,
+                                         self._FP8_FINITE[fmt.storage_dtype])
+        divisor, fmax, _ = consts
+        host = self._host_view("scale")                        # [N, H] numpy, or None
+        # on the CPU: x's numbers read, divided and clamped by numpy (the same fp32 IEEE
+        # operations, about 1 us each against a torch op's few), only the fp8 cast by torch
+        xn = x.detach().numpy() if host is not None and x.device.type == "cpu" else None
+        if xn is not None:
+            a = np.abs(xn).max(axis=1).tolist()                           # [H] max |x|
+        else:
+            a = torch.linalg.vector_norm(x, math.inf, -1).tolist()
         if not all(v < math.inf for v in a):   # a NaN / Inf: the finite values' amax
             a = x.abs().nan_to_num_(0.0, 0.0, 0.0).amax(-1).tolist()
-        cover = _as_fp32([v / fmt.scale_divisor for v in a])   # amax / divisor, in fp32
+        cover = _as_fp32([v / divisor for v in a])             # amax / divisor, in fp32
         fresh = [max(c, MIN_SCALE) if v > 0 else 1.0 for v, c in zip(a, cover)]
         s_new, s_old, grow = fresh, None, None
-        host = self._host_view("scale")                        # [N, H] numpy, or None
         if o:
             s_old = self.scale[p].tolist() if host is None else host[p].tolist()
             had = self._had_values(p, o)
@@ -368,7 +380,17 @@ class PagedTensor:
             else:
                 host[p] = s_new   # (fp32 values: stored exactly)
         # fp8_encode: clamp(x / scale, -fmax, fmax), cast to fp8 by the copy into the page
-        fmax = torch.finfo(fmt.storage_dtype).max
+        if xn is not None:
+            y = xn / host[p][:, None]                         # (the scales just stored)
+            y = torch.from_numpy(np.clip(y, -fmax, fmax, out=y))
+            d = self.data
+            if d.is_contiguous():   # the token's H rows as one strided view: 2 torch ops
+                H, P, Ds = self.num_heads, self.page_size, d.shape[-1]
+                at = d.storage_offset() + ((p * H) * P + o) * Ds
+                d.as_strided((H, Ds), (P * Ds, 1), at).copy_(y)
+            else:
+                d[p, :, o] = y
+            return
         st = self.rows_view("page_scales")[p]                                 # [H, 1] view
         self.data[p, :, o] = (x / st).clamp_(-fmax, fmax)
 
@@ -377,9 +399,11 @@ class PagedTensor:
         _write_grouped's old amax sees): the largest low-7-bit code of each head, looked at
         again exactly if that is not a finite one."""
         lim = self._FP8_FINITE[self.fmt.storage_dtype]
-        host = self._host_view("codes")                       # [N, H, P, D] uint8 numpy
+        host = self.host_rows("codes")                        # [N * H, P * D] uint8 numpy
         if host is not None:
-            top = (host[p, :, :o] & 0x7F).max(axis=(1, 2)).tolist()
+            H = self.num_heads
+            earlier = host[p * H:(p + 1) * H, :o * self.data.shape[-1]]          # [H, o * D]
+            top = np.bitwise_and(earlier, 0x7F).max(axis=1).tolist()
         else:
             earlier = self.data[p, :, :o].view(torch.uint8)                    # [H, o, D] view
             top = earlier.bitwise_and(0x7F).amax((1, 2)).tolist()
@@ -417,6 +441,18 @@ class PagedTensor:
         if view is None:
             t = self.scale if name == "scale" else self.data.view(torch.uint8)
             view = views[("numpy", name)] = t.detach().numpy()
+        return view
+
+    def host_rows(self, name: str):
+        """`_host_view(name)` ("codes" or "scale", not tensor granularity) with one row per
+        page-head: [N * H, ...] numpy, the same memory; None off the CPU."""
+        views = self.__dict__.setdefault("_views", {})
+        view = views.get(("rows", name))
+        if view is None:
+            host = self._host_view(name)
+            if host is None:
+                return None
+            view = views[("rows", name)] = host.reshape(self.num_pages * self.num_heads, -1)
         return view
 
     def _reencoded(self, codes: torch.Tensor, s_old: torch.Tensor, s_new: torch.Tensor,

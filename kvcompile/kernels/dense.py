@@ -26,12 +26,17 @@ SDPA has no such input, so attention with sinks runs `exact_attention` (fp32).
 from __future__ import annotations
 
 import math
-import sys
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvcompile.cache.fp8 import fp8_pairs_to_float, fp8_widen
+from kvcompile.cache.fp8 import (
+    _FP16_NAN,
+    _SIGN_EXP_MANT,
+    E4M3_SHIFT,
+    fp8_widen,
+)
 from kvcompile.kernels.masks import align
 from kvcompile.kernels.reference import masked_softmax
 
@@ -394,14 +399,11 @@ def _gather(paged, idx: torch.Tensor, b: int, total: int, dtype: torch.dtype,
     if rows is None:
         rows = _page_rows(idx, b, H)
     if fp8:
-        # PagedTensor.read's fp8_decode in two passes: the widening and the scale product. On
-        # the CPU the widening is a lookup per pair of codes (fp8_pairs_to_float: torch's
-        # values, no host sync)
-        if not _pair_decode_applies(paged):
+        # PagedTensor.read's fp8_decode in two passes: the widening (fp8_widen: integer ops to
+        # fp16, then fp32) and the scale product, on the page-heads gathered heads first
+        if not _widen_rows_applies(paged):
             return _gather_fp8_widened(paged, idx, b, n, total, dtype)
-        pairs = paged.rows_view("pairs").index_select(0, rows)              # [b*H*n, P*D/2]
-        x = fp8_pairs_to_float(pairs, fmt.storage_dtype).view(b, H, n, P, D)
-        sc = paged.scale if fmt.granularity == "tensor" else _fp8_row_scales(paged, rows, b, n)
+        x, sc = _fp8_rows_host((paged,), rows, b, n, total)
         # (the product is taken in fp32 whatever the output's dtype, as PagedTensor.read does)
         out = x.mul_(sc) if dtype == torch.float32 else torch.mul(x, sc).to(dtype)
     else:
@@ -411,12 +413,79 @@ def _gather(paged, idx: torch.Tensor, b: int, total: int, dtype: torch.dtype,
     return out.as_strided((b, H, total, D), (H * n * P * D, n * P * D, D, 1))
 
 
-def _pair_decode_applies(paged) -> bool:
-    """Whether fp8 pages decode by the pair table here: CPU, little-endian, an even number of
-    codes per token, contiguous scales."""
-    data, scale = paged.data, paged.scale
-    return (data.device.type == "cpu" and sys.byteorder == "little" and data.shape[-1] % 2 == 0
-            and scale.is_contiguous())
+def _fp8_rows_host(parts, rows: torch.Tensor, b: int, n: int, total: int):
+    """(x [len(parts), b, H, n, P, D] fp32, sc broadcastable to x) with x * sc ==
+    PagedTensor.read's values of the page-heads `rows` (`_page_rows`) of each of `parts`
+    (fp8 PagedTensors of one format and shape: a layer's K and V are decoded together), in the
+    heads-first layout.
+
+    fp8_widen's integer ops, run by numpy on views of the pool's memory (`host_rows`): on the
+    CPU a torch op costs a few microseconds of dispatch whatever its size, a numpy op on these
+    sizes about one; only the fp16 -> fp32 widening (vectorized in torch, exact, no denormal
+    read or made) is a torch op, and the caller's scale product. E4M3's 2^8 folds into the
+    scales (unless a product would leave fp32: then into x). The NaN repair looks only at each
+    head's first `total` tokens: the rest of the last page is whatever the pool held."""
+    first = parts[0]
+    H, P, D = first.num_heads, first.page_size, first.head_dim
+    e5m2, gran = _fp8_kind(first)
+    r = rows.numpy()
+    k = len(parts)
+    codes = np.empty((k, r.shape[0], P * first.data.shape[-1]), np.uint8)
+    for i, t in enumerate(parts):
+        np.take(t.host_rows("codes"), r, axis=0, out=codes[i])           # [b*H*n, P*Ds]
+    i16 = codes.view(np.int8).astype(np.int16)   # sign-extended: the sign lands in bit 15
+    if e5m2:
+        np.multiply(i16, 256, out=i16)           # (wraps: code << 8, the fp16 itself)
+        factor = 1.0
+    else:
+        np.multiply(i16, 128, out=i16)           # code << 7 ...
+        np.bitwise_and(i16, _SIGN_EXP_MANT, out=i16)   # ... less the sign's copy in bit 14
+        low = np.bitwise_and(codes.reshape(k * b * H, -1)[:, :total * D], 0x7F)
+        if low.max() == 0x7F:   # a NaN code (s 1111 111) among the tokens written
+            i16[(codes & 0x7F) == 0x7F] = _FP16_NAN
+        factor = E4M3_SHIFT
+    x = torch.from_numpy(i16).view(torch.float16).float().view(k, b, H, n, P, D)
+    if gran == "tensor":
+        s = np.array([float(t.scale.reshape(())) for t in parts], np.float32)
+        shape = (k, 1, 1, 1, 1, 1)
+    else:
+        w = first.host_rows("scale").shape[1]
+        s = np.empty((k, r.shape[0], w), np.float32)
+        for i, t in enumerate(parts):
+            np.take(t.host_rows("scale"), r, axis=0, out=s[i])            # [b*H*n, w]
+        tail = (w, 1) if gran == "token" else (1, w) if gran == "channel" else (1, 1)
+        shape = (k, b, H, n, *tail)
+    if factor != 1.0:
+        if float(s.max()) * factor <= _FP32_MAX:
+            np.multiply(s, np.float32(factor), out=s)
+        else:   # a scale so large that factor * scale leaves fp32: into x (exact there)
+            x.mul_(factor)
+    return x, torch.from_numpy(s).view(shape)
+
+
+def _fp8_kind(paged) -> tuple[bool, str]:
+    """(E5M2?, scale granularity) of fp8 pages, looked up once per tensor."""
+    kind = paged.__dict__.get("_fp8_kind")
+    if kind is None:
+        fmt = paged.fmt
+        kind = paged._fp8_kind = (fmt.storage_dtype == torch.float8_e5m2, fmt.granularity)
+    return kind
+
+
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _widen_rows_applies(paged) -> bool:
+    """Whether `_gather` decodes fp8 page-heads by `_fp8_rows_host`: a CPU pool of E4M3 or
+    E5M2 codes with contiguous scales (kept with the tensor's views: a growth forgets it)."""
+    views = paged.__dict__.setdefault("_views", {})
+    ok = views.get("widen_rows")
+    if ok is None:
+        ok = views["widen_rows"] = (
+            paged.data.device.type == "cpu" and paged.scale.is_contiguous()
+            and paged.data.is_contiguous() and not paged.data.requires_grad
+            and paged.fmt.storage_dtype in (torch.float8_e4m3fn, torch.float8_e5m2))
+    return ok
 
 
 def _gather_read(paged, idx, b: int, n: int, total: int, dtype) -> torch.Tensor:

@@ -10,8 +10,9 @@ per layer (bf16 pages), against HF's 2 `torch.cat` and 1 SDPA. This path compute
 bytes in the pool and the same output, bit for bit, with what one forward's layers share built
 once (`for_forward`): the new token's page and slot, the sequence's page-head rows. Per layer it
 writes K and V with one index_copy_ each (unquantized pages; fp8 pages through
-PagedTensor._write_one_fp8), gathers each with one index_select (plus the dtype pass, or fp8's
-pair-table decode and scale product: `dense._gather`) and calls SDPA once.
+PagedTensor._write_one_fp8), gathers each with one index_select (plus the dtype pass: fp8
+pages' K and V are gathered and decoded together by `dense._fp8_rows_host`, numpy integer ops
+and two torch ops) and calls SDPA once.
 
 It is taken where `runtime/dispatch.py` would run the reference itself and nothing else acts on
 the step: a forward of one row and one new token after a prompt, on a CPU pool; no eviction,
@@ -24,7 +25,16 @@ from __future__ import annotations
 
 import torch
 
-from kvcompile.kernels.dense import _gather, _page_rows, _pages, _sdpa, compute_dtype
+from kvcompile.kernels.dense import (
+    _fp8_kind,
+    _fp8_rows_host,
+    _gather,
+    _page_rows,
+    _pages,
+    _sdpa,
+    _widen_rows_applies,
+    compute_dtype,
+)
 
 _KEY = "cpu_decode"
 
@@ -64,9 +74,29 @@ class CpuDecodeStep:
         kt.write_token(self.page, self.offset, token, k)
         vt.write_token(self.page, self.offset, token, v)
         dt = compute_dtype(q.dtype)
-        keys = _gather(kt, self.pages, 1, self.total, dt, rows)
-        values = _gather(vt, self.pages, 1, self.total, dt, rows)
+        if self._fp8_together(kt, vt):
+            keys, values = self._gather_fp8(kt, vt, rows, dt)
+        else:
+            keys = _gather(kt, self.pages, 1, self.total, dt, rows)
+            values = _gather(vt, self.pages, 1, self.total, dt, rows)
         return _sdpa(q if q.dtype == dt else q.to(dt), keys, values, None, scale, False)
+
+    @staticmethod
+    def _fp8_together(kt, vt) -> bool:
+        """Whether K and V are fp8 pages of one format and shape that `_fp8_rows_host` decodes
+        in one go."""
+        return (kt.one_token_path() == "fp8" and vt.one_token_path() == "fp8"
+                and kt.data.shape == vt.data.shape and _fp8_kind(kt) == _fp8_kind(vt)
+                and _widen_rows_applies(kt) and _widen_rows_applies(vt))
+
+    def _gather_fp8(self, kt, vt, rows, dt):
+        """`_gather` of K and V together: one widening, one scale product (the same values)."""
+        x, sc = _fp8_rows_host((kt, vt), rows, 1, len(self.pages), self.total)
+        out = x.mul_(sc) if dt == torch.float32 else torch.mul(x, sc).to(dt)
+        H, P, D = kt.num_heads, kt.page_size, kt.head_dim
+        size, n = H * len(self.pages) * P * D, len(self.pages) * P * D
+        shape, stride = (1, H, self.total, D), (size, n, D, 1)
+        return out.as_strided(shape, stride), out.as_strided(shape, stride, size)
 
 
 def for_forward(ctx, q, positions) -> CpuDecodeStep | None:

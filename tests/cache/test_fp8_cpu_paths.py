@@ -220,3 +220,41 @@ def test_one_token_append_with_nan_codes_among_earlier(name):
     slow._write_grouped(torch.tensor([0]), torch.tensor([2]), x.float())
     assert torch.equal(fast.scale[0], slow.scale[0])
     assert torch.equal(fast.data[0, :, :3].view(torch.uint8), slow.data[0, :, :3].view(torch.uint8))
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_gather_unwritten_tail_and_huge_scales(name, monkeypatch):
+    """dense._gather's numpy widening (`_fp8_rows_host`): NaN codes in the unwritten rest of the
+    last page neither reach the result nor trigger the NaN repair (only the written tokens
+    are looked at); a scale whose product with E4M3's 2^8 leaves fp32 is not folded; a NaN
+    code among the written tokens is still NaN (the negative case)."""
+    from kvcompile.kernels import dense
+
+    fmt = KVFormat(name, "page")
+    H, D, P, N = 2, 16, 8, 4
+    t = fmt.allocate(N, H, P, D)
+    t.data.view(torch.uint8).fill_(0x7F)   # unwritten slots: NaN codes
+    g = torch.Generator().manual_seed(3)
+    total = 3 * P - 2
+    t.write(torch.arange(total), torch.randn(total, H, D, generator=g))
+    t.scale[1, 0] = 2.0e36   # x 2^8 overflows fp32: unfolded (codes * 2^8 first)
+    pages = torch.tensor([0, 1, 2])
+    repairs = {"n": 0}
+    real_and = dense.np.bitwise_and
+
+    def counting_and(a, b, *args, **kw):
+        out = real_and(a, b, *args, **kw)
+        repairs["n"] += b == 0x7F and bool((out == 0x7F).any())
+        return out
+
+    monkeypatch.setattr(dense.np, "bitwise_and", counting_and)
+    got = _gather(t, pages, 1, total, torch.float32)
+    want = gather_pages(t, pages, total)
+    assert _same_bits(got[0].contiguous(), want.contiguous())
+    assert not bool(got.isnan().any()) and bool(got[0, 0, P:2 * P].abs().max() > 1e30)
+    assert repairs["n"] == 0
+    t.data[2, 1, 3].view(torch.uint8)[4] = 0x7F   # a written token's NaN code
+    got = _gather(t, pages, 1, total, torch.float32)
+    assert bool(got[0, 1, 2 * P + 3, 4].isnan()) and int(got.isnan().sum()) == 1
+    assert repairs["n"] == (name == "fp8_e4m3")   # (E5M2's NaN codes widen as NaN)
+    assert _same_bits(got[0].contiguous(), gather_pages(t, pages, total).contiguous())

@@ -1,12 +1,13 @@
 """The CPU reference attention's fast paths give the plain reference's numbers bit for bit.
 
-`kernels/dense.py` gathers a layer's pages with `_gather` (fp8: one table lookup per pair of
-codes, then the scale product; other formats: PagedTensor.read, heads-first copy). Here the
-same attention runs again with the pages read row by row by `kernels/reference.py`
-`gather_pages` (PagedTensor.read, the formats' reference decoders), over rows of different
-lengths, left padding (kv_start), a decode step and a chunk of queries, in bf16, fp8 and 4-bit
-formats; then a compiled tiny Llama decodes a left-padded batch with the pair-table decode and
-with the previous fp8 route (fp8_widen), with identical logits at every step.
+`kernels/dense.py` gathers a layer's pages with `_gather` (fp8: fp8_widen's integer ops by
+numpy on the page-heads' codes, then the fp16 -> fp32 widening and the scale product; other
+formats: PagedTensor.read, heads-first copy). Here the same attention runs again with the pages
+read row by row by `kernels/reference.py` `gather_pages` (PagedTensor.read, the formats'
+reference decoders), over rows of different lengths, left padding (kv_start), a decode step and
+a chunk of queries, in bf16, fp8 and 4-bit formats; then a compiled tiny Llama decodes a left-
+padded batch with that decode and with the whole-page fp8 route (`_gather_fp8_widened`), with
+identical logits at every step.
 """
 
 import pytest
@@ -72,9 +73,10 @@ def test_gather_equals_reference_read(name, gran, lens, starts, s, monkeypatch):
     assert torch.equal(got, want), f"{name}/{gran}: max diff {(got - want).abs().max()}"
 
 
-def test_generate_fp8_pair_decode_equals_previous_route(monkeypatch):
+def test_generate_fp8_numpy_widening_equals_previous_route(monkeypatch):
     """A compiled tiny Llama, fp8 pages, left-padded batch of 3: the logits of every step with
-    the pair-table decode equal those of the fp8_widen route (what main ran before)."""
+    the numpy widening of the page-heads (dense._fp8_rows_host) equal those of the fp8_widen
+    route on whole pages (`_gather_fp8_widened`)."""
     model = make_hf("llama", "sdpa")
     kvcompile.compile(model, config(kv_dtype="fp8_e4m3"))
     g = torch.Generator().manual_seed(0)
@@ -82,12 +84,12 @@ def test_generate_fp8_pair_decode_equals_previous_route(monkeypatch):
     am = torch.ones_like(ids)
     am[1, :6], am[2, :3] = 0, 0
     ids[am == 0] = 0
-    calls = {"paired": 0}
-    paired = dense.fp8_pairs_to_float
+    calls = {"rows": 0}
+    rows_host = dense._fp8_rows_host
 
-    def counted(pairs, dtype):
-        calls["paired"] += 1
-        return paired(pairs, dtype)
+    def counted(*args):
+        calls["rows"] += 1
+        return rows_host(*args)
 
     def run():
         with torch.no_grad():
@@ -96,12 +98,12 @@ def test_generate_fp8_pair_decode_equals_previous_route(monkeypatch):
                                  return_dict_in_generate=True)
         return out.sequences, torch.stack(out.logits)
 
-    monkeypatch.setattr(dense, "fp8_pairs_to_float", counted)
+    monkeypatch.setattr(dense, "_fp8_rows_host", counted)
     seq, logits = run()
-    assert calls["paired"] > 0, "the pair-table decode did not run"
-    monkeypatch.setattr(dense, "_pair_decode_applies", lambda paged: False)   # previous route
-    calls["paired"] = 0
+    assert calls["rows"] > 0, "the numpy widening did not run"
+    monkeypatch.setattr(dense, "_widen_rows_applies", lambda paged: False)   # previous route
+    calls["rows"] = 0
     seq_old, logits_old = run()
-    assert calls["paired"] == 0, "the previous route used the pair table"
+    assert calls["rows"] == 0, "the previous route used the numpy widening"
     assert torch.equal(seq, seq_old)
     assert torch.equal(logits, logits_old)

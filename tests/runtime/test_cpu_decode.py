@@ -1,6 +1,7 @@
 """The CPU decode step (runtime/cpu_decode.py) stores and attends as the general path does: a
 compiled tiny Llama generates the same logits, token by token, with it and without it (bf16,
-fp32 and fp8 pages), and it is not taken for a left-padded batch."""
+fp32, fp8 E4M3 and E5M2 pages; fp8 under a bf16 model too), and it is not taken for a
+left-padded batch."""
 
 import pytest
 import torch
@@ -33,9 +34,11 @@ def _counting(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp32", "fp8_e4m3"])
-def test_cpu_decode_step_equals_general_path(kv, monkeypatch):
-    model = make_hf("llama", "sdpa")
+@pytest.mark.parametrize("kv,dtype", [("bf16", torch.float32), ("fp32", torch.float32),
+                                      ("fp8_e4m3", torch.float32), ("fp8_e5m2", torch.float32),
+                                      ("fp8_e4m3", torch.bfloat16)])
+def test_cpu_decode_step_equals_general_path(kv, dtype, monkeypatch):
+    model = make_hf("llama", "sdpa", dtype=dtype)
     kvcompile.compile(model, config(kv_dtype=kv))
     ids = torch.randint(3, 256, (1, 21), generator=torch.Generator().manual_seed(1))
     am = torch.ones_like(ids)
