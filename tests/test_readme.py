@@ -16,6 +16,8 @@ import time
 import pytest
 import torch
 
+from tests.gguf_cache import share_with
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 TIMEOUT_S = 600          # one block: load SmolLM2 + compile + generate takes ~1 min on 2 cores
@@ -80,6 +82,7 @@ class _Run:
                    TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS=str(threads),
                    PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH"))
                                               if p))
+        share_with(env)   # SmolLM2's GGUF parsed once per test run (tests/gguf_cache.py)
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -14,11 +14,14 @@ import sys
 
 import pytest
 
+from tests.gguf_cache import share_with
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run(script: str, *args: str, timeout: int = 600) -> str:
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env = share_with(dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1",
+                          TOKENIZERS_PARALLELISM="false"))   # one SmolLM2 parse per test run
     res = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *args],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
