@@ -46,7 +46,8 @@ _share_cores_among_xdist_workers()
 
 def _share_gguf_parse() -> None:
     # SmolLM2-135M is loaded about six times in a run (test_realmodel, the CLI's real-model
-    # tests, README blocks, examples/chat.py), each a GGUF parse of about 30 s of CPU:
+    # tests, README blocks, examples/chat.py), each a GGUF parse (16 s of CPU, about 30 s on
+    # 2 busy cores):
     # tests/gguf_cache.py parses it once per run. The controller (or the one process) makes the
     # run's folder; xdist workers inherit it through the environment.
     from tests import gguf_cache

@@ -1,7 +1,8 @@
 """One GGUF parse per test run: the parsed SmolLM2-135M (config, tokenizer, dequantized
 tensors) is saved once to a folder shared by the run's processes, and every other process of
 the run (xdist workers, README blocks, examples) loads it from there (about 1 s) instead of
-parsing the GGUF file again (about 30 s of CPU on 2 cores each; six loads in one run).
+parsing the GGUF file again (16 s of CPU, about 30 s on 2 busy cores, each; six loads in
+one run).
 
 tests/conftest.py installs it in the test processes and removes the folder at the end of the
 run; `share_with(env)` passes it to a Python subprocess (through tests/_site/sitecustomize.py,
