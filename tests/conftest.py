@@ -44,6 +44,34 @@ def _share_cores_among_xdist_workers() -> None:
 _share_cores_among_xdist_workers()
 
 
+def _share_gguf_parse() -> None:
+    # SmolLM2-135M is loaded about six times in a run (test_realmodel, the CLI's real-model
+    # tests, README blocks, examples/chat.py), each a GGUF parse (16 s of CPU, about 30 s on
+    # 2 busy cores):
+    # tests/gguf_cache.py parses it once per run. The controller (or the one process) makes the
+    # run's folder; xdist workers inherit it through the environment.
+    from tests import gguf_cache
+
+    if os.environ.get("PYTEST_XDIST_WORKER") is None and gguf_cache.VAR not in os.environ:
+        import tempfile
+
+        os.environ[gguf_cache.VAR] = tempfile.mkdtemp(prefix="kvcompile-test-gguf-")
+        _OWNED.append(os.environ[gguf_cache.VAR])
+    if os.environ.get(gguf_cache.VAR):
+        gguf_cache.install(os.environ[gguf_cache.VAR])
+
+
+_OWNED: list = []
+_share_gguf_parse()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests import gguf_cache
+
+    for folder in _OWNED:
+        gguf_cache.remove(folder)
+
+
 @pytest.fixture(autouse=True)
 def _quiet_logs():
     """Again before each test: torch._logging.set_logs (a test checking recompile logs)

