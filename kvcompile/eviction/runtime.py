@@ -284,6 +284,11 @@ class EvictionRuntime(RuntimeHook):
         if rows is not None:
             if window:
                 self.windowed = True
+            if len(rows) == len(plan.seq_lens_list):   # every row evicted: one kernel call
+                out = self._attend_kernel(ctx, layer, q, plan, attn_mask, window, softcap,
+                                          scale)   # for the step (one-token rows, re-rotated sinks)
+                if out is not None:
+                    return out
             return self._attend_rows(ctx, layer, q, plan, attn_mask, is_causal, window,
                                      softcap, scale, rows, into)
         if plan.eviction_aside:   # the plain decode step attends itself (runtime/dispatch.py)
@@ -601,6 +606,11 @@ class EvictionRuntime(RuntimeHook):
         self.state.count("eviction_kernel_decode")
         out = out.float()
         return out.squeeze(2).transpose(0, 1).unsqueeze(0) if packed1 else out
+
+    def _needs_rotation(self, sid, policy, pos, start) -> bool:
+        """Whether this sequence's sinks must be re-rotated at this layer (a row that does
+        cannot go through the plain decode kernel)."""
+        return self._rerotate(sid, policy) and self._sink_layout(policy, pos, start)[0] is not None
 
     def _sinks(self, policy: EvictionPolicy, pos: torch.Tensor, start: int):
         """Slots of the sinks [Hkv, n] and the rotation that moves them before the window."""
