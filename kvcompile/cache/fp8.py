@@ -9,8 +9,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from kvcompile.cache.fp4 import finite_amax, scale_from_amax
@@ -66,46 +64,6 @@ def fp8_widen(codes: torch.Tensor) -> tuple[torch.Tensor, float]:
     if float(hi) > _E4M3_LIMIT or float(lo) < -_E4M3_LIMIT:   # (fp16 arithmetic is slow
         i16.masked_fill_((i16 & 0x7FFF) > _E4M3_LIMIT_BITS, _FP16_NAN)   # on the CPU: bits)
     return w, E4M3_SHIFT
-
-
-# A decode of fp8 codes by table (`fp8_to_float_paired`; until 2026-12-04 the CPU gather's,
-# which now runs fp8_widen's integer ops in numpy: kernels/dense.py `_fp8_rows_host`, about 2x
-# faster for one SmolLM2 layer's K and V): one table lookup per *pair* of codes. The table
-# maps each 16-bit pair (two adjacent codes, first code in the low byte) to their two fp32
-# values (one 8-byte row), taken from torch's own cast, so every value (NaN, subnormals) is
-# torch's bit for bit whatever the denormal mode; no host sync, no NaN repair. 65,536 x 8
-# bytes = 512 KiB per fp8 dtype, built once. On the 2-core CPU (1 thread, 61,440 codes: one
-# SmolLM2 layer's K at 320 tokens) it took 4 tensor ops and 116 us where fp8_widen + its scale
-# product took 8 ops, 2 host syncs and 163 us (same load).
-_PAIR_TABLES: dict[torch.dtype, torch.Tensor] = {}
-
-
-def fp8_pair_table(dtype: torch.dtype) -> torch.Tensor:
-    """[65536, 2] fp32: row (hi << 8) | lo holds float(lo code), float(hi code), the values of
-    a little-endian uint16 pair of codes in memory order."""
-    table = _PAIR_TABLES.get(dtype)
-    if table is None:
-        values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
-        table = torch.stack([values.repeat(256), values.repeat_interleave(256)], dim=-1)
-        table = _PAIR_TABLES[dtype] = table.contiguous()
-    return table
-
-
-def fp8_pairs_to_float(pairs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """pairs [...] uint16 (two fp8 codes of `dtype` each, on a little-endian CPU) -> their
-    values [pairs.numel(), 2] fp32 in memory order, torch's cast bit for bit."""
-    return fp8_pair_table(dtype).index_select(0, pairs.view(-1).to(torch.int32))
-
-
-def fp8_to_float_paired(codes: torch.Tensor) -> torch.Tensor | None:
-    """float(codes) for contiguous CPU fp8 codes [...] with an even element count, by
-    `fp8_pair_table`: fp32 [...] (torch's cast, bit for bit); None where that does not apply
-    (another device or dtype, an odd count, a big-endian host)."""
-    if (codes.device.type != "cpu" or codes.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2)
-            or codes.numel() % 2 or not codes.is_contiguous() or sys.byteorder != "little"):
-        return None
-    pairs = codes.view(-1).view(torch.uint16)
-    return fp8_pairs_to_float(pairs, codes.dtype).view(codes.shape)
 
 
 def fp8_to_float(codes: torch.Tensor) -> torch.Tensor:

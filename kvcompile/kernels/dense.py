@@ -507,7 +507,7 @@ def _fp8_row_scales(paged, rows: torch.Tensor, b: int, n: int) -> torch.Tensor:
 
 
 def _gather_fp8_widened(paged, idx, b: int, n: int, total: int, dtype) -> torch.Tensor:
-    """`_gather` of fp8 pages where the pair table does not apply: integer widening
+    """`_gather` of fp8 pages where the host path (`_fp8_rows_host`) does not apply: integer widening
     (fp8_widen) and one scale product into the heads-first layout."""
     H, P, D = paged.num_heads, paged.page_size, paged.head_dim
     out = torch.empty((b, H, n, P, D), dtype=dtype, device=paged.data.device)

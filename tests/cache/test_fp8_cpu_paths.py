@@ -7,12 +7,10 @@ import math
 import pytest
 import torch
 
-from kvcompile.cache import fp8 as fp8_module
 from kvcompile.cache.formats import KVFormat
 from kvcompile.cache.fp8 import (
     fp8_decode,
     fp8_to_float,
-    fp8_to_float_paired,
     fp8_widen,
     grow_page_scale,
 )
@@ -53,28 +51,6 @@ def test_fp8_widen_with_denormals_flushed(dtype):
     # subnormals, widened exactly; compare what the flush leaves)
     assert _same_bits(got, ref) or dtype == torch.float8_e5m2
     assert bool(((got == ref) | (got.isnan() & ref.isnan())).all())
-
-
-@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_fp8_paired_decode_every_pair(dtype, monkeypatch):
-    """The pair table (the CPU gather's decode) gives torch's cast for all 65,536 pairs of
-    codes, NaN and subnormals included, also when the table is built with denormals flushed;
-    it declines what it cannot take (an odd count, a non-contiguous view) rather than reading
-    across rows."""
-    b = torch.arange(65536, dtype=torch.int32)
-    codes = torch.stack([(b & 0xFF), (b >> 8)], -1).to(torch.uint8).view(dtype)    # [65536, 2]
-    ref = codes.float()
-    assert _same_bits(fp8_to_float_paired(codes), ref)
-    assert _same_bits(fp8_to_float_paired(codes.reshape(4, 128, 256)), ref.reshape(4, 128, 256))
-    assert fp8_to_float_paired(codes[:3, 0]) is None         # odd count
-    assert fp8_to_float_paired(codes.t()) is None            # not contiguous
-    monkeypatch.setattr(fp8_module, "_PAIR_TABLES", {})      # built again, denormals flushed
-    if torch.set_flush_denormal(True):
-        try:
-            got = fp8_to_float_paired(codes)
-        finally:
-            torch.set_flush_denormal(False)
-        assert _same_bits(got, ref)
 
 
 @pytest.mark.parametrize("gran", ["page", "token", "tensor"])
