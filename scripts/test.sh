@@ -32,7 +32,7 @@ fi
 start=$(date +%s)
 status=0
 if [ $# -eq 0 ]; then
-  # 36 min 15 s in one process on 2 cores (2026-12-03); 15 min 43 s in 2 workers (fresh clone,
+  # 36 min 15 s in one process on 2 cores (2026-12-03); 15 min 47 s in 2 workers (fresh clone,
   # 2026-12-04, eighth session)
   # (README.md, "The two commands")
   where="one process"
