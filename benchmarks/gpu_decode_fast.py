@@ -14,7 +14,6 @@ import argparse
 import functools
 import itertools
 import json
-import math
 import os
 import sys
 import time
@@ -26,20 +25,10 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 from kvcompile.kernels import decode as dec  # noqa: E402
 from kvcompile.kernels import decode_sm90 as fast  # noqa: E402
-from tests.kernels.kernel_cases import make_format  # noqa: E402
+from tests.kernels.kernel_cases import FAST_FORMATS, make_format  # noqa: E402
+from tests.kernels.kernel_cases import launch_backend as _launch  # noqa: E402
 
 DEV = "cuda"
-FAST_FORMATS = [("bf16", "page"), ("fp16", "page"), ("fp8_e4m3", "page"), ("fp8_e4m3", "token"),
-                ("fp8_e4m3", "tensor"), ("fp8_e5m2", "page"), ("fp8_e5m2", "token")]
-
-
-def _launch(q, kc, vc, bt, sl, out, backend, *, key_mask=None, window=0, sinks=0,
-            softcap=0.0, splits=0):
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    return dec.launch_decode(
-        q, kc.data, kc.scale, kc.micro, vc.data, vc.scale, vc.micro, bt, sl, key_mask, None,
-        out, kc.fmt.name, kc.fmt.granularity, vc.fmt.name, vc.fmt.granularity, scale, window,
-        sinks, softcap, splits, None, kz=kc.zero, vz=vc.zero, backend=backend)
 
 
 def warm_builds() -> float:

@@ -24,23 +24,11 @@ import torch
 from kvcompile.kernels import decode as dec
 from kvcompile.kernels.reference import paged_decode_attention_ref
 from kvcompile.testing import REL_ERR, poison_, rel_err
-from tests.kernels.kernel_cases import make_format, make_paged_kv
+from tests.kernels.kernel_cases import FAST_FORMATS, make_format, make_paged_kv
+from tests.kernels.kernel_cases import launch_backend as launch
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-FAST_FORMATS = [("bf16", "page"), ("fp16", "page"), ("fp8_e4m3", "page"), ("fp8_e4m3", "token"),
-                ("fp8_e4m3", "tensor"), ("fp8_e5m2", "page"), ("fp8_e5m2", "token")]
-
-
-def launch(q, kc, vc, bt, sl, out, backend, *, key_mask=None, window=0, sinks=0,
-           softcap=0.0, splits=0):
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    return dec.launch_decode(
-        q, kc.data, kc.scale, kc.micro, vc.data, vc.scale, vc.micro, bt, sl, key_mask, None,
-        out, kc.fmt.name, kc.fmt.granularity, vc.fmt.name, vc.fmt.granularity, scale, window,
-        sinks, softcap, splits, None, kz=kc.zero, vz=vc.zero, backend=backend)
-
 
 def _cases() -> list[dict]:
     cases = []

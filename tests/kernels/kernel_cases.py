@@ -61,6 +61,22 @@ def make_paged_kv(k_fmt: KVFormat, v_fmt: KVFormat, lens, Hkv: int, D: int, P: i
     return kc, vc, bt.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
 
 
+# the formats the CUDA decode kernel (kernels/decode_sm90.py) takes
+FAST_FORMATS = [("bf16", "page"), ("fp16", "page"), ("fp8_e4m3", "page"), ("fp8_e4m3", "token"),
+                ("fp8_e4m3", "tensor"), ("fp8_e5m2", "page"), ("fp8_e5m2", "token")]
+
+
+def launch_backend(q, kc, vc, bt, sl, out, backend, *, key_mask=None, window=0, sinks=0,
+                   softcap=0.0, splits=0):
+    """One decode launch over make_paged_kv's pages on a chosen backend ("cuda" / "triton"),
+    scale 1 / sqrt(head_dim) (the GPU test of the CUDA kernel and gpu_decode_fast.py)."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    return launch_decode(
+        q, kc.data, kc.scale, kc.micro, vc.data, vc.scale, vc.micro, bt, sl, key_mask, None,
+        out, kc.fmt.name, kc.fmt.granularity, vc.fmt.name, vc.fmt.granularity, scale, window,
+        sinks, softcap, splits, None, kz=kc.zero, vz=vc.zero, backend=backend)
+
+
 def compute_dtype(k_fmt: KVFormat, device) -> torch.dtype:
     """Operand dtype of the kernel's dots: fp32 under the interpreter, else the page dtype
     (bf16 / fp16) or fp16 for quantized pages."""
