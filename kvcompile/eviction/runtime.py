@@ -389,16 +389,11 @@ class EvictionRuntime(RuntimeHook):
             if i not in rows:
                 continue
             book, policy = self.books[sid], self.policy_of(sid, layer)
-            pos = book.pos[layer]   # (before_write caught it up)
-            total = state.pool.logical_len(sid)
-            lo, hi = book.window or (0, 0)
-            if hi > lo:
-                pos = torch.cat([pos[:, :lo], pos[:, hi:]], 1)
-            elif bool((pos < 0).any()):
+            kept = self._kernel_slots(sid, layer, state.pool.logical_len(sid), window)
+            if kept is None:
                 continue
-            if book.start or self._needs_rotation(sid, policy, pos, book.start):
-                continue
-            if window and total - int(pos.min()) > window:
+            pos, lo, hi = kept
+            if self._needs_rotation(sid, policy, pos, book.start):
                 continue
             if hi > lo:
                 hidden.append((len(take), lo, hi))
@@ -531,16 +526,13 @@ class EvictionRuntime(RuntimeHook):
         mass_rows, hidden, n_rot, shifts = [], [], [], []
         for i, sid, _past, _n in self._rows(plan):
             book, policy = self.books[sid], self.policy_of(sid, layer)
-            pos = book.pos[layer]
             total = state.pool.logical_len(sid)
-            lo, hi = book.window or (0, 0)
-            if hi > lo:   # holes exactly at [lo, hi) (the layout): the kept slots around them
-                pos = torch.cat([pos[:, :lo], pos[:, hi:]], 1)
+            kept = self._kernel_slots(sid, layer, total, window)
+            if kept is None:
+                return None
+            pos, lo, hi = kept
+            if hi > lo:
                 hidden.append((i, lo, hi))
-            elif bool((pos < 0).any()):
-                return None
-            if book.start:
-                return None
             n, shift = 0, 0
             if self._rerotate(sid, policy):
                 slots, shift = self._sink_layout(policy, pos, book.start)
@@ -548,8 +540,6 @@ class EvictionRuntime(RuntimeHook):
                     n = slots.shape[1]
                     if hi > lo or not bool((slots == torch.arange(n, device=slots.device)).all()):
                         return None   # (sinks elsewhere than slots [0, n): attend_kept)
-            if window and total - int(pos.min()) > window:
-                return None
             if attn_mask is not None and not _mask_sees_all(attn_mask, i, pos, total):
                 return None
             mass_rows.append(layer in book.mass)
@@ -606,6 +596,21 @@ class EvictionRuntime(RuntimeHook):
         self.state.count("eviction_kernel_decode")
         out = out.float()
         return out.squeeze(2).transpose(0, 1).unsqueeze(0) if packed1 else out
+
+    def _kernel_slots(self, sid, layer: int, total: int, window):
+        """(kept positions [Hkv, n] without a window book's hidden slots, lo, hi) of a row whose
+        slots the paged decode kernel can read as far as holes, a left start and the model's
+        window go (the hidden slots [lo, hi) are masked), or None (attend_kept)."""
+        book = self.books[sid]
+        pos = book.pos[layer]   # (before_write caught it up)
+        lo, hi = book.window or (0, 0)
+        if hi > lo:   # holes exactly at [lo, hi) (the layout): the kept slots around them
+            pos = torch.cat([pos[:, :lo], pos[:, hi:]], 1)
+        elif bool((pos < 0).any()):
+            return None
+        if book.start or (window and total - int(pos.min()) > window):
+            return None
+        return pos, lo, hi
 
     def _needs_rotation(self, sid, policy, pos, start) -> bool:
         """Whether this sequence's sinks must be re-rotated at this layer (a row that does
