@@ -126,10 +126,11 @@ def test_graph_decode_with_eviction_equals_eager(fmt, policy, sinks, interval):
            "interval": interval, "eager": ie, "graphs": ig,
            "parting": [{k: (round(v, 5) if isinstance(v, float) else v) for k, v in d.items()}
                        for d in diag]})
-    if fmt[0] == "bf16":
-        assert graphed == eager, diag
-    else:
-        assert all(d["ok"] for d in diag), diag
+    # Every format, bf16 included, by the parting rule: a graph replays a bucket's padded batch,
+    # so the decode kernel's split count (and its reduction order) can differ from the eager
+    # step's; on the H200 bf16 logits differ by up to 8e-3 between the two, and a greedy token
+    # may part at a near tie (SnapKV, bf16: once at a top-2 margin of 5.3e-4).
+    assert all(d["ok"] for d in diag), diag
     assert ig["replays"] > 0 and ig["aside"] > 0
     if isinstance(policy, H2O) or sinks == "cache" and isinstance(policy, SinkWindow):
         # the mass / the rotated sinks inside the replayed step, through the Triton kernel
