@@ -19,7 +19,7 @@ import weakref
 
 import torch
 
-from kvcompile.config import KVConfig
+from kvcompile.config import KVConfig, configured_instances
 from kvcompile.errors import CacheStateError, KVCompileError
 from kvcompile.integrations.tp import tensor_parallel_of_graph
 from kvcompile.passes.pipeline import run_passes
@@ -53,7 +53,7 @@ def _compile(gm, example_inputs, options, state):
         state.tp = tensor_parallel_of_graph(gm)
     t0 = time.perf_counter()
     with state.lock:
-        result = run_passes(gm, example_inputs, state)
+        result = run_passes(gm, example_inputs, state, configured=configured_instances())
     try:
         compiled = compile_inner(gm, example_inputs, config.inner)
     except Exception as e:

@@ -47,3 +47,17 @@ def test_kernels_import_neither_the_run_time_nor_the_pool():
                      or d == "kvcompile.cache.pool")
            for m, deps in graph.items() if m.startswith("kvcompile.kernels")}
     assert {m: d for m, d in bad.items() if d} == {}
+
+
+def test_passes_import_no_cli_and_read_no_global_registry():
+    """Passes get their config passed in: they import neither the CLI nor the run time's
+    registries, and the `@configure` instances reach them from the backend (run_passes's
+    `configured`), not from config's module-global set."""
+    _, graph = _graph()
+    bad = {m: sorted(d for d in deps if d.startswith(("kvcompile.cli", "kvcompile.runtime.state",
+                                                      "kvcompile.runtime.ownership")))
+           for m, deps in graph.items() if m.startswith("kvcompile.passes")}
+    assert {m: d for m, d in bad.items() if d} == {}
+    readers = [p.name for p in (PACKAGE / "passes").glob("*.py")
+               if "configured_instances" in p.read_text()]
+    assert readers == []

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -111,7 +112,9 @@ class _Restart(Exception):
 
 
 def run_passes(gm: fx.GraphModule, example_inputs, state, *, keep_code: bool = False,
-               stop_after: str | None = None) -> PipelineResult:
+               stop_after: str | None = None, configured: Sequence = ()) -> PipelineResult:
+    """The passes over one Dynamo graph. `configured`: the module instances that carry
+    `@kvcompile.configure` overrides (the caller collects them: passes read no global registry)."""
     if stop_after is not None and stop_after not in PASS_NAMES:
         raise ValueError(f"unknown pass {stop_after!r}; passes: {', '.join(PASS_NAMES)}")
     pristine = copy.deepcopy(gm.graph, {})
@@ -120,7 +123,8 @@ def run_passes(gm: fx.GraphModule, example_inputs, state, *, keep_code: bool = F
     careful = False
     while True:
         checkpoint = _Checkpoint(state)
-        run = _Run(gm, example_inputs, state, keep_code, stop_after, excluded, careful)
+        run = _Run(gm, example_inputs, state, keep_code, stop_after, excluded, careful,
+                   configured)
         try:
             res = run.go()
         except _Restart as r:
@@ -151,8 +155,10 @@ def run_passes(gm: fx.GraphModule, example_inputs, state, *, keep_code: bool = F
 # --- one pass over the graph -------------------------------------------------------------------
 
 class _Run:
-    def __init__(self, gm, example_inputs, state, keep_code, stop_after, excluded, careful):
+    def __init__(self, gm, example_inputs, state, keep_code, stop_after, excluded, careful,
+                 configured=()):
         self.gm, self.inputs, self.state = gm, example_inputs, state
+        self.configured = list(configured)
         self.keep_code, self.stop_after = keep_code, stop_after
         self.excluded, self.careful = excluded, careful
         self.res = PipelineResult(plan=RewritePlan())
@@ -240,7 +246,7 @@ class _Run:
         return sites
 
     def configure(self, sites: list[AttentionSite]) -> None:
-        scope = config_scope(self.gm, self.inputs)
+        scope = config_scope(self.gm, self.inputs, self.configured)
         refused: list[tuple[AttentionSite, FormatProblem]] = []
         for site in sites:
             if site.reason:

@@ -9,19 +9,20 @@ instance's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
-from kvcompile.config import KVConfig, class_overrides, configured_instances, instance_overrides
+from kvcompile.config import KVConfig, class_overrides, instance_overrides
 from kvcompile.passes.graph_utils import module_stack
 from kvcompile.passes.sites import AttentionSite
 
 
 def resolve_site_configs(gm: fx.GraphModule, example_inputs, sites: list[AttentionSite],
-                         base: KVConfig) -> None:
-    scope = config_scope(gm, example_inputs)
+                         base: KVConfig, configured: Sequence = ()) -> None:
+    scope = config_scope(gm, example_inputs, configured)
     for site in sites:
         resolve_site_config(site, base, scope)
 
@@ -35,8 +36,9 @@ class ConfigScope:
     inst_ids: list
 
 
-def config_scope(gm: fx.GraphModule, example_inputs) -> ConfigScope:
-    instances = configured_instances()
+def config_scope(gm: fx.GraphModule, example_inputs, configured: Sequence = ()) -> ConfigScope:
+    """`configured`: the module instances with `@configure` overrides, given by the caller."""
+    instances = list(configured)
     scope_params = _scope_params(gm, example_inputs) if instances else {}
     return ConfigScope(scope_params, [({id(t) for t in m.parameters()}, m) for m in instances])
 
