@@ -461,6 +461,11 @@ def engine_batch(model, args, device, ctx, graphs: bool = True, eviction=None,
                    eviction_device_runs=counters.get("eviction_device_runs", 0),
                    evicted_tokens=counters.get("evicted_tokens", 0),
                    min_pages_free=min(s.pages_free for s in eng.history),
+                   # which kernels the steps took (CUDA / Triton / per-row paths), for the
+                   # step's cost against the no-eviction row
+                   kernel_counters={k: v for k, v in counters.items()
+                                    if isinstance(v, int) and v and k.startswith(
+                                        ("decode", "aside", "eviction", "engine_decode"))},
                    x_engine_b_decode=(row["decode_tok_s"] / ctx["engine_b_decode"]
                                       if ctx.get("engine_b_decode") else None),
                    x_engine_b_step_mean=(ctx["engine_b_step_mean"] / row["decode_step_ms_mean"]
@@ -638,6 +643,9 @@ def report(results, errors, args):
                          "decode_steps_full_batch", "captures_in_timed",
                          "graph_replays", "eviction_aside_steps", "eviction_device_runs",
                          "evicted_tokens", "min_pages_free"]))
+        for r in ev:
+            if r.get("kernel_counters"):
+                print(f"- {r['label']}: {r['kernel_counters']}")
     bf = results.get("kvc_bf16")
     if bf and "forced_decisive_steps" in bf:
         print(f"\nbf16 pages vs eager, teacher-forced: decisive steps {bf['forced_decisive_steps']}"
