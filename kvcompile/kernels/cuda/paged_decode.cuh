@@ -33,6 +33,9 @@
 // reads 8 bytes per thread per k-step: k-step s = 2 i + h takes bytes 8 h .. 8 h + 7 of the
 // thread's chunk t + 4 i (B registers: bytes 0-3 = k 4t..4t+3, bytes 4-7 = k 16+4t..16+4t+3),
 // and q's A registers take the same d's. P.V stays on the f16 route.
+// Only sm_89 / sm_120 run this MMA natively (SASS QMMA.16832): for sm_90 ptxas lowers it to F2FP
+// unpacks of both operands plus two HMMA.16816, so on Hopper Q8 saves no cvt (Hopper's FP8
+// tensor cores are reached through wgmma, target sm_90a; benchmarks/RESULTS.md, "qk_fp8").
 //
 // Built with -DKVC_EMU, the same source runs on the CPU (emu/cuda_emu.h, tested by
 // tests/kernels/test_decode_sm90_emu.py): each inline-PTX helper below has its host version
