@@ -27,7 +27,10 @@ REL_ERR = {
 # rounding moves each q element by at most 2^-4 of its size (~2.2% RMS), the scaled logits by
 # ~0.06 log2-units RMS (0.29 at most) on the tests' keys, and the output by 1.2-1.8% relative
 # on random inputs, 0.3-0.35% on needle rows (benchmarks/qk_fp8_quality.py, CPU emulation;
-# benchmarks/RESULTS.md "qk_fp8"). 4e-2: the random worst with ~2x margin.
+# benchmarks/RESULTS.md "qk_fp8"); up to 2.9% in tests/gpu's qk8 cases (two queries a row over
+# short sequences of 15-17 keys, where one row's few logits decide; reference on quantized q
+# against reference on q, computed on the CPU). 4e-2 leaves 1.4x over that worst case; the
+# kernel's own error (2e-4 .. 4e-3) adds in quadrature.
 REL_ERR_QK_FP8 = 4e-2
 
 
