@@ -1,11 +1,17 @@
 """The CUDA decode kernel (kernels/decode_sm90.py) on the H200: speed.
 
-    python benchmarks/gpu_decode_fast.py [--waves 2,4,8] [--out DIR]   # gpu_jobs.sh decode_fast
+    python benchmarks/gpu_decode_fast.py [--waves 2,4,8] [--variants base,qk8] [--out DIR]
+                                                                     # gpu_jobs.sh decode_fast
 
 Decode time relative to torch SDPA over contiguous bf16 (same process), the CUDA kernel and the
 Triton kernel side by side, medians of CUDA-graph replays; results in DIR/gpu_decode_fast.json.
 Its correctness and long-context accuracy checks (formerly --check / --accuracy) are
 tests/gpu/test_decode_sm90_gpu.py.
+
+--variants: the CUDA kernel variants timed, comma-separated: base (the default kernel), qk8 (the
+opt-in qk_fp8 variant: q.k on e4m3 tensor cores; e4m3-key formats only, rows labelled
+"cuda qk8"). Default: base. --formats / --shapes narrow the rows (comma-separated names of
+BENCH_FORMATS as fmt/gran, of SHAPES); --no-triton drops the Triton rows.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from tests.kernels.kernel_cases import launch_backend as _launch  # noqa: E402
 DEV = "cuda"
 
 
-def warm_builds() -> float:
+def warm_builds(qk8: bool = False) -> float:
     """Compile every variant the bench uses, in parallel; returns seconds."""
     t0 = time.perf_counter()
     keys = set()
@@ -40,6 +46,8 @@ def warm_builds() -> float:
         kk = fast._KIND[kf]
         sm = fast._SCALE[kg] if kk < 2 else 0
         keys.add((kk, kk, sm, sm, d, d, rows, fast._QT[qt]))
+        if qk8 and kf == "fp8_e4m3":
+            keys.add((kk, kk, sm, sm, d, d, rows, fast._QT[qt], 1))
     keys.add((0, 3, 1, 0, 128, 128, 8, 1))  # K fp8 / V bf16
     with ThreadPoolExecutor(16) as ex:
         list(ex.map(lambda k: fast._kernel(*k), sorted(keys)))
@@ -72,11 +80,14 @@ def _random_pages(f, N, Hkv, P, D, gen):
     return c
 
 
-def bench(gen, waves_list) -> list[dict]:
+def bench(gen, waves_list, variants=("base",), formats=None, shapes=None,
+          triton=True) -> list[dict]:
     import torch.nn.functional as F
 
     rows = []
     for name, (B, L, Hq, Hkv, D) in SHAPES.items():
+        if shapes and name not in shapes:
+            continue
         q = torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16, generator=gen)
         k = torch.randn(B, Hkv, L, D, device=DEV, dtype=torch.bfloat16, generator=gen)
         v = torch.randn(B, Hkv, L, D, device=DEV, dtype=torch.bfloat16, generator=gen)
@@ -88,6 +99,8 @@ def bench(gen, waves_list) -> list[dict]:
                      "TB/s": kv_bf16 / t_sdpa / 1e9})
         npg = B * (L // 16)
         for kf, kg in BENCH_FORMATS:
+            if formats and f"{kf}/{kg}" not in formats:
+                continue
             f = make_format(kf, kg)
             kc = _random_pages(f, npg, Hkv, 16, D, gen)
             vc = _random_pages(f, npg, Hkv, 16, D, gen)
@@ -95,15 +108,18 @@ def bench(gen, waves_list) -> list[dict]:
             sl = torch.full((B,), L, dtype=torch.int32, device=DEV)
             out = torch.empty(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16)
             stored = 2 * B * L * f.bytes_per_token(Hkv, D, 16)
-            for backend in ("triton", "cuda"):
-                variants = [None] if backend == "triton" else [None] + waves_list
-                for w in variants:
+            runs = [("triton", False)] if triton else []
+            runs += [("cuda", False)] if "base" in variants else []
+            runs += [("cuda", True)] if "qk8" in variants and kf == "fp8_e4m3" else []
+            for backend, qk8 in runs:
+                ws = [None] if backend == "triton" else [None] + waves_list
+                for w in ws:
                     splits = 0  # the CUDA kernel's own choice (decode_sm90.choose_splits)
                     if w is not None:
                         splits = fast.choose_splits(B, Hkv, bt.shape[1] * 16,
                                                     dec._sm_count(q.device), waves=w)
                     t = _bench(functools.partial(_launch, q, kc, vc, bt, sl, out, backend,
-                                                 splits=splits))
+                                                 splits=splits, qk_fp8=qk8))
                     if backend == "cuda" and w is None:
                         splits = fast.choose_splits(
                             B, Hkv, bt.shape[1] * 16, dec._sm_count(q.device),
@@ -114,7 +130,8 @@ def bench(gen, waves_list) -> list[dict]:
                     label = ("" if backend == "triton" else
                              f" auto splits={splits}" if w is None else
                              f" waves={w} splits={splits}")
-                    rows.append({"shape": name, "row": f"{kf}/{kg} {backend}{label}",
+                    tag = f"{backend} qk8" if qk8 else backend
+                    rows.append({"shape": name, "row": f"{kf}/{kg} {tag}{label}",
                                  "ms": t, "x": t / t_sdpa, "TB/s": stored / t / 1e9})
             del kc, vc
             torch.cuda.empty_cache()
@@ -123,17 +140,27 @@ def bench(gen, waves_list) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--waves", default="2,4,8")
+    ap.add_argument("--waves", default="2,4,8", help="'' for none")
+    ap.add_argument("--variants", default="base", help="base,qk8")
+    ap.add_argument("--formats", default="", help="e.g. fp8_e4m3/page,fp8_e4m3/tensor")
+    ap.add_argument("--shapes", default="", help="e.g. B64_L8k,B1_L128k")
+    ap.add_argument("--no-triton", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
+    variants = [v for v in a.variants.split(",") if v]
+    bad = set(variants) - {"base", "qk8"}
+    if bad:
+        ap.error(f"--variants: unknown {sorted(bad)}; take base and/or qk8")
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    res["build_s"] = warm_builds()
+    res["build_s"] = warm_builds(qk8="qk8" in variants)
     print(f"built variants in {res['build_s']:.1f} s", flush=True)
     gen_cuda = torch.Generator(device=DEV).manual_seed(1)
-    res["bench"] = bench(gen_cuda, [float(w) for w in a.waves.split(",")])
-    print(f"{'shape':12s} {'row':42s} {'ms':>8s} {'x sdpa':>7s} {'TB/s':>6s}")
+    waves = [float(w) for w in a.waves.split(",") if w]
+    res["bench"] = bench(gen_cuda, waves, variants, [f for f in a.formats.split(",") if f],
+                         [s for s in a.shapes.split(",") if s], not a.no_triton)
+    print(f"{'shape':12s} {'row':46s} {'ms':>8s} {'x sdpa':>7s} {'TB/s':>6s}")
     for r in res["bench"]:
-        print(f"{r['shape']:12s} {r['row']:42s} {r['ms']:8.4f} {r['x']:7.3f} "
+        print(f"{r['shape']:12s} {r['row']:46s} {r['ms']:8.4f} {r['x']:7.3f} "
               f"{r['TB/s']:6.2f}")
     with open(os.path.join(a.out, "gpu_decode_fast.json"), "w") as fh:
         json.dump(res, fh, indent=1, default=str)

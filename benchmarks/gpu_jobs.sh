@@ -14,6 +14,7 @@
 #   EC_K=rerotated bash benchmarks/gpu_jobs.sh evict_check evict_bench   # eviction in the Engine
 #   bash benchmarks/gpu_jobs.sh engine_graphs hf_graphs gen e2e prefill_matrix
 #   bash benchmarks/gpu_jobs.sh triton_decode prefill_bench kernel_report append_bench
+#   bash benchmarks/gpu_jobs.sh qk8_check qk8_bench   # the opt-in qk_fp8 decode variant vs default
 #   PROF_ARGS="--steps" bash benchmarks/gpu_jobs.sh profile   # a decode step by part
 #   PB_ARGS=--quick bash benchmarks/gpu_jobs.sh prefill_bench  # the prefill matrix (bench_prefill)
 #   bash benchmarks/gpu_jobs.sh quality_canary     # then, same warm machine: quality (see
@@ -46,6 +47,8 @@ job() {   # job NAME -> "LIMIT COMMAND"
     env)            echo "20 nvidia-smi; python3 -c 'import torch,triton,transformers as t;print(torch.__version__,triton.__version__,t.__version__,torch.cuda.get_device_name())'; nvcc --version | tail -1" ;;
     decode_fast)    echo "300 python3 benchmarks/gpu_decode_fast.py --out $OUT" ;;
     decode_check)   echo "${DC_LIMIT:-200} $PYTEST tests/gpu/test_decode_sm90_gpu.py" ;;
+    qk8_check)      echo "${Q8C_LIMIT:-200} $PYTEST tests/gpu/test_decode_sm90_gpu.py -k 'qk8 or wrong_output'" ;;
+    qk8_bench)      echo "${Q8B_LIMIT:-300} python3 benchmarks/gpu_decode_fast.py --variants base,qk8 --no-triton --waves '' --formats ${Q8B_FORMATS:-fp8_e4m3/page,fp8_e4m3/token,fp8_e4m3/tensor} --out $OUT" ;;
     decode_matrix)  echo "${DM_LIMIT:-240} $PAR tests/gpu/test_decode_matrix_gpu.py ${DM_K:+-k $DM_K}" ;;
     append_matrix)  echo "${AM_LIMIT:-150} $PAR tests/gpu/test_append_gpu.py" ;;
     prefill_matrix) echo "${PC_LIMIT:-240} $PAR tests/gpu/test_prefill_matrix_gpu.py ${PC_K:+-k $PC_K}" ;;

@@ -282,8 +282,10 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
                   sliding_window: int, sinks: int, softcap: float, num_splits: int,
                   config: dict | None = None, kz=None, vz=None, k_res=None, k_res_slot=None,
                   v_res=None, v_res_slot=None, backend: str = "auto",
-                  sink_logits=None, lse_out=None) -> torch.Tensor:
+                  sink_logits=None, lse_out=None, qk_fp8: bool = False) -> torch.Tensor:
     """Check, then launch split kernel (+ combine, + attention-mass pass). Writes `out`.
+    qk_fp8: the CUDA kernel's opt-in variant with q.k on e4m3 tensor cores (q quantized to
+    e4m3; fp8_e4m3 keys on sm_90 only; refused with the reason otherwise).
     kz / vz: int zero points (shaped like the scales); k_res / v_res [R, Hkv, P, D] bf16 and
     k_res_slot / v_res_slot [N] int32: residual pages (PagedTensor.res_data / res_slot);
     sink_logits [Hq] fp32: attention sinks (the module docstring); lse_out [B, Hq, Sq] fp32:
@@ -313,7 +315,13 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
             return launch_decode_sm90(
                 q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out, k_fmt, k_gran, v_fmt,
                 v_gran, scale, sliding_window, sinks, softcap, num_splits, _sm_count(q.device),
-                _combine)
+                _combine, qk_fp8=qk_fp8)
+        if qk_fp8:
+            raise UnsupportedShapeError(f"paged_decode: qk_fp8 runs on the CUDA kernel only, "
+                                        f"which refuses this call: {why}")
+    if qk_fp8:
+        raise UnsupportedShapeError("paged_decode: qk_fp8 runs on the CUDA kernel only (sm_90, "
+                                    "backend 'cuda' or 'auto'); drop qk_fp8 for this backend")
     for name, code, z in (("keys", kfmt, kz), ("values", vfmt, vz)):
         if code in INT_FMT_BITS and (z is None or z.dtype != torch.float16):
             raise UnsupportedShapeError(f"paged_decode: int {name} need fp16 zero points")

@@ -6,7 +6,12 @@
 It takes bf16 / fp16 / fp8 (e4m3, e5m2) pages with page, token or tensor scales, head_dim 64 or
 128, up to 16 query rows per kv head (G * Sq), pages of 8-128 tokens, windows with sinks, key
 masks and softcapping. `unsupported` names what it does not take; the caller (decode.py) then
-runs the portable Triton kernel and the run time reports why. Why CUDA C++ and not Triton or
+runs the portable Triton kernel and the run time reports why.
+
+qk_fp8=True (opt-in, default off; e4m3 keys only) selects the variant that runs q.k on FP8 tensor
+cores: q quantized to e4m3 once per CTA with a power-of-two scale per query row (folded into the
+score scale), mma.sync m16n8k32 e4m3 on the key codes as stored. It adds q's e4m3 rounding to the
+scores (quantize_q_e4m3 is the same quantization in PyTorch, for references). Why CUDA C++ and not Triton or
 Gluon: docs/architecture.md, "Decode kernels".
 """
 
@@ -91,24 +96,31 @@ def _stages(kk: int, vk: int, d: int, dv: int, rows: int) -> tuple[int, int, int
 
 
 def variant(kk: int, vk: int, ksm: int, vsm: int, d: int, dv: int, rows: int,
-            qt: int) -> tuple[dict[str, int], int, int]:
+            qt: int, q8: int = 0) -> tuple[dict[str, int], int, int]:
     """(compile-time constants, CTAs per SM, shared bytes per CTA) of a kernel variant; the
-    host emulation (kernels/cuda/emu) builds the same constants."""
+    host emulation (kernels/cuda/emu) builds the same constants. q8 = 1: q.k on e4m3 tensor
+    cores (e4m3 keys only, kk == 0); the same stages and shared memory as q8 = 0."""
+    if q8 and kk != _KIND["fp8_e4m3"]:
+        raise UnsupportedShapeError("sm90 decode: the qk_fp8 variant takes fp8_e4m3 keys only")
     ns, ctas, smem = _stages(kk, vk, d, dv, rows)
     defines = {"KVC_KK": kk, "KVC_VK": vk, "KVC_KSM": ksm, "KVC_VSM": vsm, "KVC_D": d,
-               "KVC_DV": dv, "KVC_ROWS": rows, "KVC_NS": ns, "KVC_QT": qt}
+               "KVC_DV": dv, "KVC_ROWS": rows, "KVC_NS": ns, "KVC_QT": qt, "KVC_Q8": int(q8)}
     return defines, ctas, smem
 
 
-def _kernel(kk: int, vk: int, ksm: int, vsm: int, d: int, dv: int, rows: int, qt: int) -> Kernel:
-    key = (kk, vk, ksm, vsm, d, dv, rows, qt)
+KERNEL_CALL = ("kvc::paged_decode<KVC_KK, KVC_VK, KVC_KSM, KVC_VSM, KVC_D, KVC_DV, KVC_ROWS, "
+               "KVC_NS, KVC_QT, KVC_Q8 != 0>")
+
+
+def _kernel(kk: int, vk: int, ksm: int, vsm: int, d: int, dv: int, rows: int, qt: int,
+            q8: int = 0) -> Kernel:
+    key = (kk, vk, ksm, vsm, d, dv, rows, qt, int(q8))
     k = _kernels.get(key)
     if k is None:
         defines, ctas, smem = variant(*key)
         cubin = build.build_cubin(
-            "paged_decode.cuh", "kvc_paged_decode",
-            "kvc::paged_decode<KVC_KK, KVC_VK, KVC_KSM, KVC_VSM, KVC_D, KVC_DV, KVC_ROWS, "
-            "KVC_NS, KVC_QT>", defines, arch="sm_90", threads=WARPS * 32, min_blocks=ctas)
+            "paged_decode.cuh", "kvc_paged_decode", KERNEL_CALL, defines, arch="sm_90",
+            threads=WARPS * 32, min_blocks=ctas)
         k = Kernel(cubin, "kvc_paged_decode", smem)
         _kernels[key] = k
     return k
@@ -150,6 +162,26 @@ def _padded_mask(key_mask: torch.Tensor, max_width: int) -> torch.Tensor:
     return out
 
 
+E4M3_MAX_CODE_MAGNITUDE = 256.0  # |q / scale| < 256 with the power-of-two row scales
+
+
+def quantize_q_e4m3(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The qk_fp8 kernel's quantization of q in PyTorch: q [..., D] -> (codes [..., D]
+    float8_e4m3fn, scales [..., 1] fp32), q ~ codes * scales. Per row (the last dim): scale =
+    2^(e - 8) with amax = max |q| < 2^e (frexp), 1 for an all-zero row, NaN for a row holding a
+    NaN or an infinity; codes = round-to-nearest-even(q / scale), exact division, |codes| < 256."""
+    qf = q.float()
+    amax = qf.abs().amax(-1, keepdim=True)
+    bad = ~torch.isfinite(qf).all(-1, keepdim=True)
+    _, e = torch.frexp(amax)
+    es = torch.where((amax > 0) & ~bad, (e - 8).clamp(-126, 126), torch.zeros_like(e))
+    inv = torch.ldexp(torch.ones_like(amax), -es)
+    scale = torch.where(bad, torch.full_like(amax, float("nan")),
+                        torch.ldexp(torch.ones_like(amax), es))
+    codes = (torch.nan_to_num(qf, nan=0.0, posinf=0.0, neginf=0.0) * inv).to(torch.float8_e4m3fn)
+    return codes, scale
+
+
 @dataclass
 class Launch:
     """One launch of the kernel as launch_decode_sm90 sets it up (the emulation runs it too)."""
@@ -171,13 +203,14 @@ class Launch:
 def launch_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
                        k_fmt: str, k_gran: str, v_fmt: str, v_gran: str, scale: float,
                        sliding_window: int, sinks: int, softcap: float, num_splits: int,
-                       sm_count: int, combine) -> torch.Tensor:
+                       sm_count: int, combine, *, qk_fp8: bool = False) -> torch.Tensor:
     """q [B, Hq, Sq, D]; kd / vd [N, Hkv, P, D(v)] pages; ks / vs their fp32 scales (or None);
     block_tables [B, W] int32; seq_lens [B] int32; key_mask [B, Lm] bool or None; out
-    [B, Hq, Sq, DV] or None. `combine(acc, plse, out, lse, num_splits, dv)` merges splits."""
+    [B, Hq, Sq, DV] or None. `combine(acc, plse, out, lse, num_splits, dv)` merges splits.
+    qk_fp8: the opt-in variant with q.k on e4m3 tensor cores (fp8_e4m3 keys only)."""
     lp = plan_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out, k_fmt,
                           k_gran, v_fmt, v_gran, scale, sliding_window, sinks, softcap,
-                          num_splits, sm_count)
+                          num_splits, sm_count, qk_fp8=qk_fp8)
     _kernel(*lp.key).launch(lp.grid, WARPS * 32, lp.prm, q.device)
     if not lp.direct:
         lse = torch.empty(lp.acc.shape[0], dtype=torch.float32, device=q.device)
@@ -188,8 +221,12 @@ def launch_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
 def plan_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
                      k_fmt: str, k_gran: str, v_fmt: str, v_gran: str, scale: float,
                      sliding_window: int, sinks: int, softcap: float, num_splits: int,
-                     sm_count: int) -> Launch:
+                     sm_count: int, *, qk_fp8: bool = False) -> Launch:
     """launch_decode_sm90's arguments -> the launch: variant, grid, DecodeParams, buffers."""
+    if qk_fp8 and k_fmt != "fp8_e4m3":
+        raise UnsupportedShapeError(
+            f"sm90 decode: qk_fp8 (q.k on e4m3 tensor cores) needs fp8_e4m3 keys, not {k_fmt}; "
+            "call without qk_fp8 for these pages")
     B, Hq, Sq, D = q.shape
     N, Hkv, P, _ = kd.shape
     kk, vk = _KIND[k_fmt], _KIND[v_fmt]
@@ -200,7 +237,7 @@ def plan_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
         raise UnsupportedShapeError(f"sm90 decode: {rows} query rows per kv head (> {MAX_ROWS})")
     ksm = _SCALE[k_gran] if kk < 2 else 0
     vsm = _SCALE[v_gran] if vk < 2 else 0
-    key = (kk, vk, ksm, vsm, D, dv, 8 if rows <= 8 else 16, _QT[q.dtype])
+    key = (kk, vk, ksm, vsm, D, dv, 8 if rows <= 8 else 16, _QT[q.dtype], int(qk_fp8))
     q = q.contiguous()
     dev = q.device
     max_len = block_tables.shape[1] * P

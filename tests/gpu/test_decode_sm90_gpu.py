@@ -8,6 +8,9 @@ mixed K / V formats and q dtypes, each asserting that the CUDA kernel (not the T
 the case. Accuracy: L = 131,072 with peaky attention (a few keys hold most of the mass), both
 backends against an fp32 reference over the same dequantized pages. All variants are built
 first, in parallel threads. The timing half is benchmarks/gpu_decode_fast.py.
+The opt-in qk_fp8 variant (q.k on e4m3 tensor cores, `-k qk8`): its cases against the reference
+on q quantized the same way (decode_sm90.quantize_q_e4m3, the usual bounds) and on q itself
+(REL_ERR_QK_FP8), and the long needle case.
 (Was benchmarks/gpu_decode_fast.py --check --accuracy.)
 """
 
@@ -23,7 +26,7 @@ import torch
 
 from kvcompile.kernels import decode as dec
 from kvcompile.kernels.reference import paged_decode_attention_ref
-from kvcompile.testing import REL_ERR, poison_, rel_err
+from kvcompile.testing import REL_ERR, REL_ERR_QK_FP8, poison_, rel_err
 from tests.kernels.kernel_cases import FAST_FORMATS, make_format, make_paged_kv
 from tests.kernels.kernel_cases import launch_backend as launch
 
@@ -59,6 +62,28 @@ def _cases() -> list[dict]:
 CASES = _cases()
 
 
+def _qk8_cases() -> list[dict]:
+    cases = []
+    for kg, D, G, P, Sq in itertools.product(("page", "token", "tensor"), (64, 128), (1, 4, 8),
+                                             (16, 128), (1, 2)):
+        if G * Sq <= 16:
+            cases.append(dict(k=("fp8_e4m3", kg), v=("fp8_e4m3", kg), D=D, G=G, P=P, Sq=Sq,
+                              qk8=True))
+    fp8, bf = ("fp8_e4m3", "page"), ("bf16", "page")
+    cases += [
+        dict(k=fp8, v=fp8, D=128, G=4, P=16, Sq=1, window=100, sinks=4, qk8=True),
+        dict(k=fp8, v=fp8, D=128, G=4, P=8, Sq=2, kmask=True, qk8=True),
+        dict(k=fp8, v=fp8, D=128, G=4, P=16, Sq=1, softcap=30.0, qk8=True),
+        dict(k=fp8, v=fp8, D=128, G=4, P=16, Sq=1, splits=7, qk8=True),
+        dict(k=fp8, v=bf, D=128, G=4, P=16, Sq=1, qk8=True),
+        dict(k=fp8, v=fp8, D=128, G=4, P=16, Sq=1, q=torch.bfloat16, qk8=True),
+    ]
+    return cases
+
+
+QK8_CASES = _qk8_cases()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def built_variants():
     """Compile every variant the cases use, in parallel threads (as the old script did)."""
@@ -76,11 +101,17 @@ def built_variants():
         sm = fast._SCALE[kg] if kk < 2 else 0
         keys.add((kk, kk, sm, sm, d, d, rows, fast._QT[qt]))
     keys.add((0, 3, 1, 0, 128, 128, 8, 1))  # K fp8 / V bf16
+    for k in list(keys):  # the qk_fp8 variant of each e4m3-key variant
+        if k[0] == 0:
+            keys.add((*k, 1))
     with ThreadPoolExecutor(16) as ex:
         list(ex.map(lambda k: fast._kernel(*k), sorted(keys)))
 
 
-def run_fast_case(c: dict, gen, corrupt: bool = False) -> tuple[float, float]:
+def run_fast_case(c: dict, gen, corrupt: bool = False, unquantized_ref: bool = False
+                  ) -> tuple[float, float]:
+    """(relative error, bound). qk8 cases: against the reference on q quantized as the kernel
+    does, or (unquantized_ref) on q itself with REL_ERR_QK_FP8."""
     lens = [1, 17, 300, 1033, 16, 15][: 3 if c["D"] == 64 else 6]
     kc, vc, bt, sl = make_paged_kv(make_format(*c["k"]), make_format(*c["v"]), lens, 2,
                                    c["D"], c["P"], gen=gen)
@@ -94,18 +125,28 @@ def run_fast_case(c: dict, gen, corrupt: bool = False) -> tuple[float, float]:
     out = poison_(torch.empty(B, Hq, c["Sq"], c["D"], dtype=qdt, device="cuda"))
     why = dec.fast_path_reason(q, *c["k"], *c["v"], c["D"], c["D"], c["P"], c["G"] * c["Sq"])
     assert why == "", f"fast path refused: {why}"
+    qk8 = c.get("qk8", False)
     launch(q, kc, vc, bt, sl, out, "cuda", key_mask=km, window=c.get("window", 0),
-           sinks=c.get("sinks", 0), softcap=c.get("softcap", 0.0), splits=c.get("splits", 0))
+           sinks=c.get("sinks", 0), softcap=c.get("softcap", 0.0), splits=c.get("splits", 0),
+           qk_fp8=qk8)
     torch.cuda.synchronize()
     if corrupt:
         out.mul_(1.05)
-    ref = paged_decode_attention_ref(q, kc, vc, bt, sl, 1 / math.sqrt(c["D"]), key_mask=km,
+    q_ref = q
+    if qk8 and not unquantized_ref:
+        from kvcompile.kernels.decode_sm90 import quantize_q_e4m3
+
+        codes, qsc = quantize_q_e4m3(q)
+        q_ref = codes.float() * qsc
+    ref = paged_decode_attention_ref(q_ref, kc, vc, bt, sl, 1 / math.sqrt(c["D"]), key_mask=km,
                                      sliding_window=c.get("window", 0),
                                      sinks=c.get("sinks", 0), softcap=c.get("softcap", 0.0))
     assert not torch.isnan(out).any(), "unwritten (poisoned) or NaN output elements"
     cdt = torch.bfloat16 if "bf16" in (c["k"][0], c["v"][0]) else torch.float16
     if qdt == torch.bfloat16:
         cdt = torch.bfloat16
+    if qk8 and unquantized_ref:
+        return rel_err(out, ref), REL_ERR_QK_FP8
     return rel_err(out, ref), REL_ERR[cdt]
 
 
@@ -120,6 +161,25 @@ def test_cuda_decode_case(case):
     assert err <= bound, f"rel err {err:.2e} > {bound:.1e}"
 
 
+@pytest.mark.parametrize("case", QK8_CASES, ids=[_id(i, c) for i, c in enumerate(QK8_CASES)])
+def test_cuda_decode_qk8_case(case):
+    seed = 1000 + QK8_CASES.index(case)
+    err, bound = run_fast_case(case, torch.Generator().manual_seed(seed))
+    assert err <= bound, f"vs reference on quantized q: rel err {err:.2e} > {bound:.1e}"
+    err, bound = run_fast_case(case, torch.Generator().manual_seed(seed), unquantized_ref=True)
+    assert err <= bound, f"vs reference on q: rel err {err:.2e} > {bound:.1e}"
+
+
+def test_cuda_decode_qk8_is_quantized():
+    """Negative case: the qk8 output against the reference on unquantized q misses the f16
+    bound the default kernel meets (q really is quantized), and a 5% error fails its check."""
+    c = QK8_CASES[0]
+    err, _ = run_fast_case(c, torch.Generator().manual_seed(0), unquantized_ref=True)
+    assert err > 3 * REL_ERR[torch.float16]
+    err, bound = run_fast_case(c, torch.Generator().manual_seed(0), corrupt=True)
+    assert err > bound
+
+
 def test_cuda_decode_check_catches_a_wrong_output():
     """Negative case: the same check on an output off by 5% fails."""
     err, bound = run_fast_case(CASES[0], torch.Generator().manual_seed(0), corrupt=True)
@@ -129,6 +189,17 @@ def test_cuda_decode_check_catches_a_wrong_output():
 @pytest.mark.parametrize("kf,kg", [("fp8_e4m3", "page"), ("fp8_e4m3", "tensor"),
                                    ("bf16", "page")])
 def test_accuracy_long_peaky(kf, kg):
+    _long_peaky(kf, kg, False)
+
+
+@pytest.mark.parametrize("kg", ["page", "tensor"])
+def test_accuracy_long_peaky_qk8(kg):
+    """The needle case through the qk_fp8 variant: against the reference on quantized q with the
+    f16 bound, on q itself with REL_ERR_QK_FP8 (CPU emulation at L 4096: 0.3-0.35%)."""
+    _long_peaky("fp8_e4m3", kg, True)
+
+
+def _long_peaky(kf, kg, qk8):
     """B=1, L=131072, Hkv 8, G 4: q aligned with 8 'needle' keys; the rest noise."""
     gen = torch.Generator().manual_seed(7)
     L, Hkv, G, D, P = 131072, 8, 4, 128, 16
@@ -148,6 +219,18 @@ def test_accuracy_long_peaky(kf, kg):
     sl = torch.tensor([L], dtype=torch.int32, device="cuda")
     ref = paged_decode_attention_ref(q, kc, vc, bt, sl, 1 / math.sqrt(D))
     bound = REL_ERR[torch.bfloat16 if kf == "bf16" else torch.float16]
+    if qk8:
+        from kvcompile.kernels.decode_sm90 import quantize_q_e4m3
+
+        codes, qsc = quantize_q_e4m3(q)
+        ref_q8 = paged_decode_attention_ref(codes.float() * qsc, kc, vc, bt, sl, 1 / math.sqrt(D))
+        out = poison_(torch.empty(1, Hkv * G, 1, D, device="cuda"))
+        launch(q, kc, vc, bt, sl, out, "cuda", qk_fp8=True)
+        torch.cuda.synchronize()
+        errs = {"vs quantized q": rel_err(out, ref_q8), "vs q": rel_err(out, ref)}
+        print(f"qk8 {kf}/{kg} L{L}: {errs}")
+        assert errs["vs quantized q"] <= bound and errs["vs q"] <= REL_ERR_QK_FP8, errs
+        return
     errs = {}
     for backend in ("cuda", "triton"):
         out = poison_(torch.empty(1, Hkv * G, 1, D, device="cuda"))

@@ -67,14 +67,15 @@ FAST_FORMATS = [("bf16", "page"), ("fp16", "page"), ("fp8_e4m3", "page"), ("fp8_
 
 
 def launch_backend(q, kc, vc, bt, sl, out, backend, *, key_mask=None, window=0, sinks=0,
-                   softcap=0.0, splits=0):
+                   softcap=0.0, splits=0, qk_fp8=False):
     """One decode launch over make_paged_kv's pages on a chosen backend ("cuda" / "triton"),
-    scale 1 / sqrt(head_dim) (the GPU test of the CUDA kernel and gpu_decode_fast.py)."""
+    scale 1 / sqrt(head_dim) (the GPU test of the CUDA kernel and gpu_decode_fast.py).
+    qk_fp8: the CUDA kernel's opt-in q.k-on-e4m3-tensor-cores variant."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     return launch_decode(
         q, kc.data, kc.scale, kc.micro, vc.data, vc.scale, vc.micro, bt, sl, key_mask, None,
         out, kc.fmt.name, kc.fmt.granularity, vc.fmt.name, vc.fmt.granularity, scale, window,
-        sinks, softcap, splits, None, kz=kc.zero, vz=vc.zero, backend=backend)
+        sinks, softcap, splits, None, kz=kc.zero, vz=vc.zero, backend=backend, qk_fp8=qk_fp8)
 
 
 def compute_dtype(k_fmt: KVFormat, device) -> torch.dtype:

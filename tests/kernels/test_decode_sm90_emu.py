@@ -21,7 +21,7 @@ import torch
 from kvcompile.kernels import decode_sm90 as fast
 from kvcompile.kernels.cuda.emu import build_emu as emu
 from kvcompile.kernels.reference import paged_decode_attention_ref
-from kvcompile.testing import REL_ERR, poison_, rel_err
+from kvcompile.testing import REL_ERR, REL_ERR_QK_FP8, poison_, rel_err
 from tests.kernels.kernel_cases import make_format, make_paged_kv
 
 pytestmark = pytest.mark.skipif(not emu.available()[0], reason=emu.available()[1] or "g++")
@@ -146,7 +146,8 @@ def test_launcher_with_triton_combine(splits, monkeypatch):
 
     plans = []
     plan = fast.plan_decode_sm90
-    monkeypatch.setattr(fast, "plan_decode_sm90", lambda *a: plans.append(plan(*a)) or plans[-1])
+    monkeypatch.setattr(fast, "plan_decode_sm90",
+                        lambda *a, **kw: plans.append(plan(*a, **kw)) or plans[-1])
 
     class _Emulated:
         def launch(self, grid, block, prm, dev):
@@ -333,3 +334,170 @@ def test_matrix(fmt, D, G, Sq):
         check(fmt, fmt, D, G, P, Sq, lens=[1, 17, 300, 1033, 16, 15], seed=P)
     check(fmt, fmt, D, G, 16, Sq, lens=[310, 1033, 17], window=37, sinks=3, splits=3)
     check(fmt, fmt, D, G, 16, Sq, kmask=True, softcap=20.0)
+
+
+# ---- the opt-in qk_fp8 variant (KVC_Q8): q.k on e4m3 tensor cores, q quantized per row
+# Against the fp32 reference run on q quantized the same way (decode_sm90.quantize_q_e4m3): the
+# kernel's own error (f16 probabilities and values), the usual bounds. Against the reference on
+# q itself: plus q's rounding, REL_ERR_QK8 below.
+#
+# REL_ERR_QK8 (kvcompile.testing.REL_ERR_QK_FP8, justified there): 4e-2. The f16 bound (2e-3)
+# is far below it and the variant fails that one (test_qk8_needs_its_tolerance), so the check
+# tells q quantized from not.
+REL_ERR_QK8 = REL_ERR_QK_FP8
+
+
+def _decode_q8(kc, vc, bt, sl, q, km, *, splits=1, window=0, sinks=0, softcap=0.0, seed=0,
+               root=None):
+    # -> (emulated qk_fp8 output, reference on quantized q, reference on q)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out = poison_(torch.empty(*q.shape[:3], vc.head_dim, dtype=q.dtype))
+    lp = fast.plan_decode_sm90(q, kc.data, kc.scale, vc.data, vc.scale, bt, sl, km, out,
+                               kc.fmt.name, kc.fmt.granularity, vc.fmt.name,
+                               vc.fmt.granularity, scale, window, sinks, softcap, splits, 132,
+                               qk_fp8=True)
+    assert lp.key[-1] == 1
+    emu.run(lp, seed=seed, root=root)
+    codes, qsc = fast.quantize_q_e4m3(q)
+    kw = dict(key_mask=km, sliding_window=window, sinks=sinks, softcap=softcap)
+    ref_q8 = paged_decode_attention_ref(codes.float() * qsc, kc, vc, bt, sl, scale, **kw)
+    ref = paged_decode_attention_ref(q, kc, vc, bt, sl, scale, **kw)
+    return emu.finish(lp), ref_q8, ref
+
+
+def check_q8(k, v, D, G, P, Sq, lens=LENS, *, q_dtype=torch.float32, kmask=False, seed=0,
+             **kw) -> tuple[float, float]:
+    kc, vc, bt, sl, q, km = _inputs(k, v, D, G, P, Sq, lens, kmask=kmask, q_dtype=q_dtype,
+                                    seed=seed)
+    out, ref_q8, ref = _decode_q8(kc, vc, bt, sl, q, km, seed=seed, **kw)
+    assert not torch.isnan(out).any(), "NaN (unwritten or poisoned) output elements"
+    err_q8, err = rel_err(out, ref_q8), rel_err(out, ref)
+    bound = _bound(k, v, q_dtype)
+    assert err_q8 <= bound, f"vs quantized-q reference: {err_q8:.2e} > {bound}"
+    assert err <= REL_ERR_QK8, f"vs reference: {err:.2e} > {REL_ERR_QK8}"
+    return err_q8, err
+
+
+E4T = ("fp8_e4m3", "token")
+QK8_CASES = [  # (keys, values, D, G, Sq, P, q dtype): ROWS 8 and 16, D 64 / 128, scale modes
+    (E4, E4, 128, 4, 1, 16, F32),
+    (E4T, E4T, 64, 8, 2, 128, F32),
+    (("fp8_e4m3", "tensor"), ("fp8_e4m3", "tensor"), 128, 4, 1, 8, B16),
+    (E4, BF, 128, 4, 1, 16, B16),
+]
+
+
+@pytest.mark.parametrize("k,v,D,G,Sq,P,q_dtype", QK8_CASES)
+def test_qk8_matches_reference(k, v, D, G, Sq, P, q_dtype):
+    check_q8(k, v, D, G, P, Sq, q_dtype=q_dtype, seed=1)
+
+
+def test_qk8_masks_window_softcap_splits():
+    check_q8(E4, E4, 128, 4, 16, 1, lens=[1, 17, 300, 1033], splits=3)
+    check_q8(E4T, E4T, 64, 8, 128, 2, lens=[310, 1033, 17], window=37, sinks=3, splits=2)
+    check_q8(E4, E4, 128, 4, 16, 1, kmask=True, softcap=30.0)
+
+
+def test_qk8_needs_its_tolerance():
+    """Negative case: the variant's output against the reference on unquantized q fails the f16
+    bound the default kernel meets (q is really quantized), and a 5% error fails both checks."""
+    kc, vc, bt, sl, q, km = _inputs(E4, E4, 128, 4, 16, 1, LENS)
+    out, ref_q8, ref = _decode_q8(kc, vc, bt, sl, q, km)
+    assert rel_err(out, ref) > 3 * REL_ERR[torch.float16]  # the default kernel: ~2e-4
+    assert rel_err(out * 1.05, ref_q8) > REL_ERR[torch.float16]
+    assert rel_err(out * 1.05, ref) > REL_ERR_QK8
+
+
+def test_qk8_nan_in_q_reaches_its_row_only():
+    kc, vc, bt, sl, q, km = _inputs(E4, E4, 128, 4, 16, 1, [200, 200])
+    q[1, 2, 0, 7] = float("nan")
+    q[0, 5, 0, 3] = float("inf")
+    out, ref_q8, _ = _decode_q8(kc, vc, bt, sl, q, km)
+    hit = torch.zeros_like(out, dtype=torch.bool)
+    hit[1, 2] = hit[0, 5] = True
+    assert torch.equal(torch.isnan(ref_q8), hit)
+    assert torch.equal(torch.isnan(out), hit), "a NaN / inf q row must give NaN there only"
+    assert rel_err(out[~hit], ref_q8[~hit]) <= _bound(E4, E4)
+
+
+def test_qk8_refuses_other_keys():
+    from kvcompile.errors import UnsupportedShapeError
+
+    kc, vc, bt, sl, q, km = _inputs(("fp8_e5m2", "page"), E4, 64, 4, 16, 1, [17])
+    with pytest.raises(UnsupportedShapeError, match="fp8_e4m3 keys"):
+        fast.plan_decode_sm90(q, kc.data, kc.scale, vc.data, vc.scale, bt, sl, None, None,
+                              "fp8_e5m2", "page", "fp8_e4m3", "page", 0.1, 0, 0, 0.0, 1, 132,
+                              qk_fp8=True)
+    with pytest.raises(UnsupportedShapeError, match="fp8_e4m3 keys"):
+        fast.variant(3, 3, 0, 0, 128, 128, 8, 1, 1)
+
+
+def test_quantize_q_e4m3():
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(4, 3, 128, generator=gen) * torch.tensor([1e-3, 1.0, 300.0])[None, :, None]
+    q[0, 0] = 0.0
+    codes, s = fast.quantize_q_e4m3(q)
+    assert codes.dtype == torch.float8_e4m3fn and s.shape == (4, 3, 1)
+    assert torch.equal(s[0, 0], torch.ones(1)) and not codes[0, 0].float().any()
+    m, e = torch.frexp(s)
+    assert torch.all(m == 0.5), "row scales are powers of two"
+    c = codes.float()
+    assert c.abs().max() < 256 and c.abs().amax(-1)[1:].min() >= 128  # amax row in [128, 256)
+    deq = c * s
+    big = q.abs() >= s * 2.0**-6  # normal e4m3 codes: within half an ulp (2^-4 relative)
+    assert torch.all((deq - q).abs()[big] <= q.abs()[big] * 2.0**-4)
+    assert not torch.equal(deq, q)
+
+
+def test_f32_to_e4m3_bit_exact():
+    """The host cvt.rn.satfinite.e4m3x2.f32 against torch's float8_e4m3fn rounding (to nearest
+    even) on every e4m3 value, the ties between neighbours, random floats in range; saturation
+    at 448 and NaN as PTX's .satfinite says."""
+    lib = _lib()
+    vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    fin = vals[vals.isfinite()].unique()
+    ties = (fin[:-1] + fin[1:]) / 2
+    gen = torch.Generator().manual_seed(0)
+    rnd = (torch.rand(1 << 16, generator=gen) * 2 - 1) * torch.exp2(
+        torch.randint(-14, 9, (1 << 16,), generator=gen).float())
+    x = torch.cat([fin, ties, rnd, torch.tensor([0.0, -0.0, 2.0**-10, 2.0**-9 * 1.5])])
+    x = x[x.abs() <= 448]
+    got = torch.empty(x.numel(), dtype=torch.uint8)
+    lib.kvc_emu_convert(5, x.data_ptr(), got.data_ptr(), x.numel())
+    assert torch.equal(got, x.to(torch.float8_e4m3fn).view(torch.uint8))
+    edge = torch.tensor([449.0, 465.0, 1e30, float("inf"), -500.0, float("-inf"), float("nan")])
+    got = torch.empty(edge.numel(), dtype=torch.uint8)
+    lib.kvc_emu_convert(5, edge.data_ptr(), got.data_ptr(), edge.numel())
+    assert got.tolist()[:6] == [0x7E, 0x7E, 0x7E, 0x7E, 0xFE, 0xFE]
+    assert got[6].view(torch.float8_e4m3fn).float().isnan()
+
+
+@pytest.mark.parametrize("mutation", [
+    ("mma16832_e4m3(sa[j], qa8[2 * i], w.x, w.y);", "mma16832_e4m3(sa[j], qa8[2 * i], w.y, w.x);"),
+    ("qk_r[1] = qk * s1;", "qk_r[1] = qk;"),
+])
+def test_qk8_broken_kernel_is_caught(mutation, tmp_path):
+    """Negative case: the kernel with its B registers swapped (q's d's meet other keys' d's), or
+    rows g + 8 without their q scale, fails the check that the real one passes."""
+    old, new = mutation
+    root = tmp_path / "cuda"
+    shutil.copytree(emu._HERE, root / "emu", ignore=shutil.ignore_patterns("*.py", "__py*"))
+    src = (emu._HERE.parent / "paged_decode.cuh").read_text()
+    assert src.count(old) == 1
+    (root / "paged_decode.cuh").write_text(src.replace(old, new))
+    kc, vc, bt, sl, q, km = _inputs(E4T, E4T, 64, 8, 128, 2, [300, 17])
+    out, ref_q8, _ = _decode_q8(kc, vc, bt, sl, q, km, root=root)
+    assert rel_err(out, ref_q8) > 10 * _bound(E4T, E4T)
+
+
+def test_qk8_is_refused_off_the_cuda_kernel():
+    """qk_fp8 through launch_decode never falls back silently: off the CUDA kernel (here: the
+    CPU, and backend 'triton') it raises with the reason."""
+    from kvcompile.errors import UnsupportedShapeError
+    from tests.kernels.kernel_cases import launch_backend
+
+    kc, vc, bt, sl, q, km = _inputs(E4, E4, 64, 4, 16, 1, [17])
+    out = torch.empty_like(q)
+    for backend in ("triton", "cuda"):
+        with pytest.raises(UnsupportedShapeError, match="qk_fp8 runs on the CUDA kernel only"):
+            launch_backend(q, kc, vc, bt, sl, out, backend, qk_fp8=True)

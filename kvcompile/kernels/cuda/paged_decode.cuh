@@ -23,6 +23,20 @@
 // Shared-memory rows are XOR-swizzled in 16-byte chunks (see swz) so that fragment loads are
 // free of bank conflicts.
 //
+// Opt-in variant Q8 (e4m3 keys only; the launcher's qk_fp8, default off): q.k on FP8 tensor
+// cores, mma.sync m16n8k32 e4m3 x e4m3 -> f32, the key codes straight from shared memory as the
+// B operand (no cvt on K). q is quantized once per CTA: each query row r gets a power-of-two
+// scale sq_r = 2^(e_r - 8), e_r = frexp exponent of max_d |q[r, d]| (so |q / sq_r| < 256 <= 448,
+// and the division is exact: the only rounding is e4m3's round-to-nearest-even), folded into
+// the row's score multiplier (qk_scale * sq_r, and cap_in * sq_r under softcapping). A row with
+// a NaN or infinite q gets sq_r = NaN (its output is NaN, as the reference's). The k32 layout
+// reads 8 bytes per thread per k-step: k-step s = 2 i + h takes bytes 8 h .. 8 h + 7 of the
+// thread's chunk t + 4 i (B registers: bytes 0-3 = k 4t..4t+3, bytes 4-7 = k 16+4t..16+4t+3),
+// and q's A registers take the same d's. P.V stays on the f16 route.
+// Only sm_89 / sm_120 run this MMA natively (SASS QMMA.16832): for sm_90 ptxas lowers it to F2FP
+// unpacks of both operands plus two HMMA.16816, so on Hopper Q8 saves no cvt (Hopper's FP8
+// tensor cores are reached through wgmma, target sm_90a; benchmarks/RESULTS.md, "qk_fp8").
+//
 // Built with -DKVC_EMU, the same source runs on the CPU (emu/cuda_emu.h, tested by
 // tests/kernels/test_decode_sm90_emu.py): each inline-PTX helper below has its host version
 // beside it, and nothing else differs.
@@ -138,6 +152,42 @@ __device__ __forceinline__ uint2 lds64(const uint8_t* p) {
   return r;
 }
 
+// mma.sync m16n8k32 e4m3 x e4m3 -> f32 (sm_89+). Fragments (PTX ISA, "Matrix Fragments for
+// mma.m16n8k32", 8-bit types; g = lane / 4, t = lane % 4; 4 codes per register, the lowest k in
+// the lowest byte):
+//   A (16 x 32, row): a[0] = row g, k 4t..4t+3;   a[1] = row g+8, k 4t..4t+3;
+//                     a[2] = row g, k 16+4t..;    a[3] = row g+8, k 16+4t..
+//   B (32 x 8, col):  b0 = col g, k 4t..4t+3;     b1 = col g, k 16+4t..16+4t+3
+//   C, D: as m16n8k16 (c[0], c[1] = row g, cols 2t, 2t+1; c[2], c[3] = row g+8)
+__device__ __forceinline__ void mma16832_e4m3(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                              uint32_t b1) {
+#ifdef KVC_EMU
+  kvc_emu::mma_m16n8k32_e4m3(d, a, b0, b1);
+#else
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// two f32 -> two e4m3 codes, round to nearest even, saturating to +-448 (NaN -> NaN code):
+// `lo`'s code in the low byte (cvt.rn.satfinite.e4m3x2.f32 d, a, b puts a in the high byte)
+__device__ __forceinline__ uint32_t f32x2_to_e4m3x2(float lo, float hi) {
+#ifdef KVC_EMU
+  return kvc_emu::f32_to_e4m3(lo) | (static_cast<uint32_t>(kvc_emu::f32_to_e4m3(hi)) << 8);
+#else
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+#endif
+}
+
+__device__ __forceinline__ float pow2f(int e) {  // 2^e, exact, e in [-126, 127]
+  return __int_as_float((e + 127) << 23);
+}
+
 template <bool BF16>
 __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                          uint32_t b1) {
@@ -241,9 +291,11 @@ __device__ __forceinline__ int chunk_off(int row, int c, int nc) {
   return row * nc * 16 + ((nc >= 8 ? (c ^ swz(row)) : c) << 4);
 }
 
-template <int KK, int VK, int KSM, int VSM, int D, int DV, int ROWS, int NS, int QT>
+template <int KK, int VK, int KSM, int VSM, int D, int DV, int ROWS, int NS, int QT,
+          bool Q8 = false>
 __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
   using Gm = Geo<KK, VK, D, DV, NS, KSM, VSM>;
+  static_assert(!Q8 || KK == KVC_E4M3, "Q8 (q.k on e4m3 tensor cores) takes e4m3 keys only");
   constexpr bool KBF = KK == KVC_BF16, VBF = VK == KVC_BF16;
   const float NEG_INF = -INFINITY;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -259,6 +311,62 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
   // ---- q -> shared (compute dtype of q.k), rows >= R zero; then A fragments in registers
   uint16_t* qs = reinterpret_cast<uint16_t*>(smem);  // [ROWS][D]
   uint8_t* stages = smem + ROWS * D * 2;
+  // Q8: e4m3 codes [ROWS][D] bytes, then 16 row scales (fits in the ROWS * D * 2 bytes)
+  uint8_t* qc = smem;
+  float* qsc = reinterpret_cast<float*>(smem + ROWS * D);
+  constexpr int KS8 = D / 32;  // Q8: k-steps of q.k
+  uint32_t qa[Q8 ? 1 : Gm::KS][4];
+  uint32_t qa8[Q8 ? KS8 : 1][4];
+  if constexpr (Q8) {
+    // warp w quantizes rows w, w + 4, ...; lane l holds elements 4 l .. 4 l + 3 (D 64: lanes < 16)
+    for (int r = warp; r < ROWS; r += WARPS) {
+      float x[4] = {0.f, 0.f, 0.f, 0.f};
+      if (r < R && 4 * lane < D) {
+        const long long row = (b * Hq + (long long)h * G + r / SQ) * SQ + r % SQ;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[e] = load_q<QT>(p.q, row * D + 4 * lane + e);
+      }
+      float amax = 0.f;
+      bool bad = false;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        amax = fmaxf(amax, fabsf(x[e]));
+        bad = bad || !(fabsf(x[e]) <= 3.402823466e38f);  // NaN or +-inf
+      }
+#pragma unroll
+      for (int o = 16; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      bad = __any_sync(0xffffffffu, bad);
+      int es = 0;
+      if (amax > 0.f && !bad) {
+        int e;
+        frexpf(amax, &e);  // amax < 2^e
+        es = min(max(e - 8, -126), 126);
+      }
+      const float inv = pow2f(-es);
+      if (4 * lane < D) {
+        const uint32_t w = f32x2_to_e4m3x2(x[0] * inv, x[1] * inv) |
+                           (f32x2_to_e4m3x2(x[2] * inv, x[3] * inv) << 16);
+        *reinterpret_cast<uint32_t*>(qc + r * D + 4 * lane) = w;
+      }
+      if (lane == 0) qsc[r] = bad ? __int_as_float(0x7fc00000) : pow2f(es);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int s = 0; s < KS8; ++s) {
+      const int d0 = 16 * (t + 4 * (s / 2)) + 8 * (s % 2);
+      const uint32_t* r0 = reinterpret_cast<const uint32_t*>(qc + g * D + d0);
+      qa8[s][0] = r0[0];
+      qa8[s][2] = r0[1];
+      if constexpr (ROWS == 16) {
+        const uint32_t* r1 = reinterpret_cast<const uint32_t*>(qc + (g + 8) * D + d0);
+        qa8[s][1] = r1[0];
+        qa8[s][3] = r1[1];
+      } else {
+        qa8[s][1] = 0u;
+        qa8[s][3] = 0u;
+      }
+    }
+  } else {
   for (int e = threadIdx.x; e < ROWS * D; e += WARPS * 32) {
     const int r = e / D, d = e % D;
     float x = 0.f;
@@ -275,7 +383,6 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
     }
   }
   __syncthreads();
-  uint32_t qa[Gm::KS][4];
 #pragma unroll
   for (int s = 0; s < Gm::KS; ++s) {
     const int c = t + 4 * (s / Gm::KPC);
@@ -292,11 +399,21 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
       qa[s][3] = 0u;
     }
   }
+  }
 
   float kt = 1.f, vt = 1.f;  // tensor scales
   if constexpr (KSM == KVC_SC_TENSOR) kt = p.ks[0];
   if constexpr (VSM == KVC_SC_TENSOR) vt = p.vs[0];
   const float qk = p.qk_scale * kt, cap_in = p.cap_in * kt;
+  // score multipliers of rows g (c < 2) and g + 8 (c >= 2): Q8 folds in the rows' q scales
+  float qk_r[2] = {qk, qk}, cap_r[2] = {cap_in, cap_in};
+  if constexpr (Q8) {
+    const float s0 = qsc[g], s1 = ROWS == 16 ? qsc[g + 8] : 1.f;
+    qk_r[0] = qk * s0;
+    qk_r[1] = qk * s1;
+    cap_r[0] = cap_in * s0;
+    cap_r[1] = cap_in * s1;
+  }
 
   // ---- the split's steps: [lo_s, ceil(L / 16)) plus the sink steps a window cuts off
   int lo_s = 0, n_sink = 0;
@@ -402,7 +519,10 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
 #pragma unroll
       for (int i = 0; i < Gm::NCK / 4; ++i) {
         const uint4 w = lds128(st + chunk_off(row, t + 4 * i, Gm::NCK));
-        if constexpr (Gm::KEB == 1) {
+        if constexpr (Q8) {
+          mma16832_e4m3(sa[j], qa8[2 * i], w.x, w.y);
+          mma16832_e4m3(sa[j], qa8[2 * i + 1], w.z, w.w);
+        } else if constexpr (Gm::KEB == 1) {
 #pragma unroll
           for (int ww = 0; ww < 4; ++ww) {
             const uint32_t x = word(w, ww);
@@ -464,7 +584,7 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const float raw = sa[j][c] * kf[j][c & 1];
-        x[j][c] = p.cap_out != 0.f ? p.cap_out * tanhf(raw * cap_in) : raw * qk;
+        x[j][c] = p.cap_out != 0.f ? p.cap_out * tanhf(raw * cap_r[c >> 1]) : raw * qk_r[c >> 1];
       }
     // every row sees every token of the step: the first query (position L - SQ) sees the last
     // token, the last query (L - 1) the first one through its window

@@ -7,7 +7,7 @@
 namespace kvc_emu {
 namespace {
 
-enum Op { OP_SYNCWARP = 1, OP_SHFL, OP_ANY, OP_MMA_F16, OP_MMA_BF16 };
+enum Op { OP_SYNCWARP = 1, OP_SHFL, OP_ANY, OP_MMA_F16, OP_MMA_BF16, OP_MMA_E4M3 };
 
 // ---- warp collectives: every lane of the warp must arrive at the same kind of collective
 Warp& arrive(Lane& me, int op, const char* name, uint32_t mask, const void* site, bool aligned) {
@@ -80,6 +80,46 @@ void mma_complete(Warp& w) {
   }
 }
 
+// mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 (PTX ISA, "Matrix Fragments for
+// mma.m16n8k32", 8-bit types): each 32-bit register holds four codes, the lowest k in the lowest
+// byte.
+//   A (16 x 32, row): a[0] = (row g, k 4t..4t+3),      a[1] = (row g+8, k 4t..4t+3),
+//                     a[2] = (row g, k 16+4t..16+4t+3), a[3] = (row g+8, k 16+4t..16+4t+3)
+//   B (32 x 8, col):  b0 = (k 4t..4t+3; col g),        b1 = (k 16+4t..16+4t+3; col g)
+//   C, D: as m16n8k16.
+// Every product of two e4m3 values is exact in double; the sum is taken in double and rounded
+// once. (Hopper's FP8 tensor cores accumulate with fewer bits than f32; here that is over one
+// k-step chain of D / 32 MMAs into a fresh accumulator per 16-token step, and the GPU test
+// measures it. The emulation is the exact sum.)
+void mma_e4m3_complete(Warp& w) {
+  float A[16][32], B[32][8], C[16][8];
+  auto el = [](uint32_t r, int i) { return e4m3_to_f32(static_cast<uint8_t>(r >> (8 * i))); };
+  for (int l = 0; l < WARP; ++l) {
+    const int g = l >> 2, t = l & 3;
+    for (int e = 0; e < 4; ++e) {
+      A[g][4 * t + e] = el(w.a[l][0], e);
+      A[g + 8][4 * t + e] = el(w.a[l][1], e);
+      A[g][16 + 4 * t + e] = el(w.a[l][2], e);
+      A[g + 8][16 + 4 * t + e] = el(w.a[l][3], e);
+      B[4 * t + e][g] = el(w.b[l][0], e);
+      B[16 + 4 * t + e][g] = el(w.b[l][1], e);
+    }
+    for (int e = 0; e < 2; ++e) {
+      C[g][2 * t + e] = w.c[l][e];
+      C[g + 8][2 * t + e] = w.c[l][2 + e];
+    }
+  }
+  for (int l = 0; l < WARP; ++l) {
+    const int g = l >> 2, t = l & 3;
+    for (int c = 0; c < 4; ++c) {
+      const int i = g + 8 * (c >> 1), j = 2 * t + (c & 1);
+      double s = C[i][j];
+      for (int k = 0; k < 32; ++k) s += static_cast<double>(A[i][k]) * B[k][j];
+      w.res[l][c] = f32_bits(static_cast<float>(s));
+    }
+  }
+}
+
 }  // namespace
 
 void syncwarp(uint32_t mask, const void* site) {
@@ -126,6 +166,20 @@ void mma_at(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, boo
   w.b[me.lane][0] = b0;
   w.b[me.lane][1] = b1;
   meet(me, w, mma_complete);
+  for (int i = 0; i < 4; ++i) d[i] = bits_f32(w.res[me.lane][i]);
+}
+
+void mma_e4m3_at(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
+                 const void* site) {
+  Lane& me = *cur;
+  Warp& w = arrive(me, OP_MMA_E4M3, "mma.sync e4m3", FULL, site, true);
+  for (int i = 0; i < 4; ++i) {
+    w.a[me.lane][i] = a[i];
+    w.c[me.lane][i] = d[i];
+  }
+  w.b[me.lane][0] = b0;
+  w.b[me.lane][1] = b1;
+  meet(me, w, mma_e4m3_complete);
   for (int i = 0; i < 4; ++i) d[i] = bits_f32(w.res[me.lane][i]);
 }
 

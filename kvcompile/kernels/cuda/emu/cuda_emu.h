@@ -10,7 +10,8 @@
 //     meet there (runtime.cpp), so a missing or mismatched collective deadlocks or is reported;
 //   - __half / __nv_bfloat16 with round-to-nearest-even conversions written out bit by bit, and
 //     fp8 (e4m3 / e5m2) decoding, checked bit-exact against torch by the tests;
-//   - the PTX the kernel inlines (mma.sync, cvt f16x2 from fp8x2, cp.async + groups, ld.shared)
+//   - the PTX the kernel inlines (mma.sync f16 / bf16 m16n8k16 and e4m3 m16n8k32, cvt f16x2 from
+//     fp8x2 and e4m3x2 from f32, cp.async + groups, ld.shared)
 //     as calls into kvc_emu::, placed next to each asm block under #ifdef KVC_EMU.
 #pragma once
 #include <stdint.h>
@@ -95,6 +96,29 @@ inline uint16_t e4m3_to_f16(uint8_t c) {
 
 inline uint16_t e5m2_to_f16(uint8_t c) { return static_cast<uint16_t>(c) << 8; }  // f16's top
 
+inline float e4m3_to_f32(uint8_t c) { return f16_to_f32(e4m3_to_f16(c)); }
+
+// f32 -> e4m3fn code, round to nearest even, saturating (cvt.rn.satfinite.e4m3x2.f32): |x| at or
+// past 448 (infinities included) -> +-448, NaN -> 0x7f
+inline uint8_t f32_to_e4m3(float f) {
+  const uint32_t x = f32_bits(f);
+  const uint8_t sign = static_cast<uint8_t>((x >> 24) & 0x80u);
+  const uint32_t a = x & 0x7fffffffu;
+  if (a > 0x7f800000u) return 0x7f;
+  if (a >= 0x43e00000u) return sign | 0x7e;       // >= 448
+  if (a < 0x3c800000u) {                          // below 2^-6: subnormal codes m * 2^-9
+    const float v = bits_f32(a) * 512.f;          // exact (a power-of-two scaling)
+    uint32_t q = static_cast<uint32_t>(v);
+    const float rem = v - static_cast<float>(q);
+    if (rem > 0.5f || (rem == 0.5f && (q & 1u))) ++q;  // q == 8: the least normal, 2^-6
+    return sign | static_cast<uint8_t>(q);
+  }
+  uint32_t q = a >> 20;                           // exponent and 3 mantissa bits
+  const uint32_t rem = a & 0xfffffu;
+  if (rem > 0x80000u || (rem == 0x80000u && (q & 1u))) ++q;
+  return sign | static_cast<uint8_t>(q - (120u << 3));  // bias 127 -> 7; < 448: at most 0x7e
+}
+
 // ---- runtime hooks (runtime.cpp): the current lane, collectives, async copies, shared memory
 struct Lane;
 extern Lane* cur;           // the lane (fiber) running now
@@ -107,6 +131,8 @@ uint32_t shfl_xor(uint32_t mask, uint32_t value, int lane_mask, const void* site
 int any(uint32_t mask, int pred, const void* site);
 void mma_at(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, bool bf16,
             const void* site);
+void mma_e4m3_at(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
+                 const void* site);
 uint32_t cvta_shared(const void* p);  // generic -> shared address, checked
 void cp_async(uint32_t dst, const void* src, int cp_size, int src_size);
 void cp_commit();
@@ -141,7 +167,13 @@ __attribute__((noinline)) inline void mma_m16n8k16(float (&d)[4], const uint32_t
                                                    uint32_t b0, uint32_t b1, bool bf16) {
   mma_at(d, a, b0, b1, bf16, KVC_EMU_SITE);
 }
+__attribute__((noinline)) inline void mma_m16n8k32_e4m3(float (&d)[4], const uint32_t (&a)[4],
+                                                        uint32_t b0, uint32_t b1) {
+  mma_e4m3_at(d, a, b0, b1, KVC_EMU_SITE);
+}
 }  // namespace kvc_emu
+
+inline float __int_as_float(int i) { return kvc_emu::bits_f32(static_cast<uint32_t>(i)); }
 
 // prmt's default mode as __byte_perm documents it: byte n of the result is byte s<4n+2:4n> of
 // the 8 bytes {y, x} (x = bytes 0-3)

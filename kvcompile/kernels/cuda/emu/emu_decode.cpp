@@ -16,8 +16,8 @@
 namespace {
 
 void body(const void* arg) {
-  kvc::paged_decode<KVC_KK, KVC_VK, KVC_KSM, KVC_VSM, KVC_D, KVC_DV, KVC_ROWS, KVC_NS, KVC_QT>(
-      *static_cast<const DecodeParams*>(arg));
+  kvc::paged_decode<KVC_KK, KVC_VK, KVC_KSM, KVC_VSM, KVC_D, KVC_DV, KVC_ROWS, KVC_NS, KVC_QT,
+                    KVC_Q8 != 0>(*static_cast<const DecodeParams*>(arg));
 }
 
 }  // namespace
@@ -62,7 +62,8 @@ extern "C" int kvc_emu_decode(const DecodeParams* p, int grid_x, int grid_y, int
 }
 
 // Bit conversions, exported so that the tests can check them against torch on every code.
-// kind: 0 f32 -> f16, 1 f32 -> bf16, 2 f16 -> f32, 3 e4m3 -> f16, 4 e5m2 -> f16
+// kind: 0 f32 -> f16, 1 f32 -> bf16, 2 f16 -> f32, 3 e4m3 -> f16, 4 e5m2 -> f16,
+// 5 f32 -> e4m3 (saturating, as the kernel's cvt.rn.satfinite.e4m3x2.f32)
 extern "C" void kvc_emu_convert(int kind, const void* in, void* out, long long n) {
   for (long long i = 0; i < n; ++i) {
     switch (kind) {
@@ -74,8 +75,10 @@ extern "C" void kvc_emu_convert(int kind, const void* in, void* out, long long n
                   kvc_emu::f16_to_f32(static_cast<const uint16_t*>(in)[i]); break;
       case 3: static_cast<uint16_t*>(out)[i] =
                   kvc_emu::e4m3_to_f16(static_cast<const uint8_t*>(in)[i]); break;
-      default: static_cast<uint16_t*>(out)[i] =
+      case 4: static_cast<uint16_t*>(out)[i] =
                   kvc_emu::e5m2_to_f16(static_cast<const uint8_t*>(in)[i]); break;
+      default: static_cast<uint8_t*>(out)[i] =
+                  kvc_emu::f32_to_e4m3(static_cast<const float*>(in)[i]); break;
     }
   }
 }

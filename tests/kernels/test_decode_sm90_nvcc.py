@@ -1,0 +1,70 @@
+"""paged_decode.cuh through nvcc for sm_90 on the CPU machine (no GPU needed): the default
+variant and the opt-in qk_fp8 variant (q.k on e4m3 tensor cores, mma.sync m16n8k32) both build,
+for ROWS 8 / 16, head_dim 64 / 128, each into a fresh cache (so the compile really runs).
+Skipped where nvcc is absent. Their numbers: test_decode_sm90_emu.py (CPU emulation) and
+tests/gpu/test_decode_sm90_gpu.py (H200)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvcompile.kernels import decode_sm90 as fast
+from kvcompile.kernels.cuda import build
+
+pytestmark = pytest.mark.skipif(build.nvcc_path() is None, reason="nvcc not found")
+
+# (kk, vk, ksm, vsm, D, DV, ROWS, QT, q8)
+VARIANTS = [
+    (0, 0, 1, 1, 128, 128, 8, 1, 0),
+    (0, 0, 1, 1, 128, 128, 8, 1, 1),
+    (0, 0, 2, 2, 64, 64, 16, 2, 1),
+    (0, 3, 3, 0, 128, 128, 16, 0, 1),  # e4m3 keys (tensor scale), bf16 values
+]
+
+
+def _cubin(key, arch="sm_90") -> bytes:
+    defines, ctas, _ = fast.variant(*key)
+    return build.build_cubin("paged_decode.cuh", "kvc_paged_decode", fast.KERNEL_CALL, defines,
+                             arch=arch, threads=fast.WARPS * 32, min_blocks=ctas)
+
+
+@pytest.mark.parametrize("key", VARIANTS, ids=lambda k: "q8-" + "-".join(map(str, k)))
+def test_builds_for_sm90(key, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cubin = _cubin(key)
+    assert cubin[:4] == b"\x7fELF"
+    assert list((tmp_path / "kvcompile" / "cuda").glob("kvc_paged_decode-*.cubin"))
+
+
+def _cuobjdump() -> str | None:
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import triton
+    except ImportError:
+        return None
+    p = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(p) if p.exists() else None
+
+
+@pytest.mark.skipif(_cuobjdump() is None, reason="cuobjdump not found")
+def test_qk8_is_the_fp8_tensor_core_instruction(tmp_path, monkeypatch):
+    """The qk_fp8 variant's PTX is the FP8 MMA: built for sm_89 (Ada, where mma.sync takes e4m3
+    natively) its SASS holds QMMA.16832 e4m3 and the default variant's none. (For sm_90 ptxas
+    lowers the same PTX to F2FP unpacks + HMMA.16816: Hopper's FP8 tensor cores are reached
+    through wgmma only; benchmarks/RESULTS.md, "qk_fp8".)"""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+
+    def sass(key):
+        path = tmp_path / f"k{key[-1]}.cubin"
+        path.write_bytes(_cubin(key, arch="sm_89"))
+        return subprocess.run([_cuobjdump(), "-sass", str(path)], capture_output=True,
+                              text=True, timeout=120).stdout
+
+    assert "QMMA.16832.F32.E4M3.E4M3" in sass(VARIANTS[1])
+    assert "QMMA" not in sass(VARIANTS[0])
