@@ -1,0 +1,156 @@
+"""Chunked prefill through a gathered workspace (kernels/prefill_gather.py) vs the plain-PyTorch
+reference over the dequantized pages (kernels/reference.py `paged_prefill_attention_ref`):
+every format the paged prefill reads x scale granularity, GQA, several sequences of different
+lengths in one batch, windows / sinks / softcap / left padding, a workspace bound that splits
+the batch, and the route rule (including where it must keep the paged route)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kvcompile.errors import UnsupportedShapeError  # noqa: E402
+from kvcompile.kernels import prefill_gather as G  # noqa: E402
+from kvcompile.kernels.prefill import paged_prefill_attention  # noqa: E402
+from kvcompile.kernels.reference import paged_prefill_attention_ref  # noqa: E402
+from kvcompile.testing import ASSERT_CLOSE, REL_ERR, kernel_rel_err, rel_err  # noqa: E402
+from tests.kernels.test_prefill import (  # noqa: E402
+    DEV,
+    PLAIN,
+    _bound,
+    _cpu_dtypes,
+    cu_of,
+    make_format,
+    make_paged_kv,
+)
+
+CASES = [
+    # format, gran, seq_lens, q_lens, Hq, Hkv, D, P, kwargs
+    ("fp32", "page", [70, 19, 33], [21, 19, 1], 4, 2, 64, 16, {}),
+    ("fp16", "page", [45, 64], [45, 3], 4, 4, 64, 8, {}),
+    ("fp8_e4m3", "page", [90, 17, 51], [30, 17, 6], 4, 2, 64, 16, {}),
+    ("fp8_e4m3", "token", [57, 40], [9, 40], 8, 2, 128, 32, dict(softcap=4.0)),
+    ("fp8_e4m3", "tensor", [66, 30], [20, 5], 4, 2, 64, 16, dict(sliding_window=15, sinks=2)),
+    ("fp8_e5m2", "page", [81, 5], [16, 5], 6, 2, 64, 16, {}),                       # G=3
+    ("fp8_e5m2", "token", [100], [33], 4, 1, 64, 64, dict(sliding_window=20)),
+    ("fp4_e2m1", "page", [77, 30], [25, 4], 4, 2, 64, 16, {}),
+    ("fp4_e2m1", "token", [52, 70], [52, 11], 4, 2, 128, 16, dict(sliding_window=10)),
+    ("fp4_e2m1", "tensor", [60, 60], [7, 60], 4, 4, 64, 32, {}),
+    ("fp8_e4m3", "page", [80, 40], [24, 40], 4, 2, 64, 16,
+     dict(kv_start=[5, 0], sliding_window=20, sinks=3)),
+    ("fp16", "page", [64, 33, 48], [16, 0, 8], 4, 2, 64, 16, dict(kv_start=[0, 30, 7])),
+]
+
+
+def _run(case, dtype, *, budget=G.DEFAULT_WORKSPACE_BYTES, gen=None):
+    name, gran, lens, q_lens, Hq, Hkv, D, P, kw = case
+    kw = dict(kw)
+    fmt = make_format(name, gran)
+    kc, vc, bt, sl = make_paged_kv(fmt, lens, Hkv, D, P, gen=gen)
+    cu = cu_of(q_lens)
+    q = torch.randn(int(cu[-1]), Hq, D, generator=gen).to(device=DEV, dtype=dtype)
+    starts = kw.pop("kv_start", None)
+    ks = None if starts is None else torch.tensor(starts, dtype=torch.int32, device=DEV)
+    out = G.gathered_prefill_attention(q, kc, vc, bt, cu, sl, D ** -0.5, kv_start=ks,
+                                       workspace_bytes=budget, **kw)
+    ref = paged_prefill_attention_ref(q, kc, vc, bt, cu, sl, D ** -0.5, kv_start=ks, **kw)
+    return out, ref
+
+
+@pytest.mark.parametrize("dtype", _cpu_dtypes())
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_gathered_prefill_matches_reference(case, dtype):
+    gen = torch.Generator().manual_seed(300 + case)
+    out, ref = _run(CASES[case], dtype, gen=gen)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    name = CASES[case][0]
+    # the workspace holds the dequantized pages in q's dtype (the paged kernel: fp16 codes)
+    bound = _bound(dtype) if name in PLAIN or dtype == torch.float32 else REL_ERR[torch.float16]
+    assert rel_err(out, ref) <= bound, f"rel err {rel_err(out, ref):.2e}"
+
+
+@pytest.mark.parametrize("name,gran", [("bf16", "page"), ("fp8_e4m3", "page"),
+                                       ("fp8_e5m2", "token"), ("fp8_e4m3", "tensor"),
+                                       ("fp4_e2m1", "page"), ("fp4_e2m1", "token")])
+def test_gather_pages_equals_the_format_decoder(name, gran):
+    """The gather kernel writes exactly PagedTensor.read's values (fp32 workspace), from a key
+    in the middle of a page, for sequences of different lengths."""
+    gen = torch.Generator().manual_seed(17)
+    kc, _, bt, _ = make_paged_kv(make_format(name, gran), [45, 70, 9], 2, 64, 16, gen=gen)
+    starts, counts = [3, 20, 0], [42, 50, 9]
+    cu = cu_of(counts)
+    out = G.gather_pages(kc, bt, torch.tensor(starts, dtype=torch.int32, device=DEV), cu,
+                         sum(counts), max(counts), torch.float32)
+    for b, (s, n) in enumerate(zip(starts, counts)):
+        pages = bt[b, :(s + n + 15) // 16].long()
+        want = kc.read(pages).float().permute(0, 2, 1, 3).reshape(-1, 2, 64)[s:s + n]
+        atol, rtol = ASSERT_CLOSE[torch.float32]
+        torch.testing.assert_close(out[int(cu[b]):int(cu[b + 1])], want, atol=atol, rtol=rtol)
+
+
+def test_workspace_bound_splits_the_batch(monkeypatch):
+    """A workspace bound below the batch's keys: sequences go in groups, each workspace within
+    the bound, the output unchanged."""
+    case = ("fp8_e4m3", "page", [90, 17, 51, 64], [30, 17, 6, 10], 4, 2, 64, 16, {})
+    per_key = 2 * (64 + 64) * 4   # Hkv * (D + Dv) * fp32
+    seen = []
+    real = G.gather_pages
+
+    def spy(cache, bt, starts, cu_k, total, max_len, dtype):
+        seen.append(total)
+        return real(cache, bt, starts, cu_k, total, max_len, dtype)
+
+    monkeypatch.setattr(G, "gather_pages", spy)
+    out, ref = _run(case, torch.float32, budget=100 * per_key,
+                    gen=torch.Generator().manual_seed(5))
+    assert rel_err(out, ref) <= kernel_rel_err(torch.float32, DEV)
+    assert len(seen) >= 6 and max(seen) <= 100, seen   # [90], [17, 51], [64]: K and V each
+
+
+def _host(q_lens, seq_lens, kv_start=None):
+    return G.HostLens(q_lens, seq_lens, kv_start or [0] * len(q_lens))
+
+
+def test_route_rule():
+    big = 1 << 30
+    long_chunk = _host([2048], [32768])
+    assert G.choose_route("auto", long_chunk, 4, 4096, big).route == "gather"
+    # negative cases: the rule keeps the paged route
+    short = G.choose_route("auto", _host([64], [32768]), 4, 4096, big)
+    assert short.route == "paged" and "short chunk" in short.reason
+    mixed = _host([512, 4], [600, 60000])   # the long prefix has the short chunk: 4 rows/key
+    assert G.choose_route("auto", mixed, 1, 4096, big).route == "paged"
+    assert G.choose_route("paged", long_chunk, 4, 4096, big).route == "paged"
+    sinks = G.choose_route("gather", long_chunk, 4, 4096, big, sink_logits=True)
+    assert sinks.route == "paged" and "sink" in sinks.reason
+    over = G.choose_route("auto", long_chunk, 4, 4096, 32768 * 4096 - 1)
+    assert over.route == "paged" and "exceeds" in over.reason
+    padded = G.choose_route("gather", _host([2048], [3000], [1000]), 4, 4096, big)
+    assert padded.route == "paged" and "padding" in padded.reason
+    # a window bounds the keys gathered, and so the workspace
+    win = G.choose_route("auto", long_chunk, 4, 4096, 4096 * 4096, window=2048)
+    assert win.route == "gather"
+
+
+def test_public_route_argument():
+    """paged_prefill_attention(route=...): "gather" and "auto" give the paged result; "gather"
+    that cannot run (sink logits) raises naming the way out; a bad route is refused."""
+    gen = torch.Generator().manual_seed(23)
+    fmt = make_format("fp8_e4m3", "page")
+    kc, vc, bt, sl = make_paged_kv(fmt, [70, 40], 2, 64, 16, gen=gen)
+    cu = cu_of([30, 12])
+    q = torch.randn(42, 4, 64, generator=gen).to(DEV)
+    paged = paged_prefill_attention(q, kc, vc, bt, cu, sl, 0.125)
+    for route in ("gather", "auto"):
+        out = paged_prefill_attention(q, kc, vc, bt, cu, sl, 0.125, route=route)
+        assert rel_err(out, paged) <= kernel_rel_err(torch.float32, DEV) * 4
+    with pytest.raises(UnsupportedShapeError, match="route='paged'"):
+        paged_prefill_attention(q, kc, vc, bt, cu, sl, 0.125, route="gather",
+                                sink_logits=torch.zeros(4, device=DEV))
+    with pytest.raises(ValueError, match="route"):
+        paged_prefill_attention(q, kc, vc, bt, cu, sl, 0.125, route="fast")
