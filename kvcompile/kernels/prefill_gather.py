@@ -32,7 +32,6 @@ import triton.language as tl
 from kvcompile.cache import registry
 from kvcompile.errors import UnsupportedShapeError
 from kvcompile.kernels.prefill_paged import _page_tile
-from kvcompile.kernels.prefill_tiles import interpreting
 
 _TENSOR = tl.constexpr(registry.SCALE_TENSOR)
 
