@@ -31,7 +31,6 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 from kvcompile.cache.formats import KVFormat  # noqa: E402
 from kvcompile.kernels import prefill_launch as L  # noqa: E402
 from kvcompile.kernels.prefill import (  # noqa: E402
-    paged_prefill_attention,
     prefill_attention,
     quantize_fp8_prefill,
 )
@@ -206,8 +205,8 @@ def bench_chunk(quick: bool, chunk: int | None = None, formats=CHUNK_FORMATS, sd
         pick = G.choose_route("auto", host, hq // hkv, per_key, G.DEFAULT_WORKSPACE_BYTES)
         for route in ("paged", "gather"):
             def run(kc=kc, vc=vc, bt=bt, route=route):
-                return paged_prefill_attention(q, kc, vc, bt, cu_q, seq_lens, scale,
-                                               max_q_len=c["chunk"], route=route, host=host)
+                return G.chunk_prefill_attention(q, kc, vc, bt, cu_q, seq_lens, scale,
+                                                 route=route, host=host)[0]
             label = "in-kernel paged" if route == "paged" else "gather + varlen"
             row = try_time(run, rows, f"chunk {label}, {name} pages (P={P})", flops,
                            check=lambda run=run: rel_err(run().float(), ref))

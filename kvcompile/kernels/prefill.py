@@ -15,7 +15,6 @@ from typing import NamedTuple
 
 import torch
 
-from kvcompile.errors import UnsupportedShapeError
 from kvcompile.kernels import prefill_launch as L
 from kvcompile.kernels.prefill_tiles import interpreting
 
@@ -224,8 +223,7 @@ def _pages_view(fmt_name, granularity, data, scale, micro):
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
                             scale: float, *, sliding_window=0, sinks=0, softcap=0.0,
                             kv_start=None, out=None, max_q_len: int | None = None,
-                            sink_logits=None, route: str = "paged", host=None,
-                            workspace_bytes: int | None = None):
+                            sink_logits=None):
     """Chunked prefill: packed chunk queries attend causally over their sequences' pages.
 
     q: [T, Hq, D] (bf16/fp16/fp32), the chunks of B sequences packed by cu_seqlens_q [B+1] int32;
@@ -236,33 +234,9 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
     window if any, the first `sinks` keys from kv_start always. sink_logits [Hq] fp32:
     attention sinks, one logit per query head in each softmax's denominator (kernels/decode.py).
     Returns [T, Hq, Dv] in q's dtype.
-
-    route: "paged" (the kernel reads the pages in its tile loop), "gather" (dequantize the
-    pages into a transient contiguous workspace, then the varlen kernel:
-    kernels/prefill_gather.py) or "auto" (prefill_gather.choose_route decides; where the gather
-    cannot run, paged). host: prefill_gather.HostLens (saves reading the lengths back);
-    workspace_bytes: the gather's workspace bound (default prefill_gather.DEFAULT_WORKSPACE_BYTES).
+    The gathered route (a transient contiguous workspace, then the varlen kernel) and the rule
+    that chooses between the two: kernels/prefill_gather.py `chunk_prefill_attention`.
     """
-    if route not in ("paged", "gather", "auto"):
-        raise ValueError(f"paged_prefill_attention: route must be 'paged', 'gather' or 'auto'; "
-                         f"got {route!r}")
-    if route != "paged":
-        from kvcompile.kernels import prefill_gather as G
-
-        budget = workspace_bytes or G.DEFAULT_WORKSPACE_BYTES
-        host = host or G.host_lens(cu_seqlens_q, seq_lens, kv_start)
-        per_key = k_cache.num_heads * (k_cache.head_dim + v_cache.head_dim) * q.element_size()
-        pick = G.choose_route(route, host, q.shape[1] // max(k_cache.num_heads, 1), per_key,
-                              budget, window=sliding_window, sinks=sinks,
-                              sink_logits=sink_logits is not None)
-        if pick.route == "gather":
-            return G.gathered_prefill_attention(
-                q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                sliding_window=sliding_window, sinks=sinks, softcap=softcap,
-                kv_start=kv_start, host=host, workspace_bytes=budget, out=out)
-        if route == "gather":
-            raise UnsupportedShapeError(f"paged_prefill_attention: route='gather' cannot run "
-                                        f"here ({pick.reason}); use route='paged' or 'auto'")
     res = torch.ops.kvcompile.paged_prefill(
         q, k_cache.data, k_cache.scale, k_cache.micro, k_cache.fmt.name,
         k_cache.fmt.granularity, v_cache.data, v_cache.scale, v_cache.micro, v_cache.fmt.name,

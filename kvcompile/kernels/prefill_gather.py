@@ -4,6 +4,7 @@ chunks over a long prefix).
 
     out = gathered_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
                                      scale, workspace_bytes=1 << 30)
+    out = chunk_prefill_attention(..., route="auto")   # the rule picks gathered or paged
 
 The in-kernel paged route (kernels/prefill_paged.py) gathers and dequantizes every page tile
 inside the attention loop, once per query tile: on the H200 a 2,048-token chunk over a
@@ -31,6 +32,13 @@ import triton.language as tl
 
 from kvcompile.cache import registry
 from kvcompile.errors import UnsupportedShapeError
+from kvcompile.kernels import prefill_launch as L
+from kvcompile.kernels.prefill import (
+    _on_kernel_device,
+    _pages_view,
+    paged_prefill_attention,
+    prefill_attention,
+)
 from kvcompile.kernels.prefill_paged import _page_tile
 
 _TENSOR = tl.constexpr(registry.SCALE_TENSOR)
@@ -79,9 +87,6 @@ def _gather_pages_op(data: torch.Tensor, scale: torch.Tensor | None, micro: torc
                      fmt: str, granularity: str, block_tables: torch.Tensor,
                      starts: torch.Tensor, cu_k: torch.Tensor, total: int, max_len: int,
                      out_dtype: torch.dtype) -> torch.Tensor:
-    from kvcompile.kernels import prefill_launch as L
-    from kvcompile.kernels.prefill import _on_kernel_device, _pages_view
-
     Hkv = data.shape[1]
     dim = data.shape[3] * (2 if fmt == "fp4_e2m1" else 1)
     out = torch.empty(total, Hkv, dim, dtype=out_dtype, device=data.device)
@@ -225,9 +230,6 @@ def gathered_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, 
     host: the lengths on the host (else read back, one sync). The workspace (q's dtype) holds at
     most `workspace_bytes` at once, or one sequence's keys where a single one needs more (the
     caller's rule, choose_route, keeps such sequences on the paged route). -> [T, Hq, Dv]."""
-    from kvcompile.kernels import prefill_launch as L
-    from kvcompile.kernels.prefill import _on_kernel_device, prefill_attention
-
     h = host or host_lens(cu_seqlens_q, seq_lens, kv_start)
     T, Hq, _ = q.shape
     Hkv, Dv = k_cache.num_heads, v_cache.head_dim
@@ -271,3 +273,39 @@ def gathered_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, 
                                            cu_seqlens_k=cu_k_t)
         del kw, vw   # the workspace does not outlive its group
     return res
+
+
+def chunk_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+                            scale: float, *, route: str = "auto", sliding_window=0, sinks=0,
+                            softcap=0.0, kv_start=None, sink_logits=None,
+                            host: HostLens | None = None,
+                            workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, out=None):
+    """Chunked prefill over pages by either route (the contract of kernels/prefill.py
+    `paged_prefill_attention`). route: "paged" (the kernel reads the pages in its tile loop),
+    "gather" (`gathered_prefill_attention`; raises UnsupportedShapeError where it cannot run)
+    or "auto" (`choose_route`). -> ([T, Hq, Dv], Route taken)."""
+    if route not in ("paged", "gather", "auto"):
+        raise ValueError(f"chunk_prefill_attention: route must be 'paged', 'gather' or 'auto'; "
+                         f"got {route!r}")
+    pick = Route("paged", "prefill_chunk_route='paged'")
+    if route != "paged":
+        host = host or host_lens(cu_seqlens_q, seq_lens, kv_start)
+        per_key = k_cache.num_heads * (k_cache.head_dim + v_cache.head_dim) * q.element_size()
+        pick = choose_route(route, host, q.shape[1] // max(k_cache.num_heads, 1), per_key,
+                            workspace_bytes, window=sliding_window, sinks=sinks,
+                            sink_logits=sink_logits is not None)
+        if route == "gather" and pick.route != "gather":
+            raise UnsupportedShapeError(f"chunk_prefill_attention: route='gather' cannot run "
+                                        f"here ({pick.reason}); use route='paged' or 'auto'")
+    if pick.route == "gather":
+        res = gathered_prefill_attention(
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+            sliding_window=sliding_window, sinks=sinks, softcap=softcap, kv_start=kv_start,
+            host=host, workspace_bytes=workspace_bytes, out=out)
+    else:
+        res = paged_prefill_attention(
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+            sliding_window=sliding_window, sinks=sinks, softcap=softcap, kv_start=kv_start,
+            out=out, sink_logits=sink_logits,
+            max_q_len=max(host.q_lens, default=0) if host is not None else None)
+    return res, pick

@@ -431,7 +431,7 @@ class KernelDispatch:
             if prefill_mode(self.state.config, q) != "triton":
                 self.state.count("prefill_gathered_sdpa")
                 return None
-            from kvcompile.kernels.prefill import paged_prefill_attention
+            from kvcompile.kernels.prefill_gather import chunk_prefill_attention
 
             B, Hq, S, D = q.shape
             if plan.packed:
@@ -446,10 +446,10 @@ class KernelDispatch:
                 start = torch.tensor(starts, dtype=torch.int32, device=q.device)
             route, host = self._chunk_route(q, kc, vc, plan, starts, window or 0,
                                             extras.get("sink_logits") is not None)
-            out = paged_prefill_attention(
+            out, _ = chunk_prefill_attention(
                 qp.contiguous(), kc, vc, plan.block_tables, cu, plan.seq_lens, scale,
-                sliding_window=window, softcap=softcap, kv_start=start,
-                sink_logits=extras.get("sink_logits"), route=route, host=host,
+                route=route, sliding_window=window, softcap=softcap, kv_start=start,
+                sink_logits=extras.get("sink_logits"), host=host,
                 workspace_bytes=self.state.config.prefill_gather_bytes)
             self.state.count("prefill_gather" if route == "gather" else "prefill_triton")
             if plan.packed:

@@ -137,20 +137,22 @@ def test_route_rule():
     assert win.route == "gather"
 
 
-def test_public_route_argument():
-    """paged_prefill_attention(route=...): "gather" and "auto" give the paged result; "gather"
-    that cannot run (sink logits) raises naming the way out; a bad route is refused."""
+def test_chunk_prefill_attention_routes():
+    """chunk_prefill_attention(route=...): "gather" and "auto" give the paged result and say
+    which route ran; "gather" that cannot run (sink logits) raises naming the way out; a bad
+    route is refused."""
     gen = torch.Generator().manual_seed(23)
     fmt = make_format("fp8_e4m3", "page")
     kc, vc, bt, sl = make_paged_kv(fmt, [70, 40], 2, 64, 16, gen=gen)
     cu = cu_of([30, 12])
     q = torch.randn(42, 4, 64, generator=gen).to(DEV)
     paged = paged_prefill_attention(q, kc, vc, bt, cu, sl, 0.125)
-    for route in ("gather", "auto"):
-        out = paged_prefill_attention(q, kc, vc, bt, cu, sl, 0.125, route=route)
+    for route, taken in (("gather", "gather"), ("auto", "paged"), ("paged", "paged")):
+        out, pick = G.chunk_prefill_attention(q, kc, vc, bt, cu, sl, 0.125, route=route)
+        assert pick.route == taken, pick
         assert rel_err(out, paged) <= kernel_rel_err(torch.float32, DEV) * 4
     with pytest.raises(UnsupportedShapeError, match="route='paged'"):
-        paged_prefill_attention(q, kc, vc, bt, cu, sl, 0.125, route="gather",
-                                sink_logits=torch.zeros(4, device=DEV))
+        G.chunk_prefill_attention(q, kc, vc, bt, cu, sl, 0.125, route="gather",
+                                  sink_logits=torch.zeros(4, device=DEV))
     with pytest.raises(ValueError, match="route"):
-        paged_prefill_attention(q, kc, vc, bt, cu, sl, 0.125, route="fast")
+        G.chunk_prefill_attention(q, kc, vc, bt, cu, sl, 0.125, route="fast")
