@@ -19,6 +19,8 @@ from kvcompile.errors import KVConfigError  # noqa: E402
 from kvcompile.testing import assert_rel_close  # noqa: E402
 from tests.passes import research  # noqa: E402
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 @torch.no_grad()
 def _two_chunks(route: str):
@@ -29,8 +31,8 @@ def _two_chunks(route: str):
     cfg = kvcompile.KVConfig(inner="eager", max_kv_bytes=1 << 22, kernels="triton",
                              prefill="triton", kv_dtype="fp8_e4m3",
                              prefill_chunk_route=route)
-    compiled = kvcompile.compile(copy.deepcopy(model), cfg)
-    ids = torch.randint(3, 256, (2, 23), generator=torch.Generator().manual_seed(4))
+    compiled = kvcompile.compile(copy.deepcopy(model).to(DEV), cfg)
+    ids = torch.randint(3, 256, (2, 23), generator=torch.Generator().manual_seed(4)).to(DEV)
     compiled(ids[:, :7], 0)
     logits = compiled(ids[:, 7:], 7)
     st = state_of(compiled)
