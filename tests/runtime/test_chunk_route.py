@@ -48,7 +48,10 @@ def test_gather_and_paged_routes_agree_and_are_reported():
     assert not c_a.get("prefill_gather") and c_a.get("prefill_triton", 0) == 2, c_a
     assert "paged route (short chunk" in rep_a, rep_a
     assert not c_g.get("reference_fallback") and not c_a.get("reference_fallback")
-    assert_rel_close(gathered, auto, torch.float32, factor=8, what="chunk logits")
+    # fp32 model: on CUDA tl.dot takes fp32 as tf32 (fp16's mantissa), and the two routes round
+    # different operands (codes vs dequantized values)
+    tol = torch.float16 if DEV == "cuda" else torch.float32
+    assert_rel_close(gathered, auto, tol, factor=8, what="chunk logits")
 
 
 def test_route_config_is_validated():
