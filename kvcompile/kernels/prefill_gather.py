@@ -17,7 +17,8 @@ cu_seqlens_k=...)` (queries at the tail of their keys, the causal offset built i
 Workspace: sequence b's keys [start_b, seq_lens[b]) (start_b: its kv_start, or the first key its
 sliding window can reach when there are no sinks), its chunk's own K/V included (read back from
 the pages, as the paged kernel does). Sequences are processed in groups whose workspace stays
-under `workspace_bytes`; the workspace is freed when the call returns, no full-precision copy of
+under `workspace_bytes`; a sequence that alone needs more is attended in pieces of keys merged
+by their log-sum-exp. The workspace is freed when the call returns, no full-precision copy of
 the cache survives it. `choose_route` picks this route or the paged one (KVConfig
 prefill_chunk_route).
 """
@@ -182,7 +183,8 @@ def choose_route(choice: str, h: HostLens, group: int, bytes_per_key: int, budge
     query rows per kv head, weighted by each sequence's keys (the attention work per gathered
     key), reach GATHER_MIN_ROWS. Either way the paged route runs where the gather cannot:
     attention-sink logits (the varlen kernel has none), left padding past a chunk's first
-    query, a sequence whose workspace exceeds `budget` bytes."""
+    query, a sequence whose workspace exceeds `budget` bytes and cannot be attended in pieces
+    (a sliding window, or a chunk that alone exceeds it)."""
     if choice == "paged":
         return Route("paged", "prefill_chunk_route='paged'")
     if sink_logits:
@@ -191,9 +193,10 @@ def choose_route(choice: str, h: HostLens, group: int, bytes_per_key: int, budge
     if any(q > n - s for q, n, s in zip(h.q_lens, h.seq_lens, h.kv_start) if q):
         return Route("paged", "left padding reaches into a chunk")
     big = max((k for _, k in ranges), default=0) * bytes_per_key
-    if big > budget:
+    if big > budget and (window or max(h.q_lens) * bytes_per_key > budget):
         return Route("paged", f"one sequence's workspace ({big / 2**20:.0f} MiB) exceeds "
-                              f"prefill_gather_bytes ({budget / 2**20:.0f} MiB)")
+                              f"prefill_gather_bytes ({budget / 2**20:.0f} MiB) and cannot be "
+                              f"split (a sliding window, or its chunk alone)")
     if choice == "gather":
         return Route("gather", "prefill_chunk_route='gather'")
     keys = sum(k for _, k in ranges)
@@ -228,8 +231,9 @@ def gathered_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, 
     PagedTensor in a format the prefill kernel reads; block_tables [B, max_pages] int32;
     seq_lens [B] int32 (chunks included, already written); kv_start [B] int32 or None.
     host: the lengths on the host (else read back, one sync). The workspace (q's dtype) holds at
-    most `workspace_bytes` at once, or one sequence's keys where a single one needs more (the
-    caller's rule, choose_route, keeps such sequences on the paged route). -> [T, Hq, Dv]."""
+    most `workspace_bytes` at once: a sequence whose keys need more is attended in pieces of
+    keys, merged by their log-sum-exp (`_attend_in_pieces`; not with a sliding window, and its
+    chunk alone must fit). -> [T, Hq, Dv]."""
     h = host or host_lens(cu_seqlens_q, seq_lens, kv_start)
     T, Hq, _ = q.shape
     Hkv, Dv = k_cache.num_heads, v_cache.head_dim
@@ -246,9 +250,19 @@ def gathered_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, 
     for n in h.q_lens:
         cu_q.append(cu_q[-1] + n)
     dev = q.device
+    cap = max(workspace_bytes // per_key, 1)   # keys one workspace may hold
     for b0, b1 in _groups(ranges, per_key, workspace_bytes):
         q0, q1 = cu_q[b0], cu_q[b1]
         if q1 == q0:
+            continue
+        if ranges[b0][1] > cap and _on_kernel_device(q):   # one sequence, alone in its group
+            if sliding_window or h.q_lens[b0] > cap:
+                raise UnsupportedShapeError(
+                    f"gathered prefill: sequence {b0} needs {ranges[b0][1]} keys in a workspace "
+                    f"of {cap} and cannot be split (a sliding window, or a chunk longer than the "
+                    f"workspace); raise prefill_gather_bytes or use paged_prefill_attention")
+            res[q0:q1] = _attend_in_pieces(q[q0:q1], k_cache, v_cache, block_tables[b0:b0 + 1],
+                                           ranges[b0], cap, scale, softcap)
             continue
         part = ranges[b0:b1]
         cu_k = [0]
@@ -309,3 +323,45 @@ def chunk_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
             out=out, sink_logits=sink_logits,
             max_q_len=max(host.q_lens, default=0) if host is not None else None)
     return res, pick
+
+
+def _attend_in_pieces(q, k_cache, v_cache, block_table, key_range, cap: int, scale: float,
+                      softcap: float) -> torch.Tensor:
+    """One sequence's chunk q [n, Hq, D] over keys [first, first + count) (`key_range`) that do
+    not fit one workspace of `cap` keys: the last `cap` keys (the chunk's own, causal at the
+    tail) and the earlier ones in pieces of `cap` (all before every query: no mask), each
+    gathered, attended with its log-sum-exp (varlen kernel, `lse=`) and merged in fp32.
+    -> [n, Hq, Dv] fp32."""
+    first, count = key_range
+    n, Hq, _ = q.shape
+    end = first + count
+    dev = q.device
+    cu_q = torch.tensor([0, n], dtype=torch.int32, device=dev)
+    pieces = [(max(first, end - cap), end, True)]
+    pieces += [(a, min(a + cap, end - cap), False) for a in range(first, end - cap, cap)]
+    o_acc = lse_acc = None
+    for a, z, causal in pieces:
+        starts = torch.tensor([a], dtype=torch.int32, device=dev)
+        cu_k = torch.tensor([0, z - a], dtype=torch.int32, device=dev)
+        kw = gather_pages(k_cache, block_table, starts, cu_k, z - a, z - a, q.dtype)
+        vw = gather_pages(v_cache, block_table, starts, cu_k, z - a, z - a, q.dtype)
+        o = torch.empty(n, Hq, v_cache.head_dim, dtype=torch.float32, device=dev)
+        lse = torch.empty(n, Hq, dtype=torch.float32, device=dev)
+        L.launch_prefill(q, kw, vw, cu_q, o, scale, causal, 0, 0, softcap, n, None,
+                         cu_seqlens_k=cu_k, lse=lse)
+        del kw, vw
+        o_acc, lse_acc = merge_attention(o_acc, lse_acc, o, lse)
+    return o_acc
+
+
+def merge_attention(o_a, lse_a, o_b, lse_b):
+    """Attention over the union of two disjoint key sets from each one's output [n, H, Dv] and
+    log2-sum-exp2 [n, H] (log2 units; -inf: no key seen). o_a None: (o_b, lse_b)."""
+    if o_a is None:
+        return o_b, lse_b
+    m = torch.maximum(lse_a, lse_b)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    wa, wb = torch.exp2(lse_a - m), torch.exp2(lse_b - m)
+    tot = wa + wb
+    o = (o_a * wa[..., None] + o_b * wb[..., None]) / torch.where(tot > 0, tot, 1.0)[..., None]
+    return o, m + torch.log2(tot)

@@ -6,6 +6,7 @@ the batch, and the route rule (including where it must keep the paged route)."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -16,6 +17,7 @@ if not torch.cuda.is_available():
 
 from kvcompile.errors import UnsupportedShapeError  # noqa: E402
 from kvcompile.kernels import prefill_gather as G  # noqa: E402
+from kvcompile.kernels import prefill_launch as L  # noqa: E402
 from kvcompile.kernels.prefill import paged_prefill_attention  # noqa: E402
 from kvcompile.kernels.reference import paged_prefill_attention_ref  # noqa: E402
 from kvcompile.testing import ASSERT_CLOSE, kernel_rel_err, rel_err  # noqa: E402
@@ -110,6 +112,66 @@ def test_workspace_bound_splits_the_batch(monkeypatch):
     assert len(seen) >= 6 and max(seen) <= 100, seen   # [90], [17, 51], [64]: K and V each
 
 
+@pytest.mark.parametrize("kw", [{}, dict(softcap=3.0)])
+def test_a_sequence_over_the_bound_is_attended_in_pieces(monkeypatch, kw):
+    """A sequence whose keys exceed the workspace: pieces of keys (the last one causal, the
+    earlier ones unmasked) merged by log-sum-exp, each workspace within the bound; the other
+    sequences as usual."""
+    case = ("fp8_e4m3", "page", [90, 17, 51], [30, 17, 6], 4, 2, 64, 16, kw)
+    per_key = 2 * (64 + 64) * 4
+    seen = []
+    real = G.gather_pages
+
+    def spy(cache, bt, starts, cu_k, total, max_len, dtype):
+        seen.append(total)
+        return real(cache, bt, starts, cu_k, total, max_len, dtype)
+
+    monkeypatch.setattr(G, "gather_pages", spy)
+    out, ref = _run(case, torch.float32, budget=40 * per_key,
+                    gen=torch.Generator().manual_seed(6))
+    assert rel_err(out, ref) <= kernel_rel_err(torch.float32, DEV)
+    # sequence 0: [50, 90) causal, [0, 40), [40, 50); then [17], [51] (over: alone, in pieces)
+    assert max(seen) <= 40 and seen[:6] == [40, 40, 40, 40, 10, 10], seen
+
+
+def test_varlen_lse_and_merge():
+    """The varlen kernel's log-sum-exp output (log2 units) equals torch's over the visible
+    scores, and merge_attention of two key halves equals attention over all keys."""
+    gen = torch.Generator().manual_seed(9)
+    q_lens, k_lens = [9, 24], [50, 33]
+    q = torch.randn(sum(q_lens), 4, 64, generator=gen).to(DEV)
+    k = torch.randn(sum(k_lens), 2, 64, generator=gen).to(DEV)
+    v = torch.randn(sum(k_lens), 2, 64, generator=gen).to(DEV)
+    cu_q, cu_k = cu_of(q_lens), cu_of(k_lens)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], 4, dtype=torch.float32, device=DEV)
+    L.launch_prefill(q, k, v, cu_q, out, 0.125, True, 0, 0, 0.0, max(q_lens), None,
+                     config=L.INTERPRET_CONFIG if DEV == "cpu" else None, cu_seqlens_k=cu_k,
+                     lse=lse)
+    want = []
+    for b in range(2):
+        qb = q[int(cu_q[b]):int(cu_q[b + 1])].float()
+        kb = k[int(cu_k[b]):int(cu_k[b + 1])].float().repeat_interleave(2, 1)
+        s = torch.einsum("qhd,khd->hqk", qb, kb) * 0.125
+        pos = torch.arange(k_lens[b] - q_lens[b], k_lens[b], device=DEV)
+        s = s.masked_fill(torch.arange(k_lens[b], device=DEV)[None] > pos[:, None], -math.inf)
+        want.append((torch.logsumexp(s, -1) / math.log(2)).transpose(0, 1))
+    atol, rtol = ASSERT_CLOSE[torch.float16]   # tf32 dots on CUDA
+    torch.testing.assert_close(lse, torch.cat(want), atol=atol * 10, rtol=rtol)
+    # merge: sequence 0's keys split into its first 20 (unmasked) and last 30 (causal tail)
+    q0, kk, vv = q[:9], k[:50], v[:50]
+    parts = []
+    for a, z, causal in ((0, 20, False), (20, 50, True)):
+        o = torch.empty(9, 4, 64, dtype=torch.float32, device=DEV)
+        ls = torch.empty(9, 4, dtype=torch.float32, device=DEV)
+        L.launch_prefill(q0, kk[a:z], vv[a:z], cu_of([9]), o, 0.125, causal, 0, 0, 0.0, 9,
+                         None, config=L.INTERPRET_CONFIG if DEV == "cpu" else None,
+                         cu_seqlens_k=cu_of([z - a]), lse=ls)
+        parts.append((o, ls))
+    merged, _ = G.merge_attention(*parts[0], *parts[1])
+    assert rel_err(merged, out[:9]) <= kernel_rel_err(torch.float32, DEV) * 4
+
+
 def _host(q_lens, seq_lens, kv_start=None):
     return G.HostLens(q_lens, seq_lens, kv_start or [0] * len(q_lens))
 
@@ -126,8 +188,12 @@ def test_route_rule():
     assert G.choose_route("paged", long_chunk, 4, 4096, big).route == "paged"
     sinks = G.choose_route("gather", long_chunk, 4, 4096, big, sink_logits=True)
     assert sinks.route == "paged" and "sink" in sinks.reason
-    over = G.choose_route("auto", long_chunk, 4, 4096, 32768 * 4096 - 1)
+    # a sequence over the bound is attended in pieces, unless windowed or its chunk alone is over
+    assert G.choose_route("auto", long_chunk, 4, 4096, 8192 * 4096).route == "gather"
+    over = G.choose_route("auto", long_chunk, 4, 4096, 2047 * 4096)
     assert over.route == "paged" and "exceeds" in over.reason
+    over_win = G.choose_route("auto", long_chunk, 4, 4096, 3000 * 4096, window=4000)
+    assert over_win.route == "paged" and "exceeds" in over_win.reason
     padded = G.choose_route("gather", _host([2048], [3000], [1000]), 4, 4096, big)
     assert padded.route == "paged" and "padding" in padded.reason
     # a window bounds the keys gathered, and so the workspace
