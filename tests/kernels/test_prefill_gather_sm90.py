@@ -1,6 +1,7 @@
 """The gather kernel of the chunked-prefill workspace route (kernels/prefill_gather.py)
 compiled for sm_90 (Hopper) on a machine without a GPU, every format and scale mode the paged
-prefill reads and each workspace dtype. The interpreter accepts what the compiler refuses
+prefill reads and each workspace dtype; and the varlen kernel with the log-sum-exp output the
+route's pieces merge by (STORE_LSE), through TMA descriptors and pointers. The interpreter accepts what the compiler refuses
 (tests/kernels/sm90_compile.py); not a substitute for the CUDA run."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import pytest
 
 from tests.kernels.sm90_compile import compile_rows
 
-pytestmark = pytest.mark.slow   # 10 compiles
+pytestmark = pytest.mark.slow   # 14 compiles
 
 _INTS = ("stride_bt", "sp", "sh", "st", "ssp", "ssh", "sst", "mp", "mh", "mt", "stride_ot",
          "stride_oh")
@@ -54,12 +55,43 @@ def _compile(fmt, gran, data, scale, micro, out, dim) -> str:
     return "ok"
 
 
+def _compile_varlen(tma: bool, lse: bool) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvcompile.kernels.prefill_varlen import prefill_varlen_kernel as fn
+
+    consts = dict(RATIO=4, GROUP=4, HEAD_DIM=128, HEAD_DIM_V=128, CAUSAL=True, WINDOW=False,
+                  SINKS=False, SOFTCAP=False, FP8=False, TMA=tma, Q_TMA=False, SCALE_TMA=False,
+                  SCALE_BLK=128, BLOCK_M=128, BLOCK_N=128, WARP_SPEC=False, STORE_LSE=lse)
+    types = dict(Q="*bf16", Qd="*bf16", Out="*bf16", Lse="*fp32", sm_scale_c="fp32",
+                 softcap_log2e="fp32", inv_softcap="fp32",
+                 K="tensordesc<bf16[128, 128]>" if tma else "*bf16",
+                 V="tensordesc<bf16[128, 128]>" if tma else "*bf16",
+                 **{n: "*i32" for n in ("cu_seqlens", "cu_seqlens_k", "cu_blocks", "q_descale",
+                                        "k_descale", "v_descale")})
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    try:
+        triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=2))
+    except Exception as e:  # reported to the test
+        while e.__cause__ is not None:
+            e = e.__cause__
+        return f"{type(e).__name__}: {e}"[-1500:]
+    return "ok"
+
+
 def _main() -> None:
     for name, *args in _cases():
         print(json.dumps([name, _compile(*args)]), flush=True)
+    for tma in (False, True):
+        for lse in (False, True):
+            print(json.dumps([f"varlen tma={tma} lse={lse}", _compile_varlen(tma, lse)]),
+                  flush=True)
 
 
 def test_gather_kernel_compiles_for_sm90():
     rows = compile_rows("tests.kernels.test_prefill_gather_sm90")
     bad = [f"{name}: {msg}" for name, msg in rows if msg != "ok"]
-    assert len(rows) == 10 and not bad, "\n".join(bad) or f"{len(rows)} of 10 compiled"
+    assert len(rows) == 14 and not bad, "\n".join(bad) or f"{len(rows)} of 14 compiled"
