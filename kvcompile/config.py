@@ -263,12 +263,13 @@ class KVConfig:
         the dense varlen kernel over it; "paged" reads the pages inside the attention loop;
         "auto" (the default) gathers for long chunks (kernels/prefill_gather.py
         `choose_route`: at least GATHER_MIN_ROWS query rows per kv head, weighted by keys).
-        Attention-sink logits, left padding inside a chunk and a sequence over
-        prefill_gather_bytes stay paged. The report counts each (prefill_gather,
-        prefill_triton) and says why the rule chose, once per reason.
+        Attention-sink logits and left padding inside a chunk stay paged. The report counts
+        each (prefill_gather, prefill_triton) and says why the rule chose, once per reason.
     prefill_gather_bytes: bound of the gather's workspace (bytes, K and V of the sequences
-        gathered together); a batch over it is gathered in groups of sequences. The prefill
-        chunker (integrations/hf_prefill.py) keeps it free beside the activations.
+        gathered together); a batch over it is gathered in groups of sequences, a sequence
+        over it in pieces of keys merged by their log-sum-exp (a windowed one, or one whose
+        chunk alone exceeds it, stays paged). The prefill chunker
+        (integrations/hf_prefill.py) keeps it free beside the activations.
 
     Run-time switches, whose defaults the environment sets:
     cuda_graphs: replay decode steps from CUDA graphs where they can be (the Engine's,
