@@ -146,7 +146,7 @@ def test_varlen_lse_and_merge():
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], 4, dtype=torch.float32, device=DEV)
     L.launch_prefill(q, k, v, cu_q, out, 0.125, True, 0, 0, 0.0, max(q_lens), None,
-                     config=L.INTERPRET_CONFIG if DEV == "cpu" else None, cu_seqlens_k=cu_k,
+                     config=L.INTERPRET_CONFIG, cu_seqlens_k=cu_k,
                      lse=lse)
     want = []
     for b in range(2):
@@ -165,7 +165,7 @@ def test_varlen_lse_and_merge():
         o = torch.empty(9, 4, 64, dtype=torch.float32, device=DEV)
         ls = torch.empty(9, 4, dtype=torch.float32, device=DEV)
         L.launch_prefill(q0, kk[a:z], vv[a:z], cu_of([9]), o, 0.125, causal, 0, 0, 0.0, 9,
-                         None, config=L.INTERPRET_CONFIG if DEV == "cpu" else None,
+                         None, config=L.INTERPRET_CONFIG,
                          cu_seqlens_k=cu_of([z - a]), lse=ls)
         parts.append((o, ls))
     merged, _ = G.merge_attention(*parts[0], *parts[1])
