@@ -5,10 +5,13 @@ and compiled FlexAttention, timed in the same process. TFLOP/s count causal FLOP
     python benchmarks/bench_prefill.py [--quick] [--json out.json]
     python benchmarks/bench_prefill.py --warm-flex     # compile FlexAttention only (cache)
     python benchmarks/bench_prefill.py --chunk-only    # the chunked-prefill rows alone
+                                                       # (+ 64 / 256-token chunks, the rule)
 
 Shapes: H=32, D=128 causal at B=4/L=8192 and B=1/L=32768; GQA 32/8 at B=4/L=8192;
 chunked prefill of a 2,048-token chunk over a 30,720-token paged FP8 prefix (GQA 32/8, page 16)
-against the same varlen kernel over contiguous bf16 K/V. Targets: bf16 >= 0.90x cuDNN SDPA;
+against the same varlen kernel over contiguous bf16 K/V, each page format (bf16, fp8 page
+scales, fp4) by the in-kernel paged route and the gathered route (kernels/prefill_gather.py).
+Targets: bf16 >= 0.90x cuDNN SDPA;
 FP8 >= 1.3x cuDNN SDPA bf16; chunked over FP8 pages >= 0.8x the same kernel over contiguous bf16.
 """
 
@@ -28,7 +31,6 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 from kvcompile.cache.formats import KVFormat  # noqa: E402
 from kvcompile.kernels import prefill_launch as L  # noqa: E402
 from kvcompile.kernels.prefill import (  # noqa: E402
-    paged_prefill_attention,
     prefill_attention,
     quantize_fp8_prefill,
 )
@@ -150,8 +152,32 @@ def bench_shape(s, quick: bool):
     return rows
 
 
-def bench_chunk(quick: bool):
-    c = CHUNK
+def _paged_pair(k, v, fmt: KVFormat, hkv: int, P: int, total: int):
+    """K/V [total, hkv, D] written into shuffled pages of `fmt` (8k-token appends, as a
+    prefill would): (k_cache, v_cache, block_tables [1, n] int32)."""
+    n_pages = (total + P - 1) // P
+    perm = torch.randperm(n_pages + 8, device="cuda")[:n_pages]
+    slots = (perm[:, None] * P + torch.arange(P, device="cuda")[None]).reshape(-1)[:total]
+    kc = fmt.allocate(n_pages + 8, hkv, P, D, "cuda")
+    vc = fmt.allocate(n_pages + 8, hkv, P, D, "cuda")
+    for a in range(0, total, 8192):
+        kc.write(slots[a:a + 8192], k[a:a + 8192])
+        vc.write(slots[a:a + 8192], v[a:a + 8192])
+    torch.cuda.synchronize()
+    return kc, vc, perm.to(torch.int32)[None]
+
+
+CHUNK_FORMATS = [("bf16", "page"), ("fp8_e4m3", "page"), ("fp4_e2m1", "page")]
+
+
+def bench_chunk(quick: bool, chunk: int | None = None, formats=CHUNK_FORMATS, sdpa=True):
+    """One chunk over a paged prefix: the varlen kernel over contiguous bf16 (the baseline),
+    then per page format the in-kernel paged route and the gathered route
+    (kernels/prefill_gather.py: gather + varlen), the gather alone (GB/s of codes read +
+    workspace written), and which route the rule ("auto") picks."""
+    from kvcompile.kernels import prefill_gather as G
+
+    c = dict(CHUNK, chunk=chunk or CHUNK["chunk"])
     total = c["prefix"] + c["chunk"]
     hq, hkv, P = c["hq"], c["hkv"], c["page"]
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -169,27 +195,43 @@ def bench_chunk(quick: bool):
         return prefill_attention(q, k, v, cu_q, scale, cu_seqlens_k=cu_k, max_seqlen=c["chunk"])
     base = try_time(contiguous, rows, "kvcompile varlen, contiguous bf16 K/V", flops)
     ref = contiguous().float()
-    n_pages = total // P
     seq_lens = torch.tensor([total], device="cuda", dtype=torch.int32)
-    perm = torch.randperm(n_pages + 8, device="cuda")[:n_pages]
-    bt = perm.to(torch.int32)[None]
-    slots = (perm[:, None] * P + torch.arange(P, device="cuda")[None]).reshape(-1)
-    fmts = [("fp8_e4m3", "page"), ("bf16", "page")]
-    for name, gran in fmts:
+    host = G.HostLens([c["chunk"]], [total], [0])
+    starts = torch.zeros(1, device="cuda", dtype=torch.int32)
+    per_key = hkv * 2 * D * 2
+    for name, gran in formats:
         fmt = KVFormat(name, gran) if name != "bf16" else KVFormat(name)
-        kc = fmt.allocate(n_pages + 8, hkv, P, D, "cuda")
-        vc = fmt.allocate(n_pages + 8, hkv, P, D, "cuda")
-        for a in range(0, total, 8192):  # appended in 8k-token writes, as a prefill would
-            kc.write(slots[a:a + 8192], k[a:a + 8192])
-            vc.write(slots[a:a + 8192], v[a:a + 8192])
-        torch.cuda.synchronize()
+        kc, vc, bt = _paged_pair(k, v, fmt, hkv, P, total)
+        pick = G.choose_route("auto", host, hq // hkv, per_key, G.DEFAULT_WORKSPACE_BYTES)
+        for route in ("paged", "gather"):
+            def run(kc=kc, vc=vc, bt=bt, route=route):
+                return G.chunk_prefill_attention(q, kc, vc, bt, cu_q, seq_lens, scale,
+                                                 route=route, host=host)[0]
+            label = "in-kernel paged" if route == "paged" else "gather + varlen"
+            row = try_time(run, rows, f"chunk {label}, {name} pages (P={P})", flops,
+                           check=lambda run=run: rel_err(run().float(), ref))
+            row["vs_contiguous_bf16"] = base["ms"] / row["ms"]
+            row["auto_picks"] = pick.route
+        if name == "fp8_e4m3":   # a workspace bound below the prefix: pieces merged by LSE
+            def pieces(kc=kc, vc=vc, bt=bt):
+                return G.chunk_prefill_attention(q, kc, vc, bt, cu_q, seq_lens, scale,
+                                                 route="gather", host=host,
+                                                 workspace_bytes=48 << 20)[0]
+            row = try_time(pieces, rows, f"chunk gather in 48 MiB pieces + LSE merge, {name} "
+                           f"pages", flops, check=lambda: rel_err(pieces().float(), ref))
+            row["vs_contiguous_bf16"] = base["ms"] / row["ms"]
+        page_bytes = sum(t[0].numel() * t.element_size() for t in (kc.data, kc.scale, kc.micro)
+                         if t is not None and t.dim() > 1)
+        moved = 2 * (total // P * page_bytes + total * hkv * D * 2)  # K, V: pages in, bf16 out
 
-        def paged(kc=kc, vc=vc):
-            return paged_prefill_attention(q, kc, vc, bt, cu_q, seq_lens, scale,
-                                           max_q_len=c["chunk"])
-        row = try_time(paged, rows, f"kvcompile paged chunk, {name} pages (P={P})", flops,
-                       check=lambda paged=paged: rel_err(paged().float(), ref))
-        row["vs_contiguous_bf16"] = base["ms"] / row["ms"]
+        def gather(kc=kc, vc=vc, bt=bt):
+            G.gather_pages(kc, bt, starts, cu_k, total, total, torch.bfloat16)
+            G.gather_pages(vc, bt, starts, cu_k, total, total, torch.bfloat16)
+        row = try_time(gather, rows, f"gather alone (K+V -> bf16), {name} pages", 0.0)
+        row["gbps"] = moved / row["ms"] / 1e6
+        del kc, vc
+    if not sdpa:
+        return rows
     from torch.nn.attention.bias import causal_lower_right
 
     qb = q[None].transpose(1, 2)
@@ -217,7 +259,8 @@ def main():
     ap.add_argument("--warm-flex", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--chunk-only", action="store_true",
-                    help="only the chunked prefill over paged FP8 / bf16 rows")
+                    help="only the chunked prefill rows (bf16 / fp8 / fp4 pages, paged and "
+                         "gathered routes; with short chunks unless --quick)")
     ap.add_argument("--budget", type=float, default=170.0,
                     help="seconds; past it, print every thread's stack (a hung kernel) and exit")
     args = ap.parse_args()
@@ -237,6 +280,10 @@ def main():
     for s in ([] if args.chunk_only else SHAPES):
         results[s["name"]] = bench_shape(s, args.quick)
     results["chunk 2048 over 30720 paged, GQA 32/8"] = bench_chunk(args.quick)
+    if args.chunk_only and not args.quick:   # the route rule's threshold: short chunks
+        for n in (64, 256):
+            results[f"chunk {n} over 30720 paged, GQA 32/8"] = bench_chunk(
+                True, chunk=n, formats=[("fp8_e4m3", "page")], sdpa=False)
     tuned = {str(k): v for k, v in {**L.VARLEN_TUNER.timings, **L.PAGED_TUNER.timings}.items()}
     report(info, results, tuned)
     if args.json:
@@ -255,9 +302,11 @@ def report(info, results, tuned):
         for r in rows:
             ratio = cud["ms"] / r["ms"] if cud and cud["ms"] == cud["ms"] else float("nan")
             note = r.get("error", "")
-            for key in ("diff_vs_cudnn", "vs_contiguous_bf16", "quantize_ms_torch"):
+            for key in ("diff_vs_cudnn", "vs_contiguous_bf16", "quantize_ms_torch", "gbps"):
                 if isinstance(r.get(key), float):
                     note += f" {key}={r[key]:.3g}"
+            if r.get("auto_picks"):
+                note += f" auto_picks={r['auto_picks']}"
             print(f"| {shape} | {r['name']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
                   f"{ratio:.2f} | {note.strip()} |")
     print("\nTuner timings (ms per config, per key):")

@@ -231,6 +231,7 @@ def run_row(args) -> dict:
         row["chunks"] = "+".join(str(n) for n in forwards) or "-"
         row["reference_fallbacks"] = st.get("reference_fallback", 0)
         row["prefill_triton"] = st.get("prefill_triton", 0)
+        row["prefill_gather"] = st.get("prefill_gather", 0)   # chunks by the gathered route
         row["prefill_fresh"] = st.get("prefill_fresh_sdpa", 0)
         row["pool_gib"] = st.get("bytes_total", 0) / GIB
         row["graphs"] = st.get("graphs")

@@ -17,6 +17,7 @@
 #   bash benchmarks/gpu_jobs.sh qk8_check qk8_bench   # the opt-in qk_fp8 decode variant vs default
 #   PROF_ARGS="--steps" bash benchmarks/gpu_jobs.sh profile   # a decode step by part
 #   PB_ARGS=--quick bash benchmarks/gpu_jobs.sh prefill_bench  # the prefill matrix (bench_prefill)
+#   bash benchmarks/gpu_jobs.sh chunk_route   # gathered vs paged chunk route: tests + --chunk-only
 #   bash benchmarks/gpu_jobs.sh quality_canary     # then, same warm machine: quality (see
 #                                                  # benchmarks/quality/gpu_stages.sh: the model
 #                                                  # travels in two halves, .kvc_gpu_a / _b)
@@ -57,6 +58,7 @@ job() {   # job NAME -> "LIMIT COMMAND"
     triton_decode)  echo "${TD_LIMIT:-300} for i in 0 1 2 3 4 5; do python3 benchmarks/bench_decode.py warmup --part \$i --parts 6 ${TD_WARM:-} & done; for i in 0 1 2 3; do python3 benchmarks/bench_decode.py flexwarm --part \$i --parts 4 & done; wait; python3 benchmarks/bench_decode.py run --out $OUT ${TD_RUN:-}" ;;
     decode_int_bench) echo "${DI_LIMIT:-200} for i in 0 1 2 3; do python3 benchmarks/bench_decode.py warmup --formats $DI_ROWS --shapes $DI_SHAPES --waves 8 --part \$i --parts 4 & done; wait; python3 benchmarks/bench_decode.py run --no-sweep --no-flex --no-append --waves 8 --formats $DI_ROWS --shapes $DI_SHAPES --out $OUT" ;;
     prefill_bench)  echo "${PB_LIMIT:-330} python3 benchmarks/bench_prefill.py --warm-flex --budget ${PB_WARM:-150} && python3 benchmarks/bench_prefill.py --budget ${PB_BUDGET:-150} --json $OUT/bench_prefill.json ${PB_ARGS:-}" ;;
+    chunk_route)    echo "${CR_LIMIT:-240} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_prefill_gather.py tests/runtime/test_chunk_route.py; r=\$?; python3 benchmarks/bench_prefill.py --chunk-only --budget ${CR_BUDGET:-170} --json $OUT/bench_chunk.json; exit \$(( r | \$? ))" ;;
     kernel_report)  echo "${KR_LIMIT:-130} python3 benchmarks/kernel_report.py --out $OUT ${KR_ARGS:-}" ;;
     quality_canary) echo "${QC_LIMIT:-320} bash benchmarks/quality/gpu_stages.sh canary" ;;
     quality)        echo "${Q_LIMIT:-260} bash benchmarks/quality/gpu_stages.sh run" ;;

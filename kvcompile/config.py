@@ -47,6 +47,10 @@ PREFILL_CHOICES = ("auto", "triton", "sdpa")
 # What a fresh prompt's prefill attends to: "fresh" (its K/V as computed, torch SDPA; the pages
 # are written for the decode steps) or "stored" (the pages, as every later step does).
 PREFILL_ATTENDS = ("fresh", "stored")
+# How a chunk attends over its sequence's pages (prefill="triton"): "gather" (dequantize the
+# pages into a transient contiguous workspace, then the dense varlen kernel), "paged" (the
+# kernel reads the pages in its tile loop), "auto": kernels/prefill_gather.py choose_route.
+PREFILL_CHUNK_ROUTES = ("auto", "gather", "paged")
 
 # Fields that `configure` may override per module; the rest are global to the pool.
 PER_MODULE_FIELDS = (
@@ -253,6 +257,19 @@ class KVConfig:
         cuDNN on CUDA), as the model's own path and vLLM do; "stored": the pages just written
         (quantized), as every later step does. The pages are written either way; padded
         batches, windows shorter than the prompt, softcaps and eviction take the paged path.
+    prefill_chunk_route: how a prefill over pages (a later chunk of a chunked prefill, or
+        prefill_attends="stored") reads them with the Triton kernels: "gather" dequantizes the
+        sequences' pages, one layer at a time, into a transient contiguous workspace and runs
+        the dense varlen kernel over it; "paged" reads the pages inside the attention loop;
+        "auto" (the default) gathers for long chunks (kernels/prefill_gather.py
+        `choose_route`: at least GATHER_MIN_ROWS query rows per kv head, weighted by keys).
+        Attention-sink logits and left padding inside a chunk stay paged. The report counts
+        each (prefill_gather, prefill_triton) and says why the rule chose, once per reason.
+    prefill_gather_bytes: bound of the gather's workspace (bytes, K and V of the sequences
+        gathered together); a batch over it is gathered in groups of sequences, a sequence
+        over it in pieces of keys merged by their log-sum-exp (a windowed one, or one whose
+        chunk alone exceeds it, stays paged). The prefill chunker
+        (integrations/hf_prefill.py) keeps it free beside the activations.
 
     Run-time switches, whose defaults the environment sets:
     cuda_graphs: replay decode steps from CUDA graphs where they can be (the Engine's,
@@ -299,6 +316,8 @@ class KVConfig:
     residual: bool = False
     enabled: bool = True
     prefill_attends: str = "fresh"
+    prefill_chunk_route: str = "auto"
+    prefill_gather_bytes: int = 1 << 30
     # run-time switches: their defaults come from the environment (see the docstring)
     cuda_graphs: bool = _env_field(_cuda_graphs_default)
     prefill: str = _env_field(_prefill_default)
@@ -352,6 +371,10 @@ class KVConfig:
         if self.prefill_attends not in PREFILL_ATTENDS:
             raise KVConfigError("prefill_attends", self.prefill_attends,
                                 ", ".join(map(repr, PREFILL_ATTENDS)))
+        if self.prefill_chunk_route not in PREFILL_CHUNK_ROUTES:
+            raise KVConfigError("prefill_chunk_route", self.prefill_chunk_route,
+                                ", ".join(map(repr, PREFILL_CHUNK_ROUTES)))
+        _check_int("prefill_gather_bytes", self.prefill_gather_bytes, 1)
         if self.prefill not in PREFILL_CHOICES:
             raise KVConfigError("prefill", self.prefill, ", ".join(map(repr, PREFILL_CHOICES)))
         for name in ("check_finite", "residual", "enabled", "cuda_graphs", "prefill_tma",

@@ -54,7 +54,9 @@ def activation_bytes_per_token(model) -> int:
 def prefill_activation_budget(device: torch.device, state=None) -> int | None:
     """Bytes one prefill forward may use beside the pool, or None where not known (CPU):
     PREFILL_MEMORY_FRACTION of the device, and once the pool exists at most 0.9 of what is
-    left beside it (free + cached by torch but unused)."""
+    left beside it (free + cached by torch but unused); less the workspace of the gathered
+    chunk route (KVConfig.prefill_gather_bytes, kernels/prefill_gather.py), which a chunk
+    after the first may take in one layer's attention."""
     if device.type != "cuda":
         return None
     budget = PREFILL_MEMORY_FRACTION * torch.cuda.get_device_properties(device).total_memory
@@ -62,7 +64,9 @@ def prefill_activation_budget(device: torch.device, state=None) -> int | None:
         free = torch.cuda.mem_get_info(device)[0]
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         budget = min(budget, 0.9 * free)
-    return int(budget)
+    if state is not None and state.config.prefill_chunk_route != "paged":
+        budget -= state.config.prefill_gather_bytes
+    return max(int(budget), 0)
 
 
 def chunk_size(batch: int, prompt: int, per_token: int, budget: int | None,

@@ -234,6 +234,8 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
     window if any, the first `sinks` keys from kv_start always. sink_logits [Hq] fp32:
     attention sinks, one logit per query head in each softmax's denominator (kernels/decode.py).
     Returns [T, Hq, Dv] in q's dtype.
+    The gathered route (a transient contiguous workspace, then the varlen kernel) and the rule
+    that chooses between the two: kernels/prefill_gather.py `chunk_prefill_attention`.
     """
     res = torch.ops.kvcompile.paged_prefill(
         q, k_cache.data, k_cache.scale, k_cache.micro, k_cache.fmt.name,

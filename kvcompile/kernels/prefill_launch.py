@@ -209,10 +209,11 @@ VARLEN_TUNER = Tuner("prefill")
 
 def launch_prefill(q, k, v, cu_seqlens, out, scale, causal, window, sinks, softcap,
                    max_seqlen, fp8, config=None, cu_seqlens_k=None,
-                   switches: PrefillSwitches = DEFAULT_SWITCHES):
+                   switches: PrefillSwitches = DEFAULT_SWITCHES, lse=None):
     # q: [T, Hq, D]  k: [Tk, Hkv, D]  v: [Tk, Hkv, Dv] (fp8: vt [Hkv*Dv, NB*128])
     # out: [T, Hq, Dv]; cu_seqlens_k [B+1] (default cu_seqlens): queries are each sequence's last
-    # q_len positions of its k_len keys
+    # q_len positions of its k_len keys; lse [T, Hq] fp32 (not FP8): each row's log2-sum-exp2
+    # of its scores (log2 units), for merging attentions over pieces of the keys
     import triton
 
     from kvcompile.kernels.prefill_varlen import SCALE_BLOCK, prefill_varlen_kernel
@@ -251,6 +252,10 @@ def launch_prefill(q, k, v, cu_seqlens, out, scale, causal, window, sinks, softc
         raise UnsupportedShapeError(f"{op}: v {tuple(v.shape)} must be [{Tk}, Hkv, Dv]")
     if not causal and (window or sinks):
         raise UnsupportedShapeError(f"{op}: sliding_window/sinks need causal=True")
+    if lse is not None and (fp8 is not None or lse.dtype != torch.float32
+                            or lse.shape != (T, Hq) or lse.stride(1) != 1):
+        raise UnsupportedShapeError(f"{op}: lse must be fp32 [{T}, {Hq}] with contiguous rows, "
+                                    f"and is not supported on the FP8 path")
     if T == 0 or B == 0:
         return out
 
@@ -302,15 +307,16 @@ def launch_prefill(q, k, v, cu_seqlens, out, scale, causal, window, sinks, softc
             mult, cap_l2, inv_cap, int(window), int(sinks), seq_bucket(max_seqlen),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), sv[0], sv[1],
             out.stride(0), out.stride(1), n_blocks if scale_tma else Hkv, Hkv,
+            lse if lse is not None else out, lse.stride(0) if lse is not None else 0,
             RATIO=group, GROUP=rows, HEAD_DIM=D, HEAD_DIM_V=Dv, CAUSAL=bool(causal),
             WINDOW=window > 0, SINKS=sinks > 0 and window > 0, SOFTCAP=softcap > 0,
             FP8=fp8 is not None, TMA=tma, Q_TMA=bool(tma and q_tma), SCALE_TMA=scale_tma,
             SCALE_BLK=SCALE_BLOCK,
-            BLOCK_M=c.block_m, BLOCK_N=c.block_n, WARP_SPEC=ws,
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n, WARP_SPEC=ws, STORE_LSE=lse is not None,
             num_warps=c.num_warps, num_stages=c.num_stages)
 
     key = (D, Dv, group, causal, window > 0, sinks > 0, softcap > 0, fp8 is not None, tma,
-           q_tma, scale_tma, q.dtype, seq_bucket(max_seqlen), Tk != T)
+           q_tma, scale_tma, q.dtype, seq_bucket(max_seqlen), Tk != T, lse is not None)
     VARLEN_TUNER.run(key, configs, launch)
     return out
 

@@ -103,14 +103,17 @@ def prefill_varlen_kernel(
         Q, Qd, K, V, Out, cu_seqlens, cu_seqlens_k, cu_blocks, q_descale, k_descale, v_descale,
         sm_scale_c, softcap_log2e, inv_softcap, window, sinks, seq_bucket,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-        stride_ks, stride_qs,
+        stride_ks, stride_qs, Lse, stride_lt,
         RATIO: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_DIM_V: tl.constexpr,
         CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr, SOFTCAP: tl.constexpr,
         FP8: tl.constexpr, TMA: tl.constexpr, Q_TMA: tl.constexpr, SCALE_TMA: tl.constexpr,
         SCALE_BLK: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPEC: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPEC: tl.constexpr,
+        STORE_LSE: tl.constexpr):
     # Q: [T, Hq, D]  K: [T, Hkv, D]  V: [T, Hkv, Dv] (fp8: [Hkv*Dv, T_pad])  Out: [T, Hq, Dv]
+    # Lse: [T, Hq] fp32 (STORE_LSE, not FP8): each row's log2-sum-exp2 of its scores in log2
+    # units (-inf where it sees no key), to merge partial attentions over pieces of the keys
     TOK_M: tl.constexpr = BLOCK_M // GROUP
     h0 = tl.program_id(1) * GROUP  # first query head of the tile (GROUP: heads packed in rows)
     hkv = h0 // RATIO
@@ -189,6 +192,9 @@ def prefill_varlen_kernel(
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # a row that sees no key writes zeros
     o = acc * (v_prev / l_i)[:, None]
+    if STORE_LSE:
+        lse_rows = (q_start + tok).to(tl.int64) * stride_lt + head
+        tl.store(Lse + lse_rows, m_i + tl.log2(l_i), mask=row_ok)
     offs_dv = tl.arange(0, HEAD_DIM_V)
     o_rows = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
     tl.store(Out + o_rows[:, None] + offs_dv[None, :], o.to(Out.dtype.element_ty),

@@ -354,6 +354,31 @@ class KernelDispatch:
             log.warning("kvcompile: %s", key)
         return "triton"
 
+    def _chunk_route(self, q, kc, vc, plan, starts, window, sink_logits: bool):
+        """("gather" | "paged", HostLens) for a prefill over pages (KVConfig
+        prefill_chunk_route, kernels/prefill_gather.py choose_route); why the rule chose is
+        said once per reason in the report's kernel notes."""
+        from kvcompile.kernels import prefill_gather as G
+
+        cfg = self.state.config
+        B, S = q.shape[0], q.shape[2]
+        q_lens = list(plan.q_lens) if plan.packed else [S] * B
+        host = G.HostLens(q_lens, list(plan.seq_lens_list), starts or [0] * len(q_lens))
+        per_key = kc.num_heads * (kc.head_dim + vc.head_dim) * q.element_size()
+        pick = G.choose_route(cfg.prefill_chunk_route, host, q.shape[1] // kc.num_heads,
+                              per_key, cfg.prefill_gather_bytes, window=window,
+                              sink_logits=sink_logits)
+        reason = pick.reason.split(" (")[0]   # once per kind of reason, not per length
+        key = f"chunked prefill: {pick.route} route ({reason})"
+        if key not in self._warned:
+            self._warned.add(key)
+            self.state.kernel_notes.append(f"chunked prefill: {pick.route} route "
+                                           f"({pick.reason})")
+            if cfg.prefill_chunk_route == "gather" and pick.route == "paged":
+                log.warning("kvcompile: prefill_chunk_route='gather' refused: %s; the paged "
+                            "kernel runs", pick.reason)
+        return pick.route, host
+
     def _fallback(self, why: str) -> None:
         if why not in self._warned:
             self._warned.add(why)
@@ -406,7 +431,7 @@ class KernelDispatch:
             if prefill_mode(self.state.config, q) != "triton":
                 self.state.count("prefill_gathered_sdpa")
                 return None
-            from kvcompile.kernels.prefill import paged_prefill_attention
+            from kvcompile.kernels.prefill_gather import chunk_prefill_attention
 
             B, Hq, S, D = q.shape
             if plan.packed:
@@ -416,14 +441,17 @@ class KernelDispatch:
                 qp = q.transpose(1, 2).reshape(B * S, Hq, D)
                 cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q.device)
             start = None
+            starts = list(kv_start or plan.kv_start)
             if kv_start is not None or any(plan.kv_start):
-                start = torch.tensor(kv_start or plan.kv_start, dtype=torch.int32,
-                                     device=q.device)
-            out = paged_prefill_attention(
+                start = torch.tensor(starts, dtype=torch.int32, device=q.device)
+            route, host = self._chunk_route(q, kc, vc, plan, starts, window or 0,
+                                            extras.get("sink_logits") is not None)
+            out, _ = chunk_prefill_attention(
                 qp.contiguous(), kc, vc, plan.block_tables, cu, plan.seq_lens, scale,
-                sliding_window=window, softcap=softcap, kv_start=start,
-                sink_logits=extras.get("sink_logits"))
-            self.state.count("prefill_triton")
+                route=route, sliding_window=window, softcap=softcap, kv_start=start,
+                sink_logits=extras.get("sink_logits"), host=host,
+                workspace_bytes=self.state.config.prefill_gather_bytes)
+            self.state.count("prefill_gather" if route == "gather" else "prefill_triton")
             if plan.packed:
                 return out.transpose(0, 1).unsqueeze(0)
             return out.reshape(B, S, Hq, -1).transpose(1, 2)

@@ -149,3 +149,25 @@ def test_activation_bytes_with_one_intermediate_size_per_layer():
         SimpleNamespace(config=SimpleNamespace(hidden_size=64, intermediate_size=256),
                         dtype=torch.float32))
     assert hf_prefill.activation_bytes_per_token(model) == want
+
+
+def test_budget_keeps_the_gather_workspace_free(monkeypatch):
+    """The chunker's budget leaves KVConfig.prefill_gather_bytes free for the gathered chunk
+    route (kernels/prefill_gather.py), and not when the chunks stay paged."""
+    from types import SimpleNamespace
+
+    total = 100 << 30
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(total_memory=total))
+    dev = torch.device("cuda")
+    plain = int(hf_prefill.PREFILL_MEMORY_FRACTION * total)
+
+    def state(**kw):
+        return SimpleNamespace(pool=None, config=kvcompile.KVConfig(**kw))
+
+    assert hf_prefill.prefill_activation_budget(dev, None) == plain
+    assert hf_prefill.prefill_activation_budget(dev, state()) == plain - (1 << 30)
+    assert hf_prefill.prefill_activation_budget(
+        dev, state(prefill_gather_bytes=5 << 30)) == plain - (5 << 30)
+    assert hf_prefill.prefill_activation_budget(
+        dev, state(prefill_chunk_route="paged")) == plain
