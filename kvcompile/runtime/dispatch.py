@@ -149,6 +149,8 @@ def _fresh_prefill(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal
     -> [B, Hq, S, Dv] in compute_dtype(q.dtype), or None. A layer that took it is marked in
     the forward's plan (`attended_fresh(plan, layer)`: what `kvcompile inspect --verify` holds
     the output against)."""
+    if plan.packed:
+        return _fresh_packed(state, layer, q, fresh, plan, window, softcap, scale, extras)
     causal = _fresh_causal(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal,
                            window, softcap, extras)
     if causal is None:
@@ -157,6 +159,48 @@ def _fresh_prefill(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal
     state.count("prefill_fresh_sdpa")
     plan.cache[("attended_fresh", layer)] = True
     return sdpa_attention(q, k, v, None, None, scale, causal)
+
+
+# up to this many prompts in one packed step attend one SDPA call each (cuDNN / flash: the
+# fastest for long prompts; a call's host cost is tens of microseconds); more go through the
+# varlen kernel in one launch where it runs
+FRESH_PACKED_SDPA_MAX = 32
+
+
+def _fresh_packed(state, layer, q, fresh, plan, window, softcap, scale, extras):
+    """The Engine's step of fresh prompts only (packed [1, Hq, T, D], nothing of any row cached
+    before it): each prompt attends causally to its own K/V as computed, as `_fresh_prefill`
+    does for a batch, instead of reading back the pages just written. Steps with decode rows
+    or chunks over a cached prefix, softcap, sinks or eviction extras, and windows shorter
+    than a prompt keep the paged kernels. -> [1, Hq, T, Dv] or None."""
+    if (fresh is None or state.config.prefill_attends != "fresh" or plan.is_decode
+            or not plan.q_lens or max(plan.past_lens) != 0 or softcap or extras):
+        return None
+    if state.eviction is not None and not state.eviction.takes_plain_prefill(plan, layer):
+        return None
+    q_lens = list(plan.q_lens)
+    if window and window < max(q_lens):
+        return None
+    k, v = fresh
+    if k.shape[2] != q.shape[2] or sum(q_lens) != q.shape[2]:
+        return None
+    if len(q_lens) > FRESH_PACKED_SDPA_MAX and state.kernels.use_triton(q.device):
+        from kvcompile.kernels.prefill import prefill_attention
+
+        t = lambda x: x[0].transpose(0, 1).contiguous()   # noqa: E731  [T, H, D]
+        out = prefill_attention(t(q), t(k), t(v), plan.cu_seqlens_q, scale, causal=True,
+                                max_seqlen=max(q_lens))
+        out = out.transpose(0, 1).unsqueeze(0)
+    else:
+        parts, a = [], 0
+        for n in q_lens:
+            parts.append(sdpa_attention(q[:, :, a:a + n], k[:, :, a:a + n], v[:, :, a:a + n],
+                                        None, None, scale, True))
+            a += n
+        out = torch.cat(parts, 2)
+    state.count("prefill_fresh_sdpa")
+    plan.cache[("attended_fresh", layer)] = True
+    return out
 
 
 def _fresh_causal(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal, window,

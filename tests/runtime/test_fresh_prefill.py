@@ -90,3 +90,45 @@ def test_eviction_fresh_prompt_takes_sdpa_but_h2o_the_paged_path():
 def test_bad_value_names_the_field():
     with pytest.raises(KVConfigError, match="prefill_attends"):
         kvcompile.KVConfig(prefill_attends="pages")
+
+
+def _engine_first_tokens(kv_dtype: str, prefill_attends: str, budget: int):
+    """The Engine's first greedy token of three prompts (one step when `budget` holds them),
+    the same model's eager first tokens, and kvcompile.stats."""
+    from kvcompile import Engine, SamplingParams
+    from tests.engine.tiny import hf_greedy
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (9, 23, 16)]
+    ref = make_hf("llama", "sdpa")
+    with torch.no_grad():
+        want = [hf_greedy(ref, p, 1) for p in prompts]
+    model = make_hf("llama", "sdpa")
+    kvcompile.compile(model, config(kv_dtype=kv_dtype, prefill_attends=prefill_attends,
+                                    page_size=8))
+    eng = Engine(model, max_num_batched_tokens=budget, enable_prefix_caching=False)
+    before = kvcompile.stats(model).get("prefill_fresh_sdpa", 0)   # (the engine's warm-up)
+    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    got = [o.token_ids[:1] for o in outs]
+    st = dict(kvcompile.stats(model))
+    st["prefill_fresh_sdpa"] = st.get("prefill_fresh_sdpa", 0) - before
+    eng.close()
+    return want, got, st
+
+
+def test_engine_step_of_fresh_prompts_attends_to_their_own_kv():
+    """An Engine step that holds only fresh prompts (packed) attends each to its K/V as
+    computed, one SDPA per prompt (`_fresh_packed`), with fp8 pages written for decode."""
+    want, got, st = _engine_first_tokens("fp8_e4m3", "fresh", 512)
+    assert st.get("prefill_fresh_sdpa", 0) == 2          # both layers, one prompt step
+    assert got == want
+
+
+def test_engine_prompt_chunks_over_a_cached_prefix_take_the_paged_path():
+    """Negative: with a budget of 8 tokens the prompts are cut into chunks; a chunk after the
+    first has a cached prefix, and the step that holds it reads the pages. Only the steps
+    whose every row starts at 0 attend fresh (the first one here)."""
+    _, _, st = _engine_first_tokens("fp8_e4m3", "fresh", 8)
+    assert st.get("prefill_fresh_sdpa", 0) == 2
+    _, _, st = _engine_first_tokens("fp8_e4m3", "stored", 512)
+    assert st.get("prefill_fresh_sdpa", 0) == 0
