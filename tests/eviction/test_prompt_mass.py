@@ -16,10 +16,13 @@ from kvcompile.testing import REL_ERR, kernel_rel_err, rel_err
 ROWS = [(70, 70, 0), (40, 130, 0), (50, 50, 13), (1, 90, 0)]
 
 
-def _inputs(hq=4, hkv=2, d=32, seed=0, dtype=torch.float32):
+def _inputs(hq=4, hkv=2, d=32, seed=0, dtype=torch.float32, device="cpu"):
+    """Per row: q [Hq, n, D] in `dtype`, k [Hkv, L, D] fp32 holding `dtype` values (16-bit
+    pages read back)."""
     g = torch.Generator().manual_seed(seed)
-    qs = [torch.randn(hq, n, d, generator=g).to(dtype) for n, _L, _s in ROWS]
-    ks = [torch.randn(hkv, L, d, generator=g) for _n, L, _s in ROWS]
+    qs = [torch.randn(hq, n, d, generator=g).to(dtype).to(device) for n, _L, _s in ROWS]
+    ks = [torch.randn(hkv, L, d, generator=g).to(dtype).float().to(device)
+          for _n, L, _s in ROWS]
     return qs, ks
 
 
@@ -27,10 +30,11 @@ def _want(qs, ks, scale, **kw):
     """The mass of the fp32 path, row by row."""
     out = []
     for (n, L, st), q, k in zip(ROWS, qs, ks):
-        pos = torch.arange(L).expand(k.shape[0], L)
-        v = torch.zeros(k.shape[0], L, 8)
-        _o, mass, _ = attend_kept(q.float(), k, v, pos, torch.arange(L - n, L), scale,
-                                  start=st, want_mass=True, **kw)
+        dev = k.device
+        pos = torch.arange(L, device=dev).expand(k.shape[0], L)
+        v = torch.zeros(k.shape[0], L, 8, device=dev)
+        _o, mass, _ = attend_kept(q.float(), k, v, pos, torch.arange(L - n, L, device=dev),
+                                  scale, start=st, want_mass=True, **kw)
         out.append(mass)
     return out
 
@@ -43,8 +47,8 @@ def _kernel(qs, ks, scale, **kw):
     k = torch.cat(ks, 1)
     qn = [n for n, _L, _s in ROWS]
     kl = [L for _n, L, _s in ROWS]
-    i32 = dict(dtype=torch.int32)
-    q_off = torch.tensor([0] + qn[:-1]).cumsum(0) * q.stride(1)
+    i32 = dict(dtype=torch.int32, device=q.device)
+    q_off = torch.tensor([0] + qn[:-1], device=q.device).cumsum(0) * q.stride(1)
     k_start = torch.tensor([0] + kl[:-1], **i32).cumsum(0).to(torch.int32)
     mass = triton_mass(q, k, q_off, torch.tensor(qn, **i32), k_start, torch.tensor(kl, **i32),
                        torch.tensor([L - n for n, L, _s in ROWS], **i32),
