@@ -532,8 +532,7 @@ class EvictionRuntime(RuntimeHook):
         if attn_mask is not None and not plan.packed:
             if mask_info is not None and mask_info.exact and not any(mask_info.kv_start):
                 causal = True   # (j >= 0) & causal & window: the kernel's own rules
-                window = min(w for w in (window, mask_info.window, 1 << 30) if w)
-                window = 0 if window == 1 << 30 else window
+                window = min((w for w in (window, mask_info.window) if w), default=0)
             else:
                 custom = True
         if state.kernels.use_triton(q.device):
@@ -550,10 +549,11 @@ class EvictionRuntime(RuntimeHook):
             k, _v = pool.gather(layer, sid)                    # [Hkv, L, D] fp32
             total = pool.logical_len(sid)
             qi = q[0, :, cu[i]:cu[i + 1]] if plan.packed else q[i]
-            mass = prompt_mass_torch(qi, k, book.pos[layer],
-                                     torch.arange(total - n, total, device=q.device), scale, causal=causal, window=window, start=book.start,
-                               softcap=softcap, total=total,
-                               mask_b=_row_mask(dense, i, n) if custom else None)
+            q_pos = torch.arange(total - n, total, device=q.device)
+            mask_b = _row_mask(dense, i, n) if custom else None
+            mass = prompt_mass_torch(qi, k, book.pos[layer], q_pos, scale, causal=causal,
+                                     window=window, start=book.start, softcap=softcap,
+                                     mask_b=mask_b, total=total)
             book.mass[layer] += mass
         state.count("eviction_prompt_mass_torch", len(rows))
 

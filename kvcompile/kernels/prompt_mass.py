@@ -180,9 +180,9 @@ def prompt_mass(q: torch.Tensor, k: torch.Tensor, q_off: torch.Tensor, q_len: to
 
     q [Hq, T', D] (any strides but the last; row b's query t at q_off[b] + t * q.stride(1)
     elements from q's start, so that a batch [B, Hq, S, D] goes in as a view), k [Hkv, N, D],
-    per row [B]: q_off (int64), and int32 q_len, k_start, k_len, pos0 (logical position of its first
-    query), start (first real key); max_q / max_k: the largest q_len / k_len (host ints, for
-    the grid). -> mass [Hkv, N] fp32 (0 outside the rows' keys and for keys no query sees)."""
+    per row [B]: q_off (int64), and int32 q_len, k_start, k_len, pos0 (logical position of
+    its first query), start (first real key); max_q / max_k: the largest q_len / k_len (host
+    ints, for the grid). -> mass [Hkv, N] fp32 (0 outside the rows' keys and for keys no query sees)."""
     Hq, _, D = q.shape
     Hkv, N, _ = k.shape
     B = q_len.numel()
