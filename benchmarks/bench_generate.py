@@ -460,6 +460,11 @@ def engine_batch(model, args, device, ctx, graphs: bool = True, eviction=None,
         row.update(eviction_aside_steps=counters.get("eviction_aside_steps", 0),
                    eviction_device_runs=counters.get("eviction_device_runs", 0),
                    evicted_tokens=counters.get("evicted_tokens", 0),
+                   # H2O prompt rows whose mass the extra pass added up (kernel / torch), and
+                   # rows attended over kept slots in fp32 (0 prompt chunks expected)
+                   prompt_mass_rows=(counters.get("eviction_prompt_mass_kernel", 0),
+                                     counters.get("eviction_prompt_mass_torch", 0)),
+                   fp32_rows=counters.get("eviction_reference_rows", 0),
                    min_pages_free=min(s.pages_free for s in eng.history),
                    # which kernels the steps took (CUDA / Triton / per-row paths), for the
                    # step's cost against the no-eviction row

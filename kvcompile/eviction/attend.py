@@ -115,3 +115,43 @@ def attend_kept(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Te
             first = max(lo, S - obs_rows)
             obs[:, first - (S - obs_rows):hi - (S - obs_rows)] = p[:, :, first - lo:].sum(1)
     return out, mass, obs
+
+
+_MASS_ELEMS = 1 << 24   # scores per query block of `prompt_mass`: [Hq, s, L] fp32, 64 MiB
+
+
+def prompt_mass(q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, q_pos: torch.Tensor,
+                scale: float, *, causal: bool = True, window: int = 0, start: int = 0,
+                softcap: float = 0.0, mask_b: torch.Tensor | None = None,
+                total: int = 0) -> torch.Tensor:
+    """`attend_kept`'s mass alone (no values, no output): q [Hq, S, D], k [Hkv, L, D],
+    pos [Hkv, L], q_pos [S] -> mass [Hkv, L] fp32, the probabilities each slot receives summed
+    over the group's query heads and the queries. Query blocks bound the scores to
+    _MASS_ELEMS elements, so a long prompt's [S, L] is never made whole. The CPU path of a
+    prompt that attended through the plain kernels (kernels/prompt_mass.py on CUDA)."""
+    Hq, S, D = q.shape
+    Hkv, L, _ = k.shape
+    G = Hq // Hkv
+    qg = q.float().view(Hkv, G, S, D)
+    kf = k.float()
+    ok_key = pos >= start
+    mass = torch.zeros(Hkv, L, dtype=torch.float32, device=q.device)
+    block = max(1, min(_Q_BLOCK, _MASS_ELEMS // max(1, Hq * L)))
+    for lo in range(0, S, block):
+        hi = min(S, lo + block)
+        s = torch.einsum("hgsd,hld->hgsl", qg[:, :, lo:hi], kf) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        qp = q_pos[lo:hi]
+        allowed = ok_key[:, None, None, :].expand(Hkv, 1, hi - lo, L)
+        if causal:
+            allowed = allowed & (pos[:, None, None, :] <= qp[None, None, :, None])
+        if window:
+            allowed = allowed & (qp[None, None, :, None] - pos[:, None, None, :] < window)
+        if mask_b is not None:
+            m_allowed, m_add = mask_columns(mask_b[:, lo:hi], pos, total, G)
+            allowed = allowed & m_allowed
+            if m_add is not None:
+                s = s + m_add
+        mass += masked_softmax(s, allowed).sum((1, 2))
+    return mass

@@ -35,7 +35,9 @@ from kvcompile.errors import CacheStateError, UnsupportedShapeError
 from kvcompile.eviction import policies as P
 from kvcompile.eviction.aside import AsideSpec, MassStore, attend_aside, store_length
 from kvcompile.eviction.attend import attend_kept, rotation
+from kvcompile.eviction.attend import prompt_mass as prompt_mass_torch
 from kvcompile.eviction.front import evict_fronts
+from kvcompile.kernels import masks
 from kvcompile.kernels.masks import to_bool
 from kvcompile.runtime.hooks import RuntimeHook
 
@@ -447,8 +449,8 @@ class EvictionRuntime(RuntimeHook):
         without eviction (runtime/dispatch.py: SDPA over a fresh prompt's own K/V, or the
         paged prefill kernels): nothing of its sequences evicted yet, so every stored slot
         holds its own position, and no left padding. Not for decode steps (`decode_aside`),
-        nor when the layer must add up the prompt's attention mass (H2O, observe_all): that
-        needs every probability. SnapKV's observation rows come from `observe_prefill`."""
+        nor under observe_all. SnapKV's observation rows come from `observe_prefill`, H2O's
+        prompt mass from `prompt_mass` (one extra pass over Q K^T)."""
         if plan.is_decode:
             return False
         if layer not in self.policies:
@@ -467,12 +469,15 @@ class EvictionRuntime(RuntimeHook):
             return [True] * plan.batch
         pool = self.state.pool
         out = []
-        for _i, sid, _past, _n in self._rows(plan):
+        for _i, sid, _past, n in self._rows(plan):
             book = self.books.get(sid)
             policy = self.policy_of(sid, layer)
-            out.append(not (book is None or book.start or layer in book.mass
-                            or pool.evicted(sid) or book.window is not None
-                            or (policy is not None and P.accumulates_mass(policy))))
+            # a one-token row adding up mass is a decode step: its mass comes from the decode
+            # kernel's attn_mass (`_decode_rows`), not from a prompt pass
+            mass = layer in book.mass if book is not None else False
+            mass = mass or (policy is not None and P.accumulates_mass(policy))
+            out.append(not (book is None or book.start or pool.evicted(sid)
+                            or book.window is not None or (mass and n == 1)))
         return out
 
     def observe_prefill(self, ctx, layer, q, plan, attn_mask, is_causal, window, softcap,
@@ -506,6 +511,93 @@ class EvictionRuntime(RuntimeHook):
                 softcap=softcap, mask_b=mask_b, total=total, obs_rows=r)
             book.obs[layer] = _carried(book, layer, obs, rows)
         self.state.count("eviction_plain_prefill")
+
+    def prompt_mass(self, ctx, layer, q, plan, attn_mask, mask_info, is_causal, window,
+                    softcap, scale, only=None) -> None:
+        """H2O's mass of prompt rows that attended through the plain kernels (`plain_rows`):
+        each stored slot's attention probability summed over the group's query heads and the
+        row's queries, added to book.mass[layer], exactly `attend_kept`'s `mass`. One extra
+        pass over Q K^T of the rows (kernels/prompt_mass.py: a per-query lse, then per key
+        tile the sum of exp(s - lse)) where the Triton kernels run; elsewhere, or under a mask
+        that is not causal + window (the model's own), `attend.prompt_mass` per row, in query
+        blocks. attn_mask: the model's mask (None in a packed step); only: these rows."""
+        if layer not in self.policies:
+            return
+        rows = [(i, sid, n) for i, sid, _past, n in self._rows(plan)
+                if (only is None or i in only) and layer in self.books[sid].mass]
+        if not rows:
+            return
+        state, pool = ctx.state, ctx.state.pool
+        causal, custom = bool(is_causal) or plan.packed, False
+        if attn_mask is not None and not plan.packed:
+            if mask_info is not None and mask_info.exact and not any(mask_info.kv_start):
+                causal = True   # (j >= 0) & causal & window: the kernel's own rules
+                window = min((w for w in (window, mask_info.window) if w), default=0)
+            else:
+                custom = True
+        if state.kernels.use_triton(q.device):
+            if custom:
+                self._say("H2O prompt mass under a mask that is not causal + window: the "
+                          "torch path per sequence (eviction/attend.py prompt_mass)")
+            elif self._kernel_mass(state, layer, q, plan, rows, causal, window, softcap,
+                                   scale):
+                return
+        dense = masks.dense(plan, attn_mask) if custom else None
+        cu = plan.cu_seqlens_q.tolist() if plan.packed else None
+        for i, sid, n in rows:
+            book = self.books[sid]
+            k, _v = pool.gather(layer, sid)                    # [Hkv, L, D] fp32
+            total = pool.logical_len(sid)
+            qi = q[0, :, cu[i]:cu[i + 1]] if plan.packed else q[i]
+            q_pos = torch.arange(total - n, total, device=q.device)
+            mask_b = _row_mask(dense, i, n) if custom else None
+            mass = prompt_mass_torch(qi, k, book.pos[layer], q_pos, scale, causal=causal,
+                                     window=window, start=book.start, softcap=softcap,
+                                     mask_b=mask_b, total=total)
+            book.mass[layer] += mass
+        state.count("eviction_prompt_mass_torch", len(rows))
+
+    def _kernel_mass(self, state, layer, q, plan, rows, causal, window, softcap,
+                     scale) -> bool:
+        """`prompt_mass` of all `rows` through kernels/prompt_mass.py: one read of their key
+        pages, two launches. False if the kernels refuse (said once)."""
+        pool = state.pool
+        P_ = pool.page_size
+        lens = [pool.seq_len(sid) for _i, sid, _n in rows]
+        pages, first = [], []
+        for (_i, sid, _n), L in zip(rows, lens):
+            first.append(len(pages) * P_)
+            pages.extend(pool.pages_of(sid)[:-(-L // P_)])
+        dev = q.device
+        ids = torch.tensor(pages, dtype=torch.int64, device=dev)
+        kp = pool.k[layer].read(ids)                                    # [N, Hkv, P, D] fp32
+        dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
+        k = kp.to(dt).permute(1, 0, 2, 3).reshape(kp.shape[1], -1, kp.shape[-1])
+        if plan.packed:
+            cu = plan.cu_seqlens_q.tolist()
+            qv, q_off = q[0], [cu[i] * q.stride(2) for i, _s, _n in rows]
+        else:
+            qv, q_off = q.transpose(0, 1)[:, 0], [i * q.stride(0) for i, _s, _n in rows]
+        i32 = dict(dtype=torch.int32, device=dev)
+        qn = [n for _i, _s, n in rows]
+        totals = [pool.logical_len(sid) for _i, sid, _n in rows]
+        try:
+            from kvcompile.kernels.prompt_mass import prompt_mass as kernel_mass
+
+            mass = kernel_mass(
+                qv, k, torch.tensor(q_off, dtype=torch.int64, device=dev),
+                torch.tensor(qn, **i32), torch.tensor(first, **i32), torch.tensor(lens, **i32),
+                torch.tensor([t - n for t, n in zip(totals, qn)], **i32),
+                torch.tensor([self.books[sid].start for _i, sid, _n in rows], **i32), scale,
+                causal=causal, window=window, softcap=softcap, max_q=max(qn), max_k=max(lens))
+        except (ImportError, UnsupportedShapeError) as e:
+            self._say(f"H2O prompt mass kernel refused ({type(e).__name__}: {e}): the torch "
+                      f"path per sequence (eviction/attend.py prompt_mass)")
+            return False
+        for (_i, sid, _n), lo, L in zip(rows, first, lens):
+            self.books[sid].mass[layer][:, :L] += mass[:, lo:lo + L]
+        state.count("eviction_prompt_mass_kernel", len(rows))
+        return True
 
     def _attend_kernel(self, ctx, layer, q, plan, attn_mask, window, softcap, scale):
         """Decode through the paged decode kernel when the kept slots need no per-slot rule:

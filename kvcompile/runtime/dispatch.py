@@ -58,23 +58,29 @@ def attend(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, window, so
     if ev is not None:
         if layer in ev.policies and ev.takes_plain_prefill(plan, layer):
             # nothing evicted yet: the prompt attends as without eviction; SnapKV's
-            # observation rows are scored apart
+            # observation rows and H2O's mass are scored apart
             out = _attend_plain(ctx, layer, q, plan, mask_info, attn_mask, is_causal, window,
                                 softcap, scale, extras, fresh)
             ev.observe_prefill(ctx, layer, q, plan, masks.dense(plan, attn_mask), is_causal,
                                window, softcap, scale)
+            ev.prompt_mass(ctx, layer, q, plan, attn_mask, mask_info, is_causal, window,
+                           softcap, scale)   # H2O: one extra pass over Q K^T
             return out
         if layer in ev.policies and plan.packed and not plan.eviction_aside:
-            # an engine step of prompt chunks and of sequences already evicted (or that add
-            # up H2O mass): the plain kernels attend the whole step, then the eviction
-            # runtime attends its rows over their kept slots, in place (decode rows through
-            # the paged decode kernel where their slots allow)
+            # an engine step of prompt chunks and of sequences already evicted (or decode
+            # rows that add up H2O mass): the plain kernels attend the whole step (H2O's
+            # prompt rows add up their mass apart), then the eviction runtime attends its
+            # rows over their kept slots, in place (decode rows through the paged decode
+            # kernel where their slots allow)
             plain = ev.plain_rows(plan, layer)
             if any(plain):
                 out = _attend_plain(ctx, layer, q, plan, mask_info, attn_mask, is_causal,
                                     window, softcap, scale, extras, fresh)
+                only = {i for i, p in enumerate(plain) if p}
                 ev.observe_prefill(ctx, layer, q, plan, None, is_causal, window, softcap,
-                                   scale, only={i for i, p in enumerate(plain) if p})
+                                   scale, only=only)
+                ev.prompt_mass(ctx, layer, q, plan, None, None, is_causal, window, softcap,
+                               scale, only=only)
             else:
                 out = torch.empty((*q.shape[:-1], state.pool.v[layer].head_dim),
                                   dtype=torch.float32, device=q.device)
@@ -144,8 +150,8 @@ def _fresh_prefill(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal
 
     Taken for causal (or unmasked) attention without padding, window or softcap, where SDPA
     needs no [B, S, L] mask; anything else (left padding, a window shorter than the prompt, a
-    custom mask, an eviction policy that adds up the prompt's attention mass: H2O) goes to the
-    paged paths. SnapKV's observation rows are scored apart (`EvictionRuntime.observe_prefill`).
+    custom mask) goes to the paged paths. SnapKV's observation rows and H2O's prompt mass are
+    scored apart (`EvictionRuntime.observe_prefill`, `prompt_mass`).
     -> [B, Hq, S, Dv] in compute_dtype(q.dtype), or None. A layer that took it is marked in
     the forward's plan (`attended_fresh(plan, layer)`: what `kvcompile inspect --verify` holds
     the output against)."""

@@ -173,7 +173,12 @@ def test_evicted_pages_go_back_and_admit_more():
 @pytest.mark.parametrize("cfg", [
     dict(kv_dtype="bf16"),
     dict(kv_dtype="fp8_e4m3"),
-    dict(kv_dtype="int4", scale_granularity="channel", residual=True, page_size=16),
+    # generate's fresh prompt attends to its own K/V (SDPA), the engine's prompt chunks to
+    # their stored pages: int4 keys part the tokens, so both attend to the stored pages here
+    # (an H2O prompt took the fp32 path over its stored pages in both before its prompt mass
+    # moved beside the plain kernels)
+    dict(kv_dtype="int4", scale_granularity="channel", residual=True, page_size=16,
+         prefill_attends="stored"),
 ], ids=["bf16", "fp8", "int4-channel-residual"])
 def test_storage_formats_compose_with_eviction(cfg):
     """The engine evicts (moves tokens in) quantized pages, channel-scaled keys and residual

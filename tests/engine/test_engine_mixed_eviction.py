@@ -86,14 +86,26 @@ def test_prompt_chunks_beside_evicted_rows_attend_plain(policy, monkeypatch):
     assert _full_chunks(calls_f)
 
 
-def test_h2o_prompts_still_add_up_their_mass():
-    """H2O rows need every probability of their prompt (the fp32 path); the prompt chunks of
-    other policies in the same step still attend plain."""
-    m = _model(H2O(budget=12, recent=4, sinks=2))
-    want = [_generate(m, [p], 8)[0] for p in PROMPTS]
-    got, calls, _ = _run(m, 8)
-    assert got == want
-    assert _full_chunks(calls)   # H2O's own chunks
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_h2o_prompt_chunks_attend_plain_and_add_up_their_mass(kernels, monkeypatch):
+    """H2O prompt chunks attend through the plain path too, their mass added up apart
+    (`EvictionRuntime.prompt_mass`: attend.prompt_mass on the CPU, kernels/prompt_mass.py with
+    the Triton kernels); the decode rows' mass still comes from the decode path. Same tokens
+    as the old path (every row of a mixed step over its kept slots in fp32), which the
+    negative run forces and the spy sees."""
+    m = _model(H2O(budget=12, recent=4, sinks=2), kernels=kernels, head64=kernels == "triton")
+    st = state_of(m)
+    which = "kernel" if kernels == "triton" else "torch"
+    with monkeypatch.context() as mp:
+        mp.setattr(EvictionRuntime, "plain_rows",
+                   lambda self, plan, layer: [False] * plan.batch)
+        want, calls_f, _ = _run(m, 8)
+    assert _full_chunks(calls_f)   # negative: the old path attends chunks in fp32
+    before = st.counters.get(f"eviction_prompt_mass_{which}", 0)
+    got, calls, mixed = _run(m, 8)
+    assert mixed and got == want
+    assert not _full_chunks(calls), f"prompt chunks went to the fp32 reference: {calls}"
+    assert st.counters.get(f"eviction_prompt_mass_{which}", 0) > before
 
 
 def test_decode_rows_of_a_mixed_step_use_the_decode_kernel():

@@ -262,10 +262,48 @@ def test_fresh_prompt_attends_through_sdpa_and_keeps_the_same_tokens(policy):
     assert_rel_close(out_f, out_s, torch.float32, what="logits, fresh vs stored prefill")
 
 
-def test_h2o_prompt_still_attends_over_its_pages():
-    """H2O adds up every query's attention mass over the prompt: no SDPA prefill for it."""
-    m = _compiled(H2O(budget=12, recent=4, sinks=2))
-    ids = torch.randint(1, V, (1, 30), generator=torch.Generator().manual_seed(7))
-    _stream(m, ids, 24)
-    c = state_of(m).counters
-    assert "prefill_fresh_sdpa" not in c and "eviction_plain_prefill" not in c
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_h2o_prompt_attends_plain_with_the_same_mass(kernels, monkeypatch):
+    """An H2O prompt attends as without eviction (SDPA over its own K/V) and adds up its mass
+    in one extra pass (eviction/attend.py prompt_mass on the CPU, kernels/prompt_mass.py with
+    the Triton kernels): the mass at the prompt's end, the kept slots and the logits equal
+    those of the fp32 path over every query (`attend_kept`), which the first run forces."""
+    from kvcompile.eviction.runtime import EvictionRuntime
+    from kvcompile.testing import kernel_rel_err, rel_err
+
+    ids = torch.randint(1, V, (1, 34), generator=torch.Generator().manual_seed(7))
+    runs = {}
+    for old in (True, False):
+        m = _compiled(H2O(budget=12, recent=4, sinks=2), kernels=kernels, head_dim=64)
+        masses = []
+        real = EvictionRuntime.after_forward
+
+        def spy(self, ctx, masses=masses, real=real):
+            masses.append({li: t.clone() for b in self.books.values()
+                           for li, t in b.mass.items()})
+            return real(self, ctx)
+
+        with monkeypatch.context() as mp:
+            mp.setattr(EvictionRuntime, "after_forward", spy)
+            if old:
+                mp.setattr(EvictionRuntime, "plain_rows",
+                           lambda self, plan, layer: [False] * plan.batch)
+            out, cache = _stream(m, ids, 28)
+        st = state_of(m)
+        runs[old] = (out, masses[0], {li: p.clone() for li, p in
+                                      st.eviction.books[_sid(cache)].pos.items()},
+                     dict(st.counters))
+    (out_o, mass_o, pos_o, c_o), (out_n, mass_n, pos_n, c_n) = runs[True], runs[False]
+    which = "kernel" if kernels == "triton" else "torch"
+    assert c_n.get(f"eviction_prompt_mass_{which}", 0) == 2      # 2 layers, one prompt
+    assert c_n.get("prefill_fresh_sdpa", 0) == 2
+    assert not any(k.startswith("eviction_prompt_mass") for k in c_o)
+    assert "prefill_fresh_sdpa" not in c_o
+    assert c_o["evicted_tokens"] > 0 and c_n["evicted_tokens"] == c_o["evicted_tokens"]
+    tol = kernel_rel_err(torch.float32, "cpu")
+    for li in mass_o:
+        assert rel_err(mass_n[li], mass_o[li]) <= tol, li
+        assert torch.equal(pos_n[li], pos_o[li])                  # the same tokens kept
+    assert_rel_close(out_n, out_o, torch.float32, what="logits, plain vs fp32 prefill")
+
+

@@ -168,9 +168,10 @@ def test_graph_decode_equals_host_path(policy):
                          ids=["SinkWindow-original", "SnapKV", "H2O"])
 def test_prompt_chunks_beside_evicted_rows(policy, monkeypatch):
     """A 256-token step budget: long prompts are chunked while shorter requests, evicted at
-    their prompt's end, decode in the same steps. The chunks of SinkWindow / SnapKV prompts
-    attend through the paged prefill kernel (no fp32 attention over a chunk's queries), the
-    evicted decode rows through the decode kernel; tokens against the old path (every row of
+    their prompt's end, decode in the same steps. The chunks of every policy's prompts
+    attend through the paged prefill kernel (no fp32 attention over a chunk's queries; H2O's
+    mass through kernels/prompt_mass.py), the evicted decode rows through the decode kernel;
+    tokens against the old path (every row of
     such a step over its kept slots in fp32): at least 4 of the 6 requests agree (fp8 pages,
     the kernel and the fp32 path round differently; a random model's greedy tokens may part
     after a near tie)."""
@@ -209,6 +210,8 @@ def test_prompt_chunks_beside_evicted_rows(policy, monkeypatch):
         st = state_of(m).counters
         info = dict(seconds=dt, fp32_chunks=len(chunks),
                     decode_rows_kernel=st.get("eviction_kernel_decode_rows", 0),
+                    mass_kernel_rows=st.get("eviction_prompt_mass_kernel", 0),
+                    mass_torch_rows=st.get("eviction_prompt_mass_torch", 0),
                     mixed=any(s.prefill_tokens and s.decode_tokens for s in eng.history))
         eng.close()
         return [o.token_ids for o in outs], info
@@ -217,8 +220,9 @@ def test_prompt_chunks_beside_evicted_rows(policy, monkeypatch):
     new, inew = go(False)
     print({"policy": type(policy).__name__, "old": io, "new": inew})
     assert inew["mixed"] and io["fp32_chunks"] > 0
-    if isinstance(policy, H2O):
-        assert inew["fp32_chunks"] > 0   # H2O's own chunks add up their mass in fp32
+    assert inew["fp32_chunks"] == 0 and inew["decode_rows_kernel"] > 0
+    if isinstance(policy, H2O):   # its chunks' mass: the Triton pass, not the torch one
+        assert inew["mass_kernel_rows"] > 0 and inew["mass_torch_rows"] == 0
     else:
-        assert inew["fp32_chunks"] == 0 and inew["decode_rows_kernel"] > 0
+        assert inew["mass_kernel_rows"] == 0
     assert sum(a == b for a, b in zip(new, old)) >= 4, (new, old)

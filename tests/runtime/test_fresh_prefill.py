@@ -77,14 +77,17 @@ def test_padded_prompts_take_the_paged_path():
     assert torch.equal(got.sequences, want.sequences)
 
 
-def test_eviction_fresh_prompt_takes_sdpa_but_h2o_the_paged_path():
+def test_eviction_fresh_prompt_takes_sdpa_h2o_included():
     """Nothing is evicted before a prompt's end: a SinkWindow prompt attends through SDPA as
-    without eviction; H2O, which adds up every query's attention mass, does not."""
+    without eviction, and so does an H2O prompt, whose mass is added up apart (one pass over
+    Q K^T: `EvictionRuntime.prompt_mass`)."""
     _, _, st = _run("fresh", kv_dtype="auto", eviction=kvcompile.SinkWindow(4, 64))
     assert st.get("prefill_fresh_sdpa", 0) > 0
+    assert "eviction_prompt_mass_torch" not in st          # negative: no mass to add up
     _, _, st = _run("fresh", kv_dtype="auto", eviction=kvcompile.H2O(budget=64, recent=8,
                                                                       sinks=4))
-    assert st.get("prefill_fresh_sdpa", 0) == 0
+    assert st.get("prefill_fresh_sdpa", 0) > 0
+    assert st.get("eviction_prompt_mass_torch", 0) > 0
 
 
 def test_bad_value_names_the_field():

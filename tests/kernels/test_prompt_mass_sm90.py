@@ -1,0 +1,60 @@
+"""The prompt-mass kernels (kernels/prompt_mass.py) compiled for sm_90 on a machine without a
+GPU (tests/kernels/sm90_compile.py): bf16 and fp32 operands, head_dim 64 / 128 / 96 (padded),
+with and without causality, window and soft-capping. Not a substitute for the CUDA run
+(tests/gpu/test_prompt_mass_gpu.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.kernels.sm90_compile import compile_rows
+
+pytestmark = pytest.mark.slow   # 8 compiles
+
+ROW = dict(q_off="*i64", q_len="*i32", lse_start="*i32", k_start="*i32", k_lens="*i32",
+           pos0="*i32", starts="*i32", stride_qh="i64", stride_qt="i64", stride_kh="i64",
+           stride_kt="i64", stride_lh="i64", stride_mh="i64", qk_scale="fp32",
+           softcap="fp32", inv_softcap="fp32", window="i32", LSE="*fp32", MASS="*fp32")
+
+
+def _compile(fn, consts: dict, dt: str) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    types = dict(ROW, Q=f"*{dt}", K=f"*{dt}")
+    sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
+    try:
+        triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    except Exception as e:  # reported to the test, which fails with the innermost cause
+        while e.__cause__ is not None:
+            e = e.__cause__
+        return f"{type(e).__name__}: {e}"[-1500:]
+    return "ok"
+
+
+def _cases():
+    from kvcompile.kernels import prompt_mass as M
+
+    for dt, d, causal, window, softcap in [("bf16", 128, True, False, False),
+                                           ("bf16", 64, True, True, True),
+                                           ("fp32", 96, False, False, False),
+                                           ("fp16", 128, True, True, False)]:
+        consts = dict(GROUP=4, HEAD_DIM=d, D_PAD=1 << (d - 1).bit_length(), CAUSAL=causal,
+                      WINDOW=window, SOFTCAP=softcap, BM=M.BLOCK_M, BN=M.BLOCK_N)
+        for fn in (M._row_lse_kernel, M._key_mass_kernel):
+            yield f"{fn.fn.__name__} {dt} D{d} c{causal:d}w{window:d}s{softcap:d}", fn, consts, dt
+
+
+def _main() -> None:
+    for name, fn, consts, dt in _cases():
+        print(json.dumps([name, _compile(fn, consts, dt)]), flush=True)
+
+
+def test_prompt_mass_kernels_compile_for_sm90():
+    rows = compile_rows("tests.kernels.test_prompt_mass_sm90")
+    bad = [f"{name}: {msg}" for name, msg in rows if msg != "ok"]
+    assert len(rows) == 8 and not bad, "\n".join(bad) or f"{len(rows)} of 8 compiled"
