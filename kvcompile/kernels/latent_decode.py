@@ -26,11 +26,16 @@ fp8 latent). The softmax runs in base 2 (log2(e) is folded into the softmax scal
 contexts with few programs are split (split-K); a second small kernel merges the splits.
 
 Tile sizes are constexpr; `pick_tiles` chooses among CANDIDATES by a rule (the accumulator
-must stay in registers), `pick_splits` sizes split-K from the SM count.
+must stay in registers), `pick_splits` sizes split-K from the SM count, the batch, the head
+blocks and how many programs an SM holds (`programs_per_sm`).
 Work at 128 heads, per token: 128 x (576 + 512) MACs (278 KFLOP) against 1152 B of bf16 pages
 (576 B + scales for fp8), 242 FLOP/B; the H200's ridge is 989 TFLOP/s / 4.8 TB/s = 206 FLOP/B,
 so even at the dense peak the bf16 kernel is compute-bound (B16 x 8k: 36.5 GFLOP, 37 us at
 989 TFLOP/s, against 151 MB, 31 us at 4.8 TB/s); computing QK^T twice made it 1.53x that.
+At 16-32 heads a GPU (tensor-parallel shards: DeepSeek-V3 at TP 8 / TP 4) a token is 35-70
+KFLOP against the same 1152 B (30-60 FLOP/B): memory-bound, 80% of a 4.25 TB/s copy needs
+only 100-200 TFLOP/s; there the rule takes 4-warp "once_t" tiles with a cp.async ring (see
+CANDIDATES) and splits the context until the programs fill the SMs.
 Masks, windows and soft-capping are not taken (runtime/dispatch.py `attend_latent` sends
 those steps to the reference, kernels/dense.py); kernels/latent.py holds the math.
 """
@@ -105,13 +110,25 @@ class LatentTiles:
 # scoring 16 of 128 tokens against all 64 heads (wgmma m64n64, the q block and the latent
 # tile in shared memory: 216 KB, one program an SM, no cp.async ring), then the [64, r]
 # accumulator over both warpgroups (128 registers a thread at r 512, p from registers,
-# m64n128 per latent half). "once_t" keeps p in shared memory and accumulates r x heads; its
-# 32-head, 4-warp form fits a 3-stage cp.async ring (188 KB) at the price of 4 head blocks
-# reading each latent tile. sm_90 compile (triton 3.9, r 512, 255 registers each), stack
-# for bf16 / fp8 pages: "once" 8-32 / 632-656 B (fp8: the widened tile); "once_t" 72-80 /
-# 1000 B at 64 heads, 56-64 / 624-656 B at 32 (the first rebuild's pick: 48-64 / 328-336).
-# Which is fastest is for the GPU to say: benchmarks/bench_latent_decode.py --quick times
-# every candidate of 32+ heads.
+# m64n128 per latent half). "once_t" keeps p in shared memory and accumulates r x heads.
+# sm_90 compile (triton 3.9, r 512, 255 registers each), stack for bf16 / fp8 pages: "once"
+# 8-32 / 632-656 B (fp8: the widened tile); "once_t" 72-80 / 1000 B at 64 heads (the first
+# rebuild's pick: 48-64 / 328-336). benchmarks/bench_latent_decode.py --quick times every
+# candidate of 32+ heads at 128 heads (--heads 16 / 32: the candidates of that many heads).
+#
+# Under 64 heads (a tensor-parallel shard of DeepSeek-V3: 16 heads a GPU at TP 8, 32 at TP 4)
+# a token is 2 x heads x 1088 FLOP against 1152 B of bf16 pages (30 FLOP/B at 16 heads): the
+# step is memory-bound, and what counts is a load pipeline and enough programs. "once_t" with
+# 4 warps (64 tokens a tile) puts both GEMMs on wgmma with the heads as N (m64n16 / m64n32:
+# r x heads needs no 64-row head block) and fits a cp.async ring of bf16 tiles (3 stages:
+# Triton 3.9 makes it a 2-deep ring of latent tiles behind the block-table entries loaded one
+# stage earlier; sm_90: 168 KB shared, 218 registers, no stack at 16 heads; 189 KB, 255, 64 B
+# at 32): one 72 KB tile in flight an SM while the other is computed, one program an SM. fp8
+# pages are not in the ring (the tile feeds two dots through two register layouts, and
+# Triton does not pipeline such a load): 56-75 KB shared and 255 registers x 128 threads, so
+# two programs an SM overlap one's loads with the other's dots (pick_splits, widened=True),
+# with 280-656 B of stack (the widened [64, r] tile is r / 2 registers a thread, whatever the
+# warps).
 CANDIDATES = (
     LatentTiles(64, 128, 8, 1, layout="once"),
     LatentTiles(64, 128, 8, 1, layout="once_t"),
@@ -120,10 +137,11 @@ CANDIDATES = (
     # 2026-12-03)
     LatentTiles(64, 32, 8, 2, layout="heads"),
     LatentTiles(64, 16, 4, 2, v_split=2, layout="heads"),
-    # under 64 heads the dots fall back from wgmma to mma.sync, whose operands sit in
-    # registers: 8 warps keep r 512 without spills (4 spilled 60-416 B on sm_90)
+    # under 64 heads: the memory-bound "once_t" tiles (see above) before the first rebuild's
+    # (mma.sync, operands in registers: 8 warps keep r 512 without spills; 4 spilled 60-416 B)
+    LatentTiles(32, 64, 4, 3, layout="once_t"),
     LatentTiles(32, 32, 8, 2, layout="heads"),
-    LatentTiles(32, 64, 4, 3, layout="once_t"),   # not measured: after the measured one
+    LatentTiles(16, 64, 4, 3, layout="once_t"),
     LatentTiles(16, 32, 8, 2, layout="heads"),
 )
 MAX_ACC_REGS = 128
@@ -132,23 +150,34 @@ MAX_ACC_REGS = 128
 def pick_tiles(heads: int, r: int) -> LatentTiles:
     """The first candidate whose head block the heads fill (the smallest block for fewer
     than 16 heads), whose accumulator fits MAX_ACC_REGS registers a thread and whose value
-    split leaves >= 16 columns."""
+    split (or, layouts once / once_t, latent half) leaves >= 16 columns."""
     for t in CANDIDATES:
         if (t.block_h <= max(heads, 16) and t.acc_regs(r) <= MAX_ACC_REGS
-                and r // t.v_split >= 16):
+                and r // t.v_split >= 16 and (t.layout == "heads" or r >= 32)):
             return t
     return LatentTiles(16, 16, 8, 1, v_split=2 if r >= 32 else 1,
                        layout="heads")   # the smallest accumulator
 
 
-def pick_splits(batch: int, heads: int, max_len: int, tiles: LatentTiles, sms: int) -> int:
+def programs_per_sm(tiles: LatentTiles, widened: bool = False) -> int:
+    """Programs of these tiles that one SM holds at once (sm_90, r 512; the figures are the
+    compile's, tests/kernels/test_latent_decode_sm90.py checks them): one for the "once"
+    layouts over pages read as stored (165-216 KB of shared memory) and for a [64, r]
+    accumulator over 8 warps; two for the "heads" layout's other tiles, and for 4-warp "once"
+    tiles over widened (fp8) pages: no cp.async ring, 56-75 KB of shared memory, 255
+    registers x 128 threads, so a second program's dots hide the first one's loads."""
+    if tiles.layout == "heads":
+        return 1 if tiles.num_warps == 8 and tiles.block_h == 64 else 2
+    return 2 if widened and tiles.num_warps == 4 else 1
+
+
+def pick_splits(batch: int, heads: int, max_len: int, tiles: LatentTiles, sms: int,
+                widened: bool = False) -> int:
     """Splits of the context so that batch x head blocks x splits programs about fill the SMs
-    once (one program per SM for the "once" layouts, whose tiles take most of its shared
-    memory, and for a [64, r] accumulator over 8 warps; else two), each split >=
-    MIN_SPLIT_TOKENS."""
+    once (programs_per_sm of them each; widened: fp8 pages, which the kernel widens in
+    registers), each split >= MIN_SPLIT_TOKENS."""
     programs = batch * triton.cdiv(heads, tiles.block_h) * tiles.v_split
-    per_sm = 1 if tiles.layout != "heads" or (tiles.num_warps == 8
-                                               and tiles.block_h == 64) else 2
+    per_sm = programs_per_sm(tiles, widened)
     want = max(1, round(sms * per_sm / programs))
     return max(1, min(want, triton.cdiv(max_len, MIN_SPLIT_TOKENS),
                       triton.cdiv(max_len, tiles.block_n), MAX_SPLITS))
@@ -374,7 +403,8 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
     tiles = tiles or pick_tiles(H, R)
     max_len = block_tables.shape[1] * P
     if num_splits is None:
-        num_splits = pick_splits(B, H, max_len, tiles, sm_count(q_lat.device))
+        num_splits = pick_splits(B, H, max_len, tiles, sm_count(q_lat.device),
+                                 widened=c_pages.fmt.name in _PAGE_SCALED)
     if num_splits < 1:
         raise UnsupportedShapeError(f"latent_decode_attention: num_splits={num_splits}; use "
                                     f">= 1 or None")
@@ -420,4 +450,4 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
 
 
 __all__ = ["CANDIDATES", "LAYOUTS", "LatentTiles", "fast_path_reason", "latent_decode_attention",
-           "pick_splits", "pick_tiles"]
+           "pick_splits", "pick_tiles", "programs_per_sm"]
