@@ -24,6 +24,7 @@ from kvcompile.kernels.latent_decode import (
     latent_decode_attention,
     pick_splits,
     pick_tiles,
+    programs_per_sm,
 )
 from kvcompile.testing import assert_rel_close, rel_err
 
@@ -112,7 +113,8 @@ def test_default_tiles_and_splits(heads):
     assert_rel_close(out, ref, torch.float32, factor=4)
 
 
-@pytest.mark.parametrize("tiles", [SMALL, ONCE, ONCE_T], ids=str)
+@pytest.mark.parametrize("tiles", [SMALL, ONCE, ONCE_T, LatentTiles(16, 64, 4, 3, layout="once_t")],
+                         ids=str)
 def test_scales_are_applied(tiles):
     """Negative control: the same codes read as if every page scale were 1 give another
     answer, so the fp8 cases above can fail."""
@@ -134,7 +136,6 @@ def test_rule_picks():
     t = pick_tiles(128, 512)
     assert (t.layout, t.block_h, t.block_n, t.num_warps, t.v_split) == ("once", 64, 128, 8, 1)
     assert t.acc_regs(512) == 128
-    assert pick_tiles(32, 512).layout == "heads"
     assert pick_splits(16, 128, 8192, t, 132) == 4
     assert pick_splits(64, 128, 32768, t, 132) == 1
     assert pick_splits(1, 128, 131072, t, 132) == 64          # capped at MAX_SPLITS
@@ -175,3 +176,62 @@ def test_refuses_what_it_cannot_read():
         LatentTiles(64, 64, 4, 1, v_split=2, layout="once_t")
     with pytest.raises(ValueError, match="layout"):
         LatentTiles(64, 64, 4, 1, layout="twice")
+
+
+def test_rule_picks_for_tensor_parallel_shards():
+    """16 and 32 heads a GPU (DeepSeek-V3 at TP 8 / TP 4, memory-bound): 4-warp "once_t"
+    tiles of the whole head count (64 tokens a tile, a cp.async ring); splits fill the 132
+    SMs once, twice over for fp8 pages (widened in registers, two programs an SM)."""
+    for heads in (16, 32):
+        t = pick_tiles(heads, 512)
+        assert (t.layout, t.block_h, t.block_n, t.num_warps) == ("once_t", heads, 64, 4)
+        assert t.num_stages >= 2
+        assert programs_per_sm(t) == 1 and programs_per_sm(t, widened=True) == 2
+        assert pick_splits(16, heads, 8192, t, 132) == 8        # 16 x 8 = 128 programs
+        assert pick_splits(16, heads, 8192, t, 132, widened=True) == 16
+        assert pick_splits(64, heads, 32768, t, 132) == 2
+    assert pick_tiles(20, 512).block_h == 16                  # a partial second block
+    assert pick_tiles(48, 512).block_h == 32
+    # the 128-head picks do not change with the page format
+    once = pick_tiles(128, 512)
+    assert pick_splits(16, 128, 8192, once, 132, widened=True) == 4
+    # too narrow a latent for latent halves of 16 columns: the "heads" layout
+    assert pick_tiles(16, 16).layout == "heads"
+
+
+# DeepSeek-V3's latent (r 512, rope 64) at 16 / 32 heads, the rule's tiles (and one other
+# candidate), several splits, a ragged batch (one token, a partial page, a partial tile)
+RF, DRF = 512, 64
+
+
+@pytest.mark.parametrize("c_fmt,r_fmt", [("bf16", "bf16"), ("fp8_e4m3", "fp8_e4m3"),
+                                         ("fp8_e4m3", "bf16")])
+@pytest.mark.parametrize("heads,splits", [(16, 1), (16, 3), (16, None), (32, 2), (32, None)])
+def test_tensor_parallel_shards_match_reference(c_fmt, r_fmt, heads, splits):
+    g = torch.Generator().manual_seed(heads + (splits or 0))
+    lens = [1, 70, 200, 129]
+    spec = LayerSpec(num_kv_heads=1, head_dim=RF, v_head_dim=DRF,
+                     k_format=KVFormat(c_fmt, "page"), v_format=KVFormat(r_fmt, "page"))
+    pool = PagePool([spec], sum(math.ceil(n / 16) for n in lens) + 2, 16)
+    seqs = pool.allocate(len(lens))
+    for s, n in zip(seqs, lens):
+        pool.write(0, pool.reserve([s], n), torch.randn(n, 1, RF, generator=g),
+                   torch.randn(n, 1, DRF, generator=g))
+    plan = SimpleNamespace(packed=False, batch=len(lens), seq_lens_list=lens,
+                           kv_start=[0] * len(lens), cache={},
+                           block_tables=pool.block_table(seqs), new_tokens=1,
+                           past_lens=[n - 1 for n in lens])
+    q_lat = torch.randn(len(lens), heads, RF + DRF, generator=g) / 8
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    ref = paged_reference_attention(pool.k[0], pool.v[0], q_lat[:, :, None], plan, None, True,
+                                    0, 0.0, 0.07, latent=True)[:, :, 0]
+    tiles = pick_tiles(heads, RF)
+    assert tiles.layout == "once_t"
+    out = latent_decode_attention(q_lat, pool.k[0], pool.v[0], plan.block_tables, seq_lens,
+                                  0.07, num_splits=splits)
+    assert_rel_close(out, ref, torch.float32, factor=4, what=f"{c_fmt}/{r_fmt} {tiles}")
+    # negative control: the last sequence's rows with its last token dropped differ
+    short = latent_decode_attention(q_lat, pool.k[0], pool.v[0], plan.block_tables,
+                                    seq_lens - torch.tensor([0, 0, 0, 1], dtype=torch.int32),
+                                    0.07, num_splits=splits)
+    assert rel_err(short[3], ref[3]) > 1e-4
