@@ -3,12 +3,14 @@ Hugging Face's expanding path, one layer of a DeepSeek-V3-shaped model, in one p
 
     python benchmarks/bench_latent_decode.py [--shapes B16_L8k,B64_L8k,B16_L32k,B64_L32k]
     python benchmarks/bench_latent_decode.py --quick   # the kernel alone, old vs new (< 3 min)
+    python benchmarks/bench_latent_decode.py --quick --heads 16 --shapes B16_L8k,B64_L32k
     KVC_BENCH_DRY=1 python benchmarks/bench_latent_decode.py [--quick]   # CPU dry run, tiny
 
-Shape: 128 query heads, kv_lora_rank 512, rope 64, nope 128, v 128 (DeepSeek-V3), bf16, one
+Shape: 128 query heads (--heads: 16 / 32 are DeepSeek-V3's shards a GPU at tensor-parallel 8
+/ 4, the memory-bound setting), kv_lora_rank 512, rope 64, nope 128, v 128 (DeepSeek-V3), bf16, one
 new token per sequence. Contenders, each from the same latent and rotary key of B x L tokens:
 - `hf eager`: transformers 5.x `expand_kv` as it runs each step: kv_b_proj over the whole
-  cached latent, the keys assembled, SDPA over 128 expanded heads;
+  cached latent, the keys assembled, SDPA over the expanded heads;
 - `hf inductor`: the same function under torch.compile (what StaticCache + inductor runs);
 - `absorbed dense`: q_nope W_UK, SDPA of one kv head (MQA) over the contiguous latent, W_UV:
   the absorbed math with no paging, the plain-PyTorch bound of this design;
@@ -23,7 +25,8 @@ Timings are medians of triton.testing.do_bench; GB/s counts the latent pages' by
 --quick times only the attention over the pages (the absorbed query given), for B16 / B64 x
 8k / 32k and bf16 / fp8_e4m3 pages: the kernel before issue 22's rework
 (benchmarks/latent_decode_before.py), the kernel with the tiles its rule picks, and every
-candidate of kernels/latent_decode.py CANDIDATES of 32+ heads (or the --tiles given, each at
+candidate of kernels/latent_decode.py CANDIDATES of 32+ heads (at --heads under 64: those whose
+head block the heads fill; or the --tiles given, each at
 the rule's splits and at every --splits given). Per shape it prints the work: GFLOP of the two
 GEMMs counting QK^T once (2 B H L (r + dr) + 2 B H L r), MB of latent pages read, and the
 bound each gives (MB at 100% of the copy, GFLOP at --peak-tflops). Per row: GB/s of pages
@@ -75,6 +78,7 @@ SHAPES = {"B16_L8k": (16, 8192), "B64_L8k": (64, 8192), "B16_L32k": (16, 32768),
           "B64_L32k": (64, 32768)}
 DRY_SHAPES = {"B2_L64": (2, 64), "B3_L100": (3, 100)}
 FORMATS = ["bf16", "fp8_e4m3"]
+TP_NOTE = {16: " (DeepSeek-V3 at TP 8)", 32: " (DeepSeek-V3 at TP 4)"}
 
 
 def bench(fn, warmup: int = 25, rep: int = 100) -> float:
@@ -234,7 +238,7 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
     copy = copy_bandwidth()
     dt = torch.float32 if DRY else torch.bfloat16
     sms = sm_count(torch.device(DEV))
-    print(f"# MLA latent decode kernel alone: H {H}, r {R}, rope {DR}, page {P}, q {dt}; "
+    print(f"# MLA latent decode kernel alone: H {H}{TP_NOTE.get(H, '')}, r {R}, rope {DR}, page {P}, q {dt}; "
           f"torch {torch.__version__}, triton {triton.__version__}"
           + ("" if DRY else f", {torch.cuda.get_device_name()}, {sms} SMs"))
     print(f"# device copy: {copy:.0f} GB/s (read + write); compute bound at {peak_tflops:.0f} "
@@ -244,7 +248,8 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     bound = REL_ERR[dt]
     best, work = [], []
-    sweep = tiles or [t for t in CANDIDATES if t.block_h >= min(32, H)]
+    sweep = tiles or [t for t in CANDIDATES if (t.block_h >= 32 if H >= 64
+                                                else t.block_h <= max(H, 16))]
     for name in shape_names:
         B, L = shapes[name]
         g = torch.Generator(device=DEV).manual_seed(0)
@@ -263,13 +268,15 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
             work.append(f"# {name} {fmt}: {(qk + pv) / 1e9:.1f} GFLOP (QK^T {qk / 1e9:.1f} + PV "
                         f"{pv / 1e9:.1f}), {nbytes / 1e6:.0f} MB of pages ({nbytes / (B * L):.0f}"
                         f" B a token, {(qk + pv) / nbytes:.0f} FLOP/B): {t_mem:.3f} ms at 100% "
-                        f"of copy ({t_mem / 0.8:.3f} at the 80% target), {t_mma:.3f} ms at "
+                        f"of copy ({t_mem / 0.8:.3f} at the 80% target, which needs "
+                        f"{(qk + pv) * 0.8 / (t_mem * 1e-3) / 1e12:.0f} TFLOP/s useful), "
+                        f"{t_mma:.3f} ms at "
                         f"{peak_tflops:.0f} TFLOP/s")
             old = latent_decode_before(*args)
             rule = pick_tiles(H, R)
             runs = [("old (before #22)", None, None)]
             for t in [rule] + [t for t in sweep if t != rule]:
-                own = pick_splits(B, H, max_len, t, sms)
+                own = pick_splits(B, H, max_len, t, sms, widened=fmt != "bf16")
                 for sp in dict.fromkeys([own] + splits):
                     runs.append(("rule" if t == rule and sp == own else "sweep", t, sp))
             base, fastest = None, None
@@ -309,6 +316,9 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(DRY_SHAPES if DRY else SHAPES))
+    ap.add_argument("--heads", type=int, default=None,
+                    help="query heads a GPU (default 128, DeepSeek-V3 unsharded; 16 / 32 are "
+                    "its tensor-parallel 8 / 4 shards; dry run: 8)")
     ap.add_argument("--hf-max-gib", type=float, default=100.0)
     ap.add_argument("--no-inductor", action="store_true")
     ap.add_argument("--quick", action="store_true",
@@ -321,13 +331,18 @@ def main() -> None:
                     help="dense bf16 tensor-core peak for the compute bound (H100/H200 SXM "
                     "spec sheet: 989)")
     a = ap.parse_args()
+    global H
+    if a.heads is not None:
+        if a.heads < 1:
+            raise SystemExit(f"--heads {a.heads}: need >= 1")
+        H = a.heads
     if a.quick:
         quick(a.shapes.split(","), parse_tiles(a.tiles) or None,
               [int(x) for x in a.splits.split(",") if x], a.peak_tflops)
         return
     shapes = DRY_SHAPES if DRY else SHAPES
     compiled = None if a.no_inductor or DRY else torch.compile(hf_expand_attend, dynamic=False)
-    print(f"# MLA decode, one layer: H {H}, r {R}, rope {DR}, nope {DN}, v {DV}, bf16, page "
+    print(f"# MLA decode, one layer: H {H}{TP_NOTE.get(H, '')}, r {R}, rope {DR}, nope {DN}, v {DV}, bf16, page "
           f"{P}; torch {torch.__version__}"
           + ("" if DRY else f", {torch.cuda.get_device_name()}"))
     print("| shape | row | ms | vs hf eager | vs hf inductor | latent GB/s | rel err vs hf |")
