@@ -2,7 +2,9 @@
 (128 heads, kv_lora_rank 512, rope 64) against the paged reference over the same pages
 (kernels/dense.py, latent=True): bf16 and fp8 pages (an fp8 latent beside a bf16 rotary key
 and the reverse: the once kernel's fp16 dots for one and bf16 for the other), odd lengths,
-the rule's tiles and every candidate, split-K on and off (CUDA only).
+the rule's tiles and every candidate, split-K on and off (CUDA only); and at 16 / 32 heads
+(DeepSeek-V3's tensor-parallel shards, the memory-bound setting) the rule's tiles at its own
+splits and at several others, over a ragged batch.
 
     pytest -s -q -m gpu tests/gpu/test_latent_decode_gpu.py
 """
@@ -18,7 +20,7 @@ import torch
 from kvcompile.cache.formats import KVFormat
 from kvcompile.cache.pool import LayerSpec, PagePool
 from kvcompile.kernels.dense import paged_reference_attention
-from kvcompile.kernels.latent_decode import CANDIDATES, latent_decode_attention
+from kvcompile.kernels.latent_decode import CANDIDATES, latent_decode_attention, pick_tiles
 from kvcompile.testing import assert_rel_close
 
 pytestmark = [pytest.mark.gpu,
@@ -27,7 +29,7 @@ pytestmark = [pytest.mark.gpu,
 H, R, DR, P = 128, 512, 64, 16
 
 
-def _case(c_fmt, r_fmt, lens):
+def _case(c_fmt, r_fmt, lens, heads=H):
     g = torch.Generator(device="cuda").manual_seed(len(lens))
     spec = LayerSpec(num_kv_heads=1, head_dim=R, v_head_dim=DR,
                      k_format=KVFormat(c_fmt, "page"), v_format=KVFormat(r_fmt, "page"))
@@ -40,7 +42,7 @@ def _case(c_fmt, r_fmt, lens):
     plan = SimpleNamespace(packed=False, batch=len(lens), seq_lens_list=lens,
                            kv_start=[0] * len(lens), cache={},
                            block_tables=pool.block_table(seqs, device="cuda"))
-    q = (torch.randn(len(lens), H, R + DR, device="cuda", generator=g) / 8).bfloat16()
+    q = (torch.randn(len(lens), heads, R + DR, device="cuda", generator=g) / 8).bfloat16()
     lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
     ref = paged_reference_attention(pool.k[0], pool.v[0], q.float()[:, :, None], plan, None,
                                     True, 0, 0.0, 0.07, latent=True)[:, :, 0]
@@ -64,3 +66,15 @@ def test_every_candidate_on_cuda(tiles, splits, c_fmt):
     out = latent_decode_attention(q, pool.k[0], pool.v[0], plan.block_tables, lens_t, 0.07,
                                   num_splits=splits, tiles=tiles)
     assert_rel_close(out, ref, torch.bfloat16, what=f"{c_fmt} {tiles} x {splits}")
+
+
+@pytest.mark.parametrize("heads", [16, 32])
+@pytest.mark.parametrize("splits", [None, 1, 3, 16])
+@pytest.mark.parametrize("c_fmt,r_fmt", [("bf16", "bf16"), ("fp8_e4m3", "fp8_e4m3"),
+                                         ("fp8_e4m3", "bf16")])
+def test_tensor_parallel_shards_on_cuda(heads, splits, c_fmt, r_fmt):
+    pool, plan, q, lens_t, ref = _case(c_fmt, r_fmt, [1, 63, 4097, 700], heads)
+    tiles = pick_tiles(heads, R)
+    out = latent_decode_attention(q, pool.k[0], pool.v[0], plan.block_tables, lens_t, 0.07,
+                                  num_splits=splits)
+    assert_rel_close(out, ref, torch.bfloat16, what=f"{c_fmt}/{r_fmt} {tiles} x {splits}")

@@ -15,15 +15,17 @@ import re
 
 import pytest
 
-from kvcompile.kernels.latent_decode import CANDIDATES
+from kvcompile.kernels.latent_decode import CANDIDATES, programs_per_sm
 from tests.kernels.sm90_compile import compile_rows
 
 SMEM_LIMIT = 232448   # bytes of shared memory one block may use on sm_90 (227 KiB)
+SMEM_PER_SM = 233472  # bytes of shared memory an SM has (228 KiB), 1 KiB reserved a block
+REGS_PER_SM = 65536
 TYPES = dict(QL="*bf16", CS="*fp32", RS="*fp32", BT="*i32", SL="*i32", OUT="*fp32",
              ACC="*fp32", ML="*fp32", stride_qb="i32", stride_qh="i32", stride_bt="i32",
              H="i32", num_splits="i32", tiles_per_split="i32", qk_scale="fp32")
 DIV16 = ("stride_qb", "stride_qh", "H")   # as a launch at 128 heads specializes them
-pytestmark = pytest.mark.slow   # 28 compiles: 2-4 min on the shared 2-core machine
+pytestmark = pytest.mark.slow   # 32 compiles: 2-4 min on the shared 2-core machine
 PAGES = ("bf16", "fp8e4nv")
 
 
@@ -58,8 +60,11 @@ def _compile(tiles, page: str, direct: bool) -> dict:
     except Exception as e:  # reported to the test, which fails with it
         return {"error": f"{type(e).__name__}: {e}"[:2000]}
     ttgir = k.asm["ttgir"]
+    # the latent tile itself in the cp.async ring (not only the rotary key or the scales)
+    width = 256 if tiles.layout != "heads" else 512 // tiles.v_split
+    ring = re.search(rf"async_copy_global_to_local .* -> <{tiles.block_n}x{width}x", ttgir)
     return {"shared": k.metadata.shared, "wgmma": ttgir.count("ttng.warp_group_dot "),
-            "pipelined": "async_copy_global_to_local" in ttgir,
+            "pipelined": "async_copy_global_to_local" in ttgir, "latent_ring": bool(ring),
             "score_copies": _score_copies(ttgir, tiles), "usage": _usage(k.asm["cubin"])}
 
 
@@ -135,3 +140,28 @@ def test_candidate_compiles_for_sm90(compiled, i, page):
             assert res["score_copies"] == 2, f"{tiles}: {res['score_copies']} score copies"
         assert res["pipelined"] or tiles.num_stages == 1, f"{tiles}: page loads not pipelined"
 
+
+
+@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("i", [i for i, t in enumerate(CANDIDATES) if t.layout != "heads"])
+def test_programs_per_sm_as_compiled(compiled, i, page):
+    """pick_splits sizes split-K by programs_per_sm: that many programs of the compiled
+    kernel must fit an SM's shared memory and registers, and (4-warp tiles over pages read as
+    stored) one more must not, or the rule under-fills the SMs. The 4-warp tiles of the
+    memory-bound setting (16-32 heads) keep bf16 latent tiles in the cp.async ring."""
+    tiles = CANDIDATES[i]
+    widened = page != "bf16"
+    n = programs_per_sm(tiles, widened)
+    for direct in (False, True):
+        res = compiled[(i, page, direct)]
+        assert "error" not in res, res.get("error")
+        regs = int(re.search(r"REG:(\d+)", res["usage"]).group(1)) if res["usage"] else 0
+        threads = 32 * tiles.num_warps
+        assert n * (res["shared"] + 1024) <= SMEM_PER_SM, f"{tiles} {page}: {n} x " \
+                                                         f"{res['shared']} B of shared memory"
+        assert n * regs * threads <= REGS_PER_SM, f"{tiles} {page}: {n} x {regs} registers"
+        if tiles.num_warps == 4 and not widened:
+            assert (n + 1) * (res["shared"] + 1024) > SMEM_PER_SM, \
+                f"{tiles} {page}: {n + 1} programs fit ({res['shared']} B): raise " \
+                f"programs_per_sm"
+            assert res["latent_ring"], f"{tiles}: bf16 latent tiles not in the cp.async ring"
