@@ -35,7 +35,7 @@ over time, as shared/REFERENCE.md), TFLOP/s useful (QK^T once) and issued (the "
 layout at 64 heads computes QK^T twice), and the relative error against the old kernel.
 
     python benchmarks/bench_latent_decode.py --quick --tiles once:64:128:8:1,once_t:32:64:4:3 \
-        --splits 2,8   # tile spec: layout:heads:tokens:warps:stages[:v_split]
+        --splits 2,8   # tile spec: layout:heads:tokens:warps:stages[:v_split[:dot|tile]]
 """
 
 from __future__ import annotations
@@ -210,14 +210,17 @@ def copy_bandwidth() -> float:
 
 
 def parse_tiles(spec: str) -> list:
-    """'once:64:128:8:1,heads:64:16:4:2:2' -> [LatentTiles, ...]"""
+    """'once:64:128:8:1,heads:64:16:4:2:2,once:16:128:8:2:1:tile' -> [LatentTiles, ...]"""
     out = []
     for item in filter(None, spec.split(",")):
         layout, *nums = item.split(":")
+        widen = nums.pop() if nums and nums[-1] in ("dot", "tile") else "dot"
         if len(nums) not in (4, 5):
-            raise SystemExit(f"--tiles {item!r}: layout:heads:tokens:warps:stages[:v_split]")
+            raise SystemExit(f"--tiles {item!r}: layout:heads:tokens:warps:stages[:v_split"
+                             f"[:dot|tile]]")
         h, n, w, st, *v = (int(x) for x in nums)
-        out.append(LatentTiles(h, n, w, st, v_split=v[0] if v else 1, layout=layout))
+        out.append(LatentTiles(h, n, w, st, v_split=v[0] if v else 1, layout=layout,
+                               widen=widen))
     return out
 
 
@@ -273,9 +276,11 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
                         f"{t_mma:.3f} ms at "
                         f"{peak_tflops:.0f} TFLOP/s")
             old = latent_decode_before(*args)
-            rule = pick_tiles(H, R)
+            rule = pick_tiles(H, R, widened=fmt != "bf16")
             runs = [("old (before #22)", None, None)]
-            for t in [rule] + [t for t in sweep if t != rule]:
+            # widen "tile" tiles take fp8 pages only (the launcher refuses bf16)
+            for t in [rule] + [t for t in sweep if t != rule and (
+                    t.widen == "dot" or fmt != "bf16")]:
                 own = pick_splits(B, H, max_len, t, sms, widened=fmt != "bf16")
                 for sp in dict.fromkeys([own] + splits):
                     runs.append(("rule" if t == rule and sp == own else "sweep", t, sp))
@@ -324,7 +329,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="the decode kernel alone, old vs new and the tile candidates")
     ap.add_argument("--tiles", default="", help="--quick: time these tiles instead of the "
-                    "candidates, layout:heads:tokens:warps:stages[:v_split], comma-separated")
+                    "candidates, layout:heads:tokens:warps:stages[:v_split[:dot|tile]], "
+                    "comma-separated (widen 'tile': fp8 pages only)")
     ap.add_argument("--splits", default="", help="--quick: split counts to time each tile "
                     "at, besides the rule's (comma-separated)")
     ap.add_argument("--peak-tflops", type=float, default=989.0,

@@ -70,13 +70,19 @@ class LatentTiles:
     warp; "once" accumulates [heads, r] from registers, "once_t" [r, heads] from shared memory.
     layout "heads" (_latent_tile_kernel, issue 22's first rebuild, kept for the benchmark's
     comparison): heads are the M of QK^T, which both warpgroups of 8 warps, or both programs
-    of a v_split pair, compute in full."""
+    of a v_split pair, compute in full.
+    widen "tile" (layouts once / once_t, fp8 pages only): the fp8 latent tile is widened to
+    fp16 once as loaded, by an opaque conversion Triton cannot move into the dots' operand
+    loads, so the fp8 tile enters the cp.async ring and its widened copy waits in shared
+    memory, not in registers; "dot" leaves the widening to Triton (per dot operand, in
+    registers, the fp8 load not pipelined)."""
     block_h: int      # query heads per program
     block_n: int      # tokens per tile: K of PV
     num_warps: int
     num_stages: int
     v_split: int = 1  # "heads" only: programs sharing a head block, r / v_split columns each
     layout: str = "once"
+    widen: str = "dot"
 
     def __post_init__(self):
         for name in ("block_h", "block_n"):
@@ -89,6 +95,10 @@ class LatentTiles:
                              f"{self.num_stages} (>= 1), v_split {self.v_split} (1 or 2)")
         if self.layout not in LAYOUTS:
             raise ValueError(f"LatentTiles.layout={self.layout!r}: one of {LAYOUTS}")
+        if self.widen not in ("dot", "tile") or (self.widen == "tile"
+                                                 and self.layout == "heads"):
+            raise ValueError(f"LatentTiles.widen={self.widen!r}: 'dot', or 'tile' with layout "
+                             f"once / once_t")
         if self.layout != "heads" and (self.block_n != 16 * self.num_warps
                                        or self.v_split != 1):
             raise ValueError(f"LatentTiles: layout {self.layout!r} needs block_n == 16 x "
@@ -102,8 +112,9 @@ class LatentTiles:
 
     def __str__(self) -> str:
         v = f"/v{self.v_split}" if self.v_split > 1 else ""
+        w = " widen-tile" if self.widen == "tile" else ""
         return (f"{self.layout} h{self.block_h} n{self.block_n} w{self.num_warps} "
-                f"s{self.num_stages}{v}")
+                f"s{self.num_stages}{v}{w}")
 
 
 # Candidates, in order of preference for many heads. "once" at 64 heads: 8 warps, each
@@ -126,9 +137,12 @@ class LatentTiles:
 # at 32): one 72 KB tile in flight an SM while the other is computed, one program an SM. fp8
 # pages are not in the ring (the tile feeds two dots through two register layouts, and
 # Triton does not pipeline such a load): 56-75 KB shared and 255 registers x 128 threads, so
-# two programs an SM overlap one's loads with the other's dots (pick_splits, widened=True),
-# with 280-656 B of stack (the widened [64, r] tile is r / 2 registers a thread, whatever the
-# warps).
+# two programs an SM would overlap one's loads with the other's dots (programs_per_sm), with
+# 280-656 B of stack (the widened [64, r] tile is r / 2 registers a thread, whatever the
+# warps). For fp8 pages the rule takes widen "tile" instead: "once" at 16 heads, 8 warps,
+# 128 tokens, 2 stages: the fp8 tile in the ring, its fp16 copy in shared memory (228 KB, one
+# program an SM), 182 registers, no stack; 2 head blocks at 32 heads (a 32-head block spills
+# or exceeds shared memory with a ring), the second reading the tile from L2.
 CANDIDATES = (
     LatentTiles(64, 128, 8, 1, layout="once"),
     LatentTiles(64, 128, 8, 1, layout="once_t"),
@@ -137,6 +151,9 @@ CANDIDATES = (
     # 2026-12-03)
     LatentTiles(64, 32, 8, 2, layout="heads"),
     LatentTiles(64, 16, 4, 2, v_split=2, layout="heads"),
+    # fp8 pages under 64 heads (pick_tiles skips it for pages read as stored: 2 x 147 KB
+    # bf16 tiles do not fit)
+    LatentTiles(16, 128, 8, 2, layout="once", widen="tile"),
     # under 64 heads: the memory-bound "once_t" tiles (see above) before the first rebuild's
     # (mma.sync, operands in registers: 8 warps keep r 512 without spills; 4 spilled 60-416 B)
     LatentTiles(32, 64, 4, 3, layout="once_t"),
@@ -147,11 +164,14 @@ CANDIDATES = (
 MAX_ACC_REGS = 128
 
 
-def pick_tiles(heads: int, r: int) -> LatentTiles:
+def pick_tiles(heads: int, r: int, widened: bool = False) -> LatentTiles:
     """The first candidate whose head block the heads fill (the smallest block for fewer
     than 16 heads), whose accumulator fits MAX_ACC_REGS registers a thread and whose value
-    split (or, layouts once / once_t, latent half) leaves >= 16 columns."""
+    split (or, layouts once / once_t, latent half) leaves >= 16 columns; widen "tile"
+    candidates only for widened (fp8) pages."""
     for t in CANDIDATES:
+        if t.widen == "tile" and not widened:
+            continue
         if (t.block_h <= max(heads, 16) and t.acc_regs(r) <= MAX_ACC_REGS
                 and r // t.v_split >= 16 and (t.layout == "heads" or r >= 32)):
             return t
@@ -163,12 +183,13 @@ def programs_per_sm(tiles: LatentTiles, widened: bool = False) -> int:
     """Programs of these tiles that one SM holds at once (sm_90, r 512; the figures are the
     compile's, tests/kernels/test_latent_decode_sm90.py checks them): one for the "once"
     layouts over pages read as stored (165-216 KB of shared memory) and for a [64, r]
-    accumulator over 8 warps; two for the "heads" layout's other tiles, and for 4-warp "once"
-    tiles over widened (fp8) pages: no cp.async ring, 56-75 KB of shared memory, 255
-    registers x 128 threads, so a second program's dots hide the first one's loads."""
+    accumulator over 8 warps, and for widen "tile" (228 KB); two for the "heads" layout's
+    other tiles, and for 4-warp "once" tiles of widen "dot" over widened (fp8) pages: no
+    cp.async ring, 56-75 KB of shared memory, 255 registers x 128 threads, so a second
+    program's dots hide the first one's loads."""
     if tiles.layout == "heads":
         return 1 if tiles.num_warps == 8 and tiles.block_h == 64 else 2
-    return 2 if widened and tiles.num_warps == 4 else 1
+    return 2 if widened and tiles.num_warps == 4 and tiles.widen == "dot" else 1
 
 
 def pick_splits(batch: int, heads: int, max_len: int, tiles: LatentTiles, sms: int,
@@ -184,16 +205,28 @@ def pick_splits(batch: int, heads: int, max_len: int, tiles: LatentTiles, sms: i
 
 
 @triton.jit
+def _widen(x, cvt: tl.constexpr):
+    # fp8 pairs -> fp16 pairs, the same values as x.to(tl.float16). Not pure on purpose:
+    # Triton then cannot move it past the tile's store to shared memory into each dot's
+    # operand load (where it would widen the tile twice, in registers, and keep the fp8
+    # load out of the cp.async ring)
+    return tl.inline_asm_elementwise(cvt + " $0, $1;", "=r,h", [x], dtype=tl.float16,
+                                     is_pure=False, pack=2)
+
+
+@triton.jit
 def _latent_once_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, stride_qh,
                         stride_bt, H, num_splits, tiles_per_split, qk_scale, R: tl.constexpr,
                         DR: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr,
                         BLOCK_N: tl.constexpr, OUT_T: tl.constexpr, C_SCALED: tl.constexpr,
                         R_SCALED: tl.constexpr, DT: tl.constexpr, DT_R: tl.constexpr,
-                        Q_SHIFT: tl.constexpr, DIRECT: tl.constexpr):
+                        Q_SHIFT: tl.constexpr, DIRECT: tl.constexpr,
+                        WIDEN_ASM: tl.constexpr = ""):
     # DT: the latent dots' dtype, DT_R the rotary one's. fp8 pages under bf16 queries take
     # fp16 (e4m3x2 -> f16x2 is one instruction; bf16 would add one cvt per element), and the
     # query is multiplied by Q_SHIFT (2^-8, exact) so that any bf16-range query up to 2^24
-    # fits fp16; the scores take 1 / Q_SHIFT back.
+    # fits fp16; the scores take 1 / Q_SHIFT back. WIDEN_ASM (widen "tile", CUDA): the PTX
+    # conversion that widens each loaded fp8 latent tile once (_widen), else .to(DT).
     # Scores transposed, s^T = [c, k_rope] . q^T: tokens are the M of the dot, and with
     # BLOCK_N == 16 x num_warps Triton's layout for a dot that feeds another (all warps
     # along M) gives each warp its own 16 tokens, so each score is computed once (with heads
@@ -237,8 +270,12 @@ def _latent_once_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
         tok = page * P + (j % P)                                              # [BLOCK_N]
         # one load and one widening per element; the tile feeds both dots
         row = CD + tok[:, None] * R + rh[None, :]
-        c0 = tl.load(row, mask=ok[:, None], other=0.0).to(DT)                # [BLOCK_N, RH]
-        c1 = tl.load(row + RH, mask=ok[:, None], other=0.0).to(DT)           # [BLOCK_N, RH]
+        if WIDEN_ASM != "":
+            c0 = _widen(tl.load(row, mask=ok[:, None], other=0.0), WIDEN_ASM)
+            c1 = _widen(tl.load(row + RH, mask=ok[:, None], other=0.0), WIDEN_ASM)
+        else:
+            c0 = tl.load(row, mask=ok[:, None], other=0.0).to(DT)            # [BLOCK_N, RH]
+            c1 = tl.load(row + RH, mask=ok[:, None], other=0.0).to(DT)       # [BLOCK_N, RH]
         kr = tl.load(RD + tok[:, None] * DR + dd[None, :], mask=ok[:, None],
                      other=0.0).to(DT_R)                                      # [BLOCK_N, DR]
         if C_SCALED:
@@ -380,6 +417,7 @@ def _dot_dtype(q_dtype: torch.dtype):
 
 
 _Q_SHIFT = 2.0 ** -8
+_CVT = {"fp8_e4m3": "cvt.rn.f16x2.e4m3x2", "fp8_e5m2": "cvt.rn.f16x2.e5m2x2"}
 
 
 def _fp8_dots(dt, c_pages, r_pages) -> dict:
@@ -400,11 +438,15 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
     _check(q_lat, c_pages, r_pages, block_tables, seq_lens)
     B, H, _ = q_lat.shape
     R, DR, P = c_pages.head_dim, r_pages.head_dim, c_pages.page_size
-    tiles = tiles or pick_tiles(H, R)
+    widened = c_pages.fmt.name in _PAGE_SCALED
+    tiles = tiles or pick_tiles(H, R, widened)
+    if tiles.widen == "tile" and not widened:
+        raise UnsupportedShapeError(f"latent_decode_attention: tiles {tiles} widen fp8 "
+                                    f"latent pages; these are {c_pages.fmt.name}: pass "
+                                    f"tiles=None or a widen 'dot' tile")
     max_len = block_tables.shape[1] * P
     if num_splits is None:
-        num_splits = pick_splits(B, H, max_len, tiles, sm_count(q_lat.device),
-                                 widened=c_pages.fmt.name in _PAGE_SCALED)
+        num_splits = pick_splits(B, H, max_len, tiles, sm_count(q_lat.device), widened)
     if num_splits < 1:
         raise UnsupportedShapeError(f"latent_decode_attention: num_splits={num_splits}; use "
                                     f">= 1 or None")
@@ -440,8 +482,12 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
                                   **shape)
     else:
         shape.update(_fp8_dots(dt, c_pages, r_pages))
+        # the interpreter runs no inline PTX: there widen "tile" is .to(fp16), the same values
+        cvt = _CVT.get(c_pages.fmt.name) if (tiles.widen == "tile" and q.is_cuda and
+                                             shape["DT"] == tl.float16) else None
         _latent_once_kernel[grid](q, c_pages.data, *scales, *common,
-                                  OUT_T=tiles.layout == "once_t", **shape)
+                                  OUT_T=tiles.layout == "once_t", WIDEN_ASM=cvt or "",
+                                  **shape)
     if not direct:
         merge_h = 16
         _latent_merge_kernel[(triton.cdiv(H, merge_h), B)](

@@ -88,7 +88,8 @@ def test_kernel_matches_paged_reference(c_fmt, r_fmt, heads, lens, splits, tiles
     assert_rel_close(out, ref, torch.float32, factor=4, what=f"{c_fmt}/{r_fmt} {lens}")
 
 
-@pytest.mark.parametrize("tiles", [ONCE, ONCE_T], ids=str)
+@pytest.mark.parametrize("tiles", [ONCE, ONCE_T, LatentTiles(16, 64, 4, 2, widen="tile")],
+                         ids=str)
 def test_fp8_pages_take_fp16_dots_under_bf16_queries(tiles):
     """bf16 queries over fp8 latent and rotary pages: the once kernel runs its dots in fp16
     with the query shifted by 2^-8 (the interpreter's fp16 dots are right, its bf16 ones are
@@ -176,24 +177,37 @@ def test_refuses_what_it_cannot_read():
         LatentTiles(64, 64, 4, 1, v_split=2, layout="once_t")
     with pytest.raises(ValueError, match="layout"):
         LatentTiles(64, 64, 4, 1, layout="twice")
+    with pytest.raises(ValueError, match="widen"):
+        LatentTiles(16, 32, 8, 2, layout="heads", widen="tile")
+    with pytest.raises(UnsupportedShapeError, match="widen"):   # "tile" is for fp8 pages
+        latent_decode_attention(torch.randn(1, 4, R + DR), pool.k[0], pool.v[0],
+                                plan.block_tables, lens, 0.2,
+                                tiles=LatentTiles(16, 64, 4, 2, widen="tile"))
 
 
 def test_rule_picks_for_tensor_parallel_shards():
-    """16 and 32 heads a GPU (DeepSeek-V3 at TP 8 / TP 4, memory-bound): 4-warp "once_t"
-    tiles of the whole head count (64 tokens a tile, a cp.async ring); splits fill the 132
-    SMs once, twice over for fp8 pages (widened in registers, two programs an SM)."""
+    """16 and 32 heads a GPU (DeepSeek-V3 at TP 8 / TP 4, memory-bound): for bf16 pages
+    4-warp "once_t" tiles of the whole head count (64 tokens a tile, a cp.async ring); for
+    fp8 pages the 16-head, 8-warp "once" tile that widens each fp8 tile once (widen "tile");
+    splits fill the 132 SMs once."""
     for heads in (16, 32):
         t = pick_tiles(heads, 512)
         assert (t.layout, t.block_h, t.block_n, t.num_warps) == ("once_t", heads, 64, 4)
-        assert t.num_stages >= 2
+        assert t.num_stages >= 2 and t.widen == "dot"
         assert programs_per_sm(t) == 1 and programs_per_sm(t, widened=True) == 2
         assert pick_splits(16, heads, 8192, t, 132) == 8        # 16 x 8 = 128 programs
         assert pick_splits(16, heads, 8192, t, 132, widened=True) == 16
         assert pick_splits(64, heads, 32768, t, 132) == 2
+        f = pick_tiles(heads, 512, widened=True)
+        assert (f.layout, f.block_h, f.block_n, f.num_warps, f.num_stages, f.widen) == (
+            "once", 16, 128, 8, 2, "tile")
+        assert programs_per_sm(f, widened=True) == 1
+        assert pick_splits(16, heads, 8192, f, 132, widened=True) == 8 * 16 // heads
     assert pick_tiles(20, 512).block_h == 16                  # a partial second block
     assert pick_tiles(48, 512).block_h == 32
     # the 128-head picks do not change with the page format
     once = pick_tiles(128, 512)
+    assert pick_tiles(128, 512, widened=True) == once
     assert pick_splits(16, 128, 8192, once, 132, widened=True) == 4
     # too narrow a latent for latent halves of 16 columns: the "heads" layout
     assert pick_tiles(16, 16).layout == "heads"
@@ -225,8 +239,8 @@ def test_tensor_parallel_shards_match_reference(c_fmt, r_fmt, heads, splits):
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     ref = paged_reference_attention(pool.k[0], pool.v[0], q_lat[:, :, None], plan, None, True,
                                     0, 0.0, 0.07, latent=True)[:, :, 0]
-    tiles = pick_tiles(heads, RF)
-    assert tiles.layout == "once_t"
+    tiles = pick_tiles(heads, RF, widened=c_fmt.startswith("fp8"))
+    assert tiles.layout == ("once" if c_fmt.startswith("fp8") else "once_t")
     out = latent_decode_attention(q_lat, pool.k[0], pool.v[0], plan.block_tables, seq_lens,
                                   0.07, num_splits=splits)
     assert_rel_close(out, ref, torch.float32, factor=4, what=f"{c_fmt}/{r_fmt} {tiles}")
