@@ -19,6 +19,9 @@
 #   PROF_ARGS="--steps" bash benchmarks/gpu_jobs.sh profile   # a decode step by part
 #   PB_ARGS=--quick bash benchmarks/gpu_jobs.sh prefill_bench  # the prefill matrix (bench_prefill)
 #   bash benchmarks/gpu_jobs.sh chunk_route   # gathered vs paged chunk route: tests + --chunk-only
+#   LQ_ARGS="--heads 16 --shapes B16_L8k,B64_L32k" bash benchmarks/gpu_jobs.sh latent_quick
+#   LC_K=tensor_parallel bash benchmarks/gpu_jobs.sh latent_check   # MLA decode, 16 / 32 heads
+#   LB_ARGS="--heads 16 --shapes B16_L8k,B16_L32k" bash benchmarks/gpu_jobs.sh latent_bench
 #   bash benchmarks/gpu_jobs.sh quality_canary     # then, same warm machine: quality (see
 #                                                  # benchmarks/quality/gpu_stages.sh: the model
 #                                                  # travels in two halves, .kvc_gpu_a / _b)
@@ -79,8 +82,9 @@ job() {   # job NAME -> "LIMIT COMMAND"
     evict_bench)    echo "${EB_LIMIT:-260} python3 benchmarks/bench_generate.py --budget-s $(( ${EB_LIMIT:-260} - 20 )) --out $OUT --evict-interval ${INTERVAL:-64} --engine-scale ${SCALE:-token} --sections ${EB_SECTIONS:-engine_b,engine_evict_sink,engine_evict_h2o,engine_evict_snapkv} ${EB_ARGS:-}" ;;
     append_check)   echo "${AC_LIMIT:-90} python3 -m pytest -q -x tests/kernels/test_append.py tests/kernels/test_append_codes.py -p no:cacheprovider" ;;
     append_bench)   echo "${AB_LIMIT:-80} python3 benchmarks/bench_append.py --json $OUT/bench_append.json" ;;
-    latent_check)   echo "${LC_LIMIT:-200} python3 -m pytest -q -m gpu tests/gpu/test_latent_decode_gpu.py -p no:cacheprovider" ;;
+    latent_check)   echo "${LC_LIMIT:-200} python3 -m pytest -q -m gpu tests/gpu/test_latent_decode_gpu.py -p no:cacheprovider ${LC_K:+-k \"$LC_K\"}" ;;
     latent_quick)   echo "${LQ_LIMIT:-420} python3 benchmarks/bench_latent_decode.py --quick ${LQ_ARGS:-}" ;;
+    latent_bench)   echo "${LB_LIMIT:-300} python3 benchmarks/bench_latent_decode.py ${LB_ARGS:-}" ;;
     gen)            echo "${GEN_LIMIT:-360} python3 benchmarks/bench_generate.py --budget-s $(( ${GEN_LIMIT:-360} - 30 )) --out $OUT --sections ${GEN_SECTIONS:-hf_static,kvc_fp8,engine_b,engine_b_nograph} ${GEN_ARGS:-}" ;;
     profile)        echo "${PROF_LIMIT:-200} python3 benchmarks/profile_generate.py ${PROF_ARGS:-}" ;;
     *)              echo "" ;;
