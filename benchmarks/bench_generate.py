@@ -428,6 +428,7 @@ def engine_batch(model, args, device, ctx, graphs: bool = True, eviction=None,
     params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
     times, outs = [], None
     captures0 = eng.runner.graphs.captures if eng.runner.graphs is not None else 0
+    eng.history.clear()   # the warm-up's steps (graph captures among them) left out
     for _ in range(args.repeats):
         outs, t = timed(lambda: eng.generate(prompts, params), device)
         times.append(t)
