@@ -47,9 +47,11 @@ _TENSOR = tl.constexpr(registry.SCALE_TENSOR)
 # Query rows per kv head, weighted by keys, from which the gather pays (choose_route). The
 # gather costs ~8 * D bytes per key and kv head (read the codes, write bf16, read them back),
 # ~2 ns per key at 4 TB/s for D = 128; attention costs 4 * rows * D flop per key, ~1.3 ps per
-# row at 400 TFLOP/s. At 512 rows the gather is ~30% of the attention, about what the paged
-# kernel loses to its in-loop gather with bf16 pages (0.65x); longer chunks gain more.
-GATHER_MIN_ROWS = 512
+# row at 400 TFLOP/s. Measured on the H200 (benchmarks/RESULTS.md, ninth session; fp8 page
+# scales, a 30,720-token prefix, GQA 32/8): at 64 tokens (256 rows) the gather route took 0.917
+# ms against the paged kernel's 1.204; at 256 tokens 0.889 against 1.221; at 2,048 tokens 2.610
+# against 5.959. Shorter chunks were not timed: below 256 rows the paged kernel stays.
+GATHER_MIN_ROWS = 256
 DEFAULT_WORKSPACE_BYTES = 1 << 30   # KVConfig.prefill_gather_bytes
 BLOCK_T = 64                        # keys per program of the gather kernel
 

@@ -181,7 +181,8 @@ def test_route_rule():
     long_chunk = _host([2048], [32768])
     assert G.choose_route("auto", long_chunk, 4, 4096, big).route == "gather"
     # negative cases: the rule keeps the paged route
-    short = G.choose_route("auto", _host([64], [32768]), 4, 4096, big)
+    assert G.choose_route("auto", _host([64], [32768]), 4, 4096, big).route == "gather"
+    short = G.choose_route("auto", _host([32], [32768]), 4, 4096, big)
     assert short.route == "paged" and "short chunk" in short.reason
     mixed = _host([512, 4], [600, 60000])   # the long prefix has the short chunk: 4 rows/key
     assert G.choose_route("auto", mixed, 1, 4096, big).route == "paged"
