@@ -344,26 +344,43 @@ class PagedTensor:
         op on [H] costs as much as one on the whole page at these sizes): a decode step of a
         CPU model writes 2 x layers tokens, and each torch op is a few microseconds. On the
         CPU the page's scales and earlier codes are read (and the scales written) through
-        numpy views of the same memory (`_host_view`), which cost no torch op."""
+        numpy views of the same memory (`_host_view`), which cost no torch op.
+
+        The kept fact (CPU): a write that leaves every head of page p with a finite non-zero
+        code among its first o + 1 tokens keeps (p, o + 1, the page's scales, the versions of
+        `data` and `scale` after it). The next token, at o + 1 of page p, then neither reads
+        the scales nor looks at the earlier codes: if no value of x / scale exceeds the
+        scale divisor (a screen a little below it, see `_fp8_token_kept`) no scale grows, and
+        the token is the general path's x / scale (no clamp needed). Any other write of these
+        tensors by torch bumps a version and the fact is not used; a grown scale, a non-finite
+        x or a head without such a code leaves no fact."""
         consts = self.__dict__.get("_fp8_consts")
         if consts is None:   # (the format's numbers, looked up once per tensor)
             fmt = self.fmt
-            consts = self._fp8_consts = (fmt.scale_divisor, torch.finfo(fmt.storage_dtype).max,
-                                         self._FP8_FINITE[fmt.storage_dtype])
-        divisor, fmax, _ = consts
+            fmax = torch.finfo(fmt.storage_dtype).max
+            # |x / scale| at most `screen`: amax / divisor <= scale, so no scale grows (x /
+            # scale is within 2^-24 of the exact quotient; the margin covers that), and
+            # x / scale needs no clamp
+            screen = min(fmt.scale_divisor, fmax) * (1.0 - 2.0 ** -20)
+            consts = self._fp8_consts = (fmt.scale_divisor, fmax,
+                                         self._FP8_FINITE[fmt.storage_dtype], screen)
+        divisor, fmax, _, screen = consts
         host = self._host_view("scale")                        # [N, H] numpy, or None
         # on the CPU: x's numbers read, divided and clamped by numpy (the same fp32 IEEE
         # operations, about 1 us each against a torch op's few), only the fp8 cast by torch
         xn = x.detach().numpy() if host is not None and x.device.type == "cpu" else None
+        if xn is not None and o and self._fp8_token_kept(p, o, xn, screen):
+            return
         if xn is not None:
             a = np.abs(xn).max(axis=1).tolist()                           # [H] max |x|
         else:
             a = torch.linalg.vector_norm(x, math.inf, -1).tolist()
-        if not all(v < math.inf for v in a):   # a NaN / Inf: the finite values' amax
+        finite = all(v < math.inf for v in a)
+        if not finite:   # a NaN / Inf: the finite values' amax
             a = x.abs().nan_to_num_(0.0, 0.0, 0.0).amax(-1).tolist()
         cover = _as_fp32([v / divisor for v in a])             # amax / divisor, in fp32
         fresh = [max(c, MIN_SCALE) if v > 0 else 1.0 for v, c in zip(a, cover)]
-        s_new, s_old, grow = fresh, None, None
+        s_new, s_old, grow, had = fresh, None, None, None
         if o:
             s_old = self.scale[p].tolist() if host is None else host[p].tolist()
             had = self._had_values(p, o)
@@ -381,18 +398,60 @@ class PagedTensor:
                 host[p] = s_new   # (fp32 values: stored exactly)
         # fp8_encode: clamp(x / scale, -fmax, fmax), cast to fp8 by the copy into the page
         if xn is not None:
-            y = xn / host[p][:, None]                         # (the scales just stored)
-            y = torch.from_numpy(np.clip(y, -fmax, fmax, out=y))
-            d = self.data
-            if d.is_contiguous():   # the token's H rows as one strided view: 2 torch ops
-                H, P, Ds = self.num_heads, self.page_size, d.shape[-1]
-                at = d.storage_offset() + ((p * H) * P + o) * Ds
-                d.as_strided((H, Ds), (P * Ds, 1), at).copy_(y)
+            s_col = host[p][:, None].copy()                   # (the scales just stored)
+            y = xn / s_col
+            self._store_token(p, o, np.clip(y, -fmax, fmax, out=y))
+            # every head now holds a finite non-zero code: one that had one keeps it (a grown
+            # scale leaves the new token's largest code above fmax / 2), a fresh head's new
+            # token has amax / scale = divisor unless its scale is MIN_SCALE (not kept)
+            if finite and o + 1 < self.page_size and all(
+                    h or (v > 0 and c >= MIN_SCALE)
+                    for h, v, c in zip(had or [False] * len(a), a, cover)):
+                self._keep_fp8_fact(p, o + 1, s_col)
             else:
-                d[p, :, o] = y
+                self.__dict__["_views"].pop("fp8_fact", None)
             return
         st = self.rows_view("page_scales")[p]                                 # [H, 1] view
         self.data[p, :, o] = (x / st).clamp_(-fmax, fmax)
+
+    def _fp8_token_kept(self, p: int, o: int, xn: np.ndarray, screen: float) -> bool:
+        """The one-token write by the kept fact (see `_write_one_fp8`): True where it applies
+        and the token is stored, False (nothing written) otherwise."""
+        fact = self.__dict__["_views"].get("fp8_fact")
+        if (fact is None or fact[0] != p or fact[1] != o or fact[2] is not self.data
+                or fact[3] != self.data._version or fact[4] != self.scale._version):
+            return False
+        y = xn / fact[5]
+        if not float(np.abs(y).max()) <= screen:   # (NaN: not kept)
+            return False
+        self._store_token(p, o, y)
+        if o + 1 < self.page_size:
+            self._keep_fp8_fact(p, o + 1, fact[5])
+        else:
+            self.__dict__["_views"].pop("fp8_fact", None)
+        return True
+
+    def _keep_fp8_fact(self, p: int, o: int, s_col: np.ndarray) -> None:
+        """Keep the fact that page p's heads hold a finite non-zero code among their first o
+        tokens and have the scales s_col [H, 1] (`_write_one_fp8`), as of the tensors'
+        current versions. Inference tensors have no version counter: nothing is kept."""
+        views = self.__dict__["_views"]
+        if self.data.is_inference() or self.scale.is_inference():
+            views.pop("fp8_fact", None)
+            return
+        views["fp8_fact"] = (p, o, self.data, self.data._version, self.scale._version, s_col)
+
+    def _store_token(self, p: int, o: int, y: np.ndarray) -> None:
+        """Codes of y [H, Ds] fp32 (numpy, within fp8's range) at offset o of page p: cast to
+        fp8 by torch's copy into the page (which bumps the version of `data`)."""
+        y = torch.from_numpy(y)
+        d = self.data
+        if d.is_contiguous():   # the token's H rows as one strided view: 2 torch ops
+            H, P, Ds = self.num_heads, self.page_size, d.shape[-1]
+            at = d.storage_offset() + ((p * H) * P + o) * Ds
+            d.as_strided((H, Ds), (P * Ds, 1), at).copy_(y)
+        else:
+            d[p, :, o] = y
 
     def _had_values(self, p: int, o: int) -> list[bool]:
         """Per head of page p: whether its first o tokens hold a finite non-zero code (what

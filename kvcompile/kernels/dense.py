@@ -413,7 +413,8 @@ def _gather(paged, idx: torch.Tensor, b: int, total: int, dtype: torch.dtype,
     return out.as_strided((b, H, total, D), (H * n * P * D, n * P * D, D, 1))
 
 
-def _fp8_rows_host(parts, rows: torch.Tensor, b: int, n: int, total: int):
+def _fp8_rows_host(parts, rows: torch.Tensor, b: int, n: int, total: int,
+                   scratch: dict | None = None):
     """(x [len(parts), b, H, n, P, D] fp32, sc broadcastable to x) with x * sc ==
     PagedTensor.read's values of the page-heads `rows` (`_page_rows`) of each of `parts`
     (fp8 PagedTensors of one format and shape: a layer's K and V are decoded together), in the
@@ -424,27 +425,44 @@ def _fp8_rows_host(parts, rows: torch.Tensor, b: int, n: int, total: int):
     sizes about one; only the fp16 -> fp32 widening (vectorized in torch, exact, no denormal
     read or made) is a torch op, and the caller's scale product. E4M3's 2^8 folds into the
     scales (unless a product would leave fp32: then into x). The NaN repair looks only at each
-    head's first `total` tokens: the rest of the last page is whatever the pool held."""
+    head's first `total` tokens: the rest of the last page is whatever the pool held.
+
+    scratch: a dict kept by the caller for one decode step (`CpuDecodeStep`): the codes, int16
+    and fp32 buffers are made once per shape and reused by every layer (then x is the scratch
+    fp32 buffer, rewritten by the next call: the caller is done with it by then). A fresh
+    allocation of these sizes costs its page faults on every call."""
     first = parts[0]
     H, P, D = first.num_heads, first.page_size, first.head_dim
     e5m2, gran = _fp8_kind(first)
     r = rows.numpy()
     k = len(parts)
-    codes = np.empty((k, r.shape[0], P * first.data.shape[-1]), np.uint8)
+    shape = (k, r.shape[0], P * first.data.shape[-1])
+    bufs = None if scratch is None else scratch.get(shape)
+    if bufs is None:
+        i16 = np.empty(shape, np.int16)
+        bufs = (np.empty(shape, np.uint8), i16, torch.empty(shape, dtype=torch.float32),
+                torch.from_numpy(i16).view(torch.float16))   # (the same memory as i16)
+        if scratch is not None:
+            scratch[shape] = bufs
+    codes, i16, x, h16 = bufs
     for i, t in enumerate(parts):
-        np.take(t.host_rows("codes"), r, axis=0, out=codes[i])           # [b*H*n, P*Ds]
-    i16 = codes.view(np.int8).astype(np.int16)   # sign-extended: the sign lands in bit 15
+        # (mode "clip": np.take with `out` and the default "raise" copies through a buffer,
+        # 8x slower here; the rows are the pool's by construction)
+        np.take(t.host_rows("codes"), r, axis=0, out=codes[i], mode="clip")   # [b*H*n, P*Ds]
+    # int8 codes times 2^7 (E4M3) / 2^8 (E5M2) into int16 in one pass: sign-extended, the sign
+    # lands in bit 15 (no product leaves int16)
     if e5m2:
-        np.multiply(i16, 256, out=i16)           # (wraps: code << 8, the fp16 itself)
+        np.multiply(codes.view(np.int8), np.int16(256), out=i16)   # code << 8, the fp16 itself
         factor = 1.0
     else:
-        np.multiply(i16, 128, out=i16)           # code << 7 ...
+        np.multiply(codes.view(np.int8), np.int16(128), out=i16)   # code << 7 ...
         np.bitwise_and(i16, _SIGN_EXP_MANT, out=i16)   # ... less the sign's copy in bit 14
         low = np.bitwise_and(codes.reshape(k * b * H, -1)[:, :total * D], 0x7F)
         if low.max() == 0x7F:   # a NaN code (s 1111 111) among the tokens written
             i16[(codes & 0x7F) == 0x7F] = _FP16_NAN
         factor = E4M3_SHIFT
-    x = torch.from_numpy(i16).view(torch.float16).float().view(k, b, H, n, P, D)
+    x.copy_(h16)                                       # fp16 -> fp32, exact
+    x = x.view(k, b, H, n, P, D)
     if gran == "tensor":
         s = np.array([float(t.scale.reshape(())) for t in parts], np.float32)
         shape = (k, 1, 1, 1, 1, 1)
@@ -452,7 +470,7 @@ def _fp8_rows_host(parts, rows: torch.Tensor, b: int, n: int, total: int):
         w = first.host_rows("scale").shape[1]
         s = np.empty((k, r.shape[0], w), np.float32)
         for i, t in enumerate(parts):
-            np.take(t.host_rows("scale"), r, axis=0, out=s[i])            # [b*H*n, w]
+            np.take(t.host_rows("scale"), r, axis=0, out=s[i], mode="clip")   # [b*H*n, w]
         tail = (w, 1) if gran == "token" else (1, w) if gran == "channel" else (1, 1)
         shape = (k, b, H, n, *tail)
     if factor != 1.0:

@@ -48,6 +48,9 @@ class CpuDecodeStep:
         self.total = plan.seq_lens_list[0]
         self.pages = _pages(plan.block_tables, [0], True, self.total, pool.page_size)
         self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # fp8: the gather's codes / int16 / fp32 buffers, made by the first layer and reused
+        # by the others (per step: no dequantized copy of the cache outlives the forward)
+        self._scratch: dict = {}
 
     def rows(self, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the sequence's page-head rows [H * n], the new token's rows [H]) of layers with
@@ -91,7 +94,8 @@ class CpuDecodeStep:
 
     def _gather_fp8(self, kt, vt, rows, dt):
         """`_gather` of K and V together: one widening, one scale product (the same values)."""
-        x, sc = _fp8_rows_host((kt, vt), rows, 1, len(self.pages), self.total)
+        x, sc = _fp8_rows_host((kt, vt), rows, 1, len(self.pages), self.total,
+                               self._scratch)
         out = x.mul_(sc) if dt == torch.float32 else torch.mul(x, sc).to(dt)
         H, P, D = kt.num_heads, kt.page_size, kt.head_dim
         size, n = H * len(self.pages) * P * D, len(self.pages) * P * D

@@ -234,3 +234,92 @@ def test_gather_unwritten_tail_and_huge_scales(name, monkeypatch):
     assert bool(got[0, 1, 2 * P + 3, 4].isnan()) and int(got.isnan().sum()) == 1
     assert repairs["n"] == (name == "fp8_e4m3")   # (E5M2's NaN codes widen as NaN)
     assert _same_bits(got[0].contiguous(), gather_pages(t, pages, total).contiguous())
+
+
+def _write_counting_kept(monkeypatch):
+    """{"kept": one-token writes stored by the kept fact, "asked": those that looked at it}."""
+    seen = {"kept": 0, "asked": 0}
+    real = PagedTensor._fp8_token_kept
+
+    def counted(self, *args):
+        ok = real(self, *args)
+        seen["asked"] += 1
+        seen["kept"] += ok
+        return ok
+
+    monkeypatch.setattr(PagedTensor, "_fp8_token_kept", counted)
+    return seen
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_one_token_write_by_kept_fact(name, monkeypatch):
+    """Tokens written one at a time into a page take the kept fact (no scale or earlier-code
+    read) where no scale grows, and store the general path's bytes; a token that grows a
+    scale, one holding NaN / Inf and a zero token (no kept fact after it) take the full
+    decision."""
+    fmt = KVFormat(name, "page")
+    H, D, P = 3, 16, 16
+    fast, slow = fmt.allocate(3, H, P, D), fmt.allocate(3, H, P, D)
+    seen = _write_counting_kept(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(1, H, D, generator=g) * (4.0 if i % P == 0 else 1.0) for i in range(2 * P)]
+    xs[5] = xs[5] * 64.0                  # grows every head's scale: the fact's screen refuses
+    xs[9] = xs[9].clone()
+    xs[9][0, 1, 3] = float("nan")         # not kept: the full path (and no fact after it)
+    xs[P + 4] = torch.zeros(1, H, D)     # second page: zeros keep the fact (had stays true)
+    for i, x in enumerate(xs):
+        fast.write(torch.tensor([i]), x)
+        slow._write_grouped(torch.tensor([i // P]), torch.tensor([i % P]), x.float())
+        assert torch.equal(fast.scale[:2], slow.scale[:2]), i
+        valid = torch.arange(i + 1)
+        assert torch.equal(fast.data[valid // P, :, valid % P].view(torch.uint8),
+                           slow.data[valid // P, :, valid % P].view(torch.uint8)), i
+    # kept: offsets 1..15 of both pages but token 5 (screen), 9 (NaN) and 10 (no fact)
+    assert seen == {"kept": 2 * (P - 1) - 3, "asked": 2 * (P - 1)}, seen
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("writer", ["scale", "codes", "general", "grow"])
+def test_kept_fact_not_used_after_another_writer(name, writer, monkeypatch):
+    """The negative case: after another writer changes the page (its scale set by torch, its
+    earlier codes zeroed, its tokens 1 and 2 written again by the general path, the pool's
+    growth that replaces the parts), the next one-token write at the kept offset does not use
+    the kept fact: it stores what the general path stores under the changed page. (With a
+    stale fact the scale would be the old one: the bytes would differ.)"""
+    from kvcompile.cache.sizing import grow_paged
+
+    fmt = KVFormat(name, "page")
+    H, D, P = 2, 16, 16
+    fast, slow = fmt.allocate(2, H, P, D), fmt.allocate(2, H, P, D)
+    seen = _write_counting_kept(monkeypatch)
+    g = torch.Generator().manual_seed(9)
+    xs = [torch.randn(1, H, D, generator=g) * (4.0 if i == 0 else 1.0) for i in range(6)]
+    for i in range(3):
+        fast.write(torch.tensor([i]), xs[i])
+        slow._write_grouped(torch.tensor([0]), torch.tensor([i]), xs[i].float())
+    assert seen["kept"] == 2 and fast.__dict__["_views"]["fp8_fact"][:2] == (0, 3)
+    n = 3
+    for t in (fast, slow):
+        if writer == "scale":      # a smaller scale: the next token grows it
+            t.scale[0] = t.scale[0] / 16.0
+        elif writer == "codes":    # no earlier value: the next token sets a fresh scale
+            t.data[0, :, :3] = 0.0
+        elif writer == "general":  # tokens 1, 2 again, larger: the page's scale grows
+            t._write_grouped(torch.tensor([0, 0]), torch.tensor([1, 2]),
+                             torch.cat(xs[3:5]) * 32.0)
+        else:                      # a fresh, larger allocation with the pages copied
+            grow_paged(t, 4)
+    if writer == "grow":
+        assert fast.__dict__.get("_views", {}).get("fp8_fact") is None
+    else:   # (the fact is still there: only the versions tell it is stale)
+        assert fast.__dict__["_views"]["fp8_fact"][:2] == (0, 3)
+    before = seen["kept"]
+    fast.write(torch.tensor([n]), xs[5])
+    slow._write_grouped(torch.tensor([0]), torch.tensor([n]), xs[5].float())
+    assert seen["kept"] == before, "a stale fact was used"
+    assert torch.equal(fast.scale[0], slow.scale[0])
+    assert torch.equal(fast.data[0, :, :n + 1].view(torch.uint8),
+                       slow.data[0, :, :n + 1].view(torch.uint8))
+    # and the fact is kept again from there (the next token takes it)
+    fast.write(torch.tensor([n + 1]), xs[5] * 0.5)
+    assert seen["kept"] == before + 1
