@@ -41,7 +41,7 @@ from kvcompile.cache.fp4 import (
     scale_from_amax,
     unpack_e2m1,
 )
-from kvcompile.cache.fp8 import fp8_decode, fp8_encode, grow_page_scale
+from kvcompile.cache.fp8 import fp8_decode, fp8_encode, fp8_to_float, grow_page_scale
 from kvcompile.cache.intq import int_decode, int_encode, int_params
 from kvcompile.cache.registry import PART_NAMES
 from kvcompile.errors import CacheStateError, UnsupportedShapeError
@@ -335,12 +335,18 @@ class PagedTensor:
             dt = self.data.dtype
             self.rows_view("tokens").index_copy_(1, rows, x if x.dtype == dt else x.to(dt))
             return
+        if x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad:
+            # (numpy's reshape: no torch op)
+            self._write_one_fp8(p, o, x, x.numpy().reshape(self.num_heads, self.head_dim))
+            return
         x = x.reshape(self.num_heads, self.head_dim)
         self._write_one_fp8(p, o, x if x.dtype == torch.float32 else x.float())
 
-    def _write_one_fp8(self, p: int, o: int, x: torch.Tensor) -> None:
+    def _write_one_fp8(self, p: int, o: int, x: torch.Tensor,
+                       xn: np.ndarray | None = None) -> None:
         """One token x [H, D] fp32 at offset o of page p, fp8 page scales: what _write_grouped
-        stores. The page-heads' scale decisions are taken on the H numbers in Python (a torch
+        stores (xn: x's numbers as a numpy [H, D] view, where the caller has them: then x may
+        have any shape of H x D numbers). The page-heads' scale decisions are taken on the H numbers in Python (a torch
         op on [H] costs as much as one on the whole page at these sizes): a decode step of a
         CPU model writes 2 x layers tokens, and each torch op is a few microseconds. On the
         CPU the page's scales and earlier codes are read (and the scales written) through
@@ -368,7 +374,8 @@ class PagedTensor:
         host = self._host_view("scale")                        # [N, H] numpy, or None
         # on the CPU: x's numbers read, divided and clamped by numpy (the same fp32 IEEE
         # operations, about 1 us each against a torch op's few), only the fp8 cast by torch
-        xn = x.detach().numpy() if host is not None and x.device.type == "cpu" else None
+        if xn is None and host is not None and x.device.type == "cpu":
+            xn = x.detach().numpy()
         if xn is not None and o and self._fp8_token_kept(p, o, xn, screen):
             return
         if xn is not None:
@@ -377,7 +384,7 @@ class PagedTensor:
             a = torch.linalg.vector_norm(x, math.inf, -1).tolist()
         finite = all(v < math.inf for v in a)
         if not finite:   # a NaN / Inf: the finite values' amax
-            a = x.abs().nan_to_num_(0.0, 0.0, 0.0).amax(-1).tolist()
+            a = x.reshape(len(a), -1).abs().nan_to_num_(0.0, 0.0, 0.0).amax(-1).tolist()
         cover = _as_fp32([v / divisor for v in a])             # amax / divisor, in fp32
         fresh = [max(c, MIN_SCALE) if v > 0 else 1.0 for v, c in zip(a, cover)]
         s_new, s_old, grow, had = fresh, None, None, None
@@ -474,8 +481,22 @@ class PagedTensor:
     def _reencode_heads(self, p: int, o: int, s_old: list[float], s_new: list[float],
                         grow: list[bool]) -> None:
         """Re-encode the first o codes of page p's heads that `grow` under s_new (decoded
-        under s_old), as _write_grouped does."""
+        under s_old), as _write_grouped does. On the CPU by numpy on the pool's memory (the
+        same fp32 operations: fp8_to_float's values from a 256-entry table, the product, the
+        quotient, the clamp) and one torch op, the fp8 cast."""
         heads = [h for h, g in enumerate(grow) if g]
+        host = self.host_rows("codes")                        # [N * H, P * Ds] uint8 numpy
+        if host is not None:
+            H = self.num_heads
+            earlier = host[p * H:(p + 1) * H, :o * self.data.shape[-1]]       # [H, o * Ds]
+            v = np.take(_fp8_values(self.fmt.storage_dtype), earlier[heads])  # [G, o * Ds]
+            v *= np.array([s_old[h] for h in heads], np.float32)[:, None]
+            v /= np.array([s_new[h] for h in heads], np.float32)[:, None]
+            fmax = self._fp8_consts[1]
+            np.clip(v, -fmax, fmax, out=v)
+            enc = torch.from_numpy(v).to(self.fmt.storage_dtype)
+            earlier[heads] = enc.view(torch.uint8).numpy()
+            return
         dev = self.data.device
         take = torch.tensor(grow, device=dev)[:, None, None]
         old = torch.tensor(s_old, dtype=torch.float32, device=dev)
@@ -763,6 +784,19 @@ class PagedTensor:
 
 
 _FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+_FP8_VALUES: dict[torch.dtype, np.ndarray] = {}
+
+
+def _fp8_values(dtype: torch.dtype) -> np.ndarray:
+    """[256] fp32 numpy: fp8_to_float of every code of `dtype` (the reference decoder's values,
+    its NaN included), by code."""
+    table = _FP8_VALUES.get(dtype)
+    if table is None:
+        codes = torch.arange(256, dtype=torch.uint8).view(dtype)
+        table = _FP8_VALUES[dtype] = fp8_to_float(codes).numpy().copy()
+    return table
 
 
 def _as_fp32(values: list[float]) -> list[float]:
