@@ -437,14 +437,14 @@ def _fp8_rows_host(parts, rows: torch.Tensor, b: int, n: int, total: int,
     r = rows.numpy()
     k = len(parts)
     shape = (k, r.shape[0], P * first.data.shape[-1])
-    bufs = None if scratch is None else scratch.get(shape)
+    w = 0 if gran == "tensor" else first.host_rows("scale").shape[1]
+    key = (shape, gran, w, b, n)
+    bufs = None if scratch is None else scratch.get(key)
     if bufs is None:
-        i16 = np.empty(shape, np.int16)
-        bufs = (np.empty(shape, np.uint8), i16, torch.empty(shape, dtype=torch.float32),
-                torch.from_numpy(i16).view(torch.float16))   # (the same memory as i16)
+        bufs = _fp8_rows_buffers(shape, gran, w, b, H, n, P, D)
         if scratch is not None:
-            scratch[shape] = bufs
-    codes, i16, x, h16 = bufs
+            scratch[key] = bufs
+    codes, i16, x, h16, s, sc = bufs
     for i, t in enumerate(parts):
         # (mode "clip": np.take with `out` and the default "raise" copies through a buffer,
         # 8x slower here; the rows are the pool's by construction)
@@ -462,23 +462,35 @@ def _fp8_rows_host(parts, rows: torch.Tensor, b: int, n: int, total: int,
             i16[(codes & 0x7F) == 0x7F] = _FP16_NAN
         factor = E4M3_SHIFT
     x.copy_(h16)                                       # fp16 -> fp32, exact
-    x = x.view(k, b, H, n, P, D)
     if gran == "tensor":
-        s = np.array([float(t.scale.reshape(())) for t in parts], np.float32)
-        shape = (k, 1, 1, 1, 1, 1)
+        s[:] = [float(t.scale.reshape(())) for t in parts]
     else:
-        w = first.host_rows("scale").shape[1]
-        s = np.empty((k, r.shape[0], w), np.float32)
         for i, t in enumerate(parts):
             np.take(t.host_rows("scale"), r, axis=0, out=s[i], mode="clip")   # [b*H*n, w]
-        tail = (w, 1) if gran == "token" else (1, w) if gran == "channel" else (1, 1)
-        shape = (k, b, H, n, *tail)
     if factor != 1.0:
         if float(s.max()) * factor <= _FP32_MAX:
             np.multiply(s, np.float32(factor), out=s)
         else:   # a scale so large that factor * scale leaves fp32: into x (exact there)
             x.mul_(factor)
-    return x, torch.from_numpy(s).view(shape)
+    return x, sc
+
+
+def _fp8_rows_buffers(shape, gran: str, w: int, b: int, H: int, n: int, P: int, D: int):
+    """`_fp8_rows_host`'s buffers: codes (uint8) and int16 [k, b*H*n, P*Ds] numpy, x [k, b, H,
+    n, P, D] fp32 torch, the int16's memory as fp16 torch, the scales numpy and the same
+    memory as a torch tensor broadcastable to x."""
+    k = shape[0]
+    i16 = np.empty(shape, np.int16)
+    if gran == "tensor":
+        s = np.empty(k, np.float32)
+        view = (k, 1, 1, 1, 1, 1)
+    else:
+        s = np.empty((k, shape[1], w), np.float32)
+        tail = (w, 1) if gran == "token" else (1, w) if gran == "channel" else (1, 1)
+        view = (k, b, H, n, *tail)
+    return (np.empty(shape, np.uint8), i16, torch.empty((k, b, H, n, P, D), dtype=torch.float32),
+            torch.from_numpy(i16).view(torch.float16).view(k, b, H, n, P, D),
+            s, torch.from_numpy(s).view(view))
 
 
 def _fp8_kind(paged) -> tuple[bool, str]:

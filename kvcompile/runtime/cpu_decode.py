@@ -96,7 +96,16 @@ class CpuDecodeStep:
         """`_gather` of K and V together: one widening, one scale product (the same values)."""
         x, sc = _fp8_rows_host((kt, vt), rows, 1, len(self.pages), self.total,
                                self._scratch)
-        out = x.mul_(sc) if dt == torch.float32 else torch.mul(x, sc).to(dt)
+        if dt == torch.float32:   # x: the step's scratch buffer, its K and V views made once
+            views = self._scratch.get(("kv", x.data_ptr()))
+            if views is None:
+                views = self._scratch[("kv", x.data_ptr())] = self._kv_views(kt, x)
+            x.mul_(sc)
+            return views
+        return self._kv_views(kt, torch.mul(x, sc).to(dt))
+
+    def _kv_views(self, kt, out):
+        """(keys, values) [1, H, total, D] of the decoded K and V out [2, 1, H, n, P, D]."""
         H, P, D = kt.num_heads, kt.page_size, kt.head_dim
         size, n = H * len(self.pages) * P * D, len(self.pages) * P * D
         shape, stride = (1, H, self.total, D), (size, n, D, 1)
