@@ -337,16 +337,18 @@ class PagedTensor:
             return
         if x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad:
             # (numpy's reshape: no torch op)
-            self._write_one_fp8(p, o, x, x.numpy().reshape(self.num_heads, self.head_dim))
+            xn = x.numpy().reshape(self.num_heads, self.head_dim)
+            if not (o and self._fp8_token_kept(p, o, xn)):
+                self._write_one_fp8(p, o, x, xn, True)
             return
         x = x.reshape(self.num_heads, self.head_dim)
         self._write_one_fp8(p, o, x if x.dtype == torch.float32 else x.float())
 
     def _write_one_fp8(self, p: int, o: int, x: torch.Tensor,
-                       xn: np.ndarray | None = None) -> None:
+                       xn: np.ndarray | None = None, tried: bool = False) -> None:
         """One token x [H, D] fp32 at offset o of page p, fp8 page scales: what _write_grouped
         stores (xn: x's numbers as a numpy [H, D] view, where the caller has them: then x may
-        have any shape of H x D numbers). The page-heads' scale decisions are taken on the H numbers in Python (a torch
+        have any shape of H x D numbers; tried: the kept fact was tried). The page-heads' scale decisions are taken on the H numbers in Python (a torch
         op on [H] costs as much as one on the whole page at these sizes): a decode step of a
         CPU model writes 2 x layers tokens, and each torch op is a few microseconds. On the
         CPU the page's scales and earlier codes are read (and the scales written) through
@@ -370,13 +372,13 @@ class PagedTensor:
             screen = min(fmt.scale_divisor, fmax) * (1.0 - 2.0 ** -20)
             consts = self._fp8_consts = (fmt.scale_divisor, fmax,
                                          self._FP8_FINITE[fmt.storage_dtype], screen)
-        divisor, fmax, _, screen = consts
+        divisor, fmax = consts[:2]
         host = self._host_view("scale")                        # [N, H] numpy, or None
         # on the CPU: x's numbers read, divided and clamped by numpy (the same fp32 IEEE
         # operations, about 1 us each against a torch op's few), only the fp8 cast by torch
         if xn is None and host is not None and x.device.type == "cpu":
             xn = x.detach().numpy()
-        if xn is not None and o and self._fp8_token_kept(p, o, xn, screen):
+        if xn is not None and o and not tried and self._fp8_token_kept(p, o, xn):
             return
         if xn is not None:
             a = np.abs(xn).max(axis=1).tolist()                           # [H] max |x|
@@ -421,32 +423,42 @@ class PagedTensor:
         st = self.rows_view("page_scales")[p]                                 # [H, 1] view
         self.data[p, :, o] = (x / st).clamp_(-fmax, fmax)
 
-    def _fp8_token_kept(self, p: int, o: int, xn: np.ndarray, screen: float) -> bool:
+    def _fp8_token_kept(self, p: int, o: int, xn: np.ndarray) -> bool:
         """The one-token write by the kept fact (see `_write_one_fp8`): True where it applies
-        and the token is stored, False (nothing written) otherwise."""
-        fact = self.__dict__["_views"].get("fp8_fact")
-        if (fact is None or fact[0] != p or fact[1] != o or fact[2] is not self.data
-                or fact[3] != self.data._version or fact[4] != self.scale._version):
+        and the token is stored, False (nothing written) otherwise. Few Python steps: a
+        decode step runs it twice per layer."""
+        views = self.__dict__.get("_views")
+        fact = None if views is None else views.get("fp8_fact")
+        if fact is None or fact[0] != p or fact[1] != o:
+            return False
+        d = self.data
+        if fact[2] is not d or fact[3] != d._version or fact[4] != self.scale._version:
             return False
         y = xn / fact[5]
-        if not float(np.abs(y).max()) <= screen:   # (NaN: not kept)
+        if not np.maximum.reduce(np.abs(y), None) <= fact[6]:   # (NaN: not kept)
             return False
-        self._store_token(p, o, y)
+        # the token's H rows of the (contiguous) page as one strided view; the copy casts
+        d.as_strided(fact[7], fact[8], fact[9] + o * fact[10]).copy_(torch.from_numpy(y))
         if o + 1 < self.page_size:
-            self._keep_fp8_fact(p, o + 1, fact[5])
+            views["fp8_fact"] = (p, o + 1, d, d._version, fact[4], *fact[5:])
         else:
-            self.__dict__["_views"].pop("fp8_fact", None)
+            del views["fp8_fact"]
         return True
 
     def _keep_fp8_fact(self, p: int, o: int, s_col: np.ndarray) -> None:
         """Keep the fact that page p's heads hold a finite non-zero code among their first o
         tokens and have the scales s_col [H, 1] (`_write_one_fp8`), as of the tensors'
-        current versions. Inference tensors have no version counter: nothing is kept."""
-        views = self.__dict__["_views"]
-        if self.data.is_inference() or self.scale.is_inference():
+        current versions, with what `_fp8_token_kept` needs: the screen, the token view's
+        size, stride and page p's storage offset. Inference tensors have no version counter
+        (and a non-contiguous `data` no such view): nothing is kept."""
+        views, d = self.__dict__["_views"], self.data
+        if d.is_inference() or self.scale.is_inference() or not d.is_contiguous():
             views.pop("fp8_fact", None)
             return
-        views["fp8_fact"] = (p, o, self.data, self.data._version, self.scale._version, s_col)
+        H, P, Ds = self.num_heads, self.page_size, d.shape[-1]
+        views["fp8_fact"] = (p, o, d, d._version, self.scale._version, s_col,
+                             self._fp8_consts[3], (H, Ds), (P * Ds, 1),
+                             d.storage_offset() + p * H * P * Ds, Ds)
 
     def _store_token(self, p: int, o: int, y: np.ndarray) -> None:
         """Codes of y [H, Ds] fp32 (numpy, within fp8's range) at offset o of page p: cast to

@@ -413,7 +413,7 @@ def _gather(paged, idx: torch.Tensor, b: int, total: int, dtype: torch.dtype,
     return out.as_strided((b, H, total, D), (H * n * P * D, n * P * D, D, 1))
 
 
-def _fp8_rows_host(parts, rows: torch.Tensor, b: int, n: int, total: int,
+def _fp8_rows_host(parts, rows: torch.Tensor | np.ndarray, b: int, n: int, total: int,
                    scratch: dict | None = None):
     """(x [len(parts), b, H, n, P, D] fp32, sc broadcastable to x) with x * sc ==
     PagedTensor.read's values of the page-heads `rows` (`_page_rows`) of each of `parts`
@@ -434,7 +434,7 @@ def _fp8_rows_host(parts, rows: torch.Tensor, b: int, n: int, total: int,
     first = parts[0]
     H, P, D = first.num_heads, first.page_size, first.head_dim
     e5m2, gran = _fp8_kind(first)
-    r = rows.numpy()
+    r = rows if isinstance(rows, np.ndarray) else rows.numpy()
     k = len(parts)
     shape = (k, r.shape[0], P * first.data.shape[-1])
     w = 0 if gran == "tensor" else first.host_rows("scale").shape[1]
@@ -458,7 +458,7 @@ def _fp8_rows_host(parts, rows: torch.Tensor, b: int, n: int, total: int,
         np.multiply(codes.view(np.int8), np.int16(128), out=i16)   # code << 7 ...
         np.bitwise_and(i16, _SIGN_EXP_MANT, out=i16)   # ... less the sign's copy in bit 14
         low = np.bitwise_and(codes.reshape(k * b * H, -1)[:, :total * D], 0x7F)
-        if low.max() == 0x7F:   # a NaN code (s 1111 111) among the tokens written
+        if np.maximum.reduce(low, None) == 0x7F:   # a NaN code (s 1111 111) among those written
             i16[(codes & 0x7F) == 0x7F] = _FP16_NAN
         factor = E4M3_SHIFT
     x.copy_(h16)                                       # fp16 -> fp32, exact
@@ -468,7 +468,7 @@ def _fp8_rows_host(parts, rows: torch.Tensor, b: int, n: int, total: int,
         for i, t in enumerate(parts):
             np.take(t.host_rows("scale"), r, axis=0, out=s[i], mode="clip")   # [b*H*n, w]
     if factor != 1.0:
-        if float(s.max()) * factor <= _FP32_MAX:
+        if float(np.maximum.reduce(s, None)) * factor <= _FP32_MAX:
             np.multiply(s, np.float32(factor), out=s)
         else:   # a scale so large that factor * scale leaves fp32: into x (exact there)
             x.mul_(factor)

@@ -87,19 +87,26 @@ class CpuDecodeStep:
     @staticmethod
     def _fp8_together(kt, vt) -> bool:
         """Whether K and V are fp8 pages of one format and shape that `_fp8_rows_host` decodes
-        in one go."""
-        return (kt.one_token_path() == "fp8" and vt.one_token_path() == "fp8"
+        in one go (kept with K's views, for this V: a growth forgets it)."""
+        views = kt.__dict__.setdefault("_views", {})
+        pair = views.get("fp8_pair")
+        if pair is None or pair[0] is not vt:
+            pair = views["fp8_pair"] = (vt, (
+                kt.one_token_path() == "fp8" and vt.one_token_path() == "fp8"
                 and kt.data.shape == vt.data.shape and _fp8_kind(kt) == _fp8_kind(vt)
-                and _widen_rows_applies(kt) and _widen_rows_applies(vt))
+                and _widen_rows_applies(kt) and _widen_rows_applies(vt)))
+        return pair[1]
 
     def _gather_fp8(self, kt, vt, rows, dt):
         """`_gather` of K and V together: one widening, one scale product (the same values)."""
-        x, sc = _fp8_rows_host((kt, vt), rows, 1, len(self.pages), self.total,
-                               self._scratch)
+        r = self._scratch.get(id(rows))
+        if r is None:   # (the rows as numpy, once per step)
+            r = self._scratch[id(rows)] = rows.numpy()
+        x, sc = _fp8_rows_host((kt, vt), r, 1, len(self.pages), self.total, self._scratch)
         if dt == torch.float32:   # x: the step's scratch buffer, its K and V views made once
-            views = self._scratch.get(("kv", x.data_ptr()))
+            views = self._scratch.get(("kv", id(x)))
             if views is None:
-                views = self._scratch[("kv", x.data_ptr())] = self._kv_views(kt, x)
+                views = self._scratch[("kv", id(x))] = self._kv_views(kt, x)
             x.mul_(sc)
             return views
         return self._kv_views(kt, torch.mul(x, sc).to(dt))
