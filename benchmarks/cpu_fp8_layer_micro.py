@@ -82,7 +82,7 @@ def _calls(kv: str, tokens: int, toks: torch.Tensor, g: torch.Generator):
 
     write16()
     step = CpuDecodeStep.__new__(CpuDecodeStep)
-    step.pages, step.total, step._scratch = pages, tokens, {}
+    step.pages, step.total, step._scratch, step.start = pages, tokens, {}, 0
     if kv.startswith("fp8") and step._fp8_together(kt, vt):
         def gather():
             step._gather_fp8(kt, vt, rows, torch.float32)

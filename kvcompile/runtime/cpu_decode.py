@@ -48,6 +48,10 @@ class CpuDecodeStep:
         self.total = plan.seq_lens_list[0]
         self.pages = _pages(plan.block_tables, [0], True, self.total, pool.page_size)
         self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # the sequence's pages as one run start, start + 1, ... (a pool that handed them out
+        # in order): fp8 codes are then widened in place (`_fp8_rows_host`); else None
+        ids = self.pages.tolist()
+        self.start = ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else None
         # fp8: the gather's codes / int16 / fp32 buffers, made by the first layer and reused
         # by the others (per step: no dequantized copy of the cache outlives the forward)
         self._scratch: dict = {}
@@ -102,7 +106,8 @@ class CpuDecodeStep:
         r = self._scratch.get(id(rows))
         if r is None:   # (the rows as numpy, once per step)
             r = self._scratch[id(rows)] = rows.numpy()
-        x, sc = _fp8_rows_host((kt, vt), r, 1, len(self.pages), self.total, self._scratch)
+        x, sc = _fp8_rows_host((kt, vt), r, 1, len(self.pages), self.total, self._scratch,
+                               self.start)
         if dt == torch.float32:   # x: the step's scratch buffer, its K and V views made once
             views = self._scratch.get(("kv", id(x)))
             if views is None:

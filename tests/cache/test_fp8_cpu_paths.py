@@ -323,3 +323,39 @@ def test_kept_fact_not_used_after_another_writer(name, writer, monkeypatch):
     # and the fact is kept again from there (the next token takes it)
     fast.write(torch.tensor([n + 1]), xs[5] * 0.5)
     assert seen["kept"] == before + 1
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_rows_widened_in_place_equal_gathered(name):
+    """`_fp8_rows_host` with `start` (a row whose pages are one run: the codes widened in place,
+    the NaN screen over the whole block) gives the gathered route's values bit for bit: no NaN,
+    NaN codes (both signs) only in the unwritten rest of the last page (not in the result),
+    and a written NaN code (the negative case: NaN in the result, exactly there)."""
+    from kvcompile.kernels.dense import _fp8_rows_host, _page_rows
+
+    fmt = KVFormat(name, "page")
+    H, D, P, N = 3, 16, 8, 7
+    kt, vt = fmt.allocate(N, H, P, D), fmt.allocate(N, H, P, D)
+    g = torch.Generator().manual_seed(11)
+    start, n, total = 2, 4, 4 * P - 3
+    for t in (kt, vt):
+        t.data.view(torch.uint8).fill_(0x11)
+        t.write(torch.arange(start * P, start * P + total), torch.randn(total, H, D, generator=g))
+    rows = _page_rows(torch.arange(start, start + n), 1, H)
+
+    def both():
+        x, sc = _fp8_rows_host((kt, vt), rows, 1, n, total, {}, start)
+        got = (x * sc).view(2, H, n * P, D)[:, :, :total]
+        x, sc = _fp8_rows_host((kt, vt), rows, 1, n, total)
+        want = (x * sc).view(2, H, n * P, D)[:, :, :total]
+        assert _same_bits(got.contiguous(), want.contiguous())
+        return got
+
+    assert not bool(both().isnan().any())
+    last = start + n - 1
+    kt.data[last, 0, P - 1].view(torch.uint8)[3] = 0xFF    # the unwritten rest: not read
+    vt.data[last, 2, P - 2].view(torch.uint8)[0] = 0x7F
+    assert not bool(both().isnan().any())
+    vt.data[start + 1, 1, 2].view(torch.uint8)[5] = 0xFF   # a written token's NaN code
+    got = both()
+    assert int(got.isnan().sum()) == 1 and bool(got[1, 1, P + 2, 5].isnan())
