@@ -391,8 +391,12 @@ class PagedTensor:
         fresh = [max(c, MIN_SCALE) if v > 0 else 1.0 for v, c in zip(a, cover)]
         s_new, s_old, grow, had = fresh, None, None, None
         if o:
-            s_old = self.scale[p].tolist() if host is None else host[p].tolist()
-            had = self._had_values(p, o)
+            fact = self._fp8_fact(p, o) if xn is not None else None
+            if fact is not None:   # (its screen refused x: the scales may grow)
+                s_old, had = fact[5][:, 0].tolist(), [True] * len(a)
+            else:
+                s_old = self.scale[p].tolist() if host is None else host[p].tolist()
+                had = self._had_values(p, o)
             grow = [h and c > s for h, c, s in zip(had, cover, s_old)]
             s_new = [(_grown_scale(s, c) if g else s) if h else f
                      for h, g, s, c, f in zip(had, grow, s_old, cover, fresh)]
@@ -427,13 +431,10 @@ class PagedTensor:
         """The one-token write by the kept fact (see `_write_one_fp8`): True where it applies
         and the token is stored, False (nothing written) otherwise. Few Python steps: a
         decode step runs it twice per layer."""
-        views = self.__dict__.get("_views")
-        fact = None if views is None else views.get("fp8_fact")
-        if fact is None or fact[0] != p or fact[1] != o:
+        fact = self._fp8_fact(p, o)
+        if fact is None:
             return False
-        d = self.data
-        if fact[2] is not d or fact[3] != d._version or fact[4] != self.scale._version:
-            return False
+        d, views = self.data, self.__dict__["_views"]
         y = xn / fact[5]
         if not np.maximum.reduce(np.abs(y), None) <= fact[6]:   # (NaN: not kept)
             return False
@@ -444,6 +445,18 @@ class PagedTensor:
         else:
             del views["fp8_fact"]
         return True
+
+    def _fp8_fact(self, p: int, o: int):
+        """The kept fact (`_keep_fp8_fact`) where it is for offset o of page p and neither
+        `data` nor `scale` was written by torch since; else None."""
+        views = self.__dict__.get("_views")
+        fact = None if views is None else views.get("fp8_fact")
+        if fact is None or fact[0] != p or fact[1] != o:
+            return None
+        d = self.data
+        if fact[2] is not d or fact[3] != d._version or fact[4] != self.scale._version:
+            return None
+        return fact
 
     def _keep_fp8_fact(self, p: int, o: int, s_col: np.ndarray) -> None:
         """Keep the fact that page p's heads hold a finite non-zero code among their first o
