@@ -446,6 +446,41 @@ class PagedTensor:
             del views["fp8_fact"]
         return True
 
+    @staticmethod
+    def write_tokens_kept(tensors, p: int, o: int, xs, scratch: dict) -> bool:
+        """A decode step's tokens xs (numpy [H, Ds] fp32 each) at offset o of page p of
+        `tensors` (a layer's K and V: fp8 page scales, one format and shape), all by their
+        kept facts (`_write_one_fp8`) with one torch op, the fp8 cast of every token at once
+        into a buffer of `scratch` (the caller's, per step), whose bytes numpy places in the
+        pages. True: all written; False: nothing written (a fact missing or stale, or a
+        value past the screen: then each tensor's own write). The codes' placement does not
+        bump `data`'s version: the facts are kept as of it."""
+        facts = [t._fp8_fact(p, o) for t in tensors]
+        if None in facts:
+            return False
+        first = tensors[0]
+        H, Ds = first.num_heads, first.data.shape[-1]
+        key = ("fp8_cast", len(tensors), H, Ds, first.fmt.storage_dtype)
+        bufs = scratch.get(key)
+        if bufs is None:
+            y = np.empty((len(tensors), H, Ds), np.float32)
+            c8 = torch.empty(y.shape, dtype=first.fmt.storage_dtype)
+            bufs = scratch[key] = (y, torch.from_numpy(y), c8, c8.view(torch.uint8).numpy())
+        y, yt, c8, cn = bufs
+        for i, (x, f) in enumerate(zip(xs, facts)):
+            np.divide(x, f[5], out=y[i])
+        if not np.maximum.reduce(np.abs(y), None) <= facts[0][6]:   # (NaN: not kept)
+            return False
+        c8.copy_(yt)
+        last = o + 1 == first.page_size
+        for t, f, c in zip(tensors, facts, cn):
+            t.host_rows("codes")[p * H:(p + 1) * H, o * Ds:(o + 1) * Ds] = c
+            if last:
+                del t.__dict__["_views"]["fp8_fact"]
+            else:
+                t.__dict__["_views"]["fp8_fact"] = (p, o + 1, *f[2:])
+        return True
+
     def _fp8_fact(self, p: int, o: int):
         """The kept fact (`_keep_fp8_fact`) where it is for offset o of page p and neither
         `data` nor `scale` was written by torch since; else None."""

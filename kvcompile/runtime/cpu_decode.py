@@ -78,10 +78,12 @@ class CpuDecodeStep:
                 or k.shape != (1, H, 1, kt.head_dim) or v.shape != (1, H, 1, vt.head_dim)):
             return None   # (the general path writes these formats, or names the bad shape)
         rows, token = self.rows(H)
-        kt.write_token(self.page, self.offset, token, k)
-        vt.write_token(self.page, self.offset, token, v)
+        together = self._fp8_together(kt, vt)
+        if not (together and self.offset and self._write_fp8_kept(kt, vt, k, v)):
+            kt.write_token(self.page, self.offset, token, k)
+            vt.write_token(self.page, self.offset, token, v)
         dt = compute_dtype(q.dtype)
-        if self._fp8_together(kt, vt):
+        if together:
             keys, values = self._gather_fp8(kt, vt, rows, dt)
         else:
             keys = _gather(kt, self.pages, 1, self.total, dt, rows)
@@ -100,6 +102,17 @@ class CpuDecodeStep:
                 and kt.data.shape == vt.data.shape and _fp8_kind(kt) == _fp8_kind(vt)
                 and _widen_rows_applies(kt) and _widen_rows_applies(vt)))
         return pair[1]
+
+    def _write_fp8_kept(self, kt, vt, k, v) -> bool:
+        """K and V's tokens by their kept facts, cast together (`write_tokens_kept`); False
+        (nothing written) where that does not apply."""
+        if (k.dtype != torch.float32 or v.dtype != torch.float32 or k.requires_grad
+                or v.requires_grad or k.device.type != "cpu" or v.device.type != "cpu"):
+            return False
+        H, D = kt.num_heads, kt.head_dim
+        return kt.write_tokens_kept((kt, vt), self.page, self.offset,
+                                    (k.numpy().reshape(H, D), v.numpy().reshape(H, D)),
+                                    self._scratch)
 
     def _gather_fp8(self, kt, vt, rows, dt):
         """`_gather` of K and V together: one widening, one scale product (the same values)."""

@@ -359,3 +359,46 @@ def test_rows_widened_in_place_equal_gathered(name):
     vt.data[start + 1, 1, 2].view(torch.uint8)[5] = 0xFF   # a written token's NaN code
     got = both()
     assert int(got.isnan().sum()) == 1 and bool(got[1, 1, P + 2, 5].isnan())
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_kv_tokens_cast_together_by_kept_facts(name):
+    """PagedTensor.write_tokens_kept (a layer's K and V by their kept facts, one fp8 cast)
+    stores the general path's bytes; where V's fact is stale (V's scale set by torch), a
+    value passes the screen, or no fact is kept it writes nothing and says so (False)."""
+    fmt = KVFormat(name, "page")
+    H, D, P = 3, 16, 8
+    kt, vt = fmt.allocate(2, H, P, D), fmt.allocate(2, H, P, D)
+    ks, vs = fmt.allocate(2, H, P, D), fmt.allocate(2, H, P, D)
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(2, H, D, generator=g) * (4.0 if i == 0 else 1.0) for i in range(P)]
+    scratch, kept = {}, 0
+
+    def general(i, x):
+        for t, slow in ((kt, ks), (vt, vs)):
+            slow._write_grouped(torch.tensor([0]), torch.tensor([i]), x[None, 0 if t is kt else 1])
+
+    for i, x in enumerate(xs):
+        ok = i > 0 and PagedTensor.write_tokens_kept(
+            (kt, vt), 0, i, (x[0].numpy(), x[1].numpy()), scratch)
+        kept += ok
+        if not ok:
+            kt.write(torch.tensor([i]), x[None, 0])
+            vt.write(torch.tensor([i]), x[None, 1])
+        general(i, x)
+        for t, slow in ((kt, ks), (vt, vs)):
+            assert torch.equal(t.scale[0], slow.scale[0]), i
+            assert torch.equal(t.data[0, :, :i + 1].view(torch.uint8),
+                               slow.data[0, :, :i + 1].view(torch.uint8)), i
+        if i == 3:   # another writer: V's scale, set by torch (what the fact keeps is stale)
+            for t in (vt, vs):
+                t.scale[0] = t.scale[0] * 4.0
+    assert kept == P - 2, kept   # tokens 1 .. P-1 but 4 (V's fact stale)
+    # a value past the screen: nothing written
+    before = (kt.data.clone(), vt.data.clone())
+    kt.write(torch.tensor([P]), xs[1][None, 0])
+    vt.write(torch.tensor([P]), xs[1][None, 1])
+    big = (xs[2][0].numpy() * 1e4, xs[2][1].numpy())
+    assert not PagedTensor.write_tokens_kept((kt, vt), 1, 1, big, scratch)
+    assert torch.equal(kt.data[0].view(torch.uint8), before[0][0].view(torch.uint8))
+    assert torch.equal(kt.data[1, :, 1].view(torch.uint8), before[0][1, :, 1].view(torch.uint8))
