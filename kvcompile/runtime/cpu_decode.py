@@ -9,10 +9,11 @@ reach the reference attention of a decode step through about 25 tensor ops and 9
 per layer (bf16 pages), against HF's 2 `torch.cat` and 1 SDPA. This path computes the same
 bytes in the pool and the same output, bit for bit, with what one forward's layers share built
 once (`for_forward`): the new token's page and slot, the sequence's page-head rows. Per layer it
-writes K and V with one index_copy_ each (unquantized pages; fp8 pages through
-PagedTensor._write_one_fp8), gathers each with one index_select (plus the dtype pass: fp8
-pages' K and V are gathered and decoded together by `dense._fp8_rows_host`, numpy integer ops
-and two torch ops) and calls SDPA once.
+writes K and V with one index_copy_ each (unquantized pages; fp8 pages by their kept facts,
+`PagedTensor.write_tokens_kept`, one fp8 cast for both, else PagedTensor._write_one_fp8),
+gathers each with one index_select (plus the dtype pass: fp8 pages' K and V are gathered and
+decoded together by `dense._fp8_rows_host`, numpy integer ops and two torch ops, into buffers
+made by the step's first layer and reused by the others) and calls SDPA once.
 
 It is taken where `runtime/dispatch.py` would run the reference itself and nothing else acts on
 the step: a forward of one row and one new token after a prompt, on a CPU pool; no eviction,
