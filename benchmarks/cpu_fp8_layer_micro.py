@@ -8,6 +8,8 @@ write16   the 16 tokens of the last page written in turn (offsets 0..15, values 
           from N(0, 1) with a few larger ones: the page scale grows on some of them), per token
 calm16    the same with every head's largest value in the page's first token (no scale grows
           after it), per token
+step16    write16 as `CpuDecodeStep` writes K and V (both by their kept facts, one fp8 cast:
+          `PagedTensor.write_tokens_kept`, where this checkout has it; else write_token)
 gather    `CpuDecodeStep`'s K + V gather and decode of the sequence's 320 tokens
 
 Thread CPU time per call (K and V together), min / median over `--blocks` blocks of `--calls`
@@ -30,6 +32,7 @@ if ROOT not in sys.path:
     sys.path.append(ROOT)   # (after PYTHONPATH: another checkout can be timed)
 
 from kvcompile.cache.formats import resolve_format  # noqa: E402
+from kvcompile.cache.paged import PagedTensor  # noqa: E402
 from kvcompile.kernels.dense import _gather, _page_rows  # noqa: E402
 from kvcompile.runtime.cpu_decode import CpuDecodeStep  # noqa: E402
 
@@ -47,7 +50,7 @@ def _timed(fn, calls: int, blocks: int) -> tuple[float, float]:
 
 
 def _calls(kv: str, tokens: int, toks: torch.Tensor, g: torch.Generator):
-    """(write16, calm16, gather) of one layer's K and V in format kv."""
+    """(write16, calm16, step16, gather) of one layer's K and V in format kv."""
     n = -(-tokens // P)
     last = n - 1
     fmt = resolve_format(kv, torch.float32)
@@ -80,6 +83,18 @@ def _calls(kv: str, tokens: int, toks: torch.Tensor, g: torch.Generator):
             kt.write_token(last, o, trows[o], kc[o])
             vt.write_token(last, o, trows[o], vc[o])
 
+    kn = [toks[o, 0].numpy() for o in range(P)]
+    vn = [toks[o, 1].numpy() for o in range(P)]
+    pair = getattr(PagedTensor, "write_tokens_kept", None)
+    scratch: dict = {}
+
+    def step16():
+        for o in range(P):
+            if not (o and pair is not None
+                    and pair((kt, vt), last, o, (kn[o], vn[o]), scratch)):
+                kt.write_token(last, o, trows[o], ks[o])
+                vt.write_token(last, o, trows[o], vs[o])
+
     write16()
     step = CpuDecodeStep.__new__(CpuDecodeStep)
     step.pages, step.total, step._scratch, step.start = pages, tokens, {}, 0
@@ -91,7 +106,7 @@ def _calls(kv: str, tokens: int, toks: torch.Tensor, g: torch.Generator):
             _gather(kt, pages, 1, tokens, torch.float32, rows)
             _gather(vt, pages, 1, tokens, torch.float32, rows)
 
-    return write16, calm16, gather
+    return write16, calm16, step16, gather
 
 
 def main(argv=None) -> int:
@@ -107,11 +122,13 @@ def main(argv=None) -> int:
     toks = torch.randn(16, 2, H, D, generator=g)
     toks[torch.rand(16, 2, H, 1, generator=g).expand(-1, -1, -1, D) < 0.2] *= 4
     for kv in args.kv:
-        write16, calm16, gather = _calls(kv, args.tokens, toks, g)
+        write16, calm16, step16, gather = _calls(kv, args.tokens, toks, g)
         w16 = [t / 16 for t in _timed(write16, max(1, args.calls // 16), args.blocks)]
         c16 = [t / 16 for t in _timed(calm16, max(1, args.calls // 16), args.blocks)]
+        s16 = [t / 16 for t in _timed(step16, max(1, args.calls // 16), args.blocks)]
         ga = _timed(gather, args.calls, args.blocks)
-        for what, (lo, med) in (("write16", w16), ("calm16", c16), ("gather", ga)):
+        for what, (lo, med) in (("write16", w16), ("calm16", c16), ("step16", s16),
+                                ("gather", ga)):
             print(f"{kv:9s} {what:8s} K+V {lo:7.1f} / {med:7.1f} us  (min / median)", flush=True)
     return 0
 
