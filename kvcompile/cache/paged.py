@@ -41,7 +41,7 @@ from kvcompile.cache.fp4 import (
     scale_from_amax,
     unpack_e2m1,
 )
-from kvcompile.cache.fp8 import fp8_decode, fp8_encode, grow_page_scale
+from kvcompile.cache.fp8 import fp8_decode, fp8_encode, fp8_to_float, grow_page_scale
 from kvcompile.cache.intq import int_decode, int_encode, int_params
 from kvcompile.cache.registry import PART_NAMES
 from kvcompile.errors import CacheStateError, UnsupportedShapeError
@@ -335,38 +335,68 @@ class PagedTensor:
             dt = self.data.dtype
             self.rows_view("tokens").index_copy_(1, rows, x if x.dtype == dt else x.to(dt))
             return
+        if x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad:
+            # (numpy's reshape: no torch op)
+            xn = x.numpy().reshape(self.num_heads, self.head_dim)
+            if not (o and self._fp8_token_kept(p, o, xn)):
+                self._write_one_fp8(p, o, x, xn, True)
+            return
         x = x.reshape(self.num_heads, self.head_dim)
         self._write_one_fp8(p, o, x if x.dtype == torch.float32 else x.float())
 
-    def _write_one_fp8(self, p: int, o: int, x: torch.Tensor) -> None:
+    def _write_one_fp8(self, p: int, o: int, x: torch.Tensor,
+                       xn: np.ndarray | None = None, tried: bool = False) -> None:
         """One token x [H, D] fp32 at offset o of page p, fp8 page scales: what _write_grouped
-        stores. The page-heads' scale decisions are taken on the H numbers in Python (a torch
+        stores (xn: x's numbers as a numpy [H, D] view, where the caller has them: then x may
+        have any shape of H x D numbers; tried: the kept fact was tried). The page-heads' scale decisions are taken on the H numbers in Python (a torch
         op on [H] costs as much as one on the whole page at these sizes): a decode step of a
         CPU model writes 2 x layers tokens, and each torch op is a few microseconds. On the
         CPU the page's scales and earlier codes are read (and the scales written) through
-        numpy views of the same memory (`_host_view`), which cost no torch op."""
+        numpy views of the same memory (`_host_view`), which cost no torch op.
+
+        The kept fact (CPU): a write that leaves every head of page p with a finite non-zero
+        code among its first o + 1 tokens keeps (p, o + 1, the page's scales, the versions of
+        `data` and `scale` after it). The next token, at o + 1 of page p, then neither reads
+        the scales nor looks at the earlier codes: if no value of x / scale exceeds the
+        scale divisor (a screen a little below it, see `_fp8_token_kept`) no scale grows, and
+        the token is the general path's x / scale (no clamp needed). Any other write of these
+        tensors by torch bumps a version and the fact is not used; a grown scale, a non-finite
+        x or a head without such a code leaves no fact."""
         consts = self.__dict__.get("_fp8_consts")
         if consts is None:   # (the format's numbers, looked up once per tensor)
             fmt = self.fmt
-            consts = self._fp8_consts = (fmt.scale_divisor, torch.finfo(fmt.storage_dtype).max,
-                                         self._FP8_FINITE[fmt.storage_dtype])
-        divisor, fmax, _ = consts
+            fmax = torch.finfo(fmt.storage_dtype).max
+            # |x / scale| at most `screen`: amax / divisor <= scale, so no scale grows (x /
+            # scale is within 2^-24 of the exact quotient; the margin covers that), and
+            # x / scale needs no clamp
+            screen = min(fmt.scale_divisor, fmax) * (1.0 - 2.0 ** -20)
+            consts = self._fp8_consts = (fmt.scale_divisor, fmax,
+                                         self._FP8_FINITE[fmt.storage_dtype], screen)
+        divisor, fmax = consts[:2]
         host = self._host_view("scale")                        # [N, H] numpy, or None
         # on the CPU: x's numbers read, divided and clamped by numpy (the same fp32 IEEE
         # operations, about 1 us each against a torch op's few), only the fp8 cast by torch
-        xn = x.detach().numpy() if host is not None and x.device.type == "cpu" else None
+        if xn is None and host is not None and x.device.type == "cpu":
+            xn = x.detach().numpy()
+        if xn is not None and o and not tried and self._fp8_token_kept(p, o, xn):
+            return
         if xn is not None:
             a = np.abs(xn).max(axis=1).tolist()                           # [H] max |x|
         else:
             a = torch.linalg.vector_norm(x, math.inf, -1).tolist()
-        if not all(v < math.inf for v in a):   # a NaN / Inf: the finite values' amax
-            a = x.abs().nan_to_num_(0.0, 0.0, 0.0).amax(-1).tolist()
+        finite = all(v < math.inf for v in a)
+        if not finite:   # a NaN / Inf: the finite values' amax
+            a = x.reshape(len(a), -1).abs().nan_to_num_(0.0, 0.0, 0.0).amax(-1).tolist()
         cover = _as_fp32([v / divisor for v in a])             # amax / divisor, in fp32
         fresh = [max(c, MIN_SCALE) if v > 0 else 1.0 for v, c in zip(a, cover)]
-        s_new, s_old, grow = fresh, None, None
+        s_new, s_old, grow, had = fresh, None, None, None
         if o:
-            s_old = self.scale[p].tolist() if host is None else host[p].tolist()
-            had = self._had_values(p, o)
+            fact = self._fp8_fact(p, o) if xn is not None else None
+            if fact is not None:   # (its screen refused x: the scales may grow)
+                s_old, had = fact[5][:, 0].tolist(), [True] * len(a)
+            else:
+                s_old = self.scale[p].tolist() if host is None else host[p].tolist()
+                had = self._had_values(p, o)
             grow = [h and c > s for h, c, s in zip(had, cover, s_old)]
             s_new = [(_grown_scale(s, c) if g else s) if h else f
                      for h, g, s, c, f in zip(had, grow, s_old, cover, fresh)]
@@ -381,18 +411,114 @@ class PagedTensor:
                 host[p] = s_new   # (fp32 values: stored exactly)
         # fp8_encode: clamp(x / scale, -fmax, fmax), cast to fp8 by the copy into the page
         if xn is not None:
-            y = xn / host[p][:, None]                         # (the scales just stored)
-            y = torch.from_numpy(np.clip(y, -fmax, fmax, out=y))
-            d = self.data
-            if d.is_contiguous():   # the token's H rows as one strided view: 2 torch ops
-                H, P, Ds = self.num_heads, self.page_size, d.shape[-1]
-                at = d.storage_offset() + ((p * H) * P + o) * Ds
-                d.as_strided((H, Ds), (P * Ds, 1), at).copy_(y)
+            s_col = host[p][:, None].copy()                   # (the scales just stored)
+            y = xn / s_col
+            self._store_token(p, o, np.clip(y, -fmax, fmax, out=y))
+            # every head now holds a finite non-zero code: one that had one keeps it (a grown
+            # scale leaves the new token's largest code above fmax / 2), a fresh head's new
+            # token has amax / scale = divisor unless its scale is MIN_SCALE (not kept)
+            if finite and o + 1 < self.page_size and all(
+                    h or (v > 0 and c >= MIN_SCALE)
+                    for h, v, c in zip(had or [False] * len(a), a, cover)):
+                self._keep_fp8_fact(p, o + 1, s_col)
             else:
-                d[p, :, o] = y
+                self.__dict__["_views"].pop("fp8_fact", None)
             return
         st = self.rows_view("page_scales")[p]                                 # [H, 1] view
         self.data[p, :, o] = (x / st).clamp_(-fmax, fmax)
+
+    def _fp8_token_kept(self, p: int, o: int, xn: np.ndarray) -> bool:
+        """The one-token write by the kept fact (see `_write_one_fp8`): True where it applies
+        and the token is stored, False (nothing written) otherwise. Few Python steps: a
+        decode step runs it twice per layer."""
+        fact = self._fp8_fact(p, o)
+        if fact is None:
+            return False
+        d, views = self.data, self.__dict__["_views"]
+        y = xn / fact[5]
+        if not np.maximum.reduce(np.abs(y), None) <= fact[6]:   # (NaN: not kept)
+            return False
+        # the token's H rows of the (contiguous) page as one strided view; the copy casts
+        d.as_strided(fact[7], fact[8], fact[9] + o * fact[10]).copy_(torch.from_numpy(y))
+        if o + 1 < self.page_size:
+            views["fp8_fact"] = (p, o + 1, d, d._version, fact[4], *fact[5:])
+        else:
+            del views["fp8_fact"]
+        return True
+
+    @staticmethod
+    def write_tokens_kept(tensors, p: int, o: int, xs, scratch: dict) -> bool:
+        """A decode step's tokens xs (numpy [H, Ds] fp32 each) at offset o of page p of
+        `tensors` (a layer's K and V: fp8 page scales, one format and shape), all by their
+        kept facts (`_write_one_fp8`) with one torch op, the fp8 cast of every token at once
+        into a buffer of `scratch` (the caller's, per step), whose bytes numpy places in the
+        pages. True: all written; False: nothing written (a fact missing or stale, or a
+        value past the screen: then each tensor's own write). The codes' placement does not
+        bump `data`'s version: the facts are kept as of it."""
+        facts = [t._fp8_fact(p, o) for t in tensors]
+        if None in facts:
+            return False
+        first = tensors[0]
+        H, Ds = first.num_heads, first.data.shape[-1]
+        key = ("fp8_cast", len(tensors), H, Ds, first.fmt.storage_dtype)
+        bufs = scratch.get(key)
+        if bufs is None:
+            y = np.empty((len(tensors), H, Ds), np.float32)
+            c8 = torch.empty(y.shape, dtype=first.fmt.storage_dtype)
+            bufs = scratch[key] = (y, torch.from_numpy(y), c8, c8.view(torch.uint8).numpy())
+        y, yt, c8, cn = bufs
+        for i, (x, f) in enumerate(zip(xs, facts)):
+            np.divide(x, f[5], out=y[i])
+        if not np.maximum.reduce(np.abs(y), None) <= facts[0][6]:   # (NaN: not kept)
+            return False
+        c8.copy_(yt)
+        last = o + 1 == first.page_size
+        for t, f, c in zip(tensors, facts, cn):
+            t.host_rows("codes")[p * H:(p + 1) * H, o * Ds:(o + 1) * Ds] = c
+            if last:
+                del t.__dict__["_views"]["fp8_fact"]
+            else:
+                t.__dict__["_views"]["fp8_fact"] = (p, o + 1, *f[2:])
+        return True
+
+    def _fp8_fact(self, p: int, o: int):
+        """The kept fact (`_keep_fp8_fact`) where it is for offset o of page p and neither
+        `data` nor `scale` was written by torch since; else None."""
+        views = self.__dict__.get("_views")
+        fact = None if views is None else views.get("fp8_fact")
+        if fact is None or fact[0] != p or fact[1] != o:
+            return None
+        d = self.data
+        if fact[2] is not d or fact[3] != d._version or fact[4] != self.scale._version:
+            return None
+        return fact
+
+    def _keep_fp8_fact(self, p: int, o: int, s_col: np.ndarray) -> None:
+        """Keep the fact that page p's heads hold a finite non-zero code among their first o
+        tokens and have the scales s_col [H, 1] (`_write_one_fp8`), as of the tensors'
+        current versions, with what `_fp8_token_kept` needs: the screen, the token view's
+        size, stride and page p's storage offset. Inference tensors have no version counter
+        (and a non-contiguous `data` no such view): nothing is kept."""
+        views, d = self.__dict__["_views"], self.data
+        if d.is_inference() or self.scale.is_inference() or not d.is_contiguous():
+            views.pop("fp8_fact", None)
+            return
+        H, P, Ds = self.num_heads, self.page_size, d.shape[-1]
+        views["fp8_fact"] = (p, o, d, d._version, self.scale._version, s_col,
+                             self._fp8_consts[3], (H, Ds), (P * Ds, 1),
+                             d.storage_offset() + p * H * P * Ds, Ds)
+
+    def _store_token(self, p: int, o: int, y: np.ndarray) -> None:
+        """Codes of y [H, Ds] fp32 (numpy, within fp8's range) at offset o of page p: cast to
+        fp8 by torch's copy into the page (which bumps the version of `data`)."""
+        y = torch.from_numpy(y)
+        d = self.data
+        if d.is_contiguous():   # the token's H rows as one strided view: 2 torch ops
+            H, P, Ds = self.num_heads, self.page_size, d.shape[-1]
+            at = d.storage_offset() + ((p * H) * P + o) * Ds
+            d.as_strided((H, Ds), (P * Ds, 1), at).copy_(y)
+        else:
+            d[p, :, o] = y
 
     def _had_values(self, p: int, o: int) -> list[bool]:
         """Per head of page p: whether its first o tokens hold a finite non-zero code (what
@@ -415,8 +541,22 @@ class PagedTensor:
     def _reencode_heads(self, p: int, o: int, s_old: list[float], s_new: list[float],
                         grow: list[bool]) -> None:
         """Re-encode the first o codes of page p's heads that `grow` under s_new (decoded
-        under s_old), as _write_grouped does."""
+        under s_old), as _write_grouped does. On the CPU by numpy on the pool's memory (the
+        same fp32 operations: fp8_to_float's values from a 256-entry table, the product, the
+        quotient, the clamp) and one torch op, the fp8 cast."""
         heads = [h for h, g in enumerate(grow) if g]
+        host = self.host_rows("codes")                        # [N * H, P * Ds] uint8 numpy
+        if host is not None:
+            H = self.num_heads
+            earlier = host[p * H:(p + 1) * H, :o * self.data.shape[-1]]       # [H, o * Ds]
+            v = np.take(_fp8_values(self.fmt.storage_dtype), earlier[heads])  # [G, o * Ds]
+            v *= np.array([s_old[h] for h in heads], np.float32)[:, None]
+            v /= np.array([s_new[h] for h in heads], np.float32)[:, None]
+            fmax = self._fp8_consts[1]
+            np.clip(v, -fmax, fmax, out=v)
+            enc = torch.from_numpy(v).to(self.fmt.storage_dtype)
+            earlier[heads] = enc.view(torch.uint8).numpy()
+            return
         dev = self.data.device
         take = torch.tensor(grow, device=dev)[:, None, None]
         old = torch.tensor(s_old, dtype=torch.float32, device=dev)
@@ -704,6 +844,19 @@ class PagedTensor:
 
 
 _FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+_FP8_VALUES: dict[torch.dtype, np.ndarray] = {}
+
+
+def _fp8_values(dtype: torch.dtype) -> np.ndarray:
+    """[256] fp32 numpy: fp8_to_float of every code of `dtype` (the reference decoder's values,
+    its NaN included), by code."""
+    table = _FP8_VALUES.get(dtype)
+    if table is None:
+        codes = torch.arange(256, dtype=torch.uint8).view(dtype)
+        table = _FP8_VALUES[dtype] = fp8_to_float(codes).numpy().copy()
+    return table
 
 
 def _as_fp32(values: list[float]) -> list[float]:

@@ -413,7 +413,8 @@ def _gather(paged, idx: torch.Tensor, b: int, total: int, dtype: torch.dtype,
     return out.as_strided((b, H, total, D), (H * n * P * D, n * P * D, D, 1))
 
 
-def _fp8_rows_host(parts, rows: torch.Tensor, b: int, n: int, total: int):
+def _fp8_rows_host(parts, rows: torch.Tensor | np.ndarray, b: int, n: int, total: int,
+                   scratch: dict | None = None, start: int | None = None):
     """(x [len(parts), b, H, n, P, D] fp32, sc broadcastable to x) with x * sc ==
     PagedTensor.read's values of the page-heads `rows` (`_page_rows`) of each of `parts`
     (fp8 PagedTensors of one format and shape: a layer's K and V are decoded together), in the
@@ -424,43 +425,93 @@ def _fp8_rows_host(parts, rows: torch.Tensor, b: int, n: int, total: int):
     sizes about one; only the fp16 -> fp32 widening (vectorized in torch, exact, no denormal
     read or made) is a torch op, and the caller's scale product. E4M3's 2^8 folds into the
     scales (unless a product would leave fp32: then into x). The NaN repair looks only at each
-    head's first `total` tokens: the rest of the last page is whatever the pool held."""
+    head's first `total` tokens: the rest of the last page is whatever the pool held.
+
+    scratch: a dict kept by the caller for one decode step (`CpuDecodeStep`): the codes, int16
+    and fp32 buffers are made once per shape and reused by every layer (then x is the scratch
+    fp32 buffer, rewritten by the next call: the caller is done with it by then). A fresh
+    allocation of these sizes costs its page faults on every call. start: where b == 1 and
+    the row's pages are start, start + 1, ... (the caller knows), their codes are widened in
+    place, without the gathered copy."""
     first = parts[0]
     H, P, D = first.num_heads, first.page_size, first.head_dim
     e5m2, gran = _fp8_kind(first)
-    r = rows.numpy()
+    r = rows if isinstance(rows, np.ndarray) else rows.numpy()
     k = len(parts)
-    codes = np.empty((k, r.shape[0], P * first.data.shape[-1]), np.uint8)
-    for i, t in enumerate(parts):
-        np.take(t.host_rows("codes"), r, axis=0, out=codes[i])           # [b*H*n, P*Ds]
-    i16 = codes.view(np.int8).astype(np.int16)   # sign-extended: the sign lands in bit 15
+    shape = (k, r.shape[0], P * first.data.shape[-1])
+    w = 0 if gran == "tensor" else first.host_rows("scale").shape[1]
+    key = (shape, gran, w, b, n)
+    bufs = None if scratch is None else scratch.get(key)
+    if bufs is None:
+        bufs = _fp8_rows_buffers(shape, gran, w, b, H, n, P, D)
+        if scratch is not None:
+            scratch[key] = bufs
+    codes, i16, x, h16, s, sc = bufs
+    # int8 codes times 2^7 (E4M3) / 2^8 (E5M2) into int16 in one pass: sign-extended, the sign
+    # lands in bit 15 (no product leaves int16)
+    mult = np.int16(256 if e5m2 else 128)
+    nan_seen = False
+    if start is not None and b == 1:
+        # the row's pages are start .. start + n - 1: their page-heads are one block of the
+        # pool, read in place (no gathered copy of the codes); heads-first by the strides
+        for i, t in enumerate(parts):
+            blk = t.host_rows("codes")[start * H:(start + n) * H]             # [n*H, P*Ds]
+            # a NaN code (s 1111 111) anywhere in the block (as uint8 255 or int8 127), the
+            # rest of the last page included: looked at exactly below
+            nan_seen = nan_seen or (not e5m2 and (
+                np.maximum.reduce(blk, None) == 0xFF
+                or np.maximum.reduce(blk.view(np.int8), None) == 0x7F))
+            np.multiply(blk.view(np.int8).reshape(n, H, -1).transpose(1, 0, 2), mult,
+                        out=i16[i].reshape(H, n, -1))
+    else:
+        for i, t in enumerate(parts):
+            # (mode "clip": np.take with `out` and the default "raise" copies through a
+            # buffer, 8x slower here; the rows are the pool's by construction)
+            np.take(t.host_rows("codes"), r, axis=0, out=codes[i], mode="clip")   # [b*H*n, P*Ds]
+        np.multiply(codes.view(np.int8), mult, out=i16)   # E5M2: code << 8, the fp16 itself
+        if not e5m2:
+            low = np.bitwise_and(codes.reshape(k * b * H, -1)[:, :total * D], 0x7F)
+            nan_seen = np.maximum.reduce(low, None) == 0x7F
     if e5m2:
-        np.multiply(i16, 256, out=i16)           # (wraps: code << 8, the fp16 itself)
         factor = 1.0
     else:
-        np.multiply(i16, 128, out=i16)           # code << 7 ...
-        np.bitwise_and(i16, _SIGN_EXP_MANT, out=i16)   # ... less the sign's copy in bit 14
-        low = np.bitwise_and(codes.reshape(k * b * H, -1)[:, :total * D], 0x7F)
-        if low.max() == 0x7F:   # a NaN code (s 1111 111) among the tokens written
-            i16[(codes & 0x7F) == 0x7F] = _FP16_NAN
+        np.bitwise_and(i16, _SIGN_EXP_MANT, out=i16)   # code << 7 less the sign's copy in bit 14
+        if nan_seen:   # the NaN codes' placed bits s 0111 1111 0000000: exactly, among the
+            # tokens written (then all of them set to NaN: the rest is not read)
+            low = np.bitwise_and(i16.reshape(k * b * H, -1)[:, :total * D], _NAN_PLACED)
+            if np.maximum.reduce(low, None) == _NAN_PLACED:
+                i16[np.bitwise_and(i16, _NAN_PLACED) == _NAN_PLACED] = _FP16_NAN
         factor = E4M3_SHIFT
-    x = torch.from_numpy(i16).view(torch.float16).float().view(k, b, H, n, P, D)
+    x.copy_(h16)                                       # fp16 -> fp32, exact
     if gran == "tensor":
-        s = np.array([float(t.scale.reshape(())) for t in parts], np.float32)
-        shape = (k, 1, 1, 1, 1, 1)
+        s[:] = [float(t.scale.reshape(())) for t in parts]
     else:
-        w = first.host_rows("scale").shape[1]
-        s = np.empty((k, r.shape[0], w), np.float32)
         for i, t in enumerate(parts):
-            np.take(t.host_rows("scale"), r, axis=0, out=s[i])            # [b*H*n, w]
-        tail = (w, 1) if gran == "token" else (1, w) if gran == "channel" else (1, 1)
-        shape = (k, b, H, n, *tail)
+            np.take(t.host_rows("scale"), r, axis=0, out=s[i], mode="clip")   # [b*H*n, w]
     if factor != 1.0:
-        if float(s.max()) * factor <= _FP32_MAX:
+        if float(np.maximum.reduce(s, None)) * factor <= _FP32_MAX:
             np.multiply(s, np.float32(factor), out=s)
         else:   # a scale so large that factor * scale leaves fp32: into x (exact there)
             x.mul_(factor)
-    return x, torch.from_numpy(s).view(shape)
+    return x, sc
+
+
+def _fp8_rows_buffers(shape, gran: str, w: int, b: int, H: int, n: int, P: int, D: int):
+    """`_fp8_rows_host`'s buffers: codes (uint8) and int16 [k, b*H*n, P*Ds] numpy, x [k, b, H,
+    n, P, D] fp32 torch, the int16's memory as fp16 torch, the scales numpy and the same
+    memory as a torch tensor broadcastable to x."""
+    k = shape[0]
+    i16 = np.empty(shape, np.int16)
+    if gran == "tensor":
+        s = np.empty(k, np.float32)
+        view = (k, 1, 1, 1, 1, 1)
+    else:
+        s = np.empty((k, shape[1], w), np.float32)
+        tail = (w, 1) if gran == "token" else (1, w) if gran == "channel" else (1, 1)
+        view = (k, b, H, n, *tail)
+    return (np.empty(shape, np.uint8), i16, torch.empty((k, b, H, n, P, D), dtype=torch.float32),
+            torch.from_numpy(i16).view(torch.float16).view(k, b, H, n, P, D),
+            s, torch.from_numpy(s).view(view))
 
 
 def _fp8_kind(paged) -> tuple[bool, str]:
@@ -473,6 +524,7 @@ def _fp8_kind(paged) -> tuple[bool, str]:
 
 
 _FP32_MAX = float(torch.finfo(torch.float32).max)
+_NAN_PLACED = 0x3F80   # E4M3's NaN codes' low 7 bits, placed (code << 7): no finite code has them
 
 
 def _widen_rows_applies(paged) -> bool:

@@ -9,10 +9,11 @@ reach the reference attention of a decode step through about 25 tensor ops and 9
 per layer (bf16 pages), against HF's 2 `torch.cat` and 1 SDPA. This path computes the same
 bytes in the pool and the same output, bit for bit, with what one forward's layers share built
 once (`for_forward`): the new token's page and slot, the sequence's page-head rows. Per layer it
-writes K and V with one index_copy_ each (unquantized pages; fp8 pages through
-PagedTensor._write_one_fp8), gathers each with one index_select (plus the dtype pass: fp8
-pages' K and V are gathered and decoded together by `dense._fp8_rows_host`, numpy integer ops
-and two torch ops) and calls SDPA once.
+writes K and V with one index_copy_ each (unquantized pages; fp8 pages by their kept facts,
+`PagedTensor.write_tokens_kept`, one fp8 cast for both, else PagedTensor._write_one_fp8),
+gathers each with one index_select (plus the dtype pass: fp8 pages' K and V are gathered and
+decoded together by `dense._fp8_rows_host`, numpy integer ops and two torch ops, into buffers
+made by the step's first layer and reused by the others) and calls SDPA once.
 
 It is taken where `runtime/dispatch.py` would run the reference itself and nothing else acts on
 the step: a forward of one row and one new token after a prompt, on a CPU pool; no eviction,
@@ -48,6 +49,13 @@ class CpuDecodeStep:
         self.total = plan.seq_lens_list[0]
         self.pages = _pages(plan.block_tables, [0], True, self.total, pool.page_size)
         self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # the sequence's pages as one run start, start + 1, ... (a pool that handed them out
+        # in order): fp8 codes are then widened in place (`_fp8_rows_host`); else None
+        ids = self.pages.tolist()
+        self.start = ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else None
+        # fp8: the gather's codes / int16 / fp32 buffers, made by the first layer and reused
+        # by the others (per step: no dequantized copy of the cache outlives the forward)
+        self._scratch: dict = {}
 
     def rows(self, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the sequence's page-head rows [H * n], the new token's rows [H]) of layers with
@@ -71,10 +79,12 @@ class CpuDecodeStep:
                 or k.shape != (1, H, 1, kt.head_dim) or v.shape != (1, H, 1, vt.head_dim)):
             return None   # (the general path writes these formats, or names the bad shape)
         rows, token = self.rows(H)
-        kt.write_token(self.page, self.offset, token, k)
-        vt.write_token(self.page, self.offset, token, v)
+        together = self._fp8_together(kt, vt)
+        if not (together and self.offset and self._write_fp8_kept(kt, vt, k, v)):
+            kt.write_token(self.page, self.offset, token, k)
+            vt.write_token(self.page, self.offset, token, v)
         dt = compute_dtype(q.dtype)
-        if self._fp8_together(kt, vt):
+        if together:
             keys, values = self._gather_fp8(kt, vt, rows, dt)
         else:
             keys = _gather(kt, self.pages, 1, self.total, dt, rows)
@@ -84,15 +94,44 @@ class CpuDecodeStep:
     @staticmethod
     def _fp8_together(kt, vt) -> bool:
         """Whether K and V are fp8 pages of one format and shape that `_fp8_rows_host` decodes
-        in one go."""
-        return (kt.one_token_path() == "fp8" and vt.one_token_path() == "fp8"
+        in one go (kept with K's views, for this V: a growth forgets it)."""
+        views = kt.__dict__.setdefault("_views", {})
+        pair = views.get("fp8_pair")
+        if pair is None or pair[0] is not vt:
+            pair = views["fp8_pair"] = (vt, (
+                kt.one_token_path() == "fp8" and vt.one_token_path() == "fp8"
                 and kt.data.shape == vt.data.shape and _fp8_kind(kt) == _fp8_kind(vt)
-                and _widen_rows_applies(kt) and _widen_rows_applies(vt))
+                and _widen_rows_applies(kt) and _widen_rows_applies(vt)))
+        return pair[1]
+
+    def _write_fp8_kept(self, kt, vt, k, v) -> bool:
+        """K and V's tokens by their kept facts, cast together (`write_tokens_kept`); False
+        (nothing written) where that does not apply."""
+        if (k.dtype != torch.float32 or v.dtype != torch.float32 or k.requires_grad
+                or v.requires_grad or k.device.type != "cpu" or v.device.type != "cpu"):
+            return False
+        H, D = kt.num_heads, kt.head_dim
+        return kt.write_tokens_kept((kt, vt), self.page, self.offset,
+                                    (k.numpy().reshape(H, D), v.numpy().reshape(H, D)),
+                                    self._scratch)
 
     def _gather_fp8(self, kt, vt, rows, dt):
         """`_gather` of K and V together: one widening, one scale product (the same values)."""
-        x, sc = _fp8_rows_host((kt, vt), rows, 1, len(self.pages), self.total)
-        out = x.mul_(sc) if dt == torch.float32 else torch.mul(x, sc).to(dt)
+        r = self._scratch.get(id(rows))
+        if r is None:   # (the rows as numpy, once per step)
+            r = self._scratch[id(rows)] = rows.numpy()
+        x, sc = _fp8_rows_host((kt, vt), r, 1, len(self.pages), self.total, self._scratch,
+                               self.start)
+        if dt == torch.float32:   # x: the step's scratch buffer, its K and V views made once
+            views = self._scratch.get(("kv", id(x)))
+            if views is None:
+                views = self._scratch[("kv", id(x))] = self._kv_views(kt, x)
+            x.mul_(sc)
+            return views
+        return self._kv_views(kt, torch.mul(x, sc).to(dt))
+
+    def _kv_views(self, kt, out):
+        """(keys, values) [1, H, total, D] of the decoded K and V out [2, 1, H, n, P, D]."""
         H, P, D = kt.num_heads, kt.page_size, kt.head_dim
         size, n = H * len(self.pages) * P * D, len(self.pages) * P * D
         shape, stride = (1, H, self.total, D), (size, n, D, 1)

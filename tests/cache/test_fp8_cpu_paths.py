@@ -234,3 +234,171 @@ def test_gather_unwritten_tail_and_huge_scales(name, monkeypatch):
     assert bool(got[0, 1, 2 * P + 3, 4].isnan()) and int(got.isnan().sum()) == 1
     assert repairs["n"] == (name == "fp8_e4m3")   # (E5M2's NaN codes widen as NaN)
     assert _same_bits(got[0].contiguous(), gather_pages(t, pages, total).contiguous())
+
+
+def _write_counting_kept(monkeypatch):
+    """{"kept": one-token writes stored by the kept fact, "asked": those that looked at it}."""
+    seen = {"kept": 0, "asked": 0}
+    real = PagedTensor._fp8_token_kept
+
+    def counted(self, *args):
+        ok = real(self, *args)
+        seen["asked"] += 1
+        seen["kept"] += ok
+        return ok
+
+    monkeypatch.setattr(PagedTensor, "_fp8_token_kept", counted)
+    return seen
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_one_token_write_by_kept_fact(name, monkeypatch):
+    """Tokens written one at a time into a page take the kept fact (no scale or earlier-code
+    read) where no scale grows, and store the general path's bytes; a token that grows a
+    scale, one holding NaN / Inf and a zero token (no kept fact after it) take the full
+    decision."""
+    fmt = KVFormat(name, "page")
+    H, D, P = 3, 16, 16
+    fast, slow = fmt.allocate(3, H, P, D), fmt.allocate(3, H, P, D)
+    seen = _write_counting_kept(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(1, H, D, generator=g) * (4.0 if i % P == 0 else 1.0) for i in range(2 * P)]
+    xs[5] = xs[5] * 64.0                  # grows every head's scale: the fact's screen refuses
+    xs[9] = xs[9].clone()
+    xs[9][0, 1, 3] = float("nan")         # not kept: the full path (and no fact after it)
+    xs[P + 4] = torch.zeros(1, H, D)     # second page: zeros keep the fact (had stays true)
+    for i, x in enumerate(xs):
+        fast.write(torch.tensor([i]), x)
+        slow._write_grouped(torch.tensor([i // P]), torch.tensor([i % P]), x.float())
+        assert torch.equal(fast.scale[:2], slow.scale[:2]), i
+        valid = torch.arange(i + 1)
+        assert torch.equal(fast.data[valid // P, :, valid % P].view(torch.uint8),
+                           slow.data[valid // P, :, valid % P].view(torch.uint8)), i
+    # kept: offsets 1..15 of both pages but token 5 (screen), 9 (NaN) and 10 (no fact)
+    assert seen == {"kept": 2 * (P - 1) - 3, "asked": 2 * (P - 1)}, seen
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("writer", ["scale", "codes", "general", "grow"])
+def test_kept_fact_not_used_after_another_writer(name, writer, monkeypatch):
+    """The negative case: after another writer changes the page (its scale set by torch, its
+    earlier codes zeroed, its tokens 1 and 2 written again by the general path, the pool's
+    growth that replaces the parts), the next one-token write at the kept offset does not use
+    the kept fact: it stores what the general path stores under the changed page. (With a
+    stale fact the scale would be the old one: the bytes would differ.)"""
+    from kvcompile.cache.sizing import grow_paged
+
+    fmt = KVFormat(name, "page")
+    H, D, P = 2, 16, 16
+    fast, slow = fmt.allocate(2, H, P, D), fmt.allocate(2, H, P, D)
+    seen = _write_counting_kept(monkeypatch)
+    g = torch.Generator().manual_seed(9)
+    xs = [torch.randn(1, H, D, generator=g) * (4.0 if i == 0 else 1.0) for i in range(6)]
+    for i in range(3):
+        fast.write(torch.tensor([i]), xs[i])
+        slow._write_grouped(torch.tensor([0]), torch.tensor([i]), xs[i].float())
+    assert seen["kept"] == 2 and fast.__dict__["_views"]["fp8_fact"][:2] == (0, 3)
+    n = 3
+    for t in (fast, slow):
+        if writer == "scale":      # a smaller scale: the next token grows it
+            t.scale[0] = t.scale[0] / 16.0
+        elif writer == "codes":    # no earlier value: the next token sets a fresh scale
+            t.data[0, :, :3] = 0.0
+        elif writer == "general":  # tokens 1, 2 again, larger: the page's scale grows
+            t._write_grouped(torch.tensor([0, 0]), torch.tensor([1, 2]),
+                             torch.cat(xs[3:5]) * 32.0)
+        else:                      # a fresh, larger allocation with the pages copied
+            grow_paged(t, 4)
+    if writer == "grow":
+        assert fast.__dict__.get("_views", {}).get("fp8_fact") is None
+    else:   # (the fact is still there: only the versions tell it is stale)
+        assert fast.__dict__["_views"]["fp8_fact"][:2] == (0, 3)
+    before = seen["kept"]
+    fast.write(torch.tensor([n]), xs[5])
+    slow._write_grouped(torch.tensor([0]), torch.tensor([n]), xs[5].float())
+    assert seen["kept"] == before, "a stale fact was used"
+    assert torch.equal(fast.scale[0], slow.scale[0])
+    assert torch.equal(fast.data[0, :, :n + 1].view(torch.uint8),
+                       slow.data[0, :, :n + 1].view(torch.uint8))
+    # and the fact is kept again from there (the next token takes it)
+    fast.write(torch.tensor([n + 1]), xs[5] * 0.5)
+    assert seen["kept"] == before + 1
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_rows_widened_in_place_equal_gathered(name):
+    """`_fp8_rows_host` with `start` (a row whose pages are one run: the codes widened in place,
+    the NaN screen over the whole block) gives the gathered route's values bit for bit: no NaN,
+    NaN codes (both signs) only in the unwritten rest of the last page (not in the result),
+    and a written NaN code (the negative case: NaN in the result, exactly there)."""
+    from kvcompile.kernels.dense import _fp8_rows_host, _page_rows
+
+    fmt = KVFormat(name, "page")
+    H, D, P, N = 3, 16, 8, 7
+    kt, vt = fmt.allocate(N, H, P, D), fmt.allocate(N, H, P, D)
+    g = torch.Generator().manual_seed(11)
+    start, n, total = 2, 4, 4 * P - 3
+    for t in (kt, vt):
+        t.data.view(torch.uint8).fill_(0x11)
+        t.write(torch.arange(start * P, start * P + total), torch.randn(total, H, D, generator=g))
+    rows = _page_rows(torch.arange(start, start + n), 1, H)
+
+    def both():
+        x, sc = _fp8_rows_host((kt, vt), rows, 1, n, total, {}, start)
+        got = (x * sc).view(2, H, n * P, D)[:, :, :total]
+        x, sc = _fp8_rows_host((kt, vt), rows, 1, n, total)
+        want = (x * sc).view(2, H, n * P, D)[:, :, :total]
+        assert _same_bits(got.contiguous(), want.contiguous())
+        return got
+
+    assert not bool(both().isnan().any())
+    last = start + n - 1
+    kt.data[last, 0, P - 1].view(torch.uint8)[3] = 0xFF    # the unwritten rest: not read
+    vt.data[last, 2, P - 2].view(torch.uint8)[0] = 0x7F
+    assert not bool(both().isnan().any())
+    vt.data[start + 1, 1, 2].view(torch.uint8)[5] = 0xFF   # a written token's NaN code
+    got = both()
+    assert int(got.isnan().sum()) == 1 and bool(got[1, 1, P + 2, 5].isnan())
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_kv_tokens_cast_together_by_kept_facts(name):
+    """PagedTensor.write_tokens_kept (a layer's K and V by their kept facts, one fp8 cast)
+    stores the general path's bytes; where V's fact is stale (V's scale set by torch), a
+    value passes the screen, or no fact is kept it writes nothing and says so (False)."""
+    fmt = KVFormat(name, "page")
+    H, D, P = 3, 16, 8
+    kt, vt = fmt.allocate(2, H, P, D), fmt.allocate(2, H, P, D)
+    ks, vs = fmt.allocate(2, H, P, D), fmt.allocate(2, H, P, D)
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(2, H, D, generator=g) * (4.0 if i == 0 else 1.0) for i in range(P)]
+    scratch, kept = {}, 0
+
+    def general(i, x):
+        for t, slow in ((kt, ks), (vt, vs)):
+            slow._write_grouped(torch.tensor([0]), torch.tensor([i]), x[None, 0 if t is kt else 1])
+
+    for i, x in enumerate(xs):
+        ok = i > 0 and PagedTensor.write_tokens_kept(
+            (kt, vt), 0, i, (x[0].numpy(), x[1].numpy()), scratch)
+        kept += ok
+        if not ok:
+            kt.write(torch.tensor([i]), x[None, 0])
+            vt.write(torch.tensor([i]), x[None, 1])
+        general(i, x)
+        for t, slow in ((kt, ks), (vt, vs)):
+            assert torch.equal(t.scale[0], slow.scale[0]), i
+            assert torch.equal(t.data[0, :, :i + 1].view(torch.uint8),
+                               slow.data[0, :, :i + 1].view(torch.uint8)), i
+        if i == 3:   # another writer: V's scale, set by torch (what the fact keeps is stale)
+            for t in (vt, vs):
+                t.scale[0] = t.scale[0] * 4.0
+    assert kept == P - 2, kept   # tokens 1 .. P-1 but 4 (V's fact stale)
+    # a value past the screen: nothing written
+    before = (kt.data.clone(), vt.data.clone())
+    kt.write(torch.tensor([P]), xs[1][None, 0])
+    vt.write(torch.tensor([P]), xs[1][None, 1])
+    big = (xs[2][0].numpy() * 1e4, xs[2][1].numpy())
+    assert not PagedTensor.write_tokens_kept((kt, vt), 1, 1, big, scratch)
+    assert torch.equal(kt.data[0].view(torch.uint8), before[0][0].view(torch.uint8))
+    assert torch.equal(kt.data[1, :, 1].view(torch.uint8), before[0][1, :, 1].view(torch.uint8))
