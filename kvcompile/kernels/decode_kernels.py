@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from kvcompile.kernels.decode_attend import attend_tile, tile_meta, tile_operand
-from kvcompile.kernels.decode_tiles import load_row_pair
+from kvcompile.kernels.decode_tiles import load_rotated_pair, load_row_pair
 
 
 # Runtime ints are not specialized (divisibility, == 1): the binary depends on the constexprs
@@ -21,7 +21,7 @@ from kvcompile.kernels.decode_tiles import load_row_pair
                                "NUM_SPLITS"])
 def decode_split_kernel(
         Q, KD, KS, KM, KZ, KR, KRS, VD, VS, VM, VZ, VR, VRS, BT, SL, KMASK, ACC, LSE, OUT,
-        SCORES, SINK, stride_bt, n_kmask, scores_len, H, qk_scale, cap_in, cap_out, k_mult, v_mult,
+        SCORES, SINK, ROT_COS, ROT_SIN, NROT, stride_bt, n_kmask, scores_len, H, qk_scale, cap_in, cap_out, k_mult, v_mult,
         window, sinks, NUM_SPLITS,
         G: tl.constexpr, SQ: tl.constexpr, M: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
         P: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -30,9 +30,12 @@ def decode_split_kernel(
         CDT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KMASK: tl.constexpr,
         WRITE_SCORES: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
         WINDOW: tl.constexpr, ASM: tl.constexpr, BIG: tl.constexpr, SPLIT: tl.constexpr,
-        PAIR: tl.constexpr = False, HAS_SINK: tl.constexpr = False):
+        PAIR: tl.constexpr = False, HAS_SINK: tl.constexpr = False,
+        HAS_ROT: tl.constexpr = False):
     # K / V (KZ, VZ: int zero points; KR, KRS / VR, VRS: bf16 residual rows and the row of
-    # each page) in the formats KFMT / VFMT (decode_tiles.py codes) with scale modes KSM / VSM
+    # each page) in the formats KFMT / VFMT (decode_tiles.py codes) with scale modes KSM / VSM.
+    # HAS_ROT: keys j < NROT[b] are scored by the query rotated by ROT_COS / ROT_SIN [B, D]
+    # (re-rotated sinks, eviction/aside.py), the others by q, in the same softmax
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // H
@@ -59,11 +62,17 @@ def decode_split_kernel(
     KH: tl.constexpr = 1 if (KFMT == 3 or KFMT == 4 or KFMT == 5) else (2 if SPLIT else 0)
     VH: tl.constexpr = 1 if (VFMT == 3 or VFMT == 4 or VFMT == 5) else (2 if SPLIT else 0)
     q_a, q_b = load_row_pair(Q, q_row, row_ok, D, KH, CDT)
-    q_sum = row_ok.to(tl.float32)  # int keys' zero points add zero * sum_d q_d to the scores
-    if KFMT >= 5:
-        q_sum = tl.sum(q_a.to(tl.float32), 1)
-        if KH != 0:
-            q_sum += tl.sum(q_b.to(tl.float32), 1)
+    q_sum = _row_sums(q_a, q_b, row_ok, KFMT, KH)
+    if HAS_ROT:  # the rotated query, and how many leading keys it scores (0: none)
+        n_rot = tl.load(NROT + b).to(tl.int32)
+        qr_a, qr_b = load_rotated_pair(Q, q_row, row_ok, ROT_COS + b * D, ROT_SIN + b * D, D,
+                                       KH, CDT)
+        qr_sum = _row_sums(qr_a, qr_b, row_ok, KFMT, KH)
+    else:
+        n_rot = L * 0
+        qr_a = q_a
+        qr_b = q_b
+        qr_sum = q_sum
 
     # key range: [lo_t, L) plus the tiles of the first `sinks` keys when the window cuts them
     if WINDOW:
@@ -96,10 +105,10 @@ def decode_split_kernel(
         pos, seen, page = tile_meta(t, t1, b, L, lo, lo_t, n_sink, sinks, BT, stride_bt,
                                      KMASK, n_kmask, P, BLOCK_T, WINDOW, HAS_KMASK)
         off = pos % P
+        start = tl.where(t < n_sink, t * BLOCK_T, lo_t + (t - n_sink) * BLOCK_T)
         if KSM == 4 or VSM == 4:
             # channel scales: the tile's page(s) from the block table, as scalars (a tile of
             # one page, or of two when BLOCK_T = 2P)
-            start = tl.where(t < n_sink, t * BLOCK_T, lo_t + (t - n_sink) * BLOCK_T)
             cok0 = (start < L).to(tl.int32)
             cok1 = (start + P < L).to(tl.int32)
             cpage0 = tl.load(BT + b * stride_bt + start // P, mask=cok0 != 0, other=0)
@@ -120,7 +129,7 @@ def decode_split_kernel(
             v_row, v_nres, pos, seen, q_pos, row_ok, q_row, m_i, l_i, w_run, acc_a, acc_b, SCORES,
             scores_len, qk_scale, cap_in, cap_out, window, sinks, D, DV, SQ, KFMT, VFMT, KSM,
             VSM, KRES, VRES, KH, VH, CDT, SOFTCAP, WRITE_SCORES, PREC, WINDOW, ASM, SPLIT, P,
-            PAIR)
+            PAIR, qr_a, qr_b, qr_sum, n_rot, start < n_rot, HAS_ROT)
 
     if PAIR:  # merge the two copies of each query row (w_run is the same in every row)
         m2 = tl.reshape(m_i, [2, HM])
@@ -168,6 +177,18 @@ def decode_split_kernel(
         if VH != 0:
             tl.store(a_ptr + cols_b[None, :], acc_b * inv[:, None], mask=row_ok[:, None])
         tl.store(LSE + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _row_sums(q_a, q_b, row_ok, KFMT: tl.constexpr, KH: tl.constexpr):
+    # sum_d q_d per row (int keys' zero points add zero * sum_d q_d to the scores); unused
+    # (row_ok) for the other formats
+    q_sum = row_ok.to(tl.float32)
+    if KFMT >= 5:
+        q_sum = tl.sum(q_a.to(tl.float32), 1)
+        if KH != 0:
+            q_sum += tl.sum(q_b.to(tl.float32), 1)
+    return q_sum
 
 
 @triton.jit
