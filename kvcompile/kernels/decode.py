@@ -31,10 +31,11 @@ lse' = log2(2^lse + 2^(sink * log2 e)), and the lse written (H2O's attn_mass) is
 Rotated leading keys (rot = (n_rot [B], cos [B, D], sin [B, D]), the re-rotated sinks of
 eviction/aside.py): keys j < n_rot[b] are scored by row b's query rotated by cos / sin (RoPE
 scores depend on position differences, so a key stored at position p scored by the query
-rotated by -delta is the key scored as if it sat at p + delta). The rotated query is built in
-registers (fp32, rounded once) and only tiles holding such keys run its dots; the rest of the
-softmax, attn_mass included, is unchanged. A compile-time flag (HAS_ROT): without rot the
-kernel is the plain one.
+rotated by -delta is the key scored as if it sat at p + delta). Split 0's program first
+attends to those keys in small tiles (`_rot_tile`) with the query rotated in registers (fp32,
+rounded once), then runs the plain loop with them unseen: one softmax, attn_mass included, and
+the plain loop's code unchanged. A compile-time flag (HAS_ROT): without rot the kernel is the
+plain one.
 """
 
 from __future__ import annotations
@@ -227,6 +228,15 @@ def _check(q, kd, vd, kfmt, vfmt, block_tables, seq_lens, key_mask, attn_mass, o
     return B, Hq, Sq, D, dv, N, Hkv, P
 
 
+def _rot_tile(block_t: int, pair: bool, int_codes: bool) -> int:
+    """Keys per tile of the rotated keys' phase (decode_split_kernel HAS_ROT): few, so that
+    the sinks (4 in StreamingLLM) do not pay a whole tile's dots: 16 (tl.dot's least), 32 for
+    int codes (launch_decode: no 16-token int tiles), a PAIR tile's two pages as they are."""
+    if pair:
+        return block_t
+    return min(block_t, 32 if int_codes else 16)
+
+
 def _check_rot(rot, B: int, D: int, device, backend: str) -> None:
     """The launcher's contract for rotated leading keys (launch_decode `rot`)."""
     if backend != "triton":
@@ -322,6 +332,9 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
     check_sink_logits("paged_decode", sink_logits, Hq, q.device)
     if rot is not None:
         _check_rot(rot, B, D, q.device, backend)
+        if sliding_window:
+            raise UnsupportedShapeError("paged_decode: rot (rotated leading keys) with a "
+                                        "sliding window is not supported; pass one of them")
     if (backend == "cuda" or backend == "auto" and cuda_decode_by_default(k_fmt, v_fmt)) \
             and not interpreting():
         residual = _check_residual("keys", k_res, k_res_slot, N, Hkv, P, D) or \
@@ -422,7 +435,8 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
         SOFTCAP=bool(softcap), HAS_SINK=sink_logits is not None and direct,
         HAS_KMASK=key_mask is not None, WRITE_SCORES=attn_mass is not None, DIRECT=direct,
         IEEE=cdt == tl.float32, WINDOW=window > 0, ASM=asm, BIG=big,
-        SPLIT=bool(cfg["SPLIT"]), PAIR=pair, HAS_ROT=rot is not None,
+        SPLIT=bool(cfg["SPLIT"]), PAIR=pair, HAS_ROT=rot is not None, BLOCK_R=_rot_tile(
+            block_t, pair, kfmt in INT_FMT_BITS or vfmt in INT_FMT_BITS),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not interp else {}))
     if not direct:

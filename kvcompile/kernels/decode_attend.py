@@ -37,11 +37,14 @@ from kvcompile.kernels.decode_tiles import (
 @triton.jit
 def tile_meta(t, t1, b, L, lo, lo_t, n_sink, sinks, BT, stride_bt, KMASK, n_kmask,
                P: tl.constexpr, BLOCK_T: tl.constexpr, WINDOW: tl.constexpr,
-               HAS_KMASK: tl.constexpr):
-    # tile t -> key positions [T], keys some row of the program may see [T], their page ids
+               HAS_KMASK: tl.constexpr, first=0, SKIP: tl.constexpr = False):
+    # tile t -> key positions [T], keys some row of the program may see [T], their page ids;
+    # SKIP: keys below `first` unseen
     start = tl.where(t < n_sink, t * BLOCK_T, lo_t + (t - n_sink) * BLOCK_T)
     pos = start + tl.arange(0, BLOCK_T)
     seen = (pos < L) & (pos * 0 + t < t1)
+    if SKIP:
+        seen = seen & (pos >= first)
     if WINDOW:
         seen = seen & ((pos >= lo) | (pos < sinks))
     if HAS_KMASK:
@@ -261,12 +264,29 @@ def _channel_values(pv, p_codes, v_a, v_b, vs, vz, acc_a, acc_b, DV: tl.constexp
 
 
 @triton.jit
-def _key_scores(q_a, q_b, q_sum, k_a, k_b, ks, kz, k_ok, KR, k_row, k_nres, seen,
-                D: tl.constexpr, KFMT: tl.constexpr, KSM: tl.constexpr, KRES: tl.constexpr,
-                KH: tl.constexpr, CDT: tl.constexpr, PREC: tl.constexpr, PAIR: tl.constexpr):
-    # raw scores [M, T] of the query rows (q_a, q_b; q_sum: sum_d q_d) against a tile's widened
-    # keys, block scales and zero points applied, residual rows included (before softcap /
-    # scale)
+def attend_tile(q_a, q_b, q_sum, kx, km, vx, vm, ks, vs, kz, vz, k_ok, v_ok, KR, k_row,
+                k_nres, VR, v_row, v_nres, pos, seen, q_pos, row_ok, q_row, m_i, l_i, w_run,
+                acc_a, acc_b, SCORES, scores_len, qk_scale, cap_in, cap_out, window, sinks,
+                D: tl.constexpr, DV: tl.constexpr, SQ: tl.constexpr,
+                KFMT: tl.constexpr, VFMT: tl.constexpr, KSM: tl.constexpr, VSM: tl.constexpr,
+                KRES: tl.constexpr, VRES: tl.constexpr, KH: tl.constexpr, VH: tl.constexpr,
+                CDT: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_SCORES: tl.constexpr,
+                PREC: tl.constexpr, WINDOW: tl.constexpr, ASM: tl.constexpr,
+                SPLIT: tl.constexpr, P: tl.constexpr, PAIR: tl.constexpr):
+    # One tile's update of the online softmax (m_i, l_i, w_run, acc_a, acc_b) from the loads
+    # of tile_operand; KR / VR: the residual rows (read here, in tiles with k_nres / v_nres)
+    # ---- scores s [M, T] in log2 units; two half-width dots for fp4 (even / odd columns) or
+    # SPLIT (first / second half): half the operand registers live at a time
+    if SPLIT and KH == 2:
+        k_a, _ = widen(kx, kx, D // 2, KFMT, CDT, ASM)
+        k_b, _ = widen(km, km, D // 2, KFMT, CDT, ASM)
+    else:
+        k_a, k_b = widen(kx, km, D, KFMT, CDT, ASM)
+    T: tl.constexpr = pos.shape[0]
+    M: tl.constexpr = row_ok.shape[0]
+    if PAIR:  # rows of the second copy (they see the tile's second page), keys of that page
+        copy = tl.arange(0, M) >= M // 2
+        second = tl.arange(0, T) >= P
     if KSM == 4:  # channel scales: scale q's columns (PAIR: each copy by its page's)
         s = _channel_scores(q_a, q_b, k_a, k_b, ks, kz, k_ok, D, KFMT, KH, CDT, PREC, PAIR)
     else:
@@ -283,43 +303,6 @@ def _key_scores(q_a, q_b, q_sum, k_a, k_b, ks, kz, k_ok, KR, k_row, k_nres, seen
             s = tl.dot(q_a, tl.trans(kr_a), s, input_precision=PREC)
             if KH != 0:
                 s = tl.dot(q_b, tl.trans(kr_b), s, input_precision=PREC)
-    return s
-
-
-@triton.jit
-def attend_tile(q_a, q_b, q_sum, kx, km, vx, vm, ks, vs, kz, vz, k_ok, v_ok, KR, k_row,
-                k_nres, VR, v_row, v_nres, pos, seen, q_pos, row_ok, q_row, m_i, l_i, w_run,
-                acc_a, acc_b, SCORES, scores_len, qk_scale, cap_in, cap_out, window, sinks,
-                D: tl.constexpr, DV: tl.constexpr, SQ: tl.constexpr,
-                KFMT: tl.constexpr, VFMT: tl.constexpr, KSM: tl.constexpr, VSM: tl.constexpr,
-                KRES: tl.constexpr, VRES: tl.constexpr, KH: tl.constexpr, VH: tl.constexpr,
-                CDT: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_SCORES: tl.constexpr,
-                PREC: tl.constexpr, WINDOW: tl.constexpr, ASM: tl.constexpr,
-                SPLIT: tl.constexpr, P: tl.constexpr, PAIR: tl.constexpr, qr_a, qr_b, qr_sum,
-                n_rot, rot_here, ROT: tl.constexpr):
-    # One tile's update of the online softmax (m_i, l_i, w_run, acc_a, acc_b) from the loads
-    # of tile_operand; KR / VR: the residual rows (read here, in tiles with k_nres / v_nres).
-    # ROT: keys at pos < n_rot are scored by the rotated query (qr_a, qr_b, qr_sum), in the
-    # tiles that hold some (rot_here, a runtime branch)
-    # ---- scores s [M, T] in log2 units; two half-width dots for fp4 (even / odd columns) or
-    # SPLIT (first / second half): half the operand registers live at a time
-    if SPLIT and KH == 2:
-        k_a, _ = widen(kx, kx, D // 2, KFMT, CDT, ASM)
-        k_b, _ = widen(km, km, D // 2, KFMT, CDT, ASM)
-    else:
-        k_a, k_b = widen(kx, km, D, KFMT, CDT, ASM)
-    T: tl.constexpr = pos.shape[0]
-    M: tl.constexpr = row_ok.shape[0]
-    if PAIR:  # rows of the second copy (they see the tile's second page), keys of that page
-        copy = tl.arange(0, M) >= M // 2
-        second = tl.arange(0, T) >= P
-    s = _key_scores(q_a, q_b, q_sum, k_a, k_b, ks, kz, k_ok, KR, k_row, k_nres, seen, D, KFMT,
-                    KSM, KRES, KH, CDT, PREC, PAIR)
-    if ROT:
-        if rot_here:
-            s_rot = _key_scores(qr_a, qr_b, qr_sum, k_a, k_b, ks, kz, k_ok, KR, k_row, k_nres,
-                                seen, D, KFMT, KSM, KRES, KH, CDT, PREC, PAIR)
-            s = tl.where((pos < n_rot)[None, :], s_rot, s)
     if SOFTCAP:
         x = s * cap_in
         e = tl.exp(-2.0 * tl.abs(x))

@@ -31,11 +31,12 @@ def decode_split_kernel(
         WRITE_SCORES: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
         WINDOW: tl.constexpr, ASM: tl.constexpr, BIG: tl.constexpr, SPLIT: tl.constexpr,
         PAIR: tl.constexpr = False, HAS_SINK: tl.constexpr = False,
-        HAS_ROT: tl.constexpr = False):
+        HAS_ROT: tl.constexpr = False, BLOCK_R: tl.constexpr = 16):
     # K / V (KZ, VZ: int zero points; KR, KRS / VR, VRS: bf16 residual rows and the row of
     # each page) in the formats KFMT / VFMT (decode_tiles.py codes) with scale modes KSM / VSM.
     # HAS_ROT: keys j < NROT[b] are scored by the query rotated by ROT_COS / ROT_SIN [B, D]
-    # (re-rotated sinks, eviction/aside.py), the others by q, in the same softmax
+    # (re-rotated sinks, eviction/aside.py) in tiles of BLOCK_R keys that split 0 runs first;
+    # the other tiles skip those keys
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // H
@@ -63,16 +64,6 @@ def decode_split_kernel(
     VH: tl.constexpr = 1 if (VFMT == 3 or VFMT == 4 or VFMT == 5) else (2 if SPLIT else 0)
     q_a, q_b = load_row_pair(Q, q_row, row_ok, D, KH, CDT)
     q_sum = _row_sums(q_a, q_b, row_ok, KFMT, KH)
-    if HAS_ROT:  # the rotated query, and how many leading keys it scores (0: none)
-        n_rot = tl.load(NROT + b).to(tl.int32)
-        qr_a, qr_b = load_rotated_pair(Q, q_row, row_ok, ROT_COS + b * D, ROT_SIN + b * D, D,
-                                       KH, CDT)
-        qr_sum = _row_sums(qr_a, qr_b, row_ok, KFMT, KH)
-    else:
-        n_rot = L * 0
-        qr_a = q_a
-        qr_b = q_b
-        qr_sum = q_sum
 
     # key range: [lo_t, L) plus the tiles of the first `sinks` keys when the window cuts them
     if WINDOW:
@@ -101,35 +92,67 @@ def decode_split_kernel(
         acc_a = tl.zeros([M, DV], tl.float32)
         acc_b = acc_a
 
-    for t in range(t0, t1):
-        pos, seen, page = tile_meta(t, t1, b, L, lo, lo_t, n_sink, sinks, BT, stride_bt,
-                                     KMASK, n_kmask, P, BLOCK_T, WINDOW, HAS_KMASK)
-        off = pos % P
-        start = tl.where(t < n_sink, t * BLOCK_T, lo_t + (t - n_sink) * BLOCK_T)
-        if KSM == 4 or VSM == 4:
-            # channel scales: the tile's page(s) from the block table, as scalars (a tile of
-            # one page, or of two when BLOCK_T = 2P)
-            cok0 = (start < L).to(tl.int32)
-            cok1 = (start + P < L).to(tl.int32)
-            cpage0 = tl.load(BT + b * stride_bt + start // P, mask=cok0 != 0, other=0)
-            cpage1 = tl.load(BT + b * stride_bt + start // P + 1, mask=cok1 != 0, other=0)
+    # HAS_ROT: phase 0, in split 0's program only, attends to keys [0, n_rot) with the rotated
+    # query, in tiles of BLOCK_R keys (no tile then holds both kinds of keys: one dot per
+    # tile, and no register of the rotated query outlives phase 0); phase 1, the split's
+    # tiles that hold keys below n_rot, with those unseen; phase 2, the plain loop
+    if HAS_ROT:
+        tl.static_assert(not WINDOW, "rotated keys take no window")
+        n_rot = tl.minimum(tl.load(NROT + b).to(tl.int32), L)
+        t_skip = tl.minimum(tl.maximum(tl.cdiv(n_rot, BLOCK_T), t0), t1)
+    else:
+        n_rot = L * 0
+        t_skip = t0
+    for phase in tl.static_range(0 if HAS_ROT else 2, 3):
+        if phase == 0:
+            ta = L * 0
+            tb = tl.where(split == 0, tl.cdiv(n_rot, BLOCK_R), 0)
+            L_p = n_rot
+            qp_a, qp_b = load_rotated_pair(Q, q_row, row_ok, ROT_COS + b * D, ROT_SIN + b * D,
+                                           D, KH, CDT)
+            qp_sum = _row_sums(qp_a, qp_b, row_ok, KFMT, KH)
         else:
-            cok0 = 0
-            cok1 = 0
-            cpage0 = 0
-            cpage1 = 0
-        kx, km, ks, kz, k_ok, k_row, k_nres = tile_operand(
-            KD, KS, KM, KZ, KRS, page, off, seen, kvh, H, k_mult, D, P, KFMT, KSM, KRES,
-            KH, CDT, ASM, BIG, SPLIT, cpage0, cpage1, cok0, cok1)
-        vx, vm, vs, vz, v_ok, v_row, v_nres = tile_operand(
-            VD, VS, VM, VZ, VRS, page, off, seen, kvh, H, v_mult, DV, P, VFMT, VSM, VRES,
-            VH, CDT, ASM, BIG, SPLIT, cpage0, cpage1, cok0, cok1)
-        m_i, l_i, w_run, acc_a, acc_b = attend_tile(
-            q_a, q_b, q_sum, kx, km, vx, vm, ks, vs, kz, vz, k_ok, v_ok, KR, k_row, k_nres, VR,
-            v_row, v_nres, pos, seen, q_pos, row_ok, q_row, m_i, l_i, w_run, acc_a, acc_b, SCORES,
-            scores_len, qk_scale, cap_in, cap_out, window, sinks, D, DV, SQ, KFMT, VFMT, KSM,
-            VSM, KRES, VRES, KH, VH, CDT, SOFTCAP, WRITE_SCORES, PREC, WINDOW, ASM, SPLIT, P,
-            PAIR, qr_a, qr_b, qr_sum, n_rot, start < n_rot, HAS_ROT)
+            if phase == 1:
+                ta = t0
+                tb = t_skip
+            else:
+                ta = t_skip
+                tb = t1
+            L_p = L
+            qp_a = q_a
+            qp_b = q_b
+            qp_sum = q_sum
+        for t in range(ta, tb):
+            pos, seen, page = tile_meta(t, tb, b, L_p, lo, lo_t, n_sink, sinks, BT, stride_bt,
+                                         KMASK, n_kmask, P, BLOCK_R if phase == 0 else BLOCK_T,
+                                         WINDOW, HAS_KMASK, n_rot, phase == 1)
+            off = pos % P
+            if KSM == 4 or VSM == 4:
+                # channel scales: the tile's page(s) from the block table, as scalars (a tile
+                # of one page, or of two when BLOCK_T = 2P)
+                tile: tl.constexpr = BLOCK_R if phase == 0 else BLOCK_T
+                start = tl.where(t < n_sink, t * tile, lo_t + (t - n_sink) * tile)
+                cok0 = (start < L).to(tl.int32)
+                cok1 = (start + P < L).to(tl.int32)
+                cpage0 = tl.load(BT + b * stride_bt + start // P, mask=cok0 != 0, other=0)
+                cpage1 = tl.load(BT + b * stride_bt + start // P + 1, mask=cok1 != 0, other=0)
+            else:
+                cok0 = 0
+                cok1 = 0
+                cpage0 = 0
+                cpage1 = 0
+            kx, km, ks, kz, k_ok, k_row, k_nres = tile_operand(
+                KD, KS, KM, KZ, KRS, page, off, seen, kvh, H, k_mult, D, P, KFMT, KSM, KRES,
+                KH, CDT, ASM, BIG, SPLIT, cpage0, cpage1, cok0, cok1)
+            vx, vm, vs, vz, v_ok, v_row, v_nres = tile_operand(
+                VD, VS, VM, VZ, VRS, page, off, seen, kvh, H, v_mult, DV, P, VFMT, VSM, VRES,
+                VH, CDT, ASM, BIG, SPLIT, cpage0, cpage1, cok0, cok1)
+            m_i, l_i, w_run, acc_a, acc_b = attend_tile(
+                qp_a, qp_b, qp_sum, kx, km, vx, vm, ks, vs, kz, vz, k_ok, v_ok, KR, k_row,
+                k_nres, VR, v_row, v_nres, pos, seen, q_pos, row_ok, q_row, m_i, l_i, w_run,
+                acc_a, acc_b, SCORES, scores_len, qk_scale, cap_in, cap_out, window, sinks, D,
+                DV, SQ, KFMT, VFMT, KSM, VSM, KRES, VRES, KH, VH, CDT, SOFTCAP, WRITE_SCORES,
+                PREC, WINDOW, ASM, SPLIT, P, PAIR)
 
     if PAIR:  # merge the two copies of each query row (w_run is the same in every row)
         m2 = tl.reshape(m_i, [2, HM])

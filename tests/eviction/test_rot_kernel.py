@@ -1,9 +1,11 @@
 """The decode kernel's rotated leading keys (kernels/decode.py `rot`: the re-rotated sinks of
 eviction/aside.py, scored by the query rotated in registers inside the kernel's softmax)
-against the plain PyTorch `aside_reference`, under TRITON_INTERPRET: GQA, bf16 pages and fp8
-with token / page scales, direct and split-K launches, softcap, H2O mass, rows with and
-without sinks to rotate in one batch; a row without sinks is the plain kernel's bit for bit,
-and without the rotation the rows with sinks differ (the comparison can fail)."""
+against the plain PyTorch `aside_reference`, under TRITON_INTERPRET: GQA, bf16 pages, fp8
+with token / page / channel scales and int4 codes (int zero points: the rotated query's sum),
+direct and split-K launches, softcap, H2O mass, rows with and without sinks to rotate in one
+batch; a row without sinks is the plain kernel's bit for bit, and without the rotation the
+rows with sinks differ (the comparison can fail). Int4 channel scales with residual pages
+(two-page PAIR tiles): test_aside.py."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ LENS = [37, 20, 53, 9]
 N_ROT = [2, 0, 40, 12]    # 0: none; 40 spans tiles and pages; 12 > the row's 9 tokens
 SHIFT = [5, 0, 11, 300]   # rotation by -shift positions
 HKV, D, P = 2, 64, 16
-FORMATS = [("bf16",), ("fp8_e4m3", "token"), ("fp8_e4m3", "page")]
+FORMATS = [("bf16",), ("fp8_e4m3", "token"), ("fp8_e4m3", "page"), ("fp8_e4m3", "channel"),
+           ("int4", "token")]
 
 
 def _inputs(fmt, G: int, seed: int, n_rot=N_ROT, dtype=torch.int32):
@@ -41,7 +44,8 @@ def _kernel(q, kc, vc, bt, lens, softcap, splits, rot=None, mass=None, block_t=N
     launch_decode(q, kc.data, kc.scale, kc.micro, vc.data, vc.scale, vc.micro, bt, lens, None,
                   mass, out, kc.fmt.name, kc.fmt.granularity, vc.fmt.name, vc.fmt.granularity,
                   D ** -0.5, 0, 0, softcap, splits,
-                  None if block_t is None else {"BLOCK_T": block_t}, backend="triton", rot=rot)
+                  None if block_t is None else {"BLOCK_T": block_t}, kz=kc.zero, vz=vc.zero,
+                  backend="triton", rot=rot)
     return out.float()
 
 
