@@ -12,6 +12,7 @@
 #   NAN_KINDS=prefill bash benchmarks/gpu_jobs.sh nan   # a -k selection of tests/gpu/test_nan_gpu.py
 #   DEADLINE=560 bash benchmarks/gpu_jobs.sh prefill_memory
 #   EC_K=rerotated bash benchmarks/gpu_jobs.sh evict_check evict_bench   # eviction in the Engine
+#   bash benchmarks/gpu_jobs.sh rot_bench   # one decode layer with re-rotated sinks in the kernel
 #   bash benchmarks/gpu_jobs.sh engine_graphs hf_graphs gen e2e prefill_matrix
 #   bash benchmarks/gpu_jobs.sh triton_decode prefill_bench kernel_report append_bench
 #   PROF_ARGS="--steps" bash benchmarks/gpu_jobs.sh profile   # a decode step by part
@@ -70,6 +71,7 @@ job() {   # job NAME -> "LIMIT COMMAND"
     ttft32k1)       echo "${TT1_BUDGET:-200} python3 benchmarks/bench_prefill_memory.py --batch 1 --prompt 32768 --budget-s $(( ${TT1_BUDGET:-200} - 10 )) --rows ${TT1_ROWS:-hf_static,fp8_e4m3,bf16} --json $OUT/ttft32k1.json" ;;
     evict_check)    echo "${EC_LIMIT:-200} python3 -m pytest -s -q -m gpu tests/gpu/test_engine_eviction_gpu.py -p no:cacheprovider ${EC_K:+-k $EC_K}" ;;
     evict_bench)    echo "${EB_LIMIT:-260} python3 benchmarks/bench_generate.py --budget-s $(( ${EB_LIMIT:-260} - 20 )) --out $OUT --evict-interval ${INTERVAL:-64} --engine-scale ${SCALE:-token} --sections ${EB_SECTIONS:-engine_b,engine_evict_sink,engine_evict_h2o,engine_evict_snapkv} ${EB_ARGS:-}" ;;
+    rot_bench)      echo "${RB_LIMIT:-120} python3 benchmarks/bench_rot_decode.py ${RB_ARGS:-}" ;;
     append_check)   echo "${AC_LIMIT:-90} python3 -m pytest -q -x tests/kernels/test_append.py tests/kernels/test_append_codes.py -p no:cacheprovider" ;;
     append_bench)   echo "${AB_LIMIT:-80} python3 benchmarks/bench_append.py --json $OUT/bench_append.json" ;;
     latent_check)   echo "${LC_LIMIT:-200} python3 -m pytest -q -m gpu tests/gpu/test_latent_decode_gpu.py -p no:cacheprovider" ;;
