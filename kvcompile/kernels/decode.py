@@ -231,7 +231,9 @@ def _check(q, kd, vd, kfmt, vfmt, block_tables, seq_lens, key_mask, attn_mass, o
 def _rot_tile(block_t: int, pair: bool, int_codes: bool) -> int:
     """Keys per tile of the rotated keys' phase (decode_split_kernel HAS_ROT): few, so that
     the sinks (4 in StreamingLLM) do not pay a whole tile's dots: 16 (tl.dot's least), 32 for
-    int codes (launch_decode: no 16-token int tiles), a PAIR tile's two pages as they are."""
+    int codes (launch_decode: no 16-token int tiles), a PAIR tile's two pages as they are.
+    The other tiles that hold rotated keys run in a loop of their own (config ROT_PEEL, on by
+    default; 0: the split's whole loop masks them, see decode_split_kernel)."""
     if pair:
         return block_t
     return min(block_t, 32 if int_codes else 16)
@@ -437,6 +439,7 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
         IEEE=cdt == tl.float32, WINDOW=window > 0, ASM=asm, BIG=big,
         SPLIT=bool(cfg["SPLIT"]), PAIR=pair, HAS_ROT=rot is not None, BLOCK_R=_rot_tile(
             block_t, pair, kfmt in INT_FMT_BITS or vfmt in INT_FMT_BITS),
+        ROT_PEEL=bool(cfg.get("ROT_PEEL", 1)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not interp else {}))
     if not direct:

@@ -31,7 +31,8 @@ def decode_split_kernel(
         WRITE_SCORES: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
         WINDOW: tl.constexpr, ASM: tl.constexpr, BIG: tl.constexpr, SPLIT: tl.constexpr,
         PAIR: tl.constexpr = False, HAS_SINK: tl.constexpr = False,
-        HAS_ROT: tl.constexpr = False, BLOCK_R: tl.constexpr = 16):
+        HAS_ROT: tl.constexpr = False, BLOCK_R: tl.constexpr = 16,
+        ROT_PEEL: tl.constexpr = True):
     # K / V (KZ, VZ: int zero points; KR, KRS / VR, VRS: bf16 residual rows and the row of
     # each page) in the formats KFMT / VFMT (decode_tiles.py codes) with scale modes KSM / VSM.
     # HAS_ROT: keys j < NROT[b] are scored by the query rotated by ROT_COS / ROT_SIN [B, D]
@@ -95,11 +96,17 @@ def decode_split_kernel(
     # HAS_ROT: phase 0, in split 0's program only, attends to keys [0, n_rot) with the rotated
     # query, in tiles of BLOCK_R keys (no tile then holds both kinds of keys: one dot per
     # tile, and no register of the rotated query outlives phase 0); phase 1, the split's
-    # tiles that hold keys below n_rot, with those unseen; phase 2, the plain loop
+    # tiles that hold keys below n_rot, with those unseen; phase 2, the plain loop. ROT_PEEL
+    # off: phase 1 takes every tile (one masked loop: a few more instructions per tile, but
+    # one loop less for the register allocator; which is faster is measured on the GPU,
+    # benchmarks/bench_rot_decode.py)
     if HAS_ROT:
         tl.static_assert(not WINDOW, "rotated keys take no window")
         n_rot = tl.minimum(tl.load(NROT + b).to(tl.int32), L)
-        t_skip = tl.minimum(tl.maximum(tl.cdiv(n_rot, BLOCK_T), t0), t1)
+        if ROT_PEEL:
+            t_skip = tl.minimum(tl.maximum(tl.cdiv(n_rot, BLOCK_T), t0), t1)
+        else:
+            t_skip = t1
     else:
         n_rot = L * 0
         t_skip = t0

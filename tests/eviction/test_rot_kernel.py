@@ -38,36 +38,39 @@ def _inputs(fmt, G: int, seed: int, n_rot=N_ROT, dtype=torch.int32):
     return kc, vc, bt, lens, q, (n, cos, sin), mass0
 
 
-def _kernel(q, kc, vc, bt, lens, softcap, splits, rot=None, mass=None, block_t=None):
-    """The launcher with `splits` splits and tiles of `block_t` keys (None: its default)."""
+def _kernel(q, kc, vc, bt, lens, softcap, splits, rot=None, mass=None, config=None):
+    """The launcher with `splits` splits and `config` (None: its default tiles)."""
     out = torch.empty(*q.shape[:3], D, dtype=q.dtype)
     launch_decode(q, kc.data, kc.scale, kc.micro, vc.data, vc.scale, vc.micro, bt, lens, None,
                   mass, out, kc.fmt.name, kc.fmt.granularity, vc.fmt.name, vc.fmt.granularity,
                   D ** -0.5, 0, 0, softcap, splits,
-                  None if block_t is None else {"BLOCK_T": block_t}, kz=kc.zero, vz=vc.zero,
+                  config, kz=kc.zero, vz=vc.zero,
                   backend="triton", rot=rot)
     return out.float()
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: "-".join(f))
 @pytest.mark.parametrize("G,softcap", [(1, 0.0), (4, 30.0)])
-@pytest.mark.parametrize("splits,block_t", [(1, None), (3, 16)])
-def test_rotated_keys_equal_reference(fmt, G, softcap, splits, block_t):
+@pytest.mark.parametrize("splits,config", [(1, None), (3, {"BLOCK_T": 16}),
+                                           (3, {"BLOCK_T": 16, "ROT_PEEL": 0})],
+                         ids=["direct", "split3", "split3-nopeel"])
+def test_rotated_keys_equal_reference(fmt, G, softcap, splits, config):
     """Direct launches with the default tile (128 keys: every sink in the first tile), and
-    three splits of 16-key tiles (40 sinks over three tiles and two splits)."""
+    three splits of 16-key tiles (40 sinks over three tiles and two splits), with the tiles
+    that hold rotated keys in a loop of their own (ROT_PEEL) or masked in the split's loop."""
     kc, vc, bt, lens, q, rot, mass0 = _inputs(fmt, G, seed=G + splits)
     mass_ref = mass0.clone()
     want = aside_reference(q, kc, vc, bt, lens, D ** -0.5, softcap, mass_ref,
                            (*rot, max(N_ROT)))
     mass = mass0.clone()
-    got = _kernel(q, kc, vc, bt, lens, softcap, splits, rot, mass, block_t)
+    got = _kernel(q, kc, vc, bt, lens, softcap, splits, rot, mass, config)
     tol = kernel_rel_err(compute_dtype(kc.fmt, "cpu"), "cpu")
     for b in range(len(LENS)):
         assert rel_err(got[b], want[b]) <= tol, f"row {b}"
         assert rel_err(mass[b], mass_ref[b]) <= tol, f"mass of row {b}"
     assert rel_err(mass[2], mass0[2]) > 1e-2, "the step added no mass"
     # the plain kernel: the row without sinks bit for bit, the rows with sinks off the reference
-    plain = _kernel(q, kc, vc, bt, lens, softcap, splits, block_t=block_t)
+    plain = _kernel(q, kc, vc, bt, lens, softcap, splits, config=config)
     assert torch.equal(plain[1], got[1])
     for b in (0, 2, 3):
         assert rel_err(plain[b], want[b]) > 10 * tol, f"row {b} without the rotation"

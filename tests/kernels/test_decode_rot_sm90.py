@@ -19,12 +19,13 @@ import triton.language as tl
 
 from tests.kernels.sm90_compile import compile_rows
 
-pytestmark = pytest.mark.slow   # 11 compiles, about a minute on the 2-core machine
+pytestmark = pytest.mark.slow   # 12 compiles, about a minute on the 2-core machine
 
 # (pages, scale granularity, page size, attn_mass): SmolLM2's heads (9 / 3, head_dim 64)
 CASES = [("bf16", "page", 16, False), ("fp8_e4m3", "token", 16, False),
          ("fp8_e4m3", "token", 16, True), ("fp8_e4m3", "page", 16, False),
          ("int4", "channel", 32, False)]
+# and fp8 token scales with the launcher's ROT_PEEL off (one masked loop): 2 * 5 + 1 kernels
 _NOT_CONSTEXPR = 3   # a plain global: the GPU compiler refuses to read it in a kernel
 
 
@@ -107,14 +108,20 @@ def _main() -> None:
         kc, vc, bt, lens = make_paged_kv(f, f, [70, 33], Hkv, D, page, device="cpu", gen=gen)
         q = torch.randn(2, Hkv * G, 1, D, dtype=torch.bfloat16, generator=gen)
         cos, sin = sink_rotation(inv_freq, torch.tensor([9, 0]))
-        for rot in (None, (torch.tensor([4, 0]), cos, sin)):
+        sinks = (torch.tensor([4, 0]), cos, sin)
+        for rot, cfg in ((None, None), (sinks, None), (sinks, {"ROT_PEEL": 0})):
+            if cfg is not None and (name, gran, mass) != ("fp8_e4m3", "token", False):
+                continue
             result.clear()
             m = torch.zeros(2, Hkv, 72) if mass else None
-            dec.paged_decode_attention(q, kc, vc, bt, lens, D ** -0.5, attn_mass=m, direct=True,
-                                       backend="triton", num_splits=1, rot=rot)
+            dec.launch_decode(q, kc.data, kc.scale, kc.micro, vc.data, vc.scale, vc.micro, bt,
+                              lens, None, m, None, name, gran, name, gran, D ** -0.5, 0, 0,
+                              0.0, 1, cfg, kz=kc.zero, vz=vc.zero, k_res=kc.res_data,
+                              k_res_slot=kc.res_slot, v_res=vc.res_data,
+                              v_res_slot=vc.res_slot, backend="triton", rot=rot)
             (msg, kw), = result
-            label = f"{name} {gran}{' mass' if mass else ''} rot={rot is not None}"
-            flags = {k: kw[k] for k in ("HAS_ROT", "SPLIT", "PAIR", "KRES", "ASM")}
+            label = f"{name} {gran}{' mass' if mass else ''} rot={rot is not None} {cfg or ''}"
+            flags = {k: kw[k] for k in ("HAS_ROT", "ROT_PEEL", "SPLIT", "PAIR", "KRES", "ASM")}
             print(json.dumps([label, msg, flags]), flush=True)
     x = torch.zeros(16)
     print(json.dumps(["negative: a non-constexpr global",
@@ -123,11 +130,12 @@ def _main() -> None:
 
 def test_decode_kernel_with_rotated_keys_compiles_for_sm90():
     rows = compile_rows("tests.kernels.test_decode_rot_sm90")
-    assert len(rows) == 2 * len(CASES) + 1, rows
+    assert len(rows) == 2 * len(CASES) + 2, rows
     *kernels, negative = rows
     bad = [f"{label}: {msg}" for label, msg, _ in kernels if msg != "ok"]
     assert not bad, "\n".join(bad)
-    assert [flags["HAS_ROT"] for _, _, flags in kernels] == [False, True] * len(CASES)
+    assert sum(f["HAS_ROT"] for _, _, f in kernels) == len(CASES) + 1
+    assert any(f["HAS_ROT"] and not f["ROT_PEEL"] for _, _, f in kernels)
     # the layouts the rotated query is loaded in were reached: SPLIT halves, PAIR tiles with
     # residual rows (even / odd columns)
     assert any(f["HAS_ROT"] and f["SPLIT"] for _, _, f in kernels)
