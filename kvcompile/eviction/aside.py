@@ -16,8 +16,9 @@ steps. Two policies need something inside the step itself:
   the default): slots [0, n_rot) hold the sinks (compaction keeps slot order) and their scores
   use the query rotated by -shift, where shift is the number of tokens evicted so far
   (SinkWindow evicts the run of tokens after the sinks, so the oldest kept token is
-  sinks + shift). The kernel attends with those slots hidden (`key_mask`) and returns its
-  log-sum-exp; the sinks' scores are computed here and merged into its softmax.
+  sinks + shift). The decode kernel scores them itself (its `rot` input: cos / sin of the
+  rotation per row, computed here once per step; the query is rotated in registers), in the
+  same softmax as the other slots.
 
 - SinkWindow with its sinks at their text positions (sink_positions="original") evicts without
   moving a token (runtime.py `_evict_window`): pages wholly between the sinks and the window
@@ -38,14 +39,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvcompile.errors import UnsupportedShapeError
 from kvcompile.eviction.attend import rotate_half
 from kvcompile.kernels.reference import masked_softmax
 from kvcompile.runtime.kernel_formats import kernel_readable
 
-LOG2E = 1.4426950408889634
 MASS_ALIGN = 64   # the store's length is a multiple of this (fewer regrowths, graph variants)
 
 
@@ -168,12 +167,15 @@ def attend_aside(state, store: MassStore | None, layer: int, q: torch.Tensor, pl
         if key_mask is None:
             key_mask = plan.cache["eviction_key_mask"] = a.key_mask()
     rot = None
-    if a.spec.sinks:
+    if a.spec.sinks:   # one rotation per forward, shared by the layers
         if inv_freq is None:
             raise UnsupportedShapeError("eviction: re-rotated sinks need the model's RoPE "
                                         "inv_freq (the eviction pass found none)")
-        cos, sin = sink_rotation(inv_freq, a.shift)
-        rot = (a.n_rot, cos, sin, a.spec.sinks)
+        rot = plan.cache.get(("eviction_sink_rot", id(inv_freq)))
+        if rot is None:
+            cos, sin = sink_rotation(inv_freq, a.shift)
+            rot = (a.n_rot, cos, sin, a.spec.sinks)
+            plan.cache[("eviction_sink_rot", id(inv_freq))] = rot
     out = None
     if state.kernels.use_triton(q.device):
         out = _kernel(state, qd, kc, vc, plan, scale, softcap, mass, rot, key_mask)
@@ -203,43 +205,18 @@ def _kernel(state, qd, kc, vc, plan, scale, softcap, mass, rot, key_mask=None):
 
 def kernel_aside(qd, kc, vc, block_tables, seq_lens, scale: float, softcap: float, mass=None,
                  rot=None, key_mask=None) -> torch.Tensor:
-    """`aside_reference`'s contract on the decode kernel: the kernel attends with the rows'
-    sinks and hidden slots masked (key_mask) and adds `mass` (its attn_mass output);
-    `merge_sinks` adds the rotated sinks to its softmax. -> [B, Hq, 1, Dv] fp32. The mass of a
-    row with sinks to rotate is left undefined (it lacks the sinks' share): such a row is
-    SinkWindow's, which keeps no mass (its mass row is the store's scratch row). Without sinks
-    to rotate (no log-sum-exp needed) the kernel is the decode path's default (the CUDA kernel
-    for fp8 pages on Hopper), else Triton."""
+    """`aside_reference`'s contract on the decode kernel: hidden slots masked (key_mask),
+    `mass` added (its attn_mass output), the rows' sinks scored inside the kernel by the query
+    rotated in registers (its `rot` input: slots < n_rot, one softmax, so the mass of a row
+    with sinks includes theirs). -> [B, Hq, 1, Dv] fp32. Without sinks to rotate the kernel is
+    the decode path's default (the CUDA kernel for fp8 pages on Hopper), else Triton."""
     from kvcompile.kernels.decode import paged_decode_attention
 
-    B, Hq = qd.shape[:2]
-    lse = None
-    if rot is not None:
-        n_rot, _, _, sinks = rot
-        hide = torch.arange(sinks, device=qd.device)[None, :] >= n_rot[:, None]  # [B, S]
-        if key_mask is not None:   # (the rotated sinks lie inside the hidden columns' span)
-            w = max(sinks, key_mask.shape[1])
-            hide = F.pad(hide, (0, w - sinks), value=True) & F.pad(
-                key_mask, (0, w - key_mask.shape[1]), value=True)
-        key_mask = hide
-        lse = torch.empty(B, Hq, 1, dtype=torch.float32, device=qd.device)
     out = paged_decode_attention(qd, kc, vc, block_tables, seq_lens, scale, key_mask=key_mask,
                                  softcap=softcap, attn_mass=mass, direct=True,
                                  backend="triton" if rot is not None else "auto",
-                                 lse_out=lse).float()
-    if rot is not None:
-        out = merge_sinks(out, lse, qd, kc, vc, block_tables, rot, scale, softcap)
-    return out
-
-
-def _leading(paged, block_tables: torch.Tensor, n: int) -> torch.Tensor:
-    """The first n slots of each row, dequantized: [B, Hkv, n, D] fp32."""
-    P = paged.page_size
-    pages = -(-n // P)
-    B = block_tables.shape[0]
-    x = paged.read(block_tables[:, :pages].long().reshape(-1))      # [B * pages, H, P, D]
-    x = x.view(B, pages, paged.num_heads, P, -1).transpose(1, 2)
-    return x.reshape(B, paged.num_heads, pages * P, -1)[:, :, :n]
+                                 rot=None if rot is None else tuple(rot[:3]))
+    return out.float()
 
 
 def _rotated_scores(qd, k, n_rot, cos, sin, scale, softcap):
@@ -254,28 +231,6 @@ def _rotated_scores(qd, k, n_rot, cos, sin, scale, softcap):
         s = softcap * torch.tanh(s / softcap)
     seen = torch.arange(n, device=qd.device)[None, :] < n_rot[:, None]   # [B, n]
     return torch.where(seen[:, None, None], s, float("-inf")), seen
-
-
-def merge_sinks(out, lse, qd, kc, vc, block_tables, rot, scale, softcap) -> torch.Tensor:
-    """out [B, Hq, 1, Dv] fp32 and lse [B, Hq, 1] (log2 units) of the keys but the sinks, merged
-    with the sinks (slots [0, n_rot)) scored by the rotated query -> [B, Hq, 1, Dv] fp32.
-    Rows without sinks to rotate keep the kernel's output as it is."""
-    n_rot, cos, sin, sinks = rot
-    B, Hq, _, Dv = out.shape
-    Hkv = kc.num_heads
-    G = Hq // Hkv
-    k, v = _leading(kc, block_tables, sinks), _leading(vc, block_tables, sinks)
-    s, seen = _rotated_scores(qd, k, n_rot, cos, sin, scale, softcap)
-    s2 = s * LOG2E                                                   # [B, Hkv, G, n]
-    lk = lse.view(B, Hkv, G, 1)
-    m = torch.maximum(lk, s2.amax(-1, keepdim=True))
-    m = torch.where(torch.isfinite(m), m, 0.0)
-    wk, ws = torch.exp2(lk - m), torch.exp2(s2 - m)
-    v = torch.where(seen[:, None, :, None], v, 0.0)
-    num = out.view(B, Hkv, G, Dv) * wk + torch.einsum("bhgn,bhnd->bhgd", ws, v)
-    den = wk + ws.sum(-1, keepdim=True)
-    merged = (num / torch.where(den > 0, den, 1.0)).view(B, Hq, 1, Dv)
-    return torch.where((n_rot > 0)[:, None, None, None], merged, out)
 
 
 def aside_reference(qd, kc, vc, block_tables, seq_lens, scale: float, softcap: float,

@@ -604,9 +604,10 @@ class EvictionRuntime(RuntimeHook):
         no holes, no padding left, the model's mask and window see every kept key. Slot order
         does not matter to a single query. H2O mass comes from the kernel's `attn_mass`
         output. A window book's hidden slots are masked (`key_mask`). Re-rotated sinks in
-        slots [0, n) (as compaction leaves them) are scored by the rotated query and merged
-        into the kernel's softmax (aside.py `kernel_aside`), as the aside steps do. Also the
-        engine's packed steps of one token per sequence (q [1, Hq, B, D])."""
+        slots [0, n) (as compaction leaves them) are scored inside the kernel by the rotated
+        query (aside.py `kernel_aside`, the kernel's `rot`), as the aside steps do; H2O rows
+        beside them keep their mass (one softmax). Also the engine's packed steps of one token
+        per sequence (q [1, Hq, B, D])."""
         state = ctx.state
         packed1 = plan.packed and all(n == 1 for n in plan.q_lens)
         if not ((plan.is_decode and not plan.packed) or packed1):
@@ -637,8 +638,6 @@ class EvictionRuntime(RuntimeHook):
             mass_rows.append(layer in book.mass)
             n_rot.append(n)
             shifts.append(shift)
-        if any(n_rot) and any(mass_rows):
-            return None   # (the kernel's mass lacks the rotated sinks' share)
         from kvcompile.eviction.aside import kernel_aside, sink_rotation
 
         pool = state.pool
@@ -667,7 +666,7 @@ class EvictionRuntime(RuntimeHook):
         try:
             if rot is not None:
                 out = kernel_aside(qd.contiguous(), pool.k[layer], pool.v[layer],
-                                   plan.block_tables, plan.seq_lens, scale, softcap, None, rot,
+                                   plan.block_tables, plan.seq_lens, scale, softcap, mass, rot,
                                    key_mask)
             else:
                 from kvcompile.kernels.decode import paged_decode_attention

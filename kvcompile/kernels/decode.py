@@ -27,6 +27,15 @@ Sink logits (sink_logits [Hq] fp32, attention sinks of gpt-oss; not the `sinks` 
 window): one more column of each row's softmax, whose probability is dropped. They enter only
 where a row's (acc, lse) is final, the direct epilogue or the combine: out *= 2^(lse - lse'),
 lse' = log2(2^lse + 2^(sink * log2 e)), and the lse written (H2O's attn_mass) is lse'.
+
+Rotated leading keys (rot = (n_rot [B], cos [B, D], sin [B, D]), the re-rotated sinks of
+eviction/aside.py): keys j < n_rot[b] are scored by row b's query rotated by cos / sin (RoPE
+scores depend on position differences, so a key stored at position p scored by the query
+rotated by -delta is the key scored as if it sat at p + delta). Split 0's program first
+attends to those keys in small tiles (`_rot_tile`) with the query rotated in registers (fp32,
+rounded once), then runs the plain loop with them unseen: one softmax, attn_mass included, and
+the plain loop's code unchanged. A compile-time flag (HAS_ROT): without rot the kernel is the
+plain one.
 """
 
 from __future__ import annotations
@@ -219,6 +228,36 @@ def _check(q, kd, vd, kfmt, vfmt, block_tables, seq_lens, key_mask, attn_mass, o
     return B, Hq, Sq, D, dv, N, Hkv, P
 
 
+def _rot_tile(block_t: int, pair: bool, int_codes: bool) -> int:
+    """Keys per tile of the rotated keys' phase (decode_split_kernel HAS_ROT): few, so that
+    the sinks (4 in StreamingLLM) do not pay a whole tile's dots: 16 (tl.dot's least), 32 for
+    int codes (launch_decode: no 16-token int tiles), a PAIR tile's two pages as they are.
+    The other tiles that hold rotated keys run in a loop of their own (config ROT_PEEL, on by
+    default; 0: the split's whole loop masks them, see decode_split_kernel)."""
+    if pair:
+        return block_t
+    return min(block_t, 32 if int_codes else 16)
+
+
+def _check_rot(rot, B: int, D: int, device, backend: str) -> None:
+    """The launcher's contract for rotated leading keys (launch_decode `rot`)."""
+    if backend != "triton":
+        raise UnsupportedShapeError("paged_decode: rot (rotated leading keys) is read by the "
+                                    "Triton kernel only; pass backend='triton'")
+    if not (isinstance(rot, tuple) and len(rot) == 3):
+        raise UnsupportedShapeError("paged_decode: rot must be (n_rot, cos, sin)")
+    n_rot, cos, sin = rot
+    if (n_rot.dtype not in (torch.int32, torch.int64) or tuple(n_rot.shape) != (B,)
+            or not n_rot.is_contiguous() or n_rot.device != device):
+        raise UnsupportedShapeError(f"paged_decode: rot's n_rot must be contiguous int32 / "
+                                    f"int64 [{B}] on {device}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if (t.dtype != torch.float32 or tuple(t.shape) != (B, D) or not t.is_contiguous()
+                or t.device != device):
+            raise UnsupportedShapeError(f"paged_decode: rot's {name} must be contiguous fp32 "
+                                        f"[{B}, {D}] on {device}")
+
+
 def _check_residual(name, res, res_slot, N, Hkv, P, D) -> bool:
     """Whether a residual is read: res [R, Hkv, P, D] bf16 with R > 0, res_slot [N] int32."""
     if res is None or res.numel() == 0:  # no row was ever assigned: no page has a residual
@@ -282,27 +321,24 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
                   sliding_window: int, sinks: int, softcap: float, num_splits: int,
                   config: dict | None = None, kz=None, vz=None, k_res=None, k_res_slot=None,
                   v_res=None, v_res_slot=None, backend: str = "auto",
-                  sink_logits=None, lse_out=None, qk_fp8: bool = False) -> torch.Tensor:
+                  sink_logits=None, rot=None, qk_fp8: bool = False) -> torch.Tensor:
     """Check, then launch split kernel (+ combine, + attention-mass pass). Writes `out`.
     qk_fp8: the CUDA kernel's opt-in variant with q.k on e4m3 tensor cores (q quantized to
     e4m3; fp8_e4m3 keys on sm_90 only; refused with the reason otherwise).
     kz / vz: int zero points (shaped like the scales); k_res / v_res [R, Hkv, P, D] bf16 and
     k_res_slot / v_res_slot [N] int32: residual pages (PagedTensor.res_data / res_slot);
-    sink_logits [Hq] fp32: attention sinks (the module docstring); lse_out [B, Hq, Sq] fp32:
-    gets each row's log-sum-exp in log2 units of the scaled scores (Triton kernel only: a
-    caller that merges more keys into the softmax, eviction/aside.py)."""
+    sink_logits [Hq] fp32: attention sinks (the module docstring); rot: (n_rot, cos, sin),
+    rotated leading keys (the module docstring; Triton kernel only)."""
     kfmt, ksm = _codes(k_fmt, k_gran)
     vfmt, vsm = _codes(v_fmt, v_gran)
     B, Hq, Sq, D, DV, N, Hkv, P = _check(q, kd, vd, kfmt, vfmt, block_tables, seq_lens,
                                          key_mask, attn_mass, out)
     check_sink_logits("paged_decode", sink_logits, Hq, q.device)
-    if lse_out is not None and (lse_out.dtype != torch.float32 or not lse_out.is_contiguous()
-                                or tuple(lse_out.shape) != (B, Hq, Sq)):
-        raise UnsupportedShapeError(f"paged_decode: lse_out must be contiguous fp32 "
-                                    f"[{B}, {Hq}, {Sq}]")
-    if lse_out is not None and backend != "triton":
-        raise UnsupportedShapeError("paged_decode: lse_out is written by the Triton kernel "
-                                    "only; pass backend='triton'")
+    if rot is not None:
+        _check_rot(rot, B, D, q.device, backend)
+        if sliding_window:
+            raise UnsupportedShapeError("paged_decode: rot (rotated leading keys) with a "
+                                        "sliding window is not supported; pass one of them")
     if (backend == "cuda" or backend == "auto" and cuda_decode_by_default(k_fmt, v_fmt)) \
             and not interpreting():
         residual = _check_residual("keys", k_res, k_res_slot, N, Hkv, P, D) or \
@@ -375,8 +411,7 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
     if out is None:
         out = torch.empty(B, Hq, Sq, DV, dtype=q.dtype, device=dev)
     rows = B * Hq * Sq
-    lse = (lse_out.view(rows) if lse_out is not None
-           else torch.empty(rows, dtype=torch.float32, device=dev))
+    lse = torch.empty(rows, dtype=torch.float32, device=dev)
     direct = num_splits == 1
     if direct:
         acc = plse = lse
@@ -393,6 +428,7 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
     fold = FP4_ASM_FOLD if asm else 1.0
     qk_scale = float(scale) * LOG2E
     grid = (B * Hkv, num_splits)
+    rot_ptrs = (rot[1], rot[2], rot[0]) if rot is not None else (none, none, none)  # cos, sin, n
     decode_split_kernel[grid](
         q, kd, none if ks is None else ks, kd if km is None else km, none if kz is None else kz,
         k_res if kres else none, k_res_slot if kres else none,
@@ -400,6 +436,7 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
         v_res if vres else none, v_res_slot if vres else none,
         block_tables, seq_lens, kmask, acc, plse, out, scores,
         sink_logits if sink_logits is not None else none,
+        *rot_ptrs,
         block_tables.stride(0), key_mask.shape[1] if key_mask is not None else 0, scores_len,
         Hkv, qk_scale, float(scale) / softcap if softcap else 0.0, softcap * LOG2E,
         fold if kfmt == FMT_E2M1 else 1.0, fold if vfmt == FMT_E2M1 else 1.0, window, sinks,
@@ -408,7 +445,9 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
         SOFTCAP=bool(softcap), HAS_SINK=sink_logits is not None and direct,
         HAS_KMASK=key_mask is not None, WRITE_SCORES=attn_mass is not None, DIRECT=direct,
         IEEE=cdt == tl.float32, WINDOW=window > 0, ASM=asm, BIG=big,
-        SPLIT=bool(cfg["SPLIT"]), PAIR=pair,
+        SPLIT=bool(cfg["SPLIT"]), PAIR=pair, HAS_ROT=rot is not None, BLOCK_R=_rot_tile(
+            block_t, pair, kfmt in INT_FMT_BITS or vfmt in INT_FMT_BITS),
+        ROT_PEEL=bool(cfg.get("ROT_PEEL", 1)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not interp else {}))
     if not direct:
@@ -484,7 +523,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: f
                            softcap: float = 0.0, attn_mass=None, out=None,
                            num_splits: int | None = None, direct: bool = False,
                            backend: str = "auto", sink_logits=None,
-                           lse_out=None) -> torch.Tensor:
+                           rot=None) -> torch.Tensor:
     """Decode attention over paged K/V in any storage format.
 
     q: [B, Hq, Sq, D], Sq in 1..8; k_cache, v_cache: PagedTensor (data [N, Hkv, P, D]);
@@ -500,11 +539,13 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: f
     backend (direct only): "triton" = the portable kernel; "cuda" = the CUDA kernel on sm_90
     (decode_sm90.py) where it takes the call, else Triton; "auto" = "cuda" for the formats of
     CUDA_DECODE_FORMATS (fp8 pages), else "triton".
-    lse_out (direct, backend "triton" only): fp32 [B, Hq, Sq], each row's log-sum-exp (log2
-    units of the scaled scores).
+    rot (direct, backend "triton" only): (n_rot [B] int32 / int64, cos [B, D] fp32, sin [B, D]
+    fp32): keys j < n_rot[b] are scored by row b's query rotated by cos / sin (RoPE, HF
+    rotate_half layout), the other keys by the query itself, in one softmax (re-rotated sinks,
+    eviction/aside.py; the module docstring).
     """
-    if lse_out is not None and not direct:
-        raise UnsupportedShapeError("paged_decode_attention: lse_out needs direct=True")
+    if rot is not None and not direct:
+        raise UnsupportedShapeError("paged_decode_attention: rot needs direct=True")
     if direct:
         return launch_decode(
             q, k_cache.data, k_cache.scale, k_cache.micro, v_cache.data, v_cache.scale,
@@ -513,7 +554,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: f
             int(sliding_window or 0), int(sinks or 0), float(softcap or 0.0),
             int(num_splits or 0), None, k_cache.zero, v_cache.zero, k_cache.res_data,
             k_cache.res_slot, v_cache.res_data, v_cache.res_slot, backend=backend,
-            sink_logits=sink_logits, lse_out=lse_out)
+            sink_logits=sink_logits, rot=rot)
     args = (q, k_cache.data, k_cache.scale, k_cache.micro, v_cache.data, v_cache.scale,
             v_cache.micro, block_tables, seq_lens, key_mask, attn_mass,
             k_cache.fmt.name, k_cache.fmt.granularity, v_cache.fmt.name,

@@ -37,11 +37,14 @@ from kvcompile.kernels.decode_tiles import (
 @triton.jit
 def tile_meta(t, t1, b, L, lo, lo_t, n_sink, sinks, BT, stride_bt, KMASK, n_kmask,
                P: tl.constexpr, BLOCK_T: tl.constexpr, WINDOW: tl.constexpr,
-               HAS_KMASK: tl.constexpr):
-    # tile t -> key positions [T], keys some row of the program may see [T], their page ids
+               HAS_KMASK: tl.constexpr, first=0, SKIP: tl.constexpr = False):
+    # tile t -> key positions [T], keys some row of the program may see [T], their page ids;
+    # SKIP: keys below `first` unseen
     start = tl.where(t < n_sink, t * BLOCK_T, lo_t + (t - n_sink) * BLOCK_T)
     pos = start + tl.arange(0, BLOCK_T)
     seen = (pos < L) & (pos * 0 + t < t1)
+    if SKIP:
+        seen = seen & (pos >= first)
     if WINDOW:
         seen = seen & ((pos >= lo) | (pos < sinks))
     if HAS_KMASK:

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from kvcompile.kernels.decode_attend import attend_tile, tile_meta, tile_operand
-from kvcompile.kernels.decode_tiles import load_row_pair
+from kvcompile.kernels.decode_tiles import load_rotated_pair, load_row_pair
 
 
 # Runtime ints are not specialized (divisibility, == 1): the binary depends on the constexprs
@@ -21,7 +21,7 @@ from kvcompile.kernels.decode_tiles import load_row_pair
                                "NUM_SPLITS"])
 def decode_split_kernel(
         Q, KD, KS, KM, KZ, KR, KRS, VD, VS, VM, VZ, VR, VRS, BT, SL, KMASK, ACC, LSE, OUT,
-        SCORES, SINK, stride_bt, n_kmask, scores_len, H, qk_scale, cap_in, cap_out, k_mult, v_mult,
+        SCORES, SINK, ROT_COS, ROT_SIN, NROT, stride_bt, n_kmask, scores_len, H, qk_scale, cap_in, cap_out, k_mult, v_mult,
         window, sinks, NUM_SPLITS,
         G: tl.constexpr, SQ: tl.constexpr, M: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
         P: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -30,9 +30,14 @@ def decode_split_kernel(
         CDT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KMASK: tl.constexpr,
         WRITE_SCORES: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
         WINDOW: tl.constexpr, ASM: tl.constexpr, BIG: tl.constexpr, SPLIT: tl.constexpr,
-        PAIR: tl.constexpr = False, HAS_SINK: tl.constexpr = False):
+        PAIR: tl.constexpr = False, HAS_SINK: tl.constexpr = False,
+        HAS_ROT: tl.constexpr = False, BLOCK_R: tl.constexpr = 16,
+        ROT_PEEL: tl.constexpr = True):
     # K / V (KZ, VZ: int zero points; KR, KRS / VR, VRS: bf16 residual rows and the row of
-    # each page) in the formats KFMT / VFMT (decode_tiles.py codes) with scale modes KSM / VSM
+    # each page) in the formats KFMT / VFMT (decode_tiles.py codes) with scale modes KSM / VSM.
+    # HAS_ROT: keys j < NROT[b] are scored by the query rotated by ROT_COS / ROT_SIN [B, D]
+    # (re-rotated sinks, eviction/aside.py) in tiles of BLOCK_R keys that split 0 runs first;
+    # the other tiles skip those keys
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // H
@@ -59,11 +64,7 @@ def decode_split_kernel(
     KH: tl.constexpr = 1 if (KFMT == 3 or KFMT == 4 or KFMT == 5) else (2 if SPLIT else 0)
     VH: tl.constexpr = 1 if (VFMT == 3 or VFMT == 4 or VFMT == 5) else (2 if SPLIT else 0)
     q_a, q_b = load_row_pair(Q, q_row, row_ok, D, KH, CDT)
-    q_sum = row_ok.to(tl.float32)  # int keys' zero points add zero * sum_d q_d to the scores
-    if KFMT >= 5:
-        q_sum = tl.sum(q_a.to(tl.float32), 1)
-        if KH != 0:
-            q_sum += tl.sum(q_b.to(tl.float32), 1)
+    q_sum = _row_sums(q_a, q_b, row_ok, KFMT, KH)
 
     # key range: [lo_t, L) plus the tiles of the first `sinks` keys when the window cuts them
     if WINDOW:
@@ -92,35 +93,73 @@ def decode_split_kernel(
         acc_a = tl.zeros([M, DV], tl.float32)
         acc_b = acc_a
 
-    for t in range(t0, t1):
-        pos, seen, page = tile_meta(t, t1, b, L, lo, lo_t, n_sink, sinks, BT, stride_bt,
-                                     KMASK, n_kmask, P, BLOCK_T, WINDOW, HAS_KMASK)
-        off = pos % P
-        if KSM == 4 or VSM == 4:
-            # channel scales: the tile's page(s) from the block table, as scalars (a tile of
-            # one page, or of two when BLOCK_T = 2P)
-            start = tl.where(t < n_sink, t * BLOCK_T, lo_t + (t - n_sink) * BLOCK_T)
-            cok0 = (start < L).to(tl.int32)
-            cok1 = (start + P < L).to(tl.int32)
-            cpage0 = tl.load(BT + b * stride_bt + start // P, mask=cok0 != 0, other=0)
-            cpage1 = tl.load(BT + b * stride_bt + start // P + 1, mask=cok1 != 0, other=0)
+    # HAS_ROT: phase 0, in split 0's program only, attends to keys [0, n_rot) with the rotated
+    # query, in tiles of BLOCK_R keys (no tile then holds both kinds of keys: one dot per
+    # tile, and no register of the rotated query outlives phase 0); phase 1, the split's
+    # tiles that hold keys below n_rot, with those unseen; phase 2, the plain loop. ROT_PEEL
+    # off: phase 1 takes every tile (one masked loop: a few more instructions per tile, but
+    # one loop less for the register allocator; which is faster is measured on the GPU,
+    # benchmarks/bench_rot_decode.py)
+    if HAS_ROT:
+        tl.static_assert(not WINDOW, "rotated keys take no window")
+        n_rot = tl.minimum(tl.load(NROT + b).to(tl.int32), L)
+        if ROT_PEEL:
+            t_skip = tl.minimum(tl.maximum(tl.cdiv(n_rot, BLOCK_T), t0), t1)
         else:
-            cok0 = 0
-            cok1 = 0
-            cpage0 = 0
-            cpage1 = 0
-        kx, km, ks, kz, k_ok, k_row, k_nres = tile_operand(
-            KD, KS, KM, KZ, KRS, page, off, seen, kvh, H, k_mult, D, P, KFMT, KSM, KRES,
-            KH, CDT, ASM, BIG, SPLIT, cpage0, cpage1, cok0, cok1)
-        vx, vm, vs, vz, v_ok, v_row, v_nres = tile_operand(
-            VD, VS, VM, VZ, VRS, page, off, seen, kvh, H, v_mult, DV, P, VFMT, VSM, VRES,
-            VH, CDT, ASM, BIG, SPLIT, cpage0, cpage1, cok0, cok1)
-        m_i, l_i, w_run, acc_a, acc_b = attend_tile(
-            q_a, q_b, q_sum, kx, km, vx, vm, ks, vs, kz, vz, k_ok, v_ok, KR, k_row, k_nres, VR,
-            v_row, v_nres, pos, seen, q_pos, row_ok, q_row, m_i, l_i, w_run, acc_a, acc_b, SCORES,
-            scores_len, qk_scale, cap_in, cap_out, window, sinks, D, DV, SQ, KFMT, VFMT, KSM,
-            VSM, KRES, VRES, KH, VH, CDT, SOFTCAP, WRITE_SCORES, PREC, WINDOW, ASM, SPLIT, P,
-            PAIR)
+            t_skip = t1
+    else:
+        n_rot = L * 0
+        t_skip = t0
+    for phase in tl.static_range(0 if HAS_ROT else 2, 3):
+        if phase == 0:
+            ta = L * 0
+            tb = tl.where(split == 0, tl.cdiv(n_rot, BLOCK_R), 0)
+            L_p = n_rot
+            qp_a, qp_b = load_rotated_pair(Q, q_row, row_ok, ROT_COS + b * D, ROT_SIN + b * D,
+                                           D, KH, CDT)
+            qp_sum = _row_sums(qp_a, qp_b, row_ok, KFMT, KH)
+        else:
+            if phase == 1:
+                ta = t0
+                tb = t_skip
+            else:
+                ta = t_skip
+                tb = t1
+            L_p = L
+            qp_a = q_a
+            qp_b = q_b
+            qp_sum = q_sum
+        for t in range(ta, tb):
+            pos, seen, page = tile_meta(t, tb, b, L_p, lo, lo_t, n_sink, sinks, BT, stride_bt,
+                                         KMASK, n_kmask, P, BLOCK_R if phase == 0 else BLOCK_T,
+                                         WINDOW, HAS_KMASK, n_rot, phase == 1)
+            off = pos % P
+            if KSM == 4 or VSM == 4:
+                # channel scales: the tile's page(s) from the block table, as scalars (a tile
+                # of one page, or of two when BLOCK_T = 2P)
+                tile: tl.constexpr = BLOCK_R if phase == 0 else BLOCK_T
+                start = tl.where(t < n_sink, t * tile, lo_t + (t - n_sink) * tile)
+                cok0 = (start < L).to(tl.int32)
+                cok1 = (start + P < L).to(tl.int32)
+                cpage0 = tl.load(BT + b * stride_bt + start // P, mask=cok0 != 0, other=0)
+                cpage1 = tl.load(BT + b * stride_bt + start // P + 1, mask=cok1 != 0, other=0)
+            else:
+                cok0 = 0
+                cok1 = 0
+                cpage0 = 0
+                cpage1 = 0
+            kx, km, ks, kz, k_ok, k_row, k_nres = tile_operand(
+                KD, KS, KM, KZ, KRS, page, off, seen, kvh, H, k_mult, D, P, KFMT, KSM, KRES,
+                KH, CDT, ASM, BIG, SPLIT, cpage0, cpage1, cok0, cok1)
+            vx, vm, vs, vz, v_ok, v_row, v_nres = tile_operand(
+                VD, VS, VM, VZ, VRS, page, off, seen, kvh, H, v_mult, DV, P, VFMT, VSM, VRES,
+                VH, CDT, ASM, BIG, SPLIT, cpage0, cpage1, cok0, cok1)
+            m_i, l_i, w_run, acc_a, acc_b = attend_tile(
+                qp_a, qp_b, qp_sum, kx, km, vx, vm, ks, vs, kz, vz, k_ok, v_ok, KR, k_row,
+                k_nres, VR, v_row, v_nres, pos, seen, q_pos, row_ok, q_row, m_i, l_i, w_run,
+                acc_a, acc_b, SCORES, scores_len, qk_scale, cap_in, cap_out, window, sinks, D,
+                DV, SQ, KFMT, VFMT, KSM, VSM, KRES, VRES, KH, VH, CDT, SOFTCAP, WRITE_SCORES,
+                PREC, WINDOW, ASM, SPLIT, P, PAIR)
 
     if PAIR:  # merge the two copies of each query row (w_run is the same in every row)
         m2 = tl.reshape(m_i, [2, HM])
@@ -168,6 +207,18 @@ def decode_split_kernel(
         if VH != 0:
             tl.store(a_ptr + cols_b[None, :], acc_b * inv[:, None], mask=row_ok[:, None])
         tl.store(LSE + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _row_sums(q_a, q_b, row_ok, KFMT: tl.constexpr, KH: tl.constexpr):
+    # sum_d q_d per row (int keys' zero points add zero * sum_d q_d to the scores); unused
+    # (row_ok) for the other formats
+    q_sum = row_ok.to(tl.float32)
+    if KFMT >= 5:
+        q_sum = tl.sum(q_a.to(tl.float32), 1)
+        if KH != 0:
+            q_sum += tl.sum(q_b.to(tl.float32), 1)
+    return q_sum
 
 
 @triton.jit

@@ -245,6 +245,39 @@ def load_row_pair(ptr, row, ok, D: tl.constexpr, HALVES: tl.constexpr, CDT: tl.c
 
 
 @triton.jit
+def _rotated_cols(ptr, row, ok, cos_ptr, sin_ptr, cols, D: tl.constexpr):
+    # columns `cols` of rows [T] of D elements, RoPE-rotated in fp32 (HF rotate_half layout):
+    # x_c * cos_c + sign_c * x_(c + D/2 mod D) * sin_c, sign -1 in the first half
+    x = tl.load(ptr + row[:, None] * D + cols[None, :], mask=ok[:, None], other=0.0)
+    y = tl.load(ptr + row[:, None] * D + ((cols + D // 2) % D)[None, :], mask=ok[:, None],
+                other=0.0)
+    c = tl.load(cos_ptr + cols)
+    s = tl.where(cols < D // 2, -1.0, 1.0) * tl.load(sin_ptr + cols)
+    return x.to(tl.float32) * c[None, :] + y.to(tl.float32) * s[None, :]
+
+
+@triton.jit
+def load_rotated_pair(ptr, row, ok, cos_ptr, sin_ptr, D: tl.constexpr, HALVES: tl.constexpr,
+                      CDT: tl.constexpr):
+    # load_row_pair of the rows rotated by RoPE with cos / sin [D] fp32 (the re-rotated sinks'
+    # query, eviction/aside.py), in fp32 and rounded once to CDT
+    if HALVES == 0:
+        a = _rotated_cols(ptr, row, ok, cos_ptr, sin_ptr, tl.arange(0, D), D).to(CDT)
+        b = a
+    else:
+        h = tl.arange(0, D // 2)
+        if HALVES == 1:
+            ca = 2 * h
+            cb = ca + 1
+        else:
+            ca = h
+            cb = h + D // 2
+        a = _rotated_cols(ptr, row, ok, cos_ptr, sin_ptr, ca, D).to(CDT)
+        b = _rotated_cols(ptr, row, ok, cos_ptr, sin_ptr, cb, D).to(CDT)
+    return a, b
+
+
+@triton.jit
 def _codes_to_f16(c):
     # uint8 codes -> fp16, exactly, with no int -> float conversion (I2F runs at 16 per clock
     # and SM on sm_90, an int4 tile would wait on it): 0x6400 | c is the fp16 of 1024 + c, and

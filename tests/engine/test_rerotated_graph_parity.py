@@ -195,15 +195,13 @@ def test_greedy_parting_on_constructed_logits():
         storage_rel_tol("int9")
 
 
-def test_host_path_decodes_rerotated_sinks_through_the_kernel():
-    """The host path (decode_aside refused) of the engine's decode steps attends through the
-    decode kernel with the sinks scored by the rotated query (kernel_aside), not per sequence
-    through attend_kept: same logits as attend_kept (Triton interpreter, fp32 pages), and it
-    evicts every eviction_interval steps as the aside steps do."""
+def _kernel_model():
+    """A tiny Llama of head_dim 64 (a size the decode kernel takes), compiled with re-rotated
+    SinkWindow sinks, fp32 pages, kernels="triton" (the interpreter on the CPU)."""
     import transformers as t
 
     torch._dynamo.reset()
-    torch.manual_seed(0)   # head_dim 64: a size the decode kernel takes
+    torch.manual_seed(0)
     m = t.LlamaForCausalLM(t.LlamaConfig(
         vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, pad_token_id=0, bos_token_id=1,
@@ -212,7 +210,13 @@ def test_host_path_decodes_rerotated_sinks_through_the_kernel():
         m.lm_head.weight.mul_(8.0)
     kvcompile.compile(m, config(page_size=8, kv_dtype="fp32", eviction=POLICY,
                                 kernels="triton"))
-    prompts = random_prompts(random.Random(4), 3, 20, 30)
+    return m
+
+
+def _host_path_routes(m, prompts, params) -> list[tuple[dict, dict, int]]:
+    """The engine's decode steps on the host path (decode_aside refused), through the decode
+    kernel and through attend_kept: per route (logits of each request's decode steps, counter
+    increments, all-decode forwards)."""
     st = state_of(m)
     runs = []
     for route in ("kernel", "attend_kept"):
@@ -224,29 +228,64 @@ def test_host_path_decodes_rerotated_sinks_through_the_kernel():
         if route == "attend_kept":
             mp.setattr(st.eviction, "_attend_kernel", lambda *a, **k: None)
         logits: dict[str, list] = {}
+        decodes = [0]
         fwd = eng.runner.forward
 
-        def forward(out, fwd=fwd, logits=logits):
+        def forward(out, fwd=fwd, logits=logits, decodes=decodes):
             lg = fwd(out)
             if all(s.n == 1 and s.start > 0 for s in out.seqs):
+                decodes[0] += 1
                 for s, row in zip(out.seqs, lg):
                     logits.setdefault(s.req.id, []).append(row.double().clone())
             return lg
 
         eng.runner.forward = forward
         try:
-            eng.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+            eng.generate(prompts, params)
         finally:
             mp.undo()
             eng.close()
         counts = {k: st.counters.get(k, 0) - before.get(k, 0) for k in st.counters}
-        runs.append(({r: torch.stack(v) for r, v in logits.items()}, counts))
-    (kern, ck), (ref, cr) = runs
+        runs.append(({r: torch.stack(v) for r, v in logits.items()}, counts, decodes[0]))
+    return runs
+
+
+def test_host_path_decodes_rerotated_sinks_through_the_kernel():
+    """The host path (decode_aside refused) of the engine's decode steps attends through the
+    decode kernel with the sinks scored by the rotated query (kernel_aside), not per sequence
+    through attend_kept: same logits as attend_kept (Triton interpreter, fp32 pages), and it
+    evicts every eviction_interval steps as the aside steps do."""
+    m = _kernel_model()
+    prompts = random_prompts(random.Random(4), 3, 20, 30)
+    (kern, ck, _), (ref, cr, _) = _host_path_routes(
+        m, prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert ck.get("eviction_kernel_decode", 0) > 0 and cr.get("eviction_kernel_decode", 0) == 0
     assert ck.get("eviction_aside_steps", 0) == 0
     # 3 prompts of 20-30 tokens, budget 14, interval 4: evicted at the prompt's end, then
     # every 4 decode steps (not every step)
     assert 3 < ck["eviction_runs"] <= 3 + 3 * 3, ck["eviction_runs"]
+    diag = [greedy_parting(ref[r], kern[r], kernel_rel_err(torch.float32, "cpu"))
+            for r in sorted(ref)]
+    assert all(d["parted"] is None and d["ok"] for d in diag), diag
+
+
+def test_host_path_kernel_decodes_h2o_beside_rerotated_sinks():
+    """Requests with H2O (its mass from the kernel's attn_mass output) in the same decode
+    steps as re-rotated SinkWindow sinks: every decode step of every layer runs the decode
+    kernel once (before the sinks were scored inside the kernel, such a batch fell back to
+    attend_kept: the kernel's mass lacked the sinks' share), with attend_kept's logits, and
+    so H2O's choices (kept tokens follow the mass)."""
+    from kvcompile.config import H2O
+
+    m = _kernel_model()
+    prompts = random_prompts(random.Random(5), 4, 20, 30)
+    h2o = H2O(budget=14, recent=3, sinks=1)
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                             eviction=h2o if i % 2 else "model") for i in range(4)]
+    (kern, ck, n_dec), (ref, cr, _) = _host_path_routes(m, prompts, params)
+    layers = len(state_of(m).layer_specs)
+    assert n_dec >= 11 and ck.get("eviction_kernel_decode", 0) == layers * n_dec, (ck, n_dec)
+    assert cr.get("eviction_kernel_decode", 0) == 0
     diag = [greedy_parting(ref[r], kern[r], kernel_rel_err(torch.float32, "cpu"))
             for r in sorted(ref)]
     assert all(d["parted"] is None and d["ok"] for d in diag), diag

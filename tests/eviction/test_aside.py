@@ -1,13 +1,13 @@
 """Decode steps eviction steps aside for (eviction/aside.py): the fixed-shape reference against
 the host path's attention (eviction/attend.py `attend_kept`, re-rotated sinks and H2O mass
-included), the Triton kernel + sink merge against that reference, and the contract's errors."""
+included), the Triton kernel (sinks scored inside it) against that reference. The kernel's
+`rot` input on its own: test_rot_kernel.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvcompile.errors import UnsupportedShapeError
 from kvcompile.eviction.aside import aside_reference, kernel_aside, sink_rotation
 from kvcompile.eviction.attend import attend_kept, rotation
 from kvcompile.kernels.reference import gather_pages
@@ -72,9 +72,10 @@ def test_reference_equals_host_path(softcap):
 @pytest.mark.parametrize("fmt", [("bf16",), ("fp8_e4m3", "page"),
                                  ("int4", "channel", "residual")],
                          ids=lambda f: "-".join(f))
-def test_kernel_and_sink_merge_equal_reference(fmt):
-    """The decode kernel (TRITON_INTERPRET on the CPU) with the sinks hidden, its lse and
-    attn_mass outputs, and the rotated sinks merged: the reference's output and mass."""
+def test_kernel_with_rotated_sinks_equals_reference(fmt):
+    """The decode kernel (TRITON_INTERPRET on the CPU) with the sinks scored by the rotated
+    query inside it and its attn_mass output: the reference's output and mass, rows with
+    sinks included."""
     # (int codes with channel scales take pages of 32 or more: decode.channel_min_page)
     kc, vc, bt, lens, q, mass0, rot = _case(fmt, seed=1, page=32 if fmt[0] == "int4" else P)
     scale = D ** -0.5
@@ -85,41 +86,23 @@ def test_kernel_and_sink_merge_equal_reference(fmt):
     tol = kernel_rel_err(compute_dtype(kc.fmt, "cpu"), "cpu")
     for b in range(len(LENS)):
         assert rel_err(got[b], want[b]) <= tol, f"row {b}"
-        if not N_ROT[b]:   # (a row with sinks to rotate keeps no mass: kernel_aside)
-            assert rel_err(mass[b], mass_ref[b]) <= tol, f"mass of row {b}"
+        assert rel_err(mass[b], mass_ref[b]) <= tol, f"mass of row {b}"
     assert rel_err(mass[1], mass0[1]) > 1e-2, "the step added no mass"
-
-
-def test_lse_out_contract():
-    kc, vc, bt, lens, q, _, _ = _case()
-    from kvcompile.kernels.decode import paged_decode_attention
-
-    lse = torch.empty(len(LENS), HKV * G, 1)
-    with pytest.raises(UnsupportedShapeError, match="backend='triton'"):
-        paged_decode_attention(q, kc, vc, bt, lens, 0.1, direct=True, lse_out=lse)
-    with pytest.raises(UnsupportedShapeError, match="lse_out must be contiguous fp32"):
-        paged_decode_attention(q, kc, vc, bt, lens, 0.1, direct=True, backend="triton",
-                               lse_out=lse[:, :1])
-    with pytest.raises(UnsupportedShapeError, match="needs direct=True"):
-        paged_decode_attention(q, kc, vc, bt, lens, 0.1, lse_out=lse)
 
 
 @pytest.mark.parametrize("fmt", [("bf16",), ("int4", "channel", "residual")],
                          ids=lambda f: "-".join(f))
-def test_reference_and_sink_merge_have_no_host_sync(fmt):
-    """What runs inside a replayed step on quantized pages (dequantization by PagedTensor.read,
-    the rotated sinks' scores and merge) reads nothing back to the host. (Not fp8 here: its
-    CPU-only widening, cache/fp8.py fp8_widen, reads a min / max on the host; on CUDA it is a
-    cast.)"""
-    from kvcompile.eviction.aside import merge_sinks
+def test_reference_and_sink_rotation_have_no_host_sync(fmt):
+    """What runs inside a replayed step on quantized pages off the kernel (dequantization by
+    PagedTensor.read, the rotated sinks' scores) and beside it (the rotation's cos / sin)
+    reads nothing back to the host. (Not fp8 here: its CPU-only widening, cache/fp8.py
+    fp8_widen, reads a min / max on the host; on CUDA it is a cast.)"""
     from tests.engine.test_engine_eviction import _NoHostSync
 
     kc, vc, bt, lens, q, mass0, rot = _case(fmt, seed=2, page=32)
-    lse = torch.zeros(len(LENS), HKV * G, 1)
-    out = torch.zeros(len(LENS), HKV * G, 1, D)
     with _NoHostSync():
         aside_reference(q, kc, vc, bt, lens, D ** -0.5, 0.0, mass0.clone(), rot)
-        merge_sinks(out, lse, q, kc, vc, bt, rot, D ** -0.5, 0.0)
+        sink_rotation(_inv_freq(), torch.tensor(SHIFT))
 
 
 HIDE = [(3, 20), (0, 0), (2, 9)]   # stored slots [lo, hi) a window hides, per row
@@ -163,7 +146,7 @@ def test_hidden_slots_equal_host_path_over_holes():
                          ids=lambda f: "-".join(f))
 def test_kernel_with_hidden_slots_equals_reference(fmt):
     """The decode kernel (TRITON_INTERPRET) with the window's key mask, alone and beside
-    re-rotated sinks in other rows: the reference's output."""
+    re-rotated sinks in other rows (scored inside the kernel): the reference's output."""
     kc, vc, bt, lens, q, _, rot = _case(fmt, seed=4)
     scale = D ** -0.5
     km = _hidden_mask()

@@ -229,7 +229,7 @@ def test_decode_kernel_path_matches_reference(policy):
 
 def test_decode_kernel_path_rotates_sinks():
     """Re-rotated sinks (the default sink positions) decode through the paged decode kernel
-    too: the sinks hidden from it and scored by the rotated query (aside.py kernel_aside);
+    too: the sinks scored inside it by the rotated query (aside.py kernel_aside, its `rot`);
     same logits as the reference path (attend_kept), which an unrotated sink would miss."""
     ids = torch.randint(1, V, (1, 18), generator=torch.Generator().manual_seed(7))
     outs = []
