@@ -94,20 +94,8 @@ def attend_kept(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Te
             sr = torch.einsum("hgsd,hnd->hgsn", qr, ks) * scale
             idx = sink_slots[:, None, None, :].expand(-1, G, hi - lo, -1)
             s = s.scatter(-1, idx, sr)
-        if softcap:
-            s = softcap * torch.tanh(s / softcap)
-        qp = q_pos[lo:hi]
-        allowed = ok_key[:, None, None, :].expand(Hkv, 1, hi - lo, L)
-        if causal:
-            allowed = allowed & (pos[:, None, None, :] <= qp[None, None, :, None])
-        if window:
-            allowed = allowed & (qp[None, None, :, None] - pos[:, None, None, :] < window)
-        if mask_b is not None:
-            m_allowed, m_add = mask_columns(mask_b[:, lo:hi], pos, total, G)
-            allowed = allowed & m_allowed
-            if m_add is not None:
-                s = s + m_add
-        p = masked_softmax(s, allowed)
+        p = masked_softmax(*_block_scores(s, ok_key, pos, q_pos[lo:hi], causal, window, softcap,
+                                          mask_b, lo, hi, total, G))
         out[:, lo:hi] = torch.einsum("hgsl,hld->hgsd", p, vf).reshape(Hq, hi - lo, -1)
         if mass is not None:
             mass += p.sum((1, 2))
@@ -115,6 +103,28 @@ def attend_kept(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Te
             first = max(lo, S - obs_rows)
             obs[:, first - (S - obs_rows):hi - (S - obs_rows)] = p[:, :, first - lo:].sum(1)
     return out, mass, obs
+
+
+def _block_scores(s, ok_key, pos, qp, causal: bool, window: int, softcap: float, mask_b, lo: int,
+                  hi: int, total: int, G: int):
+    """One query block's scores s [Hkv, G, hi - lo, L] (softcapped, the mask's additive part
+    added) and the slots each query may see [Hkv, 1|G, hi - lo, L]: real slots (ok_key
+    [Hkv, L]), causality and the window by stored position pos [Hkv, L] against the block's
+    query positions qp, and the model's mask rows mask_b [B-row, S, total] or None."""
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    Hkv, L = ok_key.shape
+    allowed = ok_key[:, None, None, :].expand(Hkv, 1, hi - lo, L)
+    if causal:
+        allowed = allowed & (pos[:, None, None, :] <= qp[None, None, :, None])
+    if window:
+        allowed = allowed & (qp[None, None, :, None] - pos[:, None, None, :] < window)
+    if mask_b is not None:
+        m_allowed, m_add = mask_columns(mask_b[:, lo:hi], pos, total, G)
+        allowed = allowed & m_allowed
+        if m_add is not None:
+            s = s + m_add
+    return s, allowed
 
 
 _MASS_ELEMS = 1 << 24   # scores per query block of `prompt_mass`: [Hq, s, L] fp32, 64 MiB
@@ -140,18 +150,6 @@ def prompt_mass(q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, q_pos: torc
     for lo in range(0, S, block):
         hi = min(S, lo + block)
         s = torch.einsum("hgsd,hld->hgsl", qg[:, :, lo:hi], kf) * scale
-        if softcap:
-            s = softcap * torch.tanh(s / softcap)
-        qp = q_pos[lo:hi]
-        allowed = ok_key[:, None, None, :].expand(Hkv, 1, hi - lo, L)
-        if causal:
-            allowed = allowed & (pos[:, None, None, :] <= qp[None, None, :, None])
-        if window:
-            allowed = allowed & (qp[None, None, :, None] - pos[:, None, None, :] < window)
-        if mask_b is not None:
-            m_allowed, m_add = mask_columns(mask_b[:, lo:hi], pos, total, G)
-            allowed = allowed & m_allowed
-            if m_add is not None:
-                s = s + m_add
-        mass += masked_softmax(s, allowed).sum((1, 2))
+        mass += masked_softmax(*_block_scores(s, ok_key, pos, q_pos[lo:hi], causal, window,
+                                              softcap, mask_b, lo, hi, total, G)).sum((1, 2))
     return mass
