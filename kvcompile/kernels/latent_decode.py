@@ -147,7 +147,9 @@ class LatentTiles:
 # warps). For fp8 pages the rule takes widen "tile" instead: "once" at 16 heads, 8 warps,
 # 128 tokens, 2 stages: the fp8 tile in the ring, its fp16 copy in shared memory (228 KB, one
 # program an SM), 182 registers, no stack; 2 head blocks at 32 heads (a 32-head block spills
-# or exceeds shared memory with a ring), the second reading the tile from L2.
+# or exceeds shared memory with a ring), the second reading the tile from L2. With few
+# sequences (batch x 16-head blocks <= SMs / FEW_PROGRAMS) the rule skips that tile for the
+# 4-warp widen "dot" tiles at two programs an SM and twice the splits (measured faster at B16).
 CANDIDATES = (
     LatentTiles(64, 128, 8, 1, layout="once"),
     LatentTiles(64, 128, 8, 1, layout="once_t"),
