@@ -486,13 +486,13 @@ def _dot_dtype(q_dtype: torch.dtype):
 _Q_SHIFT = 2.0 ** -8
 _CVT = {"fp8_e4m3": "cvt.rn.f16x2.e4m3x2", "fp8_e5m2": "cvt.rn.f16x2.e5m2x2"}
 # widen "bits": 4 codes in $2 -> fp16 pairs $0 (codes 0, 1), $1 (codes 2, 3). prmt puts each
-# code in the high byte of a 16-bit lane (low byte 0); e5m2 is then fp16 itself, e4m3 keeps
-# the sign (bit 15) and shifts the other 7 bits down by one (bits 7..13): value x 2^-8
+# code in the high byte of a 16-bit lane (low byte 0); e5m2 is then fp16 itself. e4m3: a
+# shift by one puts the code at bits 7..14 of its lane, and adding the lane's bit 14 (the
+# sign) to itself moves it to bit 15 (no carry leaves the lane): value x 2^-8
 _BITS = {
     "fp8_e4m3": "{ .reg .b32 a, b, c, d; prmt.b32 a, $2, 0, 0x1404; prmt.b32 b, $2, 0, 0x3424; "
-                "shr.b32 c, a, 1; shr.b32 d, b, 1; and.b32 c, c, 0x3F803F80; "
-                "and.b32 d, d, 0x3F803F80; and.b32 a, a, 0x80008000; "
-                "and.b32 b, b, 0x80008000; or.b32 $0, a, c; or.b32 $1, b, d; }",
+                "shr.b32 a, a, 1; shr.b32 b, b, 1; and.b32 c, a, 0x40004000; "
+                "and.b32 d, b, 0x40004000; add.u32 $0, a, c; add.u32 $1, b, d; }",
     "fp8_e5m2": "prmt.b32 $0, $2, 0, 0x1404; prmt.b32 $1, $2, 0, 0x3424;",
 }
 _BITS_MUL = {"fp8_e4m3": 256.0, "fp8_e5m2": 1.0}

@@ -267,7 +267,7 @@ def _run_ptx(asm: str, word: int) -> tuple:
     four fp8 codes -> ($0, $1); an instruction outside that set fails the test."""
     import re
     regs, mask = {"$2": word}, 0xFFFFFFFF
-    for op, args in re.findall(r"(prmt|shr|and|or)\.b32 ([^;]+);", asm):
+    for op, args in re.findall(r"(prmt|shr|and|or|add)\.[bu]32 ([^;]+);", asm):
         d, *src = [x.strip() for x in args.split(",")]
         val = [regs[x] if x in regs else int(x, 0) for x in src]
         if op == "prmt":   # bytes of {b, a}: 0-3 from a, 4-7 from b; a selector nibble each
@@ -276,8 +276,8 @@ def _run_ptx(asm: str, word: int) -> tuple:
                           for k in range(4))
         else:
             regs[d] = {"shr": lambda a, b: a >> b, "and": lambda a, b: a & b,
-                       "or": lambda a, b: a | b}[op](*val) & mask
-    assert len(re.findall(r"\b(?:prmt|shr|and|or)\.b32", asm)) == len(
+                       "or": lambda a, b: a | b, "add": lambda a, b: a + b}[op](*val) & mask
+    assert len(re.findall(r"\b(?:prmt|shr|and|or|add)\.[bu]32", asm)) == len(
         re.findall(r"\w+\.\w+(?:\.\w+)? ", asm.replace(".reg .b32", ""))), asm
     return regs["$0"], regs["$1"]
 
