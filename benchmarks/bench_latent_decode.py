@@ -25,8 +25,8 @@ Timings are medians of triton.testing.do_bench; GB/s counts the latent pages' by
 --quick times only the attention over the pages (the absorbed query given), for B16 / B64 x
 8k / 32k and bf16 / fp8_e4m3 pages: the kernel before issue 22's rework
 (benchmarks/latent_decode_before.py), the kernel with the tiles its rule picks, and every
-candidate of kernels/latent_decode.py CANDIDATES of 32+ heads (at --heads under 64: those whose
-head block the heads fill; or the --tiles given, each at
+candidate of kernels/latent_decode.py CANDIDATES and SWEEP_CANDIDATES of 32+ heads (at --heads
+under 64: those whose head block the heads fill; or the --tiles given, each at
 the rule's splits and at every --splits given). Per shape it prints the work: GFLOP of the two
 GEMMs counting QK^T once (2 B H L (r + dr) + 2 B H L r), MB of latent pages read, and the
 bound each gives (MB at 100% of the copy, GFLOP at --peak-tflops). Per row: GB/s of pages
@@ -35,7 +35,7 @@ over time, as shared/REFERENCE.md), TFLOP/s useful (QK^T once) and issued (the "
 layout at 64 heads computes QK^T twice), and the relative error against the old kernel.
 
     python benchmarks/bench_latent_decode.py --quick --tiles once:64:128:8:1,once_t:32:64:4:3 \
-        --splits 2,8   # tile spec: layout:heads:tokens:warps:stages[:v_split[:dot|tile]]
+        --splits 2,8   # tile spec: layout:heads:tokens:warps:stages[:v_split][:dot|tile|bits]
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ from kvcompile.kernels.dense import paged_reference_attention  # noqa: E402
 from kvcompile.kernels.latent import absorb_query, latent_output  # noqa: E402
 from kvcompile.kernels.latent_decode import (  # noqa: E402
     CANDIDATES,
+    SWEEP_CANDIDATES,
+    WIDENS,
     LatentTiles,
     latent_decode_attention,
     pick_splits,
@@ -214,10 +216,10 @@ def parse_tiles(spec: str) -> list:
     out = []
     for item in filter(None, spec.split(",")):
         layout, *nums = item.split(":")
-        widen = nums.pop() if nums and nums[-1] in ("dot", "tile") else "dot"
+        widen = nums.pop() if nums and nums[-1] in WIDENS else "dot"
         if len(nums) not in (4, 5):
             raise SystemExit(f"--tiles {item!r}: layout:heads:tokens:warps:stages[:v_split"
-                             f"[:dot|tile]]")
+                             f"][:dot|tile|bits]")
         h, n, w, st, *v = (int(x) for x in nums)
         out.append(LatentTiles(h, n, w, st, v_split=v[0] if v else 1, layout=layout,
                                widen=widen))
@@ -251,8 +253,8 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     bound = REL_ERR[dt]
     best, work = [], []
-    sweep = tiles or [t for t in CANDIDATES if (t.block_h >= 32 if H >= 64
-                                                else t.block_h <= max(H, 16))]
+    sweep = tiles or [t for t in CANDIDATES + SWEEP_CANDIDATES
+                      if (t.block_h >= 32 if H >= 64 else t.block_h <= max(H, 16))]
     for name in shape_names:
         B, L = shapes[name]
         g = torch.Generator(device=DEV).manual_seed(0)
@@ -276,9 +278,9 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
                         f"{t_mma:.3f} ms at "
                         f"{peak_tflops:.0f} TFLOP/s")
             old = latent_decode_before(*args)
-            rule = pick_tiles(H, R, widened=fmt != "bf16")
+            rule = pick_tiles(H, R, fmt != "bf16", B, sms)
             runs = [("old (before #22)", None, None)]
-            # widen "tile" tiles take fp8 pages only (the launcher refuses bf16)
+            # widen "tile" / "bits" tiles take fp8 pages only (the launcher refuses bf16)
             for t in [rule] + [t for t in sweep if t != rule and (
                     t.widen == "dot" or fmt != "bf16")]:
                 own = pick_splits(B, H, max_len, t, sms, widened=fmt != "bf16")
@@ -329,8 +331,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="the decode kernel alone, old vs new and the tile candidates")
     ap.add_argument("--tiles", default="", help="--quick: time these tiles instead of the "
-                    "candidates, layout:heads:tokens:warps:stages[:v_split[:dot|tile]], "
-                    "comma-separated (widen 'tile': fp8 pages only)")
+                    "candidates, layout:heads:tokens:warps:stages[:v_split][:dot|tile|bits], "
+                    "comma-separated (widen 'tile' / 'bits': fp8 pages only)")
     ap.add_argument("--splits", default="", help="--quick: split counts to time each tile "
                     "at, besides the rule's (comma-separated)")
     ap.add_argument("--peak-tflops", type=float, default=989.0,

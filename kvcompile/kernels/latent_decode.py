@@ -59,6 +59,7 @@ MAX_SPLITS = 64
 
 
 LAYOUTS = ("once", "once_t", "heads")
+WIDENS = ("dot", "tile", "bits")
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,12 @@ class LatentTiles:
     fp16 once as loaded, by an opaque conversion Triton cannot move into the dots' operand
     loads, so the fp8 tile enters the cp.async ring and its widened copy waits in shared
     memory, not in registers; "dot" leaves the widening to Triton (per dot operand, in
-    registers, the fp8 load not pipelined)."""
+    registers, the fp8 load not pipelined). widen "bits" is "tile" by integer operations
+    instead of the fp8 conversion instruction: the e4m3 code's low 7 bits shifted into fp16's
+    exponent and mantissa, its sign into fp16's sign (4 codes: 2 byte permutes, 2 shifts,
+    masks; e5m2: the byte permute alone), which is the code's value times 2^-8; the 2^8 is
+    folded into the page scale of the score rows and into the accumulator at the end, never
+    per element."""
     block_h: int      # query heads per program
     block_n: int      # tokens per tile: K of PV
     num_warps: int
@@ -95,10 +101,9 @@ class LatentTiles:
                              f"{self.num_stages} (>= 1), v_split {self.v_split} (1 or 2)")
         if self.layout not in LAYOUTS:
             raise ValueError(f"LatentTiles.layout={self.layout!r}: one of {LAYOUTS}")
-        if self.widen not in ("dot", "tile") or (self.widen == "tile"
-                                                 and self.layout == "heads"):
-            raise ValueError(f"LatentTiles.widen={self.widen!r}: 'dot', or 'tile' with layout "
-                             f"once / once_t")
+        if self.widen not in WIDENS or (self.widen != "dot" and self.layout == "heads"):
+            raise ValueError(f"LatentTiles.widen={self.widen!r}: 'dot', or 'tile' / 'bits' "
+                             f"with layout once / once_t")
         if self.layout != "heads" and (self.block_n != 16 * self.num_warps
                                        or self.v_split != 1):
             raise ValueError(f"LatentTiles: layout {self.layout!r} needs block_n == 16 x "
@@ -112,7 +117,7 @@ class LatentTiles:
 
     def __str__(self) -> str:
         v = f"/v{self.v_split}" if self.v_split > 1 else ""
-        w = " widen-tile" if self.widen == "tile" else ""
+        w = f" widen-{self.widen}" if self.widen != "dot" else ""
         return (f"{self.layout} h{self.block_h} n{self.block_n} w{self.num_warps} "
                 f"s{self.num_stages}{v}{w}")
 
@@ -142,7 +147,9 @@ class LatentTiles:
 # warps). For fp8 pages the rule takes widen "tile" instead: "once" at 16 heads, 8 warps,
 # 128 tokens, 2 stages: the fp8 tile in the ring, its fp16 copy in shared memory (228 KB, one
 # program an SM), 182 registers, no stack; 2 head blocks at 32 heads (a 32-head block spills
-# or exceeds shared memory with a ring), the second reading the tile from L2.
+# or exceeds shared memory with a ring), the second reading the tile from L2. With few
+# sequences (batch x 16-head blocks <= SMs / FEW_PROGRAMS) the rule skips that tile for the
+# 4-warp widen "dot" tiles at two programs an SM and twice the splits (measured faster at B16).
 CANDIDATES = (
     LatentTiles(64, 128, 8, 1, layout="once"),
     LatentTiles(64, 128, 8, 1, layout="once_t"),
@@ -161,16 +168,37 @@ CANDIDATES = (
     LatentTiles(16, 64, 4, 3, layout="once_t"),
     LatentTiles(16, 32, 8, 2, layout="heads"),
 )
+# Timed by benchmarks/bench_latent_decode.py --quick and compiled by
+# tests/kernels/test_latent_decode_sm90.py, never picked by the rule until the H200 says they
+# are faster: fp8 pages under 64 heads with two programs an SM (4 warps, 64 tokens, no
+# cp.async ring: one program's loads under the other's dots, as the fastest fp8 tile at B16 x
+# 8k, once_t h16 n64 w4 s3 widen "dot", but without its 352 B of stack), the fp8 tile widened
+# once into shared memory by the conversion instruction ("tile") or by integer operations
+# ("bits"). sm_90 (triton 3.9): 86 KB shared, 231 / 227 registers, no stack; two fit an SM.
+SWEEP_CANDIDATES = (
+    LatentTiles(16, 64, 4, 1, layout="once", widen="tile"),
+    LatentTiles(16, 64, 4, 1, layout="once", widen="bits"),
+)
 MAX_ACC_REGS = 128
+# pick_tiles over fp8 pages: when batch x 16-head blocks are at most the SMs / FEW_PROGRAMS,
+# the 1-program-an-SM widen "tile" tile would be split 8+ ways (1k tokens a split at 8k) and
+# the rule takes the 2-programs-an-SM tiles split twice as many ways instead (H200, 16 heads,
+# B16 x 8k: once_t h16 n64 w4 s3 x 16 splits 0.091 ms against the widen "tile" tile x 8
+# 0.104; B64 x 32k: the widen "tile" tile was the fastest, 0.810 ms; RESULTS.md, mla22f)
+FEW_PROGRAMS = 8
 
 
-def pick_tiles(heads: int, r: int, widened: bool = False) -> LatentTiles:
+def pick_tiles(heads: int, r: int, widened: bool = False, batch: int | None = None,
+               sms: int | None = None) -> LatentTiles:
     """The first candidate whose head block the heads fill (the smallest block for fewer
     than 16 heads), whose accumulator fits MAX_ACC_REGS registers a thread and whose value
     split (or, layouts once / once_t, latent half) leaves >= 16 columns; widen "tile"
-    candidates only for widened (fp8) pages."""
+    candidates only for widened (fp8) pages, and not when batch x 16-head blocks are at most
+    sms / FEW_PROGRAMS (given both: a step with few sequences, see FEW_PROGRAMS)."""
+    few = (widened and batch is not None and sms is not None
+           and batch * triton.cdiv(heads, 16) * FEW_PROGRAMS <= sms)
     for t in CANDIDATES:
-        if t.widen == "tile" and not widened:
+        if t.widen != "dot" and (not widened or few):
             continue
         if (t.block_h <= max(heads, 16) and t.acc_regs(r) <= MAX_ACC_REGS
                 and r // t.v_split >= 16 and (t.layout == "heads" or r >= 32)):
@@ -189,7 +217,9 @@ def programs_per_sm(tiles: LatentTiles, widened: bool = False) -> int:
     program's dots hide the first one's loads."""
     if tiles.layout == "heads":
         return 1 if tiles.num_warps == 8 and tiles.block_h == 64 else 2
-    return 2 if widened and tiles.num_warps == 4 and tiles.widen == "dot" else 1
+    if widened and tiles.num_warps == 4 and (tiles.widen == "dot" or tiles.num_stages == 1):
+        return 2   # and for 4-warp widen "tile" / "bits" tiles without a ring (86 KB)
+    return 1
 
 
 def pick_splits(batch: int, heads: int, max_len: int, tiles: LatentTiles, sms: int,
@@ -215,18 +245,44 @@ def _widen(x, cvt: tl.constexpr):
 
 
 @triton.jit
+def _widen4(x, asm: tl.constexpr):
+    # widen "bits": 4 fp8 codes (one 32-bit register) -> 4 fp16 by integer operations
+    # (_BITS), not pure for the same reason as _widen
+    return tl.inline_asm_elementwise(asm, "=r,=r,r", [x], dtype=tl.float16, is_pure=False,
+                                     pack=4)
+
+
+@triton.jit
+def _widen_bits_tl(x, E5M2: tl.constexpr):
+    # widen "bits" where no PTX runs (the interpreter): the same integer operations as _BITS
+    # on the same codes, in Triton. e4m3: sign to fp16 bit 15, the low 7 bits to bits 7..13
+    # (value x 2^-8, exact, subnormals included); e5m2: the code is fp16's high byte
+    u = x.to(tl.uint8, bitcast=True).to(tl.uint16)
+    if E5M2:
+        b = u << 8
+    else:
+        b = ((u & 0x80) << 8) | ((u & 0x7F) << 7)
+    return b.to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def _latent_once_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, stride_qh,
                         stride_bt, H, num_splits, tiles_per_split, qk_scale, R: tl.constexpr,
                         DR: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr,
                         BLOCK_N: tl.constexpr, OUT_T: tl.constexpr, C_SCALED: tl.constexpr,
                         R_SCALED: tl.constexpr, DT: tl.constexpr, DT_R: tl.constexpr,
                         Q_SHIFT: tl.constexpr, DIRECT: tl.constexpr,
-                        WIDEN_ASM: tl.constexpr = ""):
+                        WIDEN_ASM: tl.constexpr = "", WIDEN_BITS: tl.constexpr = "",
+                        C_MUL: tl.constexpr = 1.0):
     # DT: the latent dots' dtype, DT_R the rotary one's. fp8 pages under bf16 queries take
     # fp16 (e4m3x2 -> f16x2 is one instruction; bf16 would add one cvt per element), and the
     # query is multiplied by Q_SHIFT (2^-8, exact) so that any bf16-range query up to 2^24
     # fits fp16; the scores take 1 / Q_SHIFT back. WIDEN_ASM (widen "tile", CUDA): the PTX
     # conversion that widens each loaded fp8 latent tile once (_widen), else .to(DT).
+    # WIDEN_BITS (widen "bits"): "asm" widens by _widen4's integer PTX, "e4m3" / "e5m2" by
+    # the same operations in Triton (the interpreter); the tile is then the latent times
+    # 1 / C_MUL (2^-8 for e4m3), which the score rows' page scale and the accumulator's
+    # store take back.
     # Scores transposed, s^T = [c, k_rope] . q^T: tokens are the M of the dot, and with
     # BLOCK_N == 16 x num_warps Triton's layout for a dot that feeds another (all warps
     # along M) gives each warp its own 16 tokens, so each score is computed once (with heads
@@ -270,7 +326,15 @@ def _latent_once_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
         tok = page * P + (j % P)                                              # [BLOCK_N]
         # one load and one widening per element; the tile feeds both dots
         row = CD + tok[:, None] * R + rh[None, :]
-        if WIDEN_ASM != "":
+        if WIDEN_BITS == "asm":
+            c0 = _widen4(tl.load(row, mask=ok[:, None], other=0.0), WIDEN_ASM)
+            c1 = _widen4(tl.load(row + RH, mask=ok[:, None], other=0.0), WIDEN_ASM)
+        elif WIDEN_BITS != "":
+            c0 = _widen_bits_tl(tl.load(row, mask=ok[:, None], other=0.0),
+                                WIDEN_BITS == "e5m2")
+            c1 = _widen_bits_tl(tl.load(row + RH, mask=ok[:, None], other=0.0),
+                                WIDEN_BITS == "e5m2")
+        elif WIDEN_ASM != "":
             c0 = _widen(tl.load(row, mask=ok[:, None], other=0.0), WIDEN_ASM)
             c1 = _widen(tl.load(row + RH, mask=ok[:, None], other=0.0), WIDEN_ASM)
         else:
@@ -283,7 +347,7 @@ def _latent_once_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
             s_r = tl.dot(kr, q_rT)
             if R_SCALED:
                 s_r = s_r * tl.load(RS + page, mask=ok, other=0.0)[:, None]
-            sT = (tl.dot(c1, q1T, tl.dot(c0, q0T)) * cs[:, None] + s_r) * qk_scale
+            sT = (tl.dot(c1, q1T, tl.dot(c0, q0T)) * (cs * C_MUL)[:, None] + s_r) * qk_scale
         elif R_SCALED:
             rs = tl.load(RS + page, mask=ok, other=0.0)
             sT = (tl.dot(c1, q1T, tl.dot(c0, q0T)) + tl.dot(kr, q_rT) * rs[:, None]) * qk_scale
@@ -307,6 +371,9 @@ def _latent_once_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
     if OUT_T:
         acc0 = tl.trans(acc0)
         acc1 = tl.trans(acc1)
+    if C_MUL != 1.0:   # the widened tile's 2^-8 (widen "bits"), once an output element
+        acc0 = acc0 * C_MUL
+        acc1 = acc1 * C_MUL
     if DIRECT:
         inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
         o_row = OUT + (b * H + h)[:, None] * R + rh[None, :]
@@ -418,6 +485,17 @@ def _dot_dtype(q_dtype: torch.dtype):
 
 _Q_SHIFT = 2.0 ** -8
 _CVT = {"fp8_e4m3": "cvt.rn.f16x2.e4m3x2", "fp8_e5m2": "cvt.rn.f16x2.e5m2x2"}
+# widen "bits": 4 codes in $2 -> fp16 pairs $0 (codes 0, 1), $1 (codes 2, 3). prmt puts each
+# code in the high byte of a 16-bit lane (low byte 0); e5m2 is then fp16 itself. e4m3: a
+# shift by one puts the code at bits 7..14 of its lane, and adding the lane's bit 14 (the
+# sign) to itself moves it to bit 15 (no carry leaves the lane): value x 2^-8
+_BITS = {
+    "fp8_e4m3": "{ .reg .b32 a, b, c, d; prmt.b32 a, $2, 0, 0x1404; prmt.b32 b, $2, 0, 0x3424; "
+                "shr.b32 a, a, 1; shr.b32 b, b, 1; and.b32 c, a, 0x40004000; "
+                "and.b32 d, b, 0x40004000; add.u32 $0, a, c; add.u32 $1, b, d; }",
+    "fp8_e5m2": "prmt.b32 $0, $2, 0, 0x1404; prmt.b32 $1, $2, 0, 0x3424;",
+}
+_BITS_MUL = {"fp8_e4m3": 256.0, "fp8_e5m2": 1.0}
 
 
 def _fp8_dots(dt, c_pages, r_pages) -> dict:
@@ -439,8 +517,8 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
     B, H, _ = q_lat.shape
     R, DR, P = c_pages.head_dim, r_pages.head_dim, c_pages.page_size
     widened = c_pages.fmt.name in _PAGE_SCALED
-    tiles = tiles or pick_tiles(H, R, widened)
-    if tiles.widen == "tile" and not widened:
+    tiles = tiles or pick_tiles(H, R, widened, B, sm_count(q_lat.device))
+    if tiles.widen != "dot" and not widened:
         raise UnsupportedShapeError(f"latent_decode_attention: tiles {tiles} widen fp8 "
                                     f"latent pages; these are {c_pages.fmt.name}: pass "
                                     f"tiles=None or a widen 'dot' tile")
@@ -485,6 +563,14 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
         # the interpreter runs no inline PTX: there widen "tile" is .to(fp16), the same values
         cvt = _CVT.get(c_pages.fmt.name) if (tiles.widen == "tile" and q.is_cuda and
                                              shape["DT"] == tl.float16) else None
+        if tiles.widen == "bits":
+            if shape["DT"] != tl.float16:
+                raise UnsupportedShapeError(f"latent_decode_attention: tiles {tiles} widen "
+                                            f"fp8 codes to fp16, which {q.dtype} queries do "
+                                            f"not take (bf16 queries do); pass tiles=None")
+            fmt = c_pages.fmt.name
+            shape.update(WIDEN_BITS="asm" if q.is_cuda else fmt[-4:], C_MUL=_BITS_MUL[fmt])
+            cvt = _BITS[fmt] if q.is_cuda else None
         _latent_once_kernel[grid](q, c_pages.data, *scales, *common,
                                   OUT_T=tiles.layout == "once_t", WIDEN_ASM=cvt or "",
                                   **shape)
@@ -495,5 +581,5 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
     return out
 
 
-__all__ = ["CANDIDATES", "LAYOUTS", "LatentTiles", "fast_path_reason", "latent_decode_attention",
+__all__ = ["CANDIDATES", "FEW_PROGRAMS", "LAYOUTS", "SWEEP_CANDIDATES", "WIDENS", "LatentTiles", "fast_path_reason", "latent_decode_attention",
            "pick_splits", "pick_tiles", "programs_per_sm"]

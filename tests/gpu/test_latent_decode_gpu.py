@@ -21,7 +21,14 @@ import torch
 from kvcompile.cache.formats import KVFormat
 from kvcompile.cache.pool import LayerSpec, PagePool
 from kvcompile.kernels.dense import paged_reference_attention
-from kvcompile.kernels.latent_decode import CANDIDATES, latent_decode_attention, pick_tiles
+from kvcompile.kernels.latent_decode import (
+    CANDIDATES,
+    SWEEP_CANDIDATES,
+    LatentTiles,
+    latent_decode_attention,
+    pick_tiles,
+    sm_count,
+)
 from kvcompile.testing import assert_rel_close
 
 pytestmark = [pytest.mark.gpu,
@@ -77,7 +84,23 @@ def test_every_candidate_on_cuda(tiles, splits, c_fmt):
                                          ("fp8_e4m3", "bf16")])
 def test_tensor_parallel_shards_on_cuda(heads, splits, c_fmt, r_fmt):
     pool, plan, q, lens_t, ref = _case(c_fmt, r_fmt, [1, 63, 4097, 700], heads)
-    tiles = pick_tiles(heads, R, widened=c_fmt != "bf16")
+    tiles = pick_tiles(heads, R, c_fmt != "bf16", 4, sm_count(q.device))   # as the launcher
     out = latent_decode_attention(q, pool.k[0], pool.v[0], plan.block_tables, lens_t, 0.07,
                                   num_splits=splits)
+    assert_rel_close(out, ref, torch.bfloat16, what=f"{c_fmt}/{r_fmt} {tiles} x {splits}")
+
+
+@pytest.mark.parametrize("tiles", [*SWEEP_CANDIDATES,
+                                   LatentTiles(16, 128, 8, 2, layout="once", widen="bits"),
+                                   LatentTiles(16, 64, 4, 2, layout="once_t", widen="bits")],
+                         ids=str)
+@pytest.mark.parametrize("splits", [None, 3])
+@pytest.mark.parametrize("c_fmt,r_fmt", [("fp8_e4m3", "fp8_e4m3"), ("fp8_e4m3", "bf16"),
+                                         ("fp8_e5m2", "fp8_e5m2")])
+def test_tensor_parallel_fp8_sweep_tiles_on_cuda(tiles, splits, c_fmt, r_fmt):
+    """The benchmark's fp8 tiles at 16 heads (SWEEP_CANDIDATES and widen "bits", whose
+    integer PTX runs on CUDA only), over a ragged batch."""
+    pool, plan, q, lens_t, ref = _case(c_fmt, r_fmt, [1, 63, 4097, 700], 16)
+    out = latent_decode_attention(q, pool.k[0], pool.v[0], plan.block_tables, lens_t, 0.07,
+                                  num_splits=splits, tiles=tiles)
     assert_rel_close(out, ref, torch.bfloat16, what=f"{c_fmt}/{r_fmt} {tiles} x {splits}")

@@ -17,9 +17,11 @@ import torch
 from kvcompile.cache.formats import KVFormat
 from kvcompile.cache.pool import LayerSpec, PagePool
 from kvcompile.errors import UnsupportedShapeError
+from kvcompile.kernels import latent_decode as ld
 from kvcompile.kernels.dense import paged_reference_attention
 from kvcompile.kernels.latent_decode import (
     CANDIDATES,
+    SWEEP_CANDIDATES,
     LatentTiles,
     latent_decode_attention,
     pick_splits,
@@ -88,18 +90,27 @@ def test_kernel_matches_paged_reference(c_fmt, r_fmt, heads, lens, splits, tiles
     assert_rel_close(out, ref, torch.float32, factor=4, what=f"{c_fmt}/{r_fmt} {lens}")
 
 
-@pytest.mark.parametrize("tiles", [ONCE, ONCE_T, LatentTiles(16, 64, 4, 2, widen="tile")],
+BITS = LatentTiles(16, 64, 4, 1, widen="bits")
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("tiles", [ONCE, ONCE_T, LatentTiles(16, 64, 4, 2, widen="tile"),
+                                   *SWEEP_CANDIDATES,
+                                   LatentTiles(16, 64, 4, 2, layout="once_t", widen="bits")],
                          ids=str)
-def test_fp8_pages_take_fp16_dots_under_bf16_queries(tiles):
+def test_fp8_pages_take_fp16_dots_under_bf16_queries(tiles, fmt):
     """bf16 queries over fp8 latent and rotary pages: the once kernel runs its dots in fp16
     with the query shifted by 2^-8 (the interpreter's fp16 dots are right, its bf16 ones are
-    not, so only this all-fp8 case runs on the CPU), within fp16's bound."""
+    not, so only this all-fp8 case runs on the CPU), within fp16's bound. widen "bits": the
+    tile is the latent times 2^-8 (e4m3), taken back by the score rows and the output."""
     g = torch.Generator().manual_seed(5)
     lens = [1, 17, 50, 100]
-    pool, plan = _pool("fp8_e4m3", "fp8_e4m3", lens, g)
+    pool, plan = _pool(fmt, fmt, lens, g)
     q_lat = (torch.randn(len(lens), 16, R + DR, generator=g) * 40).bfloat16()
     out, ref = _run(pool, plan, q_lat, lens, num_splits=2, tiles=tiles)
-    _, ref = _run(pool, plan, q_lat.float(), lens, num_splits=2, tiles=tiles)
+    # the paged reference with fp32 queries (widen "bits" takes only fp16 dots: ONCE runs)
+    _, ref = _run(pool, plan, q_lat.float(), lens, num_splits=2,
+                  tiles=ONCE if tiles.widen == "bits" else tiles)
     assert_rel_close(out, ref, torch.float16, what=str(tiles))
 
 
@@ -249,3 +260,88 @@ def test_tensor_parallel_shards_match_reference(c_fmt, r_fmt, heads, splits):
                                     seq_lens - torch.tensor([0, 0, 0, 1], dtype=torch.int32),
                                     0.07, num_splits=splits)
     assert rel_err(short[3], ref[3]) > 1e-4
+
+
+def _run_ptx(asm: str, word: int) -> tuple:
+    """The few PTX integer instructions of latent_decode._BITS on one 32-bit register $2 of
+    four fp8 codes -> ($0, $1); an instruction outside that set fails the test."""
+    import re
+    regs, mask = {"$2": word}, 0xFFFFFFFF
+    for op, args in re.findall(r"(prmt|shr|and|or|add)\.[bu]32 ([^;]+);", asm):
+        d, *src = [x.strip() for x in args.split(",")]
+        val = [regs[x] if x in regs else int(x, 0) for x in src]
+        if op == "prmt":   # bytes of {b, a}: 0-3 from a, 4-7 from b; a selector nibble each
+            pool = val[0] | (val[1] << 32)
+            regs[d] = sum(((pool >> (8 * ((val[2] >> (4 * k)) & 7))) & 0xFF) << (8 * k)
+                          for k in range(4))
+        else:
+            regs[d] = {"shr": lambda a, b: a >> b, "and": lambda a, b: a & b,
+                       "or": lambda a, b: a | b, "add": lambda a, b: a + b}[op](*val) & mask
+    assert len(re.findall(r"\b(?:prmt|shr|and|or|add)\.[bu]32", asm)) == len(
+        re.findall(r"\w+\.\w+(?:\.\w+)? ", asm.replace(".reg .b32", ""))), asm
+    return regs["$0"], regs["$1"]
+
+
+@pytest.mark.parametrize("fmt,dtype", [("fp8_e4m3", torch.float8_e4m3fn),
+                                       ("fp8_e5m2", torch.float8_e5m2)])
+def test_bits_ptx_widens_every_code(fmt, dtype):
+    """widen "bits" runs inline PTX on CUDA only: its integer operations, read here from the
+    same string, give every finite fp8 code's value / C_MUL as fp16 bits (subnormals and
+    -0 included); the interpreter's Triton version (_widen_bits_tl) runs in the kernel tests
+    above. Negative control: swapped codes (byte selector 0x0414) do not."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    want = codes.view(dtype).float()
+    finite = torch.isfinite(want)
+    for asm, ok in ((ld._BITS[fmt], True), (ld._BITS[fmt].replace("0x1404", "0x0414"), False)):
+        got = []
+        for w in range(0, 256, 4):
+            lo, hi = _run_ptx(asm, int.from_bytes(bytes(range(w, w + 4)), "little"))
+            got += [(lo & 0xFFFF), lo >> 16, (hi & 0xFFFF), hi >> 16]
+        half = torch.tensor(got, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+        match = torch.equal(half[finite] * ld._BITS_MUL[fmt], want[finite])
+        assert match == ok, f"{fmt} {asm}"
+
+
+def test_rule_takes_two_programs_an_sm_for_few_fp8_sequences():
+    """The H200's measured fp8 pick at 16 heads (RESULTS.md, mla22f): B16 x 8k, 16 programs
+    before splitting (under 132 / FEW_PROGRAMS), takes once_t h16 n64 w4 s3 at 16 splits
+    (0.091 ms against 0.104 for the widen "tile" tile at 8); B64 x 32k keeps the widen
+    "tile" tile at 2 (0.810 ms, the fastest timed); 32 heads at B16 (32 blocks) keep it too;
+    bf16 pages and 128 heads do not change with the batch; the sweep-only tiles are never
+    picked."""
+    few = pick_tiles(16, 512, True, 16, 132)
+    assert (few.layout, few.block_h, few.block_n, few.num_warps, few.num_stages,
+            few.widen) == ("once_t", 16, 64, 4, 3, "dot")
+    assert pick_splits(16, 16, 8192, few, 132, widened=True) == 16
+    many = pick_tiles(16, 512, True, 64, 132)
+    assert (many.layout, many.block_n, many.widen) == ("once", 128, "tile")
+    assert pick_splits(64, 16, 32768, many, 132, widened=True) == 2
+    assert pick_tiles(32, 512, True, 16, 132).widen == "tile"
+    assert pick_tiles(16, 512, True, 16, 132) != pick_tiles(16, 512, True, 17, 132)
+    for batch in (1, 16, 64):
+        assert pick_tiles(16, 512, False, batch, 132) == pick_tiles(16, 512)
+        assert pick_tiles(128, 512, True, batch, 132) == pick_tiles(128, 512)
+    for heads in (8, 16, 32, 128):
+        for batch in (1, 16, 64):
+            for widened in (False, True):
+                assert pick_tiles(heads, 512, widened, batch, 132) not in SWEEP_CANDIDATES
+    for t in SWEEP_CANDIDATES:
+        assert programs_per_sm(t, widened=True) == 2
+
+
+def test_bits_refusals():
+    """widen "bits" needs fp8 pages and fp16 dots (bf16 / fp16 queries): each refusal says
+    what to pass instead."""
+    g = torch.Generator().manual_seed(1)
+    lens = [20]
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    pool, plan = _pool("fp8_e4m3", "fp8_e4m3", lens, g)
+    with pytest.raises(UnsupportedShapeError, match="fp16"):
+        latent_decode_attention(torch.randn(1, 16, R + DR), pool.k[0], pool.v[0],
+                                plan.block_tables, seq_lens, 0.2, tiles=BITS)
+    pool, plan = _pool("bf16", "bf16", lens, g)
+    with pytest.raises(UnsupportedShapeError, match="widen"):
+        latent_decode_attention(torch.randn(1, 16, R + DR).bfloat16(), pool.k[0], pool.v[0],
+                                plan.block_tables, seq_lens, 0.2, tiles=BITS)
+    with pytest.raises(ValueError, match="widen"):
+        LatentTiles(16, 32, 8, 2, layout="heads", widen="bits")

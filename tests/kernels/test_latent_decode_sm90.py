@@ -15,9 +15,10 @@ import re
 
 import pytest
 
-from kvcompile.kernels.latent_decode import CANDIDATES, programs_per_sm
+from kvcompile.kernels.latent_decode import CANDIDATES, SWEEP_CANDIDATES, programs_per_sm
 from tests.kernels.sm90_compile import compile_rows
 
+ALL = CANDIDATES + SWEEP_CANDIDATES   # the rule's and the benchmark's only
 SMEM_LIMIT = 232448   # bytes of shared memory one block may use on sm_90 (227 KiB)
 SMEM_PER_SM = 233472  # bytes of shared memory an SM has (228 KiB), 1 KiB reserved a block
 REGS_PER_SM = 65536
@@ -25,7 +26,7 @@ TYPES = dict(QL="*bf16", CS="*fp32", RS="*fp32", BT="*i32", SL="*i32", OUT="*fp3
              ACC="*fp32", ML="*fp32", stride_qb="i32", stride_qh="i32", stride_bt="i32",
              H="i32", num_splits="i32", tiles_per_split="i32", qk_scale="fp32")
 DIV16 = ("stride_qb", "stride_qh", "H")   # as a launch at 128 heads specializes them
-pytestmark = pytest.mark.slow   # 34 compiles: 2-4 min on the shared 2-core machine
+pytestmark = pytest.mark.slow   # 38 compiles: 2-4 min on the shared 2-core machine
 PAGES = ("bf16", "fp8e4nv")
 
 
@@ -50,7 +51,10 @@ def _compile(tiles, page: str, direct: bool) -> dict:
         dot = tl.float16 if scaled else tl.bfloat16
         consts.update(DT=dot, DT_R=dot, Q_SHIFT=ld._Q_SHIFT if scaled else 1.0,
                       WIDEN_ASM=ld._CVT["fp8_e4m3"] if tiles.widen == "tile" and scaled
-                      else "")
+                      else "", WIDEN_BITS="", C_MUL=1.0)
+        if tiles.widen == "bits" and scaled:
+            consts.update(WIDEN_ASM=ld._BITS["fp8_e4m3"], WIDEN_BITS="asm",
+                          C_MUL=ld._BITS_MUL["fp8_e4m3"])
     types = dict(TYPES, CD=f"*{page}", RD=f"*{page}")
     sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
@@ -111,12 +115,13 @@ def _score_copies(ttgir: str, tiles) -> float:
 
 
 def _pages(tiles) -> tuple:
-    """The pages a candidate takes: widen "tile" only fp8 (the launcher refuses bf16)."""
-    return PAGES[1:] if tiles.widen == "tile" else PAGES
+    """The pages a candidate takes: widen "tile" / "bits" only fp8 (the launcher refuses
+    bf16)."""
+    return PAGES[1:] if tiles.widen != "dot" else PAGES
 
 
 def _main() -> None:
-    for i, tiles in enumerate(CANDIDATES):
+    for i, tiles in enumerate(ALL):
         for page in _pages(tiles):
             for direct in (False, True):
                 print(json.dumps([i, page, direct, _compile(tiles, page, direct)]), flush=True)
@@ -130,10 +135,10 @@ def compiled():
     return {(i, page, direct): res for i, page, direct, res in rows}
 
 
-@pytest.mark.parametrize("i,page", [(i, p) for i, t in enumerate(CANDIDATES)
+@pytest.mark.parametrize("i,page", [(i, p) for i, t in enumerate(ALL)
                                     for p in _pages(t)])
 def test_candidate_compiles_for_sm90(compiled, i, page):
-    tiles = CANDIDATES[i]
+    tiles = ALL[i]
     for direct in (False, True):
         res = compiled[(i, page, direct)]
         assert "error" not in res, f"{tiles} {page} direct={direct}: {res.get('error')}"
@@ -149,15 +154,16 @@ def test_candidate_compiles_for_sm90(compiled, i, page):
 
 
 
-@pytest.mark.parametrize("i,page", [(i, p) for i, t in enumerate(CANDIDATES)
+@pytest.mark.parametrize("i,page", [(i, p) for i, t in enumerate(ALL)
                                     if t.layout != "heads" for p in _pages(t)])
 def test_programs_per_sm_as_compiled(compiled, i, page):
     """pick_splits sizes split-K by programs_per_sm: that many programs of the compiled
     kernel must fit an SM's shared memory and registers, and (4-warp tiles over pages read as
     stored) one more must not, or the rule under-fills the SMs. The 4-warp tiles of the
     memory-bound setting (16-32 heads) keep bf16 latent tiles in the cp.async ring; widen
-    "tile" keeps the fp8 ones there, without a register spill."""
-    tiles = CANDIDATES[i]
+    "tile" keeps the fp8 ones there, without a register spill; the sweep's 4-warp widen
+    "tile" / "bits" tiles without a ring (two programs an SM) spill nothing either."""
+    tiles = ALL[i]
     widened = page != "bf16"
     n = programs_per_sm(tiles, widened)
     for direct in (False, True):
@@ -173,10 +179,13 @@ def test_programs_per_sm_as_compiled(compiled, i, page):
                 f"{tiles} {page}: {n + 1} programs fit ({res['shared']} B): raise " \
                 f"programs_per_sm"
             assert res["latent_ring"], f"{tiles}: bf16 latent tiles not in the cp.async ring"
-        if tiles.widen == "tile":
-            assert res["latent_ring"], f"{tiles}: fp8 latent tiles not in the cp.async ring"
+        if tiles.widen != "dot":
+            assert res["latent_ring"] or tiles.num_stages == 1, \
+                f"{tiles}: fp8 latent tiles not in the cp.async ring"
             assert "STACK:0" in res["usage"] or not res["usage"], \
                 f"{tiles} {page}: register spills ({res['usage']})"
+        if tiles in SWEEP_CANDIDATES:   # the point of the sweep's tiles: two an SM
+            assert n == 2, f"{tiles}: programs_per_sm {n}"
 
 
 def test_fp8_dot_widening_stays_out_of_the_ring(compiled):
