@@ -78,7 +78,8 @@ class AsideInputs:
     hide_hi: torch.Tensor | None = None
 
     def key_mask(self) -> torch.Tensor | None:
-        """[B, hidden] bool, False at the hidden slots (None: nothing hidden)."""
+        """[B, hidden] bool, False at the hidden slots (None: nothing hidden). Built once per
+    step (attend_aside caches it), read by every layer's kernel as it is."""
         if not self.spec.hidden:
             return None
         j = torch.arange(self.spec.hidden, device=self.hide_lo.device)[None, :]
@@ -157,15 +158,23 @@ def attend_aside(state, store: MassStore | None, layer: int, q: torch.Tensor, pl
     a = plan.aside
     pool = state.pool
     kc, vc = pool.k[layer], pool.v[layer]
-    qd = q[0].transpose(0, 1).unsqueeze(2).contiguous()        # [B, Hq, 1, D]
-    mass = None
-    if a.spec.mass_len:
-        mass = store.mass[layer].index_select(0, a.mass_rows)   # [B, Hkv, Lm]
     key_mask = None
     if a.spec.hidden:   # one mask per forward, shared by the layers
         key_mask = plan.cache.get("eviction_key_mask")
         if key_mask is None:
             key_mask = plan.cache["eviction_key_mask"] = a.key_mask()
+    if not (a.spec.mass_len or a.spec.sinks):
+        # a key mask only (SinkWindow with its sinks at their text positions): the packed
+        # decode step of no eviction, with the mask (the same ops, kernel and output dtype)
+        from kvcompile.runtime.dispatch import _packed_decode
+
+        out = _packed_decode(state, layer, q, plan, 0, softcap, scale, {}, key_mask=key_mask)
+        if out is not None:
+            return out
+    qd = q[0].transpose(0, 1).unsqueeze(2).contiguous()        # [B, Hq, 1, D]
+    mass = None
+    if a.spec.mass_len:
+        mass = store.mass[layer].index_select(0, a.mass_rows)   # [B, Hkv, Lm]
     rot = None
     if a.spec.sinks:   # one rotation per forward, shared by the layers
         if inv_freq is None:
@@ -208,7 +217,8 @@ def kernel_aside(qd, kc, vc, block_tables, seq_lens, scale: float, softcap: floa
     """`aside_reference`'s contract on the decode kernel: hidden slots masked (key_mask),
     `mass` added (its attn_mass output), the rows' sinks scored inside the kernel by the query
     rotated in registers (its `rot` input: slots < n_rot, one softmax, so the mass of a row
-    with sinks includes theirs). -> [B, Hq, 1, Dv] fp32. Without sinks to rotate the kernel is
+    with sinks includes theirs). -> [B, Hq, 1, Dv] in q's dtype (as the plain decode step; the
+    attention op's output dtype, so no cast follows). Without sinks to rotate the kernel is
     the decode path's default (the CUDA kernel for fp8 pages on Hopper), else Triton."""
     from kvcompile.kernels.decode import paged_decode_attention
 
@@ -216,7 +226,7 @@ def kernel_aside(qd, kc, vc, block_tables, seq_lens, scale: float, softcap: floa
                                  softcap=softcap, attn_mass=mass, direct=True,
                                  backend="triton" if rot is not None else "auto",
                                  rot=None if rot is None else tuple(rot[:3]))
-    return out.float()
+    return out
 
 
 def _rotated_scores(qd, k, n_rot, cos, sin, scale, softcap):
