@@ -92,3 +92,30 @@ def test_sm90_mask_read_without_copy():
         assert v.data_ptr() != m.data_ptr() and v.shape[1] % 16 == 0
         n = min(w, v.shape[1])
         assert torch.equal(v[:, :n], m[:, :n].to(torch.uint8)) and bool((v[:, n:] == 1).all())
+
+
+def test_triton_kernel_reads_a_non_contiguous_key_mask():
+    """A key mask sliced out of a wider one (rows strided past its width) hides the same keys
+    as its contiguous copy (the kernel steps rows by the width: it was read shifted)."""
+    from kvcompile.cache.formats import KVFormat
+    from kvcompile.kernels.decode import paged_decode_attention
+
+    gen = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, D, P, W = 2, 4, 2, 64, 16, 6
+    fmt = KVFormat("fp8_e4m3", "token")
+    kc, vc = (fmt.allocate(B * W, Hkv, P, D, "cpu") for _ in range(2))
+    for c in (kc, vc):
+        c.data.copy_((torch.randn(c.data.shape, generator=gen) * 60).to(c.data.dtype))
+        c.scale.copy_(torch.rand(c.scale.shape, generator=gen) * 0.01 + 1e-3)
+    bt = torch.randperm(B * W, generator=gen).view(B, W).int()
+    lens = torch.tensor([90, 70], dtype=torch.int32)
+    q = torch.randn(B, Hq, 1, D, generator=gen)
+    wide = torch.rand(B, 48, generator=gen) > 0.4
+    sliced = wide[:, :32]
+    assert not sliced.is_contiguous()
+    got = paged_decode_attention(q, kc, vc, bt, lens, D ** -0.5, key_mask=sliced, direct=True)
+    want = paged_decode_attention(q, kc, vc, bt, lens, D ** -0.5,
+                                  key_mask=sliced.contiguous(), direct=True)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    other = paged_decode_attention(q, kc, vc, bt, lens, D ** -0.5, direct=True)
+    assert not torch.equal(got, other)   # (the mask hides keys)
