@@ -24,7 +24,10 @@ steps. Two policies need something inside the step itself:
   moving a token (runtime.py `_evict_window`): pages wholly between the sinks and the window
   leave the block table, and the tokens left between them, stored slots [hide_lo, hide_hi) of
   each row (less than a page past the sinks' pages), are hidden from the kernel by a key mask
-  of `hidden` columns (keys past it are seen).
+  of `hidden` columns (keys past it are seen; a multiple of 16, which the sm_90 kernel reads
+  without a copy), built once per step. A step whose only need is that mask runs the packed
+  decode path of a step without eviction (runtime/dispatch.py `_packed_decode`, the mask
+  passed on): the same ops, kernel and output dtype.
 
 Shapes depend only on the graph's bucket and its `AsideSpec` (mass length, sink count, hidden
 columns); before
