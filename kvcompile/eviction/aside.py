@@ -82,7 +82,7 @@ class AsideInputs:
 
     def key_mask(self) -> torch.Tensor | None:
         """[B, hidden] bool, False at the hidden slots (None: nothing hidden). Built once per
-    step (attend_aside caches it), read by every layer's kernel as it is."""
+        step (attend_aside caches it), read by every layer's kernel as it is."""
         if not self.spec.hidden:
             return None
         j = torch.arange(self.spec.hidden, device=self.hide_lo.device)[None, :]
