@@ -14,6 +14,7 @@
 #   EC_K=rerotated bash benchmarks/gpu_jobs.sh evict_check evict_bench   # eviction in the Engine
 #   bash benchmarks/gpu_jobs.sh prompt_mass        # H2O's prompt-mass kernels: test + timing
 #   bash benchmarks/gpu_jobs.sh rot_bench   # one decode layer with re-rotated sinks in the kernel
+#   bash benchmarks/gpu_jobs.sh window_bench   # one decode layer: full / half / SinkWindow's mask
 #   bash benchmarks/gpu_jobs.sh engine_graphs hf_graphs gen e2e prefill_matrix
 #   bash benchmarks/gpu_jobs.sh triton_decode prefill_bench kernel_report append_bench
 #   bash benchmarks/gpu_jobs.sh qk8_check qk8_bench   # the opt-in qk_fp8 decode variant vs default
@@ -82,6 +83,7 @@ job() {   # job NAME -> "LIMIT COMMAND"
     prompt_mass)    echo "${PMS_LIMIT:-200} python3 -m pytest -q -m gpu tests/gpu/test_prompt_mass_gpu.py -p no:cacheprovider; r=\$?; python3 benchmarks/bench_prompt_mass.py ${PMS_ARGS:-}; exit \$(( r | \$? ))" ;;
     evict_bench)    echo "${EB_LIMIT:-260} python3 benchmarks/bench_generate.py --budget-s $(( ${EB_LIMIT:-260} - 20 )) --out $OUT --evict-interval ${INTERVAL:-64} --engine-scale ${SCALE:-token} --sections ${EB_SECTIONS:-engine_b,engine_evict_sink,engine_evict_h2o,engine_evict_snapkv} ${EB_ARGS:-}" ;;
     rot_bench)      echo "${RB_LIMIT:-120} python3 benchmarks/bench_rot_decode.py ${RB_ARGS:-}" ;;
+    window_bench)   echo "${WB_LIMIT:-90} python3 benchmarks/bench_window_decode.py ${WB_ARGS:-}" ;;
     append_check)   echo "${AC_LIMIT:-90} python3 -m pytest -q -x tests/kernels/test_append.py tests/kernels/test_append_codes.py -p no:cacheprovider" ;;
     append_bench)   echo "${AB_LIMIT:-80} python3 benchmarks/bench_append.py --json $OUT/bench_append.json" ;;
     latent_check)   echo "${LC_LIMIT:-200} python3 -m pytest -q -m gpu tests/gpu/test_latent_decode_gpu.py -p no:cacheprovider ${LC_K:+-k \"$LC_K\"}" ;;

@@ -24,7 +24,10 @@ steps. Two policies need something inside the step itself:
   moving a token (runtime.py `_evict_window`): pages wholly between the sinks and the window
   leave the block table, and the tokens left between them, stored slots [hide_lo, hide_hi) of
   each row (less than a page past the sinks' pages), are hidden from the kernel by a key mask
-  of `hidden` columns (keys past it are seen).
+  of `hidden` columns (keys past it are seen; a multiple of 16, which the sm_90 kernel reads
+  without a copy), built once per step. A step whose only need is that mask runs the packed
+  decode path of a step without eviction (runtime/dispatch.py `_packed_decode`, the mask
+  passed on): the same ops, kernel and output dtype.
 
 Shapes depend only on the graph's bucket and its `AsideSpec` (mass length, sink count, hidden
 columns); before
@@ -78,7 +81,8 @@ class AsideInputs:
     hide_hi: torch.Tensor | None = None
 
     def key_mask(self) -> torch.Tensor | None:
-        """[B, hidden] bool, False at the hidden slots (None: nothing hidden)."""
+        """[B, hidden] bool, False at the hidden slots (None: nothing hidden). Built once per
+        step (attend_aside caches it), read by every layer's kernel as it is."""
         if not self.spec.hidden:
             return None
         j = torch.arange(self.spec.hidden, device=self.hide_lo.device)[None, :]
@@ -157,15 +161,23 @@ def attend_aside(state, store: MassStore | None, layer: int, q: torch.Tensor, pl
     a = plan.aside
     pool = state.pool
     kc, vc = pool.k[layer], pool.v[layer]
-    qd = q[0].transpose(0, 1).unsqueeze(2).contiguous()        # [B, Hq, 1, D]
-    mass = None
-    if a.spec.mass_len:
-        mass = store.mass[layer].index_select(0, a.mass_rows)   # [B, Hkv, Lm]
     key_mask = None
     if a.spec.hidden:   # one mask per forward, shared by the layers
         key_mask = plan.cache.get("eviction_key_mask")
         if key_mask is None:
             key_mask = plan.cache["eviction_key_mask"] = a.key_mask()
+    if not (a.spec.mass_len or a.spec.sinks):
+        # a key mask only (SinkWindow with its sinks at their text positions): the packed
+        # decode step of no eviction, with the mask (the same ops, kernel and output dtype)
+        from kvcompile.runtime.dispatch import _packed_decode
+
+        out = _packed_decode(state, layer, q, plan, 0, softcap, scale, {}, key_mask=key_mask)
+        if out is not None:
+            return out
+    qd = q[0].transpose(0, 1).unsqueeze(2).contiguous()        # [B, Hq, 1, D]
+    mass = None
+    if a.spec.mass_len:
+        mass = store.mass[layer].index_select(0, a.mass_rows)   # [B, Hkv, Lm]
     rot = None
     if a.spec.sinks:   # one rotation per forward, shared by the layers
         if inv_freq is None:
@@ -208,7 +220,8 @@ def kernel_aside(qd, kc, vc, block_tables, seq_lens, scale: float, softcap: floa
     """`aside_reference`'s contract on the decode kernel: hidden slots masked (key_mask),
     `mass` added (its attn_mass output), the rows' sinks scored inside the kernel by the query
     rotated in registers (its `rot` input: slots < n_rot, one softmax, so the mass of a row
-    with sinks includes theirs). -> [B, Hq, 1, Dv] fp32. Without sinks to rotate the kernel is
+    with sinks includes theirs). -> [B, Hq, 1, Dv] in q's dtype (as the plain decode step; the
+    attention op's output dtype, so no cast follows). Without sinks to rotate the kernel is
     the decode path's default (the CUDA kernel for fp8 pages on Hopper), else Triton."""
     from kvcompile.kernels.decode import paged_decode_attention
 
@@ -216,7 +229,7 @@ def kernel_aside(qd, kc, vc, block_tables, seq_lens, scale: float, softcap: floa
                                  softcap=softcap, attn_mass=mass, direct=True,
                                  backend="triton" if rot is not None else "auto",
                                  rot=None if rot is None else tuple(rot[:3]))
-    return out.float()
+    return out
 
 
 def _rotated_scores(qd, k, n_rot, cos, sin, scale, softcap):

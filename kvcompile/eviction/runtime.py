@@ -649,8 +649,8 @@ class EvictionRuntime(RuntimeHook):
         if hidden:   # one mask per forward, shared by the layers
             key_mask = plan.cache.get("eviction_window_mask")
             if key_mask is None:
-                key_mask = torch.ones(plan.batch, max(hi for _i, _lo, hi in hidden),
-                                      dtype=torch.bool)
+                width = -(-max(hi for _i, _lo, hi in hidden) // 16) * 16   # (_padded_mask)
+                key_mask = torch.ones(plan.batch, width, dtype=torch.bool)
                 for i, lo, hi in hidden:
                     key_mask[i, lo:hi] = False
                 key_mask = plan.cache["eviction_window_mask"] = key_mask.to(q.device)
@@ -886,9 +886,10 @@ class EvictionRuntime(RuntimeHook):
             lo, hi = book.window or (0, 0)
             if hi > lo:
                 # the mask's width: the sinks' pages and one more (hi is below it after each
-                # eviction), fixed per policy, so the graphs it keys stay few
+                # eviction), fixed per policy, so the graphs it keys stay few; a multiple of 16,
+                # which the sm_90 kernel reads without a copy (decode_sm90.py `_padded_mask`)
                 Ps = pool.page_size
-                hidden = max(hidden, -(-lo // Ps) * Ps + Ps)
+                hidden = max(hidden, -(-(-(-lo // Ps) * Ps + Ps) // 16) * 16)
             else:
                 lo = hi = 0
             los.append(lo)

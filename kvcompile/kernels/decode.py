@@ -421,7 +421,8 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
     scores_len = attn_mass.shape[2] if attn_mass is not None else 0
     scores = (torch.full((rows, scores_len), float("-inf"), dtype=torch.float32, device=dev)
               if attn_mass is not None else lse)
-    kmask = key_mask.view(torch.uint8) if key_mask is not None else seq_lens
+    # (the kernel steps the mask's rows by its width: a non-contiguous one is copied first)
+    kmask = key_mask.contiguous().view(torch.uint8) if key_mask is not None else seq_lens
     big = max(kd.numel(), vd.numel(), k_res.numel() if kres else 0,
               v_res.numel() if vres else 0) >= 2**31 - 2**20
     none = lse  # pointer of the arguments a launch does not read

@@ -153,8 +153,13 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, sm_count: int,
 def _padded_mask(key_mask: torch.Tensor, max_width: int) -> torch.Tensor:
     """[B, Lm] bool -> [B, width] uint8, width = Lm rounded up to 16 (at most max_width, a
     multiple of 16), 1 past Lm (keys seen). The kernel reads the mask for its first `width`
-    slots only (DecodeParams.n_km): the steps after it run unmasked."""
+    slots only (DecodeParams.n_km): the steps after it run unmasked. A contiguous mask whose
+    width already is a multiple of 16 (at most max_width) is read as it is, through a uint8
+    view of its bools (no copy: the eviction runtime builds its masks so, aside.py)."""
     B, lm = key_mask.shape
+    if (lm % 16 == 0 and 0 < lm <= max_width and key_mask.dtype == torch.bool
+            and key_mask.is_contiguous()):
+        return key_mask.view(torch.uint8)
     width = max(16, min(max_width, -(-lm // 16) * 16))
     out = torch.ones(B, width, dtype=torch.uint8, device=key_mask.device)
     n = min(lm, width)

@@ -316,9 +316,11 @@ def _latent_kernel(state, q_lat, c_pages, r_pages, plan, mask_info, attn_mask, w
     return out[:, :, None]
 
 
-def _packed_decode(state, layer, q, plan, window, softcap, scale, extras):
+def _packed_decode(state, layer, q, plan, window, softcap, scale, extras, key_mask=None):
     """An engine step in which every sequence adds one token, on the split-K decode kernel.
-    q: [1, Hq, B, D] -> out [1, Hq, B, Dv], or None (the usual kernels / the reference)."""
+    q: [1, Hq, B, D] -> out [1, Hq, B, Dv], or None (the usual kernels / the reference).
+    key_mask [B, Lm] bool or None: slots hidden from each row (the eviction runtime's
+    SinkWindow steps, eviction/aside.py `attend_aside`); the same launch otherwise."""
     if not plan.packed or not plan.q_lens or max(plan.q_lens) != 1:
         return None
     if min(plan.past_lens) == 0 or not state.kernels.use_triton(q.device):
@@ -335,7 +337,7 @@ def _packed_decode(state, layer, q, plan, window, softcap, scale, extras):
     try:
         out = paged_decode_attention(qd, kc, vc, plan.block_tables, plan.seq_lens, scale,
                                      sliding_window=window, softcap=softcap,
-                                     direct=True, **extras)
+                                     key_mask=key_mask, direct=True, **extras)
     except UnsupportedShapeError:
         return None   # e.g. a head_dim the kernel does not take: the usual path
     state.count("engine_decode_kernel_calls")
