@@ -68,23 +68,9 @@ DEV = "cpu" if STAND_IN else "cuda"
 # --- stand-in driver (CPU) ---------------------------------------------------------------------
 
 def install_stand_in():
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver as drv
+    from kvcompile.testing import install_sm90_stand_in
 
-    class StandIn:
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_active_torch_device(self):
-            return torch.device("cpu")
-
-    drv.set_active(StandIn())
+    install_sm90_stand_in()
 
 
 class StopAfterCompile(Exception):

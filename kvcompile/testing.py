@@ -161,3 +161,26 @@ def greedy_parting(ref: torch.Tensor, other: torch.Tensor, rel_tol: float) -> di
     return dict(steps=upto, parted=parted, margin=margin,
                 max_diff=float(d.max()) if upto else 0.0, worst=worst,
                 tol_ok=worst <= rel_tol, tie_ok=tie_ok, ok=worst <= rel_tol and tie_ok)
+
+
+def install_sm90_stand_in() -> None:
+    """Make Triton believe an sm_90 (Hopper) device is present on a machine without a GPU, so
+    that kernels compile (`warmup`, `triton.compile`) for it: the tests that check what the
+    interpreter cannot, and benchmarks/kernel_report.py. Nothing can run afterwards."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    class StandIn:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    driver.set_active(StandIn())

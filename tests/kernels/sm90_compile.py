@@ -30,3 +30,24 @@ def compile_rows(module: str) -> list:
     if not rows:
         pytest.fail(f"the sm_90 compile process gave nothing: {r.stderr[-3000:]}")
     return rows
+
+
+def innermost_error(e: BaseException) -> str:
+    """The innermost cause of a failed compile, as a test reports it (the last 1,500 chars)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return f"{type(e).__name__}: {e}"[-1500:]
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict, **options) -> str:
+    """Compile a @triton.jit kernel ahead of time for sm_90: "ok", or the innermost error."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    try:
+        triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                       target=GPUTarget("cuda", 90, 32), options=options)
+    except Exception as e:  # reported to the test, which fails with the innermost cause
+        return innermost_error(e)
+    return "ok"

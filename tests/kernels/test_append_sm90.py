@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from tests.kernels.sm90_compile import compile_rows
+from tests.kernels.sm90_compile import compile_rows, compile_sm90
 
 pytestmark = pytest.mark.slow   # 19 compiles, about 60 s on the 2-core machine
 
@@ -21,20 +21,9 @@ TYPES = dict(X="*bf16", SLOTS="*i64", SORTED="*i64", ORDER="*i64", DATA="*u8", S
 
 
 def _compile(fn, consts: dict, types: dict | None = None, warps: int = 4) -> str:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     types = dict(TYPES, **(types or {}))
     sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
-    try:
-        triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-    except Exception as e:  # reported to the test, which fails with the innermost cause
-        while e.__cause__ is not None:
-            e = e.__cause__
-        return f"{type(e).__name__}: {e}"[-1500:]
-    return "ok"
+    return compile_sm90(fn, sig, consts, num_warps=warps)
 
 
 def _cases():

@@ -17,7 +17,7 @@ import pytest
 import triton
 import triton.language as tl
 
-from tests.kernels.sm90_compile import compile_rows
+from tests.kernels.sm90_compile import compile_rows, innermost_error
 
 pytestmark = pytest.mark.slow   # 12 compiles, about a minute on the 2-core machine
 
@@ -37,26 +37,10 @@ def _reads_a_global(X):
 def _stand_in():
     """An sm_90 target for Triton, and a launcher that compiles (`warmup`) instead of running
     and accepts CPU tensors (its contract asks for CUDA ones outside the interpreter)."""
-    import torch
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
-
     import kvcompile.kernels.decode as dec
+    from kvcompile.testing import install_sm90_stand_in
 
-    class StandIn:
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_active_torch_device(self):
-            return torch.device("cpu")
-
-    driver.set_active(StandIn())
+    install_sm90_stand_in()
     check = dec._check
 
     def check_on_cpu(*a):
@@ -74,9 +58,7 @@ def _compiled(fn, grid, *args, **kw) -> str:
     try:
         fn.warmup(*args, grid=grid, **kw)
     except Exception as e:  # reported to the test, which fails with the innermost cause
-        while e.__cause__ is not None:
-            e = e.__cause__
-        return f"{type(e).__name__}: {e}"[-1500:]
+        return innermost_error(e)
     return "ok"
 
 

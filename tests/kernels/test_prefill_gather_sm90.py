@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.kernels.sm90_compile import compile_rows
+from tests.kernels.sm90_compile import compile_rows, compile_sm90
 
 pytestmark = pytest.mark.slow   # 14 compiles
 
@@ -35,31 +35,16 @@ def _cases():
 
 
 def _compile(fmt, gran, data, scale, micro, out, dim) -> str:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from kvcompile.kernels.prefill_gather import BLOCK_T, gather_pages_kernel
 
     consts = dict(FMT=fmt, GRAN=gran, DIM=dim, PAGE=16, BLOCK=BLOCK_T)
     types = dict(Data=data, Scale=scale, Micro=micro, Out=out, block_tables="*i32",
                  starts="*i32", cu_k="*i32", **{n: "i32" for n in _INTS})
     sig = {n: "constexpr" if n in consts else types[n] for n in gather_pages_kernel.arg_names}
-    try:
-        triton.compile(ASTSource(fn=gather_pages_kernel, signature=sig, constexprs=consts),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    except Exception as e:  # reported to the test, which fails with the innermost cause
-        while e.__cause__ is not None:
-            e = e.__cause__
-        return f"{type(e).__name__}: {e}"[-1500:]
-    return "ok"
+    return compile_sm90(gather_pages_kernel, sig, consts, num_warps=4)
 
 
 def _compile_varlen(tma: bool, lse: bool) -> str:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from kvcompile.kernels.prefill_varlen import prefill_varlen_kernel as fn
 
     consts = dict(RATIO=4, GROUP=4, HEAD_DIM=128, HEAD_DIM_V=128, CAUSAL=True, WINDOW=False,
@@ -72,14 +57,7 @@ def _compile_varlen(tma: bool, lse: bool) -> str:
                  **{n: "*i32" for n in ("cu_seqlens", "cu_seqlens_k", "cu_blocks", "q_descale",
                                         "k_descale", "v_descale")})
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-    try:
-        triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=2))
-    except Exception as e:  # reported to the test
-        while e.__cause__ is not None:
-            e = e.__cause__
-        return f"{type(e).__name__}: {e}"[-1500:]
-    return "ok"
+    return compile_sm90(fn, sig, consts, num_warps=8, num_stages=2)
 
 
 def _main() -> None:

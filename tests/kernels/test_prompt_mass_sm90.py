@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.kernels.sm90_compile import compile_rows
+from tests.kernels.sm90_compile import compile_rows, compile_sm90
 
 pytestmark = pytest.mark.slow   # 8 compiles
 
@@ -20,20 +20,9 @@ ROW = dict(q_off="*i64", q_len="*i32", lse_start="*i32", k_start="*i32", k_lens=
 
 
 def _compile(fn, consts: dict, dt: str) -> str:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     types = dict(ROW, Q=f"*{dt}", K=f"*{dt}")
     sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
-    try:
-        triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    except Exception as e:  # reported to the test, which fails with the innermost cause
-        while e.__cause__ is not None:
-            e = e.__cause__
-        return f"{type(e).__name__}: {e}"[-1500:]
-    return "ok"
+    return compile_sm90(fn, sig, consts, num_warps=4)
 
 
 def _cases():
