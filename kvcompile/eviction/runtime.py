@@ -414,7 +414,8 @@ class EvictionRuntime(RuntimeHook):
             width = max(1, -(-max(lens) // pool.page_size))
             km = None
             if hidden:
-                km = torch.ones(len(take), max(h for _r, _lo, h in hidden), dtype=torch.bool)
+                km = torch.ones(len(take), masks.key_mask_width(max(h for _r, _lo, h in hidden)),
+                                dtype=torch.bool)
                 for r, lo, hi in hidden:
                     km[r, lo:hi] = False
                 km = km.to(q.device)
@@ -649,7 +650,7 @@ class EvictionRuntime(RuntimeHook):
         if hidden:   # one mask per forward, shared by the layers
             key_mask = plan.cache.get("eviction_window_mask")
             if key_mask is None:
-                width = -(-max(hi for _i, _lo, hi in hidden) // 16) * 16   # (_padded_mask)
+                width = masks.key_mask_width(max(hi for _i, _lo, hi in hidden))
                 key_mask = torch.ones(plan.batch, width, dtype=torch.bool)
                 for i, lo, hi in hidden:
                     key_mask[i, lo:hi] = False
@@ -886,10 +887,10 @@ class EvictionRuntime(RuntimeHook):
             lo, hi = book.window or (0, 0)
             if hi > lo:
                 # the mask's width: the sinks' pages and one more (hi is below it after each
-                # eviction), fixed per policy, so the graphs it keys stay few; a multiple of 16,
-                # which the sm_90 kernel reads without a copy (decode_sm90.py `_padded_mask`)
+                # eviction), fixed per policy, so the graphs it keys stay few; aligned as the
+                # sm_90 kernel reads it without a copy (masks.key_mask_width)
                 Ps = pool.page_size
-                hidden = max(hidden, -(-(-(-lo // Ps) * Ps + Ps) // 16) * 16)
+                hidden = max(hidden, masks.key_mask_width(-(-lo // Ps) * Ps + Ps))
             else:
                 lo = hi = 0
             los.append(lo)

@@ -27,6 +27,7 @@ import torch
 from kvcompile.errors import UnsupportedShapeError
 from kvcompile.kernels.cuda import build
 from kvcompile.kernels.cuda.driver import Kernel
+from kvcompile.kernels.masks import KEY_MASK_ALIGN, key_mask_width
 
 _KIND = {"fp8_e4m3": 0, "fp8_e5m2": 1, "fp16": 2, "bf16": 3}
 _SCALE = {"page": 1, "token": 2, "tensor": 3}
@@ -157,10 +158,10 @@ def _padded_mask(key_mask: torch.Tensor, max_width: int) -> torch.Tensor:
     width already is a multiple of 16 (at most max_width) is read as it is, through a uint8
     view of its bools (no copy: the eviction runtime builds its masks so, aside.py)."""
     B, lm = key_mask.shape
-    if (lm % 16 == 0 and 0 < lm <= max_width and key_mask.dtype == torch.bool
+    if (lm % KEY_MASK_ALIGN == 0 and 0 < lm <= max_width and key_mask.dtype == torch.bool
             and key_mask.is_contiguous()):
         return key_mask.view(torch.uint8)
-    width = max(16, min(max_width, -(-lm // 16) * 16))
+    width = max(KEY_MASK_ALIGN, min(max_width, key_mask_width(lm)))
     out = torch.ones(B, width, dtype=torch.uint8, device=key_mask.device)
     n = min(lm, width)
     out[:, :n] = key_mask[:, :n].to(torch.uint8)
@@ -260,7 +261,7 @@ def plan_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
         plse = torch.empty(nrows, num_splits, dtype=torch.float32, device=dev)
     km = None
     if key_mask is not None:
-        km = _padded_mask(key_mask, -(-max_len // 16) * 16)
+        km = _padded_mask(key_mask, key_mask_width(max_len))
     window = int(sliding_window) if sliding_window and sliding_window > 0 else 0
     prm = DecodeParams()
     prm.q, prm.k, prm.v = q.data_ptr(), kd.data_ptr(), vd.data_ptr()

@@ -29,6 +29,15 @@ _MASKED = -1e4  # additive values at or below this are treated as "masked"
 # 64 query rows per block at B16 / L = 32k). Bounds the analysis' memory, whatever S is.
 BLOCK_ELEMENTS = 1 << 26
 
+# The sm_90 decode kernel reads a key mask in steps of this many slots: a bool mask whose width
+# is a multiple of it is read as it is (decode_sm90.py `_padded_mask`), any other is copied.
+KEY_MASK_ALIGN = 16
+
+
+def key_mask_width(n: int) -> int:
+    """n key-mask columns rounded up to KEY_MASK_ALIGN."""
+    return -(-n // KEY_MASK_ALIGN) * KEY_MASK_ALIGN
+
 
 @dataclass
 class MaskInfo:
