@@ -36,18 +36,19 @@ from kvcompile.kernels.decode import launch_decode, paged_decode_attention  # no
 SHAPES = {"llama8b": (32, 8, 128), "smollm2": (9, 3, 64)}   # Hq, Hkv, head_dim
 
 
-def _pages(B: int, L: int, Hkv: int, D: int, P: int, dev, gen):
+def fp8_token_pages(B: int, W: int, Hkv: int, D: int, P: int, dev, gen):
+    """Random fp8 e4m3 K and V pages with token scales, W pages per row in shuffled order
+    (also bench_window_decode.py's) -> (k_cache, v_cache, block_tables [B, W] int32)."""
     fmt = KVFormat("fp8_e4m3", "token")
-    n = -(-L // P)
     caches = []
     for _ in range(2):
-        c = fmt.allocate(B * n, Hkv, P, D, dev)
+        c = fmt.allocate(B * W, Hkv, P, D, dev)
         c.data.copy_((torch.randn(c.data.shape, device=dev, generator=gen) * 60)
                      .to(c.data.dtype))
         c.scale.copy_(torch.rand(c.scale.shape, device=dev, generator=gen) * 0.01 + 1e-3)
         caches.append(c)
-    bt = torch.randperm(B * n, device=dev, generator=gen).view(B, n).int()
-    return caches[0], caches[1], bt, torch.full((B,), L, dtype=torch.int32, device=dev)
+    bt = torch.randperm(B * W, device=dev, generator=gen).view(B, W).int()
+    return caches[0], caches[1], bt
 
 
 def _time(fn, smoke: bool) -> float:
@@ -63,7 +64,8 @@ def _row(Hq: int, Hkv: int, D: int, L: int, B: int, sinks: int, dev, smoke: bool
     """Times (us) of one layer's decode: cuda, triton, triton+rot, the same with ROT_PEEL off,
     rot prep."""
     gen = torch.Generator(device=dev).manual_seed(0)
-    kc, vc, bt, sl = _pages(B, L, Hkv, D, 16, dev, gen)
+    kc, vc, bt = fp8_token_pages(B, -(-L // 16), Hkv, D, 16, dev, gen)
+    sl = torch.full((B,), L, dtype=torch.int32, device=dev)
     q = torch.randn(B, Hq, 1, D, device=dev, generator=gen).to(torch.bfloat16)
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2, device=dev).float() / D))
     shift = torch.full((B,), L, dtype=torch.int64, device=dev)

@@ -32,22 +32,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from kvcompile.cache.formats import KVFormat  # noqa: E402
+from benchmarks.bench_rot_decode import fp8_token_pages  # noqa: E402
 from kvcompile.eviction.aside import AsideInputs, AsideSpec  # noqa: E402
 from kvcompile.kernels.decode import paged_decode_attention  # noqa: E402
-
-
-def _pages(B: int, W: int, Hkv: int, D: int, P: int, dev, gen):
-    fmt = KVFormat("fp8_e4m3", "token")
-    caches = []
-    for _ in range(2):
-        c = fmt.allocate(B * W, Hkv, P, D, dev)
-        c.data.copy_((torch.randn(c.data.shape, device=dev, generator=gen) * 60)
-                     .to(c.data.dtype))
-        c.scale.copy_(torch.rand(c.scale.shape, device=dev, generator=gen) * 0.01 + 1e-3)
-        caches.append(c)
-    bt = torch.randperm(B * W, device=dev, generator=gen).view(B, W).int()
-    return caches[0], caches[1], bt
 
 
 def _layer(q, kc, vc, bt, lens, scale, key_mask=None, aside=False):
@@ -89,7 +76,7 @@ def main(argv=None) -> None:
     B, L, Wt = (args.batch, args.length, args.width) if not args.smoke else (2, 96, 128)
     W = -(-Wt // P)
     gen = torch.Generator(device=dev).manual_seed(0)
-    kc, vc, bt = _pages(B, W, Hkv, D, P, dev, gen)
+    kc, vc, bt = fp8_token_pages(B, W, Hkv, D, P, dev, gen)
     q = torch.randn(1, Hq, B, D, device=dev, generator=gen).to(torch.bfloat16)
     scale = D ** -0.5
     half = L // 2
