@@ -1,5 +1,5 @@
-"""One decode attention layer as an Engine step runs it (issue 19): without eviction at the full
-length, without eviction at half the length, and SinkWindow at half the length with its key mask
+"""One decode attention layer as an Engine step runs it (eviction in the Engine): without
+eviction at the full length, without eviction at half the length, and SinkWindow at half the length with its key mask
 (sinks at their text positions: the zero-copy window path, eviction/runtime.py `_evict_window`),
 through the packed decode path (runtime/dispatch.py `_packed_decode`: what a SinkWindow step runs
 since branch sink19d) and through the previous aside path (eviction/aside.py before sink19d: the

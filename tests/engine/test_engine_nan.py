@@ -37,7 +37,11 @@ def _poisoned_model(kv_dtype, poison: torch.Tensor):
         return out.masked_fill(hit[..., None], float("nan"))
 
     m.get_input_embeddings().register_forward_hook(nan_embedding)
-    kvcompile.compile(m, config(kernels="triton", kv_dtype=kv_dtype, page_size=16))
+    # prefill_attends="stored": the prompts attend through the Triton prefill kernel over the
+    # pages (the path under test), not to their own K/V by SDPA (the default for a step of
+    # fresh prompts)
+    kvcompile.compile(m, config(kernels="triton", kv_dtype=kv_dtype, page_size=16,
+                                prefill_attends="stored"))
     return m
 
 
