@@ -292,19 +292,25 @@ def gathered_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, 
 
 
 def chunk_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                            scale: float, *, route: str = "auto", sliding_window=0, sinks=0,
+                            scale: float, *, route: str | Route = "auto", sliding_window=0,
+                            sinks=0,
                             softcap=0.0, kv_start=None, sink_logits=None,
                             host: HostLens | None = None,
                             workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, out=None):
     """Chunked prefill over pages by either route (the contract of kernels/prefill.py
     `paged_prefill_attention`). route: "paged" (the kernel reads the pages in its tile loop),
     "gather" (`gathered_prefill_attention`; raises UnsupportedShapeError where it cannot run)
-    or "auto" (`choose_route`). -> ([T, Hq, Dv], Route taken)."""
-    if route not in ("paged", "gather", "auto"):
+    or "auto" (`choose_route`); or a `Route` that `choose_route` already returned for these
+    lengths (taken as decided: the runtime picks once per forward and passes it down).
+    -> ([T, Hq, Dv], Route taken)."""
+    if isinstance(route, Route):
+        pick = route
+    elif route not in ("paged", "gather", "auto"):
         raise ValueError(f"chunk_prefill_attention: route must be 'paged', 'gather' or 'auto'; "
                          f"got {route!r}")
-    pick = Route("paged", "prefill_chunk_route='paged'")
-    if route != "paged":
+    else:
+        pick = Route("paged", "prefill_chunk_route='paged'")
+    if not isinstance(route, Route) and route != "paged":
         host = host or host_lens(cu_seqlens_q, seq_lens, kv_start)
         per_key = k_cache.num_heads * (k_cache.head_dim + v_cache.head_dim) * q.element_size()
         pick = choose_route(route, host, q.shape[1] // max(k_cache.num_heads, 1), per_key,

@@ -407,19 +407,24 @@ class KernelDispatch:
         return "triton"
 
     def _chunk_route(self, q, kc, vc, plan, starts, window, sink_logits: bool):
-        """("gather" | "paged", HostLens) for a prefill over pages (KVConfig
-        prefill_chunk_route, kernels/prefill_gather.py choose_route); why the rule chose is
-        said once per reason in the report's kernel notes."""
+        """(Route, HostLens) for a prefill over pages (KVConfig prefill_chunk_route,
+        kernels/prefill_gather.py choose_route), chosen once per forward and per kind of layer
+        (window, sink logits, key bytes) through the plan's memo; the kernel takes the Route as
+        decided. Why the rule chose is said once per reason in the report's kernel notes."""
         from kvcompile.kernels import prefill_gather as G
 
         cfg = self.state.config
         B, S = q.shape[0], q.shape[2]
+        per_key = kc.num_heads * (kc.head_dim + vc.head_dim) * q.element_size()
+        group = q.shape[1] // kc.num_heads
+        memo = ("chunk_route", tuple(starts or ()), window, sink_logits, per_key, group)
+        hit = plan.cache.get(memo)
+        if hit is not None:
+            return hit
         q_lens = list(plan.q_lens) if plan.packed else [S] * B
         host = G.HostLens(q_lens, list(plan.seq_lens_list), starts or [0] * len(q_lens))
-        per_key = kc.num_heads * (kc.head_dim + vc.head_dim) * q.element_size()
-        pick = G.choose_route(cfg.prefill_chunk_route, host, q.shape[1] // kc.num_heads,
-                              per_key, cfg.prefill_gather_bytes, window=window,
-                              sink_logits=sink_logits)
+        pick = G.choose_route(cfg.prefill_chunk_route, host, group, per_key,
+                              cfg.prefill_gather_bytes, window=window, sink_logits=sink_logits)
         reason = pick.reason.split(" (")[0]   # once per kind of reason, not per length
         key = f"chunked prefill: {pick.route} route ({reason})"
         if key not in self._warned:
@@ -429,7 +434,8 @@ class KernelDispatch:
             if cfg.prefill_chunk_route == "gather" and pick.route == "paged":
                 log.warning("kvcompile: prefill_chunk_route='gather' refused: %s; the paged "
                             "kernel runs", pick.reason)
-        return pick.route, host
+        plan.cache[memo] = (pick, host)
+        return pick, host
 
     def _fallback(self, why: str) -> None:
         if why not in self._warned:
@@ -503,7 +509,7 @@ class KernelDispatch:
                 route=route, sliding_window=window, softcap=softcap, kv_start=start,
                 sink_logits=extras.get("sink_logits"), host=host,
                 workspace_bytes=self.state.config.prefill_gather_bytes)
-            self.state.count("prefill_gather" if route == "gather" else "prefill_triton")
+            self.state.count("prefill_gather" if route.route == "gather" else "prefill_triton")
             if plan.packed:
                 return out.transpose(0, 1).unsqueeze(0)
             return out.reshape(B, S, Hq, -1).transpose(1, 2)

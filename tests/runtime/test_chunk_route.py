@@ -23,9 +23,10 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @torch.no_grad()
-def _two_chunks(route: str):
+def _two_chunks(route: str, calls: list | None = None):
     """A 7-token prefill, then a 16-token chunk over its pages (fp8 pages, head_dim 64, GQA
-    4/2): (logits of the chunk, counters, report text)."""
+    4/2): (logits of the chunk, counters, report text). `calls` collects the route rule's
+    calls."""
     torch._dynamo.reset()
     model = research.make(research.WhereIndexCopyGQA, dim=256, n_head=4, n_kv=2)
     cfg = kvcompile.KVConfig(inner="eager", max_kv_bytes=1 << 22, kernels="triton",
@@ -34,14 +35,29 @@ def _two_chunks(route: str):
     compiled = kvcompile.compile(copy.deepcopy(model).to(DEV), cfg)
     ids = torch.randint(3, 256, (2, 23), generator=torch.Generator().manual_seed(4)).to(DEV)
     compiled(ids[:, :7], 0)
-    logits = compiled(ids[:, 7:], 7)
+    from kvcompile.kernels import prefill_gather as G
+
+    rule = G.choose_route
+    def counted(*a, **k):
+        if calls is not None:
+            calls.append(a[0])
+        return rule(*a, **k)
+    G.choose_route = counted
+    try:
+        logits = compiled(ids[:, 7:], 7)
+    finally:
+        G.choose_route = rule
     st = state_of(compiled)
     return logits, dict(st.counters), str(kvcompile.report(compiled))
 
 
 def test_gather_and_paged_routes_agree_and_are_reported():
-    gathered, c_g, rep_g = _two_chunks("gather")
-    auto, c_a, rep_a = _two_chunks("auto")
+    calls_g, calls_a = [], []
+    gathered, c_g, rep_g = _two_chunks("gather", calls_g)
+    auto, c_a, rep_a = _two_chunks("auto", calls_a)
+    # the rule runs once per forward (the plan's memo), not once per layer and again inside
+    # the kernel: two layers, one chunk forward each
+    assert calls_g == ["gather"] and calls_a == ["auto"], (calls_g, calls_a)
     assert c_g.get("prefill_gather", 0) == 2 and not c_g.get("prefill_triton"), c_g
     assert "gather route (prefill_chunk_route='gather')" in rep_g, rep_g
     # the rule must not gather a 16-token chunk (32 query rows per kv head)
