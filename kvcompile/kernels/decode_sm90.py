@@ -13,6 +13,13 @@ cores: q quantized to e4m3 once per CTA with a power-of-two scale per query row 
 score scale), mma.sync m16n8k32 e4m3 on the key codes as stored. It adds q's e4m3 rounding to the
 scores (quantize_q_e4m3 is the same quantization in PyTorch, for references). Why CUDA C++ and not Triton or
 Gluon: docs/architecture.md, "Decode kernels".
+
+variant= (issue 14, opt-in; default "base", the kernel as it was) picks a compile-time variant
+of the same kernel (VARIANTS; paged_decode.cuh KVC_VAR): "nocap" decides softcapping at compile
+time (the base kernel computes tanh on every score even without a softcap), "aluk" / "aluv" /
+"alu" also widen fp8 keys / values / both to f16 by integer ops instead of F2FP conversions
+(e4m3 NaN codes then read as +-480 * scale, not NaN). benchmarks/RESULTS.md, "The CUDA decode
+kernel's limiter, from its SASS".
 """
 
 from __future__ import annotations
@@ -37,6 +44,11 @@ MAX_ROWS = 16
 WARPS = 4
 _SMEM_PER_SM = 227 * 1024
 LOG2E = 1.4426950408889634
+# issue-14 variants: name -> paged_decode.cuh KVC_VAR bits (CAP_STATIC 1, CAP_ON 2 set per call,
+# ALU_K 4, ALU_V 8); the alu* variants include nocap
+VAR_CAP_STATIC, VAR_CAP_ON, VAR_ALU_K, VAR_ALU_V = 1, 2, 4, 8
+VARIANTS = {"base": 0, "nocap": VAR_CAP_STATIC, "aluk": VAR_CAP_STATIC | VAR_ALU_K,
+            "aluv": VAR_CAP_STATIC | VAR_ALU_V, "alu": VAR_CAP_STATIC | VAR_ALU_K | VAR_ALU_V}
 
 
 class DecodeParams(ctypes.Structure):  # paged_decode.cuh DecodeParams, field for field
@@ -97,16 +109,35 @@ def _stages(kk: int, vk: int, d: int, dv: int, rows: int) -> tuple[int, int, int
 
 
 def variant(kk: int, vk: int, ksm: int, vsm: int, d: int, dv: int, rows: int,
-            qt: int, q8: int = 0) -> tuple[dict[str, int], int, int]:
+            qt: int, q8: int = 0, var: int = 0) -> tuple[dict[str, int], int, int]:
     """(compile-time constants, CTAs per SM, shared bytes per CTA) of a kernel variant; the
     host emulation (kernels/cuda/emu) builds the same constants. q8 = 1: q.k on e4m3 tensor
-    cores (e4m3 keys only, kk == 0); the same stages and shared memory as q8 = 0."""
+    cores (e4m3 keys only, kk == 0); the same stages and shared memory as q8 = 0. var: the
+    issue-14 bits (variant_bits); 0 adds no constant (the base kernel's build is unchanged)."""
     if q8 and kk != _KIND["fp8_e4m3"]:
         raise UnsupportedShapeError("sm90 decode: the qk_fp8 variant takes fp8_e4m3 keys only")
     ns, ctas, smem = _stages(kk, vk, d, dv, rows)
     defines = {"KVC_KK": kk, "KVC_VK": vk, "KVC_KSM": ksm, "KVC_VSM": vsm, "KVC_D": d,
                "KVC_DV": dv, "KVC_ROWS": rows, "KVC_NS": ns, "KVC_QT": qt, "KVC_Q8": int(q8)}
+    if var:
+        defines["KVC_VAR"] = int(var)
     return defines, ctas, smem
+
+
+def variant_bits(name: str, kk: int, vk: int, softcap: float, q8: int = 0) -> int:
+    """KVC_VAR of variant `name` for these element kinds: the bits that change nothing for
+    them are dropped (so equal kernels share one build), CAP_ON set from the softcap."""
+    if name not in VARIANTS:
+        raise UnsupportedShapeError(
+            f"sm90 decode: unknown variant {name!r}; take one of {sorted(VARIANTS)}")
+    bits = VARIANTS[name]
+    if kk >= 2 or q8:
+        bits &= ~VAR_ALU_K
+    if vk >= 2:
+        bits &= ~VAR_ALU_V
+    if bits & VAR_CAP_STATIC and softcap:
+        bits |= VAR_CAP_ON
+    return bits
 
 
 KERNEL_CALL = ("kvc::paged_decode<KVC_KK, KVC_VK, KVC_KSM, KVC_VSM, KVC_D, KVC_DV, KVC_ROWS, "
@@ -114,8 +145,8 @@ KERNEL_CALL = ("kvc::paged_decode<KVC_KK, KVC_VK, KVC_KSM, KVC_VSM, KVC_D, KVC_D
 
 
 def _kernel(kk: int, vk: int, ksm: int, vsm: int, d: int, dv: int, rows: int, qt: int,
-            q8: int = 0) -> Kernel:
-    key = (kk, vk, ksm, vsm, d, dv, rows, qt, int(q8))
+            q8: int = 0, var: int = 0) -> Kernel:
+    key = (kk, vk, ksm, vsm, d, dv, rows, qt, int(q8), int(var))
     k = _kernels.get(key)
     if k is None:
         defines, ctas, smem = variant(*key)
@@ -209,14 +240,16 @@ class Launch:
 def launch_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
                        k_fmt: str, k_gran: str, v_fmt: str, v_gran: str, scale: float,
                        sliding_window: int, sinks: int, softcap: float, num_splits: int,
-                       sm_count: int, combine, *, qk_fp8: bool = False) -> torch.Tensor:
+                       sm_count: int, combine, *, qk_fp8: bool = False,
+                       variant: str = "base") -> torch.Tensor:
     """q [B, Hq, Sq, D]; kd / vd [N, Hkv, P, D(v)] pages; ks / vs their fp32 scales (or None);
     block_tables [B, W] int32; seq_lens [B] int32; key_mask [B, Lm] bool or None; out
     [B, Hq, Sq, DV] or None. `combine(acc, plse, out, lse, num_splits, dv)` merges splits.
-    qk_fp8: the opt-in variant with q.k on e4m3 tensor cores (fp8_e4m3 keys only)."""
+    qk_fp8: the opt-in variant with q.k on e4m3 tensor cores (fp8_e4m3 keys only).
+    variant: an issue-14 compile-time variant (VARIANTS; "base" = the default kernel)."""
     lp = plan_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out, k_fmt,
                           k_gran, v_fmt, v_gran, scale, sliding_window, sinks, softcap,
-                          num_splits, sm_count, qk_fp8=qk_fp8)
+                          num_splits, sm_count, qk_fp8=qk_fp8, variant=variant)
     _kernel(*lp.key).launch(lp.grid, WARPS * 32, lp.prm, q.device)
     if not lp.direct:
         lse = torch.empty(lp.acc.shape[0], dtype=torch.float32, device=q.device)
@@ -227,7 +260,7 @@ def launch_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
 def plan_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
                      k_fmt: str, k_gran: str, v_fmt: str, v_gran: str, scale: float,
                      sliding_window: int, sinks: int, softcap: float, num_splits: int,
-                     sm_count: int, *, qk_fp8: bool = False) -> Launch:
+                     sm_count: int, *, qk_fp8: bool = False, variant: str = "base") -> Launch:
     """launch_decode_sm90's arguments -> the launch: variant, grid, DecodeParams, buffers."""
     if qk_fp8 and k_fmt != "fp8_e4m3":
         raise UnsupportedShapeError(
@@ -244,6 +277,9 @@ def plan_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
     ksm = _SCALE[k_gran] if kk < 2 else 0
     vsm = _SCALE[v_gran] if vk < 2 else 0
     key = (kk, vk, ksm, vsm, D, dv, 8 if rows <= 8 else 16, _QT[q.dtype], int(qk_fp8))
+    var = variant_bits(variant, kk, vk, softcap, int(qk_fp8))
+    if var:
+        key = (*key, var)
     q = q.contiguous()
     dev = q.device
     max_len = block_tables.shape[1] * P

@@ -501,3 +501,106 @@ def test_qk8_is_refused_off_the_cuda_kernel():
     for backend in ("triton", "cuda"):
         with pytest.raises(UnsupportedShapeError, match="qk_fp8 runs on the CUDA kernel only"):
             launch_backend(q, kc, vc, bt, sl, out, backend, qk_fp8=True)
+
+
+# ---- issue-14 variants (decode_sm90.VARIANTS, paged_decode.cuh KVC_VAR): each against the
+# reference with the base kernel's tolerance. "nocap" fixes softcapping at compile time; the
+# alu* variants widen fp8 by integer ops (e4m3 as x * 2^-8, the 2^8 folded into the scores /
+# probabilities; operand pairs (d0, d0 + 2), (d0 + 1, d0 + 3), q permuted alike).
+VAR_NAMES = [v for v in fast.VARIANTS if v != "base"]
+VAR_CASES = [  # (keys, values, D, G, Sq, P, q dtype): ROWS 8 and 16, every fp8 kind / scale
+    (E4, E4, 128, 4, 1, 16, F32),
+    (("fp8_e4m3", "token"), ("fp8_e4m3", "token"), 64, 8, 2, 128, F32),
+    (("fp8_e4m3", "tensor"), ("fp8_e4m3", "tensor"), 128, 4, 1, 8, F32),
+    (("fp8_e5m2", "page"), ("fp8_e5m2", "page"), 64, 4, 2, 16, F32),
+    (E4, BF, 128, 4, 1, 16, B16),  # ALU on keys only; values bf16
+]
+
+
+def _decode_var(variant, kc, vc, bt, sl, q, km, *, splits=1, window=0, sinks=0, softcap=0.0,
+                root=None):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out = poison_(torch.empty(*q.shape[:3], vc.head_dim, dtype=q.dtype))
+    lp = fast.plan_decode_sm90(q, kc.data, kc.scale, vc.data, vc.scale, bt, sl, km, out,
+                               kc.fmt.name, kc.fmt.granularity, vc.fmt.name,
+                               vc.fmt.granularity, scale, window, sinks, softcap, splits, 132,
+                               variant=variant)
+    emu.run(lp, root=root)
+    ref = paged_decode_attention_ref(q, kc, vc, bt, sl, scale, key_mask=km,
+                                     sliding_window=window, sinks=sinks, softcap=softcap)
+    return emu.finish(lp), ref
+
+
+def check_var(variant, k, v, D, G, P, Sq, lens=LENS, *, q_dtype=F32, kmask=False, seed=0,
+              **kw) -> float:
+    kc, vc, bt, sl, q, km = _inputs(k, v, D, G, P, Sq, lens, kmask=kmask, q_dtype=q_dtype,
+                                    seed=seed)
+    out, ref = _decode_var(variant, kc, vc, bt, sl, q, km, **kw)
+    assert not torch.isnan(out).any(), "NaN (unwritten or poisoned) output elements"
+    err = rel_err(out, ref)
+    assert err <= _bound(k, v, q_dtype), f"{variant}: relative error {err:.2e}"
+    return err
+
+
+@pytest.mark.parametrize("variant", VAR_NAMES)
+@pytest.mark.parametrize("k,v,D,G,Sq,P,q_dtype", VAR_CASES)
+def test_variant_matches_reference(variant, k, v, D, G, Sq, P, q_dtype):
+    check_var(variant, k, v, D, G, P, Sq, q_dtype=q_dtype)
+
+
+@pytest.mark.parametrize("variant", ["nocap", "alu"])
+def test_variant_masks_window_softcap_splits(variant):
+    # softcap on: the CAP_STATIC variants are built with KVC_VAR_CAP_ON
+    check_var(variant, E4, E4, 128, 4, 16, 1, kmask=True, softcap=30.0)
+    check_var(variant, E4, E4, 128, 4, 16, 1, lens=[1, 17, 300, 1033], splits=3)
+    check_var(variant, ("fp8_e4m3", "token"), ("fp8_e4m3", "token"), 64, 8, 128, 2,
+              lens=[310, 1033, 17], window=37, sinks=3, splits=2)
+
+
+def test_variant_bits():
+    from kvcompile.errors import UnsupportedShapeError
+
+    # the bits that change nothing for a call are dropped (one build for equal kernels)
+    assert fast.variant_bits("base", 0, 0, 30.0) == 0
+    assert fast.variant_bits("nocap", 0, 0, 0.0) == fast.VAR_CAP_STATIC
+    assert fast.variant_bits("nocap", 0, 0, 30.0) == fast.VAR_CAP_STATIC | fast.VAR_CAP_ON
+    assert fast.variant_bits("alu", 3, 3, 0.0) == fast.VAR_CAP_STATIC  # bf16: no fp8 operand
+    assert fast.variant_bits("alu", 0, 3, 0.0) == fast.VAR_CAP_STATIC | fast.VAR_ALU_K
+    assert fast.variant_bits("aluk", 0, 0, 0.0, q8=1) == fast.VAR_CAP_STATIC  # Q8 keys
+    with pytest.raises(UnsupportedShapeError, match="unknown variant 'fast'"):
+        fast.variant_bits("fast", 0, 0, 0.0)
+
+
+def test_variant_nan_codes():
+    """The alu variants' documented difference: an e4m3 NaN code in a visible slot reads as
+    +-480 * scale (finite) where the base kernel gives NaN; e5m2's integer widening is exact,
+    its NaN reaches the output as in the base kernel."""
+    for fmt, nan_out in ((E4, False), (("fp8_e5m2", "page"), True)):
+        kc, vc, bt, sl, q, km = _inputs(fmt, fmt, 128, 4, 16, 1, LENS)
+        page, off = bt[1, 0].item(), 3
+        vc.data[page, 0, off, 5] = float("nan")
+        for variant in ("base", "alu"):
+            out, _ = _decode_var(variant, kc, vc, bt, sl, q, km)
+            assert bool(torch.isnan(out).any()) == (nan_out or variant == "base"), variant
+
+
+@pytest.mark.parametrize("mutation", [
+    ("constexpr float K_ALU = ALU_K && KK == KVC_E4M3 ? 256.f : 1.f;",
+     "constexpr float K_ALU = 1.f;"),
+    ("constexpr float V_ALU = ALU_V && VK == KVC_E4M3 ? 256.f : 1.f;",
+     "constexpr float V_ALU = 1.f;"),
+    ("qa[s][2] = pair(g, 1);", "qa[s][2] = pair(g, 0);"),
+    ("mma16816<false>(o[nb + 1], pa, xo0, yo0);", "mma16816<false>(o[nb + 1], pa, xe0, yo0);"),
+])
+def test_variant_broken_kernel_is_caught(mutation, tmp_path):
+    """Negative case: the alu variant with its 2^8 fold, q's pairing or a value pairing wrong
+    fails the check the real one passes."""
+    old, new = mutation
+    root = tmp_path / "cuda"
+    shutil.copytree(emu._HERE, root / "emu", ignore=shutil.ignore_patterns("*.py", "__py*"))
+    src = (emu._HERE.parent / "paged_decode.cuh").read_text()
+    assert src.count(old) == 1
+    (root / "paged_decode.cuh").write_text(src.replace(old, new))
+    kc, vc, bt, sl, q, km = _inputs(E4, E4, 128, 4, 16, 1, [300, 17])
+    out, ref = _decode_var("alu", kc, vc, bt, sl, q, km, root=root)
+    assert rel_err(out, ref) > 10 * _bound(E4, E4)

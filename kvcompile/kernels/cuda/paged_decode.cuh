@@ -81,6 +81,22 @@ struct DecodeParams {
 #define KVC_SC_TOKEN 2
 #define KVC_SC_TENSOR 3
 
+// ---- issue-14 variants (cuda14e): KVC_VAR, a bit set chosen by the launcher (decode_sm90.py
+// VARIANTS); 0 (the default when the macro is absent) is the kernel as it was.
+//   CAP_STATIC: softcapping decided at compile time (KVC_VAR_CAP_ON says whether it is on), so
+//     the uncapped kernel issues no tanh (the runtime test `p.cap_out != 0` was if-converted by
+//     ptxas: 8 MUFU.TANH + 16 FMUL + 8 selects a 16-token step, every step, capped or not);
+//   ALU_K / ALU_V: fp8 keys / values widened to f16 by integer ops instead of F2FP (cvt
+//     .f16x2.e4m3x2), see fp8x4_to_f16x2x2_alu; e4m3 comes out as x * 2^-8 and the 2^8 is
+//     folded into the score multiplier (keys) or the probabilities (values).
+#ifndef KVC_VAR
+#define KVC_VAR 0
+#endif
+#define KVC_VAR_CAP_STATIC 1
+#define KVC_VAR_CAP_ON 2
+#define KVC_VAR_ALU_K 4
+#define KVC_VAR_ALU_V 8
+
 namespace kvc {
 
 constexpr int WARPS = 4;
@@ -231,6 +247,23 @@ __device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t x16) {
   return r;
 }
 
+// Four fp8 codes z = [c0, c1, c2, c3] (c0 in the low byte) -> two f16x2 words by integer ops
+// (no F2FP): ev = (c0, c2), od = (c1, c3), low half first. e5m2 is f16's top byte (exact,
+// NaN / inf included). e4m3 lands as x * 2^-8: sign to bit 15, the 7 exponent-mantissa bits to
+// bits 13..7 (f16's exponent bias is 15, e4m3's 7; e4m3 subnormals become f16 subnormals,
+// exact); the caller multiplies by 2^8 elsewhere. e4m3's NaN code (0x7f / 0xff) reads as
+// +-1.875 (* 2^8 = 480): these variants do not propagate NaN codes (the default kernel does).
+template <int KIND>
+__device__ __forceinline__ void fp8x4_to_f16x2x2_alu(uint32_t z, uint32_t& ev, uint32_t& od) {
+  if constexpr (KIND == KVC_E5M2) {
+    ev = __byte_perm(z, 0u, 0x2404);  // [0, c0, 0, c2]
+    od = __byte_perm(z, 0u, 0x3414);  // [0, c1, 0, c3]
+  } else {
+    od = (z & 0x80008000u) | ((z >> 1) & 0x3f803f80u);
+    ev = ((z << 8) & 0x80008000u) | ((z << 7) & 0x3f803f80u);
+  }
+}
+
 template <bool BF16>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   if constexpr (BF16) {
@@ -297,6 +330,11 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
   using Gm = Geo<KK, VK, D, DV, NS, KSM, VSM>;
   static_assert(!Q8 || KK == KVC_E4M3, "Q8 (q.k on e4m3 tensor cores) takes e4m3 keys only");
   constexpr bool KBF = KK == KVC_BF16, VBF = VK == KVC_BF16;
+  // issue-14 variants (KVC_VAR): integer fp8 widening applies to fp8 operands only
+  constexpr bool ALU_K = (KVC_VAR & KVC_VAR_ALU_K) && Gm::KEB == 1 && !Q8;
+  constexpr bool ALU_V = (KVC_VAR & KVC_VAR_ALU_V) && Gm::VEB == 1;
+  constexpr float K_ALU = ALU_K && KK == KVC_E4M3 ? 256.f : 1.f;  // 2^8 back into the scores
+  constexpr float V_ALU = ALU_V && VK == KVC_E4M3 ? 256.f : 1.f;  // ... into the probabilities
   const float NEG_INF = -INFINITY;
   extern __shared__ __align__(128) uint8_t smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -398,6 +436,18 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
       qa[s][1] = 0u;
       qa[s][3] = 0u;
     }
+    if constexpr (ALU_K) {  // keys come as (d0, d0 + 2), (d0 + 1, d0 + 3): q alike
+      auto pair = [&](int r, int e) {
+        const uint16_t* x = qs + r * D + d0 + e;
+        return static_cast<uint32_t>(x[0]) | (static_cast<uint32_t>(x[2]) << 16);
+      };
+      qa[s][0] = pair(g, 0);
+      qa[s][2] = pair(g, 1);
+      if constexpr (ROWS == 16) {
+        qa[s][1] = pair(g + 8, 0);
+        qa[s][3] = pair(g + 8, 1);
+      }
+    }
   }
   }
 
@@ -414,6 +464,15 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
     cap_r[0] = cap_in * s0;
     cap_r[1] = cap_in * s1;
   }
+  if constexpr (K_ALU != 1.f) {
+    qk_r[0] *= K_ALU;
+    qk_r[1] *= K_ALU;
+    cap_r[0] *= K_ALU;
+    cap_r[1] *= K_ALU;
+  }
+  // softcapping: a compile-time decision in the CAP_STATIC variants
+  const bool use_cap = (KVC_VAR & KVC_VAR_CAP_STATIC) ? (KVC_VAR & KVC_VAR_CAP_ON) != 0
+                                                      : p.cap_out != 0.f;
 
   // ---- the split's steps: [lo_s, ceil(L / 16)) plus the sink steps a window cuts off
   int lo_s = 0, n_sink = 0;
@@ -522,6 +581,13 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
         if constexpr (Q8) {
           mma16832_e4m3(sa[j], qa8[2 * i], w.x, w.y);
           mma16832_e4m3(sa[j], qa8[2 * i + 1], w.z, w.w);
+        } else if constexpr (ALU_K) {
+#pragma unroll
+          for (int ww = 0; ww < 4; ++ww) {
+            uint32_t ev, od;
+            fp8x4_to_f16x2x2_alu<KK>(word(w, ww), ev, od);
+            mma16816<false>(sa[j], qa[4 * i + ww], ev, od);
+          }
         } else if constexpr (Gm::KEB == 1) {
 #pragma unroll
           for (int ww = 0; ww < 4; ++ww) {
@@ -578,13 +644,20 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
         vf[j][1] *= vinv;
       }
     }
+    if constexpr (V_ALU != 1.f) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        vf[j][0] *= V_ALU;
+        vf[j][1] *= V_ALU;
+      }
+    }
     float x[2][4];
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const float raw = sa[j][c] * kf[j][c & 1];
-        x[j][c] = p.cap_out != 0.f ? p.cap_out * tanhf(raw * cap_r[c >> 1]) : raw * qk_r[c >> 1];
+        x[j][c] = use_cap ? p.cap_out * tanhf(raw * cap_r[c >> 1]) : raw * qk_r[c >> 1];
       }
     // every row sees every token of the step: the first query (position L - SQ) sees the last
     // token, the last query (L - 1) the first one through its window
@@ -682,7 +755,24 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
       }
 #pragma unroll
       for (int w = 0; w < Gm::VU / 4; ++w) {
-        if constexpr (Gm::VEB == 1) {
+        if constexpr (ALU_V) {
+          // z = [a_e, a_e+1, b_e, b_e+1] (tokens 2t / 2t+1 of one k-register): its even
+          // codes are element e of both tokens, its odd codes element e + 1
+          const uint32_t z0 = __byte_perm(va[w], vb[w], 0x5410);
+          const uint32_t z1 = __byte_perm(va[w], vb[w], 0x7632);
+          const uint32_t y0 = __byte_perm(vc[w], vd[w], 0x5410);
+          const uint32_t y1 = __byte_perm(vc[w], vd[w], 0x7632);
+          uint32_t xe0, xo0, xe1, xo1, ye0, yo0, ye1, yo1;
+          fp8x4_to_f16x2x2_alu<VK>(z0, xe0, xo0);
+          fp8x4_to_f16x2x2_alu<VK>(z1, xe1, xo1);
+          fp8x4_to_f16x2x2_alu<VK>(y0, ye0, yo0);
+          fp8x4_to_f16x2x2_alu<VK>(y1, ye1, yo1);
+          const int nb = Gm::VEPU * i + 4 * w;
+          mma16816<false>(o[nb + 0], pa, xe0, ye0);
+          mma16816<false>(o[nb + 1], pa, xo0, yo0);
+          mma16816<false>(o[nb + 2], pa, xe1, ye1);
+          mma16816<false>(o[nb + 3], pa, xo1, yo1);
+        } else if constexpr (Gm::VEB == 1) {
           const uint32_t x0 = __byte_perm(va[w], vb[w], 0x5140);
           const uint32_t x1 = __byte_perm(va[w], vb[w], 0x7362);
           const uint32_t y0 = __byte_perm(vc[w], vd[w], 0x5140);
