@@ -10,7 +10,9 @@ tests/gpu/test_decode_sm90_gpu.py.
 
 --variants: the CUDA kernel variants timed, comma-separated: base (the default kernel), qk8 (the
 opt-in qk_fp8 variant: q.k on e4m3 tensor cores; e4m3-key formats only, rows labelled
-"cuda qk8"). Default: base. --formats / --shapes narrow the rows (comma-separated names of
+"cuda qk8"), and the issue-14 compile-time variants decode_sm90.VARIANTS (nocap, aluk, aluv,
+alu; rows labelled "cuda <name>"; launched through launch_decode_sm90(variant=...), the same
+kernel and split rule as base). Default: base. --formats / --shapes narrow the rows (comma-separated names of
 BENCH_FORMATS as fmt/gran, of SHAPES); --no-triton drops the Triton rows.
 """
 
@@ -37,7 +39,7 @@ from tests.kernels.kernel_cases import launch_backend as _launch  # noqa: E402
 DEV = "cuda"
 
 
-def warm_builds(qk8: bool = False) -> float:
+def warm_builds(qk8: bool = False, variants=()) -> float:
     """Compile every variant the bench uses, in parallel; returns seconds."""
     t0 = time.perf_counter()
     keys = set()
@@ -48,6 +50,10 @@ def warm_builds(qk8: bool = False) -> float:
         keys.add((kk, kk, sm, sm, d, d, rows, fast._QT[qt]))
         if qk8 and kf == "fp8_e4m3":
             keys.add((kk, kk, sm, sm, d, d, rows, fast._QT[qt], 1))
+        for v in variants:  # only what bench() times: G 4 x Sq 1 (8 rows), bf16 q
+            var = fast.variant_bits(v, kk, kk, 0.0)
+            if var and rows == 8 and qt == torch.bfloat16:
+                keys.add((kk, kk, sm, sm, d, d, rows, fast._QT[qt], 0, var))
     keys.add((0, 3, 1, 0, 128, 128, 8, 1))  # K fp8 / V bf16
     with ThreadPoolExecutor(16) as ex:
         list(ex.map(lambda k: fast._kernel(*k), sorted(keys)))
@@ -66,6 +72,14 @@ def _bench(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
+
+
+def _launch_variant(q, kc, vc, bt, sl, out, variant, splits=0):
+    """One launch of an issue-14 variant (decode_sm90.VARIANTS) straight through the launcher."""
+    return fast.launch_decode_sm90(
+        q, kc.data, kc.scale, vc.data, vc.scale, bt, sl, None, out, kc.fmt.name,
+        kc.fmt.granularity, vc.fmt.name, vc.fmt.granularity, 1.0 / q.shape[-1] ** 0.5, 0, 0,
+        0.0, splits, dec._sm_count(q.device), dec._combine, variant=variant)
 
 
 def _random_pages(f, N, Hkv, P, D, gen):
@@ -111,8 +125,14 @@ def bench(gen, waves_list, variants=("base",), formats=None, shapes=None,
             runs = [("triton", False)] if triton else []
             runs += [("cuda", False)] if "base" in variants else []
             runs += [("cuda", True)] if "qk8" in variants and kf == "fp8_e4m3" else []
+            runs += [("cuda", v) for v in variants if v in fast.VARIANTS and v != "base"]
             for backend, qk8 in runs:
                 ws = [None] if backend == "triton" else [None] + waves_list
+                if isinstance(qk8, str):  # an issue-14 variant: its own split choice only
+                    t = _bench(functools.partial(_launch_variant, q, kc, vc, bt, sl, out, qk8))
+                    rows.append({"shape": name, "row": f"{kf}/{kg} cuda {qk8} auto",
+                                 "ms": t, "x": t / t_sdpa, "TB/s": stored / t / 1e9})
+                    continue
                 for w in ws:
                     splits = 0  # the CUDA kernel's own choice (decode_sm90.choose_splits)
                     if w is not None:
@@ -141,18 +161,21 @@ def bench(gen, waves_list, variants=("base",), formats=None, shapes=None,
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--waves", default="2,4,8", help="'' for none")
-    ap.add_argument("--variants", default="base", help="base,qk8")
+    ap.add_argument("--variants", default="base",
+                    help="base,qk8 and/or " + ",".join(v for v in fast.VARIANTS if v != "base"))
     ap.add_argument("--formats", default="", help="e.g. fp8_e4m3/page,fp8_e4m3/tensor")
     ap.add_argument("--shapes", default="", help="e.g. B64_L8k,B1_L128k")
     ap.add_argument("--no-triton", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     variants = [v for v in a.variants.split(",") if v]
-    bad = set(variants) - {"base", "qk8"}
+    known = {"qk8"} | set(fast.VARIANTS)
+    bad = set(variants) - known
     if bad:
-        ap.error(f"--variants: unknown {sorted(bad)}; take base and/or qk8")
+        ap.error(f"--variants: unknown {sorted(bad)}; take some of {sorted(known)}")
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    res["build_s"] = warm_builds(qk8="qk8" in variants)
+    res["build_s"] = warm_builds(qk8="qk8" in variants,
+                                 variants=[v for v in variants if v in fast.VARIANTS])
     print(f"built variants in {res['build_s']:.1f} s", flush=True)
     gen_cuda = torch.Generator(device=DEV).manual_seed(1)
     waves = [float(w) for w in a.waves.split(",") if w]
