@@ -108,8 +108,8 @@ def _stages(kk: int, vk: int, d: int, dv: int, rows: int) -> tuple[int, int, int
     return ns, ctas, fixed + WARPS * ns * stage
 
 
-def variant(kk: int, vk: int, ksm: int, vsm: int, d: int, dv: int, rows: int,
-            qt: int, q8: int = 0, var: int = 0) -> tuple[dict[str, int], int, int]:
+def kernel_constants(kk: int, vk: int, ksm: int, vsm: int, d: int, dv: int, rows: int,
+                     qt: int, q8: int = 0, var: int = 0) -> tuple[dict[str, int], int, int]:
     """(compile-time constants, CTAs per SM, shared bytes per CTA) of a kernel variant; the
     host emulation (kernels/cuda/emu) builds the same constants. q8 = 1: q.k on e4m3 tensor
     cores (e4m3 keys only, kk == 0); the same stages and shared memory as q8 = 0. var: the
@@ -149,7 +149,7 @@ def _kernel(kk: int, vk: int, ksm: int, vsm: int, d: int, dv: int, rows: int, qt
     key = (kk, vk, ksm, vsm, d, dv, rows, qt, int(q8), int(var))
     k = _kernels.get(key)
     if k is None:
-        defines, ctas, smem = variant(*key)
+        defines, ctas, smem = kernel_constants(*key)
         cubin = build.build_cubin(
             "paged_decode.cuh", "kvc_paged_decode", KERNEL_CALL, defines, arch="sm_90",
             threads=WARPS * 32, min_blocks=ctas)
@@ -285,7 +285,7 @@ def plan_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
     max_len = block_tables.shape[1] * P
     if num_splits <= 0:
         num_splits = choose_splits(B, Hkv, max_len, sm_count,
-                                   ctas_per_sm=variant(*key)[1])
+                                   ctas_per_sm=kernel_constants(*key)[1])
     if out is None:
         out = torch.empty(B, Hq, Sq, dv, dtype=q.dtype, device=dev)
     direct = num_splits == 1

@@ -6,7 +6,7 @@ on the GPU by tests/gpu/test_decode_sm90_gpu.py."""
 import pytest
 
 from kvcompile.kernels.decode import CUDA_DECODE_FORMATS, cuda_decode_by_default
-from kvcompile.kernels.decode_sm90 import choose_splits, variant
+from kvcompile.kernels.decode_sm90 import choose_splits, kernel_constants
 
 H200_SMS = 132
 
@@ -27,7 +27,7 @@ def _rounds_cost(B, H, L, s, slots, overhead=256):
 @pytest.mark.parametrize("B,H,L", [(64, 8, 8192), (16, 8, 32768), (1, 8, 131072), (1, 8, 300),
                                    (3, 2, 1033), (128, 8, 4096), (1, 1, 256), (7, 3, 50000)])
 def test_splits_are_within_two_percent_of_the_best_round_count(B, H, L):
-    ctas = variant(0, 0, 1, 1, 128, 128, 8, 1)[1]
+    ctas = kernel_constants(0, 0, 1, 1, 128, 128, 8, 1)[1]
     s = choose_splits(B, H, L, H200_SMS, ctas_per_sm=ctas)
     assert isinstance(s, int) and 1 <= s <= max(1, L // 256)
     costs = [_rounds_cost(B, H, L, t, H200_SMS * ctas) for t in range(1, max(1, L // 256) + 1)]
@@ -38,7 +38,7 @@ def test_splits_are_within_two_percent_of_the_best_round_count(B, H, L):
 
 def test_splits_on_the_measured_h200_shapes():
     # fp8 pages, head_dim 128: 3 CTAs an SM; splits 3 measured fastest at these two shapes
-    ctas = variant(0, 0, 1, 1, 128, 128, 8, 1)[1]
+    ctas = kernel_constants(0, 0, 1, 1, 128, 128, 8, 1)[1]
     assert ctas == 3
     assert choose_splits(64, 8, 8192, H200_SMS, ctas_per_sm=ctas) == 3
     assert choose_splits(16, 8, 32768, H200_SMS, ctas_per_sm=ctas) == 3
@@ -51,3 +51,25 @@ def test_short_sequences_are_not_split_and_waves_keeps_the_old_rule():
     assert choose_splits(4, 8, 255, H200_SMS) == 1          # under 256 tokens: one split
     assert choose_splits(1, 8, 131072, H200_SMS, waves=2.0) == 33
     assert choose_splits(64, 8, 8192, H200_SMS, waves=8.0) == 3
+
+
+@pytest.mark.parametrize("variant", ["base", "nocap", "aluv", "alu"])
+def test_plan_with_automatic_splits(variant):
+    """The launcher's plan with num_splits=0 (the split rule, the default in every model):
+    shapes only, so it runs on CPU tensors. A parameter once shadowed the module's constants
+    function here and every automatic launch on the GPU raised TypeError."""
+    import torch
+
+    from kvcompile.kernels import decode_sm90 as fast
+
+    B, Hq, Hkv, D, P, pages = 2, 8, 2, 128, 16, 64
+    q = torch.randn(B, Hq, 1, D, dtype=torch.bfloat16)
+    kd = torch.zeros(pages, Hkv, P, D, dtype=torch.uint8)
+    sc = torch.ones(pages, Hkv)
+    bt = torch.arange(B * (pages // B), dtype=torch.int32).view(B, -1)
+    sl = torch.full((B,), (pages // B) * P, dtype=torch.int32)
+    lp = fast.plan_decode_sm90(q, kd, sc, kd, sc, bt, sl, None, None, "fp8_e4m3", "page",
+                               "fp8_e4m3", "page", D ** -0.5, 0, 0, 0.0, 0, H200_SMS,
+                               variant=variant)
+    ctas = fast.kernel_constants(*lp.key)[1]
+    assert lp.num_splits == choose_splits(B, Hkv, bt.shape[1] * P, H200_SMS, ctas_per_sm=ctas)

@@ -63,7 +63,7 @@ def available() -> tuple[bool, str]:
 
 
 def build_so(defines: dict[str, int], root: Path | None = None) -> Path:
-    """The shared library of one kernel variant (decode_sm90.variant's constants), built once
+    """The shared library of one kernel variant (decode_sm90.kernel_constants), built once
     per source / constants / compiler (3-7 s of g++ at -O2; -O1 builds 30% faster but runs 2x slower). root: another directory laid
     out as kernels/cuda (paged_decode.cuh, emu/), e.g. a deliberately broken kernel in a test."""
     if gxx_path() is None:
@@ -117,7 +117,7 @@ def run(lp, seed: int = 0, root: Path | None = None) -> None:
     seed 0: lanes resume in lane order at each meeting point; others: a random order."""
     from kvcompile.kernels import decode_sm90
 
-    defines, _, smem = decode_sm90.variant(*lp.key)
+    defines, _, smem = decode_sm90.kernel_constants(*lp.key)
     lib = load(defines, root)
     names, bufs = [], []
     for name, t in lp.tensors.items():
