@@ -27,7 +27,7 @@ VARIANTS = [
 
 
 def _cubin(key, arch="sm_90") -> bytes:
-    defines, ctas, _ = fast.variant(*key)
+    defines, ctas, _ = fast.kernel_constants(*key)
     return build.build_cubin("paged_decode.cuh", "kvc_paged_decode", fast.KERNEL_CALL, defines,
                              arch=arch, threads=fast.WARPS * 32, min_blocks=ctas)
 
