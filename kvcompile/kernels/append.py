@@ -47,6 +47,12 @@ BULK_TILE_ELEMS = 16384
 # 0.37x copy against 0.44x for "runs" in an earlier session, and fp4 pages at 0.13x both: "runs"
 # stays the default until "windows" is faster; the tests and bench_append.py run both.
 PAGE_BULK = "runs"
+# tensor scales: programs of the first write's amax pass (_calibrate_amax_kernel)
+CALIBRATE_PROGRAMS = 1024
+# "tiles" (_append_pages_tiles_kernel, branch append16b): whole fresh pages of a window as
+# blocks of one tile, no scans; tokens x head_dim of its tile (fp4 with 8 warps, fp8 4: about
+# 32 / 64 values a thread and at most 128 registers, tests/kernels/test_append_sm90.py)
+PAGE_TILE_ELEMS = 8192
 
 
 @triton.jit
@@ -273,13 +279,42 @@ def _run_max(key, v):
 
 
 @triton.jit
+def _block_max(v, BLK: tl.constexpr):
+    # v [R] -> the max of v over each element's block of BLK consecutive elements
+    R: tl.constexpr = v.shape[0]
+    m = tl.max(tl.reshape(v, [R // BLK, BLK]), 1)
+    return tl.reshape(tl.broadcast_to(m[:, None], [R // BLK, BLK]), [R])
+
+
+@triton.jit
+def _load_pairs(X, xrow, ok, g, j):
+    # x[xrow[r] + 16 g + 2 j + (0, 1)] as fp32 -> (even, odd) [R, G, 8]: each pair of elements
+    # loaded as one word of twice their width (16-byte vector loads; a [.., 2] tile with
+    # tl.split loads 2 elements at a time), its halves bitcast back
+    XT: tl.constexpr = X.dtype.element_ty
+    if XT.primitive_bitwidth == 16:
+        HT: tl.constexpr = tl.int16
+        WT: tl.constexpr = tl.int32
+    else:
+        HT: tl.constexpr = tl.int32
+        WT: tl.constexpr = tl.int64
+    W = X.to(tl.pointer_type(WT), bitcast=True)
+    w = tl.load(W + (xrow // 2)[:, None, None] + g[None, :, None] * 8 + j[None, None, :],
+                mask=ok[:, None, None], other=0)
+    lo = w.to(HT).to(XT, bitcast=True).to(tl.float32)
+    hi = (w >> XT.primitive_bitwidth).to(HT).to(XT, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
 def _store_rows(X, DATA, SCALE, MICRO, src, dst, ok, scale, run, H, h,
                 D: tl.constexpr, FMT: tl.constexpr, SMODE: tl.constexpr,
                 EXPLICIT: tl.constexpr, FMAX: tl.constexpr, DIV: tl.constexpr,
-                RECIP: tl.constexpr):
+                RECIP: tl.constexpr, BLK: tl.constexpr = 1):
     # Encode rows x[src[r], h, :] and store them at page rows dst[r] (row = (page*H+h)*P+off).
     # SMODE 0: scale [R] given; 1 (token scales): each row's from its amax, stored at SCALE +
-    # dst; 2 (runs): each row's from the amax of its run (rows of equal `run` id, adjacent).
+    # dst; 2 (runs): each row's from the amax of its run (rows of equal `run` id, adjacent);
+    # 4 (blocks): each row's from the amax of its block of BLK consecutive rows.
     # Returns the scales [R] used.
     xrow = (src * H + h).to(tl.int64) * D
     drow = dst.to(tl.int64)
@@ -287,11 +322,7 @@ def _store_rows(X, DATA, SCALE, MICRO, src, dst, ok, scale, run, H, h,
         G: tl.constexpr = D // 16
         g = tl.arange(0, G)
         j = tl.arange(0, 8)
-        e = tl.arange(0, 2)
-        offs = g[None, :, None, None] * 16 + j[None, None, :, None] * 2 + e[None, None, None, :]
-        x = tl.load(X + xrow[:, None, None, None] + offs, mask=ok[:, None, None, None],
-                    other=0.0).to(tl.float32)
-        xe, xo = tl.split(x)
+        xe, xo = _load_pairs(X, xrow, ok, g, j)
         a16 = _group_amax_nan(xe, xo)                                          # [R, G]
         if SMODE != 0:
             if _all_finite(a16):
@@ -300,6 +331,8 @@ def _store_rows(X, DATA, SCALE, MICRO, src, dst, ok, scale, run, H, h,
                 arow = tl.max(_group_amax_finite(xe, xo), 1)
             if SMODE == 2:
                 arow = _run_max(run, arow)
+            if SMODE == 4:
+                arow = _block_max(arow, BLK)
             scale = _scale_of(_div_const(arow, DIV, RECIP))
         packed, mcode = _encode_fp4(xe, xo, scale, a16, EXPLICIT, RECIP)
         tl.store(DATA + drow[:, None, None] * (D // 2) + g[None, :, None] * 8
@@ -328,6 +361,8 @@ def _store_rows(X, DATA, SCALE, MICRO, src, dst, ok, scale, run, H, h,
                     arow = tl.max(_finite_abs(x), 1)
                 if SMODE == 2:
                     arow = _run_max(run, arow)
+                if SMODE == 4:
+                    arow = _block_max(arow, BLK)
                 scale = _scale_of(_div_const(arow, DIV, RECIP))
             code = _encode_fp8(x, scale, anan, FMT, FMAX, EXPLICIT)
             tl.store(DATA + drow[:, None] * D + d[None, :], code, mask=ok[:, None])
@@ -339,10 +374,15 @@ def _store_rows(X, DATA, SCALE, MICRO, src, dst, ok, scale, run, H, h,
 @triton.jit(do_not_specialize=["N"])
 def _calibrate_amax_kernel(X, N, SCALE, AMAX, BLOCK: tl.constexpr):
     # tensor scale not yet calibrated (0): AMAX = finite amax of all of x (else nothing to do)
+    # (a grid of at most CALIBRATE_PROGRAMS, each striding over blocks: once calibrated, every
+    # later write launches few programs that only read SCALE)
     if tl.load(SCALE) == 0.0:
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(X + i, mask=i < N, other=0.0).to(tl.float32)
-        tl.atomic_max(AMAX, tl.max(_finite_abs(x), 0))
+        a = tl.zeros([BLOCK], tl.float32)
+        for b in range(tl.program_id(0), tl.cdiv(N, BLOCK), tl.num_programs(0)):
+            i = tl.arange(0, BLOCK).to(tl.int64) + b * BLOCK
+            x = tl.load(X + i, mask=i < N, other=0.0).to(tl.float32)
+            a = tl.maximum(a, _finite_abs(x))
+        tl.atomic_max(AMAX, tl.max(a, 0))
 
 
 @triton.jit(do_not_specialize=["T", "H"])
@@ -553,6 +593,53 @@ def _append_pages_bulk_kernel(X, SORTED, ORDER, DATA, SCALE, MICRO, T, H, D: tl.
         i = tl.min(tl.where(rest & (idx > i), idx, i0 + W), 0)
 
 
+@triton.jit(do_not_specialize=["T", "H"])
+def _append_pages_tiles_kernel(X, SORTED, ORDER, DATA, SCALE, MICRO, T, H, D: tl.constexpr,
+                               P: tl.constexpr, W: tl.constexpr, R: tl.constexpr,
+                               FMT: tl.constexpr, DATA_DT: tl.constexpr,
+                               EXPLICIT: tl.constexpr, FMAX: tl.constexpr, DIV: tl.constexpr,
+                               RECIP: tl.constexpr, GROUPED: tl.constexpr):
+    # Page scales, bulk writes: program (w, h) owns the runs of sorted slots (one page each)
+    # that start in positions [w * W, (w + 1) * W). Let s0 be the first run start there. The
+    # tile is positions s0 + [0, W) in W / P blocks of P; a block whose first position starts
+    # a page (offset 0) and whose P positions are that whole page (last slot = first + P - 1:
+    # slots are increasing within a page's run) is a fresh full page, written in one pass:
+    # row amax, block max, scale, encode, store -- no scan, the P rows of a page contiguous in
+    # the tile and in the pool. Runs that are not such blocks (a page with earlier tokens, a
+    # partial page, a run off the s0 + k P grid after one) go through _append_page_run.
+    h = tl.program_id(1)
+    i0 = tl.program_id(0) * W
+    idx = i0 + tl.arange(0, W)
+    live = idx < T
+    slot = tl.load(SORTED + idx, mask=live, other=0)
+    prv = tl.load(SORTED + idx - 1, mask=live & (idx > 0), other=0)
+    start = live & ((idx == 0) | (prv // P != slot // P))
+    s0 = tl.min(tl.where(start, idx, i0 + W), 0)
+    r = tl.arange(0, W)
+    qb = s0 + (r // P) * P          # each tile row's block's first position
+    first = tl.load(SORTED + qb, mask=qb < T, other=1)
+    last = tl.load(SORTED + qb + P - 1, mask=qb + P - 1 < T, other=-1)
+    full = (qb < i0 + W) & (qb + P - 1 < T) & (first % P == 0) & (last == first + P - 1)
+    if GROUPED:
+        src = s0 + r
+    else:
+        src = tl.load(ORDER + s0 + r, mask=full, other=0)
+    pg = first // P
+    scale = _store_rows(X, DATA, SCALE, MICRO, src, (pg * H + h) * P + r % P, full,
+                        tl.full([W], 1.0, tl.float32), r, H, h, D, FMT, 4, EXPLICIT, FMAX, DIV,
+                        RECIP, P)
+    tl.store(SCALE + pg * H + h, scale, mask=full & (r % P == 0))
+    # the run starts of the window that no full block covered (same test as `full`)
+    lastw = tl.load(SORTED + idx + P - 1, mask=live & (idx + P - 1 < T), other=-1)
+    cov = ((idx - s0) % P == 0) & (idx + P - 1 < T) & (slot % P == 0) & (lastw == slot + P - 1)
+    rest = start & (cov == 0)
+    i = tl.min(tl.where(rest, idx, i0 + W), 0)
+    while i < i0 + W:
+        _append_page_run(X, SORTED, ORDER, DATA, SCALE, MICRO, i, T, H, h, D, P, R, FMT,
+                         DATA_DT, EXPLICIT, FMAX, DIV, RECIP)
+        i = tl.min(tl.where(rest & (idx > i), idx, i0 + W), 0)
+
+
 @triton.jit
 def _max_i32(a, b):
     return tl.maximum(a, b)
@@ -598,6 +685,8 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str,
     T = x.shape[0]
     if T == 0:
         return
+    if fmt == FMT_E2M1 and x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        x = x.float()  # fp4 loads element pairs as one word (_load_pairs); the encode is fp32
     x = x.contiguous()
     slots = slots.to(torch.int64)
     explicit = _interpreting()
@@ -628,6 +717,13 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str,
                 DATA_DT=data_dt, EXPLICIT=explicit, FMAX=fmax, DIV=div, RECIP=recip, WIN=win,
                 num_warps=4)
             return
+        if PAGE_BULK == "tiles":
+            W = max(P, PAGE_TILE_ELEMS // D)
+            _append_pages_tiles_kernel[(triton.cdiv(T, W), H)](
+                x, sorted_slots, order, d8, scale, m8, T, H, D=D, P=P, W=W, R=min(R, P),
+                FMT=fmt, DATA_DT=data_dt, EXPLICIT=explicit, FMAX=fmax, DIV=div, RECIP=recip,
+                GROUPED=grouped, num_warps=8 if fmt == FMT_E2M1 else 4)
+            return
         W = max(2 * P, BULK_TILE_ELEMS // D)
         _append_pages_bulk_kernel[(triton.cdiv(T, W), H)](
             x, sorted_slots, order, d8, scale, m8, T, H, D=D, P=P, W=W, R=min(R, P), FMT=fmt,
@@ -638,8 +734,8 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str,
     if granularity == "tensor":
         amax = torch.zeros(1, dtype=torch.float32, device=x.device)
         blk = 4096
-        _calibrate_amax_kernel[(triton.cdiv(x.numel(), blk),)](x, x.numel(), scale, amax,
-                                                                BLOCK=blk, num_warps=4)
+        _calibrate_amax_kernel[(min(triton.cdiv(x.numel(), blk), CALIBRATE_PROGRAMS),)](
+            x, x.numel(), scale, amax, BLOCK=blk, num_warps=4)
     _append_rows_kernel[(triton.cdiv(T, R), H)](
         x, slots, d8, scale, m8, amax, T, H, D=D, P=P, R=R, FMT=fmt,
         SM=3 if granularity == "token" else 1, EXPLICIT=explicit, FMAX=fmax, DIV=div,
