@@ -23,6 +23,7 @@ replays (triton.testing.do_bench_cudagraph; do_bench if graphs fail).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -46,6 +47,41 @@ ROWS = [("bf16", "page", False),
         ("fp8_e5m2", "page", True),
         ("fp4_e2m1", "page", False), ("fp4_e2m1", "page", True),
         ("fp4_e2m1", "token", False), ("fp4_e2m1", "tensor", False)]
+
+
+def variants(name: str, gran: str, grouped: bool) -> list:
+    """(label suffix, append-module settings) of each kernel variant timed for a row: the
+    default first, then the others (old paths and candidates) side by side. Settings are the
+    module attributes of kvcompile.kernels.append: PAGE_BULK (bulk page-scaled kernel: "runs",
+    "windows", "tiles"), FP4_PAIR_LOADS (False: the split loads before append16b),
+    CALIBRATE_PROGRAMS (1 << 30: one program per block, as before append16b)."""
+    import kvcompile.kernels.append as app
+
+    out = [("", {})]
+    if gran == "page" and name not in ("bf16", "fp16"):
+        bulk = ["runs", "tiles"] + (["windows"] if grouped else [])
+        out += [(f", {k} kernel", {"PAGE_BULK": k}) for k in bulk if k != app.PAGE_BULK]
+        if name == "fp4_e2m1" and app.PAGE_BULK == "runs":
+            out.append((", runs kernel, split loads (old)", {"FP4_PAIR_LOADS": False}))
+    elif name == "fp4_e2m1":
+        out.append((", split loads (old)", {"FP4_PAIR_LOADS": False}))
+    if gran == "tensor":
+        out.append((", calibration grid per block (old)", {"CALIBRATE_PROGRAMS": 1 << 30}))
+    return out
+
+
+@contextlib.contextmanager
+def set_knobs(knobs: dict):
+    import kvcompile.kernels.append as app
+
+    before = {k: getattr(app, k) for k in knobs}
+    for k, v in knobs.items():
+        setattr(app, k, v)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            setattr(app, k, v)
 
 
 def bench(fn) -> float:
@@ -132,15 +168,9 @@ def main() -> int:
         label = name if name in ("bf16", "fp16") else f"{name} {gran}"
         if gran == "page" and name not in ("bf16", "fp16"):
             label += ", grouped (no sort)" if grouped else ", sorted on device"
-        row(label, fmt, slots, x, grouped)
-        if gran == "page" and grouped:   # the other bulk kernel (append.PAGE_BULK)
-            import kvcompile.kernels.append as app
-
-            app.PAGE_BULK = "windows"
-            try:
-                row(label + ", windows kernel", fmt, slots, x, grouped)
-            finally:
-                app.PAGE_BULK = "runs"
+        for tag, knobs in variants(name, gran, grouped):
+            with set_knobs(knobs):
+                row(label + tag, fmt, slots, x, grouped)
     # a batch of 16 prompts of odd lengths in reserve order: page runs start off the kernel's
     # windows, so each window also has a run that crosses its end (written by the per-run path)
     B = 16
@@ -151,7 +181,10 @@ def main() -> int:
     odd = torch.cat(seq_slots).contiguous()
     xo = x[:odd.numel()].contiguous()
     for name in ("fp8_e4m3", "fp4_e2m1"):
-        row(f"{name} page, grouped, {B} prompts of {L}", KVFormat(name, "page"), odd, xo, True)
+        for tag, knobs in variants(name, "page", False):
+            with set_knobs(knobs):
+                row(f"{name} page, grouped, {B} prompts of {L}{tag}", KVFormat(name, "page"),
+                    odd, xo, True)
     # a decode step: one token into each of 64 pages (page-scaled fp8, the runtime's decode)
     dec_slots = slots[:: max(1, T // 64)][:64].contiguous()
     xd = x[:dec_slots.numel()].contiguous()

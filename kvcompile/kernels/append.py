@@ -47,6 +47,10 @@ BULK_TILE_ELEMS = 16384
 # 0.37x copy against 0.44x for "runs" in an earlier session, and fp4 pages at 0.13x both: "runs"
 # stays the default until "windows" is faster; the tests and bench_append.py run both.
 PAGE_BULK = "runs"
+# fp4 writes load each pair of input elements as one word (_load_pairs: 16-byte loads, no
+# shuffles). False: the earlier [.., 8, 2] tile and tl.split (2 elements a load), kept to time
+# against it (bench_append.py --old); the "windows" and "tiles" kernels always load pairs.
+FP4_PAIR_LOADS = True
 # tensor scales: programs of the first write's amax pass (_calibrate_amax_kernel)
 CALIBRATE_PROGRAMS = 1024
 # "tiles" (_append_pages_tiles_kernel, branch append16b): whole fresh pages of a window as
@@ -310,7 +314,7 @@ def _load_pairs(X, xrow, ok, g, j):
 def _store_rows(X, DATA, SCALE, MICRO, src, dst, ok, scale, run, H, h,
                 D: tl.constexpr, FMT: tl.constexpr, SMODE: tl.constexpr,
                 EXPLICIT: tl.constexpr, FMAX: tl.constexpr, DIV: tl.constexpr,
-                RECIP: tl.constexpr, BLK: tl.constexpr = 1):
+                RECIP: tl.constexpr, BLK: tl.constexpr = 1, PAIRS: tl.constexpr = True):
     # Encode rows x[src[r], h, :] and store them at page rows dst[r] (row = (page*H+h)*P+off).
     # SMODE 0: scale [R] given; 1 (token scales): each row's from its amax, stored at SCALE +
     # dst; 2 (runs): each row's from the amax of its run (rows of equal `run` id, adjacent);
@@ -322,7 +326,15 @@ def _store_rows(X, DATA, SCALE, MICRO, src, dst, ok, scale, run, H, h,
         G: tl.constexpr = D // 16
         g = tl.arange(0, G)
         j = tl.arange(0, 8)
-        xe, xo = _load_pairs(X, xrow, ok, g, j)
+        if PAIRS:
+            xe, xo = _load_pairs(X, xrow, ok, g, j)
+        else:   # the earlier load (FP4_PAIR_LOADS = False): a [R, G, 8, 2] tile, split
+            e = tl.arange(0, 2)
+            offs = (g[None, :, None, None] * 16 + j[None, None, :, None] * 2
+                    + e[None, None, None, :])
+            x = tl.load(X + xrow[:, None, None, None] + offs, mask=ok[:, None, None, None],
+                        other=0.0).to(tl.float32)
+            xe, xo = tl.split(x)
         a16 = _group_amax_nan(xe, xo)                                          # [R, G]
         if SMODE != 0:
             if _all_finite(a16):
@@ -389,7 +401,7 @@ def _calibrate_amax_kernel(X, N, SCALE, AMAX, BLOCK: tl.constexpr):
 def _append_rows_kernel(X, SLOTS, DATA, SCALE, MICRO, AMAX, T, H, D: tl.constexpr,
                         P: tl.constexpr, R: tl.constexpr, FMT: tl.constexpr, SM: tl.constexpr,
                         EXPLICIT: tl.constexpr, FMAX: tl.constexpr, DIV: tl.constexpr,
-                        RECIP: tl.constexpr):
+                        RECIP: tl.constexpr, PAIRS: tl.constexpr = True):
     # plain formats, token scales (SM == 3) or one tensor scale (SM == 1): R tokens of head h
     h = tl.program_id(1)
     t = tl.program_id(0) * R + tl.arange(0, R)
@@ -405,7 +417,7 @@ def _append_rows_kernel(X, SLOTS, DATA, SCALE, MICRO, AMAX, T, H, D: tl.constexp
     else:
         scale = tl.full([R], 1.0, tl.float32)
     _store_rows(X, DATA, SCALE, MICRO, t, dst, ok, scale, t, H, h, D, FMT, 1 if SM == 3 else 0,
-                EXPLICIT, FMAX, DIV, RECIP)
+                EXPLICIT, FMAX, DIV, RECIP, 1, PAIRS)
 
 
 @triton.jit
@@ -483,7 +495,7 @@ def _grow_scale(scale, cover):
 def _append_page_run(X, SORTED, ORDER, DATA, SCALE, MICRO, i, T, H, h, D: tl.constexpr,
                      P: tl.constexpr, R: tl.constexpr, FMT: tl.constexpr, DATA_DT: tl.constexpr,
                      EXPLICIT: tl.constexpr, FMAX: tl.constexpr, DIV: tl.constexpr,
-                     RECIP: tl.constexpr):
+                     RECIP: tl.constexpr, PAIRS: tl.constexpr = True):
     # the run of sorted slots starting at i (all in one page), head h
     slot = tl.load(SORTED + i)
     page = slot // P
@@ -519,7 +531,7 @@ def _append_page_run(X, SORTED, ORDER, DATA, SCALE, MICRO, i, T, H, h, D: tl.con
         s = tl.load(SORTED + i + c + r, mask=ok, other=0)
         _store_rows(X, DATA, SCALE, MICRO, src, base + (s % P), ok,
                     tl.zeros([R], tl.float32) + new_scale, r, H, h, D, FMT, 0, EXPLICIT, FMAX,
-                    DIV, RECIP)
+                    DIV, RECIP, 1, PAIRS)
     tl.store(SCALE + page * H + h, new_scale)
     return n
 
@@ -528,7 +540,8 @@ def _append_page_run(X, SORTED, ORDER, DATA, SCALE, MICRO, i, T, H, h, D: tl.con
 def _append_pages_kernel(X, SORTED, ORDER, DATA, SCALE, MICRO, T, H, D: tl.constexpr,
                          P: tl.constexpr, R: tl.constexpr, FMT: tl.constexpr,
                          DATA_DT: tl.constexpr, EXPLICIT: tl.constexpr, FMAX: tl.constexpr,
-                         DIV: tl.constexpr, RECIP: tl.constexpr, WIN: tl.constexpr):
+                         DIV: tl.constexpr, RECIP: tl.constexpr, WIN: tl.constexpr,
+                         PAIRS: tl.constexpr = True):
     # page scales: program (w, h) handles the runs of sorted slots (one page each) that start
     # in positions [w * WIN, (w + 1) * WIN): WIN = 1 for decode steps (one token per page),
     # WIN = P for bulk writes; runs are visited start to start, so no position is polled
@@ -541,7 +554,7 @@ def _append_pages_kernel(X, SORTED, ORDER, DATA, SCALE, MICRO, T, H, D: tl.const
     i = tl.min(tl.where(starts, idx, base_i + WIN), 0)
     while i < tl.minimum(base_i + WIN, T):
         n = _append_page_run(X, SORTED, ORDER, DATA, SCALE, MICRO, i, T, H, h, D, P, R, FMT,
-                             DATA_DT, EXPLICIT, FMAX, DIV, RECIP)
+                             DATA_DT, EXPLICIT, FMAX, DIV, RECIP, PAIRS)
         i = i + n
 
 
@@ -715,7 +728,7 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str,
             _append_pages_kernel[(triton.cdiv(T, win), H)](
                 x, sorted_slots, order, d8, scale, m8, T, H, D=D, P=P, R=min(R, P), FMT=fmt,
                 DATA_DT=data_dt, EXPLICIT=explicit, FMAX=fmax, DIV=div, RECIP=recip, WIN=win,
-                num_warps=4)
+                PAIRS=FP4_PAIR_LOADS, num_warps=4)
             return
         if PAGE_BULK == "tiles":
             W = max(P, PAGE_TILE_ELEMS // D)
@@ -739,7 +752,7 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str,
     _append_rows_kernel[(triton.cdiv(T, R), H)](
         x, slots, d8, scale, m8, amax, T, H, D=D, P=P, R=R, FMT=fmt,
         SM=3 if granularity == "token" else 1, EXPLICIT=explicit, FMAX=fmax, DIV=div,
-        RECIP=recip, num_warps=4)
+        RECIP=recip, PAIRS=FP4_PAIR_LOADS, num_warps=4)
 
 
 _IOTA: dict[torch.device, torch.Tensor] = {}
