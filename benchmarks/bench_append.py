@@ -4,6 +4,7 @@ prefill appends), every format the append kernel writes, against device copies i
     python benchmarks/bench_append.py [--tokens 65536 --heads 8 --dim 128 --page 16]
                                       [--json OUT/bench_append.json]
     python benchmarks/bench_append.py --dry        # CPU: interpreter, tiny shapes, wall clock
+    python benchmarks/bench_append.py --sweep      # + tile shapes / warps of the new kernels
 
 A bulk prefill append: T tokens x H kv heads x D of bf16 input, written into shuffled whole
 pages (slots of one page adjacent, pages in random order), as the runtime's writer does
@@ -16,8 +17,11 @@ Bytes = input read (T*H*D*2) + bytes stored (codes, micro scales, scales:
 KVFormat.bytes_per_token).
 Baselines: `copy` = dst.copy_(x) of the bf16 input (its GB/s counts read + write); `same-bytes
 copy` = a uint8 copy moving the same total bytes as the append. "x copy" = append GB/s / copy
-GB/s (the target's ratio); "x same" = same-bytes copy ms / append ms. Times: median of CUDA-graph
-replays (triton.testing.do_bench_cudagraph; do_bench if graphs fail).
+GB/s (the target's ratio); "x same" = same-bytes copy ms / append ms.
+Each row is timed with the default kernels first, then with the other kernel variants (old
+paths and candidates, `variants`: append-module settings) side by side; the target line counts
+the default rows. Times: median of CUDA-graph replays (triton.testing.do_bench_cudagraph;
+do_bench if graphs fail).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 DRY = "--dry" in sys.argv
+SWEEP = "--sweep" in sys.argv   # also time other tile shapes / warps of the new kernels
 if DRY:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -61,10 +66,19 @@ def variants(name: str, gran: str, grouped: bool) -> list:
     if gran == "page" and name not in ("bf16", "fp16"):
         bulk = ["runs", "tiles"] + (["windows"] if grouped else [])
         out += [(f", {k} kernel", {"PAGE_BULK": k}) for k in bulk if k != app.PAGE_BULK]
-        if name == "fp4_e2m1" and app.PAGE_BULK == "runs":
-            out.append((", runs kernel, split loads (old)", {"FP4_PAIR_LOADS": False}))
+        if name == "fp4_e2m1":
+            out.append((", runs kernel, split loads (old)",
+                        {"PAGE_BULK": "runs", "FP4_PAIR_LOADS": False}))
+        if SWEEP and grouped:
+            for elems in (4096, 16384):
+                for warps in ((4, 4), (8, 8)):
+                    out.append((f", tiles {elems // 128} x 128, {warps[0]} warps",
+                                {"PAGE_BULK": "tiles", "PAGE_TILE_ELEMS": elems,
+                                 "PAGE_TILE_WARPS": warps}))
     elif name == "fp4_e2m1":
         out.append((", split loads (old)", {"FP4_PAIR_LOADS": False}))
+    if SWEEP and gran != "page":
+        out += [(f", rows tile {e // 128} x 128", {"ROW_TILE_ELEMS": e}) for e in (2048, 8192)]
     if gran == "tensor":
         out.append((", calibration grid per block (old)", {"CALIBRATE_PROGRAMS": 1 << 30}))
     return out
@@ -110,6 +124,7 @@ def main() -> int:
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry", action="store_true")
+    ap.add_argument("--sweep", action="store_true")
     a = ap.parse_args()
     T, H, D, P = a.tokens, a.heads, a.dim, a.page
     if DRY:
@@ -143,7 +158,7 @@ def main() -> int:
             del s, d
         return same_cache[n]
 
-    def row(label, fmt, sl, xx, grouped):
+    def row(label, fmt, sl, xx, grouped, default=True):
         c = fmt.allocate(N, H, P, D, DEV)
         stored = sl.numel() * fmt.bytes_per_token(H, D, P)
         total = xx.numel() * xx.element_size() + stored
@@ -154,7 +169,8 @@ def main() -> int:
             return
         gbs = total / ms / 1e6
         same = same_bytes_copy_ms(total)
-        r = {"row": label, "ms": ms, "bytes": total, "gbs": gbs, "x_copy": gbs / copy_gbs,
+        r = {"row": label, "default": default, "ms": ms, "bytes": total, "gbs": gbs,
+             "x_copy": gbs / copy_gbs,
              "same_bytes_copy_ms": same, "x_same": same / ms}
         res["rows"].append(r)
         print(f"| {label} | {ms:.4f} | {total / 1e6:.1f} | {gbs:.0f} | {gbs / copy_gbs:.2f} | "
@@ -170,7 +186,7 @@ def main() -> int:
             label += ", grouped (no sort)" if grouped else ", sorted on device"
         for tag, knobs in variants(name, gran, grouped):
             with set_knobs(knobs):
-                row(label + tag, fmt, slots, x, grouped)
+                row(label + tag, fmt, slots, x, grouped, not tag)
     # a batch of 16 prompts of odd lengths in reserve order: page runs start off the kernel's
     # windows, so each window also has a run that crosses its end (written by the per-run path)
     B = 16
@@ -184,13 +200,13 @@ def main() -> int:
         for tag, knobs in variants(name, "page", False):
             with set_knobs(knobs):
                 row(f"{name} page, grouped, {B} prompts of {L}{tag}", KVFormat(name, "page"),
-                    odd, xo, True)
+                    odd, xo, True, not tag)
     # a decode step: one token into each of 64 pages (page-scaled fp8, the runtime's decode)
     dec_slots = slots[:: max(1, T // 64)][:64].contiguous()
     xd = x[:dec_slots.numel()].contiguous()
     for name in ("fp8_e4m3", "fp4_e2m1"):
         row(f"decode step, 64 tokens, {name} page", KVFormat(name, "page"), dec_slots, xd, True)
-    worst = {r["row"]: r["x_copy"] for r in res["rows"]}
+    worst = {r["row"]: r["x_copy"] for r in res["rows"] if r["default"]}
     met = [k for k, v in worst.items() if v >= 0.70 and "decode" not in k]
     missed = [k for k, v in worst.items() if v < 0.70 and "decode" not in k]
     print(f"\nAPPEND: target >= 0.70 x copy bandwidth: met by {len(met)} row(s), missed by "

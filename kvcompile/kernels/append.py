@@ -12,9 +12,10 @@ Semantics are PagedTensor.write's (formats.py), bit for bit:
 
 Page-scaled writes sort the slots on the device (no host sync; `grouped=True` skips the sort for
 slots in PagePool.reserve's order). Bulk writes (more than BULK_TOKENS tokens) run one program
-per (window of W tokens, head) that writes the window's fresh pages as one tile in one pass over
-x (`_append_pages_bulk_kernel`); decode steps run one program per (run of one page, head).
-Other writes run one program per (block of tokens, head).
+per (window of W tokens, head) that writes the window's fresh whole pages as blocks of one tile
+in one pass over x (`_append_pages_tiles_kernel`, PAGE_BULK); decode steps run one program per
+(run of one page, head). Other writes run one program per (block of tokens, head).
+fp4 loads each pair of input elements as one word (`_load_pairs`).
 Encoding divides by a reciprocal plus one residual fma, bit-exact with the reference's division
 (see `_quotient`), and rounds to e2m1 in integer arithmetic (`_e2m1_magnitude`).
 Under TRITON_INTERPRET=1 the fp8 / bf16 roundings are done in explicit fp32 arithmetic (the
@@ -40,23 +41,33 @@ _PLAIN_BF16, _PLAIN_FP16, _PLAIN_FP32 = 10, 11, 12
 BULK_TOKENS = 4096
 # Tokens x head_dim of one bulk page-scaled program's tile (128 tokens at head_dim 128).
 BULK_TILE_ELEMS = 16384
-# Which kernel writes bulk page-scaled appends: "runs" (_append_pages_kernel, one program per
-# window of P sorted slots, each page a serial amax -> scale -> encode) or "windows"
-# (_append_pages_bulk_kernel: a window of whole pages in one pass with segmented scans). On the
-# H200 (2026-12-03, bench_append.py, T 65536, fp8_e4m3 page scales, grouped) "windows" ran at
-# 0.37x copy against 0.44x for "runs" in an earlier session, and fp4 pages at 0.13x both: "runs"
-# stays the default until "windows" is faster; the tests and bench_append.py run both.
-PAGE_BULK = "runs"
+# Which kernel writes bulk page-scaled appends:
+# - "tiles" (_append_pages_tiles_kernel, branch append16b, the default): program (window of W
+#   sorted slots, head) writes the fresh whole pages of its window as blocks of P rows of one
+#   [W, D] tile in one pass (amax, scale, encode in registers; no scan); the other runs of the
+#   window (pages with earlier tokens, partial pages) take the per-run path;
+# - "runs" (_append_pages_kernel, WIN = P: one program per window of P sorted slots, each page
+#   a serial amax -> scale -> encode, x read twice): 0.44x copy for fp8 and 0.13x for fp4 on the
+#   H200 (2026-12-03, bench_append.py, T 65536, grouped), the default before append16b;
+# - "windows" (_append_pages_bulk_kernel: a window of whole pages with segmented scans): 0.37x
+#   fp8, 0.13x fp4 (255 registers and a stack of 0.9-1.7 KB spills in the sm_90 build).
+# The tests and bench_append.py run all three. "tiles" is not yet timed on the GPU: by its sm_90
+# build (128 registers, no spills, 16-byte loads) it should beat "runs"; if bench_append.py
+# says otherwise, set "runs" here.
+PAGE_BULK = "tiles"
+# "tiles": tokens x head_dim of a program's tile, and its warps (fp8, fp4): about 64 / 32
+# values a thread and at most 128 registers in the sm_90 build
+PAGE_TILE_ELEMS = 8192
+PAGE_TILE_WARPS = (4, 8)
+# row kernels (plain, token and tensor scales): tokens x head_dim of a program's tile
+ROW_TILE_ELEMS = 4096
 # fp4 writes load each pair of input elements as one word (_load_pairs: 16-byte loads, no
 # shuffles). False: the earlier [.., 8, 2] tile and tl.split (2 elements a load), kept to time
-# against it (bench_append.py --old); the "windows" and "tiles" kernels always load pairs.
+# against it (bench_append.py); the "windows" and "tiles" kernels always load pairs.
 FP4_PAIR_LOADS = True
-# tensor scales: programs of the first write's amax pass (_calibrate_amax_kernel)
+# tensor scales: programs of the first write's amax pass (_calibrate_amax_kernel), each
+# striding over blocks (1 << 30: one program per block, as before append16b)
 CALIBRATE_PROGRAMS = 1024
-# "tiles" (_append_pages_tiles_kernel, branch append16b): whole fresh pages of a window as
-# blocks of one tile, no scans; tokens x head_dim of its tile (fp4 with 8 warps, fp8 4: about
-# 32 / 64 values a thread and at most 128 registers, tests/kernels/test_append_sm90.py)
-PAGE_TILE_ELEMS = 8192
 
 
 @triton.jit
@@ -704,7 +715,7 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str,
     slots = slots.to(torch.int64)
     explicit = _interpreting()
     recip = not explicit  # torch divides by a python float through its reciprocal on CUDA
-    R = max(1, min(64, 4096 // D))
+    R = max(1, min(64, ROW_TILE_ELEMS // D))
     if fmt == FMT_PLAIN:
         code = {torch.bfloat16: _PLAIN_BF16, torch.float16: _PLAIN_FP16,
                 torch.float32: _PLAIN_FP32}[data.dtype]
@@ -735,7 +746,7 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str,
             _append_pages_tiles_kernel[(triton.cdiv(T, W), H)](
                 x, sorted_slots, order, d8, scale, m8, T, H, D=D, P=P, W=W, R=min(R, P),
                 FMT=fmt, DATA_DT=data_dt, EXPLICIT=explicit, FMAX=fmax, DIV=div, RECIP=recip,
-                GROUPED=grouped, num_warps=8 if fmt == FMT_E2M1 else 4)
+                GROUPED=grouped, num_warps=PAGE_TILE_WARPS[fmt == FMT_E2M1])
             return
         W = max(2 * P, BULK_TILE_ELEMS // D)
         _append_pages_bulk_kernel[(triton.cdiv(T, W), H)](
