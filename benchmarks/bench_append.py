@@ -129,6 +129,9 @@ def main() -> int:
     T, H, D, P = a.tokens, a.heads, a.dim, a.page
     if DRY:
         T, H, D = 256, 2, 64
+        import kvcompile.kernels.append as app
+
+        app.BULK_TOKENS = 0   # the bulk page-scaled kernels at the dry run's 256 tokens
     gen = torch.Generator(device=DEV).manual_seed(0)
     x = torch.randn(T, H, D, device=DEV, dtype=torch.bfloat16, generator=gen) * 3
     N = T // P

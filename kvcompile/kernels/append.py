@@ -39,7 +39,7 @@ _PLAIN_BF16, _PLAIN_FP16, _PLAIN_FP32 = 10, 11, 12
 # Page-scaled writes of more tokens than this scan a window of P sorted slots per program
 # (bulk prefill); fewer, one slot per program (decode steps).
 BULK_TOKENS = 4096
-# Tokens x head_dim of one bulk page-scaled program's tile (128 tokens at head_dim 128).
+# "windows": tokens x head_dim of one bulk page-scaled program's tile (128 tokens at D 128).
 BULK_TILE_ELEMS = 16384
 # Which kernel writes bulk page-scaled appends:
 # - "tiles" (_append_pages_tiles_kernel, branch append16b, the default): program (window of W
@@ -50,10 +50,11 @@ BULK_TILE_ELEMS = 16384
 #   a serial amax -> scale -> encode, x read twice): 0.44x copy for fp8 and 0.13x for fp4 on the
 #   H200 (2026-12-03, bench_append.py, T 65536, grouped), the default before append16b;
 # - "windows" (_append_pages_bulk_kernel: a window of whole pages with segmented scans): 0.37x
-#   fp8, 0.13x fp4 (255 registers and a stack of 0.9-1.7 KB spills in the sm_90 build).
+#   fp8, 0.13x fp4 (then 255 registers and 0.9-1.7 KB of stack spills in the sm_90 build;
+#   178 / 218 registers, no spills with append16b's pair loads: benchmarks/append_sass.py).
 # The tests and bench_append.py run all three. "tiles" is not yet timed on the GPU: by its sm_90
-# build (128 registers, no spills, 16-byte loads) it should beat "runs"; if bench_append.py
-# says otherwise, set "runs" here.
+# build (126-128 registers, no spills, 16-byte loads, x read once) it should beat "runs"; if
+# bench_append.py says otherwise, set "runs" here.
 PAGE_BULK = "tiles"
 # "tiles": tokens x head_dim of a program's tile, and its warps (fp8, fp4): about 64 / 32
 # values a thread and at most 128 registers in the sm_90 build
