@@ -4,6 +4,7 @@ prefill appends), every format the append kernel writes, against device copies i
     python benchmarks/bench_append.py [--tokens 65536 --heads 8 --dim 128 --page 16]
                                       [--json OUT/bench_append.json]
     python benchmarks/bench_append.py --dry        # CPU: interpreter, tiny shapes, wall clock
+    python benchmarks/bench_append.py --sweep      # + tile shapes / warps of the new kernels
 
 A bulk prefill append: T tokens x H kv heads x D of bf16 input, written into shuffled whole
 pages (slots of one page adjacent, pages in random order), as the runtime's writer does
@@ -16,13 +17,17 @@ Bytes = input read (T*H*D*2) + bytes stored (codes, micro scales, scales:
 KVFormat.bytes_per_token).
 Baselines: `copy` = dst.copy_(x) of the bf16 input (its GB/s counts read + write); `same-bytes
 copy` = a uint8 copy moving the same total bytes as the append. "x copy" = append GB/s / copy
-GB/s (the target's ratio); "x same" = same-bytes copy ms / append ms. Times: median of CUDA-graph
-replays (triton.testing.do_bench_cudagraph; do_bench if graphs fail).
+GB/s (the target's ratio); "x same" = same-bytes copy ms / append ms.
+Each row is timed with the default kernels first, then with the other kernel variants (old
+paths and candidates, `variants`: append-module settings) side by side; the target line counts
+the default rows. Times: median of CUDA-graph replays (triton.testing.do_bench_cudagraph;
+do_bench if graphs fail).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -32,6 +37,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 DRY = "--dry" in sys.argv
+SWEEP = "--sweep" in sys.argv   # also time other tile shapes / warps of the new kernels
 if DRY:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -46,6 +52,50 @@ ROWS = [("bf16", "page", False),
         ("fp8_e5m2", "page", True),
         ("fp4_e2m1", "page", False), ("fp4_e2m1", "page", True),
         ("fp4_e2m1", "token", False), ("fp4_e2m1", "tensor", False)]
+
+
+def variants(name: str, gran: str, grouped: bool) -> list:
+    """(label suffix, append-module settings) of each kernel variant timed for a row: the
+    default first, then the others (old paths and candidates) side by side. Settings are the
+    module attributes of kvcompile.kernels.append: PAGE_BULK (bulk page-scaled kernel: "runs",
+    "windows", "tiles"), FP4_PAIR_LOADS (False: the split loads before append16b),
+    CALIBRATE_PROGRAMS (1 << 30: one program per block, as before append16b)."""
+    import kvcompile.kernels.append as app
+
+    out = [("", {})]
+    if gran == "page" and name not in ("bf16", "fp16"):
+        bulk = ["runs", "tiles"] + (["windows"] if grouped else [])
+        out += [(f", {k} kernel", {"PAGE_BULK": k}) for k in bulk if k != app.PAGE_BULK]
+        if name == "fp4_e2m1":
+            out.append((", runs kernel, split loads (old)",
+                        {"PAGE_BULK": "runs", "FP4_PAIR_LOADS": False}))
+        if SWEEP and grouped:
+            for elems in (4096, 16384):
+                for warps in ((4, 4), (8, 8)):
+                    out.append((f", tiles {elems // 128} x 128, {warps[0]} warps",
+                                {"PAGE_BULK": "tiles", "PAGE_TILE_ELEMS": elems,
+                                 "PAGE_TILE_WARPS": warps}))
+    elif name == "fp4_e2m1":
+        out.append((", split loads (old)", {"FP4_PAIR_LOADS": False}))
+    if SWEEP and gran != "page":
+        out += [(f", rows tile {e // 128} x 128", {"ROW_TILE_ELEMS": e}) for e in (2048, 8192)]
+    if gran == "tensor":
+        out.append((", calibration grid per block (old)", {"CALIBRATE_PROGRAMS": 1 << 30}))
+    return out
+
+
+@contextlib.contextmanager
+def set_knobs(knobs: dict):
+    import kvcompile.kernels.append as app
+
+    before = {k: getattr(app, k) for k in knobs}
+    for k, v in knobs.items():
+        setattr(app, k, v)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            setattr(app, k, v)
 
 
 def bench(fn) -> float:
@@ -74,10 +124,14 @@ def main() -> int:
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry", action="store_true")
+    ap.add_argument("--sweep", action="store_true")
     a = ap.parse_args()
     T, H, D, P = a.tokens, a.heads, a.dim, a.page
     if DRY:
         T, H, D = 256, 2, 64
+        import kvcompile.kernels.append as app
+
+        app.BULK_TOKENS = 0   # the bulk page-scaled kernels at the dry run's 256 tokens
     gen = torch.Generator(device=DEV).manual_seed(0)
     x = torch.randn(T, H, D, device=DEV, dtype=torch.bfloat16, generator=gen) * 3
     N = T // P
@@ -107,7 +161,7 @@ def main() -> int:
             del s, d
         return same_cache[n]
 
-    def row(label, fmt, sl, xx, grouped):
+    def row(label, fmt, sl, xx, grouped, default=True):
         c = fmt.allocate(N, H, P, D, DEV)
         stored = sl.numel() * fmt.bytes_per_token(H, D, P)
         total = xx.numel() * xx.element_size() + stored
@@ -118,7 +172,8 @@ def main() -> int:
             return
         gbs = total / ms / 1e6
         same = same_bytes_copy_ms(total)
-        r = {"row": label, "ms": ms, "bytes": total, "gbs": gbs, "x_copy": gbs / copy_gbs,
+        r = {"row": label, "default": default, "ms": ms, "bytes": total, "gbs": gbs,
+             "x_copy": gbs / copy_gbs,
              "same_bytes_copy_ms": same, "x_same": same / ms}
         res["rows"].append(r)
         print(f"| {label} | {ms:.4f} | {total / 1e6:.1f} | {gbs:.0f} | {gbs / copy_gbs:.2f} | "
@@ -132,15 +187,9 @@ def main() -> int:
         label = name if name in ("bf16", "fp16") else f"{name} {gran}"
         if gran == "page" and name not in ("bf16", "fp16"):
             label += ", grouped (no sort)" if grouped else ", sorted on device"
-        row(label, fmt, slots, x, grouped)
-        if gran == "page" and grouped:   # the other bulk kernel (append.PAGE_BULK)
-            import kvcompile.kernels.append as app
-
-            app.PAGE_BULK = "windows"
-            try:
-                row(label + ", windows kernel", fmt, slots, x, grouped)
-            finally:
-                app.PAGE_BULK = "runs"
+        for tag, knobs in variants(name, gran, grouped):
+            with set_knobs(knobs):
+                row(label + tag, fmt, slots, x, grouped, not tag)
     # a batch of 16 prompts of odd lengths in reserve order: page runs start off the kernel's
     # windows, so each window also has a run that crosses its end (written by the per-run path)
     B = 16
@@ -151,13 +200,16 @@ def main() -> int:
     odd = torch.cat(seq_slots).contiguous()
     xo = x[:odd.numel()].contiguous()
     for name in ("fp8_e4m3", "fp4_e2m1"):
-        row(f"{name} page, grouped, {B} prompts of {L}", KVFormat(name, "page"), odd, xo, True)
+        for tag, knobs in variants(name, "page", False):
+            with set_knobs(knobs):
+                row(f"{name} page, grouped, {B} prompts of {L}{tag}", KVFormat(name, "page"),
+                    odd, xo, True, not tag)
     # a decode step: one token into each of 64 pages (page-scaled fp8, the runtime's decode)
     dec_slots = slots[:: max(1, T // 64)][:64].contiguous()
     xd = x[:dec_slots.numel()].contiguous()
     for name in ("fp8_e4m3", "fp4_e2m1"):
         row(f"decode step, 64 tokens, {name} page", KVFormat(name, "page"), dec_slots, xd, True)
-    worst = {r["row"]: r["x_copy"] for r in res["rows"]}
+    worst = {r["row"]: r["x_copy"] for r in res["rows"] if r["default"]}
     met = [k for k, v in worst.items() if v >= 0.70 and "decode" not in k]
     missed = [k for k, v in worst.items() if v < 0.70 and "decode" not in k]
     print(f"\nAPPEND: target >= 0.70 x copy bandwidth: met by {len(met)} row(s), missed by "

@@ -12,9 +12,10 @@ Semantics are PagedTensor.write's (formats.py), bit for bit:
 
 Page-scaled writes sort the slots on the device (no host sync; `grouped=True` skips the sort for
 slots in PagePool.reserve's order). Bulk writes (more than BULK_TOKENS tokens) run one program
-per (window of W tokens, head) that writes the window's fresh pages as one tile in one pass over
-x (`_append_pages_bulk_kernel`); decode steps run one program per (run of one page, head).
-Other writes run one program per (block of tokens, head).
+per (window of W tokens, head) that writes the window's fresh whole pages as blocks of one tile
+in one pass over x (`_append_pages_tiles_kernel`, PAGE_BULK); decode steps run one program per
+(run of one page, head). Other writes run one program per (block of tokens, head).
+fp4 loads each pair of input elements as one word (`_load_pairs`).
 Encoding divides by a reciprocal plus one residual fma, bit-exact with the reference's division
 (see `_quotient`), and rounds to e2m1 in integer arithmetic (`_e2m1_magnitude`).
 Under TRITON_INTERPRET=1 the fp8 / bf16 roundings are done in explicit fp32 arithmetic (the
@@ -38,15 +39,36 @@ _PLAIN_BF16, _PLAIN_FP16, _PLAIN_FP32 = 10, 11, 12
 # Page-scaled writes of more tokens than this scan a window of P sorted slots per program
 # (bulk prefill); fewer, one slot per program (decode steps).
 BULK_TOKENS = 4096
-# Tokens x head_dim of one bulk page-scaled program's tile (128 tokens at head_dim 128).
+# "windows": tokens x head_dim of one bulk page-scaled program's tile (128 tokens at D 128).
 BULK_TILE_ELEMS = 16384
-# Which kernel writes bulk page-scaled appends: "runs" (_append_pages_kernel, one program per
-# window of P sorted slots, each page a serial amax -> scale -> encode) or "windows"
-# (_append_pages_bulk_kernel: a window of whole pages in one pass with segmented scans). On the
-# H200 (2026-12-03, bench_append.py, T 65536, fp8_e4m3 page scales, grouped) "windows" ran at
-# 0.37x copy against 0.44x for "runs" in an earlier session, and fp4 pages at 0.13x both: "runs"
-# stays the default until "windows" is faster; the tests and bench_append.py run both.
-PAGE_BULK = "runs"
+# Which kernel writes bulk page-scaled appends:
+# - "tiles" (_append_pages_tiles_kernel, branch append16b, the default): program (window of W
+#   sorted slots, head) writes the fresh whole pages of its window as blocks of P rows of one
+#   [W, D] tile in one pass (amax, scale, encode in registers; no scan); the other runs of the
+#   window (pages with earlier tokens, partial pages) take the per-run path;
+# - "runs" (_append_pages_kernel, WIN = P: one program per window of P sorted slots, each page
+#   a serial amax -> scale -> encode, x read twice): 0.44x copy for fp8 and 0.13x for fp4 on the
+#   H200 (2026-12-03, bench_append.py, T 65536, grouped), the default before append16b;
+# - "windows" (_append_pages_bulk_kernel: a window of whole pages with segmented scans): 0.37x
+#   fp8, 0.13x fp4 (then 255 registers and 0.9-1.7 KB of stack spills in the sm_90 build;
+#   178 / 218 registers, no spills with append16b's pair loads: benchmarks/append_sass.py).
+# The tests and bench_append.py run all three. "tiles" is not yet timed on the GPU: by its sm_90
+# build (126-128 registers, no spills, 16-byte loads, x read once) it should beat "runs"; if
+# bench_append.py says otherwise, set "runs" here.
+PAGE_BULK = "tiles"
+# "tiles": tokens x head_dim of a program's tile, and its warps (fp8, fp4): about 64 / 32
+# values a thread and at most 128 registers in the sm_90 build
+PAGE_TILE_ELEMS = 8192
+PAGE_TILE_WARPS = (4, 8)
+# row kernels (plain, token and tensor scales): tokens x head_dim of a program's tile
+ROW_TILE_ELEMS = 4096
+# fp4 writes load each pair of input elements as one word (_load_pairs: 16-byte loads, no
+# shuffles). False: the earlier [.., 8, 2] tile and tl.split (2 elements a load), kept to time
+# against it (bench_append.py); the "windows" and "tiles" kernels always load pairs.
+FP4_PAIR_LOADS = True
+# tensor scales: programs of the first write's amax pass (_calibrate_amax_kernel), each
+# striding over blocks (1 << 30: one program per block, as before append16b)
+CALIBRATE_PROGRAMS = 1024
 
 
 @triton.jit
@@ -273,13 +295,42 @@ def _run_max(key, v):
 
 
 @triton.jit
+def _block_max(v, BLK: tl.constexpr):
+    # v [R] -> the max of v over each element's block of BLK consecutive elements
+    R: tl.constexpr = v.shape[0]
+    m = tl.max(tl.reshape(v, [R // BLK, BLK]), 1)
+    return tl.reshape(tl.broadcast_to(m[:, None], [R // BLK, BLK]), [R])
+
+
+@triton.jit
+def _load_pairs(X, xrow, ok, g, j):
+    # x[xrow[r] + 16 g + 2 j + (0, 1)] as fp32 -> (even, odd) [R, G, 8]: each pair of elements
+    # loaded as one word of twice their width (16-byte vector loads; a [.., 2] tile with
+    # tl.split loads 2 elements at a time), its halves bitcast back
+    XT: tl.constexpr = X.dtype.element_ty
+    if XT.primitive_bitwidth == 16:
+        HT: tl.constexpr = tl.int16
+        WT: tl.constexpr = tl.int32
+    else:
+        HT: tl.constexpr = tl.int32
+        WT: tl.constexpr = tl.int64
+    W = X.to(tl.pointer_type(WT), bitcast=True)
+    w = tl.load(W + (xrow // 2)[:, None, None] + g[None, :, None] * 8 + j[None, None, :],
+                mask=ok[:, None, None], other=0)
+    lo = w.to(HT).to(XT, bitcast=True).to(tl.float32)
+    hi = (w >> XT.primitive_bitwidth).to(HT).to(XT, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
 def _store_rows(X, DATA, SCALE, MICRO, src, dst, ok, scale, run, H, h,
                 D: tl.constexpr, FMT: tl.constexpr, SMODE: tl.constexpr,
                 EXPLICIT: tl.constexpr, FMAX: tl.constexpr, DIV: tl.constexpr,
-                RECIP: tl.constexpr):
+                RECIP: tl.constexpr, BLK: tl.constexpr = 1, PAIRS: tl.constexpr = True):
     # Encode rows x[src[r], h, :] and store them at page rows dst[r] (row = (page*H+h)*P+off).
     # SMODE 0: scale [R] given; 1 (token scales): each row's from its amax, stored at SCALE +
-    # dst; 2 (runs): each row's from the amax of its run (rows of equal `run` id, adjacent).
+    # dst; 2 (runs): each row's from the amax of its run (rows of equal `run` id, adjacent);
+    # 4 (blocks): each row's from the amax of its block of BLK consecutive rows.
     # Returns the scales [R] used.
     xrow = (src * H + h).to(tl.int64) * D
     drow = dst.to(tl.int64)
@@ -287,11 +338,15 @@ def _store_rows(X, DATA, SCALE, MICRO, src, dst, ok, scale, run, H, h,
         G: tl.constexpr = D // 16
         g = tl.arange(0, G)
         j = tl.arange(0, 8)
-        e = tl.arange(0, 2)
-        offs = g[None, :, None, None] * 16 + j[None, None, :, None] * 2 + e[None, None, None, :]
-        x = tl.load(X + xrow[:, None, None, None] + offs, mask=ok[:, None, None, None],
-                    other=0.0).to(tl.float32)
-        xe, xo = tl.split(x)
+        if PAIRS:
+            xe, xo = _load_pairs(X, xrow, ok, g, j)
+        else:   # the earlier load (FP4_PAIR_LOADS = False): a [R, G, 8, 2] tile, split
+            e = tl.arange(0, 2)
+            offs = (g[None, :, None, None] * 16 + j[None, None, :, None] * 2
+                    + e[None, None, None, :])
+            x = tl.load(X + xrow[:, None, None, None] + offs, mask=ok[:, None, None, None],
+                        other=0.0).to(tl.float32)
+            xe, xo = tl.split(x)
         a16 = _group_amax_nan(xe, xo)                                          # [R, G]
         if SMODE != 0:
             if _all_finite(a16):
@@ -300,6 +355,8 @@ def _store_rows(X, DATA, SCALE, MICRO, src, dst, ok, scale, run, H, h,
                 arow = tl.max(_group_amax_finite(xe, xo), 1)
             if SMODE == 2:
                 arow = _run_max(run, arow)
+            if SMODE == 4:
+                arow = _block_max(arow, BLK)
             scale = _scale_of(_div_const(arow, DIV, RECIP))
         packed, mcode = _encode_fp4(xe, xo, scale, a16, EXPLICIT, RECIP)
         tl.store(DATA + drow[:, None, None] * (D // 2) + g[None, :, None] * 8
@@ -328,6 +385,8 @@ def _store_rows(X, DATA, SCALE, MICRO, src, dst, ok, scale, run, H, h,
                     arow = tl.max(_finite_abs(x), 1)
                 if SMODE == 2:
                     arow = _run_max(run, arow)
+                if SMODE == 4:
+                    arow = _block_max(arow, BLK)
                 scale = _scale_of(_div_const(arow, DIV, RECIP))
             code = _encode_fp8(x, scale, anan, FMT, FMAX, EXPLICIT)
             tl.store(DATA + drow[:, None] * D + d[None, :], code, mask=ok[:, None])
@@ -339,17 +398,22 @@ def _store_rows(X, DATA, SCALE, MICRO, src, dst, ok, scale, run, H, h,
 @triton.jit(do_not_specialize=["N"])
 def _calibrate_amax_kernel(X, N, SCALE, AMAX, BLOCK: tl.constexpr):
     # tensor scale not yet calibrated (0): AMAX = finite amax of all of x (else nothing to do)
+    # (a grid of at most CALIBRATE_PROGRAMS, each striding over blocks: once calibrated, every
+    # later write launches few programs that only read SCALE)
     if tl.load(SCALE) == 0.0:
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(X + i, mask=i < N, other=0.0).to(tl.float32)
-        tl.atomic_max(AMAX, tl.max(_finite_abs(x), 0))
+        a = tl.zeros([BLOCK], tl.float32)
+        for b in range(tl.program_id(0), tl.cdiv(N, BLOCK), tl.num_programs(0)):
+            i = tl.arange(0, BLOCK).to(tl.int64) + b * BLOCK
+            x = tl.load(X + i, mask=i < N, other=0.0).to(tl.float32)
+            a = tl.maximum(a, _finite_abs(x))
+        tl.atomic_max(AMAX, tl.max(a, 0))
 
 
 @triton.jit(do_not_specialize=["T", "H"])
 def _append_rows_kernel(X, SLOTS, DATA, SCALE, MICRO, AMAX, T, H, D: tl.constexpr,
                         P: tl.constexpr, R: tl.constexpr, FMT: tl.constexpr, SM: tl.constexpr,
                         EXPLICIT: tl.constexpr, FMAX: tl.constexpr, DIV: tl.constexpr,
-                        RECIP: tl.constexpr):
+                        RECIP: tl.constexpr, PAIRS: tl.constexpr = True):
     # plain formats, token scales (SM == 3) or one tensor scale (SM == 1): R tokens of head h
     h = tl.program_id(1)
     t = tl.program_id(0) * R + tl.arange(0, R)
@@ -365,7 +429,7 @@ def _append_rows_kernel(X, SLOTS, DATA, SCALE, MICRO, AMAX, T, H, D: tl.constexp
     else:
         scale = tl.full([R], 1.0, tl.float32)
     _store_rows(X, DATA, SCALE, MICRO, t, dst, ok, scale, t, H, h, D, FMT, 1 if SM == 3 else 0,
-                EXPLICIT, FMAX, DIV, RECIP)
+                EXPLICIT, FMAX, DIV, RECIP, 1, PAIRS)
 
 
 @triton.jit
@@ -443,7 +507,7 @@ def _grow_scale(scale, cover):
 def _append_page_run(X, SORTED, ORDER, DATA, SCALE, MICRO, i, T, H, h, D: tl.constexpr,
                      P: tl.constexpr, R: tl.constexpr, FMT: tl.constexpr, DATA_DT: tl.constexpr,
                      EXPLICIT: tl.constexpr, FMAX: tl.constexpr, DIV: tl.constexpr,
-                     RECIP: tl.constexpr):
+                     RECIP: tl.constexpr, PAIRS: tl.constexpr = True):
     # the run of sorted slots starting at i (all in one page), head h
     slot = tl.load(SORTED + i)
     page = slot // P
@@ -479,7 +543,7 @@ def _append_page_run(X, SORTED, ORDER, DATA, SCALE, MICRO, i, T, H, h, D: tl.con
         s = tl.load(SORTED + i + c + r, mask=ok, other=0)
         _store_rows(X, DATA, SCALE, MICRO, src, base + (s % P), ok,
                     tl.zeros([R], tl.float32) + new_scale, r, H, h, D, FMT, 0, EXPLICIT, FMAX,
-                    DIV, RECIP)
+                    DIV, RECIP, 1, PAIRS)
     tl.store(SCALE + page * H + h, new_scale)
     return n
 
@@ -488,7 +552,8 @@ def _append_page_run(X, SORTED, ORDER, DATA, SCALE, MICRO, i, T, H, h, D: tl.con
 def _append_pages_kernel(X, SORTED, ORDER, DATA, SCALE, MICRO, T, H, D: tl.constexpr,
                          P: tl.constexpr, R: tl.constexpr, FMT: tl.constexpr,
                          DATA_DT: tl.constexpr, EXPLICIT: tl.constexpr, FMAX: tl.constexpr,
-                         DIV: tl.constexpr, RECIP: tl.constexpr, WIN: tl.constexpr):
+                         DIV: tl.constexpr, RECIP: tl.constexpr, WIN: tl.constexpr,
+                         PAIRS: tl.constexpr = True):
     # page scales: program (w, h) handles the runs of sorted slots (one page each) that start
     # in positions [w * WIN, (w + 1) * WIN): WIN = 1 for decode steps (one token per page),
     # WIN = P for bulk writes; runs are visited start to start, so no position is polled
@@ -501,7 +566,7 @@ def _append_pages_kernel(X, SORTED, ORDER, DATA, SCALE, MICRO, T, H, D: tl.const
     i = tl.min(tl.where(starts, idx, base_i + WIN), 0)
     while i < tl.minimum(base_i + WIN, T):
         n = _append_page_run(X, SORTED, ORDER, DATA, SCALE, MICRO, i, T, H, h, D, P, R, FMT,
-                             DATA_DT, EXPLICIT, FMAX, DIV, RECIP)
+                             DATA_DT, EXPLICIT, FMAX, DIV, RECIP, PAIRS)
         i = i + n
 
 
@@ -546,6 +611,53 @@ def _append_pages_bulk_kernel(X, SORTED, ORDER, DATA, SCALE, MICRO, T, H, D: tl.
                         key, H, h, D, FMT, 2, EXPLICIT, FMAX, DIV, RECIP)
     tl.store(SCALE + pg * H + h, scale, mask=vec & start)
     rest = start & (vec == 0)
+    i = tl.min(tl.where(rest, idx, i0 + W), 0)
+    while i < i0 + W:
+        _append_page_run(X, SORTED, ORDER, DATA, SCALE, MICRO, i, T, H, h, D, P, R, FMT,
+                         DATA_DT, EXPLICIT, FMAX, DIV, RECIP)
+        i = tl.min(tl.where(rest & (idx > i), idx, i0 + W), 0)
+
+
+@triton.jit(do_not_specialize=["T", "H"])
+def _append_pages_tiles_kernel(X, SORTED, ORDER, DATA, SCALE, MICRO, T, H, D: tl.constexpr,
+                               P: tl.constexpr, W: tl.constexpr, R: tl.constexpr,
+                               FMT: tl.constexpr, DATA_DT: tl.constexpr,
+                               EXPLICIT: tl.constexpr, FMAX: tl.constexpr, DIV: tl.constexpr,
+                               RECIP: tl.constexpr, GROUPED: tl.constexpr):
+    # Page scales, bulk writes: program (w, h) owns the runs of sorted slots (one page each)
+    # that start in positions [w * W, (w + 1) * W). Let s0 be the first run start there. The
+    # tile is positions s0 + [0, W) in W / P blocks of P; a block whose first position starts
+    # a page (offset 0) and whose P positions are that whole page (last slot = first + P - 1:
+    # slots are increasing within a page's run) is a fresh full page, written in one pass:
+    # row amax, block max, scale, encode, store -- no scan, the P rows of a page contiguous in
+    # the tile and in the pool. Runs that are not such blocks (a page with earlier tokens, a
+    # partial page, a run off the s0 + k P grid after one) go through _append_page_run.
+    h = tl.program_id(1)
+    i0 = tl.program_id(0) * W
+    idx = i0 + tl.arange(0, W)
+    live = idx < T
+    slot = tl.load(SORTED + idx, mask=live, other=0)
+    prv = tl.load(SORTED + idx - 1, mask=live & (idx > 0), other=0)
+    start = live & ((idx == 0) | (prv // P != slot // P))
+    s0 = tl.min(tl.where(start, idx, i0 + W), 0)
+    r = tl.arange(0, W)
+    qb = s0 + (r // P) * P          # each tile row's block's first position
+    first = tl.load(SORTED + qb, mask=qb < T, other=1)
+    last = tl.load(SORTED + qb + P - 1, mask=qb + P - 1 < T, other=-1)
+    full = (qb < i0 + W) & (qb + P - 1 < T) & (first % P == 0) & (last == first + P - 1)
+    if GROUPED:
+        src = s0 + r
+    else:
+        src = tl.load(ORDER + s0 + r, mask=full, other=0)
+    pg = first // P
+    scale = _store_rows(X, DATA, SCALE, MICRO, src, (pg * H + h) * P + r % P, full,
+                        tl.full([W], 1.0, tl.float32), r, H, h, D, FMT, 4, EXPLICIT, FMAX, DIV,
+                        RECIP, P)
+    tl.store(SCALE + pg * H + h, scale, mask=full & (r % P == 0))
+    # the run starts of the window that no full block covered (same test as `full`)
+    lastw = tl.load(SORTED + idx + P - 1, mask=live & (idx + P - 1 < T), other=-1)
+    cov = ((idx - s0) % P == 0) & (idx + P - 1 < T) & (slot % P == 0) & (lastw == slot + P - 1)
+    rest = start & (cov == 0)
     i = tl.min(tl.where(rest, idx, i0 + W), 0)
     while i < i0 + W:
         _append_page_run(X, SORTED, ORDER, DATA, SCALE, MICRO, i, T, H, h, D, P, R, FMT,
@@ -598,11 +710,13 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str,
     T = x.shape[0]
     if T == 0:
         return
+    if fmt == FMT_E2M1 and x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        x = x.float()  # fp4 loads element pairs as one word (_load_pairs); the encode is fp32
     x = x.contiguous()
     slots = slots.to(torch.int64)
     explicit = _interpreting()
     recip = not explicit  # torch divides by a python float through its reciprocal on CUDA
-    R = max(1, min(64, 4096 // D))
+    R = max(1, min(64, ROW_TILE_ELEMS // D))
     if fmt == FMT_PLAIN:
         code = {torch.bfloat16: _PLAIN_BF16, torch.float16: _PLAIN_FP16,
                 torch.float32: _PLAIN_FP32}[data.dtype]
@@ -626,7 +740,14 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str,
             _append_pages_kernel[(triton.cdiv(T, win), H)](
                 x, sorted_slots, order, d8, scale, m8, T, H, D=D, P=P, R=min(R, P), FMT=fmt,
                 DATA_DT=data_dt, EXPLICIT=explicit, FMAX=fmax, DIV=div, RECIP=recip, WIN=win,
-                num_warps=4)
+                PAIRS=FP4_PAIR_LOADS, num_warps=4)
+            return
+        if PAGE_BULK == "tiles":
+            W = max(P, PAGE_TILE_ELEMS // D)
+            _append_pages_tiles_kernel[(triton.cdiv(T, W), H)](
+                x, sorted_slots, order, d8, scale, m8, T, H, D=D, P=P, W=W, R=min(R, P),
+                FMT=fmt, DATA_DT=data_dt, EXPLICIT=explicit, FMAX=fmax, DIV=div, RECIP=recip,
+                GROUPED=grouped, num_warps=PAGE_TILE_WARPS[fmt == FMT_E2M1])
             return
         W = max(2 * P, BULK_TILE_ELEMS // D)
         _append_pages_bulk_kernel[(triton.cdiv(T, W), H)](
@@ -638,12 +759,12 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str,
     if granularity == "tensor":
         amax = torch.zeros(1, dtype=torch.float32, device=x.device)
         blk = 4096
-        _calibrate_amax_kernel[(triton.cdiv(x.numel(), blk),)](x, x.numel(), scale, amax,
-                                                                BLOCK=blk, num_warps=4)
+        _calibrate_amax_kernel[(min(triton.cdiv(x.numel(), blk), CALIBRATE_PROGRAMS),)](
+            x, x.numel(), scale, amax, BLOCK=blk, num_warps=4)
     _append_rows_kernel[(triton.cdiv(T, R), H)](
         x, slots, d8, scale, m8, amax, T, H, D=D, P=P, R=R, FMT=fmt,
         SM=3 if granularity == "token" else 1, EXPLICIT=explicit, FMAX=fmax, DIV=div,
-        RECIP=recip, num_warps=4)
+        RECIP=recip, PAIRS=FP4_PAIR_LOADS, num_warps=4)
 
 
 _IOTA: dict[torch.device, torch.Tensor] = {}

@@ -1,6 +1,7 @@
 """The append kernels compiled for sm_90 (Hopper) on a machine without a GPU: every format
-and path (row / token / tensor scales, decode-step page scales, the bulk page-scale kernel,
-grouped or sorted) must get through the installed Triton's NVIDIA backend. The interpreter
+and path (row / token / tensor scales, decode-step page scales, the bulk page-scale kernels
+"windows" and "tiles", grouped or sorted, the tensor-scale calibration) must get through the
+installed Triton's NVIDIA backend. The interpreter
 runs a kernel as Python and accepts what the compiler refuses: a non-constexpr global read
 in a kernel, a variable whose shape differs between the branches of an `if` (both reached the
 H200 on 2026-12-03 and failed there). Not a substitute for the CUDA run (tests/kernels/
@@ -14,7 +15,7 @@ import pytest
 
 from tests.kernels.sm90_compile import compile_rows, compile_sm90
 
-pytestmark = pytest.mark.slow   # 19 compiles, about 60 s on the 2-core machine
+pytestmark = pytest.mark.slow   # 27 compiles, about 90 s on the 2-core machine
 
 TYPES = dict(X="*bf16", SLOTS="*i64", SORTED="*i64", ORDER="*i64", DATA="*u8", SCALE="*fp32",
              MICRO="*u8", AMAX="*fp32", T="i32", H="i32")
@@ -37,17 +38,25 @@ def _cases():
     for code, dt, fmax, div in fmts:
         base = dict(D=128, P=16, FMT=code, EXPLICIT=False, FMAX=fmax, DIV=div, RECIP=True)
         for sm in (1, 3):
-            yield f"rows fmt{code} scales{sm}", A._append_rows_kernel, dict(base, R=32, SM=sm), \
-                None, 4
+            yield (f"rows fmt{code} scales{sm}", A._append_rows_kernel,
+                   dict(base, R=32, SM=sm, PAIRS=True), None, 4)
         for win in (1, 16):   # a decode step; a bulk write (PAGE_BULK "runs")
             yield (f"pages fmt{code} WIN={win}", A._append_pages_kernel,
-                   dict(base, R=16, DATA_DT=dt, WIN=win), None, 4)
+                   dict(base, R=16, DATA_DT=dt, WIN=win, PAIRS=True), None, 4)
         for grouped in (False, True):
             yield (f"bulk fmt{code} grouped={grouped}", A._append_pages_bulk_kernel,
                    dict(base, R=16, W=128, DATA_DT=dt, GROUPED=grouped), None, 8)
+        for grouped in (False, True):   # PAGE_BULK "tiles", the launcher's tile and warps
+            yield (f"tiles fmt{code} grouped={grouped}", A._append_pages_tiles_kernel,
+                   dict(base, R=16, W=A.PAGE_TILE_ELEMS // 128, DATA_DT=dt, GROUPED=grouped),
+                   None, 8 if code == A.FMT_E2M1 else 4)
+    yield ("rows fp4 split loads (FP4_PAIR_LOADS False)", A._append_rows_kernel,
+           dict(base, R=32, SM=3, PAIRS=False), None, 4)
+    yield ("calibrate amax", A._calibrate_amax_kernel, dict(BLOCK=4096), dict(N="i32"), 4)
     yield ("rows plain bf16", A._append_rows_kernel,
            dict(D=128, P=16, R=32, FMT=A._PLAIN_BF16, SM=0, EXPLICIT=False, FMAX=1.0, DIV=1.0,
-                RECIP=True), dict(DATA="*i16", SCALE="*bf16", MICRO="*bf16", AMAX="*bf16"), 4)
+                RECIP=True, PAIRS=True),
+           dict(DATA="*i16", SCALE="*bf16", MICRO="*bf16", AMAX="*bf16"), 4)
 
 
 def _main() -> None:
@@ -58,4 +67,4 @@ def _main() -> None:
 def test_append_kernels_compile_for_sm90():
     rows = compile_rows("tests.kernels.test_append_sm90")
     bad = [f"{name}: {msg}" for name, msg in rows if msg != "ok"]
-    assert len(rows) == 19 and not bad, "\n".join(bad) or f"{len(rows)} of 19 compiled"
+    assert len(rows) == 27 and not bad, "\n".join(bad) or f"{len(rows)} of 27 compiled"
