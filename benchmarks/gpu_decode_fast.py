@@ -13,8 +13,7 @@ opt-in qk_fp8 variant: q.k on e4m3 tensor cores; e4m3-key formats only, rows lab
 "cuda qk8"). Default: base. --formats / --shapes narrow the rows (comma-separated names of
 BENCH_FORMATS as fmt/gran, of SHAPES); --no-triton drops the Triton rows.
 int4/channel rows: the Pareto table's K int4/V int4 (keys' scale + zero point per page and
-channel, values' per token) in pages of --int4-pages tokens (default 64, the table's P64);
-head_dim 128 shapes only (the CUDA kernel's int4 path).
+channel, values' per token) in pages of --int4-pages tokens (default 64, the table's P64).
 """
 
 from __future__ import annotations
@@ -52,8 +51,8 @@ def warm_builds(qk8: bool = False) -> float:
         if qk8 and kf == "fp8_e4m3":
             keys.add((kk, kk, sm, sm, d, d, rows, fast._QT[qt], 1))
     keys.add((0, 3, 1, 0, 128, 128, 8, 1))  # K fp8 / V bf16
-    for rows, qt in itertools.product((8, 16), (torch.float32, torch.bfloat16)):
-        keys.add((*_kinds("int4", "channel"), 128, 128, rows, fast._QT[qt]))
+    for d, rows, qt in itertools.product((64, 128), (8, 16), (torch.float32, torch.bfloat16)):
+        keys.add((*_kinds("int4", "channel"), d, d, rows, fast._QT[qt]))
     with ThreadPoolExecutor(16) as ex:
         list(ex.map(lambda k: fast._kernel(*k), sorted(keys)))
     return time.perf_counter() - t0
@@ -122,7 +121,7 @@ def bench(gen, waves_list, variants=("base",), formats=None, shapes=None,
         rows_of = [(f0, g0, p0) for f0, g0 in BENCH_FORMATS
                    for p0 in (int4_pages if f0 == "int4" else (16,))]
         for kf, kg, P in rows_of:
-            if formats and f"{kf}/{kg}" not in formats or kf == "int4" and D != 128:
+            if formats and f"{kf}/{kg}" not in formats:
                 continue
             npg = B * (L // P)
             f, vf = make_format(kf, kg), make_format(*VALUE_FORMAT.get((kf, kg), (kf, kg)))

@@ -5,7 +5,7 @@
 
 It takes bf16 / fp16 / fp8 (e4m3, e5m2) pages with page, token or tensor scales, head_dim 64 or
 128, up to 16 query rows per kv head (G * Sq), pages of 8-128 tokens, windows with sinks, key
-masks and softcapping; and int4 pages (head_dim 128) with the Pareto table's scales: keys with
+masks and softcapping; and int4 pages (head_dim 64 or 128) with the Pareto table's scales: keys with
 a scale and zero point per (page, kv head, channel) in pages of >= 16 tokens, values with one per
 token (KVConfig(kv_dtype="int4", scale_granularity="channel")). `unsupported` names what it does not take; the caller (decode.py) then
 runs the portable Triton kernel and the run time reports why.
@@ -39,7 +39,7 @@ INT4 = _KIND["int4"]
 # KVC_SC_TOKZP
 INT4_KEY_GRAN, INT4_VALUE_GRAN = "channel", "token"
 _SC_CHANZP, _SC_TOKZP = 4, 5
-INT4_HEAD_DIMS = (128,)
+INT4_HEAD_DIMS = (64, 128)
 INT4_MIN_KEY_PAGE = 16   # a step of 16 keys reads one page's channel scales
 _QT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 HEAD_DIMS = (64, 128)

@@ -64,10 +64,10 @@ K4, V4 = ("int4", "channel"), ("int4", "token")
 
 def _int4_cases() -> list[dict]:
     """int4 pages (the Pareto table's K int4/V int4: keys' scale + zero point per page and
-    channel, values' per token), head_dim 128, pages of >= 16 tokens."""
+    channel, values' per token), head_dim 64 / 128, pages of >= 16 tokens."""
     cases = []
-    for G, P, Sq in itertools.product((1, 4, 8), (16, 64, 128), (1, 2)):
-        cases.append(dict(k=K4, v=V4, D=128, G=G, P=P, Sq=Sq))
+    for D, G, P, Sq in itertools.product((64, 128), (1, 4, 8), (16, 64, 128), (1, 2)):
+        cases.append(dict(k=K4, v=V4, D=D, G=G, P=P, Sq=Sq))
     cases += [
         dict(k=K4, v=V4, D=128, G=4, P=64, Sq=1, window=100, sinks=4),
         dict(k=K4, v=V4, D=128, G=8, P=16, Sq=2, window=37, sinks=3),
@@ -125,8 +125,8 @@ def built_variants():
         sm = fast._SCALE[kg] if kk < 2 else 0
         keys.add((kk, kk, sm, sm, d, d, rows, fast._QT[qt]))
     keys.add((0, 3, 1, 0, 128, 128, 8, 1))  # K fp8 / V bf16
-    for rows, qt in itertools.product((8, 16), (torch.float32, torch.bfloat16)):
-        keys.add((4, 4, 4, 5, 128, 128, rows, fast._QT[qt]))   # int4 pages
+    for d, rows, qt in itertools.product((64, 128), (8, 16), (torch.float32, torch.bfloat16)):
+        keys.add((4, 4, 4, 5, d, d, rows, fast._QT[qt]))   # int4 pages
     keys.add((4, 0, 4, 2, 128, 128, 8, fast._QT[torch.float32]))
     keys.add((0, 4, 2, 5, 128, 128, 8, fast._QT[torch.float32]))
     for k in list(keys):  # the qk_fp8 variant of each e4m3-key variant

@@ -514,6 +514,8 @@ INT4_CASES = [  # (D, G, Sq, P, q dtype, lens)
     (128, 4, 1, 64, F32, LENS),
     (128, 8, 2, 16, B16, LENS),                 # ROWS 16, bf16 q (f16 operands inside)
     (128, 1, 1, 128, F16, [1, 300, 129, 1033]),
+    (64, 4, 1, 64, F32, LENS),                  # head_dim 64 (the Pareto table's model)
+    (64, 8, 2, 16, F32, LENS),
 ]
 
 
@@ -528,6 +530,7 @@ def test_int4_splits_window_mask_softcap():
     check(K4, V4, 128, 8, 32, 2, lens=[310, 1033, 17], window=37, sinks=3, splits=2)
     check(K4, V4, 128, 4, 64, 1, kmask=True, softcap=30.0)
     check(K4, V4, 128, 4, 16, 1, kmask="short", splits=3)
+    check(K4, V4, 64, 4, 16, 2, lens=[310, 1033, 17], window=37, sinks=3, splits=3)
 
 
 def test_int4_mixed_with_fp8():
@@ -628,8 +631,8 @@ def test_int4_refusals_name_the_reason():
     q = torch.zeros(1, 4, 1, 128)
     assert "channel scales" in fast.unsupported(q, "int4", "page", "int4", "token", 128, 128, 16)
     assert "token scales" in fast.unsupported(q, "int4", "channel", "int4", "page", 128, 128, 16)
-    assert "head_dim 64" in fast.unsupported(q[..., :64], "int4", "channel", "int4", "token", 64,
-                                             64, 16)
+    assert "head_dim 256" in fast.unsupported(q, "int4", "channel", "int4", "token", 256, 256,
+                                              16)
     assert "pages of 8" in fast.unsupported(q, "int4", "channel", "int4", "token", 128, 128, 8)
     assert fast.unsupported(q, "int4", "channel", "int4", "token", 128, 128, 64) == ""
     kc, vc, bt, sl, q, km = _inputs(K4, V4, 128, 4, 16, 1, [17])

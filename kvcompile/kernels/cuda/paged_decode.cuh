@@ -49,8 +49,8 @@
 //     token scales, the zero points add sum_j p_j z_j to every column of a row (f32, per lane,
 //     summed over the quad at the end);
 //   - codes widen exactly: byte_perm puts two codes at bits 0-3 / 16-19, (y & 0x000F000F) |
-//     0x64006400 is the f16x2 of 1024 + c, less 1024 (sub.f16x2). Chunks of 32 codes: thread t
-//     of a quad owns key chunk t (D 128), k-step s reads 4 codes (2 bytes) of it.
+//     0x64006400 is the f16x2 of 1024 + c, less 1024 (sub.f16x2). Thread t of a quad owns key
+//     unit t (32 codes at D 128, 16 at D 64), k-step s reads 4 codes (2 bytes) of it.
 // Built with -DKVC_EMU, the same source runs on the CPU (emu/cuda_emu.h, tested by
 // tests/kernels/test_decode_sm90_emu.py): each inline-PTX helper below has its host version
 // beside it, and nothing else differs.
@@ -157,6 +157,16 @@ __device__ __forceinline__ uint4 lds128(const uint8_t* p) {
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
                : "r"(smem_u32(p)));
+#endif
+  return r;
+}
+
+__device__ __forceinline__ uint32_t lds32(const uint8_t* p) {
+  uint32_t r;
+#ifdef KVC_EMU
+  kvc_emu::ld_shared(smem_u32(p), &r, 4);
+#else
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(r) : "r"(smem_u32(p)));
 #endif
   return r;
 }
@@ -336,7 +346,8 @@ struct Geo {
   static constexpr int RBK = KI4 ? D / 2 : D * KEB;     // bytes per token row
   static constexpr int RBV = VI4 ? DV / 2 : DV * VEB;
   static constexpr int NCK = RBK / 16, NCV = RBV / 16;  // 16-byte chunks per row
-  static constexpr int KEPC = KI4 ? 32 : 16 / KEB;      // key elements per chunk
+  // key elements per chunk (int4: per unit a thread reads, a chunk at D 128, 8 bytes at D 64)
+  static constexpr int KEPC = KI4 ? (D >= 128 ? 32 : 16) : 16 / KEB;
   static constexpr int KPC = KEPC / 4;                  // k-steps per key chunk
   static constexpr int KS = D / 16;                     // k-steps of q.k
   // values: thread g owns units g + 8 i of VU bytes (a chunk, or half of one for 64-byte rows)
@@ -355,8 +366,9 @@ struct Geo {
   static constexpr int VZP_OFF = KZP_OFF + (KSM == KVC_SC_CHANZP ? 4 * D : 0);
   static constexpr int STAGE = VZP_OFF + (VSM == KVC_SC_TOKZP ? 64 : 0);
   static constexpr int STAGE_ALIGNED = (STAGE + 15) / 16 * 16;
-  static_assert(NCK >= 4 && NCK % 4 == 0, "key rows of at least 64 bytes");
-  static_assert(RBV % 64 == 0, "value rows of at least 64 bytes");
+  static_assert(KI4 ? (D == 64 || D % 128 == 0) : NCK >= 4 && NCK % 4 == 0,
+                "key rows of at least 64 bytes (int4: head_dim 64 or a multiple of 128)");
+  static_assert(RBV % (VI4 ? 32 : 64) == 0, "value rows of at least 64 bytes (int4: 32)");
 };
 
 // Byte offset of chunk c (of 16 bytes) of row `row` in a stage region with `nc` chunks a row.
@@ -619,10 +631,10 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
     if constexpr (Gm::KI4) {
       const uint8_t* kzp = st + Gm::KZP_OFF;  // scales [D] f16, then zero points [D] f16
 #pragma unroll
-      for (int i = 0; i < Gm::NCK / 4; ++i) {
-        const int d0 = Gm::KEPC * (t + 4 * i);  // first element of the thread's chunk
+      for (int i = 0; i < Gm::KS / Gm::KPC; ++i) {
+        const int d0 = Gm::KEPC * (t + 4 * i);  // first element of the thread's unit
 #pragma unroll
-        for (int q4 = 0; q4 < 4; ++q4) {  // 8 elements (2 k-steps) a 16-byte load
+        for (int q4 = 0; q4 < Gm::KEPC / 8; ++q4) {  // 8 elements (2 k-steps) a 16-byte load
           const uint4 sw = lds128(kzp + 2 * (d0 + 8 * q4));
           const uint4 zw = lds128(kzp + 2 * D + 2 * (d0 + 8 * q4));
 #pragma unroll
@@ -671,6 +683,17 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
 #pragma unroll
           for (int ww = 0; ww < 2; ++ww)
             mma16816<KBF>(sa[j], qa[2 * i + ww], word(w, 2 * ww), word(w, 2 * ww + 1));
+        }
+      }
+      if constexpr (Gm::KI4 && Gm::KEPC == 16) {  // int4, head_dim 64: 8 bytes a thread
+        const uint2 w = lds64(st + row * Gm::RBK + 8 * t);
+#pragma unroll
+        for (int ww = 0; ww < 2; ++ww) {
+          const uint32_t x = ww == 0 ? w.x : w.y, x4 = x >> 4;
+          mma16816<false>(sa[j], qk4[2 * ww], int4_byte_f16x2<0>(x, x4),
+                          int4_byte_f16x2<1>(x, x4));
+          mma16816<false>(sa[j], qk4[2 * ww + 1], int4_byte_f16x2<2>(x, x4),
+                          int4_byte_f16x2<3>(x, x4));
         }
       }
     }
@@ -836,6 +859,8 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
         if constexpr (Gm::VU == 16) {
           const uint4 w = lds128(vbase + chunk_off(row, u, Gm::NCV));
           dst[0] = w.x; dst[1] = w.y; dst[2] = w.z; dst[3] = w.w;
+        } else if constexpr (Gm::VU == 4) {  // int4 values, head_dim 64
+          dst[0] = lds32(vbase + row * Gm::RBV + u * Gm::VU);
         } else {
           const uint2 w = lds64(vbase + row * Gm::RBV + u * Gm::VU);
           dst[0] = w.x; dst[1] = w.y;
