@@ -13,7 +13,8 @@ opt-in qk_fp8 variant: q.k on e4m3 tensor cores; e4m3-key formats only, rows lab
 "cuda qk8"). Default: base. --formats / --shapes narrow the rows (comma-separated names of
 BENCH_FORMATS as fmt/gran, of SHAPES); --no-triton drops the Triton rows.
 int4/channel rows: the Pareto table's K int4/V int4 (keys' scale + zero point per page and
-channel, values' per token) in pages of --int4-pages tokens (default 64, the table's P64).
+channel, values' per token) in pages of --int4-pages tokens (default 64, the table's P64; no
+Triton row under 32, which that kernel refuses for int channel scales).
 """
 
 from __future__ import annotations
@@ -132,7 +133,9 @@ def bench(gen, waves_list, variants=("base",), formats=None, shapes=None,
             out = torch.empty(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16)
             stored = B * L * (f.bytes_per_token(Hkv, D, P) + vf.bytes_per_token(Hkv, D, P))
             fname = f"{kf}/{kg}" + (f" P{P}" if P != 16 else "")
-            runs = [("triton", False)] if triton else []
+            # the Triton kernel refuses int channel scales in pages under 32 (channel_min_page)
+            tri_ok = kg != "channel" or P >= dec.channel_min_page(kf)
+            runs = [("triton", False)] if triton and tri_ok else []
             runs += [("cuda", False)] if "base" in variants else []
             runs += [("cuda", True)] if "qk8" in variants and kf == "fp8_e4m3" else []
             for backend, qk8 in runs:
