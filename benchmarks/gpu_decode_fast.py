@@ -14,6 +14,9 @@ opt-in qk_fp8 variant: q.k on e4m3 tensor cores; e4m3-key formats only, rows lab
 alu; rows labelled "cuda <name>"; launched through launch_decode_sm90(variant=...), the same
 kernel and split rule as base). Default: base. --formats / --shapes narrow the rows (comma-separated names of
 BENCH_FORMATS as fmt/gran, of SHAPES); --no-triton drops the Triton rows.
+int4/channel rows: the Pareto table's K int4/V int4 (keys' scale + zero point per page and
+channel, values' per token) in pages of --int4-pages tokens (default 64, the table's P64; no
+Triton row under 32, which that kernel refuses for int channel scales).
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ def warm_builds(qk8: bool = False, variants=()) -> float:
             if var and rows == 8 and qt == torch.bfloat16:
                 keys.add((kk, kk, sm, sm, d, d, rows, fast._QT[qt], 0, var))
     keys.add((0, 3, 1, 0, 128, 128, 8, 1))  # K fp8 / V bf16
+    for d, rows, qt in itertools.product((64, 128), (8, 16), (torch.float32, torch.bfloat16)):
+        keys.add((*_kinds("int4", "channel"), d, d, rows, fast._QT[qt]))
     with ThreadPoolExecutor(16) as ex:
         list(ex.map(lambda k: fast._kernel(*k), sorted(keys)))
     return time.perf_counter() - t0
@@ -63,7 +68,21 @@ def warm_builds(qk8: bool = False, variants=()) -> float:
 SHAPES = {"B64_L8k": (64, 8192, 32, 8, 128), "B16_L32k": (16, 32768, 32, 8, 128),
           "B1_L128k": (1, 131072, 32, 8, 128), "D64_B64_L8k": (64, 8192, 32, 8, 64)}
 BENCH_FORMATS = [("bf16", "page"), ("fp8_e4m3", "page"), ("fp8_e4m3", "token"),
-                 ("fp8_e4m3", "tensor"), ("fp8_e5m2", "page")]
+                 ("fp8_e4m3", "tensor"), ("fp8_e5m2", "page"), ("int4", "channel")]
+# keys' format -> the values' (default: the same)
+VALUE_FORMAT = {("int4", "channel"): ("int4", "token")}
+
+
+def _kinds(kf: str, kg: str) -> tuple[int, int, int, int]:
+    """(kk, vk, ksm, vsm) of the variant a BENCH_FORMATS row runs."""
+    vf, vg = VALUE_FORMAT.get((kf, kg), (kf, kg))
+
+    def mode(f, g, side):
+        if f == "int4":
+            return fast._SC_CHANZP if side == "k" else fast._SC_TOKZP
+        return fast._SCALE[g] if f.startswith("fp8") else 0
+
+    return fast._KIND[kf], fast._KIND[vf], mode(kf, kg, "k"), mode(vf, vg, "v")
 
 
 def _bench(fn) -> float:
@@ -86,6 +105,9 @@ def _random_pages(f, N, Hkv, P, D, gen):
     c = f.allocate(N, Hkv, P, D, DEV)
     if c.data.dtype in (torch.bfloat16, torch.float16):
         c.data.normal_(generator=gen)
+    elif c.fmt.is_int:
+        c.data.copy_(torch.randint(0, 256, c.data.shape, device=DEV, generator=gen))
+        c.zero.copy_(torch.randn(c.zero.shape, device=DEV, generator=gen) * 0.1)
     else:
         for ch in c.data.split(max(1, N // 8)):
             ch.copy_((torch.randn(ch.shape, device=DEV, generator=gen) * 60).to(ch.dtype))
@@ -95,7 +117,7 @@ def _random_pages(f, N, Hkv, P, D, gen):
 
 
 def bench(gen, waves_list, variants=("base",), formats=None, shapes=None,
-          triton=True) -> list[dict]:
+          triton=True, int4_pages=(64,)) -> list[dict]:
     import torch.nn.functional as F
 
     rows = []
@@ -111,18 +133,23 @@ def bench(gen, waves_list, variants=("base",), formats=None, shapes=None,
         kv_bf16 = 2 * B * L * Hkv * D * 2
         rows.append({"shape": name, "row": "sdpa bf16", "ms": t_sdpa, "x": 1.0,
                      "TB/s": kv_bf16 / t_sdpa / 1e9})
-        npg = B * (L // 16)
-        for kf, kg in BENCH_FORMATS:
+        rows_of = [(f0, g0, p0) for f0, g0 in BENCH_FORMATS
+                   for p0 in (int4_pages if f0 == "int4" else (16,))]
+        for kf, kg, P in rows_of:
             if formats and f"{kf}/{kg}" not in formats:
                 continue
-            f = make_format(kf, kg)
-            kc = _random_pages(f, npg, Hkv, 16, D, gen)
-            vc = _random_pages(f, npg, Hkv, 16, D, gen)
+            npg = B * (L // P)
+            f, vf = make_format(kf, kg), make_format(*VALUE_FORMAT.get((kf, kg), (kf, kg)))
+            kc = _random_pages(f, npg, Hkv, P, D, gen)
+            vc = _random_pages(vf, npg, Hkv, P, D, gen)
             bt = torch.randperm(npg, device=DEV, generator=gen).to(torch.int32).view(B, -1)
             sl = torch.full((B,), L, dtype=torch.int32, device=DEV)
             out = torch.empty(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16)
-            stored = 2 * B * L * f.bytes_per_token(Hkv, D, 16)
-            runs = [("triton", False)] if triton else []
+            stored = B * L * (f.bytes_per_token(Hkv, D, P) + vf.bytes_per_token(Hkv, D, P))
+            fname = f"{kf}/{kg}" + (f" P{P}" if P != 16 else "")
+            # the Triton kernel refuses int channel scales in pages under 32 (channel_min_page)
+            tri_ok = kg != "channel" or P >= dec.channel_min_page(kf)
+            runs = [("triton", False)] if triton and tri_ok else []
             runs += [("cuda", False)] if "base" in variants else []
             runs += [("cuda", True)] if "qk8" in variants and kf == "fp8_e4m3" else []
             runs += [("cuda", v) for v in variants if v in fast.VARIANTS and v != "base"]
@@ -136,22 +163,20 @@ def bench(gen, waves_list, variants=("base",), formats=None, shapes=None,
                 for w in ws:
                     splits = 0  # the CUDA kernel's own choice (decode_sm90.choose_splits)
                     if w is not None:
-                        splits = fast.choose_splits(B, Hkv, bt.shape[1] * 16,
+                        splits = fast.choose_splits(B, Hkv, bt.shape[1] * P,
                                                     dec._sm_count(q.device), waves=w)
                     t = _bench(functools.partial(_launch, q, kc, vc, bt, sl, out, backend,
                                                  splits=splits, qk_fp8=qk8))
                     if backend == "cuda" and w is None:
                         splits = fast.choose_splits(
-                            B, Hkv, bt.shape[1] * 16, dec._sm_count(q.device),
-                            ctas_per_sm=fast.kernel_constants(fast._KIND[kf], fast._KIND[kf],
-                                                     fast._SCALE[kg] if "fp8" in kf else 0,
-                                                     fast._SCALE[kg] if "fp8" in kf else 0,
-                                                     D, D, 8, fast._QT[q.dtype])[1])
+                            B, Hkv, bt.shape[1] * P, dec._sm_count(q.device),
+                            ctas_per_sm=fast.kernel_constants(*_kinds(kf, kg), D, D, 8,
+                                                     fast._QT[q.dtype])[1])
                     label = ("" if backend == "triton" else
                              f" auto splits={splits}" if w is None else
                              f" waves={w} splits={splits}")
                     tag = f"{backend} qk8" if qk8 else backend
-                    rows.append({"shape": name, "row": f"{kf}/{kg} {tag}{label}",
+                    rows.append({"shape": name, "row": f"{fname} {tag}{label}",
                                  "ms": t, "x": t / t_sdpa, "TB/s": stored / t / 1e9})
             del kc, vc
             torch.cuda.empty_cache()
@@ -166,6 +191,7 @@ def main() -> None:
     ap.add_argument("--formats", default="", help="e.g. fp8_e4m3/page,fp8_e4m3/tensor")
     ap.add_argument("--shapes", default="", help="e.g. B64_L8k,B1_L128k")
     ap.add_argument("--no-triton", action="store_true")
+    ap.add_argument("--int4-pages", default="64", help="page sizes of the int4 rows, e.g. 16,64")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     variants = [v for v in a.variants.split(",") if v]
@@ -180,7 +206,8 @@ def main() -> None:
     gen_cuda = torch.Generator(device=DEV).manual_seed(1)
     waves = [float(w) for w in a.waves.split(",") if w]
     res["bench"] = bench(gen_cuda, waves, variants, [f for f in a.formats.split(",") if f],
-                         [s for s in a.shapes.split(",") if s], not a.no_triton)
+                         [s for s in a.shapes.split(",") if s], not a.no_triton,
+                         [int(p) for p in a.int4_pages.split(",") if p])
     print(f"{'shape':12s} {'row':46s} {'ms':>8s} {'x sdpa':>7s} {'TB/s':>6s}")
     for r in res["bench"]:
         print(f"{r['shape']:12s} {r['row']:46s} {r['ms']:8.4f} {r['x']:7.3f} "

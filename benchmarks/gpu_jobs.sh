@@ -19,6 +19,7 @@
 #   bash benchmarks/gpu_jobs.sh triton_decode prefill_bench kernel_report append_bench
 #   bash benchmarks/gpu_jobs.sh qk8_check qk8_bench   # the opt-in qk_fp8 decode variant vs default
 #   bash benchmarks/gpu_jobs.sh var14_check var14_bench   # issue-14 decode variants (nocap, alu*)
+#   bash benchmarks/gpu_jobs.sh int4_check int4_bench # int4 pages (K channel / V token) in the CUDA decode kernel
 #   PROF_ARGS="--steps" bash benchmarks/gpu_jobs.sh profile   # a decode step by part
 #   PB_ARGS=--quick bash benchmarks/gpu_jobs.sh prefill_bench  # the prefill matrix (bench_prefill)
 #   bash benchmarks/gpu_jobs.sh chunk_route   # gathered vs paged chunk route: tests + --chunk-only
@@ -55,6 +56,8 @@ job() {   # job NAME -> "LIMIT COMMAND"
     env)            echo "20 nvidia-smi; python3 -c 'import torch,triton,transformers as t;print(torch.__version__,triton.__version__,t.__version__,torch.cuda.get_device_name())'; nvcc --version | tail -1" ;;
     decode_fast)    echo "300 python3 benchmarks/gpu_decode_fast.py --out $OUT" ;;
     decode_check)   echo "${DC_LIMIT:-200} $PYTEST tests/gpu/test_decode_sm90_gpu.py" ;;
+    int4_check)     echo "${I4C_LIMIT:-200} $PYTEST tests/gpu/test_decode_sm90_gpu.py -k 'int4 or wrong_output'" ;;
+    int4_bench)     echo "${I4B_LIMIT:-300} python3 benchmarks/gpu_decode_fast.py --formats ${I4B_FORMATS:-int4/channel,fp8_e4m3/page} --int4-pages ${I4B_PAGES:-16,64} --waves '${I4B_WAVES:-}' --out $OUT" ;;
     qk8_check)      echo "${Q8C_LIMIT:-200} $PYTEST tests/gpu/test_decode_sm90_gpu.py -k 'qk8 or wrong_output'" ;;
     qk8_bench)      echo "${Q8B_LIMIT:-300} python3 benchmarks/gpu_decode_fast.py --variants base,qk8 --no-triton --waves '' --formats ${Q8B_FORMATS:-fp8_e4m3/page,fp8_e4m3/token,fp8_e4m3/tensor} --out $OUT" ;;
     var14_check)    echo "${V14C_LIMIT:-150} $PYTEST tests/gpu/test_decode_sm90_variants_gpu.py" ;;

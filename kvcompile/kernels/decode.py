@@ -277,11 +277,19 @@ _FAST_DEVICE: dict[int, str] = {}
 # 0.76-0.96x for the Triton kernel. bf16 / fp16 pages stay on Triton, which measured faster
 # there (1.03-1.14x against 1.13-1.29x). benchmarks/RESULTS.md, "The CUDA decode kernel runs".
 CUDA_DECODE_FORMATS = frozenset({"fp8_e4m3", "fp8_e5m2"})
+# (keys, key scales, values, value scales) that also run it by default: int4 with the Pareto
+# table's scales (keys per page and channel, values per token; benchmarks/RESULTS.md, "int4 in
+# the CUDA decode kernel"), where the Triton kernel measured 0.79-1.01x torch SDPA over bf16.
+CUDA_DECODE_GRANULAR = frozenset({("int4", "channel", "int4", "token")})
 
 
-def cuda_decode_by_default(k_fmt: str, v_fmt: str) -> bool:
-    """Whether kernels="auto" asks for the CUDA decode kernel for these pages."""
-    return k_fmt in CUDA_DECODE_FORMATS and v_fmt in CUDA_DECODE_FORMATS
+def cuda_decode_by_default(k_fmt: str, v_fmt: str, k_gran: str = "",
+                           v_gran: str = "") -> bool:
+    """Whether kernels="auto" asks for the CUDA decode kernel for these pages (fp8 pages of
+    any scales; int4 pages only with the scales of CUDA_DECODE_GRANULAR)."""
+    if k_fmt in CUDA_DECODE_FORMATS and v_fmt in CUDA_DECODE_FORMATS:
+        return True
+    return (k_fmt, k_gran, v_fmt, v_gran) in CUDA_DECODE_GRANULAR
 
 
 def fast_path_reason(q, k_fmt: str, k_gran: str, v_fmt: str, v_gran: str, d: int, dv: int,
@@ -339,7 +347,8 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
         if sliding_window:
             raise UnsupportedShapeError("paged_decode: rot (rotated leading keys) with a "
                                         "sliding window is not supported; pass one of them")
-    if (backend == "cuda" or backend == "auto" and cuda_decode_by_default(k_fmt, v_fmt)) \
+    if (backend == "cuda" or backend == "auto" and cuda_decode_by_default(
+            k_fmt, v_fmt, k_gran, v_gran)) \
             and not interpreting():
         residual = _check_residual("keys", k_res, k_res_slot, N, Hkv, P, D) or \
             _check_residual("values", v_res, v_res_slot, N, Hkv, P, DV)
@@ -351,7 +360,7 @@ def launch_decode(q, kd, ks, km, vd, vs, vm, block_tables, seq_lens, key_mask, a
             return launch_decode_sm90(
                 q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out, k_fmt, k_gran, v_fmt,
                 v_gran, scale, sliding_window, sinks, softcap, num_splits, _sm_count(q.device),
-                _combine, qk_fp8=qk_fp8)
+                _combine, qk_fp8=qk_fp8, kz=kz, vz=vz)
         if qk_fp8:
             raise UnsupportedShapeError(f"paged_decode: qk_fp8 runs on the CUDA kernel only, "
                                         f"which refuses this call: {why}")
@@ -539,7 +548,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: f
     inside an op, like kvcompile.attention: the dispatch costs host time on every layer).
     backend (direct only): "triton" = the portable kernel; "cuda" = the CUDA kernel on sm_90
     (decode_sm90.py) where it takes the call, else Triton; "auto" = "cuda" for the formats of
-    CUDA_DECODE_FORMATS (fp8 pages), else "triton".
+    CUDA_DECODE_FORMATS (fp8 pages) and CUDA_DECODE_GRANULAR (int4 with channel-scaled keys and
+    token-scaled values), else "triton".
     rot (direct, backend "triton" only): (n_rot [B] int32 / int64, cos [B, D] fp32, sin [B, D]
     fp32): keys j < n_rot[b] are scored by row b's query rotated by cos / sin (RoPE, HF
     rotate_half layout), the other keys by the query itself, in one softmax (re-rotated sinks,

@@ -5,7 +5,9 @@
 
 It takes bf16 / fp16 / fp8 (e4m3, e5m2) pages with page, token or tensor scales, head_dim 64 or
 128, up to 16 query rows per kv head (G * Sq), pages of 8-128 tokens, windows with sinks, key
-masks and softcapping. `unsupported` names what it does not take; the caller (decode.py) then
+masks and softcapping; and int4 pages (head_dim 64 or 128) with the Pareto table's scales: keys with
+a scale and zero point per (page, kv head, channel) in pages of >= 16 tokens, values with one per
+token (KVConfig(kv_dtype="int4", scale_granularity="channel")). `unsupported` names what it does not take; the caller (decode.py) then
 runs the portable Triton kernel and the run time reports why.
 
 qk_fp8=True (opt-in, default off; e4m3 keys only) selects the variant that runs q.k on FP8 tensor
@@ -36,8 +38,16 @@ from kvcompile.kernels.cuda import build
 from kvcompile.kernels.cuda.driver import Kernel
 from kvcompile.kernels.masks import KEY_MASK_ALIGN, key_mask_width
 
-_KIND = {"fp8_e4m3": 0, "fp8_e5m2": 1, "fp16": 2, "bf16": 3}
+_KIND = {"fp8_e4m3": 0, "fp8_e5m2": 1, "fp16": 2, "bf16": 3, "int4": 4}
 _SCALE = {"page": 1, "token": 2, "tensor": 3}
+INT4 = _KIND["int4"]
+# int4 pages (scale and zero point, fp16): keys per (page, head, channel), values per token,
+# the Pareto table's "K int4/V int4" (benchmarks/RESULTS.md); paged_decode.cuh KVC_SC_CHANZP /
+# KVC_SC_TOKZP
+INT4_KEY_GRAN, INT4_VALUE_GRAN = "channel", "token"
+_SC_CHANZP, _SC_TOKZP = 4, 5
+INT4_HEAD_DIMS = (64, 128)
+INT4_MIN_KEY_PAGE = 16   # a step of 16 keys reads one page's channel scales
 _QT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 HEAD_DIMS = (64, 128)
 MAX_ROWS = 16
@@ -58,7 +68,7 @@ class DecodeParams(ctypes.Structure):  # paged_decode.cuh DecodeParams, field fo
         (n, ctypes.c_int) for n in (
             "H", "G", "SQ", "num_splits", "log2p", "window", "sinks", "direct")] + [
         (n, ctypes.c_float) for n in ("qk_scale", "cap_in", "cap_out")] + [
-        ("n_km", ctypes.c_int)]
+        ("n_km", ctypes.c_int), ("kz", ctypes.c_void_p), ("vz", ctypes.c_void_p)]
 
 
 def device_ok(device: torch.device) -> tuple[bool, str]:
@@ -79,6 +89,13 @@ def unsupported(q: torch.Tensor, k_fmt: str, k_gran: str, v_fmt: str, v_gran: st
             return f"{name} in {fmt}"
         if fmt.startswith("fp8") and gran not in _SCALE:
             return f"{name} with {gran} scales"
+        want = INT4_KEY_GRAN if name == "keys" else INT4_VALUE_GRAN
+        if fmt == "int4" and gran != want:
+            return f"int4 {name} with {gran} scales (the kernel takes {want} scales)"
+    if "int4" in (k_fmt, v_fmt) and (d not in INT4_HEAD_DIMS or dv not in INT4_HEAD_DIMS):
+        return f"int4 pages of head_dim {d}/{dv} (the kernel takes {INT4_HEAD_DIMS})"
+    if k_fmt == "int4" and page < INT4_MIN_KEY_PAGE:
+        return f"int4 keys in pages of {page} tokens (channel scales need >= 16)"
     if residual:
         return "residual pages"
     if attn_mass is not None:
@@ -98,8 +115,12 @@ _kernels: dict[tuple, Kernel] = {}
 
 def _stages(kk: int, vk: int, d: int, dv: int, rows: int) -> tuple[int, int, int]:
     """(stages per warp, CTAs per SM, shared bytes per CTA) of a variant."""
-    rbk, rbv = d * (2 if kk >= 2 else 1), dv * (2 if vk >= 2 else 1)
-    stage = 16 * (rbk + rbv) + 128 + 16
+    def row_bytes(kind, n):
+        return n // 2 if kind == INT4 else n * (2 if kind >= 2 else 1)
+
+    rbk, rbv = row_bytes(kk, d), row_bytes(vk, dv)
+    # codes, fp8 scales, key mask; int4: key channel scales + zero points, value token ones
+    stage = 16 * (rbk + rbv) + 128 + 16 + (4 * d if kk == INT4 else 0) + (64 if vk == INT4 else 0)
     stage = (stage + 15) // 16 * 16
     ctas = 3 if rbk + rbv <= 256 else 2
     fixed = rows * d * 2
@@ -219,6 +240,24 @@ def quantize_q_e4m3(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale
 
 
+def _check_int4(name, kind, gran, want, data, scale, zero, shape) -> None:
+    """int4 pages: packed codes [N, Hkv, P, D / 2] uint8, contiguous fp16 scales and zero
+    points of `shape` (cache/intq.py), `want` granularity; UnsupportedShapeError otherwise."""
+    if kind != INT4:
+        return
+    if gran != want:
+        raise UnsupportedShapeError(f"sm90 decode: int4 {name} need {want} scales, not {gran}; "
+                                    f"store them with {want} scales or use the Triton kernel")
+    for part, t in (("scales", scale), ("zero points", zero)):
+        if (t is None or t.dtype != torch.float16 or tuple(t.shape) != shape
+                or not t.is_contiguous()):
+            got = "None" if t is None else f"{t.dtype} {tuple(t.shape)}"
+            raise UnsupportedShapeError(f"sm90 decode: int4 {name} need contiguous fp16 {part} "
+                                        f"of shape {shape}, got {got}")
+    if data.dtype != torch.uint8 or not data.is_contiguous():
+        raise UnsupportedShapeError(f"sm90 decode: int4 {name} need contiguous uint8 codes")
+
+
 @dataclass
 class Launch:
     """One launch of the kernel as launch_decode_sm90 sets it up (the emulation runs it too)."""
@@ -240,16 +279,18 @@ class Launch:
 def launch_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
                        k_fmt: str, k_gran: str, v_fmt: str, v_gran: str, scale: float,
                        sliding_window: int, sinks: int, softcap: float, num_splits: int,
-                       sm_count: int, combine, *, qk_fp8: bool = False,
-                       variant: str = "base") -> torch.Tensor:
-    """q [B, Hq, Sq, D]; kd / vd [N, Hkv, P, D(v)] pages; ks / vs their fp32 scales (or None);
+                       sm_count: int, combine, *, qk_fp8: bool = False, kz=None,
+                       vz=None, variant: str = "base") -> torch.Tensor:
+    """q [B, Hq, Sq, D]; kd / vd [N, Hkv, P, D(v)] pages; ks / vs their fp32 scales (or None;
+    int4: fp16 scales, keys [N, Hkv, D], values [N, Hkv, P], and kz / vz their zero points);
     block_tables [B, W] int32; seq_lens [B] int32; key_mask [B, Lm] bool or None; out
     [B, Hq, Sq, DV] or None. `combine(acc, plse, out, lse, num_splits, dv)` merges splits.
     qk_fp8: the opt-in variant with q.k on e4m3 tensor cores (fp8_e4m3 keys only).
     variant: an issue-14 compile-time variant (VARIANTS; "base" = the default kernel)."""
     lp = plan_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out, k_fmt,
                           k_gran, v_fmt, v_gran, scale, sliding_window, sinks, softcap,
-                          num_splits, sm_count, qk_fp8=qk_fp8, variant=variant)
+                          num_splits, sm_count, qk_fp8=qk_fp8, kz=kz, vz=vz,
+                          variant=variant)
     _kernel(*lp.key).launch(lp.grid, WARPS * 32, lp.prm, q.device)
     if not lp.direct:
         lse = torch.empty(lp.acc.shape[0], dtype=torch.float32, device=q.device)
@@ -260,7 +301,8 @@ def launch_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
 def plan_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
                      k_fmt: str, k_gran: str, v_fmt: str, v_gran: str, scale: float,
                      sliding_window: int, sinks: int, softcap: float, num_splits: int,
-                     sm_count: int, *, qk_fp8: bool = False, variant: str = "base") -> Launch:
+                     sm_count: int, *, qk_fp8: bool = False, kz=None, vz=None,
+                     variant: str = "base") -> Launch:
     """launch_decode_sm90's arguments -> the launch: variant, grid, DecodeParams, buffers."""
     if qk_fp8 and k_fmt != "fp8_e4m3":
         raise UnsupportedShapeError(
@@ -269,13 +311,15 @@ def plan_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
     B, Hq, Sq, D = q.shape
     N, Hkv, P, _ = kd.shape
     kk, vk = _KIND[k_fmt], _KIND[v_fmt]
-    dv = vd.shape[3]
+    dv = vd.shape[3] * (2 if vk == INT4 else 1)   # int4: two codes a byte
     G = Hq // Hkv
     rows = G * Sq
     if rows > MAX_ROWS:
         raise UnsupportedShapeError(f"sm90 decode: {rows} query rows per kv head (> {MAX_ROWS})")
-    ksm = _SCALE[k_gran] if kk < 2 else 0
-    vsm = _SCALE[v_gran] if vk < 2 else 0
+    ksm = _SCALE[k_gran] if kk < 2 else _SC_CHANZP if kk == INT4 else 0
+    vsm = _SCALE[v_gran] if vk < 2 else _SC_TOKZP if vk == INT4 else 0
+    _check_int4("keys", kk, k_gran, INT4_KEY_GRAN, kd, ks, kz, (N, Hkv, D))
+    _check_int4("values", vk, v_gran, INT4_VALUE_GRAN, vd, vs, vz, (N, Hkv, P))
     key = (kk, vk, ksm, vsm, D, dv, 8 if rows <= 8 else 16, _QT[q.dtype], int(qk_fp8))
     var = variant_bits(variant, kk, vk, softcap, int(qk_fp8))
     if var:
@@ -316,6 +360,11 @@ def plan_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
     prm.qk_scale = float(scale) * LOG2E
     prm.cap_in = float(scale) / softcap if softcap else 0.0
     prm.cap_out = softcap * LOG2E if softcap else 0.0
+    kz = kz if kk == INT4 else None
+    vz = vz if vk == INT4 else None
+    prm.kz = kz.data_ptr() if kz is not None else 0
+    prm.vz = vz.data_ptr() if vz is not None else 0
     tensors = {"q": q, "k": kd, "v": vd, "ks": ks, "vs": vs, "bt": block_tables,
-               "seq_lens": seq_lens, "kmask": km, "out": out, "acc": acc, "lse": plse}
+               "seq_lens": seq_lens, "kmask": km, "out": out, "acc": acc, "lse": plse,
+               "kz": kz, "vz": vz}
     return Launch(key, (B * Hkv, num_splits, 1), prm, tensors, out, acc, plse, num_splits, dv)

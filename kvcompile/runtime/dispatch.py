@@ -387,7 +387,7 @@ class KernelDispatch:
 
         choice = self.state.config.kernels
         if choice == "triton" or choice == "auto" and not cuda_decode_by_default(
-                kc.fmt.name, vc.fmt.name):
+                kc.fmt.name, vc.fmt.name, kc.fmt.granularity, vc.fmt.granularity):
             self.state.count("decode_triton")
             return "triton"
         why = fast_path_reason(

@@ -59,7 +59,31 @@ def _cases() -> list[dict]:
     return cases
 
 
-CASES = _cases()
+K4, V4 = ("int4", "channel"), ("int4", "token")
+
+
+def _int4_cases() -> list[dict]:
+    """int4 pages (the Pareto table's K int4/V int4: keys' scale + zero point per page and
+    channel, values' per token), head_dim 64 / 128, pages of >= 16 tokens."""
+    cases = []
+    for D, G, P, Sq in itertools.product((64, 128), (1, 4, 8), (16, 64, 128), (1, 2)):
+        cases.append(dict(k=K4, v=V4, D=D, G=G, P=P, Sq=Sq))
+    cases += [
+        dict(k=K4, v=V4, D=128, G=4, P=64, Sq=1, window=100, sinks=4),
+        dict(k=K4, v=V4, D=128, G=8, P=16, Sq=2, window=37, sinks=3),
+        dict(k=K4, v=V4, D=128, G=4, P=64, Sq=1, kmask=True),
+        dict(k=K4, v=V4, D=128, G=4, P=64, Sq=1, softcap=30.0),
+        dict(k=K4, v=V4, D=128, G=4, P=64, Sq=1, splits=1),
+        dict(k=K4, v=V4, D=128, G=4, P=64, Sq=1, splits=7),
+        dict(k=K4, v=V4, D=128, G=4, P=64, Sq=1, q=torch.bfloat16),
+        dict(k=K4, v=("fp8_e4m3", "token"), D=128, G=4, P=16, Sq=1),
+        dict(k=("fp8_e4m3", "token"), v=V4, D=128, G=4, P=16, Sq=2),
+    ]
+    return cases
+
+
+INT4_CASES = _int4_cases()
+CASES = _cases() + INT4_CASES
 
 
 def _qk8_cases() -> list[dict]:
@@ -101,6 +125,10 @@ def built_variants():
         sm = fast._SCALE[kg] if kk < 2 else 0
         keys.add((kk, kk, sm, sm, d, d, rows, fast._QT[qt]))
     keys.add((0, 3, 1, 0, 128, 128, 8, 1))  # K fp8 / V bf16
+    for d, rows, qt in itertools.product((64, 128), (8, 16), (torch.float32, torch.bfloat16)):
+        keys.add((4, 4, 4, 5, d, d, rows, fast._QT[qt]))   # int4 pages
+    keys.add((4, 0, 4, 2, 128, 128, 8, fast._QT[torch.float32]))
+    keys.add((0, 4, 2, 5, 128, 128, 8, fast._QT[torch.float32]))
     for k in list(keys):  # the qk_fp8 variant of each e4m3-key variant
         if k[0] == 0:
             keys.add((*k, 1))
@@ -108,8 +136,8 @@ def built_variants():
         list(ex.map(lambda k: fast._kernel(*k), sorted(keys)))
 
 
-def run_fast_case(c: dict, gen, corrupt: bool = False, unquantized_ref: bool = False
-                  ) -> tuple[float, float]:
+def run_fast_case(c: dict, gen, corrupt: bool = False, unquantized_ref: bool = False,
+                  wrong_zero: bool = False) -> tuple[float, float]:
     """(relative error, bound). qk8 cases: against the reference on q quantized as the kernel
     does, or (unquantized_ref) on q itself with REL_ERR_QK_FP8."""
     lens = [1, 17, 300, 1033, 16, 15][: 3 if c["D"] == 64 else 6]
@@ -126,12 +154,16 @@ def run_fast_case(c: dict, gen, corrupt: bool = False, unquantized_ref: bool = F
     why = dec.fast_path_reason(q, *c["k"], *c["v"], c["D"], c["D"], c["P"], c["G"] * c["Sq"])
     assert why == "", f"fast path refused: {why}"
     qk8 = c.get("qk8", False)
+    if wrong_zero:  # negative case: the keys' zero points of other pages
+        kc = _with_zero(kc, kc.zero.roll(1, 0).contiguous())
     launch(q, kc, vc, bt, sl, out, "cuda", key_mask=km, window=c.get("window", 0),
            sinks=c.get("sinks", 0), softcap=c.get("softcap", 0.0), splits=c.get("splits", 0),
            qk_fp8=qk8)
     torch.cuda.synchronize()
     if corrupt:
         out.mul_(1.05)
+    if wrong_zero:
+        kc = kc.original
     q_ref = q
     if qk8 and not unquantized_ref:
         from kvcompile.kernels.decode_sm90 import quantize_q_e4m3
@@ -148,6 +180,16 @@ def run_fast_case(c: dict, gen, corrupt: bool = False, unquantized_ref: bool = F
     if qk8 and unquantized_ref:
         return rel_err(out, ref), REL_ERR_QK_FP8
     return rel_err(out, ref), REL_ERR[cdt]
+
+
+class _with_zero:
+    """A PagedTensor's view with other zero points (the kernel reads them, not the reference)."""
+
+    def __init__(self, paged, zero):
+        self.original, self.zero = paged, zero
+
+    def __getattr__(self, name):
+        return getattr(self.original, name)
 
 
 def _id(i, c):
@@ -186,10 +228,25 @@ def test_cuda_decode_check_catches_a_wrong_output():
     assert err > bound
 
 
+def test_cuda_decode_int4_wrong_zero_point_fails():
+    """Negative case: int4 keys read with the zero points of other pages fail the check the
+    right ones pass (the kernel really adds sum_d q_d z_d per page)."""
+    c = INT4_CASES[0]
+    err, bound = run_fast_case(c, torch.Generator().manual_seed(0))
+    assert err <= bound
+    err, bound = run_fast_case(c, torch.Generator().manual_seed(0), wrong_zero=True)
+    assert err > 10 * bound
+
+
 @pytest.mark.parametrize("kf,kg", [("fp8_e4m3", "page"), ("fp8_e4m3", "tensor"),
                                    ("bf16", "page")])
 def test_accuracy_long_peaky(kf, kg):
     _long_peaky(kf, kg, False)
+
+
+def test_accuracy_long_peaky_int4():
+    """The needle case in int4 pages (keys channel-scaled per page of 64, values per token)."""
+    _long_peaky("int4", "channel", False, v=("int4", "token"), P=64)
 
 
 @pytest.mark.parametrize("kg", ["page", "tensor"])
@@ -199,13 +256,14 @@ def test_accuracy_long_peaky_qk8(kg):
     _long_peaky("fp8_e4m3", kg, True)
 
 
-def _long_peaky(kf, kg, qk8):
+def _long_peaky(kf, kg, qk8, v=None, P=16):
     """B=1, L=131072, Hkv 8, G 4: q aligned with 8 'needle' keys; the rest noise."""
     gen = torch.Generator().manual_seed(7)
-    L, Hkv, G, D, P = 131072, 8, 4, 128, 16
+    L, Hkv, G, D = 131072, 8, 4, 128
     f = make_format(kf, kg)
     npg = L // P
-    kc, vc = f.allocate(npg, Hkv, P, D, "cuda"), f.allocate(npg, Hkv, P, D, "cuda")
+    kc = f.allocate(npg, Hkv, P, D, "cuda")
+    vc = (make_format(*v) if v else f).allocate(npg, Hkv, P, D, "cuda")
     q = torch.randn(1, Hkv * G, 1, D, generator=gen).cuda()
     k = torch.randn(L, Hkv, D, generator=gen).cuda()
     needles = torch.randint(0, L, (8,), generator=gen)

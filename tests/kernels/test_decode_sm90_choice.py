@@ -20,6 +20,15 @@ def test_auto_asks_for_the_cuda_kernel_only_for_fp8_pages(k, v, want):
     assert CUDA_DECODE_FORMATS == {"fp8_e4m3", "fp8_e5m2"}
 
 
+@pytest.mark.parametrize("k,kg,v,vg,want", [
+    ("int4", "channel", "int4", "token", True),    # the Pareto table's K int4/V int4
+    ("int4", "page", "int4", "page", False), ("int4", "token", "int4", "token", False),
+    ("int4", "channel", "int4", "page", False), ("int3", "channel", "int3", "token", False),
+    ("fp8_e4m3", "token", "fp8_e4m3", "page", True)])
+def test_auto_asks_for_the_cuda_kernel_for_int4_with_its_scales(k, kg, v, vg, want):
+    assert cuda_decode_by_default(k, v, kg, vg) is want
+
+
 def _rounds_cost(B, H, L, s, slots, overhead=256):
     return -(-B * H * s // slots) * (L / s + overhead)
 

@@ -56,7 +56,8 @@ def _decode(kc, vc, bt, sl, q, km, *, splits=1, window=0, sinks=0, softcap=0.0, 
     out = poison_(torch.empty(*q.shape[:3], vc.head_dim, dtype=q.dtype))
     lp = fast.plan_decode_sm90(q, kc.data, kc.scale, vc.data, vc.scale, bt, sl, km, out,
                                kc.fmt.name, kc.fmt.granularity, vc.fmt.name,
-                               vc.fmt.granularity, scale, window, sinks, softcap, splits, 132)
+                               vc.fmt.granularity, scale, window, sinks, softcap, splits, 132,
+                               kz=kc.zero, vz=vc.zero)
     emu.run(lp, seed=seed, root=root)
     ref = paged_decode_attention_ref(q, kc, vc, bt, sl, scale, key_mask=km,
                                      sliding_window=window, sinks=sinks, softcap=softcap)
@@ -604,3 +605,140 @@ def test_variant_broken_kernel_is_caught(mutation, tmp_path):
     kc, vc, bt, sl, q, km = _inputs(E4, E4, 128, 4, 16, 1, [300, 17])
     out, ref = _decode_var("alu", kc, vc, bt, sl, q, km, root=root)
     assert rel_err(out, ref) > 10 * _bound(E4, E4)
+
+
+# ---- int4 pages (KVC_INT4): the Pareto table's "K int4/V int4" (keys: fp16 scale + zero point
+# per page, kv head and channel; values: per token). The reference dequantizes the same pages
+# (code * scale + zero in fp32); the kernel keeps the codes exact in f16, scales q's columns by
+# the channel scales (f16) and p by the token scales, adds the zero points' terms in f32, so the
+# f16 bound of the table holds.
+K4, V4 = ("int4", "channel"), ("int4", "token")
+INT4_CASES = [  # (D, G, Sq, P, q dtype, lens)
+    (128, 4, 1, 64, F32, LENS),
+    (128, 8, 2, 16, B16, LENS),                 # ROWS 16, bf16 q (f16 operands inside)
+    (128, 1, 1, 128, F16, [1, 300, 129, 1033]),
+    (64, 4, 1, 64, F32, LENS),                  # head_dim 64 (the Pareto table's model)
+    (64, 8, 2, 16, F32, LENS),
+]
+
+
+@pytest.mark.parametrize("D,G,Sq,P,q_dtype,lens", INT4_CASES)
+def test_int4_matches_reference(D, G, Sq, P, q_dtype, lens):
+    err = check(K4, V4, D, G, P, Sq, lens=lens, q_dtype=q_dtype, seed=1)
+    assert err > 0
+
+
+def test_int4_splits_window_mask_softcap():
+    check(K4, V4, 128, 4, 16, 1, lens=[1, 17, 300, 1033], splits=3)
+    check(K4, V4, 128, 8, 32, 2, lens=[310, 1033, 17], window=37, sinks=3, splits=2)
+    check(K4, V4, 128, 4, 64, 1, kmask=True, softcap=30.0)
+    check(K4, V4, 128, 4, 16, 1, kmask="short", splits=3)
+    check(K4, V4, 64, 4, 16, 2, lens=[310, 1033, 17], window=37, sinks=3, splits=3)
+
+
+def test_int4_mixed_with_fp8():
+    # the element kinds are independent: int4 keys beside e4m3 values, and the converse
+    check(K4, E4, 128, 4, 16, 1)
+    check(E4T, V4, 128, 4, 16, 2)
+
+
+def test_int4_key_outlier_channels_keep_their_resolution():
+    """Key channels with a large offset and a small spread (what key-aware channel scales are
+    for): dequantized to f16 (ulp 0.06 at 100) they would lose the codes' steps (~0.003); the
+    kernel scales q instead and sums q . zero in f32, so it meets the f16 bound."""
+    gen = torch.Generator().manual_seed(5)
+    kc, vc, bt, sl = make_paged_kv(make_format(*K4), make_format(*V4), [300, 129], 2, 128, 16,
+                                   gen=gen, device="cpu")
+    k = torch.randn(429, 2, 128, generator=gen) * 0.01
+    k[:, :, ::7] += 100.0  # outlier channels
+    kc2 = kc.fmt.allocate(kc.data.shape[0], 2, 16, 128, "cpu")
+    slots = torch.cat([torch.tensor([int(bt[b, t // 16]) * 16 + t % 16 for t in range(n)])
+                       for b, n in enumerate([300, 129])])
+    kc2.write(slots, k)
+    q = torch.randn(2, 8, 1, 128, generator=gen)
+    out, ref = _decode(kc2, vc, bt, sl, q, None)
+    assert rel_err(out, ref) <= _bound(K4, V4)
+    # the same keys dequantized to f16 pages: the reference over them fails the bound (3.9e-3)
+    k16 = make_format("fp16").allocate(kc2.data.shape[0], 2, 16, 128, "cpu")
+    k16.data.copy_(kc2.read(torch.arange(kc2.data.shape[0])).half())
+    ref16 = paged_decode_attention_ref(q, k16, vc, bt, sl, 1.0 / math.sqrt(128))
+    assert rel_err(ref16, ref) > _bound(K4, V4)
+
+
+@pytest.mark.parametrize("side", ["keys", "values"])
+def test_int4_wrong_zero_point_fails(side):
+    """Negative case: the kernel given the zero points of other pages (keys) / tokens (values)
+    than the pages it reads fails the bound that the right ones meet."""
+    kc, vc, bt, sl, q, km = _inputs(K4, V4, 128, 4, 16, 1, [300, 129])
+    c = kc if side == "keys" else vc
+    scale = 1.0 / math.sqrt(128)
+    ref = paged_decode_attention_ref(q, kc, vc, bt, sl, scale)
+    wrong = c.zero.roll(1, 0) if side == "keys" else c.zero.roll(1, -1)
+    zs = {"kz": kc.zero, "vz": vc.zero}
+    zs["kz" if side == "keys" else "vz"] = wrong.contiguous()
+    out = poison_(torch.empty_like(q))
+    lp = fast.plan_decode_sm90(q, kc.data, kc.scale, vc.data, vc.scale, bt, sl, None, out,
+                               *K4, *V4, scale, 0, 0, 0.0, 1, 132, **zs)
+    emu.run(lp)
+    assert rel_err(emu.finish(lp), ref) > 10 * _bound(K4, V4)
+
+
+@pytest.mark.parametrize("mutation", [
+    ("for (int c = 0; c < 4; ++c) sa[j][c] += sz[c];", "for (int c = 0; c < 4; ++c) {}"),
+    ("zacc1 += p2 * zt[j][0] + p3 * zt[j][1];", "zacc1 += 0.f;"),
+    ("qk4[s][2] = hmul2_u32(qa[s][2], s23);", "qk4[s][2] = hmul2_u32(qa[s][2], s01);"),
+])
+def test_int4_broken_kernel_is_caught(mutation, tmp_path):
+    """Negative case: without the keys' zero-point term, without the values' zero-point term
+    for rows g + 8, or with a k-pair scaled by its neighbours' channel scales, the kernel fails
+    the check that the real one passes."""
+    old, new = mutation
+    root = tmp_path / "cuda"
+    shutil.copytree(emu._HERE, root / "emu", ignore=shutil.ignore_patterns("*.py", "__py*"))
+    src = (emu._HERE.parent / "paged_decode.cuh").read_text()
+    assert src.count(old) == 1
+    (root / "paged_decode.cuh").write_text(src.replace(old, new))
+    kc, vc, bt, sl, q, km = _inputs(K4, V4, 128, 8, 16, 2, [300, 17])
+    out, ref = _decode(kc, vc, bt, sl, q, km, root=root)
+    assert rel_err(out, ref) > 10 * _bound(K4, V4)
+
+
+def test_int4_nan_scale_of_unread_tokens_is_inert():
+    # values: NaN token scales of unwritten slots past L (make_paged_kv) and of masked keys
+    kc, vc, bt, sl, q, km = _inputs(K4, V4, 128, 4, 16, 1, [301, 18], kmask=True)
+    for b in range(2):
+        for t in range(int(sl[b])):
+            if not km[b, t]:
+                vc.scale[bt[b, t // 16], :, t % 16] = float("nan")
+    out, ref = _decode(kc, vc, bt, sl, q, km)
+    assert not torch.isnan(out).any()
+    assert rel_err(out, ref) <= _bound(K4, V4)
+
+
+def test_int4_nan_value_reaches_its_rows():
+    # a NaN value element stores code 0 and a NaN token scale: rows that see it read NaN
+    kc, vc, bt, sl, q, km = _inputs(K4, V4, 128, 4, 16, 1, [200, 200])
+    page, off = _slot(bt, 1, 123, 16)
+    vc.scale[page, 0, off] = float("nan")
+    out, ref = _decode(kc, vc, bt, sl, q, km)
+    hit = torch.zeros_like(out, dtype=torch.bool)
+    hit[1, :4] = True
+    assert torch.equal(torch.isnan(ref), hit)
+    assert torch.equal(torch.isnan(out), hit)
+    assert rel_err(out[~hit], ref[~hit]) <= _bound(K4, V4)
+
+
+def test_int4_refusals_name_the_reason():
+    from kvcompile.errors import UnsupportedShapeError
+
+    q = torch.zeros(1, 4, 1, 128)
+    assert "channel scales" in fast.unsupported(q, "int4", "page", "int4", "token", 128, 128, 16)
+    assert "token scales" in fast.unsupported(q, "int4", "channel", "int4", "page", 128, 128, 16)
+    assert "head_dim 256" in fast.unsupported(q, "int4", "channel", "int4", "token", 256, 256,
+                                              16)
+    assert "pages of 8" in fast.unsupported(q, "int4", "channel", "int4", "token", 128, 128, 8)
+    assert fast.unsupported(q, "int4", "channel", "int4", "token", 128, 128, 64) == ""
+    kc, vc, bt, sl, q, km = _inputs(K4, V4, 128, 4, 16, 1, [17])
+    with pytest.raises(UnsupportedShapeError, match="fp16 zero points"):
+        fast.plan_decode_sm90(q, kc.data, kc.scale, vc.data, vc.scale, bt, sl, None, None,
+                              *K4, *V4, 0.1, 0, 0, 0.0, 1, 132, kz=None, vz=vc.zero)

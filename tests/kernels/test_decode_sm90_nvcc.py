@@ -1,6 +1,6 @@
 """paged_decode.cuh through nvcc for sm_90 on the CPU machine (no GPU needed): the default
 variant and the opt-in qk_fp8 variant (q.k on e4m3 tensor cores, mma.sync m16n8k32) both build,
-for ROWS 8 / 16, head_dim 64 / 128, each into a fresh cache (so the compile really runs).
+for ROWS 8 / 16, head_dim 64 / 128, and the int4 variants, each into a fresh cache (so the compile really runs).
 Skipped where nvcc is absent. Their numbers: test_decode_sm90_emu.py (CPU emulation) and
 tests/gpu/test_decode_sm90_gpu.py (H200)."""
 
@@ -23,6 +23,10 @@ VARIANTS = [
     (0, 0, 1, 1, 128, 128, 8, 1, 1),
     (0, 0, 2, 2, 64, 64, 16, 2, 1),
     (0, 3, 3, 0, 128, 128, 16, 0, 1),  # e4m3 keys (tensor scale), bf16 values
+    (4, 4, 4, 5, 128, 128, 8, 1, 0),   # int4 keys (channel scale + zero), int4 values (token)
+    (4, 4, 4, 5, 128, 128, 16, 0, 0),
+    (4, 0, 4, 2, 128, 128, 8, 2, 0),   # int4 keys, e4m3 values with token scales
+    (4, 4, 4, 5, 64, 64, 16, 1, 0),    # int4, head_dim 64
 ]
 
 

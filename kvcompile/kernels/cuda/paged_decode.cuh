@@ -37,6 +37,20 @@
 // unpacks of both operands plus two HMMA.16816, so on Hopper Q8 saves no cvt (Hopper's FP8
 // tensor cores are reached through wgmma, target sm_90a; benchmarks/RESULTS.md, "qk_fp8").
 //
+// INT4 pages (KVC_INT4, cache/intq.py: x = code * scale + zero, fp16 scale and zero point,
+// element 2i in a byte's low nibble), the Pareto table's "K int4/V int4" (benchmarks/RESULTS.md):
+//   - keys, scale and zero point per (page, kv head, channel) (KVC_SC_CHANZP; pages of >= 16
+//     tokens, so a step is one page): q.k = sum_d (q_d s_d) c_d + sum_d q_d z_d. Each step scales
+//     q's A fragments by the page's channel scales (one f16x2 multiply per register, shared by
+//     both n-tiles) and gets sum_d q_d z_d from one more n-tile of MMAs whose every column is the
+//     zero points (exact f16 products, f32 sums: a large zero point keeps the codes' resolution,
+//     which dequantizing keys to f16 would lose);
+//   - values, scale and zero point per token (KVC_SC_TOKZP): the scale folds into p like fp8's
+//     token scales, the zero points add sum_j p_j z_j to every column of a row (f32, per lane,
+//     summed over the quad at the end);
+//   - codes widen exactly: byte_perm puts two codes at bits 0-3 / 16-19, (y & 0x000F000F) |
+//     0x64006400 is the f16x2 of 1024 + c, less 1024 (sub.f16x2). Thread t of a quad owns key
+//     unit t (32 codes at D 128, 16 at D 64), k-step s reads 4 codes (2 bytes) of it.
 // Built with -DKVC_EMU, the same source runs on the CPU (emu/cuda_emu.h, tested by
 // tests/kernels/test_decode_sm90_emu.py): each inline-PTX helper below has its host version
 // beside it, and nothing else differs.
@@ -68,6 +82,8 @@ struct DecodeParams {
   float cap_in;             // softcap: s = cap_out * tanh(cap_in * q.k), 0 = none
   float cap_out;
   int n_km;                 // key-mask columns (a multiple of 16): slots past them are seen
+  const uint16_t* kz;       // int4 keys: fp16 zero points [N, H, D] (ks: fp16 scales alike)
+  const uint16_t* vz;       // int4 values: fp16 zero points [N, H, P] (vs: fp16 scales alike)
 };
 
 // element kinds
@@ -75,11 +91,14 @@ struct DecodeParams {
 #define KVC_E5M2 1
 #define KVC_F16 2
 #define KVC_BF16 3
+#define KVC_INT4 4  // asymmetric int4 (cache/intq.py): x = code * scale + zero, 2 codes a byte
 // scale modes
 #define KVC_SC_NONE 0
 #define KVC_SC_PAGE 1
 #define KVC_SC_TOKEN 2
 #define KVC_SC_TENSOR 3
+#define KVC_SC_CHANZP 4  // int4 keys: fp16 scale and zero point per (page, kv head, channel)
+#define KVC_SC_TOKZP 5   // int4 values: fp16 scale and zero point per token
 
 // ---- issue-14 variants (cuda14e): KVC_VAR, a bit set chosen by the launcher (decode_sm90.py
 // VARIANTS); 0 (the default when the macro is absent) is the kernel as it was.
@@ -154,6 +173,16 @@ __device__ __forceinline__ uint4 lds128(const uint8_t* p) {
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
                : "r"(smem_u32(p)));
+#endif
+  return r;
+}
+
+__device__ __forceinline__ uint32_t lds32(const uint8_t* p) {
+  uint32_t r;
+#ifdef KVC_EMU
+  kvc_emu::ld_shared(smem_u32(p), &r, 4);
+#else
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(r) : "r"(smem_u32(p)));
 #endif
   return r;
 }
@@ -264,6 +293,54 @@ __device__ __forceinline__ void fp8x4_to_f16x2x2_alu(uint32_t z, uint32_t& ev, u
   }
 }
 
+// f16x2 a - b and a * b, round to nearest even (int4 pages: exact code widening, q * scale)
+__device__ __forceinline__ uint32_t hsub2_u32(uint32_t a, uint32_t b) {
+#ifdef KVC_EMU
+  auto one = [](uint16_t x, uint16_t y) {  // one f32 subtraction of two f16, rounded once
+    return kvc_emu::f32_to_f16(kvc_emu::f16_to_f32(x) - kvc_emu::f16_to_f32(y));
+  };
+  return one(a & 0xffffu, b & 0xffffu) | (static_cast<uint32_t>(one(a >> 16, b >> 16)) << 16);
+#else
+  uint32_t r;
+  asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+#endif
+}
+
+__device__ __forceinline__ uint32_t hmul2_u32(uint32_t a, uint32_t b) {
+#ifdef KVC_EMU
+  auto one = [](uint16_t x, uint16_t y) {  // the f32 product of two f16 is exact
+    return kvc_emu::f32_to_f16(kvc_emu::f16_to_f32(x) * kvc_emu::f16_to_f32(y));
+  };
+  return one(a & 0xffffu, b & 0xffffu) | (static_cast<uint32_t>(one(a >> 16, b >> 16)) << 16);
+#else
+  uint32_t r;
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+#endif
+}
+
+// Two int4 codes at bits 0-3 and 16-19 of y (other bits ignored) -> f16x2 of the codes, exact:
+// 0x6400 | c is the f16 of 1024 + c (f16 has 10 mantissa bits), less 1024 exactly.
+__device__ __forceinline__ uint32_t int4x2_to_f16x2(uint32_t y) {
+  return hsub2_u32((y & 0x000F000Fu) | 0x64006400u, 0x64006400u);
+}
+
+// The two codes of byte k of word x (element 2k in the low nibble) -> f16x2 (low half first):
+// one byte_perm puts byte k of x at bits 0-7 and byte k of x >> 4 (its high nibble low) at 16-23.
+template <int K>
+__device__ __forceinline__ uint32_t int4_byte_f16x2(uint32_t x, uint32_t x4) {
+  return int4x2_to_f16x2(__byte_perm(x, x4, K | (K << 4) | ((4 + K) << 8) | ((4 + K) << 12)));
+}
+
+__device__ __forceinline__ float f16_bits_to_f32(uint16_t h) {
+#ifdef KVC_EMU
+  return kvc_emu::f16_to_f32(h);
+#else
+  return __half2float(__ushort_as_half(h));
+#endif
+}
+
 template <bool BF16>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   if constexpr (BF16) {
@@ -296,27 +373,35 @@ __device__ __forceinline__ uint32_t word(const uint4& w, int i) {
 // Kernel geometry for element kinds KK (keys) / VK (values), head dims D / DV, stages NS.
 template <int KK, int VK, int D, int DV, int NS, int KSM, int VSM>
 struct Geo {
-  static constexpr int KEB = KK >= KVC_F16 ? 2 : 1;   // bytes per element
-  static constexpr int VEB = VK >= KVC_F16 ? 2 : 1;
-  static constexpr int RBK = D * KEB, RBV = DV * VEB;  // bytes per token row
+  static constexpr bool KI4 = KK == KVC_INT4, VI4 = VK == KVC_INT4;
+  static constexpr int KEB = KK >= KVC_F16 && !KI4 ? 2 : 1;   // bytes per element (int4: 1/2)
+  static constexpr int VEB = VK >= KVC_F16 && !VI4 ? 2 : 1;
+  static constexpr int RBK = KI4 ? D / 2 : D * KEB;     // bytes per token row
+  static constexpr int RBV = VI4 ? DV / 2 : DV * VEB;
   static constexpr int NCK = RBK / 16, NCV = RBV / 16;  // 16-byte chunks per row
-  static constexpr int KEPC = 16 / KEB;                 // key elements per chunk
+  // key elements per chunk (int4: per unit a thread reads, a chunk at D 128, 8 bytes at D 64)
+  static constexpr int KEPC = KI4 ? (D >= 128 ? 32 : 16) : 16 / KEB;
   static constexpr int KPC = KEPC / 4;                  // k-steps per key chunk
   static constexpr int KS = D / 16;                     // k-steps of q.k
   // values: thread g owns units g + 8 i of VU bytes (a chunk, or half of one for 64-byte rows)
   static constexpr int VU = NCV >= 8 ? 16 : RBV / 8;
   static constexpr int VUN = RBV / (8 * VU);            // units per thread per row
-  static constexpr int VEPU = VU / VEB;                 // value elements per unit
+  static constexpr int VEPU = VI4 ? 2 * VU : VU / VEB;  // value elements per unit
   static constexpr int NT = DV / 8;                     // n-tiles of p.v
   static constexpr int KBYTES = STEP * RBK, VBYTES = STEP * RBV;
   static constexpr int SC_OFF = KBYTES + VBYTES;        // 16 key scales, then 16 value scales
   static constexpr bool HAS_SC = KSM == KVC_SC_PAGE || KSM == KVC_SC_TOKEN ||
                                  VSM == KVC_SC_PAGE || VSM == KVC_SC_TOKEN;
   static constexpr int MASK_OFF = SC_OFF + (HAS_SC ? 128 : 0);  // 16 key-mask bytes
-  static constexpr int STAGE = MASK_OFF + 16;
+  // int4: the key page's fp16 channel scales [D] then zero points [D]; the values' fp16 token
+  // scales [16] then zero points [16]
+  static constexpr int KZP_OFF = MASK_OFF + 16;
+  static constexpr int VZP_OFF = KZP_OFF + (KSM == KVC_SC_CHANZP ? 4 * D : 0);
+  static constexpr int STAGE = VZP_OFF + (VSM == KVC_SC_TOKZP ? 64 : 0);
   static constexpr int STAGE_ALIGNED = (STAGE + 15) / 16 * 16;
-  static_assert(NCK >= 4 && NCK % 4 == 0, "key rows of at least 64 bytes");
-  static_assert(RBV % 64 == 0, "value rows of at least 64 bytes");
+  static_assert(KI4 ? (D == 64 || D % 128 == 0) : NCK >= 4 && NCK % 4 == 0,
+                "key rows of at least 64 bytes (int4: head_dim 64 or a multiple of 128)");
+  static_assert(RBV % (VI4 ? 32 : 64) == 0, "value rows of at least 64 bytes (int4: 32)");
 };
 
 // Byte offset of chunk c (of 16 bytes) of row `row` in a stage region with `nc` chunks a row.
@@ -329,6 +414,8 @@ template <int KK, int VK, int KSM, int VSM, int D, int DV, int ROWS, int NS, int
 __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
   using Gm = Geo<KK, VK, D, DV, NS, KSM, VSM>;
   static_assert(!Q8 || KK == KVC_E4M3, "Q8 (q.k on e4m3 tensor cores) takes e4m3 keys only");
+  static_assert((KK == KVC_INT4) == (KSM == KVC_SC_CHANZP), "int4 keys: channel scale + zero");
+  static_assert((VK == KVC_INT4) == (VSM == KVC_SC_TOKZP), "int4 values: token scale + zero");
   constexpr bool KBF = KK == KVC_BF16, VBF = VK == KVC_BF16;
   // issue-14 variants (KVC_VAR): integer fp8 widening applies to fp8 operands only
   constexpr bool ALU_K = (KVC_VAR & KVC_VAR_ALU_K) && Gm::KEB == 1 && !Q8;
@@ -541,6 +628,31 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
         cp_async4(smem_u32(sc + (is_v ? 16 : 0) + l), src + (long long)pg * H + h, 4);
       }
     }
+    if constexpr (KSM == KVC_SC_CHANZP) {
+      // the page's channel scales and zero points (pages of >= 16 tokens: one page a step),
+      // 16 bytes a lane: lanes [0, D / 16) scales, the next D / 16 lanes zero points
+      constexpr int NCH = D / 8;  // 16-byte copies of one [D] fp16 row
+      static_assert(2 * NCH <= 32, "one copy a lane");
+      if (lane < 2 * NCH) {
+        const int l = lane % NCH;
+        const uint8_t* src = reinterpret_cast<const uint8_t*>(lane < NCH ? (const void*)p.ks
+                                                                         : (const void*)p.kz);
+        cp_async16(smem_u32(st + Gm::KZP_OFF + 16 * lane),
+                   src + ((long long)pg0 * H + h) * D * 2 + 16 * l, 16);
+      }
+    }
+    if constexpr (VSM == KVC_SC_TOKZP) {
+      // the step's 16 token scales (lanes 0, 1: 8 tokens each) and zero points (lanes 2, 3);
+      // those of tokens past L (unwritten slots, NaN there) are zero-filled, never read
+      if (lane < 4) {
+        const int half = lane & 1, tok = tok0 + 8 * half;
+        const uint8_t* src = reinterpret_cast<const uint8_t*>(lane < 2 ? (const void*)p.vs
+                                                                       : (const void*)p.vz);
+        const long long off = (long long)(half ? pg1 : pg0) * H * P + head_k + (tok & (P - 1));
+        cp_async16(smem_u32(st + Gm::VZP_OFF + 16 * lane), src + off * 2,
+                   2 * min(max(L - tok, 0), 8));
+      }
+    }
     if (p.kmask != nullptr && tok0 < p.n_km && lane == 31) {
       cp_async16(smem_u32(st + Gm::MASK_OFF), p.kmask + (long long)b * p.stride_km + tok0, 16);
     }
@@ -550,6 +662,7 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
 #pragma unroll
   for (int n = 0; n < Gm::NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
   float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+  float zacc0 = 0.f, zacc1 = 0.f;  // int4 values: sum_j p_j z_j of rows g, g + 8
   int vexp = -126;       // O is in units of 2^vexp (value scales, see the main loop)
   float vinv = 0x1p126f;  // 2^-vexp
   const int qpos_first = L - SQ;  // position of the first query
@@ -568,6 +681,34 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
     __syncwarp();
     const uint8_t* st = ring + (it % NS) * Gm::STAGE_ALIGNED;
     const int tok0 = step_tok0(it);
+
+    // ---- int4 keys: q's columns times the page's channel scales (f16, once per step for both
+    // n-tiles), and sum_d q_d z_d per row from one more MMA whose every column is the page's
+    // zero points (so each lane's accumulators hold its rows' sums: sz[0] row g, sz[2] g + 8)
+    uint32_t qk4[Gm::KI4 ? Gm::KS : 1][4];
+    float sz[4] = {0.f, 0.f, 0.f, 0.f};
+    if constexpr (Gm::KI4) {
+      const uint8_t* kzp = st + Gm::KZP_OFF;  // scales [D] f16, then zero points [D] f16
+#pragma unroll
+      for (int i = 0; i < Gm::KS / Gm::KPC; ++i) {
+        const int d0 = Gm::KEPC * (t + 4 * i);  // first element of the thread's unit
+#pragma unroll
+        for (int q4 = 0; q4 < Gm::KEPC / 8; ++q4) {  // 8 elements (2 k-steps) a 16-byte load
+          const uint4 sw = lds128(kzp + 2 * (d0 + 8 * q4));
+          const uint4 zw = lds128(kzp + 2 * D + 2 * (d0 + 8 * q4));
+#pragma unroll
+          for (int h2 = 0; h2 < 2; ++h2) {
+            const int s = Gm::KPC * i + 2 * q4 + h2;
+            const uint32_t s01 = word(sw, 2 * h2), s23 = word(sw, 2 * h2 + 1);
+            qk4[s][0] = hmul2_u32(qa[s][0], s01);
+            qk4[s][2] = hmul2_u32(qa[s][2], s23);
+            qk4[s][1] = ROWS == 16 ? hmul2_u32(qa[s][1], s01) : 0u;
+            qk4[s][3] = ROWS == 16 ? hmul2_u32(qa[s][3], s23) : 0u;
+            mma16816<false>(sz, qa[s], word(zw, 2 * h2), word(zw, 2 * h2 + 1));
+          }
+        }
+      }
+    }
 
     // ---- S = Q K^T: n-tile j holds tokens 8 j + n
     float sa[2][4];
@@ -588,6 +729,15 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
             fp8x4_to_f16x2x2_alu<KK>(word(w, ww), ev, od);
             mma16816<false>(sa[j], qa[4 * i + ww], ev, od);
           }
+        } else if constexpr (Gm::KI4) {
+#pragma unroll
+          for (int ww = 0; ww < 4; ++ww) {  // 8 codes a word: k-steps 2 ww, 2 ww + 1
+            const uint32_t x = word(w, ww), x4 = x >> 4;
+            const int s = Gm::KPC * i + 2 * ww;
+            mma16816<false>(sa[j], qk4[s], int4_byte_f16x2<0>(x, x4), int4_byte_f16x2<1>(x, x4));
+            mma16816<false>(sa[j], qk4[s + 1], int4_byte_f16x2<2>(x, x4),
+                            int4_byte_f16x2<3>(x, x4));
+          }
         } else if constexpr (Gm::KEB == 1) {
 #pragma unroll
           for (int ww = 0; ww < 4; ++ww) {
@@ -601,6 +751,24 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
             mma16816<KBF>(sa[j], qa[2 * i + ww], word(w, 2 * ww), word(w, 2 * ww + 1));
         }
       }
+      if constexpr (Gm::KI4 && Gm::KEPC == 16) {  // int4, head_dim 64: 8 bytes a thread
+        const uint2 w = lds64(st + row * Gm::RBK + 8 * t);
+#pragma unroll
+        for (int ww = 0; ww < 2; ++ww) {
+          const uint32_t x = ww == 0 ? w.x : w.y, x4 = x >> 4;
+          mma16816<false>(sa[j], qk4[2 * ww], int4_byte_f16x2<0>(x, x4),
+                          int4_byte_f16x2<1>(x, x4));
+          mma16816<false>(sa[j], qk4[2 * ww + 1], int4_byte_f16x2<2>(x, x4),
+                          int4_byte_f16x2<3>(x, x4));
+        }
+      }
+    }
+
+    if constexpr (Gm::KI4) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) sa[j][c] += sz[c];
     }
 
     // ---- scores (log2 units), masks; thread's tokens: 8 j + 2 t + e, rows g (c < 2), g + 8
@@ -614,7 +782,18 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
         kf[j][e] = KSM == KVC_SC_TOKEN ? sc[tau] : KSM == KVC_SC_PAGE ? sc[j] : 1.f;
         vf[j][e] = VSM == KVC_SC_TOKEN ? sc[16 + tau] : VSM == KVC_SC_PAGE ? sc[16 + j] : 1.f;
       }
-    if constexpr (VSM == KVC_SC_PAGE || VSM == KVC_SC_TOKEN) {
+    float zt[2][2] = {{0.f, 0.f}, {0.f, 0.f}};  // int4 values: the tokens' zero points
+    if constexpr (VSM == KVC_SC_TOKZP) {
+      const uint16_t* vzp = reinterpret_cast<const uint16_t*>(st + Gm::VZP_OFF);
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          vf[j][e] = f16_bits_to_f32(vzp[8 * j + 2 * t + e]);
+          zt[j][e] = f16_bits_to_f32(vzp[16 + 8 * j + 2 * t + e]);
+        }
+    }
+    if constexpr (VSM == KVC_SC_PAGE || VSM == KVC_SC_TOKEN || VSM == KVC_SC_TOKZP) {
       // p * vf goes to the MMA in f16, where a small value scale (values of std 0.01 in e5m2:
       // scales ~6e-7) would fall into subnormals. O accumulates p * vf * 2^-vexp instead, vexp
       // the largest exponent of a value scale seen so far (warp-uniform: every lane reads the
@@ -623,6 +802,11 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
       if constexpr (VSM == KVC_SC_TOKEN) {
 #pragma unroll
         for (int tau = 0; tau < 16; ++tau) vmax = fmaxf(vmax, sc[16 + tau]);
+      }
+      if constexpr (VSM == KVC_SC_TOKZP) {  // the quad holds the step's 16 tokens
+        vmax = fmaxf(fmaxf(vf[0][0], vf[0][1]), fmaxf(vf[1][0], vf[1][1]));
+        vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 1));
+        vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 2));
       }
       int e = vexp;
       if (vmax > 0.f && vmax < INFINITY) frexpf(vmax, &e);  // vmax < 2^e
@@ -685,6 +869,13 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
           // a key no query sees is read by nobody: its values must stay inert (NaN there)
           tok_ok[j][e] = any && (p.window <= 0 || qpos_first - pos < p.window || pos < p.sinks);
         }
+      if constexpr (VSM == KVC_SC_TOKZP) {  // an unread token's scale / zero point: inert
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            if (!tok_ok[j][e]) vf[j][e] = zt[j][e] = 0.f;
+      }
     }
 
     // ---- online softmax, rescaled only when a row's max grows by more than 2^8
@@ -705,6 +896,8 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
       m1 = n1;
       l0 *= a0;
       l1 *= a1;
+      zacc0 *= a0;
+      zacc1 *= a1;
 #pragma unroll
       for (int n = 0; n < Gm::NT; ++n) {
         o[n][0] *= a0;
@@ -723,6 +916,10 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
       l1 += p2 + p3;
       pa[2 * j] = pack2<VBF>(p0 * vf[j][0], p1 * vf[j][1]);
       pa[2 * j + 1] = ROWS == 16 ? pack2<VBF>(p2 * vf[j][0], p3 * vf[j][1]) : 0u;
+      if constexpr (VSM == KVC_SC_TOKZP) {  // the zero points' rank-1 term, in f32
+        zacc0 += p0 * zt[j][0] + p1 * zt[j][1];
+        zacc1 += p2 * zt[j][0] + p3 * zt[j][1];
+      }
     }
 
     // ---- O += P V: k = tokens (2t, 2t+1 | 2t+8, 2t+9), n-tile nb's column g = unit element
@@ -735,6 +932,8 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
         if constexpr (Gm::VU == 16) {
           const uint4 w = lds128(vbase + chunk_off(row, u, Gm::NCV));
           dst[0] = w.x; dst[1] = w.y; dst[2] = w.z; dst[3] = w.w;
+        } else if constexpr (Gm::VU == 4) {  // int4 values, head_dim 64
+          dst[0] = lds32(vbase + row * Gm::RBV + u * Gm::VU);
         } else {
           const uint2 w = lds64(vbase + row * Gm::RBV + u * Gm::VU);
           dst[0] = w.x; dst[1] = w.y;
@@ -772,6 +971,18 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
           mma16816<false>(o[nb + 1], pa, xo0, yo0);
           mma16816<false>(o[nb + 2], pa, xe1, ye1);
           mma16816<false>(o[nb + 3], pa, xo1, yo1);
+        } else if constexpr (Gm::VI4) {
+          // byte k of rows 2t, 2t + 1 at bits 0-7 / 16-23: their low nibbles are n-tile
+          // nb + 2k's k-pair, their high nibbles n-tile nb + 2k + 1's (element 2i: low nibble)
+          const int nb = Gm::VEPU * i + 8 * w;
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const uint32_t ab = __byte_perm(va[w], vb[w], k | ((4 + k) << 8));
+            const uint32_t cd = __byte_perm(vc[w], vd[w], k | ((4 + k) << 8));
+            mma16816<false>(o[nb + 2 * k], pa, int4x2_to_f16x2(ab), int4x2_to_f16x2(cd));
+            mma16816<false>(o[nb + 2 * k + 1], pa, int4x2_to_f16x2(ab >> 4),
+                            int4x2_to_f16x2(cd >> 4));
+          }
         } else if constexpr (Gm::VEB == 1) {
           const uint32_t x0 = __byte_perm(va[w], vb[w], 0x5140);
           const uint32_t x1 = __byte_perm(va[w], vb[w], 0x7362);
@@ -804,9 +1015,15 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  if constexpr (VSM == KVC_SC_TOKZP) {
+    zacc0 += __shfl_xor_sync(0xffffffffu, zacc0, 1);
+    zacc0 += __shfl_xor_sync(0xffffffffu, zacc0, 2);
+    zacc1 += __shfl_xor_sync(0xffffffffu, zacc1, 1);
+    zacc1 += __shfl_xor_sync(0xffffffffu, zacc1, 2);
+  }
   __syncthreads();  // every warp is past its last stage read
   float* mo = reinterpret_cast<float*>(ring);  // [ROWS][DV] then m [ROWS], l [ROWS]
-  const float ounit = VSM == KVC_SC_PAGE || VSM == KVC_SC_TOKEN
+  const float ounit = VSM == KVC_SC_PAGE || VSM == KVC_SC_TOKEN || VSM == KVC_SC_TOKZP
                           ? exp2f(static_cast<float>(vexp)) : 1.f;  // O's units back to 1
   float* ml = mo + ROWS * DV;
 #pragma unroll
@@ -816,7 +1033,13 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
       const int r = g + 8 * (c >> 1);
       const int col = 2 * t + (c & 1);  // column of the n-tile -> value element
       const int dv = Gm::VEPU * (col + 8 * (nb / Gm::VEPU)) + nb % Gm::VEPU;
-      if (r < ROWS) mo[r * DV + dv] = o[nb][c] * ounit;
+      if (r < ROWS) {
+        if constexpr (VSM == KVC_SC_TOKZP) {
+          mo[r * DV + dv] = o[nb][c] * ounit + (c < 2 ? zacc0 : zacc1);
+        } else {
+          mo[r * DV + dv] = o[nb][c] * ounit;
+        }
+      }
     }
   if (t == 0) {
     ml[g] = m0;

@@ -50,6 +50,8 @@ extern "C" int kvc_emu_decode(const DecodeParams* p, int grid_x, int grid_y, int
   map(g.out, "out");
   map(g.acc, "acc");
   map(g.lse, "lse");
+  map(g.kz, "kz");
+  map(g.vz, "vz");
   if (!ok) {
     kvc_emu::guard_end(false);
     snprintf(err, errlen, "DecodeParams.%s is not the start of any buffer passed", bad);
