@@ -143,7 +143,7 @@ def bench(gen, waves_list, variants=("base",), formats=None, shapes=None,
                     if backend == "cuda" and w is None:
                         splits = fast.choose_splits(
                             B, Hkv, bt.shape[1] * 16, dec._sm_count(q.device),
-                            ctas_per_sm=fast.variant(fast._KIND[kf], fast._KIND[kf],
+                            ctas_per_sm=fast.kernel_constants(fast._KIND[kf], fast._KIND[kf],
                                                      fast._SCALE[kg] if "fp8" in kf else 0,
                                                      fast._SCALE[kg] if "fp8" in kf else 0,
                                                      D, D, 8, fast._QT[q.dtype])[1])

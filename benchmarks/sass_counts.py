@@ -65,7 +65,7 @@ def nvdisasm() -> str:
 
 def compile_case(key: tuple, arch: str = "sm_90") -> tuple[str, str]:
     """(SASS text, ptxas -v output) of the variant `key` (decode_sm90._kernel's key)."""
-    defines, ctas, _ = fast.variant(*key)
+    defines, ctas, _ = fast.kernel_constants(*key)
     nvcc = build.nvcc_path()
     if nvcc is None:
         raise SystemExit("nvcc not found")
@@ -180,7 +180,7 @@ def run(variants, cases) -> list[dict]:
                          "registers": int(regs.group(1)) if regs else None,
                          "spill_bytes": (int(spill.group(1)) + int(spill.group(2))
                                          if spill else None),
-                         "ctas_per_sm": fast.variant(*key)[1],
+                         "ctas_per_sm": fast.kernel_constants(*key)[1],
                          "step_bytes": step_bytes(kk, ksm, d), "counts": c,
                          "cold_blocks": [b - a for a, b in cold]})
     return rows

@@ -223,7 +223,7 @@ def test_nan_scales_of_unwritten_slots_are_inert(side):
 
 # ---- the emulation itself
 def _lib():  # the build of CASES[0] (e4m3 pages, D 128, ROWS 8, fp32 q)
-    return emu.load(fast.variant(0, 0, 1, 1, 128, 128, 8, 2)[0])
+    return emu.load(fast.kernel_constants(0, 0, 1, 1, 128, 128, 8, 2)[0])
 
 
 SELFTESTS = {  # selftest.cpp kernel -> what the emulation must report
@@ -429,7 +429,7 @@ def test_qk8_refuses_other_keys():
                               "fp8_e5m2", "page", "fp8_e4m3", "page", 0.1, 0, 0, 0.0, 1, 132,
                               qk_fp8=True)
     with pytest.raises(UnsupportedShapeError, match="fp8_e4m3 keys"):
-        fast.variant(3, 3, 0, 0, 128, 128, 8, 1, 1)
+        fast.kernel_constants(3, 3, 0, 0, 128, 128, 8, 1, 1)
 
 
 def test_quantize_q_e4m3():
