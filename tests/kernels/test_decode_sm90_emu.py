@@ -587,24 +587,27 @@ def test_variant_nan_codes():
 
 @pytest.mark.parametrize("mutation", [
     ("constexpr float K_ALU = ALU_K && KK == KVC_E4M3 ? 256.f : 1.f;",
-     "constexpr float K_ALU = 1.f;"),
+     "constexpr float K_ALU = 1.f;", E4),
     ("constexpr float V_ALU = ALU_V && VK == KVC_E4M3 ? 256.f : 1.f;",
-     "constexpr float V_ALU = 1.f;"),
-    ("qa[s][2] = pair(g, 1);", "qa[s][2] = pair(g, 0);"),
-    ("mma16816<false>(o[nb + 1], pa, xo0, yo0);", "mma16816<false>(o[nb + 1], pa, xe0, yo0);"),
+     "constexpr float V_ALU = 1.f;", E4),
+    ("qa[s][2] = pair(g, 1);", "qa[s][2] = pair(g, 0);", E4),
+    ("const uint32_t sel = 0xc480u + 0x1111u * e;", "const uint32_t sel = 0xc480u;", E4),
+    ("return (x << 7) & 0xbf80bf80u;", "return (x << 7) & 0xff80ff80u;", E4),
+    ("mma16816<false>(o[nb + 1], pa, xo0, yo0);", "mma16816<false>(o[nb + 1], pa, xe0, yo0);",
+     ("fp8_e5m2", "page")),
 ])
 def test_variant_broken_kernel_is_caught(mutation, tmp_path):
-    """Negative case: the alu variant with its 2^8 fold, q's pairing or a value pairing wrong
-    fails the check the real one passes."""
-    old, new = mutation
+    """Negative case: the alu variant with its 2^8 fold, q's pairing, a value pairing or the
+    e4m3 sign mask wrong fails the check the real one passes."""
+    old, new, fmt = mutation
     root = tmp_path / "cuda"
     shutil.copytree(emu._HERE, root / "emu", ignore=shutil.ignore_patterns("*.py", "__py*"))
     src = (emu._HERE.parent / "paged_decode.cuh").read_text()
     assert src.count(old) == 1
     (root / "paged_decode.cuh").write_text(src.replace(old, new))
-    kc, vc, bt, sl, q, km = _inputs(E4, E4, 128, 4, 16, 1, [300, 17])
+    kc, vc, bt, sl, q, km = _inputs(fmt, fmt, 128, 4, 16, 1, [300, 17])
     out, ref = _decode_var("alu", kc, vc, bt, sl, q, km, root=root)
-    assert rel_err(out, ref) > 10 * _bound(E4, E4)
+    assert rel_err(out, ref) > 10 * _bound(fmt, fmt)
 
 
 # ---- int4 pages (KVC_INT4): the Pareto table's "K int4/V int4" (keys: fp16 scale + zero point

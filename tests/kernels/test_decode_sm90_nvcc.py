@@ -72,3 +72,24 @@ def test_qk8_is_the_fp8_tensor_core_instruction(tmp_path, monkeypatch):
 
     assert "QMMA.16832.F32.E4M3.E4M3" in sass(VARIANTS[1])
     assert "QMMA" not in sass(VARIANTS[0])
+
+
+@pytest.mark.skipif(_cuobjdump() is None, reason="cuobjdump not found")
+@pytest.mark.parametrize("name", list(fast.VARIANTS))
+def test_variants_build_without_spills(name, tmp_path, monkeypatch):
+    """The issue-14 variants (decode_sm90.VARIANTS) build for sm_90 at 16 rows, fp32 q, without
+    spills (no local-memory loads / stores in the SASS), and the SASS lacks what each removes:
+    tanh (all but base, no softcap), F2FP unpacks of keys and / or values (the alu ones)."""
+    import re
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    var = fast.variant_bits(name, 0, 0, 0.0)
+    key = (0, 0, 2, 2, 128, 128, 16, 2, 0) + ((var,) if var else ())
+    path = tmp_path / "k.cubin"
+    path.write_bytes(_cubin(key))
+    sass = subprocess.run([_cuobjdump(), "-sass", str(path)], capture_output=True, text=True,
+                          timeout=120).stdout
+    assert not re.search(r"\b(LDL|STL)(\.|\s)", sass), "local memory: registers spilled"
+    assert ("MUFU.TANH" in sass) == (name == "base")
+    unpack = len(re.findall(r"F2FP\.F16\.E4M3\.UNPACK_B", sass))
+    assert unpack == {"base": 64, "nocap": 64, "aluk": 32, "aluv": 32, "alu": 0}[name], unpack

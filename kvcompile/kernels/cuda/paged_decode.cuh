@@ -276,20 +276,46 @@ __device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t x16) {
   return r;
 }
 
+// prmt in its default mode with the sign flag: byte n of the result is byte s<4n+2:4n> of
+// {y, x}, or, when bit 4n+3 is set, that byte's sign bit replicated (PTX ISA, prmt)
+__device__ __forceinline__ uint32_t prmt_sx(uint32_t x, uint32_t y, uint32_t s) {
+#ifdef KVC_EMU
+  const uint64_t v = (static_cast<uint64_t>(y) << 32) | x;
+  uint32_t r = 0;
+  for (int n = 0; n < 4; ++n) {
+    const uint32_t sel = (s >> (4 * n)) & 15u;
+    uint32_t b = static_cast<uint32_t>(v >> (8 * (sel & 7u))) & 0xffu;
+    if (sel & 8u) b = (b & 0x80u) ? 0xffu : 0u;
+    r |= b << (8 * n);
+  }
+  return r;
+#else
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(x), "r"(y), "r"(s));
+  return r;
+#endif
+}
+
+// Two e4m3 codes a, b with their signs, x = [a, sign(a) x 8, b, sign(b) x 8] (prmt_sx) -> f16x2
+// of (a, b) * 2^-8: the 7 exponent-mantissa bits to bits 13..7 (f16's exponent bias is 15,
+// e4m3's 7: subnormals map to f16 subnormals, exact), a replicated sign bit to bit 15
+__device__ __forceinline__ uint32_t e4m3x2_sx_to_f16x2(uint32_t x) {
+  return (x << 7) & 0xbf80bf80u;
+}
+
 // Four fp8 codes z = [c0, c1, c2, c3] (c0 in the low byte) -> two f16x2 words by integer ops
 // (no F2FP): ev = (c0, c2), od = (c1, c3), low half first. e5m2 is f16's top byte (exact,
-// NaN / inf included). e4m3 lands as x * 2^-8: sign to bit 15, the 7 exponent-mantissa bits to
-// bits 13..7 (f16's exponent bias is 15, e4m3's 7; e4m3 subnormals become f16 subnormals,
-// exact); the caller multiplies by 2^8 elsewhere. e4m3's NaN code (0x7f / 0xff) reads as
-// +-1.875 (* 2^8 = 480): these variants do not propagate NaN codes (the default kernel does).
+// NaN / inf included). e4m3 lands as x * 2^-8 (e4m3x2_sx_to_f16x2); the caller multiplies by
+// 2^8 elsewhere. e4m3's NaN code (0x7f / 0xff) reads as +-1.875 (* 2^8 = 480): these variants
+// do not propagate NaN codes (the default kernel does).
 template <int KIND>
 __device__ __forceinline__ void fp8x4_to_f16x2x2_alu(uint32_t z, uint32_t& ev, uint32_t& od) {
   if constexpr (KIND == KVC_E5M2) {
     ev = __byte_perm(z, 0u, 0x2404);  // [0, c0, 0, c2]
     od = __byte_perm(z, 0u, 0x3414);  // [0, c1, 0, c3]
   } else {
-    od = (z & 0x80008000u) | ((z >> 1) & 0x3f803f80u);
-    ev = ((z << 8) & 0x80008000u) | ((z << 7) & 0x3f803f80u);
+    ev = e4m3x2_sx_to_f16x2(prmt_sx(z, 0u, 0xa280u));  // [c0, s0, c2, s2]
+    od = e4m3x2_sx_to_f16x2(prmt_sx(z, 0u, 0xb391u));  // [c1, s1, c3, s3]
   }
 }
 
@@ -954,7 +980,17 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
       }
 #pragma unroll
       for (int w = 0; w < Gm::VU / 4; ++w) {
-        if constexpr (ALU_V) {
+        if constexpr (ALU_V && VK == KVC_E4M3) {
+          // element e of tokens 2t / 2t+1 (a, b) straight from the two words: [a_e, sign(a_e),
+          // b_e, sign(b_e)], one prmt each, then shift and mask
+          const int nb = Gm::VEPU * i + 4 * w;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const uint32_t sel = 0xc480u + 0x1111u * e;
+            mma16816<false>(o[nb + e], pa, e4m3x2_sx_to_f16x2(prmt_sx(va[w], vb[w], sel)),
+                            e4m3x2_sx_to_f16x2(prmt_sx(vc[w], vd[w], sel)));
+          }
+        } else if constexpr (ALU_V) {
           // z = [a_e, a_e+1, b_e, b_e+1] (tokens 2t / 2t+1 of one k-register): its even
           // codes are element e of both tokens, its odd codes element e + 1
           const uint32_t z0 = __byte_perm(va[w], vb[w], 0x5410);
