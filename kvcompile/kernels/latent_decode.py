@@ -144,12 +144,18 @@ class LatentTiles:
 # Triton does not pipeline such a load): 56-75 KB shared and 255 registers x 128 threads, so
 # two programs an SM would overlap one's loads with the other's dots (programs_per_sm), with
 # 280-656 B of stack (the widened [64, r] tile is r / 2 registers a thread, whatever the
-# warps). For fp8 pages the rule takes widen "tile" instead: "once" at 16 heads, 8 warps,
-# 128 tokens, 2 stages: the fp8 tile in the ring, its fp16 copy in shared memory (228 KB, one
-# program an SM), 182 registers, no stack; 2 head blocks at 32 heads (a 32-head block spills
-# or exceeds shared memory with a ring), the second reading the tile from L2. With few
-# sequences (batch x 16-head blocks <= SMs / FEW_PROGRAMS) the rule skips that tile for the
-# 4-warp widen "dot" tiles at two programs an SM and twice the splits (measured faster at B16).
+# warps). For fp8 pages under bf16 / fp16 queries (fp16 dots) the rule takes the 4-warp
+# "once" tile that widens each fp8 tile once by integer operations (widen "bits") with no
+# cp.async ring, two programs an SM (86 KB shared, 227 registers, no stack): one program's
+# loads run under the other's dots and widening. The H200 measured it fastest at 16 heads at
+# few and at many sequences (B16 x 8k: 0.068 ms x 16 splits against 0.091 for once_t h16 n64
+# w4 s3 x 16 and 0.104 for the widen "tile" tile x 8; B64 x 32k: 0.676 ms x 4 against 0.810-
+# 0.814 for the widen "tile" tile x 2; RESULTS.md, mla22g's fifth call). 32 heads take two
+# 16-head blocks of it (a 32-head block spills or exceeds shared memory), the second reading
+# each tile from L2. Under fp32 queries (fp32 dots, no "bits") the rule keeps mla22g's: the
+# 8-warp, 128-token widen "tile" tile (the fp8 tile in the ring, its copy in shared memory,
+# 228 KB, one program an SM), or with few sequences (batch x 16-head blocks <= SMs /
+# FEW_PROGRAMS) the 4-warp widen "dot" tiles at two programs an SM and twice the splits.
 CANDIDATES = (
     LatentTiles(64, 128, 8, 1, layout="once"),
     LatentTiles(64, 128, 8, 1, layout="once_t"),
@@ -158,8 +164,9 @@ CANDIDATES = (
     # 2026-12-03)
     LatentTiles(64, 32, 8, 2, layout="heads"),
     LatentTiles(64, 16, 4, 2, v_split=2, layout="heads"),
-    # fp8 pages under 64 heads (pick_tiles skips it for pages read as stored: 2 x 147 KB
-    # bf16 tiles do not fit)
+    # fp8 pages under 64 heads (pick_tiles skips them for pages read as stored, and "bits"
+    # for fp32 dots)
+    LatentTiles(16, 64, 4, 1, layout="once", widen="bits"),
     LatentTiles(16, 128, 8, 2, layout="once", widen="tile"),
     # under 64 heads: the memory-bound "once_t" tiles (see above) before the first rebuild's
     # (mma.sync, operands in registers: 8 warps keep r 512 without spills; 4 spilled 60-416 B)
@@ -169,18 +176,16 @@ CANDIDATES = (
     LatentTiles(16, 32, 8, 2, layout="heads"),
 )
 # Timed by benchmarks/bench_latent_decode.py --quick and compiled by
-# tests/kernels/test_latent_decode_sm90.py, never picked by the rule until the H200 says they
-# are faster: fp8 pages under 64 heads with two programs an SM (4 warps, 64 tokens, no
-# cp.async ring: one program's loads under the other's dots, as the fastest fp8 tile at B16 x
-# 8k, once_t h16 n64 w4 s3 widen "dot", but without its 352 B of stack), the fp8 tile widened
-# once into shared memory by the conversion instruction ("tile") or by integer operations
-# ("bits"). sm_90 (triton 3.9): 86 KB shared, 231 / 227 registers, no stack; two fit an SM.
+# tests/kernels/test_latent_decode_sm90.py, never picked by the rule: the widen "bits" tile's
+# twin widened by the conversion instruction ("tile"; the fifth call reported only the
+# fastest row of each shape, "bits"). sm_90 (triton 3.9): 86 KB shared, 231 registers, no
+# stack, two an SM.
 SWEEP_CANDIDATES = (
     LatentTiles(16, 64, 4, 1, layout="once", widen="tile"),
-    LatentTiles(16, 64, 4, 1, layout="once", widen="bits"),
 )
 MAX_ACC_REGS = 128
-# pick_tiles over fp8 pages: when batch x 16-head blocks are at most the SMs / FEW_PROGRAMS,
+# pick_tiles over fp8 pages under fp32 dots (no widen "bits"): when batch x 16-head blocks
+# are at most the SMs / FEW_PROGRAMS,
 # the 1-program-an-SM widen "tile" tile would be split 8+ ways (1k tokens a split at 8k) and
 # the rule takes the 2-programs-an-SM tiles split twice as many ways instead (H200, 16 heads,
 # B16 x 8k: once_t h16 n64 w4 s3 x 16 splits 0.091 ms against the widen "tile" tile x 8
@@ -189,16 +194,23 @@ FEW_PROGRAMS = 8
 
 
 def pick_tiles(heads: int, r: int, widened: bool = False, batch: int | None = None,
-               sms: int | None = None) -> LatentTiles:
+               sms: int | None = None, fp16_dots: bool = True) -> LatentTiles:
     """The first candidate whose head block the heads fill (the smallest block for fewer
     than 16 heads), whose accumulator fits MAX_ACC_REGS registers a thread and whose value
-    split (or, layouts once / once_t, latent half) leaves >= 16 columns; widen "tile"
-    candidates only for widened (fp8) pages, and not when batch x 16-head blocks are at most
-    sms / FEW_PROGRAMS (given both: a step with few sequences, see FEW_PROGRAMS)."""
+    split (or, layouts once / once_t, latent half) leaves >= 16 columns; widen "tile" /
+    "bits" candidates only for widened (fp8) pages, "bits" only with fp16_dots (bf16 / fp16
+    queries: the launcher's dots over fp8 pages are fp16 then, fp32 under fp32 queries), and
+    widen "tile" not when batch x 16-head blocks are at most sms / FEW_PROGRAMS (given both:
+    a step with few sequences, see FEW_PROGRAMS). The batch, the context and the SM count
+    size the splits (pick_splits); at 16 heads the H200 measured the same tiles fastest at
+    B16 x 8k and at B64 x 32k (RESULTS.md), so here they only choose among the fp32-dot
+    fallbacks."""
     few = (widened and batch is not None and sms is not None
            and batch * triton.cdiv(heads, 16) * FEW_PROGRAMS <= sms)
     for t in CANDIDATES:
-        if t.widen != "dot" and (not widened or few):
+        if t.widen != "dot" and not widened:
+            continue
+        if t.widen == "bits" and not fp16_dots or t.widen == "tile" and few:
             continue
         if (t.block_h <= max(heads, 16) and t.acc_regs(r) <= MAX_ACC_REGS
                 and r // t.v_split >= 16 and (t.layout == "heads" or r >= 32)):
@@ -232,6 +244,15 @@ def pick_splits(batch: int, heads: int, max_len: int, tiles: LatentTiles, sms: i
     want = max(1, round(sms * per_sm / programs))
     return max(1, min(want, triton.cdiv(max_len, MIN_SPLIT_TOKENS),
                       triton.cdiv(max_len, tiles.block_n), MAX_SPLITS))
+
+
+def pick_launch(heads: int, r: int, batch: int, max_len: int, sms: int,
+                widened: bool = False, fp16_dots: bool = True) -> tuple[LatentTiles, int]:
+    """The launcher's whole rule: (tiles, splits) for a step of `batch` sequences over block
+    tables of `max_len` tokens, `heads` query heads, latent width r, on `sms` SMs; widened:
+    fp8 latent pages; fp16_dots: bf16 / fp16 queries (pick_tiles, then pick_splits)."""
+    tiles = pick_tiles(heads, r, widened, batch, sms, fp16_dots)
+    return tiles, pick_splits(batch, heads, max_len, tiles, sms, widened)
 
 
 @triton.jit
@@ -517,12 +538,15 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
     B, H, _ = q_lat.shape
     R, DR, P = c_pages.head_dim, r_pages.head_dim, c_pages.page_size
     widened = c_pages.fmt.name in _PAGE_SCALED
-    tiles = tiles or pick_tiles(H, R, widened, B, sm_count(q_lat.device))
+    max_len = block_tables.shape[1] * P
+    if tiles is None:   # the rule (pick_launch), its splits unless num_splits is given
+        tiles, rule_splits = pick_launch(H, R, B, max_len, sm_count(q_lat.device), widened,
+                                         fp16_dots=q_lat.dtype != torch.float32)
+        num_splits = rule_splits if num_splits is None else num_splits
     if tiles.widen != "dot" and not widened:
         raise UnsupportedShapeError(f"latent_decode_attention: tiles {tiles} widen fp8 "
                                     f"latent pages; these are {c_pages.fmt.name}: pass "
                                     f"tiles=None or a widen 'dot' tile")
-    max_len = block_tables.shape[1] * P
     if num_splits is None:
         num_splits = pick_splits(B, H, max_len, tiles, sm_count(q_lat.device), widened)
     if num_splits < 1:
@@ -581,5 +605,6 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
     return out
 
 
-__all__ = ["CANDIDATES", "FEW_PROGRAMS", "LAYOUTS", "SWEEP_CANDIDATES", "WIDENS", "LatentTiles", "fast_path_reason", "latent_decode_attention",
-           "pick_splits", "pick_tiles", "programs_per_sm"]
+__all__ = ["CANDIDATES", "FEW_PROGRAMS", "LAYOUTS", "SWEEP_CANDIDATES", "WIDENS", "LatentTiles",
+           "fast_path_reason", "latent_decode_attention", "pick_launch", "pick_splits",
+           "pick_tiles", "programs_per_sm"]
