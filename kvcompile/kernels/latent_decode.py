@@ -60,6 +60,7 @@ MAX_SPLITS = 64
 
 LAYOUTS = ("once", "once_t", "heads")
 WIDENS = ("dot", "tile", "bits")
+AHEADS = ("", "bt", "rope")
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,12 @@ class LatentTiles:
     v_split: int = 1  # "heads" only: programs sharing a head block, r / v_split columns each
     layout: str = "once"
     widen: str = "dot"
+    # layouts once / once_t, a variant for the benchmark (kernel BT_AHEAD / ROPE_AHEAD):
+    # "" the block-table entries a pipeline stage of their own; "bt" loaded a tile ahead in
+    # registers, so that the latent tile takes the first stage (a prefetch that overlaps the
+    # previous tile's dots); "rope" also the rotary key a tile ahead in registers, outside
+    # the ring (bf16 pages then fit a 3-deep ring: once_t h16 n64 w4 s3, 223 KB)
+    ahead: str = ""
 
     def __post_init__(self):
         for name in ("block_h", "block_n"):
@@ -104,6 +111,9 @@ class LatentTiles:
         if self.widen not in WIDENS or (self.widen != "dot" and self.layout == "heads"):
             raise ValueError(f"LatentTiles.widen={self.widen!r}: 'dot', or 'tile' / 'bits' "
                              f"with layout once / once_t")
+        if self.ahead not in AHEADS or (self.ahead and self.layout == "heads"):
+            raise ValueError(f"LatentTiles.ahead={self.ahead!r}: one of {AHEADS}, and '' "
+                             f"with layout 'heads'")
         if self.layout != "heads" and (self.block_n != 16 * self.num_warps
                                        or self.v_split != 1):
             raise ValueError(f"LatentTiles: layout {self.layout!r} needs block_n == 16 x "
@@ -118,8 +128,9 @@ class LatentTiles:
     def __str__(self) -> str:
         v = f"/v{self.v_split}" if self.v_split > 1 else ""
         w = f" widen-{self.widen}" if self.widen != "dot" else ""
+        a = f" ahead-{self.ahead}" if self.ahead else ""
         return (f"{self.layout} h{self.block_h} n{self.block_n} w{self.num_warps} "
-                f"s{self.num_stages}{v}{w}")
+                f"s{self.num_stages}{v}{w}{a}")
 
 
 # Candidates, in order of preference for many heads. "once" at 64 heads: 8 warps, each
@@ -182,6 +193,15 @@ CANDIDATES = (
 # stack, two an SM.
 SWEEP_CANDIDATES = (
     LatentTiles(16, 64, 4, 1, layout="once", widen="tile"),
+    # the prefetch variants (LatentTiles.ahead, RESULTS.md mla22h; sm_90, triton 3.9): bf16
+    # once_t with the rotary key a tile ahead, a 3-deep latent ring (223 KB, 237 registers,
+    # no stack; the rule's tile: a 2-deep ring whose next tile is issued after the dots and
+    # waited for at once); fp8 "bits" with the block-table entries a tile ahead, a 3-deep
+    # ring of fp8 tiles (161 KB, 255 registers, 16 B stack, one an SM) and without a ring
+    # (86 KB, 225 registers, no stack, two an SM)
+    LatentTiles(16, 64, 4, 3, layout="once_t", ahead="rope"),
+    LatentTiles(16, 64, 4, 3, layout="once", widen="bits", ahead="bt"),
+    LatentTiles(16, 64, 4, 1, layout="once", widen="bits", ahead="bt"),
 )
 MAX_ACC_REGS = 128
 # pick_tiles over fp8 pages under fp32 dots (no widen "bits"): when batch x 16-head blocks
@@ -294,7 +314,8 @@ def _latent_once_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
                         R_SCALED: tl.constexpr, DT: tl.constexpr, DT_R: tl.constexpr,
                         Q_SHIFT: tl.constexpr, DIRECT: tl.constexpr,
                         WIDEN_ASM: tl.constexpr = "", WIDEN_BITS: tl.constexpr = "",
-                        C_MUL: tl.constexpr = 1.0):
+                        C_MUL: tl.constexpr = 1.0, BT_AHEAD: tl.constexpr = False,
+                        ROPE_AHEAD: tl.constexpr = False):
     # DT: the latent dots' dtype, DT_R the rotary one's. fp8 pages under bf16 queries take
     # fp16 (e4m3x2 -> f16x2 is one instruction; bf16 would add one cvt per element), and the
     # query is multiplied by Q_SHIFT (2^-8, exact) so that any bf16-range query up to 2^24
@@ -340,10 +361,32 @@ def _latent_once_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
         acc0 = tl.zeros([BLOCK_H, RH], tl.float32)
         acc1 = tl.zeros([BLOCK_H, RH], tl.float32)
     bt_row = BT + b * stride_bt
+    # variants (LatentTiles.ahead, benchmark only until the H200 times them): BT_AHEAD loads
+    # each tile's block-table entries one iteration earlier, by a plain load whose result
+    # waits in registers (loop-carried), so the tile's address depends on no load of its own
+    # iteration and the pipeliner gives the tile load the first stage (else the entries are
+    # a stage of their own, and with 3 stages the tile is issued after the previous tile's
+    # dots and waited for at the top of the next iteration: no overlap, RESULTS.md mla22h).
+    # ROPE_AHEAD (with BT_AHEAD) also loads the rotary key one tile ahead into registers,
+    # outside the cp.async ring, which leaves bf16 pages room for a 3-deep latent ring (its
+    # address waits on the next tile's block-table entries, loaded just before: with the
+    # entries two tiles ahead, a chain of loop-carried values, Triton 3.9 pipelined nothing).
+    page_nx = tl.zeros([BLOCK_N], tl.int32)
+    kr_nx = tl.zeros([BLOCK_N, DR], RD.dtype.element_ty)
+    if BT_AHEAD:
+        page_nx = tl.load(bt_row + (n_lo + t) // P, mask=n_lo + t < n_hi, other=0)
+        if ROPE_AHEAD:
+            tok0 = page_nx.to(tl.int64) * P + ((n_lo + t) % P)
+            kr_nx = tl.load(RD + tok0[:, None] * DR + dd[None, :],
+                            mask=(n_lo + t < n_hi)[:, None], other=0.0)
     for n0 in range(n_lo, n_hi, BLOCK_N):
         j = n0 + t                                                            # token ids
         ok = j < n_hi
-        page = tl.load(bt_row + j // P, mask=ok, other=0).to(tl.int64)
+        if BT_AHEAD:
+            page = page_nx.to(tl.int64)
+            page_nx = tl.load(bt_row + (j + BLOCK_N) // P, mask=j + BLOCK_N < n_hi, other=0)
+        else:
+            page = tl.load(bt_row + j // P, mask=ok, other=0).to(tl.int64)
         tok = page * P + (j % P)                                              # [BLOCK_N]
         # one load and one widening per element; the tile feeds both dots
         row = CD + tok[:, None] * R + rh[None, :]
@@ -361,8 +404,18 @@ def _latent_once_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
         else:
             c0 = tl.load(row, mask=ok[:, None], other=0.0).to(DT)            # [BLOCK_N, RH]
             c1 = tl.load(row + RH, mask=ok[:, None], other=0.0).to(DT)       # [BLOCK_N, RH]
-        kr = tl.load(RD + tok[:, None] * DR + dd[None, :], mask=ok[:, None],
-                     other=0.0).to(DT_R)                                      # [BLOCK_N, DR]
+        if ROPE_AHEAD:
+            # variant: the rotary key of this tile was loaded one iteration earlier into
+            # registers (loop-carried, outside the cp.async ring), which frees the ring's
+            # rotary slots: bf16 pages then fit a 3-deep latent ring
+            kr = kr_nx.to(DT_R)
+            jn = j + BLOCK_N
+            tok_nx = page_nx.to(tl.int64) * P + (jn % P)   # the next tile's, loaded earlier
+            kr_nx = tl.load(RD + tok_nx[:, None] * DR + dd[None, :],
+                            mask=(jn < n_hi)[:, None], other=0.0)
+        else:
+            kr = tl.load(RD + tok[:, None] * DR + dd[None, :], mask=ok[:, None],
+                         other=0.0).to(DT_R)                                  # [BLOCK_N, DR]
         if C_SCALED:
             cs = tl.load(CS + page, mask=ok, other=0.0)                       # [BLOCK_N]
             s_r = tl.dot(kr, q_rT)
@@ -597,6 +650,7 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
             cvt = _BITS[fmt] if q.is_cuda else None
         _latent_once_kernel[grid](q, c_pages.data, *scales, *common,
                                   OUT_T=tiles.layout == "once_t", WIDEN_ASM=cvt or "",
+                                  BT_AHEAD=tiles.ahead != "", ROPE_AHEAD=tiles.ahead == "rope",
                                   **shape)
     if not direct:
         merge_h = 16
@@ -605,6 +659,6 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
     return out
 
 
-__all__ = ["CANDIDATES", "FEW_PROGRAMS", "LAYOUTS", "SWEEP_CANDIDATES", "WIDENS", "LatentTiles",
+__all__ = ["AHEADS", "CANDIDATES", "FEW_PROGRAMS", "LAYOUTS", "SWEEP_CANDIDATES", "WIDENS", "LatentTiles",
            "fast_path_reason", "latent_decode_attention", "pick_launch", "pick_splits",
            "pick_tiles", "programs_per_sm"]

@@ -90,6 +90,17 @@ def test_tensor_parallel_shards_on_cuda(heads, splits, c_fmt, r_fmt):
     assert_rel_close(out, ref, torch.bfloat16, what=f"{c_fmt}/{r_fmt} {tiles} x {splits}")
 
 
+@pytest.mark.parametrize("tiles", [t for t in SWEEP_CANDIDATES if t.widen == "dot"], ids=str)
+@pytest.mark.parametrize("splits", [None, 3])
+def test_tensor_parallel_bf16_sweep_tiles_on_cuda(tiles, splits):
+    """The benchmark's prefetch variants over bf16 pages at 16 heads (ahead "rope": the
+    rotary key a tile ahead in registers, a 3-deep latent ring), over a ragged batch."""
+    pool, plan, q, lens_t, ref = _case("bf16", "bf16", [1, 63, 4097, 700], 16)
+    out = latent_decode_attention(q, pool.k[0], pool.v[0], plan.block_tables, lens_t, 0.07,
+                                  num_splits=splits, tiles=tiles)
+    assert_rel_close(out, ref, torch.bfloat16, what=f"bf16 {tiles} x {splits}")
+
+
 @pytest.mark.parametrize("tiles", [*SWEEP_CANDIDATES,
                                    LatentTiles(16, 128, 8, 2, layout="once", widen="bits"),
                                    LatentTiles(16, 64, 4, 2, layout="once_t", widen="bits")],

@@ -80,6 +80,11 @@ ONCE_T = LatentTiles(16, 64, 4, 1, layout="once_t")   # the same, accumulating r
     (20, [64, 33, 130], 1, ONCE, 8),            # scores once, no split, partial head block
     (20, [1, 17, 50, 100], 2, ONCE_T, 32),      # r x heads accumulator, split-K
     (32, [129, 7], 1, ONCE_T, 16),              # r x heads, no split, a ragged last tile
+    # the prefetch variants: block-table entries (and the rotary key) a tile ahead, across
+    # page boundaries, splits with empty and one-token ranges, a partial last tile
+    (20, [1, 17, 50, 200], 3, LatentTiles(16, 64, 4, 3, layout="once_t", ahead="rope"), 16),
+    (16, [129, 7, 64], 1, LatentTiles(16, 64, 4, 2, layout="once", ahead="bt"), 8),
+    (16, [1, 17, 50, 200], 2, LatentTiles(16, 64, 4, 1, layout="once", ahead="rope"), 32),
 ])
 def test_kernel_matches_paged_reference(c_fmt, r_fmt, heads, lens, splits, tiles, page):
     g = torch.Generator().manual_seed(len(lens) * heads + page)
@@ -190,6 +195,10 @@ def test_refuses_what_it_cannot_read():
         LatentTiles(64, 64, 4, 1, layout="twice")
     with pytest.raises(ValueError, match="widen"):
         LatentTiles(16, 32, 8, 2, layout="heads", widen="tile")
+    with pytest.raises(ValueError, match="ahead"):
+        LatentTiles(16, 32, 8, 2, layout="heads", ahead="bt")
+    with pytest.raises(ValueError, match="ahead"):
+        LatentTiles(16, 64, 4, 2, ahead="two")
     with pytest.raises(UnsupportedShapeError, match="widen"):   # "tile" is for fp8 pages
         latent_decode_attention(torch.randn(1, 4, R + DR), pool.k[0], pool.v[0],
                                 plan.block_tables, lens, 0.2,
