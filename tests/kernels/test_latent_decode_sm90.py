@@ -15,7 +15,12 @@ import re
 
 import pytest
 
-from kvcompile.kernels.latent_decode import CANDIDATES, SWEEP_CANDIDATES, programs_per_sm
+from kvcompile.kernels.latent_decode import (
+    CANDIDATES,
+    SWEEP_CANDIDATES,
+    LatentTiles,
+    programs_per_sm,
+)
 from tests.kernels.sm90_compile import compile_rows
 
 ALL = CANDIDATES + SWEEP_CANDIDATES   # the rule's and the benchmark's only
@@ -70,7 +75,9 @@ def _compile(tiles, page: str, direct: bool) -> dict:
     # the latent tile itself in the cp.async ring (not only the rotary key or the scales)
     width = 256 if tiles.layout != "heads" else 512 // tiles.v_split
     ring = re.search(rf"async_copy_global_to_local .* -> <{tiles.block_n}x{width}x", ttgir)
-    return {"shared": k.metadata.shared, "wgmma": ttgir.count("ttng.warp_group_dot "),
+    body = ttgir[ttgir.find("scf.for"):]
+    wait = re.search(r"ttg\.async_wait .*\{num = (\d+)", body[:body.find("scf.yield")])
+    return {"loop_wait": int(wait.group(1)) if wait else -1, "shared": k.metadata.shared, "wgmma": ttgir.count("ttng.warp_group_dot "),
             "pipelined": "async_copy_global_to_local" in ttgir, "latent_ring": bool(ring),
             "score_copies": _score_copies(ttgir, tiles), "usage": _usage(k.asm["cubin"])}
 
@@ -196,3 +203,18 @@ def test_fp8_dot_widening_stays_out_of_the_ring(compiled):
     for i, t in enumerate(CANDIDATES):
         if t.layout != "heads" and t.num_warps == 4 and t.widen == "dot":
             assert not compiled[(i, "fp8e4nv", False)]["latent_ring"], str(t)
+
+
+@pytest.mark.parametrize("i", [i for i, t in enumerate(ALL) if t.ahead and t.num_stages > 1])
+def test_prefetch_variants_keep_the_next_tile_in_flight(compiled, i):
+    """The ahead variants exist for this: in the loop, the wait for this tile's cp.async
+    groups leaves the next tile's in flight (async_wait num > 0), so its load overlaps this
+    tile's dots. Negative control: the rule's bf16 tile (once_t h16 n64 w4 s3, the block-table
+    entries a pipeline stage of their own) waits for everything (num 0): its next tile is
+    issued after the dots and waited for at the top of the next iteration (RESULTS.md,
+    mla22h)."""
+    tiles = ALL[i]
+    page = "fp8e4nv" if tiles.widen != "dot" else "bf16"
+    assert compiled[(i, page, False)]["loop_wait"] > 0, f"{tiles}: no tile in flight"
+    rule = CANDIDATES.index(LatentTiles(16, 64, 4, 3, layout="once_t"))
+    assert compiled[(rule, "bf16", False)]["loop_wait"] == 0
