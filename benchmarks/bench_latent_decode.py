@@ -281,7 +281,7 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
                         f"{t_mma:.3f} ms at "
                         f"{peak_tflops:.0f} TFLOP/s")
             old = latent_decode_before(*args)
-            rule = pick_tiles(H, R, fmt != "bf16", B, sms, fp16_dots=dt != torch.float32)
+            rule = pick_tiles(H, R, fmt != "bf16", B, sms, q_fp32=dt == torch.float32)
             runs = [("old (before #22)", None, None)]
             # widen "tile" / "bits" tiles take fp8 pages only (the launcher refuses bf16)
             for t in [rule] + [t for t in sweep if t != rule and (

@@ -214,23 +214,28 @@ FEW_PROGRAMS = 8
 
 
 def pick_tiles(heads: int, r: int, widened: bool = False, batch: int | None = None,
-               sms: int | None = None, fp16_dots: bool = True) -> LatentTiles:
+               sms: int | None = None, q_fp32: bool = False) -> LatentTiles:
     """The first candidate whose head block the heads fill (the smallest block for fewer
     than 16 heads), whose accumulator fits MAX_ACC_REGS registers a thread and whose value
     split (or, layouts once / once_t, latent half) leaves >= 16 columns; widen "tile" /
-    "bits" candidates only for widened (fp8) pages, "bits" only with fp16_dots (bf16 / fp16
-    queries: the launcher's dots over fp8 pages are fp16 then, fp32 under fp32 queries), and
-    widen "tile" not when batch x 16-head blocks are at most sms / FEW_PROGRAMS (given both:
-    a step with few sequences, see FEW_PROGRAMS). The batch, the context and the SM count
-    size the splits (pick_splits); at 16 heads the H200 measured the same tiles fastest at
-    B16 x 8k and at B64 x 32k (RESULTS.md), so here they only choose among the fp32-dot
-    fallbacks."""
+    "bits" candidates only for widened (fp8) pages, and widen "tile" not when batch x
+    16-head blocks are at most sms / FEW_PROGRAMS (given both: a step with few sequences,
+    see FEW_PROGRAMS). q_fp32 (fp32 queries: fp32 dots, the launcher's dots are fp16 over
+    fp8 pages and bf16 / fp16 otherwise under 16-bit queries): no widen "bits" (it widens to
+    fp16 only), and no 64-head tile for r > 128 (fp32 operands: the sm_90 compile at r 512
+    takes 442,624 B of shared memory for once h64 n128 w8 s1 and 297-315 KB for heads h64
+    n32 w8 s2, over the 232,448 B an SM gives a program; the 32-head tiles fit; r 256 not
+    compiled). The batch, the context and the SM count size the splits
+    (pick_splits); at 16 heads the H200 measured the same tiles fastest at B16 x 8k and at
+    B64 x 32k (RESULTS.md), so here they only choose among the fp32-query fallbacks."""
     few = (widened and batch is not None and sms is not None
            and batch * triton.cdiv(heads, 16) * FEW_PROGRAMS <= sms)
     for t in CANDIDATES:
         if t.widen != "dot" and not widened:
             continue
-        if t.widen == "bits" and not fp16_dots or t.widen == "tile" and few:
+        if t.widen == "bits" and q_fp32 or t.widen == "tile" and few:
+            continue
+        if q_fp32 and t.block_h == 64 and r > 128:
             continue
         if (t.block_h <= max(heads, 16) and t.acc_regs(r) <= MAX_ACC_REGS
                 and r // t.v_split >= 16 and (t.layout == "heads" or r >= 32)):
@@ -267,11 +272,11 @@ def pick_splits(batch: int, heads: int, max_len: int, tiles: LatentTiles, sms: i
 
 
 def pick_launch(heads: int, r: int, batch: int, max_len: int, sms: int,
-                widened: bool = False, fp16_dots: bool = True) -> tuple[LatentTiles, int]:
+                widened: bool = False, q_fp32: bool = False) -> tuple[LatentTiles, int]:
     """The launcher's whole rule: (tiles, splits) for a step of `batch` sequences over block
     tables of `max_len` tokens, `heads` query heads, latent width r, on `sms` SMs; widened:
-    fp8 latent pages; fp16_dots: bf16 / fp16 queries (pick_tiles, then pick_splits)."""
-    tiles = pick_tiles(heads, r, widened, batch, sms, fp16_dots)
+    fp8 latent pages; q_fp32: fp32 queries (pick_tiles, then pick_splits)."""
+    tiles = pick_tiles(heads, r, widened, batch, sms, q_fp32)
     return tiles, pick_splits(batch, heads, max_len, tiles, sms, widened)
 
 
@@ -572,13 +577,42 @@ _BITS = {
 _BITS_MUL = {"fp8_e4m3": 256.0, "fp8_e5m2": 1.0}
 
 
-def _fp8_dots(dt, c_pages, r_pages) -> dict:
+def _fp8_dots(dt, c_fmt: str, r_fmt: str) -> dict:
     """The once kernel's dot dtypes: fp16 for fp8 pages under bf16 queries (one conversion
     per fp8 pair, see the kernel), with the query shifted by 2^-8; else the query's."""
-    fp8_c = c_pages.fmt.name in _PAGE_SCALED and dt == tl.bfloat16
-    fp8_r = r_pages.fmt.name in _PAGE_SCALED and dt == tl.bfloat16
+    fp8_c = c_fmt in _PAGE_SCALED and dt == tl.bfloat16
+    fp8_r = r_fmt in _PAGE_SCALED and dt == tl.bfloat16
     return dict(DT=tl.float16 if fp8_c else dt, DT_R=tl.float16 if fp8_r else dt,
                 Q_SHIFT=_Q_SHIFT if fp8_c or fp8_r else 1.0)
+
+
+def launch_constexprs(tiles: LatentTiles, q_dtype: torch.dtype, c_fmt: str, r_fmt: str,
+                      R: int, DR: int, P: int, direct: bool, cuda: bool = True):
+    """(kernel, its constexprs and launch options) for these tiles over latent pages of
+    format c_fmt and rotary pages of r_fmt (format names) under q_dtype queries: what the
+    launcher passes, and what tests/kernels/test_latent_decode_sm90.py compiles. cuda=False:
+    the interpreter's form (no inline PTX)."""
+    dt = _dot_dtype(q_dtype)
+    c_scaled, r_scaled = c_fmt in _PAGE_SCALED, r_fmt in _PAGE_SCALED
+    consts = dict(R=R, DR=DR, P=P, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n,
+                  C_SCALED=c_scaled, R_SCALED=r_scaled, DT=dt, DIRECT=direct,
+                  num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    if tiles.layout == "heads":
+        return _latent_tile_kernel, dict(consts, V_SPLIT=tiles.v_split)
+    consts.update(_fp8_dots(dt, c_fmt, r_fmt))
+    # the interpreter runs no inline PTX: there widen "tile" is .to(fp16), the same values
+    cvt = _CVT.get(c_fmt) if (tiles.widen == "tile" and cuda and
+                              consts["DT"] == tl.float16) else None
+    if tiles.widen == "bits":
+        if consts["DT"] != tl.float16:
+            raise UnsupportedShapeError(f"latent_decode_attention: tiles {tiles} widen "
+                                        f"fp8 codes to fp16, which {q_dtype} queries do "
+                                        f"not take (bf16 queries do); pass tiles=None")
+        consts.update(WIDEN_BITS="asm" if cuda else c_fmt[-4:], C_MUL=_BITS_MUL[c_fmt])
+        cvt = _BITS[c_fmt] if cuda else None
+    consts.update(OUT_T=tiles.layout == "once_t", WIDEN_ASM=cvt or "",
+                  BT_AHEAD=tiles.ahead != "", ROPE_AHEAD=tiles.ahead == "rope")
+    return _latent_once_kernel, consts
 
 
 def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: float,
@@ -594,7 +628,7 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
     max_len = block_tables.shape[1] * P
     if tiles is None:   # the rule (pick_launch), its splits unless num_splits is given
         tiles, rule_splits = pick_launch(H, R, B, max_len, sm_count(q_lat.device), widened,
-                                         fp16_dots=q_lat.dtype != torch.float32)
+                                         q_fp32=q_lat.dtype == torch.float32)
         num_splits = rule_splits if num_splits is None else num_splits
     if tiles.widen != "dot" and not widened:
         raise UnsupportedShapeError(f"latent_decode_attention: tiles {tiles} widen fp8 "
@@ -626,32 +660,11 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
               r_pages.scale if r_scaled else dummy)
     common = (block_tables, seq_lens, out, acc, ml, q.stride(0), q.stride(1),
               block_tables.stride(0), H, num_splits, tiles_per_split, float(scale) * _LOG2E)
-    dt = _dot_dtype(q.dtype)
-    shape = dict(R=R, DR=DR, P=P, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n,
-                 C_SCALED=c_scaled, R_SCALED=r_scaled, DT=dt, DIRECT=direct,
-                 num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    fn, consts = launch_constexprs(tiles, q.dtype, c_pages.fmt.name, r_pages.fmt.name, R, DR,
+                                   P, direct, q.is_cuda)
     # the programs that read the same tiles (head blocks, value halves) are neighbours: L2
     grid = (triton.cdiv(H, tiles.block_h) * tiles.v_split, num_splits, B)
-    if tiles.layout == "heads":
-        _latent_tile_kernel[grid](q, c_pages.data, *scales, *common, V_SPLIT=tiles.v_split,
-                                  **shape)
-    else:
-        shape.update(_fp8_dots(dt, c_pages, r_pages))
-        # the interpreter runs no inline PTX: there widen "tile" is .to(fp16), the same values
-        cvt = _CVT.get(c_pages.fmt.name) if (tiles.widen == "tile" and q.is_cuda and
-                                             shape["DT"] == tl.float16) else None
-        if tiles.widen == "bits":
-            if shape["DT"] != tl.float16:
-                raise UnsupportedShapeError(f"latent_decode_attention: tiles {tiles} widen "
-                                            f"fp8 codes to fp16, which {q.dtype} queries do "
-                                            f"not take (bf16 queries do); pass tiles=None")
-            fmt = c_pages.fmt.name
-            shape.update(WIDEN_BITS="asm" if q.is_cuda else fmt[-4:], C_MUL=_BITS_MUL[fmt])
-            cvt = _BITS[fmt] if q.is_cuda else None
-        _latent_once_kernel[grid](q, c_pages.data, *scales, *common,
-                                  OUT_T=tiles.layout == "once_t", WIDEN_ASM=cvt or "",
-                                  BT_AHEAD=tiles.ahead != "", ROPE_AHEAD=tiles.ahead == "rope",
-                                  **shape)
+    fn[grid](q, c_pages.data, *scales, *common, **consts)
     if not direct:
         merge_h = 16
         _latent_merge_kernel[(triton.cdiv(H, merge_h), B)](
@@ -660,5 +673,5 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
 
 
 __all__ = ["AHEADS", "CANDIDATES", "FEW_PROGRAMS", "LAYOUTS", "SWEEP_CANDIDATES", "WIDENS", "LatentTiles",
-           "fast_path_reason", "latent_decode_attention", "pick_launch", "pick_splits",
+           "fast_path_reason", "latent_decode_attention", "launch_constexprs", "pick_launch", "pick_splits",
            "pick_tiles", "programs_per_sm"]

@@ -223,7 +223,7 @@ def test_rule_picks_for_tensor_parallel_shards():
             "once", 16, 64, 4, 1, "bits")
         assert programs_per_sm(f, widened=True) == 2
         assert pick_splits(16, heads, 8192, f, 132, widened=True) == 16 * 16 // heads
-        f = pick_tiles(heads, 512, widened=True, fp16_dots=False)   # fp32 queries
+        f = pick_tiles(heads, 512, widened=True, q_fp32=True)   # fp32 queries
         assert (f.layout, f.block_h, f.block_n, f.num_warps, f.num_stages, f.widen) == (
             "once", 16, 128, 8, 2, "tile")
         assert programs_per_sm(f, widened=True) == 1
@@ -265,7 +265,7 @@ def test_tensor_parallel_shards_match_reference(c_fmt, r_fmt, heads, splits):
     ref = paged_reference_attention(pool.k[0], pool.v[0], q_lat[:, :, None], plan, None, True,
                                     0, 0.0, 0.07, latent=True)[:, :, 0]
     # as the launcher picks for these fp32 queries (fp32 dots: no widen "bits")
-    tiles = pick_tiles(heads, RF, widened=c_fmt.startswith("fp8"), fp16_dots=False)
+    tiles = pick_tiles(heads, RF, widened=c_fmt.startswith("fp8"), q_fp32=True)
     assert tiles.layout == ("once" if c_fmt.startswith("fp8") else "once_t")
     out = latent_decode_attention(q_lat, pool.k[0], pool.v[0], plan.block_tables, seq_lens,
                                   0.07, num_splits=splits)
@@ -332,17 +332,24 @@ def test_rule_takes_the_measured_fp8_tiles():
     # edge: a short context caps the splits (256 tokens a split at least)
     assert ld.pick_launch(16, 512, 1, 512, 132, widened=True)[1] == 2
     # the bf16 pick is the measured fastest at B16 x 8k (x 8) and B64 x 32k (x 2)
-    assert ld.pick_launch(16, 512, 16, 8192, 132) == (LatentTiles(16, 64, 4, 3, layout="once_t"), 8)
-    assert ld.pick_launch(16, 512, 64, 32768, 132) == (LatentTiles(16, 64, 4, 3, layout="once_t"), 2)
+    once_t = LatentTiles(16, 64, 4, 3, layout="once_t")
+    assert ld.pick_launch(16, 512, 16, 8192, 132) == (once_t, 8)
+    assert ld.pick_launch(16, 512, 64, 32768, 132) == (once_t, 2)
     # fp32 dots: never "bits" (the launcher would refuse it), mla22g's rule instead
-    few = pick_tiles(16, 512, True, 16, 132, fp16_dots=False)
+    few = pick_tiles(16, 512, True, 16, 132, q_fp32=True)
     assert str(few) == "once_t h16 n64 w4 s3"
-    many = pick_tiles(16, 512, True, 64, 132, fp16_dots=False)
+    many = pick_tiles(16, 512, True, 64, 132, q_fp32=True)
     assert str(many) == "once h16 n128 w8 s2 widen-tile"
     # bf16 pages never take a widening tile, whatever the batch; 128 heads keep the once tile
     for batch in (1, 16, 64):
         assert pick_tiles(16, 512, False, batch, 132) == pick_tiles(16, 512)
         assert pick_tiles(128, 512, True, batch, 132) == pick_tiles(128, 512)
+    # fp32 queries at 64+ heads: no 64-head tile (fp32 operands exceed shared memory at r
+    # 512, tests/kernels/test_latent_decode_sm90.py), 32-head blocks instead; at r 64 (the
+    # interpreter tests' width) the 64-head once tile stays
+    for widened in (False, True):
+        assert str(pick_tiles(128, 512, widened, q_fp32=True)) == "once_t h32 n64 w4 s3"
+        assert pick_tiles(128, 64, widened, q_fp32=True) == pick_tiles(128, 64)
     assert pick_tiles(8, 512, True).widen == "bits"    # fewer than 16 heads: one 16-head block
     assert pick_tiles(32, 512, True).block_h == 16     # 32 heads: two 16-head blocks
     assert pick_tiles(16, 16, True).layout == "heads"  # too narrow for latent halves
@@ -382,8 +389,8 @@ def test_every_tile_the_rule_returns_is_compiled_for_sm90():
             for ctx in (16, 1000, 8192, 131072):
                 for sms in (8, 78, 132):
                     for widened in (False, True):
-                        for fp16 in (False, True):
-                            t, sp = ld.pick_launch(heads, 512, batch, ctx, sms, widened, fp16)
+                        for q32 in (False, True):
+                            t, sp = ld.pick_launch(heads, 512, batch, ctx, sms, widened, q32)
                             assert t in CANDIDATES and t not in SWEEP_CANDIDATES, str(t)
                             assert 1 <= sp <= ld.MAX_SPLITS
                             seen.add(t)
