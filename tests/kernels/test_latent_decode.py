@@ -347,8 +347,9 @@ def test_rule_takes_the_measured_fp8_tiles():
     # fp32 queries at 64+ heads: no 64-head tile (fp32 operands exceed shared memory at r
     # 512, tests/kernels/test_latent_decode_sm90.py), 32-head blocks instead; at r 64 (the
     # interpreter tests' width) the 64-head once tile stays
+    assert str(pick_tiles(128, 512, q_fp32=True)) == "once_t h32 n64 w4 s3"
+    assert str(pick_tiles(128, 512, True, q_fp32=True)) == "once h16 n128 w8 s2 widen-tile"
     for widened in (False, True):
-        assert str(pick_tiles(128, 512, widened, q_fp32=True)) == "once_t h32 n64 w4 s3"
         assert pick_tiles(128, 64, widened, q_fp32=True) == pick_tiles(128, 64)
     assert pick_tiles(8, 512, True).widen == "bits"    # fewer than 16 heads: one 16-head block
     assert pick_tiles(32, 512, True).block_h == 16     # 32 heads: two 16-head blocks
