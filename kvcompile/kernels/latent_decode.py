@@ -25,16 +25,19 @@ The rotary key is its own page tensor, in its own format (FlashMLA keeps it bf16
 fp8 latent). The softmax runs in base 2 (log2(e) is folded into the softmax scale). Long
 contexts with few programs are split (split-K); a second small kernel merges the splits.
 
-Tile sizes are constexpr; `pick_tiles` chooses among CANDIDATES by a rule (the accumulator
-must stay in registers), `pick_splits` sizes split-K from the SM count, the batch, the head
-blocks and how many programs an SM holds (`programs_per_sm`).
+Tile sizes are constexpr; `pick_launch` is the rule: `pick_tiles` chooses among CANDIDATES
+(the accumulator must stay in registers; by heads, page format and query dtype), then
+`pick_splits` sizes split-K from the SM count, the batch, the context, the head blocks and how
+many programs an SM holds (`programs_per_sm`). `launch_constexprs` is what a launch passes
+the kernel (the sm_90 compile test compiles every launch the rule makes).
 Work at 128 heads, per token: 128 x (576 + 512) MACs (278 KFLOP) against 1152 B of bf16 pages
 (576 B + scales for fp8), 242 FLOP/B; the H200's ridge is 989 TFLOP/s / 4.8 TB/s = 206 FLOP/B,
 so even at the dense peak the bf16 kernel is compute-bound (B16 x 8k: 36.5 GFLOP, 37 us at
 989 TFLOP/s, against 151 MB, 31 us at 4.8 TB/s); computing QK^T twice made it 1.53x that.
 At 16-32 heads a GPU (tensor-parallel shards: DeepSeek-V3 at TP 8 / TP 4) a token is 35-70
 KFLOP against the same 1152 B (30-60 FLOP/B): memory-bound, 80% of a 4.25 TB/s copy needs
-only 100-200 TFLOP/s; there the rule takes 4-warp "once_t" tiles with a cp.async ring (see
+only 100-200 TFLOP/s; there the rule takes 4-warp tiles (bf16 pages: "once_t" with a
+cp.async ring; fp8 pages: "once" widened by integer operations, two programs an SM; see
 CANDIDATES) and splits the context until the programs fill the SMs.
 Masks, windows and soft-capping are not taken (runtime/dispatch.py `attend_latent` sends
 those steps to the reference, kernels/dense.py); kernels/latent.py holds the math.
@@ -672,6 +675,7 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
     return out
 
 
-__all__ = ["AHEADS", "CANDIDATES", "FEW_PROGRAMS", "LAYOUTS", "SWEEP_CANDIDATES", "WIDENS", "LatentTiles",
+__all__ = ["AHEADS", "CANDIDATES", "FEW_PROGRAMS", "LAYOUTS", "SWEEP_CANDIDATES", "WIDENS",
+           "LatentTiles",
            "fast_path_reason", "latent_decode_attention", "launch_constexprs", "pick_launch", "pick_splits",
            "pick_tiles", "programs_per_sm"]
