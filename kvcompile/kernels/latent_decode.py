@@ -676,6 +676,5 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
 
 
 __all__ = ["AHEADS", "CANDIDATES", "FEW_PROGRAMS", "LAYOUTS", "SWEEP_CANDIDATES", "WIDENS",
-           "LatentTiles",
-           "fast_path_reason", "latent_decode_attention", "launch_constexprs", "pick_launch", "pick_splits",
-           "pick_tiles", "programs_per_sm"]
+           "LatentTiles", "fast_path_reason", "latent_decode_attention", "launch_constexprs",
+           "pick_launch", "pick_splits", "pick_tiles", "programs_per_sm"]
