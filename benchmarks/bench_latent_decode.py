@@ -36,6 +36,7 @@ layout at 64 heads computes QK^T twice), and the relative error against the old 
 
     python benchmarks/bench_latent_decode.py --quick --tiles once:64:128:8:1,once_t:32:64:4:3 \
         --splits 2,8   # tile spec: layout:heads:tokens:warps:stages[:v_split][:dot|tile|bits]
+                       # [:bt|rope] (the prefetch variants, LatentTiles.ahead)
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from kvcompile.cache.pool import LayerSpec, PagePool  # noqa: E402
 from kvcompile.kernels.dense import paged_reference_attention  # noqa: E402
 from kvcompile.kernels.latent import absorb_query, latent_output  # noqa: E402
 from kvcompile.kernels.latent_decode import (  # noqa: E402
+    AHEADS,
     CANDIDATES,
     SWEEP_CANDIDATES,
     WIDENS,
@@ -216,13 +218,14 @@ def parse_tiles(spec: str) -> list:
     out = []
     for item in filter(None, spec.split(",")):
         layout, *nums = item.split(":")
+        ahead = nums.pop() if nums and nums[-1] in AHEADS[1:] else ""
         widen = nums.pop() if nums and nums[-1] in WIDENS else "dot"
         if len(nums) not in (4, 5):
             raise SystemExit(f"--tiles {item!r}: layout:heads:tokens:warps:stages[:v_split"
-                             f"][:dot|tile|bits]")
+                             f"][:dot|tile|bits][:bt|rope]")
         h, n, w, st, *v = (int(x) for x in nums)
         out.append(LatentTiles(h, n, w, st, v_split=v[0] if v else 1, layout=layout,
-                               widen=widen))
+                               widen=widen, ahead=ahead))
     return out
 
 
@@ -278,7 +281,7 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
                         f"{t_mma:.3f} ms at "
                         f"{peak_tflops:.0f} TFLOP/s")
             old = latent_decode_before(*args)
-            rule = pick_tiles(H, R, fmt != "bf16", B, sms)
+            rule = pick_tiles(H, R, fmt != "bf16", B, sms, q_fp32=dt == torch.float32)
             runs = [("old (before #22)", None, None)]
             # widen "tile" / "bits" tiles take fp8 pages only (the launcher refuses bf16)
             for t in [rule] + [t for t in sweep if t != rule and (
@@ -331,7 +334,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="the decode kernel alone, old vs new and the tile candidates")
     ap.add_argument("--tiles", default="", help="--quick: time these tiles instead of the "
-                    "candidates, layout:heads:tokens:warps:stages[:v_split][:dot|tile|bits], "
+                    "candidates, layout:heads:tokens:warps:stages[:v_split][:dot|tile|bits][:bt|rope], "
                     "comma-separated (widen 'tile' / 'bits': fp8 pages only)")
     ap.add_argument("--splits", default="", help="--quick: split counts to time each tile "
                     "at, besides the rule's (comma-separated)")

@@ -25,16 +25,19 @@ The rotary key is its own page tensor, in its own format (FlashMLA keeps it bf16
 fp8 latent). The softmax runs in base 2 (log2(e) is folded into the softmax scale). Long
 contexts with few programs are split (split-K); a second small kernel merges the splits.
 
-Tile sizes are constexpr; `pick_tiles` chooses among CANDIDATES by a rule (the accumulator
-must stay in registers), `pick_splits` sizes split-K from the SM count, the batch, the head
-blocks and how many programs an SM holds (`programs_per_sm`).
+Tile sizes are constexpr; `pick_launch` is the rule: `pick_tiles` chooses among CANDIDATES
+(the accumulator must stay in registers; by heads, page format and query dtype), then
+`pick_splits` sizes split-K from the SM count, the batch, the context, the head blocks and how
+many programs an SM holds (`programs_per_sm`). `launch_constexprs` is what a launch passes
+the kernel (the sm_90 compile test compiles every launch the rule makes).
 Work at 128 heads, per token: 128 x (576 + 512) MACs (278 KFLOP) against 1152 B of bf16 pages
 (576 B + scales for fp8), 242 FLOP/B; the H200's ridge is 989 TFLOP/s / 4.8 TB/s = 206 FLOP/B,
 so even at the dense peak the bf16 kernel is compute-bound (B16 x 8k: 36.5 GFLOP, 37 us at
 989 TFLOP/s, against 151 MB, 31 us at 4.8 TB/s); computing QK^T twice made it 1.53x that.
 At 16-32 heads a GPU (tensor-parallel shards: DeepSeek-V3 at TP 8 / TP 4) a token is 35-70
 KFLOP against the same 1152 B (30-60 FLOP/B): memory-bound, 80% of a 4.25 TB/s copy needs
-only 100-200 TFLOP/s; there the rule takes 4-warp "once_t" tiles with a cp.async ring (see
+only 100-200 TFLOP/s; there the rule takes 4-warp tiles (bf16 pages: "once_t" with a
+cp.async ring; fp8 pages: "once" widened by integer operations, two programs an SM; see
 CANDIDATES) and splits the context until the programs fill the SMs.
 Masks, windows and soft-capping are not taken (runtime/dispatch.py `attend_latent` sends
 those steps to the reference, kernels/dense.py); kernels/latent.py holds the math.
@@ -60,6 +63,7 @@ MAX_SPLITS = 64
 
 LAYOUTS = ("once", "once_t", "heads")
 WIDENS = ("dot", "tile", "bits")
+AHEADS = ("", "bt", "rope")
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,12 @@ class LatentTiles:
     v_split: int = 1  # "heads" only: programs sharing a head block, r / v_split columns each
     layout: str = "once"
     widen: str = "dot"
+    # layouts once / once_t, a variant for the benchmark (kernel BT_AHEAD / ROPE_AHEAD):
+    # "" the block-table entries a pipeline stage of their own; "bt" loaded a tile ahead in
+    # registers, so that the latent tile takes the first stage (a prefetch that overlaps the
+    # previous tile's dots); "rope" also the rotary key a tile ahead in registers, outside
+    # the ring (bf16 pages then fit a 3-deep ring: once_t h16 n64 w4 s3, 223 KB)
+    ahead: str = ""
 
     def __post_init__(self):
         for name in ("block_h", "block_n"):
@@ -104,6 +114,9 @@ class LatentTiles:
         if self.widen not in WIDENS or (self.widen != "dot" and self.layout == "heads"):
             raise ValueError(f"LatentTiles.widen={self.widen!r}: 'dot', or 'tile' / 'bits' "
                              f"with layout once / once_t")
+        if self.ahead not in AHEADS or (self.ahead and self.layout == "heads"):
+            raise ValueError(f"LatentTiles.ahead={self.ahead!r}: one of {AHEADS}, and '' "
+                             f"with layout 'heads'")
         if self.layout != "heads" and (self.block_n != 16 * self.num_warps
                                        or self.v_split != 1):
             raise ValueError(f"LatentTiles: layout {self.layout!r} needs block_n == 16 x "
@@ -118,8 +131,9 @@ class LatentTiles:
     def __str__(self) -> str:
         v = f"/v{self.v_split}" if self.v_split > 1 else ""
         w = f" widen-{self.widen}" if self.widen != "dot" else ""
+        a = f" ahead-{self.ahead}" if self.ahead else ""
         return (f"{self.layout} h{self.block_h} n{self.block_n} w{self.num_warps} "
-                f"s{self.num_stages}{v}{w}")
+                f"s{self.num_stages}{v}{w}{a}")
 
 
 # Candidates, in order of preference for many heads. "once" at 64 heads: 8 warps, each
@@ -144,12 +158,18 @@ class LatentTiles:
 # Triton does not pipeline such a load): 56-75 KB shared and 255 registers x 128 threads, so
 # two programs an SM would overlap one's loads with the other's dots (programs_per_sm), with
 # 280-656 B of stack (the widened [64, r] tile is r / 2 registers a thread, whatever the
-# warps). For fp8 pages the rule takes widen "tile" instead: "once" at 16 heads, 8 warps,
-# 128 tokens, 2 stages: the fp8 tile in the ring, its fp16 copy in shared memory (228 KB, one
-# program an SM), 182 registers, no stack; 2 head blocks at 32 heads (a 32-head block spills
-# or exceeds shared memory with a ring), the second reading the tile from L2. With few
-# sequences (batch x 16-head blocks <= SMs / FEW_PROGRAMS) the rule skips that tile for the
-# 4-warp widen "dot" tiles at two programs an SM and twice the splits (measured faster at B16).
+# warps). For fp8 pages under bf16 / fp16 queries (fp16 dots) the rule takes the 4-warp
+# "once" tile that widens each fp8 tile once by integer operations (widen "bits") with no
+# cp.async ring, two programs an SM (86 KB shared, 227 registers, no stack): one program's
+# loads run under the other's dots and widening. The H200 measured it fastest at 16 heads at
+# few and at many sequences (B16 x 8k: 0.068 ms x 16 splits against 0.091 for once_t h16 n64
+# w4 s3 x 16 and 0.104 for the widen "tile" tile x 8; B64 x 32k: 0.676 ms x 4 against 0.810-
+# 0.814 for the widen "tile" tile x 2; RESULTS.md, mla22g's fifth call). 32 heads take two
+# 16-head blocks of it (a 32-head block spills or exceeds shared memory), the second reading
+# each tile from L2. Under fp32 queries (fp32 dots, no "bits") the rule keeps mla22g's: the
+# 8-warp, 128-token widen "tile" tile (the fp8 tile in the ring, its copy in shared memory,
+# 228 KB, one program an SM), or with few sequences (batch x 16-head blocks <= SMs /
+# FEW_PROGRAMS) the 4-warp widen "dot" tiles at two programs an SM and twice the splits.
 CANDIDATES = (
     LatentTiles(64, 128, 8, 1, layout="once"),
     LatentTiles(64, 128, 8, 1, layout="once_t"),
@@ -158,8 +178,9 @@ CANDIDATES = (
     # 2026-12-03)
     LatentTiles(64, 32, 8, 2, layout="heads"),
     LatentTiles(64, 16, 4, 2, v_split=2, layout="heads"),
-    # fp8 pages under 64 heads (pick_tiles skips it for pages read as stored: 2 x 147 KB
-    # bf16 tiles do not fit)
+    # fp8 pages under 64 heads (pick_tiles skips them for pages read as stored, and "bits"
+    # for fp32 dots)
+    LatentTiles(16, 64, 4, 1, layout="once", widen="bits"),
     LatentTiles(16, 128, 8, 2, layout="once", widen="tile"),
     # under 64 heads: the memory-bound "once_t" tiles (see above) before the first rebuild's
     # (mma.sync, operands in registers: 8 warps keep r 512 without spills; 4 spilled 60-416 B)
@@ -169,18 +190,25 @@ CANDIDATES = (
     LatentTiles(16, 32, 8, 2, layout="heads"),
 )
 # Timed by benchmarks/bench_latent_decode.py --quick and compiled by
-# tests/kernels/test_latent_decode_sm90.py, never picked by the rule until the H200 says they
-# are faster: fp8 pages under 64 heads with two programs an SM (4 warps, 64 tokens, no
-# cp.async ring: one program's loads under the other's dots, as the fastest fp8 tile at B16 x
-# 8k, once_t h16 n64 w4 s3 widen "dot", but without its 352 B of stack), the fp8 tile widened
-# once into shared memory by the conversion instruction ("tile") or by integer operations
-# ("bits"). sm_90 (triton 3.9): 86 KB shared, 231 / 227 registers, no stack; two fit an SM.
+# tests/kernels/test_latent_decode_sm90.py, never picked by the rule: the widen "bits" tile's
+# twin widened by the conversion instruction ("tile"; the fifth call reported only the
+# fastest row of each shape, "bits"). sm_90 (triton 3.9): 86 KB shared, 231 registers, no
+# stack, two an SM.
 SWEEP_CANDIDATES = (
     LatentTiles(16, 64, 4, 1, layout="once", widen="tile"),
-    LatentTiles(16, 64, 4, 1, layout="once", widen="bits"),
+    # the prefetch variants (LatentTiles.ahead, RESULTS.md mla22h; sm_90, triton 3.9): bf16
+    # once_t with the rotary key a tile ahead, a 3-deep latent ring (223 KB, 237 registers,
+    # no stack; the rule's tile: a 2-deep ring whose next tile is issued after the dots and
+    # waited for at once); fp8 "bits" with the block-table entries a tile ahead, a 3-deep
+    # ring of fp8 tiles (161 KB, 255 registers, 16 B stack, one an SM) and without a ring
+    # (86 KB, 225 registers, no stack, two an SM)
+    LatentTiles(16, 64, 4, 3, layout="once_t", ahead="rope"),
+    LatentTiles(16, 64, 4, 3, layout="once", widen="bits", ahead="bt"),
+    LatentTiles(16, 64, 4, 1, layout="once", widen="bits", ahead="bt"),
 )
 MAX_ACC_REGS = 128
-# pick_tiles over fp8 pages: when batch x 16-head blocks are at most the SMs / FEW_PROGRAMS,
+# pick_tiles over fp8 pages under fp32 dots (no widen "bits"): when batch x 16-head blocks
+# are at most the SMs / FEW_PROGRAMS,
 # the 1-program-an-SM widen "tile" tile would be split 8+ ways (1k tokens a split at 8k) and
 # the rule takes the 2-programs-an-SM tiles split twice as many ways instead (H200, 16 heads,
 # B16 x 8k: once_t h16 n64 w4 s3 x 16 splits 0.091 ms against the widen "tile" tile x 8
@@ -189,16 +217,28 @@ FEW_PROGRAMS = 8
 
 
 def pick_tiles(heads: int, r: int, widened: bool = False, batch: int | None = None,
-               sms: int | None = None) -> LatentTiles:
+               sms: int | None = None, q_fp32: bool = False) -> LatentTiles:
     """The first candidate whose head block the heads fill (the smallest block for fewer
     than 16 heads), whose accumulator fits MAX_ACC_REGS registers a thread and whose value
-    split (or, layouts once / once_t, latent half) leaves >= 16 columns; widen "tile"
-    candidates only for widened (fp8) pages, and not when batch x 16-head blocks are at most
-    sms / FEW_PROGRAMS (given both: a step with few sequences, see FEW_PROGRAMS)."""
+    split (or, layouts once / once_t, latent half) leaves >= 16 columns; widen "tile" /
+    "bits" candidates only for widened (fp8) pages, and widen "tile" not when batch x
+    16-head blocks are at most sms / FEW_PROGRAMS (given both: a step with few sequences,
+    see FEW_PROGRAMS). q_fp32 (fp32 queries: fp32 dots, the launcher's dots are fp16 over
+    fp8 pages and bf16 / fp16 otherwise under 16-bit queries): no widen "bits" (it widens to
+    fp16 only), and no 64-head tile for r > 128 (fp32 operands: the sm_90 compile at r 512
+    takes 442,624 B of shared memory for once h64 n128 w8 s1 and 297-315 KB for heads h64
+    n32 w8 s2, over the 232,448 B an SM gives a program; the 32-head tiles fit; r 256 not
+    compiled). The batch, the context and the SM count size the splits
+    (pick_splits); at 16 heads the H200 measured the same tiles fastest at B16 x 8k and at
+    B64 x 32k (RESULTS.md), so here they only choose among the fp32-query fallbacks."""
     few = (widened and batch is not None and sms is not None
            and batch * triton.cdiv(heads, 16) * FEW_PROGRAMS <= sms)
     for t in CANDIDATES:
-        if t.widen != "dot" and (not widened or few):
+        if t.widen != "dot" and not widened:
+            continue
+        if t.widen == "bits" and q_fp32 or t.widen == "tile" and few:
+            continue
+        if q_fp32 and t.block_h == 64 and r > 128:
             continue
         if (t.block_h <= max(heads, 16) and t.acc_regs(r) <= MAX_ACC_REGS
                 and r // t.v_split >= 16 and (t.layout == "heads" or r >= 32)):
@@ -232,6 +272,15 @@ def pick_splits(batch: int, heads: int, max_len: int, tiles: LatentTiles, sms: i
     want = max(1, round(sms * per_sm / programs))
     return max(1, min(want, triton.cdiv(max_len, MIN_SPLIT_TOKENS),
                       triton.cdiv(max_len, tiles.block_n), MAX_SPLITS))
+
+
+def pick_launch(heads: int, r: int, batch: int, max_len: int, sms: int,
+                widened: bool = False, q_fp32: bool = False) -> tuple[LatentTiles, int]:
+    """The launcher's whole rule: (tiles, splits) for a step of `batch` sequences over block
+    tables of `max_len` tokens, `heads` query heads, latent width r, on `sms` SMs; widened:
+    fp8 latent pages; q_fp32: fp32 queries (pick_tiles, then pick_splits)."""
+    tiles = pick_tiles(heads, r, widened, batch, sms, q_fp32)
+    return tiles, pick_splits(batch, heads, max_len, tiles, sms, widened)
 
 
 @triton.jit
@@ -273,7 +322,8 @@ def _latent_once_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
                         R_SCALED: tl.constexpr, DT: tl.constexpr, DT_R: tl.constexpr,
                         Q_SHIFT: tl.constexpr, DIRECT: tl.constexpr,
                         WIDEN_ASM: tl.constexpr = "", WIDEN_BITS: tl.constexpr = "",
-                        C_MUL: tl.constexpr = 1.0):
+                        C_MUL: tl.constexpr = 1.0, BT_AHEAD: tl.constexpr = False,
+                        ROPE_AHEAD: tl.constexpr = False):
     # DT: the latent dots' dtype, DT_R the rotary one's. fp8 pages under bf16 queries take
     # fp16 (e4m3x2 -> f16x2 is one instruction; bf16 would add one cvt per element), and the
     # query is multiplied by Q_SHIFT (2^-8, exact) so that any bf16-range query up to 2^24
@@ -319,10 +369,32 @@ def _latent_once_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
         acc0 = tl.zeros([BLOCK_H, RH], tl.float32)
         acc1 = tl.zeros([BLOCK_H, RH], tl.float32)
     bt_row = BT + b * stride_bt
+    # variants (LatentTiles.ahead, benchmark only until the H200 times them): BT_AHEAD loads
+    # each tile's block-table entries one iteration earlier, by a plain load whose result
+    # waits in registers (loop-carried), so the tile's address depends on no load of its own
+    # iteration and the pipeliner gives the tile load the first stage (else the entries are
+    # a stage of their own, and with 3 stages the tile is issued after the previous tile's
+    # dots and waited for at the top of the next iteration: no overlap, RESULTS.md mla22h).
+    # ROPE_AHEAD (with BT_AHEAD) also loads the rotary key one tile ahead into registers,
+    # outside the cp.async ring, which leaves bf16 pages room for a 3-deep latent ring (its
+    # address waits on the next tile's block-table entries, loaded just before: with the
+    # entries two tiles ahead, a chain of loop-carried values, Triton 3.9 pipelined nothing).
+    page_nx = tl.zeros([BLOCK_N], tl.int32)
+    kr_nx = tl.zeros([BLOCK_N, DR], RD.dtype.element_ty)
+    if BT_AHEAD:
+        page_nx = tl.load(bt_row + (n_lo + t) // P, mask=n_lo + t < n_hi, other=0)
+        if ROPE_AHEAD:
+            tok0 = page_nx.to(tl.int64) * P + ((n_lo + t) % P)
+            kr_nx = tl.load(RD + tok0[:, None] * DR + dd[None, :],
+                            mask=(n_lo + t < n_hi)[:, None], other=0.0)
     for n0 in range(n_lo, n_hi, BLOCK_N):
         j = n0 + t                                                            # token ids
         ok = j < n_hi
-        page = tl.load(bt_row + j // P, mask=ok, other=0).to(tl.int64)
+        if BT_AHEAD:
+            page = page_nx.to(tl.int64)
+            page_nx = tl.load(bt_row + (j + BLOCK_N) // P, mask=j + BLOCK_N < n_hi, other=0)
+        else:
+            page = tl.load(bt_row + j // P, mask=ok, other=0).to(tl.int64)
         tok = page * P + (j % P)                                              # [BLOCK_N]
         # one load and one widening per element; the tile feeds both dots
         row = CD + tok[:, None] * R + rh[None, :]
@@ -340,8 +412,18 @@ def _latent_once_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
         else:
             c0 = tl.load(row, mask=ok[:, None], other=0.0).to(DT)            # [BLOCK_N, RH]
             c1 = tl.load(row + RH, mask=ok[:, None], other=0.0).to(DT)       # [BLOCK_N, RH]
-        kr = tl.load(RD + tok[:, None] * DR + dd[None, :], mask=ok[:, None],
-                     other=0.0).to(DT_R)                                      # [BLOCK_N, DR]
+        if ROPE_AHEAD:
+            # variant: the rotary key of this tile was loaded one iteration earlier into
+            # registers (loop-carried, outside the cp.async ring), which frees the ring's
+            # rotary slots: bf16 pages then fit a 3-deep latent ring
+            kr = kr_nx.to(DT_R)
+            jn = j + BLOCK_N
+            tok_nx = page_nx.to(tl.int64) * P + (jn % P)   # the next tile's, loaded earlier
+            kr_nx = tl.load(RD + tok_nx[:, None] * DR + dd[None, :],
+                            mask=(jn < n_hi)[:, None], other=0.0)
+        else:
+            kr = tl.load(RD + tok[:, None] * DR + dd[None, :], mask=ok[:, None],
+                         other=0.0).to(DT_R)                                  # [BLOCK_N, DR]
         if C_SCALED:
             cs = tl.load(CS + page, mask=ok, other=0.0)                       # [BLOCK_N]
             s_r = tl.dot(kr, q_rT)
@@ -498,13 +580,42 @@ _BITS = {
 _BITS_MUL = {"fp8_e4m3": 256.0, "fp8_e5m2": 1.0}
 
 
-def _fp8_dots(dt, c_pages, r_pages) -> dict:
+def _fp8_dots(dt, c_fmt: str, r_fmt: str) -> dict:
     """The once kernel's dot dtypes: fp16 for fp8 pages under bf16 queries (one conversion
     per fp8 pair, see the kernel), with the query shifted by 2^-8; else the query's."""
-    fp8_c = c_pages.fmt.name in _PAGE_SCALED and dt == tl.bfloat16
-    fp8_r = r_pages.fmt.name in _PAGE_SCALED and dt == tl.bfloat16
+    fp8_c = c_fmt in _PAGE_SCALED and dt == tl.bfloat16
+    fp8_r = r_fmt in _PAGE_SCALED and dt == tl.bfloat16
     return dict(DT=tl.float16 if fp8_c else dt, DT_R=tl.float16 if fp8_r else dt,
                 Q_SHIFT=_Q_SHIFT if fp8_c or fp8_r else 1.0)
+
+
+def launch_constexprs(tiles: LatentTiles, q_dtype: torch.dtype, c_fmt: str, r_fmt: str,
+                      R: int, DR: int, P: int, direct: bool, cuda: bool = True):
+    """(kernel, its constexprs and launch options) for these tiles over latent pages of
+    format c_fmt and rotary pages of r_fmt (format names) under q_dtype queries: what the
+    launcher passes, and what tests/kernels/test_latent_decode_sm90.py compiles. cuda=False:
+    the interpreter's form (no inline PTX)."""
+    dt = _dot_dtype(q_dtype)
+    c_scaled, r_scaled = c_fmt in _PAGE_SCALED, r_fmt in _PAGE_SCALED
+    consts = dict(R=R, DR=DR, P=P, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n,
+                  C_SCALED=c_scaled, R_SCALED=r_scaled, DT=dt, DIRECT=direct,
+                  num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    if tiles.layout == "heads":
+        return _latent_tile_kernel, dict(consts, V_SPLIT=tiles.v_split)
+    consts.update(_fp8_dots(dt, c_fmt, r_fmt))
+    # the interpreter runs no inline PTX: there widen "tile" is .to(fp16), the same values
+    cvt = _CVT.get(c_fmt) if (tiles.widen == "tile" and cuda and
+                              consts["DT"] == tl.float16) else None
+    if tiles.widen == "bits":
+        if consts["DT"] != tl.float16:
+            raise UnsupportedShapeError(f"latent_decode_attention: tiles {tiles} widen "
+                                        f"fp8 codes to fp16, which {q_dtype} queries do "
+                                        f"not take (bf16 queries do); pass tiles=None")
+        consts.update(WIDEN_BITS="asm" if cuda else c_fmt[-4:], C_MUL=_BITS_MUL[c_fmt])
+        cvt = _BITS[c_fmt] if cuda else None
+    consts.update(OUT_T=tiles.layout == "once_t", WIDEN_ASM=cvt or "",
+                  BT_AHEAD=tiles.ahead != "", ROPE_AHEAD=tiles.ahead == "rope")
+    return _latent_once_kernel, consts
 
 
 def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: float,
@@ -517,12 +628,15 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
     B, H, _ = q_lat.shape
     R, DR, P = c_pages.head_dim, r_pages.head_dim, c_pages.page_size
     widened = c_pages.fmt.name in _PAGE_SCALED
-    tiles = tiles or pick_tiles(H, R, widened, B, sm_count(q_lat.device))
+    max_len = block_tables.shape[1] * P
+    if tiles is None:   # the rule (pick_launch), its splits unless num_splits is given
+        tiles, rule_splits = pick_launch(H, R, B, max_len, sm_count(q_lat.device), widened,
+                                         q_fp32=q_lat.dtype == torch.float32)
+        num_splits = rule_splits if num_splits is None else num_splits
     if tiles.widen != "dot" and not widened:
         raise UnsupportedShapeError(f"latent_decode_attention: tiles {tiles} widen fp8 "
                                     f"latent pages; these are {c_pages.fmt.name}: pass "
                                     f"tiles=None or a widen 'dot' tile")
-    max_len = block_tables.shape[1] * P
     if num_splits is None:
         num_splits = pick_splits(B, H, max_len, tiles, sm_count(q_lat.device), widened)
     if num_splits < 1:
@@ -549,31 +663,11 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
               r_pages.scale if r_scaled else dummy)
     common = (block_tables, seq_lens, out, acc, ml, q.stride(0), q.stride(1),
               block_tables.stride(0), H, num_splits, tiles_per_split, float(scale) * _LOG2E)
-    dt = _dot_dtype(q.dtype)
-    shape = dict(R=R, DR=DR, P=P, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n,
-                 C_SCALED=c_scaled, R_SCALED=r_scaled, DT=dt, DIRECT=direct,
-                 num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    fn, consts = launch_constexprs(tiles, q.dtype, c_pages.fmt.name, r_pages.fmt.name, R, DR,
+                                   P, direct, q.is_cuda)
     # the programs that read the same tiles (head blocks, value halves) are neighbours: L2
     grid = (triton.cdiv(H, tiles.block_h) * tiles.v_split, num_splits, B)
-    if tiles.layout == "heads":
-        _latent_tile_kernel[grid](q, c_pages.data, *scales, *common, V_SPLIT=tiles.v_split,
-                                  **shape)
-    else:
-        shape.update(_fp8_dots(dt, c_pages, r_pages))
-        # the interpreter runs no inline PTX: there widen "tile" is .to(fp16), the same values
-        cvt = _CVT.get(c_pages.fmt.name) if (tiles.widen == "tile" and q.is_cuda and
-                                             shape["DT"] == tl.float16) else None
-        if tiles.widen == "bits":
-            if shape["DT"] != tl.float16:
-                raise UnsupportedShapeError(f"latent_decode_attention: tiles {tiles} widen "
-                                            f"fp8 codes to fp16, which {q.dtype} queries do "
-                                            f"not take (bf16 queries do); pass tiles=None")
-            fmt = c_pages.fmt.name
-            shape.update(WIDEN_BITS="asm" if q.is_cuda else fmt[-4:], C_MUL=_BITS_MUL[fmt])
-            cvt = _BITS[fmt] if q.is_cuda else None
-        _latent_once_kernel[grid](q, c_pages.data, *scales, *common,
-                                  OUT_T=tiles.layout == "once_t", WIDEN_ASM=cvt or "",
-                                  **shape)
+    fn[grid](q, c_pages.data, *scales, *common, **consts)
     if not direct:
         merge_h = 16
         _latent_merge_kernel[(triton.cdiv(H, merge_h), B)](
@@ -581,5 +675,6 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
     return out
 
 
-__all__ = ["CANDIDATES", "FEW_PROGRAMS", "LAYOUTS", "SWEEP_CANDIDATES", "WIDENS", "LatentTiles", "fast_path_reason", "latent_decode_attention",
-           "pick_splits", "pick_tiles", "programs_per_sm"]
+__all__ = ["AHEADS", "CANDIDATES", "FEW_PROGRAMS", "LAYOUTS", "SWEEP_CANDIDATES", "WIDENS",
+           "LatentTiles", "fast_path_reason", "latent_decode_attention", "launch_constexprs",
+           "pick_launch", "pick_splits", "pick_tiles", "programs_per_sm"]

@@ -70,8 +70,8 @@ def test_kernel_matches_reference_on_cuda(c_fmt, r_fmt, lens):
 @pytest.mark.parametrize("splits", [1, 5])
 @pytest.mark.parametrize("c_fmt", ["bf16", "fp8_e4m3"])
 def test_every_candidate_on_cuda(tiles, splits, c_fmt):
-    if tiles.widen == "tile" and c_fmt == "bf16":
-        pytest.skip("widen 'tile' takes fp8 latent pages (the launcher refuses bf16)")
+    if tiles.widen != "dot" and c_fmt == "bf16":
+        pytest.skip("widen 'tile' / 'bits' take fp8 latent pages (the launcher refuses bf16)")
     pool, plan, q, lens_t, ref = _case(c_fmt, c_fmt, [3, 300, 2049])
     out = latent_decode_attention(q, pool.k[0], pool.v[0], plan.block_tables, lens_t, 0.07,
                                   num_splits=splits, tiles=tiles)
@@ -88,6 +88,17 @@ def test_tensor_parallel_shards_on_cuda(heads, splits, c_fmt, r_fmt):
     out = latent_decode_attention(q, pool.k[0], pool.v[0], plan.block_tables, lens_t, 0.07,
                                   num_splits=splits)
     assert_rel_close(out, ref, torch.bfloat16, what=f"{c_fmt}/{r_fmt} {tiles} x {splits}")
+
+
+@pytest.mark.parametrize("tiles", [t for t in SWEEP_CANDIDATES if t.widen == "dot"], ids=str)
+@pytest.mark.parametrize("splits", [None, 3])
+def test_tensor_parallel_bf16_sweep_tiles_on_cuda(tiles, splits):
+    """The benchmark's prefetch variants over bf16 pages at 16 heads (ahead "rope": the
+    rotary key a tile ahead in registers, a 3-deep latent ring), over a ragged batch."""
+    pool, plan, q, lens_t, ref = _case("bf16", "bf16", [1, 63, 4097, 700], 16)
+    out = latent_decode_attention(q, pool.k[0], pool.v[0], plan.block_tables, lens_t, 0.07,
+                                  num_splits=splits, tiles=tiles)
+    assert_rel_close(out, ref, torch.bfloat16, what=f"bf16 {tiles} x {splits}")
 
 
 @pytest.mark.parametrize("tiles", [*SWEEP_CANDIDATES,

@@ -80,6 +80,11 @@ ONCE_T = LatentTiles(16, 64, 4, 1, layout="once_t")   # the same, accumulating r
     (20, [64, 33, 130], 1, ONCE, 8),            # scores once, no split, partial head block
     (20, [1, 17, 50, 100], 2, ONCE_T, 32),      # r x heads accumulator, split-K
     (32, [129, 7], 1, ONCE_T, 16),              # r x heads, no split, a ragged last tile
+    # the prefetch variants: block-table entries (and the rotary key) a tile ahead, across
+    # page boundaries, splits with empty and one-token ranges, a partial last tile
+    (20, [1, 17, 50, 200], 3, LatentTiles(16, 64, 4, 3, layout="once_t", ahead="rope"), 16),
+    (16, [129, 7, 64], 1, LatentTiles(16, 64, 4, 2, layout="once", ahead="bt"), 8),
+    (16, [1, 17, 50, 200], 2, LatentTiles(16, 64, 4, 1, layout="once", ahead="rope"), 32),
 ])
 def test_kernel_matches_paged_reference(c_fmt, r_fmt, heads, lens, splits, tiles, page):
     g = torch.Generator().manual_seed(len(lens) * heads + page)
@@ -190,6 +195,10 @@ def test_refuses_what_it_cannot_read():
         LatentTiles(64, 64, 4, 1, layout="twice")
     with pytest.raises(ValueError, match="widen"):
         LatentTiles(16, 32, 8, 2, layout="heads", widen="tile")
+    with pytest.raises(ValueError, match="ahead"):
+        LatentTiles(16, 32, 8, 2, layout="heads", ahead="bt")
+    with pytest.raises(ValueError, match="ahead"):
+        LatentTiles(16, 64, 4, 2, ahead="two")
     with pytest.raises(UnsupportedShapeError, match="widen"):   # "tile" is for fp8 pages
         latent_decode_attention(torch.randn(1, 4, R + DR), pool.k[0], pool.v[0],
                                 plan.block_tables, lens, 0.2,
@@ -210,6 +219,11 @@ def test_rule_picks_for_tensor_parallel_shards():
         assert pick_splits(16, heads, 8192, t, 132, widened=True) == 16
         assert pick_splits(64, heads, 32768, t, 132) == 2
         f = pick_tiles(heads, 512, widened=True)
+        assert (f.layout, f.block_h, f.block_n, f.num_warps, f.num_stages, f.widen) == (
+            "once", 16, 64, 4, 1, "bits")
+        assert programs_per_sm(f, widened=True) == 2
+        assert pick_splits(16, heads, 8192, f, 132, widened=True) == 16 * 16 // heads
+        f = pick_tiles(heads, 512, widened=True, q_fp32=True)   # fp32 queries
         assert (f.layout, f.block_h, f.block_n, f.num_warps, f.num_stages, f.widen) == (
             "once", 16, 128, 8, 2, "tile")
         assert programs_per_sm(f, widened=True) == 1
@@ -250,7 +264,8 @@ def test_tensor_parallel_shards_match_reference(c_fmt, r_fmt, heads, splits):
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     ref = paged_reference_attention(pool.k[0], pool.v[0], q_lat[:, :, None], plan, None, True,
                                     0, 0.0, 0.07, latent=True)[:, :, 0]
-    tiles = pick_tiles(heads, RF, widened=c_fmt.startswith("fp8"))
+    # as the launcher picks for these fp32 queries (fp32 dots: no widen "bits")
+    tiles = pick_tiles(heads, RF, widened=c_fmt.startswith("fp8"), q_fp32=True)
     assert tiles.layout == ("once" if c_fmt.startswith("fp8") else "once_t")
     out = latent_decode_attention(q_lat, pool.k[0], pool.v[0], plan.block_tables, seq_lens,
                                   0.07, num_splits=splits)
@@ -302,31 +317,85 @@ def test_bits_ptx_widens_every_code(fmt, dtype):
         assert match == ok, f"{fmt} {asm}"
 
 
-def test_rule_takes_two_programs_an_sm_for_few_fp8_sequences():
-    """The H200's measured fp8 pick at 16 heads (RESULTS.md, mla22f): B16 x 8k, 16 programs
-    before splitting (under 132 / FEW_PROGRAMS), takes once_t h16 n64 w4 s3 at 16 splits
-    (0.091 ms against 0.104 for the widen "tile" tile at 8); B64 x 32k keeps the widen
-    "tile" tile at 2 (0.810 ms, the fastest timed); 32 heads at B16 (32 blocks) keep it too;
-    bf16 pages and 128 heads do not change with the batch; the sweep-only tiles are never
-    picked."""
-    few = pick_tiles(16, 512, True, 16, 132)
-    assert (few.layout, few.block_h, few.block_n, few.num_warps, few.num_stages,
-            few.widen) == ("once_t", 16, 64, 4, 3, "dot")
-    assert pick_splits(16, 16, 8192, few, 132, widened=True) == 16
-    many = pick_tiles(16, 512, True, 64, 132)
-    assert (many.layout, many.block_n, many.widen) == ("once", 128, "tile")
-    assert pick_splits(64, 16, 32768, many, 132, widened=True) == 2
-    assert pick_tiles(32, 512, True, 16, 132).widen == "tile"
-    assert pick_tiles(16, 512, True, 16, 132) != pick_tiles(16, 512, True, 17, 132)
+def test_rule_takes_the_measured_fp8_tiles():
+    """The H200's measured fastest fp8 tiles at 16 heads (RESULTS.md, mla22g's fifth call):
+    once h16 n64 w4 s1 widen "bits", two programs an SM, at few and at many sequences: B16 x
+    8k at 16 splits (0.068 ms; once_t h16 n64 w4 s3 x 16 took 0.091, the widen "tile" tile x
+    8 0.104), B64 x 32k at 4 (0.676 ms; the widen "tile" tile x 2 0.810-0.814). fp32 queries
+    cannot take "bits" (fp32 dots): there mla22g's rule stays (few sequences: once_t x 2 an
+    SM; many: the widen "tile" tile)."""
+    for batch, ctx, splits in ((16, 8192, 16), (64, 32768, 4), (1, 8192, 32),
+                               (16, 32768, 16), (64, 8192, 4), (128, 32768, 2)):
+        t, sp = ld.pick_launch(16, 512, batch, ctx, 132, widened=True)
+        assert str(t) == "once h16 n64 w4 s1 widen-bits" and sp == splits, (batch, ctx)
+        assert sp == pick_splits(batch, 16, ctx, t, 132, widened=True)
+    # edge: a short context caps the splits (256 tokens a split at least)
+    assert ld.pick_launch(16, 512, 1, 512, 132, widened=True)[1] == 2
+    # the bf16 pick is the measured fastest at B16 x 8k (x 8) and B64 x 32k (x 2)
+    once_t = LatentTiles(16, 64, 4, 3, layout="once_t")
+    assert ld.pick_launch(16, 512, 16, 8192, 132) == (once_t, 8)
+    assert ld.pick_launch(16, 512, 64, 32768, 132) == (once_t, 2)
+    # fp32 dots: never "bits" (the launcher would refuse it), mla22g's rule instead
+    few = pick_tiles(16, 512, True, 16, 132, q_fp32=True)
+    assert str(few) == "once_t h16 n64 w4 s3"
+    many = pick_tiles(16, 512, True, 64, 132, q_fp32=True)
+    assert str(many) == "once h16 n128 w8 s2 widen-tile"
+    # bf16 pages never take a widening tile, whatever the batch; 128 heads keep the once tile
     for batch in (1, 16, 64):
         assert pick_tiles(16, 512, False, batch, 132) == pick_tiles(16, 512)
         assert pick_tiles(128, 512, True, batch, 132) == pick_tiles(128, 512)
-    for heads in (8, 16, 32, 128):
-        for batch in (1, 16, 64):
-            for widened in (False, True):
-                assert pick_tiles(heads, 512, widened, batch, 132) not in SWEEP_CANDIDATES
-    for t in SWEEP_CANDIDATES:
-        assert programs_per_sm(t, widened=True) == 2
+    # fp32 queries at 64+ heads: no 64-head tile (fp32 operands exceed shared memory at r
+    # 512, tests/kernels/test_latent_decode_sm90.py), 32-head blocks instead; at r 64 (the
+    # interpreter tests' width) the 64-head once tile stays
+    assert str(pick_tiles(128, 512, q_fp32=True)) == "once_t h32 n64 w4 s3"
+    assert str(pick_tiles(128, 512, True, q_fp32=True)) == "once h16 n128 w8 s2 widen-tile"
+    for widened in (False, True):
+        assert pick_tiles(128, 64, widened, q_fp32=True) == pick_tiles(128, 64)
+    assert pick_tiles(8, 512, True).widen == "bits"    # fewer than 16 heads: one 16-head block
+    assert pick_tiles(32, 512, True).block_h == 16     # 32 heads: two 16-head blocks
+    assert pick_tiles(16, 16, True).layout == "heads"  # too narrow for latent halves
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_rule_launch_over_fp8_pages_under_bf16_queries(fmt):
+    """The launcher's own pick (tiles=None) for bf16 queries over fp8 pages at 16 heads is
+    the widen "bits" tile, and it matches the reference at fp16's bound; negative control:
+    the same launch with the 2^8 fold of "bits" dropped (C_MUL 1) is off by far more."""
+    g = torch.Generator().manual_seed(11)
+    lens = [1, 17, 50, 100]
+    pool, plan = _pool(fmt, fmt, lens, g)
+    q_lat = (torch.randn(len(lens), 16, R + DR, generator=g) * 4).bfloat16()
+    assert pick_tiles(16, R, True, len(lens), ld.sm_count(q_lat.device)).widen == "bits"
+    out, _ = _run(pool, plan, q_lat, lens)
+    _, ref = _run(pool, plan, q_lat.float(), lens, tiles=ONCE)
+    assert_rel_close(out, ref, torch.float16, what=fmt)
+    if fmt == "fp8_e4m3":
+        saved = ld._BITS_MUL[fmt]
+        ld._BITS_MUL[fmt] = 1.0
+        try:
+            wrong, _ = _run(pool, plan, q_lat, lens)
+        finally:
+            ld._BITS_MUL[fmt] = saved
+        assert rel_err(wrong, ref) > 0.1
+
+
+def test_every_tile_the_rule_returns_is_compiled_for_sm90():
+    """What tests/kernels/test_latent_decode_sm90.py compiles (CANDIDATES + SWEEP_CANDIDATES)
+    covers every tile the rule returns at DeepSeek-V3's r 512 over heads, batches, contexts,
+    formats, query dtypes and SM counts (the "smallest accumulator" fallback cannot happen at
+    r 512); the sweep-only tiles are never returned."""
+    seen = set()
+    for heads in (1, 8, 16, 20, 32, 48, 64, 96, 128):
+        for batch in (1, 2, 8, 16, 64, 256):
+            for ctx in (16, 1000, 8192, 131072):
+                for sms in (8, 78, 132):
+                    for widened in (False, True):
+                        for q32 in (False, True):
+                            t, sp = ld.pick_launch(heads, 512, batch, ctx, sms, widened, q32)
+                            assert t in CANDIDATES and t not in SWEEP_CANDIDATES, str(t)
+                            assert 1 <= sp <= ld.MAX_SPLITS
+                            seen.add(t)
+    assert len(seen) >= 5, sorted(map(str, seen))
 
 
 def test_bits_refusals():

@@ -10,12 +10,18 @@ Triton may differ from the GPU image's."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 
 import pytest
 
-from kvcompile.kernels.latent_decode import CANDIDATES, SWEEP_CANDIDATES, programs_per_sm
+from kvcompile.kernels.latent_decode import (
+    CANDIDATES,
+    SWEEP_CANDIDATES,
+    LatentTiles,
+    programs_per_sm,
+)
 from tests.kernels.sm90_compile import compile_rows
 
 ALL = CANDIDATES + SWEEP_CANDIDATES   # the rule's and the benchmark's only
@@ -47,6 +53,7 @@ def _compile(tiles, page: str, direct: bool) -> dict:
         fn, consts["V_SPLIT"] = ld._latent_tile_kernel, tiles.v_split
     else:
         fn, consts["OUT_T"] = ld._latent_once_kernel, tiles.layout == "once_t"
+        consts.update(BT_AHEAD=tiles.ahead != "", ROPE_AHEAD=tiles.ahead == "rope")
         # as the launcher runs fp8 pages under bf16 queries (latent_decode._fp8_dots)
         dot = tl.float16 if scaled else tl.bfloat16
         consts.update(DT=dot, DT_R=dot, Q_SHIFT=ld._Q_SHIFT if scaled else 1.0,
@@ -69,7 +76,9 @@ def _compile(tiles, page: str, direct: bool) -> dict:
     # the latent tile itself in the cp.async ring (not only the rotary key or the scales)
     width = 256 if tiles.layout != "heads" else 512 // tiles.v_split
     ring = re.search(rf"async_copy_global_to_local .* -> <{tiles.block_n}x{width}x", ttgir)
-    return {"shared": k.metadata.shared, "wgmma": ttgir.count("ttng.warp_group_dot "),
+    body = ttgir[ttgir.find("scf.for"):]
+    wait = re.search(r"ttg\.async_wait .*\{num = (\d+)", body[:body.find("scf.yield")])
+    return {"loop_wait": int(wait.group(1)) if wait else -1, "shared": k.metadata.shared, "wgmma": ttgir.count("ttng.warp_group_dot "),
             "pipelined": "async_copy_global_to_local" in ttgir, "latent_ring": bool(ring),
             "score_copies": _score_copies(ttgir, tiles), "usage": _usage(k.asm["cubin"])}
 
@@ -120,11 +129,66 @@ def _pages(tiles) -> tuple:
     return PAGES[1:] if tiles.widen != "dot" else PAGES
 
 
+PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32", "fp8_e4m3": "*fp8e4nv",
+       "fp8_e5m2": "*fp8e5"}
+
+
+def rule_launches() -> list:
+    """Every distinct launch the rule (pick_launch) makes at DeepSeek-V3's r 512 / rope 64 /
+    page 16 over head counts, batches, contexts, query dtypes (bf16 / fp16 / fp32) and page
+    formats (bf16, fp8 e4m3 / e5m2 with page scales; the rotary key in the latent's format
+    or bf16): (tiles index in ALL, query dtype, latent format, rotary format), sorted."""
+    from kvcompile.kernels.latent_decode import pick_launch
+
+    out = set()
+    for heads in (1, 8, 16, 20, 32, 48, 64, 128):
+        for batch in (1, 16, 64, 256):
+            for ctx in (1000, 8192, 131072):
+                for q in ("bf16", "fp16", "fp32"):
+                    for c in ("bf16", "fp8_e4m3", "fp8_e5m2"):
+                        for r in {c, "bf16"}:
+                            t, _ = pick_launch(heads, 512, batch, ctx, 132, c != "bf16",
+                                               q_fp32=q == "fp32")
+                            out.add((ALL.index(t), q, c, r))
+    return sorted(out)
+
+
+def _compile_launch(tiles, q: str, c: str, r: str) -> dict:
+    """One launch configuration as the launcher makes it (latent_decode.launch_constexprs),
+    split version, compiled for sm_90 -> {shared, usage} or {error}."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvcompile.kernels import latent_decode as ld
+
+    qdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[q]
+    fn, consts = ld.launch_constexprs(tiles, qdt, c, r, 512, 64, 16, False)
+    opts = dict(num_warps=consts.pop("num_warps"), num_stages=consts.pop("num_stages"))
+    for name, prm in inspect.signature(fn.fn).parameters.items():   # constexpr defaults
+        if name not in consts and prm.default is not inspect.Parameter.empty:
+            consts[name] = prm.default
+    types = dict(TYPES, QL=PTR[q], CD=PTR[c], RD=PTR[r])
+    sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in consts and (sig[n].startswith("*") or n in DIV16)}
+    try:
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32), options=opts)
+    except Exception as e:  # reported to the test, which fails with it
+        return {"error": f"{type(e).__name__}: {e}"[:2000]}
+    return {"shared": k.metadata.shared, "usage": _usage(k.asm["cubin"])}
+
+
 def _main() -> None:
     for i, tiles in enumerate(ALL):
         for page in _pages(tiles):
             for direct in (False, True):
                 print(json.dumps([i, page, direct, _compile(tiles, page, direct)]), flush=True)
+    for i, q, c, r in rule_launches():
+        print(json.dumps([i, f"rule:{q}:{c}:{r}", False, _compile_launch(ALL[i], q, c, r)]),
+              flush=True)
 
 
 @pytest.fixture(scope="module")
@@ -182,9 +246,9 @@ def test_programs_per_sm_as_compiled(compiled, i, page):
         if tiles.widen != "dot":
             assert res["latent_ring"] or tiles.num_stages == 1, \
                 f"{tiles}: fp8 latent tiles not in the cp.async ring"
-            assert "STACK:0" in res["usage"] or not res["usage"], \
+            assert "STACK:0" in res["usage"] or not res["usage"] or tiles.ahead, \
                 f"{tiles} {page}: register spills ({res['usage']})"
-        if tiles in SWEEP_CANDIDATES:   # the point of the sweep's tiles: two an SM
+        if tiles.num_stages == 1 and tiles.widen != "dot":   # their point: two an SM
             assert n == 2, f"{tiles}: programs_per_sm {n}"
 
 
@@ -193,5 +257,33 @@ def test_fp8_dot_widening_stays_out_of_the_ring(compiled):
     Triton per dot operand (widen "dot", the memory-bound 4-warp tiles) are loaded outside
     the cp.async ring, so the check can fail."""
     for i, t in enumerate(CANDIDATES):
-        if t.layout != "heads" and t.num_warps == 4:
+        if t.layout != "heads" and t.num_warps == 4 and t.widen == "dot":
             assert not compiled[(i, "fp8e4nv", False)]["latent_ring"], str(t)
+
+
+@pytest.mark.parametrize("i", [i for i, t in enumerate(ALL) if t.ahead and t.num_stages > 1])
+def test_prefetch_variants_keep_the_next_tile_in_flight(compiled, i):
+    """The ahead variants exist for this: in the loop, the wait for this tile's cp.async
+    groups leaves the next tile's in flight (async_wait num > 0), so its load overlaps this
+    tile's dots. Negative control: the rule's bf16 tile (once_t h16 n64 w4 s3, the block-table
+    entries a pipeline stage of their own) waits for everything (num 0): its next tile is
+    issued after the dots and waited for at the top of the next iteration (RESULTS.md,
+    mla22h)."""
+    tiles = ALL[i]
+    page = "fp8e4nv" if tiles.widen != "dot" else "bf16"
+    assert compiled[(i, page, False)]["loop_wait"] > 0, f"{tiles}: no tile in flight"
+    rule = CANDIDATES.index(LatentTiles(16, 64, 4, 3, layout="once_t"))
+    assert compiled[(rule, "bf16", False)]["loop_wait"] == 0
+
+
+@pytest.mark.parametrize("launch", rule_launches(), ids=lambda x: f"{ALL[x[0]]}-{x[1]}-{x[2]}-{x[3]}")
+def test_every_launch_of_the_rule_compiles_for_sm90(compiled, launch):
+    """Every tile the rule returns, under every query dtype and page format it meets, with
+    the constexprs the launcher passes (launch_constexprs), compiles for sm_90 and fits the
+    shared memory its programs_per_sm promises."""
+    i, q, c, r = launch
+    res = compiled[(i, f"rule:{q}:{c}:{r}", False)]
+    assert "error" not in res, f"{ALL[i]} q {q} pages {c}/{r}: {res.get('error')}"
+    n = programs_per_sm(ALL[i], c != "bf16")
+    assert n * (res["shared"] + 1024) <= SMEM_PER_SM, f"{ALL[i]} q {q} pages {c}/{r}: " \
+                                                     f"{n} x {res['shared']} B"
