@@ -58,8 +58,10 @@ BULK_TILE_ELEMS = 16384
 PAGE_BULK = "tiles"
 # "tiles": tokens x head_dim of a program's tile, and its warps (fp8, fp4): about 64 / 32
 # values a thread and at most 128 registers in the sm_90 build
-PAGE_TILE_ELEMS = 8192
-PAGE_TILE_WARPS = (4, 8)
+# (H200, bench_append --sweep, 2026-12-04: 32 x 128 with 4 warps fastest for both, fp8 0.62x
+# copy against 0.58x at 64 x 128, fp4 0.33x against 0.26x at 64 x 128 with 8 warps)
+PAGE_TILE_ELEMS = 4096
+PAGE_TILE_WARPS = (4, 4)
 # row kernels (plain, token and tensor scales): tokens x head_dim of a program's tile
 ROW_TILE_ELEMS = 4096
 # fp4 writes load each pair of input elements as one word (_load_pairs: 16-byte loads, no
@@ -648,7 +650,10 @@ def _append_pages_tiles_kernel(X, SORTED, ORDER, DATA, SCALE, MICRO, T, H, D: tl
     if GROUPED:
         src = s0 + r
     else:
-        src = tl.load(ORDER + s0 + r, mask=full, other=0)
+        # masked by the bounds, not by `full` (triton 3.6 refused `mask=full` here: "mask type
+        # matches ptr type", then a layout mismatch with tl.where; 3.9 takes both); rows outside
+        # a full block are masked by `full` where _store_rows reads x
+        src = tl.load(ORDER + s0 + r, mask=s0 + r < T, other=0)
     pg = first // P
     scale = _store_rows(X, DATA, SCALE, MICRO, src, (pg * H + h) * P + r % P, full,
                         tl.full([W], 1.0, tl.float32), r, H, h, D, FMT, 4, EXPLICIT, FMAX, DIV,
