@@ -67,8 +67,9 @@ def variants(name: str, gran: str, grouped: bool) -> list:
         bulk = ["runs", "tiles"] + (["windows"] if grouped else [])
         out += [(f", {k} kernel", {"PAGE_BULK": k}) for k in bulk if k != app.PAGE_BULK]
         if name == "fp4_e2m1":
-            out.append((", runs kernel, split loads (old)",
-                        {"PAGE_BULK": "runs", "FP4_PAIR_LOADS": False}))
+            pairs = not app.FP4_PAIR_LOADS
+            out.append((f", runs kernel, {'pair' if pairs else 'split'} loads",
+                        {"PAGE_BULK": "runs", "FP4_PAIR_LOADS": pairs}))
         if SWEEP and grouped:
             for elems in (4096, 16384):
                 for warps in ((4, 4), (8, 8)):
@@ -76,7 +77,8 @@ def variants(name: str, gran: str, grouped: bool) -> list:
                                 {"PAGE_BULK": "tiles", "PAGE_TILE_ELEMS": elems,
                                  "PAGE_TILE_WARPS": warps}))
     elif name == "fp4_e2m1":
-        out.append((", split loads (old)", {"FP4_PAIR_LOADS": False}))
+        pairs = not app.FP4_PAIR_LOADS
+        out.append((f", {'pair' if pairs else 'split'} loads", {"FP4_PAIR_LOADS": pairs}))
     if SWEEP and gran != "page":
         out += [(f", rows tile {e // 128} x 128", {"ROW_TILE_ELEMS": e}) for e in (2048, 8192)]
     if gran == "tensor":

@@ -92,7 +92,7 @@ job() {   # job NAME -> "LIMIT COMMAND"
     evict_bench)    echo "${EB_LIMIT:-260} python3 benchmarks/bench_generate.py --budget-s $(( ${EB_LIMIT:-260} - 20 )) --out $OUT --evict-interval ${INTERVAL:-64} --engine-scale ${SCALE:-token} --sections ${EB_SECTIONS:-engine_b,engine_evict_sink,engine_evict_h2o,engine_evict_snapkv} ${EB_ARGS:-}" ;;
     rot_bench)      echo "${RB_LIMIT:-120} python3 benchmarks/bench_rot_decode.py ${RB_ARGS:-}" ;;
     window_bench)   echo "${WB_LIMIT:-90} python3 benchmarks/bench_window_decode.py ${WB_ARGS:-}" ;;
-    append_check)   echo "${AC_LIMIT:-150} env OMP_NUM_THREADS=1 python3 -m pytest -q $XD tests/kernels/test_append_tiles.py tests/kernels/test_append.py tests/kernels/test_append_codes.py -p no:cacheprovider" ;;
+    append_check)   echo "${AC_LIMIT:-150} env OMP_NUM_THREADS=1 python3 -m pytest -v $XD tests/kernels/test_append_tiles.py tests/kernels/test_append.py tests/kernels/test_append_codes.py -p no:cacheprovider" ;;   # -v: a cut log still names each failure
     append_bench)   echo "${AB_LIMIT:-200} python3 benchmarks/bench_append.py --json $OUT/bench_append.json ${AB_ARGS:-}" ;;
     latent_check)   echo "${LC_LIMIT:-200} python3 -m pytest -q -m gpu tests/gpu/test_latent_decode_gpu.py -p no:cacheprovider ${LC_K:+-k \"$LC_K\"}" ;;
     latent_quick)   echo "${LQ_LIMIT:-420} python3 benchmarks/bench_latent_decode.py --quick ${LQ_ARGS:-}" ;;

@@ -115,8 +115,11 @@ def test_tiles_wrong_scale_or_code_is_caught(name, monkeypatch):
 
 @pytest.mark.parametrize("gran", ["token", "tensor"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_fp4_rows_pair_loads_bit_exact(gran, dtype):
+def test_fp4_rows_pair_loads_bit_exact(gran, dtype, monkeypatch):
     # fp4 rows from each input width (pairs loaded as int32 / int64 words), slots mid-page
+    import kvcompile.kernels.append as app
+
+    monkeypatch.setattr(app, "FP4_PAIR_LOADS", True)
     gen = torch.Generator().manual_seed(8)
     ref, got = storage_pair(make_format("fp4_e2m1", gran), 6, H, P, 64)
     for i, slots in enumerate([torch.tensor([2, 3, 9, 10, 11, 12, 20]), torch.tensor([4, 13])]):
