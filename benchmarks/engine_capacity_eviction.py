@@ -7,7 +7,9 @@ eviction ratio, measured by running the scheduler (not from the layout alone).
     python benchmarks/engine_capacity_eviction.py --long          # 32k-token requests, below
 
 `--long` (issue 19's shape: 32,768-token prompts): `--prompt 32768 --new 512 --requests 24
---budget-seqs 2 --layers 1 --kv-heads 1 --int4-page 64 --no-attention --cases 0,2,4,5,6`. What
+--budget-seqs 2 --layers 1 --kv-heads 1 --int4-page 64 --no-attention --cases 0,2,4,3,5
+--step-tokens 4096` (prompts in chunks of 4,096 tokens: the model's [T, T] mask of a 65k-token
+step alone would take gigabytes). What
 is scaled, and why the ratios stand: every byte of every format here is per kv head and per
 layer (codes, page / channel / token scales, the residual page), so bytes per token, pages per
 budget and every scheduling decision scale together with `--layers` and `--kv-heads` when the
@@ -68,7 +70,7 @@ CASES = (("bf16", "page", False, None, None), ("fp8_e4m3", "page", False, None, 
          ("fp8_e4m3", "page", False, 0.5, "snapkv"), ("int4", "channel", True, 0.5, "snapkv"),
          ("int4", "channel", True, 0.5, "sinkwindow-vfp4"))
 LONG = dict(prompt=32768, new=512, requests=24, budget_seqs=2, layers=1, kv_heads=1,
-            int4_page=64, no_attention=True, cases="0,2,4,3,5")
+            int4_page=64, no_attention=True, cases="0,2,4,3,5", step_tokens=4096)
 PAGE = 16
 
 
@@ -97,6 +99,11 @@ def model(args):
 def run(args, kv, gran, residual, ratio, kind, budget_bytes) -> dict:
     torch._dynamo.reset()
     m = model(args)
+    dev = {}
+    if args.device != "cpu":   # bf16 weights, the default kernels (not the CPU's reference)
+        m = m.to(args.device, torch.bfloat16)
+    else:
+        dev = dict(inner="eager", kernels="reference")
     page = args.int4_page if kv == "int4" else PAGE
     policy = None
     extra = {}
@@ -108,9 +115,8 @@ def run(args, kv, gran, residual, ratio, kind, budget_bytes) -> dict:
             budget = budget // page * page - 1
         policy = SnapKV(budget) if kind == "snapkv" else SinkWindow(4, budget - 4)
     cfg = KVConfig(kv_dtype=kv, scale_granularity=gran, residual=residual, page_size=page,
-                   max_kv_bytes=budget_bytes, eviction=policy, inner="eager",
-                   kernels="reference", **extra)
-    eng = Engine(m, config=cfg, max_num_batched_tokens=args.prompt * 2,
+                   max_kv_bytes=budget_bytes, eviction=policy, **dev, **extra)
+    eng = Engine(m, config=cfg, max_num_batched_tokens=args.step_tokens or args.prompt * 2,
                  max_num_seqs=args.requests, enable_prefix_caching=False)
     if args.no_attention:
         from kvcompile.api import state_of
@@ -154,6 +160,10 @@ def main(argv=None) -> int:
     p.add_argument("--fit-pages", action="store_true",
                    help="50%% budgets of whole pages minus the decode step's token")
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--device", default="cpu",
+                   help="cpu (reference kernels, eager) or cuda (bf16 weights, default kernels)")
+    p.add_argument("--step-tokens", type=int, default=0,
+                   help="max_num_batched_tokens (default: two prompts)")
     p.add_argument("--kv-heads", type=int, default=8, choices=(1, 8),
                    help="kv heads (= query heads) of head_dim 128")
     p.add_argument("--no-attention", action="store_true",
@@ -165,6 +175,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.long:
         for k, v in LONG.items():
+            if k == "no_attention" and a.device != "cpu":
+                continue   # a GPU attends for real
             if getattr(a, k) == p.get_default(k):
                 setattr(a, k, v)
     if a.check_scaling:
