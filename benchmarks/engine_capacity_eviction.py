@@ -4,6 +4,24 @@ eviction ratio, measured by running the scheduler (not from the layout alone).
     python benchmarks/engine_capacity_eviction.py            # CPU, a few minutes
     python benchmarks/engine_capacity_eviction.py --prompt 1024 --requests 48
     python benchmarks/engine_capacity_eviction.py --int4-page 64 --fit-pages   # see below
+    python benchmarks/engine_capacity_eviction.py --long          # 32k-token requests, below
+
+`--long` (issue 19's shape: 32,768-token prompts): `--prompt 32768 --new 512 --requests 24
+--budget-seqs 2 --layers 1 --kv-heads 1 --int4-page 64 --no-attention --cases 0,2,4,3,5
+--step-tokens 4096` (prompts in chunks of 4,096 tokens: the model's [T, T] mask of a 65k-token
+step alone would take gigabytes). What
+is scaled, and why the ratios stand: every byte of every format here is per kv head and per
+layer (codes, page / channel / token scales, the residual page), so bytes per token, pages per
+budget and every scheduling decision scale together with `--layers` and `--kv-heads` when the
+budget does (it is `--budget-seqs` bf16 sequences of this model); `--check-scaling` runs the
+same short requests at 1 and 2 layers, and 1 and 8 kv heads, and prints the rows side by side.
+head_dim stays 128 (the token scales' share of a token depends on it). `--no-attention` puts a
+RuntimeHook in front of the plain attention (prompt chunks, rows not evicted) that returns
+zeros: the engine still writes every token into the pool in its format, the eviction runtime
+still observes (SnapKV's window queries) and evicts, and evicted rows still attend over their
+kept slots; only the prefill's quadratic attention math, which a 2-core CPU cannot do for 24 x
+32k tokens, is skipped (the outputs are meaningless, the schedule is not: greedy tokens do not
+enter it with `ignore_eos`).
 
 Setup: a 2-layer Llama with Llama-3-8B's attention shape per layer (8 kv heads, head_dim 128;
 hidden 512, 8 query heads, so the CPU can run it), random weights. `--requests` requests of
@@ -42,52 +60,83 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from kvcompile import Engine, KVConfig, SamplingParams, SinkWindow  # noqa: E402
+from kvcompile import Engine, KVConfig, SamplingParams, SinkWindow, SnapKV  # noqa: E402
+from kvcompile.runtime.hooks import RuntimeHook  # noqa: E402
 
-CASES = (("bf16", "page", False, None), ("fp8_e4m3", "page", False, None),
-         ("fp8_e4m3", "page", False, 0.5), ("int4", "channel", True, 0.5))
+# (kv_dtype, scale granularity, bf16 residual page, eviction ratio, policy)
+CASES = (("bf16", "page", False, None, None), ("fp8_e4m3", "page", False, None, None),
+         ("fp8_e4m3", "page", False, 0.5, "sinkwindow"), ("int4", "channel", True, 0.5,
+                                                         "sinkwindow"),
+         ("fp8_e4m3", "page", False, 0.5, "snapkv"), ("int4", "channel", True, 0.5, "snapkv"),
+         ("int4", "channel", True, 0.5, "sinkwindow-vfp4"))
+LONG = dict(prompt=32768, new=512, requests=24, budget_seqs=2, layers=1, kv_heads=1,
+            int4_page=64, no_attention=True, cases="0,2,4,3,5", step_tokens=4096)
 PAGE = 16
 
 
-def model():
+class NoAttention(RuntimeHook):
+    """--no-attention: zeros for every attention the plain path computes (see the docstring)."""
+
+    def attend(self, ctx, layer, q, plan, attn_mask, is_causal, window, softcap, scale, extras):
+        return q.new_zeros((*q.shape[:-1], ctx.state.pool.v[layer].head_dim),
+                           dtype=torch.float32)
+
+
+def model(args):
     import transformers
 
-    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=512,
-                                   num_hidden_layers=2, num_attention_heads=8,
-                                   num_key_value_heads=8, head_dim=128,
-                                   max_position_embeddings=8192)
+    heads = args.kv_heads
+    hidden = 512 if heads == 8 else 128
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=hidden,
+                                   num_hidden_layers=args.layers, num_attention_heads=heads,
+                                   num_key_value_heads=heads, head_dim=128,
+                                   max_position_embeddings=max(8192, 2 * (args.prompt + args.new)))
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
 
-def run(args, kv, gran, residual, ratio, budget_bytes) -> dict:
+def run(args, kv, gran, residual, ratio, kind, budget_bytes) -> dict:
     torch._dynamo.reset()
-    m = model()
+    m = model(args)
+    dev = dict(inner="eager")   # (a tiny model: no inductor compile per case)
+    if args.device != "cpu":   # bf16 weights, the default kernels (not the CPU's reference)
+        m = m.to(args.device, torch.bfloat16)
+    else:
+        dev["kernels"] = "reference"
     page = args.int4_page if kv == "int4" else PAGE
     policy = None
+    extra = {}
+    if kind == "sinkwindow-vfp4":
+        extra = dict(k_dtype="int4", v_dtype="fp4_e2m1")
     if ratio is not None:
         budget = int(args.prompt * ratio)
         if args.fit_pages:   # budget + the step's token fill whole pages
             budget = budget // page * page - 1
-        policy = SinkWindow(4, budget - 4)
+        policy = SnapKV(budget) if kind == "snapkv" else SinkWindow(4, budget - 4)
     cfg = KVConfig(kv_dtype=kv, scale_granularity=gran, residual=residual, page_size=page,
-                   max_kv_bytes=budget_bytes, eviction=policy, inner="eager",
-                   kernels="reference")
-    eng = Engine(m, config=cfg, max_num_batched_tokens=args.prompt * 2,
+                   max_kv_bytes=budget_bytes, eviction=policy, **dev, **extra)
+    eng = Engine(m, config=cfg, max_num_batched_tokens=args.step_tokens or args.prompt * 2,
                  max_num_seqs=args.requests, enable_prefix_caching=False)
+    if args.no_attention:
+        from kvcompile.api import state_of
+
+        state_of(m).hooks.insert(0, NoAttention())
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (args.prompt,), generator=g).tolist()
                for _ in range(args.requests)]
     t0 = time.perf_counter()
     eng.generate(prompts, SamplingParams(temperature=0, max_tokens=args.new, ignore_eos=True))
     running = [s.num_running for s in eng.history if s.decode_tokens]
+    # decode steps with the queue not yet empty (the steady state: ramp-up included, drain not)
+    queued = [s.num_running for s in eng.history if s.decode_tokens and s.num_waiting]
     pool = eng.pool
     res = sum(t.res_data.numel() * t.res_data.element_size() for t in pool.k + pool.v
               if t.res_data is not None)
-    row = dict(format=f"{kv} ({gran}, P{page})" + (" + residual" if residual else ""),
-               eviction="none" if ratio is None else
-               f"SinkWindow({policy.sinks}, {policy.window}) ({int(100 * ratio)}%)",
+    fmt = f"{kv} ({gran}, P{page})" if not extra else f"K int4 ({gran}) / V fp4, P{page}"
+    row = dict(format=fmt + (" + residual" if residual else ""),
+               eviction="none" if ratio is None else f"{policy!r} ({int(100 * ratio)}%)",
+               queued_mean_running=statistics.mean(queued) if queued else 0.0,
                residual_bytes=res, budget_bytes=budget_bytes,
                pages=eng.pool.num_pages, bytes_per_token=eng.pool.bytes_per_token,
                max_running=max(s.num_running for s in eng.history),
@@ -110,16 +159,56 @@ def main(argv=None) -> int:
                    help="indices into CASES (ratios are against case 0 when it runs)")
     p.add_argument("--fit-pages", action="store_true",
                    help="50%% budgets of whole pages minus the decode step's token")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--device", default="cpu",
+                   help="cpu (reference kernels, eager) or cuda (bf16 weights, default kernels)")
+    p.add_argument("--step-tokens", type=int, default=0,
+                   help="max_num_batched_tokens (default: two prompts)")
+    p.add_argument("--kv-heads", type=int, default=8, choices=(1, 8),
+                   help="kv heads (= query heads) of head_dim 128")
+    p.add_argument("--no-attention", action="store_true",
+                   help="zeros for the plain path's attention (see the docstring)")
+    p.add_argument("--long", action="store_true",
+                   help="32k-token requests: " + " ".join(f"{k}={v}" for k, v in LONG.items()))
+    p.add_argument("--check-scaling", action="store_true",
+                   help="the given cases at 1 / 2 layers and 1 / 8 kv heads")
     a = p.parse_args(argv)
+    if a.long:
+        for k, v in LONG.items():
+            if k == "no_attention" and a.device != "cpu":
+                continue   # a GPU attends for real
+            if getattr(a, k) == p.get_default(k):
+                setattr(a, k, v)
+    if a.check_scaling:
+        rows = {}
+        for layers, heads in ((1, 8), (2, 8), (1, 1), (2, 1)):
+            a.layers, a.kv_heads = layers, heads
+            rows[(layers, heads)] = table(a)
+        print("\n| layers | kv heads | case | pages | max running | mean running | "
+              "steady mean | preemptions |")
+        print("|---|---|---|---|---|---|---|---|")
+        for (layers, heads), rs in rows.items():
+            for r in rs:
+                print(f"| {layers} | {heads} | {r['format']}, {r['eviction']} | {r['pages']} | "
+                      f"{r['max_running']} | {r['mean_running']:.2f} | "
+                      f"{r['queued_mean_running']:.2f} | {r['preemptions']} |")
+        return 0
+    table(a)
+    return 0
+
+
+def table(a) -> list:
     torch.set_num_threads(1)
-    bf16_token = 2 * 2 * 8 * 128 * 2          # layers x (K, V) x kv heads x head_dim x bytes
+    # layers x (K, V) x kv heads x head_dim x bytes
+    bf16_token = a.layers * 2 * a.kv_heads * 128 * 2
     pages = a.budget_seqs * -(-(a.prompt + a.new) // PAGE)
     budget = pages * PAGE * bf16_token
     import transformers
 
     print(dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
                transformers=transformers.__version__, prompt=a.prompt, new=a.new,
-               requests=a.requests, budget_bytes=budget), flush=True)
+               requests=a.requests, budget_bytes=budget, layers=a.layers,
+               kv_heads=a.kv_heads, no_attention=a.no_attention), flush=True)
     rows = []
     cases = [int(x) for x in a.cases.split(",")]
     for i in cases:
@@ -131,8 +220,9 @@ def main(argv=None) -> int:
         return f"{r[key] / base[key]:.2f}" if base else "-"
 
     print("\n| format | eviction | pages | bytes/token | max running | x bf16 | mean running "
-          "(decode steps) | x bf16 | preemptions | residual (outside the budget) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "(decode steps) | x bf16 | steady mean (queue not empty) | x bf16 | preemptions | "
+          "residual (outside the budget) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         res = (f"{r['residual_bytes'] / 2**20:.2f} MiB "
                f"({100 * r['residual_bytes'] / r['budget_bytes']:.0f}% of the budget)"
@@ -140,8 +230,9 @@ def main(argv=None) -> int:
         print(f"| {r['format']} | {r['eviction']} | {r['pages']} | {r['bytes_per_token']:.0f} | "
               f"{r['max_running']} | {ratio(r, 'max_running')} | "
               f"{r['mean_running']:.1f} | {ratio(r, 'mean_running')} | "
+              f"{r['queued_mean_running']:.1f} | {ratio(r, 'queued_mean_running')} | "
               f"{r['preemptions']} | {res} |")
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ from quality_data import (  # noqa: E402
 )
 from quality_eval import (  # noqa: E402
     DEFAULT_ROWS,
+    NAMED_FORMATS,
     Evaluator,
     greedy,
     nll_and_agreement,
@@ -400,7 +401,7 @@ def _retrieval(ev, tok, prompts, pols, max_new: int, what: str) -> dict:
 
 
 def suite_passkey(model, tok, args) -> dict:
-    ev = Evaluator(model, max_kv_bytes=args.kv_bytes).compile("auto")
+    ev = Evaluator(model, max_kv_bytes=args.kv_bytes).compile(args.kv)
     rng = random.Random(0)
     prompts = []
     for length in args.lengths:
@@ -418,7 +419,8 @@ def suite_passkey(model, tok, args) -> dict:
         h = _retrieval(ev, tok, [(key, text, ans)], p, 8, "passkey")
         for k, v in h.items():
             out.setdefault(k, {}).setdefault(key, []).extend(v[key])
-        save("passkey", {"lengths": args.lengths, "depths": args.depths, "results": out},
+        save("passkey", {"lengths": args.lengths, "depths": args.depths, "kv": args.kv,
+                         "results": out},
              merge=True)
     return out
 
@@ -434,12 +436,13 @@ def _ruler_prompts(tok, args) -> list:
                     text, ans = multikey_prompt(tok, length, 4, rng)
                 else:
                     text, ans = variable_tracking_prompt(tok, length, 2, rng)
-                out.append((f"{task}/{length}", text, ans))
+                if task in args.ruler_tasks:   # (every prompt is drawn: the same prompts)
+                    out.append((f"{task}/{length}", text, ans))
     return out
 
 
 def suite_ruler(model, tok, args) -> dict:
-    ev = Evaluator(model, max_kv_bytes=args.kv_bytes).compile("auto")
+    ev = Evaluator(model, max_kv_bytes=args.kv_bytes).compile(args.kv)
     out = {}
     for key, text, ans in _ruler_prompts(tok, args):
         if int(key.split("/")[1]) in args.ruler_skip_lengths:  # same prompts as a full run
@@ -450,7 +453,7 @@ def suite_ruler(model, tok, args) -> dict:
         for k, v in h.items():
             for kk, vv in v.items():
                 out.setdefault(k, {}).setdefault(kk, []).extend(vv)
-        save("ruler", {"results": out}, merge=True)
+        save("ruler", {"kv": args.kv, "results": out}, merge=True)
     return out
 
 
@@ -602,6 +605,10 @@ def parse(argv):
     ap.add_argument("--formats", default=",".join(FORMATS),
                     help="ppl: KV storage formats (KVConfig.kv_dtype); every policy ratio on "
                     "the first, ratio 0.5 on the others")
+    ap.add_argument("--kv", default="auto",
+                    help="passkey, ruler: the KV storage format (a kv_dtype or a name of "
+                    "quality_eval.NAMED_FORMATS: " + ", ".join(NAMED_FORMATS) + "); save "
+                    "such runs under a --tag")
     ap.add_argument("--ctx", type=int, default=1024,
                     help="ppl: context tokens the policies compress")
     ap.add_argument("--cont", type=int, default=256,
@@ -636,6 +643,8 @@ def parse(argv):
     ap.add_argument("--ruler-skip-lengths", default="",
                     help="RULER-like lengths to leave out (the prompts stay those of "
                     "--ruler-lengths)")
+    ap.add_argument("--ruler-tasks", default="multikey,vartrack",
+                    help="ruler: tasks to run (the prompts of each stay those of a full run)")
     ap.add_argument("--ruler-samples", type=int, default=5,
                     help="ruler: prompts per task and length")
     ap.add_argument("--kvpress-python", default=None,
@@ -666,10 +675,13 @@ def parse(argv):
                     help="results file (default benchmarks/quality/quality_results.json)")
     a = ap.parse_args(argv)
     a.formats = a.formats.split(",")
+    if a.kv != "auto" and not a.tag:
+        ap.error(f"--kv {a.kv}: give a --tag (e.g. _{a.kv}) so the fp32 suites stay as saved")
     a.lengths = [int(x) for x in a.lengths.split(",")]
     a.depths = [float(x) for x in a.depths.split(",")]
     a.skip_lengths = [int(x) for x in a.skip_lengths.split(",") if x]
     a.ruler_lengths = [int(x) for x in a.ruler_lengths.split(",")]
+    a.ruler_tasks = a.ruler_tasks.split(",")
     if a.stream_segment:
         k, _, parts = a.stream_segment.partition("/")
         a.stream_segment = (int(k), int(parts))

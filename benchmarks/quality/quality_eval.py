@@ -29,6 +29,23 @@ from kvcompile.runtime.binding import binding_of
 PLACEHOLDER = SinkWindow(sinks=0, window=1 << 30)
 
 
+# Named storage configurations beside the plain kv_dtype strings (Evaluator.compile,
+# `kvcompile eval --formats / --kv`): the 4-bit Pareto point of benchmarks/RESULTS.md
+# ("key-aware quantization": K int4 with channel scales, V int4 with token scales, pages of 64,
+# values rotated by the Hadamard pass; 4.5 bits per element with scales).
+NAMED_FORMATS = {
+    "int4-kc-vt-p64-rot": dict(kv_dtype="int4", k_dtype="int4", v_dtype="int4",
+                               scale_granularity="channel", page_size=64, rotate="hadamard"),
+}
+
+
+def format_fields(kv: str, page_size: int = 16) -> dict:
+    """KVConfig fields of a storage format: a NAMED_FORMATS name or a kv_dtype string."""
+    if kv in NAMED_FORMATS:
+        return dict(NAMED_FORMATS[kv])
+    return dict(kv_dtype=kv, page_size=page_size)
+
+
 # Rows of the harness by name: budget b tokens -> policy. The SnapKV rows spell out every
 # field, so that they keep their meaning whatever SnapKV's defaults are.
 ROWS = {
@@ -72,12 +89,13 @@ class Evaluator:
         self.rt = None
 
     def compile(self, kv_dtype: str = "auto", page_size: int = 16):
-        """Compile the model for `kv_dtype` (fresh Dynamo state); returns self."""
+        """Compile the model for `kv_dtype` (a kv_dtype string or a NAMED_FORMATS name; fresh
+        Dynamo state); returns self."""
         m = self.model
         m.__dict__.pop("forward", None)
         m.__dict__.pop("_kvcompile_state", None)
         torch._dynamo.reset()
-        kvcompile.compile(m, KVConfig(kv_dtype=kv_dtype, page_size=page_size, inner="eager",
+        kvcompile.compile(m, KVConfig(**format_fields(kv_dtype, page_size), inner="eager",
                                       max_kv_bytes=self.max_kv_bytes, eviction=PLACEHOLDER))
         self.rt = None
         self.kv_dtype = kv_dtype

@@ -16,8 +16,11 @@ import os
 # SmolLM2-135M: 30 layers x 3 kv heads x 64 dims, K and V
 ELEMS_PER_TOKEN = 30 * 3 * 64 * 2
 ELEM_BYTES = {"auto": 4.0, "bf16": 2.0, "fp8_e4m3": 1.0 + 4 / (16 * 64),
-              "fp8_e5m2": 1.0 + 4 / (16 * 64), "fp4_e2m1": 0.5 + 1 / 16 + 4 / (16 * 64)}
-FMT_NAME = {"auto": "fp32"}
+              "fp8_e5m2": 1.0 + 4 / (16 * 64), "fp4_e2m1": 0.5 + 1 / 16 + 4 / (16 * 64),
+              # K int4 + fp16 scale and zero per channel of a 64-token page, V int4 + fp16
+              # scale and zero per token and head of 64 dims: 4.5 bits each
+              "int4-kc-vt-p64-rot": 4.5 / 8}
+FMT_NAME = {"auto": "fp32", "int4-kc-vt-p64-rot": "K int4/V int4 P64+rot"}
 COMPARE_AT = 9216  # tokens of the published CPU streaming run: longer runs show that prefix too
 
 
@@ -119,7 +122,7 @@ def plot(data: dict, path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"wspace": 0.9})
+    fig, axes = plt.subplots(1, 3, figsize=(19, 4.5), gridspec_kw={"wspace": 0.9})
     seen = set()
     for key in [k for k in data if k.startswith("ppl")]:
         ax = axes[0]
@@ -146,7 +149,10 @@ def plot(data: dict, path: str) -> bool:
             # runs with the same prompts (--tag, --skip-lengths): one entry per (row, length)
             merged = {}
             for suite in [k for k in data if k.startswith(prefix) and "ruler" not in k]:
+                kv = data[suite].get("kv", "auto")
                 for label, per in data[suite]["results"].items():
+                    if kv != "auto":   # (fp32 rows keep their names)
+                        label = f"{FMT_NAME.get(kv, kv)} {label}"
                     for length, h in per.items():
                         merged.setdefault(label, {}).setdefault(length, h)
             for label, per in merged.items():
@@ -163,9 +169,54 @@ def plot(data: dict, path: str) -> bool:
         lengths = sorted({k for s in data if s.startswith("passkey")
                           for v in data[s]["results"].values() for k in v}, key=int)
         ax.set_title(f"passkey at {'/'.join(lengths)} tokens (name@% evicted)")
+    _plot_retrieval_bytes(axes[2], data)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     return True
+
+
+def retrieval_points(data: dict) -> dict:
+    """{(task, format, row): (KB per context token, hits)}: passkey and the RULER-like
+    multi-key needle of every format (a suite's "kv", fp32 when absent), each row at the bytes
+    it keeps (format bytes x (1 - evicted share), from the row's "@pct")."""
+    pts = {}
+    for suite, s in data.items():
+        task = ("passkey" if suite.startswith("passkey") else
+                "multi-key" if suite.startswith("ruler") else None)
+        if task is None:
+            continue
+        kv = s.get("kv", "auto")
+        for label, per in s["results"].items():
+            hits = [h for k, v in per.items() if task == "passkey" or k.startswith("multikey")
+                    for h in v]
+            if not hits:
+                continue
+            kept = 1 - int(label.split("@")[1]) / 100 if "@" in label else 1.0
+            kb = ELEMS_PER_TOKEN * ELEM_BYTES[kv] * kept / 1024
+            old = pts.get((task, kv, label), (kb, []))[1]
+            pts[(task, kv, label)] = (kb, old + hits)
+    return pts
+
+
+def _plot_retrieval_bytes(ax, data: dict) -> None:
+    """Retrieval (%) against KB per context token: format x eviction ratio."""
+    pts = retrieval_points(data)
+    colors = {"auto": "tab:blue", "bf16": "tab:cyan", "fp8_e4m3": "tab:green",
+              "int4-kc-vt-p64-rot": "tab:red"}
+    for (task, kv, label), (kb, hits) in sorted(pts.items()):
+        pol = label.split("@")[0]
+        c = colors.get(kv, "tab:gray")
+        ax.scatter(kb, 100 * sum(hits) / len(hits), s=28, edgecolors=c,
+                   facecolors="none" if task == "multi-key" else c,
+                   marker={"full": "o", "SinkWindow": "s", "H2O": "^", "SnapKV": "D",
+                           "SnapKV-w8-shared": "*", "TOVA-like": "P"}.get(pol, "x"),
+                   label=f"{task}: {FMT_NAME.get(kv, kv)} {label} (n={len(hits)})")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-5, 105)
+    ax.set_xlabel("KV cache KB per context token (all layers, K+V)")
+    ax.set_ylabel("retrieved (%)")
+    ax.set_title("passkey (filled) and multi-key needle (hollow)\nby format x eviction")
+    ax.legend(fontsize=5, ncol=1, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
 def report(results_path: str, out_dir: str | None, only: str | None = None) -> None:

@@ -511,3 +511,60 @@ def test_chunked_prompts_attend_as_without_eviction(model, monkeypatch):
     got = run()
     assert st.counters.get("eviction_plain_prefill", 0) > before
     assert got == want
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(kv_dtype="fp8_e4m3", page_size=8, free_pages=12),
+    # the 4-bit Pareto layout's kind (int4 keys with channel scales, token-scaled values, bf16
+    # residual page); pages of 16 keep the test small (the capacity benchmark uses 64)
+    pytest.param(dict(kv_dtype="int4", scale_granularity="channel", residual=True,
+                      page_size=16, free_pages=6), marks=pytest.mark.xfail(strict=True, reason=(
+        "found 2026-12-04 (helper evict19e), not yet explained: the SnapKV request (index 7) "
+        "parts from itself alone at its 3rd token under these arrivals; alone it is the same "
+        "in chunks of 16/32/128, after other requests (recycled pages), in one batch with "
+        "all, and under arrivals with preemption (12) without the prefix cache, rng 11"))),
+], ids=["fp8", "int4-channel-residual"])
+def test_random_arrivals_quantized_eviction_preemption_prefix(cfg):
+    """Issue 19's settings under random arrivals: quantized pages, SinkWindow and SnapKV
+    requests beside requests that keep every token, prompts that share a prefix, a pool so
+    small that evicting requests are preempted (recomputed: each eviction replayed). Every
+    request equals itself alone on a roomy engine (one prefill chunk), and the evicting ones
+    differ from the same request without eviction (the comparison sees eviction)."""
+    cfg = dict(cfg)
+    free_pages = cfg.pop("free_pages")
+    torch._dynamo.reset()
+    m = make_hf("llama", "sdpa")
+    # prompts attend to their stored pages whether chunked or not (as the int4 case above)
+    kvcompile.compile(m, config(eviction=SinkWindow(2, 10), prefill_attends="stored", **cfg))
+    rng = random.Random(5)
+    shared = random_prompts(rng, 1, 17, 17)[0]
+    choices = [None, SinkWindow(2, 10), None, SnapKV(budget=12, window=4)]
+    reqs = [(shared + p, SamplingParams(temperature=0, max_tokens=rng.randrange(15, 30),
+                                        ignore_eos=True, eviction=choices[i % 4]))
+            for i, p in enumerate(random_prompts(rng, 8, 4, 30))]
+    alone = Engine(m, max_num_batched_tokens=128, enable_prefix_caching=False)
+    expect = [alone.generate([p], sp)[0].token_ids for p, sp in reqs]
+    keep_all = [alone.generate([p], SamplingParams(temperature=0, max_tokens=sp.max_tokens,
+                                                   ignore_eos=True, eviction=None))[0].token_ids
+                for p, sp in reqs]
+    alone.close()
+    evicting = [i for i, (_p, sp) in enumerate(reqs) if sp.eviction is not None]
+    assert any(expect[i] != keep_all[i] for i in evicting), "eviction changed no request"
+    pool = state_of(m).pool
+    hog = pool.allocate(1)[0]
+    pool.reserve([hog], (pool.num_pages - free_pages) * pool.page_size)
+    try:
+        eng = Engine(m, max_num_batched_tokens=32, preemption_mode="recompute")
+        eng.scheduler.watermark = 1
+        final = _run_arrivals(eng, reqs, rng, lambda e, _: e.pool.check_invariants())
+        for i in range(len(reqs)):
+            assert final[i].token_ids == expect[i], \
+                f"request {i} ({reqs[i][1].eviction}) changed by its neighbours"
+        assert any(final[i].num_preemptions for i in evicting), "no evicting request preempted"
+        assert all(final[i].num_cached_tokens == 0 for i in evicting)
+        assert any(final[i].num_cached_tokens for i in final if i not in evicting), \
+            "the prefix cache never hit"
+        eng.close()
+    finally:
+        pool.free([hog])
+    assert pool.stats().pages_used == 0
