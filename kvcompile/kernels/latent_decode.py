@@ -196,6 +196,12 @@ CANDIDATES = (
 # stack, two an SM.
 SWEEP_CANDIDATES = (
     LatentTiles(16, 64, 4, 1, layout="once", widen="tile"),
+)
+# Not launched on CUDA (latent_decode_attention refuses them there): their first H200 run
+# (triton 3.6, 2026-12-04) faulted with an illegal memory access on the bf16 "rope" variant,
+# which left the process's CUDA context unusable; the CPU interpreter tests and the sm_90
+# compile tests keep them.
+PREFETCH_VARIANTS = (
     # the prefetch variants (LatentTiles.ahead, RESULTS.md mla22h; sm_90, triton 3.9): bf16
     # once_t with the rotary key a tile ahead, a 3-deep latent ring (223 KB, 237 registers,
     # no stack; the rule's tile: a 2-deep ring whose next tile is issued after the dots and
@@ -633,6 +639,11 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
         tiles, rule_splits = pick_launch(H, R, B, max_len, sm_count(q_lat.device), widened,
                                          q_fp32=q_lat.dtype == torch.float32)
         num_splits = rule_splits if num_splits is None else num_splits
+    if tiles.ahead and q_lat.device.type == "cuda":
+        raise UnsupportedShapeError(
+            f"latent_decode_attention: tiles {tiles} (a prefetch variant) faulted on the H200 "
+            f"(triton 3.6: illegal memory access, 2026-12-04) and run only under the CPU "
+            f"interpreter until fixed; pass tiles=None or a tile without ahead=")
     if tiles.widen != "dot" and not widened:
         raise UnsupportedShapeError(f"latent_decode_attention: tiles {tiles} widen fp8 "
                                     f"latent pages; these are {c_pages.fmt.name}: pass "
@@ -675,6 +686,7 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
     return out
 
 
-__all__ = ["AHEADS", "CANDIDATES", "FEW_PROGRAMS", "LAYOUTS", "SWEEP_CANDIDATES", "WIDENS",
+__all__ = ["AHEADS", "CANDIDATES", "FEW_PROGRAMS", "LAYOUTS", "PREFETCH_VARIANTS",
+           "SWEEP_CANDIDATES", "WIDENS",
            "LatentTiles", "fast_path_reason", "latent_decode_attention", "launch_constexprs",
            "pick_launch", "pick_splits", "pick_tiles", "programs_per_sm"]

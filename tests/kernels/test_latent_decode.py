@@ -21,6 +21,7 @@ from kvcompile.kernels import latent_decode as ld
 from kvcompile.kernels.dense import paged_reference_attention
 from kvcompile.kernels.latent_decode import (
     CANDIDATES,
+    PREFETCH_VARIANTS,
     SWEEP_CANDIDATES,
     LatentTiles,
     latent_decode_attention,
@@ -100,7 +101,7 @@ BITS = LatentTiles(16, 64, 4, 1, widen="bits")
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("tiles", [ONCE, ONCE_T, LatentTiles(16, 64, 4, 2, widen="tile"),
-                                   *SWEEP_CANDIDATES,
+                                   *SWEEP_CANDIDATES, *PREFETCH_VARIANTS,
                                    LatentTiles(16, 64, 4, 2, layout="once_t", widen="bits")],
                          ids=str)
 def test_fp8_pages_take_fp16_dots_under_bf16_queries(tiles, fmt):
@@ -393,6 +394,7 @@ def test_every_tile_the_rule_returns_is_compiled_for_sm90():
                         for q32 in (False, True):
                             t, sp = ld.pick_launch(heads, 512, batch, ctx, sms, widened, q32)
                             assert t in CANDIDATES and t not in SWEEP_CANDIDATES, str(t)
+                            assert t not in PREFETCH_VARIANTS and not t.ahead, str(t)
                             assert 1 <= sp <= ld.MAX_SPLITS
                             seen.add(t)
     assert len(seen) >= 5, sorted(map(str, seen))

@@ -18,13 +18,14 @@ import pytest
 
 from kvcompile.kernels.latent_decode import (
     CANDIDATES,
+    PREFETCH_VARIANTS,
     SWEEP_CANDIDATES,
     LatentTiles,
     programs_per_sm,
 )
 from tests.kernels.sm90_compile import compile_rows
 
-ALL = CANDIDATES + SWEEP_CANDIDATES   # the rule's and the benchmark's only
+ALL = CANDIDATES + SWEEP_CANDIDATES + PREFETCH_VARIANTS   # the rule's and the benchmark's only
 SMEM_LIMIT = 232448   # bytes of shared memory one block may use on sm_90 (227 KiB)
 SMEM_PER_SM = 233472  # bytes of shared memory an SM has (228 KiB), 1 KiB reserved a block
 REGS_PER_SM = 65536
