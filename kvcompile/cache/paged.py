@@ -496,63 +496,61 @@ class PagedTensor:
     @staticmethod
     def _write_tokens_decided(tensors, p: int, o: int, xs, facts) -> bool:
         """`write_tokens_fp8`'s full decision (facts: the tensors' kept facts at o > 0, whose
-        scales are the page's and whose heads all hold a value; None at o == 0)."""
+        scales are the page's and whose heads all hold a value; None at o == 0). The k * H
+        scale decisions in Python lists, as `_write_one_fp8` takes them (a numpy call costs
+        more than these few floats' arithmetic); the token and code arrays by numpy."""
         first = tensors[0]
-        H, Ds, P = first.num_heads, first.data.shape[-1], first.page_size
+        k, H, Ds, P = len(tensors), first.num_heads, first.data.shape[-1], first.page_size
         divisor, fmax = first._fp8_numbers()[:2]
-        if np.float32(divisor) != divisor:   # (cover below is an fp32 quotient)
-            return False
         x = np.stack(xs)                                                       # [k, H, Ds]
-        a = np.maximum.reduce(np.abs(x), axis=2)                               # [k, H] amax
-        if not np.maximum.reduce(a, None) < math.inf:   # a NaN / Inf: the general path
+        a = np.maximum.reduce(np.abs(x), axis=2).reshape(-1).tolist()          # [k * H] amax
+        if not all(v < math.inf for v in a):   # a NaN / Inf: the general path
             return False
-        cover = a / np.float32(divisor)   # fp32, as _as_fp32 of the double quotient
+        cover = _as_fp32([v / divisor for v in a])             # amax / divisor, in fp32
         if o:
-            s_old = np.stack([f[5][:, 0] for f in facts])                     # [k, H]
-            s_new = s_old.copy()
-            grown = np.argwhere(cover > s_old).tolist()
-            for i, h in grown:
-                s_new[i, h] = _grown_scale(float(s_old[i, h]), float(cover[i, h]))
-            if grown and not np.maximum.reduce(s_new, None) < math.inf:
+            s_old = [v for f in facts for v in f[5].reshape(-1).tolist()]
+            grown = [j for j, (c, s) in enumerate(zip(cover, s_old)) if c > s]
+            s_new = list(s_old)
+            for j in grown:
+                s_new[j] = _grown_scale(s_old[j], cover[j])
+            if grown and not all(s_new[j] < math.inf for j in grown):
                 return False
-        else:   # fresh scales: max(amax / divisor, MIN_SCALE), 1.0 for a zero head
-            s_new = np.where(a > 0, np.maximum(cover, np.float32(MIN_SCALE)), np.float32(1.0))
-            grown = []
-        y = x / s_new[:, :, None]
+            keep = o + 1 < P
+        else:   # fresh scales, as _write_one_fp8's
+            s_new = [max(c, MIN_SCALE) if v > 0 else 1.0 for v, c in zip(a, cover)]
+            grown = ()
+            keep = o + 1 < P and all(v > 0 and c >= MIN_SCALE for v, c in zip(a, cover))
+        sn = np.array(s_new, np.float32).reshape(k, H, 1)
+        y = x / sn
         np.clip(y, -fmax, fmax, out=y)
         parts, earlier = [y.reshape(-1)], []
-        if grown:   # the grown heads' first o codes, decoded under s_old, encoded under s_new
-            table = _fp8_values(first.fmt.storage_dtype)
-            for i, t in enumerate(tensors):
-                heads = [h for j, h in grown if j == i]
-                if heads:
-                    e = t.host_rows("codes")[p * H:(p + 1) * H, :o * Ds]          # [H, o*Ds]
-                    v = np.take(table, e[heads])                                  # [G, o*Ds]
-                    v *= s_old[i, heads][:, None]
-                    v /= s_new[i, heads][:, None]
-                    np.clip(v, -fmax, fmax, out=v)
-                    parts.append(v.reshape(-1))
-                    earlier.append((e, heads, v.shape))
+        for i, t in enumerate(tensors):   # the grown heads' first o codes: decoded under
+            heads = [j - i * H for j in grown if i * H <= j < (i + 1) * H]   # s_old, encoded
+            if heads:                                                          # under s_new
+                e = t.host_rows("codes")[p * H:(p + 1) * H, :o * Ds]            # [H, o*Ds]
+                v = np.take(_fp8_values(first.fmt.storage_dtype), e[heads])     # [G, o*Ds]
+                v *= np.array([s_old[i * H + h] for h in heads], np.float32)[:, None]
+                v /= sn[i, heads]
+                np.clip(v, -fmax, fmax, out=v)
+                parts.append(v.reshape(-1))
+                earlier.append((e, heads, v.shape))
         flat = parts[0] if len(parts) == 1 else np.concatenate(parts)
         codes = torch.from_numpy(flat).to(first.fmt.storage_dtype).view(torch.uint8).numpy()
         at = y.size
         for e, heads, shape in earlier:
-            n = shape[0] * shape[1]
-            e[heads] = codes[at:at + n].reshape(shape)
-            at += n
-        keep = o + 1 < P and (o > 0 or bool(np.logical_and(a > 0, cover >= MIN_SCALE).all()))
+            e[heads] = codes[at:at + shape[0] * shape[1]].reshape(shape)
+            at += shape[0] * shape[1]
         for i, t in enumerate(tensors):
             t.host_rows("codes")[p * H:(p + 1) * H, o * Ds:(o + 1) * Ds] = (
                 codes[i * H * Ds:(i + 1) * H * Ds].reshape(H, Ds))
-            t._host_view("scale")[p] = s_new[i]
+            t._host_view("scale")[p] = sn[i, :, 0]
             views = t.__dict__["_views"]
             if not keep:
                 views.pop("fp8_fact", None)
             elif o:   # (the placement by numpy bumps no version: the fact stays as of them)
-                views["fp8_fact"] = (p, o + 1, *facts[i][2:5], s_new[i][:, None].copy(),
-                                     *facts[i][6:])
+                views["fp8_fact"] = (p, o + 1, *facts[i][2:5], sn[i].copy(), *facts[i][6:])
             else:
-                t._keep_fp8_fact(p, o + 1, s_new[i][:, None].copy())
+                t._keep_fp8_fact(p, o + 1, sn[i].copy())
         return True
 
     def _fp8_numbers(self) -> tuple:

@@ -465,3 +465,38 @@ def test_kv_tokens_written_together_with_scale_decisions(name):
     assert not PagedTensor.write_tokens_fp8((kt, vt), p, o, (x[0].numpy(), x[1].numpy()),
                                             scratch)
     assert unchanged()
+
+
+def test_nan_screen_kept_per_run():
+    """The in-place gather's NaN screen (`dense._nan_codes_in`) is kept per run of pages as of
+    `data`'s version: a second gather of the same pages screens nothing, one with a page more
+    screens that page only, and the kept screen never hides a NaN code: one placed by torch
+    after it (a version bump) or in the added page is NaN in the result, exactly there (the
+    negative cases: without the version check or with the added page unscreened, these
+    NaNs would read as finite values)."""
+    from kvcompile.kernels.dense import _fp8_rows_host, _page_rows
+
+    fmt = KVFormat("fp8_e4m3", "page")
+    H, D, P, N = 3, 16, 8, 8
+    kt, vt = fmt.allocate(N, H, P, D), fmt.allocate(N, H, P, D)
+    g = torch.Generator().manual_seed(12)
+    start, n, total = 1, 3, 3 * P - 2
+    for t in (kt, vt):
+        t.write(torch.arange(start * P, start * P + total + P),
+                torch.randn(total + P, H, D, generator=g))
+    vt.data[start + n, 2, 3].view(torch.uint8)[1] = 0x7F   # in the page added later
+
+    def result(n, total):
+        x, sc = _fp8_rows_host((kt, vt), _page_rows(torch.arange(start, start + n), 1, H),
+                               1, n, total, {}, start)
+        return (x * sc).view(2, H, n * P, D)[:, :, :total]
+
+    assert not bool(result(n, total).isnan().any())
+    assert kt.__dict__["_views"]["nan_free"][:2] == (start, n)
+    assert not bool(result(n, total).isnan().any())                # kept: nothing screened
+    got = result(n + 1, total + P)                                 # the added page's NaN
+    assert int(got.isnan().sum()) == 1 and bool(got[1, 2, n * P + 3, 1].isnan())
+    assert kt.__dict__["_views"]["nan_free"][:2] == (start, n + 1)
+    kt.data[start + 1, 0, 4].view(torch.uint8)[7] = 0xFF           # by torch: a new version
+    got = result(n, total)
+    assert int(got.isnan().sum()) == 1 and bool(got[0, 0, P + 4, 7].isnan())
