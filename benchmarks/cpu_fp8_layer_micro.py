@@ -8,8 +8,9 @@ write16   the 16 tokens of the last page written in turn (offsets 0..15, values 
           from N(0, 1) with a few larger ones: the page scale grows on some of them), per token
 calm16    the same with every head's largest value in the page's first token (no scale grows
           after it), per token
-step16    write16 as `CpuDecodeStep` writes K and V (both by their kept facts, one fp8 cast:
-          `PagedTensor.write_tokens_kept`, where this checkout has it; else write_token)
+step16    write16 as `CpuDecodeStep` writes K and V (together, one fp8 cast:
+          `PagedTensor.write_tokens_fp8` where this checkout has it, else by their kept facts,
+          `write_tokens_kept`, else write_token)
 gather    `CpuDecodeStep`'s K + V gather and decode of the sequence's 320 tokens
 
 Thread CPU time per call (K and V together), min / median over `--blocks` blocks of `--calls`
@@ -85,12 +86,13 @@ def _calls(kv: str, tokens: int, toks: torch.Tensor, g: torch.Generator):
 
     kn = [toks[o, 0].numpy() for o in range(P)]
     vn = [toks[o, 1].numpy() for o in range(P)]
-    pair = getattr(PagedTensor, "write_tokens_kept", None)
+    both = getattr(PagedTensor, "write_tokens_fp8", None)   # (every offset)
+    pair = both or getattr(PagedTensor, "write_tokens_kept", None)
     scratch: dict = {}
 
     def step16():
         for o in range(P):
-            if not (o and pair is not None
+            if not ((o or both is not None) and pair is not None
                     and pair((kt, vt), last, o, (kn[o], vn[o]), scratch)):
                 kt.write_token(last, o, trows[o], ks[o])
                 vt.write_token(last, o, trows[o], vs[o])

@@ -362,16 +362,7 @@ class PagedTensor:
         the token is the general path's x / scale (no clamp needed). Any other write of these
         tensors by torch bumps a version and the fact is not used; a grown scale, a non-finite
         x or a head without such a code leaves no fact."""
-        consts = self.__dict__.get("_fp8_consts")
-        if consts is None:   # (the format's numbers, looked up once per tensor)
-            fmt = self.fmt
-            fmax = torch.finfo(fmt.storage_dtype).max
-            # |x / scale| at most `screen`: amax / divisor <= scale, so no scale grows (x /
-            # scale is within 2^-24 of the exact quotient; the margin covers that), and
-            # x / scale needs no clamp
-            screen = min(fmt.scale_divisor, fmax) * (1.0 - 2.0 ** -20)
-            consts = self._fp8_consts = (fmt.scale_divisor, fmax,
-                                         self._FP8_FINITE[fmt.storage_dtype], screen)
+        consts = self._fp8_numbers()
         divisor, fmax = consts[:2]
         host = self._host_view("scale")                        # [N, H] numpy, or None
         # on the CPU: x's numbers read, divided and clamped by numpy (the same fp32 IEEE
@@ -455,8 +446,22 @@ class PagedTensor:
         pages. True: all written; False: nothing written (a fact missing or stale, or a
         value past the screen: then each tensor's own write). The codes' placement does not
         bump `data`'s version: the facts are kept as of it."""
-        facts = [t._fp8_fact(p, o) for t in tensors]
-        if None in facts:
+        return PagedTensor.write_tokens_fp8(tensors, p, o, xs, scratch, decide=False)
+
+    @staticmethod
+    def write_tokens_fp8(tensors, p: int, o: int, xs, scratch: dict,
+                         decide: bool = True) -> bool:
+        """`write_tokens_kept`, and with `decide` also where the kept facts' screen refuses
+        the tokens (a page scale grows) or o is 0 (a fresh page: no fact needed): the scale
+        decisions of `_write_one_fp8` for every head of every tensor at once by numpy, the
+        grown heads' earlier codes re-encoded (`_reencode_heads`' operations), and one torch
+        op, the fp8 cast of the tokens and the re-encoded codes together. The same bytes and
+        scales as each tensor's `_write_one_fp8`. False (nothing written) where a fact is
+        missing or stale at o > 0, a token holds NaN / Inf, or a scale would leave fp32:
+        then each tensor's own write. Precondition: CPU tensors with contiguous data and
+        scales (`dense._widen_rows_applies`)."""
+        facts = [t._fp8_fact(p, o) for t in tensors] if o else None
+        if o and None in facts:
             return False
         first = tensors[0]
         H, Ds = first.num_heads, first.data.shape[-1]
@@ -467,10 +472,17 @@ class PagedTensor:
             c8 = torch.empty(y.shape, dtype=first.fmt.storage_dtype)
             bufs = scratch[key] = (y, torch.from_numpy(y), c8, c8.view(torch.uint8).numpy())
         y, yt, c8, cn = bufs
-        for i, (x, f) in enumerate(zip(xs, facts)):
-            np.divide(x, f[5], out=y[i])
-        if not np.maximum.reduce(np.abs(y), None) <= facts[0][6]:   # (NaN: not kept)
+        if o:
+            for i, (x, f) in enumerate(zip(xs, facts)):
+                np.divide(x, f[5], out=y[i])
+            if not np.maximum.reduce(np.abs(y), None) <= facts[0][6]:   # (NaN: not kept)
+                if not decide:
+                    return False
+                return PagedTensor._write_tokens_decided(tensors, p, o, xs, facts)
+        elif not decide:
             return False
+        else:
+            return PagedTensor._write_tokens_decided(tensors, p, o, xs, None)
         c8.copy_(yt)
         last = o + 1 == first.page_size
         for t, f, c in zip(tensors, facts, cn):
@@ -480,6 +492,81 @@ class PagedTensor:
             else:
                 t.__dict__["_views"]["fp8_fact"] = (p, o + 1, *f[2:])
         return True
+
+    @staticmethod
+    def _write_tokens_decided(tensors, p: int, o: int, xs, facts) -> bool:
+        """`write_tokens_fp8`'s full decision (facts: the tensors' kept facts at o > 0, whose
+        scales are the page's and whose heads all hold a value; None at o == 0). The k * H
+        scale decisions in Python lists, as `_write_one_fp8` takes them (a numpy call costs
+        more than these few floats' arithmetic); the token and code arrays by numpy."""
+        first = tensors[0]
+        k, H, Ds, P = len(tensors), first.num_heads, first.data.shape[-1], first.page_size
+        divisor, fmax = first._fp8_numbers()[:2]
+        x = np.stack(xs)                                                       # [k, H, Ds]
+        a = np.maximum.reduce(np.abs(x), axis=2).reshape(-1).tolist()          # [k * H] amax
+        if not all(v < math.inf for v in a):   # a NaN / Inf: the general path
+            return False
+        cover = _as_fp32([v / divisor for v in a])             # amax / divisor, in fp32
+        if o:
+            s_old = [v for f in facts for v in f[5].reshape(-1).tolist()]
+            grown = [j for j, (c, s) in enumerate(zip(cover, s_old)) if c > s]
+            s_new = list(s_old)
+            for j in grown:
+                s_new[j] = _grown_scale(s_old[j], cover[j])
+            if grown and not all(s_new[j] < math.inf for j in grown):
+                return False
+            keep = o + 1 < P
+        else:   # fresh scales, as _write_one_fp8's
+            s_new = [max(c, MIN_SCALE) if v > 0 else 1.0 for v, c in zip(a, cover)]
+            grown = ()
+            keep = o + 1 < P and all(v > 0 and c >= MIN_SCALE for v, c in zip(a, cover))
+        sn = np.array(s_new, np.float32).reshape(k, H, 1)
+        y = x / sn
+        np.clip(y, -fmax, fmax, out=y)
+        parts, earlier = [y.reshape(-1)], []
+        for i, t in enumerate(tensors):   # the grown heads' first o codes: decoded under
+            heads = [j - i * H for j in grown if i * H <= j < (i + 1) * H]   # s_old, encoded
+            if heads:                                                          # under s_new
+                e = t.host_rows("codes")[p * H:(p + 1) * H, :o * Ds]            # [H, o*Ds]
+                v = np.take(_fp8_values(first.fmt.storage_dtype), e[heads])     # [G, o*Ds]
+                v *= np.array([s_old[i * H + h] for h in heads], np.float32)[:, None]
+                v /= sn[i, heads]
+                np.clip(v, -fmax, fmax, out=v)
+                parts.append(v.reshape(-1))
+                earlier.append((e, heads, v.shape))
+        flat = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        codes = torch.from_numpy(flat).to(first.fmt.storage_dtype).view(torch.uint8).numpy()
+        at = y.size
+        for e, heads, shape in earlier:
+            e[heads] = codes[at:at + shape[0] * shape[1]].reshape(shape)
+            at += shape[0] * shape[1]
+        for i, t in enumerate(tensors):
+            t.host_rows("codes")[p * H:(p + 1) * H, o * Ds:(o + 1) * Ds] = (
+                codes[i * H * Ds:(i + 1) * H * Ds].reshape(H, Ds))
+            t._host_view("scale")[p] = sn[i, :, 0]
+            views = t.__dict__["_views"]
+            if not keep:
+                views.pop("fp8_fact", None)
+            elif o:   # (the placement by numpy bumps no version: the fact stays as of them)
+                views["fp8_fact"] = (p, o + 1, *facts[i][2:5], sn[i].copy(), *facts[i][6:])
+            else:
+                t._keep_fp8_fact(p, o + 1, sn[i].copy())
+        return True
+
+    def _fp8_numbers(self) -> tuple:
+        """(scale divisor, fmax, the largest finite low-7-bit code, the kept fact's screen) of
+        this fp8 format, looked up once per tensor."""
+        consts = self.__dict__.get("_fp8_consts")
+        if consts is None:
+            fmt = self.fmt
+            fmax = torch.finfo(fmt.storage_dtype).max
+            # |x / scale| at most `screen`: amax / divisor <= scale, so no scale grows (x /
+            # scale is within 2^-24 of the exact quotient; the margin covers that), and
+            # x / scale needs no clamp
+            screen = min(fmt.scale_divisor, fmax) * (1.0 - 2.0 ** -20)
+            consts = self._fp8_consts = (fmt.scale_divisor, fmax,
+                                         self._FP8_FINITE[fmt.storage_dtype], screen)
+        return consts
 
     def _fp8_fact(self, p: int, o: int):
         """The kept fact (`_keep_fp8_fact`) where it is for offset o of page p and neither
@@ -505,7 +592,7 @@ class PagedTensor:
             return
         H, P, Ds = self.num_heads, self.page_size, d.shape[-1]
         views["fp8_fact"] = (p, o, d, d._version, self.scale._version, s_col,
-                             self._fp8_consts[3], (H, Ds), (P * Ds, 1),
+                             self._fp8_numbers()[3], (H, Ds), (P * Ds, 1),
                              d.storage_offset() + p * H * P * Ds, Ds)
 
     def _store_token(self, p: int, o: int, y: np.ndarray) -> None:
@@ -552,7 +639,7 @@ class PagedTensor:
             v = np.take(_fp8_values(self.fmt.storage_dtype), earlier[heads])  # [G, o * Ds]
             v *= np.array([s_old[h] for h in heads], np.float32)[:, None]
             v /= np.array([s_new[h] for h in heads], np.float32)[:, None]
-            fmax = self._fp8_consts[1]
+            fmax = self._fp8_numbers()[1]
             np.clip(v, -fmax, fmax, out=v)
             enc = torch.from_numpy(v).to(self.fmt.storage_dtype)
             earlier[heads] = enc.view(torch.uint8).numpy()

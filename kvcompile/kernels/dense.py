@@ -456,11 +456,9 @@ def _fp8_rows_host(parts, rows: torch.Tensor | np.ndarray, b: int, n: int, total
         # pool, read in place (no gathered copy of the codes); heads-first by the strides
         for i, t in enumerate(parts):
             blk = t.host_rows("codes")[start * H:(start + n) * H]             # [n*H, P*Ds]
-            # a NaN code (s 1111 111) anywhere in the block (as uint8 255 or int8 127), the
-            # rest of the last page included: looked at exactly below
-            nan_seen = nan_seen or (not e5m2 and (
-                np.maximum.reduce(blk, None) == 0xFF
-                or np.maximum.reduce(blk.view(np.int8), None) == 0x7F))
+            # a NaN code (s 1111 111) anywhere in the block, the rest of the last page
+            # included: looked at exactly below
+            nan_seen = nan_seen or (not e5m2 and _nan_codes_in(t, blk, start, n, H))
             np.multiply(blk.view(np.int8).reshape(n, H, -1).transpose(1, 0, 2), mult,
                         out=i16[i].reshape(H, n, -1))
     else:
@@ -494,6 +492,29 @@ def _fp8_rows_host(parts, rows: torch.Tensor | np.ndarray, b: int, n: int, total
         else:   # a scale so large that factor * scale leaves fp32: into x (exact there)
             x.mul_(factor)
     return x, sc
+
+
+def _nan_codes_in(t, blk: np.ndarray, start: int, n: int, H: int) -> bool:
+    """Whether blk (E4M3 codes of t's pages start .. start + n - 1, [n * H, P * Ds] uint8)
+    may hold a NaN code: uint8 max 255 or int8 max 127 (the reductions), screened once. A
+    clean screen is kept with t's views as (start, n, data, data._version): the next call on
+    the same run screens only its pages past those n. What the one-token writes place by
+    numpy without a version bump (`PagedTensor.write_tokens_fp8`, `_reencode_heads`) are
+    codes of finite values, never NaN; every other writer is torch and bumps the version
+    (an inference tensor has none: screened every time)."""
+    views, d = t.__dict__["_views"], t.data
+    kept = views.get("nan_free")
+    done = 0
+    if kept is not None and kept[0] == start and kept[2] is d and kept[3] == d._version:
+        done = min(kept[1], n)
+    if done < n:
+        part = blk[done * H:]
+        if (np.maximum.reduce(part, None) == 0xFF
+                or np.maximum.reduce(part.view(np.int8), None) == 0x7F):
+            return True
+        if not d.is_inference():
+            views["nan_free"] = (start, n, d, d._version)
+    return False
 
 
 def _fp8_rows_buffers(shape, gran: str, w: int, b: int, H: int, n: int, P: int, D: int):

@@ -9,8 +9,9 @@ reach the reference attention of a decode step through about 25 tensor ops and 9
 per layer (bf16 pages), against HF's 2 `torch.cat` and 1 SDPA. This path computes the same
 bytes in the pool and the same output, bit for bit, with what one forward's layers share built
 once (`for_forward`): the new token's page and slot, the sequence's page-head rows. Per layer it
-writes K and V with one index_copy_ each (unquantized pages; fp8 pages by their kept facts,
-`PagedTensor.write_tokens_kept`, one fp8 cast for both, else PagedTensor._write_one_fp8),
+writes K and V with one index_copy_ each (unquantized pages; fp8 pages together,
+`PagedTensor.write_tokens_fp8`: by their kept facts, else both scale decisions by numpy, one
+fp8 cast for both; a NaN / Inf token PagedTensor._write_one_fp8),
 gathers each with one index_select (plus the dtype pass: fp8 pages' K and V are gathered and
 decoded together by `dense._fp8_rows_host`, numpy integer ops and two torch ops, into buffers
 made by the step's first layer and reused by the others) and calls SDPA once.
@@ -80,7 +81,7 @@ class CpuDecodeStep:
             return None   # (the general path writes these formats, or names the bad shape)
         rows, token = self.rows(H)
         together = self._fp8_together(kt, vt)
-        if not (together and self.offset and self._write_fp8_kept(kt, vt, k, v)):
+        if not (together and self._write_fp8(kt, vt, k, v)):
             kt.write_token(self.page, self.offset, token, k)
             vt.write_token(self.page, self.offset, token, v)
         dt = compute_dtype(q.dtype)
@@ -104,16 +105,17 @@ class CpuDecodeStep:
                 and _widen_rows_applies(kt) and _widen_rows_applies(vt)))
         return pair[1]
 
-    def _write_fp8_kept(self, kt, vt, k, v) -> bool:
-        """K and V's tokens by their kept facts, cast together (`write_tokens_kept`); False
-        (nothing written) where that does not apply."""
+    def _write_fp8(self, kt, vt, k, v) -> bool:
+        """K and V's tokens written together (`PagedTensor.write_tokens_fp8`: by their kept
+        facts, else the scale decisions for both at once; one fp8 cast); False (nothing
+        written) where that does not apply."""
         if (k.dtype != torch.float32 or v.dtype != torch.float32 or k.requires_grad
                 or v.requires_grad or k.device.type != "cpu" or v.device.type != "cpu"):
             return False
         H, D = kt.num_heads, kt.head_dim
-        return kt.write_tokens_kept((kt, vt), self.page, self.offset,
-                                    (k.numpy().reshape(H, D), v.numpy().reshape(H, D)),
-                                    self._scratch)
+        return kt.write_tokens_fp8((kt, vt), self.page, self.offset,
+                                   (k.numpy().reshape(H, D), v.numpy().reshape(H, D)),
+                                   self._scratch)
 
     def _gather_fp8(self, kt, vt, rows, dt):
         """`_gather` of K and V together: one widening, one scale product (the same values)."""

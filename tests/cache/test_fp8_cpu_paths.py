@@ -402,3 +402,101 @@ def test_kv_tokens_cast_together_by_kept_facts(name):
     assert not PagedTensor.write_tokens_kept((kt, vt), 1, 1, big, scratch)
     assert torch.equal(kt.data[0].view(torch.uint8), before[0][0].view(torch.uint8))
     assert torch.equal(kt.data[1, :, 1].view(torch.uint8), before[0][1, :, 1].view(torch.uint8))
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_kv_tokens_written_together_with_scale_decisions(name):
+    """PagedTensor.write_tokens_fp8 (a layer's K and V together: the kept facts, else the
+    scale decisions of both at once, the grown heads' earlier codes re-encoded, one fp8 cast)
+    stores `_write_grouped`'s scales and bytes token by token: fresh pages (offset 0, a zero
+    head among them), tokens that grow some heads' scales (K's only, V's only, both), a
+    token past fp8's range. The negative cases write nothing and say so (False): a NaN or an
+    Inf token, and a stale fact (V's scale set by torch) at offset > 0."""
+    fmt = KVFormat(name, "page")
+    H, D, P = 3, 16, 8
+    kt, vt = fmt.allocate(3, H, P, D), fmt.allocate(3, H, P, D)
+    ks, vs = fmt.allocate(3, H, P, D), fmt.allocate(3, H, P, D)
+    for t in (kt, vt, ks, vs):
+        t.data.view(torch.uint8).fill_(0x33)
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(2, H, D, generator=g) for _ in range(2 * P + 2)]
+    xs[0][1, 2] = 0.0                  # a zero V head on a fresh page: no fact after it
+    xs[2][0, 1] *= 40.0                # K's head 1 grows
+    xs[3][1] *= 300.0                  # every V head grows
+    xs[5][:, 0] *= 1e3                 # both grow by much
+    xs[P] = xs[P] * 1e-40              # fresh page, denormal-sized values (MIN_SCALE)
+    xs[P + 3] = xs[P + 3] * 1e5        # past fp8's range under the old scale: grows
+    scratch, decided = {}, 0
+
+    for i, x in enumerate(xs):
+        p, o = divmod(i, P)
+        ok = PagedTensor.write_tokens_fp8((kt, vt), p, o, (x[0].numpy(), x[1].numpy()),
+                                          scratch)
+        if not ok:   # (after a fresh zero head or a MIN_SCALE one: no fact)
+            assert i in (1, P + 1), i
+            kt.write(torch.tensor([i]), x[None, 0])
+            vt.write(torch.tensor([i]), x[None, 1])
+        decided += ok
+        for t, slow in ((kt, ks), (vt, vs)):
+            slow._write_grouped(torch.tensor([p]), torch.tensor([o]),
+                                x[None, 0 if t is kt else 1].float())
+            assert torch.equal(t.scale[:p + 1], slow.scale[:p + 1]), i
+            assert torch.equal(t.data[p, :, :o + 1].view(torch.uint8),
+                               slow.data[p, :, :o + 1].view(torch.uint8)), i
+    assert decided == len(xs) - 2
+    # the negative cases: nothing written
+    i = len(xs)
+    p, o = divmod(i, P)
+    before = (kt.data.clone(), vt.data.clone(), kt.scale.clone(), vt.scale.clone())
+
+    def unchanged():
+        return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                   for a, b in zip((kt.data, vt.data, kt.scale, vt.scale), before))
+
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(2, H, D, generator=g)
+        x[1, 0, 3] = bad
+        assert not PagedTensor.write_tokens_fp8((kt, vt), p, o, (x[0].numpy(), x[1].numpy()),
+                                                scratch)
+        assert unchanged()
+    vt.scale[p] = vt.scale[p] * 4.0    # another writer (torch): V's fact is stale
+    before = (kt.data.clone(), vt.data.clone(), kt.scale.clone(), vt.scale.clone())
+    x = torch.randn(2, H, D, generator=g) * 100.0
+    assert not PagedTensor.write_tokens_fp8((kt, vt), p, o, (x[0].numpy(), x[1].numpy()),
+                                            scratch)
+    assert unchanged()
+
+
+def test_nan_screen_kept_per_run():
+    """The in-place gather's NaN screen (`dense._nan_codes_in`) is kept per run of pages as of
+    `data`'s version: a second gather of the same pages screens nothing, one with a page more
+    screens that page only, and the kept screen never hides a NaN code: one placed by torch
+    after it (a version bump) or in the added page is NaN in the result, exactly there (the
+    negative cases: without the version check or with the added page unscreened, these
+    NaNs would read as finite values)."""
+    from kvcompile.kernels.dense import _fp8_rows_host, _page_rows
+
+    fmt = KVFormat("fp8_e4m3", "page")
+    H, D, P, N = 3, 16, 8, 8
+    kt, vt = fmt.allocate(N, H, P, D), fmt.allocate(N, H, P, D)
+    g = torch.Generator().manual_seed(12)
+    start, n, total = 1, 3, 3 * P - 2
+    for t in (kt, vt):
+        t.write(torch.arange(start * P, start * P + total + P),
+                torch.randn(total + P, H, D, generator=g))
+    vt.data[start + n, 2, 3].view(torch.uint8)[1] = 0x7F   # in the page added later
+
+    def result(n, total):
+        x, sc = _fp8_rows_host((kt, vt), _page_rows(torch.arange(start, start + n), 1, H),
+                               1, n, total, {}, start)
+        return (x * sc).view(2, H, n * P, D)[:, :, :total]
+
+    assert not bool(result(n, total).isnan().any())
+    assert kt.__dict__["_views"]["nan_free"][:2] == (start, n)
+    assert not bool(result(n, total).isnan().any())                # kept: nothing screened
+    got = result(n + 1, total + P)                                 # the added page's NaN
+    assert int(got.isnan().sum()) == 1 and bool(got[1, 2, n * P + 3, 1].isnan())
+    assert kt.__dict__["_views"]["nan_free"][:2] == (start, n + 1)
+    kt.data[start + 1, 0, 4].view(torch.uint8)[7] = 0xFF           # by torch: a new version
+    got = result(n, total)
+    assert int(got.isnan().sum()) == 1 and bool(got[0, 0, P + 4, 7].isnan())
