@@ -50,14 +50,15 @@ def _make_inputs(k, v, D, G, P, Sq, lens, Hkv, kmask, q_dtype, seed):
 
 
 def _decode(kc, vc, bt, sl, q, km, *, splits=1, window=0, sinks=0, softcap=0.0, seed=0,
-            root=None):
-    # -> (emulated kernel output [B, Hq, Sq, D] in q's dtype, fp32 reference)
+            root=None, variant="base"):
+    # -> (emulated kernel output [B, Hq, Sq, D] in q's dtype, fp32 reference); variant: an
+    # issue-14 compile-time variant (decode_sm90.VARIANTS)
     scale = 1.0 / math.sqrt(q.shape[-1])
     out = poison_(torch.empty(*q.shape[:3], vc.head_dim, dtype=q.dtype))
     lp = fast.plan_decode_sm90(q, kc.data, kc.scale, vc.data, vc.scale, bt, sl, km, out,
                                kc.fmt.name, kc.fmt.granularity, vc.fmt.name,
                                vc.fmt.granularity, scale, window, sinks, softcap, splits, 132,
-                               kz=kc.zero, vz=vc.zero)
+                               kz=kc.zero, vz=vc.zero, variant=variant)
     emu.run(lp, seed=seed, root=root)
     ref = paged_decode_attention_ref(q, kc, vc, bt, sl, scale, key_mask=km,
                                      sliding_window=window, sinks=sinks, softcap=softcap)
@@ -518,18 +519,8 @@ VAR_CASES = [  # (keys, values, D, G, Sq, P, q dtype): ROWS 8 and 16, every fp8 
 ]
 
 
-def _decode_var(variant, kc, vc, bt, sl, q, km, *, splits=1, window=0, sinks=0, softcap=0.0,
-                root=None):
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    out = poison_(torch.empty(*q.shape[:3], vc.head_dim, dtype=q.dtype))
-    lp = fast.plan_decode_sm90(q, kc.data, kc.scale, vc.data, vc.scale, bt, sl, km, out,
-                               kc.fmt.name, kc.fmt.granularity, vc.fmt.name,
-                               vc.fmt.granularity, scale, window, sinks, softcap, splits, 132,
-                               variant=variant)
-    emu.run(lp, root=root)
-    ref = paged_decode_attention_ref(q, kc, vc, bt, sl, scale, key_mask=km,
-                                     sliding_window=window, sinks=sinks, softcap=softcap)
-    return emu.finish(lp), ref
+def _decode_var(variant, *args, **kw):
+    return _decode(*args, variant=variant, **kw)
 
 
 def check_var(variant, k, v, D, G, P, Sq, lens=LENS, *, q_dtype=F32, kmask=False, seed=0,
