@@ -13,6 +13,7 @@ import copy
 import functools
 import itertools
 import math
+import os
 import shutil
 
 import pytest
@@ -509,7 +510,11 @@ def test_qk8_is_refused_off_the_cuda_kernel():
 # reference with the base kernel's tolerance. "nocap" fixes softcapping at compile time; the
 # alu* variants widen fp8 by integer ops (e4m3 as x * 2^-8, the 2^8 folded into the scores /
 # probabilities; operand pairs (d0, d0 + 2), (d0 + 1, d0 + 3), q permuted alike).
-VAR_NAMES = [v for v in fast.VARIANTS if v != "base"]
+# The variants are opt-in (timed slower than base on the H200, RESULTS.md): by default "nocap"
+# and "alu" (whose integer widening of keys and values covers aluk's and aluv's code) run;
+# KVCOMPILE_TEST_FULL=1 runs every variant (the test command's time: README).
+VAR_NAMES = [v for v in fast.VARIANTS if v != "base"
+             and (os.environ.get("KVCOMPILE_TEST_FULL") or v in ("nocap", "alu"))]
 VAR_CASES = [  # (keys, values, D, G, Sq, P, q dtype): ROWS 8 and 16, every fp8 kind / scale
     (E4, E4, 128, 4, 1, 16, F32),
     (("fp8_e4m3", "token"), ("fp8_e4m3", "token"), 64, 8, 2, 128, F32),

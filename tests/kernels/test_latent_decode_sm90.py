@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import re
 
 import pytest
@@ -141,12 +142,16 @@ def rule_launches() -> list:
     or bf16): (tiles index in ALL, query dtype, latent format, rotary format), sorted."""
     from kvcompile.kernels.latent_decode import pick_launch
 
+    # fp16 queries and e5m2 pages take the same tiles as bf16 / e4m3 (only an element type
+    # differs): compiled with KVCOMPILE_TEST_FULL=1, left out of the default run (36 launches
+    # against 15: about a minute of cold compiles on the 2-core CI machine)
+    full = bool(os.environ.get("KVCOMPILE_TEST_FULL"))
     out = set()
     for heads in (1, 8, 16, 20, 32, 48, 64, 128):
         for batch in (1, 16, 64, 256):
             for ctx in (1000, 8192, 131072):
-                for q in ("bf16", "fp16", "fp32"):
-                    for c in ("bf16", "fp8_e4m3", "fp8_e5m2"):
+                for q in ("bf16", "fp16", "fp32") if full else ("bf16", "fp32"):
+                    for c in ("bf16", "fp8_e4m3", "fp8_e5m2") if full else ("bf16", "fp8_e4m3"):
                         for r in {c, "bf16"}:
                             t, _ = pick_launch(heads, 512, batch, ctx, 132, c != "bf16",
                                                q_fp32=q == "fp32")
