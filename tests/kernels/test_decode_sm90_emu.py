@@ -66,6 +66,17 @@ def _decode(kc, vc, bt, sl, q, km, *, splits=1, window=0, sinks=0, softcap=0.0, 
     return emu.finish(lp), ref
 
 
+def _mutated_kernel(tmp_path, old: str, new: str):
+    """A copy of the kernel source (and the emulation it includes) with `old`, which must
+    occur once, replaced by `new`: the root to build it from (emu.run(..., root=))."""
+    root = tmp_path / "cuda"
+    shutil.copytree(emu._HERE, root / "emu", ignore=shutil.ignore_patterns("*.py", "__py*"))
+    src = (emu._HERE.parent / "paged_decode.cuh").read_text()
+    assert src.count(old) == 1
+    (root / "paged_decode.cuh").write_text(src.replace(old, new))
+    return root
+
+
 def _bound(k, v, q_dtype=torch.float32) -> float:
     """fp16 operands for fp8 / f16 pages, bf16 where keys, values or q are bf16."""
     bf = "bf16" in (k[0], v[0]) or q_dtype == torch.bfloat16
@@ -310,11 +321,7 @@ MUTATIONS = {  # (what, replaced by) in paged_decode.cuh -> what the emulation r
 @pytest.mark.parametrize("name", list(MUTATIONS))
 def test_broken_ring_is_caught(name, tmp_path):
     (old, new), want = MUTATIONS[name]
-    root = tmp_path / "cuda"
-    shutil.copytree(emu._HERE, root / "emu", ignore=shutil.ignore_patterns("*.py", "__py*"))
-    src = (emu._HERE.parent / "paged_decode.cuh").read_text()
-    assert src.count(old) == 1
-    (root / "paged_decode.cuh").write_text(src.replace(old, new))
+    root = _mutated_kernel(tmp_path, old, new)
     kc, vc, bt, sl, q, km = _inputs(E4, E4, 128, 4, 16, 1, [300, 17])
     for seed in (0, 1):
         with pytest.raises(emu.EmuError, match=want):
@@ -483,11 +490,7 @@ def test_qk8_broken_kernel_is_caught(mutation, tmp_path):
     """Negative case: the kernel with its B registers swapped (q's d's meet other keys' d's), or
     rows g + 8 without their q scale, fails the check that the real one passes."""
     old, new = mutation
-    root = tmp_path / "cuda"
-    shutil.copytree(emu._HERE, root / "emu", ignore=shutil.ignore_patterns("*.py", "__py*"))
-    src = (emu._HERE.parent / "paged_decode.cuh").read_text()
-    assert src.count(old) == 1
-    (root / "paged_decode.cuh").write_text(src.replace(old, new))
+    root = _mutated_kernel(tmp_path, old, new)
     kc, vc, bt, sl, q, km = _inputs(E4T, E4T, 64, 8, 128, 2, [300, 17])
     out, ref_q8, _ = _decode_q8(kc, vc, bt, sl, q, km, root=root)
     assert rel_err(out, ref_q8) > 10 * _bound(E4T, E4T)
@@ -596,11 +599,7 @@ def test_variant_broken_kernel_is_caught(mutation, tmp_path):
     """Negative case: the alu variant with its 2^8 fold, q's pairing, a value pairing or the
     e4m3 sign mask wrong fails the check the real one passes."""
     old, new, fmt = mutation
-    root = tmp_path / "cuda"
-    shutil.copytree(emu._HERE, root / "emu", ignore=shutil.ignore_patterns("*.py", "__py*"))
-    src = (emu._HERE.parent / "paged_decode.cuh").read_text()
-    assert src.count(old) == 1
-    (root / "paged_decode.cuh").write_text(src.replace(old, new))
+    root = _mutated_kernel(tmp_path, old, new)
     kc, vc, bt, sl, q, km = _inputs(fmt, fmt, 128, 4, 16, 1, [300, 17])
     out, ref = _decode_var("alu", kc, vc, bt, sl, q, km, root=root)
     assert rel_err(out, ref) > 10 * _bound(fmt, fmt)
@@ -692,11 +691,7 @@ def test_int4_broken_kernel_is_caught(mutation, tmp_path):
     for rows g + 8, or with a k-pair scaled by its neighbours' channel scales, the kernel fails
     the check that the real one passes."""
     old, new = mutation
-    root = tmp_path / "cuda"
-    shutil.copytree(emu._HERE, root / "emu", ignore=shutil.ignore_patterns("*.py", "__py*"))
-    src = (emu._HERE.parent / "paged_decode.cuh").read_text()
-    assert src.count(old) == 1
-    (root / "paged_decode.cuh").write_text(src.replace(old, new))
+    root = _mutated_kernel(tmp_path, old, new)
     kc, vc, bt, sl, q, km = _inputs(K4, V4, 128, 8, 16, 2, [300, 17])
     out, ref = _decode(kc, vc, bt, sl, q, km, root=root)
     assert rel_err(out, ref) > 10 * _bound(K4, V4)
