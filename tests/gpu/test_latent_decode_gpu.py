@@ -113,6 +113,11 @@ def test_prefetch_variants_are_refused_on_cuda():
 def test_tensor_parallel_fp8_sweep_tiles_on_cuda(tiles, splits, c_fmt, r_fmt):
     """The benchmark's fp8 tiles at 16 heads (SWEEP_CANDIDATES and widen "bits", whose
     integer PTX runs on CUDA only), over a ragged batch."""
+    if (tiles.block_n, tiles.num_warps, tiles.widen, r_fmt) == (128, 8, "bits", "bf16"):
+        # H200, triton 3.6 (2026-12-04): this tile over a bf16 rotary part asks for 252,416 B
+        # of shared memory (limit 232,448) and triton raises OutOfResources before the launch;
+        # the rule never picks it (it is a benchmark candidate; the bench prints such rows as failed)
+        pytest.skip("over sm_90's shared memory with a bf16 rotary part on triton 3.6")
     pool, plan, q, lens_t, ref = _case(c_fmt, r_fmt, [1, 63, 4097, 700], 16)
     out = latent_decode_attention(q, pool.k[0], pool.v[0], plan.block_tables, lens_t, 0.07,
                                   num_splits=splits, tiles=tiles)
