@@ -1,0 +1,397 @@
+// Absorbed MLA decode over latent pages for Hopper (sm_90), CUDA C++ (issue 22; opt-in, the
+// Triton kernel of kernels/latent_decode.py stays the default until timed on the H200):
+//
+//   out[b, h, :] = softmax_j(q[b, h] . [c_j, r_j] * scale) @ c_j      (one latent per token,
+//                                                                     shared by every head)
+//
+// q [B, H, R + DR] (absorbed query), c latent pages [N, 1, P, R], r rotary-key pages [N, 1, P, DR]
+// (each bf16 / fp16 / fp8 with one fp32 scale a page), block tables, sequence lengths. GQA with one
+// kv head: 16 query heads are exactly one m16 row block of mma.sync (32 heads: two CTAs, the second
+// one's pages from L2). It shares paged_decode.cuh's helpers (cp.async, mma.sync m16n8k16, the fp8
+// conversions, the emulation) and nothing else: that kernel is unchanged.
+//
+// Why a kernel of its own and not a mode of paged_decode: there one warp owns a whole [rows, DV]
+// accumulator (DV / 8 n-tiles x 4 floats a thread): 256 registers at DV 512. Here the 4 warps of
+// a CTA (sequence b, head block, split) share each 64-token tile instead:
+//   1. scores: warp w takes the tile's tokens 16 w .. 16 w + 15 (two n-tiles of 8) against all
+//      R + DR dims (36 k-steps, q's A fragments read from shared memory, shared by both n-tiles);
+//   2. the tile's row max: quad shuffles, then one exchange of 4 x 16 floats through shared
+//      memory (barrier); every warp then holds the same running max m, rescales its own part
+//      of O and its partial row sums l by the same factor;
+//   3. P (16 x 64, p times the latent page's scale, f16 / bf16) to shared memory (barrier);
+//   4. O[16, R] += P V: warp w owns output columns [w R / 4, (w + 1) R / 4) (16 n-tiles x 4 =
+//      64 f32 registers a thread), 4 k-steps of 16 tokens, V = the first R latent dims of the
+//      same shared tile (no second read of the page).
+// The tiles stream through a ring of NS stages filled by cp.async (16-byte copies, zero-filled
+// past the split's end), NS - 1 tiles ahead; each tile's page ids are read one iteration before
+// its copies are issued (plain loads into registers, off the critical path). bf16 pages: 73 KB
+// a tile, NS 2 (one tile in flight while one is computed, 171 KB, one CTA an SM); fp8 latent
+// pages (+ bf16 rotary key): 42 KB a tile, NS 5 (four in flight). Shared rows are padded to
+// 16 mod 128 bytes and each thread of a quad owns 16-byte chunks 8 m + 2 t + {0, 1} of a row:
+// the score loads (lds128 by row g, chunk by t) and the value loads (rows 2 t.., unit g) are
+// free of bank conflicts. q.k sums over d, so d is permuted alike for q and the keys.
+//
+// Splits write unnormalized partial outputs and (max, sum) in log2 units, the layout
+// latent_decode.py's merge kernel reads: acc [B, S, H, R], ml [B, S, H, 2]; one split writes out
+// [B, H, R] fp32 normalized. Built with -DKVC_EMU (emu/emu_latent.cpp) it runs on the CPU.
+#pragma once
+#include "paged_decode.cuh"
+
+struct LatentParams {
+  const void* q;         // [B, H, R + DR]    f16 / bf16 / f32, last dim contiguous
+  const uint8_t* c;      // [N, 1, P, R]      latent codes (fp8) or elements (f16 / bf16)
+  const uint8_t* r;      // [N, 1, P, DR]     rotary keys
+  const float* cs;       // [N]               latent page scales (fp8), else null
+  const float* rs;       // [N]               rotary page scales (fp8), else null
+  const int* bt;         // [B, stride_bt]    block tables
+  const int* seq_lens;   // [B]
+  float* out;            // [B, H, R]         normalized (one split)
+  float* acc;            // [B, S, H, R]      unnormalized partial outputs (splits)
+  float* ml;             // [B, S, H, 2]      their (max, sum), log2 units
+  long long stride_qb, stride_qh, stride_bt;
+  int H, num_splits, tiles_per_split, direct;
+  float qk_scale;        // scale * log2(e)
+};
+
+namespace kvc {
+
+constexpr int LAT_TILE = 64;  // tokens an iteration: 16 a warp
+
+template <int CK, int RK, int R, int DR, int LOG2P, int NS>
+struct LatGeo {
+  static constexpr int CEB = CK >= KVC_F16 ? 2 : 1, REB = RK >= KVC_F16 ? 2 : 1;
+  static constexpr bool CSC = CK <= KVC_E5M2, RSC = RK <= KVC_E5M2;  // page-scaled fp8
+  static constexpr int P = 1 << LOG2P;
+  static constexpr int PROWS = P < LAT_TILE ? P : LAT_TILE;  // a tile's rows from one page
+  static constexpr int PPT = LAT_TILE / PROWS;                // pages a tile
+  static constexpr int NCC = R * CEB / 16, NCR = DR * REB / 16, NCH = NCC + NCR;  // chunks
+  static constexpr int ROWB = (NCH * 16 + 127) / 128 * 128 + 16;  // 16 mod 128: no conflicts
+  static constexpr int SC_OFF = LAT_TILE * ROWB;              // per page: c scale, r scale
+  static constexpr int STAGE = (SC_OFF + (CSC || RSC ? 8 * PPT : 0) + 127) / 128 * 128;
+  static constexpr int QROWB = (R + DR) * 2 + 8;              // q in shared: 16-bit, 8 mod 128
+  static constexpr int RED_OFF = (16 * QROWB + 127) / 128 * 128;
+  static constexpr int P_OFF = RED_OFF + WARPS * 16 * 4;
+  static constexpr int PROWB = LAT_TILE * 2 + 16;             // P row: 16 mod 128
+  static constexpr int RING_OFF = (P_OFF + 16 * PROWB + 127) / 128 * 128;
+  static constexpr int SMEM = RING_OFF + NS * STAGE;
+  static constexpr int CEPC = 16 / CEB, REPC = 16 / REB;      // elements a chunk
+  static constexpr int CKPC = CEPC / 4, RKPC = REPC / 4;      // k-steps a chunk
+  static constexpr int UW = NCC / WARPS;                      // value units (16 B) a warp
+  static constexpr int VUT = UW / 8;                          // ... a thread (g)
+  static constexpr int VEPU = CEPC;                           // value elements a unit
+  static constexpr int NT = VUT * VEPU;                       // n-tiles of O a warp
+  static_assert(NCC % 32 == 0 && UW % 8 == 0, "latent rows of 512 bytes or more (R 256 bf16, "
+                                              "R 512 fp8)");
+  static_assert(NCR == 4 || NCR % 8 == 0, "rotary rows of 64 bytes or a multiple of 128");
+  static_assert(SMEM <= 232448, "shared memory over the sm_90 limit: fewer stages");
+};
+
+// the n-th 16-byte chunk thread t (of a quad) owns in a row of nch chunks
+__device__ __forceinline__ int lat_own(int t, int n, int nch) {
+  return nch >= 8 ? 8 * (n >> 1) + 2 * t + (n & 1) : t;
+}
+
+// b0 / b1 of mma m16n8k16 (keys as B: k = 4 consecutive elements of a chunk, h-th group)
+template <int KIND>
+__device__ __forceinline__ void lat_kfrag(const uint4& w, int h, uint32_t& b0, uint32_t& b1) {
+  if constexpr (KIND >= KVC_F16) {
+    b0 = word(w, 2 * h);
+    b1 = word(w, 2 * h + 1);
+  } else {
+    const uint32_t x = word(w, h);
+    b0 = fp8x2_to_f16x2<KIND>(x & 0xffffu);
+    b1 = fp8x2_to_f16x2<KIND>(x >> 16);
+  }
+}
+
+template <int CK, int RK, int R, int DR, int LOG2P, int NS, int QT>
+__device__ __forceinline__ void latent_decode(const LatentParams& p) {
+  using Gm = LatGeo<CK, RK, R, DR, LOG2P, NS>;
+  static_assert(NS >= 2, "two stages or more");
+  constexpr bool CBF = CK == KVC_BF16, RBF = RK == KVC_BF16;
+  constexpr int P = Gm::P, D = R + DR;
+  const float NEG_INF = -INFINITY;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int H = p.H, HB = (H + 15) / 16;
+  const int b = blockIdx.x / HB, hb = blockIdx.x % HB;
+  const int split = blockIdx.y;
+  const int L = p.seq_lens[b];
+  const int start = split * p.tiles_per_split * LAT_TILE;
+  const int end = min(L, start + p.tiles_per_split * LAT_TILE);
+  const int ntiles = end > start ? (end - start + LAT_TILE - 1) / LAT_TILE : 0;
+  uint8_t* qs = smem;
+  float* red = reinterpret_cast<float*>(smem + Gm::RED_OFF);  // [WARPS][16]
+  uint8_t* ps = smem + Gm::P_OFF;                              // [16][LAT_TILE] 16-bit
+  uint8_t* ring = smem + Gm::RING_OFF;
+  const int* btb = p.bt + (long long)b * p.stride_bt;
+
+  // ---- the page ids of tile `tile` (0 past the split's end: those rows are zero-filled)
+  auto load_pids = [&](int tile, int (&pid)[Gm::PPT]) {
+#pragma unroll
+    for (int k = 0; k < Gm::PPT; ++k) {
+      const int tok = start + tile * LAT_TILE + k * Gm::PROWS;
+      pid[k] = tile < ntiles && tok < end ? btb[tok >> LOG2P] : 0;
+    }
+  };
+  // ---- cp.async of tile `tile` into `stage` (one commit group, empty past the last tile)
+  auto issue = [&](int tile, int stage, const int (&pid)[Gm::PPT]) {
+    if (tile < ntiles) {
+      uint8_t* st = ring + stage * Gm::STAGE;
+      const int tok0 = start + tile * LAT_TILE;
+#pragma unroll
+      for (int k = 0; k < Gm::PPT; ++k) {
+        const long long pg = pid[k];
+#pragma unroll
+        for (int e = tid; e < Gm::PROWS * Gm::NCH; e += WARPS * 32) {
+          const int row = k * Gm::PROWS + e / Gm::NCH, ch = e % Gm::NCH;
+          const int tok = tok0 + row;
+          const bool ok = tok < end;
+          const long long pr = pg * P + (tok & (P - 1));
+          const uint8_t* src = ch < Gm::NCC ? p.c + pr * (R * Gm::CEB) + ch * 16
+                                            : p.r + pr * (DR * Gm::REB) + (ch - Gm::NCC) * 16;
+          cp_async16(smem_u32(st + row * Gm::ROWB + ch * 16), ok ? src : p.c, ok ? 16 : 0);
+        }
+        if constexpr (Gm::CSC || Gm::RSC) {
+          const bool ok = tok0 + k * Gm::PROWS < end;
+          if (tid == 2 * k && Gm::CSC)
+            cp_async4(smem_u32(st + Gm::SC_OFF + 8 * k), ok ? p.cs + pg : p.cs, ok ? 4 : 0);
+          if (tid == 2 * k + 1 && Gm::RSC)
+            cp_async4(smem_u32(st + Gm::SC_OFF + 8 * k + 4), ok ? p.rs + pg : p.rs, ok ? 4 : 0);
+        }
+      }
+    }
+    cp_commit();
+  };
+
+  // ---- prologue: tiles 0 .. NS - 2 in flight, then q -> shared (overlaps the copies)
+  int pid_next[Gm::PPT];
+#pragma unroll
+  for (int s = 0; s < NS - 1; ++s) {
+    load_pids(s, pid_next);
+    issue(s, s, pid_next);
+  }
+  load_pids(NS - 1, pid_next);
+  const int h0 = hb * 16;
+  for (int e = tid; e < 16 * D; e += WARPS * 32) {
+    const int rr = e / D, d = e % D;
+    float x = 0.f;
+    if (h0 + rr < H) x = load_q<QT>(p.q, b * p.stride_qb + (h0 + rr) * p.stride_qh + d);
+    const bool bf = d < R ? CBF : RBF;
+    uint16_t y;
+    if (bf) {
+      __nv_bfloat16 v = __float2bfloat16_rn(x);
+      y = *reinterpret_cast<uint16_t*>(&v);
+    } else {
+      __half v = __float2half_rn(x);
+      y = *reinterpret_cast<uint16_t*>(&v);
+    }
+    *reinterpret_cast<uint16_t*>(qs + rr * Gm::QROWB + 2 * d) = y;
+  }
+
+  float o[Gm::NT][4];
+#pragma unroll
+  for (int n = 0; n < Gm::NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+  const float qk = p.qk_scale;
+
+  for (int it = 0; it < ntiles; ++it) {
+    cp_wait<NS - 2>();
+    __syncthreads();  // tile `it` landed for every thread; every warp is done with it - 1
+    issue(it + NS - 1, (it + NS - 1) % NS, pid_next);
+    load_pids(it + NS, pid_next);
+    const uint8_t* st = ring + (it % NS) * Gm::STAGE;
+    const int tok0 = start + it * LAT_TILE;
+
+    // ---- scores of the warp's 16 tokens (n-tiles j: rows 16 w + 8 j + g of the tile)
+    float sc[2][4], sr[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) sc[j][c] = sr[j][c] = 0.f;
+    const uint8_t* krow0 = st + (16 * warp + g) * Gm::ROWB;
+    const uint8_t* krow1 = krow0 + 8 * Gm::ROWB;
+#pragma unroll
+    for (int n = 0; n < Gm::NCC / 4; ++n) {
+      const int ch = lat_own(t, n, Gm::NCC);
+      const uint4 w0 = lds128(krow0 + ch * 16), w1 = lds128(krow1 + ch * 16);
+#pragma unroll
+      for (int h = 0; h < Gm::CKPC; ++h) {
+        const int d0 = Gm::CEPC * ch + 4 * h;
+        const uint2 q0 = lds64(qs + g * Gm::QROWB + 2 * d0);
+        const uint2 q1 = lds64(qs + (g + 8) * Gm::QROWB + 2 * d0);
+        const uint32_t qa[4] = {q0.x, q1.x, q0.y, q1.y};
+        uint32_t b0, b1;
+        lat_kfrag<CK>(w0, h, b0, b1);
+        mma16816<CBF>(sc[0], qa, b0, b1);
+        lat_kfrag<CK>(w1, h, b0, b1);
+        mma16816<CBF>(sc[1], qa, b0, b1);
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < (Gm::NCR >= 8 ? Gm::NCR / 4 : 1); ++n) {
+      const int ch = lat_own(t, n, Gm::NCR);
+      const uint4 w0 = lds128(krow0 + (Gm::NCC + ch) * 16);
+      const uint4 w1 = lds128(krow1 + (Gm::NCC + ch) * 16);
+#pragma unroll
+      for (int h = 0; h < Gm::RKPC; ++h) {
+        const int d0 = R + Gm::REPC * ch + 4 * h;
+        const uint2 q0 = lds64(qs + g * Gm::QROWB + 2 * d0);
+        const uint2 q1 = lds64(qs + (g + 8) * Gm::QROWB + 2 * d0);
+        const uint32_t qa[4] = {q0.x, q1.x, q0.y, q1.y};
+        uint32_t b0, b1;
+        lat_kfrag<RK>(w0, h, b0, b1);
+        mma16816<RBF>(sr[0], qa, b0, b1);
+        lat_kfrag<RK>(w1, h, b0, b1);
+        mma16816<RBF>(sr[1], qa, b0, b1);
+      }
+    }
+
+    // ---- scaled scores (log2 units), tokens past the split's end masked
+    const float* scl = reinterpret_cast<const float*>(st + Gm::SC_OFF);
+    float x[2][4], cf[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int k = (16 * warp + 8 * j) / Gm::PROWS;
+      cf[j] = Gm::CSC ? scl[2 * k] : 1.f;
+      const float rf = Gm::RSC ? scl[2 * k + 1] : 1.f;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int tok = tok0 + 16 * warp + 8 * j + 2 * t + (c & 1);
+        x[j][c] = tok < end ? (sc[j][c] * cf[j] + sr[j][c] * rf) * qk : NEG_INF;
+      }
+    }
+    float mx0 = fmaxf(fmaxf(x[0][0], x[0][1]), fmaxf(x[1][0], x[1][1]));
+    float mx1 = fmaxf(fmaxf(x[0][2], x[0][3]), fmaxf(x[1][2], x[1][3]));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    if (t == 0) {
+      red[warp * 16 + g] = mx0;
+      red[warp * 16 + g + 8] = mx1;
+    }
+    __syncthreads();  // the warps' row maxima
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      mx0 = fmaxf(mx0, red[w * 16 + g]);
+      mx1 = fmaxf(mx1, red[w * 16 + g + 8]);
+    }
+    // every row sees the tile's first token: mx is finite unless q is not
+    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    const float a0 = m0 == NEG_INF ? 0.f : exp2f(m0 - n0);
+    const float a1 = m1 == NEG_INF ? 0.f : exp2f(m1 - n1);
+    m0 = n0;
+    m1 = n1;
+    l0 *= a0;
+    l1 *= a1;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float p0 = exp2f(x[j][0] - m0), p1 = exp2f(x[j][1] - m0);
+      const float p2 = exp2f(x[j][2] - m1), p3 = exp2f(x[j][3] - m1);
+      l0 += p0 + p1;
+      l1 += p2 + p3;
+      const int col = 2 * (16 * warp + 8 * j + 2 * t);  // byte offset of the token pair
+      *reinterpret_cast<uint32_t*>(ps + g * Gm::PROWB + col) = pack2<CBF>(p0 * cf[j], p1 * cf[j]);
+      *reinterpret_cast<uint32_t*>(ps + (g + 8) * Gm::PROWB + col) =
+          pack2<CBF>(p2 * cf[j], p3 * cf[j]);
+    }
+#pragma unroll
+    for (int n = 0; n < Gm::NT; ++n) {
+      o[n][0] *= a0;
+      o[n][1] *= a0;
+      o[n][2] *= a1;
+      o[n][3] *= a1;
+    }
+    __syncthreads();  // P of the whole tile
+
+    // ---- O[:, warp's columns] += P V, V = the tile's latent rows (tokens as k)
+#pragma unroll
+    for (int ks = 0; ks < LAT_TILE / 16; ++ks) {
+      uint32_t pa[4];
+      pa[0] = lds32(ps + g * Gm::PROWB + 2 * (16 * ks + 2 * t));
+      pa[1] = lds32(ps + (g + 8) * Gm::PROWB + 2 * (16 * ks + 2 * t));
+      pa[2] = lds32(ps + g * Gm::PROWB + 2 * (16 * ks + 2 * t + 8));
+      pa[3] = lds32(ps + (g + 8) * Gm::PROWB + 2 * (16 * ks + 2 * t + 8));
+      const uint8_t* vb0 = st + (16 * ks) * Gm::ROWB;
+#pragma unroll
+      for (int i = 0; i < Gm::VUT; ++i) {
+        const int u = Gm::UW * warp + g + 8 * i;
+        const uint4 va = lds128(vb0 + (2 * t) * Gm::ROWB + 16 * u);
+        const uint4 vb = lds128(vb0 + (2 * t + 1) * Gm::ROWB + 16 * u);
+        const uint4 vc = lds128(vb0 + (2 * t + 8) * Gm::ROWB + 16 * u);
+        const uint4 vd = lds128(vb0 + (2 * t + 9) * Gm::ROWB + 16 * u);
+#pragma unroll
+        for (int ww = 0; ww < 4; ++ww) {
+          const uint32_t xa = word(va, ww), xb = word(vb, ww), xc = word(vc, ww),
+                         xd = word(vd, ww);
+          if constexpr (Gm::CEB == 1) {
+            const uint32_t x0 = __byte_perm(xa, xb, 0x5140), x1 = __byte_perm(xa, xb, 0x7362);
+            const uint32_t y0 = __byte_perm(xc, xd, 0x5140), y1 = __byte_perm(xc, xd, 0x7362);
+            const int nb = Gm::VEPU * i + 4 * ww;
+            mma16816<false>(o[nb + 0], pa, fp8x2_to_f16x2<CK>(x0 & 0xffffu),
+                            fp8x2_to_f16x2<CK>(y0 & 0xffffu));
+            mma16816<false>(o[nb + 1], pa, fp8x2_to_f16x2<CK>(x0 >> 16),
+                            fp8x2_to_f16x2<CK>(y0 >> 16));
+            mma16816<false>(o[nb + 2], pa, fp8x2_to_f16x2<CK>(x1 & 0xffffu),
+                            fp8x2_to_f16x2<CK>(y1 & 0xffffu));
+            mma16816<false>(o[nb + 3], pa, fp8x2_to_f16x2<CK>(x1 >> 16),
+                            fp8x2_to_f16x2<CK>(y1 >> 16));
+          } else {
+            const int nb = Gm::VEPU * i + 2 * ww;
+            mma16816<CBF>(o[nb + 0], pa, __byte_perm(xa, xb, 0x5410),
+                          __byte_perm(xc, xd, 0x5410));
+            mma16816<CBF>(o[nb + 1], pa, __byte_perm(xa, xb, 0x7632),
+                          __byte_perm(xc, xd, 0x7632));
+          }
+        }
+      }
+    }
+  }
+  cp_wait<0>();
+
+  // ---- the warps' partial row sums (same max m in every warp), then O out
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  __syncthreads();  // every warp is past its last read of red
+  if (t == 0) {
+    red[warp * 16 + g] = l0;
+    red[warp * 16 + g + 8] = l1;
+  }
+  __syncthreads();
+  float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) {
+    s0 += red[w * 16 + g];
+    s1 += red[w * 16 + g + 8];
+  }
+  const int S = p.num_splits;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int rr = g + 8 * half, h = h0 + rr;
+    if (h >= H) continue;
+    const float lsum = half ? s1 : s0, m = half ? m1 : m0;
+    const float inv = lsum == 0.f ? 0.f : 1.f / lsum;
+    const long long row = p.direct ? (long long)b * H + h
+                                   : ((long long)b * S + split) * H + h;
+    float* dst = (p.direct ? p.out : p.acc) + row * R;
+#pragma unroll
+    for (int nb = 0; nb < Gm::NT; ++nb)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int n = 2 * t + e;  // the n-tile's column -> latent column
+        const int col = Gm::VEPU * (Gm::UW * warp + n + 8 * (nb / Gm::VEPU)) + nb % Gm::VEPU;
+        const float v = o[nb][2 * half + e];
+        dst[col] = p.direct ? v * inv : v;
+      }
+    if (!p.direct && warp == 0 && t == 0) {
+      p.ml[row * 2] = m;
+      p.ml[row * 2 + 1] = lsum;
+    }
+  }
+}
+
+}  // namespace kvc
