@@ -35,7 +35,11 @@ MAX_STAGES = 6
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
 _LOG2E = 1.4426950408889634
-KERNEL_CALL = "kvc::latent_decode<KVC_CK, KVC_RK, KVC_R, KVC_DR, KVC_LOG2P, KVC_NS, KVC_QT>"
+KERNEL_CALL = ("kvc::latent_decode<KVC_CK, KVC_RK, KVC_R, KVC_DR, KVC_LOG2P, KVC_NS, KVC_QT, "
+               "KVC_LVAR>")
+# compile-time variants (latent_decode.cuh VAR bits): "aluk" widens fp8 latent keys by integer
+# ops for the scores (values still by F2FP); e4m3 NaN codes then read as +-480 * scale
+VARIANTS = {"base": 0, "aluk": 1}
 
 
 class LatentParams(ctypes.Structure):  # latent_decode.cuh LatentParams, field for field
@@ -72,12 +76,13 @@ def geometry(ck: int, rk: int, r: int, dr: int, page: int,
 
 
 def kernel_constants(ck: int, rk: int, r: int, dr: int, page: int, qt: int,
-                     stages: int | None = None) -> tuple[dict[str, int], int, int]:
+                     stages: int | None = None, var: int = 0) -> tuple[dict[str, int], int, int]:
     """(compile-time constants, CTAs an SM, shared bytes a CTA) of a variant; the emulation
     builds the same constants."""
     ns, smem, ctas = geometry(ck, rk, r, dr, page, stages)
     defines = {"KVC_CK": ck, "KVC_RK": rk, "KVC_R": r, "KVC_DR": dr,
-               "KVC_LOG2P": page.bit_length() - 1, "KVC_NS": ns, "KVC_QT": qt}
+               "KVC_LOG2P": page.bit_length() - 1, "KVC_NS": ns, "KVC_QT": qt,
+               "KVC_LVAR": var if ck < 2 else 0}
     return defines, ctas, smem
 
 
@@ -127,8 +132,10 @@ class Launch:
 
 def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: float,
                      num_splits: int | None = None, stages: int | None = None,
-                     sms: int = 132) -> Launch:
-    """The launch for these inputs (any device: the emulation plans CPU tensors)."""
+                     sms: int = 132, variant: str = "base") -> Launch:
+    """The launch for these inputs (any device: the emulation plans CPU tensors).
+    stages: ring stages (None: as many as fit one CTA an SM; 2 lets fp8 pages run two CTAs an
+    SM); variant: VARIANTS (a bit that changes nothing for these pages is dropped)."""
     from kvcompile.kernels.latent_decode import _check
 
     _check(q_lat, c_pages, r_pages, block_tables, seq_lens)
@@ -139,7 +146,10 @@ def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: flo
     B, H, _ = q_lat.shape
     R, DR, P = c_pages.head_dim, r_pages.head_dim, c_pages.page_size
     ck, rk = _KIND[c_pages.fmt.name], _KIND[r_pages.fmt.name]
-    key = (ck, rk, R, DR, P, _QT[q_lat.dtype], stages)
+    if variant not in VARIANTS:
+        raise UnsupportedShapeError(f"latent_decode_sm90: unknown variant {variant!r}; take one "
+                                    f"of {sorted(VARIANTS)}")
+    key = (ck, rk, R, DR, P, _QT[q_lat.dtype], stages, VARIANTS[variant] if ck < 2 else 0)
     _, ctas, _ = kernel_constants(*key)
     hbs = (H + 15) // 16
     max_len = block_tables.shape[1] * P
@@ -194,18 +204,19 @@ def _kernel(key):
 def merge_splits(acc: torch.Tensor, ml: torch.Tensor) -> torch.Tensor:
     """acc [B, S, H, R] unnormalized, ml [B, S, H, 2] (max, sum; log2 units) -> [B, H, R], as
     latent_decode.py's merge kernel (empty splits: max -inf, weight 0). PyTorch (CPU, tests)."""
-    m, l = ml[..., 0], ml[..., 1]
+    m, lsum = ml[..., 0], ml[..., 1]
     top = m.max(1, keepdim=True).values
     w = torch.where(m > float("-inf"), torch.exp2(m - torch.where(
         top > float("-inf"), top, torch.zeros_like(top))), torch.zeros_like(m))
-    den = (w * l).sum(1)
+    den = (w * lsum).sum(1)
     out = (w[..., None] * acc).sum(1)
     return torch.where(den[..., None] > 0, out / den.clamp_min(1e-38)[..., None],
                        torch.zeros_like(out))
 
 
 def latent_decode_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: float,
-                       num_splits: int | None = None, stages: int | None = None) -> torch.Tensor:
+                       num_splits: int | None = None, stages: int | None = None,
+                       variant: str = "base") -> torch.Tensor:
     """See the module docstring. q_lat [B, H, R + DR] -> [B, H, R] fp32, on an sm_90 GPU."""
     from kvcompile.kernels import decode_sm90
     from kvcompile.kernels.latent_decode import _latent_merge_kernel, sm_count
@@ -215,7 +226,7 @@ def latent_decode_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: f
         raise UnsupportedShapeError(f"latent_decode_sm90: {why}; use "
                                     f"latent_decode.latent_decode_attention (Triton)")
     lp = plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale, num_splits,
-                          stages, sm_count(q_lat.device))
+                          stages, sm_count(q_lat.device), variant)
     _kernel(lp.key).launch(lp.grid, WARPS * 32, lp.prm, q_lat.device)
     if not lp.direct:
         B, H, R = lp.out.shape
@@ -225,5 +236,5 @@ def latent_decode_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: f
     return lp.out
 
 
-__all__ = ["Launch", "LatentParams", "choose_splits", "geometry", "kernel_constants",
+__all__ = ["KERNEL_CALL", "VARIANTS", "Launch", "LatentParams", "choose_splits", "geometry", "kernel_constants",
            "latent_decode_sm90", "merge_splits", "plan_latent_sm90", "unsupported"]

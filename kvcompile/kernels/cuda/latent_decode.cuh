@@ -104,11 +104,23 @@ __device__ __forceinline__ void lat_kfrag(const uint4& w, int h, uint32_t& b0, u
   }
 }
 
-template <int CK, int RK, int R, int DR, int LOG2P, int NS, int QT>
+// Variant bits (VAR; latent_sm90.py VARIANTS), 0 = the kernel as described above:
+//   LAT_VAR_ALU_K: fp8 latent keys widened by integer ops (paged_decode.cuh's
+//     fp8x4_to_f16x2x2_alu: prmt + shift + and) instead of F2FP for the scores, the values
+//     still by F2FP: the conversions split between the INT and XU pipes (an fp8 tile otherwise
+//     takes 256 F2FP a thread, 8 cycles each a warp: 2,048 of the 2,620 cycles a tile may take
+//     at 80% of copy). q's latent part is stored in shared memory with each group of 4 in the
+//     order 0, 2, 1, 3 (the order the widening pairs the codes in); e4m3 lands as x * 2^-8, the
+//     2^8 goes into the scores' page scale. e4m3 NaN codes then read as +-480 (not NaN).
+#define LAT_VAR_ALU_K 1
+
+template <int CK, int RK, int R, int DR, int LOG2P, int NS, int QT, int VAR = 0>
 __device__ __forceinline__ void latent_decode(const LatentParams& p) {
   using Gm = LatGeo<CK, RK, R, DR, LOG2P, NS>;
   static_assert(NS >= 2, "two stages or more");
   constexpr bool CBF = CK == KVC_BF16, RBF = RK == KVC_BF16;
+  constexpr bool ALUK = (VAR & LAT_VAR_ALU_K) && Gm::CEB == 1;
+  constexpr float K_ALU = ALUK && CK == KVC_E4M3 ? 256.f : 1.f;
   constexpr int P = Gm::P, D = R + DR;
   const float NEG_INF = -INFINITY;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -187,7 +199,9 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
       __half v = __float2half_rn(x);
       y = *reinterpret_cast<uint16_t*>(&v);
     }
-    *reinterpret_cast<uint16_t*>(qs + rr * Gm::QROWB + 2 * d) = y;
+    // ALU_K: the latent part's groups of 4 in the order 0, 2, 1, 3 (self-inverse)
+    const int dq = ALUK && d < R ? (d & ~3) | ((d & 1) << 1) | ((d >> 1) & 1) : d;
+    *reinterpret_cast<uint16_t*>(qs + rr * Gm::QROWB + 2 * dq) = y;
   }
 
   float o[Gm::NT][4];
@@ -205,11 +219,12 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
     const int tok0 = start + it * LAT_TILE;
 
     // ---- scores of the warp's 16 tokens (n-tiles j: rows 16 w + 8 j + g of the tile)
-    float sc[2][4], sr[2][4];
+    // two accumulators a latent n-tile (k-step parity): four independent MMA chains, not two
+    float sc[2][4], sc2[2][4], sr[2][4];
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) sc[j][c] = sr[j][c] = 0.f;
+      for (int c = 0; c < 4; ++c) sc[j][c] = sc2[j][c] = sr[j][c] = 0.f;
     const uint8_t* krow0 = st + (16 * warp + g) * Gm::ROWB;
     const uint8_t* krow1 = krow0 + 8 * Gm::ROWB;
 #pragma unroll
@@ -222,11 +237,16 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
         const uint2 q0 = lds64(qs + g * Gm::QROWB + 2 * d0);
         const uint2 q1 = lds64(qs + (g + 8) * Gm::QROWB + 2 * d0);
         const uint32_t qa[4] = {q0.x, q1.x, q0.y, q1.y};
-        uint32_t b0, b1;
-        lat_kfrag<CK>(w0, h, b0, b1);
-        mma16816<CBF>(sc[0], qa, b0, b1);
-        lat_kfrag<CK>(w1, h, b0, b1);
-        mma16816<CBF>(sc[1], qa, b0, b1);
+        uint32_t b0, b1, e0, e1;
+        if constexpr (ALUK) {
+          fp8x4_to_f16x2x2_alu<CK>(word(w0, h), b0, b1);
+          fp8x4_to_f16x2x2_alu<CK>(word(w1, h), e0, e1);
+        } else {
+          lat_kfrag<CK>(w0, h, b0, b1);
+          lat_kfrag<CK>(w1, h, e0, e1);
+        }
+        mma16816<CBF>(h & 1 ? sc2[0] : sc[0], qa, b0, b1);
+        mma16816<CBF>(h & 1 ? sc2[1] : sc[1], qa, e0, e1);
       }
     }
 #pragma unroll
@@ -256,10 +276,11 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
       const int k = (16 * warp + 8 * j) / Gm::PROWS;
       cf[j] = Gm::CSC ? scl[2 * k] : 1.f;
       const float rf = Gm::RSC ? scl[2 * k + 1] : 1.f;
+      const float kf = cf[j] * K_ALU;
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int tok = tok0 + 16 * warp + 8 * j + 2 * t + (c & 1);
-        x[j][c] = tok < end ? (sc[j][c] * cf[j] + sr[j][c] * rf) * qk : NEG_INF;
+        x[j][c] = tok < end ? ((sc[j][c] + sc2[j][c]) * kf + sr[j][c] * rf) * qk : NEG_INF;
       }
     }
     float mx0 = fmaxf(fmaxf(x[0][0], x[0][1]), fmaxf(x[1][0], x[1][1]));

@@ -13,7 +13,8 @@
 namespace {
 
 void body(const void* arg) {
-  kvc::latent_decode<KVC_CK, KVC_RK, KVC_R, KVC_DR, KVC_LOG2P, KVC_NS, KVC_QT>(
+  kvc::latent_decode<KVC_CK, KVC_RK, KVC_R, KVC_DR, KVC_LOG2P, KVC_NS, KVC_QT,
+                     KVC_LVAR>(
       *static_cast<const LatentParams*>(arg));
 }
 
