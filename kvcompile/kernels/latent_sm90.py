@@ -29,9 +29,10 @@ R_DIMS = (512,)
 DR_DIMS = (64,)
 PAGES = (8, 16, 32, 64, 128)
 TILE = 64            # tokens an iteration (latent_decode.cuh LAT_TILE)
+HALF = 32            # tokens a ring stage (LAT_HALF)
 WARPS = 4
 SMEM_LIMIT = 232448  # sm_90: the most dynamic shared memory a CTA may have
-MAX_STAGES = 6
+MAX_STAGES = 10     # half-tile stages
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
 _LOG2E = 1.4426950408889634
@@ -57,21 +58,22 @@ def _round(x: int, m: int) -> int:
 def geometry(ck: int, rk: int, r: int, dr: int, page: int,
              stages: int | None = None) -> tuple[int, int, int]:
     """(stages, shared bytes a CTA, CTAs an SM by shared memory), as latent_decode.cuh's
-    LatGeo lays them out. stages None: as many as fit one CTA an SM (at most MAX_STAGES)."""
+    LatGeo lays them out; a stage is half a tile (32 tokens), at least 4. stages None: as many
+    as fit one CTA an SM (at most MAX_STAGES)."""
     ceb, reb = (2 if ck >= 2 else 1), (2 if rk >= 2 else 1)
     nch = r * ceb // 16 + dr * reb // 16
     rowb = _round(nch * 16, 128) + 16
-    ppt = TILE // min(page, TILE)
-    stage = _round(TILE * rowb + (8 * ppt if ck < 2 or rk < 2 else 0), 128)
+    ppt = HALF // min(page, HALF)
+    stage = _round(HALF * rowb + (8 * ppt if ck < 2 or rk < 2 else 0), 128)
     qrowb = (r + dr) * 2 + 8
     fixed = _round(_round(16 * qrowb, 128) + WARPS * 16 * 4 + 16 * (TILE * 2 + 16), 128)
     if stages is None:
-        stages = max(2, min(MAX_STAGES, (SMEM_LIMIT - fixed) // stage))
+        stages = max(4, min(MAX_STAGES, (SMEM_LIMIT - fixed) // stage))
     smem = fixed + stages * stage
-    if stages < 2 or smem > SMEM_LIMIT:
+    if stages < 4 or smem > SMEM_LIMIT:
         raise UnsupportedShapeError(f"latent_decode_sm90: {stages} stages of {stage} B take "
                                     f"{smem} B of shared memory (limit {SMEM_LIMIT}); use "
-                                    f"stages=None or fewer (>= 2)")
+                                    f"stages=None or fewer (>= 4)")
     return stages, smem, max(1, min(3, (SMEM_LIMIT + 1024) // (smem + 1024)))
 
 
@@ -134,8 +136,8 @@ def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: flo
                      num_splits: int | None = None, stages: int | None = None,
                      sms: int = 132, variant: str = "base") -> Launch:
     """The launch for these inputs (any device: the emulation plans CPU tensors).
-    stages: ring stages (None: as many as fit one CTA an SM; 2 lets fp8 pages run two CTAs an
-    SM); variant: VARIANTS (a bit that changes nothing for these pages is dropped)."""
+    stages: ring stages of half a tile (None: as many as fit one CTA an SM; 4 lets fp8 pages
+    run two CTAs an SM); variant: VARIANTS (a bit that changes nothing for these pages is dropped)."""
     from kvcompile.kernels.latent_decode import _check
 
     _check(q_lat, c_pages, r_pages, block_tables, seq_lens)

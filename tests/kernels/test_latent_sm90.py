@@ -68,35 +68,37 @@ def _bound(c_fmt):   # the MMA dtype: bf16 for bf16 pages, fp16 for fp16 / fp8 p
     return REL_ERR[torch.bfloat16 if c_fmt == "bf16" else torch.float16]
 
 
-# (latent, rotary key, heads, lengths, page, splits, variant, q dtype)
+# (latent, rotary key, heads, lengths, page, splits, variant, q dtype, ring stages)
 CASES = [
-    # 20 heads: two head blocks, the second 4 rows; 3 splits over [300, 17]: an empty split
-    ("bf16", "bf16", 20, [300, 17], 16, 3, "base", torch.bfloat16),
-    # pages of 8: a 64-token tile gathers 8 pages (8 scales); fp8 keys widened by integer ops
-    ("fp8_e4m3", "bf16", 16, [129, 64], 8, 2, "aluk", torch.bfloat16),
+    # 20 heads: two head blocks, the second 4 rows; 3 splits over [300, 17]: an empty split;
+    # the 5-stage ring wraps (10 half tiles in the first split)
+    ("bf16", "bf16", 20, [300, 17], 16, 3, "base", torch.bfloat16, None),
+    # pages of 8: a 64-token tile gathers 8 pages (8 scales); fp8 keys widened by integer ops;
+    # the 4-stage ring (two CTAs an SM) wraps
+    ("fp8_e4m3", "bf16", 16, [329, 64], 8, 2, "aluk", torch.bfloat16, 4),
 ]
 FULL_CASES = [
-    ("fp8_e4m3", "bf16", 16, [200, 1], 16, 3, "base", torch.bfloat16),
-    ("fp8_e5m2", "fp8_e4m3", 16, [100], 32, 1, "aluk", torch.float32),
-    ("fp8_e4m3", "fp8_e4m3", 32, [150, 70], 16, 2, "base", torch.float16),
-    ("fp16", "fp16", 8, [150], 128, 1, "base", torch.float16),
+    ("fp8_e4m3", "bf16", 16, [700, 1], 16, 1, "base", torch.bfloat16, None),   # 10 stages wrap
+    ("fp8_e5m2", "fp8_e4m3", 16, [100], 32, 1, "aluk", torch.float32, None),
+    ("fp8_e4m3", "fp8_e4m3", 32, [150, 70], 16, 2, "base", torch.float16, 4),
+    ("fp16", "fp16", 8, [150], 128, 1, "base", torch.float16, None),
 ]
 
 
 @pytest.mark.skipif(not build_emu.available()[0], reason="g++ not found")
 @pytest.mark.parametrize("case", CASES + (FULL_CASES if FULL else []),
-                         ids=lambda c: f"{c[0]}-{c[1]}-h{c[2]}-p{c[4]}-s{c[5]}-{c[6]}")
+                         ids=lambda c: f"{c[0]}-{c[1]}-h{c[2]}-p{c[4]}-s{c[5]}-{c[6]}-ns{c[8]}")
 def test_emulated_matches_reference(case):
-    c_fmt, r_fmt, heads, lens, page, splits, variant, qd = case
+    c_fmt, r_fmt, heads, lens, page, splits, variant, qd, stages = case
     pool, plan, q, ref = _case(c_fmt, r_fmt, heads, lens, page, qd)
-    out = _emulate(pool, plan, q, lens, num_splits=splits, variant=variant)
+    out = _emulate(pool, plan, q, lens, num_splits=splits, variant=variant, stages=stages)
     err = rel_err(out, ref)
     assert err <= _bound(c_fmt), f"relative error {err:.3e} > {_bound(c_fmt):.1e}"
     if case is CASES[0]:
         # negative control: the kernel told one token less of the short sequence than the
         # reference sees (its last page then ends one row earlier)
         short = lens[:-1] + [lens[-1] - 1]
-        bad = _emulate(pool, plan, q, short, num_splits=splits, variant=variant)
+        bad = _emulate(pool, plan, q, short, num_splits=splits, variant=variant, stages=stages)
         assert rel_err(bad[-1], ref[-1]) > _bound(c_fmt)
 
 
@@ -104,10 +106,10 @@ def test_emulated_matches_reference(case):
 def test_page_scales_are_read():
     """Negative control for the fp8 path: the latent page scales doubled after the reference
     was taken change the output beyond the bound (scores and probabilities use them)."""
-    c_fmt, r_fmt, heads, lens, page, splits, variant, qd = CASES[1]
+    c_fmt, r_fmt, heads, lens, page, splits, variant, qd, stages = CASES[1]
     pool, plan, q, ref = _case(c_fmt, r_fmt, heads, lens, page, qd)
     pool.k[0].scale.mul_(2.0)
-    out = _emulate(pool, plan, q, lens, num_splits=splits, variant=variant)
+    out = _emulate(pool, plan, q, lens, num_splits=splits, variant=variant, stages=stages)
     assert rel_err(out, ref) > 0.1
 
 
@@ -125,16 +127,17 @@ def test_refusals_name_the_fix():
         ls.plan_latent_sm90(q2, pool2.k[0], pool2.v[0], plan.block_tables,
                             torch.tensor([20], dtype=torch.int32), 0.2, variant="nope")
     with pytest.raises(UnsupportedShapeError, match="stages"):
-        ls.geometry(3, 3, R, DR, 16, stages=3)   # 3 x 73 KB bf16 tiles do not fit
+        ls.geometry(3, 3, R, DR, 16, stages=6)   # 6 x 37 KB bf16 half tiles do not fit
 
 
 def test_geometry_and_splits():
-    # bf16: two 73 KB stages, one CTA an SM; fp8 latent + bf16 rotary: five 42 KB stages, and
-    # two stages fit two CTAs an SM
-    assert ls.geometry(3, 3, R, DR, 16)[:2] == (2, 170624)
-    ns, smem, ctas = ls.geometry(0, 3, R, DR, 16)
+    # bf16: five 37 KB half-tile stages, one CTA an SM; fp8 latent + bf16 rotary: ten 21 KB
+    # stages, and four fit two CTAs an SM
+    ns, smem, ctas = ls.geometry(3, 3, R, DR, 16)
     assert (ns, ctas) == (5, 1) and smem <= ls.SMEM_LIMIT
-    assert ls.geometry(0, 3, R, DR, 16, stages=2)[2] == 2
+    ns, smem, ctas = ls.geometry(0, 3, R, DR, 16)
+    assert (ns, ctas) == (10, 1) and smem <= ls.SMEM_LIMIT
+    assert ls.geometry(0, 3, R, DR, 16, stages=4)[2] == 2
     # the H200's 132 SMs filled once: B16 -> 8 splits, B64 -> 2, B1 x 8k -> 32 (256 tokens each)
     assert ls.choose_splits(16, 1, 8192, 132, 1) == 8
     assert ls.choose_splits(64, 1, 32768, 132, 1) == 2
@@ -156,7 +159,7 @@ def _cuobjdump() -> str | None:
 
 # (ck, rk, r, dr, page, qt, stages, var): the bf16 default; fp8 + bf16 rotary at two CTAs an SM
 # with the aluk variant; (full) fp8 at the default stages, e5m2 everywhere, fp32 queries
-NVCC = [(3, 3, R, DR, 16, 1, None, 0), (0, 3, R, DR, 16, 1, 2, 1)]
+NVCC = [(3, 3, R, DR, 16, 1, None, 0), (0, 3, R, DR, 16, 1, 4, 1)]
 NVCC_FULL = [(0, 3, R, DR, 16, 1, None, 0), (1, 1, R, DR, 8, 2, None, 1),
              (2, 2, R, DR, 128, 0, None, 0)]
 
@@ -182,4 +185,4 @@ def test_builds_for_sm90_without_spills(key, tmp_path, monkeypatch):
     assert len(re.findall(r"\bHMMA\.16816", sass)) == 136
     unpack = len(re.findall(r"F2FP\.F16\.E(4M3|5M2)\.UNPACK_B", sass))
     fp8 = key[0] < 2
-    assert unpack == ((128 if key[7] else 256) if fp8 else 0) + (8 if key[1] < 2 else 0), unpack
+    assert unpack == ((128 if key[7] else 256) if fp8 else 0) + (16 if key[1] < 2 else 0), unpack

@@ -22,11 +22,13 @@
 //   4. O[16, R] += P V: warp w owns output columns [w R / 4, (w + 1) R / 4) (16 n-tiles x 4 =
 //      64 f32 registers a thread), 4 k-steps of 16 tokens, V = the first R latent dims of the
 //      same shared tile (no second read of the page).
-// The tiles stream through a ring of NS stages filled by cp.async (16-byte copies, zero-filled
-// past the split's end), NS - 1 tiles ahead; each tile's page ids are read one iteration before
-// its copies are issued (plain loads into registers, off the critical path). bf16 pages: 73 KB
-// a tile, NS 2 (one tile in flight while one is computed, 171 KB, one CTA an SM); fp8 latent
-// pages (+ bf16 rotary key): 42 KB a tile, NS 5 (four in flight). Shared rows are padded to
+// The tiles stream through a ring of NS half-tile stages (32 tokens each) filled by cp.async
+// (16-byte copies, zero-filled past the split's end): a tile computes from two stages while the
+// other NS - 2 are in flight, so a ring of 73 KB bf16 tiles that holds only two whole tiles still
+// keeps 1.5 tiles in flight (NS 5: 112 KB, 171 KB in all, one CTA an SM); fp8 latent pages (+ a
+// bf16 rotary key): 21 KB a stage, NS 10 (8 in flight, 168 KB), or NS 4 for two CTAs an SM. Each
+// stage's page ids are read one iteration before its copies are issued (plain loads into
+// registers, off the critical path). Shared rows are padded to
 // 16 mod 128 bytes and each thread of a quad owns 16-byte chunks 8 m + 2 t + {0, 1} of a row:
 // the score loads (lds128 by row g, chunk by t) and the value loads (rows 2 t.., unit g) are
 // free of bank conflicts. q.k sums over d, so d is permuted alike for q and the keys.
@@ -56,17 +58,18 @@ struct LatentParams {
 namespace kvc {
 
 constexpr int LAT_TILE = 64;  // tokens an iteration: 16 a warp
+constexpr int LAT_HALF = 32;  // tokens a ring stage: a tile is two stages
 
 template <int CK, int RK, int R, int DR, int LOG2P, int NS>
 struct LatGeo {
   static constexpr int CEB = CK >= KVC_F16 ? 2 : 1, REB = RK >= KVC_F16 ? 2 : 1;
   static constexpr bool CSC = CK <= KVC_E5M2, RSC = RK <= KVC_E5M2;  // page-scaled fp8
   static constexpr int P = 1 << LOG2P;
-  static constexpr int PROWS = P < LAT_TILE ? P : LAT_TILE;  // a tile's rows from one page
-  static constexpr int PPT = LAT_TILE / PROWS;                // pages a tile
+  static constexpr int PROWS = P < LAT_HALF ? P : LAT_HALF;  // a stage's rows from one page
+  static constexpr int PPT = LAT_HALF / PROWS;                // pages a stage
   static constexpr int NCC = R * CEB / 16, NCR = DR * REB / 16, NCH = NCC + NCR;  // chunks
   static constexpr int ROWB = (NCH * 16 + 127) / 128 * 128 + 16;  // 16 mod 128: no conflicts
-  static constexpr int SC_OFF = LAT_TILE * ROWB;              // per page: c scale, r scale
+  static constexpr int SC_OFF = LAT_HALF * ROWB;              // per page: c scale, r scale
   static constexpr int STAGE = (SC_OFF + (CSC || RSC ? 8 * PPT : 0) + 127) / 128 * 128;
   static constexpr int QROWB = (R + DR) * 2 + 8;              // q in shared: 16-bit, 8 mod 128
   static constexpr int RED_OFF = (16 * QROWB + 127) / 128 * 128;
@@ -117,7 +120,7 @@ __device__ __forceinline__ void lat_kfrag(const uint4& w, int h, uint32_t& b0, u
 template <int CK, int RK, int R, int DR, int LOG2P, int NS, int QT, int VAR = 0>
 __device__ __forceinline__ void latent_decode(const LatentParams& p) {
   using Gm = LatGeo<CK, RK, R, DR, LOG2P, NS>;
-  static_assert(NS >= 2, "two stages or more");
+  static_assert(NS >= 4, "four half-tile stages or more (two computed, two or more loading)");
   constexpr bool CBF = CK == KVC_BF16, RBF = RK == KVC_BF16;
   constexpr bool ALUK = (VAR & LAT_VAR_ALU_K) && Gm::CEB == 1;
   constexpr float K_ALU = ALUK && CK == KVC_E4M3 ? 256.f : 1.f;
@@ -140,18 +143,19 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
   const int* btb = p.bt + (long long)b * p.stride_bt;
 
   // ---- the page ids of tile `tile` (0 past the split's end: those rows are zero-filled)
-  auto load_pids = [&](int tile, int (&pid)[Gm::PPT]) {
+  const int nhalf = 2 * ntiles;
+  auto load_pids = [&](int hs, int (&pid)[Gm::PPT]) {  // of half-tile stage hs
 #pragma unroll
     for (int k = 0; k < Gm::PPT; ++k) {
-      const int tok = start + tile * LAT_TILE + k * Gm::PROWS;
-      pid[k] = tile < ntiles && tok < end ? btb[tok >> LOG2P] : 0;
+      const int tok = start + hs * LAT_HALF + k * Gm::PROWS;
+      pid[k] = hs < nhalf && tok < end ? btb[tok >> LOG2P] : 0;
     }
   };
-  // ---- cp.async of tile `tile` into `stage` (one commit group, empty past the last tile)
-  auto issue = [&](int tile, int stage, const int (&pid)[Gm::PPT]) {
-    if (tile < ntiles) {
-      uint8_t* st = ring + stage * Gm::STAGE;
-      const int tok0 = start + tile * LAT_TILE;
+  // ---- cp.async of half tile hs into stage hs % NS (one commit group, empty past the end)
+  auto issue = [&](int hs, const int (&pid)[Gm::PPT]) {
+    if (hs < nhalf) {
+      uint8_t* st = ring + (hs % NS) * Gm::STAGE;
+      const int tok0 = start + hs * LAT_HALF;
 #pragma unroll
       for (int k = 0; k < Gm::PPT; ++k) {
         const long long pg = pid[k];
@@ -177,14 +181,15 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
     cp_commit();
   };
 
-  // ---- prologue: tiles 0 .. NS - 2 in flight, then q -> shared (overlaps the copies)
-  int pid_next[Gm::PPT];
+  // ---- prologue: half tiles 0 .. NS - 3 in flight, then q -> shared (overlaps the copies)
+  int pid_a[Gm::PPT], pid_b[Gm::PPT];
 #pragma unroll
-  for (int s = 0; s < NS - 1; ++s) {
-    load_pids(s, pid_next);
-    issue(s, s, pid_next);
+  for (int s = 0; s < NS - 2; ++s) {
+    load_pids(s, pid_a);
+    issue(s, pid_a);
   }
-  load_pids(NS - 1, pid_next);
+  load_pids(NS - 2, pid_a);
+  load_pids(NS - 1, pid_b);
   const int h0 = hb * 16;
   for (int e = tid; e < 16 * D; e += WARPS * 32) {
     const int rr = e / D, d = e % D;
@@ -211,11 +216,17 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
   const float qk = p.qk_scale;
 
   for (int it = 0; it < ntiles; ++it) {
-    cp_wait<NS - 2>();
+    // committed so far: NS - 2 + 2 it groups; half tiles 2 it and 2 it + 1 must have landed
+    cp_wait<NS - 4>();
     __syncthreads();  // tile `it` landed for every thread; every warp is done with it - 1
-    issue(it + NS - 1, (it + NS - 1) % NS, pid_next);
-    load_pids(it + NS, pid_next);
-    const uint8_t* st = ring + (it % NS) * Gm::STAGE;
+    issue(2 * it + NS - 2, pid_a);  // into the stages tile it - 1 used
+    issue(2 * it + NS - 1, pid_b);
+    load_pids(2 * it + NS, pid_a);
+    load_pids(2 * it + NS + 1, pid_b);
+    const uint8_t* st0 = ring + ((2 * it) % NS) * Gm::STAGE;
+    const uint8_t* st1 = ring + ((2 * it + 1) % NS) * Gm::STAGE;
+    const uint8_t* st = warp >= 2 ? st1 : st0;  // the warp's 16 tokens' stage
+    const int wrow = 16 * (warp & 1);            // ... and their first row there
     const int tok0 = start + it * LAT_TILE;
 
     // ---- scores of the warp's 16 tokens (n-tiles j: rows 16 w + 8 j + g of the tile)
@@ -225,7 +236,7 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
     for (int j = 0; j < 2; ++j)
 #pragma unroll
       for (int c = 0; c < 4; ++c) sc[j][c] = sc2[j][c] = sr[j][c] = 0.f;
-    const uint8_t* krow0 = st + (16 * warp + g) * Gm::ROWB;
+    const uint8_t* krow0 = st + (wrow + g) * Gm::ROWB;
     const uint8_t* krow1 = krow0 + 8 * Gm::ROWB;
 #pragma unroll
     for (int n = 0; n < Gm::NCC / 4; ++n) {
@@ -273,7 +284,7 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
     float x[2][4], cf[2];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const int k = (16 * warp + 8 * j) / Gm::PROWS;
+      const int k = (wrow + 8 * j) / Gm::PROWS;
       cf[j] = Gm::CSC ? scl[2 * k] : 1.f;
       const float rf = Gm::RSC ? scl[2 * k + 1] : 1.f;
       const float kf = cf[j] * K_ALU;
@@ -335,7 +346,7 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
       pa[1] = lds32(ps + (g + 8) * Gm::PROWB + 2 * (16 * ks + 2 * t));
       pa[2] = lds32(ps + g * Gm::PROWB + 2 * (16 * ks + 2 * t + 8));
       pa[3] = lds32(ps + (g + 8) * Gm::PROWB + 2 * (16 * ks + 2 * t + 8));
-      const uint8_t* vb0 = st + (16 * ks) * Gm::ROWB;
+      const uint8_t* vb0 = (ks >= 2 ? st1 : st0) + (16 * (ks & 1)) * Gm::ROWB;
 #pragma unroll
       for (int i = 0; i < Gm::VUT; ++i) {
         const int u = Gm::UW * warp + g + 8 * i;
