@@ -152,29 +152,54 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
     }
   };
   // ---- cp.async of half tile hs into stage hs % NS (one commit group, empty past the end)
+  // Thread tid copies latent chunk column tid % NCC of rows tid / NCC + RP n (RP = 128 / NCC
+  // rows a pass, NCC a power of two): its source and destination move by constants from one
+  // chunk to the next, and chunk n's page slot (RP n / PROWS) is a compile-time index. Rows past
+  // the split's end read 0 bytes (zero-filled) from a valid address (page 0 where the entry was
+  // not read).
+  constexpr int RP = WARPS * 32 / Gm::NCC;                 // latent rows a pass
+  constexpr int RPR = WARPS * 32 / Gm::NCR;                // rotary rows a pass
+  static_assert(Gm::NCC <= WARPS * 32 && (WARPS * 32) % Gm::NCC == 0 &&
+                (WARPS * 32) % Gm::NCR == 0 && Gm::PROWS % RP == 0, "chunk layout");
+  const int c_row0 = tid / Gm::NCC, c_off = tid % Gm::NCC * 16;
+  const int r_row0 = tid / Gm::NCR, r_off = tid % Gm::NCR * 16;
   auto issue = [&](int hs, const int (&pid)[Gm::PPT]) {
     if (hs < nhalf) {
       uint8_t* st = ring + (hs % NS) * Gm::STAGE;
       const int tok0 = start + hs * LAT_HALF;
+      const int in0 = P > LAT_HALF ? (tok0 & (P - 1)) : 0;  // the stage's first row in its page
+      const int left = end - tok0;                          // rows with data
+      const uint32_t dst0 = smem_u32(st + c_row0 * Gm::ROWB + c_off);
 #pragma unroll
       for (int k = 0; k < Gm::PPT; ++k) {
-        const long long pg = pid[k];
+        const uint8_t* src0 = p.c + ((long long)pid[k] * P + in0 + c_row0) * (R * Gm::CEB) +
+                              c_off;
 #pragma unroll
-        for (int e = tid; e < Gm::PROWS * Gm::NCH; e += WARPS * 32) {
-          const int row = k * Gm::PROWS + e / Gm::NCH, ch = e % Gm::NCH;
-          const int tok = tok0 + row;
-          const bool ok = tok < end;
-          const long long pr = pg * P + (tok & (P - 1));
-          const uint8_t* src = ch < Gm::NCC ? p.c + pr * (R * Gm::CEB) + ch * 16
-                                            : p.r + pr * (DR * Gm::REB) + (ch - Gm::NCC) * 16;
-          cp_async16(smem_u32(st + row * Gm::ROWB + ch * 16), ok ? src : p.c, ok ? 16 : 0);
+        for (int n = k * Gm::PROWS / RP; n < (k + 1) * Gm::PROWS / RP; ++n) {
+          const int dr = RP * n - k * Gm::PROWS;  // rows past the page slot's first
+          cp_async16(dst0 + RP * n * Gm::ROWB, src0 + dr * (R * Gm::CEB),
+                     c_row0 + RP * n < left ? 16 : 0);
         }
-        if constexpr (Gm::CSC || Gm::RSC) {
-          const bool ok = tok0 + k * Gm::PROWS < end;
+      }
+#pragma unroll
+      for (int n = 0; n < LAT_HALF / RPR; ++n) {
+        const int row = r_row0 + RPR * n;
+        int pg = pid[0];
+#pragma unroll
+        for (int k = 1; k < Gm::PPT; ++k) pg = row >= k * Gm::PROWS ? pid[k] : pg;
+        const uint8_t* src = p.r + ((long long)pg * P + in0 + (row & (Gm::PROWS - 1))) *
+                                       (DR * Gm::REB) + r_off;
+        cp_async16(smem_u32(st + row * Gm::ROWB + Gm::NCC * 16 + r_off), src,
+                   row < left ? 16 : 0);
+      }
+      if constexpr (Gm::CSC || Gm::RSC) {
+#pragma unroll
+        for (int k = 0; k < Gm::PPT; ++k) {
+          const bool ok = k * Gm::PROWS < left;
           if (tid == 2 * k && Gm::CSC)
-            cp_async4(smem_u32(st + Gm::SC_OFF + 8 * k), ok ? p.cs + pg : p.cs, ok ? 4 : 0);
+            cp_async4(smem_u32(st + Gm::SC_OFF + 8 * k), p.cs + pid[k], ok ? 4 : 0);
           if (tid == 2 * k + 1 && Gm::RSC)
-            cp_async4(smem_u32(st + Gm::SC_OFF + 8 * k + 4), ok ? p.rs + pg : p.rs, ok ? 4 : 0);
+            cp_async4(smem_u32(st + Gm::SC_OFF + 8 * k + 4), p.rs + pid[k], ok ? 4 : 0);
         }
       }
     }
