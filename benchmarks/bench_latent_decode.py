@@ -34,7 +34,7 @@ read and its share of a device-to-device copy measured in the same run (bytes re
 over time, as shared/REFERENCE.md), TFLOP/s useful (QK^T once) and issued (the "heads"
 layout at 64 heads computes QK^T twice), and the relative error against the old kernel.
 
-    python benchmarks/bench_latent_decode.py --quick --heads 16 --rule-only --cuda base,aluk:s4
+    python benchmarks/bench_latent_decode.py --quick --heads 16 --rule-only --cuda base,alu,alu:s4
         # the CUDA latent kernel (kernels/latent_sm90.py, opt-in) beside the rule's tiles, at its
         # own splits and every --splits given; --rule-only: no candidate sweep
     python benchmarks/bench_latent_decode.py --quick --tiles once:64:128:8:1,once_t:32:64:4:3 \

@@ -39,8 +39,9 @@ _LOG2E = 1.4426950408889634
 KERNEL_CALL = ("kvc::latent_decode<KVC_CK, KVC_RK, KVC_R, KVC_DR, KVC_LOG2P, KVC_NS, KVC_QT, "
                "KVC_LVAR>")
 # compile-time variants (latent_decode.cuh VAR bits): "aluk" widens fp8 latent keys by integer
-# ops for the scores (values still by F2FP); e4m3 NaN codes then read as +-480 * scale
-VARIANTS = {"base": 0, "aluk": 1}
+# ops for the scores (values still by F2FP), "aluv" the values, "alu" both; e4m3 NaN codes then
+# read as +-480 * scale where integer ops widen them
+VARIANTS = {"base": 0, "aluk": 1, "aluv": 2, "alu": 3}
 
 
 class LatentParams(ctypes.Structure):  # latent_decode.cuh LatentParams, field for field

@@ -73,14 +73,16 @@ CASES = [
     # 20 heads: two head blocks, the second 4 rows; 3 splits over [300, 17]: an empty split;
     # the 5-stage ring wraps (10 half tiles in the first split)
     ("bf16", "bf16", 20, [300, 17], 16, 3, "base", torch.bfloat16, None),
-    # pages of 8: a 64-token tile gathers 8 pages (8 scales); fp8 keys widened by integer ops;
-    # the 4-stage ring (two CTAs an SM) wraps
-    ("fp8_e4m3", "bf16", 16, [329, 64], 8, 2, "aluk", torch.bfloat16, 4),
+    # pages of 8: a 64-token tile gathers 8 pages (8 scales); fp8 keys and values widened by
+    # integer ops ("alu"); the 4-stage ring (two CTAs an SM) wraps
+    ("fp8_e4m3", "bf16", 16, [329, 64], 8, 2, "alu", torch.bfloat16, 4),
 ]
 FULL_CASES = [
     ("fp8_e4m3", "bf16", 16, [700, 1], 16, 1, "base", torch.bfloat16, None),   # 10 stages wrap
     ("fp8_e5m2", "fp8_e4m3", 16, [100], 32, 1, "aluk", torch.float32, None),
-    ("fp8_e4m3", "fp8_e4m3", 32, [150, 70], 16, 2, "base", torch.float16, 4),
+    ("fp8_e4m3", "fp8_e4m3", 32, [150, 70], 16, 2, "aluk", torch.float16, 4),
+    ("fp8_e5m2", "fp8_e5m2", 16, [150, 40], 16, 2, "alu", torch.bfloat16, None),
+    ("fp8_e4m3", "bf16", 16, [200], 16, 1, "aluv", torch.bfloat16, None),
     ("fp16", "fp16", 8, [150], 128, 1, "base", torch.float16, None),
 ]
 
@@ -158,10 +160,11 @@ def _cuobjdump() -> str | None:
 
 
 # (ck, rk, r, dr, page, qt, stages, var): the bf16 default; fp8 + bf16 rotary at two CTAs an SM
-# with the aluk variant; (full) fp8 at the default stages, e5m2 everywhere, fp32 queries
-NVCC = [(3, 3, R, DR, 16, 1, None, 0), (0, 3, R, DR, 16, 1, 4, 1)]
+# with the alu variant; (full) fp8 at the default stages, aluk over e5m2 with fp32 queries, aluv,
+# fp16
+NVCC = [(3, 3, R, DR, 16, 1, None, 0), (0, 3, R, DR, 16, 1, 4, 3)]
 NVCC_FULL = [(0, 3, R, DR, 16, 1, None, 0), (1, 1, R, DR, 8, 2, None, 1),
-             (2, 2, R, DR, 128, 0, None, 0)]
+             (0, 0, R, DR, 16, 1, None, 2), (2, 2, R, DR, 128, 0, None, 0)]
 
 
 @pytest.mark.skipif(build.nvcc_path() is None or _cuobjdump() is None,
@@ -170,8 +173,9 @@ NVCC_FULL = [(0, 3, R, DR, 16, 1, None, 0), (1, 1, R, DR, 8, 2, None, 1),
                          ids=lambda k: "-".join(map(str, k)))
 def test_builds_for_sm90_without_spills(key, tmp_path, monkeypatch):
     """Builds for sm_90 into a fresh cache; no local memory (spills) in the SASS; the MMA count
-    a 64-token tile takes (QK^T 72 + PV 64 HMMA.16816); the aluk variant halves the F2FP
-    conversions (scores by integer ops, values still F2FP); 16-bit pages have none."""
+    a 64-token tile takes (QK^T 72 + PV 64 HMMA.16816); the F2FP conversions of the latent: 256
+    a tile (base), 128 with aluk or aluv (scores or values by integer ops), none with alu; 16
+    for an fp8 rotary key; none for 16-bit pages."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     defines, ctas, _ = ls.kernel_constants(*key)
     cubin = build.build_cubin("latent_decode.cuh", "kvc_latent_decode", ls.KERNEL_CALL, defines,
@@ -185,4 +189,5 @@ def test_builds_for_sm90_without_spills(key, tmp_path, monkeypatch):
     assert len(re.findall(r"\bHMMA\.16816", sass)) == 136
     unpack = len(re.findall(r"F2FP\.F16\.E(4M3|5M2)\.UNPACK_B", sass))
     fp8 = key[0] < 2
-    assert unpack == ((128 if key[7] else 256) if fp8 else 0) + (16 if key[1] < 2 else 0), unpack
+    latent = {0: 256, 1: 128, 2: 128, 3: 0}[key[7]] if fp8 else 0
+    assert unpack == latent + (16 if key[1] < 2 else 0), unpack

@@ -115,7 +115,11 @@ __device__ __forceinline__ void lat_kfrag(const uint4& w, int h, uint32_t& b0, u
 //     at 80% of copy). q's latent part is stored in shared memory with each group of 4 in the
 //     order 0, 2, 1, 3 (the order the widening pairs the codes in); e4m3 lands as x * 2^-8, the
 //     2^8 goes into the scores' page scale. e4m3 NaN codes then read as +-480 (not NaN).
+//   LAT_VAR_ALU_V: the values (P V) widened by integer ops too (paged_decode.cuh's ALU_V forms:
+//     e4m3 through prmt with sign replication, shift and mask, the 2^8 into P; e5m2 by prmt);
+//     with ALU_K ("alu") no F2FP is left but the rotary key's.
 #define LAT_VAR_ALU_K 1
+#define LAT_VAR_ALU_V 2
 
 template <int CK, int RK, int R, int DR, int LOG2P, int NS, int QT, int VAR = 0>
 __device__ __forceinline__ void latent_decode(const LatentParams& p) {
@@ -124,6 +128,8 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
   constexpr bool CBF = CK == KVC_BF16, RBF = RK == KVC_BF16;
   constexpr bool ALUK = (VAR & LAT_VAR_ALU_K) && Gm::CEB == 1;
   constexpr float K_ALU = ALUK && CK == KVC_E4M3 ? 256.f : 1.f;
+  constexpr bool ALUV = (VAR & LAT_VAR_ALU_V) && Gm::CEB == 1;
+  constexpr float V_ALU = ALUV && CK == KVC_E4M3 ? 256.f : 1.f;  // 2^8 back into P
   constexpr int P = Gm::P, D = R + DR;
   const float NEG_INF = -INFINITY;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -306,13 +312,14 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
 
     // ---- scaled scores (log2 units), tokens past the split's end masked
     const float* scl = reinterpret_cast<const float*>(st + Gm::SC_OFF);
-    float x[2][4], cf[2];
+    float x[2][4], cf[2];  // cf: the latent page scale (and ALU_V's 2^8) that P carries
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int k = (wrow + 8 * j) / Gm::PROWS;
       cf[j] = Gm::CSC ? scl[2 * k] : 1.f;
       const float rf = Gm::RSC ? scl[2 * k + 1] : 1.f;
       const float kf = cf[j] * K_ALU;
+      cf[j] *= V_ALU;
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int tok = tok0 + 16 * warp + 8 * j + 2 * t + (c & 1);
@@ -383,7 +390,29 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
         for (int ww = 0; ww < 4; ++ww) {
           const uint32_t xa = word(va, ww), xb = word(vb, ww), xc = word(vc, ww),
                          xd = word(vd, ww);
-          if constexpr (Gm::CEB == 1) {
+          if constexpr (ALUV && CK == KVC_E4M3) {
+            // element e of tokens 2t / 2t + 1 straight from the two words (one prmt each)
+            const int nb = Gm::VEPU * i + 4 * ww;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const uint32_t sel = 0xc480u + 0x1111u * e;
+              mma16816<false>(o[nb + e], pa, e4m3x2_sx_to_f16x2(prmt_sx(xa, xb, sel)),
+                              e4m3x2_sx_to_f16x2(prmt_sx(xc, xd, sel)));
+            }
+          } else if constexpr (ALUV) {  // e5m2: [a_e, a_e+1, b_e, b_e+1] -> even / odd codes
+            const uint32_t z0 = __byte_perm(xa, xb, 0x5410), z1 = __byte_perm(xa, xb, 0x7632);
+            const uint32_t y0 = __byte_perm(xc, xd, 0x5410), y1 = __byte_perm(xc, xd, 0x7632);
+            uint32_t xe0, xo0, xe1, xo1, ye0, yo0, ye1, yo1;
+            fp8x4_to_f16x2x2_alu<CK>(z0, xe0, xo0);
+            fp8x4_to_f16x2x2_alu<CK>(z1, xe1, xo1);
+            fp8x4_to_f16x2x2_alu<CK>(y0, ye0, yo0);
+            fp8x4_to_f16x2x2_alu<CK>(y1, ye1, yo1);
+            const int nb = Gm::VEPU * i + 4 * ww;
+            mma16816<false>(o[nb + 0], pa, xe0, ye0);
+            mma16816<false>(o[nb + 1], pa, xo0, yo0);
+            mma16816<false>(o[nb + 2], pa, xe1, ye1);
+            mma16816<false>(o[nb + 3], pa, xo1, yo1);
+          } else if constexpr (Gm::CEB == 1) {
             const uint32_t x0 = __byte_perm(xa, xb, 0x5140), x1 = __byte_perm(xa, xb, 0x7362);
             const uint32_t y0 = __byte_perm(xc, xd, 0x5140), y1 = __byte_perm(xc, xd, 0x7362);
             const int nb = Gm::VEPU * i + 4 * ww;
