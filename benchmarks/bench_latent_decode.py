@@ -34,7 +34,7 @@ read and its share of a device-to-device copy measured in the same run (bytes re
 over time, as shared/REFERENCE.md), TFLOP/s useful (QK^T once) and issued (the "heads"
 layout at 64 heads computes QK^T twice), and the relative error against the old kernel.
 
-    python benchmarks/bench_latent_decode.py --quick --heads 16 --rule-only --cuda base,alu,alu:s4
+    python benchmarks/bench_latent_decode.py --quick --heads 16 --rule-only --cuda base,base:w8,alu,alu:s4
         # the CUDA latent kernel (kernels/latent_sm90.py, opt-in) beside the rule's tiles, at its
         # own splits and every --splits given; --rule-only: no candidate sweep
     python benchmarks/bench_latent_decode.py --quick --tiles once:64:128:8:1,once_t:32:64:4:3 \
@@ -240,19 +240,27 @@ def score_copies(t) -> int:
         t.num_warps == 8 or t.v_split == 2) else 1
 
 
-def parse_cuda(spec: str) -> list[tuple[str, int | None]]:
-    """'base,aluk:s4' -> [(variant, stages or None), ...] (kernels/latent_sm90.py VARIANTS;
-    stages None: as many half-tile stages as fit one CTA an SM; s4 lets fp8 pages run two CTAs
-    an SM)."""
-    from kvcompile.kernels.latent_sm90 import VARIANTS
+def parse_cuda(spec: str) -> list[tuple[str, int | None, int]]:
+    """'base,base:w8,alu:s4' -> [(variant, stages or None, warps), ...] (kernels/latent_sm90.py
+    VARIANTS; stages None: as many half-tile stages as fit one CTA an SM, s4 lets fp8 pages run
+    two CTAs an SM; warps 4 unless w8)."""
+    from kvcompile.kernels.latent_sm90 import VARIANTS, WARP_COUNTS
 
     out = []
     for item in filter(None, spec.split(",")):
-        var, _, st = item.partition(":")
-        if var not in VARIANTS or (st and not (st[0] == "s" and st[1:].isdigit())):
-            raise SystemExit(f"--cuda {item!r}: variant[:s<stages>], variant one of "
-                             f"{sorted(VARIANTS)}")
-        out.append((var, int(st[1:]) if st else None))
+        var, *opts = item.split(":")
+        st, w = None, 4
+        for o in opts:
+            if o[:1] == "s" and o[1:].isdigit():
+                st = int(o[1:])
+            elif o[:1] == "w" and o[1:].isdigit() and int(o[1:]) in WARP_COUNTS:
+                w = int(o[1:])
+            else:
+                var = ""
+        if var not in VARIANTS:
+            raise SystemExit(f"--cuda {item!r}: variant[:s<stages>][:w<warps>], variant one of "
+                             f"{sorted(VARIANTS)}, warps one of {WARP_COUNTS}")
+        out.append((var, st, w))
     return out
 
 
@@ -310,7 +318,7 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
                 own = pick_splits(B, H, max_len, t, sms, widened=fmt != "bf16")
                 for sp in dict.fromkeys([own] + splits):
                     runs.append(("rule" if t == rule and sp == own else "sweep", t, sp))
-            for var, st in cuda or []:   # the CUDA kernel (kernels/latent_sm90.py), opt-in
+            for var, st, w in cuda or []:   # the CUDA kernel (kernels/latent_sm90.py), opt-in
                 if DRY:
                     print(f"| {name} | {fmt} | cuda {var} | - | dry run: the CUDA kernel takes "
                           f"r 512 + rope 64 on sm_90 only | | | | | | |")
@@ -318,19 +326,21 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
                 from kvcompile.kernels import latent_sm90
 
                 ck = latent_sm90._KIND[fmt]
-                _, ctas, smem = latent_sm90.kernel_constants(ck, ck, R, DR, P, 1, st)
+                _, ctas, smem = latent_sm90.kernel_constants(ck, ck, R, DR, P, 1, st,
+                                                             warps=w)
                 own = latent_sm90.choose_splits(B, (H + 15) // 16, max_len, sms, ctas)
                 for sp in dict.fromkeys([own] + splits):
-                    runs.append(("cuda", (var, st, ctas, smem), sp))
+                    runs.append(("cuda", (var, st, w, ctas, smem), sp))
             base, fastest = None, None
             for kernel, t, sp in runs:
                 if kernel == "cuda":
-                    var, st, ctas, smem = t
-                    label = (f"cuda {var} s{st or 'max'} ({ctas} CTA/SM, {smem // 1024} KB) "
-                             f"x {sp}")
-                    def fn(a=args, v=var, st=st, sp=sp):
+                    var, st, w, ctas, smem = t
+                    label = (f"cuda {var} w{w} s{st or 'max'} ({ctas} CTA/SM, {smem // 1024} "
+                             f"KB) x {sp}")
+
+                    def fn(a=args, v=var, st=st, sp=sp, w=w):
                         return latent_sm90.latent_decode_sm90(*a, num_splits=sp, stages=st,
-                                                              variant=v)
+                                                              variant=v, warps=w)
                     t = None
                 else:
                     label = "16 heads, 1 page" if t is None else f"{t} x {sp}"
@@ -381,8 +391,9 @@ def main() -> None:
     ap.add_argument("--splits", default="", help="--quick: split counts to time each tile "
                     "at, besides the rule's (comma-separated)")
     ap.add_argument("--cuda", default="", help="--quick: also time the CUDA latent kernel "
-                    "(kernels/latent_sm90.py, opt-in), variant[:s<stages>] comma-separated, "
-                    "e.g. base,aluk,aluk:s4 (s4: fp8 pages two CTAs an SM)")
+                    "(kernels/latent_sm90.py, opt-in), variant[:s<stages>][:w<warps>] comma-"
+                    "separated, e.g. base,base:w8,alu:s4 (s4: fp8 pages two CTAs an SM; w8: 8 "
+                    "warps a CTA)")
     ap.add_argument("--rule-only", action="store_true", help="--quick: time the rule's "
                     "tiles (and --cuda) only, no candidate sweep")
     ap.add_argument("--peak-tflops", type=float, default=989.0,

@@ -37,7 +37,8 @@ MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
 _LOG2E = 1.4426950408889634
 KERNEL_CALL = ("kvc::latent_decode<KVC_CK, KVC_RK, KVC_R, KVC_DR, KVC_LOG2P, KVC_NS, KVC_QT, "
-               "KVC_LVAR>")
+               "KVC_LVAR, KVC_LW>")
+WARP_COUNTS = (4, 8)   # warps a CTA: 4 (16 tokens a warp in the scores) or 8 (8 tokens)
 # compile-time variants (latent_decode.cuh VAR bits): "aluk" widens fp8 latent keys by integer
 # ops for the scores (values still by F2FP), "aluv" the values, "alu" both; e4m3 NaN codes then
 # read as +-480 * scale where integer ops widen them
@@ -57,7 +58,7 @@ def _round(x: int, m: int) -> int:
 
 
 def geometry(ck: int, rk: int, r: int, dr: int, page: int,
-             stages: int | None = None) -> tuple[int, int, int]:
+             stages: int | None = None, warps: int = WARPS) -> tuple[int, int, int]:
     """(stages, shared bytes a CTA, CTAs an SM by shared memory), as latent_decode.cuh's
     LatGeo lays them out; a stage is half a tile (32 tokens), at least 4. stages None: as many
     as fit one CTA an SM (at most MAX_STAGES)."""
@@ -67,7 +68,7 @@ def geometry(ck: int, rk: int, r: int, dr: int, page: int,
     ppt = HALF // min(page, HALF)
     stage = _round(HALF * rowb + (8 * ppt if ck < 2 or rk < 2 else 0), 128)
     qrowb = (r + dr) * 2 + 8
-    fixed = _round(_round(16 * qrowb, 128) + WARPS * 16 * 4 + 16 * (TILE * 2 + 16), 128)
+    fixed = _round(_round(16 * qrowb, 128) + warps * 16 * 4 + 16 * (TILE * 2 + 16), 128)
     if stages is None:
         stages = max(4, min(MAX_STAGES, (SMEM_LIMIT - fixed) // stage))
     smem = fixed + stages * stage
@@ -79,13 +80,17 @@ def geometry(ck: int, rk: int, r: int, dr: int, page: int,
 
 
 def kernel_constants(ck: int, rk: int, r: int, dr: int, page: int, qt: int,
-                     stages: int | None = None, var: int = 0) -> tuple[dict[str, int], int, int]:
+                     stages: int | None = None, var: int = 0,
+                     warps: int = WARPS) -> tuple[dict[str, int], int, int]:
     """(compile-time constants, CTAs an SM, shared bytes a CTA) of a variant; the emulation
-    builds the same constants."""
-    ns, smem, ctas = geometry(ck, rk, r, dr, page, stages)
+    builds the same constants. The CTA has `warps` x 32 threads."""
+    if warps not in WARP_COUNTS:
+        raise UnsupportedShapeError(f"latent_decode_sm90: warps={warps}; take one of "
+                                    f"{WARP_COUNTS}")
+    ns, smem, ctas = geometry(ck, rk, r, dr, page, stages, warps)
     defines = {"KVC_CK": ck, "KVC_RK": rk, "KVC_R": r, "KVC_DR": dr,
                "KVC_LOG2P": page.bit_length() - 1, "KVC_NS": ns, "KVC_QT": qt,
-               "KVC_LVAR": var if ck < 2 else 0}
+               "KVC_LVAR": var if ck < 2 else 0, "KVC_LW": warps}
     return defines, ctas, smem
 
 
@@ -135,10 +140,11 @@ class Launch:
 
 def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: float,
                      num_splits: int | None = None, stages: int | None = None,
-                     sms: int = 132, variant: str = "base") -> Launch:
+                     sms: int = 132, variant: str = "base", warps: int = WARPS) -> Launch:
     """The launch for these inputs (any device: the emulation plans CPU tensors).
     stages: ring stages of half a tile (None: as many as fit one CTA an SM; 4 lets fp8 pages
-    run two CTAs an SM); variant: VARIANTS (a bit that changes nothing for these pages is dropped)."""
+    run two CTAs an SM); variant: VARIANTS (a bit that changes nothing for these pages is
+    dropped); warps: WARP_COUNTS (8: two warps a scheduler at one CTA an SM)."""
     from kvcompile.kernels.latent_decode import _check
 
     _check(q_lat, c_pages, r_pages, block_tables, seq_lens)
@@ -152,7 +158,8 @@ def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: flo
     if variant not in VARIANTS:
         raise UnsupportedShapeError(f"latent_decode_sm90: unknown variant {variant!r}; take one "
                                     f"of {sorted(VARIANTS)}")
-    key = (ck, rk, R, DR, P, _QT[q_lat.dtype], stages, VARIANTS[variant] if ck < 2 else 0)
+    key = (ck, rk, R, DR, P, _QT[q_lat.dtype], stages, VARIANTS[variant] if ck < 2 else 0,
+           warps)
     _, ctas, _ = kernel_constants(*key)
     hbs = (H + 15) // 16
     max_len = block_tables.shape[1] * P
@@ -197,8 +204,8 @@ def _kernel(key):
     if k is None:
         defines, ctas, smem = kernel_constants(*key)
         cubin = build.build_cubin("latent_decode.cuh", "kvc_latent_decode", KERNEL_CALL, defines,
-                                  arch="sm_90", threads=WARPS * 32, min_blocks=ctas,
-                                  params="LatentParams")
+                                  arch="sm_90", threads=defines["KVC_LW"] * 32,
+                                  min_blocks=ctas, params="LatentParams")
         k = Kernel(cubin, "kvc_latent_decode", smem)
         _kernels[key] = k
     return k
@@ -219,7 +226,7 @@ def merge_splits(acc: torch.Tensor, ml: torch.Tensor) -> torch.Tensor:
 
 def latent_decode_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: float,
                        num_splits: int | None = None, stages: int | None = None,
-                       variant: str = "base") -> torch.Tensor:
+                       variant: str = "base", warps: int = WARPS) -> torch.Tensor:
     """See the module docstring. q_lat [B, H, R + DR] -> [B, H, R] fp32, on an sm_90 GPU."""
     from kvcompile.kernels import decode_sm90
     from kvcompile.kernels.latent_decode import _latent_merge_kernel, sm_count
@@ -229,8 +236,8 @@ def latent_decode_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: f
         raise UnsupportedShapeError(f"latent_decode_sm90: {why}; use "
                                     f"latent_decode.latent_decode_attention (Triton)")
     lp = plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale, num_splits,
-                          stages, sm_count(q_lat.device), variant)
-    _kernel(lp.key).launch(lp.grid, WARPS * 32, lp.prm, q_lat.device)
+                          stages, sm_count(q_lat.device), variant, warps)
+    _kernel(lp.key).launch(lp.grid, warps * 32, lp.prm, q_lat.device)
     if not lp.direct:
         B, H, R = lp.out.shape
         merge_h = 16
@@ -239,5 +246,5 @@ def latent_decode_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: f
     return lp.out
 
 
-__all__ = ["KERNEL_CALL", "VARIANTS", "Launch", "LatentParams", "choose_splits", "geometry", "kernel_constants",
+__all__ = ["KERNEL_CALL", "VARIANTS", "WARP_COUNTS", "Launch", "LatentParams", "choose_splits", "geometry", "kernel_constants",
            "latent_decode_sm90", "merge_splits", "plan_latent_sm90", "unsupported"]

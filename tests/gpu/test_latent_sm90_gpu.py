@@ -1,7 +1,8 @@
 """The CUDA latent decode kernel (kernels/cuda/latent_decode.cuh via kernels/latent_sm90.py,
 opt-in) on an sm_90 GPU against the paged reference over the same latent pages: DeepSeek-V3's
-widths (r 512, rope 64) at 16 / 20 heads (TP 8's shard; 20: a second, partial head block), bf16 and fp8 pages (an fp8 latent beside a bf16 rotary key too), a ragged batch (1, 63,
-4097, 700 tokens), the kernel's own splits and others (empty splits included), its variants
+widths (r 512, rope 64) at 16 / 20 heads (TP 8's shard; 20: a second, partial head block), bf16
+and fp8 pages (an fp8 latent beside a bf16 rotary key too), a ragged batch (1, 63, 4097, 700
+tokens), the kernel's own splits and others (empty splits included), its variants, 8-warp CTAs
 and two CTAs an SM (stages 4). The CPU twin is tests/kernels/test_latent_sm90.py (emulation).
 
     pytest -s -q -m gpu tests/gpu/test_latent_sm90_gpu.py
@@ -46,21 +47,24 @@ def _case(c_fmt, r_fmt, lens, heads):
     return pool, plan, q, lens_t, ref
 
 
-@pytest.mark.parametrize("variant,stages", [("base", None), ("aluk", None), ("alu", None),
-                                            ("aluv", 4), ("alu", 4)])
+@pytest.mark.parametrize("variant,stages,warps", [
+    ("base", None, 4), ("base", None, 8), ("aluk", None, 4), ("alu", None, 4), ("aluv", 4, 4),
+    ("alu", 4, 4), ("alu", 4, 8)])
 @pytest.mark.parametrize("splits", [None, 1, 7])
 @pytest.mark.parametrize("heads", [16, 20])
 @pytest.mark.parametrize("c_fmt,r_fmt", [("bf16", "bf16"), ("fp8_e4m3", "bf16"),
                                          ("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2")])
-def test_cuda_latent_kernel(c_fmt, r_fmt, heads, splits, variant, stages):
+def test_cuda_latent_kernel(c_fmt, r_fmt, heads, splits, variant, stages, warps):
     from kvcompile.kernels import latent_sm90
 
     if c_fmt == "bf16" and (variant != "base" or stages is not None):
         pytest.skip("the variants and 4-stage rings are for fp8 latent pages")
+    if splits == 1 and (variant, stages) not in (("base", None), ("alu", 4)):
+        pytest.skip("one split (the direct write) is checked on base and alu at 4 stages")
     pool, plan, q, lens_t, ref = _case(c_fmt, r_fmt, [1, 63, 4097, 700], heads)
     out = latent_sm90.latent_decode_sm90(q, pool.k[0], pool.v[0], plan.block_tables, lens_t,
                                          0.07, num_splits=splits, stages=stages,
-                                         variant=variant)
+                                         variant=variant, warps=warps)
     torch.cuda.synchronize()
     assert_rel_close(out, ref, torch.bfloat16,
-                     what=f"{c_fmt}/{r_fmt} h{heads} x {splits} {variant} s{stages}")
+                     what=f"{c_fmt}/{r_fmt} h{heads} x {splits} {variant} s{stages} w{warps}")

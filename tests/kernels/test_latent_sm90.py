@@ -68,39 +68,46 @@ def _bound(c_fmt):   # the MMA dtype: bf16 for bf16 pages, fp16 for fp16 / fp8 p
     return REL_ERR[torch.bfloat16 if c_fmt == "bf16" else torch.float16]
 
 
-# (latent, rotary key, heads, lengths, page, splits, variant, q dtype, ring stages)
+# (latent, rotary key, heads, lengths, page, splits, variant, q dtype, ring stages, warps)
 CASES = [
     # 20 heads: two head blocks, the second 4 rows; 3 splits over [300, 17]: an empty split;
     # the 5-stage ring wraps (10 half tiles in the first split)
-    ("bf16", "bf16", 20, [300, 17], 16, 3, "base", torch.bfloat16, None),
+    ("bf16", "bf16", 20, [300, 17], 16, 3, "base", torch.bfloat16, None, 4),
     # pages of 8: a 64-token tile gathers 8 pages (8 scales); fp8 keys and values widened by
-    # integer ops ("alu"); the 4-stage ring (two CTAs an SM) wraps
-    ("fp8_e4m3", "bf16", 16, [329, 64], 8, 2, "alu", torch.bfloat16, 4),
+    # integer ops ("alu"); the 4-stage ring (two CTAs an SM) wraps; 8 warps (8 tokens a warp in
+    # the scores, 64 output columns a warp: 8-byte value units)
+    ("fp8_e4m3", "bf16", 16, [329, 64], 8, 2, "alu", torch.bfloat16, 4, 8),
 ]
 FULL_CASES = [
-    ("fp8_e4m3", "bf16", 16, [700, 1], 16, 1, "base", torch.bfloat16, None),   # 10 stages wrap
-    ("fp8_e5m2", "fp8_e4m3", 16, [100], 32, 1, "aluk", torch.float32, None),
-    ("fp8_e4m3", "fp8_e4m3", 32, [150, 70], 16, 2, "aluk", torch.float16, 4),
-    ("fp8_e5m2", "fp8_e5m2", 16, [150, 40], 16, 2, "alu", torch.bfloat16, None),
-    ("fp8_e4m3", "bf16", 16, [200], 16, 1, "aluv", torch.bfloat16, None),
-    ("fp16", "fp16", 8, [150], 128, 1, "base", torch.float16, None),
+    ("fp8_e4m3", "bf16", 16, [700, 1], 16, 1, "base", torch.bfloat16, None, 4),  # 10 stages wrap
+    ("fp8_e5m2", "fp8_e4m3", 16, [100], 32, 1, "aluk", torch.float32, None, 4),
+    ("fp8_e4m3", "fp8_e4m3", 32, [150, 70], 16, 2, "aluk", torch.float16, 4, 4),
+    ("fp8_e5m2", "fp8_e5m2", 16, [150, 40], 16, 2, "alu", torch.bfloat16, None, 4),
+    ("fp8_e4m3", "bf16", 16, [200], 16, 1, "aluv", torch.bfloat16, None, 4),
+    ("fp16", "fp16", 8, [150], 128, 1, "base", torch.float16, None, 4),
+    ("fp8_e4m3", "bf16", 16, [329, 64], 8, 2, "alu", torch.bfloat16, 4, 4),
+    ("bf16", "bf16", 20, [300, 17], 16, 3, "base", torch.bfloat16, None, 8),
+    # 8 warps over fp8 rotary keys: 64 rotary rows a pass, half the threads idle
+    ("fp8_e4m3", "fp8_e4m3", 16, [400], 16, 1, "base", torch.bfloat16, None, 8),
 ]
 
 
 @pytest.mark.skipif(not build_emu.available()[0], reason="g++ not found")
 @pytest.mark.parametrize("case", CASES + (FULL_CASES if FULL else []),
-                         ids=lambda c: f"{c[0]}-{c[1]}-h{c[2]}-p{c[4]}-s{c[5]}-{c[6]}-ns{c[8]}")
+                         ids=lambda c: f"{c[0]}-{c[1]}-h{c[2]}-p{c[4]}-s{c[5]}-{c[6]}-ns{c[8]}-w{c[9]}")
 def test_emulated_matches_reference(case):
-    c_fmt, r_fmt, heads, lens, page, splits, variant, qd, stages = case
+    c_fmt, r_fmt, heads, lens, page, splits, variant, qd, stages, warps = case
     pool, plan, q, ref = _case(c_fmt, r_fmt, heads, lens, page, qd)
-    out = _emulate(pool, plan, q, lens, num_splits=splits, variant=variant, stages=stages)
+    out = _emulate(pool, plan, q, lens, num_splits=splits, variant=variant, stages=stages,
+                   warps=warps)
     err = rel_err(out, ref)
     assert err <= _bound(c_fmt), f"relative error {err:.3e} > {_bound(c_fmt):.1e}"
     if case is CASES[0]:
         # negative control: the kernel told one token less of the short sequence than the
         # reference sees (its last page then ends one row earlier)
         short = lens[:-1] + [lens[-1] - 1]
-        bad = _emulate(pool, plan, q, short, num_splits=splits, variant=variant, stages=stages)
+        bad = _emulate(pool, plan, q, short, num_splits=splits, variant=variant, stages=stages,
+                       warps=warps)
         assert rel_err(bad[-1], ref[-1]) > _bound(c_fmt)
 
 
@@ -108,10 +115,11 @@ def test_emulated_matches_reference(case):
 def test_page_scales_are_read():
     """Negative control for the fp8 path: the latent page scales doubled after the reference
     was taken change the output beyond the bound (scores and probabilities use them)."""
-    c_fmt, r_fmt, heads, lens, page, splits, variant, qd, stages = CASES[1]
+    c_fmt, r_fmt, heads, lens, page, splits, variant, qd, stages, warps = CASES[1]
     pool, plan, q, ref = _case(c_fmt, r_fmt, heads, lens, page, qd)
     pool.k[0].scale.mul_(2.0)
-    out = _emulate(pool, plan, q, lens, num_splits=splits, variant=variant, stages=stages)
+    out = _emulate(pool, plan, q, lens, num_splits=splits, variant=variant, stages=stages,
+                   warps=warps)
     assert rel_err(out, ref) > 0.1
 
 
@@ -164,7 +172,8 @@ def _cuobjdump() -> str | None:
 # stages, aluk over e5m2 with fp32 queries, aluv, fp16
 NVCC = [(0, 3, R, DR, 16, 1, 4, 3)]
 NVCC_FULL = [(3, 3, R, DR, 16, 1, None, 0), (0, 3, R, DR, 16, 1, None, 0),
-             (1, 1, R, DR, 8, 2, None, 1),
+             (1, 1, R, DR, 8, 2, None, 1), (3, 3, R, DR, 16, 1, None, 0, 8),
+             (0, 0, R, DR, 16, 1, 4, 3, 8),
              (0, 0, R, DR, 16, 1, None, 2), (2, 2, R, DR, 128, 0, None, 0)]
 
 
@@ -180,15 +189,16 @@ def test_builds_for_sm90_without_spills(key, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     defines, ctas, _ = ls.kernel_constants(*key)
     cubin = build.build_cubin("latent_decode.cuh", "kvc_latent_decode", ls.KERNEL_CALL, defines,
-                              arch="sm_90", threads=ls.WARPS * 32, min_blocks=ctas,
+                              arch="sm_90", threads=defines["KVC_LW"] * 32, min_blocks=ctas,
                               params="LatentParams")
     path = tmp_path / "k.cubin"
     path.write_bytes(cubin)
     sass = subprocess.run([_cuobjdump(), "-sass", str(path)], capture_output=True, text=True,
                           timeout=120).stdout
     assert not re.search(r"\b(LDL|STL)(\.|\s)", sass), "local memory: registers spilled"
-    assert len(re.findall(r"\bHMMA\.16816", sass)) == 136
+    warps = key[8] if len(key) > 8 else 4
+    assert len(re.findall(r"\bHMMA\.16816", sass)) == 136 * 4 // warps   # a warp's share
     unpack = len(re.findall(r"F2FP\.F16\.E(4M3|5M2)\.UNPACK_B", sass))
     fp8 = key[0] < 2
     latent = {0: 256, 1: 128, 2: 128, 3: 0}[key[7]] if fp8 else 0
-    assert unpack == latent + (16 if key[1] < 2 else 0), unpack
+    assert unpack == (latent + (16 if key[1] < 2 else 0)) * 4 // warps, unpack

@@ -60,7 +60,7 @@ namespace kvc {
 constexpr int LAT_TILE = 64;  // tokens an iteration: 16 a warp
 constexpr int LAT_HALF = 32;  // tokens a ring stage: a tile is two stages
 
-template <int CK, int RK, int R, int DR, int LOG2P, int NS>
+template <int CK, int RK, int R, int DR, int LOG2P, int NS, int LW = 4>
 struct LatGeo {
   static constexpr int CEB = CK >= KVC_F16 ? 2 : 1, REB = RK >= KVC_F16 ? 2 : 1;
   static constexpr bool CSC = CK <= KVC_E5M2, RSC = RK <= KVC_E5M2;  // page-scaled fp8
@@ -73,18 +73,22 @@ struct LatGeo {
   static constexpr int STAGE = (SC_OFF + (CSC || RSC ? 8 * PPT : 0) + 127) / 128 * 128;
   static constexpr int QROWB = (R + DR) * 2 + 8;              // q in shared: 16-bit, 8 mod 128
   static constexpr int RED_OFF = (16 * QROWB + 127) / 128 * 128;
-  static constexpr int P_OFF = RED_OFF + WARPS * 16 * 4;
+  static constexpr int P_OFF = RED_OFF + LW * 16 * 4;
   static constexpr int PROWB = LAT_TILE * 2 + 16;             // P row: 16 mod 128
   static constexpr int RING_OFF = (P_OFF + 16 * PROWB + 127) / 128 * 128;
   static constexpr int SMEM = RING_OFF + NS * STAGE;
   static constexpr int CEPC = 16 / CEB, REPC = 16 / REB;      // elements a chunk
   static constexpr int CKPC = CEPC / 4, RKPC = REPC / 4;      // k-steps a chunk
-  static constexpr int UW = NCC / WARPS;                      // value units (16 B) a warp
+  static constexpr int TW = LAT_TILE / LW, NTW = TW / 8;      // a warp's tokens, n-tiles
+  static constexpr int WB = R * CEB / LW;                     // a warp's output columns, bytes
+  static constexpr int VU = WB >= 128 ? 16 : 8;               // value unit a thread loads
+  static constexpr int UW = WB / VU;                          // value units a warp
   static constexpr int VUT = UW / 8;                          // ... a thread (g)
-  static constexpr int VEPU = CEPC;                           // value elements a unit
+  static constexpr int VEPU = VU / CEB;                       // value elements a unit
   static constexpr int NT = VUT * VEPU;                       // n-tiles of O a warp
-  static_assert(NCC % 32 == 0 && UW % 8 == 0, "latent rows of 512 bytes or more (R 256 bf16, "
-                                              "R 512 fp8)");
+  static_assert(LW == 4 || LW == 8, "4 or 8 warps");
+  static_assert(NCC % 32 == 0 && WB >= 64 && UW % 8 == 0,
+                "latent rows of 512 bytes or more (R 256 bf16, R 512 fp8)");
   static_assert(NCR == 4 || NCR % 8 == 0, "rotary rows of 64 bytes or a multiple of 128");
   static_assert(SMEM <= 232448, "shared memory over the sm_90 limit: fewer stages");
 };
@@ -121,9 +125,9 @@ __device__ __forceinline__ void lat_kfrag(const uint4& w, int h, uint32_t& b0, u
 #define LAT_VAR_ALU_K 1
 #define LAT_VAR_ALU_V 2
 
-template <int CK, int RK, int R, int DR, int LOG2P, int NS, int QT, int VAR = 0>
+template <int CK, int RK, int R, int DR, int LOG2P, int NS, int QT, int VAR = 0, int LW = 4>
 __device__ __forceinline__ void latent_decode(const LatentParams& p) {
-  using Gm = LatGeo<CK, RK, R, DR, LOG2P, NS>;
+  using Gm = LatGeo<CK, RK, R, DR, LOG2P, NS, LW>;
   static_assert(NS >= 4, "four half-tile stages or more (two computed, two or more loading)");
   constexpr bool CBF = CK == KVC_BF16, RBF = RK == KVC_BF16;
   constexpr bool ALUK = (VAR & LAT_VAR_ALU_K) && Gm::CEB == 1;
@@ -143,7 +147,7 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
   const int end = min(L, start + p.tiles_per_split * LAT_TILE);
   const int ntiles = end > start ? (end - start + LAT_TILE - 1) / LAT_TILE : 0;
   uint8_t* qs = smem;
-  float* red = reinterpret_cast<float*>(smem + Gm::RED_OFF);  // [WARPS][16]
+  float* red = reinterpret_cast<float*>(smem + Gm::RED_OFF);  // [LW][16]
   uint8_t* ps = smem + Gm::P_OFF;                              // [16][LAT_TILE] 16-bit
   uint8_t* ring = smem + Gm::RING_OFF;
   const int* btb = p.bt + (long long)b * p.stride_bt;
@@ -163,10 +167,10 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
   // chunk to the next, and chunk n's page slot (RP n / PROWS) is a compile-time index. Rows past
   // the split's end read 0 bytes (zero-filled) from a valid address (page 0 where the entry was
   // not read).
-  constexpr int RP = WARPS * 32 / Gm::NCC;                 // latent rows a pass
-  constexpr int RPR = WARPS * 32 / Gm::NCR;                // rotary rows a pass
-  static_assert(Gm::NCC <= WARPS * 32 && (WARPS * 32) % Gm::NCC == 0 &&
-                (WARPS * 32) % Gm::NCR == 0 && Gm::PROWS % RP == 0, "chunk layout");
+  constexpr int RP = LW * 32 / Gm::NCC;                 // latent rows a pass
+  constexpr int RPR = LW * 32 / Gm::NCR;                // rotary rows a pass (may pass 32)
+  static_assert(Gm::NCC <= LW * 32 && (LW * 32) % Gm::NCC == 0 &&
+                (LW * 32) % Gm::NCR == 0 && Gm::PROWS % RP == 0, "chunk layout");
   const int c_row0 = tid / Gm::NCC, c_off = tid % Gm::NCC * 16;
   const int r_row0 = tid / Gm::NCR, r_off = tid % Gm::NCR * 16;
   auto issue = [&](int hs, const int (&pid)[Gm::PPT]) {
@@ -188,8 +192,9 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
         }
       }
 #pragma unroll
-      for (int n = 0; n < LAT_HALF / RPR; ++n) {
+      for (int n = 0; n < (RPR < LAT_HALF ? LAT_HALF / RPR : 1); ++n) {
         const int row = r_row0 + RPR * n;
+        if (RPR > LAT_HALF && row >= LAT_HALF) break;  // 8 warps, fp8 rotary rows: half idle
         int pg = pid[0];
 #pragma unroll
         for (int k = 1; k < Gm::PPT; ++k) pg = row >= k * Gm::PROWS ? pid[k] : pg;
@@ -222,7 +227,7 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
   load_pids(NS - 2, pid_a);
   load_pids(NS - 1, pid_b);
   const int h0 = hb * 16;
-  for (int e = tid; e < 16 * D; e += WARPS * 32) {
+  for (int e = tid; e < 16 * D; e += LW * 32) {
     const int rr = e / D, d = e % D;
     float x = 0.f;
     if (h0 + rr < H) x = load_q<QT>(p.q, b * p.stride_qb + (h0 + rr) * p.stride_qh + d);
@@ -256,11 +261,11 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
     load_pids(2 * it + NS + 1, pid_b);
     const uint8_t* st0 = ring + ((2 * it) % NS) * Gm::STAGE;
     const uint8_t* st1 = ring + ((2 * it + 1) % NS) * Gm::STAGE;
-    const uint8_t* st = warp >= 2 ? st1 : st0;  // the warp's 16 tokens' stage
-    const int wrow = 16 * (warp & 1);            // ... and their first row there
+    const uint8_t* st = warp >= LW / 2 ? st1 : st0;  // the warp's TW tokens' stage
+    const int wrow = Gm::TW * (warp % (LW / 2));     // ... and their first row there
     const int tok0 = start + it * LAT_TILE;
 
-    // ---- scores of the warp's 16 tokens (n-tiles j: rows 16 w + 8 j + g of the tile)
+    // ---- scores of the warp's TW tokens (n-tiles j < NTW: tile rows TW w + 8 j + g)
     // two accumulators a latent n-tile (k-step parity): four independent MMA chains, not two
     float sc[2][4], sc2[2][4], sr[2][4];
 #pragma unroll
@@ -268,11 +273,12 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) sc[j][c] = sc2[j][c] = sr[j][c] = 0.f;
     const uint8_t* krow0 = st + (wrow + g) * Gm::ROWB;
-    const uint8_t* krow1 = krow0 + 8 * Gm::ROWB;
+    const uint8_t* krow1 = krow0 + (Gm::NTW == 2 ? 8 * Gm::ROWB : 0);
 #pragma unroll
     for (int n = 0; n < Gm::NCC / 4; ++n) {
       const int ch = lat_own(t, n, Gm::NCC);
-      const uint4 w0 = lds128(krow0 + ch * 16), w1 = lds128(krow1 + ch * 16);
+      const uint4 w0 = lds128(krow0 + ch * 16);
+      const uint4 w1 = Gm::NTW == 2 ? lds128(krow1 + ch * 16) : w0;
 #pragma unroll
       for (int h = 0; h < Gm::CKPC; ++h) {
         const int d0 = Gm::CEPC * ch + 4 * h;
@@ -282,20 +288,20 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
         uint32_t b0, b1, e0, e1;
         if constexpr (ALUK) {
           fp8x4_to_f16x2x2_alu<CK>(word(w0, h), b0, b1);
-          fp8x4_to_f16x2x2_alu<CK>(word(w1, h), e0, e1);
+          if constexpr (Gm::NTW == 2) fp8x4_to_f16x2x2_alu<CK>(word(w1, h), e0, e1);
         } else {
           lat_kfrag<CK>(w0, h, b0, b1);
-          lat_kfrag<CK>(w1, h, e0, e1);
+          if constexpr (Gm::NTW == 2) lat_kfrag<CK>(w1, h, e0, e1);
         }
         mma16816<CBF>(h & 1 ? sc2[0] : sc[0], qa, b0, b1);
-        mma16816<CBF>(h & 1 ? sc2[1] : sc[1], qa, e0, e1);
+        if constexpr (Gm::NTW == 2) mma16816<CBF>(h & 1 ? sc2[1] : sc[1], qa, e0, e1);
       }
     }
 #pragma unroll
     for (int n = 0; n < (Gm::NCR >= 8 ? Gm::NCR / 4 : 1); ++n) {
       const int ch = lat_own(t, n, Gm::NCR);
       const uint4 w0 = lds128(krow0 + (Gm::NCC + ch) * 16);
-      const uint4 w1 = lds128(krow1 + (Gm::NCC + ch) * 16);
+      const uint4 w1 = Gm::NTW == 2 ? lds128(krow1 + (Gm::NCC + ch) * 16) : w0;
 #pragma unroll
       for (int h = 0; h < Gm::RKPC; ++h) {
         const int d0 = R + Gm::REPC * ch + 4 * h;
@@ -305,8 +311,10 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
         uint32_t b0, b1;
         lat_kfrag<RK>(w0, h, b0, b1);
         mma16816<RBF>(sr[0], qa, b0, b1);
-        lat_kfrag<RK>(w1, h, b0, b1);
-        mma16816<RBF>(sr[1], qa, b0, b1);
+        if constexpr (Gm::NTW == 2) {
+          lat_kfrag<RK>(w1, h, b0, b1);
+          mma16816<RBF>(sr[1], qa, b0, b1);
+        }
       }
     }
 
@@ -315,6 +323,11 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
     float x[2][4], cf[2];  // cf: the latent page scale (and ALU_V's 2^8) that P carries
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
+      if (j >= Gm::NTW) {  // 8 warps: one n-tile a warp
+        x[j][0] = x[j][1] = x[j][2] = x[j][3] = NEG_INF;
+        cf[j] = 0.f;
+        continue;
+      }
       const int k = (wrow + 8 * j) / Gm::PROWS;
       cf[j] = Gm::CSC ? scl[2 * k] : 1.f;
       const float rf = Gm::RSC ? scl[2 * k + 1] : 1.f;
@@ -322,7 +335,7 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
       cf[j] *= V_ALU;
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const int tok = tok0 + 16 * warp + 8 * j + 2 * t + (c & 1);
+        const int tok = tok0 + Gm::TW * warp + 8 * j + 2 * t + (c & 1);
         x[j][c] = tok < end ? ((sc[j][c] + sc2[j][c]) * kf + sr[j][c] * rf) * qk : NEG_INF;
       }
     }
@@ -338,7 +351,7 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
     }
     __syncthreads();  // the warps' row maxima
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
+    for (int w = 0; w < LW; ++w) {
       mx0 = fmaxf(mx0, red[w * 16 + g]);
       mx1 = fmaxf(mx1, red[w * 16 + g + 8]);
     }
@@ -351,12 +364,12 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
     l0 *= a0;
     l1 *= a1;
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
+    for (int j = 0; j < Gm::NTW; ++j) {
       const float p0 = exp2f(x[j][0] - m0), p1 = exp2f(x[j][1] - m0);
       const float p2 = exp2f(x[j][2] - m1), p3 = exp2f(x[j][3] - m1);
       l0 += p0 + p1;
       l1 += p2 + p3;
-      const int col = 2 * (16 * warp + 8 * j + 2 * t);  // byte offset of the token pair
+      const int col = 2 * (Gm::TW * warp + 8 * j + 2 * t);  // byte offset of the token pair
       *reinterpret_cast<uint32_t*>(ps + g * Gm::PROWB + col) = pack2<CBF>(p0 * cf[j], p1 * cf[j]);
       *reinterpret_cast<uint32_t*>(ps + (g + 8) * Gm::PROWB + col) =
           pack2<CBF>(p2 * cf[j], p3 * cf[j]);
@@ -382,12 +395,19 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
 #pragma unroll
       for (int i = 0; i < Gm::VUT; ++i) {
         const int u = Gm::UW * warp + g + 8 * i;
-        const uint4 va = lds128(vb0 + (2 * t) * Gm::ROWB + 16 * u);
-        const uint4 vb = lds128(vb0 + (2 * t + 1) * Gm::ROWB + 16 * u);
-        const uint4 vc = lds128(vb0 + (2 * t + 8) * Gm::ROWB + 16 * u);
-        const uint4 vd = lds128(vb0 + (2 * t + 9) * Gm::ROWB + 16 * u);
+        auto unit = [&](int row) {  // VU bytes of a value row (8 warps, fp8: 8 bytes)
+          const uint8_t* a = vb0 + row * Gm::ROWB + Gm::VU * u;
+          if constexpr (Gm::VU == 16) {
+            return lds128(a);
+          } else {
+            const uint2 h = lds64(a);
+            return uint4{h.x, h.y, 0u, 0u};
+          }
+        };
+        const uint4 va = unit(2 * t), vb = unit(2 * t + 1), vc = unit(2 * t + 8),
+                    vd = unit(2 * t + 9);
 #pragma unroll
-        for (int ww = 0; ww < 4; ++ww) {
+        for (int ww = 0; ww < Gm::VU / 4; ++ww) {
           const uint32_t xa = word(va, ww), xb = word(vb, ww), xc = word(vc, ww),
                          xd = word(vd, ww);
           if constexpr (ALUV && CK == KVC_E4M3) {
@@ -450,7 +470,7 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
   __syncthreads();
   float s0 = 0.f, s1 = 0.f;
 #pragma unroll
-  for (int w = 0; w < WARPS; ++w) {
+  for (int w = 0; w < LW; ++w) {
     s0 += red[w * 16 + g];
     s1 += red[w * 16 + g + 8];
   }

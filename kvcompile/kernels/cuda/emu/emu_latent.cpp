@@ -14,7 +14,7 @@ namespace {
 
 void body(const void* arg) {
   kvc::latent_decode<KVC_CK, KVC_RK, KVC_R, KVC_DR, KVC_LOG2P, KVC_NS, KVC_QT,
-                     KVC_LVAR>(
+                     KVC_LVAR, KVC_LW>(
       *static_cast<const LatentParams*>(arg));
 }
 
@@ -52,7 +52,7 @@ extern "C" int kvc_emu_latent(const LatentParams* p, int grid_x, int grid_y, int
     snprintf(err, errlen, "LatentParams.%s is not the start of any buffer passed", bad);
     return -1;
   }
-  const int rc = kvc_emu::run_grid(body, &g, grid_x, grid_y, kvc::WARPS * 32, smem_bytes, seed,
+  const int rc = kvc_emu::run_grid(body, &g, grid_x, grid_y, KVC_LW * 32, smem_bytes, seed,
                                    err, errlen);
   kvc_emu::guard_end(true);
   return rc;
