@@ -33,6 +33,9 @@
 // the score loads (lds128 by row g, chunk by t) and the value loads (rows 2 t.., unit g) are
 // free of bank conflicts. q.k sums over d, so d is permuted alike for q and the keys.
 //
+// LW = 8 (opt-in, the launcher's warps=8): the same with 8 warps, 8 tokens a warp in the scores
+// (one n-tile) and 64 output columns a warp (8-byte fp8 value units): two warps a scheduler at one
+// CTA an SM, at the price of q's fragments read twice as often.
 // Splits write unnormalized partial outputs and (max, sum) in log2 units, the layout
 // latent_decode.py's merge kernel reads: acc [B, S, H, R], ml [B, S, H, 2]; one split writes out
 // [B, H, R] fp32 normalized. Built with -DKVC_EMU (emu/emu_latent.cpp) it runs on the CPU.
