@@ -25,10 +25,10 @@
 // The tiles stream through a ring of NS half-tile stages (32 tokens each) filled by cp.async
 // (16-byte copies, zero-filled past the split's end): a tile computes from two stages while the
 // other NS - 2 are in flight, so a ring of 73 KB bf16 tiles that holds only two whole tiles still
-// keeps 1.5 tiles in flight (NS 5: 112 KB, 171 KB in all, one CTA an SM); fp8 latent pages (+ a
-// bf16 rotary key): 21 KB a stage, NS 10 (8 in flight, 168 KB), or NS 4 for two CTAs an SM. Each
-// stage's page ids are read one iteration before its copies are issued (plain loads into
-// registers, off the critical path). Shared rows are padded to
+// keeps 1.5 tiles in flight (NS 5: 112 KB, 203 KB in all, one CTA an SM); fp8 latent pages (+ a
+// bf16 rotary key): 21 KB a stage, NS 10 (8 in flight, 168 KB; 227 KB in all), or NS 4 (103 KB)
+// for two CTAs an SM. Each stage's page ids are read one iteration before its copies are issued
+// (plain loads into registers, off the critical path). Shared rows are padded to
 // 16 mod 128 bytes and each thread of a quad owns 16-byte chunks 8 m + 2 t + {0, 1} of a row:
 // the score loads (lds128 by row g, chunk by t) and the value loads (rows 2 t.., unit g) are
 // free of bank conflicts. q.k sums over d, so d is permuted alike for q and the keys.
