@@ -7,7 +7,9 @@
 It takes the DeepSeek shape (R 512, DR 64), bf16 / fp16 / fp8 (e4m3, e5m2, page scales) latent
 and rotary pages (each its own format), pages of 8-128 tokens, any head count (blocks of 16 heads,
 one CTA each), bf16 / fp16 / fp32 queries (converted to the pages' MMA dtype: bf16 for bf16 pages,
-fp16 otherwise). `unsupported(...)` names what it does not take. The Triton kernel stays the
+fp16 otherwise). Options, all compile-time (one cached cubin each): `stages` (the cp.async ring,
+half tiles), `variant` (VARIANTS: fp8 widened by integer ops), `warps` (4 or 8 a CTA).
+`unsupported(...)` names what it does not take. The Triton kernel stays the
 default (the run time does not call this); benchmarks/bench_latent_decode.py --quick times it
 beside the rule (`--cuda`), and benchmarks/RESULTS.md ("a CUDA latent kernel") has the arithmetic.
 `plan_latent_sm90` builds the launch without a GPU: the CPU emulation (kernels/cuda/emu) runs it.
