@@ -34,6 +34,9 @@ read and its share of a device-to-device copy measured in the same run (bytes re
 over time, as shared/REFERENCE.md), TFLOP/s useful (QK^T once) and issued (the "heads"
 layout at 64 heads computes QK^T twice), and the relative error against the old kernel.
 
+    python benchmarks/bench_latent_decode.py --quick --heads 16 --rule-only --cuda base,base:w8,alu,alu:s4
+        # the CUDA latent kernel (kernels/latent_sm90.py, opt-in) beside the rule's tiles, at its
+        # own splits and every --splits given; --rule-only: no candidate sweep
     python benchmarks/bench_latent_decode.py --quick --tiles once:64:128:8:1,once_t:32:64:4:3 \
         --splits 2,8   # tile spec: layout:heads:tokens:warps:stages[:v_split][:dot|tile|bits]
                        # [:bt|rope] (the prefetch variants, LatentTiles.ahead)
@@ -237,9 +240,34 @@ def score_copies(t) -> int:
         t.num_warps == 8 or t.v_split == 2) else 1
 
 
+def parse_cuda(spec: str) -> list[tuple[str, int | None, int]]:
+    """'base,base:w8,alu:s4' -> [(variant, stages or None, warps), ...] (kernels/latent_sm90.py
+    VARIANTS; stages None: as many half-tile stages as fit one CTA an SM, s4 lets fp8 pages run
+    two CTAs an SM; warps 4 unless w8)."""
+    from kvcompile.kernels.latent_sm90 import VARIANTS, WARP_COUNTS
+
+    out = []
+    for item in filter(None, spec.split(",")):
+        var, *opts = item.split(":")
+        st, w = None, 4
+        for o in opts:
+            if o[:1] == "s" and o[1:].isdigit():
+                st = int(o[1:])
+            elif o[:1] == "w" and o[1:].isdigit() and int(o[1:]) in WARP_COUNTS:
+                w = int(o[1:])
+            else:
+                var = ""
+        if var not in VARIANTS:
+            raise SystemExit(f"--cuda {item!r}: variant[:s<stages>][:w<warps>], variant one of "
+                             f"{sorted(VARIANTS)}, warps one of {WARP_COUNTS}")
+        out.append((var, st, w))
+    return out
+
+
 def quick(shape_names: list[str], tiles: list | None, splits: list[int],
-          peak_tflops: float) -> None:
-    """The kernel alone: old vs the rule's tiles vs each candidate (or --tiles)."""
+          peak_tflops: float, cuda: list | None = None, rule_only: bool = False) -> None:
+    """The kernel alone: old vs the rule's tiles vs each candidate (or --tiles), and the
+    CUDA kernel's variants (--cuda) beside them."""
     from benchmarks.latent_decode_before import latent_decode_before
 
     shapes = DRY_SHAPES if DRY else SHAPES
@@ -256,8 +284,9 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     bound = REL_ERR[dt]
     best, work = [], []
-    sweep = tiles or [t for t in CANDIDATES + SWEEP_CANDIDATES
-                      if (t.block_h >= 32 if H >= 64 else t.block_h <= max(H, 16))]
+    sweep = tiles or ([] if rule_only else [
+        t for t in CANDIDATES + SWEEP_CANDIDATES
+        if (t.block_h >= 32 if H >= 64 else t.block_h <= max(H, 16))])
     for name in shape_names:
         B, L = shapes[name]
         g = torch.Generator(device=DEV).manual_seed(0)
@@ -289,12 +318,35 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
                 own = pick_splits(B, H, max_len, t, sms, widened=fmt != "bf16")
                 for sp in dict.fromkeys([own] + splits):
                     runs.append(("rule" if t == rule and sp == own else "sweep", t, sp))
+            for var, st, w in cuda or []:   # the CUDA kernel (kernels/latent_sm90.py), opt-in
+                if DRY:
+                    print(f"| {name} | {fmt} | cuda {var} | - | dry run: the CUDA kernel takes "
+                          f"r 512 + rope 64 on sm_90 only | | | | | | |")
+                    continue
+                from kvcompile.kernels import latent_sm90
+
+                ck = latent_sm90._KIND[fmt]
+                _, ctas, smem = latent_sm90.kernel_constants(ck, ck, R, DR, P, 1, st,
+                                                             warps=w)
+                own = latent_sm90.choose_splits(B, (H + 15) // 16, max_len, sms, ctas)
+                for sp in dict.fromkeys([own] + splits):
+                    runs.append(("cuda", (var, st, w, ctas, smem), sp))
             base, fastest = None, None
             for kernel, t, sp in runs:
-                label = "16 heads, 1 page" if t is None else f"{t} x {sp}"
-                fn = (lambda a=args: latent_decode_before(*a)) if t is None else (
-                    lambda a=args, t=t, sp=sp: latent_decode_attention(*a, num_splits=sp,
-                                                                       tiles=t))
+                if kernel == "cuda":
+                    var, st, w, ctas, smem = t
+                    label = (f"cuda {var} w{w} s{st or 'max'} ({ctas} CTA/SM, {smem // 1024} "
+                             f"KB) x {sp}")
+
+                    def fn(a=args, v=var, st=st, sp=sp, w=w):
+                        return latent_sm90.latent_decode_sm90(*a, num_splits=sp, stages=st,
+                                                              variant=v, warps=w)
+                    t = None
+                else:
+                    label = "16 heads, 1 page" if t is None else f"{t} x {sp}"
+                    fn = (lambda a=args: latent_decode_before(*a)) if t is None else (
+                        lambda a=args, t=t, sp=sp: latent_decode_attention(*a, num_splits=sp,
+                                                                           tiles=t))
                 try:
                     out = fn()
                     ms = bench(fn, warmup=10, rep=50)
@@ -305,9 +357,9 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
                 base = base or ms
                 gbs = nbytes / (ms * 1e-3) / 1e9
                 err = _rel(out, old.float())
-                if t is not None and (fastest is None or ms < fastest[0]):
+                if kernel != "old (before #22)" and (fastest is None or ms < fastest[0]):
                     fastest = (ms, label, 100 * gbs / copy, kernel == "rule")
-                issued = (qk * score_copies(t) + pv) if t is not None else qk + pv
+                issued = qk * score_copies(t) + pv
                 print(f"| {name} | {fmt} | {kernel} | {label} | {ms:.3f} | {gbs:.0f} | "
                       f"{100 * gbs / copy:.1f}% | {(qk + pv) / (ms * 1e-3) / 1e12:.0f} | "
                       f"{issued / (ms * 1e-3) / 1e12:.0f} | {base / ms:.2f}x | "
@@ -338,6 +390,12 @@ def main() -> None:
                     "comma-separated (widen 'tile' / 'bits': fp8 pages only)")
     ap.add_argument("--splits", default="", help="--quick: split counts to time each tile "
                     "at, besides the rule's (comma-separated)")
+    ap.add_argument("--cuda", default="", help="--quick: also time the CUDA latent kernel "
+                    "(kernels/latent_sm90.py, opt-in), variant[:s<stages>][:w<warps>] comma-"
+                    "separated, e.g. base,base:w8,alu:s4 (s4: fp8 pages two CTAs an SM; w8: 8 "
+                    "warps a CTA)")
+    ap.add_argument("--rule-only", action="store_true", help="--quick: time the rule's "
+                    "tiles (and --cuda) only, no candidate sweep")
     ap.add_argument("--peak-tflops", type=float, default=989.0,
                     help="dense bf16 tensor-core peak for the compute bound (H100/H200 SXM "
                     "spec sheet: 989)")
@@ -349,7 +407,8 @@ def main() -> None:
         H = a.heads
     if a.quick:
         quick(a.shapes.split(","), parse_tiles(a.tiles) or None,
-              [int(x) for x in a.splits.split(",") if x], a.peak_tflops)
+              [int(x) for x in a.splits.split(",") if x], a.peak_tflops,
+              parse_cuda(a.cuda), a.rule_only)
         return
     shapes = DRY_SHAPES if DRY else SHAPES
     compiled = None if a.no_inductor or DRY else torch.compile(hf_expand_attend, dynamic=False)

@@ -28,6 +28,11 @@
 #   LB_ARGS="--heads 16 --shapes B16_L8k,B16_L32k" bash benchmarks/gpu_jobs.sh latent_bench
 #   bash benchmarks/gpu_jobs.sh latent_tp16   # 16 heads: rule vs copy (the prefetch variants are refused on CUDA), then
 #                                             # the tensor-parallel GPU tests (mla22h)
+#   bash benchmarks/gpu_jobs.sh latent_cuda   # the CUDA latent kernel (opt-in, mla22i): 16 heads,
+#                                             # rule vs cuda base / base 8 warps / aluk / alu /
+#                                             # alu 2 CTAs an SM
+#                                             # vs copy, then its GPU tests (LX_HEADS, LX_CUDA,
+#                                             # LX_SHAPES, LX_SPLITS, LX_K, LX_LIMIT)
 #   bash benchmarks/gpu_jobs.sh capacity32k   # Engine capacity, 32k-token requests, 8x128 KV
 #   bash benchmarks/gpu_jobs.sh quality_canary     # then, same warm machine: quality (see
 #                                                  # benchmarks/quality/gpu_stages.sh: the model
@@ -98,6 +103,7 @@ job() {   # job NAME -> "LIMIT COMMAND"
     latent_check)   echo "${LC_LIMIT:-200} python3 -m pytest -q -m gpu tests/gpu/test_latent_decode_gpu.py -p no:cacheprovider ${LC_K:+-k \"$LC_K\"}" ;;
     latent_quick)   echo "${LQ_LIMIT:-420} python3 benchmarks/bench_latent_decode.py --quick ${LQ_ARGS:-}" ;;
     latent_tp16)    echo "${LT_LIMIT:-290} python3 benchmarks/bench_latent_decode.py --quick --heads 16 --shapes ${LT_SHAPES:-B16_L8k,B64_L8k,B16_L32k,B64_L32k} ${LT_TILES:+--tiles $LT_TILES} ${LT_SPLITS:+--splits $LT_SPLITS}; r=\$?; python3 -m pytest -q -m gpu tests/gpu/test_latent_decode_gpu.py -p no:cacheprovider -k 'tensor_parallel'; exit \$(( r | \$? ))" ;;
+    latent_cuda)    echo "${LX_LIMIT:-480} python3 benchmarks/bench_latent_decode.py --quick --heads ${LX_HEADS:-16} --rule-only --cuda ${LX_CUDA:-base,base:w8,aluk,alu,alu:s4} --shapes ${LX_SHAPES:-B16_L8k,B64_L8k,B16_L32k,B64_L32k} ${LX_SPLITS:+--splits $LX_SPLITS}; r=\$?; python3 -m pytest -q -m gpu tests/gpu/test_latent_sm90_gpu.py -p no:cacheprovider -x ${LX_K:+-k \"$LX_K\"}; exit \$(( r | \$? ))" ;;
     latent_bench)   echo "${LB_LIMIT:-300} python3 benchmarks/bench_latent_decode.py ${LB_ARGS:-}" ;;
     gen)            echo "${GEN_LIMIT:-360} python3 benchmarks/bench_generate.py --budget-s $(( ${GEN_LIMIT:-360} - 30 )) --out $OUT --sections ${GEN_SECTIONS:-hf_static,kvc_fp8,engine_b,engine_b_nograph} ${GEN_ARGS:-}" ;;
     profile)        echo "${PROF_LIMIT:-200} python3 benchmarks/profile_generate.py ${PROF_ARGS:-}" ;;

@@ -67,13 +67,31 @@ def cache_dir() -> Path:
     return Path(base) / "kvcompile" / "cuda"
 
 
+def _source_with_includes(header: str) -> str:
+    """The header's text and, after it, that of every local header it includes (recursively):
+    the cache key changes when an included header does (latent_decode.cuh includes
+    paged_decode.cuh's helpers)."""
+    import re
+
+    seen, order, todo = set(), [], [header]
+    while todo:
+        name = todo.pop()
+        if name in seen or not (_HERE / name).exists():
+            continue
+        seen.add(name)
+        text = (_HERE / name).read_text()
+        order.append(text)
+        todo.extend(re.findall(r'^#include "([^"]+)"', text, flags=re.M))
+    return "\0".join(order)
+
+
 def build_cubin(header: str, name: str, call: str, defines: dict[str, int], *, arch: str,
                 threads: int, min_blocks: int, params: str = "DecodeParams") -> bytes:
     """The cubin of kernel `name` = `call<defines>(params)` from `header`, built once."""
     nvcc = nvcc_path()
     if nvcc is None:
         raise BuildError(available()[1])
-    src = (_HERE / header).read_text()
+    src = _source_with_includes(header)
     wrapper = _WRAPPER.format(header=header, threads=threads, min_blocks=min_blocks, name=name,
                               params=params, call=call)
     flags = ["-cubin", f"-arch={arch}", "-O3", "--use_fast_math", "-std=c++17",

@@ -27,6 +27,9 @@ from kvcompile.kernels.cuda import build
 _HERE = Path(__file__).resolve().parent
 _SOURCES = ("emu_decode.cpp", "lanes.cpp", "collectives.cpp", "memory.cpp", "selftest.cpp")
 _HEADERS = ("cuda_emu.h", "runtime.h", "state.h", "../paged_decode.cuh")
+# the latent kernel (latent_decode.cuh, latent_sm90.py): its own entry, the same runtime
+_LATENT_SOURCES = ("emu_latent.cpp", "lanes.cpp", "collectives.cpp", "memory.cpp")
+_LATENT_HEADERS = _HEADERS + ("../latent_decode.cuh",)
 _FLAGS = ["-std=c++17", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-U_FORTIFY_SOURCE",
           "-Wall", "-Wno-unknown-pragmas", "-DKVC_EMU"]
 _WRITABLE = ("out", "acc", "lse")
@@ -62,17 +65,20 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
-def build_so(defines: dict[str, int], root: Path | None = None) -> Path:
+def build_so(defines: dict[str, int], root: Path | None = None, latent: bool = False) -> Path:
     """The shared library of one kernel variant (decode_sm90.kernel_constants), built once
     per source / constants / compiler (3-7 s of g++ at -O2; -O1 builds 30% faster but runs 2x slower). root: another directory laid
     out as kernels/cuda (paged_decode.cuh, emu/), e.g. a deliberately broken kernel in a test."""
     if gxx_path() is None:
         raise build.BuildError(available()[1])
     here = _HERE if root is None else Path(root) / "emu"
-    src = "\0".join((here / f).read_text() for f in _SOURCES + _HEADERS)
+    sources = _LATENT_SOURCES if latent else _SOURCES
+    src = "\0".join((here / f).read_text()
+                    for f in sources + (_LATENT_HEADERS if latent else _HEADERS))
     flags = _FLAGS + [f"-D{k}={v}" for k, v in sorted(defines.items())]
     key = hashlib.sha256("\0".join([src, _gxx_version(), *flags]).encode()).hexdigest()
-    path = build.cache_dir().parent / "cuda_emu" / f"kvc_emu_decode-{key[:24]}.so"
+    stem = "kvc_emu_latent" if latent else "kvc_emu_decode"
+    path = build.cache_dir().parent / "cuda_emu" / f"{stem}-{key[:24]}.so"
     if path.exists():
         return path
     with _lock:
@@ -81,7 +87,7 @@ def build_so(defines: dict[str, int], root: Path | None = None) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp, "kernel.so")
-            res = subprocess.run([gxx_path(), *flags, *(str(here / f) for f in _SOURCES),
+            res = subprocess.run([gxx_path(), *flags, *(str(here / f) for f in sources),
                                   "-o", str(out)], capture_output=True, text=True, timeout=900)
             if res.returncode != 0:
                 raise build.BuildError(f"g++ failed for {defines}:\n{res.stderr[-4000:]}")
@@ -161,3 +167,45 @@ def finish(lp) -> torch.Tensor:
     if not lp.direct:
         lp.out.copy_(combine_splits(lp.acc, lp.plse).view(lp.out.shape))
     return lp.out
+
+
+_LATENT_WRITABLE = ("out", "acc", "ml")
+
+
+def run_latent(lp, seed: int = 0) -> torch.Tensor:
+    """Runs the latent kernel's launch `lp` (latent_sm90.Launch over CPU tensors) in the
+    emulation and returns its output [B, H, R] fp32 (splits merged by latent_sm90.merge_splits,
+    as the merge kernel merges them on the GPU)."""
+    from kvcompile.kernels import latent_sm90
+
+    defines, _, smem = latent_sm90.kernel_constants(*lp.key)
+    path = build_so(defines, latent=True)
+    lib = _libs.get(path)
+    if lib is None:
+        lib = ctypes.CDLL(str(path))
+        lib.kvc_emu_latent.restype = ctypes.c_int
+        lib.kvc_emu_latent.argtypes = [
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+            ctypes.POINTER(_Buffer), ctypes.c_int, ctypes.c_uint64, ctypes.c_char_p,
+            ctypes.c_int]
+        _libs[path] = lib
+    names, bufs, seen = [], [], set()
+    for name, t in lp.tensors.items():
+        if t is None or t.data_ptr() in seen:
+            continue
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"emulated latent decode: '{name}' must be a contiguous CPU tensor")
+        seen.add(t.data_ptr())
+        names.append(name.encode())
+        bufs.append(_Buffer(t.data_ptr(), t.numel() * t.element_size(),
+                            name in _LATENT_WRITABLE, names[-1]))
+    arr = (_Buffer * len(bufs))(*bufs)
+    err = ctypes.create_string_buffer(4096)
+    gx, gy, _ = lp.grid
+    rc = lib.kvc_emu_latent(ctypes.addressof(lp.prm), gx, gy, smem, arr, len(bufs), seed, err,
+                            len(err))
+    if rc != 0:
+        raise EmuError(f"emulated latent_decode {defines}: {err.value.decode()}")
+    if lp.direct:
+        return lp.out
+    return latent_sm90.merge_splits(lp.acc, lp.ml)

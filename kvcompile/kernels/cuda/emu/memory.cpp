@@ -15,6 +15,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <string>
 
 #include "state.h"
@@ -26,12 +27,13 @@ __attribute__((aligned(128))) uint8_t smem[kvc_emu::SMEM_CAP + kvc_emu::SMEM_TAI
 namespace kvc_emu {
 namespace {
 
-constexpr uint8_t POISON = 0xff, CANARY = 0xa5, NOBODY = 0xff;
-uint8_t s_pend[SMEM_CAP];      // 1 while a cp.async to the byte is in flight
-uint8_t s_pend_tid[SMEM_CAP];  // the thread that issued it
-uint8_t s_land_tid[SMEM_CAP];  // the thread whose copy landed there last (NOBODY: none)
+constexpr uint8_t POISON = 0xff, CANARY = 0xa5;
+constexpr uint16_t NOBODY = 0xffff;  // thread ids are 16-bit: CTAs of up to MAX_THREADS (256)
+uint8_t s_pend[SMEM_CAP];       // 1 while a cp.async to the byte is in flight
+uint16_t s_pend_tid[SMEM_CAP];  // the thread that issued it
+uint16_t s_land_tid[SMEM_CAP];  // the thread whose copy landed there last (NOBODY: none)
 uint32_t s_land_wep[SMEM_CAP], s_land_cep[SMEM_CAP];  // its warp's / the CTA's epoch then
-uint8_t s_rd_tid[SMEM_CAP];    // the thread that read the byte (ld.shared) last
+uint16_t s_rd_tid[SMEM_CAP];   // the thread that read the byte (ld.shared) last
 uint8_t s_rd_multi[SMEM_CAP];  // 1: more than one thread read it in that epoch
 uint32_t s_rd_wep[SMEM_CAP], s_rd_cep[SMEM_CAP];  // the reader's warp's / the CTA's epoch then
 
@@ -69,7 +71,7 @@ void land(Lane& me, const Copy& c) {
   const uint32_t wep = cta.warps[me.warp].epoch;
   for (int i = 0; i < c.cp_size; ++i) {
     s_pend[c.dst + i] = 0;
-    s_land_tid[c.dst + i] = static_cast<uint8_t>(me.id);
+    s_land_tid[c.dst + i] = static_cast<uint16_t>(me.id);
     s_land_wep[c.dst + i] = wep;
     s_land_cep[c.dst + i] = cta.epoch;
   }
@@ -81,8 +83,8 @@ void smem_reset(int smem_bytes) {
   memset(kvc::smem, POISON, smem_bytes);  // what a previous CTA left: reads of it show as NaN
   memset(kvc::smem + smem_bytes, CANARY, SMEM_CAP + SMEM_TAIL - smem_bytes);
   memset(s_pend, 0, smem_bytes);
-  memset(s_land_tid, NOBODY, smem_bytes);
-  memset(s_rd_tid, NOBODY, smem_bytes);
+  std::fill(s_land_tid, s_land_tid + smem_bytes, NOBODY);
+  std::fill(s_rd_tid, s_rd_tid + smem_bytes, NOBODY);
 }
 
 const char* smem_check_tail() {
@@ -146,7 +148,7 @@ void cp_async(uint32_t dst, const void* src, int cp_size, int src_size) {
   }
   memset(kvc::smem + dst, POISON, cp_size);
   memset(s_pend + dst, 1, cp_size);
-  memset(s_pend_tid + dst, me.id, cp_size);
+  std::fill(s_pend_tid + dst, s_pend_tid + dst + cp_size, static_cast<uint16_t>(me.id));
   me.open.push_back(Copy{dst, s, cp_size, src_size});
 }
 
@@ -188,7 +190,7 @@ void ld_shared(uint32_t addr, void* out, int bytes) {
                             s_rd_cep[a] == cta.epoch;
     if (same_epoch && r != me.id) s_rd_multi[a] = 1;
     if (same_epoch) continue;  // keep the first reader; multi says there were others
-    s_rd_tid[a] = static_cast<uint8_t>(me.id);
+    s_rd_tid[a] = static_cast<uint16_t>(me.id);
     s_rd_multi[a] = 0;
     s_rd_wep[a] = wep;
     s_rd_cep[a] = cta.epoch;

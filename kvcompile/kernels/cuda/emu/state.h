@@ -10,7 +10,7 @@
 namespace kvc_emu {
 
 constexpr int WARP = 32;
-constexpr int MAX_THREADS = 128;
+constexpr int MAX_THREADS = 256;  // 8 warps (the latent kernel's 8-warp CTAs)
 constexpr uint32_t FULL = 0xffffffffu;
 constexpr int SMEM_TAIL = 4096;  // canary bytes past the CTA's shared memory (stray stores)
 

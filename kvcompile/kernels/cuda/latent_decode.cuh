@@ -1,0 +1,506 @@
+// Absorbed MLA decode over latent pages for Hopper (sm_90), CUDA C++ (issue 22; opt-in, the
+// Triton kernel of kernels/latent_decode.py stays the default until timed on the H200):
+//
+//   out[b, h, :] = softmax_j(q[b, h] . [c_j, r_j] * scale) @ c_j      (one latent per token,
+//                                                                     shared by every head)
+//
+// q [B, H, R + DR] (absorbed query), c latent pages [N, 1, P, R], r rotary-key pages [N, 1, P, DR]
+// (each bf16 / fp16 / fp8 with one fp32 scale a page), block tables, sequence lengths. GQA with one
+// kv head: 16 query heads are exactly one m16 row block of mma.sync (32 heads: two CTAs, the second
+// one's pages from L2). It shares paged_decode.cuh's helpers (cp.async, mma.sync m16n8k16, the fp8
+// conversions, the emulation) and nothing else: that kernel is unchanged.
+//
+// Why a kernel of its own and not a mode of paged_decode: there one warp owns a whole [rows, DV]
+// accumulator (DV / 8 n-tiles x 4 floats a thread): 256 registers at DV 512. Here the 4 warps of
+// a CTA (sequence b, head block, split) share each 64-token tile instead:
+//   1. scores: warp w takes the tile's tokens 16 w .. 16 w + 15 (two n-tiles of 8) against all
+//      R + DR dims (36 k-steps, q's A fragments read from shared memory, shared by both n-tiles);
+//   2. the tile's row max: quad shuffles, then one exchange of 4 x 16 floats through shared
+//      memory (barrier); every warp then holds the same running max m, rescales its own part
+//      of O and its partial row sums l by the same factor;
+//   3. P (16 x 64, p times the latent page's scale, f16 / bf16) to shared memory (barrier);
+//   4. O[16, R] += P V: warp w owns output columns [w R / 4, (w + 1) R / 4) (16 n-tiles x 4 =
+//      64 f32 registers a thread), 4 k-steps of 16 tokens, V = the first R latent dims of the
+//      same shared tile (no second read of the page).
+// The tiles stream through a ring of NS half-tile stages (32 tokens each) filled by cp.async
+// (16-byte copies, zero-filled past the split's end): a tile computes from two stages while the
+// other NS - 2 are in flight, so a ring of 73 KB bf16 tiles that holds only two whole tiles still
+// keeps 1.5 tiles in flight (NS 5: 112 KB, 203 KB in all, one CTA an SM); fp8 latent pages (+ a
+// bf16 rotary key): 21 KB a stage, NS 10 (8 in flight, 168 KB; 227 KB in all), or NS 4 (103 KB)
+// for two CTAs an SM. Each stage's page ids are read one iteration before its copies are issued
+// (plain loads into registers, off the critical path). Shared rows are padded to
+// 16 mod 128 bytes and each thread of a quad owns 16-byte chunks 8 m + 2 t + {0, 1} of a row:
+// the score loads (lds128 by row g, chunk by t) and the value loads (rows 2 t.., unit g) are
+// free of bank conflicts. q.k sums over d, so d is permuted alike for q and the keys.
+//
+// LW = 8 (opt-in, the launcher's warps=8): the same with 8 warps, 8 tokens a warp in the scores
+// (one n-tile) and 64 output columns a warp (8-byte fp8 value units): two warps a scheduler at one
+// CTA an SM, at the price of q's fragments read twice as often.
+// Splits write unnormalized partial outputs and (max, sum) in log2 units, the layout
+// latent_decode.py's merge kernel reads: acc [B, S, H, R], ml [B, S, H, 2]; one split writes out
+// [B, H, R] fp32 normalized. Built with -DKVC_EMU (emu/emu_latent.cpp) it runs on the CPU.
+#pragma once
+#include "paged_decode.cuh"
+
+struct LatentParams {
+  const void* q;         // [B, H, R + DR]    f16 / bf16 / f32, last dim contiguous
+  const uint8_t* c;      // [N, 1, P, R]      latent codes (fp8) or elements (f16 / bf16)
+  const uint8_t* r;      // [N, 1, P, DR]     rotary keys
+  const float* cs;       // [N]               latent page scales (fp8), else null
+  const float* rs;       // [N]               rotary page scales (fp8), else null
+  const int* bt;         // [B, stride_bt]    block tables
+  const int* seq_lens;   // [B]
+  float* out;            // [B, H, R]         normalized (one split)
+  float* acc;            // [B, S, H, R]      unnormalized partial outputs (splits)
+  float* ml;             // [B, S, H, 2]      their (max, sum), log2 units
+  long long stride_qb, stride_qh, stride_bt;
+  int H, num_splits, tiles_per_split, direct;
+  float qk_scale;        // scale * log2(e)
+};
+
+namespace kvc {
+
+constexpr int LAT_TILE = 64;  // tokens an iteration: 16 a warp
+constexpr int LAT_HALF = 32;  // tokens a ring stage: a tile is two stages
+
+template <int CK, int RK, int R, int DR, int LOG2P, int NS, int LW = 4>
+struct LatGeo {
+  static constexpr int CEB = CK >= KVC_F16 ? 2 : 1, REB = RK >= KVC_F16 ? 2 : 1;
+  static constexpr bool CSC = CK <= KVC_E5M2, RSC = RK <= KVC_E5M2;  // page-scaled fp8
+  static constexpr int P = 1 << LOG2P;
+  static constexpr int PROWS = P < LAT_HALF ? P : LAT_HALF;  // a stage's rows from one page
+  static constexpr int PPT = LAT_HALF / PROWS;                // pages a stage
+  static constexpr int NCC = R * CEB / 16, NCR = DR * REB / 16, NCH = NCC + NCR;  // chunks
+  static constexpr int ROWB = (NCH * 16 + 127) / 128 * 128 + 16;  // 16 mod 128: no conflicts
+  static constexpr int SC_OFF = LAT_HALF * ROWB;              // per page: c scale, r scale
+  static constexpr int STAGE = (SC_OFF + (CSC || RSC ? 8 * PPT : 0) + 127) / 128 * 128;
+  static constexpr int QROWB = (R + DR) * 2 + 8;              // q in shared: 16-bit, 8 mod 128
+  static constexpr int RED_OFF = (16 * QROWB + 127) / 128 * 128;
+  static constexpr int P_OFF = RED_OFF + LW * 16 * 4;
+  static constexpr int PROWB = LAT_TILE * 2 + 16;             // P row: 16 mod 128
+  static constexpr int RING_OFF = (P_OFF + 16 * PROWB + 127) / 128 * 128;
+  static constexpr int SMEM = RING_OFF + NS * STAGE;
+  static constexpr int CEPC = 16 / CEB, REPC = 16 / REB;      // elements a chunk
+  static constexpr int CKPC = CEPC / 4, RKPC = REPC / 4;      // k-steps a chunk
+  static constexpr int TW = LAT_TILE / LW, NTW = TW / 8;      // a warp's tokens, n-tiles
+  static constexpr int WB = R * CEB / LW;                     // a warp's output columns, bytes
+  static constexpr int VU = WB >= 128 ? 16 : 8;               // value unit a thread loads
+  static constexpr int UW = WB / VU;                          // value units a warp
+  static constexpr int VUT = UW / 8;                          // ... a thread (g)
+  static constexpr int VEPU = VU / CEB;                       // value elements a unit
+  static constexpr int NT = VUT * VEPU;                       // n-tiles of O a warp
+  static_assert(LW == 4 || LW == 8, "4 or 8 warps");
+  static_assert(NCC % 32 == 0 && WB >= 64 && UW % 8 == 0,
+                "latent rows of 512 bytes or more (R 256 bf16, R 512 fp8)");
+  static_assert(NCR == 4 || NCR % 8 == 0, "rotary rows of 64 bytes or a multiple of 128");
+  static_assert(SMEM <= 232448, "shared memory over the sm_90 limit: fewer stages");
+};
+
+// the n-th 16-byte chunk thread t (of a quad) owns in a row of nch chunks
+__device__ __forceinline__ int lat_own(int t, int n, int nch) {
+  return nch >= 8 ? 8 * (n >> 1) + 2 * t + (n & 1) : t;
+}
+
+// b0 / b1 of mma m16n8k16 (keys as B: k = 4 consecutive elements of a chunk, h-th group)
+template <int KIND>
+__device__ __forceinline__ void lat_kfrag(const uint4& w, int h, uint32_t& b0, uint32_t& b1) {
+  if constexpr (KIND >= KVC_F16) {
+    b0 = word(w, 2 * h);
+    b1 = word(w, 2 * h + 1);
+  } else {
+    const uint32_t x = word(w, h);
+    b0 = fp8x2_to_f16x2<KIND>(x & 0xffffu);
+    b1 = fp8x2_to_f16x2<KIND>(x >> 16);
+  }
+}
+
+// Variant bits (VAR; latent_sm90.py VARIANTS), 0 = the kernel as described above:
+//   LAT_VAR_ALU_K: fp8 latent keys widened by integer ops (paged_decode.cuh's
+//     fp8x4_to_f16x2x2_alu: prmt + shift + and) instead of F2FP for the scores, the values
+//     still by F2FP: the conversions split between the INT and XU pipes (an fp8 tile otherwise
+//     takes 256 F2FP a thread, 8 cycles each a warp: 2,048 of the 2,620 cycles a tile may take
+//     at 80% of copy). q's latent part is stored in shared memory with each group of 4 in the
+//     order 0, 2, 1, 3 (the order the widening pairs the codes in); e4m3 lands as x * 2^-8, the
+//     2^8 goes into the scores' page scale. e4m3 NaN codes then read as +-480 (not NaN).
+//   LAT_VAR_ALU_V: the values (P V) widened by integer ops too (paged_decode.cuh's ALU_V forms:
+//     e4m3 through prmt with sign replication, shift and mask, the 2^8 into P; e5m2 by prmt);
+//     with ALU_K ("alu") no F2FP is left but the rotary key's.
+#define LAT_VAR_ALU_K 1
+#define LAT_VAR_ALU_V 2
+
+template <int CK, int RK, int R, int DR, int LOG2P, int NS, int QT, int VAR = 0, int LW = 4>
+__device__ __forceinline__ void latent_decode(const LatentParams& p) {
+  using Gm = LatGeo<CK, RK, R, DR, LOG2P, NS, LW>;
+  static_assert(NS >= 4, "four half-tile stages or more (two computed, two or more loading)");
+  constexpr bool CBF = CK == KVC_BF16, RBF = RK == KVC_BF16;
+  constexpr bool ALUK = (VAR & LAT_VAR_ALU_K) && Gm::CEB == 1;
+  constexpr float K_ALU = ALUK && CK == KVC_E4M3 ? 256.f : 1.f;
+  constexpr bool ALUV = (VAR & LAT_VAR_ALU_V) && Gm::CEB == 1;
+  constexpr float V_ALU = ALUV && CK == KVC_E4M3 ? 256.f : 1.f;  // 2^8 back into P
+  constexpr int P = Gm::P, D = R + DR;
+  const float NEG_INF = -INFINITY;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int H = p.H, HB = (H + 15) / 16;
+  const int b = blockIdx.x / HB, hb = blockIdx.x % HB;
+  const int split = blockIdx.y;
+  const int L = p.seq_lens[b];
+  const int start = split * p.tiles_per_split * LAT_TILE;
+  const int end = min(L, start + p.tiles_per_split * LAT_TILE);
+  const int ntiles = end > start ? (end - start + LAT_TILE - 1) / LAT_TILE : 0;
+  uint8_t* qs = smem;
+  float* red = reinterpret_cast<float*>(smem + Gm::RED_OFF);  // [LW][16]
+  uint8_t* ps = smem + Gm::P_OFF;                              // [16][LAT_TILE] 16-bit
+  uint8_t* ring = smem + Gm::RING_OFF;
+  const int* btb = p.bt + (long long)b * p.stride_bt;
+
+  // ---- the page ids of tile `tile` (0 past the split's end: those rows are zero-filled)
+  const int nhalf = 2 * ntiles;
+  auto load_pids = [&](int hs, int (&pid)[Gm::PPT]) {  // of half-tile stage hs
+#pragma unroll
+    for (int k = 0; k < Gm::PPT; ++k) {
+      const int tok = start + hs * LAT_HALF + k * Gm::PROWS;
+      pid[k] = hs < nhalf && tok < end ? btb[tok >> LOG2P] : 0;
+    }
+  };
+  // ---- cp.async of half tile hs into stage hs % NS (one commit group, empty past the end)
+  // Thread tid copies latent chunk column tid % NCC of rows tid / NCC + RP n (RP = 128 / NCC
+  // rows a pass, NCC a power of two): its source and destination move by constants from one
+  // chunk to the next, and chunk n's page slot (RP n / PROWS) is a compile-time index. Rows past
+  // the split's end read 0 bytes (zero-filled) from a valid address (page 0 where the entry was
+  // not read).
+  constexpr int RP = LW * 32 / Gm::NCC;                 // latent rows a pass
+  constexpr int RPR = LW * 32 / Gm::NCR;                // rotary rows a pass (may pass 32)
+  static_assert(Gm::NCC <= LW * 32 && (LW * 32) % Gm::NCC == 0 &&
+                (LW * 32) % Gm::NCR == 0 && Gm::PROWS % RP == 0, "chunk layout");
+  const int c_row0 = tid / Gm::NCC, c_off = tid % Gm::NCC * 16;
+  const int r_row0 = tid / Gm::NCR, r_off = tid % Gm::NCR * 16;
+  auto issue = [&](int hs, const int (&pid)[Gm::PPT]) {
+    if (hs < nhalf) {
+      uint8_t* st = ring + (hs % NS) * Gm::STAGE;
+      const int tok0 = start + hs * LAT_HALF;
+      const int in0 = P > LAT_HALF ? (tok0 & (P - 1)) : 0;  // the stage's first row in its page
+      const int left = end - tok0;                          // rows with data
+      const uint32_t dst0 = smem_u32(st + c_row0 * Gm::ROWB + c_off);
+#pragma unroll
+      for (int k = 0; k < Gm::PPT; ++k) {
+        const uint8_t* src0 = p.c + ((long long)pid[k] * P + in0 + c_row0) * (R * Gm::CEB) +
+                              c_off;
+#pragma unroll
+        for (int n = k * Gm::PROWS / RP; n < (k + 1) * Gm::PROWS / RP; ++n) {
+          const int dr = RP * n - k * Gm::PROWS;  // rows past the page slot's first
+          cp_async16(dst0 + RP * n * Gm::ROWB, src0 + dr * (R * Gm::CEB),
+                     c_row0 + RP * n < left ? 16 : 0);
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < (RPR < LAT_HALF ? LAT_HALF / RPR : 1); ++n) {
+        const int row = r_row0 + RPR * n;
+        if (RPR > LAT_HALF && row >= LAT_HALF) break;  // 8 warps, fp8 rotary rows: half idle
+        int pg = pid[0];
+#pragma unroll
+        for (int k = 1; k < Gm::PPT; ++k) pg = row >= k * Gm::PROWS ? pid[k] : pg;
+        const uint8_t* src = p.r + ((long long)pg * P + in0 + (row & (Gm::PROWS - 1))) *
+                                       (DR * Gm::REB) + r_off;
+        cp_async16(smem_u32(st + row * Gm::ROWB + Gm::NCC * 16 + r_off), src,
+                   row < left ? 16 : 0);
+      }
+      if constexpr (Gm::CSC || Gm::RSC) {
+#pragma unroll
+        for (int k = 0; k < Gm::PPT; ++k) {
+          const bool ok = k * Gm::PROWS < left;
+          if (tid == 2 * k && Gm::CSC)
+            cp_async4(smem_u32(st + Gm::SC_OFF + 8 * k), p.cs + pid[k], ok ? 4 : 0);
+          if (tid == 2 * k + 1 && Gm::RSC)
+            cp_async4(smem_u32(st + Gm::SC_OFF + 8 * k + 4), p.rs + pid[k], ok ? 4 : 0);
+        }
+      }
+    }
+    cp_commit();
+  };
+
+  // ---- prologue: half tiles 0 .. NS - 3 in flight, then q -> shared (overlaps the copies)
+  int pid_a[Gm::PPT], pid_b[Gm::PPT];
+#pragma unroll
+  for (int s = 0; s < NS - 2; ++s) {
+    load_pids(s, pid_a);
+    issue(s, pid_a);
+  }
+  load_pids(NS - 2, pid_a);
+  load_pids(NS - 1, pid_b);
+  const int h0 = hb * 16;
+  for (int e = tid; e < 16 * D; e += LW * 32) {
+    const int rr = e / D, d = e % D;
+    float x = 0.f;
+    if (h0 + rr < H) x = load_q<QT>(p.q, b * p.stride_qb + (h0 + rr) * p.stride_qh + d);
+    const bool bf = d < R ? CBF : RBF;
+    uint16_t y;
+    if (bf) {
+      __nv_bfloat16 v = __float2bfloat16_rn(x);
+      y = *reinterpret_cast<uint16_t*>(&v);
+    } else {
+      __half v = __float2half_rn(x);
+      y = *reinterpret_cast<uint16_t*>(&v);
+    }
+    // ALU_K: the latent part's groups of 4 in the order 0, 2, 1, 3 (self-inverse)
+    const int dq = ALUK && d < R ? (d & ~3) | ((d & 1) << 1) | ((d >> 1) & 1) : d;
+    *reinterpret_cast<uint16_t*>(qs + rr * Gm::QROWB + 2 * dq) = y;
+  }
+
+  float o[Gm::NT][4];
+#pragma unroll
+  for (int n = 0; n < Gm::NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+  const float qk = p.qk_scale;
+
+  for (int it = 0; it < ntiles; ++it) {
+    // committed so far: NS - 2 + 2 it groups; half tiles 2 it and 2 it + 1 must have landed
+    cp_wait<NS - 4>();
+    __syncthreads();  // tile `it` landed for every thread; every warp is done with it - 1
+    issue(2 * it + NS - 2, pid_a);  // into the stages tile it - 1 used
+    issue(2 * it + NS - 1, pid_b);
+    load_pids(2 * it + NS, pid_a);
+    load_pids(2 * it + NS + 1, pid_b);
+    const uint8_t* st0 = ring + ((2 * it) % NS) * Gm::STAGE;
+    const uint8_t* st1 = ring + ((2 * it + 1) % NS) * Gm::STAGE;
+    const uint8_t* st = warp >= LW / 2 ? st1 : st0;  // the warp's TW tokens' stage
+    const int wrow = Gm::TW * (warp % (LW / 2));     // ... and their first row there
+    const int tok0 = start + it * LAT_TILE;
+
+    // ---- scores of the warp's TW tokens (n-tiles j < NTW: tile rows TW w + 8 j + g)
+    // two accumulators a latent n-tile (k-step parity): four independent MMA chains, not two
+    float sc[2][4], sc2[2][4], sr[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) sc[j][c] = sc2[j][c] = sr[j][c] = 0.f;
+    const uint8_t* krow0 = st + (wrow + g) * Gm::ROWB;
+    const uint8_t* krow1 = krow0 + (Gm::NTW == 2 ? 8 * Gm::ROWB : 0);
+#pragma unroll
+    for (int n = 0; n < Gm::NCC / 4; ++n) {
+      const int ch = lat_own(t, n, Gm::NCC);
+      const uint4 w0 = lds128(krow0 + ch * 16);
+      const uint4 w1 = Gm::NTW == 2 ? lds128(krow1 + ch * 16) : w0;
+#pragma unroll
+      for (int h = 0; h < Gm::CKPC; ++h) {
+        const int d0 = Gm::CEPC * ch + 4 * h;
+        const uint2 q0 = lds64(qs + g * Gm::QROWB + 2 * d0);
+        const uint2 q1 = lds64(qs + (g + 8) * Gm::QROWB + 2 * d0);
+        const uint32_t qa[4] = {q0.x, q1.x, q0.y, q1.y};
+        uint32_t b0, b1, e0, e1;
+        if constexpr (ALUK) {
+          fp8x4_to_f16x2x2_alu<CK>(word(w0, h), b0, b1);
+          if constexpr (Gm::NTW == 2) fp8x4_to_f16x2x2_alu<CK>(word(w1, h), e0, e1);
+        } else {
+          lat_kfrag<CK>(w0, h, b0, b1);
+          if constexpr (Gm::NTW == 2) lat_kfrag<CK>(w1, h, e0, e1);
+        }
+        mma16816<CBF>(h & 1 ? sc2[0] : sc[0], qa, b0, b1);
+        if constexpr (Gm::NTW == 2) mma16816<CBF>(h & 1 ? sc2[1] : sc[1], qa, e0, e1);
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < (Gm::NCR >= 8 ? Gm::NCR / 4 : 1); ++n) {
+      const int ch = lat_own(t, n, Gm::NCR);
+      const uint4 w0 = lds128(krow0 + (Gm::NCC + ch) * 16);
+      const uint4 w1 = Gm::NTW == 2 ? lds128(krow1 + (Gm::NCC + ch) * 16) : w0;
+#pragma unroll
+      for (int h = 0; h < Gm::RKPC; ++h) {
+        const int d0 = R + Gm::REPC * ch + 4 * h;
+        const uint2 q0 = lds64(qs + g * Gm::QROWB + 2 * d0);
+        const uint2 q1 = lds64(qs + (g + 8) * Gm::QROWB + 2 * d0);
+        const uint32_t qa[4] = {q0.x, q1.x, q0.y, q1.y};
+        uint32_t b0, b1;
+        lat_kfrag<RK>(w0, h, b0, b1);
+        mma16816<RBF>(sr[0], qa, b0, b1);
+        if constexpr (Gm::NTW == 2) {
+          lat_kfrag<RK>(w1, h, b0, b1);
+          mma16816<RBF>(sr[1], qa, b0, b1);
+        }
+      }
+    }
+
+    // ---- scaled scores (log2 units), tokens past the split's end masked
+    const float* scl = reinterpret_cast<const float*>(st + Gm::SC_OFF);
+    float x[2][4], cf[2];  // cf: the latent page scale (and ALU_V's 2^8) that P carries
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      if (j >= Gm::NTW) {  // 8 warps: one n-tile a warp
+        x[j][0] = x[j][1] = x[j][2] = x[j][3] = NEG_INF;
+        cf[j] = 0.f;
+        continue;
+      }
+      const int k = (wrow + 8 * j) / Gm::PROWS;
+      cf[j] = Gm::CSC ? scl[2 * k] : 1.f;
+      const float rf = Gm::RSC ? scl[2 * k + 1] : 1.f;
+      const float kf = cf[j] * K_ALU;
+      cf[j] *= V_ALU;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int tok = tok0 + Gm::TW * warp + 8 * j + 2 * t + (c & 1);
+        x[j][c] = tok < end ? ((sc[j][c] + sc2[j][c]) * kf + sr[j][c] * rf) * qk : NEG_INF;
+      }
+    }
+    float mx0 = fmaxf(fmaxf(x[0][0], x[0][1]), fmaxf(x[1][0], x[1][1]));
+    float mx1 = fmaxf(fmaxf(x[0][2], x[0][3]), fmaxf(x[1][2], x[1][3]));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    if (t == 0) {
+      red[warp * 16 + g] = mx0;
+      red[warp * 16 + g + 8] = mx1;
+    }
+    __syncthreads();  // the warps' row maxima
+#pragma unroll
+    for (int w = 0; w < LW; ++w) {
+      mx0 = fmaxf(mx0, red[w * 16 + g]);
+      mx1 = fmaxf(mx1, red[w * 16 + g + 8]);
+    }
+    // every row sees the tile's first token: mx is finite unless q is not
+    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    const float a0 = m0 == NEG_INF ? 0.f : exp2f(m0 - n0);
+    const float a1 = m1 == NEG_INF ? 0.f : exp2f(m1 - n1);
+    m0 = n0;
+    m1 = n1;
+    l0 *= a0;
+    l1 *= a1;
+#pragma unroll
+    for (int j = 0; j < Gm::NTW; ++j) {
+      const float p0 = exp2f(x[j][0] - m0), p1 = exp2f(x[j][1] - m0);
+      const float p2 = exp2f(x[j][2] - m1), p3 = exp2f(x[j][3] - m1);
+      l0 += p0 + p1;
+      l1 += p2 + p3;
+      const int col = 2 * (Gm::TW * warp + 8 * j + 2 * t);  // byte offset of the token pair
+      *reinterpret_cast<uint32_t*>(ps + g * Gm::PROWB + col) = pack2<CBF>(p0 * cf[j], p1 * cf[j]);
+      *reinterpret_cast<uint32_t*>(ps + (g + 8) * Gm::PROWB + col) =
+          pack2<CBF>(p2 * cf[j], p3 * cf[j]);
+    }
+#pragma unroll
+    for (int n = 0; n < Gm::NT; ++n) {
+      o[n][0] *= a0;
+      o[n][1] *= a0;
+      o[n][2] *= a1;
+      o[n][3] *= a1;
+    }
+    __syncthreads();  // P of the whole tile
+
+    // ---- O[:, warp's columns] += P V, V = the tile's latent rows (tokens as k)
+#pragma unroll
+    for (int ks = 0; ks < LAT_TILE / 16; ++ks) {
+      uint32_t pa[4];
+      pa[0] = lds32(ps + g * Gm::PROWB + 2 * (16 * ks + 2 * t));
+      pa[1] = lds32(ps + (g + 8) * Gm::PROWB + 2 * (16 * ks + 2 * t));
+      pa[2] = lds32(ps + g * Gm::PROWB + 2 * (16 * ks + 2 * t + 8));
+      pa[3] = lds32(ps + (g + 8) * Gm::PROWB + 2 * (16 * ks + 2 * t + 8));
+      const uint8_t* vb0 = (ks >= 2 ? st1 : st0) + (16 * (ks & 1)) * Gm::ROWB;
+#pragma unroll
+      for (int i = 0; i < Gm::VUT; ++i) {
+        const int u = Gm::UW * warp + g + 8 * i;
+        auto unit = [&](int row) {  // VU bytes of a value row (8 warps, fp8: 8 bytes)
+          const uint8_t* a = vb0 + row * Gm::ROWB + Gm::VU * u;
+          if constexpr (Gm::VU == 16) {
+            return lds128(a);
+          } else {
+            const uint2 h = lds64(a);
+            return uint4{h.x, h.y, 0u, 0u};
+          }
+        };
+        const uint4 va = unit(2 * t), vb = unit(2 * t + 1), vc = unit(2 * t + 8),
+                    vd = unit(2 * t + 9);
+#pragma unroll
+        for (int ww = 0; ww < Gm::VU / 4; ++ww) {
+          const uint32_t xa = word(va, ww), xb = word(vb, ww), xc = word(vc, ww),
+                         xd = word(vd, ww);
+          if constexpr (ALUV && CK == KVC_E4M3) {
+            // element e of tokens 2t / 2t + 1 straight from the two words (one prmt each)
+            const int nb = Gm::VEPU * i + 4 * ww;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const uint32_t sel = 0xc480u + 0x1111u * e;
+              mma16816<false>(o[nb + e], pa, e4m3x2_sx_to_f16x2(prmt_sx(xa, xb, sel)),
+                              e4m3x2_sx_to_f16x2(prmt_sx(xc, xd, sel)));
+            }
+          } else if constexpr (ALUV) {  // e5m2: [a_e, a_e+1, b_e, b_e+1] -> even / odd codes
+            const uint32_t z0 = __byte_perm(xa, xb, 0x5410), z1 = __byte_perm(xa, xb, 0x7632);
+            const uint32_t y0 = __byte_perm(xc, xd, 0x5410), y1 = __byte_perm(xc, xd, 0x7632);
+            uint32_t xe0, xo0, xe1, xo1, ye0, yo0, ye1, yo1;
+            fp8x4_to_f16x2x2_alu<CK>(z0, xe0, xo0);
+            fp8x4_to_f16x2x2_alu<CK>(z1, xe1, xo1);
+            fp8x4_to_f16x2x2_alu<CK>(y0, ye0, yo0);
+            fp8x4_to_f16x2x2_alu<CK>(y1, ye1, yo1);
+            const int nb = Gm::VEPU * i + 4 * ww;
+            mma16816<false>(o[nb + 0], pa, xe0, ye0);
+            mma16816<false>(o[nb + 1], pa, xo0, yo0);
+            mma16816<false>(o[nb + 2], pa, xe1, ye1);
+            mma16816<false>(o[nb + 3], pa, xo1, yo1);
+          } else if constexpr (Gm::CEB == 1) {
+            const uint32_t x0 = __byte_perm(xa, xb, 0x5140), x1 = __byte_perm(xa, xb, 0x7362);
+            const uint32_t y0 = __byte_perm(xc, xd, 0x5140), y1 = __byte_perm(xc, xd, 0x7362);
+            const int nb = Gm::VEPU * i + 4 * ww;
+            mma16816<false>(o[nb + 0], pa, fp8x2_to_f16x2<CK>(x0 & 0xffffu),
+                            fp8x2_to_f16x2<CK>(y0 & 0xffffu));
+            mma16816<false>(o[nb + 1], pa, fp8x2_to_f16x2<CK>(x0 >> 16),
+                            fp8x2_to_f16x2<CK>(y0 >> 16));
+            mma16816<false>(o[nb + 2], pa, fp8x2_to_f16x2<CK>(x1 & 0xffffu),
+                            fp8x2_to_f16x2<CK>(y1 & 0xffffu));
+            mma16816<false>(o[nb + 3], pa, fp8x2_to_f16x2<CK>(x1 >> 16),
+                            fp8x2_to_f16x2<CK>(y1 >> 16));
+          } else {
+            const int nb = Gm::VEPU * i + 2 * ww;
+            mma16816<CBF>(o[nb + 0], pa, __byte_perm(xa, xb, 0x5410),
+                          __byte_perm(xc, xd, 0x5410));
+            mma16816<CBF>(o[nb + 1], pa, __byte_perm(xa, xb, 0x7632),
+                          __byte_perm(xc, xd, 0x7632));
+          }
+        }
+      }
+    }
+  }
+  cp_wait<0>();
+
+  // ---- the warps' partial row sums (same max m in every warp), then O out
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  __syncthreads();  // every warp is past its last read of red
+  if (t == 0) {
+    red[warp * 16 + g] = l0;
+    red[warp * 16 + g + 8] = l1;
+  }
+  __syncthreads();
+  float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+  for (int w = 0; w < LW; ++w) {
+    s0 += red[w * 16 + g];
+    s1 += red[w * 16 + g + 8];
+  }
+  const int S = p.num_splits;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int rr = g + 8 * half, h = h0 + rr;
+    if (h >= H) continue;
+    const float lsum = half ? s1 : s0, m = half ? m1 : m0;
+    const float inv = lsum == 0.f ? 0.f : 1.f / lsum;
+    const long long row = p.direct ? (long long)b * H + h
+                                   : ((long long)b * S + split) * H + h;
+    float* dst = (p.direct ? p.out : p.acc) + row * R;
+#pragma unroll
+    for (int nb = 0; nb < Gm::NT; ++nb)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int n = 2 * t + e;  // the n-tile's column -> latent column
+        const int col = Gm::VEPU * (Gm::UW * warp + n + 8 * (nb / Gm::VEPU)) + nb % Gm::VEPU;
+        const float v = o[nb][2 * half + e];
+        dst[col] = p.direct ? v * inv : v;
+      }
+    if (!p.direct && warp == 0 && t == 0) {
+      p.ml[row * 2] = m;
+      p.ml[row * 2 + 1] = lsum;
+    }
+  }
+}
+
+}  // namespace kvc

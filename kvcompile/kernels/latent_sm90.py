@@ -1,0 +1,252 @@
+"""Absorbed MLA decode on Hopper by a CUDA C++ kernel (kernels/cuda/latent_decode.cuh), opt-in.
+
+    out_lat = latent_decode_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale)
+    # the same contract as latent_decode.latent_decode_attention: q_lat [B, H, R + DR],
+    # c_pages [N, 1, P, R], r_pages [N, 1, P, DR] (PagedTensor) -> [B, H, R] fp32
+
+It takes the DeepSeek shape (R 512, DR 64), bf16 / fp16 / fp8 (e4m3, e5m2, page scales) latent
+and rotary pages (each its own format), pages of 8-128 tokens, any head count (blocks of 16 heads,
+one CTA each), bf16 / fp16 / fp32 queries (converted to the pages' MMA dtype: bf16 for bf16 pages,
+fp16 otherwise). Options, all compile-time (one cached cubin each): `stages` (the cp.async ring,
+half tiles), `variant` (VARIANTS: fp8 widened by integer ops), `warps` (4 or 8 a CTA).
+`unsupported(...)` names what it does not take. The Triton kernel stays the
+default (the run time does not call this); benchmarks/bench_latent_decode.py --quick times it
+beside the rule (`--cuda`), and benchmarks/RESULTS.md ("a CUDA latent kernel") has the arithmetic.
+`plan_latent_sm90` builds the launch without a GPU: the CPU emulation (kernels/cuda/emu) runs it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from kvcompile.errors import UnsupportedShapeError
+from kvcompile.kernels.cuda import build
+
+_KIND = {"fp8_e4m3": 0, "fp8_e5m2": 1, "fp16": 2, "bf16": 3}
+_QT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+R_DIMS = (512,)
+DR_DIMS = (64,)
+PAGES = (8, 16, 32, 64, 128)
+TILE = 64            # tokens an iteration (latent_decode.cuh LAT_TILE)
+HALF = 32            # tokens a ring stage (LAT_HALF)
+WARPS = 4
+SMEM_LIMIT = 232448  # sm_90: the most dynamic shared memory a CTA may have
+MAX_STAGES = 10     # half-tile stages
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 64
+_LOG2E = 1.4426950408889634
+KERNEL_CALL = ("kvc::latent_decode<KVC_CK, KVC_RK, KVC_R, KVC_DR, KVC_LOG2P, KVC_NS, KVC_QT, "
+               "KVC_LVAR, KVC_LW>")
+WARP_COUNTS = (4, 8)   # warps a CTA: 4 (16 tokens a warp in the scores) or 8 (8 tokens)
+# compile-time variants (latent_decode.cuh VAR bits): "aluk" widens fp8 latent keys by integer
+# ops for the scores (values still by F2FP), "aluv" the values, "alu" both; e4m3 NaN codes then
+# read as +-480 * scale where integer ops widen them
+VARIANTS = {"base": 0, "aluk": 1, "aluv": 2, "alu": 3}
+
+
+class LatentParams(ctypes.Structure):  # latent_decode.cuh LatentParams, field for field
+    _fields_ = [(n, ctypes.c_void_p) for n in (
+        "q", "c", "r", "cs", "rs", "bt", "seq_lens", "out", "acc", "ml")] + [
+        (n, ctypes.c_longlong) for n in ("stride_qb", "stride_qh", "stride_bt")] + [
+        (n, ctypes.c_int) for n in ("H", "num_splits", "tiles_per_split", "direct")] + [
+        ("qk_scale", ctypes.c_float)]
+
+
+def _round(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def geometry(ck: int, rk: int, r: int, dr: int, page: int,
+             stages: int | None = None, warps: int = WARPS) -> tuple[int, int, int]:
+    """(stages, shared bytes a CTA, CTAs an SM by shared memory), as latent_decode.cuh's
+    LatGeo lays them out; a stage is half a tile (32 tokens), at least 4. stages None: as many
+    as fit one CTA an SM (at most MAX_STAGES)."""
+    ceb, reb = (2 if ck >= 2 else 1), (2 if rk >= 2 else 1)
+    nch = r * ceb // 16 + dr * reb // 16
+    rowb = _round(nch * 16, 128) + 16
+    ppt = HALF // min(page, HALF)
+    stage = _round(HALF * rowb + (8 * ppt if ck < 2 or rk < 2 else 0), 128)
+    qrowb = (r + dr) * 2 + 8
+    fixed = _round(_round(16 * qrowb, 128) + warps * 16 * 4 + 16 * (TILE * 2 + 16), 128)
+    if stages is None:
+        stages = max(4, min(MAX_STAGES, (SMEM_LIMIT - fixed) // stage))
+    smem = fixed + stages * stage
+    if stages < 4 or smem > SMEM_LIMIT:
+        raise UnsupportedShapeError(f"latent_decode_sm90: {stages} stages of {stage} B take "
+                                    f"{smem} B of shared memory (limit {SMEM_LIMIT}); use "
+                                    f"stages=None or fewer (>= 4)")
+    return stages, smem, max(1, min(3, (SMEM_LIMIT + 1024) // (smem + 1024)))
+
+
+def kernel_constants(ck: int, rk: int, r: int, dr: int, page: int, qt: int,
+                     stages: int | None = None, var: int = 0,
+                     warps: int = WARPS) -> tuple[dict[str, int], int, int]:
+    """(compile-time constants, CTAs an SM, shared bytes a CTA) of a variant; the emulation
+    builds the same constants. The CTA has `warps` x 32 threads."""
+    if warps not in WARP_COUNTS:
+        raise UnsupportedShapeError(f"latent_decode_sm90: warps={warps}; take one of "
+                                    f"{WARP_COUNTS}")
+    ns, smem, ctas = geometry(ck, rk, r, dr, page, stages, warps)
+    defines = {"KVC_CK": ck, "KVC_RK": rk, "KVC_R": r, "KVC_DR": dr,
+               "KVC_LOG2P": page.bit_length() - 1, "KVC_NS": ns, "KVC_QT": qt,
+               "KVC_LVAR": var if ck < 2 else 0, "KVC_LW": warps}
+    return defines, ctas, smem
+
+
+def unsupported(q_lat, c_pages, r_pages) -> str:
+    """'' when the kernel takes these pages and queries, else why not (a short phrase)."""
+    for name, pg in (("latent", c_pages), ("rotary key", r_pages)):
+        fmt = pg.fmt
+        if fmt.residual or fmt.name not in _KIND or (
+                fmt.name.startswith("fp8") and fmt.granularity != "page"):
+            return (f"{name} pages {fmt.name}/{fmt.granularity} (the CUDA latent kernel reads "
+                    f"bf16 / fp16, or fp8 with page scales)")
+        if pg.num_heads != 1:
+            return f"{name} pages hold {pg.num_heads} heads, not one latent head"
+    if c_pages.head_dim not in R_DIMS or r_pages.head_dim not in DR_DIMS:
+        return (f"latent {c_pages.head_dim} + rotary {r_pages.head_dim} (the kernel takes "
+                f"{R_DIMS[0]} + {DR_DIMS[0]}, DeepSeek's)")
+    if c_pages.page_size not in PAGES:
+        return f"page size {c_pages.page_size} (the kernel takes {PAGES})"
+    if q_lat.dtype not in _QT:
+        return f"q dtype {q_lat.dtype}"
+    return ""
+
+
+def choose_splits(batch: int, head_blocks: int, max_len: int, sms: int, ctas_per_sm: int) -> int:
+    """Splits a sequence: batch x head blocks x splits CTAs fill the SMs' slots once (never a
+    second partial wave), at least MIN_SPLIT_TOKENS tokens a split."""
+    cap = max(1, min(max_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
+    return max(1, min(cap, sms * ctas_per_sm // max(1, batch * head_blocks)))
+
+
+@dataclass
+class Launch:
+    """One launch as latent_decode_sm90 sets it up (the emulation runs it too)."""
+    key: tuple           # kernel_constants(*key)
+    grid: tuple          # (B * head blocks, splits, 1)
+    prm: LatentParams
+    tensors: dict        # name -> the tensor prm points into (None: null), kept alive
+    out: torch.Tensor    # [B, H, R] fp32
+    acc: torch.Tensor    # [B, S, H, R] (out when direct)
+    ml: torch.Tensor     # [B, S, H, 2] (out when direct)
+    num_splits: int
+
+    @property
+    def direct(self) -> bool:
+        return self.num_splits == 1
+
+
+def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: float,
+                     num_splits: int | None = None, stages: int | None = None,
+                     sms: int = 132, variant: str = "base", warps: int = WARPS) -> Launch:
+    """The launch for these inputs (any device: the emulation plans CPU tensors).
+    stages: ring stages of half a tile (None: as many as fit one CTA an SM; 4 lets fp8 pages
+    run two CTAs an SM); variant: VARIANTS (a bit that changes nothing for these pages is
+    dropped); warps: WARP_COUNTS (8: two warps a scheduler at one CTA an SM)."""
+    from kvcompile.kernels.latent_decode import _check
+
+    _check(q_lat, c_pages, r_pages, block_tables, seq_lens)
+    why = unsupported(q_lat, c_pages, r_pages)
+    if why:
+        raise UnsupportedShapeError(f"latent_decode_sm90: {why}; use "
+                                    f"latent_decode.latent_decode_attention (Triton)")
+    B, H, _ = q_lat.shape
+    R, DR, P = c_pages.head_dim, r_pages.head_dim, c_pages.page_size
+    ck, rk = _KIND[c_pages.fmt.name], _KIND[r_pages.fmt.name]
+    if variant not in VARIANTS:
+        raise UnsupportedShapeError(f"latent_decode_sm90: unknown variant {variant!r}; take one "
+                                    f"of {sorted(VARIANTS)}")
+    key = (ck, rk, R, DR, P, _QT[q_lat.dtype], stages, VARIANTS[variant] if ck < 2 else 0,
+           warps)
+    _, ctas, _ = kernel_constants(*key)
+    hbs = (H + 15) // 16
+    max_len = block_tables.shape[1] * P
+    if num_splits is None:
+        num_splits = choose_splits(B, hbs, max_len, sms, ctas)
+    if num_splits < 1:
+        raise UnsupportedShapeError(f"latent_decode_sm90: num_splits={num_splits}; use >= 1 "
+                                    f"or None")
+    n_tiles = max(1, -(-max_len // TILE))
+    tps = -(-n_tiles // num_splits)
+    q = q_lat if q_lat.stride(2) == 1 else q_lat.contiguous()
+    dev = q.device
+    out = torch.empty((B, H, R), dtype=torch.float32, device=dev)
+    if num_splits == 1:
+        acc = ml = out
+    else:
+        acc = torch.empty((B, num_splits, H, R), dtype=torch.float32, device=dev)
+        ml = torch.empty((B, num_splits, H, 2), dtype=torch.float32, device=dev)
+    tensors = {"q": q, "c": c_pages.data, "r": r_pages.data,
+               "cs": c_pages.scale if ck < 2 else None, "rs": r_pages.scale if rk < 2 else None,
+               "bt": block_tables, "seq_lens": seq_lens, "out": out,
+               "acc": None if num_splits == 1 else acc, "ml": None if num_splits == 1 else ml}
+
+    def ptr(name):
+        t = tensors[name]
+        return None if t is None else t.data_ptr()
+
+    prm = LatentParams(ptr("q"), ptr("c"), ptr("r"), ptr("cs"), ptr("rs"), ptr("bt"),
+                       ptr("seq_lens"), ptr("out"), ptr("acc"), ptr("ml"),
+                       q.stride(0), q.stride(1), block_tables.stride(0), H, num_splits, tps,
+                       int(num_splits == 1), float(scale) * _LOG2E)
+    return Launch(key, (B * hbs, num_splits, 1), prm, tensors, out, acc, ml, num_splits)
+
+
+_kernels: dict = {}
+
+
+def _kernel(key):
+    from kvcompile.kernels.cuda.driver import Kernel
+
+    k = _kernels.get(key)
+    if k is None:
+        defines, ctas, smem = kernel_constants(*key)
+        cubin = build.build_cubin("latent_decode.cuh", "kvc_latent_decode", KERNEL_CALL, defines,
+                                  arch="sm_90", threads=defines["KVC_LW"] * 32,
+                                  min_blocks=ctas, params="LatentParams")
+        k = Kernel(cubin, "kvc_latent_decode", smem)
+        _kernels[key] = k
+    return k
+
+
+def merge_splits(acc: torch.Tensor, ml: torch.Tensor) -> torch.Tensor:
+    """acc [B, S, H, R] unnormalized, ml [B, S, H, 2] (max, sum; log2 units) -> [B, H, R], as
+    latent_decode.py's merge kernel (empty splits: max -inf, weight 0). PyTorch (CPU, tests)."""
+    m, lsum = ml[..., 0], ml[..., 1]
+    top = m.max(1, keepdim=True).values
+    w = torch.where(m > float("-inf"), torch.exp2(m - torch.where(
+        top > float("-inf"), top, torch.zeros_like(top))), torch.zeros_like(m))
+    den = (w * lsum).sum(1)
+    out = (w[..., None] * acc).sum(1)
+    return torch.where(den[..., None] > 0, out / den.clamp_min(1e-38)[..., None],
+                       torch.zeros_like(out))
+
+
+def latent_decode_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: float,
+                       num_splits: int | None = None, stages: int | None = None,
+                       variant: str = "base", warps: int = WARPS) -> torch.Tensor:
+    """See the module docstring. q_lat [B, H, R + DR] -> [B, H, R] fp32, on an sm_90 GPU."""
+    from kvcompile.kernels import decode_sm90
+    from kvcompile.kernels.latent_decode import _latent_merge_kernel, sm_count
+
+    ok, why = decode_sm90.device_ok(q_lat.device)
+    if not ok:
+        raise UnsupportedShapeError(f"latent_decode_sm90: {why}; use "
+                                    f"latent_decode.latent_decode_attention (Triton)")
+    lp = plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale, num_splits,
+                          stages, sm_count(q_lat.device), variant, warps)
+    _kernel(lp.key).launch(lp.grid, warps * 32, lp.prm, q_lat.device)
+    if not lp.direct:
+        B, H, R = lp.out.shape
+        merge_h = 16
+        _latent_merge_kernel[((H + merge_h - 1) // merge_h, B)](
+            lp.acc, lp.ml, lp.out, H, lp.num_splits, R=R, BLOCK_H=merge_h, num_warps=4)
+    return lp.out
+
+
+__all__ = ["KERNEL_CALL", "VARIANTS", "WARP_COUNTS", "Launch", "LatentParams", "choose_splits", "geometry", "kernel_constants",
+           "latent_decode_sm90", "merge_splits", "plan_latent_sm90", "unsupported"]

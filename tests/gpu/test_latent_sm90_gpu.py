@@ -1,0 +1,70 @@
+"""The CUDA latent decode kernel (kernels/cuda/latent_decode.cuh via kernels/latent_sm90.py,
+opt-in) on an sm_90 GPU against the paged reference over the same latent pages: DeepSeek-V3's
+widths (r 512, rope 64) at 16 / 20 heads (TP 8's shard; 20: a second, partial head block), bf16
+and fp8 pages (an fp8 latent beside a bf16 rotary key too), a ragged batch (1, 63, 4097, 700
+tokens), the kernel's own splits and others (empty splits included), its variants, 8-warp CTAs
+and two CTAs an SM (stages 4). The CPU twin is tests/kernels/test_latent_sm90.py (emulation).
+
+    pytest -s -q -m gpu tests/gpu/test_latent_sm90_gpu.py
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvcompile.cache.formats import KVFormat
+from kvcompile.cache.pool import LayerSpec, PagePool
+from kvcompile.kernels.dense import paged_reference_attention
+from kvcompile.testing import assert_rel_close
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+R, DR, P = 512, 64, 16
+
+
+def _case(c_fmt, r_fmt, lens, heads):
+    g = torch.Generator(device="cuda").manual_seed(len(lens) + heads)
+    spec = LayerSpec(num_kv_heads=1, head_dim=R, v_head_dim=DR,
+                     k_format=KVFormat(c_fmt, "page"), v_format=KVFormat(r_fmt, "page"))
+    pool = PagePool([spec], sum(math.ceil(n / P) for n in lens) + 1, P, device="cuda")
+    seqs = pool.allocate(len(lens))
+    for s, n in zip(seqs, lens):
+        pool.write(0, pool.reserve([s], n),
+                   torch.randn(n, 1, R, device="cuda", generator=g).bfloat16(),
+                   torch.randn(n, 1, DR, device="cuda", generator=g).bfloat16())
+    plan = SimpleNamespace(packed=False, batch=len(lens), seq_lens_list=lens,
+                           kv_start=[0] * len(lens), cache={},
+                           block_tables=pool.block_table(seqs, device="cuda"))
+    q = (torch.randn(len(lens), heads, R + DR, device="cuda", generator=g) / 8).bfloat16()
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    ref = paged_reference_attention(pool.k[0], pool.v[0], q.float()[:, :, None], plan, None,
+                                    True, 0, 0.0, 0.07, latent=True)[:, :, 0]
+    return pool, plan, q, lens_t, ref
+
+
+@pytest.mark.parametrize("variant,stages,warps", [
+    ("base", None, 4), ("base", None, 8), ("aluk", None, 4), ("alu", None, 4), ("aluv", 4, 4),
+    ("alu", 4, 4), ("alu", 4, 8)])
+@pytest.mark.parametrize("splits", [None, 1, 7])
+@pytest.mark.parametrize("heads", [16, 20])
+@pytest.mark.parametrize("c_fmt,r_fmt", [("bf16", "bf16"), ("fp8_e4m3", "bf16"),
+                                         ("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2")])
+def test_cuda_latent_kernel(c_fmt, r_fmt, heads, splits, variant, stages, warps):
+    from kvcompile.kernels import latent_sm90
+
+    if c_fmt == "bf16" and (variant != "base" or stages is not None):
+        pytest.skip("the variants and 4-stage rings are for fp8 latent pages")
+    if splits == 1 and (variant, stages) not in (("base", None), ("alu", 4)):
+        pytest.skip("one split (the direct write) is checked on base and alu at 4 stages")
+    pool, plan, q, lens_t, ref = _case(c_fmt, r_fmt, [1, 63, 4097, 700], heads)
+    out = latent_sm90.latent_decode_sm90(q, pool.k[0], pool.v[0], plan.block_tables, lens_t,
+                                         0.07, num_splits=splits, stages=stages,
+                                         variant=variant, warps=warps)
+    torch.cuda.synchronize()
+    assert_rel_close(out, ref, torch.bfloat16,
+                     what=f"{c_fmt}/{r_fmt} h{heads} x {splits} {variant} s{stages} w{warps}")

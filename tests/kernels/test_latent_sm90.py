@@ -1,0 +1,204 @@
+"""The CUDA latent decode kernel (kernels/cuda/latent_decode.cuh, launcher kernels/latent_sm90.py,
+opt-in) on the CPU: its own source run by the emulation (kernels/cuda/emu, g++ only) against the
+paged reference over the same latent pages (kernels/dense.py, latent=True), DeepSeek's widths
+(R 512, DR 64) with short contexts; and nvcc builds for sm_90 (no GPU needed) without spills.
+Each emulated variant is one g++ build (~10 s cold, cached after): the default run builds two
+(bf16 pages; fp8 e4m3 latent + bf16 rotary key with the "aluk" variant, pages of 8, so tiles span
+8 pages); KVCOMPILE_TEST_FULL=1 adds the other formats, page sizes and variants.
+tests/gpu/test_latent_sm90_gpu.py-style timing is benchmarks/bench_latent_decode.py --cuda."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvcompile.cache.formats import KVFormat
+from kvcompile.cache.pool import LayerSpec, PagePool
+from kvcompile.errors import UnsupportedShapeError
+from kvcompile.kernels import latent_sm90 as ls
+from kvcompile.kernels.cuda import build
+from kvcompile.kernels.cuda.emu import build_emu
+from kvcompile.kernels.dense import paged_reference_attention
+from kvcompile.testing import REL_ERR, rel_err
+
+R, DR = 512, 64
+FULL = bool(os.environ.get("KVCOMPILE_TEST_FULL"))
+
+
+def _pool(c_fmt: str, r_fmt: str, lens: list[int], g, page: int = 16):
+    spec = LayerSpec(num_kv_heads=1, head_dim=R, v_head_dim=DR,
+                     k_format=KVFormat(c_fmt, "page"), v_format=KVFormat(r_fmt, "page"))
+    pool = PagePool([spec], sum(math.ceil(n / page) for n in lens) + 3, page)
+    seqs = pool.allocate(len(lens))
+    pool.allocate(1)   # a sequence between them: block tables are not the identity
+    for s, n in zip(seqs, lens):
+        pool.write(0, pool.reserve([s], n), torch.randn(n, 1, R, generator=g) * 3,
+                   torch.randn(n, 1, DR, generator=g))
+    plan = SimpleNamespace(packed=False, batch=len(lens), seq_lens_list=lens,
+                           kv_start=[0] * len(lens), cache={},
+                           block_tables=pool.block_table(seqs), new_tokens=1,
+                           past_lens=[n - 1 for n in lens])
+    return pool, plan
+
+
+def _case(c_fmt, r_fmt, heads, lens, page, q_dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pool, plan = _pool(c_fmt, r_fmt, lens, g, page)
+    q = (torch.randn(len(lens), heads, R + DR, generator=g) * 0.05).to(q_dtype)
+    ref = paged_reference_attention(pool.k[0], pool.v[0], q.float()[:, :, None], plan, None,
+                                    True, 0, 0.0, 0.2, latent=True)[:, :, 0]
+    return pool, plan, q, ref
+
+
+def _emulate(pool, plan, q, lens, **kw):
+    sl = torch.tensor(lens, dtype=torch.int32)
+    lp = ls.plan_latent_sm90(q, pool.k[0], pool.v[0], plan.block_tables, sl, 0.2, **kw)
+    return build_emu.run_latent(lp)
+
+
+def _bound(c_fmt):   # the MMA dtype: bf16 for bf16 pages, fp16 for fp16 / fp8 pages
+    return REL_ERR[torch.bfloat16 if c_fmt == "bf16" else torch.float16]
+
+
+# (latent, rotary key, heads, lengths, page, splits, variant, q dtype, ring stages, warps)
+CASES = [
+    # 20 heads: two head blocks, the second 4 rows; 3 splits over [300, 17]: an empty split;
+    # the 5-stage ring wraps (10 half tiles in the first split)
+    ("bf16", "bf16", 20, [300, 17], 16, 3, "base", torch.bfloat16, None, 4),
+    # pages of 8: a 64-token tile gathers 8 pages (8 scales); fp8 keys and values widened by
+    # integer ops ("alu"); the 4-stage ring (two CTAs an SM) wraps; 8 warps (8 tokens a warp in
+    # the scores, 64 output columns a warp: 8-byte value units)
+    ("fp8_e4m3", "bf16", 16, [329, 64], 8, 2, "alu", torch.bfloat16, 4, 8),
+]
+FULL_CASES = [
+    ("fp8_e4m3", "bf16", 16, [700, 1], 16, 1, "base", torch.bfloat16, None, 4),  # 10 stages wrap
+    ("fp8_e5m2", "fp8_e4m3", 16, [100], 32, 1, "aluk", torch.float32, None, 4),
+    ("fp8_e4m3", "fp8_e4m3", 32, [150, 70], 16, 2, "aluk", torch.float16, 4, 4),
+    ("fp8_e5m2", "fp8_e5m2", 16, [150, 40], 16, 2, "alu", torch.bfloat16, None, 4),
+    ("fp8_e4m3", "bf16", 16, [200], 16, 1, "aluv", torch.bfloat16, None, 4),
+    ("fp16", "fp16", 8, [150], 128, 1, "base", torch.float16, None, 4),
+    ("fp8_e4m3", "bf16", 16, [329, 64], 8, 2, "alu", torch.bfloat16, 4, 4),
+    ("bf16", "bf16", 20, [300, 17], 16, 3, "base", torch.bfloat16, None, 8),
+    # 8 warps over fp8 rotary keys: 64 rotary rows a pass, half the threads idle
+    ("fp8_e4m3", "fp8_e4m3", 16, [400], 16, 1, "base", torch.bfloat16, None, 8),
+]
+
+
+@pytest.mark.skipif(not build_emu.available()[0], reason="g++ not found")
+@pytest.mark.parametrize("case", CASES + (FULL_CASES if FULL else []),
+                         ids=lambda c: f"{c[0]}-{c[1]}-h{c[2]}-p{c[4]}-s{c[5]}-{c[6]}-ns{c[8]}-w{c[9]}")
+def test_emulated_matches_reference(case):
+    c_fmt, r_fmt, heads, lens, page, splits, variant, qd, stages, warps = case
+    pool, plan, q, ref = _case(c_fmt, r_fmt, heads, lens, page, qd)
+    out = _emulate(pool, plan, q, lens, num_splits=splits, variant=variant, stages=stages,
+                   warps=warps)
+    err = rel_err(out, ref)
+    assert err <= _bound(c_fmt), f"relative error {err:.3e} > {_bound(c_fmt):.1e}"
+    if case is CASES[0]:
+        # negative control: the kernel told one token less of the short sequence than the
+        # reference sees (its last page then ends one row earlier)
+        short = lens[:-1] + [lens[-1] - 1]
+        bad = _emulate(pool, plan, q, short, num_splits=splits, variant=variant, stages=stages,
+                       warps=warps)
+        assert rel_err(bad[-1], ref[-1]) > _bound(c_fmt)
+
+
+@pytest.mark.skipif(not build_emu.available()[0], reason="g++ not found")
+def test_page_scales_are_read():
+    """Negative control for the fp8 path: the latent page scales doubled after the reference
+    was taken change the output beyond the bound (scores and probabilities use them)."""
+    c_fmt, r_fmt, heads, lens, page, splits, variant, qd, stages, warps = CASES[1]
+    pool, plan, q, ref = _case(c_fmt, r_fmt, heads, lens, page, qd)
+    pool.k[0].scale.mul_(2.0)
+    out = _emulate(pool, plan, q, lens, num_splits=splits, variant=variant, stages=stages,
+                   warps=warps)
+    assert rel_err(out, ref) > 0.1
+
+
+def test_refusals_name_the_fix():
+    g = torch.Generator().manual_seed(0)
+    spec = LayerSpec(num_kv_heads=1, head_dim=256, v_head_dim=DR,
+                     k_format=KVFormat("bf16", "page"), v_format=KVFormat("bf16", "page"))
+    pool = PagePool([spec], 4, 16)
+    q = torch.randn(1, 16, 256 + DR, generator=g).to(torch.bfloat16)
+    why = ls.unsupported(q, pool.k[0], pool.v[0])
+    assert "512 + 64" in why
+    pool2, plan, q2, _ = _case("bf16", "bf16", 16, [20], 16)
+    assert ls.unsupported(q2, pool2.k[0], pool2.v[0]) == ""
+    with pytest.raises(UnsupportedShapeError, match="unknown variant"):
+        ls.plan_latent_sm90(q2, pool2.k[0], pool2.v[0], plan.block_tables,
+                            torch.tensor([20], dtype=torch.int32), 0.2, variant="nope")
+    with pytest.raises(UnsupportedShapeError, match="stages"):
+        ls.geometry(3, 3, R, DR, 16, stages=6)   # 6 x 37 KB bf16 half tiles do not fit
+
+
+def test_geometry_and_splits():
+    # bf16: five 37 KB half-tile stages, one CTA an SM; fp8 latent + bf16 rotary: ten 21 KB
+    # stages, and four fit two CTAs an SM
+    ns, smem, ctas = ls.geometry(3, 3, R, DR, 16)
+    assert (ns, ctas) == (5, 1) and smem <= ls.SMEM_LIMIT
+    ns, smem, ctas = ls.geometry(0, 3, R, DR, 16)
+    assert (ns, ctas) == (10, 1) and smem <= ls.SMEM_LIMIT
+    assert ls.geometry(0, 3, R, DR, 16, stages=4)[2] == 2
+    # the H200's 132 SMs filled once: B16 -> 8 splits, B64 -> 2, B1 x 8k -> 32 (256 tokens each)
+    assert ls.choose_splits(16, 1, 8192, 132, 1) == 8
+    assert ls.choose_splits(64, 1, 32768, 132, 1) == 2
+    assert ls.choose_splits(1, 1, 8192, 132, 1) == 32
+    assert ls.choose_splits(16, 2, 8192, 132, 2) == 8
+
+
+def _cuobjdump() -> str | None:
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import triton
+    except ImportError:
+        return None
+    p = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(p) if p.exists() else None
+
+
+# (ck, rk, r, dr, page, qt, stages, var): fp8 + bf16 rotary at two CTAs an SM with the alu
+# variant (one nvcc build, ~8 s, in the default run); (full) the bf16 default, fp8 at the default
+# stages, aluk over e5m2 with fp32 queries, aluv, fp16
+NVCC = [(0, 3, R, DR, 16, 1, 4, 3)]
+NVCC_FULL = [(3, 3, R, DR, 16, 1, None, 0), (0, 3, R, DR, 16, 1, None, 0),
+             (1, 1, R, DR, 8, 2, None, 1), (3, 3, R, DR, 16, 1, None, 0, 8),
+             (0, 0, R, DR, 16, 1, 4, 3, 8),
+             (0, 0, R, DR, 16, 1, None, 2), (2, 2, R, DR, 128, 0, None, 0)]
+
+
+@pytest.mark.skipif(build.nvcc_path() is None or _cuobjdump() is None,
+                    reason="nvcc / cuobjdump not found")
+@pytest.mark.parametrize("key", NVCC + (NVCC_FULL if FULL else []),
+                         ids=lambda k: "-".join(map(str, k)))
+def test_builds_for_sm90_without_spills(key, tmp_path, monkeypatch):
+    """Builds for sm_90 into a fresh cache; no local memory (spills) in the SASS; the MMA count
+    a 64-token tile takes (QK^T 72 + PV 64 HMMA.16816); the F2FP conversions of the latent: 256
+    a tile (base), 128 with aluk or aluv (scores or values by integer ops), none with alu; 16
+    for an fp8 rotary key; none for 16-bit pages."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    defines, ctas, _ = ls.kernel_constants(*key)
+    cubin = build.build_cubin("latent_decode.cuh", "kvc_latent_decode", ls.KERNEL_CALL, defines,
+                              arch="sm_90", threads=defines["KVC_LW"] * 32, min_blocks=ctas,
+                              params="LatentParams")
+    path = tmp_path / "k.cubin"
+    path.write_bytes(cubin)
+    sass = subprocess.run([_cuobjdump(), "-sass", str(path)], capture_output=True, text=True,
+                          timeout=120).stdout
+    assert not re.search(r"\b(LDL|STL)(\.|\s)", sass), "local memory: registers spilled"
+    warps = key[8] if len(key) > 8 else 4
+    assert len(re.findall(r"\bHMMA\.16816", sass)) == 136 * 4 // warps   # a warp's share
+    unpack = len(re.findall(r"F2FP\.F16\.E(4M3|5M2)\.UNPACK_B", sass))
+    fp8 = key[0] < 2
+    latent = {0: 256, 1: 128, 2: 128, 3: 0}[key[7]] if fp8 else 0
+    assert unpack == (latent + (16 if key[1] < 2 else 0)) * 4 // warps, unpack
