@@ -1,4 +1,4 @@
-"""Absorbed MLA decode on Hopper by a CUDA C++ kernel (kernels/cuda/latent_decode.cuh), opt-in.
+"""Absorbed MLA decode on Hopper by a CUDA C++ kernel (kernels/cuda/latent_decode.cuh).
 
     out_lat = latent_decode_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale)
     # the same contract as latent_decode.latent_decode_attention: q_lat [B, H, R + DR],
@@ -10,8 +10,9 @@ one CTA each), bf16 / fp16 / fp32 queries (converted to the pages' MMA dtype: bf
 fp16 otherwise). Options, all compile-time (one cached cubin each): `stages` (the cp.async ring,
 half tiles), `variant` (VARIANTS: fp8 widened by integer ops), `warps` (4 or 8 a CTA).
 `unsupported(...)` names what it does not take. The Triton kernel stays the
-default (the run time does not call this); benchmarks/bench_latent_decode.py --quick times it
-beside the rule (`--cuda`), and benchmarks/RESULTS.md ("a CUDA latent kernel") has the arithmetic.
+default except where `use_cuda` says the H200 measured this kernel faster (the run time asks it
+for every decode step); benchmarks/bench_latent_decode.py --quick times it beside the rule
+(`--cuda`), and benchmarks/RESULTS.md ("a CUDA latent kernel") has the arithmetic.
 `plan_latent_sm90` builds the launch without a GPU: the CPU emulation (kernels/cuda/emu) runs it.
 """
 
@@ -114,6 +115,33 @@ def unsupported(q_lat, c_pages, r_pages) -> str:
     if q_lat.dtype not in _QT:
         return f"q dtype {q_lat.dtype}"
     return ""
+
+
+# The run time's route (runtime/dispatch.py, decode steps the Triton launcher takes): this
+# kernel where the H200 measured it faster than the Triton rule, the Triton rule elsewhere.
+# H200, 16 heads, 2026-12-04 (RESULTS.md, "Eleventh session's device calls"), % of copy, rule /
+# CUDA: B64 x 32k bf16 66.0 / 88.3 (4 warps), fp8 42.6 / 47.7 (4 stages, alu: 53.3);
+# B16 x 8k bf16 46.3 / 44.9, fp8 26.1 / 22.5.
+ROUTE = "auto"                 # "auto" (use_cuda's rule), "cuda" (wherever it runs), "triton"
+CUDA_MIN_TOKENS = 1 << 19      # batch x the block table's context
+CUDA_LAUNCH = {False: {}, True: {"stages": 4}}   # widened (fp8) pages: 2 CTAs an SM
+
+
+def use_cuda(q_lat, c_pages, r_pages, max_len: int) -> dict | None:
+    """The launch options (latent_decode_sm90's keywords) when the run time should take this
+    kernel for a decode step, else None: on an sm_90 GPU, for pages it takes (`unsupported`),
+    with ROUTE "cuda", or "auto", batch x max_len >= CUDA_MIN_TOKENS and 16-bit queries (this
+    kernel rounds fp32 queries to the pages' MMA dtype; the Triton kernel's dots stay fp32)."""
+    if ROUTE == "triton" or q_lat.device.type != "cuda":
+        return None
+    from kvcompile.kernels import decode_sm90
+
+    if not decode_sm90.device_ok(q_lat.device)[0] or unsupported(q_lat, c_pages, r_pages):
+        return None
+    if ROUTE == "auto" and (q_lat.shape[0] * max_len < CUDA_MIN_TOKENS
+                            or q_lat.dtype == torch.float32):   # fp32 queries: Triton's fp32 dots
+        return None
+    return dict(CUDA_LAUNCH[c_pages.fmt.name.startswith("fp8")])
 
 
 def choose_splits(batch: int, head_blocks: int, max_len: int, sms: int, ctas_per_sm: int) -> int:
@@ -248,5 +276,6 @@ def latent_decode_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: f
     return lp.out
 
 
-__all__ = ["KERNEL_CALL", "VARIANTS", "WARP_COUNTS", "Launch", "LatentParams", "choose_splits", "geometry", "kernel_constants",
-           "latent_decode_sm90", "merge_splits", "plan_latent_sm90", "unsupported"]
+__all__ = ["KERNEL_CALL", "VARIANTS", "WARP_COUNTS", "Launch", "LatentParams", "choose_splits",
+           "geometry", "kernel_constants", "latent_decode_sm90", "merge_splits",
+           "plan_latent_sm90", "unsupported", "use_cuda"]

@@ -258,7 +258,8 @@ def attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, win
     o_lat = _latent_kernel(state, q_lat, pool.k[layer], pool.v[layer], plan, mask_info,
                            attn_mask, window, softcap, scale)
     if o_lat is not None:
-        state.count("latent_decode_triton")
+        o_lat, route = o_lat
+        state.count(f"latent_decode_{route}")
         return latent_output(o_lat.to(q_lat.dtype), kv_b_weight, nope_dim)
     o_lat = paged_reference_attention(pool.k[layer], pool.v[layer], q_lat, plan,
                                       masks.dense(plan, attn_mask), is_causal, window, softcap,
@@ -287,9 +288,11 @@ def prefill_mode(config, q: torch.Tensor) -> str:
 
 def _latent_kernel(state, q_lat, c_pages, r_pages, plan, mask_info, attn_mask, window,
                    softcap, scale):
-    """The Triton absorbed decode (kernels/latent_decode.py) for a decode step of one query
-    per row whose mask hides no cached key (no padding, window or softcap), on CUDA or with
-    KVConfig(kernels="triton"): [B, H, 1, r] fp32, or None (the reference attends)."""
+    """The absorbed decode kernel for a decode step of one query per row whose mask hides no
+    cached key (no padding, window or softcap), on CUDA or with KVConfig(kernels="triton"):
+    ([B, H, 1, r] fp32, route), or None (the reference attends). route "cuda": the CUDA
+    kernel (kernels/latent_sm90.py) on sm_90 where latent_sm90.use_cuda says the H200
+    measured it faster; "triton": kernels/latent_decode.py."""
     kernels = state.kernels
     if not kernels.use_triton(q_lat.device) or not plan.is_decode or plan.packed:
         return None
@@ -311,9 +314,17 @@ def _latent_kernel(state, q_lat, c_pages, r_pages, plan, mask_info, attn_mask, w
     if why:
         kernels._fallback(f"latent decode: {why}")
         return None
+    from kvcompile.kernels import latent_sm90
+
+    launch = latent_sm90.use_cuda(q_lat, c_pages, r_pages, plan.block_tables.shape[1]
+                                  * c_pages.page_size)
+    if launch is not None:
+        out = latent_sm90.latent_decode_sm90(q_lat[:, :, 0], c_pages, r_pages,
+                                             plan.block_tables, plan.seq_lens, scale, **launch)
+        return out[:, :, None], "cuda"
     out = latent_decode_attention(q_lat[:, :, 0], c_pages, r_pages, plan.block_tables,
                                   plan.seq_lens, scale)
-    return out[:, :, None]
+    return out[:, :, None], "triton"
 
 
 def _packed_decode(state, layer, q, plan, window, softcap, scale, extras, key_mask=None):

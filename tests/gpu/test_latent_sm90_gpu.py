@@ -10,6 +10,7 @@ and two CTAs an SM (stages 4). The CPU twin is tests/kernels/test_latent_sm90.py
 
 from __future__ import annotations
 
+import copy
 import math
 from types import SimpleNamespace
 
@@ -68,3 +69,43 @@ def test_cuda_latent_kernel(c_fmt, r_fmt, heads, splits, variant, stages, warps)
     torch.cuda.synchronize()
     assert_rel_close(out, ref, torch.bfloat16,
                      what=f"{c_fmt}/{r_fmt} h{heads} x {splits} {variant} s{stages} w{warps}")
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+def test_run_time_routes_decode_steps_to_the_cuda_kernel(kv_dtype, monkeypatch):
+    """A DeepSeek-V3 stack with DeepSeek's widths (r 512, rope 64; 16 heads, 2 layers, random
+    bf16 weights) compiled on CUDA: with latent_sm90.ROUTE "cuda" every decode step of every
+    layer runs the CUDA kernel (counter latent_decode_cuda), with "triton" the Triton kernel,
+    and the teacher-forced logits of the two routes agree within bf16's tolerance."""
+    import transformers
+
+    import kvcompile
+    from kvcompile.kernels import latent_sm90
+    from tests.passes.test_hf_families import teacher_forced_logits
+
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=R, q_lora_rank=64,
+        qk_rope_head_dim=DR, qk_nope_head_dim=32, v_head_dim=32, moe_intermediate_size=64,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=2,
+        n_group=1, topk_group=1, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_config(cfg).eval().to("cuda", torch.bfloat16)
+    ids = torch.randint(3, 256, (3, 300), generator=torch.Generator().manual_seed(1)).cuda()
+    logits, counters = {}, {}
+    for route in ("cuda", "triton"):
+        model = copy.deepcopy(base)
+        monkeypatch.setattr(latent_sm90, "ROUTE", route)
+        kvcompile.compile(model, kvcompile.KVConfig(kv_dtype=kv_dtype, inner="eager",
+                                                    max_kv_bytes=1 << 28))
+        with torch.no_grad():
+            logits[route] = teacher_forced_logits(model, ids, prefill=290).float()
+        counters[route] = kvcompile.stats(model)["counters"]
+        del model
+    assert counters["cuda"].get("latent_decode_cuda") == 2 * 10, counters["cuda"]
+    assert "latent_decode_cuda" not in counters["triton"], counters["triton"]
+    assert counters["triton"].get("latent_decode_triton") == 2 * 10, counters["triton"]
+    assert_rel_close(logits["cuda"][:, 290:], logits["triton"][:, 290:], torch.bfloat16,
+                     factor=4, what=f"{kv_dtype} logits, CUDA vs Triton route")
