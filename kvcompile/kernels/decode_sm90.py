@@ -60,15 +60,18 @@ WARPS = 4
 _SMEM_PER_SM = 227 * 1024
 LOG2E = 1.4426950408889634
 # issue-14 variants: name -> paged_decode.cuh KVC_VAR bits (CAP_STATIC 1, CAP_ON 2 set per call,
-# ALU_K 4, ALU_V 8; cuda14g: QK2 16, VOTE 32, PVT 64, CTA4 128); all but base include nocap
+# ALU_K 4, ALU_V 8; cuda14g: QK2 16, VOTE 32, PVT 64, CTA4 128, HOIST 256); all but base include
+# nocap
 VAR_CAP_STATIC, VAR_CAP_ON, VAR_ALU_K, VAR_ALU_V = 1, 2, 4, 8
-VAR_QK2, VAR_VOTE, VAR_PVT, VAR_CTA4 = 16, 32, 64, 128
+VAR_QK2, VAR_VOTE, VAR_PVT, VAR_CTA4, VAR_HOIST = 16, 32, 64, 128, 256
 _CHAIN = VAR_CAP_STATIC | VAR_QK2 | VAR_VOTE
 VARIANTS = {"base": 0, "nocap": VAR_CAP_STATIC, "aluk": VAR_CAP_STATIC | VAR_ALU_K,
             "aluv": VAR_CAP_STATIC | VAR_ALU_V, "alu": VAR_CAP_STATIC | VAR_ALU_K | VAR_ALU_V,
             # cuda14g: shorter per-warp chains (q.k in two accumulator chains, the max test
-            # by vote), P.V with value columns as M (fp8 values), 4 CTAs a SM
+            # by vote), P.V with value columns as M (fp8 values), 4 CTAs a SM (at <= 8 query
+            # rows with P.V transposed), cp.async addresses hoisted
             "chain": _CHAIN, "pvt": _CHAIN | VAR_PVT, "pvt4": _CHAIN | VAR_PVT | VAR_CTA4,
+            "pvt4h": _CHAIN | VAR_PVT | VAR_CTA4 | VAR_HOIST,
             "cta4": VAR_CAP_STATIC | VAR_CTA4}
 
 
@@ -159,9 +162,12 @@ def kernel_constants(kk: int, vk: int, ksm: int, vsm: int, d: int, dv: int, rows
     return defines, ctas, smem
 
 
-def variant_bits(name: str, kk: int, vk: int, softcap: float, q8: int = 0) -> int:
+def variant_bits(name: str, kk: int, vk: int, softcap: float, q8: int = 0,
+                 rows: int = 8) -> int:
     """KVC_VAR of variant `name` for these element kinds: the bits that change nothing for
-    them are dropped (so equal kernels share one build), CAP_ON set from the softcap."""
+    them are dropped (so equal kernels share one build), CAP_ON set from the softcap. With P.V
+    transposed, CTA4 holds at <= 8 query rows only (at 16 its O registers are base's and 128
+    registers spill: such calls get 3 CTAs a SM)."""
     if name not in VARIANTS:
         raise UnsupportedShapeError(
             f"sm90 decode: unknown variant {name!r}; take one of {sorted(VARIANTS)}")
@@ -174,6 +180,8 @@ def variant_bits(name: str, kk: int, vk: int, softcap: float, q8: int = 0) -> in
         bits &= ~VAR_PVT
     if kk == INT4 or q8:
         bits &= ~VAR_QK2
+    if bits & VAR_PVT and rows > 8:
+        bits &= ~VAR_CTA4
     if bits & VAR_CAP_STATIC and softcap:
         bits |= VAR_CAP_ON
     return bits
@@ -339,7 +347,7 @@ def plan_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
     _check_int4("keys", kk, k_gran, INT4_KEY_GRAN, kd, ks, kz, (N, Hkv, D))
     _check_int4("values", vk, v_gran, INT4_VALUE_GRAN, vd, vs, vz, (N, Hkv, P))
     key = (kk, vk, ksm, vsm, D, dv, 8 if rows <= 8 else 16, _QT[q.dtype], int(qk_fp8))
-    var = variant_bits(variant, kk, vk, softcap, int(qk_fp8))
+    var = variant_bits(variant, kk, vk, softcap, int(qk_fp8), key[6])
     if var:
         key = (*key, var)
     q = q.contiguous()

@@ -516,10 +516,10 @@ def test_qk8_is_refused_off_the_cuda_kernel():
 # The variants are opt-in (timed slower than base on the H200, RESULTS.md): by default "nocap"
 # and "alu" (whose integer widening of keys and values covers aluk's and aluv's code) run;
 # KVCOMPILE_TEST_FULL=1 runs every variant (the test command's time: README).
-# cuda14g's "pvt" (QK2 + VOTE + PVT) covers "chain"'s code; "pvt4" / "cta4" differ from it /
-# nocap by their ring depth and launch bounds only.
+# cuda14g's "pvt4h" (QK2 + VOTE + PVT + CTA4 + HOIST) covers the code of "chain", "pvt" and
+# "pvt4" (which differ from it by hoisting, ring depth and launch bounds); "cta4" is nocap's code.
 VAR_NAMES = [v for v in fast.VARIANTS if v != "base"
-             and (os.environ.get("KVCOMPILE_TEST_FULL") or v in ("nocap", "alu", "pvt"))]
+             and (os.environ.get("KVCOMPILE_TEST_FULL") or v in ("nocap", "alu", "pvt4h"))]
 VAR_CASES = [  # (keys, values, D, G, Sq, P, q dtype): ROWS 8 and 16, every fp8 kind / scale
     (E4, E4, 128, 4, 1, 16, F32),
     (("fp8_e4m3", "token"), ("fp8_e4m3", "token"), 64, 8, 2, 128, F32),
@@ -550,7 +550,7 @@ def test_variant_matches_reference(variant, k, v, D, G, Sq, P, q_dtype):
     check_var(variant, k, v, D, G, P, Sq, q_dtype=q_dtype)
 
 
-@pytest.mark.parametrize("variant", ["nocap", "alu", "pvt"])
+@pytest.mark.parametrize("variant", ["nocap", "alu", "pvt4h"])
 def test_variant_masks_window_softcap_splits(variant):
     # softcap on: the CAP_STATIC variants are built with KVC_VAR_CAP_ON
     check_var(variant, E4, E4, 128, 4, 16, 1, kmask=True, softcap=30.0)
@@ -575,6 +575,10 @@ def test_variant_bits():
     assert fast.variant_bits("pvt", 4, 4, 0.0) == chain & ~fast.VAR_QK2  # int4 keys and values
     assert fast.variant_bits("pvt4", 0, 0, 0.0, q8=1) == (
         fast.VAR_CAP_STATIC | fast.VAR_VOTE | fast.VAR_PVT | fast.VAR_CTA4)
+    # 16 query rows with P.V transposed: O as large as base's, 3 CTAs a SM (4 would spill)
+    assert not fast.variant_bits("pvt4h", 0, 0, 0.0, rows=16) & fast.VAR_CTA4
+    assert fast.variant_bits("pvt4h", 0, 0, 0.0) & fast.VAR_HOIST
+    assert fast.variant_bits("cta4", 0, 0, 0.0, rows=16) & fast.VAR_CTA4
     # 4 CTAs a SM: the ring sized for them (e4m3 D 128: 3 stages, not 4), the launch bound 4
     base = fast.kernel_constants(0, 0, 1, 1, 128, 128, 8, 1)
     four = fast.kernel_constants(0, 0, 1, 1, 128, 128, 8, 1, 0, fast.VARIANTS["pvt4"])
@@ -628,7 +632,7 @@ def _peaky(fmt, D, G, Sq, P, lens, seed=0):
     return kc, vc, bt, sl, q, km
 
 
-@pytest.mark.parametrize("variant", ["base", "pvt"])
+@pytest.mark.parametrize("variant", ["base", "pvt4h"])
 @pytest.mark.parametrize("G,Sq", [(4, 1), (8, 2)])  # ROWS 8 and 16
 def test_variant_rescales_rows_apart(variant, G, Sq):
     kc, vc, bt, sl, q, km = _peaky(E4, 64, G, Sq, 16, [1033, 300])
@@ -645,15 +649,18 @@ def test_variant_rescales_rows_apart(variant, G, Sq):
     # B of n-tile 0 with the second token pair of rows g + 8 (a ROWS 16 slip)
     ("mma16816<false>(o[mt * NR + nr], a0, pa[nr], pa[2 + nr]);",
      "mma16816<false>(o[mt * NR + nr], a0, pa[nr], pa[3 - nr]);"),
+    # HOIST: rows 8-15 of the values copied from the first half's page base
+    ("(k * (32 / Gm::NCV) < 8 ? v0 : v1)", "(k * (32 / Gm::NCV) < 8 ? v0 : v0)"),
 ])
 def test_pvt_broken_kernel_is_caught(mutation, tmp_path):
-    """Negative case: pvt with a rescale factor from the wrong lane, the output columns of an
-    m-tile's second half misplaced, or P's token pairs crossed, fails the check the real one
-    passes (the peaky inputs, ROWS 16 for the n-tile slip)."""
+    """Negative case: P.V transposed (pvt4h) with a rescale factor from the wrong lane, the
+    output columns of an m-tile's second half misplaced, P's token pairs crossed, or the hoisted
+    value copies' page bases swapped, fails the check the real one passes (the peaky inputs,
+    ROWS 16 for the n-tile slip)."""
     old, new = mutation
     root = _mutated_kernel(tmp_path, old, new)
-    kc, vc, bt, sl, q, km = _peaky(E4, 64, 8, 2, 16, [1033, 300])
-    out, ref = _decode_var("pvt", kc, vc, bt, sl, q, km, root=root)
+    kc, vc, bt, sl, q, km = _peaky(E4, 64, 8, 2, 8, [1033, 300])  # pages of 8: two a step
+    out, ref = _decode_var("pvt4h", kc, vc, bt, sl, q, km, root=root)
     assert rel_err(out, ref) > 10 * _bound(E4, E4)
 
 

@@ -129,11 +129,16 @@ struct DecodeParams {
 //     rows the same count. Lane (g, t) then holds O of rows 2t, 2t + 1 (+ 8): the rare max
 //     rescale fetches their factors with __shfl_sync;
 //   CTA4: no code change; the launcher builds with __launch_bounds__(128, 4) (<= 128 registers)
-//     and sizes the ring for 4 CTAs a SM (decode_sm90.kernel_constants).
+//     and sizes the ring for 4 CTAs a SM (decode_sm90.kernel_constants);
+//   HOIST: the cp.async addresses' lane-constant parts (each copy's shared offset in a stage and
+//     byte offset in the page) computed once before the loop and pinned (pin: opaque to ptxas,
+//     which otherwise rematerializes them every step: ~30 LOP3 / IMAD a step at pvt's 124
+//     registers); a step adds them to two page bases.
 #define KVC_VAR_QK2 16
 #define KVC_VAR_VOTE 32
 #define KVC_VAR_PVT 64
 #define KVC_VAR_CTA4 128
+#define KVC_VAR_HOIST 256
 
 namespace kvc {
 
@@ -143,6 +148,15 @@ constexpr int STEP = 16;  // tokens per step
 __device__ __forceinline__ int swz(int row) {  // XOR of a row's 16-byte chunks (rows % 8)
   row &= 7;
   return ((row & 1) << 2) ^ (row & 6);
+}
+
+// x, opaque to the compiler (an empty asm): a value computed once stays in its register instead
+// of being recomputed where it is used
+__device__ __forceinline__ int pin(int x) {
+#ifndef KVC_EMU
+  asm volatile("" : "+r"(x));
+#endif
+  return x;
 }
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -473,6 +487,7 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
   constexpr int NR = ROWS / 8;                       // PVT: n-tiles of query rows
   constexpr int MT = DV / 16;                        // PVT: m-tiles of value columns
   constexpr int OT = PVT ? MT * NR : Gm::NT;         // accumulator tiles of O
+  constexpr bool HOIST = (KVC_VAR & KVC_VAR_HOIST) && Gm::NCK >= 4 && Gm::NCV >= 4;
   const float NEG_INF = -INFINITY;
   extern __shared__ __align__(128) uint8_t smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -636,6 +651,29 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
     return (v < n_sink ? v : lo_s + v - n_sink) * STEP;
   };
 
+  // HOIST: copy k of a lane takes row lane / NC + k * (32 / NC) (rows < 8 iff k * (32 / NC) < 8,
+  // NC = 4, 8, 16), chunk c = lane % NC; its shared offset in a stage and its byte offset from
+  // the step's first row in its page ((tok0 + row) & (P - 1) = (tok0 & (P - 1)) + (row & (P - 1))
+  // for tok0 a multiple of 16)
+  // (keys and values of one row size share them: 2 registers a copy)
+  constexpr bool HSAME = Gm::RBK == Gm::RBV;
+  constexpr int HK = HOIST ? Gm::NCK / 2 : 1, HV = HOIST ? Gm::NCV / 2 : 1;
+  int hks[HK], hkg[HK], hvs[HSAME ? 1 : HV], hvg[HSAME ? 1 : HV];
+  if constexpr (HOIST) {
+#pragma unroll
+    for (int k = 0; k < HK; ++k) {
+      const int q = lane + 32 * k, row = q / Gm::NCK, c = q % Gm::NCK;
+      hks[k] = pin(chunk_off(row, c, Gm::NCK));
+      hkg[k] = pin((row & (P - 1)) * Gm::RBK + c * 16);
+    }
+#pragma unroll
+    for (int k = 0; k < (HSAME ? 0 : HV); ++k) {
+      const int q = lane + 32 * k, row = q / Gm::NCV, c = q % Gm::NCV;
+      hvs[k] = pin(chunk_off(row, c, Gm::NCV));
+      hvg[k] = pin((row & (P - 1)) * Gm::RBV + c * 16);
+    }
+  }
+
   auto issue = [&](int i) {  // cp.async of the warp's i-th step into its ring slot
     uint8_t* st = ring + (i % NS) * Gm::STAGE_ALIGNED;
     const int tok0 = step_tok0(i);
@@ -643,8 +681,31 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
     // page ids of the step's two halves (equal unless pages of 8)
     const int pg0 = bt[min(tok0, last) >> p.log2p];
     const int pg1 = bt[min(tok0 + 8, last) >> p.log2p];
+    if constexpr (HOIST) {
+      const long long r0 = (long long)pg0 * H * P + head_k + (tok0 & (P - 1));
+      const long long r1 = (long long)pg1 * H * P + head_k + (tok0 & (P - 1));
+      const uint32_t sb = smem_u32(st);
+      const int lim = L - tok0;  // rows below it hold tokens (< L)
+      const uint8_t* k0 = p.k + r0 * Gm::RBK;
+      const uint8_t* k1 = p.k + r1 * Gm::RBK;
 #pragma unroll
-    for (int k = 0; k < Gm::NCK / 2; ++k) {
+      for (int k = 0; k < HK; ++k) {
+        const int row = lane / Gm::NCK + k * (32 / Gm::NCK);
+        cp_async16(sb + hks[k], (k * (32 / Gm::NCK) < 8 ? k0 : k1) + hkg[k],
+                   row < lim ? 16 : 0);
+      }
+      const uint8_t* v0 = p.v + r0 * Gm::RBV;
+      const uint8_t* v1 = p.v + r1 * Gm::RBV;
+#pragma unroll
+      for (int k = 0; k < HV; ++k) {
+        const int row = lane / Gm::NCV + k * (32 / Gm::NCV);
+        cp_async16(sb + Gm::KBYTES + (HSAME ? hks[k] : hvs[k]),
+                   (k * (32 / Gm::NCV) < 8 ? v0 : v1) + (HSAME ? hkg[k] : hvg[k]),
+                   row < lim ? 16 : 0);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < (HOIST ? 0 : Gm::NCK / 2); ++k) {
       const int q = lane + 32 * k, row = q / Gm::NCK, c = q % Gm::NCK;
       const int tok = tok0 + row;
       const int pg = row < 8 ? pg0 : pg1;
@@ -652,7 +713,7 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
       cp_async16(smem_u32(st + chunk_off(row, c, Gm::NCK)), p.k + off, tok < L ? 16 : 0);
     }
 #pragma unroll
-    for (int k = 0; k < Gm::NCV / 2; ++k) {
+    for (int k = 0; k < (HOIST ? 0 : Gm::NCV / 2); ++k) {
       const int q = lane + 32 * k, row = q / Gm::NCV, c = q % Gm::NCV;
       const int tok = tok0 + row;
       const int pg = row < 8 ? pg0 : pg1;
