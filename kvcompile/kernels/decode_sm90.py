@@ -25,7 +25,8 @@ kernel's limiter, from its SASS". cuda14g's (the chain, not a pipe, is the limit
 splits q.k into two accumulator chains and tests the softmax max by a vote (shuffles only when
 it grows), "pvt" also runs P.V with the value columns as M (fp8 values: half the MMAs and O
 registers at <= 8 query rows), "pvt4" builds that for 4 CTAs a SM (<= 128 registers, the ring
-sized for 4), "cta4" the plain kernel for 4 CTAs; RESULTS.md, "Two chains, P.V transposed, four
+sized for 4), "pvt4h" / "pvt5h" also hoist the copies' addresses (pvt5h: 5 CTAs at fp8 head_dim
+64), "cta4" the plain kernel for 4 CTAs; RESULTS.md, "Two chains, P.V transposed, four
 CTAs".
 """
 
@@ -60,10 +61,10 @@ WARPS = 4
 _SMEM_PER_SM = 227 * 1024
 LOG2E = 1.4426950408889634
 # issue-14 variants: name -> paged_decode.cuh KVC_VAR bits (CAP_STATIC 1, CAP_ON 2 set per call,
-# ALU_K 4, ALU_V 8; cuda14g: QK2 16, VOTE 32, PVT 64, CTA4 128, HOIST 256); all but base include
-# nocap
+# ALU_K 4, ALU_V 8; cuda14g: QK2 16, VOTE 32, PVT 64, CTA4 128, HOIST 256, CTA5 512); all but
+# base include nocap
 VAR_CAP_STATIC, VAR_CAP_ON, VAR_ALU_K, VAR_ALU_V = 1, 2, 4, 8
-VAR_QK2, VAR_VOTE, VAR_PVT, VAR_CTA4, VAR_HOIST = 16, 32, 64, 128, 256
+VAR_QK2, VAR_VOTE, VAR_PVT, VAR_CTA4, VAR_HOIST, VAR_CTA5 = 16, 32, 64, 128, 256, 512
 _CHAIN = VAR_CAP_STATIC | VAR_QK2 | VAR_VOTE
 VARIANTS = {"base": 0, "nocap": VAR_CAP_STATIC, "aluk": VAR_CAP_STATIC | VAR_ALU_K,
             "aluv": VAR_CAP_STATIC | VAR_ALU_V, "alu": VAR_CAP_STATIC | VAR_ALU_K | VAR_ALU_V,
@@ -72,6 +73,8 @@ VARIANTS = {"base": 0, "nocap": VAR_CAP_STATIC, "aluk": VAR_CAP_STATIC | VAR_ALU
             # rows with P.V transposed), cp.async addresses hoisted
             "chain": _CHAIN, "pvt": _CHAIN | VAR_PVT, "pvt4": _CHAIN | VAR_PVT | VAR_CTA4,
             "pvt4h": _CHAIN | VAR_PVT | VAR_CTA4 | VAR_HOIST,
+            # 5 CTAs a SM where rows are short (key + value rows <= 128 bytes: fp8 D 64)
+            "pvt5h": _CHAIN | VAR_PVT | VAR_CTA4 | VAR_CTA5 | VAR_HOIST,
             "cta4": VAR_CAP_STATIC | VAR_CTA4}
 
 
@@ -146,6 +149,16 @@ def _stages(kk: int, vk: int, d: int, dv: int, rows: int,
     return ns, ctas, fixed + WARPS * ns * stage
 
 
+def _forced_ctas(kk: int, vk: int, d: int, dv: int, var: int) -> int | None:
+    """CTAs a SM that the variant bits force (CTA4, CTA5; None: the default rule). CTA5 takes
+    5 where key + value rows are at most 128 bytes (fp8 at head_dim 64: <= 102 registers and
+    the ring in 45 KB), else 4."""
+    if var & VAR_CTA5:
+        rb = sum(n // 2 if k == INT4 else n * (2 if k >= 2 else 1) for k, n in ((kk, d), (vk, dv)))
+        return 5 if rb <= 128 else 4
+    return 4 if var & VAR_CTA4 else None
+
+
 def kernel_constants(kk: int, vk: int, ksm: int, vsm: int, d: int, dv: int, rows: int,
                      qt: int, q8: int = 0, var: int = 0) -> tuple[dict[str, int], int, int]:
     """(compile-time constants, CTAs per SM, shared bytes per CTA) of a kernel variant; the
@@ -154,7 +167,7 @@ def kernel_constants(kk: int, vk: int, ksm: int, vsm: int, d: int, dv: int, rows
     issue-14 bits (variant_bits); 0 adds no constant (the base kernel's build is unchanged)."""
     if q8 and kk != _KIND["fp8_e4m3"]:
         raise UnsupportedShapeError("sm90 decode: the qk_fp8 variant takes fp8_e4m3 keys only")
-    ns, ctas, smem = _stages(kk, vk, d, dv, rows, 4 if var & VAR_CTA4 else None)
+    ns, ctas, smem = _stages(kk, vk, d, dv, rows, _forced_ctas(kk, vk, d, dv, var))
     defines = {"KVC_KK": kk, "KVC_VK": vk, "KVC_KSM": ksm, "KVC_VSM": vsm, "KVC_D": d,
                "KVC_DV": dv, "KVC_ROWS": rows, "KVC_NS": ns, "KVC_QT": qt, "KVC_Q8": int(q8)}
     if var:
@@ -181,7 +194,7 @@ def variant_bits(name: str, kk: int, vk: int, softcap: float, q8: int = 0,
     if kk == INT4 or q8:
         bits &= ~VAR_QK2
     if bits & VAR_PVT and rows > 8:
-        bits &= ~VAR_CTA4
+        bits &= ~(VAR_CTA4 | VAR_CTA5)
     if bits & VAR_CAP_STATIC and softcap:
         bits |= VAR_CAP_ON
     return bits

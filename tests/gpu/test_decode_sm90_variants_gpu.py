@@ -1,5 +1,5 @@
 """The CUDA decode kernel's issue-14 variants (decode_sm90.VARIANTS: nocap, aluk, aluv, alu;
-cuda14g's chain, pvt, pvt4, cta4) on the H200: each against the fp32 reference with the base kernel's bounds.
+cuda14g's chain, pvt, pvt4, pvt4h, pvt5h, cta4) on the H200: each against the fp32 reference with the base kernel's bounds.
 
     pytest -q -m gpu tests/gpu/test_decode_sm90_variants_gpu.py    # or: gpu_jobs.sh var14_check
 
@@ -42,9 +42,11 @@ CASES = [
     # keys of later pages 32x larger: row maxima move apart, O rescaled row by row (pvt: the
     # factors come from other lanes); ROWS 8 and 16
     (E4, E4, 128, 4, 16, 1, {"peaky": True}),
+    (E4, E4, 64, 4, 16, 1, {"peaky": True}),  # 8 rows at D 64: pvt5h's 5 CTAs a SM
     (E4, E4, 64, 8, 16, 2, {"peaky": True}),
 ]
-VARIANTS = ["base", "nocap", "aluk", "aluv", "alu", "chain", "pvt", "pvt4", "pvt4h", "cta4"]
+# (aluk / aluv: alu's code for one operand, checked on the H200 before)
+VARIANTS = ["base", "nocap", "alu", "chain", "pvt", "pvt4", "pvt4h", "pvt5h", "cta4"]
 
 
 def _variant_keys(fast):

@@ -584,6 +584,10 @@ def test_variant_bits():
     four = fast.kernel_constants(0, 0, 1, 1, 128, 128, 8, 1, 0, fast.VARIANTS["pvt4"])
     assert (base[0]["KVC_NS"], base[1]) == (4, 3) and (four[0]["KVC_NS"], four[1]) == (3, 4)
     assert 4 * (four[2] + 1024) <= fast._SMEM_PER_SM + 1024
+    # 5 CTAs at fp8 head_dim 64 (pvt5h), 4 where rows are longer
+    five = fast.kernel_constants(0, 0, 1, 1, 64, 64, 8, 1, 0, fast.VARIANTS["pvt5h"])
+    assert (five[0]["KVC_NS"], five[1]) == (5, 5) and 5 * (five[2] + 1024) <= 228 * 1024
+    assert fast.kernel_constants(0, 0, 1, 1, 128, 128, 8, 1, 0, fast.VARIANTS["pvt5h"])[1] == 4
     with pytest.raises(UnsupportedShapeError, match="unknown variant 'fast'"):
         fast.variant_bits("fast", 0, 0, 0.0)
 
