@@ -689,6 +689,14 @@ def test_int4_matches_reference(D, G, Sq, P, q_dtype, lens):
     assert err > 0
 
 
+@pytest.mark.skipif(not os.environ.get("KVCOMPILE_TEST_FULL"), reason="KVCOMPILE_TEST_FULL=1")
+@pytest.mark.parametrize("v", [V4, ("fp8_e4m3", "token")])
+def test_int4_keys_with_pvt4h(v):
+    """cuda14g's pvt4h on int4 keys (its VOTE, HOIST and 4 CTAs apply; QK2 does not), with
+    int4 values (P.V as before) or e4m3 token values (P.V transposed)."""
+    check_var("pvt4h", K4, v, 128, 4, 16, 1, lens=[1, 17, 300, 1033], splits=2)
+
+
 def test_int4_splits_window_mask_softcap():
     check(K4, V4, 128, 4, 16, 1, lens=[1, 17, 300, 1033], splits=3)
     check(K4, V4, 128, 8, 32, 2, lens=[310, 1033, 17], window=37, sinks=3, splits=2)
