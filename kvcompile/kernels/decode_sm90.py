@@ -178,9 +178,9 @@ def kernel_constants(kk: int, vk: int, ksm: int, vsm: int, d: int, dv: int, rows
 def variant_bits(name: str, kk: int, vk: int, softcap: float, q8: int = 0,
                  rows: int = 8) -> int:
     """KVC_VAR of variant `name` for these element kinds: the bits that change nothing for
-    them are dropped (so equal kernels share one build), CAP_ON set from the softcap. With P.V
-    transposed, CTA4 holds at <= 8 query rows only (at 16 its O registers are base's and 128
-    registers spill: such calls get 3 CTAs a SM)."""
+    them are dropped (so equal kernels share one build), CAP_ON set from the softcap. The pvt
+    variants' 4 / 5 CTAs a SM hold only where P.V is transposed at <= 8 query rows and keys are
+    not int4 (elsewhere 128 registers spill, 40-216 B: such calls get 3 CTAs a SM)."""
     if name not in VARIANTS:
         raise UnsupportedShapeError(
             f"sm90 decode: unknown variant {name!r}; take one of {sorted(VARIANTS)}")
@@ -193,7 +193,9 @@ def variant_bits(name: str, kk: int, vk: int, softcap: float, q8: int = 0,
         bits &= ~VAR_PVT
     if kk == INT4 or q8:
         bits &= ~VAR_QK2
-    if bits & VAR_PVT and rows > 8:
+    if VARIANTS[name] & VAR_PVT and (not bits & VAR_PVT or rows > 8 or kk == INT4):
+        # the pvt variants' extra CTAs are paid by P.V's smaller O; without it (values not
+        # fp8, 16 rows) or with int4 keys' channel terms, 128 registers spill: 3 CTAs a SM
         bits &= ~(VAR_CTA4 | VAR_CTA5)
     if bits & VAR_CAP_STATIC and softcap:
         bits |= VAR_CAP_ON

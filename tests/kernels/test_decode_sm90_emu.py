@@ -577,6 +577,8 @@ def test_variant_bits():
         fast.VAR_CAP_STATIC | fast.VAR_VOTE | fast.VAR_PVT | fast.VAR_CTA4)
     # 16 query rows with P.V transposed: O as large as base's, 3 CTAs a SM (4 would spill)
     assert not fast.variant_bits("pvt4h", 0, 0, 0.0, rows=16) & fast.VAR_CTA4
+    assert not fast.variant_bits("pvt4h", 0, 3, 0.0) & fast.VAR_CTA4  # bf16 values: O as base's
+    assert not fast.variant_bits("pvt5h", 4, 0, 0.0) & (fast.VAR_CTA4 | fast.VAR_CTA5)  # int4 K
     assert fast.variant_bits("pvt4h", 0, 0, 0.0) & fast.VAR_HOIST
     assert fast.variant_bits("cta4", 0, 0, 0.0, rows=16) & fast.VAR_CTA4
     # 4 CTAs a SM: the ring sized for them (e4m3 D 128: 3 stages, not 4), the launch bound 4
@@ -692,7 +694,7 @@ def test_int4_matches_reference(D, G, Sq, P, q_dtype, lens):
 @pytest.mark.skipif(not os.environ.get("KVCOMPILE_TEST_FULL"), reason="KVCOMPILE_TEST_FULL=1")
 @pytest.mark.parametrize("v", [V4, ("fp8_e4m3", "token")])
 def test_int4_keys_with_pvt4h(v):
-    """cuda14g's pvt4h on int4 keys (its VOTE, HOIST and 4 CTAs apply; QK2 does not), with
+    """cuda14g's pvt4h on int4 keys (its VOTE and HOIST apply; QK2 and the 4th CTA do not), with
     int4 values (P.V as before) or e4m3 token values (P.V transposed)."""
     check_var("pvt4h", K4, v, 128, 4, 16, 1, lens=[1, 17, 300, 1033], splits=2)
 
