@@ -128,8 +128,9 @@ struct DecodeParams {
 //     padded M rows) and half the O registers (DV / 4 floats a lane instead of DV / 2); at 16
 //     rows the same count. Lane (g, t) then holds O of rows 2t, 2t + 1 (+ 8): the rare max
 //     rescale fetches their factors with __shfl_sync;
-//   CTA4: no code change; the launcher builds with __launch_bounds__(128, 4) (<= 128 registers)
-//     and sizes the ring for 4 CTAs a SM (decode_sm90.kernel_constants);
+//   CTA4 / CTA5: no code change; the launcher builds with __launch_bounds__(128, 4) (<= 128
+//     registers) or (128, 5) (<= 102, fp8 head_dim 64 only) and sizes the ring for that many
+//     CTAs a SM (decode_sm90.kernel_constants);
 //   HOIST: the cp.async addresses' lane-constant parts (each copy's shared offset in a stage and
 //     byte offset in the page) computed once before the loop and pinned (pin: opaque to ptxas,
 //     which otherwise rematerializes them every step: ~30 LOP3 / IMAD a step at pvt's 124
@@ -139,6 +140,7 @@ struct DecodeParams {
 #define KVC_VAR_PVT 64
 #define KVC_VAR_CTA4 128
 #define KVC_VAR_HOIST 256
+#define KVC_VAR_CTA5 512
 
 namespace kvc {
 
