@@ -54,7 +54,7 @@ def warm_builds(qk8: bool = False, variants=()) -> float:
         if qk8 and kf == "fp8_e4m3":
             keys.add((kk, kk, sm, sm, d, d, rows, fast._QT[qt], 1))
         for v in variants:  # only what bench() times: G 4 x Sq 1 (8 rows), bf16 q
-            var = fast.variant_bits(v, kk, kk, 0.0)
+            var = fast.variant_bits(v, kk, kk, 0.0, rows=rows)
             if var and rows == 8 and qt == torch.bfloat16:
                 keys.add((kk, kk, sm, sm, d, d, rows, fast._QT[qt], 0, var))
     keys.add((0, 3, 1, 0, 128, 128, 8, 1))  # K fp8 / V bf16

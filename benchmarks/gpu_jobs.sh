@@ -18,7 +18,8 @@
 #   bash benchmarks/gpu_jobs.sh engine_graphs hf_graphs gen e2e prefill_matrix
 #   bash benchmarks/gpu_jobs.sh triton_decode prefill_bench kernel_report append_bench
 #   bash benchmarks/gpu_jobs.sh qk8_check qk8_bench   # the opt-in qk_fp8 decode variant vs default
-#   bash benchmarks/gpu_jobs.sh var14_check var14_bench   # issue-14 decode variants (nocap, alu*)
+#   bash benchmarks/gpu_jobs.sh var14_check var14_bench   # issue-14 decode variants (nocap, alu*,
+#                                                         # chain, pvt, pvt4(h), pvt5h, cta4; V14C_K, V14B_VARIANTS)
 #   bash benchmarks/gpu_jobs.sh int4_check int4_bench # int4 pages (K channel / V token) in the CUDA decode kernel
 #   PROF_ARGS="--steps" bash benchmarks/gpu_jobs.sh profile   # a decode step by part
 #   PB_ARGS=--quick bash benchmarks/gpu_jobs.sh prefill_bench  # the prefill matrix (bench_prefill)
@@ -68,8 +69,8 @@ job() {   # job NAME -> "LIMIT COMMAND"
     int4_bench)     echo "${I4B_LIMIT:-300} python3 benchmarks/gpu_decode_fast.py --formats ${I4B_FORMATS:-int4/channel,fp8_e4m3/page} --int4-pages ${I4B_PAGES:-16,64} --waves '${I4B_WAVES:-}' --out $OUT" ;;
     qk8_check)      echo "${Q8C_LIMIT:-200} $PYTEST tests/gpu/test_decode_sm90_gpu.py -k 'qk8 or wrong_output'" ;;
     qk8_bench)      echo "${Q8B_LIMIT:-300} python3 benchmarks/gpu_decode_fast.py --variants base,qk8 --no-triton --waves '' --formats ${Q8B_FORMATS:-fp8_e4m3/page,fp8_e4m3/token,fp8_e4m3/tensor} --out $OUT" ;;
-    var14_check)    echo "${V14C_LIMIT:-150} $PYTEST tests/gpu/test_decode_sm90_variants_gpu.py" ;;
-    var14_bench)    echo "${V14B_LIMIT:-240} python3 benchmarks/gpu_decode_fast.py --variants ${V14B_VARIANTS:-base,nocap,aluk,aluv,alu} --no-triton --waves '' --formats ${V14B_FORMATS:-fp8_e4m3/page,fp8_e4m3/tensor,fp8_e5m2/page} --out $OUT" ;;
+    var14_check)    echo "${V14C_LIMIT:-200} $PYTEST tests/gpu/test_decode_sm90_variants_gpu.py ${V14C_K:+-k $V14C_K}" ;;
+    var14_bench)    echo "${V14B_LIMIT:-330} python3 benchmarks/gpu_decode_fast.py --variants ${V14B_VARIANTS:-base,nocap,chain,pvt,pvt4,pvt4h,pvt5h,cta4} --no-triton --waves '' --formats ${V14B_FORMATS:-fp8_e4m3/page,fp8_e4m3/tensor,fp8_e5m2/page} --out $OUT" ;;
     decode_matrix)  echo "${DM_LIMIT:-240} $PAR tests/gpu/test_decode_matrix_gpu.py ${DM_K:+-k $DM_K}" ;;
     append_matrix)  echo "${AM_LIMIT:-150} $PAR tests/gpu/test_append_gpu.py" ;;
     prefill_matrix) echo "${PC_LIMIT:-240} $PAR tests/gpu/test_prefill_matrix_gpu.py ${PC_K:+-k $PC_K}" ;;

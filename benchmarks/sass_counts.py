@@ -36,6 +36,7 @@ CASES = {
     "e4m3_tensor_d128": (0, 3, 128, 8, 1),
     "e5m2_page_d128": (1, 1, 128, 8, 1),
     "e4m3_page_d64": (0, 1, 64, 8, 1),
+    "e4m3_page_d128_r16": (0, 1, 128, 16, 1),  # 16 query rows (G 8 x Sq 2, G 16)
     "bf16_d128": (3, 0, 128, 8, 1),
 }
 # SASS opcode (first word, predicate dropped) -> column
@@ -167,7 +168,7 @@ def run(variants, cases) -> list[dict]:
     for case in cases:
         kk, ksm, d, rows_, qt = CASES[case]
         for v in variants:
-            var = fast.variant_bits(v, kk, kk, 0.0)
+            var = fast.variant_bits(v, kk, kk, 0.0, rows=rows_)
             key = (kk, kk, ksm, ksm, d, d, rows_, qt, 0) + ((var,) if var else ())
             sass, info = compile_case(key)
             regs = re.search(r"Used (\d+) registers", info)
@@ -181,6 +182,8 @@ def run(variants, cases) -> list[dict]:
                          "spill_bytes": (int(spill.group(1)) + int(spill.group(2))
                                          if spill else None),
                          "ctas_per_sm": fast.kernel_constants(*key)[1],
+                         "stages": fast.kernel_constants(*key)[0]["KVC_NS"],
+                         "smem_per_cta": fast.kernel_constants(*key)[2],
                          "step_bytes": step_bytes(kk, ksm, d), "counts": c,
                          "cold_blocks": [b - a for a, b in cold]})
     return rows
@@ -194,12 +197,12 @@ def main() -> None:
     a = ap.parse_args()
     rows = run([v for v in a.variants.split(",") if v], [c for c in a.cases.split(",") if c])
     cols = [g for g, _ in GROUPS] + ["other", "total"]
-    print("case variant regs spill B/step | hot counts per step and warp: "
+    print("case variant regs spill B/step CTAs/SM stages | hot counts per step and warp: "
           + ", ".join(cols))
     for r in rows:
         h = r["counts"]["hot"]
         print(f"{r['case']} {r['variant']} {r['registers']} {r['spill_bytes']} "
-              f"{r['step_bytes']} | " + " ".join(f"{g}={h.get(g, 0)}" for g in cols)
+              f"{r['step_bytes']} {r['ctas_per_sm']} {r['stages']} | " + " ".join(f"{g}={h.get(g, 0)}" for g in cols)
               + f" | all={r['counts']['all']['total']} cold={r['cold_blocks']}")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))

@@ -21,7 +21,13 @@ of the same kernel (VARIANTS; paged_decode.cuh KVC_VAR): "nocap" decides softcap
 time (the base kernel computes tanh on every score even without a softcap), "aluk" / "aluv" /
 "alu" also widen fp8 keys / values / both to f16 by integer ops instead of F2FP conversions
 (e4m3 NaN codes then read as +-480 * scale, not NaN). benchmarks/RESULTS.md, "The CUDA decode
-kernel's limiter, from its SASS".
+kernel's limiter, from its SASS". cuda14g's (the chain, not a pipe, is the limiter): "chain"
+splits q.k into two accumulator chains and tests the softmax max by a vote (shuffles only when
+it grows), "pvt" also runs P.V with the value columns as M (fp8 values: half the MMAs and O
+registers at <= 8 query rows), "pvt4" builds that for 4 CTAs a SM (<= 128 registers, the ring
+sized for 4), "pvt4h" / "pvt5h" also hoist the copies' addresses (pvt5h: 5 CTAs at fp8 head_dim
+64), "cta4" the plain kernel for 4 CTAs; RESULTS.md, "Two chains, P.V transposed, four
+CTAs".
 """
 
 from __future__ import annotations
@@ -55,10 +61,21 @@ WARPS = 4
 _SMEM_PER_SM = 227 * 1024
 LOG2E = 1.4426950408889634
 # issue-14 variants: name -> paged_decode.cuh KVC_VAR bits (CAP_STATIC 1, CAP_ON 2 set per call,
-# ALU_K 4, ALU_V 8); the alu* variants include nocap
+# ALU_K 4, ALU_V 8; cuda14g: QK2 16, VOTE 32, PVT 64, CTA4 128, HOIST 256, CTA5 512); all but
+# base include nocap
 VAR_CAP_STATIC, VAR_CAP_ON, VAR_ALU_K, VAR_ALU_V = 1, 2, 4, 8
+VAR_QK2, VAR_VOTE, VAR_PVT, VAR_CTA4, VAR_HOIST, VAR_CTA5 = 16, 32, 64, 128, 256, 512
+_CHAIN = VAR_CAP_STATIC | VAR_QK2 | VAR_VOTE
 VARIANTS = {"base": 0, "nocap": VAR_CAP_STATIC, "aluk": VAR_CAP_STATIC | VAR_ALU_K,
-            "aluv": VAR_CAP_STATIC | VAR_ALU_V, "alu": VAR_CAP_STATIC | VAR_ALU_K | VAR_ALU_V}
+            "aluv": VAR_CAP_STATIC | VAR_ALU_V, "alu": VAR_CAP_STATIC | VAR_ALU_K | VAR_ALU_V,
+            # cuda14g: shorter per-warp chains (q.k in two accumulator chains, the max test
+            # by vote), P.V with value columns as M (fp8 values), 4 CTAs a SM (at <= 8 query
+            # rows with P.V transposed), cp.async addresses hoisted
+            "chain": _CHAIN, "pvt": _CHAIN | VAR_PVT, "pvt4": _CHAIN | VAR_PVT | VAR_CTA4,
+            "pvt4h": _CHAIN | VAR_PVT | VAR_CTA4 | VAR_HOIST,
+            # 5 CTAs a SM where rows are short (key + value rows <= 128 bytes: fp8 D 64)
+            "pvt5h": _CHAIN | VAR_PVT | VAR_CTA4 | VAR_CTA5 | VAR_HOIST,
+            "cta4": VAR_CAP_STATIC | VAR_CTA4}
 
 
 class DecodeParams(ctypes.Structure):  # paged_decode.cuh DecodeParams, field for field
@@ -113,8 +130,10 @@ def unsupported(q: torch.Tensor, k_fmt: str, k_gran: str, v_fmt: str, v_gran: st
 _kernels: dict[tuple, Kernel] = {}
 
 
-def _stages(kk: int, vk: int, d: int, dv: int, rows: int) -> tuple[int, int, int]:
-    """(stages per warp, CTAs per SM, shared bytes per CTA) of a variant."""
+def _stages(kk: int, vk: int, d: int, dv: int, rows: int,
+            ctas: int | None = None) -> tuple[int, int, int]:
+    """(stages per warp, CTAs per SM, shared bytes per CTA) of a variant; `ctas` forces the
+    CTAs a SM (the CTA4 variants), else 3 for rows of <= 256 bytes (key + value), else 2."""
     def row_bytes(kind, n):
         return n // 2 if kind == INT4 else n * (2 if kind >= 2 else 1)
 
@@ -122,11 +141,22 @@ def _stages(kk: int, vk: int, d: int, dv: int, rows: int) -> tuple[int, int, int
     # codes, fp8 scales, key mask; int4: key channel scales + zero points, value token ones
     stage = 16 * (rbk + rbv) + 128 + 16 + (4 * d if kk == INT4 else 0) + (64 if vk == INT4 else 0)
     stage = (stage + 15) // 16 * 16
-    ctas = 3 if rbk + rbv <= 256 else 2
+    if ctas is None:
+        ctas = 3 if rbk + rbv <= 256 else 2
     fixed = rows * d * 2
     ns = (_SMEM_PER_SM // ctas - 1024 - fixed) // (WARPS * stage)
     ns = max(2, min(6, ns))
     return ns, ctas, fixed + WARPS * ns * stage
+
+
+def _forced_ctas(kk: int, vk: int, d: int, dv: int, var: int) -> int | None:
+    """CTAs a SM that the variant bits force (CTA4, CTA5; None: the default rule). CTA5 takes
+    5 where key + value rows are at most 128 bytes (fp8 at head_dim 64: <= 102 registers and
+    the ring in 45 KB), else 4."""
+    if var & VAR_CTA5:
+        rb = sum(n // 2 if k == INT4 else n * (2 if k >= 2 else 1) for k, n in ((kk, d), (vk, dv)))
+        return 5 if rb <= 128 else 4
+    return 4 if var & VAR_CTA4 else None
 
 
 def kernel_constants(kk: int, vk: int, ksm: int, vsm: int, d: int, dv: int, rows: int,
@@ -137,7 +167,7 @@ def kernel_constants(kk: int, vk: int, ksm: int, vsm: int, d: int, dv: int, rows
     issue-14 bits (variant_bits); 0 adds no constant (the base kernel's build is unchanged)."""
     if q8 and kk != _KIND["fp8_e4m3"]:
         raise UnsupportedShapeError("sm90 decode: the qk_fp8 variant takes fp8_e4m3 keys only")
-    ns, ctas, smem = _stages(kk, vk, d, dv, rows)
+    ns, ctas, smem = _stages(kk, vk, d, dv, rows, _forced_ctas(kk, vk, d, dv, var))
     defines = {"KVC_KK": kk, "KVC_VK": vk, "KVC_KSM": ksm, "KVC_VSM": vsm, "KVC_D": d,
                "KVC_DV": dv, "KVC_ROWS": rows, "KVC_NS": ns, "KVC_QT": qt, "KVC_Q8": int(q8)}
     if var:
@@ -145,9 +175,12 @@ def kernel_constants(kk: int, vk: int, ksm: int, vsm: int, d: int, dv: int, rows
     return defines, ctas, smem
 
 
-def variant_bits(name: str, kk: int, vk: int, softcap: float, q8: int = 0) -> int:
+def variant_bits(name: str, kk: int, vk: int, softcap: float, q8: int = 0,
+                 rows: int = 8) -> int:
     """KVC_VAR of variant `name` for these element kinds: the bits that change nothing for
-    them are dropped (so equal kernels share one build), CAP_ON set from the softcap."""
+    them are dropped (so equal kernels share one build), CAP_ON set from the softcap. The pvt
+    variants' 4 / 5 CTAs a SM hold only where P.V is transposed at <= 8 query rows and keys are
+    not int4 (elsewhere 128 registers spill, 40-216 B: such calls get 3 CTAs a SM)."""
     if name not in VARIANTS:
         raise UnsupportedShapeError(
             f"sm90 decode: unknown variant {name!r}; take one of {sorted(VARIANTS)}")
@@ -155,7 +188,15 @@ def variant_bits(name: str, kk: int, vk: int, softcap: float, q8: int = 0) -> in
     if kk >= 2 or q8:
         bits &= ~VAR_ALU_K
     if vk >= 2:
-        bits &= ~VAR_ALU_V
+        bits &= ~(VAR_ALU_V | VAR_PVT)
+    if bits & VAR_ALU_V:
+        bits &= ~VAR_PVT
+    if kk == INT4 or q8:
+        bits &= ~VAR_QK2
+    if VARIANTS[name] & VAR_PVT and (not bits & VAR_PVT or rows > 8 or kk == INT4):
+        # the pvt variants' extra CTAs are paid by P.V's smaller O; without it (values not
+        # fp8, 16 rows) or with int4 keys' channel terms, 128 registers spill: 3 CTAs a SM
+        bits &= ~(VAR_CTA4 | VAR_CTA5)
     if bits & VAR_CAP_STATIC and softcap:
         bits |= VAR_CAP_ON
     return bits
@@ -321,7 +362,7 @@ def plan_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
     _check_int4("keys", kk, k_gran, INT4_KEY_GRAN, kd, ks, kz, (N, Hkv, D))
     _check_int4("values", vk, v_gran, INT4_VALUE_GRAN, vd, vs, vz, (N, Hkv, P))
     key = (kk, vk, ksm, vsm, D, dv, 8 if rows <= 8 else 16, _QT[q.dtype], int(qk_fp8))
-    var = variant_bits(variant, kk, vk, softcap, int(qk_fp8))
+    var = variant_bits(variant, kk, vk, softcap, int(qk_fp8), key[6])
     if var:
         key = (*key, var)
     q = q.contiguous()

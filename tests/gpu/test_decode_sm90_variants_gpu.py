@@ -1,5 +1,5 @@
-"""The CUDA decode kernel's issue-14 variants (decode_sm90.VARIANTS: nocap, aluk, aluv, alu) on
-the H200: each against the fp32 reference with the base kernel's bounds.
+"""The CUDA decode kernel's issue-14 variants (decode_sm90.VARIANTS: nocap, aluk, aluv, alu;
+cuda14g's chain, pvt, pvt4, pvt4h, pvt5h, cta4) on the H200: each against the fp32 reference with the base kernel's bounds.
 
     pytest -q -m gpu tests/gpu/test_decode_sm90_variants_gpu.py    # or: gpu_jobs.sh var14_check
 
@@ -39,8 +39,14 @@ CASES = [
     (E4, E4, 128, 4, 16, 1, {"softcap": 30.0, "kmask": True}),
     (E4T, E4T, 128, 4, 16, 2, {"window": 37, "sinks": 3, "splits": 3}),
     (E4, E4, 128, 1, 32, 1, {"splits": 5}),
+    # keys of later pages 32x larger: row maxima move apart, O rescaled row by row (pvt: the
+    # factors come from other lanes); ROWS 8 and 16
+    (E4, E4, 128, 4, 16, 1, {"peaky": True}),
+    (E4, E4, 64, 4, 16, 1, {"peaky": True}),  # 8 rows at D 64: pvt5h's 5 CTAs a SM
+    (E4, E4, 64, 8, 16, 2, {"peaky": True}),
 ]
-VARIANTS = ["base", "nocap", "aluk", "aluv", "alu"]
+# (aluk / aluv: alu's code for one operand, checked on the H200 before)
+VARIANTS = ["base", "nocap", "alu", "chain", "pvt", "pvt4", "pvt4h", "pvt5h", "cta4"]
 
 
 def _variant_keys(fast):
@@ -51,7 +57,7 @@ def _variant_keys(fast):
         ksm = fast._SCALE[k[1]] if kk < 2 else 0
         vsm = fast._SCALE[v[1]] if vk < 2 else 0
         for name in VARIANTS:
-            var = fast.variant_bits(name, kk, vk, kw.get("softcap", 0.0))
+            var = fast.variant_bits(name, kk, vk, kw.get("softcap", 0.0), rows=rows)
             keys.add((kk, vk, ksm, vsm, D, D, rows, fast._QT[torch.float32], 0)
                      + ((var,) if var else ()))
     return keys
@@ -78,6 +84,8 @@ def run_case(variant, case, seed=0, corrupt=False) -> tuple[float, float]:
     lens = [1, 17, 300, 1033, 16, 15]
     kc, vc, bt, sl = make_paged_kv(make_format(*k), make_format(*v), lens, 2, D, P, gen=gen)
     q = torch.randn(len(lens), 2 * G, Sq, D, generator=gen).cuda()
+    if kw.get("peaky"):
+        kc.scale[bt[:, 2:].flatten().unique()] *= 32
     km = None
     if kw.get("kmask"):
         km = torch.rand(len(lens), max(lens), generator=gen).cuda() > 0.3

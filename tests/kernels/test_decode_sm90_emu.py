@@ -516,8 +516,10 @@ def test_qk8_is_refused_off_the_cuda_kernel():
 # The variants are opt-in (timed slower than base on the H200, RESULTS.md): by default "nocap"
 # and "alu" (whose integer widening of keys and values covers aluk's and aluv's code) run;
 # KVCOMPILE_TEST_FULL=1 runs every variant (the test command's time: README).
+# cuda14g's "pvt4h" (QK2 + VOTE + PVT + CTA4 + HOIST) covers the code of "chain", "pvt" and
+# "pvt4" (which differ from it by hoisting, ring depth and launch bounds); "cta4" is nocap's code.
 VAR_NAMES = [v for v in fast.VARIANTS if v != "base"
-             and (os.environ.get("KVCOMPILE_TEST_FULL") or v in ("nocap", "alu"))]
+             and (os.environ.get("KVCOMPILE_TEST_FULL") or v in ("nocap", "alu", "pvt4h"))]
 VAR_CASES = [  # (keys, values, D, G, Sq, P, q dtype): ROWS 8 and 16, every fp8 kind / scale
     (E4, E4, 128, 4, 1, 16, F32),
     (("fp8_e4m3", "token"), ("fp8_e4m3", "token"), 64, 8, 2, 128, F32),
@@ -548,7 +550,7 @@ def test_variant_matches_reference(variant, k, v, D, G, Sq, P, q_dtype):
     check_var(variant, k, v, D, G, P, Sq, q_dtype=q_dtype)
 
 
-@pytest.mark.parametrize("variant", ["nocap", "alu"])
+@pytest.mark.parametrize("variant", ["nocap", "alu", "pvt4h"])
 def test_variant_masks_window_softcap_splits(variant):
     # softcap on: the CAP_STATIC variants are built with KVC_VAR_CAP_ON
     check_var(variant, E4, E4, 128, 4, 16, 1, kmask=True, softcap=30.0)
@@ -567,6 +569,27 @@ def test_variant_bits():
     assert fast.variant_bits("alu", 3, 3, 0.0) == fast.VAR_CAP_STATIC  # bf16: no fp8 operand
     assert fast.variant_bits("alu", 0, 3, 0.0) == fast.VAR_CAP_STATIC | fast.VAR_ALU_K
     assert fast.variant_bits("aluk", 0, 0, 0.0, q8=1) == fast.VAR_CAP_STATIC  # Q8 keys
+    chain = fast.VAR_CAP_STATIC | fast.VAR_QK2 | fast.VAR_VOTE
+    assert fast.variant_bits("pvt", 0, 1, 0.0) == chain | fast.VAR_PVT
+    assert fast.variant_bits("pvt", 0, 3, 0.0) == chain  # bf16 values: P.V as before
+    assert fast.variant_bits("pvt", 4, 4, 0.0) == chain & ~fast.VAR_QK2  # int4 keys and values
+    assert fast.variant_bits("pvt4", 0, 0, 0.0, q8=1) == (
+        fast.VAR_CAP_STATIC | fast.VAR_VOTE | fast.VAR_PVT | fast.VAR_CTA4)
+    # 16 query rows with P.V transposed: O as large as base's, 3 CTAs a SM (4 would spill)
+    assert not fast.variant_bits("pvt4h", 0, 0, 0.0, rows=16) & fast.VAR_CTA4
+    assert not fast.variant_bits("pvt4h", 0, 3, 0.0) & fast.VAR_CTA4  # bf16 values: O as base's
+    assert not fast.variant_bits("pvt5h", 4, 0, 0.0) & (fast.VAR_CTA4 | fast.VAR_CTA5)  # int4 K
+    assert fast.variant_bits("pvt4h", 0, 0, 0.0) & fast.VAR_HOIST
+    assert fast.variant_bits("cta4", 0, 0, 0.0, rows=16) & fast.VAR_CTA4
+    # 4 CTAs a SM: the ring sized for them (e4m3 D 128: 3 stages, not 4), the launch bound 4
+    base = fast.kernel_constants(0, 0, 1, 1, 128, 128, 8, 1)
+    four = fast.kernel_constants(0, 0, 1, 1, 128, 128, 8, 1, 0, fast.VARIANTS["pvt4"])
+    assert (base[0]["KVC_NS"], base[1]) == (4, 3) and (four[0]["KVC_NS"], four[1]) == (3, 4)
+    assert 4 * (four[2] + 1024) <= fast._SMEM_PER_SM + 1024
+    # 5 CTAs at fp8 head_dim 64 (pvt5h), 4 where rows are longer
+    five = fast.kernel_constants(0, 0, 1, 1, 64, 64, 8, 1, 0, fast.VARIANTS["pvt5h"])
+    assert (five[0]["KVC_NS"], five[1]) == (5, 5) and 5 * (five[2] + 1024) <= 228 * 1024
+    assert fast.kernel_constants(0, 0, 1, 1, 128, 128, 8, 1, 0, fast.VARIANTS["pvt5h"])[1] == 4
     with pytest.raises(UnsupportedShapeError, match="unknown variant 'fast'"):
         fast.variant_bits("fast", 0, 0, 0.0)
 
@@ -605,6 +628,48 @@ def test_variant_broken_kernel_is_caught(mutation, tmp_path):
     assert rel_err(out, ref) > 10 * _bound(fmt, fmt)
 
 
+def _peaky(fmt, D, G, Sq, P, lens, seed=0):
+    # keys of every page after the second scaled 32x: the scores grow by up to ~30 (log2) past
+    # the first steps, by a different amount in each query row, so the running max moves and
+    # O is rescaled row by row (with pvt, each lane fetches its rows' factors)
+    kc, vc, bt, sl, q, km = _inputs(fmt, fmt, D, G, P, Sq, lens, seed=seed)
+    later = bt[:, 2:].flatten().unique()
+    kc.scale[later] *= 32
+    return kc, vc, bt, sl, q, km
+
+
+@pytest.mark.parametrize("variant", ["base", "pvt4h"])
+@pytest.mark.parametrize("G,Sq", [(4, 1), (8, 2)])  # ROWS 8 and 16
+def test_variant_rescales_rows_apart(variant, G, Sq):
+    kc, vc, bt, sl, q, km = _peaky(E4, 64, G, Sq, 16, [1033, 300])
+    out, ref = _decode_var(variant, kc, vc, bt, sl, q, km)
+    assert rel_err(out, ref) <= _bound(E4, E4)
+
+
+@pytest.mark.parametrize("mutation", [
+    # a row's rescale factor from the wrong lane (row 2t's for row 2t + 1)
+    ("f[0][1] = __shfl_sync(0xffffffffu, a0, 8 * t + 4);",
+     "f[0][1] = __shfl_sync(0xffffffffu, a0, 8 * t);"),
+    # the value columns of an m-tile's M rows g + 8 taken as those of rows g
+    ("+ 2 * (mt % (Gm::VEPU / 2)) + (c >> 1);", "+ 2 * (mt % (Gm::VEPU / 2));"),
+    # B of n-tile 0 with the second token pair of rows g + 8 (a ROWS 16 slip)
+    ("mma16816<false>(o[mt * NR + nr], a0, pa[nr], pa[2 + nr]);",
+     "mma16816<false>(o[mt * NR + nr], a0, pa[nr], pa[3 - nr]);"),
+    # HOIST: rows 8-15 of the values copied from the first half's page base
+    ("(k * (32 / Gm::NCV) < 8 ? v0 : v1)", "(k * (32 / Gm::NCV) < 8 ? v0 : v0)"),
+])
+def test_pvt_broken_kernel_is_caught(mutation, tmp_path):
+    """Negative case: P.V transposed (pvt4h) with a rescale factor from the wrong lane, the
+    output columns of an m-tile's second half misplaced, P's token pairs crossed, or the hoisted
+    value copies' page bases swapped, fails the check the real one passes (the peaky inputs,
+    ROWS 16 for the n-tile slip)."""
+    old, new = mutation
+    root = _mutated_kernel(tmp_path, old, new)
+    kc, vc, bt, sl, q, km = _peaky(E4, 64, 8, 2, 8, [1033, 300])  # pages of 8: two a step
+    out, ref = _decode_var("pvt4h", kc, vc, bt, sl, q, km, root=root)
+    assert rel_err(out, ref) > 10 * _bound(E4, E4)
+
+
 # ---- int4 pages (KVC_INT4): the Pareto table's "K int4/V int4" (keys: fp16 scale + zero point
 # per page, kv head and channel; values: per token). The reference dequantizes the same pages
 # (code * scale + zero in fp32); the kernel keeps the codes exact in f16, scales q's columns by
@@ -624,6 +689,14 @@ INT4_CASES = [  # (D, G, Sq, P, q dtype, lens)
 def test_int4_matches_reference(D, G, Sq, P, q_dtype, lens):
     err = check(K4, V4, D, G, P, Sq, lens=lens, q_dtype=q_dtype, seed=1)
     assert err > 0
+
+
+@pytest.mark.skipif(not os.environ.get("KVCOMPILE_TEST_FULL"), reason="KVCOMPILE_TEST_FULL=1")
+@pytest.mark.parametrize("v", [V4, ("fp8_e4m3", "token")])
+def test_int4_keys_with_pvt4h(v):
+    """cuda14g's pvt4h on int4 keys (its VOTE and HOIST apply; QK2 and the 4th CTA do not), with
+    int4 values (P.V as before) or e4m3 token values (P.V transposed)."""
+    check_var("pvt4h", K4, v, 128, 4, 16, 1, lens=[1, 17, 300, 1033], splits=2)
 
 
 def test_int4_splits_window_mask_softcap():

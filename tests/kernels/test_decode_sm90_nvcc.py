@@ -77,21 +77,43 @@ def test_qk8_is_the_fp8_tensor_core_instruction(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(_cuobjdump() is None, reason="cuobjdump not found")
 @pytest.mark.parametrize("name", [v for v in fast.VARIANTS if os.environ.get("KVCOMPILE_TEST_FULL")
-                                  or v in ("base", "nocap", "alu")])   # (as the emu tests)
+                                  or v in ("base", "nocap", "alu", "pvt4h")])
 def test_variants_build_without_spills(name, tmp_path, monkeypatch):
     """The issue-14 variants (decode_sm90.VARIANTS) build for sm_90 at 16 rows, fp32 q, without
     spills (no local-memory loads / stores in the SASS), and the SASS lacks what each removes:
-    tanh (all but base, no softcap), F2FP unpacks of keys and / or values (the alu ones)."""
+    tanh (all but base, no softcap), F2FP unpacks of keys and / or values (the alu ones).
+    cta4 (the plain kernel held to 128 registers for 4 CTAs a SM) is the one that spills: it is
+    the control that pvt4 (the same occupancy from P.V's smaller accumulators) is timed against."""
     import re
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    var = fast.variant_bits(name, 0, 0, 0.0)
+    var = fast.variant_bits(name, 0, 0, 0.0, rows=16)
     key = (0, 0, 2, 2, 128, 128, 16, 2, 0) + ((var,) if var else ())
     path = tmp_path / "k.cubin"
     path.write_bytes(_cubin(key))
     sass = subprocess.run([_cuobjdump(), "-sass", str(path)], capture_output=True, text=True,
                           timeout=120).stdout
-    assert not re.search(r"\b(LDL|STL)(\.|\s)", sass), "local memory: registers spilled"
+    spills = bool(re.search(r"\b(LDL|STL)(\.|\s)", sass))
+    assert spills == (name == "cta4"), "local memory: registers spilled"
     assert ("MUFU.TANH" in sass) == (name == "base")
     unpack = len(re.findall(r"F2FP\.F16\.E4M3\.UNPACK_B", sass))
-    assert unpack == {"base": 64, "nocap": 64, "aluk": 32, "aluv": 32, "alu": 0}[name], unpack
+    assert unpack == {"base": 64, "nocap": 64, "aluk": 32, "aluv": 32, "alu": 0}.get(name, 64), unpack
+
+
+@pytest.mark.skipif(_cuobjdump() is None, reason="cuobjdump not found")
+def test_pvt4h_at_eight_rows(tmp_path, monkeypatch):
+    """The bench's shape (e4m3 pages, D 128, G 4 x Sq 1 = 8 rows, bf16 q): pvt4h builds for 4
+    CTAs a SM (__launch_bounds__(128, 4): <= 128 registers) without spills, and P.V transposed
+    takes 8 MMAs a step instead of 16 (24 HMMA in the kernel, base's 32)."""
+    import re
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    var = fast.variant_bits("pvt4h", 0, 0, 0.0)
+    key = (0, 0, 1, 1, 128, 128, 8, 1, 0, var)
+    assert fast.kernel_constants(*key)[1] == 4
+    path = tmp_path / "k.cubin"
+    path.write_bytes(_cubin(key))
+    sass = subprocess.run([_cuobjdump(), "-sass", str(path)], capture_output=True, text=True,
+                          timeout=120).stdout
+    assert not re.search(r"\b(LDL|STL)(\.|\s)", sass), "local memory: registers spilled"
+    assert len(re.findall(r"HMMA\.16816", sass)) == 24

@@ -115,6 +115,32 @@ struct DecodeParams {
 #define KVC_VAR_CAP_ON 2
 #define KVC_VAR_ALU_K 4
 #define KVC_VAR_ALU_V 8
+// issue-14 variants (cuda14g): the limiter is each warp's dependent chain (RESULTS.md), so
+//   QK2: q.k of each n-tile in two accumulator chains (even / odd MMAs, summed after), half as
+//     deep, for fp8 (F2FP or ALU widening) and 16-bit keys;
+//   VOTE: the online softmax's max test without shuffles: each lane tests its own scores
+//     against its rows' running max (+ 8), one vote; only when some score passes it (rare after
+//     the first steps) do the quad shuffles run, as before;
+//   PVT: P.V with the value columns as M (O^T[DV x rows] += V^T P^T, m16n8k16, the query rows
+//     as N), fp8 values: the B operand is P exactly as q.k's accumulators hold it (row g, tokens
+//     2t, 2t+1 | 2t+8, 2t+9), the A operand the same unpacked value pairs as before, two value
+//     elements a MMA. At <= 8 query rows it takes DV / 16 MMAs a step instead of DV / 8 (no
+//     padded M rows) and half the O registers (DV / 4 floats a lane instead of DV / 2); at 16
+//     rows the same count. Lane (g, t) then holds O of rows 2t, 2t + 1 (+ 8): the rare max
+//     rescale fetches their factors with __shfl_sync;
+//   CTA4 / CTA5: no code change; the launcher builds with __launch_bounds__(128, 4) (<= 128
+//     registers) or (128, 5) (<= 102, fp8 head_dim 64 only) and sizes the ring for that many
+//     CTAs a SM (decode_sm90.kernel_constants);
+//   HOIST: the cp.async addresses' lane-constant parts (each copy's shared offset in a stage and
+//     byte offset in the page) computed once before the loop and pinned (pin: opaque to ptxas,
+//     which otherwise rematerializes them every step: ~30 LOP3 / IMAD a step at pvt's 124
+//     registers); a step adds them to two page bases.
+#define KVC_VAR_QK2 16
+#define KVC_VAR_VOTE 32
+#define KVC_VAR_PVT 64
+#define KVC_VAR_CTA4 128
+#define KVC_VAR_HOIST 256
+#define KVC_VAR_CTA5 512
 
 namespace kvc {
 
@@ -124,6 +150,15 @@ constexpr int STEP = 16;  // tokens per step
 __device__ __forceinline__ int swz(int row) {  // XOR of a row's 16-byte chunks (rows % 8)
   row &= 7;
   return ((row & 1) << 2) ^ (row & 6);
+}
+
+// x, opaque to the compiler (an empty asm): a value computed once stays in its register instead
+// of being recomputed where it is used
+__device__ __forceinline__ int pin(int x) {
+#ifndef KVC_EMU
+  asm volatile("" : "+r"(x));
+#endif
+  return x;
 }
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -448,6 +483,13 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
   constexpr bool ALU_V = (KVC_VAR & KVC_VAR_ALU_V) && Gm::VEB == 1;
   constexpr float K_ALU = ALU_K && KK == KVC_E4M3 ? 256.f : 1.f;  // 2^8 back into the scores
   constexpr float V_ALU = ALU_V && VK == KVC_E4M3 ? 256.f : 1.f;  // ... into the probabilities
+  constexpr bool QK2 = (KVC_VAR & KVC_VAR_QK2) && !Gm::KI4 && !Q8;
+  constexpr bool VOTE = (KVC_VAR & KVC_VAR_VOTE) != 0;
+  constexpr bool PVT = (KVC_VAR & KVC_VAR_PVT) && Gm::VEB == 1 && !Gm::VI4 && !ALU_V;
+  constexpr int NR = ROWS / 8;                       // PVT: n-tiles of query rows
+  constexpr int MT = DV / 16;                        // PVT: m-tiles of value columns
+  constexpr int OT = PVT ? MT * NR : Gm::NT;         // accumulator tiles of O
+  constexpr bool HOIST = (KVC_VAR & KVC_VAR_HOIST) && Gm::NCK >= 4 && Gm::NCV >= 4;
   const float NEG_INF = -INFINITY;
   extern __shared__ __align__(128) uint8_t smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -611,6 +653,29 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
     return (v < n_sink ? v : lo_s + v - n_sink) * STEP;
   };
 
+  // HOIST: copy k of a lane takes row lane / NC + k * (32 / NC) (rows < 8 iff k * (32 / NC) < 8,
+  // NC = 4, 8, 16), chunk c = lane % NC; its shared offset in a stage and its byte offset from
+  // the step's first row in its page ((tok0 + row) & (P - 1) = (tok0 & (P - 1)) + (row & (P - 1))
+  // for tok0 a multiple of 16)
+  // (keys and values of one row size share them: 2 registers a copy)
+  constexpr bool HSAME = Gm::RBK == Gm::RBV;
+  constexpr int HK = HOIST ? Gm::NCK / 2 : 1, HV = HOIST ? Gm::NCV / 2 : 1;
+  int hks[HK], hkg[HK], hvs[HSAME ? 1 : HV], hvg[HSAME ? 1 : HV];
+  if constexpr (HOIST) {
+#pragma unroll
+    for (int k = 0; k < HK; ++k) {
+      const int q = lane + 32 * k, row = q / Gm::NCK, c = q % Gm::NCK;
+      hks[k] = pin(chunk_off(row, c, Gm::NCK));
+      hkg[k] = pin((row & (P - 1)) * Gm::RBK + c * 16);
+    }
+#pragma unroll
+    for (int k = 0; k < (HSAME ? 0 : HV); ++k) {
+      const int q = lane + 32 * k, row = q / Gm::NCV, c = q % Gm::NCV;
+      hvs[k] = pin(chunk_off(row, c, Gm::NCV));
+      hvg[k] = pin((row & (P - 1)) * Gm::RBV + c * 16);
+    }
+  }
+
   auto issue = [&](int i) {  // cp.async of the warp's i-th step into its ring slot
     uint8_t* st = ring + (i % NS) * Gm::STAGE_ALIGNED;
     const int tok0 = step_tok0(i);
@@ -618,8 +683,31 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
     // page ids of the step's two halves (equal unless pages of 8)
     const int pg0 = bt[min(tok0, last) >> p.log2p];
     const int pg1 = bt[min(tok0 + 8, last) >> p.log2p];
+    if constexpr (HOIST) {
+      const long long r0 = (long long)pg0 * H * P + head_k + (tok0 & (P - 1));
+      const long long r1 = (long long)pg1 * H * P + head_k + (tok0 & (P - 1));
+      const uint32_t sb = smem_u32(st);
+      const int lim = L - tok0;  // rows below it hold tokens (< L)
+      const uint8_t* k0 = p.k + r0 * Gm::RBK;
+      const uint8_t* k1 = p.k + r1 * Gm::RBK;
 #pragma unroll
-    for (int k = 0; k < Gm::NCK / 2; ++k) {
+      for (int k = 0; k < HK; ++k) {
+        const int row = lane / Gm::NCK + k * (32 / Gm::NCK);
+        cp_async16(sb + hks[k], (k * (32 / Gm::NCK) < 8 ? k0 : k1) + hkg[k],
+                   row < lim ? 16 : 0);
+      }
+      const uint8_t* v0 = p.v + r0 * Gm::RBV;
+      const uint8_t* v1 = p.v + r1 * Gm::RBV;
+#pragma unroll
+      for (int k = 0; k < HV; ++k) {
+        const int row = lane / Gm::NCV + k * (32 / Gm::NCV);
+        cp_async16(sb + Gm::KBYTES + (HSAME ? hks[k] : hvs[k]),
+                   (k * (32 / Gm::NCV) < 8 ? v0 : v1) + (HSAME ? hkg[k] : hvg[k]),
+                   row < lim ? 16 : 0);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < (HOIST ? 0 : Gm::NCK / 2); ++k) {
       const int q = lane + 32 * k, row = q / Gm::NCK, c = q % Gm::NCK;
       const int tok = tok0 + row;
       const int pg = row < 8 ? pg0 : pg1;
@@ -627,7 +715,7 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
       cp_async16(smem_u32(st + chunk_off(row, c, Gm::NCK)), p.k + off, tok < L ? 16 : 0);
     }
 #pragma unroll
-    for (int k = 0; k < Gm::NCV / 2; ++k) {
+    for (int k = 0; k < (HOIST ? 0 : Gm::NCV / 2); ++k) {
       const int q = lane + 32 * k, row = q / Gm::NCV, c = q % Gm::NCV;
       const int tok = tok0 + row;
       const int pg = row < 8 ? pg0 : pg1;
@@ -684,9 +772,9 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
     }
   };
 
-  float o[Gm::NT][4];
+  float o[OT][4];  // PVT: tile mt * NR + nr = value columns of m-tile mt x query rows 8 nr..
 #pragma unroll
-  for (int n = 0; n < Gm::NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  for (int n = 0; n < OT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
   float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
   float zacc0 = 0.f, zacc1 = 0.f;  // int4 values: sum_j p_j z_j of rows g, g + 8
   int vexp = -126;       // O is in units of 2^vexp (value scales, see the main loop)
@@ -738,9 +826,11 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
 
     // ---- S = Q K^T: n-tile j holds tokens 8 j + n
     float sa[2][4];
+    float sb[2][4];  // QK2: the odd MMAs' chain
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       sa[j][0] = sa[j][1] = sa[j][2] = sa[j][3] = 0.f;
+      sb[j][0] = sb[j][1] = sb[j][2] = sb[j][3] = 0.f;
       const int row = 8 * j + g;
 #pragma unroll
       for (int i = 0; i < Gm::NCK / 4; ++i) {
@@ -753,7 +843,7 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
           for (int ww = 0; ww < 4; ++ww) {
             uint32_t ev, od;
             fp8x4_to_f16x2x2_alu<KK>(word(w, ww), ev, od);
-            mma16816<false>(sa[j], qa[4 * i + ww], ev, od);
+            mma16816<false>(QK2 && (ww & 1) ? sb[j] : sa[j], qa[4 * i + ww], ev, od);
           }
         } else if constexpr (Gm::KI4) {
 #pragma unroll
@@ -768,13 +858,14 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
 #pragma unroll
           for (int ww = 0; ww < 4; ++ww) {
             const uint32_t x = word(w, ww);
-            mma16816<false>(sa[j], qa[4 * i + ww], fp8x2_to_f16x2<KK>(x & 0xffffu),
-                            fp8x2_to_f16x2<KK>(x >> 16));
+            mma16816<false>(QK2 && (ww & 1) ? sb[j] : sa[j], qa[4 * i + ww],
+                            fp8x2_to_f16x2<KK>(x & 0xffffu), fp8x2_to_f16x2<KK>(x >> 16));
           }
         } else {
 #pragma unroll
           for (int ww = 0; ww < 2; ++ww)
-            mma16816<KBF>(sa[j], qa[2 * i + ww], word(w, 2 * ww), word(w, 2 * ww + 1));
+            mma16816<KBF>(QK2 && (ww & 1) ? sb[j] : sa[j], qa[2 * i + ww], word(w, 2 * ww),
+                          word(w, 2 * ww + 1));
         }
       }
       if constexpr (Gm::KI4 && Gm::KEPC == 16) {  // int4, head_dim 64: 8 bytes a thread
@@ -790,6 +881,12 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
       }
     }
 
+    if constexpr (QK2) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) sa[j][c] += sb[j][c];
+    }
     if constexpr (Gm::KI4) {
 #pragma unroll
       for (int j = 0; j < 2; ++j)
@@ -839,7 +936,7 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
       if (e > vexp) {
         const float a = exp2f(static_cast<float>(vexp - e));
 #pragma unroll
-        for (int n = 0; n < Gm::NT; ++n) {
+        for (int n = 0; n < OT; ++n) {
           o[n][0] *= a;
           o[n][1] *= a;
           o[n][2] *= a;
@@ -907,14 +1004,19 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
     // ---- online softmax, rescaled only when a row's max grows by more than 2^8
     float mx0 = fmaxf(fmaxf(x[0][0], x[0][1]), fmaxf(x[1][0], x[1][1]));
     float mx1 = fmaxf(fmaxf(x[0][2], x[0][3]), fmaxf(x[1][2], x[1][3]));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    if constexpr (ROWS == 16) {
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    }
+    auto quad_max = [&]() {  // the rows' maxima over the quad's 16 tokens
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+      if constexpr (ROWS == 16) {
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+      }
+    };
+    // VOTE: a lane's own scores decide (a row passes m + 8 iff one of its scores does)
+    if constexpr (!VOTE) quad_max();
     const bool need = mx0 > m0 + 8.f || (ROWS == 16 && mx1 > m1 + 8.f);
     if (__any_sync(0xffffffffu, need)) {
+      if constexpr (VOTE) quad_max();
       const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
       const float a0 = n0 == NEG_INF ? 1.f : exp2f(m0 - n0);
       const float a1 = n1 == NEG_INF ? 1.f : exp2f(m1 - n1);
@@ -924,12 +1026,28 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
       l1 *= a1;
       zacc0 *= a0;
       zacc1 *= a1;
+      if constexpr (PVT) {
+        // lane (g, t) holds O of rows 2t (c even), 2t + 1 (c odd) (+ 8 in n-tile 1): their
+        // factors are those of lanes 8t (row 2t) and 8t + 4 (row 2t + 1)
+        float f[NR][2];
+        f[0][0] = __shfl_sync(0xffffffffu, a0, 8 * t);
+        f[0][1] = __shfl_sync(0xffffffffu, a0, 8 * t + 4);
+        if constexpr (NR == 2) {
+          f[NR - 1][0] = __shfl_sync(0xffffffffu, a1, 8 * t);
+          f[NR - 1][1] = __shfl_sync(0xffffffffu, a1, 8 * t + 4);
+        }
 #pragma unroll
-      for (int n = 0; n < Gm::NT; ++n) {
-        o[n][0] *= a0;
-        o[n][1] *= a0;
-        o[n][2] *= a1;
-        o[n][3] *= a1;
+        for (int n = 0; n < OT; ++n)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) o[n][c] *= f[n % NR][c & 1];
+      } else {
+#pragma unroll
+        for (int n = 0; n < OT; ++n) {
+          o[n][0] *= a0;
+          o[n][1] *= a0;
+          o[n][2] *= a1;
+          o[n][3] *= a1;
+        }
       }
     }
     const float mu0 = m0 == NEG_INF ? 0.f : m0, mu1 = m1 == NEG_INF ? 0.f : m1;
@@ -1019,6 +1137,24 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
             mma16816<false>(o[nb + 2 * k + 1], pa, int4x2_to_f16x2(ab >> 4),
                             int4x2_to_f16x2(cd >> 4));
           }
+        } else if constexpr (PVT) {
+          // x0 = [a0, b0, a1, b1] (tokens 2t, 2t+1: elements 4w, 4w + 1), x1 elements 4w + 2,
+          // 4w + 3; y alike for tokens 2t+8, 2t+9. M-tile mt = VEPU / 2 * i + 2 w + h: its M
+          // row g is element 4w + 2h of lane group g's unit, row g + 8 element 4w + 2h + 1
+          const uint32_t x0 = __byte_perm(va[w], vb[w], 0x5140);
+          const uint32_t x1 = __byte_perm(va[w], vb[w], 0x7362);
+          const uint32_t y0 = __byte_perm(vc[w], vd[w], 0x5140);
+          const uint32_t y1 = __byte_perm(vc[w], vd[w], 0x7362);
+          const uint32_t a0[4] = {fp8x2_to_f16x2<VK>(x0 & 0xffffu), fp8x2_to_f16x2<VK>(x0 >> 16),
+                                  fp8x2_to_f16x2<VK>(y0 & 0xffffu), fp8x2_to_f16x2<VK>(y0 >> 16)};
+          const uint32_t a1[4] = {fp8x2_to_f16x2<VK>(x1 & 0xffffu), fp8x2_to_f16x2<VK>(x1 >> 16),
+                                  fp8x2_to_f16x2<VK>(y1 & 0xffffu), fp8x2_to_f16x2<VK>(y1 >> 16)};
+          const int mt = Gm::VEPU / 2 * i + 2 * w;
+#pragma unroll
+          for (int nr = 0; nr < NR; ++nr) {  // B: P of rows 8 nr + g, tokens 2t.. | 2t+8..
+            mma16816<false>(o[mt * NR + nr], a0, pa[nr], pa[2 + nr]);
+            mma16816<false>(o[(mt + 1) * NR + nr], a1, pa[nr], pa[2 + nr]);
+          }
         } else if constexpr (Gm::VEB == 1) {
           const uint32_t x0 = __byte_perm(va[w], vb[w], 0x5140);
           const uint32_t x1 = __byte_perm(va[w], vb[w], 0x7362);
@@ -1063,12 +1199,17 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
                           ? exp2f(static_cast<float>(vexp)) : 1.f;  // O's units back to 1
   float* ml = mo + ROWS * DV;
 #pragma unroll
-  for (int nb = 0; nb < Gm::NT; ++nb)
+  for (int nb = 0; nb < OT; ++nb)
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const int r = g + 8 * (c >> 1);
+      int r = g + 8 * (c >> 1);
       const int col = 2 * t + (c & 1);  // column of the n-tile -> value element
-      const int dv = Gm::VEPU * (col + 8 * (nb / Gm::VEPU)) + nb % Gm::VEPU;
+      int dv = Gm::VEPU * (col + 8 * (nb / Gm::VEPU)) + nb % Gm::VEPU;
+      if constexpr (PVT) {  // tile (mt, nr): M row g / g + 8 = element 2 (mt % (VEPU / 2)) / + 1
+        const int mt = nb / NR, nr = nb % NR;
+        r = 8 * nr + col;
+        dv = Gm::VEPU * (g + 8 * (mt / (Gm::VEPU / 2))) + 2 * (mt % (Gm::VEPU / 2)) + (c >> 1);
+      }
       if (r < ROWS) {
         if constexpr (VSM == KVC_SC_TOKZP) {
           mo[r * DV + dv] = o[nb][c] * ounit + (c < 2 ? zacc0 : zacc1);

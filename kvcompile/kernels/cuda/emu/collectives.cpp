@@ -7,7 +7,7 @@
 namespace kvc_emu {
 namespace {
 
-enum Op { OP_SYNCWARP = 1, OP_SHFL, OP_ANY, OP_MMA_F16, OP_MMA_BF16, OP_MMA_E4M3 };
+enum Op { OP_SYNCWARP = 1, OP_SHFL, OP_ANY, OP_MMA_F16, OP_MMA_BF16, OP_MMA_E4M3, OP_SHFL_IDX };
 
 // ---- warp collectives: every lane of the warp must arrive at the same kind of collective
 Warp& arrive(Lane& me, int op, const char* name, uint32_t mask, const void* site, bool aligned) {
@@ -138,6 +138,17 @@ uint32_t shfl_xor(uint32_t mask, uint32_t value, int lane_mask, const void* site
       const int src = l ^ x.arg[l];  // shfl.sync.bfly: a source outside the warp reads itself
       x.res[l][0] = x.val[src >= 0 && src < WARP ? src : l];
     }
+  });
+  return w.res[me.lane][0];
+}
+
+uint32_t shfl_idx(uint32_t mask, uint32_t value, int src_lane, const void* site) {
+  Lane& me = *cur;
+  Warp& w = arrive(me, OP_SHFL_IDX, "__shfl_sync", mask, site, false);
+  w.val[me.lane] = value;
+  w.arg[me.lane] = src_lane;
+  meet(me, w, [](Warp& x) {
+    for (int l = 0; l < WARP; ++l) x.res[l][0] = x.val[x.arg[l] & (WARP - 1)];  // shfl.sync.idx
   });
   return w.res[me.lane][0];
 }

@@ -6,8 +6,9 @@
 // What the kernel sees here:
 //   - threadIdx / blockIdx of the running lane and CTA; `__shared__` memory is one static array
 //     (kvc::smem) that the runtime poisons before each CTA and bounds-checks after it;
-//   - __syncthreads / __syncwarp / __shfl_xor_sync / __any_sync: lanes are independent fibers that
-//     meet there (runtime.cpp), so a missing or mismatched collective deadlocks or is reported;
+//   - __syncthreads / __syncwarp / __shfl_xor_sync / __shfl_sync / __any_sync: lanes are
+//     independent fibers that meet there (runtime.cpp), so a missing or mismatched collective
+//     deadlocks or is reported;
 //   - __half / __nv_bfloat16 with round-to-nearest-even conversions written out bit by bit, and
 //     fp8 (e4m3 / e5m2) decoding, checked bit-exact against torch by the tests;
 //   - the PTX the kernel inlines (mma.sync f16 / bf16 m16n8k16 and e4m3 m16n8k32, cvt f16x2 from
@@ -128,6 +129,7 @@ const Dim3& thread_idx();   // threadIdx of `cur`
 void syncthreads(const void* site);
 void syncwarp(uint32_t mask, const void* site);
 uint32_t shfl_xor(uint32_t mask, uint32_t value, int lane_mask, const void* site);
+uint32_t shfl_idx(uint32_t mask, uint32_t value, int src_lane, const void* site);
 int any(uint32_t mask, int pred, const void* site);
 void mma_at(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, bool bf16,
             const void* site);
@@ -158,6 +160,10 @@ __attribute__((noinline)) inline void __syncwarp(unsigned mask = 0xffffffffu) {
 __attribute__((noinline)) inline float __shfl_xor_sync(unsigned mask, float v, int lane_mask) {
   return kvc_emu::bits_f32(
       kvc_emu::shfl_xor(mask, kvc_emu::f32_bits(v), lane_mask, KVC_EMU_SITE));
+}
+__attribute__((noinline)) inline float __shfl_sync(unsigned mask, float v, int src_lane) {
+  return kvc_emu::bits_f32(
+      kvc_emu::shfl_idx(mask, kvc_emu::f32_bits(v), src_lane, KVC_EMU_SITE));
 }
 __attribute__((noinline)) inline int __any_sync(unsigned mask, int pred) {
   return kvc_emu::any(mask, pred, KVC_EMU_SITE);
