@@ -8,7 +8,9 @@ Triton kernel side by side, medians of CUDA-graph replays; results in DIR/gpu_de
 Its correctness and long-context accuracy checks (formerly --check / --accuracy) are
 tests/gpu/test_decode_sm90_gpu.py.
 
---variants: the CUDA kernel variants timed, comma-separated: base (the default kernel), qk8 (the
+--variants: the CUDA kernel variants timed, comma-separated: base (the default launch, rows
+"cuda" or, where decode_sm90.default_variant is not base, "cuda[pvt4h]" beside a "cuda base"
+row of the base kernel by name), qk8 (the
 opt-in qk_fp8 variant: q.k on e4m3 tensor cores; e4m3-key formats only, rows labelled
 "cuda qk8"), and the issue-14 compile-time variants decode_sm90.VARIANTS (nocap, aluk, aluv,
 alu; rows labelled "cuda <name>"; launched through launch_decode_sm90(variant=...), the same
@@ -60,6 +62,7 @@ def warm_builds(qk8: bool = False, variants=()) -> float:
     keys.add((0, 3, 1, 0, 128, 128, 8, 1))  # K fp8 / V bf16
     for d, rows, qt in itertools.product((64, 128), (8, 16), (torch.float32, torch.bfloat16)):
         keys.add((*_kinds("int4", "channel"), d, d, rows, fast._QT[qt]))
+    keys = fast.with_default_variants(keys)
     with ThreadPoolExecutor(16) as ex:
         list(ex.map(lambda k: fast._kernel(*k), sorted(keys)))
     return time.perf_counter() - t0
@@ -152,7 +155,11 @@ def bench(gen, waves_list, variants=("base",), formats=None, shapes=None,
             runs = [("triton", False)] if triton and tri_ok else []
             runs += [("cuda", False)] if "base" in variants else []
             runs += [("cuda", True)] if "qk8" in variants and kf == "fp8_e4m3" else []
-            runs += [("cuda", v) for v in variants if v in fast.VARIANTS and v != "base"]
+            # "base" also times the base kernel by name where the default launch runs another
+            # variant (decode_sm90.default_variant: pvt4h for fp8 page / tensor scales)
+            dflt = fast.default_variant(*_kinds(kf, kg))
+            runs += [("cuda", v) for v in variants if v in fast.VARIANTS and v != dflt
+                     and (v != "base" or dflt != "base")]
             for backend, qk8 in runs:
                 ws = [None] if backend == "triton" else [None] + waves_list
                 if isinstance(qk8, str):  # an issue-14 variant: its own split choice only
@@ -175,7 +182,8 @@ def bench(gen, waves_list, variants=("base",), formats=None, shapes=None,
                     label = ("" if backend == "triton" else
                              f" auto splits={splits}" if w is None else
                              f" waves={w} splits={splits}")
-                    tag = f"{backend} qk8" if qk8 else backend
+                    tag = f"{backend} qk8" if qk8 else backend if backend == "triton" else (
+                        f"cuda[{dflt}]" if dflt != "base" else "cuda")
                     rows.append({"shape": name, "row": f"{fname} {tag}{label}",
                                  "ms": t, "x": t / t_sdpa, "TB/s": stored / t / 1e9})
             del kc, vc

@@ -16,7 +16,8 @@ score scale), mma.sync m16n8k32 e4m3 on the key codes as stored. It adds q's e4m
 scores (quantize_q_e4m3 is the same quantization in PyTorch, for references). Why CUDA C++ and not Triton or
 Gluon: docs/architecture.md, "Decode kernels".
 
-variant= (issue 14, opt-in; default "base", the kernel as it was) picks a compile-time variant
+variant= (issue 14; default: `default_variant`, "pvt4h" for fp8 pages with page / tensor scales,
+"base", the kernel as it was, elsewhere) picks a compile-time variant
 of the same kernel (VARIANTS; paged_decode.cuh KVC_VAR): "nocap" decides softcapping at compile
 time (the base kernel computes tanh on every score even without a softcap), "aluk" / "aluv" /
 "alu" also widen fp8 keys / values / both to f16 by integer ops instead of F2FP conversions
@@ -76,6 +77,35 @@ VARIANTS = {"base": 0, "nocap": VAR_CAP_STATIC, "aluk": VAR_CAP_STATIC | VAR_ALU
             # 5 CTAs a SM where rows are short (key + value rows <= 128 bytes: fp8 D 64)
             "pvt5h": _CHAIN | VAR_PVT | VAR_CTA4 | VAR_CTA5 | VAR_HOIST,
             "cta4": VAR_CAP_STATIC | VAR_CTA4}
+
+
+# The variant a launch without variant= runs: "pvt4h" for fp8 keys and values with page or
+# tensor scales, where the H200 measured it faster than "base" at every shape of the bench
+# (benchmarks/RESULTS.md, "Eleventh session's device calls": e4m3 page scales, x SDPA over bf16,
+# B64 L8k 0.690 -> 0.610, B16 L32k 0.651 -> 0.641, B1 L128k 0.721 -> 0.712, D64 B64 L8k
+# 0.780 -> 0.703); "base" elsewhere (token scales: pvt4h spills 8 B at head_dim 128; bf16 /
+# int4 pages: its bits mostly drop out, and nothing was timed).
+DEFAULT_FP8_VARIANT = "pvt4h"
+
+
+def default_variant(kk: int, vk: int, ksm: int, vsm: int, qk_fp8: bool = False) -> str:
+    """The variant name a launch without variant= runs for these element kinds / scales."""
+    page_or_tensor = (_SCALE["page"], _SCALE["tensor"])
+    if not qk_fp8 and kk < 2 and vk < 2 and ksm in page_or_tensor and vsm in page_or_tensor:
+        return DEFAULT_FP8_VARIANT
+    return "base"
+
+
+def with_default_variants(keys) -> set:
+    """`keys` (_kernel argument tuples without a variant) plus the key of the default
+    variant of each, softcap off: what a launch without variant= builds (for prebuilding)."""
+    out = set(keys)
+    for k in keys:
+        q8 = k[8] if len(k) > 8 else 0
+        if len(k) <= 9 and default_variant(*k[:4], bool(q8)) != "base":
+            out.add((*k[:8], q8, variant_bits(default_variant(*k[:4]), k[0], k[1], 0.0,
+                                              int(q8), k[6])))
+    return out
 
 
 class DecodeParams(ctypes.Structure):  # paged_decode.cuh DecodeParams, field for field
@@ -321,13 +351,13 @@ def launch_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
                        k_fmt: str, k_gran: str, v_fmt: str, v_gran: str, scale: float,
                        sliding_window: int, sinks: int, softcap: float, num_splits: int,
                        sm_count: int, combine, *, qk_fp8: bool = False, kz=None,
-                       vz=None, variant: str = "base") -> torch.Tensor:
+                       vz=None, variant: str | None = None) -> torch.Tensor:
     """q [B, Hq, Sq, D]; kd / vd [N, Hkv, P, D(v)] pages; ks / vs their fp32 scales (or None;
     int4: fp16 scales, keys [N, Hkv, D], values [N, Hkv, P], and kz / vz their zero points);
     block_tables [B, W] int32; seq_lens [B] int32; key_mask [B, Lm] bool or None; out
     [B, Hq, Sq, DV] or None. `combine(acc, plse, out, lse, num_splits, dv)` merges splits.
     qk_fp8: the opt-in variant with q.k on e4m3 tensor cores (fp8_e4m3 keys only).
-    variant: an issue-14 compile-time variant (VARIANTS; "base" = the default kernel)."""
+    variant: an issue-14 compile-time variant (VARIANTS; None: default_variant's)."""
     lp = plan_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out, k_fmt,
                           k_gran, v_fmt, v_gran, scale, sliding_window, sinks, softcap,
                           num_splits, sm_count, qk_fp8=qk_fp8, kz=kz, vz=vz,
@@ -343,7 +373,7 @@ def plan_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
                      k_fmt: str, k_gran: str, v_fmt: str, v_gran: str, scale: float,
                      sliding_window: int, sinks: int, softcap: float, num_splits: int,
                      sm_count: int, *, qk_fp8: bool = False, kz=None, vz=None,
-                     variant: str = "base") -> Launch:
+                     variant: str | None = None) -> Launch:
     """launch_decode_sm90's arguments -> the launch: variant, grid, DecodeParams, buffers."""
     if qk_fp8 and k_fmt != "fp8_e4m3":
         raise UnsupportedShapeError(
@@ -362,6 +392,8 @@ def plan_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
     _check_int4("keys", kk, k_gran, INT4_KEY_GRAN, kd, ks, kz, (N, Hkv, D))
     _check_int4("values", vk, v_gran, INT4_VALUE_GRAN, vd, vs, vz, (N, Hkv, P))
     key = (kk, vk, ksm, vsm, D, dv, 8 if rows <= 8 else 16, _QT[q.dtype], int(qk_fp8))
+    if variant is None:
+        variant = default_variant(kk, vk, ksm, vsm, qk_fp8)
     var = variant_bits(variant, kk, vk, softcap, int(qk_fp8), key[6])
     if var:
         key = (*key, var)

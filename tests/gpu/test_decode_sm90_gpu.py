@@ -132,6 +132,7 @@ def built_variants():
     for k in list(keys):  # the qk_fp8 variant of each e4m3-key variant
         if k[0] == 0:
             keys.add((*k, 1))
+    keys = fast.with_default_variants(keys)   # what launches without variant= run
     with ThreadPoolExecutor(16) as ex:
         list(ex.map(lambda k: fast._kernel(*k), sorted(keys)))
 

@@ -82,3 +82,32 @@ def test_plan_with_automatic_splits(variant):
                                variant=variant)
     ctas = fast.kernel_constants(*lp.key)[1]
     assert lp.num_splits == choose_splits(B, Hkv, bt.shape[1] * P, H200_SMS, ctas_per_sm=ctas)
+
+
+@pytest.mark.parametrize("fmt,gran,want", [
+    ("fp8_e4m3", "page", "pvt4h"), ("fp8_e4m3", "tensor", "pvt4h"), ("fp8_e5m2", "page", "pvt4h"),
+    ("fp8_e4m3", "token", "base"), ("bf16", "page", "base")])
+def test_launch_without_a_variant_runs_the_default_variant(fmt, gran, want):
+    """variant=None (what the run time passes): pvt4h for fp8 pages with page / tensor scales
+    (measured faster on the H200), base elsewhere; qk_fp8 keeps base. The plan's kernel key
+    carries exactly the named variant's bits."""
+    import torch
+
+    from kvcompile.kernels import decode_sm90 as fast
+
+    B, Hq, Hkv, D, P, pages = 2, 8, 2, 128, 16, 8
+    q = torch.randn(B, Hq, 1, D, dtype=torch.bfloat16)
+    dt = torch.uint8 if fmt.startswith("fp8") else torch.bfloat16
+    kd = torch.zeros(pages, Hkv, P, D, dtype=dt)
+    sc = (torch.ones(pages, Hkv) if gran == "page" else torch.ones(1) if gran == "tensor"
+          else torch.ones(pages, Hkv, P)) if fmt.startswith("fp8") else None
+    bt = torch.arange(pages, dtype=torch.int32).view(B, -1)
+    sl = torch.full((B,), (pages // B) * P, dtype=torch.int32)
+    args = (q, kd, sc, kd, sc, bt, sl, None, None, fmt, gran, fmt, gran, D ** -0.5, 0, 0, 0.0,
+            1, H200_SMS)
+    got = fast.plan_decode_sm90(*args).key
+    named = fast.plan_decode_sm90(*args, variant=want).key
+    assert got == named
+    assert (got != fast.plan_decode_sm90(*args, variant="base").key) == (want != "base")
+    if fmt == "fp8_e4m3" and gran == "page":
+        assert fast.plan_decode_sm90(*args, qk_fp8=True).key[-1] == 1   # q8, no variant bits
