@@ -586,10 +586,8 @@ def test_prompt_chunk_cut_inside_a_page_waits(kv):
                                 page_size=16, **cfg))
     rng = random.Random(5)   # the random-arrivals test's request 7 (SnapKV, 33 tokens)
     shared = random_prompts(rng, 1, 17, 17)[0]
-    tails = random_prompts(rng, 8, 4, 30)
-    news = [rng.randrange(15, 30) for _ in tails]
-    prompt = shared + tails[7]
-    params = SamplingParams(temperature=0, max_tokens=news[7], ignore_eos=True,
+    prompt = shared + random_prompts(rng, 8, 4, 30)[7]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,   # (parted at 2)
                             eviction=SnapKV(budget=12, window=4))
     first = random_prompts(random.Random(9), 1, 18, 18)[0]
     alone = Engine(m, max_num_batched_tokens=128, enable_prefix_caching=False)
