@@ -58,6 +58,14 @@ ROWS = {
     # TOVA-like: the last query's attention, summed over the heads of a layer, no pooling
     "TOVA-like": lambda b, g: SnapKV(budget=b, window=1, kernel=1, per_head=False),
     "SnapKV-w1k5-shared": lambda b, g: SnapKV(budget=b, window=1, kernel=5, per_head=False),
+    # issue 19's 4-bit row: observation window and pooling around the default (w8 k5 shared)
+    "SnapKV-w16-shared": lambda b, g: SnapKV(budget=b, window=16, kernel=5, per_head=False),
+    "SnapKV-w4-shared": lambda b, g: SnapKV(budget=b, window=4, kernel=5, per_head=False),
+    "SnapKV-w8k3-shared": lambda b, g: SnapKV(budget=b, window=8, kernel=3, per_head=False),
+    "SnapKV-w8k9-shared": lambda b, g: SnapKV(budget=b, window=8, kernel=9, per_head=False),
+    "SnapKV-w8k1-shared": lambda b, g: SnapKV(budget=b, window=8, kernel=1, per_head=False),
+    # one choice per kv head (the same budget in every head: the pages of the shared row)
+    "SnapKV-w8-head": lambda b, g: SnapKV(budget=b, window=8, kernel=5, per_head=True),
 }
 DEFAULT_ROWS = ("SinkWindow", "H2O", "SnapKV", "SnapKV-shared")
 PAGE_ROWS = ("SinkWindow", "H2O")  # the policies with a page granularity

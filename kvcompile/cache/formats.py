@@ -105,6 +105,17 @@ class KVFormat:
         return self.spec.quantized
 
     @property
+    def shares_page(self) -> bool:
+        """Whether a token's stored value depends on the other tokens written with it in its
+        page: page- or channel-granular scales (set from the tokens of a write, widened by later
+        ones), a bf16 residual (a page waits in bf16 until a write fills it), or a registered
+        codec (pages encoded whole). Then a prompt chunk that ends inside a page stores and
+        attends other values than the same prompt in one piece (the engine's scheduler ends
+        partial chunks on page boundaries for such formats)."""
+        return self.is_quantized and (self.residual or self.spec.encode is not None
+                                      or self.granularity in ("page", "channel"))
+
+    @property
     def is_int(self) -> bool:
         return self.spec.family == "int"
 

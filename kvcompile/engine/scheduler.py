@@ -6,7 +6,11 @@ Each step has a token budget (`max_num_batched_tokens`), spent in this order:
   3. swapped-out requests, brought back while pages allow;
   4. waiting requests, first come first served, while pages and the budget allow.
 So a long prompt is cut into chunks that share steps with the decodes and never stalls them.
-A partial chunk ends on a page boundary where it can, so pages are written in one piece.
+A partial chunk ends on a page boundary where it can, so pages are written in one piece. Where
+it cannot (the budget left is under a page) and a token's stored value depends on its page's
+other tokens (KVFormat.shares_page: page / channel scales, a bf16 residual), the chunk waits
+for a later step: a prompt stores and attends the same values however its neighbours cut the
+budget, as it does alone (unless the whole budget is under a page, said once).
 
 Pages are reserved here (PagePool.reserve, atomic). When the pool is full, the prefix cache
 gives back pages only it holds (least recently used first); when that is not enough, the most
@@ -16,6 +20,7 @@ recently admitted running request is preempted: its pages are freed and it is re
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -24,6 +29,8 @@ import torch
 from kvcompile.engine.prefix_cache import PrefixCache, page_hashes
 from kvcompile.engine.request import Request, Status
 from kvcompile.errors import KVCacheFullError
+
+log = logging.getLogger("kvcompile")
 
 
 @dataclass
@@ -62,6 +69,9 @@ class Scheduler:
         # pages with a bf16 residual tail (int formats, KVConfig.residual) are recomputed
         self.pool_swappable = not any(getattr(t, "res_slot", None) is not None
                                       for t in pool.k + pool.v)
+        # partial chunks end on page boundaries or wait (`_chunk`)
+        self.whole_pages = any(t.fmt.shares_page for t in pool.k + pool.v)
+        self._said_small = False
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
@@ -105,6 +115,8 @@ class Scheduler:
                 if (req.to_compute == 1) != decode_pass:
                     continue
                 n = self._chunk(req, budget)
+                if n == 0:   # a chunk that would end inside a page waits for a later step
+                    continue
                 slots = self._reserve(req, n)
                 while slots is None:
                     victim = self._victim(done, req)
@@ -133,7 +145,8 @@ class Scheduler:
             if fresh:
                 self._start(req)
             n = self._chunk(req, budget)
-            slots = self._reserve(req, n, keep=self.watermark if self.running else 0)
+            slots = self._reserve(req, n, keep=self.watermark if self.running else 0) if n \
+                else None   # n == 0: a chunk that would end inside a page waits (`_chunk`)
             if slots is None:
                 if fresh:
                     self.pool.free([req.seq_id])
@@ -171,15 +184,29 @@ class Scheduler:
 
     # -- helpers --------------------------------------------------------------------------------
     def _chunk(self, req: Request, budget: int) -> int:
-        n = min(req.to_compute, budget)
+        """Tokens of `req` to compute in this step (0: none, it waits for a later step)."""
+        want = req.to_compute
         if req.evicts:  # evicting: the prompt attends in full, then one token per forward
             prompt = len(req.prompt_ids)
-            n = min(n, prompt - req.num_computed) if req.num_computed < prompt else 1
+            want = prompt - req.num_computed if req.num_computed < prompt else 1
+        n = min(want, budget)
         if n < req.to_compute:  # partial chunk: end on a page boundary if that leaves any
             P = self.pool.page_size
             end = (req.num_computed + n) // P * P
             if end > req.num_computed:
                 n = end - req.num_computed
+            elif n < want and self.whole_pages:
+                # the budget cuts this chunk inside a page: its page's tokens would be stored
+                # (scales, residual) and attended otherwise than in one piece
+                if self.max_tokens >= P - req.num_computed % P:
+                    return 0
+                if not self._said_small:
+                    self._said_small = True
+                    log.warning("kvcompile engine: max_num_batched_tokens=%d is under a page "
+                                "(%d tokens): prompt chunks end inside pages, so a request's "
+                                "tokens depend on how the step budget is cut (pages of shared "
+                                "scales / residual); raise it to at least %d", self.max_tokens,
+                                P, P)
         return n
 
     def _start(self, req: Request) -> None:

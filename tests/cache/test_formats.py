@@ -557,3 +557,39 @@ def test_cuda_matches_cpu_bit_exact(name, gran):
     s = fp4_scale(x, -1)
     for a, b in zip(fp4_encode(x, s), fp4_encode(x.cuda(), s.cuda())):
         assert torch.equal(_bytes(a), _bytes(b.cpu()))
+
+
+def test_shares_page_says_whether_a_split_write_stores_other_values():
+    """KVFormat.shares_page (the engine ends partial prompt chunks on page boundaries for such
+    formats) against what a page stores: 16 fresh random tokens written in one piece, and in two
+    pieces cut at offset 5, the second of larger values (read back after each piece's write, as a chunk's attention reads
+    them). A format that does not share its page stores the same values bit for bit; one that
+    shares it stores other values (negative case: the property is not True for all)."""
+    g = torch.Generator().manual_seed(19)
+    kinds = [KVFormat(n) for n in ("bf16", "fp16", "fp32")]
+    for name in ("fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "int4", "int3", "int2"):
+        for gran in ("page", "token", "tensor", "channel"):
+            if name.startswith("int") and gran == "tensor":
+                continue
+            static = 0.05 if gran == "tensor" else None
+            kinds.append(KVFormat(name, gran, static_scale=static))
+            if gran == "token":
+                kinds.append(KVFormat(name, gran, residual=True))
+    seen = set()
+    for fmt in kinds:
+        x = torch.randn(16, 2, 32, generator=g) * (1 + 3 * torch.rand(1, 2, 32, generator=g))
+        x[5:] *= 3   # the second piece widens every shared scale
+        one = PagedTensor(fmt, 2, 2, 16, 32)
+        one.write(torch.arange(16), x)
+        two = PagedTensor(fmt, 2, 2, 16, 32)
+        two.write(torch.arange(5), x[:5])
+        first = two.read(torch.tensor([0]))[:, :, :5]   # what the first piece's queries read
+        two.write(torch.arange(5, 16), x[5:])
+        page = one.read(torch.tensor([0]))
+        same = (torch.equal(page, two.read(torch.tensor([0])))
+                and torch.equal(page[:, :, :5], first))
+        assert same != fmt.shares_page, (fmt, same)
+        seen.add(fmt.shares_page)
+    assert seen == {True, False}
+    assert KVFormat("int4", "channel", residual=True).shares_page
+    assert not KVFormat("int4", "token").shares_page and not KVFormat("bf16").shares_page

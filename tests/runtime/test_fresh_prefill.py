@@ -130,8 +130,10 @@ def test_engine_step_of_fresh_prompts_attends_to_their_own_kv():
 def test_engine_prompt_chunks_over_a_cached_prefix_take_the_paged_path():
     """Negative: with a budget of 8 tokens the prompts are cut into chunks; a chunk after the
     first has a cached prefix, and the step that holds it reads the pages. Only the steps
-    whose every row starts at 0 attend fresh (the first one here)."""
+    whose every row starts at 0 attend fresh: three here, one per prompt (a chunk that the
+    budget left would cut inside an fp8 page waits, engine/scheduler.py `_chunk`, so each
+    prompt's first chunk is a step of its own); the later chunks read the pages."""
     _, _, st = _engine_first_tokens("fp8_e4m3", "fresh", 8)
-    assert st.get("prefill_fresh_sdpa", 0) == 2
+    assert st.get("prefill_fresh_sdpa", 0) == 2 * 3   # both layers
     _, _, st = _engine_first_tokens("fp8_e4m3", "stored", 512)
     assert st.get("prefill_fresh_sdpa", 0) == 0
