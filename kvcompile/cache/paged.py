@@ -478,11 +478,11 @@ class PagedTensor:
             if not np.maximum.reduce(np.abs(y), None) <= facts[0][6]:   # (NaN: not kept)
                 if not decide:
                     return False
-                return PagedTensor._write_tokens_decided(tensors, p, o, xs, facts)
+                return PagedTensor._write_tokens_decided(tensors, p, o, xs, facts, scratch)
         elif not decide:
             return False
         else:
-            return PagedTensor._write_tokens_decided(tensors, p, o, xs, None)
+            return PagedTensor._write_tokens_decided(tensors, p, o, xs, None, scratch)
         c8.copy_(yt)
         last = o + 1 == first.page_size
         for t, f, c in zip(tensors, facts, cn):
@@ -494,12 +494,14 @@ class PagedTensor:
         return True
 
     @staticmethod
-    def _write_tokens_decided(tensors, p: int, o: int, xs, facts) -> bool:
+    def _write_tokens_decided(tensors, p: int, o: int, xs, facts, scratch: dict) -> bool:
         """`write_tokens_fp8`'s full decision (facts: the tensors' kept facts at o > 0, whose
         scales are the page's and whose heads all hold a value; None at o == 0). The k * H
         amaxes, covers and quotients by numpy over all heads at once; the few grown scales
         (`_grown_scale`) in Python; the token's quotients and the grown heads' re-encoded
-        earlier codes in one fp32 buffer, clamped and cast to fp8 by one torch op."""
+        earlier codes in one fp32 buffer of `scratch` (the caller's, per step; made by the
+        first call at the largest size, a page of every head), clamped and cast to fp8 by one
+        torch op into its fp8 twin."""
         first = tensors[0]
         k, H, Ds, P = len(tensors), first.num_heads, first.data.shape[-1], first.page_size
         divisor, fmax = first._fp8_numbers()[:2]
@@ -525,7 +527,14 @@ class PagedTensor:
             grown = ()
             keep = o + 1 < P and bool((live & (cover >= MIN_SCALE)).all())
         n_tok, n_old = kH * Ds, o * Ds
-        flat = np.empty(n_tok + len(grown) * n_old, np.float32)
+        m = n_tok + len(grown) * n_old
+        key = ("fp8_decided", kH, Ds, P, first.fmt.storage_dtype)
+        bufs = scratch.get(key)
+        if bufs is None:
+            f32 = np.empty(kH * P * Ds, np.float32)
+            c8 = torch.empty(f32.shape, dtype=first.fmt.storage_dtype)
+            bufs = scratch[key] = (f32, torch.from_numpy(f32), c8, c8.view(torch.uint8).numpy())
+        flat = bufs[0][:m]
         np.divide(x, s_new[:, None], out=flat[:n_tok].reshape(kH, Ds))
         rows = [t.host_rows("codes")[p * H:(p + 1) * H] for t in tensors]     # [H, P*Ds]
         if grown:   # the grown heads' first o codes: decoded under s_old, encoded under s_new
@@ -537,7 +546,8 @@ class PagedTensor:
             v /= s_new[grown][:, None]
         np.minimum(flat, fmax, out=flat)
         np.maximum(flat, -fmax, out=flat)
-        codes = torch.from_numpy(flat).to(first.fmt.storage_dtype).view(torch.uint8).numpy()
+        bufs[2][:m].copy_(bufs[1][:m])
+        codes = bufs[3]
         at = n_tok
         for j in grown:
             rows[j // H][j % H, :n_old] = codes[at:at + n_old]
