@@ -455,8 +455,10 @@ def _fp8_rows_host(parts, rows: torch.Tensor | np.ndarray, b: int, n: int, total
     if run:
         # the row's pages are start .. start + n - 1: their page-heads are one block of the
         # pool, read in place (no gathered copy of the codes); heads-first by the strides
+        scales = []
         for i, t in enumerate(parts):
             blk, codes_hf, scale_hf = _run_views(t, start, n, H)
+            scales.append(scale_hf)
             # a NaN code (s 1111 111) anywhere in the block, the rest of the last page
             # included: looked at exactly below (`|` and not `or`: every part's screen is
             # taken and kept, whatever an earlier part's)
@@ -485,15 +487,15 @@ def _fp8_rows_host(parts, rows: torch.Tensor | np.ndarray, b: int, n: int, total
     x.copy_(h16)                                       # fp16 -> fp32, exact
     if gran == "tensor":
         s[:] = [float(t.scale.reshape(())) for t in parts]
-    elif run:   # the block's scales heads-first, times the factor in the same pass
-        f32 = np.float32(factor)
-        for i, t in enumerate(parts):
-            np.multiply(_run_views(t, start, n, H)[2], f32, out=s[i].reshape(H, n, -1))
-        if factor == 1.0 or np.maximum.reduce(s, None) < math.inf:
-            return x, sc
-        for i, t in enumerate(parts):   # (a product left fp32: the factor goes into x)
-            np.copyto(s[i].reshape(H, n, -1), _run_views(t, start, n, H)[2])
-        x.mul_(factor)
+    elif run:   # the block's scales heads-first, times the factor in the same pass, unless
+        # a product would leave fp32: then the factor goes into x (exact there)
+        into_x = factor != 1.0 and not all(   # (a NaN scale: into x, as below)
+            float(np.maximum.reduce(v, None)) * factor <= _FP32_MAX for v in scales)
+        f32 = np.float32(1.0 if into_x else factor)
+        for i, scale_hf in enumerate(scales):
+            np.multiply(scale_hf, f32, out=s[i].reshape(H, n, -1))
+        if into_x:
+            x.mul_(factor)
         return x, sc
     else:
         for i, t in enumerate(parts):

@@ -330,7 +330,8 @@ def test_rows_widened_in_place_equal_gathered(name):
     """`_fp8_rows_host` with `start` (a row whose pages are one run: the codes widened in place,
     the NaN screen over the whole block) gives the gathered route's values bit for bit: no NaN,
     NaN codes (both signs) only in the unwritten rest of the last page (not in the result),
-    and a written NaN code (the negative case: NaN in the result, exactly there)."""
+    a page scale whose product with E4M3's 2^8 leaves fp32, and a written NaN code (the
+    negative case: NaN in the result, exactly there)."""
     from kvcompile.kernels.dense import _fp8_rows_host, _page_rows
 
     fmt = KVFormat(name, "page")
@@ -352,6 +353,10 @@ def test_rows_widened_in_place_equal_gathered(name):
         return got
 
     assert not bool(both().isnan().any())
+    kept = kt.scale[start + 1, 0].clone()
+    kt.scale[start + 1, 0] = 2.0 ** 120   # E4M3: scale * 2^8 leaves fp32 (the factor into x)
+    assert bool(both().isfinite().any())
+    kt.scale[start + 1, 0] = kept
     last = start + n - 1
     kt.data[last, 0, P - 1].view(torch.uint8)[3] = 0xFF    # the unwritten rest: not read
     vt.data[last, 2, P - 2].view(torch.uint8)[0] = 0x7F
