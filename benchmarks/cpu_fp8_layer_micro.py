@@ -88,6 +88,8 @@ def _calls(kv: str, tokens: int, toks: torch.Tensor, g: torch.Generator):
     vn = [toks[o, 1].numpy() for o in range(P)]
     both = getattr(PagedTensor, "write_tokens_fp8", None)   # (every offset)
     pair = both or getattr(PagedTensor, "write_tokens_kept", None)
+    if not kv.startswith("fp8"):   # (unquantized pages: write_token, as the step does)
+        both = pair = None
     scratch: dict = {}
 
     def step16():

@@ -478,11 +478,11 @@ class PagedTensor:
             if not np.maximum.reduce(np.abs(y), None) <= facts[0][6]:   # (NaN: not kept)
                 if not decide:
                     return False
-                return PagedTensor._write_tokens_decided(tensors, p, o, xs, facts)
+                return PagedTensor._write_tokens_decided(tensors, p, o, xs, facts, scratch)
         elif not decide:
             return False
         else:
-            return PagedTensor._write_tokens_decided(tensors, p, o, xs, None)
+            return PagedTensor._write_tokens_decided(tensors, p, o, xs, None, scratch)
         c8.copy_(yt)
         last = o + 1 == first.page_size
         for t, f, c in zip(tensors, facts, cn):
@@ -494,63 +494,75 @@ class PagedTensor:
         return True
 
     @staticmethod
-    def _write_tokens_decided(tensors, p: int, o: int, xs, facts) -> bool:
+    def _write_tokens_decided(tensors, p: int, o: int, xs, facts, scratch: dict) -> bool:
         """`write_tokens_fp8`'s full decision (facts: the tensors' kept facts at o > 0, whose
         scales are the page's and whose heads all hold a value; None at o == 0). The k * H
-        scale decisions in Python lists, as `_write_one_fp8` takes them (a numpy call costs
-        more than these few floats' arithmetic); the token and code arrays by numpy."""
+        amaxes, covers and quotients by numpy over all heads at once; the few grown scales
+        (`_grown_scale`) in Python; the token's quotients and the grown heads' re-encoded
+        earlier codes in one fp32 buffer of `scratch` (the caller's, per step; made by the
+        first call at the largest size, a page of every head), clamped and cast to fp8 by one
+        torch op into its fp8 twin."""
         first = tensors[0]
         k, H, Ds, P = len(tensors), first.num_heads, first.data.shape[-1], first.page_size
         divisor, fmax = first._fp8_numbers()[:2]
-        x = np.stack(xs)                                                       # [k, H, Ds]
-        a = np.maximum.reduce(np.abs(x), axis=2).reshape(-1).tolist()          # [k * H] amax
-        if not all(v < math.inf for v in a):   # a NaN / Inf: the general path
+        kH = k * H
+        x = np.concatenate(xs)                                                 # [k*H, Ds]
+        a = np.maximum.reduce(np.abs(x), axis=1)                               # [k*H] amax
+        if not np.maximum.reduce(a) < math.inf:   # a NaN / Inf: the general path
             return False
-        cover = _as_fp32([v / divisor for v in a])             # amax / divisor, in fp32
+        # amax / divisor in fp32: the double quotient rounded to fp32 (as _as_fp32)
+        cover = np.divide(a, divisor, dtype=np.float64).astype(np.float32)
         if o:
-            s_old = [v for f in facts for v in f[5].reshape(-1).tolist()]
-            grown = [j for j, (c, s) in enumerate(zip(cover, s_old)) if c > s]
-            s_new = list(s_old)
+            s_old = np.concatenate([f[5] for f in facts]).reshape(kH)
+            grown = np.flatnonzero(cover > s_old).tolist()
+            s_new = s_old.copy()
             for j in grown:
-                s_new[j] = _grown_scale(s_old[j], cover[j])
-            if grown and not all(s_new[j] < math.inf for j in grown):
-                return False
+                s_new[j] = g = _grown_scale(float(s_old[j]), float(cover[j]))
+                if g == math.inf:
+                    return False
             keep = o + 1 < P
         else:   # fresh scales, as _write_one_fp8's
-            s_new = [max(c, MIN_SCALE) if v > 0 else 1.0 for v, c in zip(a, cover)]
+            live = a > 0
+            s_new = np.where(live, np.maximum(cover, np.float32(MIN_SCALE)), np.float32(1.0))
             grown = ()
-            keep = o + 1 < P and all(v > 0 and c >= MIN_SCALE for v, c in zip(a, cover))
-        sn = np.array(s_new, np.float32).reshape(k, H, 1)
-        y = x / sn
-        np.clip(y, -fmax, fmax, out=y)
-        parts, earlier = [y.reshape(-1)], []
-        for i, t in enumerate(tensors):   # the grown heads' first o codes: decoded under
-            heads = [j - i * H for j in grown if i * H <= j < (i + 1) * H]   # s_old, encoded
-            if heads:                                                          # under s_new
-                e = t.host_rows("codes")[p * H:(p + 1) * H, :o * Ds]            # [H, o*Ds]
-                v = np.take(_fp8_values(first.fmt.storage_dtype), e[heads])     # [G, o*Ds]
-                v *= np.array([s_old[i * H + h] for h in heads], np.float32)[:, None]
-                v /= sn[i, heads]
-                np.clip(v, -fmax, fmax, out=v)
-                parts.append(v.reshape(-1))
-                earlier.append((e, heads, v.shape))
-        flat = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        codes = torch.from_numpy(flat).to(first.fmt.storage_dtype).view(torch.uint8).numpy()
-        at = y.size
-        for e, heads, shape in earlier:
-            e[heads] = codes[at:at + shape[0] * shape[1]].reshape(shape)
-            at += shape[0] * shape[1]
+            keep = o + 1 < P and bool((live & (cover >= MIN_SCALE)).all())
+        n_tok, n_old = kH * Ds, o * Ds
+        m = n_tok + len(grown) * n_old
+        key = ("fp8_decided", kH, Ds, P, first.fmt.storage_dtype)
+        bufs = scratch.get(key)
+        if bufs is None:
+            f32 = np.empty(kH * P * Ds, np.float32)
+            c8 = torch.empty(f32.shape, dtype=first.fmt.storage_dtype)
+            bufs = scratch[key] = (f32, torch.from_numpy(f32), c8, c8.view(torch.uint8).numpy())
+        flat = bufs[0][:m]
+        np.divide(x, s_new[:, None], out=flat[:n_tok].reshape(kH, Ds))
+        rows = [t.host_rows("codes")[p * H:(p + 1) * H] for t in tensors]     # [H, P*Ds]
+        if grown:   # the grown heads' first o codes: decoded under s_old, encoded under s_new
+            table = _fp8_values(first.fmt.storage_dtype)
+            v = flat[n_tok:].reshape(len(grown), n_old)
+            for g, j in enumerate(grown):
+                np.take(table, rows[j // H][j % H, :n_old], out=v[g])
+            v *= s_old[grown][:, None]
+            v /= s_new[grown][:, None]
+        np.minimum(flat, fmax, out=flat)
+        np.maximum(flat, -fmax, out=flat)
+        bufs[2][:m].copy_(bufs[1][:m])
+        codes = bufs[3]
+        at = n_tok
+        for j in grown:
+            rows[j // H][j % H, :n_old] = codes[at:at + n_old]
+            at += n_old
+        sn = s_new.reshape(k, H, 1)
         for i, t in enumerate(tensors):
-            t.host_rows("codes")[p * H:(p + 1) * H, o * Ds:(o + 1) * Ds] = (
-                codes[i * H * Ds:(i + 1) * H * Ds].reshape(H, Ds))
-            t._host_view("scale")[p] = sn[i, :, 0]
+            rows[i][:, o * Ds:(o + 1) * Ds] = codes[i * H * Ds:(i + 1) * H * Ds].reshape(H, Ds)
+            t._host_view("scale")[p] = s_new[i * H:(i + 1) * H]
             views = t.__dict__["_views"]
             if not keep:
                 views.pop("fp8_fact", None)
             elif o:   # (the placement by numpy bumps no version: the fact stays as of them)
-                views["fp8_fact"] = (p, o + 1, *facts[i][2:5], sn[i].copy(), *facts[i][6:])
+                views["fp8_fact"] = (p, o + 1, *facts[i][2:5], sn[i], *facts[i][6:])
             else:
-                t._keep_fp8_fact(p, o + 1, sn[i].copy())
+                t._keep_fp8_fact(p, o + 1, sn[i])
         return True
 
     def _fp8_numbers(self) -> tuple:

@@ -451,16 +451,20 @@ def _fp8_rows_host(parts, rows: torch.Tensor | np.ndarray, b: int, n: int, total
     # lands in bit 15 (no product leaves int16)
     mult = np.int16(256 if e5m2 else 128)
     nan_seen = False
-    if start is not None and b == 1:
+    run = start is not None and b == 1
+    if run:
         # the row's pages are start .. start + n - 1: their page-heads are one block of the
         # pool, read in place (no gathered copy of the codes); heads-first by the strides
+        scales = []
         for i, t in enumerate(parts):
-            blk = t.host_rows("codes")[start * H:(start + n) * H]             # [n*H, P*Ds]
+            blk, codes_hf, scale_hf = _run_views(t, start, n, H)
+            scales.append(scale_hf)
             # a NaN code (s 1111 111) anywhere in the block, the rest of the last page
-            # included: looked at exactly below
-            nan_seen = nan_seen or (not e5m2 and _nan_codes_in(t, blk, start, n, H))
-            np.multiply(blk.view(np.int8).reshape(n, H, -1).transpose(1, 0, 2), mult,
-                        out=i16[i].reshape(H, n, -1))
+            # included: looked at exactly below (`|` and not `or`: every part's screen is
+            # taken and kept, whatever an earlier part's)
+            if not e5m2:
+                nan_seen = _nan_codes_in(t, blk, start, n, H) | nan_seen
+            np.multiply(codes_hf, mult, out=i16[i].reshape(H, n, -1))
     else:
         for i, t in enumerate(parts):
             # (mode "clip": np.take with `out` and the default "raise" copies through a
@@ -483,6 +487,16 @@ def _fp8_rows_host(parts, rows: torch.Tensor | np.ndarray, b: int, n: int, total
     x.copy_(h16)                                       # fp16 -> fp32, exact
     if gran == "tensor":
         s[:] = [float(t.scale.reshape(())) for t in parts]
+    elif run:   # the block's scales heads-first, times the factor in the same pass, unless
+        # a product would leave fp32: then the factor goes into x (exact there)
+        into_x = factor != 1.0 and not all(   # (a NaN scale: into x, as below)
+            float(np.maximum.reduce(v, None)) * factor <= _FP32_MAX for v in scales)
+        f32 = np.float32(1.0 if into_x else factor)
+        for i, scale_hf in enumerate(scales):
+            np.multiply(scale_hf, f32, out=s[i].reshape(H, n, -1))
+        if into_x:
+            x.mul_(factor)
+        return x, sc
     else:
         for i, t in enumerate(parts):
             np.take(t.host_rows("scale"), r, axis=0, out=s[i], mode="clip")   # [b*H*n, w]
@@ -492,6 +506,21 @@ def _fp8_rows_host(parts, rows: torch.Tensor | np.ndarray, b: int, n: int, total
         else:   # a scale so large that factor * scale leaves fp32: into x (exact there)
             x.mul_(factor)
     return x, sc
+
+
+def _run_views(t, start: int, n: int, H: int):
+    """(codes [n*H, P*Ds] uint8, the same as int8 heads-first [H, n, P*Ds], scales heads-first
+    [H, n, w]) of t's pages start .. start + n - 1: numpy views of the pool's memory, kept with
+    t's views for the last run asked (a run grows by a page every P steps)."""
+    views = t.__dict__.setdefault("_views", {})
+    kept = views.get("fp8_run")
+    if kept is None or kept[0] != start or kept[1] != n:
+        blk = t.host_rows("codes")[start * H:(start + n) * H]
+        scale = t.host_rows("scale")[start * H:(start + n) * H]
+        kept = views["fp8_run"] = (start, n, blk,
+                                   blk.view(np.int8).reshape(n, H, -1).transpose(1, 0, 2),
+                                   scale.reshape(n, H, -1).transpose(1, 0, 2))
+    return kept[2:]
 
 
 def _nan_codes_in(t, blk: np.ndarray, start: int, n: int, H: int) -> bool:
