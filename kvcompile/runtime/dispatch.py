@@ -286,6 +286,26 @@ def prefill_mode(config, q: torch.Tensor) -> str:
     return "triton" if q.is_cuda else "sdpa"
 
 
+def mask_hides_no_key(plan, mask_info) -> bool:
+    """Whether an attention mask hides no cached key from a decode step (the latent kernels
+    take no key mask): an exact causal mask without padding or window, or a decode step's key
+    row that is all True (transformers 5.17 passes such a mask to every MLA decode step; 5.25
+    passes None). The key row is read on the host once per forward (one sync, cached in the
+    plan); under CUDA graph capture it cannot be, so the answer is no there."""
+    if mask_info is None:
+        return False
+    if mask_info.exact:
+        return not any(mask_info.kv_start) and not mask_info.window
+    km = mask_info.key_mask
+    if mask_info.reason != "decode" or km is None or any(mask_info.kv_start):
+        return False
+    key = ("key_row_full", id(km))
+    if key not in plan.cache:
+        capturing = km.is_cuda and torch.cuda.is_current_stream_capturing()
+        plan.cache[key] = (km, not capturing and bool(km.all()))
+    return plan.cache[key][1]
+
+
 def _latent_kernel(state, q_lat, c_pages, r_pages, plan, mask_info, attn_mask, window,
                    softcap, scale):
     """The absorbed decode kernel for a decode step of one query per row whose mask hides no
@@ -301,8 +321,7 @@ def _latent_kernel(state, q_lat, c_pages, r_pages, plan, mask_info, attn_mask, w
         why = "several queries per row"
     elif window or softcap:
         why = "a sliding window or soft-capping"
-    elif attn_mask is not None and (mask_info is None or not mask_info.exact
-                                    or any(mask_info.kv_start) or mask_info.window):
+    elif attn_mask is not None and not mask_hides_no_key(plan, mask_info):
         why = "a mask that hides cached keys (padding, window)"
     if not why:
         try:

@@ -292,3 +292,34 @@ def test_engine_serves_latent_pages_with_eager_tokens():
     rep = kvcompile.report(model)
     assert len(rep.rewritten) == LAYERS and all(s.gqa == "mla" for s in rep.rewritten)
     assert state_of(model).counters["latent_absorbed"] >= LAYERS * 7
+
+
+def test_decode_mask_that_hides_no_key_lets_the_latent_kernel_run():
+    """transformers 5.17 passes an all-True [B, 1, 1, L] bool mask to every MLA decode step
+    (5.25 passes None): the latent kernels, which take no key mask, run when the step's key
+    row hides nothing, read once per forward; a row with one hidden key (padding), leading
+    keys masked by the binding, or an exact mask with a window keep the reference."""
+    from types import SimpleNamespace
+
+    from kvcompile.kernels.masks import MaskInfo
+    from kvcompile.runtime.dispatch import mask_hides_no_key
+
+    g = torch.Generator().manual_seed(3)
+    L = int(torch.randint(5, 40, (1,), generator=g))
+    row = torch.ones(2, L, dtype=torch.bool)
+    plan = SimpleNamespace(cache={})
+    assert mask_hides_no_key(plan, MaskInfo(row, [0, 0], 0, False, "decode"))
+    assert len(plan.cache) == 1                          # one host read per forward
+    assert mask_hides_no_key(plan, MaskInfo(row, [0, 0], 0, False, "decode"))
+    assert len(plan.cache) == 1
+    hidden = row.clone()
+    hidden[1, int(torch.randint(0, L, (1,), generator=g))] = False
+    assert not mask_hides_no_key(SimpleNamespace(cache={}),
+                                 MaskInfo(hidden, [0, 0], 0, False, "decode"))
+    assert not mask_hides_no_key(SimpleNamespace(cache={}),
+                                 MaskInfo(row, [0, 2], 0, False, "decode"))
+    assert not mask_hides_no_key(SimpleNamespace(cache={}),
+                                 MaskInfo(row, [0, 0], 0, False, "mask with per-head structure"))
+    assert mask_hides_no_key(SimpleNamespace(cache={}), MaskInfo(None, [0, 0], 0, True))
+    assert not mask_hides_no_key(SimpleNamespace(cache={}), MaskInfo(None, [0, 0], 8, True))
+    assert not mask_hides_no_key(SimpleNamespace(cache={}), None)
