@@ -55,11 +55,11 @@ BULK_TILE_ELEMS = 16384
 # The tests and bench_append.py run all three. "tiles" is not yet timed on the GPU: by its sm_90
 # build (126-128 registers, no spills, 16-byte loads, x read once) it should beat "runs"; if
 # bench_append.py says otherwise, set "runs" here.
-# The default stays "runs" until the GPU check passes for "tiles": on the H200 (2026-12-04)
-# "tiles" wrote fp8 pages at 0.62x copy against 0.41x ("runs"), fp4 0.33x against 0.17x, but
-# the append test files, run there once, showed 2-3 failures whose names the job's time limit
-# cut from the log (benchmarks/RESULTS.md, "Tenth session's device calls").
-PAGE_BULK = "runs"
+# "tiles" is the default: on the H200 (2026-12-04) it wrote fp8 pages at 0.62x copy against
+# 0.41x ("runs"), fp4 0.33x against 0.17x, and every bit-exactness test of the append files
+# passed there (the 2-3 failures of the tenth session were the negative test's own device
+# mix, fixed; benchmarks/RESULTS.md, "Eleventh session's device calls").
+PAGE_BULK = "tiles"
 # "tiles": tokens x head_dim of a program's tile, and its warps (fp8, fp4): about 64 / 32
 # values a thread and at most 128 registers in the sm_90 build
 # (H200, bench_append --sweep, 2026-12-04: 32 x 128 with 4 warps fastest for both, fp8 0.62x
@@ -71,7 +71,7 @@ ROW_TILE_ELEMS = 4096
 # fp4 writes load each pair of input elements as one word (_load_pairs: 16-byte loads, no
 # shuffles). False: the earlier [.., 8, 2] tile and tl.split (2 elements a load), kept to time
 # against it (bench_append.py); the "windows" and "tiles" kernels always load pairs.
-FP4_PAIR_LOADS = False   # True: 0.39x copy against 0.26x (H200), default once GPU-checked
+FP4_PAIR_LOADS = True    # 0.39x copy against 0.26x (H200); bit-exact there (eleventh session)
 # tensor scales: programs of the first write's amax pass (_calibrate_amax_kernel), each
 # striding over blocks (1 << 30: one program per block, as before append16b)
 CALIBRATE_PROGRAMS = 1024

@@ -32,10 +32,10 @@ from tests.kernels.kernel_cases import (  # noqa: E402
 H, D, P = 2, 32, 4
 
 
-def _tiles(monkeypatch):
+def _tiles(monkeypatch, kernel="tiles"):
     import kvcompile.kernels.append as app
 
-    monkeypatch.setattr(app, "PAGE_BULK", "tiles")
+    monkeypatch.setattr(app, "PAGE_BULK", kernel)
     monkeypatch.setattr(app, "BULK_TOKENS", 0)            # every write takes the bulk kernel
     monkeypatch.setattr(app, "PAGE_TILE_ELEMS", 4 * P * D)  # tiles of 4 pages
 
@@ -76,6 +76,14 @@ WRITES = [[4 * P, P + 3, 2 * P, 1, 3 * P - 1], [5, P + 2, 2, 1, 2 * P], [4 * P, 
 def test_tiles_kernel_bit_exact(name, grouped, dtype, monkeypatch):
     _tiles(monkeypatch)
     for i, ref, got in _pool_writes(name, grouped, dtype, WRITES, 5):
+        assert_same_storage(ref, got, f"write {i}")
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp4_e2m1"])
+def test_runs_kernel_still_bit_exact(name, monkeypatch):
+    # "runs", the default before "tiles" (eleventh session), stays selectable: still exact
+    _tiles(monkeypatch, "runs")
+    for i, ref, got in _pool_writes(name, False, torch.float32, WRITES, 9):
         assert_same_storage(ref, got, f"write {i}")
 
 
