@@ -8,6 +8,14 @@ Each step has a token budget (`max_num_batched_tokens`), spent in this order:
 So a long prompt is cut into chunks that share steps with the decodes and never stalls them.
 A partial chunk ends on a page boundary where it can, so pages are written in one piece.
 
+An evicting request's prompt stores up to `Request.peak_tokens` before its eviction brings it
+down to its budget (the whole prompt, or budget + Engine.prefill_eviction_chunk): with
+`reserve_prefill` (the default) it is admitted only when that peak, plus what the evicting
+prompts already in prefill still need to reach theirs, plus the watermark, fits in the free
+pages, so prompts in prefill together never overcommit the pool (issue 19: with admission on
+the first chunk alone, 32k-token prompts preempted each other dozens of times). Requests that
+keep every token are admitted on their first chunk.
+
 Pages are reserved here (PagePool.reserve, atomic). When the pool is full, the prefix cache
 gives back pages only it holds (least recently used first); when that is not enough, the most
 recently admitted running request is preempted: its pages are freed and it is recomputed later
@@ -66,6 +74,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.num_preemptions = 0
+        # evicting prompts admitted only when their peak fits (module docstring)
+        self.reserve_prefill = True
 
     # -- queues ---------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -133,7 +143,12 @@ class Scheduler:
             if fresh:
                 self._start(req)
             n = self._chunk(req, budget)
-            slots = self._reserve(req, n, keep=self.watermark if self.running else 0)
+            keep = self.watermark if self.running else 0
+            if (fresh and req.peak_tokens is not None and self.reserve_prefill
+                    and self.running):
+                # an evicting prompt: room for its peak and the running prompts' (docstring)
+                keep += self._prefill_owed(req, n)
+            slots = self._reserve(req, n, keep=keep)
             if slots is None:
                 if fresh:
                     self.pool.free([req.seq_id])
@@ -145,6 +160,19 @@ class Scheduler:
             out.seqs.append(ScheduledSeq(req, req.num_computed, n, slots))
             budget -= n
         return out
+
+    def _prefill_owed(self, req: Request, n: int) -> int:
+        """Pages the evicting prompts in prefill (running ones and `req`, about to reserve n
+        tokens) still need to reach their peak stores (`Request.peak_tokens`), beyond `req`'s
+        first n tokens."""
+        P = self.pool.page_size
+        owed = max(0, -(-req.peak_tokens // P) - -(-n // P))
+        for r in self.running:
+            if (r.peak_tokens is None or r.seq_id is None
+                    or r.num_computed >= len(r.prompt_ids)):
+                continue
+            owed += max(0, -(-r.peak_tokens // P) - len(self.pool.pages_of(r.seq_id)))
+        return owed
 
     def _decode_all(self, out: SchedulerOutput, done: set[int], budget: int) -> int:
         """The common case in one reserve call (one host-to-device copy of slots): every
@@ -175,6 +203,9 @@ class Scheduler:
         if req.evicts:  # evicting: the prompt attends in full, then one token per forward
             prompt = len(req.prompt_ids)
             n = min(n, prompt - req.num_computed) if req.num_computed < prompt else 1
+            if req.evict_every and req.num_computed < prompt:   # evicted at each multiple
+                n = min(n, (req.num_computed // req.evict_every + 1) * req.evict_every
+                        - req.num_computed)
         if n < req.to_compute:  # partial chunk: end on a page boundary if that leaves any
             P = self.pool.page_size
             end = (req.num_computed + n) // P * P
