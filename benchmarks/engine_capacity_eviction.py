@@ -119,7 +119,8 @@ def run(args, kv, gran, residual, ratio, kind, budget_bytes) -> dict:
     eng = Engine(m, config=cfg, max_num_batched_tokens=args.step_tokens or args.prompt * 2,
                  max_num_seqs=args.requests, enable_prefix_caching=False,
                  prefill_eviction_chunk=args.prefill_eviction_chunk)
-    eng.scheduler.reserve_prefill = args.admission == "reserve"
+    eng.scheduler.reserve_prefill = args.admission != "first-chunk"
+    eng.scheduler.lifetime_credit = args.admission == "lifetime"
     if args.no_attention:
         from kvcompile.api import state_of
 
@@ -175,10 +176,13 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-eviction-chunk", type=int, default=0,
                    help="Engine(prefill_eviction_chunk=N): evicting prompts are evicted "
                         "after every N tokens (0: at their end only)")
-    p.add_argument("--admission", default="reserve", choices=("reserve", "first-chunk"),
-                   help="reserve: an evicting prompt is admitted when its peak fits beside "
-                        "the prompts in prefill (the default); first-chunk: when its first "
-                        "chunk fits (before issue 19's evict19f)")
+    p.add_argument("--admission", default="lifetime",
+                   choices=("lifetime", "reserve", "first-chunk"),
+                   help="lifetime (the Engine's default): an evicting prompt is admitted when "
+                        "its peak fits beside the prompts in prefill, counting the pages of "
+                        "evicting requests their max_tokens ends in time; reserve: the same "
+                        "without that credit; first-chunk: when its first chunk fits (the "
+                        "rule before issue 19's evict19f)")
     p.add_argument("--kv-heads", type=int, default=8, choices=(1, 8),
                    help="kv heads (= query heads) of head_dim 128")
     p.add_argument("--no-attention", action="store_true",

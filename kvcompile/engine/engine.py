@@ -130,6 +130,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.prefix_cache, max_num_batched_tokens,
                                    max_num_seqs, preemption_mode, swap_space_bytes,
                                    count=state.count, on_start=self._on_start)
+        self.scheduler.max_model_len = self.max_model_len
         self.eos_ids = inputs.eos_ids(model, tokenizer)
         self.vocab_size = inputs.vocab_size(model)
         self.seed = seed

@@ -74,8 +74,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.num_preemptions = 0
-        # evicting prompts admitted only when their peak fits (module docstring)
+        # evicting prompts admitted only when their peak fits (module docstring), counting
+        # the pages of evicting requests that their max_tokens ends in time (`_peaks_fit`)
         self.reserve_prefill = True
+        self.lifetime_credit = True
+        self.max_model_len = 1 << 62   # (the engine sets its own)
 
     # -- queues ---------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -143,12 +146,11 @@ class Scheduler:
             if fresh:
                 self._start(req)
             n = self._chunk(req, budget)
-            keep = self.watermark if self.running else 0
-            if (fresh and req.peak_tokens is not None and self.reserve_prefill
-                    and self.running):
-                # an evicting prompt: room for its peak and the running prompts' (docstring)
-                keep += self._prefill_owed(req, n)
-            slots = self._reserve(req, n, keep=keep)
+            slots = None
+            if (not fresh or req.peak_tokens is None or not self.reserve_prefill
+                    or not self.running or self._peaks_fit(req, n)):
+                # (an evicting prompt: room for its peak and the running prompts': docstring)
+                slots = self._reserve(req, n, keep=self.watermark if self.running else 0)
             if slots is None:
                 if fresh:
                     self.pool.free([req.seq_id])
@@ -161,18 +163,44 @@ class Scheduler:
             budget -= n
         return out
 
-    def _prefill_owed(self, req: Request, n: int) -> int:
-        """Pages the evicting prompts in prefill (running ones and `req`, about to reserve n
-        tokens) still need to reach their peak stores (`Request.peak_tokens`), beyond `req`'s
-        first n tokens."""
-        P = self.pool.page_size
-        owed = max(0, -(-req.peak_tokens // P) - -(-n // P))
+    def _peaks_fit(self, req: Request, n: int) -> bool:
+        """Whether `req` (an evicting prompt about to reserve its first n tokens) may start:
+        the evicting prompts in prefill (the running ones and `req`) can reach their peak
+        stores (`Request.peak_tokens`) without preempting anyone. A prompt adds at most one
+        step's tokens per step. With `lifetime_credit`, the pages of evicting requests that
+        decode are counted as free from the step by which their max_tokens (or
+        max_model_len) ends them at the latest: decodes are scheduled first, every step, and
+        an evicting sequence holds its pages alone. Requests that keep every token are not
+        planned for beyond the watermark (their decodes: a page per page_size steps each)."""
+        P, pool = self.pool.page_size, self.pool
+        have = pool.seq_len(req.seq_id)
+        free = (pool.num_available - self.watermark
+                - (-(-(have + n) // P) - -(-have // P)))
+        if free < 0:
+            return False
+        owe = [max(0, -(-req.peak_tokens // P) - -(-(have + n) // P))]
+        ends: list[tuple[int, int]] = []   # (steps until its pages are free, pages)
+        plain = 0                          # decoding requests that keep every token
         for r in self.running:
-            if (r.peak_tokens is None or r.seq_id is None
-                    or r.num_computed >= len(r.prompt_ids)):
+            if r.seq_id is None:
                 continue
-            owed += max(0, -(-r.peak_tokens // P) - len(self.pool.pages_of(r.seq_id)))
-        return owed
+            if r.num_computed < len(r.prompt_ids):
+                if r.peak_tokens is not None:
+                    owe.append(max(0, -(-r.peak_tokens // P) - len(pool.pages_of(r.seq_id))))
+            elif not r.evicts:
+                plain += 1
+            elif self.lifetime_credit:
+                left = min(r.params.max_tokens - len(r.output_ids),
+                           self.max_model_len - r.num_tokens)
+                ends.append((max(left, 0) + 1, len(pool.pages_of(r.seq_id))))
+        g = -(-self.max_tokens // P) + 1   # pages a prompt may add in one step
+        steps = max(-(-o // g) for o in owe)
+        for j in range(1, steps + 1):
+            need = sum(min(o, j * g) for o in owe) + plain * -(-j // P)
+            credit = sum(pages for end, pages in ends if end <= j)
+            if need > free + credit:
+                return False
+        return True
 
     def _decode_all(self, out: SchedulerOutput, done: set[int], budget: int) -> int:
         """The common case in one reserve call (one host-to-device copy of slots): every

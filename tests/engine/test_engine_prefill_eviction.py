@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache
 
 import kvcompile
-from kvcompile import Engine
+from kvcompile import Engine, SamplingParams
 from kvcompile.api import state_of
 from kvcompile.config import SinkWindow, SnapKV
 from kvcompile.engine.params import RequestError
@@ -133,20 +133,71 @@ def test_evicting_prompts_admitted_by_their_peak():
     prompts = random_prompts(random.Random(9), 4, 64, 64)
     want = _generate(m, prompts, 16)
     runs = {}
-    for reserve, chunk in ((False, 0), (True, 0), (True, 16)):
+    for reserve, chunk, credit in ((False, 0, True), (True, 0, False), (True, 0, True),
+                                   (True, 16, True)):
         eng = Engine(m, max_num_batched_tokens=16, prefill_eviction_chunk=chunk)
         assert eng.pool.num_pages == 14
         eng.scheduler.reserve_prefill = reserve
+        eng.scheduler.lifetime_credit = credit
         outs = eng.generate(prompts, _greedy(16))
         eng.pool.check_invariants()
-        runs[reserve, chunk] = (eng.stats.preemptions,
-                                max(s.num_running for s in eng.history),
-                                [o.token_ids for o in outs])
+        runs[reserve, chunk, credit] = (eng.stats.preemptions,
+                                        max(s.num_running for s in eng.history),
+                                        [o.token_ids for o in outs], eng.stats.steps)
         eng.close()
         assert eng.pool.stats().pages_used == 0
-    assert runs[False, 0][0] > 0, "the pool never ran short: the test shows nothing"
-    assert runs[False, 0][2] == want
-    assert runs[True, 0][0] == 0 and runs[True, 0][2] == want
-    assert runs[True, 16][0] == 0
-    assert runs[True, 16][1] > runs[True, 0][1]
-    assert runs[True, 16][2] == [_streamed(m, p, 16, "model", 16) for p in prompts]
+    print({k: (v[0], v[1], v[3]) for k, v in runs.items()})
+    assert runs[False, 0, True][0] > 0, "the pool never ran short: the test shows nothing"
+    assert runs[False, 0, True][2] == want
+    for key in ((True, 0, False), (True, 0, True)):
+        assert runs[key][0] == 0 and runs[key][2] == want, key
+    assert runs[True, 16, True][0] == 0
+    assert runs[True, 16, True][1] > runs[True, 0, True][1]
+    assert runs[True, 16, True][2] == [_streamed(m, p, 16, "model", 16) for p in prompts]
+
+
+class _Pool:
+    """What `Scheduler._peaks_fit` reads of a pool: free pages and each sequence's pages."""
+
+    page_size, max_pages, k, v = 8, 100, [], []
+
+    def __init__(self, free: int, pages: dict[int, int]):
+        self.num_available, self.pages = free, pages
+
+    def seq_len(self, sid: int) -> int:
+        return 0 if sid == 99 else self.pages[sid] * self.page_size
+
+    def pages_of(self, sid: int) -> list[int]:
+        return list(range(self.pages[sid]))
+
+
+def _req(sid, prompt, computed, out, max_tokens, evicts=True, peak=None):
+    from kvcompile.engine.request import Request
+
+    r = Request(str(sid), list(range(prompt)), SamplingParams(max_tokens=max_tokens), None)
+    r.seq_id, r.num_computed, r.output_ids = sid, computed, [1] * out
+    r.evicts, r.peak_tokens = evicts, peak
+    return r
+
+
+@pytest.mark.parametrize("left, credit, fits", [
+    (3, True, True),     # both decoders end within 3 steps: their 20 pages come in time
+    (3, False, False),   # the same without the credit: 17 free pages < the 23 owed
+    (10, True, False),   # they end after the prompt needs the pages: no credit
+])
+def test_lifetime_credit_of_ending_decodes(left, credit, fits):
+    """A prompt of 200 tokens (peak 25 pages of 8) starting with 2 pages, 32-token steps (up
+    to 5 pages a step), 20 free pages (1 watermark) and two evicting decoders of 10 pages
+    each with `left` tokens to go: with the credit it fits only when they end in time."""
+    from kvcompile.engine.scheduler import Scheduler
+
+    pool = _Pool(20, {1: 10, 2: 10})
+    s = Scheduler(pool, None, max_num_batched_tokens=32, max_num_seqs=8)
+    s.lifetime_credit = credit
+    s.running = [_req(1, 40, 40 + 9 - left, 10 - left, 10),
+                 _req(2, 40, 40 + 9 - left, 10 - left, 10)]
+    new = _req(99, 200, 0, 0, 10, peak=200)
+    assert s._peaks_fit(new, 16) is fits
+    # decoders that keep every token are never counted as ending (they only grow)
+    s.running = [_req(i, 40, 40 + 9 - left, 10 - left, 10, evicts=False) for i in (1, 2)]
+    assert s._peaks_fit(new, 16) is False
