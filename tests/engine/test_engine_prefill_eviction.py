@@ -126,8 +126,9 @@ def test_evicting_prompts_admitted_by_their_peak():
     SinkWindow(2, 14) (2-3 pages once evicted), chunks of 16. Admitted on their first chunk,
     prompts in prefill overcommit the pool and preempt each other (the negative case: the
     rule is what removes them); admitted by their peak (`reserve_prefill`, the default),
-    none is preempted and the tokens are the same. With prefill_eviction_chunk=16 a prompt's
-    peak is 40 tokens (5 pages), so more run at once than with whole prompts, again without
+    none is preempted and the tokens are the same; the lifetime credit (the default) runs
+    more at once than without. With prefill_eviction_chunk=16 a prompt's peak is 40 tokens
+    (5 pages), so the requests finish in fewer steps than with whole prompts, again without
     preemption, and each request equals its prompt streamed 16 tokens per forward."""
     m = _small_model(14)
     prompts = random_prompts(random.Random(9), 4, 64, 64)
@@ -146,13 +147,14 @@ def test_evicting_prompts_admitted_by_their_peak():
                                         [o.token_ids for o in outs], eng.stats.steps)
         eng.close()
         assert eng.pool.stats().pages_used == 0
-    print({k: (v[0], v[1], v[3]) for k, v in runs.items()})
     assert runs[False, 0, True][0] > 0, "the pool never ran short: the test shows nothing"
     assert runs[False, 0, True][2] == want
     for key in ((True, 0, False), (True, 0, True)):
         assert runs[key][0] == 0 and runs[key][2] == want, key
+    # the lifetime credit starts a prompt before a decoder's end frees its pages
+    assert runs[True, 0, True][1] > runs[True, 0, False][1]
     assert runs[True, 16, True][0] == 0
-    assert runs[True, 16, True][1] > runs[True, 0, True][1]
+    assert runs[True, 16, True][3] < runs[True, 0, True][3]   # fewer steps for the same work
     assert runs[True, 16, True][2] == [_streamed(m, p, 16, "model", 16) for p in prompts]
 
 
