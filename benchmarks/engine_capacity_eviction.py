@@ -117,7 +117,10 @@ def run(args, kv, gran, residual, ratio, kind, budget_bytes) -> dict:
     cfg = KVConfig(kv_dtype=kv, scale_granularity=gran, residual=residual, page_size=page,
                    max_kv_bytes=budget_bytes, eviction=policy, **dev, **extra)
     eng = Engine(m, config=cfg, max_num_batched_tokens=args.step_tokens or args.prompt * 2,
-                 max_num_seqs=args.requests, enable_prefix_caching=False)
+                 max_num_seqs=args.requests, enable_prefix_caching=False,
+                 prefill_eviction_chunk=args.prefill_eviction_chunk)
+    eng.scheduler.reserve_prefill = args.admission != "first-chunk"
+    eng.scheduler.lifetime_credit = args.admission == "lifetime"
     if args.no_attention:
         from kvcompile.api import state_of
 
@@ -130,6 +133,9 @@ def run(args, kv, gran, residual, ratio, kind, budget_bytes) -> dict:
     running = [s.num_running for s in eng.history if s.decode_tokens]
     # decode steps with the queue not yet empty (the steady state: ramp-up included, drain not)
     queued = [s.num_running for s in eng.history if s.decode_tokens and s.num_waiting]
+    # sequences that produced a token in a decode step (prompts in prefill not counted)
+    decoding = [s.decode_tokens for s in eng.history if s.decode_tokens]
+    decoding_q = [s.decode_tokens for s in eng.history if s.decode_tokens and s.num_waiting]
     pool = eng.pool
     res = sum(t.res_data.numel() * t.res_data.element_size() for t in pool.k + pool.v
               if t.res_data is not None)
@@ -141,6 +147,9 @@ def run(args, kv, gran, residual, ratio, kind, budget_bytes) -> dict:
                pages=eng.pool.num_pages, bytes_per_token=eng.pool.bytes_per_token,
                max_running=max(s.num_running for s in eng.history),
                mean_running=statistics.mean(running) if running else 0.0,
+               mean_decoding=statistics.mean(decoding) if decoding else 0.0,
+               queued_mean_decoding=statistics.mean(decoding_q) if decoding_q else 0.0,
+               computed_tokens=eng.stats.computed_tokens,
                preemptions=eng.stats.preemptions, steps=eng.stats.steps,
                seconds=time.perf_counter() - t0)
     eng.close()
@@ -164,6 +173,16 @@ def main(argv=None) -> int:
                    help="cpu (reference kernels, eager) or cuda (bf16 weights, default kernels)")
     p.add_argument("--step-tokens", type=int, default=0,
                    help="max_num_batched_tokens (default: two prompts)")
+    p.add_argument("--prefill-eviction-chunk", type=int, default=0,
+                   help="Engine(prefill_eviction_chunk=N): evicting prompts are evicted "
+                        "after every N tokens (0: at their end only)")
+    p.add_argument("--admission", default="lifetime",
+                   choices=("lifetime", "reserve", "first-chunk"),
+                   help="lifetime (the Engine's default): an evicting prompt is admitted when "
+                        "its peak fits beside the prompts in prefill, counting the pages of "
+                        "evicting requests their max_tokens ends in time; reserve: the same "
+                        "without that credit; first-chunk: when its first chunk fits (the "
+                        "rule before issue 19's evict19f)")
     p.add_argument("--kv-heads", type=int, default=8, choices=(1, 8),
                    help="kv heads (= query heads) of head_dim 128")
     p.add_argument("--no-attention", action="store_true",
@@ -208,7 +227,9 @@ def table(a) -> list:
     print(dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
                transformers=transformers.__version__, prompt=a.prompt, new=a.new,
                requests=a.requests, budget_bytes=budget, layers=a.layers,
-               kv_heads=a.kv_heads, no_attention=a.no_attention), flush=True)
+               kv_heads=a.kv_heads, no_attention=a.no_attention,
+               prefill_eviction_chunk=a.prefill_eviction_chunk, admission=a.admission),
+          flush=True)
     rows = []
     cases = [int(x) for x in a.cases.split(",")]
     for i in cases:
@@ -220,18 +241,19 @@ def table(a) -> list:
         return f"{r[key] / base[key]:.2f}" if base else "-"
 
     print("\n| format | eviction | pages | bytes/token | max running | x bf16 | mean running "
-          "(decode steps) | x bf16 | steady mean (queue not empty) | x bf16 | preemptions | "
-          "residual (outside the budget) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "(decode steps) | x bf16 | steady mean (queue not empty) | x bf16 | steady mean "
+          "decoding | x bf16 | preemptions | computed tokens | residual (outside the budget) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         res = (f"{r['residual_bytes'] / 2**20:.2f} MiB "
                f"({100 * r['residual_bytes'] / r['budget_bytes']:.0f}% of the budget)"
                if r["residual_bytes"] else "-")
         print(f"| {r['format']} | {r['eviction']} | {r['pages']} | {r['bytes_per_token']:.0f} | "
               f"{r['max_running']} | {ratio(r, 'max_running')} | "
-              f"{r['mean_running']:.1f} | {ratio(r, 'mean_running')} | "
-              f"{r['queued_mean_running']:.1f} | {ratio(r, 'queued_mean_running')} | "
-              f"{r['preemptions']} | {res} |")
+              f"{r['mean_running']:.2f} | {ratio(r, 'mean_running')} | "
+              f"{r['queued_mean_running']:.2f} | {ratio(r, 'queued_mean_running')} | "
+              f"{r['queued_mean_decoding']:.2f} | {ratio(r, 'queued_mean_decoding')} | "
+              f"{r['preemptions']} | {r['computed_tokens']} | {res} |")
     return rows
 
 

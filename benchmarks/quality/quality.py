@@ -173,7 +173,7 @@ def suite_ppl(model, tok, args) -> dict:
         kept = {k: 0.0 for k in pols}
         for w in range(n_win):
             s = w * stride
-            rows = ev.prefill_and_fork(ids[s:s + ctx], pols)
+            rows = _prefill(ev, ids[s:s + ctx], pols, args)
             for k, f in ev.kept(rows).items():
                 kept[k] += f / n_win
             prev, tgt = rows.last_logits, ids[s + ctx:s + ctx + cont]
@@ -384,12 +384,24 @@ def _windowed_ppl(model, ids: torch.Tensor, window: int) -> dict:
 
 # --- retrieval -----------------------------------------------------------------------------------
 
-def _retrieval(ev, tok, prompts, pols, max_new: int, what: str) -> dict:
+def _prefill(ev, ids, pols, args):
+    """One prefill forked per policy, evicted at its end (the default), or with
+    --prefill-chunk, each row's prompt evicted after every chunk (Engine's
+    prefill_eviction_chunk): a chunk of that many tokens, or if below 1 that fraction of the
+    prompt (in multiples of 16)."""
+    c = getattr(args, "prefill_chunk", 0)
+    if not c:
+        return ev.prefill_and_fork(ids, pols)
+    chunk = int(c) if c >= 1 else max(16, int(c * len(ids)) // 16 * 16)
+    return ev.prefill_chunked(ids, pols, chunk)
+
+
+def _retrieval(ev, tok, prompts, pols, max_new: int, what: str, args=None) -> dict:
     """prompts: [(key, text, answer)] -> {label: {key: hits}}; one prefill per prompt."""
     hits = {k: {} for k in pols}
     for key, text, answer in prompts:
         ids = tok(text, return_tensors="pt").input_ids[0].to(DEVICE[0])
-        rows = ev.prefill_and_fork(ids[:-1], pols)
+        rows = _prefill(ev, ids[:-1], pols, args)
         gen = greedy(ev, rows, ids[-1:], max_new)
         for r, k in enumerate(rows.labels):
             txt = tok.decode(gen[r])
@@ -416,7 +428,7 @@ def suite_passkey(model, tok, args) -> dict:
             continue
         n = len(tok(text).input_ids) - 1
         p = row_policies(args.ratios, n, page=False, rows=args.rows)
-        h = _retrieval(ev, tok, [(key, text, ans)], p, 8, "passkey")
+        h = _retrieval(ev, tok, [(key, text, ans)], p, 8, "passkey", args)
         for k, v in h.items():
             out.setdefault(k, {}).setdefault(key, []).extend(v[key])
         save("passkey", {"lengths": args.lengths, "depths": args.depths, "kv": args.kv,
@@ -449,7 +461,7 @@ def suite_ruler(model, tok, args) -> dict:
             continue
         n = len(tok(text).input_ids) - 1
         pols = row_policies((0.5,), n, page=False, rows=[r for r in args.rows if "@" not in r])
-        h = _retrieval(ev, tok, [(key, text, ans)], pols, 8, key.split("/")[0])
+        h = _retrieval(ev, tok, [(key, text, ans)], pols, 8, key.split("/")[0], args)
         for k, v in h.items():
             for kk, vv in v.items():
                 out.setdefault(k, {}).setdefault(kk, []).extend(vv)
@@ -663,6 +675,10 @@ def parse(argv):
                     "evicted)")
     ap.add_argument("--kvpress-ruler", action="store_true",
                     help="also run the presses on the RULER-like prompts")
+    ap.add_argument("--prefill-chunk", type=float, default=0,
+                    help="passkey / ppl: evict each row's prompt after every chunk of this "
+                         "many tokens (below 1: this fraction of the prompt), as "
+                         "Engine(prefill_eviction_chunk=N); 0: prefill, then evict (default)")
     ap.add_argument("--tag", default="", help="save suites as <suite><tag> (extra runs)")
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU threads (torch.set_num_threads; kvpress too)")

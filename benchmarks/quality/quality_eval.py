@@ -148,6 +148,32 @@ class Evaluator:
             rt.books[sid].obs.clear()
         return rows
 
+    def prefill_chunked(self, ctx_ids: torch.Tensor, policies: dict, chunk: int) -> Rows:
+        """Engine(prefill_eviction_chunk=chunk)'s semantics: one row per policy, the prompt fed
+        `chunk` tokens per forward and each row evicted by its policy after every forward (so
+        prompt queries see the kept tokens of earlier chunks, not all of them). The first
+        chunk is fed before the rows get their policies: it must not exceed any budget (it
+        evicts nothing then either)."""
+        from transformers import DynamicCache
+
+        from kvcompile.eviction.policies import budget_of
+
+        least = min((budget_of(p) for p in policies.values() if p is not None), default=chunk)
+        if chunk > least:
+            raise ValueError(f"prefill chunk {chunk} > the smallest budget {least}: the first "
+                             f"chunk is fed under the placeholder policy; use a smaller chunk")
+        labels = list(policies)
+        ids = ctx_ids[None].expand(len(labels), -1).contiguous()
+        cache = DynamicCache()
+        logits = self._forward(ids[:, :chunk], cache)
+        rows = Rows(cache, labels, logits[:, -1])
+        for sid, label in zip(rows.seq_ids, labels):
+            self.rt.set_sequence_policy(sid, policies[label])
+        for t in range(chunk, ids.shape[1], chunk):
+            logits = self._forward(ids[:, t:t + chunk], cache)
+        rows.last_logits = logits[:, -1]
+        return rows
+
     def step(self, rows: Rows, ids: torch.Tensor) -> torch.Tensor:
         """Feed ids [C] (teacher forcing, same tokens for every row) or [K, C]: logits."""
         if ids.dim() == 1:

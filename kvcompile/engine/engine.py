@@ -59,6 +59,19 @@ class Engine:
     per layer and kv head, outside the pool's budget. Evicting requests neither read nor offer
     prefix-cache pages and are preempted by recompute (which replays each eviction).
 
+    prefill_eviction_chunk (0: off, the default): N > 0 evicts an evicting request's prompt
+    after every N of its tokens (at prompt positions N, 2N, ...; chunks are cut there), so a
+    prompt holds at most its policy's budget + N tokens (+ a page) instead of all its tokens
+    until its end. Prompt queries then see the kept tokens of the earlier chunks, not all of
+    them: StreamingLLM's own semantics for SinkWindow, a per-chunk observation window for
+    SnapKV (H2O: the mass so far). It changes outputs (benchmarks/RESULTS.md, "issue 19,
+    evict19f", measures the quality) and is the same for any step budget and neighbours (the
+    eviction points are fixed by N). It is off by default because it changes what a prompt
+    attends to. Admission: an evicting prompt is admitted only when its peak (the whole prompt,
+    or budget + N with this option), plus what the evicting prompts already in prefill still
+    need, fits in the free pages (scheduler.py, `reserve_prefill`); requests that keep every
+    token are admitted on their first chunk.
+
     Tensor parallelism (a model sharded over ranks, README "Multi-GPU"): one Engine per rank,
     each fed the same requests in the same order; every step's schedule is compared across the
     ranks before the forward (TensorParallelError when they differ) and rank 0's sampled tokens
@@ -68,7 +81,8 @@ class Engine:
                  max_num_seqs: int = 128, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute",
                  swap_space_bytes: int = 4 << 30, seed: int = 0, log_every: int = 0,
-                 cuda_graphs: bool = True, eviction_interval: int = 1):
+                 cuda_graphs: bool = True, eviction_interval: int = 1,
+                 prefill_eviction_chunk: int = 0):
         from kvcompile.api import _STATE_ATTR
         from kvcompile.api import compile as kv_compile
 
@@ -77,6 +91,11 @@ class Engine:
                         ("eviction_interval", eviction_interval)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise RequestError(f"Engine {name}={v!r}: must be an int >= 1")
+        v = prefill_eviction_chunk
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise RequestError(f"Engine prefill_eviction_chunk={v!r}: must be an int >= 0 (0: "
+                               f"a prompt attends in full and is evicted at its end)")
+        self.prefill_eviction_chunk = v
         if preemption_mode not in ("recompute", "swap"):
             raise RequestError(f"Engine preemption_mode={preemption_mode!r}: allowed: "
                                f"'recompute', 'swap'")
@@ -111,6 +130,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.prefix_cache, max_num_batched_tokens,
                                    max_num_seqs, preemption_mode, swap_space_bytes,
                                    count=state.count, on_start=self._on_start)
+        self.scheduler.max_model_len = self.max_model_len
         self.eos_ids = inputs.eos_ids(model, tokenizer)
         self.vocab_size = inputs.vocab_size(model)
         self.seed = seed
@@ -135,6 +155,7 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer: Engine(model, tokenizer)")
         evicts = self._check_eviction(params)
+        peak = self._peak_tokens(ids, params) if evicts else None
         with self._lock:
             n = next(self._ids)
             if request_id is None:  # skip numbers an explicit id already took
@@ -147,6 +168,9 @@ class Engine:
             gen = make_generator(seed, self.runner.device)
             req = Request(rid, ids, params, gen, self.tokenizer, on_output)
             req.evicts = evicts
+            if evicts:
+                req.evict_every = self.prefill_eviction_chunk
+                req.peak_tokens = peak
             self._requests[rid] = req
             self.scheduler.add(req)
             self.stats.requests_added += 1
@@ -172,6 +196,23 @@ class Engine:
         except KVConfigError as e:
             raise RequestError(f"SamplingParams.eviction={policy!r}: {e}") from None
         return True
+
+    def _peak_tokens(self, ids, params: SamplingParams) -> int:
+        """Tokens an evicting request stores at most while its prompt is computed: the whole
+        prompt, or (prefill_eviction_chunk N) its policy's largest budget + N + a page (the
+        scheduler's admission, `Scheduler.reserve_prefill`)."""
+        from kvcompile.eviction.policies import budget_of
+
+        n = len(ids)
+        if not self.prefill_eviction_chunk:
+            return n
+        pols = (list(self.eviction.policies.values()) if params.eviction == "model"
+                else [params.eviction])
+        if len(self.eviction.policies) < len(self.state.layer_specs):
+            return n   # a layer without a policy keeps every token
+        # (+ a page: a window evicted without moving tokens hides some in a page it keeps)
+        return min(n, max(budget_of(p) for p in pols) + self.prefill_eviction_chunk
+                   + self.pool.page_size)
 
     def _on_start(self, req: Request) -> None:
         """The scheduler gave `req` a new pool sequence: its eviction policy follows it."""

@@ -64,6 +64,10 @@ class Request:
         # an eviction policy applies (engine.py): prompt chunks stop at the prompt's end and
         # later tokens are computed one per step, so a recompute replays each eviction
         self.evicts = False
+        # Engine.prefill_eviction_chunk: the prompt is evicted after every `evict_every` of
+        # its tokens (0: at its end only); `peak_tokens`: what it stores at most meanwhile
+        self.evict_every = 0
+        self.peak_tokens: int | None = None
         self.logprobs: list[float] | None = [] if params.logprobs else None
         self.finish_reason: str | None = None
         self.error: str | None = None

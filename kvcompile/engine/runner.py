@@ -82,7 +82,9 @@ class ModelRunner:
             lens.append(stored)
         ev = self.state.eviction
         if ev is not None and not aside:   # a chunk before a prompt's end: no eviction after it
-            ev.hold([s.req.seq_id for s in seqs if s.start + s.n < len(s.req.prompt_ids)])
+            # (Engine.prefill_eviction_chunk: evicted at every multiple of req.evict_every)
+            ev.hold([s.req.seq_id for s in seqs if s.start + s.n < len(s.req.prompt_ids)
+                     and not (s.req.evict_every and (s.start + s.n) % s.req.evict_every == 0)])
             # decode steps (past the prompt) evict every eviction_interval steps
             ev.decoding = {s.req.seq_id for s in seqs
                            if s.n == 1 and s.start >= len(s.req.prompt_ids)}

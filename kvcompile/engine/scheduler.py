@@ -12,6 +12,14 @@ other tokens (KVFormat.shares_page: page / channel scales, a bf16 residual), the
 for a later step: a prompt stores and attends the same values however its neighbours cut the
 budget, as it does alone (unless the whole budget is under a page, said once).
 
+An evicting request's prompt stores up to `Request.peak_tokens` before its eviction brings it
+down to its budget (the whole prompt, or budget + Engine.prefill_eviction_chunk): with
+`reserve_prefill` (the default) it is admitted only when that peak, plus what the evicting
+prompts already in prefill still need to reach theirs, plus the watermark, fits in the free
+pages, so prompts in prefill together never overcommit the pool (issue 19: with admission on
+the first chunk alone, 32k-token prompts preempted each other dozens of times). Requests that
+keep every token are admitted on their first chunk.
+
 Pages are reserved here (PagePool.reserve, atomic). When the pool is full, the prefix cache
 gives back pages only it holds (least recently used first); when that is not enough, the most
 recently admitted running request is preempted: its pages are freed and it is recomputed later
@@ -76,6 +84,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.num_preemptions = 0
+        # evicting prompts admitted only when their peak fits (module docstring), counting
+        # the pages of evicting requests that their max_tokens ends in time (`_peaks_fit`)
+        self.reserve_prefill = True
+        self.lifetime_credit = True
+        self.max_model_len = 1 << 62   # (the engine sets its own)
 
     # -- queues ---------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -145,8 +158,11 @@ class Scheduler:
             if fresh:
                 self._start(req)
             n = self._chunk(req, budget)
-            slots = self._reserve(req, n, keep=self.watermark if self.running else 0) if n \
-                else None   # n == 0: a chunk that would end inside a page waits (`_chunk`)
+            slots = None   # n == 0: a chunk that would end inside a page waits (`_chunk`)
+            if n and (not fresh or req.peak_tokens is None or not self.reserve_prefill
+                      or not self.running or self._peaks_fit(req, n)):
+                # (an evicting prompt: room for its peak and the running prompts': docstring)
+                slots = self._reserve(req, n, keep=self.watermark if self.running else 0)
             if slots is None:
                 if fresh:
                     self.pool.free([req.seq_id])
@@ -158,6 +174,45 @@ class Scheduler:
             out.seqs.append(ScheduledSeq(req, req.num_computed, n, slots))
             budget -= n
         return out
+
+    def _peaks_fit(self, req: Request, n: int) -> bool:
+        """Whether `req` (an evicting prompt about to reserve its first n tokens) may start:
+        the evicting prompts in prefill (the running ones and `req`) can reach their peak
+        stores (`Request.peak_tokens`) without preempting anyone. A prompt adds at most one
+        step's tokens per step. With `lifetime_credit`, the pages of evicting requests that
+        decode are counted as free from the step by which their max_tokens (or
+        max_model_len) ends them at the latest: decodes are scheduled first, every step, and
+        an evicting sequence holds its pages alone. Requests that keep every token are not
+        planned for beyond the watermark (their decodes: a page per page_size steps each)."""
+        P, pool = self.pool.page_size, self.pool
+        have = pool.seq_len(req.seq_id)
+        free = (pool.num_available - self.watermark
+                - (-(-(have + n) // P) - -(-have // P)))
+        if free < 0:
+            return False
+        owe = [max(0, -(-req.peak_tokens // P) - -(-(have + n) // P))]
+        ends: list[tuple[int, int]] = []   # (steps until its pages are free, pages)
+        plain = 0                          # decoding requests that keep every token
+        for r in self.running:
+            if r.seq_id is None:
+                continue
+            if r.num_computed < len(r.prompt_ids):
+                if r.peak_tokens is not None:
+                    owe.append(max(0, -(-r.peak_tokens // P) - len(pool.pages_of(r.seq_id))))
+            elif not r.evicts:
+                plain += 1
+            elif self.lifetime_credit:
+                left = min(r.params.max_tokens - len(r.output_ids),
+                           self.max_model_len - r.num_tokens)
+                ends.append((max(left, 0) + 1, len(pool.pages_of(r.seq_id))))
+        g = -(-self.max_tokens // P) + 1   # pages a prompt may add in one step
+        steps = max(-(-o // g) for o in owe)
+        for j in range(1, steps + 1):
+            need = sum(min(o, j * g) for o in owe) + plain * -(-j // P)
+            credit = sum(pages for end, pages in ends if end <= j)
+            if need > free + credit:
+                return False
+        return True
 
     def _decode_all(self, out: SchedulerOutput, done: set[int], budget: int) -> int:
         """The common case in one reserve call (one host-to-device copy of slots): every
@@ -189,6 +244,9 @@ class Scheduler:
         if req.evicts:  # evicting: the prompt attends in full, then one token per forward
             prompt = len(req.prompt_ids)
             want = prompt - req.num_computed if req.num_computed < prompt else 1
+            if req.evict_every and req.num_computed < prompt:   # evicted at each multiple
+                want = min(want, (req.num_computed // req.evict_every + 1) * req.evict_every
+                           - req.num_computed)
         n = min(want, budget)
         if n < req.to_compute:  # partial chunk: end on a page boundary if that leaves any
             P = self.pool.page_size

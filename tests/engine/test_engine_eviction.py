@@ -555,6 +555,10 @@ def test_random_arrivals_quantized_eviction_preemption_prefix(cfg):
     try:
         eng = Engine(m, max_num_batched_tokens=32, preemption_mode="recompute")
         eng.scheduler.watermark = 1
+        # evicting prompts admitted on their first chunk, so that they overcommit the pool and
+        # are preempted (recomputed): the replay this test checks (by default they wait for
+        # their peak: test_engine_prefill_eviction.py)
+        eng.scheduler.reserve_prefill = False
         final = _run_arrivals(eng, reqs, rng, lambda e, _: e.pool.check_invariants())
         for i in range(len(reqs)):
             assert final[i].token_ids == expect[i], \

@@ -1,0 +1,205 @@
+"""Issue 19's capacity at long prompts: eviction during a chunked prompt
+(`Engine(prefill_eviction_chunk=N)`) and the admission of evicting prompts by their peak
+(`Scheduler.reserve_prefill`).
+
+The reference of `prefill_eviction_chunk=N` is the compiled model fed the prompt N tokens per
+forward through Hugging Face's cache (the path tests/eviction checks against masked attention),
+which evicts after every forward; then one token per forward. The engine must give the same
+tokens whatever its step budget, neighbours and preemptions, and its prompts must never store
+more than budget + N (+ a page)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvcompile
+from kvcompile import Engine, SamplingParams
+from kvcompile.api import state_of
+from kvcompile.config import SinkWindow, SnapKV
+from kvcompile.engine.params import RequestError
+from tests.engine.test_engine_eviction import MODEL_POLICY, PAGE, _budget, _generate, _greedy
+from tests.engine.tiny import config, make_hf, random_prompts
+
+
+@pytest.fixture(scope="module")
+def model():
+    """test_engine_eviction's model: fp32 tiny Llama compiled with H2O, fp32 pages of 8."""
+    torch._dynamo.reset()
+    m = make_hf("llama", "sdpa")
+    kvcompile.compile(m, config(page_size=PAGE, kv_dtype="fp32", eviction=MODEL_POLICY))
+    _generate(m, [[5, 6, 7]], 2)
+    return m
+
+
+def _streamed(m, prompt: list[int], n: int, policy, chunk: int) -> list[int]:
+    """Greedy tokens of the compiled model fed `prompt` `chunk` tokens per forward (each
+    forward evicts after it), then one token per forward; its sequence under `policy`."""
+    st = state_of(m)
+    pool = st.pool
+    allocate = pool.allocate
+
+    def allocate_with_policy(k=1):
+        ids = allocate(k)
+        if policy != "model":
+            for sid in ids:
+                st.eviction.set_sequence_policy(sid, policy)
+        return ids
+
+    pool.allocate = allocate_with_policy
+    try:
+        cache, out = DynamicCache(), []
+        with torch.no_grad():
+            for t in range(0, len(prompt), chunk):
+                logits = m(input_ids=torch.tensor([prompt[t:t + chunk]]),
+                           past_key_values=cache, use_cache=True).logits[0, -1]
+            for _ in range(n):
+                out.append(int(logits.argmax()))
+                logits = m(input_ids=torch.tensor([[out[-1]]]), past_key_values=cache,
+                           use_cache=True).logits[0, -1]
+        del cache
+    finally:
+        pool.allocate = allocate
+    return out
+
+
+POLICIES = [SinkWindow(2, 12), SnapKV(budget=16, window=4), "model"]
+
+
+def test_prefill_eviction_chunk_equals_streamed_prompt(model):
+    """Prompts of 30-50 tokens evicted every 8 prompt tokens: the engine equals the prompt fed
+    8 tokens per forward, at a step budget of 12 (chunks cut at the eviction points and at
+    pages) and of 64 (several chunks of one prompt could share a step: cut at each point);
+    during its prompt a sequence stores at most budget + 8 + a page. Negative: the engine
+    without the option (a prompt attends in full) gives other tokens for some request, so the
+    comparison sees the option."""
+    C = 8
+    prompts = random_prompts(random.Random(7), len(POLICIES), 30, 50)
+    want = [_streamed(model, p, 12, pol, C) for p, pol in zip(prompts, POLICIES)]
+    full = [_generate(model, [p], 12, pol)[0] for p, pol in zip(prompts, POLICIES)]
+    assert want != full, "evicting during the prompt changed no request"
+    budgets = [_budget(MODEL_POLICY if pol == "model" else pol) for pol in POLICIES]
+    for step_tokens in (12, 64):
+        eng = Engine(model, max_num_batched_tokens=step_tokens, prefill_eviction_chunk=C)
+        peak = {}
+
+        def watch(_st, eng=eng, peak=peak):
+            for r in eng.scheduler.running:
+                if r.seq_id is not None and r.num_computed <= len(r.prompt_ids):
+                    i = int(r.id)
+                    peak[i] = max(peak.get(i, 0), eng.pool.seq_len(r.seq_id))
+
+        eng.on_step.append(watch)
+        outs = eng.generate(prompts, [_greedy(12, pol) for pol in POLICIES])
+        for i, pol in enumerate(POLICIES):
+            assert outs[i].token_ids == want[i], f"{pol} at step budget {step_tokens}"
+            assert peak[i] <= budgets[i] + C + PAGE, (pol, peak[i])
+        eng.close()
+        assert eng.pool.stats().pages_used == 0
+    # the option off: the engine attends in full and evicts at the prompt's end (as generate)
+    eng = Engine(model, max_num_batched_tokens=12)
+    assert [o.token_ids for o in eng.generate(prompts, [_greedy(12, p) for p in POLICIES])] \
+        == full
+    eng.close()
+
+
+def test_prefill_eviction_chunk_refused_clearly(model):
+    for bad in (-1, True, 2.0):
+        with pytest.raises(RequestError, match=r"prefill_eviction_chunk=.*int >= 0"):
+            Engine(model, prefill_eviction_chunk=bad)
+
+
+def _small_model(pages: int):
+    torch._dynamo.reset()
+    m = make_hf("llama", "sdpa")
+    small = pages * m.config.num_hidden_layers * 2 * 2 * PAGE * 16 * 4
+    kvcompile.compile(m, config(page_size=PAGE, kv_dtype="fp32", max_kv_bytes=small,
+                                eviction=SinkWindow(2, 14)))
+    return m
+
+
+def test_evicting_prompts_admitted_by_their_peak():
+    """A pool of 14 pages of 8 tokens; four 64-token prompts (8 pages each) with
+    SinkWindow(2, 14) (2-3 pages once evicted), chunks of 16. Admitted on their first chunk,
+    prompts in prefill overcommit the pool and preempt each other (the negative case: the
+    rule is what removes them); admitted by their peak (`reserve_prefill`, the default),
+    none is preempted and the tokens are the same; the lifetime credit (the default) runs
+    more at once than without. With prefill_eviction_chunk=16 a prompt's peak is 40 tokens
+    (5 pages), so the requests finish in fewer steps than with whole prompts, again without
+    preemption, and each request equals its prompt streamed 16 tokens per forward."""
+    m = _small_model(14)
+    prompts = random_prompts(random.Random(9), 4, 64, 64)
+    want = _generate(m, prompts, 16)
+    runs = {}
+    for reserve, chunk, credit in ((False, 0, True), (True, 0, False), (True, 0, True),
+                                   (True, 16, True)):
+        eng = Engine(m, max_num_batched_tokens=16, prefill_eviction_chunk=chunk)
+        assert eng.pool.num_pages == 14
+        eng.scheduler.reserve_prefill = reserve
+        eng.scheduler.lifetime_credit = credit
+        outs = eng.generate(prompts, _greedy(16))
+        eng.pool.check_invariants()
+        runs[reserve, chunk, credit] = (eng.stats.preemptions,
+                                        max(s.num_running for s in eng.history),
+                                        [o.token_ids for o in outs], eng.stats.steps)
+        eng.close()
+        assert eng.pool.stats().pages_used == 0
+    assert runs[False, 0, True][0] > 0, "the pool never ran short: the test shows nothing"
+    assert runs[False, 0, True][2] == want
+    for key in ((True, 0, False), (True, 0, True)):
+        assert runs[key][0] == 0 and runs[key][2] == want, key
+    # the lifetime credit starts a prompt before a decoder's end frees its pages
+    assert runs[True, 0, True][1] > runs[True, 0, False][1]
+    assert runs[True, 16, True][0] == 0
+    assert runs[True, 16, True][3] < runs[True, 0, True][3]   # fewer steps for the same work
+    assert runs[True, 16, True][2] == [_streamed(m, p, 16, "model", 16) for p in prompts]
+
+
+class _Pool:
+    """What `Scheduler._peaks_fit` reads of a pool: free pages and each sequence's pages."""
+
+    page_size, max_pages, k, v = 8, 100, [], []
+
+    def __init__(self, free: int, pages: dict[int, int]):
+        self.num_available, self.pages = free, pages
+
+    def seq_len(self, sid: int) -> int:
+        return 0 if sid == 99 else self.pages[sid] * self.page_size
+
+    def pages_of(self, sid: int) -> list[int]:
+        return list(range(self.pages[sid]))
+
+
+def _req(sid, prompt, computed, out, max_tokens, evicts=True, peak=None):
+    from kvcompile.engine.request import Request
+
+    r = Request(str(sid), list(range(prompt)), SamplingParams(max_tokens=max_tokens), None)
+    r.seq_id, r.num_computed, r.output_ids = sid, computed, [1] * out
+    r.evicts, r.peak_tokens = evicts, peak
+    return r
+
+
+@pytest.mark.parametrize("left, credit, fits", [
+    (3, True, True),     # both decoders end within 3 steps: their 20 pages come in time
+    (3, False, False),   # the same without the credit: 17 free pages < the 23 owed
+    (10, True, False),   # they end after the prompt needs the pages: no credit
+])
+def test_lifetime_credit_of_ending_decodes(left, credit, fits):
+    """A prompt of 200 tokens (peak 25 pages of 8) starting with 2 pages, 32-token steps (up
+    to 5 pages a step), 20 free pages (1 watermark) and two evicting decoders of 10 pages
+    each with `left` tokens to go: with the credit it fits only when they end in time."""
+    from kvcompile.engine.scheduler import Scheduler
+
+    pool = _Pool(20, {1: 10, 2: 10})
+    s = Scheduler(pool, None, max_num_batched_tokens=32, max_num_seqs=8)
+    s.lifetime_credit = credit
+    s.running = [_req(1, 40, 40 + 9 - left, 10 - left, 10),
+                 _req(2, 40, 40 + 9 - left, 10 - left, 10)]
+    new = _req(99, 200, 0, 0, 10, peak=200)
+    assert s._peaks_fit(new, 16) is fits
+    # decoders that keep every token are never counted as ending (they only grow)
+    s.running = [_req(i, 40, 40 + 9 - left, 10 - left, 10, evicts=False) for i in (1, 2)]
+    assert s._peaks_fit(new, 16) is False
