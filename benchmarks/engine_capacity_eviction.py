@@ -193,10 +193,14 @@ def main(argv=None) -> int:
                    help="the given cases at 1 / 2 layers and 1 / 8 kv heads")
     a = p.parse_args(argv)
     if a.long:
+        # LONG fills in what the command line did not give (a flag given with its default value
+        # counts as given: the GPU job's --kv-heads 8 once became 1 here)
+        words = [w.split("=")[0] for w in (sys.argv[1:] if argv is None else argv)]
+        given = {act.dest for act in p._actions if set(act.option_strings) & set(words)}
         for k, v in LONG.items():
             if k == "no_attention" and a.device != "cpu":
                 continue   # a GPU attends for real
-            if getattr(a, k) == p.get_default(k):
+            if k not in given:
                 setattr(a, k, v)
     if a.check_scaling:
         rows = {}
