@@ -34,7 +34,8 @@
 #                                             # alu 2 CTAs an SM
 #                                             # vs copy, then its GPU tests (LX_HEADS, LX_CUDA,
 #                                             # LX_SHAPES, LX_SPLITS, LX_K, LX_LIMIT)
-#   bash benchmarks/gpu_jobs.sh capacity32k   # Engine capacity, 32k-token requests, 8x128 KV
+#   bash benchmarks/gpu_jobs.sh capacity32k   # Engine capacity, 32k-token requests, 1 layer x 1 kv head of 128
+#                                             # (per layer and head: the same schedule; CAP_LAYERS=2 CAP_HEADS=8: 16x the work)
 #   bash benchmarks/gpu_jobs.sh capacity32k_pe  # the same, prompts evicted every 4,096 tokens (evict19f)
 #   bash benchmarks/gpu_jobs.sh quality_canary     # then, same warm machine: quality (see
 #                                                  # benchmarks/quality/gpu_stages.sh: the model
@@ -109,8 +110,8 @@ job() {   # job NAME -> "LIMIT COMMAND"
     latent_bench)   echo "${LB_LIMIT:-300} python3 benchmarks/bench_latent_decode.py ${LB_ARGS:-}" ;;
     gen)            echo "${GEN_LIMIT:-360} python3 benchmarks/bench_generate.py --budget-s $(( ${GEN_LIMIT:-360} - 30 )) --out $OUT --sections ${GEN_SECTIONS:-hf_static,kvc_fp8,engine_b,engine_b_nograph} ${GEN_ARGS:-}" ;;
     profile)        echo "${PROF_LIMIT:-200} python3 benchmarks/profile_generate.py ${PROF_ARGS:-}" ;;
-    capacity32k_pe) echo "${CAP_LIMIT:-240} python3 benchmarks/engine_capacity_eviction.py --long --device cuda --layers ${CAP_LAYERS:-2} --kv-heads 8 --requests ${CAP_REQ:-24} --new ${CAP_NEW:-512} --cases ${CAP_CASES:-2,3,4,5} --prefill-eviction-chunk ${CAP_CHUNK:-4096} --step-tokens 4224 ${CAP_ARGS:-}" ;;   # evict19f: prompts evicted every 4,096 tokens
-    capacity32k)    echo "${CAP_LIMIT:-240} python3 benchmarks/engine_capacity_eviction.py --long --device cuda --layers ${CAP_LAYERS:-2} --kv-heads 8 --requests ${CAP_REQ:-24} --new ${CAP_NEW:-512} --cases ${CAP_CASES:-0,2,4,3,5} ${CAP_ARGS:-}" ;;
+    capacity32k_pe) echo "${CAP_LIMIT:-240} python3 benchmarks/engine_capacity_eviction.py --long --device cuda --layers ${CAP_LAYERS:-1} --kv-heads ${CAP_HEADS:-1} --requests ${CAP_REQ:-24} --new ${CAP_NEW:-512} --cases ${CAP_CASES:-2,3,4,5} --prefill-eviction-chunk ${CAP_CHUNK:-4096} --step-tokens 4224 ${CAP_ARGS:-}" ;;   # evict19f: prompts evicted every 4,096 tokens
+    capacity32k)    echo "${CAP_LIMIT:-240} python3 benchmarks/engine_capacity_eviction.py --long --device cuda --layers ${CAP_LAYERS:-1} --kv-heads ${CAP_HEADS:-1} --requests ${CAP_REQ:-24} --new ${CAP_NEW:-512} --cases ${CAP_CASES:-0,2,4,3,5} ${CAP_ARGS:-}" ;;
     *)              echo "" ;;
   esac
 }
