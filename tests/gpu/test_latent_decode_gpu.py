@@ -37,8 +37,10 @@ pytestmark = [pytest.mark.gpu,
 H, R, DR, P = 128, 512, 64, 16
 
 
-def _case(c_fmt, r_fmt, lens, heads=H):
-    g = torch.Generator(device="cuda").manual_seed(len(lens))
+def _case(c_fmt, r_fmt, lens, heads=H, seed=None):
+    """(pool, plan, q, lens, paged reference) of a ragged batch over one layer's latent pages
+    (tests/gpu/test_latent_sm90_gpu.py uses it too)."""
+    g = torch.Generator(device="cuda").manual_seed(len(lens) if seed is None else seed)
     spec = LayerSpec(num_kv_heads=1, head_dim=R, v_head_dim=DR,
                      k_format=KVFormat(c_fmt, "page"), v_format=KVFormat(r_fmt, "page"))
     pool = PagePool([spec], sum(math.ceil(n / P) for n in lens) + 1, P, device="cuda")

@@ -11,16 +11,12 @@ and two CTAs an SM (stages 4). The CPU twin is tests/kernels/test_latent_sm90.py
 from __future__ import annotations
 
 import copy
-import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from kvcompile.cache.formats import KVFormat
-from kvcompile.cache.pool import LayerSpec, PagePool
-from kvcompile.kernels.dense import paged_reference_attention
 from kvcompile.testing import assert_rel_close
+from tests.gpu.test_latent_decode_gpu import _case as _latent_case
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -29,23 +25,7 @@ R, DR, P = 512, 64, 16
 
 
 def _case(c_fmt, r_fmt, lens, heads):
-    g = torch.Generator(device="cuda").manual_seed(len(lens) + heads)
-    spec = LayerSpec(num_kv_heads=1, head_dim=R, v_head_dim=DR,
-                     k_format=KVFormat(c_fmt, "page"), v_format=KVFormat(r_fmt, "page"))
-    pool = PagePool([spec], sum(math.ceil(n / P) for n in lens) + 1, P, device="cuda")
-    seqs = pool.allocate(len(lens))
-    for s, n in zip(seqs, lens):
-        pool.write(0, pool.reserve([s], n),
-                   torch.randn(n, 1, R, device="cuda", generator=g).bfloat16(),
-                   torch.randn(n, 1, DR, device="cuda", generator=g).bfloat16())
-    plan = SimpleNamespace(packed=False, batch=len(lens), seq_lens_list=lens,
-                           kv_start=[0] * len(lens), cache={},
-                           block_tables=pool.block_table(seqs, device="cuda"))
-    q = (torch.randn(len(lens), heads, R + DR, device="cuda", generator=g) / 8).bfloat16()
-    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    ref = paged_reference_attention(pool.k[0], pool.v[0], q.float()[:, :, None], plan, None,
-                                    True, 0, 0.0, 0.07, latent=True)[:, :, 0]
-    return pool, plan, q, lens_t, ref
+    return _latent_case(c_fmt, r_fmt, lens, heads, seed=len(lens) + heads)
 
 
 @pytest.mark.parametrize("variant,stages,warps", [

@@ -34,15 +34,18 @@ from kvcompile.testing import assert_rel_close, rel_err
 R, DR = 64, 16
 
 
-def _pool(c_fmt: str, r_fmt: str, lens: list[int], g, page: int = 16):
-    spec = LayerSpec(num_kv_heads=1, head_dim=R, v_head_dim=DR,
+def _pool(c_fmt: str, r_fmt: str, lens: list[int], g, page: int = 16, r: int = R,
+          dr: int = DR):
+    """(pool, plan) of one layer's latent pages (width r, rotary dr) holding `lens` tokens of
+    random latents (tests/kernels/test_latent_sm90.py uses it too, at DeepSeek's widths)."""
+    spec = LayerSpec(num_kv_heads=1, head_dim=r, v_head_dim=dr,
                      k_format=KVFormat(c_fmt, "page"), v_format=KVFormat(r_fmt, "page"))
     pool = PagePool([spec], sum(math.ceil(n / page) for n in lens) + 3, page)
     seqs = pool.allocate(len(lens))
     pool.allocate(1)   # a sequence between them: block tables are not the identity
     for s, n in zip(seqs, lens):
-        pool.write(0, pool.reserve([s], n), torch.randn(n, 1, R, generator=g) * 3,
-                   torch.randn(n, 1, DR, generator=g))
+        pool.write(0, pool.reserve([s], n), torch.randn(n, 1, r, generator=g) * 3,
+                   torch.randn(n, 1, dr, generator=g))
     plan = SimpleNamespace(packed=False, batch=len(lens), seq_lens_list=lens,
                            kv_start=[0] * len(lens), cache={},
                            block_tables=pool.block_table(seqs), new_tokens=1,

@@ -9,13 +9,11 @@ tests/gpu/test_latent_sm90_gpu.py-style timing is benchmarks/bench_latent_decode
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,25 +26,14 @@ from kvcompile.kernels.cuda import build
 from kvcompile.kernels.cuda.emu import build_emu
 from kvcompile.kernels.dense import paged_reference_attention
 from kvcompile.testing import REL_ERR, rel_err
+from tests.kernels.test_latent_decode import _pool as _latent_pool
 
 R, DR = 512, 64
 FULL = bool(os.environ.get("KVCOMPILE_TEST_FULL"))
 
 
 def _pool(c_fmt: str, r_fmt: str, lens: list[int], g, page: int = 16):
-    spec = LayerSpec(num_kv_heads=1, head_dim=R, v_head_dim=DR,
-                     k_format=KVFormat(c_fmt, "page"), v_format=KVFormat(r_fmt, "page"))
-    pool = PagePool([spec], sum(math.ceil(n / page) for n in lens) + 3, page)
-    seqs = pool.allocate(len(lens))
-    pool.allocate(1)   # a sequence between them: block tables are not the identity
-    for s, n in zip(seqs, lens):
-        pool.write(0, pool.reserve([s], n), torch.randn(n, 1, R, generator=g) * 3,
-                   torch.randn(n, 1, DR, generator=g))
-    plan = SimpleNamespace(packed=False, batch=len(lens), seq_lens_list=lens,
-                           kv_start=[0] * len(lens), cache={},
-                           block_tables=pool.block_table(seqs), new_tokens=1,
-                           past_lens=[n - 1 for n in lens])
-    return pool, plan
+    return _latent_pool(c_fmt, r_fmt, lens, g, page, R, DR)
 
 
 def _case(c_fmt, r_fmt, heads, lens, page, q_dtype=torch.bfloat16, seed=0):
