@@ -33,11 +33,11 @@ start=$(date +%s)
 status=0
 if [ $# -eq 0 ]; then
   # 36 min 15 s in one process on 2 cores (2026-12-03); 24 min 44 s in 2 workers (fresh clone,
-  # 2026-12-04, tenth session, with other tests running beside it)
+  # 2026-12-04, tenth session), 28 min 53 s in the eleventh (a slower day, other work beside it)
   # (README.md, "The two commands")
   where="one process"
   if [ "$workers" != 0 ]; then where="$workers xdist workers"; fi
-  echo "running the whole test suite in $where: about 20-25 min in 2 workers on 2 CPU cores, 36" \
+  echo "running the whole test suite in $where: about 20-30 min in 2 workers on 2 CPU cores, 36" \
        "min in one process (pytest -q: a dot per test)"
 else
   echo "running pytest ${xdist[*]} $*"
