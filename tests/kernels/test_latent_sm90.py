@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +24,7 @@ from kvcompile.kernels.cuda import build
 from kvcompile.kernels.cuda.emu import build_emu
 from kvcompile.kernels.dense import paged_reference_attention
 from kvcompile.testing import REL_ERR, rel_err
+from tests.kernels.test_decode_sm90_nvcc import _cuobjdump
 from tests.kernels.test_latent_decode import _pool as _latent_pool
 
 R, DR = 512, 64
@@ -140,18 +139,6 @@ def test_geometry_and_splits():
     assert ls.choose_splits(64, 1, 32768, 132, 1) == 2
     assert ls.choose_splits(1, 1, 8192, 132, 1) == 32
     assert ls.choose_splits(16, 2, 8192, 132, 2) == 8
-
-
-def _cuobjdump() -> str | None:
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    try:
-        import triton
-    except ImportError:
-        return None
-    p = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    return str(p) if p.exists() else None
 
 
 # (ck, rk, r, dr, page, qt, stages, var): fp8 + bf16 rotary at two CTAs an SM with the alu
