@@ -270,7 +270,6 @@ def _check_residual(name, res, res_slot, N, Hkv, P, D) -> bool:
     return True
 
 
-_FAST_DEVICE: dict[int, str] = {}
 # Formats whose decode runs the CUDA kernel (decode_sm90.py) on sm_90 by default
 # (kernels="auto"): the H200 decode matrix (tests/gpu/test_decode_sm90_gpu.py, 334 cases)
 # passes on it, and it measured 0.65-0.77x torch SDPA over bf16 for fp8 pages against
@@ -300,15 +299,11 @@ def fast_path_reason(q, k_fmt: str, k_gran: str, v_fmt: str, v_gran: str, d: int
         return "not on CUDA"
     if sinks:
         return "attention sinks (a per-head sink logit): the CUDA kernel has no sink input"
-    idx = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    if idx not in _FAST_DEVICE:
-        from kvcompile.kernels.decode_sm90 import device_ok
+    from kvcompile.kernels.decode_sm90 import MAX_ROWS, device_ok, unsupported
 
-        ok, why = device_ok(q.device)
-        _FAST_DEVICE[idx] = "" if ok else why
-    if _FAST_DEVICE[idx]:
-        return _FAST_DEVICE[idx]
-    from kvcompile.kernels.decode_sm90 import MAX_ROWS, unsupported
+    ok, why = device_ok(q.device)   # kept per device there
+    if not ok:
+        return why
 
     if rows > MAX_ROWS:
         return f"{rows} query rows per kv head (G * Sq > {MAX_ROWS})"

@@ -36,7 +36,7 @@ from __future__ import annotations
 import ctypes
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import torch
 
@@ -119,10 +119,17 @@ class DecodeParams(ctypes.Structure):  # paged_decode.cuh DecodeParams, field fo
 
 
 def device_ok(device: torch.device) -> tuple[bool, str]:
-    """Whether this device runs the kernel: sm_90 (Hopper) with nvcc available."""
+    """Whether this device runs the kernel: sm_90 (Hopper) with nvcc available. Asked on every
+    decode step (kernels/decode.py, kernels/latent_sm90.py): the answer is kept per device."""
     if device.type != "cuda":
         return False, "not a CUDA device"
-    cap = torch.cuda.get_device_capability(device)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return _device_ok(idx)
+
+
+@cache
+def _device_ok(idx: int) -> tuple[bool, str]:
+    cap = torch.cuda.get_device_capability(idx)
     if cap != (9, 0):
         return False, f"compute capability {cap[0]}.{cap[1]} (the CUDA decode kernel is sm_90)"
     return build.available()
