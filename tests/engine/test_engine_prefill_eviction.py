@@ -10,6 +10,7 @@ more than budget + N (+ a page)."""
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -60,7 +61,11 @@ def _streamed(m, prompt: list[int], n: int, policy, chunk: int) -> list[int]:
                 out.append(int(logits.argmax()))
                 logits = m(input_ids=torch.tensor([[out[-1]]]), past_key_values=cache,
                            use_cache=True).logits[0, -1]
+        # the first forward of a new shape compiles, and Dynamo's compile leaves the frame's
+        # locals (this cache among them) in reference cycles: its pages come back at the next
+        # collection, not at `del` (the order of tests in a worker decides when that is)
         del cache
+        gc.collect()
     finally:
         pool.allocate = allocate
     return out
