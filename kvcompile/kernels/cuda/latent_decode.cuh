@@ -101,6 +101,34 @@ __device__ __forceinline__ int lat_own(int t, int n, int nch) {
   return nch >= 8 ? 8 * (n >> 1) + 2 * t + (n & 1) : t;
 }
 
+// two fp8 codes, the 16-bit half HI of x, -> f16x2 (paged_decode.cuh's fp8x2_to_f16x2 takes the
+// low half; there the high half costs a SHF a pair, here ptxas reads it as the F2FP's .H1
+// operand: 128 SHF a tile a warp fewer in the base kernel)
+template <int KIND, int HI>
+__device__ __forceinline__ uint32_t lat_cvt8(uint32_t x) {
+#ifdef KVC_EMU
+  return fp8x2_to_f16x2<KIND>(HI ? x >> 16 : x & 0xffffu);
+#else
+  uint32_t r;
+  if constexpr (KIND == KVC_E5M2) {
+    if constexpr (HI)
+      asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e5m2x2 %0, hi;\n}\n"
+          : "=r"(r) : "r"(x));
+    else
+      asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e5m2x2 %0, lo;\n}\n"
+          : "=r"(r) : "r"(x));
+  } else {
+    if constexpr (HI)
+      asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}\n"
+          : "=r"(r) : "r"(x));
+    else
+      asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n"
+          : "=r"(r) : "r"(x));
+  }
+  return r;
+#endif
+}
+
 // b0 / b1 of mma m16n8k16 (keys as B: k = 4 consecutive elements of a chunk, h-th group)
 template <int KIND>
 __device__ __forceinline__ void lat_kfrag(const uint4& w, int h, uint32_t& b0, uint32_t& b1) {
@@ -109,8 +137,8 @@ __device__ __forceinline__ void lat_kfrag(const uint4& w, int h, uint32_t& b0, u
     b1 = word(w, 2 * h + 1);
   } else {
     const uint32_t x = word(w, h);
-    b0 = fp8x2_to_f16x2<KIND>(x & 0xffffu);
-    b1 = fp8x2_to_f16x2<KIND>(x >> 16);
+    b0 = lat_cvt8<KIND, 0>(x);
+    b1 = lat_cvt8<KIND, 1>(x);
   }
 }
 
@@ -230,8 +258,23 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
   load_pids(NS - 2, pid_a);
   load_pids(NS - 1, pid_b);
   const int h0 = hb * 16;
-  for (int e = tid; e < 16 * D; e += LW * 32) {
-    const int rr = e / D, d = e % D;
+  // q -> shared in the MMA's fragment order: k-step s of the score loop (latent (n, h), then
+  // rotary (n, h)), lane l, 16 bytes = its A registers {row g d0..d0+1, row g+8 d0..d0+1, row g
+  // d0+2..d0+3, row g+8 d0+2..d0+3}, d0 the lane's first dim of that k-step. One lds128 a
+  // k-step then gives the four registers in place (row-major q took two lds64 a k-step and
+  // ~7 register moves to assemble the quad, 250 IMAD.MOV a tile a warp; RESULTS.md, mla22j).
+  constexpr int KSL = Gm::NCC / 4 * Gm::CKPC;                        // latent k-steps
+  constexpr int KSR = (Gm::NCR >= 8 ? Gm::NCR / 4 : 1) * Gm::RKPC;   // rotary k-steps
+  static_assert((KSL + KSR) * 16 == D && (KSL + KSR) * 512 <= Gm::RED_OFF, "q fragments");
+  for (int e = tid; e < (KSL + KSR) * 256; e += LW * 32) {
+    const int j = e & 1, w = (e >> 1) & 3, ln = (e >> 3) & 31, s = e >> 8;
+    const int rr = (ln >> 2) + 8 * (w & 1), tt = ln & 3;
+    const int d0 = s < KSL ? Gm::CEPC * lat_own(tt, s / Gm::CKPC, Gm::NCC) + 4 * (s % Gm::CKPC)
+                           : R + Gm::REPC * lat_own(tt, (s - KSL) / Gm::RKPC, Gm::NCR) +
+                                 4 * ((s - KSL) % Gm::RKPC);
+    const int dq = d0 + 2 * (w >> 1) + j;  // the slot's position in the (permuted) row
+    // ALU_K: the latent part's groups of 4 in the order 0, 2, 1, 3 (self-inverse)
+    const int d = ALUK && dq < R ? (dq & ~3) | ((dq & 1) << 1) | ((dq >> 1) & 1) : dq;
     float x = 0.f;
     if (h0 + rr < H) x = load_q<QT>(p.q, b * p.stride_qb + (h0 + rr) * p.stride_qh + d);
     const bool bf = d < R ? CBF : RBF;
@@ -243,9 +286,7 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
       __half v = __float2half_rn(x);
       y = *reinterpret_cast<uint16_t*>(&v);
     }
-    // ALU_K: the latent part's groups of 4 in the order 0, 2, 1, 3 (self-inverse)
-    const int dq = ALUK && d < R ? (d & ~3) | ((d & 1) << 1) | ((d >> 1) & 1) : d;
-    *reinterpret_cast<uint16_t*>(qs + rr * Gm::QROWB + 2 * dq) = y;
+    *reinterpret_cast<uint16_t*>(qs + (s * 32 + ln) * 16 + 4 * w + 2 * j) = y;
   }
 
   float o[Gm::NT][4];
@@ -284,10 +325,8 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
       const uint4 w1 = Gm::NTW == 2 ? lds128(krow1 + ch * 16) : w0;
 #pragma unroll
       for (int h = 0; h < Gm::CKPC; ++h) {
-        const int d0 = Gm::CEPC * ch + 4 * h;
-        const uint2 q0 = lds64(qs + g * Gm::QROWB + 2 * d0);
-        const uint2 q1 = lds64(qs + (g + 8) * Gm::QROWB + 2 * d0);
-        const uint32_t qa[4] = {q0.x, q1.x, q0.y, q1.y};
+        const uint4 qv = lds128(qs + ((n * Gm::CKPC + h) * 32 + lane) * 16);
+        const uint32_t qa[4] = {qv.x, qv.y, qv.z, qv.w};
         uint32_t b0, b1, e0, e1;
         if constexpr (ALUK) {
           fp8x4_to_f16x2x2_alu<CK>(word(w0, h), b0, b1);
@@ -307,10 +346,8 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
       const uint4 w1 = Gm::NTW == 2 ? lds128(krow1 + (Gm::NCC + ch) * 16) : w0;
 #pragma unroll
       for (int h = 0; h < Gm::RKPC; ++h) {
-        const int d0 = R + Gm::REPC * ch + 4 * h;
-        const uint2 q0 = lds64(qs + g * Gm::QROWB + 2 * d0);
-        const uint2 q1 = lds64(qs + (g + 8) * Gm::QROWB + 2 * d0);
-        const uint32_t qa[4] = {q0.x, q1.x, q0.y, q1.y};
+        const uint4 qv = lds128(qs + ((KSL + n * Gm::RKPC + h) * 32 + lane) * 16);
+        const uint32_t qa[4] = {qv.x, qv.y, qv.z, qv.w};
         uint32_t b0, b1;
         lat_kfrag<RK>(w0, h, b0, b1);
         mma16816<RBF>(sr[0], qa, b0, b1);
@@ -439,14 +476,10 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
             const uint32_t x0 = __byte_perm(xa, xb, 0x5140), x1 = __byte_perm(xa, xb, 0x7362);
             const uint32_t y0 = __byte_perm(xc, xd, 0x5140), y1 = __byte_perm(xc, xd, 0x7362);
             const int nb = Gm::VEPU * i + 4 * ww;
-            mma16816<false>(o[nb + 0], pa, fp8x2_to_f16x2<CK>(x0 & 0xffffu),
-                            fp8x2_to_f16x2<CK>(y0 & 0xffffu));
-            mma16816<false>(o[nb + 1], pa, fp8x2_to_f16x2<CK>(x0 >> 16),
-                            fp8x2_to_f16x2<CK>(y0 >> 16));
-            mma16816<false>(o[nb + 2], pa, fp8x2_to_f16x2<CK>(x1 & 0xffffu),
-                            fp8x2_to_f16x2<CK>(y1 & 0xffffu));
-            mma16816<false>(o[nb + 3], pa, fp8x2_to_f16x2<CK>(x1 >> 16),
-                            fp8x2_to_f16x2<CK>(y1 >> 16));
+            mma16816<false>(o[nb + 0], pa, lat_cvt8<CK, 0>(x0), lat_cvt8<CK, 0>(y0));
+            mma16816<false>(o[nb + 1], pa, lat_cvt8<CK, 1>(x0), lat_cvt8<CK, 1>(y0));
+            mma16816<false>(o[nb + 2], pa, lat_cvt8<CK, 0>(x1), lat_cvt8<CK, 0>(y1));
+            mma16816<false>(o[nb + 3], pa, lat_cvt8<CK, 1>(x1), lat_cvt8<CK, 1>(y1));
           } else {
             const int nb = Gm::VEPU * i + 2 * ww;
             mma16816<CBF>(o[nb + 0], pa, __byte_perm(xa, xb, 0x5410),
