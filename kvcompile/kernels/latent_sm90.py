@@ -256,10 +256,13 @@ def merge_splits(acc: torch.Tensor, ml: torch.Tensor) -> torch.Tensor:
 
 def latent_decode_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: float,
                        num_splits: int | None = None, stages: int | None = None,
-                       variant: str = "base", warps: int = WARPS) -> torch.Tensor:
-    """See the module docstring. q_lat [B, H, R + DR] -> [B, H, R] fp32, on an sm_90 GPU."""
+                       variant: str = "base", warps: int = WARPS,
+                       merge: bool = True) -> torch.Tensor:
+    """See the module docstring. q_lat [B, H, R + DR] -> [B, H, R] fp32, on an sm_90 GPU.
+    merge False (benchmarks only: the kernel timed without the merge launch): the splits'
+    partials are left unmerged and the returned tensor is not the output when splits > 1."""
     from kvcompile.kernels import decode_sm90
-    from kvcompile.kernels.latent_decode import _latent_merge_kernel, sm_count
+    from kvcompile.kernels.latent_decode import merge_launch, sm_count
 
     ok, why = decode_sm90.device_ok(q_lat.device)
     if not ok:
@@ -268,11 +271,8 @@ def latent_decode_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: f
     lp = plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale, num_splits,
                           stages, sm_count(q_lat.device), variant, warps)
     _kernel(lp.key).launch(lp.grid, warps * 32, lp.prm, q_lat.device)
-    if not lp.direct:
-        B, H, R = lp.out.shape
-        merge_h = 16
-        _latent_merge_kernel[((H + merge_h - 1) // merge_h, B)](
-            lp.acc, lp.ml, lp.out, H, lp.num_splits, R=R, BLOCK_H=merge_h, num_warps=4)
+    if merge and not lp.direct:
+        merge_launch(lp.acc, lp.ml, lp.out, lp.num_splits)
     return lp.out
 
 

@@ -30,7 +30,7 @@ def _case(c_fmt, r_fmt, lens, heads):
 
 @pytest.mark.parametrize("variant,stages,warps", [
     ("base", None, 4), ("base", None, 8), ("aluk", None, 4), ("alu", None, 4), ("aluv", 4, 4),
-    ("alu", 4, 4), ("alu", 4, 8)])
+    ("alu", 4, 4), ("alu", 4, 8), ("base", 4, 4), ("aluv", None, 4)])
 @pytest.mark.parametrize("splits", [None, 1, 7])
 @pytest.mark.parametrize("heads", [16, 20])
 @pytest.mark.parametrize("c_fmt,r_fmt", [("bf16", "bf16"), ("fp8_e4m3", "bf16"),

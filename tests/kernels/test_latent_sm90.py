@@ -109,6 +109,31 @@ def test_page_scales_are_read():
     assert rel_err(out, ref) > 0.1
 
 
+def test_merge_once_matches_torch(monkeypatch):
+    """The one-launch merge (latent_decode.merge_launch, "once": every split loaded at once, R
+    over programs) and the loop merge it replaces against merge_splits (PyTorch), 3 splits (a
+    masked 4th slot), one split empty for one sequence, 20 heads (a partial head block).
+    Negative: the merge told one split less differs."""
+    from kvcompile.kernels import latent_decode as ld
+
+    g = torch.Generator().manual_seed(3)
+    B, S, H = 2, 3, 20
+    acc = torch.randn(B, S, H, R, generator=g)
+    ml = torch.stack([torch.randn(B, S, H, generator=g) * 4,
+                      torch.rand(B, S, H, generator=g) * 10 + 1], -1)
+    ml[1, 2, :, 0], ml[1, 2, :, 1] = float("-inf"), 0.0   # sequence 1's last split: empty
+    acc[1, 2] = 0.0
+    ref = ls.merge_splits(acc, ml)
+    for mode in ("once", "loop"):
+        monkeypatch.setattr(ld, "MERGE", mode)
+        out = torch.empty(B, H, R)
+        ld.merge_launch(acc, ml, out, S)
+        assert rel_err(out, ref) <= 1e-6, mode
+    short = torch.empty(B, H, R)
+    ld.merge_launch(acc[:, :2].contiguous(), ml[:, :2].contiguous(), short, 2)
+    assert rel_err(short[0], ref[0]) > 1e-2
+
+
 def test_refusals_name_the_fix():
     g = torch.Generator().manual_seed(0)
     spec = LayerSpec(num_kv_heads=1, head_dim=256, v_head_dim=DR,
