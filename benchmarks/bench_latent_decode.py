@@ -353,6 +353,7 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
                 own = pick_splits(B, H, max_len, t, sms, widened=fmt != "bf16")
                 for sp in dict.fromkeys([own] + splits):
                     runs.append(("rule" if t == rule and sp == own else "sweep", t, sp))
+            seen = set()   # variants that change nothing for these pages (bf16) time once
             for var, st, w, mg in cuda or []:   # the CUDA kernel (kernels/latent_sm90.py)
                 if DRY:
                     print(f"| {name} | {fmt} | cuda {var} | - | dry run: the CUDA kernel takes "
@@ -361,7 +362,11 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
                 from kvcompile.kernels import latent_sm90
 
                 ck = latent_sm90._KIND[fmt]
-                _, ctas, smem = latent_sm90.kernel_constants(ck, ck, R, DR, P, 1, st,
+                vbits = latent_sm90.VARIANTS[var] if ck < 2 else 0
+                if (vbits, st, w, mg) in seen:
+                    continue
+                seen.add((vbits, st, w, mg))
+                _, ctas, smem = latent_sm90.kernel_constants(ck, ck, R, DR, P, 1, st, vbits,
                                                              warps=w)
                 own = latent_sm90.choose_splits(B, (H + 15) // 16, max_len, sms, ctas)
                 for sp in dict.fromkeys([own] + splits):

@@ -45,7 +45,11 @@ WARP_COUNTS = (4, 8)   # warps a CTA: 4 (16 tokens a warp in the scores) or 8 (8
 # compile-time variants (latent_decode.cuh VAR bits): "aluk" widens fp8 latent keys by integer
 # ops for the scores (values still by F2FP), "aluv" the values, "alu" both; e4m3 NaN codes then
 # read as +-480 * scale where integer ops widen them
-VARIANTS = {"base": 0, "aluk": 1, "aluv": 2, "alu": 3}
+# "wide" (mla22j): fp8 latent codes widened once a tile (the scores' F2FP results kept in a
+# 16-bit shared copy of the tile, which P V reads): 144 F2FP a tile a thread instead of 256, for
+# 64 KB of shared memory (fewer ring stages)
+VARIANTS = {"base": 0, "aluk": 1, "aluv": 2, "alu": 3, "wide": 4}
+WIDE = 4
 
 
 class LatentParams(ctypes.Structure):  # latent_decode.cuh LatentParams, field for field
@@ -61,7 +65,8 @@ def _round(x: int, m: int) -> int:
 
 
 def geometry(ck: int, rk: int, r: int, dr: int, page: int,
-             stages: int | None = None, warps: int = WARPS) -> tuple[int, int, int]:
+             stages: int | None = None, warps: int = WARPS,
+             wide: bool = False) -> tuple[int, int, int]:
     """(stages, shared bytes a CTA, CTAs an SM by shared memory), as latent_decode.cuh's
     LatGeo lays them out; a stage is half a tile (32 tokens), at least 4. stages None: as many
     as fit one CTA an SM (at most MAX_STAGES)."""
@@ -72,6 +77,8 @@ def geometry(ck: int, rk: int, r: int, dr: int, page: int,
     stage = _round(HALF * rowb + (8 * ppt if ck < 2 or rk < 2 else 0), 128)
     qrowb = (r + dr) * 2 + 8
     fixed = _round(_round(16 * qrowb, 128) + warps * 16 * 4 + 16 * (TILE * 2 + 16), 128)
+    if wide and ck < 2:   # the tile's latent rows widened to 16 bits (latent_decode.cuh WROWB)
+        fixed += _round(TILE * (r * 2 + 16), 128)
     if stages is None:
         stages = max(4, min(MAX_STAGES, (SMEM_LIMIT - fixed) // stage))
     smem = fixed + stages * stage
@@ -90,7 +97,7 @@ def kernel_constants(ck: int, rk: int, r: int, dr: int, page: int, qt: int,
     if warps not in WARP_COUNTS:
         raise UnsupportedShapeError(f"latent_decode_sm90: warps={warps}; take one of "
                                     f"{WARP_COUNTS}")
-    ns, smem, ctas = geometry(ck, rk, r, dr, page, stages, warps)
+    ns, smem, ctas = geometry(ck, rk, r, dr, page, stages, warps, bool(var & WIDE))
     defines = {"KVC_CK": ck, "KVC_RK": rk, "KVC_R": r, "KVC_DR": dr,
                "KVC_LOG2P": page.bit_length() - 1, "KVC_NS": ns, "KVC_QT": qt,
                "KVC_LVAR": var if ck < 2 else 0, "KVC_LW": warps}

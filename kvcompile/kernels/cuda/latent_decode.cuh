@@ -63,7 +63,7 @@ namespace kvc {
 constexpr int LAT_TILE = 64;  // tokens an iteration: 16 a warp
 constexpr int LAT_HALF = 32;  // tokens a ring stage: a tile is two stages
 
-template <int CK, int RK, int R, int DR, int LOG2P, int NS, int LW = 4>
+template <int CK, int RK, int R, int DR, int LOG2P, int NS, int LW = 4, bool WIDE = false>
 struct LatGeo {
   static constexpr int CEB = CK >= KVC_F16 ? 2 : 1, REB = RK >= KVC_F16 ? 2 : 1;
   static constexpr bool CSC = CK <= KVC_E5M2, RSC = RK <= KVC_E5M2;  // page-scaled fp8
@@ -78,16 +78,19 @@ struct LatGeo {
   static constexpr int RED_OFF = (16 * QROWB + 127) / 128 * 128;
   static constexpr int P_OFF = RED_OFF + LW * 16 * 4;
   static constexpr int PROWB = LAT_TILE * 2 + 16;             // P row: 16 mod 128
-  static constexpr int RING_OFF = (P_OFF + 16 * PROWB + 127) / 128 * 128;
+  static constexpr int WROWB = R * 2 + 16;                    // WIDE: a 16-bit latent row
+  static constexpr int W_OFF = (P_OFF + 16 * PROWB + 127) / 128 * 128;
+  static constexpr int RING_OFF = W_OFF + (WIDE ? (LAT_TILE * WROWB + 127) / 128 * 128 : 0);
   static constexpr int SMEM = RING_OFF + NS * STAGE;
   static constexpr int CEPC = 16 / CEB, REPC = 16 / REB;      // elements a chunk
   static constexpr int CKPC = CEPC / 4, RKPC = REPC / 4;      // k-steps a chunk
   static constexpr int TW = LAT_TILE / LW, NTW = TW / 8;      // a warp's tokens, n-tiles
-  static constexpr int WB = R * CEB / LW;                     // a warp's output columns, bytes
+  static constexpr int VEB = WIDE ? 2 : CEB;                   // value element bytes read
+  static constexpr int WB = R * VEB / LW;                     // a warp's output columns, bytes
   static constexpr int VU = WB >= 128 ? 16 : 8;               // value unit a thread loads
   static constexpr int UW = WB / VU;                          // value units a warp
   static constexpr int VUT = UW / 8;                          // ... a thread (g)
-  static constexpr int VEPU = VU / CEB;                       // value elements a unit
+  static constexpr int VEPU = VU / VEB;                       // value elements a unit
   static constexpr int NT = VUT * VEPU;                       // n-tiles of O a warp
   static_assert(LW == 4 || LW == 8, "4 or 8 warps");
   static_assert(NCC % 32 == 0 && WB >= 64 && UW % 8 == 0,
@@ -129,6 +132,11 @@ __device__ __forceinline__ uint32_t lat_cvt8(uint32_t x) {
 #endif
 }
 
+// 16 bytes to shared memory (a plain store, as P's: ordered by the kernel's barriers)
+__device__ __forceinline__ void lat_sts128(uint8_t* p, const uint4& v) {
+  *reinterpret_cast<uint4*>(p) = v;
+}
+
 // b0 / b1 of mma m16n8k16 (keys as B: k = 4 consecutive elements of a chunk, h-th group)
 template <int KIND>
 __device__ __forceinline__ void lat_kfrag(const uint4& w, int h, uint32_t& b0, uint32_t& b1) {
@@ -153,17 +161,26 @@ __device__ __forceinline__ void lat_kfrag(const uint4& w, int h, uint32_t& b0, u
 //   LAT_VAR_ALU_V: the values (P V) widened by integer ops too (paged_decode.cuh's ALU_V forms:
 //     e4m3 through prmt with sign replication, shift and mask, the 2^8 into P; e5m2 by prmt);
 //     with ALU_K ("alu") no F2FP is left but the rotary key's.
+//   LAT_VAR_WIDE (fp8 latent pages; "wide"): each latent code is widened once a tile, not twice:
+//     the scores' F2FP results (keys, in memory order) are also stored to a 16-bit copy of the
+//     tile's 64 latent rows in shared memory (rows of R * 2 + 16 bytes), and P V reads its
+//     values from there as the bf16 / fp16 kernel does (no conversion in P V). An fp8 tile
+//     otherwise widens its first R dims twice (as keys by the warp that owns the token, as
+//     values by the warp that owns the column): 256 F2FP a tile a thread, 144 here. Costs
+//     64 KB of shared memory (fewer ring stages) and 32 STS.128 a thread a tile.
 #define LAT_VAR_ALU_K 1
 #define LAT_VAR_ALU_V 2
+#define LAT_VAR_WIDE 4
 
 template <int CK, int RK, int R, int DR, int LOG2P, int NS, int QT, int VAR = 0, int LW = 4>
 __device__ __forceinline__ void latent_decode(const LatentParams& p) {
-  using Gm = LatGeo<CK, RK, R, DR, LOG2P, NS, LW>;
+  constexpr bool WIDE = (VAR & LAT_VAR_WIDE) && CK <= KVC_E5M2;
+  using Gm = LatGeo<CK, RK, R, DR, LOG2P, NS, LW, WIDE>;
   static_assert(NS >= 4, "four half-tile stages or more (two computed, two or more loading)");
   constexpr bool CBF = CK == KVC_BF16, RBF = RK == KVC_BF16;
-  constexpr bool ALUK = (VAR & LAT_VAR_ALU_K) && Gm::CEB == 1;
+  constexpr bool ALUK = (VAR & LAT_VAR_ALU_K) && Gm::CEB == 1 && !WIDE;
   constexpr float K_ALU = ALUK && CK == KVC_E4M3 ? 256.f : 1.f;
-  constexpr bool ALUV = (VAR & LAT_VAR_ALU_V) && Gm::CEB == 1;
+  constexpr bool ALUV = (VAR & LAT_VAR_ALU_V) && Gm::CEB == 1 && !WIDE;
   constexpr float V_ALU = ALUV && CK == KVC_E4M3 ? 256.f : 1.f;  // 2^8 back into P
   constexpr int P = Gm::P, D = R + DR;
   const float NEG_INF = -INFINITY;
@@ -181,6 +198,7 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
   float* red = reinterpret_cast<float*>(smem + Gm::RED_OFF);  // [LW][16]
   uint8_t* ps = smem + Gm::P_OFF;                              // [16][LAT_TILE] 16-bit
   uint8_t* ring = smem + Gm::RING_OFF;
+  uint8_t* wbuf = smem + Gm::W_OFF;                            // WIDE: [LAT_TILE][WROWB]
   const int* btb = p.bt + (long long)b * p.stride_bt;
 
   // ---- the page ids of tile `tile` (0 past the split's end: those rows are zero-filled)
@@ -323,6 +341,7 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
       const int ch = lat_own(t, n, Gm::NCC);
       const uint4 w0 = lds128(krow0 + ch * 16);
       const uint4 w1 = Gm::NTW == 2 ? lds128(krow1 + ch * 16) : w0;
+      uint32_t wk0[WIDE ? 2 * Gm::CKPC : 1], wk1[WIDE ? 2 * Gm::CKPC : 1];  // WIDE: f16 keys
 #pragma unroll
       for (int h = 0; h < Gm::CKPC; ++h) {
         const uint4 qv = lds128(qs + ((n * Gm::CKPC + h) * 32 + lane) * 16);
@@ -337,6 +356,23 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
         }
         mma16816<CBF>(h & 1 ? sc2[0] : sc[0], qa, b0, b1);
         if constexpr (Gm::NTW == 2) mma16816<CBF>(h & 1 ? sc2[1] : sc[1], qa, e0, e1);
+        if constexpr (WIDE) {
+          wk0[2 * h] = b0;
+          wk0[2 * h + 1] = b1;
+          if constexpr (Gm::NTW == 2) {
+            wk1[2 * h] = e0;
+            wk1[2 * h + 1] = e1;
+          }
+        }
+      }
+      if constexpr (WIDE) {  // the chunk's 16 codes as 32 bytes of f16, tile row TW w + g (+8)
+        uint8_t* wr = wbuf + (Gm::TW * warp + g) * Gm::WROWB + 32 * ch;
+        lat_sts128(wr, uint4{wk0[0], wk0[1], wk0[2], wk0[3]});
+        lat_sts128(wr + 16, uint4{wk0[4], wk0[5], wk0[6], wk0[7]});
+        if constexpr (Gm::NTW == 2) {
+          lat_sts128(wr + 8 * Gm::WROWB, uint4{wk1[0], wk1[1], wk1[2], wk1[3]});
+          lat_sts128(wr + 8 * Gm::WROWB + 16, uint4{wk1[4], wk1[5], wk1[6], wk1[7]});
+        }
       }
     }
 #pragma unroll
@@ -431,12 +467,14 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
       pa[1] = lds32(ps + (g + 8) * Gm::PROWB + 2 * (16 * ks + 2 * t));
       pa[2] = lds32(ps + g * Gm::PROWB + 2 * (16 * ks + 2 * t + 8));
       pa[3] = lds32(ps + (g + 8) * Gm::PROWB + 2 * (16 * ks + 2 * t + 8));
-      const uint8_t* vb0 = (ks >= 2 ? st1 : st0) + (16 * (ks & 1)) * Gm::ROWB;
+      constexpr int VROWB = WIDE ? Gm::WROWB : Gm::ROWB;
+      const uint8_t* vb0 = WIDE ? wbuf + 16 * ks * Gm::WROWB
+                                : (ks >= 2 ? st1 : st0) + (16 * (ks & 1)) * Gm::ROWB;
 #pragma unroll
       for (int i = 0; i < Gm::VUT; ++i) {
         const int u = Gm::UW * warp + g + 8 * i;
         auto unit = [&](int row) {  // VU bytes of a value row (8 warps, fp8: 8 bytes)
-          const uint8_t* a = vb0 + row * Gm::ROWB + Gm::VU * u;
+          const uint8_t* a = vb0 + row * VROWB + Gm::VU * u;
           if constexpr (Gm::VU == 16) {
             return lds128(a);
           } else {
@@ -472,7 +510,7 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
             mma16816<false>(o[nb + 1], pa, xo0, yo0);
             mma16816<false>(o[nb + 2], pa, xe1, ye1);
             mma16816<false>(o[nb + 3], pa, xo1, yo1);
-          } else if constexpr (Gm::CEB == 1) {
+          } else if constexpr (Gm::VEB == 1) {
             const uint32_t x0 = __byte_perm(xa, xb, 0x5140), x1 = __byte_perm(xa, xb, 0x7362);
             const uint32_t y0 = __byte_perm(xc, xd, 0x5140), y1 = __byte_perm(xc, xd, 0x7362);
             const int nb = Gm::VEPU * i + 4 * ww;
