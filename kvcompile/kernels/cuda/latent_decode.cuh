@@ -93,6 +93,7 @@ struct LatGeo {
   static constexpr int VEPU = VU / VEB;                       // value elements a unit
   static constexpr int NT = VUT * VEPU;                       // n-tiles of O a warp
   static_assert(LW == 4 || LW == 8, "4 or 8 warps");
+  static_assert(!WIDE || WROWB >= R * 2 + 16, "WIDE: a unit of padding (lat_wpos)");
   static_assert(NCC % 32 == 0 && WB >= 64 && UW % 8 == 0,
                 "latent rows of 512 bytes or more (R 256 bf16, R 512 fp8)");
   static_assert(NCR == 4 || NCR % 8 == 0, "rotary rows of 64 bytes or a multiple of 128");
@@ -135,6 +136,15 @@ __device__ __forceinline__ uint32_t lat_cvt8(uint32_t x) {
 // 16 bytes to shared memory (a plain store, as P's: ordered by the kernel's barriers)
 __device__ __forceinline__ void lat_sts128(uint8_t* p, const uint4& v) {
   *reinterpret_cast<uint4*>(p) = v;
+}
+
+// WIDE: where 16-byte unit u of a widened latent row `row` lives in it. Rows are 16 mod 128
+// bytes apart; a unit's bit 3 flips its bit 0 and odd rows rotate by one unit, so that both the
+// scores' stores (lanes g, t: units 4 t + .. of rows g, g + 8) and P V's loads (units g + 8 i
+// of rows 2 t ..) touch 8 different 16-byte bank groups in each 8-lane phase (plain order: the
+// stores of lanes t and t + 2 share banks, 2-way). Unit 64 is the row's 16 padding bytes.
+__device__ __forceinline__ int lat_wpos(int u, int row) {
+  return (u ^ ((u >> 3) & 1)) + (row & 1);
 }
 
 // b0 / b1 of mma m16n8k16 (keys as B: k = 4 consecutive elements of a chunk, h-th group)
@@ -330,6 +340,16 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
     }
   }
 
+  // WIDE: the lane's store offsets in its widened rows and its value units' positions
+  // (lat_wpos without the row parity, which is known where each load is)
+  const int wo0 = 16 * (((t >> 1) & 1) + (g & 1)), wo1 = 16 * ((((t >> 1) & 1) ^ 1) + (g & 1));
+  int vpos[Gm::VUT];
+#pragma unroll
+  for (int i = 0; i < Gm::VUT; ++i) {
+    const int u = Gm::UW * warp + g + 8 * i;
+    vpos[i] = 16 * (u ^ ((u >> 3) & 1));
+  }
+
   float o[Gm::NT][4];
 #pragma unroll
   for (int n = 0; n < Gm::NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
@@ -388,13 +408,16 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
           }
         }
       }
-      if constexpr (WIDE) {  // the chunk's 16 codes as 32 bytes of f16, tile row TW w + g (+8)
+      if constexpr (WIDE) {  // the chunk's 16 codes as 32 bytes of f16 (units 2 ch, 2 ch + 1)
+        // lat_wpos(2 ch + e, row) = 2 ch + (e ^ tf) + (row & 1): bit 3 of 2 ch is bit 1 of t
+        // (lat_own), the row's parity is g's; both lane constants, folded into wo0 / wo1
         uint8_t* wr = wbuf + (Gm::TW * warp + g) * Gm::WROWB + 32 * ch;
-        lat_sts128(wr, uint4{wk0[0], wk0[1], wk0[2], wk0[3]});
-        lat_sts128(wr + 16, uint4{wk0[4], wk0[5], wk0[6], wk0[7]});
+        lat_sts128(wr + wo0, uint4{wk0[0], wk0[1], wk0[2], wk0[3]});
+        lat_sts128(wr + wo1, uint4{wk0[4], wk0[5], wk0[6], wk0[7]});
         if constexpr (Gm::NTW == 2) {
-          lat_sts128(wr + 8 * Gm::WROWB, uint4{wk1[0], wk1[1], wk1[2], wk1[3]});
-          lat_sts128(wr + 8 * Gm::WROWB + 16, uint4{wk1[4], wk1[5], wk1[6], wk1[7]});
+          wr += 8 * Gm::WROWB;
+          lat_sts128(wr + wo0, uint4{wk1[0], wk1[1], wk1[2], wk1[3]});
+          lat_sts128(wr + wo1, uint4{wk1[4], wk1[5], wk1[6], wk1[7]});
         }
       }
     }
@@ -497,7 +520,7 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
       for (int i = 0; i < Gm::VUT; ++i) {
         const int u = Gm::UW * warp + g + 8 * i;
         auto unit = [&](int row) {  // VU bytes of a value row (8 warps, fp8: 8 bytes)
-          const uint8_t* a = vb0 + row * VROWB + Gm::VU * u;
+          const uint8_t* a = vb0 + row * VROWB + (WIDE ? vpos[i] + 16 * (row & 1) : Gm::VU * u);
           if constexpr (Gm::VU == 16) {
             return lds128(a);
           } else {
