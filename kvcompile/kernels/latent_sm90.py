@@ -177,11 +177,13 @@ class Launch:
 
 def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: float,
                      num_splits: int | None = None, stages: int | None = None,
-                     sms: int = 132, variant: str = "base", warps: int = WARPS) -> Launch:
+                     sms: int = 132, variant: str = "base", warps: int = WARPS,
+                     poison: bool = False) -> Launch:
     """The launch for these inputs (any device: the emulation plans CPU tensors).
     stages: ring stages of half a tile (None: as many as fit one CTA an SM; 4 lets fp8 pages
     run two CTAs an SM); variant: VARIANTS (a bit that changes nothing for these pages is
-    dropped); warps: WARP_COUNTS (8: two warps a scheduler at one CTA an SM)."""
+    dropped); warps: WARP_COUNTS (8: two warps a scheduler at one CTA an SM); poison (tests):
+    the output and the splits' partials filled with NaN first."""
     from kvcompile.kernels.latent_decode import _check
 
     _check(q_lat, c_pages, r_pages, block_tables, seq_lens)
@@ -215,6 +217,9 @@ def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: flo
     else:
         acc = torch.empty((B, num_splits, H, R), dtype=torch.float32, device=dev)
         ml = torch.empty((B, num_splits, H, 2), dtype=torch.float32, device=dev)
+    if poison:   # tests: an element the kernel does not write stays NaN
+        for t in (out, acc, ml):
+            t.fill_(float("nan"))
     tensors = {"q": q, "c": c_pages.data, "r": r_pages.data,
                "cs": c_pages.scale if ck < 2 else None, "rs": r_pages.scale if rk < 2 else None,
                "bt": block_tables, "seq_lens": seq_lens, "out": out,
@@ -264,10 +269,11 @@ def merge_splits(acc: torch.Tensor, ml: torch.Tensor) -> torch.Tensor:
 def latent_decode_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: float,
                        num_splits: int | None = None, stages: int | None = None,
                        variant: str = "base", warps: int = WARPS,
-                       merge: bool = True) -> torch.Tensor:
+                       merge: bool = True, poison: bool = False) -> torch.Tensor:
     """See the module docstring. q_lat [B, H, R + DR] -> [B, H, R] fp32, on an sm_90 GPU.
     merge False (benchmarks only: the kernel timed without the merge launch): the splits'
-    partials are left unmerged and the returned tensor is not the output when splits > 1."""
+    partials are left unmerged and the returned tensor is not the output when splits > 1.
+    poison (tests): the output and the partials are filled with NaN before the launch."""
     from kvcompile.kernels import decode_sm90
     from kvcompile.kernels.latent_decode import merge_launch, sm_count
 
@@ -276,7 +282,7 @@ def latent_decode_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: f
         raise UnsupportedShapeError(f"latent_decode_sm90: {why}; use "
                                     f"latent_decode.latent_decode_attention (Triton)")
     lp = plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale, num_splits,
-                          stages, sm_count(q_lat.device), variant, warps)
+                          stages, sm_count(q_lat.device), variant, warps, poison)
     _kernel(lp.key).launch(lp.grid, warps * 32, lp.prm, q_lat.device)
     if merge and not lp.direct:
         merge_launch(lp.acc, lp.ml, lp.out, lp.num_splits)

@@ -46,7 +46,7 @@ def test_cuda_latent_kernel(c_fmt, r_fmt, heads, splits, variant, stages, warps)
     pool, plan, q, lens_t, ref = _case(c_fmt, r_fmt, [1, 63, 4097, 700], heads)
     out = latent_sm90.latent_decode_sm90(q, pool.k[0], pool.v[0], plan.block_tables, lens_t,
                                          0.07, num_splits=splits, stages=stages,
-                                         variant=variant, warps=warps)
+                                         variant=variant, warps=warps, poison=True)
     torch.cuda.synchronize()
     assert_rel_close(out, ref, torch.bfloat16,
                      what=f"{c_fmt}/{r_fmt} h{heads} x {splits} {variant} s{stages} w{warps}")

@@ -46,7 +46,8 @@ def _case(c_fmt, r_fmt, heads, lens, page, q_dtype=torch.bfloat16, seed=0):
 
 def _emulate(pool, plan, q, lens, **kw):
     sl = torch.tensor(lens, dtype=torch.int32)
-    lp = ls.plan_latent_sm90(q, pool.k[0], pool.v[0], plan.block_tables, sl, 0.2, **kw)
+    lp = ls.plan_latent_sm90(q, pool.k[0], pool.v[0], plan.block_tables, sl, 0.2, poison=True,
+                             **kw)
     return build_emu.run_latent(lp)
 
 
