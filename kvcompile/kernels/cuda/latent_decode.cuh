@@ -294,49 +294,57 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
   constexpr int KSL = Gm::NCC / 4 * Gm::CKPC;                        // latent k-steps
   constexpr int KSR = (Gm::NCR >= 8 ? Gm::NCR / 4 : 1) * Gm::RKPC;   // rotary k-steps
   static_assert((KSL + KSR) * 16 == D && (KSL + KSR) * 512 <= Gm::RED_OFF, "q fragments");
-  // Every load first (a thread's 8-element runs of q rows, NQC of them, all in flight at once),
-  // then each element to its slot: a loop of load -> store waits one memory latency a pass
-  // (36 passes at 4 warps: ~10 us a CTA before its first tile, mla22j).
-  constexpr int QCR = D / 8;                                   // 8-element runs a q row
-  constexpr int NQC = (16 * QCR + LW * 32 - 1) / (LW * 32);    // ... a thread
-  float xq[NQC][8];
+  // Two passes: (1) q row-major, 16-bit, into ring stage NS - 1 (its copies are issued only in
+  // the loop, after a barrier): a thread's 8-element runs, every load in flight at once (a
+  // load -> store loop waited one memory latency a pass, 36 passes at 4 warps), each run stored
+  // as two 8-byte words; (2) each thread assembles fragment quads from it (storing each element
+  // straight to its slot took ~2,000 instructions of index arithmetic a thread; mla22j).
+  {
+    uint8_t* qr = ring + (NS - 1) * Gm::STAGE;  // [16][QROWB]
+    static_assert(16 * Gm::QROWB <= Gm::STAGE && R % 8 == 0, "q's staging rows");
+    constexpr int QCR = D / 8;                                 // 8-element runs a q row
+    constexpr int NQC = (16 * QCR + LW * 32 - 1) / (LW * 32);  // ... a thread
+    float xq[NQC][8];
 #pragma unroll
-  for (int k = 0; k < NQC; ++k) {
-    const int c = tid + k * LW * 32, rr = c / QCR, dd = c % QCR * 8;
-    const bool ok = c < 16 * QCR && h0 + rr < H;
+    for (int k = 0; k < NQC; ++k) {  // rows past H (and runs past the end) read a valid row
+      const int c = min(tid + k * LW * 32, 16 * QCR - 1), rr = c / QCR, dd = c % QCR * 8;
+      const long long at = b * p.stride_qb + min(h0 + rr, H - 1) * p.stride_qh + dd;
 #pragma unroll
-    for (int e = 0; e < 8; ++e)
-      xq[k][e] = ok ? load_q<QT>(p.q, b * p.stride_qb + (h0 + rr) * p.stride_qh + dd + e) : 0.f;
-  }
+      for (int e = 0; e < 8; ++e) xq[k][e] = load_q<QT>(p.q, at + e);
+    }
 #pragma unroll
-  for (int k = 0; k < NQC; ++k) {
-    const int c = tid + k * LW * 32, rr = c / QCR, dd = c % QCR * 8;
-    if (c >= 16 * QCR) break;
+    for (int k = 0; k < NQC; ++k) {
+      const int c = tid + k * LW * 32, rr = c / QCR, dd = c % QCR * 8;
+      if (c >= 16 * QCR) break;
+      const float z = h0 + rr < H ? 1.f : 0.f;
+      float* x = xq[k];
+      uint32_t w[4];
+      if (dd < R && ALUK) {  // ALU_K: groups of 4 in the order 0, 2, 1, 3
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const int d = dd + e;
-      // ALU_K: the latent part's groups of 4 in the order 0, 2, 1, 3 (self-inverse)
-      const int dq = ALUK && d < R ? (d & ~3) | ((d & 1) << 1) | ((d >> 1) & 1) : d;
-      // position dq -> (k-step s, lane, register w, half j): lat_own inverted (chunk ch =
-      // 8 (n >> 1) + 2 t + (n & 1) for rows of 8 chunks or more, else ch = t, n = 0)
-      const bool lat = dq < R;
-      const int epc = lat ? Gm::CEPC : Gm::REPC, x = lat ? dq : dq - R;
-      const int ch = x / epc, i = x % epc;
-      const bool wide_row = lat || Gm::NCR >= 8;
-      const int n = wide_row ? 2 * (ch / 8) + (ch & 1) : 0;
-      const int tt = wide_row ? (ch % 8) / 2 : ch;
-      const int s = lat ? n * Gm::CKPC + i / 4 : KSL + n * Gm::RKPC + i / 4;
-      const int w = 2 * ((i % 4) / 2) + rr / 8, j = i % 2, ln = 4 * (rr % 8) + tt;
-      const float v = xq[k][e];
-      uint16_t y;
-      if (lat ? CBF : RBF) {
-        __nv_bfloat16 hv = __float2bfloat16_rn(v);
-        y = *reinterpret_cast<uint16_t*>(&hv);
+        for (int i = 0; i < 2; ++i) {
+          w[2 * i] = pack2<CBF>(x[4 * i] * z, x[4 * i + 2] * z);
+          w[2 * i + 1] = pack2<CBF>(x[4 * i + 1] * z, x[4 * i + 3] * z);
+        }
+      } else if (dd < R) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) w[i] = pack2<CBF>(x[2 * i] * z, x[2 * i + 1] * z);
       } else {
-        __half hv = __float2half_rn(v);
-        y = *reinterpret_cast<uint16_t*>(&hv);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) w[i] = pack2<RBF>(x[2 * i] * z, x[2 * i + 1] * z);
       }
-      *reinterpret_cast<uint16_t*>(qs + (s * 32 + ln) * 16 + 4 * w + 2 * j) = y;
+      uint8_t* dst = qr + rr * Gm::QROWB + 2 * dd;  // 8-byte aligned (QROWB 8 mod 16)
+      *reinterpret_cast<uint2*>(dst) = uint2{w[0], w[1]};
+      *reinterpret_cast<uint2*>(dst + 8) = uint2{w[2], w[3]};
+    }
+    __syncthreads();
+    for (int f = tid; f < (KSL + KSR) * 32; f += LW * 32) {
+      const int s = f >> 5, ln = f & 31, gg = ln >> 2, tt = ln & 3;
+      const int d0 = s < KSL ? Gm::CEPC * lat_own(tt, s / Gm::CKPC, Gm::NCC) + 4 * (s % Gm::CKPC)
+                             : R + Gm::REPC * lat_own(tt, (s - KSL) / Gm::RKPC, Gm::NCR) +
+                                   4 * ((s - KSL) % Gm::RKPC);
+      const uint2 a0 = lds64(qr + gg * Gm::QROWB + 2 * d0);
+      const uint2 a1 = lds64(qr + (gg + 8) * Gm::QROWB + 2 * d0);
+      lat_sts128(qs + f * 16, uint4{a0.x, a1.x, a0.y, a1.y});
     }
   }
 
