@@ -128,27 +128,34 @@ def unsupported(q_lat, c_pages, r_pages) -> str:
 # kernel where the H200 measured it faster than the Triton rule, the Triton rule elsewhere.
 # H200, 16 heads, 2026-12-04 (RESULTS.md, "Eleventh session's device calls"), % of copy, rule /
 # CUDA: B64 x 32k bf16 66.0 / 88.3 (4 warps), fp8 42.6 / 47.7 (4 stages, alu: 53.3);
-# B16 x 8k bf16 46.3 / 44.9, fp8 26.1 / 22.5.
+# B16 x 8k bf16 46.3 / 44.9, fp8 26.1 / 22.5. After mla22j (RESULTS.md, "per-tile instructions
+# cut by a third"; CUDA graphs of 4 calls, ms rule / CUDA): B16 x 8k bf16 0.071 / 0.068, fp8
+# 0.058 / 0.064 (4 stages: 0.074); B64 x 8k, B16 x 32k, B64 x 32k: CUDA faster in both formats
+# (fp8 at 4 stages, 2 CTAs an SM: 69.5% of copy at B64 x 32k).
 ROUTE = "auto"                 # "auto" (use_cuda's rule), "cuda" (wherever it runs), "triton"
-CUDA_MIN_TOKENS = 1 << 19      # batch x the block table's context
+# batch x the block table's context from which the CUDA kernel takes a step, by page kind
+# (False: 16-bit pages, True: fp8)
+CUDA_MIN_TOKENS = {False: 1 << 17, True: 1 << 19}
 CUDA_LAUNCH = {False: {}, True: {"stages": 4}}   # widened (fp8) pages: 2 CTAs an SM
 
 
 def use_cuda(q_lat, c_pages, r_pages, max_len: int) -> dict | None:
     """The launch options (latent_decode_sm90's keywords) when the run time should take this
     kernel for a decode step, else None: on an sm_90 GPU, for pages it takes (`unsupported`),
-    with ROUTE "cuda", or "auto", batch x max_len >= CUDA_MIN_TOKENS and 16-bit queries (this
-    kernel rounds fp32 queries to the pages' MMA dtype; the Triton kernel's dots stay fp32)."""
+    with ROUTE "cuda", or "auto", batch x max_len >= CUDA_MIN_TOKENS[fp8 latent pages] and
+    16-bit queries (this kernel rounds fp32 queries to the pages' MMA dtype; the Triton
+    kernel's dots stay fp32)."""
     if ROUTE == "triton" or q_lat.device.type != "cuda":
         return None
     from kvcompile.kernels import decode_sm90
 
     if not decode_sm90.device_ok(q_lat.device)[0] or unsupported(q_lat, c_pages, r_pages):
         return None
-    if ROUTE == "auto" and (q_lat.shape[0] * max_len < CUDA_MIN_TOKENS
+    fp8 = c_pages.fmt.name.startswith("fp8")
+    if ROUTE == "auto" and (q_lat.shape[0] * max_len < CUDA_MIN_TOKENS[fp8]
                             or q_lat.dtype == torch.float32):   # fp32 queries: Triton's fp32 dots
         return None
-    return dict(CUDA_LAUNCH[c_pages.fmt.name.startswith("fp8")])
+    return dict(CUDA_LAUNCH[fp8])
 
 
 def choose_splits(batch: int, head_blocks: int, max_len: int, sms: int, ctas_per_sm: int) -> int:
