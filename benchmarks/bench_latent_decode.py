@@ -101,6 +101,28 @@ def bench(fn, warmup: int = 25, rep: int = 100) -> float:
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+GRAPH_CALLS = 4
+
+
+def bench_graph(fn, calls: int = GRAPH_CALLS) -> float:
+    """Median ms of one fn() replayed from a CUDA graph of `calls` back-to-back calls (as the
+    run time's decode graphs launch it): no Python launch cost, and do_bench's cache flush
+    (which leaves L2 full of dirty lines) once per `calls` calls, not before every call."""
+    if DRY:
+        return bench(fn)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return bench(g.replay, warmup=10, rep=50) / calls
+
+
 def hf_expand_attend(q, c, rope, w, scale):
     """transformers 5.x DeepseekV3Attention after the cache update (expand_kv + SDPA).
     q [B, H, 1, dn + dr], c [B, 1, L, r], rope [B, 1, L, dr] -> [B, H, 1, dv]."""
@@ -207,12 +229,13 @@ def _rel(out, ref) -> float | None:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy, (bytes read + bytes written) / median time, in GB/s."""
+def copy_bandwidth(graph: bool = False) -> float:
+    """Device-to-device copy, (bytes read + bytes written) / median time, in GB/s (graph:
+    timed as bench_graph times the kernels)."""
     n = (1 << 20) if DRY else (1 << 30)
     x = torch.empty(n, dtype=torch.uint8, device=DEV)
     y = torch.empty_like(x)
-    ms = bench(lambda: y.copy_(x))
+    ms = (bench_graph if graph else bench)(lambda: y.copy_(x))
     return 2 * n / (ms * 1e-3) / 1e9
 
 
@@ -240,18 +263,22 @@ def score_copies(t) -> int:
         t.num_warps == 8 or t.v_split == 2) else 1
 
 
-def parse_cuda(spec: str) -> list[tuple[str, int | None, int]]:
-    """'base,base:w8,alu:s4' -> [(variant, stages or None, warps), ...] (kernels/latent_sm90.py
-    VARIANTS; stages None: as many half-tile stages as fit one CTA an SM, s4 lets fp8 pages run
-    two CTAs an SM; warps 4 unless w8)."""
+def parse_cuda(spec: str) -> list[tuple[str, int | None, int, bool]]:
+    """'base,base:w8,alu:s4,base:nm' -> [(variant, stages or None, warps, merge), ...]
+    (kernels/latent_sm90.py VARIANTS; stages None: as many half-tile stages as fit one CTA an
+    SM, s4 lets fp8 pages run two CTAs an SM; warps 4 unless w8; nm: the kernel alone, the
+    splits' partials left unmerged, to time the merge by difference; ml: merged by the loop
+    merge kernel of before mla22j, merge "loop")."""
     from kvcompile.kernels.latent_sm90 import VARIANTS, WARP_COUNTS
 
     out = []
     for item in filter(None, spec.split(",")):
         var, *opts = item.split(":")
-        st, w = None, 4
+        st, w, merge = None, 4, True
         for o in opts:
-            if o[:1] == "s" and o[1:].isdigit():
+            if o in ("nm", "ml"):
+                merge = {"nm": False, "ml": "loop"}[o]
+            elif o[:1] == "s" and o[1:].isdigit():
                 st = int(o[1:])
             elif o[:1] == "w" and o[1:].isdigit() and int(o[1:]) in WARP_COUNTS:
                 w = int(o[1:])
@@ -260,18 +287,22 @@ def parse_cuda(spec: str) -> list[tuple[str, int | None, int]]:
         if var not in VARIANTS:
             raise SystemExit(f"--cuda {item!r}: variant[:s<stages>][:w<warps>], variant one of "
                              f"{sorted(VARIANTS)}, warps one of {WARP_COUNTS}")
-        out.append((var, st, w))
+        out.append((var, st, w, merge))
     return out
 
 
 def quick(shape_names: list[str], tiles: list | None, splits: list[int],
-          peak_tflops: float, cuda: list | None = None, rule_only: bool = False) -> None:
+          peak_tflops: float, cuda: list | None = None, rule_only: bool = False,
+          graph: bool = False) -> None:
     """The kernel alone: old vs the rule's tiles vs each candidate (or --tiles), and the
     CUDA kernel's variants (--cuda) beside them."""
     from benchmarks.latent_decode_before import latent_decode_before
 
     shapes = DRY_SHAPES if DRY else SHAPES
     copy = copy_bandwidth()
+    # the graph column's 100% is the eager copy: a 1 GB copy_ is one cudaMemcpyAsync, which a
+    # graph makes a memcpy node (2,715 GB/s on the H200 against 4,224 eager, mla22j's run)
+    copy_g = copy_bandwidth(graph=True) if graph else None
     dt = torch.float32 if DRY else torch.bfloat16
     sms = sm_count(torch.device(DEV))
     print(f"# MLA latent decode kernel alone: H {H}{TP_NOTE.get(H, '')}, r {R}, rope {DR}, page {P}, q {dt}; "
@@ -279,9 +310,15 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
           + ("" if DRY else f", {torch.cuda.get_device_name()}, {sms} SMs"))
     print(f"# device copy: {copy:.0f} GB/s (read + write); compute bound at {peak_tflops:.0f} "
           f"TFLOP/s (--peak-tflops)")
+    gcols = ""
+    if graph:
+        print(f"# --graph: each row also timed as a CUDA graph of {GRAPH_CALLS} back-to-back "
+              f"calls (ms a call; no Python launch cost, one cache flush per graph); % of the "
+              f"eager copy above (the copy as a graph memcpy node: {copy_g:.0f} GB/s)")
+        gcols = " ms graph | % of copy graph |"
     print("| shape | pages | kernel | tiles x splits | ms | GB/s | % of copy | TFLOP/s useful | "
-          "TFLOP/s issued | vs old | rel err vs old |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "TFLOP/s issued | vs old | rel err vs old |" + gcols)
+    print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if graph else ""))
     bound = REL_ERR[dt]
     best, work = [], []
     sweep = tiles or ([] if rule_only else [
@@ -318,7 +355,8 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
                 own = pick_splits(B, H, max_len, t, sms, widened=fmt != "bf16")
                 for sp in dict.fromkeys([own] + splits):
                     runs.append(("rule" if t == rule and sp == own else "sweep", t, sp))
-            for var, st, w in cuda or []:   # the CUDA kernel (kernels/latent_sm90.py), opt-in
+            seen = set()   # variants that change nothing for these pages (bf16) time once
+            for var, st, w, mg in cuda or []:   # the CUDA kernel (kernels/latent_sm90.py)
                 if DRY:
                     print(f"| {name} | {fmt} | cuda {var} | - | dry run: the CUDA kernel takes "
                           f"r 512 + rope 64 on sm_90 only | | | | | | |")
@@ -326,21 +364,34 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
                 from kvcompile.kernels import latent_sm90
 
                 ck = latent_sm90._KIND[fmt]
-                _, ctas, smem = latent_sm90.kernel_constants(ck, ck, R, DR, P, 1, st,
+                vbits = latent_sm90.VARIANTS[var] if ck < 2 else 0
+                if (vbits, st, w, mg) in seen:
+                    continue
+                seen.add((vbits, st, w, mg))
+                _, ctas, smem = latent_sm90.kernel_constants(ck, ck, R, DR, P, 1, st, vbits,
                                                              warps=w)
                 own = latent_sm90.choose_splits(B, (H + 15) // 16, max_len, sms, ctas)
                 for sp in dict.fromkeys([own] + splits):
-                    runs.append(("cuda", (var, st, w, ctas, smem), sp))
+                    runs.append(("cuda", (var, st, w, ctas, smem, mg), sp))
             base, fastest = None, None
             for kernel, t, sp in runs:
                 if kernel == "cuda":
-                    var, st, w, ctas, smem = t
+                    var, st, w, ctas, smem, mg = t
                     label = (f"cuda {var} w{w} s{st or 'max'} ({ctas} CTA/SM, {smem // 1024} "
-                             f"KB) x {sp}")
+                             f"KB) x {sp}"
+                             f"{dict(loop=', loop merge').get(mg, '') if mg else ', no merge'}")
 
-                    def fn(a=args, v=var, st=st, sp=sp, w=w):
-                        return latent_sm90.latent_decode_sm90(*a, num_splits=sp, stages=st,
-                                                              variant=v, warps=w)
+                    def fn(a=args, v=var, st=st, sp=sp, w=w, mg=mg):
+                        from kvcompile.kernels import latent_decode as ld
+
+                        before = ld.MERGE
+                        ld.MERGE = "loop" if mg == "loop" else "once"
+                        try:
+                            return latent_sm90.latent_decode_sm90(*a, num_splits=sp, stages=st,
+                                                                  variant=v, warps=w,
+                                                                  merge=bool(mg))
+                        finally:
+                            ld.MERGE = before
                     t = None
                 else:
                     label = "16 heads, 1 page" if t is None else f"{t} x {sp}"
@@ -354,17 +405,27 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
                     print(f"| {name} | {fmt} | {kernel} | {label} | failed: "
                           f"{type(e).__name__}: {str(e)[:80]} | | | | | | |", flush=True)
                     continue
+                gcell = ""
+                if graph:
+                    try:
+                        ms_g = bench_graph(fn)
+                        gcell = (f" {ms_g:.3f} | "
+                                 f"{100 * nbytes / (ms_g * 1e-3) / 1e9 / copy:.1f}% |")
+                    except Exception as e:   # capture refused: say so, keep the eager time
+                        gcell = f" graph failed: {type(e).__name__}: {str(e)[:60]} | |"
                 base = base or ms
                 gbs = nbytes / (ms * 1e-3) / 1e9
-                err = _rel(out, old.float())
-                if kernel != "old (before #22)" and (fastest is None or ms < fastest[0]):
+                unmerged = kernel == "cuda" and not mg and sp > 1
+                err = 0.0 if unmerged else _rel(out, old.float())   # no output to compare
+                if kernel != "old (before #22)" and not unmerged and (
+                        fastest is None or ms < fastest[0]):
                     fastest = (ms, label, 100 * gbs / copy, kernel == "rule")
                 issued = qk * score_copies(t) + pv
                 print(f"| {name} | {fmt} | {kernel} | {label} | {ms:.3f} | {gbs:.0f} | "
                       f"{100 * gbs / copy:.1f}% | {(qk + pv) / (ms * 1e-3) / 1e12:.0f} | "
                       f"{issued / (ms * 1e-3) / 1e12:.0f} | {base / ms:.2f}x | "
-                      f"{err:.1e}{'' if err <= bound else f' > {bound:.1e}: WRONG'} |",
-                      flush=True)
+                      f"{err:.1e}{'' if err <= bound else f' > {bound:.1e}: WRONG'} |"
+                      + gcell, flush=True)
             if fastest:
                 best.append(f"# {name} {fmt}: fastest {fastest[1]} {fastest[0]:.3f} ms, "
                             f"{fastest[2]:.1f}% of copy (target 80%); the rule's pick "
@@ -394,6 +455,8 @@ def main() -> None:
                     "(kernels/latent_sm90.py, opt-in), variant[:s<stages>][:w<warps>] comma-"
                     "separated, e.g. base,base:w8,alu:s4 (s4: fp8 pages two CTAs an SM; w8: 8 "
                     "warps a CTA)")
+    ap.add_argument("--graph", action="store_true", help="--quick: also time every row as "
+                    "a CUDA graph of back-to-back calls (the run time's decode graphs)")
     ap.add_argument("--rule-only", action="store_true", help="--quick: time the rule's "
                     "tiles (and --cuda) only, no candidate sweep")
     ap.add_argument("--peak-tflops", type=float, default=989.0,
@@ -408,7 +471,7 @@ def main() -> None:
     if a.quick:
         quick(a.shapes.split(","), parse_tiles(a.tiles) or None,
               [int(x) for x in a.splits.split(",") if x], a.peak_tflops,
-              parse_cuda(a.cuda), a.rule_only)
+              parse_cuda(a.cuda), a.rule_only, a.graph)
         return
     shapes = DRY_SHAPES if DRY else SHAPES
     compiled = None if a.no_inductor or DRY else torch.compile(hf_expand_attend, dynamic=False)

@@ -502,6 +502,54 @@ def _latent_merge_kernel(ACC, ML, OUT, H, num_splits, R: tl.constexpr, BLOCK_H: 
              mask=h_ok[:, None])
 
 
+@triton.jit
+def _latent_merge_once_kernel(ACC, ML, OUT, H, num_splits, R: tl.constexpr,
+                              BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+                              BLOCK_R: tl.constexpr):
+    # _latent_merge_kernel's sum with every split's (max, sum) and partial output loaded at once
+    # ([BLOCK_S, BLOCK_H, BLOCK_R], one round trip to memory instead of one a split) and the
+    # latent columns spread over programs (axis 2): at B16 x 8 splits, 128 programs, not 16
+    hb = tl.program_id(0)
+    b = tl.program_id(1)
+    rb = tl.program_id(2)
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    s = tl.arange(0, BLOCK_S)
+    ok = (s[:, None] < num_splits) & (h[None, :] < H)
+    row = (b * num_splits + s[:, None]) * H + h[None, :]
+    m = tl.load(ML + row * 2, mask=ok, other=float("-inf"))
+    lsum = tl.load(ML + row * 2 + 1, mask=ok, other=0.0)
+    top = tl.max(m, axis=0)
+    top = tl.where(top > float("-inf"), top, 0.0)
+    w = tl.where(m > float("-inf"), tl.math.exp2(m - top[None, :]), 0.0)   # empty splits: 0
+    den = tl.sum(w * lsum, axis=0)
+    rr = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    a = tl.load(ACC + row[:, :, None] * R + rr[None, None, :], mask=ok[:, :, None], other=0.0)
+    out = tl.sum(w[:, :, None] * a, axis=0)
+    inv = tl.where(den > 0, 1.0 / tl.where(den > 0, den, 1.0), 0.0)
+    tl.store(OUT + (b * H + h)[:, None] * R + rr[None, :], out * inv[:, None],
+             mask=(h < H)[:, None])
+
+
+MERGE = "once"   # "once" (_latent_merge_once_kernel) or "loop" (_latent_merge_kernel, before)
+
+
+def merge_launch(acc, ml, out, num_splits: int) -> None:
+    """out [B, H, R] = the splits' normalized sum (acc [B, S, H, R], ml [B, S, H, 2], log2
+    units), one launch. "once": every split in one load, R over programs (at most 8,192
+    partial values a program: 64 registers a thread at 4 warps)."""
+    B, H, R = out.shape
+    bh = 16
+    if MERGE == "loop":
+        _latent_merge_kernel[(triton.cdiv(H, bh), B)](acc, ml, out, H, num_splits, R=R,
+                                                       BLOCK_H=bh, num_warps=4)
+        return
+    bs = triton.next_power_of_2(num_splits)
+    br = min(R, max(16, 8192 // (bs * bh)))
+    _latent_merge_once_kernel[(triton.cdiv(H, bh), B, triton.cdiv(R, br))](
+        acc, ml, out, H, num_splits, R=R, BLOCK_H=bh, BLOCK_S=bs, BLOCK_R=br,
+        num_warps=4 if bs * bh * br <= 8192 else 8)
+
+
 def fast_path_reason(q_lat, c_pages, r_pages) -> str:
     """'' when the kernel takes these pages, else why not."""
     for name, pg in (("latent", c_pages), ("rotary key", r_pages)):
@@ -680,13 +728,12 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
     grid = (triton.cdiv(H, tiles.block_h) * tiles.v_split, num_splits, B)
     fn[grid](q, c_pages.data, *scales, *common, **consts)
     if not direct:
-        merge_h = 16
-        _latent_merge_kernel[(triton.cdiv(H, merge_h), B)](
-            acc, ml, out, H, num_splits, R=R, BLOCK_H=merge_h, num_warps=4)
+        merge_launch(acc, ml, out, num_splits)
     return out
 
 
 __all__ = ["AHEADS", "CANDIDATES", "FEW_PROGRAMS", "LAYOUTS", "PREFETCH_VARIANTS",
            "SWEEP_CANDIDATES", "WIDENS",
            "LatentTiles", "fast_path_reason", "latent_decode_attention", "launch_constexprs",
+           "merge_launch",
            "pick_launch", "pick_splits", "pick_tiles", "programs_per_sm"]

@@ -45,7 +45,11 @@ WARP_COUNTS = (4, 8)   # warps a CTA: 4 (16 tokens a warp in the scores) or 8 (8
 # compile-time variants (latent_decode.cuh VAR bits): "aluk" widens fp8 latent keys by integer
 # ops for the scores (values still by F2FP), "aluv" the values, "alu" both; e4m3 NaN codes then
 # read as +-480 * scale where integer ops widen them
-VARIANTS = {"base": 0, "aluk": 1, "aluv": 2, "alu": 3}
+# "wide" (mla22j): fp8 latent codes widened once a tile (the scores' F2FP results kept in a
+# 16-bit shared copy of the tile, which P V reads): 144 F2FP a tile a thread instead of 256, for
+# 64 KB of shared memory (fewer ring stages)
+VARIANTS = {"base": 0, "aluk": 1, "aluv": 2, "alu": 3, "wide": 4}
+WIDE = 4
 
 
 class LatentParams(ctypes.Structure):  # latent_decode.cuh LatentParams, field for field
@@ -61,7 +65,8 @@ def _round(x: int, m: int) -> int:
 
 
 def geometry(ck: int, rk: int, r: int, dr: int, page: int,
-             stages: int | None = None, warps: int = WARPS) -> tuple[int, int, int]:
+             stages: int | None = None, warps: int = WARPS,
+             wide: bool = False) -> tuple[int, int, int]:
     """(stages, shared bytes a CTA, CTAs an SM by shared memory), as latent_decode.cuh's
     LatGeo lays them out; a stage is half a tile (32 tokens), at least 4. stages None: as many
     as fit one CTA an SM (at most MAX_STAGES)."""
@@ -72,6 +77,8 @@ def geometry(ck: int, rk: int, r: int, dr: int, page: int,
     stage = _round(HALF * rowb + (8 * ppt if ck < 2 or rk < 2 else 0), 128)
     qrowb = (r + dr) * 2 + 8
     fixed = _round(_round(16 * qrowb, 128) + warps * 16 * 4 + 16 * (TILE * 2 + 16), 128)
+    if wide and ck < 2:   # the tile's latent rows widened to 16 bits (latent_decode.cuh WROWB)
+        fixed += _round(TILE * (r * 2 + 16), 128)
     if stages is None:
         stages = max(4, min(MAX_STAGES, (SMEM_LIMIT - fixed) // stage))
     smem = fixed + stages * stage
@@ -90,7 +97,7 @@ def kernel_constants(ck: int, rk: int, r: int, dr: int, page: int, qt: int,
     if warps not in WARP_COUNTS:
         raise UnsupportedShapeError(f"latent_decode_sm90: warps={warps}; take one of "
                                     f"{WARP_COUNTS}")
-    ns, smem, ctas = geometry(ck, rk, r, dr, page, stages, warps)
+    ns, smem, ctas = geometry(ck, rk, r, dr, page, stages, warps, bool(var & WIDE))
     defines = {"KVC_CK": ck, "KVC_RK": rk, "KVC_R": r, "KVC_DR": dr,
                "KVC_LOG2P": page.bit_length() - 1, "KVC_NS": ns, "KVC_QT": qt,
                "KVC_LVAR": var if ck < 2 else 0, "KVC_LW": warps}
@@ -121,27 +128,34 @@ def unsupported(q_lat, c_pages, r_pages) -> str:
 # kernel where the H200 measured it faster than the Triton rule, the Triton rule elsewhere.
 # H200, 16 heads, 2026-12-04 (RESULTS.md, "Eleventh session's device calls"), % of copy, rule /
 # CUDA: B64 x 32k bf16 66.0 / 88.3 (4 warps), fp8 42.6 / 47.7 (4 stages, alu: 53.3);
-# B16 x 8k bf16 46.3 / 44.9, fp8 26.1 / 22.5.
+# B16 x 8k bf16 46.3 / 44.9, fp8 26.1 / 22.5. After mla22j (RESULTS.md, "per-tile instructions
+# cut by a third"; CUDA graphs of 4 calls, ms rule / CUDA): B16 x 8k bf16 0.071 / 0.068, fp8
+# 0.058 / 0.064 (4 stages: 0.074); B64 x 8k, B16 x 32k, B64 x 32k: CUDA faster in both formats
+# (fp8 at 4 stages, 2 CTAs an SM: 69.5% of copy at B64 x 32k).
 ROUTE = "auto"                 # "auto" (use_cuda's rule), "cuda" (wherever it runs), "triton"
-CUDA_MIN_TOKENS = 1 << 19      # batch x the block table's context
+# batch x the block table's context from which the CUDA kernel takes a step, by page kind
+# (False: 16-bit pages, True: fp8)
+CUDA_MIN_TOKENS = {False: 1 << 17, True: 1 << 19}
 CUDA_LAUNCH = {False: {}, True: {"stages": 4}}   # widened (fp8) pages: 2 CTAs an SM
 
 
 def use_cuda(q_lat, c_pages, r_pages, max_len: int) -> dict | None:
     """The launch options (latent_decode_sm90's keywords) when the run time should take this
     kernel for a decode step, else None: on an sm_90 GPU, for pages it takes (`unsupported`),
-    with ROUTE "cuda", or "auto", batch x max_len >= CUDA_MIN_TOKENS and 16-bit queries (this
-    kernel rounds fp32 queries to the pages' MMA dtype; the Triton kernel's dots stay fp32)."""
+    with ROUTE "cuda", or "auto", batch x max_len >= CUDA_MIN_TOKENS[fp8 latent pages] and
+    16-bit queries (this kernel rounds fp32 queries to the pages' MMA dtype; the Triton
+    kernel's dots stay fp32)."""
     if ROUTE == "triton" or q_lat.device.type != "cuda":
         return None
     from kvcompile.kernels import decode_sm90
 
     if not decode_sm90.device_ok(q_lat.device)[0] or unsupported(q_lat, c_pages, r_pages):
         return None
-    if ROUTE == "auto" and (q_lat.shape[0] * max_len < CUDA_MIN_TOKENS
+    fp8 = c_pages.fmt.name.startswith("fp8")
+    if ROUTE == "auto" and (q_lat.shape[0] * max_len < CUDA_MIN_TOKENS[fp8]
                             or q_lat.dtype == torch.float32):   # fp32 queries: Triton's fp32 dots
         return None
-    return dict(CUDA_LAUNCH[c_pages.fmt.name.startswith("fp8")])
+    return dict(CUDA_LAUNCH[fp8])
 
 
 def choose_splits(batch: int, head_blocks: int, max_len: int, sms: int, ctas_per_sm: int) -> int:
@@ -170,11 +184,13 @@ class Launch:
 
 def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: float,
                      num_splits: int | None = None, stages: int | None = None,
-                     sms: int = 132, variant: str = "base", warps: int = WARPS) -> Launch:
+                     sms: int = 132, variant: str = "base", warps: int = WARPS,
+                     poison: bool = False) -> Launch:
     """The launch for these inputs (any device: the emulation plans CPU tensors).
     stages: ring stages of half a tile (None: as many as fit one CTA an SM; 4 lets fp8 pages
     run two CTAs an SM); variant: VARIANTS (a bit that changes nothing for these pages is
-    dropped); warps: WARP_COUNTS (8: two warps a scheduler at one CTA an SM)."""
+    dropped); warps: WARP_COUNTS (8: two warps a scheduler at one CTA an SM); poison (tests):
+    the output and the splits' partials filled with NaN first."""
     from kvcompile.kernels.latent_decode import _check
 
     _check(q_lat, c_pages, r_pages, block_tables, seq_lens)
@@ -208,6 +224,9 @@ def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: flo
     else:
         acc = torch.empty((B, num_splits, H, R), dtype=torch.float32, device=dev)
         ml = torch.empty((B, num_splits, H, 2), dtype=torch.float32, device=dev)
+    if poison:   # tests: an element the kernel does not write stays NaN
+        for t in (out, acc, ml):
+            t.fill_(float("nan"))
     tensors = {"q": q, "c": c_pages.data, "r": r_pages.data,
                "cs": c_pages.scale if ck < 2 else None, "rs": r_pages.scale if rk < 2 else None,
                "bt": block_tables, "seq_lens": seq_lens, "out": out,
@@ -256,23 +275,24 @@ def merge_splits(acc: torch.Tensor, ml: torch.Tensor) -> torch.Tensor:
 
 def latent_decode_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: float,
                        num_splits: int | None = None, stages: int | None = None,
-                       variant: str = "base", warps: int = WARPS) -> torch.Tensor:
-    """See the module docstring. q_lat [B, H, R + DR] -> [B, H, R] fp32, on an sm_90 GPU."""
+                       variant: str = "base", warps: int = WARPS,
+                       merge: bool = True, poison: bool = False) -> torch.Tensor:
+    """See the module docstring. q_lat [B, H, R + DR] -> [B, H, R] fp32, on an sm_90 GPU.
+    merge False (benchmarks only: the kernel timed without the merge launch): the splits'
+    partials are left unmerged and the returned tensor is not the output when splits > 1.
+    poison (tests): the output and the partials are filled with NaN before the launch."""
     from kvcompile.kernels import decode_sm90
-    from kvcompile.kernels.latent_decode import _latent_merge_kernel, sm_count
+    from kvcompile.kernels.latent_decode import merge_launch, sm_count
 
     ok, why = decode_sm90.device_ok(q_lat.device)
     if not ok:
         raise UnsupportedShapeError(f"latent_decode_sm90: {why}; use "
                                     f"latent_decode.latent_decode_attention (Triton)")
     lp = plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale, num_splits,
-                          stages, sm_count(q_lat.device), variant, warps)
+                          stages, sm_count(q_lat.device), variant, warps, poison)
     _kernel(lp.key).launch(lp.grid, warps * 32, lp.prm, q_lat.device)
-    if not lp.direct:
-        B, H, R = lp.out.shape
-        merge_h = 16
-        _latent_merge_kernel[((H + merge_h - 1) // merge_h, B)](
-            lp.acc, lp.ml, lp.out, H, lp.num_splits, R=R, BLOCK_H=merge_h, num_warps=4)
+    if merge and not lp.direct:
+        merge_launch(lp.acc, lp.ml, lp.out, lp.num_splits)
     return lp.out
 
 

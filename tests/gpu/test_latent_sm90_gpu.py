@@ -30,7 +30,8 @@ def _case(c_fmt, r_fmt, lens, heads):
 
 @pytest.mark.parametrize("variant,stages,warps", [
     ("base", None, 4), ("base", None, 8), ("aluk", None, 4), ("alu", None, 4), ("aluv", 4, 4),
-    ("alu", 4, 4), ("alu", 4, 8)])
+    ("alu", 4, 4), ("alu", 4, 8), ("base", 4, 4), ("aluv", None, 4), ("wide", None, 4),
+    ("wide", None, 8)])
 @pytest.mark.parametrize("splits", [None, 1, 7])
 @pytest.mark.parametrize("heads", [16, 20])
 @pytest.mark.parametrize("c_fmt,r_fmt", [("bf16", "bf16"), ("fp8_e4m3", "bf16"),
@@ -40,12 +41,12 @@ def test_cuda_latent_kernel(c_fmt, r_fmt, heads, splits, variant, stages, warps)
 
     if c_fmt == "bf16" and (variant != "base" or stages is not None):
         pytest.skip("the variants and 4-stage rings are for fp8 latent pages")
-    if splits == 1 and (variant, stages) not in (("base", None), ("alu", 4)):
-        pytest.skip("one split (the direct write) is checked on base and alu at 4 stages")
+    if splits == 1 and (variant, stages) not in (("base", None), ("alu", 4), ("wide", None)):
+        pytest.skip("one split (the direct write) is checked on base, alu at 4 stages, wide")
     pool, plan, q, lens_t, ref = _case(c_fmt, r_fmt, [1, 63, 4097, 700], heads)
     out = latent_sm90.latent_decode_sm90(q, pool.k[0], pool.v[0], plan.block_tables, lens_t,
                                          0.07, num_splits=splits, stages=stages,
-                                         variant=variant, warps=warps)
+                                         variant=variant, warps=warps, poison=True)
     torch.cuda.synchronize()
     assert_rel_close(out, ref, torch.bfloat16,
                      what=f"{c_fmt}/{r_fmt} h{heads} x {splits} {variant} s{stages} w{warps}")

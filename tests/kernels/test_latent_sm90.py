@@ -46,7 +46,8 @@ def _case(c_fmt, r_fmt, heads, lens, page, q_dtype=torch.bfloat16, seed=0):
 
 def _emulate(pool, plan, q, lens, **kw):
     sl = torch.tensor(lens, dtype=torch.int32)
-    lp = ls.plan_latent_sm90(q, pool.k[0], pool.v[0], plan.block_tables, sl, 0.2, **kw)
+    lp = ls.plan_latent_sm90(q, pool.k[0], pool.v[0], plan.block_tables, sl, 0.2, poison=True,
+                             **kw)
     return build_emu.run_latent(lp)
 
 
@@ -63,8 +64,12 @@ CASES = [
     # integer ops ("alu"); the 4-stage ring (two CTAs an SM) wraps; 8 warps (8 tokens a warp in
     # the scores, 64 output columns a warp: 8-byte value units)
     ("fp8_e4m3", "bf16", 16, [329, 64], 8, 2, "alu", torch.bfloat16, 4, 8),
+    # "wide": the latent widened once a tile into a 16-bit shared copy that P V reads (mla22j);
+    # 20 heads (a partial second head block), the 6-stage ring wraps, an empty split
+    ("fp8_e4m3", "bf16", 20, [520, 30], 16, 3, "wide", torch.bfloat16, None, 4),
 ]
 FULL_CASES = [
+    ("fp8_e5m2", "fp8_e4m3", 16, [300, 64], 32, 2, "wide", torch.bfloat16, None, 8),
     ("fp8_e4m3", "bf16", 16, [700, 1], 16, 1, "base", torch.bfloat16, None, 4),  # 10 stages wrap
     ("fp8_e5m2", "fp8_e4m3", 16, [100], 32, 1, "aluk", torch.float32, None, 4),
     ("fp8_e4m3", "fp8_e4m3", 32, [150, 70], 16, 2, "aluk", torch.float16, 4, 4),
@@ -98,15 +103,42 @@ def test_emulated_matches_reference(case):
 
 
 @pytest.mark.skipif(not build_emu.available()[0], reason="g++ not found")
-def test_page_scales_are_read():
+@pytest.mark.parametrize("which", [1, 2], ids=["alu", "wide"])
+def test_page_scales_are_read(which):
     """Negative control for the fp8 path: the latent page scales doubled after the reference
-    was taken change the output beyond the bound (scores and probabilities use them)."""
-    c_fmt, r_fmt, heads, lens, page, splits, variant, qd, stages, warps = CASES[1]
+    was taken change the output beyond the bound (scores and probabilities use them; "wide"
+    values come from its 16-bit copy, their scale through P)."""
+    c_fmt, r_fmt, heads, lens, page, splits, variant, qd, stages, warps = CASES[which]
     pool, plan, q, ref = _case(c_fmt, r_fmt, heads, lens, page, qd)
     pool.k[0].scale.mul_(2.0)
     out = _emulate(pool, plan, q, lens, num_splits=splits, variant=variant, stages=stages,
                    warps=warps)
     assert rel_err(out, ref) > 0.1
+
+
+def test_merge_once_matches_torch(monkeypatch):
+    """The one-launch merge (latent_decode.merge_launch, "once": every split loaded at once, R
+    over programs) and the loop merge it replaces against merge_splits (PyTorch), 3 splits (a
+    masked 4th slot), one split empty for one sequence, 20 heads (a partial head block).
+    Negative: the merge told one split less differs."""
+    from kvcompile.kernels import latent_decode as ld
+
+    g = torch.Generator().manual_seed(3)
+    B, S, H = 2, 3, 20
+    acc = torch.randn(B, S, H, R, generator=g)
+    ml = torch.stack([torch.randn(B, S, H, generator=g) * 4,
+                      torch.rand(B, S, H, generator=g) * 10 + 1], -1)
+    ml[1, 2, :, 0], ml[1, 2, :, 1] = float("-inf"), 0.0   # sequence 1's last split: empty
+    acc[1, 2] = 0.0
+    ref = ls.merge_splits(acc, ml)
+    for mode in ("once", "loop"):
+        monkeypatch.setattr(ld, "MERGE", mode)
+        out = torch.empty(B, H, R)
+        ld.merge_launch(acc, ml, out, S)
+        assert rel_err(out, ref) <= 1e-6, mode
+    short = torch.empty(B, H, R)
+    ld.merge_launch(acc[:, :2].contiguous(), ml[:, :2].contiguous(), short, 2)
+    assert rel_err(short[0], ref[0]) > 1e-2
 
 
 def test_refusals_name_the_fix():
@@ -148,7 +180,8 @@ NVCC = [(0, 3, R, DR, 16, 1, 4, 3)]
 NVCC_FULL = [(3, 3, R, DR, 16, 1, None, 0), (0, 3, R, DR, 16, 1, None, 0),
              (1, 1, R, DR, 8, 2, None, 1), (3, 3, R, DR, 16, 1, None, 0, 8),
              (0, 0, R, DR, 16, 1, 4, 3, 8),
-             (0, 0, R, DR, 16, 1, None, 2), (2, 2, R, DR, 128, 0, None, 0)]
+             (0, 0, R, DR, 16, 1, None, 2), (2, 2, R, DR, 128, 0, None, 0),
+             (0, 3, R, DR, 16, 1, None, 4), (1, 0, R, DR, 16, 1, None, 4, 8)]
 
 
 @pytest.mark.skipif(build.nvcc_path() is None or _cuobjdump() is None,
@@ -174,5 +207,5 @@ def test_builds_for_sm90_without_spills(key, tmp_path, monkeypatch):
     assert len(re.findall(r"\bHMMA\.16816", sass)) == 136 * 4 // warps   # a warp's share
     unpack = len(re.findall(r"F2FP\.F16\.E(4M3|5M2)\.UNPACK_B", sass))
     fp8 = key[0] < 2
-    latent = {0: 256, 1: 128, 2: 128, 3: 0}[key[7]] if fp8 else 0
+    latent = {0: 256, 1: 128, 2: 128, 3: 0, 4: 128}[key[7]] if fp8 else 0
     assert unpack == (latent + (16 if key[1] < 2 else 0)) * 4 // warps, unpack

@@ -63,7 +63,7 @@ namespace kvc {
 constexpr int LAT_TILE = 64;  // tokens an iteration: 16 a warp
 constexpr int LAT_HALF = 32;  // tokens a ring stage: a tile is two stages
 
-template <int CK, int RK, int R, int DR, int LOG2P, int NS, int LW = 4>
+template <int CK, int RK, int R, int DR, int LOG2P, int NS, int LW = 4, bool WIDE = false>
 struct LatGeo {
   static constexpr int CEB = CK >= KVC_F16 ? 2 : 1, REB = RK >= KVC_F16 ? 2 : 1;
   static constexpr bool CSC = CK <= KVC_E5M2, RSC = RK <= KVC_E5M2;  // page-scaled fp8
@@ -78,18 +78,22 @@ struct LatGeo {
   static constexpr int RED_OFF = (16 * QROWB + 127) / 128 * 128;
   static constexpr int P_OFF = RED_OFF + LW * 16 * 4;
   static constexpr int PROWB = LAT_TILE * 2 + 16;             // P row: 16 mod 128
-  static constexpr int RING_OFF = (P_OFF + 16 * PROWB + 127) / 128 * 128;
+  static constexpr int WROWB = R * 2 + 16;                    // WIDE: a 16-bit latent row
+  static constexpr int W_OFF = (P_OFF + 16 * PROWB + 127) / 128 * 128;
+  static constexpr int RING_OFF = W_OFF + (WIDE ? (LAT_TILE * WROWB + 127) / 128 * 128 : 0);
   static constexpr int SMEM = RING_OFF + NS * STAGE;
   static constexpr int CEPC = 16 / CEB, REPC = 16 / REB;      // elements a chunk
   static constexpr int CKPC = CEPC / 4, RKPC = REPC / 4;      // k-steps a chunk
   static constexpr int TW = LAT_TILE / LW, NTW = TW / 8;      // a warp's tokens, n-tiles
-  static constexpr int WB = R * CEB / LW;                     // a warp's output columns, bytes
+  static constexpr int VEB = WIDE ? 2 : CEB;                   // value element bytes read
+  static constexpr int WB = R * VEB / LW;                     // a warp's output columns, bytes
   static constexpr int VU = WB >= 128 ? 16 : 8;               // value unit a thread loads
   static constexpr int UW = WB / VU;                          // value units a warp
   static constexpr int VUT = UW / 8;                          // ... a thread (g)
-  static constexpr int VEPU = VU / CEB;                       // value elements a unit
+  static constexpr int VEPU = VU / VEB;                       // value elements a unit
   static constexpr int NT = VUT * VEPU;                       // n-tiles of O a warp
   static_assert(LW == 4 || LW == 8, "4 or 8 warps");
+  static_assert(!WIDE || WROWB >= R * 2 + 16, "WIDE: a unit of padding (lat_wpos)");
   static_assert(NCC % 32 == 0 && WB >= 64 && UW % 8 == 0,
                 "latent rows of 512 bytes or more (R 256 bf16, R 512 fp8)");
   static_assert(NCR == 4 || NCR % 8 == 0, "rotary rows of 64 bytes or a multiple of 128");
@@ -101,6 +105,48 @@ __device__ __forceinline__ int lat_own(int t, int n, int nch) {
   return nch >= 8 ? 8 * (n >> 1) + 2 * t + (n & 1) : t;
 }
 
+// two fp8 codes, the 16-bit half HI of x, -> f16x2 (paged_decode.cuh's fp8x2_to_f16x2 takes the
+// low half; there the high half costs a SHF a pair, here ptxas reads it as the F2FP's .H1
+// operand: 128 SHF a tile a warp fewer in the base kernel)
+template <int KIND, int HI>
+__device__ __forceinline__ uint32_t lat_cvt8(uint32_t x) {
+#ifdef KVC_EMU
+  return fp8x2_to_f16x2<KIND>(HI ? x >> 16 : x & 0xffffu);
+#else
+  uint32_t r;
+  if constexpr (KIND == KVC_E5M2) {
+    if constexpr (HI)
+      asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e5m2x2 %0, hi;\n}\n"
+          : "=r"(r) : "r"(x));
+    else
+      asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e5m2x2 %0, lo;\n}\n"
+          : "=r"(r) : "r"(x));
+  } else {
+    if constexpr (HI)
+      asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}\n"
+          : "=r"(r) : "r"(x));
+    else
+      asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n"
+          : "=r"(r) : "r"(x));
+  }
+  return r;
+#endif
+}
+
+// 16 bytes to shared memory (a plain store, as P's: ordered by the kernel's barriers)
+__device__ __forceinline__ void lat_sts128(uint8_t* p, const uint4& v) {
+  *reinterpret_cast<uint4*>(p) = v;
+}
+
+// WIDE: where 16-byte unit u of a widened latent row `row` lives in it. Rows are 16 mod 128
+// bytes apart; a unit's bit 3 flips its bit 0 and odd rows rotate by one unit, so that both the
+// scores' stores (lanes g, t: units 4 t + .. of rows g, g + 8) and P V's loads (units g + 8 i
+// of rows 2 t ..) touch 8 different 16-byte bank groups in each 8-lane phase (plain order: the
+// stores of lanes t and t + 2 share banks, 2-way). Unit 64 is the row's 16 padding bytes.
+__device__ __forceinline__ int lat_wpos(int u, int row) {
+  return (u ^ ((u >> 3) & 1)) + (row & 1);
+}
+
 // b0 / b1 of mma m16n8k16 (keys as B: k = 4 consecutive elements of a chunk, h-th group)
 template <int KIND>
 __device__ __forceinline__ void lat_kfrag(const uint4& w, int h, uint32_t& b0, uint32_t& b1) {
@@ -109,8 +155,8 @@ __device__ __forceinline__ void lat_kfrag(const uint4& w, int h, uint32_t& b0, u
     b1 = word(w, 2 * h + 1);
   } else {
     const uint32_t x = word(w, h);
-    b0 = fp8x2_to_f16x2<KIND>(x & 0xffffu);
-    b1 = fp8x2_to_f16x2<KIND>(x >> 16);
+    b0 = lat_cvt8<KIND, 0>(x);
+    b1 = lat_cvt8<KIND, 1>(x);
   }
 }
 
@@ -125,17 +171,26 @@ __device__ __forceinline__ void lat_kfrag(const uint4& w, int h, uint32_t& b0, u
 //   LAT_VAR_ALU_V: the values (P V) widened by integer ops too (paged_decode.cuh's ALU_V forms:
 //     e4m3 through prmt with sign replication, shift and mask, the 2^8 into P; e5m2 by prmt);
 //     with ALU_K ("alu") no F2FP is left but the rotary key's.
+//   LAT_VAR_WIDE (fp8 latent pages; "wide"): each latent code is widened once a tile, not twice:
+//     the scores' F2FP results (keys, in memory order) are also stored to a 16-bit copy of the
+//     tile's 64 latent rows in shared memory (rows of R * 2 + 16 bytes), and P V reads its
+//     values from there as the bf16 / fp16 kernel does (no conversion in P V). An fp8 tile
+//     otherwise widens its first R dims twice (as keys by the warp that owns the token, as
+//     values by the warp that owns the column): 256 F2FP a tile a thread, 144 here. Costs
+//     64 KB of shared memory (fewer ring stages) and 32 STS.128 a thread a tile.
 #define LAT_VAR_ALU_K 1
 #define LAT_VAR_ALU_V 2
+#define LAT_VAR_WIDE 4
 
 template <int CK, int RK, int R, int DR, int LOG2P, int NS, int QT, int VAR = 0, int LW = 4>
 __device__ __forceinline__ void latent_decode(const LatentParams& p) {
-  using Gm = LatGeo<CK, RK, R, DR, LOG2P, NS, LW>;
+  constexpr bool WIDE = (VAR & LAT_VAR_WIDE) && CK <= KVC_E5M2;
+  using Gm = LatGeo<CK, RK, R, DR, LOG2P, NS, LW, WIDE>;
   static_assert(NS >= 4, "four half-tile stages or more (two computed, two or more loading)");
   constexpr bool CBF = CK == KVC_BF16, RBF = RK == KVC_BF16;
-  constexpr bool ALUK = (VAR & LAT_VAR_ALU_K) && Gm::CEB == 1;
+  constexpr bool ALUK = (VAR & LAT_VAR_ALU_K) && Gm::CEB == 1 && !WIDE;
   constexpr float K_ALU = ALUK && CK == KVC_E4M3 ? 256.f : 1.f;
-  constexpr bool ALUV = (VAR & LAT_VAR_ALU_V) && Gm::CEB == 1;
+  constexpr bool ALUV = (VAR & LAT_VAR_ALU_V) && Gm::CEB == 1 && !WIDE;
   constexpr float V_ALU = ALUV && CK == KVC_E4M3 ? 256.f : 1.f;  // 2^8 back into P
   constexpr int P = Gm::P, D = R + DR;
   const float NEG_INF = -INFINITY;
@@ -153,6 +208,7 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
   float* red = reinterpret_cast<float*>(smem + Gm::RED_OFF);  // [LW][16]
   uint8_t* ps = smem + Gm::P_OFF;                              // [16][LAT_TILE] 16-bit
   uint8_t* ring = smem + Gm::RING_OFF;
+  uint8_t* wbuf = smem + Gm::W_OFF;                            // WIDE: [LAT_TILE][WROWB]
   const int* btb = p.bt + (long long)b * p.stride_bt;
 
   // ---- the page ids of tile `tile` (0 past the split's end: those rows are zero-filled)
@@ -230,22 +286,76 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
   load_pids(NS - 2, pid_a);
   load_pids(NS - 1, pid_b);
   const int h0 = hb * 16;
-  for (int e = tid; e < 16 * D; e += LW * 32) {
-    const int rr = e / D, d = e % D;
-    float x = 0.f;
-    if (h0 + rr < H) x = load_q<QT>(p.q, b * p.stride_qb + (h0 + rr) * p.stride_qh + d);
-    const bool bf = d < R ? CBF : RBF;
-    uint16_t y;
-    if (bf) {
-      __nv_bfloat16 v = __float2bfloat16_rn(x);
-      y = *reinterpret_cast<uint16_t*>(&v);
-    } else {
-      __half v = __float2half_rn(x);
-      y = *reinterpret_cast<uint16_t*>(&v);
+  // q -> shared in the MMA's fragment order: k-step s of the score loop (latent (n, h), then
+  // rotary (n, h)), lane l, 16 bytes = its A registers {row g d0..d0+1, row g+8 d0..d0+1, row g
+  // d0+2..d0+3, row g+8 d0+2..d0+3}, d0 the lane's first dim of that k-step. One lds128 a
+  // k-step then gives the four registers in place (row-major q took two lds64 a k-step and
+  // ~7 register moves to assemble the quad, 250 IMAD.MOV a tile a warp; RESULTS.md, mla22j).
+  constexpr int KSL = Gm::NCC / 4 * Gm::CKPC;                        // latent k-steps
+  constexpr int KSR = (Gm::NCR >= 8 ? Gm::NCR / 4 : 1) * Gm::RKPC;   // rotary k-steps
+  static_assert((KSL + KSR) * 16 == D && (KSL + KSR) * 512 <= Gm::RED_OFF, "q fragments");
+  // Two passes: (1) q row-major, 16-bit, into ring stage NS - 1 (its copies are issued only in
+  // the loop, after a barrier): a thread's 8-element runs, every load in flight at once (a
+  // load -> store loop waited one memory latency a pass, 36 passes at 4 warps), each run stored
+  // as two 8-byte words; (2) each thread assembles fragment quads from it (storing each element
+  // straight to its slot took ~2,000 instructions of index arithmetic a thread; mla22j).
+  {
+    uint8_t* qr = ring + (NS - 1) * Gm::STAGE;  // [16][QROWB]
+    static_assert(16 * Gm::QROWB <= Gm::STAGE && R % 8 == 0, "q's staging rows");
+    constexpr int QCR = D / 8;                                 // 8-element runs a q row
+    constexpr int NQC = (16 * QCR + LW * 32 - 1) / (LW * 32);  // ... a thread
+    float xq[NQC][8];
+#pragma unroll
+    for (int k = 0; k < NQC; ++k) {  // rows past H (and runs past the end) read a valid row
+      const int c = min(tid + k * LW * 32, 16 * QCR - 1), rr = c / QCR, dd = c % QCR * 8;
+      const long long at = b * p.stride_qb + min(h0 + rr, H - 1) * p.stride_qh + dd;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) xq[k][e] = load_q<QT>(p.q, at + e);
     }
-    // ALU_K: the latent part's groups of 4 in the order 0, 2, 1, 3 (self-inverse)
-    const int dq = ALUK && d < R ? (d & ~3) | ((d & 1) << 1) | ((d >> 1) & 1) : d;
-    *reinterpret_cast<uint16_t*>(qs + rr * Gm::QROWB + 2 * dq) = y;
+#pragma unroll
+    for (int k = 0; k < NQC; ++k) {
+      const int c = tid + k * LW * 32, rr = c / QCR, dd = c % QCR * 8;
+      if (c >= 16 * QCR) break;
+      const float z = h0 + rr < H ? 1.f : 0.f;
+      float* x = xq[k];
+      uint32_t w[4];
+      if (dd < R && ALUK) {  // ALU_K: groups of 4 in the order 0, 2, 1, 3
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          w[2 * i] = pack2<CBF>(x[4 * i] * z, x[4 * i + 2] * z);
+          w[2 * i + 1] = pack2<CBF>(x[4 * i + 1] * z, x[4 * i + 3] * z);
+        }
+      } else if (dd < R) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) w[i] = pack2<CBF>(x[2 * i] * z, x[2 * i + 1] * z);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) w[i] = pack2<RBF>(x[2 * i] * z, x[2 * i + 1] * z);
+      }
+      uint8_t* dst = qr + rr * Gm::QROWB + 2 * dd;  // 8-byte aligned (QROWB 8 mod 16)
+      *reinterpret_cast<uint2*>(dst) = uint2{w[0], w[1]};
+      *reinterpret_cast<uint2*>(dst + 8) = uint2{w[2], w[3]};
+    }
+    __syncthreads();
+    for (int f = tid; f < (KSL + KSR) * 32; f += LW * 32) {
+      const int s = f >> 5, ln = f & 31, gg = ln >> 2, tt = ln & 3;
+      const int d0 = s < KSL ? Gm::CEPC * lat_own(tt, s / Gm::CKPC, Gm::NCC) + 4 * (s % Gm::CKPC)
+                             : R + Gm::REPC * lat_own(tt, (s - KSL) / Gm::RKPC, Gm::NCR) +
+                                   4 * ((s - KSL) % Gm::RKPC);
+      const uint2 a0 = lds64(qr + gg * Gm::QROWB + 2 * d0);
+      const uint2 a1 = lds64(qr + (gg + 8) * Gm::QROWB + 2 * d0);
+      lat_sts128(qs + f * 16, uint4{a0.x, a1.x, a0.y, a1.y});
+    }
+  }
+
+  // WIDE: the lane's store offsets in its widened rows and its value units' positions
+  // (lat_wpos without the row parity, which is known where each load is)
+  const int wo0 = 16 * (((t >> 1) & 1) + (g & 1)), wo1 = 16 * ((((t >> 1) & 1) ^ 1) + (g & 1));
+  int vpos[Gm::VUT];
+#pragma unroll
+  for (int i = 0; i < Gm::VUT; ++i) {
+    const int u = Gm::UW * warp + g + 8 * i;
+    vpos[i] = 16 * (u ^ ((u >> 3) & 1));
   }
 
   float o[Gm::NT][4];
@@ -282,12 +392,11 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
       const int ch = lat_own(t, n, Gm::NCC);
       const uint4 w0 = lds128(krow0 + ch * 16);
       const uint4 w1 = Gm::NTW == 2 ? lds128(krow1 + ch * 16) : w0;
+      uint32_t wk0[WIDE ? 2 * Gm::CKPC : 1], wk1[WIDE ? 2 * Gm::CKPC : 1];  // WIDE: f16 keys
 #pragma unroll
       for (int h = 0; h < Gm::CKPC; ++h) {
-        const int d0 = Gm::CEPC * ch + 4 * h;
-        const uint2 q0 = lds64(qs + g * Gm::QROWB + 2 * d0);
-        const uint2 q1 = lds64(qs + (g + 8) * Gm::QROWB + 2 * d0);
-        const uint32_t qa[4] = {q0.x, q1.x, q0.y, q1.y};
+        const uint4 qv = lds128(qs + ((n * Gm::CKPC + h) * 32 + lane) * 16);
+        const uint32_t qa[4] = {qv.x, qv.y, qv.z, qv.w};
         uint32_t b0, b1, e0, e1;
         if constexpr (ALUK) {
           fp8x4_to_f16x2x2_alu<CK>(word(w0, h), b0, b1);
@@ -298,6 +407,26 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
         }
         mma16816<CBF>(h & 1 ? sc2[0] : sc[0], qa, b0, b1);
         if constexpr (Gm::NTW == 2) mma16816<CBF>(h & 1 ? sc2[1] : sc[1], qa, e0, e1);
+        if constexpr (WIDE) {
+          wk0[2 * h] = b0;
+          wk0[2 * h + 1] = b1;
+          if constexpr (Gm::NTW == 2) {
+            wk1[2 * h] = e0;
+            wk1[2 * h + 1] = e1;
+          }
+        }
+      }
+      if constexpr (WIDE) {  // the chunk's 16 codes as 32 bytes of f16 (units 2 ch, 2 ch + 1)
+        // lat_wpos(2 ch + e, row) = 2 ch + (e ^ tf) + (row & 1): bit 3 of 2 ch is bit 1 of t
+        // (lat_own), the row's parity is g's; both lane constants, folded into wo0 / wo1
+        uint8_t* wr = wbuf + (Gm::TW * warp + g) * Gm::WROWB + 32 * ch;
+        lat_sts128(wr + wo0, uint4{wk0[0], wk0[1], wk0[2], wk0[3]});
+        lat_sts128(wr + wo1, uint4{wk0[4], wk0[5], wk0[6], wk0[7]});
+        if constexpr (Gm::NTW == 2) {
+          wr += 8 * Gm::WROWB;
+          lat_sts128(wr + wo0, uint4{wk1[0], wk1[1], wk1[2], wk1[3]});
+          lat_sts128(wr + wo1, uint4{wk1[4], wk1[5], wk1[6], wk1[7]});
+        }
       }
     }
 #pragma unroll
@@ -307,10 +436,8 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
       const uint4 w1 = Gm::NTW == 2 ? lds128(krow1 + (Gm::NCC + ch) * 16) : w0;
 #pragma unroll
       for (int h = 0; h < Gm::RKPC; ++h) {
-        const int d0 = R + Gm::REPC * ch + 4 * h;
-        const uint2 q0 = lds64(qs + g * Gm::QROWB + 2 * d0);
-        const uint2 q1 = lds64(qs + (g + 8) * Gm::QROWB + 2 * d0);
-        const uint32_t qa[4] = {q0.x, q1.x, q0.y, q1.y};
+        const uint4 qv = lds128(qs + ((KSL + n * Gm::RKPC + h) * 32 + lane) * 16);
+        const uint32_t qa[4] = {qv.x, qv.y, qv.z, qv.w};
         uint32_t b0, b1;
         lat_kfrag<RK>(w0, h, b0, b1);
         mma16816<RBF>(sr[0], qa, b0, b1);
@@ -394,12 +521,14 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
       pa[1] = lds32(ps + (g + 8) * Gm::PROWB + 2 * (16 * ks + 2 * t));
       pa[2] = lds32(ps + g * Gm::PROWB + 2 * (16 * ks + 2 * t + 8));
       pa[3] = lds32(ps + (g + 8) * Gm::PROWB + 2 * (16 * ks + 2 * t + 8));
-      const uint8_t* vb0 = (ks >= 2 ? st1 : st0) + (16 * (ks & 1)) * Gm::ROWB;
+      constexpr int VROWB = WIDE ? Gm::WROWB : Gm::ROWB;
+      const uint8_t* vb0 = WIDE ? wbuf + 16 * ks * Gm::WROWB
+                                : (ks >= 2 ? st1 : st0) + (16 * (ks & 1)) * Gm::ROWB;
 #pragma unroll
       for (int i = 0; i < Gm::VUT; ++i) {
         const int u = Gm::UW * warp + g + 8 * i;
         auto unit = [&](int row) {  // VU bytes of a value row (8 warps, fp8: 8 bytes)
-          const uint8_t* a = vb0 + row * Gm::ROWB + Gm::VU * u;
+          const uint8_t* a = vb0 + row * VROWB + (WIDE ? vpos[i] + 16 * (row & 1) : Gm::VU * u);
           if constexpr (Gm::VU == 16) {
             return lds128(a);
           } else {
@@ -435,18 +564,14 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
             mma16816<false>(o[nb + 1], pa, xo0, yo0);
             mma16816<false>(o[nb + 2], pa, xe1, ye1);
             mma16816<false>(o[nb + 3], pa, xo1, yo1);
-          } else if constexpr (Gm::CEB == 1) {
+          } else if constexpr (Gm::VEB == 1) {
             const uint32_t x0 = __byte_perm(xa, xb, 0x5140), x1 = __byte_perm(xa, xb, 0x7362);
             const uint32_t y0 = __byte_perm(xc, xd, 0x5140), y1 = __byte_perm(xc, xd, 0x7362);
             const int nb = Gm::VEPU * i + 4 * ww;
-            mma16816<false>(o[nb + 0], pa, fp8x2_to_f16x2<CK>(x0 & 0xffffu),
-                            fp8x2_to_f16x2<CK>(y0 & 0xffffu));
-            mma16816<false>(o[nb + 1], pa, fp8x2_to_f16x2<CK>(x0 >> 16),
-                            fp8x2_to_f16x2<CK>(y0 >> 16));
-            mma16816<false>(o[nb + 2], pa, fp8x2_to_f16x2<CK>(x1 & 0xffffu),
-                            fp8x2_to_f16x2<CK>(y1 & 0xffffu));
-            mma16816<false>(o[nb + 3], pa, fp8x2_to_f16x2<CK>(x1 >> 16),
-                            fp8x2_to_f16x2<CK>(y1 >> 16));
+            mma16816<false>(o[nb + 0], pa, lat_cvt8<CK, 0>(x0), lat_cvt8<CK, 0>(y0));
+            mma16816<false>(o[nb + 1], pa, lat_cvt8<CK, 1>(x0), lat_cvt8<CK, 1>(y0));
+            mma16816<false>(o[nb + 2], pa, lat_cvt8<CK, 0>(x1), lat_cvt8<CK, 0>(y1));
+            mma16816<false>(o[nb + 3], pa, lat_cvt8<CK, 1>(x1), lat_cvt8<CK, 1>(y1));
           } else {
             const int nb = Gm::VEPU * i + 2 * ww;
             mma16816<CBF>(o[nb + 0], pa, __byte_perm(xa, xb, 0x5410),
