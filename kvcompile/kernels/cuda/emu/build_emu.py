@@ -11,12 +11,9 @@ Needs only g++ (no CUDA toolkit). `available()` says whether it is there.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
-import threading
 from functools import lru_cache
 from pathlib import Path
 
@@ -33,7 +30,6 @@ _LATENT_HEADERS = _HEADERS + ("../latent_decode.cuh",)
 _FLAGS = ["-std=c++17", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-U_FORTIFY_SOURCE",
           "-Wall", "-Wno-unknown-pragmas", "-DKVC_EMU"]
 _WRITABLE = ("out", "acc", "lse")
-_lock = threading.Lock()
 _libs: dict[Path, ctypes.CDLL] = {}
 
 
@@ -52,10 +48,8 @@ def gxx_path() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++")
 
 
-@lru_cache(maxsize=1)
 def _gxx_version() -> str:
-    out = subprocess.run([gxx_path(), "--version"], capture_output=True, text=True, timeout=60)
-    return out.stdout.splitlines()[0] if out.stdout else ""
+    return build.compiler_version(gxx_path())
 
 
 def available() -> tuple[bool, str]:
@@ -76,25 +70,16 @@ def build_so(defines: dict[str, int], root: Path | None = None, latent: bool = F
     src = "\0".join((here / f).read_text()
                     for f in sources + (_LATENT_HEADERS if latent else _HEADERS))
     flags = _FLAGS + [f"-D{k}={v}" for k, v in sorted(defines.items())]
-    key = hashlib.sha256("\0".join([src, _gxx_version(), *flags]).encode()).hexdigest()
     stem = "kvc_emu_latent" if latent else "kvc_emu_decode"
-    path = build.cache_dir().parent / "cuda_emu" / f"{stem}-{key[:24]}.so"
-    if path.exists():
-        return path
-    with _lock:
-        if path.exists():
-            return path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp, "kernel.so")
-            res = subprocess.run([gxx_path(), *flags, *(str(here / f) for f in sources),
-                                  "-o", str(out)], capture_output=True, text=True, timeout=900)
-            if res.returncode != 0:
-                raise build.BuildError(f"g++ failed for {defines}:\n{res.stderr[-4000:]}")
-            tmp_path = path.with_suffix(f".{os.getpid()}.tmp")
-            shutil.copyfile(out, tmp_path)
-        os.replace(tmp_path, path)  # atomic: concurrent builders agree on the result
-    return path
+
+    def compile_into(out: Path) -> None:
+        res = subprocess.run([gxx_path(), *flags, *(str(here / f) for f in sources),
+                              "-o", str(out)], capture_output=True, text=True, timeout=900)
+        if res.returncode != 0:
+            raise build.BuildError(f"g++ failed for {defines}:\n{res.stderr[-4000:]}")
+
+    return build.cached_build("cuda_emu", stem, ".so", [src, _gxx_version(), *flags],
+                              compile_into)
 
 
 def load(defines: dict[str, int], root: Path | None = None) -> ctypes.CDLL:
