@@ -49,20 +49,28 @@ def c_compiler() -> str | None:
 
 def build_library(source: Path = _SOURCE) -> Path:
     """The shared library of `source` (cpu_fp8.c; a test passes a broken copy), built once per
-    source / compiler / flags / machine. Raises build.BuildError naming the reason."""
+    source / compiler / flags / machine; where the compiler refuses the gather's multiversioned
+    clones (an old clang), without them. Raises build.BuildError naming the reason."""
     cc = c_compiler()
     if cc is None:
         raise build.BuildError("no C compiler found (install gcc or clang, or set CC)")
+    text = source.read_text()
+    for extra in ([], ["-DKVC_NO_CLONES"]):
+        flags = _FLAGS + extra
 
-    def compile_into(out: Path) -> None:
-        res = subprocess.run([cc, *_FLAGS, str(source), "-o", str(out), "-lm"],
-                             capture_output=True, text=True, timeout=300)
-        if res.returncode != 0:
-            raise build.BuildError(f"{cc} failed on {source.name}:\n{res.stderr[-4000:]}")
+        def compile_into(out: Path, flags=flags) -> None:
+            res = subprocess.run([cc, *flags, str(source), "-o", str(out), "-lm"],
+                                 capture_output=True, text=True, timeout=300)
+            if res.returncode != 0:
+                raise build.BuildError(f"{cc} failed on {source.name}:\n{res.stderr[-4000:]}")
 
-    return build.cached_build("cpu", "kvc_cpu_fp8", ".so", [
-        source.read_text(), build.compiler_version(cc), platform.machine(), *_FLAGS],
-        compile_into)
+        try:
+            return build.cached_build("cpu", "kvc_cpu_fp8", ".so", [
+                text, build.compiler_version(cc), platform.machine(), *flags], compile_into)
+        except build.BuildError:
+            if extra:
+                raise
+    raise AssertionError("unreachable")
 
 
 def load(path: Path) -> ctypes.CDLL:
@@ -72,6 +80,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib.kvc_fp8_write.restype = _i
     lib.kvc_fp8_write.argtypes = [_i, _i, _i, _i, _i, ctypes.c_int64, _i, _p, _p, _p, _p, _p,
                                   _p, _d, _f, _f, _f, _i, _p, _p]
+    for name in ("kvc_fp8_values", "kvc_fp8_encode"):   # (the tests')
+        getattr(lib, name).restype = None
+        getattr(lib, name).argtypes = [_i, _p, ctypes.c_int64, _p]
     return lib
 
 
@@ -109,11 +120,11 @@ def gather(lib, parts, pages: np.ndarray, out: torch.Tensor) -> None:
     [n] int64 (contiguous numpy) of parts (k = 1 or 2 fp8 PagedTensors of one format and
     shape, page scales), heads first: `dense._fp8_rows_host`'s x * sc."""
     first = parts[0]
-    H, PD = first.num_heads, first.page_size * first.data.shape[-1]
     c0, s0 = _pointers(first)
     c1, s1 = _pointers(parts[-1])
     lib.kvc_fp8_gather(first.fmt.storage_dtype == torch.float8_e5m2, len(parts), c0, s0, c1,
-                       s1, pages.ctypes.data, len(pages), H, PD, out.data_ptr())
+                       s1, pages.ctypes.data, len(pages), first.num_heads,
+                       first.page_size * first.data.shape[-1], out.data_ptr())
 
 
 def write_tokens(lib, tensors, p: int, o: int, xs, scratch: dict) -> bool:
@@ -125,28 +136,32 @@ def write_tokens(lib, tensors, p: int, o: int, xs, scratch: dict) -> bool:
     if o and None in facts:
         return False
     first = tensors[0]
-    k, H, Ds, P = len(tensors), first.num_heads, first.data.shape[-1], first.page_size
-    divisor, fmax, _, screen = first._fp8_numbers()
-    key = ("c_write", k, H, Ds, P)
-    work = scratch.get(key)
-    if work is None:
-        buf = torch.empty(k * H * P * Ds, dtype=torch.float32)
-        work = scratch[key] = (buf, buf.data_ptr())
-    s_new = np.empty((k, H, 1), np.float32)   # (fresh: a kept fact holds its rows)
+    k = len(tensors)
+    key = ("c_write", k, first.num_heads, first.data.shape[-1], first.page_size)
+    args = scratch.get(key)
+    if args is None:   # what every call of the step passes alike, and its scratch buffers
+        H, Ds, P = key[2:]
+        divisor, fmax, _, screen = first._fp8_numbers()
+        work = torch.empty(k * H * P * Ds, dtype=torch.float32)
+        s_new = np.empty((k, H, 1), np.float32)
+        args = scratch[key] = (work, s_new, (
+            first.fmt.storage_dtype == torch.float8_e5m2, k, H, Ds, P), (
+            divisor, fmax, screen, MIN_SCALE, 1, s_new.ctypes.data, work.data_ptr()))
     c0, sc0 = _pointers(first)
     c1, sc1 = _pointers(tensors[-1])
-    rc = lib.kvc_fp8_write(first.fmt.storage_dtype == torch.float8_e5m2, k, H, Ds, P, p, o,
-                           c0, sc0, c1, sc1, xs[0].data_ptr(), xs[-1].data_ptr(), divisor,
-                           fmax, screen, MIN_SCALE, 1, s_new.ctypes.data, work[1])
+    rc = lib.kvc_fp8_write(*args[2], p, o, c0, sc0, c1, sc1, xs[0].data_ptr(),
+                           xs[-1].data_ptr(), *args[3])
     if rc < 0:
         return False
     if rc == 0:   # by the kept facts: they move to o + 1 (the C writes bump no version)
+        last = o + 1 == first.page_size
         for t, f in zip(tensors, facts):
-            if o + 1 == P:
+            if last:
                 del t.__dict__["_views"]["fp8_fact"]
             else:
                 t.__dict__["_views"]["fp8_fact"] = (p, o + 1, *f[2:])
         return True
+    s_new = args[1].copy() if rc == 1 else None   # (a kept fact holds its own rows)
     for i, t in enumerate(tensors):
         views = t.__dict__["_views"]
         if rc == 2:

@@ -25,6 +25,7 @@ window within reach, soft-capping or sinks, unquantized or fp8 page-scaled K and
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvcompile.kernels import cpu_fp8
@@ -147,7 +148,8 @@ class CpuDecodeStep:
         bufs = self._scratch.get(key)
         if bufs is None:   # the step's buffer, its pages as numpy and K / V views, made once
             out = torch.empty((2, 1, kt.num_heads, n, kt.page_size, kt.head_dim))
-            bufs = self._scratch[key] = (out, self.pages.numpy(), self._kv_views(kt, out))
+            bufs = self._scratch[key] = (out, self.pages.numpy().astype(np.int64),
+                                         self._kv_views(kt, out))
         out, pages, views = bufs
         cpu_fp8.gather(lib, (kt, vt), pages, out)
         return views if dt == torch.float32 else self._kv_views(kt, out.to(dt))
