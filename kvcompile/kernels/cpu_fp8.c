@@ -6,7 +6,7 @@
  *   encode:  clamp(x / scale, -fmax, fmax) cast to fp8 as c10's Float8_e4m3fn / e5m2 casts
  *            (round to nearest even, NaN -> 0x7F | sign)
  * Built with -ffp-contract=off (no fused multiply-add) and no -ffast-math (NaN kept). No code
- * value is made as an fp32 denormal (flush-to-zero modes change nothing).
+ * value is made as an fp32 denormal (the numpy route makes none either).
  *
  * Pools: codes [N * H, P * Ds] uint8 (one row per page-head), page scales [N * H] fp32.
  */
@@ -31,7 +31,9 @@ static inline uint32_t to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return 
  * whatever the sign, as fp8_widen's 0x7E00; E5M2: the fp16 NaN's payload, quiet). Normal codes:
  * the exponent rebiased; subnormal ones: the mantissa's integer times 2^-9 (E4M3) / 2^-16
  * (E5M2), exact. Branch-free (masks), so that gcc vectorizes the loops that use them. */
-static inline uint32_t sel(uint32_t mask, uint32_t a, uint32_t b) { return (a & mask) | (b & ~mask); }
+static inline uint32_t sel(uint32_t mask, uint32_t a, uint32_t b) {
+  return (a & mask) | (b & ~mask);
+}
 
 static inline uint32_t e4m3_bits(uint32_t c) {
   uint32_t em = c & 0x7Fu;
@@ -88,9 +90,9 @@ static inline uint8_t encode(int e5m2, float f) { return e5m2 ? e5m2_code(f) : e
 
 /* out [H, n, PD] fp32 = decoded codes of the page-heads (pages[j] * H + h) times their page
  * scale. NaN codes give their NaN (the numpy route's NaN * scale), a NaN scale its own. */
-static inline void gather_one(int e5m2, const uint8_t *restrict codes, const float *restrict scales,
-                       const int64_t *restrict pages, int n, int H, int PD,
-                       float *restrict out) {
+static inline void gather_one(int e5m2, const uint8_t *restrict codes,
+                              const float *restrict scales, const int64_t *restrict pages,
+                              int n, int H, int PD, float *restrict out) {
   for (int h = 0; h < H; h++) {
     for (int j = 0; j < n; j++) {
       int64_t row = pages[j] * H + h;

@@ -10,7 +10,7 @@ torch calls per scale decision and ~12 per gather, each a few microseconds cold 
 model's matmuls; here each is one call, with the same fp32 operations in the same order: the
 bytes written and the values gathered are those of the numpy route, bit for bit
 (tests/kernels/test_cpu_fp8_c.py). The library is built at first use by the system C compiler
-(`$CC`, else cc / gcc / clang; about 1 s) and cached on disk like the CUDA kernels
+(`$CC`, else cc / gcc / clang; ~0.2 s of gcc at -O3) and cached on disk like the CUDA kernels
 (cuda/build.py `cached_build`: keyed by the source, the compiler's version, the flags and the
 machine). No -march: the cached library runs on any CPU of the architecture.
 
@@ -88,8 +88,9 @@ def load(path: Path) -> ctypes.CDLL:
 
 @cache
 def library(route: str = "auto") -> ctypes.CDLL | None:
-    """The C library for `route` (config.CPU_FP8_ROUTES), or None for the numpy route. "auto" without a
-    working build warns once (the reason and the fix) and returns None; "c" raises."""
+    """The C library for `route` (config.CPU_FP8_ROUTES), or None for the numpy route. "auto"
+    without a working build warns once (the reason and the fix) and returns None; "c"
+    raises."""
     if route == "numpy":
         return None
     try:
