@@ -3,6 +3,7 @@ K + V gather and decode (SmolLM2-135M's layer shape: 3 KV heads, D 64, pages of 
 
     python benchmarks/cpu_fp8_layer_micro.py                  # fp8_e4m3, 320 tokens
     python benchmarks/cpu_fp8_layer_micro.py --kv bf16 fp8_e4m3 fp8_e5m2 --calls 200
+    python benchmarks/cpu_fp8_layer_micro.py --route c       # fp8 pages' C route
 
 write16   the 16 tokens of the last page written in turn (offsets 0..15, values drawn once
           from N(0, 1) with a few larger ones: the page scale grows on some of them), per token
@@ -50,7 +51,16 @@ def _timed(fn, calls: int, blocks: int) -> tuple[float, float]:
     return min(per), statistics.median(per)
 
 
-def _calls(kv: str, tokens: int, toks: torch.Tensor, g: torch.Generator):
+def _c_library(route: str):
+    """The cpu_fp8 C library for route "c" (None: the numpy route, or a checkout without it)."""
+    try:
+        from kvcompile.kernels import cpu_fp8
+    except ImportError:
+        return None
+    return cpu_fp8.library(route)
+
+
+def _calls(kv: str, tokens: int, toks: torch.Tensor, g: torch.Generator, route: str = "numpy"):
     """(write16, calm16, step16, gather) of one layer's K and V in format kv."""
     n = -(-tokens // P)
     last = n - 1
@@ -90,6 +100,13 @@ def _calls(kv: str, tokens: int, toks: torch.Tensor, g: torch.Generator):
     pair = both or getattr(PagedTensor, "write_tokens_kept", None)
     if not kv.startswith("fp8"):   # (unquantized pages: write_token, as the step does)
         both = pair = None
+    lib = _c_library(route) if kv.startswith("fp8") else None
+    if lib is not None:   # the C route: one call per token pair
+        from kvcompile.kernels import cpu_fp8
+
+        kn, vn = [toks[o, 0] for o in range(P)], [toks[o, 1] for o in range(P)]
+        pair = both = lambda ts, p, o, xs, scratch: cpu_fp8.write_tokens(lib, ts, p, o, xs,
+                                                                          scratch)
     scratch: dict = {}
 
     def step16():
@@ -103,8 +120,13 @@ def _calls(kv: str, tokens: int, toks: torch.Tensor, g: torch.Generator):
     step = CpuDecodeStep.__new__(CpuDecodeStep)
     step.pages, step.total, step._scratch, step.start = pages, tokens, {}, 0
     if kv.startswith("fp8") and step._fp8_together(kt, vt):
-        def gather():
-            step._gather_fp8(kt, vt, rows, torch.float32)
+        if lib is not None:
+            def gather():
+                step._gather_fp8(kt, vt, rows, torch.float32, lib)
+        else:
+            def gather():
+                step._gather_fp8(kt, vt, rows, torch.float32, *(
+                    (None,) if route == "numpy" and _c_library("c") is not None else ()))
     else:
         def gather():
             _gather(kt, pages, 1, tokens, torch.float32, rows)
@@ -119,6 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=320)
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--blocks", type=int, default=7)
+    ap.add_argument("--route", choices=["numpy", "c"], default="numpy",
+                    help="fp8 pages: the numpy route or the C one (kernels/cpu_fp8.py)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
@@ -126,7 +150,7 @@ def main(argv=None) -> int:
     toks = torch.randn(16, 2, H, D, generator=g)
     toks[torch.rand(16, 2, H, 1, generator=g).expand(-1, -1, -1, D) < 0.2] *= 4
     for kv in args.kv:
-        write16, calm16, step16, gather = _calls(kv, args.tokens, toks, g)
+        write16, calm16, step16, gather = _calls(kv, args.tokens, toks, g, args.route)
         w16 = [t / 16 for t in _timed(write16, max(1, args.calls // 16), args.blocks)]
         c16 = [t / 16 for t in _timed(calm16, max(1, args.calls // 16), args.blocks)]
         s16 = [t / 16 for t in _timed(step16, max(1, args.calls // 16), args.blocks)]

@@ -51,6 +51,8 @@ PREFILL_ATTENDS = ("fresh", "stored")
 # pages into a transient contiguous workspace, then the dense varlen kernel), "paged" (the
 # kernel reads the pages in its tile loop), "auto": kernels/prefill_gather.py choose_route.
 PREFILL_CHUNK_ROUTES = ("auto", "gather", "paged")
+# fp8 pages' CPU decode step (kernels/cpu_fp8.py): C where it builds, C or an error, numpy
+CPU_FP8_ROUTES = ("auto", "c", "numpy")
 
 # Fields that `configure` may override per module; the rest are global to the pool.
 PER_MODULE_FIELDS = (
@@ -295,6 +297,10 @@ class KVConfig:
         a token (pages between sinks and window freed, the rest hidden by a key mask:
         eviction/runtime.py `_evict_window`); False compacts as other policies do (moves the
         kept tokens), to time both. Default True; KVCOMPILE_WINDOW_EVICTION=0 sets False.
+    cpu_fp8: fp8 pages' CPU decode step (kernels/cpu_fp8.py): "auto" (its C library, built
+        at first use by the system C compiler, where it builds; else the numpy route with one
+        warning), "c" (the C library or an error), "numpy" (CPU_FP8_ROUTES). The same bytes
+        and values either way. Default from KVCOMPILE_CPU_FP8 ("auto" when unset or empty).
     """
 
     kv_dtype: str = "auto"
@@ -328,6 +334,7 @@ class KVConfig:
         lambda: os.environ.get("KVCOMPILE_PREFILL_WARP_SPEC", "0") == "1")
     rerotated_sinks_graphs: bool = _env_field(lambda: _env_on("KVCOMPILE_REROT_ASIDE", True))
     window_eviction: bool = _env_field(lambda: _env_on("KVCOMPILE_WINDOW_EVICTION", True))
+    cpu_fp8: str = _env_field(lambda: os.environ.get("KVCOMPILE_CPU_FP8") or "auto")
 
     def __post_init__(self):
         for name in ("kv_dtype", "k_dtype", "v_dtype"):
@@ -375,6 +382,8 @@ class KVConfig:
             raise KVConfigError("prefill_chunk_route", self.prefill_chunk_route,
                                 ", ".join(map(repr, PREFILL_CHUNK_ROUTES)))
         _check_int("prefill_gather_bytes", self.prefill_gather_bytes, 1)
+        if self.cpu_fp8 not in CPU_FP8_ROUTES:
+            raise KVConfigError("cpu_fp8", self.cpu_fp8, ", ".join(map(repr, CPU_FP8_ROUTES)))
         if self.prefill not in PREFILL_CHOICES:
             raise KVConfigError("prefill", self.prefill, ", ".join(map(repr, PREFILL_CHOICES)))
         for name in ("check_finite", "residual", "enabled", "cuda_graphs", "prefill_tma",

@@ -11,7 +11,7 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SOURCES = (".py", ".cuh", ".cpp", ".h")
+SOURCES = (".py", ".cuh", ".cpp", ".h", ".c")
 
 
 def _owned(start: str = "## Who owns what", end: str = "## Data flow") -> set[str]:

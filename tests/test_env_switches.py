@@ -14,7 +14,8 @@ from kvcompile.errors import KVConfigError
 PACKAGE = Path(__file__).resolve().parents[1] / "kvcompile"
 SWITCHES = ("KVCOMPILE_CUDA_GRAPHS", "KVCOMPILE_PREFILL", "KVCOMPILE_PREFILL_TMA",
             "KVCOMPILE_PREFILL_Q_TMA", "KVCOMPILE_PREFILL_SCALE_TMA",
-            "KVCOMPILE_PREFILL_WARP_SPEC", "KVCOMPILE_REROT_ASIDE", "KVCOMPILE_WINDOW_EVICTION")
+            "KVCOMPILE_PREFILL_WARP_SPEC", "KVCOMPILE_REROT_ASIDE", "KVCOMPILE_WINDOW_EVICTION",
+            "KVCOMPILE_CPU_FP8")
 
 
 @pytest.fixture
@@ -27,8 +28,8 @@ def clean_env(monkeypatch):
 def test_defaults_without_the_environment(clean_env):
     c = KVConfig()
     assert (c.cuda_graphs, c.prefill, c.prefill_tma, c.prefill_q_tma, c.prefill_scale_tma,
-            c.prefill_warp_spec, c.rerotated_sinks_graphs, c.window_eviction) == (
-                True, "auto", True, True, False, False, True, True)
+            c.prefill_warp_spec, c.rerotated_sinks_graphs, c.window_eviction, c.cpu_fp8) == (
+                True, "auto", True, True, False, False, True, True, "auto")
 
 
 @pytest.mark.parametrize("var,value,field,expected", [
@@ -49,6 +50,9 @@ def test_defaults_without_the_environment(clean_env):
     ("KVCOMPILE_REROT_ASIDE", "", "rerotated_sinks_graphs", True),
     ("KVCOMPILE_WINDOW_EVICTION", "0", "window_eviction", False),
     ("KVCOMPILE_WINDOW_EVICTION", "", "window_eviction", True),
+    ("KVCOMPILE_CPU_FP8", "numpy", "cpu_fp8", "numpy"),
+    ("KVCOMPILE_CPU_FP8", "c", "cpu_fp8", "c"),
+    ("KVCOMPILE_CPU_FP8", "", "cpu_fp8", "auto"),
 ])
 def test_the_environment_sets_the_default(clean_env, var, value, field, expected):
     clean_env.setenv(var, value)
@@ -64,7 +68,7 @@ def test_an_explicit_field_wins_over_the_environment(clean_env):
 
 
 @pytest.mark.parametrize("field,value", [("prefill", "flash"), ("cuda_graphs", "yes"),
-                                         ("prefill_tma", 1)])
+                                         ("prefill_tma", 1), ("cpu_fp8", "asm")])
 def test_bad_values_name_the_field(clean_env, field, value):
     with pytest.raises(KVConfigError, match=field):
         KVConfig(**{field: value})

@@ -409,14 +409,24 @@ def test_kv_tokens_cast_together_by_kept_facts(name):
     assert torch.equal(kt.data[1, :, 1].view(torch.uint8), before[0][1, :, 1].view(torch.uint8))
 
 
+def _c_route_write(tensors, p, o, xs, scratch):
+    """PagedTensor.write_tokens_fp8 by the C route (kernels/cpu_fp8.py)."""
+    from kvcompile.kernels import cpu_fp8
+
+    return cpu_fp8.write_tokens(cpu_fp8.library("c"), tensors, p, o,
+                                tuple(torch.from_numpy(x) for x in xs), scratch)
+
+
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
-def test_kv_tokens_written_together_with_scale_decisions(name):
+@pytest.mark.parametrize("route", ["numpy", "c"])
+def test_kv_tokens_written_together_with_scale_decisions(name, route):
     """PagedTensor.write_tokens_fp8 (a layer's K and V together: the kept facts, else the
     scale decisions of both at once, the grown heads' earlier codes re-encoded, one fp8 cast)
     stores `_write_grouped`'s scales and bytes token by token: fresh pages (offset 0, a zero
     head among them), tokens that grow some heads' scales (K's only, V's only, both), a
     token past fp8's range. The negative cases write nothing and say so (False): a NaN or an
     Inf token, and a stale fact (V's scale set by torch) at offset > 0."""
+    write = PagedTensor.write_tokens_fp8 if route == "numpy" else _c_route_write
     fmt = KVFormat(name, "page")
     H, D, P = 3, 16, 8
     kt, vt = fmt.allocate(3, H, P, D), fmt.allocate(3, H, P, D)
@@ -435,7 +445,7 @@ def test_kv_tokens_written_together_with_scale_decisions(name):
 
     for i, x in enumerate(xs):
         p, o = divmod(i, P)
-        ok = PagedTensor.write_tokens_fp8((kt, vt), p, o, (x[0].numpy(), x[1].numpy()),
+        ok = write((kt, vt), p, o, (x[0].numpy(), x[1].numpy()),
                                           scratch)
         if not ok:   # (after a fresh zero head or a MIN_SCALE one: no fact)
             assert i in (1, P + 1), i
@@ -461,13 +471,13 @@ def test_kv_tokens_written_together_with_scale_decisions(name):
     for bad in (float("nan"), float("inf")):
         x = torch.randn(2, H, D, generator=g)
         x[1, 0, 3] = bad
-        assert not PagedTensor.write_tokens_fp8((kt, vt), p, o, (x[0].numpy(), x[1].numpy()),
+        assert not write((kt, vt), p, o, (x[0].numpy(), x[1].numpy()),
                                                 scratch)
         assert unchanged()
     vt.scale[p] = vt.scale[p] * 4.0    # another writer (torch): V's fact is stale
     before = (kt.data.clone(), vt.data.clone(), kt.scale.clone(), vt.scale.clone())
     x = torch.randn(2, H, D, generator=g) * 100.0
-    assert not PagedTensor.write_tokens_fp8((kt, vt), p, o, (x[0].numpy(), x[1].numpy()),
+    assert not write((kt, vt), p, o, (x[0].numpy(), x[1].numpy()),
                                             scratch)
     assert unchanged()
 

@@ -38,6 +38,8 @@ def _counting(monkeypatch):
                                       ("fp8_e4m3", torch.float32), ("fp8_e5m2", torch.float32),
                                       ("fp8_e4m3", torch.bfloat16)])
 def test_cpu_decode_step_equals_general_path(kv, dtype, monkeypatch):
+    """fp8 pages take the route KVCOMPILE_CPU_FP8 picks (unset: the C one, kernels/cpu_fp8.py;
+    =numpy: the numpy one; tests/kernels/test_cpu_fp8_c.py compares the two byte for byte)."""
     model = make_hf("llama", "sdpa", dtype=dtype)
     kvcompile.compile(model, config(kv_dtype=kv))
     ids = torch.randint(3, 256, (1, 21), generator=torch.Generator().manual_seed(1))

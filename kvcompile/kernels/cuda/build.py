@@ -17,11 +17,12 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from functools import lru_cache
+from collections.abc import Callable
+from functools import cache, lru_cache
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
-_lock = threading.Lock()
+_lock = threading.RLock()   # re-entrant: a build may build its parts (build_emu.py)
 
 _WRAPPER = """#include "{header}"
 extern "C" __global__ void __launch_bounds__({threads}, {min_blocks})
@@ -96,24 +97,45 @@ def build_cubin(header: str, name: str, call: str, defines: dict[str, int], *, a
                               params=params, call=call)
     flags = ["-cubin", f"-arch={arch}", "-O3", "--use_fast_math", "-std=c++17",
              f"-I{_HERE}"] + [f"-D{k}={v}" for k, v in sorted(defines.items())]
-    key = hashlib.sha256("\0".join([src, wrapper, nvcc_version(), *flags]).encode()).hexdigest()
-    path = cache_dir() / f"{name}-{key[:24]}.cubin"
+
+    def compile_into(out: Path) -> None:
+        cu = out.with_name("kernel.cu")
+        cu.write_text(wrapper)
+        res = subprocess.run([nvcc, *flags, "-o", str(out), str(cu)], capture_output=True,
+                             text=True, timeout=600)
+        if res.returncode != 0:
+            raise BuildError(f"nvcc failed for {name} {defines}:\n{res.stderr[-4000:]}")
+
+    return cached_build("cuda", name, ".cubin", [src, wrapper, nvcc_version(), *flags],
+                        compile_into).read_bytes()
+
+
+@cache
+def compiler_version(compiler: str) -> str:
+    """The first line of `compiler --version` (part of every cache key: a new compiler
+    rebuilds)."""
+    out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
+    return out.stdout.splitlines()[0] if out.stdout else ""
+
+
+def cached_build(subdir: str, stem: str, suffix: str, key_parts: list[str],
+                 compile_into: Callable[[Path], None]) -> Path:
+    """The path of a build product cached under `cache_dir().parent / subdir` as
+    `stem-<hash of key_parts>suffix` (the source, the compiler's version, the flags): made
+    once per machine by compile_into(out), which writes it to `out` in a temporary directory
+    (or raises BuildError), then moved into place atomically, so concurrent builders agree."""
+    key = hashlib.sha256("\0".join(key_parts).encode()).hexdigest()
+    path = cache_dir().parent / subdir / f"{stem}-{key[:24]}{suffix}"
     if path.exists():
-        return path.read_bytes()
+        return path
     with _lock:
         if path.exists():
-            return path.read_bytes()
+            return path
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
-            cu = Path(tmp, "kernel.cu")
-            cu.write_text(wrapper)
-            out = Path(tmp, "kernel.cubin")
-            res = subprocess.run([nvcc, *flags, "-o", str(out), str(cu)], capture_output=True,
-                                 text=True, timeout=600)
-            if res.returncode != 0:
-                raise BuildError(f"nvcc failed for {name} {defines}:\n{res.stderr[-4000:]}")
-            data = out.read_bytes()
-        tmp_path = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp_path.write_bytes(data)
+            out = Path(tmp, f"out{suffix}")
+            compile_into(out)
+            tmp_path = path.with_suffix(f".{os.getpid()}.tmp")
+            shutil.copyfile(out, tmp_path)
         os.replace(tmp_path, path)  # atomic: concurrent builders agree on the result
-        return data
+    return path
