@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kvcompile"
 
@@ -61,3 +63,32 @@ def test_passes_import_no_cli_and_read_no_global_registry():
     readers = [p.name for p in (PACKAGE / "passes").glob("*.py")
                if "configured_instances" in p.read_text()]
     assert readers == []
+
+
+def _unshipped(root: Path, package_data: dict) -> list[str]:
+    """Files of the package `root` (kvcompile/) that are neither Python nor matched by
+    pyproject's [tool.setuptools.package-data] globs (a wheel would leave them out)."""
+    missing = []
+    for f in sorted(root.rglob("*")):
+        if not f.is_file() or f.suffix in (".py", ".pyc") or "__pycache__" in f.parts:
+            continue
+        package = ".".join(f.parent.relative_to(root.parent).parts)
+        if not any(f.match(g) for g in package_data.get(package, [])):
+            missing.append(str(f.relative_to(root.parent)))
+    return missing
+
+
+def test_every_kernel_source_ships_in_the_wheel(tmp_path):
+    """The CUDA / C sources are compiled at first use from the installed package: each must be
+    in pyproject's package data (a wheel built without them ran no CUDA C++ kernel)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:   # Python 3.10
+        pytest.skip("tomllib needs Python 3.11")
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    package_data = data["tool"]["setuptools"]["package-data"]
+    assert _unshipped(ROOT / "kvcompile", package_data) == []
+    # negative: a new source beside none of the globs is found
+    (tmp_path / "kvcompile" / "kernels").mkdir(parents=True)
+    (tmp_path / "kvcompile" / "kernels" / "new.cu").write_text("")
+    assert _unshipped(tmp_path / "kvcompile", package_data) == ["kvcompile/kernels/new.cu"]
