@@ -66,6 +66,7 @@ LOG2E = 1.4426950408889634
 # base include nocap
 VAR_CAP_STATIC, VAR_CAP_ON, VAR_ALU_K, VAR_ALU_V = 1, 2, 4, 8
 VAR_QK2, VAR_VOTE, VAR_PVT, VAR_CTA4, VAR_HOIST, VAR_CTA5 = 16, 32, 64, 128, 256, 512
+VAR_I4N = 1024  # cuda14h: int4 codes as f16 subnormals, P.V transposed for int4 values
 _CHAIN = VAR_CAP_STATIC | VAR_QK2 | VAR_VOTE
 VARIANTS = {"base": 0, "nocap": VAR_CAP_STATIC, "aluk": VAR_CAP_STATIC | VAR_ALU_K,
             "aluv": VAR_CAP_STATIC | VAR_ALU_V, "alu": VAR_CAP_STATIC | VAR_ALU_K | VAR_ALU_V,
@@ -76,7 +77,12 @@ VARIANTS = {"base": 0, "nocap": VAR_CAP_STATIC, "aluk": VAR_CAP_STATIC | VAR_ALU
             "pvt4h": _CHAIN | VAR_PVT | VAR_CTA4 | VAR_HOIST,
             # 5 CTAs a SM where rows are short (key + value rows <= 128 bytes: fp8 D 64)
             "pvt5h": _CHAIN | VAR_PVT | VAR_CTA4 | VAR_CTA5 | VAR_HOIST,
-            "cta4": VAR_CAP_STATIC | VAR_CTA4}
+            "cta4": VAR_CAP_STATIC | VAR_CTA4,
+            # cuda14h, int4 pages: pvt4h's structure with int4 codes widened to f16 subnormals
+            # by one mask (no sub.f16x2), two q.k chains, P.V transposed for int4 values too;
+            # 4 CTAs a SM (pvt4n) or 3 (pvt3n); for other pages they are pvt4h / pvt(h)
+            "pvt4n": _CHAIN | VAR_PVT | VAR_CTA4 | VAR_HOIST | VAR_I4N,
+            "pvt3n": _CHAIN | VAR_PVT | VAR_HOIST | VAR_I4N}
 
 
 # The variant a launch without variant= runs: "pvt4h" for fp8 keys and values with page or
@@ -224,13 +230,16 @@ def variant_bits(name: str, kk: int, vk: int, softcap: float, q8: int = 0,
     bits = VARIANTS[name]
     if kk >= 2 or q8:
         bits &= ~VAR_ALU_K
-    if vk >= 2:
+    if kk != INT4 and vk != INT4:
+        bits &= ~VAR_I4N
+    if vk >= 2 and not (vk == INT4 and bits & VAR_I4N):
         bits &= ~(VAR_ALU_V | VAR_PVT)
     if bits & VAR_ALU_V:
         bits &= ~VAR_PVT
     if kk == INT4 or q8:
         bits &= ~VAR_QK2
-    if VARIANTS[name] & VAR_PVT and (not bits & VAR_PVT or rows > 8 or kk == INT4):
+    if VARIANTS[name] & VAR_PVT and (not bits & VAR_PVT or rows > 8
+                                     or (kk == INT4 and not bits & VAR_I4N)):
         # the pvt variants' extra CTAs are paid by P.V's smaller O; without it (values not
         # fp8, 16 rows) or with int4 keys' channel terms, 128 registers spill: 3 CTAs a SM
         bits &= ~(VAR_CTA4 | VAR_CTA5)

@@ -141,6 +141,17 @@ struct DecodeParams {
 #define KVC_VAR_CTA4 128
 #define KVC_VAR_HOIST 256
 #define KVC_VAR_CTA5 512
+// issue-14 variants for int4 pages (cuda14h):
+//   I4N: int4 codes widen to f16 *subnormals* c * 2^-24 by one mask (no sub.f16x2 of 1024):
+//     (y & 0x000F000F) is f16x2(c0 * 2^-24, c1 * 2^-24), exact, and f16 x f16 products are exact
+//     in the MMA's f32 sums, so the 2^24 goes into the f32 score (keys) or O at the merge
+//     (values). Keys: the two k-steps of a word feed two accumulator chains (as QK2). Values:
+//     P.V transposed (PVT) for int4 values too: M-tile row g is element 2k of byte k (low
+//     nibble, c * 2^-24), row g + 8 element 2k + 1 (high nibble masked in place, 16 c * 2^-24:
+//     the 1/16 at the merge), so a token pair's byte k takes one prmt and four masks for one
+//     MMA of 16 value columns (base: two prmt, two shifts, four masks, four sub.f16x2 for two
+//     MMAs of 8 columns, at 8 query rows);
+#define KVC_VAR_I4N 1024
 
 namespace kvc {
 
@@ -389,9 +400,12 @@ __device__ __forceinline__ uint32_t int4x2_to_f16x2(uint32_t y) {
 
 // The two codes of byte k of word x (element 2k in the low nibble) -> f16x2 (low half first):
 // one byte_perm puts byte k of x at bits 0-7 and byte k of x >> 4 (its high nibble low) at 16-23.
-template <int K>
+// SUBN (the I4N variants): the codes as f16 subnormals c * 2^-24 instead (no subtraction).
+template <int K, bool SUBN = false>
 __device__ __forceinline__ uint32_t int4_byte_f16x2(uint32_t x, uint32_t x4) {
-  return int4x2_to_f16x2(__byte_perm(x, x4, K | (K << 4) | ((4 + K) << 8) | ((4 + K) << 12)));
+  const uint32_t y = __byte_perm(x, x4, K | (K << 4) | ((4 + K) << 8) | ((4 + K) << 12));
+  if constexpr (SUBN) return y & 0x000F000Fu;
+  return int4x2_to_f16x2(y);
 }
 
 __device__ __forceinline__ float f16_bits_to_f32(uint16_t h) {
@@ -485,7 +499,10 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
   constexpr float V_ALU = ALU_V && VK == KVC_E4M3 ? 256.f : 1.f;  // ... into the probabilities
   constexpr bool QK2 = (KVC_VAR & KVC_VAR_QK2) && !Gm::KI4 && !Q8;
   constexpr bool VOTE = (KVC_VAR & KVC_VAR_VOTE) != 0;
-  constexpr bool PVT = (KVC_VAR & KVC_VAR_PVT) && Gm::VEB == 1 && !Gm::VI4 && !ALU_V;
+  constexpr bool I4NK = (KVC_VAR & KVC_VAR_I4N) && Gm::KI4;  // int4 codes as f16 subnormals
+  constexpr bool I4NV = (KVC_VAR & KVC_VAR_I4N) && Gm::VI4;
+  constexpr bool PVT = (KVC_VAR & KVC_VAR_PVT) && Gm::VEB == 1 && (!Gm::VI4 || I4NV) && !ALU_V;
+  constexpr bool SB = QK2 || I4NK;                   // q.k in two accumulator chains
   constexpr int NR = ROWS / 8;                       // PVT: n-tiles of query rows
   constexpr int MT = DV / 16;                        // PVT: m-tiles of value columns
   constexpr int OT = PVT ? MT * NR : Gm::NT;         // accumulator tiles of O
@@ -643,7 +660,7 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
   const int my_steps = v1 - v0 > warp ? (v1 - v0 - warp + WARPS - 1) / WARPS : 0;
 
   // the merge reuses each warp's ring for its (O, m, l) rows
-  static_assert(ROWS * DV * 4 + 2 * ROWS * 4 <= NS * Gm::STAGE_ALIGNED, "ring < merge rows");
+  static_assert(ROWS * DV * 4 + 3 * ROWS * 4 <= NS * Gm::STAGE_ALIGNED, "ring < merge rows");
   uint8_t* ring = stages + warp * NS * Gm::STAGE_ALIGNED;
   const int* bt = p.bt + (long long)b * p.stride_bt;
   const long long head_k = (long long)h * P;  // (page * H + h) * P = page * H * P + h * P
@@ -810,15 +827,30 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
         for (int q4 = 0; q4 < Gm::KEPC / 8; ++q4) {  // 8 elements (2 k-steps) a 16-byte load
           const uint4 sw = lds128(kzp + 2 * (d0 + 8 * q4));
           const uint4 zw = lds128(kzp + 2 * D + 2 * (d0 + 8 * q4));
+          // I4N: q's fragments again from shared memory (the same words as qa[s]), so that qa
+          // is not live across the loop (the registers that 4 CTAs a SM need)
+          uint4 q0w{}, q1w{};
+          if constexpr (I4NK) {
+            q0w = lds128(reinterpret_cast<const uint8_t*>(qs + g * D + d0 + 8 * q4));
+            if constexpr (ROWS == 16)
+              q1w = lds128(reinterpret_cast<const uint8_t*>(qs + (g + 8) * D + d0 + 8 * q4));
+          }
 #pragma unroll
           for (int h2 = 0; h2 < 2; ++h2) {
             const int s = Gm::KPC * i + 2 * q4 + h2;
             const uint32_t s01 = word(sw, 2 * h2), s23 = word(sw, 2 * h2 + 1);
-            qk4[s][0] = hmul2_u32(qa[s][0], s01);
-            qk4[s][2] = hmul2_u32(qa[s][2], s23);
-            qk4[s][1] = ROWS == 16 ? hmul2_u32(qa[s][1], s01) : 0u;
-            qk4[s][3] = ROWS == 16 ? hmul2_u32(qa[s][3], s23) : 0u;
-            mma16816<false>(sz, qa[s], word(zw, 2 * h2), word(zw, 2 * h2 + 1));
+            uint32_t qf[4] = {qa[s][0], qa[s][1], qa[s][2], qa[s][3]};
+            if constexpr (I4NK) {
+              qf[0] = word(q0w, 2 * h2);
+              qf[2] = word(q0w, 2 * h2 + 1);
+              qf[1] = ROWS == 16 ? word(q1w, 2 * h2) : 0u;
+              qf[3] = ROWS == 16 ? word(q1w, 2 * h2 + 1) : 0u;
+            }
+            qk4[s][0] = hmul2_u32(qf[0], s01);
+            qk4[s][2] = hmul2_u32(qf[2], s23);
+            qk4[s][1] = ROWS == 16 ? hmul2_u32(qf[1], s01) : 0u;
+            qk4[s][3] = ROWS == 16 ? hmul2_u32(qf[3], s23) : 0u;
+            mma16816<false>(sz, qf, word(zw, 2 * h2), word(zw, 2 * h2 + 1));
           }
         }
       }
@@ -850,9 +882,10 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
           for (int ww = 0; ww < 4; ++ww) {  // 8 codes a word: k-steps 2 ww, 2 ww + 1
             const uint32_t x = word(w, ww), x4 = x >> 4;
             const int s = Gm::KPC * i + 2 * ww;
-            mma16816<false>(sa[j], qk4[s], int4_byte_f16x2<0>(x, x4), int4_byte_f16x2<1>(x, x4));
-            mma16816<false>(sa[j], qk4[s + 1], int4_byte_f16x2<2>(x, x4),
-                            int4_byte_f16x2<3>(x, x4));
+            mma16816<false>(sa[j], qk4[s], int4_byte_f16x2<0, I4NK>(x, x4),
+                            int4_byte_f16x2<1, I4NK>(x, x4));
+            mma16816<false>(I4NK ? sb[j] : sa[j], qk4[s + 1], int4_byte_f16x2<2, I4NK>(x, x4),
+                            int4_byte_f16x2<3, I4NK>(x, x4));
           }
         } else if constexpr (Gm::KEB == 1) {
 #pragma unroll
@@ -873,25 +906,25 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
 #pragma unroll
         for (int ww = 0; ww < 2; ++ww) {
           const uint32_t x = ww == 0 ? w.x : w.y, x4 = x >> 4;
-          mma16816<false>(sa[j], qk4[2 * ww], int4_byte_f16x2<0>(x, x4),
-                          int4_byte_f16x2<1>(x, x4));
-          mma16816<false>(sa[j], qk4[2 * ww + 1], int4_byte_f16x2<2>(x, x4),
-                          int4_byte_f16x2<3>(x, x4));
+          mma16816<false>(sa[j], qk4[2 * ww], int4_byte_f16x2<0, I4NK>(x, x4),
+                          int4_byte_f16x2<1, I4NK>(x, x4));
+          mma16816<false>(I4NK ? sb[j] : sa[j], qk4[2 * ww + 1], int4_byte_f16x2<2, I4NK>(x, x4),
+                          int4_byte_f16x2<3, I4NK>(x, x4));
         }
       }
     }
 
-    if constexpr (QK2) {
+    if constexpr (SB) {
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int c = 0; c < 4; ++c) sa[j][c] += sb[j][c];
     }
-    if constexpr (Gm::KI4) {
+    if constexpr (Gm::KI4) {  // I4N: the codes came as c * 2^-24
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) sa[j][c] += sz[c];
+        for (int c = 0; c < 4; ++c) sa[j][c] = I4NK ? fmaf(sa[j][c], 0x1p24f, sz[c]) : sa[j][c] + sz[c];
     }
 
     // ---- scores (log2 units), masks; thread's tokens: 8 j + 2 t + e, rows g (c < 2), g + 8
@@ -1125,6 +1158,21 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
           mma16816<false>(o[nb + 1], pa, xo0, yo0);
           mma16816<false>(o[nb + 2], pa, xe1, ye1);
           mma16816<false>(o[nb + 3], pa, xo1, yo1);
+        } else if constexpr (PVT && Gm::VI4) {
+          // I4N: byte k of tokens 2t, 2t + 1 at bits 0-7 / 16-23 (ab; cd: 2t + 8, 2t + 9); its
+          // low nibbles (element 8 w + 2 k of the unit, c * 2^-24) are M-tile mt's row g, its
+          // high nibbles masked in place (element 8 w + 2 k + 1, 16 c * 2^-24) row g + 8
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const uint32_t ab = __byte_perm(va[w], vb[w], k | ((4 + k) << 8));
+            const uint32_t cd = __byte_perm(vc[w], vd[w], k | ((4 + k) << 8));
+            const uint32_t a4[4] = {ab & 0x000F000Fu, ab & 0x00F000F0u, cd & 0x000F000Fu,
+                                    cd & 0x00F000F0u};
+            const int mt = Gm::VEPU / 2 * i + 4 * w + k;
+#pragma unroll
+            for (int nr = 0; nr < NR; ++nr)
+              mma16816<false>(o[mt * NR + nr], a4, pa[nr], pa[2 + nr]);
+          }
         } else if constexpr (Gm::VI4) {
           // byte k of rows 2t, 2t + 1 at bits 0-7 / 16-23: their low nibbles are n-tile
           // nb + 2k's k-pair, their high nibbles n-tile nb + 2k + 1's (element 2i: low nibble)
@@ -1211,7 +1259,10 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
         dv = Gm::VEPU * (g + 8 * (mt / (Gm::VEPU / 2))) + 2 * (mt % (Gm::VEPU / 2)) + (c >> 1);
       }
       if (r < ROWS) {
-        if constexpr (VSM == KVC_SC_TOKZP) {
+        if constexpr (I4NV) {  // codes came as c * 2^-24 (rows g) / 16 c * 2^-24 (rows g + 8);
+          // the zero points' term of row r is added at the warps' merge (its lanes hold row g's)
+          mo[r * DV + dv] = o[nb][c] * (ounit * ((c >> 1) ? 0x1p20f : 0x1p24f));
+        } else if constexpr (VSM == KVC_SC_TOKZP) {
           mo[r * DV + dv] = o[nb][c] * ounit + (c < 2 ? zacc0 : zacc1);
         } else {
           mo[r * DV + dv] = o[nb][c] * ounit;
@@ -1224,6 +1275,10 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
     if (ROWS == 16) {
       ml[g + 8] = m1;
       ml[ROWS + g + 8] = l1;
+    }
+    if constexpr (I4NV) {  // the values' zero-point term of rows g, g + 8
+      ml[2 * ROWS + g] = zacc0;
+      if (ROWS == 16) ml[2 * ROWS + g + 8] = zacc1;
     }
   }
   __syncthreads();
@@ -1241,7 +1296,11 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
       const float mw = all[w * slot + ROWS * DV + r];
       const float sw = mw == NEG_INF ? 0.f : exp2f(mw - Ms);
       lsum += all[w * slot + ROWS * DV + ROWS + r] * sw;
-      acc += all[w * slot + r * DV + dv] * sw;
+      if constexpr (I4NV) {
+        acc += (all[w * slot + r * DV + dv] + all[w * slot + ROWS * DV + 2 * ROWS + r]) * sw;
+      } else {
+        acc += all[w * slot + r * DV + dv] * sw;
+      }
     }
     const float outv = lsum == 0.f ? 0.f : acc / lsum * vt;  // NaN propagates
     const long long qrow = (b * Hq + (long long)h * G + r / SQ) * SQ + r % SQ;
