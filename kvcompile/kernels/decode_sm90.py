@@ -67,6 +67,7 @@ LOG2E = 1.4426950408889634
 VAR_CAP_STATIC, VAR_CAP_ON, VAR_ALU_K, VAR_ALU_V = 1, 2, 4, 8
 VAR_QK2, VAR_VOTE, VAR_PVT, VAR_CTA4, VAR_HOIST, VAR_CTA5 = 16, 32, 64, 128, 256, 512
 VAR_I4N = 1024  # cuda14h: int4 codes as f16 subnormals, P.V transposed for int4 values
+VAR_PGZ = 2048  # cuda14h: int4 keys' channel terms once a page (a warp takes a page's steps)
 _CHAIN = VAR_CAP_STATIC | VAR_QK2 | VAR_VOTE
 VARIANTS = {"base": 0, "nocap": VAR_CAP_STATIC, "aluk": VAR_CAP_STATIC | VAR_ALU_K,
             "aluv": VAR_CAP_STATIC | VAR_ALU_V, "alu": VAR_CAP_STATIC | VAR_ALU_K | VAR_ALU_V,
@@ -82,7 +83,9 @@ VARIANTS = {"base": 0, "nocap": VAR_CAP_STATIC, "aluk": VAR_CAP_STATIC | VAR_ALU
             # by one mask (no sub.f16x2), two q.k chains, P.V transposed for int4 values too;
             # 4 CTAs a SM (pvt4n) or 3 (pvt3n); for other pages they are pvt4h / pvt(h)
             "pvt4n": _CHAIN | VAR_PVT | VAR_CTA4 | VAR_HOIST | VAR_I4N,
-            "pvt3n": _CHAIN | VAR_PVT | VAR_HOIST | VAR_I4N}
+            "pvt3n": _CHAIN | VAR_PVT | VAR_HOIST | VAR_I4N,
+            # and the keys' channel terms once a page, a warp taking a page's steps in a row
+            "pvt4nz": _CHAIN | VAR_PVT | VAR_CTA4 | VAR_HOIST | VAR_I4N | VAR_PGZ}
 
 
 # The variant a launch without variant= runs: "pvt4h" for fp8 keys and values with page or
@@ -232,6 +235,8 @@ def variant_bits(name: str, kk: int, vk: int, softcap: float, q8: int = 0,
         bits &= ~VAR_ALU_K
     if kk != INT4 and vk != INT4:
         bits &= ~VAR_I4N
+    if kk != INT4:
+        bits &= ~VAR_PGZ
     if vk >= 2 and not (vk == INT4 and bits & VAR_I4N):
         bits &= ~(VAR_ALU_V | VAR_PVT)
     if bits & VAR_ALU_V:

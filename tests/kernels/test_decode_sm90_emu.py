@@ -581,6 +581,13 @@ def test_variant_bits():
     assert not fast.variant_bits("pvt5h", 4, 0, 0.0) & (fast.VAR_CTA4 | fast.VAR_CTA5)  # int4 K
     assert fast.variant_bits("pvt4h", 0, 0, 0.0) & fast.VAR_HOIST
     assert fast.variant_bits("cta4", 0, 0, 0.0, rows=16) & fast.VAR_CTA4
+    # cuda14h: the I4N / PGZ bits only where pages are int4 (elsewhere pvt4n is pvt4h)
+    assert fast.variant_bits("pvt4n", 0, 0, 0.0) == fast.variant_bits("pvt4h", 0, 0, 0.0)
+    assert fast.variant_bits("pvt4nz", 0, 4, 0.0) == fast.variant_bits("pvt4n", 0, 4, 0.0)
+    i4 = fast.variant_bits("pvt4n", 4, 4, 0.0)
+    assert i4 & fast.VAR_PVT and i4 & fast.VAR_CTA4 and i4 & fast.VAR_I4N  # 4 CTAs at 8 rows
+    assert not fast.variant_bits("pvt4n", 4, 4, 0.0, rows=16) & fast.VAR_CTA4
+    assert fast.variant_bits("pvt4nz", 4, 4, 0.0) & fast.VAR_PGZ
     # 4 CTAs a SM: the ring sized for them (e4m3 D 128: 3 stages, not 4), the launch bound 4
     base = fast.kernel_constants(0, 0, 1, 1, 128, 128, 8, 1)
     four = fast.kernel_constants(0, 0, 1, 1, 128, 128, 8, 1, 0, fast.VARIANTS["pvt4"])
@@ -697,6 +704,60 @@ def test_int4_keys_with_pvt4h(v):
     """cuda14g's pvt4h on int4 keys (its VOTE and HOIST apply; QK2 and the 4th CTA do not), with
     int4 values (P.V as before) or e4m3 token values (P.V transposed)."""
     check_var("pvt4h", K4, v, 128, 4, 16, 1, lens=[1, 17, 300, 1033], splits=2)
+
+
+# cuda14h's int4 variants (I4N: codes as f16 subnormals, P.V transposed; PGZ: the keys' channel
+# terms once a page). Default run: pvt4nz (whose code covers pvt4n's but for the per-page branch,
+# and pvt3n's) on two builds: D 128 at 8 rows (4 CTAs) and D 64 at 16 rows; FULL: every one.
+I4_VARIANTS = ["pvt4nz"] + (["pvt4n", "pvt3n"] if os.environ.get("KVCOMPILE_TEST_FULL") else [])
+
+
+@pytest.mark.parametrize("variant", I4_VARIANTS)
+def test_int4_variants(variant):
+    check_var(variant, K4, V4, 128, 4, 64, 1, lens=[1, 17, 300, 1033, 2000], splits=3)
+    check_var(variant, K4, V4, 128, 4, 16, 1, lens=LENS, seed=1)
+    check_var(variant, K4, V4, 128, 4, 32, 1, kmask="short", splits=2)
+    check_var(variant, K4, V4, 64, 8, 16, 2, lens=[310, 1033, 17], window=37, sinks=3,
+              splits=3)
+    if os.environ.get("KVCOMPILE_TEST_FULL"):
+        check_var(variant, K4, V4, 128, 4, 64, 1, kmask=True, softcap=30.0)
+        check_var(variant, K4, V4, 128, 8, 16, 2, q_dtype=B16, seed=1)
+        check_var(variant, K4, E4T, 128, 4, 64, 1)
+        check_var(variant, E4T, V4, 128, 4, 16, 2)
+
+
+@pytest.mark.parametrize("side", ["keys", "values"])
+def test_int4_variant_wrong_zero_point_fails(side):
+    """Negative case (pvt4nz): the zero points of other pages / tokens fail the bound."""
+    kc, vc, bt, sl, q, km = _inputs(K4, V4, 128, 4, 16, 1, [300, 129])
+    scale = 1.0 / math.sqrt(128)
+    ref = paged_decode_attention_ref(q, kc, vc, bt, sl, scale)
+    zs = {"kz": kc.zero, "vz": vc.zero}
+    zs["kz" if side == "keys" else "vz"] = (kc.zero.roll(1, 0) if side == "keys"
+                                            else vc.zero.roll(1, -1)).contiguous()
+    out = poison_(torch.empty_like(q))
+    lp = fast.plan_decode_sm90(q, kc.data, kc.scale, vc.data, vc.scale, bt, sl, None, out,
+                               *K4, *V4, scale, 0, 0, 0.0, 3, 132, variant="pvt4nz", **zs)
+    emu.run(lp)
+    assert rel_err(emu.finish(lp), ref) > 10 * _bound(K4, V4)
+
+
+@pytest.mark.parametrize("mutation", [
+    # the 1/16 of the high nibbles (M rows g + 8) not taken back at the merge
+    ("? 0x1p20f : 0x1p24f", "? 0x1p24f : 0x1p24f"),
+    # the page's channel terms kept past a page change (PGZ)
+    ("fresh = lpg != cur_lpg;", "fresh = cur_lpg < 0;"),
+    # the value zero-point term of rows g + 8 (16 rows) dropped at the merge
+    ("if (ROWS == 16) ml[2 * ROWS + g + 8] = zacc1;", "if (ROWS == 16) ml[2 * ROWS + g + 8] = 0.f;"),
+])
+def test_int4_variant_broken_kernel_is_caught(mutation, tmp_path):
+    """Negative case: pvt4nz with the high nibbles' 1/16 left in, a page's channel terms
+    reused on the next page, or rows g + 8's value zero-point term lost fails the check."""
+    old, new = mutation
+    root = _mutated_kernel(tmp_path, old, new)
+    kc, vc, bt, sl, q, km = _inputs(K4, V4, 128, 8, 16, 2, [300, 17])
+    out, ref = _decode_var("pvt4nz", kc, vc, bt, sl, q, km, root=root)
+    assert rel_err(out, ref) > 10 * _bound(K4, V4)
 
 
 def test_int4_splits_window_mask_softcap():

@@ -152,6 +152,12 @@ struct DecodeParams {
 //     MMA of 16 value columns (base: two prmt, two shifts, four masks, four sub.f16x2 for two
 //     MMAs of 8 columns, at 8 query rows);
 #define KVC_VAR_I4N 1024
+//   PGZ (int4 keys): a warp takes runs of P / 16 consecutive steps (one page: 4 steps at P64)
+//     instead of every 4th step, splits start on page boundaries, and the page's channel terms
+//     (q times the channel scales, sum_d q_d z_d: 8 LDS.128 + 16 mul.f16x2 + 8 MMAs at D 128, 8
+//     rows) are computed when a step's page differs from the warp's previous step's, i.e. once
+//     a page instead of once a step.
+#define KVC_VAR_PGZ 2048
 
 namespace kvc {
 
@@ -503,6 +509,7 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
   constexpr bool I4NV = (KVC_VAR & KVC_VAR_I4N) && Gm::VI4;
   constexpr bool PVT = (KVC_VAR & KVC_VAR_PVT) && Gm::VEB == 1 && (!Gm::VI4 || I4NV) && !ALU_V;
   constexpr bool SB = QK2 || I4NK;                   // q.k in two accumulator chains
+  constexpr bool PGZ = (KVC_VAR & KVC_VAR_PGZ) && Gm::KI4;
   constexpr int NR = ROWS / 8;                       // PVT: n-tiles of query rows
   constexpr int MT = DV / 16;                        // PVT: m-tiles of value columns
   constexpr int OT = PVT ? MT * NR : Gm::NT;         // accumulator tiles of O
@@ -655,9 +662,16 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
     if (n_sink >= lo_s) { n_sink = 0; lo_s = 0; }
   }
   const int n_steps = n_sink + (L + STEP - 1) / STEP - lo_s;
-  const int per = (n_steps + p.num_splits - 1) / p.num_splits;
+  // PGZ: runs of BLK = P / 16 steps (at most 8) a warp, splits of whole runs
+  const int lblk = PGZ ? min(p.log2p - 4, 3) : 0;
+  const int per = ((n_steps + p.num_splits - 1) / p.num_splits + (1 << lblk) - 1) >> lblk << lblk;
   const int v0 = split * per, v1 = min(n_steps, v0 + per);
-  const int my_steps = v1 - v0 > warp ? (v1 - v0 - warp + WARPS - 1) / WARPS : 0;
+  int my_steps = v1 - v0 > warp ? (v1 - v0 - warp + WARPS - 1) / WARPS : 0;
+  if constexpr (PGZ) {
+    const int n = max(v1 - v0, 0), round = WARPS << lblk;
+    const int full = n / round;
+    my_steps = (full << lblk) + min(max(n - full * round - (warp << lblk), 0), 1 << lblk);
+  }
 
   // the merge reuses each warp's ring for its (O, m, l) rows
   static_assert(ROWS * DV * 4 + 3 * ROWS * 4 <= NS * Gm::STAGE_ALIGNED, "ring < merge rows");
@@ -666,7 +680,8 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
   const long long head_k = (long long)h * P;  // (page * H + h) * P = page * H * P + h * P
 
   auto step_tok0 = [&](int i) {  // first token of the warp's i-th step
-    const int v = v0 + warp + i * WARPS;
+    const int v = PGZ ? v0 + ((((i >> lblk) * WARPS) + warp) << lblk) + (i & ((1 << lblk) - 1))
+                      : v0 + warp + i * WARPS;
     return (v < n_sink ? v : lo_s + v - n_sink) * STEP;
   };
 
@@ -805,6 +820,10 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
     cp_commit();
   }
 
+  // int4 keys: q's columns times the channel scales, and sum_d q_d z_d (PGZ: the page's, kept)
+  uint32_t qk4[Gm::KI4 ? Gm::KS : 1][4];
+  float sz[4] = {0.f, 0.f, 0.f, 0.f};
+  int cur_lpg = -1;  // PGZ: page index (in the sequence) of the warp's previous step
   for (int it = 0; it < my_steps; ++it) {
     if (it + NS - 1 < my_steps) issue(it + NS - 1);
     cp_commit();
@@ -816,9 +835,17 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
     // ---- int4 keys: q's columns times the page's channel scales (f16, once per step for both
     // n-tiles), and sum_d q_d z_d per row from one more MMA whose every column is the page's
     // zero points (so each lane's accumulators hold its rows' sums: sz[0] row g, sz[2] g + 8)
-    uint32_t qk4[Gm::KI4 ? Gm::KS : 1][4];
-    float sz[4] = {0.f, 0.f, 0.f, 0.f};
-    if constexpr (Gm::KI4) {
+    if constexpr (!PGZ) {
+      sz[0] = sz[1] = sz[2] = sz[3] = 0.f;
+    }
+    bool fresh = true;  // PGZ: the step's page is not the warp's previous step's
+    if constexpr (PGZ) {
+      const int lpg = tok0 >> p.log2p;
+      fresh = lpg != cur_lpg;
+      cur_lpg = lpg;
+      if (fresh) sz[0] = sz[1] = sz[2] = sz[3] = 0.f;
+    }
+    if constexpr (Gm::KI4) if (fresh) {
       const uint8_t* kzp = st + Gm::KZP_OFF;  // scales [D] f16, then zero points [D] f16
 #pragma unroll
       for (int i = 0; i < Gm::KS / Gm::KPC; ++i) {
