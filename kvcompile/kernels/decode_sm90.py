@@ -68,6 +68,7 @@ VAR_CAP_STATIC, VAR_CAP_ON, VAR_ALU_K, VAR_ALU_V = 1, 2, 4, 8
 VAR_QK2, VAR_VOTE, VAR_PVT, VAR_CTA4, VAR_HOIST, VAR_CTA5 = 16, 32, 64, 128, 256, 512
 VAR_I4N = 1024  # cuda14h: int4 codes as f16 subnormals, P.V transposed for int4 values
 VAR_PGZ = 2048  # cuda14h: int4 keys' channel terms once a page (a warp takes a page's steps)
+VAR_SWQ = 4096  # cuda14h: int4 q.k with the tokens as M, the query rows as N (8 rows)
 _CHAIN = VAR_CAP_STATIC | VAR_QK2 | VAR_VOTE
 VARIANTS = {"base": 0, "nocap": VAR_CAP_STATIC, "aluk": VAR_CAP_STATIC | VAR_ALU_K,
             "aluv": VAR_CAP_STATIC | VAR_ALU_V, "alu": VAR_CAP_STATIC | VAR_ALU_K | VAR_ALU_V,
@@ -85,7 +86,11 @@ VARIANTS = {"base": 0, "nocap": VAR_CAP_STATIC, "aluk": VAR_CAP_STATIC | VAR_ALU
             "pvt4n": _CHAIN | VAR_PVT | VAR_CTA4 | VAR_HOIST | VAR_I4N,
             "pvt3n": _CHAIN | VAR_PVT | VAR_HOIST | VAR_I4N,
             # and the keys' channel terms once a page, a warp taking a page's steps in a row
-            "pvt4nz": _CHAIN | VAR_PVT | VAR_CTA4 | VAR_HOIST | VAR_I4N | VAR_PGZ}
+            "pvt4nz": _CHAIN | VAR_PVT | VAR_CTA4 | VAR_HOIST | VAR_I4N | VAR_PGZ,
+            # and q.k with the step's tokens as M, the query rows as N (int4 K and V, <= 8
+            # rows; elsewhere pvt4n / pvt4nz)
+            "pvt4s": _CHAIN | VAR_PVT | VAR_CTA4 | VAR_HOIST | VAR_I4N | VAR_SWQ,
+            "pvt4sz": _CHAIN | VAR_PVT | VAR_CTA4 | VAR_HOIST | VAR_I4N | VAR_PGZ | VAR_SWQ}
 
 
 # The variant a launch without variant= runs: "pvt4h" for fp8 keys and values with page or
@@ -237,6 +242,8 @@ def variant_bits(name: str, kk: int, vk: int, softcap: float, q8: int = 0,
         bits &= ~VAR_I4N
     if kk != INT4:
         bits &= ~VAR_PGZ
+    if kk != INT4 or vk != INT4 or rows > 8 or q8:
+        bits &= ~VAR_SWQ
     if vk >= 2 and not (vk == INT4 and bits & VAR_I4N):
         bits &= ~(VAR_ALU_V | VAR_PVT)
     if bits & VAR_ALU_V:

@@ -588,6 +588,9 @@ def test_variant_bits():
     assert i4 & fast.VAR_PVT and i4 & fast.VAR_CTA4 and i4 & fast.VAR_I4N  # 4 CTAs at 8 rows
     assert not fast.variant_bits("pvt4n", 4, 4, 0.0, rows=16) & fast.VAR_CTA4
     assert fast.variant_bits("pvt4nz", 4, 4, 0.0) & fast.VAR_PGZ
+    assert fast.variant_bits("pvt4sz", 4, 4, 0.0) & fast.VAR_SWQ  # tokens as M: 8 rows only,
+    assert not fast.variant_bits("pvt4sz", 4, 4, 0.0, rows=16) & fast.VAR_SWQ  # int4 K and V
+    assert fast.variant_bits("pvt4sz", 4, 0, 0.0) == fast.variant_bits("pvt4nz", 4, 0, 0.0)
     # 4 CTAs a SM: the ring sized for them (e4m3 D 128: 3 stages, not 4), the launch bound 4
     base = fast.kernel_constants(0, 0, 1, 1, 128, 128, 8, 1)
     four = fast.kernel_constants(0, 0, 1, 1, 128, 128, 8, 1, 0, fast.VARIANTS["pvt4"])
@@ -706,19 +709,28 @@ def test_int4_keys_with_pvt4h(v):
     check_var("pvt4h", K4, v, 128, 4, 16, 1, lens=[1, 17, 300, 1033], splits=2)
 
 
-# cuda14h's int4 variants (I4N: codes as f16 subnormals, P.V transposed; PGZ: the keys' channel
-# terms once a page). Default run: pvt4nz (whose code covers pvt4n's but for the per-page branch,
-# and pvt3n's) on two builds: D 128 at 8 rows (4 CTAs) and D 64 at 16 rows; FULL: every one.
-I4_VARIANTS = ["pvt4nz"] + (["pvt4n", "pvt3n"] if os.environ.get("KVCOMPILE_TEST_FULL") else [])
+# cuda14h's int4 variants (decode_sm90.VARIANTS; RESULTS.md, issue 14 cuda14h): I4N (codes as f16
+# subnormals, P.V transposed), PGZ (the keys' channel terms once a page), SWQ (q.k with the tokens
+# as M at <= 8 rows). Default run: pvt4sz, whose code covers the others' (at 16 rows it is
+# pvt4nz), on two builds: D 128 at 8 rows (4 CTAs) and D 64 at 16 rows; FULL: every one.
+I4_VARIANTS = ["pvt4sz"] + (["pvt4n", "pvt3n", "pvt4nz", "pvt4s"]
+                            if os.environ.get("KVCOMPILE_TEST_FULL") else [])
 
 
 @pytest.mark.parametrize("variant", I4_VARIANTS)
 def test_int4_variants(variant):
     check_var(variant, K4, V4, 128, 4, 64, 1, lens=[1, 17, 300, 1033, 2000], splits=3)
     check_var(variant, K4, V4, 128, 4, 16, 1, lens=LENS, seed=1)
-    check_var(variant, K4, V4, 128, 4, 32, 1, kmask="short", splits=2)
+    # 8 rows of two query positions: masks, window + sinks, splits on the S^T layout
+    check_var(variant, K4, V4, 128, 4, 32, 2, lens=[310, 1033, 17], kmask="short", window=37,
+              sinks=3, splits=2)
     check_var(variant, K4, V4, 64, 8, 16, 2, lens=[310, 1033, 17], window=37, sinks=3,
               splits=3)
+    # peaky: later pages' keys 32x larger, row maxima move apart (rescales row by row)
+    kc, vc, bt, sl, q, km = _inputs(K4, V4, 128, 4, 16, 1, [1033, 300])
+    kc.scale[bt[:, 2:].flatten().unique()] *= 32
+    out, ref = _decode_var(variant, kc, vc, bt, sl, q, km)
+    assert rel_err(out, ref) <= _bound(K4, V4)
     if os.environ.get("KVCOMPILE_TEST_FULL"):
         check_var(variant, K4, V4, 128, 4, 64, 1, kmask=True, softcap=30.0)
         check_var(variant, K4, V4, 128, 8, 16, 2, q_dtype=B16, seed=1)
@@ -728,7 +740,7 @@ def test_int4_variants(variant):
 
 @pytest.mark.parametrize("side", ["keys", "values"])
 def test_int4_variant_wrong_zero_point_fails(side):
-    """Negative case (pvt4nz): the zero points of other pages / tokens fail the bound."""
+    """Negative case (pvt4sz): the zero points of other pages / tokens fail the bound."""
     kc, vc, bt, sl, q, km = _inputs(K4, V4, 128, 4, 16, 1, [300, 129])
     scale = 1.0 / math.sqrt(128)
     ref = paged_decode_attention_ref(q, kc, vc, bt, sl, scale)
@@ -737,26 +749,42 @@ def test_int4_variant_wrong_zero_point_fails(side):
                                             else vc.zero.roll(1, -1)).contiguous()
     out = poison_(torch.empty_like(q))
     lp = fast.plan_decode_sm90(q, kc.data, kc.scale, vc.data, vc.scale, bt, sl, None, out,
-                               *K4, *V4, scale, 0, 0, 0.0, 3, 132, variant="pvt4nz", **zs)
+                               *K4, *V4, scale, 0, 0, 0.0, 3, 132, variant="pvt4sz", **zs)
     emu.run(lp)
     assert rel_err(emu.finish(lp), ref) > 10 * _bound(K4, V4)
 
 
-@pytest.mark.parametrize("mutation", [
+_SLOW = pytest.mark.slow
+I4_MUTATIONS = [  # (old, new, G, Sq): 8 rows run SWQ, 16 rows pvt4nz's code
+    # SWQ: tokens g + 8's probabilities scaled by token g's value scale
+    pytest.param("pa[2] = movmatrix_t(pack2<false>(pr[2] * vfs[1], pr[3] * vfs[1]));",
+                 "pa[2] = movmatrix_t(pack2<false>(pr[2] * vfs[0], pr[3] * vfs[0]));", 4, 1,
+                 id="swq-value-scale"),
+    # SWQ: row 2t's keys' zero-point term for row 2t + 1
+    pytest.param("const float raw = fmaf(s4[c] + s4b[c], 0x1p24f, sz[c]);",
+                 "const float raw = fmaf(s4[c] + s4b[c], 0x1p24f, sz[c & 2]);", 4, 1,
+                 id="swq-zero-row", marks=_SLOW),
     # the 1/16 of the high nibbles (M rows g + 8) not taken back at the merge
-    ("? 0x1p20f : 0x1p24f", "? 0x1p24f : 0x1p24f"),
-    # the page's channel terms kept past a page change (PGZ)
-    ("fresh = lpg != cur_lpg;", "fresh = cur_lpg < 0;"),
+    pytest.param("? 0x1p20f : 0x1p24f", "? 0x1p24f : 0x1p24f", 8, 2, id="nibble-16",
+                 marks=_SLOW),
+    # PGZ: the page's channel terms kept past a page change
+    pytest.param("fresh = lpg != cur_lpg;", "fresh = cur_lpg < 0;", 8, 2, id="pgz-stale",
+                 marks=_SLOW),
     # the value zero-point term of rows g + 8 (16 rows) dropped at the merge
-    ("if (ROWS == 16) ml[2 * ROWS + g + 8] = zacc1;", "if (ROWS == 16) ml[2 * ROWS + g + 8] = 0.f;"),
-])
-def test_int4_variant_broken_kernel_is_caught(mutation, tmp_path):
-    """Negative case: pvt4nz with the high nibbles' 1/16 left in, a page's channel terms
-    reused on the next page, or rows g + 8's value zero-point term lost fails the check."""
-    old, new = mutation
+    pytest.param("if (ROWS == 16) ml[2 * ROWS + g + 8] = zacc1;",
+                 "if (ROWS == 16) ml[2 * ROWS + g + 8] = 0.f;", 8, 2, id="zacc-rows",
+                 marks=_SLOW),
+]
+
+
+@pytest.mark.parametrize("old,new,G,Sq", I4_MUTATIONS)
+def test_int4_variant_broken_kernel_is_caught(old, new, G, Sq, tmp_path):
+    """Negative case: pvt4sz with a token's value scale, a row's key zero-point term, the high
+    nibbles' 1/16, a page's channel terms or rows g + 8's value zero-point term wrong fails
+    the check the real one passes."""
     root = _mutated_kernel(tmp_path, old, new)
-    kc, vc, bt, sl, q, km = _inputs(K4, V4, 128, 8, 16, 2, [300, 17])
-    out, ref = _decode_var("pvt4nz", kc, vc, bt, sl, q, km, root=root)
+    kc, vc, bt, sl, q, km = _inputs(K4, V4, 128, G, 16, Sq, [300, 17])
+    out, ref = _decode_var("pvt4sz", kc, vc, bt, sl, q, km, root=root)
     assert rel_err(out, ref) > 10 * _bound(K4, V4)
 
 

@@ -158,6 +158,13 @@ struct DecodeParams {
 //     rows) are computed when a step's page differs from the warp's previous step's, i.e. once
 //     a page instead of once a step.
 #define KVC_VAR_PGZ 2048
+//   SWQ (int4 keys and values with I4N, P.V transposed, 8 query rows): q.k with the tokens as M (A: the
+//     key codes of tokens g and g + 8) and the query rows as N (B: q times the channel scales),
+//     so no M row is padding: 8 MMAs a step at D 128 instead of 16, 4 exponentials a lane instead
+//     of 8; the softmax runs on S^T (lane (g, t): rows 2t, 2t + 1, the same rows as O^T's, so a
+//     rescale needs no shuffle), and movmatrix.trans turns P^T's two 8 x 8 blocks into P.V's B
+//     fragments.
+#define KVC_VAR_SWQ 4096
 
 namespace kvc {
 
@@ -433,6 +440,23 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
+// movmatrix.sync.aligned.m8n8.trans.b16: lane (g, t) holds row g, columns 2t, 2t + 1 of an 8 x 8
+// b16 matrix (low half first); returns the same of its transpose (row g = the matrix's column g)
+__device__ __forceinline__ uint32_t movmatrix_t(uint32_t x) {
+#ifdef KVC_EMU
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  // M^T[g][2t + e] = M[2t + e][g]: lane 4 (2t + e) + g / 2, half g & 1
+  const uint32_t a = kvc_emu::f32_bits(__shfl_sync(0xffffffffu, kvc_emu::bits_f32(x), 8 * t + g / 2));
+  const uint32_t b = kvc_emu::f32_bits(__shfl_sync(0xffffffffu, kvc_emu::bits_f32(x), 8 * t + 4 + g / 2));
+  const int sh = 16 * (g & 1);
+  return ((a >> sh) & 0xffffu) | (((b >> sh) & 0xffffu) << 16);
+#else
+  uint32_t r;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+  return r;
+#endif
+}
+
 template <int QT>
 __device__ __forceinline__ float load_q(const void* q, long long i) {
   if constexpr (QT == 0) return __half2float(reinterpret_cast<const __half*>(q)[i]);
@@ -510,6 +534,7 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
   constexpr bool PVT = (KVC_VAR & KVC_VAR_PVT) && Gm::VEB == 1 && (!Gm::VI4 || I4NV) && !ALU_V;
   constexpr bool SB = QK2 || I4NK;                   // q.k in two accumulator chains
   constexpr bool PGZ = (KVC_VAR & KVC_VAR_PGZ) && Gm::KI4;
+  constexpr bool SWQ = (KVC_VAR & KVC_VAR_SWQ) && I4NK && I4NV && PVT && ROWS == 8 && !Q8;
   constexpr int NR = ROWS / 8;                       // PVT: n-tiles of query rows
   constexpr int MT = DV / 16;                        // PVT: m-tiles of value columns
   constexpr int OT = PVT ? MT * NR : Gm::NT;         // accumulator tiles of O
@@ -877,12 +902,152 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
             qk4[s][2] = hmul2_u32(qf[2], s23);
             qk4[s][1] = ROWS == 16 ? hmul2_u32(qf[1], s01) : 0u;
             qk4[s][3] = ROWS == 16 ? hmul2_u32(qf[3], s23) : 0u;
-            mma16816<false>(sz, qf, word(zw, 2 * h2), word(zw, 2 * h2 + 1));
+            if constexpr (SWQ) {  // A: every M row the zero points; B: q (rows as N)
+              const uint32_t za[4] = {word(zw, 2 * h2), word(zw, 2 * h2), word(zw, 2 * h2 + 1),
+                                      word(zw, 2 * h2 + 1)};
+              mma16816<false>(sz, za, qf[0], qf[2]);
+            } else {
+              mma16816<false>(sz, qf, word(zw, 2 * h2), word(zw, 2 * h2 + 1));
+            }
           }
         }
       }
     }
 
+    const bool masked = p.kmask != nullptr && tok0 < p.n_km;
+    const bool full = tok0 + STEP <= L - SQ + 1 && !masked &&
+                      (p.window <= 0 || tok0 >= L - p.window || tok0 + STEP <= p.sinks);
+    bool tok_ok[2][2] = {{true, true}, {true, true}};
+    uint32_t pa[4];
+    if constexpr (SWQ) {
+      // ---- SWQ: S^T = K Q^T, the step's 16 tokens as M (A: the key codes of tokens g, g + 8,
+      // the registers base feeds its two n-tiles as B), the 8 query rows as N (B: q times the
+      // channel scales, no padded rows): lane (g, t) holds c0 / c1 = token g, rows 2t / 2t + 1,
+      // c2 / c3 = token g + 8; half base's q.k MMAs and exponentials at 8 rows
+      float s4[4] = {0.f, 0.f, 0.f, 0.f}, s4b[4] = {0.f, 0.f, 0.f, 0.f};
+      auto kmma = [&](uint32_t x0, uint32_t x1, int s) {  // word of tokens g / g + 8, k-steps s, s + 1
+        const uint32_t x04 = x0 >> 4, x14 = x1 >> 4;
+        const uint32_t ae[4] = {int4_byte_f16x2<0, true>(x0, x04), int4_byte_f16x2<0, true>(x1, x14),
+                                int4_byte_f16x2<1, true>(x0, x04), int4_byte_f16x2<1, true>(x1, x14)};
+        mma16816<false>(s4, ae, qk4[s][0], qk4[s][2]);
+        const uint32_t ao[4] = {int4_byte_f16x2<2, true>(x0, x04), int4_byte_f16x2<2, true>(x1, x14),
+                                int4_byte_f16x2<3, true>(x0, x04), int4_byte_f16x2<3, true>(x1, x14)};
+        mma16816<false>(s4b, ao, qk4[s + 1][0], qk4[s + 1][2]);
+      };
+#pragma unroll
+      for (int i = 0; i < Gm::NCK / 4; ++i) {
+        const uint4 w0 = lds128(st + chunk_off(g, t + 4 * i, Gm::NCK));
+        const uint4 w1 = lds128(st + chunk_off(8 + g, t + 4 * i, Gm::NCK));
+#pragma unroll
+        for (int ww = 0; ww < 4; ++ww) kmma(word(w0, ww), word(w1, ww), Gm::KPC * i + 2 * ww);
+      }
+      if constexpr (Gm::KEPC == 16) {  // head_dim 64: 8 bytes a thread
+        const uint2 w0 = lds64(st + g * Gm::RBK + 8 * t);
+        const uint2 w1 = lds64(st + (8 + g) * Gm::RBK + 8 * t);
+        kmma(w0.x, w1.x, 0);
+        kmma(w0.y, w1.y, 2);
+      }
+      float x4[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {  // codes came as c * 2^-24; sz[c]: row 2t + (c & 1)
+        const float raw = fmaf(s4[c] + s4b[c], 0x1p24f, sz[c]);
+        x4[c] = use_cap ? p.cap_out * tanhf(raw * cap_r[0]) : raw * qk_r[0];
+      }
+      // the value token scales / zero points of tokens g, g + 8
+      const uint16_t* vzp = reinterpret_cast<const uint16_t*>(st + Gm::VZP_OFF);
+      float vfs[2], zts[2];
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        vfs[h2] = f16_bits_to_f32(vzp[g + 8 * h2]);
+        zts[h2] = f16_bits_to_f32(vzp[16 + g + 8 * h2]);
+      }
+      {  // O in units of 2^vexp (see below): a lane's own tokens first, the warp's when one grows
+        float vmax = fmaxf(vfs[0], vfs[1]);
+        if (__any_sync(0xffffffffu, vmax >= pow2f(vexp) && vmax < INFINITY)) {
+          vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 4));
+          vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 8));
+          vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 16));
+          int e = vexp;
+          if (vmax > 0.f && vmax < INFINITY) frexpf(vmax, &e);
+          if (e > vexp) {
+            const float a = exp2f(static_cast<float>(vexp - e));
+#pragma unroll
+            for (int n = 0; n < OT; ++n)
+#pragma unroll
+              for (int c = 0; c < 4; ++c) o[n][c] *= a;
+            vexp = e;
+            vinv = exp2f(static_cast<float>(-e));
+          }
+        }
+      }
+      vfs[0] *= vinv;
+      vfs[1] *= vinv;
+      if (!full) {
+        const uint8_t* km = st + Gm::MASK_OFF;
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {  // tokens g + 8 h2 of the scores
+          const int pos = tok0 + g + 8 * h2;
+          const bool any = pos < L && (!masked || km[g + 8 * h2] != 0);
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int qpos = L - SQ + (2 * t + e) % SQ;
+            const bool vis = any && pos <= qpos &&
+                             (p.window <= 0 || qpos - pos < p.window || pos < p.sinks);
+            if (!vis) x4[2 * h2 + e] = NEG_INF;
+          }
+          if (!(any && (p.window <= 0 || qpos_first - pos < p.window || pos < p.sinks)))
+            vfs[h2] = zts[h2] = 0.f;  // read by nobody: inert (NaN there)
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j)  // tokens 8 j + 2 t + e of P.V's A operand
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int tau = 8 * j + 2 * t + e, pos = tok0 + tau;
+            const bool any = pos < L && (!masked || km[tau] != 0);
+            tok_ok[j][e] = any && (p.window <= 0 || qpos_first - pos < p.window || pos < p.sinks);
+          }
+      }
+      // ---- online softmax over rows 2t (c even) and 2t + 1 (c odd), their maxima over the
+      // tokens of lanes g = 0..7
+      float mx0 = fmaxf(x4[0], x4[2]), mx1 = fmaxf(x4[1], x4[3]);
+      auto row_max = [&]() {
+#pragma unroll
+        for (int o2 = 4; o2 <= 16; o2 <<= 1) {
+          mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o2));
+          mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o2));
+        }
+      };
+      if constexpr (!VOTE) row_max();
+      if (__any_sync(0xffffffffu, mx0 > m0 + 8.f || mx1 > m1 + 8.f)) {
+        if constexpr (VOTE) row_max();
+        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+        const float a0 = n0 == NEG_INF ? 1.f : exp2f(m0 - n0);
+        const float a1 = n1 == NEG_INF ? 1.f : exp2f(m1 - n1);
+        m0 = n0;
+        m1 = n1;
+        l0 *= a0;
+        l1 *= a1;
+        zacc0 *= a0;
+        zacc1 *= a1;
+#pragma unroll
+        for (int n = 0; n < OT; ++n)  // O^T: columns 2t + (c & 1) are this lane's rows
+#pragma unroll
+          for (int c = 0; c < 4; ++c) o[n][c] *= (c & 1) ? a1 : a0;
+      }
+      const float mu0 = m0 == NEG_INF ? 0.f : m0, mu1 = m1 == NEG_INF ? 0.f : m1;
+      float pr[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) pr[c] = exp2f(x4[c] - ((c & 1) ? mu1 : mu0));
+      l0 += pr[0] + pr[2];
+      l1 += pr[1] + pr[3];
+      zacc0 += pr[0] * zts[0] + pr[2] * zts[1];
+      zacc1 += pr[1] * zts[0] + pr[3] * zts[1];
+      // P^T blocks (token g / g + 8, rows 2t, 2t + 1) transposed by movmatrix into P.V's B
+      // fragments (row g, tokens 2t, 2t + 1 / 2t + 8, 2t + 9)
+      pa[0] = movmatrix_t(pack2<false>(pr[0] * vfs[0], pr[1] * vfs[0]));
+      pa[2] = movmatrix_t(pack2<false>(pr[2] * vfs[1], pr[3] * vfs[1]));
+      pa[1] = pa[3] = 0u;
+    } else {
     // ---- S = Q K^T: n-tile j holds tokens 8 j + n
     float sa[2][4];
     float sb[2][4];  // QK2: the odd MMAs' chain
@@ -1030,10 +1195,6 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
     // token, the last query (L - 1) the first one through its window
     // (a key mask covers the first n_km slots, whole steps of 16: later steps need no mask,
     // so a short mask, as eviction's hidden slots after the sinks, costs only its own steps)
-    const bool masked = p.kmask != nullptr && tok0 < p.n_km;
-    const bool full = tok0 + STEP <= L - SQ + 1 && !masked &&
-                      (p.window <= 0 || tok0 >= L - p.window || tok0 + STEP <= p.sinks);
-    bool tok_ok[2][2] = {{true, true}, {true, true}};
     if (!full) {
       const uint8_t* km = st + Gm::MASK_OFF;
 #pragma unroll
@@ -1111,7 +1272,6 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
       }
     }
     const float mu0 = m0 == NEG_INF ? 0.f : m0, mu1 = m1 == NEG_INF ? 0.f : m1;
-    uint32_t pa[4];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const float p0 = exp2f(x[j][0] - mu0), p1 = exp2f(x[j][1] - mu0);
@@ -1125,6 +1285,8 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
         zacc1 += p2 * zt[j][0] + p3 * zt[j][1];
       }
     }
+
+    }  // !SWQ
 
     // ---- O += P V: k = tokens (2t, 2t+1 | 2t+8, 2t+9), n-tile nb's column g = unit element
 #pragma unroll
@@ -1258,11 +1420,21 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
   cp_wait<0>();
 
   // ---- merge the warps: each writes (m, l, O) of its real rows into its own ring
+  if constexpr (SWQ) {  // rows 2t, 2t + 1: sums over the lanes g = 0..7
+#pragma unroll
+    for (int o2 = 4; o2 <= 16; o2 <<= 1) {
+      l0 += __shfl_xor_sync(0xffffffffu, l0, o2);
+      l1 += __shfl_xor_sync(0xffffffffu, l1, o2);
+      zacc0 += __shfl_xor_sync(0xffffffffu, zacc0, o2);
+      zacc1 += __shfl_xor_sync(0xffffffffu, zacc1, o2);
+    }
+  } else {
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-  if constexpr (VSM == KVC_SC_TOKZP) {
+  }
+  if constexpr (VSM == KVC_SC_TOKZP && !SWQ) {
     zacc0 += __shfl_xor_sync(0xffffffffu, zacc0, 1);
     zacc0 += __shfl_xor_sync(0xffffffffu, zacc0, 2);
     zacc1 += __shfl_xor_sync(0xffffffffu, zacc1, 1);
@@ -1296,7 +1468,15 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
         }
       }
     }
-  if (t == 0) {
+  if (SWQ && g == 0) {  // rows 2t, 2t + 1
+    ml[2 * t] = m0;
+    ml[2 * t + 1] = m1;
+    ml[ROWS + 2 * t] = l0;
+    ml[ROWS + 2 * t + 1] = l1;
+    ml[2 * ROWS + 2 * t] = zacc0;
+    ml[2 * ROWS + 2 * t + 1] = zacc1;
+  }
+  if (!SWQ && t == 0) {
     ml[g] = m0;
     ml[ROWS + g] = l0;
     if (ROWS == 16) {
