@@ -38,6 +38,7 @@ CASES = {
     "e4m3_page_d64": (0, 1, 64, 8, 1),
     "e4m3_page_d128_r16": (0, 1, 128, 16, 1),  # 16 query rows (G 8 x Sq 2, G 16)
     "bf16_d128": (3, 0, 128, 8, 1),
+    "bf16_d64": (3, 0, 64, 8, 1),
     # int4 pages, K channel scale + zero / V token scale + zero (the chosen 4-bit format)
     "int4_chan_d128": (4, 4, 128, 8, 1),
     "int4_chan_d64": (4, 4, 64, 8, 1),
@@ -163,7 +164,7 @@ def count(insns, lo, hi, cold) -> dict[str, dict[str, int]]:
 def step_bytes(kk: int, ksm: int, d: int, page: int = 64) -> int:
     if kk == 4:  # int4 K channel (fp16 scale + zero per channel and page) / V token
         return int(16 * (d / 2 + 4 * d / page) + 16 * (d / 2 + 4))
-    eb = 2 if kk >= 2 else 1
+    eb = 2 if kk >= 2 else 1  # (bf16: ksm 0, no scales)
     sc = {0: 0, 1: 2 * 4 / 16, 2: 4, 3: 0}[ksm]  # per-token share of page / token scales
     return int(2 * 16 * (d * eb + sc))
 

@@ -203,11 +203,14 @@ def _stages(kk: int, vk: int, d: int, dv: int, rows: int,
 def _forced_ctas(kk: int, vk: int, d: int, dv: int, var: int) -> int | None:
     """CTAs a SM that the variant bits force (CTA4, CTA5; None: the default rule). CTA5 takes
     5 where key + value rows are at most 128 bytes (fp8 at head_dim 64: <= 102 registers and
-    the ring in 45 KB), else 4."""
+    the ring in 45 KB), else 4; CTA4 takes 4 where they are at most 256 bytes, else 3 (16-bit
+    pages at head_dim 128, whose two-stage rings do not fit 4 times)."""
+    rb = sum(n // 2 if k == INT4 else n * (2 if k >= 2 else 1) for k, n in ((kk, d), (vk, dv)))
     if var & VAR_CTA5:
-        rb = sum(n // 2 if k == INT4 else n * (2 if k >= 2 else 1) for k, n in ((kk, d), (vk, dv)))
         return 5 if rb <= 128 else 4
-    return 4 if var & VAR_CTA4 else None
+    if var & VAR_CTA4:  # rows of more than 256 bytes (16-bit at D 128): 3, two stages each
+        return 4 if rb <= 256 else 3
+    return None
 
 
 def kernel_constants(kk: int, vk: int, ksm: int, vsm: int, d: int, dv: int, rows: int,
@@ -242,16 +245,18 @@ def variant_bits(name: str, kk: int, vk: int, softcap: float, q8: int = 0,
         bits &= ~VAR_I4N
     if kk != INT4:
         bits &= ~VAR_PGZ
-    if kk != INT4 or vk != INT4 or rows > 8 or q8:
+    sixteen = kk in (2, 3) and vk in (2, 3)
+    if not ((kk == INT4 and vk == INT4 and bits & VAR_I4N) or sixteen) or rows > 8 or q8:
         bits &= ~VAR_SWQ
-    if vk >= 2 and not (vk == INT4 and bits & VAR_I4N):
+    if vk >= 2 and not (vk == INT4 and bits & VAR_I4N) and not (sixteen and bits & VAR_SWQ):
         bits &= ~(VAR_ALU_V | VAR_PVT)
     if bits & VAR_ALU_V:
         bits &= ~VAR_PVT
     if kk == INT4 or q8:
         bits &= ~VAR_QK2
     if VARIANTS[name] & VAR_PVT and (not bits & VAR_PVT or rows > 8
-                                     or (kk == INT4 and not bits & VAR_I4N)):
+                                     or (kk == INT4 and not bits & VAR_I4N)
+                                     or (INT4 in (kk, vk) and kk != vk)):  # spills 24-32 B
         # the pvt variants' extra CTAs are paid by P.V's smaller O; without it (values not
         # fp8, 16 rows) or with int4 keys' channel terms, 128 registers spill: 3 CTAs a SM
         bits &= ~(VAR_CTA4 | VAR_CTA5)

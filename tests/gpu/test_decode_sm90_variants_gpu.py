@@ -1,8 +1,8 @@
 """The CUDA decode kernel's issue-14 variants (decode_sm90.VARIANTS: nocap, aluk, aluv, alu;
 cuda14g's chain, pvt, pvt4, pvt4h, pvt5h, cta4) on the H200: each against the fp32 reference with the base kernel's bounds.
-`-k int4` (gpu_jobs.sh i4v_check): cuda14h's int4 variants (pvt4n, pvt4nz, pvt4s, pvt4sz) beside base and pvt4h
+`-k "int4 or sixteen"` (gpu_jobs.sh i4v_check): cuda14h's int4 variants (pvt4n, pvt4nz, pvt4s, pvt4sz) beside base and pvt4h
 on int4 K channel / V token pages (INT4_CASES), the L = 131,072 needle case in int4 P64 for
-each, and the wrong-zero-point negative.
+each, and the wrong-zero-point negative; pvt4s on bf16 / fp16 pages (SIXTEEN_CASES).
 
     pytest -q -m gpu tests/gpu/test_decode_sm90_variants_gpu.py    # or: gpu_jobs.sh var14_check
 
@@ -66,6 +66,18 @@ INT4_CASES = [
     (E4T, V4, 128, 4, 16, 2, {}),
 ]
 INT4_VARIANTS = ["base", "pvt4h", "pvt4n", "pvt4nz", "pvt4s", "pvt4sz"]
+# cuda14h: pvt4s on 16-bit pages (q.k with the tokens as M, P.V transposed; 8 rows)
+F16P = ("fp16", "page")
+SIXTEEN_CASES = [
+    (BF, BF, 128, 4, 16, 1, {}),
+    (BF, BF, 64, 8, 16, 1, {}),
+    (BF, BF, 128, 4, 64, 2, {"window": 37, "sinks": 3, "splits": 3}),
+    (BF, BF, 128, 4, 16, 1, {"softcap": 30.0, "kmask": True}),
+    (BF, BF, 128, 1, 32, 1, {"splits": 5}),
+    (F16P, F16P, 128, 4, 8, 1, {}),
+    (BF, BF, 128, 8, 16, 2, {}),   # 16 rows: pvt4h's code
+]
+SIXTEEN_VARIANTS = ["base", "pvt4h", "pvt4s"]
 
 
 def _kinds(fast, k, v):
@@ -75,10 +87,11 @@ def _kinds(fast, k, v):
     return kk, vk, ksm, vsm
 
 
-def _variant_keys(fast, fp8=True, int4=True):
+def _variant_keys(fast, fp8=True, int4=True, sixteen=True):
     keys = set()
     for cases, names in ((CASES, VARIANTS) if fp8 else ((), ()),
-                         (INT4_CASES, INT4_VARIANTS) if int4 else ((), ())):
+                         (INT4_CASES, INT4_VARIANTS) if int4 else ((), ()),
+                         (SIXTEEN_CASES, SIXTEEN_VARIANTS) if sixteen else ((), ())):
         for k, v, D, G, _P, Sq, kw in cases:
             rows = 8 if G * Sq <= 8 else 16
             kk, vk, ksm, vsm = _kinds(fast, k, v)
@@ -96,14 +109,15 @@ def built(request):
     # prebuild what the selected tests launch (-k int4: the int4 variants only)
     names = [it.name for it in request.session.items]
     int4 = any("int4" in n for n in names)
-    fp8 = any("int4" not in n for n in names)
+    sixteen = any("sixteen" in n for n in names)
+    fp8 = any("int4" not in n and "sixteen" not in n for n in names)
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the CUDA decode kernel is sm_90 (Hopper) only")
     ok, why = fast.device_ok(torch.device("cuda"))
     if not ok:
         pytest.fail(f"the CUDA decode kernel cannot be built here: {why}")
     with ThreadPoolExecutor(16) as ex:
-        list(ex.map(lambda k: fast._kernel(*k), sorted(_variant_keys(fast, fp8, int4))))
+        list(ex.map(lambda k: fast._kernel(*k), sorted(_variant_keys(fast, fp8, int4, sixteen))))
 
 
 def run_case(variant, case, seed=0, corrupt=False, wrong_zero=False) -> tuple[float, float]:
@@ -157,6 +171,14 @@ def test_variant_check_catches_a_wrong_output():
 @pytest.mark.parametrize("case", INT4_CASES, ids=[f"{i}-{c[0][0]}-{c[1][0]}-D{c[2]}"
                                                   for i, c in enumerate(INT4_CASES)])
 def test_int4_variant_case(variant, case):
+    err, bound = run_case(variant, case)
+    assert err <= bound, f"{variant}: relative error {err:.2e} > {bound}"
+
+
+@pytest.mark.parametrize("variant", SIXTEEN_VARIANTS)
+@pytest.mark.parametrize("case", SIXTEEN_CASES, ids=[f"{i}-{c[0][0]}-D{c[2]}"
+                                                     for i, c in enumerate(SIXTEEN_CASES)])
+def test_sixteen_bit_variant_case(variant, case):
     err, bound = run_case(variant, case)
     assert err <= bound, f"{variant}: relative error {err:.2e} > {bound}"
 

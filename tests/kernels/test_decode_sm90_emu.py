@@ -591,6 +591,11 @@ def test_variant_bits():
     assert fast.variant_bits("pvt4sz", 4, 4, 0.0) & fast.VAR_SWQ  # tokens as M: 8 rows only,
     assert not fast.variant_bits("pvt4sz", 4, 4, 0.0, rows=16) & fast.VAR_SWQ  # int4 K and V
     assert fast.variant_bits("pvt4sz", 4, 0, 0.0) == fast.variant_bits("pvt4nz", 4, 0, 0.0)
+    assert not fast.variant_bits("pvt4nz", 4, 0, 0.0) & fast.VAR_CTA4  # int4 beside fp8: spills
+    b16 = fast.variant_bits("pvt4s", 3, 3, 0.0)  # 16-bit pages: SWQ with P.V transposed
+    assert b16 & fast.VAR_SWQ and b16 & fast.VAR_PVT and not b16 & fast.VAR_I4N
+    assert fast.kernel_constants(3, 3, 0, 0, 128, 128, 8, 1, 0, b16)[1] == 3  # 2 stages fit 3x
+    assert fast.variant_bits("pvt4s", 3, 3, 0.0, rows=16) == fast.variant_bits("pvt4h", 3, 3, 0.0)
     # 4 CTAs a SM: the ring sized for them (e4m3 D 128: 3 stages, not 4), the launch bound 4
     base = fast.kernel_constants(0, 0, 1, 1, 128, 128, 8, 1)
     four = fast.kernel_constants(0, 0, 1, 1, 128, 128, 8, 1, 0, fast.VARIANTS["pvt4"])
@@ -736,6 +741,34 @@ def test_int4_variants(variant):
         check_var(variant, K4, V4, 128, 8, 16, 2, q_dtype=B16, seed=1)
         check_var(variant, K4, E4T, 128, 4, 64, 1)
         check_var(variant, E4T, V4, 128, 4, 16, 2)
+
+
+SIXTEEN = [  # (keys, values, D, G, P, Sq, q dtype, extra): pvt4s on 16-bit pages (SWQ + PVT)
+    (BF, BF, 128, 4, 16, 1, F32, {"seed": 1}),
+    (BF, BF, 64, 4, 16, 2, F32, {"lens": [310, 1033, 17], "kmask": "short", "window": 37,
+                                 "sinks": 3, "splits": 2}),
+]
+if os.environ.get("KVCOMPILE_TEST_FULL"):
+    SIXTEEN += [(("fp16", "page"), ("fp16", "page"), 128, 8, 8, 1, F16, {"splits": 3}),
+                (BF, BF, 128, 4, 32, 1, F32, {"kmask": True, "softcap": 30.0})]
+
+
+@pytest.mark.parametrize("k,v,D,G,P,Sq,q_dtype,kw", SIXTEEN)
+def test_sixteen_bit_pvt4s(k, v, D, G, P, Sq, q_dtype, kw):
+    """cuda14h's SWQ on bf16 / fp16 pages: q.k with the tokens as M, P.V transposed."""
+    check_var("pvt4s", k, v, D, G, P, Sq, q_dtype=q_dtype, **kw)
+
+
+@pytest.mark.slow
+def test_sixteen_bit_pvt4s_broken_kernel_is_caught(tmp_path):
+    """Negative case: 16-bit values' M rows g / g + 8 (elements 2w / 2w + 1) swapped."""
+    root = _mutated_kernel(tmp_path, "const uint32_t a16[4] = {__byte_perm(va[w], vb[w], 0x5410), "
+                           "__byte_perm(va[w], vb[w], 0x7632),",
+                           "const uint32_t a16[4] = {__byte_perm(va[w], vb[w], 0x7632), "
+                           "__byte_perm(va[w], vb[w], 0x5410),")
+    kc, vc, bt, sl, q, km = _inputs(BF, BF, 128, 4, 16, 1, [300, 17])
+    out, ref = _decode_var("pvt4s", kc, vc, bt, sl, q, km, root=root)
+    assert rel_err(out, ref) > 10 * _bound(BF, BF)
 
 
 @pytest.mark.parametrize("side", ["keys", "values"])

@@ -531,10 +531,14 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
   constexpr bool VOTE = (KVC_VAR & KVC_VAR_VOTE) != 0;
   constexpr bool I4NK = (KVC_VAR & KVC_VAR_I4N) && Gm::KI4;  // int4 codes as f16 subnormals
   constexpr bool I4NV = (KVC_VAR & KVC_VAR_I4N) && Gm::VI4;
-  constexpr bool PVT = (KVC_VAR & KVC_VAR_PVT) && Gm::VEB == 1 && (!Gm::VI4 || I4NV) && !ALU_V;
+  // SWQ: int4 keys and values (I4N), or 16-bit keys and values (values' P.V transposed too)
+  constexpr bool SWQ_OK = (KVC_VAR & KVC_VAR_SWQ) && ROWS == 8 && !Q8 &&
+                          ((I4NK && I4NV) || (Gm::KEB == 2 && Gm::VEB == 2 && !ALU_V));
+  constexpr bool PVT = (KVC_VAR & KVC_VAR_PVT) && !ALU_V &&
+                       (Gm::VEB == 1 ? (!Gm::VI4 || I4NV) : SWQ_OK);
   constexpr bool SB = QK2 || I4NK;                   // q.k in two accumulator chains
   constexpr bool PGZ = (KVC_VAR & KVC_VAR_PGZ) && Gm::KI4;
-  constexpr bool SWQ = (KVC_VAR & KVC_VAR_SWQ) && I4NK && I4NV && PVT && ROWS == 8 && !Q8;
+  constexpr bool SWQ = SWQ_OK && PVT;
   constexpr int NR = ROWS / 8;                       // PVT: n-tiles of query rows
   constexpr int MT = DV / 16;                        // PVT: m-tiles of value columns
   constexpr int OT = PVT ? MT * NR : Gm::NT;         // accumulator tiles of O
@@ -938,10 +942,19 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
       for (int i = 0; i < Gm::NCK / 4; ++i) {
         const uint4 w0 = lds128(st + chunk_off(g, t + 4 * i, Gm::NCK));
         const uint4 w1 = lds128(st + chunk_off(8 + g, t + 4 * i, Gm::NCK));
+        if constexpr (Gm::KI4) {
 #pragma unroll
-        for (int ww = 0; ww < 4; ++ww) kmma(word(w0, ww), word(w1, ww), Gm::KPC * i + 2 * ww);
+          for (int ww = 0; ww < 4; ++ww) kmma(word(w0, ww), word(w1, ww), Gm::KPC * i + 2 * ww);
+        } else {  // 16-bit keys: k-steps 2i, 2i + 1 (two chains), q as B
+#pragma unroll
+          for (int ww = 0; ww < 2; ++ww) {
+            const uint32_t a16[4] = {word(w0, 2 * ww), word(w1, 2 * ww), word(w0, 2 * ww + 1),
+                                     word(w1, 2 * ww + 1)};
+            mma16816<KBF>(ww ? s4b : s4, a16, qa[2 * i + ww][0], qa[2 * i + ww][2]);
+          }
+        }
       }
-      if constexpr (Gm::KEPC == 16) {  // head_dim 64: 8 bytes a thread
+      if constexpr (Gm::KI4 && Gm::KEPC == 16) {  // int4, head_dim 64: 8 bytes a thread
         const uint2 w0 = lds64(st + g * Gm::RBK + 8 * t);
         const uint2 w1 = lds64(st + (8 + g) * Gm::RBK + 8 * t);
         kmma(w0.x, w1.x, 0);
@@ -950,18 +963,20 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
       float x4[4];
 #pragma unroll
       for (int c = 0; c < 4; ++c) {  // codes came as c * 2^-24; sz[c]: row 2t + (c & 1)
-        const float raw = fmaf(s4[c] + s4b[c], 0x1p24f, sz[c]);
+        const float raw = Gm::KI4 ? fmaf(s4[c] + s4b[c], 0x1p24f, sz[c]) : s4[c] + s4b[c];
         x4[c] = use_cap ? p.cap_out * tanhf(raw * cap_r[0]) : raw * qk_r[0];
       }
       // the value token scales / zero points of tokens g, g + 8
       const uint16_t* vzp = reinterpret_cast<const uint16_t*>(st + Gm::VZP_OFF);
-      float vfs[2], zts[2];
+      float vfs[2] = {1.f, 1.f}, zts[2] = {0.f, 0.f};
+      if constexpr (VSM == KVC_SC_TOKZP) {
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
         vfs[h2] = f16_bits_to_f32(vzp[g + 8 * h2]);
         zts[h2] = f16_bits_to_f32(vzp[16 + g + 8 * h2]);
       }
-      {  // O in units of 2^vexp (see below): a lane's own tokens first, the warp's when one grows
+      }
+      if constexpr (VSM == KVC_SC_TOKZP) {  // O in units of 2^vexp (see below): a lane's own tokens first, the warp's when one grows
         float vmax = fmaxf(vfs[0], vfs[1]);
         if (__any_sync(0xffffffffu, vmax >= pow2f(vexp) && vmax < INFINITY)) {
           vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 4));
@@ -980,8 +995,10 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
           }
         }
       }
-      vfs[0] *= vinv;
-      vfs[1] *= vinv;
+      if constexpr (VSM == KVC_SC_TOKZP) {
+        vfs[0] *= vinv;
+        vfs[1] *= vinv;
+      }
       if (!full) {
         const uint8_t* km = st + Gm::MASK_OFF;
 #pragma unroll
@@ -1040,12 +1057,14 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
       for (int c = 0; c < 4; ++c) pr[c] = exp2f(x4[c] - ((c & 1) ? mu1 : mu0));
       l0 += pr[0] + pr[2];
       l1 += pr[1] + pr[3];
-      zacc0 += pr[0] * zts[0] + pr[2] * zts[1];
-      zacc1 += pr[1] * zts[0] + pr[3] * zts[1];
+      if constexpr (VSM == KVC_SC_TOKZP) {
+        zacc0 += pr[0] * zts[0] + pr[2] * zts[1];
+        zacc1 += pr[1] * zts[0] + pr[3] * zts[1];
+      }
       // P^T blocks (token g / g + 8, rows 2t, 2t + 1) transposed by movmatrix into P.V's B
       // fragments (row g, tokens 2t, 2t + 1 / 2t + 8, 2t + 9)
-      pa[0] = movmatrix_t(pack2<false>(pr[0] * vfs[0], pr[1] * vfs[0]));
-      pa[2] = movmatrix_t(pack2<false>(pr[2] * vfs[1], pr[3] * vfs[1]));
+      pa[0] = movmatrix_t(pack2<VBF>(pr[0] * vfs[0], pr[1] * vfs[0]));
+      pa[2] = movmatrix_t(pack2<VBF>(pr[2] * vfs[1], pr[3] * vfs[1]));
       pa[1] = pa[3] = 0u;
     } else {
     // ---- S = Q K^T: n-tile j holds tokens 8 j + n
@@ -1347,6 +1366,14 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
           mma16816<false>(o[nb + 1], pa, xo0, yo0);
           mma16816<false>(o[nb + 2], pa, xe1, ye1);
           mma16816<false>(o[nb + 3], pa, xo1, yo1);
+        } else if constexpr (PVT && Gm::VEB == 2) {
+          // SWQ, 16-bit values: word w holds elements 2w, 2w + 1 of the unit; the tokens' pairs
+          // of each by one prmt: M-tile mt's row g is element 2w, row g + 8 element 2w + 1
+          const uint32_t a16[4] = {__byte_perm(va[w], vb[w], 0x5410), __byte_perm(va[w], vb[w], 0x7632),
+                                   __byte_perm(vc[w], vd[w], 0x5410), __byte_perm(vc[w], vd[w], 0x7632)};
+          const int mt = Gm::VEPU / 2 * i + w;
+#pragma unroll
+          for (int nr = 0; nr < NR; ++nr) mma16816<VBF>(o[mt * NR + nr], a16, pa[nr], pa[2 + nr]);
         } else if constexpr (PVT && Gm::VI4) {
           // I4N: byte k of tokens 2t, 2t + 1 at bits 0-7 / 16-23 (ab; cd: 2t + 8, 2t + 9); its
           // low nibbles (element 8 w + 2 k of the unit, c * 2^-24) are M-tile mt's row g, its
