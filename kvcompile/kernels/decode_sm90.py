@@ -246,7 +246,8 @@ def variant_bits(name: str, kk: int, vk: int, softcap: float, q8: int = 0,
     if kk != INT4:
         bits &= ~VAR_PGZ
     sixteen = kk in (2, 3) and vk in (2, 3)
-    if not ((kk == INT4 and vk == INT4 and bits & VAR_I4N) or sixteen) or rows > 8 or q8:
+    fp8 = kk < 2 and vk < 2 and not bits & (VAR_ALU_K | VAR_ALU_V)
+    if not ((kk == INT4 and vk == INT4 and bits & VAR_I4N) or sixteen or fp8) or rows > 8 or q8:
         bits &= ~VAR_SWQ
     if vk >= 2 and not (vk == INT4 and bits & VAR_I4N) and not (sixteen and bits & VAR_SWQ):
         bits &= ~(VAR_ALU_V | VAR_PVT)

@@ -49,7 +49,8 @@ CASES = [
     (E4, E4, 64, 8, 16, 2, {"peaky": True}),
 ]
 # (aluk / aluv: alu's code for one operand, checked on the H200 before)
-VARIANTS = ["base", "nocap", "alu", "chain", "pvt", "pvt4", "pvt4h", "pvt5h", "cta4"]
+VARIANTS = ["base", "nocap", "alu", "chain", "pvt", "pvt4", "pvt4h", "pvt5h", "cta4",
+            "pvt4s"]  # cuda14h: q.k with the tokens as M at <= 8 rows (fp8 pages too)
 # cuda14h: int4 K channel / V token pages (and int4 beside e4m3 token pages)
 K4, V4 = ("int4", "channel"), ("int4", "token")
 INT4_CASES = [
@@ -87,7 +88,7 @@ def _kinds(fast, k, v):
     return kk, vk, ksm, vsm
 
 
-def _variant_keys(fast, fp8=True, int4=True, sixteen=True):
+def _variant_keys(fast, fp8=True, int4=True, sixteen=True, only=None):
     keys = set()
     for cases, names in ((CASES, VARIANTS) if fp8 else ((), ()),
                          (INT4_CASES, INT4_VARIANTS) if int4 else ((), ()),
@@ -96,6 +97,8 @@ def _variant_keys(fast, fp8=True, int4=True, sixteen=True):
             rows = 8 if G * Sq <= 8 else 16
             kk, vk, ksm, vsm = _kinds(fast, k, v)
             for name in names:
+                if only is not None and name not in only:
+                    continue
                 var = fast.variant_bits(name, kk, vk, kw.get("softcap", 0.0), rows=rows)
                 keys.add((kk, vk, ksm, vsm, D, D, rows, fast._QT[torch.float32], 0)
                          + ((var,) if var else ()))
@@ -110,6 +113,10 @@ def built(request):
     names = [it.name for it in request.session.items]
     int4 = any("int4" in n for n in names)
     sixteen = any("sixteen" in n for n in names)
+    only = {it.callspec.params["variant"] for it in request.session.items
+            if hasattr(it, "callspec") and "variant" in it.callspec.params}
+    only = only if all(hasattr(it, "callspec") and "variant" in it.callspec.params
+                       for it in request.session.items) else None
     fp8 = any("int4" not in n and "sixteen" not in n for n in names)
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the CUDA decode kernel is sm_90 (Hopper) only")
@@ -117,7 +124,7 @@ def built(request):
     if not ok:
         pytest.fail(f"the CUDA decode kernel cannot be built here: {why}")
     with ThreadPoolExecutor(16) as ex:
-        list(ex.map(lambda k: fast._kernel(*k), sorted(_variant_keys(fast, fp8, int4, sixteen))))
+        list(ex.map(lambda k: fast._kernel(*k), sorted(_variant_keys(fast, fp8, int4, sixteen, only))))
 
 
 def run_case(variant, case, seed=0, corrupt=False, wrong_zero=False) -> tuple[float, float]:

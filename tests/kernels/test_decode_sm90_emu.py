@@ -519,7 +519,9 @@ def test_qk8_is_refused_off_the_cuda_kernel():
 # cuda14g's "pvt4h" (QK2 + VOTE + PVT + CTA4 + HOIST) covers the code of "chain", "pvt" and
 # "pvt4" (which differ from it by hoisting, ring depth and launch bounds); "cta4" is nocap's code.
 VAR_NAMES = [v for v in fast.VARIANTS if v != "base"
-             and (os.environ.get("KVCOMPILE_TEST_FULL") or v in ("nocap", "alu", "pvt4h"))]
+             and (os.environ.get("KVCOMPILE_TEST_FULL") or v in ("nocap", "alu", "pvt4h", "pvt4s"))]
+# (cuda14h's "pvt4s" on fp8 pages: q.k with the tokens as M at 8 rows; its int4 / 16-bit code is
+# tested below, test_int4_variants and test_sixteen_bit_pvt4s)
 VAR_CASES = [  # (keys, values, D, G, Sq, P, q dtype): ROWS 8 and 16, every fp8 kind / scale
     (E4, E4, 128, 4, 1, 16, F32),
     (("fp8_e4m3", "token"), ("fp8_e4m3", "token"), 64, 8, 2, 128, F32),

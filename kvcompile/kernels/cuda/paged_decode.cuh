@@ -533,7 +533,9 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
   constexpr bool I4NV = (KVC_VAR & KVC_VAR_I4N) && Gm::VI4;
   // SWQ: int4 keys and values (I4N), or 16-bit keys and values (values' P.V transposed too)
   constexpr bool SWQ_OK = (KVC_VAR & KVC_VAR_SWQ) && ROWS == 8 && !Q8 &&
-                          ((I4NK && I4NV) || (Gm::KEB == 2 && Gm::VEB == 2 && !ALU_V));
+                          ((I4NK && I4NV) || (Gm::KEB == 2 && Gm::VEB == 2 && !ALU_V) ||
+                           (Gm::KEB == 1 && !Gm::KI4 && Gm::VEB == 1 && !Gm::VI4 && !ALU_K &&
+                            !ALU_V));  // int4, 16-bit or fp8 keys and values
   constexpr bool PVT = (KVC_VAR & KVC_VAR_PVT) && !ALU_V &&
                        (Gm::VEB == 1 ? (!Gm::VI4 || I4NV) : SWQ_OK);
   constexpr bool SB = QK2 || I4NK;                   // q.k in two accumulator chains
@@ -918,12 +920,15 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
       }
     }
 
-    const bool masked = p.kmask != nullptr && tok0 < p.n_km;
-    const bool full = tok0 + STEP <= L - SQ + 1 && !masked &&
-                      (p.window <= 0 || tok0 >= L - p.window || tok0 + STEP <= p.sinks);
+    // (masked / full are set where the base kernel sets them: moved up, they cost pvt4h 20
+    // instructions a step and a spill)
+    bool masked, full;
     bool tok_ok[2][2] = {{true, true}, {true, true}};
     uint32_t pa[4];
     if constexpr (SWQ) {
+      masked = p.kmask != nullptr && tok0 < p.n_km;
+      full = tok0 + STEP <= L - SQ + 1 && !masked &&
+             (p.window <= 0 || tok0 >= L - p.window || tok0 + STEP <= p.sinks);
       // ---- SWQ: S^T = K Q^T, the step's 16 tokens as M (A: the key codes of tokens g, g + 8,
       // the registers base feeds its two n-tiles as B), the 8 query rows as N (B: q times the
       // channel scales, no padded rows): lane (g, t) holds c0 / c1 = token g, rows 2t / 2t + 1,
@@ -945,6 +950,14 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
         if constexpr (Gm::KI4) {
 #pragma unroll
           for (int ww = 0; ww < 4; ++ww) kmma(word(w0, ww), word(w1, ww), Gm::KPC * i + 2 * ww);
+        } else if constexpr (Gm::KEB == 1) {  // fp8 keys: k-step 4i + ww, F2FP widening
+#pragma unroll
+          for (int ww = 0; ww < 4; ++ww) {
+            const uint32_t x0 = word(w0, ww), x1 = word(w1, ww);
+            const uint32_t a8[4] = {fp8x2_to_f16x2<KK>(x0 & 0xffffu), fp8x2_to_f16x2<KK>(x1 & 0xffffu),
+                                    fp8x2_to_f16x2<KK>(x0 >> 16), fp8x2_to_f16x2<KK>(x1 >> 16)};
+            mma16816<false>((ww & 1) ? s4b : s4, a8, qa[4 * i + ww][0], qa[4 * i + ww][2]);
+          }
         } else {  // 16-bit keys: k-steps 2i, 2i + 1 (two chains), q as B
 #pragma unroll
           for (int ww = 0; ww < 2; ++ww) {
@@ -960,15 +973,25 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
         kmma(w0.x, w1.x, 0);
         kmma(w0.y, w1.y, 2);
       }
+      // fp8 scales of tokens g (half 0 of the step) and g + 8 (half 1)
+      const float* sc = reinterpret_cast<const float*>(st + Gm::SC_OFF);
+      float kfs[2] = {1.f, 1.f}, vfs[2] = {1.f, 1.f}, zts[2] = {0.f, 0.f};
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        if constexpr (KSM == KVC_SC_TOKEN) kfs[h2] = sc[g + 8 * h2];
+        if constexpr (KSM == KVC_SC_PAGE) kfs[h2] = sc[h2];
+        if constexpr (VSM == KVC_SC_TOKEN) vfs[h2] = sc[16 + g + 8 * h2];
+        if constexpr (VSM == KVC_SC_PAGE) vfs[h2] = sc[16 + h2];
+      }
       float x4[4];
 #pragma unroll
       for (int c = 0; c < 4; ++c) {  // codes came as c * 2^-24; sz[c]: row 2t + (c & 1)
-        const float raw = Gm::KI4 ? fmaf(s4[c] + s4b[c], 0x1p24f, sz[c]) : s4[c] + s4b[c];
+        float raw = Gm::KI4 ? fmaf(s4[c] + s4b[c], 0x1p24f, sz[c]) : s4[c] + s4b[c];
+        if constexpr (KSM == KVC_SC_TOKEN || KSM == KVC_SC_PAGE) raw *= kfs[c >> 1];
         x4[c] = use_cap ? p.cap_out * tanhf(raw * cap_r[0]) : raw * qk_r[0];
       }
       // the value token scales / zero points of tokens g, g + 8
       const uint16_t* vzp = reinterpret_cast<const uint16_t*>(st + Gm::VZP_OFF);
-      float vfs[2] = {1.f, 1.f}, zts[2] = {0.f, 0.f};
       if constexpr (VSM == KVC_SC_TOKZP) {
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
@@ -976,7 +999,7 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
         zts[h2] = f16_bits_to_f32(vzp[16 + g + 8 * h2]);
       }
       }
-      if constexpr (VSM == KVC_SC_TOKZP) {  // O in units of 2^vexp (see below): a lane's own tokens first, the warp's when one grows
+      if constexpr (VSM == KVC_SC_TOKZP || VSM == KVC_SC_TOKEN || VSM == KVC_SC_PAGE) {  // O in units of 2^vexp (see below): a lane's own tokens first, the warp's when one grows
         float vmax = fmaxf(vfs[0], vfs[1]);
         if (__any_sync(0xffffffffu, vmax >= pow2f(vexp) && vmax < INFINITY)) {
           vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 4));
@@ -995,7 +1018,7 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
           }
         }
       }
-      if constexpr (VSM == KVC_SC_TOKZP) {
+      if constexpr (VSM == KVC_SC_TOKZP || VSM == KVC_SC_TOKEN || VSM == KVC_SC_PAGE) {
         vfs[0] *= vinv;
         vfs[1] *= vinv;
       }
@@ -1214,6 +1237,9 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
     // token, the last query (L - 1) the first one through its window
     // (a key mask covers the first n_km slots, whole steps of 16: later steps need no mask,
     // so a short mask, as eviction's hidden slots after the sinks, costs only its own steps)
+    masked = p.kmask != nullptr && tok0 < p.n_km;
+    full = tok0 + STEP <= L - SQ + 1 && !masked &&
+           (p.window <= 0 || tok0 >= L - p.window || tok0 + STEP <= p.sinks);
     if (!full) {
       const uint8_t* km = st + Gm::MASK_OFF;
 #pragma unroll
