@@ -68,7 +68,8 @@ VAR_CAP_STATIC, VAR_CAP_ON, VAR_ALU_K, VAR_ALU_V = 1, 2, 4, 8
 VAR_QK2, VAR_VOTE, VAR_PVT, VAR_CTA4, VAR_HOIST, VAR_CTA5 = 16, 32, 64, 128, 256, 512
 VAR_I4N = 1024  # cuda14h: int4 codes as f16 subnormals, P.V transposed for int4 values
 VAR_PGZ = 2048  # cuda14h: int4 keys' channel terms once a page (a warp takes a page's steps)
-VAR_SWQ = 4096  # cuda14h: int4 q.k with the tokens as M, the query rows as N (8 rows)
+VAR_SWQ = 4096  # cuda14h: q.k with the tokens as M, the query rows as N (8 rows)
+VAR_KPERM = 8192  # cuda14h: int4 keys widened by masks alone (q, channel terms permuted)
 _CHAIN = VAR_CAP_STATIC | VAR_QK2 | VAR_VOTE
 VARIANTS = {"base": 0, "nocap": VAR_CAP_STATIC, "aluk": VAR_CAP_STATIC | VAR_ALU_K,
             "aluv": VAR_CAP_STATIC | VAR_ALU_V, "alu": VAR_CAP_STATIC | VAR_ALU_K | VAR_ALU_V,
@@ -90,7 +91,10 @@ VARIANTS = {"base": 0, "nocap": VAR_CAP_STATIC, "aluk": VAR_CAP_STATIC | VAR_ALU
             # and q.k with the step's tokens as M, the query rows as N (int4 K and V, <= 8
             # rows; elsewhere pvt4n / pvt4nz)
             "pvt4s": _CHAIN | VAR_PVT | VAR_CTA4 | VAR_HOIST | VAR_I4N | VAR_SWQ,
-            "pvt4sz": _CHAIN | VAR_PVT | VAR_CTA4 | VAR_HOIST | VAR_I4N | VAR_PGZ | VAR_SWQ}
+            "pvt4sz": _CHAIN | VAR_PVT | VAR_CTA4 | VAR_HOIST | VAR_I4N | VAR_PGZ | VAR_SWQ,
+            # and int4 keys widened by masks alone (d permuted in q and the channel terms)
+            "pvt4sp": (_CHAIN | VAR_PVT | VAR_CTA4 | VAR_HOIST | VAR_I4N | VAR_PGZ | VAR_SWQ
+                       | VAR_KPERM)}
 
 
 # The variant a launch without variant= runs: "pvt4h" for fp8 keys and values with page or
@@ -249,6 +253,8 @@ def variant_bits(name: str, kk: int, vk: int, softcap: float, q8: int = 0,
     fp8 = kk < 2 and vk < 2 and not bits & (VAR_ALU_K | VAR_ALU_V)
     if not ((kk == INT4 and vk == INT4 and bits & VAR_I4N) or sixteen or fp8) or rows > 8 or q8:
         bits &= ~VAR_SWQ
+    if not (kk == INT4 and bits & VAR_SWQ and bits & VAR_PGZ):
+        bits &= ~VAR_KPERM
     if vk >= 2 and not (vk == INT4 and bits & VAR_I4N) and not (sixteen and bits & VAR_SWQ):
         bits &= ~(VAR_ALU_V | VAR_PVT)
     if bits & VAR_ALU_V:

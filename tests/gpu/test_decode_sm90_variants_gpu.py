@@ -1,6 +1,6 @@
 """The CUDA decode kernel's issue-14 variants (decode_sm90.VARIANTS: nocap, aluk, aluv, alu;
 cuda14g's chain, pvt, pvt4, pvt4h, pvt5h, cta4) on the H200: each against the fp32 reference with the base kernel's bounds.
-`-k "int4 or sixteen"` (gpu_jobs.sh i4v_check): cuda14h's int4 variants (pvt4n, pvt4nz, pvt4s, pvt4sz) beside base and pvt4h
+`-k "int4 or sixteen"` (gpu_jobs.sh i4v_check): cuda14h's int4 variants (pvt4n, pvt4nz, pvt4s, pvt4sz, pvt4sp) beside base and pvt4h
 on int4 K channel / V token pages (INT4_CASES), the L = 131,072 needle case in int4 P64 for
 each, and the wrong-zero-point negative; pvt4s on bf16 / fp16 pages (SIXTEEN_CASES).
 
@@ -66,7 +66,7 @@ INT4_CASES = [
     (K4, E4T, 128, 4, 16, 1, {}),
     (E4T, V4, 128, 4, 16, 2, {}),
 ]
-INT4_VARIANTS = ["base", "pvt4h", "pvt4n", "pvt4nz", "pvt4s", "pvt4sz"]
+INT4_VARIANTS = ["base", "pvt4h", "pvt4n", "pvt4nz", "pvt4s", "pvt4sz", "pvt4sp"]
 # cuda14h: pvt4s on 16-bit pages (q.k with the tokens as M, P.V transposed; 8 rows)
 F16P = ("fp16", "page")
 SIXTEEN_CASES = [
@@ -190,7 +190,7 @@ def test_sixteen_bit_variant_case(variant, case):
     assert err <= bound, f"{variant}: relative error {err:.2e} > {bound}"
 
 
-@pytest.mark.parametrize("variant", ["pvt4n", "pvt4sz"])
+@pytest.mark.parametrize("variant", ["pvt4n", "pvt4sz", "pvt4sp"])
 def test_int4_variant_wrong_zero_point_fails(variant):
     """Negative case: the int4 variants given the key zero points of other pages fail."""
     err, bound = run_case(variant, INT4_CASES[0])
@@ -199,7 +199,7 @@ def test_int4_variant_wrong_zero_point_fails(variant):
     assert err > 10 * bound, f"{variant}: wrong zero points pass ({err:.2e})"
 
 
-@pytest.mark.parametrize("variant", ["base", "pvt4n", "pvt4s", "pvt4sz"])
+@pytest.mark.parametrize("variant", ["base", "pvt4n", "pvt4s", "pvt4sz", "pvt4sp"])
 def test_int4_variant_long_peaky(variant):
     """The needle case (B 1, L 131,072, Hkv 8, G 4, int4 K channel / V token pages of 64): q
     aligned with 8 keys, the rest noise; against the fp32 reference over the same pages. The

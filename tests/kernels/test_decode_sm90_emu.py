@@ -718,9 +718,10 @@ def test_int4_keys_with_pvt4h(v):
 
 # cuda14h's int4 variants (decode_sm90.VARIANTS; RESULTS.md, issue 14 cuda14h): I4N (codes as f16
 # subnormals, P.V transposed), PGZ (the keys' channel terms once a page), SWQ (q.k with the tokens
-# as M at <= 8 rows). Default run: pvt4sz, whose code covers the others' (at 16 rows it is
-# pvt4nz), on two builds: D 128 at 8 rows (4 CTAs) and D 64 at 16 rows; FULL: every one.
-I4_VARIANTS = ["pvt4sz"] + (["pvt4n", "pvt3n", "pvt4nz", "pvt4s"]
+# as M at <= 8 rows), KPERM (int4 keys widened by masks alone). Default run: pvt4sp and pvt4sz,
+# whose code covers the others' (at 16 rows both are pvt4nz), on D 128 at 8 rows (4 CTAs) and
+# D 64 at 16 rows; FULL: every one.
+I4_VARIANTS = ["pvt4sp", "pvt4sz"] + (["pvt4n", "pvt3n", "pvt4nz", "pvt4s"]
                             if os.environ.get("KVCOMPILE_TEST_FULL") else [])
 
 
@@ -792,13 +793,16 @@ def test_int4_variant_wrong_zero_point_fails(side):
 _SLOW = pytest.mark.slow
 I4_MUTATIONS = [  # (old, new, G, Sq): 8 rows run SWQ, 16 rows pvt4nz's code
     # SWQ: tokens g + 8's probabilities scaled by token g's value scale
-    pytest.param("pa[2] = movmatrix_t(pack2<false>(pr[2] * vfs[1], pr[3] * vfs[1]));",
-                 "pa[2] = movmatrix_t(pack2<false>(pr[2] * vfs[0], pr[3] * vfs[0]));", 4, 1,
+    pytest.param("pa[2] = movmatrix_t(pack2<VBF>(pr[2] * vfs[1], pr[3] * vfs[1]));",
+                 "pa[2] = movmatrix_t(pack2<VBF>(pr[2] * vfs[0], pr[3] * vfs[0]));", 4, 1,
                  id="swq-value-scale"),
     # SWQ: row 2t's keys' zero-point term for row 2t + 1
-    pytest.param("const float raw = fmaf(s4[c] + s4b[c], 0x1p24f, sz[c]);",
-                 "const float raw = fmaf(s4[c] + s4b[c], 0x1p24f, sz[c & 2]);", 4, 1,
+    pytest.param(": Gm::KI4 ? fmaf(s4[c] + s4b[c], 0x1p24f, sz[c])",
+                 ": Gm::KI4 ? fmaf(s4[c] + s4b[c], 0x1p24f, sz[c & 2])", 4, 1,
                  id="swq-zero-row", marks=_SLOW),
+    # KPERM (run through pvt4sp): the page's channel scales of elements 1, 5 where 0, 4 belong
+    pytest.param("r.z = __byte_perm(w.x, w.z, 0x7632);", "r.z = __byte_perm(w.x, w.z, 0x5410);",
+                 4, 1, id="kperm-scales", marks=_SLOW),
     # the 1/16 of the high nibbles (M rows g + 8) not taken back at the merge
     pytest.param("? 0x1p20f : 0x1p24f", "? 0x1p24f : 0x1p24f", 8, 2, id="nibble-16",
                  marks=_SLOW),
@@ -819,7 +823,8 @@ def test_int4_variant_broken_kernel_is_caught(old, new, G, Sq, tmp_path):
     the check the real one passes."""
     root = _mutated_kernel(tmp_path, old, new)
     kc, vc, bt, sl, q, km = _inputs(K4, V4, 128, G, 16, Sq, [300, 17])
-    out, ref = _decode_var("pvt4sz", kc, vc, bt, sl, q, km, root=root)
+    out, ref = _decode_var("pvt4sp" if "r.z" in old else "pvt4sz", kc, vc, bt, sl, q, km,
+                           root=root)
     assert rel_err(out, ref) > 10 * _bound(K4, V4)
 
 

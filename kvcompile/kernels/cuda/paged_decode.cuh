@@ -165,6 +165,12 @@ struct DecodeParams {
 //     rescale needs no shuffle), and movmatrix.trans turns P^T's two 8 x 8 blocks into P.V's B
 //     fragments.
 #define KVC_VAR_SWQ 4096
+//   KPERM (with SWQ and PGZ, int4 keys): q is staged with each 8 elements in the order 0 4 2 6 1 5
+//     3 7, the page's channel scales / zero points permuted alike (prmt, once a page), so a key
+//     word x gives its k-pairs by masks alone: x & 0x000F000F = (e0, e4), (x >> 8) & .. = (e2,
+//     e6) (x 1), x & 0x00F000F0 = (e1, e5), (x >> 8) & .. = (e3, e7) (x 16, the second chain,
+//     / 16 in the score): 32 prmt a step fewer at D 128.
+#define KVC_VAR_KPERM 8192
 
 namespace kvc {
 
@@ -541,6 +547,7 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
   constexpr bool SB = QK2 || I4NK;                   // q.k in two accumulator chains
   constexpr bool PGZ = (KVC_VAR & KVC_VAR_PGZ) && Gm::KI4;
   constexpr bool SWQ = SWQ_OK && PVT;
+  constexpr bool KPERM = (KVC_VAR & KVC_VAR_KPERM) && SWQ && PGZ && I4NK;
   constexpr int NR = ROWS / 8;                       // PVT: n-tiles of query rows
   constexpr int MT = DV / 16;                        // PVT: m-tiles of value columns
   constexpr int OT = PVT ? MT * NR : Gm::NT;         // accumulator tiles of O
@@ -620,7 +627,9 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
     float x = 0.f;
     if (r < R) {
       const long long row = (b * Hq + (long long)h * G + r / SQ) * SQ + r % SQ;
-      x = load_q<QT>(p.q, row * D + d);
+      // KPERM: element (d & ~7) | bitrev3(d & 7) at d (0 4 2 6 1 5 3 7 in each 8)
+      const int dq = KPERM ? (d & ~7) | ((d & 1) << 2) | (d & 2) | ((d >> 2) & 1) : d;
+      x = load_q<QT>(p.q, row * D + dq);
     }
     if constexpr (KBF) {
       __nv_bfloat16 y = __float2bfloat16_rn(x);
@@ -883,8 +892,20 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
         const int d0 = Gm::KEPC * (t + 4 * i);  // first element of the thread's unit
 #pragma unroll
         for (int q4 = 0; q4 < Gm::KEPC / 8; ++q4) {  // 8 elements (2 k-steps) a 16-byte load
-          const uint4 sw = lds128(kzp + 2 * (d0 + 8 * q4));
-          const uint4 zw = lds128(kzp + 2 * D + 2 * (d0 + 8 * q4));
+          uint4 sw = lds128(kzp + 2 * (d0 + 8 * q4));
+          uint4 zw = lds128(kzp + 2 * D + 2 * (d0 + 8 * q4));
+          if constexpr (KPERM) {  // as q: words (0, 4), (2, 6), (1, 5), (3, 7)
+            auto perm = [](const uint4& w) {
+              uint4 r;
+              r.x = __byte_perm(w.x, w.z, 0x5410);
+              r.y = __byte_perm(w.y, w.w, 0x5410);
+              r.z = __byte_perm(w.x, w.z, 0x7632);
+              r.w = __byte_perm(w.y, w.w, 0x7632);
+              return r;
+            };
+            sw = perm(sw);
+            zw = perm(zw);
+          }
           // I4N: q's fragments again from shared memory (the same words as qa[s]), so that qa
           // is not live across the loop (the registers that 4 CTAs a SM need)
           uint4 q0w{}, q1w{};
@@ -935,6 +956,16 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
       // c2 / c3 = token g + 8; half base's q.k MMAs and exponentials at 8 rows
       float s4[4] = {0.f, 0.f, 0.f, 0.f}, s4b[4] = {0.f, 0.f, 0.f, 0.f};
       auto kmma = [&](uint32_t x0, uint32_t x1, int s) {  // word of tokens g / g + 8, k-steps s, s + 1
+        if constexpr (KPERM) {  // (e0, e4), (e2, e6) x 1; (e1, e5), (e3, e7) x 16
+          const uint32_t x08 = x0 >> 8, x18 = x1 >> 8;
+          const uint32_t ae[4] = {x0 & 0x000F000Fu, x1 & 0x000F000Fu, x08 & 0x000F000Fu,
+                                  x18 & 0x000F000Fu};
+          mma16816<false>(s4, ae, qk4[s][0], qk4[s][2]);
+          const uint32_t ao[4] = {x0 & 0x00F000F0u, x1 & 0x00F000F0u, x08 & 0x00F000F0u,
+                                  x18 & 0x00F000F0u};
+          mma16816<false>(s4b, ao, qk4[s + 1][0], qk4[s + 1][2]);
+          return;
+        }
         const uint32_t x04 = x0 >> 4, x14 = x1 >> 4;
         const uint32_t ae[4] = {int4_byte_f16x2<0, true>(x0, x04), int4_byte_f16x2<0, true>(x1, x14),
                                 int4_byte_f16x2<1, true>(x0, x04), int4_byte_f16x2<1, true>(x1, x14)};
@@ -986,7 +1017,8 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
       float x4[4];
 #pragma unroll
       for (int c = 0; c < 4; ++c) {  // codes came as c * 2^-24; sz[c]: row 2t + (c & 1)
-        float raw = Gm::KI4 ? fmaf(s4[c] + s4b[c], 0x1p24f, sz[c]) : s4[c] + s4b[c];
+        float raw = KPERM     ? fmaf(s4[c], 0x1p24f, fmaf(s4b[c], 0x1p20f, sz[c]))
+                    : Gm::KI4 ? fmaf(s4[c] + s4b[c], 0x1p24f, sz[c]) : s4[c] + s4b[c];
         if constexpr (KSM == KVC_SC_TOKEN || KSM == KVC_SC_PAGE) raw *= kfs[c >> 1];
         x4[c] = use_cap ? p.cap_out * tanhf(raw * cap_r[0]) : raw * qk_r[0];
       }
