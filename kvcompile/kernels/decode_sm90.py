@@ -28,7 +28,13 @@ it grows), "pvt" also runs P.V with the value columns as M (fp8 values: half the
 registers at <= 8 query rows), "pvt4" builds that for 4 CTAs a SM (<= 128 registers, the ring
 sized for 4), "pvt4h" / "pvt5h" also hoist the copies' addresses (pvt5h: 5 CTAs at fp8 head_dim
 64), "cta4" the plain kernel for 4 CTAs; RESULTS.md, "Two chains, P.V transposed, four
-CTAs".
+CTAs". cuda14h's (RESULTS.md, "int4 on pvt4h's structure, and q.k with the tokens as M"):
+"pvt4n" = pvt4h with int4 codes widened to f16 subnormals by one mask and P.V transposed for
+int4 values ("pvt3n": at 3 CTAs), "pvt4nz" also computes the int4 keys' channel terms once a
+page (a warp takes a page's steps in a row), "pvt4s" / "pvt4sz" run q.k with the step's tokens
+as M and the query rows as N at <= 8 rows (no padded rows: half the q.k MMAs and exponentials;
+int4, 16-bit and fp8 pages), "pvt4sp" also widens int4 keys by masks alone (d permuted in q and
+the channel terms).
 """
 
 from __future__ import annotations
