@@ -884,9 +884,10 @@ def test_int4_wrong_zero_point_fails(side):
 
 
 @pytest.mark.parametrize("mutation", [
-    ("for (int c = 0; c < 4; ++c) sa[j][c] += sz[c];", "for (int c = 0; c < 4; ++c) {}"),
+    ("for (int c = 0; c < 4; ++c) sa[j][c] = I4NK ? fmaf(sa[j][c], 0x1p24f, sz[c]) : sa[j][c] + sz[c];",
+     "for (int c = 0; c < 4; ++c) {}"),
     ("zacc1 += p2 * zt[j][0] + p3 * zt[j][1];", "zacc1 += 0.f;"),
-    ("qk4[s][2] = hmul2_u32(qa[s][2], s23);", "qk4[s][2] = hmul2_u32(qa[s][2], s01);"),
+    ("qk4[s][2] = hmul2_u32(qf[2], s23);", "qk4[s][2] = hmul2_u32(qf[2], s01);"),
 ])
 def test_int4_broken_kernel_is_caught(mutation, tmp_path):
     """Negative case: without the keys' zero-point term, without the values' zero-point term
