@@ -519,9 +519,7 @@ def test_qk8_is_refused_off_the_cuda_kernel():
 # cuda14g's "pvt4h" (QK2 + VOTE + PVT + CTA4 + HOIST) covers the code of "chain", "pvt" and
 # "pvt4" (which differ from it by hoisting, ring depth and launch bounds); "cta4" is nocap's code.
 VAR_NAMES = [v for v in fast.VARIANTS if v != "base"
-             and (os.environ.get("KVCOMPILE_TEST_FULL") or v in ("nocap", "alu", "pvt4h", "pvt4s"))]
-# (cuda14h's "pvt4s" on fp8 pages: q.k with the tokens as M at 8 rows; its int4 / 16-bit code is
-# tested below, test_int4_variants and test_sixteen_bit_pvt4s)
+             and (os.environ.get("KVCOMPILE_TEST_FULL") or v in ("nocap", "alu", "pvt4h"))]
 VAR_CASES = [  # (keys, values, D, G, Sq, P, q dtype): ROWS 8 and 16, every fp8 kind / scale
     (E4, E4, 128, 4, 1, 16, F32),
     (("fp8_e4m3", "token"), ("fp8_e4m3", "token"), 64, 8, 2, 128, F32),
@@ -718,10 +716,9 @@ def test_int4_keys_with_pvt4h(v):
 
 # cuda14h's int4 variants (decode_sm90.VARIANTS; RESULTS.md, issue 14 cuda14h): I4N (codes as f16
 # subnormals, P.V transposed), PGZ (the keys' channel terms once a page), SWQ (q.k with the tokens
-# as M at <= 8 rows), KPERM (int4 keys widened by masks alone). Default run: pvt4sp and pvt4sz,
-# whose code covers the others' (at 16 rows both are pvt4nz), on D 128 at 8 rows (4 CTAs) and
-# D 64 at 16 rows; FULL: every one.
-I4_VARIANTS = ["pvt4sp", "pvt4sz"] + (["pvt4n", "pvt3n", "pvt4nz", "pvt4s"]
+# as M at <= 8 rows), KPERM (int4 keys widened by masks alone). Default run: pvt4sp (one build:
+# D 128 at 8 rows, 4 CTAs); FULL: every one, and D 64 at 16 rows (pvt4nz's code).
+I4_VARIANTS = ["pvt4sp"] + (["pvt4sz", "pvt4n", "pvt3n", "pvt4nz", "pvt4s"]
                             if os.environ.get("KVCOMPILE_TEST_FULL") else [])
 
 
@@ -732,33 +729,37 @@ def test_int4_variants(variant):
     # 8 rows of two query positions: masks, window + sinks, splits on the S^T layout
     check_var(variant, K4, V4, 128, 4, 32, 2, lens=[310, 1033, 17], kmask="short", window=37,
               sinks=3, splits=2)
-    check_var(variant, K4, V4, 64, 8, 16, 2, lens=[310, 1033, 17], window=37, sinks=3,
-              splits=3)
     # peaky: later pages' keys 32x larger, row maxima move apart (rescales row by row)
     kc, vc, bt, sl, q, km = _inputs(K4, V4, 128, 4, 16, 1, [1033, 300])
     kc.scale[bt[:, 2:].flatten().unique()] *= 32
     out, ref = _decode_var(variant, kc, vc, bt, sl, q, km)
     assert rel_err(out, ref) <= _bound(K4, V4)
     if os.environ.get("KVCOMPILE_TEST_FULL"):
+        check_var(variant, K4, V4, 64, 8, 16, 2, lens=[310, 1033, 17], window=37, sinks=3,
+                  splits=3)
         check_var(variant, K4, V4, 128, 4, 64, 1, kmask=True, softcap=30.0)
         check_var(variant, K4, V4, 128, 8, 16, 2, q_dtype=B16, seed=1)
         check_var(variant, K4, E4T, 128, 4, 64, 1)
         check_var(variant, E4T, V4, 128, 4, 16, 2)
 
 
-SIXTEEN = [  # (keys, values, D, G, P, Sq, q dtype, extra): pvt4s on 16-bit pages (SWQ + PVT)
-    (BF, BF, 128, 4, 16, 1, F32, {"seed": 1}),
+SIXTEEN = [  # (keys, values, D, G, P, Sq, q dtype, extra): pvt4s on 16-bit / fp8 pages (SWQ)
     (BF, BF, 64, 4, 16, 2, F32, {"lens": [310, 1033, 17], "kmask": "short", "window": 37,
                                  "sinks": 3, "splits": 2}),
+    (E4, E4, 128, 4, 16, 1, F32, {"seed": 1}),   # fp8 page scales (two halves: pages of 8 too)
+    (E4T, E4T, 64, 4, 128, 2, F32, {"lens": [310, 1033, 17], "window": 37, "sinks": 3,
+                                    "splits": 2}),   # fp8 token scales, 8 rows of 2 queries
 ]
 if os.environ.get("KVCOMPILE_TEST_FULL"):
-    SIXTEEN += [(("fp16", "page"), ("fp16", "page"), 128, 8, 8, 1, F16, {"splits": 3}),
+    SIXTEEN += [(BF, BF, 128, 4, 16, 1, F32, {"seed": 1}),
+                (E4, E4, 128, 4, 8, 2, F32, {"kmask": True, "softcap": 30.0}),(("fp16", "page"), ("fp16", "page"), 128, 8, 8, 1, F16, {"splits": 3}),
                 (BF, BF, 128, 4, 32, 1, F32, {"kmask": True, "softcap": 30.0})]
 
 
 @pytest.mark.parametrize("k,v,D,G,P,Sq,q_dtype,kw", SIXTEEN)
 def test_sixteen_bit_pvt4s(k, v, D, G, P, Sq, q_dtype, kw):
-    """cuda14h's SWQ on bf16 / fp16 pages: q.k with the tokens as M, P.V transposed."""
+    """cuda14h's SWQ on bf16 / fp16 pages (P.V transposed too) and fp8 pages: q.k with the
+    tokens as M."""
     check_var("pvt4s", k, v, D, G, P, Sq, q_dtype=q_dtype, **kw)
 
 
@@ -776,7 +777,7 @@ def test_sixteen_bit_pvt4s_broken_kernel_is_caught(tmp_path):
 
 @pytest.mark.parametrize("side", ["keys", "values"])
 def test_int4_variant_wrong_zero_point_fails(side):
-    """Negative case (pvt4sz): the zero points of other pages / tokens fail the bound."""
+    """Negative case (pvt4sp): the zero points of other pages / tokens fail the bound."""
     kc, vc, bt, sl, q, km = _inputs(K4, V4, 128, 4, 16, 1, [300, 129])
     scale = 1.0 / math.sqrt(128)
     ref = paged_decode_attention_ref(q, kc, vc, bt, sl, scale)
@@ -785,7 +786,7 @@ def test_int4_variant_wrong_zero_point_fails(side):
                                             else vc.zero.roll(1, -1)).contiguous()
     out = poison_(torch.empty_like(q))
     lp = fast.plan_decode_sm90(q, kc.data, kc.scale, vc.data, vc.scale, bt, sl, None, out,
-                               *K4, *V4, scale, 0, 0, 0.0, 3, 132, variant="pvt4sz", **zs)
+                               *K4, *V4, scale, 0, 0, 0.0, 3, 132, variant="pvt4sp", **zs)
     emu.run(lp)
     assert rel_err(emu.finish(lp), ref) > 10 * _bound(K4, V4)
 
@@ -818,13 +819,13 @@ I4_MUTATIONS = [  # (old, new, G, Sq): 8 rows run SWQ, 16 rows pvt4nz's code
 
 @pytest.mark.parametrize("old,new,G,Sq", I4_MUTATIONS)
 def test_int4_variant_broken_kernel_is_caught(old, new, G, Sq, tmp_path):
-    """Negative case: pvt4sz with a token's value scale, a row's key zero-point term, the high
+    """Negative case: pvt4sp (pvt4sz for the key path without KPERM) with a token's value scale, a row's key zero-point term, the high
     nibbles' 1/16, a page's channel terms or rows g + 8's value zero-point term wrong fails
     the check the real one passes."""
     root = _mutated_kernel(tmp_path, old, new)
     kc, vc, bt, sl, q, km = _inputs(K4, V4, 128, G, 16, Sq, [300, 17])
-    out, ref = _decode_var("pvt4sp" if "r.z" in old else "pvt4sz", kc, vc, bt, sl, q, km,
-                           root=root)
+    out, ref = _decode_var("pvt4sz" if "Gm::KI4 ? fmaf" in old else "pvt4sp", kc, vc, bt, sl,
+                           q, km, root=root)
     assert rel_err(out, ref) > 10 * _bound(K4, V4)
 
 
