@@ -17,7 +17,7 @@ scores (quantize_q_e4m3 is the same quantization in PyTorch, for references). Wh
 Gluon: docs/architecture.md, "Decode kernels".
 
 variant= (issue 14; default: `default_variant`, "pvt4h" for fp8 pages with page / tensor scales,
-"base", the kernel as it was, elsewhere) picks a compile-time variant
+"pvt4sp" for int4 K channel / V token pages, "base", the kernel as it was, elsewhere) picks a compile-time variant
 of the same kernel (VARIANTS; paged_decode.cuh KVC_VAR): "nocap" decides softcapping at compile
 time (the base kernel computes tanh on every score even without a softcap), "aluk" / "aluv" /
 "alu" also widen fp8 keys / values / both to f16 by integer ops instead of F2FP conversions
@@ -110,6 +110,12 @@ VARIANTS = {"base": 0, "nocap": VAR_CAP_STATIC, "aluk": VAR_CAP_STATIC | VAR_ALU
 # 0.780 -> 0.703); "base" elsewhere (token scales: pvt4h spills 8 B at head_dim 128; bf16 /
 # int4 pages: its bits mostly drop out, and nothing was timed).
 DEFAULT_FP8_VARIANT = "pvt4h"
+# int4 K channel / V token pages: "pvt4sp" (cuda14h), faster than "base" at every shape of the
+# bench on the H200 (benchmarks/RESULTS.md, cuda14h's section: x SDPA over bf16, P64, B64 L8k
+# 0.806 -> 0.464, B16 L32k 0.756 -> 0.471, B1 L128k 0.834 -> 0.554, D64 B64 L8k 1.000 -> 0.632),
+# its GPU cases, needle case and negatives passed (tests/gpu/test_decode_sm90_variants_gpu.py
+# -k int4); at 16 query rows it is pvt4nz's code (3 CTAs a SM).
+DEFAULT_INT4_VARIANT = "pvt4sp"
 
 
 def default_variant(kk: int, vk: int, ksm: int, vsm: int, qk_fp8: bool = False) -> str:
@@ -117,6 +123,8 @@ def default_variant(kk: int, vk: int, ksm: int, vsm: int, qk_fp8: bool = False) 
     page_or_tensor = (_SCALE["page"], _SCALE["tensor"])
     if not qk_fp8 and kk < 2 and vk < 2 and ksm in page_or_tensor and vsm in page_or_tensor:
         return DEFAULT_FP8_VARIANT
+    if kk == INT4 and vk == INT4 and ksm == _SC_CHANZP and vsm == _SC_TOKZP:
+        return DEFAULT_INT4_VARIANT
     return "base"
 
 
