@@ -62,6 +62,10 @@ def warm_builds(qk8: bool = False, variants=()) -> float:
     keys.add((0, 3, 1, 0, 128, 128, 8, 1))  # K fp8 / V bf16
     for d, rows, qt in itertools.product((64, 128), (8, 16), (torch.float32, torch.bfloat16)):
         keys.add((*_kinds("int4", "channel"), d, d, rows, fast._QT[qt]))
+        for v in variants:  # int4 K channel / V token rows of the variants (cuda14h)
+            var = fast.variant_bits(v, fast.INT4, fast.INT4, 0.0, rows=rows)
+            if var and rows == 8 and qt == torch.bfloat16:
+                keys.add((*_kinds("int4", "channel"), d, d, rows, fast._QT[qt], 0, var))
     keys = fast.with_default_variants(keys)
     with ThreadPoolExecutor(16) as ex:
         list(ex.map(lambda k: fast._kernel(*k), sorted(keys)))
@@ -101,7 +105,8 @@ def _launch_variant(q, kc, vc, bt, sl, out, variant, splits=0):
     return fast.launch_decode_sm90(
         q, kc.data, kc.scale, vc.data, vc.scale, bt, sl, None, out, kc.fmt.name,
         kc.fmt.granularity, vc.fmt.name, vc.fmt.granularity, 1.0 / q.shape[-1] ** 0.5, 0, 0,
-        0.0, splits, dec._sm_count(q.device), dec._combine, variant=variant)
+        0.0, splits, dec._sm_count(q.device), dec._combine, kz=kc.zero, vz=vc.zero,
+        variant=variant)
 
 
 def _random_pages(f, N, Hkv, P, D, gen):

@@ -21,6 +21,8 @@
 #   bash benchmarks/gpu_jobs.sh var14_check var14_bench   # issue-14 decode variants (nocap, alu*,
 #                                                         # chain, pvt, pvt4(h), pvt5h, cta4; V14C_K, V14B_VARIANTS)
 #   bash benchmarks/gpu_jobs.sh int4_check int4_bench # int4 pages (K channel / V token) in the CUDA decode kernel
+#   bash benchmarks/gpu_jobs.sh i4v_check i4v_bench   # cuda14h: int4 variants (pvt4n, pvt4nz, pvt4s, pvt4sz, pvt4sp) vs base / pvt4h
+#                                                     # (I4V_K, I4V_VARIANTS, I4V_FORMATS)
 #   PROF_ARGS="--steps" bash benchmarks/gpu_jobs.sh profile   # a decode step by part
 #   PB_ARGS=--quick bash benchmarks/gpu_jobs.sh prefill_bench  # the prefill matrix (bench_prefill)
 #   bash benchmarks/gpu_jobs.sh chunk_route   # gathered vs paged chunk route: tests + --chunk-only
@@ -76,6 +78,8 @@ job() {   # job NAME -> "LIMIT COMMAND"
     decode_check)   echo "${DC_LIMIT:-200} $PYTEST tests/gpu/test_decode_sm90_gpu.py" ;;
     int4_check)     echo "${I4C_LIMIT:-200} $PYTEST tests/gpu/test_decode_sm90_gpu.py -k 'int4 or wrong_output'" ;;
     int4_bench)     echo "${I4B_LIMIT:-300} python3 benchmarks/gpu_decode_fast.py --formats ${I4B_FORMATS:-int4/channel,fp8_e4m3/page} --int4-pages ${I4B_PAGES:-16,64} --waves '${I4B_WAVES:-}' --out $OUT" ;;
+    i4v_check)      echo "${I4V_LIMIT:-200} $PYTEST -v tests/gpu/test_decode_sm90_variants_gpu.py -k '${I4V_K:-int4 or sixteen}'" ;;
+    i4v_bench)      echo "${I4VB_LIMIT:-300} python3 benchmarks/gpu_decode_fast.py --variants ${I4V_VARIANTS:-base,pvt4h,pvt4n,pvt4nz,pvt4s,pvt4sz,pvt4sp} --no-triton --waves '' --formats ${I4V_FORMATS:-int4/channel,bf16/page} --int4-pages 64 --out $OUT" ;;
     qk8_check)      echo "${Q8C_LIMIT:-200} $PYTEST tests/gpu/test_decode_sm90_gpu.py -k 'qk8 or wrong_output'" ;;
     qk8_bench)      echo "${Q8B_LIMIT:-300} python3 benchmarks/gpu_decode_fast.py --variants base,qk8 --no-triton --waves '' --formats ${Q8B_FORMATS:-fp8_e4m3/page,fp8_e4m3/token,fp8_e4m3/tensor} --out $OUT" ;;
     var14_check)    echo "${V14C_LIMIT:-200} $PYTEST tests/gpu/test_decode_sm90_variants_gpu.py ${V14C_K:+-k $V14C_K}" ;;

@@ -38,6 +38,10 @@ CASES = {
     "e4m3_page_d64": (0, 1, 64, 8, 1),
     "e4m3_page_d128_r16": (0, 1, 128, 16, 1),  # 16 query rows (G 8 x Sq 2, G 16)
     "bf16_d128": (3, 0, 128, 8, 1),
+    "bf16_d64": (3, 0, 64, 8, 1),
+    # int4 pages, K channel scale + zero / V token scale + zero (the chosen 4-bit format)
+    "int4_chan_d128": (4, 4, 128, 8, 1),
+    "int4_chan_d64": (4, 4, 64, 8, 1),
 }
 # SASS opcode (first word, predicate dropped) -> column
 GROUPS = [
@@ -157,8 +161,10 @@ def count(insns, lo, hi, cold) -> dict[str, dict[str, int]]:
     return res
 
 
-def step_bytes(kk: int, ksm: int, d: int) -> int:
-    eb = 2 if kk >= 2 else 1
+def step_bytes(kk: int, ksm: int, d: int, page: int = 64) -> int:
+    if kk == 4:  # int4 K channel (fp16 scale + zero per channel and page) / V token
+        return int(16 * (d / 2 + 4 * d / page) + 16 * (d / 2 + 4))
+    eb = 2 if kk >= 2 else 1  # (bf16: ksm 0, no scales)
     sc = {0: 0, 1: 2 * 4 / 16, 2: 4, 3: 0}[ksm]  # per-token share of page / token scales
     return int(2 * 16 * (d * eb + sc))
 
@@ -169,7 +175,8 @@ def run(variants, cases) -> list[dict]:
         kk, ksm, d, rows_, qt = CASES[case]
         for v in variants:
             var = fast.variant_bits(v, kk, kk, 0.0, rows=rows_)
-            key = (kk, kk, ksm, ksm, d, d, rows_, qt, 0) + ((var,) if var else ())
+            vsm = 5 if kk == 4 else ksm  # int4 values: token scale + zero point
+            key = (kk, kk, ksm, vsm, d, d, rows_, qt, 0) + ((var,) if var else ())
             sass, info = compile_case(key)
             regs = re.search(r"Used (\d+) registers", info)
             spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)

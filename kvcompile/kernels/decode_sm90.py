@@ -17,7 +17,7 @@ scores (quantize_q_e4m3 is the same quantization in PyTorch, for references). Wh
 Gluon: docs/architecture.md, "Decode kernels".
 
 variant= (issue 14; default: `default_variant`, "pvt4h" for fp8 pages with page / tensor scales,
-"base", the kernel as it was, elsewhere) picks a compile-time variant
+"pvt4sp" for int4 K channel / V token pages, "base", the kernel as it was, elsewhere) picks a compile-time variant
 of the same kernel (VARIANTS; paged_decode.cuh KVC_VAR): "nocap" decides softcapping at compile
 time (the base kernel computes tanh on every score even without a softcap), "aluk" / "aluv" /
 "alu" also widen fp8 keys / values / both to f16 by integer ops instead of F2FP conversions
@@ -28,7 +28,13 @@ it grows), "pvt" also runs P.V with the value columns as M (fp8 values: half the
 registers at <= 8 query rows), "pvt4" builds that for 4 CTAs a SM (<= 128 registers, the ring
 sized for 4), "pvt4h" / "pvt5h" also hoist the copies' addresses (pvt5h: 5 CTAs at fp8 head_dim
 64), "cta4" the plain kernel for 4 CTAs; RESULTS.md, "Two chains, P.V transposed, four
-CTAs".
+CTAs". cuda14h's (RESULTS.md, "int4 on pvt4h's structure, and q.k with the tokens as M"):
+"pvt4n" = pvt4h with int4 codes widened to f16 subnormals by one mask and P.V transposed for
+int4 values ("pvt3n": at 3 CTAs), "pvt4nz" also computes the int4 keys' channel terms once a
+page (a warp takes a page's steps in a row), "pvt4s" / "pvt4sz" run q.k with the step's tokens
+as M and the query rows as N at <= 8 rows (no padded rows: half the q.k MMAs and exponentials;
+int4, 16-bit and fp8 pages), "pvt4sp" also widens int4 keys by masks alone (d permuted in q and
+the channel terms).
 """
 
 from __future__ import annotations
@@ -66,6 +72,10 @@ LOG2E = 1.4426950408889634
 # base include nocap
 VAR_CAP_STATIC, VAR_CAP_ON, VAR_ALU_K, VAR_ALU_V = 1, 2, 4, 8
 VAR_QK2, VAR_VOTE, VAR_PVT, VAR_CTA4, VAR_HOIST, VAR_CTA5 = 16, 32, 64, 128, 256, 512
+VAR_I4N = 1024  # cuda14h: int4 codes as f16 subnormals, P.V transposed for int4 values
+VAR_PGZ = 2048  # cuda14h: int4 keys' channel terms once a page (a warp takes a page's steps)
+VAR_SWQ = 4096  # cuda14h: q.k with the tokens as M, the query rows as N (8 rows)
+VAR_KPERM = 8192  # cuda14h: int4 keys widened by masks alone (q, channel terms permuted)
 _CHAIN = VAR_CAP_STATIC | VAR_QK2 | VAR_VOTE
 VARIANTS = {"base": 0, "nocap": VAR_CAP_STATIC, "aluk": VAR_CAP_STATIC | VAR_ALU_K,
             "aluv": VAR_CAP_STATIC | VAR_ALU_V, "alu": VAR_CAP_STATIC | VAR_ALU_K | VAR_ALU_V,
@@ -76,7 +86,21 @@ VARIANTS = {"base": 0, "nocap": VAR_CAP_STATIC, "aluk": VAR_CAP_STATIC | VAR_ALU
             "pvt4h": _CHAIN | VAR_PVT | VAR_CTA4 | VAR_HOIST,
             # 5 CTAs a SM where rows are short (key + value rows <= 128 bytes: fp8 D 64)
             "pvt5h": _CHAIN | VAR_PVT | VAR_CTA4 | VAR_CTA5 | VAR_HOIST,
-            "cta4": VAR_CAP_STATIC | VAR_CTA4}
+            "cta4": VAR_CAP_STATIC | VAR_CTA4,
+            # cuda14h, int4 pages: pvt4h's structure with int4 codes widened to f16 subnormals
+            # by one mask (no sub.f16x2), two q.k chains, P.V transposed for int4 values too;
+            # 4 CTAs a SM (pvt4n) or 3 (pvt3n); for other pages they are pvt4h / pvt(h)
+            "pvt4n": _CHAIN | VAR_PVT | VAR_CTA4 | VAR_HOIST | VAR_I4N,
+            "pvt3n": _CHAIN | VAR_PVT | VAR_HOIST | VAR_I4N,
+            # and the keys' channel terms once a page, a warp taking a page's steps in a row
+            "pvt4nz": _CHAIN | VAR_PVT | VAR_CTA4 | VAR_HOIST | VAR_I4N | VAR_PGZ,
+            # and q.k with the step's tokens as M, the query rows as N (int4 K and V, <= 8
+            # rows; elsewhere pvt4n / pvt4nz)
+            "pvt4s": _CHAIN | VAR_PVT | VAR_CTA4 | VAR_HOIST | VAR_I4N | VAR_SWQ,
+            "pvt4sz": _CHAIN | VAR_PVT | VAR_CTA4 | VAR_HOIST | VAR_I4N | VAR_PGZ | VAR_SWQ,
+            # and int4 keys widened by masks alone (d permuted in q and the channel terms)
+            "pvt4sp": (_CHAIN | VAR_PVT | VAR_CTA4 | VAR_HOIST | VAR_I4N | VAR_PGZ | VAR_SWQ
+                       | VAR_KPERM)}
 
 
 # The variant a launch without variant= runs: "pvt4h" for fp8 keys and values with page or
@@ -86,6 +110,12 @@ VARIANTS = {"base": 0, "nocap": VAR_CAP_STATIC, "aluk": VAR_CAP_STATIC | VAR_ALU
 # 0.780 -> 0.703); "base" elsewhere (token scales: pvt4h spills 8 B at head_dim 128; bf16 /
 # int4 pages: its bits mostly drop out, and nothing was timed).
 DEFAULT_FP8_VARIANT = "pvt4h"
+# int4 K channel / V token pages: "pvt4sp" (cuda14h), faster than "base" at every shape of the
+# bench on the H200 (benchmarks/RESULTS.md, cuda14h's section: x SDPA over bf16, P64, B64 L8k
+# 0.806 -> 0.464, B16 L32k 0.756 -> 0.471, B1 L128k 0.834 -> 0.554, D64 B64 L8k 1.000 -> 0.632),
+# its GPU cases, needle case and negatives passed (tests/gpu/test_decode_sm90_variants_gpu.py
+# -k int4); at 16 query rows it is pvt4nz's code (3 CTAs a SM).
+DEFAULT_INT4_VARIANT = "pvt4sp"
 
 
 def default_variant(kk: int, vk: int, ksm: int, vsm: int, qk_fp8: bool = False) -> str:
@@ -93,6 +123,8 @@ def default_variant(kk: int, vk: int, ksm: int, vsm: int, qk_fp8: bool = False) 
     page_or_tensor = (_SCALE["page"], _SCALE["tensor"])
     if not qk_fp8 and kk < 2 and vk < 2 and ksm in page_or_tensor and vsm in page_or_tensor:
         return DEFAULT_FP8_VARIANT
+    if kk == INT4 and vk == INT4 and ksm == _SC_CHANZP and vsm == _SC_TOKZP:
+        return DEFAULT_INT4_VARIANT
     return "base"
 
 
@@ -189,11 +221,14 @@ def _stages(kk: int, vk: int, d: int, dv: int, rows: int,
 def _forced_ctas(kk: int, vk: int, d: int, dv: int, var: int) -> int | None:
     """CTAs a SM that the variant bits force (CTA4, CTA5; None: the default rule). CTA5 takes
     5 where key + value rows are at most 128 bytes (fp8 at head_dim 64: <= 102 registers and
-    the ring in 45 KB), else 4."""
+    the ring in 45 KB), else 4; CTA4 takes 4 where they are at most 256 bytes, else 3 (16-bit
+    pages at head_dim 128, whose two-stage rings do not fit 4 times)."""
+    rb = sum(n // 2 if k == INT4 else n * (2 if k >= 2 else 1) for k, n in ((kk, d), (vk, dv)))
     if var & VAR_CTA5:
-        rb = sum(n // 2 if k == INT4 else n * (2 if k >= 2 else 1) for k, n in ((kk, d), (vk, dv)))
         return 5 if rb <= 128 else 4
-    return 4 if var & VAR_CTA4 else None
+    if var & VAR_CTA4:  # rows of more than 256 bytes (16-bit at D 128): 3, two stages each
+        return 4 if rb <= 256 else 3
+    return None
 
 
 def kernel_constants(kk: int, vk: int, ksm: int, vsm: int, d: int, dv: int, rows: int,
@@ -224,13 +259,25 @@ def variant_bits(name: str, kk: int, vk: int, softcap: float, q8: int = 0,
     bits = VARIANTS[name]
     if kk >= 2 or q8:
         bits &= ~VAR_ALU_K
-    if vk >= 2:
+    if kk != INT4 and vk != INT4:
+        bits &= ~VAR_I4N
+    if kk != INT4:
+        bits &= ~VAR_PGZ
+    sixteen = kk in (2, 3) and vk in (2, 3)
+    fp8 = kk < 2 and vk < 2 and not bits & (VAR_ALU_K | VAR_ALU_V)
+    if not ((kk == INT4 and vk == INT4 and bits & VAR_I4N) or sixteen or fp8) or rows > 8 or q8:
+        bits &= ~VAR_SWQ
+    if not (kk == INT4 and bits & VAR_SWQ and bits & VAR_PGZ):
+        bits &= ~VAR_KPERM
+    if vk >= 2 and not (vk == INT4 and bits & VAR_I4N) and not (sixteen and bits & VAR_SWQ):
         bits &= ~(VAR_ALU_V | VAR_PVT)
     if bits & VAR_ALU_V:
         bits &= ~VAR_PVT
     if kk == INT4 or q8:
         bits &= ~VAR_QK2
-    if VARIANTS[name] & VAR_PVT and (not bits & VAR_PVT or rows > 8 or kk == INT4):
+    if VARIANTS[name] & VAR_PVT and (not bits & VAR_PVT or rows > 8
+                                     or (kk == INT4 and not bits & VAR_I4N)
+                                     or (INT4 in (kk, vk) and kk != vk)):  # spills 24-32 B
         # the pvt variants' extra CTAs are paid by P.V's smaller O; without it (values not
         # fp8, 16 rows) or with int4 keys' channel terms, 128 registers spill: 3 CTAs a SM
         bits &= ~(VAR_CTA4 | VAR_CTA5)

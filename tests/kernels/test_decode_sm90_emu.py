@@ -581,6 +581,21 @@ def test_variant_bits():
     assert not fast.variant_bits("pvt5h", 4, 0, 0.0) & (fast.VAR_CTA4 | fast.VAR_CTA5)  # int4 K
     assert fast.variant_bits("pvt4h", 0, 0, 0.0) & fast.VAR_HOIST
     assert fast.variant_bits("cta4", 0, 0, 0.0, rows=16) & fast.VAR_CTA4
+    # cuda14h: the I4N / PGZ bits only where pages are int4 (elsewhere pvt4n is pvt4h)
+    assert fast.variant_bits("pvt4n", 0, 0, 0.0) == fast.variant_bits("pvt4h", 0, 0, 0.0)
+    assert fast.variant_bits("pvt4nz", 0, 4, 0.0) == fast.variant_bits("pvt4n", 0, 4, 0.0)
+    i4 = fast.variant_bits("pvt4n", 4, 4, 0.0)
+    assert i4 & fast.VAR_PVT and i4 & fast.VAR_CTA4 and i4 & fast.VAR_I4N  # 4 CTAs at 8 rows
+    assert not fast.variant_bits("pvt4n", 4, 4, 0.0, rows=16) & fast.VAR_CTA4
+    assert fast.variant_bits("pvt4nz", 4, 4, 0.0) & fast.VAR_PGZ
+    assert fast.variant_bits("pvt4sz", 4, 4, 0.0) & fast.VAR_SWQ  # tokens as M: 8 rows only,
+    assert not fast.variant_bits("pvt4sz", 4, 4, 0.0, rows=16) & fast.VAR_SWQ  # int4 K and V
+    assert fast.variant_bits("pvt4sz", 4, 0, 0.0) == fast.variant_bits("pvt4nz", 4, 0, 0.0)
+    assert not fast.variant_bits("pvt4nz", 4, 0, 0.0) & fast.VAR_CTA4  # int4 beside fp8: spills
+    b16 = fast.variant_bits("pvt4s", 3, 3, 0.0)  # 16-bit pages: SWQ with P.V transposed
+    assert b16 & fast.VAR_SWQ and b16 & fast.VAR_PVT and not b16 & fast.VAR_I4N
+    assert fast.kernel_constants(3, 3, 0, 0, 128, 128, 8, 1, 0, b16)[1] == 3  # 2 stages fit 3x
+    assert fast.variant_bits("pvt4s", 3, 3, 0.0, rows=16) == fast.variant_bits("pvt4h", 3, 3, 0.0)
     # 4 CTAs a SM: the ring sized for them (e4m3 D 128: 3 stages, not 4), the launch bound 4
     base = fast.kernel_constants(0, 0, 1, 1, 128, 128, 8, 1)
     four = fast.kernel_constants(0, 0, 1, 1, 128, 128, 8, 1, 0, fast.VARIANTS["pvt4"])
@@ -699,6 +714,122 @@ def test_int4_keys_with_pvt4h(v):
     check_var("pvt4h", K4, v, 128, 4, 16, 1, lens=[1, 17, 300, 1033], splits=2)
 
 
+# cuda14h's int4 variants (decode_sm90.VARIANTS; RESULTS.md, issue 14 cuda14h): I4N (codes as f16
+# subnormals, P.V transposed), PGZ (the keys' channel terms once a page), SWQ (q.k with the tokens
+# as M at <= 8 rows), KPERM (int4 keys widened by masks alone). Default run: pvt4sp (one build:
+# D 128 at 8 rows, 4 CTAs) and base (no longer the int4 default, which is pvt4sp: the other
+# int4 tests run it); FULL: every one, and D 64 at 16 rows (pvt4nz's code).
+I4_VARIANTS = ["pvt4sp", "base"] + (["pvt4sz", "pvt4n", "pvt3n", "pvt4nz", "pvt4s"]
+                            if os.environ.get("KVCOMPILE_TEST_FULL") else [])
+
+
+@pytest.mark.parametrize("variant", I4_VARIANTS)
+def test_int4_variants(variant):
+    check_var(variant, K4, V4, 128, 4, 64, 1, lens=[1, 17, 300, 1033, 2000], splits=3)
+    check_var(variant, K4, V4, 128, 4, 16, 1, lens=LENS, seed=1)
+    # 8 rows of two query positions: masks, window + sinks, splits on the S^T layout
+    check_var(variant, K4, V4, 128, 4, 32, 2, lens=[310, 1033, 17], kmask="short", window=37,
+              sinks=3, splits=2)
+    # peaky: later pages' keys 32x larger, row maxima move apart (rescales row by row)
+    kc, vc, bt, sl, q, km = _inputs(K4, V4, 128, 4, 16, 1, [1033, 300])
+    kc.scale[bt[:, 2:].flatten().unique()] *= 32
+    out, ref = _decode_var(variant, kc, vc, bt, sl, q, km)
+    assert rel_err(out, ref) <= _bound(K4, V4)
+    if os.environ.get("KVCOMPILE_TEST_FULL"):
+        check_var(variant, K4, V4, 64, 8, 16, 2, lens=[310, 1033, 17], window=37, sinks=3,
+                  splits=3)
+        check_var(variant, K4, V4, 128, 4, 64, 1, kmask=True, softcap=30.0)
+        check_var(variant, K4, V4, 128, 8, 16, 2, q_dtype=B16, seed=1)
+        check_var(variant, K4, E4T, 128, 4, 64, 1)
+        check_var(variant, E4T, V4, 128, 4, 16, 2)
+
+
+SIXTEEN = [  # (keys, values, D, G, P, Sq, q dtype, extra): pvt4s on 16-bit / fp8 pages (SWQ)
+    (BF, BF, 64, 4, 16, 2, F32, {"lens": [310, 1033, 17], "kmask": "short", "window": 37,
+                                 "sinks": 3, "splits": 2}),
+    (E4, E4, 128, 4, 16, 1, F32, {"seed": 1}),   # fp8 page scales (two halves: pages of 8 too)
+    (E4T, E4T, 64, 4, 128, 2, F32, {"lens": [310, 1033, 17], "window": 37, "sinks": 3,
+                                    "splits": 2}),   # fp8 token scales, 8 rows of 2 queries
+]
+if os.environ.get("KVCOMPILE_TEST_FULL"):
+    SIXTEEN += [(BF, BF, 128, 4, 16, 1, F32, {"seed": 1}),
+                (E4, E4, 128, 4, 8, 2, F32, {"kmask": True, "softcap": 30.0}),(("fp16", "page"), ("fp16", "page"), 128, 8, 8, 1, F16, {"splits": 3}),
+                (BF, BF, 128, 4, 32, 1, F32, {"kmask": True, "softcap": 30.0})]
+
+
+@pytest.mark.parametrize("k,v,D,G,P,Sq,q_dtype,kw", SIXTEEN)
+def test_sixteen_bit_pvt4s(k, v, D, G, P, Sq, q_dtype, kw):
+    """cuda14h's SWQ on bf16 / fp16 pages (P.V transposed too) and fp8 pages: q.k with the
+    tokens as M."""
+    check_var("pvt4s", k, v, D, G, P, Sq, q_dtype=q_dtype, **kw)
+
+
+@pytest.mark.slow
+def test_sixteen_bit_pvt4s_broken_kernel_is_caught(tmp_path):
+    """Negative case: 16-bit values' M rows g / g + 8 (elements 2w / 2w + 1) swapped."""
+    root = _mutated_kernel(tmp_path, "const uint32_t a16[4] = {__byte_perm(va[w], vb[w], 0x5410), "
+                           "__byte_perm(va[w], vb[w], 0x7632),",
+                           "const uint32_t a16[4] = {__byte_perm(va[w], vb[w], 0x7632), "
+                           "__byte_perm(va[w], vb[w], 0x5410),")
+    kc, vc, bt, sl, q, km = _inputs(BF, BF, 128, 4, 16, 1, [300, 17])
+    out, ref = _decode_var("pvt4s", kc, vc, bt, sl, q, km, root=root)
+    assert rel_err(out, ref) > 10 * _bound(BF, BF)
+
+
+@pytest.mark.parametrize("side", ["keys", "values"])
+def test_int4_variant_wrong_zero_point_fails(side):
+    """Negative case (pvt4sp): the zero points of other pages / tokens fail the bound."""
+    kc, vc, bt, sl, q, km = _inputs(K4, V4, 128, 4, 16, 1, [300, 129])
+    scale = 1.0 / math.sqrt(128)
+    ref = paged_decode_attention_ref(q, kc, vc, bt, sl, scale)
+    zs = {"kz": kc.zero, "vz": vc.zero}
+    zs["kz" if side == "keys" else "vz"] = (kc.zero.roll(1, 0) if side == "keys"
+                                            else vc.zero.roll(1, -1)).contiguous()
+    out = poison_(torch.empty_like(q))
+    lp = fast.plan_decode_sm90(q, kc.data, kc.scale, vc.data, vc.scale, bt, sl, None, out,
+                               *K4, *V4, scale, 0, 0, 0.0, 3, 132, variant="pvt4sp", **zs)
+    emu.run(lp)
+    assert rel_err(emu.finish(lp), ref) > 10 * _bound(K4, V4)
+
+
+_SLOW = pytest.mark.slow
+I4_MUTATIONS = [  # (old, new, G, Sq): 8 rows run SWQ, 16 rows pvt4nz's code
+    # SWQ: tokens g + 8's probabilities scaled by token g's value scale
+    pytest.param("pa[2] = movmatrix_t(pack2<VBF>(pr[2] * vfs[1], pr[3] * vfs[1]));",
+                 "pa[2] = movmatrix_t(pack2<VBF>(pr[2] * vfs[0], pr[3] * vfs[0]));", 4, 1,
+                 id="swq-value-scale"),
+    # SWQ: row 2t's keys' zero-point term for row 2t + 1
+    pytest.param(": Gm::KI4 ? fmaf(s4[c] + s4b[c], 0x1p24f, sz[c])",
+                 ": Gm::KI4 ? fmaf(s4[c] + s4b[c], 0x1p24f, sz[c & 2])", 4, 1,
+                 id="swq-zero-row", marks=_SLOW),
+    # KPERM (run through pvt4sp): the page's channel scales of elements 1, 5 where 0, 4 belong
+    pytest.param("r.z = __byte_perm(w.x, w.z, 0x7632);", "r.z = __byte_perm(w.x, w.z, 0x5410);",
+                 4, 1, id="kperm-scales", marks=_SLOW),
+    # the 1/16 of the high nibbles (M rows g + 8) not taken back at the merge
+    pytest.param("? 0x1p20f : 0x1p24f", "? 0x1p24f : 0x1p24f", 8, 2, id="nibble-16",
+                 marks=_SLOW),
+    # PGZ: the page's channel terms kept past a page change
+    pytest.param("fresh = lpg != cur_lpg;", "fresh = cur_lpg < 0;", 8, 2, id="pgz-stale",
+                 marks=_SLOW),
+    # the value zero-point term of rows g + 8 (16 rows) dropped at the merge
+    pytest.param("if (ROWS == 16) ml[2 * ROWS + g + 8] = zacc1;",
+                 "if (ROWS == 16) ml[2 * ROWS + g + 8] = 0.f;", 8, 2, id="zacc-rows",
+                 marks=_SLOW),
+]
+
+
+@pytest.mark.parametrize("old,new,G,Sq", I4_MUTATIONS)
+def test_int4_variant_broken_kernel_is_caught(old, new, G, Sq, tmp_path):
+    """Negative case: pvt4sp (pvt4sz for the key path without KPERM) with a token's value scale, a row's key zero-point term, the high
+    nibbles' 1/16, a page's channel terms or rows g + 8's value zero-point term wrong fails
+    the check the real one passes."""
+    root = _mutated_kernel(tmp_path, old, new)
+    kc, vc, bt, sl, q, km = _inputs(K4, V4, 128, G, 16, Sq, [300, 17])
+    out, ref = _decode_var("pvt4sz" if "Gm::KI4 ? fmaf" in old else "pvt4sp", kc, vc, bt, sl,
+                           q, km, root=root)
+    assert rel_err(out, ref) > 10 * _bound(K4, V4)
+
+
 def test_int4_splits_window_mask_softcap():
     check(K4, V4, 128, 4, 16, 1, lens=[1, 17, 300, 1033], splits=3)
     check(K4, V4, 128, 8, 32, 2, lens=[310, 1033, 17], window=37, sinks=3, splits=2)
@@ -755,9 +886,10 @@ def test_int4_wrong_zero_point_fails(side):
 
 
 @pytest.mark.parametrize("mutation", [
-    ("for (int c = 0; c < 4; ++c) sa[j][c] += sz[c];", "for (int c = 0; c < 4; ++c) {}"),
+    ("for (int c = 0; c < 4; ++c) sa[j][c] = I4NK ? fmaf(sa[j][c], 0x1p24f, sz[c]) : sa[j][c] + sz[c];",
+     "for (int c = 0; c < 4; ++c) {}"),
     ("zacc1 += p2 * zt[j][0] + p3 * zt[j][1];", "zacc1 += 0.f;"),
-    ("qk4[s][2] = hmul2_u32(qa[s][2], s23);", "qk4[s][2] = hmul2_u32(qa[s][2], s01);"),
+    ("qk4[s][2] = hmul2_u32(qf[2], s23);", "qk4[s][2] = hmul2_u32(qf[2], s01);"),
 ])
 def test_int4_broken_kernel_is_caught(mutation, tmp_path):
     """Negative case: without the keys' zero-point term, without the values' zero-point term

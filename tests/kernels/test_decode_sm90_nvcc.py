@@ -117,3 +117,32 @@ def test_pvt4h_at_eight_rows(tmp_path, monkeypatch):
                           timeout=120).stdout
     assert not re.search(r"\b(LDL|STL)(\.|\s)", sass), "local memory: registers spilled"
     assert len(re.findall(r"HMMA\.16816", sass)) == 24
+
+
+# cuda14h: q.k with the tokens as M (SWQ) at 8 rows, bf16 q, D 128: (name, kk, vk, ksm, vsm,
+# CTAs a SM, HMMA in the kernel). int4 (pvt4sz, the proposed int4 default): q.k 8 + the page's
+# zero-point term 8 + P.V 8 (base: 40); 16-bit pages: 8 + 8 (base 32); fp8: 8 + 8 (pvt4h 24)
+SWQ_BUILDS = [("pvt4sz", 4, 4, 4, 5, 4, 24)] + ([
+    ("pvt4s", 3, 3, 0, 0, 3, 16), ("pvt4s", 0, 0, 1, 1, 4, 16)]
+    if os.environ.get("KVCOMPILE_TEST_FULL") else [])
+
+
+@pytest.mark.skipif(_cuobjdump() is None, reason="cuobjdump not found")
+@pytest.mark.parametrize("name,kk,vk,ksm,vsm,ctas,hmma", SWQ_BUILDS)
+def test_swq_at_eight_rows(name, kk, vk, ksm, vsm, ctas, hmma, tmp_path, monkeypatch):
+    """cuda14h's SWQ variants build for sm_90 without spills at their CTAs a SM, with the
+    MMA count of tokens as M (no padded rows) and P^T's blocks transposed by MOVM."""
+    import re
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    var = fast.variant_bits(name, kk, vk, 0.0)
+    assert var & fast.VAR_SWQ
+    key = (kk, vk, ksm, vsm, 128, 128, 8, 1, 0, var)
+    assert fast.kernel_constants(*key)[1] == ctas
+    path = tmp_path / "k.cubin"
+    path.write_bytes(_cubin(key))
+    sass = subprocess.run([_cuobjdump(), "-sass", str(path)], capture_output=True, text=True,
+                          timeout=120).stdout
+    assert not re.search(r"\b(LDL|STL)(\.|\s)", sass), "local memory: registers spilled"
+    assert len(re.findall(r"HMMA\.16816", sass)) == hmma
+    assert len(re.findall(r"\bMOVM\b", sass)) == 2

@@ -141,6 +141,36 @@ struct DecodeParams {
 #define KVC_VAR_CTA4 128
 #define KVC_VAR_HOIST 256
 #define KVC_VAR_CTA5 512
+// issue-14 variants for int4 pages (cuda14h):
+//   I4N: int4 codes widen to f16 *subnormals* c * 2^-24 by one mask (no sub.f16x2 of 1024):
+//     (y & 0x000F000F) is f16x2(c0 * 2^-24, c1 * 2^-24), exact, and f16 x f16 products are exact
+//     in the MMA's f32 sums, so the 2^24 goes into the f32 score (keys) or O at the merge
+//     (values). Keys: the two k-steps of a word feed two accumulator chains (as QK2). Values:
+//     P.V transposed (PVT) for int4 values too: M-tile row g is element 2k of byte k (low
+//     nibble, c * 2^-24), row g + 8 element 2k + 1 (high nibble masked in place, 16 c * 2^-24:
+//     the 1/16 at the merge), so a token pair's byte k takes one prmt and four masks for one
+//     MMA of 16 value columns (base: two prmt, two shifts, four masks, four sub.f16x2 for two
+//     MMAs of 8 columns, at 8 query rows);
+#define KVC_VAR_I4N 1024
+//   PGZ (int4 keys): a warp takes runs of P / 16 consecutive steps (one page: 4 steps at P64)
+//     instead of every 4th step, splits start on page boundaries, and the page's channel terms
+//     (q times the channel scales, sum_d q_d z_d: 8 LDS.128 + 16 mul.f16x2 + 8 MMAs at D 128, 8
+//     rows) are computed when a step's page differs from the warp's previous step's, i.e. once
+//     a page instead of once a step.
+#define KVC_VAR_PGZ 2048
+//   SWQ (int4 keys and values with I4N, P.V transposed, 8 query rows): q.k with the tokens as M (A: the
+//     key codes of tokens g and g + 8) and the query rows as N (B: q times the channel scales),
+//     so no M row is padding: 8 MMAs a step at D 128 instead of 16, 4 exponentials a lane instead
+//     of 8; the softmax runs on S^T (lane (g, t): rows 2t, 2t + 1, the same rows as O^T's, so a
+//     rescale needs no shuffle), and movmatrix.trans turns P^T's two 8 x 8 blocks into P.V's B
+//     fragments.
+#define KVC_VAR_SWQ 4096
+//   KPERM (with SWQ and PGZ, int4 keys): q is staged with each 8 elements in the order 0 4 2 6 1 5
+//     3 7, the page's channel scales / zero points permuted alike (prmt, once a page), so a key
+//     word x gives its k-pairs by masks alone: x & 0x000F000F = (e0, e4), (x >> 8) & .. = (e2,
+//     e6) (x 1), x & 0x00F000F0 = (e1, e5), (x >> 8) & .. = (e3, e7) (x 16, the second chain,
+//     / 16 in the score): 32 prmt a step fewer at D 128.
+#define KVC_VAR_KPERM 8192
 
 namespace kvc {
 
@@ -389,9 +419,12 @@ __device__ __forceinline__ uint32_t int4x2_to_f16x2(uint32_t y) {
 
 // The two codes of byte k of word x (element 2k in the low nibble) -> f16x2 (low half first):
 // one byte_perm puts byte k of x at bits 0-7 and byte k of x >> 4 (its high nibble low) at 16-23.
-template <int K>
+// SUBN (the I4N variants): the codes as f16 subnormals c * 2^-24 instead (no subtraction).
+template <int K, bool SUBN = false>
 __device__ __forceinline__ uint32_t int4_byte_f16x2(uint32_t x, uint32_t x4) {
-  return int4x2_to_f16x2(__byte_perm(x, x4, K | (K << 4) | ((4 + K) << 8) | ((4 + K) << 12)));
+  const uint32_t y = __byte_perm(x, x4, K | (K << 4) | ((4 + K) << 8) | ((4 + K) << 12));
+  if constexpr (SUBN) return y & 0x000F000Fu;
+  return int4x2_to_f16x2(y);
 }
 
 __device__ __forceinline__ float f16_bits_to_f32(uint16_t h) {
@@ -411,6 +444,23 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
     __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
   }
+}
+
+// movmatrix.sync.aligned.m8n8.trans.b16: lane (g, t) holds row g, columns 2t, 2t + 1 of an 8 x 8
+// b16 matrix (low half first); returns the same of its transpose (row g = the matrix's column g)
+__device__ __forceinline__ uint32_t movmatrix_t(uint32_t x) {
+#ifdef KVC_EMU
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  // M^T[g][2t + e] = M[2t + e][g]: lane 4 (2t + e) + g / 2, half g & 1
+  const uint32_t a = kvc_emu::f32_bits(__shfl_sync(0xffffffffu, kvc_emu::bits_f32(x), 8 * t + g / 2));
+  const uint32_t b = kvc_emu::f32_bits(__shfl_sync(0xffffffffu, kvc_emu::bits_f32(x), 8 * t + 4 + g / 2));
+  const int sh = 16 * (g & 1);
+  return ((a >> sh) & 0xffffu) | (((b >> sh) & 0xffffu) << 16);
+#else
+  uint32_t r;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+  return r;
+#endif
 }
 
 template <int QT>
@@ -485,7 +535,19 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
   constexpr float V_ALU = ALU_V && VK == KVC_E4M3 ? 256.f : 1.f;  // ... into the probabilities
   constexpr bool QK2 = (KVC_VAR & KVC_VAR_QK2) && !Gm::KI4 && !Q8;
   constexpr bool VOTE = (KVC_VAR & KVC_VAR_VOTE) != 0;
-  constexpr bool PVT = (KVC_VAR & KVC_VAR_PVT) && Gm::VEB == 1 && !Gm::VI4 && !ALU_V;
+  constexpr bool I4NK = (KVC_VAR & KVC_VAR_I4N) && Gm::KI4;  // int4 codes as f16 subnormals
+  constexpr bool I4NV = (KVC_VAR & KVC_VAR_I4N) && Gm::VI4;
+  // SWQ: int4 keys and values (I4N), or 16-bit keys and values (values' P.V transposed too)
+  constexpr bool SWQ_OK = (KVC_VAR & KVC_VAR_SWQ) && ROWS == 8 && !Q8 &&
+                          ((I4NK && I4NV) || (Gm::KEB == 2 && Gm::VEB == 2 && !ALU_V) ||
+                           (Gm::KEB == 1 && !Gm::KI4 && Gm::VEB == 1 && !Gm::VI4 && !ALU_K &&
+                            !ALU_V));  // int4, 16-bit or fp8 keys and values
+  constexpr bool PVT = (KVC_VAR & KVC_VAR_PVT) && !ALU_V &&
+                       (Gm::VEB == 1 ? (!Gm::VI4 || I4NV) : SWQ_OK);
+  constexpr bool SB = QK2 || I4NK;                   // q.k in two accumulator chains
+  constexpr bool PGZ = (KVC_VAR & KVC_VAR_PGZ) && Gm::KI4;
+  constexpr bool SWQ = SWQ_OK && PVT;
+  constexpr bool KPERM = (KVC_VAR & KVC_VAR_KPERM) && SWQ && PGZ && I4NK;
   constexpr int NR = ROWS / 8;                       // PVT: n-tiles of query rows
   constexpr int MT = DV / 16;                        // PVT: m-tiles of value columns
   constexpr int OT = PVT ? MT * NR : Gm::NT;         // accumulator tiles of O
@@ -565,7 +627,9 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
     float x = 0.f;
     if (r < R) {
       const long long row = (b * Hq + (long long)h * G + r / SQ) * SQ + r % SQ;
-      x = load_q<QT>(p.q, row * D + d);
+      // KPERM: element (d & ~7) | bitrev3(d & 7) at d (0 4 2 6 1 5 3 7 in each 8)
+      const int dq = KPERM ? (d & ~7) | ((d & 1) << 2) | (d & 2) | ((d >> 2) & 1) : d;
+      x = load_q<QT>(p.q, row * D + dq);
     }
     if constexpr (KBF) {
       __nv_bfloat16 y = __float2bfloat16_rn(x);
@@ -638,18 +702,26 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
     if (n_sink >= lo_s) { n_sink = 0; lo_s = 0; }
   }
   const int n_steps = n_sink + (L + STEP - 1) / STEP - lo_s;
-  const int per = (n_steps + p.num_splits - 1) / p.num_splits;
+  // PGZ: runs of BLK = P / 16 steps (at most 8) a warp, splits of whole runs
+  const int lblk = PGZ ? min(p.log2p - 4, 3) : 0;
+  const int per = ((n_steps + p.num_splits - 1) / p.num_splits + (1 << lblk) - 1) >> lblk << lblk;
   const int v0 = split * per, v1 = min(n_steps, v0 + per);
-  const int my_steps = v1 - v0 > warp ? (v1 - v0 - warp + WARPS - 1) / WARPS : 0;
+  int my_steps = v1 - v0 > warp ? (v1 - v0 - warp + WARPS - 1) / WARPS : 0;
+  if constexpr (PGZ) {
+    const int n = max(v1 - v0, 0), round = WARPS << lblk;
+    const int full = n / round;
+    my_steps = (full << lblk) + min(max(n - full * round - (warp << lblk), 0), 1 << lblk);
+  }
 
   // the merge reuses each warp's ring for its (O, m, l) rows
-  static_assert(ROWS * DV * 4 + 2 * ROWS * 4 <= NS * Gm::STAGE_ALIGNED, "ring < merge rows");
+  static_assert(ROWS * DV * 4 + 3 * ROWS * 4 <= NS * Gm::STAGE_ALIGNED, "ring < merge rows");
   uint8_t* ring = stages + warp * NS * Gm::STAGE_ALIGNED;
   const int* bt = p.bt + (long long)b * p.stride_bt;
   const long long head_k = (long long)h * P;  // (page * H + h) * P = page * H * P + h * P
 
   auto step_tok0 = [&](int i) {  // first token of the warp's i-th step
-    const int v = v0 + warp + i * WARPS;
+    const int v = PGZ ? v0 + ((((i >> lblk) * WARPS) + warp) << lblk) + (i & ((1 << lblk) - 1))
+                      : v0 + warp + i * WARPS;
     return (v < n_sink ? v : lo_s + v - n_sink) * STEP;
   };
 
@@ -788,6 +860,10 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
     cp_commit();
   }
 
+  // int4 keys: q's columns times the channel scales, and sum_d q_d z_d (PGZ: the page's, kept)
+  uint32_t qk4[Gm::KI4 ? Gm::KS : 1][4];
+  float sz[4] = {0.f, 0.f, 0.f, 0.f};
+  int cur_lpg = -1;  // PGZ: page index (in the sequence) of the warp's previous step
   for (int it = 0; it < my_steps; ++it) {
     if (it + NS - 1 < my_steps) issue(it + NS - 1);
     cp_commit();
@@ -799,31 +875,253 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
     // ---- int4 keys: q's columns times the page's channel scales (f16, once per step for both
     // n-tiles), and sum_d q_d z_d per row from one more MMA whose every column is the page's
     // zero points (so each lane's accumulators hold its rows' sums: sz[0] row g, sz[2] g + 8)
-    uint32_t qk4[Gm::KI4 ? Gm::KS : 1][4];
-    float sz[4] = {0.f, 0.f, 0.f, 0.f};
-    if constexpr (Gm::KI4) {
+    if constexpr (!PGZ) {
+      sz[0] = sz[1] = sz[2] = sz[3] = 0.f;
+    }
+    bool fresh = true;  // PGZ: the step's page is not the warp's previous step's
+    if constexpr (PGZ) {
+      const int lpg = tok0 >> p.log2p;
+      fresh = lpg != cur_lpg;
+      cur_lpg = lpg;
+      if (fresh) sz[0] = sz[1] = sz[2] = sz[3] = 0.f;
+    }
+    if constexpr (Gm::KI4) if (fresh) {
       const uint8_t* kzp = st + Gm::KZP_OFF;  // scales [D] f16, then zero points [D] f16
 #pragma unroll
       for (int i = 0; i < Gm::KS / Gm::KPC; ++i) {
         const int d0 = Gm::KEPC * (t + 4 * i);  // first element of the thread's unit
 #pragma unroll
         for (int q4 = 0; q4 < Gm::KEPC / 8; ++q4) {  // 8 elements (2 k-steps) a 16-byte load
-          const uint4 sw = lds128(kzp + 2 * (d0 + 8 * q4));
-          const uint4 zw = lds128(kzp + 2 * D + 2 * (d0 + 8 * q4));
+          uint4 sw = lds128(kzp + 2 * (d0 + 8 * q4));
+          uint4 zw = lds128(kzp + 2 * D + 2 * (d0 + 8 * q4));
+          if constexpr (KPERM) {  // as q: words (0, 4), (2, 6), (1, 5), (3, 7)
+            auto perm = [](const uint4& w) {
+              uint4 r;
+              r.x = __byte_perm(w.x, w.z, 0x5410);
+              r.y = __byte_perm(w.y, w.w, 0x5410);
+              r.z = __byte_perm(w.x, w.z, 0x7632);
+              r.w = __byte_perm(w.y, w.w, 0x7632);
+              return r;
+            };
+            sw = perm(sw);
+            zw = perm(zw);
+          }
+          // I4N: q's fragments again from shared memory (the same words as qa[s]), so that qa
+          // is not live across the loop (the registers that 4 CTAs a SM need)
+          uint4 q0w{}, q1w{};
+          if constexpr (I4NK) {
+            q0w = lds128(reinterpret_cast<const uint8_t*>(qs + g * D + d0 + 8 * q4));
+            if constexpr (ROWS == 16)
+              q1w = lds128(reinterpret_cast<const uint8_t*>(qs + (g + 8) * D + d0 + 8 * q4));
+          }
 #pragma unroll
           for (int h2 = 0; h2 < 2; ++h2) {
             const int s = Gm::KPC * i + 2 * q4 + h2;
             const uint32_t s01 = word(sw, 2 * h2), s23 = word(sw, 2 * h2 + 1);
-            qk4[s][0] = hmul2_u32(qa[s][0], s01);
-            qk4[s][2] = hmul2_u32(qa[s][2], s23);
-            qk4[s][1] = ROWS == 16 ? hmul2_u32(qa[s][1], s01) : 0u;
-            qk4[s][3] = ROWS == 16 ? hmul2_u32(qa[s][3], s23) : 0u;
-            mma16816<false>(sz, qa[s], word(zw, 2 * h2), word(zw, 2 * h2 + 1));
+            uint32_t qf[4] = {qa[s][0], qa[s][1], qa[s][2], qa[s][3]};
+            if constexpr (I4NK) {
+              qf[0] = word(q0w, 2 * h2);
+              qf[2] = word(q0w, 2 * h2 + 1);
+              qf[1] = ROWS == 16 ? word(q1w, 2 * h2) : 0u;
+              qf[3] = ROWS == 16 ? word(q1w, 2 * h2 + 1) : 0u;
+            }
+            qk4[s][0] = hmul2_u32(qf[0], s01);
+            qk4[s][2] = hmul2_u32(qf[2], s23);
+            qk4[s][1] = ROWS == 16 ? hmul2_u32(qf[1], s01) : 0u;
+            qk4[s][3] = ROWS == 16 ? hmul2_u32(qf[3], s23) : 0u;
+            if constexpr (SWQ) {  // A: every M row the zero points; B: q (rows as N)
+              const uint32_t za[4] = {word(zw, 2 * h2), word(zw, 2 * h2), word(zw, 2 * h2 + 1),
+                                      word(zw, 2 * h2 + 1)};
+              mma16816<false>(sz, za, qf[0], qf[2]);
+            } else {
+              mma16816<false>(sz, qf, word(zw, 2 * h2), word(zw, 2 * h2 + 1));
+            }
           }
         }
       }
     }
 
+    // (masked / full are set where the base kernel sets them: moved up, they cost pvt4h 20
+    // instructions a step and a spill)
+    bool masked, full;
+    bool tok_ok[2][2] = {{true, true}, {true, true}};
+    uint32_t pa[4];
+    if constexpr (SWQ) {
+      masked = p.kmask != nullptr && tok0 < p.n_km;
+      full = tok0 + STEP <= L - SQ + 1 && !masked &&
+             (p.window <= 0 || tok0 >= L - p.window || tok0 + STEP <= p.sinks);
+      // ---- SWQ: S^T = K Q^T, the step's 16 tokens as M (A: the key codes of tokens g, g + 8,
+      // the registers base feeds its two n-tiles as B), the 8 query rows as N (B: q times the
+      // channel scales, no padded rows): lane (g, t) holds c0 / c1 = token g, rows 2t / 2t + 1,
+      // c2 / c3 = token g + 8; half base's q.k MMAs and exponentials at 8 rows
+      float s4[4] = {0.f, 0.f, 0.f, 0.f}, s4b[4] = {0.f, 0.f, 0.f, 0.f};
+      auto kmma = [&](uint32_t x0, uint32_t x1, int s) {  // word of tokens g / g + 8, k-steps s, s + 1
+        if constexpr (KPERM) {  // (e0, e4), (e2, e6) x 1; (e1, e5), (e3, e7) x 16
+          const uint32_t x08 = x0 >> 8, x18 = x1 >> 8;
+          const uint32_t ae[4] = {x0 & 0x000F000Fu, x1 & 0x000F000Fu, x08 & 0x000F000Fu,
+                                  x18 & 0x000F000Fu};
+          mma16816<false>(s4, ae, qk4[s][0], qk4[s][2]);
+          const uint32_t ao[4] = {x0 & 0x00F000F0u, x1 & 0x00F000F0u, x08 & 0x00F000F0u,
+                                  x18 & 0x00F000F0u};
+          mma16816<false>(s4b, ao, qk4[s + 1][0], qk4[s + 1][2]);
+          return;
+        }
+        const uint32_t x04 = x0 >> 4, x14 = x1 >> 4;
+        const uint32_t ae[4] = {int4_byte_f16x2<0, true>(x0, x04), int4_byte_f16x2<0, true>(x1, x14),
+                                int4_byte_f16x2<1, true>(x0, x04), int4_byte_f16x2<1, true>(x1, x14)};
+        mma16816<false>(s4, ae, qk4[s][0], qk4[s][2]);
+        const uint32_t ao[4] = {int4_byte_f16x2<2, true>(x0, x04), int4_byte_f16x2<2, true>(x1, x14),
+                                int4_byte_f16x2<3, true>(x0, x04), int4_byte_f16x2<3, true>(x1, x14)};
+        mma16816<false>(s4b, ao, qk4[s + 1][0], qk4[s + 1][2]);
+      };
+#pragma unroll
+      for (int i = 0; i < Gm::NCK / 4; ++i) {
+        const uint4 w0 = lds128(st + chunk_off(g, t + 4 * i, Gm::NCK));
+        const uint4 w1 = lds128(st + chunk_off(8 + g, t + 4 * i, Gm::NCK));
+        if constexpr (Gm::KI4) {
+#pragma unroll
+          for (int ww = 0; ww < 4; ++ww) kmma(word(w0, ww), word(w1, ww), Gm::KPC * i + 2 * ww);
+        } else if constexpr (Gm::KEB == 1) {  // fp8 keys: k-step 4i + ww, F2FP widening
+#pragma unroll
+          for (int ww = 0; ww < 4; ++ww) {
+            const uint32_t x0 = word(w0, ww), x1 = word(w1, ww);
+            const uint32_t a8[4] = {fp8x2_to_f16x2<KK>(x0 & 0xffffu), fp8x2_to_f16x2<KK>(x1 & 0xffffu),
+                                    fp8x2_to_f16x2<KK>(x0 >> 16), fp8x2_to_f16x2<KK>(x1 >> 16)};
+            mma16816<false>((ww & 1) ? s4b : s4, a8, qa[4 * i + ww][0], qa[4 * i + ww][2]);
+          }
+        } else {  // 16-bit keys: k-steps 2i, 2i + 1 (two chains), q as B
+#pragma unroll
+          for (int ww = 0; ww < 2; ++ww) {
+            const uint32_t a16[4] = {word(w0, 2 * ww), word(w1, 2 * ww), word(w0, 2 * ww + 1),
+                                     word(w1, 2 * ww + 1)};
+            mma16816<KBF>(ww ? s4b : s4, a16, qa[2 * i + ww][0], qa[2 * i + ww][2]);
+          }
+        }
+      }
+      if constexpr (Gm::KI4 && Gm::KEPC == 16) {  // int4, head_dim 64: 8 bytes a thread
+        const uint2 w0 = lds64(st + g * Gm::RBK + 8 * t);
+        const uint2 w1 = lds64(st + (8 + g) * Gm::RBK + 8 * t);
+        kmma(w0.x, w1.x, 0);
+        kmma(w0.y, w1.y, 2);
+      }
+      // fp8 scales of tokens g (half 0 of the step) and g + 8 (half 1)
+      const float* sc = reinterpret_cast<const float*>(st + Gm::SC_OFF);
+      float kfs[2] = {1.f, 1.f}, vfs[2] = {1.f, 1.f}, zts[2] = {0.f, 0.f};
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        if constexpr (KSM == KVC_SC_TOKEN) kfs[h2] = sc[g + 8 * h2];
+        if constexpr (KSM == KVC_SC_PAGE) kfs[h2] = sc[h2];
+        if constexpr (VSM == KVC_SC_TOKEN) vfs[h2] = sc[16 + g + 8 * h2];
+        if constexpr (VSM == KVC_SC_PAGE) vfs[h2] = sc[16 + h2];
+      }
+      float x4[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {  // codes came as c * 2^-24; sz[c]: row 2t + (c & 1)
+        float raw = KPERM     ? fmaf(s4[c], 0x1p24f, fmaf(s4b[c], 0x1p20f, sz[c]))
+                    : Gm::KI4 ? fmaf(s4[c] + s4b[c], 0x1p24f, sz[c]) : s4[c] + s4b[c];
+        if constexpr (KSM == KVC_SC_TOKEN || KSM == KVC_SC_PAGE) raw *= kfs[c >> 1];
+        x4[c] = use_cap ? p.cap_out * tanhf(raw * cap_r[0]) : raw * qk_r[0];
+      }
+      // the value token scales / zero points of tokens g, g + 8
+      const uint16_t* vzp = reinterpret_cast<const uint16_t*>(st + Gm::VZP_OFF);
+      if constexpr (VSM == KVC_SC_TOKZP) {
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        vfs[h2] = f16_bits_to_f32(vzp[g + 8 * h2]);
+        zts[h2] = f16_bits_to_f32(vzp[16 + g + 8 * h2]);
+      }
+      }
+      if constexpr (VSM == KVC_SC_TOKZP || VSM == KVC_SC_TOKEN || VSM == KVC_SC_PAGE) {  // O in units of 2^vexp (see below): a lane's own tokens first, the warp's when one grows
+        float vmax = fmaxf(vfs[0], vfs[1]);
+        if (__any_sync(0xffffffffu, vmax >= pow2f(vexp) && vmax < INFINITY)) {
+          vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 4));
+          vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 8));
+          vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 16));
+          int e = vexp;
+          if (vmax > 0.f && vmax < INFINITY) frexpf(vmax, &e);
+          if (e > vexp) {
+            const float a = exp2f(static_cast<float>(vexp - e));
+#pragma unroll
+            for (int n = 0; n < OT; ++n)
+#pragma unroll
+              for (int c = 0; c < 4; ++c) o[n][c] *= a;
+            vexp = e;
+            vinv = exp2f(static_cast<float>(-e));
+          }
+        }
+      }
+      if constexpr (VSM == KVC_SC_TOKZP || VSM == KVC_SC_TOKEN || VSM == KVC_SC_PAGE) {
+        vfs[0] *= vinv;
+        vfs[1] *= vinv;
+      }
+      if (!full) {
+        const uint8_t* km = st + Gm::MASK_OFF;
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {  // tokens g + 8 h2 of the scores
+          const int pos = tok0 + g + 8 * h2;
+          const bool any = pos < L && (!masked || km[g + 8 * h2] != 0);
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int qpos = L - SQ + (2 * t + e) % SQ;
+            const bool vis = any && pos <= qpos &&
+                             (p.window <= 0 || qpos - pos < p.window || pos < p.sinks);
+            if (!vis) x4[2 * h2 + e] = NEG_INF;
+          }
+          if (!(any && (p.window <= 0 || qpos_first - pos < p.window || pos < p.sinks)))
+            vfs[h2] = zts[h2] = 0.f;  // read by nobody: inert (NaN there)
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j)  // tokens 8 j + 2 t + e of P.V's A operand
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int tau = 8 * j + 2 * t + e, pos = tok0 + tau;
+            const bool any = pos < L && (!masked || km[tau] != 0);
+            tok_ok[j][e] = any && (p.window <= 0 || qpos_first - pos < p.window || pos < p.sinks);
+          }
+      }
+      // ---- online softmax over rows 2t (c even) and 2t + 1 (c odd), their maxima over the
+      // tokens of lanes g = 0..7
+      float mx0 = fmaxf(x4[0], x4[2]), mx1 = fmaxf(x4[1], x4[3]);
+      auto row_max = [&]() {
+#pragma unroll
+        for (int o2 = 4; o2 <= 16; o2 <<= 1) {
+          mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o2));
+          mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o2));
+        }
+      };
+      if constexpr (!VOTE) row_max();
+      if (__any_sync(0xffffffffu, mx0 > m0 + 8.f || mx1 > m1 + 8.f)) {
+        if constexpr (VOTE) row_max();
+        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+        const float a0 = n0 == NEG_INF ? 1.f : exp2f(m0 - n0);
+        const float a1 = n1 == NEG_INF ? 1.f : exp2f(m1 - n1);
+        m0 = n0;
+        m1 = n1;
+        l0 *= a0;
+        l1 *= a1;
+        zacc0 *= a0;
+        zacc1 *= a1;
+#pragma unroll
+        for (int n = 0; n < OT; ++n)  // O^T: columns 2t + (c & 1) are this lane's rows
+#pragma unroll
+          for (int c = 0; c < 4; ++c) o[n][c] *= (c & 1) ? a1 : a0;
+      }
+      const float mu0 = m0 == NEG_INF ? 0.f : m0, mu1 = m1 == NEG_INF ? 0.f : m1;
+      float pr[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) pr[c] = exp2f(x4[c] - ((c & 1) ? mu1 : mu0));
+      l0 += pr[0] + pr[2];
+      l1 += pr[1] + pr[3];
+      if constexpr (VSM == KVC_SC_TOKZP) {
+        zacc0 += pr[0] * zts[0] + pr[2] * zts[1];
+        zacc1 += pr[1] * zts[0] + pr[3] * zts[1];
+      }
+      // P^T blocks (token g / g + 8, rows 2t, 2t + 1) transposed by movmatrix into P.V's B
+      // fragments (row g, tokens 2t, 2t + 1 / 2t + 8, 2t + 9)
+      pa[0] = movmatrix_t(pack2<VBF>(pr[0] * vfs[0], pr[1] * vfs[0]));
+      pa[2] = movmatrix_t(pack2<VBF>(pr[2] * vfs[1], pr[3] * vfs[1]));
+      pa[1] = pa[3] = 0u;
+    } else {
     // ---- S = Q K^T: n-tile j holds tokens 8 j + n
     float sa[2][4];
     float sb[2][4];  // QK2: the odd MMAs' chain
@@ -850,9 +1148,10 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
           for (int ww = 0; ww < 4; ++ww) {  // 8 codes a word: k-steps 2 ww, 2 ww + 1
             const uint32_t x = word(w, ww), x4 = x >> 4;
             const int s = Gm::KPC * i + 2 * ww;
-            mma16816<false>(sa[j], qk4[s], int4_byte_f16x2<0>(x, x4), int4_byte_f16x2<1>(x, x4));
-            mma16816<false>(sa[j], qk4[s + 1], int4_byte_f16x2<2>(x, x4),
-                            int4_byte_f16x2<3>(x, x4));
+            mma16816<false>(sa[j], qk4[s], int4_byte_f16x2<0, I4NK>(x, x4),
+                            int4_byte_f16x2<1, I4NK>(x, x4));
+            mma16816<false>(I4NK ? sb[j] : sa[j], qk4[s + 1], int4_byte_f16x2<2, I4NK>(x, x4),
+                            int4_byte_f16x2<3, I4NK>(x, x4));
           }
         } else if constexpr (Gm::KEB == 1) {
 #pragma unroll
@@ -873,25 +1172,25 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
 #pragma unroll
         for (int ww = 0; ww < 2; ++ww) {
           const uint32_t x = ww == 0 ? w.x : w.y, x4 = x >> 4;
-          mma16816<false>(sa[j], qk4[2 * ww], int4_byte_f16x2<0>(x, x4),
-                          int4_byte_f16x2<1>(x, x4));
-          mma16816<false>(sa[j], qk4[2 * ww + 1], int4_byte_f16x2<2>(x, x4),
-                          int4_byte_f16x2<3>(x, x4));
+          mma16816<false>(sa[j], qk4[2 * ww], int4_byte_f16x2<0, I4NK>(x, x4),
+                          int4_byte_f16x2<1, I4NK>(x, x4));
+          mma16816<false>(I4NK ? sb[j] : sa[j], qk4[2 * ww + 1], int4_byte_f16x2<2, I4NK>(x, x4),
+                          int4_byte_f16x2<3, I4NK>(x, x4));
         }
       }
     }
 
-    if constexpr (QK2) {
+    if constexpr (SB) {
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int c = 0; c < 4; ++c) sa[j][c] += sb[j][c];
     }
-    if constexpr (Gm::KI4) {
+    if constexpr (Gm::KI4) {  // I4N: the codes came as c * 2^-24
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) sa[j][c] += sz[c];
+        for (int c = 0; c < 4; ++c) sa[j][c] = I4NK ? fmaf(sa[j][c], 0x1p24f, sz[c]) : sa[j][c] + sz[c];
     }
 
     // ---- scores (log2 units), masks; thread's tokens: 8 j + 2 t + e, rows g (c < 2), g + 8
@@ -970,10 +1269,9 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
     // token, the last query (L - 1) the first one through its window
     // (a key mask covers the first n_km slots, whole steps of 16: later steps need no mask,
     // so a short mask, as eviction's hidden slots after the sinks, costs only its own steps)
-    const bool masked = p.kmask != nullptr && tok0 < p.n_km;
-    const bool full = tok0 + STEP <= L - SQ + 1 && !masked &&
-                      (p.window <= 0 || tok0 >= L - p.window || tok0 + STEP <= p.sinks);
-    bool tok_ok[2][2] = {{true, true}, {true, true}};
+    masked = p.kmask != nullptr && tok0 < p.n_km;
+    full = tok0 + STEP <= L - SQ + 1 && !masked &&
+           (p.window <= 0 || tok0 >= L - p.window || tok0 + STEP <= p.sinks);
     if (!full) {
       const uint8_t* km = st + Gm::MASK_OFF;
 #pragma unroll
@@ -1051,7 +1349,6 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
       }
     }
     const float mu0 = m0 == NEG_INF ? 0.f : m0, mu1 = m1 == NEG_INF ? 0.f : m1;
-    uint32_t pa[4];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const float p0 = exp2f(x[j][0] - mu0), p1 = exp2f(x[j][1] - mu0);
@@ -1065,6 +1362,8 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
         zacc1 += p2 * zt[j][0] + p3 * zt[j][1];
       }
     }
+
+    }  // !SWQ
 
     // ---- O += P V: k = tokens (2t, 2t+1 | 2t+8, 2t+9), n-tile nb's column g = unit element
 #pragma unroll
@@ -1125,6 +1424,29 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
           mma16816<false>(o[nb + 1], pa, xo0, yo0);
           mma16816<false>(o[nb + 2], pa, xe1, ye1);
           mma16816<false>(o[nb + 3], pa, xo1, yo1);
+        } else if constexpr (PVT && Gm::VEB == 2) {
+          // SWQ, 16-bit values: word w holds elements 2w, 2w + 1 of the unit; the tokens' pairs
+          // of each by one prmt: M-tile mt's row g is element 2w, row g + 8 element 2w + 1
+          const uint32_t a16[4] = {__byte_perm(va[w], vb[w], 0x5410), __byte_perm(va[w], vb[w], 0x7632),
+                                   __byte_perm(vc[w], vd[w], 0x5410), __byte_perm(vc[w], vd[w], 0x7632)};
+          const int mt = Gm::VEPU / 2 * i + w;
+#pragma unroll
+          for (int nr = 0; nr < NR; ++nr) mma16816<VBF>(o[mt * NR + nr], a16, pa[nr], pa[2 + nr]);
+        } else if constexpr (PVT && Gm::VI4) {
+          // I4N: byte k of tokens 2t, 2t + 1 at bits 0-7 / 16-23 (ab; cd: 2t + 8, 2t + 9); its
+          // low nibbles (element 8 w + 2 k of the unit, c * 2^-24) are M-tile mt's row g, its
+          // high nibbles masked in place (element 8 w + 2 k + 1, 16 c * 2^-24) row g + 8
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const uint32_t ab = __byte_perm(va[w], vb[w], k | ((4 + k) << 8));
+            const uint32_t cd = __byte_perm(vc[w], vd[w], k | ((4 + k) << 8));
+            const uint32_t a4[4] = {ab & 0x000F000Fu, ab & 0x00F000F0u, cd & 0x000F000Fu,
+                                    cd & 0x00F000F0u};
+            const int mt = Gm::VEPU / 2 * i + 4 * w + k;
+#pragma unroll
+            for (int nr = 0; nr < NR; ++nr)
+              mma16816<false>(o[mt * NR + nr], a4, pa[nr], pa[2 + nr]);
+          }
         } else if constexpr (Gm::VI4) {
           // byte k of rows 2t, 2t + 1 at bits 0-7 / 16-23: their low nibbles are n-tile
           // nb + 2k's k-pair, their high nibbles n-tile nb + 2k + 1's (element 2i: low nibble)
@@ -1183,11 +1505,21 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
   cp_wait<0>();
 
   // ---- merge the warps: each writes (m, l, O) of its real rows into its own ring
+  if constexpr (SWQ) {  // rows 2t, 2t + 1: sums over the lanes g = 0..7
+#pragma unroll
+    for (int o2 = 4; o2 <= 16; o2 <<= 1) {
+      l0 += __shfl_xor_sync(0xffffffffu, l0, o2);
+      l1 += __shfl_xor_sync(0xffffffffu, l1, o2);
+      zacc0 += __shfl_xor_sync(0xffffffffu, zacc0, o2);
+      zacc1 += __shfl_xor_sync(0xffffffffu, zacc1, o2);
+    }
+  } else {
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-  if constexpr (VSM == KVC_SC_TOKZP) {
+  }
+  if constexpr (VSM == KVC_SC_TOKZP && !SWQ) {
     zacc0 += __shfl_xor_sync(0xffffffffu, zacc0, 1);
     zacc0 += __shfl_xor_sync(0xffffffffu, zacc0, 2);
     zacc1 += __shfl_xor_sync(0xffffffffu, zacc1, 1);
@@ -1211,19 +1543,34 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
         dv = Gm::VEPU * (g + 8 * (mt / (Gm::VEPU / 2))) + 2 * (mt % (Gm::VEPU / 2)) + (c >> 1);
       }
       if (r < ROWS) {
-        if constexpr (VSM == KVC_SC_TOKZP) {
+        if constexpr (I4NV) {  // codes came as c * 2^-24 (rows g) / 16 c * 2^-24 (rows g + 8);
+          // the zero points' term of row r is added at the warps' merge (its lanes hold row g's)
+          mo[r * DV + dv] = o[nb][c] * (ounit * ((c >> 1) ? 0x1p20f : 0x1p24f));
+        } else if constexpr (VSM == KVC_SC_TOKZP) {
           mo[r * DV + dv] = o[nb][c] * ounit + (c < 2 ? zacc0 : zacc1);
         } else {
           mo[r * DV + dv] = o[nb][c] * ounit;
         }
       }
     }
-  if (t == 0) {
+  if (SWQ && g == 0) {  // rows 2t, 2t + 1
+    ml[2 * t] = m0;
+    ml[2 * t + 1] = m1;
+    ml[ROWS + 2 * t] = l0;
+    ml[ROWS + 2 * t + 1] = l1;
+    ml[2 * ROWS + 2 * t] = zacc0;
+    ml[2 * ROWS + 2 * t + 1] = zacc1;
+  }
+  if (!SWQ && t == 0) {
     ml[g] = m0;
     ml[ROWS + g] = l0;
     if (ROWS == 16) {
       ml[g + 8] = m1;
       ml[ROWS + g + 8] = l1;
+    }
+    if constexpr (I4NV) {  // the values' zero-point term of rows g, g + 8
+      ml[2 * ROWS + g] = zacc0;
+      if (ROWS == 16) ml[2 * ROWS + g + 8] = zacc1;
     }
   }
   __syncthreads();
@@ -1241,7 +1588,11 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
       const float mw = all[w * slot + ROWS * DV + r];
       const float sw = mw == NEG_INF ? 0.f : exp2f(mw - Ms);
       lsum += all[w * slot + ROWS * DV + ROWS + r] * sw;
-      acc += all[w * slot + r * DV + dv] * sw;
+      if constexpr (I4NV) {
+        acc += (all[w * slot + r * DV + dv] + all[w * slot + ROWS * DV + 2 * ROWS + r]) * sw;
+      } else {
+        acc += all[w * slot + r * DV + dv] * sw;
+      }
     }
     const float outv = lsum == 0.f ? 0.f : acc / lsum * vt;  // NaN propagates
     const long long qrow = (b * Hq + (long long)h * G + r / SQ) * SQ + r % SQ;
