@@ -257,14 +257,13 @@ def test_accuracy_long_peaky_qk8(kg):
     _long_peaky("fp8_e4m3", kg, True)
 
 
-def _long_peaky(kf, kg, qk8, v=None, P=16):
-    """B=1, L=131072, Hkv 8, G 4: q aligned with 8 'needle' keys; the rest noise."""
+def needle_pages(k_fmt, v_fmt, P, L=131072, Hkv=8, G=4, D=128):
+    """The long-context needle case: B=1, q aligned with 8 'needle' keys of L, the rest noise,
+    written into k_fmt / v_fmt pages of P tokens -> (q, kc, vc, bt, sl, ref over the pages)."""
     gen = torch.Generator().manual_seed(7)
-    L, Hkv, G, D = 131072, 8, 4, 128
-    f = make_format(kf, kg)
     npg = L // P
-    kc = f.allocate(npg, Hkv, P, D, "cuda")
-    vc = (make_format(*v) if v else f).allocate(npg, Hkv, P, D, "cuda")
+    kc = make_format(*k_fmt).allocate(npg, Hkv, P, D, "cuda")
+    vc = make_format(*v_fmt).allocate(npg, Hkv, P, D, "cuda")
     q = torch.randn(1, Hkv * G, 1, D, generator=gen).cuda()
     k = torch.randn(L, Hkv, D, generator=gen).cuda()
     needles = torch.randint(0, L, (8,), generator=gen)
@@ -276,7 +275,13 @@ def _long_peaky(kf, kg, qk8, v=None, P=16):
         vc.write(slots[a:a + 16384], v[a:a + 16384])
     bt = torch.arange(npg, dtype=torch.int32, device="cuda")[None]
     sl = torch.tensor([L], dtype=torch.int32, device="cuda")
-    ref = paged_decode_attention_ref(q, kc, vc, bt, sl, 1 / math.sqrt(D))
+    return q, kc, vc, bt, sl, paged_decode_attention_ref(q, kc, vc, bt, sl, 1 / math.sqrt(D))
+
+
+def _long_peaky(kf, kg, qk8, v=None, P=16):
+    """B=1, L=131072, Hkv 8, G 4: q aligned with 8 'needle' keys; the rest noise."""
+    L, Hkv, G, D = 131072, 8, 4, 128
+    q, kc, vc, bt, sl, ref = needle_pages((kf, kg), v or (kf, kg), P, L, Hkv, G, D)
     bound = REL_ERR[torch.bfloat16 if kf == "bf16" else torch.float16]
     if qk8:
         from kvcompile.kernels.decode_sm90 import quantize_q_e4m3

@@ -205,25 +205,11 @@ def test_int4_variant_long_peaky(variant):
     aligned with 8 keys, the rest noise; against the fp32 reference over the same pages. The
     I4N variants accumulate codes as f16 subnormals (c * 2^-24) in the MMAs' f32 sums."""
     from kvcompile.kernels import decode_sm90 as fast
+    from tests.gpu.test_decode_sm90_gpu import needle_pages
 
-    gen = torch.Generator().manual_seed(7)
-    L, Hkv, G, D, P = 131072, 8, 4, 128, 64
-    npg = L // P
-    kc = make_format(*K4).allocate(npg, Hkv, P, D, "cuda")
-    vc = make_format(*V4).allocate(npg, Hkv, P, D, "cuda")
-    q = torch.randn(1, Hkv * G, 1, D, generator=gen).cuda()
-    k = torch.randn(L, Hkv, D, generator=gen).cuda()
-    needles = torch.randint(0, L, (8,), generator=gen)
-    k[needles] = q[0, ::G, 0][None] * 1.5
-    v = torch.randn(L, Hkv, D, generator=gen).cuda()
-    slots = torch.arange(L, device="cuda")
-    for a in range(0, L, 16384):
-        kc.write(slots[a:a + 16384], k[a:a + 16384])
-        vc.write(slots[a:a + 16384], v[a:a + 16384])
-    bt = torch.arange(npg, dtype=torch.int32, device="cuda")[None]
-    sl = torch.tensor([L], dtype=torch.int32, device="cuda")
+    L, Hkv, G, D = 131072, 8, 4, 128
+    q, kc, vc, bt, sl, ref = needle_pages(K4, V4, 64, L, Hkv, G, D)
     scale = 1 / math.sqrt(D)
-    ref = paged_decode_attention_ref(q, kc, vc, bt, sl, scale)
     out = poison_(torch.empty(1, Hkv * G, 1, D, device="cuda"))
     fast.launch_decode_sm90(q, kc.data, kc.scale, vc.data, vc.scale, bt, sl, None, out, *K4,
                             *V4, scale, 0, 0, 0.0, 0, dec._sm_count(q.device), dec._combine,
