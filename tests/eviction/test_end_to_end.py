@@ -3,6 +3,8 @@ that the policy implies, budgets held, bookkeeping, report, forks, formats, per-
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -196,6 +198,11 @@ def test_policies_combine_with_formats(kv_dtype):
     m = _compiled(SinkWindow(4, 36), kv_dtype=kv_dtype)   # never over budget before t = 40
     out, _ = _stream(m, ids, 20, 1)
     assert_rel_close(out, ref, torch.float32, factor=10, what=f"{kv_dtype} without eviction")
+    if kv_dtype != "fp4_e2m1" and not os.environ.get("KVCOMPILE_TEST_FULL"):
+        # H2O moving tokens in bf16 / fp8 pages through the compiler: the default run has it
+        # in tests/engine/test_engine_eviction.py::test_storage_formats_compose_with_eviction
+        # (bf16, fp8: generate's tokens, moves counted); fp4 pages only here
+        return
     m = _compiled(H2O(budget=16, recent=6, sinks=2), kv_dtype=kv_dtype)
     out, cache = _stream(m, ids, 20, 1)
     assert torch.isfinite(out).all()
