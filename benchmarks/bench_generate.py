@@ -13,6 +13,7 @@ Sections, each in its own try/except, within one deadline (`--budget-s`), printe
   hf_static  HF generate, StaticCache + torch.compile         (baseline; compiled run excluded)
   kvc_fp8    kvcompile.compile(model, kv_dtype="fp8_e4m3") + HF generate
   kvc_bf16   same with bf16 pages: tokens vs hf_eager (free run, and teacher-forced)
+  kvc_int4   same with K int4 per-channel / V int4 per-token pages of 64 (the 4-bit format)
   engine_b   the same B prompts through kvcompile.Engine (fp8 pages, one prefill step, decode
              steps replayed from CUDA graphs); engine_b_nograph: the same without graphs
   engine     Engine throughput / latency against concurrency (closed loop) -> PNG
@@ -279,7 +280,9 @@ def hf_static(model, args, device, ctx):
 
 
 def _kvc_config(args, kv_dtype):
-    return KVConfig(kv_dtype=kv_dtype,
+    # "int4": the recommended 4-bit format (K int4 per channel / V int4 per token, pages of 64)
+    extra = dict(scale_granularity="channel", page_size=64) if kv_dtype == "int4" else {}
+    return KVConfig(kv_dtype=kv_dtype, **extra,
                     max_kv_bytes=(64 << 20) if args.smoke else int(args.kv_gib * GIB),
                     inner="aot_eager" if args.smoke else "inductor",
                     kernels="reference" if args.smoke else args.kernels)
@@ -570,7 +573,7 @@ def main(argv=None) -> int:
     print(env, flush=True)
     sections = args.sections.split(",")
     # rough minimum seconds each needs on the H200 (compiles included)
-    need = dict(capacity=1, hf_eager=25, hf_static=90, kvc_fp8=80, kvc_bf16=70, engine=60,
+    need = dict(capacity=1, hf_eager=25, hf_static=90, kvc_fp8=80, kvc_bf16=70, kvc_int4=80, engine=60,
                 engine_b=40, engine_b_nograph=30, engine_evict_sink=60, engine_evict_snapkv=60,
                 engine_evict_sink_rot=60, engine_evict_h2o=60)
     results, errors, ctx = {"env": env}, {}, {}
@@ -587,6 +590,7 @@ def main(argv=None) -> int:
         hf_static=lambda: hf_static(model, args, device, ctx),
         kvc_fp8=lambda: kvc(model, args, device, ctx, "fp8_e4m3"),
         kvc_bf16=lambda: kvc(model, args, device, ctx, "bf16"),
+        kvc_int4=lambda: kvc(model, args, device, ctx, "int4"),
         engine_b=lambda: engine_batch(model, args, device, ctx),
         engine_b_nograph=lambda: engine_batch(model, args, device, ctx, graphs=False),
         engine_evict_sink=lambda: engine_batch(model, args, device, ctx,
@@ -621,7 +625,7 @@ def main(argv=None) -> int:
 
 
 def report(results, errors, args):
-    gen = [results[k] for k in ("hf_eager", "hf_static", "kvc_fp8", "kvc_bf16", "engine_b",
+    gen = [results[k] for k in ("hf_eager", "hf_static", "kvc_fp8", "kvc_bf16", "kvc_int4", "engine_b",
                                 "engine_b_nograph") if k in results]
     base = results.get("hf_static", {}).get("tok_s")
     for r in gen:
