@@ -32,13 +32,13 @@ fi
 start=$(date +%s)
 status=0
 if [ $# -eq 0 ]; then
-  # 36 min 15 s in one process on 2 cores (2026-12-03); 24 min 44 s in 2 workers (fresh clone,
-  # 2026-12-04, tenth session), 28 min 53 s in the eleventh (a slower day, other work beside it)
-  # (README.md, "The two commands")
+  # 11 min 7 s of pytest in 2 workers on an idle 2-core machine, every build cache empty
+  # (fresh clone, 2026-12-04, twelfth session); slower on a loaded machine (README.md, "The
+  # two commands")
   where="one process"
   if [ "$workers" != 0 ]; then where="$workers xdist workers"; fi
-  echo "running the whole test suite in $where: about 20-30 min in 2 workers on 2 CPU cores, 36" \
-       "min in one process (pytest -q: a dot per test)"
+  echo "running the whole test suite in $where: about 11-15 min in 2 workers on 2 idle CPU" \
+       "cores, about twice that in one process (pytest -q: a dot per test)"
 else
   echo "running pytest ${xdist[*]} $*"
 fi
