@@ -189,7 +189,10 @@ class GraphedForward:
                     break
         self._why_not = reason
         if reason:
-            log.info("kvcompile: generate's decode steps run without CUDA graphs (%s)", reason)
+            note = f"generate: decode steps run eagerly, without CUDA graphs ({reason})"
+            if note not in st.kernel_notes:    # kvcompile.report shows it, once per reason
+                st.kernel_notes.append(note)
+                log.info("kvcompile: %s", note)
         return reason or None
 
     def _eligible(self, kw):

@@ -71,3 +71,33 @@ def test_not_selected(recorded):
     m.generate(ids, attention_mask=am, max_new_tokens=3, do_sample=False,
                cache_implementation="static")
     assert calls == []
+
+
+def test_why_decode_steps_run_eagerly_is_in_the_report():
+    """On CUDA, pages that the reference writes (int4 with channel scales) keep generate's
+    decode steps off CUDA graphs: kvcompile.report says so, once, with the reason. Negative:
+    bf16 pages (kernel-written) give no such note. The device is a CUDA one on paper only
+    (the check reads the pool's formats, not the GPU)."""
+    notes = {}
+    for name, kw in (("int4", dict(kv_dtype="int4", scale_granularity="channel",
+                                   page_size=64, kernels="auto")),
+                     ("bf16", dict(kv_dtype="bf16", kernels="auto"))):
+        torch._dynamo.reset()
+        m = make_hf("llama", "sdpa")
+        kvcompile.compile(m, config(**kw))
+        ids, am = _inputs(pad=False)
+        with torch.no_grad():
+            m(input_ids=ids, attention_mask=am)
+        fwd = m.forward
+        fwd.state.device = torch.device("cuda")
+        fwd._why_not = None
+        reason = fwd.why_not()
+        fwd._why_not = None
+        fwd.why_not()                                   # asked again: noted once
+        rep = kvcompile.report(m)
+        notes[name] = (reason, [n for n in rep.kernel_notes if n.startswith("generate:")])
+        assert all(n in str(rep) for n in notes[name][1])
+    reason, found = notes["int4"]
+    assert reason is not None and "written by the reference" in reason
+    assert found == [f"generate: decode steps run eagerly, without CUDA graphs ({reason})"]
+    assert notes["bf16"] == (None, [])
