@@ -59,10 +59,8 @@ def build_library(source: Path = _SOURCE) -> Path:
         flags = _FLAGS + extra
 
         def compile_into(out: Path, flags=flags) -> None:
-            res = subprocess.run([cc, *flags, str(source), "-o", str(out), "-lm"],
-                                 capture_output=True, text=True, timeout=300)
-            if res.returncode != 0:
-                raise build.BuildError(f"{cc} failed on {source.name}:\n{res.stderr[-4000:]}")
+            build.run_compiler([cc, *flags, str(source), "-o", str(out), "-lm"],
+                               f"{cc} failed on {source.name}", timeout=300)
 
         try:
             return build.cached_build("cpu", "kvc_cpu_fp8", ".so", [

@@ -101,13 +101,20 @@ def build_cubin(header: str, name: str, call: str, defines: dict[str, int], *, a
     def compile_into(out: Path) -> None:
         cu = out.with_name("kernel.cu")
         cu.write_text(wrapper)
-        res = subprocess.run([nvcc, *flags, "-o", str(out), str(cu)], capture_output=True,
-                             text=True, timeout=600)
-        if res.returncode != 0:
-            raise BuildError(f"nvcc failed for {name} {defines}:\n{res.stderr[-4000:]}")
+        run_compiler([nvcc, *flags, "-o", str(out), str(cu)], f"nvcc failed for {name} {defines}",
+                     timeout=600)
 
     return cached_build("cuda", name, ".cubin", [src, wrapper, nvcc_version(), *flags],
                         compile_into).read_bytes()
+
+
+def run_compiler(argv: list[str], failed: str, timeout: int = 900) -> None:
+    """Runs a compiler command line; BuildError(`failed` and the tail of its stderr) when it
+    fails (the compile_into of every cached_build: nvcc here, g++ for the emulation, the C
+    compiler for kernels/cpu_fp8.c)."""
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    if res.returncode != 0:
+        raise BuildError(f"{failed}:\n{res.stderr[-4000:]}")
 
 
 @cache

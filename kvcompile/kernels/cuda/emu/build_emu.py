@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
-import subprocess
 from functools import lru_cache
 from pathlib import Path
 
@@ -63,12 +62,8 @@ def available() -> tuple[bool, str]:
 
 def _gxx(cmd: list[str], what: str):
     """compile_into for build.cached_build: g++ `cmd` -o out."""
-    def compile_into(out: Path) -> None:
-        res = subprocess.run([gxx_path(), *cmd, "-o", str(out)], capture_output=True,
-                             text=True, timeout=900)
-        if res.returncode != 0:
-            raise build.BuildError(f"g++ failed for {what}:\n{res.stderr[-4000:]}")
-    return compile_into
+    return lambda out: build.run_compiler([gxx_path(), *cmd, "-o", str(out)],
+                                          f"g++ failed for {what}")
 
 
 def _runtime_object(here: Path, source: str) -> Path:
