@@ -49,6 +49,8 @@
 #   bash benchmarks/gpu_jobs.sh quality_canary     # then, same warm machine: quality (see
 #                                                  # benchmarks/quality/gpu_stages.sh: the model
 #                                                  # travels in two halves, .kvc_gpu_a / _b)
+#   ... quality_cap (instead of quality): issue 19's capacity settings, passkey 7.5k and the
+#                                                  # multi-key needle, SnapKV@50 on fp8 and the 4-bit format
 # Two GPUs (nvidia-h200-x2): one runner per GPU, each with its own OUT, e.g.
 #   CUDA_VISIBLE_DEVICES=0 OUT=$OUT/g0 bash benchmarks/gpu_jobs.sh decode_matrix prefill_matrix &
 #   CUDA_VISIBLE_DEVICES=1 OUT=$OUT/g1 bash benchmarks/gpu_jobs.sh gen; wait
@@ -96,6 +98,7 @@ job() {   # job NAME -> "LIMIT COMMAND"
     kernel_report)  echo "${KR_LIMIT:-130} python3 benchmarks/kernel_report.py --out $OUT ${KR_ARGS:-}" ;;
     quality_canary) echo "${QC_LIMIT:-320} bash benchmarks/quality/gpu_stages.sh canary" ;;
     quality)        echo "${Q_LIMIT:-260} bash benchmarks/quality/gpu_stages.sh run" ;;
+    quality_cap)    echo "${Q_LIMIT:-260} bash benchmarks/quality/gpu_stages.sh cap" ;;   # issue 19: passkey 7.5k + multi-key at SnapKV@50, fp8 and 4-bit
     memory)         echo "${MEM_LIMIT:-200} python3 -m pytest -s -q -m gpu tests/gpu/test_memory_gpu.py -p no:cacheprovider" ;;
     nan)            echo "${NAN_LIMIT:-240} python3 -m pytest -q -m gpu tests/gpu/test_nan_gpu.py -p no:cacheprovider ${NAN_KINDS:+-k $NAN_KINDS}" ;;
     dense)          echo "60 python3 -m pytest -q -m gpu tests/gpu/test_dense_gpu.py -p no:cacheprovider" ;;

@@ -27,6 +27,9 @@
 #   here:           python benchmarks/quality/quality_report.py \
 #                       --merge-from <files_at>/quality_results_h200.json --only _h200
 # If call 2 lands on a fresh machine it stops at once ("part A is missing"): repeat both calls.
+# `gpu_stages.sh cap` (job quality_cap) in call 2 instead runs issue 19's capacity settings only:
+# SnapKV-w8-shared at 50% over fp8 pages and the 4-bit format (CAP_KV), passkey at 7.5k (5 depths,
+# the full cache beside it) and the multi-key needle at 2k / 4k; suites <suite>_h200_<format>.
 #
 # Env: OUT (default /tmp/kvc_out), TAG (_h200), STREAM_S (220) and STAGE_S (200) deadlines in
 # seconds, PYTHON (python3), STREAM_PARTS=K (fallback if the canary's time per step says one
@@ -82,7 +85,7 @@ triton.__version__)"
   exit "${PIPESTATUS[0]}"
 fi
 
-[ "$MODE" = run ] || { echo "usage: $0 [pack|canary|run]"; exit 2; }
+[ "$MODE" = run ] || [ "$MODE" = cap ] || { echo "usage: $0 [pack|canary|run|cap]"; exit 2; }
 
 # --- model and corpus: part A (call 1) + part B (this call) ---------------------------------
 if [ ! -f $A/gguf.part1 ] || [ ! -f $B/gguf.part2 ]; then
@@ -145,7 +148,20 @@ stage() {  # stage NAME DEADLINE ARGS...: one harness process, its log in $OUT/N
 STREAM_S=${STREAM_S:-220}
 STAGE_S=${STAGE_S:-200}
 STREAM_PARTS=${STREAM_PARTS:-0}
-if [ "$STREAM_PARTS" -gt 1 ]; then
+if [ "$MODE" = cap ]; then
+  rows=""
+  # issue 19's capacity settings (SnapKV-w8-shared at 50% over fp8 pages and the 4-bit format),
+  # the prompts the CPU could not afford: passkey at the last length (5 depths, the full cache
+  # beside it), and the multi-key needle at the ruler lengths. One process per format and suite.
+  for kv in ${CAP_KV:-fp8_e4m3 int4-kc-vt-p64-rot}; do
+    stage "cap_passkey_$kv" "$STAGE_S" --suite passkey --kv "$kv" --lengths $PK_LENGTHS \
+      --depths $PK_DEPTHS --skip-lengths "$(skip_but $PK_LENGTHS "$PK_LAST")" \
+      --rows SnapKV-w8-shared --ratios 0.5 --tag "${TAG}_$kv" --kv-gib 4
+    stage "cap_ruler_$kv" "$STAGE_S" --suite ruler --kv "$kv" --ruler-lengths $RU_LENGTHS \
+      --ruler-samples $RU_SAMPLES --ruler-tasks multikey --rows SnapKV-w8-shared --ratios 0.5 \
+      --tag "${TAG}_$kv" --kv-gib 4
+  done
+elif [ "$STREAM_PARTS" -gt 1 ]; then
   # fallback when one row's stream cannot finish in time: K processes stream K parts of the
   # corpus (sinks and window-only together), each after a 2,048-token unscored warm-up, plus
   # the continuous sink row as far as it gets (the check of the parts on a common prefix)
@@ -162,6 +178,7 @@ for row in $rows; do
   stage "stream_$row" "$STREAM_S" --suite stream --stream-rows $row --no-stream-baselines \
     --stream-tokens $STREAM_TOKENS --kv-gib 1
 done
+if [ "$MODE" = run ]; then
 stage passkey "$STAGE_S" --suite passkey --lengths $PK_LENGTHS --depths $PK_DEPTHS \
   --skip-lengths "$(skip_but $PK_LENGTHS "$PK_LAST")" --rows $PK_ROWS --ratios 0.25,0.5,0.75
 stage ruler "$STAGE_S" --suite ruler --ruler-lengths $RU_LENGTHS --ruler-samples $RU_SAMPLES \
@@ -170,6 +187,7 @@ stage baselines_pk1k "$STAGE_S" --suite stream,passkey --stream-rows none \
   --stream-tokens $STREAM_TOKENS --slide-stride 256,64 --lengths $PK_LENGTHS \
   --depths $PK_DEPTHS --skip-lengths "$(skip_but $PK_LENGTHS "$PK_FIRST")" --rows $PK_ROWS \
   --ratios 0.25,0.5,0.75 --kv-gib 4
+fi
 
 # progress: every 20 s, each running stage's last harness line
 shown=$SECONDS
