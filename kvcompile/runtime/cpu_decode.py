@@ -42,7 +42,7 @@ from kvcompile.kernels.dense import (
     compute_dtype,
 )
 
-_KEY = "cpu_decode"
+KEY = "cpu_decode"   # the forward's CpuDecodeStep (or False) in its plan's cache
 
 
 class CpuDecodeStep:
@@ -224,9 +224,9 @@ def for_forward(ctx, q, positions) -> CpuDecodeStep | None:
     """The forward's CpuDecodeStep, built by its first attention op; None where the forward is
     not such a step (see the module docstring)."""
     plan = ctx.prepare(q.shape[0], q.shape[2], positions, q.device)
-    step = plan.cache.get(_KEY)
+    step = plan.cache.get(KEY)
     if step is None:
-        step = plan.cache[_KEY] = _build(ctx.state, plan, q.device) or False
+        step = plan.cache[KEY] = _build(ctx.state, plan, q.device) or False
     return step or None
 
 
