@@ -9,6 +9,7 @@
  * value is made as an fp32 denormal (the numpy route makes none either).
  *
  * Pools: codes [N * H, P * Ds] uint8 (one row per page-head), page scales [N * H] fp32.
+ * bf16 pages (kvc_bf16_step, at the end) share the library: their write and gather.
  */
 #include <float.h>
 #include <math.h>

@@ -1,9 +1,11 @@
-"""fp8 pages' CPU decode step in C: the gather + decode of K and V, and the one-token write
-with its scale decisions, each one ctypes call per layer (cpu_fp8.c).
+"""fp8 and bf16 pages' CPU decode step in C: the one-token write (fp8: with its scale
+decisions) and the gather + decode of K and V, one ctypes call per layer (cpu_fp8.c).
 
     lib = library(config.cpu_fp8)     # None: the numpy route (forced, or no C compiler)
     write_tokens(lib, (kt, vt), p, o, (k, v), scratch)     # as PagedTensor.write_tokens_fp8
+    write_tokens(..., gather=(pages, n, out))               # and the gather, by the same call
     gather(lib, (kt, vt), pages, out)                       # as dense._fp8_rows_host, times sc
+    bf16_step(lib, kt, vt, p, o, k, v, (pages, n, out))     # bf16: write_token x 2 + _gather x 2
 
 The numpy route (`PagedTensor.write_tokens_fp8`, `dense._fp8_rows_host`) costs ~40 numpy /
 torch calls per scale decision and ~12 per gather, each a few microseconds cold between a
@@ -15,7 +17,9 @@ bytes written and the values gathered are those of the numpy route, bit for bit
 machine). No -march: the cached library runs on any CPU of the architecture.
 
 `KVConfig.cpu_fp8` (KVCOMPILE_CPU_FP8) picks the route: "auto" (C where it builds, else numpy
-with one warning naming the reason), "c" (C or an error), "numpy".
+with one warning naming the reason), "c" (C or an error), "numpy". bf16 pages (of an fp32
+model) take the same library on the same switch; without it, their torch ops (`write_token`,
+`dense._gather`: two index_copy_, two index_select and two casts a layer).
 """
 
 from __future__ import annotations
@@ -101,8 +105,9 @@ def library(route: str = "auto") -> ctypes.CDLL | None:
         if route == "c":
             raise
         warnings.warn(
-            "kvcompile: fp8 pages' CPU decode runs its numpy route (about 10% slower), the C "
-            f"route did not build: {e}. Install a C compiler (gcc or clang) or set CC; "
+            "kvcompile: fp8 / bf16 pages' CPU decode runs its numpy / torch route (about "
+            f"5-10% slower), the C route did not build: {e}. Install a C compiler (gcc or "
+            "clang) or set CC; "
             "KVCOMPILE_CPU_FP8=numpy chooses the numpy route without this warning.",
             KVCompileWarning, stacklevel=2)
         return None

@@ -14,9 +14,10 @@ writes K and V with one index_copy_ each (unquantized pages; fp8 pages together,
 fp8 cast for both; a NaN / Inf token PagedTensor._write_one_fp8),
 gathers each with one index_select (plus the dtype pass: fp8 pages' K and V are gathered and
 decoded together by `dense._fp8_rows_host`, numpy integer ops and two torch ops, into buffers
-made by the step's first layer and reused by the others) and calls SDPA once. fp8 pages' write
-and gather are each one C call where `KVConfig.cpu_fp8` allows it (kernels/cpu_fp8.py: the
-same bytes and values as the numpy route, in about half its time).
+made by the step's first layer and reused by the others) and calls SDPA once. Where
+`KVConfig.cpu_fp8` allows C (kernels/cpu_fp8.py), fp8 pages' write and gather are one C call
+a layer, and so are bf16 pages' (of an fp32 model): the same bytes and values as the numpy /
+torch route, into one fp32 buffer of the step.
 
 It is taken where `runtime/dispatch.py` would run the reference itself and nothing else acts on
 the step: a forward of one row and one new token after a prompt, on a CPU pool; no eviction,
