@@ -20,7 +20,9 @@ repetitions. Each wrapper costs ~1 us of its own (two clock reads), counted in i
                   attention)
     attention     all layers' attention: HF's sdpa_attention_forward + DynamicLayer.update;
                   kvcompile's attention op (write, gather, SDPA and the op's own Python)
-    write/gather/sdpa  (kvcompile) inside `attention`
+    write/gather/sdpa  (kvcompile) inside `attention`: the token's write, the K / V gather,
+                  SDPA; "write+gather (C)" where one C call does both (kernels/cpu_fp8.py)
+    kvc_*         with KVC_BREAKDOWN_C=1: the C functions' own time (the ctypes calls)
 """
 
 from __future__ import annotations
@@ -122,12 +124,21 @@ def instrument():
     _patch_method(PagedTensor, "write_token", "write")
     cpu_decode._gather = _timed("gather", cpu_decode._gather)
     cpu_decode._sdpa = _timed("sdpa", cpu_decode._sdpa)
-    cpu_fp8.bf16_step = _timed("write+gather (bf16, C)", cpu_fp8.bf16_step)
+    if hasattr(cpu_fp8, "bf16_step"):   # (a tree before it: bf16 by torch ops)
+        cpu_fp8.bf16_step = _timed("write+gather (C)", cpu_fp8.bf16_step)
+    plain_write, fused_write = cpu_fp8.write_tokens, _timed("write+gather (C)",
+                                                            cpu_fp8.write_tokens)
+
+    def write_tokens(*a, **k):   # fp8: the write + gather by one call (timed apart)
+        return (fused_write if len(a) > 6 or k.get("gather") else plain_write)(*a, **k)
+
+    cpu_fp8.write_tokens = write_tokens
     if os.environ.get("KVC_BREAKDOWN_C"):   # the C functions themselves (ctypes calls)
         lib = cpu_fp8.library("auto")
         if lib is not None:
-            for f in ("kvc_fp8_write", "kvc_fp8_gather", "kvc_bf16_step"):
-                setattr(lib, f, _timed(f, getattr(lib, f)))
+            for f in ("kvc_fp8_write", "kvc_fp8_gather", "kvc_fp8_step", "kvc_bf16_step"):
+                if hasattr(lib, f):
+                    setattr(lib, f, _timed(f, getattr(lib, f)))
 
 
 def main(argv=None) -> int:
@@ -179,8 +190,8 @@ def main(argv=None) -> int:
             res[n].append({k: (full.get(k, 0) - one.get(k, 0)) / args.steps / 1e6
                            for k in full})
     cols = ["step", "loop", "forward", "wrappers", "frame", "runner", "graph", "attention", "write",
-            "gather", "write+gather (bf16, C)", "sdpa", "attn other"]
-    cols += [c for c in ("kvc_fp8_write", "kvc_fp8_gather", "kvc_bf16_step")
+            "gather", "write+gather (C)", "sdpa", "attn other"]
+    cols += [c for c in ("kvc_fp8_write", "kvc_fp8_gather", "kvc_fp8_step", "kvc_bf16_step")
              if any(c in d for r in res.values() for d in r)]
     print(f"# ms per decode step, thread CPU time, {args.repeats} repetitions, "
           f"{args.steps} steps, min / median; load {os.getloadavg()[0]:.1f}")
@@ -196,7 +207,7 @@ def main(argv=None) -> int:
             e["runner"] = d["runner"] - d["graph"] if "runner" in d else None
             e["graph"] = g - d["attention"]
             e["attn other"] = (d["attention"] - d.get("write", 0) - d.get("gather", 0)
-                               - d.get("sdpa", 0) - d.get("write+gather (bf16, C)", 0)
+                               - d.get("sdpa", 0) - d.get("write+gather (C)", 0)
                                ) if "runner" in d else None
             rows.append(e)
         cells = []

@@ -140,7 +140,8 @@ def _call_directly(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     (attention_op.DIRECT_CALLS), which Python runs as the op would, minus its dispatch; the
     cache stubs are made as the binding's own (`_binding_stub_cat`: GraphRunner then has none
     to replace); shape arithmetic whose result nobody reads is dropped (Dynamo's graph of an
-    HF decode step computes `1 + past` per layer for nothing: 59 `torch.sym_sum` calls)."""
+    HF decode step computes `1 + past` per layer for nothing: 59 `torch.sym_sum` calls), and
+    so are casts to the dtype a tensor has (`_same_dtype_to`)."""
     from kvcompile.passes import rewrite as _rewrite
 
     changed = False
@@ -151,6 +152,12 @@ def _call_directly(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         elif node.op == "call_function" and node.target is _rewrite._virtual_cat:
             node.target = _binding_stub_cat
             changed = True
+    for node in list(gm.graph.nodes):
+        src = _same_dtype_to(node)
+        if src is not None:   # x.to(x.dtype) is x itself: the call goes, not a copy
+            node.replace_all_uses_with(src)
+            gm.graph.erase_node(node)
+            changed = True
     for node in reversed(list(gm.graph.nodes)):
         if not node.users and (
                 node.op == "call_function" and node.target in _UNREAD_PURE
@@ -160,6 +167,26 @@ def _call_directly(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     if changed:
         gm.recompile()
     return gm
+
+
+def _same_dtype_to(node):
+    """The input x of a `x.to(dtype)` node (nothing but the dtype given) whose x has that dtype
+    already, as Dynamo recorded it (`torch.Tensor.to` returns x itself then); else None. An
+    HF fp32 model's RMSNorm casts to fp32 four times a layer."""
+    if node.op != "call_method" or node.target != "to" or not node.args:
+        return None
+    args, kwargs = node.args, node.kwargs
+    if len(args) == 2 and not kwargs:
+        dtype = args[1]
+    elif len(args) == 1 and set(kwargs) == {"dtype"}:
+        dtype = kwargs["dtype"]
+    else:
+        return None
+    src = args[0]
+    val = src.meta.get("example_value") if isinstance(src, torch.fx.Node) else None
+    if not isinstance(dtype, torch.dtype) or not isinstance(val, torch.Tensor):
+        return None
+    return src if val.dtype == dtype else None
 
 
 # shape arithmetic that an eager graph may drop when nothing reads it (no side effect)
