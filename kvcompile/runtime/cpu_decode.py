@@ -63,6 +63,7 @@ class CpuDecodeStep:
         # fp8: the gather's codes / int16 / fp32 buffers, made by the first layer and reused
         # by the others (per step: no dequantized copy of the cache outlives the forward)
         self._scratch: dict = {}
+        self._lib = None   # cpu_fp8.library(cpu_fp8_route), looked up by the first layer
 
     def rows(self, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the sequence's page-head rows [H * n], the new token's rows [H]) of layers with
@@ -87,13 +88,20 @@ class CpuDecodeStep:
             return None   # (the general path writes these formats, or names the bad shape)
         dt = compute_dtype(q.dtype)
         if kind == "bf16" and dt == torch.float32 and _c_token(k, v):
-            lib = cpu_fp8.library(self.cpu_fp8_route)
-            if lib is not None:   # the write and the gather by one C call
+            lib = self._lib
+            if lib is None:
+                lib = self._lib = cpu_fp8.library(self.cpu_fp8_route) or False
+            if lib:   # the write and the gather by one C call
                 out, pages, keys, values, gather = self._c_buffer(kt)
                 cpu_fp8.bf16_step(lib, kt, vt, self.page, self.offset, k, v, gather)
                 return _sdpa(q, keys, values, None, scale, False)
         together = kind == "fp8"
-        lib = cpu_fp8.library(self.cpu_fp8_route) if together else None
+        lib = None
+        if together:
+            lib = self._lib
+            if lib is None:
+                lib = self._lib = cpu_fp8.library(self.cpu_fp8_route) or False
+            lib = lib or None
         if lib is not None and _c_token(k, v):
             # the write and (where it wrote) the gather by one C call
             out, pages, keys, values, gather = self._c_buffer(kt)
@@ -216,9 +224,9 @@ def _kind(kt, vt) -> str:
 
 def _c_token(k, v) -> bool:
     """Whether the C routes may read the new token k / v [1, H, 1, D] as it is."""
-    return (k.dtype == torch.float32 and v.dtype == torch.float32 and k.is_contiguous()
-            and v.is_contiguous() and not k.requires_grad and not v.requires_grad
-            and k.device.type == "cpu" and v.device.type == "cpu")
+    return (k.dtype == torch.float32 and v.dtype == torch.float32 and k.is_cpu and v.is_cpu
+            and k.is_contiguous() and v.is_contiguous() and not k.requires_grad
+            and not v.requires_grad)
 
 
 def for_forward(ctx, q, positions) -> CpuDecodeStep | None:
