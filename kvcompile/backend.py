@@ -14,6 +14,7 @@ finds the caller's state from the parameters it is called with (kvcompile/runtim
 
 from __future__ import annotations
 
+import operator
 import time
 import weakref
 
@@ -23,6 +24,7 @@ from kvcompile.config import KVConfig, configured_instances
 from kvcompile.errors import CacheStateError, KVCompileError
 from kvcompile.integrations.tp import tensor_parallel_of_graph
 from kvcompile.passes.pipeline import run_passes
+from kvcompile.passes.rewrite import _virtual_cat
 from kvcompile.runtime import attention_op as _attention_op  # noqa: F401  (registers the op)
 from kvcompile.runtime import binding as _binding
 from kvcompile.runtime.context import ForwardContext, current, forward_context
@@ -135,15 +137,77 @@ def compile_inner(gm, example_inputs, inner: str):
 
 def _call_directly(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """inner="eager": the graph's kvcompile ops become calls of their Python implementation
-    (attention_op.DIRECT_CALLS), which Python runs as the op would, minus its dispatch."""
+    (attention_op.DIRECT_CALLS), which Python runs as the op would, minus its dispatch; the
+    cache stubs are made as the binding's own (`_binding_stub_cat`: GraphRunner then has none
+    to replace); shape arithmetic whose result nobody reads is dropped (Dynamo's graph of an
+    HF decode step computes `1 + past` per layer for nothing: 59 `torch.sym_sum` calls), and
+    so are casts to the dtype a tensor has (`_same_dtype_to`)."""
+    from kvcompile.passes import rewrite as _rewrite
+
     changed = False
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in _attention_op.DIRECT_CALLS:
             node.target = _attention_op.DIRECT_CALLS[node.target]
             changed = True
+        elif node.op == "call_function" and node.target is _rewrite._virtual_cat:
+            node.target = _binding_stub_cat
+            changed = True
+    for node in list(gm.graph.nodes):
+        src = _same_dtype_to(node)
+        if src is not None:   # x.to(x.dtype) is x itself: the call goes, not a copy
+            node.replace_all_uses_with(src)
+            gm.graph.erase_node(node)
+            changed = True
+    for node in reversed(list(gm.graph.nodes)):
+        if not node.users and (
+                node.op == "call_function" and node.target in _UNREAD_PURE
+                or node.op == "call_method" and node.target in ("numel", "size", "dim")):
+            gm.graph.erase_node(node)
+            changed = True
     if changed:
         gm.recompile()
     return gm
+
+
+def _same_dtype_to(node):
+    """The input x of a `x.to(dtype)` node (nothing but the dtype given) whose x has that dtype
+    already, as Dynamo recorded it (`torch.Tensor.to` returns x itself then); else None. An
+    HF fp32 model's RMSNorm casts to fp32 four times a layer."""
+    if node.op != "call_method" or node.target != "to" or not node.args:
+        return None
+    args, kwargs = node.args, node.kwargs
+    if len(args) == 2 and not kwargs:
+        dtype = args[1]
+    elif len(args) == 1 and set(kwargs) == {"dtype"}:
+        dtype = kwargs["dtype"]
+    else:
+        return None
+    src = args[0]
+    val = src.meta.get("example_value") if isinstance(src, torch.fx.Node) else None
+    if not isinstance(dtype, torch.dtype) or not isinstance(val, torch.Tensor):
+        return None
+    return src if val.dtype == dtype else None
+
+
+# shape arithmetic that an eager graph may drop when nothing reads it (no side effect)
+_UNREAD_PURE = {torch.sym_sum, operator.add, operator.sub, operator.mul, operator.floordiv,
+                operator.neg, torch.sym_max, torch.sym_min}
+
+
+def _binding_stub_cat(past: torch.Tensor, new: torch.Tensor, dim: int | None = -2):
+    """rewrite._virtual_cat in an eager graph run by GraphRunner: the stub is made as the
+    forward's binding's own (runtime/binding.py `Binding.stub`, one expand), so that
+    `GraphRunner._restub` finds it in place (it replaced each plain stub by one: 2 x layers
+    tensor ops a decode step). Without a binding (an engine's forward, a graph called
+    outside the runner), the plain stub."""
+    ctx = current()
+    b = None if ctx is None else ctx.binding
+    if b is None:
+        return _virtual_cat(past, new, dim)
+    size = list(new.shape)
+    if dim is not None:
+        size[dim] += past.shape[dim] if past.dim() == new.dim() else 0
+    return b.stub(size, new.dtype)
 
 
 class GraphRunner:
@@ -248,11 +312,16 @@ class GraphRunner:
                 ctx.state.pool.truncate(sid, past)
 
     def _restub(self, outs, b):
-        seq = list(outs)
+        seq = None
         for i in self.plan.stub_outputs:
-            t = seq[i]
-            if isinstance(t, torch.Tensor):
+            t = outs[i]
+            # (an eager graph made b's own stubs already: `_binding_stub_cat`)
+            if isinstance(t, torch.Tensor) and not b.owns_stub(t):
+                if seq is None:
+                    seq = list(outs)
                 seq[i] = b.stub(t.shape, t.dtype)
+        if seq is None:
+            return outs
         return type(outs)(seq) if isinstance(outs, tuple) else seq
 
 

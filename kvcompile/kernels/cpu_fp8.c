@@ -9,6 +9,7 @@
  * value is made as an fp32 denormal (the numpy route makes none either).
  *
  * Pools: codes [N * H, P * Ds] uint8 (one row per page-head), page scales [N * H] fp32.
+ * bf16 pages (kvc_bf16_step, at the end) share the library: their write and gather.
  */
 #include <float.h>
 #include <math.h>
@@ -240,4 +241,56 @@ void kvc_fp8_values(int e5m2, const uint8_t *codes, int64_t n, float *out) {
 
 void kvc_fp8_encode(int e5m2, const float *x, int64_t n, uint8_t *codes) {
   for (int64_t i = 0; i < n; i++) codes[i] = encode(e5m2, x[i]);
+}
+
+/* bf16 pages (unquantized, c10::BFloat16 bits) of a decode step, one call per layer:
+ * the token of K and V (x0, x1: [H, D] fp32) written at offset o of page p as torch's
+ * .to(bfloat16) rounds it (round to nearest even: (u + 0x7FFF + (u >> 16 & 1)) >> 16), then
+ * the sequence's pages widened (exact: the bits shifted) into out [2, H, n, P * D] fp32, heads
+ * first. Pools: [N * H, P * D] uint16, one row per page-head. A NaN in x (whose bits torch's
+ * vectorized and scalar casts make differently) writes nothing and returns -1 (the caller
+ * writes with torch, then calls again with x0 = NULL: the gather only); else 0. */
+KVC_CLONES int kvc_bf16_step(int H, int D, int P, int64_t p, int o, uint16_t *pages0,
+                             uint16_t *pages1, const float *x0, const float *x1,
+                             const int64_t *pages, int n, float *out) {
+  uint16_t *parts[2] = {pages0, pages1};
+  const int64_t PD = (int64_t)P * D;
+  if (x0) {
+    const float *xs[2] = {x0, x1};
+    int nan = 0;
+    for (int i = 0; i < 2; i++)
+      for (int64_t e = 0; e < (int64_t)H * D; e++) nan |= xs[i][e] != xs[i][e];
+    if (nan) return -1;
+    for (int i = 0; i < 2; i++)
+      for (int h = 0; h < H; h++) {
+        uint16_t *t = parts[i] + (p * H + h) * PD + (int64_t)o * D;
+        const float *x = xs[i] + (int64_t)h * D;
+        for (int d = 0; d < D; d++) {
+          uint32_t u = to_bits(x[d]);
+          t[d] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+        }
+      }
+  }
+  for (int i = 0; i < 2; i++)
+    for (int h = 0; h < H; h++)
+      for (int j = 0; j < n; j++) {
+        const uint16_t *restrict s = parts[i] + (pages[j] * H + h) * PD;
+        float *restrict d = out + (((int64_t)i * H + h) * n + j) * PD;
+        for (int64_t e = 0; e < PD; e++) d[e] = from_bits((uint32_t)s[e] << 16);
+      }
+  return 0;
+}
+
+/* kvc_fp8_write, then (where it wrote: a return >= 0) kvc_fp8_gather of the same K and V
+ * pages: a decode step's layer in one call. */
+int kvc_fp8_step(int e5m2, int k, int H, int Ds, int P, int64_t p, int o, uint8_t *codes0,
+                 float *scales0, uint8_t *codes1, float *scales1, const float *x0,
+                 const float *x1, double divisor, float fmax, float screen, float min_scale,
+                 int decide, float *s_new, float *work, const int64_t *pages, int n,
+                 float *out) {
+  int rc = kvc_fp8_write(e5m2, k, H, Ds, P, p, o, codes0, scales0, codes1, scales1, x0, x1,
+                         divisor, fmax, screen, min_scale, decide, s_new, work);
+  if (rc >= 0) kvc_fp8_gather(e5m2, k, codes0, scales0, codes1, scales1, pages, n, H, P * Ds,
+                              out);
+  return rc;
 }

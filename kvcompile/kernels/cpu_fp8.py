@@ -1,9 +1,11 @@
-"""fp8 pages' CPU decode step in C: the gather + decode of K and V, and the one-token write
-with its scale decisions, each one ctypes call per layer (cpu_fp8.c).
+"""fp8 and bf16 pages' CPU decode step in C: the one-token write (fp8: with its scale
+decisions) and the gather + decode of K and V, one ctypes call per layer (cpu_fp8.c).
 
     lib = library(config.cpu_fp8)     # None: the numpy route (forced, or no C compiler)
     write_tokens(lib, (kt, vt), p, o, (k, v), scratch)     # as PagedTensor.write_tokens_fp8
+    write_tokens(..., gather=(pages, n, out))               # and the gather, by the same call
     gather(lib, (kt, vt), pages, out)                       # as dense._fp8_rows_host, times sc
+    bf16_step(lib, kt, vt, p, o, k, v, (pages, n, out))     # bf16: write_token x 2 + _gather x 2
 
 The numpy route (`PagedTensor.write_tokens_fp8`, `dense._fp8_rows_host`) costs ~40 numpy /
 torch calls per scale decision and ~12 per gather, each a few microseconds cold between a
@@ -15,7 +17,9 @@ bytes written and the values gathered are those of the numpy route, bit for bit
 machine). No -march: the cached library runs on any CPU of the architecture.
 
 `KVConfig.cpu_fp8` (KVCOMPILE_CPU_FP8) picks the route: "auto" (C where it builds, else numpy
-with one warning naming the reason), "c" (C or an error), "numpy".
+with one warning naming the reason), "c" (C or an error), "numpy". bf16 pages (of an fp32
+model) take the same library on the same switch; without it, their torch ops (`write_token`,
+`dense._gather`: two index_copy_, two index_select and two casts a layer).
 """
 
 from __future__ import annotations
@@ -78,6 +82,10 @@ def load(path: Path) -> ctypes.CDLL:
     lib.kvc_fp8_write.restype = _i
     lib.kvc_fp8_write.argtypes = [_i, _i, _i, _i, _i, ctypes.c_int64, _i, _p, _p, _p, _p, _p,
                                   _p, _d, _f, _f, _f, _i, _p, _p]
+    lib.kvc_fp8_step.restype = _i
+    lib.kvc_fp8_step.argtypes = lib.kvc_fp8_write.argtypes + [_p, _i, _p]
+    lib.kvc_bf16_step.restype = _i
+    lib.kvc_bf16_step.argtypes = [_i, _i, _i, ctypes.c_int64, _i, _p, _p, _p, _p, _p, _i, _p]
     for name in ("kvc_fp8_values", "kvc_fp8_encode"):   # (the tests')
         getattr(lib, name).restype = None
         getattr(lib, name).argtypes = [_i, _p, ctypes.c_int64, _p]
@@ -97,8 +105,9 @@ def library(route: str = "auto") -> ctypes.CDLL | None:
         if route == "c":
             raise
         warnings.warn(
-            "kvcompile: fp8 pages' CPU decode runs its numpy route (about 10% slower), the C "
-            f"route did not build: {e}. Install a C compiler (gcc or clang) or set CC; "
+            "kvcompile: fp8 / bf16 pages' CPU decode runs its numpy / torch route (about "
+            f"5-10% slower), the C route did not build: {e}. Install a C compiler (gcc or "
+            "clang) or set CC; "
             "KVCOMPILE_CPU_FP8=numpy chooses the numpy route without this warning.",
             KVCompileWarning, stacklevel=2)
         return None
@@ -126,11 +135,33 @@ def gather(lib, parts, pages: np.ndarray, out: torch.Tensor) -> None:
                        first.page_size * first.data.shape[-1], out.data_ptr())
 
 
-def write_tokens(lib, tensors, p: int, o: int, xs, scratch: dict) -> bool:
+def bf16_step(lib, kt, vt, p: int, o: int, k, v, gather) -> None:
+    """A bf16 pages' decode step of one layer by one C call: k / v [1, H, 1, D] fp32
+    (contiguous CPU tensors) written at offset o of page p, as `PagedTensor.write_token`
+    stores them (torch's .to(bfloat16)), then the K and V pages widened, heads first
+    (`dense._gather`'s values) into out [2, 1, H, n, P, D] fp32; gather: (the address of the
+    pages [n] int64, n, out's address). A token with a NaN is written by `write_token`
+    (torch's NaN bits), then the gather alone."""
+    ptrs = kt.__dict__.setdefault("_views", {}).get("c_bf16")
+    if ptrs is None or ptrs[0] is not kt.data or ptrs[1] is not vt.data:
+        ptrs = kt.__dict__["_views"]["c_bf16"] = (kt.data, vt.data, kt.data.data_ptr(),
+                                                  vt.data.data_ptr())
+    H, D, P = kt.num_heads, kt.head_dim, kt.page_size
+    if lib.kvc_bf16_step(H, D, P, p, o, ptrs[2], ptrs[3], k.data_ptr(), v.data_ptr(),
+                         *gather) < 0:
+        token = (p * H + torch.arange(H)) * P + o
+        kt.write_token(p, o, token, k)
+        vt.write_token(p, o, token, v)
+        lib.kvc_bf16_step(H, D, P, p, o, ptrs[2], ptrs[3], None, None, *gather)
+
+
+def write_tokens(lib, tensors, p: int, o: int, xs, scratch: dict, gather=None) -> bool:
     """`PagedTensor.write_tokens_fp8` (decide=True) by one C call: xs, the k tokens [H, Ds]
     fp32 as contiguous CPU tensors. The same bytes, scales and kept facts. False (nothing
     written) where a fact is missing or stale at o > 0, a token holds NaN / Inf or a scale
-    would leave fp32: then each tensor's own write."""
+    would leave fp32: then each tensor's own write. gather: (address of the pages [n] int64,
+    n, address of out [k, 1, H, n, P, Ds] fp32): where the write is done, `gather` of the
+    same tensors by the same C call (kvc_fp8_step)."""
     facts = [t._fp8_fact(p, o) for t in tensors] if o else None
     if o and None in facts:
         return False
@@ -148,8 +179,12 @@ def write_tokens(lib, tensors, p: int, o: int, xs, scratch: dict) -> bool:
             divisor, fmax, screen, MIN_SCALE, 1, s_new.ctypes.data, work.data_ptr()))
     c0, sc0 = _pointers(first)
     c1, sc1 = _pointers(tensors[-1])
-    rc = lib.kvc_fp8_write(*args[2], p, o, c0, sc0, c1, sc1, xs[0].data_ptr(),
-                           xs[-1].data_ptr(), *args[3])
+    if gather is None:
+        rc = lib.kvc_fp8_write(*args[2], p, o, c0, sc0, c1, sc1, xs[0].data_ptr(),
+                               xs[-1].data_ptr(), *args[3])
+    else:
+        rc = lib.kvc_fp8_step(*args[2], p, o, c0, sc0, c1, sc1, xs[0].data_ptr(),
+                              xs[-1].data_ptr(), *args[3], *gather)
     if rc < 0:
         return False
     if rc == 0:   # by the kept facts: they move to o + 1 (the C writes bump no version)

@@ -176,7 +176,11 @@ def _cached_attention(ctx, q, k, v, attn_mask, positions, layer, scale, is_causa
     if scale is None or scale <= 0:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if attn_mask is None and sink_logits is None and not softcap:
-        step = cpu_decode.for_forward(ctx, q, positions)   # a CPU decode step: fewer ops
+        # a CPU decode step: fewer ops (built by the forward's first layer, kept in its plan)
+        plan = ctx.plan
+        step = None if plan is None else plan.cache.get(cpu_decode.KEY)
+        if not step or q.shape[0] != 1 or q.shape[2] != 1:
+            step = cpu_decode.for_forward(ctx, q, positions)
         if step is not None:
             out = step.attend(state.layer_index(layer), q, k, v, scale, sliding_window)
             if out is not None:

@@ -82,6 +82,11 @@ class Binding:
             # views keep `base` alive (outside inference mode), so the stubs own the binding
             return base.expand(*shape)
 
+    def owns_stub(self, t: torch.Tensor) -> bool:
+        """Whether t is one of this binding's stubs (made by `stub`)."""
+        ref = self._bases.get(t.dtype)
+        return ref is not None and t._base is not None and t._base is ref()
+
     @property
     def has_stubs(self) -> bool:
         return self._live_bases > 0

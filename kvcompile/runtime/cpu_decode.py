@@ -14,9 +14,10 @@ writes K and V with one index_copy_ each (unquantized pages; fp8 pages together,
 fp8 cast for both; a NaN / Inf token PagedTensor._write_one_fp8),
 gathers each with one index_select (plus the dtype pass: fp8 pages' K and V are gathered and
 decoded together by `dense._fp8_rows_host`, numpy integer ops and two torch ops, into buffers
-made by the step's first layer and reused by the others) and calls SDPA once. fp8 pages' write
-and gather are each one C call where `KVConfig.cpu_fp8` allows it (kernels/cpu_fp8.py: the
-same bytes and values as the numpy route, in about half its time).
+made by the step's first layer and reused by the others) and calls SDPA once. Where
+`KVConfig.cpu_fp8` allows C (kernels/cpu_fp8.py), fp8 pages' write and gather are one C call
+a layer, and so are bf16 pages' (of an fp32 model): the same bytes and values as the numpy /
+torch route, into one fp32 buffer of the step.
 
 It is taken where `runtime/dispatch.py` would run the reference itself and nothing else acts on
 the step: a forward of one row and one new token after a prompt, on a CPU pool; no eviction,
@@ -42,7 +43,7 @@ from kvcompile.kernels.dense import (
     compute_dtype,
 )
 
-_KEY = "cpu_decode"
+KEY = "cpu_decode"   # the forward's CpuDecodeStep (or False) in its plan's cache
 
 
 class CpuDecodeStep:
@@ -62,6 +63,7 @@ class CpuDecodeStep:
         # fp8: the gather's codes / int16 / fp32 buffers, made by the first layer and reused
         # by the others (per step: no dequantized copy of the cache outlives the forward)
         self._scratch: dict = {}
+        self._lib = None   # cpu_fp8.library(cpu_fp8_route), looked up by the first layer
 
     def rows(self, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the sequence's page-head rows [H * n], the new token's rows [H]) of layers with
@@ -80,17 +82,42 @@ class CpuDecodeStep:
         if window and self.total > window:
             return None
         kt, vt = self.pool.k[layer], self.pool.v[layer]
+        kind = _kind(kt, vt)
         H = kt.num_heads
-        if (not kt.one_token_path() or not vt.one_token_path()
-                or k.shape != (1, H, 1, kt.head_dim) or v.shape != (1, H, 1, vt.head_dim)):
+        if not kind or k.shape != (1, H, 1, kt.head_dim) or v.shape != (1, H, 1, vt.head_dim):
             return None   # (the general path writes these formats, or names the bad shape)
+        dt = compute_dtype(q.dtype)
+        if kind == "bf16" and dt == torch.float32 and _c_token(k, v):
+            lib = self._lib
+            if lib is None:
+                lib = self._lib = cpu_fp8.library(self.cpu_fp8_route) or False
+            if lib:   # the write and the gather by one C call
+                out, pages, keys, values, gather = self._c_buffer(kt)
+                cpu_fp8.bf16_step(lib, kt, vt, self.page, self.offset, k, v, gather)
+                return _sdpa(q, keys, values, None, scale, False)
+        together = kind == "fp8"
+        lib = None
+        if together:
+            lib = self._lib
+            if lib is None:
+                lib = self._lib = cpu_fp8.library(self.cpu_fp8_route) or False
+            lib = lib or None
+        if lib is not None and _c_token(k, v):
+            # the write and (where it wrote) the gather by one C call
+            out, pages, keys, values, gather = self._c_buffer(kt)
+            if cpu_fp8.write_tokens(lib, (kt, vt), self.page, self.offset, (k, v),
+                                    self._scratch, gather):
+                if dt != torch.float32:
+                    keys, values = self._kv_views(kt, out.to(dt))
+                return _sdpa(q if q.dtype == dt else q.to(dt), keys, values, None, scale,
+                              False)
+            together_write = False   # (refused, nothing written: each tensor's own write)
+        else:
+            together_write = together
         rows, token = self.rows(H)
-        together = self._fp8_together(kt, vt)
-        lib = cpu_fp8.library(self.cpu_fp8_route) if together else None
-        if not (together and self._write_fp8(kt, vt, k, v, lib)):
+        if not (together_write and self._write_fp8(kt, vt, k, v, lib)):
             kt.write_token(self.page, self.offset, token, k)
             vt.write_token(self.page, self.offset, token, v)
-        dt = compute_dtype(q.dtype)
         if together:
             keys, values = self._gather_fp8(kt, vt, rows, dt, lib)
         else:
@@ -146,17 +173,24 @@ class CpuDecodeStep:
 
     def _gather_fp8_c(self, kt, vt, dt, lib):
         """`_gather_fp8` by the C library: [2, 1, H, n, P, D] fp32 in the step's buffer."""
-        n = len(self.pages)
-        key = ("c_gather", kt.num_heads, n, kt.page_size, kt.head_dim)
+        out, pages, keys, values, _ = self._c_buffer(kt)
+        cpu_fp8.gather(lib, (kt, vt), pages, out)
+        return (keys, values) if dt == torch.float32 else self._kv_views(kt, out.to(dt))
+
+    def _c_buffer(self, kt):
+        """(out [2, 1, H, n, P, D] fp32, the pages [n] as int64 numpy, out's K and V views
+        [1, H, total, D], (the pages' address, n, out's address) for `cpu_fp8.write_tokens`):
+        the step's buffer of the C routes, made by its first layer."""
+        key = ("c_gather", kt.num_heads, kt.page_size, kt.head_dim)
         bufs = self._scratch.get(key)
-        if bufs is None:   # the step's buffer, its pages as numpy and K / V views, made once
+        if bufs is None:
+            n = len(self.pages)
             out = torch.empty((2, 1, kt.num_heads, n, kt.page_size, kt.head_dim),
                               dtype=torch.float32)
-            bufs = self._scratch[key] = (out, self.pages.numpy().astype(np.int64),
-                                         self._kv_views(kt, out))
-        out, pages, views = bufs
-        cpu_fp8.gather(lib, (kt, vt), pages, out)
-        return views if dt == torch.float32 else self._kv_views(kt, out.to(dt))
+            pages = self.pages.numpy().astype(np.int64)
+            bufs = self._scratch[key] = (out, pages, *self._kv_views(kt, out),
+                                         (pages.ctypes.data, n, out.data_ptr()))
+        return bufs
 
     def _kv_views(self, kt, out):
         """(keys, values) [1, H, total, D] of the decoded K and V out [2, 1, H, n, P, D]."""
@@ -166,13 +200,42 @@ class CpuDecodeStep:
         return out.as_strided(shape, stride), out.as_strided(shape, stride, size)
 
 
+def _kind(kt, vt) -> str:
+    """What a decode step does with a layer's K and V PagedTensors (kept with K's views, for
+    this V: a growth forgets it): "fp8" (fp8 page-scaled pages of one format and shape:
+    written and decoded together, `CpuDecodeStep._fp8_together`), "bf16" (bf16 pages of one
+    shape, contiguous: the C route may write and gather them in one call), "plain" (other
+    pages with a one-token path: `write_token` and `_gather` each), "" (the general path)."""
+    views = kt.__dict__.setdefault("_views", {})
+    kind = views.get("cpu_step_kind")
+    if kind is None or kind[0] is not vt:
+        paths = (kt.one_token_path(), vt.one_token_path())
+        k = ""
+        if "" not in paths:
+            k = "fp8" if CpuDecodeStep._fp8_together(kt, vt) else "plain"
+            if paths == ("plain", "plain"):
+                if (kt.data.dtype == vt.data.dtype == torch.bfloat16
+                        and kt.data.shape == vt.data.shape and kt.data.device.type == "cpu"
+                        and kt.data.is_contiguous() and vt.data.is_contiguous()):
+                    k = "bf16"
+        kind = views["cpu_step_kind"] = (vt, k)
+    return kind[1]
+
+
+def _c_token(k, v) -> bool:
+    """Whether the C routes may read the new token k / v [1, H, 1, D] as it is."""
+    return (k.dtype == torch.float32 and v.dtype == torch.float32 and k.is_cpu and v.is_cpu
+            and k.is_contiguous() and v.is_contiguous() and not k.requires_grad
+            and not v.requires_grad)
+
+
 def for_forward(ctx, q, positions) -> CpuDecodeStep | None:
     """The forward's CpuDecodeStep, built by its first attention op; None where the forward is
     not such a step (see the module docstring)."""
     plan = ctx.prepare(q.shape[0], q.shape[2], positions, q.device)
-    step = plan.cache.get(_KEY)
+    step = plan.cache.get(KEY)
     if step is None:
-        step = plan.cache[_KEY] = _build(ctx.state, plan, q.device) or False
+        step = plan.cache[KEY] = _build(ctx.state, plan, q.device) or False
     return step or None
 
 

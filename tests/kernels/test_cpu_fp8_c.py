@@ -189,3 +189,53 @@ def test_without_a_compiler(monkeypatch):
             cpu_fp8.build_library()
     finally:
         cpu_fp8.library.cache_clear()
+
+
+def _bf16_pages(g, N=6, H=3, P=16, D=64):
+    kp = torch.randn(N, H, P, D, generator=g).to(torch.bfloat16)
+    return kp, torch.randn(N, H, P, D, generator=g).to(torch.bfloat16)
+
+
+def test_bf16_step_equals_torch(lib):
+    """kvc_bf16_step: the token written as torch's .to(bfloat16) writes it (every fp8 value, the
+    ties and their neighbours, fp32 denormals, +-Inf, random magnitudes), the pages widened as
+    .float() widens them (heads first); a token with a NaN writes nothing (-1); through
+    cpu_fp8.bf16_step, torch writes it (its NaN bits). Rounding by truncation, or ties away
+    from zero, would differ on these values."""
+    H, P, D, N = 3, 16, 64, 6
+    g = torch.Generator().manual_seed(3)
+    kp, vp = _bf16_pages(g, N, H, P, D)
+    vals = torch.cat([_edge_floats(), torch.tensor([math.inf, -math.inf, 3.4e38, -3.4e38])])
+    u = vals.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    trunc = (u >> 16).to(torch.int16)
+    assert not torch.equal(trunc, vals.to(torch.bfloat16).view(torch.int16))   # (can fail)
+    pages = np.array([4, 1, 2], np.int64)
+    out = torch.empty(2, 1, H, len(pages), P, D)
+    gather = (pages.ctypes.data, len(pages), out.data_ptr())
+    step = 2 * H * D
+    for i, start in enumerate(range(0, len(vals) - step, step)):
+        x = vals[start:start + step].view(2, 1, H, 1, D)
+        k, v = x[0].contiguous(), x[1].contiguous()
+        p, o = int(pages[i % 3]), i % P
+        assert lib.kvc_bf16_step(H, D, P, p, o, kp.data_ptr(), vp.data_ptr(), k.data_ptr(),
+                                 v.data_ptr(), *gather) == 0
+        for pool, t in ((kp, k), (vp, v)):
+            want = t.reshape(H, D).to(torch.bfloat16).view(torch.int16)
+            assert torch.equal(pool[p, :, o].view(torch.int16), want), (i, start)
+        want = torch.stack([kp[pages].transpose(0, 1), vp[pages].transpose(0, 1)]).float()
+        assert torch.equal(_bits(out.view(2, H, len(pages), P, D)), _bits(want))
+    k = torch.randn(1, H, 1, D, generator=g)
+    k[0, 1, 0, 5] = math.nan
+    before = kp.clone()
+    assert lib.kvc_bf16_step(H, D, P, 1, 3, kp.data_ptr(), vp.data_ptr(), k.data_ptr(),
+                             k.data_ptr(), *gather) == -1
+    assert torch.equal(kp.view(torch.int16), before.view(torch.int16))
+    t = PagedTensor(KVFormat("bf16"), N, H, P, D)
+    u = PagedTensor(KVFormat("bf16"), N, H, P, D)
+    t.data.copy_(kp)
+    u.data.copy_(vp)
+    cpu_fp8.bf16_step(lib, t, u, 1, 3, k, k, gather)
+    want = k.reshape(H, D).to(torch.bfloat16).view(torch.int16)
+    assert torch.equal(t.data[1, :, 3].view(torch.int16), want)
+    assert torch.equal(u.data[1, :, 3].view(torch.int16), want)
+    assert torch.equal(_bits(out[0, 0, :, 1]), _bits(t.data[1].float()))   # (pages[1] is 1)
