@@ -32,6 +32,7 @@ import triton.language as tl
 
 from kvcompile.cache.registry import format_spec
 from kvcompile.errors import UnsupportedShapeError
+from kvcompile.kernels.append_int import launch_append_int
 from kvcompile.kernels.decode_tiles import FMT_E2M1, FMT_E4M3, FMT_E5M2, FMT_PLAIN, FORMAT_CODES
 from kvcompile.kernels.decode_tiles import e2m1_to_f16 as _e2m1_value
 
@@ -686,23 +687,27 @@ def _interpreting() -> bool:
 
 
 def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str,
-                  grouped: bool = False) -> None:
-    """Check, then store x [T, H, D] at slots [T] into data / scale / micro (mutated).
+                  grouped: bool = False, zero=None) -> None:
+    """Check, then store x [T, H, D] at slots [T] into data / scale / micro (mutated);
+    int formats: data / scale / zero (kernels/append_int.py).
     grouped: the caller guarantees that the slots of each page are adjacent and increasing
     (PagePool.reserve's order), so page-scaled writes skip the device sort."""
     if fmt_name not in FORMAT_CODES:
         raise UnsupportedShapeError(f"quantize_append: format {fmt_name!r} has no kernel; "
                                     f"supported {', '.join(FORMAT_CODES)}")
     fmt = FORMAT_CODES[fmt_name]
+    spec = format_spec(fmt_name)
     N, H, P = data.shape[:3]
     D = data.shape[3] * (2 if fmt == FMT_E2M1 else 1)
+    if spec.family == "int":
+        D = data.shape[3] * 8 // spec.bits
     if x.dim() != 3 or tuple(x.shape[1:]) != (H, D) or not x.is_floating_point():
         raise UnsupportedShapeError(f"quantize_append: x must be float [T, {H}, {D}], got "
                                     f"{x.dtype} {tuple(x.shape)}")
     if slots.dim() != 1 or slots.shape[0] != x.shape[0] or slots.dtype not in (torch.int64,
                                                                                 torch.int32):
         raise UnsupportedShapeError(f"quantize_append: slots must be int64 [{x.shape[0]}]")
-    takes = format_spec(fmt_name).kernels.append
+    takes = spec.kernels.append
     if fmt != FMT_PLAIN and granularity not in takes:
         raise UnsupportedShapeError(f"quantize_append: granularity {granularity!r} has no "
                                     f"kernel; supported {', '.join(takes)}")
@@ -724,6 +729,12 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str,
     x = x.contiguous()
     slots = slots.to(torch.int64)
     explicit = _interpreting()
+    if spec.family == "int":
+        if zero is None or scale is None or scale.dtype != torch.float16:
+            raise UnsupportedShapeError("quantize_append: int pages need fp16 scale and zero")
+        launch_append_int(x, slots, data, scale, zero, spec.bits, granularity, grouped,
+                          torch.sort, _iota, explicit)
+        return
     recip = not explicit  # torch divides by a python float through its reciprocal on CUDA
     R = max(1, min(64, ROW_TILE_ELEMS // D))
     if fmt == FMT_PLAIN:
@@ -787,15 +798,16 @@ def _iota(n: int, device: torch.device) -> torch.Tensor:
     return buf[:n]
 
 
-@torch.library.custom_op("kvcompile::quantize_append", mutates_args=("data", "scale", "micro"))
+@torch.library.custom_op("kvcompile::quantize_append",
+                         mutates_args=("data", "scale", "micro", "zero"))
 def quantize_append_op(x: torch.Tensor, slots: torch.Tensor, data: torch.Tensor,
                        scale: torch.Tensor | None, micro: torch.Tensor | None, fmt: str,
-                       granularity: str) -> None:
-    launch_append(x, slots, data, scale, micro, fmt, granularity)
+                       granularity: str, zero: torch.Tensor | None = None) -> None:
+    launch_append(x, slots, data, scale, micro, fmt, granularity, zero=zero)
 
 
 @quantize_append_op.register_fake
-def _(x, slots, data, scale, micro, fmt, granularity):
+def _(x, slots, data, scale, micro, fmt, granularity, zero=None):
     return None
 
 
@@ -808,7 +820,7 @@ def quantize_append(cache, slots: torch.Tensor, x: torch.Tensor, grouped: bool =
     grouped=True (slots in PagePool.reserve's order, see launch_append)."""
     if direct:
         launch_append(x, slots, cache.data, cache.scale, cache.micro, cache.fmt.name,
-                      cache.fmt.granularity, grouped)
+                      cache.fmt.granularity, grouped, zero=cache.zero)
         return
     torch.ops.kvcompile.quantize_append(x, slots, cache.data, cache.scale, cache.micro,
-                                        cache.fmt.name, cache.fmt.granularity)
+                                        cache.fmt.name, cache.fmt.granularity, cache.zero)
