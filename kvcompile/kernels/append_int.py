@@ -153,9 +153,10 @@ def _append_int_run(X, SORTED, ORDER, DATA, SCALE, ZERO, i, T, H, h, D: tl.const
     r = tl.arange(0, NR)
     first = tl.load(SORTED + i)
     pg = first // P
-    m = first % P                        # earlier tokens: page rows [0, m)
+    m = (first % P).to(tl.int32)         # earlier tokens: page rows [0, m)
     k = tl.arange(0, P)
-    same = tl.load(SORTED + i + k, mask=i + k < T, other=-1) // P == pg
+    inside = i + k < T
+    same = inside & (tl.load(SORTED + i + k, mask=inside, other=0) // P == pg)
     n = tl.sum(same.to(tl.int32), 0)     # the run's length (slots distinct, sorted by page)
     head = pg * H + h
     g = tl.arange(0, G)
@@ -181,12 +182,12 @@ def _append_int_run(X, SORTED, ORDER, DATA, SCALE, ZERO, i, T, H, h, D: tl.const
     lo_n = tl.full([G, PER], inf, tl.float32)
     hi_n = tl.full([G, PER], -inf, tl.float32)
     nan_n = tl.zeros([G, PER], tl.int32)
-    for c0 in range(0, n, NR):
-        ok = c0 + r < n
+    for c1 in range(0, n, NR):
+        ok = c1 + r < n
         if GROUPED:
-            src = i + c0 + r
+            src = i + c1 + r
         else:
-            src = tl.load(ORDER + i + c0 + r, mask=ok, other=0)
+            src = tl.load(ORDER + i + c1 + r, mask=ok, other=0)
         v = _load_x(X, src, ok, H, h, D, G, PER)
         fin = ok[:, None, None] & (tl.abs(v) < inf)
         lo_n = tl.minimum(lo_n, tl.min(tl.where(fin, v, inf), 0))
@@ -205,18 +206,18 @@ def _append_int_run(X, SORTED, ORDER, DATA, SCALE, ZERO, i, T, H, h, D: tl.const
     changed = tl.max(tl.max(diff.to(tl.int32), 1), 0) > 0
     # pass 2: encode and store (earlier tokens only where the head's parameters changed)
     if changed:
-        for c0 in range(0, m, NR):
-            ok = c0 + r < m
-            rows = head * P + c0 + r
+        for c2 in range(0, m, NR):
+            ok = c2 + r < m
+            rows = head * P + c2 + r
             v = _unpack(DATA, rows, ok, G, PER, NB, BITS).to(tl.float32) * s_old + z_old
             _pack_store(DATA, rows, ok, _codes(v, s_new, z_new, LEV), G, PER, NB, BITS)
-    for c0 in range(0, n, NR):
-        ok = c0 + r < n
+    for c3 in range(0, n, NR):
+        ok = c3 + r < n
         if GROUPED:
-            src = i + c0 + r
+            src = i + c3 + r
         else:
-            src = tl.load(ORDER + i + c0 + r, mask=ok, other=0)
-        off = tl.load(SORTED + i + c0 + r, mask=ok, other=0) % P
+            src = tl.load(ORDER + i + c3 + r, mask=ok, other=0)
+        off = tl.load(SORTED + i + c3 + r, mask=ok, other=0) % P
         v = _load_x(X, src, ok, H, h, D, G, PER)
         _pack_store(DATA, head * P + off, ok, _codes(v, s_new, z_new, LEV), G, PER, NB, BITS)
     if CH:
