@@ -31,7 +31,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
 _F16_MAX = tl.constexpr(65504.0)
 _RNE_MAGIC = tl.constexpr(12582912.0)   # 1.5 * 2^23: (q + M) - M rounds |q| < 2^22 to even
 # rows of a chunk: decode-step launches (WIN = 1, runs of one token) / bulk launches

@@ -4,10 +4,12 @@ The run time asks this before it sends pages to a kernel (runtime/dispatch.py) o
 decode step (engine/cudagraph.py, integrations/hf_graphs.py). What each kernel takes is declared
 with the format (cache/registry.py, `FormatSpec.kernels`): the decode kernel reads every
 built-in format (also int4 / int3 / int2 with page, token and channel scale + zero point,
-channel-granular fp8 / fp4, and bf16 residual pages); the append and prefill kernels take the
-float formats with page / token / tensor scales and no residual. Pages a kernel does not take
-are written by the reference `PagedTensor.write` (it defines the same bytes) and attended by
-the reference (kernels/dense.py) or gathered SDPA.
+channel-granular fp8 / fp4, and bf16 residual pages); the append kernels take the float
+formats with page / token / tensor scales and the int formats with page / token / channel
+scales (kernels/append_int.py), the prefill kernel the float formats with page / token / tensor
+scales; neither takes residual pages. Pages a kernel does not take are written by the reference
+`PagedTensor.write` (it defines the same bytes) and attended by the reference
+(kernels/dense.py) or gathered SDPA.
 """
 
 from __future__ import annotations
@@ -30,3 +32,18 @@ def kernel_readable(paged, op: str = "decode") -> bool:
         if paged.page_size < support.channel_min_page:
             return False
     return f.granularity in takes if f.is_quantized else bool(takes)
+
+
+def graph_refusal(k, v) -> str:
+    """Why a layer's decode steps (K pages k, V pages v) cannot be graphed, "" if they can:
+    a CUDA graph needs the decode kernel to read both and the append kernel to write both."""
+    for c in (k, v):
+        if not kernel_readable(c, "decode"):
+            return f"{c.fmt.name}/{c.fmt.granularity} pages have no decode kernel"
+        if not kernel_readable(c, "append"):
+            if getattr(c.fmt, "residual", False):
+                return (f"{c.fmt.name} residual pages are written by the reference (their bf16 "
+                        f"tail rows are assigned on the host; residual=False has an append "
+                        f"kernel)")
+            return f"{c.fmt.name}/{c.fmt.granularity} pages are written by the reference"
+    return ""

@@ -316,11 +316,14 @@ def test_decode_channel_scales_need_large_enough_pages(spec, P, least):
 def test_kernel_readable_by_op():
     from kvcompile.runtime.kernel_formats import kernel_readable
 
-    for spec, res in (("int4/channel", False), ("int2/token", True), ("fp8_e4m3/channel", False),
+    for spec, res in (("int2/token", True), ("fp8_e4m3/channel", False),
                       ("fp4_e2m1/channel", False), ("fp4_e2m1/page", True)):
         c = _fmt(spec, res).allocate(2, 1, 32, 64)
         assert kernel_readable(c) and kernel_readable(c, "decode")
         assert not kernel_readable(c, "append") and not kernel_readable(c, "prefill")
+    for spec in ("int4/channel", "int3/page", "int2/token"):   # kernels/append_int.py
+        c = _fmt(spec).allocate(2, 1, 32, 64)
+        assert kernel_readable(c, "append") and not kernel_readable(c, "prefill")
     plain = _fmt("fp8_e4m3/page").allocate(2, 1, 16, 64)
     assert all(kernel_readable(plain, op) for op in ("decode", "append", "prefill"))
 
