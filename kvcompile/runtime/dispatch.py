@@ -402,8 +402,8 @@ class KernelDispatch:
             return None
 
         def write(paged, slots, x, grouped=False):
-            # formats the append kernel does not know (int, channel scales, residual pages)
-            # are written by the reference, which defines the same bytes
+            # formats the append kernel does not know (fp8 / fp4 channel scales, residual
+            # pages) are written by the reference, which defines the same bytes
             if not kernel_readable(paged, "append"):
                 return paged.write(slots, x)
             return quantize_append(paged, slots, x, grouped, direct=True)
