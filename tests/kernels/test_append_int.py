@@ -117,3 +117,21 @@ def test_int_append_wrong_scale_or_kernel_fails():
     launch_append(x, slots, bad.data, bad.scale, None, "int4", "page", zero=bad.zero)
     with pytest.raises(AssertionError):
         assert_same_storage(ref, bad)
+
+
+def test_append_kernel_declared_for_int_pages_of_kernel_shapes():
+    """kernel_readable(.., "append") holds for int pages of the kernel's shapes (so CUDA graphs
+    may take them), not for residual pages or a head_dim the launcher refuses; graph_refusal
+    says which."""
+    from kvcompile.runtime.kernel_formats import graph_refusal, kernel_readable
+
+    ok = make_format("int4", "channel").allocate(2, 1, 64, 128)
+    assert kernel_readable(ok, "append") and graph_refusal(ok, ok) == ""
+    res = make_format("int4", "channel", residual=True).allocate(2, 1, 64, 128)
+    assert not kernel_readable(res, "append")
+    assert "residual pages are written by the reference" in graph_refusal(ok, res)
+    odd = make_format("int4", "token").allocate(2, 1, 64, 96)
+    assert not kernel_readable(odd, "append")
+    assert "head_dim 96" in graph_refusal(odd, ok)
+    with pytest.raises(Exception, match="head_dim 96"):
+        quantize_append(odd, torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, 96))
