@@ -123,11 +123,11 @@ def _pack_store(DATA, row, ok, codes, G: tl.constexpr, PER: tl.constexpr, NB: tl
 @triton.jit
 def _load_x(X, src, ok, H, h, D: tl.constexpr, G: tl.constexpr, PER: tl.constexpr):
     # x[src[r], h, :] as fp32 [R, G, PER]
-    g = tl.arange(0, G)
-    j = tl.arange(0, PER)
+    # (loaded as [R, D] rows, then split into packing units: wide loads along head_dim)
+    d = tl.arange(0, D)
     xrow = (src.to(tl.int64) * H + h) * D
-    return tl.load(X + xrow[:, None, None] + g[None, :, None] * PER + j[None, None, :],
-                   mask=ok[:, None, None], other=0.0).to(tl.float32)
+    x = tl.load(X + xrow[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    return tl.reshape(x, [src.shape[0], G, PER])
 
 
 @triton.jit
