@@ -58,13 +58,13 @@ def variants(name: str, gran: str, grouped: bool) -> list:
     """(label suffix, append-module settings) of each kernel variant timed for a row: the
     default first, then the others (old paths and candidates) side by side. Settings are the
     module attributes of kvcompile.kernels.append: PAGE_BULK (bulk page-scaled kernel: "runs",
-    "windows", "tiles"), FP4_PAIR_LOADS (False: the split loads before append16b),
+    "windows", "tiles", "split"), FP4_PAIR_LOADS (False: the split loads before append16b),
     CALIBRATE_PROGRAMS (1 << 30: one program per block, as before append16b)."""
     import kvcompile.kernels.append as app
 
     out = [("", {})]
     if gran == "page" and name not in ("bf16", "fp16"):
-        bulk = ["runs", "tiles"] + (["windows"] if grouped else [])
+        bulk = ["runs", "tiles", "split"] + (["windows"] if grouped else [])
         out += [(f", {k} kernel", {"PAGE_BULK": k}) for k in bulk if k != app.PAGE_BULK]
         if name == "fp4_e2m1":
             pairs = not app.FP4_PAIR_LOADS

@@ -61,6 +61,11 @@ BULK_TILE_ELEMS = 16384
 # passed there (the 2-3 failures of the tenth session were the negative test's own device
 # mix, fixed; benchmarks/RESULTS.md, "Eleventh session's device calls").
 PAGE_BULK = "tiles"
+# - "split" (append14i, not yet timed): the "tiles" kernel in two launches, full pages (PART 1)
+#   then the other runs (PART 2): without the per-run path's code the fp8 tile kernel builds
+#   with 71 registers / 1,440 SASS instructions instead of 96 / 2,928 (fp4: 116 / 2,456 against
+#   114 / 5,064; D 128, P 16, 32 x 128 tiles, sm_90, triton 3.9), like the token-scale row kernel
+#   (72 / 1,360) that reaches 0.80x copy. bench_append.py times it beside "tiles".
 # "tiles": tokens x head_dim of a program's tile, and its warps (fp8, fp4): about 64 / 32
 # values a thread and at most 128 registers in the sm_90 build
 # (H200, bench_append --sweep, 2026-12-04: 32 x 128 with 4 warps fastest for both, fp8 0.62x
@@ -630,7 +635,8 @@ def _append_pages_tiles_kernel(X, SORTED, ORDER, DATA, SCALE, MICRO, T, H, D: tl
                                P: tl.constexpr, W: tl.constexpr, R: tl.constexpr,
                                FMT: tl.constexpr, DATA_DT: tl.constexpr,
                                EXPLICIT: tl.constexpr, FMAX: tl.constexpr, DIV: tl.constexpr,
-                               RECIP: tl.constexpr, GROUPED: tl.constexpr):
+                               RECIP: tl.constexpr, GROUPED: tl.constexpr,
+                               PART: tl.constexpr = 0):
     # Page scales, bulk writes: program (w, h) owns the runs of sorted slots (one page each)
     # that start in positions [w * W, (w + 1) * W). Let s0 be the first run start there. The
     # tile is positions s0 + [0, W) in W / P blocks of P; a block whose first position starts
@@ -660,19 +666,22 @@ def _append_pages_tiles_kernel(X, SORTED, ORDER, DATA, SCALE, MICRO, T, H, D: tl
         # a full block are masked by `full` where _store_rows reads x
         src = tl.load(ORDER + s0 + r, mask=s0 + r < T, other=0)
     pg = first // P
-    scale = _store_rows(X, DATA, SCALE, MICRO, src, (pg * H + h) * P + r % P, full,
-                        tl.full([W], 1.0, tl.float32), r, H, h, D, FMT, 4, EXPLICIT, FMAX, DIV,
-                        RECIP, P)
-    tl.store(SCALE + pg * H + h, scale, mask=full & (r % P == 0))
-    # the run starts of the window that no full block covered (same test as `full`)
-    lastw = tl.load(SORTED + idx + P - 1, mask=live & (idx + P - 1 < T), other=-1)
-    cov = ((idx - s0) % P == 0) & (idx + P - 1 < T) & (slot % P == 0) & (lastw == slot + P - 1)
-    rest = start & (cov == 0)
-    i = tl.min(tl.where(rest, idx, i0 + W), 0)
-    while i < i0 + W:
-        _append_page_run(X, SORTED, ORDER, DATA, SCALE, MICRO, i, T, H, h, D, P, R, FMT,
-                         DATA_DT, EXPLICIT, FMAX, DIV, RECIP)
-        i = tl.min(tl.where(rest & (idx > i), idx, i0 + W), 0)
+    if PART != 2:
+        scale = _store_rows(X, DATA, SCALE, MICRO, src, (pg * H + h) * P + r % P, full,
+                            tl.full([W], 1.0, tl.float32), r, H, h, D, FMT, 4, EXPLICIT, FMAX,
+                            DIV, RECIP, P)
+        tl.store(SCALE + pg * H + h, scale, mask=full & (r % P == 0))
+    if PART != 1:
+        # the run starts of the window that no full block covered (same test as `full`)
+        lastw = tl.load(SORTED + idx + P - 1, mask=live & (idx + P - 1 < T), other=-1)
+        cov = ((idx - s0) % P == 0) & (idx + P - 1 < T) & (slot % P == 0) & (
+            lastw == slot + P - 1)
+        rest = start & (cov == 0)
+        i = tl.min(tl.where(rest, idx, i0 + W), 0)
+        while i < i0 + W:
+            _append_page_run(X, SORTED, ORDER, DATA, SCALE, MICRO, i, T, H, h, D, P, R, FMT,
+                             DATA_DT, EXPLICIT, FMAX, DIV, RECIP)
+            i = tl.min(tl.where(rest & (idx > i), idx, i0 + W), 0)
 
 
 @triton.jit
@@ -762,12 +771,16 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str,
                 DATA_DT=data_dt, EXPLICIT=explicit, FMAX=fmax, DIV=div, RECIP=recip, WIN=win,
                 PAIRS=FP4_PAIR_LOADS, num_warps=4)
             return
-        if PAGE_BULK == "tiles":
+        if PAGE_BULK in ("tiles", "split"):
             W = max(P, PAGE_TILE_ELEMS // D)
-            _append_pages_tiles_kernel[(triton.cdiv(T, W), H)](
-                x, sorted_slots, order, d8, scale, m8, T, H, D=D, P=P, W=W, R=min(R, P),
-                FMT=fmt, DATA_DT=data_dt, EXPLICIT=explicit, FMAX=fmax, DIV=div, RECIP=recip,
-                GROUPED=grouped, num_warps=PAGE_TILE_WARPS[fmt == FMT_E2M1])
+            # "split": the full pages in one launch, the other runs in a second (the two touch
+            # disjoint pages); each kernel then builds without the other's code
+            for part in ((1, 2) if PAGE_BULK == "split" else (0,)):
+                _append_pages_tiles_kernel[(triton.cdiv(T, W), H)](
+                    x, sorted_slots, order, d8, scale, m8, T, H, D=D, P=P, W=W, R=min(R, P),
+                    FMT=fmt, DATA_DT=data_dt, EXPLICIT=explicit, FMAX=fmax, DIV=div,
+                    RECIP=recip, GROUPED=grouped, PART=part,
+                    num_warps=PAGE_TILE_WARPS[fmt == FMT_E2M1])
             return
         W = max(2 * P, BULK_TILE_ELEMS // D)
         _append_pages_bulk_kernel[(triton.cdiv(T, W), H)](
