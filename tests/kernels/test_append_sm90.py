@@ -9,6 +9,7 @@ test_append.py on the GPU), and this Triton may differ from the GPU image's."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -54,10 +55,14 @@ def _cases():
         for grouped in (False, True):
             yield (f"bulk fmt{code} grouped={grouped}", A._append_pages_bulk_kernel,
                    dict(base, R=16, W=128, DATA_DT=dt, GROUPED=grouped), None, 8)
-        for grouped in (False, True):   # PAGE_BULK "tiles", the launcher's tile and warps
-            yield (f"tiles fmt{code} grouped={grouped}", A._append_pages_tiles_kernel,
-                   dict(base, R=16, W=A.PAGE_TILE_ELEMS // 128, DATA_DT=dt, GROUPED=grouped),
-                   None, 8 if code == A.FMT_E2M1 else 4)
+        # PAGE_BULK "tiles" (PART 0), the launcher's tile and warps; "split" (PARTs 1, 2)
+        # with KVCOMPILE_TEST_FULL=1
+        parts = (0, 1, 2) if os.environ.get("KVCOMPILE_TEST_FULL") else (0,)
+        for grouped, part in itertools.product((False, True), parts):
+            yield (f"tiles fmt{code} grouped={grouped} part={part}",
+                   A._append_pages_tiles_kernel,
+                   dict(base, R=16, W=A.PAGE_TILE_ELEMS // 128, DATA_DT=dt, GROUPED=grouped,
+                        PART=part), None, 8 if code == A.FMT_E2M1 else 4)
     yield ("rows fp4 split loads (FP4_PAIR_LOADS False)", A._append_rows_kernel,
            dict(base, R=32, SM=3, PAIRS=False), None, 4)
     yield ("calibrate amax", A._calibrate_amax_kernel, dict(BLOCK=4096), dict(N="i32"), 4)
@@ -82,7 +87,7 @@ def _cases():
 
 
 def _expected() -> int:
-    return 27 + (len(INT_CASES) if os.environ.get("KVCOMPILE_TEST_FULL") else 3)
+    return 27 + (len(INT_CASES) + 12 if os.environ.get("KVCOMPILE_TEST_FULL") else 3)
 
 
 def _main() -> None:
