@@ -76,9 +76,10 @@ def cases():
         yield (f"{name} page, windows kernel", A._append_pages_bulk_kernel,
                dict(base, R=16, W=A.BULK_TILE_ELEMS // 128, DATA_DT=dt, GROUPED=True), 8)
         W = A.PAGE_TILE_ELEMS // 128
-        yield (f"{name} page, tiles kernel ({W} x 128)", A._append_pages_tiles_kernel,
-               dict(base, R=16, W=W, DATA_DT=dt, GROUPED=True),
-               A.PAGE_TILE_WARPS[code == A.FMT_E2M1])
+        for part, tag in ((0, ""), (1, ", split: full pages"), (2, ", split: other runs")):
+            yield (f"{name} page, tiles kernel ({W} x 128){tag}", A._append_pages_tiles_kernel,
+                   dict(base, R=16, W=W, DATA_DT=dt, GROUPED=True, PART=part),
+                   A.PAGE_TILE_WARPS[code == A.FMT_E2M1])
 
 
 def main() -> int:

@@ -51,20 +51,22 @@ ROWS = [("bf16", "page", False),
         ("fp8_e4m3", "token", False), ("fp8_e4m3", "tensor", False),
         ("fp8_e5m2", "page", True),
         ("fp4_e2m1", "page", False), ("fp4_e2m1", "page", True),
-        ("fp4_e2m1", "token", False), ("fp4_e2m1", "tensor", False)]
+        ("fp4_e2m1", "token", False), ("fp4_e2m1", "tensor", False),
+        # the 4-bit format's parts (kernels/append_int.py): K int4 channel, V int4 token
+        ("int4", "channel", True), ("int4", "token", False)]
 
 
 def variants(name: str, gran: str, grouped: bool) -> list:
     """(label suffix, append-module settings) of each kernel variant timed for a row: the
     default first, then the others (old paths and candidates) side by side. Settings are the
     module attributes of kvcompile.kernels.append: PAGE_BULK (bulk page-scaled kernel: "runs",
-    "windows", "tiles"), FP4_PAIR_LOADS (False: the split loads before append16b),
+    "windows", "tiles", "split"), FP4_PAIR_LOADS (False: the split loads before append16b),
     CALIBRATE_PROGRAMS (1 << 30: one program per block, as before append16b)."""
     import kvcompile.kernels.append as app
 
     out = [("", {})]
     if gran == "page" and name not in ("bf16", "fp16"):
-        bulk = ["runs", "tiles"] + (["windows"] if grouped else [])
+        bulk = ["runs", "tiles", "split"] + (["windows"] if grouped else [])
         out += [(f", {k} kernel", {"PAGE_BULK": k}) for k in bulk if k != app.PAGE_BULK]
         if name == "fp4_e2m1":
             pairs = not app.FP4_PAIR_LOADS
@@ -187,7 +189,7 @@ def main() -> int:
     for name, gran, grouped in ROWS:
         fmt = KVFormat(name) if name in ("bf16", "fp16") else KVFormat(name, gran)
         label = name if name in ("bf16", "fp16") else f"{name} {gran}"
-        if gran == "page" and name not in ("bf16", "fp16"):
+        if gran in ("page", "channel") and name not in ("bf16", "fp16"):
             label += ", grouped (no sort)" if grouped else ", sorted on device"
         for tag, knobs in variants(name, gran, grouped):
             with set_knobs(knobs):
@@ -209,8 +211,8 @@ def main() -> int:
     # a decode step: one token into each of 64 pages (page-scaled fp8, the runtime's decode)
     dec_slots = slots[:: max(1, T // 64)][:64].contiguous()
     xd = x[:dec_slots.numel()].contiguous()
-    for name in ("fp8_e4m3", "fp4_e2m1"):
-        row(f"decode step, 64 tokens, {name} page", KVFormat(name, "page"), dec_slots, xd, True)
+    for name, gran in (("fp8_e4m3", "page"), ("fp4_e2m1", "page"), ("int4", "channel")):
+        row(f"decode step, 64 tokens, {name} {gran}", KVFormat(name, gran), dec_slots, xd, True)
     worst = {r["row"]: r["x_copy"] for r in res["rows"] if r["default"]}
     met = [k for k, v in worst.items() if v >= 0.70 and "decode" not in k]
     missed = [k for k, v in worst.items() if v < 0.70 and "decode" not in k]

@@ -20,6 +20,7 @@
 #   bash benchmarks/gpu_jobs.sh qk8_check qk8_bench   # the opt-in qk_fp8 decode variant vs default
 #   bash benchmarks/gpu_jobs.sh var14_check var14_bench   # issue-14 decode variants (nocap, alu*,
 #                                                         # chain, pvt, pvt4(h), pvt5h, cta4; V14C_K, V14B_VARIANTS)
+#   bash benchmarks/gpu_jobs.sh append_int int_graphs # int pages' append kernel; the 4-bit format graphed
 #   bash benchmarks/gpu_jobs.sh int4_check int4_bench # int4 pages (K channel / V token) in the CUDA decode kernel
 #   bash benchmarks/gpu_jobs.sh i4v_check i4v_bench   # cuda14h: int4 variants (pvt4n, pvt4nz, pvt4s, pvt4sz, pvt4sp) vs base / pvt4h
 #                                                     # (I4V_K, I4V_VARIANTS, I4V_FORMATS)
@@ -88,6 +89,8 @@ job() {   # job NAME -> "LIMIT COMMAND"
     var14_bench)    echo "${V14B_LIMIT:-330} python3 benchmarks/gpu_decode_fast.py --variants ${V14B_VARIANTS:-base,nocap,chain,pvt,pvt4,pvt4h,pvt5h,cta4} --no-triton --waves '' --formats ${V14B_FORMATS:-fp8_e4m3/page,fp8_e4m3/tensor,fp8_e5m2/page} --out $OUT" ;;
     decode_matrix)  echo "${DM_LIMIT:-240} $PAR tests/gpu/test_decode_matrix_gpu.py ${DM_K:+-k $DM_K}" ;;
     append_matrix)  echo "${AM_LIMIT:-150} $PAR tests/gpu/test_append_gpu.py" ;;
+    append_int)     echo "${AI_LIMIT:-200} $PAR tests/gpu/test_append_int_gpu.py" ;;   # append14i: int pages' append kernel
+    int_graphs)     echo "${IG_LIMIT:-200} python3 -m pytest -s -q -m gpu tests/gpu/test_int_graphs_gpu.py -p no:cacheprovider" ;;   # append14i: the 4-bit format graphed
     prefill_matrix) echo "${PC_LIMIT:-240} $PAR tests/gpu/test_prefill_matrix_gpu.py ${PC_K:+-k $PC_K}" ;;
     sinks)          echo "${SK_LIMIT:-120} $PYTEST tests/gpu/test_sinks_gpu.py" ;;
     e2e)            echo "${E2E_LIMIT:-240} $PYTEST tests/gpu/test_e2e_gpu.py" ;;

@@ -247,6 +247,7 @@ def _int(bits: int, code: int) -> FormatSpec:
     return FormatSpec(f"int{bits}", torch.uint8, bits, "int", ("page", "token", "channel"),
                       fmax, fmax, PARAM_DTYPE, default_value_granularity="token",
                       kernels=KernelSupport(code, ("page", "token", "channel"),
+                                            append=("page", "token", "channel"),
                                             channel_min_page=32),
                       check_shape=_check_int_shape)
 

@@ -38,7 +38,7 @@ import torch
 
 from kvcompile.eviction.aside import AsideInputs, AsideSpec
 from kvcompile.runtime.context import ForwardContext, StepPlan, forward_context
-from kvcompile.runtime.kernel_formats import kernel_readable
+from kvcompile.runtime.kernel_formats import graph_refusal
 
 log = logging.getLogger("kvcompile.engine")
 
@@ -179,9 +179,8 @@ class DecodeGraphs:
             reason = "no maximum sequence length (the block tables' width)"
         else:
             for k, v in zip(st.pool.k, st.pool.v):
-                if not (kernel_readable(k) and kernel_readable(v) and kernel_readable(k, "append")
-                        and kernel_readable(v, "append")):
-                    reason = f"{k.fmt.name}/{v.fmt.name} pages are written by the reference"
+                reason = graph_refusal(k, v) or None
+                if reason:
                     break
         self._why_not = reason
         if reason:

@@ -47,7 +47,7 @@ from kvcompile.engine.cudagraph import capture, upload_plan
 from kvcompile.recompiles import check_forward, recompile_budget
 from kvcompile.runtime.binding import binding_of, is_stub
 from kvcompile.runtime.context import ForwardContext, StepPlan, forward_context
-from kvcompile.runtime.kernel_formats import kernel_readable
+from kvcompile.runtime.kernel_formats import graph_refusal
 
 log = logging.getLogger("kvcompile")
 
@@ -184,8 +184,8 @@ class GraphedForward:
             reason = "latent (MLA) layers pick the kernel or the reference per step on the host"
         else:
             for k, v in zip(st.pool.k, st.pool.v):
-                if not all(kernel_readable(c, op) for c in (k, v) for op in ("decode", "append")):
-                    reason = f"{k.fmt.name}/{v.fmt.name} pages are written by the reference"
+                reason = graph_refusal(k, v)
+                if reason:
                     break
         self._why_not = reason
         if reason:

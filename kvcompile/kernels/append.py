@@ -32,6 +32,7 @@ import triton.language as tl
 
 from kvcompile.cache.registry import format_spec
 from kvcompile.errors import UnsupportedShapeError
+from kvcompile.kernels.append_int import launch_append_int
 from kvcompile.kernels.decode_tiles import FMT_E2M1, FMT_E4M3, FMT_E5M2, FMT_PLAIN, FORMAT_CODES
 from kvcompile.kernels.decode_tiles import e2m1_to_f16 as _e2m1_value
 
@@ -60,6 +61,11 @@ BULK_TILE_ELEMS = 16384
 # passed there (the 2-3 failures of the tenth session were the negative test's own device
 # mix, fixed; benchmarks/RESULTS.md, "Eleventh session's device calls").
 PAGE_BULK = "tiles"
+# - "split" (append14i, not yet timed): the "tiles" kernel in two launches, full pages (PART 1)
+#   then the other runs (PART 2): without the per-run path's code the fp8 tile kernel builds
+#   with 71 registers / 1,440 SASS instructions instead of 96 / 2,928 (fp4: 116 / 2,456 against
+#   114 / 5,064; D 128, P 16, 32 x 128 tiles, sm_90, triton 3.9), like the token-scale row kernel
+#   (72 / 1,360) that reaches 0.80x copy. bench_append.py times it beside "tiles".
 # "tiles": tokens x head_dim of a program's tile, and its warps (fp8, fp4): about 64 / 32
 # values a thread and at most 128 registers in the sm_90 build
 # (H200, bench_append --sweep, 2026-12-04: 32 x 128 with 4 warps fastest for both, fp8 0.62x
@@ -629,7 +635,8 @@ def _append_pages_tiles_kernel(X, SORTED, ORDER, DATA, SCALE, MICRO, T, H, D: tl
                                P: tl.constexpr, W: tl.constexpr, R: tl.constexpr,
                                FMT: tl.constexpr, DATA_DT: tl.constexpr,
                                EXPLICIT: tl.constexpr, FMAX: tl.constexpr, DIV: tl.constexpr,
-                               RECIP: tl.constexpr, GROUPED: tl.constexpr):
+                               RECIP: tl.constexpr, GROUPED: tl.constexpr,
+                               PART: tl.constexpr = 0):
     # Page scales, bulk writes: program (w, h) owns the runs of sorted slots (one page each)
     # that start in positions [w * W, (w + 1) * W). Let s0 be the first run start there. The
     # tile is positions s0 + [0, W) in W / P blocks of P; a block whose first position starts
@@ -659,19 +666,22 @@ def _append_pages_tiles_kernel(X, SORTED, ORDER, DATA, SCALE, MICRO, T, H, D: tl
         # a full block are masked by `full` where _store_rows reads x
         src = tl.load(ORDER + s0 + r, mask=s0 + r < T, other=0)
     pg = first // P
-    scale = _store_rows(X, DATA, SCALE, MICRO, src, (pg * H + h) * P + r % P, full,
-                        tl.full([W], 1.0, tl.float32), r, H, h, D, FMT, 4, EXPLICIT, FMAX, DIV,
-                        RECIP, P)
-    tl.store(SCALE + pg * H + h, scale, mask=full & (r % P == 0))
-    # the run starts of the window that no full block covered (same test as `full`)
-    lastw = tl.load(SORTED + idx + P - 1, mask=live & (idx + P - 1 < T), other=-1)
-    cov = ((idx - s0) % P == 0) & (idx + P - 1 < T) & (slot % P == 0) & (lastw == slot + P - 1)
-    rest = start & (cov == 0)
-    i = tl.min(tl.where(rest, idx, i0 + W), 0)
-    while i < i0 + W:
-        _append_page_run(X, SORTED, ORDER, DATA, SCALE, MICRO, i, T, H, h, D, P, R, FMT,
-                         DATA_DT, EXPLICIT, FMAX, DIV, RECIP)
-        i = tl.min(tl.where(rest & (idx > i), idx, i0 + W), 0)
+    if PART != 2:
+        scale = _store_rows(X, DATA, SCALE, MICRO, src, (pg * H + h) * P + r % P, full,
+                            tl.full([W], 1.0, tl.float32), r, H, h, D, FMT, 4, EXPLICIT, FMAX,
+                            DIV, RECIP, P)
+        tl.store(SCALE + pg * H + h, scale, mask=full & (r % P == 0))
+    if PART != 1:
+        # the run starts of the window that no full block covered (same test as `full`)
+        lastw = tl.load(SORTED + idx + P - 1, mask=live & (idx + P - 1 < T), other=-1)
+        cov = ((idx - s0) % P == 0) & (idx + P - 1 < T) & (slot % P == 0) & (
+            lastw == slot + P - 1)
+        rest = start & (cov == 0)
+        i = tl.min(tl.where(rest, idx, i0 + W), 0)
+        while i < i0 + W:
+            _append_page_run(X, SORTED, ORDER, DATA, SCALE, MICRO, i, T, H, h, D, P, R, FMT,
+                             DATA_DT, EXPLICIT, FMAX, DIV, RECIP)
+            i = tl.min(tl.where(rest & (idx > i), idx, i0 + W), 0)
 
 
 @triton.jit
@@ -686,23 +696,27 @@ def _interpreting() -> bool:
 
 
 def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str,
-                  grouped: bool = False) -> None:
-    """Check, then store x [T, H, D] at slots [T] into data / scale / micro (mutated).
+                  grouped: bool = False, zero=None) -> None:
+    """Check, then store x [T, H, D] at slots [T] into data / scale / micro (mutated);
+    int formats: data / scale / zero (kernels/append_int.py).
     grouped: the caller guarantees that the slots of each page are adjacent and increasing
     (PagePool.reserve's order), so page-scaled writes skip the device sort."""
     if fmt_name not in FORMAT_CODES:
         raise UnsupportedShapeError(f"quantize_append: format {fmt_name!r} has no kernel; "
                                     f"supported {', '.join(FORMAT_CODES)}")
     fmt = FORMAT_CODES[fmt_name]
+    spec = format_spec(fmt_name)
     N, H, P = data.shape[:3]
     D = data.shape[3] * (2 if fmt == FMT_E2M1 else 1)
+    if spec.family == "int":
+        D = data.shape[3] * 8 // spec.bits
     if x.dim() != 3 or tuple(x.shape[1:]) != (H, D) or not x.is_floating_point():
         raise UnsupportedShapeError(f"quantize_append: x must be float [T, {H}, {D}], got "
                                     f"{x.dtype} {tuple(x.shape)}")
     if slots.dim() != 1 or slots.shape[0] != x.shape[0] or slots.dtype not in (torch.int64,
                                                                                 torch.int32):
         raise UnsupportedShapeError(f"quantize_append: slots must be int64 [{x.shape[0]}]")
-    takes = format_spec(fmt_name).kernels.append
+    takes = spec.kernels.append
     if fmt != FMT_PLAIN and granularity not in takes:
         raise UnsupportedShapeError(f"quantize_append: granularity {granularity!r} has no "
                                     f"kernel; supported {', '.join(takes)}")
@@ -724,6 +738,12 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str,
     x = x.contiguous()
     slots = slots.to(torch.int64)
     explicit = _interpreting()
+    if spec.family == "int":
+        if zero is None or scale is None or scale.dtype != torch.float16:
+            raise UnsupportedShapeError("quantize_append: int pages need fp16 scale and zero")
+        launch_append_int(x, slots, data, scale, zero, spec.bits, granularity, grouped,
+                          torch.sort, _iota, explicit)
+        return
     recip = not explicit  # torch divides by a python float through its reciprocal on CUDA
     R = max(1, min(64, ROW_TILE_ELEMS // D))
     if fmt == FMT_PLAIN:
@@ -751,12 +771,16 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str,
                 DATA_DT=data_dt, EXPLICIT=explicit, FMAX=fmax, DIV=div, RECIP=recip, WIN=win,
                 PAIRS=FP4_PAIR_LOADS, num_warps=4)
             return
-        if PAGE_BULK == "tiles":
+        if PAGE_BULK in ("tiles", "split"):
             W = max(P, PAGE_TILE_ELEMS // D)
-            _append_pages_tiles_kernel[(triton.cdiv(T, W), H)](
-                x, sorted_slots, order, d8, scale, m8, T, H, D=D, P=P, W=W, R=min(R, P),
-                FMT=fmt, DATA_DT=data_dt, EXPLICIT=explicit, FMAX=fmax, DIV=div, RECIP=recip,
-                GROUPED=grouped, num_warps=PAGE_TILE_WARPS[fmt == FMT_E2M1])
+            # "split": the full pages in one launch, the other runs in a second (the two touch
+            # disjoint pages); each kernel then builds without the other's code
+            for part in ((1, 2) if PAGE_BULK == "split" else (0,)):
+                _append_pages_tiles_kernel[(triton.cdiv(T, W), H)](
+                    x, sorted_slots, order, d8, scale, m8, T, H, D=D, P=P, W=W, R=min(R, P),
+                    FMT=fmt, DATA_DT=data_dt, EXPLICIT=explicit, FMAX=fmax, DIV=div,
+                    RECIP=recip, GROUPED=grouped, PART=part,
+                    num_warps=PAGE_TILE_WARPS[fmt == FMT_E2M1])
             return
         W = max(2 * P, BULK_TILE_ELEMS // D)
         _append_pages_bulk_kernel[(triton.cdiv(T, W), H)](
@@ -787,15 +811,16 @@ def _iota(n: int, device: torch.device) -> torch.Tensor:
     return buf[:n]
 
 
-@torch.library.custom_op("kvcompile::quantize_append", mutates_args=("data", "scale", "micro"))
+@torch.library.custom_op("kvcompile::quantize_append",
+                         mutates_args=("data", "scale", "micro", "zero"))
 def quantize_append_op(x: torch.Tensor, slots: torch.Tensor, data: torch.Tensor,
                        scale: torch.Tensor | None, micro: torch.Tensor | None, fmt: str,
-                       granularity: str) -> None:
-    launch_append(x, slots, data, scale, micro, fmt, granularity)
+                       granularity: str, zero: torch.Tensor | None = None) -> None:
+    launch_append(x, slots, data, scale, micro, fmt, granularity, zero=zero)
 
 
 @quantize_append_op.register_fake
-def _(x, slots, data, scale, micro, fmt, granularity):
+def _(x, slots, data, scale, micro, fmt, granularity, zero=None):
     return None
 
 
@@ -808,7 +833,7 @@ def quantize_append(cache, slots: torch.Tensor, x: torch.Tensor, grouped: bool =
     grouped=True (slots in PagePool.reserve's order, see launch_append)."""
     if direct:
         launch_append(x, slots, cache.data, cache.scale, cache.micro, cache.fmt.name,
-                      cache.fmt.granularity, grouped)
+                      cache.fmt.granularity, grouped, zero=cache.zero)
         return
     torch.ops.kvcompile.quantize_append(x, slots, cache.data, cache.scale, cache.micro,
-                                        cache.fmt.name, cache.fmt.granularity)
+                                        cache.fmt.name, cache.fmt.granularity, cache.zero)

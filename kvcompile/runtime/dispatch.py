@@ -402,8 +402,9 @@ class KernelDispatch:
             return None
 
         def write(paged, slots, x, grouped=False):
-            # formats the append kernel does not know (int, channel scales, residual pages)
-            # are written by the reference, which defines the same bytes
+            # pages the append kernel does not take (fp8 / fp4 channel scales, residual pages,
+            # head_dim / page_size off its powers of two) are written by the reference, which
+            # defines the same bytes (CUDA graphs say so: kernel_formats.graph_refusal)
             if not kernel_readable(paged, "append"):
                 return paged.write(slots, x)
             return quantize_append(paged, slots, x, grouped, direct=True)

@@ -4,10 +4,12 @@ The run time asks this before it sends pages to a kernel (runtime/dispatch.py) o
 decode step (engine/cudagraph.py, integrations/hf_graphs.py). What each kernel takes is declared
 with the format (cache/registry.py, `FormatSpec.kernels`): the decode kernel reads every
 built-in format (also int4 / int3 / int2 with page, token and channel scale + zero point,
-channel-granular fp8 / fp4, and bf16 residual pages); the append and prefill kernels take the
-float formats with page / token / tensor scales and no residual. Pages a kernel does not take
-are written by the reference `PagedTensor.write` (it defines the same bytes) and attended by
-the reference (kernels/dense.py) or gathered SDPA.
+channel-granular fp8 / fp4, and bf16 residual pages); the append kernels take the float
+formats with page / token / tensor scales and the int formats with page / token / channel
+scales (kernels/append_int.py), the prefill kernel the float formats with page / token / tensor
+scales; neither takes residual pages. Pages a kernel does not take are written by the reference
+`PagedTensor.write` (it defines the same bytes) and attended by the reference
+(kernels/dense.py) or gathered SDPA.
 """
 
 from __future__ import annotations
@@ -24,9 +26,37 @@ def kernel_readable(paged, op: str = "decode") -> bool:
     if op != "decode" and getattr(f, "residual", False):
         return False
     takes = support.decode if op == "decode" else getattr(support, op)
+    if op == "append" and not _append_shape(paged):
+        return False
     if f.is_quantized and f.granularity == "channel" and op == "decode":
         # a channel-scaled tile is one page: >= 16 keys, >= 32 for int codes
         # (kernels/decode.py channel_min_page)
         if paged.page_size < support.channel_min_page:
             return False
     return f.granularity in takes if f.is_quantized else bool(takes)
+
+
+def _append_shape(paged) -> bool:
+    # kernels/append.py launch_append's shape contract: head_dim a power of two in 16..512,
+    # page_size a power of two (other shapes are written by the reference)
+    d, p = getattr(paged, "head_dim", 0), getattr(paged, "page_size", 0)
+    return 16 <= d <= 512 and d & (d - 1) == 0 and p >= 1 and p & (p - 1) == 0
+
+
+def graph_refusal(k, v) -> str:
+    """Why a layer's decode steps (K pages k, V pages v) cannot be graphed, "" if they can:
+    a CUDA graph needs the decode kernel to read both and the append kernel to write both."""
+    for c in (k, v):
+        if not kernel_readable(c, "decode"):
+            return f"{c.fmt.name}/{c.fmt.granularity} pages have no decode kernel"
+        if not kernel_readable(c, "append"):
+            if getattr(c.fmt, "residual", False):
+                return (f"{c.fmt.name} residual pages are written by the reference (their bf16 "
+                        f"tail rows are assigned on the host; residual=False has an append "
+                        f"kernel)")
+            if not _append_shape(c):
+                return (f"{c.fmt.name} pages of head_dim {c.head_dim} / page_size "
+                        f"{c.page_size} are written by the reference (the append kernel takes "
+                        f"powers of two, head_dim 16..512)")
+            return f"{c.fmt.name}/{c.fmt.granularity} pages are written by the reference"
+    return ""

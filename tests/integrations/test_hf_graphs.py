@@ -74,13 +74,14 @@ def test_not_selected(recorded):
 
 
 def test_why_decode_steps_run_eagerly_is_in_the_report():
-    """On CUDA, pages that the reference writes (int4 with channel scales) keep generate's
+    """On CUDA, pages that the reference writes (int4 with a bf16 residual) keep generate's
     decode steps off CUDA graphs: kvcompile.report says so, once, with the reason. Negative:
-    bf16 pages (kernel-written) give no such note. The device is a CUDA one on paper only
-    (the check reads the pool's formats, not the GPU)."""
+    bf16 pages and the 4-bit format (int4, channel-scaled keys, pages of 64: kernel-written
+    since append14i) give no such note. The device is a CUDA one on paper only (the check
+    reads the pool's formats, not the GPU)."""
     notes = {}
-    for name, kw in (("int4", dict(kv_dtype="int4", scale_granularity="channel",
-                                   page_size=64, kernels="auto")),
+    int4 = dict(kv_dtype="int4", scale_granularity="channel", page_size=64, kernels="auto")
+    for name, kw in (("int4_residual", dict(int4, residual=True)), ("int4", int4),
                      ("bf16", dict(kv_dtype="bf16", kernels="auto"))):
         torch._dynamo.reset()
         m = make_hf("llama", "sdpa")
@@ -97,7 +98,8 @@ def test_why_decode_steps_run_eagerly_is_in_the_report():
         rep = kvcompile.report(m)
         notes[name] = (reason, [n for n in rep.kernel_notes if n.startswith("generate:")])
         assert all(n in str(rep) for n in notes[name][1])
-    reason, found = notes["int4"]
-    assert reason is not None and "written by the reference" in reason
+    reason, found = notes["int4_residual"]
+    assert reason is not None and "residual pages are written by the reference" in reason
     assert found == [f"generate: decode steps run eagerly, without CUDA graphs ({reason})"]
+    assert notes["int4"] == (None, [])
     assert notes["bf16"] == (None, [])

@@ -127,7 +127,7 @@ def storage_pair(fmt, N, H, P, D, device=DEV):
 
 
 def assert_same_storage(ref, got, what=""):
-    for name in ("data", "scale", "micro"):
+    for name in ("data", "scale", "zero", "micro"):
         r, g = getattr(ref, name), getattr(got, name)
         if r is None:
             continue

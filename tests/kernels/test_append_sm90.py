@@ -9,16 +9,25 @@ test_append.py on the GPU), and this Triton may differ from the GPU image's."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 
 import pytest
 
 from tests.kernels.sm90_compile import compile_rows, compile_sm90
 
-pytestmark = pytest.mark.slow   # 27 compiles, about 90 s on the 2-core machine
+pytestmark = pytest.mark.slow   # 30 compiles, about 90 s on the 2-core machine
+# int pages (kernels/append_int.py): the 4-bit format's kernels by default (int4 token scales,
+# channel scales in a decode step and in a bulk write); KVCOMPILE_TEST_FULL=1 adds int3 / int2
+# and the other launches. (Checked against the GPU image's Triton 3.6 too, 2026-12-04, by
+# running _main() with its wheel first on PYTHONPATH.)
+INT_CASES = [(4, "token", 1, False), (4, "channel", 1, False), (4, "channel", 64, True),
+             (3, "token", 1, False), (2, "token", 1, False), (3, "page", 1, True),
+             (2, "page", 64, False), (2, "channel", 1, True)]
 
 TYPES = dict(X="*bf16", SLOTS="*i64", SORTED="*i64", ORDER="*i64", DATA="*u8", SCALE="*fp32",
-             MICRO="*u8", AMAX="*fp32", T="i32", H="i32")
+             MICRO="*u8", AMAX="*fp32", ZERO="*fp16", T="i32", H="i32")
 
 
 def _compile(fn, consts: dict, types: dict | None = None, warps: int = 4) -> str:
@@ -46,10 +55,14 @@ def _cases():
         for grouped in (False, True):
             yield (f"bulk fmt{code} grouped={grouped}", A._append_pages_bulk_kernel,
                    dict(base, R=16, W=128, DATA_DT=dt, GROUPED=grouped), None, 8)
-        for grouped in (False, True):   # PAGE_BULK "tiles", the launcher's tile and warps
-            yield (f"tiles fmt{code} grouped={grouped}", A._append_pages_tiles_kernel,
-                   dict(base, R=16, W=A.PAGE_TILE_ELEMS // 128, DATA_DT=dt, GROUPED=grouped),
-                   None, 8 if code == A.FMT_E2M1 else 4)
+        # PAGE_BULK "tiles" (PART 0), the launcher's tile and warps; "split" (PARTs 1, 2)
+        # with KVCOMPILE_TEST_FULL=1
+        parts = (0, 1, 2) if os.environ.get("KVCOMPILE_TEST_FULL") else (0,)
+        for grouped, part in itertools.product((False, True), parts):
+            yield (f"tiles fmt{code} grouped={grouped} part={part}",
+                   A._append_pages_tiles_kernel,
+                   dict(base, R=16, W=A.PAGE_TILE_ELEMS // 128, DATA_DT=dt, GROUPED=grouped,
+                        PART=part), None, 8 if code == A.FMT_E2M1 else 4)
     yield ("rows fp4 split loads (FP4_PAIR_LOADS False)", A._append_rows_kernel,
            dict(base, R=32, SM=3, PAIRS=False), None, 4)
     yield ("calibrate amax", A._calibrate_amax_kernel, dict(BLOCK=4096), dict(N="i32"), 4)
@@ -57,6 +70,24 @@ def _cases():
            dict(D=128, P=16, R=32, FMT=A._PLAIN_BF16, SM=0, EXPLICIT=False, FMAX=1.0, DIV=1.0,
                 RECIP=True, PAIRS=True),
            dict(DATA="*i16", SCALE="*bf16", MICRO="*bf16", AMAX="*bf16"), 4)
+    from kvcompile.kernels import append_int as AI
+
+    for bits, gran, win, grouped in INT_CASES[:None if os.environ.get("KVCOMPILE_TEST_FULL")
+                                              else 3]:
+        per, nb = AI.unit_shape(bits)
+        base = dict(D=128, P=64, BITS=bits, PER=per, NB=nb, RECIP=True)
+        if gran == "token":
+            yield (f"int{bits} tokens", AI._append_int_tokens_kernel, dict(base, R=32),
+                   dict(SCALE="*fp16"), 4)
+            continue
+        nr = AI.DECODE_ROWS if win == 1 else AI.BULK_ROWS
+        yield (f"int{bits} {gran} WIN={win} grouped={grouped}", AI._append_int_pages_kernel,
+               dict(base, WIN=win, NR=nr, CH=gran == "channel", GROUPED=grouped),
+               dict(SCALE="*fp16"), 4)
+
+
+def _expected() -> int:
+    return 27 + (len(INT_CASES) + 12 if os.environ.get("KVCOMPILE_TEST_FULL") else 3)
 
 
 def _main() -> None:
@@ -67,4 +98,5 @@ def _main() -> None:
 def test_append_kernels_compile_for_sm90():
     rows = compile_rows("tests.kernels.test_append_sm90")
     bad = [f"{name}: {msg}" for name, msg in rows if msg != "ok"]
-    assert len(rows) == 27 and not bad, "\n".join(bad) or f"{len(rows)} of 27 compiled"
+    n = _expected()
+    assert len(rows) == n and not bad, "\n".join(bad) or f"{len(rows)} of {n} compiled"

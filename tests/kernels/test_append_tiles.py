@@ -80,6 +80,14 @@ def test_tiles_kernel_bit_exact(name, grouped, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp4_e2m1"])
+def test_split_tiles_kernel_bit_exact(name, monkeypatch):
+    # "split": full pages and the other runs in two launches of the tiles kernel
+    _tiles(monkeypatch, "split")
+    for i, ref, got in _pool_writes(name, False, torch.bfloat16, WRITES, 12):
+        assert_same_storage(ref, got, f"write {i}")
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp4_e2m1"])
 def test_runs_kernel_still_bit_exact(name, monkeypatch):
     # "runs", the default before "tiles" (eleventh session), stays selectable: still exact
     _tiles(monkeypatch, "runs")

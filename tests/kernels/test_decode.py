@@ -316,19 +316,27 @@ def test_decode_channel_scales_need_large_enough_pages(spec, P, least):
 def test_kernel_readable_by_op():
     from kvcompile.runtime.kernel_formats import kernel_readable
 
-    for spec, res in (("int4/channel", False), ("int2/token", True), ("fp8_e4m3/channel", False),
+    for spec, res in (("int2/token", True), ("fp8_e4m3/channel", False),
                       ("fp4_e2m1/channel", False), ("fp4_e2m1/page", True)):
         c = _fmt(spec, res).allocate(2, 1, 32, 64)
         assert kernel_readable(c) and kernel_readable(c, "decode")
         assert not kernel_readable(c, "append") and not kernel_readable(c, "prefill")
+    for spec in ("int4/channel", "int3/page", "int2/token"):   # kernels/append_int.py
+        c = _fmt(spec).allocate(2, 1, 32, 64)
+        assert kernel_readable(c, "append") and not kernel_readable(c, "prefill")
     plain = _fmt("fp8_e4m3/page").allocate(2, 1, 16, 64)
     assert all(kernel_readable(plain, op) for op in ("decode", "append", "prefill"))
 
 
-def test_engine_decode_steps_read_int4_channel_residual_pages_with_the_kernel():
-    """KVConfig int4 + channel scales (keys int4 channel, values int4 token) + residual pages:
-    decode steps take the kernel (prefill stays on the reference), same tokens as the reference
-    attention."""
+@pytest.mark.parametrize("residual", [True, pytest.param(False, marks=pytest.mark.skipif(
+    not os.environ.get("KVCOMPILE_TEST_FULL"),
+    reason="KVCOMPILE_TEST_FULL=1: the int append kernel in the Engine (tests/gpu/"
+           "test_int_graphs_gpu.py runs it on CUDA)"))])
+def test_engine_decode_steps_read_int4_channel_residual_pages_with_the_kernel(residual):
+    """KVConfig int4 + channel scales (keys int4 channel, values int4 token), with residual
+    pages (written by the reference) or without (written by kernels/append_int.py): decode
+    steps take the kernel (prefill stays on the reference), same tokens as the reference
+    attention and writer."""
     import random
 
     from kvcompile import Engine, SamplingParams
@@ -341,7 +349,7 @@ def test_engine_decode_steps_read_int4_channel_residual_pages_with_the_kernel():
     for kernels in ("reference", "triton"):
         torch._dynamo.reset()
         m = make_llama64()
-        eng = Engine(m, config=config(kernels=kernels, kv_dtype="int4", residual=True,
+        eng = Engine(m, config=config(kernels=kernels, kv_dtype="int4", residual=residual,
                                       scale_granularity="channel", page_size=32))
         outs[kernels] = [o.token_ids for o in eng.generate(prompts, greedy)]
         calls = state_of(m).counters.get("engine_decode_kernel_calls", 0)

@@ -1,0 +1,298 @@
+"""Quantize-and-append for the int formats (int4 / int3 / int2, cache/intq.py), on the device.
+
+    launch_append_int(x, slots, data, scale, zero, bits, granularity, grouped)
+    # x [T, H, D]; slots [T] int64 (page * P + offset); data [N, H, P, D * bits / 8] uint8;
+    # scale, zero fp16: token [N, H, P] | page [N, H] | channel [N, H, D]. Mutated in place.
+
+Same bytes as PagedTensor.write (paged.py `_write_codes` / `_write_grouped`, grouped.py
+`update_int_params`), bit for bit:
+- token scales: each (token, head) its own (scale, zero) from its finite min / max.
+- page and channel scales: a page's earlier tokens are its slots [0, m), m = its smallest new
+  offset. A group's (scale, zero) is kept when the page had earlier tokens, its old range
+  [zero, zero + levels * scale] holds the new tokens' finite values and neither the old scale
+  nor a new value is NaN; otherwise it is recomputed from every valid value, the earlier tokens
+  as decoded (code * scale + zero). When any group of a (page, head) changed, that head's earlier
+  tokens are decoded with the old parameters and encoded again with the new (every channel, as
+  the reference does; unchanged channels give back their codes).
+
+One program per (window of WIN sorted slots, head) walks the runs (one page each) that start
+in its window: WIN = 1 for decode steps (one program per token), WIN = P for bulk writes. A run
+is visited in chunks of NR rows, twice: min / max first, then encode and store (no host sync,
+nothing sized by the data: CUDA-graph capturable). Codes pack along head_dim as intq.pack does,
+as [rows, units, codes per unit] tiles (int3: 8 codes in 3 bytes).
+Arithmetic follows intq.py op for op: the scale's division by 2^bits - 1 is torch's (a multiply
+by the fp32 reciprocal on CUDA, a division on the CPU, `_div_levels`); fp16 roundings are RNE
+casts stepped by one ulp on the fp16 bit pattern; `code * scale + zero` may contract to an fma
+without changing it (code * scale is exact in fp32).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_F16_MAX = tl.constexpr(65504.0)
+_RNE_MAGIC = tl.constexpr(12582912.0)   # 1.5 * 2^23: (q + M) - M rounds |q| < 2^22 to even
+# rows of a chunk: decode-step launches (WIN = 1, runs of one token) / bulk launches
+DECODE_ROWS, BULK_ROWS = 16, 32
+# slots per program window of a bulk write (more tokens than this: WIN = P)
+BULK_TOKENS = 4096
+
+
+def unit_shape(bits: int) -> tuple[int, int]:
+    """(codes per packing unit, bytes per unit): int4 (2, 1), int2 (4, 1), int3 (8, 3)."""
+    return (8, 3) if bits == 3 else (8 // bits, 1)
+
+
+@triton.jit
+def _f16_step(v16, UP: tl.constexpr):
+    # the fp16 next to v16 toward +inf (UP) or -inf, for finite v16 (|v16| < 65504 when UP)
+    b = v16.to(tl.int16, bitcast=True).to(tl.int32)
+    if UP:   # only non-negative values reach here (scales)
+        b = tl.where(b == -32768, 1, tl.where(b < 0, b - 1, b + 1))
+    else:    # +-0 -> the smallest negative subnormal (0x8001); x > 0: bits - 1; x < 0: + 1
+        b = tl.where((b == 0) | (b == -32768), -32767, tl.where(b > 0, b - 1, b + 1))
+    return b.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _div_levels(x, LEV: tl.constexpr, RECIP: tl.constexpr):
+    # x / LEV as torch computes `tensor / int`: on CUDA a multiplication by the fp32 reciprocal,
+    # on the CPU a division (append.py `_div_const`, the same rule)
+    if RECIP:
+        return x * (1.0 / LEV)
+    else:
+        return tl.math.div_rn(x, LEV + 0.0)
+
+
+@triton.jit
+def _params(lo, hi, has_nan, LEV: tl.constexpr, RECIP: tl.constexpr):
+    # intq.int_params / params_from_range of groups whose finite values span [lo, hi] (fp32;
+    # lo = +inf: no finite value) -> (scale, zero) as fp32 holding fp16 values
+    empty = lo == float("inf")
+    lo = tl.minimum(tl.maximum(tl.where(empty, 0.0, lo), -_F16_MAX), _F16_MAX)
+    hi = tl.minimum(tl.maximum(tl.where(empty, 0.0, hi), -_F16_MAX), _F16_MAX)
+    z16 = lo.to(tl.float16)
+    z16 = tl.where(z16.to(tl.float32) > lo, _f16_step(z16, False), z16)
+    zero = z16.to(tl.float32)
+    raw = _div_levels(tl.maximum(hi - zero, 0.0), LEV, RECIP)
+    s16 = tl.minimum(raw, _F16_MAX).to(tl.float16)
+    s16 = tl.where(s16.to(tl.float32) < raw, _f16_step(s16, True), s16)
+    scale = tl.where(has_nan, float("nan"), s16.to(tl.float32))
+    return scale, zero
+
+
+@triton.jit
+def _codes(x, s, z, LEV: tl.constexpr):
+    # intq.int_codes: clamp(rne((clamp(x, +-65504) - z) / s), 0, LEV), 0 where s is not > 0
+    # or x is NaN -> int32
+    xc = tl.minimum(tl.maximum(x, -_F16_MAX), _F16_MAX)
+    ok = (s > 0) & (x == x)
+    q = tl.math.div_rn(xc - z, tl.where(s > 0, s, 1.0))
+    q = tl.minimum(tl.maximum(tl.where(ok, q, 0.0), -1.0), LEV + 1.0)
+    q = (q + _RNE_MAGIC) - _RNE_MAGIC
+    return tl.minimum(tl.maximum(q, 0.0), LEV).to(tl.int32)
+
+
+@triton.jit
+def _unpack(DATA, row, ok, G: tl.constexpr, PER: tl.constexpr, NB: tl.constexpr,
+            BITS: tl.constexpr):
+    # codes [R, G, PER] int32 of page rows `row` [R] (int64, ok: rows to load)
+    g = tl.arange(0, G)
+    j = tl.arange(0, PER)
+    word = tl.zeros([row.shape[0], G], tl.int32)
+    for b in tl.static_range(NB):
+        byte = tl.load(DATA + row[:, None] * (G * NB) + g[None, :] * NB + b, mask=ok[:, None],
+                       other=0)
+        word = word | (byte.to(tl.int32) << (8 * b))
+    return (word[:, :, None] >> (BITS * j[None, None, :])) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _pack_store(DATA, row, ok, codes, G: tl.constexpr, PER: tl.constexpr, NB: tl.constexpr,
+                BITS: tl.constexpr):
+    # codes [R, G, PER] int32 -> packed bytes at page rows `row` [R] (ok: rows to store)
+    g = tl.arange(0, G)
+    j = tl.arange(0, PER)
+    word = tl.sum(codes << (BITS * j[None, None, :]), 2)                 # [R, G], no overlap
+    for b in tl.static_range(NB):
+        tl.store(DATA + row[:, None] * (G * NB) + g[None, :] * NB + b,
+                 ((word >> (8 * b)) & 0xFF).to(tl.uint8), mask=ok[:, None])
+
+
+@triton.jit
+def _load_x(X, src, ok, H, h, D: tl.constexpr, G: tl.constexpr, PER: tl.constexpr):
+    # x[src[r], h, :] as fp32 [R, G, PER]
+    # (loaded as [R, D] rows, then split into packing units: wide loads along head_dim)
+    d = tl.arange(0, D)
+    xrow = (src.to(tl.int64) * H + h) * D
+    x = tl.load(X + xrow[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    return tl.reshape(x, [src.shape[0], G, PER])
+
+
+@triton.jit
+def _fold(v, CH: tl.constexpr, MAX: tl.constexpr):
+    # per-channel partials [G, PER] -> the group's value, broadcast back to [G, PER] (page
+    # scales: one group per (page, head); channel scales: each channel its own)
+    if CH:
+        return v
+    if MAX:
+        return tl.zeros_like(v) + tl.max(tl.max(v, 1), 0)
+    return tl.zeros_like(v) + tl.min(tl.min(v, 1), 0)
+
+
+@triton.jit
+def _append_int_run(X, SORTED, ORDER, DATA, SCALE, ZERO, i, T, H, h, D: tl.constexpr,
+                    P: tl.constexpr, NR: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
+                    NB: tl.constexpr, CH: tl.constexpr, RECIP: tl.constexpr,
+                    GROUPED: tl.constexpr):
+    # the run of sorted slots starting at position i (one page); returns its length
+    LEV: tl.constexpr = (1 << BITS) - 1
+    G: tl.constexpr = D // PER
+    r = tl.arange(0, NR)
+    first = tl.load(SORTED + i)
+    pg = first // P
+    m = (first % P).to(tl.int32)         # earlier tokens: page rows [0, m)
+    k = tl.arange(0, P)
+    inside = i + k < T
+    same = inside & (tl.load(SORTED + i + k, mask=inside, other=0) // P == pg)
+    n = tl.sum(same.to(tl.int32), 0)     # the run's length (slots distinct, sorted by page)
+    head = pg * H + h
+    g = tl.arange(0, G)
+    c = g[:, None] * PER + tl.arange(0, PER)[None, :]                    # [G, PER] channel
+    if CH:
+        pofs = head * D + c
+    else:
+        pofs = head + c * 0
+    s_old = tl.load(SCALE + pofs).to(tl.float32)
+    z_old = tl.load(ZERO + pofs).to(tl.float32)
+    inf = float("inf")
+    # pass 1: min / max of the earlier tokens (decoded) and of the new ones, NaN flags
+    lo_o = tl.full([G, PER], inf, tl.float32)
+    hi_o = tl.full([G, PER], -inf, tl.float32)
+    nan_o = tl.zeros([G, PER], tl.int32)
+    for c0 in range(0, m, NR):
+        ok = c0 + r < m
+        v = _unpack(DATA, head * P + c0 + r, ok, G, PER, NB, BITS).to(tl.float32) * s_old + z_old
+        fin = ok[:, None, None] & (tl.abs(v) < inf)
+        lo_o = tl.minimum(lo_o, tl.min(tl.where(fin, v, inf), 0))
+        hi_o = tl.maximum(hi_o, tl.max(tl.where(fin, v, -inf), 0))
+        nan_o = tl.maximum(nan_o, tl.max((ok[:, None, None] & (v != v)).to(tl.int32), 0))
+    lo_n = tl.full([G, PER], inf, tl.float32)
+    hi_n = tl.full([G, PER], -inf, tl.float32)
+    nan_n = tl.zeros([G, PER], tl.int32)
+    for c1 in range(0, n, NR):
+        ok = c1 + r < n
+        if GROUPED:
+            src = i + c1 + r
+        else:
+            src = tl.load(ORDER + i + c1 + r, mask=ok, other=0)
+        v = _load_x(X, src, ok, H, h, D, G, PER)
+        fin = ok[:, None, None] & (tl.abs(v) < inf)
+        lo_n = tl.minimum(lo_n, tl.min(tl.where(fin, v, inf), 0))
+        hi_n = tl.maximum(hi_n, tl.max(tl.where(fin, v, -inf), 0))
+        nan_n = tl.maximum(nan_n, tl.max((ok[:, None, None] & (v != v)).to(tl.int32), 0))
+    lo_o, hi_o, nan_o = _fold(lo_o, CH, False), _fold(hi_o, CH, True), _fold(nan_o, CH, True)
+    lo_n, hi_n, nan_n = _fold(lo_n, CH, False), _fold(hi_n, CH, True), _fold(nan_n, CH, True)
+    # grouped.update_int_params: keep the old parameters where they cover the new tokens
+    covered = (lo_n >= z_old) & (hi_n <= z_old + LEV * s_old) & (tl.abs(s_old) < inf)
+    keep = covered & (nan_n == 0) & (c * 0 + m > 0)   # (vector form: see append.py)
+    s_new, z_new = _params(tl.minimum(lo_o, lo_n), tl.maximum(hi_o, hi_n),
+                           (nan_o | nan_n) != 0, LEV, RECIP)
+    s_new = tl.where(keep, s_old, s_new)
+    z_new = tl.where(keep, z_old, z_new)
+    diff = ((s_new != s_old) & ((s_new == s_new) | (s_old == s_old))) | (z_new != z_old)
+    changed = tl.max(tl.max(diff.to(tl.int32), 1), 0) > 0
+    # pass 2: encode and store (earlier tokens only where the head's parameters changed)
+    if changed:
+        for c2 in range(0, m, NR):
+            ok = c2 + r < m
+            rows = head * P + c2 + r
+            v = _unpack(DATA, rows, ok, G, PER, NB, BITS).to(tl.float32) * s_old + z_old
+            _pack_store(DATA, rows, ok, _codes(v, s_new, z_new, LEV), G, PER, NB, BITS)
+    for c3 in range(0, n, NR):
+        ok = c3 + r < n
+        if GROUPED:
+            src = i + c3 + r
+        else:
+            src = tl.load(ORDER + i + c3 + r, mask=ok, other=0)
+        off = tl.load(SORTED + i + c3 + r, mask=ok, other=0) % P
+        v = _load_x(X, src, ok, H, h, D, G, PER)
+        _pack_store(DATA, head * P + off, ok, _codes(v, s_new, z_new, LEV), G, PER, NB, BITS)
+    if CH:
+        smask = c >= 0
+    else:
+        smask = c == 0
+    tl.store(SCALE + pofs, s_new.to(tl.float16), mask=smask)
+    tl.store(ZERO + pofs, z_new.to(tl.float16), mask=smask)
+    return n
+
+
+@triton.jit(do_not_specialize=["T", "H"])
+def _append_int_pages_kernel(X, SORTED, ORDER, DATA, SCALE, ZERO, T, H, D: tl.constexpr,
+                             P: tl.constexpr, WIN: tl.constexpr, NR: tl.constexpr,
+                             BITS: tl.constexpr, PER: tl.constexpr, NB: tl.constexpr,
+                             CH: tl.constexpr, RECIP: tl.constexpr, GROUPED: tl.constexpr):
+    # page / channel scales: program (w, h) writes the runs that start in positions
+    # [w * WIN, (w + 1) * WIN), one after another
+    h = tl.program_id(1)
+    base = tl.program_id(0) * WIN
+    idx = base + tl.arange(0, WIN)
+    pg = tl.load(SORTED + idx, mask=idx < T, other=-1) // P
+    prv = tl.load(SORTED + idx - 1, mask=(idx >= 1) & (idx < T), other=-1) // P
+    starts = (idx < T) & ((idx == 0) | (pg != prv))
+    i = tl.min(tl.where(starts, idx, base + WIN), 0)
+    while i < tl.minimum(base + WIN, T):
+        i = i + _append_int_run(X, SORTED, ORDER, DATA, SCALE, ZERO, i, T, H, h, D, P, NR,
+                                BITS, PER, NB, CH, RECIP, GROUPED)
+
+
+@triton.jit(do_not_specialize=["T", "H"])
+def _append_int_tokens_kernel(X, SLOTS, DATA, SCALE, ZERO, T, H, D: tl.constexpr,
+                              P: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr,
+                              PER: tl.constexpr, NB: tl.constexpr, RECIP: tl.constexpr):
+    # token scales: R tokens of head h, each its own (scale, zero) over its head_dim
+    LEV: tl.constexpr = (1 << BITS) - 1
+    G: tl.constexpr = D // PER
+    h = tl.program_id(1)
+    t = tl.program_id(0) * R + tl.arange(0, R)
+    ok = t < T
+    slot = tl.load(SLOTS + t, mask=ok, other=0)
+    row = ((slot // P) * H + h) * P + slot % P
+    v = _load_x(X, t, ok, H, h, D, G, PER)
+    inf = float("inf")
+    fin = tl.abs(v) < inf
+    lo = tl.min(tl.min(tl.where(fin, v, inf), 2), 1)
+    hi = tl.max(tl.max(tl.where(fin, v, -inf), 2), 1)
+    has_nan = tl.max(tl.max((v != v).to(tl.int32), 2), 1) > 0
+    s, z = _params(lo, hi, has_nan, LEV, RECIP)                                  # [R]
+    codes = _codes(v, s[:, None, None], z[:, None, None], LEV)
+    _pack_store(DATA, row, ok, codes, G, PER, NB, BITS)
+    tl.store(SCALE + row, s.to(tl.float16), mask=ok)
+    tl.store(ZERO + row, z.to(tl.float16), mask=ok)
+
+
+def launch_append_int(x, slots, data, scale, zero, bits: int, granularity: str,
+                      grouped: bool, sort, iota, explicit: bool) -> None:
+    """x [T, H, D] float (contiguous), slots [T] int64 -> data / scale / zero (mutated).
+    sort / iota: append.py's (device sort; arange buffer). Checked by append.launch_append."""
+    T, H, D = x.shape
+    P = data.shape[2]
+    per, nb = unit_shape(bits)
+    recip = not explicit
+    if granularity == "token":
+        R = max(1, min(32, 4096 // D))
+        _append_int_tokens_kernel[(triton.cdiv(T, R), H)](
+            x, slots, data, scale, zero, T, H, D=D, P=P, R=R, BITS=bits, PER=per, NB=nb,
+            RECIP=recip, num_warps=4)
+        return
+    if grouped:
+        sorted_slots, order = slots, iota(T, x.device)
+    else:
+        sorted_slots, order = sort(slots)
+    win = 1 if T <= BULK_TOKENS else P
+    nr = min(P, DECODE_ROWS if win == 1 else BULK_ROWS)
+    _append_int_pages_kernel[(triton.cdiv(T, win), H)](
+        x, sorted_slots, order, data, scale, zero, T, H, D=D, P=P, WIN=win, NR=nr, BITS=bits,
+        PER=per, NB=nb, CH=granularity == "channel", RECIP=recip, GROUPED=grouped,
+        num_warps=4)
