@@ -200,10 +200,10 @@ class DecodeGraphs:
         return all(s.n == 1 and s.start > 0 for s in seqs)
 
     # -- run ----------------------------------------------------------------------------------
-    def run(self, out, inputs=None) -> torch.Tensor:
+    def run(self, out, inputs=None, feed=None) -> torch.Tensor:
         """Logits [B, V] of a decode step (every sequence adds one token). inputs: eviction's
         (spec, mass rows, shifts, sink counts, hidden slots' lo, hi) of the step
-        (EvictionRuntime.aside_inputs)."""
+        (EvictionRuntime.aside_inputs). feed: ids still on the device (engine/overlap.py)."""
         seqs = out.seqs
         n = len(seqs)
         bp = next(b for b in self.buckets if b >= n)
@@ -235,6 +235,8 @@ class DecodeGraphs:
         if n < bp:  # padding rows: the scratch sequence, one slot each, one key seen
             self._pad(g, n)
         upload_plan(g, pool)
+        if feed is not None:   # after the host ids' copy: the device's tokens win
+            feed.apply(g.dev64[:n])
         g.graph.replay()
         self.replays += 1
         self.state.count("engine_cuda_graph_replays")
