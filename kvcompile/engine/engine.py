@@ -358,11 +358,11 @@ class Engine:
         if reason is not None:
             self._note_sync(reason)
         try:
-            feed = overlap.feed_for(out, pending)
-            fed = len(feed.rows) if feed is not None else 0
+            out.feed = overlap.feed_for(out, pending)
+            fed = len(out.feed.rows) if out.feed is not None else 0
             assert fed == sum(1 for x in out.seqs if x.req.unresolved), \
                 "a placeholder input id is not fed from the device"
-            logits = self.runner.forward(out, feed)
+            logits = self.runner.forward(out)
         except NonFiniteKVError as e:
             self.scheduler.rollback(out)
             changed.append(self._fail_at(out, e))

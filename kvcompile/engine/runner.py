@@ -50,9 +50,9 @@ class ModelRunner:
         self._call(ids, pos, keep)
         self.state.ensure_pool(self.device)
 
-    def forward(self, out: SchedulerOutput, feed=None) -> torch.Tensor:
-        """Logits [B, V] at the last scheduled token of each sequence of the step. feed: input
-        ids still on the device (engine/overlap.py `TokenFeed`), written over placeholders."""
+    def forward(self, out: SchedulerOutput) -> torch.Tensor:
+        """Logits [B, V] at the last scheduled token of each sequence of the step. `out.feed`:
+        input ids still on the device (engine/overlap.py `TokenFeed`), over placeholders."""
         ev = self.state.eviction
         # a decode step eviction needs nothing inside of: the decode kernel attends over the
         # stored slots (a CUDA graph where one applies); eviction runs after it, on the device
@@ -62,14 +62,14 @@ class ModelRunner:
         # what the step does for eviction inside it (H2O mass, re-rotated sinks: aside.py)
         inputs = ev.aside_inputs(sids, self.device) if aside else None
         if self.graphs is not None and self.graphs.usable(out, eviction_aside=aside):
-            logits = self.graphs.run(out, inputs, feed)
+            logits = self.graphs.run(out, inputs)
         else:
-            logits = self._eager(out, aside, inputs, feed)
+            logits = self._eager(out, aside, inputs)
         if aside:
             ev.after_decode_step([s.req.seq_id for s in out.seqs])
         return logits
 
-    def _eager(self, out: SchedulerOutput, aside: bool, inputs=None, feed=None) -> torch.Tensor:
+    def _eager(self, out: SchedulerOutput, aside: bool, inputs=None) -> torch.Tensor:
         seqs = out.seqs
         pool = self.pool
         ids, pos, cu, q_lens, past, lens = [], [], [0], [], [], []
@@ -106,8 +106,8 @@ class ModelRunner:
             plan.aside = AsideInputs(spec, *t)
         ctx = ForwardContext(self.state, None, plan=plan)
         ids_t = torch.tensor([ids], dtype=torch.long, device=dev)
-        if feed is not None:
-            feed.apply(ids_t[0])
+        if out.feed is not None:
+            out.feed.apply(ids_t[0])
         pos_t = torch.tensor([pos], dtype=torch.long, device=dev)
         keep = (cu_t[1:] - 1).to(dev, torch.long)
         with forward_context(ctx):

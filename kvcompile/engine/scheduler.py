@@ -53,6 +53,8 @@ class ScheduledSeq:
 class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # input ids still on the device (overlapped steps, engine/overlap.py `TokenFeed`)
+    feed: object = None
 
     @property
     def num_tokens(self) -> int:
