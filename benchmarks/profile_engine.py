@@ -157,9 +157,8 @@ def main():
     print("\n| mode | ms / decode step | % roofline | device busy | device idle | host blocked |"
           "\n|---|---|---|---|---|---|")
     for mode, ms, pct, pr in rows:
-        f = (lambda k: f"{pr[k]:.3f}" if k in pr else "-")
-        print(f"| {mode} | {ms:.3f} | {pct:.0f}% | {f('busy_ms')} | {f('idle_ms')} | "
-              f"{f('blocked_ms')} |")
+        cells = [f"{pr[k]:.3f}" if k in pr else "-" for k in ("busy_ms", "idle_ms", "blocked_ms")]
+        print(f"| {mode} | {ms:.3f} | {pct:.0f}% | " + " | ".join(cells) + " |")
     if len(tokens) == 2:
         a_, b_ = tokens.values()
         print(f"same tokens sync vs async: {a_ == b_}")
