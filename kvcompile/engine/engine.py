@@ -231,15 +231,13 @@ class Engine:
             self.eviction.set_sequence_policy(req.seq_id, req.params.eviction)
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request and free its pages; False if it is unknown or already finished."""
+        """Stop a request and free its pages; False if it is unknown or already finished. With
+        overlapped steps its token in flight, not yet delivered, is dropped."""
         with self._lock:
             req = self._requests.get(str(request_id))
             if req is None or req.finished:
                 return False
-            if req.unresolved:   # its last token is in flight: read it, as the sync loop has it
-                self._flush()
-                if req.finished:
-                    return False
+            # (a token of it still in flight is dropped: abort never waits for the device)
             self.scheduler.release(req)
             req.finish("abort")
             self._done(req)
@@ -457,7 +455,11 @@ class Engine:
     def _resolve(self, pending, changed: list[Request]) -> int:
         """Read a launched step's tokens (waiting for it) and take them as `_advance` does."""
         tokens, lps, ok = read_back(pending.read(), pending.params)
-        return self._take(pending.reqs, tokens, lps, ok, changed, pending.index, pending.upto)
+        taken = self._take(pending.reqs, tokens, lps, ok, changed, pending.index, pending.upto)
+        for req in pending.reqs:   # out of the queues now: the next schedule may follow at once
+            if req.finished:
+                self.scheduler.release(req)
+        return taken
 
     def _advance(self, out, logits, changed: list[Request]) -> int:
         rows, reqs, upto = self._sampled_rows(out)

@@ -24,6 +24,9 @@ synchronous loop does. The one difference: a step after a request stopped on a t
 read carries that request's row too (the other rows' arithmetic is row-wise, but a batch of
 another size may pick another GEMM kernel on CUDA, as vLLM's async scheduling accepts).
 
+An abort drops the aborted request's token in flight (it never waits for the device): its
+output is what it had delivered, one token short of the synchronous loop's at most.
+
 Some features need the host between steps and keep the synchronous loop (`sync_reason`, said
 once in `kvcompile.report` and counted in `EngineStats.sync_reasons`).
 """
