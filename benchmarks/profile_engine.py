@@ -142,13 +142,16 @@ def main():
             tn.append(t)
         step_ms = (statistics.median(tn) - t1) / (args.new - 1) * 1e3
         tokens[mode] = [o.token_ids for o in outs]
-        row = dict(decode_tok_s=args.batch / step_ms * 1e3)
-        bg.add_roofline(row, model, a, kvcompile.stats(model)["bytes_per_token"])
+        row = dict(decode_tok_s=args.batch / step_ms * 1e3, pct_roofline=float("nan"),
+                   roofline_ms=float("nan"))
+        if kvcompile.stats(model).get("bytes_per_token"):
+            bg.add_roofline(row, model, a, kvcompile.stats(model)["bytes_per_token"])
         host = [s.duration_s * 1e3 for s in eng.history
                 if not s.prefill_tokens and s.decode_tokens == args.batch]
         print(f"== {mode}: warm-up {warm:.1f} s, {step_ms:.3f} ms a decode step "
               f"({row['pct_roofline']:.0f}% of the {row['roofline_ms']:.3f} ms roofline), "
-              f"step() call p50 {statistics.median(host):.3f} ms; launched "
+              f"step() call p50 {statistics.median(host) if host else float('nan'):.3f} ms; "
+              f"launched "
               f"{eng.stats.launched_steps}, overlapped {eng.stats.overlapped_steps}, sync "
               f"reasons {eng.stats.sync_reasons}", flush=True)
         prof = {} if args.no_profile else step_table(eng, prompts, min(args.new, 32), mode)
