@@ -1,6 +1,7 @@
 """Where an Engine decode step goes, synchronous vs overlapped steps (issue 16 item 5).
 
     python benchmarks/profile_engine.py [--batch 16 --prompt 4096 --new 64 --modes sync,async]
+    python benchmarks/profile_engine.py --smoke    # CPU: a tiny model through every line
 
 bench_generate's model (8-layer Llama-3-8B shape, random bf16 weights) through
 `kvcompile.Engine` with fp8 pages, CUDA-graph decode steps, as bench_generate's engine_b. Per
@@ -55,10 +56,10 @@ def make_engine(model, a, B, async_steps: bool) -> Engine:
 
 def run(eng, prompts, n):
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    torch.cuda.synchronize()
+    bg.sync(eng.runner.device)
     t0 = time.perf_counter()
     outs = eng.generate(prompts, sp)
-    torch.cuda.synchronize()
+    bg.sync(eng.runner.device)
     return time.perf_counter() - t0, outs
 
 
@@ -67,8 +68,8 @@ def profiled(eng, prompts, n):
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
 
-    torch.cuda.synchronize()
-    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with prof(activities=acts) as p:
         wall, _ = run(eng, prompts, n)
     kernels, waits, launches = {}, 0.0, 0
     for e in p.events():
@@ -121,11 +122,16 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--modes", default="sync,async")
     ap.add_argument("--no-profile", action="store_true", help="step times only")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     args = ap.parse_args()
+    if args.smoke:
+        args.batch, args.prompt, args.new, args.layers = 3, 40, 8, 2
+        torch.set_num_threads(1)
     a = bg.parse_args(["--batch", str(args.batch), "--prompt", str(args.prompt), "--new",
-                       str(args.new), "--layers", str(args.layers)])
-    dev = torch.device("cuda")
-    model = bg.make_model(a, dev, torch.bfloat16)
+                       str(args.new), "--layers", str(args.layers)]
+                      + (["--smoke"] if args.smoke else []))
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    model = bg.make_model(a, dev, torch.float32 if args.smoke else torch.bfloat16)
     ids, _ = bg._inputs(a, dev, model.config.vocab_size)
     prompts = [row.tolist() for row in ids.cpu()]
     rows, tokens = [], {}
