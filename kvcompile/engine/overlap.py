@@ -24,6 +24,10 @@ synchronous loop does. The one difference: a step after a request stopped on a t
 read carries that request's row too (the other rows' arithmetic is row-wise, but a batch of
 another size may pick another GEMM kernel on CUDA, as vLLM's async scheduling accepts).
 
+A step after which nothing can run (every request ends at its read-back by a length limit,
+nothing waits) is read back in the call that queued it (`ends_here`): that call's outputs carry
+two tokens of each such request, and no step() call is left that only reads back.
+
 An abort drops the aborted request's token in flight (it never waits for the device): its
 output is what it had delivered, one token short of the synchronous loop's at most.
 
