@@ -97,10 +97,10 @@ def test_overlapped_steps_match_the_synchronous_loop(model):
         if w[2] is not None:
             torch.testing.assert_close(torch.tensor(g[2]), torch.tensor(w[2]), atol=atol,
                                        rtol=rtol)
-    assert fast.runner.graphs.replays - replays > 20
+    assert fast.runner.graphs.replays - replays > 10
     print(f"\nasync: {fast.stats.launched_steps} launched, {fast.stats.overlapped_steps} "
           f"overlapped of {fast.stats.steps} steps; sync reasons {fast.stats.sync_reasons}")
-    assert fast.stats.overlapped_steps > 20 and fast.stats.sync_reasons == {}
+    assert fast.stats.overlapped_steps > 10 and fast.stats.sync_reasons == {}
     fast.close()
     slow.close()
 
