@@ -15,7 +15,9 @@ Sections, each in its own try/except, within one deadline (`--budget-s`), printe
   kvc_bf16   same with bf16 pages: tokens vs hf_eager (free run, and teacher-forced)
   kvc_int4   same with K int4 per-channel / V int4 per-token pages of 64 (the 4-bit format)
   engine_b   the same B prompts through kvcompile.Engine (fp8 pages, one prefill step, decode
-             steps replayed from CUDA graphs); engine_b_nograph: the same without graphs
+             steps replayed from CUDA graphs); engine_b_nograph: the same without graphs;
+             engine_b_sync: the same with async_steps=False (each step reads its tokens
+             before the next is queued; engine_b overlaps them, engine/overlap.py)
   engine     Engine throughput / latency against concurrency (closed loop) -> PNG
   engine_evict_sink / engine_evict_snapkv   engine_b's setup with eviction at 50% of the
              prompt: SinkWindow(4, prompt/2 - 4) (original sink positions, so decode steps
@@ -403,7 +405,7 @@ def engine_curve(model, args, device, ctx, clock):
 
 
 def engine_batch(model, args, device, ctx, graphs: bool = True, eviction=None,
-                 sinks: str = "original"):
+                 sinks: str = "original", async_steps: bool = True):
     """The HF rows' setup through the Engine: the same B prompts at once, prefill steps of at
     most 128k tokens (one step up to B x prompt 4096), then decode steps (CUDA graphs unless
     `graphs` is False). tok/s = B x new / wall time of the whole `generate` (prefill
@@ -423,7 +425,7 @@ def engine_batch(model, args, device, ctx, graphs: bool = True, eviction=None,
         cfg = KVConfig(**{**cfg.__dict__, "eviction": eviction})
     eng = Engine(model, None, cfg, max_num_batched_tokens=min(B * ids.shape[1], 131072),
                  max_num_seqs=B, enable_prefix_caching=False, cuda_graphs=graphs,
-                 eviction_interval=args.evict_interval)
+                 eviction_interval=args.evict_interval, async_steps=async_steps)
     if eviction is not None and eng.eviction is not None:
         eng.eviction.sink_positions = sinks   # "cache": the sinks rotated inside the step
     prompts = [row.tolist() for row in ids.cpu()]
@@ -446,6 +448,7 @@ def engine_batch(model, args, device, ctx, graphs: bool = True, eviction=None,
     row = dict(label=f"kvcompile Engine, fp8 pages ({args.engine_scale} scale)"
                + (", CUDA-graph decode" if graphs else
                                                       ", no CUDA graphs")
+               + ("" if async_steps else ", synchronous steps")
                + (f", {type(eviction).__name__} 50%" if eviction is not None else "")
                + (" (sinks re-rotated)" if eviction is not None and sinks == "cache"
                   and type(eviction).__name__ == "SinkWindow" else ""),
@@ -459,7 +462,10 @@ def engine_batch(model, args, device, ctx, graphs: bool = True, eviction=None,
                graph_replays=g.replays if g is not None else 0,
                graph_captures=g.captures if g is not None else 0,
                captures_in_timed=(g.captures - captures0) if g is not None else 0,
-               graphs_off_because=g.why_not() if g is not None else "cuda_graphs=False")
+               graphs_off_because=g.why_not() if g is not None else "cuda_graphs=False",
+               launched_steps=eng.stats.launched_steps,
+               overlapped_steps=eng.stats.overlapped_steps,
+               sync_reasons=dict(eng.stats.sync_reasons))
     if eviction is not None:
         row.update(eviction_aside_steps=counters.get("eviction_aside_steps", 0),
                    eviction_device_runs=counters.get("eviction_device_runs", 0),
@@ -484,6 +490,12 @@ def engine_batch(model, args, device, ctx, graphs: bool = True, eviction=None,
         return row
     if counters.get("bytes_per_token"):
         add_roofline(row, model, args, counters["bytes_per_token"])
+    if not async_steps:   # against engine_b (overlapped steps), which runs first
+        row["same_tokens_as_engine_b"] = _match(toks, ctx.get("engine_tokens"))
+        row["x_engine_b_decode"] = (ctx["engine_b_decode"] / row["decode_tok_s"]
+                                    if ctx.get("engine_b_decode") else None)
+        eng.close()
+        return row
     ctx["engine_tokens" + ("" if graphs else "_nograph")] = toks
     if graphs:
         ctx["engine_b_decode"] = row["decode_tok_s"]
@@ -574,7 +586,7 @@ def main(argv=None) -> int:
     sections = args.sections.split(",")
     # rough minimum seconds each needs on the H200 (compiles included)
     need = dict(capacity=1, hf_eager=25, hf_static=90, kvc_fp8=80, kvc_bf16=70, kvc_int4=80, engine=60,
-                engine_b=40, engine_b_nograph=30, engine_evict_sink=60, engine_evict_snapkv=60,
+                engine_b=40, engine_b_nograph=30, engine_b_sync=40, engine_evict_sink=60, engine_evict_snapkv=60,
                 engine_evict_sink_rot=60, engine_evict_h2o=60)
     results, errors, ctx = {"env": env}, {}, {}
     model = None
@@ -593,6 +605,7 @@ def main(argv=None) -> int:
         kvc_int4=lambda: kvc(model, args, device, ctx, "int4"),
         engine_b=lambda: engine_batch(model, args, device, ctx),
         engine_b_nograph=lambda: engine_batch(model, args, device, ctx, graphs=False),
+        engine_b_sync=lambda: engine_batch(model, args, device, ctx, async_steps=False),
         engine_evict_sink=lambda: engine_batch(model, args, device, ctx,
                                                eviction=_half(args)["sink"]),
         engine_evict_snapkv=lambda: engine_batch(model, args, device, ctx,
@@ -626,7 +639,7 @@ def main(argv=None) -> int:
 
 def report(results, errors, args):
     gen = [results[k] for k in ("hf_eager", "hf_static", "kvc_fp8", "kvc_bf16", "kvc_int4", "engine_b",
-                                "engine_b_nograph") if k in results]
+                                "engine_b_sync", "engine_b_nograph") if k in results]
     base = results.get("hf_static", {}).get("tok_s")
     for r in gen:
         r["x_static"] = r["tok_s"] / base if base else None
@@ -638,11 +651,12 @@ def report(results, errors, args):
                       "ttft_x_static", "step_ms", "roofline_ms", "pct_roofline", "peak_gib",
                       "same_tokens_as_eager", "graphs", "reference_fallbacks", "graph_captures",
                       "graph_replays"]))
-    eng = [results[k] for k in ("engine_b", "engine_b_nograph") if k in results]
+    eng = [results[k] for k in ("engine_b", "engine_b_sync", "engine_b_nograph") if k in results]
     if eng:
         print(table(eng, ["label", "decode_step_ms_p50", "captures_in_timed", "graph_captures",
-                          "graph_replays", "graphs_off_because",
-                          "same_tokens_as_other_engine_row"]))
+                          "graph_replays", "graphs_off_because", "launched_steps",
+                          "overlapped_steps", "same_tokens_as_other_engine_row",
+                          "same_tokens_as_engine_b", "x_engine_b_decode"]))
     ev = [results[k] for k in ("engine_b", "engine_evict_sink", "engine_evict_snapkv",
                                "engine_evict_sink_rot", "engine_evict_h2o") if k in results]
     if len(ev) > 1:

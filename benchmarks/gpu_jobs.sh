@@ -25,6 +25,8 @@
 #   bash benchmarks/gpu_jobs.sh i4v_check i4v_bench   # cuda14h: int4 variants (pvt4n, pvt4nz, pvt4s, pvt4sz, pvt4sp) vs base / pvt4h
 #                                                     # (I4V_K, I4V_VARIANTS, I4V_FORMATS)
 #   PROF_ARGS="--steps" bash benchmarks/gpu_jobs.sh profile   # a decode step by part
+#   bash benchmarks/gpu_jobs.sh engine_overlap engine_profile engine_sync_bench   # Engine steps
+#                                   # overlapped vs synchronous (EP_ARGS="--batch 64 --prompt 2048")
 #   PB_ARGS=--quick bash benchmarks/gpu_jobs.sh prefill_bench  # the prefill matrix (bench_prefill)
 #   bash benchmarks/gpu_jobs.sh chunk_route   # gathered vs paged chunk route: tests + --chunk-only
 #   LQ_ARGS="--heads 16 --shapes B16_L8k,B64_L32k" bash benchmarks/gpu_jobs.sh latent_quick
@@ -129,6 +131,9 @@ job() {   # job NAME -> "LIMIT COMMAND"
     latent_bench)   echo "${LB_LIMIT:-300} python3 benchmarks/bench_latent_decode.py ${LB_ARGS:-}" ;;
     gen)            echo "${GEN_LIMIT:-360} python3 benchmarks/bench_generate.py --budget-s $(( ${GEN_LIMIT:-360} - 30 )) --out $OUT --sections ${GEN_SECTIONS:-hf_static,kvc_fp8,engine_b,engine_b_nograph} ${GEN_ARGS:-}" ;;
     profile)        echo "${PROF_LIMIT:-200} python3 benchmarks/profile_generate.py ${PROF_ARGS:-}" ;;
+    engine_overlap) echo "${EO_LIMIT:-220} python3 -m pytest -s -q -m gpu tests/gpu/test_engine_overlap_gpu.py -p no:cacheprovider" ;;
+    engine_profile) echo "${EP_LIMIT:-235} python3 benchmarks/profile_engine.py ${EP_ARGS:-}" ;;   # sync vs async steps, B16/P4096
+    engine_sync_bench) echo "${ES_LIMIT:-235} python3 benchmarks/bench_generate.py --budget-s $(( ${ES_LIMIT:-235} - 20 )) --out $OUT --sections ${ES_SECTIONS:-engine_b,engine_b_sync} ${ES_ARGS:-}" ;;
     capacity32k_pe) echo "${CAP_LIMIT:-240} python3 benchmarks/engine_capacity_eviction.py --long --device cuda --layers ${CAP_LAYERS:-1} --kv-heads ${CAP_HEADS:-1} --requests ${CAP_REQ:-24} --new ${CAP_NEW:-512} --cases ${CAP_CASES:-2,3,4,5} --prefill-eviction-chunk ${CAP_CHUNK:-4096} --step-tokens 4224 ${CAP_ARGS:-}" ;;   # evict19f: prompts evicted every 4,096 tokens
     capacity32k)    echo "${CAP_LIMIT:-240} python3 benchmarks/engine_capacity_eviction.py --long --device cuda --layers ${CAP_LAYERS:-1} --kv-heads ${CAP_HEADS:-1} --requests ${CAP_REQ:-24} --new ${CAP_NEW:-512} --cases ${CAP_CASES:-0,2,4,3,5} ${CAP_ARGS:-}" ;;
     *)              echo "" ;;

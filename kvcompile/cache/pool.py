@@ -366,7 +366,7 @@ class PagePool:
         if cow_src:
             self._copy_pages(cow_src, cow_dst)
         # one run per page, runs of distinct pages: write() may tell the writer so
-        self._reserved = _runs_to_slots(bases, lens).to(self.device)
+        self._reserved = _to_device(_runs_to_slots(bases, lens), self.device)
         return self._reserved
 
     # --- data --------------------------------------------------------------------------------
@@ -921,10 +921,19 @@ class PagePool:
 
     def _flush_table(self) -> None:
         if self._pending:
-            upd = torch.tensor([(r, c, p) for (r, c), p in self._pending.items()],
-                               dtype=torch.int64).to(self.device)  # [K, 3]: one transfer
+            upd = _to_device(torch.tensor([(r, c, p) for (r, c), p in self._pending.items()],
+                                          dtype=torch.int64), self.device)  # [K, 3]: one copy
             self._table[upd[:, 0], upd[:, 1]] = upd[:, 2].to(torch.int32)
             self._pending.clear()
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the pool's device. To CUDA through pinned memory, without blocking: a
+    pageable copy waits for every kernel queued before it, so a step's reserve() would wait for
+    the step before it (the engine's overlapped steps, engine/overlap.py)."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _takes_grouped(writer) -> bool:

@@ -107,8 +107,15 @@ class _Graph:
         self.spec = spec
         # int64 inputs in one buffer (one copy per step): ids | positions | slots | table rows
         # | eviction's mass rows | sink shifts | re-rotated sink counts | hidden slots [lo, hi)
-        self.host64 = torch.zeros(9 * bp, dtype=torch.int64, pin_memory=True)
-        self.host32 = torch.ones(bp, dtype=torch.int32, pin_memory=True)
+        # two pinned staging buffers, used in turn: with overlapped steps (engine/overlap.py)
+        # a step's host-to-device copy may still be queued when the next step writes its inputs
+        self._stages = []
+        for _ in range(2):
+            h64 = torch.zeros(9 * bp, dtype=torch.int64, pin_memory=True)
+            h32 = torch.ones(bp, dtype=torch.int32, pin_memory=True)
+            self._stages.append((h64, h32, h64.numpy(), h32.numpy()))
+        self._turn = 0
+        self.host64, self.host32, self.h64, self.h32 = self._stages[0]
         self.dev64 = torch.zeros(9 * bp, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(bp, dtype=torch.int32, device=device)
         self.ids = self.dev64[:bp].view(1, bp)
@@ -125,8 +132,12 @@ class _Graph:
         self.cu = torch.arange(bp + 1, dtype=torch.int32, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
-        self.h64 = self.host64.numpy()
-        self.h32 = self.host32.numpy()
+
+    def next_stage(self) -> None:
+        """Switch to the other staging buffer (whose last copy belongs to a step the host has
+        read back: at most one step is in flight when the next one is prepared)."""
+        self._turn ^= 1
+        self.host64, self.host32, self.h64, self.h32 = self._stages[self._turn]
 
     def plan(self) -> StepPlan:
         bp = self.bp
@@ -202,7 +213,7 @@ class DecodeGraphs:
     def run(self, out, inputs=None) -> torch.Tensor:
         """Logits [B, V] of a decode step (every sequence adds one token). inputs: eviction's
         (spec, mass rows, shifts, sink counts, hidden slots' lo, hi) of the step
-        (EvictionRuntime.aside_inputs)."""
+        (EvictionRuntime.aside_inputs). out.feed: ids still on the device (overlap.py)."""
         seqs = out.seqs
         n = len(seqs)
         bp = next(b for b in self.buckets if b >= n)
@@ -217,6 +228,7 @@ class DecodeGraphs:
             self.graphs = {k: g for k, g in self.graphs.items() if not k[1].mass_len}
             self._store = store
         g = self._graph_for(bp, spec)
+        g.next_stage()
         sids = [s.req.seq_id for s in seqs]
         slots, rows, lens = pool.decode_slots(sids)
         h64, h32 = g.h64, g.h32
@@ -234,6 +246,8 @@ class DecodeGraphs:
         if n < bp:  # padding rows: the scratch sequence, one slot each, one key seen
             self._pad(g, n)
         upload_plan(g, pool)
+        if out.feed is not None:   # after the host ids' copy: the device's tokens win
+            out.feed.apply(g.dev64[:n])
         g.graph.replay()
         self.replays += 1
         self.state.count("engine_cuda_graph_replays")

@@ -24,12 +24,12 @@ import zlib
 from collections import deque
 from collections.abc import Iterator
 
-from kvcompile.engine import faults, inputs
+from kvcompile.engine import faults, inputs, overlap
 from kvcompile.engine.params import RequestError, SamplingParams
 from kvcompile.engine.prefix_cache import PrefixCache, page_hashes
 from kvcompile.engine.request import Request, RequestOutput
 from kvcompile.engine.runner import ModelRunner
-from kvcompile.engine.sampling import make_generator, sample
+from kvcompile.engine.sampling import make_generator, pack, read_back, sample, sample_on_device
 from kvcompile.engine.scheduler import Scheduler
 from kvcompile.engine.stats import EngineStats, StepStats
 from kvcompile.errors import NonFiniteKVError
@@ -75,14 +75,21 @@ class Engine:
     Tensor parallelism (a model sharded over ranks, README "Multi-GPU"): one Engine per rank,
     each fed the same requests in the same order; every step's schedule is compared across the
     ranks before the forward (TensorParallelError when they differ) and rank 0's sampled tokens
-    are used on every rank."""
+    are used on every rank.
+
+    async_steps (default True): a step is queued on the device and the next one is scheduled
+    and queued before the first one's tokens are read back (engine/overlap.py); outputs are
+    those of the synchronous loop, each delivered one `step()` call later. Where a feature
+    needs the host between steps (repetition_penalty, eviction, tensor parallelism,
+    check_finite) those steps run synchronously; `kvcompile.report` says so once per reason
+    and `stats.sync_reasons` counts them. False: every step reads its tokens before returning."""
 
     def __init__(self, model, tokenizer=None, config=None, *, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 128, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute",
                  swap_space_bytes: int = 4 << 30, seed: int = 0, log_every: int = 0,
                  cuda_graphs: bool = True, eviction_interval: int = 1,
-                 prefill_eviction_chunk: int = 0):
+                 prefill_eviction_chunk: int = 0, async_steps: bool = True):
         from kvcompile.api import _STATE_ATTR
         from kvcompile.api import compile as kv_compile
 
@@ -96,6 +103,10 @@ class Engine:
             raise RequestError(f"Engine prefill_eviction_chunk={v!r}: must be an int >= 0 (0: "
                                f"a prompt attends in full and is evicted at its end)")
         self.prefill_eviction_chunk = v
+        if not isinstance(async_steps, bool):
+            raise RequestError(f"Engine async_steps={async_steps!r}: must be True or False")
+        self.overlap = async_steps
+        self._pending: overlap.PendingStep | None = None   # launched, tokens not read yet
         if preemption_mode not in ("recompute", "swap"):
             raise RequestError(f"Engine preemption_mode={preemption_mode!r}: allowed: "
                                f"'recompute', 'swap'")
@@ -220,11 +231,13 @@ class Engine:
             self.eviction.set_sequence_policy(req.seq_id, req.params.eviction)
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request and free its pages; False if it is unknown or already finished."""
+        """Stop a request and free its pages; False if it is unknown or already finished. With
+        overlapped steps its token in flight, not yet delivered, is dropped."""
         with self._lock:
             req = self._requests.get(str(request_id))
             if req is None or req.finished:
                 return False
+            # (a token of it still in flight is dropped: abort never waits for the device)
             self.scheduler.release(req)
             req.finish("abort")
             self._done(req)
@@ -236,18 +249,29 @@ class Engine:
 
     # -- driving --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, sample; the outputs of the requests that changed."""
+        """Schedule, run one forward, sample; the outputs of the requests that changed. With
+        overlapped steps (async_steps) the step is queued on the device and the outputs are
+        those of the step before it, read back once this one is queued."""
         with self._lock:
             t0 = time.perf_counter()
+            changed: list[Request] = []
+            generated = 0
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                overlap.hold_finished_by_length(self)
+                if not overlap.continuable(self):   # the synchronous loop's next step differs
+                    generated += self._resolve(pending, changed)
+                    pending = None
             out = self.scheduler.schedule()
             if self.state.tp is not None:   # before the forward: its all-reduces would hang
                 self._check_same_schedule(out)
-            changed: list[Request] = []
-            generated = 0
             if out.seqs:
-                generated = self._run(out, changed)
+                generated += self._run(out, changed, pending)
+            elif pending is not None:
+                generated += self._resolve(pending, changed)
             elif faults.stalled(self, out):
                 changed.append(faults.fail_unschedulable(self))
+            changed = list({id(r): r for r in changed}.values())
             for req in changed:
                 if req.finished:
                     self._done(req)
@@ -315,6 +339,7 @@ class Engine:
     def close(self) -> None:
         """Abort everything and drop the prefix cache: the engine's pages return to the pool."""
         with self._lock:
+            self._flush()   # (a launched step's kernels would write the pages freed below)
             for rid in list(self._requests):
                 self.abort(rid)
             if self.prefix_cache is not None:
@@ -323,9 +348,18 @@ class Engine:
                 self.runner.graphs.close()
 
     # -- internals ------------------------------------------------------------------------------
-    def _run(self, out, changed: list[Request]) -> int:
-        """The step's forward and sampling; a failure stays with its request (faults.py)."""
+    def _run(self, out, changed: list[Request], pending=None) -> int:
+        """The step's forward and sampling; a failure stays with its request (faults.py).
+        pending: the launched step before it (its tokens feed this step's placeholder ids);
+        read back here once this step is queued."""
+        reason = overlap.sync_reason(self, out)
+        if reason is not None:
+            self._note_sync(reason)
         try:
+            out.feed = overlap.feed_for(out, pending)
+            fed = len(out.feed.rows) if out.feed is not None else 0
+            assert fed == sum(1 for x in out.seqs if x.req.unresolved), \
+                "a placeholder input id is not fed from the device"
             logits = self.runner.forward(out)
         except NonFiniteKVError as e:
             self.scheduler.rollback(out)
@@ -333,46 +367,152 @@ class Engine:
             return 0
         except Exception as e:  # noqa: BLE001  (isolated to the request that causes it)
             self.scheduler.rollback(out)
+            if pending is not None:   # read it, then run the step as the synchronous loop does
+                return self._resolve(pending, changed) + self._retry_synchronously(changed)
             return faults.forward_failed(self, out, e, changed)
         except BaseException:   # KeyboardInterrupt and the like: the step did not happen
             self.scheduler.rollback(out)
+            if pending is not None:
+                self._resolve(pending, changed)
             raise
+        if reason is not None:
+            assert pending is None, "a synchronous step after a launched one"
+            return self._advance(out, logits, changed)
+        self._launch(out, logits)
+        generated = 0
+        if pending is not None:
+            self.stats.overlapped_steps += 1
+            generated = self._resolve(pending, changed)
+        if self._pending is not None and overlap.ends_here(self):
+            # nothing can run after it: read it now rather than in a step() of its own
+            generated += self._resolve(self._pending, changed)
+            self._pending = None
+        return generated
+
+    def _flush(self) -> None:
+        """Read the launched step back now (abort, close): its outputs are emitted."""
+        if self._pending is None:
+            return
+        changed: list[Request] = []
+        pending, self._pending = self._pending, None
+        self._resolve(pending, changed)
+        for req in changed:
+            if req.finished:
+                self._done(req)
+            self._emit(req)
+
+    def _retry_synchronously(self, changed: list[Request]) -> int:
+        out = self.scheduler.schedule()
+        if not out.seqs:
+            return 0
+        try:
+            logits = self.runner.forward(out)
+        except NonFiniteKVError as e:
+            self.scheduler.rollback(out)
+            changed.append(self._fail_at(out, e))
+            return 0
+        except Exception as e:  # noqa: BLE001
+            self.scheduler.rollback(out)
+            return faults.forward_failed(self, out, e, changed)
         return self._advance(out, logits, changed)
 
-    def _advance(self, out, logits, changed: list[Request]) -> int:
-        rows, reqs = [], []
+    def _sampled_rows(self, out) -> tuple[list[int], list[Request], list[int]]:
+        """The step's rows that reach their request's last token (and sample), their requests
+        and how many tokens each request has computed after the step."""
+        rows, reqs, upto = [], [], []
         for i, s in enumerate(out.seqs):
             s.req.num_computed = s.start + s.n
             if s.req.num_computed == s.req.num_tokens:
                 rows.append(i)
                 reqs.append(s.req)
+                upto.append(s.req.num_computed)
+        return rows, reqs, upto
+
+    def _sampling_inputs(self, logits, out, rows, reqs):
+        sel = logits if len(rows) == len(out.seqs) else logits[rows]
+        return (sel, [r.params for r in reqs], [r.generator for r in reqs],
+                [r.all_ids if r.params.repetition_penalty != 1.0 else [] for r in reqs],
+                [self._banned(r) for r in reqs])
+
+    def _launch(self, out, logits) -> None:
+        """Queue the step's sampling on the device and its read-back; each request that
+        sampled gets a placeholder output id (overlap.py)."""
+        rows, reqs, upto = self._sampled_rows(out)
+        if not rows:
+            return
+        inputs = self._sampling_inputs(logits, out, rows, reqs)
+        tokens, bad, lps = sample_on_device(*inputs)
+        host, ready = overlap.read_later(pack(tokens, bad, lps))
+        index = []
+        for r in reqs:
+            index.append(len(r.output_ids))
+            r.output_ids.append(overlap.PLACEHOLDER)
+            r.unresolved += 1
+        self._pending = overlap.PendingStep(out, reqs, index, inputs[1], upto, tokens, host,
+                                            ready)
+        self.stats.launched_steps += 1
+
+    def _resolve(self, pending, changed: list[Request]) -> int:
+        """Read a launched step's tokens (waiting for it) and take them as `_advance` does."""
+        tokens, lps, ok = read_back(pending.read(), pending.params)
+        taken = self._take(pending.reqs, tokens, lps, ok, changed, pending.index, pending.upto)
+        for req in pending.reqs:   # out of the queues now: the next schedule may follow at once
+            if req.finished:
+                self.scheduler.release(req)
+        return taken
+
+    def _advance(self, out, logits, changed: list[Request]) -> int:
+        rows, reqs, upto = self._sampled_rows(out)
         if not rows:
             return 0
-        sel = logits if len(rows) == len(out.seqs) else logits[rows]
-        banned = [self._banned(r) for r in reqs]
-        tokens, lps, ok = sample(sel, [r.params for r in reqs], [r.generator for r in reqs],
-                                 [r.all_ids if r.params.repetition_penalty != 1.0 else []
-                                  for r in reqs], banned)
+        tokens, lps, ok = sample(*self._sampling_inputs(logits, out, rows, reqs))
         if self.state.tp is not None:   # rank 0 samples for all (identical logits or not)
             tokens = self.state.tp.broadcast_tokens(tokens)
             ok = [t >= 0 for t in tokens]
+        return self._take(reqs, tokens, lps, ok, changed, [len(r.output_ids) for r in reqs],
+                          upto)
+
+    def _take(self, reqs, tokens, lps, ok, changed: list[Request], index: list[int],
+              upto: list[int]) -> int:
+        """Each request's sampled token (at output index `index`: a placeholder, or the next
+        id), its stop conditions; upto: its computed tokens after the step that sampled."""
         now = time.perf_counter()
-        for req, tok, lp, good in zip(reqs, tokens, lps, ok):
+        taken = 0
+        for req, i, n, tok, lp, good in zip(reqs, index, upto, tokens, lps, ok):
+            if req.finished:   # it stopped on the step before (overlapped): discarded
+                continue
             changed.append(req)
             if not good:
-                req.finish("error", f"non-finite logits at token {req.num_tokens} of request "
-                           f"{req.id}; this request was stopped, the others go on")
+                req.finish("error", f"non-finite logits at token {len(req.prompt_ids) + i} of "
+                           f"request {req.id}; this request was stopped, the others go on")
                 self.stats.requests_failed += 1
                 continue
-            self._register(req)
-            req.output_ids.append(tok)
+            self._register(req, n)
+            if i < len(req.output_ids):
+                assert req.output_ids[i] == overlap.PLACEHOLDER and \
+                    i == len(req.output_ids) - req.unresolved, "tokens read back out of order"
+                req.output_ids[i] = tok
+                req.unresolved -= 1
+            else:
+                req.output_ids.append(tok)
             if req.first_token_time is None:
                 req.first_token_time = now
             if req.logprobs is not None:
                 req.logprobs.append(lp)
             self._check_stop(req, tok)
-        self.stats.generated_tokens += sum(ok)
-        return sum(ok)
+            taken += 1
+        self.stats.generated_tokens += taken
+        return taken
+
+    def _note_sync(self, reason: str) -> None:
+        """A step runs synchronously for `reason`: counted, and said once in the report."""
+        r = self.stats.sync_reasons
+        r[reason] = r.get(reason, 0) + 1
+        if r[reason] == 1 and self.overlap:
+            note = f"engine: steps run synchronously, not overlapped ({reason})"
+            if note not in self.state.kernel_notes:
+                self.state.kernel_notes.append(note)
+                log.info("kvcompile %s", note)
 
     def _check_same_schedule(self, out) -> None:
         """Tensor parallelism: every rank runs its own scheduler over its own pool shard, fed
@@ -395,21 +535,22 @@ class Engine:
     def _check_stop(self, req: Request, tok: int) -> None:
         p = req.params
         stop_str = req.detok.add(tok) if req.detok is not None else None
-        n = len(req.output_ids)
+        n = len(req.output_ids) - req.unresolved
         if n >= p.min_tokens and stop_str is not None:
             req.finish("stop", stop_string=True)
         elif n >= p.min_tokens and (tok in p.stop_token_ids
                                     or (not p.ignore_eos and tok in self.eos_ids)):
             req.finish("stop")
-        elif n >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        elif n >= p.max_tokens or len(req.prompt_ids) + n >= self.max_model_len:
             req.finish("length")
 
-    def _register(self, req: Request) -> None:
-        """Offer the request's newly filled pages to the prefix cache."""
+    def _register(self, req: Request, computed: int) -> None:
+        """Offer the request's newly filled pages (of its first `computed` tokens) to the
+        prefix cache."""
         if self.prefix_cache is None or req.seq_id is None or req.evicts:
             return   # compaction rewrites an evicting sequence's pages in place
         P = self.pool.page_size
-        full = req.num_computed // P
+        full = computed // P
         if full <= req.num_registered:
             return
         req.page_hashes = page_hashes(req.tokens(0, full * P), P, req.page_hashes[:full])

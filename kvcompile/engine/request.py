@@ -77,6 +77,11 @@ class Request:
         self.finish_time: float | None = None
         self.detok = Detokenizer(tokenizer, self.prompt_ids, params) if tokenizer else None
         self._emitted_tokens = 0
+        # overlapped steps (engine/overlap.py): the last `unresolved` output ids are
+        # placeholders for tokens sampled on the device and not read back yet; `hold`: a
+        # length limit ends the request at the next read-back, so it is not scheduled
+        self.unresolved = 0
+        self.hold = False
 
     # -- tokens ---------------------------------------------------------------------------------
     @property
@@ -107,7 +112,20 @@ class Request:
             return self.output_ids[start - n:stop - n]
         return self.prompt_ids[start:] + self.output_ids[:stop - n]
 
+    @property
+    def resolved_ids(self) -> list[int]:
+        """Output ids read back on the host (without the overlapped step's placeholders)."""
+        return self.output_ids[:len(self.output_ids) - self.unresolved]
+
+    def drop_unresolved(self) -> None:
+        """Forget the placeholders: their tokens will never be read (the request ended)."""
+        if self.unresolved:
+            del self.output_ids[len(self.output_ids) - self.unresolved:]
+            self.unresolved = 0
+        self.hold = False
+
     def finish(self, reason: str, error: str | None = None, stop_string: bool = False) -> None:
+        self.drop_unresolved()
         if self.detok is not None and not stop_string:
             self.detok.flush()
         self.status = Status.FINISHED
@@ -118,13 +136,14 @@ class Request:
     # -- output ---------------------------------------------------------------------------------
     def output(self) -> RequestOutput:
         """The output since the last call (new tokens / text) and in all."""
-        new_ids = self.output_ids[self._emitted_tokens:]
-        self._emitted_tokens = len(self.output_ids)
+        ids = self.resolved_ids
+        new_ids = ids[self._emitted_tokens:]
+        self._emitted_tokens = len(ids)
         text, new_text = ("", "")
         if self.detok is not None:
             text, new_text = self.detok.text, self.detok.take_new(self.finished)
         return RequestOutput(
-            request_id=self.id, prompt_token_ids=self.prompt_ids, token_ids=list(self.output_ids),
+            request_id=self.id, prompt_token_ids=self.prompt_ids, token_ids=ids,
             new_token_ids=new_ids, text=text, new_text=new_text, finished=self.finished,
             finish_reason=self.finish_reason, error=self.error,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,

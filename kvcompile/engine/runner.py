@@ -51,7 +51,8 @@ class ModelRunner:
         self.state.ensure_pool(self.device)
 
     def forward(self, out: SchedulerOutput) -> torch.Tensor:
-        """Logits [B, V] at the last scheduled token of each sequence of the step."""
+        """Logits [B, V] at the last scheduled token of each sequence of the step. `out.feed`:
+        input ids still on the device (engine/overlap.py `TokenFeed`), over placeholders."""
         ev = self.state.eviction
         # a decode step eviction needs nothing inside of: the decode kernel attends over the
         # stored slots (a CUDA graph where one applies); eviction runs after it, on the device
@@ -105,6 +106,8 @@ class ModelRunner:
             plan.aside = AsideInputs(spec, *t)
         ctx = ForwardContext(self.state, None, plan=plan)
         ids_t = torch.tensor([ids], dtype=torch.long, device=dev)
+        if out.feed is not None:
+            out.feed.apply(ids_t[0])
         pos_t = torch.tensor([pos], dtype=torch.long, device=dev)
         keep = (cu_t[1:] - 1).to(dev, torch.long)
         with forward_context(ctx):

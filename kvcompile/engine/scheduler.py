@@ -53,6 +53,8 @@ class ScheduledSeq:
 class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # input ids still on the device (overlapped steps, engine/overlap.py `TokenFeed`)
+    feed: object = None
 
     @property
     def num_tokens(self) -> int:
@@ -123,7 +125,7 @@ class Scheduler:
             for req in list(self.running):
                 if budget <= 0:
                     break
-                if id(req) in done or req.status is not Status.RUNNING:
+                if id(req) in done or req.status is not Status.RUNNING or req.hold:
                     continue
                 if (req.to_compute == 1) != decode_pass:
                     continue
@@ -218,7 +220,7 @@ class Scheduler:
         """The common case in one reserve call (one host-to-device copy of slots): every
         running decode fits. Otherwise nothing is taken here and the per-request loop decides
         (and preempts)."""
-        reqs = [r for r in self.running if r.to_compute == 1][:budget]
+        reqs = [r for r in self.running if r.to_compute == 1 and not r.hold][:budget]
         if len(reqs) < 2:
             return budget
         try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -47,6 +47,10 @@ class EngineStats:
     generated_tokens: int = 0
     preemptions: int = 0
     busy_s: float = 0.0           # time inside step()
+    launched_steps: int = 0       # queued on the device, tokens read back a step later
+    overlapped_steps: int = 0     # queued before the step before them was read back
+    # steps run synchronously because a feature needs the host between steps (engine/overlap.py)
+    sync_reasons: dict[str, int] = field(default_factory=dict)
 
     @property
     def generated_per_s(self) -> float:
