@@ -178,12 +178,15 @@ class _Pool:
         return list(range(self.pages[sid]))
 
 
-def _req(sid, prompt, computed, out, max_tokens, evicts=True, peak=None):
+def _req(sid, prompt, computed, out, max_tokens, evicts=True, peak=None, keep=None,
+         every=0):
     from kvcompile.engine.request import Request
 
     r = Request(str(sid), list(range(prompt)), SamplingParams(max_tokens=max_tokens), None)
     r.seq_id, r.num_computed, r.output_ids = sid, computed, [1] * out
-    r.evicts, r.peak_tokens = evicts, peak
+    r.evicts, r.peak_tokens, r.evict_every = evicts, peak, every
+    # an evicting decoder at its budget unless told (it stores what its policy keeps)
+    r.keep_tokens = keep if keep is not None or not evicts else prompt
     return r
 
 
@@ -208,3 +211,51 @@ def test_lifetime_credit_of_ending_decodes(left, credit, fits):
     # decoders that keep every token are never counted as ending (they only grow)
     s.running = [_req(i, 40, 40 + 9 - left, 10 - left, 10, evicts=False) for i in (1, 2)]
     assert s._peaks_fit(new, 16) is False
+
+
+@pytest.mark.parametrize("case, fits", [
+    ("exact", True),          # 2 decoders at their budgets: a margin of 2 pages, not 20
+    ("watermark", False),     # Scheduler.exact_margin off: the 20-page watermark blocks it
+    ("below_budget", False),  # a decoder below its policy's budget still grows: watermark
+    ("plain", False),         # a decoder that keeps every token: watermark
+])
+def test_margin_beside_evicting_requests(case, fits):
+    """Pages of 8, a 20-page watermark (20% of 100), 30 free pages, two evicting decoders of
+    5 pages (40 tokens, their budget) ending in 10 steps (no credit in time), a 200-token
+    prompt of peak 25 pages starting with 2: 30 - 2 (its chunk) - 2 (margin) = 26 >= 23
+    owed. `_margin` replaces the watermark only when every running request evicts and
+    stores its policy's budget (`Scheduler._grows`); otherwise 30 - 2 - 20 = 8 < 23."""
+    from kvcompile.engine.scheduler import Scheduler
+
+    pool = _Pool(30, {1: 5, 2: 5})
+    s = Scheduler(pool, None, max_num_batched_tokens=32, max_num_seqs=8, watermark=0.2)
+    assert s.watermark == 20
+    s.exact_margin = case != "watermark"
+    keep = 80 if case == "below_budget" else None
+    s.running = [_req(1, 40, 40, 1, 11, keep=keep),
+                 _req(2, 40, 40, 1, 11, evicts=case != "plain")]
+    new = _req(99, 200, 0, 0, 10, peak=200)
+    assert s._margin(new) == (2 if fits else 20)
+    assert s._peaks_fit(new, 16) is fits
+
+
+@pytest.mark.parametrize("every, fits", [
+    (8, True),    # evicted every 8 tokens: it adds at most 2 pages a step, 10 by step 5
+    (0, False),   # evicted at its end: up to 5 pages a step, 15 owed by step 3 > 10 free
+])
+def test_prompt_growth_by_eviction_chunk(every, fits):
+    """Pages of 8, 32-token steps; a prompt of peak 25 pages starting with 2 (23 owed), 10
+    pages free past its chunk and the margin, two evicting decoders of 10 pages ending in 6
+    steps. A prompt evicted every 8 tokens computes at most 8 a step, so it needs 2j pages
+    by step j and the decoders' 20 pages come in time; one that may grow a step's budget a
+    step (5 pages) would need 15 by step 3."""
+    from kvcompile.engine.scheduler import Scheduler
+
+    pool = _Pool(10 + 2 + 2, {1: 10, 2: 10})
+    s = Scheduler(pool, None, max_num_batched_tokens=32, max_num_seqs=8, watermark=0.05)
+    s.running = [_req(i, 80, 80 + 4, 5, 10) for i in (1, 2)]
+    new = _req(99, 200, 0, 0, 10, peak=200, every=every)
+    assert s._margin(new) == 2
+    assert s._peaks_fit(new, 16) is fits
+    s.exact_margin = False   # the rule before: a step's budget a step, and the watermark
+    assert s._margin(new) == 5 and s._peaks_fit(new, 16) is False
