@@ -100,8 +100,8 @@ def skip_kept_attention(ev, kind) -> None:
         if layer not in ev.policies:
             return real(ctx, layer, q, plan, attn_mask, is_causal, window, softcap, scale,
                         extras, rows=rows, into=into)
-        if rows is not None:
-            return into   # the plain rows' output (zeros: NoAttention)
+        if rows is not None:   # the plain rows are NoAttention's zeros; these rows too
+            return into.zero_()   # (`into` may hold nothing yet for them: torch.empty)
         return q.new_zeros((*q.shape[:-1], ctx.state.pool.v[layer].head_dim),
                            dtype=torch.float32)
 
@@ -222,7 +222,12 @@ def run(args, kv, gran, residual, ratio, kind, budget_bytes) -> dict:
     prompts = [torch.randint(3, 512, (args.prompt,), generator=g).tolist()
                for _ in range(args.requests)]
     t0 = time.perf_counter()
-    eng.generate(prompts, SamplingParams(temperature=0, max_tokens=args.new, ignore_eos=True))
+    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=args.new,
+                                                ignore_eos=True))
+    bad = [(o.request_id, o.finish_reason, len(o.token_ids), o.error) for o in outs
+           if o.finish_reason != "length" or len(o.token_ids) != args.new]
+    if bad:   # every request must end by its max_tokens (an error would shorten the run)
+        raise SystemExit(f"requests that did not run to max_tokens: {bad}")
     running = [s.num_running for s in eng.history if s.decode_tokens]
     # decode steps with the queue not yet empty (the steady state: ramp-up included, drain not)
     queued = [s.num_running for s in eng.history if s.decode_tokens and s.num_waiting]
