@@ -209,6 +209,7 @@ def run(args, kv, gran, residual, ratio, kind, budget_bytes) -> dict:
     eng.scheduler.reserve_prefill = args.admission != "first-chunk"
     eng.scheduler.lifetime_credit = args.admission in ("lifetime", "lifetime-watermark")
     eng.scheduler.exact_margin = args.admission == "lifetime"
+    eng.scheduler.reserve_plain = args.plain_admission == "lifetime"
     if args.no_attention:
         from kvcompile.api import state_of
 
@@ -292,6 +293,12 @@ def main(argv=None) -> int:
                         "with the 1%% watermark kept beside evicting requests alone and "
                         "prompts growing a whole step budget a step (the rule before "
                         "cap19h: Scheduler.exact_margin off)")
+    p.add_argument("--plain-admission", default="first-chunk",
+                   choices=("first-chunk", "lifetime"),
+                   help="requests that keep every token (the bf16 baseline): admitted on "
+                        "their first chunk (the Engine's default: they overcommit the pool "
+                        "and are preempted) or by their whole life (Scheduler.reserve_plain: "
+                        "never preempted, as the evicting rows' admission)")
     p.add_argument("--kv-heads", type=int, default=8, choices=(1, 8),
                    help="kv heads (= query heads) of head_dim 128")
     p.add_argument("--no-kept-attention", action="store_true",
@@ -347,7 +354,8 @@ def table(a) -> list:
                transformers=transformers.__version__, prompt=a.prompt, new=a.new,
                requests=a.requests, budget_bytes=budget, layers=a.layers,
                kv_heads=a.kv_heads, no_attention=a.no_attention,
-               prefill_eviction_chunk=a.prefill_eviction_chunk, admission=a.admission),
+               prefill_eviction_chunk=a.prefill_eviction_chunk, admission=a.admission,
+               plain_admission=a.plain_admission),
           flush=True)
     rows = []
     cases = [int(x) for x in a.cases.split(",")]

@@ -91,6 +91,8 @@ class Scheduler:
         # evicting requests alone: the margin is their known growth, not the watermark
         # (`_margin`), and a prompt evicted every N tokens grows at most N a step
         self.exact_margin = True
+        # requests that keep every token admitted by their whole life (`_lifetimes_fit`)
+        self.reserve_plain = False
         self._in_flight: dict[int, int] = {}   # id(request) -> tokens scheduled this step
         self.max_model_len = 1 << 62   # (the engine sets its own)
 
@@ -164,6 +166,9 @@ class Scheduler:
                 self._start(req)
             n = self._chunk(req, budget)
             slots = None   # n == 0: a chunk that would end inside a page waits (`_chunk`)
+            if n and fresh and req.peak_tokens is None and self.reserve_plain and \
+                    self.running and not self._lifetimes_fit(req, n):
+                n = 0   # (opt-in: a request that keeps every token, admitted by its lifetime)
             if n and (not fresh or req.peak_tokens is None or not self.reserve_prefill
                       or not self.running or self._peaks_fit(req, n)):
                 # (an evicting prompt: room for its peak and the running prompts': docstring)
@@ -232,6 +237,28 @@ class Scheduler:
             if need > free + credit:
                 return False
         return True
+
+    def _lifetimes_fit(self, req: Request, n: int) -> bool:
+        """`reserve_plain` (opt-in; off by default): a request that keeps every token starts
+        only when the pages of its whole life (prompt + max_tokens) and what the running
+        requests that keep every token still add until theirs end fit in the free pages, so
+        none of them is ever preempted. Beside evicting requests it is not planned (True).
+        The capacity bench's bf16 baseline uses it: admitted on their first chunk, bf16
+        prompts overcommit the pool, are preempted and recomputed, and count as running
+        meanwhile (issue 19: 2.05 sequences "running" in a budget of 2)."""
+        P, pool = self.pool.page_size, self.pool
+
+        def life(r):
+            return -(-min(len(r.prompt_ids) + r.params.max_tokens, self.max_model_len) // P)
+
+        owe = life(req) - -(-n // P)
+        for r in self.running:
+            if r.seq_id is None:
+                continue
+            if r.evicts:
+                return True
+            owe += max(0, life(r) - len(pool.pages_of(r.seq_id)))
+        return owe <= pool.num_available - -(-n // P)
 
     def _prefill_end(self, r: Request, held: int) -> tuple[int | None, int]:
         """(steps until the last chunk of `r`'s prompt has run, the pages it owes afterwards

@@ -259,3 +259,21 @@ def test_prompt_growth_by_eviction_chunk(every, fits):
     assert s._peaks_fit(new, 16) is fits
     s.exact_margin = False   # the rule before: a step's budget a step, and the watermark
     assert s._margin(new) == 5 and s._peaks_fit(new, 16) is False
+
+
+@pytest.mark.parametrize("free, fits", [(15, True), (14, False)])
+def test_plain_requests_admitted_by_their_lifetime(free, fits):
+    """`reserve_plain` (opt-in): pages of 8; a running request that keeps every token, 40 +
+    24 tokens (8 pages in its life) holding 5; a new 80 + 16-token request (12 pages)
+    starting with a 16-token chunk (2 pages): it owes 10 more and the running one 3, so it
+    starts only with 2 + 13 = 15 free pages. Beside an evicting request it is not planned."""
+    from kvcompile.engine.scheduler import Scheduler
+
+    pool = _Pool(free, {1: 5})
+    s = Scheduler(pool, None, max_num_batched_tokens=32, max_num_seqs=8)
+    s.running = [_req(1, 40, 40, 1, 24, evicts=False)]
+    new = _req(99, 80, 0, 0, 16, evicts=False)
+    assert s._lifetimes_fit(new, 16) is fits
+    s.running.append(_req(2, 40, 40, 1, 24))   # an evicting one: the rule steps aside
+    pool.pages[2] = 1
+    assert s._lifetimes_fit(new, 16) is True
