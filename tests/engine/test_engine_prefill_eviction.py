@@ -277,3 +277,28 @@ def test_plain_requests_admitted_by_their_lifetime(free, fits):
     s.running.append(_req(2, 40, 40, 1, 24))   # an evicting one: the rule steps aside
     pool.pages[2] = 1
     assert s._lifetimes_fit(new, 16) is True
+
+
+@pytest.mark.parametrize("step_tokens, exact, fits", [
+    (40, True, True),     # the running prompt's last chunk is known: it gives a page back
+    (40, False, False),   # the rule before: growth a step budget a step, no give-back
+    (32, True, False),    # the chunks do not all fit a step: its end is not known
+])
+def test_running_prompt_gives_back_its_transient(step_tokens, exact, fits):
+    """Pages of 8, chunks of 16 (eviction every 16 tokens), budgets of 40 tokens (5 pages).
+    A running prompt of 160 tokens has computed 128 and holds its peak (8 pages): 2 chunks to
+    go, then it decodes at 5 + 2 pages (one page back). A new prompt of peak 12 pages starts
+    with 2 and owes 10 at 3 pages a step; 9 pages are free past its chunk and the margin of
+    the one decoder. It fits only with the give-back (10 - 1 = 9 by step 4), which needs every
+    prompt's chunk and the decode in one step (16 + 16 + 1 <= 40, not <= 32)."""
+    from kvcompile.engine.scheduler import Scheduler
+
+    pool = _Pool(9 + 1 + 2, {1: 5, 2: 8})
+    s = Scheduler(pool, None, max_num_batched_tokens=step_tokens, max_num_seqs=8)
+    s.exact_margin = exact
+    s.running = [_req(1, 40, 40, 1, 100),
+                 _req(2, 160, 128, 0, 10, peak=64, keep=40, every=16)]
+    new = _req(99, 200, 0, 0, 10, peak=96, keep=40, every=16)
+    assert s._margin(new) == 1
+    assert s._prefill_end(s.running[1], 8) == ((3, -1) if exact else (None, 0))
+    assert s._peaks_fit(new, 16) is fits
