@@ -82,6 +82,93 @@ class NoAttention(RuntimeHook):
                            dtype=torch.float32)
 
 
+def skip_kept_attention(ev, kind) -> None:
+    """--no-kept-attention (CPU, SinkWindow only): the evicted rows' attention over their kept
+    slots returns zeros too (it gathers and dequantizes every kept token of every row, each
+    step: most of a 32k run's CPU time). SinkWindow's choices depend on positions only (no
+    scores, no mass), so the schedule is the same; `--check-kept` compares it step by step
+    with the run that attends."""
+    if ev is None:
+        return
+    if kind not in ("sinkwindow", "sinkwindow-vfp4"):
+        raise SystemExit("--no-kept-attention: SinkWindow cases only (SnapKV / H2O choose by "
+                         "attention scores)")
+    real = ev.attend_kept
+
+    def attend_kept(ctx, layer, q, plan, attn_mask, is_causal, window, softcap, scale, extras,
+                    rows=None, into=None):
+        if layer not in ev.policies:
+            return real(ctx, layer, q, plan, attn_mask, is_causal, window, softcap, scale,
+                        extras, rows=rows, into=into)
+        if rows is not None:   # the plain rows are NoAttention's zeros; these rows too
+            return into.zero_()   # (`into` may hold nothing yet for them: torch.empty)
+        return q.new_zeros((*q.shape[:-1], ctx.state.pool.v[layer].head_dim),
+                           dtype=torch.float32)
+
+    ev.attend_kept = attend_kept
+
+
+def snapshot(eng, st) -> dict:
+    """One step of --decompose: each running request's phase and pages, after the step."""
+    pool = eng.pool
+    reqs = []
+    for r in eng.scheduler.running:
+        if r.seq_id is None:
+            continue
+        reqs.append((r.id, int(r.num_computed < len(r.prompt_ids)),
+                     len(pool.pages_of(r.seq_id)), pool.seq_len(r.seq_id)))
+    return dict(step=st.step, running=st.num_running, waiting=st.num_waiting,
+                decode=st.decode_tokens, prefill=st.prefill_tokens, free=pool.num_available,
+                finished=eng.stats.requests_finished,
+                reqs=reqs)
+
+
+def decompose(trace, eng, budget_bytes, ratio, args) -> dict:
+    """Where the pool's sequences go over the metric's steps (decode steps with requests
+    waiting), from the engine's own per-step state (`snapshot`), in sequence equivalents of
+    F = the pages one decoding sequence holds (median over those steps):
+        pool pages / F = decoding + prefilling                       (the metric: running)
+                         + (prefill pages / F - prefilling)           (prompts' transient)
+                         + (decoding pages / F - decoding)            (decoders above/below F)
+                         + free pages / F                             (admission waits)
+    exactly, step by step (every page is free or held by a running request)."""
+    import statistics as st
+
+    steps = [t for t in trace if t["decode"] and t["waiting"]]
+    if not steps:
+        return {}
+    dec_pages = [p for t in steps for _i, pre, p, _n in t["reqs"] if not pre]
+    F = st.median(dec_pages)
+    pool_pages = eng.pool.max_pages
+    rows = []
+    for t in steps:
+        d = sum(1 for r in t["reqs"] if not r[1])
+        p = sum(1 for r in t["reqs"] if r[1])
+        dp = sum(r[2] for r in t["reqs"] if not r[1])
+        pp = sum(r[2] for r in t["reqs"] if r[1])
+        rows.append((d, p, pp / F - p, dp / F - d, t["free"] / F,
+                     (pool_pages - dp - pp - t["free"]) / F))
+    m = [st.mean(c) for c in zip(*rows)]
+    first_end = next((t["step"] for t in trace if t["finished"]), None)
+    # the byte ceiling: the budget over one steady sequence's bytes (budget + 1 tokens)
+    toks = (int(args.prompt * ratio) + 1) if ratio else args.prompt + args.new
+    out = dict(F_pages=F, pool_pages=pool_pages, watermark=eng.scheduler.watermark,
+               byte_ceiling=budget_bytes / (eng.pool.bytes_per_token * toks),
+               page_ceiling=pool_pages / F, whole_seqs=pool_pages // F,
+               whole_seqs_past_watermark=(pool_pages - eng.scheduler.watermark) // F,
+               steps=len(steps), decoding=m[0], prefilling=m[1], running=m[0] + m[1],
+               prefill_transient=m[2], decoder_excess=m[3], free=m[4], unaccounted=m[5],
+               max_prefill_pages=max((r[2] for t in steps for r in t["reqs"] if r[1]),
+                                     default=0))
+    # the same over the steps after the first request ended (ramp-up excluded)
+    ended = [t for t in steps if t["step"] >= (first_end or 0)]
+    if first_end and ended:
+        out["after_first_end"] = dict(steps=len(ended), first_end_step=first_end,
+                                      running=st.mean(t["running"] for t in ended),
+                                      decoding=st.mean(t["decode"] for t in ended))
+    return out
+
+
 def model(args):
     import transformers
 
@@ -120,16 +207,28 @@ def run(args, kv, gran, residual, ratio, kind, budget_bytes) -> dict:
                  max_num_seqs=args.requests, enable_prefix_caching=False,
                  prefill_eviction_chunk=args.prefill_eviction_chunk)
     eng.scheduler.reserve_prefill = args.admission != "first-chunk"
-    eng.scheduler.lifetime_credit = args.admission == "lifetime"
+    eng.scheduler.lifetime_credit = args.admission in ("lifetime", "lifetime-watermark")
+    eng.scheduler.exact_margin = args.admission == "lifetime"
+    eng.scheduler.reserve_plain = args.plain_admission == "lifetime"
     if args.no_attention:
         from kvcompile.api import state_of
 
         state_of(m).hooks.insert(0, NoAttention())
+        if args.no_kept_attention:
+            skip_kept_attention(state_of(m).eviction, kind)
+    trace = []
+    if args.decompose:
+        eng.on_step.append(lambda st: trace.append(snapshot(eng, st)))
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (args.prompt,), generator=g).tolist()
                for _ in range(args.requests)]
     t0 = time.perf_counter()
-    eng.generate(prompts, SamplingParams(temperature=0, max_tokens=args.new, ignore_eos=True))
+    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=args.new,
+                                                ignore_eos=True))
+    bad = [(o.request_id, o.finish_reason, len(o.token_ids), o.error) for o in outs
+           if o.finish_reason != "length" or len(o.token_ids) != args.new]
+    if bad:   # every request must end by its max_tokens (an error would shorten the run)
+        raise SystemExit(f"requests that did not run to max_tokens: {bad}")
     running = [s.num_running for s in eng.history if s.decode_tokens]
     # decode steps with the queue not yet empty (the steady state: ramp-up included, drain not)
     queued = [s.num_running for s in eng.history if s.decode_tokens and s.num_waiting]
@@ -137,6 +236,7 @@ def run(args, kv, gran, residual, ratio, kind, budget_bytes) -> dict:
     decoding = [s.decode_tokens for s in eng.history if s.decode_tokens]
     decoding_q = [s.decode_tokens for s in eng.history if s.decode_tokens and s.num_waiting]
     pool = eng.pool
+    decomposition = decompose(trace, eng, budget_bytes, ratio, args) if args.decompose else None
     res = sum(t.res_data.numel() * t.res_data.element_size() for t in pool.k + pool.v
               if t.res_data is not None)
     fmt = f"{kv} ({gran}, P{page})" if not extra else f"K int4 ({gran}) / V fp4, P{page}"
@@ -152,6 +252,13 @@ def run(args, kv, gran, residual, ratio, kind, budget_bytes) -> dict:
                computed_tokens=eng.stats.computed_tokens,
                preemptions=eng.stats.preemptions, steps=eng.stats.steps,
                seconds=time.perf_counter() - t0)
+    if decomposition is not None:
+        row["decomposition"] = decomposition
+        if args.trace_out:
+            import json
+
+            with open(f"{args.trace_out}.case{kv}-{kind}.json", "w") as f:
+                json.dump(trace, f)
     eng.close()
     return row
 
@@ -177,14 +284,29 @@ def main(argv=None) -> int:
                    help="Engine(prefill_eviction_chunk=N): evicting prompts are evicted "
                         "after every N tokens (0: at their end only)")
     p.add_argument("--admission", default="lifetime",
-                   choices=("lifetime", "reserve", "first-chunk"),
+                   choices=("lifetime", "lifetime-watermark", "reserve", "first-chunk"),
                    help="lifetime (the Engine's default): an evicting prompt is admitted when "
                         "its peak fits beside the prompts in prefill, counting the pages of "
                         "evicting requests their max_tokens ends in time; reserve: the same "
                         "without that credit; first-chunk: when its first chunk fits (the "
-                        "rule before issue 19's evict19f)")
+                        "rule before issue 19's evict19f); lifetime-watermark: lifetime "
+                        "with the 1%% watermark kept beside evicting requests alone and "
+                        "prompts growing a whole step budget a step (the rule before "
+                        "cap19h: Scheduler.exact_margin off)")
+    p.add_argument("--plain-admission", default="first-chunk",
+                   choices=("first-chunk", "lifetime"),
+                   help="requests that keep every token (the bf16 baseline): admitted on "
+                        "their first chunk (the Engine's default: they overcommit the pool "
+                        "and are preempted) or by their whole life (Scheduler.reserve_plain: "
+                        "never preempted, as the evicting rows' admission)")
     p.add_argument("--kv-heads", type=int, default=8, choices=(1, 8),
                    help="kv heads (= query heads) of head_dim 128")
+    p.add_argument("--no-kept-attention", action="store_true",
+                   help="with --no-attention: the evicted rows' attention too (SinkWindow "
+                        "cases; the schedule is unchanged: see skip_kept_attention)")
+    p.add_argument("--decompose", action="store_true",
+                   help="per-step trace: where the pool's sequences go (see decompose)")
+    p.add_argument("--trace-out", default="", help="with --decompose: write the trace here")
     p.add_argument("--no-attention", action="store_true",
                    help="zeros for the plain path's attention (see the docstring)")
     p.add_argument("--long", action="store_true",
@@ -232,7 +354,8 @@ def table(a) -> list:
                transformers=transformers.__version__, prompt=a.prompt, new=a.new,
                requests=a.requests, budget_bytes=budget, layers=a.layers,
                kv_heads=a.kv_heads, no_attention=a.no_attention,
-               prefill_eviction_chunk=a.prefill_eviction_chunk, admission=a.admission),
+               prefill_eviction_chunk=a.prefill_eviction_chunk, admission=a.admission,
+               plain_admission=a.plain_admission),
           flush=True)
     rows = []
     cases = [int(x) for x in a.cases.split(",")]
@@ -258,6 +381,21 @@ def table(a) -> list:
               f"{r['queued_mean_running']:.2f} | {ratio(r, 'queued_mean_running')} | "
               f"{r['queued_mean_decoding']:.2f} | {ratio(r, 'queued_mean_decoding')} | "
               f"{r['preemptions']} | {r['computed_tokens']} | {res} |")
+    if any("decomposition" in r for r in rows):
+        print("\n| format | F (pages of a decoding seq) | byte ceiling | pool / F | whole seqs "
+              "(past watermark) | running | = decoding | + prefilling | prompts' transient | "
+              "decoders vs F | free | after first end: running / decoding |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            d = r.get("decomposition")
+            if not d:
+                continue
+            a = d.get("after_first_end", {})
+            print(f"| {r['format']}, {r['eviction']} | {d['F_pages']} | {d['byte_ceiling']:.2f} | "
+                  f"{d['page_ceiling']:.2f} | {d['whole_seqs']} ({d['whole_seqs_past_watermark']}) | "
+                  f"{d['running']:.2f} | {d['decoding']:.2f} | {d['prefilling']:.2f} | "
+                  f"{d['prefill_transient']:+.2f} | {d['decoder_excess']:+.2f} | {d['free']:.2f} | "
+                  f"{a.get('running', 0):.2f} / {a.get('decoding', 0):.2f} |")
     return rows
 
 

@@ -49,6 +49,10 @@
 #   bash benchmarks/gpu_jobs.sh capacity32k   # Engine capacity, 32k-token requests, 1 layer x 1 kv head of 128
 #                                             # (per layer and head: the same schedule; CAP_LAYERS=2 CAP_HEADS=8: 16x the work)
 #   bash benchmarks/gpu_jobs.sh capacity32k_pe  # the same, prompts evicted every 4,096 tokens (evict19f)
+#   CAP_CASES=2 CAP_CHUNK=1024 CAP_ARGS=--decompose bash benchmarks/gpu_jobs.sh capacity32k_pe
+#       # cap19h: fp8 with 1,024-token eviction chunks, and where the sequences go step by step;
+#       # CAP_CASES=0 CAP_ARGS="--decompose --plain-admission lifetime" ... capacity32k: the bf16
+#       # baseline admitted by its whole life (never preempted), as the evicting rows are
 #   bash benchmarks/gpu_jobs.sh quality_canary     # then, same warm machine: quality (see
 #                                                  # benchmarks/quality/gpu_stages.sh: the model
 #                                                  # travels in two halves, .kvc_gpu_a / _b)

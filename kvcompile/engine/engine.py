@@ -182,6 +182,7 @@ class Engine:
             if evicts:
                 req.evict_every = self.prefill_eviction_chunk
                 req.peak_tokens = peak
+                req.keep_tokens = self._keep_tokens(params)
             self._requests[rid] = req
             self.scheduler.add(req)
             self.stats.requests_added += 1
@@ -224,6 +225,18 @@ class Engine:
         # (+ a page: a window evicted without moving tokens hides some in a page it keeps)
         return min(n, max(budget_of(p) for p in pols) + self.prefill_eviction_chunk
                    + self.pool.page_size)
+
+    def _keep_tokens(self, params: SamplingParams) -> int | None:
+        """The most tokens an evicting request stores once evicted (its policies' largest
+        budget), or None where a layer keeps every token (the scheduler's margin,
+        `Scheduler._margin`: a decoder below it still grows)."""
+        from kvcompile.eviction.policies import budget_of
+
+        if len(self.eviction.policies) < len(self.state.layer_specs):
+            return None
+        pols = (list(self.eviction.policies.values()) if params.eviction == "model"
+                else [params.eviction])
+        return max(budget_of(p) for p in pols)
 
     def _on_start(self, req: Request) -> None:
         """The scheduler gave `req` a new pool sequence: its eviction policy follows it."""

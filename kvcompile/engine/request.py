@@ -68,6 +68,8 @@ class Request:
         # its tokens (0: at its end only); `peak_tokens`: what it stores at most meanwhile
         self.evict_every = 0
         self.peak_tokens: int | None = None
+        # the most tokens its policies keep once evicted (None: a layer keeps every token)
+        self.keep_tokens: int | None = None
         self.logprobs: list[float] | None = [] if params.logprobs else None
         self.finish_reason: str | None = None
         self.error: str | None = None

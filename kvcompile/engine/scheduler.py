@@ -90,6 +90,12 @@ class Scheduler:
         # the pages of evicting requests that their max_tokens ends in time (`_peaks_fit`)
         self.reserve_prefill = True
         self.lifetime_credit = True
+        # evicting requests alone: the margin is their known growth, not the watermark
+        # (`_margin`), and a prompt evicted every N tokens grows at most N a step
+        self.exact_margin = True
+        # requests that keep every token admitted by their whole life (`_lifetimes_fit`)
+        self.reserve_plain = False
+        self._in_flight: dict[int, int] = {}   # id(request) -> tokens scheduled this step
         self.max_model_len = 1 << 62   # (the engine sets its own)
 
     # -- queues ---------------------------------------------------------------------------------
@@ -148,6 +154,7 @@ class Scheduler:
                 budget -= n
         if out.preempted:
             return out  # no admissions while the running ones do not fit
+        self._in_flight = {id(q.req): q.n for q in out.seqs}   # (`_prefill_end`)
         # 3. swapped-out requests come back first
         while self.swapped and len(self.running) < self.max_seqs:
             if not self._swap_in(self.swapped[0]):
@@ -161,10 +168,13 @@ class Scheduler:
                 self._start(req)
             n = self._chunk(req, budget)
             slots = None   # n == 0: a chunk that would end inside a page waits (`_chunk`)
+            if n and fresh and req.peak_tokens is None and self.reserve_plain and \
+                    self.running and not self._lifetimes_fit(req, n):
+                n = 0   # (opt-in: a request that keeps every token, admitted by its lifetime)
             if n and (not fresh or req.peak_tokens is None or not self.reserve_prefill
                       or not self.running or self._peaks_fit(req, n)):
                 # (an evicting prompt: room for its peak and the running prompts': docstring)
-                slots = self._reserve(req, n, keep=self.watermark if self.running else 0)
+                slots = self._reserve(req, n, keep=self._margin(req) if self.running else 0)
             if slots is None:
                 if fresh:
                     self.pool.free([req.seq_id])
@@ -188,11 +198,18 @@ class Scheduler:
         planned for beyond the watermark (their decodes: a page per page_size steps each)."""
         P, pool = self.pool.page_size, self.pool
         have = pool.seq_len(req.seq_id)
-        free = (pool.num_available - self.watermark
+        free = (pool.num_available - self._margin(req)
                 - (-(-(have + n) // P) - -(-have // P)))
         if free < 0:
             return False
-        owe = [max(0, -(-req.peak_tokens // P) - -(-(have + n) // P))]
+        g = -(-self.max_tokens // P) + 1   # pages a prompt may add in one step
+
+        def rate(r):   # a prompt evicted every N tokens computes at most N of them a step
+            return min(g, -(-r.evict_every // P) + 1) if self.exact_margin and r.evict_every \
+                else g
+
+        # (pages owed at the peak, pages a step, steps to its last chunk, pages owed after)
+        owe = [(max(0, -(-req.peak_tokens // P) - -(-(have + n) // P)), rate(req), None, 0)]
         ends: list[tuple[int, int]] = []   # (steps until its pages are free, pages)
         plain = 0                          # decoding requests that keep every token
         for r in self.running:
@@ -200,21 +217,100 @@ class Scheduler:
                 continue
             if r.num_computed < len(r.prompt_ids):
                 if r.peak_tokens is not None:
-                    owe.append(max(0, -(-r.peak_tokens // P) - len(pool.pages_of(r.seq_id))))
+                    held = len(pool.pages_of(r.seq_id))
+                    owe.append((max(0, -(-r.peak_tokens // P) - held), rate(r),
+                                *self._prefill_end(r, held)))
             elif not r.evicts:
                 plain += 1
-            elif self.lifetime_credit:
-                left = min(r.params.max_tokens - len(r.output_ids),
-                           self.max_model_len - r.num_tokens)
-                ends.append((max(left, 0) + 1, len(pool.pages_of(r.seq_id))))
-        g = -(-self.max_tokens // P) + 1   # pages a prompt may add in one step
-        steps = max(-(-o // g) for o in owe)
+            else:
+                if self.exact_margin and self._grows(r):
+                    plain += 1   # (an evicting decoder below its budget grows as they do)
+                if self.lifetime_credit:
+                    left = min(r.params.max_tokens - len(r.output_ids),
+                               self.max_model_len - r.num_tokens)
+                    ends.append((max(left, 0) + 1, len(pool.pages_of(r.seq_id))))
+        if not self._chunks_every_step(req, owe):
+            owe = [(o, r, None, 0) for o, r, _e, _a in owe]
+        steps = max(-(-o // r) for o, r, _e, _a in owe)
         for j in range(1, steps + 1):
-            need = sum(min(o, j * g) for o in owe) + plain * -(-j // P)
+            need = sum(min(o, j * r) if e is None or j < e else min(o, a)
+                       for o, r, e, a in owe) + plain * -(-j // P)
             credit = sum(pages for end, pages in ends if end <= j)
             if need > free + credit:
                 return False
         return True
+
+    def _lifetimes_fit(self, req: Request, n: int) -> bool:
+        """`reserve_plain` (opt-in; off by default): a request that keeps every token starts
+        only when the pages of its whole life (prompt + max_tokens) and what the running
+        requests that keep every token still add until theirs end fit in the free pages, so
+        none of them is ever preempted. Beside evicting requests it is not planned (True).
+        The capacity bench's bf16 baseline uses it: admitted on their first chunk, bf16
+        prompts overcommit the pool, are preempted and recomputed, and count as running
+        meanwhile (issue 19: 2.05 sequences "running" in a budget of 2)."""
+        P, pool = self.pool.page_size, self.pool
+
+        def life(r):
+            return -(-min(len(r.prompt_ids) + r.params.max_tokens, self.max_model_len) // P)
+
+        owe = life(req) - -(-n // P)
+        for r in self.running:
+            if r.seq_id is None:
+                continue
+            if r.evicts:
+                return True
+            owe += max(0, life(r) - len(pool.pages_of(r.seq_id)))
+        return owe <= pool.num_available - -(-n // P)
+
+    def _prefill_end(self, r: Request, held: int) -> tuple[int | None, int]:
+        """(steps until the last chunk of `r`'s prompt has run, the pages it owes afterwards
+        beyond the `held` ones, negative where it gives pages back): a prompt evicted every N
+        tokens (N whole pages) computes one N-token chunk a step while `_chunks_every_step`
+        (counting the chunk this step already scheduled), then decodes at its policy's budget
+        (`Request.keep_tokens`: its pages, plus one a window hides and one its decode step
+        adds). (None, 0) where that is not known."""
+        P, N = self.pool.page_size, r.evict_every
+        if not (self.exact_margin and N and N % P == 0 and r.keep_tokens is not None):
+            return None, 0
+        done = r.num_computed + self._in_flight.get(id(r), 0)   # (this step's chunk too)
+        chunks = -(-len(r.prompt_ids) // N) - done // N
+        return chunks + 1, -(-r.keep_tokens // P) + 2 - held   # (< 0: it gives pages back)
+
+    def _chunks_every_step(self, req: Request, owe) -> bool:
+        """Whether every prompt in prefill (and the new one) gets its whole chunk each step:
+        their chunks and one token per running request fit in the step's budget (decodes,
+        then prompts in prefill, are scheduled before any admission)."""
+        chunks = sum(r.evict_every for r in self.running
+                     if r.seq_id is not None and r.num_computed < len(r.prompt_ids))
+        decodes = sum(1 for r in self.running
+                      if r.seq_id is not None and r.num_computed >= len(r.prompt_ids))
+        return (all(e is not None for _o, _r, e, _a in owe[1:])
+                and chunks + (req.evict_every or self.max_tokens) + decodes <= self.max_tokens)
+
+    def _margin(self, req: Request) -> int:
+        """Pages an admission leaves free for the running requests' next step. The watermark
+        (1% of the pool) covers what requests that keep every token may add; when `req` and
+        every running request evict (`exact_margin`), what they add is known: a decoding
+        evicting sequence stores one token before its eviction (at most one new page a step),
+        and the prompts in prefill are planned by their peaks (`_peaks_fit`). At issue 19's
+        32k shape the 1% watermark was 83 fp8 pages, most of the room a prompt's chunk needs
+        beside 8 decoders."""
+        if not (self.exact_margin and req.evicts
+                and not any(self._grows(r) for r in self.running)):
+            return self.watermark
+        decoders = sum(1 for r in self.running
+                       if r.seq_id is not None and r.num_computed >= len(r.prompt_ids))
+        return max(1, min(self.watermark, decoders))   # (never more than the watermark)
+
+    def _grows(self, r: Request) -> bool:
+        """A running request whose decodes add pages over the steps: one that keeps every
+        token, or an evicting one that stores fewer tokens than its policy keeps (a prompt
+        shorter than its budget)."""
+        if not r.evicts or r.keep_tokens is None:
+            return True
+        if r.seq_id is None or r.num_computed < len(r.prompt_ids):
+            return False   # a prompt in prefill: planned by its peak (`_peaks_fit`)
+        return self.pool.seq_len(r.seq_id) < r.keep_tokens
 
     def _decode_all(self, out: SchedulerOutput, done: set[int], budget: int) -> int:
         """The common case in one reserve call (one host-to-device copy of slots): every

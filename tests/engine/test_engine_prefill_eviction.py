@@ -178,12 +178,15 @@ class _Pool:
         return list(range(self.pages[sid]))
 
 
-def _req(sid, prompt, computed, out, max_tokens, evicts=True, peak=None):
+def _req(sid, prompt, computed, out, max_tokens, evicts=True, peak=None, keep=None,
+         every=0):
     from kvcompile.engine.request import Request
 
     r = Request(str(sid), list(range(prompt)), SamplingParams(max_tokens=max_tokens), None)
     r.seq_id, r.num_computed, r.output_ids = sid, computed, [1] * out
-    r.evicts, r.peak_tokens = evicts, peak
+    r.evicts, r.peak_tokens, r.evict_every = evicts, peak, every
+    # an evicting decoder at its budget unless told (it stores what its policy keeps)
+    r.keep_tokens = keep if keep is not None or not evicts else prompt
     return r
 
 
@@ -208,3 +211,94 @@ def test_lifetime_credit_of_ending_decodes(left, credit, fits):
     # decoders that keep every token are never counted as ending (they only grow)
     s.running = [_req(i, 40, 40 + 9 - left, 10 - left, 10, evicts=False) for i in (1, 2)]
     assert s._peaks_fit(new, 16) is False
+
+
+@pytest.mark.parametrize("case, fits", [
+    ("exact", True),          # 2 decoders at their budgets: a margin of 2 pages, not 20
+    ("watermark", False),     # Scheduler.exact_margin off: the 20-page watermark blocks it
+    ("below_budget", False),  # a decoder below its policy's budget still grows: watermark
+    ("plain", False),         # a decoder that keeps every token: watermark
+])
+def test_margin_beside_evicting_requests(case, fits):
+    """Pages of 8, a 20-page watermark (20% of 100), 30 free pages, two evicting decoders of
+    5 pages (40 tokens, their budget) ending in 10 steps (no credit in time), a 200-token
+    prompt of peak 25 pages starting with 2: 30 - 2 (its chunk) - 2 (margin) = 26 >= 23
+    owed. `_margin` replaces the watermark only when every running request evicts and
+    stores its policy's budget (`Scheduler._grows`); otherwise 30 - 2 - 20 = 8 < 23."""
+    from kvcompile.engine.scheduler import Scheduler
+
+    pool = _Pool(30, {1: 5, 2: 5})
+    s = Scheduler(pool, None, max_num_batched_tokens=32, max_num_seqs=8, watermark=0.2)
+    assert s.watermark == 20
+    s.exact_margin = case != "watermark"
+    keep = 80 if case == "below_budget" else None
+    s.running = [_req(1, 40, 40, 1, 11, keep=keep),
+                 _req(2, 40, 40, 1, 11, evicts=case != "plain")]
+    new = _req(99, 200, 0, 0, 10, peak=200)
+    assert s._margin(new) == (2 if fits else 20)
+    assert s._peaks_fit(new, 16) is fits
+
+
+@pytest.mark.parametrize("every, fits", [
+    (8, True),    # evicted every 8 tokens: it adds at most 2 pages a step, 10 by step 5
+    (0, False),   # evicted at its end: up to 5 pages a step, 15 owed by step 3 > 10 free
+])
+def test_prompt_growth_by_eviction_chunk(every, fits):
+    """Pages of 8, 32-token steps; a prompt of peak 25 pages starting with 2 (23 owed), 10
+    pages free past its chunk and the margin, two evicting decoders of 10 pages ending in 6
+    steps. A prompt evicted every 8 tokens computes at most 8 a step, so it needs 2j pages
+    by step j and the decoders' 20 pages come in time; one that may grow a step's budget a
+    step (5 pages) would need 15 by step 3."""
+    from kvcompile.engine.scheduler import Scheduler
+
+    pool = _Pool(10 + 2 + 2, {1: 10, 2: 10})
+    s = Scheduler(pool, None, max_num_batched_tokens=32, max_num_seqs=8, watermark=0.05)
+    s.running = [_req(i, 80, 80 + 4, 5, 10) for i in (1, 2)]
+    new = _req(99, 200, 0, 0, 10, peak=200, every=every)
+    assert s._margin(new) == 2
+    assert s._peaks_fit(new, 16) is fits
+    s.exact_margin = False   # the rule before: a step's budget a step, and the watermark
+    assert s._margin(new) == 5 and s._peaks_fit(new, 16) is False
+
+
+@pytest.mark.parametrize("free, fits", [(15, True), (14, False)])
+def test_plain_requests_admitted_by_their_lifetime(free, fits):
+    """`reserve_plain` (opt-in): pages of 8; a running request that keeps every token, 40 +
+    24 tokens (8 pages in its life) holding 5; a new 80 + 16-token request (12 pages)
+    starting with a 16-token chunk (2 pages): it owes 10 more and the running one 3, so it
+    starts only with 2 + 13 = 15 free pages. Beside an evicting request it is not planned."""
+    from kvcompile.engine.scheduler import Scheduler
+
+    pool = _Pool(free, {1: 5})
+    s = Scheduler(pool, None, max_num_batched_tokens=32, max_num_seqs=8)
+    s.running = [_req(1, 40, 40, 1, 24, evicts=False)]
+    new = _req(99, 80, 0, 0, 16, evicts=False)
+    assert s._lifetimes_fit(new, 16) is fits
+    s.running.append(_req(2, 40, 40, 1, 24))   # an evicting one: the rule steps aside
+    pool.pages[2] = 1
+    assert s._lifetimes_fit(new, 16) is True
+
+
+@pytest.mark.parametrize("step_tokens, exact, fits", [
+    (40, True, True),     # the running prompt's last chunk is known: it gives a page back
+    (40, False, False),   # the rule before: growth a step budget a step, no give-back
+    (32, True, False),    # the chunks do not all fit a step: its end is not known
+])
+def test_running_prompt_gives_back_its_transient(step_tokens, exact, fits):
+    """Pages of 8, chunks of 16 (eviction every 16 tokens), budgets of 40 tokens (5 pages).
+    A running prompt of 160 tokens has computed 128 and holds its peak (8 pages): 2 chunks to
+    go, then it decodes at 5 + 2 pages (one page back). A new prompt of peak 12 pages starts
+    with 2 and owes 10 at 3 pages a step; 9 pages are free past its chunk and the margin of
+    the one decoder. It fits only with the give-back (10 - 1 = 9 by step 4), which needs every
+    prompt's chunk and the decode in one step (16 + 16 + 1 <= 40, not <= 32)."""
+    from kvcompile.engine.scheduler import Scheduler
+
+    pool = _Pool(9 + 1 + 2, {1: 5, 2: 8})
+    s = Scheduler(pool, None, max_num_batched_tokens=step_tokens, max_num_seqs=8)
+    s.exact_margin = exact
+    s.running = [_req(1, 40, 40, 1, 100),
+                 _req(2, 160, 128, 0, 10, peak=64, keep=40, every=16)]
+    new = _req(99, 200, 0, 0, 10, peak=96, keep=40, every=16)
+    assert s._margin(new) == 1
+    assert s._prefill_end(s.running[1], 8) == ((3, -1) if exact else (None, 0))
+    assert s._peaks_fit(new, 16) is fits
