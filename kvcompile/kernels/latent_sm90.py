@@ -50,6 +50,13 @@ WARP_COUNTS = (4, 8)   # warps a CTA: 4 (16 tokens a warp in the scores) or 8 (8
 # 64 KB of shared memory (fewer ring stages)
 VARIANTS = {"base": 0, "aluk": 1, "aluv": 2, "alu": 3, "wide": 4}
 WIDE = 4
+FP8_BITS = 7          # the bits above that mean something for fp8 latent pages only
+PROF = 8              # profile=: per-CTA timers (latent_decode.cuh LAT_VAR_PROF)
+FMERGE = 16           # fused_merge=True: the last CTA of each head block merges the splits
+RESCALE = 32          # always_rescale=True: O rescaled every tile (before mla22k), an A/B
+PROF_SLOTS = 12       # latent_decode.cuh LAT_PROF_SLOTS
+PROF_NAMES = ("t_entry", "t_q", "t_tile0", "t_loop", "t_stored", "t_merged", "smid", "tiles",
+              "cyc_wait", "cyc_scores", "cyc_softmax", "cyc_pv")
 
 
 class LatentParams(ctypes.Structure):  # latent_decode.cuh LatentParams, field for field
@@ -57,7 +64,7 @@ class LatentParams(ctypes.Structure):  # latent_decode.cuh LatentParams, field f
         "q", "c", "r", "cs", "rs", "bt", "seq_lens", "out", "acc", "ml")] + [
         (n, ctypes.c_longlong) for n in ("stride_qb", "stride_qh", "stride_bt")] + [
         (n, ctypes.c_int) for n in ("H", "num_splits", "tiles_per_split", "direct")] + [
-        ("qk_scale", ctypes.c_float)]
+        ("qk_scale", ctypes.c_float), ("prof", ctypes.c_void_p), ("cnt", ctypes.c_void_p)]
 
 
 def _round(x: int, m: int) -> int:
@@ -100,7 +107,7 @@ def kernel_constants(ck: int, rk: int, r: int, dr: int, page: int, qt: int,
     ns, smem, ctas = geometry(ck, rk, r, dr, page, stages, warps, bool(var & WIDE))
     defines = {"KVC_CK": ck, "KVC_RK": rk, "KVC_R": r, "KVC_DR": dr,
                "KVC_LOG2P": page.bit_length() - 1, "KVC_NS": ns, "KVC_QT": qt,
-               "KVC_LVAR": var if ck < 2 else 0, "KVC_LW": warps}
+               "KVC_LVAR": var if ck < 2 else var & ~FP8_BITS, "KVC_LW": warps}
     return defines, ctas, smem
 
 
@@ -176,21 +183,50 @@ class Launch:
     acc: torch.Tensor    # [B, S, H, R] (out when direct)
     ml: torch.Tensor     # [B, S, H, 2] (out when direct)
     num_splits: int
+    fused: bool = False  # the kernel merges its splits (LAT_VAR_FMERGE)
 
     @property
     def direct(self) -> bool:
         return self.num_splits == 1
 
+    @property
+    def merged(self) -> bool:
+        """out holds the result once the kernel ran (one split, or the fused merge)."""
+        return self.direct or self.fused
+
+
+_arrivals: dict = {}
+
+
+def arrivals(device: torch.device, n: int) -> torch.Tensor:
+    """The fused merge's arrival counters (int32 [>= n], zero between launches: the merging
+    CTA sets its counter back to 0), one buffer a device, grown (to a new zeroed buffer) when a
+    launch needs more. Launches on one stream only (two streams would share counters); a
+    buffer first made during a CUDA graph capture would belong to that graph's pool, so
+    callers make it before capturing (a call outside the capture does)."""
+    key = (device.type, device.index)
+    buf = _arrivals.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+        _arrivals[key] = buf
+    return buf
+
 
 def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: float,
                      num_splits: int | None = None, stages: int | None = None,
                      sms: int = 132, variant: str = "base", warps: int = WARPS,
-                     poison: bool = False) -> Launch:
+                     poison: bool = False, profile: torch.Tensor | None = None,
+                     fused_merge: bool = False, always_rescale: bool = False) -> Launch:
     """The launch for these inputs (any device: the emulation plans CPU tensors).
     stages: ring stages of half a tile (None: as many as fit one CTA an SM; 4 lets fp8 pages
     run two CTAs an SM); variant: VARIANTS (a bit that changes nothing for these pages is
     dropped); warps: WARP_COUNTS (8: two warps a scheduler at one CTA an SM); poison (tests):
-    the output and the splits' partials filled with NaN first."""
+    the output and the splits' partials filled with NaN first; profile: an int64 tensor of at
+    least grid CTAs x PROF_SLOTS elements, the per-CTA timers' destination (LAT_VAR_PROF; one
+    cubin more); fused_merge: the splits merged by the kernel's last CTA a head block (an
+    arrival counter, `arrivals`, instead of merge_launch's second launch); always_rescale
+    (benchmarks): O rescaled in every tile, as before mla22k (now only tiles that raise a row's
+    max do; bit-identical)."""
     from kvcompile.kernels.latent_decode import _check
 
     _check(q_lat, c_pages, r_pages, block_tables, seq_lens)
@@ -204,8 +240,9 @@ def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: flo
     if variant not in VARIANTS:
         raise UnsupportedShapeError(f"latent_decode_sm90: unknown variant {variant!r}; take one "
                                     f"of {sorted(VARIANTS)}")
-    key = (ck, rk, R, DR, P, _QT[q_lat.dtype], stages, VARIANTS[variant] if ck < 2 else 0,
-           warps)
+    var = ((VARIANTS[variant] if ck < 2 else 0) | (PROF if profile is not None else 0)
+           | (FMERGE if fused_merge else 0) | (RESCALE if always_rescale else 0))
+    key = (ck, rk, R, DR, P, _QT[q_lat.dtype], stages, var, warps)
     _, ctas, _ = kernel_constants(*key)
     hbs = (H + 15) // 16
     max_len = block_tables.shape[1] * P
@@ -227,10 +264,17 @@ def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: flo
     if poison:   # tests: an element the kernel does not write stays NaN
         for t in (out, acc, ml):
             t.fill_(float("nan"))
+    grid = (B * hbs, num_splits, 1)
+    if profile is not None and (profile.dtype != torch.int64 or not profile.is_contiguous()
+                                or profile.numel() < grid[0] * grid[1] * PROF_SLOTS):
+        raise UnsupportedShapeError(f"latent_decode_sm90: profile needs a contiguous int64 "
+                                    f"tensor of >= {grid[0] * grid[1] * PROF_SLOTS} elements")
+    cnt = arrivals(dev, B * hbs) if fused_merge and num_splits > 1 else None
     tensors = {"q": q, "c": c_pages.data, "r": r_pages.data,
                "cs": c_pages.scale if ck < 2 else None, "rs": r_pages.scale if rk < 2 else None,
                "bt": block_tables, "seq_lens": seq_lens, "out": out,
-               "acc": None if num_splits == 1 else acc, "ml": None if num_splits == 1 else ml}
+               "acc": None if num_splits == 1 else acc, "ml": None if num_splits == 1 else ml,
+               "prof": profile, "cnt": cnt}
 
     def ptr(name):
         t = tensors[name]
@@ -239,8 +283,8 @@ def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: flo
     prm = LatentParams(ptr("q"), ptr("c"), ptr("r"), ptr("cs"), ptr("rs"), ptr("bt"),
                        ptr("seq_lens"), ptr("out"), ptr("acc"), ptr("ml"),
                        q.stride(0), q.stride(1), block_tables.stride(0), H, num_splits, tps,
-                       int(num_splits == 1), float(scale) * _LOG2E)
-    return Launch(key, (B * hbs, num_splits, 1), prm, tensors, out, acc, ml, num_splits)
+                       int(num_splits == 1), float(scale) * _LOG2E, ptr("prof"), ptr("cnt"))
+    return Launch(key, grid, prm, tensors, out, acc, ml, num_splits, bool(fused_merge))
 
 
 _kernels: dict = {}
@@ -276,11 +320,14 @@ def merge_splits(acc: torch.Tensor, ml: torch.Tensor) -> torch.Tensor:
 def latent_decode_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: float,
                        num_splits: int | None = None, stages: int | None = None,
                        variant: str = "base", warps: int = WARPS,
-                       merge: bool = True, poison: bool = False) -> torch.Tensor:
+                       merge: bool = True, poison: bool = False,
+                       profile: torch.Tensor | None = None,
+                       fused_merge: bool = False, always_rescale: bool = False) -> torch.Tensor:
     """See the module docstring. q_lat [B, H, R + DR] -> [B, H, R] fp32, on an sm_90 GPU.
     merge False (benchmarks only: the kernel timed without the merge launch): the splits'
     partials are left unmerged and the returned tensor is not the output when splits > 1.
-    poison (tests): the output and the partials are filled with NaN before the launch."""
+    poison (tests): the output and the partials are filled with NaN before the launch.
+    profile, fused_merge, always_rescale: as plan_latent_sm90."""
     from kvcompile.kernels import decode_sm90
     from kvcompile.kernels.latent_decode import merge_launch, sm_count
 
@@ -289,13 +336,14 @@ def latent_decode_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: f
         raise UnsupportedShapeError(f"latent_decode_sm90: {why}; use "
                                     f"latent_decode.latent_decode_attention (Triton)")
     lp = plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale, num_splits,
-                          stages, sm_count(q_lat.device), variant, warps, poison)
+                          stages, sm_count(q_lat.device), variant, warps, poison, profile,
+                          fused_merge, always_rescale)
     _kernel(lp.key).launch(lp.grid, warps * 32, lp.prm, q_lat.device)
-    if merge and not lp.direct:
+    if merge and not lp.merged:
         merge_launch(lp.acc, lp.ml, lp.out, lp.num_splits)
     return lp.out
 
 
-__all__ = ["KERNEL_CALL", "VARIANTS", "WARP_COUNTS", "Launch", "LatentParams", "choose_splits",
+__all__ = ["KERNEL_CALL", "PROF_NAMES", "VARIANTS", "arrivals", "WARP_COUNTS", "Launch", "LatentParams", "choose_splits",
            "geometry", "kernel_constants", "latent_decode_sm90", "merge_splits",
            "plan_latent_sm90", "unsupported", "use_cuda"]

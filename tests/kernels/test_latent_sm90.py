@@ -209,3 +209,29 @@ def test_builds_for_sm90_without_spills(key, tmp_path, monkeypatch):
     fp8 = key[0] < 2
     latent = {0: 256, 1: 128, 2: 128, 3: 0, 4: 128}[key[7]] if fp8 else 0
     assert unpack == (latent + (16 if key[1] < 2 else 0)) * 4 // warps, unpack
+
+
+@pytest.mark.skipif(not build_emu.available()[0], reason="g++ not found")
+def test_fused_merge_and_profile():
+    """fused_merge (the last CTA of each head block merges the splits; mla22k) with the per-CTA
+    timers on (one g++ build): 20 heads (a partial second head block), 3 splits over [300, 17]
+    (an empty split), outputs poisoned; the arrival counters are back at 0 after the launch;
+    every CTA's timers in order and its tile count. Negative: a head block's counter left at 1
+    (its merge then runs one CTA early, before the last split's partials) fails the bound."""
+    c_fmt, r_fmt, heads, lens, page, splits = "bf16", "bf16", 20, [300, 17], 16, 3
+    pool, plan, q, ref = _case(c_fmt, r_fmt, heads, lens, page)
+    ctas = len(lens) * 2 * splits
+    prof = torch.zeros(ctas * ls.PROF_SLOTS, dtype=torch.int64)
+    out = _emulate(pool, plan, q, lens, num_splits=splits, fused_merge=True, profile=prof)
+    assert rel_err(out, ref) <= _bound(c_fmt)
+    cnt = ls.arrivals(torch.device("cpu"), 4)
+    assert cnt[:4].tolist() == [0, 0, 0, 0]
+    p = prof.view(ctas, ls.PROF_SLOTS)
+    times = p[:, [0, 1, 3, 4, 5]]   # entry, q, loop end, stored, merged (tile 0: CTAs with tiles)
+    assert bool((times[:, 1:] >= times[:, :-1]).all()) and bool((times[:, 0] > 0).all())
+    # tiles a CTA: 5 tiles of sequence 0 over 3 splits of 2 -> 2, 2, 1; sequence 1: 1, 0, 0
+    assert p[:, 7].view(2, 2, splits)[:, 0].tolist() == [[2, 2, 1], [1, 0, 0]]
+    cnt[1] = 1   # sequence 0, head block 1
+    bad = _emulate(pool, plan, q, lens, num_splits=splits, fused_merge=True)
+    cnt.zero_()
+    assert not rel_err(bad[0, 16:], ref[0, 16:]) <= _bound(c_fmt)

@@ -56,6 +56,8 @@ struct LatentParams {
   long long stride_qb, stride_qh, stride_bt;
   int H, num_splits, tiles_per_split, direct;
   float qk_scale;        // scale * log2(e)
+  unsigned long long* prof;  // [grid, LAT_PROF_SLOTS] (variant bit LAT_VAR_PROF), else null
+  int* cnt;              // [B * head blocks] arrivals, zero between launches (LAT_VAR_FMERGE)
 };
 
 namespace kvc {
@@ -133,9 +135,76 @@ __device__ __forceinline__ uint32_t lat_cvt8(uint32_t x) {
 #endif
 }
 
+struct float4v { float x, y, z, w; };
+constexpr int LAT_PROF_SLOTS = 12;
+
 // 16 bytes to shared memory (a plain store, as P's: ordered by the kernel's barriers)
 __device__ __forceinline__ void lat_sts128(uint8_t* p, const uint4& v) {
   *reinterpret_cast<uint4*>(p) = v;
+}
+
+// LAT_VAR_PROF's clocks: the global timer (ns, comparable across SMs), the SM's cycle counter,
+// the SM id. The emulation counts calls instead (monotonic, so the recorded order is checked).
+__device__ __forceinline__ unsigned long long lat_gtimer() {
+#ifdef KVC_EMU
+  static unsigned long long n = 0;
+  return ++n;
+#else
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+#endif
+}
+__device__ __forceinline__ long long lat_clock() {
+#ifdef KVC_EMU
+  static long long n = 0;
+  return ++n;
+#else
+  return clock64();
+#endif
+}
+__device__ __forceinline__ unsigned lat_smid() {
+#ifdef KVC_EMU
+  return 0;
+#else
+  unsigned r;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(r));
+  return r;
+#endif
+}
+// LAT_VAR_FMERGE: the arrival count (returns the value before), the fence, and L1-bypassing
+// loads of the other CTAs' partials (their lines were never in this SM's L1, but .cg says so).
+// The emulation runs CTAs one after another, so plain memory is enough there.
+__device__ __forceinline__ int lat_arrive(int* c) {
+#ifdef KVC_EMU
+  return (*c)++;
+#else
+  return atomicAdd(c, 1);
+#endif
+}
+__device__ __forceinline__ void lat_fence() {
+#ifndef KVC_EMU
+  __threadfence();
+#endif
+}
+__device__ __forceinline__ float4v lat_ldcg4(const float* p) {
+#ifdef KVC_EMU
+  return float4v{p[0], p[1], p[2], p[3]};
+#else
+  float4v v;
+  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  return v;
+#endif
+}
+__device__ __forceinline__ float lat_ldcg(const float* p) {
+#ifdef KVC_EMU
+  return *p;
+#else
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+#endif
 }
 
 // WIDE: where 16-byte unit u of a widened latent row `row` lives in it. Rows are 16 mod 128
@@ -180,7 +249,20 @@ __device__ __forceinline__ void lat_kfrag(const uint4& w, int h, uint32_t& b0, u
 //     64 KB of shared memory (fewer ring stages) and 32 STS.128 a thread a tile.
 #define LAT_VAR_ALU_K 1
 #define LAT_VAR_ALU_V 2
+//   LAT_VAR_PROF (any pages; the launcher's profile=...): thread 0 of each CTA records, into
+//     p.prof[CTA][LAT_PROF_SLOTS] (CTA = blockIdx.x * splits + blockIdx.y): the global timer
+//     (ns) at entry, q in shared memory, tile 0 landed, the loop's end, the partials stored,
+//     the fused merge done (0 when none); the SM id; the CTA's tiles; warp 0's cycles
+//     (clock64, summed over tiles) waiting for a tile (cp.async wait + barrier), scoring it
+//     (to the row maxima), in the softmax (two barriers), and issuing P V. For finding a
+//     launch's fixed part (benchmarks/bench_latent_decode.py --cuda base:prof).
+//   LAT_VAR_FMERGE (any pages; fused_merge=True): the splits merged by the last CTA of each
+//     (sequence, head block) to store its partials (an atomic arrival count in p.cnt, which
+//     that CTA sets back to 0), instead of a second launch (latent_decode.merge_launch).
 #define LAT_VAR_WIDE 4
+#define LAT_VAR_PROF 8
+#define LAT_VAR_FMERGE 16
+#define LAT_VAR_RESCALE 32  // every tile rescales O (the kernel before mla22k; benchmarks' A/B)
 
 template <int CK, int RK, int R, int DR, int LOG2P, int NS, int QT, int VAR = 0, int LW = 4>
 __device__ __forceinline__ void latent_decode(const LatentParams& p) {
@@ -192,8 +274,11 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
   constexpr float K_ALU = ALUK && CK == KVC_E4M3 ? 256.f : 1.f;
   constexpr bool ALUV = (VAR & LAT_VAR_ALU_V) && Gm::CEB == 1 && !WIDE;
   constexpr float V_ALU = ALUV && CK == KVC_E4M3 ? 256.f : 1.f;  // 2^8 back into P
+  constexpr bool PROF = VAR & LAT_VAR_PROF, FMERGE = VAR & LAT_VAR_FMERGE;
   constexpr int P = Gm::P, D = R + DR;
   const float NEG_INF = -INFINITY;
+  unsigned long long pt[6] = {PROF ? lat_gtimer() : 0ull, 0ull, 0ull, 0ull, 0ull, 0ull};
+  long long pc[4] = {0, 0, 0, 0}, ck0 = 0, ck1 = 0;  // PROF: warp 0's phase cycles
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -347,6 +432,7 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
       lat_sts128(qs + f * 16, uint4{a0.x, a1.x, a0.y, a1.y});
     }
   }
+  if constexpr (PROF) pt[1] = lat_gtimer();
 
   // WIDE: the lane's store offsets in its widened rows and its value units' positions
   // (lat_wpos without the row parity, which is known where each load is)
@@ -365,9 +451,18 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
   const float qk = p.qk_scale;
 
   for (int it = 0; it < ntiles; ++it) {
+    if constexpr (PROF) {
+      ck0 = lat_clock();
+      if (it > 0) pc[3] += ck0 - ck1;
+    }
     // committed so far: NS - 2 + 2 it groups; half tiles 2 it and 2 it + 1 must have landed
     cp_wait<NS - 4>();
     __syncthreads();  // tile `it` landed for every thread; every warp is done with it - 1
+    if constexpr (PROF) {
+      ck1 = lat_clock();
+      pc[0] += ck1 - ck0;
+      if (it == 0) pt[2] = lat_gtimer();
+    }
     issue(2 * it + NS - 2, pid_a);  // into the stages tile it - 1 used
     issue(2 * it + NS - 1, pid_b);
     load_pids(2 * it + NS, pid_a);
@@ -475,6 +570,10 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    if constexpr (PROF) {
+      ck0 = lat_clock();
+      pc[1] += ck0 - ck1;
+    }
     if (t == 0) {
       red[warp * 16 + g] = mx0;
       red[warp * 16 + g + 8] = mx1;
@@ -487,31 +586,46 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
     }
     // every row sees the tile's first token: mx is finite unless q is not
     const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    // O and l are rescaled only in tiles that raise some row's max (every warp sees the same
+    // maxima, so the branch is uniform over the CTA): exp2(0) is exactly 1, so skipping is
+    // bit-identical; past the first tiles most tiles skip 64 FMULs a thread (fp8: ~6% of the
+    // loop's issue slots, mla22k)
+    const bool grow = __any_sync(0xffffffffu, n0 > m0 || n1 > m1);
     const float a0 = m0 == NEG_INF ? 0.f : exp2f(m0 - n0);
     const float a1 = m1 == NEG_INF ? 0.f : exp2f(m1 - n1);
     m0 = n0;
     m1 = n1;
-    l0 *= a0;
-    l1 *= a1;
+    float lsum0 = 0.f, lsum1 = 0.f;
 #pragma unroll
     for (int j = 0; j < Gm::NTW; ++j) {
       const float p0 = exp2f(x[j][0] - m0), p1 = exp2f(x[j][1] - m0);
       const float p2 = exp2f(x[j][2] - m1), p3 = exp2f(x[j][3] - m1);
-      l0 += p0 + p1;
-      l1 += p2 + p3;
+      lsum0 += p0 + p1;
+      lsum1 += p2 + p3;
       const int col = 2 * (Gm::TW * warp + 8 * j + 2 * t);  // byte offset of the token pair
       *reinterpret_cast<uint32_t*>(ps + g * Gm::PROWB + col) = pack2<CBF>(p0 * cf[j], p1 * cf[j]);
       *reinterpret_cast<uint32_t*>(ps + (g + 8) * Gm::PROWB + col) =
           pack2<CBF>(p2 * cf[j], p3 * cf[j]);
     }
+    if (grow || (VAR & LAT_VAR_RESCALE)) {
+      l0 = l0 * a0 + lsum0;
+      l1 = l1 * a1 + lsum1;
 #pragma unroll
-    for (int n = 0; n < Gm::NT; ++n) {
-      o[n][0] *= a0;
-      o[n][1] *= a0;
-      o[n][2] *= a1;
-      o[n][3] *= a1;
+      for (int n = 0; n < Gm::NT; ++n) {
+        o[n][0] *= a0;
+        o[n][1] *= a0;
+        o[n][2] *= a1;
+        o[n][3] *= a1;
+      }
+    } else {
+      l0 += lsum0;
+      l1 += lsum1;
     }
     __syncthreads();  // P of the whole tile
+    if constexpr (PROF) {
+      ck1 = lat_clock();
+      pc[2] += ck1 - ck0;
+    }
 
     // ---- O[:, warp's columns] += P V, V = the tile's latent rows (tokens as k)
 #pragma unroll
@@ -584,6 +698,10 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
     }
   }
   cp_wait<0>();
+  if constexpr (PROF) {
+    if (ntiles > 0) pc[3] += lat_clock() - ck1;
+    pt[3] = lat_gtimer();
+  }
 
   // ---- the warps' partial row sums (same max m in every warp), then O out
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
@@ -624,6 +742,66 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
     if (!p.direct && warp == 0 && t == 0) {
       p.ml[row * 2] = m;
       p.ml[row * 2 + 1] = lsum;
+    }
+  }
+  if constexpr (PROF) pt[4] = lat_gtimer();
+
+  // ---- LAT_VAR_FMERGE: the last of the S CTAs of (b, head block) to arrive merges them (as
+  // latent_decode.py's merge kernel and latent_sm90.merge_splits: empty splits weigh 0)
+  if constexpr (FMERGE) {
+    if (!p.direct) {
+      lat_fence();      // this CTA's partials visible device-wide before it counts itself in
+      __syncthreads();  // ... every thread's; and every warp is past its reads of red
+      int* flag = reinterpret_cast<int*>(red);
+      if (tid == 0) flag[0] = lat_arrive(p.cnt + blockIdx.x) == S - 1;
+      __syncthreads();
+      if (flag[0]) {
+        lat_fence();
+        float* wsh = reinterpret_cast<float*>(ring);  // [16][S]: weight / denominator
+        if (tid < 16 && h0 + tid < H) {
+          const long long r0 = (long long)b * S * H + h0 + tid;  // split s: r0 + s H
+          float top = NEG_INF;
+          for (int s = 0; s < S; ++s) top = fmaxf(top, lat_ldcg(p.ml + (r0 + s * H) * 2));
+          const float base = top > NEG_INF ? top : 0.f;
+          float den = 0.f;
+          for (int s = 0; s < S; ++s) {
+            const float ms = lat_ldcg(p.ml + (r0 + s * H) * 2);
+            const float w = ms > NEG_INF ? exp2f(ms - base) : 0.f;
+            wsh[tid * S + s] = w;
+            den += w * lat_ldcg(p.ml + (r0 + s * H) * 2 + 1);
+          }
+          const float inv = den > 0.f ? 1.f / den : 0.f;
+          for (int s = 0; s < S; ++s) wsh[tid * S + s] *= inv;
+        }
+        __syncthreads();
+        constexpr int C4 = R / 4;  // 4-float column groups a row
+        for (int i = tid; i < 16 * C4; i += LW * 32) {
+          const int rr = i / C4, c4 = i % C4, h = h0 + rr;
+          if (h >= H) break;  // rows are in order: the rest are past H too
+          const float* src = p.acc + ((long long)b * S * H + h) * R + 4 * c4;
+          float4v a{0.f, 0.f, 0.f, 0.f};
+          for (int s = 0; s < S; ++s) {
+            const float w = wsh[rr * S + s];
+            const float4v v = lat_ldcg4(src + (long long)s * H * R);
+            a.x += w * v.x;
+            a.y += w * v.y;
+            a.z += w * v.z;
+            a.w += w * v.w;
+          }
+          *reinterpret_cast<float4v*>(p.out + ((long long)b * H + h) * R + 4 * c4) = a;
+        }
+        if (tid == 0) p.cnt[blockIdx.x] = 0;  // ready for the next launch
+      }
+    }
+    if constexpr (PROF) pt[5] = lat_gtimer();
+  }
+  if constexpr (PROF) {
+    if (tid == 0) {
+      unsigned long long* o = p.prof + ((long long)blockIdx.x * S + split) * LAT_PROF_SLOTS;
+      for (int i = 0; i < 6; ++i) o[i] = pt[i];
+      o[6] = lat_smid();
+      o[7] = ntiles;
+      for (int i = 0; i < 4; ++i) o[8 + i] = pc[i];
     }
   }
 }
