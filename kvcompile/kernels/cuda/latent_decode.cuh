@@ -361,6 +361,20 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
     cp_commit();
   };
 
+  // ---- q's loads first: they depend on nothing, and the copies below wait for their page ids
+  // (issued after them, q's loads would start one page-id latency later; mla22k)
+  const int h0 = hb * 16;
+  constexpr int QCR = D / 8;                                 // 8-element runs a q row
+  constexpr int NQC = (16 * QCR + LW * 32 - 1) / (LW * 32);  // ... a thread
+  float xq[NQC][8];
+#pragma unroll
+  for (int k = 0; k < NQC; ++k) {  // rows past H (and runs past the end) read a valid row
+    const int c = min(tid + k * LW * 32, 16 * QCR - 1), rr = c / QCR, dd = c % QCR * 8;
+    const long long at = b * p.stride_qb + min(h0 + rr, H - 1) * p.stride_qh + dd;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) xq[k][e] = load_q<QT>(p.q, at + e);
+  }
+
   // ---- prologue: half tiles 0 .. NS - 3 in flight, then q -> shared (overlaps the copies)
   int pid_a[Gm::PPT], pid_b[Gm::PPT];
 #pragma unroll
@@ -370,7 +384,6 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
   }
   load_pids(NS - 2, pid_a);
   load_pids(NS - 1, pid_b);
-  const int h0 = hb * 16;
   // q -> shared in the MMA's fragment order: k-step s of the score loop (latent (n, h), then
   // rotary (n, h)), lane l, 16 bytes = its A registers {row g d0..d0+1, row g+8 d0..d0+1, row g
   // d0+2..d0+3, row g+8 d0+2..d0+3}, d0 the lane's first dim of that k-step. One lds128 a
@@ -387,16 +400,6 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
   {
     uint8_t* qr = ring + (NS - 1) * Gm::STAGE;  // [16][QROWB]
     static_assert(16 * Gm::QROWB <= Gm::STAGE && R % 8 == 0, "q's staging rows");
-    constexpr int QCR = D / 8;                                 // 8-element runs a q row
-    constexpr int NQC = (16 * QCR + LW * 32 - 1) / (LW * 32);  // ... a thread
-    float xq[NQC][8];
-#pragma unroll
-    for (int k = 0; k < NQC; ++k) {  // rows past H (and runs past the end) read a valid row
-      const int c = min(tid + k * LW * 32, 16 * QCR - 1), rr = c / QCR, dd = c % QCR * 8;
-      const long long at = b * p.stride_qb + min(h0 + rr, H - 1) * p.stride_qh + dd;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) xq[k][e] = load_q<QT>(p.q, at + e);
-    }
 #pragma unroll
     for (int k = 0; k < NQC; ++k) {
       const int c = tid + k * LW * 32, rr = c / QCR, dd = c % QCR * 8;
