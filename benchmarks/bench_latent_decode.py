@@ -332,7 +332,7 @@ def parse_cuda(spec: str) -> list[tuple]:
                 w = int(o[1:])
             else:
                 var = ""
-        if var not in VARIANTS:
+        if not all(v in VARIANTS for v in var.split("+")):
             raise SystemExit(f"--cuda {item!r}: variant[:s<stages>][:w<warps>][:nm|ml|fm]"
                              f"[:prof], variant one of {sorted(VARIANTS)}, warps one of "
                              f"{WARP_COUNTS}")
@@ -413,7 +413,7 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
                 from kvcompile.kernels import latent_sm90
 
                 ck = latent_sm90._KIND[fmt]
-                vbits = latent_sm90.VARIANTS[var] if ck < 2 else 0
+                vbits = latent_sm90.variant_bits(var, ck)
                 if (vbits, st, w, mg, fm, prof, rs) in seen:
                     continue
                 seen.add((vbits, st, w, mg, fm, prof, rs))

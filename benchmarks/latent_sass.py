@@ -41,7 +41,7 @@ def parse_key(spec: str) -> tuple:
         elif o == "rs":
             var |= ls.RESCALE
         else:
-            var |= ls.VARIANTS[o]
+            var |= ls.variant_bits(o, 0)
     return (ck, ck, 512, 64, 16, 1, st, var, w)
 
 

@@ -48,8 +48,12 @@ WARP_COUNTS = (4, 8)   # warps a CTA: 4 (16 tokens a warp in the scores) or 8 (8
 # "wide" (mla22j): fp8 latent codes widened once a tile (the scores' F2FP results kept in a
 # 16-bit shared copy of the tile, which P V reads): 144 F2FP a tile a thread instead of 256, for
 # 64 KB of shared memory (fewer ring stages)
-VARIANTS = {"base": 0, "aluk": 1, "aluv": 2, "alu": 3, "wide": 4}
+# "ksplit" (mla22k, any pages): the scores split over the warps by k, q in registers (no q
+# reads from shared memory in the loop), partial scores added through shared memory; 4 warps.
+# Names join with "+" ("aluv+ksplit").
+VARIANTS = {"base": 0, "aluk": 1, "aluv": 2, "alu": 3, "wide": 4, "ksplit": 64}
 WIDE = 4
+KSPLIT = 64
 FP8_BITS = 7          # the bits above that mean something for fp8 latent pages only
 PROF = 8              # profile=: per-CTA timers (latent_decode.cuh LAT_VAR_PROF)
 FMERGE = 16           # fused_merge=True: the last CTA of each head block merges the splits
@@ -69,6 +73,18 @@ class LatentParams(ctypes.Structure):  # latent_decode.cuh LatentParams, field f
 
 def _round(x: int, m: int) -> int:
     return (x + m - 1) // m * m
+
+
+def variant_bits(variant: str, ck: int) -> int:
+    """The VAR bits of a variant name ("+" joins names), those for fp8 latent pages only
+    dropped for 16-bit ones (ck: the latent kind)."""
+    bits = 0
+    for name in variant.split("+"):
+        if name not in VARIANTS:
+            raise UnsupportedShapeError(f"latent_decode_sm90: unknown variant {variant!r}; take "
+                                        f"one of {sorted(VARIANTS)} or several joined by '+'")
+        bits |= VARIANTS[name]
+    return bits if ck < 2 else bits & ~FP8_BITS
 
 
 def geometry(ck: int, rk: int, r: int, dr: int, page: int,
@@ -237,10 +253,11 @@ def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: flo
     B, H, _ = q_lat.shape
     R, DR, P = c_pages.head_dim, r_pages.head_dim, c_pages.page_size
     ck, rk = _KIND[c_pages.fmt.name], _KIND[r_pages.fmt.name]
-    if variant not in VARIANTS:
-        raise UnsupportedShapeError(f"latent_decode_sm90: unknown variant {variant!r}; take one "
-                                    f"of {sorted(VARIANTS)}")
-    var = ((VARIANTS[variant] if ck < 2 else 0) | (PROF if profile is not None else 0)
+    vb = variant_bits(variant, ck)
+    if vb & KSPLIT and (warps != 4 or vb & WIDE):
+        raise UnsupportedShapeError(f"latent_decode_sm90: variant {variant!r} with warps="
+                                    f"{warps}; ksplit takes 4 warps and not wide")
+    var = (vb | (PROF if profile is not None else 0)
            | (FMERGE if fused_merge else 0) | (RESCALE if always_rescale else 0))
     key = (ck, rk, R, DR, P, _QT[q_lat.dtype], stages, var, warps)
     _, ctas, _ = kernel_constants(*key)
@@ -344,6 +361,6 @@ def latent_decode_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: f
     return lp.out
 
 
-__all__ = ["KERNEL_CALL", "PROF_NAMES", "VARIANTS", "arrivals", "WARP_COUNTS", "Launch", "LatentParams", "choose_splits",
+__all__ = ["KERNEL_CALL", "PROF_NAMES", "VARIANTS", "arrivals", "variant_bits", "WARP_COUNTS", "Launch", "LatentParams", "choose_splits",
            "geometry", "kernel_constants", "latent_decode_sm90", "merge_splits",
            "plan_latent_sm90", "unsupported", "use_cuda"]

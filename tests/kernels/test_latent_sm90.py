@@ -67,8 +67,14 @@ CASES = [
     # "wide": the latent widened once a tile into a 16-bit shared copy that P V reads (mla22j);
     # 20 heads (a partial second head block), the 6-stage ring wraps, an empty split
     ("fp8_e4m3", "bf16", 20, [520, 30], 16, 3, "wide", torch.bfloat16, None, 4),
+    # "ksplit" (mla22k): scores split over the warps by k, q in registers, partial sums through
+    # shared memory; fp8 latent and rotary pages of 8 (per-page scales on both partials), the
+    # 4-stage ring (two CTAs an SM) wraps, an empty split
+    ("fp8_e4m3", "fp8_e4m3", 20, [329, 17], 8, 3, "ksplit", torch.bfloat16, 4, 4),
 ]
 FULL_CASES = [
+    ("bf16", "bf16", 20, [300, 17], 16, 3, "ksplit", torch.bfloat16, None, 4),
+    ("fp8_e5m2", "bf16", 16, [300, 64], 32, 2, "aluv+ksplit", torch.float32, None, 4),
     ("fp8_e5m2", "fp8_e4m3", 16, [300, 64], 32, 2, "wide", torch.bfloat16, None, 8),
     ("fp8_e4m3", "bf16", 16, [700, 1], 16, 1, "base", torch.bfloat16, None, 4),  # 10 stages wrap
     ("fp8_e5m2", "fp8_e4m3", 16, [100], 32, 1, "aluk", torch.float32, None, 4),
@@ -103,11 +109,12 @@ def test_emulated_matches_reference(case):
 
 
 @pytest.mark.skipif(not build_emu.available()[0], reason="g++ not found")
-@pytest.mark.parametrize("which", [1, 2], ids=["alu", "wide"])
+@pytest.mark.parametrize("which", [1, 2, 3], ids=["alu", "wide", "ksplit"])
 def test_page_scales_are_read(which):
     """Negative control for the fp8 path: the latent page scales doubled after the reference
     was taken change the output beyond the bound (scores and probabilities use them; "wide"
-    values come from its 16-bit copy, their scale through P)."""
+    values come from its 16-bit copy, their scale through P; "ksplit" applies them to each
+    warp's partial scores)."""
     c_fmt, r_fmt, heads, lens, page, splits, variant, qd, stages, warps = CASES[which]
     pool, plan, q, ref = _case(c_fmt, r_fmt, heads, lens, page, qd)
     pool.k[0].scale.mul_(2.0)
@@ -181,7 +188,8 @@ NVCC_FULL = [(3, 3, R, DR, 16, 1, None, 0), (0, 3, R, DR, 16, 1, None, 0),
              (1, 1, R, DR, 8, 2, None, 1), (3, 3, R, DR, 16, 1, None, 0, 8),
              (0, 0, R, DR, 16, 1, 4, 3, 8),
              (0, 0, R, DR, 16, 1, None, 2), (2, 2, R, DR, 128, 0, None, 0),
-             (0, 3, R, DR, 16, 1, None, 4), (1, 0, R, DR, 16, 1, None, 4, 8)]
+             (0, 3, R, DR, 16, 1, None, 4), (1, 0, R, DR, 16, 1, None, 4, 8),
+             (0, 0, R, DR, 16, 1, 4, 64), (3, 3, R, DR, 16, 1, None, 64)]
 
 
 @pytest.mark.skipif(build.nvcc_path() is None or _cuobjdump() is None,
@@ -207,7 +215,7 @@ def test_builds_for_sm90_without_spills(key, tmp_path, monkeypatch):
     assert len(re.findall(r"\bHMMA\.16816", sass)) == 136 * 4 // warps   # a warp's share
     unpack = len(re.findall(r"F2FP\.F16\.E(4M3|5M2)\.UNPACK_B", sass))
     fp8 = key[0] < 2
-    latent = {0: 256, 1: 128, 2: 128, 3: 0, 4: 128}[key[7]] if fp8 else 0
+    latent = {0: 256, 1: 128, 2: 128, 3: 0, 4: 128}[key[7] & 7] if fp8 else 0
     assert unpack == (latent + (16 if key[1] < 2 else 0)) * 4 // warps, unpack
 
 

@@ -263,6 +263,12 @@ __device__ __forceinline__ void lat_kfrag(const uint4& w, int h, uint32_t& b0, u
 #define LAT_VAR_PROF 8
 #define LAT_VAR_FMERGE 16
 #define LAT_VAR_RESCALE 32  // every tile rescales O (the kernel before mla22k; benchmarks' A/B)
+//   LAT_VAR_KSPLIT (any pages, 4 warps; "ksplit"): the scores split over the warps by k (each
+//     warp: all 64 tokens over a quarter of the 576 dims, its q fragments in registers for the
+//     whole loop) instead of by token (each warp: 16 tokens over all dims, q's 18 KB of
+//     fragments read from shared memory by every warp every tile: ~38% of an fp8 tile's shared
+//     traffic); the partial scores are added through shared memory (one barrier more a tile).
+#define LAT_VAR_KSPLIT 64
 
 template <int CK, int RK, int R, int DR, int LOG2P, int NS, int QT, int VAR = 0, int LW = 4>
 __device__ __forceinline__ void latent_decode(const LatentParams& p) {
@@ -275,6 +281,7 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
   constexpr bool ALUV = (VAR & LAT_VAR_ALU_V) && Gm::CEB == 1 && !WIDE;
   constexpr float V_ALU = ALUV && CK == KVC_E4M3 ? 256.f : 1.f;  // 2^8 back into P
   constexpr bool PROF = VAR & LAT_VAR_PROF, FMERGE = VAR & LAT_VAR_FMERGE;
+  constexpr bool KSPLIT = VAR & LAT_VAR_KSPLIT;
   constexpr int P = Gm::P, D = R + DR;
   const float NEG_INF = -INFINITY;
   unsigned long long pt[6] = {PROF ? lat_gtimer() : 0ull, 0ull, 0ull, 0ull, 0ull, 0ull};
@@ -453,6 +460,27 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
   float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
   const float qk = p.qk_scale;
 
+  // KSPLIT: warp w's k-steps of q in registers for the whole loop: latent chunk iterations
+  // [KNL w, KNL (w + 1)) and rotary k-step w (their fragments from qs, which the scores'
+  // partial sums then reuse)
+  constexpr int KNL = Gm::NCC / 4 / LW, KQ = KNL * Gm::CKPC + 1;
+  uint32_t qr[KSPLIT ? KQ : 1][4];
+  if constexpr (KSPLIT) {
+    static_assert(LW == 4 && KSR == LW && !WIDE && Gm::NCC / 4 % LW == 0,
+                  "KSPLIT: 4 warps, 4 rotary k-steps");
+    static_assert(LW * 8 * 32 * 16 <= Gm::RED_OFF, "KSPLIT: partial sums in q's space");
+    __syncthreads();  // q's fragments assembled
+#pragma unroll
+    for (int i = 0; i < KQ; ++i) {
+      const int s = i < KQ - 1 ? warp * KNL * Gm::CKPC + i : KSL + warp;
+      const uint4 v = lds128(qs + (s * 32 + lane) * 16);
+      qr[i][0] = v.x;
+      qr[i][1] = v.y;
+      qr[i][2] = v.z;
+      qr[i][3] = v.w;
+    }
+  }
+
   for (int it = 0; it < ntiles; ++it) {
     if constexpr (PROF) {
       ck0 = lat_clock();
@@ -476,6 +504,81 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
     const int wrow = Gm::TW * (warp % (LW / 2));     // ... and their first row there
     const int tok0 = start + it * LAT_TILE;
 
+    float x[2][4], cf[2];  // scaled scores; cf: the latent page scale (and ALU_V's 2^8) P carries
+    if constexpr (KSPLIT) {
+      // ---- KSPLIT scores: warp w, all 64 tokens (8 n-tiles, eight independent MMA chains)
+      // over its quarter of the k-steps, q from registers (no q reads from shared memory in
+      // the loop: 36 lds128 a warp a tile before); the partial sums, page scales applied, go
+      // through shared memory (q's space), and each warp adds the four for its own 16 tokens.
+      float sl[8][4], sp[8][4];
+#pragma unroll
+      for (int jt = 0; jt < 8; ++jt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) sl[jt][c] = sp[jt][c] = 0.f;
+      const int nr = warp / Gm::RKPC, hr = warp % Gm::RKPC;  // the warp's rotary k-step
+      const int rofs = (Gm::NCC + lat_own(t, nr, Gm::NCR)) * 16 + hr * 4 * Gm::REB;
+#pragma unroll
+      for (int jt = 0; jt < 8; ++jt) {
+        const uint8_t* krow = (jt < 4 ? st0 : st1) + ((8 * jt) % LAT_HALF + g) * Gm::ROWB;
+#pragma unroll
+        for (int nl = 0; nl < KNL; ++nl) {
+          const uint4 w0 = lds128(krow + lat_own(t, warp * KNL + nl, Gm::NCC) * 16);
+#pragma unroll
+          for (int h = 0; h < Gm::CKPC; ++h) {
+            uint32_t b0, b1;
+            if constexpr (ALUK)
+              fp8x4_to_f16x2x2_alu<CK>(word(w0, h), b0, b1);
+            else
+              lat_kfrag<CK>(w0, h, b0, b1);
+            mma16816<CBF>(sl[jt], qr[nl * Gm::CKPC + h], b0, b1);
+          }
+        }
+        uint32_t b0, b1;
+        if constexpr (Gm::REB == 2) {
+          const uint2 v = lds64(krow + rofs);
+          b0 = v.x;
+          b1 = v.y;
+        } else {
+          const uint32_t v = lds32(krow + rofs);
+          b0 = lat_cvt8<RK, 0>(v);
+          b1 = lat_cvt8<RK, 1>(v);
+        }
+        mma16816<RBF>(Gm::CSC || Gm::RSC ? sp[jt] : sl[jt], qr[KQ - 1], b0, b1);  // unscaled: one sum
+      }
+      float4v* kbuf = reinterpret_cast<float4v*>(qs);  // [LW][8 n-tiles][32 lanes]
+#pragma unroll
+      for (int jt = 0; jt < 8; ++jt) {
+        const float* sj = reinterpret_cast<const float*>((jt < 4 ? st0 : st1) + Gm::SC_OFF);
+        const int k = (8 * jt) % LAT_HALF / Gm::PROWS;
+        const float kf = (Gm::CSC ? sj[2 * k] : 1.f) * K_ALU, rf = Gm::RSC ? sj[2 * k + 1] : 1.f;
+        if constexpr (Gm::CSC || Gm::RSC)
+          kbuf[(warp * 8 + jt) * 32 + lane] =
+              float4v{sl[jt][0] * kf + sp[jt][0] * rf, sl[jt][1] * kf + sp[jt][1] * rf,
+                      sl[jt][2] * kf + sp[jt][2] * rf, sl[jt][3] * kf + sp[jt][3] * rf};
+        else
+          kbuf[(warp * 8 + jt) * 32 + lane] = float4v{sl[jt][0], sl[jt][1], sl[jt][2], sl[jt][3]};
+      }
+      __syncthreads();  // every warp's partial scores
+      const float* scl = reinterpret_cast<const float*>(st + Gm::SC_OFF);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        float a[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int w = 0; w < LW; ++w) {
+          const float4v v = kbuf[(w * 8 + 2 * warp + j) * 32 + lane];
+          a[0] += v.x;
+          a[1] += v.y;
+          a[2] += v.z;
+          a[3] += v.w;
+        }
+        cf[j] = (Gm::CSC ? scl[2 * ((wrow + 8 * j) / Gm::PROWS)] : 1.f) * V_ALU;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int tok = tok0 + Gm::TW * warp + 8 * j + 2 * t + (c & 1);
+          x[j][c] = tok < end ? a[c] * qk : NEG_INF;
+        }
+      }
+    } else {
     // ---- scores of the warp's TW tokens (n-tiles j < NTW: tile rows TW w + 8 j + g)
     // two accumulators a latent n-tile (k-step parity): four independent MMA chains, not two
     float sc[2][4], sc2[2][4], sr[2][4];
@@ -548,7 +651,6 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
 
     // ---- scaled scores (log2 units), tokens past the split's end masked
     const float* scl = reinterpret_cast<const float*>(st + Gm::SC_OFF);
-    float x[2][4], cf[2];  // cf: the latent page scale (and ALU_V's 2^8) that P carries
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       if (j >= Gm::NTW) {  // 8 warps: one n-tile a warp
@@ -567,6 +669,7 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
         x[j][c] = tok < end ? ((sc[j][c] + sc2[j][c]) * kf + sr[j][c] * rf) * qk : NEG_INF;
       }
     }
+    }  // !KSPLIT
     float mx0 = fmaxf(fmaxf(x[0][0], x[0][1]), fmaxf(x[1][0], x[1][1]));
     float mx1 = fmaxf(fmaxf(x[0][2], x[0][3]), fmaxf(x[1][2], x[1][3]));
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
