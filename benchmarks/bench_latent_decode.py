@@ -487,6 +487,7 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
                     except Exception as e:   # say so, keep the table
                         line = f"failed: {type(e).__name__}: {str(e)[:120]}"
                     profs.append(f"# prof {name} {fmt} {label}: {line}")
+                    print(profs[-1], flush=True)   # now too: a cut run keeps it
             if fastest:
                 best.append(f"# {name} {fmt}: fastest {fastest[1]} {fastest[0]:.3f} ms, "
                             f"{fastest[2]:.1f}% of copy (target 80%); the rule's pick "
