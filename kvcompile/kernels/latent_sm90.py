@@ -19,6 +19,7 @@ for every decode step); benchmarks/bench_latent_decode.py --quick times it besid
 from __future__ import annotations
 
 import ctypes
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -212,6 +213,7 @@ class Launch:
 
 
 _arrivals: dict = {}
+_warned: set = set()
 
 
 def arrivals(device: torch.device, n: int) -> torch.Tensor:
@@ -219,13 +221,22 @@ def arrivals(device: torch.device, n: int) -> torch.Tensor:
     CTA sets its counter back to 0), one buffer a device, grown (to a new zeroed buffer) when a
     launch needs more. Launches on one stream only (two streams would share counters); a
     buffer first made during a CUDA graph capture would belong to that graph's pool, so
-    callers make it before capturing (a call outside the capture does)."""
+    callers make it before capturing (a call outside the capture does; latent_decode_sm90
+    refuses the fused merge, once with a warning, where it would be first made in a capture)."""
     key = (device.type, device.index)
     buf = _arrivals.get(key)
     if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+        buf = torch.zeros(max(n, ARRIVALS), dtype=torch.int32, device=device)
         _arrivals[key] = buf
     return buf
+
+
+ARRIVALS = 1 << 14   # the first buffer's counters (64 KB): sequences x head blocks a launch
+
+
+def _arrivals_ready(device: torch.device, n: int) -> bool:
+    buf = _arrivals.get((device.type, device.index))
+    return buf is not None and buf.numel() >= n
 
 
 def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: float,
@@ -352,6 +363,15 @@ def latent_decode_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: f
     if not ok:
         raise UnsupportedShapeError(f"latent_decode_sm90: {why}; use "
                                     f"latent_decode.latent_decode_attention (Triton)")
+    if fused_merge and torch.cuda.is_current_stream_capturing() and not _arrivals_ready(
+            q_lat.device, q_lat.shape[0] * ((q_lat.shape[1] + 15) // 16)):
+        if "capture" not in _warned:
+            _warned.add("capture")
+            warnings.warn("latent_decode_sm90: fused_merge refused in this CUDA graph capture "
+                          "(its arrival counters would be made inside the capture); the splits "
+                          "merge in a second launch. One eager call first makes them.",
+                          stacklevel=2)
+        fused_merge = False
     lp = plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale, num_splits,
                           stages, sm_count(q_lat.device), variant, warps, poison, profile,
                           fused_merge, always_rescale)

@@ -138,3 +138,46 @@ def test_cuda_latent_fused_merge(c_fmt, r_fmt, heads, splits, variant, stages, w
     assert bool((t[:, 1:] >= t[:, :-1]).all()), "timers out of order"
     hb = (heads + 15) // 16
     assert int(p[:, 7].sum()) == hb * sum(-(-n // 64) for n in lens)
+
+
+@pytest.mark.parametrize("c_fmt", ["bf16", "fp8_e4m3"])
+def test_cuda_latent_fused_merge_in_graphs(c_fmt, monkeypatch):
+    """The fused merge under CUDA graphs, as the run time's decode graphs replay it: captured
+    after an eager call (the arrival counters exist), replayed three times (each replay leaves
+    them at 0 for the next), the output matches the reference each time. Without counters at
+    capture time the fused merge is refused with one warning and the capture still merges (a
+    second launch)."""
+    from kvcompile.kernels import latent_sm90
+
+    pool, plan, q, lens_t, ref = _case(c_fmt, c_fmt, [63, 4097, 700], 16)
+    args = (q, pool.k[0], pool.v[0], plan.block_tables, lens_t, 0.07)
+    kw = dict(num_splits=7, fused_merge=True, variant="ksplit",
+              stages=4 if c_fmt != "bf16" else None)
+    for counters in (True, False):
+        if not counters:
+            monkeypatch.setattr(latent_sm90, "_arrivals", {})
+            monkeypatch.setattr(latent_sm90, "_warned", set())
+            # the unfused launch's cubin and merge kernel loaded before the capture
+            latent_sm90.latent_decode_sm90(*args, **{**kw, "fused_merge": False})
+        else:
+            latent_sm90.latent_decode_sm90(*args, **kw)
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            if counters:
+                with torch.cuda.graph(g):
+                    out = latent_sm90.latent_decode_sm90(*args, **kw)
+            else:
+                with pytest.warns(UserWarning, match="fused_merge refused"):
+                    with torch.cuda.graph(g):
+                        out = latent_sm90.latent_decode_sm90(*args, **kw)
+        torch.cuda.current_stream().wait_stream(side)
+        for i in range(3):
+            out.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            assert_rel_close(out, ref, torch.bfloat16, what=f"{c_fmt} replay {i} ({counters})")
+        if counters:
+            assert int(latent_sm90.arrivals(q.device, 1).abs().sum()) == 0
