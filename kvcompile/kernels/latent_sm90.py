@@ -157,16 +157,27 @@ def unsupported(q_lat, c_pages, r_pages) -> str:
 # 0.058 / 0.064 (4 stages: 0.074); B64 x 8k, B16 x 32k, B64 x 32k: CUDA faster in both formats
 # (fp8 at 4 stages, 2 CTAs an SM: 69.5% of copy at B64 x 32k).
 ROUTE = "auto"                 # "auto" (use_cuda's rule), "cuda" (wherever it runs), "triton"
-# batch x the block table's context from which the CUDA kernel takes a step, by page kind
-# (False: 16-bit pages, True: fp8)
-CUDA_MIN_TOKENS = {False: 1 << 17, True: 1 << 19}
-CUDA_LAUNCH = {False: {}, True: {"stages": 4}}   # widened (fp8) pages: 2 CTAs an SM
+# by page kind (False: 16-bit pages, True: fp8), (batch x the block table's context from which
+# the CUDA kernel takes a step, its launch options): the last entry whose size the step reaches
+# (`cuda_launch`); below the first, the Triton rule
+CUDA_LAUNCH = {False: [(1 << 17, {})],
+               True: [(1 << 19, {"stages": 4})]}   # widened (fp8) pages: 2 CTAs an SM
+
+
+def cuda_launch(fp8: bool, tokens: int) -> dict | None:
+    """The launch options CUDA_LAUNCH gives a step of `tokens` (batch x context) over fp8 or
+    16-bit latent pages, None below its first size (the Triton rule takes it)."""
+    pick = None
+    for min_tokens, opts in CUDA_LAUNCH[fp8]:
+        if tokens >= min_tokens:
+            pick = opts
+    return None if pick is None else dict(pick)
 
 
 def use_cuda(q_lat, c_pages, r_pages, max_len: int) -> dict | None:
     """The launch options (latent_decode_sm90's keywords) when the run time should take this
     kernel for a decode step, else None: on an sm_90 GPU, for pages it takes (`unsupported`),
-    with ROUTE "cuda", or "auto", batch x max_len >= CUDA_MIN_TOKENS[fp8 latent pages] and
+    with ROUTE "cuda", or "auto", where `cuda_launch` gives options for batch x max_len, and
     16-bit queries (this kernel rounds fp32 queries to the pages' MMA dtype; the Triton
     kernel's dots stay fp32)."""
     if ROUTE == "triton" or q_lat.device.type != "cuda":
@@ -176,10 +187,10 @@ def use_cuda(q_lat, c_pages, r_pages, max_len: int) -> dict | None:
     if not decode_sm90.device_ok(q_lat.device)[0] or unsupported(q_lat, c_pages, r_pages):
         return None
     fp8 = c_pages.fmt.name.startswith("fp8")
-    if ROUTE == "auto" and (q_lat.shape[0] * max_len < CUDA_MIN_TOKENS[fp8]
-                            or q_lat.dtype == torch.float32):   # fp32 queries: Triton's fp32 dots
+    opts = cuda_launch(fp8, q_lat.shape[0] * max_len)
+    if ROUTE == "auto" and (opts is None or q_lat.dtype == torch.float32):  # fp32 q: Triton's dots
         return None
-    return dict(CUDA_LAUNCH[fp8])
+    return opts if opts is not None else dict(CUDA_LAUNCH[fp8][0][1])
 
 
 def choose_splits(batch: int, head_blocks: int, max_len: int, sms: int, ctas_per_sm: int) -> int:
@@ -381,6 +392,6 @@ def latent_decode_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: f
     return lp.out
 
 
-__all__ = ["KERNEL_CALL", "PROF_NAMES", "VARIANTS", "arrivals", "variant_bits", "WARP_COUNTS", "Launch", "LatentParams", "choose_splits",
+__all__ = ["KERNEL_CALL", "PROF_NAMES", "VARIANTS", "arrivals", "cuda_launch", "variant_bits", "WARP_COUNTS", "Launch", "LatentParams", "choose_splits",
            "geometry", "kernel_constants", "latent_decode_sm90", "merge_splits",
            "plan_latent_sm90", "unsupported", "use_cuda"]

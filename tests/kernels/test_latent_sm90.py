@@ -243,3 +243,24 @@ def test_fused_merge_and_profile():
     bad = _emulate(pool, plan, q, lens, num_splits=splits, fused_merge=True)
     cnt.zero_()
     assert not rel_err(bad[0, 16:], ref[0, 16:]) <= _bound(c_fmt)
+
+
+def test_cuda_launch_rule(monkeypatch):
+    """The run time's route table (latent_sm90.CUDA_LAUNCH): below a page kind's first size the
+    Triton rule (None), else the last entry the step's batch x context reaches; a copy each
+    time (a caller's edit does not change the table)."""
+    assert ls.cuda_launch(False, (1 << 17) - 1) is None
+    assert ls.cuda_launch(False, 16 * 8192) == dict(ls.CUDA_LAUNCH[False][0][1])
+    for kind, entries in ls.CUDA_LAUNCH.items():   # sizes ascending, options a launch takes
+        sizes = [n for n, _ in entries]
+        assert sizes == sorted(sizes), kind
+        for _, opts in entries:
+            assert set(opts) <= {"stages", "variant", "warps", "fused_merge", "num_splits"}, opts
+    table = [(100, {"stages": 4}), (1000, {"stages": 4, "fused_merge": True})]
+    monkeypatch.setitem(ls.CUDA_LAUNCH, True, table)
+    assert ls.cuda_launch(True, 99) is None
+    assert ls.cuda_launch(True, 999) == {"stages": 4}
+    got = ls.cuda_launch(True, 1 << 30)
+    assert got == {"stages": 4, "fused_merge": True}
+    got["stages"] = 9
+    assert table[1][1]["stages"] == 4
