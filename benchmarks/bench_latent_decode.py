@@ -82,7 +82,11 @@ DEV = "cpu" if DRY else "cuda"
 H, R, DR, DN, DV = (128, 512, 64, 128, 128) if not DRY else (8, 32, 16, 16, 16)
 P = 16
 SHAPES = {"B16_L8k": (16, 8192), "B64_L8k": (64, 8192), "B16_L32k": (16, 32768),
-          "B64_L32k": (64, 32768)}
+          "B64_L32k": (64, 32768),
+          # short contexts (--shapes only): a launch's fixed part by regression over the tiles
+          # a CTA runs (mla22k)
+          "B16_L2k": (16, 2048), "B16_L4k": (16, 4096)}
+DEFAULT_SHAPES = "B16_L8k,B64_L8k,B16_L32k,B64_L32k"
 DRY_SHAPES = {"B2_L64": (2, 64), "B3_L100": (3, 100)}
 FORMATS = ["bf16", "fp8_e4m3"]
 TP_NOTE = {16: " (DeepSeek-V3 at TP 8)", 32: " (DeepSeek-V3 at TP 4)"}
@@ -500,7 +504,7 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default=",".join(DRY_SHAPES if DRY else SHAPES))
+    ap.add_argument("--shapes", default=",".join(DRY_SHAPES) if DRY else DEFAULT_SHAPES)
     ap.add_argument("--heads", type=int, default=None,
                     help="query heads a GPU (default 128, DeepSeek-V3 unsharded; 16 / 32 are "
                     "its tensor-parallel 8 / 4 shards; dry run: 8)")
