@@ -314,7 +314,8 @@ def parse_cuda(spec: str) -> list[tuple]:
     merge kernel of before mla22j, merge "loop"; fm: the splits merged by the kernel's last
     CTA a head block, fused_merge=True (mla22k); prof: after its timing, one more launch with
     the per-CTA timers (profile=...), summarized on a '# prof' line: the launch's fixed part;
-    rs: O rescaled in every tile, the kernel before mla22k, always_rescale=True)."""
+    rs: O rescaled in every tile, the kernel before mla22k, always_rescale=True; 16-bit pages
+    time s<n> rows as the full ring, once)."""
     from kvcompile.kernels.latent_sm90 import VARIANTS, WARP_COUNTS
 
     out = []
@@ -418,6 +419,8 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
 
                 ck = latent_sm90._KIND[fmt]
                 vbits = latent_sm90.variant_bits(var, ck)
+                if ck >= 2:   # 16-bit pages: s<n> rows time as the full ring (one CTA an SM
+                    st = None  # either way; mla22j measured s4 = smax), once
                 if (vbits, st, w, mg, fm, prof, rs) in seen:
                     continue
                 seen.add((vbits, st, w, mg, fm, prof, rs))

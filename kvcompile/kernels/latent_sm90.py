@@ -50,7 +50,7 @@ WARP_COUNTS = (4, 8)   # warps a CTA: 4 (16 tokens a warp in the scores) or 8 (8
 # 16-bit shared copy of the tile, which P V reads): 144 F2FP a tile a thread instead of 256, for
 # 64 KB of shared memory (fewer ring stages)
 # "ksplit" (mla22k, any pages): the scores split over the warps by k, q in registers (no q
-# reads from shared memory in the loop), partial scores added through shared memory; 4 warps.
+# reads from shared memory in the loop), partial scores added through shared memory.
 # Names join with "+" ("aluv+ksplit").
 VARIANTS = {"base": 0, "aluk": 1, "aluv": 2, "alu": 3, "wide": 4, "ksplit": 64}
 WIDE = 4
@@ -276,9 +276,9 @@ def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: flo
     R, DR, P = c_pages.head_dim, r_pages.head_dim, c_pages.page_size
     ck, rk = _KIND[c_pages.fmt.name], _KIND[r_pages.fmt.name]
     vb = variant_bits(variant, ck)
-    if vb & KSPLIT and (warps != 4 or vb & WIDE):
-        raise UnsupportedShapeError(f"latent_decode_sm90: variant {variant!r} with warps="
-                                    f"{warps}; ksplit takes 4 warps and not wide")
+    if vb & KSPLIT and vb & WIDE:
+        raise UnsupportedShapeError(f"latent_decode_sm90: variant {variant!r}: ksplit and wide "
+                                    f"do not combine; take one")
     var = (vb | (PROF if profile is not None else 0)
            | (FMERGE if fused_merge else 0) | (RESCALE if always_rescale else 0))
     key = (ck, rk, R, DR, P, _QT[q_lat.dtype], stages, var, warps)

@@ -31,7 +31,8 @@ def _case(c_fmt, r_fmt, lens, heads):
 @pytest.mark.parametrize("variant,stages,warps", [
     ("base", None, 4), ("base", None, 8), ("aluk", None, 4), ("alu", None, 4), ("aluv", 4, 4),
     ("alu", 4, 4), ("alu", 4, 8), ("base", 4, 4), ("aluv", None, 4), ("wide", None, 4),
-    ("wide", None, 8), ("ksplit", None, 4), ("ksplit", 4, 4), ("aluv+ksplit", 4, 4)])
+    ("wide", None, 8), ("ksplit", None, 4), ("ksplit", 4, 4), ("aluv+ksplit", 4, 4),
+    ("ksplit", 4, 8), ("ksplit", None, 8)])
 @pytest.mark.parametrize("splits", [None, 1, 7])
 @pytest.mark.parametrize("heads", [16, 20])
 @pytest.mark.parametrize("c_fmt,r_fmt", [("bf16", "bf16"), ("fp8_e4m3", "bf16"),
@@ -97,7 +98,8 @@ def test_run_time_routes_decode_steps_to_the_cuda_kernel(kv_dtype, monkeypatch):
 
 @pytest.mark.parametrize("variant,stages,warps", [("base", None, 4), ("base", 4, 4),
                                                   ("base", 4, 8), ("aluv", 4, 4),
-                                                  ("ksplit", None, 4), ("ksplit", 4, 4)])
+                                                  ("ksplit", None, 4), ("ksplit", 4, 4),
+                                                  ("ksplit", 4, 8)])
 @pytest.mark.parametrize("splits", [None, 7])
 @pytest.mark.parametrize("heads", [16, 20])
 @pytest.mark.parametrize("c_fmt,r_fmt", [("bf16", "bf16"), ("fp8_e4m3", "fp8_e4m3"),

@@ -75,6 +75,8 @@ CASES = [
 FULL_CASES = [
     ("bf16", "bf16", 20, [300, 17], 16, 3, "ksplit", torch.bfloat16, None, 4),
     ("fp8_e5m2", "bf16", 16, [300, 64], 32, 2, "aluv+ksplit", torch.float32, None, 4),
+    # ksplit at 8 warps: 4 k parts x 2 token groups (32 tokens each), two CTAs an SM
+    ("fp8_e4m3", "fp8_e4m3", 20, [329, 17], 8, 3, "ksplit", torch.bfloat16, 4, 8),
     ("fp8_e5m2", "fp8_e4m3", 16, [300, 64], 32, 2, "wide", torch.bfloat16, None, 8),
     ("fp8_e4m3", "bf16", 16, [700, 1], 16, 1, "base", torch.bfloat16, None, 4),  # 10 stages wrap
     ("fp8_e5m2", "fp8_e4m3", 16, [100], 32, 1, "aluk", torch.float32, None, 4),
@@ -189,7 +191,8 @@ NVCC_FULL = [(3, 3, R, DR, 16, 1, None, 0), (0, 3, R, DR, 16, 1, None, 0),
              (0, 0, R, DR, 16, 1, 4, 3, 8),
              (0, 0, R, DR, 16, 1, None, 2), (2, 2, R, DR, 128, 0, None, 0),
              (0, 3, R, DR, 16, 1, None, 4), (1, 0, R, DR, 16, 1, None, 4, 8),
-             (0, 0, R, DR, 16, 1, 4, 64), (3, 3, R, DR, 16, 1, None, 64)]
+             (0, 0, R, DR, 16, 1, 4, 64), (3, 3, R, DR, 16, 1, None, 64),
+             (0, 0, R, DR, 16, 1, 4, 64, 8)]
 
 
 @pytest.mark.skipif(build.nvcc_path() is None or _cuobjdump() is None,

@@ -263,11 +263,12 @@ __device__ __forceinline__ void lat_kfrag(const uint4& w, int h, uint32_t& b0, u
 #define LAT_VAR_PROF 8
 #define LAT_VAR_FMERGE 16
 #define LAT_VAR_RESCALE 32  // every tile rescales O (the kernel before mla22k; benchmarks' A/B)
-//   LAT_VAR_KSPLIT (any pages, 4 warps; "ksplit"): the scores split over the warps by k (each
-//     warp: all 64 tokens over a quarter of the 576 dims, its q fragments in registers for the
-//     whole loop) instead of by token (each warp: 16 tokens over all dims, q's 18 KB of
-//     fragments read from shared memory by every warp every tile: ~38% of an fp8 tile's shared
-//     traffic); the partial scores are added through shared memory (one barrier more a tile).
+//   LAT_VAR_KSPLIT (any pages; "ksplit"): the scores split over the warps by k (4 warps: each
+//     all 64 tokens over a quarter of the 576 dims; 8 warps: 32 tokens each, the same quarters;
+//     the warp's q fragments in registers for the whole loop) instead of by token (each warp:
+//     16 / 8 tokens over all dims, q's 18 KB of fragments read from shared memory by every warp
+//     every tile: ~38% of an fp8 tile's shared traffic at 4 warps, twice that at 8); the
+//     partial scores are added through shared memory (one barrier more a tile).
 #define LAT_VAR_KSPLIT 64
 
 template <int CK, int RK, int R, int DR, int LOG2P, int NS, int QT, int VAR = 0, int LW = 4>
@@ -460,19 +461,20 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
   float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
   const float qk = p.qk_scale;
 
-  // KSPLIT: warp w's k-steps of q in registers for the whole loop: latent chunk iterations
-  // [KNL w, KNL (w + 1)) and rotary k-step w (their fragments from qs, which the scores'
-  // partial sums then reuse)
-  constexpr int KNL = Gm::NCC / 4 / LW, KQ = KNL * Gm::CKPC + 1;
+  // KSPLIT: the k-steps split 4 ways (kw = warp % 4: latent chunk iterations [KNL kw,
+  // KNL (kw + 1)) and rotary k-step kw), the 64 tokens LW / 4 ways (tg = warp / 4: n-tiles
+  // [NJ tg, NJ (tg + 1))); the warp's q fragments in registers for the whole loop (read from
+  // qs, which the partial scores then reuse)
+  constexpr int KNL = Gm::NCC / 4 / 4, KQ = KNL * Gm::CKPC + 1, NJ = 8 * 4 / LW;
+  const int kw = warp & 3, tg = warp >> 2;
   uint32_t qr[KSPLIT ? KQ : 1][4];
   if constexpr (KSPLIT) {
-    static_assert(LW == 4 && KSR == LW && !WIDE && Gm::NCC / 4 % LW == 0,
-                  "KSPLIT: 4 warps, 4 rotary k-steps");
-    static_assert(LW * 8 * 32 * 16 <= Gm::RED_OFF, "KSPLIT: partial sums in q's space");
+    static_assert(KSR == 4 && !WIDE && Gm::NCC / 4 % 4 == 0, "KSPLIT: 4 rotary k-steps");
+    static_assert(4 * 8 * 32 * 16 <= Gm::RED_OFF, "KSPLIT: partial sums in q's space");
     __syncthreads();  // q's fragments assembled
 #pragma unroll
     for (int i = 0; i < KQ; ++i) {
-      const int s = i < KQ - 1 ? warp * KNL * Gm::CKPC + i : KSL + warp;
+      const int s = i < KQ - 1 ? kw * KNL * Gm::CKPC + i : KSL + kw;
       const uint4 v = lds128(qs + (s * 32 + lane) * 16);
       qr[i][0] = v.x;
       qr[i][1] = v.y;
@@ -506,23 +508,40 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
 
     float x[2][4], cf[2];  // scaled scores; cf: the latent page scale (and ALU_V's 2^8) P carries
     if constexpr (KSPLIT) {
-      // ---- KSPLIT scores: warp w, all 64 tokens (8 n-tiles, eight independent MMA chains)
-      // over its quarter of the k-steps, q from registers (no q reads from shared memory in
-      // the loop: 36 lds128 a warp a tile before); the partial sums, page scales applied, go
-      // through shared memory (q's space), and each warp adds the four for its own 16 tokens.
-      float sl[8][4], sp[8][4];
+      // ---- KSPLIT scores: warp (kw, tg), NJ n-tiles (4 warps: all 64 tokens, eight
+      // independent MMA chains) over a quarter of the k-steps, q from registers (no q reads
+      // from shared memory in the loop: 36 lds128 a warp a tile before); the partial sums, page
+      // scales applied, go through shared memory (q's space), and each warp adds the four for
+      // its own TW tokens.
+      float sl[NJ][4], sp[NJ][4];
 #pragma unroll
-      for (int jt = 0; jt < 8; ++jt)
+      for (int jl = 0; jl < NJ; ++jl)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) sl[jt][c] = sp[jt][c] = 0.f;
-      const int nr = warp / Gm::RKPC, hr = warp % Gm::RKPC;  // the warp's rotary k-step
+        for (int c = 0; c < 4; ++c) sl[jl][c] = sp[jl][c] = 0.f;
+      const int nr = kw / Gm::RKPC, hr = kw % Gm::RKPC;  // the warp's rotary k-step
       const int rofs = (Gm::NCC + lat_own(t, nr, Gm::NCR)) * 16 + hr * 4 * Gm::REB;
+      const uint8_t* sg = tg * NJ < 4 ? st0 : st1;  // 8 warps: NJ 4, one stage a token group
+      float4v* kbuf = reinterpret_cast<float4v*>(qs);  // [4 k parts][8 n-tiles][32 lanes]
+      // an n-tile's partial, page scales applied, to kbuf
+      auto store_partial = [&](int jl) {
+        const int jt = tg * NJ + jl;
+        const float* sj = reinterpret_cast<const float*>((jt < 4 ? st0 : st1) + Gm::SC_OFF);
+        const int k = (8 * jt) % LAT_HALF / Gm::PROWS;
+        const float kf = (Gm::CSC ? sj[2 * k] : 1.f) * K_ALU, rf = Gm::RSC ? sj[2 * k + 1] : 1.f;
+        if constexpr (Gm::CSC || Gm::RSC)
+          kbuf[(kw * 8 + jt) * 32 + lane] =
+              float4v{sl[jl][0] * kf + sp[jl][0] * rf, sl[jl][1] * kf + sp[jl][1] * rf,
+                      sl[jl][2] * kf + sp[jl][2] * rf, sl[jl][3] * kf + sp[jl][3] * rf};
+        else
+          kbuf[(kw * 8 + jt) * 32 + lane] = float4v{sl[jl][0], sl[jl][1], sl[jl][2], sl[jl][3]};
+      };
 #pragma unroll
-      for (int jt = 0; jt < 8; ++jt) {
-        const uint8_t* krow = (jt < 4 ? st0 : st1) + ((8 * jt) % LAT_HALF + g) * Gm::ROWB;
+      for (int jl = 0; jl < NJ; ++jl) {
+        const uint8_t* krow = (NJ == 8 ? (jl < 4 ? st0 : st1) : sg) +
+                              ((8 * jl) % LAT_HALF + g) * Gm::ROWB;
 #pragma unroll
         for (int nl = 0; nl < KNL; ++nl) {
-          const uint4 w0 = lds128(krow + lat_own(t, warp * KNL + nl, Gm::NCC) * 16);
+          const uint4 w0 = lds128(krow + lat_own(t, kw * KNL + nl, Gm::NCC) * 16);
 #pragma unroll
           for (int h = 0; h < Gm::CKPC; ++h) {
             uint32_t b0, b1;
@@ -530,7 +549,7 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
               fp8x4_to_f16x2x2_alu<CK>(word(w0, h), b0, b1);
             else
               lat_kfrag<CK>(w0, h, b0, b1);
-            mma16816<CBF>(sl[jt], qr[nl * Gm::CKPC + h], b0, b1);
+            mma16816<CBF>(sl[jl], qr[nl * Gm::CKPC + h], b0, b1);
           }
         }
         uint32_t b0, b1;
@@ -543,29 +562,26 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
           b0 = lat_cvt8<RK, 0>(v);
           b1 = lat_cvt8<RK, 1>(v);
         }
-        mma16816<RBF>(Gm::CSC || Gm::RSC ? sp[jt] : sl[jt], qr[KQ - 1], b0, b1);  // unscaled: one sum
+        mma16816<RBF>(Gm::CSC || Gm::RSC ? sp[jl] : sl[jl], qr[KQ - 1], b0, b1);  // unscaled: one sum
+        if constexpr (NJ == 4) store_partial(jl);  // 8 warps: its accumulators die here
       }
-      float4v* kbuf = reinterpret_cast<float4v*>(qs);  // [LW][8 n-tiles][32 lanes]
+      if constexpr (NJ == 8) {  // 4 warps: after all MMAs (stored in the loop, ptxas waits)
 #pragma unroll
-      for (int jt = 0; jt < 8; ++jt) {
-        const float* sj = reinterpret_cast<const float*>((jt < 4 ? st0 : st1) + Gm::SC_OFF);
-        const int k = (8 * jt) % LAT_HALF / Gm::PROWS;
-        const float kf = (Gm::CSC ? sj[2 * k] : 1.f) * K_ALU, rf = Gm::RSC ? sj[2 * k + 1] : 1.f;
-        if constexpr (Gm::CSC || Gm::RSC)
-          kbuf[(warp * 8 + jt) * 32 + lane] =
-              float4v{sl[jt][0] * kf + sp[jt][0] * rf, sl[jt][1] * kf + sp[jt][1] * rf,
-                      sl[jt][2] * kf + sp[jt][2] * rf, sl[jt][3] * kf + sp[jt][3] * rf};
-        else
-          kbuf[(warp * 8 + jt) * 32 + lane] = float4v{sl[jt][0], sl[jt][1], sl[jt][2], sl[jt][3]};
+        for (int jl = 0; jl < NJ; ++jl) store_partial(jl);
       }
       __syncthreads();  // every warp's partial scores
       const float* scl = reinterpret_cast<const float*>(st + Gm::SC_OFF);
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
+        if (j >= Gm::NTW) {  // 8 warps: one n-tile a warp
+          x[j][0] = x[j][1] = x[j][2] = x[j][3] = NEG_INF;
+          cf[j] = 0.f;
+          continue;
+        }
         float a[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int w = 0; w < LW; ++w) {
-          const float4v v = kbuf[(w * 8 + 2 * warp + j) * 32 + lane];
+        for (int w = 0; w < 4; ++w) {
+          const float4v v = kbuf[(w * 8 + Gm::NTW * warp + j) * 32 + lane];
           a[0] += v.x;
           a[1] += v.y;
           a[2] += v.z;
