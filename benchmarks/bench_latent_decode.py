@@ -345,12 +345,38 @@ def parse_cuda(spec: str) -> list[tuple]:
     return out
 
 
+def prebuild_cuda(cuda: list) -> None:
+    """Builds every --cuda variant's cubin (both page formats) in parallel processes before
+    anything is timed (the launcher builds at first use, one at a time: on a fresh machine
+    twenty variants took minutes). Before CUDA is initialized (the workers fork)."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    from kvcompile.kernels import latent_sm90
+
+    keys = set()
+    for var, st, w, _mg, fm, prof, rs in cuda:
+        for fmt in FORMATS:
+            ck = latent_sm90._KIND[fmt]
+            bits = (latent_sm90.variant_bits(var, ck) | (latent_sm90.FMERGE if fm else 0)
+                    | (latent_sm90.PROF if prof else 0) | (latent_sm90.RESCALE if rs else 0))
+            keys.add((ck, ck, R, DR, P, 1, st if ck < 2 else None, bits, w))
+    t = time.perf_counter()
+    with cf.ProcessPoolExecutor(min(len(keys), os.cpu_count() or 1),
+                                mp.get_context("fork")) as ex:
+        list(ex.map(latent_sm90.build_key, sorted(keys, key=str)))
+    print(f"# built {len(keys)} CUDA variants in {time.perf_counter() - t:.0f} s", flush=True)
+
+
 def quick(shape_names: list[str], tiles: list | None, splits: list[int],
           peak_tflops: float, cuda: list | None = None, rule_only: bool = False,
           graph: bool = False) -> None:
     """The kernel alone: old vs the rule's tiles vs each candidate (or --tiles), and the
     CUDA kernel's variants (--cuda) beside them."""
     from benchmarks.latent_decode_before import latent_decode_before
+
+    if cuda and not DRY:
+        prebuild_cuda(cuda)
 
     shapes = DRY_SHAPES if DRY else SHAPES
     copy = copy_bandwidth()

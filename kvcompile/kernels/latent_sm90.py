@@ -334,13 +334,18 @@ def _kernel(key):
 
     k = _kernels.get(key)
     if k is None:
-        defines, ctas, smem = kernel_constants(*key)
-        cubin = build.build_cubin("latent_decode.cuh", "kvc_latent_decode", KERNEL_CALL, defines,
-                                  arch="sm_90", threads=defines["KVC_LW"] * 32,
-                                  min_blocks=ctas, params="LatentParams")
-        k = Kernel(cubin, "kvc_latent_decode", smem)
+        k = Kernel(build_key(key), "kvc_latent_decode", kernel_constants(*key)[2])
         _kernels[key] = k
     return k
+
+
+def build_key(key) -> bytes:
+    """The sm_90 cubin of launch key `key` (Launch.key), built or from the cache (no GPU needed:
+    benchmarks build their variants in parallel processes first)."""
+    defines, ctas, _ = kernel_constants(*key)
+    return build.build_cubin("latent_decode.cuh", "kvc_latent_decode", KERNEL_CALL, defines,
+                             arch="sm_90", threads=defines["KVC_LW"] * 32, min_blocks=ctas,
+                             params="LatentParams")
 
 
 def merge_splits(acc: torch.Tensor, ml: torch.Tensor) -> torch.Tensor:
