@@ -135,7 +135,7 @@ __device__ __forceinline__ uint32_t lat_cvt8(uint32_t x) {
 #endif
 }
 
-struct float4v { float x, y, z, w; };
+struct __align__(16) float4v { float x, y, z, w; };
 constexpr int LAT_PROF_SLOTS = 12;
 
 // 16 bytes to shared memory (a plain store, as P's: ordered by the kernel's barriers)
