@@ -52,7 +52,8 @@ WARP_COUNTS = (4, 8)   # warps a CTA: 4 (16 tokens a warp in the scores) or 8 (8
 # "ksplit" (mla22k, any pages): the scores split over the warps by k, q in registers (no q
 # reads from shared memory in the loop), partial scores added through shared memory.
 # Names join with "+" ("aluv+ksplit").
-VARIANTS = {"base": 0, "aluk": 1, "aluv": 2, "alu": 3, "wide": 4, "ksplit": 64}
+# "ostage" (mla22k, any pages): O stored through shared memory as whole rows (16-byte stores).
+VARIANTS = {"base": 0, "aluk": 1, "aluv": 2, "alu": 3, "wide": 4, "ksplit": 64, "ostage": 128}
 WIDE = 4
 KSPLIT = 64
 FP8_BITS = 7          # the bits above that mean something for fp8 latent pages only

@@ -32,7 +32,8 @@ def _case(c_fmt, r_fmt, lens, heads):
     ("base", None, 4), ("base", None, 8), ("aluk", None, 4), ("alu", None, 4), ("aluv", 4, 4),
     ("alu", 4, 4), ("alu", 4, 8), ("base", 4, 4), ("aluv", None, 4), ("wide", None, 4),
     ("wide", None, 8), ("ksplit", None, 4), ("ksplit", 4, 4), ("aluv+ksplit", 4, 4),
-    ("ksplit", 4, 8), ("ksplit", None, 8)])
+    ("ksplit", 4, 8), ("ksplit", None, 8), ("ostage", None, 4), ("ostage+ksplit", 4, 4),
+    ("ostage+ksplit", 4, 8)])
 @pytest.mark.parametrize("splits", [None, 1, 7])
 @pytest.mark.parametrize("heads", [16, 20])
 @pytest.mark.parametrize("c_fmt,r_fmt", [("bf16", "bf16"), ("fp8_e4m3", "bf16"),
@@ -40,10 +41,11 @@ def _case(c_fmt, r_fmt, lens, heads):
 def test_cuda_latent_kernel(c_fmt, r_fmt, heads, splits, variant, stages, warps):
     from kvcompile.kernels import latent_sm90
 
-    if c_fmt == "bf16" and (variant not in ("base", "ksplit") or stages is not None):
+    if c_fmt == "bf16" and (latent_sm90.variant_bits(variant, 0) & latent_sm90.FP8_BITS
+                            or stages is not None):
         pytest.skip("the variants and 4-stage rings are for fp8 latent pages")
     if splits == 1 and (variant, stages) not in (("base", None), ("alu", 4), ("wide", None),
-                                                 ("ksplit", 4)):
+                                                 ("ksplit", 4), ("ostage", None)):
         pytest.skip("one split (the direct write) is checked on base, alu at 4 stages, wide")
     pool, plan, q, lens_t, ref = _case(c_fmt, r_fmt, [1, 63, 4097, 700], heads)
     out = latent_sm90.latent_decode_sm90(q, pool.k[0], pool.v[0], plan.block_tables, lens_t,
@@ -99,7 +101,8 @@ def test_run_time_routes_decode_steps_to_the_cuda_kernel(kv_dtype, monkeypatch):
 @pytest.mark.parametrize("variant,stages,warps", [("base", None, 4), ("base", 4, 4),
                                                   ("base", 4, 8), ("aluv", 4, 4),
                                                   ("ksplit", None, 4), ("ksplit", 4, 4),
-                                                  ("ksplit", 4, 8)])
+                                                  ("ksplit", 4, 8), ("ostage+ksplit", 4, 4),
+                                                  ("ostage+ksplit", None, 4)])
 @pytest.mark.parametrize("splits", [None, 7])
 @pytest.mark.parametrize("heads", [16, 20])
 @pytest.mark.parametrize("c_fmt,r_fmt", [("bf16", "bf16"), ("fp8_e4m3", "fp8_e4m3"),
@@ -111,7 +114,8 @@ def test_cuda_latent_fused_merge(c_fmt, r_fmt, heads, splits, variant, stages, w
     the sequences' tiles. Also base:w8 at 4 stages (two 8-warp CTAs an SM) unfused."""
     from kvcompile.kernels import latent_sm90
 
-    if c_fmt == "bf16" and (variant not in ("base", "ksplit") or stages is not None):
+    if c_fmt == "bf16" and (latent_sm90.variant_bits(variant, 0) & latent_sm90.FP8_BITS
+                            or stages is not None):
         pytest.skip("the variants and 4-stage rings are for fp8 latent pages")
     lens = [1, 63, 4097, 700]
     pool, plan, q, lens_t, ref = _case(c_fmt, r_fmt, lens, heads)

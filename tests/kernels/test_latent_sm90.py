@@ -70,13 +70,15 @@ CASES = [
     # "ksplit" (mla22k): scores split over the warps by k, q in registers, partial sums through
     # shared memory; fp8 latent and rotary pages of 8 (per-page scales on both partials), the
     # 4-stage ring (two CTAs an SM) wraps, an empty split
-    ("fp8_e4m3", "fp8_e4m3", 20, [329, 17], 8, 3, "ksplit", torch.bfloat16, 4, 4),
+    # with "ostage": O stored through shared memory as whole rows
+    ("fp8_e4m3", "fp8_e4m3", 20, [329, 17], 8, 3, "ostage+ksplit", torch.bfloat16, 4, 4),
 ]
 FULL_CASES = [
     ("bf16", "bf16", 20, [300, 17], 16, 3, "ksplit", torch.bfloat16, None, 4),
     ("fp8_e5m2", "bf16", 16, [300, 64], 32, 2, "aluv+ksplit", torch.float32, None, 4),
     # ksplit at 8 warps: 4 k parts x 2 token groups (32 tokens each), two CTAs an SM
     ("fp8_e4m3", "fp8_e4m3", 20, [329, 17], 8, 3, "ksplit", torch.bfloat16, 4, 8),
+    ("bf16", "bf16", 20, [300, 17], 16, 1, "ostage", torch.bfloat16, None, 4),  # direct
     ("fp8_e5m2", "fp8_e4m3", 16, [300, 64], 32, 2, "wide", torch.bfloat16, None, 8),
     ("fp8_e4m3", "bf16", 16, [700, 1], 16, 1, "base", torch.bfloat16, None, 4),  # 10 stages wrap
     ("fp8_e5m2", "fp8_e4m3", 16, [100], 32, 1, "aluk", torch.float32, None, 4),

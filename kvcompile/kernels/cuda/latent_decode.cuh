@@ -270,6 +270,11 @@ __device__ __forceinline__ void lat_kfrag(const uint4& w, int h, uint32_t& b0, u
 //     every tile: ~38% of an fp8 tile's shared traffic at 4 warps, twice that at 8); the
 //     partial scores are added through shared memory (one barrier more a tile).
 #define LAT_VAR_KSPLIT 64
+//   LAT_VAR_OSTAGE (any pages; "ostage"): the CTA's O [16, R] (normalized or partial) staged
+//     through shared memory and stored as whole rows of 16-byte stores, not as each thread's
+//     4-byte elements (32 B apart: 8 rows x 4 sectors a warp instruction, 64 instructions a
+//     thread at the end of every CTA).
+#define LAT_VAR_OSTAGE 128
 
 template <int CK, int RK, int R, int DR, int LOG2P, int NS, int QT, int VAR = 0, int LW = 4>
 __device__ __forceinline__ void latent_decode(const LatentParams& p) {
@@ -282,7 +287,7 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
   constexpr bool ALUV = (VAR & LAT_VAR_ALU_V) && Gm::CEB == 1 && !WIDE;
   constexpr float V_ALU = ALUV && CK == KVC_E4M3 ? 256.f : 1.f;  // 2^8 back into P
   constexpr bool PROF = VAR & LAT_VAR_PROF, FMERGE = VAR & LAT_VAR_FMERGE;
-  constexpr bool KSPLIT = VAR & LAT_VAR_KSPLIT;
+  constexpr bool KSPLIT = VAR & LAT_VAR_KSPLIT, OSTAGE = VAR & LAT_VAR_OSTAGE;
   constexpr int P = Gm::P, D = R + DR;
   const float NEG_INF = -INFINITY;
   unsigned long long pt[6] = {PROF ? lat_gtimer() : 0ull, 0ull, 0ull, 0ull, 0ull, 0ull};
@@ -843,6 +848,12 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
     s1 += red[w * 16 + g + 8];
   }
   const int S = p.num_splits;
+  // OSTAGE: O through shared memory (the ring: every warp is past its last read of it, the
+  // barrier above), then whole rows out in 16-byte stores; otherwise each thread's 4-byte
+  // elements, 32 B apart, go straight out (8 rows x 4 sectors an instruction)
+  constexpr int OSR = R + 4;  // a staged row, floats (16-byte aligned)
+  float* ostage = reinterpret_cast<float*>(ring);
+  static_assert(!OSTAGE || 16 * OSR * 4 <= NS * Gm::STAGE, "OSTAGE: O fits the ring");
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int rr = g + 8 * half, h = h0 + rr;
@@ -859,11 +870,25 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
         const int n = 2 * t + e;  // the n-tile's column -> latent column
         const int col = Gm::VEPU * (Gm::UW * warp + n + 8 * (nb / Gm::VEPU)) + nb % Gm::VEPU;
         const float v = o[nb][2 * half + e];
-        dst[col] = p.direct ? v * inv : v;
+        if constexpr (OSTAGE)
+          ostage[rr * OSR + col] = p.direct ? v * inv : v;
+        else
+          dst[col] = p.direct ? v * inv : v;
       }
     if (!p.direct && warp == 0 && t == 0) {
       p.ml[row * 2] = m;
       p.ml[row * 2 + 1] = lsum;
+    }
+  }
+  if constexpr (OSTAGE) {
+    __syncthreads();  // the staged rows
+    constexpr int C4 = R / 4;
+    for (int i = tid; i < 16 * C4; i += LW * 32) {
+      const int rr = i / C4, c4 = i % C4, h = h0 + rr;
+      if (h >= H) break;  // rows are in order: the rest are past H too
+      const long long row = p.direct ? (long long)b * H + h : ((long long)b * S + split) * H + h;
+      *reinterpret_cast<float4v*>((p.direct ? p.out : p.acc) + row * R + 4 * c4) =
+          *reinterpret_cast<const float4v*>(ostage + rr * OSR + 4 * c4);
     }
   }
   if constexpr (PROF) pt[4] = lat_gtimer();
