@@ -359,8 +359,9 @@ def prebuild_cuda(cuda: list) -> None:
         for fmt in FORMATS:
             ck = latent_sm90._KIND[fmt]
             bits = (latent_sm90.variant_bits(var, ck) | (latent_sm90.FMERGE if fm else 0)
-                    | (latent_sm90.PROF if prof else 0) | (latent_sm90.RESCALE if rs else 0))
-            keys.add((ck, ck, R, DR, P, 1, st if ck < 2 else None, bits, w))
+                    | (latent_sm90.RESCALE if rs else 0))
+            for extra in (0, latent_sm90.PROF) if prof else (0,):   # a :prof row times both
+                keys.add((ck, ck, R, DR, P, 1, st if ck < 2 else None, bits | extra, w))
     t = time.perf_counter()
     with cf.ProcessPoolExecutor(min(len(keys), os.cpu_count() or 1),
                                 mp.get_context("fork")) as ex:
