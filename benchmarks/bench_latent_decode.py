@@ -82,7 +82,11 @@ DEV = "cpu" if DRY else "cuda"
 H, R, DR, DN, DV = (128, 512, 64, 128, 128) if not DRY else (8, 32, 16, 16, 16)
 P = 16
 SHAPES = {"B16_L8k": (16, 8192), "B64_L8k": (64, 8192), "B16_L32k": (16, 32768),
-          "B64_L32k": (64, 32768)}
+          "B64_L32k": (64, 32768),
+          # short contexts (--shapes only): a launch's fixed part by regression over the tiles
+          # a CTA runs (mla22k)
+          "B16_L2k": (16, 2048), "B16_L4k": (16, 4096)}
+DEFAULT_SHAPES = "B16_L8k,B64_L8k,B16_L32k,B64_L32k"
 DRY_SHAPES = {"B2_L64": (2, 64), "B3_L100": (3, 100)}
 FORMATS = ["bf16", "fp8_e4m3"]
 TP_NOTE = {16: " (DeepSeek-V3 at TP 8)", 32: " (DeepSeek-V3 at TP 4)"}
@@ -239,6 +243,44 @@ def copy_bandwidth(graph: bool = False) -> float:
     return 2 * n / (ms * 1e-3) / 1e9
 
 
+def profile_line(fn, ctas: int) -> str:
+    """One launch of fn(pbuf=...) with the CUDA latent kernel's per-CTA timers
+    (latent_sm90.PROF_NAMES; latent_decode.cuh LAT_VAR_PROF), after one plain launch, summarized
+    over the CTAs as median / max (us from the earliest CTA's entry, global timer; cycles of
+    warp 0 per tile, clock64). Where a launch's time goes: the CTAs' start skew, q's prologue,
+    tile 0's wait, the loop (per tile), the partials' stores, the fused merge, the end skew."""
+    from kvcompile.kernels import latent_sm90
+
+    if DRY:
+        return "dry run"
+    pbuf = torch.zeros(ctas * latent_sm90.PROF_SLOTS, dtype=torch.int64, device=DEV)
+    fn()
+    torch.cuda.synchronize()
+    fn(pbuf=pbuf)
+    torch.cuda.synchronize()
+    p = pbuf.view(ctas, latent_sm90.PROF_SLOTS).cpu().double()
+    t0 = p[:, 0].min()
+    end = torch.where(p[:, 5] > 0, p[:, 5], p[:, 4])
+    tiles = p[:, 7].clamp_min(1)
+
+    def mm(x, k=1e-3):
+        x = x * k
+        return f"{x.median().item():.1f}/{x.max().item():.1f}"
+
+    sms = p[:, 6].long()
+    per_sm = torch.bincount(sms).max().item()
+    return (f"{ctas} CTAs on {len(sms.unique())} SMs (<= {per_sm} an SM); us median/max: "
+            f"start {mm(p[:, 0] - t0)}, q {mm(p[:, 1] - p[:, 0])}, tile 0 wait "
+            f"{mm(p[:, 2] - p[:, 1])}, loop {mm(p[:, 3] - p[:, 2])} "
+            f"({mm((p[:, 3] - p[:, 2]) / (tiles - 1).clamp_min(1))} a tile after the first), "
+            f"stores {mm(p[:, 4] - p[:, 3])}, merge {mm(torch.where(p[:, 5] > 0, p[:, 5] - p[:, 4], 0 * t0))}, "
+            f"end {mm(end - t0)} (span {(end.max() - t0).item() * 1e-3:.1f}); warp 0 cycles a "
+            f"tile median: wait {(p[:, 8] / tiles).median().item():.0f}, scores "
+            f"{(p[:, 9] / tiles).median().item():.0f}, softmax "
+            f"{(p[:, 10] / tiles).median().item():.0f}, P V issue "
+            f"{(p[:, 11] / tiles).median().item():.0f}")
+
+
 def parse_tiles(spec: str) -> list:
     """'once:64:128:8:1,heads:64:16:4:2:2,once:16:128:8:2:1:tile' -> [LatentTiles, ...]"""
     out = []
@@ -263,20 +305,31 @@ def score_copies(t) -> int:
         t.num_warps == 8 or t.v_split == 2) else 1
 
 
-def parse_cuda(spec: str) -> list[tuple[str, int | None, int, bool]]:
-    """'base,base:w8,alu:s4,base:nm' -> [(variant, stages or None, warps, merge), ...]
+def parse_cuda(spec: str) -> list[tuple]:
+    """'base,base:w8,alu:s4,base:nm' -> [(variant, stages or None, warps, merge, fm, prof),
+    ...]
     (kernels/latent_sm90.py VARIANTS; stages None: as many half-tile stages as fit one CTA an
     SM, s4 lets fp8 pages run two CTAs an SM; warps 4 unless w8; nm: the kernel alone, the
     splits' partials left unmerged, to time the merge by difference; ml: merged by the loop
-    merge kernel of before mla22j, merge "loop")."""
+    merge kernel of before mla22j, merge "loop"; fm: the splits merged by the kernel's last
+    CTA a head block, fused_merge=True (mla22k); prof: after its timing, one more launch with
+    the per-CTA timers (profile=...), summarized on a '# prof' line: the launch's fixed part;
+    rs: O rescaled in every tile, the kernel before mla22k, always_rescale=True; 16-bit pages
+    time s<n> rows as the full ring, once)."""
     from kvcompile.kernels.latent_sm90 import VARIANTS, WARP_COUNTS
 
     out = []
     for item in filter(None, spec.split(",")):
         var, *opts = item.split(":")
-        st, w, merge = None, 4, True
+        st, w, merge, fm, prof, rs = None, 4, True, False, False, False
         for o in opts:
-            if o in ("nm", "ml"):
+            if o == "rs":
+                rs = True
+            elif o == "fm":
+                fm = True
+            elif o == "prof":
+                prof = True
+            elif o in ("nm", "ml"):
                 merge = {"nm": False, "ml": "loop"}[o]
             elif o[:1] == "s" and o[1:].isdigit():
                 st = int(o[1:])
@@ -284,11 +337,36 @@ def parse_cuda(spec: str) -> list[tuple[str, int | None, int, bool]]:
                 w = int(o[1:])
             else:
                 var = ""
-        if var not in VARIANTS:
-            raise SystemExit(f"--cuda {item!r}: variant[:s<stages>][:w<warps>], variant one of "
-                             f"{sorted(VARIANTS)}, warps one of {WARP_COUNTS}")
-        out.append((var, st, w, merge))
+        if not all(v in VARIANTS for v in var.split("+")):
+            raise SystemExit(f"--cuda {item!r}: variant[:s<stages>][:w<warps>][:nm|ml|fm]"
+                             f"[:prof], variant one of {sorted(VARIANTS)}, warps one of "
+                             f"{WARP_COUNTS}")
+        out.append((var, st, w, merge, fm, prof, rs))
     return out
+
+
+def prebuild_cuda(cuda: list) -> None:
+    """Builds every --cuda variant's cubin (both page formats) in parallel processes before
+    anything is timed (the launcher builds at first use, one at a time: on a fresh machine
+    twenty variants took minutes). Before CUDA is initialized (the workers fork)."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    from kvcompile.kernels import latent_sm90
+
+    keys = set()
+    for var, st, w, _mg, fm, prof, rs in cuda:
+        for fmt in FORMATS:
+            ck = latent_sm90._KIND[fmt]
+            bits = (latent_sm90.variant_bits(var, ck) | (latent_sm90.FMERGE if fm else 0)
+                    | (latent_sm90.RESCALE if rs else 0))
+            for extra in (0, latent_sm90.PROF) if prof else (0,):   # a :prof row times both
+                keys.add((ck, ck, R, DR, P, 1, st if ck < 2 else None, bits | extra, w))
+    t = time.perf_counter()
+    with cf.ProcessPoolExecutor(min(len(keys), os.cpu_count() or 1),
+                                mp.get_context("fork")) as ex:
+        list(ex.map(latent_sm90.build_key, sorted(keys, key=str)))
+    print(f"# built {len(keys)} CUDA variants in {time.perf_counter() - t:.0f} s", flush=True)
 
 
 def quick(shape_names: list[str], tiles: list | None, splits: list[int],
@@ -297,6 +375,9 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
     """The kernel alone: old vs the rule's tiles vs each candidate (or --tiles), and the
     CUDA kernel's variants (--cuda) beside them."""
     from benchmarks.latent_decode_before import latent_decode_before
+
+    if cuda and not DRY:
+        prebuild_cuda(cuda)
 
     shapes = DRY_SHAPES if DRY else SHAPES
     copy = copy_bandwidth()
@@ -320,7 +401,7 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
           "TFLOP/s issued | vs old | rel err vs old |" + gcols)
     print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if graph else ""))
     bound = REL_ERR[dt]
-    best, work = [], []
+    best, work, profs = [], [], []
     sweep = tiles or ([] if rule_only else [
         t for t in CANDIDATES + SWEEP_CANDIDATES
         if (t.block_h >= 32 if H >= 64 else t.block_h <= max(H, 16))])
@@ -356,7 +437,7 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
                 for sp in dict.fromkeys([own] + splits):
                     runs.append(("rule" if t == rule and sp == own else "sweep", t, sp))
             seen = set()   # variants that change nothing for these pages (bf16) time once
-            for var, st, w, mg in cuda or []:   # the CUDA kernel (kernels/latent_sm90.py)
+            for var, st, w, mg, fm, prof, rs in cuda or []:   # the CUDA kernel (latent_sm90.py)
                 if DRY:
                     print(f"| {name} | {fmt} | cuda {var} | - | dry run: the CUDA kernel takes "
                           f"r 512 + rope 64 on sm_90 only | | | | | | |")
@@ -364,24 +445,28 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
                 from kvcompile.kernels import latent_sm90
 
                 ck = latent_sm90._KIND[fmt]
-                vbits = latent_sm90.VARIANTS[var] if ck < 2 else 0
-                if (vbits, st, w, mg) in seen:
+                vbits = latent_sm90.variant_bits(var, ck)
+                if ck >= 2:   # 16-bit pages: s<n> rows time as the full ring (one CTA an SM
+                    st = None  # either way; mla22j measured s4 = smax), once
+                if (vbits, st, w, mg, fm, prof, rs) in seen:
                     continue
-                seen.add((vbits, st, w, mg))
+                seen.add((vbits, st, w, mg, fm, prof, rs))
                 _, ctas, smem = latent_sm90.kernel_constants(ck, ck, R, DR, P, 1, st, vbits,
                                                              warps=w)
                 own = latent_sm90.choose_splits(B, (H + 15) // 16, max_len, sms, ctas)
                 for sp in dict.fromkeys([own] + splits):
-                    runs.append(("cuda", (var, st, w, ctas, smem, mg), sp))
+                    runs.append(("cuda", (var, st, w, ctas, smem, mg, fm, prof, rs), sp))
             base, fastest = None, None
             for kernel, t, sp in runs:
                 if kernel == "cuda":
-                    var, st, w, ctas, smem, mg = t
+                    var, st, w, ctas, smem, mg, fm, prof, rs = t
                     label = (f"cuda {var} w{w} s{st or 'max'} ({ctas} CTA/SM, {smem // 1024} "
                              f"KB) x {sp}"
-                             f"{dict(loop=', loop merge').get(mg, '') if mg else ', no merge'}")
+                             f"{dict(loop=', loop merge').get(mg, '') if mg else ', no merge'}"
+                             f"{', fused merge' if fm else ''}"
+                             f"{', rescale every tile' if rs else ''}")
 
-                    def fn(a=args, v=var, st=st, sp=sp, w=w, mg=mg):
+                    def fn(a=args, v=var, st=st, sp=sp, w=w, mg=mg, fm=fm, rs=rs, pbuf=None):
                         from kvcompile.kernels import latent_decode as ld
 
                         before = ld.MERGE
@@ -389,15 +474,19 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
                         try:
                             return latent_sm90.latent_decode_sm90(*a, num_splits=sp, stages=st,
                                                                   variant=v, warps=w,
-                                                                  merge=bool(mg))
+                                                                  merge=bool(mg), fused_merge=fm,
+                                                                  profile=pbuf,
+                                                                  always_rescale=rs)
                         finally:
                             ld.MERGE = before
+                    profiled = fn if prof else None
                     t = None
                 else:
                     label = "16 heads, 1 page" if t is None else f"{t} x {sp}"
                     fn = (lambda a=args: latent_decode_before(*a)) if t is None else (
                         lambda a=args, t=t, sp=sp: latent_decode_attention(*a, num_splits=sp,
                                                                            tiles=t))
+                    profiled = None
                 try:
                     out = fn()
                     ms = bench(fn, warmup=10, rep=50)
@@ -426,6 +515,13 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
                       f"{issued / (ms * 1e-3) / 1e12:.0f} | {base / ms:.2f}x | "
                       f"{err:.1e}{'' if err <= bound else f' > {bound:.1e}: WRONG'} |"
                       + gcell, flush=True)
+                if profiled is not None:
+                    try:
+                        line = profile_line(profiled, B * ((H + 15) // 16) * sp)
+                    except Exception as e:   # say so, keep the table
+                        line = f"failed: {type(e).__name__}: {str(e)[:120]}"
+                    profs.append(f"# prof {name} {fmt} {label}: {line}")
+                    print(profs[-1], flush=True)   # now too: a cut run keeps it
             if fastest:
                 best.append(f"# {name} {fmt}: fastest {fastest[1]} {fastest[0]:.3f} ms, "
                             f"{fastest[2]:.1f}% of copy (target 80%); the rule's pick "
@@ -433,12 +529,12 @@ def quick(shape_names: list[str], tiles: list | None, splits: list[int],
             del pool, plan
             if not DRY:
                 torch.cuda.empty_cache()
-    print("\n".join(work + best))
+    print("\n".join(work + best + profs))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default=",".join(DRY_SHAPES if DRY else SHAPES))
+    ap.add_argument("--shapes", default=",".join(DRY_SHAPES) if DRY else DEFAULT_SHAPES)
     ap.add_argument("--heads", type=int, default=None,
                     help="query heads a GPU (default 128, DeepSeek-V3 unsharded; 16 / 32 are "
                     "its tensor-parallel 8 / 4 shards; dry run: 8)")

@@ -46,6 +46,17 @@
 #                                             # each row also as a CUDA graph (--graph); base:nm =
 #                                             # no merge, base:ml = the old loop merge (LJ_SHAPES,
 #                                             # LJ_CUDA, LJ_LIMIT)
+#   bash benchmarks/gpu_jobs.sh latent22k_check  # mla22k: the CUDA latent kernel's GPU tests incl. the
+#                                             # fused merge (3 launches: counters reset), the per-CTA
+#                                             # timers, two 8-warp CTAs an SM (fp8); -vv
+#   bash benchmarks/gpu_jobs.sh latent22k_bench  # mla22k: 16 heads, rule vs cuda: base (O rescaled only
+#                                             # when a max grows), :rs (every tile, as before), :fm (fused
+#                                             # merge), :s4 / :s4:w8 (fp8 two CTAs an SM, 4 / 8 warps),
+#                                             # ksplit (scores split over warps by k, q in registers),
+#                                             # ostage (O out through shared memory, whole rows);
+#                                             # ':prof' rows add a '# prof' line (where a launch's time
+#                                             # goes: start skew, q, tile 0, loop a tile, stores, merge)
+#                                             # (LK_SHAPES, LK_CUDA, LK_SPLITS, LK_LIMIT)
 #   bash benchmarks/gpu_jobs.sh capacity32k   # Engine capacity, 32k-token requests, 1 layer x 1 kv head of 128
 #                                             # (per layer and head: the same schedule; CAP_LAYERS=2 CAP_HEADS=8: 16x the work)
 #   bash benchmarks/gpu_jobs.sh capacity32k_pe  # the same, prompts evicted every 4,096 tokens (evict19f)
@@ -132,6 +143,8 @@ job() {   # job NAME -> "LIMIT COMMAND"
     latent_cuda)    echo "${LX_LIMIT:-480} python3 benchmarks/bench_latent_decode.py --quick --heads ${LX_HEADS:-16} --rule-only --cuda ${LX_CUDA:-base,base:w8,aluk,alu,alu:s4} --shapes ${LX_SHAPES:-B16_L8k,B64_L8k,B16_L32k,B64_L32k} ${LX_SPLITS:+--splits $LX_SPLITS}; r=\$?; python3 -m pytest -q -m gpu tests/gpu/test_latent_sm90_gpu.py -p no:cacheprovider -x ${LX_K:+-k \"$LX_K\"}; exit \$(( r | \$? ))" ;;
     latent22j_check) echo "${LJ_CHECK_LIMIT:-220} $PAR -vv tests/gpu/test_latent_sm90_gpu.py tests/gpu/test_latent_decode_gpu.py -k \"test_cuda_latent_kernel or routes_decode_steps or kernel_matches_reference or tensor_parallel_shards\"" ;;
     latent22j_bench) echo "${LJ_LIMIT:-235} python3 benchmarks/bench_latent_decode.py --quick --graph --heads ${LX_HEADS:-16} --rule-only --cuda ${LJ_CUDA:-base,base:nm,base:ml,base:s4,aluv:s4,alu:s4,wide,wide:w8} --shapes ${LJ_SHAPES:-B16_L8k,B64_L8k,B16_L32k,B64_L32k}" ;;
+    latent22k_check) echo "${LK_CHECK_LIMIT:-230} $PAR -vv tests/gpu/test_latent_sm90_gpu.py tests/gpu/test_latent_decode_gpu.py -k \"${LK_K:-test_cuda_latent or routes_decode_steps or kernel_matches_reference or tensor_parallel_shards}\"" ;;
+    latent22k_bench) echo "${LK_LIMIT:-235} python3 benchmarks/bench_latent_decode.py --quick --graph --heads ${LX_HEADS:-16} --rule-only --cuda ${LK_CUDA:-base,base:rs,base:fm,ksplit:fm,ostage:fm,ostage+ksplit:fm,base:s4,base:s4:fm,ksplit:s4:fm,ostage+ksplit:s4:fm,base:s4:w8:fm,ksplit:s4:w8:fm,ostage+ksplit:s4:w8:fm,base:fm:prof,base:s4:fm:prof,ostage+ksplit:fm:prof,ostage+ksplit:s4:fm:prof,ostage+ksplit:s4:w8:fm:prof} --shapes ${LK_SHAPES:-B16_L8k,B64_L8k,B16_L32k,B64_L32k} ${LK_SPLITS:+--splits $LK_SPLITS}" ;;
     latent_bench)   echo "${LB_LIMIT:-300} python3 benchmarks/bench_latent_decode.py ${LB_ARGS:-}" ;;
     gen)            echo "${GEN_LIMIT:-360} python3 benchmarks/bench_generate.py --budget-s $(( ${GEN_LIMIT:-360} - 30 )) --out $OUT --sections ${GEN_SECTIONS:-hf_static,kvc_fp8,engine_b,engine_b_nograph} ${GEN_ARGS:-}" ;;
     profile)        echo "${PROF_LIMIT:-200} python3 benchmarks/profile_generate.py ${PROF_ARGS:-}" ;;

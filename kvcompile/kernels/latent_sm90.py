@@ -19,6 +19,7 @@ for every decode step); benchmarks/bench_latent_decode.py --quick times it besid
 from __future__ import annotations
 
 import ctypes
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -48,8 +49,20 @@ WARP_COUNTS = (4, 8)   # warps a CTA: 4 (16 tokens a warp in the scores) or 8 (8
 # "wide" (mla22j): fp8 latent codes widened once a tile (the scores' F2FP results kept in a
 # 16-bit shared copy of the tile, which P V reads): 144 F2FP a tile a thread instead of 256, for
 # 64 KB of shared memory (fewer ring stages)
-VARIANTS = {"base": 0, "aluk": 1, "aluv": 2, "alu": 3, "wide": 4}
+# "ksplit" (mla22k, any pages): the scores split over the warps by k, q in registers (no q
+# reads from shared memory in the loop), partial scores added through shared memory.
+# Names join with "+" ("aluv+ksplit").
+# "ostage" (mla22k, any pages): O stored through shared memory as whole rows (16-byte stores).
+VARIANTS = {"base": 0, "aluk": 1, "aluv": 2, "alu": 3, "wide": 4, "ksplit": 64, "ostage": 128}
 WIDE = 4
+KSPLIT = 64
+FP8_BITS = 7          # the bits above that mean something for fp8 latent pages only
+PROF = 8              # profile=: per-CTA timers (latent_decode.cuh LAT_VAR_PROF)
+FMERGE = 16           # fused_merge=True: the last CTA of each head block merges the splits
+RESCALE = 32          # always_rescale=True: O rescaled every tile (before mla22k), an A/B
+PROF_SLOTS = 12       # latent_decode.cuh LAT_PROF_SLOTS
+PROF_NAMES = ("t_entry", "t_q", "t_tile0", "t_loop", "t_stored", "t_merged", "smid", "tiles",
+              "cyc_wait", "cyc_scores", "cyc_softmax", "cyc_pv")
 
 
 class LatentParams(ctypes.Structure):  # latent_decode.cuh LatentParams, field for field
@@ -57,11 +70,23 @@ class LatentParams(ctypes.Structure):  # latent_decode.cuh LatentParams, field f
         "q", "c", "r", "cs", "rs", "bt", "seq_lens", "out", "acc", "ml")] + [
         (n, ctypes.c_longlong) for n in ("stride_qb", "stride_qh", "stride_bt")] + [
         (n, ctypes.c_int) for n in ("H", "num_splits", "tiles_per_split", "direct")] + [
-        ("qk_scale", ctypes.c_float)]
+        ("qk_scale", ctypes.c_float), ("prof", ctypes.c_void_p), ("cnt", ctypes.c_void_p)]
 
 
 def _round(x: int, m: int) -> int:
     return (x + m - 1) // m * m
+
+
+def variant_bits(variant: str, ck: int) -> int:
+    """The VAR bits of a variant name ("+" joins names), those for fp8 latent pages only
+    dropped for 16-bit ones (ck: the latent kind)."""
+    bits = 0
+    for name in variant.split("+"):
+        if name not in VARIANTS:
+            raise UnsupportedShapeError(f"latent_decode_sm90: unknown variant {variant!r}; take "
+                                        f"one of {sorted(VARIANTS)} or several joined by '+'")
+        bits |= VARIANTS[name]
+    return bits if ck < 2 else bits & ~FP8_BITS
 
 
 def geometry(ck: int, rk: int, r: int, dr: int, page: int,
@@ -100,7 +125,7 @@ def kernel_constants(ck: int, rk: int, r: int, dr: int, page: int, qt: int,
     ns, smem, ctas = geometry(ck, rk, r, dr, page, stages, warps, bool(var & WIDE))
     defines = {"KVC_CK": ck, "KVC_RK": rk, "KVC_R": r, "KVC_DR": dr,
                "KVC_LOG2P": page.bit_length() - 1, "KVC_NS": ns, "KVC_QT": qt,
-               "KVC_LVAR": var if ck < 2 else 0, "KVC_LW": warps}
+               "KVC_LVAR": var if ck < 2 else var & ~FP8_BITS, "KVC_LW": warps}
     return defines, ctas, smem
 
 
@@ -133,16 +158,27 @@ def unsupported(q_lat, c_pages, r_pages) -> str:
 # 0.058 / 0.064 (4 stages: 0.074); B64 x 8k, B16 x 32k, B64 x 32k: CUDA faster in both formats
 # (fp8 at 4 stages, 2 CTAs an SM: 69.5% of copy at B64 x 32k).
 ROUTE = "auto"                 # "auto" (use_cuda's rule), "cuda" (wherever it runs), "triton"
-# batch x the block table's context from which the CUDA kernel takes a step, by page kind
-# (False: 16-bit pages, True: fp8)
-CUDA_MIN_TOKENS = {False: 1 << 17, True: 1 << 19}
-CUDA_LAUNCH = {False: {}, True: {"stages": 4}}   # widened (fp8) pages: 2 CTAs an SM
+# by page kind (False: 16-bit pages, True: fp8), (batch x the block table's context from which
+# the CUDA kernel takes a step, its launch options): the last entry whose size the step reaches
+# (`cuda_launch`); below the first, the Triton rule
+CUDA_LAUNCH = {False: [(1 << 17, {})],
+               True: [(1 << 19, {"stages": 4})]}   # widened (fp8) pages: 2 CTAs an SM
+
+
+def cuda_launch(fp8: bool, tokens: int) -> dict | None:
+    """The launch options CUDA_LAUNCH gives a step of `tokens` (batch x context) over fp8 or
+    16-bit latent pages, None below its first size (the Triton rule takes it)."""
+    pick = None
+    for min_tokens, opts in CUDA_LAUNCH[fp8]:
+        if tokens >= min_tokens:
+            pick = opts
+    return None if pick is None else dict(pick)
 
 
 def use_cuda(q_lat, c_pages, r_pages, max_len: int) -> dict | None:
     """The launch options (latent_decode_sm90's keywords) when the run time should take this
     kernel for a decode step, else None: on an sm_90 GPU, for pages it takes (`unsupported`),
-    with ROUTE "cuda", or "auto", batch x max_len >= CUDA_MIN_TOKENS[fp8 latent pages] and
+    with ROUTE "cuda", or "auto", where `cuda_launch` gives options for batch x max_len, and
     16-bit queries (this kernel rounds fp32 queries to the pages' MMA dtype; the Triton
     kernel's dots stay fp32)."""
     if ROUTE == "triton" or q_lat.device.type != "cuda":
@@ -152,10 +188,10 @@ def use_cuda(q_lat, c_pages, r_pages, max_len: int) -> dict | None:
     if not decode_sm90.device_ok(q_lat.device)[0] or unsupported(q_lat, c_pages, r_pages):
         return None
     fp8 = c_pages.fmt.name.startswith("fp8")
-    if ROUTE == "auto" and (q_lat.shape[0] * max_len < CUDA_MIN_TOKENS[fp8]
-                            or q_lat.dtype == torch.float32):   # fp32 queries: Triton's fp32 dots
+    opts = cuda_launch(fp8, q_lat.shape[0] * max_len)
+    if ROUTE == "auto" and (opts is None or q_lat.dtype == torch.float32):  # fp32 q: Triton's dots
         return None
-    return dict(CUDA_LAUNCH[fp8])
+    return opts if opts is not None else dict(CUDA_LAUNCH[fp8][0][1])
 
 
 def choose_splits(batch: int, head_blocks: int, max_len: int, sms: int, ctas_per_sm: int) -> int:
@@ -176,21 +212,60 @@ class Launch:
     acc: torch.Tensor    # [B, S, H, R] (out when direct)
     ml: torch.Tensor     # [B, S, H, 2] (out when direct)
     num_splits: int
+    fused: bool = False  # the kernel merges its splits (LAT_VAR_FMERGE)
 
     @property
     def direct(self) -> bool:
         return self.num_splits == 1
 
+    @property
+    def merged(self) -> bool:
+        """out holds the result once the kernel ran (one split, or the fused merge)."""
+        return self.direct or self.fused
+
+
+_arrivals: dict = {}
+_warned: set = set()
+
+
+def arrivals(device: torch.device, n: int) -> torch.Tensor:
+    """The fused merge's arrival counters (int32 [>= n], zero between launches: the merging
+    CTA sets its counter back to 0), one buffer a device, grown (to a new zeroed buffer) when a
+    launch needs more. Launches on one stream only (two streams would share counters); a
+    buffer first made during a CUDA graph capture would belong to that graph's pool, so
+    callers make it before capturing (a call outside the capture does; latent_decode_sm90
+    refuses the fused merge, once with a warning, where it would be first made in a capture)."""
+    key = (device.type, device.index)
+    buf = _arrivals.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, ARRIVALS), dtype=torch.int32, device=device)
+        _arrivals[key] = buf
+    return buf
+
+
+ARRIVALS = 1 << 14   # the first buffer's counters (64 KB): sequences x head blocks a launch
+
+
+def _arrivals_ready(device: torch.device, n: int) -> bool:
+    buf = _arrivals.get((device.type, device.index))
+    return buf is not None and buf.numel() >= n
+
 
 def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: float,
                      num_splits: int | None = None, stages: int | None = None,
                      sms: int = 132, variant: str = "base", warps: int = WARPS,
-                     poison: bool = False) -> Launch:
+                     poison: bool = False, profile: torch.Tensor | None = None,
+                     fused_merge: bool = False, always_rescale: bool = False) -> Launch:
     """The launch for these inputs (any device: the emulation plans CPU tensors).
     stages: ring stages of half a tile (None: as many as fit one CTA an SM; 4 lets fp8 pages
     run two CTAs an SM); variant: VARIANTS (a bit that changes nothing for these pages is
     dropped); warps: WARP_COUNTS (8: two warps a scheduler at one CTA an SM); poison (tests):
-    the output and the splits' partials filled with NaN first."""
+    the output and the splits' partials filled with NaN first; profile: an int64 tensor of at
+    least grid CTAs x PROF_SLOTS elements, the per-CTA timers' destination (LAT_VAR_PROF; one
+    cubin more); fused_merge: the splits merged by the kernel's last CTA a head block (an
+    arrival counter, `arrivals`, instead of merge_launch's second launch); always_rescale
+    (benchmarks): O rescaled in every tile, as before mla22k (now only tiles that raise a row's
+    max do; bit-identical)."""
     from kvcompile.kernels.latent_decode import _check
 
     _check(q_lat, c_pages, r_pages, block_tables, seq_lens)
@@ -201,11 +276,13 @@ def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: flo
     B, H, _ = q_lat.shape
     R, DR, P = c_pages.head_dim, r_pages.head_dim, c_pages.page_size
     ck, rk = _KIND[c_pages.fmt.name], _KIND[r_pages.fmt.name]
-    if variant not in VARIANTS:
-        raise UnsupportedShapeError(f"latent_decode_sm90: unknown variant {variant!r}; take one "
-                                    f"of {sorted(VARIANTS)}")
-    key = (ck, rk, R, DR, P, _QT[q_lat.dtype], stages, VARIANTS[variant] if ck < 2 else 0,
-           warps)
+    vb = variant_bits(variant, ck)
+    if vb & KSPLIT and vb & WIDE:
+        raise UnsupportedShapeError(f"latent_decode_sm90: variant {variant!r}: ksplit and wide "
+                                    f"do not combine; take one")
+    var = (vb | (PROF if profile is not None else 0)
+           | (FMERGE if fused_merge else 0) | (RESCALE if always_rescale else 0))
+    key = (ck, rk, R, DR, P, _QT[q_lat.dtype], stages, var, warps)
     _, ctas, _ = kernel_constants(*key)
     hbs = (H + 15) // 16
     max_len = block_tables.shape[1] * P
@@ -227,10 +304,17 @@ def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: flo
     if poison:   # tests: an element the kernel does not write stays NaN
         for t in (out, acc, ml):
             t.fill_(float("nan"))
+    grid = (B * hbs, num_splits, 1)
+    if profile is not None and (profile.dtype != torch.int64 or not profile.is_contiguous()
+                                or profile.numel() < grid[0] * grid[1] * PROF_SLOTS):
+        raise UnsupportedShapeError(f"latent_decode_sm90: profile needs a contiguous int64 "
+                                    f"tensor of >= {grid[0] * grid[1] * PROF_SLOTS} elements")
+    cnt = arrivals(dev, B * hbs) if fused_merge and num_splits > 1 else None
     tensors = {"q": q, "c": c_pages.data, "r": r_pages.data,
                "cs": c_pages.scale if ck < 2 else None, "rs": r_pages.scale if rk < 2 else None,
                "bt": block_tables, "seq_lens": seq_lens, "out": out,
-               "acc": None if num_splits == 1 else acc, "ml": None if num_splits == 1 else ml}
+               "acc": None if num_splits == 1 else acc, "ml": None if num_splits == 1 else ml,
+               "prof": profile, "cnt": cnt}
 
     def ptr(name):
         t = tensors[name]
@@ -239,8 +323,8 @@ def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: flo
     prm = LatentParams(ptr("q"), ptr("c"), ptr("r"), ptr("cs"), ptr("rs"), ptr("bt"),
                        ptr("seq_lens"), ptr("out"), ptr("acc"), ptr("ml"),
                        q.stride(0), q.stride(1), block_tables.stride(0), H, num_splits, tps,
-                       int(num_splits == 1), float(scale) * _LOG2E)
-    return Launch(key, (B * hbs, num_splits, 1), prm, tensors, out, acc, ml, num_splits)
+                       int(num_splits == 1), float(scale) * _LOG2E, ptr("prof"), ptr("cnt"))
+    return Launch(key, grid, prm, tensors, out, acc, ml, num_splits, bool(fused_merge))
 
 
 _kernels: dict = {}
@@ -251,13 +335,18 @@ def _kernel(key):
 
     k = _kernels.get(key)
     if k is None:
-        defines, ctas, smem = kernel_constants(*key)
-        cubin = build.build_cubin("latent_decode.cuh", "kvc_latent_decode", KERNEL_CALL, defines,
-                                  arch="sm_90", threads=defines["KVC_LW"] * 32,
-                                  min_blocks=ctas, params="LatentParams")
-        k = Kernel(cubin, "kvc_latent_decode", smem)
+        k = Kernel(build_key(key), "kvc_latent_decode", kernel_constants(*key)[2])
         _kernels[key] = k
     return k
+
+
+def build_key(key) -> bytes:
+    """The sm_90 cubin of launch key `key` (Launch.key), built or from the cache (no GPU needed:
+    benchmarks build their variants in parallel processes first)."""
+    defines, ctas, _ = kernel_constants(*key)
+    return build.build_cubin("latent_decode.cuh", "kvc_latent_decode", KERNEL_CALL, defines,
+                             arch="sm_90", threads=defines["KVC_LW"] * 32, min_blocks=ctas,
+                             params="LatentParams")
 
 
 def merge_splits(acc: torch.Tensor, ml: torch.Tensor) -> torch.Tensor:
@@ -276,11 +365,14 @@ def merge_splits(acc: torch.Tensor, ml: torch.Tensor) -> torch.Tensor:
 def latent_decode_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: float,
                        num_splits: int | None = None, stages: int | None = None,
                        variant: str = "base", warps: int = WARPS,
-                       merge: bool = True, poison: bool = False) -> torch.Tensor:
+                       merge: bool = True, poison: bool = False,
+                       profile: torch.Tensor | None = None,
+                       fused_merge: bool = False, always_rescale: bool = False) -> torch.Tensor:
     """See the module docstring. q_lat [B, H, R + DR] -> [B, H, R] fp32, on an sm_90 GPU.
     merge False (benchmarks only: the kernel timed without the merge launch): the splits'
     partials are left unmerged and the returned tensor is not the output when splits > 1.
-    poison (tests): the output and the partials are filled with NaN before the launch."""
+    poison (tests): the output and the partials are filled with NaN before the launch.
+    profile, fused_merge, always_rescale: as plan_latent_sm90."""
     from kvcompile.kernels import decode_sm90
     from kvcompile.kernels.latent_decode import merge_launch, sm_count
 
@@ -288,14 +380,24 @@ def latent_decode_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: f
     if not ok:
         raise UnsupportedShapeError(f"latent_decode_sm90: {why}; use "
                                     f"latent_decode.latent_decode_attention (Triton)")
+    if fused_merge and torch.cuda.is_current_stream_capturing() and not _arrivals_ready(
+            q_lat.device, q_lat.shape[0] * ((q_lat.shape[1] + 15) // 16)):
+        if "capture" not in _warned:
+            _warned.add("capture")
+            warnings.warn("latent_decode_sm90: fused_merge refused in this CUDA graph capture "
+                          "(its arrival counters would be made inside the capture); the splits "
+                          "merge in a second launch. One eager call first makes them.",
+                          stacklevel=2)
+        fused_merge = False
     lp = plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale, num_splits,
-                          stages, sm_count(q_lat.device), variant, warps, poison)
+                          stages, sm_count(q_lat.device), variant, warps, poison, profile,
+                          fused_merge, always_rescale)
     _kernel(lp.key).launch(lp.grid, warps * 32, lp.prm, q_lat.device)
-    if merge and not lp.direct:
+    if merge and not lp.merged:
         merge_launch(lp.acc, lp.ml, lp.out, lp.num_splits)
     return lp.out
 
 
-__all__ = ["KERNEL_CALL", "VARIANTS", "WARP_COUNTS", "Launch", "LatentParams", "choose_splits",
+__all__ = ["KERNEL_CALL", "PROF_NAMES", "VARIANTS", "arrivals", "cuda_launch", "variant_bits", "WARP_COUNTS", "Launch", "LatentParams", "choose_splits",
            "geometry", "kernel_constants", "latent_decode_sm90", "merge_splits",
            "plan_latent_sm90", "unsupported", "use_cuda"]

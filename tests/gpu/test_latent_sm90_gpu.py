@@ -31,7 +31,9 @@ def _case(c_fmt, r_fmt, lens, heads):
 @pytest.mark.parametrize("variant,stages,warps", [
     ("base", None, 4), ("base", None, 8), ("aluk", None, 4), ("alu", None, 4), ("aluv", 4, 4),
     ("alu", 4, 4), ("alu", 4, 8), ("base", 4, 4), ("aluv", None, 4), ("wide", None, 4),
-    ("wide", None, 8)])
+    ("wide", None, 8), ("ksplit", None, 4), ("ksplit", 4, 4), ("aluv+ksplit", 4, 4),
+    ("ksplit", 4, 8), ("ksplit", None, 8), ("ostage", None, 4), ("ostage+ksplit", 4, 4),
+    ("ostage+ksplit", 4, 8)])
 @pytest.mark.parametrize("splits", [None, 1, 7])
 @pytest.mark.parametrize("heads", [16, 20])
 @pytest.mark.parametrize("c_fmt,r_fmt", [("bf16", "bf16"), ("fp8_e4m3", "bf16"),
@@ -39,9 +41,11 @@ def _case(c_fmt, r_fmt, lens, heads):
 def test_cuda_latent_kernel(c_fmt, r_fmt, heads, splits, variant, stages, warps):
     from kvcompile.kernels import latent_sm90
 
-    if c_fmt == "bf16" and (variant != "base" or stages is not None):
+    if c_fmt == "bf16" and (latent_sm90.variant_bits(variant, 0) & latent_sm90.FP8_BITS
+                            or stages is not None):
         pytest.skip("the variants and 4-stage rings are for fp8 latent pages")
-    if splits == 1 and (variant, stages) not in (("base", None), ("alu", 4), ("wide", None)):
+    if splits == 1 and (variant, stages) not in (("base", None), ("alu", 4), ("wide", None),
+                                                 ("ksplit", 4), ("ostage", None)):
         pytest.skip("one split (the direct write) is checked on base, alu at 4 stages, wide")
     pool, plan, q, lens_t, ref = _case(c_fmt, r_fmt, [1, 63, 4097, 700], heads)
     out = latent_sm90.latent_decode_sm90(q, pool.k[0], pool.v[0], plan.block_tables, lens_t,
@@ -92,3 +96,94 @@ def test_run_time_routes_decode_steps_to_the_cuda_kernel(kv_dtype, monkeypatch):
     assert counters["triton"].get("latent_decode_triton") == 2 * 10, counters["triton"]
     assert_rel_close(logits["cuda"][:, 290:], logits["triton"][:, 290:], torch.bfloat16,
                      factor=4, what=f"{kv_dtype} logits, CUDA vs Triton route")
+
+
+@pytest.mark.parametrize("variant,stages,warps", [("base", None, 4), ("base", 4, 4),
+                                                  ("base", 4, 8), ("aluv", 4, 4),
+                                                  ("ksplit", None, 4), ("ksplit", 4, 4),
+                                                  ("ksplit", 4, 8), ("ostage+ksplit", 4, 4),
+                                                  ("ostage+ksplit", None, 4)])
+@pytest.mark.parametrize("splits", [None, 7])
+@pytest.mark.parametrize("heads", [16, 20])
+@pytest.mark.parametrize("c_fmt,r_fmt", [("bf16", "bf16"), ("fp8_e4m3", "fp8_e4m3"),
+                                         ("fp8_e5m2", "bf16")])
+def test_cuda_latent_fused_merge(c_fmt, r_fmt, heads, splits, variant, stages, warps):
+    """fused_merge (mla22k): the last CTA of each head block merges the splits; three launches
+    in a row (the arrival counters must be back at 0 after each), outputs poisoned; the third
+    with the per-CTA timers on (LAT_VAR_PROF): each CTA's timers in order, its tiles summing to
+    the sequences' tiles. Also base:w8 at 4 stages (two 8-warp CTAs an SM) unfused."""
+    from kvcompile.kernels import latent_sm90
+
+    if c_fmt == "bf16" and (latent_sm90.variant_bits(variant, 0) & latent_sm90.FP8_BITS
+                            or stages is not None):
+        pytest.skip("the variants and 4-stage rings are for fp8 latent pages")
+    lens = [1, 63, 4097, 700]
+    pool, plan, q, lens_t, ref = _case(c_fmt, r_fmt, lens, heads)
+    args = (q, pool.k[0], pool.v[0], plan.block_tables, lens_t, 0.07)
+    kw = dict(num_splits=splits, stages=stages, variant=variant, warps=warps, poison=True)
+    plain = latent_sm90.latent_decode_sm90(*args, **kw)
+    assert_rel_close(plain, ref, torch.bfloat16, what=f"unfused {variant} s{stages} w{warps}")
+    from kvcompile.kernels.latent_decode import sm_count
+
+    lp = latent_sm90.plan_latent_sm90(*args, num_splits=splits, stages=stages,
+                                      sms=sm_count(q.device), variant=variant, warps=warps)
+    ctas = lp.grid[0] * lp.grid[1]
+    for i in range(3):
+        prof = None
+        if i == 2:
+            n = 2 * len(lens) * 64 * latent_sm90.PROF_SLOTS   # enough for any split count here
+            prof = torch.zeros(n, dtype=torch.int64, device="cuda")
+        out = latent_sm90.latent_decode_sm90(*args, **kw, fused_merge=True, profile=prof)
+        torch.cuda.synchronize()
+        assert_rel_close(out, ref, torch.bfloat16,
+                         what=f"fused {c_fmt}/{r_fmt} h{heads} x {splits} {variant} launch {i}")
+    cnt = latent_sm90.arrivals(q.device, 1)
+    assert int(cnt.abs().sum()) == 0, "arrival counters not reset"
+    p = prof[:ctas * latent_sm90.PROF_SLOTS].view(ctas, -1).cpu()
+    t = p[:, [0, 1, 3, 4, 5]]
+    assert bool((t[:, 1:] >= t[:, :-1]).all()), "timers out of order"
+    hb = (heads + 15) // 16
+    assert int(p[:, 7].sum()) == hb * sum(-(-n // 64) for n in lens)
+
+
+@pytest.mark.parametrize("c_fmt", ["bf16", "fp8_e4m3"])
+def test_cuda_latent_fused_merge_in_graphs(c_fmt, monkeypatch):
+    """The fused merge under CUDA graphs, as the run time's decode graphs replay it: captured
+    after an eager call (the arrival counters exist), replayed three times (each replay leaves
+    them at 0 for the next), the output matches the reference each time. Without counters at
+    capture time the fused merge is refused with one warning and the capture still merges (a
+    second launch)."""
+    from kvcompile.kernels import latent_sm90
+
+    pool, plan, q, lens_t, ref = _case(c_fmt, c_fmt, [63, 4097, 700], 16)
+    args = (q, pool.k[0], pool.v[0], plan.block_tables, lens_t, 0.07)
+    kw = dict(num_splits=7, fused_merge=True, variant="ksplit",
+              stages=4 if c_fmt != "bf16" else None)
+    for counters in (True, False):
+        if not counters:
+            monkeypatch.setattr(latent_sm90, "_arrivals", {})
+            monkeypatch.setattr(latent_sm90, "_warned", set())
+            # the unfused launch's cubin and merge kernel loaded before the capture
+            latent_sm90.latent_decode_sm90(*args, **{**kw, "fused_merge": False})
+        else:
+            latent_sm90.latent_decode_sm90(*args, **kw)
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            if counters:
+                with torch.cuda.graph(g):
+                    out = latent_sm90.latent_decode_sm90(*args, **kw)
+            else:
+                with pytest.warns(UserWarning, match="fused_merge refused"):
+                    with torch.cuda.graph(g):
+                        out = latent_sm90.latent_decode_sm90(*args, **kw)
+        torch.cuda.current_stream().wait_stream(side)
+        for i in range(3):
+            out.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            assert_rel_close(out, ref, torch.bfloat16, what=f"{c_fmt} replay {i} ({counters})")
+        if counters:
+            assert int(latent_sm90.arrivals(q.device, 1).abs().sum()) == 0

@@ -69,6 +69,16 @@ CASES = [
     ("fp8_e4m3", "bf16", 20, [520, 30], 16, 3, "wide", torch.bfloat16, None, 4),
 ]
 FULL_CASES = [
+    # "ksplit" (mla22k): scores split over the warps by k, q in registers, partial sums through
+    # shared memory; fp8 latent and rotary pages of 8 (per-page scales on both partials), the
+    # 4-stage ring (two CTAs an SM) wraps, an empty split; "ostage": O out as whole rows (the
+    # default run has this launch with the fused merge: test_fused_merge_and_profile)
+    ("fp8_e4m3", "fp8_e4m3", 20, [329, 17], 8, 3, "ostage+ksplit", torch.bfloat16, 4, 4),
+    ("bf16", "bf16", 20, [300, 17], 16, 3, "ksplit", torch.bfloat16, None, 4),
+    ("fp8_e5m2", "bf16", 16, [300, 64], 32, 2, "aluv+ksplit", torch.float32, None, 4),
+    # ksplit at 8 warps: 4 k parts x 2 token groups (32 tokens each), two CTAs an SM
+    ("fp8_e4m3", "fp8_e4m3", 20, [329, 17], 8, 3, "ksplit", torch.bfloat16, 4, 8),
+    ("bf16", "bf16", 20, [300, 17], 16, 1, "ostage", torch.bfloat16, None, 4),  # direct
     ("fp8_e5m2", "fp8_e4m3", 16, [300, 64], 32, 2, "wide", torch.bfloat16, None, 8),
     ("fp8_e4m3", "bf16", 16, [700, 1], 16, 1, "base", torch.bfloat16, None, 4),  # 10 stages wrap
     ("fp8_e5m2", "fp8_e4m3", 16, [100], 32, 1, "aluk", torch.float32, None, 4),
@@ -181,7 +191,9 @@ NVCC_FULL = [(3, 3, R, DR, 16, 1, None, 0), (0, 3, R, DR, 16, 1, None, 0),
              (1, 1, R, DR, 8, 2, None, 1), (3, 3, R, DR, 16, 1, None, 0, 8),
              (0, 0, R, DR, 16, 1, 4, 3, 8),
              (0, 0, R, DR, 16, 1, None, 2), (2, 2, R, DR, 128, 0, None, 0),
-             (0, 3, R, DR, 16, 1, None, 4), (1, 0, R, DR, 16, 1, None, 4, 8)]
+             (0, 3, R, DR, 16, 1, None, 4), (1, 0, R, DR, 16, 1, None, 4, 8),
+             (0, 0, R, DR, 16, 1, 4, 64), (3, 3, R, DR, 16, 1, None, 64),
+             (0, 0, R, DR, 16, 1, 4, 64, 8)]
 
 
 @pytest.mark.skipif(build.nvcc_path() is None or _cuobjdump() is None,
@@ -207,5 +219,59 @@ def test_builds_for_sm90_without_spills(key, tmp_path, monkeypatch):
     assert len(re.findall(r"\bHMMA\.16816", sass)) == 136 * 4 // warps   # a warp's share
     unpack = len(re.findall(r"F2FP\.F16\.E(4M3|5M2)\.UNPACK_B", sass))
     fp8 = key[0] < 2
-    latent = {0: 256, 1: 128, 2: 128, 3: 0, 4: 128}[key[7]] if fp8 else 0
+    latent = {0: 256, 1: 128, 2: 128, 3: 0, 4: 128}[key[7] & 7] if fp8 else 0
     assert unpack == (latent + (16 if key[1] < 2 else 0)) * 4 // warps, unpack
+
+
+@pytest.mark.skipif(not build_emu.available()[0], reason="g++ not found")
+def test_fused_merge_and_profile():
+    """The mla22k options in one launch (one g++ build): variant "ostage+ksplit" (scores split
+    over the warps by k, q in registers, partial scores through shared memory; O out as whole
+    rows), fused_merge (the last CTA of each head block merges the splits), the per-CTA timers;
+    fp8 e4m3 latent and rotary pages of 8 (per-page scales on every warp's partial), the 4-stage
+    ring (two CTAs an SM) wrapping, 20 heads (a partial second head block), 3 splits over
+    [300, 17] (an empty split), outputs poisoned: matches the reference; the arrival counters
+    are back at 0; every CTA's timers in order and its tile count. Negatives: the latent page
+    scales doubled (> 0.1); a head block's counter left at 1 (its merge then runs one CTA
+    early, before the last split's partials) fails the bound."""
+    c_fmt, r_fmt, heads, lens, page, splits = "fp8_e4m3", "fp8_e4m3", 20, [300, 17], 8, 3
+    kw = dict(num_splits=splits, variant="ostage+ksplit", stages=4, fused_merge=True)
+    pool, plan, q, ref = _case(c_fmt, r_fmt, heads, lens, page)
+    ctas = len(lens) * 2 * splits
+    prof = torch.zeros(ctas * ls.PROF_SLOTS, dtype=torch.int64)
+    out = _emulate(pool, plan, q, lens, profile=prof, **kw)
+    assert rel_err(out, ref) <= _bound(c_fmt)
+    cnt = ls.arrivals(torch.device("cpu"), 4)
+    assert cnt[:4].tolist() == [0, 0, 0, 0]
+    p = prof.view(ctas, ls.PROF_SLOTS)
+    times = p[:, [0, 1, 3, 4, 5]]   # entry, q, loop end, stored, merged (tile 0: CTAs with tiles)
+    assert bool((times[:, 1:] >= times[:, :-1]).all()) and bool((times[:, 0] > 0).all())
+    # tiles a CTA: 5 tiles of sequence 0 over 3 splits of 2 -> 2, 2, 1; sequence 1: 1, 0, 0
+    assert p[:, 7].view(2, 2, splits)[:, 0].tolist() == [[2, 2, 1], [1, 0, 0]]
+    cnt[1] = 1   # sequence 0, head block 1
+    bad = _emulate(pool, plan, q, lens, profile=prof, **kw)
+    cnt.zero_()
+    assert not rel_err(bad[0, 16:], ref[0, 16:]) <= _bound(c_fmt)
+    pool.k[0].scale.mul_(2.0)
+    assert rel_err(_emulate(pool, plan, q, lens, profile=prof, **kw), ref) > 0.1
+
+
+def test_cuda_launch_rule(monkeypatch):
+    """The run time's route table (latent_sm90.CUDA_LAUNCH): below a page kind's first size the
+    Triton rule (None), else the last entry the step's batch x context reaches; a copy each
+    time (a caller's edit does not change the table)."""
+    assert ls.cuda_launch(False, (1 << 17) - 1) is None
+    assert ls.cuda_launch(False, 16 * 8192) == dict(ls.CUDA_LAUNCH[False][0][1])
+    for kind, entries in ls.CUDA_LAUNCH.items():   # sizes ascending, options a launch takes
+        sizes = [n for n, _ in entries]
+        assert sizes == sorted(sizes), kind
+        for _, opts in entries:
+            assert set(opts) <= {"stages", "variant", "warps", "fused_merge", "num_splits"}, opts
+    table = [(100, {"stages": 4}), (1000, {"stages": 4, "fused_merge": True})]
+    monkeypatch.setitem(ls.CUDA_LAUNCH, True, table)
+    assert ls.cuda_launch(True, 99) is None
+    assert ls.cuda_launch(True, 999) == {"stages": 4}
+    got = ls.cuda_launch(True, 1 << 30)
+    assert got == {"stages": 4, "fused_merge": True}
+    got["stages"] = 9
+    assert table[1][1]["stages"] == 4

@@ -56,6 +56,8 @@ struct LatentParams {
   long long stride_qb, stride_qh, stride_bt;
   int H, num_splits, tiles_per_split, direct;
   float qk_scale;        // scale * log2(e)
+  unsigned long long* prof;  // [grid, LAT_PROF_SLOTS] (variant bit LAT_VAR_PROF), else null
+  int* cnt;              // [B * head blocks] arrivals, zero between launches (LAT_VAR_FMERGE)
 };
 
 namespace kvc {
@@ -133,9 +135,76 @@ __device__ __forceinline__ uint32_t lat_cvt8(uint32_t x) {
 #endif
 }
 
+struct __align__(16) float4v { float x, y, z, w; };
+constexpr int LAT_PROF_SLOTS = 12;
+
 // 16 bytes to shared memory (a plain store, as P's: ordered by the kernel's barriers)
 __device__ __forceinline__ void lat_sts128(uint8_t* p, const uint4& v) {
   *reinterpret_cast<uint4*>(p) = v;
+}
+
+// LAT_VAR_PROF's clocks: the global timer (ns, comparable across SMs), the SM's cycle counter,
+// the SM id. The emulation counts calls instead (monotonic, so the recorded order is checked).
+__device__ __forceinline__ unsigned long long lat_gtimer() {
+#ifdef KVC_EMU
+  static unsigned long long n = 0;
+  return ++n;
+#else
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+#endif
+}
+__device__ __forceinline__ long long lat_clock() {
+#ifdef KVC_EMU
+  static long long n = 0;
+  return ++n;
+#else
+  return clock64();
+#endif
+}
+__device__ __forceinline__ unsigned lat_smid() {
+#ifdef KVC_EMU
+  return 0;
+#else
+  unsigned r;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(r));
+  return r;
+#endif
+}
+// LAT_VAR_FMERGE: the arrival count (returns the value before), the fence, and L1-bypassing
+// loads of the other CTAs' partials (their lines were never in this SM's L1, but .cg says so).
+// The emulation runs CTAs one after another, so plain memory is enough there.
+__device__ __forceinline__ int lat_arrive(int* c) {
+#ifdef KVC_EMU
+  return (*c)++;
+#else
+  return atomicAdd(c, 1);
+#endif
+}
+__device__ __forceinline__ void lat_fence() {
+#ifndef KVC_EMU
+  __threadfence();
+#endif
+}
+__device__ __forceinline__ float4v lat_ldcg4(const float* p) {
+#ifdef KVC_EMU
+  return float4v{p[0], p[1], p[2], p[3]};
+#else
+  float4v v;
+  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  return v;
+#endif
+}
+__device__ __forceinline__ float lat_ldcg(const float* p) {
+#ifdef KVC_EMU
+  return *p;
+#else
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+#endif
 }
 
 // WIDE: where 16-byte unit u of a widened latent row `row` lives in it. Rows are 16 mod 128
@@ -180,7 +249,32 @@ __device__ __forceinline__ void lat_kfrag(const uint4& w, int h, uint32_t& b0, u
 //     64 KB of shared memory (fewer ring stages) and 32 STS.128 a thread a tile.
 #define LAT_VAR_ALU_K 1
 #define LAT_VAR_ALU_V 2
+//   LAT_VAR_PROF (any pages; the launcher's profile=...): thread 0 of each CTA records, into
+//     p.prof[CTA][LAT_PROF_SLOTS] (CTA = blockIdx.x * splits + blockIdx.y): the global timer
+//     (ns) at entry, q in shared memory, tile 0 landed, the loop's end, the partials stored,
+//     the fused merge done (0 when none); the SM id; the CTA's tiles; warp 0's cycles
+//     (clock64, summed over tiles) waiting for a tile (cp.async wait + barrier), scoring it
+//     (to the row maxima), in the softmax (two barriers), and issuing P V. For finding a
+//     launch's fixed part (benchmarks/bench_latent_decode.py --cuda base:prof).
+//   LAT_VAR_FMERGE (any pages; fused_merge=True): the splits merged by the last CTA of each
+//     (sequence, head block) to store its partials (an atomic arrival count in p.cnt, which
+//     that CTA sets back to 0), instead of a second launch (latent_decode.merge_launch).
 #define LAT_VAR_WIDE 4
+#define LAT_VAR_PROF 8
+#define LAT_VAR_FMERGE 16
+#define LAT_VAR_RESCALE 32  // every tile rescales O (the kernel before mla22k; benchmarks' A/B)
+//   LAT_VAR_KSPLIT (any pages; "ksplit"): the scores split over the warps by k (4 warps: each
+//     all 64 tokens over a quarter of the 576 dims; 8 warps: 32 tokens each, the same quarters;
+//     the warp's q fragments in registers for the whole loop) instead of by token (each warp:
+//     16 / 8 tokens over all dims, q's 18 KB of fragments read from shared memory by every warp
+//     every tile: ~38% of an fp8 tile's shared traffic at 4 warps, twice that at 8); the
+//     partial scores are added through shared memory (one barrier more a tile).
+#define LAT_VAR_KSPLIT 64
+//   LAT_VAR_OSTAGE (any pages; "ostage"): the CTA's O [16, R] (normalized or partial) staged
+//     through shared memory and stored as whole rows of 16-byte stores, not as each thread's
+//     4-byte elements (32 B apart: 8 rows x 4 sectors a warp instruction, 64 instructions a
+//     thread at the end of every CTA).
+#define LAT_VAR_OSTAGE 128
 
 template <int CK, int RK, int R, int DR, int LOG2P, int NS, int QT, int VAR = 0, int LW = 4>
 __device__ __forceinline__ void latent_decode(const LatentParams& p) {
@@ -192,8 +286,12 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
   constexpr float K_ALU = ALUK && CK == KVC_E4M3 ? 256.f : 1.f;
   constexpr bool ALUV = (VAR & LAT_VAR_ALU_V) && Gm::CEB == 1 && !WIDE;
   constexpr float V_ALU = ALUV && CK == KVC_E4M3 ? 256.f : 1.f;  // 2^8 back into P
+  constexpr bool PROF = VAR & LAT_VAR_PROF, FMERGE = VAR & LAT_VAR_FMERGE;
+  constexpr bool KSPLIT = VAR & LAT_VAR_KSPLIT, OSTAGE = VAR & LAT_VAR_OSTAGE;
   constexpr int P = Gm::P, D = R + DR;
   const float NEG_INF = -INFINITY;
+  unsigned long long pt[6] = {PROF ? lat_gtimer() : 0ull, 0ull, 0ull, 0ull, 0ull, 0ull};
+  long long pc[4] = {0, 0, 0, 0}, ck0 = 0, ck1 = 0;  // PROF: warp 0's phase cycles
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -276,6 +374,20 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
     cp_commit();
   };
 
+  // ---- q's loads first: they depend on nothing, and the copies below wait for their page ids
+  // (issued after them, q's loads would start one page-id latency later; mla22k)
+  const int h0 = hb * 16;
+  constexpr int QCR = D / 8;                                 // 8-element runs a q row
+  constexpr int NQC = (16 * QCR + LW * 32 - 1) / (LW * 32);  // ... a thread
+  float xq[NQC][8];
+#pragma unroll
+  for (int k = 0; k < NQC; ++k) {  // rows past H (and runs past the end) read a valid row
+    const int c = min(tid + k * LW * 32, 16 * QCR - 1), rr = c / QCR, dd = c % QCR * 8;
+    const long long at = b * p.stride_qb + min(h0 + rr, H - 1) * p.stride_qh + dd;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) xq[k][e] = load_q<QT>(p.q, at + e);
+  }
+
   // ---- prologue: half tiles 0 .. NS - 3 in flight, then q -> shared (overlaps the copies)
   int pid_a[Gm::PPT], pid_b[Gm::PPT];
 #pragma unroll
@@ -285,7 +397,6 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
   }
   load_pids(NS - 2, pid_a);
   load_pids(NS - 1, pid_b);
-  const int h0 = hb * 16;
   // q -> shared in the MMA's fragment order: k-step s of the score loop (latent (n, h), then
   // rotary (n, h)), lane l, 16 bytes = its A registers {row g d0..d0+1, row g+8 d0..d0+1, row g
   // d0+2..d0+3, row g+8 d0+2..d0+3}, d0 the lane's first dim of that k-step. One lds128 a
@@ -302,16 +413,6 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
   {
     uint8_t* qr = ring + (NS - 1) * Gm::STAGE;  // [16][QROWB]
     static_assert(16 * Gm::QROWB <= Gm::STAGE && R % 8 == 0, "q's staging rows");
-    constexpr int QCR = D / 8;                                 // 8-element runs a q row
-    constexpr int NQC = (16 * QCR + LW * 32 - 1) / (LW * 32);  // ... a thread
-    float xq[NQC][8];
-#pragma unroll
-    for (int k = 0; k < NQC; ++k) {  // rows past H (and runs past the end) read a valid row
-      const int c = min(tid + k * LW * 32, 16 * QCR - 1), rr = c / QCR, dd = c % QCR * 8;
-      const long long at = b * p.stride_qb + min(h0 + rr, H - 1) * p.stride_qh + dd;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) xq[k][e] = load_q<QT>(p.q, at + e);
-    }
 #pragma unroll
     for (int k = 0; k < NQC; ++k) {
       const int c = tid + k * LW * 32, rr = c / QCR, dd = c % QCR * 8;
@@ -347,6 +448,7 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
       lat_sts128(qs + f * 16, uint4{a0.x, a1.x, a0.y, a1.y});
     }
   }
+  if constexpr (PROF) pt[1] = lat_gtimer();
 
   // WIDE: the lane's store offsets in its widened rows and its value units' positions
   // (lat_wpos without the row parity, which is known where each load is)
@@ -364,10 +466,41 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
   float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
   const float qk = p.qk_scale;
 
+  // KSPLIT: the k-steps split 4 ways (kw = warp % 4: latent chunk iterations [KNL kw,
+  // KNL (kw + 1)) and rotary k-step kw), the 64 tokens LW / 4 ways (tg = warp / 4: n-tiles
+  // [NJ tg, NJ (tg + 1))); the warp's q fragments in registers for the whole loop (read from
+  // qs, which the partial scores then reuse)
+  constexpr int KNL = Gm::NCC / 4 / 4, KQ = KNL * Gm::CKPC + 1, NJ = 8 * 4 / LW;
+  const int kw = warp & 3, tg = warp >> 2;
+  uint32_t qr[KSPLIT ? KQ : 1][4];
+  if constexpr (KSPLIT) {
+    static_assert(KSR == 4 && !WIDE && Gm::NCC / 4 % 4 == 0, "KSPLIT: 4 rotary k-steps");
+    static_assert(4 * 8 * 32 * 16 <= Gm::RED_OFF, "KSPLIT: partial sums in q's space");
+    __syncthreads();  // q's fragments assembled
+#pragma unroll
+    for (int i = 0; i < KQ; ++i) {
+      const int s = i < KQ - 1 ? kw * KNL * Gm::CKPC + i : KSL + kw;
+      const uint4 v = lds128(qs + (s * 32 + lane) * 16);
+      qr[i][0] = v.x;
+      qr[i][1] = v.y;
+      qr[i][2] = v.z;
+      qr[i][3] = v.w;
+    }
+  }
+
   for (int it = 0; it < ntiles; ++it) {
+    if constexpr (PROF) {
+      ck0 = lat_clock();
+      if (it > 0) pc[3] += ck0 - ck1;
+    }
     // committed so far: NS - 2 + 2 it groups; half tiles 2 it and 2 it + 1 must have landed
     cp_wait<NS - 4>();
     __syncthreads();  // tile `it` landed for every thread; every warp is done with it - 1
+    if constexpr (PROF) {
+      ck1 = lat_clock();
+      pc[0] += ck1 - ck0;
+      if (it == 0) pt[2] = lat_gtimer();
+    }
     issue(2 * it + NS - 2, pid_a);  // into the stages tile it - 1 used
     issue(2 * it + NS - 1, pid_b);
     load_pids(2 * it + NS, pid_a);
@@ -378,6 +511,95 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
     const int wrow = Gm::TW * (warp % (LW / 2));     // ... and their first row there
     const int tok0 = start + it * LAT_TILE;
 
+    float x[2][4], cf[2];  // scaled scores; cf: the latent page scale (and ALU_V's 2^8) P carries
+    if constexpr (KSPLIT) {
+      // ---- KSPLIT scores: warp (kw, tg), NJ n-tiles (4 warps: all 64 tokens, eight
+      // independent MMA chains) over a quarter of the k-steps, q from registers (no q reads
+      // from shared memory in the loop: 36 lds128 a warp a tile before); the partial sums, page
+      // scales applied, go through shared memory (q's space), and each warp adds the four for
+      // its own TW tokens.
+      float sl[NJ][4], sp[NJ][4];
+#pragma unroll
+      for (int jl = 0; jl < NJ; ++jl)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) sl[jl][c] = sp[jl][c] = 0.f;
+      const int nr = kw / Gm::RKPC, hr = kw % Gm::RKPC;  // the warp's rotary k-step
+      const int rofs = (Gm::NCC + lat_own(t, nr, Gm::NCR)) * 16 + hr * 4 * Gm::REB;
+      const uint8_t* sg = tg * NJ < 4 ? st0 : st1;  // 8 warps: NJ 4, one stage a token group
+      float4v* kbuf = reinterpret_cast<float4v*>(qs);  // [4 k parts][8 n-tiles][32 lanes]
+      // an n-tile's partial, page scales applied, to kbuf
+      auto store_partial = [&](int jl) {
+        const int jt = tg * NJ + jl;
+        const float* sj = reinterpret_cast<const float*>((jt < 4 ? st0 : st1) + Gm::SC_OFF);
+        const int k = (8 * jt) % LAT_HALF / Gm::PROWS;
+        const float kf = (Gm::CSC ? sj[2 * k] : 1.f) * K_ALU, rf = Gm::RSC ? sj[2 * k + 1] : 1.f;
+        if constexpr (Gm::CSC || Gm::RSC)
+          kbuf[(kw * 8 + jt) * 32 + lane] =
+              float4v{sl[jl][0] * kf + sp[jl][0] * rf, sl[jl][1] * kf + sp[jl][1] * rf,
+                      sl[jl][2] * kf + sp[jl][2] * rf, sl[jl][3] * kf + sp[jl][3] * rf};
+        else
+          kbuf[(kw * 8 + jt) * 32 + lane] = float4v{sl[jl][0], sl[jl][1], sl[jl][2], sl[jl][3]};
+      };
+#pragma unroll
+      for (int jl = 0; jl < NJ; ++jl) {
+        const uint8_t* krow = (NJ == 8 ? (jl < 4 ? st0 : st1) : sg) +
+                              ((8 * jl) % LAT_HALF + g) * Gm::ROWB;
+#pragma unroll
+        for (int nl = 0; nl < KNL; ++nl) {
+          const uint4 w0 = lds128(krow + lat_own(t, kw * KNL + nl, Gm::NCC) * 16);
+#pragma unroll
+          for (int h = 0; h < Gm::CKPC; ++h) {
+            uint32_t b0, b1;
+            if constexpr (ALUK)
+              fp8x4_to_f16x2x2_alu<CK>(word(w0, h), b0, b1);
+            else
+              lat_kfrag<CK>(w0, h, b0, b1);
+            mma16816<CBF>(sl[jl], qr[nl * Gm::CKPC + h], b0, b1);
+          }
+        }
+        uint32_t b0, b1;
+        if constexpr (Gm::REB == 2) {
+          const uint2 v = lds64(krow + rofs);
+          b0 = v.x;
+          b1 = v.y;
+        } else {
+          const uint32_t v = lds32(krow + rofs);
+          b0 = lat_cvt8<RK, 0>(v);
+          b1 = lat_cvt8<RK, 1>(v);
+        }
+        mma16816<RBF>(Gm::CSC || Gm::RSC ? sp[jl] : sl[jl], qr[KQ - 1], b0, b1);  // unscaled: one sum
+        if constexpr (NJ == 4) store_partial(jl);  // 8 warps: its accumulators die here
+      }
+      if constexpr (NJ == 8) {  // 4 warps: after all MMAs (stored in the loop, ptxas waits)
+#pragma unroll
+        for (int jl = 0; jl < NJ; ++jl) store_partial(jl);
+      }
+      __syncthreads();  // every warp's partial scores
+      const float* scl = reinterpret_cast<const float*>(st + Gm::SC_OFF);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        if (j >= Gm::NTW) {  // 8 warps: one n-tile a warp
+          x[j][0] = x[j][1] = x[j][2] = x[j][3] = NEG_INF;
+          cf[j] = 0.f;
+          continue;
+        }
+        float a[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          const float4v v = kbuf[(w * 8 + Gm::NTW * warp + j) * 32 + lane];
+          a[0] += v.x;
+          a[1] += v.y;
+          a[2] += v.z;
+          a[3] += v.w;
+        }
+        cf[j] = (Gm::CSC ? scl[2 * ((wrow + 8 * j) / Gm::PROWS)] : 1.f) * V_ALU;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int tok = tok0 + Gm::TW * warp + 8 * j + 2 * t + (c & 1);
+          x[j][c] = tok < end ? a[c] * qk : NEG_INF;
+        }
+      }
+    } else {
     // ---- scores of the warp's TW tokens (n-tiles j < NTW: tile rows TW w + 8 j + g)
     // two accumulators a latent n-tile (k-step parity): four independent MMA chains, not two
     float sc[2][4], sc2[2][4], sr[2][4];
@@ -450,7 +672,6 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
 
     // ---- scaled scores (log2 units), tokens past the split's end masked
     const float* scl = reinterpret_cast<const float*>(st + Gm::SC_OFF);
-    float x[2][4], cf[2];  // cf: the latent page scale (and ALU_V's 2^8) that P carries
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       if (j >= Gm::NTW) {  // 8 warps: one n-tile a warp
@@ -469,12 +690,17 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
         x[j][c] = tok < end ? ((sc[j][c] + sc2[j][c]) * kf + sr[j][c] * rf) * qk : NEG_INF;
       }
     }
+    }  // !KSPLIT
     float mx0 = fmaxf(fmaxf(x[0][0], x[0][1]), fmaxf(x[1][0], x[1][1]));
     float mx1 = fmaxf(fmaxf(x[0][2], x[0][3]), fmaxf(x[1][2], x[1][3]));
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    if constexpr (PROF) {
+      ck0 = lat_clock();
+      pc[1] += ck0 - ck1;
+    }
     if (t == 0) {
       red[warp * 16 + g] = mx0;
       red[warp * 16 + g + 8] = mx1;
@@ -487,31 +713,46 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
     }
     // every row sees the tile's first token: mx is finite unless q is not
     const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    // O and l are rescaled only in tiles that raise some row's max (every warp sees the same
+    // maxima, so the branch is uniform over the CTA): exp2(0) is exactly 1, so skipping is
+    // bit-identical; past the first tiles most tiles skip 64 FMULs a thread (fp8: ~6% of the
+    // loop's issue slots, mla22k)
+    const bool grow = __any_sync(0xffffffffu, n0 > m0 || n1 > m1);
     const float a0 = m0 == NEG_INF ? 0.f : exp2f(m0 - n0);
     const float a1 = m1 == NEG_INF ? 0.f : exp2f(m1 - n1);
     m0 = n0;
     m1 = n1;
-    l0 *= a0;
-    l1 *= a1;
+    float lsum0 = 0.f, lsum1 = 0.f;
 #pragma unroll
     for (int j = 0; j < Gm::NTW; ++j) {
       const float p0 = exp2f(x[j][0] - m0), p1 = exp2f(x[j][1] - m0);
       const float p2 = exp2f(x[j][2] - m1), p3 = exp2f(x[j][3] - m1);
-      l0 += p0 + p1;
-      l1 += p2 + p3;
+      lsum0 += p0 + p1;
+      lsum1 += p2 + p3;
       const int col = 2 * (Gm::TW * warp + 8 * j + 2 * t);  // byte offset of the token pair
       *reinterpret_cast<uint32_t*>(ps + g * Gm::PROWB + col) = pack2<CBF>(p0 * cf[j], p1 * cf[j]);
       *reinterpret_cast<uint32_t*>(ps + (g + 8) * Gm::PROWB + col) =
           pack2<CBF>(p2 * cf[j], p3 * cf[j]);
     }
+    if (grow || (VAR & LAT_VAR_RESCALE)) {
+      l0 = l0 * a0 + lsum0;
+      l1 = l1 * a1 + lsum1;
 #pragma unroll
-    for (int n = 0; n < Gm::NT; ++n) {
-      o[n][0] *= a0;
-      o[n][1] *= a0;
-      o[n][2] *= a1;
-      o[n][3] *= a1;
+      for (int n = 0; n < Gm::NT; ++n) {
+        o[n][0] *= a0;
+        o[n][1] *= a0;
+        o[n][2] *= a1;
+        o[n][3] *= a1;
+      }
+    } else {
+      l0 += lsum0;
+      l1 += lsum1;
     }
     __syncthreads();  // P of the whole tile
+    if constexpr (PROF) {
+      ck1 = lat_clock();
+      pc[2] += ck1 - ck0;
+    }
 
     // ---- O[:, warp's columns] += P V, V = the tile's latent rows (tokens as k)
 #pragma unroll
@@ -584,6 +825,10 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
     }
   }
   cp_wait<0>();
+  if constexpr (PROF) {
+    if (ntiles > 0) pc[3] += lat_clock() - ck1;
+    pt[3] = lat_gtimer();
+  }
 
   // ---- the warps' partial row sums (same max m in every warp), then O out
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
@@ -603,6 +848,12 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
     s1 += red[w * 16 + g + 8];
   }
   const int S = p.num_splits;
+  // OSTAGE: O through shared memory (the ring: every warp is past its last read of it, the
+  // barrier above), then whole rows out in 16-byte stores; otherwise each thread's 4-byte
+  // elements, 32 B apart, go straight out (8 rows x 4 sectors an instruction)
+  constexpr int OSR = R + 4;  // a staged row, floats (16-byte aligned)
+  float* ostage = reinterpret_cast<float*>(ring);
+  static_assert(!OSTAGE || 16 * OSR * 4 <= NS * Gm::STAGE, "OSTAGE: O fits the ring");
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int rr = g + 8 * half, h = h0 + rr;
@@ -619,11 +870,85 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
         const int n = 2 * t + e;  // the n-tile's column -> latent column
         const int col = Gm::VEPU * (Gm::UW * warp + n + 8 * (nb / Gm::VEPU)) + nb % Gm::VEPU;
         const float v = o[nb][2 * half + e];
-        dst[col] = p.direct ? v * inv : v;
+        if constexpr (OSTAGE)
+          ostage[rr * OSR + col] = p.direct ? v * inv : v;
+        else
+          dst[col] = p.direct ? v * inv : v;
       }
     if (!p.direct && warp == 0 && t == 0) {
       p.ml[row * 2] = m;
       p.ml[row * 2 + 1] = lsum;
+    }
+  }
+  if constexpr (OSTAGE) {
+    __syncthreads();  // the staged rows
+    constexpr int C4 = R / 4;
+    for (int i = tid; i < 16 * C4; i += LW * 32) {
+      const int rr = i / C4, c4 = i % C4, h = h0 + rr;
+      if (h >= H) break;  // rows are in order: the rest are past H too
+      const long long row = p.direct ? (long long)b * H + h : ((long long)b * S + split) * H + h;
+      *reinterpret_cast<float4v*>((p.direct ? p.out : p.acc) + row * R + 4 * c4) =
+          *reinterpret_cast<const float4v*>(ostage + rr * OSR + 4 * c4);
+    }
+  }
+  if constexpr (PROF) pt[4] = lat_gtimer();
+
+  // ---- LAT_VAR_FMERGE: the last of the S CTAs of (b, head block) to arrive merges them (as
+  // latent_decode.py's merge kernel and latent_sm90.merge_splits: empty splits weigh 0)
+  if constexpr (FMERGE) {
+    if (!p.direct) {
+      lat_fence();      // this CTA's partials visible device-wide before it counts itself in
+      __syncthreads();  // ... every thread's; and every warp is past its reads of red
+      int* flag = reinterpret_cast<int*>(red);
+      if (tid == 0) flag[0] = lat_arrive(p.cnt + blockIdx.x) == S - 1;
+      __syncthreads();
+      if (flag[0]) {
+        lat_fence();
+        float* wsh = reinterpret_cast<float*>(ring);  // [16][S]: weight / denominator
+        if (tid < 16 && h0 + tid < H) {
+          const long long r0 = (long long)b * S * H + h0 + tid;  // split s: r0 + s H
+          float top = NEG_INF;
+          for (int s = 0; s < S; ++s) top = fmaxf(top, lat_ldcg(p.ml + (r0 + s * H) * 2));
+          const float base = top > NEG_INF ? top : 0.f;
+          float den = 0.f;
+          for (int s = 0; s < S; ++s) {
+            const float ms = lat_ldcg(p.ml + (r0 + s * H) * 2);
+            const float w = ms > NEG_INF ? exp2f(ms - base) : 0.f;
+            wsh[tid * S + s] = w;
+            den += w * lat_ldcg(p.ml + (r0 + s * H) * 2 + 1);
+          }
+          const float inv = den > 0.f ? 1.f / den : 0.f;
+          for (int s = 0; s < S; ++s) wsh[tid * S + s] *= inv;
+        }
+        __syncthreads();
+        constexpr int C4 = R / 4;  // 4-float column groups a row
+        for (int i = tid; i < 16 * C4; i += LW * 32) {
+          const int rr = i / C4, c4 = i % C4, h = h0 + rr;
+          if (h >= H) break;  // rows are in order: the rest are past H too
+          const float* src = p.acc + ((long long)b * S * H + h) * R + 4 * c4;
+          float4v a{0.f, 0.f, 0.f, 0.f};
+          for (int s = 0; s < S; ++s) {
+            const float w = wsh[rr * S + s];
+            const float4v v = lat_ldcg4(src + (long long)s * H * R);
+            a.x += w * v.x;
+            a.y += w * v.y;
+            a.z += w * v.z;
+            a.w += w * v.w;
+          }
+          *reinterpret_cast<float4v*>(p.out + ((long long)b * H + h) * R + 4 * c4) = a;
+        }
+        if (tid == 0) p.cnt[blockIdx.x] = 0;  // ready for the next launch
+      }
+    }
+    if constexpr (PROF) pt[5] = lat_gtimer();
+  }
+  if constexpr (PROF) {
+    if (tid == 0) {
+      unsigned long long* o = p.prof + ((long long)blockIdx.x * S + split) * LAT_PROF_SLOTS;
+      for (int i = 0; i < 6; ++i) o[i] = pt[i];
+      o[6] = lat_smid();
+      o[7] = ntiles;
+      for (int i = 0; i < 4; ++i) o[8 + i] = pc[i];
     }
   }
 }

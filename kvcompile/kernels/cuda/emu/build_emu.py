@@ -173,7 +173,7 @@ def finish(lp) -> torch.Tensor:
     return lp.out
 
 
-_LATENT_WRITABLE = ("out", "acc", "ml")
+_LATENT_WRITABLE = ("out", "acc", "ml", "prof", "cnt")
 
 
 def run_latent(lp, seed: int = 0) -> torch.Tensor:
@@ -210,6 +210,6 @@ def run_latent(lp, seed: int = 0) -> torch.Tensor:
                             len(err))
     if rc != 0:
         raise EmuError(f"emulated latent_decode {defines}: {err.value.decode()}")
-    if lp.direct:
+    if lp.merged:
         return lp.out
     return latent_sm90.merge_splits(lp.acc, lp.ml)
