@@ -77,7 +77,9 @@ class Engine:
     ranks before the forward (TensorParallelError when they differ) and rank 0's sampled tokens
     are used on every rank.
 
-    async_steps (default True): a step is queued on the device and the next one is scheduled
+    async_steps (default False until its GPU check has run: the overlap, its pinned copies and
+    double-buffered graph inputs are tested on the CPU only): a step is queued on the device and
+    the next one is scheduled
     and queued before the first one's tokens are read back (engine/overlap.py); outputs are
     those of the synchronous loop, each delivered one `step()` call later. Where a feature
     needs the host between steps (repetition_penalty, eviction, tensor parallelism,
@@ -89,7 +91,7 @@ class Engine:
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute",
                  swap_space_bytes: int = 4 << 30, seed: int = 0, log_every: int = 0,
                  cuda_graphs: bool = True, eviction_interval: int = 1,
-                 prefill_eviction_chunk: int = 0, async_steps: bool = True):
+                 prefill_eviction_chunk: int = 0, async_steps: bool = False):
         from kvcompile.api import _STATE_ATTR
         from kvcompile.api import compile as kv_compile
 

@@ -1,7 +1,7 @@
 """Overlapped engine steps (engine/overlap.py) against the synchronous loop, on the CPU.
 
 The same requests arrive at the same step() calls of two engines over one model, one with
-`async_steps=True` (the default), one with False. Every request must end with the same
+`async_steps=True` (opt-in), one with False. Every request must end with the same
 tokens, text, finish reason and logprobs: stop conditions found one step late (EOS, stop
 token ids, stop strings, max_tokens, min_tokens), seeded sampling, preemption under a tiny
 pool, aborts while a step is in flight. The async engine must really overlap (steps launched
