@@ -144,7 +144,7 @@ def test_a_one_step_stale_feed_changes_outputs(model, monkeypatch):
 
 
 def test_features_that_need_the_host_run_synchronously_and_say_so(model):
-    eng = Engine(model, byte_tokenizer(), max_num_batched_tokens=64)
+    eng = Engine(model, byte_tokenizer(), max_num_batched_tokens=64, async_steps=True)
     sp = SamplingParams(temperature=0, max_tokens=4, repetition_penalty=1.3)
     ref = Engine(model, byte_tokenizer(), max_num_batched_tokens=64, async_steps=False)
     prompt = [5, 6, 7, 8, 9]

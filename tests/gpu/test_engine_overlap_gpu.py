@@ -76,7 +76,7 @@ def _run(eng, reqs, arrivals):
 
 def test_overlapped_steps_match_the_synchronous_loop(model):
     fast = Engine(model, None, max_num_batched_tokens=512, max_num_seqs=16,
-                  enable_prefix_caching=False)
+                  enable_prefix_caching=False, async_steps=True)
     slow = Engine(model, None, max_num_batched_tokens=512, max_num_seqs=16,
                   enable_prefix_caching=False, async_steps=False)
 
