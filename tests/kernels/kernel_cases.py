@@ -4,6 +4,7 @@ benchmarks that build paged inputs (no pytest import, so benchmarks can import t
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 
@@ -11,6 +12,13 @@ from kvcompile.cache.formats import KVFormat
 from kvcompile.kernels.decode import launch_decode
 from kvcompile.kernels.reference import paged_decode_attention_ref
 from kvcompile.testing import REL_ERR, poison_, rel_err
+
+
+def case_seed(*case) -> int:
+    """A generator seed fixed by a test case's parameters, the same in every process (Python's
+    hash() of strings changes from one process to the next, PYTHONHASHSEED)."""
+    return zlib.crc32(repr(case).encode())
+
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 PLAIN = ("bf16", "fp16", "fp32")
