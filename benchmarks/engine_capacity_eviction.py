@@ -68,7 +68,10 @@ CASES = (("bf16", "page", False, None, None), ("fp8_e4m3", "page", False, None, 
          ("fp8_e4m3", "page", False, 0.5, "sinkwindow"), ("int4", "channel", True, 0.5,
                                                          "sinkwindow"),
          ("fp8_e4m3", "page", False, 0.5, "snapkv"), ("int4", "channel", True, 0.5, "snapkv"),
-         ("int4", "channel", True, 0.5, "sinkwindow-vfp4"))
+         ("int4", "channel", True, 0.5, "sinkwindow-vfp4"),
+         # 7, 8: SnapKV holding its budget while decoding (SnapKV(hold=True))
+         ("fp8_e4m3", "page", False, 0.5, "snapkv-hold"),
+         ("int4", "channel", True, 0.5, "snapkv-hold"))
 LONG = dict(prompt=32768, new=512, requests=24, budget_seqs=2, layers=1, kv_heads=1,
             int4_page=64, no_attention=True, cases="0,2,4,3,5", step_tokens=4096)
 PAGE = 16
@@ -200,7 +203,8 @@ def run(args, kv, gran, residual, ratio, kind, budget_bytes) -> dict:
         budget = int(args.prompt * ratio)
         if args.fit_pages:   # budget + the step's token fill whole pages
             budget = budget // page * page - 1
-        policy = SnapKV(budget) if kind == "snapkv" else SinkWindow(4, budget - 4)
+        policy = (SnapKV(budget, hold=kind == "snapkv-hold") if kind.startswith("snapkv")
+                  else SinkWindow(4, budget - 4))
     cfg = KVConfig(kv_dtype=kv, scale_granularity=gran, residual=residual, page_size=page,
                    max_kv_bytes=budget_bytes, eviction=policy, **dev, **extra)
     eng = Engine(m, config=cfg, max_num_batched_tokens=args.step_tokens or args.prompt * 2,

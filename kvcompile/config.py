@@ -154,12 +154,21 @@ class SnapKV(EvictionPolicy):
     (it kept only some digits of the key); perplexity after a compressed 1k-token context was
     26.77 against 26.60 (one 128-token window: within noise).
     `SnapKV(budget, window=1, kernel=1, per_head=False)` is TOVA at prefill (the last query's
-    attention summed over the heads of a layer)."""
+    attention summed over the heads of a layer).
+
+    hold: what decode steps do once the prompt is chosen. False (the published SnapKV): the
+    cache grows by every decoded token (budget + generated tokens). True: the budget holds
+    while decoding: the choice's scores are kept per slot, and each decoded token past the
+    budget pushes out the lowest-ranked prompt token (decoded tokens rank above every prompt
+    token, newer above older), so a sequence never stores more than `budget` tokens (+ the
+    engine's `eviction_interval` - 1 between evictions) and an engine admits by the budget.
+    No second pass and no attention mass: the scores are those of the prompt's choice."""
 
     budget: int = 1024
     window: int = 8
     kernel: int = 5
     per_head: bool = False
+    hold: bool = False
     name = "snapkv"
 
     def __post_init__(self):
@@ -168,6 +177,9 @@ class SnapKV(EvictionPolicy):
         _check_int("eviction.kernel", self.kernel, 1)
         if self.kernel % 2 == 0:
             raise KVConfigError("eviction.kernel", self.kernel, "an odd int (pooling is centered)")
+        for name in ("per_head", "hold"):
+            if not isinstance(getattr(self, name), bool):
+                raise KVConfigError(f"eviction.{name}", getattr(self, name), "True or False")
 
     def tokens_kept(self, seq_len: int) -> int:
         return min(seq_len, self.budget)

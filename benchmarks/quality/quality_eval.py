@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import replace
 
 import torch
 
@@ -76,7 +77,20 @@ def policies_at(ratio: float, context: int, page: bool = False, names=DEFAULT_RO
     (1 - ratio) * context tokens kept), {name: policy}."""
     b = max(8, round((1 - ratio) * context))
     g = "page" if page else "token"
-    return {n: ROWS[n](b, g) for n in names if not page or n in PAGE_ROWS}
+    return {n: row_policy(n, b, g) for n in names if not page or n in PAGE_ROWS}
+
+
+def row_policy(name: str, budget: int, granularity: str = "token"):
+    """The policy of row `name` at `budget`; a SnapKV row's name + "-hold" is the same policy
+    holding its budget while decoding (SnapKV(hold=True))."""
+    if name.endswith("-hold") and name[:-5] in ROWS:
+        base = ROWS[name[:-5]](budget, granularity)
+        if not isinstance(base, SnapKV):
+            raise ValueError(f"row {name!r}: only SnapKV rows hold their budget ({base!r})")
+        return replace(base, hold=True)
+    if name not in ROWS:
+        raise ValueError(f"unknown row {name!r}: one of {sorted(ROWS)} (SnapKV rows + '-hold')")
+    return ROWS[name](budget, granularity)
 
 
 class Rows:

@@ -230,15 +230,17 @@ class Engine:
 
     def _keep_tokens(self, params: SamplingParams) -> int | None:
         """The most tokens an evicting request stores once evicted (its policies' largest
-        budget), or None where a layer keeps every token (the scheduler's margin,
-        `Scheduler._margin`: a decoder below it still grows)."""
-        from kvcompile.eviction.policies import budget_of
+        budget), or None where a layer keeps every token or a policy does not evict while
+        decoding (SnapKV without `hold` grows by every decoded token): the scheduler's margin,
+        `Scheduler._margin`, plans such a decoder as one that grows."""
+        from kvcompile.eviction.policies import decode_budget
 
         if len(self.eviction.policies) < len(self.state.layer_specs):
             return None
         pols = (list(self.eviction.policies.values()) if params.eviction == "model"
                 else [params.eviction])
-        return max(budget_of(p) for p in pols)
+        budgets = [decode_budget(p) for p in pols]
+        return None if None in budgets else max(budgets)
 
     def _on_start(self, req: Request) -> None:
         """The scheduler gave `req` a new pool sequence: its eviction policy follows it."""

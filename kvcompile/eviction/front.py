@@ -17,9 +17,12 @@ serves all items:
 
 then per layer one gather and one scatter of each stored part (compaction.move_slots_exact), and
 the H2O mass rows of the store moved the same way. The host only adds lengths and page lists.
-Not taken (the runtime's per-sequence path does them): mixed policies in one sequence, page
-granularity, a policy whose kept count is not its budget or whose scores are shared by heads,
-formats that re-encode moved tokens, heads of different counts across layers.
+A policy with kept scores (SnapKV(hold=True)) ranks by the books' `score` rows, the slots of
+the steps stepped aside for ranked as decoded tokens (policies.DECODED + index), and the rows
+move with the slots. Not taken (the runtime's per-sequence path does them): mixed policies in
+one sequence, page granularity, a policy whose kept count is not its budget or whose fresh
+scores are shared by heads, formats that re-encode moved tokens, heads of different counts
+across layers.
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ def _policy(rt, sid):
     policy = pols.pop()
     rules = P.rules_of(policy)
     if (not rules.keeps_budget or getattr(policy, "granularity", "token") != "token"
-            or (rules.shares_heads and rules.shares_heads(policy))):
-        return None
+            or (rules.shares_heads and rules.shares_heads(policy)
+                and not P.kept_scores(policy))):
+        return None   # (kept scores are shared by the heads already: any head's row serves)
     return policy
 
 
@@ -107,6 +111,20 @@ def _evict(rt, pool, layers, H, items, groups) -> None:
                 for i, li in enumerate(layers):
                     mass[b, i, :, :L - k] = book.mass[li][:, :L - k]
         mass = mass.view(n * Ly, H, Lmax)
+    # kept scores [R, H, Lmax] (SnapKV(hold=True)): the books' rows, the steps stepped aside
+    # for ranked as decoded tokens; a book without them (never observed) ranks by recency
+    kept, kept_rows = None, set()
+    if any(P.kept_scores(pol) for pol in groups):
+        for sid, book, _k in items:   # a fresh observation's scores are kept first
+            if book.obs and P.kept_scores(rt.policy_of(sid, layers[0])):
+                for li in layers:
+                    rt._scores(sid, li, book)
+        kept = pos.float()
+        for b, ((_s, book, _k), L, k) in enumerate(zip(items, stored, pending)):
+            for i, li in enumerate(layers):
+                if li in book.score:
+                    kept[b * Ly + i, :, :L - k] = book.score[li][:, :L - k]
+        kept = torch.where((j >= L_r - k_r) & (j < L_r), P.decoded_scores(pos), kept)
     # the policies' choice, one pass per policy over its rows
     keep = torch.zeros(n * Ly, H, Lmax, dtype=torch.bool, device=dev)
     for policy, idx in groups.items():
@@ -115,7 +133,10 @@ def _evict(rt, pool, layers, H, items, groups) -> None:
         T_g = T_r.index_select(0, r)
         p = pos.index_select(0, r)
         scores = None
-        if P.rules_of(policy).scores is not None and any(items[b][1].obs for b in idx):
+        if P.kept_scores(policy):
+            kept_rows.update(idx)
+            scores = kept.index_select(0, r)
+        elif P.rules_of(policy).scores is not None and any(items[b][1].obs for b in idx):
             # observation scores (SnapKV; its engine decode steps do not evict): per row
             rows_s = []
             for b in idx:
@@ -146,6 +167,8 @@ def _evict(rt, pool, layers, H, items, groups) -> None:
     if mass is not None:
         mass = mass.scatter(-1, dst, mass.gather(-1, src))
         mass = torch.where(j < K_r, mass, 0.0)
+    if kept is not None:
+        kept = kept.scatter(-1, dst, kept.gather(-1, src)).view(n, Ly, H, Lmax)
     # token index -> global slot through each sequence's block-table row (pages below the
     # budget that another sequence shares are copied first)
     for (sid, _b, _k), k in zip(items, budget):
@@ -181,6 +204,8 @@ def _evict(rt, pool, layers, H, items, groups) -> None:
             book.pos[li] = pos[b, i, :, :k]
             if mass is not None and book.mass:   # (the store's row holds the same)
                 book.mass[li] = mass[b, i, :, :k]
+            if b in kept_rows and li in book.score:
+                book.score[li] = kept[b, i, :, :k]
         book.pending = 0
     st = rt.state
     st.count("eviction_runs", n)

@@ -59,6 +59,12 @@ class PolicyRules:
     shares_heads(policy) -> bool: one selection for all kv heads of a layer: `scores` returns
         each head's scores and `token_scores` sums them over every kv head of the layer, on
         every tensor-parallel rank (`sum_heads`), so that all ranks keep the same tokens.
+    kept_scores(policy) -> bool: the scores of an observed choice are kept per slot (the
+        runtime's `_Book.score`, normalized by `kept_rank`) and rank the slots whenever the
+        sequence evicts without a new observation (decode steps), with every token stored
+        after the choice ranked above them, newer above older (`DECODED`). Such a policy
+        evicts while decoding, so its budget holds (SnapKV(hold=True)); False: a policy that
+        waits for an observation does not evict between observations.
     """
     budget: Callable
     protected: Callable
@@ -70,6 +76,7 @@ class PolicyRules:
     keeps_budget: bool = False
     shares_heads: Callable | None = None
     window: Callable | None = None
+    kept_scores: Callable | None = None
 
 
 _RULES: dict[type, PolicyRules] = {}
@@ -128,6 +135,39 @@ def keeps_budget(policy: EvictionPolicy) -> bool:
     return rules_of(policy).keeps_budget
 
 
+def kept_scores(policy: EvictionPolicy | None) -> bool:
+    """The policy keeps its last choice's scores per slot and evicts by them while decoding."""
+    kept = policy is not None and rules_of(policy).kept_scores
+    return bool(kept and kept(policy))
+
+
+def decode_budget(policy: EvictionPolicy | None) -> int | None:
+    """The budget a decoding sequence is held to (None: decode steps do not evict: no policy,
+    or one that chooses only after an observation and keeps no scores)."""
+    if policy is None or (waits_for_observation(policy) and not kept_scores(policy)):
+        return None
+    return budget_of(policy)
+
+
+# Score of a token stored after the kept choice (a decoded token): DECODED + its logical
+# index, above every kept score (<= 1, `kept_rank`), newer above older; exact in fp32 for
+# indices below 2**24 - DECODED.
+DECODED = 2.0
+
+
+def kept_rank(scores: torch.Tensor, pos: torch.Tensor, start: int) -> torch.Tensor:
+    """[H, L] scores of a choice as kept per slot: each head's real tokens normalized to sum
+    1 (so every kept score is <= 1 < DECODED; the order within a head is unchanged), 0 for
+    holes and padding."""
+    s = torch.where(pos >= start, scores.float().clamp(min=0), 0.0)
+    return s / s.sum(-1, keepdim=True).clamp(min=1e-30)
+
+
+def decoded_scores(pos: torch.Tensor) -> torch.Tensor:
+    """Kept-score rank of tokens stored after the choice, from their logical indices."""
+    return pos.float() + DECODED
+
+
 def window_of(policy: EvictionPolicy | None) -> tuple[int, int] | None:
     """(sinks, window) of a policy that keeps those by position only, else None."""
     w = policy is not None and rules_of(policy).window
@@ -149,14 +189,18 @@ def protected(policy: EvictionPolicy, pos: torch.Tensor, start: int, total: int)
 
 
 def token_scores(policy: EvictionPolicy, mass: torch.Tensor | None,
-                 obs: torch.Tensor | None, sum_heads: Callable | None = None
-                 ) -> torch.Tensor | None:
+                 obs: torch.Tensor | None, sum_heads: Callable | None = None,
+                 kept: torch.Tensor | None = None) -> torch.Tensor | None:
     """[H, L] fp32 score of each slot (higher = keep), or None (SinkWindow keeps by position).
     sum_heads: [1, L] -> [1, L], the sum over the other tensor-parallel ranks' heads too
-    (TensorParallel.sum_heads); None on one rank."""
+    (TensorParallel.sum_heads); None on one rank. kept: the slots' kept scores of a policy
+    with `kept_scores` (already shared by heads and ranks where the policy shares them),
+    which rank the slots when there is no new observation."""
     rules = rules_of(policy)
     if rules.scores is None:
         return None
+    if obs is None and kept is not None and kept_scores(policy):
+        return kept
     s = rules.scores(policy, mass, obs)
     if s is None or not (rules.shares_heads and rules.shares_heads(policy)):
         return s
@@ -255,4 +299,4 @@ register_policy(H2O, PolicyRules(
 register_policy(SnapKV, PolicyRules(
     budget=lambda p: p.budget, protected=_snapkv_protected, scores=_snapkv_scores,
     observe_rows=lambda p: p.window, waits_for_observation=True, keeps_budget=True,
-    shares_heads=lambda p: not p.per_head))
+    shares_heads=lambda p: not p.per_head, kept_scores=lambda p: p.hold))

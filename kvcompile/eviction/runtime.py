@@ -52,15 +52,18 @@ SINK_POSITIONS = ("cache", "original")
 
 class _Book:
     """Bookkeeping of one sequence: per policy layer, the logical index in each slot
-    (pos [Hkv, L] int64, -1 = hole), H2O mass [Hkv, L], SnapKV observation [Hkv, R, L]."""
+    (pos [Hkv, L] int64, -1 = hole), H2O mass [Hkv, L], SnapKV observation [Hkv, R, L], and
+    the kept scores of a policy that evicts by its last choice while decoding (score [Hkv, L]
+    fp32, policies.kept_rank; tokens stored since: policies.DECODED + their index)."""
 
-    __slots__ = ("pos", "mass", "obs", "start", "carry", "pending", "ragged", "window",
-                 "stale")
+    __slots__ = ("pos", "mass", "obs", "score", "start", "carry", "pending", "ragged",
+                 "window", "stale")
 
     def __init__(self, start: int):
         self.pos: dict[int, torch.Tensor] = {}
         self.mass: dict[int, torch.Tensor] = {}
         self.obs: dict[int, torch.Tensor] = {}
+        self.score: dict[int, torch.Tensor] = {}
         self.start = start  # first logical index that is a real token (left padding)
         # the last forward was held (the middle of an engine prompt): its observation rows
         # continue into the next forward's, as if both had been one forward
@@ -84,6 +87,7 @@ class _Book:
         b.pos = {k: v.clone() for k, v in self.pos.items()}
         b.mass = {k: v.clone() for k, v in self.mass.items()}
         b.obs = {k: v.clone() for k, v in self.obs.items()}
+        b.score = {k: v.clone() for k, v in self.score.items()}
         return b
 
 
@@ -230,6 +234,9 @@ class EvictionRuntime(RuntimeHook):
             if layer in book.mass:
                 mass = book.mass[layer][:, :stored - k]
                 book.mass[layer] = torch.cat([mass, mass.new_zeros(mass.shape[0], k)], 1)
+            if layer in book.score:
+                book.score[layer] = torch.cat([book.score[layer][:, :stored - k],
+                                               P.decoded_scores(new)], 1)
 
     def _build_window_pos(self, sid: int, book: _Book, reserved: int) -> None:
         """pos of every layer of a window book (`_Book.window`), slots [0, seq_len - reserved)."""
@@ -272,6 +279,9 @@ class EvictionRuntime(RuntimeHook):
                     or layer in book.mass):
                 mass = book.mass.get(layer, torch.zeros(heads, past, device=k.device))
                 book.mass[layer] = torch.cat([mass[:, :past], mass.new_zeros(heads, n)], 1)
+            if layer in book.score:   # (a new observation replaces them: `_scores`)
+                book.score[layer] = torch.cat([book.score[layer][:, :past],
+                                               P.decoded_scores(new)], 1)
         return k, v
 
     # -- attention ------------------------------------------------------------------------------
@@ -767,8 +777,7 @@ class EvictionRuntime(RuntimeHook):
         rot = [P.rerotated_sinks(p) for p in pols if p is not None and self._rerotate(sid, p)]
         uniform = len(set(pols)) == 1 and getattr(pols[0], "granularity", "token") == "token"
         masses = [P.budget_of(p) for p in pols if P.accumulates_mass(p)]
-        budgets = [P.budget_of(p) for p in pols
-                   if p is not None and not P.waits_for_observation(p)]
+        budgets = [b for b in map(P.decode_budget, pols) if b is not None]
         window = None
         if (uniform and pols[0] is not None and not rot and P.window_of(pols[0]) is not None
                 and len(self.policies) == len(self.state.layer_specs)):
@@ -967,8 +976,8 @@ class EvictionRuntime(RuntimeHook):
         return budget is not None and held >= budget + self.interval
 
     def _decode_budget(self, sid: int) -> int | None:
-        """The budget decode steps evict to (None: they do not evict: no policy, or SnapKV,
-        which chooses at the end of a prompt)."""
+        """The budget decode steps evict to (None: they do not evict: no policy, or SnapKV
+        without `hold`, which chooses at the end of a prompt only)."""
         return self._facts_of(sid).budget
 
     def _evict_fronts(self, items: list) -> list:
@@ -988,8 +997,8 @@ class EvictionRuntime(RuntimeHook):
         window policy (SinkWindow) in every layer, token granularity, sinks at their text
         positions, no left padding, no scores recorded, no model window, and the sequence
         either in that layout already or not evicted yet."""
-        if (book.start or book.ragged or book.mass or book.obs or self.observe_all
-                or self.windowed):
+        if (book.start or book.ragged or book.mass or book.obs or book.score
+                or self.observe_all or self.windowed):
             return None
         self._check_facts()
         policy = self._facts_of(sid).window
@@ -1052,7 +1061,10 @@ class EvictionRuntime(RuntimeHook):
             policy, pos = self.policy_of(sid, layer), book.pos.get(layer)
             if pos is None or policy is None:
                 continue
-            if P.waits_for_observation(policy) and layer not in book.obs:
+            if layer in book.obs and P.kept_scores(policy):
+                self._scores(sid, layer, book)   # kept for the decode steps' evictions
+            elif P.waits_for_observation(policy) and not P.kept_scores(policy) \
+                    and layer not in book.obs:
                 continue  # SnapKV chooses at the end of a multi-token forward only
             if P.over_budget(policy, pos, book.start):
                 due.append(layer)
@@ -1067,8 +1079,16 @@ class EvictionRuntime(RuntimeHook):
         state.count("evicted_tokens", before - pool.seq_len(sid))
 
     def _scores(self, sid, layer, book):
-        return P.token_scores(self.policy_of(sid, layer), book.mass.get(layer),
-                              book.obs.get(layer), self._sum_heads)
+        """[H, L] scores of the layer's slots (None: by position or recency). A policy with
+        kept scores keeps those of an observation in book.score (normalized, kept_rank), and
+        without one ranks by them."""
+        policy = self.policy_of(sid, layer)
+        obs = book.obs.get(layer)
+        s = P.token_scores(policy, book.mass.get(layer), obs, self._sum_heads,
+                           kept=book.score.get(layer))
+        if obs is not None and s is not None and P.kept_scores(policy):
+            s = book.score[layer] = P.kept_rank(s, book.pos[layer], book.start)
+        return s
 
     @property
     def _sum_heads(self):
@@ -1097,6 +1117,8 @@ class EvictionRuntime(RuntimeHook):
             book.pos[li] = book.pos[li][:, c]
             if li in book.mass:
                 book.mass[li] = book.mass[li][:, c]
+            if li in book.score:
+                book.score[li] = book.score[li][:, c]
         self.state.count("evicted_pages", len(drop))
 
     def _evict_tokens(self, sid, book, total, due: set) -> None:
@@ -1119,6 +1141,8 @@ class EvictionRuntime(RuntimeHook):
             book.pos[li] = _fit(book.pos[li], new_len, -1)
             if li in book.mass:
                 book.mass[li] = _fit(book.mass[li], new_len, 0.0)
+            if li in book.score:
+                book.score[li] = _fit(book.score[li], new_len, 0.0)
 
     def _compact(self, sid, layer, book, keep: torch.Tensor) -> int:
         """Move kept tokens of slots >= n into holes below n, n = most kept by any head."""
@@ -1139,18 +1163,25 @@ class EvictionRuntime(RuntimeHook):
         new_pos = torch.where(keep[:, :n], pos[:, :n], -1)
         mass = book.mass.get(layer)
         new_mass = torch.where(keep[:, :n], mass[:, :n], 0.0) if mass is not None else None
+        score = book.score.get(layer)
+        new_score = torch.where(keep[:, :n], score[:, :n], 0.0) if score is not None else None
         if srcs:
             src, dst, head = torch.cat(srcs), torch.cat(dsts), torch.cat(hs)
             self.state.pool.move_tokens(layer, sid, src, dst, head)
             new_pos[head, dst] = pos[head, src]
             if new_mass is not None:
                 new_mass[head, dst] = mass[head, src]
+            if new_score is not None:
+                new_score[head, dst] = score[head, src]
             self.state.count("eviction_moves", src.numel())
         book.pos[layer] = torch.cat([new_pos, pos[:, n:].new_full((pos.shape[0],
                                                                    pos.shape[1] - n), -1)], 1)
         if new_mass is not None:
             book.mass[layer] = torch.cat([new_mass, mass.new_zeros(mass.shape[0],
                                                                    mass.shape[1] - n)], 1)
+        if new_score is not None:
+            book.score[layer] = torch.cat([new_score, score.new_zeros(score.shape[0],
+                                                                      score.shape[1] - n)], 1)
         return n
 
 

@@ -25,7 +25,8 @@ from tests.engine.tiny import config, make_hf, random_prompts
 
 PAGE = 8
 MODEL_POLICY = H2O(budget=16, recent=4, sinks=2)
-POLICIES = [SinkWindow(2, 12), SnapKV(budget=16, window=4), None, "model"]
+POLICIES = [SinkWindow(2, 12), SnapKV(budget=16, window=4), None, "model",
+            SnapKV(budget=16, window=4, hold=True)]
 
 
 def _budget(policy) -> int:
@@ -76,7 +77,7 @@ def _greedy(n: int, eviction="model") -> SamplingParams:
 
 def test_engine_equals_generate_per_request_policy(model):
     """Prompts of 20-40 tokens under a 16-token step budget, one batch with a request of each
-    policy (SinkWindow, SnapKV, none, the model's H2O): every prompt is chunked, yet it evicts
+    policy (SinkWindow, SnapKV, none, the model's H2O, SnapKV holding its budget): every prompt is chunked, yet it evicts
     as generate's one-forward prefill does, and decodes evict after every step."""
     rng = random.Random(0)
     prompts = random_prompts(rng, len(POLICIES), 20, 40)
@@ -105,6 +106,8 @@ def test_engine_equals_generate_per_request_policy(model):
     assert stored[1] and all(s == _budget(POLICIES[1]) + c - len(prompts[1])
                              for s, c in stored[1])
     assert stored[2] and all(s == c for s, c in stored[2])
+    # SnapKV(hold=True) holds its budget while decoding, as SinkWindow and H2O do
+    assert {s for s, _ in stored[4]} == {_budget(POLICIES[4])}
     eng.close()
     assert eng.pool.stats().sequences == 0 and eng.pool.stats().pages_used == 0
     assert not state_of(model).eviction.seq_policy, "per-sequence policies leaked"
@@ -524,8 +527,8 @@ def test_chunked_prompts_attend_as_without_eviction(model, monkeypatch):
          free_pages=6),
 ], ids=["fp8", "int4-channel-residual"])
 def test_random_arrivals_quantized_eviction_preemption_prefix(cfg):
-    """Issue 19's settings under random arrivals: quantized pages, SinkWindow and SnapKV
-    requests beside requests that keep every token, prompts that share a prefix, a pool so
+    """Issue 19's settings under random arrivals: quantized pages, SinkWindow and SnapKV (growing
+    and holding its budget) requests beside requests that keep every token, prompts that share a prefix, a pool so
     small that evicting requests are preempted (recomputed: each eviction replayed). Every
     request equals itself alone on a roomy engine (one prefill chunk), and the evicting ones
     differ from the same request without eviction (the comparison sees eviction)."""
@@ -538,8 +541,10 @@ def test_random_arrivals_quantized_eviction_preemption_prefix(cfg):
     rng = random.Random(5)
     shared = random_prompts(rng, 1, 17, 17)[0]
     choices = [None, SinkWindow(2, 10), None, SnapKV(budget=12, window=4)]
+    hold = SnapKV(budget=12, window=4, hold=True)   # the last SnapKV request holds its budget
     reqs = [(shared + p, SamplingParams(temperature=0, max_tokens=rng.randrange(15, 30),
-                                        ignore_eos=True, eviction=choices[i % 4]))
+                                        ignore_eos=True,
+                                        eviction=choices[i % 4] if i != 7 else hold))
             for i, p in enumerate(random_prompts(rng, 8, 4, 30))]
     alone = Engine(m, max_num_batched_tokens=128, enable_prefix_caching=False)
     expect = [alone.generate([p], sp)[0].token_ids for p, sp in reqs]

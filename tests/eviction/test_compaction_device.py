@@ -98,3 +98,49 @@ class _no_sync:
     def __exit__(self, *exc):
         for n, f in self.saved.items():
             setattr(torch.Tensor, n, f)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_device_eviction_of_kept_scores_equals_host(per_head):
+    """SnapKV(hold=True) between decode steps: the slots of the steps stepped aside for rank
+    as decoded tokens (above every kept score, newer above older), the rest by the kept
+    scores; the device path keeps what the host path keeps, the scores follow their tokens,
+    and no host sync happens."""
+    from kvcompile.eviction import policies as Pol
+
+    fmt = EXACT[0]
+    policy = SnapKV(budget=14, window=4, kernel=3, per_head=per_head, hold=True)
+    pend = 6   # the last 6 slots: decode steps stepped aside for (not in the book yet)
+
+    def setup():
+        pool, sid, rt, book = _setup(fmt, policy)
+        book.mass.clear()
+        book.obs.clear()
+        g = torch.Generator().manual_seed(5)
+        book.pos[0] = book.pos[0][:, :L - pend].clone()
+        raw = torch.rand(1 if not per_head else H, L - pend, generator=g).expand(H, -1)
+        book.score[0] = Pol.kept_rank(raw, book.pos[0], 0)
+        book.pending = pend
+        return pool, sid, rt, book
+
+    host = setup()
+    host[2].evict(host[1], host[3])
+    pool, sid, rt, book = setup()
+    with _no_sync():
+        assert rt._evict_front(sid, book, 14)
+    assert pool.seq_len(sid) == 14 == host[0].seq_len(host[1])
+    _kd, _vd, pd = _by_position(pool, sid, book.pos[0])
+    _kh, _vh, ph = _by_position(host[0], host[1], host[3].pos[0])
+    assert torch.equal(pd, ph), "a different choice of tokens"
+    # every pending (decoded) token is kept; the prompt tokens kept are the best-scored ones
+    assert set(range(L - pend, L)) <= set(pd[0].tolist())
+    raw0 = setup()[3].score[0]
+    for h in range(H):
+        best = raw0[h].argsort(descending=True)[:14 - pend].sort().values
+        assert torch.equal(pd[h][:14 - pend], best), f"head {h}: not the best-scored tokens"
+    for b in (book, host[3]):      # the kept score of each token followed it
+        s = b.score[0].gather(1, b.pos[0].argsort(-1))
+        want = torch.where(pd >= L - pend, Pol.decoded_scores(pd), raw0.gather(1, pd.clamp(
+            max=L - pend - 1)))
+        assert torch.equal(s, want)
+    pool.check_invariants()

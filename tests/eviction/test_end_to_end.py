@@ -314,3 +314,58 @@ def test_h2o_prompt_attends_plain_with_the_same_mass(kernels, monkeypatch):
     assert_rel_close(out_n, out_o, torch.float32, what="logits, plain vs fp32 prefill")
 
 
+
+
+def test_snapkv_hold_equals_masked_attention():
+    """SnapKV(hold=True) through the compiler, fp32 pages: the prompt is chosen at its end; each
+    decode step past the budget drops the lowest-ranked prompt token (decoded tokens kept,
+    the last `window` protected), so every step's logits equal the uncompiled model's under
+    the mask of what was kept then, and the sequence stores `budget` tokens throughout."""
+    T, prefill, budget, window = 34, 24, 16, 4
+    policy = SnapKV(budget=budget, window=window, kernel=3, per_head=False, hold=True)
+    ids = torch.randint(1, V, (1, T), generator=torch.Generator().manual_seed(6))
+    m = _compiled(policy, kv_dtype="fp32", layers=1)   # (a choice per layer: one mask)
+    cache = DynamicCache()
+    outs, lens = [], []
+    with torch.no_grad():
+        outs.append(m(input_ids=ids[:, :prefill], past_key_values=cache).logits[0])
+        st = state_of(m)
+        sid = _sid(cache)
+        book = st.eviction.books[sid]
+        score = {li: s.clone() for li, s in book.score.items()}   # the choice's kept scores
+        chosen = {li: book.pos[li].clone() for li in book.pos}
+        lens.append(st.pool.seq_len(sid))
+        for t in range(prefill, T):
+            outs.append(m(input_ids=ids[:, t:t + 1], past_key_values=cache).logits[0])
+            lens.append(st.pool.seq_len(sid))
+    assert lens == [budget] * len(lens)
+    # per_head=False: one choice for every head of the layer, so one [T, T] mask
+    allowed = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    kept_sets = []
+    for li in sorted(score):
+        s, p = score[li][0], chosen[li][0]
+        kept = {int(x): float(v) for x, v in zip(p, s) if x >= 0}
+        assert len(kept) == budget
+        rows = []
+        for t in range(prefill, T):
+            rows.append(set(kept) | {t})
+            kept[t] = float("inf")
+            if len(kept) > budget:        # the lowest-ranked token outside the window leaves
+                cand = {x: v for x, v in kept.items() if x < t + 1 - window}
+                kept.pop(min(cand, key=cand.get))
+        kept_sets.append(rows)
+        assert sorted(kept) == sorted(int(x) for x in book.pos[li][0] if x >= 0)
+    for t, row in zip(range(prefill, T), kept_sets[0]):
+        allowed[t] = False
+        allowed[t, sorted(row)] = True
+    out = torch.cat(outs)
+    torch._dynamo.reset()
+    ref_model = _model(0, "eager", layers=1)
+    add = torch.zeros(T, T).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        ref = ref_model(input_ids=ids, attention_mask=add[None, None]).logits[0]
+    assert_rel_close(out, ref, torch.float32, factor=10, what="SnapKV(hold) logits")
+    # the prompt's lowest-ranked tokens left: not a window (a prompt token survives that is
+    # older than one that left)
+    gone = set(int(x) for x in chosen[0][0] if x >= 0) - kept_sets[0][-1]
+    assert gone and min(kept_sets[0][-1]) < max(gone)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvcompile.config import H2O, SinkWindow, SnapKV
+from kvcompile.errors import KVConfigError
 from kvcompile.eviction import policies as P
 
 
@@ -118,3 +120,38 @@ def test_snapkv_defaults_are_the_measured_ones():
     # by the heads of a layer retrieved every one (benchmarks/RESULTS.md, "Quality: eviction").
     d = SnapKV()
     assert (d.window, d.kernel, d.per_head) == (8, 5, False)
+
+
+def test_kept_scores_rank_decoded_tokens_above_the_choice():
+    """SnapKV(hold=True): the kept scores (normalized per head, <= 1) rank the prompt's tokens,
+    every token stored after the choice ranks above them, newer above older; without `hold`
+    a decode step does not evict (decode_budget None)."""
+    hold = SnapKV(budget=6, window=2, kernel=1, per_head=False, hold=True)
+    grow = SnapKV(budget=6, window=2, kernel=1, per_head=False)
+    assert P.decode_budget(hold) == 6 and P.decode_budget(grow) is None
+    assert P.decode_budget(SinkWindow(2, 4)) == 6 and P.decode_budget(None) is None
+    assert P.kept_scores(hold) and not P.kept_scores(grow)
+    pos = _pos(10)                     # 7 prompt tokens (0..6) chosen, 3 decoded (7..9)
+    raw = torch.tensor([[5.0, 1.0, 9.0, 0.5, 7.0, 3.0, 2.0]]).expand(2, -1) * 100
+    kept = P.kept_rank(raw, pos[:, :7], 0)
+    assert torch.allclose(kept.sum(-1), torch.ones(2)) and bool((kept <= 1).all())
+    score = torch.cat([kept, P.decoded_scores(pos[:, 7:])], 1)
+    s = P.token_scores(hold, None, None, kept=score)
+    assert s is score                                  # no observation: the kept scores
+    keep = P.select_tokens(hold, pos, 0, 10, s)
+    # window 2 protects 8, 9; decoded 7 outranks every prompt token; then 2, 4, 0 by score
+    assert _kept(keep, pos) == [0, 2, 4, 7, 8, 9]
+    # a fresh observation wins over kept scores; a policy without kept scores ignores them
+    obs = torch.zeros(2, 2, 10)
+    obs[:, -1, 1] = 1.0
+    assert P.token_scores(hold, None, obs, kept=score)[0, 1] > 0
+    assert P.token_scores(grow, None, None, kept=score) is None
+    assert P.kept_rank(raw, torch.tensor([[-1, 1, 2, 3, 4, 5, 6]]).expand(2, -1), 0)[0, 0] == 0
+
+
+def test_snapkv_hold_is_validated():
+    with pytest.raises(KVConfigError, match="eviction.hold"):
+        SnapKV(budget=8, hold="yes")
+    with pytest.raises(KVConfigError, match="eviction.per_head"):
+        SnapKV(budget=8, per_head=1)
+    assert SnapKV(budget=8, hold=True).hold is True and SnapKV().hold is False
