@@ -71,7 +71,10 @@ CASES = (("bf16", "page", False, None, None), ("fp8_e4m3", "page", False, None, 
          ("int4", "channel", True, 0.5, "sinkwindow-vfp4"),
          # 7, 8: SnapKV holding its budget while decoding (SnapKV(hold=True))
          ("fp8_e4m3", "page", False, 0.5, "snapkv-hold"),
-         ("int4", "channel", True, 0.5, "snapkv-hold"))
+         ("int4", "channel", True, 0.5, "snapkv-hold"),
+         # 9: the quality rows' 4-bit format (benchmarks/quality, "int4-kc-vt-p64-rot": K int4
+         # per channel, V int4 per token, pages of 64, Hadamard rotation, no bf16 residual)
+         ("int4", "channel", False, 0.5, "snapkv-hold-rot"))
 LONG = dict(prompt=32768, new=512, requests=24, budget_seqs=2, layers=1, kv_heads=1,
             int4_page=64, no_attention=True, cases="0,2,4,3,5", step_tokens=4096)
 PAGE = 16
@@ -199,17 +202,20 @@ def run(args, kv, gran, residual, ratio, kind, budget_bytes) -> dict:
     extra = {}
     if kind == "sinkwindow-vfp4":
         extra = dict(k_dtype="int4", v_dtype="fp4_e2m1")
+    if kind == "snapkv-hold-rot":
+        extra = dict(rotate="hadamard")
     if ratio is not None:
         budget = int(args.prompt * ratio)
         if args.fit_pages:   # budget + the step's token fill whole pages
             budget = budget // page * page - 1
-        policy = (SnapKV(budget, hold=kind == "snapkv-hold") if kind.startswith("snapkv")
+        policy = (SnapKV(budget, hold=kind.startswith("snapkv-hold")) if kind.startswith("snapkv")
                   else SinkWindow(4, budget - 4))
     cfg = KVConfig(kv_dtype=kv, scale_granularity=gran, residual=residual, page_size=page,
                    max_kv_bytes=budget_bytes, eviction=policy, **dev, **extra)
     eng = Engine(m, config=cfg, max_num_batched_tokens=args.step_tokens or args.prompt * 2,
                  max_num_seqs=args.requests, enable_prefix_caching=False,
-                 prefill_eviction_chunk=args.prefill_eviction_chunk)
+                 prefill_eviction_chunk=args.prefill_eviction_chunk,
+                 swap_aside=args.swap_aside)
     eng.scheduler.reserve_prefill = args.admission != "first-chunk"
     eng.scheduler.lifetime_credit = args.admission in ("lifetime", "lifetime-watermark")
     eng.scheduler.exact_margin = args.admission == "lifetime"
@@ -243,7 +249,8 @@ def run(args, kv, gran, residual, ratio, kind, budget_bytes) -> dict:
     decomposition = decompose(trace, eng, budget_bytes, ratio, args) if args.decompose else None
     res = sum(t.res_data.numel() * t.res_data.element_size() for t in pool.k + pool.v
               if t.res_data is not None)
-    fmt = f"{kv} ({gran}, P{page})" if not extra else f"K int4 ({gran}) / V fp4, P{page}"
+    fmt = (f"{kv} ({gran}, P{page})" if not extra else f"K int4 ({gran}) / V fp4, P{page}"
+           if "v_dtype" in extra else f"{kv} ({gran}, P{page}) + {extra['rotate']} rotation")
     row = dict(format=fmt + (" + residual" if residual else ""),
                eviction="none" if ratio is None else f"{policy!r} ({int(100 * ratio)}%)",
                queued_mean_running=statistics.mean(queued) if queued else 0.0,
@@ -255,6 +262,7 @@ def run(args, kv, gran, residual, ratio, kind, budget_bytes) -> dict:
                queued_mean_decoding=statistics.mean(decoding_q) if decoding_q else 0.0,
                computed_tokens=eng.stats.computed_tokens,
                preemptions=eng.stats.preemptions, steps=eng.stats.steps,
+               swapped_aside=eng.state.counters.get("swapped_aside", 0),
                seconds=time.perf_counter() - t0)
     if decomposition is not None:
         row["decomposition"] = decomposition
@@ -275,6 +283,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget-seqs", type=int, default=4,
                    help="the pool holds this many bf16 sequences of prompt + new tokens")
     p.add_argument("--int4-page", type=int, default=16, help="page size of the 4-bit case")
+    p.add_argument("--swap-aside", action="store_true",
+                   help="Engine(swap_aside=True): evicting decoders swapped to host memory for "
+                        "an evicting prompt's transient when its evicted size fits")
     p.add_argument("--cases", default="0,1,2,3",
                    help="indices into CASES (ratios are against case 0 when it runs)")
     p.add_argument("--fit-pages", action="store_true",
@@ -359,7 +370,7 @@ def table(a) -> list:
                requests=a.requests, budget_bytes=budget, layers=a.layers,
                kv_heads=a.kv_heads, no_attention=a.no_attention,
                prefill_eviction_chunk=a.prefill_eviction_chunk, admission=a.admission,
-               plain_admission=a.plain_admission),
+               plain_admission=a.plain_admission, swap_aside=a.swap_aside),
           flush=True)
     rows = []
     cases = [int(x) for x in a.cases.split(",")]

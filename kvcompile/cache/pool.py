@@ -112,6 +112,8 @@ class SwappedSequence:
     length: int
     num_pages: int
     tensors: list
+    evicted: int = 0   # the sequence's eviction counts (`dropped`, `hide`), restored with it
+    hidden: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -699,7 +701,9 @@ class PagePool:
     @_locked
     def swap_out(self, seq_id: int, pin_memory: bool = False) -> SwappedSequence:
         """Copy a sequence's pages (every layer, K and V, scales included) to host memory and
-        free the sequence. `swap_in` restores it bit for bit."""
+        free the sequence. `swap_in` restores it bit for bit, with its eviction counts (its
+        logical length); the eviction runtime's bookkeeping moves apart
+        (EvictionRuntime.detach / attach)."""
         seq = self._lookup([seq_id])[0]
         if any(getattr(t, "res_slot", None) is not None for t in self.k + self.v):
             raise UnsupportedShapeError("swap_out: pages with a bf16 residual tail are not "
@@ -716,7 +720,8 @@ class PagePool:
                 host = t[ids].to("cpu")
                 parts[name] = host.pin_memory() if pin_memory else host
             saved.append(parts)
-        swapped = SwappedSequence(seq.length, len(seq.pages), saved)
+        swapped = SwappedSequence(seq.length, len(seq.pages), saved,
+                                  self._evicted.get(seq_id, 0), self._hidden.get(seq_id, 0))
         self.free([seq_id])
         return swapped
 
@@ -735,6 +740,10 @@ class PagePool:
         for paged, parts in zip(self.k + self.v, swapped.tensors):
             for name, host in parts.items():
                 getattr(paged, name)[ids] = host.to(self.device, non_blocking=True)
+        if swapped.evicted:
+            self._evicted[sid] = swapped.evicted
+        if swapped.hidden:
+            self._hidden[sid] = swapped.hidden
         return sid
 
     # --- accounting --------------------------------------------------------------------------

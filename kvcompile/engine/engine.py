@@ -72,6 +72,14 @@ class Engine:
     need, fits in the free pages (scheduler.py, `reserve_prefill`); requests that keep every
     token are admitted on their first chunk.
 
+    swap_aside (default False): when an evicting prompt waits because its peak does not fit
+    although its evicted size does (a slot is free in the steady state, not for the prompt's
+    transient), an evicting decoder at its budget is copied to host memory (within
+    swap_space_bytes) for its prefill and come back, bit for bit with their eviction
+    bookkeeping, once its eviction gives the transient back (scheduler.py `_swap_aside`).
+    Outputs are unchanged; the host copies cost two transfers of each such decoder's pages.
+    Not for pages with a bf16 residual (KVConfig.residual), which are not swapped.
+
     Tensor parallelism (a model sharded over ranks, README "Multi-GPU"): one Engine per rank,
     each fed the same requests in the same order; every step's schedule is compared across the
     ranks before the forward (TensorParallelError when they differ) and rank 0's sampled tokens
@@ -91,7 +99,8 @@ class Engine:
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute",
                  swap_space_bytes: int = 4 << 30, seed: int = 0, log_every: int = 0,
                  cuda_graphs: bool = True, eviction_interval: int = 1,
-                 prefill_eviction_chunk: int = 0, async_steps: bool = False):
+                 prefill_eviction_chunk: int = 0, async_steps: bool = False,
+                 swap_aside: bool = False):
         from kvcompile.api import _STATE_ATTR
         from kvcompile.api import compile as kv_compile
 
@@ -142,7 +151,9 @@ class Engine:
                      "pages (compaction rewrites a sequence's pages in place)")
         self.scheduler = Scheduler(self.pool, self.prefix_cache, max_num_batched_tokens,
                                    max_num_seqs, preemption_mode, swap_space_bytes,
-                                   count=state.count, on_start=self._on_start)
+                                   count=state.count, on_start=self._on_start,
+                                   on_swap_out=self._on_swap_out, on_swap_in=self._on_swap_in)
+        self.scheduler.swap_aside = bool(swap_aside)
         self.scheduler.max_model_len = self.max_model_len
         self.eos_ids = inputs.eos_ids(model, tokenizer)
         self.vocab_size = inputs.vocab_size(model)
@@ -246,6 +257,15 @@ class Engine:
         """The scheduler gave `req` a new pool sequence: its eviction policy follows it."""
         if self.eviction is not None and req.params.eviction != "model":
             self.eviction.set_sequence_policy(req.seq_id, req.params.eviction)
+
+    def _on_swap_out(self, req: Request):
+        """An evicting request is swapped aside (scheduler.py `_swap_aside`): its eviction
+        bookkeeping leaves its pool sequence with it."""
+        return self.eviction.detach(req.seq_id) if self.eviction is not None else None
+
+    def _on_swap_in(self, req: Request, saved) -> None:
+        if self.eviction is not None:
+            self.eviction.attach(req.seq_id, saved)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its pages; False if it is unknown or already finished. With

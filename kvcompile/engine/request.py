@@ -57,6 +57,7 @@ class Request:
         self.seq_id: int | None = None
         self.num_computed = 0
         self.swapped = None                   # pool.SwappedSequence while SWAPPED
+        self.aside = None                     # its eviction bookkeeping while swapped aside
         self.page_hashes: list[bytes] = []    # digest of each full page of tokens, in order
         self.num_registered = 0               # full pages offered to the prefix cache
         self.num_cached_tokens = 0

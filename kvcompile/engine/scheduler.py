@@ -65,9 +65,13 @@ class Scheduler:
     def __init__(self, pool, prefix_cache: PrefixCache | None, max_num_batched_tokens: int,
                  max_num_seqs: int, preemption_mode: str = "recompute",
                  swap_space_bytes: int = 4 << 30, watermark: float = 0.01, count=None,
-                 on_start=None):
+                 on_start=None, on_swap_out=None, on_swap_in=None):
         self.pool = pool
         self.on_start = on_start or (lambda req: None)   # a request got a new pool sequence
+        # an evicting request swapped aside: its eviction bookkeeping leaves with it
+        # (-> an object handed back to on_swap_in(req, saved) with its new sequence)
+        self.on_swap_out = on_swap_out or (lambda req: None)
+        self.on_swap_in = on_swap_in or (lambda req, saved: None)
         self.count = count or (lambda name, n=1: None)   # ModelState.count (telemetry)
         self.cache = prefix_cache
         self.max_tokens = max_num_batched_tokens
@@ -95,6 +99,12 @@ class Scheduler:
         self.exact_margin = True
         # requests that keep every token admitted by their whole life (`_lifetimes_fit`)
         self.reserve_plain = False
+        # an evicting prompt whose peak does not fit while its evicted size does: evicting
+        # decoders are swapped to host memory for its prefill (`_swap_aside`; opt-in)
+        self.swap_aside = False
+        # decoders swapped aside for one prompt at most (1: when one does not make room, the
+        # prompt waits for an evicting decoder to end instead, which keeps more running)
+        self.swap_aside_most = 1
         self._in_flight: dict[int, int] = {}   # id(request) -> tokens scheduled this step
         self.max_model_len = 1 << 62   # (the engine sets its own)
 
@@ -119,12 +129,15 @@ class Scheduler:
         if req.swapped is not None:
             self.swap_used -= req.swapped.nbytes
             req.swapped = None
+            req.aside = None
 
     # -- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_tokens
         done: set[int] = set()
+        aside = (self.swap_aside and bool(self.waiting) and not self.swapped
+                 and self._swap_aside(self.waiting[0]))
         budget = self._decode_all(out, done, budget)
         # 1-2. running: decodes first, then one chunk of each prefill in progress
         for decode_pass in (True, False):
@@ -155,8 +168,14 @@ class Scheduler:
         if out.preempted:
             return out  # no admissions while the running ones do not fit
         self._in_flight = {id(q.req): q.n for q in out.seqs}   # (`_prefill_end`)
-        # 3. swapped-out requests come back first
+        # 3. swapped-out requests come back first (not into pages the evicting prompts in
+        # prefill still need to reach their peaks: a request swapped aside waits for them)
         while self.swapped and len(self.running) < self.max_seqs:
+            if aside:
+                break   # (swapped aside in this step for a prompt not admitted yet)
+            if self.swapped[0].aside is not None and not self._room_beside_prompts(
+                    self.swapped[0]):
+                break
             if not self._swap_in(self.swapped[0]):
                 break
             self.running.append(self.swapped.popleft())
@@ -187,7 +206,86 @@ class Scheduler:
             budget -= n
         return out
 
-    def _peaks_fit(self, req: Request, n: int) -> bool:
+    def _swap_aside(self, req: Request) -> bool:
+        """`swap_aside`: `req` is a fresh evicting prompt that waits because its peak (a whole
+        prompt before its eviction) does not fit, although its evicted size does: a slot is
+        free in the steady state, but not for the prompt's transient. Evicting decoders at
+        their budget (the ones with the most tokens left first, at most `swap_aside_most`)
+        are swapped to host memory until the peak fits; they come back, bit for bit and with
+        their eviction bookkeeping, as soon as the prompt's eviction gives its transient back
+        (`_room_beside_prompts`). Not for pages with a bf16 residual (not swappable), nor
+        beyond the swap space. Returns whether it swapped any (then the step admits `req`
+        before any swapped request comes back)."""
+        P, pool = self.pool.page_size, self.pool
+        if (req.seq_id is not None or req.peak_tokens is None or req.keep_tokens is None
+                or not self.pool_swappable or not self.reserve_prefill
+                or len(self.running) >= self.max_seqs or not self.running):
+            return False
+        # as step 4 will see it: after this step's decodes took their tokens (a page each for
+        # a decoder whose pages are full) and their share of the step budget
+        dec = [r for r in self.running if r.seq_id is not None
+               and r.num_computed >= len(r.prompt_ids) and not r.hold]
+        grow = {id(r): int(pool.seq_len(r.seq_id) % P == 0) for r in dec}
+        n = min(len(req.prompt_ids), max(self.max_tokens - len(dec), 1))
+        if self._peaks_fit(req, n, have=0, extra=sum(grow.values())):
+            return False
+        # the prompt's evicted size must fit by the end of its prefill (the free pages, and
+        # those of the evicting decoders that end by then), so that the decoders swapped
+        # aside come back right after it
+        steps = -(-len(req.prompt_ids) // self.max_tokens) + 1
+
+        def left(r):
+            return min(r.params.max_tokens - len(r.output_ids),
+                       self.max_model_len - r.num_tokens)
+
+        decoders = [r for r in self.running
+                    if r.evicts and r.seq_id is not None and r.keep_tokens is not None
+                    and r.num_computed >= len(r.prompt_ids) and not self._grows(r)
+                    and not r.hold]
+        ending = sum(len(pool.pages_of(r.seq_id)) for r in decoders if left(r) + 1 <= steps)
+        steady = -(-req.keep_tokens // P) + 2
+        if pool.num_available - self._margin(req) + ending < steady:
+            return False
+        # (those that end during the prefill are the credit, not candidates)
+        cands = [r for r in decoders if left(r) + 1 > steps]
+        cands.sort(key=left, reverse=True)
+        plan, space = [], self.swap_space - self.swap_used
+        for r in cands[:self.swap_aside_most]:
+            need = self._swap_bytes(r)
+            if need > space:
+                break
+            plan.append(r)
+            space -= need
+            if self._peaks_fit(req, n, have=0, without=plan,
+                               extra=sum(grow.values()) - sum(grow.get(id(q), 0) for q in plan)):
+                break
+        else:
+            return False
+        for r in plan:
+            saved = self.on_swap_out(r)
+            self.running.remove(r)
+            r.swapped = self.pool.swap_out(r.seq_id)
+            r.aside = saved if saved is not None else ()   # (not None: swapped aside)
+            self.swap_used += r.swapped.nbytes
+            r.seq_id = None
+            r.status = Status.SWAPPED
+            self.swapped.append(r)
+            self.count("swapped_aside")
+        return True
+
+    def _room_beside_prompts(self, req: Request) -> bool:
+        """Whether swapped-out `req` may come back: its pages fit beside what the evicting
+        prompts in prefill still add to reach their peaks, and the margin."""
+        P, pool = self.pool.page_size, self.pool
+        owed = 0
+        for r in self.running:
+            if r.seq_id is not None and r.peak_tokens is not None \
+                    and r.num_computed < len(r.prompt_ids):
+                owed += max(0, -(-r.peak_tokens // P) - len(pool.pages_of(r.seq_id)))
+        return req.swapped.num_pages + owed + self._margin(req) <= pool.num_available
+
+    def _peaks_fit(self, req: Request, n: int, have: int | None = None,
+                   without=(), extra: int = 0) -> bool:
         """Whether `req` (an evicting prompt about to reserve its first n tokens) may start:
         the evicting prompts in prefill (the running ones and `req`) can reach their peak
         stores (`Request.peak_tokens`) without preempting anyone. A prompt adds at most one
@@ -195,11 +293,18 @@ class Scheduler:
         decode are counted as free from the step by which their max_tokens (or
         max_model_len) ends them at the latest: decodes are scheduled first, every step, and
         an evicting sequence holds its pages alone. Requests that keep every token are not
-        planned for beyond the watermark (their decodes: a page per page_size steps each)."""
+        planned for beyond the watermark (their decodes: a page per page_size steps each).
+        have: the tokens `req` stores (None: its sequence's); without: running requests
+        counted as gone, their pages free (`_swap_aside`'s plan); extra: pages taken before
+        `req` reserves (this step's decodes, when asked before they reserve)."""
         P, pool = self.pool.page_size, self.pool
-        have = pool.seq_len(req.seq_id)
-        free = (pool.num_available - self._margin(req)
-                - (-(-(have + n) // P) - -(-have // P)))
+        if have is None:
+            have = pool.seq_len(req.seq_id)
+        gone = {id(r) for r in without}   # (`_swap_aside`: decoders it would swap out)
+        free = (pool.num_available - self._margin(req) - extra
+                - (-(-(have + n) // P) - -(-have // P))
+                + sum(len(pool.pages_of(r.seq_id)) for r in without))
+        running = [r for r in self.running if id(r) not in gone]
         if free < 0:
             return False
         g = -(-self.max_tokens // P) + 1   # pages a prompt may add in one step
@@ -212,7 +317,7 @@ class Scheduler:
         owe = [(max(0, -(-req.peak_tokens // P) - -(-(have + n) // P)), rate(req), None, 0)]
         ends: list[tuple[int, int]] = []   # (steps until its pages are free, pages)
         plain = 0                          # decoding requests that keep every token
-        for r in self.running:
+        for r in running:
             if r.seq_id is None:
                 continue
             if r.num_computed < len(r.prompt_ids):
@@ -453,6 +558,9 @@ class Scheduler:
         else:
             return False
         self.on_start(req)
+        if req.aside is not None:   # (swapped aside: its eviction bookkeeping comes back)
+            self.on_swap_in(req, req.aside or None)
+            req.aside = None
         self.swap_used -= req.swapped.nbytes
         req.swapped = None
         req.status = Status.RUNNING

@@ -43,6 +43,8 @@ from kvcompile.runtime.hooks import RuntimeHook
 
 log = logging.getLogger("kvcompile")
 
+_UNSET = object()   # (detach: a sequence without a per-sequence policy)
+
 # Positions of kept sink tokens (SinkWindow): "cache" re-rotates them to sit just before the
 # window, as StreamingLLM assigns positions within the cache; "original" leaves them where the
 # text put them (their distance to the query grows without bound). See docs/architecture.md,
@@ -192,6 +194,32 @@ class EvictionRuntime(RuntimeHook):
         self._pool = None
         self.books.clear()
         self.store = None
+
+    def detach(self, seq_id: int):
+        """The bookkeeping of `seq_id` (its book, policy and sink positions), taken out before the
+        pool frees the sequence to swap it out (engine/scheduler.py `swap_aside`); `attach`
+        gives it to the sequence swapped back in. None if it has none."""
+        book = self.books.get(seq_id)
+        if book is not None and self.state.pool is not None and self.state.pool.has(seq_id):
+            self._catch_up(seq_id, book)
+            self._pull_mass(seq_id, book, self.state.pool.seq_len(seq_id))
+        saved = (self.books.pop(seq_id, None), self.seq_policy.pop(seq_id, _UNSET),
+                 self.seq_sink_positions.pop(seq_id, None))
+        self._facts.pop(seq_id, None)
+        return saved if saved[0] is not None or saved[1] is not _UNSET else None
+
+    def attach(self, seq_id: int, saved) -> None:
+        """`detach`'s bookkeeping, for the sequence `seq_id` that now holds the same tokens."""
+        if saved is None:
+            return
+        book, policy, sinks = saved
+        if book is not None:
+            self.books[seq_id] = book
+        if policy is not _UNSET:
+            self.seq_policy[seq_id] = policy
+        if sinks is not None:
+            self.seq_sink_positions[seq_id] = sinks
+        self._facts.pop(seq_id, None)
 
     def _forget(self, seq_id: int) -> None:
         """The pool freed `seq_id`: its bookkeeping and per-sequence settings go with it."""

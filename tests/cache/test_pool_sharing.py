@@ -175,3 +175,22 @@ def test_residual_pages_are_not_swapped():
         pool.swap_out(a)
     assert pool.seq_len(a) == P + 1
     pool.check_invariants()
+
+
+def test_swap_keeps_the_eviction_counts():
+    """A sequence that evicted (dropped and hidden tokens) comes back from host memory with
+    the same logical length and eviction counts (Engine(swap_aside=True) swaps evicting
+    decoders); a sequence that never evicted comes back with none."""
+    pool = _pool()
+    a, plain = pool.allocate(2)
+    _fill(pool, a, 3 * P + 2, seed=1)
+    _fill(pool, plain, P, seed=2)
+    pool.evict_pages(a, [1])             # one whole page dropped
+    pool.hide(a, 3)                      # and 3 stored tokens hidden
+    assert (pool.logical_len(a), pool.dropped(a), pool.evicted(a)) == (3 * P + 2, P, P + 3)
+    b = pool.swap_in(pool.swap_out(a))
+    assert (pool.seq_len(b), pool.logical_len(b)) == (2 * P + 2, 3 * P + 2)
+    assert (pool.dropped(b), pool.evicted(b)) == (P, P + 3)
+    c = pool.swap_in(pool.swap_out(plain))
+    assert (pool.logical_len(c), pool.evicted(c)) == (P, 0)
+    pool.check_invariants()

@@ -302,3 +302,56 @@ def test_running_prompt_gives_back_its_transient(step_tokens, exact, fits):
     assert s._margin(new) == 1
     assert s._prefill_end(s.running[1], 8) == ((3, -1) if exact else (None, 0))
     assert s._peaks_fit(new, 16) is fits
+
+
+def test_swap_aside_runs_a_prompt_beside_decoders():
+    """Engine(swap_aside=True): a pool of 14 pages of 8 tokens, six 64-token prompts (8 pages
+    each before their eviction) with SnapKV(16, hold=True) (2 pages once evicted): beside
+    three decoders a prompt's transient does not fit although its evicted size does, so a
+    decoder is copied to host memory for the prompt's prefill and comes back after it, with
+    its eviction bookkeeping. The tokens are generate's (each request alone), nothing is
+    preempted, the work takes fewer steps with more requests running; without the option
+    (and for pages with a bf16 residual, which are not swapped) nothing is swapped."""
+    hold = SnapKV(budget=16, window=4, hold=True)
+    torch._dynamo.reset()
+    m = make_hf("llama", "sdpa")
+    small = 14 * m.config.num_hidden_layers * 2 * 2 * PAGE * 16 * 4
+    kvcompile.compile(m, config(page_size=PAGE, kv_dtype="fp32", max_kv_bytes=small,
+                                eviction=hold))
+    prompts = random_prompts(random.Random(11), 6, 64, 64)
+    want = _generate(m, prompts, 24)
+    runs = {}
+    for aside in (False, True):
+        eng = Engine(m, max_num_batched_tokens=16, swap_aside=aside)
+        assert eng.pool.num_pages == 14
+        before = state_of(m).counters.get("swapped_aside", 0)
+        outs = eng.generate(prompts, _greedy(24))
+        eng.pool.check_invariants()
+        running = [s.num_running for s in eng.history if s.decode_tokens]
+        runs[aside] = (state_of(m).counters.get("swapped_aside", 0) - before,
+                       [o.token_ids for o in outs], eng.stats.preemptions, eng.stats.steps,
+                       sum(running) / len(running))
+        eng.close()
+        assert eng.pool.stats().pages_used == 0 and eng.scheduler.swap_used == 0
+        assert not state_of(m).eviction.books, "bookkeeping left behind"
+    assert runs[False][0] == 0 and runs[True][0] > 0
+    for aside in (False, True):
+        assert runs[aside][1] == want and runs[aside][2] == 0, aside
+    assert runs[True][3] < runs[False][3] and runs[True][4] > runs[False][4]
+
+
+def test_swap_aside_not_for_residual_pages():
+    """Pages with a bf16 residual tail are not swapped: swap_aside leaves the prompt waiting
+    (the scheduler's `pool_swappable`), and the outputs are those without it."""
+    hold = SnapKV(budget=16, window=4, hold=True)
+    torch._dynamo.reset()
+    m = make_hf("llama", "sdpa")
+    kvcompile.compile(m, config(page_size=16, kv_dtype="int4", scale_granularity="channel",
+                                residual=True, eviction=hold))
+    prompts = random_prompts(random.Random(12), 3, 64, 64)
+    eng = Engine(m, max_num_batched_tokens=32, swap_aside=True)
+    assert not eng.scheduler.pool_swappable
+    before = state_of(m).counters.get("swapped_aside", 0)
+    eng.generate(prompts, _greedy(8))
+    assert state_of(m).counters.get("swapped_aside", 0) == before
+    eng.close()
