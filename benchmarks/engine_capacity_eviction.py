@@ -44,6 +44,14 @@ Fixed costs per sequence, which 32k-token requests make small and these short on
 - the bf16 residual rows (one page per sequence, layer, K and V) live outside the pool's
   budget: the table prints their peak bytes beside the budget ("residual" column).
 The table also prints the bytes per token of each format (codes + scales, every layer).
+
+Cases 7-9 run SnapKV holding its budget while decoding (`SnapKV(hold=True)`: decoded tokens
+push out the lowest-ranked prompt tokens, so a decoder stays at the budget), case 9 in the
+quality rows' 4-bit format (K int4 per channel, V int4 per token, pages of 64, Hadamard
+rotation, no residual). `--swap-aside` runs `Engine(swap_aside=True)`: an evicting prompt
+whose whole-prompt transient does not fit beside the decoders, while its evicted size does,
+has one evicting decoder copied to host memory for its prefill (RESULTS.md, "SnapKV holding
+its budget, and swap-aside").
 """
 
 from __future__ import annotations

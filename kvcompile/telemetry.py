@@ -120,7 +120,7 @@ GAUGES = {  # metric suffix -> (stats field, help)
                                                        "cache / tokens looked up"),
 }
 COUNTERS = ("eviction_runs", "evicted_tokens", "preemptions", "prefix_hit_tokens",
-            "prefix_query_tokens", "attention_rewritten", "reference_fallback")
+            "prefix_query_tokens", "attention_rewritten", "reference_fallback", "swapped_aside")
 
 
 class KVCompileCollector:
