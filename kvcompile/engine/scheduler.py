@@ -249,17 +249,18 @@ class Scheduler:
         # (those that end during the prefill are the credit, not candidates)
         cands = [r for r in decoders if left(r) + 1 > steps]
         cands.sort(key=left, reverse=True)
-        plan, space = [], self.swap_space - self.swap_used
+        plan, space, fits = [], self.swap_space - self.swap_used, False
         for r in cands[:self.swap_aside_most]:
             need = self._swap_bytes(r)
             if need > space:
                 break
             plan.append(r)
             space -= need
-            if self._peaks_fit(req, n, have=0, without=plan,
-                               extra=sum(grow.values()) - sum(grow.get(id(q), 0) for q in plan)):
+            fits = self._peaks_fit(req, n, have=0, without=plan, extra=sum(grow.values())
+                                   - sum(grow.get(id(q), 0) for q in plan))
+            if fits:
                 break
-        else:
+        if not fits:
             return False
         for r in plan:
             saved = self.on_swap_out(r)

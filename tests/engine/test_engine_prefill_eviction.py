@@ -355,3 +355,60 @@ def test_swap_aside_not_for_residual_pages():
     eng.generate(prompts, _greedy(8))
     assert state_of(m).counters.get("swapped_aside", 0) == before
     eng.close()
+
+
+@pytest.mark.parametrize("case, swaps", [
+    ("swaps", True),           # one decoder's 16 pages make room for the prompt's peak
+    ("peak_fits", False),      # 40 free pages: the prompt is admitted as it is
+    ("steady_too_big", False),  # its evicted size (27 pages) does not fit either: no slot
+    ("no_swap_space", False),  # the host memory allowed is smaller than a decoder
+    ("plain_decoders", False),  # decoders that keep every token are never swapped aside
+    ("off", False),            # Scheduler.swap_aside False (the default)
+])
+def test_swap_aside_rule(case, swaps):
+    """Pages of 8, 32-token steps; three evicting decoders of 16 pages (at their 128-token
+    budget, 50 tokens to go: none ends during the prompt's prefill); a 200-token prompt of
+    peak 25 pages that keeps 40 tokens once evicted (7 pages with the decode margin). With 12
+    free pages its peak does not fit (12 - 3 margin - 2 chunk < 23 owed) but its evicted size
+    does; one decoder swapped aside (its 16 pages) makes room. The decoder comes back only
+    when the prompt no longer owes pages to its peak (`_room_beside_prompts`)."""
+    from types import SimpleNamespace
+
+    from kvcompile.engine.request import Status
+    from kvcompile.engine.scheduler import Scheduler
+
+    pages = {1: 16, 2: 16, 3: 16}
+    pool = _Pool(40 if case == "peak_fits" else 12, pages)
+    pool.bytes_per_page = 1
+    swapped_out = []
+
+    def swap_out(sid):
+        swapped_out.append(sid)
+        pool.num_available += pages[sid]
+        return SimpleNamespace(nbytes=pages[sid], num_pages=pages[sid])
+
+    pool.swap_out = swap_out
+    s = Scheduler(pool, None, max_num_batched_tokens=32, max_num_seqs=8,
+                  swap_space_bytes=8 if case == "no_swap_space" else 1 << 20)
+    s.swap_aside = case != "off"
+    s.running = [_req(i, 40, 40 + 49, 50, 100, keep=128, evicts=case != "plain_decoders")
+                 for i in (1, 2, 3)]
+    new = _req(None, 200, 0, 0, 10, peak=200, keep=200 if case == "steady_too_big" else 40)
+    s.waiting.append(new)
+    assert (s.swap_aside and s._swap_aside(new)) is swaps
+    assert bool(swapped_out) is swaps
+    if not swaps:
+        return
+    assert len(swapped_out) == 1 and len(s.running) == 2 and s.swapped[0].status is \
+        Status.SWAPPED and s.swapped[0].aside is not None
+    assert s._peaks_fit(new, 32 - 2, have=0)   # the prompt now fits (step 4 admits it)
+    # the prompt in prefill still owes pages to its peak: the decoder waits
+    new.seq_id, new.num_computed = 4, 64
+    pages[4] = 8
+    s.running.append(new)
+    pool.num_available -= 8
+    assert not s._room_beside_prompts(s.swapped[0])
+    new.num_computed = 200                      # its last chunk ran; evicted to 7 pages
+    pages[4] = 7
+    pool.num_available += 1
+    assert s._room_beside_prompts(s.swapped[0])
