@@ -626,3 +626,42 @@ def test_prompt_chunk_cut_inside_a_page_waits(kv):
     else:
         assert all(e % 16 == 0 for e in ends[:-1]) and ends[0] != 14, chunks
     assert outs[rid].token_ids == want
+
+
+def test_random_arrivals_with_swap_aside():
+    """Engine(swap_aside=True) under random arrivals in a pool so small that requests are also
+    preempted (recomputed): fp8 pages, SnapKV(hold=True) requests (the model's policy) beside
+    SinkWindow requests and requests that keep every token. Decoders swapped aside for a
+    prompt's transient come back with their eviction bookkeeping: every request equals
+    itself alone, the pool's invariants hold at every step, and nothing is left behind."""
+    torch._dynamo.reset()
+    m = make_hf("llama", "sdpa")
+    hold = SnapKV(budget=16, window=4, hold=True)
+    kvcompile.compile(m, config(eviction=hold, kv_dtype="fp8_e4m3", page_size=8,
+                                prefill_attends="stored"))
+    rng = random.Random(7)
+    choices = ["model", "model", None, SinkWindow(2, 14), "model"]
+    reqs = [(p, SamplingParams(temperature=0, max_tokens=rng.randrange(15, 30),
+                               ignore_eos=True, eviction=choices[i % 5]))
+            for i, p in enumerate(random_prompts(rng, 10, 40, 64))]
+    alone = Engine(m, max_num_batched_tokens=128, enable_prefix_caching=False)
+    expect = [alone.generate([p], sp)[0].token_ids for p, sp in reqs]
+    alone.close()
+    st = state_of(m)
+    pool = st.pool
+    hog = pool.allocate(1)[0]
+    pool.reserve([hog], (pool.num_pages - 12) * pool.page_size)
+    try:
+        eng = Engine(m, max_num_batched_tokens=32, swap_aside=True)
+        eng.scheduler.watermark = 1
+        before = st.counters.get("swapped_aside", 0)
+        final = _run_arrivals(eng, reqs, rng, lambda e, _: e.pool.check_invariants())
+        for i in range(len(reqs)):
+            assert final[i].token_ids == expect[i], f"request {i} changed by its neighbours"
+        assert st.counters.get("swapped_aside", 0) > before, "nothing was swapped aside"
+        assert eng.stats.preemptions > 0
+        eng.close()
+        assert eng.scheduler.swap_used == 0 and not eng.scheduler.swapped
+    finally:
+        pool.free([hog])
+    assert pool.stats().pages_used == 0 and not st.eviction.books
