@@ -23,6 +23,8 @@ Sections, each in its own try/except, within one deadline (`--budget-s`), printe
              prompt: SinkWindow(4, prompt/2 - 4) (original sink positions, so decode steps
              replay graphs and evict on the device every --evict-interval steps) and
              SnapKV(budget=prompt/2) (chooses at the prompt's end); compare with engine_b
+  engine_evict_snapkv_hold   the same SnapKV holding its budget while decoding (hold=True:
+             each step past the budget drops the lowest-ranked prompt token, on the device)
   engine_evict_sink_rot / engine_evict_h2o   the same with SinkWindow's sinks re-rotated (the
              default positions) and H2O(budget=prompt/2, recent=prompt/8, sinks=4), whose
              rotation and mass run inside the replayed steps (eviction/aside.py)
@@ -450,6 +452,7 @@ def engine_batch(model, args, device, ctx, graphs: bool = True, eviction=None,
                                                       ", no CUDA graphs")
                + ("" if async_steps else ", synchronous steps")
                + (f", {type(eviction).__name__} 50%" if eviction is not None else "")
+               + (" holding its budget" if getattr(eviction, "hold", False) else "")
                + (" (sinks re-rotated)" if eviction is not None and sinks == "cache"
                   and type(eviction).__name__ == "SinkWindow" else ""),
                tok_s=B * N / t, decode_tok_s=B * (N - 1) / max(t - first, 1e-9),
@@ -512,6 +515,7 @@ def _half(args):
 
     half = max(8, args.prompt // 2)
     return dict(sink=SinkWindow(4, half - 4), snapkv=SnapKV(budget=half),
+                snapkv_hold=SnapKV(budget=half, hold=True),
                 h2o=H2O(budget=half, recent=max(1, half // 4), sinks=4))
 
 
@@ -587,7 +591,7 @@ def main(argv=None) -> int:
     # rough minimum seconds each needs on the H200 (compiles included)
     need = dict(capacity=1, hf_eager=25, hf_static=90, kvc_fp8=80, kvc_bf16=70, kvc_int4=80, engine=60,
                 engine_b=40, engine_b_nograph=30, engine_b_sync=40, engine_evict_sink=60, engine_evict_snapkv=60,
-                engine_evict_sink_rot=60, engine_evict_h2o=60)
+                engine_evict_snapkv_hold=60, engine_evict_sink_rot=60, engine_evict_h2o=60)
     results, errors, ctx = {"env": env}, {}, {}
     model = None
     try:
@@ -610,6 +614,8 @@ def main(argv=None) -> int:
                                                eviction=_half(args)["sink"]),
         engine_evict_snapkv=lambda: engine_batch(model, args, device, ctx,
                                                  eviction=_half(args)["snapkv"]),
+        engine_evict_snapkv_hold=lambda: engine_batch(model, args, device, ctx,
+                                                      eviction=_half(args)["snapkv_hold"]),
         engine_evict_sink_rot=lambda: engine_batch(model, args, device, ctx,
                                                    eviction=_half(args)["sink"], sinks="cache"),
         engine_evict_h2o=lambda: engine_batch(model, args, device, ctx,
@@ -658,7 +664,8 @@ def report(results, errors, args):
                           "overlapped_steps", "same_tokens_as_other_engine_row",
                           "same_tokens_as_engine_b", "x_engine_b_decode"]))
     ev = [results[k] for k in ("engine_b", "engine_evict_sink", "engine_evict_snapkv",
-                               "engine_evict_sink_rot", "engine_evict_h2o") if k in results]
+                               "engine_evict_snapkv_hold", "engine_evict_sink_rot",
+                               "engine_evict_h2o") if k in results]
     if len(ev) > 1:
         print(f"\n### Engine with eviction at 50% of the prompt (fp8 pages, eviction every "
               f"{args.evict_interval} decode steps), " + results["env"]["setup"])
