@@ -305,6 +305,12 @@ class KVConfig:
         while fp8 pages parted from the eager steps in 2 of 4 H200 cases: the graph path's
         logic equals the eager path's on the CPU, tests/engine/test_rerotated_graph_parity.py;
         the partings are near ties after other rounding, see benchmarks/RESULTS.md.)
+    eviction_interval: a decoding sequence evicts once it holds budget + interval - 1 tokens,
+        back to its budget, instead of after every step (1, the default): Hugging Face
+        `generate`'s decode steps evict on the host, so an interval of 8-32 divides that cost
+        (benchmarks/RESULTS.md, "Fourteenth session"); the sequence holds up to interval - 1
+        tokens more. Per model (the model-level config's); `Engine(eviction_interval=...)`
+        overrides it for the engine's steps.
     window_eviction: SinkWindow with its sinks at their text positions evicts without moving
         a token (pages between sinks and window freed, the rest hidden by a key mask:
         eviction/runtime.py `_evict_window`); False compacts as other policies do (moves the
@@ -346,6 +352,7 @@ class KVConfig:
         lambda: os.environ.get("KVCOMPILE_PREFILL_WARP_SPEC", "0") == "1")
     rerotated_sinks_graphs: bool = _env_field(lambda: _env_on("KVCOMPILE_REROT_ASIDE", True))
     window_eviction: bool = _env_field(lambda: _env_on("KVCOMPILE_WINDOW_EVICTION", True))
+    eviction_interval: int = 1
     cpu_fp8: str = _env_field(lambda: os.environ.get("KVCOMPILE_CPU_FP8") or "auto")
 
     def __post_init__(self):
@@ -394,6 +401,7 @@ class KVConfig:
             raise KVConfigError("prefill_chunk_route", self.prefill_chunk_route,
                                 ", ".join(map(repr, PREFILL_CHUNK_ROUTES)))
         _check_int("prefill_gather_bytes", self.prefill_gather_bytes, 1)
+        _check_int("eviction_interval", self.eviction_interval, 1)
         if self.cpu_fp8 not in CPU_FP8_ROUTES:
             raise KVConfigError("cpu_fp8", self.cpu_fp8, ", ".join(map(repr, CPU_FP8_ROUTES)))
         if self.prefill not in PREFILL_CHOICES:

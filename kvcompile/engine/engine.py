@@ -49,7 +49,8 @@ class Engine:
 
     Eviction (KVConfig.eviction, per request SamplingParams.eviction): a prompt attends in
     full, however it is chunked, and is evicted at its end; each decode step then evicts, or
-    every `eviction_interval` steps (a sequence holds at most budget + interval - 1 tokens).
+    every `eviction_interval` steps (a sequence holds at most budget + interval - 1 tokens;
+    None: KVConfig.eviction_interval, 1 by default).
     Decode steps whose kept slots need no per-slot rule (SinkWindow, its sinks re-rotated or
     not, H2O, SnapKV; eviction/runtime.py `decode_aside` logs each exception once) run the
     decode kernel over the stored slots, from a CUDA graph where one applies, with H2O's mass
@@ -98,7 +99,7 @@ class Engine:
                  max_num_seqs: int = 128, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, preemption_mode: str = "recompute",
                  swap_space_bytes: int = 4 << 30, seed: int = 0, log_every: int = 0,
-                 cuda_graphs: bool = True, eviction_interval: int = 1,
+                 cuda_graphs: bool = True, eviction_interval: int | None = None,
                  prefill_eviction_chunk: int = 0, async_steps: bool = False,
                  swap_aside: bool = False):
         from kvcompile.api import _STATE_ATTR
@@ -106,7 +107,8 @@ class Engine:
 
         for name, v in (("max_num_batched_tokens", max_num_batched_tokens),
                         ("max_num_seqs", max_num_seqs), ("swap_space_bytes", swap_space_bytes),
-                        ("eviction_interval", eviction_interval)):
+                        ("eviction_interval", 1 if eviction_interval is None
+                         else eviction_interval)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise RequestError(f"Engine {name}={v!r}: must be an int >= 1")
         v = prefill_eviction_chunk
@@ -138,7 +140,8 @@ class Engine:
         self.eviction = state.eviction if state.eviction is not None and \
             state.eviction.policies else None
         if self.eviction is not None:
-            self.eviction.interval = eviction_interval
+            self.eviction.interval = (eviction_interval if eviction_interval is not None
+                                      else state.config.eviction_interval)
             self.eviction.set_aside_rows(max_num_seqs)   # H2O mass of decoding sequences
         self.max_model_len = inputs.max_model_len(model, state, max_model_len)
         if self.runner.graphs is not None:

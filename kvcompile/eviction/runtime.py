@@ -125,10 +125,9 @@ class EvictionRuntime(RuntimeHook):
         # sequences whose next after_forward follows a decode step (the engine sets it, as
         # `held`): they evict every `interval` steps (`_due`), as the aside steps do
         self.decoding: set[int] = set()
-        # decode steps it steps aside for evict when a sequence holds budget + interval - 1
-        # tokens: 1 evicts after every step, as the forwards it attends do (the engine's
-        # eviction_interval)
-        self.interval = 1
+        # decode steps evict when a sequence holds budget + interval - 1 tokens: 1 evicts
+        # after every step (KVConfig.eviction_interval; the engine's eviction_interval)
+        self.interval = getattr(state.config, "eviction_interval", 1)
         self.windowed = False   # a managed layer has a sliding window (a per-slot rule)
         # H2O mass of the sequences decoding aside (aside.py), made at the first such step;
         # `aside_rows` sequences at most (the engine's max_num_seqs)
@@ -777,15 +776,18 @@ class EvictionRuntime(RuntimeHook):
             return   # (a step stepped aside for: after_decode_step)
         if self.interval > 1:
             self._check_facts()
-        for _i, sid, _past, _n in self._rows(plan):
+        for _i, sid, past, n in self._rows(plan):
             book = self.books.get(sid)
             if book is None or not pool.has(sid):
                 continue
             book.carry = sid in self.held
             if book.carry:
                 continue
-            if sid in self.decoding and self.interval > 1 and not self._due(sid, book):
-                continue   # a decode step evicts every `interval` steps, as aside steps do
+            # a decode step (the engine's, or a one-token forward of generate) evicts every
+            # `interval` steps, as aside steps do
+            decode = sid in self.decoding or (not plan.packed and n == 1 and past > 0)
+            if decode and self.interval > 1 and not self._due(sid, book):
+                continue
             self.evict(sid, book)
             if not self.observe_all:  # kept for forks evicted later (observe_all)
                 book.obs.clear()

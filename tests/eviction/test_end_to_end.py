@@ -369,3 +369,64 @@ def test_snapkv_hold_equals_masked_attention():
     # older than one that left)
     gone = set(int(x) for x in chosen[0][0] if x >= 0) - kept_sets[0][-1]
     assert gone and min(kept_sets[0][-1]) < max(gone)
+
+
+def test_eviction_interval_in_generate_equals_masked_attention():
+    """KVConfig(eviction_interval=4): generate's one-token forwards evict once a sequence holds
+    budget + 4 tokens (back to the budget), not after every step. SinkWindow(2, 12), sinks at
+    their text positions: every step's logits equal the uncompiled model's under the mask of
+    what was kept then, the kept length cycles budget .. budget + 3, and eviction
+    runs a quarter as often as at interval 1 (which the same check holds to the budget)."""
+    T, prefill, sinks, window, k = 44, 20, 2, 12, 4
+    ids = torch.randint(1, V, (1, T), generator=torch.Generator().manual_seed(8))
+    runs = {}
+    for interval in (1, k):
+        m = _compiled(SinkWindow(sinks, window), eviction_interval=interval)
+        with torch.no_grad():
+            m(input_ids=ids[:, :2], past_key_values=DynamicCache())   # creates the runtime
+        st = state_of(m)
+        st.eviction.sink_positions = "original"
+        before = st.counters.get("eviction_runs", 0)
+        cache, outs, lens = DynamicCache(), [], []
+        with torch.no_grad():
+            outs.append(m(input_ids=ids[:, :prefill], past_key_values=cache).logits[0])
+            for t in range(prefill, T):
+                outs.append(m(input_ids=ids[:, t:t + 1], past_key_values=cache).logits[0])
+                sid = _sid(cache)   # stored, less the tokens a window hides
+                lens.append(st.pool.seq_len(sid) - st.pool.evicted(sid) + st.pool.dropped(sid))
+        runs[interval] = (torch.cat(outs), lens, st.counters.get("eviction_runs", 0) - before)
+    # the reference: a query sees what is stored when it runs (the eviction follows it)
+    allowed = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    held = set(range(sinks)) | set(range(prefill - window, prefill))
+    for t in range(prefill, T):
+        held.add(t)
+        allowed[t] = False
+        allowed[t, sorted(held)] = True
+        if len(held) >= sinks + window + k:
+            held = set(range(sinks)) | set(range(t + 1 - window, t + 1))
+    out, lens, evictions = runs[k]
+    assert_rel_close(out, _masked_reference(ids, allowed), torch.float32, factor=10,
+                     what="SinkWindow logits, eviction interval 4")
+    budget = sinks + window
+    assert min(lens) == budget and max(lens) == budget + k - 1
+    assert set(runs[1][1]) == {budget}
+    assert 0 < evictions and 3 * evictions < runs[1][2]
+
+
+def test_eviction_interval_validated_and_taken_by_the_engine():
+    from kvcompile import Engine
+    from kvcompile.errors import KVConfigError
+
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(KVConfigError, match="eviction_interval"):
+            KVConfig(eviction_interval=bad)
+    m = _compiled(SinkWindow(2, 12), eviction_interval=8)
+    with torch.no_grad():
+        m(input_ids=torch.tensor([[1, 2, 3]]), past_key_values=DynamicCache())
+    assert state_of(m).eviction.interval == 8
+    eng = Engine(m)                         # None: the model's KVConfig.eviction_interval
+    assert eng.eviction.interval == 8
+    eng.close()
+    eng = Engine(m, eviction_interval=2)    # the engine's own
+    assert eng.eviction.interval == 2
+    eng.close()
