@@ -76,9 +76,10 @@ class Engine:
     swap_aside (default False): when an evicting prompt waits because its peak does not fit
     although its evicted size does (a slot is free in the steady state, not for the prompt's
     transient), an evicting decoder at its budget is copied to host memory (within
-    swap_space_bytes) for its prefill and come back, bit for bit with their eviction
-    bookkeeping, once its eviction gives the transient back (scheduler.py `_swap_aside`).
-    Outputs are unchanged; the host copies cost two transfers of each such decoder's pages.
+    swap_space_bytes) for the prompt's prefill and comes back, bit for bit with its eviction
+    bookkeeping, once the prompt's eviction gives the transient back (scheduler.py
+    `_swap_aside`). Outputs are unchanged; the host copies cost two transfers of the
+    decoder's pages.
     Not for pages with a bf16 residual (KVConfig.residual), which are not swapped.
 
     Tensor parallelism (a model sharded over ranks, README "Multi-GPU"): one Engine per rank,
@@ -232,12 +233,9 @@ class Engine:
         from kvcompile.eviction.policies import budget_of
 
         n = len(ids)
-        if not self.prefill_eviction_chunk:
-            return n
-        pols = (list(self.eviction.policies.values()) if params.eviction == "model"
-                else [params.eviction])
-        if len(self.eviction.policies) < len(self.state.layer_specs):
-            return n   # a layer without a policy keeps every token
+        pols = self._request_policies(params)
+        if not self.prefill_eviction_chunk or pols is None:
+            return n   # (None: a layer without a policy keeps every token)
         # (+ a page: a window evicted without moving tokens hides some in a page it keeps)
         return min(n, max(budget_of(p) for p in pols) + self.prefill_eviction_chunk
                    + self.pool.page_size)
@@ -249,12 +247,19 @@ class Engine:
         `Scheduler._margin`, plans such a decoder as one that grows."""
         from kvcompile.eviction.policies import decode_budget
 
-        if len(self.eviction.policies) < len(self.state.layer_specs):
+        pols = self._request_policies(params)
+        if pols is None:
             return None
-        pols = (list(self.eviction.policies.values()) if params.eviction == "model"
-                else [params.eviction])
         budgets = [decode_budget(p) for p in pols]
         return None if None in budgets else max(budgets)
+
+    def _request_policies(self, params: SamplingParams) -> list | None:
+        """The policies an evicting request's layers evict by, or None where a layer has no
+        policy (it keeps every token)."""
+        if len(self.eviction.policies) < len(self.state.layer_specs):
+            return None
+        return (list(self.eviction.policies.values()) if params.eviction == "model"
+                else [params.eviction])
 
     def _on_start(self, req: Request) -> None:
         """The scheduler gave `req` a new pool sequence: its eviction policy follows it."""

@@ -233,15 +233,9 @@ class Scheduler:
         # those of the evicting decoders that end by then), so that the decoders swapped
         # aside come back right after it
         steps = -(-len(req.prompt_ids) // self.max_tokens) + 1
-
-        def left(r):
-            return min(r.params.max_tokens - len(r.output_ids),
-                       self.max_model_len - r.num_tokens)
-
-        decoders = [r for r in self.running
-                    if r.evicts and r.seq_id is not None and r.keep_tokens is not None
-                    and r.num_computed >= len(r.prompt_ids) and not self._grows(r)
-                    and not r.hold]
+        left = self._tokens_left
+        decoders = [r for r in dec
+                    if r.evicts and r.keep_tokens is not None and not self._grows(r)]
         ending = sum(len(pool.pages_of(r.seq_id)) for r in decoders if left(r) + 1 <= steps)
         steady = -(-req.keep_tokens // P) + 2
         if pool.num_available - self._margin(req) + ending < steady:
@@ -277,13 +271,18 @@ class Scheduler:
     def _room_beside_prompts(self, req: Request) -> bool:
         """Whether swapped-out `req` may come back: its pages fit beside what the evicting
         prompts in prefill still add to reach their peaks, and the margin."""
-        P, pool = self.pool.page_size, self.pool
-        owed = 0
-        for r in self.running:
-            if r.seq_id is not None and r.peak_tokens is not None \
-                    and r.num_computed < len(r.prompt_ids):
-                owed += max(0, -(-r.peak_tokens // P) - len(pool.pages_of(r.seq_id)))
-        return req.swapped.num_pages + owed + self._margin(req) <= pool.num_available
+        owed = sum(self._owed_pages(r) for r in self.running
+                   if r.seq_id is not None and r.peak_tokens is not None
+                   and r.num_computed < len(r.prompt_ids))
+        return req.swapped.num_pages + owed + self._margin(req) <= self.pool.num_available
+
+    def _owed_pages(self, r: Request) -> int:
+        """Pages evicting prompt `r` (in prefill) still adds to reach its peak store."""
+        return max(0, -(-r.peak_tokens // self.pool.page_size) - len(self.pool.pages_of(r.seq_id)))
+
+    def _tokens_left(self, r: Request) -> int:
+        """Tokens decoding request `r` may still add (its max_tokens, or max_model_len)."""
+        return min(r.params.max_tokens - len(r.output_ids), self.max_model_len - r.num_tokens)
 
     def _peaks_fit(self, req: Request, n: int, have: int | None = None,
                    without=(), extra: int = 0) -> bool:
@@ -323,18 +322,15 @@ class Scheduler:
                 continue
             if r.num_computed < len(r.prompt_ids):
                 if r.peak_tokens is not None:
-                    held = len(pool.pages_of(r.seq_id))
-                    owe.append((max(0, -(-r.peak_tokens // P) - held), rate(r),
-                                *self._prefill_end(r, held)))
+                    owe.append((self._owed_pages(r), rate(r),
+                                *self._prefill_end(r, len(pool.pages_of(r.seq_id)))))
             elif not r.evicts:
                 plain += 1
             else:
                 if self.exact_margin and self._grows(r):
                     plain += 1   # (an evicting decoder below its budget grows as they do)
                 if self.lifetime_credit:
-                    left = min(r.params.max_tokens - len(r.output_ids),
-                               self.max_model_len - r.num_tokens)
-                    ends.append((max(left, 0) + 1, len(pool.pages_of(r.seq_id))))
+                    ends.append((max(self._tokens_left(r), 0) + 1, len(pool.pages_of(r.seq_id))))
         if not self._chunks_every_step(req, owe):
             owe = [(o, r, None, 0) for o, r, _e, _a in owe]
         steps = max(-(-o // r) for o, r, _e, _a in owe)

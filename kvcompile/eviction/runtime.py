@@ -82,6 +82,11 @@ class _Book:
         # pos is not built (a window book between evictions): `_catch_up` builds it
         self.stale = False
 
+    def per_slot(self) -> tuple:
+        """The per-slot fp32 rows that follow their tokens when slots move or go (H2O mass,
+        kept scores): {layer: [Hkv, L]} each."""
+        return self.mass, self.score
+
     def copy(self) -> _Book:
         b = _Book(self.start)
         b.carry, b.pending, b.ragged = self.carry, self.pending, self.ragged
@@ -1091,13 +1096,13 @@ class EvictionRuntime(RuntimeHook):
             policy, pos = self.policy_of(sid, layer), book.pos.get(layer)
             if pos is None or policy is None:
                 continue
-            if layer in book.obs and P.kept_scores(policy):
-                self._scores(sid, layer, book)   # kept for the decode steps' evictions
-            elif P.waits_for_observation(policy) and not P.kept_scores(policy) \
+            if P.waits_for_observation(policy) and not P.kept_scores(policy) \
                     and layer not in book.obs:
                 continue  # SnapKV chooses at the end of a multi-token forward only
             if P.over_budget(policy, pos, book.start):
-                due.append(layer)
+                due.append(layer)   # (its choice keeps the scores: `_scores`)
+            elif layer in book.obs and P.kept_scores(policy):
+                self._scores(sid, layer, book)   # kept for the decode steps' evictions
         if not due:
             return
         before = pool.seq_len(sid)
@@ -1145,10 +1150,9 @@ class EvictionRuntime(RuntimeHook):
         for li in layers:
             c = cols.to(book.pos[li].device)
             book.pos[li] = book.pos[li][:, c]
-            if li in book.mass:
-                book.mass[li] = book.mass[li][:, c]
-            if li in book.score:
-                book.score[li] = book.score[li][:, c]
+            for rows in book.per_slot():
+                if li in rows:
+                    rows[li] = rows[li][:, c]
         self.state.count("evicted_pages", len(drop))
 
     def _evict_tokens(self, sid, book, total, due: set) -> None:
@@ -1169,10 +1173,9 @@ class EvictionRuntime(RuntimeHook):
         pool.evict_tail(sid, new_len)
         for li in book.pos:
             book.pos[li] = _fit(book.pos[li], new_len, -1)
-            if li in book.mass:
-                book.mass[li] = _fit(book.mass[li], new_len, 0.0)
-            if li in book.score:
-                book.score[li] = _fit(book.score[li], new_len, 0.0)
+            for rows in book.per_slot():
+                if li in rows:
+                    rows[li] = _fit(rows[li], new_len, 0.0)
 
     def _compact(self, sid, layer, book, keep: torch.Tensor) -> int:
         """Move kept tokens of slots >= n into holes below n, n = most kept by any head."""
@@ -1191,27 +1194,20 @@ class EvictionRuntime(RuntimeHook):
                 dsts.append(holes[:m])
                 hs.append(torch.full((m,), h, dtype=torch.int64, device=pos.device))
         new_pos = torch.where(keep[:, :n], pos[:, :n], -1)
-        mass = book.mass.get(layer)
-        new_mass = torch.where(keep[:, :n], mass[:, :n], 0.0) if mass is not None else None
-        score = book.score.get(layer)
-        new_score = torch.where(keep[:, :n], score[:, :n], 0.0) if score is not None else None
+        # (per-slot rows of the layer: the old row, and the new one the kept slots fill)
+        rows = [(d, d[layer], torch.where(keep[:, :n], d[layer][:, :n], 0.0))
+                for d in book.per_slot() if layer in d]
         if srcs:
             src, dst, head = torch.cat(srcs), torch.cat(dsts), torch.cat(hs)
             self.state.pool.move_tokens(layer, sid, src, dst, head)
             new_pos[head, dst] = pos[head, src]
-            if new_mass is not None:
-                new_mass[head, dst] = mass[head, src]
-            if new_score is not None:
-                new_score[head, dst] = score[head, src]
+            for _d, old, new in rows:
+                new[head, dst] = old[head, src]
             self.state.count("eviction_moves", src.numel())
         book.pos[layer] = torch.cat([new_pos, pos[:, n:].new_full((pos.shape[0],
                                                                    pos.shape[1] - n), -1)], 1)
-        if new_mass is not None:
-            book.mass[layer] = torch.cat([new_mass, mass.new_zeros(mass.shape[0],
-                                                                   mass.shape[1] - n)], 1)
-        if new_score is not None:
-            book.score[layer] = torch.cat([new_score, score.new_zeros(score.shape[0],
-                                                                      score.shape[1] - n)], 1)
+        for d, old, new in rows:
+            d[layer] = torch.cat([new, old.new_zeros(old.shape[0], old.shape[1] - n)], 1)
         return n
 
 
