@@ -158,6 +158,11 @@ class Engine:
                                    count=state.count, on_start=self._on_start,
                                    on_swap_out=self._on_swap_out, on_swap_in=self._on_swap_in)
         self.scheduler.swap_aside = bool(swap_aside)
+        if swap_aside and (self.eviction is None or not self.scheduler.pool_swappable):
+            why = ("the model evicts nothing (no KVConfig.eviction)" if self.eviction is None
+                   else "its pages have a bf16 residual tail, which is not swapped")
+            log.warning("kvcompile engine: swap_aside=True does nothing here: %s; evicting "
+                        "prompts wait for their peak to fit instead", why)
         self.scheduler.max_model_len = self.max_model_len
         self.eos_ids = inputs.eos_ids(model, tokenizer)
         self.vocab_size = inputs.vocab_size(model)

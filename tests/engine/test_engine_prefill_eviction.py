@@ -340,17 +340,19 @@ def test_swap_aside_runs_a_prompt_beside_decoders():
     assert runs[True][3] < runs[False][3] and runs[True][4] > runs[False][4]
 
 
-def test_swap_aside_not_for_residual_pages():
+def test_swap_aside_not_for_residual_pages(caplog):
     """Pages with a bf16 residual tail are not swapped: swap_aside leaves the prompt waiting
-    (the scheduler's `pool_swappable`), and the outputs are those without it."""
+    (the scheduler's `pool_swappable`) and says so when the engine is made."""
     hold = SnapKV(budget=16, window=4, hold=True)
     torch._dynamo.reset()
     m = make_hf("llama", "sdpa")
     kvcompile.compile(m, config(page_size=16, kv_dtype="int4", scale_granularity="channel",
                                 residual=True, eviction=hold))
     prompts = random_prompts(random.Random(12), 3, 64, 64)
-    eng = Engine(m, max_num_batched_tokens=32, swap_aside=True)
+    with caplog.at_level("WARNING", logger="kvcompile"):
+        eng = Engine(m, max_num_batched_tokens=32, swap_aside=True)
     assert not eng.scheduler.pool_swappable
+    assert "swap_aside=True does nothing here" in caplog.text and "residual" in caplog.text
     before = state_of(m).counters.get("swapped_aside", 0)
     eng.generate(prompts, _greedy(8))
     assert state_of(m).counters.get("swapped_aside", 0) == before
