@@ -180,8 +180,6 @@ class GraphedForward:
             reason = "the reference kernels are selected"
         elif st.config.check_finite:
             reason = "check_finite syncs with the host"
-        elif any(m.get("latent") for m in st.layer_meta):
-            reason = "latent (MLA) layers pick the kernel or the reference per step on the host"
         else:
             for k, v in zip(st.pool.k, st.pool.v):
                 reason = graph_refusal(k, v)

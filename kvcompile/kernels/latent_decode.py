@@ -329,7 +329,8 @@ def _latent_once_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
                         Q_SHIFT: tl.constexpr, DIRECT: tl.constexpr,
                         WIDEN_ASM: tl.constexpr = "", WIDEN_BITS: tl.constexpr = "",
                         C_MUL: tl.constexpr = 1.0, BT_AHEAD: tl.constexpr = False,
-                        ROPE_AHEAD: tl.constexpr = False):
+                        ROPE_AHEAD: tl.constexpr = False, KMASK=None, n_kmask=0,
+                        HAS_KMASK: tl.constexpr = False):
     # DT: the latent dots' dtype, DT_R the rotary one's. fp8 pages under bf16 queries take
     # fp16 (e4m3x2 -> f16x2 is one instruction; bf16 would add one cvt per element), and the
     # query is multiplied by Q_SHIFT (2^-8, exact) so that any bf16-range query up to 2^24
@@ -396,6 +397,9 @@ def _latent_once_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
     for n0 in range(n_lo, n_hi, BLOCK_N):
         j = n0 + t                                                            # token ids
         ok = j < n_hi
+        if HAS_KMASK:   # key_mask[b, j] False hides key j (j >= n_kmask: seen)
+            km = tl.load(KMASK + b * n_kmask + j, mask=ok & (j < n_kmask), other=1)
+            ok = ok & (km != 0)
         if BT_AHEAD:
             page = page_nx.to(tl.int64)
             page_nx = tl.load(bt_row + (j + BLOCK_N) // P, mask=j + BLOCK_N < n_hi, other=0)
@@ -443,8 +447,11 @@ def _latent_once_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
             sT = tl.dot(kr, q_rT, tl.dot(c1, q1T, tl.dot(c0, q0T))) * qk_scale  # [BLOCK_N, BH]
         sT = tl.where(ok[:, None], sT, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sT, 0))     # finite: every tile has a token below n_hi
-        alpha = tl.math.exp2(m_i - m_new)
-        pT = tl.math.exp2(sT - m_new[None, :])                                # [BLOCK_N, BH]
+        m_use = m_new
+        if HAS_KMASK:   # ... unless the key mask hid every key so far: m stays -inf, and the
+            m_use = tl.where(m_new > float("-inf"), m_new, 0.0)   # exponents take 0 (no NaN)
+        alpha = tl.math.exp2(m_i - m_use)
+        pT = tl.math.exp2(sT - m_use[None, :])                                # [BLOCK_N, BH]
         l_i = l_i * alpha + tl.sum(pT, 0)
         if C_SCALED:
             pT = pT * cs[:, None]
@@ -463,7 +470,7 @@ def _latent_once_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
         acc0 = acc0 * C_MUL
         acc1 = acc1 * C_MUL
     if DIRECT:
-        inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+        inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
         o_row = OUT + (b * H + h)[:, None] * R + rh[None, :]
         tl.store(o_row, acc0 * inv[:, None], mask=h_ok[:, None])
         tl.store(o_row + RH, acc1 * inv[:, None], mask=h_ok[:, None])
@@ -674,11 +681,22 @@ def launch_constexprs(tiles: LatentTiles, q_dtype: torch.dtype, c_fmt: str, r_fm
 
 def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: float,
                             num_splits: int | None = None,
-                            tiles: LatentTiles | None = None) -> torch.Tensor:
+                            tiles: LatentTiles | None = None,
+                            key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring. q_lat [B, H, r + dr] -> [B, H, r] fp32.
     num_splits / tiles: None picks them (pick_splits / pick_tiles); tests and benchmarks
-    pass them to run one configuration."""
+    pass them to run one configuration. key_mask: bool [B, Lm], key j seen iff
+    key_mask[b, j] (j >= Lm: seen), as paged_decode_attention takes it (left padding, an
+    HF decode step's mask); a row whose keys are all hidden gets zeros."""
     _check(q_lat, c_pages, r_pages, block_tables, seq_lens)
+    if key_mask is not None and (not isinstance(key_mask, torch.Tensor)
+                                 or key_mask.dtype != torch.bool or key_mask.dim() != 2
+                                 or key_mask.shape[0] != q_lat.shape[0]
+                                 or key_mask.device != q_lat.device):
+        raise UnsupportedShapeError(f"latent_decode_attention: key_mask must be a bool tensor "
+                                    f"[{q_lat.shape[0]}, L] on {q_lat.device}; got "
+                                    f"{getattr(key_mask, 'dtype', type(key_mask))} "
+                                    f"{tuple(getattr(key_mask, 'shape', ()))}")
     B, H, _ = q_lat.shape
     R, DR, P = c_pages.head_dim, r_pages.head_dim, c_pages.page_size
     widened = c_pages.fmt.name in _PAGE_SCALED
@@ -726,6 +744,9 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
                                    P, direct, q.is_cuda)
     # the programs that read the same tiles (head blocks, value halves) are neighbours: L2
     grid = (triton.cdiv(H, tiles.block_h) * tiles.v_split, num_splits, B)
+    if key_mask is not None:
+        consts.update(KMASK=key_mask.contiguous().view(torch.uint8),
+                      n_kmask=key_mask.shape[1], HAS_KMASK=True)
     fn[grid](q, c_pages.data, *scales, *common, **consts)
     if not direct:
         merge_launch(acc, ml, out, num_splits)

@@ -15,7 +15,8 @@ def _latent_tile_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
                         stride_bt, H, num_splits, tiles_per_split, qk_scale, R: tl.constexpr,
                         DR: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr,
                         BLOCK_N: tl.constexpr, V_SPLIT: tl.constexpr, C_SCALED: tl.constexpr,
-                        R_SCALED: tl.constexpr, DT: tl.constexpr, DIRECT: tl.constexpr):
+                        R_SCALED: tl.constexpr, DT: tl.constexpr, DIRECT: tl.constexpr,
+                        KMASK=None, n_kmask=0, HAS_KMASK: tl.constexpr = False):
     # V_SPLIT 2: two programs share a head block; each scores all r + dr columns but
     # accumulates only its half of the latent ("own" columns v0..v0+RV, the "other" half
     # only enters the scores), which halves the accumulator's registers
@@ -47,6 +48,9 @@ def _latent_tile_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
     for n0 in range(n_lo, n_hi, BLOCK_N):
         j = n0 + t                                                            # token ids
         ok = j < n_hi
+        if HAS_KMASK:   # key_mask[b, j] False hides key j (j >= n_kmask: seen)
+            km = tl.load(KMASK + b * n_kmask + j, mask=ok & (j < n_kmask), other=1)
+            ok = ok & (km != 0)
         page = tl.load(bt_row + j // P, mask=ok, other=0).to(tl.int64)
         tok = page * P + (j % P)                                              # [BLOCK_N]
         c = tl.load(CD + tok[:, None] * R + v0 + rv[None, :], mask=ok[:, None],
@@ -69,8 +73,11 @@ def _latent_tile_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
             s_r = s_r * qk_scale
         s = tl.where(ok[None, :], s_c + s_r, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))      # finite: every tile has a token below n_hi
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
+        m_use = m_new
+        if HAS_KMASK:   # ... unless the key mask hid every key so far (m stays -inf)
+            m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if C_SCALED:
             p = p * cs[None, :]
@@ -78,7 +85,7 @@ def _latent_tile_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
         m_i = m_new
     cols = v0 + rv[None, :]
     if DIRECT:
-        inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+        inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
         tl.store(OUT + (b * H + h)[:, None] * R + cols, acc * inv[:, None], mask=h_ok[:, None])
     else:
         row = (b * num_splits + split) * H + h

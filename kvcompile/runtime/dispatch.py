@@ -308,21 +308,26 @@ def mask_hides_no_key(plan, mask_info) -> bool:
 
 def _latent_kernel(state, q_lat, c_pages, r_pages, plan, mask_info, attn_mask, window,
                    softcap, scale):
-    """The absorbed decode kernel for a decode step of one query per row whose mask hides no
-    cached key (no padding, window or softcap), on CUDA or with KVConfig(kernels="triton"):
-    ([B, H, 1, r] fp32, route), or None (the reference attends). route "cuda": the CUDA
-    kernel (kernels/latent_sm90.py) on sm_90 where latent_sm90.use_cuda says the H200
-    measured it faster; "triton": kernels/latent_decode.py."""
+    """The absorbed decode kernel for a decode step of one query per row (no window or
+    softcap), on CUDA or with KVConfig(kernels="triton"): ([B, H, 1, r] fp32, route), or None
+    (the reference attends). route "cuda": the CUDA kernel (kernels/latent_sm90.py) on sm_90
+    where latent_sm90.use_cuda says the H200 measured it faster, for a step whose mask hides
+    no cached key; "triton": kernels/latent_decode.py, which also takes the step's key mask
+    (left padding, or any mask under CUDA graph capture, where the key row cannot be read on
+    the host: mask_hides_no_key)."""
     kernels = state.kernels
     if not kernels.use_triton(q_lat.device) or not plan.is_decode or plan.packed:
         return None
     why = ""
+    key_mask = None
     if q_lat.shape[2] != 1:
         why = "several queries per row"
     elif window or softcap:
         why = "a sliding window or soft-capping"
     elif attn_mask is not None and not mask_hides_no_key(plan, mask_info):
-        why = "a mask that hides cached keys (padding, window)"
+        key_mask = getattr(mask_info, "key_mask", None)
+        if key_mask is None or mask_info.reason != "decode":
+            why = "a mask that is not one key row per sequence"
     if not why:
         try:
             from kvcompile.kernels.latent_decode import fast_path_reason, latent_decode_attention
@@ -337,12 +342,19 @@ def _latent_kernel(state, q_lat, c_pages, r_pages, plan, mask_info, attn_mask, w
 
     launch = latent_sm90.use_cuda(q_lat, c_pages, r_pages, plan.block_tables.shape[1]
                                   * c_pages.page_size)
-    if launch is not None:
+    if launch is not None and key_mask is None:
         out = latent_sm90.latent_decode_sm90(q_lat[:, :, 0], c_pages, r_pages,
                                              plan.block_tables, plan.seq_lens, scale, **launch)
         return out[:, :, None], "cuda"
+    if launch is not None:   # the CUDA latent kernel takes no key mask
+        note = ("latent decode: Triton kernel, not the CUDA one, for steps with a key mask "
+                "(left padding, or a mask under CUDA graph capture)")
+        if note not in kernels._warned:
+            kernels._warned.add(note)
+            state.kernel_notes.append(note)
+            log.info("kvcompile: %s", note)
     out = latent_decode_attention(q_lat[:, :, 0], c_pages, r_pages, plan.block_tables,
-                                  plan.seq_lens, scale)
+                                  plan.seq_lens, scale, key_mask=key_mask)
     return out[:, :, None], "triton"
 
 

@@ -108,3 +108,54 @@ def test_graph_decode_equals_no_graph_decode(compiled, i):
     assert rel <= TOL
     assert torch.equal(tg, te)
     assert not pages_left
+
+
+def _deepseek(dtype):
+    """A DeepSeek-V3 stack (MLA: r 512, rope 64, 16 heads, 2 layers, random weights)."""
+    import transformers
+
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=64,
+        qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, moe_intermediate_size=64,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=2,
+        n_group=1, topk_group=1, max_position_embeddings=1024, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval().to("cuda", dtype)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
+def test_latent_layers_decode_in_graphs(fmt):
+    """MLA layers (latent pages, absorbed decode) in generate's CUDA graphs: before, their
+    steps ran eagerly (the latent kernel's choice read the decode mask on the host). Left
+    padding (a key mask the Triton latent kernel takes) and none, graphs on against off:
+    tokens equal, per-step logits within TOL (fp32 weights), every step a replay."""
+    torch._dynamo.reset()
+    model = _deepseek(torch.float32)
+    kvcompile.compile(model, KVConfig(kv_dtype=fmt, max_kv_bytes=256 << 20, page_size=16))
+    try:
+        assert model.forward.why_not() is None or "no CUDA pool" in model.forward.why_not()
+        for i, pad in enumerate((True, False)):
+            ids, am = inputs(B=3, L=60, pad=pad, seed=10 + i)
+            r0 = model.forward.replays
+            tg, lg = run(model, ids, am, dict(do_sample=False), True, seed=i)
+            replays = model.forward.replays - r0
+            te, le = run(model, ids, am, dict(do_sample=False), False, seed=i)
+            first = next((j for j in range(tg.shape[1]) if not torch.equal(tg[:, j], te[:, j])),
+                         len(lg))
+            rel = max([float((a - b).abs().max() / b.abs().max()) for a, b in
+                       zip(lg[:first], le[:first])] or [0.0])
+            c = kvcompile.stats(model)["counters"]
+            print(dict(fmt=fmt, pad=pad, replays=replays, max_rel=rel, steps_compared=first,
+                       latent_triton=c.get("latent_decode_triton"),
+                       latent_cuda=c.get("latent_decode_cuda"),
+                       absorbed=c.get("latent_absorbed"), why_not=model.forward.why_not()))
+            assert model.forward.why_not() is None
+            assert replays >= 14          # 16 new tokens: the first from the prefill
+            assert rel <= TOL
+            assert torch.equal(tg, te)
+        assert "latent_absorbed" not in c or c["latent_absorbed"] <= 2, c   # padded prefill only
+    finally:
+        kvcompile.release(model)

@@ -99,6 +99,66 @@ def test_kernel_matches_paged_reference(c_fmt, r_fmt, heads, lens, splits, tiles
     assert_rel_close(out, ref, torch.float32, factor=4, what=f"{c_fmt}/{r_fmt} {lens}")
 
 
+def _masked_reference(pool, plan, q_lat, lens, key_mask, scale=0.2):
+    """Plain torch: each row's latent and rotary key read back from its pages, the keys that
+    key_mask hides (key_mask[b, j] False, j < its width) dropped; a row with none: zeros."""
+    P = pool.k[0].page_size
+    out = torch.zeros(q_lat.shape[0], q_lat.shape[1], R)
+    for b, n in enumerate(lens):
+        pages = plan.block_tables[b, :math.ceil(n / P)]
+        c = pool.k[0].read(pages)[:, 0].reshape(-1, R)[:n]
+        kr = pool.v[0].read(pages)[:, 0].reshape(-1, DR)[:n]
+        seen = torch.ones(n, dtype=torch.bool)
+        w = min(n, key_mask.shape[1])
+        seen[:w] = key_mask[b, :w]
+        if not seen.any():
+            continue
+        s = (q_lat[b].float() @ torch.cat([c, kr], 1)[seen].T) * scale
+        out[b] = torch.softmax(s, -1) @ c[seen]
+    return out
+
+
+@pytest.mark.parametrize("tiles,splits", [(ONCE, 3), (ONCE, 1), (ONCE_T, 2), (WIDE, 3),
+                                          (HALVES, 1)], ids=str)
+def test_key_mask_hides_keys(tiles, splits):
+    """key_mask (an HF decode step's mask: left padding, holes, a row hidden whole, a mask
+    narrower than the longest row) against a plain-torch reference; without the mask the
+    same launch attends to the hidden keys, so the mask is what the output depends on."""
+    g = torch.Generator().manual_seed(11 + splits)
+    lens = [100, 37, 64, 5]
+    pool, plan = _pool("fp8_e4m3", "bf16", lens, g)
+    q_lat = torch.randn(len(lens), 16, R + DR, generator=g)
+    km = torch.rand(len(lens), 80, generator=g) > 0.3   # holes; keys 80..99 of row 0 seen
+    km[1, :20] = False                                  # left padding
+    km[3] = False                                       # row 3: every key hidden
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    out = latent_decode_attention(q_lat, pool.k[0], pool.v[0], plan.block_tables, seq_lens,
+                                  0.2, num_splits=splits, tiles=tiles, key_mask=km)
+    ref = _masked_reference(pool, plan, q_lat, lens, km)
+    assert torch.isfinite(out).all()
+    assert (out[3] == 0).all()
+    assert_rel_close(out, ref, torch.float32, factor=4, what=str(tiles))
+    unmasked = latent_decode_attention(q_lat, pool.k[0], pool.v[0], plan.block_tables,
+                                       seq_lens, 0.2, num_splits=splits, tiles=tiles)
+    assert rel_err(unmasked[:3], ref[:3]) > 1e-2   # negative: the mask is applied
+    full = torch.ones(len(lens), 100, dtype=torch.bool)
+    same = latent_decode_attention(q_lat, pool.k[0], pool.v[0], plan.block_tables, seq_lens,
+                                   0.2, num_splits=splits, tiles=tiles, key_mask=full)
+    assert_rel_close(same, unmasked, torch.float32, what="an all-True mask")
+
+
+def test_key_mask_refusals():
+    g = torch.Generator().manual_seed(3)
+    pool, plan = _pool("bf16", "bf16", [20, 9], g)
+    q = torch.randn(2, 16, R + DR, generator=g)
+    sl = torch.tensor([20, 9], dtype=torch.int32)
+    for bad in (torch.ones(2, 20, dtype=torch.uint8), torch.ones(3, 20, dtype=torch.bool),
+                torch.ones(2, 1, 20, dtype=torch.bool)):
+        with pytest.raises(UnsupportedShapeError, match="key_mask must be a bool tensor"):
+            latent_decode_attention(q, pool.k[0], pool.v[0], plan.block_tables, sl, 0.2,
+                                    key_mask=bad)
+
+
 BITS = LatentTiles(16, 64, 4, 1, widen="bits")
 
 

@@ -108,24 +108,29 @@ def test_fresh_prompt_expands_decode_absorbs_and_logits_match():
 
 def test_decode_steps_run_the_triton_latent_kernel():
     """KVConfig(kernels="triton") (the interpreter here; CUDA's default): unpadded decode steps
-    run kernels/latent_decode.py, tokens equal eager's with fp32 pages; a padded batch's steps
-    go to the reference (its mask hides cached keys), with the reason counted."""
+    run kernels/latent_decode.py, tokens equal eager's with fp32 pages; a left-padded batch's
+    steps run it too, with the step's key row as its key mask (before: the reference), and
+    its tokens equal eager's on the same padded batch."""
     model = make_mla("deepseek_v3", "sdpa", rope=16)   # the kernel's dots need widths >= 16
     ids = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(8))
     kw = dict(max_new_tokens=5, do_sample=False, attention_mask=torch.ones_like(ids),
               pad_token_id=0, eos_token_id=None)
+    pids, pmask = _prompt()
     with torch.no_grad():
         ref = model.generate(ids, **kw)
+        pref = model.generate(pids, **{**kw, "attention_mask": pmask})
         _compile(model, kernels="triton")
         out = model.generate(ids, **kw)
     assert torch.equal(out, ref)
     c = kvcompile.stats(model)["counters"]
     assert c["latent_decode_triton"] == LAYERS * 4 and "latent_absorbed" not in c, c
-    ids, mask = _prompt()
     with torch.no_grad():
-        model.generate(ids, **{**kw, "attention_mask": mask})
+        got = model.generate(pids, **{**kw, "attention_mask": pmask})
+    assert torch.equal(got, pref)
     c = kvcompile.stats(model)["counters"]
-    assert c["latent_absorbed"] == LAYERS * 5 and c["reference_fallback"] >= LAYERS * 4, c
+    assert c["latent_decode_triton"] == LAYERS * 8, c
+    assert c.get("latent_absorbed", 0) == LAYERS, c   # the padded prompt: its prefill over pages
+    assert "reference_fallback" not in c, c
 
 
 @pytest.mark.parametrize("kv_dtype,elem", [("bf16", 2.0), ("fp8_e4m3", 1.0)])
