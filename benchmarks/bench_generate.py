@@ -14,6 +14,10 @@ Sections, each in its own try/except, within one deadline (`--budget-s`), printe
   kvc_fp8    kvcompile.compile(model, kv_dtype="fp8_e4m3") + HF generate
   kvc_bf16   same with bf16 pages: tokens vs hf_eager (free run, and teacher-forced)
   kvc_int4   same with K int4 per-channel / V int4 per-token pages of 64 (the 4-bit format)
+  kvc_fp8_evict_sink / kvc_fp8_evict_snapkv / kvc_fp8_evict_snapkv_hold   kvc_fp8 with
+             eviction at 50% of the prompt (the engine_evict_* policies; SinkWindow's sinks
+             at their text positions): decode steps replay CUDA graphs with the eviction
+             runtime stepped aside, evicting every --evict-interval steps; compare with kvc_fp8
   engine_b   the same B prompts through kvcompile.Engine (fp8 pages, one prefill step, decode
              steps replayed from CUDA graphs); engine_b_nograph: the same without graphs;
              engine_b_sync: the same with async_steps=False (each step reads its tokens
@@ -38,6 +42,7 @@ median of `--repeats` runs after a warm-up run that compiles.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -292,10 +297,22 @@ def _kvc_config(args, kv_dtype):
                     kernels="reference" if args.smoke else args.kernels)
 
 
-def kvc(model, args, device, ctx, kv_dtype):
+def kvc(model, args, device, ctx, kv_dtype, eviction=None, sinks=None, name=""):
+    """HF generate on kvcompile pages; eviction: a policy for every layer (kvc_fp8_evict_*:
+    decode steps replay CUDA graphs with the runtime stepped aside, evicting every
+    --evict-interval steps); sinks: SinkWindow's sink positions ("original" / "cache")."""
     ids, am = ctx["inputs"]
     uncompile(model)
-    kvcompile.compile(model, _kvc_config(args, kv_dtype))
+    cfg = _kvc_config(args, kv_dtype)
+    if eviction is not None:
+        cfg = dataclasses.replace(cfg, eviction=eviction,
+                                  eviction_interval=args.evict_interval)
+    kvcompile.compile(model, cfg)
+    if sinks is not None:   # the runtime exists after a first call
+        with torch.no_grad():
+            model.generate(ids[:1, :8], attention_mask=am[:1, :8], max_new_tokens=1,
+                           pad_token_id=0)
+        kvcompile.api.state_of(model).eviction.sink_positions = sinks
     dyn = torch._dynamo.config.assume_static_by_default
     # dynamic shapes save a graph (prefill + decode: 2 graphs, not 3) but on torch 2.11 the
     # symbolic `self.scaling` they bring fails in the backend ("node ... must have
@@ -303,8 +320,13 @@ def kvc(model, args, device, ctx, kv_dtype):
     torch._dynamo.config.assume_static_by_default = args.dynamic
     try:
         row, toks = run_generate(model, args, device, ids, am,
-                                 f"kvcompile {kv_dtype} pages + HF generate")
+                                 f"kvcompile {kv_dtype} pages + HF generate{name}")
         st = kvcompile.stats(model)
+        if eviction is not None:
+            counters = st.get("counters", {})
+            row.update({k: counters.get(k, 0) for k in (
+                "eviction_aside_steps", "eviction_device_runs", "evicted_tokens",
+                "generate_cuda_graph_replays")})
         row["graphs"] = st.get("graphs")
         row["reference_fallbacks"] = st.get("reference_fallback", 0)
         row["decode_kernel_calls"] = {k: st.get(k, 0) for k in ("decode_cuda", "decode_triton")}
@@ -590,6 +612,7 @@ def main(argv=None) -> int:
     sections = args.sections.split(",")
     # rough minimum seconds each needs on the H200 (compiles included)
     need = dict(capacity=1, hf_eager=25, hf_static=90, kvc_fp8=80, kvc_bf16=70, kvc_int4=80, engine=60,
+                kvc_fp8_evict_sink=80, kvc_fp8_evict_snapkv=80, kvc_fp8_evict_snapkv_hold=80,
                 engine_b=40, engine_b_nograph=30, engine_b_sync=40, engine_evict_sink=60, engine_evict_snapkv=60,
                 engine_evict_snapkv_hold=60, engine_evict_sink_rot=60, engine_evict_h2o=60)
     results, errors, ctx = {"env": env}, {}, {}
@@ -607,6 +630,13 @@ def main(argv=None) -> int:
         kvc_fp8=lambda: kvc(model, args, device, ctx, "fp8_e4m3"),
         kvc_bf16=lambda: kvc(model, args, device, ctx, "bf16"),
         kvc_int4=lambda: kvc(model, args, device, ctx, "int4"),
+        kvc_fp8_evict_sink=lambda: kvc(model, args, device, ctx, "fp8_e4m3",
+                                       _half(args)["sink"], "original", ", SinkWindow 50%"),
+        kvc_fp8_evict_snapkv=lambda: kvc(model, args, device, ctx, "fp8_e4m3",
+                                         _half(args)["snapkv"], None, ", SnapKV 50%"),
+        kvc_fp8_evict_snapkv_hold=lambda: kvc(model, args, device, ctx, "fp8_e4m3",
+                                              _half(args)["snapkv_hold"], None,
+                                              ", SnapKV 50% hold"),
         engine_b=lambda: engine_batch(model, args, device, ctx),
         engine_b_nograph=lambda: engine_batch(model, args, device, ctx, graphs=False),
         engine_b_sync=lambda: engine_batch(model, args, device, ctx, async_steps=False),
@@ -644,11 +674,15 @@ def main(argv=None) -> int:
 
 
 def report(results, errors, args):
-    gen = [results[k] for k in ("hf_eager", "hf_static", "kvc_fp8", "kvc_bf16", "kvc_int4", "engine_b",
+    gen = [results[k] for k in ("hf_eager", "hf_static", "kvc_fp8", "kvc_bf16", "kvc_int4",
+                                "kvc_fp8_evict_sink", "kvc_fp8_evict_snapkv",
+                                "kvc_fp8_evict_snapkv_hold", "engine_b",
                                 "engine_b_sync", "engine_b_nograph") if k in results]
     base = results.get("hf_static", {}).get("tok_s")
+    fp8 = results.get("kvc_fp8", {}).get("decode_tok_s")
     for r in gen:
         r["x_static"] = r["tok_s"] / base if base else None
+        r["x_kvc_fp8_decode"] = r["decode_tok_s"] / fp8 if fp8 else None
     print("\n### HF generate, " + results["env"]["setup"])
     for r in gen:
         r["ttft_x_static"] = (r["first_token_s"] / results["hf_static"]["first_token_s"]
@@ -656,7 +690,8 @@ def report(results, errors, args):
     print(table(gen, ["label", "tok_s", "decode_tok_s", "first_token_s", "total_s", "x_static",
                       "ttft_x_static", "step_ms", "roofline_ms", "pct_roofline", "peak_gib",
                       "same_tokens_as_eager", "graphs", "reference_fallbacks", "graph_captures",
-                      "graph_replays"]))
+                      "graph_replays", "x_kvc_fp8_decode", "eviction_aside_steps",
+                      "eviction_device_runs", "evicted_tokens"]))
     eng = [results[k] for k in ("engine_b", "engine_b_sync", "engine_b_nograph") if k in results]
     if eng:
         print(table(eng, ["label", "decode_step_ms_p50", "captures_in_timed", "graph_captures",

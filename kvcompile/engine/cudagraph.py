@@ -189,8 +189,9 @@ class DecodeGraphs:
         elif st.pool is None or not (self.max_len or st.pool.max_seq_len):
             reason = "no maximum sequence length (the block tables' width)"
         else:
-            for k, v in zip(st.pool.k, st.pool.v):
-                reason = graph_refusal(k, v) or None
+            for k, v, meta in zip(st.pool.k, st.pool.v, st.layer_meta):
+                reason = graph_refusal(k, v, latent=bool(meta.get("latent")),
+                                       packed=True) or None
                 if reason:
                     break
         self._why_not = reason

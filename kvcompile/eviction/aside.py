@@ -155,9 +155,10 @@ def sink_rotation(inv_freq: torch.Tensor, shift: torch.Tensor):
 
 def attend_aside(state, store: MassStore | None, layer: int, q: torch.Tensor, plan,
                  softcap: float, scale: float, inv_freq: torch.Tensor | None) -> torch.Tensor:
-    """q [1, Hq, B, D] packed, one token per sequence -> [1, Hq, B, Dv] (the module docstring).
-    The decode kernel where it reads the pages (CUDA, or kernels="triton"), else the plain
-    PyTorch `aside_reference`; both without a host sync."""
+    """q [1, Hq, B, D] packed, one token per sequence -> [1, Hq, B, Dv] (the module docstring);
+    or, a `generate` decode step (plan not packed, integrations/hf_graphs.py), q [B, Hq, 1, D]
+    -> [B, Hq, 1, Dv]. The decode kernel where it reads the pages (CUDA, or
+    kernels="triton"), else the plain PyTorch `aside_reference`; both without a host sync."""
     a = plan.aside
     pool = state.pool
     kc, vc = pool.k[layer], pool.v[layer]
@@ -174,7 +175,8 @@ def attend_aside(state, store: MassStore | None, layer: int, q: torch.Tensor, pl
         out = _packed_decode(state, layer, q, plan, 0, softcap, scale, {}, key_mask=key_mask)
         if out is not None:
             return out
-    qd = q[0].transpose(0, 1).unsqueeze(2).contiguous()        # [B, Hq, 1, D]
+    packed = plan.packed
+    qd = q[0].transpose(0, 1).unsqueeze(2).contiguous() if packed else q.contiguous()
     mass = None
     if a.spec.mass_len:
         mass = store.mass[layer].index_select(0, a.mass_rows)   # [B, Hkv, Lm]
@@ -197,7 +199,7 @@ def attend_aside(state, store: MassStore | None, layer: int, q: torch.Tensor, pl
         state.count("eviction_aside_reference")
     if mass is not None:
         store.mass[layer].index_copy_(0, a.mass_rows, mass)
-    return out.squeeze(2).transpose(0, 1).unsqueeze(0)
+    return out.squeeze(2).transpose(0, 1).unsqueeze(0) if packed else out
 
 
 def _kernel(state, qd, kc, vc, plan, scale, softcap, mass, rot, key_mask=None):

@@ -59,7 +59,7 @@ class _Book:
     fp32, policies.kept_rank; tokens stored since: policies.DECODED + their index)."""
 
     __slots__ = ("pos", "mass", "obs", "score", "start", "carry", "pending", "ragged",
-                 "window", "stale")
+                 "window", "stale", "holes")
 
     def __init__(self, start: int):
         self.pos: dict[int, torch.Tensor] = {}
@@ -81,6 +81,9 @@ class _Book:
         self.window: tuple[int, int] | None = None
         # pos is not built (a window book between evictions): `_catch_up` builds it
         self.stale = False
+        # the prompt's mask was not causal + left padding (holes inside it, per-head rules):
+        # its decode steps apply it by logical index, never replayed over the bare slots
+        self.holes = False
 
     def per_slot(self) -> tuple:
         """The per-slot fp32 rows that follow their tokens when slots move or go (H2O mass,
@@ -90,7 +93,7 @@ class _Book:
     def copy(self) -> _Book:
         b = _Book(self.start)
         b.carry, b.pending, b.ragged = self.carry, self.pending, self.ragged
-        b.window, b.stale = self.window, self.stale
+        b.window, b.stale, b.holes = self.window, self.stale, self.holes
         b.pos = {k: v.clone() for k, v in self.pos.items()}
         b.mass = {k: v.clone() for k, v in self.mass.items()}
         b.obs = {k: v.clone() for k, v in self.obs.items()}
@@ -860,6 +863,9 @@ class EvictionRuntime(RuntimeHook):
             if book.start or book.ragged:
                 why = "left padding or heads that keep different counts (per-slot rules)"
                 break
+            if book.holes:
+                why = "a prompt mask that is not causal + left padding (per-slot rules)"
+                break
             facts = self._facts_of(sid)
             rerot = facts.rerot > 0
             if (rerot and self.state.pool.device.type == "cuda"
@@ -880,6 +886,15 @@ class EvictionRuntime(RuntimeHook):
             self._say(f"eviction: decode steps run on the host path ({why})")
             return False
         return True
+
+    def mark_holes(self, plan) -> None:
+        """The prompt of a `generate` forward had a mask that is not causal + left padding
+        (runtime/dispatch.py, from its analysis): its sequences' decode steps keep applying
+        it by logical index (never `decode_aside`)."""
+        for sid in plan.seq_ids:
+            book = self.books.get(sid)
+            if book is not None:
+                book.holes = True
 
     def set_aside_rows(self, rows: int) -> None:
         """Sequences at most that decode aside with H2O mass at once (the engine's

@@ -26,10 +26,23 @@ A growing pool (cache/sizing.py) replaces its storage tensors, which the graphs 
 growth (`pool.generation`) drops every graph, and the next step captures again. So does
 `kvcompile.release(model)` (`release_graphs`).
 
+Eviction: a model with an eviction policy replays its decode steps too when the eviction
+runtime steps aside for them (eviction/runtime.py `decode_aside`: no left padding, no prompt
+mask with holes, one policy layout its graph can take), as the engine's steps do: the captured
+step attends over the stored (kept) slots, with what eviction needs inside the step as static
+inputs (H2O's mass rows, re-rotated sinks, a window's hidden slots: eviction/aside.py
+`AsideSpec`, which keys the graph), and the runtime evicts after each replay
+(`after_decode_step`: every `KVConfig.eviction_interval` steps, on the device where the
+format moves tokens exactly). The HF decode mask, whose columns are logical positions, is not
+applied to the kept slots: in `generate` it is all ones past the prompt.
+
 Graphs are used only where nothing in the step needs the host: CUDA, the Triton kernels for
-every layer's formats, no runtime hook (eviction, `kvcompile inspect`), no `check_finite`, a
-plain `DynamicCache` whose rows are the binding's sequences, and the keyword arguments
-`generate` passes for a decode step (anything else, e.g. output_attentions, runs as before).
+every layer's formats and shapes (`kernel_formats.graph_refusal`: the reference attention
+would read the capture's host lengths), no runtime hook but an eviction runtime that steps
+aside (`kvcompile inspect` / `verify` keep the steps eager), no `check_finite`, a plain
+`DynamicCache` whose rows are the binding's sequences, and the keyword arguments `generate`
+passes for a decode step (anything else, e.g. output_attentions, runs as before).
+MLA layers take the latent decode kernel, with the decode mask as its key mask under capture.
 `KVConfig.cuda_graphs=False` (KVCOMPILE_CUDA_GRAPHS=0) turns them off.
 """
 
@@ -44,6 +57,7 @@ import weakref
 import torch
 
 from kvcompile.engine.cudagraph import capture, upload_plan
+from kvcompile.eviction.aside import AsideInputs
 from kvcompile.recompiles import check_forward, recompile_budget
 from kvcompile.runtime.binding import binding_of, is_stub
 from kvcompile.runtime.context import ForwardContext, StepPlan, forward_context
@@ -75,20 +89,27 @@ def in_generate() -> bool:
 
 class _Graph:
     def __init__(self, key, B: int, width: int, table_width: int, device, has_pos: bool,
-                 has_cp: bool, mask_dtype):
+                 has_cp: bool, mask_dtype, spec=None):
         self.key, self.B, self.width = key, B, width
         self.ids = torch.zeros(B, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(B, 1, dtype=torch.long, device=device) if has_pos else None
         self.cp = torch.zeros(1, dtype=torch.long, device=device) if has_cp else None
         self.mask = (torch.ones(B, width, dtype=mask_dtype, device=device)
                      if mask_dtype is not None else None)
-        # slots | block-table rows (int64, one copy), lengths (int32)
-        self.host64 = torch.zeros(2 * B, dtype=torch.int64, pin_memory=True)
-        self.host32 = torch.ones(B, dtype=torch.int32, pin_memory=True)
-        self.dev64 = torch.zeros(2 * B, dtype=torch.int64, device=device)
+        # slots | block-table rows | (eviction stepped aside for: mass rows | sink shifts |
+        # re-rotated sink counts | hidden slots' lo | hi) (int64, one copy), lengths (int32)
+        self.spec = spec   # None: no eviction runtime; else eviction/aside.py AsideSpec
+        n64 = 7 * B if spec is not None else 2 * B
+        pin = torch.device(device).type == "cuda"   # (the CPU emulation of the tests: unpinned)
+        self.host64 = torch.zeros(n64, dtype=torch.int64, pin_memory=pin)
+        self.host32 = torch.ones(B, dtype=torch.int32, pin_memory=pin)
+        self.dev64 = torch.zeros(n64, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(B, dtype=torch.int32, device=device)
         self.slots = self.dev64[:B]
-        self.rows = self.dev64[B:]
+        self.rows = self.dev64[B:2 * B]
+        self.aside = None
+        if spec:
+            self.aside = AsideInputs(spec, *(self.dev64[i * B:(i + 1) * B] for i in range(2, 7)))
         self.block_tables = torch.zeros(B, table_width, dtype=torch.int32, device=device)
         self.h64, self.h32 = self.host64.numpy(), self.host32.numpy()
         self.graph = None
@@ -127,6 +148,7 @@ class GraphedForward:
         self.replays = 0
         self.captures = 0
         self._why_not = None
+        self._store = None           # the eviction mass store the graphs with mass captured
         state.release_hooks.append(weakref.WeakMethod(self.release))
 
     def __call__(self, *args, **kwargs):
@@ -181,8 +203,8 @@ class GraphedForward:
         elif st.config.check_finite:
             reason = "check_finite syncs with the host"
         else:
-            for k, v in zip(st.pool.k, st.pool.v):
-                reason = graph_refusal(k, v)
+            for k, v, meta in zip(st.pool.k, st.pool.v, st.layer_meta):
+                reason = graph_refusal(k, v, latent=bool(meta.get("latent")))
                 if reason:
                     break
         self._why_not = reason
@@ -196,8 +218,12 @@ class GraphedForward:
     def _eligible(self, kw):
         # (a model an Engine serves keeps generate's steps eager, as it did when the engine's
         # packed decode was a hook in state.hooks)
-        if self.why_not() is not None or self.state.hooks or self.state.serving:
+        st = self.state
+        if self.why_not() is not None or st.serving:
             return None
+        ev = st.eviction
+        if any(h is not ev for h in st.hooks):
+            return None   # a hook may read or change K/V, or attend, on the host
         cache = None
         dev = self.state.device
         for k, v in kw.items():
@@ -231,7 +257,12 @@ class GraphedForward:
             return None
         past = b.seq_len()
         pool = self.state.pool
-        if past == 0 or any(pool.evicted(s) for s in b.seq_ids):
+        if past == 0:
+            return None
+        aside = ev is not None and ev in st.hooks
+        if aside and not ev.decode_aside(b.seq_ids):
+            return None   # (it says why, once)
+        if not aside and any(pool.evicted(s) for s in b.seq_ids):
             return None
         if any(layer.keys.shape[-2] != past or layer.keys.shape[0] != B for layer in layers):
             return None
@@ -246,19 +277,31 @@ class GraphedForward:
         cp = kw.get("cache_position")
         if cp is not None and tuple(cp.shape) != (1,):
             return None
-        return cache, b, past
+        return cache, b, past, aside
 
     # -- replay -------------------------------------------------------------------------------
-    def _run(self, kw, cache, b, past):
+    def _run(self, kw, cache, b, past, aside=False):
         B = b.batch
         mask = kw.get("attention_mask")
         L = past + 1
-        key = (B, kw.get("position_ids") is not None, kw.get("cache_position") is not None,
-               None if mask is None else mask.dtype, kw.get("logits_to_keep"),
-               tuple(sorted(k for k, v in kw.items() if v is not None)))
         pool = self.state.pool
+        ev = self.state.eviction if aside else None
+        stored = [pool.seq_len(s) for s in b.seq_ids]   # < past once evicted
         pool.reserve(b.seq_ids, 1)   # first: it may grow the pool, which drops the graphs
         try:
+            # eviction steps aside (eviction/runtime.py decode_aside): what it needs inside
+            # the step (H2O's mass rows, re-rotated sinks, hidden slots) keys the graph
+            inputs = ev.aside_inputs(b.seq_ids, pool.device) if ev is not None else None
+            spec = inputs[0] if inputs is not None else None
+            key = (B, kw.get("position_ids") is not None, kw.get("cache_position") is not None,
+                   None if mask is None else mask.dtype, kw.get("logits_to_keep"),
+                   tuple(sorted(k for k, v in kw.items() if v is not None)), spec)
+            store = ev.store if ev is not None else None
+            if spec is not None and spec.mass_len and store is not self._store:
+                # the mass store is new or grew: graphs with mass read the old one
+                self.graphs = {k: g for k, g in self.graphs.items()
+                               if not (g.spec and g.spec.mass_len)}
+                self._store = store
             g = self.graphs.get(key)
             if g is not None and g.generation != pool.generation:
                 self.release_graphs()   # the pool grew: every graph read the old storage
@@ -267,21 +310,26 @@ class GraphedForward:
                     g, "bound", None):
                 g = None   # a longer prompt than the capture's mask width: recapture
             if g is None:
-                g = self._capture(key, kw, cache, b, past)
+                g = self._capture(key, kw, cache, b, past, spec)
             g.bound = b
             slots, rows, lens = pool.decode_slots(b.seq_ids)
             g.h64[:B] = slots
-            g.h64[B:] = rows
+            g.h64[B:2 * B] = rows
+            if spec is not None:
+                for i, seg in enumerate(inputs[1:], start=2):
+                    g.h64[i * B:(i + 1) * B] = seg
             g.h32[:] = lens
             upload_plan(g, pool)
             _load_inputs(g, kw)
             g.graph.replay()
         except BaseException:
-            for sid in b.seq_ids:
-                pool.truncate(sid, past)
+            for sid, n in zip(b.seq_ids, stored):
+                pool.truncate(sid, n)
             raise
         self.replays += 1
         self.state.count("generate_cuda_graph_replays")
+        if ev is not None:   # evicts those due, on the device where it can (no host sync)
+            ev.after_decode_step(list(b.seq_ids))
         _grow_stubs(cache, b, past + 1)
         cls, captured = g.out
         fields = dict(captured)
@@ -307,7 +355,7 @@ class GraphedForward:
             self.scratch = (pool, sid, slots, row)
         return self.scratch
 
-    def _capture(self, key, kw, cache, b, past):
+    def _capture(self, key, kw, cache, b, past, spec=None):
         pool = self.state.pool
         dev = self.state.device
         B = b.batch
@@ -317,10 +365,14 @@ class GraphedForward:
         mask = kw.get("attention_mask")
         g = _Graph(key, B, L, table_width, dev, kw.get("position_ids") is not None,
                    kw.get("cache_position") is not None,
-                   None if mask is None else mask.dtype)
+                   None if mask is None else mask.dtype, spec)
         _, _, slots, row = self._scratch_for(B)
         g.h64[:B] = slots[:B]
-        g.h64[B:] = row
+        g.h64[B:2 * B] = row
+        if spec is not None:   # warm-up rows: the store's scratch mass row, nothing rotated
+            store = self.state.eviction.store    # or hidden
+            g.h64[2 * B:3 * B] = store.scratch if store is not None else 0
+            g.h64[3 * B:] = 0
         g.h32[:] = 1
         upload_plan(g, pool, non_blocking=False)
         _load_inputs(g, kw)
@@ -328,7 +380,8 @@ class GraphedForward:
             seq_ids=list(b.seq_ids), batch=B, new_tokens=1, past_lens=[past] * B,
             slots=g.slots, block_tables=g.block_tables, seq_lens=g.seq_lens,
             seq_lens_list=[L] * B, kv_start=list(b.kv_start),
-            slots_grouped=True)   # one new slot per sequence (capture: adjacent scratch slots)
+            slots_grouped=True,   # one new slot per sequence (capture: adjacent scratch slots)
+            eviction_aside=spec is not None, aside=g.aside)
         ctx = ForwardContext(self.state, b, plan=plan)
         call = {k: v for k, v in kw.items()}
         call.update(input_ids=g.ids)
@@ -339,6 +392,7 @@ class GraphedForward:
         saved = [(layer, layer.keys, layer.values) for layer in cache.layers]
 
         def step():
+            ctx.plan.cache.clear()   # a per-forward memo: captured ops must not be memoized
             try:
                 with forward_context(ctx):
                     return self.compiled(**call)

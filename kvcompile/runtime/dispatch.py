@@ -56,6 +56,9 @@ def attend(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, window, so
     # structure in mask_info; the paths that apply a mask as given get it built (once per
     # forward, masks.dense)
     if ev is not None:
+        if (mask_info is not None and not mask_info.exact and not plan.is_decode
+                and not plan.packed and layer in ev.policies):
+            ev.mark_holes(plan)   # a prompt mask with holes: no decode step steps aside
         if layer in ev.policies and ev.takes_plain_prefill(plan, layer):
             # nothing evicted yet: the prompt attends as without eviction; SnapKV's
             # observation rows and H2O's mass are scored apart
@@ -87,8 +90,15 @@ def attend(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, window, so
             return ev.attend_kept(ctx, layer, q, plan, None, is_causal, window, softcap,
                                   scale, extras,
                                   rows={i for i, p in enumerate(plain) if not p}, into=out)
-        out = ev.attend_kept(ctx, layer, q, plan, masks.dense(plan, attn_mask), is_causal,
-                             window, softcap, scale, extras)
+        if plan.eviction_aside and not plan.packed:
+            # a `generate` decode step stepped aside for (integrations/hf_graphs.py): the
+            # stored slots are the keys (decode_aside: no left padding, no prompt mask with
+            # holes, and generate's decode mask is all ones); the HF mask, whose columns are
+            # logical indices, is not applied to them
+            attn_mask = mask_info = None
+        out = ev.attend_kept(ctx, layer, q, plan,
+                             None if attn_mask is None else masks.dense(plan, attn_mask),
+                             is_causal, window, softcap, scale, extras)
         if out is not None:
             return out
     return _attend_plain(ctx, layer, q, plan, mask_info, attn_mask, is_causal, window, softcap,

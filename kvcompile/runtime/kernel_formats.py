@@ -43,9 +43,27 @@ def _append_shape(paged) -> bool:
     return 16 <= d <= 512 and d & (d - 1) == 0 and p >= 1 and p & (p - 1) == 0
 
 
-def graph_refusal(k, v) -> str:
+def graph_refusal(k, v, latent: bool = False, packed: bool = False) -> str:
     """Why a layer's decode steps (K pages k, V pages v) cannot be graphed, "" if they can:
-    a CUDA graph needs the decode kernel to read both and the append kernel to write both."""
+    a CUDA graph needs the decode kernel to read both and the append kernel to write both
+    (the reference attention reads the capture's host lengths: replayed, it would attend
+    over the wrong keys). latent: an MLA layer (k the latent, v the rotary key), read by
+    the latent decode kernel, which `generate`'s steps take and the engine's packed steps
+    (packed=True) do not."""
+    if latent:
+        from kvcompile.kernels.latent_decode import fast_path_reason
+
+        why = ("the engine's packed steps attend MLA layers by the reference" if packed
+               else fast_path_reason(None, k, v))
+        if why:
+            return f"latent (MLA) layer: {why}"
+    else:
+        from kvcompile.kernels.decode import HEAD_DIMS, PAGE_SIZES
+
+        for c in (k, v):
+            if c.head_dim not in HEAD_DIMS or c.page_size not in PAGE_SIZES:
+                return (f"pages of head_dim {c.head_dim} / page_size {c.page_size}: the decode "
+                        f"kernel takes head_dim {HEAD_DIMS}, page_size {PAGE_SIZES}")
     for c in (k, v):
         if not kernel_readable(c, "decode"):
             return f"{c.fmt.name}/{c.fmt.granularity} pages have no decode kernel"

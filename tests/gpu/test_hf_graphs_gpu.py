@@ -159,3 +159,48 @@ def test_latent_layers_decode_in_graphs(fmt):
         assert "latent_absorbed" not in c or c["latent_absorbed"] <= 2, c   # padded prefill only
     finally:
         kvcompile.release(model)
+
+
+EVICT = [("SinkWindow", lambda: kvcompile.SinkWindow(4, 60), 1, "cache"),
+         ("SinkWindow window", lambda: kvcompile.SinkWindow(4, 60), 8, "original"),
+         ("SnapKV hold", lambda: kvcompile.SnapKV(budget=64, window=8, hold=True), 4, None),
+         ("H2O", lambda: kvcompile.H2O(budget=64, recent=16, sinks=4), 1, None)]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("name,policy,interval,sinks", EVICT, ids=[e[0] for e in EVICT])
+def test_eviction_in_generate_graphs(fmt, name, policy, interval, sinks):
+    """generate with an eviction policy: decode steps replay CUDA graphs (the eviction runtime
+    steps aside, evicts after each replay on the device) against the same call with graphs
+    off (its host path): tokens equal, per-step logits within TOL, every step a replay."""
+    torch._dynamo.reset()
+    model = tiny()
+    kvcompile.compile(model, KVConfig(kv_dtype=fmt, max_kv_bytes=256 << 20, page_size=16,
+                                      eviction=policy(), eviction_interval=interval))
+    try:
+        ids, am = inputs(B=3, L=100, pad=False, seed=21)
+        with torch.no_grad():   # the eviction runtime exists after a first call
+            model.generate(ids[:1, :8], max_new_tokens=1, do_sample=False, pad_token_id=0)
+        if sinks is not None:
+            kvcompile.api.state_of(model).eviction.sink_positions = sinks
+        st = kvcompile.api.state_of(model)
+        c0 = dict(st.counters)
+        r0 = model.forward.replays
+        tg, lg = run(model, ids, am, dict(do_sample=False), True, seed=0)
+        replays = model.forward.replays - r0
+        c1 = dict(st.counters)
+        te, le = run(model, ids, am, dict(do_sample=False), False, seed=0)
+        first = next((j for j in range(tg.shape[1]) if not torch.equal(tg[:, j], te[:, j])),
+                     len(lg))
+        rel = max([float((a - b).abs().max() / b.abs().max()) for a, b in
+                   zip(lg[:first], le[:first])] or [0.0])
+        delta = {k: c1[k] - c0.get(k, 0) for k in c1 if c1[k] != c0.get(k, 0)}
+        print(dict(fmt=fmt, policy=name, replays=replays, max_rel=rel, steps_compared=first,
+                   counters=delta))
+        assert replays == 15
+        assert delta.get("eviction_aside_steps") == 15
+        assert delta.get("evicted_tokens", 0) > 0
+        assert rel <= TOL
+        assert torch.equal(tg, te)
+    finally:
+        kvcompile.release(model)

@@ -11,7 +11,7 @@ import torch
 
 import kvcompile
 from kvcompile.integrations.hf_graphs import GraphedForward, in_generate
-from tests.engine.tiny import config, make_hf
+from tests.engine.tiny import config, make_hf, make_llama64
 
 
 @pytest.fixture
@@ -24,7 +24,7 @@ def recorded():
     calls = []
     fwd.why_not = lambda: None                  # pretend the device allows graphs
 
-    def record(kw, cache, b, past):
+    def record(kw, cache, b, past, aside=False):
         calls.append((tuple(kw["input_ids"].shape), past, b.batch))
         return fwd.compiled(**kw)
 
@@ -77,14 +77,16 @@ def test_why_decode_steps_run_eagerly_is_in_the_report():
     """On CUDA, pages that the reference writes (int4 with a bf16 residual) keep generate's
     decode steps off CUDA graphs: kvcompile.report says so, once, with the reason. Negative:
     bf16 pages and the 4-bit format (int4, channel-scaled keys, pages of 64: kernel-written
-    since append14i) give no such note. The device is a CUDA one on paper only (the check
-    reads the pool's formats, not the GPU)."""
+    since append14i) give no such note; nor does a head_dim the decode kernel does not take
+    (16: its steps would run the reference, which reads the capture's host lengths). The
+    device is a CUDA one on paper only (the check reads the pool's formats, not the GPU)."""
     notes = {}
     int4 = dict(kv_dtype="int4", scale_granularity="channel", page_size=64, kernels="auto")
+    bf16 = dict(kv_dtype="bf16", kernels="auto")
     for name, kw in (("int4_residual", dict(int4, residual=True)), ("int4", int4),
-                     ("bf16", dict(kv_dtype="bf16", kernels="auto"))):
+                     ("bf16", bf16), ("bf16_d16", bf16)):
         torch._dynamo.reset()
-        m = make_hf("llama", "sdpa")
+        m = make_hf("llama", "sdpa") if name == "bf16_d16" else make_llama64()
         kvcompile.compile(m, config(**kw))
         ids, am = _inputs(pad=False)
         with torch.no_grad():
@@ -103,3 +105,7 @@ def test_why_decode_steps_run_eagerly_is_in_the_report():
     assert found == [f"generate: decode steps run eagerly, without CUDA graphs ({reason})"]
     assert notes["int4"] == (None, [])
     assert notes["bf16"] == (None, [])
+    reason, found = notes["bf16_d16"]
+    assert reason == ("pages of head_dim 16 / page_size 16: the decode kernel takes head_dim "
+                      "(64, 128, 256), page_size (8, 16, 32, 64, 128)"), reason
+    assert len(found) == 1

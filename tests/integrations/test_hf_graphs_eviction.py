@@ -1,0 +1,135 @@
+"""HF `generate` with an eviction policy on the CUDA-graph path (integrations/hf_graphs.py):
+its decode steps step aside for the eviction runtime (eviction/runtime.py `decode_aside`), the
+captured step attends over the stored slots with what eviction needs inside it (H2O's mass
+rows, re-rotated sinks, a window's hidden slots: eviction/aside.py), and eviction runs after
+each replay (`after_decode_step`: on the device where the format moves tokens exactly).
+
+CUDA graphs need CUDA (tests/gpu/test_hf_graphs_gpu.py replays them on the H200). Here a
+replay is emulated: the captured step is re-run with the same static buffers and plan, its
+logits copied into the captured output, exactly what `_run` reads. So the CPU checks the
+plumbing: the step's inputs (slots, lengths, block-table rows, the aside inputs) written per
+replay, eviction after it, the cache stubs at logical lengths. Tokens and per-step logits are
+compared with the same `generate` call with graphs off (the eviction runtime's host path,
+which attends over the kept slots in fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcompile
+from kvcompile.api import state_of
+from kvcompile.config import H2O, KVConfig, SinkWindow, SnapKV
+from kvcompile.integrations import hf_graphs
+from kvcompile.testing import assert_rel_close
+from tests.engine.tiny import make_llama64
+
+
+class _Replay:
+    """A captured step, re-run on replay over the same static buffers, outputs copied into the
+    captured ones (as a CUDA graph's replay refills its static outputs)."""
+
+    def __init__(self, step, out):
+        self.step, self.out = step, out
+
+    def replay(self):
+        self.out.logits.copy_(self.step().logits)
+
+
+def _capture(step, device, mempool):
+    step()
+    step()   # capture()'s two warm-up runs
+    out = step()
+    return _Replay(step, out), out
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setattr(hf_graphs, "capture", _capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+
+
+def _model(policy, interval=1, sinks=None):
+    torch._dynamo.reset()
+    m = make_llama64()   # head_dim 64: the decode kernel's (graphs refuse what it does not take)
+    # kernels="triton" (the interpreter): the graph path's kernels, which read lengths and
+    # block tables from the plan's tensors (the reference reads the host lists of the capture)
+    kvcompile.compile(m, KVConfig(inner="eager", kernels="triton", max_kv_bytes=1 << 22,
+                                  page_size=8, eviction=policy, eviction_interval=interval))
+    fwd = m.forward
+    fwd.why_not = lambda: None   # pretend the device allows graphs
+    if sinks is not None:
+        ids = torch.randint(3, 200, (1, 3))
+        with torch.no_grad():
+            m.generate(ids, max_new_tokens=1, do_sample=False)   # creates the runtime
+        state_of(m).eviction.sink_positions = sinks
+    return m
+
+
+def _generate(m, ids, am, graphs: bool, new: int = 14):
+    fwd = m.forward
+    fwd.why_not = (lambda: None) if graphs else (lambda: "off (check)")
+    r0 = fwd.replays
+    out = m.generate(ids, attention_mask=am, max_new_tokens=new, min_new_tokens=new,
+                     do_sample=False, output_logits=True, return_dict_in_generate=True,
+                     pad_token_id=0)
+    return out.sequences[:, ids.shape[1]:], [x.float() for x in out.logits], fwd.replays - r0
+
+
+CASES = [
+    ("SinkWindow re-rotated", lambda: SinkWindow(2, 10), 1, None),
+    ("SinkWindow window, interval 4", lambda: SinkWindow(2, 10), 4, "original"),
+    ("SnapKV hold, interval 3", lambda: SnapKV(budget=12, window=4, hold=True), 3, None),
+    ("H2O", lambda: H2O(budget=12, recent=4, sinks=2), 1, None),
+]
+
+
+@pytest.mark.parametrize("name,policy,interval,sinks", CASES, ids=[c[0] for c in CASES])
+def test_graph_steps_with_eviction_equal_the_host_path(emulated, name, policy, interval, sinks):
+    m = _model(policy(), interval, sinks)
+    st = state_of(m)
+    ids = torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(3))
+    am = torch.ones_like(ids)
+    c0 = dict(st.counters)
+    tg, lg, replays = _generate(m, ids, am, graphs=True)
+    c1 = dict(st.counters)
+    te, le, none = _generate(m, ids, am, graphs=False)
+    assert replays == 13 and none == 0   # every decode step (the first token is the prefill's)
+    aside = c1.get("eviction_aside_steps", 0) - c0.get("eviction_aside_steps", 0)
+    assert aside == 13, c1
+    assert c1.get("evicted_tokens", 0) + c1.get("eviction_runs", 0) > \
+        c0.get("evicted_tokens", 0) + c0.get("eviction_runs", 0), c1   # it did evict
+    assert torch.equal(tg, te), (tg, te)
+    for step, (a, b) in enumerate(zip(lg, le)):
+        assert_rel_close(a, b, torch.float32, factor=10, what=f"{name}, step {step}")
+
+
+def test_left_padding_keeps_the_host_path(emulated, caplog):
+    """decode_aside refuses left padding (per-slot rules): no step replays, the reason is
+    logged once, the tokens are the host path's."""
+    m = _model(SinkWindow(2, 10))
+    ids = torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(4))
+    am = torch.ones_like(ids)
+    am[0, :3] = 0
+    with caplog.at_level("WARNING", logger="kvcompile"):
+        tg, _, replays = _generate(m, ids, am, graphs=True, new=6)
+    te, _, _ = _generate(m, ids, am, graphs=False, new=6)
+    assert replays == 0 and torch.equal(tg, te)
+    assert sum("left padding" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_second_hook_keeps_the_host_path(emulated):
+    """Another runtime hook beside the eviction runtime (kvcompile inspect / verify): it may
+    read or change K/V on the host, so no step replays."""
+    from kvcompile.runtime.hooks import RuntimeHook
+
+    m = _model(SnapKV(budget=12, window=4, hold=True))
+    st = state_of(m)
+    ids = torch.randint(3, 200, (1, 20), generator=torch.Generator().manual_seed(5))
+    _generate(m, ids, torch.ones_like(ids), graphs=True, new=3)   # the runtime exists now
+    st.hooks.append(RuntimeHook())
+    try:
+        _, _, replays = _generate(m, ids, torch.ones_like(ids), graphs=True, new=4)
+    finally:
+        st.hooks.pop()
+    assert replays == 0
