@@ -59,6 +59,7 @@ if ROOT not in sys.path:
 
 import kvcompile  # noqa: E402
 from kvcompile import Engine, KVConfig, SamplingParams  # noqa: E402
+from kvcompile.api import state_of  # noqa: E402
 
 GIB = 1 << 30
 
@@ -312,7 +313,7 @@ def kvc(model, args, device, ctx, kv_dtype, eviction=None, sinks=None, name=""):
         with torch.no_grad():
             model.generate(ids[:1, :8], attention_mask=am[:1, :8], max_new_tokens=1,
                            pad_token_id=0)
-        kvcompile.api.state_of(model).eviction.sink_positions = sinks
+        state_of(model).eviction.sink_positions = sinks
     dyn = torch._dynamo.config.assume_static_by_default
     # dynamic shapes save a graph (prefill + decode: 2 graphs, not 3) but on torch 2.11 the
     # symbolic `self.scaling` they bring fails in the backend ("node ... must have

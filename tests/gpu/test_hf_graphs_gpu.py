@@ -22,6 +22,7 @@ import torch
 
 import kvcompile
 from kvcompile import KVConfig
+from kvcompile.api import state_of
 from tests.gpu.test_engine_graphs_gpu import tiny  # the same tiny Llama, seed 0
 
 pytestmark = [pytest.mark.gpu,
@@ -182,8 +183,8 @@ def test_eviction_in_generate_graphs(fmt, name, policy, interval, sinks):
         with torch.no_grad():   # the eviction runtime exists after a first call
             model.generate(ids[:1, :8], max_new_tokens=1, do_sample=False, pad_token_id=0)
         if sinks is not None:
-            kvcompile.api.state_of(model).eviction.sink_positions = sinks
-        st = kvcompile.api.state_of(model)
+            state_of(model).eviction.sink_positions = sinks
+        st = state_of(model)
         c0 = dict(st.counters)
         r0 = model.forward.replays
         tg, lg = run(model, ids, am, dict(do_sample=False), True, seed=0)
