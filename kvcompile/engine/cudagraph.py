@@ -32,6 +32,7 @@ both K and V formats, no runtime hook but an eviction runtime that steps aside f
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 
 import torch
@@ -51,6 +52,41 @@ def bucket_sizes(max_batch: int) -> list[int]:
     """Padded batch sizes up to max_batch (which is always one of them)."""
     out = [b for b in BUCKETS if b < max_batch]
     return out + [max_batch]
+
+
+# KVCOMPILE_GRAPH_CHECK=1: every replay's inputs checked against the pool first (one host
+# sync a step; a debugging aid for an illegal memory access inside a replayed step)
+_CHECK = os.environ.get("KVCOMPILE_GRAPH_CHECK", "0") == "1"
+
+
+def check_inputs(g, pool, generation, seq_ids) -> None:
+    """Raise CacheStateError naming the first input of a replay that would read or write
+    outside the pool: the storage generation, each row's slot, length and block-table
+    entries (pages below its length valid, the new token's slot in its last page)."""
+    from kvcompile.errors import CacheStateError
+
+    bp, P, N = g.bp, pool.page_size, pool.num_pages
+    if g.dev64.is_cuda:
+        torch.cuda.synchronize()
+    if generation != pool.generation:
+        raise CacheStateError(f"graph check: pool generation {pool.generation}, graphs of "
+                              f"{generation}")
+    slots = g.dev64[2 * bp:3 * bp].tolist()
+    lens = g.seq_lens.tolist()
+    table = g.block_tables.cpu()
+    W = table.shape[1]
+    for r in range(bp):
+        who = f"row {r} (seq {seq_ids[r] if r < len(seq_ids) else 'pad'})"
+        L, slot = lens[r], slots[r]
+        if not 1 <= L <= W * P:
+            raise CacheStateError(f"graph check: {who} length {L}, table width {W} x {P}")
+        pages = table[r, :(L + P - 1) // P]
+        if int(pages.min()) < 0 or int(pages.max()) >= N:
+            raise CacheStateError(f"graph check: {who} length {L}: block-table entries "
+                                  f"{pages.min()}..{pages.max()} outside [0, {N})")
+        if not 0 <= slot < N * P or slot // P != int(pages[-1]):
+            raise CacheStateError(f"graph check: {who} slot {slot} (page {slot // P}) is not "
+                                  f"in its last page {int(pages[-1])}")
 
 
 def upload_plan(g, pool, non_blocking: bool = True) -> None:
@@ -110,9 +146,10 @@ class _Graph:
         # two pinned staging buffers, used in turn: with overlapped steps (engine/overlap.py)
         # a step's host-to-device copy may still be queued when the next step writes its inputs
         self._stages = []
+        pin = torch.device(device).type == "cuda"   # (unpinned: the tests' CPU emulation)
         for _ in range(2):
-            h64 = torch.zeros(9 * bp, dtype=torch.int64, pin_memory=True)
-            h32 = torch.ones(bp, dtype=torch.int32, pin_memory=True)
+            h64 = torch.zeros(9 * bp, dtype=torch.int64, pin_memory=pin)
+            h32 = torch.ones(bp, dtype=torch.int32, pin_memory=pin)
             self._stages.append((h64, h32, h64.numpy(), h32.numpy()))
         self._turn = 0
         self.host64, self.host32, self.h64, self.h32 = self._stages[0]
@@ -249,6 +286,8 @@ class DecodeGraphs:
         upload_plan(g, pool)
         if out.feed is not None:   # after the host ids' copy: the device's tokens win
             out.feed.apply(g.dev64[:n])
+        if _CHECK:
+            check_inputs(g, pool, self._generation, [s.req.seq_id for s in seqs])
         g.graph.replay()
         self.replays += 1
         self.state.count("engine_cuda_graph_replays")

@@ -801,13 +801,24 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str,
 
 
 _IOTA: dict[torch.device, torch.Tensor] = {}
+# grown-out buffers, kept: a CUDA graph captured with a slice of one reads it at every replay
+# (freed, its memory went to other tensors and the replayed append read garbage order
+# indices: an illegal memory access on the H200, Engine decode graphs of fp8 page-scaled
+# pages after a prompt chunk longer than the buffer, 2026-12-05)
+_IOTA_RETIRED: list[torch.Tensor] = []
 
 
 def _iota(n: int, device: torch.device) -> torch.Tensor:
-    """arange(n) int64 on device, sliced from a buffer kept per device (no launch per call)."""
+    """arange(n) int64 on device, sliced from a buffer kept per device (no launch per call).
+    During a CUDA graph capture a buffer too short is not replaced: the graph gets its own."""
     buf = _IOTA.get(device)
     if buf is None or buf.shape[0] < n:
-        buf = _IOTA[device] = torch.arange(max(n, 1024), dtype=torch.int64, device=device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.arange(n, dtype=torch.int64, device=device)
+        if buf is not None:
+            _IOTA_RETIRED.append(buf)
+        size = max(n, 1024 if buf is None else 2 * buf.shape[0])
+        buf = _IOTA[device] = torch.arange(size, dtype=torch.int64, device=device)
     return buf[:n]
 
 

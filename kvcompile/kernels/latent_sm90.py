@@ -238,9 +238,14 @@ def arrivals(device: torch.device, n: int) -> torch.Tensor:
     key = (device.type, device.index)
     buf = _arrivals.get(key)
     if buf is None or buf.numel() < n:
+        if buf is not None:   # a captured graph may still count in it: kept, never freed
+            _retired.append(buf)
         buf = torch.zeros(max(n, ARRIVALS), dtype=torch.int32, device=device)
         _arrivals[key] = buf
     return buf
+
+
+_retired: list = []   # grown-out buffers that CUDA graphs captured may still use
 
 
 ARRIVALS = 1 << 14   # the first buffer's counters (64 KB): sequences x head blocks a launch

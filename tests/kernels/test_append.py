@@ -153,3 +153,24 @@ def test_append_rejects_bad_inputs(x, slots, msg):
     with pytest.raises(UnsupportedShapeError, match=msg):
         quantize_append(cache, slots.to(DEV), x.to(DEV))
     assert torch.equal(cache.data.view(torch.uint8), before)  # state untouched
+
+
+def test_iota_buffers_outlive_their_growth():
+    """The grouped page-scaled append reads its identity order from a per-device arange
+    buffer. A CUDA graph captured with a slice of it reads that memory at every replay, so a
+    longer call that grows the buffer must not free the old one (it did: the engine's decode
+    graphs of fp8 page-scaled pages then replayed over memory given to other tensors, an
+    illegal memory access on the H200 after a prompt chunk of 4,224 tokens)."""
+    from kvcompile.kernels import append as A
+
+    dev = torch.device("cpu")
+    A._IOTA.pop(dev, None)
+    small = A._iota(16, dev)
+    ptr = small.untyped_storage().data_ptr()
+    del small
+    big = A._iota(5000, dev)
+    assert torch.equal(big, torch.arange(5000))
+    assert big.untyped_storage().data_ptr() != ptr
+    kept = [b for b in A._IOTA_RETIRED if b.untyped_storage().data_ptr() == ptr]
+    assert kept and torch.equal(kept[0][:16], torch.arange(16))   # alive and unchanged
+    assert A._iota(3000, dev).untyped_storage().data_ptr() == big.untyped_storage().data_ptr()
