@@ -157,7 +157,8 @@ def test_latent_layers_decode_in_graphs(fmt):
             assert replays >= 14          # 16 new tokens: the first from the prefill
             assert rel <= TOL
             assert torch.equal(tg, te)
-        assert "latent_absorbed" not in c or c["latent_absorbed"] <= 2, c   # padded prefill only
+        # the reference attends the padded prompt's prefill only: 2 layers, graphs on and off
+        assert c.get("latent_absorbed", 0) == 4, c
     finally:
         kvcompile.release(model)
 
