@@ -79,6 +79,9 @@ def parse_args(argv=None):
                                          "engine_b,engine_b_nograph,engine")
     p.add_argument("--concurrency", default="1,4,16,64")
     p.add_argument("--engine-prompt", type=int, default=1024)
+    p.add_argument("--kvc-scale", default="page", choices=("page", "token", "tensor"),
+                   help="kvc_fp8 / kvc_fp8_evict_*: fp8 scale granularity (token: decode-step "
+                        "evictions move tokens on the device; page re-encodes them on the host)")
     p.add_argument("--engine-scale", default="page", choices=("page", "token", "tensor"),
                    help="engine_b / engine_evict_*: fp8 scale granularity (token: eviction "
                         "moves tokens on the device, page: on the host between replays)")
@@ -292,6 +295,8 @@ def hf_static(model, args, device, ctx):
 def _kvc_config(args, kv_dtype):
     # "int4": the recommended 4-bit format (K int4 per channel / V int4 per token, pages of 64)
     extra = dict(scale_granularity="channel", page_size=64) if kv_dtype == "int4" else {}
+    if kv_dtype.startswith("fp8"):
+        extra = dict(scale_granularity=args.kvc_scale)
     return KVConfig(kv_dtype=kv_dtype, **extra,
                     max_kv_bytes=(64 << 20) if args.smoke else int(args.kv_gib * GIB),
                     inner="aot_eager" if args.smoke else "inductor",
