@@ -326,15 +326,21 @@ def _latent_kernel(state, q_lat, c_pages, r_pages, plan, mask_info, attn_mask, w
     (left padding, or any mask under CUDA graph capture, where the key row cannot be read on
     the host: mask_hides_no_key)."""
     kernels = state.kernels
-    if not kernels.use_triton(q_lat.device) or not plan.is_decode or plan.packed:
+    # an engine step in which every sequence adds one token (packed: q_lat [1, H, B, W])
+    packed = (plan.packed and bool(plan.q_lens) and max(plan.q_lens) == 1
+              and min(plan.past_lens) > 0)
+    if not kernels.use_triton(q_lat.device) or not (plan.is_decode and not plan.packed
+                                                    or packed):
         return None
     why = ""
     key_mask = None
-    if q_lat.shape[2] != 1:
+    if q_lat.shape[2] != 1 and not packed:
         why = "several queries per row"
     elif window or softcap:
         why = "a sliding window or soft-capping"
-    elif attn_mask is not None and not mask_hides_no_key(plan, mask_info):
+    elif attn_mask is not None and not packed and not mask_hides_no_key(plan, mask_info):
+        # (a packed step's structure is the engine's plan: causal per sequence, whatever
+        # mask the model built with use_cache=False)
         key_mask = getattr(mask_info, "key_mask", None)
         if key_mask is None or mask_info.reason != "decode":
             why = "a mask that is not one key row per sequence"
@@ -350,12 +356,17 @@ def _latent_kernel(state, q_lat, c_pages, r_pages, plan, mask_info, attn_mask, w
         return None
     from kvcompile.kernels import latent_sm90
 
-    launch = latent_sm90.use_cuda(q_lat, c_pages, r_pages, plan.block_tables.shape[1]
+    q_rows = q_lat[0].transpose(0, 1).contiguous() if packed else q_lat[:, :, 0]   # [B, H, W]
+
+    def shaped(out):   # [B, H, r] -> the attention's [B, H, 1, r] ([1, H, B, r] packed)
+        return out.transpose(0, 1)[None] if packed else out[:, :, None]
+
+    launch = latent_sm90.use_cuda(q_rows, c_pages, r_pages, plan.block_tables.shape[1]
                                   * c_pages.page_size)
     if launch is not None and key_mask is None:
-        out = latent_sm90.latent_decode_sm90(q_lat[:, :, 0], c_pages, r_pages,
+        out = latent_sm90.latent_decode_sm90(q_rows, c_pages, r_pages,
                                              plan.block_tables, plan.seq_lens, scale, **launch)
-        return out[:, :, None], "cuda"
+        return shaped(out), "cuda"
     if launch is not None:   # the CUDA latent kernel takes no key mask
         note = ("latent decode: Triton kernel, not the CUDA one, for steps with a key mask "
                 "(left padding, or a mask under CUDA graph capture)")
@@ -363,9 +374,9 @@ def _latent_kernel(state, q_lat, c_pages, r_pages, plan, mask_info, attn_mask, w
             kernels._warned.add(note)
             state.kernel_notes.append(note)
             log.info("kvcompile: %s", note)
-    out = latent_decode_attention(q_lat[:, :, 0], c_pages, r_pages, plan.block_tables,
+    out = latent_decode_attention(q_rows, c_pages, r_pages, plan.block_tables,
                                   plan.seq_lens, scale, key_mask=key_mask)
-    return out[:, :, None], "triton"
+    return shaped(out), "triton"
 
 
 def _packed_decode(state, layer, q, plan, window, softcap, scale, extras, key_mask=None):

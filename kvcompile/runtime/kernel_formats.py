@@ -48,13 +48,14 @@ def graph_refusal(k, v, latent: bool = False, packed: bool = False) -> str:
     a CUDA graph needs the decode kernel to read both and the append kernel to write both
     (the reference attention reads the capture's host lengths: replayed, it would attend
     over the wrong keys). latent: an MLA layer (k the latent, v the rotary key), read by
-    the latent decode kernel, which `generate`'s steps take and the engine's packed steps
-    (packed=True) do not."""
+    the latent decode kernel; the engine's graphs (packed=True) refuse them until they have
+    run on a GPU."""
     if latent:
         from kvcompile.kernels.latent_decode import fast_path_reason
 
-        why = ("the engine's packed steps attend MLA layers by the reference" if packed
-               else fast_path_reason(None, k, v))
+        why = ("not yet run on a GPU in the engine's decode graphs (its packed steps take "
+               "the latent kernel eagerly; tests/engine/test_graphs_emulated.py checks the "
+               "graphs' inputs on the CPU)" if packed else fast_path_reason(None, k, v))
         if why:
             return f"latent (MLA) layer: {why}"
     else:

@@ -149,3 +149,37 @@ def test_a_new_eviction_spec_captures_every_bucket_at_once():
     captured.clear()
     graphs._graph_for(8, AsideSpec())   # the plain step: one bucket, as before
     assert captured == [(8, AsideSpec())]
+
+
+def test_check_inputs_names_what_would_fault(pool):
+    """KVCOMPILE_GRAPH_CHECK's check of a replay's inputs: valid inputs pass; a slot outside
+    its row's last page, a length past the table, a table entry outside the pool and a pool
+    that grew after the capture are each named."""
+    from kvcompile.engine.cudagraph import _Graph, check_inputs, upload_plan
+    from kvcompile.errors import CacheStateError
+
+    seqs = pool.allocate(2)
+    pool.reserve(seqs, 9)   # 3 pages each (P 4)
+    g = _Graph(2, 8, torch.device("cpu"))
+    slots, rows, lens = pool.decode_slots(seqs)
+
+    def fill(slots=slots, lens=lens):
+        g.h64[2 * 2:3 * 2] = slots
+        g.h64[3 * 2:4 * 2] = rows
+        g.h32[:] = lens
+        upload_plan(g, pool)
+
+    fill()
+    check_inputs(g, pool, pool.generation, seqs)
+    fill(slots=[slots[0], slots[1] - 4])   # the token a page too early
+    with pytest.raises(CacheStateError, match="row 1 .* is not in its last page"):
+        check_inputs(g, pool, pool.generation, seqs)
+    fill(lens=[lens[0], 8 * 4 + 1])
+    with pytest.raises(CacheStateError, match="row 1 .* length 33, table width 8"):
+        check_inputs(g, pool, pool.generation, seqs)
+    fill()
+    g.block_tables[0, 1] = pool.num_pages
+    with pytest.raises(CacheStateError, match="row 0 .* outside"):
+        check_inputs(g, pool, pool.generation, seqs)
+    with pytest.raises(CacheStateError, match="generation"):
+        check_inputs(g, pool, pool.generation - 1, seqs)

@@ -206,3 +206,30 @@ def test_eviction_in_generate_graphs(fmt, name, policy, interval, sinks):
         assert torch.equal(tg, te)
     finally:
         kvcompile.release(model)
+
+
+def test_engine_latent_steps_take_the_kernel():
+    """The engine on MLA layers (DeepSeek-V3 widths, fp32 weights): decode steps in which
+    every sequence adds one token run the latent kernel over the packed rows (eagerly: the
+    engine's graphs refuse MLA layers until this has run), tokens equal HF greedy."""
+    import random
+
+    torch._dynamo.reset()
+    ref, model = _deepseek(torch.float32), _deepseek(torch.float32)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(20, 200))] for _ in range(4)]
+    eng = kvcompile.Engine(model, config=KVConfig(kv_dtype="bf16", max_kv_bytes=256 << 20),
+                           max_num_batched_tokens=1024)
+    outs = eng.generate(prompts, kvcompile.SamplingParams(temperature=0, max_tokens=12,
+                                                          ignore_eos=True))
+    c = state_of(model).counters
+    print(dict(latent_triton=c.get("latent_decode_triton"), latent_cuda=c.get(
+        "latent_decode_cuda"), absorbed=c.get("latent_absorbed"),
+        graphs_off=eng.runner.graphs.why_not() if eng.runner.graphs is not None else None))
+    assert c.get("latent_decode_triton", 0) + c.get("latent_decode_cuda", 0) >= 2 * 10
+    with torch.no_grad():
+        for p, o in zip(prompts, outs):
+            out = ref.generate(torch.tensor([p], device="cuda"), max_new_tokens=12,
+                               do_sample=False, pad_token_id=0)
+            assert o.token_ids == out[0, len(p):].tolist()
+    kvcompile.release(model)
