@@ -20,6 +20,11 @@ holds it (paged.py lists them per format):
   never derived from a page's stored slots, so slots that hold no token (holes, a partly filled
   page's end) cannot change them. A NaN moved into a group makes that group NaN, as a write does.
 All sources are read before any destination is written, so src and dst may overlap.
+
+`move_slots_device` does the same with no host sync (eviction between CUDA-graph decode steps)
+for the formats `moves_on_device` takes: those that move exactly (a gather and a scatter of
+each part) and fp8 page scales (the growth computed densely over the pool's pages, no
+`unique`), with the same bytes as `move_slots`.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 
 from kvcompile.cache import grouped
 from kvcompile.cache.fp4 import E2M1_MAX, MICRO_BLOCK, finite_amax, micro_scale, scale_from_amax
-from kvcompile.cache.fp8 import grow_page_scale
+from kvcompile.cache.fp8 import fp8_encode, grow_page_scale
 from kvcompile.cache.intq import (
     _F16_MAX,
     covers,
@@ -76,6 +81,61 @@ def moves_exactly(paged: PagedTensor) -> bool:
     fmt = paged.fmt
     return (paged.res_slot is None and fmt.spec.encode is None
             and (not fmt.is_quantized or fmt.granularity in ("token", "tensor")))
+
+
+def moves_on_device(paged: PagedTensor) -> bool:
+    """Whether `move_slots_device` takes these pages: those that move exactly, and fp8 pages
+    with page scales (no residual rows), whose moved tokens it re-encodes without a sync."""
+    fmt = paged.fmt
+    return moves_exactly(paged) or (
+        paged.res_slot is None and fmt.spec.encode is None and fmt.is_quantized
+        and not fmt.is_int and fmt.name != "fp4_e2m1" and fmt.granularity == "page")
+
+
+def move_slots_device(paged: PagedTensor, src: torch.Tensor, dst: torch.Tensor,
+                      heads: torch.Tensor, real: torch.Tensor | None = None) -> None:
+    """`move_slots` with no host sync for the pages `moves_on_device` takes (eviction between
+    CUDA-graph decode steps, eviction/front.py). real [M] bool or None (all): the moves that
+    count; the others (front.py's padding, a token moved onto itself) change nothing.
+
+    fp8 page scales, bit for bit what `move_slots` does with the real moves (`_move_grouped`):
+    each destination (page, head)'s scale grows by a power of two to cover the tokens moved
+    into it (`grow_page_scale`; dense over the pool's pages, so no `unique`), a (page, head)
+    whose scale grew is encoded again whole from its decoded values, and each moved token is
+    encoded under its destination's new scale. Destinations shared by several moves compute
+    the same page, so their duplicate writes agree. Sources are read before any write."""
+    if moves_exactly(paged):
+        move_slots_exact(paged, src, dst, heads)
+        return
+    fmt = paged.fmt
+    P, H = paged.page_size, paged.num_heads
+    ps, os_, pd, od = src // P, src % P, dst // P, dst % P
+    # (the plain cast, not fp8_decode's CPU fast path, which reads a min / max on the host:
+    # the same values)
+    vals = paged.data[ps, heads, os_].float() * paged.scale[ps, heads].float()[:, None]
+    if real is None:
+        real = torch.ones_like(src, dtype=torch.bool)
+    cell = pd * H + heads                                                    # [M]
+    a = torch.where(torch.isfinite(vals), vals.abs(), 0.0).amax(-1)          # [M]
+    amax = torch.zeros(paged.scale.numel(), dtype=torch.float32, device=vals.device)
+    amax = amax.scatter_reduce(0, cell, torch.where(real, a, 0.0), "amax", include_self=True)
+    s_old = paged.scale[pd, heads]                                           # [M]
+    s_new = grow_page_scale(s_old, amax[cell] / fmt.scale_divisor)
+    changed = grouped.changed_heads([(s_old[:, None], s_new[:, None])], "page")[:, 0]
+    # the (page, head)s whose scale grew, encoded again whole under it (all from the
+    # state before any write: the duplicates of a page agree)
+    u8 = torch.uint8   # (where() on the codes' bytes: fp8 dtypes have no where)
+    cur = paged.data[pd, heads]                                              # [M, P, D]
+    again = fp8_encode(cur.float() * s_old.float()[:, None, None], s_new[:, None, None],
+                       fmt.storage_dtype)
+    paged.data[pd, heads] = torch.where(changed[:, None, None], again.view(u8),
+                                        cur.view(u8)).view(cur.dtype)
+    # the moved tokens under their destination's new scale (the others rewrite what is there)
+    tok = fp8_encode(vals, s_new[:, None], fmt.storage_dtype)
+    here = paged.data[pd, heads, od]
+    paged.data[pd, heads, od] = torch.where(real[:, None], tok.view(u8),
+                                            here.view(u8)).view(here.dtype)
+    paged.scale[pd, heads] = s_new.to(paged.scale.dtype)
 
 
 def move_slots_exact(paged: PagedTensor, src: torch.Tensor, dst: torch.Tensor,

@@ -15,13 +15,16 @@ serves all items:
                          a row with fewer moves pads with its last slot onto itself (dropped
                          after, never a destination)
 
-then per layer one gather and one scatter of each stored part (compaction.move_slots_exact), and
+then per layer one gather and one scatter of each stored part (compaction.move_slots_device:
+fp8 page scales re-encode the (page, head)s whose scale a moved token grows, still with no
+sync), and
 the H2O mass rows of the store moved the same way. The host only adds lengths and page lists.
 A policy with kept scores (SnapKV(hold=True)) ranks by the books' `score` rows, the slots of
 the steps stepped aside for ranked as decoded tokens (policies.DECODED + index), and the rows
 move with the slots. Not taken (the runtime's per-sequence path does them): mixed policies in
 one sequence, page granularity, a policy whose kept count is not its budget or whose fresh
-scores are shared by heads, formats that re-encode moved tokens, heads of different counts
+scores are shared by heads, formats `moves_on_device` does not take (int / fp4 / channel
+scales, residual pages), heads of different counts
 across layers.
 """
 
@@ -30,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from kvcompile.cache.compaction import move_slots_exact, moves_exactly
+from kvcompile.cache.compaction import move_slots_device, moves_on_device
 from kvcompile.eviction import policies as P
 
 
@@ -53,8 +56,9 @@ def evict_fronts(rt, items: list) -> list:
     pool = rt.state.pool
     layers = sorted(rt.policies)
     heads = {pool.layers[li].num_kv_heads for li in layers}
-    if (not items or len(heads) != 1 or not all(moves_exactly(pool.k[li])
-                                                and moves_exactly(pool.v[li]) for li in layers)):
+    if (not items or len(heads) != 1 or not all(moves_on_device(pool.k[li])
+                                                and moves_on_device(pool.v[li])
+                                                for li in layers)):
         return list(items)
     store = rt.store
     take, left, groups = [], [], {}
@@ -181,10 +185,11 @@ def _evict(rt, pool, layers, H, items, groups) -> None:
     gdst = bt.gather(-1, dst // Ps) * Ps + dst % Ps
     hh = torch.arange(H, device=dev)[None, :, None].expand(n, H, M)
     gsrc, gdst = gsrc.view(n, Ly, H, M), gdst.view(n, Ly, H, M)
-    for i, li in enumerate(layers):
+    real = valid.view(n, Ly, H, M)   # (the padding moves a token onto itself: no part in
+    for i, li in enumerate(layers):  # a page scale's growth)
         s_i, d_i = gsrc[:, i].reshape(-1), gdst[:, i].reshape(-1)
         for paged in (pool.k[li], pool.v[li]):
-            move_slots_exact(paged, s_i, d_i, hh.reshape(-1))
+            move_slots_device(paged, s_i, d_i, hh.reshape(-1), real[:, i].reshape(-1))
     # commit: lengths, books, the store's mass rows
     pos = pos.view(n, Ly, H, Lmax)
     if mass is not None:

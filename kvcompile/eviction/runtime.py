@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kvcompile.cache.compaction import moves_exactly
+from kvcompile.cache.compaction import moves_on_device
 from kvcompile.config import EvictionPolicy
 from kvcompile.errors import CacheStateError, UnsupportedShapeError
 from kvcompile.eviction import policies as P
@@ -1041,12 +1041,12 @@ class EvictionRuntime(RuntimeHook):
         if left:
             pool = self.state.pool
             slow = sorted({f"{c.fmt.name}/{c.fmt.granularity}" for li in self.policies
-                           for c in (pool.k[li], pool.v[li]) if not moves_exactly(c)})
+                           for c in (pool.k[li], pool.v[li]) if not moves_on_device(c)})
             if slow:   # (said once: the cost is a host sync and a re-encode per sequence)
                 self._say(f"eviction: {', '.join(slow)} pages re-encode the tokens they move, "
                           f"so decode-step evictions run on the host path (a sync and a "
-                          f"re-encode per sequence and layer); fp8 with "
-                          f"scale_granularity='token' moves them on the device")
+                          f"re-encode per sequence and layer); fp8 pages without a residual "
+                          f"move them on the device")
         return left
 
     def _evict_front(self, sid: int, book: _Book, budget: int) -> bool:

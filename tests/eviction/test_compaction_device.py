@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcompile.cache.compaction import moves_exactly
+from kvcompile.cache.compaction import moves_exactly, moves_on_device
 from kvcompile.cache.pool import LayerSpec, PagePool
 from kvcompile.config import H2O, SinkWindow, SnapKV
 from kvcompile.errors import UnsupportedShapeError
@@ -19,6 +19,10 @@ from tests.eviction.test_compaction_formats import FORMATS, _formats, _raw, _run
 H, D, P, L = 2, 16, 16, 45
 EXACT = [f for f in FORMATS if moves_exactly(PagePool([LayerSpec(H, D, D, *_formats(*f))], 4,
                                                       P).k[0])]
+# fp8 page scales: moved on the device too, re-encoding what a moved token's scale growth
+# asks (compaction.move_slots_device), bit for bit as the host path (move_slots)
+DEVICE = EXACT + [f for f in FORMATS if f not in EXACT and moves_on_device(
+    PagePool([LayerSpec(H, D, D, *_formats(*f))], 4, P).k[0])]
 POLICIES = [SinkWindow(2, 12), H2O(budget=14, recent=4, sinks=2),
             SnapKV(budget=14, window=4, kernel=3, per_head=True)]
 
@@ -45,7 +49,7 @@ def _by_position(pool, sid, pos):
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: type(p).__name__)
-@pytest.mark.parametrize("fmt", EXACT, ids=str)
+@pytest.mark.parametrize("fmt", DEVICE, ids=str)
 def test_device_eviction_equals_host_eviction(fmt, policy):
     budget = policy.sinks + policy.window if isinstance(policy, SinkWindow) else policy.budget
     host = _setup(fmt, policy)
@@ -69,10 +73,14 @@ def test_device_eviction_equals_host_eviction(fmt, policy):
     pool.check_invariants()
 
 
-def test_formats_that_re_encode_take_the_host_path():
-    fmt = next(f for f in FORMATS if f[0] == "fp8_e4m3" and f[1] == "page")
+@pytest.mark.parametrize("name,gran,res", [("fp4_e2m1", "page", False),
+                                           ("fp8_e4m3", "page", True),
+                                           ("int4", "channel", False)])
+def test_formats_that_re_encode_take_the_host_path(name, gran, res):
+    """fp4 (micro scales), residual pages and int / channel parameters: the host path."""
+    fmt = next(f for f in FORMATS if f == (name, gran, res))
     pool, sid, rt, book = _setup(fmt, SinkWindow(2, 12))
-    assert not moves_exactly(pool.k[0])
+    assert not moves_exactly(pool.k[0]) and not moves_on_device(pool.k[0])
     assert rt._evict_front(sid, book, 14) is False          # evict() (host) does it instead
     assert pool.seq_len(sid) == L
     with pytest.raises(UnsupportedShapeError, match="re-encode moved tokens; use move_tokens"):
@@ -144,3 +152,50 @@ def test_device_eviction_of_kept_scores_equals_host(per_head):
             max=L - pend - 1)))
         assert torch.equal(s, want)
     pool.check_invariants()
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_page_moves_on_the_device_equal_move_slots(name):
+    """compaction.move_slots_device against move_slots on fp8 page-scaled pages, bit for bit
+    (codes and scales of the whole pool): moves into pages whose scale must grow (a token 50x
+    the page's values; its (page, head) is re-encoded whole), two moves into one (page, head),
+    moves that need no growth, and padding moves (a token onto itself, real=False) that must
+    change nothing, also in a page another move grows."""
+    from kvcompile.cache.compaction import move_slots, move_slots_device
+    from kvcompile.cache.formats import KVFormat
+
+    def build():
+        spec = LayerSpec(H, D, D, KVFormat(name, "page"), KVFormat(name, "page"))
+        pool = PagePool([spec], 8, 4)
+        sid = pool.allocate()[0]
+        g = torch.Generator().manual_seed(9)
+        k = torch.randn(24, H, D, generator=g)
+        k[20:] *= 50.0                         # the tail: 50x the front pages' values
+        pool.append(sid, [k], [torch.randn(24, H, D, generator=g)])
+        return pool, sid
+
+    # token index -> slot through the sequence's pages (P 4: 6 pages)
+    moves = [(20, 1, 0), (21, 2, 0), (22, 5, 1), (13, 9, 1), (23, 23, 0)]   # (src, dst, head)
+    real = torch.tensor([True, True, True, True, False])
+    host, hsid = build()
+    dev, dsid = build()
+    for pool, sid, fn in ((host, hsid, "host"), (dev, dsid, "device")):
+        t = torch.tensor(pool._lookup([sid])[0].pages)
+        src = torch.tensor([t[s // 4] * 4 + s % 4 for s, _d, _h in moves])
+        dst = torch.tensor([t[d // 4] * 4 + d % 4 for _s, d, _h in moves])
+        hd = torch.tensor([h for *_x, h in moves])
+        for paged in (pool.k[0], pool.v[0]):
+            if fn == "host":
+                move_slots(paged, src[real], dst[real], hd[real])
+            else:
+                with _no_sync():
+                    move_slots_device(paged, src, dst, hd, real)
+    hp = torch.tensor(host._lookup([hsid])[0].pages)   # (the pages past the sequence's
+    dp = torch.tensor(dev._lookup([dsid])[0].pages)    # hold whatever memory held)
+    before = build()
+    grew = host.k[0].scale[hp] != before[0].k[0].scale[torch.tensor(
+        before[0]._lookup([before[1]])[0].pages)]
+    assert grew.any(), "no scale grew: the re-encode branch is not exercised"
+    for a, b in ((host.k[0], dev.k[0]), (host.v[0], dev.v[0])):
+        assert torch.equal(a.scale[hp], b.scale[dp])
+        assert torch.equal(a.data[hp].view(torch.uint8), b.data[dp].view(torch.uint8))

@@ -143,7 +143,9 @@ def test_graph_decode_with_eviction_equals_eager(fmt, policy, sinks, interval):
             # no token moves, in any format: pages leave, the rest is hidden by a key mask
             assert ig["window_runs"] > 0 and ig["evicted_pages"] > 0 and ig["device_runs"] == 0
         else:
-            assert (ig["device_runs"] > 0) == (fmt[1] != "page" or fmt[0] == "bf16")
+            # every format of the matrix moves on the device (fp8 page scales too, since the
+            # fifteenth session: compaction.move_slots_device)
+            assert ig["device_runs"] > 0
 
 
 @pytest.mark.parametrize("policy", [H2O(budget=128, recent=32, sinks=4), SinkWindow(4, 124)],
