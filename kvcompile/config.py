@@ -319,6 +319,11 @@ class KVConfig:
         at first use by the system C compiler, where it builds; else the numpy route with one
         warning), "c" (the C library or an error), "numpy" (CPU_FP8_ROUTES). The same bytes
         and values either way. Default from KVCOMPILE_CPU_FP8 ("auto" when unset or empty).
+    graph_check: before every replay of the engine's CUDA-graph decode steps, check its inputs
+        against the pool (engine/cudagraph.py `check_inputs`: each row's slot, length and
+        block-table entries; the storage generation) and raise CacheStateError naming the
+        first bad one. One host sync a step: a debugging aid for a fault inside a replay.
+        Default False; KVCOMPILE_GRAPH_CHECK=1 sets True.
     """
 
     kv_dtype: str = "auto"
@@ -354,6 +359,7 @@ class KVConfig:
     window_eviction: bool = _env_field(lambda: _env_on("KVCOMPILE_WINDOW_EVICTION", True))
     eviction_interval: int = 1
     cpu_fp8: str = _env_field(lambda: os.environ.get("KVCOMPILE_CPU_FP8") or "auto")
+    graph_check: bool = _env_field(lambda: _env_on("KVCOMPILE_GRAPH_CHECK", False))
 
     def __post_init__(self):
         for name in ("kv_dtype", "k_dtype", "v_dtype"):
@@ -407,7 +413,7 @@ class KVConfig:
         if self.prefill not in PREFILL_CHOICES:
             raise KVConfigError("prefill", self.prefill, ", ".join(map(repr, PREFILL_CHOICES)))
         for name in ("check_finite", "residual", "enabled", "cuda_graphs", "prefill_tma",
-                     "prefill_q_tma", "prefill_scale_tma", "prefill_warp_spec"):
+                     "prefill_q_tma", "prefill_scale_tma", "prefill_warp_spec", "graph_check"):
             if not isinstance(getattr(self, name), bool):
                 raise KVConfigError(name, getattr(self, name), "True, False")
         self._check_combinations()

@@ -32,7 +32,6 @@ both K and V formats, no runtime hook but an eviction runtime that steps aside f
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 
 import torch
@@ -52,11 +51,6 @@ def bucket_sizes(max_batch: int) -> list[int]:
     """Padded batch sizes up to max_batch (which is always one of them)."""
     out = [b for b in BUCKETS if b < max_batch]
     return out + [max_batch]
-
-
-# KVCOMPILE_GRAPH_CHECK=1: every replay's inputs checked against the pool first (one host
-# sync a step; a debugging aid for an illegal memory access inside a replayed step)
-_CHECK = os.environ.get("KVCOMPILE_GRAPH_CHECK", "0") == "1"
 
 
 def check_inputs(g, pool, generation, seq_ids) -> None:
@@ -286,7 +280,7 @@ class DecodeGraphs:
         upload_plan(g, pool)
         if out.feed is not None:   # after the host ids' copy: the device's tokens win
             out.feed.apply(g.dev64[:n])
-        if _CHECK:
+        if self.state.config.graph_check:   # (KVCOMPILE_GRAPH_CHECK=1: one sync a step)
             check_inputs(g, pool, self._generation, [s.req.seq_id for s in seqs])
         g.graph.replay()
         self.replays += 1

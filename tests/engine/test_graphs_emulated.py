@@ -1,7 +1,7 @@
 """The engine's decode graphs (engine/cudagraph.py) with their replays emulated on the CPU: a
 "replay" re-runs the captured step over the same static buffers and plan and copies its logits
 into the captured output. CUDA graphs need CUDA (tests/gpu/ replays them); this checks what
-the graphs are fed, every replay, against the pool (`check_inputs`, KVCOMPILE_GRAPH_CHECK), and
+the graphs are fed, every replay, against the pool (`check_inputs`, KVConfig.graph_check), and
 that the tokens equal the engine's eager steps: an eviction policy that moves tokens on the
 device between replays, and MLA layers, whose packed decode steps take the latent kernel
 (their real graphs stay refused until they run on a GPU: kernel_formats.graph_refusal)."""
@@ -44,7 +44,6 @@ def emulated(monkeypatch):
         real(*a)
 
     monkeypatch.setattr(CG, "capture", _capture)
-    monkeypatch.setattr(CG, "_CHECK", True)
     monkeypatch.setattr(CG, "check_inputs", check)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     return checked
@@ -70,7 +69,7 @@ def test_eviction_between_replays(emulated, monkeypatch):
     prompts = random_prompts(random.Random(2), 3, 20, 30)
     cfg = config(kv_dtype="fp8_e4m3", scale_granularity="token", kernels="triton",
                  page_size=8, eviction=SnapKV(budget=12, window=4, hold=True),
-                 eviction_interval=2)
+                 eviction_interval=2, graph_check=True)
     got, replays, c = _run(make_llama64(), cfg, prompts, True, monkeypatch)
     ref, none, _ = _run(make_llama64(), cfg, prompts, False, monkeypatch)
     assert none == 0 and replays >= 9 and len(emulated) == replays
@@ -83,7 +82,7 @@ def test_latent_layers(emulated, monkeypatch):
     from tests.passes.test_latent_attention import make_mla
 
     prompts = random_prompts(random.Random(3), 3, 3, 20)
-    cfg = config(page_size=8, kernels="triton")
+    cfg = config(page_size=8, kernels="triton", graph_check=True)
     got, replays, c = _run(make_mla("deepseek_v3", "sdpa", rope=16), cfg, prompts, True,
                            monkeypatch)
     ref, none, _ = _run(make_mla("deepseek_v3", "sdpa", rope=16), cfg, prompts, False,

@@ -64,6 +64,9 @@ def _compile(tiles, page: str, direct: bool) -> dict:
         if tiles.widen == "bits" and scaled:
             consts.update(WIDEN_ASM=ld._BITS["fp8_e4m3"], WIDEN_BITS="asm",
                           C_MUL=ld._BITS_MUL["fp8_e4m3"])
+    for name, prm in inspect.signature(fn.fn).parameters.items():   # constexpr defaults
+        if name not in consts and prm.default is not inspect.Parameter.empty:
+            consts[name] = prm.default   # (the key mask's: no mask, as the rule's launches)
     types = dict(TYPES, CD=f"*{page}", RD=f"*{page}")
     sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
