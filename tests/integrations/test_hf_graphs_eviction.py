@@ -86,6 +86,8 @@ CASES = [
     # replays, on the host in the steps without graphs: the same bytes
     ("SnapKV hold, fp8 page scales", lambda: SnapKV(budget=12, window=4, hold=True), 3, None,
      dict(kv_dtype="fp8_e4m3")),
+    ("H2O, fp8 page scales", lambda: H2O(budget=12, recent=4, sinks=2), 2, None,
+     dict(kv_dtype="fp8_e4m3")),
 ]
 
 
