@@ -1035,8 +1035,8 @@ class EvictionRuntime(RuntimeHook):
         """Token-granular eviction with no host sync of every (seq id, book, budget) due in a
         step, batched over sequences and layers (front.py: the tail's kept tokens fill the
         holes below the budget). Returns the items it does not take (then `evict`, which reads
-        counts on the host): mixed policies, page granularity, formats that re-encode moved
-        tokens, a policy type whose kept count is not its budget."""
+        counts on the host): mixed policies, page granularity, formats `moves_on_device` does
+        not take, a policy type whose kept count is not its budget."""
         left = evict_fronts(self, items)
         if left:
             pool = self.state.pool

@@ -368,12 +368,8 @@ def _latent_kernel(state, q_lat, c_pages, r_pages, plan, mask_info, attn_mask, w
                                              plan.block_tables, plan.seq_lens, scale, **launch)
         return shaped(out), "cuda"
     if launch is not None:   # the CUDA latent kernel takes no key mask
-        note = ("latent decode: Triton kernel, not the CUDA one, for steps with a key mask "
-                "(left padding, or a mask under CUDA graph capture)")
-        if note not in kernels._warned:
-            kernels._warned.add(note)
-            state.kernel_notes.append(note)
-            log.info("kvcompile: %s", note)
+        kernels.note("latent decode: Triton kernel, not the CUDA one, for steps with a key "
+                     "mask (left padding, or a mask under CUDA graph capture)")
     out = latent_decode_attention(q_rows, c_pages, r_pages, plan.block_tables,
                                   plan.seq_lens, scale, key_mask=key_mask)
     return shaped(out), "triton"
@@ -463,11 +459,7 @@ class KernelDispatch:
             self.state.count("decode_cuda")
             return "cuda"
         self.state.count("decode_triton")
-        key = f"decode: Triton kernel, not the CUDA one ({why})"
-        if key not in self._warned:
-            self._warned.add(key)
-            self.state.kernel_notes.append(key)
-            log.warning("kvcompile: %s", key)
+        self.note(f"decode: Triton kernel, not the CUDA one ({why})", warn=True)
         return "triton"
 
     def _chunk_route(self, q, kc, vc, plan, starts, window, sink_logits: bool):
@@ -500,6 +492,13 @@ class KernelDispatch:
                             "kernel runs", pick.reason)
         plan.cache[memo] = (pick, host)
         return pick, host
+
+    def note(self, text: str, warn: bool = False) -> None:
+        """A kernel choice said once: in kvcompile.report's kernel notes and the log."""
+        if text not in self._warned:
+            self._warned.add(text)
+            self.state.kernel_notes.append(text)
+            (log.warning if warn else log.info)("kvcompile: %s", text)
 
     def _fallback(self, why: str) -> None:
         if why not in self._warned:
