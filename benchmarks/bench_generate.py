@@ -18,6 +18,8 @@ Sections, each in its own try/except, within one deadline (`--budget-s`), printe
              eviction at 50% of the prompt (the engine_evict_* policies; SinkWindow's sinks
              at their text positions): decode steps replay CUDA graphs with the eviction
              runtime stepped aside, evicting every --evict-interval steps; compare with kvc_fp8
+  kvc_int4_evict_sink / kvc_int4_evict_snapkv_hold   the same over kvc_int4's pages (channel-
+             scaled keys: moved tokens re-encoded on the device); compare with kvc_int4
   engine_b   the same B prompts through kvcompile.Engine (fp8 pages, one prefill step, decode
              steps replayed from CUDA graphs); engine_b_nograph: the same without graphs;
              engine_b_sync: the same with async_steps=False (each step reads its tokens
@@ -619,6 +621,7 @@ def main(argv=None) -> int:
     # rough minimum seconds each needs on the H200 (compiles included)
     need = dict(capacity=1, hf_eager=25, hf_static=90, kvc_fp8=80, kvc_bf16=70, kvc_int4=80, engine=60,
                 kvc_fp8_evict_sink=80, kvc_fp8_evict_snapkv=80, kvc_fp8_evict_snapkv_hold=80,
+                kvc_int4_evict_sink=80, kvc_int4_evict_snapkv_hold=80,
                 engine_b=40, engine_b_nograph=30, engine_b_sync=40, engine_evict_sink=60, engine_evict_snapkv=60,
                 engine_evict_snapkv_hold=60, engine_evict_sink_rot=60, engine_evict_h2o=60)
     results, errors, ctx = {"env": env}, {}, {}
@@ -643,6 +646,11 @@ def main(argv=None) -> int:
         kvc_fp8_evict_snapkv_hold=lambda: kvc(model, args, device, ctx, "fp8_e4m3",
                                               _half(args)["snapkv_hold"], None,
                                               ", SnapKV 50% hold"),
+        kvc_int4_evict_sink=lambda: kvc(model, args, device, ctx, "int4",
+                                        _half(args)["sink"], "original", ", SinkWindow 50%"),
+        kvc_int4_evict_snapkv_hold=lambda: kvc(model, args, device, ctx, "int4",
+                                               _half(args)["snapkv_hold"], None,
+                                               ", SnapKV 50% hold"),
         engine_b=lambda: engine_batch(model, args, device, ctx),
         engine_b_nograph=lambda: engine_batch(model, args, device, ctx, graphs=False),
         engine_b_sync=lambda: engine_batch(model, args, device, ctx, async_steps=False),
@@ -682,13 +690,18 @@ def main(argv=None) -> int:
 def report(results, errors, args):
     gen = [results[k] for k in ("hf_eager", "hf_static", "kvc_fp8", "kvc_bf16", "kvc_int4",
                                 "kvc_fp8_evict_sink", "kvc_fp8_evict_snapkv",
-                                "kvc_fp8_evict_snapkv_hold", "engine_b",
+                                "kvc_fp8_evict_snapkv_hold", "kvc_int4_evict_sink",
+                                "kvc_int4_evict_snapkv_hold", "engine_b",
                                 "engine_b_sync", "engine_b_nograph") if k in results]
     base = results.get("hf_static", {}).get("tok_s")
     fp8 = results.get("kvc_fp8", {}).get("decode_tok_s")
     for r in gen:
         r["x_static"] = r["tok_s"] / base if base else None
         r["x_kvc_fp8_decode"] = r["decode_tok_s"] / fp8 if fp8 else None
+    for k in ("kvc_int4_evict_sink", "kvc_int4_evict_snapkv_hold"):
+        if k in results and "kvc_int4" in results:   # against the same format
+            results[k]["x_kvc_int4_decode"] = (results[k]["decode_tok_s"]
+                                               / results["kvc_int4"]["decode_tok_s"])
     print("\n### HF generate, " + results["env"]["setup"])
     for r in gen:
         r["ttft_x_static"] = (r["first_token_s"] / results["hf_static"]["first_token_s"]
@@ -696,7 +709,8 @@ def report(results, errors, args):
     print(table(gen, ["label", "tok_s", "decode_tok_s", "first_token_s", "total_s", "x_static",
                       "ttft_x_static", "step_ms", "roofline_ms", "pct_roofline", "peak_gib",
                       "same_tokens_as_eager", "graphs", "reference_fallbacks", "graph_captures",
-                      "graph_replays", "x_kvc_fp8_decode", "eviction_aside_steps",
+                      "graph_replays", "x_kvc_fp8_decode", "x_kvc_int4_decode",
+                      "eviction_aside_steps",
                       "eviction_device_runs", "evicted_tokens"]))
     eng = [results[k] for k in ("engine_b", "engine_b_sync", "engine_b_nograph") if k in results]
     if eng:

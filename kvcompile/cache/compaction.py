@@ -32,17 +32,28 @@ from __future__ import annotations
 import torch
 
 from kvcompile.cache import grouped
-from kvcompile.cache.fp4 import E2M1_MAX, MICRO_BLOCK, finite_amax, micro_scale, scale_from_amax
-from kvcompile.cache.fp8 import fp8_encode, grow_page_scale
+from kvcompile.cache.fp4 import (
+    E2M1_MAX,
+    MICRO_BLOCK,
+    e2m1_values,
+    finite_amax,
+    fp4_decode,
+    micro_scale,
+    scale_from_amax,
+    unpack_e2m1,
+)
+from kvcompile.cache.fp8 import grow_page_scale
 from kvcompile.cache.intq import (
     _F16_MAX,
     covers,
+    int_decode,
     int_encode,
     int_params,
     levels,
     params_from_range,
 )
 from kvcompile.cache.paged import RESIDUAL_DTYPE, PagedTensor
+from kvcompile.errors import UnsupportedShapeError
 
 
 def move_slots(paged: PagedTensor, src: torch.Tensor, dst: torch.Tensor,
@@ -84,58 +95,42 @@ def moves_exactly(paged: PagedTensor) -> bool:
 
 
 def moves_on_device(paged: PagedTensor) -> bool:
-    """Whether `move_slots_device` takes these pages: those that move exactly, and fp8 pages
-    with page scales (no residual rows), whose moved tokens it re-encodes without a sync."""
-    fmt = paged.fmt
-    return moves_exactly(paged) or (
-        paged.res_slot is None and fmt.spec.encode is None and fmt.is_quantized
-        and not fmt.is_int and fmt.name != "fp4_e2m1" and fmt.granularity == "page")
+    """Whether `move_slots_device` takes these pages: every format without a bf16 residual
+    row (whose rows are assigned on the host) or a registered codec of its own (whose
+    re-encode `unique`s the pages it touches)."""
+    return paged.res_slot is None and paged.fmt.spec.encode is None
 
 
 def move_slots_device(paged: PagedTensor, src: torch.Tensor, dst: torch.Tensor,
-                      heads: torch.Tensor, real: torch.Tensor | None = None) -> None:
+                      heads: torch.Tensor, real: torch.Tensor | None = None,
+                      max_cells: int | None = None) -> None:
     """`move_slots` with no host sync for the pages `moves_on_device` takes (eviction between
     CUDA-graph decode steps, eviction/front.py). real [M] bool or None (all): the moves that
-    count; the others (front.py's padding, a token moved onto itself) change nothing.
+    count; the others (front.py's padding, a token moved onto itself) change nothing. A
+    padding move's destination slot must be no real move's destination.
 
-    fp8 page scales, bit for bit what `move_slots` does with the real moves (`_move_grouped`):
-    each destination (page, head)'s scale grows by a power of two to cover the tokens moved
-    into it (`grow_page_scale`; dense over the pool's pages, so no `unique`), a (page, head)
-    whose scale grew is encoded again whole from its decoded values, and each moved token is
-    encoded under its destination's new scale. Destinations shared by several moves compute
-    the same page, so their duplicate writes agree. Sources are read before any write."""
+    Formats that move exactly: one gather and one scatter of each part. Page- and
+    channel-scaled ones, bit for bit what `move_slots` does with the real moves: the
+    destination (page, head) "cells" are found by a sort instead of `unique` (at most
+    `max_cells` of them, default M: front.py passes its tighter bound), each cell's parameters
+    change as `_move_cells` says, a cell whose parameters changed is encoded again whole, and
+    each moved token is encoded under its cell's new parameters. Every move writes its cell's
+    whole new page, so moves that share a cell write the same bytes. Sources are read before
+    any write."""
     if moves_exactly(paged):
         move_slots_exact(paged, src, dst, heads)
         return
-    fmt = paged.fmt
+    if not moves_on_device(paged):
+        raise UnsupportedShapeError(
+            f"move_slots_device: {paged!r} re-encodes its moves on the host (residual rows or "
+            f"a registered codec); use move_slots")
     P, H = paged.page_size, paged.num_heads
     ps, os_, pd, od = src // P, src % P, dst // P, dst % P
-    # (the plain cast, not fp8_decode's CPU fast path, which reads a min / max on the host:
-    # the same values)
-    vals = paged.data[ps, heads, os_].float() * paged.scale[ps, heads].float()[:, None]
+    vals = _token_values(paged, ps, os_, heads)
     if real is None:
         real = torch.ones_like(src, dtype=torch.bool)
-    cell = pd * H + heads                                                    # [M]
-    a = torch.where(torch.isfinite(vals), vals.abs(), 0.0).amax(-1)          # [M]
-    amax = torch.zeros(paged.scale.numel(), dtype=torch.float32, device=vals.device)
-    amax = amax.scatter_reduce(0, cell, torch.where(real, a, 0.0), "amax", include_self=True)
-    s_old = paged.scale[pd, heads]                                           # [M]
-    s_new = grow_page_scale(s_old, amax[cell] / fmt.scale_divisor)
-    changed = grouped.changed_heads([(s_old[:, None], s_new[:, None])], "page")[:, 0]
-    # the (page, head)s whose scale grew, encoded again whole under it (all from the
-    # state before any write: the duplicates of a page agree)
-    u8 = torch.uint8   # (where() on the codes' bytes: fp8 dtypes have no where)
-    cur = paged.data[pd, heads]                                              # [M, P, D]
-    again = fp8_encode(cur.float() * s_old.float()[:, None, None], s_new[:, None, None],
-                       fmt.storage_dtype)
-    paged.data[pd, heads] = torch.where(changed[:, None, None], again.view(u8),
-                                        cur.view(u8)).view(cur.dtype)
-    # the moved tokens under their destination's new scale (the others rewrite what is there)
-    tok = fp8_encode(vals, s_new[:, None], fmt.storage_dtype)
-    here = paged.data[pd, heads, od]
-    paged.data[pd, heads, od] = torch.where(real[:, None], tok.view(u8),
-                                            here.view(u8)).view(here.dtype)
-    paged.scale[pd, heads] = s_new.to(paged.scale.dtype)
+    seg, pg, hd = _cells_by_sort(pd * H + heads, H, max_cells)
+    _move_cells(paged, vals, od, real, seg, pg, hd, (pd, heads, seg))
 
 
 def move_slots_exact(paged: PagedTensor, src: torch.Tensor, dst: torch.Tensor,
@@ -230,34 +225,126 @@ def _scatter(init: float, shape, index, src, how: str) -> torch.Tensor:
                                        include_self=True).view(shape)
 
 
-def _group_stats(vals: torch.Tensor, cell: torch.Tensor, shape):
+def _group_stats(vals: torch.Tensor, cell: torch.Tensor, shape, real: torch.Tensor):
     """Per parameter group of the moved elements: finite min, finite max, finite amax, any NaN.
-    vals [M, D]; cell [M, D] the flat index of each element's group in `shape`."""
-    fin = torch.isfinite(vals)
+    vals [M, D]; cell [M, D] the flat index of each element's group in `shape`; real [M] the
+    moves that count (the others leave every statistic at its empty value)."""
+    fin = torch.isfinite(vals) & real[:, None]
     lo = _scatter(torch.inf, shape, cell, torch.where(fin, vals, torch.inf), "amin")
     hi = _scatter(-torch.inf, shape, cell, torch.where(fin, vals, -torch.inf), "amax")
     amax = _scatter(0.0, shape, cell, torch.where(fin, vals.abs(), 0.0), "amax")
-    nan = _scatter(0.0, shape, cell, torch.isnan(vals).float(), "amax") > 0
+    nan = _scatter(0.0, shape, cell, (torch.isnan(vals) & real[:, None]).float(), "amax") > 0
     return lo, hi, amax, nan
 
 
 def _move_grouped(paged: PagedTensor, vals, pd, od, heads) -> None:
     # vals [M, D] fp32; pd, od, heads [M]: destination page, offset and head of each token
-    fmt, g = paged.fmt, paged.fmt.granularity
-    H, P, D = paged.num_heads, paged.page_size, paged.head_dim
-    ud, dinv = torch.unique(pd, return_inverse=True)
-    U, M = ud.numel(), vals.shape[0]
-    gid = dinv * H + heads                                                   # [M] (page, head)
-    if g == "channel" and fmt.name != "fp4_e2m1":   # one group per (page, head, channel)
-        shape = (U, H, D)
-        cell = gid[:, None] * D + torch.arange(D, device=vals.device)
-    else:                                           # one per (page, head)
-        shape = (U, H)
-        cell = gid[:, None].expand(M, D)
-    lo, hi, amax, nan = _group_stats(vals, cell, shape)
-    s_old = paged.scale[ud]
+    uc, seg = torch.unique(pd * paged.num_heads + heads, return_inverse=True)
+    pg, hd = uc // paged.num_heads, uc % paged.num_heads
+    real = torch.ones_like(pd, dtype=torch.bool)
+    _move_cells(paged, vals, od, real, seg, pg, hd, (pg, hd, torch.arange(uc.numel(),
+                                                                          device=uc.device)))
+
+
+def _cells_by_sort(cell: torch.Tensor, H: int, max_cells: int | None):
+    """`unique(cell, return_inverse=True)` with a size known in advance (no host sync): seg
+    [M] the rank of each move's cell among the distinct ones, pg / hd [S] the page and head of
+    each rank (S = max_cells or M; the ranks past the distinct count hold cell 0 and are never
+    written)."""
+    M = cell.numel()
+    S = M if max_cells is None else max(1, min(M, max_cells))
+    order = torch.sort(cell, stable=True)
+    key = order.values
+    first = torch.ones_like(key, dtype=torch.bool)
+    first[1:] = key[1:] != key[:-1]
+    rank = torch.cumsum(first.to(torch.int64), 0) - 1                       # [M] sorted
+    seg = torch.empty_like(rank).scatter_(0, order.indices, rank)
+    # (a wrong bound would index past S: clamped so that it cannot write out of bounds; the
+    # callers' bounds are proven, see front.py)
+    seg = seg.clamp(max=S - 1)
+    rep = torch.zeros(S, dtype=key.dtype, device=key.device)
+    rep = rep.scatter(0, rank.clamp(max=S - 1), key)
+    return seg, rep // H, rep % H
+
+
+def _cell_params(paged: PagedTensor, pg, hd) -> dict[str, torch.Tensor]:
+    """The grouped parameters of cells (pg, hd) [S], shaped [S, 1, ...] (a page of one head):
+    scale, and zero (int) or micro (fp4) where the format has them."""
+    out = {"scale": paged.scale[pg, hd][:, None]}
+    if paged.zero is not None:
+        out["zero"] = paged.zero[pg, hd][:, None]
+    if paged.micro is not None:
+        out["micro"] = paged.micro[pg, hd][:, None]
+    return out
+
+
+def _decode_cells(paged: PagedTensor, pg, hd, params) -> torch.Tensor:
+    """The values of cells (pg, hd) [S] -> [S, 1, P, D] fp32, as `_decode_pages` gives them
+    (the plain fp8 cast, not fp8_decode's CPU fast path, which reads a min / max on the host:
+    the same values)."""
+    fmt = paged.fmt
+    codes = paged.data[pg, hd][:, None]                                       # [S, 1, P, Ds]
+    s = params["scale"].float()
+    sb = s[:, :, None, :] if s.dim() == 3 else s[:, :, None, None]
     if fmt.is_int:
-        z_old = paged.zero[ud]
+        z = params["zero"]
+        zb = z[:, :, None, :] if z.dim() == 3 else z[:, :, None, None]
+        return int_decode(codes, sb, zb, fmt.int_bits)
+    if fmt.name == "fp4_e2m1":
+        if fmt.granularity == "channel":
+            m = params["micro"].float().repeat_interleave(MICRO_BLOCK, dim=2)
+            return (e2m1_values(unpack_e2m1(codes)) * m) * sb
+        return fp4_decode(codes, params["micro"], sb)
+    return codes.float() * sb
+
+
+def _token_values(paged: PagedTensor, ps, os_, heads) -> torch.Tensor:
+    """Decoded value of each source token [M, D] fp32 with no host sync (no residual rows,
+    no registered codec): `_values` without its `unique`."""
+    fmt, g = paged.fmt, paged.fmt.granularity
+    codes = paged.data[ps, heads, os_]                                        # [M, Ds]
+    if not fmt.is_quantized:
+        return codes.float()
+    if g == "tensor":
+        s = paged.scale.float().view(1, 1)
+    elif g == "token":
+        s = paged.scale[ps, heads, os_].float()[:, None]
+    elif g == "channel" and fmt.name != "fp4_e2m1":
+        s = paged.scale[ps, heads].float()                                    # [M, D]
+    else:
+        s = paged.scale[ps, heads].float()[:, None]
+    if fmt.is_int:
+        z = paged.zero
+        z = (z.view(1, 1) if g == "tensor" else z[ps, heads, os_][:, None] if g == "token"
+             else z[ps, heads] if g == "channel" else z[ps, heads][:, None])
+        return int_decode(codes, s, z, fmt.int_bits)
+    if fmt.name == "fp4_e2m1":
+        if g == "channel":
+            m = paged.micro[ps, heads, os_ // MICRO_BLOCK].float()            # [M, D]
+            return (e2m1_values(unpack_e2m1(codes)) * m) * s
+        return fp4_decode(codes, paged.micro[ps, heads, os_], s)
+    return codes.float() * s
+
+
+def _move_cells(paged: PagedTensor, vals, od, real, seg, pg, hd, write) -> None:
+    """Moves into grouped (page- or channel-scaled) pages, by destination cell: vals [M, D]
+    fp32, od [M] offsets, real [M] the moves that count, seg [M] each move's cell in (pg, hd)
+    [S]. write (pages, heads, cells): where each new cell goes (the host path: each cell once;
+    the device path: once per move, the duplicates equal)."""
+    fmt, g = paged.fmt, paged.fmt.granularity
+    P, D = paged.page_size, paged.head_dim
+    S, M = pg.numel(), vals.shape[0]
+    if g == "channel" and fmt.name != "fp4_e2m1":   # one group per (page, head, channel)
+        shape = (S, 1, D)
+        cell = seg[:, None] * D + torch.arange(D, device=vals.device)
+    else:                                           # one per (page, head)
+        shape = (S, 1)
+        cell = seg[:, None].expand(M, D)
+    lo, hi, amax, nan = _group_stats(vals, cell, shape, real)
+    old = _cell_params(paged, pg, hd)
+    s_old = old["scale"]
+    if fmt.is_int:
+        z_old = old["zero"]
         lo, hi = lo.clamp(max=_F16_MAX), hi.clamp(min=-_F16_MAX)     # saturate as int_params
         top = z_old.float() + levels(fmt.int_bits) * s_old.float()
         # a group whose range holds the moved tokens keeps it; one that is NaN stays NaN
@@ -273,34 +360,35 @@ def _move_grouped(paged: PagedTensor, vals, pd, od, heads) -> None:
         params = {"scale": s_new}
         pairs = [(s_old, s_new)]
         if fmt.name == "fp4_e2m1" and g == "channel":
-            params["micro"] = _fp4_channel_micro(paged, ud, s_old, s_new, vals, gid, od)
-            pairs.append((paged.micro[ud], params["micro"]))
-    changed = grouped.changed_heads(pairs, g)                                # [U, H]
-    tile = paged._decode_pages(ud)                                           # [U, H, P, D]
-    tile[dinv, heads, od] = vals
-    moved = torch.zeros(U, H, P, dtype=torch.bool, device=vals.device)
-    moved[dinv, heads, od] = True
+            params["micro"] = _fp4_channel_micro(old["micro"], s_old, s_new, vals, seg, od,
+                                                 real)
+            pairs.append((old["micro"], params["micro"]))
+    changed = grouped.changed_heads(pairs, g)                                # [S, 1]
+    tile = _decode_cells(paged, pg, hd, old)                                 # [S, 1, P, D]
+    zero = torch.zeros_like(seg)
+    here = tile[seg, zero, od]
+    tile = tile.index_put((seg, zero, od), torch.where(real[:, None], vals, here))
+    moved = torch.zeros(S, 1, P, dtype=torch.int32, device=vals.device)
+    moved = moved.index_put((seg, zero, od), real.to(torch.int32), accumulate=True) > 0
     take = (moved | changed[:, :, None])[..., None]
+    wp, wh, wc = write
     for name, codes in paged._encode_tile(tile, params).items():
-        buf = getattr(paged, name)
-        cur = buf[ud]
-        buf[ud] = torch.where(take, codes.view(torch.uint8),
-                              cur.view(torch.uint8)).view(cur.dtype)
+        cur = getattr(paged, name)[pg, hd][:, None]
+        new = torch.where(take, codes.view(torch.uint8), cur.view(torch.uint8)).view(cur.dtype)
+        getattr(paged, name)[wp, wh] = new[wc, 0]
     for name, t in params.items():
-        getattr(paged, name)[ud] = t
+        getattr(paged, name)[wp, wh] = t[wc, 0]
 
 
-def _fp4_channel_micro(paged, ud, s_old, s_new, vals, gid, od) -> torch.Tensor:
-    """fp4 "channel" micro scales [U, H, G, D] after the moves: the old ones rescaled to the
-    grown page scale (exact for a power of two), raised where a moved token needs more; NaN in
-    a moved token's channel makes its 16-token group NaN."""
-    D = paged.head_dim
-    m_old = paged.micro[ud]
-    U, H, G, _ = m_old.shape
+def _fp4_channel_micro(m_old, s_old, s_new, vals, seg, od, real) -> torch.Tensor:
+    """fp4 "channel" micro scales [S, 1, G, D] of the cells after the moves: the old ones
+    m_old rescaled to the grown page scale (exact for a power of two), raised where a moved
+    token needs more; NaN in a moved token's channel makes its 16-token group NaN."""
+    S, _one, G, D = m_old.shape
     shifted = (m_old.float() * (s_old / s_new)[:, :, None, None]).to(torch.float8_e4m3fn)
     shifted = torch.where(torch.isnan(m_old.float()), torch.nan, shifted.float())
-    cell = (gid * G + od // MICRO_BLOCK)[:, None] * D + torch.arange(D, device=vals.device)
-    _lo, _hi, need, nan = _group_stats(vals, cell, (U, H, G, D))
+    cell = (seg * G + od // MICRO_BLOCK)[:, None] * D + torch.arange(D, device=vals.device)
+    _lo, _hi, need, nan = _group_stats(vals, cell, (S, 1, G, D), real)
     s = s_new[:, :, None, None]
     short = need > E2M1_MAX * shifted * s
     micro = torch.where(short, torch.maximum(shifted, micro_scale(need, s).float()), shifted)

@@ -15,17 +15,16 @@ serves all items:
                          a row with fewer moves pads with its last slot onto itself (dropped
                          after, never a destination)
 
-then per layer one gather and one scatter of each stored part (compaction.move_slots_device:
-fp8 page scales re-encode the (page, head)s whose scale a moved token grows, still with no
-sync), and
-the H2O mass rows of the store moved the same way. The host only adds lengths and page lists.
+then per layer one gather and one scatter of each stored part, or for page- and channel-scaled
+formats (fp8, fp4, int) a re-encode of the (page, head)s whose parameters a moved token changes
+(compaction.move_slots_device, still with no sync), and the H2O mass rows of the store moved the
+same way. The host only adds lengths and page lists.
 A policy with kept scores (SnapKV(hold=True)) ranks by the books' `score` rows, the slots of
 the steps stepped aside for ranked as decoded tokens (policies.DECODED + index), and the rows
 move with the slots. Not taken (the runtime's per-sequence path does them): mixed policies in
 one sequence, page granularity, a policy whose kept count is not its budget or whose fresh
-scores are shared by heads, formats `moves_on_device` does not take (int / fp4 / channel
-scales, residual pages), heads of different counts
-across layers.
+scores are shared by heads, formats `moves_on_device` does not take (residual pages, a
+registered codec), heads of different counts across layers.
 """
 
 from __future__ import annotations
@@ -186,10 +185,14 @@ def _evict(rt, pool, layers, H, items, groups) -> None:
     hh = torch.arange(H, device=dev)[None, :, None].expand(n, H, M)
     gsrc, gdst = gsrc.view(n, Ly, H, M), gdst.view(n, Ly, H, M)
     real = valid.view(n, Ly, H, M)   # (the padding moves a token onto itself: no part in
-    for i, li in enumerate(layers):  # a page scale's growth)
+    # a page scale's growth). Destination (page, head)s per layer, at most: a row's real moves
+    # fill holes below its budget (ceil(budget / P) pages), its padding the last slot's page
+    cells = n * H * min(M, -(-max(budget) // Ps) + 1)
+    for i, li in enumerate(layers):
         s_i, d_i = gsrc[:, i].reshape(-1), gdst[:, i].reshape(-1)
         for paged in (pool.k[li], pool.v[li]):
-            move_slots_device(paged, s_i, d_i, hh.reshape(-1), real[:, i].reshape(-1))
+            move_slots_device(paged, s_i, d_i, hh.reshape(-1), real[:, i].reshape(-1),
+                              max_cells=cells)
     # commit: lengths, books, the store's mass rows
     pos = pos.view(n, Ly, H, Lmax)
     if mass is not None:

@@ -1036,17 +1036,19 @@ class EvictionRuntime(RuntimeHook):
         step, batched over sequences and layers (front.py: the tail's kept tokens fill the
         holes below the budget). Returns the items it does not take (then `evict`, which reads
         counts on the host): mixed policies, page granularity, formats `moves_on_device` does
-        not take, a policy type whose kept count is not its budget."""
+        not take (residual rows, a registered codec), a policy type whose kept count is not its
+        budget."""
         left = evict_fronts(self, items)
         if left:
             pool = self.state.pool
             slow = sorted({f"{c.fmt.name}/{c.fmt.granularity}" for li in self.policies
                            for c in (pool.k[li], pool.v[li]) if not moves_on_device(c)})
             if slow:   # (said once: the cost is a host sync and a re-encode per sequence)
-                self._say(f"eviction: {', '.join(slow)} pages re-encode the tokens they move, "
-                          f"so decode-step evictions run on the host path (a sync and a "
-                          f"re-encode per sequence and layer); fp8 pages without a residual "
-                          f"move them on the device")
+                self._say(f"eviction: {', '.join(slow)} pages re-encode the tokens they move "
+                          f"on the host (residual rows or a registered codec), so decode-step "
+                          f"evictions run on the host path (a sync and a re-encode per "
+                          f"sequence and layer); the same format without residual=True moves "
+                          f"them on the device")
         return left
 
     def _evict_front(self, sid: int, book: _Book, budget: int) -> bool:

@@ -169,7 +169,14 @@ EVICT = [("SinkWindow", lambda: kvcompile.SinkWindow(4, 60), 1, "cache"),
          ("H2O", lambda: kvcompile.H2O(budget=64, recent=16, sinks=4), 1, None)]
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
+# int4: the 4-bit Pareto format's layout (K int4 channel-scaled, V int4 token-scaled, pages
+# of 64), whose moved tokens are re-encoded on the device (sixteenth session)
+FORMATS = {"bf16": dict(kv_dtype="bf16", page_size=16),
+           "fp8_e4m3": dict(kv_dtype="fp8_e4m3", page_size=16),
+           "int4": dict(kv_dtype="int4", scale_granularity="channel", page_size=64)}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("name,policy,interval,sinks", EVICT, ids=[e[0] for e in EVICT])
 def test_eviction_in_generate_graphs(fmt, name, policy, interval, sinks):
     """generate with an eviction policy: decode steps replay CUDA graphs (the eviction runtime
@@ -177,8 +184,8 @@ def test_eviction_in_generate_graphs(fmt, name, policy, interval, sinks):
     off (its host path): tokens equal, per-step logits within TOL, every step a replay."""
     torch._dynamo.reset()
     model = tiny()
-    kvcompile.compile(model, KVConfig(kv_dtype=fmt, max_kv_bytes=256 << 20, page_size=16,
-                                      eviction=policy(), eviction_interval=interval))
+    kvcompile.compile(model, KVConfig(max_kv_bytes=256 << 20, eviction=policy(),
+                                      eviction_interval=interval, **FORMATS[fmt]))
     try:
         ids, am = inputs(B=3, L=100, pad=False, seed=21)
         with torch.no_grad():   # the eviction runtime exists after a first call
