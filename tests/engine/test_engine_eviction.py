@@ -525,7 +525,10 @@ def test_chunked_prompts_attend_as_without_eviction(model, monkeypatch):
     # test_engine.py::test_quantized_prompt_chunks_end_on_pages)
     dict(kv_dtype="int4", scale_granularity="channel", residual=True, page_size=16,
          free_pages=6),
-], ids=["fp8", "int4-channel-residual"])
+    # the same without the residual page (the capacity rows' 4-bit format): its evictions
+    # re-encode the moved tokens' (page, head)s on the device (compaction.move_slots_device)
+    dict(kv_dtype="int4", scale_granularity="channel", page_size=16, free_pages=6),
+], ids=["fp8", "int4-channel-residual", "int4-channel"])
 def test_random_arrivals_quantized_eviction_preemption_prefix(cfg):
     """Issue 19's settings under random arrivals: quantized pages, SinkWindow and SnapKV (growing
     and holding its budget) requests beside requests that keep every token, prompts that share a prefix, a pool so
@@ -572,6 +575,8 @@ def test_random_arrivals_quantized_eviction_preemption_prefix(cfg):
         assert all(final[i].num_cached_tokens == 0 for i in evicting)
         assert any(final[i].num_cached_tokens for i in final if i not in evicting), \
             "the prefix cache never hit"
+        if not cfg.get("residual"):   # decode-step evictions moved tokens on the device
+            assert state_of(m).counters.get("eviction_device_runs", 0) > 0
         eng.close()
     finally:
         pool.free([hog])
