@@ -147,6 +147,10 @@ class EvictionRuntime(RuntimeHook):
         self._pool = None
         self._facts: dict[int, _Facts] = {}
         self._facts_key = None
+        # MLA layers (passes/eviction.py): their pages hold the latent (keys) and the rotary
+        # key (values); attention over kept slots runs in the latent space (`_kv`), on the
+        # host path or over their stored slots (runtime/dispatch.py attend_latent)
+        self.latent: set[int] = set()
 
     def set_sequence_policy(self, seq_id: int, policy: EvictionPolicy | None,
                             sink_positions: str | None = None) -> None:
@@ -186,8 +190,26 @@ class EvictionRuntime(RuntimeHook):
 
     def _rerotate(self, sid: int, policy) -> bool:
         where = self.seq_sink_positions.get(sid, self.sink_positions)
+        if (where == "cache" and self.latent and self.inv_freq is not None
+                and P.rerotated_sinks(policy) > 0):
+            self._say("eviction: latent (MLA) layers keep SinkWindow's sinks at their text "
+                      "positions (re-rotating a latent layer's rotary key is not implemented)")
+            return False
         return (where == "cache" and self.inv_freq is not None
                 and P.rerotated_sinks(policy) > 0)
+
+    def _kv(self, layer: int, sid: int):
+        """(keys [Hkv, L, D], values [Hkv, L, Dv]) of a sequence's stored slots in fp32, as
+        its attention sees them: the pages, or for an MLA layer (latent c, rotary key r) the
+        absorbed form's keys [c, r] and values c (the query comes absorbed)."""
+        k, v = self.state.pool.gather(layer, sid)
+        if layer in self.latent:
+            return torch.cat([k, v], -1), k
+        return k, v
+
+    def _out_dim(self, layer: int) -> int:
+        pool = self.state.pool
+        return pool.k[layer].head_dim if layer in self.latent else pool.v[layer].head_dim
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def _watch(self, pool) -> None:
@@ -350,14 +372,14 @@ class EvictionRuntime(RuntimeHook):
         out = self._attend_kernel(ctx, layer, q, plan, attn_mask, window, softcap, scale)
         if out is not None:
             return out
-        out = torch.empty((*q.shape[:-1], pool.v[layer].head_dim), dtype=torch.float32,
+        out = torch.empty((*q.shape[:-1], self._out_dim(layer)), dtype=torch.float32,
                           device=q.device)
         cu = plan.cu_seqlens_q.tolist() if plan.packed else None
         for i, sid, _past, n in self._rows(plan):
             book = self.books[sid]
             policy = self.policy_of(sid, layer)
             pos = book.pos[layer]
-            k, v = pool.gather(layer, sid)                     # [Hkv, L, D] fp32
+            k, v = self._kv(layer, sid)                        # [Hkv, L, D] fp32
             total = pool.logical_len(sid)
             q_pos = torch.arange(total - n, total, device=q.device)
             qi = q[0, :, cu[i]:cu[i + 1]] if plan.packed else q[i]
@@ -403,7 +425,7 @@ class EvictionRuntime(RuntimeHook):
                 continue
             book = self.books[sid]
             policy = self.policy_of(sid, layer)
-            k, v = pool.gather(layer, sid)                     # [Hkv, L, D] fp32
+            k, v = self._kv(layer, sid)                        # [Hkv, L, D] fp32
             total = pool.logical_len(sid)
             q_pos = torch.arange(total - n, total, device=q.device)
             sink_slots = sink_rot = None
@@ -430,7 +452,7 @@ class EvictionRuntime(RuntimeHook):
         """One-query rows of a packed step through the paged decode kernel, as a batch of
         their own (`_attend_kernel`'s conditions per row); returns the rows it attended."""
         state = ctx.state
-        if not state.kernels.use_triton(q.device):
+        if not state.kernels.use_triton(q.device) or layer in self.latent:
             return []
         take, hidden, mass_rows = [], [], []
         for i, sid, _past, _n in self._rows(plan):
@@ -527,6 +549,32 @@ class EvictionRuntime(RuntimeHook):
                             or book.window is not None or (mass and n == 1)))
         return out
 
+    def latent_rows(self, plan, layer: int, mask_free: bool) -> list[str]:
+        """How each row of an MLA layer's step attends (runtime/dispatch.py attend_latent):
+        "plain": nothing of its sequence evicted and no left padding (as without eviction;
+        SnapKV's observation and H2O's prompt mass apart, `plain_rows`); "stored": a
+        one-token row whose stored slots are exactly its kept tokens with no per-slot rule
+        (compacted: no holes or hidden window slots, no left padding, no mass to add up, no
+        observation carried, no sink to re-rotate), attended by the latent kernels over
+        them, the model's mask dropped (its columns are logical indices; only when
+        `mask_free`: it hides no key); "host": over the kept slots in fp32 (attend.py, every
+        rule applied, through `_kv`)."""
+        pool = self.state.pool
+        out = []
+        for (_i, sid, _past, n), plain in zip(self._rows(plan), self.plain_rows(plan, layer)):
+            if plain:
+                out.append("plain")
+                continue
+            book = self.books.get(sid)
+            ok = (book is not None and n == 1 and mask_free and not book.carry
+                  and not book.start and not book.holes and layer not in book.mass
+                  and not self.observe_all and not self._rerotate(sid, self.policy_of(sid, layer)))
+            if ok:
+                kept = self._kernel_slots(sid, layer, pool.logical_len(sid), 0)
+                ok = kept is not None and kept[2] <= kept[1]
+            out.append("stored" if ok else "host")
+        return out
+
     def observe_prefill(self, ctx, layer, q, plan, attn_mask, is_causal, window, softcap,
                         scale, only=None) -> None:
         """SnapKV's observation of a prefill that attended as without eviction: the last
@@ -549,7 +597,7 @@ class EvictionRuntime(RuntimeHook):
             mask_b = None
             if attn_mask is not None and not plan.packed:
                 mask_b = _row_mask(attn_mask, i, n)[:, n - r:]
-            k, v = pool.gather(layer, sid)                     # [Hkv, L, D] fp32
+            k, v = self._kv(layer, sid)                        # [Hkv, L, D] fp32
             total = pool.logical_len(sid)
             q_pos = torch.arange(total - r, total, device=q.device)
             _o, _m, obs = attend_kept(
@@ -582,7 +630,10 @@ class EvictionRuntime(RuntimeHook):
                 window = min((w for w in (window, mask_info.window) if w), default=0)
             else:
                 custom = True
-        if state.kernels.use_triton(q.device):
+        if state.kernels.use_triton(q.device) and layer in self.latent:
+            self._say("H2O prompt mass of latent (MLA) layers: the torch path per sequence "
+                      "(eviction/attend.py prompt_mass; the prompt-mass kernel reads K pages)")
+        elif state.kernels.use_triton(q.device):
             if custom:
                 self._say("H2O prompt mass under a mask that is not causal + window: the "
                           "torch path per sequence (eviction/attend.py prompt_mass)")
@@ -593,7 +644,7 @@ class EvictionRuntime(RuntimeHook):
         cu = plan.cu_seqlens_q.tolist() if plan.packed else None
         for i, sid, n in rows:
             book = self.books[sid]
-            k, _v = pool.gather(layer, sid)                    # [Hkv, L, D] fp32
+            k, _v = self._kv(layer, sid)                       # [Hkv, L, D] fp32
             total = pool.logical_len(sid)
             qi = q[0, :, cu[i]:cu[i + 1]] if plan.packed else q[i]
             q_pos = torch.arange(total - n, total, device=q.device)
@@ -657,8 +708,8 @@ class EvictionRuntime(RuntimeHook):
         per sequence (q [1, Hq, B, D])."""
         state = ctx.state
         packed1 = plan.packed and all(n == 1 for n in plan.q_lens)
-        if not ((plan.is_decode and not plan.packed) or packed1):
-            return None
+        if not ((plan.is_decode and not plan.packed) or packed1) or layer in self.latent:
+            return None   # (MLA: the latent kernel serves the rows without a rule, dispatch.py)
         if not state.kernels.use_triton(q.device):
             return None
         if plan.packed:   # the model's mask of a packed step is over the packed tokens:
@@ -852,6 +903,9 @@ class EvictionRuntime(RuntimeHook):
         new_rows = 0   # H2O sequences that start decoding aside: each takes a store row
         if self.windowed:
             why = "a sliding window (a per-slot rule)"
+        elif self.latent & set(self.policies):
+            why = ("latent (MLA) layers (their decode steps attend in runtime/dispatch.py "
+                   "attend_latent, over the stored slots or on the host path)")
         elif self.observe_all:
             why = "observe_all (every policy's scores are recorded)"
         elif len(self.policies) != len(self.state.layer_specs):

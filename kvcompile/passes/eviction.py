@@ -42,8 +42,9 @@ def eviction_pass(gm: fx.GraphModule, plan, state) -> str:
         rt = state.eviction = EvictionRuntime(state)
         state.hooks.append(rt)
     by_name = {s.name: s for s in sites}
+    ops = (torch.ops.kvcompile.attention.default, torch.ops.kvcompile.latent_attention.default)
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is torch.ops.kvcompile.attention.default:
+        if node.op == "call_function" and node.target in ops:
             site = by_name.get(node.args[5])
             if site is not None:
                 node.meta[META_KEY] = _policy_str(site.config.eviction)
@@ -52,6 +53,8 @@ def eviction_pass(gm: fx.GraphModule, plan, state) -> str:
         if rt.policies.get(li, policy) != policy:
             raise CacheStateError(f"layer {site.name} was compiled with two eviction policies")
         rt.policies[li] = policy
+        if site.latent is not None:   # MLA: attention over kept slots in the latent space
+            rt.latent.add(li)
     if rt.inv_freq is None:
         rt.inv_freq = find_inv_freq(gm)
     kinds: dict[str, int] = {}

@@ -50,7 +50,7 @@ def _latent_refusal(site: AttentionSite, state) -> bool:
     """An MLA site whose config asks for what latent pages do not do yet is left alone, and
     says so once."""
     cfg = site.config
-    field_name = "eviction" if cfg.eviction else "rotate" if cfg.rotate == "hadamard" else ""
+    field_name = "rotate" if cfg.rotate == "hadamard" else ""
     if not field_name:
         return False
     site.skip(f"MLA: KVConfig.{field_name}={getattr(cfg, field_name)!r} is not supported on "

@@ -243,6 +243,73 @@ def _fresh_causal(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal,
 
 def attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, window, softcap,
                   scale, kv_b_weight, nope_dim: int, fresh=None):
+    """Attention of an MLA layer (`_attend_latent`), through its eviction policy where it has
+    one (`_latent_evicting`)."""
+    ev = ctx.state.eviction
+    if ev is not None and layer in ev.policies:
+        return _latent_evicting(ctx, layer, q, plan, mask_info, attn_mask, is_causal, window,
+                                softcap, scale, kv_b_weight, nope_dim, fresh)
+    return _attend_latent(ctx, layer, q, plan, mask_info, attn_mask, is_causal, window,
+                          softcap, scale, kv_b_weight, nope_dim, fresh)
+
+
+def _latent_evicting(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, window,
+                     softcap, scale, kv_b_weight, nope_dim: int, fresh):
+    """An MLA layer with an eviction policy, row by row (EvictionRuntime.latent_rows): rows
+    whose sequence evicted nothing attend as without eviction (then SnapKV's observation and
+    H2O's prompt mass are scored in the absorbed form: keys [c, k_rope], query [q_nope W_UK,
+    q_rope], the same scores); one-token rows over compacted kept slots attend over their
+    stored slots through the latent kernels; the others over their kept slots in fp32 on the
+    host (the runtime's `attend_kept` through `_kv`), in the latent space, W_UV after. A
+    non-packed step with any host row attends every row on the host, as dispatch.attend
+    does."""
+    state = ctx.state
+    ev = state.eviction
+    if (mask_info is not None and not mask_info.exact and not plan.is_decode
+            and not plan.packed):
+        ev.mark_holes(plan)   # a prompt mask with holes: its decode steps keep the rules
+    free = plan.packed or attn_mask is None or mask_hides_no_key(plan, mask_info)
+    kinds = ev.latent_rows(plan, layer, free)
+    host = {i for i, k in enumerate(kinds) if k == "host"}
+    plain = {i for i, k in enumerate(kinds) if k == "plain"}
+    dense = None if attn_mask is None or plan.packed else masks.dense(plan, attn_mask)
+    out = q_lat = None
+    if plan.packed or not host:
+        if any(k == "stored" for k in kinds) and not plan.packed:
+            attn_mask = mask_info = None   # (free: it hides no key; its columns are logical)
+        out = _attend_latent(ctx, layer, q, plan, mask_info, attn_mask, is_causal, window,
+                             softcap, scale, kv_b_weight, nope_dim, fresh)
+        if plain:
+            q_lat = absorb_query(q, kv_b_weight, nope_dim)
+            only = None if len(plain) == len(kinds) else plain
+            ev.observe_prefill(ctx, layer, q_lat, plan, dense, is_causal, window, softcap,
+                               scale, only=only)
+            ev.prompt_mass(ctx, layer, q_lat, plan, None if plan.packed else attn_mask,
+                           None if plan.packed else mask_info, is_causal, window, softcap,
+                           scale, only=only)
+        if not host:
+            return out
+    if q_lat is None:
+        q_lat = absorb_query(q, kv_b_weight, nope_dim)
+    state.count("latent_eviction_host_rows", len(host))
+    if not plan.packed:
+        o_lat = ev.attend_kept(ctx, layer, q_lat, plan, dense, is_causal, window, softcap,
+                               scale, {})
+        return latent_output(o_lat.to(q_lat.dtype), kv_b_weight, nope_dim)
+    into = torch.zeros((*q_lat.shape[:-1], state.pool.k[layer].head_dim),
+                       dtype=torch.float32, device=q.device)
+    o_lat = ev.attend_kept(ctx, layer, q_lat, plan, None, is_causal, window, softcap, scale,
+                           {}, rows=host, into=into)
+    o = latent_output(o_lat.to(q_lat.dtype), kv_b_weight, nope_dim)   # [1, H, T, dv]
+    cu = plan.cu_seqlens_q.tolist()
+    cols = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in sorted(host)]).to(q.device)
+    out = out.clone() if out is not None else torch.zeros_like(o)
+    out[:, :, cols] = o[:, :, cols].to(out.dtype)
+    return out
+
+
+def _attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, window, softcap,
+                   scale, kv_b_weight, nope_dim: int, fresh=None):
     """Attention of an MLA layer (kernels/latent.py), whose pages hold the latent (keys,
     width r) and the rotary key (values, width dr); the new tokens' are already written.
     q [B, H, S, dn + dr] -> [B, H, S, dv].
@@ -252,8 +319,8 @@ def attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, win
     cheap there. Everything else (decode steps, chunked prefill, padded prompts) attends in the
     latent space over the stored pages: q_nope absorbed by W_UK once per step, one latent head
     per token read for every query head, W_UV applied to the weighted latents; nothing of the
-    past is expanded. Eviction and rotation are refused for these layers at compile time
-    (passes/site_formats.py)."""
+    past is expanded. Rotation is refused for these layers at compile time
+    (passes/site_formats.py); eviction goes through `_latent_evicting`."""
     state = ctx.state
     heads = q.shape[1]
     causal = _fresh_causal(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal,

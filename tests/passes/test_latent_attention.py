@@ -8,7 +8,7 @@
   families for bf16 / fp8 pages;
 - the absorbed math equals the expanded one on fresh random inputs (float64 reference);
 - negative cases: cross-attention over a latent of other states is not MLA of this sequence
-  (left alone, said why); a projection with a bias, and eviction on latent pages, are refused
+  (left alone, said why); a projection with a bias, and rotation on latent pages, are refused
   with the reason and the fix.
 """
 
@@ -260,7 +260,9 @@ def test_kv_b_proj_with_a_bias_is_refused_with_the_reason():
     assert torch.equal(got, want)
 
 
-def test_eviction_on_latent_pages_is_refused_with_the_fix():
+def test_rotation_on_latent_pages_is_refused_with_the_fix():
+    """rotate="hadamard" on latent pages: left alone, with the reason and the fix (eviction on
+    latent pages is supported: tests/eviction/test_latent_eviction.py)."""
     model = make_mla("deepseek_v3", "sdpa")
     ids, mask = _prompt()
     kw = dict(max_new_tokens=2, do_sample=False, attention_mask=mask, pad_token_id=0,
@@ -268,14 +270,14 @@ def test_eviction_on_latent_pages_is_refused_with_the_fix():
     with torch.no_grad():
         ref = model.generate(ids, **kw)
     with kv_warnings() as warned:
-        _compile(model, eviction=kvcompile.SinkWindow(sinks=1, window=8))
+        _compile(model, kv_dtype="int4", rotate="hadamard")
         with torch.no_grad():
             out = model.generate(ids, **kw)
     assert torch.equal(out, ref)
     rep = kvcompile.report(model)
     assert not rep.rewritten and all("not supported on latent pages" in s.reason
                                      for s in rep.sites), str(rep)
-    assert has(warned, r"configure\(module, eviction=None\)"), warned
+    assert has(warned, r"configure\(module, rotate=None\)"), warned
 
 
 @pytest.mark.parametrize("kernels", ["reference", "triton"])

@@ -1,0 +1,254 @@
+"""Eviction on latent (MLA) pages: a tiny DeepSeek-V3 through the compiler, each policy against
+the uncompiled model under the mask of what was kept (fp32 latent pages), as
+test_end_to_end.py does for Llama.
+
+An MLA layer's pages hold the latent c (keys) and the rotary key (values). Its attention over
+kept slots runs in the absorbed form (keys [c, k_rope], query [q_nope W_UK, q_rope], values c,
+W_UV after: runtime/dispatch.py `_latent_evicting`), so SnapKV's observation, H2O's mass and
+the kept-slot attention are the model's own probabilities. Rows whose stored slots are exactly
+their kept tokens (compacted, no rule) attend through the latent kernels over them; the others
+on the host path. Sinks keep their text positions on latent layers (said once)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvcompile
+from kvcompile.api import state_of
+from kvcompile.config import H2O, KVConfig, SinkWindow, SnapKV
+from kvcompile.testing import assert_rel_close
+from tests.passes.test_latent_attention import make_mla
+
+T, PREFILL = 40, 20
+
+
+def _compiled(policy, **kw):
+    torch._dynamo.reset()
+    m = make_mla("deepseek_v3", "sdpa")
+    cfg = dict(inner="eager", max_kv_bytes=1 << 24, kv_dtype="fp32", page_size=8,
+               eviction=policy) | kw
+    kvcompile.compile(m, KVConfig(**cfg))
+    return m
+
+
+def _ids(seed, n=T):
+    return torch.randint(3, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _stream(m, ids, prefill=PREFILL, original=True, chunk=1):
+    """Logits [T, V] of the prefill, then `chunk` tokens per forward, and the kept positions of
+    each layer after every forward (book.pos)."""
+    if original:
+        with torch.no_grad():
+            m(input_ids=ids[:, :2], past_key_values=DynamicCache())   # creates the runtime
+        state_of(m).eviction.sink_positions = "original"
+    cache, outs, kept = DynamicCache(), [], []
+    with torch.no_grad():
+        outs.append(m(input_ids=ids[:, :prefill], past_key_values=cache).logits[0])
+        kept.append(_kept(m, cache))
+        for t in range(prefill, ids.shape[1], chunk):
+            outs.append(m(input_ids=ids[:, t:t + chunk], past_key_values=cache).logits[0])
+            kept.append(_kept(m, cache))
+    return torch.cat(outs), cache, kept
+
+
+def _sid(cache):
+    from kvcompile.runtime.binding import binding_of
+    return binding_of(cache.layers[0].keys).seq_ids[0]
+
+
+def _kept(m, cache):
+    book = state_of(m).eviction.books[_sid(cache)]
+    return {li: {int(x) for x in p[0] if x >= 0} for li, p in book.pos.items()}
+
+
+def _reference(ids, allowed):
+    """The uncompiled model (eager attention) over the whole sequence under a [T, T] bool mask
+    per layer (a list), or one for every layer."""
+    torch._dynamo.reset()
+    m = make_mla("deepseek_v3", "eager")
+    layers = m.model.layers
+    masks = allowed if isinstance(allowed, list) else [allowed] * len(layers)
+    add = [torch.zeros(a.shape).masked_fill(~a, torch.finfo(torch.float32).min)[None, None]
+           for a in masks]
+    handles = []
+    for layer, a in zip(layers, add):
+        def hook(module, args, kwargs, a=a):
+            kwargs["attention_mask"] = a
+            return args, kwargs
+        handles.append(layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            return m(input_ids=ids, attention_mask=add[0]).logits[0]
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _masks_from_kept(kept, n, prefill=PREFILL):
+    """Per layer: query t of a decode forward sees what the layer kept after the forward
+    before it, and itself; the prompt attends causally (nothing evicted while it ran)."""
+    out = []
+    for li in sorted(kept[0]):
+        allowed = torch.tril(torch.ones(n, n, dtype=torch.bool))
+        for t, held in zip(range(prefill, n), kept[:-1]):
+            allowed[t] = False
+            allowed[t, sorted(held[li] | {t})] = True
+        out.append(allowed)
+    return out
+
+
+def test_sink_window_equals_masked_attention():
+    """SinkWindow(2, 12) at the sinks' text positions: the window path (whole pages dropped,
+    the rest hidden) attends on the host; every logit equals the masked model's."""
+    ids = _ids(1)
+    m = _compiled(SinkWindow(2, 12))
+    out, cache, _kept_sets = _stream(m, ids)
+    t = torch.arange(T)[:, None]
+    j = torch.arange(T)[None, :]
+    start = torch.where(t < PREFILL, torch.zeros_like(t), t)
+    allowed = (j <= t) & ((j >= start) | (j < 2) | (j >= start - 12) | (start == 0))
+    ref = _reference(ids, allowed)
+    assert_rel_close(out, ref, torch.float32, factor=10, what="SinkWindow on latent pages")
+    st = state_of(m)
+    assert st.counters["eviction_window_runs"] > 0 and st.counters["evicted_tokens"] == 26
+    assert st.counters["latent_eviction_host_rows"] > 0
+    assert cache.get_seq_length() == T
+    st.pool.check_invariants()
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_snapkv_equals_masked_attention(hold, monkeypatch):
+    """SnapKV over latent pages: the observation window's probabilities in the absorbed form
+    choose each layer's prompt tokens at its end (compacted); decode steps then attend over
+    the stored slots through the latent kernels (no rule: "stored" rows, never the host),
+    holding the budget with hold=True. Each step equals the model under each layer's mask of
+    what it kept then, and the choice is not a window."""
+    budget = 12
+    ids = _ids(2)
+    if hold:   # the observation: the model's own probabilities of the last 4 queries
+        from kvcompile.eviction.runtime import EvictionRuntime
+
+        m = _compiled(SnapKV(budget=8, window=4, kernel=3, per_head=False, hold=True))
+        cache = DynamicCache()
+        with monkeypatch.context() as mp, torch.no_grad():   # (no eviction: obs is kept)
+            mp.setattr(EvictionRuntime, "after_forward", lambda self, ctx: None)
+            m(input_ids=ids[:, :PREFILL], past_key_values=cache)
+        book = state_of(m).eviction.books[_sid(cache)]
+        torch._dynamo.reset()
+        with torch.no_grad():
+            att = make_mla("deepseek_v3", "eager")(input_ids=ids[:, :PREFILL],
+                                                    output_attentions=True).attentions
+        for li in (0, 1):
+            assert_rel_close(book.obs[li][0], att[li][0, :, -4:].sum(0), torch.float32,
+                             factor=10, what=f"SnapKV observation, layer {li}")
+    m = _compiled(SnapKV(budget=budget, window=4, kernel=3, per_head=False, hold=hold))
+    out, _cache, kept = _stream(m, ids, original=False)
+    st = state_of(m)
+    assert all(len(kept[0][li]) == budget for li in (0, 1))
+    assert len(kept[-1][0]) == (budget if hold else budget + T - PREFILL)
+    gone = set(range(PREFILL)) - kept[0][0]
+    assert gone and min(kept[0][0]) < max(gone), "the choice is a window"
+    assert st.counters.get("latent_eviction_host_rows", 0) == 0   # decode rows over stored
+    ref = _reference(ids, _masks_from_kept(kept, T))
+    assert_rel_close(out, ref, torch.float32, factor=10, what="SnapKV on latent pages")
+    # and not the model without eviction
+    full = _reference(ids, torch.tril(torch.ones(T, T, dtype=torch.bool)))
+    assert (out[PREFILL:] - full[PREFILL:]).abs().max() > 1e-3
+    st.pool.check_invariants()
+
+
+def test_h2o_mass_is_the_models_attention():
+    """H2O on latent pages: the prompt's mass per key is the model's own attention
+    probabilities summed over heads and queries (eager output_attentions), and each decode
+    step (host rows: they add up mass) equals the model under each layer's kept mask."""
+    ids = _ids(4, 24)
+    m = _compiled(H2O(budget=40, recent=4, sinks=2))   # (budget > prompt: nothing evicted)
+    cache = DynamicCache()
+    with torch.no_grad():
+        m(input_ids=ids[:, :16], past_key_values=cache)
+    book = state_of(m).eviction.books[_sid(cache)]
+    torch._dynamo.reset()
+    ref_m = make_mla("deepseek_v3", "eager")
+    with torch.no_grad():
+        att = ref_m(input_ids=ids[:, :16], output_attentions=True).attentions
+    for li in (0, 1):
+        want = att[li][0].sum((0, 1))                                   # [16]
+        assert_rel_close(book.mass[li][0], want, torch.float32, factor=10,
+                         what=f"H2O prompt mass, layer {li}")
+    budget = 14
+    m = _compiled(H2O(budget=budget, recent=4, sinks=2))
+    out, _cache, kept = _stream(m, ids, prefill=16, original=False)
+    assert max(len(k[0]) for k in kept) == budget
+    assert state_of(m).counters["latent_eviction_host_rows"] > 0
+    ref = _reference(ids, _masks_from_kept(kept, 24, prefill=16))
+    assert_rel_close(out, ref, torch.float32, factor=10, what="H2O on latent pages")
+
+
+def test_rerotated_sinks_keep_text_positions_and_say_so(caplog):
+    """The default sink positions ("cache": re-rotated) are not done for latent layers: said
+    once, and the logits are those of sinks at their text positions."""
+    ids = _ids(5)
+    m = _compiled(SinkWindow(2, 12))
+    with caplog.at_level("WARNING", logger="kvcompile"):
+        out, _c, _k = _stream(m, ids, original=False)
+    said = [r for r in caplog.records if "latent (MLA) layers keep SinkWindow's sinks" in
+            r.getMessage()]
+    assert len(said) == 1
+    m2 = _compiled(SinkWindow(2, 12))
+    out2, _c2, _k2 = _stream(m2, ids, original=True)
+    assert torch.equal(out, out2)
+
+
+def test_generate_with_padding_and_fp8_latent_pages():
+    """Batched greedy generate with left padding (host rows: the padding is a per-slot rule)
+    over fp8 latent pages with SnapKV: runs, holds the budget, and differs from no eviction;
+    with a budget above the whole length it equals the run without eviction."""
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(3, 256, (2, 24), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ids[1, :3] = 0
+    kw = dict(max_new_tokens=10, do_sample=False, attention_mask=mask, pad_token_id=0,
+              eos_token_id=None)
+    runs = {}
+    for name, policy in (("none", None), ("big", SnapKV(budget=64, window=4)),
+                         ("small", SnapKV(budget=12, window=4, hold=True))):
+        m = _compiled(policy, kv_dtype="fp8_e4m3")
+        with torch.no_grad():
+            runs[name] = m.generate(ids, **kw)
+        if name == "small":
+            st = state_of(m)
+            assert st.counters["evicted_tokens"] > 0
+            assert st.counters["latent_eviction_host_rows"] > 0   # the padded row
+    assert torch.equal(runs["big"], runs["none"])
+    assert not torch.equal(runs["small"], runs["none"])
+
+
+def test_engine_equals_generate_per_request():
+    """The engine on latent pages with per-request policies (packed steps: prompt chunks beside
+    decode rows over stored slots and host rows): every request equals generate's."""
+    from kvcompile.engine import Engine, SamplingParams
+
+    m = _compiled(SinkWindow(2, 10))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(18, 30))] for _ in range(3)]
+    policies = [SnapKV(budget=12, window=4, hold=True), None, H2O(budget=14, recent=4, sinks=2)]
+    want = []
+    for p, pol in zip(prompts, policies):
+        sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, eviction=pol)
+        alone = Engine(m, max_num_batched_tokens=256)
+        want.append(alone.generate([p], sp)[0].token_ids)
+        alone.close()
+    eng = Engine(m, max_num_batched_tokens=16)
+    outs = eng.generate(prompts, [SamplingParams(temperature=0, max_tokens=12,
+                                                 ignore_eos=True, eviction=pol)
+                                  for pol in policies])
+    assert [o.token_ids for o in outs] == want
+    assert state_of(m).counters["evicted_tokens"] > 0
+    eng.close()
+    assert eng.pool.stats().pages_used == 0
