@@ -1113,9 +1113,12 @@ class EvictionRuntime(RuntimeHook):
         """The policy of `sid` if it evicts without moving tokens (`_evict_window`): one
         window policy (SinkWindow) in every layer, token granularity, sinks at their text
         positions, no left padding, no scores recorded, no model window, and the sequence
-        either in that layout already or not evicted yet."""
+        either in that layout already or not evicted yet. Not for latent (MLA) layers: they
+        compact instead, so that their decode steps read exactly their stored slots through
+        the latent kernels (runtime/dispatch.py `_latent_evicting`; one latent head a token
+        makes a move cheap)."""
         if (book.start or book.ragged or book.mass or book.obs or book.score
-                or self.observe_all or self.windowed):
+                or self.observe_all or self.windowed or self.latent & set(self.policies)):
             return None
         self._check_facts()
         policy = self._facts_of(sid).window
