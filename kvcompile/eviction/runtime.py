@@ -870,7 +870,8 @@ class EvictionRuntime(RuntimeHook):
         budgets = [b for b in map(P.decode_budget, pols) if b is not None]
         window = None
         if (uniform and pols[0] is not None and not rot and P.window_of(pols[0]) is not None
-                and len(self.policies) == len(self.state.layer_specs)):
+                and len(self.policies) == len(self.state.layer_specs)
+                and not self.latent & set(self.policies)):   # (latent layers compact)
             window = pols[0]
             if not self.state.config.window_eviction:   # (to time both)
                 self._say("eviction: KVConfig.window_eviction is False: SinkWindow compacts "
@@ -903,9 +904,6 @@ class EvictionRuntime(RuntimeHook):
         new_rows = 0   # H2O sequences that start decoding aside: each takes a store row
         if self.windowed:
             why = "a sliding window (a per-slot rule)"
-        elif self.latent & set(self.policies):
-            why = ("latent (MLA) layers (their decode steps attend in runtime/dispatch.py "
-                   "attend_latent, over the stored slots or on the host path)")
         elif self.observe_all:
             why = "observe_all (every policy's scores are recorded)"
         elif len(self.policies) != len(self.state.layer_specs):
@@ -931,6 +929,10 @@ class EvictionRuntime(RuntimeHook):
             if rerot and not facts.uniform:
                 why = ("re-rotated sinks with per-layer policies or page granularity (the "
                        "sinks' shift is not known on the host)")
+                break
+            if facts.mass and self.latent & set(self.policies):
+                why = ("H2O on latent (MLA) layers (the latent kernels have no attention-mass "
+                       "output: its decode steps attend on the host path)")
                 break
             if facts.mass:
                 new_rows += self.store is None or sid not in self.store.row_of

@@ -265,6 +265,13 @@ def _latent_evicting(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, 
     does."""
     state = ctx.state
     ev = state.eviction
+    if plan.eviction_aside:
+        # a decode step stepped aside for (`generate`'s graphs, integrations/hf_graphs.py, or
+        # an engine step; decode_aside: no holes, padding, H2O mass or hidden slots, the
+        # decode mask all ones): the stored slots are exactly the kept tokens, read by the
+        # latent kernels
+        return _attend_latent(ctx, layer, q, plan, None, None, is_causal, window, softcap,
+                              scale, kv_b_weight, nope_dim, fresh)
     if (mask_info is not None and not mask_info.exact and not plan.is_decode
             and not plan.packed):
         ev.mark_holes(plan)   # a prompt mask with holes: its decode steps keep the rules

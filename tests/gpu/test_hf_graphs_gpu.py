@@ -249,9 +249,10 @@ def test_engine_latent_steps_take_the_kernel():
 def test_latent_eviction_kernels_equal_the_reference(fmt, policy):
     """Eviction on latent pages (DeepSeek-V3 widths, fp32 weights): the compacted rows decode
     through the latent kernels over their stored slots (runtime/dispatch.py
-    `_latent_evicting`), against the same run with kernels="reference" (the plain-PyTorch
-    paged reference over the same slots): tokens equal, per-step logits within TOL, tokens
-    evicted, no host rows."""
+    `_latent_evicting`) in generate's CUDA graphs (stepped aside for, evicting on the device
+    after each replay), against the same run with kernels="reference" and no graphs (the
+    plain-PyTorch paged reference over the same slots, the host path's evictions): tokens
+    equal, per-step logits within TOL, tokens evicted, every decode step a replay."""
     runs = {}
     for kernels in ("auto", "reference"):
         torch._dynamo.reset()
@@ -264,8 +265,12 @@ def test_latent_eviction_kernels_equal_the_reference(fmt, policy):
                 model.generate(ids[:1, :8], max_new_tokens=1, do_sample=False, pad_token_id=0)
             state_of(model).eviction.sink_positions = "original"
             c0 = dict(state_of(model).counters)
-            toks, logits = run(model, ids, am, dict(do_sample=False), False, seed=0)
+            r0 = model.forward.replays
+            # the kernels' run replays generate's CUDA graphs (decode steps stepped aside for)
+            toks, logits = run(model, ids, am, dict(do_sample=False), kernels == "auto",
+                               seed=0)
             c = state_of(model).counters
+            c["replays"] = model.forward.replays - r0
             runs[kernels] = (toks, logits, {k: c[k] - c0.get(k, 0) for k in c
                                             if c[k] != c0.get(k, 0)})
         finally:
@@ -275,6 +280,7 @@ def test_latent_eviction_kernels_equal_the_reference(fmt, policy):
     print(dict(fmt=fmt, max_rel=rel, kernel_counters=ck))
     assert ck.get("evicted_tokens", 0) > 0 and not ck.get("latent_eviction_host_rows")
     assert cr.get("evicted_tokens") == ck["evicted_tokens"]
+    assert ck["replays"] == 15 and ck.get("eviction_aside_steps") == 15, ck
     assert ck.get("latent_decode_triton", 0) + ck.get("latent_decode_cuda", 0) > 0, ck
     assert rel <= TOL
     assert torch.equal(tk, tr)

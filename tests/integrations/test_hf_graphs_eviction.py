@@ -72,7 +72,8 @@ def _refusal(m):
     st = state_of(m)
     if st.pool is None:
         return None
-    why = [hf_graphs.graph_refusal(k, v) for k, v in zip(st.pool.k, st.pool.v)]
+    why = [hf_graphs.graph_refusal(k, v, latent=bool(meta.get("latent")))
+           for k, v, meta in zip(st.pool.k, st.pool.v, st.layer_meta)]
     return next((w for w in why if w), None)
 
 
@@ -176,3 +177,38 @@ def test_re_encoding_formats_evict_on_the_device(emulated, caplog, fmt):
     assert replays == 7
     assert not [r for r in caplog.records if "re-encode the tokens they move" in r.getMessage()]
     assert st.counters.get("eviction_device_runs", 0) > 0, st.counters
+
+
+@pytest.mark.parametrize("policy,fmt", [
+    (lambda: SinkWindow(2, 10), "fp32"),
+    (lambda: SnapKV(budget=12, window=4, hold=True), "fp8_e4m3"),
+], ids=["SinkWindow", "SnapKV hold fp8"])
+def test_latent_layers_step_aside_and_equal_the_host_path(emulated, policy, fmt):
+    """MLA layers (a tiny DeepSeek-V3, widths the latent kernel takes) with an eviction
+    policy: generate's decode steps step aside and replay (the latent kernels over the stored
+    slots, eviction after each replay on the device), against graphs off (the latent rows'
+    own path): tokens equal, per-step logits close, every decode step a replay."""
+    from tests.passes.test_latent_attention import make_mla
+
+    torch._dynamo.reset()
+    m = make_mla("deepseek_v3", "sdpa", rope=16)
+    kvcompile.compile(m, KVConfig(inner="eager", kernels="triton", max_kv_bytes=1 << 22,
+                                  page_size=8, kv_dtype=fmt, eviction=policy(),
+                                  eviction_interval=3))
+    fwd = m.forward
+    ids = torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():   # the runtime exists after a first call
+        m.generate(ids[:1, :3], max_new_tokens=1, do_sample=False, pad_token_id=0)
+    st = state_of(m)
+    st.eviction.sink_positions = "original"
+    fwd.why_not = lambda: _refusal(m)
+    c0 = dict(st.counters)
+    tg, lg, replays = _generate(m, ids, torch.ones_like(ids), graphs=True)
+    c1 = dict(st.counters)
+    te, le, _none = _generate(m, ids, torch.ones_like(ids), graphs=False)
+    assert replays == 13, _refusal(m)
+    assert c1.get("eviction_aside_steps", 0) - c0.get("eviction_aside_steps", 0) == 13
+    assert c1.get("eviction_device_runs", 0) > c0.get("eviction_device_runs", 0), c1
+    assert torch.equal(tg, te), (tg, te)
+    for step, (a, b) in enumerate(zip(lg, le)):
+        assert_rel_close(a, b, torch.float32, factor=10, what=f"latent, step {step}")
