@@ -94,8 +94,10 @@ def _evict(rt, pool, layers, H, items, groups) -> None:
     pos = pad_sequence(rows, batch_first=True, padding_value=-1)               # [R, l, H]
     pos = torch.nn.functional.pad(pos, (0, 0, 0, Lmax - pos.shape[1]), value=-1)
     pos = pos.transpose(1, 2).contiguous()                                       # [R, H, Lmax]
-    ints = torch.tensor([stored, pending, total, budget], dtype=torch.int64).to(dev)
-    L_r, k_r, T_r, K_r = (t.repeat_interleave(Ly)[:, None, None] for t in ints)  # [R, 1, 1]
+    starts = [b.start for _s, b, _k in items]   # (left padding: gone from the slots by now,
+    # decode_aside; the sinks and positions still count from it)
+    ints = torch.tensor([stored, pending, total, budget, starts], dtype=torch.int64).to(dev)
+    L_r, k_r, T_r, K_r, S_r = (t.repeat_interleave(Ly)[:, None, None] for t in ints)
     j = torch.arange(Lmax, device=dev)
     pos = torch.where((j >= L_r - k_r) & (j < L_r), T_r - L_r + j, pos)
     # H2O mass [R, H, Lmax]: the store's rows, or the books'
@@ -133,7 +135,7 @@ def _evict(rt, pool, layers, H, items, groups) -> None:
     for policy, idx in groups.items():
         r = torch.tensor([b * Ly + i for b in idx for i in range(Ly)], dtype=torch.int64,
                          device=dev)
-        T_g = T_r.index_select(0, r)
+        T_g, S_g = T_r.index_select(0, r), S_r.index_select(0, r)
         p = pos.index_select(0, r)
         scores = None
         if P.kept_scores(policy):
@@ -153,7 +155,7 @@ def _evict(rt, pool, layers, H, items, groups) -> None:
         elif P.rules_of(policy).scores is not None:
             m = mass.index_select(0, r) if mass is not None else None
             scores = P.token_scores(policy, m, None)
-        keep[r] = P.select_tokens(policy, p, 0, T_g, scores)
+        keep[r] = P.select_tokens(policy, p, S_g, T_g, scores)
     # holes below the budget, and the kept slots at or past it, each in slot order: the i-th of
     # the tail fills the i-th hole; rows with fewer than M pad with their last slot
     hole = ~keep & (j < K_r)

@@ -60,7 +60,7 @@ class _Book:
     fp32, policies.kept_rank; tokens stored since: policies.DECODED + their index)."""
 
     __slots__ = ("pos", "mass", "obs", "score", "start", "carry", "pending", "ragged",
-                 "window", "stale", "holes")
+                 "window", "stale", "holes", "padded")
 
     def __init__(self, start: int):
         self.pos: dict[int, torch.Tensor] = {}
@@ -85,6 +85,11 @@ class _Book:
         # the prompt's mask was not causal + left padding (holes inside it, per-head rules):
         # its decode steps apply it by logical index, never replayed over the bare slots
         self.holes = False
+        # slots may hold left padding (pos < start): a per-slot rule. False once an
+        # eviction left none in any layer (`evict`: token-granular policies never keep
+        # padding), so that the decode steps need no rule for it (`decode_aside`,
+        # `_kernel_slots`); `start` keeps its meaning for the sinks and the positions
+        self.padded = start > 0
 
     def per_slot(self) -> tuple:
         """The per-slot fp32 rows that follow their tokens when slots move or go (H2O mass,
@@ -94,7 +99,7 @@ class _Book:
     def copy(self) -> _Book:
         b = _Book(self.start)
         b.carry, b.pending, b.ragged = self.carry, self.pending, self.ragged
-        b.window, b.stale, b.holes = self.window, self.stale, self.holes
+        b.window, b.stale, b.holes, b.padded = self.window, self.stale, self.holes, self.padded
         b.pos = {k: v.clone() for k, v in self.pos.items()}
         b.mass = {k: v.clone() for k, v in self.mass.items()}
         b.obs = {k: v.clone() for k, v in self.obs.items()}
@@ -567,7 +572,7 @@ class EvictionRuntime(RuntimeHook):
                 continue
             book = self.books.get(sid)
             ok = (book is not None and n == 1 and mask_free and not book.carry
-                  and not book.start and not book.holes and layer not in book.mass
+                  and not book.padded and not book.holes and layer not in book.mass
                   and not self.observe_all and not self._rerotate(sid, self.policy_of(sid, layer)))
             if ok:
                 kept = self._kernel_slots(sid, layer, pool.logical_len(sid), 0)
@@ -797,7 +802,7 @@ class EvictionRuntime(RuntimeHook):
             pos = torch.cat([pos[:, :lo], pos[:, hi:]], 1)
         elif bool((pos < 0).any()):
             return None
-        if book.start or (window and total - int(pos.min()) > window):
+        if book.padded or (window and total - int(pos.min()) > window):
             return None
         return pos, lo, hi
 
@@ -913,8 +918,9 @@ class EvictionRuntime(RuntimeHook):
             book = self.books.get(sid)
             if book is None or book.carry:
                 return False   # (not a decode step of a known sequence)
-            if book.start or book.ragged:
-                why = "left padding or heads that keep different counts (per-slot rules)"
+            if book.padded or book.ragged:
+                why = ("left padding not yet evicted, or heads that keep different counts "
+                       "(per-slot rules)")
                 break
             if book.holes:
                 why = "a prompt mask that is not causal + left padding (per-slot rules)"
@@ -1027,8 +1033,10 @@ class EvictionRuntime(RuntimeHook):
                 row = store.row_of[sid]
             if facts.rerot:
                 sinks = max(sinks, facts.rerot)
-                if pool.evicted(sid) > 0:   # the run after the sinks is gone: rotate them
-                    shift, n = pool.evicted(sid), facts.rerot
+                # the run after the sinks is gone: rotate them (left padding, evicted first,
+                # is no part of that run)
+                if pool.evicted(sid) > book.start:
+                    shift, n = pool.evicted(sid) - book.start, facts.rerot
             rows.append(row)
             shifts.append(shift)
             n_rot.append(n)
@@ -1197,6 +1205,10 @@ class EvictionRuntime(RuntimeHook):
             self._evict_pages(sid, book, total)
         else:
             self._evict_tokens(sid, book, total, set(due))
+        if book.padded and not book.window and all(
+                bool((p >= book.start).all()) for li, p in book.pos.items()
+                if li in self.policies):
+            book.padded = False   # the padding is gone from every layer (one host read)
         state.count("eviction_runs")
         state.count("evicted_tokens", before - pool.seq_len(sid))
 
@@ -1265,24 +1277,39 @@ class EvictionRuntime(RuntimeHook):
                     rows[li] = _fit(rows[li], new_len, 0.0)
 
     def _compact(self, sid, layer, book, keep: torch.Tensor) -> int:
-        """Move kept tokens of slots >= n into holes below n, n = most kept by any head."""
+        """Move kept tokens of slots >= n into holes below n, n = most kept by any head. A
+        left-padded sequence's slots (`book.padded`: padding still stored) are compacted in
+        slot order instead, so that the sinks, its first real tokens, end in slots [0, n
+        sinks) as for any other sequence (the decode steps stepped aside for rotate those
+        slots, aside.py)."""
         pos = book.pos[layer]
         counts = keep.sum(-1)
         n, least = torch.stack([counts.max(), counts.min()]).tolist()
         if least != n:
             book.ragged = True
         srcs, dsts, hs = [], [], []
+        ordered = book.padded
         for h in range(pos.shape[0]):
-            holes = (~keep[h, :n]).nonzero()[:, 0]
-            movers = keep[h, n:].nonzero()[:, 0] + n
+            if ordered:   # every kept token to its rank among the kept
+                movers = keep[h].nonzero()[:, 0]
+                holes = torch.arange(movers.numel(), device=pos.device)
+                stay = movers == holes
+                movers, holes = movers[~stay], holes[~stay]
+            else:
+                holes = (~keep[h, :n]).nonzero()[:, 0]
+                movers = keep[h, n:].nonzero()[:, 0] + n
             m = movers.numel()
             if m:
                 srcs.append(movers)
                 dsts.append(holes[:m])
                 hs.append(torch.full((m,), h, dtype=torch.int64, device=pos.device))
-        new_pos = torch.where(keep[:, :n], pos[:, :n], -1)
+        left = keep[:, :n]
+        if ordered:   # (a slot whose token moved lower is a hole unless a move fills it: in
+            # slot order, every slot below its head's count is filled, moved or staying)
+            left = left & (torch.arange(n, device=pos.device) < counts[:, None])
+        new_pos = torch.where(left, pos[:, :n], -1)
         # (per-slot rows of the layer: the old row, and the new one the kept slots fill)
-        rows = [(d, d[layer], torch.where(keep[:, :n], d[layer][:, :n], 0.0))
+        rows = [(d, d[layer], torch.where(left, d[layer][:, :n], 0.0))
                 for d in book.per_slot() if layer in d]
         if srcs:
             src, dst, head = torch.cat(srcs), torch.cat(dsts), torch.cat(hs)

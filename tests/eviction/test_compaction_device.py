@@ -221,3 +221,32 @@ def test_grouped_moves_on_the_device_equal_move_slots(fmt):
 def _same(a, b):
     return (a == b) | (torch.isnan(a) & torch.isnan(b))
 
+
+
+@pytest.mark.parametrize("policy", [SinkWindow(2, 12), H2O(budget=14, recent=4, sinks=2),
+                                    SnapKV(budget=14, window=4, kernel=3, per_head=True)],
+                         ids=lambda p: type(p).__name__)
+def test_padded_sequence_compacts_in_slot_order(policy):
+    """A left-padded sequence's first eviction (host path) drops the padding and compacts in
+    slot order: every kept token keeps its value, the sinks (its first real tokens) land in
+    slots [0, n) as the decode steps stepped aside for assume, and the book is no longer
+    padded; heads may keep different sets (per-head SnapKV, H2O)."""
+    start = 5
+    pool, sid, rt, book = _setup(("fp32", "-", False), policy)
+    book.start, book.padded = start, True
+    before_k, before_v = pool.gather(0, sid)
+    rt.evict(sid, book)
+    assert not book.padded
+    pos = book.pos[0]
+    k, v = pool.gather(0, sid)
+    for h in range(H):
+        real = pos[h] >= 0
+        assert bool((pos[h][real] >= start).all()), "padding kept"
+        n = int(real.sum())
+        assert bool(real[:n].all()), "a hole below the kept count"
+        assert torch.equal(pos[h][:n], pos[h][:n].sort().values), "not in slot order"
+        assert torch.equal(k[h, :n], before_k[h, pos[h][:n]])
+        assert torch.equal(v[h, :n], before_v[h, pos[h][:n]])
+        if not isinstance(policy, SnapKV):
+            assert pos[h][:2].tolist() == [start, start + 1], "sinks not in slots [0, 2)"
+    pool.check_invariants()

@@ -176,9 +176,13 @@ FORMATS = {"bf16": dict(kv_dtype="bf16", page_size=16),
            "int4": dict(kv_dtype="int4", scale_granularity="channel", page_size=64)}
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("name,policy,interval,sinks", EVICT, ids=[e[0] for e in EVICT])
-def test_eviction_in_generate_graphs(fmt, name, policy, interval, sinks):
+@pytest.mark.parametrize("fmt,name,policy,interval,sinks,pad", [
+    (f, *e, False) for f in FORMATS for e in EVICT] + [
+    # left padding (rows padded by 0, 5 and 10 tokens): once the prompt's eviction drops the
+    # padding, the steps replay (sixteenth session); re-rotated sinks compacted to slot 0
+    ("fp8_e4m3", *EVICT[0], True), ("fp8_e4m3", *EVICT[2], True)],
+    ids=lambda v: v if isinstance(v, str) else None)
+def test_eviction_in_generate_graphs(fmt, name, policy, interval, sinks, pad):
     """generate with an eviction policy: decode steps replay CUDA graphs (the eviction runtime
     steps aside, evicts after each replay on the device) against the same call with graphs
     off (its host path): tokens equal, per-step logits within TOL, every step a replay."""
@@ -187,7 +191,7 @@ def test_eviction_in_generate_graphs(fmt, name, policy, interval, sinks):
     kvcompile.compile(model, KVConfig(max_kv_bytes=256 << 20, eviction=policy(),
                                       eviction_interval=interval, **FORMATS[fmt]))
     try:
-        ids, am = inputs(B=3, L=100, pad=False, seed=21)
+        ids, am = inputs(B=3, L=100, pad=pad, seed=21)
         with torch.no_grad():   # the eviction runtime exists after a first call
             model.generate(ids[:1, :8], max_new_tokens=1, do_sample=False, pad_token_id=0)
         if sinks is not None:
@@ -204,8 +208,8 @@ def test_eviction_in_generate_graphs(fmt, name, policy, interval, sinks):
         rel = max([float((a - b).abs().max() / b.abs().max()) for a, b in
                    zip(lg[:first], le[:first])] or [0.0])
         delta = {k: c1[k] - c0.get(k, 0) for k in c1 if c1[k] != c0.get(k, 0)}
-        print(dict(fmt=fmt, policy=name, replays=replays, max_rel=rel, steps_compared=first,
-                   counters=delta))
+        print(dict(fmt=fmt, policy=name, pad=pad, replays=replays, max_rel=rel,
+                   steps_compared=first, counters=delta))
         assert replays == 15
         assert delta.get("eviction_aside_steps") == 15
         assert delta.get("evicted_tokens", 0) > 0

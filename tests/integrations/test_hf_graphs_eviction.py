@@ -129,10 +129,43 @@ def test_graph_steps_with_eviction_equal_the_host_path(emulated, name, policy, i
         assert_rel_close(a, b, torch.float32, factor=10, what=f"{name}, step {step}")
 
 
-def test_left_padding_keeps_the_host_path(emulated, caplog):
-    """decode_aside refuses left padding (per-slot rules): no step replays, the reason is
-    logged once, the tokens are the host path's."""
-    m = _model(SinkWindow(2, 10))
+PADDED = [
+    ("SinkWindow re-rotated", lambda: SinkWindow(2, 10), 1, dict()),
+    ("SnapKV hold", lambda: SnapKV(budget=12, window=4, hold=True), 3, dict()),
+    ("H2O, fp8 page scales", lambda: H2O(budget=12, recent=4, sinks=2), 2,
+     dict(kv_dtype="fp8_e4m3")),
+]
+
+
+@pytest.mark.parametrize("name,policy,interval,kw", PADDED, ids=[c[0] for c in PADDED])
+def test_left_padding_replays_once_evicted(emulated, name, policy, interval, kw):
+    """Left padding is a per-slot rule only while the pads are stored: the prompt's eviction
+    drops them (no policy keeps padding), and from then on decode steps step aside and replay
+    (the sinks still counted from the first real token, re-rotated ones shifted by the
+    evicted real tokens only). Rows padded by 0, 3 and 7 tokens: tokens equal graphs off,
+    per-step logits close."""
+    m = _model(policy(), interval, **kw)
+    st = state_of(m)
+    ids = torch.randint(3, 200, (3, 24), generator=torch.Generator().manual_seed(4))
+    am = torch.ones_like(ids)
+    for r, n in ((1, 3), (2, 7)):
+        am[r, :n] = 0
+        ids[r, :n] = 0
+    c0 = dict(st.counters)
+    tg, lg, replays = _generate(m, ids, am, graphs=True)
+    c1 = dict(st.counters)
+    te, le, _ = _generate(m, ids, am, graphs=False)
+    assert replays == 13, c1   # the prompt's eviction left no padding: every decode step
+    assert c1.get("eviction_aside_steps", 0) - c0.get("eviction_aside_steps", 0) == 13
+    assert torch.equal(tg, te), (tg, te)
+    for step, (a, b) in enumerate(zip(lg, le)):
+        assert_rel_close(a, b, torch.float32, factor=10, what=f"{name} padded, step {step}")
+
+
+def test_left_padding_kept_stays_on_the_host_path(emulated, caplog):
+    """A budget above the padded prompt: nothing evicted, the padding stays in the slots, so
+    decode_aside refuses (said once) and the tokens are the host path's."""
+    m = _model(SinkWindow(2, 40))
     ids = torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(4))
     am = torch.ones_like(ids)
     am[0, :3] = 0
