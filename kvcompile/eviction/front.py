@@ -36,16 +36,20 @@ from kvcompile.cache.compaction import move_slots_device, moves_on_device
 from kvcompile.eviction import policies as P
 
 
-def _policy(rt, sid):
-    """The one policy of every layer of `sid`, if the batched path takes it, else None."""
+def _policy(rt, sid, book=None):
+    """The one policy of every layer of `sid`, if the batched path takes it, else None.
+    Scores shared by a layer's heads are taken when they are kept scores (shared already) or
+    when the book holds an observation for every layer (`EvictionRuntime._scores` shares
+    them: the end of a prompt)."""
     pols = {rt.policy_of(sid, li) for li in rt.policies}
     if len(pols) != 1:
         return None
     policy = pols.pop()
     rules = P.rules_of(policy)
+    observed = book is not None and set(book.obs) >= set(rt.policies)
     if (not rules.keeps_budget or getattr(policy, "granularity", "token") != "token"
             or (rules.shares_heads and rules.shares_heads(policy)
-                and not P.kept_scores(policy))):
+                and not P.kept_scores(policy) and not observed)):
         return None   # (kept scores are shared by the heads already: any head's row serves)
     return policy
 
@@ -63,7 +67,7 @@ def evict_fronts(rt, items: list) -> list:
     take, left, groups = [], [], {}
     for item in items:
         sid, book, _budget = item
-        policy = _policy(rt, sid)
+        policy = _policy(rt, sid, book)
         in_store = store is not None and sid in store.row_of
         if policy is None or (book.mass and not in_store and set(book.mass) != set(layers)):
             left.append(item)
