@@ -114,9 +114,9 @@ def move_slots_device(paged: PagedTensor, src: torch.Tensor, dst: torch.Tensor,
     destination (page, head) "cells" are found by a sort instead of `unique` (at most
     `max_cells` of them, default M: front.py passes its tighter bound), each cell's parameters
     change as `_move_cells` says, a cell whose parameters changed is encoded again whole, and
-    each moved token is encoded under its cell's new parameters. Every move writes its cell's
-    whole new page, so moves that share a cell write the same bytes. Sources are read before
-    any write."""
+    each moved token is encoded under its cell's new parameters. Each cell's new page is
+    written once (the ranks past the distinct count rewrite rank 0's cell with the same
+    bytes). Sources are read before any write."""
     if moves_exactly(paged):
         move_slots_exact(paged, src, dst, heads)
         return
@@ -129,8 +129,12 @@ def move_slots_device(paged: PagedTensor, src: torch.Tensor, dst: torch.Tensor,
     vals = _token_values(paged, ps, os_, heads)
     if real is None:
         real = torch.ones_like(src, dtype=torch.bool)
-    seg, pg, hd = _cells_by_sort(pd * H + heads, H, max_cells)
-    _move_cells(paged, vals, od, real, seg, pg, hd, (pd, heads, seg))
+    seg, pg, hd, last = _cells_by_sort(pd * H + heads, H, max_cells)
+    # each cell written once; a rank past the distinct count rewrites rank 0's cell with
+    # rank 0's bytes (the same bytes twice: no race)
+    ranks = torch.arange(pg.numel(), device=pg.device)
+    wc = torch.where(ranks <= last, ranks, 0)
+    _move_cells(paged, vals, od, real, seg, pg, hd, (pg[wc], hd[wc], wc))
 
 
 def move_slots_exact(paged: PagedTensor, src: torch.Tensor, dst: torch.Tensor,
@@ -249,8 +253,8 @@ def _move_grouped(paged: PagedTensor, vals, pd, od, heads) -> None:
 def _cells_by_sort(cell: torch.Tensor, H: int, max_cells: int | None):
     """`unique(cell, return_inverse=True)` with a size known in advance (no host sync): seg
     [M] the rank of each move's cell among the distinct ones, pg / hd [S] the page and head of
-    each rank (S = max_cells or M; the ranks past the distinct count hold cell 0 and are never
-    written)."""
+    each rank (S = max_cells or M; the ranks past the distinct count hold cell 0), and the
+    last rank [1] (the distinct count - 1)."""
     M = cell.numel()
     S = M if max_cells is None else max(1, min(M, max_cells))
     order = torch.sort(cell, stable=True)
@@ -264,7 +268,7 @@ def _cells_by_sort(cell: torch.Tensor, H: int, max_cells: int | None):
     seg = seg.clamp(max=S - 1)
     rep = torch.zeros(S, dtype=key.dtype, device=key.device)
     rep = rep.scatter(0, rank.clamp(max=S - 1), key)
-    return seg, rep // H, rep % H
+    return seg, rep // H, rep % H, rank[-1:]
 
 
 def _cell_params(paged: PagedTensor, pg, hd) -> dict[str, torch.Tensor]:
@@ -329,8 +333,8 @@ def _token_values(paged: PagedTensor, ps, os_, heads) -> torch.Tensor:
 def _move_cells(paged: PagedTensor, vals, od, real, seg, pg, hd, write) -> None:
     """Moves into grouped (page- or channel-scaled) pages, by destination cell: vals [M, D]
     fp32, od [M] offsets, real [M] the moves that count, seg [M] each move's cell in (pg, hd)
-    [S]. write (pages, heads, cells): where each new cell goes (the host path: each cell once;
-    the device path: once per move, the duplicates equal)."""
+    [S]. write (pages, heads, cells): where each new cell goes (each cell once; the device
+    path's unused ranks rewrite rank 0's cell with its bytes)."""
     fmt, g = paged.fmt, paged.fmt.granularity
     P, D = paged.page_size, paged.head_dim
     S, M = pg.numel(), vals.shape[0]

@@ -35,6 +35,10 @@ from torch.nn.utils.rnn import pad_sequence
 from kvcompile.cache.compaction import move_slots_device, moves_on_device
 from kvcompile.eviction import policies as P
 
+# (page, head) cells one batched pass re-encodes at most per layer and K / V (about 270 MB of
+# fp32 pages at page 16, head_dim 128): more items are evicted in several passes
+MAX_CELLS = 1 << 15
+
 
 def _policy(rt, sid, book=None):
     """The one policy of every layer of `sid`, if the batched path takes it, else None.
@@ -64,19 +68,28 @@ def evict_fronts(rt, items: list) -> list:
                                                 for li in layers)):
         return list(items)
     store = rt.store
-    take, left, groups = [], [], {}
+    H = heads.pop()
+    chunk, left, groups, cells = [], [], {}, 0
     for item in items:
-        sid, book, _budget = item
+        sid, book, budget = item
         policy = _policy(rt, sid, book)
         in_store = store is not None and sid in store.row_of
         if policy is None or (book.mass and not in_store and set(book.mass) != set(layers)):
             left.append(item)
             continue
-        take.append(item)
-        groups.setdefault(policy, []).append(len(take) - 1)
-    if not take:
-        return left
-    _evict(rt, pool, layers, heads.pop(), take, groups)
+        # (page, head) cells a layer's re-encode may touch: each row's moves fill holes
+        # below its budget (compaction.move_slots_device); a pass holds at most MAX_CELLS
+        # of them, so that a long prompt's end (a 32k prompt: ~8,000 cells a sequence at 8
+        # kv heads) does not make one transient of every sequence's pages at once
+        need = H * min(max(1, pool.seq_len(sid) - budget), -(-budget // pool.page_size) + 1)
+        if chunk and cells + need > MAX_CELLS:
+            _evict(rt, pool, layers, H, chunk, groups)
+            chunk, groups, cells = [], {}, 0
+        chunk.append(item)
+        groups.setdefault(policy, []).append(len(chunk) - 1)
+        cells += need
+    if chunk:
+        _evict(rt, pool, layers, H, chunk, groups)
     return left
 
 

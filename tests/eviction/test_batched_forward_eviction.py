@@ -48,10 +48,15 @@ def test_batched_forward_eviction_equals_per_sequence(policy, monkeypatch):
     torch.testing.assert_close(out_b, out_h, rtol=0, atol=0)
 
 
-def test_batched_generate_equals_per_sequence(monkeypatch):
+@pytest.mark.parametrize("cells", [None, 1], ids=["one pass", "a pass per sequence"])
+def test_batched_generate_equals_per_sequence(monkeypatch, cells):
     """Three prompts of one batch (SnapKV shared by heads, int4 channel keys: moved tokens
-    re-encoded on the device) evicted together at the prompt's end: generate's tokens equal
-    the per-sequence path's."""
+    re-encoded on the device) evicted together at the prompt's end, in one pass or split in
+    passes (front.MAX_CELLS): generate's tokens equal the per-sequence path's."""
+    from kvcompile.eviction import front
+
+    if cells is not None:
+        monkeypatch.setattr(front, "MAX_CELLS", cells)
     ids = torch.randint(1, V, (3, 30), generator=torch.Generator().manual_seed(12))
     toks = {}
     for batched in (True, False):

@@ -166,14 +166,16 @@ def test_device_eviction_of_kept_scores_equals_host(per_head):
 GROUPED = [f for f in DEVICE if f not in EXACT]
 
 
+@pytest.mark.parametrize("max_cells", [4, None], ids=["exact", "spare"])
 @pytest.mark.parametrize("fmt", GROUPED, ids=str)
-def test_grouped_moves_on_the_device_equal_move_slots(fmt):
+def test_grouped_moves_on_the_device_equal_move_slots(fmt, max_cells):
     """compaction.move_slots_device against move_slots on page- and channel-scaled pages (fp8,
     fp4, int), bit for bit (every part of the whole pool): moves into pages whose parameters
     must change (a token 50x the page's values; its (page, head) is re-encoded whole), two
     moves into one (page, head), moves that need no change, and padding moves (a token onto
     itself, real=False) that must change nothing, also in a page another move changes; under
-    a guard that refuses every host read, and with max_cells at the distinct count."""
+    a guard that refuses every host read, with max_cells at the distinct count and above it
+    (None: one rank per move, the spare ones rewriting rank 0's cell)."""
     from kvcompile.cache.compaction import move_slots, move_slots_device
 
     def build():
@@ -202,7 +204,7 @@ def test_grouped_moves_on_the_device_equal_move_slots(fmt):
                 move_slots(paged, src[real], dst[real], hd[real])
             else:
                 with _no_sync():
-                    move_slots_device(paged, src, dst, hd, real, max_cells=4)
+                    move_slots_device(paged, src, dst, hd, real, max_cells=max_cells)
     hp = torch.tensor(host._lookup([hsid])[0].pages)   # (the pages past the sequence's
     dp = torch.tensor(dev._lookup([dsid])[0].pages)    # hold whatever memory held)
     before = build()
