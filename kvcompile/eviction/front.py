@@ -152,7 +152,9 @@ def _evict(rt, pool, layers, H, items, groups) -> None:
     for policy, idx in groups.items():
         r = torch.tensor([b * Ly + i for b in idx for i in range(Ly)], dtype=torch.int64,
                          device=dev)
-        T_g, S_g = T_r.index_select(0, r), S_r.index_select(0, r)
+        T_g = T_r.index_select(0, r)
+        # (an int where every row starts alike, as a registered policy's rules may expect)
+        S_g = starts[0] if len(set(starts)) == 1 else S_r.index_select(0, r)
         p = pos.index_select(0, r)
         scores = None
         if P.kept_scores(policy):
