@@ -73,7 +73,9 @@ class Engine:
     need, fits in the free pages (scheduler.py, `reserve_prefill`); requests that keep every
     token are admitted on their first chunk.
 
-    swap_aside (default False): when an evicting prompt waits because its peak does not fit
+    swap_aside (default None: on wherever it applies, since the sixteenth session; False
+    turns it off, True says when it cannot apply): when an evicting prompt waits because its
+    peak does not fit
     although its evicted size does (a slot is free in the steady state, not for the prompt's
     transient), an evicting decoder at its budget is copied to host memory (within
     swap_space_bytes) for the prompt's prefill and comes back, bit for bit with its eviction
@@ -102,7 +104,7 @@ class Engine:
                  swap_space_bytes: int = 4 << 30, seed: int = 0, log_every: int = 0,
                  cuda_graphs: bool = True, eviction_interval: int | None = None,
                  prefill_eviction_chunk: int = 0, async_steps: bool = False,
-                 swap_aside: bool = False):
+                 swap_aside: bool | None = None):
         from kvcompile.api import _STATE_ATTR
         from kvcompile.api import compile as kv_compile
 
@@ -157,8 +159,9 @@ class Engine:
                                    max_num_seqs, preemption_mode, swap_space_bytes,
                                    count=state.count, on_start=self._on_start,
                                    on_swap_out=self._on_swap_out, on_swap_in=self._on_swap_in)
-        self.scheduler.swap_aside = bool(swap_aside)
-        if swap_aside and (self.eviction is None or not self.scheduler.pool_swappable):
+        applies = self.eviction is not None and self.scheduler.pool_swappable
+        self.scheduler.swap_aside = applies if swap_aside is None else bool(swap_aside)
+        if swap_aside and not applies:
             why = ("the model evicts nothing (no KVConfig.eviction)" if self.eviction is None
                    else "its pages have a bf16 residual tail, which is not swapped")
             log.warning("kvcompile engine: swap_aside=True does nothing here: %s; evicting "

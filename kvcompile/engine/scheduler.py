@@ -100,7 +100,8 @@ class Scheduler:
         # requests that keep every token admitted by their whole life (`_lifetimes_fit`)
         self.reserve_plain = False
         # an evicting prompt whose peak does not fit while its evicted size does: evicting
-        # decoders are swapped to host memory for its prefill (`_swap_aside`; opt-in)
+        # decoders are swapped to host memory for its prefill (`_swap_aside`; the Engine
+        # turns it on where it applies)
         self.swap_aside = False
         # decoders swapped aside for one prompt at most (1: when one does not make room, the
         # prompt waits for an evicting decoder to end instead, which keeps more running)

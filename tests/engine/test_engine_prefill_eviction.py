@@ -141,7 +141,9 @@ def test_evicting_prompts_admitted_by_their_peak():
     runs = {}
     for reserve, chunk, credit in ((False, 0, True), (True, 0, False), (True, 0, True),
                                    (True, 16, True)):
-        eng = Engine(m, max_num_batched_tokens=16, prefill_eviction_chunk=chunk)
+        # (the admission rule alone: swap-aside, on by default, has its own tests below)
+        eng = Engine(m, max_num_batched_tokens=16, prefill_eviction_chunk=chunk,
+                     swap_aside=False)
         assert eng.pool.num_pages == 14
         eng.scheduler.reserve_prefill = reserve
         eng.scheduler.lifetime_credit = credit
