@@ -224,6 +224,13 @@ def test_layer_shared_snapkv_keeps_the_same_positions_on_every_rank(ranks):
     # what a rank choosing from its own head only would keep (SnapKV per_head on that head)
     # differs: without the sum over ranks the test would fail
     assert any(head(per_head["kept"], h) != head(whole["kept"], h) for h in range(WORLD))
+    # the batched eviction pass (front.py, CUDA's path at a prompt's end) sums the scores
+    # over the ranks as the per-sequence path does: the same tokens kept, the same output
+    for r, res in enumerate(_case(results, "rotate_snapkv_batched")):
+        assert res["device_runs"] > 0, (r, res["device_runs"])
+        assert res["evicted"] == whole["evicted"], (r, res["evicted"], whole["evicted"])
+        assert head(res["kept"], 0) == head(whole["kept"], r), f"rank {r}"
+        assert res["tokens"] == whole["tokens"], f"rank {r}"
 
 
 def test_engine_on_every_rank_matches_the_unsharded_engine(ranks):

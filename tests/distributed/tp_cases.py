@@ -2,7 +2,8 @@
 (test_tensor_parallel.py) for its references: the same functions on both sides.
 
 - `rotate_snapkv`: fp8 pages, rotate="hadamard" (V folded into v_proj / o_proj, which are
-  sharded) and a layer-shared SnapKV: tokens, the tokens each layer keeps, the folded weights;
+  sharded) and a layer-shared SnapKV: tokens, the tokens each layer keeps, the folded weights
+  (`rotate_snapkv_batched`: the prompt's end through the batched eviction pass);
 - `engine`: the Engine with requests arriving at set steps, a shared prefix, a pool small
   enough to preempt, greedy and seeded sampling;
 - `gptfast`: gpt-fast's own tp.py-style sharding (local heads, functional all_reduce).
@@ -42,8 +43,21 @@ class KeptWatch(RuntimeHook):
         return k, v
 
 
-def rotate_snapkv(model, prompts, new, per_head=False) -> dict:
-    """Compile with fp8 pages, rotation and SnapKV; generate greedily."""
+def rotate_snapkv(model, prompts, new, per_head=False, batched=False) -> dict:
+    """Compile with fp8 pages, rotation and SnapKV; generate greedily. batched: the prompt's
+    end evicted through the batched pass (front.py, as on CUDA: runtime.BATCH_ON_CPU), its
+    layer-shared scores summed over the ranks per row."""
+    from kvcompile.eviction import runtime
+
+    saved = runtime.BATCH_ON_CPU
+    runtime.BATCH_ON_CPU = batched
+    try:
+        return _rotate_snapkv(model, prompts, new, per_head)
+    finally:
+        runtime.BATCH_ON_CPU = saved
+
+
+def _rotate_snapkv(model, prompts, new, per_head) -> dict:
     import kvcompile
     from kvcompile.api import state_of
     from tests.engine.tiny import config
@@ -62,6 +76,7 @@ def rotate_snapkv(model, prompts, new, per_head=False) -> dict:
     return dict(tokens=tokens, kept=watch.seen, rotate=[s.rotate for s in rep.sites],
                 rewritten=[s.rewritten for s in rep.sites],
                 evicted=st.counters.get("evicted_tokens", 0),
+                device_runs=st.counters.get("eviction_device_runs", 0),
                 v_proj=local[0].tolist(), o_proj=local[1].tolist())
 
 

@@ -144,6 +144,8 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, uneven_dir: str, 
             os.path.join(os.path.dirname(model_dir), "qwen2"), tp_plan="auto",
             dtype=torch.float32).eval(), prompts, new, kv_dtype="auto"))
         case("rotate_snapkv", lambda: tp_cases.rotate_snapkv(load(), prompts, new))
+        case("rotate_snapkv_batched", lambda: tp_cases.rotate_snapkv(load(), prompts, new,
+                                                                     batched=True))
         case("engine", engine)
     else:
         dist.init_process_group("gloo", rank=rank, world_size=world)
