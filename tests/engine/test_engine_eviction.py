@@ -113,6 +113,39 @@ def test_engine_equals_generate_per_request_policy(model):
     assert not state_of(model).eviction.seq_policy, "per-sequence policies leaked"
 
 
+def arrivals_in_few_pages(model, reqs, expect, free_pages, page, mode, rng,
+                          reserve_prefill=True) -> None:
+    """Random arrivals on an engine whose pool has `free_pages` pages free (the rest held by
+    another sequence), checked by `check_arrivals`; the pool is empty afterwards.
+    reserve_prefill=False: evicting prompts admitted on their first chunk, so that they
+    overcommit the pool and are preempted."""
+    pool = state_of(model).pool
+    hog = pool.allocate(1)[0]
+    pool.reserve([hog], (pool.num_pages - free_pages) * page)
+    try:
+        eng = Engine(model, max_num_batched_tokens=32, preemption_mode=mode)
+        eng.scheduler.watermark = 1   # as a small pool's (1% of the pages, at least 1)
+        eng.scheduler.reserve_prefill = reserve_prefill
+        final = _run_arrivals(eng, reqs, rng, lambda e, _: e.pool.check_invariants())
+        check_arrivals(eng, reqs, final, expect)
+        eng.close()
+    finally:
+        pool.free([hog])
+    assert pool.stats().pages_used == 0
+
+
+def check_arrivals(eng, reqs, final, expect) -> None:
+    """Random arrivals: every request equals itself alone, some were preempted, evicting
+    requests took no page from the prefix cache, and the prefix cache hit for the others."""
+    for i in range(len(reqs)):
+        assert final[i].token_ids == expect[i], f"request {i} changed by its neighbours"
+    assert eng.stats.preemptions > 0
+    evicting = [i for i, (_p, sp) in enumerate(reqs) if sp.eviction is not None]
+    assert all(final[i].num_cached_tokens == 0 for i in evicting)
+    assert any(final[i].num_cached_tokens for i in final if i not in evicting), \
+        "the prefix cache never hit"
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_random_arrivals_with_preemption_and_prefix_caching(model, mode):
     """A tiny pool forces preemption; prompts share a prefix; some requests evict and some do
@@ -127,24 +160,8 @@ def test_random_arrivals_with_preemption_and_prefix_caching(model, mode):
     alone = Engine(model, max_num_batched_tokens=128, enable_prefix_caching=False)
     expect = [alone.generate([p], sp)[0].token_ids for p, sp in reqs]
     alone.close()
-    pool = state_of(model).pool
-    held = pool.num_pages - 12   # leave 12 pages of 8 tokens: each request fits alone
-    hog = pool.allocate(1)[0]
-    pool.reserve([hog], held * PAGE)
-    try:
-        eng = Engine(model, max_num_batched_tokens=32, preemption_mode=mode)
-        eng.scheduler.watermark = 1   # as a 12-page pool's (1% of the pages, at least 1)
-        final = _run_arrivals(eng, reqs, rng, lambda e, _: e.pool.check_invariants())
-        for i in range(len(reqs)):
-            assert final[i].token_ids == expect[i], f"request {i} changed by its neighbours"
-        assert eng.stats.preemptions > 0
-        evicting = [i for i, (_p, sp) in enumerate(reqs) if sp.eviction is not None]
-        assert all(final[i].num_cached_tokens == 0 for i in evicting)
-        assert any(o.num_cached_tokens for o in final.values()), "the prefix cache never hit"
-        eng.close()
-    finally:
-        pool.free([hog])
-    assert pool.stats().pages_used == 0
+    # leave 12 pages of 8 tokens: each request fits alone
+    arrivals_in_few_pages(model, reqs, expect, 12, PAGE, mode, rng)
 
 
 def test_evicted_pages_go_back_and_admit_more():

@@ -268,7 +268,7 @@ def test_engine_random_arrivals_on_latent_pages(mode):
     bookkeeping). Every request equals itself alone; evicting requests never take pages
     from the prefix cache; the others hit it."""
     from kvcompile.engine import Engine, SamplingParams
-    from tests.engine.test_engine import _run_arrivals
+    from tests.engine.test_engine_eviction import arrivals_in_few_pages
 
     m = _compiled(SinkWindow(2, 10), page_size=8)
     rng = random.Random(5)
@@ -280,22 +280,5 @@ def test_engine_random_arrivals_on_latent_pages(mode):
     alone = Engine(m, max_num_batched_tokens=128, enable_prefix_caching=False)
     expect = [alone.generate([p], sp)[0].token_ids for p, sp in reqs]
     alone.close()
-    pool = state_of(m).pool
-    hog = pool.allocate(1)[0]
-    pool.reserve([hog], (pool.num_pages - 14) * 8)   # 14 pages of 8 tokens left
-    try:
-        eng = Engine(m, max_num_batched_tokens=32, preemption_mode=mode)
-        eng.scheduler.watermark = 1
-        # admitted on their first chunk, so that they overcommit the pool and are preempted
-        eng.scheduler.reserve_prefill = False
-        final = _run_arrivals(eng, reqs, rng, lambda e, _: e.pool.check_invariants())
-        for i in range(len(reqs)):
-            assert final[i].token_ids == expect[i], f"request {i} changed by its neighbours"
-        assert eng.stats.preemptions > 0
-        evicting = [i for i, (_p, sp) in enumerate(reqs) if sp.eviction is not None]
-        assert all(final[i].num_cached_tokens == 0 for i in evicting)
-        assert any(final[i].num_cached_tokens for i in final if i not in evicting)
-        eng.close()
-    finally:
-        pool.free([hog])
-    assert pool.stats().pages_used == 0
+    # 14 pages of 8 tokens free; prompts admitted on their first chunk (preempted)
+    arrivals_in_few_pages(m, reqs, expect, 14, 8, mode, rng, reserve_prefill=False)
