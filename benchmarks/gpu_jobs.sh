@@ -123,7 +123,7 @@ job() {   # job NAME -> "LIMIT COMMAND"
     nan)            echo "${NAN_LIMIT:-240} python3 -m pytest -q -m gpu tests/gpu/test_nan_gpu.py -p no:cacheprovider ${NAN_KINDS:+-k $NAN_KINDS}" ;;
     dense)          echo "60 python3 -m pytest -q -m gpu tests/gpu/test_dense_gpu.py -p no:cacheprovider" ;;
     engine_graphs)  echo "${EG_LIMIT:-240} python3 -m pytest -s -q -m gpu tests/gpu/test_engine_graphs_gpu.py -p no:cacheprovider" ;;
-    hf_graphs)      echo "${HG_LIMIT:-150} python3 -m pytest -s -q -m gpu tests/gpu/test_hf_graphs_gpu.py -p no:cacheprovider" ;;
+    hf_graphs)      echo "${HG_LIMIT:-240} python3 -m pytest -s -q -m gpu tests/gpu/test_hf_graphs_gpu.py -p no:cacheprovider" ;;
     kernels)        echo "${K_LIMIT:-300} python3 -m pytest -q ${K_TESTS:-tests/kernels/test_decode.py tests/kernels/test_prefill.py tests/kernels/test_append.py} -p no:cacheprovider" ;;
     gpu_tests)      echo "${GPU_TESTS_LIMIT:-540} $PAR $MATRICES; r=\$?; $PYTEST tests/gpu $(printf -- '--ignore=%s ' $MATRICES); s=\$?; exit \$(( r | s ))" ;;
     prefill_memory) echo "${PM_BUDGET:-540} python3 benchmarks/bench_prefill_memory.py --budget-s $(( ${PM_BUDGET:-540} - 15 )) --rows ${PM_ROWS:-mask_analysis,hf_static,fp8_e4m3,bf16,fp4_e2m1,bf16_whole} --json $OUT/prefill_memory.json ${PM_ARGS:-}" ;;
