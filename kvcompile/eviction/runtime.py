@@ -156,10 +156,7 @@ class EvictionRuntime(RuntimeHook):
         self._pool = None
         self._facts: dict[int, _Facts] = {}
         self._facts_key = None
-        # MLA layers (passes/eviction.py): their pages hold the latent (keys) and the rotary
-        # key (values); attention over kept slots runs in the latent space (`_kv`), on the
-        # host path or over their stored slots (runtime/dispatch.py attend_latent)
-        self.latent: set[int] = set()
+        self._latent_of = (-1, frozenset())   # `latent`, derived per count of policies
 
     def set_sequence_policy(self, seq_id: int, policy: EvictionPolicy | None,
                             sink_positions: str | None = None) -> None:
@@ -206,6 +203,21 @@ class EvictionRuntime(RuntimeHook):
             return False
         return (where == "cache" and self.inv_freq is not None
                 and P.rerotated_sinks(policy) > 0)
+
+    @property
+    def latent(self) -> frozenset:
+        """The managed layers that are MLA layers (`layer_meta`'s "latent", passes/
+        site_formats.py): their pages hold the latent (keys) and the rotary key (values), and
+        attention over kept slots runs in the latent space (`_kv`), on the host path or over
+        their stored slots (runtime/dispatch.py `attend_latent`). Derived again only when the
+        set of policies grows."""
+        n, layers = self._latent_of
+        if n != len(self.policies):
+            meta = getattr(self.state, "layer_meta", None) or []
+            layers = frozenset(li for li in self.policies
+                               if li < len(meta) and meta[li].get("latent"))
+            self._latent_of = (len(self.policies), layers)
+        return layers
 
     def _kv(self, layer: int, sid: int):
         """(keys [Hkv, L, D], values [Hkv, L, Dv]) of a sequence's stored slots in fp32, as
@@ -886,7 +898,7 @@ class EvictionRuntime(RuntimeHook):
         window = None
         if (uniform and pols[0] is not None and not rot and P.window_of(pols[0]) is not None
                 and len(self.policies) == len(self.state.layer_specs)
-                and not self.latent & set(self.policies)):   # (latent layers compact)
+                and not self.latent):   # (latent layers compact)
             window = pols[0]
             if not self.state.config.window_eviction:   # (to time both)
                 self._say("eviction: KVConfig.window_eviction is False: SinkWindow compacts "
@@ -946,7 +958,7 @@ class EvictionRuntime(RuntimeHook):
                 why = ("re-rotated sinks with per-layer policies or page granularity (the "
                        "sinks' shift is not known on the host)")
                 break
-            if facts.mass and self.latent & set(self.policies):
+            if facts.mass and self.latent:
                 why = ("H2O on latent (MLA) layers (the latent kernels have no attention-mass "
                        "output: its decode steps attend on the host path)")
                 break
@@ -1172,7 +1184,7 @@ class EvictionRuntime(RuntimeHook):
         the latent kernels (runtime/dispatch.py `_latent_evicting`; one latent head a token
         makes a move cheap)."""
         if (book.start or book.ragged or book.mass or book.obs or book.score
-                or self.observe_all or self.windowed or self.latent & set(self.policies)):
+                or self.observe_all or self.windowed or self.latent):
             return None
         self._check_facts()
         policy = self._facts_of(sid).window

@@ -53,8 +53,6 @@ def eviction_pass(gm: fx.GraphModule, plan, state) -> str:
         if rt.policies.get(li, policy) != policy:
             raise CacheStateError(f"layer {site.name} was compiled with two eviction policies")
         rt.policies[li] = policy
-        if site.latent is not None:   # MLA: attention over kept slots in the latent space
-            rt.latent.add(li)
     if rt.inv_freq is None:
         rt.inv_freq = find_inv_freq(gm)
     kinds: dict[str, int] = {}

@@ -111,8 +111,6 @@ class Layout:
                 state.hooks.append(rt)
             for name, policy in self.policies.items():
                 rt.policies[state.layer_names[name]] = policy
-            rt.latent.update(state.layer_names[n] for n, _spec, meta in self.layers
-                             if meta.get("latent") and n in self.policies)
             if rt.inv_freq is None:
                 rt.inv_freq = self.inv_freq
             rt.sink_positions = self.sink_positions
