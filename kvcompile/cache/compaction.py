@@ -22,9 +22,10 @@ holds it (paged.py lists them per format):
 All sources are read before any destination is written, so src and dst may overlap.
 
 `move_slots_device` does the same with no host sync (eviction between CUDA-graph decode steps)
-for the formats `moves_on_device` takes: those that move exactly (a gather and a scatter of
-each part) and fp8 page scales (the growth computed densely over the pool's pages, no
-`unique`), with the same bytes as `move_slots`.
+for the formats `moves_on_device` takes, every one without residual rows or a registered
+codec: a gather and a scatter of each part where tokens move exactly, else the page- and
+channel-scaled re-encode above by destination (page, head) cell, the cells ranked by a sort
+instead of `unique`, with the same bytes as `move_slots`.
 """
 
 from __future__ import annotations
@@ -32,21 +33,11 @@ from __future__ import annotations
 import torch
 
 from kvcompile.cache import grouped
-from kvcompile.cache.fp4 import (
-    E2M1_MAX,
-    MICRO_BLOCK,
-    e2m1_values,
-    finite_amax,
-    fp4_decode,
-    micro_scale,
-    scale_from_amax,
-    unpack_e2m1,
-)
+from kvcompile.cache.fp4 import E2M1_MAX, MICRO_BLOCK, finite_amax, micro_scale, scale_from_amax
 from kvcompile.cache.fp8 import grow_page_scale
 from kvcompile.cache.intq import (
     _F16_MAX,
     covers,
-    int_decode,
     int_encode,
     int_params,
     levels,
@@ -283,23 +274,20 @@ def _cell_params(paged: PagedTensor, pg, hd) -> dict[str, torch.Tensor]:
 
 
 def _decode_cells(paged: PagedTensor, pg, hd, params) -> torch.Tensor:
-    """The values of cells (pg, hd) [S] -> [S, 1, P, D] fp32, as `_decode_pages` gives them
-    (the plain fp8 cast, not fp8_decode's CPU fast path, which reads a min / max on the host:
-    the same values)."""
-    fmt = paged.fmt
+    """The values of cells (pg, hd) [S] -> [S, 1, P, D] fp32, as `_decode_pages` gives them,
+    with no host read."""
     codes = paged.data[pg, hd][:, None]                                       # [S, 1, P, Ds]
     s = params["scale"].float()
     sb = s[:, :, None, :] if s.dim() == 3 else s[:, :, None, None]
-    if fmt.is_int:
+    zb = micro = None
+    if "zero" in params:
         z = params["zero"]
         zb = z[:, :, None, :] if z.dim() == 3 else z[:, :, None, None]
-        return int_decode(codes, sb, zb, fmt.int_bits)
-    if fmt.name == "fp4_e2m1":
-        if fmt.granularity == "channel":
-            m = params["micro"].float().repeat_interleave(MICRO_BLOCK, dim=2)
-            return (e2m1_values(unpack_e2m1(codes)) * m) * sb
-        return fp4_decode(codes, params["micro"], sb)
-    return codes.float() * sb
+    if "micro" in params:
+        micro = params["micro"]
+        if paged.fmt.granularity == "channel":
+            micro = micro.float().repeat_interleave(MICRO_BLOCK, dim=2)
+    return paged.decode_codes(codes, sb, zb, micro, host_free=True)
 
 
 def _token_values(paged: PagedTensor, ps, os_, heads) -> torch.Tensor:
@@ -309,25 +297,23 @@ def _token_values(paged: PagedTensor, ps, os_, heads) -> torch.Tensor:
     codes = paged.data[ps, heads, os_]                                        # [M, Ds]
     if not fmt.is_quantized:
         return codes.float()
-    if g == "tensor":
-        s = paged.scale.float().view(1, 1)
-    elif g == "token":
-        s = paged.scale[ps, heads, os_].float()[:, None]
-    elif g == "channel" and fmt.name != "fp4_e2m1":
-        s = paged.scale[ps, heads].float()                                    # [M, D]
-    else:
-        s = paged.scale[ps, heads].float()[:, None]
-    if fmt.is_int:
-        z = paged.zero
-        z = (z.view(1, 1) if g == "tensor" else z[ps, heads, os_][:, None] if g == "token"
-             else z[ps, heads] if g == "channel" else z[ps, heads][:, None])
-        return int_decode(codes, s, z, fmt.int_bits)
-    if fmt.name == "fp4_e2m1":
-        if g == "channel":
-            m = paged.micro[ps, heads, os_ // MICRO_BLOCK].float()            # [M, D]
-            return (e2m1_values(unpack_e2m1(codes)) * m) * s
-        return fp4_decode(codes, paged.micro[ps, heads, os_], s)
-    return codes.float() * s
+
+    def per_token(t):   # a scale-shaped part, broadcastable to [M, D]
+        if g == "tensor":
+            return t.view(1, 1)
+        if g == "token":
+            return t[ps, heads, os_][:, None]
+        if g == "channel" and fmt.name != "fp4_e2m1":
+            return t[ps, heads]                                               # [M, D]
+        return t[ps, heads][:, None]
+
+    micro = None
+    if paged.micro is not None:   # fp4: per 16 values of the token, or per 16 tokens
+        micro = (paged.micro[ps, heads, os_ // MICRO_BLOCK] if g == "channel"
+                 else paged.micro[ps, heads, os_])
+    zero = per_token(paged.zero) if fmt.is_int else None
+    return paged.decode_codes(codes, per_token(paged.scale).float(), zero, micro,
+                              host_free=True)
 
 
 def _move_cells(paged: PagedTensor, vals, od, real, seg, pg, hd, write) -> None:

@@ -189,16 +189,31 @@ class PagedTensor:
         codes = self.data.index_select(0, page_ids)
         if not fmt.is_quantized:
             return codes.float()
+        zero = self._bcast(self.zero, page_ids) if fmt.is_int else None
+        micro = None
+        if self.micro is not None:
+            micro = self.micro[page_ids]
+            if fmt.granularity == "channel":
+                micro = micro.float().repeat_interleave(MICRO_BLOCK, dim=2)
+        return self.decode_codes(codes, self.scale_of(page_ids), zero, micro)
+
+    def decode_codes(self, codes: torch.Tensor, scale, zero=None, micro=None,
+                     host_free: bool = False) -> torch.Tensor:
+        """This format's decode of gathered parts (no registered codec): codes [..., Ds] ->
+        fp32 [..., D], under scale (and int's zero) broadcastable to the values; micro: fp4's
+        micro scales, [..., D/16] along head_dim, or for "channel" one per value [..., D].
+        host_free: fp8 by the plain cast, not fp8_decode's CPU fast path, which reads a
+        min / max on the host (the same values; eviction between CUDA-graph replays)."""
+        fmt = self.fmt
+        if not fmt.is_quantized:
+            return codes.float()
         if fmt.is_int:
-            return int_decode(codes, self._bcast(self.scale, page_ids),
-                              self._bcast(self.zero, page_ids), fmt.int_bits)
-        scale = self.scale_of(page_ids)
+            return int_decode(codes, scale, zero, fmt.int_bits)
         if fmt.name == "fp4_e2m1":
             if fmt.granularity == "channel":
-                m = self.micro[page_ids].float().repeat_interleave(MICRO_BLOCK, dim=2)
-                return (e2m1_values(unpack_e2m1(codes)) * m) * scale
-            return fp4_decode(codes, self.micro[page_ids], scale)
-        return fp8_decode(codes, scale)
+                return (e2m1_values(unpack_e2m1(codes)) * micro.float()) * scale
+            return fp4_decode(codes, micro, scale)
+        return codes.float() * scale if host_free else fp8_decode(codes, scale)
 
     # -- a registered format's own codec (registry.FormatSpec encode / decode) --
 

@@ -22,9 +22,11 @@ same way. The host only adds lengths and page lists.
 A policy with kept scores (SnapKV(hold=True)) ranks by the books' `score` rows, the slots of
 the steps stepped aside for ranked as decoded tokens (policies.DECODED + index), and the rows
 move with the slots. Not taken (the runtime's per-sequence path does them): mixed policies in
-one sequence, page granularity, a policy whose kept count is not its budget or whose fresh
-scores are shared by heads, formats `moves_on_device` does not take (residual pages, a
-registered codec), heads of different counts across layers.
+one sequence, page granularity, a policy whose kept count is not its budget, fresh scores
+shared by heads other than an observation in every layer (a SnapKV prompt's end: the runtime's
+`_scores` shares them), formats `moves_on_device` does not take (residual pages, a registered
+codec), heads of different counts across layers. Items are evicted in passes of at most
+MAX_CELLS (page, head) cells.
 """
 
 from __future__ import annotations
@@ -38,6 +40,13 @@ from kvcompile.eviction import policies as P
 # (page, head) cells one batched pass re-encodes at most per layer and K / V (about 270 MB of
 # fp32 pages at page 16, head_dim 128): more items are evicted in several passes
 MAX_CELLS = 1 << 15
+
+
+def _cells_a_row(moves: int, budget: int, page_size: int) -> int:
+    """The destination (page, head) cells of one row's moves in a layer, at most (the bound
+    compaction.move_slots_device's `max_cells` relies on): its real moves fill holes below
+    its budget (ceil(budget / page_size) pages), its padding moves the last slot's page."""
+    return min(moves, -(-budget // page_size) + 1)
 
 
 def _policy(rt, sid, book=None):
@@ -77,11 +86,10 @@ def evict_fronts(rt, items: list) -> list:
         if policy is None or (book.mass and not in_store and set(book.mass) != set(layers)):
             left.append(item)
             continue
-        # (page, head) cells a layer's re-encode may touch: each row's moves fill holes
-        # below its budget (compaction.move_slots_device); a pass holds at most MAX_CELLS
-        # of them, so that a long prompt's end (a 32k prompt: ~8,000 cells a sequence at 8
-        # kv heads) does not make one transient of every sequence's pages at once
-        need = H * min(max(1, pool.seq_len(sid) - budget), -(-budget // pool.page_size) + 1)
+        # a pass holds at most MAX_CELLS cells, so that a long prompt's end (a 32k prompt:
+        # ~8,000 cells a sequence at 8 kv heads) does not make one transient of every
+        # sequence's pages at once
+        need = H * _cells_a_row(max(1, pool.seq_len(sid) - budget), budget, pool.page_size)
         if chunk and cells + need > MAX_CELLS:
             _evict(rt, pool, layers, H, chunk, groups)
             chunk, groups, cells = [], {}, 0
@@ -206,9 +214,8 @@ def _evict(rt, pool, layers, H, items, groups) -> None:
     hh = torch.arange(H, device=dev)[None, :, None].expand(n, H, M)
     gsrc, gdst = gsrc.view(n, Ly, H, M), gdst.view(n, Ly, H, M)
     real = valid.view(n, Ly, H, M)   # (the padding moves a token onto itself: no part in
-    # a page scale's growth). Destination (page, head)s per layer, at most: a row's real moves
-    # fill holes below its budget (ceil(budget / P) pages), its padding the last slot's page
-    cells = n * H * min(M, -(-max(budget) // Ps) + 1)
+    # a page scale's growth)
+    cells = n * H * _cells_a_row(M, max(budget), Ps)
     for i, li in enumerate(layers):
         s_i, d_i = gsrc[:, i].reshape(-1), gdst[:, i].reshape(-1)
         for paged in (pool.k[li], pool.v[li]):
