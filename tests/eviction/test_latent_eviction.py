@@ -21,6 +21,7 @@ import kvcompile
 from kvcompile.api import state_of
 from kvcompile.config import H2O, KVConfig, SinkWindow, SnapKV
 from kvcompile.testing import assert_rel_close
+from tests.eviction.test_end_to_end import _sid
 from tests.passes.test_latent_attention import make_mla
 
 T, PREFILL = 40, 20
@@ -39,8 +40,8 @@ def _ids(seed, n=T):
     return torch.randint(3, 256, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def _stream(m, ids, prefill=PREFILL, original=True, chunk=1):
-    """Logits [T, V] of the prefill, then `chunk` tokens per forward, and the kept positions of
+def _stream(m, ids, prefill=PREFILL, original=True):
+    """Logits [T, V] of the prefill, then one token per forward, and the kept positions of
     each layer after every forward (book.pos)."""
     if original:
         with torch.no_grad():
@@ -50,15 +51,10 @@ def _stream(m, ids, prefill=PREFILL, original=True, chunk=1):
     with torch.no_grad():
         outs.append(m(input_ids=ids[:, :prefill], past_key_values=cache).logits[0])
         kept.append(_kept(m, cache))
-        for t in range(prefill, ids.shape[1], chunk):
-            outs.append(m(input_ids=ids[:, t:t + chunk], past_key_values=cache).logits[0])
+        for t in range(prefill, ids.shape[1]):
+            outs.append(m(input_ids=ids[:, t:t + 1], past_key_values=cache).logits[0])
             kept.append(_kept(m, cache))
     return torch.cat(outs), cache, kept
-
-
-def _sid(cache):
-    from kvcompile.runtime.binding import binding_of
-    return binding_of(cache.layers[0].keys).seq_ids[0]
 
 
 def _kept(m, cache):
