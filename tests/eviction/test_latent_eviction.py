@@ -113,6 +113,9 @@ def test_sink_window_equals_masked_attention(kernels):
     allowed = (j <= t) & ((j >= start) | (j < 2) | (j >= start - 12) | (start == 0))
     ref = _reference(ids, allowed, rope)
     assert_rel_close(out, ref, torch.float32, factor=10, what="SinkWindow on latent pages")
+    rep = kvcompile.report(m)   # every MLA site rewritten, with its policy (not left alone)
+    assert [s.rewritten for s in rep.sites] == [True, True], str(rep)
+    assert all(s.eviction.startswith("SinkWindow") for s in rep.sites), str(rep)
     st = state_of(m)
     assert "eviction_window_runs" not in st.counters and st.counters["eviction_moves"] > 0
     assert st.counters["evicted_tokens"] == 26
