@@ -249,20 +249,24 @@ def _rotated_scores(qd, k, n_rot, cos, sin, scale, softcap):
 
 
 def aside_reference(qd, kc, vc, block_tables, seq_lens, scale: float, softcap: float,
-                    mass=None, rot=None, key_mask=None) -> torch.Tensor:
+                    mass=None, rot=None, key_mask=None, latent: bool = False) -> torch.Tensor:
     """Plain PyTorch (fp32) decode over every slot of the block tables' width, with fixed
     shapes and no host sync: qd [B, Hq, 1, D]; seq_lens [B] int32 -> [B, Hq, 1, Dv] fp32.
     mass [B, Hkv, Lm] fp32 or None: += each slot's probability summed over the group;
     rot (n_rot [B], cos [B, D], sin [B, D], sinks) or None: slots < n_rot scored with the
     rotated query (the module docstring); key_mask [B, Lm] bool or None: slot j < Lm seen
-    only where True (the decode kernel's key_mask)."""
+    only where True (the decode kernel's key_mask); latent: MLA pages (kc the latent c, vc
+    the rotary key; keys [c, k_rope], values c, one head: kernels/latent.py), qd the absorbed
+    query [B, H, 1, r + dr] -> [B, H, 1, r] (the latent decode kernel's contract)."""
     B, Hq, _, D = qd.shape
     Hkv, P = kc.num_heads, kc.page_size
     W = block_tables.shape[1]
     L = W * P
     pages = block_tables.long().reshape(-1)
-    k = kc.read(pages).view(B, W, Hkv, P, D).transpose(1, 2).reshape(B, Hkv, L, D)
+    k = kc.read(pages).view(B, W, Hkv, P, -1).transpose(1, 2).reshape(B, Hkv, L, -1)
     v = vc.read(pages).view(B, W, Hkv, P, -1).transpose(1, 2).reshape(B, Hkv, L, -1)
+    if latent:
+        k, v = torch.cat([k, v], -1), k
     G = Hq // Hkv
     s = torch.einsum("bhgd,bhld->bhgl", qd.float()[:, :, 0].view(B, Hkv, G, D), k) * scale
     if softcap:

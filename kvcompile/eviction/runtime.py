@@ -958,10 +958,6 @@ class EvictionRuntime(RuntimeHook):
                 why = ("re-rotated sinks with per-layer policies or page granularity (the "
                        "sinks' shift is not known on the host)")
                 break
-            if facts.mass and self.latent:
-                why = ("H2O on latent (MLA) layers (the latent kernels have no attention-mass "
-                       "output: its decode steps attend on the host path)")
-                break
             if facts.mass:
                 new_rows += self.store is None or sid not in self.store.row_of
         free = len(self.store._free) if self.store is not None else self.aside_rows

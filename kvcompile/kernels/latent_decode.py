@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from kvcompile.errors import UnsupportedShapeError
+from kvcompile.kernels.decode_kernels import attn_mass_kernel
 from kvcompile.kernels.latent_decode_heads import _latent_tile_kernel
 
 _UNSCALED = ("bf16", "fp16", "fp32")
@@ -330,7 +331,8 @@ def _latent_once_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
                         WIDEN_ASM: tl.constexpr = "", WIDEN_BITS: tl.constexpr = "",
                         C_MUL: tl.constexpr = 1.0, BT_AHEAD: tl.constexpr = False,
                         ROPE_AHEAD: tl.constexpr = False, KMASK=None, n_kmask=0,
-                        HAS_KMASK: tl.constexpr = False):
+                        HAS_KMASK: tl.constexpr = False, SCORES=None, scores_len=0,
+                        WRITE_SCORES: tl.constexpr = False):
     # DT: the latent dots' dtype, DT_R the rotary one's. fp8 pages under bf16 queries take
     # fp16 (e4m3x2 -> f16x2 is one instruction; bf16 would add one cvt per element), and the
     # query is multiplied by Q_SHIFT (2^-8, exact) so that any bf16-range query up to 2^24
@@ -446,6 +448,9 @@ def _latent_once_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
         else:
             sT = tl.dot(kr, q_rT, tl.dot(c1, q1T, tl.dot(c0, q0T))) * qk_scale  # [BLOCK_N, BH]
         sT = tl.where(ok[:, None], sT, float("-inf"))
+        if WRITE_SCORES:   # H2O: each key's score (log2 units) for attn_mass, keys < scores_len
+            s_dst = SCORES + (b * H + h[None, :]).to(tl.int64) * scores_len + j[:, None]
+            tl.store(s_dst, sT, mask=(ok & (j < scores_len))[:, None] & h_ok[None, :])
         m_new = tl.maximum(m_i, tl.max(sT, 0))     # finite: every tile has a token below n_hi
         m_use = m_new
         if HAS_KMASK:   # ... unless the key mask hid every key so far: m stays -inf, and the
@@ -474,6 +479,9 @@ def _latent_once_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
         o_row = OUT + (b * H + h)[:, None] * R + rh[None, :]
         tl.store(o_row, acc0 * inv[:, None], mask=h_ok[:, None])
         tl.store(o_row + RH, acc1 * inv[:, None], mask=h_ok[:, None])
+        if WRITE_SCORES:   # (max, sum) for the scores' lse (`_scores_mass`)
+            tl.store(ML + (b * H + h) * 2, m_i, mask=h_ok)
+            tl.store(ML + (b * H + h) * 2 + 1, l_i, mask=h_ok)
     else:
         row = (b * num_splits + split) * H + h
         a_row = ACC + row[:, None] * R + rh[None, :]
@@ -682,13 +690,27 @@ def launch_constexprs(tiles: LatentTiles, q_dtype: torch.dtype, c_fmt: str, r_fm
 def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: float,
                             num_splits: int | None = None,
                             tiles: LatentTiles | None = None,
-                            key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                            key_mask: torch.Tensor | None = None,
+                            attn_mass: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring. q_lat [B, H, r + dr] -> [B, H, r] fp32.
     num_splits / tiles: None picks them (pick_splits / pick_tiles); tests and benchmarks
     pass them to run one configuration. key_mask: bool [B, Lm], key j seen iff
     key_mask[b, j] (j >= Lm: seen), as paged_decode_attention takes it (left padding, an
-    HF decode step's mask); a row whose keys are all hidden gets zeros."""
+    HF decode step's mask); a row whose keys are all hidden gets zeros.
+    attn_mass: fp32 [B, 1, Lm] (H2O; the one latent head), += each key j < Lm's attention
+    probability summed over the H query heads, as paged_decode_attention's: the kernel
+    writes its scores (log2 units, [B, H, Lm]) and each split's (max, sum) as it attends,
+    then one small kernel (decode_kernels.attn_mass_kernel) turns them into probabilities
+    under each head's final lse. No second pass over the pages."""
     _check(q_lat, c_pages, r_pages, block_tables, seq_lens)
+    if attn_mass is not None and (
+            not isinstance(attn_mass, torch.Tensor) or attn_mass.dtype != torch.float32
+            or attn_mass.dim() != 3 or tuple(attn_mass.shape[:2]) != (q_lat.shape[0], 1)
+            or not attn_mass.is_contiguous() or attn_mass.device != q_lat.device):
+        raise UnsupportedShapeError(f"latent_decode_attention: attn_mass must be contiguous "
+                                    f"fp32 [{q_lat.shape[0]}, 1, L] on {q_lat.device} (one "
+                                    f"latent head); got {getattr(attn_mass, 'dtype', None)} "
+                                    f"{tuple(getattr(attn_mass, 'shape', ()))}")
     if key_mask is not None and (not isinstance(key_mask, torch.Tensor)
                                  or key_mask.dtype != torch.bool or key_mask.dim() != 2
                                  or key_mask.shape[0] != q_lat.shape[0]
@@ -726,6 +748,8 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
     direct = num_splits == 1
     if direct:
         acc = ml = out   # not read: the kernel normalizes and writes out itself
+        if attn_mass is not None:   # ... and its (max, sum) for the mass
+            ml = torch.empty((B, 1, H, 2), dtype=torch.float32, device=q.device)
     else:
         acc = torch.empty((B, num_splits, H, R), dtype=torch.float32, device=q.device)
         ml = torch.empty((B, num_splits, H, 2), dtype=torch.float32, device=q.device)
@@ -747,10 +771,31 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
     if key_mask is not None:
         consts.update(KMASK=key_mask.contiguous().view(torch.uint8),
                       n_kmask=key_mask.shape[1], HAS_KMASK=True)
+    scores = None
+    if attn_mass is not None and attn_mass.shape[2] > 0:
+        scores = torch.full((B, H, attn_mass.shape[2]), float("-inf"), dtype=torch.float32,
+                            device=q.device)
+        consts.update(SCORES=scores, scores_len=attn_mass.shape[2], WRITE_SCORES=True)
     fn[grid](q, c_pages.data, *scales, *common, **consts)
     if not direct:
         merge_launch(acc, ml, out, num_splits)
+    if scores is not None:
+        _scores_mass(scores, ml, attn_mass, seq_lens)
     return out
+
+
+def _scores_mass(scores, ml, attn_mass, seq_lens) -> None:
+    """attn_mass [B, 1, Lm] += sum over heads of 2^(score - lse): lse per (row, head) from the
+    splits' (max, sum) in ml [B, S, H, 2] (log2 units; a head that saw no key: -inf, mass 0)."""
+    B, H, Lm = scores.shape
+    m, lsum = ml[..., 0], ml[..., 1]                                    # [B, S, H]
+    top = m.amax(1)
+    top = torch.where(top > float("-inf"), top, torch.zeros_like(top))
+    den = (torch.exp2(m - top[:, None]) * lsum).sum(1)                  # [B, H]
+    lse = (top + torch.log2(den)).reshape(-1).contiguous()
+    blk = 256
+    attn_mass_kernel[(B, triton.cdiv(Lm, blk))](scores, lse, attn_mass, seq_lens, Lm, 1, G=H,
+                                                 SQ=1, BLOCK=blk, num_warps=4)
 
 
 __all__ = ["AHEADS", "CANDIDATES", "FEW_PROGRAMS", "LAYOUTS", "PREFETCH_VARIANTS",

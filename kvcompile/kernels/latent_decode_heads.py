@@ -16,7 +16,8 @@ def _latent_tile_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
                         DR: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr,
                         BLOCK_N: tl.constexpr, V_SPLIT: tl.constexpr, C_SCALED: tl.constexpr,
                         R_SCALED: tl.constexpr, DT: tl.constexpr, DIRECT: tl.constexpr,
-                        KMASK=None, n_kmask=0, HAS_KMASK: tl.constexpr = False):
+                        KMASK=None, n_kmask=0, HAS_KMASK: tl.constexpr = False,
+                        SCORES=None, scores_len=0, WRITE_SCORES: tl.constexpr = False):
     # V_SPLIT 2: two programs share a head block; each scores all r + dr columns but
     # accumulates only its half of the latent ("own" columns v0..v0+RV, the "other" half
     # only enters the scores), which halves the accumulator's registers
@@ -72,6 +73,10 @@ def _latent_tile_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
         else:
             s_r = s_r * qk_scale
         s = tl.where(ok[None, :], s_c + s_r, float("-inf"))
+        if WRITE_SCORES:   # H2O (latent_decode.py): each key's score, by the first half only
+            s_dst = SCORES + (b * H + h[:, None]).to(tl.int64) * scores_len + j[None, :]
+            s_ok = (ok & (j < scores_len))[None, :] & (h_ok & (h * 0 + v0 == 0))[:, None]
+            tl.store(s_dst, s, mask=s_ok)
         m_new = tl.maximum(m_i, tl.max(s, 1))      # finite: every tile has a token below n_hi
         m_use = m_new
         if HAS_KMASK:   # ... unless the key mask hid every key so far (m stays -inf)
@@ -87,6 +92,10 @@ def _latent_tile_kernel(QL, CD, CS, RD, RS, BT, SL, OUT, ACC, ML, stride_qb, str
     if DIRECT:
         inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
         tl.store(OUT + (b * H + h)[:, None] * R + cols, acc * inv[:, None], mask=h_ok[:, None])
+        if WRITE_SCORES:   # (max, sum) for the scores' lse
+            first = h_ok & (h * 0 + v0 == 0)
+            tl.store(ML + (b * H + h) * 2, m_i, mask=first)
+            tl.store(ML + (b * H + h) * 2 + 1, l_i, mask=first)
     else:
         row = (b * num_splits + split) * H + h
         tl.store(ACC + row[:, None] * R + cols, acc, mask=h_ok[:, None])

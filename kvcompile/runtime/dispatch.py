@@ -267,9 +267,11 @@ def _latent_evicting(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, 
     ev = state.eviction
     if plan.eviction_aside:
         # a decode step stepped aside for (`generate`'s graphs, integrations/hf_graphs.py, or
-        # an engine step; decode_aside: no holes, padding, H2O mass or hidden slots, the
-        # decode mask all ones): the stored slots are exactly the kept tokens, read by the
-        # latent kernels
+        # an engine step; decode_aside: no holes, padding or hidden slots, the decode mask
+        # all ones): the stored slots are exactly the kept tokens, read by the latent
+        # kernels, which add H2O's mass where the step keeps it
+        if plan.aside is not None and plan.aside.spec.mass_len:
+            return _latent_aside_mass(ctx, layer, q, plan, scale, kv_b_weight, nope_dim)
         return _attend_latent(ctx, layer, q, plan, None, None, is_causal, window, softcap,
                               scale, kv_b_weight, nope_dim, fresh)
     if (mask_info is not None and not mask_info.exact and not plan.is_decode
@@ -313,6 +315,38 @@ def _latent_evicting(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, 
     out = out.clone() if out is not None else torch.zeros_like(o)
     out[:, :, cols] = o[:, :, cols].to(out.dtype)
     return out
+
+
+def _latent_aside_mass(ctx, layer: int, q, plan, scale, kv_b_weight, nope_dim: int):
+    """An H2O decode step of an MLA layer stepped aside for (eviction/aside.py: one token a
+    row, the stored slots exactly the kept tokens, no sink to re-rotate): the latent decode
+    kernel attends over the stored slots and adds each slot's probability, summed over the
+    query heads, to the rows of the mass store (its attn_mass output; no second pass), else
+    the plain PyTorch `aside_reference` over the latent pages; no host sync either way."""
+    from kvcompile.eviction.aside import aside_reference
+
+    state = ctx.state
+    a, store, pool = plan.aside, state.eviction.store, state.pool
+    if a.spec.sinks or a.spec.hidden:
+        raise UnsupportedShapeError("eviction: a latent (MLA) decode step with sinks to "
+                                    "re-rotate or hidden slots (latent layers compact and "
+                                    "keep sinks at their text positions)")
+    q_lat = absorb_query(q, kv_b_weight, nope_dim)
+    mass = store.mass[layer].index_select(0, a.mass_rows)              # [B, 1, Lm]
+    o = _latent_kernel(state, q_lat, pool.k[layer], pool.v[layer], plan, None, None, 0, 0.0,
+                       scale, attn_mass=mass)
+    if o is not None:
+        o_lat, route = o
+        state.count(f"latent_decode_{route}")
+    else:
+        qd = q_lat[0].transpose(0, 1).unsqueeze(2) if plan.packed else q_lat   # [B, H, 1, W]
+        o_lat = aside_reference(qd, pool.k[layer], pool.v[layer], plan.block_tables,
+                                plan.seq_lens, scale, 0.0, mass, latent=True)
+        if plan.packed:
+            o_lat = o_lat.squeeze(2).transpose(0, 1).unsqueeze(0)
+        state.count("eviction_aside_reference")
+    store.mass[layer].index_copy_(0, a.mass_rows, mass)
+    return latent_output(o_lat.to(q_lat.dtype), kv_b_weight, nope_dim)
 
 
 def _attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, window, softcap,
@@ -391,14 +425,15 @@ def mask_hides_no_key(plan, mask_info) -> bool:
 
 
 def _latent_kernel(state, q_lat, c_pages, r_pages, plan, mask_info, attn_mask, window,
-                   softcap, scale):
+                   softcap, scale, attn_mass=None):
     """The absorbed decode kernel for a decode step of one query per row (no window or
     softcap), on CUDA or with KVConfig(kernels="triton"): ([B, H, 1, r] fp32, route), or None
     (the reference attends). route "cuda": the CUDA kernel (kernels/latent_sm90.py) on sm_90
     where latent_sm90.use_cuda says the H200 measured it faster, for a step whose mask hides
     no cached key; "triton": kernels/latent_decode.py, which also takes the step's key mask
     (left padding, or any mask under CUDA graph capture, where the key row cannot be read on
-    the host: mask_hides_no_key)."""
+    the host: mask_hides_no_key). attn_mass [B, 1, Lm] fp32 (H2O, `_latent_aside_mass`):
+    the Triton kernel adds the step's probabilities to it (the CUDA one has no such output)."""
     kernels = state.kernels
     # an engine step in which every sequence adds one token (packed: q_lat [1, H, B, W])
     packed = (plan.packed and bool(plan.q_lens) and max(plan.q_lens) == 1
@@ -437,15 +472,16 @@ def _latent_kernel(state, q_lat, c_pages, r_pages, plan, mask_info, attn_mask, w
 
     launch = latent_sm90.use_cuda(q_rows, c_pages, r_pages, plan.block_tables.shape[1]
                                   * c_pages.page_size)
-    if launch is not None and key_mask is None:
+    if launch is not None and key_mask is None and attn_mass is None:
         out = latent_sm90.latent_decode_sm90(q_rows, c_pages, r_pages,
                                              plan.block_tables, plan.seq_lens, scale, **launch)
         return shaped(out), "cuda"
-    if launch is not None:   # the CUDA latent kernel takes no key mask
+    if launch is not None:   # the CUDA latent kernel takes no key mask and adds no mass
         kernels.note("latent decode: Triton kernel, not the CUDA one, for steps with a key "
-                     "mask (left padding, or a mask under CUDA graph capture)")
+                     "mask (left padding, or a mask under CUDA graph capture) or H2O mass")
     out = latent_decode_attention(q_rows, c_pages, r_pages, plan.block_tables,
-                                  plan.seq_lens, scale, key_mask=key_mask)
+                                  plan.seq_lens, scale, key_mask=key_mask,
+                                  attn_mass=attn_mass)
     return shaped(out), "triton"
 
 

@@ -248,15 +248,17 @@ def test_engine_latent_steps_take_the_kernel():
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
 @pytest.mark.parametrize("policy", [lambda: kvcompile.SinkWindow(4, 60),
-                                    lambda: kvcompile.SnapKV(budget=64, window=8, hold=True)],
-                         ids=["SinkWindow", "SnapKV hold"])
+                                    lambda: kvcompile.SnapKV(budget=64, window=8, hold=True),
+                                    lambda: kvcompile.H2O(budget=64, recent=8, sinks=4)],
+                         ids=["SinkWindow", "SnapKV hold", "H2O"])
 def test_latent_eviction_kernels_equal_the_reference(fmt, policy):
     """Eviction on latent pages (DeepSeek-V3 widths, fp32 weights): the compacted rows decode
     through the latent kernels over their stored slots (runtime/dispatch.py
     `_latent_evicting`) in generate's CUDA graphs (stepped aside for, evicting on the device
-    after each replay), against the same run with kernels="reference" and no graphs (the
-    plain-PyTorch paged reference over the same slots, the host path's evictions): tokens
-    equal, per-step logits within TOL, tokens evicted, every decode step a replay."""
+    after each replay; H2O's mass from the latent kernel's attn_mass output), against the
+    same run with kernels="reference" and no graphs (the plain-PyTorch paged reference over
+    the same slots, the host path's evictions and mass): tokens equal, per-step logits
+    within TOL, tokens evicted, every decode step a replay."""
     runs = {}
     for kernels in ("auto", "reference"):
         torch._dynamo.reset()

@@ -212,20 +212,25 @@ def test_re_encoding_formats_evict_on_the_device(emulated, caplog, fmt):
     assert st.counters.get("eviction_device_runs", 0) > 0, st.counters
 
 
-@pytest.mark.parametrize("policy,fmt", [
-    (lambda: SinkWindow(2, 10), "fp32"),
-    (lambda: SnapKV(budget=12, window=4, hold=True), "fp8_e4m3"),
-], ids=["SinkWindow", "SnapKV hold fp8"])
-def test_latent_layers_step_aside_and_equal_the_host_path(emulated, policy, fmt):
+@pytest.mark.parametrize("policy,fmt,kernels", [
+    (lambda: SinkWindow(2, 10), "fp32", "triton"),
+    (lambda: SnapKV(budget=12, window=4, hold=True), "fp8_e4m3", "triton"),
+    (lambda: H2O(budget=12, recent=4, sinks=2), "fp8_e4m3", "triton"),
+    (lambda: H2O(budget=12, recent=4, sinks=2), "fp32", "reference"),
+], ids=["SinkWindow", "SnapKV hold fp8", "H2O fp8", "H2O reference"])
+def test_latent_layers_step_aside_and_equal_the_host_path(emulated, policy, fmt, kernels):
     """MLA layers (a tiny DeepSeek-V3, widths the latent kernel takes) with an eviction
     policy: generate's decode steps step aside and replay (the latent kernels over the stored
     slots, eviction after each replay on the device), against graphs off (the latent rows'
-    own path): tokens equal, per-step logits close, every decode step a replay."""
+    own path): tokens equal, per-step logits close, every decode step a replay, and each
+    sequence keeps the same positions at its end. H2O: each replay's mass comes from the
+    latent kernel's attn_mass output (kernels "triton") or the plain PyTorch aside reference
+    ("reference"), and must select what the host path's mass does."""
     from tests.passes.test_latent_attention import make_mla
 
     torch._dynamo.reset()
     m = make_mla("deepseek_v3", "sdpa", rope=16)
-    kvcompile.compile(m, KVConfig(inner="eager", kernels="triton", max_kv_bytes=1 << 22,
+    kvcompile.compile(m, KVConfig(inner="eager", kernels=kernels, max_kv_bytes=1 << 22,
                                   page_size=8, kv_dtype=fmt, eviction=policy(),
                                   eviction_interval=3))
     fwd = m.forward
@@ -235,10 +240,41 @@ def test_latent_layers_step_aside_and_equal_the_host_path(emulated, policy, fmt)
     st = state_of(m)
     st.eviction.sink_positions = "original"
     fwd.why_not = lambda: _refusal(m)
+    ev = st.eviction
+
+    def snap(sid, book):   # kept positions per layer (sorted) and, under H2O, their mass
+        if st.pool.has(sid):   # (as the pool frees it: the host path's, caught up)
+            ev._catch_up(sid, book)
+            ev._pull_mass(sid, book, st.pool.seq_len(sid))
+        order = {li: p.argsort(-1) for li, p in book.pos.items()}
+        return ({li: p.gather(-1, order[li]) for li, p in book.pos.items()},
+                {li: m.gather(-1, order[li]) for li, m in book.mass.items()})
+
+    freed = []   # (book, snapshot) of each sequence as the pool frees it
+
+    class Books(dict):
+        def pop(self, sid, *default):
+            if sid in self:
+                freed.append((self[sid], snap(sid, self[sid])))
+            return super().pop(sid, *default)
+
+    ev.books = Books(ev.books)
     c0 = dict(st.counters)
     tg, lg, replays = _generate(m, ids, torch.ones_like(ids), graphs=True)
     c1 = dict(st.counters)
+    graph_books = dict(ev.books)   # (the captured step keeps its sequences until the next)
+    graphs_kept = [snap(sid, b) for sid, b in sorted(graph_books.items())]
     te, le, _none = _generate(m, ids, torch.ones_like(ids), graphs=False)
+    ours = list(graph_books.values())
+    host_kept = ([s for b, s in freed if not any(b is g for g in ours)]
+                 + [snap(sid, b) for sid, b in sorted(ev.books.items())
+                    if not any(b is g for g in ours)])
+    assert len(graphs_kept) == len(host_kept) == 2 and host_kept[0]
+    for (a, ma), (b, mb) in zip(graphs_kept, host_kept):
+        assert a.keys() == b.keys() and all(torch.equal(a[li], b[li]) for li in a), (a, b)
+        assert ma.keys() == mb.keys() and bool(ma) == ("H2O" in repr(policy()))
+        for li in ma:   # the mass each kept token gathered, prompt and decode steps
+            assert_rel_close(ma[li], mb[li], torch.float32, factor=10, what=f"mass {li}")
     assert replays == 13, _refusal(m)
     assert c1.get("eviction_aside_steps", 0) - c0.get("eviction_aside_steps", 0) == 13
     assert c1.get("eviction_device_runs", 0) > c0.get("eviction_device_runs", 0), c1

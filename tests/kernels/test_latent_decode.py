@@ -159,6 +159,73 @@ def test_key_mask_refusals():
                                     key_mask=bad)
 
 
+def _mass_reference(pool, plan, q_lat, lens, key_mask, length, scale=0.2):
+    """Each row's attention probabilities over its keys (plain torch, `_masked_reference`'s
+    keys), summed over the query heads: [B, 1, length] (keys past a row's length: 0)."""
+    P = pool.k[0].page_size
+    mass = torch.zeros(q_lat.shape[0], 1, length)
+    for b, n in enumerate(lens):
+        pages = plan.block_tables[b, :math.ceil(n / P)]
+        c = pool.k[0].read(pages)[:, 0].reshape(-1, R)[:n]
+        kr = pool.v[0].read(pages)[:, 0].reshape(-1, DR)[:n]
+        s = (q_lat[b].float() @ torch.cat([c, kr], 1).T) * scale            # [H, n]
+        if key_mask is not None:
+            w = min(n, key_mask.shape[1])
+            s[:, :w] = s[:, :w].masked_fill(~key_mask[b, :w], float("-inf"))
+        if torch.isinf(s).all():
+            continue
+        p = torch.softmax(s, -1).sum(0)
+        w = min(n, length)
+        mass[b, 0, :w] = p[:w]
+    return mass
+
+
+@pytest.mark.parametrize("tiles,splits,masked", [
+    (ONCE, 3, False), (ONCE, 1, True), (ONCE_T, 2, False), (ONCE_T, 1, False),
+    (WIDE, 3, True), (HALVES, 1, False), (HALVES, 3, False)], ids=str)
+def test_attn_mass_adds_each_keys_probability(tiles, splits, masked):
+    """attn_mass (H2O on latent pages): += each key's probability summed over every query
+    head, for keys below the mass' width (shorter than the longest row, longer than the
+    others), under split-K and a key mask (a row hidden whole adds nothing), on top of what
+    the mass held; the output is the launch's without a mass."""
+    g = torch.Generator().manual_seed(5 + splits + 7 * masked)
+    lens = [100, 37, 64, 5]
+    pool, plan = _pool("fp8_e4m3", "bf16", lens, g)
+    q_lat = torch.randn(len(lens), 20, R + DR, generator=g)
+    km = None
+    if masked:
+        km = torch.rand(len(lens), 80, generator=g) > 0.3
+        km[3] = False
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    before = torch.rand(len(lens), 1, 90, generator=g)
+    mass = before.clone()
+    out = latent_decode_attention(q_lat, pool.k[0], pool.v[0], plan.block_tables, seq_lens,
+                                  0.2, num_splits=splits, tiles=tiles, key_mask=km,
+                                  attn_mass=mass)
+    plain = latent_decode_attention(q_lat, pool.k[0], pool.v[0], plan.block_tables, seq_lens,
+                                    0.2, num_splits=splits, tiles=tiles, key_mask=km)
+    assert torch.equal(out, plain)
+    ref = _mass_reference(pool, plan, q_lat, lens, km, 90)
+    assert_rel_close(mass - before, ref, torch.float32, factor=4, what=str(tiles))
+    assert rel_err(mass - before, _mass_reference(pool, plan, q_lat * 1.5, lens, km, 90)) > 1e-2
+    for b, n in enumerate(lens):   # past a row's keys, and every key of a hidden row: unchanged
+        assert torch.equal(mass[b, :, n:], before[b, :, n:])
+    if masked:
+        assert torch.equal(mass[3], before[3])
+
+
+def test_attn_mass_refusals():
+    g = torch.Generator().manual_seed(4)
+    pool, plan = _pool("bf16", "bf16", [20, 9], g)
+    q = torch.randn(2, 16, R + DR, generator=g)
+    sl = torch.tensor([20, 9], dtype=torch.int32)
+    for bad in (torch.zeros(2, 2, 20), torch.zeros(2, 1, 20, dtype=torch.float16),
+                torch.zeros(2, 1, 40)[:, :, ::2], torch.zeros(3, 1, 20)):
+        with pytest.raises(UnsupportedShapeError, match="attn_mass must be contiguous fp32"):
+            latent_decode_attention(q, pool.k[0], pool.v[0], plan.block_tables, sl, 0.2,
+                                    attn_mass=bad)
+
+
 BITS = LatentTiles(16, 64, 4, 1, widen="bits")
 
 
