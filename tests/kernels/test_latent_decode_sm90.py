@@ -162,9 +162,19 @@ def rule_launches() -> list:
     return sorted(out)
 
 
-def _compile_launch(tiles, q: str, c: str, r: str) -> dict:
+def mass_launches() -> list:
+    """The launches H2O's stepped-aside steps make (attn_mass: the scores written too), at 16
+    and 128 heads over bf16 and fp8 latent pages (bf16 rotary key), bf16 queries."""
+    from kvcompile.kernels.latent_decode import pick_launch
+
+    return sorted({(ALL.index(pick_launch(h, 512, 16, 8192, 132, c != "bf16")[0]), "bf16",
+                    c, "bf16") for h in (16, 128) for c in ("bf16", "fp8_e4m3")})
+
+
+def _compile_launch(tiles, q: str, c: str, r: str, mass: bool = False) -> dict:
     """One launch configuration as the launcher makes it (latent_decode.launch_constexprs),
-    split version, compiled for sm_90 -> {shared, usage} or {error}."""
+    split version, compiled for sm_90 -> {shared, usage} or {error}; mass: with H2O's
+    scores output (WRITE_SCORES, as latent_decode_attention's attn_mass launches)."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -175,10 +185,13 @@ def _compile_launch(tiles, q: str, c: str, r: str) -> dict:
     qdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[q]
     fn, consts = ld.launch_constexprs(tiles, qdt, c, r, 512, 64, 16, False)
     opts = dict(num_warps=consts.pop("num_warps"), num_stages=consts.pop("num_stages"))
+    if mass:
+        consts["WRITE_SCORES"] = True
     for name, prm in inspect.signature(fn.fn).parameters.items():   # constexpr defaults
-        if name not in consts and prm.default is not inspect.Parameter.empty:
+        if name not in consts and prm.default is not inspect.Parameter.empty and not (
+                mass and name in ("SCORES", "scores_len")):
             consts[name] = prm.default
-    types = dict(TYPES, QL=PTR[q], CD=PTR[c], RD=PTR[r])
+    types = dict(TYPES, QL=PTR[q], CD=PTR[c], RD=PTR[r], SCORES="*fp32", scores_len="i32")
     sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n not in consts and (sig[n].startswith("*") or n in DIV16)}
@@ -198,6 +211,9 @@ def _main() -> None:
     for i, q, c, r in rule_launches():
         print(json.dumps([i, f"rule:{q}:{c}:{r}", False, _compile_launch(ALL[i], q, c, r)]),
               flush=True)
+    for i, q, c, r in mass_launches():
+        print(json.dumps([i, f"mass:{q}:{c}:{r}", False,
+                          _compile_launch(ALL[i], q, c, r, mass=True)]), flush=True)
 
 
 @pytest.fixture(scope="module")
@@ -296,3 +312,19 @@ def test_every_launch_of_the_rule_compiles_for_sm90(compiled, launch):
     n = programs_per_sm(ALL[i], c != "bf16")
     assert n * (res["shared"] + 1024) <= SMEM_PER_SM, f"{ALL[i]} q {q} pages {c}/{r}: " \
                                                      f"{n} x {res['shared']} B"
+
+
+@pytest.mark.parametrize("launch", mass_launches(), ids=lambda x: f"{ALL[x[0]]}-{x[2]}")
+def test_mass_launches_compile_for_sm90(compiled, launch):
+    """H2O's launches (the scores written beside the attention, kernels/latent_decode.py
+    attn_mass) compile for sm_90 and fit the shared memory and registers of the programs an
+    SM the rule's splits assume (programs_per_sm). Spills are reported, not asserted: at 128
+    heads the 8-warp tile already runs at 255 registers a thread (sm_90, triton 3.9: stack
+    8 -> 520 B over bf16 pages)."""
+    i, q, c, r = launch
+    res = compiled[(i, f"mass:{q}:{c}:{r}", False)]
+    assert "error" not in res, f"{ALL[i]} pages {c}: {res.get('error')}"
+    n = programs_per_sm(ALL[i], c != "bf16")
+    regs = int(re.search(r"REG:(\d+)", res["usage"]).group(1)) if res["usage"] else 0
+    assert n * (res["shared"] + 1024) <= SMEM_PER_SM, f"{ALL[i]}: {n} x {res['shared']} B"
+    assert n * regs * 32 * ALL[i].num_warps <= REGS_PER_SM, f"{ALL[i]}: {n} x {regs} regs"
