@@ -7,7 +7,9 @@ kvcompile's latent pages, in one process.
 Model: DeepSeek-V3 attention (128 heads, q_lora 1536, kv_lora 512, rope 64, nope 128, v 128,
 hidden 7168) with a dense MLP in every layer (`first_k_dense_replace` = layers), `--layers`
 layers, vocab 32000, random bf16 weights, SDPA. Rows: HF eager (DynamicCache), HF StaticCache +
-torch.compile, kvcompile with bf16 and fp8_e4m3 latent pages. Each row: whether its tokens equal
+torch.compile, kvcompile with bf16 and fp8_e4m3 latent pages; "kvc_<format>+sink" / "+snapkv" /
+"+h2o" add an eviction policy keeping half the prompt (SinkWindow, SnapKV(hold), H2O; their
+tokens differ from eager's by design). Each row: whether its tokens equal
 HF eager's, the sites rewritten (kvcompile rows: MLA sites must say "mla"), KV bytes per token,
 and decode tok/s = B * (N - 1) / (t_N - t_1) (t_1: a max_new_tokens=1 call), wall clock around
 synchronized calls, the median of --repeats after a warm-up that compiles.
@@ -37,6 +39,8 @@ def parse_args():
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rows", default="hf_eager,hf_static,kvc_bf16,kvc_fp8_e4m3")
+    p.add_argument("--ref", default="", help="a file for hf_eager's tokens and tok/s: the "
+                   "hf_eager row writes it, the others compare with it (one process a row)")
     a = p.parse_args()
     if a.smoke:
         a.batch, a.prompt, a.new, a.layers, a.repeats = 2, 24, 6, 2, 1
@@ -65,6 +69,18 @@ def make_model(a):
     return model, dev
 
 
+def policy(name: str, prompt: int):
+    """A row's eviction policy ("kvc_<format>+<policy>"): half the prompt kept."""
+    keep = max(8, prompt // 2)
+    make = {"sink": lambda: kvcompile.SinkWindow(4, keep),
+            "snapkv": lambda: kvcompile.SnapKV(budget=keep, window=min(32, prompt // 4),
+                                               hold=True),
+            "h2o": lambda: kvcompile.H2O(budget=keep, recent=min(64, prompt // 4), sinks=4)}
+    if name and name not in make:
+        raise SystemExit(f"unknown eviction suffix +{name}: one of +sink, +snapkv, +h2o")
+    return make[name]() if name else None
+
+
 def timed(fn) -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -83,9 +99,9 @@ def run_row(row, a, ids):
         model.forward = torch.compile(model.forward, mode="reduce-overhead" if not a.smoke
                                       else "default")
     elif row.startswith("kvc_"):
-        fmt = row[4:]
+        fmt, _, pol = row[4:].partition("+")
         kvcompile.compile(model, kvcompile.KVConfig(kv_dtype=fmt, max_kv_bytes=(
-            1 << 26 if a.smoke else 40 << 30)))
+            1 << 26 if a.smoke else 40 << 30), eviction=policy(pol, a.prompt)))
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=a.new, **kw)    # warm-up, compiles
         t1s, tns = [], []
@@ -97,7 +113,8 @@ def run_row(row, a, ids):
     if row.startswith("kvc_"):
         rep = kvcompile.report(model)
         info["sites"] = f"{len(rep.rewritten)}/{len(rep.sites)} " + ",".join(
-            sorted({s.gqa for s in rep.rewritten}))
+            sorted({s.gqa for s in rep.rewritten})) + (
+            f", {getattr(model.forward, 'replays', 0)} graph replays")
         info["bytes"] = kvcompile.stats(model)["bytes_per_token"]
     else:
         c = model.config   # transformers 5.x caches the latent and the rotary key, as the pool
@@ -123,6 +140,9 @@ def main():
     print("| row | sites rewritten | KV bytes/token | decode tok/s | vs hf eager | tokens = eager |")
     print("|---|---|---|---|---|---|")
     ref = base = None
+    if a.ref and os.path.exists(a.ref) and "hf_eager" not in a.rows.split(","):
+        ref, base = torch.load(a.ref)
+        ref = ref.to(dev)
     for row in a.rows.split(","):
         try:
             r = run_row(row, a, ids)
@@ -132,6 +152,8 @@ def main():
             continue
         if row == "hf_eager":
             ref, base = r["tokens"], r["tok_s"]
+            if a.ref:
+                torch.save((ref.cpu(), base), a.ref)
         same = "-" if ref is None else str(torch.equal(r["tokens"], ref))
         ratio = f"{r['tok_s'] / base:.2f}x" if base else "-"
         print(f"| {row} | {r['sites']} | {r['bytes']:,.1f} | {r['tok_s']:.1f} | {ratio} | "

@@ -57,6 +57,9 @@
 #                                             # ':prof' rows add a '# prof' line (where a launch's time
 #                                             # goes: start skew, q, tile 0, loop a tile, stores, merge)
 #                                             # (LK_SHAPES, LK_CUDA, LK_SPLITS, LK_LIMIT)
+#   LG_ARGS="--batch 16 --prompt 8192 --new 32 --repeats 2" bash benchmarks/gpu_jobs.sh latent_gen
+#       # MLA generate (bench_latent_generate.py), DeepSeek-V3-shaped, each row in its own process
+#       # (LG_ROWS: hf_eager first, it writes the tokens the others compare with)
 #   bash benchmarks/gpu_jobs.sh capacity32k   # Engine capacity, 32k-token requests, 1 layer x 1 kv head of 128
 #                                             # (per layer and head: the same schedule; CAP_LAYERS=2 CAP_HEADS=8: 16x the work)
 #   bash benchmarks/gpu_jobs.sh capacity32k_pe  # the same, prompts evicted every 4,096 tokens (evict19f)
@@ -146,6 +149,7 @@ job() {   # job NAME -> "LIMIT COMMAND"
     latent22k_check) echo "${LK_CHECK_LIMIT:-230} $PAR -vv tests/gpu/test_latent_sm90_gpu.py tests/gpu/test_latent_decode_gpu.py -k \"${LK_K:-test_cuda_latent or routes_decode_steps or kernel_matches_reference or tensor_parallel_shards}\"" ;;
     latent22k_bench) echo "${LK_LIMIT:-235} python3 benchmarks/bench_latent_decode.py --quick --graph --heads ${LX_HEADS:-16} --rule-only --cuda ${LK_CUDA:-base,base:rs,base:fm,ksplit:fm,ostage:fm,ostage+ksplit:fm,base:s4,base:s4:fm,ksplit:s4:fm,ostage+ksplit:s4:fm,base:s4:w8:fm,ksplit:s4:w8:fm,ostage+ksplit:s4:w8:fm,base:fm:prof,base:s4:fm:prof,ostage+ksplit:fm:prof,ostage+ksplit:s4:fm:prof,ostage+ksplit:s4:w8:fm:prof} --shapes ${LK_SHAPES:-B16_L8k,B64_L8k,B16_L32k,B64_L32k} ${LK_SPLITS:+--splits $LK_SPLITS}" ;;
     latent_bench)   echo "${LB_LIMIT:-300} python3 benchmarks/bench_latent_decode.py ${LB_ARGS:-}" ;;
+    latent_gen)     echo "${LG_LIMIT:-420} for r in ${LG_ROWS:-hf_eager hf_static kvc_bf16 kvc_fp8_e4m3 kvc_fp8_e4m3+h2o kvc_fp8_e4m3+snapkv}; do python3 benchmarks/bench_latent_generate.py --ref $OUT/latent_ref.pt --rows \$r ${LG_ARGS:-}; done" ;;   # MLA generate, one process a row
     gen)            echo "${GEN_LIMIT:-360} python3 benchmarks/bench_generate.py --budget-s $(( ${GEN_LIMIT:-360} - 30 )) --out $OUT --sections ${GEN_SECTIONS:-hf_static,kvc_fp8,engine_b,engine_b_nograph} ${GEN_ARGS:-}" ;;
     profile)        echo "${PROF_LIMIT:-200} python3 benchmarks/profile_generate.py ${PROF_ARGS:-}" ;;
     engine_overlap) echo "${EO_LIMIT:-220} python3 -m pytest -s -q -m gpu tests/gpu/test_engine_overlap_gpu.py -p no:cacheprovider" ;;
