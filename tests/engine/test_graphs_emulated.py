@@ -16,7 +16,7 @@ import torch
 import kvcompile
 import kvcompile.engine.cudagraph as CG
 from kvcompile.api import state_of
-from kvcompile.config import SnapKV
+from kvcompile.config import H2O, SnapKV
 from tests.engine.tiny import config, make_llama64, random_prompts
 
 
@@ -77,16 +77,24 @@ def test_eviction_between_replays(emulated, monkeypatch):
     assert got == ref
 
 
-def test_latent_layers(emulated, monkeypatch):
-    """MLA layers: packed decode steps on the latent kernel, replayed."""
+@pytest.mark.parametrize("policy", [None, H2O(budget=12, recent=4, sinks=2)],
+                         ids=["no eviction", "H2O"])
+def test_latent_layers(emulated, monkeypatch, policy):
+    """MLA layers: packed decode steps on the latent kernel, replayed; under H2O the replays
+    add each step's mass through the latent kernel's attn_mass output and evict on the
+    device between them."""
     from tests.passes.test_latent_attention import make_mla
 
-    prompts = random_prompts(random.Random(3), 3, 3, 20)
-    cfg = config(page_size=8, kernels="triton", graph_check=True)
+    prompts = random_prompts(random.Random(3), 3, 3 if policy is None else 18, 20 if
+                             policy is None else 26)
+    cfg = config(page_size=8, kernels="triton", graph_check=True, eviction=policy,
+                 eviction_interval=2)
     got, replays, c = _run(make_mla("deepseek_v3", "sdpa", rope=16), cfg, prompts, True,
                            monkeypatch)
     ref, none, _ = _run(make_mla("deepseek_v3", "sdpa", rope=16), cfg, prompts, False,
                         monkeypatch)
     assert none == 0 and replays >= 7 and len(emulated) == replays
     assert c.get("latent_decode_triton", 0) > 0, c
+    if policy is not None:
+        assert c.get("eviction_device_runs", 0) > 0 and c.get("eviction_aside_steps"), c
     assert got == ref

@@ -290,3 +290,51 @@ def test_latent_eviction_kernels_equal_the_reference(fmt, policy):
     assert ck.get("latent_decode_triton", 0) + ck.get("latent_decode_cuda", 0) > 0, ck
     assert rel <= TOL
     assert torch.equal(tk, tr)
+
+
+@pytest.mark.parametrize("fmt,policy", [
+    ("bf16", None), ("fp8_e4m3", None),
+    ("fp8_e4m3", lambda: kvcompile.SnapKV(budget=48, window=8, hold=True)),
+    ("bf16", lambda: kvcompile.H2O(budget=48, recent=8, sinks=4)),
+], ids=["bf16", "fp8", "fp8 SnapKV hold", "bf16 H2O"])
+def test_engine_latent_graphs(monkeypatch, fmt, policy):
+    """The engine's decode graphs over MLA layers (kernel_formats.ENGINE_LATENT_GRAPHS, off
+    until this passes): packed decode steps on the latent kernel, captured and replayed, with
+    and without eviction (evicting on the device between replays; H2O's mass from the latent
+    kernel's attn_mass output), against the same engine with graphs off: tokens equal, steps
+    replayed. Mixed prompt lengths, more requests than one batch, fp32 weights."""
+    import random
+
+    from kvcompile.runtime import kernel_formats
+
+    monkeypatch.setattr(kernel_formats, "ENGINE_LATENT_GRAPHS", True)
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(60, 160))]
+               for _ in range(6)]
+    got = {}
+    for graphs in (True, False):
+        torch._dynamo.reset()
+        model = _deepseek(torch.float32)
+        cfg = KVConfig(kv_dtype=fmt, max_kv_bytes=256 << 20, page_size=16,
+                       cuda_graphs=graphs, eviction=policy() if policy else None,
+                       eviction_interval=4)
+        eng = kvcompile.Engine(model, config=cfg, max_num_batched_tokens=512, max_num_seqs=4)
+        try:
+            outs = eng.generate(prompts, kvcompile.SamplingParams(temperature=0, max_tokens=16,
+                                                                  ignore_eos=True))
+            g = eng.runner.graphs
+            c = state_of(model).counters
+            got[graphs] = ([o.token_ids for o in outs], g.replays if g is not None else 0,
+                           None if g is None else g.why_not(), dict(c))
+        finally:
+            eng.close()
+            kvcompile.release(model)
+    (tg, replays, why, c), (te, _, _, ce) = got[True], got[False]
+    print(dict(fmt=fmt, replays=replays, why_not=why,
+               evicted=c.get("evicted_tokens", 0) + c.get("eviction_moved_slots", 0),
+               latent=c.get("latent_decode_triton", 0) + c.get("latent_decode_cuda", 0)))
+    assert why is None and replays >= 16, (why, replays)
+    if policy is not None:
+        assert c.get("eviction_aside_steps", 0) > 0 and c.get("eviction_device_runs", 0) > 0, c
+        assert ce.get("evicted_tokens", 0) > 0, ce   # (graphs off: the host path evicts)
+    assert tg == te
