@@ -202,6 +202,38 @@ def attend_aside(state, store: MassStore | None, layer: int, q: torch.Tensor, pl
     return out.squeeze(2).transpose(0, 1).unsqueeze(0) if packed else out
 
 
+def attend_aside_latent(state, store: MassStore, layer: int, q_lat: torch.Tensor, plan,
+                        scale: float, latent_kernel) -> torch.Tensor:
+    """An H2O decode step of an MLA layer stepped aside for (one token a row, the stored slots
+    exactly the kept tokens, no sink to re-rotate: latent layers compact and keep sinks at
+    their text positions): `latent_kernel` (runtime/dispatch.py `_latent_kernel`) attends
+    over the stored slots and adds each slot's probability, summed over the query heads, to
+    the batch's rows of the mass store (the latent kernel's attn_mass output; no second
+    pass), else the plain PyTorch `aside_reference` over the latent pages; no host sync
+    either way. q_lat: the absorbed query ([B, H, 1, r + dr], or [1, H, B, r + dr] packed)
+    -> the weighted latents in its layout, fp32."""
+    a, pool = plan.aside, state.pool
+    if a.spec.sinks or a.spec.hidden:
+        raise UnsupportedShapeError("eviction: a latent (MLA) decode step with sinks to "
+                                    "re-rotate or hidden slots (latent layers compact and "
+                                    "keep sinks at their text positions)")
+    mass = store.mass[layer].index_select(0, a.mass_rows)              # [B, 1, Lm]
+    o = latent_kernel(state, q_lat, pool.k[layer], pool.v[layer], plan, None, None, 0, 0.0,
+                      scale, attn_mass=mass)
+    if o is not None:
+        o_lat, route = o
+        state.count(f"latent_decode_{route}")
+    else:
+        qd = q_lat[0].transpose(0, 1).unsqueeze(2) if plan.packed else q_lat   # [B, H, 1, W]
+        o_lat = aside_reference(qd, pool.k[layer], pool.v[layer], plan.block_tables,
+                                plan.seq_lens, scale, 0.0, mass, latent=True)
+        if plan.packed:
+            o_lat = o_lat.squeeze(2).transpose(0, 1).unsqueeze(0)
+        state.count("eviction_aside_reference")
+    store.mass[layer].index_copy_(0, a.mass_rows, mass)
+    return o_lat
+
+
 def _kernel(state, qd, kc, vc, plan, scale, softcap, mass, rot, key_mask=None):
     if not (kernel_readable(kc) and kernel_readable(vc)):
         state.kernels._fallback(f"eviction aside decode: {kc.fmt.name}/{vc.fmt.name} pages "

@@ -34,7 +34,13 @@ from kvcompile.cache.compaction import moves_on_device
 from kvcompile.config import EvictionPolicy
 from kvcompile.errors import CacheStateError, UnsupportedShapeError
 from kvcompile.eviction import policies as P
-from kvcompile.eviction.aside import AsideSpec, MassStore, attend_aside, store_length
+from kvcompile.eviction.aside import (
+    AsideSpec,
+    MassStore,
+    attend_aside,
+    attend_aside_latent,
+    store_length,
+)
 from kvcompile.eviction.attend import attend_kept, rotation
 from kvcompile.eviction.attend import prompt_mass as prompt_mass_torch
 from kvcompile.eviction.front import evict_fronts
@@ -595,6 +601,12 @@ class EvictionRuntime(RuntimeHook):
                 ok = kept is not None and kept[2] <= kept[1]
             out.append("stored" if ok else "host")
         return out
+
+    def attend_aside_latent(self, layer: int, q_lat, plan, scale: float, latent_kernel):
+        """An H2O decode step of an MLA layer stepped aside for (runtime/dispatch.py
+        `_latent_aside_mass`): aside.py `attend_aside_latent` over this runtime's mass store."""
+        return attend_aside_latent(self.state, self.store, layer, q_lat, plan, scale,
+                                   latent_kernel)
 
     def observe_prefill(self, ctx, layer, q, plan, attn_mask, is_causal, window, softcap,
                         scale, only=None) -> None:

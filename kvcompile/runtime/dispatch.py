@@ -318,34 +318,11 @@ def _latent_evicting(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, 
 
 
 def _latent_aside_mass(ctx, layer: int, q, plan, scale, kv_b_weight, nope_dim: int):
-    """An H2O decode step of an MLA layer stepped aside for (eviction/aside.py: one token a
-    row, the stored slots exactly the kept tokens, no sink to re-rotate): the latent decode
-    kernel attends over the stored slots and adds each slot's probability, summed over the
-    query heads, to the rows of the mass store (its attn_mass output; no second pass), else
-    the plain PyTorch `aside_reference` over the latent pages; no host sync either way."""
-    from kvcompile.eviction.aside import aside_reference
-
-    state = ctx.state
-    a, store, pool = plan.aside, state.eviction.store, state.pool
-    if a.spec.sinks or a.spec.hidden:
-        raise UnsupportedShapeError("eviction: a latent (MLA) decode step with sinks to "
-                                    "re-rotate or hidden slots (latent layers compact and "
-                                    "keep sinks at their text positions)")
+    """An H2O decode step of an MLA layer stepped aside for: the eviction runtime's
+    `attend_aside_latent` (eviction/aside.py) over the absorbed query, with this module's
+    latent kernel choice, W_UV after."""
     q_lat = absorb_query(q, kv_b_weight, nope_dim)
-    mass = store.mass[layer].index_select(0, a.mass_rows)              # [B, 1, Lm]
-    o = _latent_kernel(state, q_lat, pool.k[layer], pool.v[layer], plan, None, None, 0, 0.0,
-                       scale, attn_mass=mass)
-    if o is not None:
-        o_lat, route = o
-        state.count(f"latent_decode_{route}")
-    else:
-        qd = q_lat[0].transpose(0, 1).unsqueeze(2) if plan.packed else q_lat   # [B, H, 1, W]
-        o_lat = aside_reference(qd, pool.k[layer], pool.v[layer], plan.block_tables,
-                                plan.seq_lens, scale, 0.0, mass, latent=True)
-        if plan.packed:
-            o_lat = o_lat.squeeze(2).transpose(0, 1).unsqueeze(0)
-        state.count("eviction_aside_reference")
-    store.mass[layer].index_copy_(0, a.mass_rows, mass)
+    o_lat = ctx.state.eviction.attend_aside_latent(layer, q_lat, plan, scale, _latent_kernel)
     return latent_output(o_lat.to(q_lat.dtype), kv_b_weight, nope_dim)
 
 
