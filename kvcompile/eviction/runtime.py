@@ -532,13 +532,24 @@ class EvictionRuntime(RuntimeHook):
             return []
         into[0][:, cols] = o[:, :, 0].transpose(0, 1).to(into.dtype)
         if mass is not None:
-            for r, i in enumerate(take):
-                book = self.books[plan.seq_ids[i]]
-                if layer in book.mass:
-                    L = book.mass[layer].shape[1]
-                    book.mass[layer] += mass[r, :, :L]
+            self.add_row_mass(plan, layer, mass, take)
         state.count("eviction_kernel_decode_rows", len(take))
         return take
+
+    def adds_mass(self, sid: int, layer: int) -> bool:
+        """Whether `sid` adds up H2O mass in `layer` (its decode steps' probabilities)."""
+        book = self.books.get(sid)
+        return book is not None and layer in book.mass
+
+    def add_row_mass(self, plan, layer: int, mass, rows) -> None:
+        """A decode kernel's attn_mass output (mass [R, Hkv, Lm], R the kernel's batch) into
+        the bookkeeping: its r-th row is the plan's row rows[r], whose sequence adds it where
+        it keeps mass, over its stored slots."""
+        for r, i in enumerate(rows):
+            book = self.books[plan.seq_ids[i]]
+            if layer in book.mass:
+                L = book.mass[layer].shape[1]
+                book.mass[layer] += mass[r, :, :L]
 
     def takes_plain_prefill(self, plan, layer: int) -> bool:
         """Whether a prefill forward (a prompt, or a chunk of one in the engine) may attend as
@@ -576,16 +587,18 @@ class EvictionRuntime(RuntimeHook):
                             or book.window is not None or (mass and n == 1)))
         return out
 
-    def latent_rows(self, plan, layer: int, mask_free: bool) -> list[str]:
+    def latent_rows(self, plan, layer: int, mask_free: bool,
+                    mass_ok: bool = False) -> list[str]:
         """How each row of an MLA layer's step attends (runtime/dispatch.py attend_latent):
         "plain": nothing of its sequence evicted and no left padding (as without eviction;
         SnapKV's observation and H2O's prompt mass apart, `plain_rows`); "stored": a
         one-token row whose stored slots are exactly its kept tokens with no per-slot rule
-        (compacted: no holes or hidden window slots, no left padding, no mass to add up, no
-        observation carried, no sink to re-rotate), attended by the latent kernels over
-        them, the model's mask dropped (its columns are logical indices; only when
-        `mask_free`: it hides no key); "host": over the kept slots in fp32 (attend.py, every
-        rule applied, through `_kv`)."""
+        (compacted: no holes or hidden window slots, no left padding, no observation
+        carried, no sink to re-rotate; H2O's mass to add up only when `mass_ok`: the latent
+        kernel attends the step and outputs it), attended by the latent kernels over them,
+        the model's mask dropped (its columns are logical indices; only when `mask_free`: it
+        hides no key); "host": over the kept slots in fp32 (attend.py, every rule applied,
+        through `_kv`)."""
         pool = self.state.pool
         out = []
         for (_i, sid, _past, n), plain in zip(self._rows(plan), self.plain_rows(plan, layer)):
@@ -594,7 +607,8 @@ class EvictionRuntime(RuntimeHook):
                 continue
             book = self.books.get(sid)
             ok = (book is not None and n == 1 and mask_free and not book.carry
-                  and not book.padded and not book.holes and layer not in book.mass
+                  and not book.padded and not book.holes
+                  and (mass_ok or layer not in book.mass)
                   and not self.observe_all and not self._rerotate(sid, self.policy_of(sid, layer)))
             if ok:
                 kept = self._kernel_slots(sid, layer, pool.logical_len(sid), 0)

@@ -278,7 +278,12 @@ def _latent_evicting(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, 
             and not plan.packed):
         ev.mark_holes(plan)   # a prompt mask with holes: its decode steps keep the rules
     free = plan.packed or attn_mask is None or mask_hides_no_key(plan, mask_info)
-    kinds = ev.latent_rows(plan, layer, free)
+    pool = state.pool
+    # rows that add H2O mass may read their stored slots when the latent kernel attends the
+    # step (its attn_mass output); elsewhere they stay on the host path
+    mass_ok = free and _latent_kernel_why(state, q, pool.k[layer], pool.v[layer], plan, None,
+                                          None, window, softcap)[0] == ""
+    kinds = ev.latent_rows(plan, layer, free, mass_ok)
     host = {i for i, k in enumerate(kinds) if k == "host"}
     plain = {i for i, k in enumerate(kinds) if k == "plain"}
     dense = None if attn_mask is None or plan.packed else masks.dense(plan, attn_mask)
@@ -286,8 +291,23 @@ def _latent_evicting(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, 
     if plan.packed or not host:
         if any(k == "stored" for k in kinds) and not plan.packed:
             attn_mask = mask_info = None   # (free: it hides no key; its columns are logical)
-        out = _attend_latent(ctx, layer, q, plan, mask_info, attn_mask, is_causal, window,
-                             softcap, scale, kv_b_weight, nope_dim, fresh)
+        mass_rows = [i for i, k in enumerate(kinds) if k == "stored"
+                     and ev.adds_mass(plan.seq_ids[i], layer)]
+        if mass_rows:
+            q_lat = absorb_query(q, kv_b_weight, nope_dim)
+            mass = torch.zeros((len(kinds), 1, max(plan.seq_lens_list)), dtype=torch.float32,
+                               device=q.device)
+            o = _latent_kernel(state, q_lat, pool.k[layer], pool.v[layer], plan, None, None,
+                               window, softcap, scale, attn_mass=mass)
+            if o is None:   # (mass_ok said it would attend)
+                raise UnsupportedShapeError("eviction: the latent kernel refused a step it "
+                                            "was chosen for (H2O mass rows); report this")
+            state.count(f"latent_decode_{o[1]}")
+            out = latent_output(o[0].to(q_lat.dtype), kv_b_weight, nope_dim)
+            ev.add_row_mass(plan, layer, mass[mass_rows], mass_rows)
+        else:
+            out = _attend_latent(ctx, layer, q, plan, mask_info, attn_mask, is_causal, window,
+                                 softcap, scale, kv_b_weight, nope_dim, fresh)
         if plain:
             q_lat = absorb_query(q, kv_b_weight, nope_dim)
             only = None if len(plain) == len(kinds) else plain
@@ -401,23 +421,18 @@ def mask_hides_no_key(plan, mask_info) -> bool:
     return plan.cache[key][1]
 
 
-def _latent_kernel(state, q_lat, c_pages, r_pages, plan, mask_info, attn_mask, window,
-                   softcap, scale, attn_mass=None):
-    """The absorbed decode kernel for a decode step of one query per row (no window or
-    softcap), on CUDA or with KVConfig(kernels="triton"): ([B, H, 1, r] fp32, route), or None
-    (the reference attends). route "cuda": the CUDA kernel (kernels/latent_sm90.py) on sm_90
-    where latent_sm90.use_cuda says the H200 measured it faster, for a step whose mask hides
-    no cached key; "triton": kernels/latent_decode.py, which also takes the step's key mask
-    (left padding, or any mask under CUDA graph capture, where the key row cannot be read on
-    the host: mask_hides_no_key). attn_mass [B, 1, Lm] fp32 (H2O, `_latent_aside_mass`):
-    the Triton kernel adds the step's probabilities to it (the CUDA one has no such output)."""
-    kernels = state.kernels
+def _latent_kernel_why(state, q_lat, c_pages, r_pages, plan, mask_info, attn_mask, window,
+                       softcap):
+    """(why, key_mask, packed) of `_latent_kernel`'s choice: why None where the step is not
+    one for it (no Triton kernels, not a decode step of one token a row: the reference
+    attends, nothing said), "" where the kernel takes it, else the reason it does not;
+    key_mask the step's key row (or None); packed: an engine step of one token a row."""
     # an engine step in which every sequence adds one token (packed: q_lat [1, H, B, W])
     packed = (plan.packed and bool(plan.q_lens) and max(plan.q_lens) == 1
               and min(plan.past_lens) > 0)
-    if not kernels.use_triton(q_lat.device) or not (plan.is_decode and not plan.packed
-                                                    or packed):
-        return None
+    if not state.kernels.use_triton(q_lat.device) or not (plan.is_decode and not plan.packed
+                                                          or packed):
+        return None, None, packed
     why = ""
     key_mask = None
     if q_lat.shape[2] != 1 and not packed:
@@ -432,15 +447,34 @@ def _latent_kernel(state, q_lat, c_pages, r_pages, plan, mask_info, attn_mask, w
             why = "a mask that is not one key row per sequence"
     if not why:
         try:
-            from kvcompile.kernels.latent_decode import fast_path_reason, latent_decode_attention
+            from kvcompile.kernels.latent_decode import fast_path_reason
         except ImportError as e:
             why = f"ImportError: {e}"
         else:
             why = fast_path_reason(q_lat, c_pages, r_pages)
+    return why, key_mask, packed
+
+
+def _latent_kernel(state, q_lat, c_pages, r_pages, plan, mask_info, attn_mask, window,
+                   softcap, scale, attn_mass=None):
+    """The absorbed decode kernel for a decode step of one query per row (no window or
+    softcap), on CUDA or with KVConfig(kernels="triton"): ([B, H, 1, r] fp32, route), or None
+    (the reference attends). route "cuda": the CUDA kernel (kernels/latent_sm90.py) on sm_90
+    where latent_sm90.use_cuda says the H200 measured it faster, for a step whose mask hides
+    no cached key; "triton": kernels/latent_decode.py, which also takes the step's key mask
+    (left padding, or any mask under CUDA graph capture, where the key row cannot be read on
+    the host: mask_hides_no_key). attn_mass [B, 1, Lm] fp32 (H2O, `_latent_aside_mass`):
+    the Triton kernel adds the step's probabilities to it (the CUDA one has no such output)."""
+    kernels = state.kernels
+    why, key_mask, packed = _latent_kernel_why(state, q_lat, c_pages, r_pages, plan,
+                                               mask_info, attn_mask, window, softcap)
+    if why is None:
+        return None
     if why:
         kernels._fallback(f"latent decode: {why}")
         return None
     from kvcompile.kernels import latent_sm90
+    from kvcompile.kernels.latent_decode import latent_decode_attention
 
     q_rows = q_lat[0].transpose(0, 1).contiguous() if packed else q_lat[:, :, 0]   # [B, H, W]
 

@@ -194,6 +194,34 @@ def test_h2o_mass_is_the_models_attention():
     assert_rel_close(out, ref, torch.float32, factor=10, what="H2O on latent pages")
 
 
+def test_h2o_eager_decode_rows_take_the_kernel_mass():
+    """Eager H2O decode steps on latent pages where the Triton latent kernel runs (the
+    interpreter, kernels="triton"): the evicted rows read their stored slots through it and
+    add its attn_mass output, not the host path; the kept positions, each kept token's mass
+    and the logits equal the host path's (kernels="reference"), and the logits equal the
+    model under each layer's kept mask."""
+    ids = _ids(6, 26)
+    runs = {}
+    for kernels in ("triton", "reference"):
+        m = _compiled(H2O(budget=12, recent=4, sinks=2), rope=16, kernels=kernels)
+        c0 = dict(state_of(m).counters)
+        out, cache, kept = _stream(m, ids, prefill=14, original=False)
+        book = state_of(m).eviction.books[_sid(cache)]
+        order = {li: p.argsort(-1) for li, p in book.pos.items()}
+        mass = {li: book.mass[li].gather(-1, order[li]) for li in book.mass}
+        c = {k: v - c0.get(k, 0) for k, v in state_of(m).counters.items()}
+        runs[kernels] = out, kept, mass, c
+    (out, kept, mass, c), (out_r, kept_r, mass_r, c_r) = runs["triton"], runs["reference"]
+    assert c.get("latent_decode_triton", 0) > 0 and not c.get("latent_eviction_host_rows"), c
+    assert c_r.get("latent_eviction_host_rows", 0) > 0, c_r
+    assert kept == kept_r and max(len(k[0]) for k in kept) <= 12 + 1
+    for li in mass:
+        assert_rel_close(mass[li], mass_r[li], torch.float32, factor=10, what=f"mass {li}")
+    assert_rel_close(out, out_r, torch.float32, factor=10, what="logits vs the host path")
+    ref = _reference(ids, _masks_from_kept(kept, 26, prefill=14), rope=16)
+    assert_rel_close(out, ref, torch.float32, factor=10, what="H2O, kernel mass")
+
+
 def test_rerotated_sinks_keep_text_positions_and_say_so(caplog):
     """The default sink positions ("cache": re-rotated) are not done for latent layers: said
     once, and the logits are those of sinks at their text positions."""
