@@ -281,8 +281,9 @@ def _latent_evicting(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, 
     pool = state.pool
     # rows that add H2O mass may read their stored slots when the latent kernel attends the
     # step (its attn_mass output); elsewhere they stay on the host path
-    mass_ok = free and _latent_kernel_why(state, q, pool.k[layer], pool.v[layer], plan, None,
-                                          None, window, softcap)[0] == ""
+    mass_ok = (free and any(ev.adds_mass(sid, layer) for sid in plan.seq_ids)
+               and _latent_kernel_why(state, q, pool.k[layer], pool.v[layer], plan, None,
+                                      None, window, softcap)[0] == "")
     kinds = ev.latent_rows(plan, layer, free, mass_ok)
     host = {i for i, k in enumerate(kinds) if k == "host"}
     plain = {i for i, k in enumerate(kinds) if k == "plain"}
@@ -293,21 +294,14 @@ def _latent_evicting(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, 
             attn_mask = mask_info = None   # (free: it hides no key; its columns are logical)
         mass_rows = [i for i, k in enumerate(kinds) if k == "stored"
                      and ev.adds_mass(plan.seq_ids[i], layer)]
+        mass = None
         if mass_rows:
-            q_lat = absorb_query(q, kv_b_weight, nope_dim)
             mass = torch.zeros((len(kinds), 1, max(plan.seq_lens_list)), dtype=torch.float32,
                                device=q.device)
-            o = _latent_kernel(state, q_lat, pool.k[layer], pool.v[layer], plan, None, None,
-                               window, softcap, scale, attn_mass=mass)
-            if o is None:   # (mass_ok said it would attend)
-                raise UnsupportedShapeError("eviction: the latent kernel refused a step it "
-                                            "was chosen for (H2O mass rows); report this")
-            state.count(f"latent_decode_{o[1]}")
-            out = latent_output(o[0].to(q_lat.dtype), kv_b_weight, nope_dim)
+        out = _attend_latent(ctx, layer, q, plan, mask_info, attn_mask, is_causal, window,
+                             softcap, scale, kv_b_weight, nope_dim, fresh, attn_mass=mass)
+        if mass_rows:
             ev.add_row_mass(plan, layer, mass[mass_rows], mass_rows)
-        else:
-            out = _attend_latent(ctx, layer, q, plan, mask_info, attn_mask, is_causal, window,
-                                 softcap, scale, kv_b_weight, nope_dim, fresh)
         if plain:
             q_lat = absorb_query(q, kv_b_weight, nope_dim)
             only = None if len(plain) == len(kinds) else plain
@@ -347,7 +341,7 @@ def _latent_aside_mass(ctx, layer: int, q, plan, scale, kv_b_weight, nope_dim: i
 
 
 def _attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, window, softcap,
-                   scale, kv_b_weight, nope_dim: int, fresh=None):
+                   scale, kv_b_weight, nope_dim: int, fresh=None, attn_mass=None):
     """Attention of an MLA layer (kernels/latent.py), whose pages hold the latent (keys,
     width r) and the rotary key (values, width dr); the new tokens' are already written.
     q [B, H, S, dn + dr] -> [B, H, S, dv].
@@ -358,7 +352,9 @@ def _attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, wi
     latent space over the stored pages: q_nope absorbed by W_UK once per step, one latent head
     per token read for every query head, W_UV applied to the weighted latents; nothing of the
     past is expanded. Rotation is refused for these layers at compile time
-    (passes/site_formats.py); eviction goes through `_latent_evicting`."""
+    (passes/site_formats.py); eviction goes through `_latent_evicting`. attn_mass [B, 1, Lm]
+    (H2O rows chosen for the latent kernel, `EvictionRuntime.latent_rows`): the kernel adds
+    the step's probabilities to it; a step it does not take is an error here."""
     state = ctx.state
     heads = q.shape[1]
     causal = _fresh_causal(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal,
@@ -371,11 +367,14 @@ def _attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, wi
     pool = state.pool
     q_lat = absorb_query(q, kv_b_weight, nope_dim)                  # [B, H, S, r + dr]
     o_lat = _latent_kernel(state, q_lat, pool.k[layer], pool.v[layer], plan, mask_info,
-                           attn_mask, window, softcap, scale)
+                           attn_mask, window, softcap, scale, attn_mass=attn_mass)
     if o_lat is not None:
         o_lat, route = o_lat
         state.count(f"latent_decode_{route}")
         return latent_output(o_lat.to(q_lat.dtype), kv_b_weight, nope_dim)
+    if attn_mass is not None:   # (latent_rows chose these rows for the kernel)
+        raise UnsupportedShapeError("eviction: the latent kernel refused a step it was chosen "
+                                    "for (H2O mass rows); report this")
     o_lat = paged_reference_attention(pool.k[layer], pool.v[layer], q_lat, plan,
                                       masks.dense(plan, attn_mask), is_causal, window, softcap,
                                       scale, latent=True)           # [B, H, S, r]
