@@ -677,10 +677,7 @@ class EvictionRuntime(RuntimeHook):
                 window = min((w for w in (window, mask_info.window) if w), default=0)
             else:
                 custom = True
-        if state.kernels.use_triton(q.device) and layer in self.latent:
-            self._say("H2O prompt mass of latent (MLA) layers: the torch path per sequence "
-                      "(eviction/attend.py prompt_mass; the prompt-mass kernel reads K pages)")
-        elif state.kernels.use_triton(q.device):
+        if state.kernels.use_triton(q.device):
             if custom:
                 self._say("H2O prompt mass under a mask that is not causal + window: the "
                           "torch path per sequence (eviction/attend.py prompt_mass)")
@@ -705,7 +702,8 @@ class EvictionRuntime(RuntimeHook):
     def _kernel_mass(self, state, layer, q, plan, rows, causal, window, softcap,
                      scale) -> bool:
         """`prompt_mass` of all `rows` through kernels/prompt_mass.py: one read of their key
-        pages, two launches. False if the kernels refuse (said once)."""
+        pages, two launches (an MLA layer's absorbed query against its latent and rotary
+        pages side by side). False if the kernels refuse (said once)."""
         pool = state.pool
         P_ = pool.page_size
         lens = [pool.seq_len(sid) for _i, sid, _n in rows]
@@ -716,6 +714,8 @@ class EvictionRuntime(RuntimeHook):
         dev = q.device
         ids = torch.tensor(pages, dtype=torch.int64, device=dev)
         kp = pool.k[layer].read(ids)                                    # [N, Hkv, P, D] fp32
+        if layer in self.latent:   # the absorbed form's keys [c, r]: one "kv head", r + dr wide
+            kp = torch.cat([kp, pool.v[layer].read(ids)], -1)
         dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
         k = kp.to(dt).permute(1, 0, 2, 3).reshape(kp.shape[1], -1, kp.shape[-1])
         if plan.packed:

@@ -15,6 +15,10 @@ is that function's `mass` (its reference, `attend.prompt_mass`, is the CPU path)
 
 Operands: q in its own dtype, k cast to it by the launcher (bf16 pages read back exactly; other
 formats' dequantized keys rounded to bf16), fp32 q as tf32 on CUDA; scores, lse and mass fp32.
+
+Wide heads (head_dim above WIDE_D: an MLA layer's absorbed query against its latent pages,
+576 wide, one "kv head" shared by every query head) take Q K^T in chunks of BLOCK_D columns,
+re-read from memory per key tile instead of held in registers across it.
 """
 
 from __future__ import annotations
@@ -28,13 +32,52 @@ from kvcompile.errors import UnsupportedShapeError
 LOG2E = tl.constexpr(1.4426950408889634)
 BLOCK_M = 64    # queries per tile
 BLOCK_N = 64    # keys per tile
+WIDE_D = 256    # head_dim above which Q K^T runs in BLOCK_D chunks
+BLOCK_D = 64    # columns per chunk there
 
 
 @triton.jit
-def _scores(q, k, qpos, kpos, start, k_len, window, qk_scale, softcap, inv_softcap,
+def _tile(ptr, idx, lim, stride, offs_d, d_ok, ND: tl.constexpr):
+    """Rows idx (< lim) of a [*, D] operand, whole, where Q K^T takes one tile (ND == 1);
+    zeros (unused, nothing read) where it runs in chunks."""
+    if ND == 1:
+        t = tl.load(ptr + idx.to(tl.int64)[:, None] * stride + offs_d[None, :],
+                    mask=(idx < lim)[:, None] & d_ok[None, :], other=0.0)
+    else:
+        t = tl.zeros([idx.shape[0], offs_d.shape[0]], ptr.dtype.element_ty)
+    return t
+
+
+@triton.jit
+def _qk(q, q_ptr, k, k_ptr, rows, n_q, kpos, k_len, stride_qt, stride_kt,
+        HEAD_DIM: tl.constexpr, BD: tl.constexpr, ND: tl.constexpr):
+    """[BM, BN] = Q K^T of a query tile and a key tile. ND == 1: q and k are the tiles already
+    loaded (the pointers unused); else chunks of BD columns are loaded from q_ptr / k_ptr
+    (the tiles' first column) and q, k unused."""
+    if ND == 1:
+        s = tl.dot(q, tl.trans(k))
+    else:
+        q_ok = (rows < n_q)[:, None]
+        k_ok = (kpos < k_len)[:, None]
+        q_rows = q_ptr + rows.to(tl.int64)[:, None] * stride_qt
+        k_rows = k_ptr + kpos.to(tl.int64)[:, None] * stride_kt
+        offs = tl.arange(0, BD)
+        qc = tl.load(q_rows + offs[None, :], mask=q_ok & (offs < HEAD_DIM)[None, :], other=0.0)
+        kc = tl.load(k_rows + offs[None, :], mask=k_ok & (offs < HEAD_DIM)[None, :], other=0.0)
+        s = tl.dot(qc, tl.trans(kc))
+        for c in tl.static_range(1, ND):
+            offs = c * BD + tl.arange(0, BD)
+            d_ok = (offs < HEAD_DIM)[None, :]
+            qc = tl.load(q_rows + offs[None, :], mask=q_ok & d_ok, other=0.0)
+            kc = tl.load(k_rows + offs[None, :], mask=k_ok & d_ok, other=0.0)
+            s += tl.dot(qc, tl.trans(kc))
+    return s
+
+
+@triton.jit
+def _scores(s, qpos, kpos, start, k_len, window, qk_scale, softcap, inv_softcap,
             CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
-    """[BM, BN] scores in base-2 units (-inf where a key is not visible)."""
-    s = tl.dot(q, tl.trans(k))
+    """Q K^T [BM, BN] -> scores in base-2 units (-inf where a key is not visible)."""
     if SOFTCAP:   # softcap * tanh(s * scale / softcap), then to base 2
         x = s * (qk_scale * inv_softcap)
         e = tl.exp(-2.0 * tl.abs(x))
@@ -56,7 +99,7 @@ def _row_lse_kernel(Q, K, LSE, q_off, q_len, lse_start, k_start, k_lens, pos0, s
                     qk_scale, softcap, inv_softcap, window,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr):
+                    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ND: tl.constexpr):
     mt = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -71,8 +114,7 @@ def _row_lse_kernel(Q, K, LSE, q_off, q_len, lse_start, k_start, k_lens, pos0, s
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
     q_ptr = Q + tl.load(q_off + b) + h.to(tl.int64) * stride_qh
-    q = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_qt + offs_d[None, :],
-                mask=(rows < n_q)[:, None] & d_ok[None, :], other=0.0)
+    q = _tile(q_ptr, rows, n_q, stride_qt, offs_d, d_ok, ND)
     qpos = p0 + rows
     kv = h // GROUP
     hi = k_len
@@ -86,9 +128,10 @@ def _row_lse_kernel(Q, K, LSE, q_off, q_len, lse_start, k_start, k_lens, pos0, s
     k_base = K + kv.to(tl.int64) * stride_kh + k0 * stride_kt
     for n in range(lo, hi, BN):
         kpos = n + tl.arange(0, BN)
-        k = tl.load(k_base + kpos.to(tl.int64)[:, None] * stride_kt + offs_d[None, :],
-                    mask=(kpos < k_len)[:, None] & d_ok[None, :], other=0.0)
-        s, _vis = _scores(q, k, qpos, kpos, start, k_len, window, qk_scale, softcap,
+        k = _tile(k_base, kpos, k_len, stride_kt, offs_d, d_ok, ND)
+        qk = _qk(q, q_ptr, k, k_base, rows, n_q, kpos, k_len, stride_qt, stride_kt,
+                 HEAD_DIM, BD, ND)
+        s, _vis = _scores(qk, qpos, kpos, start, k_len, window, qk_scale, softcap,
                           inv_softcap, CAUSAL, WINDOW, SOFTCAP)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -105,7 +148,7 @@ def _key_mass_kernel(Q, K, LSE, MASS, q_off, q_len, lse_start, k_start, k_lens, 
                      qk_scale, softcap, inv_softcap, window,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                      CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ND: tl.constexpr):
     nt = tl.program_id(0)
     b = tl.program_id(1)
     kv = tl.program_id(2)
@@ -121,8 +164,7 @@ def _key_mass_kernel(Q, K, LSE, MASS, q_off, q_len, lse_start, k_start, k_lens, 
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
     k_base = K + kv.to(tl.int64) * stride_kh + k0 * stride_kt
-    k = tl.load(k_base + kpos.to(tl.int64)[:, None] * stride_kt + offs_d[None, :],
-                mask=(kpos < k_len)[:, None] & d_ok[None, :], other=0.0)
+    k = _tile(k_base, kpos, k_len, stride_kt, offs_d, d_ok, ND)
     # the queries that may see a key of this tile: t with p0 + t >= the tile's first key
     # (causal), and p0 + t - window < its last key (window)
     lo = 0
@@ -138,15 +180,24 @@ def _key_mass_kernel(Q, K, LSE, MASS, q_off, q_len, lse_start, k_start, k_lens, 
         l_ptr = LSE + h.to(tl.int64) * stride_lh + t0
         for m in range(lo, hi, BM):
             rows = m + tl.arange(0, BM)
-            q = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_qt + offs_d[None, :],
-                        mask=(rows < n_q)[:, None] & d_ok[None, :], other=0.0)
+            q = _tile(q_ptr, rows, n_q, stride_qt, offs_d, d_ok, ND)
             lse = tl.load(l_ptr + rows, mask=rows < n_q, other=float("-inf"))
-            s, vis = _scores(q, k, p0 + rows, kpos, start, k_len, window, qk_scale, softcap,
+            qk = _qk(q, q_ptr, k, k_base, rows, n_q, kpos, k_len, stride_qt, stride_kt,
+                     HEAD_DIM, BD, ND)
+            s, vis = _scores(qk, p0 + rows, kpos, start, k_len, window, qk_scale, softcap,
                              inv_softcap, CAUSAL, WINDOW, SOFTCAP)
             vis = vis & (rows < n_q)[:, None]
             p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
             acc += tl.sum(p, 0)
     tl.store(MASS + kv.to(tl.int64) * stride_mh + k0 + kpos, acc, mask=kpos < k_len)
+
+
+def d_tiles(D: int) -> dict:
+    """The head-dim constants: one tile D_PAD wide up to WIDE_D; above it, ND chunks of BD
+    (D_PAD then only sizes the unused whole-tile loads, kept at BD)."""
+    if D <= WIDE_D:
+        return dict(D_PAD=max(16, triton.next_power_of_2(D)), BD=16, ND=1)
+    return dict(D_PAD=BLOCK_D, BD=BLOCK_D, ND=triton.cdiv(D, BLOCK_D))
 
 
 def _check(q, k, rows: dict, group_ok: bool) -> None:
@@ -196,9 +247,8 @@ def prompt_mass(q: torch.Tensor, k: torch.Tensor, q_off: torch.Tensor, q_len: to
     mass = torch.zeros(Hkv, N, dtype=torch.float32, device=q.device)
     if B == 0 or max_q == 0 or max_k == 0:
         return mass
-    consts = dict(GROUP=Hq // Hkv, HEAD_DIM=D, D_PAD=max(16, triton.next_power_of_2(D)),
-                  CAUSAL=bool(causal), WINDOW=bool(window), SOFTCAP=bool(softcap),
-                  BM=BLOCK_M, BN=BLOCK_N)
+    consts = dict(GROUP=Hq // Hkv, HEAD_DIM=D, CAUSAL=bool(causal), WINDOW=bool(window),
+                  SOFTCAP=bool(softcap), BM=BLOCK_M, BN=BLOCK_N, **d_tiles(D))
     inv_cap = 1.0 / softcap if softcap else 0.0
     _row_lse_kernel[(triton.cdiv(max_q, BLOCK_M), B, Hq)](
         q, k, lse, q_off, q_len, lse_start, k_start, k_len, pos0, start,

@@ -167,18 +167,24 @@ def test_snapkv_equals_masked_attention(hold, monkeypatch):
     st.pool.check_invariants()
 
 
-def test_h2o_mass_is_the_models_attention():
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_h2o_mass_is_the_models_attention(kernels):
     """H2O on latent pages: the prompt's mass per key is the model's own attention
-    probabilities summed over heads and queries (eager output_attentions), and each decode
-    step (host rows: they add up mass) equals the model under each layer's kept mask."""
+    probabilities summed over heads and queries (eager output_attentions), through the
+    prompt-mass kernel over the latent and rotary pages (kernels="triton": the interpreter;
+    rope 248 makes the absorbed width 264, above WIDE_D: Q K^T in chunks) or the torch path; and each decode step (host rows:
+    they add up mass) equals the model under each layer's kept mask."""
     ids = _ids(4, 24)
-    m = _compiled(H2O(budget=40, recent=4, sinks=2))   # (budget > prompt: nothing evicted)
+    rope = 248 if kernels == "triton" else 8
+    m = _compiled(H2O(budget=40, recent=4, sinks=2), rope=rope, kernels=kernels)
     cache = DynamicCache()
     with torch.no_grad():
         m(input_ids=ids[:, :16], past_key_values=cache)
+    which = "kernel" if kernels == "triton" else "torch"
+    assert state_of(m).counters.get(f"eviction_prompt_mass_{which}", 0) == 2   # 2 layers
     book = state_of(m).eviction.books[_sid(cache)]
     torch._dynamo.reset()
-    ref_m = make_mla("deepseek_v3", "eager")
+    ref_m = make_mla("deepseek_v3", "eager", rope=rope)
     with torch.no_grad():
         att = ref_m(input_ids=ids[:, :16], output_attentions=True).attentions
     for li in (0, 1):

@@ -75,6 +75,23 @@ def test_kernel_mass_equals_fp32_path(kw, group):
         assert abs(g.sum().item() - 2 * group * seen) < 1e-3 * n * group
 
 
+@pytest.mark.parametrize("d", [576, 300], ids=["latent576", "d300"])
+@pytest.mark.parametrize("kw", [dict(), dict(window=24)], ids=["causal", "window"])
+def test_kernel_mass_of_wide_heads(d, kw):
+    """Heads wider than WIDE_D (an MLA layer's absorbed query over its latent pages: 576, one
+    kv head for every query head) take Q K^T in BLOCK_D chunks; 300 leaves a partial chunk."""
+    from kvcompile.kernels.prompt_mass import WIDE_D, d_tiles
+
+    assert d > WIDE_D and d_tiles(d)["ND"] > 1
+    qs, ks = _inputs(hq=4, hkv=1, d=d, seed=d)
+    scale = d ** -0.5
+    want = _want(qs, ks, scale, **kw)
+    got = _kernel(qs, ks, scale, **kw)
+    tol = kernel_rel_err(torch.float32, "cpu")
+    errs = [rel_err(g, w) for g, w in zip(got, want)]
+    assert max(errs) <= tol, (errs, tol)
+
+
 def test_torch_mass_equals_fp32_path_in_small_blocks(monkeypatch):
     from kvcompile.eviction import attend
 

@@ -2,7 +2,7 @@
 interpreter's bf16 dot is broken, triton#11584) and fp32 as tf32: against the fp32 path's mass
 (`attend_kept`) on the same stored values, with the CPU test's rows (tests/eviction/
 test_prompt_mass.py: a prompt, a chunk over earlier keys, a padded prompt, one query), GQA 4,
-head_dim 128 and 64, window and soft-capping. Negative: a causal mass against the non-causal
+head_dim 128, 64 and 576 (an MLA layer's absorbed width: Q K^T in chunks), window and soft-capping. Negative: a causal mass against the non-causal
 reference is far outside the tolerance.
 
     pytest -q -m gpu tests/gpu/test_prompt_mass_gpu.py
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.gpu,
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("d", [128, 64])
+@pytest.mark.parametrize("d", [128, 64, 576])
 @pytest.mark.parametrize("kw", [dict(), dict(window=24), dict(softcap=20.0)],
                          ids=["causal", "window", "softcap"])
 def test_kernel_mass_equals_fp32_path_on_cuda(dtype, d, kw):
