@@ -9,7 +9,7 @@ python3 -c 'import torch,triton,transformers as t;print(torch.__version__,triton
 timeout -k 5 ${T1:-300} $PT tests/gpu/test_hf_graphs_gpu.py -k "latent" > "$OUT/hf_latent.txt" 2>&1 &
 timeout -k 5 ${T1:-300} $PT tests/gpu/test_hf_graphs_gpu.py -k "not latent" > "$OUT/hf_other.txt" 2>&1 &
 timeout -k 5 ${T1:-300} $PT tests/gpu/test_engine_eviction_gpu.py -k "hold or swap_aside" > "$OUT/evict.txt" 2>&1 &
-timeout -k 5 ${T1:-300} $PT tests/gpu/test_latent_decode_gpu.py -k "kernel_matches_reference" > "$OUT/latent.txt" 2>&1 &
+timeout -k 5 ${T1:-300} $PT tests/gpu/test_latent_decode_gpu.py tests/gpu/test_prompt_mass_gpu.py -k "kernel_matches_reference or mass" > "$OUT/latent.txt" 2>&1 &
 wait
 if [ -n "${GEN:-1}" ]; then
   timeout -k 5 ${T2:-230} python3 benchmarks/bench_generate.py --budget-s $(( ${T2:-230} - 20 )) \

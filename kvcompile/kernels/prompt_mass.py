@@ -65,7 +65,7 @@ def _qk(q, q_ptr, k, k_ptr, rows, n_q, kpos, k_len, stride_qt, stride_kt,
         qc = tl.load(q_rows + offs[None, :], mask=q_ok & (offs < HEAD_DIM)[None, :], other=0.0)
         kc = tl.load(k_rows + offs[None, :], mask=k_ok & (offs < HEAD_DIM)[None, :], other=0.0)
         s = tl.dot(qc, tl.trans(kc))
-        for c in tl.static_range(1, ND):
+        for c in range(1, ND):   # (a loop, not unrolled: pipelined stages hold one chunk)
             offs = c * BD + tl.arange(0, BD)
             d_ok = (offs < HEAD_DIM)[None, :]
             qc = tl.load(q_rows + offs[None, :], mask=q_ok & d_ok, other=0.0)
@@ -250,12 +250,15 @@ def prompt_mass(q: torch.Tensor, k: torch.Tensor, q_off: torch.Tensor, q_len: to
     consts = dict(GROUP=Hq // Hkv, HEAD_DIM=D, CAUSAL=bool(causal), WINDOW=bool(window),
                   SOFTCAP=bool(softcap), BM=BLOCK_M, BN=BLOCK_N, **d_tiles(D))
     inv_cap = 1.0 / softcap if softcap else 0.0
+    stages = 2 if consts["ND"] > 1 else 3
     _row_lse_kernel[(triton.cdiv(max_q, BLOCK_M), B, Hq)](
         q, k, lse, q_off, q_len, lse_start, k_start, k_len, pos0, start,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
-        float(scale), float(softcap), inv_cap, int(window), num_warps=4, **consts)
+        float(scale), float(softcap), inv_cap, int(window), num_warps=4, num_stages=stages,
+        **consts)
     _key_mass_kernel[(triton.cdiv(max_k, BLOCK_N), B, Hkv)](
         q, k, lse, mass, q_off, q_len, lse_start, k_start, k_len, pos0, start,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0), mass.stride(0),
-        float(scale), float(softcap), inv_cap, int(window), num_warps=4, **consts)
+        float(scale), float(softcap), inv_cap, int(window), num_warps=4, num_stages=stages,
+        **consts)
     return mass
