@@ -6,13 +6,15 @@ kvcompile's latent pages, in one process.
 
 Model: DeepSeek-V3 attention (128 heads, q_lora 1536, kv_lora 512, rope 64, nope 128, v 128,
 hidden 7168) with a dense MLP in every layer (`first_k_dense_replace` = layers), `--layers`
-layers, vocab 32000, random bf16 weights, SDPA. Rows: HF eager (DynamicCache), HF StaticCache +
-torch.compile, kvcompile with bf16 and fp8_e4m3 latent pages; "kvc_<format>+sink" / "+snapkv" /
-"+h2o" add an eviction policy keeping half the prompt (SinkWindow, SnapKV(hold), H2O; their
-tokens differ from eager's by design). Each row: whether its tokens equal
-HF eager's, the sites rewritten (kvcompile rows: MLA sites must say "mla"), KV bytes per token,
-and decode tok/s = B * (N - 1) / (t_N - t_1) (t_1: a max_new_tokens=1 call), wall clock around
-synchronized calls, the median of --repeats after a warm-up that compiles.
+layers, vocab 32000, random bf16 weights, SDPA. Rows: HF eager (DynamicCache), HF StaticCache
+with generate's own auto-compile of the decode step (CUDA only), kvcompile with bf16 and
+fp8_e4m3 latent pages; "kvc_<format>+sink" / "+snapkv" / "+h2o" add an eviction policy keeping
+half the prompt (SinkWindow, SnapKV(hold), H2O; their tokens differ from eager's by design;
+--evict-interval, 64 by default). Each row: how many of its rows' new tokens equal HF eager's
+(and their mean common start), the sites rewritten (kvcompile rows: MLA sites must say "mla"),
+KV bytes per token, and decode tok/s = B * (N - 1) / (t_N - t_1) (t_1: a max_new_tokens=1
+call), wall clock around synchronized calls, the median of --repeats after a warm-up that
+compiles.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ def parse_args():
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rows", default="hf_eager,hf_static,kvc_bf16,kvc_fp8_e4m3")
+    p.add_argument("--evict-interval", type=int, default=64,
+                   help="KVConfig.eviction_interval of the +sink / +snapkv / +h2o rows (1: "
+                        "evict at every step once over budget)")
     p.add_argument("--ref", default="", help="a file for hf_eager's tokens and tok/s: the "
                    "hf_eager row writes it, the others compare with it (one process a row)")
     a = p.parse_args()
@@ -95,13 +100,16 @@ def run_row(row, a, ids):
     model, _ = make_model(a)
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
     if row == "hf_static":
+        # HF's own auto-compile of the decode step (generate's compile_config: fullgraph,
+        # CUDA graphs), as bench_generate.py's hf_static. Compiling the whole forward with
+        # mode="reduce-overhead" here skipped CUDA graphs (the cache's mutated
+        # cumulative_length) and then crashed (SIGSEGV, H200, torch 2.11, 2026-12-05).
         kw["cache_implementation"] = "static"
-        model.forward = torch.compile(model.forward, mode="reduce-overhead" if not a.smoke
-                                      else "default")
     elif row.startswith("kvc_"):
         fmt, _, pol = row[4:].partition("+")
-        kvcompile.compile(model, kvcompile.KVConfig(kv_dtype=fmt, max_kv_bytes=(
-            1 << 26 if a.smoke else 40 << 30), eviction=policy(pol, a.prompt)))
+        kvcompile.compile(model, kvcompile.KVConfig(
+            kv_dtype=fmt, max_kv_bytes=(1 << 26 if a.smoke else 40 << 30),
+            eviction=policy(pol, a.prompt), eviction_interval=a.evict_interval))
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=a.new, **kw)    # warm-up, compiles
         t1s, tns = [], []
@@ -115,16 +123,36 @@ def run_row(row, a, ids):
         info["sites"] = f"{len(rep.rewritten)}/{len(rep.sites)} " + ",".join(
             sorted({s.gqa for s in rep.rewritten})) + (
             f", {getattr(model.forward, 'replays', 0)} graph replays")
-        info["bytes"] = kvcompile.stats(model)["bytes_per_token"]
+        st = kvcompile.stats(model)
+        info["bytes"] = st["bytes_per_token"]
+        if pol:
+            c = st.get("counters", {})
+            info["sites"] += (f", {c.get('eviction_device_runs', 0)} device evictions, "
+                              f"{c.get('evicted_tokens', 0)} tokens evicted")
     else:
+        if row == "hf_static":
+            info["sites"] = ("HF auto-compile" if getattr(model, "_compiled_call", None)
+                             is not None else "HF did not compile")
         c = model.config   # transformers 5.x caches the latent and the rotary key, as the pool
         info["bytes"] = c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * (
             2 if not a.smoke else 4)
-        info["sites"] = "-"
+        info.setdefault("sites", "-")
     model = None   # the next row's model takes its memory
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return info
+
+
+def _same(tokens, ref, prompt: int) -> str:
+    """Rows whose new tokens equal HF eager's, and the mean length of the common start of the
+    new tokens (random weights in bf16: near-tied logits let a row part ways after a while)."""
+    a, b = tokens[:, prompt:], ref[:, prompt:].to(tokens.device)
+    if a.shape != b.shape:
+        return f"shape {tuple(a.shape)} vs {tuple(b.shape)}"
+    eq = (a == b).int()
+    common = eq.cumprod(1).sum(1).float()
+    return (f"{int((common == a.shape[1]).sum())}/{a.shape[0]} rows, common start "
+            f"{common.mean():.1f}/{a.shape[1]}")
 
 
 def main():
@@ -137,7 +165,7 @@ def main():
     print(f"# DeepSeek-V3-shaped, {a.layers} layers, B {a.batch}, prompt {a.prompt}, new "
           f"{a.new}; torch {torch.__version__}, transformers {transformers.__version__}"
           + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
-    print("| row | sites rewritten | KV bytes/token | decode tok/s | vs hf eager | tokens = eager |")
+    print("| row | sites rewritten | KV bytes/token | decode tok/s | vs hf eager | tokens = eager's |")
     print("|---|---|---|---|---|---|")
     ref = base = None
     if a.ref and os.path.exists(a.ref) and "hf_eager" not in a.rows.split(","):
@@ -154,7 +182,7 @@ def main():
             ref, base = r["tokens"], r["tok_s"]
             if a.ref:
                 torch.save((ref.cpu(), base), a.ref)
-        same = "-" if ref is None else str(torch.equal(r["tokens"], ref))
+        same = "-" if ref is None else _same(r["tokens"], ref, a.prompt)
         ratio = f"{r['tok_s'] / base:.2f}x" if base else "-"
         print(f"| {row} | {r['sites']} | {r['bytes']:,.1f} | {r['tok_s']:.1f} | {ratio} | "
               f"{same} |", flush=True)

@@ -221,8 +221,7 @@ class DecodeGraphs:
             reason = "no maximum sequence length (the block tables' width)"
         else:
             for k, v, meta in zip(st.pool.k, st.pool.v, st.layer_meta):
-                reason = graph_refusal(k, v, latent=bool(meta.get("latent")),
-                                       packed=True) or None
+                reason = graph_refusal(k, v, latent=bool(meta.get("latent"))) or None
                 if reason:
                     break
         self._why_not = reason

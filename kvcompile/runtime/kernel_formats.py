@@ -43,27 +43,17 @@ def _append_shape(paged) -> bool:
     return 16 <= d <= 512 and d & (d - 1) == 0 and p >= 1 and p & (p - 1) == 0
 
 
-# The engine's decode graphs over MLA layers (packed steps on the latent kernel): off until a
-# GPU run shows them equal to the eager steps (tests/gpu/test_hf_graphs_gpu.py
-# test_engine_latent_graphs turns this on for its run); the emulated replays on the CPU
-# (tests/engine/test_graphs_emulated.py) check what the graphs are fed.
-ENGINE_LATENT_GRAPHS = False
-
-
-def graph_refusal(k, v, latent: bool = False, packed: bool = False) -> str:
+def graph_refusal(k, v, latent: bool = False) -> str:
     """Why a layer's decode steps (K pages k, V pages v) cannot be graphed, "" if they can:
     a CUDA graph needs the decode kernel to read both and the append kernel to write both
     (the reference attention reads the capture's host lengths: replayed, it would attend
     over the wrong keys). latent: an MLA layer (k the latent, v the rotary key), read by
-    the latent decode kernel; the engine's graphs (packed=True) refuse them until they have
-    run on a GPU."""
+    the latent decode kernel (generate's graphs and the engine's packed steps alike:
+    tests/gpu/test_hf_graphs_gpu.py)."""
     if latent:
         from kvcompile.kernels.latent_decode import fast_path_reason
 
-        why = ("not yet run on a GPU in the engine's decode graphs (its packed steps take "
-               "the latent kernel eagerly; tests/engine/test_graphs_emulated.py checks the "
-               "graphs' inputs on the CPU)" if packed and not ENGINE_LATENT_GRAPHS
-               else fast_path_reason(None, k, v))
+        why = fast_path_reason(None, k, v)
         if why:
             return f"latent (MLA) layer: {why}"
     else:

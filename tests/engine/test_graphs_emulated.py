@@ -4,7 +4,7 @@ into the captured output. CUDA graphs need CUDA (tests/gpu/ replays them); this 
 the graphs are fed, every replay, against the pool (`check_inputs`, KVConfig.graph_check), and
 that the tokens equal the engine's eager steps: an eviction policy that moves tokens on the
 device between replays, and MLA layers, whose packed decode steps take the latent kernel
-(their real graphs stay refused until they run on a GPU: kernel_formats.graph_refusal)."""
+(their real graphs: tests/gpu/test_hf_graphs_gpu.py test_engine_latent_graphs)."""
 
 from __future__ import annotations
 
@@ -49,10 +49,23 @@ def emulated(monkeypatch):
     return checked
 
 
+def _formats_refusal(self):
+    """DecodeGraphs.why_not as on CUDA, less the device checks: each layer's pages
+    (kernel_formats.graph_refusal; MLA layers included)."""
+    from kvcompile.runtime.kernel_formats import graph_refusal
+
+    st = self.state
+    if st.pool is None:
+        return None
+    why = [graph_refusal(k, v, latent=bool(meta.get("latent")))
+           for k, v, meta in zip(st.pool.k, st.pool.v, st.layer_meta)]
+    return next((w for w in why if w), None)
+
+
 def _run(model, cfg, prompts, graphs: bool, monkeypatch):
     torch._dynamo.reset()
     monkeypatch.setattr(CG.DecodeGraphs, "why_not",
-                        (lambda self: None) if graphs else (lambda self: "off (check)"))
+                        _formats_refusal if graphs else (lambda self: "off (check)"))
     eng = kvcompile.Engine(model, config=cfg, max_num_batched_tokens=64, max_num_seqs=4,
                            enable_prefix_caching=False)
     outs = eng.generate(prompts, kvcompile.SamplingParams(temperature=0, max_tokens=10,
