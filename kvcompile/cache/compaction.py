@@ -109,6 +109,8 @@ def move_slots_device(paged: PagedTensor, src: torch.Tensor, dst: torch.Tensor,
     written once (the ranks past the distinct count rewrite rank 0's cell with the same
     bytes). Sources are read before any write."""
     if moves_exactly(paged):
+        if real is not None:   # a padding move writes its destination's own bytes back
+            src = torch.where(real, src, dst)
         move_slots_exact(paged, src, dst, heads)
         return
     if not moves_on_device(paged):
@@ -220,16 +222,35 @@ def _scatter(init: float, shape, index, src, how: str) -> torch.Tensor:
                                        include_self=True).view(shape)
 
 
-def _group_stats(vals: torch.Tensor, cell: torch.Tensor, shape, real: torch.Tensor):
-    """Per parameter group of the moved elements: finite min, finite max, finite amax, any NaN.
-    vals [M, D]; cell [M, D] the flat index of each element's group in `shape`; real [M] the
+def _group_stats(vals: torch.Tensor, cell: torch.Tensor, shape, real: torch.Tensor,
+                 want: tuple = ("lo", "hi", "amax")):
+    """Per parameter group of the moved elements: finite min, finite max, finite amax (those
+    in `want`, None for the others), any NaN. vals [M, D]; cell [M, D] the flat index of each
+    element's group in `shape`, or [M] where a move's whole row is one group (a page-scaled
+    cell): each row is reduced first and only M values are scattered, not M x D (on CUDA a
+    scatter_reduce of M x D elements into few groups contends on its atomics); real [M] the
     moves that count (the others leave every statistic at its empty value)."""
-    fin = torch.isfinite(vals) & real[:, None]
-    lo = _scatter(torch.inf, shape, cell, torch.where(fin, vals, torch.inf), "amin")
-    hi = _scatter(-torch.inf, shape, cell, torch.where(fin, vals, -torch.inf), "amax")
-    amax = _scatter(0.0, shape, cell, torch.where(fin, vals.abs(), 0.0), "amax")
-    nan = _scatter(0.0, shape, cell, (torch.isnan(vals) & real[:, None]).float(), "amax") > 0
-    return lo, hi, amax, nan
+    fin = torch.isfinite(vals)
+    isnan = torch.isnan(vals)
+    parts = {"lo": (torch.inf, "amin", lambda: torch.where(fin, vals, torch.inf)),
+             "hi": (-torch.inf, "amax", lambda: torch.where(fin, vals, -torch.inf)),
+             "amax": (0.0, "amax", lambda: torch.where(fin, vals.abs(), 0.0))}
+    rows = cell.dim() == 1
+    out = {}
+    for name, (init, how, fn) in parts.items():
+        if name not in want:
+            out[name] = None
+            continue
+        x = fn()
+        if rows:
+            x = x.amin(1) if how == "amin" else x.amax(1)
+            x = torch.where(real, x, init)
+        else:
+            x = torch.where(real[:, None], x, init)
+        out[name] = _scatter(init, shape, cell, x, how)
+    nan = (isnan.any(1) & real) if rows else (isnan & real[:, None])
+    nan = _scatter(0.0, shape, cell, nan.float(), "amax") > 0
+    return out["lo"], out["hi"], out["amax"], nan
 
 
 def _move_grouped(paged: PagedTensor, vals, pd, od, heads) -> None:
@@ -323,14 +344,15 @@ def _move_cells(paged: PagedTensor, vals, od, real, seg, pg, hd, write) -> None:
     path's unused ranks rewrite rank 0's cell with its bytes)."""
     fmt, g = paged.fmt, paged.fmt.granularity
     P, D = paged.page_size, paged.head_dim
-    S, M = pg.numel(), vals.shape[0]
+    S = pg.numel()
     if g == "channel" and fmt.name != "fp4_e2m1":   # one group per (page, head, channel)
         shape = (S, 1, D)
         cell = seg[:, None] * D + torch.arange(D, device=vals.device)
-    else:                                           # one per (page, head)
+    else:                                           # one per (page, head): a move's row
         shape = (S, 1)
-        cell = seg[:, None].expand(M, D)
-    lo, hi, amax, nan = _group_stats(vals, cell, shape, real)
+        cell = seg
+    lo, hi, amax, nan = _group_stats(vals, cell, shape, real,
+                                     ("lo", "hi") if fmt.is_int else ("amax",))
     old = _cell_params(paged, pg, hd)
     s_old = old["scale"]
     if fmt.is_int:
@@ -378,7 +400,7 @@ def _fp4_channel_micro(m_old, s_old, s_new, vals, seg, od, real) -> torch.Tensor
     shifted = (m_old.float() * (s_old / s_new)[:, :, None, None]).to(torch.float8_e4m3fn)
     shifted = torch.where(torch.isnan(m_old.float()), torch.nan, shifted.float())
     cell = (seg * G + od // MICRO_BLOCK)[:, None] * D + torch.arange(D, device=vals.device)
-    _lo, _hi, need, nan = _group_stats(vals, cell, (S, 1, G, D), real)
+    _lo, _hi, need, nan = _group_stats(vals, cell, (S, 1, G, D), real, ("amax",))
     s = s_new[:, :, None, None]
     short = need > E2M1_MAX * shifted * s
     micro = torch.where(short, torch.maximum(shifted, micro_scale(need, s).float()), shifted)

@@ -224,6 +224,36 @@ def _same(a, b):
     return (a == b) | (torch.isnan(a) & torch.isnan(b))
 
 
+@pytest.mark.parametrize("fmt", GROUPED, ids=str)
+def test_padding_moves_change_nothing(fmt):
+    """Moves with real=False leave every byte of the pool as it was, even from a token 50x
+    the destination page's values and from a NaN token: their values count in no group's
+    statistics (scale, range, NaN), and a format that moves exactly (the pair's token-scaled
+    V of int "channel") copies nothing."""
+    from kvcompile.cache.compaction import move_slots_device
+
+    pool = PagePool([LayerSpec(H, D, D, *_formats(*fmt))], 8, 16)
+    sid = pool.allocate()[0]
+    g = torch.Generator().manual_seed(4)
+    k = torch.randn(96, H, D, generator=g)
+    v = torch.randn(96, H, D, generator=g)
+    for x in (k, v):
+        x[80:] *= 50.0
+        x[91, 1, 5] = float("nan")
+    pool.append(sid, [k], [v])
+    t = torch.tensor(pool._lookup([sid])[0].pages)
+    moves = [(90, 3, 0), (91, 20, 1), (91, 33, 0)]          # (src, dst, head): 50x, NaN
+    src = torch.tensor([t[s // 16] * 16 + s % 16 for s, _d, _h in moves])
+    dst = torch.tensor([t[d // 16] * 16 + d % 16 for _s, d, _h in moves])
+    hd = torch.tensor([h for *_x, h in moves])
+    for paged in (pool.k[0], pool.v[0]):
+        before = {n: p.clone() for n, p in paged.parts().items()}
+        with _no_sync():
+            move_slots_device(paged, src, dst, hd, torch.zeros(3, dtype=torch.bool))
+        for n, p in paged.parts().items():
+            assert torch.equal(p[t].view(torch.uint8), before[n][t].view(torch.uint8)), n
+
+
 
 @pytest.mark.parametrize("policy", [SinkWindow(2, 12), H2O(budget=14, recent=4, sinks=2),
                                     SnapKV(budget=14, window=4, kernel=3, per_head=True)],
