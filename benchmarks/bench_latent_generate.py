@@ -41,6 +41,9 @@ def parse_args():
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rows", default="hf_eager,hf_static,kvc_bf16,kvc_fp8_e4m3")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after the timing, one N-token generate under torch.profiler: the top "
+                        "host ops and device kernels and the host-sync events of each row")
     p.add_argument("--evict-interval", type=int, default=64,
                    help="KVConfig.eviction_interval of the +sink / +snapkv / +h2o rows (1: "
                         "evict at every step once over budget)")
@@ -116,6 +119,9 @@ def run_row(row, a, ids):
         for _ in range(a.repeats):
             t1s.append(timed(lambda: model.generate(ids, max_new_tokens=1, **kw)))
             tns.append(timed(lambda: model.generate(ids, max_new_tokens=a.new, **kw)))
+        if a.profile:
+            _profile(lambda: model.generate(ids, max_new_tokens=a.profile, **kw), row,
+                     a.profile)
     t1, tn = statistics.median(t1s), statistics.median(tns)
     info = dict(row=row, tokens=out, tok_s=a.batch * (a.new - 1) / max(tn - t1, 1e-9))
     if row.startswith("kvc_"):
@@ -141,6 +147,32 @@ def run_row(row, a, ids):
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return info
+
+
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::_local_scalar_dense",
+               "cudaMemcpy", "cudaEventSynchronize", "aten::item", "aten::nonzero")
+
+
+def _profile(fn, row: str, new: int) -> None:
+    """One call under torch.profiler: top host ops by self CPU time, top device kernels, and
+    the host-sync events (each stalls the host until the device catches up)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available()
+                                     else [])
+    with profile(activities=acts) as p:
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    ka = p.key_averages()
+    print(f"\n#### {row}: top host ops by self CPU time ({new} new tokens)")
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+    if torch.cuda.is_available():
+        print(f"#### {row}: top device kernels")
+        print(ka.table(sort_by="self_device_time_total", row_limit=15,
+                       max_name_column_width=60))
+    syncs = {e.key: e.count for e in ka if any(s in e.key for s in SYNC_EVENTS)}
+    print(f"#### {row}: sync-like events {syncs}", flush=True)
 
 
 def _same(tokens, ref, prompt: int) -> str:
