@@ -3,6 +3,7 @@ kvcompile's latent pages, in one process.
 
     python benchmarks/bench_latent_generate.py [--batch 16] [--prompt 8192] [--new 64]
     python benchmarks/bench_latent_generate.py --smoke      # CPU: a tiny stack, every row
+    python benchmarks/bench_latent_generate.py --capacity 40   # bytes/token, 32k seqs in 40 GiB
 
 Model: DeepSeek-V3 attention (128 heads, q_lora 1536, kv_lora 512, rope 64, nope 128, v 128,
 hidden 7168) with a dense MLP in every layer (`first_k_dense_replace` = layers), `--layers`
@@ -44,6 +45,13 @@ def parse_args():
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after the timing, one N-token generate under torch.profiler: the top "
                         "host ops and device kernels and the host-sync events of each row")
+    p.add_argument("--capacity", type=float, default=0, metavar="GIB",
+                   help="instead of generating: KV bytes per token and concurrent 32k-token "
+                        "sequences in a GIB budget, kvcompile's latent pages (each format's "
+                        "pool layout, read from a compiled 2-layer model of these attention "
+                        "widths) against HF's caches, for --capacity-layers layers")
+    p.add_argument("--capacity-layers", type=int, default=61,
+                   help="layers of the model the capacity rows count (DeepSeek-V3: 61)")
     p.add_argument("--evict-interval", type=int, default=64,
                    help="KVConfig.eviction_interval of the +sink / +snapkv / +h2o rows (1: "
                         "evict at every step once over budget)")
@@ -187,8 +195,61 @@ def _same(tokens, ref, prompt: int) -> str:
             f"{common.mean():.1f}/{a.shape[1]}")
 
 
+def capacity(a) -> None:
+    """Bytes per token and concurrent 32k-token sequences in a fixed budget. kvcompile rows:
+    the pool's own layout (LayerSpec.bytes_per_page: codes and scales) of a compiled 2-layer
+    model with these attention widths, its pages counted whole; HF rows: transformers 5.x
+    caches the latent and the rotary key in the model's dtype (bf16), older versions the
+    expanded K and V of every head. Arithmetic on the storage layouts, not an allocation."""
+    import transformers
+
+    from kvcompile.api import state_of
+
+    budget, L, ctx = int(a.capacity * (1 << 30)), a.capacity_layers, 32768
+    cfg = transformers.DeepseekV3Config(
+        num_hidden_layers=2, first_k_dense_replace=2, hidden_size=64, intermediate_size=64,
+        num_attention_heads=128, num_key_value_heads=128, q_lora_rank=32, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, vocab_size=256,
+        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg._attn_implementation = "sdpa"
+    r, dr, H = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_attention_heads
+    rows = [("HF DynamicCache / StaticCache (transformers 5.x: latent + rotary key, bf16)",
+             (r + dr) * 2 * L, None),
+            ("HF, transformers < 5 (expanded K and V of 128 heads, bf16)",
+             H * (cfg.qk_nope_head_dim + dr + cfg.v_head_dim) * 2 * L, None)]
+    for fmt in ("bf16", "fp8_e4m3"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        kvcompile.compile(model, kvcompile.KVConfig(kv_dtype=fmt, max_kv_bytes=1 << 26,
+                                                    inner="eager"))
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[5, 6, 7, 8]]))
+        pool = state_of(model).pool
+        per_layer = [sp.bytes_per_page(pool.page_size) for sp in pool.layers]
+        assert len(set(per_layer)) == 1, per_layer
+        page_bytes = per_layer[0] * L
+        pages = int(budget // page_bytes)
+        rows.append((f"kvcompile {fmt} latent pages (page {pool.page_size})",
+                     page_bytes / pool.page_size, pages // -(-ctx // pool.page_size)))
+        kvcompile.release(model)
+    print(f"# MLA KV capacity: DeepSeek-V3 attention (128 heads, kv_lora 512, rope 64), {L} "
+          f"layers, {a.capacity:g} GiB budget, 32,768-token sequences")
+    print("| cache | KV bytes/token | x HF 5.x | concurrent 32k sequences | x HF 5.x |")
+    print("|---|---|---|---|---|")
+    base = rows[0][1]
+    base_n = int(budget // (base * ctx))
+    for name, bpt, n in rows:
+        n = int(budget // (bpt * ctx)) if n is None else n
+        ratio = f"{n / base_n:.2f}x" if base_n else "-"
+        print(f"| {name} | {bpt:,.1f} | {base / bpt:.3f}x | {n} | {ratio} |")
+
+
 def main():
     a = parse_args()
+    if a.capacity:
+        capacity(a)
+        return
     import transformers
 
     _, dev = make_model(argparse.Namespace(**{**vars(a), "layers": 1}))
