@@ -12,6 +12,7 @@ blocking copies). A decode step that syncs cannot run ahead of the GPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -147,14 +148,21 @@ def main():
     ap.add_argument("--prompt", type=int, default=4096)
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--paths", default="static,fp8")
+    ap.add_argument("--paths", default="static,fp8",
+                    help="comma-separated: static, eager, or a kv_dtype (fp8 = fp8_e4m3), "
+                         "optionally with +snapkv (SnapKV(hold) keeping half the prompt, "
+                         "evicting every --evict-interval steps: the prompt-end and decode "
+                         "evictions are in the profiled call)")
+    ap.add_argument("--scale", default="page", choices=("page", "token", "tensor"),
+                    help="fp8 scale granularity of the kvcompile paths")
+    ap.add_argument("--evict-interval", type=int, default=8)
     ap.add_argument("--stack", action="store_true", help="per-step Python function breakdown")
     ap.add_argument("--steps", action="store_true",
                     help="one decode step's device time by category (GEMM, attention, append, "
                          "...) against its wall time")
     args = ap.parse_args()
     a = bg.parse_args(["--batch", str(args.batch), "--prompt", str(args.prompt), "--new",
-                       str(args.new), "--layers", str(args.layers)])
+                       str(args.new), "--layers", str(args.layers), "--kvc-scale", args.scale])
     dev = torch.device("cuda")
     model = bg.make_model(a, dev, torch.bfloat16)
     ids, am = bg._inputs(a, dev, model.config.vocab_size)
@@ -168,7 +176,14 @@ def main():
         elif path == "eager":
             pass
         else:
-            kvcompile.compile(model, bg._kvc_config(a, {"fp8": "fp8_e4m3"}.get(path, path)))
+            fmt, _, pol = path.partition("+")
+            cfg = bg._kvc_config(a, {"fp8": "fp8_e4m3"}.get(fmt, fmt))
+            if pol:
+                if pol != "snapkv":
+                    raise SystemExit(f"unknown policy +{pol}: +snapkv")
+                cfg = dataclasses.replace(cfg, eviction=bg._half(a)["snapkv_hold"],
+                                          eviction_interval=args.evict_interval)
+            kvcompile.compile(model, cfg)
             torch._dynamo.config.assume_static_by_default = False
         t0 = time.perf_counter()
         model.generate(ids, attention_mask=am, max_new_tokens=4, min_new_tokens=4,

@@ -8,6 +8,8 @@
 #      without eviction on the H200: where it goes)
 #   c: capacity at 32k with 48 requests (cases 7 and 9: where issue 19's targets are met on
 #      the CPU's schedule)
+#   d: where fp8 page scales' eviction time goes (profile_generate.py, +snapkv paths: the
+#      prompt-end and decode-step evictions inside the profiled call), page then token scales
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvc_out}; mkdir -p "$OUT"
 case "${PART:-a}" in
@@ -30,4 +32,13 @@ case "${PART:-a}" in
         CAP_ARGS="--decompose --swap-aside --step-tokens 4224" bash benchmarks/gpu_jobs.sh capacity32k
     done > "$OUT/c_capacity.txt" 2>&1
     grep -E "^\| (fp8|int4)" "$OUT/c_capacity.txt" ;;
+  d)
+    for sc in page token; do
+      timeout -k 5 250 python3 benchmarks/profile_generate.py --paths fp8,fp8+snapkv \
+        --scale $sc --new 16 --evict-interval 8 > "$OUT/d_profile_$sc.txt" 2>&1
+    done
+    for sc in page token; do
+      echo "== $sc"; grep -E "^==|^\|" "$OUT/d_profile_$sc.txt"
+      grep -A16 "fp8+snapkv: top device kernels" "$OUT/d_profile_$sc.txt"
+    done ;;
 esac
