@@ -12,7 +12,9 @@ with generate's own auto-compile of the decode step (CUDA only), kvcompile with 
 fp8_e4m3 latent pages; "kvc_<format>+sink" / "+snapkv" / "+h2o" add an eviction policy keeping
 half the prompt (SinkWindow, SnapKV(hold), H2O; their tokens differ from eager's by design;
 --evict-interval, 64 by default). Each row: how many of its rows' new tokens equal HF eager's
-(and their mean common start), the sites rewritten (kvcompile rows: MLA sites must say "mla"),
+(and their mean common start; kvcompile rows without eviction also along eager's tokens: how
+often their top token is eager's where eager's is not a rounding tie, and the largest logit
+difference), the sites rewritten (kvcompile rows: MLA sites must say "mla"),
 KV bytes per token, and decode tok/s = B * (N - 1) / (t_N - t_1) (t_1: a max_new_tokens=1
 call), wall clock around synchronized calls, the median of --repeats after a warm-up that
 compiles.
@@ -107,7 +109,9 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def run_row(row, a, ids):
+def run_row(row, a, ids, ref_logits=None):
+    """One row's timing (and for hf_eager its logits; for a kvcompile row without eviction,
+    given HF eager's logits, the teacher-forced comparison)."""
     model, _ = make_model(a)
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
     if row == "hf_static":
@@ -121,8 +125,16 @@ def run_row(row, a, ids):
         kvcompile.compile(model, kvcompile.KVConfig(
             kv_dtype=fmt, max_kv_bytes=(1 << 26 if a.smoke else 40 << 30),
             eviction=policy(pol, a.prompt), eviction_interval=a.evict_interval))
+    info = {}
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=a.new, **kw)    # warm-up, compiles
+        out = model.generate(ids, max_new_tokens=a.new, output_logits=True,
+                             return_dict_in_generate=True, **kw)   # warm-up, compiles
+        logits = [x.float().cpu() for x in out.logits]
+        out = out.sequences
+        if row == "hf_eager":
+            info["logits"] = logits
+        elif ref_logits is not None and row.startswith("kvc_") and "+" not in row:
+            info["forced"] = _teacher_forced(model, a, ids, ref_logits, kw)
         t1s, tns = [], []
         for _ in range(a.repeats):
             t1s.append(timed(lambda: model.generate(ids, max_new_tokens=1, **kw)))
@@ -131,7 +143,7 @@ def run_row(row, a, ids):
             _profile(lambda: model.generate(ids, max_new_tokens=a.profile, **kw), row,
                      a.profile)
     t1, tn = statistics.median(t1s), statistics.median(tns)
-    info = dict(row=row, tokens=out, tok_s=a.batch * (a.new - 1) / max(tn - t1, 1e-9))
+    info.update(row=row, tokens=out, tok_s=a.batch * (a.new - 1) / max(tn - t1, 1e-9))
     if row.startswith("kvc_"):
         rep = kvcompile.report(model)
         info["sites"] = f"{len(rep.rewritten)}/{len(rep.sites)} " + ",".join(
@@ -155,6 +167,37 @@ def run_row(row, a, ids):
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return info
+
+
+def _teacher_forced(model, a, ids, ref: tuple, kw) -> str:
+    """Along HF eager's own greedy path (its tokens forced): at the steps where eager's top two
+    logits are more than 2 bf16 ulps apart (not a rounding tie), how often this model's top
+    token is eager's, and the largest logit difference relative to the row's largest logit.
+    ref: (eager's full sequences [B, prompt + new], its logits per step [B, V])."""
+    seq, eager = ref
+    seq = seq.to(ids.device)
+
+    def force(input_ids, scores):
+        nxt = seq[:, input_ids.shape[1]]
+        forced = torch.full_like(scores, float("-inf"))
+        forced[torch.arange(scores.shape[0], device=scores.device), nxt] = 0.0
+        return forced
+
+    out = model.generate(ids, max_new_tokens=a.new, logits_processor=[force],
+                         output_logits=True, return_dict_in_generate=True, **kw)
+    agree = decisive = 0
+    max_rel = 0.0
+    for lr, lo in zip(eager, out.logits):
+        lo = lo.float().cpu()
+        top2 = lr.topk(2, dim=-1).values
+        ulp = torch.finfo(torch.bfloat16).eps * top2[:, 0].abs().clamp_min(1e-3)
+        dec = (top2[:, 0] - top2[:, 1]) > 2 * ulp
+        decisive += int(dec.sum())
+        agree += int((lo.argmax(-1) == lr.argmax(-1))[dec].sum())
+        max_rel = max(max_rel, float(((lo - lr).abs().amax(-1)
+                                      / lr.abs().amax(-1).clamp_min(1e-6)).max()))
+    return (f"forced: {agree}/{decisive} decisive steps agree, max logit diff "
+            f"{max_rel:.2e} of the row's largest")
 
 
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::_local_scalar_dense",
@@ -260,22 +303,26 @@ def main():
           + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
     print("| row | sites rewritten | KV bytes/token | decode tok/s | vs hf eager | tokens = eager's |")
     print("|---|---|---|---|---|---|")
-    ref = base = None
+    ref = base = ref_logits = None
     if a.ref and os.path.exists(a.ref) and "hf_eager" not in a.rows.split(","):
-        ref, base = torch.load(a.ref)
+        ref, base, eager_logits = torch.load(a.ref)
         ref = ref.to(dev)
+        ref_logits = (ref, eager_logits)
     for row in a.rows.split(","):
         try:
-            r = run_row(row, a, ids)
+            r = run_row(row, a, ids, ref_logits)
         except Exception as e:  # noqa: BLE001  (a row that fails says why; the rest run)
             print(f"| {row} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} |"
                   f" | | | |", flush=True)
             continue
         if row == "hf_eager":
             ref, base = r["tokens"], r["tok_s"]
+            ref_logits = (ref, r["logits"])
             if a.ref:
-                torch.save((ref.cpu(), base), a.ref)
+                torch.save((ref.cpu(), base, r["logits"]), a.ref)
         same = "-" if ref is None else _same(r["tokens"], ref, a.prompt)
+        if "forced" in r:
+            same += "; " + r["forced"]
         ratio = f"{r['tok_s'] / base:.2f}x" if base else "-"
         print(f"| {row} | {r['sites']} | {r['bytes']:,.1f} | {r['tok_s']:.1f} | {ratio} | "
               f"{same} |", flush=True)

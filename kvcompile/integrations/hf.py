@@ -357,5 +357,9 @@ def _repeat_outputs(out, g: int, rows: int):
 
 def _caches(kwargs: dict, result) -> list:
     out = [kwargs.get(k) for k in _CACHE_KWARGS]
-    out.append(getattr(result, "past_key_values", None))
+    # the output's cache field: `cache` from transformers 5.25 (where reading the old name
+    # warns that it is deprecated), `past_key_values` before
+    fields = getattr(type(result), "__dataclass_fields__", None) or {}
+    name = "cache" if "cache" in fields else "past_key_values"
+    out.append(getattr(result, name, None))
     return [c for c in out if c is not None and hasattr(c, "layers")]

@@ -303,3 +303,26 @@ def test_bf16_pages_match_eager_bf16():
     del free, forced
     gc.collect()
     assert _pages_used(model) == 0
+
+
+def test_returned_cache_read_by_its_current_field(monkeypatch):
+    """A cache given back by `generate(return_dict_in_generate=True)` is found under the
+    output's own field (`cache` from transformers 5.25, `past_key_values` before) without
+    reading a deprecated alias (which logs a warning in the user's run)."""
+    from transformers.generation.utils import GenerateDecoderOnlyOutput as Out
+
+    from kvcompile.integrations.hf import _caches
+
+    class _Cache:
+        layers = ()
+
+    c = _Cache()
+    fields = Out.__dataclass_fields__
+    name = "cache" if "cache" in fields else "past_key_values"
+    out = Out(sequences=torch.zeros(1, 2, dtype=torch.long), **{name: c})
+    if name == "cache" and isinstance(getattr(Out, "past_key_values", None), property):
+        def deprecated(self):
+            raise AssertionError("read the deprecated past_key_values alias")
+        monkeypatch.setattr(Out, "past_key_values", property(deprecated))
+    assert _caches({}, out) == [c]
+    assert _caches({"past_key_values": c}, None) == [c]     # passed in, nothing returned
