@@ -92,8 +92,10 @@ def parse_args(argv=None):
                         "eviction_interval)")
     p.add_argument("--kv-gib", type=float, default=8.0,
                    help="the pool's budget (KVConfig.max_kv_bytes) for the kvc_* sections")
-    p.add_argument("--dynamic", action="store_true",
-                   help="compile the kvc_* sections with assume_static_by_default=False")
+    p.add_argument("--static", action="store_true",
+                   help="compile the kvc_* sections with static shapes "
+                        "(assume_static_by_default=True); by default they compile with "
+                        "dynamic shapes (False), as every kvc row since 2026-12-03 ran")
     p.add_argument("--kernels", default="auto", choices=("auto", "triton", "cuda"),
                    help="KVConfig.kernels for the kvc_* sections (decode kernel choice)")
     p.add_argument("--peak-tbs", type=float, default=4.8,
@@ -322,10 +324,11 @@ def kvc(model, args, device, ctx, kv_dtype, eviction=None, sinks=None, name=""):
                            pad_token_id=0)
         state_of(model).eviction.sink_positions = sinks
     dyn = torch._dynamo.config.assume_static_by_default
-    # dynamic shapes save a graph (prefill + decode: 2 graphs, not 3) but on torch 2.11 the
-    # symbolic `self.scaling` they bring fails in the backend ("node ... must have
-    # _dynamo_source attribute", H200 2026-12-03): static, as HF's own compile runs
-    torch._dynamo.config.assume_static_by_default = args.dynamic
+    # dynamic shapes save a graph (prefill + decode: 2 graphs, not 3). On 2026-12-03 this
+    # line was meant to make static shapes the default (torch 2.11's symbolic `self.scaling`
+    # had failed in the backend) but set the flag inverted: every kvc row since ran with
+    # dynamic shapes, and passed. Kept as measured; --static compiles static.
+    torch._dynamo.config.assume_static_by_default = args.static
     try:
         row, toks = run_generate(model, args, device, ids, am,
                                  f"kvcompile {kv_dtype} pages + HF generate{name}")
