@@ -67,6 +67,19 @@ def _policy(rt, sid, book=None):
     return policy
 
 
+def _stack_rows(rows: list, width: int, fill: float) -> torch.Tensor:
+    """[R, H, width] from rows [H, l_r], padded with `fill` past each row's length: one
+    stack where the rows have one length (the usual case: sequences that evict together hold
+    the same count), else a copy per row. (A copy per row and layer is a device launch each:
+    2,000 at B16 x 61 layers.)"""
+    if len({r.shape[-1] for r in rows}) == 1:
+        out = torch.stack(rows)
+        return torch.nn.functional.pad(out, (0, width - out.shape[-1]), value=fill)
+    out = pad_sequence([r.T for r in rows], batch_first=True, padding_value=fill)
+    out = torch.nn.functional.pad(out, (0, 0, 0, width - out.shape[1]), value=fill)
+    return out.transpose(1, 2).contiguous()
+
+
 def evict_fronts(rt, items: list) -> list:
     """Evict the items (seq id, _Book, budget) that the batched path takes; returns the rest."""
     pool = rt.state.pool
@@ -114,11 +127,8 @@ def _evict(rt, pool, layers, H, items, groups) -> None:
     # [R, H, Lmax] logical index per slot (R = item-major, layer-minor); the slots of steps
     # stepped aside for are not in the books yet: row b's last `pending` slots hold positions
     # total - pending ... total - 1
-    rows = [book.pos[li][:, :L - k].T for (_s, book, _b), L, k in zip(items, stored, pending)
-            for li in layers]
-    pos = pad_sequence(rows, batch_first=True, padding_value=-1)               # [R, l, H]
-    pos = torch.nn.functional.pad(pos, (0, 0, 0, Lmax - pos.shape[1]), value=-1)
-    pos = pos.transpose(1, 2).contiguous()                                       # [R, H, Lmax]
+    pos = _stack_rows([book.pos[li][:, :L - k] for (_s, book, _b), L, k
+                       in zip(items, stored, pending) for li in layers], Lmax, -1)   # [R, H, Lmax]
     starts = [b.start for _s, b, _k in items]   # (left padding: gone from the slots by now,
     # decode_aside; the sinks and positions still count from it)
     ints = torch.tensor([stored, pending, total, budget, starts], dtype=torch.int64).to(dev)
@@ -136,10 +146,11 @@ def _evict(rt, pool, layers, H, items, groups) -> None:
             w = min(Lmax, store.length)
             for i, li in enumerate(layers):
                 mass[:, i, :, :w] = store.mass[li].index_select(0, srows)[:, :, :w]
-        for b, ((_s, book, _k), L, k) in enumerate(zip(items, stored, pending)):
-            if not in_store[b] and book.mass:
-                for i, li in enumerate(layers):
-                    mass[b, i, :, :L - k] = book.mass[li][:, :L - k]
+        books = [b for b in range(n) if not in_store[b] and items[b][1].mass]
+        if books:   # (every layer of a book has its mass row: evict_fronts takes no other)
+            got = _stack_rows([items[b][1].mass[li][:, :stored[b] - pending[b]]
+                               for b in books for li in layers], Lmax, 0.0)
+            mass[torch.tensor(books, device=dev)] = got.view(len(books), Ly, H, Lmax)
         mass = mass.view(n * Ly, H, Lmax)
     # kept scores [R, H, Lmax] (SnapKV(hold=True)): the books' rows, the steps stepped aside
     # for ranked as decoded tokens; a book without them (never observed) ranks by recency
@@ -150,10 +161,15 @@ def _evict(rt, pool, layers, H, items, groups) -> None:
                 for li in layers:
                     rt._scores(sid, li, book)
         kept = pos.float()
-        for b, ((_s, book, _k), L, k) in enumerate(zip(items, stored, pending)):
-            for i, li in enumerate(layers):
-                if li in book.score:
-                    kept[b * Ly + i, :, :L - k] = book.score[li][:, :L - k]
+        have = [(b * Ly + i, book.score[li][:, :L - k])
+                for b, ((_s, book, _k), L, k) in enumerate(zip(items, stored, pending))
+                for i, li in enumerate(layers) if li in book.score]
+        if len(have) == n * Ly and len({x.shape[-1] for _r, x in have}) == 1:
+            w = have[0][1].shape[-1]   # every row has its scores, of one length: one copy
+            kept[:, :, :w] = torch.stack([x for _r, x in have])
+        else:
+            for r, x in have:
+                kept[r, :, :x.shape[-1]] = x
         kept = torch.where((j >= L_r - k_r) & (j < L_r), P.decoded_scores(pos), kept)
     # the policies' choice, one pass per policy over its rows
     keep = torch.zeros(n * Ly, H, Lmax, dtype=torch.bool, device=dev)
