@@ -138,7 +138,13 @@ def move_slots_exact(paged: PagedTensor, src: torch.Tensor, dst: torch.Tensor,
     decode steps (eviction/runtime.py)."""
     # src, dst, heads: [M] int64 on the storage device
     P = paged.page_size
-    ps, os_, pd, od = src // P, src % P, dst // P, dst % P
+    move_exact_at(paged, src // P, src % P, dst // P, dst % P, heads)
+
+
+def move_exact_at(paged: PagedTensor, ps, os_, pd, od, heads) -> None:
+    """`move_slots_exact` with the moves given as (page, slot) of each source and destination
+    and their head, index tensors of any one shape (eviction/front.py passes [items, heads,
+    moves] slices of every layer's, computed once for all layers)."""
     parts = {name: buf[ps, heads, os_] for name, buf in _token_parts(paged).items()}
     _put(paged, parts, pd, od, heads)
 

@@ -34,7 +34,12 @@ from __future__ import annotations
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from kvcompile.cache.compaction import move_slots_device, moves_on_device
+from kvcompile.cache.compaction import (
+    move_exact_at,
+    move_slots_device,
+    moves_exactly,
+    moves_on_device,
+)
 from kvcompile.eviction import policies as P
 
 # (page, head) cells one batched pass re-encodes at most per layer and K / V (about 270 MB of
@@ -232,11 +237,19 @@ def _evict(rt, pool, layers, H, items, groups) -> None:
     real = valid.view(n, Ly, H, M)   # (the padding moves a token onto itself: no part in
     # a page scale's growth)
     cells = n * H * _cells_a_row(M, max(budget), Ps)
+    coords = flat = None
     for i, li in enumerate(layers):
-        s_i, d_i = gsrc[:, i].reshape(-1), gdst[:, i].reshape(-1)
         for paged in (pool.k[li], pool.v[li]):
-            move_slots_device(paged, s_i, d_i, hh.reshape(-1), real[:, i].reshape(-1),
-                              max_cells=cells)
+            if moves_exactly(paged):   # one gather and one scatter a part; the (page, slot)
+                # of every layer's moves computed once; the padding moves are onto themselves
+                if coords is None:
+                    coords = (gsrc // Ps, gsrc % Ps, gdst // Ps, gdst % Ps)   # [n, Ly, H, M]
+                move_exact_at(paged, *(c[:, i] for c in coords), hh)
+                continue
+            if flat is None or flat[0] != i:
+                flat = (i, gsrc[:, i].reshape(-1), gdst[:, i].reshape(-1),
+                        real[:, i].reshape(-1), hh.reshape(-1))
+            move_slots_device(paged, *flat[1:3], flat[4], flat[3], max_cells=cells)
     # commit: lengths, books, the store's mass rows
     pos = pos.view(n, Ly, H, Lmax)
     if mass is not None:
