@@ -8,6 +8,9 @@
 #      without eviction on the H200: where it goes)
 #   c: capacity at 32k with 48 requests (cases 7 and 9: where issue 19's targets are met on
 #      the CPU's schedule)
+#   e: kernels/move_cells.py on CUDA (tests/gpu/test_move_cells_gpu.py: bit for bit the
+#      PyTorch moves; if it passes set compaction.CELL_KERNEL["cuda"] = True), then the fp8
+#      page-scale eviction row with it (--move-kernel) beside the same row without
 #   d: where fp8 page scales' eviction time goes (profile_generate.py, +snapkv paths: the
 #      prompt-end and decode-step evictions inside the profiled call), page then token scales
 cd "$(dirname "$0")/.."
@@ -32,6 +35,14 @@ case "${PART:-a}" in
         CAP_ARGS="--decompose --swap-aside --step-tokens 4224" bash benchmarks/gpu_jobs.sh capacity32k
     done > "$OUT/c_capacity.txt" 2>&1
     grep -E "^\| (fp8|int4)" "$OUT/c_capacity.txt" ;;
+  e)
+    timeout -k 5 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rA \
+      tests/gpu/test_move_cells_gpu.py > "$OUT/e_test.txt" 2>&1
+    for mk in "" "--move-kernel"; do
+      timeout -k 5 190 python3 benchmarks/bench_generate.py --budget-s 170 --out "$OUT/gen_e$mk" \
+        --sections kvc_fp8_evict_snapkv_hold --evict-interval 64 $mk
+    done > "$OUT/e_gen.txt" 2>&1
+    grep -E "passed|failed|^E  " "$OUT/e_test.txt" | head; grep -E "^\||move_kernel" "$OUT/e_gen.txt" | cut -c1-220 ;;
   d)
     for sc in page token; do
       timeout -k 5 250 python3 benchmarks/profile_generate.py --paths fp8,fp8+snapkv \

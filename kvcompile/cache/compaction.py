@@ -123,11 +123,33 @@ def move_slots_device(paged: PagedTensor, src: torch.Tensor, dst: torch.Tensor,
     if real is None:
         real = torch.ones_like(src, dtype=torch.bool)
     seg, pg, hd, last = _cells_by_sort(pd * H + heads, H, max_cells)
+    if _cell_kernel(paged):   # fp8 page scales: three launches instead of about 90 ops
+        from kvcompile.kernels.move_cells import move_cells
+
+        move_cells(paged, vals, od, real, seg, pg, hd, last)
+        return
     # each cell written once; a rank past the distinct count rewrites rank 0's cell with
     # rank 0's bytes (the same bytes twice: no race)
     ranks = torch.arange(pg.numel(), device=pg.device)
     wc = torch.where(ranks <= last, ranks, 0)
     _move_cells(paged, vals, od, real, seg, pg, hd, (pg[wc], hd[wc], wc))
+
+
+# kernels/move_cells.py: moves into fp8 page-scaled pages in three launches instead of about 90
+# PyTorch ops, bit for bit `_move_cells` (CPU tests, TRITON_INTERPRET=1). Per device type:
+# off on CUDA until tests/gpu/test_move_cells_gpu.py has passed on a GPU (it turns this on for
+# its run; written 2026-12-05 without one), off on the CPU except where a test turns it on
+# (the interpreter runs it slower than the PyTorch path).
+CELL_KERNEL = {"cuda": False, "cpu": False}
+
+
+def _cell_kernel(paged: PagedTensor) -> bool:
+    """Whether kernels/move_cells.py takes this move (bit for bit `_move_cells`)."""
+    if not CELL_KERNEL.get(paged.data.device.type, False):
+        return False
+    from kvcompile.kernels.move_cells import takes
+
+    return takes(paged) == ""
 
 
 def move_slots_exact(paged: PagedTensor, src: torch.Tensor, dst: torch.Tensor,

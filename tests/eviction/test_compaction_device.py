@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvcompile.cache.compaction import moves_exactly, moves_on_device
+from kvcompile.cache.formats import KVFormat
 from kvcompile.cache.pool import LayerSpec, PagePool
 from kvcompile.config import H2O, SinkWindow, SnapKV
 from kvcompile.errors import UnsupportedShapeError
@@ -282,3 +283,72 @@ def test_padded_sequence_compacts_in_slot_order(policy):
         if not isinstance(policy, SnapKV):
             assert pos[h][:2].tolist() == [start, start + 1], "sinks not in slots [0, 2)"
     pool.check_invariants()
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("case", ["grow", "nan", "tiny"])
+def test_fp8_cell_kernel_equals_the_pytorch_moves(name, case, monkeypatch):
+    """`check_cell_kernel` under the interpreter (tests/gpu/test_move_cells_gpu.py on CUDA)."""
+    check_cell_kernel(name, case, monkeypatch, "cpu")
+
+
+def check_cell_kernel(name, case, monkeypatch, device):
+    """kernels/move_cells.py (three launches; on CUDA once its GPU test has passed) against
+    compaction's PyTorch path on the same pools, bit for bit over every part: front.py-style
+    compaction (the tail's kept tokens into the holes below the budget, per head its own
+    choice, padding moves onto the last slot), with tail tokens up to 300x the front's (page
+    scales grow, their pages are encoded again), a NaN source token, or tiny values near the
+    subnormal range; several moves into one (page, head)."""
+    from kvcompile.cache import compaction as C
+
+    P_, budget, n = 8, 40, 64
+    g = torch.Generator().manual_seed({"grow": 1, "nan": 2, "tiny": 3}[case])
+    k = torch.randn(n, H, D, generator=g)
+    v = torch.randn(n, H, D, generator=g)
+    if case == "grow":
+        k[budget:] *= 300.0
+        v[budget:] *= 40.0
+    elif case == "nan":
+        k[50, 1, 3] = float("nan")
+        v[57, 0, 0] = float("nan")
+    else:
+        k *= 1e-36
+        v[:budget] *= 1e-6
+
+    def build():
+        pool = PagePool([LayerSpec(H, D, D, KVFormat(name, "page"), KVFormat(name, "page"))],
+                        16, P_, device=device)
+        sid = pool.allocate()[0]
+        pool.append(sid, [k.to(device)], [v.to(device)])
+        return pool, sid
+
+    # per head: 24 holes below the budget (every other slot from 8), filled by 24 kept tail
+    # tokens; head 1 takes other tails than head 0; two padding moves (last slot onto itself)
+    holes = torch.arange(8, budget, 2)[:16]
+    tails = [torch.arange(budget, n)[:16], torch.arange(n - 1, budget - 1, -1)[:16]]
+    src = torch.cat([tails[0], tails[1], torch.tensor([n - 1, n - 1])])
+    dst = torch.cat([holes, holes, torch.tensor([n - 1, n - 1])])
+    hd = torch.cat([torch.zeros(16), torch.ones(16), torch.tensor([0, 1])]).long()
+    real = torch.cat([torch.ones(32, dtype=torch.bool), torch.zeros(2, dtype=torch.bool)])
+    pools = {}
+    for use_kernel in (False, True):
+        monkeypatch.setitem(C.CELL_KERNEL, device, use_kernel)
+        pool, sid = build()
+        t = torch.tensor(pool._lookup([sid])[0].pages)
+        gs, gd = t[src // P_] * P_ + src % P_, t[dst // P_] * P_ + dst % P_
+        for paged in (pool.k[0], pool.v[0]):
+            assert C._cell_kernel(paged) == use_kernel
+            with _no_sync():
+                C.move_slots_device(paged, gs.to(device), gd.to(device), hd.to(device),
+                                    real.to(device), max_cells=8)
+        pools[use_kernel] = (pool, t)
+    (ref, tr), (got, tg) = pools[False], pools[True]
+    before, _ = build()
+    tr, tg = tr.to(device), tg.to(device)
+    grew = ~_same(ref.k[0].scale[tr], before.k[0].scale[tr])
+    if case == "grow":
+        assert grew.any(), "no page scale grew: the re-encode is not exercised"
+    for a, b in ((ref.k[0], got.k[0]), (ref.v[0], got.v[0])):
+        for part, x in a.parts().items():
+            y = getattr(b, part)
+            assert torch.equal(x[tr].view(torch.uint8), y[tg].view(torch.uint8)), part

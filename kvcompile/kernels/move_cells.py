@@ -1,0 +1,130 @@
+"""Compaction moves into fp8 pages with page scales, in three launches (eviction between
+CUDA-graph decode steps, cache/compaction.py `move_slots_device`): bit for bit what its
+plain-PyTorch path (`_move_cells`, about 90 small device ops a layer's K or V) stores.
+
+    _move_amax_kernel   one program per move: the finite amax of a real move's value row,
+                        atomically into its destination cell's (page, head) slot of AMAX
+    _move_cells_kernel  one program per destination cell: the page scale grows to cover
+                        AMAX / fmax (formats.grow_page_scale); a cell whose scale grew is
+                        decoded with the old scale and encoded again whole with the new
+    _move_store_kernel  one program per move: a real move's values encoded under its cell's
+                        new scale, at its destination slot (after the re-encode: last word)
+
+Inputs as `_move_cells` takes them: vals [M, D] fp32 (the sources, decoded before any write),
+each move's cell rank seg [M], destination slot od [M] and real [M]; the cells' pages pg / heads
+hd [S] and the last used rank (device tensors, no host sync). The encode and decode helpers are
+the append kernels' (kernels/append.py), bit-exact with the reference encoder on the GPU and,
+with explicit rounding, under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcompile.kernels.append import (
+    _decode_fp8,
+    _div_const,
+    _encode_fp8,
+    _finite_abs,
+    _grow_scale,
+    _interpreting,
+    _max_nan,
+)
+from kvcompile.kernels.decode_tiles import FMT_E4M3, FMT_E5M2
+
+
+@triton.jit
+def _move_amax_kernel(VALS, SEG, REAL, AMAX, D: tl.constexpr):
+    m = tl.program_id(0).to(tl.int64)
+    if tl.load(REAL + m) != 0:
+        d = tl.arange(0, D)
+        v = tl.load(VALS + m * D + d)
+        tl.atomic_max(AMAX + tl.load(SEG + m), tl.max(_finite_abs(v), 0))
+
+
+@triton.jit
+def _move_cells_kernel(DATA, SCALE, AMAX, PG, HD, LAST, NEWS, H, P: tl.constexpr,
+                       D: tl.constexpr, FMT: tl.constexpr, DATA_DT: tl.constexpr,
+                       EXPLICIT: tl.constexpr, FMAX: tl.constexpr, DIV: tl.constexpr,
+                       RECIP: tl.constexpr):
+    r = tl.program_id(0)
+    if r > tl.load(LAST):
+        return
+    cell = tl.load(PG + r) * H + tl.load(HD + r)
+    old = tl.load(SCALE + cell)
+    cover = _div_const(tl.load(AMAX + r), DIV, RECIP)
+    new = _grow_scale(old, cover)
+    tl.store(NEWS + r, new)
+    if cover > old:   # grown (NaN scales never grow): the whole page again under the new scale
+        rows = tl.arange(0, P).to(tl.int64)
+        d = tl.arange(0, D)
+        ptr = DATA + (cell * P + rows)[:, None] * D + d[None, :]
+        x = _decode_fp8(tl.load(ptr), old, FMT, DATA_DT)
+        code = _encode_fp8(x, tl.zeros([P], tl.float32) + new,
+                           tl.reduce(tl.abs(x), 1, _max_nan), FMT, FMAX, EXPLICIT)
+        tl.store(ptr, code)
+        tl.store(SCALE + cell, new)
+
+
+@triton.jit
+def _move_store_kernel(VALS, SEG, REAL, OD, PG, HD, NEWS, DATA, H, P: tl.constexpr,
+                       D: tl.constexpr, FMT: tl.constexpr, EXPLICIT: tl.constexpr,
+                       FMAX: tl.constexpr):
+    m = tl.program_id(0).to(tl.int64)
+    if tl.load(REAL + m) != 0:
+        r = tl.load(SEG + m)
+        cell = tl.load(PG + r) * H + tl.load(HD + r)
+        d = tl.arange(0, D)
+        x = tl.load(VALS + m * D + d)[None, :]
+        s = tl.zeros([1], tl.float32) + tl.load(NEWS + r)
+        code = _encode_fp8(x, s, tl.reduce(tl.abs(x), 1, _max_nan), FMT, FMAX, EXPLICIT)
+        tl.store(DATA + (cell * P + tl.load(OD + m)) * D + d[None, :], code)
+
+
+FORMATS = {"fp8_e4m3": (FMT_E4M3, tl.float8e4nv), "fp8_e5m2": (FMT_E5M2, tl.float8e5)}
+
+
+def takes(paged) -> str:
+    """"" where `move_cells` takes these pages, else why not."""
+    fmt = paged.fmt
+    if fmt.name not in FORMATS or fmt.granularity != "page":
+        return f"{fmt.name}/{fmt.granularity}: fp8 pages with page scales only"
+    if paged.micro is not None or getattr(paged, "res_slot", None) is not None:
+        return "residual rows"
+    D = paged.head_dim
+    if D < 16 or D > 512 or D & (D - 1) or paged.page_size & (paged.page_size - 1):
+        return f"head_dim {D} / page {paged.page_size}: powers of two, head_dim 16..512"
+    if paged.data.device.type != "cuda" and not _interpreting():
+        return "Triton kernels need CUDA tensors (or TRITON_INTERPRET=1)"
+    if paged.scale is None or paged.scale.dtype != torch.float32:
+        return "page scales must be fp32"
+    return ""
+
+
+def move_cells(paged, vals: torch.Tensor, od: torch.Tensor, real: torch.Tensor,
+               seg: torch.Tensor, pg: torch.Tensor, hd: torch.Tensor,
+               last: torch.Tensor) -> None:
+    """`compaction._move_cells` for the pages `takes`: vals [M, D] fp32, od / real / seg [M],
+    pg / hd [S], last [1] (see the module docstring)."""
+    M, S = vals.shape[0], pg.numel()
+    if M == 0:
+        return
+    fmt, data_dt = FORMATS[paged.fmt.name]
+    H, P, D = paged.num_heads, paged.page_size, paged.head_dim
+    explicit = _interpreting()
+    fmax = float(torch.finfo(paged.data.dtype).max)
+    d8 = paged.data.view(torch.uint8)
+    vals = vals.float().contiguous()
+    i64 = dict(dtype=torch.int64)
+    seg, od, pg, hd = (t.to(**i64).contiguous() for t in (seg, od, pg, hd))
+    real = real.to(torch.int8).contiguous()
+    amax = torch.zeros(S, dtype=torch.float32, device=vals.device)
+    news = torch.empty(S, dtype=torch.float32, device=vals.device)
+    _move_amax_kernel[(M,)](vals, seg, real, amax, D=D, num_warps=1)
+    _move_cells_kernel[(S,)](d8, paged.scale, amax, pg, hd, last.to(**i64), news, H, P=P, D=D,
+                             FMT=fmt, DATA_DT=data_dt, EXPLICIT=explicit, FMAX=fmax, DIV=fmax,
+                             RECIP=not explicit, num_warps=4)
+    _move_store_kernel[(M,)](vals, seg, real, od, pg, hd, news, d8, H, P=P, D=D, FMT=fmt,
+                             EXPLICIT=explicit, FMAX=fmax, num_warps=1)
