@@ -100,6 +100,8 @@ def takes(paged) -> str:
         return "Triton kernels need CUDA tensors (or TRITON_INTERPRET=1)"
     if paged.scale is None or paged.scale.dtype != torch.float32:
         return "page scales must be fp32"
+    if not (paged.data.is_contiguous() and paged.scale.is_contiguous()):
+        return "page storage must be contiguous"
     return ""
 
 

@@ -352,3 +352,27 @@ def check_cell_kernel(name, case, monkeypatch, device):
         for part, x in a.parts().items():
             y = getattr(b, part)
             assert torch.equal(x[tr].view(torch.uint8), y[tg].view(torch.uint8)), part
+
+
+def test_cell_kernel_takes_only_fp8_page_scales(monkeypatch):
+    """Negative: kernels/move_cells.py refuses every other format (token or channel scales,
+    fp4, int, 16-bit, residual rows) with a reason, and runs nowhere its switch is off."""
+    from kvcompile.cache import compaction as C
+    from kvcompile.kernels.move_cells import takes
+
+    monkeypatch.setitem(C.CELL_KERNEL, "cpu", True)
+    seen = set()
+    for f in FORMATS:
+        pool = PagePool([LayerSpec(H, D, D, *_formats(*f))], 4, 16)
+        for paged in (pool.k[0], pool.v[0]):
+            fp8_page = (paged.fmt.name.startswith("fp8") and paged.fmt.granularity == "page"
+                        and not paged.fmt.residual)
+            why = takes(paged)
+            assert (why == "") == fp8_page, (f, paged.fmt, why)
+            assert C._cell_kernel(paged) == fp8_page
+            seen.add(fp8_page)
+    assert seen == {True, False}
+    monkeypatch.setitem(C.CELL_KERNEL, "cpu", False)
+    pool = PagePool([LayerSpec(H, D, D, KVFormat("fp8_e4m3", "page"),
+                               KVFormat("fp8_e4m3", "page"))], 4, 16)
+    assert takes(pool.k[0]) == "" and not C._cell_kernel(pool.k[0])
