@@ -376,15 +376,14 @@ class _Force:
         return forced
 
 
-def _teacher_forced(model, args, ids, am, ctx) -> dict:
-    """Along eager's own greedy path: how often the compiled model picks eager's token, at the
-    steps where eager's top-two logits are more than 2 bf16 ulps apart (not a rounding tie)."""
-    ref = torch.cat([ids.cpu(), ctx["ref_tokens"]], dim=1)
-    out = model.generate(ids, attention_mask=am, logits_processor=[_Force(ref)],
-                         output_logits=True, return_dict_in_generate=True, **_gen_kwargs(args))
+def forced_agreement(ref_logits, logits) -> tuple[int, int, float]:
+    """Per step logits [B, V] of a reference and of a model forced along the reference's
+    tokens -> (steps where the model's top token is the reference's, among the decisive ones:
+    the reference's top two more than 2 bf16 ulps apart; the decisive steps; the largest
+    logit difference relative to the row's largest logit)."""
     agree = decisive = 0
     max_rel = 0.0
-    for lr, lo in zip(ctx["ref_logits"], out.logits):
+    for lr, lo in zip(ref_logits, logits):
         lo = lo.float().cpu()
         top2 = lr.topk(2, dim=-1).values
         ulp = torch.finfo(torch.bfloat16).eps * top2[:, 0].abs().clamp_min(1e-3)
@@ -393,6 +392,16 @@ def _teacher_forced(model, args, ids, am, ctx) -> dict:
         agree += int((lo.argmax(-1) == lr.argmax(-1))[dec].sum())
         max_rel = max(max_rel, float(((lo - lr).abs().amax(-1)
                                       / lr.abs().amax(-1).clamp_min(1e-6)).max()))
+    return agree, decisive, max_rel
+
+
+def _teacher_forced(model, args, ids, am, ctx) -> dict:
+    """Along eager's own greedy path: how often the compiled model picks eager's token, at the
+    steps where eager's top-two logits are more than 2 bf16 ulps apart (not a rounding tie)."""
+    ref = torch.cat([ids.cpu(), ctx["ref_tokens"]], dim=1)
+    out = model.generate(ids, attention_mask=am, logits_processor=[_Force(ref)],
+                         output_logits=True, return_dict_in_generate=True, **_gen_kwargs(args))
+    agree, decisive, max_rel = forced_agreement(ctx["ref_logits"], out.logits)
     n = args.batch * args.new
     return dict(forced_decisive_steps=f"{decisive}/{n}",
                 forced_agree_at_decisive=agree / max(decisive, 1),

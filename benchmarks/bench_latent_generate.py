@@ -31,6 +31,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench_generate
 
 import kvcompile  # noqa: E402
 
@@ -174,28 +175,12 @@ def _teacher_forced(model, a, ids, ref: tuple, kw) -> str:
     logits are more than 2 bf16 ulps apart (not a rounding tie), how often this model's top
     token is eager's, and the largest logit difference relative to the row's largest logit.
     ref: (eager's full sequences [B, prompt + new], its logits per step [B, V])."""
+    from bench_generate import _Force, forced_agreement
+
     seq, eager = ref
-    seq = seq.to(ids.device)
-
-    def force(input_ids, scores):
-        nxt = seq[:, input_ids.shape[1]]
-        forced = torch.full_like(scores, float("-inf"))
-        forced[torch.arange(scores.shape[0], device=scores.device), nxt] = 0.0
-        return forced
-
-    out = model.generate(ids, max_new_tokens=a.new, logits_processor=[force],
+    out = model.generate(ids, max_new_tokens=a.new, logits_processor=[_Force(seq)],
                          output_logits=True, return_dict_in_generate=True, **kw)
-    agree = decisive = 0
-    max_rel = 0.0
-    for lr, lo in zip(eager, out.logits):
-        lo = lo.float().cpu()
-        top2 = lr.topk(2, dim=-1).values
-        ulp = torch.finfo(torch.bfloat16).eps * top2[:, 0].abs().clamp_min(1e-3)
-        dec = (top2[:, 0] - top2[:, 1]) > 2 * ulp
-        decisive += int(dec.sum())
-        agree += int((lo.argmax(-1) == lr.argmax(-1))[dec].sum())
-        max_rel = max(max_rel, float(((lo - lr).abs().amax(-1)
-                                      / lr.abs().amax(-1).clamp_min(1e-6)).max()))
+    agree, decisive, max_rel = forced_agreement(eager, out.logits)
     return (f"forced: {agree}/{decisive} decisive steps agree, max logit diff "
             f"{max_rel:.2e} of the row's largest")
 
