@@ -92,9 +92,24 @@ def moves_on_device(paged: PagedTensor) -> bool:
     return paged.res_slot is None and paged.fmt.spec.encode is None
 
 
+def plan_moves(src: torch.Tensor, dst: torch.Tensor, heads: torch.Tensor,
+               real: torch.Tensor | None, page_size: int, num_heads: int,
+               max_cells: int | None = None) -> dict:
+    """What a grouped move needs of its moves alone, computed once for the K and the V pages
+    of a layer (same moves, same pages): each move's source and destination (page, slot),
+    `real`, and its destination cell among the sorted distinct ones (`_cells_by_sort`)."""
+    P, H = page_size, num_heads
+    pd = dst // P
+    if real is None:
+        real = torch.ones_like(src, dtype=torch.bool)
+    seg, pg, hd, last = _cells_by_sort(pd * H + heads, H, max_cells)
+    return dict(ps=src // P, os=src % P, pd=pd, od=dst % P, heads=heads, real=real, seg=seg,
+                pg=pg, hd=hd, last=last, P=P, H=H)
+
+
 def move_slots_device(paged: PagedTensor, src: torch.Tensor, dst: torch.Tensor,
                       heads: torch.Tensor, real: torch.Tensor | None = None,
-                      max_cells: int | None = None) -> None:
+                      max_cells: int | None = None, plan: dict | None = None) -> None:
     """`move_slots` with no host sync for the pages `moves_on_device` takes (eviction between
     CUDA-graph decode steps, eviction/front.py). real [M] bool or None (all): the moves that
     count; the others (front.py's padding, a token moved onto itself) change nothing. A
@@ -107,7 +122,8 @@ def move_slots_device(paged: PagedTensor, src: torch.Tensor, dst: torch.Tensor,
     change as `_move_cells` says, a cell whose parameters changed is encoded again whole, and
     each moved token is encoded under its cell's new parameters. Each cell's new page is
     written once (the ranks past the distinct count rewrite rank 0's cell with the same
-    bytes). Sources are read before any write."""
+    bytes). Sources are read before any write. plan: `plan_moves` of these moves, for
+    grouped formats (src, dst, heads, real and max_cells are then not read)."""
     if moves_exactly(paged):
         if real is not None:   # a padding move writes its destination's own bytes back
             src = torch.where(real, src, dst)
@@ -117,12 +133,13 @@ def move_slots_device(paged: PagedTensor, src: torch.Tensor, dst: torch.Tensor,
         raise UnsupportedShapeError(
             f"move_slots_device: {paged!r} re-encodes its moves on the host (residual rows or "
             f"a registered codec); use move_slots")
-    P, H = paged.page_size, paged.num_heads
-    ps, os_, pd, od = src // P, src % P, dst // P, dst % P
-    vals = _token_values(paged, ps, os_, heads)
-    if real is None:
-        real = torch.ones_like(src, dtype=torch.bool)
-    seg, pg, hd, last = _cells_by_sort(pd * H + heads, H, max_cells)
+    if plan is None:
+        plan = plan_moves(src, dst, heads, real, paged.page_size, paged.num_heads, max_cells)
+    elif (plan["P"], plan["H"]) != (paged.page_size, paged.num_heads):
+        raise UnsupportedShapeError(f"move_slots_device: a plan for pages of {plan['P']} x "
+                                    f"{plan['H']} heads, given {paged!r}")
+    od, real, seg, pg, hd, last = (plan[k] for k in ("od", "real", "seg", "pg", "hd", "last"))
+    vals = _token_values(paged, plan["ps"], plan["os"], plan["heads"])
     if _cell_kernel(paged):   # fp8 page scales: three launches instead of about 90 ops
         from kvcompile.kernels.move_cells import move_cells
 

@@ -39,6 +39,7 @@ from kvcompile.cache.compaction import (
     move_slots_device,
     moves_exactly,
     moves_on_device,
+    plan_moves,
 )
 from kvcompile.eviction import policies as P
 
@@ -239,6 +240,7 @@ def _evict(rt, pool, layers, H, items, groups) -> None:
     cells = n * H * _cells_a_row(M, max(budget), Ps)
     coords = flat = None
     for i, li in enumerate(layers):
+        plan = None   # a grouped layer's moves, planned once for its K and V pages
         for paged in (pool.k[li], pool.v[li]):
             if moves_exactly(paged):   # one gather and one scatter a part; the (page, slot)
                 # of every layer's moves computed once; the padding moves are onto themselves
@@ -246,10 +248,13 @@ def _evict(rt, pool, layers, H, items, groups) -> None:
                     coords = (gsrc // Ps, gsrc % Ps, gdst // Ps, gdst % Ps)   # [n, Ly, H, M]
                 move_exact_at(paged, *(c[:, i] for c in coords), hh)
                 continue
-            if flat is None or flat[0] != i:
-                flat = (i, gsrc[:, i].reshape(-1), gdst[:, i].reshape(-1),
-                        real[:, i].reshape(-1), hh.reshape(-1))
-            move_slots_device(paged, *flat[1:3], flat[4], flat[3], max_cells=cells)
+            if flat is None:   # [Ly, n * H * M] rows: every layer's moves flat, once
+                flat = tuple(x.transpose(0, 1).reshape(Ly, -1) for x in (gsrc, gdst, real))
+                hflat = hh.reshape(-1)
+            if plan is None:
+                plan = plan_moves(flat[0][i], flat[1][i], hflat, flat[2][i], Ps, H,
+                                  max_cells=cells)
+            move_slots_device(paged, None, None, None, plan=plan)
     # commit: lengths, books, the store's mass rows
     pos = pos.view(n, Ly, H, Lmax)
     if mass is not None:
