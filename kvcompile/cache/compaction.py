@@ -99,17 +99,16 @@ def plan_moves(src: torch.Tensor, dst: torch.Tensor, heads: torch.Tensor,
     of a layer (same moves, same pages): each move's source and destination (page, slot),
     `real`, and its destination cell among the sorted distinct ones (`_cells_by_sort`)."""
     P, H = page_size, num_heads
-    pd = dst // P
     if real is None:
         real = torch.ones_like(src, dtype=torch.bool)
-    seg, pg, hd, last = _cells_by_sort(pd * H + heads, H, max_cells)
-    return dict(ps=src // P, os=src % P, pd=pd, od=dst % P, heads=heads, real=real, seg=seg,
-                pg=pg, hd=hd, last=last, P=P, H=H)
+    seg, pg, hd, last = _cells_by_sort(dst // P * H + heads, H, max_cells)
+    return dict(ps=src // P, os=src % P, od=dst % P, heads=heads, real=real, seg=seg, pg=pg,
+                hd=hd, last=last, P=P, H=H)
 
 
 def move_slots_device(paged: PagedTensor, src: torch.Tensor, dst: torch.Tensor,
                       heads: torch.Tensor, real: torch.Tensor | None = None,
-                      max_cells: int | None = None, plan: dict | None = None) -> None:
+                      max_cells: int | None = None) -> None:
     """`move_slots` with no host sync for the pages `moves_on_device` takes (eviction between
     CUDA-graph decode steps, eviction/front.py). real [M] bool or None (all): the moves that
     count; the others (front.py's padding, a token moved onto itself) change nothing. A
@@ -122,20 +121,24 @@ def move_slots_device(paged: PagedTensor, src: torch.Tensor, dst: torch.Tensor,
     change as `_move_cells` says, a cell whose parameters changed is encoded again whole, and
     each moved token is encoded under its cell's new parameters. Each cell's new page is
     written once (the ranks past the distinct count rewrite rank 0's cell with the same
-    bytes). Sources are read before any write. plan: `plan_moves` of these moves, for
-    grouped formats (src, dst, heads, real and max_cells are then not read)."""
+    bytes). Sources are read before any write."""
     if moves_exactly(paged):
         if real is not None:   # a padding move writes its destination's own bytes back
             src = torch.where(real, src, dst)
         move_slots_exact(paged, src, dst, heads)
         return
+    move_planned(paged, plan_moves(src, dst, heads, real, paged.page_size, paged.num_heads,
+                                   max_cells))
+
+
+def move_planned(paged: PagedTensor, plan: dict) -> None:
+    """`move_slots_device` of page- and channel-scaled pages, the moves given as `plan_moves`
+    made them (eviction/front.py plans a layer's moves once for its K and V pages)."""
     if not moves_on_device(paged):
         raise UnsupportedShapeError(
             f"move_slots_device: {paged!r} re-encodes its moves on the host (residual rows or "
             f"a registered codec); use move_slots")
-    if plan is None:
-        plan = plan_moves(src, dst, heads, real, paged.page_size, paged.num_heads, max_cells)
-    elif (plan["P"], plan["H"]) != (paged.page_size, paged.num_heads):
+    if (plan["P"], plan["H"]) != (paged.page_size, paged.num_heads):
         raise UnsupportedShapeError(f"move_slots_device: a plan for pages of {plan['P']} x "
                                     f"{plan['H']} heads, given {paged!r}")
     od, real, seg, pg, hd, last = (plan[k] for k in ("od", "real", "seg", "pg", "hd", "last"))

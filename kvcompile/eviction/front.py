@@ -36,7 +36,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from kvcompile.cache.compaction import (
     move_exact_at,
-    move_slots_device,
+    move_planned,
     moves_exactly,
     moves_on_device,
     plan_moves,
@@ -254,7 +254,7 @@ def _evict(rt, pool, layers, H, items, groups) -> None:
             if plan is None:
                 plan = plan_moves(flat[0][i], flat[1][i], hflat, flat[2][i], Ps, H,
                                   max_cells=cells)
-            move_slots_device(paged, None, None, None, plan=plan)
+            move_planned(paged, plan)
     # commit: lengths, books, the store's mass rows
     pos = pos.view(n, Ly, H, Lmax)
     if mass is not None:

@@ -12,9 +12,10 @@ plain-PyTorch path (`_move_cells`, about 90 small device ops a layer's K or V) s
 
 Inputs as `_move_cells` takes them: vals [M, D] fp32 (the sources, decoded before any write),
 each move's cell rank seg [M], destination slot od [M] and real [M]; the cells' pages pg / heads
-hd [S] and the last used rank (device tensors, no host sync). The encode and decode helpers are
-the append kernels' (kernels/append.py), bit-exact with the reference encoder on the GPU and,
-with explicit rounding, under TRITON_INTERPRET=1.
+hd [S] and the last used rank (device tensors, no host sync). The encode, re-encode and growth
+helpers are the append kernels' (kernels/append.py: `_encode_fp8`, `_reencode_rows`,
+`_grow_scale`), bit-exact with the reference encoder on the GPU and, with explicit rounding,
+under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ import triton
 import triton.language as tl
 
 from kvcompile.kernels.append import (
-    _decode_fp8,
     _div_const,
     _encode_fp8,
     _finite_abs,
     _grow_scale,
     _interpreting,
     _max_nan,
+    _reencode_rows,
 )
 from kvcompile.kernels.decode_tiles import FMT_E4M3, FMT_E5M2
 
@@ -58,13 +59,9 @@ def _move_cells_kernel(DATA, SCALE, AMAX, PG, HD, LAST, NEWS, H, P: tl.constexpr
     new = _grow_scale(old, cover)
     tl.store(NEWS + r, new)
     if cover > old:   # grown (NaN scales never grow): the whole page again under the new scale
-        rows = tl.arange(0, P).to(tl.int64)
-        d = tl.arange(0, D)
-        ptr = DATA + (cell * P + rows)[:, None] * D + d[None, :]
-        x = _decode_fp8(tl.load(ptr), old, FMT, DATA_DT)
-        code = _encode_fp8(x, tl.zeros([P], tl.float32) + new,
-                           tl.reduce(tl.abs(x), 1, _max_nan), FMT, FMAX, EXPLICIT)
-        tl.store(ptr, code)
+        rows = cell.to(tl.int64) * P + tl.arange(0, P)
+        _reencode_rows(DATA, DATA, rows, tl.full([P], True, tl.int1), old, new, D, FMT,
+                       DATA_DT, EXPLICIT, FMAX, RECIP)
         tl.store(SCALE + cell, new)
 
 
