@@ -141,8 +141,10 @@ def run_row(row, a, ids, ref_logits=None):
             t1s.append(timed(lambda: model.generate(ids, max_new_tokens=1, **kw)))
             tns.append(timed(lambda: model.generate(ids, max_new_tokens=a.new, **kw)))
         if a.profile:
-            _profile(lambda: model.generate(ids, max_new_tokens=a.profile, **kw), row,
-                     a.profile)
+            from profile_generate import profile_call
+
+            profile_call(lambda: model.generate(ids, max_new_tokens=a.profile, **kw), row,
+                         a.profile)
     t1, tn = statistics.median(t1s), statistics.median(tns)
     info.update(row=row, tokens=out, tok_s=a.batch * (a.new - 1) / max(tn - t1, 1e-9))
     if row.startswith("kvc_"):
@@ -183,32 +185,6 @@ def _teacher_forced(model, a, ids, ref: tuple, kw) -> str:
     agree, decisive, max_rel = forced_agreement(eager, out.logits)
     return (f"forced: {agree}/{decisive} decisive steps agree, max logit diff "
             f"{max_rel:.2e} of the row's largest")
-
-
-SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::_local_scalar_dense",
-               "cudaMemcpy", "cudaEventSynchronize", "aten::item", "aten::nonzero")
-
-
-def _profile(fn, row: str, new: int) -> None:
-    """One call under torch.profiler: top host ops by self CPU time, top device kernels, and
-    the host-sync events (each stalls the host until the device catches up)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available()
-                                     else [])
-    with profile(activities=acts) as p:
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    ka = p.key_averages()
-    print(f"\n#### {row}: top host ops by self CPU time ({new} new tokens)")
-    print(ka.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
-    if torch.cuda.is_available():
-        print(f"#### {row}: top device kernels")
-        print(ka.table(sort_by="self_device_time_total", row_limit=15,
-                       max_name_column_width=60))
-    syncs = {e.key: e.count for e in ka if any(s in e.key for s in SYNC_EVENTS)}
-    print(f"#### {row}: sync-like events {syncs}", flush=True)
 
 
 def _same(tokens, ref, prompt: int) -> str:

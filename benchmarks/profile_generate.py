@@ -28,7 +28,7 @@ import bench_generate as bg  # noqa: E402
 import kvcompile  # noqa: E402
 
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::_local_scalar_dense",
-            "cudaMemcpy", "cudaEventSynchronize")
+            "cudaMemcpy", "cudaEventSynchronize", "aten::item", "aten::nonzero")
 
 
 def per_token(model, ids, am, new, **kw):
@@ -45,20 +45,29 @@ def per_token(model, ids, am, new, **kw):
 
 
 def profile(model, ids, am, new, label, **kw):
+    profile_call(lambda: model.generate(ids, attention_mask=am, max_new_tokens=new,
+                                        min_new_tokens=new, do_sample=False, **kw), label, new)
+
+
+def profile_call(fn, label: str, new: int) -> None:
+    """One call of fn under torch.profiler: top host ops by self CPU time, top device kernels
+    (on CUDA), and the host-sync events (each stalls the host until the device catches up)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
 
-    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-        model.generate(ids, attention_mask=am, max_new_tokens=new, min_new_tokens=new,
-                       do_sample=False, **kw)
-        torch.cuda.synchronize()
+    cuda = torch.cuda.is_available()
+    with prof(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as p:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
     ka = p.key_averages()
     print(f"\n#### {label}: top host ops by self CPU time ({new} new tokens)")
     print(ka.table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=60))
-    print(f"\n#### {label}: top device kernels")
-    print(ka.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+    if cuda:
+        print(f"\n#### {label}: top device kernels")
+        print(ka.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
     syncs = {e.key: e.count for e in ka if any(s in e.key for s in SYNC_OPS)}
-    print(f"#### {label}: sync-like events {syncs}")
+    print(f"#### {label}: sync-like events {syncs}", flush=True)
 
 
 CATEGORIES = (  # (category, substrings of a device kernel's name), first match wins
