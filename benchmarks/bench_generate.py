@@ -96,9 +96,10 @@ def parse_args(argv=None):
                    help="compile the kvc_* sections with static shapes "
                         "(assume_static_by_default=True); by default they compile with "
                         "dynamic shapes (False), as every kvc row since 2026-12-03 ran")
-    p.add_argument("--move-kernel", action="store_true",
-                   help="evictions over fp8 page scales move through kernels/move_cells.py "
-                        "(compaction.CELL_KERNEL['cuda'], off until its GPU test passes)")
+    p.add_argument("--no-move-kernel", action="store_true",
+                   help="evictions over fp8 page scales move through compaction's PyTorch "
+                        "path instead of kernels/move_cells.py (compaction.CELL_KERNEL['cuda'] "
+                        "off; the kernel is on by default since it passed its GPU test)")
     p.add_argument("--kernels", default="auto", choices=("auto", "triton", "cuda"),
                    help="KVConfig.kernels for the kvc_* sections (decode kernel choice)")
     p.add_argument("--peak-tbs", type=float, default=4.8,
@@ -631,11 +632,11 @@ def main(argv=None) -> int:
                triton=triton.__version__, transformers=transformers.__version__,
                setup=f"{args.layers} layers, B={args.batch}, prompt {args.prompt}, "
                      f"{args.new} new tokens, greedy")
-    if args.move_kernel:
+    if args.no_move_kernel:
         from kvcompile.cache import compaction
 
-        compaction.CELL_KERNEL["cuda"] = True
-        env["move_kernel"] = True
+        compaction.CELL_KERNEL["cuda"] = False
+        env["move_kernel"] = False
     print(env, flush=True)
     sections = args.sections.split(",")
     # rough minimum seconds each needs on the H200 (compiles included)

@@ -156,11 +156,11 @@ def move_planned(paged: PagedTensor, plan: dict) -> None:
 
 
 # kernels/move_cells.py: moves into fp8 page-scaled pages in three launches instead of about 90
-# PyTorch ops, bit for bit `_move_cells` (CPU tests, TRITON_INTERPRET=1). Per device type:
-# off on CUDA until tests/gpu/test_move_cells_gpu.py has passed on a GPU (it turns this on for
-# its run; written 2026-12-05 without one), off on the CPU except where a test turns it on
-# (the interpreter runs it slower than the PyTorch path).
-CELL_KERNEL = {"cuda": False, "cpu": False}
+# PyTorch ops, bit for bit `_move_cells` (CPU tests, TRITON_INTERPRET=1; on CUDA
+# tests/gpu/test_move_cells_gpu.py, passed on an H100 2026-12-05). Per device type: on for
+# CUDA; off on the CPU except where a test turns it on (the interpreter runs it slower than
+# the PyTorch path).
+CELL_KERNEL = {"cuda": True, "cpu": False}
 
 
 def _cell_kernel(paged: PagedTensor) -> bool:
@@ -323,8 +323,10 @@ def _cells_by_sort(cell: torch.Tensor, H: int, max_cells: int | None):
     first[1:] = key[1:] != key[:-1]
     rank = torch.cumsum(first.to(torch.int64), 0) - 1                       # [M] sorted
     seg = torch.empty_like(rank).scatter_(0, order.indices, rank)
-    # (a wrong bound would index past S: clamped so that it cannot write out of bounds; the
-    # callers' bounds are proven, see front.py)
+    # a bound below the distinct count would merge cells (ranks past S clamped onto S - 1, so
+    # nothing is written out of bounds, but moves would land in another cell): refused on
+    # the device, with no host read (the callers' bounds are proven, see front.py)
+    torch._assert_async(rank[-1] < S, "compaction: more destination cells than max_cells")
     seg = seg.clamp(max=S - 1)
     rep = torch.zeros(S, dtype=key.dtype, device=key.device)
     rep = rep.scatter(0, rank.clamp(max=S - 1), key)
