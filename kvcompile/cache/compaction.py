@@ -97,13 +97,24 @@ def plan_moves(src: torch.Tensor, dst: torch.Tensor, heads: torch.Tensor,
                max_cells: int | None = None) -> dict:
     """What a grouped move needs of its moves alone, computed once for the K and the V pages
     of a layer (same moves, same pages): each move's source and destination (page, slot),
-    `real`, and its destination cell among the sorted distinct ones (`_cells_by_sort`)."""
+    `real`, and its destination cell among the sorted distinct ones (`_cells_by_sort`).
+
+    src / dst / real may carry leading dims ([Ly, M]: every layer's moves planned at once,
+    front.py; heads [M] or the same shape), in which case the plan's tensors carry them too
+    and `plan_at(plan, i)` is layer i's plan: one sort and scan for all the layers instead
+    of one a layer."""
     P, H = page_size, num_heads
     if real is None:
         real = torch.ones_like(src, dtype=torch.bool)
+    heads = heads.expand_as(dst).contiguous()   # (one copy for every layer's row)
     seg, pg, hd, last = _cells_by_sort(dst // P * H + heads, H, max_cells)
     return dict(ps=src // P, os=src % P, od=dst % P, heads=heads, real=real, seg=seg, pg=pg,
                 hd=hd, last=last, P=P, H=H)
+
+
+def plan_at(plan: dict, i: int) -> dict:
+    """Layer i's plan of a `plan_moves` made with a leading layer dim (views, no copy)."""
+    return {k: (v[i] if isinstance(v, torch.Tensor) else v) for k, v in plan.items()}
 
 
 def move_slots_device(paged: PagedTensor, src: torch.Tensor, dst: torch.Tensor,
@@ -141,13 +152,13 @@ def move_planned(paged: PagedTensor, plan: dict) -> None:
     if (plan["P"], plan["H"]) != (paged.page_size, paged.num_heads):
         raise UnsupportedShapeError(f"move_slots_device: a plan for pages of {plan['P']} x "
                                     f"{plan['H']} heads, given {paged!r}")
-    od, real, seg, pg, hd, last = (plan[k] for k in ("od", "real", "seg", "pg", "hd", "last"))
-    vals = _token_values(paged, plan["ps"], plan["os"], plan["heads"])
     if _cell_kernel(paged):   # fp8 page scales: three launches instead of about 90 ops
         from kvcompile.kernels.move_cells import move_cells
 
-        move_cells(paged, vals, od, real, seg, pg, hd, last)
+        move_cells(paged, plan)
         return
+    od, real, seg, pg, hd, last = (plan[k] for k in ("od", "real", "seg", "pg", "hd", "last"))
+    vals = _token_values(paged, plan["ps"], plan["os"], plan["heads"])
     # each cell written once; a rank past the distinct count rewrites rank 0's cell with
     # rank 0's bytes (the same bytes twice: no race)
     ranks = torch.arange(pg.numel(), device=pg.device)
@@ -311,26 +322,28 @@ def _move_grouped(paged: PagedTensor, vals, pd, od, heads) -> None:
 
 
 def _cells_by_sort(cell: torch.Tensor, H: int, max_cells: int | None):
-    """`unique(cell, return_inverse=True)` with a size known in advance (no host sync): seg
-    [M] the rank of each move's cell among the distinct ones, pg / hd [S] the page and head of
-    each rank (S = max_cells or M; the ranks past the distinct count hold cell 0), and the
-    last rank [1] (the distinct count - 1)."""
-    M = cell.numel()
+    """`unique(cell, return_inverse=True)` along the last dim, with a size known in advance
+    (no host sync): seg [..., M] the rank of each move's cell among the distinct ones of its
+    row, pg / hd [..., S] the page and head of each rank (S = max_cells or M; the ranks past
+    the distinct count hold cell 0), and the last rank [..., 1] (the distinct count - 1).
+    Leading dims are independent rows (front.py: one a layer)."""
+    M = cell.shape[-1]
     S = M if max_cells is None else max(1, min(M, max_cells))
-    order = torch.sort(cell, stable=True)
+    order = torch.sort(cell, dim=-1, stable=True)
     key = order.values
     first = torch.ones_like(key, dtype=torch.bool)
-    first[1:] = key[1:] != key[:-1]
-    rank = torch.cumsum(first.to(torch.int64), 0) - 1                       # [M] sorted
-    seg = torch.empty_like(rank).scatter_(0, order.indices, rank)
+    first[..., 1:] = key[..., 1:] != key[..., :-1]
+    rank = torch.cumsum(first.to(torch.int64), -1) - 1                      # [..., M] sorted
+    seg = torch.empty_like(rank).scatter_(-1, order.indices, rank)
     # a bound below the distinct count would merge cells (ranks past S clamped onto S - 1, so
     # nothing is written out of bounds, but moves would land in another cell): refused on
     # the device, with no host read (the callers' bounds are proven, see front.py)
-    torch._assert_async(rank[-1] < S, "compaction: more destination cells than max_cells")
+    last = rank[..., -1:]
+    torch._assert_async((last < S).all(), "compaction: more destination cells than max_cells")
     seg = seg.clamp(max=S - 1)
-    rep = torch.zeros(S, dtype=key.dtype, device=key.device)
-    rep = rep.scatter(0, rank.clamp(max=S - 1), key)
-    return seg, rep // H, rep % H, rank[-1:]
+    rep = torch.zeros(*cell.shape[:-1], S, dtype=key.dtype, device=key.device)
+    rep = rep.scatter(-1, rank.clamp(max=S - 1), key)
+    return seg, rep // H, rep % H, last
 
 
 def _cell_params(paged: PagedTensor, pg, hd) -> dict[str, torch.Tensor]:

@@ -39,6 +39,7 @@ from kvcompile.cache.compaction import (
     move_planned,
     moves_exactly,
     moves_on_device,
+    plan_at,
     plan_moves,
 )
 from kvcompile.eviction import policies as P
@@ -238,9 +239,8 @@ def _evict(rt, pool, layers, H, items, groups) -> None:
     real = valid.view(n, Ly, H, M)   # (the padding moves a token onto itself: no part in
     # a page scale's growth)
     cells = n * H * _cells_a_row(M, max(budget), Ps)
-    coords = flat = None
+    coords = plans = None
     for i, li in enumerate(layers):
-        plan = None   # a grouped layer's moves, planned once for its K and V pages
         for paged in (pool.k[li], pool.v[li]):
             if moves_exactly(paged):   # one gather and one scatter a part; the (page, slot)
                 # of every layer's moves computed once; the padding moves are onto themselves
@@ -248,13 +248,12 @@ def _evict(rt, pool, layers, H, items, groups) -> None:
                     coords = (gsrc // Ps, gsrc % Ps, gdst // Ps, gdst % Ps)   # [n, Ly, H, M]
                 move_exact_at(paged, *(c[:, i] for c in coords), hh)
                 continue
-            if flat is None:   # [Ly, n * H * M] rows: every layer's moves flat, once
-                flat = tuple(x.transpose(0, 1).reshape(Ly, -1) for x in (gsrc, gdst, real))
-                hflat = hh.reshape(-1)
-            if plan is None:
-                plan = plan_moves(flat[0][i], flat[1][i], hflat, flat[2][i], Ps, H,
-                                  max_cells=cells)
-            move_planned(paged, plan)
+            if plans is None:   # every layer's grouped moves planned at once ([Ly, n * H * M]
+                # rows: one sort and scan, not one a layer), for its K and V pages
+                flat = tuple(x.transpose(0, 1).reshape(Ly, -1).contiguous()   # (rows the
+                             for x in (gsrc, gdst, real))   # move kernel reads densely)
+                plans = plan_moves(*flat[:2], hh.reshape(-1), flat[2], Ps, H, max_cells=cells)
+            move_planned(paged, plan_at(plans, i))
     # commit: lengths, books, the store's mass rows
     pos = pos.view(n, Ly, H, Lmax)
     if mass is not None:

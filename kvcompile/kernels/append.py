@@ -35,6 +35,7 @@ from kvcompile.errors import UnsupportedShapeError
 from kvcompile.kernels.append_int import launch_append_int
 from kvcompile.kernels.decode_tiles import FMT_E2M1, FMT_E4M3, FMT_E5M2, FMT_PLAIN, FORMAT_CODES
 from kvcompile.kernels.decode_tiles import e2m1_to_f16 as _e2m1_value
+from kvcompile.kernels.decode_tiles import fp8_specials
 
 _PLAIN_BF16, _PLAIN_FP16, _PLAIN_FP32 = 10, 11, 12
 # Page-scaled writes of more tokens than this scan a window of P sorted slots per program
@@ -204,7 +205,9 @@ def _div_const(x, DIV: tl.constexpr, RECIP: tl.constexpr):
 
 @triton.jit
 def _decode_fp8(code, scale, FMT: tl.constexpr, DATA_DT: tl.constexpr):
-    return code.to(DATA_DT, bitcast=True).to(tl.float32) * scale
+    # (NaN / Inf codes stay NaN / Inf under the interpreter too: decode_tiles.fp8_specials)
+    x = code.to(DATA_DT, bitcast=True)
+    return fp8_specials(x, x.to(tl.float32)) * scale
 
 
 @triton.jit

@@ -2,17 +2,19 @@
 CUDA-graph decode steps, cache/compaction.py `move_slots_device`): bit for bit what its
 plain-PyTorch path (`_move_cells`, about 90 small device ops a layer's K or V) stores.
 
-    _move_amax_kernel   one program per move: the finite amax of a real move's value row,
-                        atomically into its destination cell's (page, head) slot of AMAX
+    _move_amax_kernel   one program per move: a real move's source row gathered and decoded
+                        (kept in VALS for the last launch: sources are read before any
+                        write), its finite amax atomically into its destination cell's
+                        (page, head) slot of AMAX
     _move_cells_kernel  one program per destination cell: the page scale grows to cover
                         AMAX / fmax (formats.grow_page_scale); a cell whose scale grew is
                         decoded with the old scale and encoded again whole with the new
     _move_store_kernel  one program per move: a real move's values encoded under its cell's
                         new scale, at its destination slot (after the re-encode: last word)
 
-Inputs as `_move_cells` takes them: vals [M, D] fp32 (the sources, decoded before any write),
-each move's cell rank seg [M], destination slot od [M] and real [M]; the cells' pages pg / heads
-hd [S] and the last used rank (device tensors, no host sync). The encode, re-encode and growth
+Inputs as `compaction.plan_moves` plans them: each move's source page / slot / head ps / os /
+heads [M], its cell rank seg [M], destination slot od [M] and real [M] (bool); the cells' pages
+pg / heads hd [S] and the last used rank (device tensors, no host sync). The encode, re-encode and growth
 helpers are the append kernels' (kernels/append.py: `_encode_fp8`, `_reencode_rows`,
 `_grow_scale`), bit-exact with the reference encoder on the GPU and, with explicit rounding,
 under TRITON_INTERPRET=1.
@@ -25,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kvcompile.kernels.append import (
+    _decode_fp8,
     _div_const,
     _encode_fp8,
     _finite_abs,
@@ -37,11 +40,15 @@ from kvcompile.kernels.decode_tiles import FMT_E4M3, FMT_E5M2
 
 
 @triton.jit
-def _move_amax_kernel(VALS, SEG, REAL, AMAX, D: tl.constexpr):
+def _move_amax_kernel(DATA, SCALE, PS, OS, HS, SEG, REAL, VALS, AMAX, H, P: tl.constexpr,
+                      D: tl.constexpr, FMT: tl.constexpr, DATA_DT: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
     if tl.load(REAL + m) != 0:
+        src = tl.load(PS + m) * H + tl.load(HS + m)          # the source's (page, head) cell
         d = tl.arange(0, D)
-        v = tl.load(VALS + m * D + d)
+        code = tl.load(DATA + (src * P + tl.load(OS + m)) * D + d)
+        v = _decode_fp8(code, tl.load(SCALE + src), FMT, DATA_DT)
+        tl.store(VALS + m * D + d, v)   # read before any write: the later launches use these
         tl.atomic_max(AMAX + tl.load(SEG + m), tl.max(_finite_abs(v), 0))
 
 
@@ -102,12 +109,14 @@ def takes(paged) -> str:
     return ""
 
 
-def move_cells(paged, vals: torch.Tensor, od: torch.Tensor, real: torch.Tensor,
-               seg: torch.Tensor, pg: torch.Tensor, hd: torch.Tensor,
-               last: torch.Tensor) -> None:
-    """`compaction._move_cells` for the pages `takes`: vals [M, D] fp32, od / real / seg [M],
-    pg / hd [S], last [1] (see the module docstring)."""
-    M, S = vals.shape[0], pg.numel()
+def move_cells(paged, plan: dict) -> None:
+    """`compaction._move_cells` for the pages `takes`, the moves as `compaction.plan_moves`
+    planned them (one layer's: ps / os / heads the sources, od / real / seg [M], pg / hd [S],
+    last [1]; see the module docstring). The sources are gathered and decoded by the first
+    launch, before any write."""
+    ps, os_, hs, od, real, seg, pg, hd, last = (
+        plan[k] for k in ("ps", "os", "heads", "od", "real", "seg", "pg", "hd", "last"))
+    M, S = ps.numel(), pg.numel()
     if M == 0:
         return
     fmt, data_dt = FORMATS[paged.fmt.name]
@@ -115,14 +124,16 @@ def move_cells(paged, vals: torch.Tensor, od: torch.Tensor, real: torch.Tensor,
     explicit = _interpreting()
     fmax = float(torch.finfo(paged.data.dtype).max)
     d8 = paged.data.view(torch.uint8)
-    vals = vals.float().contiguous()
-    i64 = dict(dtype=torch.int64)
-    seg, od, pg, hd = (t.to(**i64).contiguous() for t in (seg, od, pg, hd))
-    real = real.to(torch.int8).contiguous()
-    amax = torch.zeros(S, dtype=torch.float32, device=vals.device)
-    news = torch.empty(S, dtype=torch.float32, device=vals.device)
-    _move_amax_kernel[(M,)](vals, seg, real, amax, D=D, num_warps=1)
-    _move_cells_kernel[(S,)](d8, paged.scale, amax, pg, hd, last.to(**i64), news, H, P=P, D=D,
+    ps, os_, hs, seg, od, pg, hd, last = (
+        t.to(torch.int64).contiguous() for t in (ps, os_, hs, seg, od, pg, hd, last))
+    real = real.contiguous()
+    dev = d8.device
+    vals = torch.empty(M, D, dtype=torch.float32, device=dev)
+    amax = torch.zeros(S, dtype=torch.float32, device=dev)
+    news = torch.empty(S, dtype=torch.float32, device=dev)
+    _move_amax_kernel[(M,)](d8, paged.scale, ps, os_, hs, seg, real, vals, amax, H, P=P, D=D,
+                            FMT=fmt, DATA_DT=data_dt, num_warps=1)
+    _move_cells_kernel[(S,)](d8, paged.scale, amax, pg, hd, last, news, H, P=P, D=D,
                              FMT=fmt, DATA_DT=data_dt, EXPLICIT=explicit, FMAX=fmax, DIV=fmax,
                              RECIP=not explicit, num_warps=4)
     _move_store_kernel[(M,)](vals, seg, real, od, pg, hd, news, d8, H, P=P, D=D, FMT=fmt,

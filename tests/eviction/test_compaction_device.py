@@ -401,3 +401,32 @@ def test_a_max_cells_below_the_distinct_cells_is_refused():
         move_slots_device(pool.k[0], src, dst, hd, max_cells=2)
     move_slots_device(pool.k[0], src, dst, hd, max_cells=3)
     pool.check_invariants()
+
+
+def test_plans_of_several_layers_at_once_equal_one_a_layer():
+    """plan_moves over [Ly, M] rows (front.py plans every layer's moves with one sort and
+    scan) gives each layer what planning it alone gives, and `torch.unique`'s cells: rows
+    with different distinct counts, a row with one cell, max_cells at the largest count."""
+    from kvcompile.cache.compaction import plan_at, plan_moves
+
+    g = torch.Generator().manual_seed(11)
+    P_, H_, M = 8, 2, 24
+    dst = torch.stack([torch.randint(0, 64, (M,), generator=g),
+                       torch.randint(0, 16, (M,), generator=g),
+                       torch.full((M,), 5)])
+    src = torch.randint(0, 200, (3, M), generator=g)
+    heads = torch.randint(0, H_, (M,), generator=g)
+    real = torch.rand(3, M, generator=g) > 0.2
+    cells = dst // P_ * H_ + heads
+    S = max(torch.unique(c).numel() for c in cells)
+    both = plan_moves(src, dst, heads, real, P_, H_, max_cells=S)
+    for i in range(3):
+        one = plan_moves(src[i], dst[i], heads, real[i], P_, H_, max_cells=S)
+        got = plan_at(both, i)
+        assert one.keys() == got.keys()
+        for k, v in one.items():
+            assert (torch.equal(v, got[k]) if isinstance(v, torch.Tensor) else v == got[k]), k
+        uc, inv = torch.unique(cells[i], return_inverse=True)
+        assert torch.equal(got["seg"], inv) and int(got["last"]) == uc.numel() - 1
+        n = uc.numel()
+        assert torch.equal(got["pg"][:n] * H_ + got["hd"][:n], uc)

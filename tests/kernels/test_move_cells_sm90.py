@@ -12,7 +12,7 @@ from tests.kernels.sm90_compile import compile_rows, compile_sm90
 
 pytestmark = pytest.mark.slow   # 12 compiles
 
-TYPES = dict(VALS="*fp32", SEG="*i64", REAL="*i8", AMAX="*fp32", DATA="*u8", SCALE="*fp32",
+TYPES = dict(VALS="*fp32", SEG="*i64", REAL="*i1", PS="*i64", OS="*i64", HS="*i64", AMAX="*fp32", DATA="*u8", SCALE="*fp32",
              PG="*i64", HD="*i64", LAST="*i64", NEWS="*fp32", OD="*i64", H="i32")
 
 
