@@ -11,6 +11,8 @@
 #      prompt-end and decode-step evictions inside the profiled call), page then token scales
 #   f: MLA rows with eviction every 64 steps (hf_eager for the reference, then fp8 + SnapKV
 #      hold and fp8 + H2O), teacher-forced against HF eager
+#   g: issue 19's KV-dominated generate rows: B16 x P32768, fp8 page scales without eviction,
+#      with SnapKV(hold) and with SinkWindow at 50% every 64 steps (one process, in order)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvc_out}; mkdir -p "$OUT"
 case "${PART:-c}" in
@@ -41,4 +43,9 @@ case "${PART:-c}" in
     done > "$OUT/f_latent.txt" 2>&1
     rm -f "$OUT/latent_ref.pt"
     grep -E "^\| [hk]" "$OUT/f_latent.txt" ;;
+  g)
+    timeout -k 5 580 python3 benchmarks/bench_generate.py --budget-s 560 --out "$OUT/gen32k" \
+      --prompt 32768 --new 64 --evict-interval 64 \
+      --sections kvc_fp8,kvc_fp8_evict_snapkv_hold,kvc_fp8_evict_sink > "$OUT/g_gen32k.txt" 2>&1
+    grep -E "^\||^== " "$OUT/g_gen32k.txt" | cut -c1-220 ;;
 esac
