@@ -138,8 +138,11 @@ def _evict(rt, pool, layers, H, items, groups) -> None:
                        in zip(items, stored, pending) for li in layers], Lmax, -1)   # [R, H, Lmax]
     starts = [b.start for _s, b, _k in items]   # (left padding: gone from the slots by now,
     # decode_aside; the sinks and positions still count from it)
-    ints = torch.tensor([stored, pending, total, budget, starts], dtype=torch.int64).to(dev)
-    L_r, k_r, T_r, K_r, S_r = (t.repeat_interleave(Ly)[:, None, None] for t in ints)
+    # each item's values repeated for its layers on the host: one copy to the device
+    ints = torch.tensor([[x for x in col for _ in range(Ly)]
+                         for col in (stored, pending, total, budget, starts)],
+                        dtype=torch.int64).to(dev)
+    L_r, k_r, T_r, K_r, S_r = (t[:, None, None] for t in ints)
     j = torch.arange(Lmax, device=dev)
     pos = torch.where((j >= L_r - k_r) & (j < L_r), T_r - L_r + j, pos)
     # H2O mass [R, H, Lmax]: the store's rows, or the books'
