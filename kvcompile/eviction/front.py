@@ -74,6 +74,12 @@ def _policy(rt, sid, book=None):
     return policy
 
 
+def _upto(x: torch.Tensor, w: int) -> torch.Tensor:
+    """x[..., :w], without the slice where x is that wide already (a slice costs host time:
+    front.py takes one a sequence and layer)."""
+    return x if x.shape[-1] == w else x[..., :w]
+
+
 def _stack_rows(rows: list, width: int, fill: float) -> torch.Tensor:
     """[R, H, width] from rows [H, l_r], padded with `fill` past each row's length: one
     stack where the rows have one length (the usual case: sequences that evict together hold
@@ -134,7 +140,7 @@ def _evict(rt, pool, layers, H, items, groups) -> None:
     # [R, H, Lmax] logical index per slot (R = item-major, layer-minor); the slots of steps
     # stepped aside for are not in the books yet: row b's last `pending` slots hold positions
     # total - pending ... total - 1
-    pos = _stack_rows([book.pos[li][:, :L - k] for (_s, book, _b), L, k
+    pos = _stack_rows([_upto(book.pos[li], L - k) for (_s, book, _b), L, k
                        in zip(items, stored, pending) for li in layers], Lmax, -1)   # [R, H, Lmax]
     starts = [b.start for _s, b, _k in items]   # (left padding: gone from the slots by now,
     # decode_aside; the sinks and positions still count from it)
@@ -171,7 +177,7 @@ def _evict(rt, pool, layers, H, items, groups) -> None:
                 for li in layers:
                     rt._scores(sid, li, book)
         kept = pos.float()
-        have = [(b * Ly + i, book.score[li][:, :L - k])
+        have = [(b * Ly + i, _upto(book.score[li], L - k))
                 for b, ((_s, book, _k), L, k) in enumerate(zip(items, stored, pending))
                 for i, li in enumerate(layers) if li in book.score]
         if len(have) == n * Ly and len({x.shape[-1] for _r, x in have}) == 1:
@@ -272,12 +278,14 @@ def _evict(rt, pool, layers, H, items, groups) -> None:
     for b, ((sid, book, _k), L, k) in enumerate(zip(items, stored, budget)):
         pool.evict_tail(sid, k)
         evicted += L - k
-        for i, li in enumerate(layers):
-            book.pos[li] = pos[b, i, :, :k]
-            if mass is not None and book.mass:   # (the store's row holds the same)
-                book.mass[li] = mass[b, i, :, :k]
-            if b in kept_rows and li in book.score:
-                book.score[li] = kept[b, i, :, :k]
+        # each layer's row of item b: one slice and unbind an item, not a slice a layer
+        book.pos.update(zip(layers, pos[b, :, :, :k].unbind(0)))
+        if mass is not None and book.mass:   # (the store's row holds the same)
+            book.mass.update(zip(layers, mass[b, :, :, :k].unbind(0)))
+        if b in kept_rows:
+            for li, row in zip(layers, kept[b, :, :, :k].unbind(0)):
+                if li in book.score:
+                    book.score[li] = row
         book.pending = 0
     st = rt.state
     st.count("eviction_runs", n)
