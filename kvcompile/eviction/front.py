@@ -250,6 +250,7 @@ def _evict(rt, pool, layers, H, items, groups) -> None:
     cells = n * H * _cells_a_row(M, max(budget), Ps)
     coords = plans = None
     for i, li in enumerate(layers):
+        here = None   # layer i's plan (views of `plans`), shared by its K and V pages
         for paged in (pool.k[li], pool.v[li]):
             if moves_exactly(paged):   # one gather and one scatter a part; the (page, slot)
                 # of every layer's moves computed once; the padding moves are onto themselves
@@ -262,7 +263,8 @@ def _evict(rt, pool, layers, H, items, groups) -> None:
                 flat = tuple(x.transpose(0, 1).reshape(Ly, -1).contiguous()   # (rows the
                              for x in (gsrc, gdst, real))   # move kernel reads densely)
                 plans = plan_moves(*flat[:2], hh.reshape(-1), flat[2], Ps, H, max_cells=cells)
-            move_planned(paged, plan_at(plans, i))
+            here = plan_at(plans, i) if here is None else here
+            move_planned(paged, here)
     # commit: lengths, books, the store's mass rows
     pos = pos.view(n, Ly, H, Lmax)
     if mass is not None:
