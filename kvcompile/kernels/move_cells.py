@@ -13,11 +13,11 @@ plain-PyTorch path (`_move_cells`, about 90 small device ops a layer's K or V) s
                         new scale, at its destination slot (after the re-encode: last word)
 
 Inputs as `compaction.plan_moves` plans them: each move's source page / slot / head ps / os /
-heads [M], its cell rank seg [M], destination slot od [M] and real [M] (bool); the cells' pages
-pg / heads hd [S] and the last used rank (device tensors, no host sync). The encode, re-encode and growth
-helpers are the append kernels' (kernels/append.py: `_encode_fp8`, `_reencode_rows`,
-`_grow_scale`), bit-exact with the reference encoder on the GPU and, with explicit rounding,
-under TRITON_INTERPRET=1.
+heads [M], its cell rank seg [M], destination slot od [M] and real [M] (bool); the cells'
+pages pg / heads hd [S] and the last used rank (device tensors, no host sync). The decode,
+encode, re-encode and growth helpers are the append kernels' (kernels/append.py:
+`_decode_fp8`, `_encode_fp8`, `_reencode_rows`, `_grow_scale`), bit-exact with the reference
+encoder on the GPU and, with explicit rounding, under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
