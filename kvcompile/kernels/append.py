@@ -33,9 +33,15 @@ import triton.language as tl
 from kvcompile.cache.registry import format_spec
 from kvcompile.errors import UnsupportedShapeError
 from kvcompile.kernels.append_int import launch_append_int
-from kvcompile.kernels.decode_tiles import FMT_E2M1, FMT_E4M3, FMT_E5M2, FMT_PLAIN, FORMAT_CODES
+from kvcompile.kernels.decode_tiles import (
+    FMT_E2M1,
+    FMT_E4M3,
+    FMT_E5M2,
+    FMT_PLAIN,
+    FORMAT_CODES,
+    fp8_specials,
+)
 from kvcompile.kernels.decode_tiles import e2m1_to_f16 as _e2m1_value
-from kvcompile.kernels.decode_tiles import fp8_specials
 
 _PLAIN_BF16, _PLAIN_FP16, _PLAIN_FP32 = 10, 11, 12
 # Page-scaled writes of more tokens than this scan a window of P sorted slots per program
