@@ -164,7 +164,7 @@ def _evict(rt, pool, layers, H, items, groups) -> None:
                 mass[:, i, :, :w] = store.mass[li].index_select(0, srows)[:, :, :w]
         books = [b for b in range(n) if not in_store[b] and items[b][1].mass]
         if books:   # (every layer of a book has its mass row: evict_fronts takes no other)
-            got = _stack_rows([items[b][1].mass[li][:, :stored[b] - pending[b]]
+            got = _stack_rows([_upto(items[b][1].mass[li], stored[b] - pending[b])
                                for b in books for li in layers], Lmax, 0.0)
             mass[torch.tensor(books, device=dev)] = got.view(len(books), Ly, H, Lmax)
         mass = mass.view(n * Ly, H, Lmax)
