@@ -293,7 +293,7 @@ def test_fp8_cell_kernel_equals_the_pytorch_moves(name, case, monkeypatch):
 
 
 def check_cell_kernel(name, case, monkeypatch, device):
-    """kernels/move_cells.py (three launches; on CUDA once its GPU test has passed) against
+    """kernels/move_cells.py (three launches; on by default on CUDA, where it passed) against
     compaction's PyTorch path on the same pools, bit for bit over every part: front.py-style
     compaction (the tail's kept tokens into the holes below the budget, per head its own
     choice, padding moves onto the last slot), with tail tokens up to 300x the front's (page

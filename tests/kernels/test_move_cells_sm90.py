@@ -1,6 +1,7 @@
 """kernels/move_cells.py compiled for sm_90 on a machine without a GPU
 (tests/kernels/sm90_compile.py): the three launches, fp8 e4m3 and e5m2, head_dim 128 with page
-16 and head_dim 64 with page 64, with the GPU's rounding (not the interpreter's explicit one). Not a substitute for tests/gpu/test_move_cells_gpu.py."""
+16 and head_dim 64 with page 64, with the GPU's rounding (not the interpreter's explicit one).
+Not a substitute for tests/gpu/test_move_cells_gpu.py."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from tests.kernels.sm90_compile import compile_rows, compile_sm90
 
 pytestmark = pytest.mark.slow   # 12 compiles
 
-TYPES = dict(VALS="*fp32", SEG="*i64", REAL="*i1", PS="*i64", OS="*i64", HS="*i64", AMAX="*fp32", DATA="*u8", SCALE="*fp32",
-             PG="*i64", HD="*i64", LAST="*i64", NEWS="*fp32", OD="*i64", H="i32")
+TYPES = dict(VALS="*fp32", SEG="*i64", REAL="*i1", PS="*i64", OS="*i64", HS="*i64",
+             AMAX="*fp32", DATA="*u8", SCALE="*fp32", PG="*i64", HD="*i64", LAST="*i64",
+             NEWS="*fp32", OD="*i64", H="i32")
 
 
 def _cases():
