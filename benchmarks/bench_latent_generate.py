@@ -113,6 +113,9 @@ def timed(fn) -> float:
 def run_row(row, a, ids, ref_logits=None):
     """One row's timing (and for hf_eager its logits; for a kvcompile row without eviction,
     given HF eager's logits, the teacher-forced comparison)."""
+    if torch.cuda.is_available():   # the row's own peak (the previous row's model is freed)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     model, _ = make_model(a)
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
     if row == "hf_static":
@@ -146,7 +149,9 @@ def run_row(row, a, ids, ref_logits=None):
             profile_call(lambda: model.generate(ids, max_new_tokens=a.profile, **kw), row,
                          a.profile)
     t1, tn = statistics.median(t1s), statistics.median(tns)
-    info.update(row=row, tokens=out, tok_s=a.batch * (a.new - 1) / max(tn - t1, 1e-9))
+    info.update(row=row, tokens=out, tok_s=a.batch * (a.new - 1) / max(tn - t1, 1e-9),
+                peak=(torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available()
+                      else None))
     if row.startswith("kvc_"):
         rep = kvcompile.report(model)
         info["sites"] = f"{len(rep.rewritten)}/{len(rep.sites)} " + ",".join(
@@ -262,8 +267,9 @@ def main():
     print(f"# DeepSeek-V3-shaped, {a.layers} layers, B {a.batch}, prompt {a.prompt}, new "
           f"{a.new}; torch {torch.__version__}, transformers {transformers.__version__}"
           + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
-    print("| row | sites rewritten | KV bytes/token | decode tok/s | vs hf eager | tokens = eager's |")
-    print("|---|---|---|---|---|---|")
+    print("| row | sites rewritten | KV bytes/token | decode tok/s | vs hf eager | peak GiB "
+          "(weights, cache, activations) | tokens = eager's |")
+    print("|---|---|---|---|---|---|---|")
     ref = base = ref_logits = None
     if a.ref and os.path.exists(a.ref) and "hf_eager" not in a.rows.split(","):
         ref, base, eager_logits = torch.load(a.ref)
@@ -274,7 +280,7 @@ def main():
             r = run_row(row, a, ids, ref_logits)
         except Exception as e:  # noqa: BLE001  (a row that fails says why; the rest run)
             print(f"| {row} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} |"
-                  f" | | | |", flush=True)
+                  f" | | | | |", flush=True)
             continue
         if row == "hf_eager":
             ref, base = r["tokens"], r["tok_s"]
@@ -285,8 +291,9 @@ def main():
         if "forced" in r:
             same += "; " + r["forced"]
         ratio = f"{r['tok_s'] / base:.2f}x" if base else "-"
+        peak = "-" if r["peak"] is None else f"{r['peak']:.2f}"
         print(f"| {row} | {r['sites']} | {r['bytes']:,.1f} | {r['tok_s']:.1f} | {ratio} | "
-              f"{same} |", flush=True)
+              f"{peak} | {same} |", flush=True)
 
 
 if __name__ == "__main__":
