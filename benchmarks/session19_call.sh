@@ -42,7 +42,7 @@ case "${PART:-c}" in
       grep -A16 "fp8+snapkv: top device kernels" "$OUT/d_profile_$sc.txt"
     done ;;
   f)
-    for r in hf_eager kvc_fp8_e4m3 kvc_fp8_e4m3+snapkv kvc_fp8_e4m3+h2o; do
+    for r in ${F_ROWS:-hf_eager kvc_fp8_e4m3 kvc_fp8_e4m3+snapkv kvc_fp8_e4m3+h2o}; do
       timeout -k 5 ${F_LIMIT:-150} python3 benchmarks/bench_latent_generate.py --ref "$OUT/latent_ref.pt" \
         --rows $r --batch 16 --prompt 8192 --new 160 --repeats 2 --evict-interval 64
     done > "$OUT/f_latent.txt" 2>&1

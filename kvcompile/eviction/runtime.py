@@ -48,6 +48,11 @@ from kvcompile.kernels import masks
 from kvcompile.kernels.masks import to_bool
 from kvcompile.runtime.hooks import RuntimeHook
 
+# Elements of an MLA layer's absorbed query ([H, rows, r + dr]) made at a time for the prompt
+# scores of eviction (H2O's prompt mass): 128 Mi (256 MiB in bf16; 1,820 rows at DeepSeek-V3's
+# 128 heads x 576), where the whole prompt's would be 4.8 GB a sequence at 32k.
+ABSORB_ELEMENTS = 1 << 27
+
 log = logging.getLogger("kvcompile")
 
 _UNSET = object()   # (detach: a sequence without a per-sequence policy)
@@ -623,11 +628,13 @@ class EvictionRuntime(RuntimeHook):
                                    latent_kernel)
 
     def observe_prefill(self, ctx, layer, q, plan, attn_mask, is_causal, window, softcap,
-                        scale, only=None) -> None:
+                        scale, only=None, absorb=None) -> None:
         """SnapKV's observation of a prefill that attended as without eviction: the last
         `observe_rows` queries' probabilities over the stored (quantized) keys, exactly the
         rows `attend_kept` would have kept, at rows x L cost instead of S x L. only: these
-        rows of the plan (None: all)."""
+        rows of the plan (None: all). attn_mask: the model's mask (a masks.AndMask is built
+        for the observed rows only). absorb: an MLA layer's q -> absorbed query
+        ([1, H, s, dn + dr] -> [1, H, s, r + dr]), applied to the observed rows alone."""
         if layer not in self.policies:
             return
         pool = ctx.state.pool
@@ -641,28 +648,35 @@ class EvictionRuntime(RuntimeHook):
                 continue
             r = min(rows, n)
             qi = q[0, :, cu[i]:cu[i + 1]] if plan.packed else q[i]
+            qo = qi[:, n - r:n]
+            if absorb is not None:
+                qo = absorb(qo.unsqueeze(0))[0]
             mask_b = None
             if attn_mask is not None and not plan.packed:
-                mask_b = _row_mask(attn_mask, i, n)[:, n - r:]
+                mask_b = _row_mask(attn_mask, i, n, n - r)
             k, v = self._kv(layer, sid)                        # [Hkv, L, D] fp32
             total = pool.logical_len(sid)
             q_pos = torch.arange(total - r, total, device=q.device)
             _o, _m, obs = attend_kept(
-                qi[:, n - r:n], k, v, book.pos[layer], q_pos, scale,
+                qo, k, v, book.pos[layer], q_pos, scale,
                 causal=bool(is_causal) or plan.packed, window=window, start=book.start,
                 softcap=softcap, mask_b=mask_b, total=total, obs_rows=r)
             book.obs[layer] = _carried(book, layer, obs, rows)
         self.state.count("eviction_plain_prefill")
 
     def prompt_mass(self, ctx, layer, q, plan, attn_mask, mask_info, is_causal, window,
-                    softcap, scale, only=None) -> None:
+                    softcap, scale, only=None, absorb=None) -> None:
         """H2O's mass of prompt rows that attended through the plain kernels (`plain_rows`):
         each stored slot's attention probability summed over the group's query heads and the
         row's queries, added to book.mass[layer], exactly `attend_kept`'s `mass`. One extra
         pass over Q K^T of the rows (kernels/prompt_mass.py: a per-query lse, then per key
         tile the sum of exp(s - lse)) where the Triton kernels run; elsewhere, or under a mask
         that is not causal + window (the model's own), `attend.prompt_mass` per row, in query
-        blocks. attn_mask: the model's mask (None in a packed step); only: these rows."""
+        blocks. attn_mask: the model's mask (None in a packed step; a masks.AndMask is built
+        a row and a block of queries at a time); only: these rows. absorb: an MLA layer's
+        q -> absorbed query (observe_prefill), applied to blocks of `_absorb_rows` queries,
+        so that no absorbed query of the whole prompt is made (a 32k prompt at 128 heads:
+        4.8 GB a sequence in bf16)."""
         if layer not in self.policies:
             return
         rows = [(i, sid, n) for i, sid, _past, n in self._rows(plan)
@@ -682,28 +696,41 @@ class EvictionRuntime(RuntimeHook):
                 self._say("H2O prompt mass under a mask that is not causal + window: the "
                           "torch path per sequence (eviction/attend.py prompt_mass)")
             elif self._kernel_mass(state, layer, q, plan, rows, causal, window, softcap,
-                                   scale):
+                                   scale, absorb):
                 return
-        dense = masks.dense(plan, attn_mask) if custom else None
         cu = plan.cu_seqlens_q.tolist() if plan.packed else None
+        step = self._absorb_rows(layer, q) if absorb is not None else None
         for i, sid, n in rows:
             book = self.books[sid]
             k, _v = self._kv(layer, sid)                       # [Hkv, L, D] fp32
             total = pool.logical_len(sid)
             qi = q[0, :, cu[i]:cu[i + 1]] if plan.packed else q[i]
             q_pos = torch.arange(total - n, total, device=q.device)
-            mask_b = _row_mask(dense, i, n) if custom else None
-            mass = prompt_mass_torch(qi, k, book.pos[layer], q_pos, scale, causal=causal,
-                                     window=window, start=book.start, softcap=softcap,
-                                     mask_b=mask_b, total=total)
-            book.mass[layer] += mass
+            for lo in range(0, n, step or max(n, 1)):
+                hi = min(n, lo + step) if step else n
+                qb = qi[:, lo:hi] if step else qi
+                if absorb is not None:
+                    qb = absorb(qb.unsqueeze(0))[0]
+                mask_b = _row_mask(attn_mask, i, n, lo, hi) if custom else None
+                book.mass[layer] += prompt_mass_torch(
+                    qb, k, book.pos[layer], q_pos[lo:hi], scale, causal=causal,
+                    window=window, start=book.start, softcap=softcap, mask_b=mask_b,
+                    total=total)
         state.count("eviction_prompt_mass_torch", len(rows))
 
+    def _absorb_rows(self, layer: int, q) -> int:
+        """Query rows of an MLA layer absorbed at a time (prompt_mass): ABSORB_ELEMENTS of
+        the absorbed query [H, rows, r + dr]."""
+        pool = self.state.pool
+        width = pool.k[layer].head_dim + pool.v[layer].head_dim
+        return max(1, ABSORB_ELEMENTS // (q.shape[1] * width))
+
     def _kernel_mass(self, state, layer, q, plan, rows, causal, window, softcap,
-                     scale) -> bool:
+                     scale, absorb=None) -> bool:
         """`prompt_mass` of all `rows` through kernels/prompt_mass.py: one read of their key
         pages, two launches (an MLA layer's absorbed query against its latent and rotary
-        pages side by side). False if the kernels refuse (said once)."""
+        pages side by side; with `absorb`, two a row and block of `_absorb_rows` queries,
+        each block absorbed as it goes). False if the kernels refuse (said once)."""
         pool = state.pool
         P_ = pool.page_size
         lens = [pool.seq_len(sid) for _i, sid, _n in rows]
@@ -718,23 +745,44 @@ class EvictionRuntime(RuntimeHook):
             kp = torch.cat([kp, pool.v[layer].read(ids)], -1)
         dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
         k = kp.to(dt).permute(1, 0, 2, 3).reshape(kp.shape[1], -1, kp.shape[-1])
-        if plan.packed:
-            cu = plan.cu_seqlens_q.tolist()
-            qv, q_off = q[0], [cu[i] * q.stride(2) for i, _s, _n in rows]
-        else:
-            qv, q_off = q.transpose(0, 1)[:, 0], [i * q.stride(0) for i, _s, _n in rows]
         i32 = dict(dtype=torch.int32, device=dev)
         qn = [n for _i, _s, n in rows]
         totals = [pool.logical_len(sid) for _i, sid, _n in rows]
+        starts = [self.books[sid].start for _i, sid, _n in rows]
+        cu = plan.cu_seqlens_q.tolist() if plan.packed else None
         try:
             from kvcompile.kernels.prompt_mass import prompt_mass as kernel_mass
 
-            mass = kernel_mass(
-                qv, k, torch.tensor(q_off, dtype=torch.int64, device=dev),
-                torch.tensor(qn, **i32), torch.tensor(first, **i32), torch.tensor(lens, **i32),
-                torch.tensor([t - n for t, n in zip(totals, qn)], **i32),
-                torch.tensor([self.books[sid].start for _i, sid, _n in rows], **i32), scale,
-                causal=causal, window=window, softcap=softcap, max_q=max(qn), max_k=max(lens))
+            if absorb is None:
+                if plan.packed:
+                    qv, q_off = q[0], [cu[i] * q.stride(2) for i, _s, _n in rows]
+                else:
+                    qv, q_off = q.transpose(0, 1)[:, 0], [i * q.stride(0) for i, _s, _n in rows]
+                mass = kernel_mass(
+                    qv, k, torch.tensor(q_off, dtype=torch.int64, device=dev),
+                    torch.tensor(qn, **i32), torch.tensor(first, **i32),
+                    torch.tensor(lens, **i32),
+                    torch.tensor([t - n for t, n in zip(totals, qn)], **i32),
+                    torch.tensor(starts, **i32), scale, causal=causal, window=window,
+                    softcap=softcap, max_q=max(qn), max_k=max(lens))
+            else:
+                mass = None
+                step = self._absorb_rows(layer, q)
+                zero = torch.zeros(1, dtype=torch.int64, device=dev)
+                for (i, _sid, n), lo_k, L, total, st in zip(rows, first, lens, totals, starts):
+                    qi = q[0, :, cu[i]:cu[i + 1]] if plan.packed else q[i]
+                    for lo in range(0, n, step):
+                        hi = min(n, lo + step)
+                        qb = absorb(qi[:, lo:hi].unsqueeze(0))[0]      # [H, hi - lo, r + dr]
+                        part = kernel_mass(
+                            qb, k, zero, torch.tensor([hi - lo], **i32),
+                            torch.tensor([lo_k], **i32), torch.tensor([L], **i32),
+                            torch.tensor([total - n + lo], **i32), torch.tensor([st], **i32),
+                            scale, causal=causal, window=window, softcap=softcap,
+                            max_q=hi - lo, max_k=L)
+                        mass = part if mass is None else mass.add_(part)
+                if mass is None:   # (no query rows)
+                    mass = torch.zeros(k.shape[0], k.shape[1], dtype=torch.float32, device=dev)
         except (ImportError, UnsupportedShapeError) as e:
             self._say(f"H2O prompt mass kernel refused ({type(e).__name__}: {e}): the torch "
                       f"path per sequence (eviction/attend.py prompt_mass)")
@@ -1432,12 +1480,23 @@ def _mask_sees_all(attn_mask: torch.Tensor, row: int, pos: torch.Tensor, total: 
     return bool(m[:, -1][:, col.reshape(-1)].all())
 
 
-def _row_mask(attn_mask: torch.Tensor, row: int, n: int) -> torch.Tensor:
-    """The model's mask for batch row `row` as [Hm, S, Lm] (bool if it is binary)."""
-    m = attn_mask[row if attn_mask.shape[0] > 1 else 0] if attn_mask.dim() == 4 else attn_mask
+def _row_mask(attn_mask, row: int, n: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+    """The model's mask for batch row `row` as [Hm, S, Lm] (bool if it is binary), of its
+    query rows lo..hi only (default all n): a masks.AndMask builds only those rows (a whole
+    B16 x 32k prompt's mask is 16 GiB of bool, one row's 1 GiB)."""
+    hi = n if hi is None else hi
+    if attn_mask.dim() == 4:
+        r = row if attn_mask.shape[0] > 1 else 0
+        rows = slice(lo, hi) if attn_mask.shape[2] > 1 else slice(None)
+        m = attn_mask[r, :, rows]
+    else:
+        m = attn_mask
+        while m.dim() < 3:
+            m = m.unsqueeze(0)
+        m = m[:, lo:hi] if m.shape[1] > 1 else m
     while m.dim() < 3:
         m = m.unsqueeze(0)
-    m = m.expand(m.shape[0], n, m.shape[-1])
+    m = m.expand(m.shape[0], hi - lo, m.shape[-1])
     if m.dtype != torch.bool:
         allowed, binary = to_bool(m)
         if binary:

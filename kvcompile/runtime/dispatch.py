@@ -64,8 +64,8 @@ def attend(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, window, so
             # observation rows and H2O's mass are scored apart
             out = _attend_plain(ctx, layer, q, plan, mask_info, attn_mask, is_causal, window,
                                 softcap, scale, extras, fresh)
-            ev.observe_prefill(ctx, layer, q, plan, masks.dense(plan, attn_mask), is_causal,
-                               window, softcap, scale)
+            ev.observe_prefill(ctx, layer, q, plan, attn_mask, is_causal, window, softcap,
+                               scale)   # (an AndMask: only the observed rows are built)
             ev.prompt_mass(ctx, layer, q, plan, attn_mask, mask_info, is_causal, window,
                            softcap, scale)   # H2O: one extra pass over Q K^T
             return out
@@ -287,8 +287,7 @@ def _latent_evicting(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, 
     kinds = ev.latent_rows(plan, layer, free, mass_ok)
     host = {i for i, k in enumerate(kinds) if k == "host"}
     plain = {i for i, k in enumerate(kinds) if k == "plain"}
-    dense = None if attn_mask is None or plan.packed else masks.dense(plan, attn_mask)
-    out = q_lat = None
+    out = None
     if plan.packed or not host:
         if any(k == "stored" for k in kinds) and not plan.packed:
             attn_mask = mask_info = None   # (free: it hides no key; its columns are logical)
@@ -303,19 +302,22 @@ def _latent_evicting(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, 
         if mass_rows:
             ev.add_row_mass(plan, layer, mass[mass_rows], mass_rows)
         if plain:
-            q_lat = absorb_query(q, kv_b_weight, nope_dim)
+            # the absorbed query of the rows each score reads, a block at a time (not the
+            # whole prompt's [B, H, S, r + dr]: 19 GB at B16 x 8k and 128 heads in bf16)
             only = None if len(plain) == len(kinds) else plain
-            ev.observe_prefill(ctx, layer, q_lat, plan, dense, is_causal, window, softcap,
-                               scale, only=only)
-            ev.prompt_mass(ctx, layer, q_lat, plan, None if plan.packed else attn_mask,
+            def absorb(x):
+                return absorb_query(x, kv_b_weight, nope_dim)
+            ev.observe_prefill(ctx, layer, q, plan, None if plan.packed else attn_mask,
+                               is_causal, window, softcap, scale, only=only, absorb=absorb)
+            ev.prompt_mass(ctx, layer, q, plan, None if plan.packed else attn_mask,
                            None if plan.packed else mask_info, is_causal, window, softcap,
-                           scale, only=only)
+                           scale, only=only, absorb=absorb)
         if not host:
             return out
-    if q_lat is None:
-        q_lat = absorb_query(q, kv_b_weight, nope_dim)
+    q_lat = absorb_query(q, kv_b_weight, nope_dim)
     state.count("latent_eviction_host_rows", len(host))
     if not plan.packed:
+        dense = None if attn_mask is None else masks.dense(plan, attn_mask)
         o_lat = ev.attend_kept(ctx, layer, q_lat, plan, dense, is_causal, window, softcap,
                                scale, {})
         return latent_output(o_lat.to(q_lat.dtype), kv_b_weight, nope_dim)

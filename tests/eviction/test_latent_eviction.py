@@ -200,6 +200,54 @@ def test_h2o_mass_is_the_models_attention(kernels):
     assert_rel_close(out, ref, torch.float32, factor=10, what="H2O on latent pages")
 
 
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_h2o_prompt_mass_absorbs_in_blocks(kernels, monkeypatch):
+    """The prompt's H2O mass on latent pages absorbs the query a block of rows at a time
+    (runtime.ABSORB_ELEMENTS, here 5 of 16 rows: three blocks and a partial one), never the
+    whole prompt's (19 GB at B16 x 8k, 128 heads, bf16), and SnapKV's observation only its
+    observed rows; the mass still equals the model's own attention summed over heads and
+    queries, and the observation its last rows' probabilities. Negative control: with the
+    whole prompt in one block, the largest absorbed query is the prompt."""
+    from kvcompile.eviction import runtime as R
+    from kvcompile.kernels import latent
+    from kvcompile.runtime import dispatch
+    from tests.passes.test_latent_attention import HEADS, RANK
+
+    rope = 248 if kernels == "triton" else 8
+    seen = []
+
+    def spy(q, w, nope_dim):
+        seen.append(q.shape[2])
+        return latent.absorb_query(q, w, nope_dim)
+
+    monkeypatch.setattr(dispatch, "absorb_query", spy)
+    ids = _ids(4, 24)
+    torch._dynamo.reset()
+    att = make_mla("deepseek_v3", "eager", rope=rope)(input_ids=ids[:, :16],
+                                                      output_attentions=True).attentions
+    for rows, want_max in ((5, 5), (16, 16)):
+        monkeypatch.setattr(R, "ABSORB_ELEMENTS", HEADS * (RANK + rope) * rows)
+        seen.clear()
+        m = _compiled(H2O(budget=40, recent=4, sinks=2), rope=rope, kernels=kernels)
+        cache = DynamicCache()
+        with torch.no_grad():
+            m(input_ids=ids[:, :16], past_key_values=cache)
+        assert max(seen) == want_max, seen
+        if rows == 5:
+            assert seen == [5, 5, 5, 1] * 2, seen   # each layer's blocks
+        book = state_of(m).eviction.books[_sid(cache)]
+        for li in (0, 1):
+            assert_rel_close(book.mass[li][0], att[li][0].sum((0, 1)).detach(),
+                             torch.float32, factor=10, what=f"blocked mass, layer {li}")
+    seen.clear()
+    monkeypatch.setattr(R, "ABSORB_ELEMENTS", HEADS * (RANK + rope) * 5)
+    m = _compiled(SnapKV(budget=40, window=4, kernel=3, per_head=False), rope=rope,
+                  kernels=kernels)
+    with torch.no_grad():
+        m(input_ids=ids[:, :16], past_key_values=DynamicCache())
+    assert seen == [4, 4], seen   # each layer's 4 observed rows, nothing else
+
+
 def test_h2o_eager_decode_rows_take_the_kernel_mass():
     """Eager H2O decode steps on latent pages where the Triton latent kernel runs (the
     interpreter, kernels="triton"): the evicted rows read their stored slots through it and

@@ -286,3 +286,25 @@ def test_split_mask_analysis_memory_is_o_b_l(monkeypatch):
     assert info.exact and info.kv_start == [0, 1000, 7, 4095] and info.window == 1024
     bound = 4 * 16 * B * S + 64 * B * S
     assert peak <= bound, f"analysis peak {peak / 2**20:.1f} MiB > {bound / 2**20:.1f} MiB"
+
+
+def test_row_mask_of_a_split_mask_builds_only_its_rows():
+    """eviction/runtime.py `_row_mask` (SnapKV's observed rows, H2O's query blocks) over the
+    split mask equals the whole mask's rows lo..hi of that batch row, and builds only those
+    (B=4, S=L=2048: the whole product is 16 MiB, one batch row's 4 MiB, 8 rows 16 KiB);
+    also over an additive float mask and a mask of one query row (broadcast)."""
+    from kvcompile.eviction.runtime import _row_mask
+
+    B, S = 4, 2048
+    shared, key = _split([0, 100, 7, 2047], S, S, window=512)
+    whole = shared & key
+    split = masks.AndMask(shared, key)
+    for row, lo, hi in ((1, S - 8, S), (3, 0, 5), (0, 700, 1500)):
+        got, peak = peak_bytes(lambda r=row, a=lo, b=hi: _row_mask(split, r, S, a, b))
+        assert torch.equal(got, whole[row, :, lo:hi]), (row, lo, hi)
+        assert peak <= 4 * (hi - lo) * S, f"{peak} B for {hi - lo} rows"
+    add = torch.zeros(B, 1, S, S).masked_fill(~whole, -1e9)
+    assert torch.equal(_row_mask(add, 1, S, S - 8), whole[1, :, S - 8:])
+    one = whole[:, :, -1:]                                              # [B, 1, 1, L]
+    assert torch.equal(_row_mask(one, 2, 6, 2, 5), one[2].expand(1, 3, S))
+    assert torch.equal(_row_mask(split, 2, S), whole[2])                # default: all rows
