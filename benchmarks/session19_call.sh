@@ -1,19 +1,21 @@
 #!/bin/bash
-# Nineteenth session's next device calls, one part a call (PART=b, c, d or f), each under
-# 600 s; every part writes $OUT/<part>*.txt and prints a summary. (a and e ran on H100s on
-# 2026-12-05: RESULTS.md "Nineteenth session".)
-#   b: the MLA eviction rows at interval 1 under the profiler (23 ms a step against 3.4 ms
-#      without eviction on the H200: where it goes; the fp8 latent pages are page-scaled, so
-#      their moves now take kernels/move_cells.py)
-#   c: capacity at 32k with 48 requests (cases 7 and 9: where issue 19's targets are met on
-#      the CPU's schedule)
-#   c0: the bf16 baseline of c (48 requests, admitted by its whole life, no eviction)
+# Device calls of the nineteenth and twentieth sessions, one part a call, each under 600 s;
+# every part writes $OUT/<part>*.txt and prints a summary. Ran: a, e (nineteenth); c, c0, f, g
+# (twentieth: RESULTS.md "Twentieth session"). Still to run: b, d, h.
+#   b: the MLA eviction rows at interval 1 under the profiler (5.5 ms of eviction a step at 4
+#      layers on an H100 in the nineteenth session: where it goes)
+#   c: capacity at 32k with 48 requests (cases 7 and 9: issue 19's rows)
+#   c0: the bf16 baseline of c (48 requests, admitted by its whole life, no eviction; on CUDA
+#      1.00 at this exact budget: the decode graphs' scratch pages, RESULTS.md)
 #   d: where fp8 page scales' eviction time goes (profile_generate.py, +snapkv paths: the
 #      prompt-end and decode-step evictions inside the profiled call), page then token scales
-#   f: MLA rows with eviction every 64 steps (hf_eager for the reference, then fp8 + SnapKV
-#      hold and fp8 + H2O), teacher-forced against HF eager
+#   f: MLA rows with eviction every 64 steps (F_ROWS: hf_eager for the reference, fp8, fp8 +
+#      SnapKV hold, fp8 + H2O), teacher-forced against HF eager; peak memory per row
 #   g: issue 19's KV-dominated generate rows: B16 x P32768, fp8 page scales without eviction,
 #      with SnapKV(hold) and with SinkWindow at 50% every 64 steps (one process, in order)
+#   h: the MLA rows after the blocked absorption (twentieth session) in one call: fp8, fp8 +
+#      SnapKV hold, fp8 + H2O (H2O read 1.39x fp8 on an H100, 0.85x before the change:
+#      then the H2O row again under the profiler, to see where the old 0.85x went)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvc_out}; mkdir -p "$OUT"
 case "${PART:-c}" in
@@ -48,6 +50,12 @@ case "${PART:-c}" in
     done > "$OUT/f_latent.txt" 2>&1
     rm -f "$OUT/latent_ref.pt"
     grep -E "^\| [hk]" "$OUT/f_latent.txt" ;;
+  h)
+    F_ROWS="kvc_fp8_e4m3 kvc_fp8_e4m3+snapkv kvc_fp8_e4m3+h2o" F_LIMIT=110 PART=f bash "$0"
+    timeout -k 5 150 python3 benchmarks/bench_latent_generate.py --rows kvc_fp8_e4m3+h2o \
+      --batch 16 --prompt 8192 --new 160 --repeats 1 --evict-interval 64 --profile 96 \
+      > "$OUT/h_profile.txt" 2>&1
+    grep -A14 "top device kernels" "$OUT/h_profile.txt" ;;
   g)
     timeout -k 5 580 python3 benchmarks/bench_generate.py --budget-s 560 --out "$OUT/gen32k" \
       --prompt 32768 --new 64 --evict-interval 64 --kv-gib 12 \
