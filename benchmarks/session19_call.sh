@@ -1,7 +1,7 @@
 #!/bin/bash
 # Device calls of the nineteenth and twentieth sessions, one part a call, each under 600 s;
 # every part writes $OUT/<part>*.txt and prints a summary. Ran: a, e (nineteenth); c, c0, f, g
-# (twentieth: RESULTS.md "Twentieth session"). Still to run: b, d, h.
+# (twentieth: RESULTS.md "Twentieth session"). Still to run: b, d, h, i, j.
 #   b: the MLA eviction rows at interval 1 under the profiler (5.5 ms of eviction a step at 4
 #      layers on an H100 in the nineteenth session: where it goes)
 #   c: capacity at 32k with 48 requests (cases 7 and 9: issue 19's rows)
@@ -16,6 +16,8 @@
 #   h: the MLA rows after the blocked absorption (twentieth session) in one call: fp8, fp8 +
 #      SnapKV hold, fp8 + H2O (H2O read 1.39x fp8 on an H100, 0.85x before the change:
 #      then the H2O row again under the profiler, to see where the old 0.85x went)
+#   i: issue 22's B64 x 8k rows (hf_eager, kvc bf16, kvc fp8; a row that runs out of memory
+#      says so in its line), j: its B16 x 32k rows, the same three
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvc_out}; mkdir -p "$OUT"
 case "${PART:-c}" in
@@ -56,6 +58,14 @@ case "${PART:-c}" in
       --batch 16 --prompt 8192 --new 160 --repeats 1 --evict-interval 64 --profile 96 \
       > "$OUT/h_profile.txt" 2>&1
     grep -A14 "top device kernels" "$OUT/h_profile.txt" ;;
+  i|j)
+    if [ "$PART" = i ]; then shape="--batch 64 --prompt 8192"; else shape="--batch 16 --prompt 32768"; fi
+    for r in hf_eager kvc_bf16 kvc_fp8_e4m3; do
+      timeout -k 5 ${IJ_LIMIT:-170} python3 benchmarks/bench_latent_generate.py \
+        --ref "$OUT/ref_$PART.pt" --rows $r $shape --new 32 --repeats 2 || echo "| $r | exit $? |"
+    done > "$OUT/${PART}_latent.txt" 2>&1
+    rm -f "$OUT/ref_$PART.pt"
+    grep -E "^\| [hk]|^# Deep" "$OUT/${PART}_latent.txt" ;;
   g)
     timeout -k 5 580 python3 benchmarks/bench_generate.py --budget-s 560 --out "$OUT/gen32k" \
       --prompt 32768 --new 64 --evict-interval 64 --kv-gib 12 \
