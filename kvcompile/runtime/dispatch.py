@@ -97,7 +97,7 @@ def attend(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, window, so
             # logical indices, is not applied to them
             attn_mask = mask_info = None
         out = ev.attend_kept(ctx, layer, q, plan,
-                             None if attn_mask is None else masks.dense(plan, attn_mask),
+                             _kept_mask(plan, attn_mask),
                              is_causal, window, softcap, scale, extras)
         if out is not None:
             return out
@@ -253,6 +253,16 @@ def attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, win
                           softcap, scale, kv_b_weight, nope_dim, fresh)
 
 
+def _kept_mask(plan, attn_mask):
+    """The mask the eviction runtime's host path takes (`attend_kept`): a decode step's built
+    once per forward (masks.dense: [B, 1, 1, L], read by every layer and row); a prompt's
+    split mask (masks.AndMask) as it is, built a batch row at a time (`_row_mask`), never
+    whole ([B, 1, S, L]: 16 GiB of bool at B16 x 32k)."""
+    if attn_mask is None or (not plan.is_decode and isinstance(attn_mask, masks.AndMask)):
+        return attn_mask
+    return masks.dense(plan, attn_mask)
+
+
 def _latent_evicting(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, window,
                      softcap, scale, kv_b_weight, nope_dim: int, fresh):
     """An MLA layer with an eviction policy, row by row (EvictionRuntime.latent_rows): rows
@@ -317,9 +327,8 @@ def _latent_evicting(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, 
     q_lat = absorb_query(q, kv_b_weight, nope_dim)
     state.count("latent_eviction_host_rows", len(host))
     if not plan.packed:
-        dense = None if attn_mask is None else masks.dense(plan, attn_mask)
-        o_lat = ev.attend_kept(ctx, layer, q_lat, plan, dense, is_causal, window, softcap,
-                               scale, {})
+        o_lat = ev.attend_kept(ctx, layer, q_lat, plan, _kept_mask(plan, attn_mask),
+                               is_causal, window, softcap, scale, {})
         return latent_output(o_lat.to(q_lat.dtype), kv_b_weight, nope_dim)
     into = torch.zeros((*q_lat.shape[:-1], state.pool.k[layer].head_dim),
                        dtype=torch.float32, device=q.device)

@@ -430,3 +430,42 @@ def test_eviction_interval_validated_and_taken_by_the_engine():
     eng = Engine(m, eviction_interval=2)    # the engine's own
     assert eng.eviction.interval == 2
     eng.close()
+
+
+@pytest.mark.parametrize("policy", [SnapKV(budget=10, window=4, hold=True),
+                                    H2O(budget=10, recent=4, sinks=2)], ids=["SnapKV", "H2O"])
+def test_padded_prompt_never_builds_its_whole_mask(policy, monkeypatch):
+    """A left-padded batch's prompt, whose mask the rewrite hands over in two parts
+    (kernels/masks.py AndMask: causality [1, 1, S, L], padding [B, 1, 1, L]), attends on the
+    eviction runtime's host path (padding is a per-slot rule), which builds the mask one batch
+    row at a time (runtime/dispatch.py `_kept_mask`), so the product [B, 1, S, L] (16 GiB of
+    bool at B16 x 32k) is never made; decode steps' one-row masks may be. The first token
+    equals the uncompiled model's (nothing evicted before it). Negative control: the prompt's
+    mask did come split. (Building it whole fails this: checked.)"""
+    from kvcompile.kernels import masks
+
+    made, built = [], []
+    init, materialize = masks.AndMask.__init__, masks.AndMask.materialize
+
+    def spy_init(self, a, b):
+        init(self, a, b)
+        made.append(tuple(self.shape))
+
+    def spy_materialize(self):
+        built.append(tuple(self.shape))
+        return materialize(self)
+
+    monkeypatch.setattr(masks.AndMask, "__init__", spy_init)
+    monkeypatch.setattr(masks.AndMask, "materialize", spy_materialize)
+    ids = torch.randint(3, V, (3, 20), generator=torch.Generator().manual_seed(5))
+    am = torch.ones_like(ids)
+    am[1, :3] = 0
+    am[2, :7] = 0
+    kw = dict(attention_mask=am, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = _model().generate(ids, **kw)[:, 20]
+        got = _compiled(policy).generate(ids, **kw)
+    assert any(s[2] == 20 for s in made), made            # the prompt's mask came split
+    assert not [s for s in built if s[2] > 1], built       # ... and was never built whole
+    assert torch.equal(got[:, 20], want)
+    assert got.shape == (3, 26)
