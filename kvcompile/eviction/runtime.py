@@ -376,11 +376,13 @@ class EvictionRuntime(RuntimeHook):
 
     # -- attention ------------------------------------------------------------------------------
     def attend_kept(self, ctx, layer, q, plan, attn_mask, is_causal, window, softcap, scale,
-                    extras, rows=None, into=None):
+                    extras, rows=None, into=None, absorb=None):
         """Attention of a layer with a policy over its kept slots (runtime/dispatch.py asks
         this first), or None for a layer without one. rows (a packed plan): attend these rows
         only, writing them into `into` (the plain kernels' output of the whole step, in which
-        the other rows are already right; `plain_rows`); returns `into`."""
+        the other rows are already right; `plain_rows`); returns `into`. absorb (an MLA
+        layer, a plan that is not packed, no `rows`): q comes as the model's and each batch
+        row is absorbed as it is attended (observe_prefill), not the whole batch at once."""
         if layer not in self.policies:
             return None
         if rows is not None:
@@ -415,6 +417,8 @@ class EvictionRuntime(RuntimeHook):
             total = pool.logical_len(sid)
             q_pos = torch.arange(total - n, total, device=q.device)
             qi = q[0, :, cu[i]:cu[i + 1]] if plan.packed else q[i]
+            if absorb is not None:
+                qi = absorb(qi.unsqueeze(0))[0]
             mask_b = None
             if attn_mask is not None and not plan.packed:
                 mask_b = _row_mask(attn_mask, i, n)

@@ -33,7 +33,7 @@ import torch
 
 from kvcompile.errors import UnsupportedShapeError
 from kvcompile.kernels import masks
-from kvcompile.kernels.dense import paged_reference_attention, sdpa_attention
+from kvcompile.kernels.dense import compute_dtype, paged_reference_attention, sdpa_attention
 from kvcompile.kernels.latent import absorb_query, expand_latent, latent_output
 from kvcompile.runtime.hooks import RuntimeHook
 from kvcompile.runtime.kernel_formats import kernel_readable
@@ -298,6 +298,10 @@ def _latent_evicting(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, 
     host = {i for i, k in enumerate(kinds) if k == "host"}
     plain = {i for i, k in enumerate(kinds) if k == "plain"}
     out = None
+
+    def absorb(x):   # the absorbed query of the rows a score or a host row reads, as it goes
+        return absorb_query(x, kv_b_weight, nope_dim)
+
     if plan.packed or not host:
         if any(k == "stored" for k in kinds) and not plan.packed:
             attn_mask = mask_info = None   # (free: it hides no key; its columns are logical)
@@ -315,8 +319,6 @@ def _latent_evicting(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, 
             # the absorbed query of the rows each score reads, a block at a time (not the
             # whole prompt's [B, H, S, r + dr]: 19 GB at B16 x 8k and 128 heads in bf16)
             only = None if len(plain) == len(kinds) else plain
-            def absorb(x):
-                return absorb_query(x, kv_b_weight, nope_dim)
             ev.observe_prefill(ctx, layer, q, plan, None if plan.packed else attn_mask,
                                is_causal, window, softcap, scale, only=only, absorb=absorb)
             ev.prompt_mass(ctx, layer, q, plan, None if plan.packed else attn_mask,
@@ -324,12 +326,12 @@ def _latent_evicting(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, 
                            scale, only=only, absorb=absorb)
         if not host:
             return out
-    q_lat = absorb_query(q, kv_b_weight, nope_dim)
     state.count("latent_eviction_host_rows", len(host))
-    if not plan.packed:
-        o_lat = ev.attend_kept(ctx, layer, q_lat, plan, _kept_mask(plan, attn_mask),
-                               is_causal, window, softcap, scale, {})
-        return latent_output(o_lat.to(q_lat.dtype), kv_b_weight, nope_dim)
+    if not plan.packed:   # every row on the host path, each absorbed as it is attended
+        o_lat = ev.attend_kept(ctx, layer, q, plan, _kept_mask(plan, attn_mask), is_causal,
+                               window, softcap, scale, {}, absorb=absorb)
+        return latent_output(o_lat.to(compute_dtype(q.dtype)), kv_b_weight, nope_dim)
+    q_lat = absorb_query(q, kv_b_weight, nope_dim)
     into = torch.zeros((*q_lat.shape[:-1], state.pool.k[layer].head_dim),
                        dtype=torch.float32, device=q.device)
     o_lat = ev.attend_kept(ctx, layer, q_lat, plan, None, is_causal, window, softcap, scale,
