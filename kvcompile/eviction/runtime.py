@@ -710,9 +710,10 @@ class EvictionRuntime(RuntimeHook):
             total = pool.logical_len(sid)
             qi = q[0, :, cu[i]:cu[i + 1]] if plan.packed else q[i]
             q_pos = torch.arange(total - n, total, device=q.device)
-            for lo in range(0, n, step or max(n, 1)):
-                hi = min(n, lo + step) if step else n
-                qb = qi[:, lo:hi] if step else qi
+            block = step or max(n, 1)   # (without absorb: the row whole)
+            for lo in range(0, n, block):
+                hi = min(n, lo + block)
+                qb = qi[:, lo:hi]
                 if absorb is not None:
                     qb = absorb(qb.unsqueeze(0))[0]
                 mask_b = _row_mask(attn_mask, i, n, lo, hi) if custom else None
@@ -770,7 +771,7 @@ class EvictionRuntime(RuntimeHook):
                     torch.tensor(starts, **i32), scale, causal=causal, window=window,
                     softcap=softcap, max_q=max(qn), max_k=max(lens))
             else:
-                mass = None
+                mass = torch.zeros(k.shape[0], k.shape[1], dtype=torch.float32, device=dev)
                 step = self._absorb_rows(layer, q)
                 zero = torch.zeros(1, dtype=torch.int64, device=dev)
                 for (i, _sid, n), lo_k, L, total, st in zip(rows, first, lens, totals, starts):
@@ -784,9 +785,7 @@ class EvictionRuntime(RuntimeHook):
                             torch.tensor([total - n + lo], **i32), torch.tensor([st], **i32),
                             scale, causal=causal, window=window, softcap=softcap,
                             max_q=hi - lo, max_k=L)
-                        mass = part if mass is None else mass.add_(part)
-                if mass is None:   # (no query rows)
-                    mass = torch.zeros(k.shape[0], k.shape[1], dtype=torch.float32, device=dev)
+                        mass += part
         except (ImportError, UnsupportedShapeError) as e:
             self._say(f"H2O prompt mass kernel refused ({type(e).__name__}: {e}): the torch "
                       f"path per sequence (eviction/attend.py prompt_mass)")
@@ -1498,8 +1497,6 @@ def _row_mask(attn_mask, row: int, n: int, lo: int = 0, hi: int | None = None) -
         while m.dim() < 3:
             m = m.unsqueeze(0)
         m = m[:, lo:hi] if m.shape[1] > 1 else m
-    while m.dim() < 3:
-        m = m.unsqueeze(0)
     m = m.expand(m.shape[0], hi - lo, m.shape[-1])
     if m.dtype != torch.bool:
         allowed, binary = to_bool(m)
