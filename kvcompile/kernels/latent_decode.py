@@ -687,6 +687,19 @@ def launch_constexprs(tiles: LatentTiles, q_dtype: torch.dtype, c_fmt: str, r_fm
     return _latent_once_kernel, consts
 
 
+def check_key_mask(key_mask, q_lat, who: str) -> None:
+    """Raises UnsupportedShapeError unless key_mask is None or a bool [B, L] tensor on the
+    query's device (the latent kernels' key mask)."""
+    if key_mask is not None and (not isinstance(key_mask, torch.Tensor)
+                                 or key_mask.dtype != torch.bool or key_mask.dim() != 2
+                                 or key_mask.shape[0] != q_lat.shape[0]
+                                 or key_mask.device != q_lat.device):
+        raise UnsupportedShapeError(f"{who}: key_mask must be a bool tensor "
+                                    f"[{q_lat.shape[0]}, L] on {q_lat.device}; got "
+                                    f"{getattr(key_mask, 'dtype', type(key_mask))} "
+                                    f"{tuple(getattr(key_mask, 'shape', ()))}")
+
+
 def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: float,
                             num_splits: int | None = None,
                             tiles: LatentTiles | None = None,
@@ -711,14 +724,7 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
                                     f"fp32 [{q_lat.shape[0]}, 1, L] on {q_lat.device} (one "
                                     f"latent head); got {getattr(attn_mass, 'dtype', None)} "
                                     f"{tuple(getattr(attn_mass, 'shape', ()))}")
-    if key_mask is not None and (not isinstance(key_mask, torch.Tensor)
-                                 or key_mask.dtype != torch.bool or key_mask.dim() != 2
-                                 or key_mask.shape[0] != q_lat.shape[0]
-                                 or key_mask.device != q_lat.device):
-        raise UnsupportedShapeError(f"latent_decode_attention: key_mask must be a bool tensor "
-                                    f"[{q_lat.shape[0]}, L] on {q_lat.device}; got "
-                                    f"{getattr(key_mask, 'dtype', type(key_mask))} "
-                                    f"{tuple(getattr(key_mask, 'shape', ()))}")
+    check_key_mask(key_mask, q_lat, "latent_decode_attention")
     B, H, _ = q_lat.shape
     R, DR, P = c_pages.head_dim, r_pages.head_dim, c_pages.page_size
     widened = c_pages.fmt.name in _PAGE_SCALED
@@ -800,6 +806,7 @@ def _scores_mass(scores, ml, attn_mass, seq_lens) -> None:
 
 __all__ = ["AHEADS", "CANDIDATES", "FEW_PROGRAMS", "LAYOUTS", "PREFETCH_VARIANTS",
            "SWEEP_CANDIDATES", "WIDENS",
-           "LatentTiles", "fast_path_reason", "latent_decode_attention", "launch_constexprs",
+           "LatentTiles", "check_key_mask", "fast_path_reason", "latent_decode_attention",
+           "launch_constexprs",
            "merge_launch",
            "pick_launch", "pick_splits", "pick_tiles", "programs_per_sm"]

@@ -70,7 +70,8 @@ class LatentParams(ctypes.Structure):  # latent_decode.cuh LatentParams, field f
         "q", "c", "r", "cs", "rs", "bt", "seq_lens", "out", "acc", "ml")] + [
         (n, ctypes.c_longlong) for n in ("stride_qb", "stride_qh", "stride_bt")] + [
         (n, ctypes.c_int) for n in ("H", "num_splits", "tiles_per_split", "direct")] + [
-        ("qk_scale", ctypes.c_float), ("prof", ctypes.c_void_p), ("cnt", ctypes.c_void_p)]
+        ("qk_scale", ctypes.c_float), ("prof", ctypes.c_void_p), ("cnt", ctypes.c_void_p),
+        ("km", ctypes.c_void_p), ("n_km", ctypes.c_int)]
 
 
 def _round(x: int, m: int) -> int:
@@ -260,7 +261,8 @@ def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: flo
                      num_splits: int | None = None, stages: int | None = None,
                      sms: int = 132, variant: str = "base", warps: int = WARPS,
                      poison: bool = False, profile: torch.Tensor | None = None,
-                     fused_merge: bool = False, always_rescale: bool = False) -> Launch:
+                     fused_merge: bool = False, always_rescale: bool = False,
+                     key_mask: torch.Tensor | None = None) -> Launch:
     """The launch for these inputs (any device: the emulation plans CPU tensors).
     stages: ring stages of half a tile (None: as many as fit one CTA an SM; 4 lets fp8 pages
     run two CTAs an SM); variant: VARIANTS (a bit that changes nothing for these pages is
@@ -270,10 +272,13 @@ def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: flo
     cubin more); fused_merge: the splits merged by the kernel's last CTA a head block (an
     arrival counter, `arrivals`, instead of merge_launch's second launch); always_rescale
     (benchmarks): O rescaled in every tile, as before mla22k (now only tiles that raise a row's
-    max do; bit-identical)."""
-    from kvcompile.kernels.latent_decode import _check
+    max do; bit-identical); key_mask: bool [B, Lm], key j seen iff key_mask[b, j] (j >= Lm:
+    seen), as latent_decode.latent_decode_attention takes it (left padding, a decode step's
+    mask under CUDA graph capture); a row whose keys are all hidden gets zeros."""
+    from kvcompile.kernels.latent_decode import _check, check_key_mask
 
     _check(q_lat, c_pages, r_pages, block_tables, seq_lens)
+    check_key_mask(key_mask, q_lat, "latent_decode_sm90")
     why = unsupported(q_lat, c_pages, r_pages)
     if why:
         raise UnsupportedShapeError(f"latent_decode_sm90: {why}; use "
@@ -319,7 +324,8 @@ def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: flo
                "cs": c_pages.scale if ck < 2 else None, "rs": r_pages.scale if rk < 2 else None,
                "bt": block_tables, "seq_lens": seq_lens, "out": out,
                "acc": None if num_splits == 1 else acc, "ml": None if num_splits == 1 else ml,
-               "prof": profile, "cnt": cnt}
+               "prof": profile, "cnt": cnt,
+               "km": None if key_mask is None else key_mask.contiguous().view(torch.uint8)}
 
     def ptr(name):
         t = tensors[name]
@@ -328,7 +334,8 @@ def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: flo
     prm = LatentParams(ptr("q"), ptr("c"), ptr("r"), ptr("cs"), ptr("rs"), ptr("bt"),
                        ptr("seq_lens"), ptr("out"), ptr("acc"), ptr("ml"),
                        q.stride(0), q.stride(1), block_tables.stride(0), H, num_splits, tps,
-                       int(num_splits == 1), float(scale) * _LOG2E, ptr("prof"), ptr("cnt"))
+                       int(num_splits == 1), float(scale) * _LOG2E, ptr("prof"), ptr("cnt"),
+                       ptr("km"), 0 if key_mask is None else key_mask.shape[1])
     return Launch(key, grid, prm, tensors, out, acc, ml, num_splits, bool(fused_merge))
 
 
@@ -372,12 +379,13 @@ def latent_decode_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: f
                        variant: str = "base", warps: int = WARPS,
                        merge: bool = True, poison: bool = False,
                        profile: torch.Tensor | None = None,
-                       fused_merge: bool = False, always_rescale: bool = False) -> torch.Tensor:
+                       fused_merge: bool = False, always_rescale: bool = False,
+                       key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring. q_lat [B, H, R + DR] -> [B, H, R] fp32, on an sm_90 GPU.
     merge False (benchmarks only: the kernel timed without the merge launch): the splits'
     partials are left unmerged and the returned tensor is not the output when splits > 1.
     poison (tests): the output and the partials are filled with NaN before the launch.
-    profile, fused_merge, always_rescale: as plan_latent_sm90."""
+    profile, fused_merge, always_rescale, key_mask: as plan_latent_sm90."""
     from kvcompile.kernels import decode_sm90
     from kvcompile.kernels.latent_decode import merge_launch, sm_count
 
@@ -396,7 +404,7 @@ def latent_decode_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: f
         fused_merge = False
     lp = plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale, num_splits,
                           stages, sm_count(q_lat.device), variant, warps, poison, profile,
-                          fused_merge, always_rescale)
+                          fused_merge, always_rescale, key_mask)
     _kernel(lp.key).launch(lp.grid, warps * 32, lp.prm, q_lat.device)
     if merge and not lp.merged:
         merge_launch(lp.acc, lp.ml, lp.out, lp.num_splits)

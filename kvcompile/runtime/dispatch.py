@@ -414,8 +414,9 @@ def prefill_mode(config, q: torch.Tensor) -> str:
 
 
 def mask_hides_no_key(plan, mask_info) -> bool:
-    """Whether an attention mask hides no cached key from a decode step (the latent kernels
-    take no key mask): an exact causal mask without padding or window, or a decode step's key
+    """Whether an attention mask hides no cached key from a decode step (then the latent
+    kernels run without reading a key mask): an exact causal mask without padding or window,
+    or a decode step's key
     row that is all True (transformers 5.17 passes such a mask to every MLA decode step; 5.25
     passes None). The key row is read on the host once per forward (one sync, cached in the
     plan); under CUDA graph capture it cannot be, so the answer is no there."""
@@ -472,11 +473,11 @@ def _latent_kernel(state, q_lat, c_pages, r_pages, plan, mask_info, attn_mask, w
     """The absorbed decode kernel for a decode step of one query per row (no window or
     softcap), on CUDA or with KVConfig(kernels="triton"): ([B, H, 1, r] fp32, route), or None
     (the reference attends). route "cuda": the CUDA kernel (kernels/latent_sm90.py) on sm_90
-    where latent_sm90.use_cuda says the H200 measured it faster, for a step whose mask hides
-    no cached key; "triton": kernels/latent_decode.py, which also takes the step's key mask
-    (left padding, or any mask under CUDA graph capture, where the key row cannot be read on
-    the host: mask_hides_no_key). attn_mass [B, 1, Lm] fp32 (H2O, `_latent_aside_mass`):
-    the Triton kernel adds the step's probabilities to it (the CUDA one has no such output)."""
+    where latent_sm90.use_cuda says the H200 measured it faster; "triton":
+    kernels/latent_decode.py. Both take the step's key mask (left padding, or any mask under
+    CUDA graph capture, where the key row cannot be read on the host: mask_hides_no_key).
+    attn_mass [B, 1, Lm] fp32 (H2O, `_latent_aside_mass`): the Triton kernel adds the step's
+    probabilities to it (the CUDA one has no such output)."""
     kernels = state.kernels
     why, key_mask, packed = _latent_kernel_why(state, q_lat, c_pages, r_pages, plan,
                                                mask_info, attn_mask, window, softcap)
@@ -495,13 +496,13 @@ def _latent_kernel(state, q_lat, c_pages, r_pages, plan, mask_info, attn_mask, w
 
     launch = latent_sm90.use_cuda(q_rows, c_pages, r_pages, plan.block_tables.shape[1]
                                   * c_pages.page_size)
-    if launch is not None and key_mask is None and attn_mass is None:
-        out = latent_sm90.latent_decode_sm90(q_rows, c_pages, r_pages,
-                                             plan.block_tables, plan.seq_lens, scale, **launch)
+    if launch is not None and attn_mass is None:
+        out = latent_sm90.latent_decode_sm90(q_rows, c_pages, r_pages, plan.block_tables,
+                                             plan.seq_lens, scale, key_mask=key_mask, **launch)
         return shaped(out), "cuda"
-    if launch is not None:   # the CUDA latent kernel takes no key mask and adds no mass
-        kernels.note("latent decode: Triton kernel, not the CUDA one, for steps with a key "
-                     "mask (left padding, or a mask under CUDA graph capture) or H2O mass")
+    if launch is not None:   # the CUDA latent kernel adds no mass
+        kernels.note("latent decode: Triton kernel, not the CUDA one, for steps that add H2O's "
+                     "attention mass")
     out = latent_decode_attention(q_rows, c_pages, r_pages, plan.block_tables,
                                   plan.seq_lens, scale, key_mask=key_mask,
                                   attn_mass=attn_mass)

@@ -99,6 +99,83 @@ def test_run_time_routes_decode_steps_to_the_cuda_kernel(kv_dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("variant,stages,warps", [("base", None, 4), ("base", 4, 4),
+                                                  ("alu", 4, 8), ("ksplit", 4, 4),
+                                                  ("ksplit", None, 8)])
+@pytest.mark.parametrize("splits", [None, 1, 7])
+@pytest.mark.parametrize("heads", [16, 20])
+@pytest.mark.parametrize("c_fmt,r_fmt", [("bf16", "bf16"), ("fp8_e4m3", "bf16")])
+def test_cuda_latent_key_mask(c_fmt, r_fmt, heads, splits, variant, stages, warps):
+    """key_mask (left padding over whole tiles, holes, a row hidden whole, a mask narrower than
+    the longest row) on the CUDA kernel against the Triton kernel with the same mask (whose
+    CPU test checks it against plain torch); without the mask the output differs."""
+    from kvcompile.kernels import latent_sm90
+    from kvcompile.kernels.latent_decode import latent_decode_attention
+
+    if c_fmt == "bf16" and (latent_sm90.variant_bits(variant, 0) & latent_sm90.FP8_BITS
+                            or stages is not None):
+        pytest.skip("the variants and 4-stage rings are for fp8 latent pages")
+    lens = [1, 63, 4097, 700]
+    pool, plan, q, lens_t, _ = _case(c_fmt, r_fmt, lens, heads)
+    g = torch.Generator(device="cuda").manual_seed(heads)
+    km = torch.rand(len(lens), 3000, device="cuda", generator=g) > 0.2   # keys 3000.. seen
+    km[0] = False            # row 0: its one key hidden (zeros)
+    km[2, :700] = False      # left padding: 10 whole tiles and more
+    args = (q, pool.k[0], pool.v[0], plan.block_tables, lens_t, 0.07)
+    out = latent_sm90.latent_decode_sm90(*args, num_splits=splits, stages=stages,
+                                         variant=variant, warps=warps, poison=True, key_mask=km)
+    ref = latent_decode_attention(*args, key_mask=km)
+    plain = latent_sm90.latent_decode_sm90(*args, num_splits=splits, stages=stages,
+                                           variant=variant, warps=warps)
+    torch.cuda.synchronize()
+    what = f"{c_fmt}/{r_fmt} h{heads} x {splits} {variant} s{stages} w{warps} key mask"
+    assert torch.isfinite(out).all() and (out[0] == 0).all(), what
+    assert_rel_close(out, ref, torch.bfloat16, what=what)
+    assert (plain[2] - ref[2]).abs().max() > 1e-2, what
+
+
+def test_left_padded_generate_takes_the_cuda_kernel(monkeypatch):
+    """A left-padded batch through generate (its decode steps carry a key mask, so before the
+    CUDA kernel took one they all went to the Triton kernel): with latent_sm90.ROUTE "cuda"
+    every decode step of every layer runs the CUDA kernel, and the logits agree with the
+    Triton route's within bf16's tolerance."""
+    import transformers
+
+    import kvcompile
+    from kvcompile.kernels import latent_sm90
+
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=R, q_lora_rank=64,
+        qk_rope_head_dim=DR, qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=2,
+        max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_config(cfg).eval().to("cuda", torch.bfloat16)
+    ids = torch.randint(3, 256, (3, 200), generator=torch.Generator().manual_seed(2)).cuda()
+    am = torch.ones_like(ids)
+    am[0, :150] = 0   # left padding: the first two tiles and more
+    am[2, :7] = 0
+    ids = ids.masked_fill(am == 0, 0)
+    logits, counters = {}, {}
+    for route in ("cuda", "triton"):
+        model = copy.deepcopy(base)
+        monkeypatch.setattr(latent_sm90, "ROUTE", route)
+        kvcompile.compile(model, kvcompile.KVConfig(kv_dtype="fp8_e4m3", max_kv_bytes=1 << 28))
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=am, max_new_tokens=9, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True,
+                                 pad_token_id=0)
+        logits[route] = torch.stack(out.logits, 1).float()
+        counters[route] = kvcompile.stats(model)["counters"]
+        del model
+    assert counters["cuda"].get("latent_decode_cuda", 0) >= 2 * 8, counters["cuda"]
+    assert "latent_decode_triton" not in counters["cuda"], counters["cuda"]
+    assert counters["triton"].get("latent_decode_triton", 0) >= 2 * 8, counters["triton"]
+    assert_rel_close(logits["cuda"], logits["triton"], torch.bfloat16, factor=4,
+                     what="left-padded generate, CUDA vs Triton route")
+
+
+@pytest.mark.parametrize("variant,stages,warps", [("base", None, 4), ("base", 4, 4),
                                                   ("base", 4, 8), ("aluv", 4, 4),
                                                   ("ksplit", None, 4), ("ksplit", 4, 4),
                                                   ("ksplit", 4, 8), ("ostage+ksplit", 4, 4),

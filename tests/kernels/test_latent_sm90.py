@@ -126,6 +126,54 @@ def test_page_scales_are_read(which):
     assert rel_err(out, ref) > 0.1
 
 
+def _masked_reference(pool, plan, q, lens, key_mask, scale=0.2):
+    """Plain torch: each row's latent and rotary key read back from its pages, the keys
+    key_mask hides (key_mask[b, j] False, j < its width) dropped; a row with none: zeros."""
+    P = pool.k[0].page_size
+    out = torch.zeros(q.shape[0], q.shape[1], R)
+    for b, n in enumerate(lens):
+        pages = plan.block_tables[b, :-(-n // P)]
+        c = pool.k[0].read(pages)[:, 0].reshape(-1, R)[:n]
+        kr = pool.v[0].read(pages)[:, 0].reshape(-1, DR)[:n]
+        seen = torch.ones(n, dtype=torch.bool)
+        w = min(n, key_mask.shape[1])
+        seen[:w] = key_mask[b, :w]
+        if seen.any():
+            s = (q[b].float() @ torch.cat([c, kr], 1)[seen].T) * scale
+            out[b] = torch.softmax(s, -1) @ c[seen]
+    return out
+
+
+@pytest.mark.skipif(not build_emu.available()[0], reason="g++ not found")
+@pytest.mark.parametrize("which", [0, 1], ids=["bf16-base", "fp8-alu-w8"])
+def test_key_mask_hides_keys(which):
+    """key_mask (an HF decode step's mask: left padding over a whole tile, holes, a row hidden
+    whole, a mask narrower than the longest row), through CASES' launches (no build of its
+    own), against plain torch: sequence 0's first tile is hidden whole (its split's running
+    max stays -inf for a tile), sequence 1 gets zeros. Negatives: the same launch without the
+    mask misses the reference; an all-True mask equals no mask."""
+    c_fmt, r_fmt, heads, _, page, splits, variant, qd, stages, warps = CASES[which]
+    lens = [300, 17, 90]
+    g = torch.Generator().manual_seed(21 + which)
+    pool, plan = _pool(c_fmt, r_fmt, lens, g, page)
+    q = (torch.randn(len(lens), heads, R + DR, generator=g) * 0.05).to(qd)
+    km = torch.rand(len(lens), 200, generator=g) > 0.3   # holes; keys 200..299 of row 0 seen
+    km[0, :70] = False                                    # left padding: tile 0 and 6 more
+    km[1] = False                                         # every key of row 1 hidden
+    kw = dict(num_splits=splits, variant=variant, stages=stages, warps=warps)
+    out = _emulate(pool, plan, q, lens, key_mask=km, **kw)
+    ref = _masked_reference(pool, plan, q, lens, km)
+    assert torch.isfinite(out).all() and (out[1] == 0).all()
+    assert rel_err(out, ref) <= _bound(c_fmt)
+    plain = _emulate(pool, plan, q, lens, **kw)
+    assert rel_err(plain[[0, 2]], ref[[0, 2]]) > _bound(c_fmt)
+    same = _emulate(pool, plan, q, lens, key_mask=torch.ones(len(lens), 300, dtype=torch.bool),
+                    **kw)
+    assert torch.equal(same, plain)
+    with pytest.raises(UnsupportedShapeError, match="key_mask must be a bool tensor"):
+        _emulate(pool, plan, q, lens, key_mask=km.to(torch.uint8), **kw)
+
+
 def test_merge_once_matches_torch(monkeypatch):
     """The one-launch merge (latent_decode.merge_launch, "once": every split loaded at once, R
     over programs) and the loop merge it replaces against merge_splits (PyTorch), 3 splits (a

@@ -313,9 +313,10 @@ def test_engine_serves_latent_pages_with_eager_tokens(kernels):
 
 def test_decode_mask_that_hides_no_key_lets_the_latent_kernel_run():
     """transformers 5.17 passes an all-True [B, 1, 1, L] bool mask to every MLA decode step
-    (5.25 passes None): the latent kernels, which take no key mask, run when the step's key
-    row hides nothing, read once per forward; a row with one hidden key (padding), leading
-    keys masked by the binding, or an exact mask with a window keep the reference."""
+    (5.25 passes None): the latent kernels run without a key mask when the step's key row
+    hides nothing, read once per forward; a row with one hidden key (padding), leading keys
+    masked by the binding, or an exact mask with a window do not pass this test (the kernels
+    then take the key row, or the reference attends)."""
     from types import SimpleNamespace
 
     from kvcompile.kernels.masks import MaskInfo

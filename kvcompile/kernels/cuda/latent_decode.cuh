@@ -58,6 +58,8 @@ struct LatentParams {
   float qk_scale;        // scale * log2(e)
   unsigned long long* prof;  // [grid, LAT_PROF_SLOTS] (variant bit LAT_VAR_PROF), else null
   int* cnt;              // [B * head blocks] arrivals, zero between launches (LAT_VAR_FMERGE)
+  const uint8_t* km;     // [B, n_km] key mask (0 hides key j; j >= n_km seen), else null
+  int n_km;
 };
 
 namespace kvc {
@@ -510,6 +512,21 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
     const uint8_t* st = warp >= LW / 2 ? st1 : st0;  // the warp's TW tokens' stage
     const int wrow = Gm::TW * (warp % (LW / 2));     // ... and their first row there
     const int tok0 = start + it * LAT_TILE;
+    // the key mask's bytes of the warp's score tokens (bit 2 j + e: token TW w + 8 j + 2 t + e
+    // seen), loaded before the scores' MMAs and applied after them (a uniform branch: no mask,
+    // no loads)
+    uint32_t seen = 0xfu;
+    if (p.km != nullptr) {
+      const uint8_t* kmr = p.km + (long long)b * p.n_km;
+      seen = 0u;
+#pragma unroll
+      for (int j = 0; j < Gm::NTW; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int tok = tok0 + Gm::TW * warp + 8 * j + 2 * t + e;
+          seen |= (tok >= p.n_km || kmr[tok] != 0 ? 1u : 0u) << (2 * j + e);
+        }
+    }
 
     float x[2][4], cf[2];  // scaled scores; cf: the latent page scale (and ALU_V's 2^8) P carries
     if constexpr (KSPLIT) {
@@ -691,6 +708,13 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
       }
     }
     }  // !KSPLIT
+    if (seen != 0xfu) {  // hidden keys (key mask): -inf, as the tokens past the split's end
+#pragma unroll
+      for (int j = 0; j < Gm::NTW; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          if (!((seen >> (2 * j + (c & 1))) & 1u)) x[j][c] = NEG_INF;
+    }
     float mx0 = fmaxf(fmaxf(x[0][0], x[0][1]), fmaxf(x[1][0], x[1][1]));
     float mx1 = fmaxf(fmaxf(x[0][2], x[0][3]), fmaxf(x[1][2], x[1][3]));
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
@@ -711,7 +735,8 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
       mx0 = fmaxf(mx0, red[w * 16 + g]);
       mx1 = fmaxf(mx1, red[w * 16 + g + 8]);
     }
-    // every row sees the tile's first token: mx is finite unless q is not
+    // mx is -inf only where a key mask hides every token of the tile (and every earlier
+    // one): then m stays -inf and the tile's p are 0 (exp2 against 0, not against -inf)
     const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
     // O and l are rescaled only in tiles that raise some row's max (every warp sees the same
     // maxima, so the branch is uniform over the CTA): exp2(0) is exactly 1, so skipping is
@@ -722,11 +747,12 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
     const float a1 = m1 == NEG_INF ? 0.f : exp2f(m1 - n1);
     m0 = n0;
     m1 = n1;
+    const float e0 = m0 == NEG_INF ? 0.f : m0, e1 = m1 == NEG_INF ? 0.f : m1;
     float lsum0 = 0.f, lsum1 = 0.f;
 #pragma unroll
     for (int j = 0; j < Gm::NTW; ++j) {
-      const float p0 = exp2f(x[j][0] - m0), p1 = exp2f(x[j][1] - m0);
-      const float p2 = exp2f(x[j][2] - m1), p3 = exp2f(x[j][3] - m1);
+      const float p0 = exp2f(x[j][0] - e0), p1 = exp2f(x[j][1] - e0);
+      const float p2 = exp2f(x[j][2] - e1), p3 = exp2f(x[j][3] - e1);
       lsum0 += p0 + p1;
       lsum1 += p2 + p3;
       const int col = 2 * (Gm::TW * warp + 8 * j + 2 * t);  // byte offset of the token pair
