@@ -3,8 +3,9 @@ spills and instructions per 64-token tile and warp, by kind (sass_counts.py's gr
 
     python benchmarks/latent_sass.py [--keys bf16,e4m3,e4m3:s4,e4m3:s4:w8,bf16:prof,bf16:fm]
 
-A key is pages[:s<stages>][:w<warps>][:<variant>][:prof][:fm][:rs] (pages bf16 or e4m3, latent and
-rotary key alike; variant of latent_sm90.VARIANTS). Needs nvcc and nvdisasm; no GPU. "hot"
+A key is pages[:s<stages>][:w<warps>][:<variant>][:prof][:fm][:rs][:mask] (pages bf16 or e4m3,
+latent and rotary key alike; variant of latent_sm90.VARIANTS; mask: the build that reads a key
+mask and writes H2O's scores, LAT_VAR_MASKED). Needs nvcc and nvdisasm; no GPU. "hot"
 leaves out forward-branched blocks of more than 12 instructions without a cp.async (in this
 kernel: the O rescale a tile skips when no row's max grew, mla22k).
 """
@@ -40,6 +41,8 @@ def parse_key(spec: str) -> tuple:
             var |= ls.FMERGE
         elif o == "rs":
             var |= ls.RESCALE
+        elif o == "mask":
+            var |= ls.MASKED
         else:
             var |= ls.variant_bits(o, 0)
     return (ck, ck, 512, 64, 16, 1, st, var, w)

@@ -39,8 +39,9 @@ KFLOP against the same 1152 B (30-60 FLOP/B): memory-bound, 80% of a 4.25 TB/s c
 only 100-200 TFLOP/s; there the rule takes 4-warp tiles (bf16 pages: "once_t" with a
 cp.async ring; fp8 pages: "once" widened by integer operations, two programs an SM; see
 CANDIDATES) and splits the context until the programs fill the SMs.
-Masks, windows and soft-capping are not taken (runtime/dispatch.py `attend_latent` sends
-those steps to the reference, kernels/dense.py); kernels/latent.py holds the math.
+A decode step's key mask is taken (key_mask: left padding, holes); other masks, windows and
+soft-capping are not (runtime/dispatch.py `attend_latent` sends those steps to the reference,
+kernels/dense.py); kernels/latent.py holds the math.
 """
 
 from __future__ import annotations
@@ -700,6 +701,21 @@ def check_key_mask(key_mask, q_lat, who: str) -> None:
                                     f"{tuple(getattr(key_mask, 'shape', ()))}")
 
 
+def check_mass(attn_mass, q_lat, who: str) -> int:
+    """attn_mass' width (0 for None); raises UnsupportedShapeError unless it is None or a
+    contiguous fp32 [B, 1, L] tensor on the query's device (H2O's mass, one latent head)."""
+    if attn_mass is None:
+        return 0
+    if (not isinstance(attn_mass, torch.Tensor) or attn_mass.dtype != torch.float32
+            or attn_mass.dim() != 3 or tuple(attn_mass.shape[:2]) != (q_lat.shape[0], 1)
+            or not attn_mass.is_contiguous() or attn_mass.device != q_lat.device):
+        raise UnsupportedShapeError(f"{who}: attn_mass must be contiguous "
+                                    f"fp32 [{q_lat.shape[0]}, 1, L] on {q_lat.device} (one "
+                                    f"latent head); got {getattr(attn_mass, 'dtype', None)} "
+                                    f"{tuple(getattr(attn_mass, 'shape', ()))}")
+    return attn_mass.shape[2]
+
+
 def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: float,
                             num_splits: int | None = None,
                             tiles: LatentTiles | None = None,
@@ -716,14 +732,7 @@ def latent_decode_attention(q_lat, c_pages, r_pages, block_tables, seq_lens, sca
     then one small kernel (decode_kernels.attn_mass_kernel) turns them into probabilities
     under each head's final lse. No second pass over the pages."""
     _check(q_lat, c_pages, r_pages, block_tables, seq_lens)
-    if attn_mass is not None and (
-            not isinstance(attn_mass, torch.Tensor) or attn_mass.dtype != torch.float32
-            or attn_mass.dim() != 3 or tuple(attn_mass.shape[:2]) != (q_lat.shape[0], 1)
-            or not attn_mass.is_contiguous() or attn_mass.device != q_lat.device):
-        raise UnsupportedShapeError(f"latent_decode_attention: attn_mass must be contiguous "
-                                    f"fp32 [{q_lat.shape[0]}, 1, L] on {q_lat.device} (one "
-                                    f"latent head); got {getattr(attn_mass, 'dtype', None)} "
-                                    f"{tuple(getattr(attn_mass, 'shape', ()))}")
+    check_mass(attn_mass, q_lat, "latent_decode_attention")
     check_key_mask(key_mask, q_lat, "latent_decode_attention")
     B, H, _ = q_lat.shape
     R, DR, P = c_pages.head_dim, r_pages.head_dim, c_pages.page_size
@@ -806,7 +815,7 @@ def _scores_mass(scores, ml, attn_mass, seq_lens) -> None:
 
 __all__ = ["AHEADS", "CANDIDATES", "FEW_PROGRAMS", "LAYOUTS", "PREFETCH_VARIANTS",
            "SWEEP_CANDIDATES", "WIDENS",
-           "LatentTiles", "check_key_mask", "fast_path_reason", "latent_decode_attention",
-           "launch_constexprs",
+           "LatentTiles", "check_key_mask", "check_mass", "fast_path_reason",
+           "latent_decode_attention", "launch_constexprs",
            "merge_launch",
            "pick_launch", "pick_splits", "pick_tiles", "programs_per_sm"]

@@ -60,6 +60,7 @@ FP8_BITS = 7          # the bits above that mean something for fp8 latent pages 
 PROF = 8              # profile=: per-CTA timers (latent_decode.cuh LAT_VAR_PROF)
 FMERGE = 16           # fused_merge=True: the last CTA of each head block merges the splits
 RESCALE = 32          # always_rescale=True: O rescaled every tile (before mla22k), an A/B
+MASKED = 256          # a key mask or H2O's scores given: the build that reads them
 PROF_SLOTS = 12       # latent_decode.cuh LAT_PROF_SLOTS
 PROF_NAMES = ("t_entry", "t_q", "t_tile0", "t_loop", "t_stored", "t_merged", "smid", "tiles",
               "cyc_wait", "cyc_scores", "cyc_softmax", "cyc_pv")
@@ -71,7 +72,8 @@ class LatentParams(ctypes.Structure):  # latent_decode.cuh LatentParams, field f
         (n, ctypes.c_longlong) for n in ("stride_qb", "stride_qh", "stride_bt")] + [
         (n, ctypes.c_int) for n in ("H", "num_splits", "tiles_per_split", "direct")] + [
         ("qk_scale", ctypes.c_float), ("prof", ctypes.c_void_p), ("cnt", ctypes.c_void_p),
-        ("km", ctypes.c_void_p), ("n_km", ctypes.c_int)]
+        ("km", ctypes.c_void_p), ("n_km", ctypes.c_int),
+        ("scores", ctypes.c_void_p), ("scores_len", ctypes.c_int)]
 
 
 def _round(x: int, m: int) -> int:
@@ -214,6 +216,7 @@ class Launch:
     ml: torch.Tensor     # [B, S, H, 2] (out when direct)
     num_splits: int
     fused: bool = False  # the kernel merges its splits (LAT_VAR_FMERGE)
+    scores: torch.Tensor | None = None   # [B, H, Lm] (attn_mass: H2O), log2 units
 
     @property
     def direct(self) -> bool:
@@ -262,7 +265,8 @@ def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: flo
                      sms: int = 132, variant: str = "base", warps: int = WARPS,
                      poison: bool = False, profile: torch.Tensor | None = None,
                      fused_merge: bool = False, always_rescale: bool = False,
-                     key_mask: torch.Tensor | None = None) -> Launch:
+                     key_mask: torch.Tensor | None = None,
+                     mass_len: int = 0) -> Launch:
     """The launch for these inputs (any device: the emulation plans CPU tensors).
     stages: ring stages of half a tile (None: as many as fit one CTA an SM; 4 lets fp8 pages
     run two CTAs an SM); variant: VARIANTS (a bit that changes nothing for these pages is
@@ -274,7 +278,10 @@ def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: flo
     (benchmarks): O rescaled in every tile, as before mla22k (now only tiles that raise a row's
     max do; bit-identical); key_mask: bool [B, Lm], key j seen iff key_mask[b, j] (j >= Lm:
     seen), as latent_decode.latent_decode_attention takes it (left padding, a decode step's
-    mask under CUDA graph capture); a row whose keys are all hidden gets zeros."""
+    mask under CUDA graph capture); a row whose keys are all hidden gets zeros; mass_len > 0
+    (H2O): the kernel also writes each key j < mass_len's score to Launch.scores [B, H,
+    mass_len] (log2 units, -inf where not written) and, with one split too, each head's
+    (max, sum) to Launch.ml, which `add_mass` turns into attention mass."""
     from kvcompile.kernels.latent_decode import _check, check_key_mask
 
     _check(q_lat, c_pages, r_pages, block_tables, seq_lens)
@@ -291,7 +298,8 @@ def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: flo
         raise UnsupportedShapeError(f"latent_decode_sm90: variant {variant!r}: ksplit and wide "
                                     f"do not combine; take one")
     var = (vb | (PROF if profile is not None else 0)
-           | (FMERGE if fused_merge else 0) | (RESCALE if always_rescale else 0))
+           | (FMERGE if fused_merge else 0) | (RESCALE if always_rescale else 0)
+           | (MASKED if key_mask is not None or mass_len else 0))
     key = (ck, rk, R, DR, P, _QT[q_lat.dtype], stages, var, warps)
     _, ctas, _ = kernel_constants(*key)
     hbs = (H + 15) // 16
@@ -308,12 +316,17 @@ def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: flo
     out = torch.empty((B, H, R), dtype=torch.float32, device=dev)
     if num_splits == 1:
         acc = ml = out
+        if mass_len:   # the (max, sum) the mass' lse needs
+            ml = torch.empty((B, 1, H, 2), dtype=torch.float32, device=dev)
     else:
         acc = torch.empty((B, num_splits, H, R), dtype=torch.float32, device=dev)
         ml = torch.empty((B, num_splits, H, 2), dtype=torch.float32, device=dev)
     if poison:   # tests: an element the kernel does not write stays NaN
         for t in (out, acc, ml):
             t.fill_(float("nan"))
+    scores = None
+    if mass_len:
+        scores = torch.full((B, H, mass_len), float("-inf"), dtype=torch.float32, device=dev)
     grid = (B * hbs, num_splits, 1)
     if profile is not None and (profile.dtype != torch.int64 or not profile.is_contiguous()
                                 or profile.numel() < grid[0] * grid[1] * PROF_SLOTS):
@@ -323,9 +336,11 @@ def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: flo
     tensors = {"q": q, "c": c_pages.data, "r": r_pages.data,
                "cs": c_pages.scale if ck < 2 else None, "rs": r_pages.scale if rk < 2 else None,
                "bt": block_tables, "seq_lens": seq_lens, "out": out,
-               "acc": None if num_splits == 1 else acc, "ml": None if num_splits == 1 else ml,
+               "acc": None if num_splits == 1 else acc,
+               "ml": None if num_splits == 1 and not mass_len else ml,
                "prof": profile, "cnt": cnt,
-               "km": None if key_mask is None else key_mask.contiguous().view(torch.uint8)}
+               "km": None if key_mask is None else key_mask.contiguous().view(torch.uint8),
+               "scores": scores}
 
     def ptr(name):
         t = tensors[name]
@@ -335,8 +350,10 @@ def plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: flo
                        ptr("seq_lens"), ptr("out"), ptr("acc"), ptr("ml"),
                        q.stride(0), q.stride(1), block_tables.stride(0), H, num_splits, tps,
                        int(num_splits == 1), float(scale) * _LOG2E, ptr("prof"), ptr("cnt"),
-                       ptr("km"), 0 if key_mask is None else key_mask.shape[1])
-    return Launch(key, grid, prm, tensors, out, acc, ml, num_splits, bool(fused_merge))
+                       ptr("km"), 0 if key_mask is None else key_mask.shape[1],
+                       ptr("scores"), mass_len)
+    return Launch(key, grid, prm, tensors, out, acc, ml, num_splits, bool(fused_merge),
+                  scores)
 
 
 _kernels: dict = {}
@@ -380,14 +397,17 @@ def latent_decode_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: f
                        merge: bool = True, poison: bool = False,
                        profile: torch.Tensor | None = None,
                        fused_merge: bool = False, always_rescale: bool = False,
-                       key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                       key_mask: torch.Tensor | None = None,
+                       attn_mass: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring. q_lat [B, H, R + DR] -> [B, H, R] fp32, on an sm_90 GPU.
     merge False (benchmarks only: the kernel timed without the merge launch): the splits'
     partials are left unmerged and the returned tensor is not the output when splits > 1.
     poison (tests): the output and the partials are filled with NaN before the launch.
-    profile, fused_merge, always_rescale, key_mask: as plan_latent_sm90."""
+    profile, fused_merge, always_rescale, key_mask: as plan_latent_sm90. attn_mass: fp32
+    [B, 1, Lm] (H2O), += each key j < Lm's attention probability summed over the heads, as
+    latent_decode.latent_decode_attention's (the kernel writes the scores, `add_mass`)."""
     from kvcompile.kernels import decode_sm90
-    from kvcompile.kernels.latent_decode import merge_launch, sm_count
+    from kvcompile.kernels.latent_decode import check_mass, merge_launch, sm_count
 
     ok, why = decode_sm90.device_ok(q_lat.device)
     if not ok:
@@ -404,13 +424,25 @@ def latent_decode_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale: f
         fused_merge = False
     lp = plan_latent_sm90(q_lat, c_pages, r_pages, block_tables, seq_lens, scale, num_splits,
                           stages, sm_count(q_lat.device), variant, warps, poison, profile,
-                          fused_merge, always_rescale, key_mask)
+                          fused_merge, always_rescale, key_mask,
+                          check_mass(attn_mass, q_lat, "latent_decode_sm90"))
     _kernel(lp.key).launch(lp.grid, warps * 32, lp.prm, q_lat.device)
     if merge and not lp.merged:
         merge_launch(lp.acc, lp.ml, lp.out, lp.num_splits)
+    add_mass(lp, attn_mass, seq_lens)
     return lp.out
 
 
-__all__ = ["KERNEL_CALL", "PROF_NAMES", "VARIANTS", "arrivals", "cuda_launch", "variant_bits", "WARP_COUNTS", "Launch", "LatentParams", "choose_splits",
-           "geometry", "kernel_constants", "latent_decode_sm90", "merge_splits",
-           "plan_latent_sm90", "unsupported", "use_cuda"]
+def add_mass(lp: Launch, attn_mass, seq_lens) -> None:
+    """attn_mass [B, 1, Lm] += each key's probability summed over the heads, from the scores
+    and (max, sum) launch `lp` (planned with mass_len = Lm) wrote; nothing without a mass."""
+    if lp.scores is not None:
+        from kvcompile.kernels.latent_decode import _scores_mass
+
+        _scores_mass(lp.scores, lp.ml, attn_mass, seq_lens)
+
+
+__all__ = ["KERNEL_CALL", "PROF_NAMES", "VARIANTS", "WARP_COUNTS", "Launch", "LatentParams",
+           "add_mass", "arrivals", "choose_splits", "cuda_launch", "geometry",
+           "kernel_constants", "latent_decode_sm90", "merge_splits", "plan_latent_sm90",
+           "unsupported", "use_cuda", "variant_bits"]

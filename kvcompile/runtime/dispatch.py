@@ -476,8 +476,8 @@ def _latent_kernel(state, q_lat, c_pages, r_pages, plan, mask_info, attn_mask, w
     where latent_sm90.use_cuda says the H200 measured it faster; "triton":
     kernels/latent_decode.py. Both take the step's key mask (left padding, or any mask under
     CUDA graph capture, where the key row cannot be read on the host: mask_hides_no_key).
-    attn_mass [B, 1, Lm] fp32 (H2O, `_latent_aside_mass`): the Triton kernel adds the step's
-    probabilities to it (the CUDA one has no such output)."""
+    attn_mass [B, 1, Lm] fp32 (H2O, `_latent_aside_mass`): either kernel adds the step's
+    probabilities to it."""
     kernels = state.kernels
     why, key_mask, packed = _latent_kernel_why(state, q_lat, c_pages, r_pages, plan,
                                                mask_info, attn_mask, window, softcap)
@@ -496,13 +496,11 @@ def _latent_kernel(state, q_lat, c_pages, r_pages, plan, mask_info, attn_mask, w
 
     launch = latent_sm90.use_cuda(q_rows, c_pages, r_pages, plan.block_tables.shape[1]
                                   * c_pages.page_size)
-    if launch is not None and attn_mass is None:
+    if launch is not None:
         out = latent_sm90.latent_decode_sm90(q_rows, c_pages, r_pages, plan.block_tables,
-                                             plan.seq_lens, scale, key_mask=key_mask, **launch)
+                                             plan.seq_lens, scale, key_mask=key_mask,
+                                             attn_mass=attn_mass, **launch)
         return shaped(out), "cuda"
-    if launch is not None:   # the CUDA latent kernel adds no mass
-        kernels.note("latent decode: Triton kernel, not the CUDA one, for steps that add H2O's "
-                     "attention mass")
     out = latent_decode_attention(q_rows, c_pages, r_pages, plan.block_tables,
                                   plan.seq_lens, scale, key_mask=key_mask,
                                   attn_mass=attn_mass)

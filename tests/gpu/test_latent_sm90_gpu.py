@@ -106,8 +106,9 @@ def test_run_time_routes_decode_steps_to_the_cuda_kernel(kv_dtype, monkeypatch):
 @pytest.mark.parametrize("c_fmt,r_fmt", [("bf16", "bf16"), ("fp8_e4m3", "bf16")])
 def test_cuda_latent_key_mask(c_fmt, r_fmt, heads, splits, variant, stages, warps):
     """key_mask (left padding over whole tiles, holes, a row hidden whole, a mask narrower than
-    the longest row) on the CUDA kernel against the Triton kernel with the same mask (whose
-    CPU test checks it against plain torch); without the mask the output differs."""
+    the longest row) and H2O's attn_mass on the CUDA kernel against the Triton kernel with the
+    same mask and mass (whose CPU tests check them against plain torch); without the mask the
+    output differs."""
     from kvcompile.kernels import latent_sm90
     from kvcompile.kernels.latent_decode import latent_decode_attention
 
@@ -121,15 +122,18 @@ def test_cuda_latent_key_mask(c_fmt, r_fmt, heads, splits, variant, stages, warp
     km[0] = False            # row 0: its one key hidden (zeros)
     km[2, :700] = False      # left padding: 10 whole tiles and more
     args = (q, pool.k[0], pool.v[0], plan.block_tables, lens_t, 0.07)
+    mass, ref_mass = (torch.ones(len(lens), 1, 3500, device="cuda") for _ in range(2))
     out = latent_sm90.latent_decode_sm90(*args, num_splits=splits, stages=stages,
-                                         variant=variant, warps=warps, poison=True, key_mask=km)
-    ref = latent_decode_attention(*args, key_mask=km)
+                                         variant=variant, warps=warps, poison=True, key_mask=km,
+                                         attn_mass=mass)
+    ref = latent_decode_attention(*args, key_mask=km, attn_mass=ref_mass)
     plain = latent_sm90.latent_decode_sm90(*args, num_splits=splits, stages=stages,
                                            variant=variant, warps=warps)
     torch.cuda.synchronize()
     what = f"{c_fmt}/{r_fmt} h{heads} x {splits} {variant} s{stages} w{warps} key mask"
     assert torch.isfinite(out).all() and (out[0] == 0).all(), what
     assert_rel_close(out, ref, torch.bfloat16, what=what)
+    assert_rel_close(mass, ref_mass, torch.bfloat16, what=what + ", H2O mass")
     assert (plain[2] - ref[2]).abs().max() > 1e-2, what
 
 

@@ -126,11 +126,14 @@ def test_page_scales_are_read(which):
     assert rel_err(out, ref) > 0.1
 
 
-def _masked_reference(pool, plan, q, lens, key_mask, scale=0.2):
+def _masked_reference(pool, plan, q, lens, key_mask, length: int, scale=0.2):
     """Plain torch: each row's latent and rotary key read back from its pages, the keys
-    key_mask hides (key_mask[b, j] False, j < its width) dropped; a row with none: zeros."""
+    key_mask hides (key_mask[b, j] False, j < its width) dropped (a row with none: zeros),
+    and each key's probability summed over the heads, keys < length: (out, mass [B, 1,
+    length])."""
     P = pool.k[0].page_size
     out = torch.zeros(q.shape[0], q.shape[1], R)
+    mass = torch.zeros(q.shape[0], 1, length)
     for b, n in enumerate(lens):
         pages = plan.block_tables[b, :-(-n // P)]
         c = pool.k[0].read(pages)[:, 0].reshape(-1, R)[:n]
@@ -139,19 +142,23 @@ def _masked_reference(pool, plan, q, lens, key_mask, scale=0.2):
         w = min(n, key_mask.shape[1])
         seen[:w] = key_mask[b, :w]
         if seen.any():
-            s = (q[b].float() @ torch.cat([c, kr], 1)[seen].T) * scale
-            out[b] = torch.softmax(s, -1) @ c[seen]
-    return out
+            s = (q[b].float() @ torch.cat([c, kr], 1).T) * scale
+            p = torch.softmax(s.masked_fill(~seen, float("-inf")), -1)   # [H, n]
+            out[b] = p @ c
+            mass[b, 0, :min(n, length)] = p.sum(0)[:length]
+    return out, mass
 
 
 @pytest.mark.skipif(not build_emu.available()[0], reason="g++ not found")
 @pytest.mark.parametrize("which", [0, 1], ids=["bf16-base", "fp8-alu-w8"])
-def test_key_mask_hides_keys(which):
+def test_key_mask_and_attn_mass(which):
     """key_mask (an HF decode step's mask: left padding over a whole tile, holes, a row hidden
-    whole, a mask narrower than the longest row), through CASES' launches (no build of its
-    own), against plain torch: sequence 0's first tile is hidden whole (its split's running
-    max stays -inf for a tile), sequence 1 gets zeros. Negatives: the same launch without the
-    mask misses the reference; an all-True mask equals no mask."""
+    whole, a mask narrower than the longest row) and H2O's attn_mass (each key's probability
+    summed over the heads, added to what the mass held, keys below its width) through CASES'
+    launches (no build of their own), against plain torch: sequence 0's first tile is hidden
+    whole (its split's running max stays -inf for a tile), sequence 1 gets zeros and no mass.
+    Negatives: the same launch without the mask misses the reference; an all-True mask equals
+    no mask; the mass leaves the output as it is."""
     c_fmt, r_fmt, heads, _, page, splits, variant, qd, stages, warps = CASES[which]
     lens = [300, 17, 90]
     g = torch.Generator().manual_seed(21 + which)
@@ -161,10 +168,25 @@ def test_key_mask_hides_keys(which):
     km[0, :70] = False                                    # left padding: tile 0 and 6 more
     km[1] = False                                         # every key of row 1 hidden
     kw = dict(num_splits=splits, variant=variant, stages=stages, warps=warps)
-    out = _emulate(pool, plan, q, lens, key_mask=km, **kw)
-    ref = _masked_reference(pool, plan, q, lens, km)
+    sl = torch.tensor(lens, dtype=torch.int32)
+    lp = ls.plan_latent_sm90(q, pool.k[0], pool.v[0], plan.block_tables, sl, 0.2, poison=True,
+                             key_mask=km, mass_len=250, **kw)
+    out = build_emu.run_latent(lp)
+    before = torch.rand(len(lens), 1, 250, generator=g)
+    mass = before.clone()
+    ls.add_mass(lp, mass, sl)
+    ref, ref_mass = _masked_reference(pool, plan, q, lens, km, 250)
     assert torch.isfinite(out).all() and (out[1] == 0).all()
     assert rel_err(out, ref) <= _bound(c_fmt)
+    assert rel_err(mass - before, ref_mass) <= _bound(c_fmt)
+    assert torch.equal(mass[1], before[1]) and torch.equal(mass[2, :, 90:], before[2, :, 90:])
+    one = ls.plan_latent_sm90(q, pool.k[0], pool.v[0], plan.block_tables, sl, 0.2, poison=True,
+                              key_mask=km, mass_len=250, **dict(kw, num_splits=1))
+    assert rel_err(build_emu.run_latent(one), ref) <= _bound(c_fmt)   # one split: the kernel
+    mass = before.clone()                                              # writes (max, sum) too
+    ls.add_mass(one, mass, sl)
+    assert rel_err(mass - before, ref_mass) <= _bound(c_fmt)
+    assert torch.equal(_emulate(pool, plan, q, lens, key_mask=km, **kw), out)
     plain = _emulate(pool, plan, q, lens, **kw)
     assert rel_err(plain[[0, 2]], ref[[0, 2]]) > _bound(c_fmt)
     same = _emulate(pool, plan, q, lens, key_mask=torch.ones(len(lens), 300, dtype=torch.bool),
@@ -241,7 +263,8 @@ NVCC_FULL = [(3, 3, R, DR, 16, 1, None, 0), (0, 3, R, DR, 16, 1, None, 0),
              (0, 0, R, DR, 16, 1, None, 2), (2, 2, R, DR, 128, 0, None, 0),
              (0, 3, R, DR, 16, 1, None, 4), (1, 0, R, DR, 16, 1, None, 4, 8),
              (0, 0, R, DR, 16, 1, 4, 64), (3, 3, R, DR, 16, 1, None, 64),
-             (0, 0, R, DR, 16, 1, 4, 64, 8)]
+             (0, 0, R, DR, 16, 1, 4, 64, 8),
+             (3, 3, R, DR, 16, 1, None, 256), (0, 3, R, DR, 16, 1, 4, 256)]   # the routes, masked
 
 
 @pytest.mark.skipif(build.nvcc_path() is None or _cuobjdump() is None,

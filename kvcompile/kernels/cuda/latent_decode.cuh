@@ -60,6 +60,8 @@ struct LatentParams {
   int* cnt;              // [B * head blocks] arrivals, zero between launches (LAT_VAR_FMERGE)
   const uint8_t* km;     // [B, n_km] key mask (0 hides key j; j >= n_km seen), else null
   int n_km;
+  float* scores;         // [B, H, scores_len] each key's score, log2 units (H2O), else null;
+  int scores_len;        // with it, ml is written for one split too ([B, 1, H, 2])
 };
 
 namespace kvc {
@@ -277,6 +279,11 @@ __device__ __forceinline__ void lat_kfrag(const uint4& w, int h, uint32_t& b0, u
 //     4-byte elements (32 B apart: 8 rows x 4 sectors a warp instruction, 64 instructions a
 //     thread at the end of every CTA).
 #define LAT_VAR_OSTAGE 128
+//   LAT_VAR_MASKED (any pages; set by the launcher, not a variant name): the key mask (p.km)
+//     and H2O's scores (p.scores) are read where given; without the bit neither is (the
+//     base loop's instructions unchanged: every tile's first token is seen, so its max is
+//     finite)
+#define LAT_VAR_MASKED 256
 
 template <int CK, int RK, int R, int DR, int LOG2P, int NS, int QT, int VAR = 0, int LW = 4>
 __device__ __forceinline__ void latent_decode(const LatentParams& p) {
@@ -290,6 +297,7 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
   constexpr float V_ALU = ALUV && CK == KVC_E4M3 ? 256.f : 1.f;  // 2^8 back into P
   constexpr bool PROF = VAR & LAT_VAR_PROF, FMERGE = VAR & LAT_VAR_FMERGE;
   constexpr bool KSPLIT = VAR & LAT_VAR_KSPLIT, OSTAGE = VAR & LAT_VAR_OSTAGE;
+  constexpr bool MASKED = VAR & LAT_VAR_MASKED;
   constexpr int P = Gm::P, D = R + DR;
   const float NEG_INF = -INFINITY;
   unsigned long long pt[6] = {PROF ? lat_gtimer() : 0ull, 0ull, 0ull, 0ull, 0ull, 0ull};
@@ -516,7 +524,7 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
     // seen), loaded before the scores' MMAs and applied after them (a uniform branch: no mask,
     // no loads)
     uint32_t seen = 0xfu;
-    if (p.km != nullptr) {
+    if (MASKED && p.km != nullptr) {
       const uint8_t* kmr = p.km + (long long)b * p.n_km;
       seen = 0u;
 #pragma unroll
@@ -708,7 +716,7 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
       }
     }
     }  // !KSPLIT
-    if (seen != 0xfu) {  // hidden keys (key mask): -inf, as the tokens past the split's end
+    if (MASKED && seen != 0xfu) {  // hidden keys (key mask): -inf, as the tokens past the split's end
 #pragma unroll
       for (int j = 0; j < Gm::NTW; ++j)
 #pragma unroll
@@ -736,7 +744,7 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
       mx1 = fmaxf(mx1, red[w * 16 + g + 8]);
     }
     // mx is -inf only where a key mask hides every token of the tile (and every earlier
-    // one): then m stays -inf and the tile's p are 0 (exp2 against 0, not against -inf)
+    // one): then m stays -inf and the tile's p are 0 (MASKED: exp2 against 0, not -inf)
     const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
     // O and l are rescaled only in tiles that raise some row's max (every warp sees the same
     // maxima, so the branch is uniform over the CTA): exp2(0) is exactly 1, so skipping is
@@ -747,7 +755,8 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
     const float a1 = m1 == NEG_INF ? 0.f : exp2f(m1 - n1);
     m0 = n0;
     m1 = n1;
-    const float e0 = m0 == NEG_INF ? 0.f : m0, e1 = m1 == NEG_INF ? 0.f : m1;
+    const float e0 = MASKED && m0 == NEG_INF ? 0.f : m0;
+    const float e1 = MASKED && m1 == NEG_INF ? 0.f : m1;
     float lsum0 = 0.f, lsum1 = 0.f;
 #pragma unroll
     for (int j = 0; j < Gm::NTW; ++j) {
@@ -759,6 +768,18 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
       *reinterpret_cast<uint32_t*>(ps + g * Gm::PROWB + col) = pack2<CBF>(p0 * cf[j], p1 * cf[j]);
       *reinterpret_cast<uint32_t*>(ps + (g + 8) * Gm::PROWB + col) =
           pack2<CBF>(p2 * cf[j], p3 * cf[j]);
+    }
+    if (MASKED && p.scores != nullptr) {  // H2O: each key's score (log2 units, hidden keys -inf) for
+      // its attention mass (latent_sm90.py: the probabilities under each head's final lse)
+#pragma unroll
+      for (int j = 0; j < Gm::NTW; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int tok = tok0 + Gm::TW * warp + 8 * j + 2 * t + (c & 1);
+          const int h = h0 + g + 8 * (c >> 1);
+          if (h < H && tok < end && tok < p.scores_len)
+            p.scores[((long long)b * H + h) * p.scores_len + tok] = x[j][c];
+        }
     }
     if (grow || (VAR & LAT_VAR_RESCALE)) {
       l0 = l0 * a0 + lsum0;
@@ -901,7 +922,7 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
         else
           dst[col] = p.direct ? v * inv : v;
       }
-    if (!p.direct && warp == 0 && t == 0) {
+    if ((!p.direct || p.ml != nullptr) && warp == 0 && t == 0) {  // (one split: H2O's lse)
       p.ml[row * 2] = m;
       p.ml[row * 2 + 1] = lsum;
     }

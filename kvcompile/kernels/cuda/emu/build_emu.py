@@ -173,7 +173,7 @@ def finish(lp) -> torch.Tensor:
     return lp.out
 
 
-_LATENT_WRITABLE = ("out", "acc", "ml", "prof", "cnt")
+_LATENT_WRITABLE = ("out", "acc", "ml", "prof", "cnt", "scores")
 
 
 def run_latent(lp, seed: int = 0) -> torch.Tensor:

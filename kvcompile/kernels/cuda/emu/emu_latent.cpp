@@ -50,6 +50,7 @@ extern "C" int kvc_emu_latent(const LatentParams* p, int grid_x, int grid_y, int
   map(g.prof, "prof");
   map(g.cnt, "cnt");
   map(g.km, "km");
+  map(g.scores, "scores");
   if (!ok) {
     kvc_emu::guard_end(false);
     snprintf(err, errlen, "LatentParams.%s is not the start of any buffer passed", bad);
