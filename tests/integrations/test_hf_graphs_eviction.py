@@ -14,6 +14,8 @@ which attends over the kept slots in fp32)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -87,6 +89,7 @@ def _generate(m, ids, am, graphs: bool, new: int = 14):
     return out.sequences[:, ids.shape[1]:], [x.float() for x in out.logits], fwd.replays - r0
 
 
+FULL = bool(os.environ.get("KVCOMPILE_TEST_FULL"))
 CASES = [
     ("SinkWindow re-rotated", lambda: SinkWindow(2, 10), 1, None, {}),
     ("SinkWindow window, interval 4", lambda: SinkWindow(2, 10), 4, "original", {}),
@@ -94,8 +97,9 @@ CASES = [
     ("H2O", lambda: H2O(budget=12, recent=4, sinks=2), 1, None, {}),
     # fp8 page scales: moved on the device (re-encoding what a scale growth asks) between
     # replays, on the host in the steps without graphs: the same bytes
-    ("SnapKV hold, fp8 page scales", lambda: SnapKV(budget=12, window=4, hold=True), 3, None,
-     dict(kv_dtype="fp8_e4m3")),
+    # (KVCOMPILE_TEST_FULL=1: also SnapKV over fp8 page scales; H2O's case moves them)
+    *([("SnapKV hold, fp8 page scales", lambda: SnapKV(budget=12, window=4, hold=True), 3,
+        None, dict(kv_dtype="fp8_e4m3"))] if FULL else []),
     ("H2O, fp8 page scales", lambda: H2O(budget=12, recent=4, sinks=2), 2, None,
      dict(kv_dtype="fp8_e4m3")),
     # int4 with channel-scaled keys (the 4-bit Pareto format's layout) and fp4 (micro
@@ -109,8 +113,13 @@ CASES = [
 
 
 @pytest.mark.parametrize("name,policy,interval,sinks,kw", CASES, ids=[c[0] for c in CASES])
-def test_graph_steps_with_eviction_equal_the_host_path(emulated, name, policy, interval, sinks,
-                                                       kw):
+def test_graph_steps_with_eviction_equal_the_host_path(emulated, caplog, name, policy, interval,
+                                                       sinks, kw):
+    """Tokens equal graphs off, per-step logits close, every decode step a replay that steps
+    aside; formats that re-encode what they move (fp8 page scales, int4 channel keys, fp4)
+    move it on the device between replays (device runs counted, no host-path notice; before
+    the sixteenth session int4 and fp4 took the host path, a sync and a re-encode per
+    sequence and layer)."""
     m = _model(policy(), interval, sinks, **kw)
     st = state_of(m)
     ids = torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(3))
@@ -118,8 +127,13 @@ def test_graph_steps_with_eviction_equal_the_host_path(emulated, name, policy, i
     c0 = dict(st.counters)
     # 10 new tokens: 9 replays, 3-9 decode-step evictions at intervals 1-3 (14 took 30 s a
     # quantized case under the interpreter, the test command's slowest file)
-    tg, lg, replays = _generate(m, ids, am, graphs=True, new=10)
+    with caplog.at_level("WARNING", logger="kvcompile"):
+        tg, lg, replays = _generate(m, ids, am, graphs=True, new=10)
     c1 = dict(st.counters)
+    if kw.get("kv_dtype") in ("fp8_e4m3", "int4", "fp4_e2m1"):
+        assert not [r for r in caplog.records
+                    if "re-encode the tokens they move" in r.getMessage()]
+        assert c1.get("eviction_device_runs", 0) > c0.get("eviction_device_runs", 0), c1
     te, le, none = _generate(m, ids, am, graphs=False, new=10)
     assert replays == 9 and none == 0   # every decode step (the first token is the prefill's)
     aside = c1.get("eviction_aside_steps", 0) - c0.get("eviction_aside_steps", 0)
@@ -154,11 +168,11 @@ def test_left_padding_replays_once_evicted(emulated, name, policy, interval, kw)
         am[r, :n] = 0
         ids[r, :n] = 0
     c0 = dict(st.counters)
-    tg, lg, replays = _generate(m, ids, am, graphs=True)
+    tg, lg, replays = _generate(m, ids, am, graphs=True, new=10)
     c1 = dict(st.counters)
-    te, le, _ = _generate(m, ids, am, graphs=False)
-    assert replays == 13, c1   # the prompt's eviction left no padding: every decode step
-    assert c1.get("eviction_aside_steps", 0) - c0.get("eviction_aside_steps", 0) == 13
+    te, le, _ = _generate(m, ids, am, graphs=False, new=10)
+    assert replays == 9, c1   # the prompt's eviction left no padding: every decode step
+    assert c1.get("eviction_aside_steps", 0) - c0.get("eviction_aside_steps", 0) == 9
     assert torch.equal(tg, te), (tg, te)
     for step, (a, b) in enumerate(zip(lg, le)):
         assert_rel_close(a, b, torch.float32, factor=10, what=f"{name} padded, step {step}")
@@ -195,6 +209,8 @@ def test_a_second_hook_keeps_the_host_path(emulated):
     assert replays == 0
 
 
+@pytest.mark.skipif(not FULL, reason="KVCOMPILE_TEST_FULL=1: test_graph_steps_with_eviction_"
+                    "equal_the_host_path checks the same over these formats")
 @pytest.mark.parametrize("fmt", ["int4", "fp4_e2m1", "fp8_e4m3"])
 def test_re_encoding_formats_evict_on_the_device(emulated, caplog, fmt):
     """Page- and channel-scaled pages (int4 with channel-scaled keys, fp4, fp8 page scales)
@@ -262,11 +278,11 @@ def test_latent_layers_step_aside_and_equal_the_host_path(emulated, policy, fmt,
 
     ev.books = Books(ev.books)
     c0 = dict(st.counters)
-    tg, lg, replays = _generate(m, ids, torch.ones_like(ids), graphs=True)
+    tg, lg, replays = _generate(m, ids, torch.ones_like(ids), graphs=True, new=10)
     c1 = dict(st.counters)
     graph_books = dict(ev.books)   # (the captured step keeps its sequences until the next)
     graphs_kept = [snap(sid, b) for sid, b in sorted(graph_books.items())]
-    te, le, _none = _generate(m, ids, torch.ones_like(ids), graphs=False)
+    te, le, _none = _generate(m, ids, torch.ones_like(ids), graphs=False, new=10)
     ours = list(graph_books.values())
     host_kept = ([s for b, s in freed if not any(b is g for g in ours)]
                  + [snap(sid, b) for sid, b in sorted(ev.books.items())
@@ -277,8 +293,8 @@ def test_latent_layers_step_aside_and_equal_the_host_path(emulated, policy, fmt,
         assert ma.keys() == mb.keys() and bool(ma) == ("H2O" in repr(policy()))
         for li in ma:   # the mass each kept token gathered, prompt and decode steps
             assert_rel_close(ma[li], mb[li], torch.float32, factor=10, what=f"mass {li}")
-    assert replays == 13, _refusal(m)
-    assert c1.get("eviction_aside_steps", 0) - c0.get("eviction_aside_steps", 0) == 13
+    assert replays == 9, _refusal(m)
+    assert c1.get("eviction_aside_steps", 0) - c0.get("eviction_aside_steps", 0) == 9
     assert c1.get("eviction_device_runs", 0) > c0.get("eviction_device_runs", 0), c1
     assert torch.equal(tg, te), (tg, te)
     for step, (a, b) in enumerate(zip(lg, le)):

@@ -17,7 +17,7 @@ import pytest
 
 from tests.kernels.sm90_compile import compile_rows, compile_sm90
 
-pytestmark = pytest.mark.slow   # 30 compiles, about 90 s on the 2-core machine
+pytestmark = pytest.mark.slow   # 22 compiles (30 full), about 70 s on the 2-core machine
 # int pages (kernels/append_int.py): the 4-bit format's kernels by default (int4 token scales,
 # channel scales in a decode step and in a bulk write); KVCOMPILE_TEST_FULL=1 adds int3 / int2
 # and the other launches. (Checked against the GPU image's Triton 3.6 too, 2026-12-04, by
@@ -41,8 +41,11 @@ def _cases():
 
     from kvcompile.kernels import append as A
 
+    # e5m2 takes e4m3's paths with another element type: with KVCOMPILE_TEST_FULL=1 (8
+    # compiles, ~26 s on the 2-core CI machine)
     fmts = [(A.FMT_E4M3, tl.float8e4nv, 448.0, 448.0),
-            (A.FMT_E5M2, tl.float8e5, 57344.0, 57344.0),
+            *([(A.FMT_E5M2, tl.float8e5, 57344.0, 57344.0)]
+              if os.environ.get("KVCOMPILE_TEST_FULL") else []),
             (A.FMT_E2M1, tl.float8e4nv, 6.0, 6.0 * 448.0)]
     for code, dt, fmax, div in fmts:
         base = dict(D=128, P=16, FMT=code, EXPLICIT=False, FMAX=fmax, DIV=div, RECIP=True)
