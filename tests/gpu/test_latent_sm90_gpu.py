@@ -140,8 +140,8 @@ def test_cuda_latent_key_mask(c_fmt, r_fmt, heads, splits, variant, stages, warp
 def test_left_padded_generate_takes_the_cuda_kernel(monkeypatch):
     """A left-padded batch through generate (its decode steps carry a key mask, so before the
     CUDA kernel took one they all went to the Triton kernel): with latent_sm90.ROUTE "cuda"
-    every decode step of every layer runs the CUDA kernel, and the logits agree with the
-    Triton route's within bf16's tolerance."""
+    the decode steps run the CUDA kernel and never the Triton one, and the logits agree with
+    the Triton route's within bf16's tolerance."""
     import transformers
 
     import kvcompile
@@ -172,9 +172,10 @@ def test_left_padded_generate_takes_the_cuda_kernel(monkeypatch):
         logits[route] = torch.stack(out.logits, 1).float()
         counters[route] = kvcompile.stats(model)["counters"]
         del model
-    assert counters["cuda"].get("latent_decode_cuda", 0) >= 2 * 8, counters["cuda"]
+    # (decode steps replayed from generate's CUDA graphs count once, at their capture)
+    assert counters["cuda"].get("latent_decode_cuda", 0) >= 2, counters["cuda"]
     assert "latent_decode_triton" not in counters["cuda"], counters["cuda"]
-    assert counters["triton"].get("latent_decode_triton", 0) >= 2 * 8, counters["triton"]
+    assert counters["triton"].get("latent_decode_triton", 0) >= 2, counters["triton"]
     assert_rel_close(logits["cuda"], logits["triton"], torch.bfloat16, factor=4,
                      what="left-padded generate, CUDA vs Triton route")
 
