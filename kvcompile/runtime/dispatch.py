@@ -359,9 +359,10 @@ def _attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, wi
     width r) and the rotary key (values, width dr); the new tokens' are already written.
     q [B, H, S, dn + dr] -> [B, H, S, dv].
 
-    A fresh prompt's prefill (the conditions of `_fresh_prefill`) expands its own latents
-    through kv_b_proj and runs dense SDPA, as the model does: compute-bound, the expansion is
-    cheap there. Everything else (decode steps, chunked prefill, padded prompts) attends in the
+    A fresh prompt's prefill (the conditions of `_fresh_prefill`, or a padded one under the
+    model's own mask: `_fresh_latent_mask`) expands its own latents through kv_b_proj and runs
+    dense SDPA, as the model does: compute-bound, the expansion is cheap there. Everything
+    else (decode steps, chunked prefill) attends in the
     latent space over the stored pages: q_nope absorbed by W_UK once per step, one latent head
     per token read for every query head, W_UV applied to the weighted latents; nothing of the
     past is expanded. Rotation is refused for these layers at compile time
@@ -372,10 +373,14 @@ def _attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, wi
     heads = q.shape[1]
     causal = _fresh_causal(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal,
                            window, softcap, None)
-    if causal is not None:
+    masked = None if causal is not None else _fresh_latent_mask(
+        state, layer, q, fresh, plan, attn_mask, window, softcap)
+    if causal is not None or masked is not None:
         k, v = expand_latent(*fresh, kv_b_weight, nope_dim, heads)
         state.count("prefill_fresh_sdpa")
         plan.cache[("attended_fresh", layer)] = True
+        if masked is not None:
+            return sdpa_attention(q, k, v, *masked, scale, False)
         return sdpa_attention(q, k, v, None, None, scale, causal)
     pool = state.pool
     q_lat = absorb_query(q, kv_b_weight, nope_dim)                  # [B, H, S, r + dr]
@@ -393,6 +398,30 @@ def _attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, wi
                                       scale, latent=True)           # [B, H, S, r]
     state.count("latent_absorbed")
     return latent_output(o_lat, kv_b_weight, nope_dim)
+
+
+def _fresh_latent_mask(state, layer, q, fresh, plan, attn_mask, window, softcap):
+    """(allowed, additive) for a fresh MLA prompt that `_fresh_causal` refuses for its mask
+    alone (left padding, a custom mask): the model's own mask over its own fresh tokens
+    ([B|1, 1|H, S, >= S], built once per forward, as the model built it), with which the prompt
+    attends by expansion as the model does; else None. Absorbed over the pages instead, a
+    padded prompt took q_lat [B, H, S, r + dr] and its fp32 output [B, H, S, r] at once
+    (77 + 137 GB at B16 x 32k and DeepSeek-V3's 128 heads) and ~3x the model's FLOPs."""
+    S = q.shape[2]
+    if (attn_mask is None or fresh is None or state.config.prefill_attends != "fresh"
+            or plan.packed or plan.is_decode or S < 2 or max(plan.past_lens) != 0
+            or softcap or (window and window < S)):
+        return None
+    if state.eviction is not None and not state.eviction.takes_plain_prefill(plan, layer):
+        return None
+    mask = masks.dense(plan, attn_mask)
+    n = fresh[0].shape[-2]
+    if mask.dim() != 4 or mask.shape[-2] != S or mask.shape[-1] < n:
+        return None
+    # (a static cache's mask has a column for every slot: the fresh tokens are its first n,
+    # the rest are slots the model has not filled, which the pages do not hold either)
+    mask = mask[..., :n]
+    return (mask, None) if mask.dtype == torch.bool else (None, mask)
 
 
 def attended_fresh(plan, layer: int) -> bool:

@@ -89,6 +89,9 @@ def test_greedy_generate_is_token_identical(family, attn, cache):
     st = kvcompile.stats(model)
     assert st["bytes_per_token"] == LAYERS * (RANK + ROPE) * 4   # fp32 latent + rotary key
     assert st["counters"]["latent_absorbed"] >= LAYERS * 11      # every decode step absorbed
+    # the left-padded prompt attends by expansion under the model's own mask, not over the
+    # pages in the latent space (q_lat and its fp32 output for every prompt token at once)
+    assert st["counters"]["prefill_fresh_sdpa"] == LAYERS
     assert rep.graphs <= 4, f"{rep.graphs} graphs for 12 decode steps: recompiling per step"
 
 
@@ -129,7 +132,8 @@ def test_decode_steps_run_the_triton_latent_kernel():
     assert torch.equal(got, pref)
     c = kvcompile.stats(model)["counters"]
     assert c["latent_decode_triton"] == LAYERS * 8, c
-    assert c.get("latent_absorbed", 0) == LAYERS, c   # the padded prompt: its prefill over pages
+    # the padded prompt: expanded under the model's own mask (fresh), as the unpadded one
+    assert "latent_absorbed" not in c and c["prefill_fresh_sdpa"] == 2 * LAYERS, c
     assert "reference_fallback" not in c, c
 
 
