@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 import kvcompile  # noqa: E402
+from tests.passes.test_hf_families import teacher_forced_logits  # noqa: E402
 
 ROWS = ("fp32/fp32,bf16/bf16,fp8_e4m3/fp8_e4m3,fp8_e4m3/bf16,fp8_e5m2/fp8_e5m2,"
         "int4/bf16,int4/bf16@token,int4/bf16@channel,int4/int4,fp4_e2m1/bf16")
@@ -48,18 +49,6 @@ def make_model(a):
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)
     return model
-
-
-def teacher_forced(model, ids, prefill: int) -> torch.Tensor:
-    """Logits at every position: the first `prefill` tokens at once, then one a step."""
-    with torch.no_grad():
-        out = model(ids[:, :prefill], use_cache=True)
-        logits, cache = [out.logits], out.past_key_values
-        for t in range(prefill, ids.shape[1]):
-            out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
-            logits.append(out.logits)
-            cache = out.past_key_values
-    return torch.cat(logits, 1).float()
 
 
 def row_config(row: str) -> dict:
@@ -86,7 +75,7 @@ def main():
     ids = torch.randint(3, 4096, (a.batch, a.tokens),
                         generator=torch.Generator().manual_seed(a.seed + 1))
     prefill = a.tokens // 2
-    ref = teacher_forced(base, ids, prefill)
+    ref = teacher_forced_logits(base, ids, prefill).float()
     lp_ref = ref.log_softmax(-1)
     print(f"# DeepseekV3 random weights: {a.layers} layers, {a.heads} heads, r 512, rope 64, "
           f"hidden {a.hidden}; batch {a.batch} x {a.tokens} tokens (prefill {prefill}, then "
@@ -100,7 +89,7 @@ def main():
             kvcompile.compile(model, kvcompile.KVConfig(
                 inner="eager", max_kv_bytes=1 << 26, prefill_attends="stored",
                 **row_config(row)))
-            got = teacher_forced(model, ids, prefill)
+            got = teacher_forced_logits(model, ids, prefill).float()
         except Exception as e:   # a format the latent pages refuse: said in its row
             print(f"| {row} | refused: {type(e).__name__}: {str(e)[:160]} | | | | |")
             continue
