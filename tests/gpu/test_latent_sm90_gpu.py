@@ -164,19 +164,26 @@ def test_left_padded_generate_takes_the_cuda_kernel(monkeypatch):
     for route in ("cuda", "triton"):
         model = copy.deepcopy(base)
         monkeypatch.setattr(latent_sm90, "ROUTE", route)
-        kvcompile.compile(model, kvcompile.KVConfig(kv_dtype="fp8_e4m3", max_kv_bytes=1 << 28))
+        kvcompile.compile(model, kvcompile.KVConfig(kv_dtype="fp8_e4m3", inner="eager",
+                                                    max_kv_bytes=1 << 28))
         with torch.no_grad():
             out = model.generate(ids, attention_mask=am, max_new_tokens=9, do_sample=False,
                                  output_logits=True, return_dict_in_generate=True,
                                  pad_token_id=0)
-        logits[route] = torch.stack(out.logits, 1).float()
+        logits[route] = (torch.stack(out.logits, 1).float(), out.sequences)
         counters[route] = kvcompile.stats(model)["counters"]
         del model
     # (decode steps replayed from generate's CUDA graphs count once, at their capture)
     assert counters["cuda"].get("latent_decode_cuda", 0) >= 2, counters["cuda"]
     assert "latent_decode_triton" not in counters["cuda"], counters["cuda"]
     assert counters["triton"].get("latent_decode_triton", 0) >= 2, counters["triton"]
-    assert_rel_close(logits["cuda"], logits["triton"], torch.bfloat16, factor=4,
+    (lc, sc), (lt, st) = logits["cuda"], logits["triton"]
+    # steps up to the first token the routes choose apart (a near-tie): same inputs there
+    same = [bool(torch.equal(sc[:, : ids.shape[1] + j], st[:, : ids.shape[1] + j]))
+            for j in range(lc.shape[1])]
+    n = same.index(False) if False in same else lc.shape[1]
+    assert n >= 1
+    assert_rel_close(lc[:, :n], lt[:, :n], torch.bfloat16, factor=4,
                      what="left-padded generate, CUDA vs Triton route")
 
 
