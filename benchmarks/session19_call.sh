@@ -1,7 +1,8 @@
 #!/bin/bash
 # Device calls of the nineteenth and twentieth sessions, one part a call, each under 600 s;
 # every part writes $OUT/<part>*.txt and prints a summary. Ran: a, e (nineteenth); c, c0, f, g
-# (twentieth: RESULTS.md "Twentieth session"). Still to run: b, d, h, i, j.
+# (twentieth: RESULTS.md "Twentieth session"). Still to run: b, d, h, i, j (i and j through
+# session21_call.sh parts a and j, after the twenty-first session's GPU tests).
 #   b: the MLA eviction rows at interval 1 under the profiler (5.5 ms of eviction a step at 4
 #      layers on an H100 in the nineteenth session: where it goes)
 #   c: capacity at 32k with 48 requests (cases 7 and 9: issue 19's rows)
