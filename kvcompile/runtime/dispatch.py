@@ -219,19 +219,26 @@ def _fresh_packed(state, layer, q, fresh, plan, window, softcap, scale, extras):
     return out
 
 
+def _fresh_ok(state, layer, q, fresh, plan, window, softcap, extras) -> bool:
+    """What a forward needs, its mask apart, to attend to its fresh K/V (`_fresh_causal`,
+    `_fresh_latent_mask`): a prompt of 2+ tokens of which nothing is cached before it (no
+    packed step), no softcap or extras, no window shorter than it, prefill_attends "fresh",
+    and an eviction policy that lets it attend as without one."""
+    S = q.shape[2]
+    if (fresh is None or state.config.prefill_attends != "fresh" or plan.packed
+            or plan.is_decode or S < 2 or max(plan.past_lens) != 0 or softcap or extras
+            or (window and window < S)):
+        return False
+    return state.eviction is None or state.eviction.takes_plain_prefill(plan, layer)
+
+
 def _fresh_causal(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal, window,
                   softcap, extras) -> bool | None:
     """Whether this forward may attend to its fresh K/V (`_fresh_prefill`): None if not, else
     whether that attention is causal."""
-    if (fresh is None or state.config.prefill_attends != "fresh" or plan.packed
-            or plan.is_decode or q.shape[2] < 2 or max(plan.past_lens) != 0
-            or softcap or extras):
-        return None
-    if state.eviction is not None and not state.eviction.takes_plain_prefill(plan, layer):
+    if not _fresh_ok(state, layer, q, fresh, plan, window, softcap, extras):
         return None
     S = q.shape[2]
-    if window and window < S:
-        return None
     if attn_mask is not None:
         if mask_info is None or not mask_info.exact or any(mask_info.kv_start):
             return None
@@ -407,16 +414,11 @@ def _fresh_latent_mask(state, layer, q, fresh, plan, attn_mask, window, softcap)
     attends by expansion as the model does; else None. Absorbed over the pages instead, a
     padded prompt took q_lat [B, H, S, r + dr] and its fp32 output [B, H, S, r] at once
     (77 + 137 GB at B16 x 32k and DeepSeek-V3's 128 heads) and ~3x the model's FLOPs."""
-    S = q.shape[2]
-    if (attn_mask is None or fresh is None or state.config.prefill_attends != "fresh"
-            or plan.packed or plan.is_decode or S < 2 or max(plan.past_lens) != 0
-            or softcap or (window and window < S)):
-        return None
-    if state.eviction is not None and not state.eviction.takes_plain_prefill(plan, layer):
+    if attn_mask is None or not _fresh_ok(state, layer, q, fresh, plan, window, softcap, None):
         return None
     mask = masks.dense(plan, attn_mask)
     n = fresh[0].shape[-2]
-    if mask.dim() != 4 or mask.shape[-2] != S or mask.shape[-1] < n:
+    if mask.dim() != 4 or mask.shape[-2] != q.shape[2] or mask.shape[-1] < n:
         return None
     # (a static cache's mask has a column for every slot: the fresh tokens are its first n,
     # the rest are slots the model has not filled, which the pages do not hold either)

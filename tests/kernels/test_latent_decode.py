@@ -100,14 +100,15 @@ def test_kernel_matches_paged_reference(c_fmt, r_fmt, heads, lens, splits, tiles
 
 
 def _masked_reference(pool, plan, q_lat, lens, key_mask, scale=0.2):
-    """Plain torch: each row's latent and rotary key read back from its pages, the keys that
-    key_mask hides (key_mask[b, j] False, j < its width) dropped; a row with none: zeros."""
-    P = pool.k[0].page_size
-    out = torch.zeros(q_lat.shape[0], q_lat.shape[1], R)
+    """Plain torch: each row's latent and rotary key read back from its pages (any widths:
+    test_latent_sm90.py takes it at DeepSeek's), the keys that key_mask hides (key_mask[b, j]
+    False, j < its width) dropped; a row with none: zeros."""
+    P, r, dr = pool.k[0].page_size, pool.k[0].head_dim, pool.v[0].head_dim
+    out = torch.zeros(q_lat.shape[0], q_lat.shape[1], r)
     for b, n in enumerate(lens):
         pages = plan.block_tables[b, :math.ceil(n / P)]
-        c = pool.k[0].read(pages)[:, 0].reshape(-1, R)[:n]
-        kr = pool.v[0].read(pages)[:, 0].reshape(-1, DR)[:n]
+        c = pool.k[0].read(pages)[:, 0].reshape(-1, r)[:n]
+        kr = pool.v[0].read(pages)[:, 0].reshape(-1, dr)[:n]
         seen = torch.ones(n, dtype=torch.bool)
         w = min(n, key_mask.shape[1])
         seen[:w] = key_mask[b, :w]
@@ -162,12 +163,12 @@ def test_key_mask_refusals():
 def _mass_reference(pool, plan, q_lat, lens, key_mask, length, scale=0.2):
     """Each row's attention probabilities over its keys (plain torch, `_masked_reference`'s
     keys), summed over the query heads: [B, 1, length] (keys past a row's length: 0)."""
-    P = pool.k[0].page_size
+    P, r, dr = pool.k[0].page_size, pool.k[0].head_dim, pool.v[0].head_dim
     mass = torch.zeros(q_lat.shape[0], 1, length)
     for b, n in enumerate(lens):
         pages = plan.block_tables[b, :math.ceil(n / P)]
-        c = pool.k[0].read(pages)[:, 0].reshape(-1, R)[:n]
-        kr = pool.v[0].read(pages)[:, 0].reshape(-1, DR)[:n]
+        c = pool.k[0].read(pages)[:, 0].reshape(-1, r)[:n]
+        kr = pool.v[0].read(pages)[:, 0].reshape(-1, dr)[:n]
         s = (q_lat[b].float() @ torch.cat([c, kr], 1).T) * scale            # [H, n]
         if key_mask is not None:
             w = min(n, key_mask.shape[1])

@@ -716,7 +716,7 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
       }
     }
     }  // !KSPLIT
-    if (MASKED && seen != 0xfu) {  // hidden keys (key mask): -inf, as the tokens past the split's end
+    if (MASKED && seen != 0xfu) {  // hidden keys: -inf, as the tokens past the split's end
 #pragma unroll
       for (int j = 0; j < Gm::NTW; ++j)
 #pragma unroll
@@ -769,8 +769,9 @@ __device__ __forceinline__ void latent_decode(const LatentParams& p) {
       *reinterpret_cast<uint32_t*>(ps + (g + 8) * Gm::PROWB + col) =
           pack2<CBF>(p2 * cf[j], p3 * cf[j]);
     }
-    if (MASKED && p.scores != nullptr) {  // H2O: each key's score (log2 units, hidden keys -inf) for
-      // its attention mass (latent_sm90.py: the probabilities under each head's final lse)
+    if (MASKED && p.scores != nullptr) {
+      // H2O: each key's score (log2 units, hidden keys -inf) for its attention mass
+      // (latent_sm90.py: the probabilities under each head's final lse)
 #pragma unroll
       for (int j = 0; j < Gm::NTW; ++j)
 #pragma unroll
