@@ -75,6 +75,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt", type=int, default=4096)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--pad", type=float, default=0.0,
+                   help="left-pad row b by PAD * prompt * b / (batch - 1) tokens (0: none)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--budget-s", type=float, default=330.0, help="skip sections past this")
     p.add_argument("--sections", default="capacity,hf_eager,hf_static,kvc_fp8,kvc_bf16,"
@@ -212,9 +214,17 @@ def capacity(args, device, ctx):
 
 
 def _inputs(args, device, vocab):
+    """(ids, attention_mask) [batch, prompt]; with --pad F, row b is left-padded by
+    F * prompt * b / (batch - 1) tokens (HF generate's batch of prompts of different lengths:
+    the last row is (1 - F) * prompt tokens long)."""
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(10, vocab, (args.batch, args.prompt), generator=g).to(device)
-    return ids, torch.ones_like(ids)
+    ids = torch.randint(10, vocab, (args.batch, args.prompt), generator=g)
+    am = torch.ones_like(ids)
+    pad = getattr(args, "pad", 0.0)
+    for b in range(args.batch):
+        n = int(pad * args.prompt * b / max(args.batch - 1, 1))
+        ids[b, :n], am[b, :n] = 0, 0
+    return ids.to(device), am.to(device)
 
 
 def _gen_kwargs(args, **kw):

@@ -84,6 +84,29 @@ def sdpa_attention(q, k, v, allowed, additive, scale: float, causal: bool = Fals
                            scale, 0.0).to(dt)
 
 
+def sdpa_rows(q, k, v, starts, scale: float) -> torch.Tensor:
+    """Causal attention of a left-padded batch without its [B, 1, S, L] mask: row b's queries
+    and keys from position starts[b] on (its tokens; the positions before are padding) in one
+    SDPA call of their own, causal (flash / cuDNN where SDPA has them: no mask to read), and
+    a padding query, which sees no key, 0, as `sdpa_attention` gives under the padded mask.
+    q [B, Hq, S, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv], starts: B host ints.
+    -> [B, Hq, S, Dv] in compute_dtype(q.dtype). One finiteness check for the batch (a NaN /
+    Inf takes the row's `sdpa_attention`, with the module docstring's rules)."""
+    B, Hq, S, _ = q.shape
+    dt = compute_dtype(q.dtype)
+    out = torch.zeros(B, Hq, S, v.shape[-1], dtype=dt, device=q.device)
+    rows = [(b, s0) for b, s0 in enumerate(starts) if s0 < S]
+    for b, s0 in rows:
+        out[b:b + 1, :, s0:] = _sdpa(_as(q[b:b + 1, :, s0:], dt), _as(k[b:b + 1, :, s0:], dt),
+                                     _as(v[b:b + 1, :, s0:], dt), None, scale, True)
+    if _all_finite(out) and (out.is_cuda or dt == torch.float32 or _all_finite(k)):
+        return out
+    for b, s0 in rows:
+        out[b:b + 1, :, s0:] = sdpa_attention(q[b:b + 1, :, s0:], k[b:b + 1, :, s0:],
+                                              v[b:b + 1, :, s0:], None, None, scale, True)
+    return out
+
+
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # x in dtype, without an op call where it already is (a CPU decode step runs this 90 times)
     return x if x.dtype == dtype else x.to(dtype)

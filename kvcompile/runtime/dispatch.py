@@ -33,7 +33,12 @@ import torch
 
 from kvcompile.errors import UnsupportedShapeError
 from kvcompile.kernels import masks
-from kvcompile.kernels.dense import compute_dtype, paged_reference_attention, sdpa_attention
+from kvcompile.kernels.dense import (
+    compute_dtype,
+    paged_reference_attention,
+    sdpa_attention,
+    sdpa_rows,
+)
 from kvcompile.kernels.latent import absorb_query, expand_latent, latent_output
 from kvcompile.runtime.hooks import RuntimeHook
 from kvcompile.runtime.kernel_formats import kernel_readable
@@ -158,9 +163,10 @@ def _fresh_prefill(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal
     vLLM's do; the pages are written all the same, for the decode steps.
     KVConfig(prefill_attends="stored") attends to the stored (quantized) pages instead.
 
-    Taken for causal (or unmasked) attention without padding, window or softcap, where SDPA
-    needs no [B, S, L] mask; anything else (left padding, a window shorter than the prompt, a
-    custom mask) goes to the paged paths. SnapKV's observation rows and H2O's prompt mass are
+    Taken for causal (or unmasked) attention without window or softcap, where SDPA needs no
+    [B, S, L] mask, and for left padding a row at a time (`_fresh_padded`); anything else (a
+    window shorter than the prompt, a custom mask, a padded batch of more than
+    FRESH_PADDED_ROWS_MAX rows) goes to the paged paths. SnapKV's observation rows and H2O's prompt mass are
     scored apart (`EvictionRuntime.observe_prefill`, `prompt_mass`).
     -> [B, Hq, S, Dv] in compute_dtype(q.dtype), or None. A layer that took it is marked in
     the forward's plan (`attended_fresh(plan, layer)`: what `kvcompile inspect --verify` holds
@@ -169,11 +175,15 @@ def _fresh_prefill(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal
         return _fresh_packed(state, layer, q, fresh, plan, window, softcap, scale, extras)
     causal = _fresh_causal(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal,
                            window, softcap, extras)
-    if causal is None:
+    starts = None if causal is not None else _fresh_padded(
+        state, layer, q, fresh, plan, mask_info, attn_mask, window, softcap, extras)
+    if causal is None and starts is None:
         return None
     k, v = fresh
     state.count("prefill_fresh_sdpa")
     plan.cache[("attended_fresh", layer)] = True
+    if starts is not None:
+        return sdpa_rows(q, k, v, starts, scale)
     return sdpa_attention(q, k, v, None, None, scale, causal)
 
 
@@ -246,6 +256,32 @@ def _fresh_causal(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal,
             return None
         return True
     return bool(is_causal)
+
+
+# a left-padded fresh prompt attends one SDPA call per batch row (`_fresh_padded`) up to this
+# many rows; a larger batch keeps the paged kernels (one launch for the batch)
+FRESH_PADDED_ROWS_MAX = 32
+
+
+def _fresh_padded(state, layer, q, fresh, plan, mask_info, attn_mask, window, softcap,
+                  extras) -> list[int] | None:
+    """Each row's first token (host ints) where a fresh prompt that `_fresh_causal` refuses
+    for its left padding alone may attend to its fresh K/V a row at a time
+    (`dense.sdpa_rows`: causal SDPA over the row's tokens, flash / cuDNN, no [B, 1, S, L]
+    mask); else None. The mask must be exactly causal past each row's padding
+    (MaskInfo.exact, from the analysis every forward makes: nothing more is read), the batch
+    at most FRESH_PADDED_ROWS_MAX rows. Left-padded batches are how HF `generate` runs
+    prompts of different lengths; on the paged path their prefill read back the pages just
+    written, quantized, through the chunked-prefill kernel."""
+    if (attn_mask is None or mask_info is None or not mask_info.exact
+            or not any(mask_info.kv_start) or q.shape[0] > FRESH_PADDED_ROWS_MAX
+            or len(mask_info.kv_start) != q.shape[0]):
+        return None
+    if not _fresh_ok(state, layer, q, fresh, plan, window, softcap, extras):
+        return None
+    if mask_info.window and mask_info.window < q.shape[2]:
+        return None
+    return [int(s) for s in mask_info.kv_start]
 
 
 def attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, window, softcap,
@@ -380,12 +416,16 @@ def _attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, wi
     heads = q.shape[1]
     causal = _fresh_causal(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal,
                            window, softcap, None)
-    masked = None if causal is not None else _fresh_latent_mask(
+    starts = None if causal is not None else _fresh_padded(
+        state, layer, q, fresh, plan, mask_info, attn_mask, window, softcap, None)
+    masked = None if causal is not None or starts is not None else _fresh_latent_mask(
         state, layer, q, fresh, plan, attn_mask, window, softcap)
-    if causal is not None or masked is not None:
+    if causal is not None or starts is not None or masked is not None:
         k, v = expand_latent(*fresh, kv_b_weight, nope_dim, heads)
         state.count("prefill_fresh_sdpa")
         plan.cache[("attended_fresh", layer)] = True
+        if starts is not None:
+            return sdpa_rows(q, k, v, starts, scale)
         if masked is not None:
             return sdpa_attention(q, k, v, *masked, scale, False)
         return sdpa_attention(q, k, v, None, None, scale, causal)

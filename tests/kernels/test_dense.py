@@ -13,6 +13,7 @@ from kvcompile.kernels.dense import (
     exact_attention,
     paged_reference_attention,
     sdpa_attention,
+    sdpa_rows,
 )
 from kvcompile.kernels.reference import gather_pages
 from kvcompile.runtime.context import StepPlan
@@ -139,6 +140,40 @@ def test_nonfinite_kv_as_eager(case, mask):
         assert bool(torch.isfinite(ref).all())
     if case in ("v_nan_seen", "k_nan_seen", "later_nan"):
         assert bool(torch.isnan(ref).any()) and not bool(torch.isnan(ref).all())
+
+
+ROW_CASES = ["finite", "v_nan_seen", "k_inf_seen", "masked_nan", "later_nan", "all_pad"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ROW_CASES)
+def test_sdpa_rows_is_left_padded_causal_attention(case, dtype):
+    """sdpa_rows (a left-padded fresh prompt, one SDPA call per row) against eager attention
+    under the padded causal mask, NaN / Inf included: a padding key is inert, a padding query
+    (no key to see) gives 0, a row of padding only gives 0."""
+    g = torch.Generator().manual_seed(40 + ROW_CASES.index(case))
+    B, Hq, Hkv, S, D = 3, 4, 2, 9, 16
+    q = torch.randn(B, Hq, S, D, generator=g)
+    k = torch.randn(B, Hkv, S, D, generator=g)
+    v = torch.randn(B, Hkv, S, 8, generator=g)          # (Dv != D: MLA's expanded values)
+    starts = [0, 4, S if case == "all_pad" else 1]
+    if case == "v_nan_seen":
+        v[1, 1, 6, 3] = float("nan")
+    elif case == "k_inf_seen":
+        k[2, 0, 3, 5] = float("inf")
+    elif case == "masked_nan":                         # under row 1's padding
+        k[1, 0, 2, 0] = v[1, 1, 3, 2] = float("nan")
+    elif case == "later_nan":                          # only the last query sees it
+        v[0, 0, S - 1, 1] = float("nan")
+    j = torch.arange(S)
+    seen = torch.stack([(j[None] <= j[:, None]) & (j[None] >= s0) for s0 in starts])[:, None]
+    ref = eager_rows(q.to(dtype), k.to(dtype), v.to(dtype), seen, 0.3)
+    got = sdpa_rows(q.to(dtype), k.to(dtype), v.to(dtype), starts, 0.3)
+    assert got.dtype == dtype and got.shape == (B, Hq, S, 8)
+    assert_matches_eager(got, ref, dtype, f"sdpa_rows, {case}")
+    assert torch.equal(got[1, :, :4], torch.zeros_like(got[1, :, :4]))   # padding queries
+    if case == "masked_nan":
+        assert bool(torch.isfinite(got).all())
 
 
 def test_nonfinite_softcap_and_unmasked():

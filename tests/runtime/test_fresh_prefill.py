@@ -1,7 +1,7 @@
 """A fresh prompt's prefill attends to its K/V as computed (runtime/dispatch.py `_fresh_prefill`,
 KVConfig.prefill_attends): with quantized pages its logits are the model's own, the pages are
-written all the same (the decode steps read them), and every case SDPA cannot take without a
-[B, S, L] mask goes to the paged path."""
+written all the same (the decode steps read them); left padding attends a row at a time, and
+every other case SDPA cannot take without a [B, S, L] mask goes to the paged path."""
 
 from __future__ import annotations
 
@@ -70,8 +70,24 @@ def test_full_precision_pages_give_the_models_tokens():
     torch.testing.assert_close(got.logits[0], want.logits[0], rtol=1e-5, atol=1e-5)
 
 
-def test_padded_prompts_take_the_paged_path():
-    """Left padding would need a [B, 1, S, L] mask for SDPA: the paged path takes it."""
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+def test_padded_prompts_attend_fresh_a_row_at_a_time(kv_dtype):
+    """Left padding (HF generate's batch of prompts of different lengths): each row attends to
+    its own tokens' K/V as computed (dispatch._fresh_padded: causal SDPA per row, no
+    [B, 1, S, L] mask), so the prefill's logits are the model's own with fp8 pages too."""
+    want, got, st = _run("fresh", kv_dtype=kv_dtype, pad=True)
+    assert st.get("prefill_fresh_sdpa", 0) == 2
+    torch.testing.assert_close(got.logits[0], want.logits[0], rtol=0, atol=1e-5)
+    if kv_dtype == "auto":
+        assert torch.equal(got.sequences, want.sequences)
+
+
+def test_padded_batch_over_the_row_limit_takes_the_paged_path(monkeypatch):
+    """Negative: a padded batch of more rows than FRESH_PADDED_ROWS_MAX reads its pages (one
+    kernel launch for the batch, not one SDPA call per row), with the same tokens."""
+    from kvcompile.runtime import dispatch
+
+    monkeypatch.setattr(dispatch, "FRESH_PADDED_ROWS_MAX", B - 1)
     want, got, st = _run("fresh", kv_dtype="auto", pad=True)
     assert st.get("prefill_fresh_sdpa", 0) == 0
     assert torch.equal(got.sequences, want.sequences)
