@@ -36,9 +36,10 @@ def model():
     return m
 
 
-def _streamed(m, prompt: list[int], n: int, policy, chunk: int) -> list[int]:
+def _streamed(m, prompt: list[int], n: int, policy, chunk: int, logprobs: bool = False):
     """Greedy tokens of the compiled model fed `prompt` `chunk` tokens per forward (each
-    forward evicts after it), then one token per forward; its sequence under `policy`."""
+    forward evicts after it), then one token per forward; its sequence under `policy`.
+    logprobs: (tokens, each token's log-probability) instead."""
     st = state_of(m)
     pool = st.pool
     allocate = pool.allocate
@@ -52,13 +53,14 @@ def _streamed(m, prompt: list[int], n: int, policy, chunk: int) -> list[int]:
 
     pool.allocate = allocate_with_policy
     try:
-        cache, out = DynamicCache(), []
+        cache, out, lps = DynamicCache(), [], []
         with torch.no_grad():
             for t in range(0, len(prompt), chunk):
                 logits = m(input_ids=torch.tensor([prompt[t:t + chunk]]),
                            past_key_values=cache, use_cache=True).logits[0, -1]
             for _ in range(n):
                 out.append(int(logits.argmax()))
+                lps.append(float(torch.log_softmax(logits.float(), -1)[out[-1]]))
                 logits = m(input_ids=torch.tensor([[out[-1]]]), past_key_values=cache,
                            use_cache=True).logits[0, -1]
         # the first forward of a new shape compiles, and Dynamo's compile leaves the frame's
@@ -68,7 +70,7 @@ def _streamed(m, prompt: list[int], n: int, policy, chunk: int) -> list[int]:
         gc.collect()
     finally:
         pool.allocate = allocate
-    return out
+    return (out, lps) if logprobs else out
 
 
 POLICIES = [SinkWindow(2, 12), SnapKV(budget=16, window=4), "model"]

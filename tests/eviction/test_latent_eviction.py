@@ -383,3 +383,44 @@ def test_engine_random_arrivals_on_latent_pages(mode):
     alone.close()
     # 14 pages of 8 tokens free; prompts admitted on their first chunk (preempted)
     arrivals_in_few_pages(m, reqs, expect, 14, 8, mode, rng, reserve_prefill=False)
+
+
+def test_engine_prefill_eviction_chunks_on_latent_pages():
+    """Prompts on latent pages evicted every 8 tokens (Engine(prefill_eviction_chunk=8)): a
+    chunk after an eviction attends over kept slots in fp32 on the host, beside other rows in
+    a packed step (dispatch._latent_evicting's packed host branch). The engine equals the
+    prompt fed 8 tokens per forward through HF's cache (the same rows, one at a time), at a
+    step budget of 12; negative: without the option some request's tokens differ."""
+    from kvcompile.engine import Engine, SamplingParams
+    from tests.engine.test_engine_prefill_eviction import _streamed
+    from tests.engine.tiny import random_prompts
+
+    m = _compiled(SinkWindow(2, 10))
+    with torch.no_grad():   # (the pool is made at the first forward)
+        m.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
+    C, N = 8, 10
+    pols = [SinkWindow(2, 12), SnapKV(budget=16, window=4), "model"]
+    prompts = random_prompts(random.Random(3), len(pols), 30, 44)
+    want, want_lp = zip(*[_streamed(m, p, N, pol, C, logprobs=True)
+                          for p, pol in zip(prompts, pols)])
+    want = list(want)
+
+    def params():
+        return [SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, eviction=pol,
+                               logprobs=True) for pol in pols]
+
+    st = state_of(m)
+    before = st.counters.get("latent_eviction_host_rows", 0)
+    eng = Engine(m, max_num_batched_tokens=12, prefill_eviction_chunk=C)
+    outs = eng.generate(prompts, params())
+    assert [o.token_ids for o in outs] == want
+    for o, lp in zip(outs, want_lp):   # (fp32 pages: the rows' numbers, not only argmax)
+        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(lp), rtol=0,
+                                   atol=1e-4)
+    assert st.counters.get("latent_eviction_host_rows", 0) > before
+    eng.close()
+    assert eng.pool.stats().pages_used == 0
+    eng = Engine(m, max_num_batched_tokens=12)
+    full = [o.token_ids for o in eng.generate(prompts, params())]
+    eng.close()
+    assert full != want, "evicting during the prompt changed no request"
