@@ -15,7 +15,7 @@ case "${PART:-a}" in
   a)
     timeout -k 5 ${A_TEST_LIMIT:-170} python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/gpu/test_latent_sm90_gpu.py tests/gpu/test_dense_gpu.py \
-      -k "key_mask or left_padded or routes_decode_steps or sdpa_rows" \
+      -k "key_mask or left_padded or routes_decode_steps or sdpa_rows or padded_rows" \
       > "$OUT/a_tests.txt" 2>&1; echo "tests exit $?"; tail -4 "$OUT/a_tests.txt"
     IJ_LIMIT=${IJ_LIMIT:-130} PART=i bash benchmarks/session19_call.sh ;;
   j)

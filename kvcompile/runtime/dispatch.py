@@ -26,6 +26,7 @@ prefill's SDPA is skipped (it has no sink input).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import weakref
 
@@ -165,8 +166,7 @@ def _fresh_prefill(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal
 
     Taken for causal (or unmasked) attention without window or softcap, where SDPA needs no
     [B, S, L] mask, and for left padding a row at a time (`_fresh_padded`); anything else (a
-    window shorter than the prompt, a custom mask, a padded batch of more than
-    FRESH_PADDED_ROWS_MAX rows) goes to the paged paths. SnapKV's observation rows and H2O's prompt mass are
+    window shorter than the prompt, a custom mask) goes to the paged paths. SnapKV's observation rows and H2O's prompt mass are
     scored apart (`EvictionRuntime.observe_prefill`, `prompt_mass`).
     -> [B, Hq, S, Dv] in compute_dtype(q.dtype), or None. A layer that took it is marked in
     the forward's plan (`attended_fresh(plan, layer)`: what `kvcompile inspect --verify` holds
@@ -183,7 +183,7 @@ def _fresh_prefill(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal
     state.count("prefill_fresh_sdpa")
     plan.cache[("attended_fresh", layer)] = True
     if starts is not None:
-        return sdpa_rows(q, k, v, starts, scale)
+        return _padded_rows(state, q, k, v, starts, scale)
     return sdpa_attention(q, k, v, None, None, scale, causal)
 
 
@@ -259,23 +259,54 @@ def _fresh_causal(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal,
 
 
 # a left-padded fresh prompt attends one SDPA call per batch row (`_fresh_padded`) up to this
-# many rows; a larger batch keeps the paged kernels (one launch for the batch)
+# many rows; a larger batch, where the Triton kernels run, packs its tokens for one launch of
+# the varlen prefill kernel
 FRESH_PADDED_ROWS_MAX = 32
+
+
+def _padded_rows(state, q, k, v, starts: list[int], scale: float) -> torch.Tensor:
+    """Causal attention of a left-padded fresh prompt over each row's own tokens (`_fresh_padded`
+    chose it): one SDPA call a row (`dense.sdpa_rows`), or past FRESH_PADDED_ROWS_MAX rows
+    where the Triton kernels run, the rows' tokens packed ([T, H, D], padding dropped) for
+    one launch of the varlen prefill kernel (head dims it takes: MLA's 192 stays on SDPA), its
+    output scattered back (a padding query: 0).
+    q [B, Hq, S, D], k / v [B, Hkv, S, D|Dv] -> [B, Hq, S, Dv]."""
+    from kvcompile.kernels.prefill_launch import HEAD_DIMS
+
+    B, Hq, S, _ = q.shape
+    if (B <= FRESH_PADDED_ROWS_MAX or not state.kernels.use_triton(q.device)
+            or q.shape[3] not in HEAD_DIMS or v.shape[3] not in HEAD_DIMS):
+        return sdpa_rows(q, k, v, starts, scale)
+    from kvcompile.kernels.prefill import prefill_attention
+
+    lens = [S - s for s in starts if s < S]
+    idx = torch.cat([torch.arange(b * S + s, (b + 1) * S) for b, s in enumerate(starts)
+                     if s < S]).to(q.device)
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=q.device)
+
+    def packed(x):   # [B, H, S, D] -> [T, H, D], the rows' tokens
+        return x.transpose(1, 2).reshape(B * S, x.shape[1], x.shape[3]).index_select(0, idx)
+
+    dt = compute_dtype(q.dtype)
+    o = prefill_attention(packed(q), packed(k), packed(v), cu, scale, causal=True,
+                          max_seqlen=max(lens), out_dtype=dt)
+    out = torch.zeros(B * S, Hq, v.shape[3], dtype=dt, device=q.device)
+    out.index_copy_(0, idx, o)
+    return out.view(B, S, Hq, -1).transpose(1, 2)
 
 
 def _fresh_padded(state, layer, q, fresh, plan, mask_info, attn_mask, window, softcap,
                   extras) -> list[int] | None:
     """Each row's first token (host ints) where a fresh prompt that `_fresh_causal` refuses
-    for its left padding alone may attend to its fresh K/V a row at a time
-    (`dense.sdpa_rows`: causal SDPA over the row's tokens, flash / cuDNN, no [B, 1, S, L]
-    mask); else None. The mask must be exactly causal past each row's padding
-    (MaskInfo.exact, from the analysis every forward makes: nothing more is read), the batch
-    at most FRESH_PADDED_ROWS_MAX rows. Left-padded batches are how HF `generate` runs
+    for its left padding alone may attend to its fresh K/V over each row's own tokens
+    (`_padded_rows`: causal SDPA a row at a time, flash / cuDNN, or the varlen kernel over the
+    packed tokens; no [B, 1, S, L] mask); else None. The mask must be exactly causal past
+    each row's padding (MaskInfo.exact, from the analysis every forward makes: nothing more
+    is read). Left-padded batches are how HF `generate` runs
     prompts of different lengths; on the paged path their prefill read back the pages just
     written, quantized, through the chunked-prefill kernel."""
     if (attn_mask is None or mask_info is None or not mask_info.exact
-            or not any(mask_info.kv_start) or q.shape[0] > FRESH_PADDED_ROWS_MAX
-            or len(mask_info.kv_start) != q.shape[0]):
+            or not any(mask_info.kv_start) or len(mask_info.kv_start) != q.shape[0]):
         return None
     if not _fresh_ok(state, layer, q, fresh, plan, window, softcap, extras):
         return None
@@ -425,7 +456,7 @@ def _attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, wi
         state.count("prefill_fresh_sdpa")
         plan.cache[("attended_fresh", layer)] = True
         if starts is not None:
-            return sdpa_rows(q, k, v, starts, scale)
+            return _padded_rows(state, q, k, v, starts, scale)
         if masked is not None:
             return sdpa_attention(q, k, v, *masked, scale, False)
         return sdpa_attention(q, k, v, None, None, scale, causal)

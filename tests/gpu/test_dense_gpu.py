@@ -93,3 +93,23 @@ def test_sdpa_rows_left_padded(name, dt):
     fin = torch.isfinite(ref)
     assert rel_err(got[fin], ref[fin]) <= 10 * REL_ERR[dt]
     assert not got[2, :, :150].any()
+
+
+def test_padded_rows_varlen_on_cuda(monkeypatch):
+    """dispatch._padded_rows past FRESH_PADDED_ROWS_MAX on CUDA: the rows' tokens packed for
+    one launch of the varlen prefill kernel (bf16, D 128), equal to sdpa_rows."""
+    from types import SimpleNamespace
+
+    from kvcompile.runtime import dispatch
+
+    monkeypatch.setattr(dispatch, "FRESH_PADDED_ROWS_MAX", 2)
+    g = torch.Generator().manual_seed(9)
+    B, Hq, Hkv, S, D = 5, 8, 2, 300, 128
+    q = torch.randn(B, Hq, S, D, generator=g).cuda().bfloat16()
+    k, v = (torch.randn(B, Hkv, S, D, generator=g).cuda().bfloat16() for _ in range(2))
+    starts = [0, 17, 299, S, 150]
+    state = SimpleNamespace(kernels=SimpleNamespace(use_triton=lambda device: True))
+    got = dispatch._padded_rows(state, q, k, v, starts, 0.09).float()
+    want = sdpa_rows(q, k, v, starts, 0.09).float()
+    assert rel_err(got, want) <= 4 * REL_ERR[torch.bfloat16]
+    assert not got[1, :, :17].any() and not got[3].any()

@@ -23,7 +23,9 @@ def _run(prefill_attends: str, kv_dtype: str = "fp8_e4m3", pad: bool = False, **
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(3, 256, (B, S), generator=g)
     am = torch.ones_like(ids)
-    if pad:
+    if pad == "hole":
+        am[1, 9] = 0
+    elif pad:
         am[1, :5] = 0
     gen = dict(attention_mask=am, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
                pad_token_id=0, output_logits=True, return_dict_in_generate=True)
@@ -82,13 +84,59 @@ def test_padded_prompts_attend_fresh_a_row_at_a_time(kv_dtype):
         assert torch.equal(got.sequences, want.sequences)
 
 
-def test_padded_batch_over_the_row_limit_takes_the_paged_path(monkeypatch):
-    """Negative: a padded batch of more rows than FRESH_PADDED_ROWS_MAX reads its pages (one
-    kernel launch for the batch, not one SDPA call per row), with the same tokens."""
+def test_padded_batch_over_the_row_limit_attends_fresh(monkeypatch):
+    """A padded batch of more rows than FRESH_PADDED_ROWS_MAX still attends to its own K/V
+    (the prefill's logits stay the model's with fp8 pages, whatever the batch size): one SDPA
+    call a row off the Triton kernels (here), the varlen kernel on them (below)."""
     from kvcompile.runtime import dispatch
 
     monkeypatch.setattr(dispatch, "FRESH_PADDED_ROWS_MAX", B - 1)
-    want, got, st = _run("fresh", kv_dtype="auto", pad=True)
+    want, got, st = _run("fresh", pad=True)
+    assert st.get("prefill_fresh_sdpa", 0) == 2
+    torch.testing.assert_close(got.logits[0], want.logits[0], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])   # (bf16 tl.dot: garbage in
+def test_padded_rows_pack_for_the_varlen_kernel(monkeypatch, dtype):   # the interpreter; GPU test)
+    """Past FRESH_PADDED_ROWS_MAX rows where the Triton kernels run (the interpreter here),
+    `_padded_rows` packs the rows' tokens for one launch of the varlen prefill kernel (the
+    cu_seqlens of the rows' own tokens; a row of padding only is dropped) and scatters its
+    output back: equal to dense.sdpa_rows (one SDPA call a row), padding queries 0."""
+    from types import SimpleNamespace
+
+    from kvcompile.kernels import prefill
+    from kvcompile.kernels.dense import sdpa_rows
+    from kvcompile.runtime import dispatch
+    from kvcompile.testing import assert_rel_close
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(dispatch, "FRESH_PADDED_ROWS_MAX", 2)
+    g = torch.Generator().manual_seed(11)
+    Bq, Hq, Hkv, Sq, D = 4, 4, 2, 20, 64
+    q = torch.randn(Bq, Hq, Sq, D, generator=g).to(dtype)
+    k, v = (torch.randn(Bq, Hkv, Sq, D, generator=g).to(dtype) for _ in range(2))
+    starts = [0, 7, Sq, 19]
+    calls = []
+    real = prefill.prefill_attention
+    monkeypatch.setattr(prefill, "prefill_attention",
+                        lambda *a, **kw: calls.append(a[3].tolist()) or real(*a, **kw))
+    state = SimpleNamespace(kernels=SimpleNamespace(use_triton=lambda device: True))
+    got = dispatch._padded_rows(state, q, k, v, starts, 0.125)
+    assert calls == [[0, 20, 33, 34]]
+    want = sdpa_rows(q, k, v, starts, 0.125)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert_rel_close(got.float(), want.float(), dtype, factor=4, what="packed varlen")
+    assert not got[1, :, :7].any() and not got[2].any()
+    # negative: at or under the limit, no varlen launch
+    monkeypatch.setattr(dispatch, "FRESH_PADDED_ROWS_MAX", Bq)
+    dispatch._padded_rows(state, q, k, v, starts, 0.125)
+    assert len(calls) == 1
+
+
+def test_a_mask_with_a_hole_takes_the_paged_path():
+    """Negative: a hole inside a row's mask (not left padding) is no causal mask SDPA can take
+    without [B, 1, S, L]: the prompt reads its pages, with eager's tokens."""
+    want, got, st = _run("fresh", kv_dtype="auto", pad="hole")
     assert st.get("prefill_fresh_sdpa", 0) == 0
     assert torch.equal(got.sequences, want.sequences)
 

@@ -1,0 +1,28 @@
+#!/bin/bash
+# Device calls of the twenty-second session, one part a call, each under 600 s; every part
+# writes $OUT/<part>*.txt and prints a summary.
+#   a: session21_call.sh part a (the GPU tests of the CUDA latent kernel's key mask and of
+#      dense.sdpa_rows, then issue 22's B64 x 8k MLA rows)
+#   e: issue 14's end-to-end rows, B16 x P32768, 64 new, 8 layers, each row in its own
+#      process: bf16, fp8 (page scales) and int4 (K channel / V token, pages of 64) pages
+#      (targets: fp8 decode >= 1.5x bf16's, int4 >= 2.0x; the int4 row ran eagerly, 0.18x,
+#      before its append kernel existed)
+#   p: left-padded prompts' time to first token (bench_generate --pad 0.5: rows of 4,096 down
+#      to 2,048 tokens), HF static + inductor, kvc fp8, kvc bf16, each in its own process
+#      (the prefill now attends each row's own K/V: dense.sdpa_rows)
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kvc_out}; mkdir -p "$OUT"
+case "${PART:-a}" in
+  a)
+    PART=a bash benchmarks/session21_call.sh ;;
+  e)
+    ROW_LIMIT=${ROW_LIMIT:-185} bash benchmarks/e2e_kv_rows.sh \
+      "${E_ROWS:-kvc_bf16:auto kvc_fp8:auto kvc_int4:auto}" 2>&1 | tee "$OUT/e_rows.txt" ;;
+  p)
+    for s in hf_static kvc_fp8 kvc_bf16; do
+      timeout -k 5 ${P_LIMIT:-150} python3 benchmarks/bench_generate.py --batch 16 \
+        --prompt 4096 --new 8 --pad 0.5 --sections $s --budget-s ${P_LIMIT:-150} \
+        --out "$OUT/p_$s" > "$OUT/p_$s.txt" 2>&1 || echo "$s: exit $?"
+      grep -E "^\| (HF|kvcompile)" "$OUT/p_$s.txt" | cut -d'|' -f1-7
+    done ;;
+esac
