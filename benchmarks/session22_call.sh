@@ -10,6 +10,7 @@
 #   p: left-padded prompts' time to first token (bench_generate --pad 0.5: rows of 4,096 down
 #      to 2,048 tokens), HF static + inductor, kvc fp8, kvc bf16, each in its own process
 #      (the prefill now attends each row's own K/V: dense.sdpa_rows)
+#   m: issue 22's MLA rows (M_SHAPE, M_ROWS) after the expanded prompt chunks
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvc_out}; mkdir -p "$OUT"
 case "${PART:-a}" in
@@ -25,4 +26,13 @@ case "${PART:-a}" in
         --out "$OUT/p_$s" > "$OUT/p_$s.txt" 2>&1 || echo "$s: exit $?"
       grep -E "^\| (HF|kvcompile)" "$OUT/p_$s.txt" | cut -d'|' -f1-7
     done ;;
+  m)
+    # issue 22's MLA rows after the expanded prompt chunks (B64 x 8k is prefilled in two
+    # chunks; the second absorbed 128 heads x 4,096 queries x 64 rows at once and ran out of
+    # memory on the first call): M_SHAPE "--batch 64 --prompt 8192" or "--batch 16 --prompt 32768"
+    for r in ${M_ROWS:-kvc_fp8_e4m3 kvc_bf16 hf_static}; do
+      timeout -k 5 ${M_LIMIT:-150} python3 benchmarks/bench_latent_generate.py --rows $r \
+        ${M_SHAPE:---batch 64 --prompt 8192} --new 32 --repeats 2 || echo "| $r | exit $? |"
+    done > "$OUT/m_latent.txt" 2>&1
+    grep -E "^\| [hk]|^# Deep|^\| .* exit" "$OUT/m_latent.txt" ;;
 esac

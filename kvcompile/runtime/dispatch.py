@@ -36,6 +36,8 @@ from kvcompile.errors import UnsupportedShapeError
 from kvcompile.kernels import masks
 from kvcompile.kernels.dense import (
     compute_dtype,
+    expand_rows,
+    paged_latent_expanded,
     paged_reference_attention,
     sdpa_attention,
     sdpa_rows,
@@ -433,18 +435,19 @@ def _attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, wi
     width r) and the rotary key (values, width dr); the new tokens' are already written.
     q [B, H, S, dn + dr] -> [B, H, S, dv].
 
-    A fresh prompt's prefill (the conditions of `_fresh_prefill`, or a padded one under the
-    model's own mask: `_fresh_latent_mask`) expands its own latents through kv_b_proj and runs
-    dense SDPA, as the model does: compute-bound, the expansion is cheap there. Everything
-    else (decode steps, chunked prefill) attends in the
-    latent space over the stored pages: q_nope absorbed by W_UK once per step, one latent head
+    A fresh prompt's prefill (the conditions of `_fresh_prefill`, a left-padded one over each
+    row's tokens, a custom mask under the model's own: `_fresh_latent_mask`) expands its own
+    latents through kv_b_proj and runs dense SDPA, as the model does, a row group at a time
+    (`_fresh_latent_rows`): compute-bound, the expansion is cheap there. A prompt chunk over
+    a cached prefix of LATENT_EXPAND_MIN_QUERIES or more queries a row expands its rows'
+    stored latents the same way (dense.paged_latent_expanded). Everything else (decode
+    steps, shorter chunks) attends in the latent space over the stored pages: q_nope absorbed by W_UK once per step, one latent head
     per token read for every query head, W_UV applied to the weighted latents; nothing of the
     past is expanded. Rotation is refused for these layers at compile time
     (passes/site_formats.py); eviction goes through `_latent_evicting`. attn_mass [B, 1, Lm]
     (H2O rows chosen for the latent kernel, `EvictionRuntime.latent_rows`): the kernel adds
     the step's probabilities to it; a step it does not take is an error here."""
     state = ctx.state
-    heads = q.shape[1]
     causal = _fresh_causal(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal,
                            window, softcap, None)
     starts = None if causal is not None else _fresh_padded(
@@ -452,15 +455,17 @@ def _attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, wi
     masked = None if causal is not None or starts is not None else _fresh_latent_mask(
         state, layer, q, fresh, plan, attn_mask, window, softcap)
     if causal is not None or starts is not None or masked is not None:
-        k, v = expand_latent(*fresh, kv_b_weight, nope_dim, heads)
         state.count("prefill_fresh_sdpa")
         plan.cache[("attended_fresh", layer)] = True
-        if starts is not None:
-            return _padded_rows(state, q, k, v, starts, scale)
-        if masked is not None:
-            return sdpa_attention(q, k, v, *masked, scale, False)
-        return sdpa_attention(q, k, v, None, None, scale, causal)
+        return _fresh_latent_rows(state, q, fresh, kv_b_weight, nope_dim, scale, causal,
+                                  starts, masked)
     pool = state.pool
+    if _latent_chunk_expands(q, plan, mask_info, attn_mask, is_causal, window, softcap,
+                             attn_mass):
+        state.count("latent_chunk_expanded")
+        return paged_latent_expanded(pool.k[layer], pool.v[layer], q, plan, kv_b_weight,
+                                     nope_dim, scale, window or mask_info_window(mask_info),
+                                     LATENT_EXPAND_BYTES)
     q_lat = absorb_query(q, kv_b_weight, nope_dim)                  # [B, H, S, r + dr]
     o_lat = _latent_kernel(state, q_lat, pool.k[layer], pool.v[layer], plan, mask_info,
                            attn_mask, window, softcap, scale, attn_mass=attn_mass)
@@ -476,6 +481,61 @@ def _attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, wi
                                       scale, latent=True)           # [B, H, S, r]
     state.count("latent_absorbed")
     return latent_output(o_lat, kv_b_weight, nope_dim)
+
+
+# expanded K/V (an MLA layer's keys and values through kv_b_proj) of one row group at most:
+# a prompt's rows are expanded and attended a group at a time (`_fresh_latent_rows`,
+# dense.paged_latent_expanded); B64 x 8k at DeepSeek-V3's 128 heads expands to 43 GB at once
+LATENT_EXPAND_BYTES = 2 << 30
+# a prompt chunk over latent pages (a cached prefix) of at least this many queries a row
+# attends by expansion (the model's form) instead of the absorbed one
+LATENT_EXPAND_MIN_QUERIES = 256
+
+
+def _fresh_latent_rows(state, q, fresh, w, nope_dim: int, scale: float, causal, starts,
+                       masked) -> torch.Tensor:
+    """A fresh MLA prompt's attention by expansion (one of causal / starts / masked given, as
+    `_attend_latent` chose): its rows' fresh latents expanded through kv_b_proj and attended
+    a row group at a time (LATENT_EXPAND_BYTES of expanded K/V at most), so that the whole
+    batch's K/V never exist at once. -> [B, H, S, dv]."""
+    c, rope = fresh
+    B, H, S, dqk = q.shape
+    dv = w.shape[0] // H - nope_dim
+    dt = compute_dtype(q.dtype)
+    g = expand_rows(S, H, dqk + dv, torch.finfo(c.dtype).bits // 8, LATENT_EXPAND_BYTES)
+    out = None
+    for b0 in range(0, B, g):
+        rows = slice(b0, min(B, b0 + g))
+        k, v = expand_latent(c[rows], rope[rows], w, nope_dim, H)
+        if starts is not None:
+            o = _padded_rows(state, q[rows], k, v, starts[rows], scale)
+        elif masked is not None:
+            o = sdpa_attention(q[rows], k, v, *(None if m is None or m.shape[0] == 1
+                                                else m[rows] for m in masked), scale, False)
+        else:
+            o = sdpa_attention(q[rows], k, v, None, None, scale, causal)
+        if g >= B:
+            return o
+        if out is None:
+            out = torch.empty((B, H, S, dv), dtype=dt, device=q.device)
+        out[rows] = o
+    return out
+
+
+def _latent_chunk_expands(q, plan, mask_info, attn_mask, is_causal, window, softcap,
+                          attn_mass) -> bool:
+    """Whether an MLA layer's prompt chunk over a cached prefix attends by expansion
+    (dense.paged_latent_expanded): a non-packed step of at least LATENT_EXPAND_MIN_QUERIES
+    queries a row, causal, no softcap or mass to add, and a mask that is none or exactly
+    causal past each row's padding (its window, if any, taken from the analysis)."""
+    if (plan.packed or plan.is_decode or q.shape[2] < LATENT_EXPAND_MIN_QUERIES or softcap
+            or attn_mass is not None or not is_causal and attn_mask is None):
+        return False
+    return attn_mask is None or (mask_info is not None and mask_info.exact)
+
+
+def mask_info_window(mask_info) -> int:
+    return 0 if mask_info is None else int(mask_info.window or 0)
 
 
 def _fresh_latent_mask(state, layer, q, fresh, plan, attn_mask, window, softcap):

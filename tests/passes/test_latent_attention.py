@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -30,6 +31,9 @@ from tests.passes.caught import has, kv_warnings
 from tests.passes.test_hf_families import KL_BOUND, teacher_forced_logits
 
 RANK, ROPE, NOPE, VDIM, HEADS, LAYERS = 16, 8, 8, 16, 4, 2
+FULL_ONLY = pytest.mark.skipif(not os.environ.get("KVCOMPILE_TEST_FULL"),
+                               reason="KVCOMPILE_TEST_FULL=1: the left-padded case takes the "
+                               "same route, padding included")
 
 
 def make_mla(family: str, attn: str, seed: int = 0, rope: int = ROPE):
@@ -345,3 +349,45 @@ def test_decode_mask_that_hides_no_key_lets_the_latent_kernel_run():
     assert mask_hides_no_key(SimpleNamespace(cache={}), MaskInfo(None, [0, 0], 0, True))
     assert not mask_hides_no_key(SimpleNamespace(cache={}), MaskInfo(None, [0, 0], 8, True))
     assert not mask_hides_no_key(SimpleNamespace(cache={}), None)
+
+
+@pytest.mark.parametrize("pad", [pytest.param(False, marks=FULL_ONLY), True],
+                         ids=["unpadded", "left_padded"])
+def test_prompt_chunks_over_latent_pages_expand(monkeypatch, pad):
+    """A prompt prefilled in chunks of 12 (HF's prefill_chunk_size, as kvcompile sets it when
+    a batch's activations would not fit): the first chunk attends fresh, every later chunk of
+    9+ tokens over the latent pages of the chunks before. From LATENT_EXPAND_MIN_QUERIES
+    queries a row (1 here) such a chunk attends by expansion, as the model does
+    (dense.paged_latent_expanded: the rows' stored latents through kv_b_proj, causal SDPA
+    from each row's padding on), and with LATENT_EXPAND_BYTES = 1 a row at a time, the fresh
+    chunk too. Logits of every step within fp32 tolerance of eager's (fp32 latent pages),
+    tokens equal; negative: at the default threshold (256 queries) the same chunks absorb."""
+    from kvcompile.runtime import dispatch
+
+    model = make_mla("deepseek_v3", "sdpa")
+    ids, mask = _prompt(batch=3, length=34, pad=5 if pad else 0)
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+              eos_token_id=None, output_logits=True, return_dict_in_generate=True,
+              prefill_chunk_size=12)
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+        _compile(model, kv_dtype="auto")
+        for expand in (True, False):
+            if expand:
+                monkeypatch.setattr(dispatch, "LATENT_EXPAND_MIN_QUERIES", 1)
+                monkeypatch.setattr(dispatch, "LATENT_EXPAND_BYTES", 1)
+            else:
+                monkeypatch.undo()
+            before = dict(kvcompile.stats(model)["counters"])
+            got = model.generate(ids, **kw)
+            c = {k: v - before.get(k, 0) for k, v in kvcompile.stats(model)["counters"].items()}
+            assert torch.equal(got.sequences, ref.sequences), expand
+            for g, r in zip(got.logits, ref.logits):
+                assert_rel_close(g, r, torch.float32, factor=4, what=f"logits, {expand}")
+            # chunks of 12, 12 and 10 tokens: the first fresh, the two others over pages
+            assert c.get("prefill_fresh_sdpa") == LAYERS, c
+            if expand:
+                assert c.get("latent_chunk_expanded") == 2 * LAYERS, c
+            else:
+                assert c.get("latent_chunk_expanded", 0) == 0, c
+                assert c.get("latent_absorbed", 0) >= 2 * LAYERS, c
