@@ -27,6 +27,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 
@@ -281,6 +282,10 @@ def main():
         except Exception as e:  # noqa: BLE001  (a row that fails says why; the rest run)
             print(f"| {row} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} |"
                   f" | | | | |", flush=True)
+            # where it failed (to stderr: the table stays a table): the project's frames
+            frames = [f for f in traceback.extract_tb(e.__traceback__)
+                      if "kvcompile" in f.filename or "benchmarks" in f.filename]
+            print("".join(traceback.format_list(frames[-6:])), file=sys.stderr, flush=True)
             continue
         if row == "hf_eager":
             ref, base = r["tokens"], r["tok_s"]
