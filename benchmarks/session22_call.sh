@@ -11,6 +11,7 @@
 #      to 2,048 tokens), HF static + inductor, kvc fp8, kvc bf16, each in its own process
 #      (the prefill now attends each row's own K/V: dense.sdpa_rows)
 #   m: issue 22's MLA rows (M_SHAPE, M_ROWS) after the expanded prompt chunks
+#   q: the fp8 decode step at B16 x P32768 under the profiler, by category
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvc_out}; mkdir -p "$OUT"
 case "${PART:-a}" in
@@ -35,4 +36,10 @@ case "${PART:-a}" in
         ${M_SHAPE:---batch 64 --prompt 8192} --new 32 --repeats 2 || echo "| $r | exit $? |"
     done > "$OUT/m_latent.txt" 2>&1
     grep -E "^\| [hk]|^# Deep|^\| .* exit" "$OUT/m_latent.txt" ;;
+  q)
+    # the fp8 decode step at B16 x P32768 by category (part e's fp8 row reached 53% of its
+    # roofline, bf16 78%: where the rest goes)
+    timeout -k 5 ${Q_LIMIT:-170} python3 benchmarks/profile_generate.py --paths ${Q_PATHS:-fp8} \
+      --prompt 32768 --new 16 --steps > "$OUT/q_profile.txt" 2>&1 || echo "profile: exit $?"
+    grep -E "^\||^==|top device" -A0 "$OUT/q_profile.txt" | head -60 ;;
 esac
