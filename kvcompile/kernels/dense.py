@@ -328,50 +328,6 @@ def paged_reference_attention(kt, vt, q, plan, attn_mask, is_causal, sliding_win
     return out
 
 
-def expand_rows(length: int, heads: int, width: int, elem: int, max_bytes: int) -> int:
-    """Rows of an MLA batch whose expanded K/V ([rows, heads, length, width] of `elem`-byte
-    elements: dn + dr keys and dv values) fit in max_bytes: at least 1."""
-    return max(1, max_bytes // max(1, length * heads * width * elem))
-
-
-def paged_latent_expanded(kt, vt, q, plan, w, nope_dim: int, scale: float, window: int,
-                          max_bytes: int) -> torch.Tensor:
-    """An MLA layer's prompt chunk over its latent pages by expansion, as the model attends:
-    each row's stored latents (the earlier chunks' and this one's, just written) gathered and
-    expanded through kv_b_proj (kernels/latent.py `expand_latent`) into K [.., dn + dr] and
-    V [.., dv], then SDPA of its S queries, the last S of its L positions, causal from its
-    kv_start on (left padding) within the window. Rows of one length a group at a time, so
-    that the expanded K/V of a group stay under max_bytes (at DeepSeek-V3's 128 heads a
-    32k-token row expands to 2.7 GB in bf16). Against the absorbed form (576-wide keys and
-    512-wide values for every head) this costs the expansion once per key and a third of the
-    attention FLOPs: the cheaper one from a few hundred queries a row.
-    q [B, H, S, dn + dr] -> [B, H, S, dv] in compute_dtype(q.dtype)."""
-    B, H, S, dqk = q.shape
-    dv = w.shape[0] // H - nope_dim
-    dt = compute_dtype(q.dtype)
-    out = torch.empty((B, H, S, dv), dtype=dt, device=q.device)
-    by_len: dict[int, list[int]] = {}
-    for b, total in enumerate(plan.seq_lens_list):
-        by_len.setdefault(total, []).append(b)
-    from kvcompile.kernels.latent import expand_latent
-
-    for total, rows in by_len.items():
-        g = expand_rows(total, H, dqk + dv, torch.finfo(dt).bits // 8, max_bytes)
-        for r0 in range(0, len(rows), g):
-            part = rows[r0:r0 + g]
-            idx = _pages(plan.block_tables, part, False, total, kt.page_size)
-            c = _gather(kt, idx, len(part), total, dt)                    # [g, 1, L, r]
-            rope = _gather(vt, idx, len(part), total, dt)                 # [g, 1, L, dr]
-            k, v = expand_latent(c, rope, w, nope_dim, H)
-            del c, rope
-            allowed, additive, causal = _masks(None, S, total, True, window,
-                                               [plan.kv_start[b] for b in part], q.device)
-            sel = (slice(part[0], part[-1] + 1) if part[-1] - part[0] == len(part) - 1
-                   else torch.tensor(part, device=q.device))   # (a slice: no copy of q)
-            out[sel] = sdpa_attention(q[sel], k, v, allowed, additive, scale, causal)
-    return out
-
-
 def _kv(kt, vt, idx, b, total: int, dt, latent: bool, rows: dict | None = None):
     """The keys and values of b rows: [b, Hkv, total, D], [b, Hkv, total, Dv]. rows: a
     forward's memo of `_page_rows` by head count (shared by its layers)."""

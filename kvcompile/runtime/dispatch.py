@@ -36,13 +36,17 @@ from kvcompile.errors import UnsupportedShapeError
 from kvcompile.kernels import masks
 from kvcompile.kernels.dense import (
     compute_dtype,
-    expand_rows,
-    paged_latent_expanded,
     paged_reference_attention,
     sdpa_attention,
     sdpa_rows,
 )
-from kvcompile.kernels.latent import absorb_query, expand_latent, latent_output
+from kvcompile.kernels.latent import (
+    absorb_query,
+    expand_latent,
+    expand_rows,
+    latent_output,
+    paged_latent_expanded,
+)
 from kvcompile.runtime.hooks import RuntimeHook
 from kvcompile.runtime.kernel_formats import kernel_readable
 
@@ -440,7 +444,7 @@ def _attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, wi
     latents through kv_b_proj and runs dense SDPA, as the model does, a row group at a time
     (`_fresh_latent_rows`): compute-bound, the expansion is cheap there. A prompt chunk over
     a cached prefix of LATENT_EXPAND_MIN_QUERIES or more queries a row expands its rows'
-    stored latents the same way (dense.paged_latent_expanded). Everything else (decode
+    stored latents the same way (latent.paged_latent_expanded). Everything else (decode
     steps, shorter chunks) attends in the latent space over the stored pages: q_nope absorbed by W_UK once per step, one latent head
     per token read for every query head, W_UV applied to the weighted latents; nothing of the
     past is expanded. Rotation is refused for these layers at compile time
@@ -485,7 +489,7 @@ def _attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, wi
 
 # expanded K/V (an MLA layer's keys and values through kv_b_proj) of one row group at most:
 # a prompt's rows are expanded and attended a group at a time (`_fresh_latent_rows`,
-# dense.paged_latent_expanded); B64 x 8k at DeepSeek-V3's 128 heads expands to 43 GB at once
+# latent.paged_latent_expanded); B64 x 8k at DeepSeek-V3's 128 heads expands to 43 GB at once
 LATENT_EXPAND_BYTES = 2 << 30
 # a prompt chunk over latent pages (a cached prefix) of at least this many queries a row
 # attends by expansion (the model's form) instead of the absorbed one
@@ -525,7 +529,7 @@ def _fresh_latent_rows(state, q, fresh, w, nope_dim: int, scale: float, causal, 
 def _latent_chunk_expands(q, plan, mask_info, attn_mask, is_causal, window, softcap,
                           attn_mass) -> bool:
     """Whether an MLA layer's prompt chunk over a cached prefix attends by expansion
-    (dense.paged_latent_expanded): a non-packed step of at least LATENT_EXPAND_MIN_QUERIES
+    (latent.paged_latent_expanded): a non-packed step of at least LATENT_EXPAND_MIN_QUERIES
     queries a row, causal, no softcap or mass to add, and a mask that is none or exactly
     causal past each row's padding (its window, if any, taken from the analysis)."""
     if (plan.packed or plan.is_decode or q.shape[2] < LATENT_EXPAND_MIN_QUERIES or softcap

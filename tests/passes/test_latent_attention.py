@@ -358,7 +358,7 @@ def test_prompt_chunks_over_latent_pages_expand(monkeypatch, pad):
     a batch's activations would not fit): the first chunk attends fresh, every later chunk of
     9+ tokens over the latent pages of the chunks before. From LATENT_EXPAND_MIN_QUERIES
     queries a row (1 here) such a chunk attends by expansion, as the model does
-    (dense.paged_latent_expanded: the rows' stored latents through kv_b_proj, causal SDPA
+    (latent.paged_latent_expanded: the rows' stored latents through kv_b_proj, causal SDPA
     from each row's padding on), and with LATENT_EXPAND_BYTES = 1 a row at a time, the fresh
     chunk too. Logits of every step within fp32 tolerance of eager's (fp32 latent pages),
     tokens equal; negative: at the default threshold (256 queries) the same chunks absorb."""
