@@ -7,6 +7,7 @@ fp32, fp8 and fp4 pages."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -46,7 +47,11 @@ def _poisoned_model(kv_dtype, poison: torch.Tensor):
     return m
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp32", "fp8_e4m3", "fp4_e2m1"])
+@pytest.mark.parametrize("kv_dtype", [
+    "fp32", "fp8_e4m3",
+    pytest.param("fp4_e2m1", marks=pytest.mark.skipif(
+        not os.environ.get("KVCOMPILE_TEST_FULL"),
+        reason="KVCOMPILE_TEST_FULL=1: fp8 pages take the same quantized Triton path"))])
 def test_nan_request_fails_alone_on_the_triton_path(kv_dtype, monkeypatch):
     monkeypatch.setenv("KVCOMPILE_PREFILL", "triton")   # the CPU default gathers to SDPA
     rng = random.Random(0)
