@@ -172,8 +172,8 @@ def _fresh_prefill(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal
 
     Taken for causal (or unmasked) attention without window or softcap, where SDPA needs no
     [B, S, L] mask, and for left padding a row at a time (`_fresh_padded`); anything else (a
-    window shorter than the prompt, a custom mask) goes to the paged paths. SnapKV's observation rows and H2O's prompt mass are
-    scored apart (`EvictionRuntime.observe_prefill`, `prompt_mass`).
+    window shorter than the prompt, a custom mask) goes to the paged paths. SnapKV's
+    observation rows and H2O's prompt mass are scored apart (`EvictionRuntime.observe_prefill`, `prompt_mass`).
     -> [B, Hq, S, Dv] in compute_dtype(q.dtype), or None. A layer that took it is marked in
     the forward's plan (`attended_fresh(plan, layer)`: what `kvcompile inspect --verify` holds
     the output against)."""
@@ -445,8 +445,8 @@ def _attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, wi
     (`_fresh_latent_rows`): compute-bound, the expansion is cheap there. A prompt chunk over
     a cached prefix of LATENT_EXPAND_MIN_QUERIES or more queries a row expands its rows'
     stored latents the same way (latent.paged_latent_expanded). Everything else (decode
-    steps, shorter chunks) attends in the latent space over the stored pages: q_nope absorbed by W_UK once per step, one latent head
-    per token read for every query head, W_UV applied to the weighted latents; nothing of the
+    steps, shorter chunks) attends in the latent space over the stored pages: q_nope
+    absorbed by W_UK once per step, one latent head per token read for every query head, W_UV applied to the weighted latents; nothing of the
     past is expanded. Rotation is refused for these layers at compile time
     (passes/site_formats.py); eviction goes through `_latent_evicting`. attn_mass [B, 1, Lm]
     (H2O rows chosen for the latent kernel, `EvictionRuntime.latent_rows`): the kernel adds
@@ -514,7 +514,7 @@ def _fresh_latent_rows(state, q, fresh, w, nope_dim: int, scale: float, causal, 
         if starts is not None:
             o = _padded_rows(state, q[rows], k, v, starts[rows], scale)
         elif masked is not None:
-            o = sdpa_attention(q[rows], k, v, *(None if m is None or m.shape[0] == 1
+            o = sdpa_attention(q[rows], k, v, *(m if m is None or m.shape[0] == 1
                                                 else m[rows] for m in masked), scale, False)
         else:
             o = sdpa_attention(q[rows], k, v, None, None, scale, causal)

@@ -391,3 +391,36 @@ def test_prompt_chunks_over_latent_pages_expand(monkeypatch, pad):
             else:
                 assert c.get("latent_chunk_expanded", 0) == 0, c
                 assert c.get("latent_absorbed", 0) >= 2 * LAYERS, c
+
+
+@pytest.mark.parametrize("mask_rows", [1, 5])
+def test_fresh_latent_rows_in_groups_equal_one_call(monkeypatch, mask_rows):
+    """dispatch._fresh_latent_rows with one row a group (LATENT_EXPAND_BYTES = 1) equals the
+    whole batch expanded and attended at once: causal, left-padded, and under a custom bool
+    mask that broadcasts over the batch ([1, 1, S, S]) or has a row each ([5, 1, S, S])."""
+    from types import SimpleNamespace
+
+    from kvcompile.kernels.dense import sdpa_attention
+    from kvcompile.runtime import dispatch
+
+    g = torch.Generator().manual_seed(mask_rows)
+    B, S = 5, 9
+    c, rope = torch.randn(B, 1, S, RANK, generator=g), torch.randn(B, 1, S, ROPE, generator=g)
+    w = torch.randn(HEADS * (NOPE + VDIM), RANK, generator=g) / RANK ** 0.5
+    q = torch.randn(B, HEADS, S, NOPE + ROPE, generator=g)
+    allowed = torch.rand(mask_rows, 1, S, S, generator=g) > 0.4
+    allowed |= torch.eye(S, dtype=torch.bool)                 # every query sees one key
+    state = SimpleNamespace(kernels=SimpleNamespace(use_triton=lambda device: False))
+    k, v = expand_latent(c, rope, w, NOPE, HEADS)
+    starts = [0, 3, 0, 8, 1]
+    j = torch.arange(S)
+    padded = torch.stack([(j[None] <= j[:, None]) & (j[None] >= s) for s in starts])[:, None]
+    want = {"causal": sdpa_attention(q, k, v, None, None, 0.3, True),
+            "starts": sdpa_attention(q, k, v, padded, None, 0.3),
+            "masked": sdpa_attention(q, k, v, allowed, None, 0.3)}
+    monkeypatch.setattr(dispatch, "LATENT_EXPAND_BYTES", 1)
+    for how, kw in (("causal", dict(causal=True, starts=None, masked=None)),
+                    ("starts", dict(causal=None, starts=starts, masked=None)),
+                    ("masked", dict(causal=None, starts=None, masked=(allowed, None)))):
+        got = dispatch._fresh_latent_rows(state, q, (c, rope), w, NOPE, 0.3, **kw)
+        assert_rel_close(got, want[how], torch.float32, factor=4, what=how)
