@@ -1,6 +1,6 @@
 #!/bin/bash
 # Device calls of the twenty-first session, one part a call, each under 600 s; every part writes
-# $OUT/<part>*.txt and prints a summary.
+# $OUT/<part>*.txt and prints a summary. Ran: a (twenty-second session); still to run: j, k.
 #   a: the CUDA latent kernel's key mask (GPU tests: the kernel against the Triton kernel's
 #      masked output, a left-padded generate routed to it; the twenty-second session's
 #      dense.sdpa_rows on CUDA), then issue 22's B64 x 8k MLA rows

@@ -1,6 +1,7 @@
 #!/bin/bash
 # Device calls of the twenty-second session, one part a call, each under 600 s; every part
-# writes $OUT/<part>*.txt and prints a summary.
+# writes $OUT/<part>*.txt and prints a summary. Ran: a, e (twenty-second session: RESULTS.md
+# "Twenty-second session"); still to run: m, q, p.
 #   a: session21_call.sh part a (the GPU tests of the CUDA latent kernel's key mask and of
 #      dense.sdpa_rows, then issue 22's B64 x 8k MLA rows)
 #   e: issue 14's end-to-end rows, B16 x P32768, 64 new, 8 layers, each row in its own
