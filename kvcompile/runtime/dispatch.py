@@ -171,18 +171,17 @@ def _fresh_prefill(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal
     KVConfig(prefill_attends="stored") attends to the stored (quantized) pages instead.
 
     Taken for causal (or unmasked) attention without window or softcap, where SDPA needs no
-    [B, S, L] mask, and for left padding a row at a time (`_fresh_padded`); anything else (a
+    [B, S, L] mask, and for left padding a row at a time (`_fresh_mode`); anything else (a
     window shorter than the prompt, a custom mask) goes to the paged paths. SnapKV's
-    observation rows and H2O's prompt mass are scored apart (`EvictionRuntime.observe_prefill`, `prompt_mass`).
+    observation rows and H2O's prompt mass are scored apart (`EvictionRuntime.observe_prefill`,
+    `prompt_mass`).
     -> [B, Hq, S, Dv] in compute_dtype(q.dtype), or None. A layer that took it is marked in
     the forward's plan (`attended_fresh(plan, layer)`: what `kvcompile inspect --verify` holds
     the output against)."""
     if plan.packed:
         return _fresh_packed(state, layer, q, fresh, plan, window, softcap, scale, extras)
-    causal = _fresh_causal(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal,
-                           window, softcap, extras)
-    starts = None if causal is not None else _fresh_padded(
-        state, layer, q, fresh, plan, mask_info, attn_mask, window, softcap, extras)
+    causal, starts = _fresh_mode(state, layer, q, fresh, plan, mask_info, attn_mask,
+                                 is_causal, window, softcap, extras)
     if causal is None and starts is None:
         return None
     k, v = fresh
@@ -236,7 +235,7 @@ def _fresh_packed(state, layer, q, fresh, plan, window, softcap, scale, extras):
 
 
 def _fresh_ok(state, layer, q, fresh, plan, window, softcap, extras) -> bool:
-    """What a forward needs, its mask apart, to attend to its fresh K/V (`_fresh_causal`,
+    """What a forward needs, its mask apart, to attend to its fresh K/V (`_fresh_mode`,
     `_fresh_latent_mask`): a prompt of 2+ tokens of which nothing is cached before it (no
     packed step), no softcap or extras, no window shorter than it, prefill_attends "fresh",
     and an eviction policy that lets it attend as without one."""
@@ -248,30 +247,38 @@ def _fresh_ok(state, layer, q, fresh, plan, window, softcap, extras) -> bool:
     return state.eviction is None or state.eviction.takes_plain_prefill(plan, layer)
 
 
-def _fresh_causal(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal, window,
-                  softcap, extras) -> bool | None:
-    """Whether this forward may attend to its fresh K/V (`_fresh_prefill`): None if not, else
-    whether that attention is causal."""
+def _fresh_mode(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal, window,
+                softcap, extras) -> tuple[bool | None, list[int] | None]:
+    """How this forward may attend to its fresh K/V (`_fresh_prefill`): (causal, None) where
+    SDPA needs no mask (causal: whether the attention is causal), (None, starts) for left
+    padding alone (each row's first token, host ints: `_padded_rows` attends over each row's
+    own tokens, no [B, 1, S, L] mask), (None, None) where it may not. A mask must be exactly
+    causal past each row's padding within any window (MaskInfo.exact, from the analysis every
+    forward makes: nothing more is read). Left-padded batches are how HF `generate` runs
+    prompts of different lengths; on the paged path their prefill read back the pages just
+    written, quantized, through the chunked-prefill kernel."""
     if not _fresh_ok(state, layer, q, fresh, plan, window, softcap, extras):
-        return None
-    S = q.shape[2]
-    if attn_mask is not None:
-        if mask_info is None or not mask_info.exact or any(mask_info.kv_start):
-            return None
-        if mask_info.window and mask_info.window < S:
-            return None
-        return True
-    return bool(is_causal)
+        return None, None
+    if attn_mask is None:
+        return bool(is_causal), None
+    if (mask_info is None or not mask_info.exact
+            or (mask_info.window and mask_info.window < q.shape[2])):
+        return None, None
+    if not any(mask_info.kv_start):
+        return True, None
+    if len(mask_info.kv_start) != q.shape[0]:
+        return None, None
+    return None, [int(s) for s in mask_info.kv_start]
 
 
-# a left-padded fresh prompt attends one SDPA call per batch row (`_fresh_padded`) up to this
+# a left-padded fresh prompt attends one SDPA call per batch row (`_padded_rows`) up to this
 # many rows; a larger batch, where the Triton kernels run, packs its tokens for one launch of
 # the varlen prefill kernel
 FRESH_PADDED_ROWS_MAX = 32
 
 
 def _padded_rows(state, q, k, v, starts: list[int], scale: float) -> torch.Tensor:
-    """Causal attention of a left-padded fresh prompt over each row's own tokens (`_fresh_padded`
+    """Causal attention of a left-padded fresh prompt over each row's own tokens (`_fresh_mode`
     chose it): one SDPA call a row (`dense.sdpa_rows`), or past FRESH_PADDED_ROWS_MAX rows
     where the Triton kernels run, the rows' tokens packed ([T, H, D], padding dropped) for
     one launch of the varlen prefill kernel (head dims it takes: MLA's 192 stays on SDPA), its
@@ -299,26 +306,6 @@ def _padded_rows(state, q, k, v, starts: list[int], scale: float) -> torch.Tenso
     out = torch.zeros(B * S, Hq, v.shape[3], dtype=dt, device=q.device)
     out.index_copy_(0, idx, o)
     return out.view(B, S, Hq, -1).transpose(1, 2)
-
-
-def _fresh_padded(state, layer, q, fresh, plan, mask_info, attn_mask, window, softcap,
-                  extras) -> list[int] | None:
-    """Each row's first token (host ints) where a fresh prompt that `_fresh_causal` refuses
-    for its left padding alone may attend to its fresh K/V over each row's own tokens
-    (`_padded_rows`: causal SDPA a row at a time, flash / cuDNN, or the varlen kernel over the
-    packed tokens; no [B, 1, S, L] mask); else None. The mask must be exactly causal past
-    each row's padding (MaskInfo.exact, from the analysis every forward makes: nothing more
-    is read). Left-padded batches are how HF `generate` runs
-    prompts of different lengths; on the paged path their prefill read back the pages just
-    written, quantized, through the chunked-prefill kernel."""
-    if (attn_mask is None or mask_info is None or not mask_info.exact
-            or not any(mask_info.kv_start) or len(mask_info.kv_start) != q.shape[0]):
-        return None
-    if not _fresh_ok(state, layer, q, fresh, plan, window, softcap, extras):
-        return None
-    if mask_info.window and mask_info.window < q.shape[2]:
-        return None
-    return [int(s) for s in mask_info.kv_start]
 
 
 def attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, window, softcap,
@@ -446,16 +433,15 @@ def _attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, wi
     a cached prefix of LATENT_EXPAND_MIN_QUERIES or more queries a row expands its rows'
     stored latents the same way (latent.paged_latent_expanded). Everything else (decode
     steps, shorter chunks) attends in the latent space over the stored pages: q_nope
-    absorbed by W_UK once per step, one latent head per token read for every query head, W_UV applied to the weighted latents; nothing of the
-    past is expanded. Rotation is refused for these layers at compile time
-    (passes/site_formats.py); eviction goes through `_latent_evicting`. attn_mass [B, 1, Lm]
-    (H2O rows chosen for the latent kernel, `EvictionRuntime.latent_rows`): the kernel adds
-    the step's probabilities to it; a step it does not take is an error here."""
+    absorbed by W_UK once per step, one latent head per token read for every query head, W_UV
+    applied to the weighted latents; nothing of the past is expanded. Rotation is refused for
+    these layers at compile time (passes/site_formats.py); eviction goes through
+    `_latent_evicting`. attn_mass [B, 1, Lm] (H2O rows chosen for the latent kernel,
+    `EvictionRuntime.latent_rows`): the kernel adds the step's probabilities to it; a step it
+    does not take is an error here."""
     state = ctx.state
-    causal = _fresh_causal(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal,
-                           window, softcap, None)
-    starts = None if causal is not None else _fresh_padded(
-        state, layer, q, fresh, plan, mask_info, attn_mask, window, softcap, None)
+    causal, starts = _fresh_mode(state, layer, q, fresh, plan, mask_info, attn_mask,
+                                 is_causal, window, softcap, None)
     masked = None if causal is not None or starts is not None else _fresh_latent_mask(
         state, layer, q, fresh, plan, attn_mask, window, softcap)
     if causal is not None or starts is not None or masked is not None:
@@ -468,7 +454,8 @@ def _attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, wi
                              attn_mass):
         state.count("latent_chunk_expanded")
         return paged_latent_expanded(pool.k[layer], pool.v[layer], q, plan, kv_b_weight,
-                                     nope_dim, scale, window or mask_info_window(mask_info),
+                                     nope_dim, scale,
+                                     window or (mask_info.window if mask_info else 0),
                                      LATENT_EXPAND_BYTES)
     q_lat = absorb_query(q, kv_b_weight, nope_dim)                  # [B, H, S, r + dr]
     o_lat = _latent_kernel(state, q_lat, pool.k[layer], pool.v[layer], plan, mask_info,
@@ -538,12 +525,8 @@ def _latent_chunk_expands(q, plan, mask_info, attn_mask, is_causal, window, soft
     return attn_mask is None or (mask_info is not None and mask_info.exact)
 
 
-def mask_info_window(mask_info) -> int:
-    return 0 if mask_info is None else int(mask_info.window or 0)
-
-
 def _fresh_latent_mask(state, layer, q, fresh, plan, attn_mask, window, softcap):
-    """(allowed, additive) for a fresh MLA prompt that `_fresh_causal` refuses for its mask
+    """(allowed, additive) for a fresh MLA prompt that `_fresh_mode` refuses for its mask
     alone (left padding, a custom mask): the model's own mask over its own fresh tokens
     ([B|1, 1|H, S, >= S], built once per forward, as the model built it), with which the prompt
     attends by expansion as the model does; else None. Absorbed over the pages instead, a

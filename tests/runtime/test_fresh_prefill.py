@@ -75,7 +75,7 @@ def test_full_precision_pages_give_the_models_tokens():
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
 def test_padded_prompts_attend_fresh_a_row_at_a_time(kv_dtype):
     """Left padding (HF generate's batch of prompts of different lengths): each row attends to
-    its own tokens' K/V as computed (dispatch._fresh_padded: causal SDPA per row, no
+    its own tokens' K/V as computed (dispatch._fresh_mode: causal SDPA per row, no
     [B, 1, S, L] mask), so the prefill's logits are the model's own with fp8 pages too."""
     want, got, st = _run("fresh", kv_dtype=kv_dtype, pad=True)
     assert st.get("prefill_fresh_sdpa", 0) == 2
