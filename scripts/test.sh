@@ -33,11 +33,12 @@ start=$(date +%s)
 status=0
 if [ $# -eq 0 ]; then
   # 18 min 3 s of pytest in 2 workers on an idle 2-core machine, every build cache empty
-  # (fresh clone, 2026-12-05, twenty-first session; 12.5 min on a faster day); slower on a
+  # (fresh clone, 2026-12-05, twenty-first session; 12.5 min on a faster day, 29 min on a
+  # slow one, 2026-12-06); slower on a
   # loaded machine (README.md, "The two commands")
   where="one process"
   if [ "$workers" != 0 ]; then where="$workers xdist workers"; fi
-  echo "running the whole test suite in $where: about 12-20 min in 2 workers on 2 idle CPU" \
+  echo "running the whole test suite in $where: about 12-30 min in 2 workers on 2 idle CPU" \
        "cores, about twice that in one process (pytest -q: a dot per test)"
 else
   echo "running pytest ${xdist[*]} $*"
