@@ -99,16 +99,21 @@ def test_kernel_matches_paged_reference(c_fmt, r_fmt, heads, lens, splits, tiles
     assert_rel_close(out, ref, torch.float32, factor=4, what=f"{c_fmt}/{r_fmt} {lens}")
 
 
-def _masked_reference(pool, plan, q_lat, lens, key_mask, scale=0.2):
-    """Plain torch: each row's latent and rotary key read back from its pages (any widths:
-    test_latent_sm90.py takes it at DeepSeek's), the keys that key_mask hides (key_mask[b, j]
-    False, j < its width) dropped; a row with none: zeros."""
+def _row_latents(pool, plan, b: int, n: int):
+    """Row b's first n latents c [n, r] and rotary keys [n, dr], read back from its pages
+    (any widths: test_latent_sm90.py takes the references below at DeepSeek's)."""
     P, r, dr = pool.k[0].page_size, pool.k[0].head_dim, pool.v[0].head_dim
-    out = torch.zeros(q_lat.shape[0], q_lat.shape[1], r)
+    pages = plan.block_tables[b, :math.ceil(n / P)]
+    return (pool.k[0].read(pages)[:, 0].reshape(-1, r)[:n],
+            pool.v[0].read(pages)[:, 0].reshape(-1, dr)[:n])
+
+
+def _masked_reference(pool, plan, q_lat, lens, key_mask, scale=0.2):
+    """Plain torch: each row's latent and rotary key read back from its pages, the keys that
+    key_mask hides (key_mask[b, j] False, j < its width) dropped; a row with none: zeros."""
+    out = torch.zeros(q_lat.shape[0], q_lat.shape[1], pool.k[0].head_dim)
     for b, n in enumerate(lens):
-        pages = plan.block_tables[b, :math.ceil(n / P)]
-        c = pool.k[0].read(pages)[:, 0].reshape(-1, r)[:n]
-        kr = pool.v[0].read(pages)[:, 0].reshape(-1, dr)[:n]
+        c, kr = _row_latents(pool, plan, b, n)
         seen = torch.ones(n, dtype=torch.bool)
         w = min(n, key_mask.shape[1])
         seen[:w] = key_mask[b, :w]
@@ -163,12 +168,9 @@ def test_key_mask_refusals():
 def _mass_reference(pool, plan, q_lat, lens, key_mask, length, scale=0.2):
     """Each row's attention probabilities over its keys (plain torch, `_masked_reference`'s
     keys), summed over the query heads: [B, 1, length] (keys past a row's length: 0)."""
-    P, r, dr = pool.k[0].page_size, pool.k[0].head_dim, pool.v[0].head_dim
     mass = torch.zeros(q_lat.shape[0], 1, length)
     for b, n in enumerate(lens):
-        pages = plan.block_tables[b, :math.ceil(n / P)]
-        c = pool.k[0].read(pages)[:, 0].reshape(-1, r)[:n]
-        kr = pool.v[0].read(pages)[:, 0].reshape(-1, dr)[:n]
+        c, kr = _row_latents(pool, plan, b, n)
         s = (q_lat[b].float() @ torch.cat([c, kr], 1).T) * scale            # [H, n]
         if key_mask is not None:
             w = min(n, key_mask.shape[1])
