@@ -36,7 +36,8 @@ Sections, each in its own try/except, within one deadline (`--budget-s`), printe
              rotation and mass run inside the replayed steps (eviction/aside.py)
 
 tok/s = B * new tokens / wall time of the whole generate call (prefill included); decode tok/s
-= B * (N - 1) / (t_N - t_1), with t_1 from a max_new_tokens=1 call. Timings are wall clock
+= B * (N - 1) / (t_N - t_1), t_k the time the k-th new token reached the host in the same call
+(a streamer that reads the clock: StepClock). Timings are wall clock
 around synchronized calls (a generate call is not a kernel: do_bench does not apply), the
 median of `--repeats` runs after a warm-up run that compiles.
 """
@@ -232,26 +233,50 @@ def _gen_kwargs(args, **kw):
                 pad_token_id=0, eos_token_id=None, **kw)
 
 
+class StepClock:
+    """A `generate` streamer that only reads the clock: HF calls put() once with the prompt,
+    then once a new token with the step's tokens already copied to the host (a sync). t[1] is
+    the first token's time, t[N] the last's: the decode steps are timed inside one call, apart
+    from the prefill (whose run-to-run spread, 20 ms at B16 x 32k, moved the old estimate from
+    two calls by 6%)."""
+
+    def __init__(self, device):
+        self.device, self.t = device, []
+
+    def put(self, value):
+        sync(self.device)
+        self.t.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
 def run_generate(model, args, device, ids, am, label, extra=None, warm=True):
-    """(tok/s, decode tok/s, tokens [B, new], first-token seconds, whole-call seconds)."""
+    """(row, tokens [B, new]); row: tok/s, decode tok/s = B * (N - 1) / (t_N - t_1) and
+    first-token seconds from the StepClock of each timed call (medians of --repeats)."""
     extra = extra or {}
     if warm:  # compiles (excluded)
         model.generate(ids, attention_mask=am, **_gen_kwargs(args, **extra))
-    _, t1 = timed(lambda: model.generate(ids, attention_mask=am,
-                                         **dict(_gen_kwargs(args, **extra), max_new_tokens=1,
-                                                min_new_tokens=1)), device)
-    times, out = [], None
+    times, firsts, decodes, out = [], [], [], None
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    for _ in range(args.repeats):
-        out, t = timed(lambda: model.generate(ids, attention_mask=am,
-                                              **_gen_kwargs(args, **extra)), device)
-        times.append(t)
-    t = statistics.median(times)
     B, N = ids.shape[0], args.new
+    for _ in range(args.repeats):
+        clock = StepClock(device)
+        sync(device)
+        t0 = time.perf_counter()
+        out, t = timed(lambda c=clock: model.generate(ids, attention_mask=am, streamer=c,
+                                                      **_gen_kwargs(args, **extra)), device)
+        if len(clock.t) != N + 1:
+            raise RuntimeError(f"{label}: the step clock saw {len(clock.t)} puts, expected "
+                               f"{N + 1} (the prompt and {N} tokens)")
+        times.append(t)
+        firsts.append(clock.t[1] - t0)
+        decodes.append(clock.t[N] - clock.t[1])
+    t, t1, td = (statistics.median(x) for x in (times, firsts, decodes))
     toks = out[:, ids.shape[1]:].cpu() if isinstance(out, torch.Tensor) else None
-    row = dict(label=label, tok_s=B * N / t, decode_tok_s=B * (N - 1) / max(t - t1, 1e-9),
+    row = dict(label=label, tok_s=B * N / t, decode_tok_s=B * (N - 1) / max(td, 1e-9),
                first_token_s=t1, total_s=t)
     if device.type == "cuda":
         row["peak_gib"] = torch.cuda.max_memory_allocated() / GIB

@@ -32,16 +32,15 @@ SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::_local_scal
 
 
 def per_token(model, ids, am, new, **kw):
-    def gen(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        model.generate(ids, attention_mask=am, max_new_tokens=n, min_new_tokens=n,
-                       do_sample=False, **kw)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
-    t1 = min(gen(1) for _ in range(2))
-    tn = min(gen(new) for _ in range(2))
-    return (tn - t1) / (new - 1)
+    """Seconds a decode step, the best of two `new`-token calls, each timed inside the call
+    from its first token to its last (bench_generate.StepClock: no prefill in it)."""
+    best = float("inf")
+    for _ in range(2):
+        clock = bg.StepClock(ids.device)
+        model.generate(ids, attention_mask=am, max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, streamer=clock, **kw)
+        best = min(best, (clock.t[new] - clock.t[1]) / (new - 1))
+    return best
 
 
 def profile(model, ids, am, new, label, **kw):
@@ -80,39 +79,48 @@ CATEGORIES = (  # (category, substrings of a device kernel's name), first match 
 )
 
 
+class _DecodeProfiler(bg.StepClock):
+    """A StepClock that profiles the decode steps only: the profiler starts when the first
+    token reaches the host (after the prefill) and stops when the last one does."""
+
+    def __init__(self, device, new, profiler):
+        super().__init__(device)
+        self.new, self.p = new, profiler
+
+    def put(self, value):
+        super().put(value)
+        if len(self.t) == 2:
+            self.p.start()
+        elif len(self.t) == self.new + 1:
+            self.p.stop()
+
+
 def decode_profile(model, ids, am, new, label, **kw):
-    """One decode step's device time by category: a `new`-token generate minus a 1-token
-    generate (prefill cancels), divided by new - 1, against the step's wall time."""
+    """One decode step's device time by category: the kernels of steps 2..new of one
+    `generate` call (the profiler runs from the first token to the last: no prefill), divided
+    by new - 1, against the same steps' wall time."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
 
-    def run(n):
-        torch.cuda.synchronize()
-        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-            t0 = time.perf_counter()
-            model.generate(ids, attention_mask=am, max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, **kw)
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - t0
-        per = {}
-        for e in p.events():
-            if e.device_type == DeviceType.CUDA:
-                per[e.name] = per.get(e.name, 0.0) + e.device_time_total
-        return wall, per
-
-    w1, k1 = run(1)
-    wn, kn = run(new)
+    p = prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    clock = _DecodeProfiler(ids.device, new, p)
+    model.generate(ids, attention_mask=am, max_new_tokens=new, min_new_tokens=new,
+                   do_sample=False, streamer=clock, **kw)
+    per: dict[str, float] = {}
+    for e in p.events():
+        if e.device_type == DeviceType.CUDA:
+            per[e.name] = per.get(e.name, 0.0) + e.device_time_total
     steps = new - 1
-    diff = {k: (v - k1.get(k, 0.0)) / steps / 1e3 for k, v in kn.items()}   # ms per step
-    wall = (wn - w1) / steps * 1e3
+    diff = {k: v / steps / 1e3 for k, v in per.items()}   # ms per step
+    wall = (clock.t[new] - clock.t[1]) / steps * 1e3
     cats: dict[str, float] = {}
     for name, ms in diff.items():
         low = name.lower()
         cat = next((c for c, subs in CATEGORIES if any(x in low for x in subs)), "other")
         cats[cat] = cats.get(cat, 0.0) + ms
     busy = sum(cats.values())
-    print(f"\n#### {label}: one decode step (generate of {new} minus 1 token, profiled)")
+    print(f"\n#### {label}: one decode step (steps 2..{new} of one generate call, profiled)")
     print("| part | ms / step | % of step |\n|---|---|---|")
     for c, ms in sorted(cats.items(), key=lambda kv: -kv[1]):
         print(f"| {c} | {ms:.3f} | {100 * ms / wall:.0f}% |")

@@ -3,10 +3,10 @@
 Started twice by `torch.multiprocessing` with the environment torchrun would set (RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); gloo on the CPU. Each rank compiles its shard of the
 saved tiny Llama three ways (tp_plan="auto" with fp32 pages, the same with fp8_e4m3 pages, and a
-model sharded by hand with parallelize_module) and a tiny Qwen2 with tp_plan="auto", generates
-greedily, runs the cases of
-tp_cases.py (rotation + SnapKV, the Engine, a gpt-fast model with its own sharding), and writes
-what it saw to `out/rank{R}.json`; the parent compares that with the unsharded model.
+model sharded by hand with parallelize_module) and (KVCOMPILE_TEST_FULL=1) a tiny Qwen2 with
+tp_plan="auto", generates greedily, runs the cases of tp_cases.py (rotation + SnapKV, the Engine,
+a gpt-fast model with its own sharding), and writes what it saw to `out/rank{R}.json`; the
+parent compares that with the unsharded model.
 """
 
 from __future__ import annotations
@@ -135,14 +135,17 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, uneven_dir: str, 
         r.update(tp_cases.engine_diverging(m, rank))
         return r
 
+    qwen2 = os.path.join(os.path.dirname(model_dir), "qwen2")
     if has_accelerate:  # from_pretrained(tp_plan=...) needs it; hand sharding does not
         case("tp_plan_fp32", lambda: tp_plan("auto"))
         case("tp_plan_fp8", lambda: tp_plan("fp8_e4m3"))
         case("uneven", uneven)
-        # Qwen2 (q/k/v biases, its own tp_plan), saved beside the Llama by the parent
-        case("qwen2_fp32", lambda: _compiled_run(AutoModelForCausalLM.from_pretrained(
-            os.path.join(os.path.dirname(model_dir), "qwen2"), tp_plan="auto",
-            dtype=torch.float32).eval(), prompts, new, kv_dtype="auto"))
+        if os.path.isdir(qwen2):
+            # Qwen2 (q/k/v biases, its own tp_plan), saved beside the Llama by the parent
+            # with KVCOMPILE_TEST_FULL=1
+            case("qwen2_fp32", lambda: _compiled_run(AutoModelForCausalLM.from_pretrained(
+                qwen2, tp_plan="auto", dtype=torch.float32).eval(), prompts, new,
+                kv_dtype="auto"))
         case("rotate_snapkv", lambda: tp_cases.rotate_snapkv(load(), prompts, new))
         case("rotate_snapkv_batched", lambda: tp_cases.rotate_snapkv(load(), prompts, new,
                                                                      batched=True))
