@@ -219,6 +219,7 @@ def _fresh_packed(state, layer, q, fresh, plan, window, softcap, scale, extras):
         from kvcompile.kernels.prefill import prefill_attention
 
         t = lambda x: x[0].transpose(0, 1).contiguous()   # noqa: E731  [T, H, D]
+        state.count("prefill_fresh_varlen")   # which kernel (prefill_fresh_sdpa: attended fresh)
         out = prefill_attention(t(q), t(k), t(v), plan.cu_seqlens_q, scale, causal=True,
                                 max_seqlen=max(q_lens))
         out = out.transpose(0, 1).unsqueeze(0)
@@ -301,6 +302,7 @@ def _padded_rows(state, q, k, v, starts: list[int], scale: float) -> torch.Tenso
         return x.transpose(1, 2).reshape(B * S, x.shape[1], x.shape[3]).index_select(0, idx)
 
     dt = compute_dtype(q.dtype)
+    state.count("prefill_fresh_varlen")   # which kernel (prefill_fresh_sdpa: attended fresh)
     o = prefill_attention(packed(q), packed(k), packed(v), cu, scale, causal=True,
                           max_seqlen=max(lens), out_dtype=dt)
     out = torch.zeros(B * S, Hq, v.shape[3], dtype=dt, device=q.device)

@@ -120,9 +120,11 @@ def test_padded_rows_pack_for_the_varlen_kernel(monkeypatch, dtype):   # the int
     real = prefill.prefill_attention
     monkeypatch.setattr(prefill, "prefill_attention",
                         lambda *a, **kw: calls.append(a[3].tolist()) or real(*a, **kw))
-    state = SimpleNamespace(kernels=SimpleNamespace(use_triton=lambda device: True))
+    counted = []
+    state = SimpleNamespace(kernels=SimpleNamespace(use_triton=lambda device: True),
+                            count=counted.append)
     got = dispatch._padded_rows(state, q, k, v, starts, 0.125)
-    assert calls == [[0, 20, 33, 34]]
+    assert calls == [[0, 20, 33, 34]] and counted == ["prefill_fresh_varlen"]
     want = sdpa_rows(q, k, v, starts, 0.125)
     assert got.dtype == want.dtype and got.shape == want.shape
     assert_rel_close(got.float(), want.float(), dtype, factor=4, what="packed varlen")
@@ -130,7 +132,55 @@ def test_padded_rows_pack_for_the_varlen_kernel(monkeypatch, dtype):   # the int
     # negative: at or under the limit, no varlen launch
     monkeypatch.setattr(dispatch, "FRESH_PADDED_ROWS_MAX", Bq)
     dispatch._padded_rows(state, q, k, v, starts, 0.125)
-    assert len(calls) == 1
+    assert len(calls) == 1 and counted == ["prefill_fresh_varlen"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_packed_fresh_prompts_take_the_varlen_kernel_past_the_limit(monkeypatch, dtype):
+    """The Engine's step of fresh prompts (`_fresh_packed`): past FRESH_PACKED_SDPA_MAX prompts
+    where the Triton kernels run, one varlen launch over the packed tokens (counted as
+    prefill_fresh_varlen), equal to one causal SDPA call a prompt; at the limit, SDPA calls
+    and no launch (negative)."""
+    from types import SimpleNamespace
+
+    from kvcompile.kernels import prefill
+    from kvcompile.runtime import dispatch
+    from kvcompile.testing import assert_rel_close
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(12)
+    lens, Hq, Hkv, D = [5, 13, 1, 9], 4, 2, 64
+    T = sum(lens)
+    q = torch.randn(1, Hq, T, D, generator=g).to(dtype)
+    k, v = (torch.randn(1, Hkv, T, D, generator=g).to(dtype) for _ in range(2))
+    cu = torch.tensor([0, 5, 18, 19, 28], dtype=torch.int32)
+    calls, counted = [], []
+    real = prefill.prefill_attention
+    monkeypatch.setattr(prefill, "prefill_attention",
+                        lambda *a, **kw: calls.append(a[3].tolist()) or real(*a, **kw))
+    state = SimpleNamespace(kernels=SimpleNamespace(use_triton=lambda device: True),
+                            config=SimpleNamespace(prefill_attends="fresh"), eviction=None,
+                            count=counted.append)
+
+    def run(limit):
+        monkeypatch.setattr(dispatch, "FRESH_PACKED_SDPA_MAX", limit)
+        plan = SimpleNamespace(is_decode=False, q_lens=lens, past_lens=[0] * 4,
+                               cu_seqlens_q=cu, cache={})
+        return dispatch._fresh_packed(state, 0, q, (k, v), plan, 0, 0.0, 0.125, {})
+
+    got = run(len(lens) - 1)
+    assert calls == [cu.tolist()] and counted == ["prefill_fresh_varlen", "prefill_fresh_sdpa"]
+    want = run(len(lens))
+    assert len(calls) == 1 and counted[2:] == ["prefill_fresh_sdpa"]
+    a = 0
+    for n in lens:   # each prompt attends causally to its own tokens only
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, a:a + n].float(), k[:, :, a:a + n].float(), v[:, :, a:a + n].float(),
+            is_causal=True, scale=0.125, enable_gqa=True)
+        assert_rel_close(want[:, :, a:a + n].float(), ref, dtype, factor=4, what="sdpa")
+        a += n
+    assert got.shape == want.shape
+    assert_rel_close(got.float(), want.float(), dtype, factor=4, what="packed fresh varlen")
 
 
 def test_a_mask_with_a_hole_takes_the_paged_path():
