@@ -132,30 +132,29 @@ def decode_profile(model, ids, am, new, label, **kw):
         print(f"  {ms:8.3f} ms  {name[:100]}")
 
 
-def python_breakdown(model, ids, am, label, **kw):
-    """Per decode step: the Python functions (with_stack tracing) and ops of a 9-token generate
-    minus a 1-token generate, divided by 8. Tracing inflates Python time; compare rows."""
+def python_breakdown(model, ids, am, label, new=9, **kw):
+    """Per decode step: the Python functions (with_stack tracing) and ops of steps 2..new of
+    one `generate` call (_DecodeProfiler: no prefill), divided by new - 1, and the steps' wall
+    time under tracing. Tracing inflates Python time; compare rows."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
 
-    def run(n):
-        with prof(activities=[ProfilerActivity.CPU], with_stack=True) as p:
-            model.generate(ids, attention_mask=am, max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, **kw)
-            torch.cuda.synchronize()
-        return {e.key: (e.self_cpu_time_total, e.cpu_time_total, e.count)
-                for e in p.key_averages()}
-
-    one, nine = run(1), run(9)
-    diff = {k: tuple((v[i] - one.get(k, (0, 0, 0))[i]) / 8 for i in range(3))
-            for k, v in nine.items()}
-    mine = [(k, v) for k, v in diff.items() if "kvcompile/" in k or "transformers/" in k
+    p = prof(activities=[ProfilerActivity.CPU], with_stack=True)
+    clock = _DecodeProfiler(ids.device, new, p)
+    model.generate(ids, attention_mask=am, max_new_tokens=new, min_new_tokens=new,
+                   do_sample=False, streamer=clock, **kw)
+    steps = new - 1
+    per = {e.key: (e.self_cpu_time_total / steps, e.cpu_time_total / steps, e.count / steps)
+           for e in p.key_averages(group_by_stack_n=0)}
+    wall = (clock.t[new] - clock.t[1]) / steps * 1e6
+    mine = [(k, v) for k, v in per.items() if "kvcompile/" in k or "transformers/" in k
             or "torch/_dynamo" in k or "torch/_inductor" in k or "triton/" in k]
-    print(f"\n#### {label}: per decode step, Python functions by total CPU us (traced)")
-    for k, v in sorted(mine, key=lambda kv: -kv[1][1])[:40]:
+    print(f"\n#### {label}: per decode step ({wall:.0f} us wall, traced), Python functions "
+          f"by total CPU us")
+    for k, v in sorted(mine, key=lambda kv: -kv[1][1])[:45]:
         print(f"{v[1]:9.0f} total {v[0]:8.0f} self {v[2]:6.1f}x  {k[-110:]}")
     print(f"#### {label}: per decode step, top entries by self CPU us")
-    for k, v in sorted(diff.items(), key=lambda kv: -kv[1][0])[:25]:
+    for k, v in sorted(per.items(), key=lambda kv: -kv[1][0])[:30]:
         print(f"{v[0]:9.0f} self {v[1]:9.0f} total {v[2]:6.1f}x  {k[-110:]}")
 
 
@@ -173,13 +172,17 @@ def main():
     ap.add_argument("--scale", default="page", choices=("page", "token", "tensor"),
                     help="fp8 scale granularity of the kvcompile paths")
     ap.add_argument("--evict-interval", type=int, default=8)
+    ap.add_argument("--kv-gib", type=float, default=24.0,
+                    help="the kvcompile paths' KV budget (bench_generate's --kv-gib; B16 x 32k "
+                         "needs about 17 GiB of bf16 pages)")
     ap.add_argument("--stack", action="store_true", help="per-step Python function breakdown")
     ap.add_argument("--steps", action="store_true",
                     help="one decode step's device time by category (GEMM, attention, append, "
                          "...) against its wall time")
     args = ap.parse_args()
     a = bg.parse_args(["--batch", str(args.batch), "--prompt", str(args.prompt), "--new",
-                       str(args.new), "--layers", str(args.layers), "--kvc-scale", args.scale])
+                       str(args.new), "--layers", str(args.layers), "--kvc-scale", args.scale,
+                       "--kv-gib", str(args.kv_gib)])
     dev = torch.device("cuda")
     model = bg.make_model(a, dev, torch.bfloat16)
     ids, am = bg._inputs(a, dev, model.config.vocab_size)
