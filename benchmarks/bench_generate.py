@@ -235,16 +235,17 @@ def _gen_kwargs(args, **kw):
 
 class StepClock:
     """A `generate` streamer that only reads the clock: HF calls put() once with the prompt,
-    then once a new token with the step's tokens already copied to the host (a sync). t[1] is
-    the first token's time, t[N] the last's: the decode steps are timed inside one call, apart
-    from the prefill (whose run-to-run spread, 20 ms at B16 x 32k, moved the old estimate from
-    two calls by 6%)."""
+    then once a new token with the step's tokens already copied to the host (HF waits for
+    that copy; the clock adds no sync of its own, which would stop the host from queueing a
+    step ahead under a deferred stop check, KVConfig.deferred_stop, where each token reaches
+    the host one step late). t[1] is the first token's time, t[N] the last's: the decode steps
+    are timed inside one call, apart from the prefill (whose run-to-run spread, 20 ms at B16
+    x 32k, moved the old estimate from two calls by 6%)."""
 
     def __init__(self, device):
         self.device, self.t = device, []
 
     def put(self, value):
-        sync(self.device)
         self.t.append(time.perf_counter())
 
     def end(self):

@@ -17,15 +17,20 @@ Per step (medians over the call's steps 2..N-1):
   post   = d_n - c_n        HF after the forward (logits processors, argmax, stopping
                             criteria) and the wait for the GPU
   step   = d_{n+1} - d_n
-The GPU is idle from d_n (it finished step n; HF synced) until step n+1's graph starts, so
-pre + setup is on the critical path of every step; `after` and HF's post-processing overlap the
-graph's GPU time. A cudaDeviceSynchronize right after each launch in a second call gives the
-graph's own GPU time (gpu), and step - gpu what the host adds.
+With the per-step stop check (KVConfig.deferred_stop=False) the GPU is idle from d_n (it
+finished step n; HF synced) until step n+1's graph starts, so pre + setup is on the critical
+path of every step; `after` and HF's post-processing overlap the graph's GPU time. A
+cudaDeviceSynchronize right after each launch in a second call gives the graph's own GPU time
+(gpu), and step - gpu what the host adds. A third call runs with the deferred check (the
+default: the host queues step n + 1 while the GPU runs step n, tokens reach the host a step
+late): only its step time is shown.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import os
 import statistics
 import sys
@@ -40,6 +45,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench_generate as bg  # noqa: E402
 
 import kvcompile  # noqa: E402
+from kvcompile.api import state_of  # noqa: E402
 
 
 class Probe:
@@ -69,7 +75,9 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     model = bg.make_model(a, dev, torch.bfloat16)
     ids, am = bg._inputs(a, dev, model.config.vocab_size)
-    kvcompile.compile(model, bg._kvc_config(a, args.kv))
+    kvcompile.compile(model, dataclasses.replace(bg._kvc_config(a, args.kv),
+                                                 deferred_stop=False))
+    st = state_of(model)
     torch._dynamo.config.assume_static_by_default = False
     kw = dict(attention_mask=am, max_new_tokens=args.new, min_new_tokens=args.new,
               do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -77,7 +85,8 @@ def main(argv=None) -> int:
     probe = Probe()
     fwd = model.forward
 
-    def forward(*x, **k):
+    @functools.wraps(fwd)   # HF reads its signature (logits_to_keep: else every prompt
+    def forward(*x, **k):    # token's logits, 62 GiB at B16 x 32k)
         probe.a.append(time.perf_counter())
         out = fwd(*x, **k)
         probe.c.append(time.perf_counter())
@@ -96,11 +105,17 @@ def main(argv=None) -> int:
     torch.cuda.CUDAGraph.replay = timed_replay
     try:
         rows = {}
-        for sync in (False, True):
+        for sync, defer in ((False, False), (True, False), (False, True)):
             probe.__init__()
             probe.sync_after_launch = sync
+            st.config = dataclasses.replace(st.config, deferred_stop=defer)
             torch.cuda.synchronize()
             model.generate(ids, streamer=probe, **kw)
+            if defer:   # tokens reach the host a step late: only the step time
+                rows["deferred stop check"] = dict(
+                    step=1e6 * statistics.median(
+                        [y - x for x, y in zip(probe.d[2:-1], probe.d[3:])]))
+                continue
             # forward 0 is the prefill (no replay); decode forward i (1..N-1) replays graph
             # i - 1 and its tokens are put d[i + 1] (d[0]: the prompt, d[1]: the prefill's)
             n = len(probe.b)
@@ -117,7 +132,7 @@ def main(argv=None) -> int:
                 step=us([D[i] - D[i - 1] for i in range(1, n)]))
             if sync:
                 r["gpu"] = 1e6 * statistics.median(probe.g[1:-1])
-            rows["launch + sync" if sync else "as generate runs"] = r
+            rows["launch + sync" if sync else "per-step stop check"] = r
     finally:
         torch.cuda.CUDAGraph.replay = replay
         model.forward = fwd
@@ -126,8 +141,9 @@ def main(argv=None) -> int:
     print("| call | pre (HF) | setup (kvc) | after (kvc) | post (HF + wait) | step | gpu |")
     print("|---|---|---|---|---|---|---|")
     for name, r in rows.items():
-        print(f"| {name} | {r['pre']:.0f} | {r['setup']:.0f} | {r['after']:.0f} | "
-              f"{r['post']:.0f} | {r['step']:.0f} | {r.get('gpu', float('nan')):.0f} |")
+        cells = [f"{r[k]:.0f}" if k in r else "-"
+                 for k in ("pre", "setup", "after", "post", "step", "gpu")]
+        print(f"| {name} | " + " | ".join(cells) + " |")
     return 0
 
 

@@ -5,7 +5,7 @@
 
 Both take the same fields. Every bad value raises `KVConfigError` naming the field and the values
 it allows. The KVCOMPILE_* environment variables set the defaults of the run-time switches
-(`cuda_graphs`, `prefill`, `prefill_*`); they are read here, when a KVConfig is made, and
+(`cuda_graphs`, `deferred_stop`, `prefill`, `prefill_*`, ...); they are read here, when a KVConfig is made, and
 nowhere else in the package.
 """
 
@@ -289,6 +289,13 @@ class KVConfig:
     cuda_graphs: replay decode steps from CUDA graphs where they can be (the Engine's,
         engine/cudagraph.py, and `generate`'s, integrations/hf_graphs.py). Default True;
         KVCOMPILE_CUDA_GRAPHS=0 sets False.
+    deferred_stop: in Hugging Face `generate` on CUDA, read each step's stop decision one step
+        late (transformers' own DeferredStopCheck, which it uses on "mps" only), so the host
+        queues step n + 1 while the GPU runs step n instead of waiting for it every step;
+        streamers get each token one step late, and a call whose rows all stop early (EOS)
+        runs one more step, undone. Not where the cache outlives the call (returned, or
+        passed in): `kvcompile.report` says so. Default True; KVCOMPILE_DEFERRED_STOP=0 sets
+        False.
     prefill: "auto", "triton" or "sdpa" (PREFILL_CHOICES). Default from KVCOMPILE_PREFILL
         ("triton"; any other value set means "sdpa").
     prefill_tma / prefill_q_tma / prefill_scale_tma / prefill_warp_spec: diagnostic switches
@@ -349,6 +356,7 @@ class KVConfig:
     prefill_gather_bytes: int = 1 << 30
     # run-time switches: their defaults come from the environment (see the docstring)
     cuda_graphs: bool = _env_field(_cuda_graphs_default)
+    deferred_stop: bool = _env_field(lambda: _env_on("KVCOMPILE_DEFERRED_STOP", True))
     prefill: str = _env_field(_prefill_default)
     prefill_tma: bool = _env_field(lambda: _env_on("KVCOMPILE_PREFILL_TMA", True))
     prefill_q_tma: bool = _env_field(lambda: _env_on("KVCOMPILE_PREFILL_Q_TMA", True))
@@ -412,8 +420,9 @@ class KVConfig:
             raise KVConfigError("cpu_fp8", self.cpu_fp8, ", ".join(map(repr, CPU_FP8_ROUTES)))
         if self.prefill not in PREFILL_CHOICES:
             raise KVConfigError("prefill", self.prefill, ", ".join(map(repr, PREFILL_CHOICES)))
-        for name in ("check_finite", "residual", "enabled", "cuda_graphs", "prefill_tma",
-                     "prefill_q_tma", "prefill_scale_tma", "prefill_warp_spec", "graph_check"):
+        for name in ("check_finite", "residual", "enabled", "cuda_graphs", "deferred_stop",
+                     "prefill_tma", "prefill_q_tma", "prefill_scale_tma", "prefill_warp_spec",
+                     "graph_check"):
             if not isinstance(getattr(self, name), bool):
                 raise KVConfigError(name, getattr(self, name), "True, False")
         self._check_combinations()

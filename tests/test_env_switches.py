@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvcompile"
 SWITCHES = ("KVCOMPILE_CUDA_GRAPHS", "KVCOMPILE_PREFILL", "KVCOMPILE_PREFILL_TMA",
             "KVCOMPILE_PREFILL_Q_TMA", "KVCOMPILE_PREFILL_SCALE_TMA",
             "KVCOMPILE_PREFILL_WARP_SPEC", "KVCOMPILE_REROT_ASIDE", "KVCOMPILE_WINDOW_EVICTION",
-            "KVCOMPILE_CPU_FP8", "KVCOMPILE_GRAPH_CHECK")
+            "KVCOMPILE_CPU_FP8", "KVCOMPILE_GRAPH_CHECK", "KVCOMPILE_DEFERRED_STOP")
 
 
 @pytest.fixture
@@ -29,7 +29,8 @@ def test_defaults_without_the_environment(clean_env):
     c = KVConfig()
     assert (c.cuda_graphs, c.prefill, c.prefill_tma, c.prefill_q_tma, c.prefill_scale_tma,
             c.prefill_warp_spec, c.rerotated_sinks_graphs, c.window_eviction, c.cpu_fp8,
-            c.graph_check) == (True, "auto", True, True, False, False, True, True, "auto", False)
+            c.graph_check, c.deferred_stop) == (True, "auto", True, True, False, False, True, True,
+                                                "auto", False, True)
 
 
 @pytest.mark.parametrize("var,value,field,expected", [
@@ -55,6 +56,8 @@ def test_defaults_without_the_environment(clean_env):
     ("KVCOMPILE_CPU_FP8", "", "cpu_fp8", "auto"),
     ("KVCOMPILE_GRAPH_CHECK", "1", "graph_check", True),
     ("KVCOMPILE_GRAPH_CHECK", "", "graph_check", False),
+    ("KVCOMPILE_DEFERRED_STOP", "0", "deferred_stop", False),
+    ("KVCOMPILE_DEFERRED_STOP", "", "deferred_stop", True),
 ])
 def test_the_environment_sets_the_default(clean_env, var, value, field, expected):
     clean_env.setenv(var, value)
@@ -71,7 +74,7 @@ def test_an_explicit_field_wins_over_the_environment(clean_env):
 
 @pytest.mark.parametrize("field,value", [("prefill", "flash"), ("cuda_graphs", "yes"),
                                          ("prefill_tma", 1), ("cpu_fp8", "asm"),
-                                         ("graph_check", "1")])
+                                         ("graph_check", "1"), ("deferred_stop", 0)])
 def test_bad_values_name_the_field(clean_env, field, value):
     with pytest.raises(KVConfigError, match=field):
         KVConfig(**{field: value})

@@ -124,6 +124,61 @@ def install() -> None:
         return
     if not getattr(GenerationMixin.generate, "_kvcompile_owns_pages", False):
         GenerationMixin.generate = _own_pages(GenerationMixin.generate)
+    _defer_stop_checks()
+
+
+# the devices on which a compiled model's `generate` defers its stop check (the tests add "cpu",
+# where it changes nothing but the order of the host's work)
+DEFER_DEVICES = ("cuda",)
+
+
+def _defer_stop_checks() -> None:
+    """Let `generate` on a compiled model's pool read its stop decision one step late on CUDA
+    (KVConfig.deferred_stop). transformers (5.17 and later) has DeferredStopCheck: the flag
+    "all rows finished" (and a streamer's tokens) copied without blocking and read a step
+    later, so the host queues step n + 1 while the GPU runs step n; it turns it on for "mps"
+    only. Without it the host waits for the GPU at the end of every step, then prepares the
+    next one (its Python, kvcompile's step bookkeeping, the graph launch) while the GPU is
+    idle: 0.35-0.4 ms a step at B16 on the H100 (benchmarks/host_gap.py). A transformers
+    without the class keeps its own stop check."""
+    try:
+        from transformers.generation import utils
+    except ImportError:
+        return
+    cls = getattr(utils, "DeferredStopCheck", None)
+    supported = getattr(cls, "is_supported", None) if cls is not None else None
+    if supported is None or getattr(supported, "_kvcompile", False):
+        return
+
+    def is_supported(device, cache, cache_is_returned, is_assistant):
+        defer = _defers(device, cache, cache_is_returned, is_assistant)
+        if defer is not None:
+            return defer
+        return supported(device, cache, cache_is_returned, is_assistant)
+
+    is_supported._kvcompile = True
+    cls.is_supported = staticmethod(is_supported)
+
+
+def _defers(device, cache, cache_is_returned: bool, is_assistant: bool) -> bool | None:
+    """Whether `generate`'s stop check over this cache is deferred; None: not a cache of a
+    compiled model's pool (transformers decides)."""
+    b = _binding_of_cache(cache) if cache is not None else None
+    if b is None or b.state is None:
+        return None
+    st = b.state
+    if not st.config.deferred_stop or torch.device(device).type not in DEFER_DEVICES:
+        return None
+    if is_assistant:
+        return None
+    if cache_is_returned:
+        note = ("generate: the stop check waits for the GPU every step (the cache outlives the "
+                "call: return_dict_in_generate=True or a cache passed in)")
+        if note not in st.kernel_notes:    # kvcompile.report shows it, once
+            st.kernel_notes.append(note)
+        return False
+    st.count("generate_deferred_stop")
+    return True
 
 
 def _own_pages(generate):

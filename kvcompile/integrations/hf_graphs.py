@@ -101,8 +101,17 @@ class _Graph:
         self.spec = spec   # None: no eviction runtime; else eviction/aside.py AsideSpec
         n64 = 7 * B if spec is not None else 2 * B
         pin = torch.device(device).type == "cuda"   # (the CPU emulation of the tests: unpinned)
-        self.host64 = torch.zeros(n64, dtype=torch.int64, pin_memory=pin)
-        self.host32 = torch.ones(B, dtype=torch.int32, pin_memory=pin)
+        # two pinned staging buffers used in turn, each with the event of its last upload:
+        # under a deferred stop check (KVConfig.deferred_stop) the host prepares step n + 1
+        # while step n's host-to-device copy may still be queued
+        self._stages = []
+        for _ in range(2):
+            h64 = torch.zeros(n64, dtype=torch.int64, pin_memory=pin)
+            h32 = torch.ones(B, dtype=torch.int32, pin_memory=pin)
+            self._stages.append((h64, h32, h64.numpy(), h32.numpy(),
+                                 torch.cuda.Event() if pin else None))
+        self._turn = 0
+        self.host64, self.host32, self.h64, self.h32, self._uploaded = self._stages[0]
         self.dev64 = torch.zeros(n64, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(B, dtype=torch.int32, device=device)
         self.slots = self.dev64[:B]
@@ -111,10 +120,23 @@ class _Graph:
         if spec:
             self.aside = AsideInputs(spec, *(self.dev64[i * B:(i + 1) * B] for i in range(2, 7)))
         self.block_tables = torch.zeros(B, table_width, dtype=torch.int32, device=device)
-        self.h64, self.h32 = self.host64.numpy(), self.host32.numpy()
+        self._recorded = [False, False]
         self.graph = None
         self.out = None          # (output class, its fields but the cache; logits in the pool)
         self.generation = -1     # the pool's storage generation the graph captured
+
+    def next_stage(self) -> None:
+        """Switch to the other staging buffer, once its last upload has left it."""
+        self._turn ^= 1
+        self.host64, self.host32, self.h64, self.h32, self._uploaded = self._stages[self._turn]
+        if self._uploaded is not None and self._recorded[self._turn]:
+            self._uploaded.synchronize()
+
+    def uploaded(self) -> None:
+        """Mark the current staging buffer's upload as queued (upload_plan just ran)."""
+        if self._uploaded is not None:
+            self._uploaded.record()
+            self._recorded[self._turn] = True
 
 
 def _cache_in_pool(kwargs: dict) -> bool:
@@ -313,6 +335,7 @@ class GraphedForward:
                 g = self._capture(key, kw, cache, b, past, spec)
             g.bound = b
             slots, rows, lens = pool.decode_slots(b.seq_ids)
+            g.next_stage()
             g.h64[:B] = slots
             g.h64[B:2 * B] = rows
             if spec is not None:
@@ -320,6 +343,7 @@ class GraphedForward:
                     g.h64[i * B:(i + 1) * B] = seg
             g.h32[:] = lens
             upload_plan(g, pool)
+            g.uploaded()
             _load_inputs(g, kw)
             g.graph.replay()
         except BaseException:

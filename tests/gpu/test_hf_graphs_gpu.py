@@ -15,6 +15,7 @@ the call. Formats: bf16, fp8_e4m3. (Was benchmarks/gpu_check_hf_graphs.py.)
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import pytest
@@ -109,6 +110,43 @@ def test_graph_decode_equals_no_graph_decode(compiled, i):
     assert rel <= TOL
     assert torch.equal(tg, te)
     assert not pages_left
+
+
+class _Tokens:
+    def __init__(self):
+        self.seen = []
+
+    def put(self, value):
+        self.seen.append(value.tolist())
+
+    def end(self):
+        pass
+
+
+@pytest.mark.parametrize("eos", [False, True], ids=["to max_new_tokens", "rows end at EOS"])
+def test_deferred_stop_check_equals_the_per_step_check(compiled, eos):
+    """KVConfig.deferred_stop (the default): graphed steps with the stop decision read a step
+    late (the host runs a step ahead; each step's plan in its own staging buffer) give the
+    tokens of the per-step check; with an EOS that ends the rows early, one more step runs
+    and is undone; a streamer gets every token; no page is left."""
+    model = compiled
+    st = state_of(model)
+    ids, am = inputs(B=1 if eos else 3, L=30, pad=not eos, seed=7)   # one row: all end early
+    kw = dict(attention_mask=am, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    free = model.generate(ids, **kw, eos_token_id=None)[:, ids.shape[1]:]
+    kw["eos_token_id"] = int(free[0, 5]) if eos else None
+    outs, puts = [], []
+    for defer in (True, False):
+        st.config = dataclasses.replace(st.config, deferred_stop=defer)
+        streamer = _Tokens()
+        d0, r0 = st.counters.get("generate_deferred_stop", 0), model.forward.replays
+        outs.append(model.generate(ids, streamer=streamer, **kw))
+        puts.append(streamer.seen)
+        assert st.counters.get("generate_deferred_stop", 0) - d0 == int(defer)
+        assert model.forward.replays > r0
+        assert not kvcompile.stats(model).get("pages_used")
+    st.config = dataclasses.replace(st.config, deferred_stop=True)
+    assert torch.equal(outs[0], outs[1]) and puts[0] == puts[1]
 
 
 def _deepseek(dtype):
