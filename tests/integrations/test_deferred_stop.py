@@ -5,8 +5,8 @@ host can queue a step while the GPU runs the one before.
 On the CPU, DEFER_DEVICES is widened to "cpu" and torch.Event (which the CPU backend lacks) is a
 stand-in that is always reached: CPU ops run in order on the host, so the deferred check reads
 what a CUDA event would let it read. Checked against the same compiled model with the per-step
-check (deferred_stop=False) and against eager: the tokens, a rows-all-stop-early (EOS) call
-(one extra step run and undone, its pages returned), a streamer's tokens, the cases left on the
+check (deferred_stop=False) and against eager: the tokens and a streamer's, a rows-all-stop-early
+(EOS) call (one extra step run and undone, its pages returned), the cases left on the
 per-step check (a returned cache, said in the report; the switch off; the CPU by default).
 """
 
@@ -74,16 +74,23 @@ def _generate(model, ids=PROMPTS, **kw):
     return model.generate(ids, attention_mask=torch.ones_like(ids), **args)
 
 
-def test_deferred_tokens_equal_the_per_step_check_and_eager(on_cpu):
+def test_deferred_tokens_equal_the_per_step_check_and_eager_and_stream_a_step_late(on_cpu):
     eager = _generate(make_hf("llama"))
     model, forwards = _compiled()
-    out = _generate(model)
-    assert torch.equal(out, eager)
+    got = Tokens(forwards)
+    assert torch.equal(_generate(model, streamer=got), eager)
     assert kvcompile.stats(model).get("generate_deferred_stop") == 1
     assert len(forwards) == NEW          # stopped by length: no extra step
-    off, _ = _compiled(deferred_stop=False)
-    assert torch.equal(_generate(off), eager)
+    off, off_forwards = _compiled(deferred_stop=False)
+    want = Tokens(off_forwards)
+    assert torch.equal(_generate(off, streamer=want), eager)
     assert "generate_deferred_stop" not in kvcompile.stats(off)
+    # the streamer gets every token: the prompt, NEW tokens, end
+    assert got.seen == want.seen and len(got.seen) == NEW + 2
+    # token k (k = 1..NEW) reaches the streamer after forward k per step, after forward k + 1
+    # deferred (the host ran a step ahead); the last one after the loop, with every forward
+    assert want.at[1:] == list(range(1, NEW + 1))
+    assert got.at[1:] == [*range(2, NEW + 1), NEW]
 
 
 def test_rows_stopping_early_run_one_step_more_undone_and_return_their_pages(on_cpu):
@@ -103,21 +110,6 @@ def test_rows_stopping_early_run_one_step_more_undone_and_return_their_pages(on_
     off, off_forwards = _compiled(deferred_stop=False)
     assert torch.equal(_generate(off, ids, eos_token_id=eos), eager)
     assert len(off_forwards) == stop
-
-
-def test_a_streamer_gets_every_token_one_step_late(on_cpu):
-    off, off_forwards = _compiled(deferred_stop=False)
-    want = Tokens(off_forwards)
-    _generate(off, streamer=want)
-    model, forwards = _compiled()
-    got = Tokens(forwards)
-    _generate(model, streamer=got)
-    assert got.seen == want.seen and len(got.seen) == NEW + 2   # prompt, NEW tokens, end
-    assert kvcompile.stats(model).get("generate_deferred_stop") == 1
-    # token k (k = 1..NEW) reaches the streamer after forward k per step, after forward k + 1
-    # deferred (the host ran a step ahead); the last one after the loop, with every forward
-    assert want.at[1:] == list(range(1, NEW + 1))
-    assert got.at[1:] == [*range(2, NEW + 1), NEW]
 
 
 def test_a_returned_cache_keeps_the_per_step_check_and_the_report_says_so(on_cpu):
