@@ -154,6 +154,9 @@ class PagePool:
         self.writer = writer or _write_reference
         self._writer_grouped = _takes_grouped(self.writer)
         self._reserved: torch.Tensor | None = None  # the last slots reserve() returned
+        # counts the block table's changes (entries flushed, the tensor replaced by a growth):
+        # a copy of some rows taken at one version is current while it stands (upload_plan)
+        self.table_version = 0
         self.k: list[PagedTensor] = []
         self.v: list[PagedTensor] = []
         for spec in self.layers:  # torch.empty inside allocate: the pool is never zero-filled
@@ -308,11 +311,13 @@ class PagePool:
             seq.length = length
 
     @_locked
-    def reserve(self, seq_ids, num_tokens) -> torch.Tensor:
+    def reserve(self, seq_ids, num_tokens, slots: bool = True) -> torch.Tensor | None:
         """Extend each sequence by `num_tokens` (an int, or one per sequence).
 
         Returns the slots of the new tokens, [sum] int64 (page * P + offset) in sequence order, on
-        the pool device. Atomic: on KVCacheFullError / SequenceTooLongError nothing changes.
+        the pool device; slots=False: None (a caller that takes them from `decode_slots`, as
+        generate's graphs do, saves the tensor and its host-to-device copy). Atomic: on
+        KVCacheFullError / SequenceTooLongError nothing changes.
         """
         seqs = self._lookup(seq_ids)
         counts = _counts(num_tokens, len(seqs))
@@ -368,7 +373,7 @@ class PagePool:
         if cow_src:
             self._copy_pages(cow_src, cow_dst)
         # one run per page, runs of distinct pages: write() may tell the writer so
-        self._reserved = _to_device(_runs_to_slots(bases, lens), self.device)
+        self._reserved = _to_device(_runs_to_slots(bases, lens), self.device) if slots else None
         return self._reserved
 
     # --- data --------------------------------------------------------------------------------
@@ -918,6 +923,7 @@ class PagePool:
         if n > width:
             new_w = max(n, min(2 * width, self.max_pages))
             self._table = torch.nn.functional.pad(self._table, (0, new_w - width))
+            self.table_version += 1
         for j in range(start, n):
             self._pending[seq.row, j] = seq.pages[j]
 
@@ -925,11 +931,13 @@ class PagePool:
         if not self._free_rows:
             n = self._table.shape[0]
             self._table = torch.cat([self._table, torch.zeros_like(self._table)])
+            self.table_version += 1
             self._free_rows = list(range(2 * n - 1, n - 1, -1))
         return self._free_rows.pop()
 
     def _flush_table(self) -> None:
         if self._pending:
+            self.table_version += 1
             upd = _to_device(torch.tensor([(r, c, p) for (r, c), p in self._pending.items()],
                                           dtype=torch.int64), self.device)  # [K, 3]: one copy
             self._table[upd[:, 0], upd[:, 1]] = upd[:, 2].to(torch.int32)

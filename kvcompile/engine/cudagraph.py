@@ -83,15 +83,23 @@ def check_inputs(g, pool, generation, seq_ids) -> None:
                                   f"in its last page {int(pages[-1])}")
 
 
-def upload_plan(g, pool, non_blocking: bool = True) -> None:
+def upload_plan(g, pool, non_blocking: bool = True, rows_key=None) -> None:
     """Fill a graph's static plan buffers: `g.dev64` / `g.seq_lens` from its pinned host buffers
     (one int64 and one int32 copy), then `g.block_tables` as the pool's table rows `g.rows`.
-    Shared by the engine's and `generate`'s graphs (integrations/hf_graphs.py)."""
+    rows_key: the rows as host ints (hashable); with it the rows' copy is skipped while the
+    rows and the pool's table stand as at the last copy (`generate`'s steps: a sequence takes
+    a new page once in page_size steps). Shared by the engine's and `generate`'s graphs
+    (integrations/hf_graphs.py)."""
     g.dev64.copy_(g.host64, non_blocking=non_blocking)
     g.seq_lens.copy_(g.host32, non_blocking=non_blocking)
     table = pool.table()                     # flushed; its width may have grown
+    key = None if rows_key is None else (id(pool), pool.generation, pool.table_version,
+                                         rows_key)
+    if key is not None and key == getattr(g, "table_key", None):
+        return
     w = min(table.shape[1], g.block_tables.shape[1])
     g.block_tables[:, :w] = table[:, :w].index_select(0, g.rows)
+    g.table_key = key
 
 
 # One warm-up stream per device for every capture of the process. cuBLAS keeps a workspace

@@ -308,8 +308,9 @@ class GraphedForward:
         L = past + 1
         pool = self.state.pool
         ev = self.state.eviction if aside else None
-        stored = [pool.seq_len(s) for s in b.seq_ids]   # < past once evicted
-        pool.reserve(b.seq_ids, 1)   # first: it may grow the pool, which drops the graphs
+        pool.reserve(b.seq_ids, 1, slots=False)   # first: it may grow the pool (drops graphs)
+        slots, rows, lens = pool.decode_slots(b.seq_ids)
+        stored = [n - 1 for n in lens]   # (< past once evicted)
         try:
             # eviction steps aside (eviction/runtime.py decode_aside): what it needs inside
             # the step (H2O's mass rows, re-rotated sinks, hidden slots) keys the graph
@@ -334,7 +335,6 @@ class GraphedForward:
             if g is None:
                 g = self._capture(key, kw, cache, b, past, spec)
             g.bound = b
-            slots, rows, lens = pool.decode_slots(b.seq_ids)
             g.next_stage()
             g.h64[:B] = slots
             g.h64[B:2 * B] = rows
@@ -342,7 +342,7 @@ class GraphedForward:
                 for i, seg in enumerate(inputs[1:], start=2):
                     g.h64[i * B:(i + 1) * B] = seg
             g.h32[:] = lens
-            upload_plan(g, pool)
+            upload_plan(g, pool, rows_key=tuple(rows))
             g.uploaded()
             _load_inputs(g, kw)
             g.graph.replay()

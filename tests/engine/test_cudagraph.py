@@ -51,6 +51,44 @@ def test_decode_slots_match_reserve(pool):
     assert [s // P for s in all_slots[::P]] == pool.pages_of(seqs[1])
 
 
+def test_upload_plan_copies_the_table_rows_again_only_when_they_can_differ(pool):
+    """upload_plan with rows_key (generate's steps): the rows' gather is skipped while the
+    rows and the pool's table stand as at the last copy; a new page (the table changed),
+    other rows, or a caller without rows_key copy them again."""
+    from types import SimpleNamespace
+
+    from kvcompile.engine.cudagraph import upload_plan
+
+    seqs = pool.allocate(3)
+    pool.reserve(seqs, 3)                       # pages of 4: the next token fits
+    B = len(seqs)
+    g = SimpleNamespace(host64=torch.zeros(2 * B, dtype=torch.int64),
+                        host32=torch.ones(B, dtype=torch.int32),
+                        dev64=torch.zeros(2 * B, dtype=torch.int64),
+                        seq_lens=torch.ones(B, dtype=torch.int32),
+                        block_tables=torch.zeros(B, 8, dtype=torch.int32))
+    g.rows = g.dev64[B:]
+
+    def step(key=True):
+        pool.reserve(seqs, 1, slots=False)
+        _, rows, _ = pool.decode_slots(seqs)
+        g.host64[B:] = torch.tensor(rows)
+        g.block_tables.fill_(-1)                # poison: a skipped gather leaves it
+        upload_plan(g, pool, non_blocking=False, rows_key=tuple(rows) if key else None)
+        want = pool.table()[torch.tensor(rows)][:, :8]
+        return torch.equal(g.block_tables, want)
+
+    assert step()                 # token 4: the first copy
+    assert step()                 # token 5: a new page each, the table changed: copied
+    assert not step()             # token 6: same rows, same table: skipped (poison stays)
+    assert step(key=False)        # token 7: no rows_key: always copied
+    assert step()                 # token 8: (the key was cleared by the call without one)
+    assert step()                 # token 9: a new page
+    assert not step()             # token 10
+    seqs.reverse()                # other rows: copied
+    assert step()
+
+
 def test_bucket_sizes():
     assert bucket_sizes(16) == [1, 2, 4, 8, 12, 16]
     assert bucket_sizes(20)[-1] == 20 and bucket_sizes(1) == [1]
