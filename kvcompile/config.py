@@ -5,8 +5,8 @@
 
 Both take the same fields. Every bad value raises `KVConfigError` naming the field and the values
 it allows. The KVCOMPILE_* environment variables set the defaults of the run-time switches
-(`cuda_graphs`, `deferred_stop`, `prefill`, `prefill_*`, ...); they are read here, when a KVConfig is made, and
-nowhere else in the package.
+(`cuda_graphs`, `deferred_stop`, `prefill`, `prefill_*`, ...); they are read here, when a
+KVConfig is made, and nowhere else in the package.
 """
 
 from __future__ import annotations
