@@ -37,7 +37,8 @@ Sections, each in its own try/except, within one deadline (`--budget-s`), printe
 
 tok/s = B * new tokens / wall time of the whole generate call (prefill included); decode tok/s
 = B * (N - 1) / (t_N - t_1), t_k the time the k-th new token reached the host in the same call
-(a streamer that reads the clock: StepClock). Timings are wall clock
+(a streamer that reads the clock: step_profile.StepClock). --step-profile adds a table of one
+decode step by part (GEMM, attention, KV append, ...) for every generate row. Timings are wall clock
 around synchronized calls (a generate call is not a kernel: do_bench does not apply), the
 median of `--repeats` runs after a warm-up run that compiles.
 """
@@ -59,6 +60,11 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+BENCH = os.path.join(ROOT, "benchmarks")
+if BENCH not in sys.path:
+    sys.path.insert(0, BENCH)
+
+from step_profile import StepClock, decode_step_profile, profile_table  # noqa: E402
 
 import kvcompile  # noqa: E402
 from kvcompile import Engine, KVConfig, SamplingParams  # noqa: E402
@@ -105,6 +111,10 @@ def parse_args(argv=None):
                         "off; the kernel is on by default since it passed its GPU test)")
     p.add_argument("--kernels", default="auto", choices=("auto", "triton", "cuda"),
                    help="KVConfig.kernels for the kvc_* sections (decode kernel choice)")
+    p.add_argument("--step-profile", action="store_true",
+                   help="each generate row: one more call, profiled over its decode steps "
+                        "(device time by part: GEMM, attention, append, ...; step_profile.py), "
+                        "printed as a table after the rows")
     p.add_argument("--peak-tbs", type=float, default=4.8,
                    help="memory bandwidth in TB/s for the roofline column (H200: 4.8)")
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "benchmarks"))
@@ -233,25 +243,6 @@ def _gen_kwargs(args, **kw):
                 pad_token_id=0, eos_token_id=None, **kw)
 
 
-class StepClock:
-    """A `generate` streamer that only reads the clock: HF calls put() once with the prompt,
-    then once a new token with the step's tokens already copied to the host (HF waits for
-    that copy; the clock adds no sync of its own, which would stop the host from queueing a
-    step ahead under a deferred stop check, KVConfig.deferred_stop, where each token reaches
-    the host one step late). t[1] is the first token's time, t[N] the last's: the decode steps
-    are timed inside one call, apart from the prefill (whose run-to-run spread, 20 ms at B16
-    x 32k, moved the old estimate from two calls by 6%)."""
-
-    def __init__(self, device):
-        self.device, self.t = device, []
-
-    def put(self, value):
-        self.t.append(time.perf_counter())
-
-    def end(self):
-        pass
-
-
 def run_generate(model, args, device, ids, am, label, extra=None, warm=True):
     """(row, tokens [B, new]); row: tok/s, decode tok/s = B * (N - 1) / (t_N - t_1) and
     first-token seconds from the StepClock of each timed call (medians of --repeats)."""
@@ -281,6 +272,10 @@ def run_generate(model, args, device, ids, am, label, extra=None, warm=True):
                first_token_s=t1, total_s=t)
     if device.type == "cuda":
         row["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+    if getattr(args, "step_profile", False):   # one more call, profiled over its decode steps
+        row["step_profile"] = decode_step_profile(
+            lambda s: model.generate(ids, attention_mask=am, streamer=s,
+                                     **_gen_kwargs(args, **extra)), device, N)
     return row, toks
 
 
@@ -769,6 +764,12 @@ def report(results, errors, args):
                       "graph_replays", "x_kvc_fp8_decode", "x_kvc_int4_decode",
                       "eviction_aside_steps",
                       "eviction_device_runs", "evicted_tokens"]))
+    prof = {r["label"]: r["step_profile"] for r in gen if r.get("step_profile")}
+    if prof:
+        print("\n### One decode step by part (--step-profile: steps 2..N of one more call; "
+              + ("each op's own CPU time" if results["env"]["device"] == "cpu" else
+                 "device time of each kernel") + ")")
+        print(profile_table(prof))
     eng = [results[k] for k in ("engine_b", "engine_b_sync", "engine_b_nograph") if k in results]
     if eng:
         print(table(eng, ["label", "decode_step_ms_p50", "captures_in_timed", "graph_captures",

@@ -24,6 +24,12 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import bench_generate as bg  # noqa: E402
+from step_profile import (  # noqa: E402
+    DecodeProfiler,
+    StepClock,
+    decode_step_profile,
+    profile_table,
+)
 
 import kvcompile  # noqa: E402
 
@@ -33,13 +39,13 @@ SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::_local_scal
 
 def per_token(model, ids, am, new, **kw):
     """Seconds a decode step, the best of two `new`-token calls, each timed inside the call
-    from its first token to its last (bench_generate.StepClock: no prefill in it)."""
+    from its first token to its last (step_profile.StepClock: no prefill in it)."""
     best = float("inf")
     for _ in range(2):
-        clock = bg.StepClock(ids.device)
+        clock = StepClock(ids.device)
         model.generate(ids, attention_mask=am, max_new_tokens=new, min_new_tokens=new,
                        do_sample=False, streamer=clock, **kw)
-        best = min(best, (clock.t[new] - clock.t[1]) / (new - 1))
+        best = min(best, clock.step_s(new))
     return best
 
 
@@ -69,84 +75,36 @@ def profile_call(fn, label: str, new: int) -> None:
     print(f"#### {label}: sync-like events {syncs}", flush=True)
 
 
-CATEGORIES = (  # (category, substrings of a device kernel's name), first match wins
-    ("GEMM", ("nvjet", "gemm", "cutlass", "sm90_xmma", "cublas", "mm_")),
-    ("attention", ("decode", "attention", "attn", "flash", "fmha", "sdpa", "cudnn")),
-    ("KV append", ("append", "quant", "encode", "scatter")),
-    ("sampling / logits", ("argmax", "topk", "sort", "softmax", "multinomial", "max_")),
-    ("memcpy / memset", ("memcpy", "memset", "copy")),
-    ("fused pointwise / norm (inductor)", ("triton_",)),
-)
-
-
-class _DecodeProfiler(bg.StepClock):
-    """A StepClock that profiles the decode steps only: the profiler starts when the first
-    token reaches the host (after the prefill) and stops when the last one does."""
-
-    def __init__(self, device, new, profiler):
-        super().__init__(device)
-        self.new, self.p = new, profiler
-
-    def put(self, value):
-        super().put(value)
-        if len(self.t) == 2:
-            self.p.start()
-        elif len(self.t) == self.new + 1:
-            self.p.stop()
-
-
 def decode_profile(model, ids, am, new, label, **kw):
-    """One decode step's device time by category: the kernels of steps 2..new of one
-    `generate` call (the profiler runs from the first token to the last: no prefill), divided
-    by new - 1, against the same steps' wall time."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as prof
-
-    p = prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    clock = _DecodeProfiler(ids.device, new, p)
-    model.generate(ids, attention_mask=am, max_new_tokens=new, min_new_tokens=new,
-                   do_sample=False, streamer=clock, **kw)
-    per: dict[str, float] = {}
-    for e in p.events():
-        if e.device_type == DeviceType.CUDA:
-            per[e.name] = per.get(e.name, 0.0) + e.device_time_total
-    steps = new - 1
-    diff = {k: v / steps / 1e3 for k, v in per.items()}   # ms per step
-    wall = (clock.t[new] - clock.t[1]) / steps * 1e3
-    cats: dict[str, float] = {}
-    for name, ms in diff.items():
-        low = name.lower()
-        cat = next((c for c, subs in CATEGORIES if any(x in low for x in subs)), "other")
-        cats[cat] = cats.get(cat, 0.0) + ms
-    busy = sum(cats.values())
+    """One decode step's device time by part over steps 2..new of one `generate` call
+    (step_profile.decode_step_profile: the profiler runs from the first token to the last, no
+    prefill in it), against the same steps' wall time."""
+    prof = decode_step_profile(
+        lambda s: model.generate(ids, attention_mask=am, max_new_tokens=new,
+                                 min_new_tokens=new, do_sample=False, streamer=s, **kw),
+        ids.device, new)
     print(f"\n#### {label}: one decode step (steps 2..{new} of one generate call, profiled)")
-    print("| part | ms / step | % of step |\n|---|---|---|")
-    for c, ms in sorted(cats.items(), key=lambda kv: -kv[1]):
-        print(f"| {c} | {ms:.3f} | {100 * ms / wall:.0f}% |")
-    print(f"| device busy (sum of kernels) | {busy:.3f} | {100 * busy / wall:.0f}% |")
-    print(f"| host / gaps (wall - busy) | {wall - busy:.3f} | {100 * (wall - busy) / wall:.0f}% |")
-    print(f"| step wall (profiled) | {wall:.3f} | 100% |")
+    print(profile_table({label: prof}))
     print(f"#### {label}: top kernels per step")
-    for name, ms in sorted(diff.items(), key=lambda kv: -kv[1])[:12]:
+    for ms, name in prof["top"]:
         print(f"  {ms:8.3f} ms  {name[:100]}")
 
 
 def python_breakdown(model, ids, am, label, new=9, **kw):
     """Per decode step: the Python functions (with_stack tracing) and ops of steps 2..new of
-    one `generate` call (_DecodeProfiler: no prefill), divided by new - 1, and the steps' wall
-    time under tracing. Tracing inflates Python time; compare rows."""
+    one `generate` call (step_profile.DecodeProfiler: no prefill), divided by new - 1, and the
+    steps' wall time under tracing. Tracing inflates Python time; compare rows."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
 
     p = prof(activities=[ProfilerActivity.CPU], with_stack=True)
-    clock = _DecodeProfiler(ids.device, new, p)
+    clock = DecodeProfiler(ids.device, new, p)
     model.generate(ids, attention_mask=am, max_new_tokens=new, min_new_tokens=new,
                    do_sample=False, streamer=clock, **kw)
     steps = new - 1
     per = {e.key: (e.self_cpu_time_total / steps, e.cpu_time_total / steps, e.count / steps)
            for e in p.key_averages(group_by_stack_n=0)}
-    wall = (clock.t[new] - clock.t[1]) / steps * 1e6
+    wall = clock.step_s(new) * 1e6
     mine = [(k, v) for k, v in per.items() if "kvcompile/" in k or "transformers/" in k
             or "torch/_dynamo" in k or "torch/_inductor" in k or "triton/" in k]
     print(f"\n#### {label}: per decode step ({wall:.0f} us wall, traced), Python functions "

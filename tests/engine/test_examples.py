@@ -62,8 +62,13 @@ def test_stream():
 
 def test_bench_generate_smoke(tmp_path):
     out = _run(os.path.join("..", "benchmarks", "bench_generate.py"), "--smoke", "--sections",
-               "capacity,hf_eager,kvc_bf16,engine", "--out", str(tmp_path))
+               "capacity,hf_eager,kvc_bf16,engine", "--step-profile", "--out", str(tmp_path))
     assert "FAILED" not in out, out
     assert "| fp8_e4m3 (tensor scale) | 65536 | 2.000 | 20 | 2.000 |" in out, out
     assert "same token at 100.00%" in out, out
+    # --step-profile: a column per generate row, the GEMMs among the parts (the CPU's ops)
+    prof = out.split("### One decode step by part", 1)[1]
+    assert "| ms per decode step | HF eager, DynamicCache | kvcompile" in prof, out
+    gemm = re.search(r"\| GEMM \| ([\d.]+) \| ([\d.]+) \|", prof)
+    assert gemm and float(gemm.group(1)) > 0 and float(gemm.group(2)) > 0, prof
     assert (tmp_path / "generate_concurrency_smoke.png").stat().st_size > 10_000
