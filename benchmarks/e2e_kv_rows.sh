@@ -1,7 +1,8 @@
 #!/bin/bash
 # The KV-dominated end-to-end rows of issue 14 (B16, prompt 32,768, 64 new tokens, 8-layer
 # Llama-3-8B shape; B / P / N / KV_GIB from the environment): each row in its own process, bench_generate.py's kvc_* section, then one
-# line per row (decode tok/s, first token s, which decode kernel ran).
+# line per row (decode tok/s, first token s, which decode kernel ran). E_ARGS: more
+# bench_generate.py arguments (e.g. --step-profile).
 #   bash benchmarks/e2e_kv_rows.sh "kvc_bf16:auto kvc_fp8:auto kvc_fp8:triton"
 set -u
 cd "$(dirname "$0")/.."
@@ -12,7 +13,7 @@ for r in $ROWS; do
   mkdir -p "$OUT/$sec-$k"
   timeout -k 5 "${ROW_LIMIT:-170}" python3 benchmarks/bench_generate.py --batch "${B:-16}" \
     --prompt "${P:-32768}" --new "${N:-64}" --sections "$sec" --kernels "$k" \
-    --kv-gib "${KV_GIB:-24}" --budget-s "${ROW_LIMIT:-170}" --out "$OUT/$sec-$k" \
+    --kv-gib "${KV_GIB:-24}" --budget-s "${ROW_LIMIT:-170}" --out "$OUT/$sec-$k" ${E_ARGS:-} \
     > "$OUT/$sec-$k/log.txt" 2>&1
   echo "$sec $k: exit $?"
   python3 - "$OUT/$sec-$k/bench_generate.json" <<'PY' || tail -5 "$OUT/$sec-$k/log.txt"

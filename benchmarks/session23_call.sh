@@ -8,7 +8,8 @@
 #      their wall time) and the step time from a clock inside the call
 #   e: issue 14's end-to-end rows again, decode timed inside the generate call (StepClock:
 #      the two-call difference moved by 6% per 20 ms of prefill spread), with HF StaticCache
-#      + inductor as the baseline row (E_ROWS; B / P / N from the environment)
+#      + inductor as the baseline row (E_ROWS; B / P / N from the environment), each row's
+#      decode step by part (--step-profile; grep "One decode step" in $OUT/*/log.txt)
 #   t: the GPU tests of generate's graphs (test_hf_graphs_gpu.py: the deferred stop check
 #      against the per-step one, the two staging buffers, the skipped block-table gather)
 #      and of the Engine's graphs (upload_plan is shared)
@@ -29,7 +30,7 @@ case "${PART:-q}" in
       grep -A8 "top kernels per step" "$OUT/q_$path.txt" | tail -8
     done ;;
   e)
-    ROW_LIMIT=${ROW_LIMIT:-150} bash benchmarks/e2e_kv_rows.sh \
+    E_ARGS=${E_ARGS:---step-profile} ROW_LIMIT=${ROW_LIMIT:-160} bash benchmarks/e2e_kv_rows.sh \
       "${E_ROWS:-hf_static:auto kvc_bf16:auto kvc_fp8:auto kvc_int4:auto}" 2>&1 \
       | tee "$OUT/e_rows.txt" ;;
   t)
