@@ -118,6 +118,21 @@ def test_a_returned_cache_keeps_the_per_step_check_and_the_report_says_so(on_cpu
     assert torch.equal(out.sequences, _generate(make_hf("llama")))
     assert "generate_deferred_stop" not in kvcompile.stats(model)
     assert "the stop check waits for the GPU every step" in str(kvcompile.report(model))
+    # the decision itself, as CUDA would ask it (the default DEFER_DEVICES): this pool's cache
+    # defers unless it outlives the call or an assistant model drafts; other caches are
+    # transformers' to decide
+    from transformers import DynamicCache
+
+    cache = next(getattr(out, k) for k in ("past_key_values", "cache") if hasattr(out, k))
+    cuda = torch.device("cuda")
+    hf.DEFER_DEVICES = ("cuda",)   # (on_cpu's monkeypatch restores its own value after)
+    assert hf._defers(cuda, cache, False, False) is True
+    assert hf._defers(cuda, cache, True, False) is False
+    assert hf._defers(cuda, cache, False, True) is None
+    assert hf._defers(torch.device("cpu"), cache, False, False) is None
+    assert hf._defers(cuda, DynamicCache(), False, False) is None
+    assert utils.DeferredStopCheck.is_supported(cuda, cache, False, False) is True
+    assert utils.DeferredStopCheck.is_supported(cuda, DynamicCache(), False, False) is False
 
 
 def test_the_cpu_keeps_the_per_step_check_by_default():
