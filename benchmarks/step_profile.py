@@ -18,7 +18,8 @@ import torch
 CATEGORIES = (
     ("GEMM", ("nvjet", "gemm", "cutlass", "sm90_xmma", "cublas", "mm_", "aten::mm",
               "aten::addmm", "aten::bmm")),
-    ("attention", ("decode", "attention", "attn", "flash", "fmha", "sdpa", "cudnn")),
+    ("attention", ("decode", "attention", "attn", "flash", "fmha", "sdpa", "cudnn",
+                   "combine_splits", "_merge")),
     ("KV append", ("append", "quant", "encode", "scatter")),
     ("sampling / logits", ("argmax", "topk", "sort", "softmax", "multinomial", "max_")),
     ("memcpy / memset", ("memcpy", "memset", "copy")),
