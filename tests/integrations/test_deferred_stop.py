@@ -175,7 +175,7 @@ def test_a_graphs_staging_buffers_alternate_and_wait_for_their_last_upload():
 def test_graphed_steps_under_the_deferred_check_equal_the_eager_steps(on_cpu, monkeypatch):
     """generate's decode steps replayed from (emulated) graphs with the stop check deferred:
     the steps alternate staging buffers; the tokens are those of the same model's steps
-    without graphs."""
+    without graphs, also when a row ends at EOS (one more step replayed, undone)."""
     from kvcompile.integrations import hf_graphs
     from tests.engine.tiny import make_llama64
     from tests.integrations.test_hf_graphs_eviction import _capture, _refusal
@@ -186,12 +186,20 @@ def test_graphed_steps_under_the_deferred_check_equal_the_eager_steps(on_cpu, mo
     kvcompile.compile(m, kvcompile.KVConfig(inner="eager", kernels="triton", page_size=8,
                                             max_kv_bytes=1 << 22))
     ids = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(4))
-    outs = []
-    for graphs in (True, False):
+
+    def run(graphs, ids, eos=None):
         m.forward.why_not = (lambda: _refusal(m)) if graphs else (lambda: "off (check)")
         r0 = m.forward.replays
-        outs.append(m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10,
-                               do_sample=False, pad_token_id=0, eos_token_id=None))
-        assert (m.forward.replays - r0 > 0) == graphs
-    assert torch.equal(outs[0], outs[1])
-    assert kvcompile.stats(m).get("generate_deferred_stop") == 2
+        out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10,
+                         do_sample=False, pad_token_id=0, eos_token_id=eos)
+        return out, m.forward.replays - r0
+
+    (g, n), (e, none) = run(True, ids), run(False, ids)
+    assert torch.equal(g, e) and n == 9 and none == 0
+    # one row ending at EOS: the extra step replays too, and is undone
+    row = ids[:1]
+    eos = int(run(False, row)[0][0, row.shape[1] + 3])   # the 4th new token (or earlier)
+    (g, n), (e, _) = run(True, row, eos), run(False, row, eos)
+    stop = e.shape[1] - row.shape[1]
+    assert torch.equal(g, e) and stop < 10 and n == stop   # stop - 1 steps and the extra one
+    assert kvcompile.stats(m).get("generate_deferred_stop") == 5
