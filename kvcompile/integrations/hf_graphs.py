@@ -462,9 +462,17 @@ def _load_inputs(g: _Graph, kw) -> None:
 
 
 def _grow_stubs(cache, b, length: int) -> None:
+    """Every layer's key and value stubs `length` tokens long, one stub per distinct shape
+    shared by the layers that have it (zero-byte views: a stub per layer and tensor was 60
+    views a step of a 30-layer model, host time after each replay)."""
+    made: dict = {}
     for layer in cache.layers:
         for attr in ("keys", "values"):
             t = getattr(layer, attr)
-            shape = list(t.shape)
-            shape[-2] = length
-            setattr(layer, attr, b.stub(shape, t.dtype))
+            key = (tuple(t.shape[:-2]), t.shape[-1], t.dtype)
+            stub = made.get(key)
+            if stub is None:
+                shape = list(t.shape)
+                shape[-2] = length
+                stub = made[key] = b.stub(shape, t.dtype)
+            setattr(layer, attr, stub)
