@@ -136,7 +136,41 @@ def capture(step, device: torch.device, mempool):
     return graph, out
 
 
-class _Graph:
+class Staged:
+    """A graph's plan staged on the host for `upload_plan`: two int64 / int32 buffer pairs
+    (`host64` / `host32`, pinned on CUDA; `h64` / `h32` their numpy views), used in turn, since
+    a step's host-to-device copy may still be queued when the next step writes its inputs.
+    With events, a buffer is rewritten only after the event of its last upload (`uploaded`):
+    `generate`'s graphs, whose host runs a step ahead under a deferred stop check. Without,
+    the caller keeps at most one step in flight (the engine's overlapped steps)."""
+
+    def _stage(self, n64: int, n32: int, device, events: bool) -> None:
+        pin = torch.device(device).type == "cuda"   # (unpinned: the tests' CPU emulation)
+        self._stages = []
+        for _ in range(2):
+            h64 = torch.zeros(n64, dtype=torch.int64, pin_memory=pin)
+            h32 = torch.ones(n32, dtype=torch.int32, pin_memory=pin)
+            self._stages.append((h64, h32, h64.numpy(), h32.numpy(),
+                                 torch.cuda.Event() if pin and events else None))
+        self._recorded = [False, False]
+        self._turn = 0
+        self.host64, self.host32, self.h64, self.h32, self._uploaded = self._stages[0]
+
+    def next_stage(self) -> None:
+        """Switch to the other staging buffer, once its last upload has left it."""
+        self._turn ^= 1
+        self.host64, self.host32, self.h64, self.h32, self._uploaded = self._stages[self._turn]
+        if self._uploaded is not None and self._recorded[self._turn]:
+            self._uploaded.synchronize()
+
+    def uploaded(self) -> None:
+        """Mark the current staging buffer's upload as queued (upload_plan just ran)."""
+        if self._uploaded is not None:
+            self._uploaded.record()
+            self._recorded[self._turn] = True
+
+
+class _Graph(Staged):
     """One captured decode step of `bp` rows and its static buffers; `spec`: what it does for
     eviction inside the step (eviction/aside.py)."""
 
@@ -144,17 +178,9 @@ class _Graph:
         self.bp = bp
         self.spec = spec
         # int64 inputs in one buffer (one copy per step): ids | positions | slots | table rows
-        # | eviction's mass rows | sink shifts | re-rotated sink counts | hidden slots [lo, hi)
-        # two pinned staging buffers, used in turn: with overlapped steps (engine/overlap.py)
-        # a step's host-to-device copy may still be queued when the next step writes its inputs
-        self._stages = []
-        pin = torch.device(device).type == "cuda"   # (unpinned: the tests' CPU emulation)
-        for _ in range(2):
-            h64 = torch.zeros(9 * bp, dtype=torch.int64, pin_memory=pin)
-            h32 = torch.ones(bp, dtype=torch.int32, pin_memory=pin)
-            self._stages.append((h64, h32, h64.numpy(), h32.numpy()))
-        self._turn = 0
-        self.host64, self.host32, self.h64, self.h32 = self._stages[0]
+        # | eviction's mass rows | sink shifts | re-rotated sink counts | hidden slots [lo, hi),
+        # staged in turn (Staged: overlapped steps, engine/overlap.py, keep one in flight)
+        self._stage(9 * bp, bp, device, events=False)
         self.dev64 = torch.zeros(9 * bp, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(bp, dtype=torch.int32, device=device)
         self.ids = self.dev64[:bp].view(1, bp)
@@ -171,12 +197,6 @@ class _Graph:
         self.cu = torch.arange(bp + 1, dtype=torch.int32, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
-
-    def next_stage(self) -> None:
-        """Switch to the other staging buffer (whose last copy belongs to a step the host has
-        read back: at most one step is in flight when the next one is prepared)."""
-        self._turn ^= 1
-        self.host64, self.host32, self.h64, self.h32 = self._stages[self._turn]
 
     def plan(self) -> StepPlan:
         bp = self.bp

@@ -56,7 +56,7 @@ import weakref
 
 import torch
 
-from kvcompile.engine.cudagraph import capture, upload_plan
+from kvcompile.engine.cudagraph import Staged, capture, upload_plan
 from kvcompile.eviction.aside import AsideInputs
 from kvcompile.recompiles import check_forward, recompile_budget
 from kvcompile.runtime.binding import binding_of, is_stub
@@ -87,7 +87,7 @@ def in_generate() -> bool:
     return getattr(_local, "generate", False)
 
 
-class _Graph:
+class _Graph(Staged):
     def __init__(self, key, B: int, width: int, table_width: int, device, has_pos: bool,
                  has_cp: bool, mask_dtype, spec=None):
         self.key, self.B, self.width = key, B, width
@@ -100,18 +100,10 @@ class _Graph:
         # re-rotated sink counts | hidden slots' lo | hi) (int64, one copy), lengths (int32)
         self.spec = spec   # None: no eviction runtime; else eviction/aside.py AsideSpec
         n64 = 7 * B if spec is not None else 2 * B
-        pin = torch.device(device).type == "cuda"   # (the CPU emulation of the tests: unpinned)
-        # two pinned staging buffers used in turn, each with the event of its last upload:
-        # under a deferred stop check (KVConfig.deferred_stop) the host prepares step n + 1
-        # while step n's host-to-device copy may still be queued
-        self._stages = []
-        for _ in range(2):
-            h64 = torch.zeros(n64, dtype=torch.int64, pin_memory=pin)
-            h32 = torch.ones(B, dtype=torch.int32, pin_memory=pin)
-            self._stages.append((h64, h32, h64.numpy(), h32.numpy(),
-                                 torch.cuda.Event() if pin else None))
-        self._turn = 0
-        self.host64, self.host32, self.h64, self.h32, self._uploaded = self._stages[0]
+        # staged in turn, each buffer rewritten after its last upload's event (Staged): under
+        # a deferred stop check (KVConfig.deferred_stop) the host prepares step n + 1 while
+        # step n's host-to-device copy may still be queued
+        self._stage(n64, B, device, events=True)
         self.dev64 = torch.zeros(n64, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(B, dtype=torch.int32, device=device)
         self.slots = self.dev64[:B]
@@ -120,23 +112,9 @@ class _Graph:
         if spec:
             self.aside = AsideInputs(spec, *(self.dev64[i * B:(i + 1) * B] for i in range(2, 7)))
         self.block_tables = torch.zeros(B, table_width, dtype=torch.int32, device=device)
-        self._recorded = [False, False]
         self.graph = None
         self.out = None          # (output class, its fields but the cache; logits in the pool)
         self.generation = -1     # the pool's storage generation the graph captured
-
-    def next_stage(self) -> None:
-        """Switch to the other staging buffer, once its last upload has left it."""
-        self._turn ^= 1
-        self.host64, self.host32, self.h64, self.h32, self._uploaded = self._stages[self._turn]
-        if self._uploaded is not None and self._recorded[self._turn]:
-            self._uploaded.synchronize()
-
-    def uploaded(self) -> None:
-        """Mark the current staging buffer's upload as queued (upload_plan just ran)."""
-        if self._uploaded is not None:
-            self._uploaded.record()
-            self._recorded[self._turn] = True
 
 
 def _cache_in_pool(kwargs: dict) -> bool:
