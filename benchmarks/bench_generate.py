@@ -38,8 +38,8 @@ Sections, each in its own try/except, within one deadline (`--budget-s`), printe
 tok/s = B * new tokens / wall time of the whole generate call (prefill included); decode tok/s
 = B * (N - 1) / (t_N - t_1), t_k the time the k-th new token reached the host in the same call
 (a streamer that reads the clock: step_profile.StepClock). --step-profile adds a table of one
-decode step by part (GEMM, attention, KV append, ...) for every generate row. Timings are wall clock
-around synchronized calls (a generate call is not a kernel: do_bench does not apply), the
+decode step by part (GEMM, attention, KV append, ...) for every generate row. Timings are wall
+clock around synchronized calls (a generate call is not a kernel: do_bench does not apply), the
 median of `--repeats` runs after a warm-up run that compiles.
 """
 
@@ -258,8 +258,9 @@ def run_generate(model, args, device, ids, am, label, extra=None, warm=True):
         clock = StepClock(device)
         sync(device)
         t0 = time.perf_counter()
-        out, t = timed(lambda c=clock: model.generate(ids, attention_mask=am, streamer=c,
-                                                      **_gen_kwargs(args, **extra)), device)
+        out = model.generate(ids, attention_mask=am, streamer=clock, **_gen_kwargs(args, **extra))
+        sync(device)
+        t = time.perf_counter() - t0
         if len(clock.t) != N + 1:
             raise RuntimeError(f"{label}: the step clock saw {len(clock.t)} puts, expected "
                                f"{N + 1} (the prompt and {N} tokens)")

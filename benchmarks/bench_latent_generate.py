@@ -15,9 +15,9 @@ half the prompt (SinkWindow, SnapKV(hold), H2O; their tokens differ from eager's
 (and their mean common start; kvcompile rows without eviction also along eager's tokens: how
 often their top token is eager's where eager's is not a rounding tie, and the largest logit
 difference), the sites rewritten (kvcompile rows: MLA sites must say "mla"),
-KV bytes per token, and decode tok/s = B * (N - 1) / (t_N - t_1) (t_1: a max_new_tokens=1
-call), wall clock around synchronized calls, the median of --repeats after a warm-up that
-compiles.
+KV bytes per token, and decode tok/s = B * (N - 1) / (t_N - t_1), t_k the time the k-th new
+token reached the host within one call (step_profile.StepClock: no prefill in it), the median
+of --repeats after a warm-up that compiles.
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ import argparse
 import os
 import statistics
 import sys
-import time
 import traceback
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench_generate
+
+from step_profile import StepClock  # noqa: E402
 
 import kvcompile  # noqa: E402
 
@@ -101,16 +102,6 @@ def policy(name: str, prompt: int):
     return make[name]() if name else None
 
 
-def timed(fn) -> float:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter() - t
-
-
 def run_row(row, a, ids, ref_logits=None):
     """One row's timing (and for hf_eager its logits; for a kvcompile row without eviction,
     given HF eager's logits, the teacher-forced comparison)."""
@@ -140,17 +131,17 @@ def run_row(row, a, ids, ref_logits=None):
             info["logits"] = logits
         elif ref_logits is not None and row.startswith("kvc_") and "+" not in row:
             info["forced"] = _teacher_forced(model, a, ids, ref_logits, kw)
-        t1s, tns = [], []
+        steps = []
         for _ in range(a.repeats):
-            t1s.append(timed(lambda: model.generate(ids, max_new_tokens=1, **kw)))
-            tns.append(timed(lambda: model.generate(ids, max_new_tokens=a.new, **kw)))
+            clock = StepClock()
+            model.generate(ids, max_new_tokens=a.new, streamer=clock, **kw)
+            steps.append(clock.step_s(a.new))
         if a.profile:
             from profile_generate import profile_call
 
             profile_call(lambda: model.generate(ids, max_new_tokens=a.profile, **kw), row,
                          a.profile)
-    t1, tn = statistics.median(t1s), statistics.median(tns)
-    info.update(row=row, tokens=out, tok_s=a.batch * (a.new - 1) / max(tn - t1, 1e-9),
+    info.update(row=row, tokens=out, tok_s=a.batch / max(statistics.median(steps), 1e-9),
                 peak=(torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available()
                       else None))
     if row.startswith("kvc_"):

@@ -43,21 +43,19 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import bench_generate as bg  # noqa: E402
+from step_profile import StepClock  # noqa: E402
 
 import kvcompile  # noqa: E402
 from kvcompile.api import state_of  # noqa: E402
 
 
-class Probe:
-    def __init__(self):
-        self.a, self.b, self.c, self.d, self.g = [], [], [], [], []
-        self.sync_after_launch = False
+class Probe(StepClock):
+    """The streamer's clock (t: d_n above) and the forward's and the launch's (a, b, c;
+    g: the graph's GPU time where each launch is followed by a sync)."""
 
-    def put(self, value):   # the streamer: after HF's copy of the step's tokens (a sync)
-        self.d.append(time.perf_counter())
-
-    def end(self):
-        pass
+    def reset(self, sync_after_launch: bool) -> None:
+        self.t, self.a, self.b, self.c, self.g = [], [], [], [], []
+        self.sync_after_launch = sync_after_launch
 
 
 def main(argv=None) -> int:
@@ -82,7 +80,7 @@ def main(argv=None) -> int:
     kw = dict(attention_mask=am, max_new_tokens=args.new, min_new_tokens=args.new,
               do_sample=False, pad_token_id=0, eos_token_id=None)
     model.generate(ids, **kw)   # compiles and captures
-    probe = Probe()
+    probe = Probe(dev)
     fwd = model.forward
 
     @functools.wraps(fwd)   # HF reads its signature (logits_to_keep: else every prompt
@@ -106,22 +104,21 @@ def main(argv=None) -> int:
     try:
         rows = {}
         for sync, defer in ((False, False), (True, False), (False, True)):
-            probe.__init__()
-            probe.sync_after_launch = sync
+            probe.reset(sync)
             st.config = dataclasses.replace(st.config, deferred_stop=defer)
             torch.cuda.synchronize()
             model.generate(ids, streamer=probe, **kw)
             if defer:   # tokens reach the host a step late: only the step time
                 rows["deferred stop check"] = dict(
                     step=1e6 * statistics.median(
-                        [y - x for x, y in zip(probe.d[2:-1], probe.d[3:])]))
+                        [y - x for x, y in zip(probe.t[2:-1], probe.t[3:])]))
                 continue
             # forward 0 is the prefill (no replay); decode forward i (1..N-1) replays graph
             # i - 1 and its tokens are put d[i + 1] (d[0]: the prompt, d[1]: the prefill's)
             n = len(probe.b)
-            assert len(probe.a) == n + 1 == len(probe.c) and len(probe.d) == n + 2, \
-                (len(probe.a), n, len(probe.c), len(probe.d))
-            A, C, D = probe.a[1:], probe.c[1:], probe.d[2:]
+            assert len(probe.a) == n + 1 == len(probe.c) and len(probe.t) == n + 2, \
+                (len(probe.a), n, len(probe.c), len(probe.t))
+            A, C, D = probe.a[1:], probe.c[1:], probe.t[2:]
             B = probe.b
             us = lambda xs: 1e6 * statistics.median(xs[1:-1])   # noqa: E731
             r = dict(
