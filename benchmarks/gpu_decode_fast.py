@@ -15,7 +15,9 @@ opt-in qk_fp8 variant: q.k on e4m3 tensor cores; e4m3-key formats only, rows lab
 "cuda qk8"), and the issue-14 compile-time variants decode_sm90.VARIANTS (nocap, aluk, aluv,
 alu; rows labelled "cuda <name>"; launched through launch_decode_sm90(variant=...), the same
 kernel and split rule as base). Default: base. --formats / --shapes narrow the rows (comma-separated names of
-BENCH_FORMATS as fmt/gran, of SHAPES); --no-triton drops the Triton rows.
+BENCH_FORMATS as fmt/gran, of SHAPES); --no-triton drops the Triton rows; --key-mask makes
+every launch read an all-True key mask [B, L + 1], as a decode step of HF generate does (the
+mask's cost: compare with a run without it).
 int4/channel rows: the Pareto table's K int4/V int4 (keys' scale + zero point per page and
 channel, values' per token) in pages of --int4-pages tokens (default 64, the table's P64; no
 Triton row under 32, which that kernel refuses for int channel scales).
@@ -44,12 +46,19 @@ from tests.kernels.kernel_cases import launch_backend as _launch  # noqa: E402
 DEV = "cuda"
 
 
-def warm_builds(qk8: bool = False, variants=()) -> float:
-    """Compile every variant the bench uses, in parallel; returns seconds."""
+def warm_builds(qk8: bool = False, variants=(), formats=()) -> float:
+    """Compile every variant the bench uses, in parallel (only those of `formats`, names
+    "fmt/gran", where given); returns seconds."""
     t0 = time.perf_counter()
     keys = set()
+
+    def asked(kf, kg):
+        return not formats or f"{kf}/{kg}" in formats
+
     for (kf, kg), d, rows, qt in itertools.product(FAST_FORMATS, (64, 128), (8, 16),
                                                     (torch.float32, torch.bfloat16)):
+        if not asked(kf, kg):
+            continue
         kk = fast._KIND[kf]
         sm = fast._SCALE[kg] if kk < 2 else 0
         keys.add((kk, kk, sm, sm, d, d, rows, fast._QT[qt]))
@@ -59,8 +68,11 @@ def warm_builds(qk8: bool = False, variants=()) -> float:
             var = fast.variant_bits(v, kk, kk, 0.0, rows=rows)
             if var and rows == 8 and qt == torch.bfloat16:
                 keys.add((kk, kk, sm, sm, d, d, rows, fast._QT[qt], 0, var))
-    keys.add((0, 3, 1, 0, 128, 128, 8, 1))  # K fp8 / V bf16
+    if not formats:
+        keys.add((0, 3, 1, 0, 128, 128, 8, 1))  # K fp8 / V bf16
     for d, rows, qt in itertools.product((64, 128), (8, 16), (torch.float32, torch.bfloat16)):
+        if not asked("int4", "channel"):
+            break
         keys.add((*_kinds("int4", "channel"), d, d, rows, fast._QT[qt]))
         for v in variants:  # int4 K channel / V token rows of the variants (cuda14h)
             var = fast.variant_bits(v, fast.INT4, fast.INT4, 0.0, rows=rows)
@@ -100,10 +112,10 @@ def _bench(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
 
 
-def _launch_variant(q, kc, vc, bt, sl, out, variant, splits=0):
+def _launch_variant(q, kc, vc, bt, sl, out, variant, splits=0, key_mask=None):
     """One launch of an issue-14 variant (decode_sm90.VARIANTS) straight through the launcher."""
     return fast.launch_decode_sm90(
-        q, kc.data, kc.scale, vc.data, vc.scale, bt, sl, None, out, kc.fmt.name,
+        q, kc.data, kc.scale, vc.data, vc.scale, bt, sl, key_mask, out, kc.fmt.name,
         kc.fmt.granularity, vc.fmt.name, vc.fmt.granularity, 1.0 / q.shape[-1] ** 0.5, 0, 0,
         0.0, splits, dec._sm_count(q.device), dec._combine, kz=kc.zero, vz=vc.zero,
         variant=variant)
@@ -125,7 +137,7 @@ def _random_pages(f, N, Hkv, P, D, gen):
 
 
 def bench(gen, waves_list, variants=("base",), formats=None, shapes=None,
-          triton=True, int4_pages=(64,)) -> list[dict]:
+          triton=True, int4_pages=(64,), key_mask=False) -> list[dict]:
     import torch.nn.functional as F
 
     rows = []
@@ -152,6 +164,10 @@ def bench(gen, waves_list, variants=("base",), formats=None, shapes=None,
             vc = _random_pages(vf, npg, Hkv, P, D, gen)
             bt = torch.randperm(npg, device=DEV, generator=gen).to(torch.int32).view(B, -1)
             sl = torch.full((B,), L, dtype=torch.int32, device=DEV)
+            # --key-mask: every launch also reads an all-True key row [B, L + 1] (what a
+            # decode step of HF generate passes: the step's 2-D mask, one column past the
+            # cached keys), to time the mask's cost against the same launch without it
+            km = torch.ones(B, L + 1, dtype=torch.bool, device=DEV) if key_mask else None
             out = torch.empty(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16)
             stored = B * L * (f.bytes_per_token(Hkv, D, P) + vf.bytes_per_token(Hkv, D, P))
             fname = f"{kf}/{kg}" + (f" P{P}" if P != 16 else "")
@@ -168,7 +184,8 @@ def bench(gen, waves_list, variants=("base",), formats=None, shapes=None,
             for backend, qk8 in runs:
                 ws = [None] if backend == "triton" else [None] + waves_list
                 if isinstance(qk8, str):  # an issue-14 variant: its own split choice only
-                    t = _bench(functools.partial(_launch_variant, q, kc, vc, bt, sl, out, qk8))
+                    t = _bench(functools.partial(_launch_variant, q, kc, vc, bt, sl, out, qk8,
+                                                 key_mask=km))
                     rows.append({"shape": name, "row": f"{kf}/{kg} cuda {qk8} auto",
                                  "ms": t, "x": t / t_sdpa, "TB/s": stored / t / 1e9})
                     continue
@@ -178,7 +195,7 @@ def bench(gen, waves_list, variants=("base",), formats=None, shapes=None,
                         splits = fast.choose_splits(B, Hkv, bt.shape[1] * P,
                                                     dec._sm_count(q.device), waves=w)
                     t = _bench(functools.partial(_launch, q, kc, vc, bt, sl, out, backend,
-                                                 splits=splits, qk_fp8=qk8))
+                                                 splits=splits, qk_fp8=qk8, key_mask=km))
                     if backend == "cuda" and w is None:
                         splits = fast.choose_splits(
                             B, Hkv, bt.shape[1] * P, dec._sm_count(q.device),
@@ -205,6 +222,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="", help="e.g. B64_L8k,B1_L128k")
     ap.add_argument("--no-triton", action="store_true")
     ap.add_argument("--int4-pages", default="64", help="page sizes of the int4 rows, e.g. 16,64")
+    ap.add_argument("--key-mask", action="store_true",
+                    help="every launch reads an all-True key mask (generate's decode steps)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     variants = [v for v in a.variants.split(",") if v]
@@ -213,14 +232,18 @@ def main() -> None:
     if bad:
         ap.error(f"--variants: unknown {sorted(bad)}; take some of {sorted(known)}")
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    formats = [f for f in a.formats.split(",") if f]
     res["build_s"] = warm_builds(qk8="qk8" in variants,
-                                 variants=[v for v in variants if v in fast.VARIANTS])
+                                 variants=[v for v in variants if v in fast.VARIANTS],
+                                 formats=formats)
     print(f"built variants in {res['build_s']:.1f} s", flush=True)
     gen_cuda = torch.Generator(device=DEV).manual_seed(1)
     waves = [float(w) for w in a.waves.split(",") if w]
-    res["bench"] = bench(gen_cuda, waves, variants, [f for f in a.formats.split(",") if f],
+    res["bench"] = bench(gen_cuda, waves, variants, formats,
                          [s for s in a.shapes.split(",") if s], not a.no_triton,
-                         [int(p) for p in a.int4_pages.split(",") if p])
+                         [int(p) for p in a.int4_pages.split(",") if p], a.key_mask)
+    if a.key_mask:
+        print("every launch read an all-True key mask [B, L + 1]")
     print(f"{'shape':12s} {'row':46s} {'ms':>8s} {'x sdpa':>7s} {'TB/s':>6s}")
     for r in res["bench"]:
         print(f"{r['shape']:12s} {r['row']:46s} {r['ms']:8.4f} {r['x']:7.3f} "

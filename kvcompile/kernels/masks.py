@@ -41,7 +41,8 @@ def key_mask_width(n: int) -> int:
 
 @dataclass
 class MaskInfo:
-    key_mask: torch.Tensor | None   # [B, L] bool: keys the last query may see
+    key_mask: torch.Tensor | None   # [B, Lm] bool: keys the last query may see (Lm: L
+    #                                 rounded up to KEY_MASK_ALIGN, True past L)
     kv_start: list[int]             # leading keys masked for every query, per row
     window: int                     # sliding window found in the mask (0 = none)
     exact: bool                     # mask == (j >= kv_start) & causal & window
@@ -180,11 +181,17 @@ def _allowed(block: torch.Tensor) -> torch.Tensor:
 
 
 def _key_row(m: torch.Tensor, off: int) -> torch.Tensor:
-    """[B, L] bool: the keys the last query of each row may see (head 0)."""
+    """[B, Lm] bool: the keys the last query of each row may see (head 0), Lm = off + Lc
+    rounded up to KEY_MASK_ALIGN with True columns (keys j >= Lm are seen: the same mask), so
+    the sm_90 kernels read it as it is instead of copying it once a layer (decode_sm90.py
+    `_padded_mask`)."""
     row = _allowed(m[:, 0, -1])                                          # [B, Lc]
-    if off:
-        row = torch.cat([row.new_zeros(row.shape[0], off), row], dim=-1)
-    return row.contiguous()   # kernels index it [b * L + j]: a broadcast row has stride 0
+    B, lc = row.shape
+    width = key_mask_width(off + lc)
+    out = torch.ones(B, width, dtype=torch.bool, device=row.device)
+    out[:, :off] = False
+    out[:, off:off + lc] = row
+    return out   # contiguous: kernels index it [b * Lm + j] (a broadcast row has stride 0)
 
 
 def _rows_per_block(m: torch.Tensor) -> int:

@@ -48,6 +48,9 @@ def _cases() -> list[dict]:
         dict(k=bf, v=bf, D=128, G=8, P=16, Sq=2, window=64, sinks=0),
         dict(k=fp8, v=fp8, D=128, G=4, P=16, Sq=1, kmask=True),
         dict(k=bf, v=bf, D=64, G=4, P=32, Sq=4, kmask=True),
+        # left padding and a hole among all-True mask steps (read as unmasked steps)
+        dict(k=fp8, v=fp8, D=128, G=4, P=16, Sq=1, kmask="padded"),
+        dict(k=bf, v=bf, D=128, G=4, P=16, Sq=1, kmask="padded"),
         dict(k=fp8, v=fp8, D=128, G=4, P=16, Sq=1, softcap=30.0),
         dict(k=fp8, v=fp8, D=128, G=4, P=16, Sq=1, splits=1),
         dict(k=fp8, v=fp8, D=128, G=4, P=16, Sq=1, splits=7),
@@ -72,6 +75,7 @@ def _int4_cases() -> list[dict]:
         dict(k=K4, v=V4, D=128, G=4, P=64, Sq=1, window=100, sinks=4),
         dict(k=K4, v=V4, D=128, G=8, P=16, Sq=2, window=37, sinks=3),
         dict(k=K4, v=V4, D=128, G=4, P=64, Sq=1, kmask=True),
+        dict(k=K4, v=V4, D=128, G=4, P=64, Sq=1, kmask="padded"),
         dict(k=K4, v=V4, D=128, G=4, P=64, Sq=1, softcap=30.0),
         dict(k=K4, v=V4, D=128, G=4, P=64, Sq=1, splits=1),
         dict(k=K4, v=V4, D=128, G=4, P=64, Sq=1, splits=7),
@@ -148,7 +152,12 @@ def run_fast_case(c: dict, gen, corrupt: bool = False, unquantized_ref: bool = F
     qdt = c.get("q", torch.float32)
     q = torch.randn(B, Hq, c["Sq"], c["D"], generator=gen).to("cuda", qdt)
     km = None
-    if c.get("kmask"):
+    if c.get("kmask") == "padded":   # generate's rows: left padding and a hole, else True
+        km = torch.ones(B, max(lens) + 1, dtype=torch.bool, device="cuda")
+        for b, n in enumerate(lens):
+            km[b, :min((0, 5, 37, 16)[b % 4], n - 1)] = False
+        km[2, 40:43] = False
+    elif c.get("kmask"):
         km = torch.rand(B, max(lens), generator=gen).cuda() > 0.3
         km[:, -1] = True
     out = poison_(torch.empty(B, Hq, c["Sq"], c["D"], dtype=qdt, device="cuda"))

@@ -43,6 +43,11 @@ def _make_inputs(k, v, D, G, P, Sq, lens, Hkv, kmask, q_dtype, seed):
     km = None
     if kmask == "short":   # the first 20 slots only (eviction's hidden slots after the sinks)
         km = torch.rand(len(lens), 20, generator=gen) > 0.3
+    elif kmask == "padded":   # generate's decode rows: left padding and a hole, else True
+        km = torch.ones(len(lens), max(lens) + 1, dtype=torch.bool)   # (+1: HF's mask width)
+        for b, n in enumerate(lens):
+            km[b, :min((0, 5, 37, 16)[b % 4], n - 1)] = False   # left padding
+        km[len(lens) - 1, 40:43] = False   # a hole in one step; the steps around it all True
     elif kmask:
         km = torch.rand(len(lens), max(lens), generator=gen) > 0.3
         km[:, -1] = True
@@ -95,6 +100,7 @@ def check(k, v, D, G, P, Sq, lens=LENS, *, q_dtype=torch.float32, kmask=False, s
 
 E4 = ("fp8_e4m3", "page")
 BF = ("bf16", "page")
+K4, V4 = ("int4", "channel"), ("int4", "token")
 
 F32, F16, B16 = torch.float32, torch.float16, torch.bfloat16
 # (keys, values, D, G, Sq, P, q dtype): each row one variant (formats, D, ROWS = 8 or 16 for
@@ -149,6 +155,32 @@ def test_short_key_mask(splits):
     check(("fp8_e4m3", "token"), ("fp8_e4m3", "token"), 64, 8, 128, 2, kmask="short",
           splits=splits)
     check(E4, E4, 128, 4, 16, 1, softcap=30.0)
+
+
+MASK_SKIP = "return (w.x & w.y & w.z & w.w) == 0x01010101u;"
+
+
+@pytest.mark.parametrize("variant,k,v,G,P", [("base", E4, E4, 4, 16),
+                                             ("pvt4sp", K4, V4, 4, 64)])
+def test_all_seen_mask_steps_read_as_unmasked(variant, k, v, G, P, tmp_path):
+    """A step whose 16 key-mask bytes are all 1 runs as an unmasked one
+    (paged_decode.cuh `mask_step_all_seen`; generate's decode steps pass an all-True row):
+    left padding and a hole among all-True steps match the reference, with splits; an
+    all-True mask gives the unmasked output bit for bit. Mutant: every mask step taken as
+    all seen (the padding read) fails. (base: the per-token code of every path but SWQ;
+    pvt4sp: SWQ's, int4 pages.)"""
+    lens = [300, 17, 129, 1033]
+    check_var(variant, k, v, 128, G, P, 1, lens=lens, kmask="padded", splits=3)
+    kc, vc, bt, sl, q, _ = _inputs(k, v, 128, G, P, 1, lens)
+    ones = torch.ones(len(lens), max(lens) + 1, dtype=torch.bool)
+    masked, _ = _decode_var(variant, kc, vc, bt, sl, q, ones, splits=2)
+    plain, _ = _decode_var(variant, kc, vc, bt, sl, q, None, splits=2)
+    assert torch.equal(masked, plain)
+    if variant == "base":   # one mutant build (the check is one line for every path)
+        root = _mutated_kernel(tmp_path, MASK_SKIP, "return true;")
+        kc, vc, bt, sl, q, km = _inputs(k, v, 128, G, P, 1, lens, kmask="padded")
+        out, ref = _decode_var(variant, kc, vc, bt, sl, q, km, root=root)
+        assert rel_err(out, ref) > 10 * _bound(k, v)
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -694,7 +726,6 @@ def test_pvt_broken_kernel_is_caught(mutation, tmp_path):
 # (code * scale + zero in fp32); the kernel keeps the codes exact in f16, scales q's columns by
 # the channel scales (f16) and p by the token scales, adds the zero points' terms in f32, so the
 # f16 bound of the table holds.
-K4, V4 = ("int4", "channel"), ("int4", "token")
 INT4_CASES = [  # (D, G, Sq, P, q dtype, lens)
     (128, 4, 1, 64, F32, LENS),
     (128, 8, 2, 16, B16, LENS),                 # ROWS 16, bf16 q (f16 operands inside)

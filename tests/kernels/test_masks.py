@@ -85,6 +85,14 @@ CASES = [  # pads per row, S (new tokens), total, window, kv columns
 ]
 
 
+def assert_key_row(got: torch.Tensor, want: torch.Tensor) -> None:
+    """MaskInfo.key_mask: `want`'s columns, then True columns up to a multiple of
+    KEY_MASK_ALIGN (keys past a key mask are seen: the same mask), contiguous."""
+    n = want.shape[1]
+    assert got.shape == (want.shape[0], masks.key_mask_width(n)) and got.is_contiguous()
+    assert torch.equal(got[:, :n], want) and bool(got[:, n:].all())
+
+
 @pytest.mark.parametrize("additive", [False, True], ids=["bool", "additive"])
 @pytest.mark.parametrize("pads,S,total,window,kv_len", CASES)
 def test_hf_masks_are_exact(pads, S, total, window, kv_len, additive):
@@ -94,7 +102,7 @@ def test_hf_masks_are_exact(pads, S, total, window, kv_len, additive):
     assert info.kv_start == first_seen(pads, S, total, window)
     assert info.window == (window if window and window < total else 0)
     ref = masks.align(masks.to_bool(mask)[0][:, 0, -1], total)
-    assert torch.equal(info.key_mask, ref)
+    assert_key_row(info.key_mask, ref)
 
 
 def test_exact_across_blocks(small_blocks):
@@ -191,7 +199,11 @@ def test_decode_rows():
     mask = hf_mask([0, 3], 1, 20)                            # [2, 1, 1, 20]
     plan = _plan(2, 1, 20)
     info = masks.analyze(plan, mask, True, 0)
-    assert torch.equal(info.key_mask, mask[:, 0, 0])
+    assert_key_row(info.key_mask, mask[:, 0, 0])
+    # the sm_90 kernels read the row as it is: no copy a layer (its width a multiple of 16)
+    from kvcompile.kernels.decode_sm90 import _padded_mask
+
+    assert _padded_mask(info.key_mask, 64).data_ptr() == info.key_mask.data_ptr()
     bias = torch.where(mask, 0.0, float("-inf")) - 0.25 * torch.arange(20.0).flip(0)
     assert masks.analyze(_plan(2, 1, 20), bias, True, 0).key_mask is None
     heads = mask.expand(2, 2, 1, 20).clone()
@@ -272,7 +284,7 @@ def test_split_mask_with_a_hole_is_not_exact(small_blocks):
 def test_split_mask_decode_rows():
     shared, key = _split([2, 0, 5], 1, 30)
     info = masks.analyze(_plan(3, 1, 30), masks.AndMask(shared, key), True, 0)
-    assert torch.equal(info.key_mask, (shared & key)[:, 0, -1])
+    assert_key_row(info.key_mask, (shared & key)[:, 0, -1])
 
 
 def test_split_mask_analysis_memory_is_o_b_l(monkeypatch):

@@ -242,6 +242,14 @@ __device__ __forceinline__ uint4 lds128(const uint8_t* p) {
   return r;
 }
 
+// Whether a step's 16 staged key-mask bytes (0 / 1 each) are all 1: such a step is read as an
+// unmasked one. HF generate's decode steps pass an all-True key row (no padding), which would
+// otherwise send every step through the per-token masking code.
+__device__ __forceinline__ bool mask_step_all_seen(const uint8_t* km) {
+  const uint4 w = lds128(km);
+  return (w.x & w.y & w.z & w.w) == 0x01010101u;
+}
+
 __device__ __forceinline__ uint32_t lds32(const uint8_t* p) {
   uint32_t r;
 #ifdef KVC_EMU
@@ -947,7 +955,7 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
     bool tok_ok[2][2] = {{true, true}, {true, true}};
     uint32_t pa[4];
     if constexpr (SWQ) {
-      masked = p.kmask != nullptr && tok0 < p.n_km;
+      masked = p.kmask != nullptr && tok0 < p.n_km && !mask_step_all_seen(st + Gm::MASK_OFF);
       full = tok0 + STEP <= L - SQ + 1 && !masked &&
              (p.window <= 0 || tok0 >= L - p.window || tok0 + STEP <= p.sinks);
       // ---- SWQ: S^T = K Q^T, the step's 16 tokens as M (A: the key codes of tokens g, g + 8,
@@ -1269,7 +1277,7 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
     // token, the last query (L - 1) the first one through its window
     // (a key mask covers the first n_km slots, whole steps of 16: later steps need no mask,
     // so a short mask, as eviction's hidden slots after the sinks, costs only its own steps)
-    masked = p.kmask != nullptr && tok0 < p.n_km;
+    masked = p.kmask != nullptr && tok0 < p.n_km && !mask_step_all_seen(st + Gm::MASK_OFF);
     full = tok0 + STEP <= L - SQ + 1 && !masked &&
            (p.window <= 0 || tok0 >= L - p.window || tok0 + STEP <= p.sinks);
     if (!full) {
