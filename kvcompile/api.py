@@ -163,7 +163,8 @@ class Report:
                 status += f", eviction {s.eviction}"
             lines.append(f"{s.name[:40]:40s} {s.pattern:14s} {s.gqa:17s} {s.cache:10s} "
                          f"{fmt:20s} {status}")
-        kc = {k: v for k, v in self.counters.items() if k.startswith(("decode_", "prefill_"))}
+        kc = {k: v for k, v in self.counters.items()
+              if k.startswith(("decode_", "prefill_", "reference_fallback"))}
         if kc:
             lines.append("kernels: " + ", ".join(f"{k} {v}" for k, v in sorted(kc.items())))
         lines += [f"  {n}" for n in self.kernel_notes]

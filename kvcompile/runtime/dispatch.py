@@ -784,8 +784,11 @@ class KernelDispatch:
             (log.warning if warn else log.info)("kvcompile: %s", text)
 
     def _fallback(self, why: str) -> None:
+        """The reference attention runs where a kernel was asked for: counted, and said once
+        per reason in kvcompile.report's kernel notes and the log (never silently)."""
         if why not in self._warned:
             self._warned.add(why)
+            self.state.kernel_notes.append(f"reference attention used ({why})")
             log.info("kvcompile: reference attention used (%s)", why)
         self.state.count("reference_fallback")
 
