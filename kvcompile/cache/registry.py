@@ -63,6 +63,9 @@ class KernelSupport:
     append: tuple[str, ...] = ()
     channel_code: int | None = None   # the decode code of "channel" scales, if not `code`
     channel_min_page: int = 16        # smallest page of a channel-scaled decode tile
+    # granularities the prefill gather (kernels/prefill_gather.py) dequantizes, where they
+    # differ from `prefill`'s: int pages, which no paged prefill kernel reads
+    gather: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -248,7 +251,8 @@ def _int(bits: int, code: int) -> FormatSpec:
                       fmax, fmax, PARAM_DTYPE, default_value_granularity="token",
                       kernels=KernelSupport(code, ("page", "token", "channel"),
                                             append=("page", "token", "channel"),
-                                            channel_min_page=32),
+                                            channel_min_page=32,
+                                            gather=("page", "token", "channel")),
                       check_shape=_check_int_shape)
 
 

@@ -83,20 +83,95 @@ def gather_pages_kernel(Data, Scale, Micro, Out, block_tables, starts, cu_k, str
     tl.store(Out + o[:, None] + offs[None, :], x.to(Out.dtype.element_ty), mask=ok[:, None])
 
 
+@triton.jit
+def gather_int_pages_kernel(Data, Scale, Zero, Out, block_tables, starts, cu_k, stride_bt,
+                            sp, sh, st, stride_ot, stride_oh, H,
+                            BITS: tl.constexpr, GRAN: tl.constexpr, DIM: tl.constexpr,
+                            PAGE: tl.constexpr, BLOCK: tl.constexpr):
+    # int pages (cache/intq.py): Data [N, Hkv, P, DIM * BITS / 8] uint8, codes packed along
+    # head_dim (int4: element 2i in the low nibble of byte i; int2: element 4i + j in bits 2j
+    # of byte i; int3: element 8i + j in bits 3j of the little-endian 24-bit word of bytes
+    # 3i..3i+2); Scale / Zero fp16, contiguous: GRAN 0 [N, Hkv] (page), 1 [N, Hkv, P] (token),
+    # 2 [N, Hkv, DIM] (channel). x = code * scale + zero in fp32 (a NaN scale: NaN), as
+    # intq.int_decode. Out / rows as gather_pages_kernel's.
+    tile = tl.program_id(0)
+    hkv = tl.program_id(1)
+    b = tl.program_id(2)
+    k0 = tl.load(cu_k + b)
+    n = tl.load(cu_k + b + 1) - k0
+    if tile * BLOCK >= n:
+        return
+    rows = tile * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < n
+    keys = tl.load(starts + b) + rows
+    bt_row = block_tables + b.to(tl.int64) * stride_bt
+    page = tl.load(bt_row + keys // PAGE, mask=ok, other=0).to(tl.int64)
+    off = keys % PAGE
+    d = tl.arange(0, DIM)
+    base = page * sp + hkv * sh + off * st                                   # [BLOCK]
+    m = ok[:, None]
+    if BITS == 3:
+        unit = base[:, None] + 3 * (d // 8)[None, :]
+        w = (tl.load(Data + unit, mask=m, other=0).to(tl.int32)
+             | (tl.load(Data + unit + 1, mask=m, other=0).to(tl.int32) << 8)
+             | (tl.load(Data + unit + 2, mask=m, other=0).to(tl.int32) << 16))
+        code = (w >> (3 * (d % 8))[None, :]) & 7
+    else:
+        PER: tl.constexpr = 8 // BITS
+        x = tl.load(Data + base[:, None] + (d // PER)[None, :], mask=m, other=0).to(tl.int32)
+        code = (x >> (BITS * (d % PER))[None, :]) & ((1 << BITS) - 1)
+    head = page * H + hkv                                                    # [BLOCK]
+    if GRAN == 2:
+        prm = head[:, None] * DIM + d[None, :]
+        sc = tl.load(Scale + prm, mask=m, other=0.0).to(tl.float32)
+        zp = tl.load(Zero + prm, mask=m, other=0.0).to(tl.float32)
+    else:
+        if GRAN == 1:
+            prm = head * PAGE + off
+        else:
+            prm = head
+        sc = tl.load(Scale + prm, mask=ok, other=0.0).to(tl.float32)[:, None]
+        zp = tl.load(Zero + prm, mask=ok, other=0.0).to(tl.float32)[:, None]
+    val = code.to(tl.float32) * sc + zp
+    o = (k0 + rows).to(tl.int64) * stride_ot + hkv * stride_oh
+    tl.store(Out + o[:, None] + d[None, :], val.to(Out.dtype.element_ty), mask=m)
+
+
+_INT_GRAN = {"page": 0, "token": 1, "channel": 2}
+
+
+def _int_bits(fmt: str) -> int:
+    """Bits of an int format's codes, 0 for any other format."""
+    return registry.format_spec(fmt).bits if registry.format_spec(fmt).family == "int" else 0
+
+
+def _gathered_dim(fmt: str, data: torch.Tensor) -> int:
+    """head_dim of pages whose data is [N, Hkv, P, last]: fp4 and int codes are packed."""
+    bits = _int_bits(fmt)
+    if bits:
+        return data.shape[3] * 8 // bits
+    return data.shape[3] * (2 if fmt == "fp4_e2m1" else 1)
+
+
 # --- the gather op -----------------------------------------------------------------------------
 
 @torch.library.custom_op("kvcompile::gather_pages", mutates_args=())
 def _gather_pages_op(data: torch.Tensor, scale: torch.Tensor | None, micro: torch.Tensor | None,
-                     fmt: str, granularity: str, block_tables: torch.Tensor,
-                     starts: torch.Tensor, cu_k: torch.Tensor, total: int, max_len: int,
-                     out_dtype: torch.dtype) -> torch.Tensor:
+                     zero: torch.Tensor | None, fmt: str, granularity: str,
+                     block_tables: torch.Tensor, starts: torch.Tensor, cu_k: torch.Tensor,
+                     total: int, max_len: int, out_dtype: torch.dtype) -> torch.Tensor:
     Hkv = data.shape[1]
-    dim = data.shape[3] * (2 if fmt == "fp4_e2m1" else 1)
+    dim = _gathered_dim(fmt, data)
+    bits = _int_bits(fmt)
     out = torch.empty(total, Hkv, dim, dtype=out_dtype, device=data.device)
     if total == 0:
         return out
     if not _on_kernel_device(data):
         pages = _pages_view(fmt, granularity, data, scale, micro)
+        if bits:   # int pages: their own granularities and a zero point (cache/intq.py)
+            from kvcompile.cache.formats import KVFormat
+
+            pages.fmt, pages.zero, pages.head_dim = KVFormat(fmt, granularity), zero, dim
         P = pages.page_size
         cu, st = cu_k.tolist(), starts.tolist()
         for b in range(len(st)):
@@ -111,6 +186,21 @@ def _gather_pages_op(data: torch.Tensor, scale: torch.Tensor | None, micro: torc
     if out_dtype not in L.FLOAT_DTYPES:
         raise UnsupportedShapeError(f"{op}: the workspace dtype must be bf16/fp16/fp32; got "
                                     f"{out_dtype}")
+    if bits:
+        if granularity not in _INT_GRAN or scale is None or zero is None:
+            raise UnsupportedShapeError(f"{op}: {fmt} pages need page, token or channel "
+                                        f"scales and zero points; got {granularity}")
+        if data.dtype != torch.uint8 or data.stride(3) != 1:
+            raise UnsupportedShapeError(f"{op}: {fmt} codes must be uint8 with unit stride "
+                                        f"along head_dim")
+        scale, zero = scale.contiguous(), zero.contiguous()
+        grid = (triton.cdiv(max(max_len, 1), BLOCK_T), Hkv, starts.numel())
+        gather_int_pages_kernel[grid](
+            data, scale, zero, out, block_tables, starts, cu_k, block_tables.stride(0),
+            data.stride(0), data.stride(1), data.stride(2), out.stride(0), out.stride(1), Hkv,
+            BITS=bits, GRAN=_INT_GRAN[granularity], DIM=dim, PAGE=data.shape[2],
+            BLOCK=BLOCK_T, num_warps=4)
+        return out
     code, gran, strides = L._page_args(op, "pages", fmt, granularity, data, scale, micro,
                                        Hkv, dim)
     dummy = cu_k
@@ -124,19 +214,18 @@ def _gather_pages_op(data: torch.Tensor, scale: torch.Tensor | None, micro: torc
 
 
 @_gather_pages_op.register_fake
-def _(data, scale, micro, fmt, granularity, block_tables, starts, cu_k, total, max_len,
+def _(data, scale, micro, zero, fmt, granularity, block_tables, starts, cu_k, total, max_len,
       out_dtype):
-    dim = data.shape[3] * (2 if fmt == "fp4_e2m1" else 1)
-    return data.new_empty(total, data.shape[1], dim, dtype=out_dtype)
+    return data.new_empty(total, data.shape[1], _gathered_dim(fmt, data), dtype=out_dtype)
 
 
 def gather_pages(cache, block_tables, starts, cu_k, total: int, max_len: int, dtype):
     """Dequantize keys [starts[b], starts[b] + cu_k[b+1] - cu_k[b]) of each sequence's pages
-    (PagedTensor `cache`, any format the prefill kernel reads) into rows [cu_k[b], cu_k[b+1])
-    of a new [total, Hkv, D] `dtype` tensor. starts [B], cu_k [B+1]: int32 on the pages'
-    device; max_len: the longest sequence's count."""
+    (PagedTensor `cache`, any format the prefill kernel reads, and int pages) into rows
+    [cu_k[b], cu_k[b+1]) of a new [total, Hkv, D] `dtype` tensor. starts [B], cu_k [B+1]:
+    int32 on the pages' device; max_len: the longest sequence's count."""
     return torch.ops.kvcompile.gather_pages(
-        cache.data, cache.scale, cache.micro, cache.fmt.name, cache.fmt.granularity,
+        cache.data, cache.scale, cache.micro, cache.zero, cache.fmt.name, cache.fmt.granularity,
         block_tables, starts, cu_k, int(total), int(max_len), dtype)
 
 
@@ -177,7 +266,8 @@ class Route(NamedTuple):
 
 
 def choose_route(choice: str, h: HostLens, group: int, bytes_per_key: int, budget: int, *,
-                 window: int = 0, sinks: int = 0, sink_logits: bool = False) -> Route:
+                 window: int = 0, sinks: int = 0, sink_logits: bool = False,
+                 paged_ok: bool = True) -> Route:
     """Gather (this module) or the in-kernel paged route, for one chunked prefill.
 
     choice: KVConfig.prefill_chunk_route ("auto", "gather", "paged"). bytes_per_key: the
@@ -186,7 +276,9 @@ def choose_route(choice: str, h: HostLens, group: int, bytes_per_key: int, budge
     key), reach GATHER_MIN_ROWS. Either way the paged route runs where the gather cannot:
     attention-sink logits (the varlen kernel has none), left padding past a chunk's first
     query, a sequence whose workspace exceeds `budget` bytes and cannot be attended in pieces
-    (a sliding window, or a chunk that alone exceeds it)."""
+    (a sliding window, or a chunk that alone exceeds it). paged_ok False: pages no paged
+    kernel reads (int formats): the gather wherever it can run, whatever the chunk's length
+    (a "paged" answer then says why it cannot, and the caller attends otherwise)."""
     if choice == "paged":
         return Route("paged", "prefill_chunk_route='paged'")
     if sink_logits:
@@ -201,6 +293,8 @@ def choose_route(choice: str, h: HostLens, group: int, bytes_per_key: int, budge
                               f"split (a sliding window, or its chunk alone)")
     if choice == "gather":
         return Route("gather", "prefill_chunk_route='gather'")
+    if not paged_ok:
+        return Route("gather", "no paged prefill kernel reads these pages")
     keys = sum(k for _, k in ranges)
     rows = group * sum(q * k for q, (_, k) in zip(h.q_lens, ranges)) / max(keys, 1)
     if rows < GATHER_MIN_ROWS:

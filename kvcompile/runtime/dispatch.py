@@ -745,7 +745,8 @@ class KernelDispatch:
         self.note(f"decode: Triton kernel, not the CUDA one ({why})", warn=True)
         return "triton"
 
-    def _chunk_route(self, q, kc, vc, plan, starts, window, sink_logits: bool):
+    def _chunk_route(self, q, kc, vc, plan, starts, window, sink_logits: bool,
+                     paged_ok: bool = True):
         """(Route, HostLens) for a prefill over pages (KVConfig prefill_chunk_route,
         kernels/prefill_gather.py choose_route), chosen once per forward and per kind of layer
         (window, sink logits, key bytes) through the plan's memo; the kernel takes the Route as
@@ -756,14 +757,16 @@ class KernelDispatch:
         B, S = q.shape[0], q.shape[2]
         per_key = kc.num_heads * (kc.head_dim + vc.head_dim) * q.element_size()
         group = q.shape[1] // kc.num_heads
-        memo = ("chunk_route", tuple(starts or ()), window, sink_logits, per_key, group)
+        memo = ("chunk_route", tuple(starts or ()), window, sink_logits, per_key, group,
+                paged_ok)
         hit = plan.cache.get(memo)
         if hit is not None:
             return hit
         q_lens = list(plan.q_lens) if plan.packed else [S] * B
         host = G.HostLens(q_lens, list(plan.seq_lens_list), starts or [0] * len(q_lens))
         pick = G.choose_route(cfg.prefill_chunk_route, host, group, per_key,
-                              cfg.prefill_gather_bytes, window=window, sink_logits=sink_logits)
+                              cfg.prefill_gather_bytes, window=window, sink_logits=sink_logits,
+                              paged_ok=paged_ok)
         reason = pick.reason.split(" (")[0]   # once per kind of reason, not per length
         key = f"chunked prefill: {pick.route} route ({reason})"
         if key not in self._warned:
@@ -804,10 +807,15 @@ class KernelDispatch:
         pool = self.state.pool
         kc, vc = pool.k[layer], pool.v[layer]
         op = "decode" if plan.is_decode else "prefill"
+        gather_only = False   # pages only the chunked prefill's gather route reads (int)
         if not (kernel_readable(kc, op) and kernel_readable(vc, op)):
-            return self._fallback(f"{kc.fmt.name}/{vc.fmt.name} pages "
-                                  f"({kc.fmt.granularity} scales, residual "
-                                  f"{kc.fmt.residual or vc.fmt.residual}) have no Triton {op} kernel")
+            gather_only = (op == "prefill" and kernel_readable(kc, "gather")
+                           and kernel_readable(vc, "gather"))
+            if not gather_only:
+                return self._fallback(f"{kc.fmt.name}/{vc.fmt.name} pages "
+                                      f"({kc.fmt.granularity} scales, residual "
+                                      f"{kc.fmt.residual or vc.fmt.residual}) have no Triton "
+                                      f"{op} kernel")
         key_mask, kv_start = None, None
         if attn_mask is not None:
             if mask_info is None or mask_info.key_mask is None:
@@ -852,7 +860,12 @@ class KernelDispatch:
             if kv_start is not None or any(plan.kv_start):
                 start = torch.tensor(starts, dtype=torch.int32, device=q.device)
             route, host = self._chunk_route(q, kc, vc, plan, starts, window or 0,
-                                            extras.get("sink_logits") is not None)
+                                            extras.get("sink_logits") is not None,
+                                            paged_ok=not gather_only)
+            if gather_only and route.route != "gather":
+                return self._fallback(f"{kc.fmt.name}/{vc.fmt.name} pages: no paged prefill "
+                                      f"kernel, and the gather route cannot run here "
+                                      f"({route.reason})")
             out, _ = chunk_prefill_attention(
                 qp.contiguous(), kc, vc, plan.block_tables, cu, plan.seq_lens, scale,
                 route=route, sliding_window=window, softcap=softcap, kv_start=start,

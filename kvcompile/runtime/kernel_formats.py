@@ -18,14 +18,18 @@ from kvcompile.cache.registry import format_spec
 
 
 def kernel_readable(paged, op: str = "decode") -> bool:
-    """Whether the Triton kernel of `op` ("decode", "prefill", "append") takes these pages."""
+    """Whether the Triton kernel of `op` ("decode", "prefill", "append", "gather": the
+    chunked prefill's gather route) takes these pages."""
     f = paged.fmt
     support = format_spec(f.name).kernels
     if support.code is None:
         return False
     if op != "decode" and getattr(f, "residual", False):
         return False
-    takes = support.decode if op == "decode" else getattr(support, op)
+    if op == "gather":
+        takes = support.gather or support.prefill
+    else:
+        takes = support.decode if op == "decode" else getattr(support, op)
     if op == "append" and not _append_shape(paged):
         return False
     if f.is_quantized and f.granularity == "channel" and op == "decode":

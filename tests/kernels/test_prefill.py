@@ -60,14 +60,17 @@ def make_qkv(lens, Hq, Hkv, D, dtype, *, Dv=None, gen=None, device=DEV, k_lens=N
 
 def make_paged_kv(fmt: KVFormat, lens, Hkv, D, P, *, Dv=None, gen=None, device=DEV, chunks=2):
     """K/V of sequences of `lens` tokens written with PagedTensor.write (the reference append)
-    in `chunks` appends into shuffled pages; unwritten slots hold NaN (fp4: NaN micro scales).
+    in `chunks` appends into shuffled pages; unwritten slots hold NaN (fp4: NaN micro scales;
+    int formats: NaN scales).
     -> (k_cache, v_cache, block_tables [B, maxP] int32, seq_lens [B] int32)."""
     Dv = Dv or D
     need = [(n + P - 1) // P for n in lens]
     N = sum(need) + 3
     kc, vc = fmt.allocate(N, Hkv, P, D, device), fmt.allocate(N, Hkv, P, Dv, device)
     for c in (kc, vc):
-        if c.data.dtype == torch.uint8:
+        if c.data.dtype == torch.uint8 and c.micro is None:   # int codes: NaN scales
+            c.scale.fill_(float("nan"))
+        elif c.data.dtype == torch.uint8:
             c.data.fill_(0x77)
             c.micro.view(torch.uint8).fill_(0x7F)
         elif c.data.element_size() == 1:

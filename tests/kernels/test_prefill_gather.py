@@ -76,10 +76,16 @@ def test_gathered_prefill_matches_reference(case, dtype):
 
 @pytest.mark.parametrize("name,gran", [("bf16", "page"), ("fp8_e4m3", "page"),
                                        ("fp8_e5m2", "token"), ("fp8_e4m3", "tensor"),
-                                       ("fp4_e2m1", "page"), ("fp4_e2m1", "token")])
-def test_gather_pages_equals_the_format_decoder(name, gran):
-    """The gather kernel writes exactly PagedTensor.read's values (fp32 workspace), from a key
-    in the middle of a page, for sequences of different lengths."""
+                                       ("fp4_e2m1", "page"), ("fp4_e2m1", "token"),
+                                       ("int4", "channel"), ("int4", "token"),
+                                       ("int3", "token"), ("int2", "page")])
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+def test_gather_pages_equals_the_format_decoder(name, gran, kernel, monkeypatch):
+    """The gather kernel (and the op's plain-PyTorch path, off the kernels' devices) writes
+    exactly PagedTensor.read's values (fp32 workspace), from a key in the middle of a page,
+    for sequences of different lengths."""
+    if not kernel:
+        monkeypatch.setattr(G, "_on_kernel_device", lambda t: False)
     gen = torch.Generator().manual_seed(17)
     kc, _, bt, _ = make_paged_kv(make_format(name, gran), [45, 70, 9], 2, 64, 16, gen=gen)
     starts, counts = [3, 20, 0], [42, 50, 9]
@@ -91,6 +97,30 @@ def test_gather_pages_equals_the_format_decoder(name, gran):
         want = kc.read(pages).float().permute(0, 2, 1, 3).reshape(-1, 2, 64)[s:s + n]
         atol, rtol = ASSERT_CLOSE[torch.float32]
         torch.testing.assert_close(out[int(cu[b]):int(cu[b + 1])], want, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("budget", [G.DEFAULT_WORKSPACE_BYTES, 60 * 2 * 128 * 2 * 4],
+                         ids=["one workspace", "in pieces"])
+def test_int_pages_prefill_by_gathering(budget, monkeypatch):
+    """Int pages (the Pareto table's K int4 channel / V int4 token, pages of 64) have no paged
+    prefill kernel: a chunk over them attends by gathering (with a zero point), matching the
+    reference over the same dequantized pages, also when a sequence is attended in pieces."""
+    from tests.kernels.kernel_cases import make_paged_kv as make_kv
+
+    monkeypatch.setattr(G, "_on_kernel_device", lambda t: True)   # pieces on the CPU too
+    gen = torch.Generator().manual_seed(23)
+    lens, q_lens, Hq, Hkv, D = [150, 70], [40, 6], 4, 2, 128
+    kc, vc, bt, sl = make_kv(make_format("int4", "channel"), make_format("int4", "token"),
+                             lens, Hkv, D, 64, gen=gen, device=DEV)
+    cu = cu_of(q_lens)
+    q = torch.randn(int(cu[-1]), Hq, D, generator=gen).to(DEV)
+    out = G.gathered_prefill_attention(q, kc, vc, bt, cu, sl, D ** -0.5, workspace_bytes=budget)
+    ref = paged_prefill_attention_ref(q, kc, vc, bt, cu, sl, D ** -0.5)
+    assert rel_err(out, ref) <= _bound(torch.float32), f"rel err {rel_err(out, ref):.2e}"
+    # without the zero points the values are off (the kernel reads them)
+    kc.zero = torch.zeros_like(kc.zero)
+    bad = G.gathered_prefill_attention(q, kc, vc, bt, cu, sl, D ** -0.5)
+    assert rel_err(bad, ref) > 10 * _bound(torch.float32)
 
 
 def test_workspace_bound_splits_the_batch(monkeypatch):

@@ -23,15 +23,15 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @torch.no_grad()
-def _two_chunks(route: str, calls: list | None = None):
-    """A 7-token prefill, then a 16-token chunk over its pages (fp8 pages, head_dim 64, GQA
-    4/2): (logits of the chunk, counters, report text). `calls` collects the route rule's
-    calls."""
+def _two_chunks(route: str, calls: list | None = None, kernels: str = "triton", **kv):
+    """A 7-token prefill, then a 16-token chunk over its pages (fp8 pages unless `kv` says
+    otherwise, head_dim 64, GQA 4/2): (logits of the chunk, counters, report text). `calls`
+    collects the route rule's calls."""
     torch._dynamo.reset()
     model = research.make(research.WhereIndexCopyGQA, dim=256, n_head=4, n_kv=2)
-    cfg = kvcompile.KVConfig(inner="eager", max_kv_bytes=1 << 22, kernels="triton",
-                             prefill="triton", kv_dtype="fp8_e4m3",
-                             prefill_chunk_route=route)
+    kv = kv or dict(kv_dtype="fp8_e4m3")
+    cfg = kvcompile.KVConfig(inner="eager", max_kv_bytes=1 << 22, kernels=kernels,
+                             prefill="triton", prefill_chunk_route=route, **kv)
     compiled = kvcompile.compile(copy.deepcopy(model).to(DEV), cfg)
     ids = torch.randint(3, 256, (2, 23), generator=torch.Generator().manual_seed(4)).to(DEV)
     compiled(ids[:, :7], 0)
@@ -68,6 +68,27 @@ def test_gather_and_paged_routes_agree_and_are_reported():
     # different operands (codes vs dequantized values)
     tol = torch.float16 if DEV == "cuda" else torch.float32
     assert_rel_close(gathered, auto, tol, factor=8, what="chunk logits")
+
+
+INT4 = dict(kv_dtype="int4", scale_granularity="channel", page_size=32)
+
+
+def test_int_pages_prefill_chunks_by_gathering():
+    """Int pages have no paged prefill kernel: a chunk over them takes the gather route
+    whatever its length (the rule would keep a 16-token chunk on the paged kernel), with the
+    reference attention's logits over the same pages; where the gather cannot run
+    (prefill_chunk_route='paged' here) the reference attends and the report says why."""
+    got, c, rep = _two_chunks("auto", **INT4)
+    assert c.get("prefill_gather", 0) == 2 and not c.get("reference_fallback"), c
+    assert "gather route (no paged prefill kernel reads these pages)" in rep, rep
+    ref, c_ref, _ = _two_chunks("auto", kernels="reference", **INT4)
+    assert not c_ref.get("prefill_gather"), c_ref
+    assert_rel_close(got, ref, torch.float16 if DEV == "cuda" else torch.float32, factor=8,
+                     what="chunk logits")
+    forced, c_p, rep_p = _two_chunks("paged", **INT4)
+    assert c_p.get("reference_fallback", 0) == 2 and not c_p.get("prefill_gather"), c_p
+    assert "no paged prefill kernel, and the gather route cannot run here" in rep_p, rep_p
+    assert_rel_close(forced, ref, torch.float32, factor=8, what="chunk logits")
 
 
 def test_route_config_is_validated():
