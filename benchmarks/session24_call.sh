@@ -8,6 +8,8 @@
 #      the kernel's own speed on this card, or the step's (the mask)? With the kernel before
 #      mask_step_all_seen (all-True mask steps read as unmasked) where its copy is present
 #      (benchmarks/_orig_paged_decode.cuh, untracked), and the key-mask GPU cases first
+#   g: the GPU checks of this session's changes not yet run (call 1's mask cases printed
+#      nothing within their limit; the deferred-stop EOS case's new input; the int gather)
 #   t, h, e, m, p: session23_call.sh's parts (t: the GPU tests of generate's changed graph
 #      paths; h: host_gap.py; e: issue 14's end-to-end rows; m: MLA rows; p: padded TTFT)
 cd "$(dirname "$0")/.."
@@ -34,6 +36,16 @@ case "${PART:-k}" in
         > "$OUT/k_mask_before.txt" 2>&1 || echo "k before: exit $?"
       grep -E "sdpa|cuda|key mask" "$OUT/k_mask_before.txt"
     fi ;;
+  g)
+    # this session's GPU checks not yet run: the mask cases of the CUDA decode kernel (left
+    # padding and a hole among all-True steps), generate's deferred stop check (its EOS case
+    # failed once on a test input whose EOS came first), and the int gather route on CUDA
+    timeout -k 5 ${G1_LIMIT:-240} python3 -m pytest -q -m gpu tests/gpu/test_decode_sm90_gpu.py \
+      -k kmask 2>&1 | tail -3 | tee "$OUT/g_mask.txt"
+    timeout -k 5 ${G2_LIMIT:-150} python3 -m pytest -q -m gpu tests/gpu/test_hf_graphs_gpu.py \
+      -k deferred_stop 2>&1 | tail -3 | tee "$OUT/g_defer.txt"
+    timeout -k 5 ${G3_LIMIT:-150} python3 -m pytest -q tests/kernels/test_prefill_gather.py \
+      tests/runtime/test_chunk_route.py 2>&1 | tail -3 | tee "$OUT/g_gather.txt" ;;
   *)
     PART=$PART bash benchmarks/session23_call.sh ;;
 esac
