@@ -99,7 +99,7 @@ def test_gather_pages_equals_the_format_decoder(name, gran, kernel, monkeypatch)
         torch.testing.assert_close(out[int(cu[b]):int(cu[b + 1])], want, atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("budget", [G.DEFAULT_WORKSPACE_BYTES, 60 * 2 * 128 * 2 * 2],
+@pytest.mark.parametrize("budget", [G.DEFAULT_WORKSPACE_BYTES, 60 * 2 * 128 * 2 * 4],
                          ids=["one workspace", "in pieces"])
 def test_int_pages_prefill_by_gathering(budget, monkeypatch):
     """Int pages (the Pareto table's K int4 channel / V int4 token, pages of 64) have no paged
