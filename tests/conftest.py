@@ -158,6 +158,12 @@ FULL_ONLY = {
     "tests/test_realmodel.py::test_smollm2_fp32_pages_token_identical_to_eager":
         "fp32 pages token-identical to eager on SmolLM2",
     "tests/cli/test_realmodel.py::test_inspect_verify_smollm2": "inspect --verify on SmolLM2",
+    "tests/engine/test_examples.py::test_chat_with_smollm2":
+        "the chat example on SmolLM2 (the Engine's prefix cache across turns: the tiny-model "
+        "prefix-cache tests of tests/engine; the other examples run)",
+    # a benchmark tool's feature: the quality harness's streams resumed in parts
+    "tests/eviction/test_quality_harness.py::test_parts_of_a_stream_join_into_the_full_stream":
+        "the quality harness's parts (its other tests stay)",
     # loads SmolLM2 for one line of a log; the demo and README tests load it the same way
     "tests/cli/test_progress.py::test_loading_smollm2_into_a_log_draws_no_conversion_bar":
         "SmolLM2's load into a log (the demo and README tests load it)",
