@@ -57,11 +57,51 @@ BLOCK_T = 64                        # keys per program of the gather kernel
 
 
 @triton.jit
-def gather_pages_kernel(Data, Scale, Micro, Out, block_tables, starts, cu_k, stride_bt,
-                        sp, sh, st, ssp, ssh, sst, mp, mh, mt, stride_ot, stride_oh,
+def _int_tile(Data, Scale, Zero, bt_row, keys, ok, hkv, H, sp, sh, st, BITS: tl.constexpr,
+              GRAN: tl.constexpr, DIM: tl.constexpr, PAGE: tl.constexpr):
+    # int pages (cache/intq.py) -> fp32 [BLOCK, DIM] of `keys`: Data [N, Hkv, P, DIM * BITS /
+    # 8] uint8, codes packed along head_dim (int4: element 2i in the low nibble of byte i;
+    # int2: element 4i + j in bits 2j of byte i; int3: element 8i + j in bits 3j of the
+    # little-endian 24-bit word of bytes 3i..3i+2); Scale / Zero fp16, contiguous: GRAN 0
+    # [N, Hkv] (page), 1 [N, Hkv, P] (token), 2 [N, Hkv, DIM] (channel). x = code * scale +
+    # zero in fp32 (a NaN scale: NaN), as intq.int_decode.
+    page = tl.load(bt_row + keys // PAGE, mask=ok, other=0).to(tl.int64)
+    off = keys % PAGE
+    d = tl.arange(0, DIM)
+    base = page * sp + hkv * sh + off * st
+    m = ok[:, None]
+    if BITS == 3:
+        unit = base[:, None] + 3 * (d // 8)[None, :]
+        w = (tl.load(Data + unit, mask=m, other=0).to(tl.int32)
+             | (tl.load(Data + unit + 1, mask=m, other=0).to(tl.int32) << 8)
+             | (tl.load(Data + unit + 2, mask=m, other=0).to(tl.int32) << 16))
+        code = (w >> (3 * (d % 8))[None, :]) & 7
+    else:
+        PER: tl.constexpr = 8 // BITS
+        x = tl.load(Data + base[:, None] + (d // PER)[None, :], mask=m, other=0).to(tl.int32)
+        code = (x >> (BITS * (d % PER))[None, :]) & ((1 << BITS) - 1)
+    head = page * H + hkv
+    if GRAN == 2:
+        prm = head[:, None] * DIM + d[None, :]
+        sc = tl.load(Scale + prm, mask=m, other=0.0).to(tl.float32)
+        zp = tl.load(Zero + prm, mask=m, other=0.0).to(tl.float32)
+    else:
+        if GRAN == 1:
+            prm = head * PAGE + off
+        else:
+            prm = head
+        sc = tl.load(Scale + prm, mask=ok, other=0.0).to(tl.float32)[:, None]
+        zp = tl.load(Zero + prm, mask=ok, other=0.0).to(tl.float32)[:, None]
+    return code.to(tl.float32) * sc + zp
+
+
+@triton.jit
+def gather_pages_kernel(Data, Scale, Micro, Zero, Out, block_tables, starts, cu_k, stride_bt,
+                        sp, sh, st, ssp, ssh, sst, mp, mh, mt, stride_ot, stride_oh, H,
                         FMT: tl.constexpr, GRAN: tl.constexpr, DIM: tl.constexpr,
-                        PAGE: tl.constexpr, BLOCK: tl.constexpr):
-    # Data: [N, Hkv, P, DIM] (fp4: [N, Hkv, P, DIM // 2] uint8)  Out: [Tk, Hkv, DIM]
+                        PAGE: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr = 0):
+    # Data: [N, Hkv, P, DIM] (fp4: [N, Hkv, P, DIM // 2] uint8; BITS > 0: int codes, GRAN
+    # then 0 / 1 / 2 for page / token / channel scales, `_int_tile`)  Out: [Tk, Hkv, DIM]
     # sequence b's keys starts[b] + i, i < cu_k[b + 1] - cu_k[b], go to rows cu_k[b] + i
     tile = tl.program_id(0)
     hkv = tl.program_id(1)
@@ -74,67 +114,17 @@ def gather_pages_kernel(Data, Scale, Micro, Out, block_tables, starts, cu_k, str
     ok = rows < n
     keys = tl.load(starts + b) + rows
     bt_row = block_tables + b.to(tl.int64) * stride_bt
-    x, _ = _page_tile(Data, Scale, Micro, bt_row, keys, ok, hkv, sp, sh, st, ssp, ssh, sst,
-                      mp, mh, mt, FMT, GRAN, DIM, PAGE, BLOCK, tl.float32, False)
-    if GRAN == _TENSOR:
-        x = x * tl.load(Scale)
+    if BITS > 0:
+        x = _int_tile(Data, Scale, Zero, bt_row, keys, ok, hkv, H, sp, sh, st, BITS, GRAN, DIM,
+                      PAGE)
+    else:
+        x, _ = _page_tile(Data, Scale, Micro, bt_row, keys, ok, hkv, sp, sh, st, ssp, ssh,
+                          sst, mp, mh, mt, FMT, GRAN, DIM, PAGE, BLOCK, tl.float32, False)
+        if GRAN == _TENSOR:
+            x = x * tl.load(Scale)
     offs = tl.arange(0, DIM)
     o = (k0 + rows).to(tl.int64) * stride_ot + hkv * stride_oh
     tl.store(Out + o[:, None] + offs[None, :], x.to(Out.dtype.element_ty), mask=ok[:, None])
-
-
-@triton.jit
-def gather_int_pages_kernel(Data, Scale, Zero, Out, block_tables, starts, cu_k, stride_bt,
-                            sp, sh, st, stride_ot, stride_oh, H,
-                            BITS: tl.constexpr, GRAN: tl.constexpr, DIM: tl.constexpr,
-                            PAGE: tl.constexpr, BLOCK: tl.constexpr):
-    # int pages (cache/intq.py): Data [N, Hkv, P, DIM * BITS / 8] uint8, codes packed along
-    # head_dim (int4: element 2i in the low nibble of byte i; int2: element 4i + j in bits 2j
-    # of byte i; int3: element 8i + j in bits 3j of the little-endian 24-bit word of bytes
-    # 3i..3i+2); Scale / Zero fp16, contiguous: GRAN 0 [N, Hkv] (page), 1 [N, Hkv, P] (token),
-    # 2 [N, Hkv, DIM] (channel). x = code * scale + zero in fp32 (a NaN scale: NaN), as
-    # intq.int_decode. Out / rows as gather_pages_kernel's.
-    tile = tl.program_id(0)
-    hkv = tl.program_id(1)
-    b = tl.program_id(2)
-    k0 = tl.load(cu_k + b)
-    n = tl.load(cu_k + b + 1) - k0
-    if tile * BLOCK >= n:
-        return
-    rows = tile * BLOCK + tl.arange(0, BLOCK)
-    ok = rows < n
-    keys = tl.load(starts + b) + rows
-    bt_row = block_tables + b.to(tl.int64) * stride_bt
-    page = tl.load(bt_row + keys // PAGE, mask=ok, other=0).to(tl.int64)
-    off = keys % PAGE
-    d = tl.arange(0, DIM)
-    base = page * sp + hkv * sh + off * st                                   # [BLOCK]
-    m = ok[:, None]
-    if BITS == 3:
-        unit = base[:, None] + 3 * (d // 8)[None, :]
-        w = (tl.load(Data + unit, mask=m, other=0).to(tl.int32)
-             | (tl.load(Data + unit + 1, mask=m, other=0).to(tl.int32) << 8)
-             | (tl.load(Data + unit + 2, mask=m, other=0).to(tl.int32) << 16))
-        code = (w >> (3 * (d % 8))[None, :]) & 7
-    else:
-        PER: tl.constexpr = 8 // BITS
-        x = tl.load(Data + base[:, None] + (d // PER)[None, :], mask=m, other=0).to(tl.int32)
-        code = (x >> (BITS * (d % PER))[None, :]) & ((1 << BITS) - 1)
-    head = page * H + hkv                                                    # [BLOCK]
-    if GRAN == 2:
-        prm = head[:, None] * DIM + d[None, :]
-        sc = tl.load(Scale + prm, mask=m, other=0.0).to(tl.float32)
-        zp = tl.load(Zero + prm, mask=m, other=0.0).to(tl.float32)
-    else:
-        if GRAN == 1:
-            prm = head * PAGE + off
-        else:
-            prm = head
-        sc = tl.load(Scale + prm, mask=ok, other=0.0).to(tl.float32)[:, None]
-        zp = tl.load(Zero + prm, mask=ok, other=0.0).to(tl.float32)[:, None]
-    val = code.to(tl.float32) * sc + zp
-    o = (k0 + rows).to(tl.int64) * stride_ot + hkv * stride_oh
-    tl.store(Out + o[:, None] + d[None, :], val.to(Out.dtype.element_ty), mask=m)
 
 
 _INT_GRAN = {"page": 0, "token": 1, "channel": 2}
@@ -193,23 +183,19 @@ def _gather_pages_op(data: torch.Tensor, scale: torch.Tensor | None, micro: torc
         if data.dtype != torch.uint8 or data.stride(3) != 1:
             raise UnsupportedShapeError(f"{op}: {fmt} codes must be uint8 with unit stride "
                                         f"along head_dim")
+        code, gran = 0, _INT_GRAN[granularity]
         scale, zero = scale.contiguous(), zero.contiguous()
-        grid = (triton.cdiv(max(max_len, 1), BLOCK_T), Hkv, starts.numel())
-        gather_int_pages_kernel[grid](
-            data, scale, zero, out, block_tables, starts, cu_k, block_tables.stride(0),
-            data.stride(0), data.stride(1), data.stride(2), out.stride(0), out.stride(1), Hkv,
-            BITS=bits, GRAN=_INT_GRAN[granularity], DIM=dim, PAGE=data.shape[2],
-            BLOCK=BLOCK_T, num_warps=4)
-        return out
-    code, gran, strides = L._page_args(op, "pages", fmt, granularity, data, scale, micro,
-                                       Hkv, dim)
+        strides = (data.stride(0), data.stride(1), data.stride(2)) + (0,) * 6
+    else:
+        code, gran, strides = L._page_args(op, "pages", fmt, granularity, data, scale, micro,
+                                           Hkv, dim)
     dummy = cu_k
     grid = (triton.cdiv(max(max_len, 1), BLOCK_T), Hkv, starts.numel())
     gather_pages_kernel[grid](
         data, scale if scale is not None else dummy, micro if micro is not None else dummy,
-        out, block_tables, starts, cu_k, block_tables.stride(0), *strides,
-        out.stride(0), out.stride(1), FMT=code, GRAN=gran, DIM=dim, PAGE=data.shape[2],
-        BLOCK=BLOCK_T, num_warps=4)
+        zero if zero is not None else dummy, out, block_tables, starts, cu_k,
+        block_tables.stride(0), *strides, out.stride(0), out.stride(1), Hkv, FMT=code,
+        GRAN=gran, DIM=dim, PAGE=data.shape[2], BLOCK=BLOCK_T, BITS=bits, num_warps=4)
     return out
 
 

@@ -32,14 +32,19 @@ def _cases():
         yield (f"e2m1 {gran} -> bf16", R.FMT_E2M1, g, "*u8", "*fp32", "*fp8e4nv", "*bf16",
                128)
     yield "e5m2 page -> fp16", R.FMT_E5M2, R.SCALE_PAGE, "*fp8e5", "*fp32", "*i32", "*fp16", 256
+    # int pages (BITS > 0; GRAN 0 / 1 / 2: page / token / channel scales and zero points)
+    yield "int4 channel -> bf16", 0, 2, "*u8", "*fp16", "*i32", "*bf16", 128, 4
+    yield "int3 token -> bf16", 0, 1, "*u8", "*fp16", "*i32", "*bf16", 128, 3
+    yield "int2 page -> fp16", 0, 0, "*u8", "*fp16", "*i32", "*fp16", 64, 2
 
 
-def _compile(fmt, gran, data, scale, micro, out, dim) -> str:
+def _compile(fmt, gran, data, scale, micro, out, dim, bits=0) -> str:
     from kvcompile.kernels.prefill_gather import BLOCK_T, gather_pages_kernel
 
-    consts = dict(FMT=fmt, GRAN=gran, DIM=dim, PAGE=16, BLOCK=BLOCK_T)
-    types = dict(Data=data, Scale=scale, Micro=micro, Out=out, block_tables="*i32",
-                 starts="*i32", cu_k="*i32", **{n: "i32" for n in _INTS})
+    consts = dict(FMT=fmt, GRAN=gran, DIM=dim, PAGE=16, BLOCK=BLOCK_T, BITS=bits)
+    types = dict(Data=data, Scale=scale, Micro=micro, Zero=scale if bits else "*i32", Out=out,
+                 block_tables="*i32", starts="*i32", cu_k="*i32", H="i32",
+                 **{n: "i32" for n in _INTS})
     sig = {n: "constexpr" if n in consts else types[n] for n in gather_pages_kernel.arg_names}
     return compile_sm90(gather_pages_kernel, sig, consts, num_warps=4)
 
@@ -72,4 +77,4 @@ def _main() -> None:
 def test_gather_kernel_compiles_for_sm90():
     rows = compile_rows("tests.kernels.test_prefill_gather_sm90")
     bad = [f"{name}: {msg}" for name, msg in rows if msg != "ok"]
-    assert len(rows) == 14 and not bad, "\n".join(bad) or f"{len(rows)} of 14 compiled"
+    assert len(rows) == 17 and not bad, "\n".join(bad) or f"{len(rows)} of 17 compiled"
