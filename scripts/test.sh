@@ -32,10 +32,9 @@ fi
 start=$(date +%s)
 status=0
 if [ $# -eq 0 ]; then
-  # 18 min 3 s of pytest in 2 workers on an idle 2-core machine, every build cache empty
-  # (fresh clone, 2026-12-05, twenty-first session; 12.5 min on a faster day, 29 min on a
-  # slow one, 2026-12-06); slower on a
-  # loaded machine (README.md, "The two commands")
+  # 16 min 53 s of pytest in 2 workers on an idle 2-core machine, every build cache empty
+  # (fresh clone, 2026-12-06, twenty-fourth session; the machine's speed varies up to 1.8x
+  # from day to day); slower on a loaded machine (README.md, "The two commands")
   where="one process"
   if [ "$workers" != 0 ]; then where="$workers xdist workers"; fi
   echo "running the whole test suite in $where: about 12-30 min in 2 workers on 2 idle CPU" \
