@@ -376,6 +376,10 @@ def kvc(model, args, device, ctx, kv_dtype, eviction=None, sinks=None, name=""):
                 "generate_cuda_graph_replays")})
         row["graphs"] = st.get("graphs")
         row["reference_fallbacks"] = st.get("reference_fallback", 0)
+        # which kernels ran and why (the reasons of reference fallbacks among them), once each
+        row["kernel_notes"] = list(kvcompile.report(model).kernel_notes)
+        for note in row["kernel_notes"]:
+            print(f"  {row['label']}: {note}", flush=True)
         row["decode_kernel_calls"] = {k: st.get(k, 0) for k in ("decode_cuda", "decode_triton")}
         row["same_tokens_as_eager"] = _match(toks, ctx.get("ref_tokens"))
         row["bytes_per_token"] = st.get("bytes_per_token")
