@@ -138,7 +138,8 @@ FULL_ONLY = {
         "sm_90 compile of the prompt-mass kernels",
     # formats and policies the other cases of the same test take in the default run
     "tests/integrations/test_hf_graphs_eviction.py::test_graph_steps_with_eviction_equal_the_"
-    "host_path[H2O, fp4]": "H2O in generate's graphs (H2O fp8 page scales, H2O bf16 stay)",
+    "host_path[H2O, fp4]": "H2O in generate's graphs (its cases over fp8 page scales and the "
+    "default pages stay)",
     "tests/integrations/test_hf_graphs_eviction.py::test_latent_layers_step_aside_and_equal_"
     "the_host_path[H2O reference]": "H2O on latent pages in generate's graphs, reference "
     "attention (the case over the Triton latent kernel and fp8 pages stays)",
