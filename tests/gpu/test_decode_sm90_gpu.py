@@ -112,9 +112,27 @@ def _qk8_cases() -> list[dict]:
 QK8_CASES = _qk8_cases()
 
 
+def _case_key(c: dict) -> tuple:
+    """The kernel key (decode_sm90._kernel's arguments, no variant) a case launches."""
+    from kvcompile.kernels import decode_sm90 as fast
+
+    (kf, kg), (vf, vg) = c["k"], c["v"]
+    kk, vk = fast._KIND[kf], fast._KIND[vf]
+
+    def mode(kind, gran, int_mode):
+        return fast._SCALE[gran] if kind < 2 else int_mode if kind == fast.INT4 else 0
+
+    rows = 8 if c["G"] * c["Sq"] <= 8 else 16
+    key = (kk, vk, mode(kk, kg, fast._SC_CHANZP), mode(vk, vg, fast._SC_TOKZP), c["D"],
+           c["D"], rows, fast._QT[c.get("q", torch.float32)])
+    return (*key, 1) if c.get("qk8") else key
+
+
 @pytest.fixture(scope="module", autouse=True)
-def built_variants():
-    """Compile every variant the cases use, in parallel threads (as the old script did)."""
+def built_variants(request):
+    """Compile every variant the selected tests use, in parallel threads (as the old script
+    did): the selected cases' own kernels where only case tests of this file were selected
+    (`-k`), else every variant of the cases."""
     from kvcompile.kernels import decode_sm90 as fast
 
     if torch.cuda.get_device_capability() != (9, 0):
@@ -122,6 +140,14 @@ def built_variants():
     ok, why = fast.device_ok(torch.device("cuda"))
     if not ok:
         pytest.fail(f"the CUDA decode kernel cannot be built on this H100/H200: {why}")
+    mine = [it for it in request.session.items if it.module is request.module]
+    cases = [it.callspec.params["case"] for it in mine
+             if hasattr(it, "callspec") and "case" in it.callspec.params]
+    if mine and len(cases) == len(mine):
+        keys = fast.with_default_variants({_case_key(c) for c in cases})
+        with ThreadPoolExecutor(16) as ex:
+            list(ex.map(lambda k: fast._kernel(*k), sorted(keys)))
+        return
     keys = set()
     for (kf, kg), d, rows, qt in itertools.product(FAST_FORMATS, (64, 128), (8, 16),
                                                     (torch.float32, torch.bfloat16)):
