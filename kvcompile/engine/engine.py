@@ -562,10 +562,7 @@ class Engine:
         r = self.stats.sync_reasons
         r[reason] = r.get(reason, 0) + 1
         if r[reason] == 1 and self.overlap:
-            note = f"engine: steps run synchronously, not overlapped ({reason})"
-            if note not in self.state.kernel_notes:
-                self.state.kernel_notes.append(note)
-                log.info("kvcompile %s", note)
+            self.state.kernels.note(f"engine: steps run synchronously, not overlapped ({reason})")
 
     def _check_same_schedule(self, out) -> None:
         """Tensor parallelism: every rank runs its own scheduler over its own pool shard, fed

@@ -172,10 +172,8 @@ def _defers(device, cache, cache_is_returned: bool, is_assistant: bool) -> bool 
     if is_assistant:
         return None
     if cache_is_returned:
-        note = ("generate: the stop check waits for the GPU every step (the cache outlives the "
-                "call: return_dict_in_generate=True or a cache passed in)")
-        if note not in st.kernel_notes:    # kvcompile.report shows it, once
-            st.kernel_notes.append(note)
+        st.kernels.note("generate: the stop check waits for the GPU every step (the cache "
+                        "outlives the call: return_dict_in_generate=True or a cache passed in)")
         return False
     st.count("generate_deferred_stop")
     return True

@@ -209,10 +209,8 @@ class GraphedForward:
                     break
         self._why_not = reason
         if reason:
-            note = f"generate: decode steps run eagerly, without CUDA graphs ({reason})"
-            if note not in st.kernel_notes:    # kvcompile.report shows it, once per reason
-                st.kernel_notes.append(note)
-                log.info("kvcompile: %s", note)
+            # kvcompile.report shows it, once per reason
+            st.kernels.note(f"generate: decode steps run eagerly, without CUDA graphs ({reason})")
         return reason or None
 
     def _eligible(self, kw):

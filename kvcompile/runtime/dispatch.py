@@ -789,10 +789,7 @@ class KernelDispatch:
     def _fallback(self, why: str) -> None:
         """The reference attention runs where a kernel was asked for: counted, and said once
         per reason in kvcompile.report's kernel notes and the log (never silently)."""
-        if why not in self._warned:
-            self._warned.add(why)
-            self.state.kernel_notes.append(f"reference attention used ({why})")
-            log.info("kvcompile: reference attention used (%s)", why)
+        self.note(f"reference attention used ({why})")
         self.state.count("reference_fallback")
 
     def attend(self, layer: int, q, plan, mask_info, attn_mask, is_causal, window, softcap,
