@@ -59,17 +59,13 @@ class Probe(StepClock):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="Other arguments are bench_generate.py's (--batch, --prompt, --new, --layers, "
+               "--kv-gib; here --new 32 and --kv-gib 24 unless given).")
     ap.add_argument("--kv", default="fp8_e4m3", help="kv_dtype (int4: the 4-bit format)")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--prompt", type=int, default=4096)
-    ap.add_argument("--new", type=int, default=32)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--kv-gib", type=float, default=24.0)
-    args = ap.parse_args(argv)
-    a = bg.parse_args(["--batch", str(args.batch), "--prompt", str(args.prompt), "--new",
-                       str(args.new), "--layers", str(args.layers), "--kv-gib",
-                       str(args.kv_gib)])
+    args, rest = ap.parse_known_args(argv)
+    a = bg.parse_args(["--new", "32", "--kv-gib", "24", *rest])   # (the last value wins)
     dev = torch.device("cuda")
     model = bg.make_model(a, dev, torch.bfloat16)
     ids, am = bg._inputs(a, dev, model.config.vocab_size)
@@ -77,7 +73,7 @@ def main(argv=None) -> int:
                                                  deferred_stop=False))
     st = state_of(model)
     torch._dynamo.config.assume_static_by_default = False
-    kw = dict(attention_mask=am, max_new_tokens=args.new, min_new_tokens=args.new,
+    kw = dict(attention_mask=am, max_new_tokens=a.new, min_new_tokens=a.new,
               do_sample=False, pad_token_id=0, eos_token_id=None)
     model.generate(ids, **kw)   # compiles and captures
     probe = Probe(dev)
@@ -133,7 +129,7 @@ def main(argv=None) -> int:
     finally:
         torch.cuda.CUDAGraph.replay = replay
         model.forward = fwd
-    print(f"\n{args.kv}, B{args.batch} P{args.prompt}, {args.layers} layers, "
+    print(f"\n{args.kv}, B{a.batch} P{a.prompt}, {a.layers} layers, "
           f"{torch.cuda.get_device_name()}: host time per decode step, us (medians)")
     print("| call | pre (HF) | setup (kvc) | after (kvc) | post (HF + wait) | step | gpu |")
     print("|---|---|---|---|---|---|---|")
