@@ -255,7 +255,7 @@ def run_generate(model, args, device, ids, am, label, extra=None, warm=True):
         torch.cuda.reset_peak_memory_stats()
     B, N = ids.shape[0], args.new
     for _ in range(args.repeats):
-        clock = StepClock(device)
+        clock = StepClock()
         sync(device)
         t0 = time.perf_counter()
         out = model.generate(ids, attention_mask=am, streamer=clock, **_gen_kwargs(args, **extra))

@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     kw = dict(attention_mask=am, max_new_tokens=a.new, min_new_tokens=a.new,
               do_sample=False, pad_token_id=0, eos_token_id=None)
     model.generate(ids, **kw)   # compiles and captures
-    probe = Probe(dev)
+    probe = Probe()
     fwd = model.forward
 
     @functools.wraps(fwd)   # HF reads its signature (logits_to_keep: else every prompt

@@ -42,7 +42,7 @@ def per_token(model, ids, am, new, **kw):
     from its first token to its last (step_profile.StepClock: no prefill in it)."""
     best = float("inf")
     for _ in range(2):
-        clock = StepClock(ids.device)
+        clock = StepClock()
         model.generate(ids, attention_mask=am, max_new_tokens=new, min_new_tokens=new,
                        do_sample=False, streamer=clock, **kw)
         best = min(best, clock.step_s(new))
@@ -98,7 +98,7 @@ def python_breakdown(model, ids, am, label, new=9, **kw):
     from torch.profiler import profile as prof
 
     p = prof(activities=[ProfilerActivity.CPU], with_stack=True)
-    clock = DecodeProfiler(ids.device, new, p)
+    clock = DecodeProfiler(new, p)
     model.generate(ids, attention_mask=am, max_new_tokens=new, min_new_tokens=new,
                    do_sample=False, streamer=clock, **kw)
     steps = new - 1

@@ -38,8 +38,8 @@ class StepClock:
     are timed apart from the prefill, whose run-to-run spread (20 ms at B16 x 32k) moved an
     estimate from two calls by 6%."""
 
-    def __init__(self, device=None):
-        self.device, self.t = device, []
+    def __init__(self):
+        self.t = []
 
     def put(self, value):
         self.t.append(time.perf_counter())
@@ -56,8 +56,8 @@ class DecodeProfiler(StepClock):
     """A StepClock that runs `profiler` over the decode steps only: started when the first
     token reaches the host (after the prefill), stopped when the last one does."""
 
-    def __init__(self, device, new: int, profiler):
-        super().__init__(device)
+    def __init__(self, new: int, profiler):
+        super().__init__()
         self.new, self.p = new, profiler
 
     def put(self, value):
@@ -78,7 +78,7 @@ def decode_step_profile(run, device, new: int, top: int = 12) -> dict:
 
     cuda = torch.device(device).type == "cuda"
     p = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
-    clock = DecodeProfiler(device, new, p)
+    clock = DecodeProfiler(new, p)
     run(clock)
     if len(clock.t) != new + 1:
         raise RuntimeError(f"step profile: {len(clock.t)} puts, expected {new + 1}")
