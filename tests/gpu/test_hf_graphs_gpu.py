@@ -25,6 +25,7 @@ import kvcompile
 from kvcompile import KVConfig
 from kvcompile.api import state_of
 from tests.gpu.test_engine_graphs_gpu import tiny  # the same tiny Llama, seed 0
+from tests.integrations.test_deferred_stop import Tokens  # a streamer that keeps its tokens
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -112,17 +113,6 @@ def test_graph_decode_equals_no_graph_decode(compiled, i):
     assert not pages_left
 
 
-class _Tokens:
-    def __init__(self):
-        self.seen = []
-
-    def put(self, value):
-        self.seen.append(value.tolist())
-
-    def end(self):
-        pass
-
-
 @pytest.mark.parametrize("eos", [False, True], ids=["to max_new_tokens", "rows end at EOS"])
 def test_deferred_stop_check_equals_the_per_step_check(compiled, eos):
     """KVConfig.deferred_stop (the default): graphed steps with the stop decision read a step
@@ -142,7 +132,7 @@ def test_deferred_stop_check_equals_the_per_step_check(compiled, eos):
     outs, puts = [], []
     for defer in (True, False):
         st.config = dataclasses.replace(st.config, deferred_stop=defer)
-        streamer = _Tokens()
+        streamer = Tokens()
         d0, r0 = st.counters.get("generate_deferred_stop", 0), model.forward.replays
         outs.append(model.generate(ids, streamer=streamer, **kw))
         puts.append(streamer.seen)
