@@ -143,6 +143,13 @@ FULL_ONLY = {
     "tests/integrations/test_hf_graphs_eviction.py::test_latent_layers_step_aside_and_equal_"
     "the_host_path[H2O reference]": "H2O on latent pages in generate's graphs, reference "
     "attention (the case over the Triton latent kernel and fp8 pages stays)",
+    "tests/integrations/test_hf_graphs_eviction.py::test_graph_steps_with_eviction_equal_the_"
+    "host_path[SnapKV hold, int4 channel keys]": "SnapKV in generate's graphs over re-encoded "
+    "tokens (its fp8 page-scale cases stay; int4 graphs: tests/gpu/test_int_graphs_gpu.py)",
+    "tests/eviction/test_latent_eviction.py::test_engine_prefill_eviction_chunks_on_latent_":
+        "prefill eviction in the Engine's chunks over latent pages (the same over plain pages: "
+        "tests/engine/test_engine_prefill_eviction.py; latent prefill eviction in generate "
+        "stays)",
     "tests/engine/test_soak.py::test_soak[fp32]": "the engine soak (the fp8 case stays)",
     "tests/engine/test_soak.py::test_soak[int4]": "the engine soak (the fp8 case stays)",
     "tests/engine/test_engine_window_ops.py::test_steps_that_need_more_still_step_aside[policy1":
