@@ -449,6 +449,10 @@ def plan_decode_sm90(q, kd, ks, vd, vs, block_tables, seq_lens, key_mask, out,
     if variant is None:
         variant = default_variant(kk, vk, ksm, vsm, qk_fp8)
     var = variant_bits(variant, kk, vk, softcap, int(qk_fp8), key[6])
+    if var & VAR_PGZ and N * Hkv * P >= 2 ** 32:  # paged_decode.cuh's iss_row
+        raise UnsupportedShapeError(
+            f"sm90 decode: {N * Hkv * P} pool rows (pages x kv heads x page size) overflow the "
+            f"{variant} variant's 32-bit row index; take variant='base' or a smaller pool")
     if var:
         key = (*key, var)
     q = q.contiguous()

@@ -846,6 +846,9 @@ I4_MUTATIONS = [  # (old, new, G, Sq): 8 rows run SWQ, 16 rows pvt4nz's code
     # PGZ: the page's channel terms kept past a page change
     pytest.param("fresh = lpg != cur_lpg;", "fresh = cur_lpg < 0;", 8, 2, id="pgz-stale",
                  marks=_SLOW),
+    # PGZ's issue: the first page's codes and channel terms copied for every later page
+    pytest.param("if (lpg != iss_lpg) {", "if (iss_lpg < 0) {", 4, 1, id="pgz-issue-stale",
+                 marks=_SLOW),
     # the value zero-point term of rows g + 8 (16 rows) dropped at the merge
     pytest.param("if (ROWS == 16) ml[2 * ROWS + g + 8] = zacc1;",
                  "if (ROWS == 16) ml[2 * ROWS + g + 8] = 0.f;", 8, 2, id="zacc-rows",
@@ -976,3 +979,20 @@ def test_int4_refusals_name_the_reason():
     with pytest.raises(UnsupportedShapeError, match="fp16 zero points"):
         fast.plan_decode_sm90(q, kc.data, kc.scale, vc.data, vc.scale, bt, sl, None, None,
                               *K4, *V4, 0.1, 0, 0, 0.0, 1, 132, kz=None, vz=vc.zero)
+
+
+def test_int4_pool_past_32_bit_rows_is_refused():
+    """Negative case: the PGZ variants index pool rows in 32 bits; a pool of 2^32 rows or more
+    (pages x kv heads x page size) gets an error naming the variant, and base takes it."""
+    from kvcompile.errors import UnsupportedShapeError
+
+    kc, vc, bt, sl, q, km = _inputs(K4, V4, 128, 4, 64, 1, [300, 129])
+    N = 2 ** 32 // (kc.data.shape[1] * 64)  # meta tensors: no memory
+    big = [torch.empty(N, *t.shape[1:], dtype=t.dtype, device="meta")
+           for t in (kc.data, kc.scale, vc.data, vc.scale, kc.zero, vc.zero)]
+    out = torch.empty_like(q)
+    args = (q, big[0], big[1], big[2], big[3], bt, sl, None, out, *K4, *V4, 0.1, 0, 0, 0.0, 3,
+            132)
+    with pytest.raises(UnsupportedShapeError, match="32-bit row index"):
+        fast.plan_decode_sm90(*args, variant="pvt4sp", kz=big[4], vz=big[5])
+    fast.plan_decode_sm90(*args, variant="base", kz=big[4], vz=big[5])

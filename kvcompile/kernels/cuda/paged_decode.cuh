@@ -756,16 +756,47 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
     }
   }
 
+  // PGZ (int4 keys: pages of >= 16 tokens, so a step lies in one page): the page index, id
+  // and first row (page * H * P + h * P, 32 bits: the launcher checks the pool's rows) of the
+  // warp's last issued step, kept while its steps stay in that page: a block-table load, the
+  // page's row arithmetic and its channel-scale copy once a page, not once a step
+  int iss_lpg = -1, iss_pg = 0;
+  uint32_t iss_row = 0;
   auto issue = [&](int i) {  // cp.async of the warp's i-th step into its ring slot
     uint8_t* st = ring + (i % NS) * Gm::STAGE_ALIGNED;
     const int tok0 = step_tok0(i);
     const int last = L - 1;
     // page ids of the step's two halves (equal unless pages of 8)
-    const int pg0 = bt[min(tok0, last) >> p.log2p];
-    const int pg1 = bt[min(tok0 + 8, last) >> p.log2p];
+    int pg0, pg1;
+    long long r0, r1;  // rows (page * H + h) * P + slot of the step's two halves
+    if constexpr (PGZ) {
+      const int lpg = tok0 >> p.log2p;  // tok0 < L: a step's first token is a key
+      if (lpg != iss_lpg) {
+        iss_lpg = lpg;
+        iss_pg = bt[lpg];
+        iss_row = (uint32_t)iss_pg * (uint32_t)(H * P) + (uint32_t)head_k;
+        // the page's channel scales and zero points, for the main loop's first step in this
+        // page (the steps that recompute the channel terms), 16 bytes a lane: lanes
+        // [0, D / 16) scales, the next D / 16 lanes zero points
+        constexpr int NCH = D / 8;  // 16-byte copies of one [D] fp16 row
+        static_assert(2 * NCH <= 32, "one copy a lane");
+        if (lane < 2 * NCH) {
+          const int l = lane % NCH;
+          const uint8_t* src = reinterpret_cast<const uint8_t*>(
+              lane < NCH ? (const void*)p.ks : (const void*)p.kz);
+          cp_async16(smem_u32(st + Gm::KZP_OFF + 16 * lane),
+                     src + ((long long)iss_pg * H + h) * D * 2 + 16 * l, 16);
+        }
+      }
+      pg0 = pg1 = iss_pg;
+      r0 = r1 = (long long)(iss_row + (uint32_t)(tok0 & (P - 1)));
+    } else {
+      pg0 = bt[min(tok0, last) >> p.log2p];
+      pg1 = bt[min(tok0 + 8, last) >> p.log2p];
+      r0 = (long long)pg0 * H * P + head_k + (tok0 & (P - 1));
+      r1 = (long long)pg1 * H * P + head_k + (tok0 & (P - 1));
+    }
     if constexpr (HOIST) {
-      const long long r0 = (long long)pg0 * H * P + head_k + (tok0 & (P - 1));
-      const long long r1 = (long long)pg1 * H * P + head_k + (tok0 & (P - 1));
       const uint32_t sb = smem_u32(st);
       const int lim = L - tok0;  // rows below it hold tokens (< L)
       const uint8_t* k0 = p.k + r0 * Gm::RBK;
@@ -789,17 +820,15 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
 #pragma unroll
     for (int k = 0; k < (HOIST ? 0 : Gm::NCK / 2); ++k) {
       const int q = lane + 32 * k, row = q / Gm::NCK, c = q % Gm::NCK;
-      const int tok = tok0 + row;
-      const int pg = row < 8 ? pg0 : pg1;
-      const long long off = ((long long)pg * H * P + head_k + (tok & (P - 1))) * Gm::RBK + c * 16;
+      const int tok = tok0 + row;  // (tok & (P - 1)) = (tok0 & (P - 1)) + (row & (P - 1))
+      const long long off = ((row < 8 ? r0 : r1) + (row & (P - 1))) * Gm::RBK + c * 16;
       cp_async16(smem_u32(st + chunk_off(row, c, Gm::NCK)), p.k + off, tok < L ? 16 : 0);
     }
 #pragma unroll
     for (int k = 0; k < (HOIST ? 0 : Gm::NCV / 2); ++k) {
       const int q = lane + 32 * k, row = q / Gm::NCV, c = q % Gm::NCV;
       const int tok = tok0 + row;
-      const int pg = row < 8 ? pg0 : pg1;
-      const long long off = ((long long)pg * H * P + head_k + (tok & (P - 1))) * Gm::RBV + c * 16;
+      const long long off = ((row < 8 ? r0 : r1) + (row & (P - 1))) * Gm::RBV + c * 16;
       cp_async16(smem_u32(st + Gm::KBYTES + chunk_off(row, c, Gm::NCV)), p.v + off,
                  tok < L ? 16 : 0);
     }
@@ -812,8 +841,7 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
       const float* src = is_v ? p.vs : p.ks;
       if (mode == KVC_SC_TOKEN && l < 4 && lane < 16) {
         const int tok = tok0 + 4 * l;
-        const int pg = l < 2 ? pg0 : pg1;
-        const long long off = (long long)pg * H * P + head_k + (tok & (P - 1));
+        const long long off = (l < 2 ? r0 : r1) + ((4 * l) & (P - 1));
         // the scales of tokens past L (unwritten slots) are zero-filled, never read
         cp_async16(smem_u32(sc + (is_v ? 16 : 0) + 4 * l), src + off,
                    4 * min(max(L - tok, 0), 4));
@@ -822,7 +850,7 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
         cp_async4(smem_u32(sc + (is_v ? 16 : 0) + l), src + (long long)pg * H + h, 4);
       }
     }
-    if constexpr (KSM == KVC_SC_CHANZP) {
+    if constexpr (KSM == KVC_SC_CHANZP && !PGZ) {
       // the page's channel scales and zero points (pages of >= 16 tokens: one page a step),
       // 16 bytes a lane: lanes [0, D / 16) scales, the next D / 16 lanes zero points
       constexpr int NCH = D / 8;  // 16-byte copies of one [D] fp16 row
@@ -842,7 +870,8 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
         const int half = lane & 1, tok = tok0 + 8 * half;
         const uint8_t* src = reinterpret_cast<const uint8_t*>(lane < 2 ? (const void*)p.vs
                                                                        : (const void*)p.vz);
-        const long long off = (long long)(half ? pg1 : pg0) * H * P + head_k + (tok & (P - 1));
+        // (PGZ: pages of >= 16 tokens, r1 = r0)
+        const long long off = PGZ ? r0 + 8 * half : (half ? r1 : r0) + ((8 * half) & (P - 1));
         cp_async16(smem_u32(st + Gm::VZP_OFF + 16 * lane), src + off * 2,
                    2 * min(max(L - tok, 0), 8));
       }

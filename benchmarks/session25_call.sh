@@ -1,0 +1,40 @@
+#!/bin/bash
+# Device calls of the twenty-fifth session, one part a call, each under 600 s; every part
+# writes $OUT/<part>*.txt and prints a summary.
+#   a: the int4 decode kernel's per-page issue (paged_decode.cuh PGZ: a block-table load, the
+#      page's row and its channel-scale copy once a page) on the GPU: its int4 and key-mask
+#      cases, with the twenty-fourth session's unrun checks beside them (generate's deferred
+#      stop case, the int gather route on CUDA); then issue 14's kernel table at the four
+#      shapes without a mask (int4, fp8 page scales, bf16), and int4 with the all-True mask
+#      generate passes, before (benchmarks/_orig_paged_decode.cuh, untracked, where present)
+#      and after
+#   e, g, k and the earlier parts: session24_call.sh's
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kvc_out}; mkdir -p "$OUT"
+SHAPES=${K_SHAPES:-B64_L8k,B16_L32k,B1_L128k,D64_B64_L8k}
+bench() {  # label, extra args
+  local label=$1; shift
+  timeout -k 5 ${K_LIMIT:-110} python3 benchmarks/gpu_decode_fast.py --no-triton --waves '' \
+    --shapes "$SHAPES" --out "$OUT" "$@" > "$OUT/a_$label.txt" 2>&1 || echo "$label: exit $?"
+  echo "== $label"; grep -E "sdpa|cuda|error|Error" "$OUT/a_$label.txt" | head -40
+}
+case "${PART:-a}" in
+  a)
+    (timeout -k 5 ${A1_LIMIT:-240} python3 -m pytest -q -m gpu tests/gpu/test_decode_sm90_gpu.py \
+       -k "int4 or kmask" 2>&1 | tail -4 > "$OUT/a_int4_tests.txt") &
+    (timeout -k 5 150 python3 -m pytest -q -m gpu tests/gpu/test_hf_graphs_gpu.py \
+       -k deferred_stop 2>&1 | tail -3 > "$OUT/a_defer.txt") &
+    (timeout -k 5 150 python3 -m pytest -q tests/kernels/test_prefill_gather.py \
+       tests/runtime/test_chunk_route.py 2>&1 | tail -3 > "$OUT/a_gather.txt") &
+    wait
+    for f in int4_tests defer gather; do echo "== $f"; cat "$OUT/a_$f.txt"; done
+    bench nomask --formats int4/channel,fp8_e4m3/page,bf16/page
+    bench mask_i4 --formats int4/channel --key-mask
+    if [ -f benchmarks/_orig_paged_decode.cuh ]; then
+      cp benchmarks/_orig_paged_decode.cuh kvcompile/kernels/cuda/paged_decode.cuh
+      bench before_nomask_i4 --formats int4/channel
+      bench before_mask_i4 --formats int4/channel --key-mask
+    fi ;;
+  *)
+    PART=$PART bash benchmarks/session24_call.sh ;;
+esac
