@@ -138,11 +138,12 @@ FULL_ONLY = {
         "sm_90 compile of the prompt-mass kernels",
     # formats and policies the other cases of the same test take in the default run
     "tests/integrations/test_hf_graphs_eviction.py::test_graph_steps_with_eviction_equal_the_"
-    "host_path[H2O, fp4]": "H2O in generate's graphs (its cases over fp8 page scales and the "
-    "default pages stay)",
+    "host_path[H2O, ": "H2O in generate's graphs over fp8 page scales and fp4 (its case over "
+    "the default pages stays; H2O over fp8 and int4 pages, in generate and the Engine: "
+    "tests/engine/test_engine_eviction.py::test_storage_formats_compose_with_eviction)",
     "tests/integrations/test_hf_graphs_eviction.py::test_latent_layers_step_aside_and_equal_"
-    "the_host_path[H2O reference]": "H2O on latent pages in generate's graphs, reference "
-    "attention (the case over the Triton latent kernel and fp8 pages stays)",
+    "the_host_path[H2O": "H2O on latent pages in generate's graphs (the latent SinkWindow case "
+    "in graphs stays; H2O on latent pages eagerly: tests/eviction/test_latent_eviction.py)",
     "tests/integrations/test_hf_graphs_eviction.py::test_graph_steps_with_eviction_equal_the_"
     "host_path[SnapKV hold, int4 channel keys]": "SnapKV in generate's graphs over re-encoded "
     "tokens (its fp8 page-scale cases stay; int4 graphs: tests/gpu/test_int_graphs_gpu.py)",
@@ -155,10 +156,27 @@ FULL_ONLY = {
     "tests/engine/test_engine_window_ops.py::test_steps_that_need_more_still_step_aside[policy1":
         "window steps stepping aside (the policy0 cases stay)",
     "tests/engine/test_graphs_emulated.py::test_latent_layers[H2O]":
-        "H2O on latent layers between engine replays (test_hf_graphs_eviction's latent H2O "
-        "case, test_latent_layers[no eviction])",
+        "H2O on latent layers between engine replays (H2O on latent pages: tests/eviction/"
+        "test_latent_eviction.py; the Engine's graphs: test_latent_layers[no eviction])",
     "tests/engine/test_engine_eviction.py::test_storage_formats_compose_with_eviction[bf16]":
         "formats under eviction in the engine (fp8 and int4 cases stay)",
+    "tests/engine/test_graphs_emulated.py::test_eviction_between_replays":
+        "SnapKV between the Engine's emulated graph replays (SnapKV between generate's graph "
+        "replays: test_hf_graphs_eviction's SnapKV cases; the Engine's eviction: "
+        "tests/engine/test_engine_eviction.py; the Engine's graphs: test_latent_layers)",
+    "tests/eviction/test_end_to_end.py::test_decode_kernel_path_matches_reference[policy1]":
+        "the second policy through the decode kernel (policy0 stays)",
+    "tests/eviction/test_end_to_end.py::test_fresh_prompt_attends_through_sdpa_and_keeps_the_"
+    "same_tokens[policy1]": "the second policy's fresh prompt (policy0 stays)",
+    "tests/eviction/test_end_to_end.py::test_policies_combine_with_formats[fp4_e2m1]":
+        "policies over fp4 pages (bf16 and fp8 stay; fp4 re-encoded on eviction: "
+        "test_hf_graphs_eviction's test_re_encoding_formats_evict_on_the_device[fp4_e2m1])",
+    "tests/engine/test_engine_nan.py::test_nan_request_fails_alone_on_the_triton_path[fp8":
+        "a NaN request over fp8 pages in the Engine (the fp32 case stays; NaN over fp8 pages "
+        "in the kernels: tests/kernels/test_nan.py)",
+    # a tool's children: three families in subprocesses (the sweep's doc and config tests stay;
+    # the 12 families compiled: tests/passes/test_hf_families.py)
+    "tests/passes/test_coverage_sweep.py::test_sweep_subset": "the coverage sweep's child runs",
     # SmolLM2 runs (30-40 s each) whose ground a tiny model's test covers: fp32 pages token-
     # identical to eager (the 12 families of tests/passes/test_hf_families.py), the CLI's
     # inspect --verify (tests/cli/test_cli.py's verify tests); SmolLM2 itself stays in the

@@ -116,7 +116,11 @@ def check(model, fmt: str, batch: int, prompts, ref, new: int = 24) -> dict:
     return dict(fmt=fmt, batch=batch, steps=steps, max_rel=max(diffs or [float("nan")]),
                 prefill_rel=max(pre or [float("nan")]),
                 prefill_top1=sum(pre_top1) / max(len(pre_top1), 1),
-                prefill_kernel=st.get("prefill_triton", 0),
+                # a fresh packed prompt attends to its own K/V (varlen / SDPA), a prompt over
+                # stored pages through the Triton prefill kernel or the gather route
+                prefill_kernel=sum(st.get(k, 0) for k in ("prefill_triton", "prefill_gather",
+                                                          "prefill_fresh_varlen",
+                                                          "prefill_fresh_sdpa")),
                 argmax=min(agree or [1.0]), same_run=same,
                 captures=graphs.captures if graphs else 0,
                 replays=graphs.replays if graphs else 0,
