@@ -10,8 +10,8 @@ same slots (the second write stores the same bytes), so every step compares the 
 identical inputs. Per format (bf16, fp8_e4m3 page scales, fp4_e2m1) and batch sizes that hit
 a bucket exactly and that need padding rows (1, 3, 5, 16): the largest relative logit
 difference and the argmax agreement (on rows whose top two logits are decisively apart: the
-two paths split the keys differently, so a near-tie may flip). The prefill steps (packed,
-Triton prefill kernel) are compared with the plain fp32 model at each prompt's last token.
+two paths split the keys differently, so a near-tie may flip). The prefill steps (packed:
+fresh prompts on the varlen / SDPA kernels) are compared with the plain fp32 model at each prompt's last token.
 Then: a whole run with graphs against a whole run
 without (greedy tokens), the pool empty after close (scratch pages returned), and the step
 time of both paths on this model (printed with -s). (Was benchmarks/gpu_check_engine_graphs.py.)
@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 TOL = {"bf16": 2e-3, "fp8_e4m3": 2e-3, "fp4_e2m1": 2e-3}   # graph vs eager: same kernels
-# engine prefill (packed, Triton prefill kernel over the stored pages) vs the plain fp32 model
+# engine prefill (packed; fresh prompts attend to their own K/V) vs the plain fp32 model
 PREFILL_TOL = {"bf16": 3e-2, "fp8_e4m3": 1e-1, "fp4_e2m1": 3e-1}
 
 
