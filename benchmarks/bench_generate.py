@@ -115,8 +115,10 @@ def parse_args(argv=None):
                    help="each generate row: one more call, profiled over its decode steps "
                         "(device time by part: GEMM, attention, append, ...; step_profile.py), "
                         "printed as a table after the rows")
-    p.add_argument("--peak-tbs", type=float, default=4.8,
-                   help="memory bandwidth in TB/s for the roofline column (H200: 4.8)")
+    p.add_argument("--peak-tbs", type=float, default=None,
+                   help="memory bandwidth in TB/s for the roofline column; default: the "
+                        "GPU's by name (peak_tbs(): H200 4.8, H100 SXM 3.35, H100 PCIe 2.0), "
+                        "else 4.8")
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "benchmarks"))
     a = p.parse_args(argv)
     if a.smoke:
@@ -285,6 +287,16 @@ def bf16_kv_bytes_per_token(model) -> int:
     c = model.config
     d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return c.num_hidden_layers * 2 * c.num_key_value_heads * d * 2
+
+
+# datasheet HBM bandwidth by device name (the roofline's denominator), most specific first
+PEAK_TBS = (("H200", 4.8), ("H100 PCIe", 2.0), ("H100 NVL", 3.9), ("H100", 3.35),
+            ("A100-SXM4-80GB", 2.04), ("A100", 1.56))
+
+
+def peak_tbs(name: str) -> float | None:
+    """The memory bandwidth (TB/s) of a GPU by its name, or None when the table lacks it."""
+    return next((tbs for key, tbs in PEAK_TBS if key in name), None)
 
 
 def add_roofline(row, model, args, kv_bytes_per_token):
@@ -668,6 +680,9 @@ def main(argv=None) -> int:
                triton=triton.__version__, transformers=transformers.__version__,
                setup=f"{args.layers} layers, B={args.batch}, prompt {args.prompt}, "
                      f"{args.new} new tokens, greedy")
+    if args.peak_tbs is None:  # the roofline's bandwidth: this GPU's, by name
+        args.peak_tbs = peak_tbs(env["device"]) or 4.8
+    env["roofline_tbs"] = args.peak_tbs
     if args.no_move_kernel:
         from kvcompile.cache import compaction
 

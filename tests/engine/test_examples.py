@@ -72,3 +72,17 @@ def test_bench_generate_smoke(tmp_path):
     gemm = re.search(r"\| GEMM \| ([\d.]+) \| ([\d.]+) \|", prof)
     assert gemm and float(gemm.group(1)) > 0 and float(gemm.group(2)) > 0, prof
     assert (tmp_path / "generate_concurrency_smoke.png").stat().st_size > 10_000
+
+
+def test_roofline_bandwidth_follows_the_gpu():
+    """bench_generate's roofline column divides by the GPU's own bandwidth (an H100's 3.35
+    TB/s, not the H200's 4.8: its rows read 1.43x too low before); the H100 PCIe is not the
+    SXM part; a GPU the table lacks gets None (the script then takes 4.8 and prints it)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), "benchmarks"))
+    import bench_generate as bg
+
+    assert bg.peak_tbs("NVIDIA H200") == 4.8
+    assert bg.peak_tbs("NVIDIA H100 80GB HBM3") == 3.35
+    assert bg.peak_tbs("NVIDIA H100 PCIe") == 2.0
+    assert bg.peak_tbs("NVIDIA GeForce RTX 4090") is None
