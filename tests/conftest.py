@@ -174,6 +174,31 @@ FULL_ONLY = {
     "tests/engine/test_engine_nan.py::test_nan_request_fails_alone_on_the_triton_path[fp8":
         "a NaN request over fp8 pages in the Engine (the fp32 case stays; NaN over fp8 pages "
         "in the kernels: tests/kernels/test_nan.py)",
+    # a case whose twin (another kernel route, policy or format of the same test) stays
+    "tests/eviction/test_latent_eviction.py::test_h2o_mass_is_the_models_attention[reference]":
+        "the reference route's H2O mass on latent pages (the Triton route's stays)",
+    "tests/eviction/test_latent_eviction.py::test_h2o_prompt_mass_absorbs_in_blocks[reference]":
+        "the reference route's prompt mass on latent pages (the Triton route's stays)",
+    "tests/eviction/test_latent_eviction.py::test_sink_window_equals_masked_attention[auto]":
+        "SinkWindow on latent pages with kernels='auto' (the Triton case stays)",
+    "tests/engine/test_engine_mixed_eviction.py::test_h2o_prompt_chunks_attend_plain_and_add_up_"
+    "their_mass[reference]": "the reference route's H2O prompt chunks (the Triton route's stays)",
+    "tests/engine/test_engine_mixed_eviction.py::test_prompt_chunks_beside_evicted_rows_attend_"
+    "plain[sinkwindow]": "SinkWindow rows beside prompt chunks (the SnapKV case stays)",
+    "tests/engine/test_engine_mixed_eviction.py::test_decode_kernel_reads_the_kept_length["
+    "sinkwindow]": "SinkWindow's kept length in the decode kernel (the SnapKV case stays)",
+    "tests/eviction/test_end_to_end.py::test_h2o_prompt_attends_plain_with_the_same_mass["
+    "reference]": "the reference route's H2O prompt (the Triton route's stays)",
+    "tests/integrations/test_hf_graphs_eviction.py::test_left_padding_replays_once_evicted["
+    "SinkWindow": "left padding under SinkWindow in generate's graphs (the SnapKV case stays)",
+    "tests/integrations/test_hf_graphs_eviction.py::test_graph_steps_with_eviction_equal_the_"
+    "host_path[SinkWindow window, interval 4]": "SinkWindow with an interval in generate's "
+    "graphs (the re-rotated SinkWindow and the SnapKV interval cases stay)",
+    "tests/engine/test_engine_eviction.py::test_random_arrivals_quantized_eviction_preemption_"
+    "prefix[int4-channel]": "random arrivals over int4 channel pages (the same with residual "
+    "pages and over fp8 stay)",
+    "tests/kernels/test_nan.py::test_decode_nan_reaches_the_queries_that_see_it[int3-":
+        "a NaN through int3 pages' decode (int4 and int2 stay)",
     # quantized pages on a family beside the formats its other cases take (gemma2: bf16 and
     # e4m3 stay; fp4: llama and mistral stay; qwen3: e4m3 stays)
     "tests/passes/test_hf_families.py::test_quantized_pages_stay_close[gemma2-eager-fp4_e2m1]":

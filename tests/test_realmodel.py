@@ -88,7 +88,10 @@ def test_smollm2_perplexity_of_pages_equals_plain_pytorch_rounding(smollm2, reco
     ids = torch.tensor(tok(_lee_text())["input_ids"][:PPL_TOKENS])
     assert ids.numel() == PPL_TOKENS
     ppl = {}
-    for kv_dtype in ("bf16", "fp8_e4m3", "fp4_e2m1"):
+    # fp4 (a third compile, about 15 s) only with KVCOMPILE_TEST_FULL=1: its bound is loose;
+    # SmolLM2 through fp4 pages stays in tests/cli/test_verify_verdict.py (logit bounds)
+    fp4 = ("fp4_e2m1",) if os.environ.get("KVCOMPILE_TEST_FULL") else ()
+    for kv_dtype in ("bf16", "fp8_e4m3") + fp4:
         model.__dict__.pop("forward", None)  # back to the class's forward, then compile anew
         model.__dict__.pop("generate", None)
         torch._dynamo.reset()
@@ -111,7 +114,8 @@ def test_smollm2_perplexity_of_pages_equals_plain_pytorch_rounding(smollm2, reco
     rel_fp8 = ppl["fp8_e4m3"] / ppl["bf16"] - 1
     assert 0 < rel_fp8 <= 0.015, f"fp8_e4m3 raised perplexity by {100 * rel_fp8:.2f}%"
     # fp4 is recorded, and bounded loosely (REFERENCE.md measured +10% by simulation)
-    assert ppl["fp4_e2m1"] / ppl["bf16"] - 1 <= 0.25
+    if fp4:
+        assert ppl["fp4_e2m1"] / ppl["bf16"] - 1 <= 0.25
 
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n   "]
