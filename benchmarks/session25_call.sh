@@ -8,6 +8,9 @@
 #      shapes without a mask (int4, fp8 page scales, bf16), and int4 with the all-True mask
 #      generate passes, before (benchmarks/_orig_paged_decode.cuh, untracked, where present)
 #      and after
+#   h: issue 14's kernel table for the H200 (any card: it prints which): the four shapes, the
+#      CUDA and Triton rows of int4 / fp8 page scales / bf16 pages (Triton is bf16's default),
+#      without a mask, then int4 and fp8 with generate's all-True key mask
 #   e, g, k and the earlier parts: session24_call.sh's
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvc_out}; mkdir -p "$OUT"
@@ -35,6 +38,13 @@ case "${PART:-a}" in
       bench before_nomask_i4 --formats int4/channel
       bench before_mask_i4 --formats int4/channel --key-mask
     fi ;;
+  h)
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    timeout -k 5 ${H_LIMIT:-300} python3 benchmarks/gpu_decode_fast.py --waves '' \
+      --shapes "$SHAPES" --formats int4/channel,fp8_e4m3/page,bf16/page --out "$OUT" \
+      > "$OUT/h_nomask.txt" 2>&1 || echo "h: exit $?"
+    grep -E "sdpa|cuda|triton|error|Error" "$OUT/h_nomask.txt" | head -60
+    bench h_mask --formats int4/channel,fp8_e4m3/page --key-mask ;;
   *)
     PART=$PART bash benchmarks/session24_call.sh ;;
 esac
