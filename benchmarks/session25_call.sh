@@ -11,6 +11,8 @@
 #   h: issue 14's kernel table for the H200 (any card: it prints which): the four shapes, the
 #      CUDA and Triton rows of int4 / fp8 page scales / bf16 pages (Triton is bf16's default),
 #      without a mask, then int4 and fp8 with generate's all-True key mask
+#   r: issue 16's rows not yet run on this code: B64 x P2048 (HF static, kvcompile bf16 / fp8
+#      pages, the Engine) and the Engine at B16 x P4096, a process a row (ROW_LIMIT each)
 #   e, g, k and the earlier parts: session24_call.sh's
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvc_out}; mkdir -p "$OUT"
@@ -45,6 +47,12 @@ case "${PART:-a}" in
       > "$OUT/h_nomask.txt" 2>&1 || echo "h: exit $?"
     grep -E "sdpa|cuda|triton|error|Error" "$OUT/h_nomask.txt" | head -60
     bench h_mask --formats int4/channel,fp8_e4m3/page --key-mask ;;
+  r)
+    B=64 P=2048 N=128 E_ARGS=" " ROW_LIMIT=${ROW_LIMIT:-110} OUT=$OUT/b64 bash \
+      benchmarks/e2e_kv_rows.sh "hf_static:auto kvc_bf16:auto kvc_fp8:auto engine_b:auto" 2>&1 \
+      | tee "$OUT/r_b64.txt"
+    B=16 P=4096 N=128 E_ARGS=" " ROW_LIMIT=${ROW_LIMIT:-110} OUT=$OUT/b16 bash \
+      benchmarks/e2e_kv_rows.sh "engine_b:auto" 2>&1 | tee "$OUT/r_b16.txt" ;;
   *)
     PART=$PART bash benchmarks/session24_call.sh ;;
 esac
