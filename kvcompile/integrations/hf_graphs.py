@@ -127,6 +127,27 @@ def _cache_in_pool(kwargs: dict) -> bool:
     return False
 
 
+def mark_decode_dynamic(kwargs: dict) -> None:
+    """A decode step's growing dimensions (its cache stubs' length, the 2-D attention mask's
+    width) marked dynamic for Dynamo before the call: the first decode step then compiles the
+    graph every later step runs. Unmarked, the first step compiled a graph for its length only
+    and the second recompiled with these dimensions dynamic (Dynamo's automatic dynamic
+    shapes): three graphs for a first `generate` (prefill, two decode) where two serve. A
+    prefill (more than one new token) is left as it is: its first graph stays static."""
+    ids = kwargs.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
+        return
+    for key in _CACHE_KEYS:
+        for layer in getattr(kwargs.get(key), "layers", None) or ():
+            for attr in ("keys", "values"):
+                t = getattr(layer, attr, None)
+                if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-2] > 1:
+                    torch._dynamo.maybe_mark_dynamic(t, t.dim() - 2)
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > 1:
+        torch._dynamo.maybe_mark_dynamic(mask, 1)
+
+
 class GraphedForward:
     """`model.forward` of a kvcompile-compiled HF model: the compiled forward, plus decode
     steps of `generate` replayed from CUDA graphs (module docstring)."""
@@ -160,6 +181,7 @@ class GraphedForward:
                     return self._run(kwargs, *step)
             before = st.graph_calls
             pooled = _cache_in_pool(kwargs)
+            mark_decode_dynamic(kwargs)
             with recompile_budget():
                 out = self.compiled(*args, **kwargs)
             check_forward(st, before, self.frame, self.model_name, pooled)

@@ -4,7 +4,8 @@ For each family and attention implementation:
 - greedy `generate` of 48 tokens through kvcompile equals eager Hugging Face (fp32 model and
   fp32 pages: the paged path must not change a single token);
 - the report counts one rewritten site per layer, the pass counter fired, and decoding 48 steps
-  compiled at most one prefill + two decode graphs (no recompiles per step);
+  compiled one prefill and one decode graph (a second at a sliding window's edge; no
+  recompiles per step);
 - with bf16 / fp8 / fp4 pages, next-token distributions stay close to eager (KL bounds set from
   measurement, in `KL_BOUND`), through prefill and decode.
 """
@@ -62,7 +63,10 @@ def test_greedy_generate_is_token_identical(family, attn):
     assert len(rep.sites) == layers and len(rep.rewritten) == layers, str(rep)
     assert all(s.cache == "cat" for s in rep.rewritten)
     assert counters["attention_rewritten"] - before >= layers
-    assert rep.graphs <= 4, f"{rep.graphs} graphs for 48 decode steps: recompiling per step"
+    # one prefill and one decode graph; a sliding window (mistral, gemma2) compiles decode once
+    # more when the context passes the window (its mask takes the other branch)
+    window = getattr(model.config, "sliding_window", None)
+    assert rep.graphs <= (3 if window else 2), f"{rep.graphs} graphs for 48 decode steps"
 
 
 def test_eager_cases_left_out_share_llamas_attention():
