@@ -97,12 +97,12 @@ def run(args) -> Result:
 
 def _compile_about(model, inner: str) -> str:
     """What the compile step does and roughly how long it takes (SmolLM2-135M, 30 layers, on 2
-    CPU cores with inner=eager: about 35 s, nearly all of it Dynamo tracing the model's code)."""
+    CPU cores with inner=eager: 14-18 s, nearly all of it Dynamo tracing the model's code)."""
     layers = getattr(getattr(model, "config", None), "num_hidden_layers", None) or 30
     what = "Dynamo traces the prefill and decode graphs, kvcompile's passes rewrite them"
     if inner == "inductor":
         return f"{what}, inductor compiles them: a few minutes"
-    return f"{what}; about {max(10, round(1.2 * layers, -1)):.0f} s on 2 CPU cores"
+    return f"{what}; about {max(10, round(0.6 * layers, -1)):.0f} s on 2 CPU cores"
 
 
 def _generate_about(max_new_tokens: int, device) -> str:
