@@ -124,6 +124,9 @@ def parse_args(argv=None):
     if a.smoke:
         a.batch, a.prompt, a.new, a.layers = 3, 40, 12, 2
         a.concurrency, a.engine_prompt = "1,2,4", 24
+    if a.peak_tbs is None:  # the roofline's bandwidth: this GPU's, by name (else the H200's)
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+        a.peak_tbs = peak_tbs(name) or 4.8
     return a
 
 
@@ -680,8 +683,6 @@ def main(argv=None) -> int:
                triton=triton.__version__, transformers=transformers.__version__,
                setup=f"{args.layers} layers, B={args.batch}, prompt {args.prompt}, "
                      f"{args.new} new tokens, greedy")
-    if args.peak_tbs is None:  # the roofline's bandwidth: this GPU's, by name
-        args.peak_tbs = peak_tbs(env["device"]) or 4.8
     env["roofline_tbs"] = args.peak_tbs
     if args.no_move_kernel:
         from kvcompile.cache import compaction

@@ -35,7 +35,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import bench_generate as bg  # noqa: E402
-from profile_generate import CATEGORIES  # noqa: E402
+from step_profile import part_of  # noqa: E402
 
 import kvcompile  # noqa: E402
 from kvcompile import Engine, KVConfig, SamplingParams  # noqa: E402
@@ -90,8 +90,7 @@ def step_table(eng, prompts, new, label):
     diff = {k: (v - k1.get(k, 0.0)) / steps / 1e3 for k, v in kn.items()}   # ms per step
     cats: dict[str, float] = {}
     for name, ms in diff.items():
-        low = name.lower()
-        cat = next((c for c, subs in CATEGORIES if any(x in low for x in subs)), "other")
+        cat = part_of(name)
         cats[cat] = cats.get(cat, 0.0) + ms
     busy = sum(cats.values())
     waits = (sn - s1) / steps / 1e3

@@ -74,7 +74,7 @@ def test_bench_generate_smoke(tmp_path):
     assert (tmp_path / "generate_concurrency_smoke.png").stat().st_size > 10_000
 
 
-def test_roofline_bandwidth_follows_the_gpu():
+def test_roofline_bandwidth_follows_the_gpu(monkeypatch):
     """bench_generate's roofline column divides by the GPU's own bandwidth (an H100's 3.35
     TB/s, not the H200's 4.8: its rows read 1.43x too low before); the H100 PCIe is not the
     SXM part; a GPU the table lacks gets None (the script then takes 4.8 and prints it)."""
@@ -86,3 +86,13 @@ def test_roofline_bandwidth_follows_the_gpu():
     assert bg.peak_tbs("NVIDIA H100 80GB HBM3") == 3.35
     assert bg.peak_tbs("NVIDIA H100 PCIe") == 2.0
     assert bg.peak_tbs("NVIDIA GeForce RTX 4090") is None
+    # the scripts that take bench_generate's parser (profile_engine, profile_generate,
+    # host_gap) get the same default
+    assert bg.parse_args(["--peak-tbs", "2.5"]).peak_tbs == 2.5
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    assert bg.parse_args([]).peak_tbs == 3.35
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bg.parse_args([]).peak_tbs == 4.8
