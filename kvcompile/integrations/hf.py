@@ -34,6 +34,7 @@ import threading
 
 import torch
 
+from kvcompile.integrations import hf_graphs as _hf_graphs
 from kvcompile.integrations import hf_prefill as _hf_prefill
 from kvcompile.integrations.hf_graphs import generating
 from kvcompile.runtime.binding import binding_of, call_scope, is_stub
@@ -124,6 +125,9 @@ def install() -> None:
         return
     if not getattr(GenerationMixin.generate, "_kvcompile_owns_pages", False):
         GenerationMixin.generate = _own_pages(GenerationMixin.generate)
+    prepare = getattr(GenerationMixin, "prepare_inputs_for_generation", None)
+    if prepare is not None and not getattr(prepare, "_kvcompile_marks", False):
+        GenerationMixin.prepare_inputs_for_generation = _mark_decode(prepare)
     _defer_stop_checks()
 
 
@@ -202,6 +206,26 @@ def _own_pages(generate):
                             b.release()
 
     run._kvcompile_owns_pages = True
+    return run
+
+
+def _mark_decode(prepare):
+    """`prepare_inputs_for_generation` whose decode inputs over kvcompile's pool come out with
+    their growing dimensions marked dynamic (hf_graphs.mark_decode_dynamic): a model compiled
+    by `torch.compile(..., backend="kvcompile")` is called by Dynamo without kvcompile's
+    wrapper, and this is where its inputs pass through kvcompile before Dynamo sees them. A
+    model compiled by `kvcompile.compile` is left to its forward (GraphedForward marks the
+    steps it compiles, not those it captures into CUDA graphs)."""
+
+    @functools.wraps(prepare)
+    def run(self, *args, **kwargs):
+        inputs = prepare(self, *args, **kwargs)
+        if isinstance(inputs, dict) and not isinstance(getattr(self, "forward", None),
+                                                       _hf_graphs.GraphedForward):
+            _hf_graphs.mark_decode_dynamic(inputs)
+        return inputs
+
+    run._kvcompile_marks = True
     return run
 
 

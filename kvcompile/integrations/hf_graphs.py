@@ -133,19 +133,26 @@ def mark_decode_dynamic(kwargs: dict) -> None:
     graph every later step runs. Unmarked, the first step compiled a graph for its length only
     and the second recompiled with these dimensions dynamic (Dynamo's automatic dynamic
     shapes): three graphs for a first `generate` (prefill, two decode) where two serve. A
-    prefill (more than one new token) is left as it is: its first graph stays static."""
+    prefill (more than one new token) is left as it is: its first graph stays static. Only
+    caches in kvcompile's pool, and only at the first decode step of each (a cache's later
+    steps find the graph; a mark costs about 1 us a tensor, 2 x layers of them)."""
     ids = kwargs.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
         return
     for key in _CACHE_KEYS:
-        for layer in getattr(kwargs.get(key), "layers", None) or ():
+        layers = getattr(kwargs.get(key), "layers", None) or ()
+        b = binding_of(getattr(layers[0], "keys", None)) if layers else None
+        if b is None or b.decode_marked:
+            continue
+        for layer in layers:
             for attr in ("keys", "values"):
                 t = getattr(layer, attr, None)
                 if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-2] > 1:
                     torch._dynamo.maybe_mark_dynamic(t, t.dim() - 2)
-    mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > 1:
-        torch._dynamo.maybe_mark_dynamic(mask, 1)
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > 1:
+            torch._dynamo.maybe_mark_dynamic(mask, 1)
+        b.decode_marked = True
 
 
 class GraphedForward:

@@ -59,6 +59,7 @@ class Binding:
         self._bases: dict[torch.dtype, weakref.ref] = {}
         self._live_bases = 0
         self.released = False                 # by kvcompile.release(model): pages gone
+        self.decode_marked = False            # hf_graphs.mark_decode_dynamic: done once
         scopes = getattr(_local, "scopes", None)
         if scopes:
             scopes[-1].append(self)
