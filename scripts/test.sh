@@ -32,7 +32,7 @@ fi
 start=$(date +%s)
 status=0
 if [ $# -eq 0 ]; then
-  # 17 min 46 s of pytest in 2 workers on an idle 2-core machine, every build cache empty
+  # 11-18 min of pytest in 2 workers on an idle 2-core machine, every build cache empty
   # (fresh clone, 2026-12-06, twenty-fifth session; the machine's speed varies up to 1.8x
   # from day to day); slower on a loaded machine (README.md, "The two commands")
   where="one process"
