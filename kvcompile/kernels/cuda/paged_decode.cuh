@@ -528,6 +528,21 @@ __device__ __forceinline__ int chunk_off(int row, int c, int nc) {
   return row * nc * 16 + ((nc >= 8 ? (c ^ swz(row)) : c) << 4);
 }
 
+// int4 keys: page `pg`'s channel scales and zero points (fp16 [D] each) into a stage's KZP
+// area, 16 bytes a lane: lanes [0, D / 8) scales, the next D / 8 lanes zero points
+template <int D>
+__device__ __forceinline__ void copy_channel_terms(uint8_t* kzp, const DecodeParams& p, int pg,
+                                                   int H, int h, int lane) {
+  constexpr int NCH = D / 8;  // 16-byte copies of one [D] fp16 row
+  static_assert(2 * NCH <= 32, "one copy a lane");
+  if (lane < 2 * NCH) {
+    const int l = lane % NCH;
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(lane < NCH ? (const void*)p.ks
+                                                                     : (const void*)p.kz);
+    cp_async16(smem_u32(kzp + 16 * lane), src + ((long long)pg * H + h) * D * 2 + 16 * l, 16);
+  }
+}
+
 template <int KK, int VK, int KSM, int VSM, int D, int DV, int ROWS, int NS, int QT,
           bool Q8 = false>
 __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
@@ -775,18 +790,9 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
         iss_lpg = lpg;
         iss_pg = bt[lpg];
         iss_row = (uint32_t)iss_pg * (uint32_t)(H * P) + (uint32_t)head_k;
-        // the page's channel scales and zero points, for the main loop's first step in this
-        // page (the steps that recompute the channel terms), 16 bytes a lane: lanes
-        // [0, D / 16) scales, the next D / 16 lanes zero points
-        constexpr int NCH = D / 8;  // 16-byte copies of one [D] fp16 row
-        static_assert(2 * NCH <= 32, "one copy a lane");
-        if (lane < 2 * NCH) {
-          const int l = lane % NCH;
-          const uint8_t* src = reinterpret_cast<const uint8_t*>(
-              lane < NCH ? (const void*)p.ks : (const void*)p.kz);
-          cp_async16(smem_u32(st + Gm::KZP_OFF + 16 * lane),
-                     src + ((long long)iss_pg * H + h) * D * 2 + 16 * l, 16);
-        }
+        // the page's channel terms, for the main loop's first step in this page (the steps
+        // that recompute them)
+        copy_channel_terms<D>(st + Gm::KZP_OFF, p, iss_pg, H, h, lane);
       }
       pg0 = pg1 = iss_pg;
       r0 = r1 = (long long)(iss_row + (uint32_t)(tok0 & (P - 1)));
@@ -850,18 +856,8 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
         cp_async4(smem_u32(sc + (is_v ? 16 : 0) + l), src + (long long)pg * H + h, 4);
       }
     }
-    if constexpr (KSM == KVC_SC_CHANZP && !PGZ) {
-      // the page's channel scales and zero points (pages of >= 16 tokens: one page a step),
-      // 16 bytes a lane: lanes [0, D / 16) scales, the next D / 16 lanes zero points
-      constexpr int NCH = D / 8;  // 16-byte copies of one [D] fp16 row
-      static_assert(2 * NCH <= 32, "one copy a lane");
-      if (lane < 2 * NCH) {
-        const int l = lane % NCH;
-        const uint8_t* src = reinterpret_cast<const uint8_t*>(lane < NCH ? (const void*)p.ks
-                                                                         : (const void*)p.kz);
-        cp_async16(smem_u32(st + Gm::KZP_OFF + 16 * lane),
-                   src + ((long long)pg0 * H + h) * D * 2 + 16 * l, 16);
-      }
+    if constexpr (KSM == KVC_SC_CHANZP && !PGZ) {  // (pages of >= 16 tokens: a page a step)
+      copy_channel_terms<D>(st + Gm::KZP_OFF, p, pg0, H, h, lane);
     }
     if constexpr (VSM == KVC_SC_TOKZP) {
       // the step's 16 token scales (lanes 0, 1: 8 tokens each) and zero points (lanes 2, 3);
