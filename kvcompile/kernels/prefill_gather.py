@@ -132,7 +132,8 @@ _INT_GRAN = {"page": 0, "token": 1, "channel": 2}
 
 def _int_bits(fmt: str) -> int:
     """Bits of an int format's codes, 0 for any other format."""
-    return registry.format_spec(fmt).bits if registry.format_spec(fmt).family == "int" else 0
+    spec = registry.format_spec(fmt)
+    return spec.bits if spec.family == "int" else 0
 
 
 def _gathered_dim(fmt: str, data: torch.Tensor) -> int:
