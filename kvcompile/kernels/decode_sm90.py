@@ -76,6 +76,7 @@ VAR_I4N = 1024  # cuda14h: int4 codes as f16 subnormals, P.V transposed for int4
 VAR_PGZ = 2048  # cuda14h: int4 keys' channel terms once a page (a warp takes a page's steps)
 VAR_SWQ = 4096  # cuda14h: q.k with the tokens as M, the query rows as N (8 rows)
 VAR_KPERM = 8192  # cuda14h: int4 keys widened by masks alone (q, channel terms permuted)
+VAR_BTPF = 16384  # page ids loaded a step (a page's run under PGZ) ahead of their issue
 _CHAIN = VAR_CAP_STATIC | VAR_QK2 | VAR_VOTE
 VARIANTS = {"base": 0, "nocap": VAR_CAP_STATIC, "aluk": VAR_CAP_STATIC | VAR_ALU_K,
             "aluv": VAR_CAP_STATIC | VAR_ALU_V, "alu": VAR_CAP_STATIC | VAR_ALU_K | VAR_ALU_V,
@@ -101,6 +102,9 @@ VARIANTS = {"base": 0, "nocap": VAR_CAP_STATIC, "aluk": VAR_CAP_STATIC | VAR_ALU
             # and int4 keys widened by masks alone (d permuted in q and the channel terms)
             "pvt4sp": (_CHAIN | VAR_PVT | VAR_CTA4 | VAR_HOIST | VAR_I4N | VAR_PGZ | VAR_SWQ
                        | VAR_KPERM)}
+# twenty-sixth session: the defaults with the block table's page ids loaded a step (a page's
+# run) ahead of their issue (paged_decode.cuh BTPF)
+VARIANTS.update({f"{k}_pf": VARIANTS[k] | VAR_BTPF for k in ("base", "pvt4h", "pvt4sp")})
 
 
 # The variant a launch without variant= runs: "pvt4h" for fp8 keys and values with page or

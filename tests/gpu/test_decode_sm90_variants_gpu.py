@@ -50,7 +50,8 @@ CASES = [
 ]
 # (aluk / aluv: alu's code for one operand, checked on the H200 before)
 VARIANTS = ["base", "nocap", "alu", "chain", "pvt", "pvt4", "pvt4h", "pvt5h", "cta4",
-            "pvt4s"]  # cuda14h: q.k with the tokens as M at <= 8 rows (fp8 pages too)
+            "pvt4s",  # cuda14h: q.k with the tokens as M at <= 8 rows (fp8 pages too)
+            "pvt4h_pf", "base_pf"]  # twenty-sixth session: page ids loaded ahead (BTPF)
 # cuda14h: int4 K channel / V token pages (and int4 beside e4m3 token pages)
 K4, V4 = ("int4", "channel"), ("int4", "token")
 INT4_CASES = [
@@ -66,7 +67,7 @@ INT4_CASES = [
     (K4, E4T, 128, 4, 16, 1, {}),
     (E4T, V4, 128, 4, 16, 2, {}),
 ]
-INT4_VARIANTS = ["base", "pvt4h", "pvt4n", "pvt4nz", "pvt4s", "pvt4sz", "pvt4sp"]
+INT4_VARIANTS = ["base", "pvt4h", "pvt4n", "pvt4nz", "pvt4s", "pvt4sz", "pvt4sp", "pvt4sp_pf"]
 # cuda14h: pvt4s on 16-bit pages (q.k with the tokens as M, P.V transposed; 8 rows)
 F16P = ("fp16", "page")
 SIXTEEN_CASES = [
@@ -78,7 +79,7 @@ SIXTEEN_CASES = [
     (F16P, F16P, 128, 4, 8, 1, {}),
     (BF, BF, 128, 8, 16, 2, {}),   # 16 rows: pvt4h's code
 ]
-SIXTEEN_VARIANTS = ["base", "pvt4h", "pvt4s"]
+SIXTEEN_VARIANTS = ["base", "pvt4h", "pvt4s", "base_pf"]
 
 
 def _kinds(fast, k, v):

@@ -996,3 +996,43 @@ def test_int4_pool_past_32_bit_rows_is_refused():
     with pytest.raises(UnsupportedShapeError, match="32-bit row index"):
         fast.plan_decode_sm90(*args, variant="pvt4sp", kz=big[4], vz=big[5])
     fast.plan_decode_sm90(*args, variant="base", kz=big[4], vz=big[5])
+
+
+# ---- BTPF (twenty-sixth session): page ids loaded a step (PGZ: a page's run) ahead of their
+# issue. The cases cross what the prefetch must get right: pages of 8 (a step's two halves in
+# two pages), splits (a warp's steps start mid-table), a window with sinks (the steps jump from
+# the sink steps to the window's, and under PGZ a window that starts inside a page changes page
+# inside a run, which loads instead), sequences shorter than a warp's first step, and int4's
+# runs of 4 and 2 steps (P 64 / 32).
+PF_CASES = [  # (variant, keys, values, D, G, P, Sq, extra)
+    ("pvt4h_pf", E4, E4, 128, 4, 8, 1, {"lens": [1, 17, 300, 1033], "splits": 3}),
+    ("pvt4h_pf", E4, E4, 128, 4, 16, 1, {"lens": [310, 1033, 17], "window": 37, "sinks": 3,
+                                          "splits": 2}),
+    ("base_pf", BF, BF, 64, 4, 16, 2, {"lens": [310, 1033, 17], "kmask": "short",
+                                        "window": 37, "sinks": 3, "splits": 2}),
+    ("pvt4sp_pf", K4, V4, 128, 4, 64, 1, {"lens": [1, 17, 300, 1033, 2000], "splits": 3}),
+    ("pvt4sp_pf", K4, V4, 128, 4, 32, 2, {"lens": [310, 1033, 17], "kmask": "short",
+                                           "window": 37, "sinks": 3, "splits": 2}),
+]
+
+
+@pytest.mark.parametrize("variant,k,v,D,G,P,Sq,kw", PF_CASES)
+def test_block_table_prefetch(variant, k, v, D, G, P, Sq, kw):
+    check_var(variant, k, v, D, G, P, Sq, **kw)
+
+
+# the prefetch of the step after next (non-PGZ) / of the run's own page (PGZ): a mutant that
+# takes the wrong page's id for every step but the warp's first
+PF_MUTATIONS = {
+    "pvt4h_pf": ("step_tok0(min(i + 1, my_steps - 1))", "step_tok0(min(i + 2, my_steps - 1))"),
+    "pvt4sp_pf": ("min(((i >> lblk) + 1) << lblk", "min(((i >> lblk) + 2) << lblk"),
+}
+
+
+@pytest.mark.parametrize("variant", list(PF_MUTATIONS))
+def test_block_table_prefetch_of_wrong_step_is_caught(variant, tmp_path):
+    root = _mutated_kernel(tmp_path, *PF_MUTATIONS[variant])
+    k, v, P = (E4, E4, 16) if variant == "pvt4h_pf" else (K4, V4, 64)
+    kc, vc, bt, sl, q, km = _inputs(k, v, 128, 4, P, 1, [1033, 300])
+    out, ref = _decode_var(variant, kc, vc, bt, sl, q, km, root=root)
+    assert rel_err(out, ref) > 10 * _bound(k, v)

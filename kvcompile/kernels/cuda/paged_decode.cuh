@@ -171,6 +171,15 @@ struct DecodeParams {
 //     e6) (x 1), x & 0x00F000F0 = (e1, e5), (x >> 8) & .. = (e3, e7) (x 16, the second chain,
 //     / 16 in the score): 32 prmt a step fewer at D 128.
 #define KVC_VAR_KPERM 8192
+// issue-14 variant (twenty-sixth session), measured by Nsight Compute's stall samples: in the
+// kernels above, issue() loaded a step's page id from the block table and used it at once to
+// build the step's copy addresses, so every warp waited out a global load's latency once a step
+// (once a page under PGZ): 29% of the fp8 kernel's stall samples (pvt4h, B16 L32k, H100), 36%
+// of bf16's, 8% of int4's (pvt4sp).
+//   BTPF: the page ids of the warp's next step (PGZ: of its next run's first step) are loaded
+//     when the current step is issued, a step ahead, into registers; issue() takes them from
+//     there (the first step of a warp, and a page change inside a run, still load).
+#define KVC_VAR_BTPF 16384
 
 namespace kvc {
 
@@ -777,6 +786,9 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
   // page's row arithmetic and its channel-scale copy once a page, not once a step
   int iss_lpg = -1, iss_pg = 0;
   uint32_t iss_row = 0;
+  // BTPF: page ids loaded a step (PGZ: a run of 1 << lblk steps) ahead of their issue
+  constexpr bool BTPF = (KVC_VAR & KVC_VAR_BTPF) != 0;
+  int pf0 = 0, pf1 = 0;
   auto issue = [&](int i) {  // cp.async of the warp's i-th step into its ring slot
     uint8_t* st = ring + (i % NS) * Gm::STAGE_ALIGNED;
     const int tok0 = step_tok0(i);
@@ -786,9 +798,11 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
     long long r0, r1;  // rows (page * H + h) * P + slot of the step's two halves
     if constexpr (PGZ) {
       const int lpg = tok0 >> p.log2p;  // tok0 < L: a step's first token is a key
+      // BTPF: a run's first step (but the warp's first) has its page id from the run before
+      const bool run0 = (i & ((1 << lblk) - 1)) == 0;
       if (lpg != iss_lpg) {
         iss_lpg = lpg;
-        iss_pg = bt[lpg];
+        iss_pg = BTPF && run0 && i > 0 ? pf0 : bt[lpg];
         iss_row = (uint32_t)iss_pg * (uint32_t)(H * P) + (uint32_t)head_k;
         // the page's channel terms, for the main loop's first step in this page (the steps
         // that recompute them)
@@ -796,9 +810,26 @@ __device__ __forceinline__ void paged_decode(const DecodeParams& p) {
       }
       pg0 = pg1 = iss_pg;
       r0 = r1 = (long long)(iss_row + (uint32_t)(tok0 & (P - 1)));
+      if constexpr (BTPF) {  // the next run's page id, used at its first step
+        // (loaded every step, the index clamped to the warp's last step, never skipped: a
+        // conditional load merges with the old value, which ptxas did with a copy right after
+        // the load, waiting for it)
+        const int ni = min(((i >> lblk) + 1) << lblk, my_steps - 1);
+        pf0 = bt[step_tok0(ni) >> p.log2p];
+      }
     } else {
-      pg0 = bt[min(tok0, last) >> p.log2p];
-      pg1 = bt[min(tok0 + 8, last) >> p.log2p];
+      if (BTPF && i > 0) {  // loaded by the previous step's issue
+        pg0 = pf0;
+        pg1 = pf1;
+      } else {
+        pg0 = bt[min(tok0, last) >> p.log2p];
+        pg1 = bt[min(tok0 + 8, last) >> p.log2p];
+      }
+      if constexpr (BTPF) {  // the next step's, used at its issue (never skipped, as above)
+        const int nt = step_tok0(min(i + 1, my_steps - 1));
+        pf0 = bt[min(nt, last) >> p.log2p];
+        pf1 = bt[min(nt + 8, last) >> p.log2p];
+      }
       r0 = (long long)pg0 * H * P + head_k + (tok0 & (P - 1));
       r1 = (long long)pg1 * H * P + head_k + (tok0 & (P - 1));
     }
