@@ -85,21 +85,36 @@ def variants(name: str, gran: str, grouped: bool) -> list:
         out += [(f", rows tile {e // 128} x 128", {"ROW_TILE_ELEMS": e}) for e in (2048, 8192)]
     if gran == "tensor":
         out.append((", calibration grid per block (old)", {"CALIBRATE_PROGRAMS": 1 << 30}))
+    if name.startswith("int") and gran != "token":   # append_int's bulk kernels
+        import kvcompile.kernels.append_int as app_int
+
+        other = "runs" if app_int.PAGE_BULK == "tiles" else "tiles"
+        out.append((f", {other} kernel", {"int.PAGE_BULK": other}))
+        out += [(f", tiles {e // 128} x 128, {w} warps", {"int.PAGE_BULK": "tiles",
+                                                           "int.TILE_ELEMS": e,
+                                                           "int.TILE_WARPS": w})
+                for e, w in ((4096, 8), (8192, 8)) if (e, w) != (app_int.TILE_ELEMS,
+                                                                 app_int.TILE_WARPS)]
     return out
 
 
 @contextlib.contextmanager
 def set_knobs(knobs: dict):
+    # names "int.X" are attributes of kvcompile.kernels.append_int, the others of append
     import kvcompile.kernels.append as app
+    import kvcompile.kernels.append_int as app_int
 
-    before = {k: getattr(app, k) for k in knobs}
+    def where(k):
+        return (app_int, k[4:]) if k.startswith("int.") else (app, k)
+
+    before = {k: getattr(*where(k)) for k in knobs}
     for k, v in knobs.items():
-        setattr(app, k, v)
+        setattr(*where(k), v)
     try:
         yield
     finally:
         for k, v in before.items():
-            setattr(app, k, v)
+            setattr(*where(k), v)
 
 
 def bench(fn) -> float:
@@ -136,6 +151,9 @@ def main() -> int:
         import kvcompile.kernels.append as app
 
         app.BULK_TOKENS = 0   # the bulk page-scaled kernels at the dry run's 256 tokens
+        import kvcompile.kernels.append_int as app_int
+
+        app_int.BULK_TOKENS = 0
     gen = torch.Generator(device=DEV).manual_seed(0)
     x = torch.randn(T, H, D, device=DEV, dtype=torch.bfloat16, generator=gen) * 3
     N = T // P

@@ -12,6 +12,7 @@
 #      kernel table at the four shapes with the _pf rows beside the defaults (and the Triton
 #      rows), generate's all-True key mask at B16 L32k, and Nsight Compute's stall samples of
 #      the _pf variants at B16 L32k
+#   a: the int append's tiles kernel: its GPU bit-exactness cases, the append bench at P16 / P64
 #   other parts: session25_call.sh's
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvc_out}; mkdir -p "$OUT"
@@ -55,6 +56,17 @@ case "${PART:-n}" in
       --key-mask --out "$OUT" > "$OUT/p_mask.txt" 2>&1 || echo "mask: exit $?"
     grep -E "sdpa|cuda" "$OUT/p_mask.txt" | head -20
     N_ARGS="--variants pvt4sp_pf,pvt4h_pf,base_pf" prof pf B16_L32k int4/channel,fp8_e4m3/page,bf16/page ;;
+  a)
+    # the int append's tiles kernel (append_int.PAGE_BULK "tiles"): bit-exactness on CUDA,
+    # then the append bench at pages of 16 (the bench's) and 64 (the 4-bit format's)
+    timeout -k 5 ${A1_LIMIT:-150} python3 -m pytest -q -n 8 -m gpu \
+      tests/gpu/test_append_int_gpu.py 2>&1 | tail -3 | tee "$OUT/a_tests.txt"
+    for pg in 16 64; do
+      timeout -k 5 ${AB_LIMIT:-150} python3 benchmarks/bench_append.py --page $pg \
+        --json "$OUT/bench_append_p$pg.json" > "$OUT/a_append_p$pg.txt" 2>&1 \
+        || echo "append P$pg: exit $?"
+      grep -E "copy|int4|fp4|fp8_e4m3 page, grouped \(|APPEND" "$OUT/a_append_p$pg.txt" | head -30
+    done ;;
   *)
     PART=$PART bash benchmarks/session25_call.sh ;;
 esac

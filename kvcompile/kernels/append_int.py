@@ -16,7 +16,10 @@ Same bytes as PagedTensor.write (paged.py `_write_codes` / `_write_grouped`, gro
   the reference does; unchanged channels give back their codes).
 
 One program per (window of WIN sorted slots, head) walks the runs (one page each) that start
-in its window: WIN = 1 for decode steps (one program per token), WIN = P for bulk writes. A run
+in its window: WIN = 1 for decode steps (one program per token), WIN = P for bulk writes
+(PAGE_BULK "runs"). Bulk writes by default (PAGE_BULK "tiles", `_append_int_tiles_kernel`)
+write the fresh full pages of a window of max(P, TILE_ELEMS / D) slots from one tile of x in
+one pass, and walk only the other runs. A run
 is visited in chunks of NR rows, twice: min / max first, then encode and store (no host sync,
 nothing sized by the data: CUDA-graph capturable). Codes pack along head_dim as intq.pack does,
 as [rows, units, codes per unit] tiles (int3: 8 codes in 3 bytes).
@@ -37,6 +40,12 @@ _RNE_MAGIC = tl.constexpr(12582912.0)   # 1.5 * 2^23: (q + M) - M rounds |q| < 2
 DECODE_ROWS, BULK_ROWS = 16, 32
 # slots per program window of a bulk write (more tokens than this: WIN = P)
 BULK_TOKENS = 4096
+# page / channel scales, bulk writes: "tiles" (fresh full pages from one [W / P, P, D] tile of
+# x, a window of W = max(P, TILE_ELEMS / D) slots a program; other runs as "runs" does) or
+# "runs" (every run through _append_int_run, a window of P slots a program)
+PAGE_BULK = "tiles"
+TILE_ELEMS = 4096
+TILE_WARPS = 4
 
 
 def unit_shape(bits: int) -> tuple[int, int]:
@@ -248,6 +257,80 @@ def _append_int_pages_kernel(X, SORTED, ORDER, DATA, SCALE, ZERO, T, H, D: tl.co
 
 
 @triton.jit(do_not_specialize=["T", "H"])
+def _append_int_tiles_kernel(X, SORTED, ORDER, DATA, SCALE, ZERO, T, H, D: tl.constexpr,
+                             P: tl.constexpr, W: tl.constexpr, NR: tl.constexpr,
+                             BITS: tl.constexpr, PER: tl.constexpr, NB: tl.constexpr,
+                             CH: tl.constexpr, RECIP: tl.constexpr, GROUPED: tl.constexpr):
+    # page / channel scales, bulk writes (append.py's tiles kernel for the int formats):
+    # program (w, h) owns the runs that start in positions [w * W, (w + 1) * W). With s0 its
+    # first run start, positions s0 + [0, W) are W / P blocks of P; a block whose first
+    # position starts a page (offset 0) and whose P positions are that whole page is a fresh
+    # full page: no earlier tokens, so its parameters come from its new values alone (the
+    # run path's "keep" needs earlier tokens), written from one [W / P, P, D] tile in one pass
+    # over x (min / max over the page's rows, parameters, codes, packed store). The other runs
+    # (a page with earlier tokens, a partial page, a run off the s0 + k P grid) go through
+    # _append_int_run, one after another. Bit for bit the run path's: the same _params /
+    # _codes on the same values.
+    LEV: tl.constexpr = (1 << BITS) - 1
+    G: tl.constexpr = D // PER
+    NPG: tl.constexpr = W // P
+    h = tl.program_id(1)
+    i0 = tl.program_id(0) * W
+    idx = i0 + tl.arange(0, W)
+    live = idx < T
+    slot = tl.load(SORTED + idx, mask=live, other=0)
+    prv = tl.load(SORTED + idx - 1, mask=live & (idx > 0), other=0)
+    start = live & ((idx == 0) | (prv // P != slot // P))
+    s0 = tl.min(tl.where(start, idx, i0 + W), 0)
+    qb = s0 + tl.arange(0, NPG) * P                                     # [NPG] block starts
+    first = tl.load(SORTED + qb, mask=qb < T, other=1)
+    last = tl.load(SORTED + qb + P - 1, mask=qb + P - 1 < T, other=-1)
+    full = (qb < i0 + W) & (qb + P - 1 < T) & (first % P == 0) & (last == first + P - 1)
+    rr = tl.arange(0, P)
+    pos = qb[:, None] + rr[None, :]                                     # [NPG, P]
+    okr = full[:, None] & (rr[None, :] >= 0)
+    if GROUPED:
+        src = pos
+    else:
+        src = tl.load(ORDER + pos, mask=pos < T, other=0)
+    d = tl.arange(0, D)
+    xoff = ((src.to(tl.int64) * H + h) * D)[:, :, None] + d[None, None, :]
+    x = tl.load(X + xoff, mask=okr[:, :, None], other=0.0).to(tl.float32)  # [NPG, P, D]
+    inf = float("inf")
+    fin = tl.abs(x) < inf
+    lo = tl.min(tl.where(fin, x, inf), 1)                                # [NPG, D]
+    hi = tl.max(tl.where(fin, x, -inf), 1)
+    nan = tl.max((x != x).to(tl.int32), 1)
+    if not CH:   # one group per (page, head): fold the channels
+        lo = tl.zeros_like(lo) + tl.min(lo, 1)[:, None]
+        hi = tl.zeros_like(hi) + tl.max(hi, 1)[:, None]
+        nan = tl.zeros_like(nan) + tl.max(nan, 1)[:, None]
+    sc, zp = _params(lo, hi, nan != 0, LEV, RECIP)                      # [NPG, D]
+    codes = _codes(x, sc[:, None, :], zp[:, None, :], LEV)              # [NPG, P, D]
+    head = tl.where(full, first // P, 0) * H + h                        # [NPG]
+    rows = tl.reshape(head[:, None] * P + rr[None, :], [NPG * P])
+    _pack_store(DATA, rows, tl.reshape(okr, [NPG * P]),
+                tl.reshape(codes, [NPG * P, G, PER]), G, PER, NB, BITS)
+    if CH:
+        pofs = head[:, None] * D + d[None, :]
+        smask = full[:, None] & (d[None, :] >= 0)
+    else:
+        pofs = head[:, None] + d[None, :] * 0
+        smask = full[:, None] & (d[None, :] == 0)
+    tl.store(SCALE + pofs, sc.to(tl.float16), mask=smask)
+    tl.store(ZERO + pofs, zp.to(tl.float16), mask=smask)
+    # the run starts of the window that no full block covered (the same test as `full`)
+    lastw = tl.load(SORTED + idx + P - 1, mask=live & (idx + P - 1 < T), other=-1)
+    cov = ((idx - s0) % P == 0) & (idx + P - 1 < T) & (slot % P == 0) & (lastw == slot + P - 1)
+    rest = start & (cov == 0)
+    i = tl.min(tl.where(rest, idx, i0 + W), 0)
+    while i < i0 + W:
+        _append_int_run(X, SORTED, ORDER, DATA, SCALE, ZERO, i, T, H, h, D, P, NR, BITS, PER,
+                        NB, CH, RECIP, GROUPED)
+        i = tl.min(tl.where(rest & (idx > i), idx, i0 + W), 0)
+
+
+@triton.jit(do_not_specialize=["T", "H"])
 def _append_int_tokens_kernel(X, SLOTS, DATA, SCALE, ZERO, T, H, D: tl.constexpr,
                               P: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr,
                               PER: tl.constexpr, NB: tl.constexpr, RECIP: tl.constexpr):
@@ -290,6 +373,13 @@ def launch_append_int(x, slots, data, scale, zero, bits: int, granularity: str,
         sorted_slots, order = slots, iota(T, x.device)
     else:
         sorted_slots, order = sort(slots)
+    if T > BULK_TOKENS and PAGE_BULK == "tiles":
+        W = max(P, TILE_ELEMS // D)
+        _append_int_tiles_kernel[(triton.cdiv(T, W), H)](
+            x, sorted_slots, order, data, scale, zero, T, H, D=D, P=P, W=W,
+            NR=min(P, BULK_ROWS), BITS=bits, PER=per, NB=nb, CH=granularity == "channel",
+            RECIP=recip, GROUPED=grouped, num_warps=TILE_WARPS)
+        return
     win = 1 if T <= BULK_TOKENS else P
     nr = min(P, DECODE_ROWS if win == 1 else BULK_ROWS)
     _append_int_pages_kernel[(triton.cdiv(T, win), H)](

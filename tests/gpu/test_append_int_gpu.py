@@ -33,13 +33,19 @@ def test_int_append_matrix(name, gran, D, P):
         assert got.reencoded >= 2
 
 
-@pytest.mark.parametrize("name,gran,grouped", list(itertools.product(
-    ("int4", "int3", "int2"), ("page", "channel"), (False, True))))
-def test_int_append_bulk(name, gran, grouped):
-    # more than append_int.BULK_TOKENS tokens in one write: windows of P slots per program
+@pytest.mark.parametrize("name,gran,grouped,bulk", list(itertools.product(
+    ("int4", "int3", "int2"), ("page", "channel"), (False, True), ("tiles", "runs"))))
+def test_int_append_bulk(name, gran, grouped, bulk, monkeypatch):
+    # more than append_int.BULK_TOKENS tokens in one write (the threshold lowered to 64 so
+    # that the later writes take the bulk kernels too): "tiles" (fresh full pages from one tile,
+    # the other runs one by one) and "runs" (windows of P slots per program)
+    from kvcompile.kernels import append_int
+
+    monkeypatch.setattr(append_int, "BULK_TOKENS", 64)
+    monkeypatch.setattr(append_int, "PAGE_BULK", bulk)
     gen = torch.Generator().manual_seed(7)
-    run_int_steps(name, gran, 128, 64, [2100, 1, 5, 300], gen, device="cuda", grouped=grouped,
-                  dtypes=BF)
+    run_int_steps(name, gran, 128, 64, [2100, 1, 5, 300, 700], gen, device="cuda",
+                  grouped=grouped, dtypes=BF)
 
 
 @pytest.mark.parametrize("gran", ["channel", "token"])

@@ -88,13 +88,20 @@ def test_int_append_is_bit_exact_with_reference(name, gran, D, P):
         assert got.reencoded >= 2
 
 
-def test_int_append_grouped_and_bulk_launches(monkeypatch):
-    # slots in reserve order (grouped=True: no sort) and the bulk launch (a window of P slots
-    # per program, chunks of BULK_ROWS), here made to start at 8 tokens
+@pytest.mark.parametrize("bulk", ["tiles", "runs"])
+def test_int_append_grouped_and_bulk_launches(bulk, monkeypatch):
+    # slots in reserve order (grouped=True: no sort) and the bulk launches, here made to start
+    # at 8 tokens: "runs" (a window of P slots per program, chunks of BULK_ROWS); "tiles" (fresh
+    # full pages from one tile of two pages a program, the other runs as "runs" does: the steps
+    # below give full pages, a partial first and last page, and pages with earlier tokens)
     monkeypatch.setattr(append_int, "BULK_TOKENS", 8)
+    monkeypatch.setattr(append_int, "PAGE_BULK", bulk)
+    monkeypatch.setattr(append_int, "TILE_ELEMS", 2 * 16 * 32)
     gen = torch.Generator().manual_seed(5)
-    run_int_steps("int4", "channel", 32, 16, [37, 1, 20], gen, grouped=True)
-    run_int_steps("int4", "page", 16, 8, [11, 9], gen)
+    run_int_steps("int4", "channel", 32, 16, [37, 1, 20, 50], gen, grouped=True)
+    monkeypatch.setattr(append_int, "TILE_ELEMS", 4 * 8 * 16)
+    run_int_steps("int4", "page", 16, 8, [11, 9, 30], gen)
+    run_int_steps("int3", "channel", 32, 8, [27, 20], gen)
 
 
 def test_int_append_wrong_scale_or_kernel_fails():

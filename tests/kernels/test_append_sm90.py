@@ -84,6 +84,12 @@ def _cases():
                    dict(SCALE="*fp16"), 4)
             continue
         nr = AI.DECODE_ROWS if win == 1 else AI.BULK_ROWS
+        if win > 1 and AI.PAGE_BULK == "tiles":   # a bulk write: the tiles kernel (its run
+            # path is _append_int_pages_kernel's)
+            yield (f"int{bits} {gran} tiles grouped={grouped}", AI._append_int_tiles_kernel,
+                   dict(base, W=max(64, AI.TILE_ELEMS // 128), NR=nr, CH=gran == "channel",
+                        GROUPED=grouped), dict(SCALE="*fp16"), AI.TILE_WARPS)
+            continue
         yield (f"int{bits} {gran} WIN={win} grouped={grouped}", AI._append_int_pages_kernel,
                dict(base, WIN=win, NR=nr, CH=gran == "channel", GROUPED=grouped),
                dict(SCALE="*fp16"), 4)
