@@ -46,6 +46,9 @@ BULK_TOKENS = 4096
 PAGE_BULK = "tiles"
 TILE_ELEMS = 4096
 TILE_WARPS = 4
+# token scales: R = TOKEN_TILE_ELEMS / max(D, 128) tokens of one head a program
+TOKEN_TILE_ELEMS = 4096
+TOKEN_TILE_WARPS = 4
 
 
 def unit_shape(bits: int) -> tuple[int, int]:
@@ -364,10 +367,10 @@ def launch_append_int(x, slots, data, scale, zero, bits: int, granularity: str,
     per, nb = unit_shape(bits)
     recip = not explicit
     if granularity == "token":
-        R = max(1, min(32, 4096 // D))
+        R = max(1, min(TOKEN_TILE_ELEMS // 128, TOKEN_TILE_ELEMS // D))
         _append_int_tokens_kernel[(triton.cdiv(T, R), H)](
             x, slots, data, scale, zero, T, H, D=D, P=P, R=R, BITS=bits, PER=per, NB=nb,
-            RECIP=recip, num_warps=4)
+            RECIP=recip, num_warps=TOKEN_TILE_WARPS)
         return
     if grouped:
         sorted_slots, order = slots, iota(T, x.device)
