@@ -38,6 +38,7 @@ _F16_MAX = tl.constexpr(65504.0)
 _RNE_MAGIC = tl.constexpr(12582912.0)   # 1.5 * 2^23: (q + M) - M rounds |q| < 2^22 to even
 # rows of a chunk: decode-step launches (WIN = 1, runs of one token) / bulk launches
 DECODE_ROWS, BULK_ROWS = 16, 32
+DECODE_WARPS = 4   # warps of a decode-step launch (WIN = 1)
 # slots per program window of a bulk write (more tokens than this: WIN = P)
 BULK_TOKENS = 4096
 # page / channel scales, bulk writes: "tiles" (fresh full pages from one [W / P, P, D] tile of
@@ -388,4 +389,4 @@ def launch_append_int(x, slots, data, scale, zero, bits: int, granularity: str,
     _append_int_pages_kernel[(triton.cdiv(T, win), H)](
         x, sorted_slots, order, data, scale, zero, T, H, D=D, P=P, WIN=win, NR=nr, BITS=bits,
         PER=per, NB=nb, CH=granularity == "channel", RECIP=recip, GROUPED=grouped,
-        num_warps=4)
+        num_warps=DECODE_WARPS if win == 1 else 4)

@@ -143,3 +143,12 @@ def test_append_kernel_declared_for_int_pages_of_kernel_shapes():
     assert "head_dim 96" in graph_refusal(odd, ok)
     with pytest.raises(Exception, match="head_dim 96"):
         quantize_append(odd, torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, 96))
+
+
+def test_int_append_decode_steps_in_one_chunk(monkeypatch):
+    # a decode step's launch with a chunk of P rows (append_int.DECODE_ROWS): a page's earlier
+    # tokens read, and re-encoded, in one chunk instead of P / 16
+    monkeypatch.setattr(append_int, "DECODE_ROWS", 32)   # (default 16: two chunks at P 32)
+    gen = torch.Generator().manual_seed(11)
+    got = run_int_steps("int4", "channel", 32, 32, [29, 1, 1, 1, 2], gen)
+    assert got.reencoded >= 2
