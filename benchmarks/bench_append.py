@@ -148,6 +148,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry", action="store_true")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--only", default="", help="time only the rows whose label holds this")
     a = ap.parse_args()
     T, H, D, P = a.tokens, a.heads, a.dim, a.page
     if DRY:
@@ -188,6 +189,8 @@ def main() -> int:
         return same_cache[n]
 
     def row(label, fmt, sl, xx, grouped, default=True, before=None):
+        if a.only not in label:
+            return
         c = fmt.allocate(N, H, P, D, DEV)
         if before is not None:   # tokens written first (untimed): (slots, x)
             quantize_append(c, before[0], before[1], True, direct=True)

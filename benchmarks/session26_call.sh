@@ -13,6 +13,7 @@
 #      rows), generate's all-True key mask at B16 L32k, and Nsight Compute's stall samples of
 #      the _pf variants at B16 L32k
 #   a: the int append's tiles kernel: its GPU bit-exactness cases, the append bench at P16 / P64
+#   s: the int4 decode-step append into filled pages; the decode kernel against its split count
 #   other parts: session25_call.sh's
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvc_out}; mkdir -p "$OUT"
@@ -67,6 +68,13 @@ case "${PART:-n}" in
         || echo "append P$pg: exit $?"
       grep -E "copy|int4|fp4|fp8_e4m3 page, grouped \(|APPEND" "$OUT/a_append_p$pg.txt" | head -30
     done ;;
+  s)
+    # the int4 decode-step append into filled pages (chunk of rows / warps variants), then
+    # the decode kernel's time against its split count at B16 L32k
+    timeout -k 5 ${S1_LIMIT:-70} python3 benchmarks/bench_append.py --page 64 \
+      --only "pages of" 2>&1 | grep -E "copy|decode" | tee "$OUT/s_append.txt"
+    timeout -k 5 ${S2_LIMIT:-90} python3 benchmarks/split_sweep.py --shapes B16_L32k \
+      --splits 2,3,4,5,6,8 2>&1 | grep -E "^\||H100|H200" | tee "$OUT/s_split.txt" ;;
   *)
     PART=$PART bash benchmarks/session25_call.sh ;;
 esac
