@@ -88,7 +88,7 @@ def variants(name: str, gran: str, grouped: bool) -> list:
     if name.startswith("int") and gran == "token":   # append_int's token tile
         out += [(f", tokens tile {e // 128} x 128, {w} warps",
                  {"int.TOKEN_TILE_ELEMS": e, "int.TOKEN_TILE_WARPS": w})
-                for e, w in ((4096, 8), (8192, 4), (8192, 8), (16384, 8))]
+                for e, w in ((4096, 4), (8192, 8))]
     if name.startswith("int") and gran != "token":   # append_int's bulk kernels
         import kvcompile.kernels.append_int as app_int
 
