@@ -81,7 +81,7 @@ def _cases():
         base = dict(D=128, P=64, BITS=bits, PER=per, NB=nb, RECIP=True)
         if gran == "token":
             yield (f"int{bits} tokens", AI._append_int_tokens_kernel, dict(base, R=32),
-                   dict(SCALE="*fp16"), 4)
+                   dict(SCALE="*fp16"), AI.TOKEN_TILE_WARPS)
             continue
         nr = AI.DECODE_ROWS if win == 1 else AI.BULK_ROWS
         if win > 1 and AI.PAGE_BULK == "tiles":   # a bulk write: the tiles kernel (its run
