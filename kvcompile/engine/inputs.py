@@ -6,7 +6,29 @@ from __future__ import annotations
 
 import numbers
 
+import torch
+
 from kvcompile.engine.params import RequestError, SamplingParams
+
+
+def _plain_ids(prompt) -> list[int] | None:
+    """The ids of a prompt that is plainly integers, checked a container at a time (a list or
+    tuple of Python ints by the set of its items' types, a 1-D integer tensor or array by its
+    dtype); None for anything else, which the item-by-item check then takes (and names what is
+    wrong). At 16 prompts of 4,096 tokens the item check took 24 ms of the host's time before
+    the first step (the first request's wait for its first token includes the later ones')."""
+    if isinstance(prompt, list | tuple):
+        if set(map(type, prompt)) <= {int}:   # (bool is not int here: type(True) is bool)
+            return list(prompt)
+        return None
+    dtype, ndim = getattr(prompt, "dtype", None), getattr(prompt, "ndim", None)
+    if dtype is None or ndim != 1 or not hasattr(prompt, "tolist"):
+        return None
+    if isinstance(dtype, torch.dtype):
+        ok = not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+    else:   # numpy: signed / unsigned integer kinds
+        ok = getattr(dtype, "kind", "") in ("i", "u")
+    return prompt.tolist() if ok else None
 
 
 def token_ids(prompt, tokenizer) -> list[int]:
@@ -16,6 +38,9 @@ def token_ids(prompt, tokenizer) -> list[int]:
             raise RequestError("a string prompt needs a tokenizer: Engine(model, tokenizer), "
                                "or pass token ids")
         return list(tokenizer(prompt).input_ids)
+    plain = _plain_ids(prompt)
+    if plain is not None:
+        return plain
     if hasattr(prompt, "tolist"):
         prompt = prompt.tolist()
     try:
@@ -38,7 +63,8 @@ def check_request(ids: list[int], p: SamplingParams, vocab_size: int, max_model_
     n = len(ids)
     if n == 0:
         raise RequestError("the prompt is empty: give at least one token")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
+    bad = ([t for t in ids if not 0 <= t < vocab_size]
+           if min(ids) < 0 or max(ids) >= vocab_size else [])
     if bad:
         raise RequestError(f"prompt token ids {bad[:4]} are outside the vocabulary "
                            f"[0, {vocab_size})")

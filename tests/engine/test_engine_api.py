@@ -46,6 +46,9 @@ def _snapshot(eng):
     ([5] * 512, GREEDY, "max_model_len is 512"),
     ([5] * 500, SamplingParams(max_tokens=13), r"max_tokens \(13\) = 513 tokens exceeds"),
     (object(), GREEDY, "string or a list of token ids"),
+    ([5, True], GREEDY, "item 1 is bool"),     # (checked a container at a time: a bool
+    (torch.tensor([5.0, 6.0]), GREEDY, "item 0 is float"),  # among ints, float tensors)
+    (torch.tensor([[5, 6]]), GREEDY, "item 0 is list"),
     ([5, 6], "greedy", "must be a SamplingParams"),
 ])
 def test_bad_requests_raise_and_change_nothing(engine, prompt, params, match):
@@ -309,3 +312,17 @@ def test_decode_steps_take_the_decode_kernel():
         calls = state_of(m).counters.get("engine_decode_kernel_calls", 0)
         assert calls == (2 * (GREEDY.max_tokens - 1) if kernels == "triton" else 0)
     assert outs["triton"] == outs["reference"]
+
+
+def test_prompt_ids_of_every_integer_container():
+    """A prompt's ids from a list, a tuple, an integer tensor or numpy array, and a list of
+    numpy integers are the same ids (the container checks and the item check agree)."""
+    import numpy as np
+
+    from kvcompile.engine.inputs import token_ids
+
+    want = [5, 6, 7]
+    for prompt in (want, tuple(want), torch.tensor(want), torch.tensor(want, dtype=torch.int32),
+                   np.array(want, dtype=np.uint16), [np.int64(5), 6, 7]):
+        got = token_ids(prompt, None)
+        assert got == want and all(type(t) is int for t in got), type(prompt)
