@@ -12,6 +12,8 @@ import enum
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvcompile.engine.params import SamplingParams
 
 
@@ -50,6 +52,7 @@ class Request:
                  generator, tokenizer=None, on_output=None):
         self.id = request_id
         self.prompt_ids = list(prompt_ids)
+        self._prompt_np = None   # token_array's prompt ids, built at its first call
         self.output_ids: list[int] = []
         self.params = params
         self.generator = generator
@@ -106,6 +109,16 @@ class Request:
     def token_at(self, i: int) -> int:
         n = len(self.prompt_ids)
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def token_array(self, start: int, stop: int) -> np.ndarray:
+        """tokens(start, stop) as an int64 array; the prompt's array is built once (a large
+        prefill step's ids by one concatenation instead of a Python list of every token)."""
+        n = len(self.prompt_ids)
+        if self._prompt_np is None:
+            self._prompt_np = np.asarray(self.prompt_ids, dtype=np.int64)
+        if stop <= n:
+            return self._prompt_np[start:stop]
+        return np.asarray(self.tokens(start, stop), dtype=np.int64)
 
     def tokens(self, start: int, stop: int) -> list[int]:
         n = len(self.prompt_ids)

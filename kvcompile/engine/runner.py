@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import torch
 
 from kvcompile.engine.scheduler import SchedulerOutput
 from kvcompile.eviction.aside import AsideInputs
 from kvcompile.runtime.context import ForwardContext, StepPlan, forward_context
+
+# tokens of a step from which its ids and positions are built as arrays (runner._eager)
+LARGE_STEP_TOKENS = 512
 
 
 class ModelRunner:
@@ -73,9 +77,17 @@ class ModelRunner:
         seqs = out.seqs
         pool = self.pool
         ids, pos, cu, q_lens, past, lens = [], [], [0], [], [], []
+        # a large step (prompts): ids and positions as arrays, joined once (16 prompts of
+        # 4,096 tokens: 8.9 ms of Python lists and list-to-tensor copies, host time before
+        # the step's launch, CPU-timed)
+        big = sum(s.n for s in seqs) >= LARGE_STEP_TOKENS
         for s in seqs:
-            ids += s.req.tokens(s.start, s.start + s.n)
-            pos += range(s.start, s.start + s.n)   # logical positions
+            if big:
+                ids.append(s.req.token_array(s.start, s.start + s.n))
+                pos.append(np.arange(s.start, s.start + s.n, dtype=np.int64))
+            else:
+                ids += s.req.tokens(s.start, s.start + s.n)
+                pos += range(s.start, s.start + s.n)   # logical positions
             cu.append(cu[-1] + s.n)
             q_lens.append(s.n)
             stored = pool.seq_len(s.req.seq_id)   # after reserve; < start once evicted
@@ -105,10 +117,12 @@ class ModelRunner:
             t = torch.tensor(rows, dtype=torch.int64).to(dev)
             plan.aside = AsideInputs(spec, *t)
         ctx = ForwardContext(self.state, None, plan=plan)
-        ids_t = torch.tensor([ids], dtype=torch.long, device=dev)
+        ids_t = (torch.from_numpy(np.concatenate(ids))[None].to(dev) if big else
+                 torch.tensor([ids], dtype=torch.long, device=dev))
         if out.feed is not None:
             out.feed.apply(ids_t[0])
-        pos_t = torch.tensor([pos], dtype=torch.long, device=dev)
+        pos_t = (torch.from_numpy(np.concatenate(pos))[None].to(dev) if big else
+                 torch.tensor([pos], dtype=torch.long, device=dev))
         keep = (cu_t[1:] - 1).to(dev, torch.long)
         with forward_context(ctx):
             logits = self._call(ids_t, pos_t, keep)

@@ -74,7 +74,14 @@ def _run_arrivals(eng, reqs, rng, check_step=None):
     return final
 
 
-def test_matches_each_request_alone(model, alone):
+@pytest.mark.parametrize("arrays", [False, True], ids=["lists", "arrays"])
+def test_matches_each_request_alone(model, alone, arrays, monkeypatch):
+    # arrays: every step's ids and positions built as arrays (runner.LARGE_STEP_TOKENS, the
+    # path of large prompt steps), decode steps and chunks with sampled tokens included
+    if arrays:
+        from kvcompile.engine import runner
+
+        monkeypatch.setattr(runner, "LARGE_STEP_TOKENS", 1)
     rng = random.Random(0)
     reqs = [(p, _params(rng)) for p in random_prompts(rng, 16, 1, 70)]
     eng = Engine(model, max_num_batched_tokens=40, max_num_seqs=6)
