@@ -2,6 +2,8 @@
 
     python benchmarks/profile_engine.py [--batch 16 --prompt 4096 --new 64 --modes sync,async]
     python benchmarks/profile_engine.py --smoke    # CPU: a tiny model through every line
+    python benchmarks/profile_engine.py --prefill [--smoke]   # the first token instead: the
+                                   # Engine's packed prefill against generate's, by part
 
 bench_generate's model (8-layer Llama-3-8B shape, random bf16 weights) through
 `kvcompile.Engine` with fp8 pages, CUDA-graph decode steps, as bench_generate's engine_b. Per
@@ -113,6 +115,77 @@ def step_table(eng, prompts, new, label):
     return dict(wall_ms=wall, busy_ms=busy, idle_ms=wall - busy, blocked_ms=waits, **cats)
 
 
+def _categories(kernels: dict) -> dict:
+    cats: dict[str, float] = {}
+    for name, us in kernels.items():
+        cats[part_of(name)] = cats.get(part_of(name), 0.0) + us / 1e3
+    return cats
+
+
+def prefill_tables(model, a, ids, prompts) -> None:
+    """--prefill: the time to the first token, the Engine's prefill (all B prompts packed in
+    one step) against HF `generate`'s through kvcompile (a padded [B, prompt] forward), the
+    same model, fp8 pages, each a 1-token call after a warm-up, under torch.profiler: device
+    time by part, host time blocked, and the host's time before the first kernel."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+
+    def one(label, call):
+        call()
+        call()   # warm-up: compile, autotune
+        walls = []
+        for _ in range(2):
+            bg.sync(ids.device)
+            t0 = time.perf_counter()
+            call()
+            bg.sync(ids.device)
+            walls.append(time.perf_counter() - t0)
+        with prof(activities=acts) as p:
+            bg.sync(ids.device)
+            t0 = time.perf_counter()
+            call()
+            bg.sync(ids.device)
+            pwall = time.perf_counter() - t0
+        kernels, waits, first = {}, 0.0, None
+        start = min((e.time_range.start for e in p.events()), default=0)
+        for e in p.events():
+            if e.device_type == DeviceType.CUDA:
+                kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time_total
+                t = e.time_range.start - start
+                first = t if first is None else min(first, t)
+            elif any(w in e.name for w in WAITS):
+                waits += e.cpu_time_total
+        cats = _categories(kernels)
+        busy = sum(cats.values())
+        print(f"\n#### {label}: first token {1e3 * min(walls):.1f} ms (unprofiled, best of 2); "
+              f"profiled {1e3 * pwall:.1f} ms, first kernel at "
+              f"{(first or 0) / 1e3:.1f} ms of it")
+        print("| part | ms | % of profiled wall |\n|---|---|---|")
+        for c, ms in sorted(cats.items(), key=lambda kv: -kv[1]):
+            print(f"| device: {c} | {ms:.2f} | {100 * ms / (1e3 * pwall):.0f}% |")
+        print(f"| **device busy** | {busy:.2f} | {100 * busy / (1e3 * pwall):.0f}% |")
+        print(f"| host blocked on the device | {waits / 1e3:.2f} | |")
+        print(f"#### {label}: top kernels")
+        for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:12]:
+            print(f"  {us / 1e3:8.2f} ms  {name[:100]}")
+
+    bg.uncompile(model)
+    eng = make_engine(model, a, a.batch, async_steps=True)
+    one(f"Engine prefill, {a.batch} x {a.prompt} packed",
+        lambda: run(eng, prompts, 1))
+    eng.close()
+    bg.uncompile(model)
+    kvcompile.compile(model, bg._kvc_config(a, "fp8_e4m3"))
+    am = torch.ones_like(ids)
+    one(f"generate prefill through kvcompile, [{a.batch}, {a.prompt}]",
+        lambda: model.generate(input_ids=ids, attention_mask=am, max_new_tokens=1,
+                               do_sample=False, pad_token_id=0))
+    bg.uncompile(model)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=16)
@@ -122,6 +195,8 @@ def main():
     ap.add_argument("--modes", default="sync,async")
     ap.add_argument("--no-profile", action="store_true", help="step times only")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
+    ap.add_argument("--prefill", action="store_true",
+                    help="the first token instead: the Engine's prefill against generate's")
     args = ap.parse_args()
     if args.smoke:
         args.batch, args.prompt, args.new, args.layers = 3, 40, 8, 2
@@ -133,6 +208,9 @@ def main():
     model = bg.make_model(a, dev, torch.float32 if args.smoke else torch.bfloat16)
     ids, _ = bg._inputs(a, dev, model.config.vocab_size)
     prompts = [row.tolist() for row in ids.cpu()]
+    if args.prefill:
+        prefill_tables(model, a, ids, prompts)
+        return
     rows, tokens = [], {}
     for mode in args.modes.split(","):
         bg.uncompile(model)

@@ -14,6 +14,7 @@
 #      the _pf variants at B16 L32k
 #   a: the int append's tiles kernel: its GPU bit-exactness cases, the append bench at P16 / P64
 #   s: the int4 decode-step append into filled pages; the decode kernel against its split count
+#   f: the Engine's prefill against generate's, by part (profile_engine.py --prefill)
 #   other parts: session25_call.sh's
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvc_out}; mkdir -p "$OUT"
@@ -75,6 +76,11 @@ case "${PART:-n}" in
       --only "pages of" 2>&1 | grep -E "copy|decode" | tee "$OUT/s_append.txt"
     timeout -k 5 ${S2_LIMIT:-90} python3 benchmarks/split_sweep.py --shapes B16_L32k \
       --splits 2,3,4,5,6,8 2>&1 | grep -E "^\||H100|H200" | tee "$OUT/s_split.txt" ;;
+  f)
+    # the Engine's first token (1.23x HF static's at B16 x P4096 on an H100): its packed
+    # prefill against generate's through kvcompile, by part (not run yet)
+    timeout -k 5 ${F_LIMIT:-300} python3 benchmarks/profile_engine.py --prefill \
+      --batch ${B:-16} --prompt ${P:-4096} 2>&1 | grep -v "^USDT" | tee "$OUT/f_prefill.txt" ;;
   *)
     PART=$PART bash benchmarks/session25_call.sh ;;
 esac
