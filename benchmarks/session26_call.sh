@@ -14,6 +14,7 @@
 #      the _pf variants at B16 L32k
 #   a: the int append's tiles kernel: its GPU bit-exactness cases, the append bench at P16 / P64
 #   s: the int4 decode-step append into filled pages; the decode kernel against its split count
+#   v: pvt5sp (int4 at 5 CTAs a SM): GPU cases, kernel table, and the split sweep
 #   f: the Engine's prefill against generate's, by part (profile_engine.py --prefill)
 #   other parts: session25_call.sh's
 cd "$(dirname "$0")/.."
@@ -76,6 +77,17 @@ case "${PART:-n}" in
       --only "pages of" 2>&1 | grep -E "copy|decode" | tee "$OUT/s_append.txt"
     timeout -k 5 ${S2_LIMIT:-90} python3 benchmarks/split_sweep.py --shapes B16_L32k \
       --splits 2,3,4,5,6,8 2>&1 | grep -E "^\||H100|H200" | tee "$OUT/s_split.txt" ;;
+  v)
+    # pvt5sp (int4 at 5 CTAs a SM, 96 registers, 3 stages; not run yet): its GPU cases, then
+    # issue 14's kernel table with it beside the default, and the split sweep
+    timeout -k 5 ${V1_LIMIT:-150} python3 -m pytest -q -n 8 -m gpu \
+      tests/gpu/test_decode_sm90_variants_gpu.py -k "pvt5sp" 2>&1 | tail -3 | tee "$OUT/v_tests.txt"
+    timeout -k 5 ${V2_LIMIT:-200} python3 benchmarks/gpu_decode_fast.py --waves '' --no-triton \
+      --variants base,pvt5sp --shapes "$SHAPES" --formats int4/channel --out "$OUT" \
+      > "$OUT/v_bench.txt" 2>&1 || echo "bench: exit $?"
+    grep -E "sdpa|cuda" "$OUT/v_bench.txt"
+    timeout -k 5 ${V3_LIMIT:-120} python3 benchmarks/split_sweep.py --shapes B16_L32k,B64_L8k \
+      --splits 2,3,4,5,6,8 2>&1 | grep -E "^\||H100|H200" | tee "$OUT/v_split.txt" ;;
   f)
     # the Engine's first token (1.23x HF static's at B16 x P4096 on an H100): its packed
     # prefill against generate's through kvcompile, by part (not run yet)

@@ -67,7 +67,8 @@ INT4_CASES = [
     (K4, E4T, 128, 4, 16, 1, {}),
     (E4T, V4, 128, 4, 16, 2, {}),
 ]
-INT4_VARIANTS = ["base", "pvt4h", "pvt4n", "pvt4nz", "pvt4s", "pvt4sz", "pvt4sp", "pvt4sp_pf"]
+INT4_VARIANTS = ["base", "pvt4h", "pvt4n", "pvt4nz", "pvt4s", "pvt4sz", "pvt4sp", "pvt4sp_pf",
+                 "pvt5sp"]
 # cuda14h: pvt4s on 16-bit pages (q.k with the tokens as M, P.V transposed; 8 rows)
 F16P = ("fp16", "page")
 SIXTEEN_CASES = [

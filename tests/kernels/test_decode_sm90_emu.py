@@ -1013,6 +1013,8 @@ PF_CASES = [  # (variant, keys, values, D, G, P, Sq, extra)
     ("pvt4sp_pf", K4, V4, 128, 4, 64, 1, {"lens": [1, 17, 300, 1033, 2000], "splits": 3}),
     ("pvt4sp_pf", K4, V4, 128, 4, 32, 2, {"lens": [310, 1033, 17], "kmask": "short",
                                            "window": 37, "sinks": 3, "splits": 2}),
+    # (pvt5sp: pvt4sp's code at 5 CTAs a SM, whose ring has 3 stages instead of 4)
+    ("pvt5sp", K4, V4, 128, 4, 64, 1, {"lens": [1, 17, 300, 1033, 2000], "splits": 3}),
 ]
 
 
