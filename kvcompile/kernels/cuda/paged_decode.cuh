@@ -178,7 +178,9 @@ struct DecodeParams {
 // of bf16's, 8% of int4's (pvt4sp).
 //   BTPF: the page ids of the warp's next step (PGZ: of its next run's first step) are loaded
 //     when the current step is issued, a step ahead, into registers; issue() takes them from
-//     there (the first step of a warp, and a page change inside a run, still load).
+//     there (the first step of a warp, and a page change inside a run, still load). Measured:
+//     the stall leaves the page id and the kernels run no faster (the SM's other warps had
+//     hidden it; benchmarks/RESULTS.md, twenty-sixth session), so it stays opt-in.
 #define KVC_VAR_BTPF 16384
 
 namespace kvc {
