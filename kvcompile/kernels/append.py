@@ -32,7 +32,7 @@ import triton.language as tl
 
 from kvcompile.cache.registry import format_spec
 from kvcompile.errors import UnsupportedShapeError
-from kvcompile.kernels.append_int import launch_append_int
+from kvcompile.kernels.append_int import launch_append_int, uncovered_starts, window_runs
 from kvcompile.kernels.decode_tiles import (
     FMT_E2M1,
     FMT_E4M3,
@@ -655,13 +655,7 @@ def _append_pages_tiles_kernel(X, SORTED, ORDER, DATA, SCALE, MICRO, T, H, D: tl
     # the tile and in the pool. Runs that are not such blocks (a page with earlier tokens, a
     # partial page, a run off the s0 + k P grid after one) go through _append_page_run.
     h = tl.program_id(1)
-    i0 = tl.program_id(0) * W
-    idx = i0 + tl.arange(0, W)
-    live = idx < T
-    slot = tl.load(SORTED + idx, mask=live, other=0)
-    prv = tl.load(SORTED + idx - 1, mask=live & (idx > 0), other=0)
-    start = live & ((idx == 0) | (prv // P != slot // P))
-    s0 = tl.min(tl.where(start, idx, i0 + W), 0)
+    i0, idx, live, slot, start, s0 = window_runs(SORTED, T, P, W)
     r = tl.arange(0, W)
     qb = s0 + (r // P) * P          # each tile row's block's first position
     first = tl.load(SORTED + qb, mask=qb < T, other=1)
@@ -681,11 +675,7 @@ def _append_pages_tiles_kernel(X, SORTED, ORDER, DATA, SCALE, MICRO, T, H, D: tl
                             DIV, RECIP, P)
         tl.store(SCALE + pg * H + h, scale, mask=full & (r % P == 0))
     if PART != 1:
-        # the run starts of the window that no full block covered (same test as `full`)
-        lastw = tl.load(SORTED + idx + P - 1, mask=live & (idx + P - 1 < T), other=-1)
-        cov = ((idx - s0) % P == 0) & (idx + P - 1 < T) & (slot % P == 0) & (
-            lastw == slot + P - 1)
-        rest = start & (cov == 0)
+        rest = uncovered_starts(SORTED, T, idx, live, slot, start, s0, P)
         i = tl.min(tl.where(rest, idx, i0 + W), 0)
         while i < i0 + W:
             _append_page_run(X, SORTED, ORDER, DATA, SCALE, MICRO, i, T, H, h, D, P, R, FMT,

@@ -262,6 +262,30 @@ def _append_int_pages_kernel(X, SORTED, ORDER, DATA, SCALE, ZERO, T, H, D: tl.co
                                 BITS, PER, NB, CH, RECIP, GROUPED)
 
 
+@triton.jit
+def window_runs(SORTED, T, P: tl.constexpr, W: tl.constexpr):
+    # a bulk window's run starts (append.py's tiles kernel and this module's): positions
+    # idx = w * W + [0, W) of the sorted slots, live (< T), their slots, which of them start a
+    # run (a page's first slot in the order), and s0, the first run start (or the window's end)
+    i0 = tl.program_id(0) * W
+    idx = i0 + tl.arange(0, W)
+    live = idx < T
+    slot = tl.load(SORTED + idx, mask=live, other=0)
+    prv = tl.load(SORTED + idx - 1, mask=live & (idx > 0), other=0)
+    start = live & ((idx == 0) | (prv // P != slot // P))
+    s0 = tl.min(tl.where(start, idx, i0 + W), 0)
+    return i0, idx, live, slot, start, s0
+
+
+@triton.jit
+def uncovered_starts(SORTED, T, idx, live, slot, start, s0, P: tl.constexpr):
+    # the run starts of a window that its tile's fresh full pages did not cover (a start on the
+    # s0 + k P grid whose P positions are that whole page: the tiles' `full` test)
+    lastw = tl.load(SORTED + idx + P - 1, mask=live & (idx + P - 1 < T), other=-1)
+    cov = ((idx - s0) % P == 0) & (idx + P - 1 < T) & (slot % P == 0) & (lastw == slot + P - 1)
+    return start & (cov == 0)
+
+
 @triton.jit(do_not_specialize=["T", "H"])
 def _append_int_tiles_kernel(X, SORTED, ORDER, DATA, SCALE, ZERO, T, H, D: tl.constexpr,
                              P: tl.constexpr, W: tl.constexpr, NR: tl.constexpr,
@@ -281,13 +305,7 @@ def _append_int_tiles_kernel(X, SORTED, ORDER, DATA, SCALE, ZERO, T, H, D: tl.co
     G: tl.constexpr = D // PER
     NPG: tl.constexpr = W // P
     h = tl.program_id(1)
-    i0 = tl.program_id(0) * W
-    idx = i0 + tl.arange(0, W)
-    live = idx < T
-    slot = tl.load(SORTED + idx, mask=live, other=0)
-    prv = tl.load(SORTED + idx - 1, mask=live & (idx > 0), other=0)
-    start = live & ((idx == 0) | (prv // P != slot // P))
-    s0 = tl.min(tl.where(start, idx, i0 + W), 0)
+    i0, idx, live, slot, start, s0 = window_runs(SORTED, T, P, W)
     qb = s0 + tl.arange(0, NPG) * P                                     # [NPG] block starts
     first = tl.load(SORTED + qb, mask=qb < T, other=1)
     last = tl.load(SORTED + qb + P - 1, mask=qb + P - 1 < T, other=-1)
@@ -325,10 +343,7 @@ def _append_int_tiles_kernel(X, SORTED, ORDER, DATA, SCALE, ZERO, T, H, D: tl.co
         smask = full[:, None] & (d[None, :] == 0)
     tl.store(SCALE + pofs, sc.to(tl.float16), mask=smask)
     tl.store(ZERO + pofs, zp.to(tl.float16), mask=smask)
-    # the run starts of the window that no full block covered (the same test as `full`)
-    lastw = tl.load(SORTED + idx + P - 1, mask=live & (idx + P - 1 < T), other=-1)
-    cov = ((idx - s0) % P == 0) & (idx + P - 1 < T) & (slot % P == 0) & (lastw == slot + P - 1)
-    rest = start & (cov == 0)
+    rest = uncovered_starts(SORTED, T, idx, live, slot, start, s0, P)
     i = tl.min(tl.where(rest, idx, i0 + W), 0)
     while i < i0 + W:
         _append_int_run(X, SORTED, ORDER, DATA, SCALE, ZERO, i, T, H, h, D, P, NR, BITS, PER,
