@@ -136,6 +136,18 @@ def _random_pages(f, N, Hkv, P, D, gen):
     return c
 
 
+def random_case(kf: str, kg: str, B: int, L: int, Hkv: int, D: int, P: int, gen):
+    """A row's pages: keys' and values' formats (VALUE_FORMAT), random pages for B full
+    sequences of L tokens, block tables a random permutation -> (f, vf, kc, vc, bt, sl)."""
+    npg = B * (L // P)
+    f, vf = make_format(kf, kg), make_format(*VALUE_FORMAT.get((kf, kg), (kf, kg)))
+    kc = _random_pages(f, npg, Hkv, P, D, gen)
+    vc = _random_pages(vf, npg, Hkv, P, D, gen)
+    bt = torch.randperm(npg, device=DEV, generator=gen).to(torch.int32).view(B, -1)
+    sl = torch.full((B,), L, dtype=torch.int32, device=DEV)
+    return f, vf, kc, vc, bt, sl
+
+
 def bench(gen, waves_list, variants=("base",), formats=None, shapes=None,
           triton=True, int4_pages=(64,), key_mask=False) -> list[dict]:
     import torch.nn.functional as F
@@ -158,12 +170,7 @@ def bench(gen, waves_list, variants=("base",), formats=None, shapes=None,
         for kf, kg, P in rows_of:
             if formats and f"{kf}/{kg}" not in formats:
                 continue
-            npg = B * (L // P)
-            f, vf = make_format(kf, kg), make_format(*VALUE_FORMAT.get((kf, kg), (kf, kg)))
-            kc = _random_pages(f, npg, Hkv, P, D, gen)
-            vc = _random_pages(vf, npg, Hkv, P, D, gen)
-            bt = torch.randperm(npg, device=DEV, generator=gen).to(torch.int32).view(B, -1)
-            sl = torch.full((B,), L, dtype=torch.int32, device=DEV)
+            f, vf, kc, vc, bt, sl = random_case(kf, kg, B, L, Hkv, D, P, gen)
             # --key-mask: every launch also reads an all-True key row [B, L + 1] (what a
             # decode step of HF generate passes: the step's 2-D mask, one column past the
             # cached keys), to time the mask's cost against the same launch without it

@@ -23,12 +23,11 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 from benchmarks.gpu_decode_fast import (  # noqa: E402
     SHAPES,
-    VALUE_FORMAT,
     _launch_variant,
-    _random_pages,
+    random_case,
     warm_builds,
 )
-from tests.kernels.kernel_cases import launch_backend, make_format  # noqa: E402
+from tests.kernels.kernel_cases import launch_backend  # noqa: E402
 
 DEV = "cuda"
 
@@ -54,12 +53,7 @@ def main() -> None:
     for name in formats:
         kf, kg = name.split("/")
         P = a.int4_page if kf == "int4" else 16
-        npg = B * (L // P)
-        f, vf = make_format(kf, kg), make_format(*VALUE_FORMAT.get((kf, kg), (kf, kg)))
-        kc = _random_pages(f, npg, Hkv, P, D, gen)
-        vc = _random_pages(vf, npg, Hkv, P, D, gen)
-        bt = torch.randperm(npg, device=DEV, generator=gen).to(torch.int32).view(B, -1)
-        sl = torch.full((B,), L, dtype=torch.int32, device=DEV)
+        f, vf, kc, vc, bt, sl = random_case(kf, kg, B, L, Hkv, D, P, gen)
         stored = B * L * (f.bytes_per_token(Hkv, D, P) + vf.bytes_per_token(Hkv, D, P))
         for var in [None] + variants:
             times = []
