@@ -32,9 +32,10 @@ fi
 start=$(date +%s)
 status=0
 if [ $# -eq 0 ]; then
-  # 11-18 min of pytest in 2 workers on an idle 2-core machine, every build cache empty
-  # (fresh clone, 2026-12-06, twenty-fifth session; the machine's speed varies up to 1.8x
-  # from day to day); slower on a loaded machine (README.md, "The two commands")
+  # 9-18 min of pytest in 2 workers on an idle 2-core machine, every build cache empty
+  # (fresh clones, 2026-12-06, twenty-fifth / twenty-sixth sessions; the machine's speed
+  # varies up to 1.8x from day to day); slower on a loaded machine (README.md, "The two
+  # commands")
   where="one process"
   if [ "$workers" != 0 ]; then where="$workers xdist workers"; fi
   echo "running the whole test suite in $where: about 12-30 min in 2 workers on 2 idle CPU" \
