@@ -107,6 +107,33 @@ def sdpa_rows(q, k, v, starts, scale: float) -> torch.Tensor:
     return out
 
 
+def sdpa_packed(q, k, v, q_lens, scale: float) -> torch.Tensor:
+    """Causal attention of prompts packed along the sequence (the Engine's step of fresh
+    prompts): q [1, Hq, T, D], k [1, Hkv, T, D], v [1, Hkv, T, Dv]; prompt i is its q_lens[i]
+    tokens after the earlier prompts' and attends to its own keys only. One SDPA call a prompt
+    (flash / cuDNN) written into one output, and one finiteness check for them all (a check a
+    prompt was a host sync a prompt and layer, and the parts were joined by one more copy); a
+    non-finite output takes each prompt's `sdpa_attention`, with the module docstring's rules.
+    -> [1, Hq, T, Dv] in compute_dtype(q.dtype)."""
+    dt = compute_dtype(q.dtype)
+    out = torch.empty(1, q.shape[1], q.shape[2], v.shape[-1], dtype=dt, device=q.device)
+    a = 0
+    for n in q_lens:
+        rows = slice(a, a + n)
+        out[:, :, rows] = _sdpa(_as(q[:, :, rows], dt), _as(k[:, :, rows], dt),
+                                _as(v[:, :, rows], dt), None, scale, True)
+        a += n
+    if _all_finite(out) and (out.is_cuda or dt == torch.float32 or _all_finite(k)):
+        return out
+    a = 0
+    for n in q_lens:
+        rows = slice(a, a + n)
+        out[:, :, rows] = sdpa_attention(q[:, :, rows], k[:, :, rows], v[:, :, rows], None,
+                                         None, scale, True)
+        a += n
+    return out
+
+
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # x in dtype, without an op call where it already is (a CPU decode step runs this 90 times)
     return x if x.dtype == dtype else x.to(dtype)

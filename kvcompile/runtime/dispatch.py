@@ -38,6 +38,7 @@ from kvcompile.kernels.dense import (
     compute_dtype,
     paged_reference_attention,
     sdpa_attention,
+    sdpa_packed,
     sdpa_rows,
 )
 from kvcompile.kernels.latent import (
@@ -224,12 +225,7 @@ def _fresh_packed(state, layer, q, fresh, plan, window, softcap, scale, extras):
                                 max_seqlen=max(q_lens))
         out = out.transpose(0, 1).unsqueeze(0)
     else:
-        parts, a = [], 0
-        for n in q_lens:
-            parts.append(sdpa_attention(q[:, :, a:a + n], k[:, :, a:a + n], v[:, :, a:a + n],
-                                        None, None, scale, True))
-            a += n
-        out = torch.cat(parts, 2)
+        out = sdpa_packed(q, k, v, q_lens, scale)
     state.count("prefill_fresh_sdpa")
     plan.cache[("attended_fresh", layer)] = True
     return out

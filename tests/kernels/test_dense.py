@@ -176,6 +176,48 @@ def test_sdpa_rows_is_left_padded_causal_attention(case, dtype):
         assert bool(torch.isfinite(got).all())
 
 
+PACKED_CASES = ["finite", "v_nan_seen", "k_inf_seen", "later_nan"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", PACKED_CASES)
+def test_sdpa_packed_is_causal_attention_per_prompt(case, dtype, monkeypatch):
+    """sdpa_packed (the Engine's step of fresh prompts: prompts packed along the sequence, each
+    attending causally to its own keys) against eager attention under the block-diagonal
+    causal mask, NaN / Inf included (a prompt's NaN stays in that prompt); finite outputs take
+    one finiteness check for all the prompts, not one a prompt."""
+    from kvcompile.kernels import dense
+    from kvcompile.kernels.dense import sdpa_packed
+
+    g = torch.Generator().manual_seed(60 + PACKED_CASES.index(case))
+    lens, Hq, Hkv, D = [5, 1, 9, 4], 4, 2, 16
+    T = sum(lens)
+    q = torch.randn(1, Hq, T, D, generator=g)
+    k = torch.randn(1, Hkv, T, D, generator=g)
+    v = torch.randn(1, Hkv, T, 8, generator=g)          # (Dv != D)
+    if case == "v_nan_seen":
+        v[0, 1, 7, 3] = float("nan")                   # prompt 2's second token
+    elif case == "k_inf_seen":
+        k[0, 0, 2, 5] = float("inf")                   # prompt 0's third token
+    elif case == "later_nan":
+        v[0, 0, T - 1, 1] = float("nan")               # only prompt 3's last query sees it
+    pid = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    j = torch.arange(T)
+    seen = ((j[None] <= j[:, None]) & (pid[None] == pid[:, None]))[None, None]
+    checks = []
+    real = dense._all_finite
+    monkeypatch.setattr(dense, "_all_finite", lambda x: checks.append(1) or real(x))
+    got = sdpa_packed(q.to(dtype), k.to(dtype), v.to(dtype), lens, 0.3)
+    ref = eager_rows(q.to(dtype), k.to(dtype), v.to(dtype), seen, 0.3)
+    assert got.dtype == dtype and got.shape == (1, Hq, T, 8)
+    assert_matches_eager(got, ref, dtype, f"sdpa_packed, {case}")
+    if case == "finite":
+        assert len(checks) <= 2, f"{len(checks)} finiteness checks for {len(lens)} prompts"
+    else:   # the NaN stays in its prompt
+        bad = {"v_nan_seen": 2, "k_inf_seen": 0, "later_nan": 3}[case]
+        assert bool(torch.isfinite(got[:, :, pid != bad]).all())
+
+
 def test_nonfinite_softcap_and_unmasked():
     g = torch.Generator().manual_seed(5)
     q, k, v = torch.randn(1, 4, 3, 8, generator=g), *(torch.randn(1, 2, 6, 8, generator=g)
