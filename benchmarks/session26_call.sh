@@ -32,6 +32,12 @@ prof() {  # label, shape, formats
     $NCU -i "$OUT/n_$label.ncu-rep" --page source --csv --print-source sass \
       > "$OUT/n_${label}_sass.csv" 2>&1
     rm -f "$OUT/n_$label.ncu-rep"
+    # each kernel's stall samples by reason and its top instructions (benchmarks/ncu_stalls.py)
+    local nk; nk=$(grep -c '^"Kernel Name"' "$OUT/n_${label}_sass.csv")
+    for ((kk = 0; kk < nk; kk++)); do
+      python3 benchmarks/ncu_stalls.py "$OUT/n_${label}_sass.csv" --kernel $kk --top 8
+    done > "$OUT/n_${label}_stalls.txt" 2>&1
+    cat "$OUT/n_${label}_stalls.txt"
     grep -E "^  [a-z_]|DRAM Throughput|Memory Throughput|Duration|Issue Slots Busy|Achieved Occupancy|No Eligible|Registers Per|Warp Cycles Per Issued|Eligible Warps|L2 Hit|L1/TEX Hit" \
       "$OUT/n_${label}_details.txt" | head -60
   fi
