@@ -95,6 +95,32 @@ def test_sdpa_rows_left_padded(name, dt):
     assert not got[2, :, :150].any()
 
 
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("name", ("finite", "v_nan_seen"))
+def test_sdpa_packed_prompts(name, dt):
+    """sdpa_packed (the Engine's step of fresh prompts, packed along the sequence: one causal
+    SDPA call a prompt on its own keys, one finiteness check for all) against eager attention
+    under the block-diagonal causal mask; a NaN stays in its prompt."""
+    from kvcompile.kernels.dense import sdpa_packed
+
+    g = torch.Generator().manual_seed(80 + len(name))
+    lens, Hq, Hkv, D = [130, 1, 57, 200], 8, 2, 64
+    T = sum(lens)
+    q, k, v = (torch.randn(1, h, T, D, generator=g) for h in (Hq, Hkv, Hkv))
+    if name == "v_nan_seen":
+        v[0, 1, 140, 3] = float("nan")    # prompt 2
+    pid = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    j = torch.arange(T)
+    seen = ((j[None] <= j[:, None]) & (pid[None] == pid[:, None]))[None, None]
+    ref = eager_rows(q.to(dt), k.to(dt), v.to(dt), seen, 0.125)
+    got = sdpa_packed(q.cuda().to(dt), k.cuda().to(dt), v.cuda().to(dt), lens, 0.125)
+    got = got.double().cpu()
+    for where in (torch.isnan, torch.isposinf, torch.isneginf):
+        assert torch.equal(where(got), where(ref)), f"{name} {dt}: {where.__name__} differs"
+    fin = torch.isfinite(ref)
+    assert rel_err(got[fin], ref[fin]) <= 10 * REL_ERR[dt]
+
+
 def test_padded_rows_varlen_on_cuda(monkeypatch):
     """dispatch._padded_rows past FRESH_PADDED_ROWS_MAX on CUDA: the rows' tokens packed for
     one launch of the varlen prefill kernel (bf16, D 128), equal to sdpa_rows."""
