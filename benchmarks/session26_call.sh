@@ -97,8 +97,10 @@ case "${PART:-n}" in
   f)
     # the Engine's first token (1.23x HF static's at B16 x P4096 on an H100): its packed
     # prefill against generate's through kvcompile, by part (not run yet)
-    timeout -k 5 120 python3 -m pytest -q -m gpu tests/gpu/test_dense_gpu.py -k packed \
-      tests/engine/test_engine.py 2>&1 | tail -2   # sdpa_packed and the array-built steps
+    # sdpa_packed on CUDA, and the engine's steps (ids / positions built as arrays) there
+    timeout -k 5 90 python3 -m pytest -q -m gpu tests/gpu/test_dense_gpu.py -k packed 2>&1 \
+      | tail -2
+    timeout -k 5 120 python3 -m pytest -q tests/engine/test_engine.py 2>&1 | tail -2
     timeout -k 5 ${F_LIMIT:-300} python3 benchmarks/profile_engine.py --prefill \
       --batch ${B:-16} --prompt ${P:-4096} 2>&1 | grep -v "^USDT" | tee "$OUT/f_prefill.txt" ;;
   *)
