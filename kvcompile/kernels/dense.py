@@ -25,6 +25,7 @@ SDPA has no such input, so attention with sinks runs `exact_attention` (fp32).
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -73,9 +74,7 @@ def sdpa_attention(q, k, v, allowed, additive, scale: float, causal: bool = Fals
     out = _sdpa(_as(q, dt), _as(k, dt), _as(v, dt), mask, scale, causal)
     if mask is None and not causal:
         return out  # (every query sees every key: SDPA propagates NaN / Inf as eager does)
-    # On some CPUs (an AMD EPYC, torch 2.13) the half-precision SDPA kernel returns 0, not NaN,
-    # for a query that sees a +Inf score: a finite output does not prove finite keys there
-    if _all_finite(out) and (out.is_cuda or dt == torch.float32 or _all_finite(k)):
+    if _sdpa_trusted(out, k, dt):
         # a query that sees no key: 0. CUDA's half-precision SDPA kernels return a finite
         # non-zero row there (an H200 gave a relative error of 0.25 against 0)
         return _zero_empty_rows(out, allowed, additive) if out.is_cuda else out
@@ -99,7 +98,7 @@ def sdpa_rows(q, k, v, starts, scale: float) -> torch.Tensor:
     for b, s0 in rows:
         out[b:b + 1, :, s0:] = _sdpa(_as(q[b:b + 1, :, s0:], dt), _as(k[b:b + 1, :, s0:], dt),
                                      _as(v[b:b + 1, :, s0:], dt), None, scale, True)
-    if _all_finite(out) and (out.is_cuda or dt == torch.float32 or _all_finite(k)):
+    if _sdpa_trusted(out, k, dt):
         return out
     for b, s0 in rows:
         out[b:b + 1, :, s0:] = sdpa_attention(q[b:b + 1, :, s0:], k[b:b + 1, :, s0:],
@@ -117,21 +116,25 @@ def sdpa_packed(q, k, v, q_lens, scale: float) -> torch.Tensor:
     -> [1, Hq, T, Dv] in compute_dtype(q.dtype)."""
     dt = compute_dtype(q.dtype)
     out = torch.empty(1, q.shape[1], q.shape[2], v.shape[-1], dtype=dt, device=q.device)
-    a = 0
-    for n in q_lens:
-        rows = slice(a, a + n)
+    ends = list(itertools.accumulate(q_lens))
+    spans = [slice(e - n, e) for n, e in zip(q_lens, ends, strict=True)]
+    for rows in spans:
         out[:, :, rows] = _sdpa(_as(q[:, :, rows], dt), _as(k[:, :, rows], dt),
                                 _as(v[:, :, rows], dt), None, scale, True)
-        a += n
-    if _all_finite(out) and (out.is_cuda or dt == torch.float32 or _all_finite(k)):
+    if _sdpa_trusted(out, k, dt):
         return out
-    a = 0
-    for n in q_lens:
-        rows = slice(a, a + n)
+    for rows in spans:
         out[:, :, rows] = sdpa_attention(q[:, :, rows], k[:, :, rows], v[:, :, rows], None,
                                          None, scale, True)
-        a += n
     return out
+
+
+def _sdpa_trusted(out: torch.Tensor, k: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether SDPA's output stands as it is: every element finite, and (on the CPU in half
+    precision) the keys too. On some CPUs (an AMD EPYC, torch 2.13) the half-precision SDPA
+    kernel returns 0, not NaN, for a query that sees a +Inf score: a finite output does not
+    prove finite keys there. Otherwise the exact rules of the module docstring apply."""
+    return _all_finite(out) and (out.is_cuda or dtype == torch.float32 or _all_finite(k))
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
