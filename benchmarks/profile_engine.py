@@ -65,35 +65,50 @@ def run(eng, prompts, n):
     return time.perf_counter() - t0, outs
 
 
-def profiled(eng, prompts, n):
+def profiled(call, device):
+    """`call()` under torch.profiler -> (wall s, {kernel: device us}, host us blocked on the
+    device, graph launches, us from the first profiled event to the first kernel or None)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with prof(activities=acts) as p:
-        wall, _ = run(eng, prompts, n)
-    kernels, waits, launches = {}, 0.0, 0
+        bg.sync(device)
+        t0 = time.perf_counter()
+        call()
+        bg.sync(device)
+        wall = time.perf_counter() - t0
+    kernels, waits, launches, first = {}, 0.0, 0, None
+    start = min((e.time_range.start for e in p.events()), default=0)
     for e in p.events():
         if e.device_type == DeviceType.CUDA:
             kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time_total
+            t = e.time_range.start - start
+            first = t if first is None else min(first, t)
         elif any(w in e.name for w in WAITS):
             waits += e.cpu_time_total
         elif e.name == "cudaGraphLaunch":
             launches += 1
-    return wall, kernels, waits, launches
+    return wall, kernels, waits, launches, first
+
+
+def _categories(kernels: dict) -> dict:
+    """{kernel: time} -> {part (step_profile.part_of): summed time}, in the same unit."""
+    cats: dict[str, float] = {}
+    for name, t in kernels.items():
+        cats[part_of(name)] = cats.get(part_of(name), 0.0) + t
+    return cats
 
 
 def step_table(eng, prompts, new, label):
-    w1, k1, s1, g1 = profiled(eng, prompts, 1)
-    wn, kn, sn, gn = profiled(eng, prompts, new)
+    dev = eng.runner.device
+    w1, k1, s1, g1, _ = profiled(lambda: run(eng, prompts, 1), dev)
+    wn, kn, sn, gn, _ = profiled(lambda: run(eng, prompts, new), dev)
     steps = new - 1
     wall = (wn - w1) / steps * 1e3
     diff = {k: (v - k1.get(k, 0.0)) / steps / 1e3 for k, v in kn.items()}   # ms per step
-    cats: dict[str, float] = {}
-    for name, ms in diff.items():
-        cat = part_of(name)
-        cats[cat] = cats.get(cat, 0.0) + ms
+    cats = _categories(diff)
     busy = sum(cats.values())
     waits = (sn - s1) / steps / 1e3
     print(f"\n#### {label}: one decode step (generate of {new} minus 1 token, profiled; "
@@ -115,24 +130,11 @@ def step_table(eng, prompts, new, label):
     return dict(wall_ms=wall, busy_ms=busy, idle_ms=wall - busy, blocked_ms=waits, **cats)
 
 
-def _categories(kernels: dict) -> dict:
-    cats: dict[str, float] = {}
-    for name, us in kernels.items():
-        cats[part_of(name)] = cats.get(part_of(name), 0.0) + us / 1e3
-    return cats
-
-
 def prefill_tables(model, a, ids, prompts) -> None:
     """--prefill: the time to the first token, the Engine's prefill (all B prompts packed in
     one step) against HF `generate`'s through kvcompile (a padded [B, prompt] forward), the
     same model, fp8 pages, each a 1-token call after a warm-up, under torch.profiler: device
     time by part, host time blocked, and the host's time before the first kernel."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as prof
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-
     def one(label, call):
         call()
         call()   # warm-up: compile, autotune
@@ -143,22 +145,8 @@ def prefill_tables(model, a, ids, prompts) -> None:
             call()
             bg.sync(ids.device)
             walls.append(time.perf_counter() - t0)
-        with prof(activities=acts) as p:
-            bg.sync(ids.device)
-            t0 = time.perf_counter()
-            call()
-            bg.sync(ids.device)
-            pwall = time.perf_counter() - t0
-        kernels, waits, first = {}, 0.0, None
-        start = min((e.time_range.start for e in p.events()), default=0)
-        for e in p.events():
-            if e.device_type == DeviceType.CUDA:
-                kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time_total
-                t = e.time_range.start - start
-                first = t if first is None else min(first, t)
-            elif any(w in e.name for w in WAITS):
-                waits += e.cpu_time_total
-        cats = _categories(kernels)
+        pwall, kernels, waits, _, first = profiled(call, ids.device)
+        cats = {c: us / 1e3 for c, us in _categories(kernels).items()}   # ms
         busy = sum(cats.values())
         print(f"\n#### {label}: first token {1e3 * min(walls):.1f} ms (unprofiled, best of 2); "
               f"profiled {1e3 * pwall:.1f} ms, first kernel at "
