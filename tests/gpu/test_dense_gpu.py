@@ -37,6 +37,15 @@ def eager_rows(q, k, v, seen, scale):
     return out
 
 
+def assert_like_eager(got, ref, what: str, dt) -> None:
+    """got (fp64, CPU) has ref's NaN / +Inf / -Inf where ref has them, and its finite values
+    within 10x the dtype's tolerance."""
+    for where in (torch.isnan, torch.isposinf, torch.isneginf):
+        assert torch.equal(where(got), where(ref)), f"{what}: {where.__name__} differs"
+    fin = torch.isfinite(ref)
+    assert rel_err(got[fin], ref[fin]) <= 10 * REL_ERR[dt]
+
+
 def make_case(name, g):
     B, Hq, Hkv, S, L, D = 2, 8, 2, 6, 40, 64
     q, k, v = (torch.randn(B, h, n, D, generator=g) for h, n in ((Hq, S), (Hkv, L), (Hkv, L)))
@@ -64,10 +73,7 @@ def test_dense_non_finite_rules(name, dt):
     ref = eager_rows(q, k, v, seen, 0.125)
     got = sdpa_attention(q.cuda().to(dt), k.cuda().to(dt), v.cuda().to(dt),
                          seen.cuda(), None, 0.125).double().cpu()
-    for where in (torch.isnan, torch.isposinf, torch.isneginf):
-        assert torch.equal(where(got), where(ref)), f"{name} {dt}: {where.__name__} differs"
-    fin = torch.isfinite(ref)
-    assert rel_err(got[fin], ref[fin]) <= 10 * REL_ERR[dt]
+    assert_like_eager(got, ref, f"{name} {dt}", dt)
 
 
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
@@ -88,10 +94,7 @@ def test_sdpa_rows_left_padded(name, dt):
     ref = eager_rows(q.to(dt), k.to(dt), v.to(dt), seen, 0.125)
     got = sdpa_rows(q.cuda().to(dt), k.cuda().to(dt), v.cuda().to(dt), starts, 0.125)
     got = got.double().cpu()
-    for where in (torch.isnan, torch.isposinf, torch.isneginf):
-        assert torch.equal(where(got), where(ref)), f"{name} {dt}: {where.__name__} differs"
-    fin = torch.isfinite(ref)
-    assert rel_err(got[fin], ref[fin]) <= 10 * REL_ERR[dt]
+    assert_like_eager(got, ref, f"{name} {dt}", dt)
     assert not got[2, :, :150].any()
 
 
@@ -115,10 +118,7 @@ def test_sdpa_packed_prompts(name, dt):
     ref = eager_rows(q.to(dt), k.to(dt), v.to(dt), seen, 0.125)
     got = sdpa_packed(q.cuda().to(dt), k.cuda().to(dt), v.cuda().to(dt), lens, 0.125)
     got = got.double().cpu()
-    for where in (torch.isnan, torch.isposinf, torch.isneginf):
-        assert torch.equal(where(got), where(ref)), f"{name} {dt}: {where.__name__} differs"
-    fin = torch.isfinite(ref)
-    assert rel_err(got[fin], ref[fin]) <= 10 * REL_ERR[dt]
+    assert_like_eager(got, ref, f"{name} {dt}", dt)
 
 
 def test_padded_rows_varlen_on_cuda(monkeypatch):
