@@ -566,6 +566,8 @@ def engine_batch(model, args, device, ctx, graphs: bool = True, eviction=None,
                launched_steps=eng.stats.launched_steps,
                overlapped_steps=eng.stats.overlapped_steps,
                sync_reasons=dict(eng.stats.sync_reasons))
+    if device.type == "cuda":   # the pool's reservation, weights and the largest step
+        row["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
     if eviction is not None:
         row.update(eviction_aside_steps=counters.get("eviction_aside_steps", 0),
                    eviction_device_runs=counters.get("eviction_device_runs", 0),

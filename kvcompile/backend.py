@@ -27,7 +27,7 @@ from kvcompile.passes.pipeline import run_passes
 from kvcompile.passes.rewrite import _virtual_cat
 from kvcompile.runtime import attention_op as _attention_op  # noqa: F401  (registers the op)
 from kvcompile.runtime import binding as _binding
-from kvcompile.runtime.context import ForwardContext, current, forward_context
+from kvcompile.runtime.context import ForwardContext, current, forward_context, in_packed_step
 from kvcompile.runtime.ownership import find_state
 from kvcompile.runtime.state import ModelState
 
@@ -55,7 +55,9 @@ def _compile(gm, example_inputs, options, state):
         state.tp = tensor_parallel_of_graph(gm)
     t0 = time.perf_counter()
     with state.lock:
-        result = run_passes(gm, example_inputs, state, configured=configured_instances())
+        # traced inside an engine step: a graph only such steps run (its ops take no mask)
+        result = run_passes(gm, example_inputs, state, configured=configured_instances(),
+                            packed_steps=in_packed_step())
     try:
         compiled = compile_inner(gm, example_inputs, config.inner)
     except Exception as e:
@@ -253,7 +255,8 @@ class GraphRunner:
 
     def _call(self, st: ModelState, args):
         outer = current()
-        if outer is not None and outer.state is st and outer.plan is not None:
+        if outer is not None and outer.state is st and (outer.plan is not None
+                                                        or outer.engine_warm_up):
             return self.compiled(*args)  # the engine set the context (and runs the hooks)
         b, fresh, ephemeral = self._bind(st, args)
         ctx = ForwardContext(st, b)

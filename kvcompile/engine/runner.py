@@ -45,13 +45,16 @@ class ModelRunner:
         return self.state.pool
 
     def warm_up(self) -> None:
-        """One forward outside any context: Dynamo traces (T and the kept rows dynamic from the
-        start), the passes register every attention layer, and the pool is built (the
-        GraphRunner binds a throwaway sequence)."""
+        """One forward in the engine's warm-up context: Dynamo traces (T and the kept rows
+        dynamic from the start) a graph for the engine's steps, whose attention ops take no
+        mask (passes/mask_inputs.py drop_masks: the model's own mask over a packed step is
+        [1, 1, T, T]), and the passes register every attention layer; then the pool is
+        built. The ops attend over the 4 given tokens alone and store nothing."""
         ids = torch.zeros(1, 4, dtype=torch.long, device=self.device)
         pos = torch.arange(4, device=self.device)[None]
         keep = torch.tensor([1, 3], device=self.device)
-        self._call(ids, pos, keep)
+        with forward_context(ForwardContext(self.state, None, engine_warm_up=True)):
+            self._call(ids, pos, keep)
         self.state.ensure_pool(self.device)
 
     def forward(self, out: SchedulerOutput) -> torch.Tensor:

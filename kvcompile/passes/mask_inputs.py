@@ -221,6 +221,68 @@ def split_masks(graph: fx.Graph) -> int:
     return changed
 
 
+def drop_masks(graph: fx.Graph) -> int:
+    """Give every attention op no mask (nor key mask), and erase what computed them and is
+    left without users; how many ops had one. For a graph traced inside an engine step:
+    the engine packs its sequences as one row and its plan says where each begins, so the
+    kernels attend causally within each sequence and read no mask (runtime/dispatch.py), but
+    the model still builds one for the row, [1, 1, T, T] over all the step's tokens: 4 GiB at
+    16 prompts of 4,096 tokens, and 11 ms on an H100 (profile_engine.py --prefill, the
+    twenty-seventh session)."""
+    changed = 0
+    for node in list(graph.nodes):
+        if not _is_attention(node):
+            continue
+        args = list(node.args)
+        gone = [args[i] for i in (_MASK_ARG, _KEY_MASK_ARG)
+                if len(args) > i and isinstance(args[i], fx.Node)]
+        if not gone:
+            continue
+        for i in (_MASK_ARG, _KEY_MASK_ARG):
+            if len(args) > i:
+                args[i] = None
+        node.args = tuple(args)
+        changed += 1
+        for g in gone:
+            _drop_pure(graph, g)
+    return changed
+
+
+def _drop_pure(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase node and its inputs, recursively, where they are left without users and pure
+    (no placeholder, nothing that writes)."""
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if (not isinstance(n, fx.Node) or n.users or n.op not in ("call_function", "call_method")
+                or n.is_impure() or _writes(n)):
+            continue
+        inputs = list(n.all_input_nodes)
+        graph.erase_node(n)
+        todo.extend(inputs)
+
+
+_OPERATOR_WRITES = {getattr(operator, n) for n in (
+    "iadd", "iand", "iconcat", "ifloordiv", "ilshift", "imod", "imul", "imatmul", "ior", "ipow",
+    "irshift", "isub", "itruediv", "ixor", "setitem", "delitem")}
+
+
+def _writes(node: fx.Node) -> bool:
+    """An op that writes its input (fx's is_impure misses an in-place method's): an aten op
+    whose schema mutates, a torch function or method named `x_`, operator's in-place
+    functions (operator.and_ is not one)."""
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.is_mutable
+    if t in _OPERATOR_WRITES:
+        return True
+    if getattr(t, "__module__", None) in ("_operator", "operator"):
+        return False
+    name = t if isinstance(t, str) else getattr(t, "__name__", "")
+    return name.endswith("_") and not name.endswith("__") or name in ("__setitem__",
+                                                                     "__iand__", "__ior__")
+
+
 def _drop_unused(graph: fx.Graph, node) -> None:
     """Erase node and the expand / AND nodes under it that no longer have users."""
     todo = [node]

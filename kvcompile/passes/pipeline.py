@@ -54,6 +54,7 @@ from kvcompile.passes.site_formats import (  # noqa: F401  (configure_site: PASS
     refusal,
 )
 from kvcompile.passes.sites import AttentionSite, NearMiss, SiteRecord
+from kvcompile.runtime.context import PACKED_TAG
 
 PASS_NAMES = ("find_attention", "find_cache", "resolve_config", "rewrite", "rotate",
               "eviction")
@@ -112,9 +113,13 @@ class _Restart(Exception):
 
 
 def run_passes(gm: fx.GraphModule, example_inputs, state, *, keep_code: bool = False,
-               stop_after: str | None = None, configured: Sequence = ()) -> PipelineResult:
+               stop_after: str | None = None, configured: Sequence = (),
+               packed_steps: bool = False) -> PipelineResult:
     """The passes over one Dynamo graph. `configured`: the module instances that carry
-    `@kvcompile.configure` overrides (the caller collects them: passes read no global registry)."""
+    `@kvcompile.configure` overrides (the caller collects them: passes read no global registry).
+    `packed_steps`: the graph is traced inside a `kvcompile.Engine` step (its plan packs the
+    step's sequences as one row; the caller reads that from the forward context): the ops get
+    no mask (passes/mask_inputs.py `drop_masks`) and may run only in such steps."""
     if stop_after is not None and stop_after not in PASS_NAMES:
         raise ValueError(f"unknown pass {stop_after!r}; passes: {', '.join(PASS_NAMES)}")
     pristine = copy.deepcopy(gm.graph, {})
@@ -124,7 +129,7 @@ def run_passes(gm: fx.GraphModule, example_inputs, state, *, keep_code: bool = F
     while True:
         checkpoint = _Checkpoint(state)
         run = _Run(gm, example_inputs, state, keep_code, stop_after, excluded, careful,
-                   configured)
+                   configured, packed_steps)
         try:
             res = run.go()
         except _Restart as r:
@@ -156,8 +161,9 @@ def run_passes(gm: fx.GraphModule, example_inputs, state, *, keep_code: bool = F
 
 class _Run:
     def __init__(self, gm, example_inputs, state, keep_code, stop_after, excluded, careful,
-                 configured=()):
+                 configured=(), packed_steps=False):
         self.gm, self.inputs, self.state = gm, example_inputs, state
+        self.packed_steps = packed_steps
         self.configured = list(configured)
         self.keep_code, self.stop_after = keep_code, stop_after
         self.excluded, self.careful = excluded, careful
@@ -204,6 +210,8 @@ class _Run:
         # the config's hash goes into the graph (the op's `tag`), so inductor's cache key
         # changes with the config; a hash keeps `--passes` diffs readable
         tag = "kvcompile-" + hashlib.sha1(state.config.cache_key().encode()).hexdigest()[:12]
+        if self.packed_steps:
+            tag += PACKED_TAG
         handles: list = []
         for site in sites:
             if site.reason or not site.config.enabled:
@@ -213,7 +221,7 @@ class _Run:
             self.guard("rewrite", site, gm, site, tag, handles)
             if site.rewritten:
                 site.layer_index = self.layer_index(site)
-        res.plan = self.finish(finish_rewrite, gm, sites, handles)
+        res.plan = self.finish(finish_rewrite, gm, sites, handles, self.packed_steps)
         n = len(res.plan.rewritten)
         if self.log("rewrite", f"{n} of {len(sites)} site(s) rewritten onto the pool"):
             return self.commit()

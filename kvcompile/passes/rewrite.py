@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from kvcompile.passes.graph_utils import VIEW_KINDS, arg, graph_outputs, kind, ndim, set_meta, val
 from kvcompile.passes.layouts import BHSD
-from kvcompile.passes.mask_inputs import unexpand_masks
+from kvcompile.passes.mask_inputs import drop_masks, unexpand_masks
 from kvcompile.passes.sites import AttentionSite
 
 STUB_META = "kvcompile_stub"
@@ -179,12 +179,16 @@ def _adapt(graph: fx.Graph, how, node, before: fx.Node):
 
 
 def finish_rewrite(gm: fx.GraphModule, sites: list[AttentionSite],
-                   handles: list[tuple[fx.Node, str]]) -> RewritePlan:
+                   handles: list[tuple[fx.Node, str]], packed_steps: bool = False) -> RewritePlan:
     """Drop what the rewrites left dead, check and recompile the graph, and say which graph
-    inputs and outputs are cache handles and stubs."""
+    inputs and outputs are cache handles and stubs. packed_steps: a graph traced in an engine
+    step, whose ops get no mask (mask_inputs.drop_masks)."""
     plan = RewritePlan(sites=sites)
     graph = gm.graph
-    unexpand_masks(graph)
+    if packed_steps:
+        drop_masks(graph)
+    else:
+        unexpand_masks(graph)
     _erase_dead(graph, [n for n in graph.nodes if kind(n) in VIEW_KINDS | {
         "repeat_interleave", "cat", "where"}])
     graph.lint()

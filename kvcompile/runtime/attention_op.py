@@ -64,6 +64,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                tag: str, key_mask: torch.Tensor | None = None,
                sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     ctx = _context.current()
+    _context.require_packed(tag, layer)
     if sink_logits is not None:
         _check_sinks(sink_logits, q)
     if ctx is None or ctx.binding is None and ctx.plan is None:
@@ -107,6 +108,7 @@ def _latent_attention(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor,
         raise ValueError(f"kvcompile.latent_attention({layer!r}) needs kv_b_weight and "
                          f"nope_dim > 0 (got nope_dim={nope_dim}); the MLA rewrite passes both")
     ctx = _context.current()
+    _context.require_packed(tag, layer)
     if ctx is None or ctx.binding is None and ctx.plan is None:
         k, v = latent_ref.expand_latent(latent, rope, kv_b_weight, nope_dim, q.shape[1])
         return dense_attention(q, k, v, masks.combine(attn_mask, key_mask), scale, is_causal,

@@ -57,10 +57,15 @@ class StepPlan:
 class ForwardContext:
     """Set around one call of a compiled graph."""
 
-    def __init__(self, state, binding=None, *, plan: StepPlan | None = None):
+    def __init__(self, state, binding=None, *, plan: StepPlan | None = None,
+                 engine_warm_up: bool = False):
         self.state = state         # backend ModelState: pool, layer index, config
         self.binding = binding     # runtime/binding.Binding, or None for a cache-less forward
         self.plan = plan           # prepared lazily by the first attention op (or given)
+        # the engine's first forward (engine/runner.py warm_up): Dynamo traces the graphs of
+        # the engine's steps in it, before any pool exists; its ops attend over the given
+        # tokens alone (no mask: the output is thrown away) and store nothing
+        self.engine_warm_up = engine_warm_up
 
     @property
     def pool(self):
@@ -123,6 +128,32 @@ def _first_position(positions: torch.Tensor) -> int:
 
 def current() -> ForwardContext | None:
     return getattr(_local, "ctx", None)
+
+
+# the suffix of the attention ops' `tag` in a graph traced inside an engine step (the context's
+# plan packed): its ops have no mask input (passes/mask_inputs.py `drop_masks`), so they may
+# run only in such steps (`require_packed`)
+PACKED_TAG = ":engine-packed"
+
+
+def in_packed_step() -> bool:
+    """Whether the current forward is an engine step (one row packing its sequences) or the
+    engine's warm-up, which traces the graphs of its steps."""
+    ctx = current()
+    return ctx is not None and (ctx.engine_warm_up or ctx.plan is not None and ctx.plan.packed)
+
+
+def require_packed(tag: str, layer: str) -> None:
+    """Refuse a graph traced in an engine step (`PACKED_TAG`) outside one: its ops were
+    given no mask, which only an engine step's plan (causal within each packed sequence)
+    makes right."""
+    if tag.endswith(PACKED_TAG) and not in_packed_step():
+        raise CacheStateError(
+            f"{layer}: this graph was compiled inside a kvcompile.Engine step, where the "
+            f"attention ops take no mask (the engine's plan lays out the sequences), and is "
+            f"called outside one; call the model with other inputs than the engine's "
+            f"(input_ids [1, T] with position_ids, use_cache=False and a logits_to_keep "
+            f"tensor), or torch._dynamo.reset() before this call")
 
 
 @contextlib.contextmanager

@@ -232,3 +232,99 @@ def test_split_needs_bool_leaves():
     g.output(op)
     unexpand_masks(g)
     assert len(op.args) == 11 and op.args[3] is m
+
+
+def _graphs_seen(monkeypatch):
+    """Per graph the inner compiler gets: (attention ops' (tag, mask, key mask), 4-d bool
+    nodes' shapes)."""
+    seen = []
+    real = backend.compile_inner
+
+    def spy(gm, example_inputs, inner):
+        ops, bools = [], []
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and "kvcompile.attention" in str(n.target):
+                ops.append((n.args[10], n.args[3], n.args[11] if len(n.args) > 11 else None))
+            v = n.meta.get("example_value", n.meta.get("val"))
+            if isinstance(v, torch.Tensor) and v.dtype == torch.bool and v.dim() == 4:
+                bools.append(tuple(v.shape))
+        seen.append((ops, bools))
+        return real(gm, example_inputs, inner)
+
+    monkeypatch.setattr(backend, "compile_inner", spy)
+    return seen
+
+
+def test_engine_graphs_build_no_mask(monkeypatch):
+    """A graph traced in an engine step gives its ops no mask, and the model's [1, 1, T, T]
+    mask over the packed row (4 GiB at 16 x 4,096 tokens) is not computed; the tokens are
+    HF's. The same model's generate graph keeps its mask (the drop must not fire there)."""
+    from kvcompile import Engine, SamplingParams
+    from kvcompile.runtime.context import PACKED_TAG
+    from tests.engine.tiny import hf_greedy
+
+    seen = _graphs_seen(monkeypatch)
+    ref = make_hf("llama", "sdpa")
+    model = make_hf("llama", "sdpa")
+    kvcompile.compile(model, config(kv_dtype="bf16", page_size=8))
+    eng = Engine(model, max_num_batched_tokens=512, enable_prefix_caching=False)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (23, 9, 17)]
+    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert list(o.token_ids) == hf_greedy(ref, p, 4)
+    assert seen
+    for ops, bools in seen:
+        assert ops and all(tag.endswith(PACKED_TAG) and m is None and km is None
+                           for tag, m, km in ops), ops
+        assert not bools, bools   # nothing of the model's mask is left in the graph
+    n_engine = len(seen)
+    ids = torch.tensor([prompts[0]])
+    with torch.no_grad():
+        got = model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                             pad_token_id=0, eos_token_id=None)
+    assert got[0, len(prompts[0]):].tolist() == hf_greedy(ref, prompts[0], 3)
+    later = seen[n_engine:]
+    assert later
+    for ops, _ in later:
+        assert all(not tag.endswith(PACKED_TAG) for tag, _, _ in ops), ops
+
+
+def test_engine_graph_refuses_to_run_outside_a_step():
+    """An op of a graph traced in an engine step (no mask given) called without an engine
+    step's plan fails with the reason; the same op with a plain tag attends densely."""
+    from kvcompile.errors import CacheStateError
+    from kvcompile.runtime.context import PACKED_TAG
+
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    args = (q, k, v, None, None, "model.layers.0.self_attn", 8 ** -0.5, True, 0, 0.0)
+    with pytest.raises(CacheStateError, match="compiled inside a kvcompile.Engine step"):
+        torch.ops.kvcompile.attention(*args, "kvcompile-abc" + PACKED_TAG)
+    out = torch.ops.kvcompile.attention(*args, "kvcompile-abc")
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, want)
+
+
+def test_drop_masks_erases_the_mask_and_keeps_writes():
+    """drop_masks: the op gets no mask, the mask's own nodes go, a placeholder and an in-place
+    write under them stay."""
+    from kvcompile.passes.mask_inputs import drop_masks
+
+    def built(g, m0):
+        w = g.call_method("fill_", (m0, True))      # a write under the mask: kept
+        w.meta["example_value"] = torch.empty((1, 1, 4, 6), dtype=torch.bool)
+        a = g.call_function(torch.ops.aten.logical_not.default, (w,))
+        a.meta["example_value"] = torch.empty((1, 1, 4, 6), dtype=torch.bool)
+        b = g.call_function(torch.ops.aten.logical_not.default, (a,))
+        b.meta["example_value"] = torch.empty((1, 1, 4, 6), dtype=torch.bool)
+        c = g.call_function(operator.and_, (a, b))   # not a write, though named x_
+        c.meta["example_value"] = torch.empty((1, 1, 4, 6), dtype=torch.bool)
+        return c
+
+    g, op, m0 = _graph_with(built)
+    assert drop_masks(g) == 1
+    assert op.args[3] is None
+    kinds = [str(n.target) for n in g.nodes if n.op != "placeholder" and n.op != "output"]
+    assert "fill_" in kinds and not any("logical_not" in t or "and_" in t for t in kinds), kinds
+    assert drop_masks(g) == 0   # nothing left to drop
+    g.lint()

@@ -1,0 +1,34 @@
+#!/bin/bash
+# Device calls of the twenty-seventh session, one part a call, each under 600 s; every part
+# writes $OUT/<part>*.txt and prints a summary.
+#   g: the engine's graphs without the model's mask (passes/mask_inputs.py drop_masks): the
+#      engine's GPU graph tests, then the Engine's prefill against generate's by part
+#      (profile_engine.py --prefill, B16 x P4096); the split sweep at B1 L128k and D64;
+#      the int4 decode-step append into filled pages
+#   t: first token and decode at B16 x P4096, a process a row: HF static + inductor, the
+#      Engine (fp8 pages), generate through kvcompile (fp8 pages)
+#   other parts: session26_call.sh's
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kvc_out}; mkdir -p "$OUT"
+case "${PART:-g}" in
+  g)
+    timeout -k 5 ${G1_LIMIT:-150} python3 -m pytest -q -n 8 -m gpu \
+      tests/gpu/test_engine_graphs_gpu.py 2>&1 | tail -3 | tee "$OUT/g_tests.txt"
+    timeout -k 5 ${G2_LIMIT:-150} python3 benchmarks/profile_engine.py --prefill \
+      --batch ${B:-16} --prompt ${P:-4096} 2>&1 | grep -v "^USDT" > "$OUT/g_prefill.txt"
+    grep -E "^####|device busy|attention|pointwise|memcpy|GEMM" "$OUT/g_prefill.txt"
+    # the decode kernel against its split count where the tables miss most (B1 L128k, D64)
+    timeout -k 5 ${G3_LIMIT:-90} python3 benchmarks/split_sweep.py --shapes B1_L128k \
+      --splits 24,32,40,48,56,64,66,80,96,132 2>&1 | grep -E "^\||H100|H200" | tee "$OUT/g_split.txt"
+    timeout -k 5 ${G4_LIMIT:-60} python3 benchmarks/split_sweep.py --shapes D64_B64_L8k \
+      --splits 1,2,3,4,6 2>&1 | grep -E "^\|" | tee -a "$OUT/g_split.txt"
+    # the int4 decode-step append into filled pages (session26_call.sh s, not run yet)
+    timeout -k 5 ${G5_LIMIT:-70} python3 benchmarks/bench_append.py --page 64 \
+      --only "pages of" 2>&1 | grep -E "copy|decode" | tee "$OUT/g_append.txt" ;;
+  t)
+    B=${B:-16} P=${P:-4096} N=${N:-128} E_ARGS=" " ROW_LIMIT=${ROW_LIMIT:-150} OUT=$OUT/t \
+      bash benchmarks/e2e_kv_rows.sh "${ROWS:-hf_static:auto engine_b:auto kvc_fp8:auto}" \
+      2>&1 | tee "$OUT/t_rows.txt" ;;
+  *)
+    PART=$PART bash benchmarks/session26_call.sh ;;
+esac
