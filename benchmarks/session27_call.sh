@@ -7,6 +7,7 @@
 #      the int4 decode-step append into filled pages
 #   t: first token and decode at B16 x P4096, a process a row: HF static + inductor, the
 #      Engine (fp8 pages), generate through kvcompile (fp8 pages)
+#   p: the int4 decode step by kernel at B64 x P2048 and B16 x P4096 (profile_generate --steps)
 #   other parts: session26_call.sh's
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvc_out}; mkdir -p "$OUT"
@@ -29,6 +30,15 @@ case "${PART:-g}" in
     B=${B:-16} P=${P:-4096} N=${N:-128} E_ARGS=" " ROW_LIMIT=${ROW_LIMIT:-150} OUT=$OUT/t \
       bash benchmarks/e2e_kv_rows.sh "${ROWS:-hf_static:auto engine_b:auto kvc_fp8:auto}" \
       2>&1 | tee "$OUT/t_rows.txt" ;;
+  p)
+    # where the int4 decode step's time goes (issue 16's 60% of roofline: int4 at 54% at
+    # B64 x P2048, 58% at B16 x P4096), kernel by kernel (memcpy / memset included)
+    for shape in "64 2048" "16 4096"; do
+      set -- $shape
+      timeout -k 5 ${P_LIMIT:-170} python3 benchmarks/profile_generate.py --paths int4 \
+        --batch $1 --prompt $2 --new 16 --steps 2>&1 | grep -v "^USDT" > "$OUT/p_b$1.txt"
+      grep -E "^==|^\||^####|ms  " "$OUT/p_b$1.txt" | head -45
+    done ;;
   *)
     PART=$PART bash benchmarks/session26_call.sh ;;
 esac
