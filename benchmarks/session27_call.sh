@@ -7,13 +7,14 @@
 #      the int4 decode-step append into filled pages
 #   t: first token and decode at B16 x P4096, a process a row: HF static + inductor, the
 #      Engine (fp8 pages), generate through kvcompile (fp8 pages)
+#   gt: g's GPU tests, then t; g2: g without its tests
 #   p: the int4 decode step by kernel at B64 x P2048 and B16 x P4096 (profile_generate --steps)
 #   other parts: session26_call.sh's
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvc_out}; mkdir -p "$OUT"
 case "${PART:-g}" in
   g)
-    timeout -k 5 ${G1_LIMIT:-150} python3 -m pytest -q -n 8 -m gpu \
+    [ "${G1_LIMIT:-150}" = 0 ] || timeout -k 5 ${G1_LIMIT:-150} python3 -m pytest -q -n 8 -m gpu \
       tests/gpu/test_engine_graphs_gpu.py 2>&1 | tail -3 | tee "$OUT/g_tests.txt"
     timeout -k 5 ${G2_LIMIT:-150} python3 benchmarks/profile_engine.py --prefill \
       --batch ${B:-16} --prompt ${P:-4096} 2>&1 | grep -v "^USDT" > "$OUT/g_prefill.txt"
@@ -26,6 +27,12 @@ case "${PART:-g}" in
     # the int4 decode-step append into filled pages (session26_call.sh s, not run yet)
     timeout -k 5 ${G5_LIMIT:-70} python3 benchmarks/bench_append.py --page 64 \
       --only "pages of" 2>&1 | grep -E "copy|decode" | tee "$OUT/g_append.txt" ;;
+  gt)
+    timeout -k 5 ${G1_LIMIT:-150} python3 -m pytest -q -n 8 -m gpu \
+      tests/gpu/test_engine_graphs_gpu.py 2>&1 | tail -3 | tee "$OUT/g_tests.txt"
+    ROW_LIMIT=${ROW_LIMIT:-130} PART=t bash "$0" ;;
+  g2)
+    G1_LIMIT=0 PART=g bash "$0" ;;
   t)
     B=${B:-16} P=${P:-4096} N=${N:-128} E_ARGS=" " ROW_LIMIT=${ROW_LIMIT:-150} OUT=$OUT/t \
       bash benchmarks/e2e_kv_rows.sh "${ROWS:-hf_static:auto engine_b:auto kvc_fp8:auto}" \
