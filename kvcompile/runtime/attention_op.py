@@ -68,8 +68,9 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if sink_logits is not None:
         _check_sinks(sink_logits, q)
     if ctx is None or ctx.binding is None and ctx.plan is None:
-        return dense_attention(q, k, v, masks.combine(attn_mask, key_mask), scale, is_causal,
-                               sliding_window, softcap, sink_logits)
+        # (the layout the fake promises: SDPA's output follows q's, which may be a transpose)
+        return _as_promised(dense_attention(q, k, v, masks.combine(attn_mask, key_mask), scale,
+                                            is_causal, sliding_window, softcap, sink_logits), q)
     if key_mask is not None:
         attn_mask = key_mask if attn_mask is None else masks.AndMask(attn_mask, key_mask)
     return _cached_attention(ctx, q, k, v, attn_mask, positions, layer, scale, is_causal,
@@ -111,8 +112,8 @@ def _latent_attention(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor,
     _context.require_packed(tag, layer)
     if ctx is None or ctx.binding is None and ctx.plan is None:
         k, v = latent_ref.expand_latent(latent, rope, kv_b_weight, nope_dim, q.shape[1])
-        return dense_attention(q, k, v, masks.combine(attn_mask, key_mask), scale, is_causal,
-                               sliding_window, softcap)
+        return _as_promised(dense_attention(q, k, v, masks.combine(attn_mask, key_mask), scale,
+                                            is_causal, sliding_window, softcap), q)
     if key_mask is not None:
         attn_mask = key_mask if attn_mask is None else masks.AndMask(attn_mask, key_mask)
     li, plan, mask_info = _store(ctx, q, latent, rope, attn_mask, positions, layer, is_causal,
