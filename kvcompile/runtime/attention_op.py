@@ -22,7 +22,14 @@ Layout: the op is tagged `flexible_layout`: inductor hands it its inputs as they
 without a copy to the strides the FX graph recorded. With the default constraint inductor
 copies an unrealized input (the model's mask is one: a pointwise of aranges and the 2-d mask)
 once per op that reads it, one [B, 1, S, L] buffer per layer alive together (six 8 GiB masks
-in the B16 x 32k prefill on the H200). The op accepts any strides.
+in the B16 x 32k prefill on the H200). The op accepts any strides. Its output [B, H, S, Dv]
+is laid out in memory as [B, S, H, Dv] (a transposed contiguous tensor, `_as_promised`), the
+layout every model's next step wants (`out.transpose(1, 2).reshape(B, S, H * Dv)` for the
+output projection: a view then) and the one SDPA already returns for a q that is a transposed
+view of the projection, as the models' q is; a BHSD-contiguous output cost two full copies of
+it a layer in a prefill (SDPA's to BHSD, inductor's back: 17 ms of a 440 ms first token at 16
+prompts of 4,096 tokens on an H100, `profile_engine.py --prefill`). At S = 1 the two layouts
+are the same memory.
 
 With a forward context (runtime/context.py) the new k/v are written into the pool in the
 layer's format, then q attends over the sequence's tokens as stored; who attends is decided by
@@ -84,7 +91,8 @@ attention = torch.library.custom_op("kvcompile::attention", mutates_args=(),
 @attention.register_fake
 def _(q, k, v, attn_mask, positions, layer, scale, is_causal, sliding_window, softcap, tag,
       key_mask=None, sink_logits=None):
-    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+    B, H, S, _ = q.shape
+    return q.new_empty((B, S, H, v.shape[-1])).transpose(1, 2)   # see _as_promised
 
 
 # the pool is written outside the op's arguments: no pass may drop a call (see the docstring)
@@ -112,8 +120,8 @@ def _latent_attention(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor,
     _context.require_packed(tag, layer)
     if ctx is None or ctx.binding is None and ctx.plan is None:
         k, v = latent_ref.expand_latent(latent, rope, kv_b_weight, nope_dim, q.shape[1])
-        return _as_promised(dense_attention(q, k, v, masks.combine(attn_mask, key_mask), scale,
-                                            is_causal, sliding_window, softcap), q)
+        return _contiguous(dense_attention(q, k, v, masks.combine(attn_mask, key_mask), scale,
+                                           is_causal, sliding_window, softcap), q)
     if key_mask is not None:
         attn_mask = key_mask if attn_mask is None else masks.AndMask(attn_mask, key_mask)
     li, plan, mask_info = _store(ctx, q, latent, rope, attn_mask, positions, layer, is_causal,
@@ -123,7 +131,7 @@ def _latent_attention(q: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor,
     out = dispatch.attend_latent(ctx, li, q, plan, mask_info, attn_mask, is_causal,
                                  sliding_window, softcap, scale, kv_b_weight, nope_dim,
                                  fresh=(latent, rope))
-    return out.to(q.dtype).contiguous()
+    return _contiguous(out, q)
 
 
 latent_attention = torch.library.custom_op("kvcompile::latent_attention", mutates_args=(),
@@ -203,10 +211,17 @@ def _cached_attention(ctx, q, k, v, attn_mask, positions, layer, scale, is_causa
 
 
 def _as_promised(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    # the fake promises a contiguous [B, Hq, S, Dv] in q's dtype; inductor asserts the strides
-    # it was told
+    """out [B, Hq, S, Dv] as the attention op's fake promises it (inductor asserts the strides
+    it was told): in q's dtype, laid out as a contiguous [B, S, Hq, Dv] (module docstring)."""
     if out.dtype != q.dtype:
         out = out.to(q.dtype)
+    t = out.transpose(1, 2)
+    return out if t.is_contiguous() else t.contiguous().transpose(1, 2)
+
+
+def _contiguous(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """out as the latent op's fake promises it: a contiguous [B, H, S, Dv] in q's dtype."""
+    out = out.to(q.dtype)
     return out if out.is_contiguous() else out.contiguous()
 
 

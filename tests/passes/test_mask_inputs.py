@@ -303,13 +303,17 @@ def test_engine_graph_refuses_to_run_outside_a_step():
     out = torch.ops.kvcompile.attention(*args, "kvcompile-abc")
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     torch.testing.assert_close(out, want)
-    # with no context (the engine's warm-up, a cache-less call) the op still returns the
-    # contiguous [B, H, S, D] its fake promises (inductor asserts the strides), though SDPA's
-    # output follows a transposed q's layout
-    qt, kt, vt = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
-    out = torch.ops.kvcompile.attention(qt, kt, vt, *args[3:], "kvcompile-abc")
-    assert out.is_contiguous()
-    torch.testing.assert_close(out, want)
+    # with no context (the engine's warm-up, a cache-less call) the op returns the layout its
+    # fake promises (inductor asserts the strides: [B, H, S, D] laid out as [B, S, H, D]),
+    # whatever q's layout and SDPA's output
+    for lay in (lambda x: x, lambda x: x.transpose(1, 2).contiguous().transpose(1, 2)):
+        out = torch.ops.kvcompile.attention(*(lay(x) for x in (q, k, v)), *args[3:],
+                                            "kvcompile-abc")
+        torch.library.opcheck(torch.ops.kvcompile.attention.default,
+                              (*(lay(x) for x in (q, k, v)), *args[3:], "kvcompile-abc"),
+                              test_utils=("test_faketensor",))
+        assert out.transpose(1, 2).is_contiguous(), out.stride()
+        torch.testing.assert_close(out, want)
 
 
 def test_drop_masks_erases_the_mask_and_keeps_writes():
