@@ -8,6 +8,7 @@
 #   t: first token and decode at B16 x P4096, a process a row: HF static + inductor, the
 #      Engine (fp8 pages), generate through kvcompile (fp8 pages)
 #   gt: g's GPU tests, then t; g2: g without its tests
+#   l: the op's [B, S, H, Dv] output layout: GPU tests, the Engine's prefill by part
 #   p: the int4 decode step by kernel at B64 x P2048 and B16 x P4096 (profile_generate --steps)
 #   other parts: session26_call.sh's
 cd "$(dirname "$0")/.."
@@ -37,6 +38,14 @@ case "${PART:-g}" in
     B=${B:-16} P=${P:-4096} N=${N:-128} E_ARGS=" " ROW_LIMIT=${ROW_LIMIT:-150} OUT=$OUT/t \
       bash benchmarks/e2e_kv_rows.sh "${ROWS:-hf_static:auto engine_b:auto kvc_fp8:auto}" \
       2>&1 | tee "$OUT/t_rows.txt" ;;
+  l)
+    # the attention op's [B, S, H, Dv] output layout (not run on a GPU yet): the GPU graph
+    # and dense tests, then the Engine's prefill by part (were 6.6 + 10.7 ms of output copies)
+    timeout -k 5 ${L1_LIMIT:-150} python3 -m pytest -q -n 8 -m gpu tests/gpu/test_engine_graphs_gpu.py \
+      tests/gpu/test_hf_graphs_gpu.py tests/gpu/test_dense_gpu.py 2>&1 | tail -3 | tee "$OUT/l_tests.txt"
+    timeout -k 5 ${L2_LIMIT:-150} python3 benchmarks/profile_engine.py --prefill \
+      --batch ${B:-16} --prompt ${P:-4096} 2>&1 | grep -v "^USDT" > "$OUT/l_prefill.txt"
+    grep -E "^####|^\| |  ms  " "$OUT/l_prefill.txt" | head -45 ;;
   p)
     # where the int4 decode step's time goes (issue 16's 60% of roofline: int4 at 54% at
     # B64 x P2048, 58% at B16 x P4096), kernel by kernel (memcpy / memset included)
