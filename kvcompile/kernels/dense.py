@@ -93,7 +93,7 @@ def sdpa_rows(q, k, v, starts, scale: float) -> torch.Tensor:
     Inf takes the row's `sdpa_attention`, with the module docstring's rules)."""
     B, Hq, S, _ = q.shape
     dt = compute_dtype(q.dtype)
-    out = torch.zeros(B, Hq, S, v.shape[-1], dtype=dt, device=q.device)
+    out = op_output(B, Hq, S, v.shape[-1], dt, q.device, zero=True)
     rows = [(b, s0) for b, s0 in enumerate(starts) if s0 < S]
     for b, s0 in rows:
         out[b:b + 1, :, s0:] = _sdpa(_as(q[b:b + 1, :, s0:], dt), _as(k[b:b + 1, :, s0:], dt),
@@ -115,7 +115,7 @@ def sdpa_packed(q, k, v, q_lens, scale: float) -> torch.Tensor:
     non-finite output takes each prompt's `sdpa_attention`, with the module docstring's rules.
     -> [1, Hq, T, Dv] in compute_dtype(q.dtype)."""
     dt = compute_dtype(q.dtype)
-    out = torch.empty(1, q.shape[1], q.shape[2], v.shape[-1], dtype=dt, device=q.device)
+    out = op_output(1, q.shape[1], q.shape[2], v.shape[-1], dt, q.device)
     ends = list(itertools.accumulate(q_lens))
     spans = [slice(e - n, e) for n, e in zip(q_lens, ends, strict=True)]
     for rows in spans:
@@ -127,6 +127,15 @@ def sdpa_packed(q, k, v, q_lens, scale: float) -> torch.Tensor:
         out[:, :, rows] = sdpa_attention(q[:, :, rows], k[:, :, rows], v[:, :, rows], None,
                                          None, scale, True)
     return out
+
+
+def op_output(B: int, H: int, S: int, dv: int, dtype: torch.dtype, device,
+              zero: bool = False) -> torch.Tensor:
+    """An output [B, H, S, dv] laid out as the attention op returns it (a contiguous
+    [B, S, H, dv], transposed: runtime/attention_op.py `_as_promised`), so that filling it
+    part by part needs no copy at the end."""
+    make = torch.zeros if zero else torch.empty
+    return make(B, S, H, dv, dtype=dtype, device=device).transpose(1, 2)
 
 
 def _sdpa_trusted(out: torch.Tensor, k: torch.Tensor, dtype: torch.dtype) -> bool:

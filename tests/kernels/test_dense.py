@@ -170,6 +170,7 @@ def test_sdpa_rows_is_left_padded_causal_attention(case, dtype):
     ref = eager_rows(q.to(dtype), k.to(dtype), v.to(dtype), seen, 0.3)
     got = sdpa_rows(q.to(dtype), k.to(dtype), v.to(dtype), starts, 0.3)
     assert got.dtype == dtype and got.shape == (B, Hq, S, 8)
+    assert got.transpose(1, 2).is_contiguous()   # the attention op's layout: no copy to it
     assert_matches_eager(got, ref, dtype, f"sdpa_rows, {case}")
     assert torch.equal(got[1, :, :4], torch.zeros_like(got[1, :, :4]))   # padding queries
     if case == "masked_nan":
@@ -210,6 +211,7 @@ def test_sdpa_packed_is_causal_attention_per_prompt(case, dtype, monkeypatch):
     got = sdpa_packed(q.to(dtype), k.to(dtype), v.to(dtype), lens, 0.3)
     ref = eager_rows(q.to(dtype), k.to(dtype), v.to(dtype), seen, 0.3)
     assert got.dtype == dtype and got.shape == (1, Hq, T, 8)
+    assert got.transpose(1, 2).is_contiguous()   # the attention op's layout: no copy to it
     assert_matches_eager(got, ref, dtype, f"sdpa_packed, {case}")
     if case == "finite":
         assert len(checks) <= 2, f"{len(checks)} finiteness checks for {len(lens)} prompts"
