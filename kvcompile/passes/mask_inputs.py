@@ -197,7 +197,7 @@ def _and_chain(graph: fx.Graph, leaves: list, before: fx.Node, built: dict) -> f
 
 def split_masks(graph: fx.Graph) -> int:
     """Give every attention op whose mask is such an AND its two parts; how many were split.
-    (The AND nodes left without users are dropped.)"""
+    (The expand and AND nodes left without users are dropped.)"""
     changed, built = 0, {}
     for node in list(graph.nodes):
         if not _is_attention(node) or len(node.args) <= _MASK_ARG or len(node.args) > 11:
@@ -217,7 +217,7 @@ def split_masks(graph: fx.Graph) -> int:
         args[_KEY_MASK_ARG] = _and_chain(graph, keys, node, built)
         node.args = tuple(args)
         changed += 1
-        _drop_unused(graph, mask)
+        _drop_pure(graph, mask)
     return changed
 
 
@@ -281,18 +281,6 @@ def _writes(node: fx.Node) -> bool:
     name = t if isinstance(t, str) else getattr(t, "__name__", "")
     return name.endswith("_") and not name.endswith("__") or name in ("__setitem__",
                                                                      "__iand__", "__ior__")
-
-
-def _drop_unused(graph: fx.Graph, node) -> None:
-    """Erase node and the expand / AND nodes under it that no longer have users."""
-    todo = [node]
-    while todo:
-        n = todo.pop()
-        if not isinstance(n, fx.Node) or n.users or not (_is_and(n) or _is_expand(n)):
-            continue
-        inputs = list(n.all_input_nodes)
-        graph.erase_node(n)
-        todo.extend(inputs)
 
 
 def unexpand_masks(graph: fx.Graph) -> int:
