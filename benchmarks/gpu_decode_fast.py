@@ -148,20 +148,24 @@ def random_case(kf: str, kg: str, B: int, L: int, Hkv: int, D: int, P: int, gen)
     return f, vf, kc, vc, bt, sl
 
 
-def bench(gen, waves_list, variants=("base",), formats=None, shapes=None,
-          triton=True, int4_pages=(64,), key_mask=False) -> list[dict]:
+def sdpa_baseline(B: int, L: int, Hq: int, Hkv: int, D: int, gen) -> tuple[torch.Tensor, float]:
+    """The ratios' baseline at a shape: q [B, Hq, 1, D] and the ms of torch SDPA over
+    contiguous bf16 keys / values of L tokens (GQA), which are freed after."""
     import torch.nn.functional as F
 
+    q = torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(B, Hkv, L, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(B, Hkv, L, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+    return q, _bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+
+
+def bench(gen, waves_list, variants=("base",), formats=None, shapes=None,
+          triton=True, int4_pages=(64,), key_mask=False) -> list[dict]:
     rows = []
     for name, (B, L, Hq, Hkv, D) in SHAPES.items():
         if shapes and name not in shapes:
             continue
-        q = torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16, generator=gen)
-        k = torch.randn(B, Hkv, L, D, device=DEV, dtype=torch.bfloat16, generator=gen)
-        v = torch.randn(B, Hkv, L, D, device=DEV, dtype=torch.bfloat16, generator=gen)
-        t_sdpa = _bench(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
-            q, k, v, enable_gqa=True))
-        del k, v
+        q, t_sdpa = sdpa_baseline(B, L, Hq, Hkv, D, gen)
         kv_bf16 = 2 * B * L * Hkv * D * 2
         rows.append({"shape": name, "row": "sdpa bf16", "ms": t_sdpa, "x": 1.0,
                      "TB/s": kv_bf16 / t_sdpa / 1e9})

@@ -25,6 +25,7 @@ from benchmarks.gpu_decode_fast import (  # noqa: E402
     SHAPES,
     _bench,
     random_case,
+    sdpa_baseline,
     warm_builds,
 )
 from tests.kernels.kernel_cases import launch_backend  # noqa: E402
@@ -33,8 +34,6 @@ DEV = "cuda"
 
 
 def main() -> None:
-    import torch.nn.functional as F
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="B16_L32k,B64_L8k,B1_L128k")
     ap.add_argument("--formats", default="int4/channel,fp8_e4m3/page")
@@ -47,12 +46,7 @@ def main() -> None:
     print("| shape | pages | splits | ms | x SDPA |\n|---|---|---|---|---|")
     for shape in a.shapes.split(","):
         B, L, Hq, Hkv, D = SHAPES[shape]
-        q = torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16, generator=gen)
-        k = torch.randn(B, Hkv, L, D, device=DEV, dtype=torch.bfloat16, generator=gen)
-        v = torch.randn_like(k)
-        t_sdpa = _bench(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
-            q, k, v, enable_gqa=True))
-        del k, v
+        q, t_sdpa = sdpa_baseline(B, L, Hq, Hkv, D, gen)
         out = torch.empty(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16)
         for name in formats:
             kf, kg = name.split("/")
