@@ -134,8 +134,11 @@ def test_padded_rows_varlen_on_cuda(monkeypatch):
     q = torch.randn(B, Hq, S, D, generator=g).cuda().bfloat16()
     k, v = (torch.randn(B, Hkv, S, D, generator=g).cuda().bfloat16() for _ in range(2))
     starts = [0, 17, 299, S, 150]
-    state = SimpleNamespace(kernels=SimpleNamespace(use_triton=lambda device: True))
+    counted = []
+    state = SimpleNamespace(kernels=SimpleNamespace(use_triton=lambda device: True),
+                            count=counted.append)
     got = dispatch._padded_rows(state, q, k, v, starts, 0.09).float()
     want = sdpa_rows(q, k, v, starts, 0.09).float()
     assert rel_err(got, want) <= 4 * REL_ERR[torch.bfloat16]
     assert not got[1, :, :17].any() and not got[3].any()
+    assert counted == ["prefill_fresh_varlen"]
