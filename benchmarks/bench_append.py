@@ -94,11 +94,11 @@ def variants(name: str, gran: str, grouped: bool) -> list:
 
         other = "runs" if app_int.PAGE_BULK == "tiles" else "tiles"
         out.append((f", {other} kernel", {"int.PAGE_BULK": other}))
-        out += [(f", tiles {e // 128} x 128, {w} warps", {"int.PAGE_BULK": "tiles",
-                                                           "int.TILE_ELEMS": e,
-                                                           "int.TILE_WARPS": w})
-                for e, w in ((4096, 8), (8192, 8)) if (e, w) != (app_int.TILE_ELEMS,
-                                                                 app_int.TILE_WARPS)]
+        out += [(f", tiles of {n} pages, {w} warps", {"int.PAGE_BULK": "tiles",
+                                                       "int.TILE_PAGES": n,
+                                                       "int.TILE_WARPS": w})
+                for n, w in ((4, 4), (8, 8), (16, 8)) if (n, w) != (app_int.TILE_PAGES,
+                                                                   app_int.TILE_WARPS)]
     return out
 
 

@@ -18,15 +18,19 @@ Same bytes as PagedTensor.write (paged.py `_write_codes` / `_write_grouped`, gro
 One program per (window of WIN sorted slots, head) walks the runs (one page each) that start
 in its window: WIN = 1 for decode steps (one program per token), WIN = P for bulk writes
 (PAGE_BULK "runs"). Bulk writes by default (PAGE_BULK "tiles", `_append_int_tiles_kernel`)
-write the fresh full pages of a window of max(P, TILE_ELEMS / D) slots from one tile of x in
-one pass, and walk only the other runs. A run
+write the fresh full pages of a window of TILE_PAGES * P slots row by row, as [TILE_PAGES, D]
+tiles of x (statistics, then codes), and walk only the other runs. A run
 is visited in chunks of NR rows, twice: min / max first, then encode and store (no host sync,
 nothing sized by the data: CUDA-graph capturable). Codes pack along head_dim as intq.pack does,
 as [rows, units, codes per unit] tiles (int3: 8 codes in 3 bytes).
 Arithmetic follows intq.py op for op: the scale's division by 2^bits - 1 is torch's (a multiply
 by the fp32 reciprocal on CUDA, a division on the CPU, `_div_levels`); fp16 roundings are RNE
 casts stepped by one ulp on the fp16 bit pattern; `code * scale + zero` may contract to an fma
-without changing it (code * scale is exact in fp32).
+without changing it (code * scale is exact in fp32). The codes' division by the scale is IEEE
+division from a reciprocal per group and two fmas a value (`_quotient`), and a tile whose values
+are all finite and within fp16's range skips the masks and clamps that cannot change its codes
+(`_codes_fresh`): with these, Nsight put the int kernels at 57 (token scales) and 92 (channel
+scales) instructions a value, issue-bound (RESULTS.md, twenty-eighth session).
 """
 
 from __future__ import annotations
@@ -41,11 +45,13 @@ DECODE_ROWS, BULK_ROWS = 16, 32
 DECODE_WARPS = 4   # warps of a decode-step launch (WIN = 1)
 # slots per program window of a bulk write (more tokens than this: WIN = P)
 BULK_TOKENS = 4096
-# page / channel scales, bulk writes: "tiles" (fresh full pages from one [W / P, P, D] tile of
-# x, a window of W = max(P, TILE_ELEMS / D) slots a program; other runs as "runs" does) or
-# "runs" (every run through _append_int_run, a window of P slots a program)
+# page / channel scales, bulk writes: "tiles" (fresh full pages read row by row as
+# [TILE_PAGES, D] tiles, a window of W = TILE_PAGES * P slots a program, TILE_UNROLL rows a
+# step; other runs as "runs" does) or "runs" (every run through _append_int_run, a window of P
+# slots a program)
 PAGE_BULK = "tiles"
-TILE_ELEMS = 4096
+TILE_PAGES = 8
+TILE_UNROLL = 8
 TILE_WARPS = 4
 # token scales: R = TOKEN_TILE_ELEMS / max(D, 128) tokens of one head a program. 8 warps:
 # on an H100 (bench_append.py, T 65,536, H 8, D 128, bf16 input, 2026-12-06) 0.148 ms against
@@ -98,15 +104,64 @@ def _params(lo, hi, has_nan, LEV: tl.constexpr, RECIP: tl.constexpr):
 
 
 @triton.jit
-def _codes(x, s, z, LEV: tl.constexpr):
+def _divisor(s):
+    # the divisor of a group's codes and its reciprocal 1 / s rounded to nearest, once per
+    # group: (s, 1 / s) where s > 0, else (1, 0) (intq.int_codes: code 0 where s is not > 0)
+    pos = s > 0
+    sd = tl.where(pos, s, 1.0)
+    return sd, tl.where(pos, tl.math.div_rn(tl.zeros_like(sd) + 1.0, sd), 0.0)
+
+
+@triton.jit
+def _quotient(a, sd, rs):
+    # a / sd rounded to nearest (IEEE division, bit for bit) from rs = 1 / sd rounded to
+    # nearest, without a division a value: q0 = a * rs is within an ulp of the quotient, the
+    # residual a - q0 * sd is exact in one fma, and q0 + residual * rs rounds to the correctly
+    # rounded quotient (Markstein's correction; codes' range has no under / overflow). A
+    # division a value took CUDA's div.rn slow path on every zero numerator (a group's least
+    # value when its zero point is that value): one call per warp and page row in Nsight.
+    # rs = 0 (s not > 0) gives 0. tests/kernels/test_append_int.py checks the identity.
+    q0 = a * rs
+    return tl.fma(tl.fma(-q0, sd, a), rs, q0)
+
+
+@triton.jit
+def _codes(x, sd, rs, z, LEV: tl.constexpr):
     # intq.int_codes: clamp(rne((clamp(x, +-65504) - z) / s), 0, LEV), 0 where s is not > 0
-    # or x is NaN -> int32
+    # or x is NaN -> int32; (sd, rs) = _divisor(s)
     xc = tl.minimum(tl.maximum(x, -_F16_MAX), _F16_MAX)
-    ok = (s > 0) & (x == x)
-    q = tl.math.div_rn(xc - z, tl.where(s > 0, s, 1.0))
-    q = tl.minimum(tl.maximum(tl.where(ok, q, 0.0), -1.0), LEV + 1.0)
+    q = _quotient(xc - z, sd, rs)
+    q = tl.minimum(tl.maximum(tl.where(x == x, q, 0.0), -1.0), LEV + 1.0)
     q = (q + _RNE_MAGIC) - _RNE_MAGIC
     return tl.minimum(tl.maximum(q, 0.0), LEV).to(tl.int32)
+
+
+@triton.jit
+def _codes_fresh(x, sd, rs, z, LEV: tl.constexpr):
+    # _codes where (s, z) come from these values' own range and every value is finite and
+    # within +-65504 (_finite_range): z <= x, so 0 <= x - z and the quotient is at most
+    # LEV (1 + 2^-21) (s is rounded up from (hi - z) / LEV): the clamps and the NaN test are
+    # no-ops, the result the same bit for bit
+    q = _quotient(x - z, sd, rs)
+    return tl.minimum((q + _RNE_MAGIC) - _RNE_MAGIC, LEV).to(tl.int32)
+
+
+@triton.jit
+def _min_nan(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _finite_range(lo, hi):
+    # whether groups whose values' NaN-propagating min / max are lo / hi hold only finite
+    # values within +-65504 (then their masked statistics are lo / hi, no NaN, and
+    # _codes_fresh applies): a tile's fast path, a test per group, not per value
+    return (tl.abs(lo) <= _F16_MAX) & (tl.abs(hi) <= _F16_MAX)
 
 
 @triton.jit
@@ -219,12 +274,13 @@ def _append_int_run(X, SORTED, ORDER, DATA, SCALE, ZERO, i, T, H, h, D: tl.const
     diff = ((s_new != s_old) & ((s_new == s_new) | (s_old == s_old))) | (z_new != z_old)
     changed = tl.max(tl.max(diff.to(tl.int32), 1), 0) > 0
     # pass 2: encode and store (earlier tokens only where the head's parameters changed)
+    sd, rs = _divisor(s_new)
     if changed:
         for c2 in range(0, m, NR):
             ok = c2 + r < m
             rows = head * P + c2 + r
             v = _unpack(DATA, rows, ok, G, PER, NB, BITS).to(tl.float32) * s_old + z_old
-            _pack_store(DATA, rows, ok, _codes(v, s_new, z_new, LEV), G, PER, NB, BITS)
+            _pack_store(DATA, rows, ok, _codes(v, sd, rs, z_new, LEV), G, PER, NB, BITS)
     for c3 in range(0, n, NR):
         ok = c3 + r < n
         if GROUPED:
@@ -233,7 +289,8 @@ def _append_int_run(X, SORTED, ORDER, DATA, SCALE, ZERO, i, T, H, h, D: tl.const
             src = tl.load(ORDER + i + c3 + r, mask=ok, other=0)
         off = tl.load(SORTED + i + c3 + r, mask=ok, other=0) % P
         v = _load_x(X, src, ok, H, h, D, G, PER)
-        _pack_store(DATA, head * P + off, ok, _codes(v, s_new, z_new, LEV), G, PER, NB, BITS)
+        _pack_store(DATA, head * P + off, ok, _codes(v, sd, rs, z_new, LEV), G, PER, NB,
+                    BITS)
     if CH:
         smask = c >= 0
     else:
@@ -286,23 +343,59 @@ def uncovered_starts(SORTED, T, idx, live, slot, start, s0, P: tl.constexpr):
     return start & (cov == 0)
 
 
+@triton.jit
+def _tile_rows(X, ORDER, T, H, h, qb, ok, r, D: tl.constexpr, GROUPED: tl.constexpr):
+    # row r of the tile's NPG pages: x[src(qb + r), h, :] as fp32 [NPG, D] (ok: pages loaded)
+    pos = qb + r
+    if GROUPED:
+        src = pos
+    else:
+        src = tl.load(ORDER + pos, mask=ok & (pos < T), other=0)
+    d = tl.arange(0, D)
+    return tl.load(X + ((src.to(tl.int64) * H + h) * D)[:, None] + d[None, :],
+                   mask=ok[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _tile_encode(X, ORDER, DATA, T, H, h, qb, full, head, sd, rs, zp, D: tl.constexpr,
+                 P: tl.constexpr, U: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
+                 NB: tl.constexpr, GROUPED: tl.constexpr, FRESH: tl.constexpr):
+    # codes of the tile's pages, row by row (U rows unrolled a step), packed and stored
+    LEV: tl.constexpr = (1 << BITS) - 1
+    G: tl.constexpr = D // PER
+    NPG: tl.constexpr = qb.shape[0]
+    for r0 in range(0, P, U):
+        for u in tl.static_range(U):
+            x = _tile_rows(X, ORDER, T, H, h, qb, full, r0 + u, D, GROUPED)
+            if FRESH:
+                codes = _codes_fresh(x, sd, rs, zp, LEV)
+            else:
+                codes = _codes(x, sd, rs, zp, LEV)
+            _pack_store(DATA, head * P + r0 + u, full, tl.reshape(codes, [NPG, G, PER]), G,
+                        PER, NB, BITS)
+
+
 @triton.jit(do_not_specialize=["T", "H"])
 def _append_int_tiles_kernel(X, SORTED, ORDER, DATA, SCALE, ZERO, T, H, D: tl.constexpr,
-                             P: tl.constexpr, W: tl.constexpr, NR: tl.constexpr,
-                             BITS: tl.constexpr, PER: tl.constexpr, NB: tl.constexpr,
-                             CH: tl.constexpr, RECIP: tl.constexpr, GROUPED: tl.constexpr):
+                             P: tl.constexpr, W: tl.constexpr, U: tl.constexpr,
+                             NR: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
+                             NB: tl.constexpr, CH: tl.constexpr, RECIP: tl.constexpr,
+                             GROUPED: tl.constexpr):
     # page / channel scales, bulk writes (append.py's tiles kernel for the int formats):
     # program (w, h) owns the runs that start in positions [w * W, (w + 1) * W). With s0 its
     # first run start, positions s0 + [0, W) are W / P blocks of P; a block whose first
     # position starts a page (offset 0) and whose P positions are that whole page is a fresh
     # full page: no earlier tokens, so its parameters come from its new values alone (the
-    # run path's "keep" needs earlier tokens), written from one [W / P, P, D] tile in one pass
-    # over x (min / max over the page's rows, parameters, codes, packed store). The other runs
-    # (a page with earlier tokens, a partial page, a run off the s0 + k P grid) go through
-    # _append_int_run, one after another. Bit for bit the run path's: the same _params /
-    # _codes on the same values.
+    # run path's "keep" needs earlier tokens). The W / P pages are read row by row as
+    # [W / P, D] tiles, twice: per-channel min / max first (each thread keeps its channels'
+    # running min / max: no reduction across threads), then codes and packed stores (the
+    # second read hits the cache). A tile whose values are all finite and within fp16's range
+    # (the usual case, _finite_range) takes the cheap statistics and codes; otherwise its
+    # statistics are taken again with the finite / NaN masks, and the codes with the clamps.
+    # The other runs (a page with earlier tokens, a partial page, a run off the s0 + k P grid)
+    # go through _append_int_run, one after another. Bit for bit the run path's: the same
+    # _params / codes on the same values.
     LEV: tl.constexpr = (1 << BITS) - 1
-    G: tl.constexpr = D // PER
     NPG: tl.constexpr = W // P
     h = tl.program_id(1)
     i0, idx, live, slot, start, s0 = window_runs(SORTED, T, P, W)
@@ -310,31 +403,39 @@ def _append_int_tiles_kernel(X, SORTED, ORDER, DATA, SCALE, ZERO, T, H, D: tl.co
     first = tl.load(SORTED + qb, mask=qb < T, other=1)
     last = tl.load(SORTED + qb + P - 1, mask=qb + P - 1 < T, other=-1)
     full = (qb < i0 + W) & (qb + P - 1 < T) & (first % P == 0) & (last == first + P - 1)
-    rr = tl.arange(0, P)
-    pos = qb[:, None] + rr[None, :]                                     # [NPG, P]
-    okr = full[:, None] & (rr[None, :] >= 0)
-    if GROUPED:
-        src = pos
-    else:
-        src = tl.load(ORDER + pos, mask=pos < T, other=0)
-    d = tl.arange(0, D)
-    xoff = ((src.to(tl.int64) * H + h) * D)[:, :, None] + d[None, None, :]
-    x = tl.load(X + xoff, mask=okr[:, :, None], other=0.0).to(tl.float32)  # [NPG, P, D]
     inf = float("inf")
-    fin = tl.abs(x) < inf
-    lo = tl.min(tl.where(fin, x, inf), 1)                                # [NPG, D]
-    hi = tl.max(tl.where(fin, x, -inf), 1)
-    nan = tl.max((x != x).to(tl.int32), 1)
+    lo = tl.full([NPG, D], inf, tl.float32)
+    hi = tl.full([NPG, D], -inf, tl.float32)
+    for r0 in range(0, P, U):
+        for u in tl.static_range(U):
+            x = _tile_rows(X, ORDER, T, H, h, qb, full, r0 + u, D, GROUPED)
+            lo = _min_nan(lo, x)
+            hi = _max_nan(hi, x)
+    fresh = tl.max(tl.max((_finite_range(lo, hi) == 0).to(tl.int32), 1), 0) == 0
+    nan = tl.zeros([NPG, D], tl.int32)
+    if not fresh:   # a NaN, an Inf or a value beyond fp16: the masked statistics
+        lo = tl.full([NPG, D], inf, tl.float32)
+        hi = tl.full([NPG, D], -inf, tl.float32)
+        for r in range(0, P):
+            x = _tile_rows(X, ORDER, T, H, h, qb, full, r, D, GROUPED)
+            fin = tl.abs(x) < inf
+            lo = tl.minimum(lo, tl.where(fin, x, inf))
+            hi = tl.maximum(hi, tl.where(fin, x, -inf))
+            nan = tl.maximum(nan, (x != x).to(tl.int32))
     if not CH:   # one group per (page, head): fold the channels
         lo = tl.zeros_like(lo) + tl.min(lo, 1)[:, None]
         hi = tl.zeros_like(hi) + tl.max(hi, 1)[:, None]
         nan = tl.zeros_like(nan) + tl.max(nan, 1)[:, None]
     sc, zp = _params(lo, hi, nan != 0, LEV, RECIP)                      # [NPG, D]
-    codes = _codes(x, sc[:, None, :], zp[:, None, :], LEV)              # [NPG, P, D]
+    sd, rs = _divisor(sc)
     head = tl.where(full, first // P, 0) * H + h                        # [NPG]
-    rows = tl.reshape(head[:, None] * P + rr[None, :], [NPG * P])
-    _pack_store(DATA, rows, tl.reshape(okr, [NPG * P]),
-                tl.reshape(codes, [NPG * P, G, PER]), G, PER, NB, BITS)
+    if fresh:
+        _tile_encode(X, ORDER, DATA, T, H, h, qb, full, head, sd, rs, zp, D, P, U, BITS, PER,
+                     NB, GROUPED, True)
+    else:
+        _tile_encode(X, ORDER, DATA, T, H, h, qb, full, head, sd, rs, zp, D, P, U, BITS, PER,
+                     NB, GROUPED, False)
+    d = tl.arange(0, D)
     if CH:
         pofs = head[:, None] * D + d[None, :]
         smask = full[:, None] & (d[None, :] >= 0)
@@ -364,13 +465,21 @@ def _append_int_tokens_kernel(X, SLOTS, DATA, SCALE, ZERO, T, H, D: tl.constexpr
     slot = tl.load(SLOTS + t, mask=ok, other=0)
     row = ((slot // P) * H + h) * P + slot % P
     v = _load_x(X, t, ok, H, h, D, G, PER)
-    inf = float("inf")
-    fin = tl.abs(v) < inf
-    lo = tl.min(tl.min(tl.where(fin, v, inf), 2), 1)
-    hi = tl.max(tl.max(tl.where(fin, v, -inf), 2), 1)
-    has_nan = tl.max(tl.max((v != v).to(tl.int32), 2), 1) > 0
-    s, z = _params(lo, hi, has_nan, LEV, RECIP)                                  # [R]
-    codes = _codes(v, s[:, None, None], z[:, None, None], LEV)
+    lo = tl.reduce(tl.reduce(v, 2, _min_nan), 1, _min_nan)                        # [R]
+    hi = tl.reduce(tl.reduce(v, 2, _max_nan), 1, _max_nan)
+    if tl.max((_finite_range(lo, hi) == 0).to(tl.int32), 0) == 0:   # _finite_range: cheap
+        s, z = _params(lo, hi, lo != lo, LEV, RECIP)
+        sd, rs = _divisor(s)
+        codes = _codes_fresh(v, sd[:, None, None], rs[:, None, None], z[:, None, None], LEV)
+    else:   # a NaN, an Inf or a value beyond fp16 in the tile: masked statistics, clamps
+        inf = float("inf")
+        fin = tl.abs(v) < inf
+        lo = tl.min(tl.min(tl.where(fin, v, inf), 2), 1)
+        hi = tl.max(tl.max(tl.where(fin, v, -inf), 2), 1)
+        has_nan = tl.max(tl.max((v != v).to(tl.int32), 2), 1) > 0
+        s, z = _params(lo, hi, has_nan, LEV, RECIP)                              # [R]
+        sd, rs = _divisor(s)
+        codes = _codes(v, sd[:, None, None], rs[:, None, None], z[:, None, None], LEV)
     _pack_store(DATA, row, ok, codes, G, PER, NB, BITS)
     tl.store(SCALE + row, s.to(tl.float16), mask=ok)
     tl.store(ZERO + row, z.to(tl.float16), mask=ok)
@@ -395,9 +504,9 @@ def launch_append_int(x, slots, data, scale, zero, bits: int, granularity: str,
     else:
         sorted_slots, order = sort(slots)
     if T > BULK_TOKENS and PAGE_BULK == "tiles":
-        W = max(P, TILE_ELEMS // D)
+        W = TILE_PAGES * P
         _append_int_tiles_kernel[(triton.cdiv(T, W), H)](
-            x, sorted_slots, order, data, scale, zero, T, H, D=D, P=P, W=W,
+            x, sorted_slots, order, data, scale, zero, T, H, D=D, P=P, W=W, U=min(P, TILE_UNROLL),
             NR=min(P, BULK_ROWS), BITS=bits, PER=per, NB=nb, CH=granularity == "channel",
             RECIP=recip, GROUPED=grouped, num_warps=TILE_WARPS)
         return

@@ -10,6 +10,8 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -96,12 +98,39 @@ def test_int_append_grouped_and_bulk_launches(bulk, monkeypatch):
     # below give full pages, a partial first and last page, and pages with earlier tokens)
     monkeypatch.setattr(append_int, "BULK_TOKENS", 8)
     monkeypatch.setattr(append_int, "PAGE_BULK", bulk)
-    monkeypatch.setattr(append_int, "TILE_ELEMS", 2 * 16 * 32)
+    monkeypatch.setattr(append_int, "TILE_PAGES", 2)
     gen = torch.Generator().manual_seed(5)
     run_int_steps("int4", "channel", 32, 16, [37, 1, 20, 50], gen, grouped=True)
-    monkeypatch.setattr(append_int, "TILE_ELEMS", 4 * 8 * 16)
+    monkeypatch.setattr(append_int, "TILE_PAGES", 4)
     run_int_steps("int4", "page", 16, 8, [11, 9, 30], gen)
     run_int_steps("int3", "channel", 32, 8, [27, 20], gen)
+
+
+@pytest.mark.parametrize("name,gran,D,P", [("int4", "channel", 32, 16), ("int2", "page", 16, 8),
+                                           ("int4", "token", 32, 16)])
+def test_int_append_fresh_pages_with_non_finite_values(name, gran, D, P, monkeypatch):
+    """A bulk write of whole fresh pages (the tiles kernel's own pages; token scales: its
+    tiles) where some pages hold NaN, +-Inf or a value beyond fp16 (those tiles take the
+    masked statistics and clamped codes, the others the cheap path) and one page is all
+    zeros, bit for bit with the reference; slots grouped as the runtime's prefill gives them."""
+    monkeypatch.setattr(append_int, "BULK_TOKENS", 8)
+    monkeypatch.setattr(append_int, "TILE_PAGES", 2)
+    gen = torch.Generator().manual_seed(case_seed(name, gran, D, P, 17))
+    H, N = 2, 10
+    ref, got = storage_pair(make_format(name, gran), N, H, P, D, DEV)
+    pages = torch.randperm(N, generator=gen)[:8]
+    slots = (pages[:, None] * P + torch.arange(P)).reshape(-1)
+    x = torch.randn(slots.numel(), H, D, generator=gen) * 4
+    x[1, 0, 3] = float("nan")                     # page 0
+    x[3 * P + 2, 1, 0] = float("inf")             # page 3
+    x[3 * P + 5, 1, 4] = -float("inf")
+    x[5 * P, 0, 1] = 1.0e6                        # page 5: beyond fp16
+    x[6 * P:7 * P] = 0.0                          # page 6: zeros (scale 0)
+    x = x.to(torch.bfloat16)
+    slots, x = slots.to(DEV), x.to(DEV)
+    ref.write(slots, x)
+    quantize_append(got, slots, x, grouped=gran != "token", direct=True)
+    assert_same_storage(ref, got, f"{name}/{gran}")
 
 
 def test_int_append_wrong_scale_or_kernel_fails():
@@ -152,3 +181,42 @@ def test_int_append_decode_steps_in_one_chunk(monkeypatch):
     gen = torch.Generator().manual_seed(11)
     got = run_int_steps("int4", "channel", 32, 32, [29, 1, 1, 1, 2], gen)
     assert got.reencoded >= 2
+
+
+@triton.jit
+def _quotient_probe(A, S, Q, N, BLOCK: tl.constexpr, CORRECT: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < N
+    a = tl.load(A + i, mask=ok, other=0.0)
+    sd, rs = append_int._divisor(tl.load(S + i, mask=ok, other=1.0))
+    q = append_int._quotient(a, sd, rs) if CORRECT else a * rs
+    tl.store(Q + i, q, mask=ok)
+
+
+def test_codes_division_is_ieee_division_for_every_fp16_scale():
+    """append_int._quotient (a reciprocal per group, two fmas a value) equals IEEE fp32
+    division a / s bit for bit, for every positive finite fp16 scale, with numerators whose
+    quotients sit at and next to fp32 rounding midpoints and half-integers (the codes' ties),
+    zeros and wide random values; a scale not > 0 gives 0. Negative case: the reciprocal's
+    product alone (no fma correction) differs on some of the same inputs."""
+    gen = torch.Generator().manual_seed(3)
+    s = torch.arange(1, 0x7C00, dtype=torch.int16).view(torch.float16).float()
+    n = s.numel()
+    qk = torch.rand(n, generator=gen) * 16
+    mid = (qk.double() + torch.nextafter(qk, torch.tensor(99.0)).double()) / 2
+    half = torch.randint(0, 16, (n,), generator=gen).double() + 0.5
+    a = [(mid * s.double()).float(), (half * s.double()).float(), torch.zeros(n),
+         (torch.rand(n, generator=gen) * 131008).float()]
+    a += [torch.nextafter(a[0], a[0] + 1), torch.nextafter(a[1], a[1] - 1)]
+    a = torch.cat(a + [torch.tensor([3.0, -2.0])])
+    s = torch.cat([s.repeat(6), torch.tensor([0.0, float("nan")])])
+    want = torch.where(s > 0, a / torch.where(s > 0, s, 1.0), 0.0)
+    a, s = a.to(DEV), s.to(DEV)
+    got = {}
+    for correct in (True, False):
+        q = torch.empty_like(a)
+        _quotient_probe[(triton.cdiv(a.numel(), 1024),)](a, s, q, a.numel(), BLOCK=1024,
+                                                        CORRECT=correct)
+        got[correct] = q.cpu() + 0.0   # -0 -> +0 (a scale not > 0: a signed zero)
+    assert torch.equal(got[True].view(torch.int32), want.view(torch.int32))
+    assert (got[False] != want).sum() > 100

@@ -87,7 +87,8 @@ def _cases():
         if win > 1 and AI.PAGE_BULK == "tiles":   # a bulk write: the tiles kernel (its run
             # path is _append_int_pages_kernel's)
             yield (f"int{bits} {gran} tiles grouped={grouped}", AI._append_int_tiles_kernel,
-                   dict(base, W=max(64, AI.TILE_ELEMS // 128), NR=nr, CH=gran == "channel",
+                   dict(base, W=AI.TILE_PAGES * 64, U=min(64, AI.TILE_UNROLL), NR=nr,
+                        CH=gran == "channel",
                         GROUPED=grouped), dict(SCALE="*fp16"), AI.TILE_WARPS)
             continue
         yield (f"int{bits} {gran} WIN={win} grouped={grouped}", AI._append_int_pages_kernel,
