@@ -40,6 +40,7 @@ import triton.language as tl
 
 _F16_MAX = tl.constexpr(65504.0)
 _RNE_MAGIC = tl.constexpr(12582912.0)   # 1.5 * 2^23: (q + M) - M rounds |q| < 2^22 to even
+_RNE_BITS = tl.constexpr(0x4B400000)    # the bits of 1.5 * 2^23 as fp32
 # rows of a chunk: decode-step launches (WIN = 1, runs of one token) / bulk launches
 DECODE_ROWS, BULK_ROWS = 16, 32
 DECODE_WARPS = 4   # warps of a decode-step launch (WIN = 1)
@@ -53,11 +54,13 @@ PAGE_BULK = "tiles"
 TILE_PAGES = 8
 TILE_UNROLL = 8
 TILE_WARPS = 4
-# token scales: R = TOKEN_TILE_ELEMS / max(D, 128) tokens of one head a program. 8 warps:
-# on an H100 (bench_append.py, T 65,536, H 8, D 128, bf16 input, 2026-12-06) 0.148 ms against
-# 4 warps' 0.192 (0.39x / 0.30x copy bandwidth); tiles of 64 or 128 tokens were slower
+TILE_SPLIT = True   # two launches: the fresh full pages (PART 1), then the other runs (PART 2)
+# token scales: R = TOKEN_TILE_ELEMS / max(D, 128) tokens of one head a program. 4 warps: on
+# an H100 (bench_append.py, T 65,536, H 8, D 128, bf16 input, 2026-12-06, after the division
+# and the cheap path) 0.087 ms against 8 warps' 0.096 (0.65x / 0.60x copy bandwidth); before
+# them 8 warps won (0.148 against 0.192 ms)
 TOKEN_TILE_ELEMS = 4096
-TOKEN_TILE_WARPS = 8
+TOKEN_TILE_WARPS = 4
 
 
 def unit_shape(bits: int) -> tuple[int, int]:
@@ -126,14 +129,21 @@ def _quotient(a, sd, rs):
 
 
 @triton.jit
+def _rne_int(q):
+    # q rounded to the nearest integer, ties to even, as int32, for |q| < 2^22: the sum
+    # q + 1.5 * 2^23 has an ulp of 1, so the addition rounds, and the integer is in its low
+    # bits (no float-to-int conversion, a quarter-rate instruction, a value)
+    return (q + _RNE_MAGIC).to(tl.int32, bitcast=True) - _RNE_BITS
+
+
+@triton.jit
 def _codes(x, sd, rs, z, LEV: tl.constexpr):
     # intq.int_codes: clamp(rne((clamp(x, +-65504) - z) / s), 0, LEV), 0 where s is not > 0
     # or x is NaN -> int32; (sd, rs) = _divisor(s)
     xc = tl.minimum(tl.maximum(x, -_F16_MAX), _F16_MAX)
     q = _quotient(xc - z, sd, rs)
     q = tl.minimum(tl.maximum(tl.where(x == x, q, 0.0), -1.0), LEV + 1.0)
-    q = (q + _RNE_MAGIC) - _RNE_MAGIC
-    return tl.minimum(tl.maximum(q, 0.0), LEV).to(tl.int32)
+    return tl.minimum(tl.maximum(_rne_int(q), 0), LEV)
 
 
 @triton.jit
@@ -142,8 +152,7 @@ def _codes_fresh(x, sd, rs, z, LEV: tl.constexpr):
     # within +-65504 (_finite_range): z <= x, so 0 <= x - z and the quotient is at most
     # LEV (1 + 2^-21) (s is rounded up from (hi - z) / LEV): the clamps and the NaN test are
     # no-ops, the result the same bit for bit
-    q = _quotient(x - z, sd, rs)
-    return tl.minimum((q + _RNE_MAGIC) - _RNE_MAGIC, LEV).to(tl.int32)
+    return tl.minimum(_rne_int(_quotient(x - z, sd, rs)), LEV)
 
 
 @triton.jit
@@ -380,7 +389,7 @@ def _append_int_tiles_kernel(X, SORTED, ORDER, DATA, SCALE, ZERO, T, H, D: tl.co
                              P: tl.constexpr, W: tl.constexpr, U: tl.constexpr,
                              NR: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
                              NB: tl.constexpr, CH: tl.constexpr, RECIP: tl.constexpr,
-                             GROUPED: tl.constexpr):
+                             GROUPED: tl.constexpr, PART: tl.constexpr = 0):
     # page / channel scales, bulk writes (append.py's tiles kernel for the int formats):
     # program (w, h) owns the runs that start in positions [w * W, (w + 1) * W). With s0 its
     # first run start, positions s0 + [0, W) are W / P blocks of P; a block whose first
@@ -394,11 +403,32 @@ def _append_int_tiles_kernel(X, SORTED, ORDER, DATA, SCALE, ZERO, T, H, D: tl.co
     # statistics are taken again with the finite / NaN masks, and the codes with the clamps.
     # The other runs (a page with earlier tokens, a partial page, a run off the s0 + k P grid)
     # go through _append_int_run, one after another. Bit for bit the run path's: the same
-    # _params / codes on the same values.
-    LEV: tl.constexpr = (1 << BITS) - 1
-    NPG: tl.constexpr = W // P
+    # _params / codes on the same values. PART 1 writes only the fresh full pages, PART 2 only
+    # the other runs, PART 0 both (the two touch disjoint pages): launched as PART 1 then
+    # PART 2, the full pages' build does without the run path's registers (72 against 167
+    # at D 128: 3 programs a SM).
     h = tl.program_id(1)
     i0, idx, live, slot, start, s0 = window_runs(SORTED, T, P, W)
+    if PART != 2:
+        _tile_pages(X, SORTED, ORDER, DATA, SCALE, ZERO, T, H, h, i0, s0, D, P, W, U, BITS, PER,
+                    NB, CH, RECIP, GROUPED)
+    if PART != 1:
+        rest = uncovered_starts(SORTED, T, idx, live, slot, start, s0, P)
+        i = tl.min(tl.where(rest, idx, i0 + W), 0)
+        while i < i0 + W:
+            _append_int_run(X, SORTED, ORDER, DATA, SCALE, ZERO, i, T, H, h, D, P, NR, BITS,
+                            PER, NB, CH, RECIP, GROUPED)
+            i = tl.min(tl.where(rest & (idx > i), idx, i0 + W), 0)
+
+
+@triton.jit
+def _tile_pages(X, SORTED, ORDER, DATA, SCALE, ZERO, T, H, h, i0, s0, D: tl.constexpr,
+                P: tl.constexpr, W: tl.constexpr, U: tl.constexpr, BITS: tl.constexpr,
+                PER: tl.constexpr, NB: tl.constexpr, CH: tl.constexpr, RECIP: tl.constexpr,
+                GROUPED: tl.constexpr):
+    # the fresh full pages of _append_int_tiles_kernel's window
+    LEV: tl.constexpr = (1 << BITS) - 1
+    NPG: tl.constexpr = W // P
     qb = s0 + tl.arange(0, NPG) * P                                     # [NPG] block starts
     first = tl.load(SORTED + qb, mask=qb < T, other=1)
     last = tl.load(SORTED + qb + P - 1, mask=qb + P - 1 < T, other=-1)
@@ -444,12 +474,6 @@ def _append_int_tiles_kernel(X, SORTED, ORDER, DATA, SCALE, ZERO, T, H, D: tl.co
         smask = full[:, None] & (d[None, :] == 0)
     tl.store(SCALE + pofs, sc.to(tl.float16), mask=smask)
     tl.store(ZERO + pofs, zp.to(tl.float16), mask=smask)
-    rest = uncovered_starts(SORTED, T, idx, live, slot, start, s0, P)
-    i = tl.min(tl.where(rest, idx, i0 + W), 0)
-    while i < i0 + W:
-        _append_int_run(X, SORTED, ORDER, DATA, SCALE, ZERO, i, T, H, h, D, P, NR, BITS, PER,
-                        NB, CH, RECIP, GROUPED)
-        i = tl.min(tl.where(rest & (idx > i), idx, i0 + W), 0)
 
 
 @triton.jit(do_not_specialize=["T", "H"])
@@ -505,10 +529,12 @@ def launch_append_int(x, slots, data, scale, zero, bits: int, granularity: str,
         sorted_slots, order = sort(slots)
     if T > BULK_TOKENS and PAGE_BULK == "tiles":
         W = TILE_PAGES * P
-        _append_int_tiles_kernel[(triton.cdiv(T, W), H)](
-            x, sorted_slots, order, data, scale, zero, T, H, D=D, P=P, W=W, U=min(P, TILE_UNROLL),
-            NR=min(P, BULK_ROWS), BITS=bits, PER=per, NB=nb, CH=granularity == "channel",
-            RECIP=recip, GROUPED=grouped, num_warps=TILE_WARPS)
+        for part in (1, 2) if TILE_SPLIT else (0,):
+            _append_int_tiles_kernel[(triton.cdiv(T, W), H)](
+                x, sorted_slots, order, data, scale, zero, T, H, D=D, P=P, W=W,
+                U=min(P, TILE_UNROLL), NR=min(P, BULK_ROWS), BITS=bits, PER=per, NB=nb,
+                CH=granularity == "channel", RECIP=recip, GROUPED=grouped, PART=part,
+                num_warps=TILE_WARPS)
         return
     win = 1 if T <= BULK_TOKENS else P
     nr = min(P, DECODE_ROWS if win == 1 else BULK_ROWS)

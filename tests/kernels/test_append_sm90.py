@@ -86,10 +86,12 @@ def _cases():
         nr = AI.DECODE_ROWS if win == 1 else AI.BULK_ROWS
         if win > 1 and AI.PAGE_BULK == "tiles":   # a bulk write: the tiles kernel (its run
             # path is _append_int_pages_kernel's)
-            yield (f"int{bits} {gran} tiles grouped={grouped}", AI._append_int_tiles_kernel,
-                   dict(base, W=AI.TILE_PAGES * 64, U=min(64, AI.TILE_UNROLL), NR=nr,
-                        CH=gran == "channel",
-                        GROUPED=grouped), dict(SCALE="*fp16"), AI.TILE_WARPS)
+            for part in (1, 2) if AI.TILE_SPLIT else (0,):
+                yield (f"int{bits} {gran} tiles grouped={grouped} part={part}",
+                       AI._append_int_tiles_kernel,
+                       dict(base, W=AI.TILE_PAGES * 64, U=min(64, AI.TILE_UNROLL), NR=nr,
+                            CH=gran == "channel", GROUPED=grouped, PART=part),
+                       dict(SCALE="*fp16"), AI.TILE_WARPS)
             continue
         yield (f"int{bits} {gran} WIN={win} grouped={grouped}", AI._append_int_pages_kernel,
                dict(base, WIN=win, NR=nr, CH=gran == "channel", GROUPED=grouped),
@@ -98,9 +100,14 @@ def _cases():
 
 def _expected() -> int:
     """Compiles _cases yields: 8 a float format (12 full: two more tile parts, grouped or
-    not), 2 formats (3 full: e5m2), 3 more, and 3 int cases (all 8 full)."""
+    not), 2 formats (3 full: e5m2), 3 more, and 3 int cases (all 8 full), a bulk one in
+    two parts with append_int.TILE_SPLIT."""
+    from kvcompile.kernels import append_int as AI
+
     full = bool(os.environ.get("KVCOMPILE_TEST_FULL"))
-    return (3 if full else 2) * (12 if full else 8) + 3 + (len(INT_CASES) if full else 3)
+    ints = INT_CASES if full else INT_CASES[:3]
+    bulk = sum(win > 1 and gran != "token" for _, gran, win, _ in ints) if AI.TILE_SPLIT else 0
+    return (3 if full else 2) * (12 if full else 8) + 3 + len(ints) + bulk
 
 
 def _main() -> None:
