@@ -3,6 +3,8 @@
 # writes $OUT/<part>*.txt and prints a summary.
 #   a: the append kernels under Nsight Compute (ncu_append.py: int4 channel / token, fp4 page;
 #      ncu_stalls.py per kernel), the fixed dense GPU test, then bench_append's int / fp4 rows
+#   b: the int append rows after the division / cheap path / split launches (GPU tests, bench
+#      rows with sweeps, P16 and P64), the fp4 page rows' tile sweep
 #   t: first token and decode at B16 x P4096, a process a row (session27_call.sh t)
 #   other parts: session27_call.sh's
 cd "$(dirname "$0")/.."
@@ -40,6 +42,17 @@ case "${PART:-a}" in
     fi
     timeout -k 5 ${A3_LIMIT:-120} python3 benchmarks/bench_append.py --only "int4" \
       2>&1 | grep -E "^\||append bench" | tee "$OUT/a_bench.txt" ;;
+  b)
+    # the append rows after the int kernels' changes: GPU bit-exactness, then the int rows
+    # and the fp4 page rows with their tile sweeps
+    timeout -k 5 ${B1_LIMIT:-120} python3 -m pytest -q -n 8 -m gpu \
+      tests/gpu/test_append_int_gpu.py 2>&1 | tail -3 | tee "$OUT/b_tests.txt"
+    for only in int4 "fp4_e2m1 page"; do
+      timeout -k 5 ${B2_LIMIT:-150} python3 benchmarks/bench_append.py --sweep --only "$only" \
+        2>&1 | grep -E "^\||append bench" | tee -a "$OUT/b_bench.txt"
+    done
+    timeout -k 5 ${B3_LIMIT:-100} python3 benchmarks/bench_append.py --page 64 --only int4 \
+      2>&1 | grep -E "^\|" | tee -a "$OUT/b_bench.txt" ;;
   *)
     PART=$PART bash benchmarks/session27_call.sh ;;
 esac
