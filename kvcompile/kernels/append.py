@@ -17,7 +17,7 @@ in one pass over x (`_append_pages_tiles_kernel`, PAGE_BULK); decode steps run o
 (run of one page, head). Other writes run one program per (block of tokens, head).
 fp4 loads each pair of input elements as one word (`_load_pairs`).
 Encoding divides by a reciprocal plus one residual fma, bit-exact with the reference's division
-(see `_quotient`), and rounds to e2m1 in integer arithmetic (`_e2m1_magnitude`).
+(`append_int.rn_quotient`), and rounds to e2m1 in integer arithmetic (`_e2m1_magnitude`).
 Under TRITON_INTERPRET=1 the fp8 / bf16 roundings are done in explicit fp32 arithmetic (the
 interpreter's casts round wrongly); on the GPU they are the hardware's RNE-satfinite casts.
 """
@@ -32,7 +32,13 @@ import triton.language as tl
 
 from kvcompile.cache.registry import format_spec
 from kvcompile.errors import UnsupportedShapeError
-from kvcompile.kernels.append_int import launch_append_int, uncovered_starts, window_runs
+from kvcompile.kernels.append_int import (
+    launch_append_int,
+    rn_quotient,
+    uncovered_starts,
+    window_runs,
+)
+from kvcompile.kernels.append_int import max_nan as _max_nan
 from kvcompile.kernels.decode_tiles import (
     FMT_E2M1,
     FMT_E4M3,
@@ -118,38 +124,18 @@ def _round_fp8_bits(y, MB: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr)
 
 # Fast encode paths (GPU and interpreter alike). A block whose values are all finite, and whose
 # divisor d (fp8: the scale; fp4: micro * scale) lies in [2^-80, 2^80] or is 0 (fp4), divides by
-# multiplying with y = RN(1 / d) and one residual step (Markstein): q0 = RN(x * y) is within an
-# ulp of x / d, r = x - d * q0 is exact in an fma, and RN(q0 + r * y) is RN(x / d), the
-# reference's quotient, bit for bit (tests/kernels/test_append_codes.py checks it on dense sets
-# around every rounding boundary). It costs a multiply and two fmas instead of an IEEE division
-# (a reciprocal, four fmas and a branch to a slow path). For |x| < 2^-100 the residual may
-# underflow, but the quotient is then below 2^-20, where every format stores +-0; the sign of a
-# zero quotient is taken from x. Other blocks (NaN, Inf, extreme d) take the exact division.
+# multiplying with y = RN(1 / d) and one residual step (`append_int.rn_quotient`, shared with the
+# int kernels), the reference's quotient bit for bit (tests/kernels/test_append_codes.py checks
+# it on dense sets around every rounding boundary). Other blocks (NaN, Inf, extreme d) take the
+# exact division.
 _SAFE_LO, _SAFE_HI = tl.constexpr(2.0 ** -80), tl.constexpr(2.0 ** 80)
 _MIN_SCALE = tl.constexpr(2.0 ** -126)  # cache/fp4.py MIN_SCALE: scales are never subnormal
-
-
-@triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
 def _scale_of(cover):
     # cache/fp4.py scale_from_amax on amax / divisor: 1.0 where 0, else at least 2^-126
     return tl.where(cover > 0, tl.maximum(cover, _MIN_SCALE), 1.0)
-
-
-@triton.jit
-def _quotient(x, y, d, SIGN: tl.constexpr = True):
-    # RN(x / d) for finite x, d in [2^-80, 2^80], y = RN(1 / d) (see above); SIGN: the sign of
-    # a zero quotient made x's (without it only the magnitude is exact)
-    q0 = x * y
-    q = tl.fma(tl.fma(-q0, d, x), y, q0)
-    if SIGN:
-        qb = q.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -2147483648)
-        q = qb.to(tl.float32, bitcast=True)
-    return q
 
 
 @triton.jit
@@ -190,7 +176,7 @@ def _encode_fp8(x, scale, arow, FMT: tl.constexpr, FMAX: tl.constexpr, EXPLICIT:
         tl.min(_in_safe_range(scale).to(tl.int32), 0) > 0)
     if fast:
         y = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
-        q = _quotient(x, y[:, None], scale[:, None])
+        q = rn_quotient(x, y[:, None], scale[:, None], True)
         q = tl.minimum(tl.maximum(q, -FMAX), FMAX)
     else:
         q = tl.math.div_rn(x, scale[:, None])
@@ -240,7 +226,7 @@ def _fp4_half_codes(x, y, d, smask, FAST: tl.constexpr):
     # (FAST: every x finite, y = 0 where d is 0, so that q is 0 there)
     sign = (x.to(tl.int32, bitcast=True) >> 28) & smask
     if FAST:
-        c = _e2m1_magnitude(tl.abs(_quotient(x, y, d, False))) | sign
+        c = _e2m1_magnitude(tl.abs(rn_quotient(x, y, d))) | sign
     else:
         c = _e2m1_magnitude(tl.where(smask != 0, tl.abs(tl.math.div_rn(x, d)), 0.0)) | sign
         c = tl.where(x != x, 0, c)

@@ -27,7 +27,7 @@ Arithmetic follows intq.py op for op: the scale's division by 2^bits - 1 is torc
 by the fp32 reciprocal on CUDA, a division on the CPU, `_div_levels`); fp16 roundings are RNE
 casts stepped by one ulp on the fp16 bit pattern; `code * scale + zero` may contract to an fma
 without changing it (code * scale is exact in fp32). The codes' division by the scale is IEEE
-division from a reciprocal per group and two fmas a value (`_quotient`), and a tile whose values
+division from a reciprocal per group and two fmas a value (`rn_quotient`), and a tile whose values
 are all finite and within fp16's range skips the masks and clamps that cannot change its codes
 (`_codes_fresh`): with these, Nsight put the int kernels at 57 (token scales) and 92 (channel
 scales) instructions a value, issue-bound (RESULTS.md, twenty-eighth session).
@@ -116,16 +116,25 @@ def _divisor(s):
 
 
 @triton.jit
-def _quotient(a, sd, rs):
-    # a / sd rounded to nearest (IEEE division, bit for bit) from rs = 1 / sd rounded to
-    # nearest, without a division a value: q0 = a * rs is within an ulp of the quotient, the
-    # residual a - q0 * sd is exact in one fma, and q0 + residual * rs rounds to the correctly
-    # rounded quotient (Markstein's correction; codes' range has no under / overflow). A
-    # division a value took CUDA's div.rn slow path on every zero numerator (a group's least
-    # value when its zero point is that value): one call per warp and page row in Nsight.
-    # rs = 0 (s not > 0) gives 0. tests/kernels/test_append_int.py checks the identity.
-    q0 = a * rs
-    return tl.fma(tl.fma(-q0, sd, a), rs, q0)
+def rn_quotient(x, y, d, SIGN: tl.constexpr = False):
+    # RN(x / d), IEEE division bit for bit, from y = RN(1 / d) without a division a value
+    # (Markstein's correction): q0 = RN(x * y) is within an ulp of x / d, the residual
+    # x - d * q0 is exact in one fma, and RN(q0 + residual * y) is the correctly rounded
+    # quotient, for finite x and d in [2^-80, 2^80] (the fp formats' divisors; the int formats'
+    # fp16 scales); y = 0 gives 0. A multiply and two fmas instead of an IEEE division (a
+    # reciprocal, four fmas and a branch to a slow path, which CUDA's div.rn takes on every zero
+    # numerator: in the int kernels a group's least value when its zero point is that value,
+    # one call per warp and page row in Nsight). For |x| < 2^-100 the residual may underflow,
+    # but the quotient is then below 2^-20, a zero code in every format. SIGN: a zero quotient
+    # takes x's sign (without it only the magnitude is exact). Checked against IEEE division for
+    # every fp16 scale (tests/kernels/test_append_int.py) and around every fp rounding boundary
+    # (tests/kernels/test_append_codes.py).
+    q0 = x * y
+    q = tl.fma(tl.fma(-q0, d, x), y, q0)
+    if SIGN:
+        qb = q.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -2147483648)
+        q = qb.to(tl.float32, bitcast=True)
+    return q
 
 
 @triton.jit
@@ -141,7 +150,7 @@ def _codes(x, sd, rs, z, LEV: tl.constexpr):
     # intq.int_codes: clamp(rne((clamp(x, +-65504) - z) / s), 0, LEV), 0 where s is not > 0
     # or x is NaN -> int32; (sd, rs) = _divisor(s)
     xc = tl.minimum(tl.maximum(x, -_F16_MAX), _F16_MAX)
-    q = _quotient(xc - z, sd, rs)
+    q = rn_quotient(xc - z, rs, sd)
     q = tl.minimum(tl.maximum(tl.where(x == x, q, 0.0), -1.0), LEV + 1.0)
     return tl.minimum(tl.maximum(_rne_int(q), 0), LEV)
 
@@ -152,16 +161,16 @@ def _codes_fresh(x, sd, rs, z, LEV: tl.constexpr):
     # within +-65504 (_finite_range): z <= x, so 0 <= x - z and the quotient is at most
     # LEV (1 + 2^-21) (s is rounded up from (hi - z) / LEV): the clamps and the NaN test are
     # no-ops, the result the same bit for bit
-    return tl.minimum(_rne_int(_quotient(x - z, sd, rs)), LEV)
+    return tl.minimum(_rne_int(rn_quotient(x - z, rs, sd)), LEV)
 
 
 @triton.jit
-def _min_nan(a, b):
+def min_nan(a, b):
     return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
-def _max_nan(a, b):
+def max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
@@ -439,8 +448,8 @@ def _tile_pages(X, SORTED, ORDER, DATA, SCALE, ZERO, T, H, h, i0, s0, D: tl.cons
     for r0 in range(0, P, U):
         for u in tl.static_range(U):
             x = _tile_rows(X, ORDER, T, H, h, qb, full, r0 + u, D, GROUPED)
-            lo = _min_nan(lo, x)
-            hi = _max_nan(hi, x)
+            lo = min_nan(lo, x)
+            hi = max_nan(hi, x)
     fresh = tl.max(tl.max((_finite_range(lo, hi) == 0).to(tl.int32), 1), 0) == 0
     nan = tl.zeros([NPG, D], tl.int32)
     if not fresh:   # a NaN, an Inf or a value beyond fp16: the masked statistics
@@ -489,8 +498,8 @@ def _append_int_tokens_kernel(X, SLOTS, DATA, SCALE, ZERO, T, H, D: tl.constexpr
     slot = tl.load(SLOTS + t, mask=ok, other=0)
     row = ((slot // P) * H + h) * P + slot % P
     v = _load_x(X, t, ok, H, h, D, G, PER)
-    lo = tl.reduce(tl.reduce(v, 2, _min_nan), 1, _min_nan)                        # [R]
-    hi = tl.reduce(tl.reduce(v, 2, _max_nan), 1, _max_nan)
+    lo = tl.reduce(tl.reduce(v, 2, min_nan), 1, min_nan)                        # [R]
+    hi = tl.reduce(tl.reduce(v, 2, max_nan), 1, max_nan)
     if tl.max((_finite_range(lo, hi) == 0).to(tl.int32), 0) == 0:   # _finite_range: cheap
         s, z = _params(lo, hi, lo != lo, LEV, RECIP)
         sd, rs = _divisor(s)

@@ -3,7 +3,7 @@
 - `_e2m1_magnitude` (integer e2m1 rounding) vs fp4.e2m1_codes (bucketize on midpoints): every
   fp32 of the binades that hold a rounding boundary ([2^-3, 8): 50M values), plus neighbourhoods
   of every grid point and midpoint, subnormals, +-0, +-Inf, the largest floats, both signs.
-- `_quotient` (x * RN(1/d) and one residual fma) vs the correctly rounded x / d (torch's
+- `append_int.rn_quotient` (x * RN(1/d) and one residual fma) vs the correctly rounded x / d (torch's
   division), on x near c * d for every rounding boundary c of e2m1 / e4m3 / e5m2, d with
   extreme mantissas, and random pairs; a plain x * RN(1/d) must differ on the same set, so the
   set tells the two apart.
@@ -27,7 +27,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from kvcompile.cache.fp4 import e2m1_codes  # noqa: E402
-from kvcompile.kernels.append import _e2m1_magnitude, _quotient, quantize_append  # noqa: E402
+from kvcompile.kernels.append import _e2m1_magnitude, quantize_append  # noqa: E402
+from kvcompile.kernels.append_int import rn_quotient  # noqa: E402
 from tests.kernels.kernel_cases import (  # noqa: E402
     DEV,
     assert_same_storage,
@@ -52,8 +53,8 @@ def _quotient_kernel(X, Dv, OUT, MAG, NAIVE, N, BLOCK: tl.constexpr):
     x = tl.load(X + i, mask=i < N, other=1.0)
     d = tl.load(Dv + i, mask=i < N, other=1.0)
     y = tl.math.div_rn(tl.full([BLOCK], 1.0, tl.float32), d)
-    tl.store(OUT + i, _quotient(x, y, d), mask=i < N)
-    tl.store(MAG + i, _quotient(x, y, d, False), mask=i < N)
+    tl.store(OUT + i, rn_quotient(x, y, d, True), mask=i < N)
+    tl.store(MAG + i, rn_quotient(x, y, d), mask=i < N)
     tl.store(NAIVE + i, x * y, mask=i < N)
 
 

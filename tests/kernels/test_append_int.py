@@ -190,12 +190,12 @@ def _quotient_probe(A, S, Q, N, BLOCK: tl.constexpr, CORRECT: tl.constexpr):
     ok = i < N
     a = tl.load(A + i, mask=ok, other=0.0)
     sd, rs = append_int._divisor(tl.load(S + i, mask=ok, other=1.0))
-    q = append_int._quotient(a, sd, rs) if CORRECT else a * rs
+    q = append_int.rn_quotient(a, rs, sd) if CORRECT else a * rs
     tl.store(Q + i, q, mask=ok)
 
 
 def test_codes_division_is_ieee_division_for_every_fp16_scale():
-    """append_int._quotient (a reciprocal per group, two fmas a value) equals IEEE fp32
+    """append_int.rn_quotient with _divisor (a reciprocal per group, two fmas a value) equals IEEE fp32
     division a / s bit for bit, for every positive finite fp16 scale, with numerators whose
     quotients sit at and next to fp32 rounding midpoints and half-integers (the codes' ties),
     zeros and wide random values; a scale not > 0 gives 0. Negative case: the reciprocal's
