@@ -68,6 +68,8 @@ def variants(name: str, gran: str, grouped: bool) -> list:
     if gran == "page" and name not in ("bf16", "fp16"):
         bulk = ["runs", "tiles", "split"] + (["windows"] if grouped else [])
         out += [(f", {k} kernel", {"PAGE_BULK": k}) for k in bulk if k != app.PAGE_BULK]
+        out.append((f", tiles, x read {'after' if app.PAGE_TILE_SPEC else 'before'} the page "
+                    "test", {"PAGE_BULK": "tiles", "PAGE_TILE_SPEC": not app.PAGE_TILE_SPEC}))
         if name == "fp4_e2m1":
             pairs = not app.FP4_PAIR_LOADS
             out.append((f", runs kernel, {'pair' if pairs else 'split'} loads",
@@ -94,6 +96,9 @@ def variants(name: str, gran: str, grouped: bool) -> list:
 
         other = "runs" if app_int.PAGE_BULK == "tiles" else "tiles"
         out.append((f", {other} kernel", {"int.PAGE_BULK": other}))
+        out.append((f", x read {'after' if app_int.TILE_SPEC else 'before'} the page test",
+                    {"int.TILE_SPEC": not app_int.TILE_SPEC}))
+        out.append((", tiles in one launch", {"int.TILE_SPLIT": False}))
         out += [(f", tiles of {n} pages, {w} warps", {"int.PAGE_BULK": "tiles",
                                                        "int.TILE_PAGES": n,
                                                        "int.TILE_WARPS": w})

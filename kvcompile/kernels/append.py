@@ -85,6 +85,10 @@ PAGE_BULK = "tiles"
 # copy against 0.58x at 64 x 128, fp4 0.33x against 0.26x at 64 x 128 with 8 warps)
 PAGE_TILE_ELEMS = 4096
 PAGE_TILE_WARPS = (4, 4)
+# "tiles": read x before the full-page test (SPEC): Nsight (H100, 2026-12-06) put the fp4 tiles
+# kernel's stalls on the x loads (0.45x copy, 4 programs of 4 warps a SM), behind a chain of
+# three dependent loads a program (window starts, page test, x). Not yet timed.
+PAGE_TILE_SPEC = True
 # row kernels (plain, token and tensor scales): tokens x head_dim of a program's tile
 ROW_TILE_ELEMS = 4096
 # fp4 writes load each pair of input elements as one word (_load_pairs: 16-byte loads, no
@@ -333,25 +337,31 @@ def _load_pairs(X, xrow, ok, g, j):
 def _store_rows(X, DATA, SCALE, MICRO, src, dst, ok, scale, run, H, h,
                 D: tl.constexpr, FMT: tl.constexpr, SMODE: tl.constexpr,
                 EXPLICIT: tl.constexpr, FMAX: tl.constexpr, DIV: tl.constexpr,
-                RECIP: tl.constexpr, BLK: tl.constexpr = 1, PAIRS: tl.constexpr = True):
+                RECIP: tl.constexpr, BLK: tl.constexpr = 1, PAIRS: tl.constexpr = True,
+                LOAD_ALL: tl.constexpr = False):
     # Encode rows x[src[r], h, :] and store them at page rows dst[r] (row = (page*H+h)*P+off).
     # SMODE 0: scale [R] given; 1 (token scales): each row's from its amax, stored at SCALE +
     # dst; 2 (runs): each row's from the amax of its run (rows of equal `run` id, adjacent);
     # 4 (blocks): each row's from the amax of its block of BLK consecutive rows.
-    # Returns the scales [R] used.
+    # LOAD_ALL: every row of x is read (src must be a valid row everywhere), `ok` only masks
+    # the stores (rows not stored may hold anything). Returns the scales [R] used.
     xrow = (src * H + h).to(tl.int64) * D
     drow = dst.to(tl.int64)
+    if LOAD_ALL:
+        lok = src >= 0
+    else:
+        lok = ok
     if FMT == 3:
         G: tl.constexpr = D // 16
         g = tl.arange(0, G)
         j = tl.arange(0, 8)
         if PAIRS:
-            xe, xo = _load_pairs(X, xrow, ok, g, j)
+            xe, xo = _load_pairs(X, xrow, lok, g, j)
         else:   # the earlier load (FP4_PAIR_LOADS = False): a [R, G, 8, 2] tile, split
             e = tl.arange(0, 2)
             offs = (g[None, :, None, None] * 16 + j[None, None, :, None] * 2
                     + e[None, None, None, :])
-            x = tl.load(X + xrow[:, None, None, None] + offs, mask=ok[:, None, None, None],
+            x = tl.load(X + xrow[:, None, None, None] + offs, mask=lok[:, None, None, None],
                         other=0.0).to(tl.float32)
             xe, xo = tl.split(x)
         a16 = _group_amax_nan(xe, xo)                                          # [R, G]
@@ -371,7 +381,7 @@ def _store_rows(X, DATA, SCALE, MICRO, src, dst, ok, scale, run, H, h,
         tl.store(MICRO + drow[:, None] * G + g[None, :], mcode, mask=ok[:, None])
     else:
         d = tl.arange(0, D)
-        x = tl.load(X + xrow[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+        x = tl.load(X + xrow[:, None] + d[None, :], mask=lok[:, None], other=0.0)
         if FMT >= 10:
             if FMT == 10:
                 if EXPLICIT:
@@ -631,7 +641,7 @@ def _append_pages_tiles_kernel(X, SORTED, ORDER, DATA, SCALE, MICRO, T, H, D: tl
                                FMT: tl.constexpr, DATA_DT: tl.constexpr,
                                EXPLICIT: tl.constexpr, FMAX: tl.constexpr, DIV: tl.constexpr,
                                RECIP: tl.constexpr, GROUPED: tl.constexpr,
-                               PART: tl.constexpr = 0):
+                               PART: tl.constexpr = 0, SPEC: tl.constexpr = False):
     # Page scales, bulk writes: program (w, h) owns the runs of sorted slots (one page each)
     # that start in positions [w * W, (w + 1) * W). Let s0 be the first run start there. The
     # tile is positions s0 + [0, W) in W / P blocks of P; a block whose first position starts
@@ -640,6 +650,9 @@ def _append_pages_tiles_kernel(X, SORTED, ORDER, DATA, SCALE, MICRO, T, H, D: tl
     # row amax, block max, scale, encode, store -- no scan, the P rows of a page contiguous in
     # the tile and in the pool. Runs that are not such blocks (a page with earlier tokens, a
     # partial page, a run off the s0 + k P grid after one) go through _append_page_run.
+    # SPEC: the tile's rows are read whether or not their block is a full page (positions past
+    # T read row T - 1), so the loads of x need not wait for the full-page test's two dependent
+    # loads of the sorted slots (`_store_rows` LOAD_ALL; only its stores are masked).
     h = tl.program_id(1)
     i0, idx, live, slot, start, s0 = window_runs(SORTED, T, P, W)
     r = tl.arange(0, W)
@@ -647,7 +660,11 @@ def _append_pages_tiles_kernel(X, SORTED, ORDER, DATA, SCALE, MICRO, T, H, D: tl
     first = tl.load(SORTED + qb, mask=qb < T, other=1)
     last = tl.load(SORTED + qb + P - 1, mask=qb + P - 1 < T, other=-1)
     full = (qb < i0 + W) & (qb + P - 1 < T) & (first % P == 0) & (last == first + P - 1)
-    if GROUPED:
+    if SPEC:
+        src = tl.minimum(s0 + r, T - 1)
+        if not GROUPED:
+            src = tl.load(ORDER + src)
+    elif GROUPED:
         src = s0 + r
     else:
         # masked by the bounds, not by `full` (triton 3.6 refused `mask=full` here: "mask type
@@ -658,7 +675,7 @@ def _append_pages_tiles_kernel(X, SORTED, ORDER, DATA, SCALE, MICRO, T, H, D: tl
     if PART != 2:
         scale = _store_rows(X, DATA, SCALE, MICRO, src, (pg * H + h) * P + r % P, full,
                             tl.full([W], 1.0, tl.float32), r, H, h, D, FMT, 4, EXPLICIT, FMAX,
-                            DIV, RECIP, P)
+                            DIV, RECIP, P, LOAD_ALL=SPEC)
         tl.store(SCALE + pg * H + h, scale, mask=full & (r % P == 0))
     if PART != 1:
         rest = uncovered_starts(SORTED, T, idx, live, slot, start, s0, P)
@@ -764,7 +781,7 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str,
                 _append_pages_tiles_kernel[(triton.cdiv(T, W), H)](
                     x, sorted_slots, order, d8, scale, m8, T, H, D=D, P=P, W=W, R=min(R, P),
                     FMT=fmt, DATA_DT=data_dt, EXPLICIT=explicit, FMAX=fmax, DIV=div,
-                    RECIP=recip, GROUPED=grouped, PART=part,
+                    RECIP=recip, GROUPED=grouped, PART=part, SPEC=PAGE_TILE_SPEC,
                     num_warps=PAGE_TILE_WARPS[fmt == FMT_E2M1])
             return
         W = max(2 * P, BULK_TILE_ELEMS // D)

@@ -55,6 +55,7 @@ TILE_PAGES = 8
 TILE_UNROLL = 8
 TILE_WARPS = 4
 TILE_SPLIT = True   # two launches: the fresh full pages (PART 1), then the other runs (PART 2)
+TILE_SPEC = True    # tiles load x before the full-page test (_tile_rows SPEC); not yet timed
 # token scales: R = TOKEN_TILE_ELEMS / max(D, 128) tokens of one head a program. 4 warps: on
 # an H100 (bench_append.py, T 65,536, H 8, D 128, bf16 input, 2026-12-06, after the division
 # and the cheap path) 0.087 ms against 8 warps' 0.096 (0.65x / 0.60x copy bandwidth); before
@@ -362,29 +363,43 @@ def uncovered_starts(SORTED, T, idx, live, slot, start, s0, P: tl.constexpr):
 
 
 @triton.jit
-def _tile_rows(X, ORDER, T, H, h, qb, ok, r, D: tl.constexpr, GROUPED: tl.constexpr):
-    # row r of the tile's NPG pages: x[src(qb + r), h, :] as fp32 [NPG, D] (ok: pages loaded)
+def _tile_rows(X, ORDER, T, H, h, qb, ok, r, D: tl.constexpr, GROUPED: tl.constexpr,
+               SPEC: tl.constexpr):
+    # row r of the tile's NPG pages: x[src(qb + r), h, :] as fp32 [NPG, D] (ok: pages loaded).
+    # SPEC: every page's row is loaded (positions past T read row T - 1), so the loads need
+    # not wait for `ok` (the full-page test, two dependent loads of the sorted slots); what
+    # the pages that are not full give is not stored, nor does it choose the tile's path
     pos = qb + r
-    if GROUPED:
-        src = pos
+    if SPEC:
+        pos = tl.minimum(pos, T - 1)
+        if GROUPED:
+            src = pos
+        else:
+            src = tl.load(ORDER + pos)
+        lmask = pos >= 0
     else:
-        src = tl.load(ORDER + pos, mask=ok & (pos < T), other=0)
+        if GROUPED:
+            src = pos
+        else:
+            src = tl.load(ORDER + pos, mask=ok & (pos < T), other=0)
+        lmask = ok
     d = tl.arange(0, D)
     return tl.load(X + ((src.to(tl.int64) * H + h) * D)[:, None] + d[None, :],
-                   mask=ok[:, None], other=0.0).to(tl.float32)
+                   mask=lmask[:, None], other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _tile_encode(X, ORDER, DATA, T, H, h, qb, full, head, sd, rs, zp, D: tl.constexpr,
                  P: tl.constexpr, U: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
-                 NB: tl.constexpr, GROUPED: tl.constexpr, FRESH: tl.constexpr):
+                 NB: tl.constexpr, GROUPED: tl.constexpr, FRESH: tl.constexpr,
+                 SPEC: tl.constexpr):
     # codes of the tile's pages, row by row (U rows unrolled a step), packed and stored
     LEV: tl.constexpr = (1 << BITS) - 1
     G: tl.constexpr = D // PER
     NPG: tl.constexpr = qb.shape[0]
     for r0 in range(0, P, U):
         for u in tl.static_range(U):
-            x = _tile_rows(X, ORDER, T, H, h, qb, full, r0 + u, D, GROUPED)
+            x = _tile_rows(X, ORDER, T, H, h, qb, full, r0 + u, D, GROUPED, SPEC)
             if FRESH:
                 codes = _codes_fresh(x, sd, rs, zp, LEV)
             else:
@@ -398,7 +413,8 @@ def _append_int_tiles_kernel(X, SORTED, ORDER, DATA, SCALE, ZERO, T, H, D: tl.co
                              P: tl.constexpr, W: tl.constexpr, U: tl.constexpr,
                              NR: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
                              NB: tl.constexpr, CH: tl.constexpr, RECIP: tl.constexpr,
-                             GROUPED: tl.constexpr, PART: tl.constexpr = 0):
+                             GROUPED: tl.constexpr, PART: tl.constexpr = 0,
+                             SPEC: tl.constexpr = True):
     # page / channel scales, bulk writes (append.py's tiles kernel for the int formats):
     # program (w, h) owns the runs that start in positions [w * W, (w + 1) * W). With s0 its
     # first run start, positions s0 + [0, W) are W / P blocks of P; a block whose first
@@ -420,7 +436,7 @@ def _append_int_tiles_kernel(X, SORTED, ORDER, DATA, SCALE, ZERO, T, H, D: tl.co
     i0, idx, live, slot, start, s0 = window_runs(SORTED, T, P, W)
     if PART != 2:
         _tile_pages(X, SORTED, ORDER, DATA, SCALE, ZERO, T, H, h, i0, s0, D, P, W, U, BITS, PER,
-                    NB, CH, RECIP, GROUPED)
+                    NB, CH, RECIP, GROUPED, SPEC)
     if PART != 1:
         rest = uncovered_starts(SORTED, T, idx, live, slot, start, s0, P)
         i = tl.min(tl.where(rest, idx, i0 + W), 0)
@@ -434,7 +450,7 @@ def _append_int_tiles_kernel(X, SORTED, ORDER, DATA, SCALE, ZERO, T, H, D: tl.co
 def _tile_pages(X, SORTED, ORDER, DATA, SCALE, ZERO, T, H, h, i0, s0, D: tl.constexpr,
                 P: tl.constexpr, W: tl.constexpr, U: tl.constexpr, BITS: tl.constexpr,
                 PER: tl.constexpr, NB: tl.constexpr, CH: tl.constexpr, RECIP: tl.constexpr,
-                GROUPED: tl.constexpr):
+                GROUPED: tl.constexpr, SPEC: tl.constexpr):
     # the fresh full pages of _append_int_tiles_kernel's window
     LEV: tl.constexpr = (1 << BITS) - 1
     NPG: tl.constexpr = W // P
@@ -447,16 +463,17 @@ def _tile_pages(X, SORTED, ORDER, DATA, SCALE, ZERO, T, H, h, i0, s0, D: tl.cons
     hi = tl.full([NPG, D], -inf, tl.float32)
     for r0 in range(0, P, U):
         for u in tl.static_range(U):
-            x = _tile_rows(X, ORDER, T, H, h, qb, full, r0 + u, D, GROUPED)
+            x = _tile_rows(X, ORDER, T, H, h, qb, full, r0 + u, D, GROUPED, SPEC)
             lo = min_nan(lo, x)
             hi = max_nan(hi, x)
-    fresh = tl.max(tl.max((_finite_range(lo, hi) == 0).to(tl.int32), 1), 0) == 0
+    bad = (_finite_range(lo, hi) == 0) & full[:, None]
+    fresh = tl.max(tl.max(bad.to(tl.int32), 1), 0) == 0
     nan = tl.zeros([NPG, D], tl.int32)
     if not fresh:   # a NaN, an Inf or a value beyond fp16: the masked statistics
         lo = tl.full([NPG, D], inf, tl.float32)
         hi = tl.full([NPG, D], -inf, tl.float32)
         for r in range(0, P):
-            x = _tile_rows(X, ORDER, T, H, h, qb, full, r, D, GROUPED)
+            x = _tile_rows(X, ORDER, T, H, h, qb, full, r, D, GROUPED, SPEC)
             fin = tl.abs(x) < inf
             lo = tl.minimum(lo, tl.where(fin, x, inf))
             hi = tl.maximum(hi, tl.where(fin, x, -inf))
@@ -470,10 +487,10 @@ def _tile_pages(X, SORTED, ORDER, DATA, SCALE, ZERO, T, H, h, i0, s0, D: tl.cons
     head = tl.where(full, first // P, 0) * H + h                        # [NPG]
     if fresh:
         _tile_encode(X, ORDER, DATA, T, H, h, qb, full, head, sd, rs, zp, D, P, U, BITS, PER,
-                     NB, GROUPED, True)
+                     NB, GROUPED, True, SPEC)
     else:
         _tile_encode(X, ORDER, DATA, T, H, h, qb, full, head, sd, rs, zp, D, P, U, BITS, PER,
-                     NB, GROUPED, False)
+                     NB, GROUPED, False, SPEC)
     d = tl.arange(0, D)
     if CH:
         pofs = head[:, None] * D + d[None, :]
@@ -543,7 +560,7 @@ def launch_append_int(x, slots, data, scale, zero, bits: int, granularity: str,
                 x, sorted_slots, order, data, scale, zero, T, H, D=D, P=P, W=W,
                 U=min(P, TILE_UNROLL), NR=min(P, BULK_ROWS), BITS=bits, PER=per, NB=nb,
                 CH=granularity == "channel", RECIP=recip, GROUPED=grouped, PART=part,
-                num_warps=TILE_WARPS)
+                SPEC=TILE_SPEC, num_warps=TILE_WARPS)
         return
     win = 1 if T <= BULK_TOKENS else P
     nr = min(P, DECODE_ROWS if win == 1 else BULK_ROWS)

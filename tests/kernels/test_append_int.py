@@ -90,8 +90,9 @@ def test_int_append_is_bit_exact_with_reference(name, gran, D, P):
         assert got.reencoded >= 2
 
 
-@pytest.mark.parametrize("bulk,split", [("tiles", True), ("tiles", False), ("runs", False)])
-def test_int_append_grouped_and_bulk_launches(bulk, split, monkeypatch):
+@pytest.mark.parametrize("bulk,split,spec", [("tiles", True, True), ("tiles", False, False),
+                                             ("runs", False, True)])
+def test_int_append_grouped_and_bulk_launches(bulk, split, spec, monkeypatch):
     # slots in reserve order (grouped=True: no sort) and the bulk launches, here made to start
     # at 8 tokens: "runs" (a window of P slots per program, chunks of BULK_ROWS); "tiles" (fresh
     # full pages from one tile of two pages a program, the other runs as "runs" does: the steps
@@ -99,6 +100,7 @@ def test_int_append_grouped_and_bulk_launches(bulk, split, monkeypatch):
     monkeypatch.setattr(append_int, "BULK_TOKENS", 8)
     monkeypatch.setattr(append_int, "PAGE_BULK", bulk)
     monkeypatch.setattr(append_int, "TILE_SPLIT", split)   # one launch, or full pages then runs
+    monkeypatch.setattr(append_int, "TILE_SPEC", spec)     # x read before the full-page test
     monkeypatch.setattr(append_int, "TILE_PAGES", 2)
     gen = torch.Generator().manual_seed(5)
     run_int_steps("int4", "channel", 32, 16, [37, 1, 20, 50], gen, grouped=True)

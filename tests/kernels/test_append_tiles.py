@@ -80,6 +80,18 @@ def test_tiles_kernel_bit_exact(name, grouped, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp4_e2m1"])
+@pytest.mark.parametrize("grouped", [True, False])
+def test_tiles_kernel_without_speculative_loads(name, grouped, monkeypatch):
+    # PAGE_TILE_SPEC False: x read under the full-page mask (the default reads every row)
+    import kvcompile.kernels.append as app
+
+    _tiles(monkeypatch)
+    monkeypatch.setattr(app, "PAGE_TILE_SPEC", False)
+    for i, ref, got in _pool_writes(name, grouped, torch.bfloat16, WRITES, 14):
+        assert_same_storage(ref, got, f"write {i}")
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp4_e2m1"])
 def test_split_tiles_kernel_bit_exact(name, monkeypatch):
     # "split": full pages and the other runs in two launches of the tiles kernel
     _tiles(monkeypatch, "split")
