@@ -78,7 +78,8 @@ def cases():
         W = A.PAGE_TILE_ELEMS // 128
         for part, tag in ((0, ""), (1, ", split: full pages"), (2, ", split: other runs")):
             yield (f"{name} page, tiles kernel ({W} x 128){tag}", A._append_pages_tiles_kernel,
-                   dict(base, R=16, W=W, DATA_DT=dt, GROUPED=True, PART=part),
+                   dict(base, R=16, W=W, DATA_DT=dt, GROUPED=True, PART=part,
+                        SPEC=A.PAGE_TILE_SPEC),
                    A.PAGE_TILE_WARPS[code == A.FMT_E2M1])
 
 

@@ -65,7 +65,7 @@ def _cases():
             yield (f"tiles fmt{code} grouped={grouped} part={part}",
                    A._append_pages_tiles_kernel,
                    dict(base, R=16, W=A.PAGE_TILE_ELEMS // 128, DATA_DT=dt, GROUPED=grouped,
-                        PART=part), None, 8 if code == A.FMT_E2M1 else 4)
+                        PART=part, SPEC=A.PAGE_TILE_SPEC), None, 8 if code == A.FMT_E2M1 else 4)
     yield ("rows fp4 split loads (FP4_PAIR_LOADS False)", A._append_rows_kernel,
            dict(base, R=32, SM=3, PAIRS=False), None, 4)
     yield ("calibrate amax", A._calibrate_amax_kernel, dict(BLOCK=4096), dict(N="i32"), 4)
@@ -90,7 +90,8 @@ def _cases():
                 yield (f"int{bits} {gran} tiles grouped={grouped} part={part}",
                        AI._append_int_tiles_kernel,
                        dict(base, W=AI.TILE_PAGES * 64, U=min(64, AI.TILE_UNROLL), NR=nr,
-                            CH=gran == "channel", GROUPED=grouped, PART=part),
+                            CH=gran == "channel", GROUPED=grouped, PART=part,
+                            SPEC=AI.TILE_SPEC),
                        dict(SCALE="*fp16"), AI.TILE_WARPS)
             continue
         yield (f"int{bits} {gran} WIN={win} grouped={grouped}", AI._append_int_pages_kernel,
