@@ -46,7 +46,8 @@ case "${PART:-a}" in
     # the append rows after the int kernels' changes: GPU bit-exactness, then the int rows
     # and the fp4 page rows with their tile sweeps
     timeout -k 5 ${B1_LIMIT:-120} python3 -m pytest -q -n 8 -m gpu \
-      tests/gpu/test_append_int_gpu.py 2>&1 | tail -3 | tee "$OUT/b_tests.txt"
+      tests/gpu/test_append_int_gpu.py tests/gpu/test_append_gpu.py 2>&1 | tail -3 \
+      | tee "$OUT/b_tests.txt"
     for only in int4 "fp4_e2m1 page"; do
       timeout -k 5 ${B2_LIMIT:-150} python3 benchmarks/bench_append.py --sweep --only "$only" \
         2>&1 | grep -E "^\||append bench" | tee -a "$OUT/b_bench.txt"
