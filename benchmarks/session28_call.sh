@@ -48,7 +48,7 @@ case "${PART:-a}" in
     timeout -k 5 ${B1_LIMIT:-120} python3 -m pytest -q -n 8 -m gpu \
       tests/gpu/test_append_int_gpu.py tests/gpu/test_append_gpu.py 2>&1 | tail -3 \
       | tee "$OUT/b_tests.txt"
-    for only in int4 "fp4_e2m1 page"; do
+    for only in int4 "fp4_e2m1 page" "fp8_e4m3 page"; do
       timeout -k 5 ${B2_LIMIT:-150} python3 benchmarks/bench_append.py --sweep --only "$only" \
         2>&1 | grep -E "^\||append bench" | tee -a "$OUT/b_bench.txt"
     done
