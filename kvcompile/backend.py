@@ -55,9 +55,10 @@ def _compile(gm, example_inputs, options, state):
         state.tp = tensor_parallel_of_graph(gm)
     t0 = time.perf_counter()
     with state.lock:
-        # traced inside an engine step: a graph only such steps run (its ops take no mask)
+        # traced inside this model's engine step: a graph only such steps run (its ops take
+        # no mask)
         result = run_passes(gm, example_inputs, state, configured=configured_instances(),
-                            packed_steps=in_packed_step())
+                            packed_steps=in_packed_step(state))
     try:
         compiled = compile_inner(gm, example_inputs, config.inner)
     except Exception as e:

@@ -136,11 +136,14 @@ def current() -> ForwardContext | None:
 PACKED_TAG = ":engine-packed"
 
 
-def in_packed_step() -> bool:
+def in_packed_step(state=None) -> bool:
     """Whether the current forward is an engine step (one row packing its sequences) or the
-    engine's warm-up, which traces the graphs of its steps."""
+    engine's warm-up, which traces the graphs of its steps; with `state`, a step of that
+    model's engine (another kvcompile model called inside an engine's step or warm-up runs
+    its own forwards, with masks)."""
     ctx = current()
-    return ctx is not None and (ctx.engine_warm_up or ctx.plan is not None and ctx.plan.packed)
+    return (ctx is not None and (state is None or ctx.state is state)
+            and (ctx.engine_warm_up or ctx.plan is not None and ctx.plan.packed))
 
 
 def require_packed(tag: str, layer: str) -> None:

@@ -290,6 +290,35 @@ def test_engine_graphs_build_no_mask(monkeypatch):
         assert all(not tag.endswith(PACKED_TAG) for tag, _, _ in ops), ops
 
 
+def test_other_model_inside_an_engine_warm_up_keeps_its_mask(monkeypatch):
+    """A second kvcompile model called inside an engine's warm-up context (a model used by
+    the first one's code, a callback) traces its own graph with its mask, not as an engine
+    graph: its ops get no packed tag, and it runs (and matches HF) outside the engine after."""
+    from kvcompile.api import state_of
+    from kvcompile.runtime.context import PACKED_TAG, ForwardContext, forward_context
+    from tests.engine.tiny import hf_greedy
+
+    seen = _graphs_seen(monkeypatch)
+    engine_model = make_hf("llama", "sdpa")
+    kvcompile.compile(engine_model, config(kv_dtype="bf16", page_size=8))
+    ref = make_hf("llama", "sdpa")
+    other = make_hf("llama", "sdpa")
+    kvcompile.compile(other, config(kv_dtype="bf16", page_size=8))
+    ids = torch.tensor([[5, 9, 17, 33, 2, 71]])
+    kw = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0,
+              eos_token_id=None)
+    with torch.no_grad():
+        with forward_context(ForwardContext(state_of(engine_model), None,
+                                            engine_warm_up=True)):
+            inside = other.generate(ids, **kw)
+        after = other.generate(ids, **kw)
+    want = hf_greedy(ref, ids[0].tolist(), 3)
+    assert inside[0, 6:].tolist() == want and after[0, 6:].tolist() == want
+    assert seen
+    for ops, _ in seen:
+        assert all(not tag.endswith(PACKED_TAG) for tag, _, _ in ops), ops
+
+
 def test_engine_graph_refuses_to_run_outside_a_step():
     """An op of a graph traced in an engine step (no mask given) called without an engine
     step's plan fails with the reason; the same op with a plain tag attends densely."""
