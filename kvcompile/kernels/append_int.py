@@ -35,6 +35,8 @@ scales) instructions a value, issue-bound (RESULTS.md, twenty-eighth session).
 
 from __future__ import annotations
 
+import math
+
 import triton
 import triton.language as tl
 
@@ -47,8 +49,8 @@ DECODE_WARPS = 4   # warps of a decode-step launch (WIN = 1)
 # slots per program window of a bulk write (more tokens than this: WIN = P)
 BULK_TOKENS = 4096
 # page / channel scales, bulk writes: "tiles" (fresh full pages read row by row as
-# [TILE_PAGES, D] tiles, a window of W = TILE_PAGES * P slots a program, TILE_UNROLL rows a
-# step; other runs as "runs" does) or "runs" (every run through _append_int_run, a window of P
+# [TILE_PAGES, D] tiles, a window of W = TILE_PAGES * P slots a program, gcd(P, TILE_UNROLL)
+# rows a step; other runs as "runs" does) or "runs" (every run through _append_int_run, a window of P
 # slots a program)
 PAGE_BULK = "tiles"
 TILE_PAGES = 8
@@ -558,7 +560,7 @@ def launch_append_int(x, slots, data, scale, zero, bits: int, granularity: str,
         for part in (1, 2) if TILE_SPLIT else (0,):
             _append_int_tiles_kernel[(triton.cdiv(T, W), H)](
                 x, sorted_slots, order, data, scale, zero, T, H, D=D, P=P, W=W,
-                U=min(P, TILE_UNROLL), NR=min(P, BULK_ROWS), BITS=bits, PER=per, NB=nb,
+                U=math.gcd(P, TILE_UNROLL), NR=min(P, BULK_ROWS), BITS=bits, PER=per, NB=nb,
                 CH=granularity == "channel", RECIP=recip, GROUPED=grouped, PART=part,
                 SPEC=TILE_SPEC, num_warps=TILE_WARPS)
         return
