@@ -5,6 +5,7 @@
 #      ncu_stalls.py per kernel), the fixed dense GPU test, then bench_append's int / fp4 rows
 #   b: the int append rows after the division / cheap path / split launches (GPU tests, bench
 #      rows with sweeps, P16 and P64), the fp4 page rows' tile sweep
+#   c: b, lean: the GPU tests, the int4 rows, the fp page rows in grouped order
 #   t: first token and decode at B16 x P4096, a process a row (session27_call.sh t)
 #   other parts: session27_call.sh's
 cd "$(dirname "$0")/.."
@@ -54,6 +55,16 @@ case "${PART:-a}" in
     done
     timeout -k 5 ${B3_LIMIT:-100} python3 benchmarks/bench_append.py --page 64 --only int4 \
       2>&1 | grep -E "^\|" | tee -a "$OUT/b_bench.txt" ;;
+  c)
+    # b, lean (little device time left): the append GPU tests, the int4 rows, the fp4 / fp8
+    # page rows in the runtime's grouped order (x read before / after the page test)
+    timeout -k 5 ${C1_LIMIT:-100} python3 -m pytest -q -n 8 -m gpu \
+      tests/gpu/test_append_int_gpu.py tests/gpu/test_append_gpu.py 2>&1 | tail -3 \
+      | tee "$OUT/c_tests.txt"
+    timeout -k 5 ${C2_LIMIT:-60} python3 benchmarks/bench_append.py --only int4 \
+      2>&1 | grep -E "^\||append bench" | tee -a "$OUT/c_bench.txt"
+    timeout -k 5 ${C3_LIMIT:-60} python3 benchmarks/bench_append.py --only "page, grouped" \
+      2>&1 | grep -E "^\|" | grep -v "prompts of" | tee -a "$OUT/c_bench.txt" ;;
   *)
     PART=$PART bash benchmarks/session27_call.sh ;;
 esac
