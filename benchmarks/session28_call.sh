@@ -63,7 +63,7 @@ case "${PART:-a}" in
       | tee "$OUT/c_tests.txt"
     timeout -k 5 ${C2_LIMIT:-60} python3 benchmarks/bench_append.py --only int4 \
       2>&1 | grep -E "^\||append bench" | tee -a "$OUT/c_bench.txt"
-    timeout -k 5 ${C3_LIMIT:-60} python3 benchmarks/bench_append.py --only "page, grouped" \
+    timeout -k 5 ${C3_LIMIT:-60} python3 benchmarks/bench_append.py --only "e2m1 page, grouped (" \
       2>&1 | grep -E "^\|" | grep -v "prompts of" | tee -a "$OUT/c_bench.txt" ;;
   *)
     PART=$PART bash benchmarks/session27_call.sh ;;
