@@ -87,8 +87,9 @@ PAGE_TILE_ELEMS = 4096
 PAGE_TILE_WARPS = (4, 4)
 # "tiles": read x before the full-page test (SPEC): Nsight (H100, 2026-12-06) put the fp4 tiles
 # kernel's stalls on the x loads (0.45x copy, 4 programs of 4 warps a SM), behind a chain of
-# three dependent loads a program (window starts, page test, x). Not yet timed.
-PAGE_TILE_SPEC = True
+# three dependent loads a program (window starts, page test, x). Not yet timed on a GPU (no
+# device time was left), so off; bench_append.py times it (", tiles, x read before ...").
+PAGE_TILE_SPEC = False
 # row kernels (plain, token and tensor scales): tokens x head_dim of a program's tile
 ROW_TILE_ELEMS = 4096
 # fp4 writes load each pair of input elements as one word (_load_pairs: 16-byte loads, no

@@ -109,15 +109,18 @@ def test_int_append_grouped_and_bulk_launches(bulk, split, spec, monkeypatch):
     run_int_steps("int3", "channel", 32, 8, [27, 20], gen)
 
 
-@pytest.mark.parametrize("name,gran,D,P", [("int4", "channel", 32, 16), ("int2", "page", 16, 8),
-                                           ("int4", "token", 32, 16)])
-def test_int_append_fresh_pages_with_non_finite_values(name, gran, D, P, monkeypatch):
+@pytest.mark.parametrize("name,gran,D,P,spec", [("int4", "channel", 32, 16, False),
+                                                ("int4", "channel", 32, 16, True),
+                                                ("int2", "page", 16, 8, True),
+                                                ("int4", "token", 32, 16, False)])
+def test_int_append_fresh_pages_with_non_finite_values(name, gran, D, P, spec, monkeypatch):
     """A bulk write of whole fresh pages (the tiles kernel's own pages; token scales: its
     tiles) where some pages hold NaN, +-Inf or a value beyond fp16 (those tiles take the
     masked statistics and clamped codes, the others the cheap path) and one page is all
     zeros, bit for bit with the reference; slots grouped as the runtime's prefill gives them."""
     monkeypatch.setattr(append_int, "BULK_TOKENS", 8)
     monkeypatch.setattr(append_int, "TILE_PAGES", 2)
+    monkeypatch.setattr(append_int, "TILE_SPEC", spec)   # x read before the full-page test
     gen = torch.Generator().manual_seed(case_seed(name, gran, D, P, 17))
     H, N = 2, 10
     ref, got = storage_pair(make_format(name, gran), N, H, P, D, DEV)

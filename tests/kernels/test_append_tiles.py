@@ -81,12 +81,13 @@ def test_tiles_kernel_bit_exact(name, grouped, dtype, monkeypatch):
 
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp4_e2m1"])
 @pytest.mark.parametrize("grouped", [True, False])
-def test_tiles_kernel_without_speculative_loads(name, grouped, monkeypatch):
-    # PAGE_TILE_SPEC False: x read under the full-page mask (the default reads every row)
+def test_tiles_kernel_with_speculative_loads(name, grouped, monkeypatch):
+    # PAGE_TILE_SPEC True: every row of x read before the full-page test, stores masked (the
+    # default reads under the full-page mask)
     import kvcompile.kernels.append as app
 
     _tiles(monkeypatch)
-    monkeypatch.setattr(app, "PAGE_TILE_SPEC", False)
+    monkeypatch.setattr(app, "PAGE_TILE_SPEC", True)
     for i, ref, got in _pool_writes(name, grouped, torch.bfloat16, WRITES, 14):
         assert_same_storage(ref, got, f"write {i}")
 
