@@ -98,7 +98,8 @@ def variants(name: str, gran: str, grouped: bool) -> list:
         out.append((f", {other} kernel", {"int.PAGE_BULK": other}))
         out.append((f", x read {'after' if app_int.TILE_SPEC else 'before'} the page test",
                     {"int.TILE_SPEC": not app_int.TILE_SPEC}))
-        out.append((", tiles in one launch", {"int.TILE_SPLIT": False}))
+        out.append((f", tiles in {'one launch' if app_int.TILE_SPLIT else 'two launches'}",
+                    {"int.TILE_SPLIT": not app_int.TILE_SPLIT}))
         out += [(f", tiles of {n} pages, {w} warps", {"int.PAGE_BULK": "tiles",
                                                        "int.TILE_PAGES": n,
                                                        "int.TILE_WARPS": w})
