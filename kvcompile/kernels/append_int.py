@@ -29,8 +29,11 @@ casts stepped by one ulp on the fp16 bit pattern; `code * scale + zero` may cont
 without changing it (code * scale is exact in fp32). The codes' division by the scale is IEEE
 division from a reciprocal per group and two fmas a value (`rn_quotient`), and a tile whose values
 are all finite and within fp16's range skips the masks and clamps that cannot change its codes
-(`_codes_fresh`): with these, Nsight put the int kernels at 57 (token scales) and 92 (channel
-scales) instructions a value, issue-bound (RESULTS.md, twenty-eighth session).
+(`_codes_fresh`); codes round to integers in the float's bits (`_rne_int`). Before these, Nsight
+put the int kernels at 58 (token scales) and 92 (channel scales) instructions a value, the
+first issue-bound, the second taking CUDA's division slow path on every zero numerator; with the
+division and the cheap path (and the row-by-row tiles), 34 and 24 (RESULTS.md, twenty-eighth
+session).
 """
 
 from __future__ import annotations
