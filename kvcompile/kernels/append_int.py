@@ -441,8 +441,8 @@ def _append_int_tiles_kernel(X, SORTED, ORDER, DATA, SCALE, ZERO, T, H, D: tl.co
     # go through _append_int_run, one after another. Bit for bit the run path's: the same
     # _params / codes on the same values. PART 1 writes only the fresh full pages, PART 2 only
     # the other runs, PART 0 both (the two touch disjoint pages): launched as PART 1 then
-    # PART 2, the full pages' build does without the run path's registers (72 against 167
-    # at D 128: 3 programs a SM).
+    # PART 2 (TILE_SPLIT), the full pages' build does without the run path's registers (64
+    # against 167 at D 128, P 16, sm_90; 167 allow 3 programs of 4 warps a SM).
     h = tl.program_id(1)
     i0, idx, live, slot, start, s0 = window_runs(SORTED, T, P, W)
     if PART != 2:
