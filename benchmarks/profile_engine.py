@@ -2,8 +2,9 @@
 
     python benchmarks/profile_engine.py [--batch 16 --prompt 4096 --new 64 --modes sync,async]
     python benchmarks/profile_engine.py --smoke    # CPU: a tiny model through every line
-    python benchmarks/profile_engine.py --prefill [--smoke]   # the first token instead: the
-                                   # Engine's packed prefill against generate's, by part
+    python benchmarks/profile_engine.py --prefill [--smoke] [--gaps]   # the first token
+                                   # instead: the Engine's packed prefill against generate's,
+                                   # by part (--gaps: the device's idle gaps, trace_gaps.py)
 
 bench_generate's model (8-layer Llama-3-8B shape, random bf16 weights) through
 `kvcompile.Engine` with fp8 pages, CUDA-graph decode steps, as bench_generate's engine_b. Per
@@ -65,20 +66,24 @@ def run(eng, prompts, n):
     return time.perf_counter() - t0, outs
 
 
-def profiled(call, device):
+def profiled(call, device, trace: str | None = None, stack: bool = False):
     """`call()` under torch.profiler -> (wall s, {kernel: device us}, host us blocked on the
-    device, graph launches, us from the first profiled event to the first kernel or None)."""
+    device, graph launches, us from the first profiled event to the first kernel or None).
+    trace: a path to export the chrome trace to; stack: with the Python tracer (functions in
+    the trace, more host time)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with prof(activities=acts) as p:
+    with prof(activities=acts, with_stack=stack) as p:
         bg.sync(device)
         t0 = time.perf_counter()
         call()
         bg.sync(device)
         wall = time.perf_counter() - t0
+    if trace:
+        p.export_chrome_trace(trace)
     kernels, waits, launches, first = {}, 0.0, 0, None
     start = min((e.time_range.start for e in p.events()), default=0)
     for e in p.events():
@@ -130,7 +135,24 @@ def step_table(eng, prompts, new, label):
     return dict(wall_ms=wall, busy_ms=busy, idle_ms=wall - busy, blocked_ms=waits, **cats)
 
 
-def prefill_tables(model, a, ids, prompts) -> None:
+def _gaps(call, device, label: str) -> None:
+    """--gaps: the device's idle gaps in one profiled `call()` and the host work in them
+    (trace_gaps.py), once without the Python tracer (the gaps as they are) and once with it
+    (which functions; its own cost widens the gaps)."""
+    import json
+    import tempfile
+
+    from trace_gaps import gap_report
+    for stack in (False, True):
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            profiled(call, device, trace=f.name, stack=stack)
+            with open(f.name) as g:
+                trace = json.load(g)
+        print(f"\n#### {label}: device gaps, {'with' if stack else 'without'} Python stacks")
+        gap_report(trace, min_us=20.0, top=30 if stack else 15)
+
+
+def prefill_tables(model, a, ids, prompts, gaps: bool = False) -> None:
     """--prefill: the time to the first token, the Engine's prefill (all B prompts packed in
     one step) against HF `generate`'s through kvcompile (a padded [B, prompt] forward), the
     same model, fp8 pages, each a 1-token call after a warm-up, under torch.profiler: device
@@ -159,6 +181,8 @@ def prefill_tables(model, a, ids, prompts) -> None:
         print(f"#### {label}: top kernels")
         for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:12]:
             print(f"  {us / 1e3:8.2f} ms  {name[:100]}")
+        if gaps:
+            _gaps(call, ids.device, label)
 
     bg.uncompile(model)
     eng = make_engine(model, a, a.batch, async_steps=True)
@@ -185,6 +209,8 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     ap.add_argument("--prefill", action="store_true",
                     help="the first token instead: the Engine's prefill against generate's")
+    ap.add_argument("--gaps", action="store_true",
+                    help="with --prefill: the device's idle gaps and the host work in them")
     args = ap.parse_args()
     if args.smoke:
         args.batch, args.prompt, args.new, args.layers = 3, 40, 8, 2
@@ -197,7 +223,7 @@ def main():
     ids, _ = bg._inputs(a, dev, model.config.vocab_size)
     prompts = [row.tolist() for row in ids.cpu()]
     if args.prefill:
-        prefill_tables(model, a, ids, prompts)
+        prefill_tables(model, a, ids, prompts, args.gaps)
         return
     rows, tokens = [], {}
     for mode in args.modes.split(","):
