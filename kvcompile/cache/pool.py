@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvcompile.cache import sizing
@@ -183,12 +184,13 @@ class PagePool:
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
         # Block tables: one persistent int32 table on the pool device, a row per sequence. Changes
-        # wait in `_pending` ((row, col) -> page, the last write wins) and reach the table in one
-        # scatter when a table is asked for: a decode step moves a few entries, not the table.
+        # wait in `_pending` (runs of a row's columns, the last write wins) and reach the table
+        # in one scatter when a table is asked for: a decode step moves a few entries, not the
+        # table; a prefill of 4,096 pages one copy built by numpy, not a Python loop a page.
         width = math.ceil(max_seq_len / page_size) if max_seq_len else 16
         self._table = torch.zeros(16, min(width, self.max_pages), dtype=torch.int32,
                                   device=self.device)
-        self._pending: dict[tuple[int, int], int] = {}
+        self._pending = _PendingTable()
         self._free_rows: list[int] = list(range(15, -1, -1))
         self._rows: tuple = (None, None)  # the last batch's rows, and as an index tensor
         # Eviction (kvcompile/eviction): tokens dropped from each sequence, so that its logical
@@ -340,7 +342,7 @@ class PagePool:
             self._make_room(need)
             ref, free = self._ref, self._free   # (a growth extended them)
         # Commit.
-        cow_src, cow_dst, bases, lens = [], [], [], []
+        cow_src, cow_dst, runs, spans = [], [], [], False
         for seq, n in zip(seqs, counts):
             if not n:
                 continue
@@ -353,27 +355,30 @@ class PagePool:
                 ref[pages[-1]] = 1
                 cow_dst.append(pages[-1])
                 first_new += 1
-            for _ in range(grow):
-                pages.append(free.pop())
-                ref[pages[-1]] = 1
+            if grow:   # popped from the end of the free stack, last first
+                new = free[-grow:]
+                del free[-grow:]
+                new.reverse()
+                pages.extend(new)
+                for p in new:
+                    ref[p] = 1
             seq.length = start + n
             if first_new:
                 self._sync_row(seq, len(pages) - first_new)
-            # One run of consecutive slots per page touched.
-            if start % P + n <= P:  # within the last page (every decode step)
-                bases.append(pages[-1] * P + start % P)
-                lens.append(n)
-                continue
-            i, lo = start // P, start
-            while lo < start + n:
-                hi = min(start + n, (i + 1) * P)
-                bases.append(pages[i] * P + lo - i * P)
-                lens.append(hi - lo)
-                i, lo = i + 1, hi
+            if start % P + n <= P:  # within the last page (every decode step): one run
+                runs.append((pages[-1] * P + start % P, n))
+            else:   # the slots of the pages it spans, from its first new position on
+                pg = np.asarray(pages[start // P:(start + n - 1) // P + 1], dtype=np.int64)
+                o = start % P
+                runs.append((pg[:, None] * P + np.arange(P)).reshape(-1)[o:o + n])
+                spans = True
         if cow_src:
             self._copy_pages(cow_src, cow_dst)
         # one run per page, runs of distinct pages: write() may tell the writer so
-        self._reserved = _to_device(_runs_to_slots(bases, lens), self.device) if slots else None
+        self._reserved = None
+        if slots:
+            self._reserved = _to_device(_slots(runs) if spans else _runs_to_slots(
+                [b for b, _ in runs], [n for _, n in runs]), self.device)
         return self._reserved
 
     # --- data --------------------------------------------------------------------------------
@@ -548,8 +553,7 @@ class PagePool:
         seq.pages = [p for i, p in enumerate(seq.pages) if i not in gone]
         seq.length -= P * len(idx)
         self._sync_row(seq, idx[0])
-        for j in range(len(seq.pages), n):
-            self._pending[seq.row, j] = 0
+        self._pending.set(seq.row, len(seq.pages), [0] * (n - len(seq.pages)))
         self._evicted[seq_id] = self._evicted.get(seq_id, 0) + P * len(idx)
 
     @_locked
@@ -601,7 +605,7 @@ class PagePool:
         self._make_private(seq, list(front))
         # the row's first pages as the device table holds them; flushed (a host-to-device
         # copy) only when one of them changed since the last flush (copy-on-write above)
-        stale = any((seq.row, j) in self._pending for j in front)
+        stale = self._pending.touches(seq.row, len(front))
         table = (self.table() if stale else self._table)[seq.row].to(torch.int64)
         src = src.to(self.device, torch.int64)
         dst = torch.arange(K, device=self.device).expand(H, K)
@@ -638,7 +642,7 @@ class PagePool:
             seq.pages[i] = new
             src.append(old)
             dst.append(new)
-            self._pending[seq.row, i] = new
+            self._pending.set(seq.row, i, [new])
         self._copy_pages(src, dst)
 
     # --- prefix sharing and swapping (kvcompile/engine) ---------------------------------------
@@ -914,8 +918,7 @@ class PagePool:
                 paged.drop_residual(freed)
         if dropped:
             del seq.pages[keep:]
-            for j in range(keep, keep + len(dropped)):
-                self._pending[seq.row, j] = 0
+            self._pending.set(seq.row, keep, [0] * len(dropped))
 
     def _sync_row(self, seq: _Sequence, start: int) -> None:
         """Queue seq.pages[start:] for its table row (growing the table's width if needed)."""
@@ -924,8 +927,8 @@ class PagePool:
             new_w = max(n, min(2 * width, self.max_pages))
             self._table = torch.nn.functional.pad(self._table, (0, new_w - width))
             self.table_version += 1
-        for j in range(start, n):
-            self._pending[seq.row, j] = seq.pages[j]
+        if start < n:
+            self._pending.set(seq.row, start, seq.pages[start:])
 
     def _take_row(self) -> int:
         if not self._free_rows:
@@ -938,10 +941,55 @@ class PagePool:
     def _flush_table(self) -> None:
         if self._pending:
             self.table_version += 1
-            upd = _to_device(torch.tensor([(r, c, p) for (r, c), p in self._pending.items()],
-                                          dtype=torch.int64), self.device)  # [K, 3]: one copy
-            self._table[upd[:, 0], upd[:, 1]] = upd[:, 2].to(torch.int32)
-            self._pending.clear()
+            upd = _to_device(self._pending.take(), self.device)  # [3, K]: one copy
+            self._table[upd[0], upd[1]] = upd[2].to(torch.int32)
+
+
+class _PendingTable:
+    """Block-table changes not yet on the device: runs (row, first column, page ids) in the
+    order made. `take` turns them into one [3, K] int64 host tensor (rows, columns, pages)
+    where each (row, column) appears once, its last write (a scatter with repeated indices
+    keeps an arbitrary one on CUDA), and empties the list."""
+
+    def __init__(self):
+        self._runs: list[tuple[int, int, list[int] | np.ndarray]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._runs)
+
+    def set(self, row: int, col: int, pages) -> None:
+        if len(pages):
+            self._runs.append((row, col, pages))
+
+    def as_dict(self) -> dict[tuple[int, int], int]:
+        """{(row, column): page} as the table will have it (tests, snapshots)."""
+        return {(r, c + j): int(p) for r, c, ps in self._runs for j, p in enumerate(ps)}
+
+    def touches(self, row: int, ncols: int) -> bool:
+        """Whether a pending change is in row `row`, columns [0, ncols)."""
+        return any(r == row and c < ncols for r, c, _ in self._runs)
+
+    def take(self) -> torch.Tensor:
+        runs, self._runs = self._runs, []
+        if len(runs) == 1:   # (a decode step of one sequence, a prompt's new pages)
+            r, c, p = runs[0]
+            n = len(p)
+            out = np.empty((3, n), dtype=np.int64)
+            out[0], out[1], out[2] = r, np.arange(c, c + n), p
+            return torch.from_numpy(out)
+        lens = np.fromiter((len(p) for _, _, p in runs), dtype=np.int64, count=len(runs))
+        rows = np.repeat(np.fromiter((r for r, _, _ in runs), np.int64, len(runs)), lens)
+        first = np.fromiter((c for _, c, _ in runs), np.int64, len(runs))
+        # column of each entry: its run's first column + its index in the run
+        cols = np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(
+            first - (np.cumsum(lens) - lens), lens)
+        pages = np.concatenate([np.asarray(p, dtype=np.int64) for _, _, p in runs])
+        key = rows * (int(cols.max()) + 1) + cols
+        _, last = np.unique(key[::-1], return_index=True)   # the last write of each entry
+        if len(last) != len(key):
+            keep = len(key) - 1 - last
+            rows, cols, pages = rows[keep], cols[keep], pages[keep]
+        return torch.from_numpy(np.stack([rows, cols, pages]))
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -992,6 +1040,14 @@ def _counts(num_tokens, n: int) -> list[int]:
         raise ValueError(f"num_tokens={num_tokens!r}: give an int >= 0, or one per sequence "
                          f"({n})")
     return counts
+
+
+def _slots(runs: list) -> torch.Tensor:
+    """runs: (first slot, length) pairs and arrays of slots, in order -> their slots [sum]
+    int64."""
+    return torch.from_numpy(np.concatenate([
+        r if isinstance(r, np.ndarray) else np.arange(r[0], r[0] + r[1], dtype=np.int64)
+        for r in runs]))
 
 
 def _runs_to_slots(bases: list[int], lens: list[int]) -> torch.Tensor:

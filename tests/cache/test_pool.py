@@ -61,7 +61,7 @@ def _storage_bytes(pool):
 def _snapshot(pool):
     seqs = {i: (list(s.pages), s.length, s.row) for i, s in pool._seqs.items()}
     return (list(pool._free), list(pool._ref), seqs, pool._table.clone(), pool.stats(),
-            (pool._next_id, dict(pool._pending)), _storage_bytes(pool))
+            (pool._next_id, pool._pending.as_dict()), _storage_bytes(pool))
 
 
 def _assert_same(a, b):
@@ -123,6 +123,38 @@ def test_reserve_slots_mixed_batch():
     pool.check_invariants()
 
 
+def test_pending_table_last_write_once():
+    # block-table changes queued between flushes: each (row, column) leaves once, with its
+    # last value (a scatter of repeated indices keeps an arbitrary one on CUDA)
+    from kvcompile.cache.pool import _PendingTable
+    t = _PendingTable()
+    assert not t
+    t.set(2, 0, [5, 6, 7])
+    t.set(1, 4, [])
+    t.set(2, 1, [0, 0])        # a truncation's zeros
+    t.set(3, 0, [8])
+    t.set(2, 2, [9])           # regrown
+    assert t and t.touches(2, 1) and t.touches(3, 1) and not t.touches(1, 9)
+    want = {(2, 0): 5, (2, 1): 0, (2, 2): 9, (3, 0): 8}
+    assert t.as_dict() == want
+    rows, cols, pages = t.take().tolist()
+    assert len(rows) == len(want) and not t
+    assert dict(zip(zip(rows, cols), pages)) == want
+
+
+def test_table_after_truncate_and_regrow_unflushed():
+    pool = _pool(num_pages=64, page_size=4)
+    a, b = pool.allocate(2)
+    pool.reserve([a, b], [9, 30])
+    pool.block_table([a, b])
+    pool.truncate(b, 3)              # zeros queued for b's columns 1..7
+    pool.reserve([b, a], [17, 1])    # b regrows columns 1..4 before any flush
+    t = pool.block_table([a, b])
+    assert t[0, :3].tolist() == pool.pages_of(a)
+    assert t[1, :5].tolist() == pool.pages_of(b) and t[1, 5:].tolist() == [0] * (t.shape[1] - 5)
+    pool.check_invariants()
+
+
 @pytest.mark.parametrize("kv_dtype,round_to", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
 def test_append_gather_exact(kv_dtype, round_to):
     torch.manual_seed(0)
@@ -167,9 +199,9 @@ def test_block_table_and_seq_lens():
     # Decode steps move single entries to the table, never whole rows.
     pool.block_table([d, b])
     pool.reserve([b], 1)  # stays in its page
-    assert pool._pending == {}
+    assert pool._pending.as_dict() == {}
     pool.reserve([b, d], 1)  # b: 4th token, same page; d: a first page
-    assert list(pool._pending.values()) == pool.pages_of(d)
+    assert list(pool._pending.as_dict().values()) == pool.pages_of(d)
     # Growth past the initial table width and row count.
     many = pool.allocate(40)
     pool.reserve(many[:1], 4 * 30)
