@@ -829,12 +829,15 @@ def _iota(n: int, device: torch.device) -> torch.Tensor:
                          mutates_args=("data", "scale", "micro", "zero"))
 def quantize_append_op(x: torch.Tensor, slots: torch.Tensor, data: torch.Tensor,
                        scale: torch.Tensor | None, micro: torch.Tensor | None, fmt: str,
-                       granularity: str, zero: torch.Tensor | None = None) -> None:
+                       granularity: str, zero: torch.Tensor | None) -> None:
+    # (zero without a default: torch 2.11's dispatcher drops a trailing argument equal to its
+    # default from the boxed call, and the version bump of the mutated `zero` then indexes
+    # past the arguments -- IndexError on every call through the op, GPU tests, 2026-12-06)
     launch_append(x, slots, data, scale, micro, fmt, granularity, zero=zero)
 
 
 @quantize_append_op.register_fake
-def _(x, slots, data, scale, micro, fmt, granularity, zero=None):
+def _(x, slots, data, scale, micro, fmt, granularity, zero):
     return None
 
 

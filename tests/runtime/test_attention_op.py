@@ -44,6 +44,22 @@ def test_the_op_is_impure_and_declares_no_mutated_argument():
     assert not attention._schema.is_mutable   # the pool is reached through the context
 
 
+def test_no_mutated_argument_of_a_kvcompile_op_has_a_default():
+    # torch 2.11's dispatcher drops a trailing argument equal to its default from a boxed
+    # call; the version bump of a mutated one then indexed past the arguments (IndexError on
+    # every quantize_append through the op, H100, 2026-12-06): mutated arguments take no default
+    import kvcompile.kernels.append  # noqa: F401  (registers quantize_append)
+    import kvcompile.kernels.decode  # noqa: F401
+    seen = []
+    for name in ("quantize_append", "paged_decode", "paged_decode_out", "attention"):
+        schema = getattr(torch.ops.kvcompile, name).default._schema
+        for a in schema.arguments:
+            if a.alias_info is not None and a.alias_info.is_write:
+                seen.append(name)
+                assert not a.has_default_value(), f"{name}({a.name}) has a default"
+    assert "quantize_append" in seen and "paged_decode_out" in seen
+
+
 def test_fx_dead_code_elimination_keeps_an_unused_call():
     gm = fx.symbolic_trace(_unused_attention)
     gm.graph.eliminate_dead_code()
