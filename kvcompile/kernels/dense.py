@@ -109,24 +109,46 @@ def sdpa_rows(q, k, v, starts, scale: float) -> torch.Tensor:
 def sdpa_packed(q, k, v, q_lens, scale: float) -> torch.Tensor:
     """Causal attention of prompts packed along the sequence (the Engine's step of fresh
     prompts): q [1, Hq, T, D], k [1, Hkv, T, D], v [1, Hkv, T, Dv]; prompt i is its q_lens[i]
-    tokens after the earlier prompts' and attends to its own keys only. One SDPA call a prompt
-    (flash / cuDNN) written into one output, and one finiteness check for them all (a check a
-    prompt was a host sync a prompt and layer, and the parts were joined by one more copy); a
+    tokens after the earlier prompts' and attends to its own keys only. One SDPA call (flash /
+    cuDNN) for each run of adjacent prompts of one length, as a batch of them (`_runs`: strided
+    views, no copy; a call a prompt cost the Engine's B16 x P4096 prefill 41.5 ms of cuDNN
+    against 35.2 for generate's one [16, 4096] call, H100), written into one output, and one
+    finiteness check for them all (a check a prompt was a host sync a prompt and layer); a
     non-finite output takes each prompt's `sdpa_attention`, with the module docstring's rules.
     -> [1, Hq, T, Dv] in compute_dtype(q.dtype)."""
     dt = compute_dtype(q.dtype)
     out = op_output(1, q.shape[1], q.shape[2], v.shape[-1], dt, q.device)
-    ends = list(itertools.accumulate(q_lens))
-    spans = [slice(e - n, e) for n, e in zip(q_lens, ends, strict=True)]
-    for rows in spans:
-        out[:, :, rows] = _sdpa(_as(q[:, :, rows], dt), _as(k[:, :, rows], dt),
-                                _as(v[:, :, rows], dt), None, scale, True)
+    for t0, n, S in _runs(q_lens):
+        o = _sdpa(_as(_batch(q, t0, n, S), dt), _as(_batch(k, t0, n, S), dt),
+                  _as(_batch(v, t0, n, S), dt), None, scale, True)
+        _batch(out, t0, n, S).copy_(o)
     if _sdpa_trusted(out, k, dt):
         return out
-    for rows in spans:
+    ends = list(itertools.accumulate(q_lens))
+    for n, e in zip(q_lens, ends, strict=True):
+        rows = slice(e - n, e)
         out[:, :, rows] = sdpa_attention(q[:, :, rows], k[:, :, rows], v[:, :, rows], None,
                                          None, scale, True)
     return out
+
+
+def _runs(q_lens) -> list[tuple[int, int, int]]:
+    """Adjacent prompts of equal length: [(first token, prompts, length)]."""
+    runs, t = [], 0
+    for S in q_lens:
+        if runs and runs[-1][2] == S:
+            runs[-1][1] += 1
+        else:
+            runs.append([t, 1, S])
+        t += S
+    return [tuple(r) for r in runs]
+
+
+def _batch(x: torch.Tensor, t0: int, n: int, S: int) -> torch.Tensor:
+    """x [1, H, T, D] -> tokens t0 .. t0 + n S as n prompts of S: [n, H, S, D], a view."""
+    s = x.stride()
+    return x.as_strided((n, x.shape[1], S, x.shape[3]), (S * s[2], s[1], s[2], s[3]),
+                        x.storage_offset() + t0 * s[2])
 
 
 def op_output(B: int, H: int, S: int, dv: int, dtype: torch.dtype, device,

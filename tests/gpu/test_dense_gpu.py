@@ -107,11 +107,13 @@ def test_sdpa_packed_prompts(name, dt):
     from kvcompile.kernels.dense import sdpa_packed
 
     g = torch.Generator().manual_seed(80 + len(name))
-    lens, Hq, Hkv, D = [130, 1, 57, 200], 8, 2, 64
+    lens, Hq, Hkv, D = [130, 130, 1, 57, 200, 200], 8, 2, 64   # runs of equal lengths: batched
     T = sum(lens)
-    q, k, v = (torch.randn(1, h, T, D, generator=g) for h in (Hq, Hkv, Hkv))
+    # q in the layout a projection gives ([1, T, H, D] transposed), k / v contiguous
+    q = torch.randn(1, T, Hq, D, generator=g).transpose(1, 2)
+    k, v = (torch.randn(1, Hkv, T, D, generator=g) for _ in range(2))
     if name == "v_nan_seen":
-        v[0, 1, 140, 3] = float("nan")    # prompt 2
+        v[0, 1, 270, 3] = float("nan")    # prompt 3 (alone in its run)
     pid = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
     j = torch.arange(T)
     seen = ((j[None] <= j[:, None]) & (pid[None] == pid[:, None]))[None, None]

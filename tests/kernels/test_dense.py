@@ -186,28 +186,30 @@ def test_sdpa_packed_is_causal_attention_per_prompt(case, dtype, monkeypatch):
     """sdpa_packed (the Engine's step of fresh prompts: prompts packed along the sequence, each
     attending causally to its own keys) against eager attention under the block-diagonal
     causal mask, NaN / Inf included (a prompt's NaN stays in that prompt); finite outputs take
-    one finiteness check for all the prompts, not one a prompt."""
+    one finiteness check for all the prompts, not one a prompt, and one SDPA call for each run
+    of adjacent prompts of one length."""
     from kvcompile.kernels import dense
     from kvcompile.kernels.dense import sdpa_packed
 
     g = torch.Generator().manual_seed(60 + PACKED_CASES.index(case))
-    lens, Hq, Hkv, D = [5, 1, 9, 4], 4, 2, 16
+    lens, Hq, Hkv, D = [5, 5, 1, 9, 4, 4, 4], 4, 2, 16
     T = sum(lens)
     q = torch.randn(1, Hq, T, D, generator=g)
     k = torch.randn(1, Hkv, T, D, generator=g)
     v = torch.randn(1, Hkv, T, 8, generator=g)          # (Dv != D)
     if case == "v_nan_seen":
-        v[0, 1, 7, 3] = float("nan")                   # prompt 2's second token
+        v[0, 1, 12, 3] = float("nan")                  # prompt 3's second token
     elif case == "k_inf_seen":
         k[0, 0, 2, 5] = float("inf")                   # prompt 0's third token
     elif case == "later_nan":
-        v[0, 0, T - 1, 1] = float("nan")               # only prompt 3's last query sees it
+        v[0, 0, T - 1, 1] = float("nan")               # only prompt 6's last query sees it
     pid = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
     j = torch.arange(T)
     seen = ((j[None] <= j[:, None]) & (pid[None] == pid[:, None]))[None, None]
-    checks = []
-    real = dense._all_finite
+    checks, calls = [], []
+    real, real_sdpa = dense._all_finite, dense._sdpa
     monkeypatch.setattr(dense, "_all_finite", lambda x: checks.append(1) or real(x))
+    monkeypatch.setattr(dense, "_sdpa", lambda *a: calls.append(a[0].shape[0]) or real_sdpa(*a))
     got = sdpa_packed(q.to(dtype), k.to(dtype), v.to(dtype), lens, 0.3)
     ref = eager_rows(q.to(dtype), k.to(dtype), v.to(dtype), seen, 0.3)
     assert got.dtype == dtype and got.shape == (1, Hq, T, 8)
@@ -215,8 +217,9 @@ def test_sdpa_packed_is_causal_attention_per_prompt(case, dtype, monkeypatch):
     assert_matches_eager(got, ref, dtype, f"sdpa_packed, {case}")
     if case == "finite":
         assert len(checks) <= 2, f"{len(checks)} finiteness checks for {len(lens)} prompts"
+        assert calls == [2, 1, 1, 3], calls   # a batched call a run of equal lengths
     else:   # the NaN stays in its prompt
-        bad = {"v_nan_seen": 2, "k_inf_seen": 0, "later_nan": 3}[case]
+        bad = {"v_nan_seen": 3, "k_inf_seen": 0, "later_nan": 6}[case]
         assert bool(torch.isfinite(got[:, :, pid != bad]).all())
 
 
