@@ -60,12 +60,13 @@ TILE_PAGES = 8
 TILE_UNROLL = 8
 TILE_WARPS = 4
 # two launches: the fresh full pages (PART 1), then the other runs (PART 2); the first builds
-# with 64 registers against the one launch's 167 (sm_90, D 128, P 16). Not yet timed on a GPU
-# (no device time was left), so off: the one launch is what the H100 measured (RESULTS.md,
-# twenty-eighth session); bench_append.py times both
-TILE_SPLIT = False
-# tiles load x before the full-page test (_tile_rows SPEC): not yet timed on a GPU (no device
-# time was left), so off; bench_append.py times it (", x read before the page test")
+# with 64 registers against the one launch's 167 (sm_90, D 128, P 16). On an H100
+# (bench_append.py, T 65,536, H 8, D 128, P 16, 2026-12-06) int4 channel wrote at 0.66x copy
+# bandwidth (0.094 ms) against the one launch's 0.61x (0.101 ms): on
+TILE_SPLIT = True
+# tiles load x before the full-page test (_tile_rows SPEC): the same run gave 0.63x (0.098
+# ms) against 0.61x, less than the split; with the split not yet timed, so off
+# (bench_append.py: ", x read before the page test")
 TILE_SPEC = False
 # token scales: R = TOKEN_TILE_ELEMS / max(D, 128) tokens of one head a program. 4 warps: on
 # an H100 (bench_append.py, T 65,536, H 8, D 128, bf16 input, 2026-12-06, after the division
