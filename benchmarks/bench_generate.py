@@ -533,6 +533,9 @@ def engine_batch(model, args, device, ctx, graphs: bool = True, eviction=None,
     times, outs = [], None
     captures0 = eng.runner.graphs.captures if eng.runner.graphs is not None else 0
     eng.history.clear()   # the warm-up's steps (graph captures among them) left out
+    if device.type == "cuda":   # the peak of the timed calls, as run_generate's rows (the
+        torch.cuda.synchronize()   # warm-up's compile and autotuning left out)
+        torch.cuda.reset_peak_memory_stats()
     for _ in range(args.repeats):
         outs, t = timed(lambda: eng.generate(prompts, params), device)
         times.append(t)
@@ -566,7 +569,7 @@ def engine_batch(model, args, device, ctx, graphs: bool = True, eviction=None,
                launched_steps=eng.stats.launched_steps,
                overlapped_steps=eng.stats.overlapped_steps,
                sync_reasons=dict(eng.stats.sync_reasons))
-    if device.type == "cuda":   # the pool's reservation, weights and the largest step
+    if device.type == "cuda":   # weights, the pool and the largest step of the timed calls
         row["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
     if eviction is not None:
         row.update(eviction_aside_steps=counters.get("eviction_aside_steps", 0),
