@@ -4,6 +4,10 @@
 #   a: the append GPU tests and rows after the twenty-eighth session's last changes
 #      (session28_call.sh c), then the Engine's prefill against generate's with the device's
 #      idle gaps and the host work in them (profile_engine.py --prefill --gaps, B16 x P4096)
+#   b: after this session's last changes (not run on a GPU yet): the dense / append / engine
+#      GPU tests (sdpa_packed's batched runs, TILE_SPLIT on), the Engine's prefill with its
+#      gaps, then the B16 x P4096 rows with HF static (the Engine's peak now from its timed
+#      calls)
 #   other parts: session28_call.sh's (t: first token and decode with HF static in one call)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvc_out}; mkdir -p "$OUT"
@@ -13,6 +17,15 @@ case "${PART:-a}" in
     timeout -k 5 ${A2_LIMIT:-240} python3 benchmarks/profile_engine.py --prefill --gaps \
       --batch ${B:-16} --prompt ${P:-4096} 2>&1 | grep -v "^USDT" > "$OUT/a_gaps.txt"
     grep -E "^####|device idle|device busy" "$OUT/a_gaps.txt" ;;   # the rest: the file
+  b)
+    timeout -k 5 ${B1_LIMIT:-150} python3 -m pytest -q -n 8 -m gpu tests/gpu/test_dense_gpu.py \
+      tests/gpu/test_append_gpu.py tests/gpu/test_append_int_gpu.py \
+      tests/gpu/test_engine_graphs_gpu.py 2>&1 | tail -3 | tee "$OUT/b_tests.txt"
+    timeout -k 5 ${B2_LIMIT:-200} python3 benchmarks/profile_engine.py --prefill --gaps \
+      --batch ${B:-16} --prompt ${P:-4096} 2>&1 | grep -v "^USDT" > "$OUT/b_gaps.txt"
+    grep -E "^####|device idle|device busy|device: attention" "$OUT/b_gaps.txt"
+    ROWS="${ROWS:-hf_static:auto engine_b:auto}" ROW_LIMIT=${ROW_LIMIT:-120} \
+      PART=t bash benchmarks/session28_call.sh ;;
   *)
     PART=$PART bash benchmarks/session28_call.sh ;;
 esac
