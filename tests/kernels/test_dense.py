@@ -223,6 +223,32 @@ def test_sdpa_packed_is_causal_attention_per_prompt(case, dtype, monkeypatch):
         assert bool(torch.isfinite(got[:, :, pid != bad]).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finite_output_whose_sum_overflows(dtype, monkeypatch):
+    """The finiteness check is one fp32 sum: a finite output of values near fp32's top
+    overflows it, takes the exact path, and must come out the same (finite, as eager)."""
+    from kvcompile.kernels import dense
+    from kvcompile.kernels.dense import sdpa_packed
+
+    g = torch.Generator().manual_seed(71)
+    lens, Hq, Hkv, D = [6, 6, 3], 2, 1, 8
+    T = sum(lens)
+    q = torch.randn(1, Hq, T, D, generator=g)
+    k = torch.randn(1, Hkv, T, D, generator=g)
+    v = (1.0 + torch.rand(1, Hkv, T, 8, generator=g)) * 1e38   # each finite, their sum not
+    exact = []
+    real = dense.sdpa_attention
+    monkeypatch.setattr(dense, "sdpa_attention", lambda *a, **kw: exact.append(1) or real(*a, **kw))
+    pid = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    j = torch.arange(T)
+    seen = ((j[None] <= j[:, None]) & (pid[None] == pid[:, None]))[None, None]
+    got = sdpa_packed(q.to(dtype), k.to(dtype), v.to(dtype), lens, 0.3)
+    ref = eager_rows(q.to(dtype), k.to(dtype), v.to(dtype), seen, 0.3)
+    assert exact, "the overflowing sum did not take the exact path"
+    assert bool(torch.isfinite(got).all())
+    assert_matches_eager(got, ref, dtype, "sdpa_packed, sum overflow")
+
+
 def test_nonfinite_softcap_and_unmasked():
     g = torch.Generator().manual_seed(5)
     q, k, v = torch.randn(1, 4, 3, 8, generator=g), *(torch.randn(1, 2, 6, 8, generator=g)
