@@ -8,6 +8,10 @@
 #      GPU tests (sdpa_packed's batched runs, TILE_SPLIT on), the Engine's prefill with its
 #      gaps, then the B16 x P4096 rows with HF static (the Engine's peak now from its timed
 #      calls)
+#   c: the issue's other shapes, a process a row: B64 x P2048 (HF static, generate fp8 /
+#      int4, the Engine), about 400 s with a start
+#   d: B16 x P32768 (generate fp8 / int4, the Engine, then HF static: its 78 GiB peak on the
+#      H200 may not fit an H100's 80 GB)
 #   other parts: session28_call.sh's (t: first token and decode with HF static in one call)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvc_out}; mkdir -p "$OUT"
@@ -26,6 +30,12 @@ case "${PART:-a}" in
     grep -E "^####|device idle|device busy|device: attention" "$OUT/b_gaps.txt"
     ROWS="${ROWS:-hf_static:auto engine_b:auto}" ROW_LIMIT=${ROW_LIMIT:-120} \
       PART=t bash benchmarks/session28_call.sh ;;
+  c)
+    B=64 P=2048 N=${N:-128} ROWS="${ROWS:-hf_static:auto kvc_fp8:auto kvc_int4:auto engine_b:auto}" \
+      ROW_LIMIT=${ROW_LIMIT:-120} PART=t bash benchmarks/session28_call.sh ;;
+  d)
+    B=16 P=32768 N=${N:-64} ROWS="${ROWS:-kvc_fp8:auto kvc_int4:auto engine_b:auto hf_static:auto}" \
+      ROW_LIMIT=${ROW_LIMIT:-140} PART=t bash benchmarks/session28_call.sh ;;
   *)
     PART=$PART bash benchmarks/session28_call.sh ;;
 esac
