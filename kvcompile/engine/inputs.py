@@ -4,11 +4,14 @@ request's lengths against the model and the pool, and what the engine reads off 
 
 from __future__ import annotations
 
+import logging
 import numbers
 
 import torch
 
 from kvcompile.engine.params import RequestError, SamplingParams
+
+log = logging.getLogger("kvcompile.engine")
 
 
 def _plain_ids(prompt) -> list[int] | None:
@@ -85,13 +88,56 @@ def check_request(ids: list[int], p: SamplingParams, vocab_size: int, max_model_
                            f"kv_dtype, or lower max_tokens.")
 
 
+# layer types (transformers' `config.layer_types`) whose mask is more than causality within a
+# sequence and the config's sliding window: the engine's packed steps attend each sequence
+# causally (with the window) and read no mask of the model's (passes/mask_inputs.py
+# drop_masks), so they cannot run such a layer. Chunked attention is causal within its first
+# chunk: the engine runs it up to that length.
+_MASKED_LAYER_TYPES = ("window_attention", "reference_sliding_attention", "indexed_attention",
+                       "compressed_sparse_attention", "heavily_compressed_attention",
+                       "minimax_m3_sparse")
+
+
+def mask_limit(config) -> int | None:
+    """The longest sequence the engine attends as the model does, from what the config says
+    of its masks: None for no limit (causal, a sliding window), attention_chunk_size for
+    chunked layers. RequestError for a model the engine cannot attend as it does at all
+    (bidirectional attention, the layer types above)."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    fix = ("the engine attends each sequence causally (with the config's sliding window) and "
+           "reads no mask of the model's; generate with HF `generate` after "
+           "kvcompile.compile(model), which applies the model's own mask")
+    if getattr(cfg, "use_bidirectional_attention", None):
+        raise RequestError(f"this model's attention is bidirectional (config."
+                           f"use_bidirectional_attention={cfg.use_bidirectional_attention!r}); "
+                           f"{fix}")
+    types = set(getattr(cfg, "layer_types", None) or ())
+    other = sorted(types.intersection(_MASKED_LAYER_TYPES))
+    if other:
+        raise RequestError(f"this model has {', '.join(other)} layers (config.layer_types), "
+                           f"whose masks are more than causal; {fix}")
+    chunk = getattr(cfg, "attention_chunk_size", None)
+    if "chunked_attention" in types and chunk:
+        return int(chunk)
+    return None
+
+
 def max_model_len(model, state, requested) -> int:
     """max_model_len: the user's, at most the model's position limit (a learned position table
-    has no row past it); by default that limit, capped by KVConfig.max_seq_len and the pool."""
+    has no row past it) and `mask_limit`; by default that limit, capped by
+    KVConfig.max_seq_len and the pool."""
     cfg = model.config
     positions = next((int(v) for v in (getattr(cfg, "max_position_embeddings", None),
                                        getattr(cfg, "n_positions", None)) if v), None)
+    chunk = mask_limit(cfg)
     if requested is not None:
+        if chunk is not None and requested > chunk:
+            raise RequestError(f"Engine max_model_len={requested} exceeds the model's attention "
+                               f"chunk ({chunk} tokens, config.attention_chunk_size): the "
+                               f"engine attends causally, which equals the model's chunked "
+                               f"attention only within the first chunk; use max_model_len <= "
+                               f"{chunk}, or HF `generate` after kvcompile.compile(model) for "
+                               f"longer sequences")
         if isinstance(requested, bool) or not isinstance(requested, int) or requested < 2:
             raise RequestError(f"Engine max_model_len={requested!r}: must be an int >= 2")
         if positions is not None and requested > positions:
@@ -107,6 +153,12 @@ def max_model_len(model, state, requested) -> int:
     for v in (positions, state.config.max_seq_len):
         if v:
             limits.append(int(v))
+    if chunk is not None and chunk < min(limits):
+        log.warning("kvcompile engine: max_model_len capped at %d, the model's attention chunk "
+                    "(config.attention_chunk_size): the engine attends causally, which equals "
+                    "chunked attention only within the first chunk; HF `generate` after "
+                    "kvcompile.compile(model) runs longer sequences", chunk)
+        limits.append(chunk)
     return min(limits)
 
 

@@ -326,3 +326,50 @@ def test_prompt_ids_of_every_integer_container():
                    np.array(want, dtype=np.uint16), [np.int64(5), 6, 7]):
         got = token_ids(prompt, None)
         assert got == want and all(type(t) is int for t in got), type(prompt)
+
+
+def test_mask_limit_reads_the_configs_mask_structure():
+    from types import SimpleNamespace
+
+    from kvcompile.engine.inputs import mask_limit
+
+    plain = SimpleNamespace(layer_types=["full_attention", "sliding_attention"],
+                            sliding_window=16)
+    assert mask_limit(plain) is None and mask_limit(SimpleNamespace()) is None
+    chunked = SimpleNamespace(layer_types=["chunked_attention", "full_attention"],
+                              attention_chunk_size=8192)
+    assert mask_limit(chunked) == 8192
+    # a chunk size without chunked layers (an audio tower's setting, say) limits nothing
+    assert mask_limit(SimpleNamespace(layer_types=["full_attention"],
+                                      attention_chunk_size=12)) is None
+    for cfg, match in ((SimpleNamespace(use_bidirectional_attention=True), "bidirectional"),
+                       (SimpleNamespace(layer_types=["full_attention", "window_attention"]),
+                        "window_attention layers")):
+        with pytest.raises(RequestError, match=match):
+            mask_limit(cfg)
+    # a multimodal config: its text config's
+    outer = SimpleNamespace(get_text_config=lambda: chunked)
+    assert mask_limit(outer) == 8192
+
+
+def test_engine_caps_or_refuses_a_model_whose_mask_it_cannot_follow(model, monkeypatch, caplog):
+    # the engine attends causally per sequence: a model with chunked layers runs up to its
+    # chunk (where chunked attention is causal), said once; one with a longer request, or
+    # with bidirectional attention, is refused at construction, naming why and what to use
+    cfg = model.config
+    monkeypatch.setattr(cfg, "layer_types", ["full_attention", "chunked_attention"],
+                        raising=False)
+    monkeypatch.setattr(cfg, "attention_chunk_size", 40, raising=False)
+    with caplog.at_level("WARNING", logger="kvcompile.engine"):
+        eng = Engine(model)
+    assert eng.max_model_len == 40
+    assert "attention chunk" in caplog.text
+    with pytest.raises(RequestError, match="max_model_len is 40"):
+        eng.add_request([5] * 40, SamplingParams(max_tokens=1))
+    eng.add_request([5] * 30, SamplingParams(max_tokens=10))   # fits within the chunk
+    with pytest.raises(RequestError, match="exceeds the model's attention chunk"):
+        Engine(model, max_model_len=41)
+    assert Engine(model, max_model_len=40).max_model_len == 40
+    monkeypatch.setattr(cfg, "use_bidirectional_attention", True, raising=False)
+    with pytest.raises(RequestError, match="bidirectional.*HF `generate`"):
+        Engine(model)
