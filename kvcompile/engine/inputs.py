@@ -131,6 +131,8 @@ def max_model_len(model, state, requested) -> int:
                                        getattr(cfg, "n_positions", None)) if v), None)
     chunk = mask_limit(cfg)
     if requested is not None:
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 2:
+            raise RequestError(f"Engine max_model_len={requested!r}: must be an int >= 2")
         if chunk is not None and requested > chunk:
             raise RequestError(f"Engine max_model_len={requested} exceeds the model's attention "
                                f"chunk ({chunk} tokens, config.attention_chunk_size): the "
@@ -138,8 +140,6 @@ def max_model_len(model, state, requested) -> int:
                                f"attention only within the first chunk; use max_model_len <= "
                                f"{chunk}, or HF `generate` after kvcompile.compile(model) for "
                                f"longer sequences")
-        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 2:
-            raise RequestError(f"Engine max_model_len={requested!r}: must be an int >= 2")
         if positions is not None and requested > positions:
             raise RequestError(f"Engine max_model_len={requested} exceeds the model's position "
                                f"limit {positions} (config.max_position_embeddings); use "

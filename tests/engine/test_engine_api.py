@@ -370,6 +370,8 @@ def test_engine_caps_or_refuses_a_model_whose_mask_it_cannot_follow(model, monke
     with pytest.raises(RequestError, match="exceeds the model's attention chunk"):
         Engine(model, max_model_len=41)
     assert Engine(model, max_model_len=40).max_model_len == 40
+    with pytest.raises(RequestError, match="must be an int"):   # checked before the chunk
+        Engine(model, max_model_len="64")
     monkeypatch.setattr(cfg, "use_bidirectional_attention", True, raising=False)
     with pytest.raises(RequestError, match="bidirectional.*HF `generate`"):
         Engine(model)
