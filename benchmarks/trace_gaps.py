@@ -7,7 +7,8 @@ TRACE.json: `prof.export_chrome_trace(...)` of a run profiled with CPU and CUDA 
 (`with_stack=True` adds the Python functions). The device's busy time is the union of its
 kernels, copies and sets; a gap is a stretch between them of at least --min-us (and the stretch
 from the first host event to the first device event). Prints the gaps' total and count, the
-largest gaps with the kernel that ends each, and, summed over the gaps, how long each host
+largest gaps with the kernel that ends each (and, with stacks, the innermost Python frames
+the host was in at each one's middle), and, summed over the gaps, how long each host
 event overlapped them (inclusive: a function and its callees each count): Python functions,
 aten ops and CUDA runtime calls. `gap_report` is what profile_engine.py --gaps calls.
 """
@@ -47,6 +48,18 @@ def gaps(dev: list, host: list, min_us: float) -> list[tuple[float, float, str]]
     return out
 
 
+STACK_FRAMES = 5   # innermost Python frames shown under each of the largest gaps
+
+
+def _stack_at(host: list, t: float) -> list[str]:
+    """Names of the Python functions running at time t, outermost first (those of the
+    profiler's own machinery and of other threads' bootstraps left out)."""
+    live = [(h0, name) for h0, h1, cat, name in host
+            if cat == "python_function" and h0 <= t <= h1
+            and not name.startswith(("threading.py", "torch/profiler", "<built-in"))]
+    return [name for _, name in sorted(live)]
+
+
 def gap_report(trace: dict, min_us: float = 20.0, top: int = 25, out=print) -> float:
     """Prints the report; -> the gaps' total in ms."""
     dev, host = _events(trace)
@@ -58,9 +71,12 @@ def gap_report(trace: dict, min_us: float = 20.0, top: int = 25, out=print) -> f
     span = dev[-1][1] - min(h[0] for h in host) if host else dev[-1][1] - dev[0][0]
     out(f"device idle in gaps of >= {min_us:.0f} us: {total / 1e3:.2f} ms in {len(gs)} gaps "
         f"of a {span / 1e3:.1f} ms span")
-    out("largest gaps (us, then the device event after it):")
+    out("largest gaps (us, then the device event after it; with Python stacks, the innermost "
+        "frames the host was in at the gap's middle):")
     for s, e, name in sorted(gs, key=lambda g: g[0] - g[1])[:min(top, 12)]:
         out(f"  {e - s:9.1f}  at {(s - gs[0][0]) / 1e3:8.2f} ms  -> {name[:80]}")
+        for frame in _stack_at(host, (s + e) / 2)[-STACK_FRAMES:]:
+            out(f"      in {frame[:100]}")
     sums: dict[tuple[str, str], float] = {}
     ends = [e for _, e, _ in gs]
     for h0, h1, cat, name in host:   # the gaps each host event overlaps (gaps are disjoint)
