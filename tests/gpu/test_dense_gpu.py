@@ -121,6 +121,11 @@ def test_sdpa_packed_prompts(name, dt):
     got = sdpa_packed(q.cuda().to(dt), k.cuda().to(dt), v.cuda().to(dt), lens, 0.125)
     got = got.double().cpu()
     assert_like_eager(got, ref, f"{name} {dt}", dt)
+    # the runs of equal lengths went to a fused kernel as one batch (not the math kernel,
+    # nor a call a prompt)
+    from kvcompile.kernels.dense import _batch, _fused_takes
+    views = [_batch(x.cuda().to(dt), 0, 2, 130) for x in (q, k, v)]
+    assert _fused_takes(*views)
 
 
 def test_padded_rows_varlen_on_cuda(monkeypatch):

@@ -218,6 +218,12 @@ def test_sdpa_packed_is_causal_attention_per_prompt(case, dtype, monkeypatch):
     if case == "finite":
         assert len(checks) <= 2, f"{len(checks)} finiteness checks for {len(lens)} prompts"
         assert calls == [2, 1, 1, 3], calls   # a batched call a run of equal lengths
+        # where no fused kernel would take the batch views: a call a prompt, the same output
+        calls.clear()
+        monkeypatch.setattr(dense, "_fused_takes", lambda *a: False)
+        again = sdpa_packed(q.to(dtype), k.to(dtype), v.to(dtype), lens, 0.3)
+        assert calls == [1] * len(lens), calls
+        assert torch.equal(again, got)
     else:   # the NaN stays in its prompt
         bad = {"v_nan_seen": 3, "k_inf_seen": 0, "later_nan": 6}[case]
         assert bool(torch.isfinite(got[:, :, pid != bad]).all())
