@@ -140,6 +140,15 @@ def test_pending_table_last_write_once():
     rows, cols, pages = t.take().tolist()
     assert len(rows) == len(want) and not t
     assert dict(zip(zip(rows, cols), pages)) == want
+    # past _FEW_ENTRIES: the numpy path, the same rules (a prefill's pages, then changes)
+    t.set(0, 0, list(range(100, 200)))
+    t.set(0, 50, [7] * 10)
+    t.set(1, 0, list(range(80)))
+    t.set(0, 55, [9])
+    want = t.as_dict()
+    assert want[0, 50] == 7 and want[0, 55] == 9 and want[0, 60] == 160 and len(want) == 180
+    rows, cols, pages = t.take().tolist()
+    assert len(rows) == len(want) and dict(zip(zip(rows, cols), pages)) == want
 
 
 def test_table_after_truncate_and_regrow_unflushed():
