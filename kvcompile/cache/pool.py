@@ -342,7 +342,7 @@ class PagePool:
             self._make_room(need)
             ref, free = self._ref, self._free   # (a growth extended them)
         # Commit.
-        cow_src, cow_dst, runs, spans = [], [], [], False
+        cow_src, cow_dst, runs = [], [], []
         for seq, n in zip(seqs, counts):
             if not n:
                 continue
@@ -371,14 +371,10 @@ class PagePool:
                 pg = np.asarray(pages[start // P:(start + n - 1) // P + 1], dtype=np.int64)
                 o = start % P
                 runs.append((pg[:, None] * P + np.arange(P)).reshape(-1)[o:o + n])
-                spans = True
         if cow_src:
             self._copy_pages(cow_src, cow_dst)
         # one run per page, runs of distinct pages: write() may tell the writer so
-        self._reserved = None
-        if slots:
-            self._reserved = _to_device(_slots(runs) if spans else _runs_to_slots(
-                [b for b, _ in runs], [n for _, n in runs]), self.device)
+        self._reserved = _to_device(_slots(runs), self.device) if slots else None
         return self._reserved
 
     # --- data --------------------------------------------------------------------------------
@@ -967,7 +963,7 @@ class _PendingTable:
 
     def as_dict(self) -> dict[tuple[int, int], int]:
         """{(row, column): page} as the table will have it (tests, snapshots)."""
-        return {(r, c + j): int(p) for r, c, ps in self._runs for j, p in enumerate(ps)}
+        return _last_writes(self._runs)
 
     def touches(self, row: int, ncols: int) -> bool:
         """Whether a pending change is in row `row`, columns [0, ncols)."""
@@ -975,14 +971,8 @@ class _PendingTable:
 
     def take(self) -> torch.Tensor:
         runs, self._runs = self._runs, []
-        if len(runs) == 1:   # (a decode step of one sequence, a prompt's new pages)
-            r, c, p = runs[0]
-            n = len(p)
-            out = np.empty((3, n), dtype=np.int64)
-            out[0], out[1], out[2] = r, np.arange(c, c + n), p
-            return torch.from_numpy(out)
         if sum(len(p) for _, _, p in runs) <= _FEW_ENTRIES:   # a decode step's few pages
-            last = {(r, c + j): int(p) for r, c, ps in runs for j, p in enumerate(ps)}
+            last = _last_writes(runs)
             return torch.tensor([[r for r, _ in last], [c for _, c in last],
                                  list(last.values())], dtype=torch.int64)
         lens = np.fromiter((len(p) for _, _, p in runs), dtype=np.int64, count=len(runs))
@@ -992,12 +982,18 @@ class _PendingTable:
         cols = np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(
             first - (np.cumsum(lens) - lens), lens)
         pages = np.concatenate([np.asarray(p, dtype=np.int64) for _, _, p in runs])
-        key = rows * (int(cols.max()) + 1) + cols
-        _, last = np.unique(key[::-1], return_index=True)   # the last write of each entry
-        if len(last) != len(key):
-            keep = len(key) - 1 - last
-            rows, cols, pages = rows[keep], cols[keep], pages[keep]
+        if len(runs) > 1:   # (one run, a prompt's new pages, repeats no entry)
+            key = rows * (int(cols.max()) + 1) + cols
+            _, last = np.unique(key[::-1], return_index=True)   # the last write of each entry
+            if len(last) != len(key):
+                keep = len(key) - 1 - last
+                rows, cols, pages = rows[keep], cols[keep], pages[keep]
         return torch.from_numpy(np.stack([rows, cols, pages]))
+
+
+def _last_writes(runs) -> dict[tuple[int, int], int]:
+    """Runs (row, first column, pages), in order -> {(row, column): its last page}."""
+    return {(r, c + j): int(p) for r, c, ps in runs for j, p in enumerate(ps)}
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -1053,20 +1049,11 @@ def _counts(num_tokens, n: int) -> list[int]:
 def _slots(runs: list) -> torch.Tensor:
     """runs: (first slot, length) pairs and arrays of slots, in order -> their slots [sum]
     int64."""
+    if all(isinstance(r, tuple) and r[1] == 1 for r in runs):   # decode: a token a sequence
+        return torch.tensor([r[0] for r in runs], dtype=torch.int64)
     return torch.from_numpy(np.concatenate([
         r if isinstance(r, np.ndarray) else np.arange(r[0], r[0] + r[1], dtype=np.int64)
         for r in runs]))
-
-
-def _runs_to_slots(bases: list[int], lens: list[int]) -> torch.Tensor:
-    """Expand runs (first slot, length) into slots: [sum(lens)] int64."""
-    total = sum(lens)
-    if total == len(lens):  # decode: one token per sequence
-        return torch.tensor(bases, dtype=torch.int64)
-    b = torch.tensor(bases, dtype=torch.int64)
-    n = torch.tensor(lens, dtype=torch.int64)
-    offsets = torch.arange(total, dtype=torch.int64)
-    return torch.repeat_interleave(b - (torch.cumsum(n, 0) - n), n, output_size=total) + offsets
 
 
 def _page_bytes(layers: Sequence[LayerSpec], page_size: int) -> int:
