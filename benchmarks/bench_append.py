@@ -75,8 +75,9 @@ def variants(name: str, gran: str, grouped: bool) -> list:
             out.append((f", runs kernel, {'pair' if pairs else 'split'} loads",
                         {"PAGE_BULK": "runs", "FP4_PAIR_LOADS": pairs}))
         if SWEEP and grouped:
-            for elems in (4096, 16384):
-                for warps in ((4, 4), (8, 8)):
+            for elems, warps in ((2048, (2, 2)), (2048, (4, 4)), (4096, (2, 2)),
+                                 (4096, (8, 8)), (16384, (4, 4)), (16384, (8, 8))):
+                if (elems, warps) != (app.PAGE_TILE_ELEMS, app.PAGE_TILE_WARPS):
                     out.append((f", tiles {elems // 128} x 128, {warps[0]} warps",
                                 {"PAGE_BULK": "tiles", "PAGE_TILE_ELEMS": elems,
                                  "PAGE_TILE_WARPS": warps}))
@@ -155,6 +156,8 @@ def main() -> int:
     ap.add_argument("--dry", action="store_true")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--only", default="", help="time only the rows whose label holds this")
+    ap.add_argument("--defaults", action="store_true",
+                    help="time only each row's default kernel (no variants)")
     a = ap.parse_args()
     T, H, D, P = a.tokens, a.heads, a.dim, a.page
     if DRY:
@@ -195,7 +198,7 @@ def main() -> int:
         return same_cache[n]
 
     def row(label, fmt, sl, xx, grouped, default=True, before=None):
-        if a.only not in label:
+        if a.only not in label or (a.defaults and not default):
             return
         c = fmt.allocate(N, H, P, D, DEV)
         if before is not None:   # tokens written first (untimed): (slots, x)

@@ -146,14 +146,15 @@ def _scale_of(cover):
 @triton.jit
 def _e2m1_magnitude(m):
     # m: fp32 >= 0, not NaN -> e2m1 magnitude code 0..7, round to nearest even, saturating at 6.
-    # Below 1 the grid is the multiples of 0.5 and the code is twice the value: one add of 2^22
-    # (whose ulp is 0.5) rounds m there, ties to an even multiple (= an even code). From 1 up
-    # the code is the fp32 exponent and first mantissa bit, (bits >> 22) - 252, after rounding
-    # the 22 bits below to nearest even in integer arithmetic (a carry moves the exponent up).
-    b = m.to(tl.int32, bitcast=True)
-    sub = (m + 4194304.0).to(tl.int32, bitcast=True) - 0x4A800000
-    nrm = ((b + 0x1FFFFF + ((b >> 22) & 1)) >> 22) - 252
-    return tl.minimum(tl.where(b < 0x3F800000, sub, nrm), 7)
+    # With m' = min(m, 6) and E = max(exponent of m', 0), e2m1's step at m' is 2^(E - 1) (0.5
+    # below 2), the ulp of c = 2^(E + 22): the sum m' + c rounds m' to that step, ties to an
+    # even multiple, and its bits less c's are that multiple k. The code is k + 2 E (E = 0:
+    # 0, 0.5, 1, 1.5, 2 -> 0..4; E = 1: 2, 3, 4 -> 4..6; E = 2: 4, 6 -> 6, 7), and k's parity
+    # is the code's, so ties go to the even code. One exponent a value, no branch on the range.
+    m = tl.minimum(m, 6.0)
+    mb = tl.maximum(m.to(tl.int32, bitcast=True), 0x3F800000) & 0x7F800000   # (E + 127) << 23
+    s = (m + (mb + 0x0B000000).to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+    return (s - mb - 0x0B0000FE) + (mb >> 22)        # s - c + 2 (E + 127) - 254
 
 
 @triton.jit

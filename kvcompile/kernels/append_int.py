@@ -143,7 +143,7 @@ def rn_quotient(x, y, d, SIGN: tl.constexpr = False):
     # every fp16 scale (tests/kernels/test_append_int.py) and around every fp rounding boundary
     # (tests/kernels/test_append_codes.py).
     q0 = x * y
-    q = tl.fma(tl.fma(-q0, d, x), y, q0)
+    q = tl.fma(tl.fma(q0, -d, x), y, q0)
     if SIGN:
         qb = q.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -2147483648)
         q = qb.to(tl.float32, bitcast=True)
