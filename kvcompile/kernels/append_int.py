@@ -527,12 +527,14 @@ def _append_int_tokens_kernel(X, SLOTS, DATA, SCALE, ZERO, T, H, D: tl.constexpr
     slot = tl.load(SLOTS + t, mask=ok, other=0)
     row = ((slot // P) * H + h) * P + slot % P
     v = _load_x(X, t, ok, H, h, D, G, PER)
-    # the cheap path's test a row: NaN-ignoring min / max, and sum(v - v), 0 unless the row
-    # holds a NaN or an Inf (builtin reductions: a combine function of our own, NaN-propagating,
-    # made the interpreter's append 20x slower)
+    # the cheap path's test a row: NaN-ignoring min / max (an Inf among them fails the range
+    # test), and the row's sum, NaN if it holds a NaN (within the range no sum of D values
+    # overflows) -- builtin reductions: a combine function of our own, NaN-propagating, made
+    # the interpreter's append 20x slower; sum(v - v) cost one more add a value
     lo = tl.min(tl.min(v, 2), 1)                                                  # [R]
     hi = tl.max(tl.max(v, 2), 1)
-    odd = tl.sum(tl.sum(v - v, 2), 1) != 0
+    tot = tl.sum(tl.sum(v, 2), 1)
+    odd = tot != tot
     if tl.max((odd | (_finite_range(lo, hi) == 0)).to(tl.int32), 0) == 0:
         s, z = _params(lo, hi, odd, LEV, RECIP)
         sd, rs = _divisor(s)
