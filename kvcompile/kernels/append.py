@@ -17,7 +17,8 @@ in one pass over x (`_append_pages_tiles_kernel`, PAGE_BULK); decode steps run o
 (run of one page, head). Other writes run one program per (block of tokens, head).
 fp4 loads each pair of input elements as one word (`_load_pairs`).
 Encoding divides by a reciprocal plus one residual fma, bit-exact with the reference's division
-(`append_int.rn_quotient`), and rounds to e2m1 in integer arithmetic (`_e2m1_magnitude`).
+(`append_int.rn_quotient`), and rounds to e2m1 by one fp32 add at the value's exponent and
+integer arithmetic on its bits (`_e2m1_magnitude`).
 Under TRITON_INTERPRET=1 the fp8 / bf16 roundings are done in explicit fp32 arithmetic (the
 interpreter's casts round wrongly); on the GPU they are the hardware's RNE-satfinite casts.
 """
