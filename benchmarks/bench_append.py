@@ -74,13 +74,19 @@ def variants(name: str, gran: str, grouped: bool) -> list:
             pairs = not app.FP4_PAIR_LOADS
             out.append((f", runs kernel, {'pair' if pairs else 'split'} loads",
                         {"PAGE_BULK": "runs", "FP4_PAIR_LOADS": pairs}))
+        if name == "fp4_e2m1" and grouped:
+            cap = app.PAGE_TILE_MAXNREG
+            out.append((", tiles, registers " + ("uncapped" if cap[1] else "capped at 128"),
+                         {"PAGE_BULK": "tiles",
+                          "PAGE_TILE_MAXNREG": (cap[0], None if cap[1] else 128)}))
         if SWEEP and grouped:
-            for elems, warps in ((2048, (2, 2)), (2048, (4, 4)), (4096, (2, 2)),
-                                 (4096, (8, 8)), (16384, (4, 4)), (16384, (8, 8))):
-                if (elems, warps) != (app.PAGE_TILE_ELEMS, app.PAGE_TILE_WARPS):
-                    out.append((f", tiles {elems // 128} x 128, {warps[0]} warps",
-                                {"PAGE_BULK": "tiles", "PAGE_TILE_ELEMS": elems,
-                                 "PAGE_TILE_WARPS": warps}))
+            for kind in ("tiles", "split"):
+                for elems, warps in ((2048, (2, 2)), (2048, (4, 4)), (4096, (2, 2)),
+                                     (4096, (8, 8)), (16384, (4, 4)), (16384, (8, 8))):
+                    if (elems, warps) != (app.PAGE_TILE_ELEMS, app.PAGE_TILE_WARPS):
+                        out.append((f", {kind} {elems // 128} x 128, {warps[0]} warps",
+                                    {"PAGE_BULK": kind, "PAGE_TILE_ELEMS": elems,
+                                     "PAGE_TILE_WARPS": warps}))
     elif name == "fp4_e2m1":
         pairs = not app.FP4_PAIR_LOADS
         out.append((f", {'pair' if pairs else 'split'} loads", {"FP4_PAIR_LOADS": pairs}))

@@ -86,6 +86,11 @@ PAGE_BULK = "tiles"
 # copy against 0.58x at 64 x 128, fp4 0.33x against 0.26x at 64 x 128 with 8 warps)
 PAGE_TILE_ELEMS = 4096
 PAGE_TILE_WARPS = (4, 4)
+# "tiles": a register cap (ptxas maxnreg) of its sm_90 build, (fp8, fp4); None: ptxas chooses.
+# The thirtieth session's encode (fewer instructions a value) let ptxas give the fp4 build 150
+# registers (3 programs of 4 warps a SM) where the build before had 128 and 56 bytes of stack
+# (4 a SM); capped at 128 it builds with 124 and no stack (triton 3.6, D 128, page 16).
+PAGE_TILE_MAXNREG = (None, 128)
 # "tiles": read x before the full-page test (SPEC): Nsight (H100, 2026-12-06) put the fp4 tiles
 # kernel's stalls on the x loads (0.45x copy, 4 programs of 4 warps a SM), behind a chain of
 # three dependent loads a program (window starts, page test, x). Not yet timed on a GPU (no
@@ -778,6 +783,8 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str,
             return
         if PAGE_BULK in ("tiles", "split"):
             W = max(P, PAGE_TILE_ELEMS // D)
+            reg = PAGE_TILE_MAXNREG[fmt == FMT_E2M1]
+            cap = {"maxnreg": reg} if reg and not explicit else {}
             # "split": the full pages in one launch, the other runs in a second (the two touch
             # disjoint pages); each kernel then builds without the other's code
             for part in ((1, 2) if PAGE_BULK == "split" else (0,)):
@@ -785,7 +792,7 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str,
                     x, sorted_slots, order, d8, scale, m8, T, H, D=D, P=P, W=W, R=min(R, P),
                     FMT=fmt, DATA_DT=data_dt, EXPLICIT=explicit, FMAX=fmax, DIV=div,
                     RECIP=recip, GROUPED=grouped, PART=part, SPEC=PAGE_TILE_SPEC,
-                    num_warps=PAGE_TILE_WARPS[fmt == FMT_E2M1])
+                    num_warps=PAGE_TILE_WARPS[fmt == FMT_E2M1], **cap)
             return
         W = max(2 * P, BULK_TILE_ELEMS // D)
         _append_pages_bulk_kernel[(triton.cdiv(T, W), H)](

@@ -30,10 +30,12 @@ TYPES = dict(X="*bf16", SLOTS="*i64", SORTED="*i64", ORDER="*i64", DATA="*u8", S
              MICRO="*u8", AMAX="*fp32", ZERO="*fp16", T="i32", H="i32")
 
 
-def _compile(fn, consts: dict, types: dict | None = None, warps: int = 4) -> str:
+def _compile(fn, consts: dict, types: dict | None = None, warps: int = 4,
+             maxnreg: int | None = None) -> str:
     types = dict(TYPES, **(types or {}))
     sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
-    return compile_sm90(fn, sig, consts, num_warps=warps)
+    return compile_sm90(fn, sig, consts, num_warps=warps,
+                        **({"maxnreg": maxnreg} if maxnreg else {}))
 
 
 def _cases():
@@ -58,14 +60,15 @@ def _cases():
         for grouped in (False, True):
             yield (f"bulk fmt{code} grouped={grouped}", A._append_pages_bulk_kernel,
                    dict(base, R=16, W=128, DATA_DT=dt, GROUPED=grouped), None, 8)
-        # PAGE_BULK "tiles" (PART 0), the launcher's tile and warps; "split" (PARTs 1, 2)
-        # with KVCOMPILE_TEST_FULL=1
+        # PAGE_BULK "tiles" (PART 0), the launcher's tile, warps and register cap; "split"
+        # (PARTs 1, 2) with KVCOMPILE_TEST_FULL=1
         parts = (0, 1, 2) if os.environ.get("KVCOMPILE_TEST_FULL") else (0,)
         for grouped, part in itertools.product((False, True), parts):
             yield (f"tiles fmt{code} grouped={grouped} part={part}",
                    A._append_pages_tiles_kernel,
                    dict(base, R=16, W=A.PAGE_TILE_ELEMS // 128, DATA_DT=dt, GROUPED=grouped,
-                        PART=part, SPEC=A.PAGE_TILE_SPEC), None, 8 if code == A.FMT_E2M1 else 4)
+                        PART=part, SPEC=A.PAGE_TILE_SPEC), None,
+                   A.PAGE_TILE_WARPS[code == A.FMT_E2M1], A.PAGE_TILE_MAXNREG[code == A.FMT_E2M1])
     yield ("rows fp4 split loads (FP4_PAIR_LOADS False)", A._append_rows_kernel,
            dict(base, R=32, SM=3, PAIRS=False), None, 4)
     yield ("calibrate amax", A._calibrate_amax_kernel, dict(BLOCK=4096), dict(N="i32"), 4)
@@ -112,8 +115,8 @@ def _expected() -> int:
 
 
 def _main() -> None:
-    for name, fn, consts, types, warps in _cases():
-        print(json.dumps([name, _compile(fn, consts, types, warps)]), flush=True)
+    for name, fn, consts, types, *launch in _cases():   # launch: warps [, register cap]
+        print(json.dumps([name, _compile(fn, consts, types, *launch)]), flush=True)
 
 
 def test_append_kernels_compile_for_sm90():
