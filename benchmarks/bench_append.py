@@ -81,7 +81,7 @@ def variants(name: str, gran: str, grouped: bool) -> list:
                           "PAGE_TILE_MAXNREG": (cap[0], None if cap[1] else 128)}))
         if SWEEP and grouped:
             for kind in ("tiles", "split"):
-                for elems, warps in ((2048, (2, 2)), (2048, (4, 4)), (4096, (2, 2)),
+                for elems, warps in ((2048, (2, 2)), (2048, (4, 4)), (4096, (2, 2)), (4096, (4, 4)),
                                      (4096, (8, 8)), (16384, (4, 4)), (16384, (8, 8))):
                     if (elems, warps) != (app.PAGE_TILE_ELEMS, app.PAGE_TILE_WARPS):
                         out.append((f", {kind} {elems // 128} x 128, {warps[0]} warps",

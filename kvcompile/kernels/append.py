@@ -84,8 +84,12 @@ PAGE_BULK = "tiles"
 # values a thread and at most 128 registers in the sm_90 build
 # (H200, bench_append --sweep, 2026-12-04: 32 x 128 with 4 warps fastest for both, fp8 0.62x
 # copy against 0.58x at 64 x 128, fp4 0.33x against 0.26x at 64 x 128 with 8 warps)
+# (H100, thirtieth session, bench_append --sweep with the register cap below: fp4 32 x 128
+# with 2 warps 0.1066 ms = 0.54x copy against 0.1238 ms = 0.47x with 4; 16 x 128 with 2 warps
+# 0.48x, 8 warps 0.28x; by its sm_90 build 128 registers and 272 bytes of stack a thread,
+# 8 programs a SM)
 PAGE_TILE_ELEMS = 4096
-PAGE_TILE_WARPS = (4, 4)
+PAGE_TILE_WARPS = (4, 2)
 # "tiles": a register cap (ptxas maxnreg) of its sm_90 build, (fp8, fp4); None: ptxas chooses.
 # The thirtieth session's encode (fewer instructions a value) let ptxas give the fp4 build 150
 # registers (3 programs of 4 warps a SM) where the build before had 128 and 56 bytes of stack
