@@ -80,20 +80,21 @@ PAGE_BULK = "tiles"
 #   with 71 registers / 1,440 SASS instructions instead of 96 / 2,928 (fp4: 116 / 2,456 against
 #   114 / 5,064; D 128, P 16, 32 x 128 tiles, sm_90, triton 3.9), like the token-scale row kernel
 #   (72 / 1,360) that reaches 0.80x copy. bench_append.py times it beside "tiles".
-# "tiles": tokens x head_dim of a program's tile, and its warps (fp8, fp4): about 64 / 32
-# values a thread and at most 128 registers in the sm_90 build
+# "tiles": tokens x head_dim of a program's tile, and its warps (fp8, fp4): 32 / 64 values a
+# thread in the sm_90 build
 # (H200, bench_append --sweep, 2026-12-04: 32 x 128 with 4 warps fastest for both, fp8 0.62x
-# copy against 0.58x at 64 x 128, fp4 0.33x against 0.26x at 64 x 128 with 8 warps)
-# (H100, thirtieth session, bench_append --sweep with the register cap below: fp4 32 x 128
-# with 2 warps 0.1066 ms = 0.54x copy against 0.1238 ms = 0.47x with 4; 16 x 128 with 2 warps
-# 0.48x, 8 warps 0.28x; by its sm_90 build 128 registers and 272 bytes of stack a thread,
-# 8 programs a SM)
+# copy against 0.58x at 64 x 128, fp4 0.33x against 0.26x at 64 x 128 with 8 warps; then for
+# fp4 on an H100, thirtieth session, with the register cap below: 32 x 128 with 2 warps
+# 0.1066 ms = 0.54x copy against 0.1238 ms = 0.47x with 4; 16 x 128 with 2 warps 0.48x,
+# 8 warps 0.28x; the 2-warp build: 128 registers, 272 bytes of stack a thread, 8 programs a SM)
 PAGE_TILE_ELEMS = 4096
 PAGE_TILE_WARPS = (4, 2)
 # "tiles": a register cap (ptxas maxnreg) of its sm_90 build, (fp8, fp4); None: ptxas chooses.
 # The thirtieth session's encode (fewer instructions a value) let ptxas give the fp4 build 150
-# registers (3 programs of 4 warps a SM) where the build before had 128 and 56 bytes of stack
-# (4 a SM); capped at 128 it builds with 124 and no stack (triton 3.6, D 128, page 16).
+# registers at 4 warps (3 programs a SM) where the build before had 128 and 56 bytes of stack
+# (4 a SM); capped at 128 it built with 124 and no stack (triton 3.6, D 128, page 16), and ran
+# at 0.47x copy against 0.40x uncapped. At 2 warps (the fp4 default above) the cap gives 128
+# registers and 272 bytes of stack; 2 warps uncapped (241 registers) is not timed.
 PAGE_TILE_MAXNREG = (None, 128)
 # "tiles": read x before the full-page test (SPEC): Nsight (H100, 2026-12-06) put the fp4 tiles
 # kernel's stalls on the x loads (0.45x copy, 4 programs of 4 warps a SM), behind a chain of
