@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvcompile.errors import UnsupportedShapeError
 from kvcompile.kernels import prefill_launch as L
 from kvcompile.kernels.prefill_tiles import interpreting
 
@@ -41,45 +42,30 @@ def quantize_fp8_prefill(q, k, v, cu_seqlens, block: int | None = None):
 
     q: [T, Hq, D], k: [T, Hkv, D], v: [T, Hkv, Dv] -> (q8 [T, Hq, D], k8 [T, Hkv, D],
     vt8 [Hkv * Dv, NB * block] (V transposed; sequence b from column cu_blocks[b] * block),
-    Fp8PrefillScales). Scale = amax / 448
-    (1.0 for an all-zero block), codes = clamp(x / scale, +-448) rounded to nearest even.
+    Fp8PrefillScales). Scale = amax / 448 (1.0 for an all-zero block), codes = clamp(x / scale,
+    +-448) rounded to nearest even. NB = T // block + B (`prefill_quant.block_bound`: known
+    without reading the lengths); the blocks past the sequences' have unit scales and zero
+    columns. On CUDA (and under TRITON_INTERPRET=1) one Triton kernel does it
+    (kernels/prefill_quant.py); on the CPU the torch form (reference.quantize_fp8_prefill_ref),
+    with the same bits.
     """
-    from kvcompile.kernels.prefill_varlen import SCALE_BLOCK
+    from kvcompile.kernels import prefill_quant as PQ
 
-    block = block or SCALE_BLOCK
-    T, Hq, D = q.shape
-    Hkv, Dv = v.shape[1], v.shape[2]
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    nblk = (lens + block - 1) // block
-    cu_blocks = torch.zeros(lens.numel() + 1, dtype=torch.int32, device=q.device)
-    cu_blocks[1:] = torch.cumsum(nblk, 0)
-    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=q.device), lens)  # [T]
-    local = torch.arange(T, device=q.device) - cu_seqlens[:-1].long()[seq]
-    blk = cu_blocks[:-1].long()[seq] + local // block  # [T]
-    n_total = int(cu_blocks[-1])
+    block = block or PQ.SCALE_BLOCK
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or k.shape[:2] != v.shape[:2] \
+            or q.shape[0] != k.shape[0] or k.shape[2] != q.shape[2] \
+            or q.shape[1] % max(k.shape[1], 1):
+        raise UnsupportedShapeError(
+            f"quantize_fp8_prefill: q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv] with Hkv "
+            f"dividing Hq; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    nb = PQ.block_bound(q.shape[0], cu_seqlens.numel() - 1, block)
+    if block == PQ.SCALE_BLOCK and _on_kernel_device(q):
+        q8, k8, vt8, sc = PQ.quantize_fp8_prefill_triton(q, k, v, cu_seqlens, nb)
+    else:
+        from kvcompile.kernels.reference import quantize_fp8_prefill_ref
 
-    def scales(amax_tok):  # [T, Hkv] -> [n_total, Hkv] descales
-        amax = torch.zeros(n_total, Hkv, dtype=torch.float32, device=q.device)
-        amax.scatter_reduce_(0, blk[:, None].expand(T, Hkv), amax_tok.float(), "amax")
-        return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-
-    def encode(x, descale):  # x [T, Hkv, G, d]
-        y = x.float() / descale[blk][:, :, None, None]
-        return y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-
-    g = Hq // Hkv
-    qg = q.reshape(T, Hkv, g, D)
-    qs = scales(qg.abs().amax(dim=(2, 3)))
-    ks = scales(k.abs().amax(dim=2))
-    vs = scales(v.abs().amax(dim=2))
-    q8 = encode(qg, qs).reshape(T, Hq, D)
-    k8 = encode(k[:, :, None], ks).reshape(T, Hkv, D)
-    v8 = encode(v[:, :, None], vs).reshape(T, Hkv * Dv)
-    col = cu_blocks[:-1].long()[seq] * block + local  # [T]: column of each token in vt8
-    vt8 = torch.zeros(Hkv * Dv, max(n_total, 1) * block, dtype=torch.float8_e4m3fn,
-                      device=q.device)
-    vt8[:, col] = v8.t()
-    return q8, k8, vt8, Fp8PrefillScales(qs, ks, vs, cu_blocks)
+        q8, k8, vt8, sc = quantize_fp8_prefill_ref(q, k, v, cu_seqlens, nb, block)
+    return q8, k8, vt8, Fp8PrefillScales(*sc)
 
 
 def dequantize_fp8_prefill(q8, k8, vt8, scales: Fp8PrefillScales, cu_seqlens):

@@ -78,12 +78,14 @@ class PrefillSwitches(NamedTuple):
     KVConfig.prefill_tma / prefill_q_tma / prefill_scale_tma / prefill_warp_spec): tma=False
     forces the pointer path, q_tma=False loads only Q by pointers, scale_tma=True brings back
     the FP8 scale descriptors that fault on triton <= 3.8 (see launch_prefill), warp_spec=True
-    offers the warp-specialized tiles (ws_ok)."""
+    offers the warp-specialized tiles (ws_ok), fp8_sm90=False keeps FP8 prefill on the Triton
+    kernel where the Gluon one (kernels/prefill_sm90.py) would take it."""
 
     tma: bool = True
     q_tma: bool = True
     scale_tma: bool = False
     warp_spec: bool = False
+    fp8_sm90: bool = True
 
 
 DEFAULT_SWITCHES = PrefillSwitches()
@@ -258,6 +260,13 @@ def launch_prefill(q, k, v, cu_seqlens, out, scale, causal, window, sinks, softc
                                     f"and is not supported on the FP8 path")
     if T == 0 or B == 0:
         return out
+    if fp8 is not None and switches.fp8_sm90 and config is None and lse is None:
+        from kvcompile.kernels import prefill_sm90
+
+        if prefill_sm90.unsupported(q, k, v, out, causal, window, sinks, softcap,
+                                    cu_seqlens_k) is None:
+            return prefill_sm90.launch_prefill_fp8_sm90(q, k, v, fp8, cu_seqlens, out, scale,
+                                                        max_seqlen)
 
     mult, cap_l2, inv_cap = softmax_constants(scale, softcap)
     tma = switches.tma and device_has_tma(q.device)

@@ -179,3 +179,42 @@ def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q,
                                    sliding_window=sliding_window, sinks=sinks)
         out[q0:q1] = _prefill_attend_ref(q[q0:q1], k, v, allowed, scale, softcap, sink_logits)
     return out
+
+
+def quantize_fp8_prefill_ref(q, k, v, cu_seqlens, num_blocks: int, block: int = 128):
+    """The torch form of prefill.quantize_fp8_prefill (its docstring says what it computes):
+    -> q8, k8, vt8 [Hkv * Dv, max(num_blocks, 1) * block], (q_descale, k_descale, v_descale
+    [max(num_blocks, 1), Hkv] fp32, cu_blocks [B+1] int32)."""
+    fmax = 448.0
+    T, Hq, D = q.shape
+    Hkv, Dv = v.shape[1], v.shape[2]
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    nblk = (lens + block - 1) // block
+    cu_blocks = torch.zeros(lens.numel() + 1, dtype=torch.int32, device=q.device)
+    cu_blocks[1:] = torch.cumsum(nblk, 0)
+    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=q.device), lens)  # [T]
+    local = torch.arange(T, device=q.device) - cu_seqlens[:-1].long()[seq]
+    blk = cu_blocks[:-1].long()[seq] + local // block  # [T]
+    nb = max(num_blocks, 1)
+
+    def scales(amax_tok):  # [T, Hkv] -> [nb, Hkv] descales
+        amax = torch.zeros(nb, Hkv, dtype=torch.float32, device=q.device)
+        amax.scatter_reduce_(0, blk[:, None].expand(T, Hkv), amax_tok.float(), "amax")
+        return torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+
+    def encode(x, descale):  # x [T, Hkv, G, d]
+        y = x.float() / descale[blk][:, :, None, None]
+        return y.clamp(-fmax, fmax).to(torch.float8_e4m3fn)
+
+    g = Hq // Hkv
+    qg = q.reshape(T, Hkv, g, D)
+    qs = scales(qg.abs().amax(dim=(2, 3)))
+    ks = scales(k.abs().amax(dim=2))
+    vs = scales(v.abs().amax(dim=2))
+    q8 = encode(qg, qs).reshape(T, Hq, D)
+    k8 = encode(k[:, :, None], ks).reshape(T, Hkv, D)
+    v8 = encode(v[:, :, None], vs).reshape(T, Hkv * Dv)
+    col = cu_blocks[:-1].long()[seq] * block + local  # [T]: column of each token in vt8
+    vt8 = torch.zeros(Hkv * Dv, nb * block, dtype=torch.float8_e4m3fn, device=q.device)
+    vt8[:, col] = v8.t()
+    return q8, k8, vt8, (qs, ks, vs, cu_blocks)

@@ -1,0 +1,170 @@
+"""FP8 prefill on the GPU, checked then timed in one process: the Gluon kernel for Hopper
+(kernels/prefill_sm90.py) against the Triton FP8 kernel on the same E4M3 inputs, against cuDNN /
+flash SDPA in bf16, and the fused quantization (kernels/prefill_quant.py) against its torch form.
+TFLOP/s count causal FLOPs as half.
+
+    python benchmarks/bench_prefill_fp8.py [--quick] [--json out.json]
+
+Checks first (any failure exits 1 before timing): packed sequences of mixed lengths (1 to 700
+tokens, GQA 4/2 and MHA, head_dim 64 / 128), the Gluon output (poisoned first) against an fp32
+reference over the dequantized E4M3 values, and the Triton FP8 kernel's error on the same
+inputs beside it; the Triton quantization bit for bit against the torch form. Then per shape:
+cuDNN SDPA bf16, flash SDPA bf16, the Triton FP8 kernel, the Gluon FP8 kernel, each
+quantization, and Gluon + Triton quantization (the issue's "including the quantization").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+
+from benchmarks.bench_prefill import causal_flops, sdpa_backend  # noqa: E402
+from kvcompile.kernels import prefill_launch as L  # noqa: E402
+from kvcompile.kernels import prefill_quant as PQ  # noqa: E402
+from kvcompile.kernels import prefill_sm90  # noqa: E402
+from kvcompile.kernels.prefill import dequantize_fp8_prefill, quantize_fp8_prefill  # noqa: E402
+from kvcompile.kernels.reference import prefill_attention_ref, quantize_fp8_prefill_ref  # noqa
+from kvcompile.testing import rel_err  # noqa: E402
+
+SHAPES = [
+    dict(name="causal B=4 L=8192 H=32", B=4, L=8192, hq=32, hkv=32),
+    dict(name="causal B=1 L=32768 H=32", B=1, L=32768, hq=32, hkv=32),
+    dict(name="causal GQA 32/8 B=4 L=8192", B=4, L=8192, hq=32, hkv=8),
+    dict(name="causal GQA 32/8 B=16 L=2048", B=16, L=2048, hq=32, hkv=8),
+]
+TRITON = L.PrefillSwitches(fp8_sm90=False)
+
+
+def bench_ms(fn) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
+
+
+def fp8_out(q8, k8, vt8, sc, cu, scale, max_len, switches):
+    T, hq, d = q8.shape
+    out = torch.full((T, hq, d), float("nan"), device=q8.device, dtype=torch.bfloat16)
+    return L.launch_prefill(q8, k8, vt8, cu, out, scale, True, 0, 0, 0.0, max_len, sc,
+                            switches=switches)
+
+
+def check() -> list[str]:
+    """The correctness rows; returns the failures."""
+    fails = []
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for lens, hq, hkv, d in (([700, 1, 129, 256, 5], 4, 2, 128), ([300, 64, 513], 8, 8, 64),
+                             ([1024, 1024], 32, 8, 128)):
+        T = sum(lens)
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
+                          device="cuda")
+        q = torch.randn(T, hq, d, device="cuda", generator=g) * 2
+        k = torch.randn(T, hkv, d, device="cuda", generator=g)
+        v = torch.randn(T, hkv, d, device="cuda", generator=g)
+        q8, k8, vt8, sc = quantize_fp8_prefill(q, k, v, cu)
+        rq = quantize_fp8_prefill_ref(q, k, v, cu, PQ.block_bound(T, len(lens)))
+        same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                   for a, b in zip((q8, k8, vt8), rq[:3]))
+        same = same and all(torch.equal(a, b) for a, b in zip(sc, rq[3]))
+        name = f"lens {lens} Hq {hq} Hkv {hkv} D {d}"
+        print(f"quantize (triton vs torch), {name}: {'bit-exact' if same else 'DIFFERS'}")
+        if not same:
+            fails.append(f"quantize {name}")
+        qd, kd, vd = dequantize_fp8_prefill(q8, k8, vt8, sc, cu)
+        ref = prefill_attention_ref(qd, kd, vd, cu, d ** -0.5).float()
+        why = prefill_sm90.unsupported(q8, k8, vt8, torch.empty(T, hq, d, device="cuda",
+                                       dtype=torch.bfloat16), True, 0, 0, 0.0, None)
+        tri = fp8_out(q8, k8, vt8, sc, cu, d ** -0.5, max(lens), TRITON)
+        e_tri = rel_err(tri.float(), ref)
+        if why is not None:
+            print(f"gluon {name}: not taken ({why})")
+            fails.append(f"gluon not taken: {why}")
+            continue
+        glu = fp8_out(q8, k8, vt8, sc, cu, d ** -0.5, max(lens), L.DEFAULT_SWITCHES)
+        torch.cuda.synchronize()
+        nan = torch.isnan(glu).any().item()
+        e_glu = rel_err(glu.float(), ref)
+        ok = not nan and e_glu <= max(2.0 * e_tri, 0.03)
+        print(f"gluon {name}: rel err {e_glu:.4f} (triton fp8 {e_tri:.4f}), nan {nan}:"
+              f" {'ok' if ok else 'FAIL'}")
+        if not ok:
+            fails.append(f"gluon {name}")
+    return fails
+
+
+def bench_shape(s) -> list[dict]:
+    B, Lq, hq, hkv = s["B"], s["L"], s["hq"], s["hkv"]
+    d = 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B * Lq, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(B * Lq, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(B * Lq, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    cu = torch.arange(0, B + 1, device="cuda", dtype=torch.int32) * Lq
+    scale = d ** -0.5
+    flops = causal_flops(B, Lq, hq, d)
+    qb, kb, vb = (x.view(B, Lq, x.shape[1], d).transpose(1, 2) for x in (q, k, v))
+    gqa = hq != hkv
+    rows = []
+
+    def row(name, fn):
+        try:
+            fn()
+            torch.cuda.synchronize()
+            ms = bench_ms(fn)
+            r = dict(shape=s["name"], name=name, ms=ms, tflops=flops / ms / 1e9)
+        except Exception as e:  # noqa: BLE001 - reported, the other rows still run
+            r = dict(shape=s["name"], name=name, ms=float("nan"), tflops=float("nan"),
+                     error=f"{type(e).__name__}: {str(e)[:200]}")
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+
+    cudnn, flash = sdpa_backend("cudnn"), sdpa_backend("flash")
+    row("sdpa cudnn (bf16)", lambda: cudnn(qb, kb, vb, is_causal=True, scale=scale,
+                                           enable_gqa=gqa))
+    row("sdpa flash (bf16)", lambda: flash(qb, kb, vb, is_causal=True, scale=scale,
+                                           enable_gqa=gqa))
+    q8, k8, vt8, sc = quantize_fp8_prefill(q, k, v, cu)
+    row("triton fp8 kernel", lambda: fp8_out(q8, k8, vt8, sc, cu, scale, Lq, TRITON))
+    row("gluon fp8 kernel", lambda: fp8_out(q8, k8, vt8, sc, cu, scale, Lq,
+                                            L.DEFAULT_SWITCHES))
+    nb = PQ.block_bound(B * Lq, B)
+    row("quantize, triton", lambda: PQ.quantize_fp8_prefill_triton(q, k, v, cu, nb))
+    row("quantize, torch", lambda: quantize_fp8_prefill_ref(q, k, v, cu, nb))
+
+    def both():
+        a = quantize_fp8_prefill(q, k, v, cu)
+        return fp8_out(*a, cu, scale, Lq, L.DEFAULT_SWITCHES)
+    row("gluon fp8 + triton quantize", both)
+    base = rows[0]["ms"]
+    for r in rows:
+        r["x_cudnn"] = base / r["ms"] if r["ms"] == r["ms"] else float("nan")
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="the first and third shapes only")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    fails = check()
+    if fails:
+        print("CHECK FAILED:", fails)
+        sys.exit(1)
+    rows = []
+    for s in (SHAPES[::2] if a.quick else SHAPES):
+        rows += bench_shape(s)
+    print("\n| shape | variant | ms | TFLOP/s | x cuDNN bf16 |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['shape']} | {r['name']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
+              f"{r['x_cudnn']:.2f} |")
+    if a.json:
+        json.dump(rows, open(a.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

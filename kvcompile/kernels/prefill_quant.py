@@ -1,0 +1,161 @@
+"""FP8 prefill inputs in one kernel: q, k, v to E4M3 with a scale per (sequence, 128-token block,
+kv head), V written transposed, as `prefill.quantize_fp8_prefill` specifies.
+
+    q8, k8, vt8, scales = quantize_fp8_prefill(q, k, v, cu_seqlens)   # prefill.py dispatches
+
+One program owns one scale block of one kv head: it reads the block's q rows of the kv head's
+query heads, its k rows and its v rows once for their max |x| (NaN-propagating), then again
+(from L2) to write the codes, RN(x / scale) clamped to +-448, bit for bit the torch form's
+(`reference.quantize_fp8_prefill_ref`; under the interpreter the E4M3 rounding is done by
+integer ops, as the append kernels do, since its own fp8 cast rounds some values wrongly). Blocks are numbered across sequences as `cu_blocks`
+says; the grid covers floor(T / 128) + B blocks (an upper bound known without a device sync);
+the programs past the last block write zero columns of vt and unit scales, so every output is
+fully written and its shape depends on T and B alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcompile.kernels.append import _encode_fp8, _interpreting
+from kvcompile.kernels.append_int import max_nan
+
+SCALE_BLOCK = 128   # tokens per scale (prefill_varlen.SCALE_BLOCK: the kernels' tiles divide it)
+FP8_MAX = 448.0
+
+
+@triton.jit
+def _amax_rows(X, t0, n, stride_t, col0, C: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    # max |x| (NaN if any) over rows t0 .. t0 + n - 1, columns col0 .. col0 + C - 1
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BC)
+    a = tl.zeros([BT], tl.float32)
+    for r0 in range(0, SCALE_BLOCK, BT):
+        r = r0 + rows
+        ok = (r < n)[:, None] & (cols < C)[None, :]
+        x = tl.load(X + (t0 + r).to(tl.int64)[:, None] * stride_t + col0 + cols[None, :],
+                    mask=ok, other=0.0).to(tl.float32)
+        a = max_nan(a, tl.reduce(tl.abs(x), 1, max_nan))
+    return tl.reduce(a, 0, max_nan)
+
+
+@triton.jit
+def _descale(amax, RECIP: tl.constexpr):
+    # torch's where(amax > 0, amax / 448, 1): a NaN block gets 1 (NaN > 0 is false); amax / 448
+    # as torch divides a tensor by a python float (on CUDA by the fp32 reciprocal)
+    if RECIP:
+        d = amax * (1.0 / FP8_MAX)
+    else:
+        d = tl.math.div_rn(amax, FP8_MAX)
+    return tl.where(amax > 0.0, d, 1.0)
+
+
+@triton.jit
+def _write_codes(X, Y, t0, n, stride_t, stride_y, col0, ycol0, d, C: tl.constexpr,
+                 BT: tl.constexpr, BC: tl.constexpr, TRANSPOSE: tl.constexpr,
+                 EXPLICIT: tl.constexpr):
+    # codes of rows t0 .. t0 + SCALE_BLOCK - 1 (zeros past n); TRANSPOSE: Y[ycol0 + c, t] (vt),
+    # else Y[t, ycol0 + c] (rows past n not written)
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BC)
+    for r0 in range(0, SCALE_BLOCK, BT):
+        r = r0 + rows
+        ok = (r < n)[:, None] & (cols < C)[None, :]
+        x = tl.load(X + (t0 + r).to(tl.int64)[:, None] * stride_t + col0 + cols[None, :],
+                    mask=ok, other=0.0).to(tl.float32)
+        code = _encode_fp8(x, tl.zeros([BT], tl.float32) + d, tl.reduce(tl.abs(x), 1, max_nan),
+                           1, FP8_MAX, EXPLICIT)
+        if TRANSPOSE:
+            ptr = Y + (ycol0 + cols).to(tl.int64)[None, :] * stride_y + (t0 + r)[:, None]
+            tl.store(ptr, code, mask=(cols < C)[None, :])
+        else:
+            ptr = Y + (t0 + r).to(tl.int64)[:, None] * stride_y + ycol0 + cols[None, :]
+            tl.store(ptr, code, mask=ok)
+
+
+@triton.jit
+def quantize_fp8_prefill_kernel(Q, K, V, Q8, K8, VT8, QD, KD, VD, cu_seqlens, cu_blocks,
+                                block_seq, num_seqs, stride_qt, stride_kt, stride_vt, stride_q8,
+                                stride_k8, stride_vt8, stride_sb,
+                                GD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                                BGD: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+                                BT: tl.constexpr, RECIP: tl.constexpr,
+                                EXPLICIT: tl.constexpr):
+    # Q [T, Hq, D] as [T, Hq * D] (a kv head's query heads: GD = group * D columns), K [T, Hkv,
+    # D], V [T, Hkv, Dv]; Q8 / K8 like them (E4M3 codes as uint8), VT8 [Hkv * Dv, NB * 128];
+    # QD / KD / VD [NB, Hkv] fp32; block_seq [NB]: each block's sequence (num_seqs: none)
+    blk = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.load(block_seq + blk)
+    n = 0
+    t0 = 0
+    if b < num_seqs:
+        s0 = tl.load(cu_seqlens + b)
+        local = (blk - tl.load(cu_blocks + b)) * SCALE_BLOCK
+        n = tl.minimum(tl.load(cu_seqlens + b + 1) - s0 - local, SCALE_BLOCK)
+        t0 = s0 + local
+    qd = _descale(_amax_rows(Q, t0, n, stride_qt, h * GD, GD, BT, BGD), RECIP)
+    kd = _descale(_amax_rows(K, t0, n, stride_kt, h * D, D, BT, BD), RECIP)
+    vd = _descale(_amax_rows(V, t0, n, stride_vt, h * DV, DV, BT, BDV), RECIP)
+    tl.store(QD + blk * stride_sb + h, qd)
+    tl.store(KD + blk * stride_sb + h, kd)
+    tl.store(VD + blk * stride_sb + h, vd)
+    _write_codes(Q, Q8, t0, n, stride_qt, stride_q8, h * GD, h * GD, qd, GD, BT, BGD, False, EXPLICIT)
+    _write_codes(K, K8, t0, n, stride_kt, stride_k8, h * D, h * D, kd, D, BT, BD, False, EXPLICIT)
+    # vt's columns: block blk's SCALE_BLOCK columns, whoever's (zeros past n)
+    _write_codes(V, VT8 + (blk * SCALE_BLOCK - t0), t0, n, stride_vt, stride_vt8, h * DV,
+                 h * DV, vd, DV, BT, BDV, True, EXPLICIT)
+
+
+def block_bound(T: int, B: int, block: int = SCALE_BLOCK) -> int:
+    """Scale blocks that T tokens in B sequences can take, without reading their lengths: each
+    sequence of n tokens takes ceil(n / block) <= n / block + 1."""
+    return T // block + B
+
+
+def block_layout(cu_seqlens: torch.Tensor, block: int = SCALE_BLOCK):
+    """cu_blocks [B+1] int32: each sequence's first scale block (on the device, no sync)."""
+    B = cu_seqlens.numel() - 1
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    nblk = (lens + block - 1) // block
+    cu_blocks = torch.zeros(B + 1, dtype=torch.int32, device=cu_seqlens.device)
+    cu_blocks[1:] = torch.cumsum(nblk, 0)
+    return cu_blocks
+
+
+def quantize_fp8_prefill_triton(q, k, v, cu_seqlens, num_blocks: int):
+    """The kernel's launch (prefill.quantize_fp8_prefill checks the inputs and dispatches):
+    -> q8, k8, vt8, (q_descale, k_descale, v_descale, cu_blocks)."""
+    T, Hq, D = q.shape
+    Hkv, Dv = v.shape[1], v.shape[2]
+    B = cu_seqlens.numel() - 1
+    dev = q.device
+    cu_blocks = block_layout(cu_seqlens)
+    block_seq = torch.searchsorted(cu_blocks[1:], torch.arange(num_blocks, device=dev,
+                                                               dtype=torch.int32), right=True)
+    block_seq = block_seq.to(torch.int32)
+    q = q.reshape(T, Hq * D) if q.is_contiguous() else q.contiguous().reshape(T, Hq * D)
+    k = k.contiguous().reshape(T, Hkv * D)
+    v = v.contiguous().reshape(T, Hkv * Dv)
+    q8 = torch.empty(T, Hq * D, dtype=torch.uint8, device=dev)
+    k8 = torch.empty(T, Hkv * D, dtype=torch.uint8, device=dev)
+    vt8 = torch.empty(Hkv * Dv, max(num_blocks, 1) * SCALE_BLOCK, dtype=torch.uint8, device=dev)
+    scales = torch.empty(3, max(num_blocks, 1), Hkv, dtype=torch.float32, device=dev)
+    gd = (Hq // Hkv) * D
+    p2 = triton.next_power_of_2
+    bt = max(1, min(SCALE_BLOCK, 4096 // p2(gd)))   # rows a step: 4096 values in registers
+    if num_blocks:
+        quantize_fp8_prefill_kernel[(num_blocks, Hkv)](
+            q, k, v, q8, k8, vt8, scales[0], scales[1], scales[2], cu_seqlens, cu_blocks,
+            block_seq, B, q.stride(0), k.stride(0), v.stride(0), q8.stride(0), k8.stride(0),
+            vt8.stride(0), scales.stride(1), GD=gd, D=D, DV=Dv, BGD=p2(gd), BD=p2(D),
+            BDV=p2(Dv), BT=bt, RECIP=q.is_cuda,
+            EXPLICIT=_interpreting(), num_warps=4)
+    else:
+        vt8.zero_()
+        scales.fill_(1.0)
+    f8 = torch.float8_e4m3fn
+    return (q8.view(f8).reshape(T, Hq, D), k8.view(f8).reshape(T, Hkv, D), vt8.view(f8),
+            (scales[0], scales[1], scales[2], cu_blocks))

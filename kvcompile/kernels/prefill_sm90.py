@@ -1,0 +1,268 @@
+"""FP8 causal prefill on Hopper's FP8 tensor cores, in Gluon (triton.experimental.gluon).
+
+    reason = unsupported(q8, k8, vt8, causal, window, sinks, softcap, cu_seqlens_k)
+    launch_prefill_fp8_sm90(q8, k8, vt8, scales, cu_seqlens, out, scale, max_seqlen)
+
+Inputs as `prefill.quantize_fp8_prefill` writes them: q8 [T, Hq, D], k8 [T, Hkv, D] and V
+transposed, vt8 [Hkv * Dv, NB * 128], all E4M3, with an fp32 descale per (sequence, 128-token
+block, kv head) for each. Causal self-attention of each packed sequence (no window, sinks,
+softcap or separate key lengths: `unsupported` says which is missing, and launch_prefill runs
+the Triton kernel then).
+
+Why Gluon below Triton's tiles: the Triton FP8 kernel is issue-bound (benchmarks/RESULTS.md,
+"What limits the prefill kernels": 1994 issue cycles of softmax against 1108 of FP8 MMA a
+128 x 128 tile) because Triton 3.6 cannot keep the next tile's q.k product running while a
+tile's softmax is computed. Here the wgmma calls are asynchronous and ordered by hand, as
+FlashAttention-3 orders them within a warpgroup:
+
+    issue S[j+1] = Q K[j+1]^T  (async)      # tensor cores: the next tile's scores
+    softmax of S[j] -> P[j] (E4M3)          # CUDA cores, meanwhile
+    wait for O += P[j-1] V[j-1]; rescale O
+    issue O += P[j] V[j]       (async)
+    wait for S[j+1]
+
+One CTA of 8 warps (two warpgroups, 64 query rows each) owns 128 query rows of one query head
+of one sequence and walks its keys in 128-token tiles: Q arrives by one TMA copy, K and V^T
+tiles through two-stage rings of TMA copies with an mbarrier each, issued a tile (V) or two
+(K) ahead; one CTA barrier a tile frees a stage for the next copy. The diagonal tile (the
+last) is the only masked one. P enters the second product as 256 * p in E4M3 (small weights
+stay normal), from registers; the running O is kept in units of the current V block's scale
+(rescaled by alpha * v_prev / v_scale), as the Triton kernel does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK_M = 128   # query rows a CTA (= the scale block: one q descale a CTA)
+BLOCK_N = 128   # keys a tile (= the scale block: one k / v descale a tile)
+NUM_WARPS = 8
+HEAD_DIMS = (64, 128)
+P_SHIFT = 8.0   # P enters the PV product as 2^8 * p
+
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    GLUON_ERROR = None
+except ImportError as e:   # pragma: no cover - a triton without Gluon
+    GLUON_ERROR = f"triton.experimental.gluon is not importable ({e})"
+
+
+if GLUON_ERROR is None:
+    @gluon.jit
+    def _load_k(k_desc, k_smem, k_bar, row, col, j, NBYTES: gl.constexpr):
+        s = j % 2
+        mbarrier.expect(k_bar.index(s), NBYTES)
+        tma.async_copy_global_to_shared(k_desc, [row + j * 128, col], k_bar.index(s),
+                                        k_smem.index(s))
+
+    @gluon.jit
+    def _load_v(v_desc, v_smem, v_bar, row, col, j, NBYTES: gl.constexpr):
+        s = j % 2
+        mbarrier.expect(v_bar.index(s), NBYTES)
+        tma.async_copy_global_to_shared(v_desc, [row, col + j * 128], v_bar.index(s),
+                                        v_smem.index(s))
+
+    @gluon.jit
+    def _softmax(s, c, m_i, l_i, keys, pos, MASKED: gl.constexpr, P_SH: gl.constexpr):
+        # s: raw FP8 q.k sums [BM, BN]; c: their multiplier (descales * scale * log2 e)
+        if MASKED:
+            s = gl.where(keys[None, :] <= pos[:, None], s * c, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            p = gl.exp2(s - (m_new - P_SH)[:, None])
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, 1) * c)
+            p = gl.exp2(s * c - (m_new - P_SH)[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_new = l_i * alpha + gl.sum(p, 1)
+        return p, alpha, m_new, l_new
+
+    @gluon.jit
+    def _tile(q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, p8, m_i, l_i, v_prev,
+              zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start, v_col, keys0,
+              pos, row_o: gl.constexpr, p_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
+              KV_BYTES: gl.constexpr, MASKED: gl.constexpr, P_SH: gl.constexpr):
+        # key tile j: its scores and the last tile's P V on the tensor cores, back to back;
+        # this tile's softmax while P V runs (FlashAttention-3's order within a warpgroup)
+        mbarrier.wait(k_bar.index(j % 2), (j // 2) & 1)
+        s = warpgroup_mma(q_smem, k_smem.index(j % 2).permute((1, 0)), zero_s, use_acc=False,
+                          is_async=True)
+        jp = j - 1
+        mbarrier.wait(v_bar.index(jp % 2), (jp // 2) & 1)
+        acc = warpgroup_mma(p8, v_smem.index(jp % 2).permute((1, 0)), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        blk = (kblk0 + j) * stride_sb + hkv
+        vs = gl.load(VD + blk)
+        p, alpha, m_i, l_i = _softmax(s, c_q * gl.load(KD + blk), m_i, l_i, j * 128 + keys0,
+                                      pos, MASKED, P_SH)
+        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        # O is kept in units of the current V block's scale
+        acc = acc * gl.convert_layout(alpha * (v_prev / vs), row_o)[:, None]
+        # every warp is past tile j's q.k and tile j - 1's P V: K stage j % 2 and V stage
+        # (j + 1) % 2 are free for tiles j + 2 and j + 1
+        gl.thread_barrier()
+        if j + 2 < n_tiles:
+            _load_k(k_desc, k_smem, k_bar, q_start, hkv * HEAD_DIM, j + 2, KV_BYTES)
+        if j + 1 < n_tiles:
+            _load_v(v_desc, v_smem, v_bar, hkv * HEAD_DIM, v_col, j + 1, KV_BYTES)
+        return acc, p8, m_i, l_i, vs
+
+    @gluon.jit
+    def prefill_fp8_sm90_kernel(q_desc, k_desc, v_desc, Out, cu_seqlens, cu_blocks, QD, KD, VD,
+                                sm_scale_log2, stride_ot, stride_oh, stride_sb, ratio,
+                                HEAD_DIM: gl.constexpr, num_warps: gl.constexpr):
+        BM: gl.constexpr = 128
+        BN: gl.constexpr = 128
+        P_SH: gl.constexpr = 8.0
+        h = gl.program_id(0)
+        tile = gl.num_programs(1) - 1 - gl.program_id(1)   # the longest tiles first
+        b = gl.program_id(2)
+        hkv = h // ratio
+        q_start = gl.load(cu_seqlens + b)
+        q_len = gl.load(cu_seqlens + b + 1) - q_start
+        t0 = tile * BM
+        if t0 < q_len:
+            s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 32])
+            o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 32])
+            p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                         k_width=4)
+            row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+            col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+            row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+            col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+            q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BM, HEAD_DIM], q_desc.layout)
+            k_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BN, HEAD_DIM], k_desc.layout)
+            v_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, HEAD_DIM, BN], v_desc.layout)
+            q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            k_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            v_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(q_bar, count=1)
+            for i in gl.static_range(2):
+                mbarrier.init(k_bar.index(i), count=1)
+                mbarrier.init(v_bar.index(i), count=1)
+            fence_async_shared()
+
+            KV_BYTES: gl.constexpr = BN * HEAD_DIM
+            kblk0 = gl.load(cu_blocks + b)
+            v_col = kblk0 * BN
+            hi = gl.minimum(q_len, t0 + BM)          # keys the tile's last row may see
+            n_tiles = gl.cdiv(hi, BN)                # the last one is the diagonal tile
+            mbarrier.expect(q_bar, BM * HEAD_DIM)
+            tma.async_copy_global_to_shared(q_desc, [q_start + t0, h * HEAD_DIM], q_bar, q_smem)
+            _load_k(k_desc, k_smem, k_bar, q_start, hkv * HEAD_DIM, 0, KV_BYTES)
+            _load_v(v_desc, v_smem, v_bar, hkv * HEAD_DIM, v_col, 0, KV_BYTES)
+            if n_tiles > 1:
+                _load_k(k_desc, k_smem, k_bar, q_start, hkv * HEAD_DIM, 1, KV_BYTES)
+                _load_v(v_desc, v_smem, v_bar, hkv * HEAD_DIM, v_col, 1, KV_BYTES)
+
+            c_q = sm_scale_log2 * gl.load(QD + (kblk0 + tile) * stride_sb + hkv)
+            m_i = gl.full([BM], float("-inf"), gl.float32, row_s)
+            l_i = gl.zeros([BM], gl.float32, row_s)
+            zero_s = gl.zeros([BM, BN], gl.float32, s_layout)
+            keys0 = gl.arange(0, BN, col_s)
+            pos = t0 + gl.arange(0, BM, row_s)
+
+            # tile 0: its scores, then its softmax (masked: it may be the diagonal tile)
+            mbarrier.wait(q_bar, 0)
+            mbarrier.wait(k_bar.index(0), 0)
+            s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False,
+                              is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            gl.thread_barrier()   # every warp is past tile 0's q.k: K stage 0 is free
+            if n_tiles > 2:
+                _load_k(k_desc, k_smem, k_bar, q_start, hkv * HEAD_DIM, 2, KV_BYTES)
+            v_prev = gl.load(VD + kblk0 * stride_sb + hkv)
+            p, alpha, m_i, l_i = _softmax(s, c_q * gl.load(KD + kblk0 * stride_sb + hkv), m_i,
+                                          l_i, keys0, pos, True, P_SH)
+            p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+            acc = gl.zeros([BM, HEAD_DIM], gl.float32, o_layout)
+
+            for j in range(1, n_tiles - 1):
+                acc, p8, m_i, l_i, v_prev = _tile(
+                    q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, p8, m_i, l_i,
+                    v_prev, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start,
+                    v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, False, P_SH)
+            if n_tiles > 1:   # the diagonal tile, masked
+                acc, p8, m_i, l_i, v_prev = _tile(
+                    q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, p8, m_i, l_i,
+                    v_prev, zero_s, n_tiles - 1, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv,
+                    q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, True,
+                    P_SH)
+            jl = n_tiles - 1
+            mbarrier.wait(v_bar.index(jl % 2), (jl // 2) & 1)
+            acc = warpgroup_mma(p8, v_smem.index(jl % 2).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+            mbarrier.invalidate(q_bar)
+            for i in gl.static_range(2):
+                mbarrier.invalidate(k_bar.index(i))
+                mbarrier.invalidate(v_bar.index(i))
+            o = acc * gl.convert_layout(v_prev / l_i, row_o)[:, None]
+            rows = gl.arange(0, BM, row_o)
+            cols = gl.arange(0, HEAD_DIM, col_o)
+            ptrs = (Out + (q_start + t0 + rows).to(gl.int64)[:, None] * stride_ot
+                    + h * stride_oh + cols[None, :])
+            gl.store(ptrs, o.to(Out.dtype.element_ty), mask=(t0 + rows < q_len)[:, None])
+
+
+
+def unsupported(q8, k8, vt8, out, causal, window, sinks, softcap, cu_seqlens_k) -> str | None:
+    """Why the Gluon FP8 kernel cannot take this prefill (None: it can)."""
+    if not q8.is_cuda or torch.cuda.get_device_capability(q8.device)[0] != 9:
+        return "not a Hopper (sm_90) GPU"
+    if GLUON_ERROR is not None:
+        return GLUON_ERROR
+    if not causal or window or sinks or softcap or cu_seqlens_k is not None:
+        return "causal self-attention only (no window, sinks, softcap or cu_seqlens_k)"
+    T, Hq, D = q8.shape
+    Hkv = k8.shape[1]
+    dv = vt8.shape[0] // max(Hkv, 1)
+    if D not in HEAD_DIMS or dv != D:
+        return f"head_dim {D} / {dv}: takes {HEAD_DIMS} with equal q.k and v dims"
+    if out.dtype not in (torch.bfloat16, torch.float16) or out.stride(2) != 1:
+        return f"output {out.dtype}: takes bf16 / fp16 with contiguous rows"
+    if not (q8.is_contiguous() and k8.is_contiguous() and vt8.is_contiguous()):
+        return "non-contiguous FP8 inputs"
+    for t in (q8, k8, vt8):
+        if t.data_ptr() % 16:
+            return "FP8 inputs not 16-byte aligned (TMA)"
+    return None
+
+
+def launch_prefill_fp8_sm90(q8, k8, vt8, scales, cu_seqlens, out, scale: float,
+                            max_seqlen: int):
+    """Run the kernel (unsupported(...) is None): out [T, Hq, D] written, returned."""
+    import triton
+
+    TD = TensorDescriptor
+    T, Hq, D = q8.shape
+    Hkv = k8.shape[1]
+    B = cu_seqlens.numel() - 1
+    if T == 0 or B == 0 or max_seqlen == 0:
+        return out
+    q2 = q8.reshape(T, Hq * D)
+    k2 = k8.reshape(T, Hkv * D)
+    lay = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gl.float8e4nv)
+    lay_v = gl.NVMMASharedLayout.get_default_for([D, BLOCK_N], gl.float8e4nv)
+    qd = TD(q2, list(q2.shape), list(q2.stride()), [BLOCK_M, D], lay)
+    kd = TD(k2, list(k2.shape), list(k2.stride()), [BLOCK_N, D], lay)
+    vd = TD(vt8, list(vt8.shape), list(vt8.stride()), [D, BLOCK_N], lay_v)
+    q_ds, k_ds, v_ds, cu_blocks = scales
+    grid = (Hq, triton.cdiv(max_seqlen, BLOCK_M), B)
+    prefill_fp8_sm90_kernel[grid](qd, kd, vd, out, cu_seqlens, cu_blocks, q_ds, k_ds, v_ds,
+                   float(scale) * 1.4426950408889634, out.stride(0), out.stride(1),
+                   q_ds.stride(0), Hq // Hkv, HEAD_DIM=D, num_warps=NUM_WARPS)
+    return out
