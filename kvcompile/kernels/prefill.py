@@ -45,9 +45,9 @@ def quantize_fp8_prefill(q, k, v, cu_seqlens, block: int | None = None):
     Fp8PrefillScales). Scale = amax / 448 (1.0 for an all-zero block), codes = clamp(x / scale,
     +-448) rounded to nearest even. NB = T // block + B (`prefill_quant.block_bound`: known
     without reading the lengths); the blocks past the sequences' have unit scales and zero
-    columns. On CUDA (and under TRITON_INTERPRET=1) one Triton kernel does it
-    (kernels/prefill_quant.py); on the CPU the torch form (reference.quantize_fp8_prefill_ref),
-    with the same bits.
+    columns. On CUDA one Triton kernel does it (kernels/prefill_quant.py); on the CPU the torch
+    form (reference.quantize_fp8_prefill_ref), with the same bits (tests/kernels/test_prefill.py
+    holds the kernel to it under TRITON_INTERPRET=1).
     """
     from kvcompile.kernels import prefill_quant as PQ
 
@@ -59,7 +59,7 @@ def quantize_fp8_prefill(q, k, v, cu_seqlens, block: int | None = None):
             f"quantize_fp8_prefill: q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv] with Hkv "
             f"dividing Hq; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     nb = PQ.block_bound(q.shape[0], cu_seqlens.numel() - 1, block)
-    if block == PQ.SCALE_BLOCK and _on_kernel_device(q):
+    if block == PQ.SCALE_BLOCK and q.is_cuda:
         q8, k8, vt8, sc = PQ.quantize_fp8_prefill_triton(q, k, v, cu_seqlens, nb)
     else:
         from kvcompile.kernels.reference import quantize_fp8_prefill_ref

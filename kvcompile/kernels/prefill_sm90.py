@@ -53,6 +53,10 @@ try:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     GLUON_ERROR = None
+    # a CTA-wide barrier: gl.thread_barrier in triton 3.6, gl.barrier from 3.7 on
+    cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+    # a TMA copy into shared memory: async_copy_global_to_shared in 3.6, async_load from 3.7
+    tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 except ImportError as e:   # pragma: no cover - a triton without Gluon
     GLUON_ERROR = f"triton.experimental.gluon is not importable ({e})"
 
@@ -62,14 +66,14 @@ if GLUON_ERROR is None:
     def _load_k(k_desc, k_smem, k_bar, row, col, j, NBYTES: gl.constexpr):
         s = j % 2
         mbarrier.expect(k_bar.index(s), NBYTES)
-        tma.async_copy_global_to_shared(k_desc, [row + j * 128, col], k_bar.index(s),
+        tma_load(k_desc, [row + j * 128, col], k_bar.index(s),
                                         k_smem.index(s))
 
     @gluon.jit
     def _load_v(v_desc, v_smem, v_bar, row, col, j, NBYTES: gl.constexpr):
         s = j % 2
         mbarrier.expect(v_bar.index(s), NBYTES)
-        tma.async_copy_global_to_shared(v_desc, [row, col + j * 128], v_bar.index(s),
+        tma_load(v_desc, [row, col + j * 128], v_bar.index(s),
                                         v_smem.index(s))
 
     @gluon.jit
@@ -110,7 +114,7 @@ if GLUON_ERROR is None:
         acc = acc * gl.convert_layout(alpha * (v_prev / vs), row_o)[:, None]
         # every warp is past tile j's q.k and tile j - 1's P V: K stage j % 2 and V stage
         # (j + 1) % 2 are free for tiles j + 2 and j + 1
-        gl.thread_barrier()
+        cta_barrier()
         if j + 2 < n_tiles:
             _load_k(k_desc, k_smem, k_bar, q_start, hkv * HEAD_DIM, j + 2, KV_BYTES)
         if j + 1 < n_tiles:
@@ -161,7 +165,7 @@ if GLUON_ERROR is None:
             hi = gl.minimum(q_len, t0 + BM)          # keys the tile's last row may see
             n_tiles = gl.cdiv(hi, BN)                # the last one is the diagonal tile
             mbarrier.expect(q_bar, BM * HEAD_DIM)
-            tma.async_copy_global_to_shared(q_desc, [q_start + t0, h * HEAD_DIM], q_bar, q_smem)
+            tma_load(q_desc, [q_start + t0, h * HEAD_DIM], q_bar, q_smem)
             _load_k(k_desc, k_smem, k_bar, q_start, hkv * HEAD_DIM, 0, KV_BYTES)
             _load_v(v_desc, v_smem, v_bar, hkv * HEAD_DIM, v_col, 0, KV_BYTES)
             if n_tiles > 1:
@@ -181,7 +185,7 @@ if GLUON_ERROR is None:
             s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False,
                               is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            gl.thread_barrier()   # every warp is past tile 0's q.k: K stage 0 is free
+            cta_barrier()   # every warp is past tile 0's q.k: K stage 0 is free
             if n_tiles > 2:
                 _load_k(k_desc, k_smem, k_bar, q_start, hkv * HEAD_DIM, 2, KV_BYTES)
             v_prev = gl.load(VD + kblk0 * stride_sb + hkv)
@@ -221,10 +225,6 @@ if GLUON_ERROR is None:
 
 def unsupported(q8, k8, vt8, out, causal, window, sinks, softcap, cu_seqlens_k) -> str | None:
     """Why the Gluon FP8 kernel cannot take this prefill (None: it can)."""
-    if not q8.is_cuda or torch.cuda.get_device_capability(q8.device)[0] != 9:
-        return "not a Hopper (sm_90) GPU"
-    if GLUON_ERROR is not None:
-        return GLUON_ERROR
     if not causal or window or sinks or softcap or cu_seqlens_k is not None:
         return "causal self-attention only (no window, sinks, softcap or cu_seqlens_k)"
     T, Hq, D = q8.shape
@@ -236,9 +236,12 @@ def unsupported(q8, k8, vt8, out, causal, window, sinks, softcap, cu_seqlens_k) 
         return f"output {out.dtype}: takes bf16 / fp16 with contiguous rows"
     if not (q8.is_contiguous() and k8.is_contiguous() and vt8.is_contiguous()):
         return "non-contiguous FP8 inputs"
-    for t in (q8, k8, vt8):
-        if t.data_ptr() % 16:
-            return "FP8 inputs not 16-byte aligned (TMA)"
+    if any(t.data_ptr() % 16 for t in (q8, k8, vt8)):
+        return "FP8 inputs not 16-byte aligned (TMA)"
+    if GLUON_ERROR is not None:
+        return GLUON_ERROR
+    if not q8.is_cuda or torch.cuda.get_device_capability(q8.device)[0] != 9:
+        return "not a Hopper (sm_90) GPU"
     return None
 
 

@@ -429,3 +429,47 @@ def test_sdpa_yardstick_agrees():
     assert rel_err(sdpa_varlen(q, k, v, cu, 0.125), prefill_attention_ref(q, k, v, cu, 0.125)) \
         < 1e-5
     assert math.isfinite(rel_err(q, q))
+
+
+# --- the FP8 inputs' quantization (kernels/prefill_quant.py) ----------------------------------
+
+@pytest.mark.parametrize("lens, Hq, Hkv, D, Dv", [
+    ([150, 37, 1], 2, 1, 32, 32),     # crosses a 128-token block; a one-token sequence
+    ([100, 100], 3, 1, 32, 48),       # a group of 3, Dv != D; a spare block (T // 128 + B = 3)
+])
+def test_quantize_fp8_prefill_kernel_bit_exact(lens, Hq, Hkv, D, Dv):
+    """The one-kernel quantization gives the torch form's bits: codes (RN(x / scale), clamped),
+    transposed V with zero columns past each sequence and in the spare blocks, and the scales,
+    with an all-zero block (scale 1), a NaN in V and an inf in Q."""
+    from kvcompile.kernels import prefill_quant as PQ
+    from kvcompile.kernels.reference import quantize_fp8_prefill_ref
+
+    gen = torch.Generator().manual_seed(3)
+    T = sum(lens)
+    q = (torch.randn(T, Hq, D, generator=gen) * 3).to(DEV)
+    k = torch.randn(T, Hkv, D, generator=gen).to(DEV)
+    v = (torch.randn(T, Hkv, Dv, generator=gen) * 1e-3).to(DEV)
+    k[lens[0]:, 0] = 0.0                  # the second sequence's first block of head 0: zeros
+    v[5, 0, 3] = float("nan")
+    q[lens[0] + 1, Hq - 1, 7] = float("inf")
+    cu = cu_of(lens)
+    nb = PQ.block_bound(T, len(lens))
+    got = PQ.quantize_fp8_prefill_triton(q, k, v, cu, nb)
+    want = quantize_fp8_prefill_ref(q, k, v, cu, nb)
+    for name, a, b in zip(("q8", "k8", "vt8"), got[:3], want[:3]):
+        assert a.shape == b.shape, name
+        bad = (a.view(torch.uint8) != b.view(torch.uint8)).sum().item()
+        assert bad == 0, f"{name}: {bad} codes differ"
+    for name, a, b in zip(("q scale", "k scale", "v scale", "cu_blocks"), got[3], want[3]):
+        assert torch.equal(a, b), name
+    first = int(got[3][3][1])             # the second sequence's first block
+    assert got[3][1][first, 0].item() == 1.0   # its all-zero k block has scale 1
+    spare = int(got[3][3][-1])            # blocks past the last sequence's
+    assert spare == nb or lens == [100, 100] and spare == 2
+    assert (got[3][0][spare:] == 1.0).all() and not got[2][:, spare * 128:].view(
+        torch.uint8).any()
+    # the public entry point (the kernel on CUDA, the torch form on the CPU): the same bits
+    q8, _, vt8, sc = quantize_fp8_prefill(q, k, v, cu)
+    assert torch.equal(q8.view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(sc.v_descale, want[3][2])
+    assert vt8.shape == (Hkv * Dv, nb * 128)
