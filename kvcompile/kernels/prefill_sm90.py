@@ -11,23 +11,27 @@ the Triton kernel then).
 
 Why Gluon below Triton's tiles: the Triton FP8 kernel is issue-bound (benchmarks/RESULTS.md,
 "What limits the prefill kernels": 1994 issue cycles of softmax against 1108 of FP8 MMA a
-128 x 128 tile) because Triton 3.6 cannot keep the next tile's q.k product running while a
-tile's softmax is computed. Here the wgmma calls are asynchronous and ordered by hand, as
-FlashAttention-3 orders them within a warpgroup:
+128 x 128 tile) and Triton 3.6 cannot run a tile's softmax while the tensor cores work. Here
+the wgmma calls are asynchronous and ordered by hand, as FlashAttention-3 orders them within a
+warpgroup; for key tile j:
 
-    issue S[j+1] = Q K[j+1]^T  (async)      # tensor cores: the next tile's scores
-    softmax of S[j] -> P[j] (E4M3)          # CUDA cores, meanwhile
-    wait for O += P[j-1] V[j-1]; rescale O
-    issue O += P[j] V[j]       (async)
-    wait for S[j+1]
+    issue S[j] = Q K[j]^T            (async)
+    issue O += P[j-1] V[j-1]         (async, P from registers)
+    wait for S[j]                    (P V still running)
+    softmax of S[j] -> P[j] in E4M3  (CUDA cores, while P V runs)
+    wait for P V; rescale O
+
+(The other order, the next tile's q.k issued before this tile's softmax, made ptxas serialize
+every wgmma, warning C7514: tests/kernels/test_prefill_sm90.py fails on that warning.)
 
 One CTA of 8 warps (two warpgroups, 64 query rows each) owns 128 query rows of one query head
 of one sequence and walks its keys in 128-token tiles: Q arrives by one TMA copy, K and V^T
-tiles through two-stage rings of TMA copies with an mbarrier each, issued a tile (V) or two
-(K) ahead; one CTA barrier a tile frees a stage for the next copy. The diagonal tile (the
-last) is the only masked one. P enters the second product as 256 * p in E4M3 (small weights
-stay normal), from registers; the running O is kept in units of the current V block's scale
-(rescaled by alpha * v_prev / v_scale), as the Triton kernel does.
+tiles through two-stage rings of TMA copies with an mbarrier each, issued two tiles (K) or one
+(V) ahead; one CTA barrier a tile frees the stages for the next copies. Tile 0 and the
+diagonal tile (the last) are masked. P enters the second product as 256 * p in E4M3 (small
+weights stay normal), from registers; the running O is kept in units of the current V block's
+scale (rescaled by alpha * v_prev / v_scale), as the Triton kernel does. The grid runs the
+longest query tiles first, the heads of a kv head side by side (K / V shared in L2).
 """
 
 from __future__ import annotations
