@@ -24,6 +24,8 @@ from kvcompile.kernels.append_int import max_nan
 
 SCALE_BLOCK = 128   # tokens per scale (prefill_varlen.SCALE_BLOCK: the kernels' tiles divide it)
 FP8_MAX = 448.0
+_BLOCK = tl.constexpr(SCALE_BLOCK)   # the kernels read globals only as constexpr
+_FMAX = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
@@ -32,7 +34,7 @@ def _amax_rows(X, t0, n, stride_t, col0, C: tl.constexpr, BT: tl.constexpr, BC: 
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BC)
     a = tl.zeros([BT], tl.float32)
-    for r0 in range(0, SCALE_BLOCK, BT):
+    for r0 in range(0, _BLOCK, BT):
         r = r0 + rows
         ok = (r < n)[:, None] & (cols < C)[None, :]
         x = tl.load(X + (t0 + r).to(tl.int64)[:, None] * stride_t + col0 + cols[None, :],
@@ -46,9 +48,9 @@ def _descale(amax, RECIP: tl.constexpr):
     # torch's where(amax > 0, amax / 448, 1): a NaN block gets 1 (NaN > 0 is false); amax / 448
     # as torch divides a tensor by a python float (on CUDA by the fp32 reciprocal)
     if RECIP:
-        d = amax * (1.0 / FP8_MAX)
+        d = amax * (1.0 / _FMAX)
     else:
-        d = tl.math.div_rn(amax, FP8_MAX)
+        d = tl.math.div_rn(amax, _FMAX)
     return tl.where(amax > 0.0, d, 1.0)
 
 
@@ -60,13 +62,13 @@ def _write_codes(X, Y, t0, n, stride_t, stride_y, col0, ycol0, d, C: tl.constexp
     # else Y[t, ycol0 + c] (rows past n not written)
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BC)
-    for r0 in range(0, SCALE_BLOCK, BT):
+    for r0 in range(0, _BLOCK, BT):
         r = r0 + rows
         ok = (r < n)[:, None] & (cols < C)[None, :]
         x = tl.load(X + (t0 + r).to(tl.int64)[:, None] * stride_t + col0 + cols[None, :],
                     mask=ok, other=0.0).to(tl.float32)
         code = _encode_fp8(x, tl.zeros([BT], tl.float32) + d, tl.reduce(tl.abs(x), 1, max_nan),
-                           1, FP8_MAX, EXPLICIT)
+                           1, _FMAX, EXPLICIT)
         if TRANSPOSE:
             ptr = Y + (ycol0 + cols).to(tl.int64)[None, :] * stride_y + (t0 + r)[:, None]
             tl.store(ptr, code, mask=(cols < C)[None, :])
@@ -93,8 +95,8 @@ def quantize_fp8_prefill_kernel(Q, K, V, Q8, K8, VT8, QD, KD, VD, cu_seqlens, cu
     t0 = 0
     if b < num_seqs:
         s0 = tl.load(cu_seqlens + b)
-        local = (blk - tl.load(cu_blocks + b)) * SCALE_BLOCK
-        n = tl.minimum(tl.load(cu_seqlens + b + 1) - s0 - local, SCALE_BLOCK)
+        local = (blk - tl.load(cu_blocks + b)) * _BLOCK
+        n = tl.minimum(tl.load(cu_seqlens + b + 1) - s0 - local, _BLOCK)
         t0 = s0 + local
     qd = _descale(_amax_rows(Q, t0, n, stride_qt, h * GD, GD, BT, BGD), RECIP)
     kd = _descale(_amax_rows(K, t0, n, stride_kt, h * D, D, BT, BD), RECIP)
@@ -105,7 +107,7 @@ def quantize_fp8_prefill_kernel(Q, K, V, Q8, K8, VT8, QD, KD, VD, cu_seqlens, cu
     _write_codes(Q, Q8, t0, n, stride_qt, stride_q8, h * GD, h * GD, qd, GD, BT, BGD, False, EXPLICIT)
     _write_codes(K, K8, t0, n, stride_kt, stride_k8, h * D, h * D, kd, D, BT, BD, False, EXPLICIT)
     # vt's columns: block blk's SCALE_BLOCK columns, whoever's (zeros past n)
-    _write_codes(V, VT8 + (blk * SCALE_BLOCK - t0), t0, n, stride_vt, stride_vt8, h * DV,
+    _write_codes(V, VT8 + (blk * _BLOCK - t0), t0, n, stride_vt, stride_vt8, h * DV,
                  h * DV, vd, DV, BT, BDV, True, EXPLICIT)
 
 

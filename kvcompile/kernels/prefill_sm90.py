@@ -38,9 +38,8 @@ from __future__ import annotations
 
 import torch
 
-BLOCK_M = 128   # query rows a CTA (= the scale block: one q descale a CTA)
 BLOCK_N = 128   # keys a tile (= the scale block: one k / v descale a tile)
-NUM_WARPS = 8
+NUM_WARPS = 8   # two warpgroups: 128 query rows a CTA (4: 64 rows, within one q scale block)
 HEAD_DIMS = (64, 128)
 P_SHIFT = 8.0   # P enters the PV product as 2^8 * p
 
@@ -98,7 +97,8 @@ if GLUON_ERROR is None:
     def _tile(q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, p8, m_i, l_i, v_prev,
               zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start, v_col, keys0,
               pos, row_o: gl.constexpr, p_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
-              KV_BYTES: gl.constexpr, MASKED: gl.constexpr, P_SH: gl.constexpr):
+              KV_BYTES: gl.constexpr, MASKED: gl.constexpr, P_SH: gl.constexpr,
+              SYNC: gl.constexpr):
         # key tile j: its scores and the last tile's P V on the tensor cores, back to back;
         # this tile's softmax while P V runs (FlashAttention-3's order within a warpgroup)
         mbarrier.wait(k_bar.index(j % 2), (j // 2) & 1)
@@ -106,7 +106,11 @@ if GLUON_ERROR is None:
                           is_async=True)
         jp = j - 1
         mbarrier.wait(v_bar.index(jp % 2), (jp // 2) & 1)
+        if SYNC:   # diagnostic: no overlap of the softmax with the tensor cores
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         acc = warpgroup_mma(p8, v_smem.index(jp % 2).permute((1, 0)), acc, is_async=True)
+        if SYNC:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         blk = (kblk0 + j) * stride_sb + hkv
         vs = gl.load(VD + blk)
@@ -128,8 +132,9 @@ if GLUON_ERROR is None:
     @gluon.jit
     def prefill_fp8_sm90_kernel(q_desc, k_desc, v_desc, Out, cu_seqlens, cu_blocks, QD, KD, VD,
                                 sm_scale_log2, stride_ot, stride_oh, stride_sb, ratio,
-                                HEAD_DIM: gl.constexpr, num_warps: gl.constexpr):
-        BM: gl.constexpr = 128
+                                HEAD_DIM: gl.constexpr, SYNC: gl.constexpr,
+                                num_warps: gl.constexpr):
+        BM: gl.constexpr = 16 * num_warps   # 64 rows a warpgroup
         BN: gl.constexpr = 128
         P_SH: gl.constexpr = 8.0
         h = gl.program_id(0)
@@ -176,7 +181,7 @@ if GLUON_ERROR is None:
                 _load_k(k_desc, k_smem, k_bar, q_start, hkv * HEAD_DIM, 1, KV_BYTES)
                 _load_v(v_desc, v_smem, v_bar, hkv * HEAD_DIM, v_col, 1, KV_BYTES)
 
-            c_q = sm_scale_log2 * gl.load(QD + (kblk0 + tile) * stride_sb + hkv)
+            c_q = sm_scale_log2 * gl.load(QD + (kblk0 + t0 // BN) * stride_sb + hkv)
             m_i = gl.full([BM], float("-inf"), gl.float32, row_s)
             l_i = gl.zeros([BM], gl.float32, row_s)
             zero_s = gl.zeros([BM, BN], gl.float32, s_layout)
@@ -202,13 +207,13 @@ if GLUON_ERROR is None:
                 acc, p8, m_i, l_i, v_prev = _tile(
                     q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, p8, m_i, l_i,
                     v_prev, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start,
-                    v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, False, P_SH)
+                    v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, False, P_SH, SYNC)
             if n_tiles > 1:   # the diagonal tile, masked
                 acc, p8, m_i, l_i, v_prev = _tile(
                     q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, p8, m_i, l_i,
                     v_prev, zero_s, n_tiles - 1, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv,
                     q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, True,
-                    P_SH)
+                    P_SH, SYNC)
             jl = n_tiles - 1
             mbarrier.wait(v_bar.index(jl % 2), (jl // 2) & 1)
             acc = warpgroup_mma(p8, v_smem.index(jl % 2).permute((1, 0)), acc, is_async=True)
@@ -250,8 +255,10 @@ def unsupported(q8, k8, vt8, out, causal, window, sinks, softcap, cu_seqlens_k) 
 
 
 def launch_prefill_fp8_sm90(q8, k8, vt8, scales, cu_seqlens, out, scale: float,
-                            max_seqlen: int):
-    """Run the kernel (unsupported(...) is None): out [T, Hq, D] written, returned."""
+                            max_seqlen: int, warps: int = NUM_WARPS, sync: bool = False):
+    """Run the kernel (unsupported(...) is None): out [T, Hq, D] written, returned. warps: 8
+    (128 query rows a CTA, two warpgroups) or 4 (64 rows, one warpgroup, two CTAs a SM); sync:
+    a diagnostic build that waits for each wgmma at once (no overlap)."""
     import triton
 
     TD = TensorDescriptor
@@ -262,14 +269,16 @@ def launch_prefill_fp8_sm90(q8, k8, vt8, scales, cu_seqlens, out, scale: float,
         return out
     q2 = q8.reshape(T, Hq * D)
     k2 = k8.reshape(T, Hkv * D)
-    lay = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gl.float8e4nv)
+    bm = 16 * warps   # query rows a CTA
+    lay_q = gl.NVMMASharedLayout.get_default_for([bm, D], gl.float8e4nv)
+    lay_k = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.float8e4nv)
     lay_v = gl.NVMMASharedLayout.get_default_for([D, BLOCK_N], gl.float8e4nv)
-    qd = TD(q2, list(q2.shape), list(q2.stride()), [BLOCK_M, D], lay)
-    kd = TD(k2, list(k2.shape), list(k2.stride()), [BLOCK_N, D], lay)
+    qd = TD(q2, list(q2.shape), list(q2.stride()), [bm, D], lay_q)
+    kd = TD(k2, list(k2.shape), list(k2.stride()), [BLOCK_N, D], lay_k)
     vd = TD(vt8, list(vt8.shape), list(vt8.stride()), [D, BLOCK_N], lay_v)
     q_ds, k_ds, v_ds, cu_blocks = scales
-    grid = (Hq, triton.cdiv(max_seqlen, BLOCK_M), B)
+    grid = (Hq, triton.cdiv(max_seqlen, bm), B)
     prefill_fp8_sm90_kernel[grid](qd, kd, vd, out, cu_seqlens, cu_blocks, q_ds, k_ds, v_ds,
                    float(scale) * 1.4426950408889634, out.stride(0), out.stride(1),
-                   q_ds.stride(0), Hq // Hkv, HEAD_DIM=D, num_warps=NUM_WARPS)
+                   q_ds.stride(0), Hq // Hkv, HEAD_DIM=D, SYNC=sync, num_warps=warps)
     return out
