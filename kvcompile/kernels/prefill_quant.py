@@ -83,7 +83,8 @@ def quantize_fp8_prefill_kernel(Q, K, V, Q8, K8, VT8, QD, KD, VD, cu_seqlens, cu
                                 stride_k8, stride_vt8, stride_sb,
                                 GD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                                 BGD: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-                                BT: tl.constexpr, RECIP: tl.constexpr,
+                                BTQ: tl.constexpr, BTK: tl.constexpr, BTV: tl.constexpr,
+                                RECIP: tl.constexpr,
                                 EXPLICIT: tl.constexpr):
     # Q [T, Hq, D] as [T, Hq * D] (a kv head's query heads: GD = group * D columns), K [T, Hkv,
     # D], V [T, Hkv, Dv]; Q8 / K8 like them (E4M3 codes as uint8), VT8 [Hkv * Dv, NB * 128];
@@ -98,17 +99,19 @@ def quantize_fp8_prefill_kernel(Q, K, V, Q8, K8, VT8, QD, KD, VD, cu_seqlens, cu
         local = (blk - tl.load(cu_blocks + b)) * _BLOCK
         n = tl.minimum(tl.load(cu_seqlens + b + 1) - s0 - local, _BLOCK)
         t0 = s0 + local
-    qd = _descale(_amax_rows(Q, t0, n, stride_qt, h * GD, GD, BT, BGD), RECIP)
-    kd = _descale(_amax_rows(K, t0, n, stride_kt, h * D, D, BT, BD), RECIP)
-    vd = _descale(_amax_rows(V, t0, n, stride_vt, h * DV, DV, BT, BDV), RECIP)
+    qd = _descale(_amax_rows(Q, t0, n, stride_qt, h * GD, GD, BTQ, BGD), RECIP)
+    kd = _descale(_amax_rows(K, t0, n, stride_kt, h * D, D, BTK, BD), RECIP)
+    vd = _descale(_amax_rows(V, t0, n, stride_vt, h * DV, DV, BTV, BDV), RECIP)
     tl.store(QD + blk * stride_sb + h, qd)
     tl.store(KD + blk * stride_sb + h, kd)
     tl.store(VD + blk * stride_sb + h, vd)
-    _write_codes(Q, Q8, t0, n, stride_qt, stride_q8, h * GD, h * GD, qd, GD, BT, BGD, False, EXPLICIT)
-    _write_codes(K, K8, t0, n, stride_kt, stride_k8, h * D, h * D, kd, D, BT, BD, False, EXPLICIT)
+    _write_codes(Q, Q8, t0, n, stride_qt, stride_q8, h * GD, h * GD, qd, GD, BTQ, BGD, False,
+                 EXPLICIT)
+    _write_codes(K, K8, t0, n, stride_kt, stride_k8, h * D, h * D, kd, D, BTK, BD, False,
+                 EXPLICIT)
     # vt's columns: block blk's SCALE_BLOCK columns, whoever's (zeros past n)
     _write_codes(V, VT8 + (blk * _BLOCK - t0), t0, n, stride_vt, stride_vt8, h * DV,
-                 h * DV, vd, DV, BT, BDV, True, EXPLICIT)
+                 h * DV, vd, DV, BTV, BDV, True, EXPLICIT)
 
 
 def block_bound(T: int, B: int, block: int = SCALE_BLOCK) -> int:
@@ -147,14 +150,16 @@ def quantize_fp8_prefill_triton(q, k, v, cu_seqlens, num_blocks: int):
     scales = torch.empty(3, max(num_blocks, 1), Hkv, dtype=torch.float32, device=dev)
     gd = (Hq // Hkv) * D
     p2 = triton.next_power_of_2
-    bt = max(1, min(SCALE_BLOCK, 4096 // p2(gd)))   # rows a step: 4096 values in registers
+
+    def rows(c):   # rows a step: 4096 values of the block (16 a thread; 128 registers, sm_90)
+        return max(1, min(SCALE_BLOCK, 4096 // p2(c)))
     if num_blocks:
         quantize_fp8_prefill_kernel[(num_blocks, Hkv)](
             q, k, v, q8, k8, vt8, scales[0], scales[1], scales[2], cu_seqlens, cu_blocks,
             block_seq, B, q.stride(0), k.stride(0), v.stride(0), q8.stride(0), k8.stride(0),
             vt8.stride(0), scales.stride(1), GD=gd, D=D, DV=Dv, BGD=p2(gd), BD=p2(D),
-            BDV=p2(Dv), BT=bt, RECIP=q.is_cuda,
-            EXPLICIT=_interpreting(), num_warps=4)
+            BDV=p2(Dv), BTQ=rows(gd), BTK=rows(D), BTV=rows(Dv), RECIP=q.is_cuda,
+            EXPLICIT=_interpreting(), num_warps=8)
     else:
         vt8.zero_()
         scales.fill_(1.0)
