@@ -95,15 +95,18 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _tile(q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, p8, m_i, l_i, v_prev,
-              zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start, v_col, keys0,
+              r, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start, v_col, keys0,
               pos, row_o: gl.constexpr, p_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
               KV_BYTES: gl.constexpr, MASKED: gl.constexpr, P_SH: gl.constexpr,
               SYNC: gl.constexpr):
         # key tile j: its scores and the last tile's P V on the tensor cores, back to back;
-        # this tile's softmax while P V runs (FlashAttention-3's order within a warpgroup)
+        # this tile's softmax while P V runs (FlashAttention-3's order within a warpgroup).
+        # r: the last softmax's rescale of O (its max's growth, the V scale's change), applied
+        # before P V so that nothing but P's conversion waits for P V
         mbarrier.wait(k_bar.index(j % 2), (j // 2) & 1)
         s = warpgroup_mma(q_smem, k_smem.index(j % 2).permute((1, 0)), zero_s, use_acc=False,
                           is_async=True)
+        acc = acc * r[:, None]
         jp = j - 1
         mbarrier.wait(v_bar.index(jp % 2), (jp // 2) & 1)
         if SYNC:   # diagnostic: no overlap of the softmax with the tensor cores
@@ -116,10 +119,10 @@ if GLUON_ERROR is None:
         vs = gl.load(VD + blk)
         p, alpha, m_i, l_i = _softmax(s, c_q * gl.load(KD + blk), m_i, l_i, j * 128 + keys0,
                                       pos, MASKED, P_SH)
-        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         # O is kept in units of the current V block's scale
-        acc = acc * gl.convert_layout(alpha * (v_prev / vs), row_o)[:, None]
+        r = gl.convert_layout(alpha * (v_prev / vs), row_o)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
         # every warp is past tile j's q.k and tile j - 1's P V: K stage j % 2 and V stage
         # (j + 1) % 2 are free for tiles j + 2 and j + 1
         cta_barrier()
@@ -127,7 +130,7 @@ if GLUON_ERROR is None:
             _load_k(k_desc, k_smem, k_bar, q_start, hkv * HEAD_DIM, j + 2, KV_BYTES)
         if j + 1 < n_tiles:
             _load_v(v_desc, v_smem, v_bar, hkv * HEAD_DIM, v_col, j + 1, KV_BYTES)
-        return acc, p8, m_i, l_i, vs
+        return acc, p8, m_i, l_i, vs, r
 
     @gluon.jit
     def prefill_fp8_sm90_kernel(q_desc, k_desc, v_desc, Out, cu_seqlens, cu_blocks, QD, KD, VD,
@@ -202,19 +205,21 @@ if GLUON_ERROR is None:
                                           l_i, keys0, pos, True, P_SH)
             p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
             acc = gl.zeros([BM, HEAD_DIM], gl.float32, o_layout)
+            r = gl.convert_layout(alpha, row_o)   # 0: O is empty
 
             for j in range(1, n_tiles - 1):
-                acc, p8, m_i, l_i, v_prev = _tile(
+                acc, p8, m_i, l_i, v_prev, r = _tile(
                     q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, p8, m_i, l_i,
-                    v_prev, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start,
+                    v_prev, r, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start,
                     v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, False, P_SH, SYNC)
             if n_tiles > 1:   # the diagonal tile, masked
-                acc, p8, m_i, l_i, v_prev = _tile(
+                acc, p8, m_i, l_i, v_prev, r = _tile(
                     q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, p8, m_i, l_i,
-                    v_prev, zero_s, n_tiles - 1, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv,
+                    v_prev, r, zero_s, n_tiles - 1, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv,
                     q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, True,
                     P_SH, SYNC)
             jl = n_tiles - 1
+            acc = acc * r[:, None]
             mbarrier.wait(v_bar.index(jl % 2), (jl // 2) & 1)
             acc = warpgroup_mma(p8, v_smem.index(jl % 2).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
