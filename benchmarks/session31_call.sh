@@ -6,6 +6,8 @@
 #   f: FP8 prefill: bench_prefill_fp8.py (the Gluon kernel checked against the reference and
 #      the Triton FP8 kernel, the fused quantization bit for bit, then timed beside cuDNN SDPA),
 #      then part g
+#   n: Nsight Compute on the Gluon FP8 prefill kernel (8 and 4 warps): stall reasons, top
+#      instructions and the details page's limiters
 #   other parts: session29_call.sh's (b: tests + Engine prefill gaps + B16 x P4096 rows;
 #      c: B64 x P2048 rows; d: B16 x P32768 rows; t: rows given in ROWS)
 cd "$(dirname "$0")/.."
@@ -23,6 +25,20 @@ case "${PART:-g}" in
     timeout -k 5 ${F1_LIMIT:-240} python3 benchmarks/bench_prefill_fp8.py --quick \
       --json "$OUT/f_prefill_fp8.json" 2>&1 | grep -v "^{" | tee "$OUT/f_prefill_fp8.txt"
     PART=g bash "$0" ;;
+  n)
+    timeout -k 5 ${N_LIMIT:-240} ncu --clock-control none -k regex:prefill_fp8_sm90 --set full \
+      --import-source no -f -o "$OUT/n_pf" python3 benchmarks/ncu_prefill_fp8.py \
+      > "$OUT/n_run.txt" 2>&1 || echo "ncu: exit $?"
+    tail -3 "$OUT/n_run.txt"
+    ncu -i "$OUT/n_pf.ncu-rep" --page details --print-details all > "$OUT/n_details.txt" 2>&1
+    ncu -i "$OUT/n_pf.ncu-rep" --page source --csv --print-source sass > "$OUT/n_sass.csv" 2>&1
+    rm -f "$OUT/n_pf.ncu-rep"
+    for kk in 0 1; do
+      python3 benchmarks/ncu_stalls.py "$OUT/n_sass.csv" --kernel $kk --top 12
+    done > "$OUT/n_stalls.txt" 2>&1
+    cat "$OUT/n_stalls.txt" | head -80
+    grep -E "Duration|Issue Slots Busy|Achieved Occupancy|No Eligible|Registers Per|Warp Cycles Per Issued|Eligible Warps|L2 Hit|Memory Throughput|Compute \(SM\) Throughput|Tensor|Executed Ipc" \
+      "$OUT/n_details.txt" | head -50 ;;
   *)
     PART=$PART bash benchmarks/session29_call.sh ;;
 esac

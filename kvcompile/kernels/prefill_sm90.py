@@ -95,7 +95,7 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _tile(q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, p8, m_i, l_i, v_prev,
-              r, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start, v_col, keys0,
+              r, kd, vs, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start, v_col, keys0,
               pos, row_o: gl.constexpr, p_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
               KV_BYTES: gl.constexpr, MASKED: gl.constexpr, P_SH: gl.constexpr,
               SYNC: gl.constexpr):
@@ -107,6 +107,10 @@ if GLUON_ERROR is None:
         s = warpgroup_mma(q_smem, k_smem.index(j % 2).permute((1, 0)), zero_s, use_acc=False,
                           is_async=True)
         acc = acc * r[:, None]
+        # the next tile's descales, a tile ahead (an L2 round trip off the softmax's path)
+        nxt = (kblk0 + gl.minimum(j + 1, n_tiles - 1)) * stride_sb + hkv
+        kd_n = gl.load(KD + nxt)
+        vs_n = gl.load(VD + nxt)
         jp = j - 1
         mbarrier.wait(v_bar.index(jp % 2), (jp // 2) & 1)
         if SYNC:   # diagnostic: no overlap of the softmax with the tensor cores
@@ -115,10 +119,8 @@ if GLUON_ERROR is None:
         if SYNC:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-        blk = (kblk0 + j) * stride_sb + hkv
-        vs = gl.load(VD + blk)
-        p, alpha, m_i, l_i = _softmax(s, c_q * gl.load(KD + blk), m_i, l_i, j * 128 + keys0,
-                                      pos, MASKED, P_SH)
+        p, alpha, m_i, l_i = _softmax(s, c_q * kd, m_i, l_i, j * 128 + keys0, pos, MASKED,
+                                      P_SH)
         # O is kept in units of the current V block's scale
         r = gl.convert_layout(alpha * (v_prev / vs), row_o)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -130,7 +132,7 @@ if GLUON_ERROR is None:
             _load_k(k_desc, k_smem, k_bar, q_start, hkv * HEAD_DIM, j + 2, KV_BYTES)
         if j + 1 < n_tiles:
             _load_v(v_desc, v_smem, v_bar, hkv * HEAD_DIM, v_col, j + 1, KV_BYTES)
-        return acc, p8, m_i, l_i, vs, r
+        return acc, p8, m_i, l_i, vs, r, kd_n, vs_n
 
     @gluon.jit
     def prefill_fp8_sm90_kernel(q_desc, k_desc, v_desc, Out, cu_seqlens, cu_blocks, QD, KD, VD,
@@ -206,16 +208,19 @@ if GLUON_ERROR is None:
             p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
             acc = gl.zeros([BM, HEAD_DIM], gl.float32, o_layout)
             r = gl.convert_layout(alpha, row_o)   # 0: O is empty
+            nxt = (kblk0 + gl.minimum(1, n_tiles - 1)) * stride_sb + hkv
+            kd = gl.load(KD + nxt)
+            vs = gl.load(VD + nxt)
 
             for j in range(1, n_tiles - 1):
-                acc, p8, m_i, l_i, v_prev, r = _tile(
+                acc, p8, m_i, l_i, v_prev, r, kd, vs = _tile(
                     q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, p8, m_i, l_i,
-                    v_prev, r, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start,
+                    v_prev, r, kd, vs, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start,
                     v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, False, P_SH, SYNC)
             if n_tiles > 1:   # the diagonal tile, masked
-                acc, p8, m_i, l_i, v_prev, r = _tile(
+                acc, p8, m_i, l_i, v_prev, r, kd, vs = _tile(
                     q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, p8, m_i, l_i,
-                    v_prev, r, zero_s, n_tiles - 1, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv,
+                    v_prev, r, kd, vs, zero_s, n_tiles - 1, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv,
                     q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, True,
                     P_SH, SYNC)
             jl = n_tiles - 1
