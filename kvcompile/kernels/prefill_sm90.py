@@ -24,8 +24,8 @@ warpgroup; for key tile j:
 (The other order, the next tile's q.k issued before this tile's softmax, made ptxas serialize
 every wgmma, warning C7514: tests/kernels/test_prefill_sm90.py fails on that warning.)
 
-One CTA of 8 warps (two warpgroups, 64 query rows each) owns 128 query rows of one query head
-of one sequence and walks its keys in 128-token tiles: Q arrives by one TMA copy, K and V^T
+One CTA of 4 warps (one warpgroup; 8 warps: two, 128 rows) owns 64 query rows of one query
+head of one sequence and walks its keys in 128-token tiles: Q arrives by one TMA copy, K and V^T
 tiles through two-stage rings of TMA copies with an mbarrier each, issued two tiles (K) or one
 (V) ahead; one CTA barrier a tile frees the stages for the next copies. Tile 0 and the
 diagonal tile (the last) are masked. P enters the second product as 256 * p in E4M3 (small
@@ -39,7 +39,10 @@ from __future__ import annotations
 import torch
 
 BLOCK_N = 128   # keys a tile (= the scale block: one k / v descale a tile)
-NUM_WARPS = 8   # two warpgroups: 128 query rows a CTA (4: 64 rows, within one q scale block)
+# one warpgroup, 64 query rows a CTA, two CTAs a SM: on the H100 1.00-1.09x cuDNN SDPA bf16
+# against 0.95-0.97x with 8 warps (two warpgroups, 128 rows a CTA, one CTA a SM), B4 x 8k
+# causal (benchmarks/RESULTS.md, thirty-first session)
+NUM_WARPS = 4
 HEAD_DIMS = (64, 128)
 P_SHIFT = 8.0   # P enters the PV product as 2^8 * p
 

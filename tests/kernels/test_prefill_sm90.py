@@ -29,11 +29,12 @@ def _build(d: int) -> list:
     from triton.runtime.jit import mangle_type
 
     x = torch.zeros(1024, 8 * d, dtype=torch.float8_e4m3fn)
-    lay = gl.NVMMASharedLayout.get_default_for([16 * P.NUM_WARPS, d], gl.float8e4nv)
-    lay_v = gl.NVMMASharedLayout.get_default_for([d, P.BLOCK_N], gl.float8e4nv)
-    qk = TensorDescriptor(x, list(x.shape), list(x.stride()), [16 * P.NUM_WARPS, d], lay)
-    vt = TensorDescriptor(x, list(x.shape), list(x.stride()), [d, P.BLOCK_N], lay_v)
-    types = dict(q_desc=mangle_type(qk), k_desc=mangle_type(qk), v_desc=mangle_type(vt),
+    def desc(block):   # as the launcher builds them: Q [16 * warps, d], K [128, d], V^T [d, 128]
+        lay = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
+        return mangle_type(TensorDescriptor(x, list(x.shape), list(x.stride()), block, lay))
+
+    types = dict(q_desc=desc([16 * P.NUM_WARPS, d]), k_desc=desc([P.BLOCK_N, d]),
+                 v_desc=desc([d, P.BLOCK_N]),
                  Out="*bf16", cu_seqlens="*i32", cu_blocks="*i32", QD="*fp32", KD="*fp32",
                  VD="*fp32", sm_scale_log2="fp32", stride_ot="i32", stride_oh="i32",
                  stride_sb="i32", ratio="i32", HEAD_DIM="constexpr", SYNC="constexpr", num_warps="constexpr")
