@@ -1,6 +1,6 @@
 """FP8 causal prefill on Hopper's FP8 tensor cores, in Gluon (triton.experimental.gluon).
 
-    reason = unsupported(q8, k8, vt8, causal, window, sinks, softcap, cu_seqlens_k)
+    reason = unsupported(q8, k8, vt8, out, causal, window, sinks, softcap, cu_seqlens_k)
     launch_prefill_fp8_sm90(q8, k8, vt8, scales, cu_seqlens, out, scale, max_seqlen)
 
 Inputs as `prefill.quantize_fp8_prefill` writes them: q8 [T, Hq, D], k8 [T, Hkv, D] and V
@@ -16,13 +16,16 @@ the wgmma calls are asynchronous and ordered by hand, as FlashAttention-3 orders
 warpgroup; for key tile j:
 
     issue S[j] = Q K[j]^T            (async)
-    issue O += P[j-1] V[j-1]         (async, P from registers)
+    rescale O by the last softmax's factor; issue O += P[j-1] V[j-1]   (async, P in registers)
     wait for S[j]                    (P V still running)
     softmax of S[j] -> P[j] in E4M3  (CUDA cores, while P V runs)
-    wait for P V; rescale O
+    wait for P V
 
 (The other order, the next tile's q.k issued before this tile's softmax, made ptxas serialize
-every wgmma, warning C7514: tests/kernels/test_prefill_sm90.py fails on that warning.)
+every wgmma, warning C7514: tests/kernels/test_prefill_sm90.py fails on that warning; with O
+rescaled after the P V wait, ptxas moved most exponentials after that wait.) On the H100 the
+overlap did not pay: `sync=True`, which waits for each wgmma at once, times the same (the
+per-warp instruction stream is the limiter; RESULTS.md, thirty-first session).
 
 One CTA of 4 warps (one warpgroup; 8 warps: two, 128 rows) owns 64 query rows of one query
 head of one sequence and walks its keys in 128-token tiles: Q arrives by one TMA copy, K and V^T
