@@ -19,8 +19,6 @@ from kvcompile.errors import UnsupportedShapeError
 from kvcompile.kernels import prefill_launch as L
 from kvcompile.kernels.prefill_tiles import interpreting
 
-FP8_MAX = 448.0
-
 
 class Fp8PrefillScales(NamedTuple):
     """fp32 descales of an FP8 prefill: one per (sequence, SCALE_BLOCK tokens, kv head)."""

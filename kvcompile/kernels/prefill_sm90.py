@@ -47,7 +47,6 @@ BLOCK_N = 128   # keys a tile (= the scale block: one k / v descale a tile)
 # causal (benchmarks/RESULTS.md, thirty-first session)
 NUM_WARPS = 4
 HEAD_DIMS = (64, 128)
-P_SHIFT = 8.0   # P enters the PV product as 2^8 * p
 
 
 try:
