@@ -51,6 +51,15 @@ def bench_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
 
 
+def packed_inputs(B, L, hq, hkv, d=D):
+    """B sequences of L tokens, packed: random bf16 q [B * L, hq, d], k / v [B * L, hkv, d]
+    (seed 0) and cu_seqlens."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B * L, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+               for h in (hq, hkv, hkv))
+    return q, k, v, torch.arange(0, B + 1, device="cuda", dtype=torch.int32) * L
+
+
 def causal_flops(B, L, H, d=D) -> float:
     return 4.0 * B * H * d * (L * (L + 1) / 2)
 
@@ -93,11 +102,7 @@ def try_time(fn, rows, name, flops, check=None):
 
 def bench_shape(s, quick: bool):
     B, Lq, hq, hkv = s["B"], s["L"], s["hq"], s["hkv"]
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(B * Lq, hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    k = torch.randn(B * Lq, hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    v = torch.randn(B * Lq, hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    cu = torch.arange(0, B + 1, device="cuda", dtype=torch.int32) * Lq
+    q, k, v, cu = packed_inputs(B, Lq, hq, hkv)
     scale = D ** -0.5
     flops = causal_flops(B, Lq, hq)
     qb, kb, vb = (x.view(B, Lq, x.shape[1], D).transpose(1, 2) for x in (q, k, v))

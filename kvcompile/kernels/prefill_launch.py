@@ -260,7 +260,7 @@ def launch_prefill(q, k, v, cu_seqlens, out, scale, causal, window, sinks, softc
                                     f"and is not supported on the FP8 path")
     if T == 0 or B == 0:
         return out
-    if fp8 is not None and switches.fp8_sm90 and config is None and lse is None:
+    if fp8 is not None and switches.fp8_sm90 and config is None:   # (lse: refused above)
         from kvcompile.kernels import prefill_sm90
 
         if prefill_sm90.unsupported(q, k, v, out, causal, window, sinks, softcap,

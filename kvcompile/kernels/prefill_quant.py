@@ -7,10 +7,11 @@ One program owns one scale block of one kv head: it reads the block's q rows of 
 query heads, its k rows and its v rows once for their max |x| (NaN-propagating), then again
 (from L2) to write the codes, RN(x / scale) clamped to +-448, bit for bit the torch form's
 (`reference.quantize_fp8_prefill_ref`; under the interpreter the E4M3 rounding is done by
-integer ops, as the append kernels do, since its own fp8 cast rounds some values wrongly). Blocks are numbered across sequences as `cu_blocks`
-says; the grid covers floor(T / 128) + B blocks (an upper bound known without a device sync);
-the programs past the last block write zero columns of vt and unit scales, so every output is
-fully written and its shape depends on T and B alone.
+integer ops, as the append kernels do, since its own fp8 cast rounds some values wrongly).
+Blocks are numbered across sequences as `cu_blocks` says; the grid covers floor(T / 128) + B
+blocks (an upper bound known without a device sync); the programs past the last block write
+zero columns of vt and unit scales, so every output is fully written and its shape depends on
+T and B alone.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcompile.kernels.append import _encode_fp8, _interpreting
+from kvcompile.kernels.append import _div_const, _encode_fp8, _interpreting
 from kvcompile.kernels.append_int import max_nan
 
 SCALE_BLOCK = 128   # tokens per scale (prefill_varlen.SCALE_BLOCK: the kernels' tiles divide it)
@@ -47,11 +48,7 @@ def _amax_rows(X, t0, n, stride_t, col0, C: tl.constexpr, BT: tl.constexpr, BC: 
 def _descale(amax, RECIP: tl.constexpr):
     # torch's where(amax > 0, amax / 448, 1): a NaN block gets 1 (NaN > 0 is false); amax / 448
     # as torch divides a tensor by a python float (on CUDA by the fp32 reciprocal)
-    if RECIP:
-        d = amax * (1.0 / _FMAX)
-    else:
-        d = tl.math.div_rn(amax, _FMAX)
-    return tl.where(amax > 0.0, d, 1.0)
+    return tl.where(amax > 0.0, _div_const(amax, _FMAX, RECIP), 1.0)
 
 
 @triton.jit
@@ -141,7 +138,7 @@ def quantize_fp8_prefill_triton(q, k, v, cu_seqlens, num_blocks: int):
     block_seq = torch.searchsorted(cu_blocks[1:], torch.arange(num_blocks, device=dev,
                                                                dtype=torch.int32), right=True)
     block_seq = block_seq.to(torch.int32)
-    q = q.reshape(T, Hq * D) if q.is_contiguous() else q.contiguous().reshape(T, Hq * D)
+    q = q.contiguous().reshape(T, Hq * D)
     k = k.contiguous().reshape(T, Hkv * D)
     v = v.contiguous().reshape(T, Hkv * Dv)
     q8 = torch.empty(T, Hq * D, dtype=torch.uint8, device=dev)

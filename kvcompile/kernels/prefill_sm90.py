@@ -74,15 +74,13 @@ if GLUON_ERROR is None:
     def _load_k(k_desc, k_smem, k_bar, row, col, j, NBYTES: gl.constexpr):
         s = j % 2
         mbarrier.expect(k_bar.index(s), NBYTES)
-        tma_load(k_desc, [row + j * 128, col], k_bar.index(s),
-                                        k_smem.index(s))
+        tma_load(k_desc, [row + j * 128, col], k_bar.index(s), k_smem.index(s))
 
     @gluon.jit
     def _load_v(v_desc, v_smem, v_bar, row, col, j, NBYTES: gl.constexpr):
         s = j % 2
         mbarrier.expect(v_bar.index(s), NBYTES)
-        tma_load(v_desc, [row, col + j * 128], v_bar.index(s),
-                                        v_smem.index(s))
+        tma_load(v_desc, [row, col + j * 128], v_bar.index(s), v_smem.index(s))
 
     @gluon.jit
     def _softmax(s, c, m_i, l_i, keys, pos, MASKED: gl.constexpr, P_SH: gl.constexpr):
@@ -112,11 +110,10 @@ if GLUON_ERROR is None:
             x = gl.reshape(x, [BM, BN])
         return gl.convert_layout(x, p_layout)
 
-
     @gluon.jit
     def _tile(q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, p8, m_i, l_i, v_prev,
-              r, kd, vs, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start, v_col, keys0,
-              pos, row_o: gl.constexpr, p_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
+              r, kd, vs, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start, v_col,
+              keys0, pos, row_o: gl.constexpr, p_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
               KV_BYTES: gl.constexpr, MASKED: gl.constexpr, P_SH: gl.constexpr,
               SYNC: gl.constexpr, PERM: gl.constexpr):
         # key tile j: its scores and the last tile's P V on the tensor cores, back to back;
@@ -235,15 +232,15 @@ if GLUON_ERROR is None:
             for j in range(1, n_tiles - 1):
                 acc, p8, m_i, l_i, v_prev, r, kd, vs = _tile(
                     q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, p8, m_i, l_i,
-                    v_prev, r, kd, vs, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start,
-                    v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, False, P_SH, SYNC,
-                    PERM)
+                    v_prev, r, kd, vs, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv,
+                    q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, False,
+                    P_SH, SYNC, PERM)
             if n_tiles > 1:   # the diagonal tile, masked
                 acc, p8, m_i, l_i, v_prev, r, kd, vs = _tile(
                     q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, p8, m_i, l_i,
-                    v_prev, r, kd, vs, zero_s, n_tiles - 1, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv,
-                    q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, True,
-                    P_SH, SYNC, PERM)
+                    v_prev, r, kd, vs, zero_s, n_tiles - 1, n_tiles, c_q, KD, VD, kblk0,
+                    stride_sb, hkv, q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM,
+                    KV_BYTES, True, P_SH, SYNC, PERM)
             jl = n_tiles - 1
             acc = acc * r[:, None]
             mbarrier.wait(v_bar.index(jl % 2), (jl // 2) & 1)
@@ -260,7 +257,6 @@ if GLUON_ERROR is None:
             ptrs = (Out + (q_start + t0 + rows).to(gl.int64)[:, None] * stride_ot
                     + h * stride_oh + cols[None, :])
             gl.store(ptrs, o.to(Out.dtype.element_ty), mask=(t0 + rows < q_len)[:, None])
-
 
 
 def unsupported(q8, k8, vt8, out, causal, window, sinks, softcap, cu_seqlens_k) -> str | None:
@@ -290,7 +286,8 @@ def launch_prefill_fp8_sm90(q8, k8, vt8, scales, cu_seqlens, out, scale: float,
                             perm: bool = False):
     """Run the kernel (unsupported(...) is None): out [T, Hq, D] written, returned. warps: 8
     (128 query rows a CTA, two warpgroups) or 4 (64 rows, one warpgroup, two CTAs a SM); sync:
-    a diagnostic build that waits for each wgmma at once (no overlap)."""
+    a diagnostic build that waits for each wgmma at once (no overlap); perm: a TIMING-ONLY build
+    whose output is wrong (P's keys in lane order, which vt8 does not store yet)."""
     import triton
 
     TD = TensorDescriptor
@@ -311,7 +308,7 @@ def launch_prefill_fp8_sm90(q8, k8, vt8, scales, cu_seqlens, out, scale: float,
     q_ds, k_ds, v_ds, cu_blocks = scales
     grid = (Hq, triton.cdiv(max_seqlen, bm), B)
     prefill_fp8_sm90_kernel[grid](qd, kd, vd, out, cu_seqlens, cu_blocks, q_ds, k_ds, v_ds,
-                   float(scale) * 1.4426950408889634, out.stride(0), out.stride(1),
-                   q_ds.stride(0), Hq // Hkv, HEAD_DIM=D, SYNC=sync, PERM=perm,
-                   num_warps=warps)
+                                  float(scale) * 1.4426950408889634, out.stride(0),
+                                  out.stride(1), q_ds.stride(0), Hq // Hkv, HEAD_DIM=D,
+                                  SYNC=sync, PERM=perm, num_warps=warps)
     return out

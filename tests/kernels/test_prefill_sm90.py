@@ -37,7 +37,8 @@ def _build(d: int) -> list:
                  v_desc=desc([d, P.BLOCK_N]),
                  Out="*bf16", cu_seqlens="*i32", cu_blocks="*i32", QD="*fp32", KD="*fp32",
                  VD="*fp32", sm_scale_log2="fp32", stride_ot="i32", stride_oh="i32",
-                 stride_sb="i32", ratio="i32", HEAD_DIM="constexpr", SYNC="constexpr", PERM="constexpr", num_warps="constexpr")
+                 stride_sb="i32", ratio="i32", HEAD_DIM="constexpr", SYNC="constexpr",
+                 PERM="constexpr", num_warps="constexpr")
     fn = P.prefill_fp8_sm90_kernel
     try:
         k = triton.compile(GluonASTSource(fn=fn, signature=types,
