@@ -136,13 +136,10 @@ def bench_shape(s) -> list[dict]:
     row("gluon fp8 kernel", lambda: fp8_out(q8, k8, vt8, sc, cu, scale, Lq,
                                             L.DEFAULT_SWITCHES))
     out = torch.empty(B * Lq, hq, d, device="cuda", dtype=torch.bfloat16)
-    # (the default, 4 warps with the overlap, is the row above)
-    for warps, sync, perm in ((8, False, False), (8, True, False), (4, True, False),
-                              (8, True, True), (4, False, True), (4, True, True)):
-        row(f"gluon fp8, {warps} warps{', each wgmma waited (no overlap)' if sync else ''}"
-            f"{', P lane-local (timing only)' if perm else ''}",
-            lambda w=warps, y=sync, z=perm: prefill_sm90.launch_prefill_fp8_sm90(
-                q8, k8, vt8, sc, cu, out, scale, Lq, warps=w, sync=y, perm=z))
+    for warps, sync in ((8, False), (8, True), (4, False), (4, True)):
+        row(f"gluon fp8, {warps} warps{', each wgmma waited (no overlap)' if sync else ''}",
+            lambda w=warps, y=sync: prefill_sm90.launch_prefill_fp8_sm90(
+                q8, k8, vt8, sc, cu, out, scale, Lq, warps=w, sync=y))
     nb = PQ.block_bound(B * Lq, B)
     row("quantize, triton", lambda: PQ.quantize_fp8_prefill_triton(q, k, v, cu, nb))
     row("quantize, torch", lambda: quantize_fp8_prefill_ref(q, k, v, cu, nb))

@@ -39,7 +39,8 @@ def quantize_fp8_prefill(q, k, v, cu_seqlens, block: int | None = None):
     """Quantize q, k, v to E4M3 with one scale per (sequence, block of tokens, kv head).
 
     q: [T, Hq, D], k: [T, Hkv, D], v: [T, Hkv, Dv] -> (q8 [T, Hq, D], k8 [T, Hkv, D],
-    vt8 [Hkv * Dv, NB * block] (V transposed; sequence b from column cu_blocks[b] * block),
+    vt8 [Hkv * Dv, NB * block] (V transposed; sequence b from column cu_blocks[b] * block, its
+    tokens in `prefill_quant.vt_column` order within each 32-token chunk),
     Fp8PrefillScales). Scale = amax / 448 (1.0 for an all-zero block), codes = clamp(x / scale,
     +-448) rounded to nearest even. NB = T // block + B (`prefill_quant.block_bound`: known
     without reading the lengths); the blocks past the sequences' have unit scales and zero
@@ -80,7 +81,9 @@ def dequantize_fp8_prefill(q8, k8, vt8, scales: Fp8PrefillScales, cu_seqlens):
     g = Hq // Hkv
     q = (q8.float().reshape(T, Hkv, g, D) * scales.q_descale[blk][:, :, None, None])
     k = k8.float() * scales.k_descale[blk][:, :, None]
-    col = scales.cu_blocks[:-1].long()[seq] * SCALE_BLOCK + local
+    from kvcompile.kernels.prefill_quant import vt_column
+
+    col = scales.cu_blocks[:-1].long()[seq] * SCALE_BLOCK + vt_column(local)
     v = vt8[:, col].float().t().reshape(T, Hkv, Dv) * scales.v_descale[blk][:, :, None]
     return q.reshape(T, Hq, D), k, v
 

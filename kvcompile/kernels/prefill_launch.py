@@ -293,12 +293,15 @@ def launch_prefill(q, k, v, cu_seqlens, out, scale, causal, window, sinks, softc
         kd, vd = (descriptor(x.t().reshape(-1, 1).expand(-1, 4).contiguous(), [1, 4])
                   for x in (kd, vd))
     hopper = is_hopper(q.device)
+    tma_all = tma
     configs = ([config] if config is not None else
                [INTERPRET_CONFIG] if interpreting() else
                candidates(_VARLEN, D, group,
                           ws_ok(hopper, fp8 is not None, window, sinks, switches.warp_spec)))
 
     def launch(c: TileConfig):
+        # FP8 V tiles by TMA hold whole 32-key chunks of vt_column order (P is permuted to match)
+        tma = tma_all and (fp8 is None or c.block_n % 32 == 0)
         ws = c.warp_spec and tma and not (window and sinks)
         rows = 1 if ws else group  # query heads packed per tile (warp specialization: one)
         tok_m = max(c.block_m // rows, 1)

@@ -11,7 +11,8 @@ integer ops, as the append kernels do, since its own fp8 cast rounds some values
 Blocks are numbered across sequences as `cu_blocks` says; the grid covers floor(T / 128) + B
 blocks (an upper bound known without a device sync); the programs past the last block write
 zero columns of vt and unit scales, so every output is fully written and its shape depends on
-T and B alone.
+T and B alone. vt's tokens are in `vt_column` order within each 32-token chunk (the Hopper
+kernel's P order).
 """
 
 from __future__ import annotations
@@ -27,6 +28,20 @@ SCALE_BLOCK = 128   # tokens per scale (prefill_varlen.SCALE_BLOCK: the kernels'
 FP8_MAX = 448.0
 _BLOCK = tl.constexpr(SCALE_BLOCK)   # the kernels read globals only as constexpr
 _FMAX = tl.constexpr(FP8_MAX)
+
+
+def vt_column(t):
+    """The column (within its sequence's run of vt8) of token t (an int or an int tensor):
+    within each 32-token chunk, t = 16h + 8j + 2q + p is stored at 16h + 4q + 2j + p, the order
+    in which a thread of the Hopper kernel holds P's keys (kernels/prefill_sm90.py), so that P
+    enters its P V product without crossing lanes."""
+    return (t & ~0xE) | (((t >> 3) & 1) << 1) | (((t >> 1) & 3) << 2)
+
+
+@triton.jit
+def vt_column_jit(t):
+    # vt_column in a kernel
+    return (t & ~0xE) | (((t >> 3) & 1) << 1) | (((t >> 1) & 3) << 2)
 
 
 @triton.jit
@@ -55,8 +70,9 @@ def _descale(amax, RECIP: tl.constexpr):
 def _write_codes(X, Y, t0, n, stride_t, stride_y, col0, ycol0, d, C: tl.constexpr,
                  BT: tl.constexpr, BC: tl.constexpr, TRANSPOSE: tl.constexpr,
                  EXPLICIT: tl.constexpr):
-    # codes of rows t0 .. t0 + SCALE_BLOCK - 1 (zeros past n); TRANSPOSE: Y[ycol0 + c, t] (vt),
-    # else Y[t, ycol0 + c] (rows past n not written)
+    # codes of rows t0 .. t0 + SCALE_BLOCK - 1 (zeros past n); TRANSPOSE: Y[ycol0 + c, t0 +
+    # vt_column(r)] (vt: tokens in P's lane order within 32-token chunks), else Y[t, ycol0 + c]
+    # (rows past n not written)
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BC)
     for r0 in range(0, _BLOCK, BT):
@@ -67,7 +83,8 @@ def _write_codes(X, Y, t0, n, stride_t, stride_y, col0, ycol0, d, C: tl.constexp
         code = _encode_fp8(x, tl.zeros([BT], tl.float32) + d, tl.reduce(tl.abs(x), 1, max_nan),
                            1, _FMAX, EXPLICIT)
         if TRANSPOSE:
-            ptr = Y + (ycol0 + cols).to(tl.int64)[None, :] * stride_y + (t0 + r)[:, None]
+            ptr = (Y + (ycol0 + cols).to(tl.int64)[None, :] * stride_y
+                   + (t0 + vt_column_jit(r))[:, None])
             tl.store(ptr, code, mask=(cols < C)[None, :])
         else:
             ptr = Y + (t0 + r).to(tl.int64)[:, None] * stride_y + ycol0 + cols[None, :]

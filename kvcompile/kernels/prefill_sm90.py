@@ -97,17 +97,13 @@ if GLUON_ERROR is None:
         return p, alpha, m_new, l_new
 
     @gluon.jit
-    def _p_operand(p, p_layout: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                   PERM: gl.constexpr):
-        # P as the A operand of the P V wgmma. PERM (timing only until V^T is stored in the
-        # same order): P's keys in the order each thread already holds them in the q.k
-        # accumulator (within a 32-key chunk, k = 16h + 4q + 2j + p <- key 16h + 8j + 2q + p),
-        # so that no value crosses lanes
-        x = p.to(gl.float8e4nv)
-        if PERM:
-            x = gl.reshape(x, [BM, BN // 32, 2, 2, 4, 2])
-            x = gl.permute(x, [0, 1, 2, 4, 3, 5])
-            x = gl.reshape(x, [BM, BN])
+    def _p_operand(p, p_layout: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+        # P as the A operand of the P V wgmma, its keys in the order each thread already holds
+        # them in the q.k accumulator (within a 32-key chunk, position 16h + 4q + 2j + p holds
+        # key 16h + 8j + 2q + p), which is the order vt8 stores V's tokens in
+        # (prefill_quant.vt_column): no value crosses lanes
+        x = gl.reshape(p.to(gl.float8e4nv), [BM, BN // 32, 2, 2, 4, 2])
+        x = gl.reshape(gl.permute(x, [0, 1, 2, 4, 3, 5]), [BM, BN])
         return gl.convert_layout(x, p_layout)
 
     @gluon.jit
@@ -115,7 +111,7 @@ if GLUON_ERROR is None:
               r, kd, vs, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start, v_col,
               keys0, pos, row_o: gl.constexpr, p_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
               KV_BYTES: gl.constexpr, MASKED: gl.constexpr, P_SH: gl.constexpr,
-              SYNC: gl.constexpr, PERM: gl.constexpr):
+              SYNC: gl.constexpr):
         # key tile j: its scores and the last tile's P V on the tensor cores, back to back;
         # this tile's softmax while P V runs (FlashAttention-3's order within a warpgroup).
         # r: the last softmax's rescale of O (its max's growth, the V scale's change), applied
@@ -141,7 +137,7 @@ if GLUON_ERROR is None:
         # O is kept in units of the current V block's scale
         r = gl.convert_layout(alpha * (v_prev / vs), row_o)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        p8 = _p_operand(p, p_layout, p.shape[0], p.shape[1], PERM)
+        p8 = _p_operand(p, p_layout, p.shape[0], p.shape[1])
         # every warp is past tile j's q.k and tile j - 1's P V: K stage j % 2 and V stage
         # (j + 1) % 2 are free for tiles j + 2 and j + 1
         cta_barrier()
@@ -155,7 +151,7 @@ if GLUON_ERROR is None:
     def prefill_fp8_sm90_kernel(q_desc, k_desc, v_desc, Out, cu_seqlens, cu_blocks, QD, KD, VD,
                                 sm_scale_log2, stride_ot, stride_oh, stride_sb, ratio,
                                 HEAD_DIM: gl.constexpr, SYNC: gl.constexpr,
-                                PERM: gl.constexpr, num_warps: gl.constexpr):
+                                num_warps: gl.constexpr):
         BM: gl.constexpr = 16 * num_warps   # 64 rows a warpgroup
         BN: gl.constexpr = 128
         P_SH: gl.constexpr = 8.0
@@ -222,7 +218,7 @@ if GLUON_ERROR is None:
             v_prev = gl.load(VD + kblk0 * stride_sb + hkv)
             p, alpha, m_i, l_i = _softmax(s, c_q * gl.load(KD + kblk0 * stride_sb + hkv), m_i,
                                           l_i, keys0, pos, True, P_SH)
-            p8 = _p_operand(p, p_layout, p.shape[0], p.shape[1], PERM)
+            p8 = _p_operand(p, p_layout, p.shape[0], p.shape[1])
             acc = gl.zeros([BM, HEAD_DIM], gl.float32, o_layout)
             r = gl.convert_layout(alpha, row_o)   # 0: O is empty
             nxt = (kblk0 + gl.minimum(1, n_tiles - 1)) * stride_sb + hkv
@@ -234,13 +230,13 @@ if GLUON_ERROR is None:
                     q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, p8, m_i, l_i,
                     v_prev, r, kd, vs, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv,
                     q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, False,
-                    P_SH, SYNC, PERM)
+                    P_SH, SYNC)
             if n_tiles > 1:   # the diagonal tile, masked
                 acc, p8, m_i, l_i, v_prev, r, kd, vs = _tile(
                     q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, p8, m_i, l_i,
                     v_prev, r, kd, vs, zero_s, n_tiles - 1, n_tiles, c_q, KD, VD, kblk0,
                     stride_sb, hkv, q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM,
-                    KV_BYTES, True, P_SH, SYNC, PERM)
+                    KV_BYTES, True, P_SH, SYNC)
             jl = n_tiles - 1
             acc = acc * r[:, None]
             mbarrier.wait(v_bar.index(jl % 2), (jl // 2) & 1)
@@ -282,12 +278,10 @@ def unsupported(q8, k8, vt8, out, causal, window, sinks, softcap, cu_seqlens_k) 
 
 
 def launch_prefill_fp8_sm90(q8, k8, vt8, scales, cu_seqlens, out, scale: float,
-                            max_seqlen: int, warps: int = NUM_WARPS, sync: bool = False,
-                            perm: bool = False):
+                            max_seqlen: int, warps: int = NUM_WARPS, sync: bool = False):
     """Run the kernel (unsupported(...) is None): out [T, Hq, D] written, returned. warps: 8
     (128 query rows a CTA, two warpgroups) or 4 (64 rows, one warpgroup, two CTAs a SM); sync:
-    a diagnostic build that waits for each wgmma at once (no overlap); perm: a TIMING-ONLY build
-    whose output is wrong (P's keys in lane order, which vt8 does not store yet)."""
+    a diagnostic build that waits for each wgmma at once (no overlap)."""
     import triton
 
     TD = TensorDescriptor
@@ -310,5 +304,5 @@ def launch_prefill_fp8_sm90(q8, k8, vt8, scales, cu_seqlens, out, scale: float,
     prefill_fp8_sm90_kernel[grid](qd, kd, vd, out, cu_seqlens, cu_blocks, q_ds, k_ds, v_ds,
                                   float(scale) * 1.4426950408889634, out.stride(0),
                                   out.stride(1), q_ds.stride(0), Hq // Hkv, HEAD_DIM=D,
-                                  SYNC=sync, PERM=perm, num_warps=warps)
+                                  SYNC=sync, num_warps=warps)
     return out

@@ -7,7 +7,8 @@ arrive through TMA tensor descriptors into a software-pipelined (optionally warp
 loop; elsewhere, and under TRITON_INTERPRET=1, through plain pointer loads.
 
 FP8 (`fp8=True`): q [T, Hq, D], k [T, Hkv, D] E4M3 and v transposed, vt [Hkv * Dv, NB * 128]
-E4M3, so that both GEMMs run on fp8 tensor cores (Hopper wants the reduction dim contiguous for
+E4M3 (tokens in `prefill_quant.vt_column` order within 32-token chunks: the TMA path permutes P
+to match, the pointer path gathers), so that both GEMMs run on fp8 tensor cores (Hopper wants the reduction dim contiguous for
 fp8 operands). One fp32 descale per (sequence, SCALE_BLOCK-token block, kv head) for each of q, k,
 v; `cu_blocks` [B+1] gives each sequence's first block, and sequence b's token i sits in column
 cu_blocks[b] * SCALE_BLOCK + i of vt (aligned starts, as TMA wants). The scale of a V block is folded into the
@@ -19,6 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvcompile.kernels.prefill_quant import vt_column_jit
 from kvcompile.kernels.prefill_tiles import (
     key_ranges,
     sink_range,
@@ -76,10 +78,13 @@ def _varlen_tiles(acc, m_i, l_i, v_prev, q, c_q, pos, K, V, k_descale, v_descale
         else:
             p, alpha, m_i, l_i = softmax_step_scaled(qk, c, m_i, l_i, P_SHIFT)
         if FP8:
-            if TMA:
-                v = tl.trans(V.load([hkv * HEAD_DIM_V, kblk0 * SCALE_BLK + n]))  # [BN, Dv]
-            else:
-                v_cols = (kblk0 * SCALE_BLK + keys).to(tl.int64) * stride_vt
+            if TMA:   # [BN, Dv], keys in vt_column order within 32-key chunks: so is P then
+                v = tl.trans(V.load([hkv * HEAD_DIM_V, kblk0 * SCALE_BLK + n]))
+                bm: tl.constexpr = p.shape[0]
+                p = tl.reshape(tl.permute(tl.reshape(p, [bm, BLOCK_N // 32, 2, 2, 4, 2]),
+                                          [0, 1, 2, 4, 3, 5]), [bm, BLOCK_N])
+            else:   # keys in order, gathered from their vt columns
+                v_cols = (kblk0 * SCALE_BLK + vt_column_jit(keys)).to(tl.int64) * stride_vt
                 v = tl.load(V + (hkv * HEAD_DIM_V + offs_dv)[None, :].to(tl.int64) * stride_vh
                             + v_cols[:, None], mask=(keys < k_len)[:, None], other=0.0)
             # running acc is kept in units of the current V block's scale

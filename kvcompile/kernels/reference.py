@@ -214,7 +214,10 @@ def quantize_fp8_prefill_ref(q, k, v, cu_seqlens, num_blocks: int, block: int = 
     q8 = encode(qg, qs).reshape(T, Hq, D)
     k8 = encode(k[:, :, None], ks).reshape(T, Hkv, D)
     v8 = encode(v[:, :, None], vs).reshape(T, Hkv * Dv)
-    col = cu_blocks[:-1].long()[seq] * block + local  # [T]: column of each token in vt8
+    from kvcompile.kernels.prefill_quant import vt_column
+
+    # [T]: each token's column in vt8 (within a 32-token chunk in P's lane order)
+    col = cu_blocks[:-1].long()[seq] * block + vt_column(local)
     vt8 = torch.zeros(Hkv * Dv, nb * block, dtype=torch.float8_e4m3fn, device=q.device)
     vt8[:, col] = v8.t()
     return q8, k8, vt8, (qs, ks, vs, cu_blocks)
