@@ -86,18 +86,19 @@ def check() -> list[str]:
             print(f"gluon {name}: not taken ({why})")
             fails.append(f"gluon not taken: {why}")
             continue
-        for warps in (8, 4):
+        for warps, overlap in ((8, False), (4, False), (8, True), (4, True)):
             glu = torch.full_like(tri, float("nan"))
             prefill_sm90.launch_prefill_fp8_sm90(q8, k8, vt8, sc, cu, glu, d ** -0.5,
-                                                 max(lens), warps=warps)
+                                                 max(lens), warps=warps, overlap=overlap)
             torch.cuda.synchronize()
             nan = torch.isnan(glu).any().item()
             e_glu = rel_err(glu.float(), ref)
             ok = not nan and e_glu <= max(2.0 * e_tri, 0.03)
-            print(f"gluon ({warps} warps) {name}: rel err {e_glu:.4f} (triton fp8 "
+            how = f"{warps} warps, {'overlap' if overlap else 'serial'}"
+            print(f"gluon ({how}) {name}: rel err {e_glu:.4f} (triton fp8 "
                   f"{e_tri:.4f}), nan {nan}: {'ok' if ok else 'FAIL'}")
             if not ok:
-                fails.append(f"gluon {warps} warps {name}")
+                fails.append(f"gluon {how} {name}")
         glu = fp8_out(q8, k8, vt8, sc, cu, d ** -0.5, max(lens), L.DEFAULT_SWITCHES)
         if not torch.equal(glu, tri) and rel_err(glu.float(), ref) > 0.03:
             fails.append(f"launch_prefill's dispatch {name}")
@@ -136,10 +137,13 @@ def bench_shape(s) -> list[dict]:
     row("gluon fp8 kernel", lambda: fp8_out(q8, k8, vt8, sc, cu, scale, Lq,
                                             L.DEFAULT_SWITCHES))
     out = torch.empty(B * Lq, hq, d, device="cuda", dtype=torch.bfloat16)
-    for warps, sync in ((8, False), (8, True), (4, False), (4, True)):
-        row(f"gluon fp8, {warps} warps{', each wgmma waited (no overlap)' if sync else ''}",
-            lambda w=warps, y=sync: prefill_sm90.launch_prefill_fp8_sm90(
-                q8, k8, vt8, sc, cu, out, scale, Lq, warps=w, sync=y))
+    # (the default, 4 warps in the serial order, is the row above)
+    for warps, overlap, sync in ((8, False, False), (4, True, False), (8, True, False),
+                                 (4, True, True)):
+        row(f"gluon fp8, {warps} warps, "
+            f"{('overlap, each wgmma waited' if sync else 'overlap') if overlap else 'serial'}",
+            lambda w=warps, o=overlap, y=sync: prefill_sm90.launch_prefill_fp8_sm90(
+                q8, k8, vt8, sc, cu, out, scale, Lq, warps=w, overlap=o, sync=y))
     nb = PQ.block_bound(B * Lq, B)
     row("quantize, triton", lambda: PQ.quantize_fp8_prefill_triton(q, k, v, cu, nb))
     row("quantize, torch", lambda: quantize_fp8_prefill_ref(q, k, v, cu, nb))

@@ -148,10 +148,42 @@ if GLUON_ERROR is None:
         return acc, p8, m_i, l_i, vs, r, kd_n, vs_n
 
     @gluon.jit
+    def _tile_serial(q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, m_i, l_i, v_prev,
+                zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start, v_col, keys0,
+                pos, row_o: gl.constexpr, p_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
+                KV_BYTES: gl.constexpr, MASKED: gl.constexpr, P_SH: gl.constexpr):
+        # key tile j in order: its scores (the last tile's P V completes first), its softmax,
+        # then its P V, left running into the next tile. P is made and consumed in one
+        # iteration: carried across the loop, Triton keeps an E4M3 tensor as single bytes and
+        # repacks them for the wgmma (112 PRMT + 64 LOP3 + 32 SHF a tile and warp, against 16
+        # PRMT here: the loop body 718 -> 515 SASS instructions at head_dim 128)
+        mbarrier.wait(k_bar.index(j % 2), (j // 2) & 1)
+        s = warpgroup_mma(q_smem, k_smem.index(j % 2).permute((1, 0)), zero_s, use_acc=False,
+                          is_async=True)
+        blk = (kblk0 + j) * stride_sb + hkv
+        kd = gl.load(KD + blk)
+        vs = gl.load(VD + blk)
+        s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
+        p, alpha, m_i, l_i = _softmax(s, c_q * kd, m_i, l_i, j * 128 + keys0, pos, MASKED,
+                                      P_SH)
+        acc = acc * gl.convert_layout(alpha * (v_prev / vs), row_o)[:, None]
+        p8 = _p_operand(p, p_layout, p.shape[0], p.shape[1])
+        mbarrier.wait(v_bar.index(j % 2), (j // 2) & 1)
+        acc = warpgroup_mma(p8, v_smem.index(j % 2).permute((1, 0)), acc, is_async=True)
+        # every warp is past tile j's q.k and tile j - 1's P V: K stage j % 2 and V stage
+        # (j + 1) % 2 are free for tiles j + 2 and j + 1 (V of tiles 0 and 1: the prologue's)
+        cta_barrier()
+        if j + 2 < n_tiles:
+            _load_k(k_desc, k_smem, k_bar, q_start, hkv * HEAD_DIM, j + 2, KV_BYTES)
+        if j > 0 and j + 1 < n_tiles:
+            _load_v(v_desc, v_smem, v_bar, hkv * HEAD_DIM, v_col, j + 1, KV_BYTES)
+        return acc, m_i, l_i, vs
+
+    @gluon.jit
     def prefill_fp8_sm90_kernel(q_desc, k_desc, v_desc, Out, cu_seqlens, cu_blocks, QD, KD, VD,
                                 sm_scale_log2, stride_ot, stride_oh, stride_sb, ratio,
                                 HEAD_DIM: gl.constexpr, SYNC: gl.constexpr,
-                                num_warps: gl.constexpr):
+                                num_warps: gl.constexpr, OVERLAP: gl.constexpr):
         BM: gl.constexpr = 16 * num_warps   # 64 rows a warpgroup
         BN: gl.constexpr = 128
         P_SH: gl.constexpr = 8.0
@@ -206,42 +238,63 @@ if GLUON_ERROR is None:
             keys0 = gl.arange(0, BN, col_s)
             pos = t0 + gl.arange(0, BM, row_s)
 
-            # tile 0: its scores, then its softmax (masked: it may be the diagonal tile)
-            mbarrier.wait(q_bar, 0)
-            mbarrier.wait(k_bar.index(0), 0)
-            s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False,
-                              is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            cta_barrier()   # every warp is past tile 0's q.k: K stage 0 is free
-            if n_tiles > 2:
-                _load_k(k_desc, k_smem, k_bar, q_start, hkv * HEAD_DIM, 2, KV_BYTES)
-            v_prev = gl.load(VD + kblk0 * stride_sb + hkv)
-            p, alpha, m_i, l_i = _softmax(s, c_q * gl.load(KD + kblk0 * stride_sb + hkv), m_i,
-                                          l_i, keys0, pos, True, P_SH)
-            p8 = _p_operand(p, p_layout, p.shape[0], p.shape[1])
-            acc = gl.zeros([BM, HEAD_DIM], gl.float32, o_layout)
-            r = gl.convert_layout(alpha, row_o)   # 0: O is empty
-            nxt = (kblk0 + gl.minimum(1, n_tiles - 1)) * stride_sb + hkv
-            kd = gl.load(KD + nxt)
-            vs = gl.load(VD + nxt)
+            if not OVERLAP:   # the default: P made and used in one iteration
+                mbarrier.wait(q_bar, 0)
+                acc = gl.zeros([BM, HEAD_DIM], gl.float32, o_layout)
+                v_prev = gl.load(VD + kblk0 * stride_sb + hkv)
+                acc, m_i, l_i, v_prev = _tile_serial(
+                    q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, m_i, l_i, v_prev,
+                    zero_s, 0, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start, v_col, keys0,
+                    pos, row_o, p_layout, HEAD_DIM, KV_BYTES, True, P_SH)
+                for j in range(1, n_tiles - 1):
+                    acc, m_i, l_i, v_prev = _tile_serial(
+                        q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, m_i, l_i,
+                        v_prev, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start,
+                        v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, False, P_SH)
+                if n_tiles > 1:
+                    acc, m_i, l_i, v_prev = _tile_serial(
+                        q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, m_i, l_i,
+                        v_prev, zero_s, n_tiles - 1, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv,
+                        q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, True,
+                        P_SH)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            else:   # FlashAttention-3's order: P V of tile j - 1 during tile j's softmax
+                # tile 0: its scores, then its softmax (masked: it may be the diagonal tile)
+                mbarrier.wait(q_bar, 0)
+                mbarrier.wait(k_bar.index(0), 0)
+                s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False,
+                                  is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                cta_barrier()   # every warp is past tile 0's q.k: K stage 0 is free
+                if n_tiles > 2:
+                    _load_k(k_desc, k_smem, k_bar, q_start, hkv * HEAD_DIM, 2, KV_BYTES)
+                v_prev = gl.load(VD + kblk0 * stride_sb + hkv)
+                p, alpha, m_i, l_i = _softmax(s, c_q * gl.load(KD + kblk0 * stride_sb + hkv), m_i,
+                                              l_i, keys0, pos, True, P_SH)
+                p8 = _p_operand(p, p_layout, p.shape[0], p.shape[1])
+                acc = gl.zeros([BM, HEAD_DIM], gl.float32, o_layout)
+                r = gl.convert_layout(alpha, row_o)   # 0: O is empty
+                nxt = (kblk0 + gl.minimum(1, n_tiles - 1)) * stride_sb + hkv
+                kd = gl.load(KD + nxt)
+                vs = gl.load(VD + nxt)
 
-            for j in range(1, n_tiles - 1):
-                acc, p8, m_i, l_i, v_prev, r, kd, vs = _tile(
-                    q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, p8, m_i, l_i,
-                    v_prev, r, kd, vs, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv,
-                    q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, False,
-                    P_SH, SYNC)
-            if n_tiles > 1:   # the diagonal tile, masked
-                acc, p8, m_i, l_i, v_prev, r, kd, vs = _tile(
-                    q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, p8, m_i, l_i,
-                    v_prev, r, kd, vs, zero_s, n_tiles - 1, n_tiles, c_q, KD, VD, kblk0,
-                    stride_sb, hkv, q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM,
-                    KV_BYTES, True, P_SH, SYNC)
-            jl = n_tiles - 1
-            acc = acc * r[:, None]
-            mbarrier.wait(v_bar.index(jl % 2), (jl // 2) & 1)
-            acc = warpgroup_mma(p8, v_smem.index(jl % 2).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                for j in range(1, n_tiles - 1):
+                    acc, p8, m_i, l_i, v_prev, r, kd, vs = _tile(
+                        q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, p8, m_i, l_i,
+                        v_prev, r, kd, vs, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv,
+                        q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, False,
+                        P_SH, SYNC)
+                if n_tiles > 1:   # the diagonal tile, masked
+                    acc, p8, m_i, l_i, v_prev, r, kd, vs = _tile(
+                        q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, p8, m_i, l_i,
+                        v_prev, r, kd, vs, zero_s, n_tiles - 1, n_tiles, c_q, KD, VD, kblk0,
+                        stride_sb, hkv, q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM,
+                        KV_BYTES, True, P_SH, SYNC)
+                jl = n_tiles - 1
+                acc = acc * r[:, None]
+                mbarrier.wait(v_bar.index(jl % 2), (jl // 2) & 1)
+                acc = warpgroup_mma(p8, v_smem.index(jl % 2).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
             mbarrier.invalidate(q_bar)
             for i in gl.static_range(2):
@@ -278,10 +331,13 @@ def unsupported(q8, k8, vt8, out, causal, window, sinks, softcap, cu_seqlens_k) 
 
 
 def launch_prefill_fp8_sm90(q8, k8, vt8, scales, cu_seqlens, out, scale: float,
-                            max_seqlen: int, warps: int = NUM_WARPS, sync: bool = False):
+                            max_seqlen: int, warps: int = NUM_WARPS, overlap: bool = False,
+                            sync: bool = False):
     """Run the kernel (unsupported(...) is None): out [T, Hq, D] written, returned. warps: 8
-    (128 query rows a CTA, two warpgroups) or 4 (64 rows, one warpgroup, two CTAs a SM); sync:
-    a diagnostic build that waits for each wgmma at once (no overlap)."""
+    (128 query rows a CTA, two warpgroups) or 4 (64 rows, one warpgroup, two CTAs a SM);
+    overlap: FlashAttention-3's order within a warpgroup (tile j - 1's P V runs during tile j's
+    softmax; P crosses the loop as single bytes) instead of the serial order; sync (with
+    overlap): a diagnostic build that waits for each wgmma at once."""
     import triton
 
     TD = TensorDescriptor
@@ -304,5 +360,5 @@ def launch_prefill_fp8_sm90(q8, k8, vt8, scales, cu_seqlens, out, scale: float,
     prefill_fp8_sm90_kernel[grid](qd, kd, vd, out, cu_seqlens, cu_blocks, q_ds, k_ds, v_ds,
                                   float(scale) * 1.4426950408889634, out.stride(0),
                                   out.stride(1), q_ds.stride(0), Hq // Hkv, HEAD_DIM=D,
-                                  SYNC=sync, num_warps=warps)
+                                  SYNC=sync, OVERLAP=overlap, num_warps=warps)
     return out
