@@ -86,15 +86,17 @@ def check() -> list[str]:
             print(f"gluon {name}: not taken ({why})")
             fails.append(f"gluon not taken: {why}")
             continue
-        for warps, overlap in ((8, False), (4, False), (8, True), (4, True)):
+        for warps, overlap, tree in ((8, False, True), (4, False, True), (4, False, False),
+                                     (8, True, True), (4, True, True)):
             glu = torch.full_like(tri, float("nan"))
             prefill_sm90.launch_prefill_fp8_sm90(q8, k8, vt8, sc, cu, glu, d ** -0.5,
-                                                 max(lens), warps=warps, overlap=overlap)
+                                                 max(lens), warps=warps, overlap=overlap,
+                                                 tree=tree)
             torch.cuda.synchronize()
             nan = torch.isnan(glu).any().item()
             e_glu = rel_err(glu.float(), ref)
             ok = not nan and e_glu <= max(2.0 * e_tri, 0.03)
-            how = f"{warps} warps, {'overlap' if overlap else 'serial'}"
+            how = f"{warps} warps, {'overlap' if overlap else 'serial'}, tree {tree}"
             print(f"gluon ({how}) {name}: rel err {e_glu:.4f} (triton fp8 "
                   f"{e_tri:.4f}), nan {nan}: {'ok' if ok else 'FAIL'}")
             if not ok:
@@ -137,13 +139,14 @@ def bench_shape(s) -> list[dict]:
     row("gluon fp8 kernel", lambda: fp8_out(q8, k8, vt8, sc, cu, scale, Lq,
                                             L.DEFAULT_SWITCHES))
     out = torch.empty(B * Lq, hq, d, device="cuda", dtype=torch.bfloat16)
-    # (the default, 4 warps in the serial order, is the row above)
-    for warps, overlap, sync in ((8, False, False), (4, True, False), (8, True, False),
-                                 (4, True, True)):
-        row(f"gluon fp8, {warps} warps, "
-            f"{('overlap, each wgmma waited' if sync else 'overlap') if overlap else 'serial'}",
-            lambda w=warps, o=overlap, y=sync: prefill_sm90.launch_prefill_fp8_sm90(
-                q8, k8, vt8, sc, cu, out, scale, Lq, warps=w, overlap=o, sync=y))
+    # (the default, 4 warps in the serial order with tree reductions, is the row above)
+    for warps, overlap, sync, tree in ((8, False, False, True), (4, False, False, False),
+                                       (4, True, False, True), (4, True, False, False),
+                                       (4, True, True, True)):
+        how = ("overlap, each wgmma waited" if sync else "overlap") if overlap else "serial"
+        row(f"gluon fp8, {warps} warps, {how}{'' if tree else ', one chain a row'}",
+            lambda w=warps, o=overlap, y=sync, t=tree: prefill_sm90.launch_prefill_fp8_sm90(
+                q8, k8, vt8, sc, cu, out, scale, Lq, warps=w, overlap=o, sync=y, tree=t))
     nb = PQ.block_bound(B * Lq, B)
     row("quantize, triton", lambda: PQ.quantize_fp8_prefill_triton(q, k, v, cu, nb))
     row("quantize, torch", lambda: quantize_fp8_prefill_ref(q, k, v, cu, nb))

@@ -83,17 +83,44 @@ if GLUON_ERROR is None:
         tma_load(v_desc, [row, col + j * 128], v_bar.index(s), v_smem.index(s))
 
     @gluon.jit
-    def _softmax(s, c, m_i, l_i, keys, pos, MASKED: gl.constexpr, P_SH: gl.constexpr):
+    def _row_max(x, row_layout: gl.constexpr, TREE: gl.constexpr):
+        # a row's max over a wgmma accumulator [BM, BN] (a thread holds key 8i + 2q + p of its
+        # rows for i < BN / 8, p < 2; q: its lane % 4). Triton reduces a thread's values in
+        # one dependent chain (31 FMNMX a row); TREE splits the keys as 64h + 8i + 2q + p and
+        # reduces over i first: eight independent chains of 7 a thread, then h, then p and q
+        if TREE:
+            BM: gl.constexpr = x.shape[0]
+            BN: gl.constexpr = x.shape[1]
+            y = gl.max(gl.reshape(x, [BM, 2, BN // 16, 8]), 2)
+            return gl.convert_layout(gl.max(gl.max(y, 1), 1), row_layout)
+        else:
+            return gl.max(x, 1)
+
+    @gluon.jit
+    def _row_sum(x, row_layout: gl.constexpr, TREE: gl.constexpr):
+        # a row's sum, split as _row_max splits its max
+        if TREE:
+            BM: gl.constexpr = x.shape[0]
+            BN: gl.constexpr = x.shape[1]
+            y = gl.sum(gl.reshape(x, [BM, 2, BN // 16, 8]), 2)
+            return gl.convert_layout(gl.sum(gl.sum(y, 1), 1), row_layout)
+        else:
+            return gl.sum(x, 1)
+
+    @gluon.jit
+    def _softmax(s, c, m_i, l_i, keys, pos, MASKED: gl.constexpr, P_SH: gl.constexpr,
+                 TREE: gl.constexpr):
         # s: raw FP8 q.k sums [BM, BN]; c: their multiplier (descales * scale * log2 e)
+        row: gl.constexpr = m_i.type.layout
         if MASKED:
             s = gl.where(keys[None, :] <= pos[:, None], s * c, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 1))
+            m_new = gl.maximum(m_i, _row_max(s, row, TREE))
             p = gl.exp2(s - (m_new - P_SH)[:, None])
         else:
-            m_new = gl.maximum(m_i, gl.max(s, 1) * c)
+            m_new = gl.maximum(m_i, _row_max(s, row, TREE) * c)
             p = gl.exp2(s * c - (m_new - P_SH)[:, None])
         alpha = gl.exp2(m_i - m_new)
-        l_new = l_i * alpha + gl.sum(p, 1)
+        l_new = l_i * alpha + _row_sum(p, row, TREE)
         return p, alpha, m_new, l_new
 
     @gluon.jit
@@ -111,7 +138,7 @@ if GLUON_ERROR is None:
               r, kd, vs, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start, v_col,
               keys0, pos, row_o: gl.constexpr, p_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
               KV_BYTES: gl.constexpr, MASKED: gl.constexpr, P_SH: gl.constexpr,
-              SYNC: gl.constexpr):
+              SYNC: gl.constexpr, TREE: gl.constexpr):
         # key tile j: its scores and the last tile's P V on the tensor cores, back to back;
         # this tile's softmax while P V runs (FlashAttention-3's order within a warpgroup).
         # r: the last softmax's rescale of O (its max's growth, the V scale's change), applied
@@ -133,7 +160,7 @@ if GLUON_ERROR is None:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         p, alpha, m_i, l_i = _softmax(s, c_q * kd, m_i, l_i, j * 128 + keys0, pos, MASKED,
-                                      P_SH)
+                                      P_SH, TREE)
         # O is kept in units of the current V block's scale
         r = gl.convert_layout(alpha * (v_prev / vs), row_o)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -151,7 +178,8 @@ if GLUON_ERROR is None:
     def _tile_serial(q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, m_i, l_i, v_prev,
                 zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start, v_col, keys0,
                 pos, row_o: gl.constexpr, p_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
-                KV_BYTES: gl.constexpr, MASKED: gl.constexpr, P_SH: gl.constexpr):
+                KV_BYTES: gl.constexpr, MASKED: gl.constexpr, P_SH: gl.constexpr,
+                TREE: gl.constexpr):
         # key tile j in order: its scores (the last tile's P V completes first), its softmax,
         # then its P V, left running into the next tile. P is made and consumed in one
         # iteration: carried across the loop, Triton keeps an E4M3 tensor as single bytes and
@@ -165,7 +193,7 @@ if GLUON_ERROR is None:
         vs = gl.load(VD + blk)
         s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
         p, alpha, m_i, l_i = _softmax(s, c_q * kd, m_i, l_i, j * 128 + keys0, pos, MASKED,
-                                      P_SH)
+                                      P_SH, TREE)
         acc = acc * gl.convert_layout(alpha * (v_prev / vs), row_o)[:, None]
         p8 = _p_operand(p, p_layout, p.shape[0], p.shape[1])
         mbarrier.wait(v_bar.index(j % 2), (j // 2) & 1)
@@ -183,7 +211,8 @@ if GLUON_ERROR is None:
     def prefill_fp8_sm90_kernel(q_desc, k_desc, v_desc, Out, cu_seqlens, cu_blocks, QD, KD, VD,
                                 sm_scale_log2, stride_ot, stride_oh, stride_sb, ratio,
                                 HEAD_DIM: gl.constexpr, SYNC: gl.constexpr,
-                                num_warps: gl.constexpr, OVERLAP: gl.constexpr):
+                                num_warps: gl.constexpr, OVERLAP: gl.constexpr,
+                                TREE: gl.constexpr):
         BM: gl.constexpr = 16 * num_warps   # 64 rows a warpgroup
         BN: gl.constexpr = 128
         P_SH: gl.constexpr = 8.0
@@ -245,18 +274,19 @@ if GLUON_ERROR is None:
                 acc, m_i, l_i, v_prev = _tile_serial(
                     q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, m_i, l_i, v_prev,
                     zero_s, 0, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start, v_col, keys0,
-                    pos, row_o, p_layout, HEAD_DIM, KV_BYTES, True, P_SH)
+                    pos, row_o, p_layout, HEAD_DIM, KV_BYTES, True, P_SH, TREE)
                 for j in range(1, n_tiles - 1):
                     acc, m_i, l_i, v_prev = _tile_serial(
                         q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, m_i, l_i,
                         v_prev, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start,
-                        v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, False, P_SH)
+                        v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, False, P_SH,
+                        TREE)
                 if n_tiles > 1:
                     acc, m_i, l_i, v_prev = _tile_serial(
                         q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, m_i, l_i,
                         v_prev, zero_s, n_tiles - 1, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv,
                         q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, True,
-                        P_SH)
+                        P_SH, TREE)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             else:   # FlashAttention-3's order: P V of tile j - 1 during tile j's softmax
                 # tile 0: its scores, then its softmax (masked: it may be the diagonal tile)
@@ -270,7 +300,7 @@ if GLUON_ERROR is None:
                     _load_k(k_desc, k_smem, k_bar, q_start, hkv * HEAD_DIM, 2, KV_BYTES)
                 v_prev = gl.load(VD + kblk0 * stride_sb + hkv)
                 p, alpha, m_i, l_i = _softmax(s, c_q * gl.load(KD + kblk0 * stride_sb + hkv), m_i,
-                                              l_i, keys0, pos, True, P_SH)
+                                              l_i, keys0, pos, True, P_SH, TREE)
                 p8 = _p_operand(p, p_layout, p.shape[0], p.shape[1])
                 acc = gl.zeros([BM, HEAD_DIM], gl.float32, o_layout)
                 r = gl.convert_layout(alpha, row_o)   # 0: O is empty
@@ -283,13 +313,13 @@ if GLUON_ERROR is None:
                         q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, p8, m_i, l_i,
                         v_prev, r, kd, vs, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv,
                         q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, False,
-                        P_SH, SYNC)
+                        P_SH, SYNC, TREE)
                 if n_tiles > 1:   # the diagonal tile, masked
                     acc, p8, m_i, l_i, v_prev, r, kd, vs = _tile(
                         q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, p8, m_i, l_i,
                         v_prev, r, kd, vs, zero_s, n_tiles - 1, n_tiles, c_q, KD, VD, kblk0,
                         stride_sb, hkv, q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM,
-                        KV_BYTES, True, P_SH, SYNC)
+                        KV_BYTES, True, P_SH, SYNC, TREE)
                 jl = n_tiles - 1
                 acc = acc * r[:, None]
                 mbarrier.wait(v_bar.index(jl % 2), (jl // 2) & 1)
@@ -332,12 +362,13 @@ def unsupported(q8, k8, vt8, out, causal, window, sinks, softcap, cu_seqlens_k) 
 
 def launch_prefill_fp8_sm90(q8, k8, vt8, scales, cu_seqlens, out, scale: float,
                             max_seqlen: int, warps: int = NUM_WARPS, overlap: bool = False,
-                            sync: bool = False):
+                            sync: bool = False, tree: bool = True):
     """Run the kernel (unsupported(...) is None): out [T, Hq, D] written, returned. warps: 8
     (128 query rows a CTA, two warpgroups) or 4 (64 rows, one warpgroup, two CTAs a SM);
     overlap: FlashAttention-3's order within a warpgroup (tile j - 1's P V runs during tile j's
     softmax; P crosses the loop as single bytes) instead of the serial order; sync (with
-    overlap): a diagnostic build that waits for each wgmma at once."""
+    overlap): a diagnostic build that waits for each wgmma at once; tree: the rows' max and sum
+    in independent chains (False: Triton's one chain a row)."""
     import triton
 
     TD = TensorDescriptor
@@ -360,5 +391,6 @@ def launch_prefill_fp8_sm90(q8, k8, vt8, scales, cu_seqlens, out, scale: float,
     prefill_fp8_sm90_kernel[grid](qd, kd, vd, out, cu_seqlens, cu_blocks, q_ds, k_ds, v_ds,
                                   float(scale) * 1.4426950408889634, out.stride(0),
                                   out.stride(1), q_ds.stride(0), Hq // Hkv, HEAD_DIM=D,
-                                  SYNC=sync, OVERLAP=overlap, num_warps=warps)
+                                  SYNC=sync, OVERLAP=overlap, TREE=tree,
+                                  num_warps=warps)
     return out

@@ -38,10 +38,11 @@ def _build(d: int) -> list:
                  Out="*bf16", cu_seqlens="*i32", cu_blocks="*i32", QD="*fp32", KD="*fp32",
                  VD="*fp32", sm_scale_log2="fp32", stride_ot="i32", stride_oh="i32",
                  stride_sb="i32", ratio="i32", HEAD_DIM="constexpr", SYNC="constexpr",
-                 OVERLAP="constexpr", num_warps="constexpr")
+                 OVERLAP="constexpr", TREE="constexpr", num_warps="constexpr")
     fn = P.prefill_fp8_sm90_kernel
     try:
-        cx = {"HEAD_DIM": d, "SYNC": False, "OVERLAP": False, "num_warps": P.NUM_WARPS}
+        cx = {"HEAD_DIM": d, "SYNC": False, "OVERLAP": False, "TREE": True,
+              "num_warps": P.NUM_WARPS}
         k = triton.compile(GluonASTSource(fn=fn, signature=types, constexprs=cx),
                            target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=P.NUM_WARPS))
