@@ -101,6 +101,26 @@ def check() -> list[str]:
                   f"{e_tri:.4f}), nan {nan}: {'ok' if ok else 'FAIL'}")
             if not ok:
                 fails.append(f"gluon {how} {name}")
+        # Q in bf16, quantized by the kernel with a scale per row; K / V as above
+        qb = q.to(torch.bfloat16)
+        qs = qb.float().abs().amax(-1, keepdim=True)
+        qs = torch.where(qs > 0, qs / 448.0, torch.ones_like(qs))
+        q_rows = (qb.float() / qs).to(torch.float8_e4m3fn).float() * qs
+        ref_r = prefill_attention_ref(q_rows, kd, vd, cu, d ** -0.5).float()
+        _, k8b, vt8b, scb = quantize_fp8_prefill(qb, k, v, cu, with_q=False)
+        for warps in (4, 8):
+            glu = torch.full_like(tri, float("nan"))
+            prefill_sm90.launch_prefill_fp8_sm90(qb, k8b, vt8b, scb, cu, glu, d ** -0.5,
+                                                 max(lens), warps=warps)
+            torch.cuda.synchronize()
+            nan = torch.isnan(glu).any().item()
+            e_glu = rel_err(glu.float(), ref_r)
+            ok = not nan and e_glu <= max(2.0 * e_tri, 0.03)
+            print(f"gluon ({warps} warps, Q quantized in the kernel) {name}: rel err "
+                  f"{e_glu:.4f} (against the row-quantized reference; triton fp8 {e_tri:.4f}),"
+                  f" nan {nan}: {'ok' if ok else 'FAIL'}")
+            if not ok:
+                fails.append(f"gluon Q in kernel {warps} warps {name}")
         glu = fp8_out(q8, k8, vt8, sc, cu, d ** -0.5, max(lens), L.DEFAULT_SWITCHES)
         if not torch.equal(glu, tri) and rel_err(glu.float(), ref) > 0.03:
             fails.append(f"launch_prefill's dispatch {name}")
@@ -149,6 +169,16 @@ def bench_shape(s) -> list[dict]:
                 q8, k8, vt8, sc, cu, out, scale, Lq, warps=w, overlap=o, sync=y, tree=t))
     nb = PQ.block_bound(B * Lq, B)
     row("quantize, triton", lambda: PQ.quantize_fp8_prefill_triton(q, k, v, cu, nb))
+    row("quantize K / V alone, triton",
+        lambda: PQ.quantize_fp8_prefill_triton(q, k, v, cu, nb, with_q=False))
+    _, k8b, vt8b, scb = quantize_fp8_prefill(q, k, v, cu, with_q=False)
+    row("gluon fp8, Q quantized in the kernel", lambda: prefill_sm90.launch_prefill_fp8_sm90(
+        q, k8b, vt8b, scb, cu, out, scale, Lq))
+
+    def fused_q():
+        _, k8c, vt8c, scc = quantize_fp8_prefill(q, k, v, cu, with_q=False)
+        return prefill_sm90.launch_prefill_fp8_sm90(q, k8c, vt8c, scc, cu, out, scale, Lq)
+    row("gluon fp8 (Q in the kernel) + triton K / V quantize", fused_q)
     row("quantize, torch", lambda: quantize_fp8_prefill_ref(q, k, v, cu, nb))
 
     def both():

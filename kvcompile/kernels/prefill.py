@@ -35,7 +35,7 @@ def _on_kernel_device(t: torch.Tensor) -> bool:
 
 # --- FP8 inputs -------------------------------------------------------------------------------
 
-def quantize_fp8_prefill(q, k, v, cu_seqlens, block: int | None = None):
+def quantize_fp8_prefill(q, k, v, cu_seqlens, block: int | None = None, with_q: bool = True):
     """Quantize q, k, v to E4M3 with one scale per (sequence, block of tokens, kv head).
 
     q: [T, Hq, D], k: [T, Hkv, D], v: [T, Hkv, Dv] -> (q8 [T, Hq, D], k8 [T, Hkv, D],
@@ -46,7 +46,9 @@ def quantize_fp8_prefill(q, k, v, cu_seqlens, block: int | None = None):
     without reading the lengths); the blocks past the sequences' have unit scales and zero
     columns. On CUDA one Triton kernel does it (kernels/prefill_quant.py); on the CPU the torch
     form (reference.quantize_fp8_prefill_ref), with the same bits (tests/kernels/test_prefill.py
-    holds the kernel to it under TRITON_INTERPRET=1).
+    holds the kernel to it under TRITON_INTERPRET=1). with_q=False: K and V alone, q returned as
+    it came and its descales all ones (for the Hopper kernel, which quantizes each query row
+    itself: kernels/prefill_sm90.py).
     """
     from kvcompile.kernels import prefill_quant as PQ
 
@@ -59,11 +61,14 @@ def quantize_fp8_prefill(q, k, v, cu_seqlens, block: int | None = None):
             f"dividing Hq; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     nb = PQ.block_bound(q.shape[0], cu_seqlens.numel() - 1, block)
     if block == PQ.SCALE_BLOCK and q.is_cuda:
-        q8, k8, vt8, sc = PQ.quantize_fp8_prefill_triton(q, k, v, cu_seqlens, nb)
+        q8, k8, vt8, sc = PQ.quantize_fp8_prefill_triton(q, k, v, cu_seqlens, nb, with_q)
     else:
         from kvcompile.kernels.reference import quantize_fp8_prefill_ref
 
         q8, k8, vt8, sc = quantize_fp8_prefill_ref(q, k, v, cu_seqlens, nb, block)
+        if not with_q:
+            q8 = q
+            sc = (torch.ones_like(sc[0]),) + tuple(sc[1:])
     return q8, k8, vt8, Fp8PrefillScales(*sc)
 
 

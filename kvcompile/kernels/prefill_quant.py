@@ -98,11 +98,12 @@ def quantize_fp8_prefill_kernel(Q, K, V, Q8, K8, VT8, QD, KD, VD, cu_seqlens, cu
                                 GD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                                 BGD: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                                 BTQ: tl.constexpr, BTK: tl.constexpr, BTV: tl.constexpr,
-                                RECIP: tl.constexpr,
-                                EXPLICIT: tl.constexpr):
+                                RECIP: tl.constexpr, EXPLICIT: tl.constexpr,
+                                WITH_Q: tl.constexpr):
     # Q [T, Hq, D] as [T, Hq * D] (a kv head's query heads: GD = group * D columns), K [T, Hkv,
     # D], V [T, Hkv, Dv]; Q8 / K8 like them (E4M3 codes as uint8), VT8 [Hkv * Dv, NB * 128];
-    # QD / KD / VD [NB, Hkv] fp32; block_seq [NB]: each block's sequence (num_seqs: none)
+    # QD / KD / VD [NB, Hkv] fp32; block_seq [NB]: each block's sequence (num_seqs: none);
+    # WITH_Q False: K and V alone (Q8 and QD not written)
     blk = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.load(block_seq + blk)
@@ -113,14 +114,15 @@ def quantize_fp8_prefill_kernel(Q, K, V, Q8, K8, VT8, QD, KD, VD, cu_seqlens, cu
         local = (blk - tl.load(cu_blocks + b)) * _BLOCK
         n = tl.minimum(tl.load(cu_seqlens + b + 1) - s0 - local, _BLOCK)
         t0 = s0 + local
-    qd = _descale(_amax_rows(Q, t0, n, stride_qt, h * GD, GD, BTQ, BGD), RECIP)
+    if WITH_Q:
+        qd = _descale(_amax_rows(Q, t0, n, stride_qt, h * GD, GD, BTQ, BGD), RECIP)
+        tl.store(QD + blk * stride_sb + h, qd)
+        _write_codes(Q, Q8, t0, n, stride_qt, stride_q8, h * GD, h * GD, qd, GD, BTQ, BGD,
+                     False, EXPLICIT)
     kd = _descale(_amax_rows(K, t0, n, stride_kt, h * D, D, BTK, BD), RECIP)
     vd = _descale(_amax_rows(V, t0, n, stride_vt, h * DV, DV, BTV, BDV), RECIP)
-    tl.store(QD + blk * stride_sb + h, qd)
     tl.store(KD + blk * stride_sb + h, kd)
     tl.store(VD + blk * stride_sb + h, vd)
-    _write_codes(Q, Q8, t0, n, stride_qt, stride_q8, h * GD, h * GD, qd, GD, BTQ, BGD, False,
-                 EXPLICIT)
     _write_codes(K, K8, t0, n, stride_kt, stride_k8, h * D, h * D, kd, D, BTK, BD, False,
                  EXPLICIT)
     # vt's columns: block blk's SCALE_BLOCK columns, whoever's (zeros past n)
@@ -144,9 +146,10 @@ def block_layout(cu_seqlens: torch.Tensor, block: int = SCALE_BLOCK):
     return cu_blocks
 
 
-def quantize_fp8_prefill_triton(q, k, v, cu_seqlens, num_blocks: int):
+def quantize_fp8_prefill_triton(q, k, v, cu_seqlens, num_blocks: int, with_q: bool = True):
     """The kernel's launch (prefill.quantize_fp8_prefill checks the inputs and dispatches):
-    -> q8, k8, vt8, (q_descale, k_descale, v_descale, cu_blocks)."""
+    -> q8, k8, vt8, (q_descale, k_descale, v_descale, cu_blocks); with_q=False: q returned as
+    it came and q_descale all ones (K and V alone quantized)."""
     T, Hq, D = q.shape
     Hkv, Dv = v.shape[1], v.shape[2]
     B = cu_seqlens.numel() - 1
@@ -155,10 +158,11 @@ def quantize_fp8_prefill_triton(q, k, v, cu_seqlens, num_blocks: int):
     block_seq = torch.searchsorted(cu_blocks[1:], torch.arange(num_blocks, device=dev,
                                                                dtype=torch.int32), right=True)
     block_seq = block_seq.to(torch.int32)
+    q_in = q
     q = q.contiguous().reshape(T, Hq * D)
     k = k.contiguous().reshape(T, Hkv * D)
     v = v.contiguous().reshape(T, Hkv * Dv)
-    q8 = torch.empty(T, Hq * D, dtype=torch.uint8, device=dev)
+    q8 = torch.empty(T, Hq * D if with_q else 0, dtype=torch.uint8, device=dev)
     k8 = torch.empty(T, Hkv * D, dtype=torch.uint8, device=dev)
     vt8 = torch.empty(Hkv * Dv, max(num_blocks, 1) * SCALE_BLOCK, dtype=torch.uint8, device=dev)
     scales = torch.empty(3, max(num_blocks, 1), Hkv, dtype=torch.float32, device=dev)
@@ -173,10 +177,13 @@ def quantize_fp8_prefill_triton(q, k, v, cu_seqlens, num_blocks: int):
             block_seq, B, q.stride(0), k.stride(0), v.stride(0), q8.stride(0), k8.stride(0),
             vt8.stride(0), scales.stride(1), GD=gd, D=D, DV=Dv, BGD=p2(gd), BD=p2(D),
             BDV=p2(Dv), BTQ=rows(gd), BTK=rows(D), BTV=rows(Dv), RECIP=q.is_cuda,
-            EXPLICIT=_interpreting(), num_warps=8)
+            EXPLICIT=_interpreting(), WITH_Q=with_q, num_warps=8)
+        if not with_q:
+            scales[0].fill_(1.0)
     else:
         vt8.zero_()
         scales.fill_(1.0)
     f8 = torch.float8_e4m3fn
-    return (q8.view(f8).reshape(T, Hq, D), k8.view(f8).reshape(T, Hkv, D), vt8.view(f8),
+    q_out = q8.view(f8).reshape(T, Hq, D) if with_q else q_in
+    return (q_out, k8.view(f8).reshape(T, Hkv, D), vt8.view(f8),
             (scales[0], scales[1], scales[2], cu_blocks))

@@ -110,15 +110,16 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _softmax(s, c, m_i, l_i, keys, pos, MASKED: gl.constexpr, P_SH: gl.constexpr,
                  TREE: gl.constexpr):
-        # s: raw FP8 q.k sums [BM, BN]; c: their multiplier (descales * scale * log2 e)
+        # s: raw FP8 q.k sums [BM, BN]; c [BM]: each row's multiplier (descales * scale *
+        # log2 e)
         row: gl.constexpr = m_i.type.layout
         if MASKED:
-            s = gl.where(keys[None, :] <= pos[:, None], s * c, float("-inf"))
+            s = gl.where(keys[None, :] <= pos[:, None], s * c[:, None], float("-inf"))
             m_new = gl.maximum(m_i, _row_max(s, row, TREE))
             p = gl.exp2(s - (m_new - P_SH)[:, None])
         else:
             m_new = gl.maximum(m_i, _row_max(s, row, TREE) * c)
-            p = gl.exp2(s * c - (m_new - P_SH)[:, None])
+            p = gl.exp2(s * c[:, None] - (m_new - P_SH)[:, None])
         alpha = gl.exp2(m_i - m_new)
         l_new = l_i * alpha + _row_sum(p, row, TREE)
         return p, alpha, m_new, l_new
@@ -212,7 +213,8 @@ if GLUON_ERROR is None:
                                 sm_scale_log2, stride_ot, stride_oh, stride_sb, ratio,
                                 HEAD_DIM: gl.constexpr, SYNC: gl.constexpr,
                                 num_warps: gl.constexpr, OVERLAP: gl.constexpr,
-                                TREE: gl.constexpr):
+                                TREE: gl.constexpr, Q_BF16: gl.constexpr,
+                                q8_layout: gl.constexpr):
         BM: gl.constexpr = 16 * num_warps   # 64 rows a warpgroup
         BN: gl.constexpr = 128
         P_SH: gl.constexpr = 8.0
@@ -235,7 +237,7 @@ if GLUON_ERROR is None:
             row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
             col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
 
-            q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BM, HEAD_DIM], q_desc.layout)
+            q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BM, HEAD_DIM], q8_layout)
             k_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BN, HEAD_DIM], k_desc.layout)
             v_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, HEAD_DIM, BN], v_desc.layout)
             q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -252,15 +254,37 @@ if GLUON_ERROR is None:
             v_col = kblk0 * BN
             hi = gl.minimum(q_len, t0 + BM)          # keys the tile's last row may see
             n_tiles = gl.cdiv(hi, BN)                # the last one is the diagonal tile
-            mbarrier.expect(q_bar, BM * HEAD_DIM)
-            tma_load(q_desc, [q_start + t0, h * HEAD_DIM], q_bar, q_smem)
+            if Q_BF16:   # Q's rows in bf16, quantized below
+                q_raw = gl.allocate_shared_memory(gl.bfloat16, [BM, HEAD_DIM], q_desc.layout)
+                mbarrier.expect(q_bar, BM * HEAD_DIM * 2)
+                tma_load(q_desc, [q_start + t0, h * HEAD_DIM], q_bar, q_raw)
+            else:
+                mbarrier.expect(q_bar, BM * HEAD_DIM)
+                tma_load(q_desc, [q_start + t0, h * HEAD_DIM], q_bar, q_smem)
             _load_k(k_desc, k_smem, k_bar, q_start, hkv * HEAD_DIM, 0, KV_BYTES)
             _load_v(v_desc, v_smem, v_bar, hkv * HEAD_DIM, v_col, 0, KV_BYTES)
             if n_tiles > 1:
                 _load_k(k_desc, k_smem, k_bar, q_start, hkv * HEAD_DIM, 1, KV_BYTES)
                 _load_v(v_desc, v_smem, v_bar, hkv * HEAD_DIM, v_col, 1, KV_BYTES)
 
-            c_q = sm_scale_log2 * gl.load(QD + (kblk0 + t0 // BN) * stride_sb + hkv)
+            mbarrier.wait(q_bar, 0)
+            if Q_BF16:
+                # a scale per query row, amax / 448, codes RN(x / scale) clamped to +-448 (an
+                # all-zero row: scale 1); rows past the sequence are quantized and not stored
+                TPC: gl.constexpr = HEAD_DIM // 8   # 16-byte pieces a row
+                q_reg: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPC, TPC],
+                                                       [num_warps, 1], [1, 0])
+                x = q_raw.load(q_reg).to(gl.float32)
+                amax = gl.max(gl.abs(x), 1)
+                qs = gl.where(amax > 0.0, gl.div_rn(amax, gl.full_like(amax, 448.0)), 1.0)
+                q_smem.store(gl.div_rn(x, gl.expand_dims(qs, 1) + gl.zeros_like(x))
+                             .to(gl.float8e4nv))
+                fence_async_shared()
+                cta_barrier()   # every warp's codes are in q_smem before the first wgmma
+                c_q = sm_scale_log2 * gl.convert_layout(qs, row_s)
+            else:
+                c_q = gl.full([BM], sm_scale_log2, gl.float32, row_s) * gl.load(
+                    QD + (kblk0 + t0 // BN) * stride_sb + hkv)
             m_i = gl.full([BM], float("-inf"), gl.float32, row_s)
             l_i = gl.zeros([BM], gl.float32, row_s)
             zero_s = gl.zeros([BM, BN], gl.float32, s_layout)
@@ -268,7 +292,6 @@ if GLUON_ERROR is None:
             pos = t0 + gl.arange(0, BM, row_s)
 
             if not OVERLAP:   # the default: P made and used in one iteration
-                mbarrier.wait(q_bar, 0)
                 acc = gl.zeros([BM, HEAD_DIM], gl.float32, o_layout)
                 v_prev = gl.load(VD + kblk0 * stride_sb + hkv)
                 acc, m_i, l_i, v_prev = _tile_serial(
@@ -290,7 +313,6 @@ if GLUON_ERROR is None:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             else:   # FlashAttention-3's order: P V of tile j - 1 during tile j's softmax
                 # tile 0: its scores, then its softmax (masked: it may be the diagonal tile)
-                mbarrier.wait(q_bar, 0)
                 mbarrier.wait(k_bar.index(0), 0)
                 s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False,
                                   is_async=True)
@@ -349,6 +371,10 @@ def unsupported(q8, k8, vt8, out, causal, window, sinks, softcap, cu_seqlens_k) 
         return f"head_dim {D} / {dv}: takes {HEAD_DIMS} with equal q.k and v dims"
     if out.dtype not in (torch.bfloat16, torch.float16) or out.stride(2) != 1:
         return f"output {out.dtype}: takes bf16 / fp16 with contiguous rows"
+    f8 = torch.float8_e4m3fn
+    if q8.dtype not in (f8, torch.bfloat16) or k8.dtype != f8 or vt8.dtype != f8:
+        return (f"q {q8.dtype}, k {k8.dtype}, vt {vt8.dtype}: takes E4M3 k and vt, q E4M3 or "
+                "bf16 (quantized in the kernel)")
     if not (q8.is_contiguous() and k8.is_contiguous() and vt8.is_contiguous()):
         return "non-contiguous FP8 inputs"
     if any(t.data_ptr() % 16 for t in (q8, k8, vt8)):
@@ -360,37 +386,44 @@ def unsupported(q8, k8, vt8, out, causal, window, sinks, softcap, cu_seqlens_k) 
     return None
 
 
-def launch_prefill_fp8_sm90(q8, k8, vt8, scales, cu_seqlens, out, scale: float,
+def launch_prefill_fp8_sm90(q, k8, vt8, scales, cu_seqlens, out, scale: float,
                             max_seqlen: int, warps: int = NUM_WARPS, overlap: bool = False,
                             sync: bool = False, tree: bool = True):
-    """Run the kernel (unsupported(...) is None): out [T, Hq, D] written, returned. warps: 8
-    (128 query rows a CTA, two warpgroups) or 4 (64 rows, one warpgroup, two CTAs a SM);
-    overlap: FlashAttention-3's order within a warpgroup (tile j - 1's P V runs during tile j's
-    softmax; P crosses the loop as single bytes) instead of the serial order; sync (with
-    overlap): a diagnostic build that waits for each wgmma at once; tree: the rows' max and sum
-    in independent chains (False: Triton's one chain a row)."""
+    """Run the kernel (unsupported(...) is None): out [T, Hq, D] written, returned. q: E4M3
+    with its block scales in `scales`, or bf16 (scales' q descale None or ignored): the kernel
+    quantizes each query row itself (a scale per row; `quantize_fp8_prefill(..., with_q=False)`
+    then quantizes K and V alone). warps: 8 (128 query rows a CTA, two warpgroups) or 4 (64
+    rows, one warpgroup, two CTAs a SM); overlap: FlashAttention-3's order within a warpgroup
+    (tile j - 1's P V runs during tile j's softmax; P crosses the loop as single bytes) instead
+    of the serial order; sync (with overlap): a diagnostic build that waits for each wgmma at
+    once; tree: the rows' max and sum in independent chains (False: Triton's one chain a
+    row)."""
     import triton
 
     TD = TensorDescriptor
-    T, Hq, D = q8.shape
+    T, Hq, D = q.shape
     Hkv = k8.shape[1]
     B = cu_seqlens.numel() - 1
     if T == 0 or B == 0 or max_seqlen == 0:
         return out
-    q2 = q8.reshape(T, Hq * D)
+    q_bf16 = q.dtype == torch.bfloat16
+    q2 = q.reshape(T, Hq * D)
     k2 = k8.reshape(T, Hkv * D)
     bm = 16 * warps   # query rows a CTA
-    lay_q = gl.NVMMASharedLayout.get_default_for([bm, D], gl.float8e4nv)
+    lay_q8 = gl.NVMMASharedLayout.get_default_for([bm, D], gl.float8e4nv)
+    lay_q = gl.NVMMASharedLayout.get_default_for([bm, D], gl.bfloat16) if q_bf16 else lay_q8
     lay_k = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.float8e4nv)
     lay_v = gl.NVMMASharedLayout.get_default_for([D, BLOCK_N], gl.float8e4nv)
     qd = TD(q2, list(q2.shape), list(q2.stride()), [bm, D], lay_q)
     kd = TD(k2, list(k2.shape), list(k2.stride()), [BLOCK_N, D], lay_k)
     vd = TD(vt8, list(vt8.shape), list(vt8.stride()), [D, BLOCK_N], lay_v)
     q_ds, k_ds, v_ds, cu_blocks = scales
+    if q_bf16:
+        q_ds = k_ds   # not read
     grid = (Hq, triton.cdiv(max_seqlen, bm), B)
     prefill_fp8_sm90_kernel[grid](qd, kd, vd, out, cu_seqlens, cu_blocks, q_ds, k_ds, v_ds,
                                   float(scale) * 1.4426950408889634, out.stride(0),
-                                  out.stride(1), q_ds.stride(0), Hq // Hkv, HEAD_DIM=D,
-                                  SYNC=sync, OVERLAP=overlap, TREE=tree,
-                                  num_warps=warps)
+                                  out.stride(1), k_ds.stride(0), Hq // Hkv, HEAD_DIM=D,
+                                  SYNC=sync, OVERLAP=overlap, TREE=tree, Q_BF16=q_bf16,
+                                  q8_layout=lay_q8, num_warps=warps)
     return out

@@ -473,3 +473,10 @@ def test_quantize_fp8_prefill_kernel_bit_exact(lens, Hq, Hkv, D, Dv):
     assert torch.equal(q8.view(torch.uint8), want[0].view(torch.uint8))
     assert torch.equal(sc.v_descale, want[3][2])
     assert vt8.shape == (Hkv * Dv, nb * 128)
+    # K and V alone (the Hopper kernel quantizes Q itself): their bits unchanged, q as it came
+    for kv in (PQ.quantize_fp8_prefill_triton(q, k, v, cu, nb, with_q=False),
+               quantize_fp8_prefill(q, k, v, cu, with_q=False)):
+        assert kv[0] is q and bool((kv[3][0] == 1.0).all())
+        for name, a, b in zip(("k8", "vt8"), kv[1:3], want[1:3]):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+        assert torch.equal(kv[3][1], want[3][1]) and torch.equal(kv[3][2], want[3][2])

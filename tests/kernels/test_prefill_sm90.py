@@ -20,7 +20,7 @@ from kvcompile.kernels import prefill_sm90 as P
 from tests.kernels.sm90_compile import compile_rows, innermost_error
 
 
-def _build(d: int) -> list:
+def _build(d: int, q_bf16: bool) -> list:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -29,25 +29,31 @@ def _build(d: int) -> list:
     from triton.runtime.jit import mangle_type
 
     x = torch.zeros(1024, 8 * d, dtype=torch.float8_e4m3fn)
-    def desc(block):   # as the launcher builds them: Q [16 * warps, d], K [128, d], V^T [d, 128]
-        lay = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
-        return mangle_type(TensorDescriptor(x, list(x.shape), list(x.stride()), block, lay))
+    xq = torch.zeros(1024, 8 * d, dtype=torch.bfloat16)
 
-    types = dict(q_desc=desc([16 * P.NUM_WARPS, d]), k_desc=desc([P.BLOCK_N, d]),
+    def desc(block, t=x):   # as the launcher builds them: Q [16 * warps, d], K [128, d], V^T
+        lay = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if t is xq else
+                                                   gl.float8e4nv)
+        return mangle_type(TensorDescriptor(t, list(t.shape), list(t.stride()), block, lay))
+
+    bm = 16 * P.NUM_WARPS
+    types = dict(q_desc=desc([bm, d], xq if q_bf16 else x), k_desc=desc([P.BLOCK_N, d]),
                  v_desc=desc([d, P.BLOCK_N]),
                  Out="*bf16", cu_seqlens="*i32", cu_blocks="*i32", QD="*fp32", KD="*fp32",
                  VD="*fp32", sm_scale_log2="fp32", stride_ot="i32", stride_oh="i32",
                  stride_sb="i32", ratio="i32", HEAD_DIM="constexpr", SYNC="constexpr",
-                 OVERLAP="constexpr", TREE="constexpr", num_warps="constexpr")
+                 OVERLAP="constexpr", TREE="constexpr", Q_BF16="constexpr",
+                 q8_layout="constexpr", num_warps="constexpr")
     fn = P.prefill_fp8_sm90_kernel
     try:
-        cx = {"HEAD_DIM": d, "SYNC": False, "OVERLAP": False, "TREE": True,
+        cx = {"HEAD_DIM": d, "SYNC": False, "OVERLAP": False, "TREE": True, "Q_BF16": q_bf16,
+              "q8_layout": gl.NVMMASharedLayout.get_default_for([bm, d], gl.float8e4nv),
               "num_warps": P.NUM_WARPS}
         k = triton.compile(GluonASTSource(fn=fn, signature=types, constexprs=cx),
                            target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=P.NUM_WARPS))
     except Exception as e:  # reported to the test, which fails with the innermost cause
-        return [d, innermost_error(e), 0, -1, ""]
+        return [d, q_bf16, innermost_error(e), 0, -1, ""]
     from triton.backends.nvidia.compiler import get_ptxas
 
     ptxas = get_ptxas(90).path   # the ptxas this Triton builds sm_90 with
@@ -60,23 +66,25 @@ def _build(d: int) -> list:
     regs = re.search(r"Used (\d+) registers", r.stderr)
     stack = re.search(r"(\d+) bytes stack frame", r.stderr)
     warn = " ".join(re.findall(r"\(C7514\)[^\n]*", r.stderr))
-    return [d, "ok" if r.returncode == 0 else r.stderr[-1500:],
+    return [d, q_bf16, "ok" if r.returncode == 0 else r.stderr[-1500:],
             int(regs.group(1)) if regs else 0, int(stack.group(1)) if stack else -1, warn]
 
 
 def _main() -> None:
     for d in P.HEAD_DIMS:
-        print(json.dumps(_build(d)), flush=True)
+        for q_bf16 in (False, True):   # Q quantized before, or by the kernel
+            print(json.dumps(_build(d, q_bf16)), flush=True)
 
 
 @pytest.mark.skipif(P.GLUON_ERROR is not None, reason=str(P.GLUON_ERROR))
 def test_gluon_fp8_prefill_builds_for_sm90_without_serialized_wgmma():
     rows = compile_rows("tests.kernels.test_prefill_sm90")
-    assert [r[0] for r in rows] == list(P.HEAD_DIMS)
-    for d, status, regs, stack, warn in rows:
-        assert status == "ok", f"head_dim {d}: {status}"
-        assert stack == 0, f"head_dim {d}: {stack} bytes of stack (spills), {regs} registers"
-        assert not warn, f"head_dim {d}: ptxas serialized the wgmma: {warn}"
+    assert [(r[0], r[1]) for r in rows] == [(d, b) for d in P.HEAD_DIMS for b in (False, True)]
+    for d, q_bf16, status, regs, stack, warn in rows:
+        what = f"head_dim {d}, q {'bf16' if q_bf16 else 'e4m3'}"
+        assert status == "ok", f"{what}: {status}"
+        assert stack == 0, f"{what}: {stack} bytes of stack (spills), {regs} registers"
+        assert not warn, f"{what}: ptxas serialized the wgmma: {warn}"
 
 
 def _inputs(d=128, hq=4, hkv=2, T=300, dv=None):
@@ -97,12 +105,15 @@ def _inputs(d=128, hq=4, hkv=2, T=300, dv=None):
     (dict(dv=64), "head_dim 128 / 64"),
     (dict(out=torch.float32), "output torch.float32"),
     (dict(strided=True), "non-contiguous"),
+    (dict(q=torch.float16), "q torch.float16"),
     (dict(), "not a Hopper"),    # everything else it takes: the CPU is the one refusal left
 ])
 def test_gluon_fp8_prefill_says_what_it_does_not_take(case, why):
     q8, k8, vt8, out = _inputs(d=case.get("d", 128), dv=case.get("dv"))
     if "out" in case:
         out = out.to(case["out"])
+    if "q" in case:
+        q8 = q8.to(case["q"])
     if case.get("strided"):
         q8 = q8.transpose(0, 1).contiguous().transpose(0, 1)
     reason = P.unsupported(q8, k8, vt8, out, case.get("causal", True), case.get("window", 0),
