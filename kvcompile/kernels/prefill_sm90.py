@@ -1,31 +1,32 @@
 """FP8 causal prefill on Hopper's FP8 tensor cores, in Gluon (triton.experimental.gluon).
 
-    reason = unsupported(q8, k8, vt8, out, causal, window, sinks, softcap, cu_seqlens_k)
-    launch_prefill_fp8_sm90(q8, k8, vt8, scales, cu_seqlens, out, scale, max_seqlen)
+    reason = unsupported(q, k8, vt8, out, causal, window, sinks, softcap, cu_seqlens_k)
+    launch_prefill_fp8_sm90(q, k8, vt8, scales, cu_seqlens, out, scale, max_seqlen)
 
-Inputs as `prefill.quantize_fp8_prefill` writes them: q8 [T, Hq, D], k8 [T, Hkv, D] and V
-transposed, vt8 [Hkv * Dv, NB * 128], all E4M3, with an fp32 descale per (sequence, 128-token
-block, kv head) for each. Causal self-attention of each packed sequence (no window, sinks,
-softcap or separate key lengths: `unsupported` says which is missing, and launch_prefill runs
-the Triton kernel then).
+Inputs as `prefill.quantize_fp8_prefill` writes them: q [T, Hq, D], k8 [T, Hkv, D] and V
+transposed, vt8 [Hkv * Dv, NB * 128] (its tokens in P's lane order within 32-token chunks:
+`prefill_quant.vt_column`), E4M3, with an fp32 descale per (sequence, 128-token block, kv head)
+for each. q may instead come in bf16 (`quantize_fp8_prefill(..., with_q=False)`): the kernel
+then quantizes its 64 query rows itself, a scale per row, and Q's separate pass is gone.
+Causal self-attention of each packed sequence (no window, sinks, softcap or separate key
+lengths: `unsupported` says which is missing, and launch_prefill runs the Triton kernel then).
 
 Why Gluon below Triton's tiles: the Triton FP8 kernel is issue-bound (benchmarks/RESULTS.md,
 "What limits the prefill kernels": 1994 issue cycles of softmax against 1108 of FP8 MMA a
-128 x 128 tile) and Triton 3.6 cannot run a tile's softmax while the tensor cores work. Here
-the wgmma calls are asynchronous and ordered by hand, as FlashAttention-3 orders them within a
-warpgroup; for key tile j:
+128 x 128 tile) and its tile abstraction leaves the instruction stream to the compiler. Here
+each step is placed by hand. The default order within a warpgroup, for key tile j:
 
-    issue S[j] = Q K[j]^T            (async)
-    rescale O by the last softmax's factor; issue O += P[j-1] V[j-1]   (async, P in registers)
-    wait for S[j]                    (P V still running)
-    softmax of S[j] -> P[j] in E4M3  (CUDA cores, while P V runs)
-    wait for P V
+    issue S[j] = Q K[j]^T; wait for it (and for the last tile's P V)
+    softmax of S[j] -> P[j] in E4M3 (rows' max and sum in independent chains: TREE)
+    rescale O; issue O += P[j] V[j]   (async, P from registers; it runs into tile j + 1)
 
-(The other order, the next tile's q.k issued before this tile's softmax, made ptxas serialize
-every wgmma, warning C7514: tests/kernels/test_prefill_sm90.py fails on that warning; with O
-rescaled after the P V wait, ptxas moved most exponentials after that wait.) On the H100 the
-overlap did not pay: `sync=True`, which waits for each wgmma at once, times the same (the
-per-warp instruction stream is the limiter; RESULTS.md, thirty-first session).
+Two CTAs share each SM (255 registers a thread at head_dim 128), so one's softmax runs while
+the other's products do. P is made and consumed in one iteration: carried across the loop (as
+FlashAttention-3's order needs), Triton keeps an E4M3 tensor as single bytes and repacks them
+for the wgmma, 192 more instructions a tile and warp (the loop body 718 -> 515 SASS
+instructions). `overlap=True` keeps that order (tile j - 1's P V issued after S[j], running
+during tile j's softmax; O rescaled before it, else ptxas serializes the wgmma: C7514, which
+tests/kernels/test_prefill_sm90.py fails on). Numbers: benchmarks/RESULTS.md.
 
 One CTA of 4 warps (one warpgroup; 8 warps: two, 128 rows) owns 64 query rows of one query
 head of one sequence and walks its keys in 128-token tiles: Q arrives by one TMA copy, K and V^T
