@@ -8,9 +8,12 @@ TFLOP/s count causal FLOPs as half.
 Checks first (any failure exits 1 before timing): packed sequences of mixed lengths (1 to 700
 tokens, GQA 4/2 and MHA, head_dim 64 / 128), the Gluon output (poisoned first) against an fp32
 reference over the dequantized E4M3 values, and the Triton FP8 kernel's error on the same
-inputs beside it; the Triton quantization bit for bit against the torch form. Then per shape:
-cuDNN SDPA bf16, flash SDPA bf16, the Triton FP8 kernel, the Gluon FP8 kernel, each
-quantization, and Gluon + Triton quantization (the issue's "including the quantization").
+inputs beside it; the Triton quantization bit for bit against the torch form; the Gluon
+kernel with bf16 q that it quantizes a scale per row, and prefill_attention(fp8=True) (which
+takes that route on Hopper), against a reference over the row-quantized queries. Then per
+shape: cuDNN SDPA bf16, flash SDPA bf16, the Triton FP8 kernel, the Gluon FP8 kernel and its
+variants, each quantization, Gluon + Triton quantization, and the public entry point with its
+quantization (the issue's "including the quantization").
 """
 
 from __future__ import annotations
@@ -32,7 +35,11 @@ from benchmarks.bench_prefill import (  # noqa: E402
 from kvcompile.kernels import prefill_launch as L  # noqa: E402
 from kvcompile.kernels import prefill_quant as PQ  # noqa: E402
 from kvcompile.kernels import prefill_sm90  # noqa: E402
-from kvcompile.kernels.prefill import dequantize_fp8_prefill, quantize_fp8_prefill  # noqa: E402
+from kvcompile.kernels.prefill import (  # noqa: E402
+    dequantize_fp8_prefill,
+    prefill_attention,
+    quantize_fp8_prefill,
+)
 from kvcompile.kernels.reference import prefill_attention_ref, quantize_fp8_prefill_ref  # noqa
 from kvcompile.testing import rel_err  # noqa: E402
 
@@ -86,7 +93,7 @@ def check() -> list[str]:
             print(f"gluon {name}: not taken ({why})")
             fails.append(f"gluon not taken: {why}")
             continue
-        for warps, overlap, tree in ((8, False, True), (4, False, True), (4, False, False),
+        for warps, overlap, tree in ((8, False, False), (4, False, False), (4, False, True),
                                      (8, True, True), (4, True, True)):
             glu = torch.full_like(tri, float("nan"))
             prefill_sm90.launch_prefill_fp8_sm90(q8, k8, vt8, sc, cu, glu, d ** -0.5,
@@ -121,6 +128,13 @@ def check() -> list[str]:
                   f" nan {nan}: {'ok' if ok else 'FAIL'}")
             if not ok:
                 fails.append(f"gluon Q in kernel {warps} warps {name}")
+        # the public entry point with bf16 q: K / V quantized, Q by the kernel
+        pub = prefill_attention(qb, k, v, cu, d ** -0.5, fp8=True, max_seqlen=max(lens))
+        e_pub = rel_err(pub.float(), ref_r)
+        print(f"prefill_attention(fp8=True), bf16 q, {name}: rel err {e_pub:.4f}: "
+              f"{'ok' if e_pub <= max(2.0 * e_tri, 0.03) else 'FAIL'}")
+        if not e_pub <= max(2.0 * e_tri, 0.03):
+            fails.append(f"prefill_attention fp8 {name}")
         glu = fp8_out(q8, k8, vt8, sc, cu, d ** -0.5, max(lens), L.DEFAULT_SWITCHES)
         if not torch.equal(glu, tri) and rel_err(glu.float(), ref) > 0.03:
             fails.append(f"launch_prefill's dispatch {name}")
@@ -159,12 +173,11 @@ def bench_shape(s) -> list[dict]:
     row("gluon fp8 kernel", lambda: fp8_out(q8, k8, vt8, sc, cu, scale, Lq,
                                             L.DEFAULT_SWITCHES))
     out = torch.empty(B * Lq, hq, d, device="cuda", dtype=torch.bfloat16)
-    # (the default, 4 warps in the serial order with tree reductions, is the row above)
-    for warps, overlap, sync, tree in ((8, False, False, True), (4, False, False, False),
-                                       (4, True, False, True), (4, True, False, False),
-                                       (4, True, True, True)):
+    # (the default, 4 warps in the serial order, one chain a row, is the row above)
+    for warps, overlap, sync, tree in ((8, False, False, False), (4, False, False, True),
+                                       (4, True, False, False), (4, True, True, False)):
         how = ("overlap, each wgmma waited" if sync else "overlap") if overlap else "serial"
-        row(f"gluon fp8, {warps} warps, {how}{'' if tree else ', one chain a row'}",
+        row(f"gluon fp8, {warps} warps, {how}{', four chains a row' if tree else ''}",
             lambda w=warps, o=overlap, y=sync, t=tree: prefill_sm90.launch_prefill_fp8_sm90(
                 q8, k8, vt8, sc, cu, out, scale, Lq, warps=w, overlap=o, sync=y, tree=t))
     nb = PQ.block_bound(B * Lq, B)
@@ -185,6 +198,8 @@ def bench_shape(s) -> list[dict]:
         a = quantize_fp8_prefill(q, k, v, cu)
         return fp8_out(*a, cu, scale, Lq, L.DEFAULT_SWITCHES)
     row("gluon fp8 + triton quantize", both)
+    row("prefill_attention(fp8=True), bf16 q", lambda: prefill_attention(
+        q, k, v, cu, scale, fp8=True, max_seqlen=Lq))
     base = rows[0]["ms"]
     for r in rows:
         r["x_cudnn"] = base / r["ms"] if r["ms"] == r["ms"] else float("nan")

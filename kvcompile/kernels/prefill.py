@@ -84,7 +84,13 @@ def dequantize_fp8_prefill(q8, k8, vt8, scales: Fp8PrefillScales, cu_seqlens):
     local = torch.arange(T, device=q8.device) - cu_seqlens[:-1].long()[seq]
     blk = scales.cu_blocks[:-1].long()[seq] + local // SCALE_BLOCK
     g = Hq // Hkv
-    q = (q8.float().reshape(T, Hkv, g, D) * scales.q_descale[blk][:, :, None, None])
+    if scales.q_descale is None:   # bf16 queries the kernel quantizes, a scale per row
+        from kvcompile.kernels.reference import quantize_rows_fp8_ref
+
+        codes, qs = quantize_rows_fp8_ref(q8)
+        q = codes.float() * qs
+    else:
+        q = (q8.float().reshape(T, Hkv, g, D) * scales.q_descale[blk][:, :, None, None])
     k = k8.float() * scales.k_descale[blk][:, :, None]
     from kvcompile.kernels.prefill_quant import vt_column
 
@@ -105,7 +111,7 @@ def _prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
                 max_seqlen: int, q_descale: torch.Tensor | None, k_descale: torch.Tensor | None,
                 v_descale: torch.Tensor | None, cu_blocks: torch.Tensor | None,
                 out_dtype: torch.dtype, cu_seqlens_k: torch.Tensor | None) -> torch.Tensor:
-    fp8 = None if q_descale is None else Fp8PrefillScales(q_descale, k_descale, v_descale,
+    fp8 = None if k_descale is None else Fp8PrefillScales(q_descale, k_descale, v_descale,
                                                          cu_blocks)
     dv = v.shape[0] // k.shape[1] if fp8 is not None else v.shape[2]
     out = torch.empty(q.shape[0], q.shape[1], dv, dtype=out_dtype, device=q.device)
@@ -126,7 +132,7 @@ def _prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
 @_prefill_op.register_fake
 def _(q, k, v, cu_seqlens, scale, causal, sliding_window, sinks, softcap, max_seqlen,
       q_descale, k_descale, v_descale, cu_blocks, out_dtype, cu_seqlens_k):
-    dv = v.shape[0] // k.shape[1] if q_descale is not None else v.shape[2]
+    dv = v.shape[0] // k.shape[1] if k_descale is not None else v.shape[2]
     return q.new_empty(q.shape[0], q.shape[1], dv, dtype=out_dtype)
 
 
@@ -138,20 +144,31 @@ def prefill_attention(q, k, v, cu_seqlens, scale: float, *, causal=True, sliding
     q: [T, Hq, D], k: [T, Hkv, D], v: [T, Hkv, Dv], cu_seqlens: [B+1] int32 -> [T, Hq, Dv].
     sliding_window W > 0: a key is seen iff q_pos - k_pos < W; sinks S: the first S keys of each
     sequence stay visible whatever the window. softcap c > 0: scores become c * tanh(s / c).
-    fp8=True quantizes q, k, v to E4M3 with block scales first; or pass E4M3 q, k and the
+    fp8=True quantizes q, k, v to E4M3 with block scales first (on Hopper, where its Gluon
+    kernel takes the prefill and q is bf16: k and v alone, and the kernel quantizes each query
+    row with its own scale); or pass E4M3 q (or bf16 q with q_descale None), k and the
     transposed vt from quantize_fp8_prefill with fp8=<its Fp8PrefillScales>. max_seqlen (the
     longest query sequence) saves a device sync. cu_seqlens_k [B+1] (bf16/fp16/fp32 only): k/v
     hold k_len >= q_len tokens per sequence and the queries are its last q_len positions (the
     contiguous-KV form of chunked prefill).
     """
     if fp8 is True:
-        q, k, v, fp8 = quantize_fp8_prefill(q, k, v, cu_seqlens)
         out_dtype = out_dtype or torch.bfloat16
+        from kvcompile.kernels import prefill_sm90
+
+        q_in_kernel = prefill_sm90.takes_bf16_q(q, k, v, out_dtype, causal, sliding_window,
+                                                sinks, softcap, cu_seqlens_k) is None
+        q, k, v, fp8 = quantize_fp8_prefill(q, k, v, cu_seqlens, with_q=not q_in_kernel)
+        if q_in_kernel:
+            fp8 = fp8._replace(q_descale=None)
     scales = fp8 if isinstance(fp8, Fp8PrefillScales) else None
     if out_dtype is None:
         out_dtype = out.dtype if out is not None else (
             torch.bfloat16 if scales is not None else q.dtype)
     qd, kd, vd, cb = scales if scales is not None else (None, None, None, None)
+    if scales is not None and kd is None:
+        raise UnsupportedShapeError("prefill_attention: fp8 scales need k_descale, v_descale "
+                                    "and cu_blocks (from quantize_fp8_prefill)")
     res = torch.ops.kvcompile.prefill(q, k, v, cu_seqlens, float(scale), bool(causal),
                                       int(sliding_window), int(sinks), float(softcap),
                                       int(max_seqlen or 0), qd, kd, vd, cb, out_dtype,

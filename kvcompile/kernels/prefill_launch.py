@@ -239,10 +239,13 @@ def launch_prefill(q, k, v, cu_seqlens, out, scale, causal, window, sinks, softc
     if k.shape != (Tk, Hkv, D) or out.shape != (T, Hq, Dv):
         raise UnsupportedShapeError(f"{op}: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, "
                                     f"out {tuple(out.shape)} do not agree")
+    f8 = torch.float8_e4m3fn
     if fp8 is not None:
-        if q.dtype != torch.float8_e4m3fn or k.dtype != q.dtype or v.dtype != q.dtype:
-            raise UnsupportedShapeError(f"{op}: the FP8 path takes E4M3 q, k, v (from "
-                                        f"quantize_fp8_prefill); got {q.dtype}, {k.dtype}, {v.dtype}")
+        q_ok = q.dtype == f8 if fp8.q_descale is not None else q.dtype == torch.bfloat16
+        if not q_ok or k.dtype != f8 or v.dtype != f8:
+            raise UnsupportedShapeError(f"{op}: the FP8 path takes E4M3 k, v and E4M3 q (bf16 q "
+                                        f"with q_descale None), from quantize_fp8_prefill; got "
+                                        f"{q.dtype}, {k.dtype}, {v.dtype}")
         if v.dim() != 2 or v.shape[0] != Hkv * Dv or v.shape[1] % SCALE_BLOCK:
             raise UnsupportedShapeError(f"{op}: FP8 v must be transposed, [Hkv*Dv, NB*"
                                         f"{SCALE_BLOCK}] (quantize_fp8_prefill); got "
@@ -263,10 +266,17 @@ def launch_prefill(q, k, v, cu_seqlens, out, scale, causal, window, sinks, softc
     if fp8 is not None and switches.fp8_sm90 and config is None:   # (lse: refused above)
         from kvcompile.kernels import prefill_sm90
 
-        if prefill_sm90.unsupported(q, k, v, out, causal, window, sinks, softcap,
-                                    cu_seqlens_k) is None:
+        why = prefill_sm90.unsupported(q, k, v, out, causal, window, sinks, softcap,
+                                       cu_seqlens_k)
+        if why is None:
             return prefill_sm90.launch_prefill_fp8_sm90(q, k, v, fp8, cu_seqlens, out, scale,
                                                         max_seqlen)
+    else:
+        why = "PrefillSwitches(fp8_sm90=False) or a tile config given"
+    if fp8 is not None and q.dtype != f8:   # only the Hopper kernel quantizes bf16 queries
+        raise UnsupportedShapeError(f"{op}: bf16 q on the FP8 path needs the Hopper kernel "
+                                    f"(kernels/prefill_sm90.py), which cannot take this prefill: "
+                                    f"{why}; quantize q too (quantize_fp8_prefill(with_q=True))")
 
     mult, cap_l2, inv_cap = softmax_constants(scale, softcap)
     tma = switches.tma and device_has_tma(q.device)

@@ -17,14 +17,15 @@ Why Gluon below Triton's tiles: the Triton FP8 kernel is issue-bound (benchmarks
 each step is placed by hand. The default order within a warpgroup, for key tile j:
 
     issue S[j] = Q K[j]^T; wait for it (and for the last tile's P V)
-    softmax of S[j] -> P[j] in E4M3 (rows' max and sum in independent chains: TREE)
+    softmax of S[j] -> P[j] in E4M3
     rescale O; issue O += P[j] V[j]   (async, P from registers; it runs into tile j + 1)
 
 Two CTAs share each SM (255 registers a thread at head_dim 128), so one's softmax runs while
 the other's products do. P is made and consumed in one iteration: carried across the loop (as
 FlashAttention-3's order needs), Triton keeps an E4M3 tensor as single bytes and repacks them
 for the wgmma, 192 more instructions a tile and warp (the loop body 718 -> 515 SASS
-instructions). `overlap=True` keeps that order (tile j - 1's P V issued after S[j], running
+instructions); on the H200 the serial order runs 1.17-1.32x cuDNN SDPA bf16 against
+FlashAttention-3's order's 1.00-1.14x in the same run. `overlap=True` keeps that order (tile j - 1's P V issued after S[j], running
 during tile j's softmax; O rescaled before it, else ptxas serializes the wgmma: C7514, which
 tests/kernels/test_prefill_sm90.py fails on). Numbers: benchmarks/RESULTS.md.
 
@@ -387,9 +388,31 @@ def unsupported(q8, k8, vt8, out, causal, window, sinks, softcap, cu_seqlens_k) 
     return None
 
 
+def takes_bf16_q(q, k, v, out_dtype, causal, window, sinks, softcap,
+                 cu_seqlens_k) -> str | None:
+    """Why this kernel could not take the prefill with q left in bf16 for it to quantize (None:
+    it could), asked before K and V are quantized (prefill_attention(fp8=True))."""
+    if q.dtype != torch.bfloat16:
+        return f"q {q.dtype}: the kernel quantizes bf16 queries"
+    if not causal or window or sinks or softcap or cu_seqlens_k is not None:
+        return "causal self-attention only (no window, sinks, softcap or cu_seqlens_k)"
+    D, Dv = q.shape[-1], v.shape[-1]
+    if q.dim() != 3 or D not in HEAD_DIMS or Dv != D or k.shape[-1] != D:
+        return f"head_dim {D} / {Dv}: takes {HEAD_DIMS} with equal q.k and v dims"
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        return f"output {out_dtype}: takes bf16 / fp16"
+    if not q.is_contiguous() or q.data_ptr() % 16:
+        return "q not contiguous and 16-byte aligned (TMA)"
+    if GLUON_ERROR is not None:
+        return GLUON_ERROR
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "not a Hopper (sm_90) GPU"
+    return None
+
+
 def launch_prefill_fp8_sm90(q, k8, vt8, scales, cu_seqlens, out, scale: float,
                             max_seqlen: int, warps: int = NUM_WARPS, overlap: bool = False,
-                            sync: bool = False, tree: bool = True):
+                            sync: bool = False, tree: bool = False):
     """Run the kernel (unsupported(...) is None): out [T, Hq, D] written, returned. q: E4M3
     with its block scales in `scales`, or bf16 (scales' q descale None or ignored): the kernel
     quantizes each query row itself (a scale per row; `quantize_fp8_prefill(..., with_q=False)`
@@ -397,8 +420,8 @@ def launch_prefill_fp8_sm90(q, k8, vt8, scales, cu_seqlens, out, scale: float,
     rows, one warpgroup, two CTAs a SM); overlap: FlashAttention-3's order within a warpgroup
     (tile j - 1's P V runs during tile j's softmax; P crosses the loop as single bytes) instead
     of the serial order; sync (with overlap): a diagnostic build that waits for each wgmma at
-    once; tree: the rows' max and sum in independent chains (False: Triton's one chain a
-    row)."""
+    once; tree: the rows' max and sum in four chains a row instead of Triton's one (fewer
+    dependent steps, yet 2-8% slower on the H200 in three of four shapes: not the default)."""
     import triton
 
     TD = TensorDescriptor

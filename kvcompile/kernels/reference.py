@@ -181,6 +181,16 @@ def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q,
     return out
 
 
+def quantize_rows_fp8_ref(q):
+    """q [T, H, D] -> (codes E4M3, descale [T, H, 1] fp32): a scale per row, amax / 448 (1 for
+    an all-zero row), codes RN(x / scale) clamped to +-448; the Hopper FP8 prefill kernel's own
+    quantization of bf16 queries (kernels/prefill_sm90.py)."""
+    x = q.float()
+    amax = x.abs().amax(-1, keepdim=True)
+    s = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    return (x / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), s
+
+
 def quantize_fp8_prefill_ref(q, k, v, cu_seqlens, num_blocks: int, block: int = 128):
     """The torch form of prefill.quantize_fp8_prefill (its docstring says what it computes):
     -> q8, k8, vt8 [Hkv * Dv, max(num_blocks, 1) * block], (q_descale, k_descale, v_descale

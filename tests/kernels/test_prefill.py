@@ -212,6 +212,51 @@ def test_prefill_fp8_block_scales():
     assert rel_err(out, ref) <= FP8_REL_ERR * 1.5
 
 
+def test_prefill_fp8_with_queries_quantized_by_the_kernel(monkeypatch):
+    """fp8 scales with q_descale None: bf16 queries that the Hopper kernel quantizes a scale
+    per row. The op's reference path computes with those same row-quantized values; where the
+    Hopper kernel cannot run, launch_prefill refuses bf16 queries and says why; and
+    prefill_attention(fp8=True) keeps q's block quantization off Hopper."""
+    from kvcompile.kernels import prefill_sm90
+    from kvcompile.kernels.reference import quantize_rows_fp8_ref
+
+    gen = torch.Generator().manual_seed(19)
+    lens = [150, 37]
+    q, k, v = make_qkv(lens, 4, 2, 64, torch.float32, gen=gen)
+    q = (q * 3.0).to(torch.bfloat16)
+    q[5, 1] = 0.0                                   # an all-zero row: scale 1
+    cu = cu_of(lens)
+    codes, qs = quantize_rows_fp8_ref(q)
+    assert qs[5, 1].item() == 1.0 and not codes[5, 1].float().any()
+    assert codes.float().abs().amax(-1)[qs[..., 0] != 1.0].eq(448.0).all()   # each row's amax
+    _, k8, vt8, sc = quantize_fp8_prefill(q, k, v, cu, with_q=False)
+    sc = sc._replace(q_descale=None)
+    qd, kd, vd = dequantize_fp8_prefill(q, k8, vt8, sc, cu)
+    assert torch.equal(qd, codes.float() * qs) and sqnr_db(q.float(), qd) > 30.0
+    want = prefill_attention_ref(qd, kd, vd, cu, 0.125)
+    if DEV == "cpu":   # the op's reference path (the kernel's bits are checked on the GPU)
+        import kvcompile.kernels.prefill as P
+
+        monkeypatch.setattr(P, "interpreting", lambda: False)
+        got = torch.ops.kvcompile.prefill(q, k8, vt8, cu, 0.125, True, 0, 0, 0.0, 0, None,
+                                          sc.k_descale, sc.v_descale, sc.cu_blocks,
+                                          torch.bfloat16, None)
+        monkeypatch.undo()
+        assert got.dtype == torch.bfloat16 and rel_err(got.float(), want) <= 0.01
+    why = prefill_sm90.takes_bf16_q(q, k, v, torch.bfloat16, True, 0, 0, 0.0, None)
+    if why is not None:   # no Hopper GPU here: launch_prefill refuses bf16 queries, saying why
+        out = torch.empty(q.shape[0], 4, 64, dtype=torch.bfloat16, device=q.device)
+        with pytest.raises(UnsupportedShapeError, match="bf16 q on the FP8 path"):
+            L.launch_prefill(q, k8, vt8, cu, out, 0.125, True, 0, 0, 0.0, max(lens), sc)
+        assert "Hopper" in why or "gluon" in why.lower()
+    assert "q torch.float16" in prefill_sm90.takes_bf16_q(q.half(), k, v, torch.bfloat16,
+                                                          True, 0, 0, 0.0, None)
+    assert "causal" in prefill_sm90.takes_bf16_q(q, k, v, torch.bfloat16, True, 16, 0, 0.0,
+                                                 None)
+    assert "head_dim" in prefill_sm90.takes_bf16_q(q, k, v[..., :32], torch.bfloat16, True,
+                                                   0, 0, 0.0, None)
+
+
 def test_prefill_public_api_and_custom_op():
     """prefill_attention goes through torch.ops.kvcompile.prefill, traces under torch.compile
     (fake impl), and the fp8=True path quantizes on the fly."""

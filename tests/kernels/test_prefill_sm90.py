@@ -46,7 +46,7 @@ def _build(d: int, q_bf16: bool) -> list:
                  q8_layout="constexpr", num_warps="constexpr")
     fn = P.prefill_fp8_sm90_kernel
     try:
-        cx = {"HEAD_DIM": d, "SYNC": False, "OVERLAP": False, "TREE": True, "Q_BF16": q_bf16,
+        cx = {"HEAD_DIM": d, "SYNC": False, "OVERLAP": False, "TREE": False, "Q_BF16": q_bf16,
               "q8_layout": gl.NVMMASharedLayout.get_default_for([bm, d], gl.float8e4nv),
               "num_warps": P.NUM_WARPS}
         k = triton.compile(GluonASTSource(fn=fn, signature=types, constexprs=cx),
