@@ -44,6 +44,17 @@ def vt_column_jit(t):
     return (t & ~0xE) | (((t >> 3) & 1) << 1) | (((t >> 1) & 3) << 2)
 
 
+def vt_token(c):
+    """The inverse of vt_column: the token (within its sequence's run) stored at column c."""
+    return (c & ~0xE) | (((c >> 1) & 1) << 3) | (((c >> 2) & 3) << 1)
+
+
+@triton.jit
+def vt_token_jit(c):
+    # vt_token in a kernel
+    return (c & ~0xE) | (((c >> 1) & 1) << 3) | (((c >> 2) & 3) << 1)
+
+
 @triton.jit
 def _amax_rows(X, t0, n, stride_t, col0, C: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     # max |x| (NaN if any) over rows t0 .. t0 + n - 1, columns col0 .. col0 + C - 1
@@ -69,14 +80,19 @@ def _descale(amax, RECIP: tl.constexpr):
 @triton.jit
 def _write_codes(X, Y, t0, n, stride_t, stride_y, col0, ycol0, d, C: tl.constexpr,
                  BT: tl.constexpr, BC: tl.constexpr, TRANSPOSE: tl.constexpr,
-                 EXPLICIT: tl.constexpr):
-    # codes of rows t0 .. t0 + SCALE_BLOCK - 1 (zeros past n); TRANSPOSE: Y[ycol0 + c, t0 +
-    # vt_column(r)] (vt: tokens in P's lane order within 32-token chunks), else Y[t, ycol0 + c]
-    # (rows past n not written)
+                 EXPLICIT: tl.constexpr, ycol_t=0):
+    # codes of rows t0 .. t0 + SCALE_BLOCK - 1 (zeros past n); TRANSPOSE: Y[ycol0 + c, ycol_t +
+    # vt_column(r)] (vt: tokens in P's lane order within 32-token chunks; ycol_t: the block's
+    # first column, a multiple of 128, so that the compiler sees the rows' alignment), else
+    # Y[t, ycol0 + c] (rows past n not written). TRANSPOSE walks vt's columns in order and gathers their
+    # tokens (vt_token), so that each of vt's rows is written in contiguous runs
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BC)
     for r0 in range(0, _BLOCK, BT):
-        r = r0 + rows
+        if TRANSPOSE:
+            r = vt_token_jit(r0 + rows)   # the token of vt's column r0 + rows
+        else:
+            r = r0 + rows
         ok = (r < n)[:, None] & (cols < C)[None, :]
         x = tl.load(X + (t0 + r).to(tl.int64)[:, None] * stride_t + col0 + cols[None, :],
                     mask=ok, other=0.0).to(tl.float32)
@@ -84,7 +100,7 @@ def _write_codes(X, Y, t0, n, stride_t, stride_y, col0, ycol0, d, C: tl.constexp
                            1, _FMAX, EXPLICIT)
         if TRANSPOSE:
             ptr = (Y + (ycol0 + cols).to(tl.int64)[None, :] * stride_y
-                   + (t0 + vt_column_jit(r))[:, None])
+                   + (ycol_t + r0 + rows)[:, None])
             tl.store(ptr, code, mask=(cols < C)[None, :])
         else:
             ptr = Y + (t0 + r).to(tl.int64)[:, None] * stride_y + ycol0 + cols[None, :]
@@ -126,8 +142,8 @@ def quantize_fp8_prefill_kernel(Q, K, V, Q8, K8, VT8, QD, KD, VD, cu_seqlens, cu
     _write_codes(K, K8, t0, n, stride_kt, stride_k8, h * D, h * D, kd, D, BTK, BD, False,
                  EXPLICIT)
     # vt's columns: block blk's SCALE_BLOCK columns, whoever's (zeros past n)
-    _write_codes(V, VT8 + (blk * _BLOCK - t0), t0, n, stride_vt, stride_vt8, h * DV,
-                 h * DV, vd, DV, BTV, BDV, True, EXPLICIT)
+    _write_codes(V, VT8, t0, n, stride_vt, stride_vt8, h * DV, h * DV, vd, DV, BTV, BDV, True,
+                 EXPLICIT, blk * _BLOCK)
 
 
 def block_bound(T: int, B: int, block: int = SCALE_BLOCK) -> int:

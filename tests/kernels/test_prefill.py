@@ -478,6 +478,21 @@ def test_sdpa_yardstick_agrees():
 
 # --- the FP8 inputs' quantization (kernels/prefill_quant.py) ----------------------------------
 
+def test_vt_token_order_is_a_permutation_within_32_token_chunks():
+    """vt's token order (P's lane order in the Hopper kernel): vt_column permutes each 32-token
+    chunk, keeps a thread's pair of adjacent keys together, and vt_token undoes it."""
+    from kvcompile.kernels.prefill_quant import vt_column, vt_token
+
+    t = torch.arange(256)
+    c = vt_column(t)
+    assert torch.equal(vt_token(c), t) and torch.equal(vt_column(vt_token(t)), t)
+    assert torch.equal((c // 32).sort().values, t // 32)            # within each chunk
+    assert torch.equal(c[0::2] + 1, c[1::2])                       # pairs stay adjacent
+    assert not torch.equal(c, t)                                   # not the identity
+    # a thread (q = 1) holds keys 2, 3, 10, 11 of each 16: they sit at columns 4..7
+    assert c[[2, 3, 10, 11]].tolist() == [4, 5, 6, 7]
+
+
 @pytest.mark.parametrize("lens, Hq, Hkv, D, Dv", [
     ([150, 37, 1], 2, 1, 32, 32),     # crosses a 128-token block; a one-token sequence
     ([100, 100], 3, 1, 32, 48),       # a group of 3, Dv != D; a spare block (T // 128 + B = 3)
