@@ -46,7 +46,7 @@ RESERVE_POLICIES = ("auto", "grow", "upfront")
 PREFILL_CHOICES = ("auto", "triton", "sdpa")
 # What a fresh prompt's prefill attends to: "fresh" (its K/V as computed, torch SDPA; the pages
 # are written for the decode steps) or "stored" (the pages, as every later step does).
-PREFILL_ATTENDS = ("fresh", "stored")
+PREFILL_ATTENDS = ("fresh", "stored", "fresh_fp8")
 # How a chunk attends over its sequence's pages (prefill="triton"): "gather" (dequantize the
 # pages into a transient contiguous workspace, then the dense varlen kernel), "paged" (the
 # kernel reads the pages in its tile loop), "auto": kernels/prefill_gather.py choose_route.
@@ -269,8 +269,13 @@ class KVConfig:
     prefill_attends: what a fresh prompt's prefill (nothing of any row cached yet) attends to:
         "fresh" (the default) its K/V as the model computed them, through torch SDPA (flash /
         cuDNN on CUDA), as the model's own path and vLLM do; "stored": the pages just written
-        (quantized), as every later step does. The pages are written either way; padded
-        batches, windows shorter than the prompt, softcaps and eviction take the paged path.
+        (quantized), as every later step does; "fresh_fp8": its K/V as computed, attended on FP8
+        tensor cores (`prefill_attention(fp8=True)`: q, k, v in E4M3 with block scales, on
+        Hopper the Gluon kernel with each query row quantized by the kernel, elsewhere the
+        Triton FP8 kernel, on the CPU the reference over the same values; layers or batches
+        it cannot take attend as "fresh" does, said once in kvcompile.report). The pages are
+        written either way; windows shorter than the prompt, softcaps and eviction take the
+        paged path.
     prefill_chunk_route: how a prefill over pages (a later chunk of a chunked prefill, or
         prefill_attends="stored") reads them with the Triton kernels: "gather" dequantizes the
         sequences' pages, one layer at a time, into a transient contiguous workspace and runs

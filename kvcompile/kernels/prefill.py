@@ -120,6 +120,8 @@ def _prefill_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
 
         if fp8 is not None:
             q, k, v = dequantize_fp8_prefill(q, k, v, fp8, cu_seqlens)
+            if causal and not (sliding_window or sinks or softcap):   # P rounded as in the kernels
+                return out.copy_(R.prefill_attention_fp8_ref(q, k, v, cu_seqlens, scale))
         ref = R.prefill_attention_ref(q, k, v, cu_seqlens, scale, causal=causal,
                                       sliding_window=sliding_window, sinks=sinks, softcap=softcap,
                                       cu_seqlens_k=cu_seqlens_k)

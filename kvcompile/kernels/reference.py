@@ -151,6 +151,47 @@ def prefill_attention_ref(q, k, v, cu_seqlens, scale: float, *, causal: bool = T
     return out
 
 
+def prefill_attention_fp8_ref(q, k, v, cu_seqlens, scale: float, block: int = 128,
+                              round_p: bool = True):
+    """Causal attention over packed sequences as the FP8 prefill kernels compute it, from the
+    dequantized E4M3 values (q, k, v fp32: `prefill.dequantize_fp8_prefill`): each sequence's
+    keys in tiles of `block` from its start; after tile j a row's running max m_j (of scale *
+    log2 e * q.k); the tile's weights P_j = 2^(s - m_j + 8) rounded to E4M3 (satfinite: 256 x
+    p, so that small weights stay normal) before P V, their sum l from the unrounded values;
+    every earlier tile rescaled by 2^(m_j' - m_j). -> [T, Hq, Dv] fp32. What the kernels add
+    beyond this is fp32 summation order. round_p=False: P unrounded (plain attention, by
+    tiles)."""
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    T, Hq, D = q.shape
+    Hkv, Dv = k.shape[1], v.shape[2]
+    g = Hq // Hkv
+    c = scale * 1.4426950408889634
+    out = torch.zeros(T, Hq, Dv, dtype=torch.float32, device=q.device)
+    for b in range(len(cu) - 1):
+        s0, s1 = cu[b], cu[b + 1]
+        n = s1 - s0
+        if n == 0:
+            continue
+        J = (n + block - 1) // block
+        pad = J * block - n
+        qs = q[s0:s1].float().transpose(0, 1)                                   # [Hq, n, D]
+        ks = k[s0:s1].float().repeat_interleave(g, 1).transpose(0, 1)           # [Hq, n, D]
+        vs = v[s0:s1].float().repeat_interleave(g, 1).transpose(0, 1)           # [Hq, n, Dv]
+        s = (qs @ ks.transpose(1, 2)) * c                                       # [Hq, n, n]
+        pos = torch.arange(n, device=q.device)
+        s = s.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+        s = torch.nn.functional.pad(s, (0, pad), value=float("-inf")).view(Hq, n, J, block)
+        m = s.amax(-1).cummax(-1).values                                        # [Hq, n, J]
+        p = torch.exp2(s - m[..., None] + 8.0)
+        p8 = p.clamp(max=448.0).to(torch.float8_e4m3fn).float() if round_p else p
+        w = torch.exp2(m - m[..., -1:])                                         # [Hq, n, J]
+        vt = torch.nn.functional.pad(vs, (0, 0, 0, pad)).view(Hq, J, block, Dv)
+        o = torch.einsum("hnjk,hjkd->hnd", p8 * w[..., None], vt)
+        lsum = (p.sum(-1) * w).sum(-1)
+        out[s0:s1] = (o / lsum[..., None]).transpose(0, 1)
+    return out
+
+
 def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
                                 scale: float, *, sliding_window: int = 0, sinks: int = 0,
                                 softcap: float = 0.0, kv_start=None, sink_logits=None):

@@ -190,7 +190,49 @@ def _fresh_prefill(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal
     plan.cache[("attended_fresh", layer)] = True
     if starts is not None:
         return _padded_rows(state, q, k, v, starts, scale)
+    if causal and state.config.prefill_attends == "fresh_fp8":
+        B, _, S, _ = q.shape
+        if _fp8_fresh_ok(state, q, v):
+            cu = torch.arange(0, B + 1, dtype=torch.int32, device=q.device) * S
+            return _packed_fp8(state, q, k, v, cu, S, scale, q.transpose(1, 2).reshape(
+                B * S, q.shape[1], q.shape[3]), lambda x: x.transpose(1, 2).reshape(
+                B * S, x.shape[1], x.shape[3])).view(B, S, q.shape[1], -1).transpose(1, 2)
     return sdpa_attention(q, k, v, None, None, scale, causal)
+
+
+def _fp8_fresh_ok(state, q, v) -> bool:
+    """Whether prefill_attends="fresh_fp8" can take this layer's fresh prompt (the FP8 prefill
+    kernels' head dims); where not, it attends as "fresh" does, said once."""
+    from kvcompile.kernels.prefill_launch import HEAD_DIMS
+
+    if q.shape[3] in HEAD_DIMS and v.shape[3] in HEAD_DIMS:
+        return True
+    state.kernels.note(f"prefill_attends='fresh_fp8': head dims {q.shape[3]} / {v.shape[3]} "
+                       f"(the FP8 prefill kernels take {HEAD_DIMS}); attended through SDPA in "
+                       f"{q.dtype}", warn=True)
+    return False
+
+
+def _packed_fp8(state, q, k, v, cu, max_len: int, scale: float, qt, pack) -> torch.Tensor:
+    """prefill_attends="fresh_fp8": the prompts' tokens packed ([T, H, D]: qt, and `pack` for
+    k / v) attended causally on FP8 tensor cores; which kernel takes them is said once.
+    -> [T, Hq, Dv] in compute_dtype(q.dtype)."""
+    from kvcompile.kernels import prefill_sm90
+    from kvcompile.kernels.prefill import prefill_attention
+
+    dt = compute_dtype(q.dtype)
+    kt, vt = pack(k), pack(v)
+    if qt.is_cuda:
+        why = prefill_sm90.takes_bf16_q(qt, kt, vt, dt, True, 0, 0, 0.0, None)
+        state.kernels.note("prefill_attends='fresh_fp8': " + (
+            "the Hopper FP8 prefill kernel, each query row quantized by it" if why is None
+            else f"q, k, v block-quantized first, then the FP8 prefill kernels ({why})"))
+    else:
+        state.kernels.note("prefill_attends='fresh_fp8': no GPU, the reference over the same "
+                           "E4M3 values, P rounded to E4M3 as the kernels round it")
+    state.count("prefill_fresh_fp8")
+    return prefill_attention(qt, kt, vt, cu, scale, causal=True, max_seqlen=max_len, fp8=True,
+                             out_dtype=dt)
 
 
 # up to this many prompts in one packed step attend one SDPA call each (cuDNN / flash: the
@@ -205,7 +247,8 @@ def _fresh_packed(state, layer, q, fresh, plan, window, softcap, scale, extras):
     does for a batch, instead of reading back the pages just written. Steps with decode rows
     or chunks over a cached prefix, softcap, sinks or eviction extras, and windows shorter
     than a prompt keep the paged kernels. -> [1, Hq, T, Dv] or None."""
-    if (fresh is None or state.config.prefill_attends != "fresh" or plan.is_decode
+    if (fresh is None or state.config.prefill_attends not in ("fresh", "fresh_fp8")
+            or plan.is_decode
             or not plan.q_lens or max(plan.past_lens) != 0 or softcap or extras):
         return None
     if state.eviction is not None and not state.eviction.takes_plain_prefill(plan, layer):
@@ -216,7 +259,11 @@ def _fresh_packed(state, layer, q, fresh, plan, window, softcap, scale, extras):
     k, v = fresh
     if k.shape[2] != q.shape[2] or sum(q_lens) != q.shape[2]:
         return None
-    if len(q_lens) > FRESH_PACKED_SDPA_MAX and state.kernels.use_triton(q.device):
+    if state.config.prefill_attends == "fresh_fp8" and _fp8_fresh_ok(state, q, v):
+        t = lambda x: x[0].transpose(0, 1).contiguous()   # noqa: E731  [T, H, D]
+        out = _packed_fp8(state, q, k, v, plan.cu_seqlens_q, max(q_lens), scale, t(q), t)
+        out = out.transpose(0, 1).unsqueeze(0)
+    elif len(q_lens) > FRESH_PACKED_SDPA_MAX and state.kernels.use_triton(q.device):
         from kvcompile.kernels.prefill import prefill_attention
 
         t = lambda x: x[0].transpose(0, 1).contiguous()   # noqa: E731  [T, H, D]
@@ -237,7 +284,7 @@ def _fresh_ok(state, layer, q, fresh, plan, window, softcap, extras) -> bool:
     packed step), no softcap or extras, no window shorter than it, prefill_attends "fresh",
     and an eviction policy that lets it attend as without one."""
     S = q.shape[2]
-    if (fresh is None or state.config.prefill_attends != "fresh" or plan.packed
+    if (fresh is None or state.config.prefill_attends not in ("fresh", "fresh_fp8") or plan.packed
             or plan.is_decode or S < 2 or max(plan.past_lens) != 0 or softcap or extras
             or (window and window < S)):
         return False
@@ -284,8 +331,9 @@ def _padded_rows(state, q, k, v, starts: list[int], scale: float) -> torch.Tenso
     from kvcompile.kernels.prefill_launch import HEAD_DIMS
 
     B, Hq, S, _ = q.shape
-    if (B <= FRESH_PADDED_ROWS_MAX or not state.kernels.use_triton(q.device)
-            or q.shape[3] not in HEAD_DIMS or v.shape[3] not in HEAD_DIMS):
+    fp8 = state.config.prefill_attends == "fresh_fp8" and _fp8_fresh_ok(state, q, v)
+    if not fp8 and (B <= FRESH_PADDED_ROWS_MAX or not state.kernels.use_triton(q.device)
+                    or q.shape[3] not in HEAD_DIMS or v.shape[3] not in HEAD_DIMS):
         return sdpa_rows(q, k, v, starts, scale)
     from kvcompile.kernels.prefill import prefill_attention
 
@@ -298,9 +346,12 @@ def _padded_rows(state, q, k, v, starts: list[int], scale: float) -> torch.Tenso
         return x.transpose(1, 2).reshape(B * S, x.shape[1], x.shape[3]).index_select(0, idx)
 
     dt = compute_dtype(q.dtype)
-    state.count("prefill_fresh_varlen")   # which kernel (prefill_fresh_sdpa: attended fresh)
-    o = prefill_attention(packed(q), packed(k), packed(v), cu, scale, causal=True,
-                          max_seqlen=max(lens), out_dtype=dt)
+    if fp8:
+        o = _packed_fp8(state, q, k, v, cu, max(lens), scale, packed(q), packed)
+    else:
+        state.count("prefill_fresh_varlen")   # which kernel (prefill_fresh_sdpa: attended fresh)
+        o = prefill_attention(packed(q), packed(k), packed(v), cu, scale, causal=True,
+                              max_seqlen=max(lens), out_dtype=dt)
     out = torch.zeros(B * S, Hq, v.shape[3], dtype=dt, device=q.device)
     out.index_copy_(0, idx, o)
     return out.view(B, S, Hq, -1).transpose(1, 2)

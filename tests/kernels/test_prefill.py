@@ -212,6 +212,32 @@ def test_prefill_fp8_block_scales():
     assert rel_err(out, ref) <= FP8_REL_ERR * 1.5
 
 
+def test_prefill_fp8_reference_rounds_p_as_the_kernels_do():
+    """The FP8 op's reference path (no GPU, no interpreter) rounds each key tile's weights to
+    E4M3 after its running max, as the kernels do: unrounded, the same tiling is plain causal
+    attention; rounded, it differs from it by P's rounding alone (a relative error of about
+    1e-2, not 0), and a one-tile sequence rounds against its own max."""
+    from kvcompile.kernels.reference import prefill_attention_fp8_ref
+
+    gen = torch.Generator().manual_seed(21)
+    lens = [300, 1, 129]
+    q, k, v = make_qkv(lens, 4, 2, 64, torch.float32, gen=gen)
+    q = q * 2.0
+    cu = cu_of(lens)
+    plain = prefill_attention_ref(q, k, v, cu, 0.125)
+    assert rel_err(prefill_attention_fp8_ref(q, k, v, cu, 0.125, round_p=False), plain) < 1e-5
+    rounded = prefill_attention_fp8_ref(q, k, v, cu, 0.125)
+    assert 2e-3 < rel_err(rounded, plain) < 3e-2
+    assert torch.equal(rounded[300], v[300].repeat_interleave(2, 0))   # one key: P = 256, exact
+    short = prefill_attention_fp8_ref(q[:5], k[:5], v[:5], cu_of([5]), 0.125)
+    s = (q[:5].transpose(0, 1) @ k[:5].repeat_interleave(2, 1).permute(1, 2, 0)) * 0.125
+    s = s.masked_fill(torch.ones(5, 5).triu(1).bool(), float("-inf")) * 1.4426950408889634
+    p = torch.exp2(s - s.amax(-1, keepdim=True) + 8.0)
+    want = (p.to(torch.float8_e4m3fn).float() @ v[:5].repeat_interleave(2, 1).transpose(0, 1))
+    want = (want / p.sum(-1, keepdim=True)).transpose(0, 1)
+    assert rel_err(short, want) < 1e-6
+
+
 def test_prefill_fp8_with_queries_quantized_by_the_kernel(monkeypatch):
     """fp8 scales with q_descale None: bf16 queries that the Hopper kernel quantizes a scale
     per row. The op's reference path computes with those same row-quantized values; where the

@@ -122,6 +122,7 @@ def test_padded_rows_pack_for_the_varlen_kernel(monkeypatch, dtype):   # the int
                         lambda *a, **kw: calls.append(a[3].tolist()) or real(*a, **kw))
     counted = []
     state = SimpleNamespace(kernels=SimpleNamespace(use_triton=lambda device: True),
+                            config=SimpleNamespace(prefill_attends="fresh"),
                             count=counted.append)
     got = dispatch._padded_rows(state, q, k, v, starts, 0.125)
     assert calls == [[0, 20, 33, 34]] and counted == ["prefill_fresh_varlen"]
@@ -251,3 +252,51 @@ def test_engine_prompt_chunks_over_a_cached_prefix_take_the_paged_path():
     assert st.get("prefill_fresh_sdpa", 0) == 2 * 3   # both layers
     _, _, st = _engine_first_tokens("fp8_e4m3", "stored", 512)
     assert st.get("prefill_fresh_sdpa", 0) == 0
+
+
+def _fp8_run(prefill_attends: str, pad: bool = False, model_fn=None):
+    """(logits of the prefill forward, kvcompile.stats, report's kernel notes) of a head_dim-64
+    Llama prompt batch with fp8 pages."""
+    from tests.engine.tiny import make_llama64
+
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 256, (B, 40), generator=g)
+    am = torch.ones_like(ids)
+    if pad:
+        am[1, :6] = 0
+    model = (model_fn or make_llama64)()
+    kvcompile.compile(model, config(kv_dtype="fp8_e4m3", prefill_attends=prefill_attends))
+    with torch.no_grad():
+        got = model.generate(ids, attention_mask=am, max_new_tokens=2, min_new_tokens=2,
+                             do_sample=False, pad_token_id=0, output_logits=True,
+                             return_dict_in_generate=True)
+    return got.logits[0], kvcompile.stats(model), kvcompile.report(model).kernel_notes
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_fresh_fp8_prefill_attends_fresh_kv_in_e4m3(pad):
+    """prefill_attends="fresh_fp8": the fresh prompt's K/V as computed, attended in E4M3 with
+    P rounded as the kernels round it (the CPU reference of prefill_attention(fp8=True)):
+    both layers take it, batch and left-padded rows alike, the report says which path, and
+    the prefill's logits stay near the model's own (the bf16-free fresh path) yet differ."""
+    base, st0, _ = _fp8_run("fresh", pad=pad)
+    got, st, notes = _fp8_run("fresh_fp8", pad=pad)
+    assert st0.get("prefill_fresh_fp8", 0) == 0                # negative: "fresh" stays SDPA
+    assert st.get("prefill_fresh_fp8", 0) == 2 and st.get("prefill_fresh_sdpa", 0) == 2
+    assert any("fresh_fp8" in n and "E4M3" in n for n in notes), notes
+    diff = (got - base).abs().max().item()
+    assert 0 < diff < 0.05 * base.abs().max().item(), diff
+
+
+def test_fresh_fp8_prefill_says_when_the_head_dims_do_not_fit():
+    """A layer the FP8 prefill kernels cannot take (head_dim 16 here) attends as "fresh" does,
+    through SDPA, and the report says why, once."""
+    got, st, notes = _fp8_run("fresh_fp8", model_fn=lambda: make_hf("llama", "sdpa"))
+    assert st.get("prefill_fresh_fp8", 0) == 0 and st.get("prefill_fresh_sdpa", 0) == 2
+    said = [n for n in notes if "fresh_fp8" in n and "head dims" in n]
+    assert len(said) == 1, notes
+
+
+def test_prefill_attends_refuses_an_unknown_choice():
+    with pytest.raises(KVConfigError, match="fresh_fp8"):
+        kvcompile.KVConfig(prefill_attends="fp8")
