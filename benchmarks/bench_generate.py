@@ -14,6 +14,8 @@ Sections, each in its own try/except, within one deadline (`--budget-s`), printe
   kvc_fp8    kvcompile.compile(model, kv_dtype="fp8_e4m3") + HF generate
   kvc_bf16   same with bf16 pages: tokens vs hf_eager (free run, and teacher-forced)
   kvc_int4   same with K int4 per-channel / V int4 per-token pages of 64 (the 4-bit format)
+  kvc_fp8_pf8  kvc_fp8 with KVConfig(prefill_attends="fresh_fp8"): the fresh prompt attended on
+             FP8 tensor cores (on Hopper the Gluon kernel); compare its first token with kvc_fp8
   kvc_fp8_evict_sink / kvc_fp8_evict_snapkv / kvc_fp8_evict_snapkv_hold   kvc_fp8 with
              eviction at 50% of the prompt (the engine_evict_* policies; SinkWindow's sinks
              at their text positions): decode steps replay CUDA graphs with the eviction
@@ -358,13 +360,16 @@ def _kvc_config(args, kv_dtype):
                     kernels="reference" if args.smoke else args.kernels)
 
 
-def kvc(model, args, device, ctx, kv_dtype, eviction=None, sinks=None, name=""):
+def kvc(model, args, device, ctx, kv_dtype, eviction=None, sinks=None, name="",
+        prefill_attends=None):
     """HF generate on kvcompile pages; eviction: a policy for every layer (kvc_fp8_evict_*:
     decode steps replay CUDA graphs with the runtime stepped aside, evicting every
     --evict-interval steps); sinks: SinkWindow's sink positions ("original" / "cache")."""
     ids, am = ctx["inputs"]
     uncompile(model)
     cfg = _kvc_config(args, kv_dtype)
+    if prefill_attends is not None:
+        cfg = dataclasses.replace(cfg, prefill_attends=prefill_attends)
     if eviction is not None:
         cfg = dataclasses.replace(cfg, eviction=eviction,
                                   eviction_interval=args.evict_interval)
@@ -697,7 +702,8 @@ def main(argv=None) -> int:
     print(env, flush=True)
     sections = args.sections.split(",")
     # rough minimum seconds each needs on the H200 (compiles included)
-    need = dict(capacity=1, hf_eager=25, hf_static=90, kvc_fp8=80, kvc_bf16=70, kvc_int4=80, engine=60,
+    need = dict(capacity=1, hf_eager=25, hf_static=90, kvc_fp8=80, kvc_bf16=70, kvc_int4=80,
+                kvc_fp8_pf8=80, engine=60,
                 kvc_fp8_evict_sink=80, kvc_fp8_evict_snapkv=80, kvc_fp8_evict_snapkv_hold=80,
                 kvc_int4_evict_sink=80, kvc_int4_evict_snapkv_hold=80,
                 engine_b=40, engine_b_nograph=30, engine_b_sync=40, engine_evict_sink=60, engine_evict_snapkv=60,
@@ -717,6 +723,8 @@ def main(argv=None) -> int:
         kvc_fp8=lambda: kvc(model, args, device, ctx, "fp8_e4m3"),
         kvc_bf16=lambda: kvc(model, args, device, ctx, "bf16"),
         kvc_int4=lambda: kvc(model, args, device, ctx, "int4"),
+        kvc_fp8_pf8=lambda: kvc(model, args, device, ctx, "fp8_e4m3", name=", FP8 prefill",
+                                prefill_attends="fresh_fp8"),
         kvc_fp8_evict_sink=lambda: kvc(model, args, device, ctx, "fp8_e4m3",
                                        _half(args)["sink"], "original", ", SinkWindow 50%"),
         kvc_fp8_evict_snapkv=lambda: kvc(model, args, device, ctx, "fp8_e4m3",
@@ -767,6 +775,7 @@ def main(argv=None) -> int:
 
 def report(results, errors, args):
     gen = [results[k] for k in ("hf_eager", "hf_static", "kvc_fp8", "kvc_bf16", "kvc_int4",
+                                "kvc_fp8_pf8",
                                 "kvc_fp8_evict_sink", "kvc_fp8_evict_snapkv",
                                 "kvc_fp8_evict_snapkv_hold", "kvc_int4_evict_sink",
                                 "kvc_int4_evict_snapkv_hold", "engine_b",

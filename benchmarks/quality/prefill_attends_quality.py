@@ -3,7 +3,9 @@
     python benchmarks/quality/prefill_attends_quality.py [--context 1024] [--tail 128]
 
 KVConfig.prefill_attends: "fresh" (the default) attends to the prompt's K/V as the model computed
-them (torch SDPA) while the pages are written; "stored" attends to the pages just written. The
+them (torch SDPA) while the pages are written; "stored" attends to the pages just written;
+"fresh_fp8" attends to the K/V as computed, quantized to E4M3 with block scales, P rounded to
+E4M3 (the FP8 prefill kernels' numbers; on the CPU their reference). The
 prompt's own logits are then the model's (fresh) or the quantized cache's (stored), and so are
 the hidden states from which each later layer's K/V are computed and stored: the choice changes
 what the decode steps read. Protocol (pareto.py's `decode_tail_ppl`): prefill `context` tokens of
@@ -43,9 +45,11 @@ def run(base, ids, tail: int, fields: dict) -> float:
     model = kvcompile.compile(copy.deepcopy(base), kvcompile.KVConfig(
         inner="eager", kernels="reference", max_kv_bytes=1 << 30, **fields))
     ppl = decode_tail_ppl(model, ids, tail)
-    fresh = kvcompile.stats(model).get("prefill_fresh_sdpa", 0)
-    if (fields.get("prefill_attends", "fresh") == "fresh") != (fresh > 0):
-        raise RuntimeError(f"{fields}: the fresh path ran {fresh} times")
+    st = kvcompile.stats(model)
+    fresh, fp8 = st.get("prefill_fresh_sdpa", 0), st.get("prefill_fresh_fp8", 0)
+    mode = fields.get("prefill_attends", "fresh")
+    if (mode != "stored") != (fresh > 0) or (mode == "fresh_fp8") != (fp8 > 0):
+        raise RuntimeError(f"{fields}: the fresh path ran {fresh} times, in E4M3 {fp8}")
     return ppl
 
 
@@ -64,18 +68,20 @@ def main(argv=None):
     rows = []
     for name, fields in CONFIGS.items():
         row = dict(config=name)
-        for mode in ("fresh", "stored"):
+        for mode in ("fresh", "stored", "fresh_fp8"):
             row[mode] = run(base, ids, a.tail, dict(fields, prefill_attends=mode))
         rows.append(row)
-        print(f"{name}: fresh {row['fresh']:.4f}, stored {row['stored']:.4f} (fp32 {ref:.4f})",
+        print(f"{name}: fresh {row['fresh']:.4f}, stored {row['stored']:.4f}, fresh_fp8 "
+              f"{row['fresh_fp8']:.4f} (fp32 {ref:.4f})",
               file=sys.stderr, flush=True)
     print(f"SmolLM2-135M, Lee corpus: prefill {a.context} tokens, {a.tail} teacher-forced decode "
           f"steps; perplexity of the tail tokens (fp32 pages: {ref:.4f}); {time.time() - t0:.0f} s")
-    print("| pages | prefill attends fresh | vs fp32 | prefill attends stored | vs fp32 |")
-    print("|---|---|---|---|---|")
+    print("| pages | prefill attends fresh | vs fp32 | stored | vs fp32 | fresh_fp8 | vs fp32 |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['config']} | {r['fresh']:.4f} | {100 * (r['fresh'] / ref - 1):+.2f}% | "
-              f"{r['stored']:.4f} | {100 * (r['stored'] / ref - 1):+.2f}% |")
+        print(f"| {r['config']} | " + " | ".join(
+            f"{r[m]:.4f} | {100 * (r[m] / ref - 1):+.2f}%" for m in ("fresh", "stored",
+                                                                   "fresh_fp8")) + " |")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(dict(fp32=ref, rows=rows, context=a.context, tail=a.tail), fh, indent=1)
