@@ -85,29 +85,25 @@ if GLUON_ERROR is None:
         tma_load(v_desc, [row, col + j * 128], v_bar.index(s), v_smem.index(s))
 
     @gluon.jit
-    def _row_max(x, row_layout: gl.constexpr, TREE: gl.constexpr):
-        # a row's max over a wgmma accumulator [BM, BN] (a thread holds key 8i + 2q + p of its
-        # rows for i < BN / 8, p < 2; q: its lane % 4). Triton reduces a thread's values in
-        # one dependent chain (31 FMNMX a row); TREE splits the keys as 64h + 8i + 2q + p and
-        # reduces over i first: eight independent chains of 7 a thread, then h, then p and q
+    def _row_reduce(x, row_layout: gl.constexpr, SUM: gl.constexpr, TREE: gl.constexpr):
+        # a row's max (SUM: sum) over a wgmma accumulator [BM, BN] (a thread holds key 8i + 2q
+        # + p of its rows for i < BN / 8, p < 2; q: its lane % 4). Triton reduces a thread's
+        # values in one dependent chain (31 steps a row); TREE splits the keys as 64h + 8i +
+        # 2q + p and reduces over i first: eight independent chains of 7 a thread, then h,
+        # then p and q
         if TREE:
             BM: gl.constexpr = x.shape[0]
             BN: gl.constexpr = x.shape[1]
-            y = gl.max(gl.reshape(x, [BM, 2, BN // 16, 8]), 2)
-            return gl.convert_layout(gl.max(gl.max(y, 1), 1), row_layout)
+            y = gl.reshape(x, [BM, 2, BN // 16, 8])
+            if SUM:
+                y = gl.sum(gl.sum(gl.sum(y, 2), 1), 1)
+            else:
+                y = gl.max(gl.max(gl.max(y, 2), 1), 1)
+            return gl.convert_layout(y, row_layout)
+        elif SUM:
+            return gl.sum(x, 1)
         else:
             return gl.max(x, 1)
-
-    @gluon.jit
-    def _row_sum(x, row_layout: gl.constexpr, TREE: gl.constexpr):
-        # a row's sum, split as _row_max splits its max
-        if TREE:
-            BM: gl.constexpr = x.shape[0]
-            BN: gl.constexpr = x.shape[1]
-            y = gl.sum(gl.reshape(x, [BM, 2, BN // 16, 8]), 2)
-            return gl.convert_layout(gl.sum(gl.sum(y, 1), 1), row_layout)
-        else:
-            return gl.sum(x, 1)
 
     @gluon.jit
     def _softmax(s, c, m_i, l_i, keys, pos, MASKED: gl.constexpr, P_SH: gl.constexpr,
@@ -117,13 +113,13 @@ if GLUON_ERROR is None:
         row: gl.constexpr = m_i.type.layout
         if MASKED:
             s = gl.where(keys[None, :] <= pos[:, None], s * c[:, None], float("-inf"))
-            m_new = gl.maximum(m_i, _row_max(s, row, TREE))
+            m_new = gl.maximum(m_i, _row_reduce(s, row, False, TREE))
             p = gl.exp2(s - (m_new - P_SH)[:, None])
         else:
-            m_new = gl.maximum(m_i, _row_max(s, row, TREE) * c)
+            m_new = gl.maximum(m_i, _row_reduce(s, row, False, TREE) * c)
             p = gl.exp2(s * c[:, None] - (m_new - P_SH)[:, None])
         alpha = gl.exp2(m_i - m_new)
-        l_new = l_i * alpha + _row_sum(p, row, TREE)
+        l_new = l_i * alpha + _row_reduce(p, row, True, TREE)
         return p, alpha, m_new, l_new
 
     @gluon.jit
