@@ -59,10 +59,11 @@ def main(argv=None):
     ap.add_argument("--tail", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--corpus", default="lee", help="pareto.corpora's text: lee or pydoc")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     base, tok = load_model()
-    ids = corpora(tok, a.context + a.tail)["lee"]
+    ids = corpora(tok, a.context + a.tail)[a.corpus]
     t0 = time.time()
     ref = run(base, ids, a.tail, dict(kv_dtype="fp32"))
     rows = []
@@ -74,7 +75,7 @@ def main(argv=None):
         print(f"{name}: fresh {row['fresh']:.4f}, stored {row['stored']:.4f}, fresh_fp8 "
               f"{row['fresh_fp8']:.4f} (fp32 {ref:.4f})",
               file=sys.stderr, flush=True)
-    print(f"SmolLM2-135M, Lee corpus: prefill {a.context} tokens, {a.tail} teacher-forced decode "
+    print(f"SmolLM2-135M, {a.corpus} corpus: prefill {a.context} tokens, {a.tail} teacher-forced decode "
           f"steps; perplexity of the tail tokens (fp32 pages: {ref:.4f}); {time.time() - t0:.0f} s")
     print("| pages | prefill attends fresh | vs fp32 | stored | vs fp32 | fresh_fp8 | vs fp32 |")
     print("|---|---|---|---|---|---|---|")
