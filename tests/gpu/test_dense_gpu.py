@@ -143,6 +143,7 @@ def test_padded_rows_varlen_on_cuda(monkeypatch):
     starts = [0, 17, 299, S, 150]
     counted = []
     state = SimpleNamespace(kernels=SimpleNamespace(use_triton=lambda device: True),
+                            config=SimpleNamespace(prefill_attends="fresh"),
                             count=counted.append)
     got = dispatch._padded_rows(state, q, k, v, starts, 0.09).float()
     want = sdpa_rows(q, k, v, starts, 0.09).float()

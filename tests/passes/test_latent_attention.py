@@ -410,7 +410,8 @@ def test_fresh_latent_rows_in_groups_equal_one_call(monkeypatch, mask_rows):
     q = torch.randn(B, HEADS, S, NOPE + ROPE, generator=g)
     allowed = torch.rand(mask_rows, 1, S, S, generator=g) > 0.4
     allowed |= torch.eye(S, dtype=torch.bool)                 # every query sees one key
-    state = SimpleNamespace(kernels=SimpleNamespace(use_triton=lambda device: False))
+    state = SimpleNamespace(kernels=SimpleNamespace(use_triton=lambda device: False),
+                            config=SimpleNamespace(prefill_attends="fresh"))
     k, v = expand_latent(c, rope, w, NOPE, HEADS)
     starts = [0, 3, 0, 8, 1]
     j = torch.arange(S)
