@@ -377,9 +377,14 @@ def unsupported(q8, k8, vt8, out, causal, window, sinks, softcap, cu_seqlens_k) 
         return "non-contiguous FP8 inputs"
     if any(t.data_ptr() % 16 for t in (q8, k8, vt8)):
         return "FP8 inputs not 16-byte aligned (TMA)"
+    return _device_reason(q8)
+
+
+def _device_reason(t) -> str | None:
+    """Why the kernel cannot run where t lives (None: a Hopper GPU, and Gluon importable)."""
     if GLUON_ERROR is not None:
         return GLUON_ERROR
-    if not q8.is_cuda or torch.cuda.get_device_capability(q8.device)[0] != 9:
+    if not t.is_cuda or torch.cuda.get_device_capability(t.device)[0] != 9:
         return "not a Hopper (sm_90) GPU"
     return None
 
@@ -399,11 +404,7 @@ def takes_bf16_q(q, k, v, out_dtype, causal, window, sinks, softcap,
         return f"output {out_dtype}: takes bf16 / fp16"
     if not q.is_contiguous() or q.data_ptr() % 16:
         return "q not contiguous and 16-byte aligned (TMA)"
-    if GLUON_ERROR is not None:
-        return GLUON_ERROR
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return "not a Hopper (sm_90) GPU"
-    return None
+    return _device_reason(q)
 
 
 def launch_prefill_fp8_sm90(q, k8, vt8, scales, cu_seqlens, out, scale: float,
