@@ -44,6 +44,7 @@ from kvcompile.kernels.reference import (  # noqa: E402
     prefill_attention_fp8_ref,
     prefill_attention_ref,
     quantize_fp8_prefill_ref,
+    quantize_rows_fp8_ref,
 )
 from kvcompile.testing import rel_err  # noqa: E402
 
@@ -114,9 +115,8 @@ def check() -> list[str]:
                 fails.append(f"gluon {how} {name}")
         # Q in bf16, quantized by the kernel with a scale per row; K / V as above
         qb = q.to(torch.bfloat16)
-        qs = qb.float().abs().amax(-1, keepdim=True)
-        qs = torch.where(qs > 0, qs / 448.0, torch.ones_like(qs))
-        q_rows = (qb.float() / qs).to(torch.float8_e4m3fn).float() * qs
+        codes, qs = quantize_rows_fp8_ref(qb)
+        q_rows = codes.float() * qs
         ref_r = prefill_attention_ref(q_rows, kd, vd, cu, d ** -0.5).float()
         _, k8b, vt8b, scb = quantize_fp8_prefill(qb, k, v, cu, with_q=False)
         for warps in (4, 8):

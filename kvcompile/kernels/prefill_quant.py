@@ -84,8 +84,8 @@ def _write_codes(X, Y, t0, n, stride_t, stride_y, col0, ycol0, d, C: tl.constexp
     # codes of rows t0 .. t0 + SCALE_BLOCK - 1 (zeros past n); TRANSPOSE: Y[ycol0 + c, ycol_t +
     # vt_column(r)] (vt: tokens in P's lane order within 32-token chunks; ycol_t: the block's
     # first column, a multiple of 128, so that the compiler sees the rows' alignment), else
-    # Y[t, ycol0 + c] (rows past n not written). TRANSPOSE walks vt's columns in order and gathers their
-    # tokens (vt_token), so that each of vt's rows is written in contiguous runs
+    # Y[t, ycol0 + c] (rows past n not written). TRANSPOSE walks vt's columns in order and
+    # gathers their tokens (vt_token), so that each of vt's rows is written in contiguous runs
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BC)
     for r0 in range(0, _BLOCK, BT):

@@ -25,9 +25,10 @@ the other's products do. P is made and consumed in one iteration: carried across
 FlashAttention-3's order needs), Triton keeps an E4M3 tensor as single bytes and repacks them
 for the wgmma, 192 more instructions a tile and warp (the loop body 718 -> 515 SASS
 instructions); on the H200 the serial order runs 1.17-1.32x cuDNN SDPA bf16 against
-FlashAttention-3's order's 1.00-1.14x in the same run. `overlap=True` keeps that order (tile j - 1's P V issued after S[j], running
-during tile j's softmax; O rescaled before it, else ptxas serializes the wgmma: C7514, which
-tests/kernels/test_prefill_sm90.py fails on). Numbers: benchmarks/RESULTS.md.
+FlashAttention-3's order's 1.00-1.14x in the same run. `overlap=True` keeps that order (tile
+j - 1's P V issued after S[j], running during tile j's softmax; O rescaled before it, else
+ptxas serializes the wgmma: C7514, which tests/kernels/test_prefill_sm90.py fails on).
+Numbers: benchmarks/RESULTS.md.
 
 One CTA of 4 warps (one warpgroup; 8 warps: two, 128 rows) owns 64 query rows of one query
 head of one sequence and walks its keys in 128-token tiles: Q arrives by one TMA copy, K and V^T
@@ -44,9 +45,10 @@ from __future__ import annotations
 import torch
 
 BLOCK_N = 128   # keys a tile (= the scale block: one k / v descale a tile)
-# one warpgroup, 64 query rows a CTA, two CTAs a SM: on the H100 1.00-1.09x cuDNN SDPA bf16
-# against 0.95-0.97x with 8 warps (two warpgroups, 128 rows a CTA, one CTA a SM), B4 x 8k
-# causal (benchmarks/RESULTS.md, thirty-first session)
+# one warpgroup, 64 query rows a CTA, two CTAs a SM: in the serial order on the H200
+# 1.17-1.32x cuDNN SDPA bf16 against 0.97-1.12x with 8 warps (two warpgroups, 128 rows a CTA,
+# one CTA a SM); in FlashAttention-3's order on the H100 1.00-1.09x against 0.95-0.97x
+# (benchmarks/RESULTS.md, thirty-first and thirty-second sessions)
 NUM_WARPS = 4
 HEAD_DIMS = (64, 128)
 
@@ -174,11 +176,11 @@ if GLUON_ERROR is None:
         return acc, p8, m_i, l_i, vs, r, kd_n, vs_n
 
     @gluon.jit
-    def _tile_serial(q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, m_i, l_i, v_prev,
-                zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start, v_col, keys0,
-                pos, row_o: gl.constexpr, p_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
-                KV_BYTES: gl.constexpr, MASKED: gl.constexpr, P_SH: gl.constexpr,
-                TREE: gl.constexpr):
+    def _tile_serial(q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, m_i, l_i,
+                     v_prev, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start,
+                     v_col, keys0, pos, row_o: gl.constexpr, p_layout: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, KV_BYTES: gl.constexpr, MASKED: gl.constexpr,
+                     P_SH: gl.constexpr, TREE: gl.constexpr):
         # key tile j in order: its scores (the last tile's P V completes first), its softmax,
         # then its P V, left running into the next tile. P is made and consumed in one
         # iteration: carried across the loop, Triton keeps an E4M3 tensor as single bytes and

@@ -8,11 +8,12 @@ loop; elsewhere, and under TRITON_INTERPRET=1, through plain pointer loads.
 
 FP8 (`fp8=True`): q [T, Hq, D], k [T, Hkv, D] E4M3 and v transposed, vt [Hkv * Dv, NB * 128]
 E4M3 (tokens in `prefill_quant.vt_column` order within 32-token chunks: the TMA path permutes P
-to match, the pointer path gathers), so that both GEMMs run on fp8 tensor cores (Hopper wants the reduction dim contiguous for
-fp8 operands). One fp32 descale per (sequence, SCALE_BLOCK-token block, kv head) for each of q, k,
-v; `cu_blocks` [B+1] gives each sequence's first block, and sequence b's token i sits in column
-cu_blocks[b] * SCALE_BLOCK + i of vt (aligned starts, as TMA wants). The scale of a V block is folded into the
-accumulator's rescale, and P is quantized to E4M3 as 256 * p so that small weights stay normal.
+to match, the pointer path gathers), so that both GEMMs run on fp8 tensor cores (Hopper wants
+the reduction dim contiguous for fp8 operands). One fp32 descale per (sequence,
+SCALE_BLOCK-token block, kv head) for each of q, k, v; `cu_blocks` [B+1] gives each sequence's
+first block, and sequence b's token i sits in column cu_blocks[b] * SCALE_BLOCK + vt_column(i)
+of vt (aligned starts, as TMA wants). The scale of a V block is folded into the accumulator's
+rescale, and P is quantized to E4M3 as 256 * p so that small weights stay normal.
 """
 
 from __future__ import annotations

@@ -222,21 +222,28 @@ def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q,
     return out
 
 
+def _e4m3_descale(amax):
+    # an FP8 prefill scale: amax / 448, 1 where amax is 0 (or NaN)
+    return torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+
+
+def _e4m3_codes(x, descale):
+    # RN(x / descale) clamped to +-448, as E4M3
+    return (x.float() / descale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
 def quantize_rows_fp8_ref(q):
     """q [T, H, D] -> (codes E4M3, descale [T, H, 1] fp32): a scale per row, amax / 448 (1 for
     an all-zero row), codes RN(x / scale) clamped to +-448; the Hopper FP8 prefill kernel's own
     quantization of bf16 queries (kernels/prefill_sm90.py)."""
-    x = q.float()
-    amax = x.abs().amax(-1, keepdim=True)
-    s = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-    return (x / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), s
+    s = _e4m3_descale(q.float().abs().amax(-1, keepdim=True))
+    return _e4m3_codes(q, s), s
 
 
 def quantize_fp8_prefill_ref(q, k, v, cu_seqlens, num_blocks: int, block: int = 128):
     """The torch form of prefill.quantize_fp8_prefill (its docstring says what it computes):
     -> q8, k8, vt8 [Hkv * Dv, max(num_blocks, 1) * block], (q_descale, k_descale, v_descale
     [max(num_blocks, 1), Hkv] fp32, cu_blocks [B+1] int32)."""
-    fmax = 448.0
     T, Hq, D = q.shape
     Hkv, Dv = v.shape[1], v.shape[2]
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
@@ -251,11 +258,10 @@ def quantize_fp8_prefill_ref(q, k, v, cu_seqlens, num_blocks: int, block: int = 
     def scales(amax_tok):  # [T, Hkv] -> [nb, Hkv] descales
         amax = torch.zeros(nb, Hkv, dtype=torch.float32, device=q.device)
         amax.scatter_reduce_(0, blk[:, None].expand(T, Hkv), amax_tok.float(), "amax")
-        return torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+        return _e4m3_descale(amax)
 
     def encode(x, descale):  # x [T, Hkv, G, d]
-        y = x.float() / descale[blk][:, :, None, None]
-        return y.clamp(-fmax, fmax).to(torch.float8_e4m3fn)
+        return _e4m3_codes(x, descale[blk][:, :, None, None])
 
     g = Hq // Hkv
     qg = q.reshape(T, Hkv, g, D)

@@ -190,13 +190,14 @@ def _fresh_prefill(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal
     plan.cache[("attended_fresh", layer)] = True
     if starts is not None:
         return _padded_rows(state, q, k, v, starts, scale)
-    if causal and state.config.prefill_attends == "fresh_fp8":
-        B, _, S, _ = q.shape
-        if _fp8_fresh_ok(state, q, v):
-            cu = torch.arange(0, B + 1, dtype=torch.int32, device=q.device) * S
-            return _packed_fp8(state, q, k, v, cu, S, scale, q.transpose(1, 2).reshape(
-                B * S, q.shape[1], q.shape[3]), lambda x: x.transpose(1, 2).reshape(
-                B * S, x.shape[1], x.shape[3])).view(B, S, q.shape[1], -1).transpose(1, 2)
+    if causal and state.config.prefill_attends == "fresh_fp8" and _fp8_fresh_ok(state, q, v):
+        B, Hq, S, _ = q.shape
+
+        def packed(x):   # [B, H, S, D] -> [B * S, H, D]
+            return x.transpose(1, 2).reshape(B * S, x.shape[1], x.shape[3])
+        cu = torch.arange(0, B + 1, dtype=torch.int32, device=q.device) * S
+        out = _packed_fp8(state, packed(q), packed(k), packed(v), cu, S, scale)
+        return out.view(B, S, Hq, -1).transpose(1, 2)
     return sdpa_attention(q, k, v, None, None, scale, causal)
 
 
@@ -213,15 +214,14 @@ def _fp8_fresh_ok(state, q, v) -> bool:
     return False
 
 
-def _packed_fp8(state, q, k, v, cu, max_len: int, scale: float, qt, pack) -> torch.Tensor:
-    """prefill_attends="fresh_fp8": the prompts' tokens packed ([T, H, D]: qt, and `pack` for
-    k / v) attended causally on FP8 tensor cores; which kernel takes them is said once.
-    -> [T, Hq, Dv] in compute_dtype(q.dtype)."""
+def _packed_fp8(state, qt, kt, vt, cu, max_len: int, scale: float) -> torch.Tensor:
+    """prefill_attends="fresh_fp8": the prompts' tokens packed (qt / kt / vt [T, H, D])
+    attended causally on FP8 tensor cores; which kernel takes them is said once.
+    -> [T, Hq, Dv] in compute_dtype(qt.dtype)."""
     from kvcompile.kernels import prefill_sm90
     from kvcompile.kernels.prefill import prefill_attention
 
-    dt = compute_dtype(q.dtype)
-    kt, vt = pack(k), pack(v)
+    dt = compute_dtype(qt.dtype)
     if qt.is_cuda:
         why = prefill_sm90.takes_bf16_q(qt, kt, vt, dt, True, 0, 0, 0.0, None)
         state.kernels.note("prefill_attends='fresh_fp8': " + (
@@ -235,6 +235,9 @@ def _packed_fp8(state, q, k, v, cu, max_len: int, scale: float, qt, pack) -> tor
                              out_dtype=dt)
 
 
+# the prefill_attends choices under which a fresh prompt attends to its K/V as computed
+FRESH_ATTENDS = ("fresh", "fresh_fp8")
+
 # up to this many prompts in one packed step attend one SDPA call each (cuDNN / flash: the
 # fastest for long prompts; a call's host cost is tens of microseconds); more go through the
 # varlen kernel in one launch where it runs
@@ -247,8 +250,7 @@ def _fresh_packed(state, layer, q, fresh, plan, window, softcap, scale, extras):
     does for a batch, instead of reading back the pages just written. Steps with decode rows
     or chunks over a cached prefix, softcap, sinks or eviction extras, and windows shorter
     than a prompt keep the paged kernels. -> [1, Hq, T, Dv] or None."""
-    if (fresh is None or state.config.prefill_attends not in ("fresh", "fresh_fp8")
-            or plan.is_decode
+    if (fresh is None or state.config.prefill_attends not in FRESH_ATTENDS or plan.is_decode
             or not plan.q_lens or max(plan.past_lens) != 0 or softcap or extras):
         return None
     if state.eviction is not None and not state.eviction.takes_plain_prefill(plan, layer):
@@ -261,7 +263,7 @@ def _fresh_packed(state, layer, q, fresh, plan, window, softcap, scale, extras):
         return None
     if state.config.prefill_attends == "fresh_fp8" and _fp8_fresh_ok(state, q, v):
         t = lambda x: x[0].transpose(0, 1).contiguous()   # noqa: E731  [T, H, D]
-        out = _packed_fp8(state, q, k, v, plan.cu_seqlens_q, max(q_lens), scale, t(q), t)
+        out = _packed_fp8(state, t(q), t(k), t(v), plan.cu_seqlens_q, max(q_lens), scale)
         out = out.transpose(0, 1).unsqueeze(0)
     elif len(q_lens) > FRESH_PACKED_SDPA_MAX and state.kernels.use_triton(q.device):
         from kvcompile.kernels.prefill import prefill_attention
@@ -284,7 +286,7 @@ def _fresh_ok(state, layer, q, fresh, plan, window, softcap, extras) -> bool:
     packed step), no softcap or extras, no window shorter than it, prefill_attends "fresh",
     and an eviction policy that lets it attend as without one."""
     S = q.shape[2]
-    if (fresh is None or state.config.prefill_attends not in ("fresh", "fresh_fp8") or plan.packed
+    if (fresh is None or state.config.prefill_attends not in FRESH_ATTENDS or plan.packed
             or plan.is_decode or S < 2 or max(plan.past_lens) != 0 or softcap or extras
             or (window and window < S)):
         return False
@@ -347,7 +349,7 @@ def _padded_rows(state, q, k, v, starts: list[int], scale: float) -> torch.Tenso
 
     dt = compute_dtype(q.dtype)
     if fp8:
-        o = _packed_fp8(state, q, k, v, cu, max(lens), scale, packed(q), packed)
+        o = _packed_fp8(state, packed(q), packed(k), packed(v), cu, max(lens), scale)
     else:
         state.count("prefill_fresh_varlen")   # which kernel (prefill_fresh_sdpa: attended fresh)
         o = prefill_attention(packed(q), packed(k), packed(v), cu, scale, causal=True,
