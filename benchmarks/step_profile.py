@@ -72,7 +72,7 @@ def decode_step_profile(run, device, new: int, top: int = 12) -> dict:
     """One decode step by part, over steps 2..new of one `generate` call: run(streamer) makes
     the call (`new` tokens). On CUDA the device time of each kernel; elsewhere each op's self
     CPU time (the host is the device there). -> {"wall_ms", "busy_ms", "parts": {part: ms},
-    "top": [(ms, name)]}, per step."""
+    "top": [(ms, name)], "kernels": kernels and copies}, per step (kernels 0 off CUDA)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -84,10 +84,12 @@ def decode_step_profile(run, device, new: int, top: int = 12) -> dict:
         raise RuntimeError(f"step profile: {len(clock.t)} puts, expected {new + 1}")
     steps = new - 1
     per: dict[str, float] = {}
+    launches = 0
     if cuda:
         for e in p.events():
             if e.device_type == DeviceType.CUDA:
                 per[e.name] = per.get(e.name, 0.0) + e.device_time_total
+                launches += 1
     else:
         for e in p.key_averages():
             if "::" in e.key:   # aten:: and custom ops, their own time only
@@ -97,6 +99,7 @@ def decode_step_profile(run, device, new: int, top: int = 12) -> dict:
     for name, t in ms.items():
         parts[part_of(name)] = parts.get(part_of(name), 0.0) + t
     return dict(wall_ms=clock.step_s(new) * 1e3, busy_ms=sum(parts.values()), parts=parts,
+                kernels=launches / steps,
                 top=sorted(((t, n) for n, t in ms.items()), reverse=True)[:top])
 
 
@@ -113,6 +116,7 @@ def profile_table(rows: dict) -> str:
                                             for k in labels) + " |")
     for name, f in (("busy (sum of the parts)", lambda r: r["busy_ms"]),
                     ("wall - busy (host, gaps)", lambda r: r["wall_ms"] - r["busy_ms"]),
-                    ("step wall (profiled)", lambda r: r["wall_ms"])):
+                    ("step wall (profiled)", lambda r: r["wall_ms"]),
+                    ("kernels and copies a step", lambda r: r.get("kernels", 0.0))):
         out.append(f"| {name} | " + " | ".join(f"{f(rows[k]):.3f}" for k in labels) + " |")
     return "\n".join(out)
