@@ -90,14 +90,22 @@ def variants(name: str, gran: str, grouped: bool) -> list:
     elif name == "fp4_e2m1":
         pairs = not app.FP4_PAIR_LOADS
         out.append((f", {'pair' if pairs else 'split'} loads", {"FP4_PAIR_LOADS": pairs}))
-    if SWEEP and gran != "page":
-        out += [(f", rows tile {e // 128} x 128", {"ROW_TILE_ELEMS": e}) for e in (2048, 8192)]
+    if SWEEP and gran != "page" and not name.startswith("int"):
+        out += [(f", rows tile {e // 128} x 128, {w} warps", {"ROW_TILE_ELEMS": e,
+                                                            "ROW_TILE_WARPS": w})
+                for e in (2048, 4096, 8192) for w in (1, 2, 4, 8)
+                if (e, w) != (app.ROW_TILE_ELEMS, app.ROW_TILE_WARPS)]
     if gran == "tensor":
         out.append((", calibration grid per block (old)", {"CALIBRATE_PROGRAMS": 1 << 30}))
     if name.startswith("int") and gran == "token":   # append_int's token tile
+        import kvcompile.kernels.append_int as app_int
+
+        tiles = ((2048, 2), (4096, 2), (8192, 4), (8192, 8), (16384, 4), (16384, 8)) if SWEEP \
+            else ((4096, 4), (8192, 8))
         out += [(f", tokens tile {e // 128} x 128, {w} warps",
                  {"int.TOKEN_TILE_ELEMS": e, "int.TOKEN_TILE_WARPS": w})
-                for e, w in ((4096, 4), (8192, 8))]
+                for e, w in tiles if (e, w) != (app_int.TOKEN_TILE_ELEMS,
+                                                app_int.TOKEN_TILE_WARPS)]
     if name.startswith("int") and gran != "token":   # append_int's bulk kernels
         import kvcompile.kernels.append_int as app_int
 
@@ -110,8 +118,9 @@ def variants(name: str, gran: str, grouped: bool) -> list:
         out += [(f", tiles of {n} pages, {w} warps", {"int.PAGE_BULK": "tiles",
                                                        "int.TILE_PAGES": n,
                                                        "int.TILE_WARPS": w})
-                for n, w in ((4, 4), (8, 8), (16, 8)) if (n, w) != (app_int.TILE_PAGES,
-                                                                   app_int.TILE_WARPS)]
+                for n, w in ((4, 4), (8, 8), (16, 8)) + (((2, 2), (4, 2), (8, 2), (16, 4))
+                                                         if SWEEP else ())
+                if (n, w) != (app_int.TILE_PAGES, app_int.TILE_WARPS)]
     return out
 
 

@@ -5,6 +5,7 @@
 #      stop check's step against the graph's GPU time), then one decode step by part at
 #      B16 x P4096 (bench_generate.py --step-profile, fp8 pages) with its top kernels
 #   s2: the same step profile at B64 x P2048 and B1 x P32768 (issue 16 item 5's other rows)
+#   p: bench_append.py --sweep of the 4-bit rows (int4 token / channel, fp4 token / tensor)
 #   a: session32's v (the FP8 prefill checks, table and prefill tests), then test_dense_gpu.py
 #   other parts: session32_call.sh's (v: the FP8 prefill checks, table and GPU tests;
 #      x: v, then prefill_attends="fresh_fp8" at B16 x P32768)
@@ -32,6 +33,13 @@ for f in sys.argv[1:]:
             for t, n in r["step_profile"]["top"]:
                 print(f"  {t:.4f}  {n[:110]}")
 PY
+    done ;;
+  p)
+    # issue 16 item 3 (append at 0.7x copy): tile and warp sweeps of the 4-bit rows' kernels
+    # (int4 token / channel tiles, the fp4 token / tensor row kernel's new ROW_TILE_WARPS)
+    for sel in "int4" "e2m1 token" "e2m1 tensor"; do
+      timeout -k 5 ${P_LIMIT:-150} python3 benchmarks/bench_append.py --sweep --only "$sel" \
+        2>&1 | grep -E "^\||copy" | grep -v "decode step" | tee -a "$OUT/p_append.txt"
     done ;;
   a)
     # the thirty-second session's unchecked changes: the FP8 prefill checks and table (the

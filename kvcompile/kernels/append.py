@@ -101,8 +101,10 @@ PAGE_TILE_MAXNREG = (None, 128)
 # three dependent loads a program (window starts, page test, x). Not yet timed on a GPU (no
 # device time was left), so off; bench_append.py times it (", tiles, x read before ...").
 PAGE_TILE_SPEC = False
-# row kernels (plain, token and tensor scales): tokens x head_dim of a program's tile
+# row kernels (plain, token and tensor scales): tokens x head_dim of a program's tile, and
+# the warps of the quantizing ones (token and tensor scales)
 ROW_TILE_ELEMS = 4096
+ROW_TILE_WARPS = 4
 # fp4 writes load each pair of input elements as one word (_load_pairs: 16-byte loads, no
 # shuffles). False: the earlier [.., 8, 2] tile and tl.split (2 elements a load), kept to time
 # against it (bench_append.py); the "windows" and "tiles" kernels always load pairs.
@@ -814,7 +816,7 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str,
     _append_rows_kernel[(triton.cdiv(T, R), H)](
         x, slots, d8, scale, m8, amax, T, H, D=D, P=P, R=R, FMT=fmt,
         SM=3 if granularity == "token" else 1, EXPLICIT=explicit, FMAX=fmax, DIV=div,
-        RECIP=recip, PAIRS=FP4_PAIR_LOADS, num_warps=4)
+        RECIP=recip, PAIRS=FP4_PAIR_LOADS, num_warps=ROW_TILE_WARPS)
 
 
 _IOTA: dict[torch.device, torch.Tensor] = {}
