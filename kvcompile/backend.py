@@ -55,10 +55,13 @@ def _compile(gm, example_inputs, options, state):
         state.tp = tensor_parallel_of_graph(gm)
     t0 = time.perf_counter()
     with state.lock:
+        groups = _projection_groups(gm, example_inputs, state) if config.merge_projections \
+            else []
         # traced inside this model's engine step: a graph only such steps run (its ops take
         # no mask)
         result = run_passes(gm, example_inputs, state, configured=configured_instances(),
                             packed_steps=in_packed_step(state))
+    merged = _merge(gm, groups, state) if groups and result.plan.rewritten else None
     try:
         compiled = compile_inner(gm, example_inputs, config.inner)
     except Exception as e:
@@ -73,13 +76,45 @@ def _compile(gm, example_inputs, options, state):
         text = str(e).strip().splitlines()
         result.abandon(gm, state, f"the inner compiler ({config.inner}) failed on the "
                        f"rewritten graph: {type(e).__name__}: {text[0] if text else ''}")
+        merged = None
         compiled = compile_inner(gm, example_inputs, config.inner)
     state.compile_seconds += time.perf_counter() - t0
     if not result.plan.rewritten:
         # attention left alone (the report says why): count its calls anyway, so that a
         # forward running it does not read as one Dynamo ran eagerly (recompiles.py)
         return _Counted(compiled, state) if result.plan.sites else compiled
-    return GraphRunner(compiled, result.plan, state, example_inputs)
+    return GraphRunner(compiled, result.plan, state, example_inputs, merged)
+
+
+def _projection_groups(gm, example_inputs, state) -> list:
+    """The linears of this graph to merge (passes/merge_projections.py), their parameters laid
+    out in one tensor a group. Groups not yet laid out are laid out here and the frame traced
+    again (its fake inputs describe the old storage), once for a set of parameters; a group
+    that still is not in place after that is left unmerged."""
+    from kvcompile.passes import merge_projections as mp
+
+    groups = mp.find_groups(gm, example_inputs)
+    todo = [g for g in groups if not mp.in_place(g, example_inputs)]
+    key = frozenset(id(example_inputs[i]) for g in todo for i in g.params)
+    if todo and key not in state.laid_out:
+        state.laid_out.add(key)
+        for g in todo:
+            mp.lay_out(g, example_inputs)
+        state.count("projections_laid_out", len(todo))
+        raise mp.retrace()
+    return [g for g in groups if g not in todo]
+
+
+def _merge(gm, groups, state):
+    """Merge the groups in the rewritten graph; -> the runner's check (or None)."""
+    from kvcompile.passes import merge_projections as mp
+
+    copied = mp.merge(gm, groups)
+    state.count("projections_merged", len(groups))
+    state.count("projections_linears", sum(len(g.rows) for g in groups))
+    if copied:
+        state.count("projections_copied", copied)
+    return mp.Merged(groups)
 
 
 class _Counted:
@@ -216,11 +251,12 @@ def _binding_stub_cat(past: torch.Tensor, new: torch.Tensor, dim: int | None = -
 class GraphRunner:
     """Calls a compiled graph inside the forward context of its cache binding."""
 
-    def __init__(self, compiled, plan, state: ModelState, example_inputs=()):
+    def __init__(self, compiled, plan, state: ModelState, example_inputs=(), merged=None):
         from kvcompile.runtime.ownership import Layout
 
         self.compiled = compiled
         self.plan = plan
+        self.merged = merged   # merge_projections.Merged: its groups checked before each call
         self._state = weakref.ref(state)
         # the first parameter among the inputs tells whose model calls (None: no parameter in
         # the graph, so no owner to find: then the runner keeps its state alive itself)
@@ -252,6 +288,8 @@ class GraphRunner:
         st = self.state_for(args)
         with st.lock:   # one forward of a model at a time (runtime/state.py ModelState.lock)
             st.graph_calls += 1
+            if self.merged is not None:
+                self.merged.ready(args)
             return self._call(st, args)
 
     def _call(self, st: ModelState, args):

@@ -294,6 +294,9 @@ class KVConfig:
     cuda_graphs: replay decode steps from CUDA graphs where they can be (the Engine's,
         engine/cudagraph.py, and `generate`'s, integrations/hf_graphs.py). Default True;
         KVCOMPILE_CUDA_GRAPHS=0 sets False.
+    merge_projections: run the linears that read one activation with parameters of one
+        dtype and width (q / k / v, gate / up) as one GEMM on their weights laid out as one
+        tensor (passes/merge_projections.py; no copy of the weights survives). Default True.
     deferred_stop: in Hugging Face `generate` on CUDA, read each step's stop decision one step
         late (transformers' own DeferredStopCheck, which it uses on "mps" only), so the host
         queues step n + 1 while the GPU runs step n instead of waiting for it every step;
@@ -362,6 +365,7 @@ class KVConfig:
     # run-time switches: their defaults come from the environment (see the docstring)
     cuda_graphs: bool = _env_field(_cuda_graphs_default)
     deferred_stop: bool = _env_field(lambda: _env_on("KVCOMPILE_DEFERRED_STOP", True))
+    merge_projections: bool = True
     prefill: str = _env_field(_prefill_default)
     prefill_tma: bool = _env_field(lambda: _env_on("KVCOMPILE_PREFILL_TMA", True))
     prefill_q_tma: bool = _env_field(lambda: _env_on("KVCOMPILE_PREFILL_Q_TMA", True))
@@ -426,7 +430,7 @@ class KVConfig:
         if self.prefill not in PREFILL_CHOICES:
             raise KVConfigError("prefill", self.prefill, ", ".join(map(repr, PREFILL_CHOICES)))
         for name in ("check_finite", "residual", "enabled", "cuda_graphs", "deferred_stop",
-                     "prefill_tma", "prefill_q_tma", "prefill_scale_tma", "prefill_warp_spec",
+                     "merge_projections", "prefill_tma", "prefill_q_tma", "prefill_scale_tma", "prefill_warp_spec",
                      "graph_check"):
             if not isinstance(getattr(self, name), bool):
                 raise KVConfigError(name, getattr(self, name), "True, False")

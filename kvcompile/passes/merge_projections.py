@@ -1,0 +1,239 @@
+"""Merge the projections that read one activation into one GEMM (q / k / v, gate / up).
+
+A decode step multiplies a few rows by every weight of the model: each projection is a
+bandwidth-bound matrix product whose launch, ramp-up and tail cost about as much as its bytes
+at small M. Serving stacks store q / k / v (and gate / up) as one matrix for that reason; a
+Hugging Face model keeps them apart. This pass finds, in any graph, the linears that read the
+same activation with parameters of one dtype, device and input width, and runs them as one
+linear whose output each consumer reads through a narrow view.
+
+The weights are not copied for it. A group's parameters are made rows of one tensor (`lay_out`:
+a new tensor holding the group, each parameter's `.data` then a view of its rows; the memory is
+the same after it), and the merged linear reads `as_strided(first weight, [all rows, in])`.
+Dynamo's fake inputs describe the storage it traced, so a graph whose groups were just laid out
+is traced again (`retrace`), once per model; a later graph finds them in place.
+
+Before each call the runner checks that every group still sits in one tensor (`Merged.ready`:
+a parameter replaced, or another model of the same class running the graph); where not, it lays
+the group out again from the parameters it was given, so the graph reads those values.
+
+Fires only where no gradient can flow (grad mode off when traced, or no weight requiring it),
+on plain dense floating parameters each in one group only; a member whose consumers would view
+its output across the merged width (anything but splitting the last dimension, then transposes)
+reads a contiguous copy instead. `KVConfig.merge_projections` turns it off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from kvcompile.passes.graph_utils import val
+
+_LINEARS = (torch._C._nn.linear, F.linear)
+# views valid at any strides (they never merge dimensions); their outputs are followed
+_ANY_STRIDES = ("transpose", "permute", "getitem", "__getitem__", "narrow", "select", "split",
+                "chunk", "unbind", "unsqueeze", "squeeze", "expand", "unflatten", "movedim",
+                "swapaxes", "t", "T", "mT", "detach")
+
+
+@dataclass(eq=False)
+class Group:
+    """Linears reading one activation: their nodes in graph order, the input indices of their
+    weights (and biases, or None), and each one's rows (out_features)."""
+
+    nodes: list
+    weights: tuple
+    biases: tuple | None
+    rows: tuple
+
+    @property
+    def params(self) -> tuple:
+        return self.weights + (self.biases or ())
+
+
+def _linear_parts(n: fx.Node):
+    if n.op != "call_function" or n.target not in _LINEARS:
+        return None
+    x = n.args[0] if n.args else n.kwargs.get("input")
+    w = n.args[1] if len(n.args) > 1 else n.kwargs.get("weight")
+    b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+    return x, w, b
+
+
+def _plain(t) -> bool:
+    return (isinstance(t, torch.nn.Parameter) and type(t.data) is torch.Tensor
+            and t.is_floating_point() and not t.is_sparse and t.layout == torch.strided)
+
+
+def find_groups(gm: fx.GraphModule, example_inputs) -> list[Group]:
+    """The mergeable groups of `gm` (two or more linears on one activation)."""
+    if any(n.op == "call_function" and n.target is torch._C._set_grad_enabled
+           for n in gm.graph.nodes):
+        return []
+    index = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    by_input: dict = {}
+    for n in gm.graph.nodes:
+        parts = _linear_parts(n)
+        if parts is None:
+            continue
+        x, w, b = parts
+        if not (isinstance(x, fx.Node) and w in index and (b is None or b in index)):
+            continue
+        wt = example_inputs[index[w]]
+        bt = None if b is None else example_inputs[index[b]]
+        if not (_plain(wt) and wt.dim() == 2 and (bt is None or (_plain(bt) and bt.dim() == 1
+                                                                   and bt.dtype == wt.dtype))):
+            continue
+        if torch.is_grad_enabled() and (wt.requires_grad or (bt is not None
+                                                               and bt.requires_grad)):
+            continue
+        key = (x, wt.dtype, wt.device, wt.shape[1], b is None)
+        by_input.setdefault(key, []).append((n, index[w], None if b is None else index[b],
+                                             wt.shape[0]))
+    groups = [Group(nodes=[m[0] for m in ms], weights=tuple(m[1] for m in ms),
+                    biases=None if ms[0][2] is None else tuple(m[2] for m in ms),
+                    rows=tuple(m[3] for m in ms))
+              for ms in by_input.values() if len(ms) > 1]
+    # a parameter in two groups (or twice in one) cannot be laid out for both
+    seen: dict = {}
+    for g in groups:
+        for i in g.params:
+            key = id(example_inputs[i])
+            seen[key] = seen.get(key, 0) + 1
+    return [g for g in groups if all(seen[id(example_inputs[i])] == 1 for i in g.params)]
+
+
+def _adjacent(ts) -> bool:
+    """The tensors are the rows of one tensor that holds exactly them, in order."""
+    first = ts[0]
+    if first.storage_offset() != 0:
+        return False
+    st, off = first.untyped_storage().data_ptr(), 0
+    for t in ts:
+        if (not t.is_contiguous() or t.untyped_storage().data_ptr() != st
+                or t.storage_offset() != off):
+            return False
+        off += t.numel()
+    return first.untyped_storage().nbytes() == off * first.element_size()
+
+
+def in_place(g: Group, tensors) -> bool:
+    """The group's weights (and biases) each sit in one tensor of theirs, in order."""
+    ws = [tensors[i] for i in g.weights]
+    return _adjacent(ws) and (g.biases is None or _adjacent([tensors[i] for i in g.biases]))
+
+
+def lay_out(g: Group, tensors) -> None:
+    """Make the group's parameters rows of one new tensor (weights, then biases in another):
+    each parameter's .data becomes a view of its rows; its values are unchanged."""
+    for idx in (g.weights, g.biases):
+        if idx is None or _adjacent([tensors[i] for i in idx]):
+            continue
+        ps = [tensors[i] for i in idx]
+        with torch.inference_mode(False), torch.no_grad():
+            base = torch.cat([p.detach().reshape(p.shape[0], -1) for p in ps]).reshape(
+                (-1,) + tuple(ps[0].shape[1:]))
+            off = 0
+            for p in ps:
+                p.data = base[off:off + p.shape[0]]
+                off += p.shape[0]
+
+
+def retrace():
+    """The exception that has Dynamo trace the frame again (its fake inputs then describe the
+    laid-out storage). Dynamo lets this one restart type through a backend (inductor raises it
+    to specialize a float)."""
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+
+    return TensorifyScalarRestartAnalysis()
+
+
+def _safe_users(node: fx.Node) -> bool:
+    """Every consumer of a linear's output can take it as a narrowed view of the merged
+    output (its rows a wider stride apart): compute ops take any strides, and so do views
+    that never merge dimensions (transposes, slices, unsqueezes, ...); a `view` merges or
+    splits, and is known safe only as the first op, splitting the last dimension."""
+    lead = None if val(node) is None else tuple(val(node).shape[:-1])
+
+    def ok(n: fx.Node, first: bool) -> bool:
+        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+        if name in ("view", "view_as"):
+            v = val(n)
+            if not (first and v is not None and lead is not None
+                    and tuple(v.shape[:len(lead)]) == lead):
+                return False
+            return all(ok(u, False) for u in n.users)
+        if name in ("as_strided", "set_", "resize_", "copy_"):
+            return False
+        if name in _ANY_STRIDES:
+            return all(ok(u, False) for u in n.users)
+        return True   # a compute op (or contiguous / reshape, which copy where they must)
+
+    return all(ok(u, True) for u in node.users)
+
+
+def merge(gm: fx.GraphModule, groups: list[Group]) -> int:
+    """Rewrite each group as one linear on its laid-out weights; -> how many members read a
+    contiguous copy of their rows (a consumer would view them across the merged width)."""
+    graph = gm.graph
+    copied = 0
+    for g in groups:
+        first = g.nodes[0]
+        x, w0, b0 = _linear_parts(first)
+        total = sum(g.rows)
+        wv = val(w0)
+        if wv is None:
+            continue
+        with graph.inserting_before(first):
+            w = graph.call_function(torch.as_strided, (w0, (total, wv.shape[1]),
+                                                       (wv.shape[1], 1)))
+            b = None if b0 is None else graph.call_function(torch.as_strided,
+                                                            (b0, (total,), (1,)))
+            y = graph.call_function(torch._C._nn.linear, (x, w, b))
+        start = 0
+        for n, rows in zip(g.nodes, g.rows):
+            contiguous = not _safe_users(n)
+            copied += contiguous
+            with graph.inserting_after(n):
+                part = graph.call_function(torch.narrow, (y, -1, start, rows))
+            out = part
+            if contiguous:
+                with graph.inserting_after(part):
+                    out = graph.call_method("contiguous", (part,))
+            if "example_value" in n.meta:
+                part.meta["example_value"] = n.meta["example_value"]
+                out.meta["example_value"] = n.meta["example_value"]
+            n.replace_all_uses_with(out)
+            graph.erase_node(n)
+            start += rows
+    graph.lint()
+    gm.recompile()
+    return copied
+
+
+class Merged:
+    """The runner's side: the merged groups of one compiled graph, checked before each call."""
+
+    def __init__(self, groups: list[Group]):
+        self.groups = [(g, g.weights, g.biases) for g in groups]
+
+    def ready(self, args) -> None:
+        """Lay out again any group whose parameters no longer sit in one tensor."""
+        for g, ws, bs in self.groups:
+            p0 = args[ws[0]]
+            ptr, es, off = p0.data_ptr(), p0.element_size(), p0.numel()
+            ok = p0.storage_offset() == 0 and p0.is_contiguous()
+            for i in ws[1:]:
+                t = args[i]
+                if not ok or t.data_ptr() != ptr + off * es:
+                    ok = False
+                    break
+                off += t.numel()
+            if ok and bs is not None:
+                ok = in_place(Group([], bs, None, ()), args)
+            if not ok:
+                lay_out(g, args)
