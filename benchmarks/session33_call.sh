@@ -3,7 +3,8 @@
 # writes $OUT/<part>*.txt and prints a summary.
 #   s: the decode step's GEMMs separate or merged (gemm_merge.py), host_gap.py (the deferred
 #      stop check's step against the graph's GPU time), then one decode step by part at
-#      B16 x P4096 (bench_generate.py --step-profile, fp8 pages) with its top kernels
+#      B16 x P4096 (bench_generate.py --step-profile, fp8 pages) with its top kernels, with
+#      the projections merged (the default) and not (KVCOMPILE_MERGE_PROJECTIONS=0)
 #   s2: the same step profile at B64 x P2048 and B1 x P32768 (issue 16 item 5's other rows)
 #   p: bench_append.py --sweep of the 4-bit rows (int4 token / channel, fp4 token / tensor)
 #   a: session32's v (the FP8 prefill checks, table and prefill tests), then test_dense_gpu.py
@@ -16,7 +17,9 @@ case "${PART:-s}" in
     timeout -k 5 ${S0_LIMIT:-90} python3 benchmarks/gemm_merge.py 2>&1 | tee "$OUT/s_gemm.txt"
     timeout -k 5 ${S1_LIMIT:-170} python3 benchmarks/host_gap.py --kv fp8_e4m3 --batch 16 \
       --prompt 4096 --new 32 2>&1 | grep -v "^USDT" | tee "$OUT/s_host_gap.txt" | tail -25
-    SHAPES=16,4096,128 PART=s2 bash "$0" ;;
+    SHAPES=16,4096,128 PART=s2 bash "$0"
+    # the same row with the projections unmerged (KVConfig.merge_projections off)
+    KVCOMPILE_MERGE_PROJECTIONS=0 SHAPES=16,4096,128 OUT=$OUT/nomerge PART=s2 bash "$0" ;;
   s2)
     for shape in ${SHAPES:-64,2048,128 1,32768,64}; do
       set -- ${shape//,/ }

@@ -296,7 +296,8 @@ class KVConfig:
         KVCOMPILE_CUDA_GRAPHS=0 sets False.
     merge_projections: run the linears that read one activation with parameters of one
         dtype and width (q / k / v, gate / up) as one GEMM on their weights laid out as one
-        tensor (passes/merge_projections.py; no copy of the weights survives). Default True.
+        tensor (passes/merge_projections.py; no copy of the weights survives). Default True;
+        KVCOMPILE_MERGE_PROJECTIONS=0 sets False.
     deferred_stop: in Hugging Face `generate` on CUDA, read each step's stop decision one step
         late (transformers' own DeferredStopCheck, which it uses on "mps" only), so the host
         queues step n + 1 while the GPU runs step n instead of waiting for it every step;
@@ -365,7 +366,7 @@ class KVConfig:
     # run-time switches: their defaults come from the environment (see the docstring)
     cuda_graphs: bool = _env_field(_cuda_graphs_default)
     deferred_stop: bool = _env_field(lambda: _env_on("KVCOMPILE_DEFERRED_STOP", True))
-    merge_projections: bool = True
+    merge_projections: bool = _env_field(lambda: _env_on("KVCOMPILE_MERGE_PROJECTIONS", True))
     prefill: str = _env_field(_prefill_default)
     prefill_tma: bool = _env_field(lambda: _env_on("KVCOMPILE_PREFILL_TMA", True))
     prefill_q_tma: bool = _env_field(lambda: _env_on("KVCOMPILE_PREFILL_Q_TMA", True))
