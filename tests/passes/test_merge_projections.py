@@ -1,0 +1,211 @@
+"""Merged projections (passes/merge_projections.py): the linears that read one activation run as
+one GEMM on their parameters laid out as one tensor. Logits against the uncompiled model in
+fp32 (tolerance from kvcompile.testing), the layout (no copy of any weight survives), a replaced
+parameter laid out again, and where the pass must not fire."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kvcompile
+from kvcompile.passes import merge_projections as mp
+from kvcompile.testing import assert_rel_close
+from tests.passes.zoo import make_hf
+
+
+def _cfg(**kw):
+    return kvcompile.KVConfig(**{"inner": "aot_eager", "kernels": "reference",
+                                 "max_kv_bytes": 1 << 24, **kw})
+
+
+def _storages(model) -> dict:
+    return {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+            for p in model.parameters()}
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+
+
+def _generate(model, ids, new=6):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                          do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])   # qwen2: q / k / v with biases
+def test_merged_projections_equal_the_model_and_copy_no_weight(family):
+    m = make_hf(family)
+    ids = torch.randint(3, 250, (2, 7), generator=torch.Generator().manual_seed(1))
+    ref_tokens = _generate(m, ids)
+    weights = {n: p.detach().clone() for n, p in m.named_parameters()}
+    bytes_before = sum(_storages(m).values())
+    kvcompile.compile(m, _cfg())
+    assert torch.equal(_generate(m, ids), ref_tokens)
+    c = kvcompile.report(m).counters
+    layers = m.config.num_hidden_layers
+    assert c["projections_laid_out"] == 2 * layers        # q/k/v and gate/up, once
+    assert c["projections_merged"] >= 2 * layers and c["projections_linears"] >= 5 * layers
+    assert "projections_copied" not in c                  # HF's views only split the last dim
+    attn, mlp = m.model.layers[0].self_attn, m.model.layers[0].mlp
+    ws = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+    assert mp._adjacent(ws) and mp._adjacent([mlp.gate_proj.weight, mlp.up_proj.weight])
+    if family == "qwen2":
+        assert mp._adjacent([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+    for n, p in m.named_parameters():   # values unchanged, no extra storage
+        assert torch.equal(p, weights[n]), n
+    assert sum(_storages(m).values()) == bytes_before
+
+
+def test_a_replaced_parameter_is_laid_out_again_and_read():
+    m = make_hf("llama")
+    ids = torch.randint(3, 250, (1, 6), generator=torch.Generator().manual_seed(2))
+    kvcompile.compile(m, _cfg())
+    _generate(m, ids, new=2)
+    up = m.model.layers[1].mlp.up_proj
+    with torch.no_grad():
+        up.weight = nn.Parameter(torch.randn_like(up.weight) * 0.05)
+    new_weight = up.weight.detach().clone()
+    got = _generate(m, ids)
+    assert mp._adjacent([m.model.layers[1].mlp.gate_proj.weight, up.weight])
+    assert torch.equal(up.weight, new_weight)
+    ref = make_hf("llama")
+    ref.load_state_dict(m.state_dict())
+    assert torch.equal(got, _generate(ref, ids))
+
+
+def test_the_logits_match_in_fp32():
+    m = make_hf("qwen2")
+    ref = make_hf("qwen2")
+    ids = torch.randint(3, 250, (2, 9), generator=torch.Generator().manual_seed(3))
+    want = _logits(ref, ids)
+    kvcompile.compile(m, _cfg())
+    assert_rel_close(_logits(m, ids), want, torch.float32, what="logits")
+    assert kvcompile.report(m).counters.get("projections_merged", 0) > 0
+
+
+def test_off_by_config_leaves_the_parameters_alone():
+    m = make_hf("llama")
+    ids = torch.randint(3, 250, (1, 5), generator=torch.Generator().manual_seed(4))
+    ptrs = {n: p.data_ptr() for n, p in m.named_parameters()}
+    kvcompile.compile(m, _cfg(merge_projections=False))
+    _generate(m, ids, new=2)
+    assert not any(k.startswith("projections") for k in kvcompile.report(m).counters)
+    assert ptrs == {n: p.data_ptr() for n, p in m.named_parameters()}
+
+
+def test_env_switch(monkeypatch):
+    monkeypatch.setenv("KVCOMPILE_MERGE_PROJECTIONS", "0")
+    assert kvcompile.KVConfig().merge_projections is False
+    monkeypatch.delenv("KVCOMPILE_MERGE_PROJECTIONS")
+    assert kvcompile.KVConfig().merge_projections is True
+    with pytest.raises(kvcompile.KVConfigError, match="merge_projections"):
+        kvcompile.KVConfig(merge_projections="yes")
+
+
+# --- the pass on graphs of its own (merge / find_groups without the attention passes) ------
+
+class _Block(nn.Module):
+    """Three linears on one input: one consumer splits the last dim (a view the merged rows
+    take), one flattens across it (a view that needs a copy), one computes."""
+
+    def __init__(self, flatten: bool, bias: bool = False, other_input: bool = False):
+        super().__init__()
+        self.a = nn.Linear(16, 12, bias=bias)
+        self.b = nn.Linear(16, 8, bias=bias)
+        self.c = nn.Linear(16, 4, bias=bias)
+        self.flatten, self.other_input = flatten, other_input
+
+    def forward(self, x, y):
+        a = self.a(x).view(*x.shape[:-1], 3, 4).transpose(-2, -3)
+        b = self.b(y if self.other_input else x)
+        b = b.view(-1) if self.flatten else b.view(*x.shape[:-1], 2, 4)
+        return a.sum() + b.sum() * 2 + torch.tanh(self.c(x)).sum()
+
+
+def _run_pass(mod, x, y, laid_out: bool = True):
+    """Dynamo's graph of mod with find_groups + merge applied (layout done before tracing, as
+    the backend's retrace does); -> (output, groups, copied)."""
+    if laid_out:
+        params = [mod.a.weight, mod.b.weight, mod.c.weight]
+        mp.lay_out(mp.Group([], (0, 1, 2), None, ()), params)
+        if mod.a.bias is not None:
+            mp.lay_out(mp.Group([], (0, 1, 2), None, ()), [mod.a.bias, mod.b.bias, mod.c.bias])
+    seen = {}
+
+    def backend(gm, example_inputs):
+        groups = mp.find_groups(gm, example_inputs)
+        seen["groups"] = groups
+        seen["ready"] = [mp.in_place(g, example_inputs) for g in groups]
+        ready = [g for g, ok in zip(groups, seen["ready"]) if ok]
+        seen["copied"] = mp.merge(gm, ready) if ready else 0
+        seen["code"] = gm.code
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(mod, backend=backend, fullgraph=True)(x, y)
+    return out, seen
+
+
+@pytest.mark.parametrize("flatten", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_merge_on_a_graph_of_its_own(flatten, bias):
+    mod = _Block(flatten, bias)
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        want = mod(x, x)
+    out, seen = _run_pass(mod, x, x)
+    assert len(seen["groups"]) == 1 and seen["ready"] == [True]
+    assert seen["copied"] == int(flatten)                 # only the flattened member copies
+    assert seen["code"].count("linear(") == 1
+    assert_rel_close(out, want, torch.float32)
+
+
+def test_no_group_across_inputs_or_before_the_layout():
+    mod = _Block(False, other_input=True)
+    x, y = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    with torch.no_grad():
+        want = mod(x, y)
+    out, seen = _run_pass(mod, x, y, laid_out=False)
+    (g,) = seen["groups"]                 # a and c read x; b reads y
+    assert len(g.rows) == 2 and seen["ready"] == [False]   # not laid out: left unmerged
+    assert seen["code"].count("linear(") == 3
+    assert_rel_close(out, want, torch.float32)
+
+
+def test_not_where_a_gradient_can_flow():
+    mod = _Block(False)
+    x = torch.randn(2, 5, 16)
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["groups"] = mp.find_groups(gm, example_inputs)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(mod, backend=backend)(x, x)   # grad mode on, weights require grad
+    assert seen["groups"] == []
+
+
+def test_a_weight_in_two_groups_is_left_alone():
+    lin = nn.Linear(8, 8, bias=False)
+    other = nn.Linear(8, 4, bias=False)
+
+    def f(x, y):
+        return F.linear(x, lin.weight) + F.linear(y, lin.weight) + F.linear(x, other.weight)[
+            ..., :1] + F.linear(y, other.weight)[..., :1]
+
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["groups"] = mp.find_groups(gm, example_inputs)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(f, backend=backend)(torch.randn(3, 8), torch.randn(3, 8))
+    assert seen["groups"] == []
