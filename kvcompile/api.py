@@ -168,6 +168,12 @@ class Report:
         if kc:
             lines.append("kernels: " + ", ".join(f"{k} {v}" for k, v in sorted(kc.items())))
         lines += [f"  {n}" for n in self.kernel_notes]
+        if self.counters.get("projections_merged"):
+            c = self.counters
+            lines.append(f"projections: {c['projections_linears']} linears run as "
+                         f"{c['projections_merged']} GEMMs over the graphs (merge_projections)"
+                         + (f"; {c['projections_copied']} read a contiguous copy of their rows"
+                            if c.get("projections_copied") else ""))
         if not self.rewritten:
             lines.append("nothing rewritten: the model runs with its own cache; "
                          "`kvcompile inspect MODEL` shows why")

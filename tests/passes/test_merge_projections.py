@@ -50,6 +50,7 @@ def test_merged_projections_equal_the_model_and_copy_no_weight(family):
     assert c["projections_laid_out"] == 2 * layers        # q/k/v and gate/up, once
     assert c["projections_merged"] >= 2 * layers and c["projections_linears"] >= 5 * layers
     assert "projections_copied" not in c                  # HF's views only split the last dim
+    assert "linears run as" in str(kvcompile.report(m))
     attn, mlp = m.model.layers[0].self_attn, m.model.layers[0].mlp
     ws = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
     assert mp._adjacent(ws) and mp._adjacent([mlp.gate_proj.weight, mlp.up_proj.weight])
@@ -94,6 +95,7 @@ def test_off_by_config_leaves_the_parameters_alone():
     kvcompile.compile(m, _cfg(merge_projections=False))
     _generate(m, ids, new=2)
     assert not any(k.startswith("projections") for k in kvcompile.report(m).counters)
+    assert "linears run as" not in str(kvcompile.report(m))
     assert ptrs == {n: p.data_ptr() for n, p in m.named_parameters()}
 
 
