@@ -219,21 +219,17 @@ class Merged:
     """The runner's side: the merged groups of one compiled graph, checked before each call."""
 
     def __init__(self, groups: list[Group]):
-        self.groups = [(g, g.weights, g.biases) for g in groups]
+        self.groups = groups
+        self._members = [i for g in groups for i in g.params]
+        self._verified: list | None = None   # the members' addresses when last found in place
 
     def ready(self, args) -> None:
-        """Lay out again any group whose parameters no longer sit in one tensor."""
-        for g, ws, bs in self.groups:
-            p0 = args[ws[0]]
-            ptr, es, off = p0.data_ptr(), p0.element_size(), p0.numel()
-            ok = p0.storage_offset() == 0 and p0.is_contiguous()
-            for i in ws[1:]:
-                t = args[i]
-                if not ok or t.data_ptr() != ptr + off * es:
-                    ok = False
-                    break
-                off += t.numel()
-            if ok and bs is not None:
-                ok = in_place(Group([], bs, None, ()), args)
-            if not ok:
+        """Lay out again any group whose parameters no longer sit in one tensor. The common
+        case (the addresses found in place at the last call) is one list comparison."""
+        ptrs = [args[i].data_ptr() for i in self._members]
+        if ptrs == self._verified:
+            return
+        for g in self.groups:
+            if not in_place(g, args):
                 lay_out(g, args)
+        self._verified = [args[i].data_ptr() for i in self._members]
