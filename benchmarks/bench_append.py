@@ -91,10 +91,11 @@ def variants(name: str, gran: str, grouped: bool) -> list:
         pairs = not app.FP4_PAIR_LOADS
         out.append((f", {'pair' if pairs else 'split'} loads", {"FP4_PAIR_LOADS": pairs}))
     if SWEEP and gran != "page" and not name.startswith("int"):
-        out += [(f", rows tile {e // 128} x 128, {w} warps", {"ROW_TILE_ELEMS": e,
-                                                            "ROW_TILE_WARPS": w})
-                for e in (2048, 4096, 8192) for w in (1, 2, 4, 8)
-                if (e, w) != (app.ROW_TILE_ELEMS, app.ROW_TILE_WARPS)]
+        fp4 = name == "fp4_e2m1"
+        now = app.FP4_ROW_TILE if fp4 else (app.ROW_TILE_ELEMS, app.ROW_TILE_WARPS)
+        out += [(f", rows tile {e // 128} x 128, {w} warps",
+                 {"FP4_ROW_TILE": (e, w)} if fp4 else {"ROW_TILE_ELEMS": e, "ROW_TILE_WARPS": w})
+                for e in (2048, 4096, 8192) for w in (1, 2, 4, 8) if (e, w) != now]
     if gran == "tensor":
         out.append((", calibration grid per block (old)", {"CALIBRATE_PROGRAMS": 1 << 30}))
     if name.startswith("int") and gran == "token":   # append_int's token tile

@@ -105,6 +105,10 @@ PAGE_TILE_SPEC = False
 # the warps of the quantizing ones (token and tensor scales)
 ROW_TILE_ELEMS = 4096
 ROW_TILE_WARPS = 4
+# fp4 (e2m1) token and tensor rows: (elements, warps) of a program. 16 tokens x 128 in 2 warps
+# ran at 0.61x copy against 0.55 (token) / 0.58 (tensor) for 32 x 128 in 4 (bench_append.py
+# --sweep, H100, thirty-third session); 1 warp 0.62 / 0.60
+FP4_ROW_TILE = (2048, 2)
 # fp4 writes load each pair of input elements as one word (_load_pairs: 16-byte loads, no
 # shuffles). False: the earlier [.., 8, 2] tile and tl.split (2 elements a load), kept to time
 # against it (bench_append.py); the "windows" and "tiles" kernels always load pairs.
@@ -808,6 +812,8 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str,
             GROUPED=grouped, num_warps=8)
         return
     amax = scale
+    elems, warps = FP4_ROW_TILE if fmt == FMT_E2M1 else (ROW_TILE_ELEMS, ROW_TILE_WARPS)
+    R = max(1, min(64, elems // D))
     if granularity == "tensor":
         amax = torch.zeros(1, dtype=torch.float32, device=x.device)
         blk = 4096
@@ -816,7 +822,7 @@ def launch_append(x, slots, data, scale, micro, fmt_name: str, granularity: str,
     _append_rows_kernel[(triton.cdiv(T, R), H)](
         x, slots, d8, scale, m8, amax, T, H, D=D, P=P, R=R, FMT=fmt,
         SM=3 if granularity == "token" else 1, EXPLICIT=explicit, FMAX=fmax, DIV=div,
-        RECIP=recip, PAIRS=FP4_PAIR_LOADS, num_warps=ROW_TILE_WARPS)
+        RECIP=recip, PAIRS=FP4_PAIR_LOADS, num_warps=warps)
 
 
 _IOTA: dict[torch.device, torch.Tensor] = {}

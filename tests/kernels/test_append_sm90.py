@@ -52,8 +52,10 @@ def _cases():
     for code, dt, fmax, div in fmts:
         base = dict(D=128, P=16, FMT=code, EXPLICIT=False, FMAX=fmax, DIV=div, RECIP=True)
         for sm in (1, 3):
+            elems, warps = (A.FP4_ROW_TILE if code == A.FMT_E2M1
+                            else (A.ROW_TILE_ELEMS, A.ROW_TILE_WARPS))   # the launcher's
             yield (f"rows fmt{code} scales{sm}", A._append_rows_kernel,
-                   dict(base, R=32, SM=sm, PAIRS=True), None, 4)
+                   dict(base, R=elems // 128, SM=sm, PAIRS=True), None, warps)
         for win in (1, 16):   # a decode step; a bulk write (PAGE_BULK "runs")
             yield (f"pages fmt{code} WIN={win}", A._append_pages_kernel,
                    dict(base, R=16, DATA_DT=dt, WIN=win, PAIRS=True), None, 4)
