@@ -55,13 +55,14 @@ def _compile(gm, example_inputs, options, state):
         state.tp = tensor_parallel_of_graph(gm)
     t0 = time.perf_counter()
     with state.lock:
-        groups = _projection_groups(gm, example_inputs, state) if config.merge_projections \
-            else []
+        if config.merge_projections:
+            _lay_out_projections(gm, example_inputs, state)   # may have the frame traced again
         # traced inside this model's engine step: a graph only such steps run (its ops take
         # no mask)
         result = run_passes(gm, example_inputs, state, configured=configured_instances(),
                             packed_steps=in_packed_step(state))
-    merged = _merge(gm, groups, state) if groups and result.plan.rewritten else None
+    merged = _merge(gm, example_inputs, state) if config.merge_projections \
+        and result.plan.rewritten else None
     try:
         compiled = compile_inner(gm, example_inputs, config.inner)
     except Exception as e:
@@ -86,15 +87,14 @@ def _compile(gm, example_inputs, options, state):
     return GraphRunner(compiled, result.plan, state, example_inputs, merged)
 
 
-def _projection_groups(gm, example_inputs, state) -> list:
-    """The linears of this graph to merge (passes/merge_projections.py), their parameters laid
-    out in one tensor a group. Groups not yet laid out are laid out here and the frame traced
-    again (its fake inputs describe the old storage), once for a set of parameters; a group
-    that still is not in place after that is left unmerged."""
+def _lay_out_projections(gm, example_inputs, state) -> None:
+    """Lay out the parameters of this graph's mergeable linears (passes/merge_projections.py)
+    as one tensor a group, before the passes: groups not yet laid out are laid out here and
+    the frame traced again (its fake inputs describe the old storage), once for a set of
+    parameters; a group still not in place after that is left unmerged (`_merge`)."""
     from kvcompile.passes import merge_projections as mp
 
-    groups = mp.find_groups(gm, example_inputs)
-    todo = [g for g in groups if not mp.in_place(g, example_inputs)]
+    todo = [g for g in mp.find_groups(gm, example_inputs) if not mp.in_place(g, example_inputs)]
     key = frozenset(id(example_inputs[i]) for g in todo for i in g.params)
     if todo and key not in state.laid_out:
         state.laid_out.add(key)
@@ -102,13 +102,16 @@ def _projection_groups(gm, example_inputs, state) -> list:
             mp.lay_out(g, example_inputs)
         state.count("projections_laid_out", len(todo))
         raise mp.retrace()
-    return [g for g in groups if g not in todo]
 
 
-def _merge(gm, groups, state):
-    """Merge the groups in the rewritten graph; -> the runner's check (or None)."""
+def _merge(gm, example_inputs, state):
+    """Merge the laid-out groups of the rewritten graph (found again: a pass that failed may
+    have restored the graph from its copy); -> the runner's check, or None."""
     from kvcompile.passes import merge_projections as mp
 
+    groups = [g for g in mp.find_groups(gm, example_inputs) if mp.in_place(g, example_inputs)]
+    if not groups:
+        return None
     copied = mp.merge(gm, groups)
     state.count("projections_merged", len(groups))
     state.count("projections_linears", sum(len(g.rows) for g in groups))
