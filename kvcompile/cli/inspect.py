@@ -68,6 +68,13 @@ def run(args) -> Result:
     payload["sites"] = rows
     payload["rewritten"] = sum(1 for r in rows if r["rewritten"])
     text.append(_sites_text(rows, len(traces), args.stop_pass))
+    counters = state.counters if state is not None else {}
+    if counters.get("projections_merged"):
+        payload["projections"] = {k: counters.get(f"projections_{k}", 0)
+                                  for k in ("linears", "merged", "copied")}
+        text.append(f"merged projections: {counters['projections_linears']} linears run as "
+                    f"{counters['projections_merged']} GEMMs over the graphs "
+                    f"(passes/merge_projections.py; KVConfig.merge_projections)")
     misses = _near_misses(traces)
     payload["near_misses"] = misses
     if misses:

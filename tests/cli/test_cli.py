@@ -61,6 +61,9 @@ def test_inspect_json_sites_and_memory_plan(cli_json):
     assert mem["tp"] == 2 and {r["kv_heads_per_rank"] for r in mem["layers"]} == {1}
     assert mem["bytes_per_token_per_rank"] == pytest.approx(FP8_BYTES_PER_TOKEN / 2)
     assert mem["pool_bytes_per_rank"] == pytest.approx(mem["pool_bytes"] / 2)
+    # q / k / v and gate / up of each layer merged, in each graph (prefill, decode)
+    proj = out["projections"]
+    assert proj["merged"] >= 2 * 2 and proj["linears"] == 5 * proj["merged"] / 2
 
 
 def test_inspect_tp_refuses_heads_split_across_ranks(cli):
@@ -76,6 +79,7 @@ def test_inspect_text_other_family_and_format(cli):
     assert code == EXIT_OK, err
     assert "2 attention site(s), 2 rewritten" in out
     assert "bf16/bf16" in out and "memory plan" in out
+    assert "merged projections" not in out   # GPT-2's c_attn is one linear already
     assert "Traceback" not in err
 
 
