@@ -97,7 +97,7 @@ def find_groups(gm: fx.GraphModule, example_inputs) -> list[Group]:
     groups = [Group(nodes=[m[0] for m in ms], weights=tuple(m[1] for m in ms),
                     biases=None if ms[0][2] is None else tuple(m[2] for m in ms),
                     rows=tuple(m[3] for m in ms))
-              for ms in by_input.values() if len(ms) > 1]
+              for ms in by_input.values() if len(ms) > 1 and not _written_between(ms)]
     # a parameter in two groups (or twice in one) cannot be laid out for both
     seen: dict = {}
     for g in groups:
@@ -105,6 +105,43 @@ def find_groups(gm: fx.GraphModule, example_inputs) -> list[Group]:
             key = id(example_inputs[i])
             seen[key] = seen.get(key, 0) + 1
     return [g for g in groups if all(seen[id(example_inputs[i])] == 1 for i in g.params)]
+
+
+_VIEWS = _ANY_STRIDES + ("view", "view_as", "reshape", "flatten", "contiguous", "as_strided",
+                         "expand_as", "to")
+_INPLACE_OPS = ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior",
+                "ixor", "ilshift", "irshift", "setitem")
+
+
+def _name(n: fx.Node) -> str:
+    return n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+
+
+def _chain(t, limit: int = 64) -> set:
+    """t and the nodes it is a view of (through view-like ops)."""
+    out = set()
+    while isinstance(t, fx.Node) and len(out) < limit:
+        out.add(t)
+        if _name(t) not in _VIEWS or not t.args:
+            break
+        t = t.args[0]
+    return out
+
+
+def _written_between(members) -> bool:
+    """An in-place op between the group's first and last linear writes their input (or a
+    tensor it views, or a view of it): merged, the later linears would read it before the
+    write."""
+    xs = _chain(_linear_parts(members[0][0])[0])
+    last = members[-1][0]
+    node = members[0][0].next
+    while node is not last and node.op != "output":
+        name = _name(node)
+        inplace = (name.endswith("_") and not name.startswith("_")) or name in _INPLACE_OPS
+        if inplace and node.args and _chain(node.args[0]) & xs:
+            return True
+        node = node.next
+    return False
 
 
 def _adjacent(ts) -> bool:
@@ -160,7 +197,7 @@ def _safe_users(node: fx.Node) -> bool:
     lead = None if val(node) is None else tuple(val(node).shape[:-1])
 
     def ok(n: fx.Node, first: bool) -> bool:
-        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+        name = _name(n)
         if name in ("view", "view_as"):
             v = val(n)
             if not (first and v is not None and lead is not None

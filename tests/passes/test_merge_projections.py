@@ -211,3 +211,40 @@ def test_a_weight_in_two_groups_is_left_alone():
     with torch.no_grad():
         torch.compile(f, backend=backend)(torch.randn(3, 8), torch.randn(3, 8))
     assert seen["groups"] == []
+
+
+class _WritesBetween(nn.Module):
+    """x written in place between the two linears that read it (merged, the second would
+    read x before the write)."""
+
+    def __init__(self, through_view: bool):
+        super().__init__()
+        self.a = nn.Linear(16, 8, bias=False)
+        self.b = nn.Linear(16, 8, bias=False)
+        self.through_view = through_view
+
+    def forward(self, x, y):
+        x = x * 1.0
+        a = self.a(x)
+        (x.view(-1) if self.through_view else x).mul_(2.0)
+        return a.sum() + self.b(x).sum() * 3 + y.sum()
+
+
+@pytest.mark.parametrize("through_view", [False, True])
+def test_not_across_an_in_place_write_of_the_input(through_view):
+    mod = _WritesBetween(through_view)
+    mp.lay_out(mp.Group([], (0, 1), None, ()), [mod.a.weight, mod.b.weight])
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        want = mod(x, x)
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["groups"] = mp.find_groups(gm, example_inputs)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(mod, backend=backend)(x, x)
+    assert seen["groups"] == []
+    assert_rel_close(out, want, torch.float32)
