@@ -14,6 +14,7 @@ finds the caller's state from the parameters it is called with (kvcompile/runtim
 
 from __future__ import annotations
 
+import copy
 import operator
 import time
 import weakref
@@ -23,7 +24,8 @@ import torch
 from kvcompile.config import KVConfig, configured_instances
 from kvcompile.errors import CacheStateError, KVCompileError
 from kvcompile.integrations.tp import tensor_parallel_of_graph
-from kvcompile.passes.pipeline import run_passes
+from kvcompile.passes import notices
+from kvcompile.passes.pipeline import _restore, run_passes
 from kvcompile.passes.rewrite import _virtual_cat
 from kvcompile.runtime import attention_op as _attention_op  # noqa: F401  (registers the op)
 from kvcompile.runtime import binding as _binding
@@ -61,10 +63,30 @@ def _compile(gm, example_inputs, options, state):
         # no mask)
         result = run_passes(gm, example_inputs, state, configured=configured_instances(),
                             packed_steps=in_packed_step(state))
-    merged = _merge(gm, example_inputs, state) if config.merge_projections \
-        and result.plan.rewritten else None
+    merged = unmerged = None
+    if config.merge_projections and result.plan.rewritten:
+        unmerged = copy.deepcopy(gm.graph, {})
+        merged = _merge(gm, example_inputs, state)
     try:
-        compiled = compile_inner(gm, example_inputs, config.inner)
+        try:
+            compiled = compile_inner(gm, example_inputs, config.inner)
+        except Exception as e:
+            from torch._dynamo.exc import RestartAnalysis
+
+            if merged is None or isinstance(e, RestartAnalysis):
+                raise
+            # the merge is what this graph's rewrite least needs: drop it first
+            _restore(gm, unmerged)
+            state.count("projections_merged", -len(merged.groups))
+            state.count("projections_linears", -sum(len(g.rows) for g in merged.groups))
+            merged = None
+            line = (str(e).strip().splitlines() or [""])[0]
+            notices.warn_once(state, ("unmerged", state.graphs),
+                              f"kvcompile ran graph {state.graphs} of {notices.model_name(state)} "
+                              f"with its projections unmerged: the inner compiler "
+                              f"({config.inner}) failed on the merged graph: "
+                              f"{type(e).__name__}: {line}")
+            compiled = compile_inner(gm, example_inputs, config.inner)
     except Exception as e:
         # Dynamo's restart requests are control flow, not failures: inductor raises
         # TensorifyScalarRestartAnalysis to have a float input (HF's self.scaling under dynamic

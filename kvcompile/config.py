@@ -431,8 +431,8 @@ class KVConfig:
         if self.prefill not in PREFILL_CHOICES:
             raise KVConfigError("prefill", self.prefill, ", ".join(map(repr, PREFILL_CHOICES)))
         for name in ("check_finite", "residual", "enabled", "cuda_graphs", "deferred_stop",
-                     "merge_projections", "prefill_tma", "prefill_q_tma", "prefill_scale_tma", "prefill_warp_spec",
-                     "graph_check"):
+                     "merge_projections", "prefill_tma", "prefill_q_tma", "prefill_scale_tma",
+                     "prefill_warp_spec", "graph_check"):
             if not isinstance(getattr(self, name), bool):
                 raise KVConfigError(name, getattr(self, name), "True, False")
         self._check_combinations()
