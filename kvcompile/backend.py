@@ -57,14 +57,15 @@ def _compile(gm, example_inputs, options, state):
         state.tp = tensor_parallel_of_graph(gm)
     t0 = time.perf_counter()
     with state.lock:
-        if config.merge_projections:
+        merging = _merging(config, example_inputs)
+        if merging:
             _lay_out_projections(gm, example_inputs, state)   # may have the frame traced again
         # traced inside this model's engine step: a graph only such steps run (its ops take
         # no mask)
         result = run_passes(gm, example_inputs, state, configured=configured_instances(),
                             packed_steps=in_packed_step(state))
     merged = unmerged = None
-    if config.merge_projections and result.plan.rewritten:
+    if merging and result.plan.rewritten:
         unmerged = copy.deepcopy(gm.graph, {})
         merged = _merge(gm, example_inputs, state)
     try:
@@ -107,6 +108,14 @@ def _compile(gm, example_inputs, options, state):
         # forward running it does not read as one Dynamo ran eagerly (recompiles.py)
         return _Counted(compiled, state) if result.plan.sites else compiled
     return GraphRunner(compiled, result.plan, state, example_inputs, merged)
+
+
+def _merging(config: KVConfig, example_inputs) -> bool:
+    """KVConfig.merge_projections: True, False, or "auto" (graphs on CUDA)."""
+    m = config.merge_projections
+    if m != "auto":
+        return bool(m)
+    return any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
 
 
 def _lay_out_projections(gm, example_inputs, state) -> None:

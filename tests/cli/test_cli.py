@@ -40,7 +40,8 @@ def _one_line_error(err: str) -> None:
 
 # --- inspect ----------------------------------------------------------------------------------
 
-def test_inspect_json_sites_and_memory_plan(cli_json):
+def test_inspect_json_sites_and_memory_plan(cli_json, monkeypatch):
+    monkeypatch.setenv("KVCOMPILE_MERGE_PROJECTIONS", "1")   # ("auto": CUDA graphs only)
     code, out, _ = cli_json("inspect", "tiny-llama", "--batch", 3, "--context", 100, "--tp", 2)
     assert code == EXIT_OK and out["exit_code"] == EXIT_OK
     assert out["rewritten"] == 2 and len(out["sites"]) == 2

@@ -17,8 +17,9 @@ from tests.passes.zoo import make_hf
 
 
 def _cfg(**kw):
+    # merge_projections=True: "auto" (the default) merges in graphs on CUDA only
     return kvcompile.KVConfig(**{"inner": "aot_eager", "kernels": "reference",
-                                 "max_kv_bytes": 1 << 24, **kw})
+                                 "max_kv_bytes": 1 << 24, "merge_projections": True, **kw})
 
 
 def _storages(model) -> dict:
@@ -99,13 +100,26 @@ def test_off_by_config_leaves_the_parameters_alone():
     assert ptrs == {n: p.data_ptr() for n, p in m.named_parameters()}
 
 
-def test_env_switch(monkeypatch):
-    monkeypatch.setenv("KVCOMPILE_MERGE_PROJECTIONS", "0")
-    assert kvcompile.KVConfig().merge_projections is False
+def test_env_switch_and_auto(monkeypatch):
+    for env, want in (("0", False), ("1", True), ("auto", "auto")):
+        monkeypatch.setenv("KVCOMPILE_MERGE_PROJECTIONS", env)
+        assert kvcompile.KVConfig().merge_projections == want
+        assert type(kvcompile.KVConfig().merge_projections) is type(want)
     monkeypatch.delenv("KVCOMPILE_MERGE_PROJECTIONS")
-    assert kvcompile.KVConfig().merge_projections is True
-    with pytest.raises(kvcompile.KVConfigError, match="merge_projections"):
-        kvcompile.KVConfig(merge_projections="yes")
+    assert kvcompile.KVConfig().merge_projections == "auto"
+    for bad in ("yes", 1, None):
+        with pytest.raises(kvcompile.KVConfigError, match="merge_projections"):
+            kvcompile.KVConfig(merge_projections=bad)
+
+
+def test_auto_leaves_a_cpu_model_unmerged():
+    m = make_hf("llama")
+    ids = torch.randint(3, 250, (1, 5), generator=torch.Generator().manual_seed(6))
+    ptrs = {n: p.data_ptr() for n, p in m.named_parameters()}
+    kvcompile.compile(m, _cfg(merge_projections="auto"))
+    _generate(m, ids, new=2)
+    assert not any(k.startswith("projections") for k in kvcompile.report(m).counters)
+    assert ptrs == {n: p.data_ptr() for n, p in m.named_parameters()}
 
 
 # --- the pass on graphs of its own (merge / find_groups without the attention passes) ------
