@@ -396,6 +396,7 @@ def kvc(model, args, device, ctx, kv_dtype, eviction=None, sinks=None, name="",
                 "generate_cuda_graph_replays")})
         row["graphs"] = st.get("graphs")
         row["reference_fallbacks"] = st.get("reference_fallback", 0)
+        row["projections_merged"] = st.get("projections_merged", 0)   # GEMMs over the graphs
         # which kernels ran and why (the reasons of reference fallbacks among them), once each
         row["kernel_notes"] = list(kvcompile.report(model).kernel_notes)
         for note in row["kernel_notes"]:
