@@ -167,6 +167,20 @@ def _run_pass(mod, x, y, laid_out: bool = True):
     return out, seen
 
 
+def _groups_of(fn, *args, grad: bool = False):
+    """(fn's output through Dynamo, the groups find_groups saw in its graph)."""
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["groups"] = mp.find_groups(gm, example_inputs)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.set_grad_enabled(grad):
+        out = torch.compile(fn, backend=backend)(*args)
+    return out, seen["groups"]
+
+
 @pytest.mark.parametrize("flatten", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 def test_merge_on_a_graph_of_its_own(flatten, bias):
@@ -194,17 +208,9 @@ def test_no_group_across_inputs_or_before_the_layout():
 
 
 def test_not_where_a_gradient_can_flow():
-    mod = _Block(False)
     x = torch.randn(2, 5, 16)
-    seen = {}
-
-    def backend(gm, example_inputs):
-        seen["groups"] = mp.find_groups(gm, example_inputs)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(mod, backend=backend)(x, x)   # grad mode on, weights require grad
-    assert seen["groups"] == []
+    _, groups = _groups_of(_Block(False), x, x, grad=True)   # weights require grad
+    assert groups == []
 
 
 def test_a_weight_in_two_groups_is_left_alone():
@@ -215,16 +221,8 @@ def test_a_weight_in_two_groups_is_left_alone():
         return F.linear(x, lin.weight) + F.linear(y, lin.weight) + F.linear(x, other.weight)[
             ..., :1] + F.linear(y, other.weight)[..., :1]
 
-    seen = {}
-
-    def backend(gm, example_inputs):
-        seen["groups"] = mp.find_groups(gm, example_inputs)
-        return gm.forward
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(f, backend=backend)(torch.randn(3, 8), torch.randn(3, 8))
-    assert seen["groups"] == []
+    _, groups = _groups_of(f, torch.randn(3, 8), torch.randn(3, 8))
+    assert groups == []
 
 
 class _WritesBetween(nn.Module):
@@ -251,39 +249,6 @@ def test_not_across_an_in_place_write_of_the_input(through_view):
     x = torch.randn(2, 5, 16)
     with torch.no_grad():
         want = mod(x, x)
-    seen = {}
-
-    def backend(gm, example_inputs):
-        seen["groups"] = mp.find_groups(gm, example_inputs)
-        return gm.forward
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        out = torch.compile(mod, backend=backend)(x, x)
-    assert seen["groups"] == []
+    out, groups = _groups_of(mod, x, x)
+    assert groups == []
     assert_rel_close(out, want, torch.float32)
-
-
-def test_an_inner_compiler_failing_on_the_merge_drops_the_merge_only(monkeypatch):
-    """The inner compiler refuses the merged graph: the graph compiles unmerged, its
-    attention still rewritten, and a warning says so once."""
-    import kvcompile.backend as backend
-    from tests.passes.caught import has, kv_warnings
-
-    real = backend.compile_inner
-
-    def picky(gm, example_inputs, inner):
-        if "as_strided" in gm.code:
-            raise RuntimeError("no merged GEMMs here")
-        return real(gm, example_inputs, inner)
-
-    monkeypatch.setattr(backend, "compile_inner", picky)
-    m, ref = make_hf("llama"), make_hf("llama")
-    ids = torch.randint(3, 250, (2, 7), generator=torch.Generator().manual_seed(5))
-    kvcompile.compile(m, _cfg())
-    with kv_warnings() as caught:
-        assert torch.equal(_generate(m, ids), _generate(ref, ids))
-    r = kvcompile.report(m)
-    assert r.rewritten and len(r.rewritten) == len(r.sites)
-    assert not r.counters.get("projections_merged")
-    assert has(caught, "projections unmerged.*no merged GEMMs here")
