@@ -20,7 +20,9 @@ the group out again from the parameters it was given, so the graph reads those v
 Fires only where no gradient can flow (grad mode off when traced, or no weight requiring it),
 on plain dense floating parameters each in one group only; a member whose consumers would view
 its output across the merged width (anything but splitting the last dimension, then transposes)
-reads a contiguous copy instead. `KVConfig.merge_projections` turns it off.
+reads a contiguous copy instead; not across an in-place write of the shared input.
+`KVConfig.merge_projections` ("auto": graphs on CUDA; True; False) decides where it runs
+(backend.py `_merging`).
 """
 
 from __future__ import annotations
