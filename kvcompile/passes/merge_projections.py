@@ -215,6 +215,23 @@ def _safe_users(node: fx.Node) -> bool:
     return all(ok(u, True) for u in node.users)
 
 
+def _held_by_an_op(node: fx.Node) -> bool:
+    """The linear's output reaches, through views only, one of this package's ops (the
+    attention op takes v so): narrowed, it would keep the whole merged output alive until that
+    op runs, after the other members' consumers (at a prefill of T tokens, T x the others'
+    rows). A contiguous copy of its own rows lets the merged output go after them."""
+    todo, seen = list(node.users), 0
+    while todo and seen < 256:
+        n, seen = todo.pop(), seen + 1
+        if n.op == "call_function" and isinstance(n.target, (torch._ops.OpOverload,
+                                                             torch._ops.OpOverloadPacket)) \
+                and str(n.target).startswith("kvcompile."):
+            return True
+        if _name(n) in _VIEWS:
+            todo.extend(n.users)
+    return False
+
+
 def merge(gm: fx.GraphModule, groups: list[Group]) -> int:
     """Rewrite each group as one linear on its laid-out weights; -> how many members read a
     contiguous copy of their rows (a consumer would view them across the merged width)."""
@@ -237,6 +254,7 @@ def merge(gm: fx.GraphModule, groups: list[Group]) -> int:
         for n, rows in zip(g.nodes, g.rows):
             contiguous = not _safe_users(n)
             copied += contiguous
+            contiguous = contiguous or _held_by_an_op(n)
             with graph.inserting_after(n):
                 part = graph.call_function(torch.narrow, (y, -1, start, rows))
             out = part

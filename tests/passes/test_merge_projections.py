@@ -252,3 +252,25 @@ def test_not_across_an_in_place_write_of_the_input(through_view):
     out, groups = _groups_of(mod, x, x)
     assert groups == []
     assert_rel_close(out, want, torch.float32)
+
+
+def test_v_alone_is_copied_so_the_merged_output_is_freed_before_attention():
+    """v reaches the attention op through views only: a contiguous copy of its rows (inductor
+    fuses it into k's rope kernel) lets the merged q / k / v output go before the op runs; q,
+    k (roped) and gate / up read their narrowed views."""
+    import re
+
+    from kvcompile.cli import trace as _trace
+
+    m = make_hf("llama")
+    ids = torch.randint(3, 250, (1, 6), generator=torch.Generator().manual_seed(7))
+    with _trace.recording(keep_code=False) as traces:
+        kvcompile.compile(m, _cfg())
+        _generate(m, ids, new=2)
+    layers = m.config.num_hidden_layers
+    for t in traces:
+        code = t.after.code
+        narrows = re.findall(r"(narrow\w*) = torch\.narrow\(", code)
+        copied = [n for n in narrows if re.search(rf"= {n}\.contiguous\(\)", code)]
+        assert len(narrows) == 5 * layers and len(copied) == layers, code
+        assert "projections_copied" not in kvcompile.report(m).counters
