@@ -274,3 +274,28 @@ def test_v_alone_is_copied_so_the_merged_output_is_freed_before_attention():
         copied = [n for n in narrows if re.search(rf"= {n}\.contiguous\(\)", code)]
         assert len(narrows) == 5 * layers and len(copied) == layers, code
         assert "projections_copied" not in kvcompile.report(m).counters
+
+
+def test_an_inner_compiler_failing_on_the_merge_drops_the_merge_only(monkeypatch):
+    """The inner compiler refuses the merged graph: the graph compiles unmerged, its
+    attention still rewritten, and a warning says so once."""
+    import kvcompile.backend as backend
+    from tests.passes.caught import has, kv_warnings
+
+    real = backend.compile_inner
+
+    def picky(gm, example_inputs, inner):
+        if "as_strided" in gm.code:
+            raise RuntimeError("no merged GEMMs here")
+        return real(gm, example_inputs, inner)
+
+    monkeypatch.setattr(backend, "compile_inner", picky)
+    m, ref = make_hf("llama"), make_hf("llama")
+    ids = torch.randint(3, 250, (2, 7), generator=torch.Generator().manual_seed(5))
+    kvcompile.compile(m, _cfg())
+    with kv_warnings() as caught:
+        assert torch.equal(_generate(m, ids), _generate(ref, ids))
+    r = kvcompile.report(m)
+    assert r.rewritten and len(r.rewritten) == len(r.sites)
+    assert not r.counters.get("projections_merged")
+    assert has(caught, "projections unmerged.*no merged GEMMs here")
