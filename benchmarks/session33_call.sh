@@ -6,6 +6,7 @@
 #      B16 x P4096 (bench_generate.py --step-profile, fp8 pages) with its top kernels, with
 #      the projections merged (the default) and not (KVCOMPILE_MERGE_PROJECTIONS=0)
 #   s2: the same step profile at B64 x P2048 and B1 x P32768 (issue 16 item 5's other rows)
+#   n: (next session) merged / unmerged rows at B16 x P4096 and B16 x P32768 after v's copy
 #   p: bench_append.py --sweep of the 4-bit rows (int4 token / channel, fp4 token / tensor)
 #   a: session32's v (the FP8 prefill checks, table and prefill tests), then test_dense_gpu.py
 #   other parts: session32_call.sh's (v: the FP8 prefill checks, table and GPU tests;
@@ -36,6 +37,18 @@ for f in sys.argv[1:]:
             for t, n in r["step_profile"]["top"]:
                 print(f"  {t:.4f}  {n[:110]}")
 PY
+    done ;;
+  n)
+    # for the next session: v's contiguous copy (after this session's GPU calls) checked for
+    # the prefill's peak and the decode step: B16 x P4096 merged / unmerged, then B16 x P32768
+    # fp8 merged / unmerged (issue 16 item 0's peak), a process a row
+    for m in 1 0; do
+      KVCOMPILE_MERGE_PROJECTIONS=$m B=16 P=4096 N=64 ROW_LIMIT=${ROW_LIMIT:-100} \
+        OUT=$OUT/n_m$m bash benchmarks/e2e_kv_rows.sh "kvc_fp8:auto" 2>&1 | tail -2
+    done
+    for m in 1 0; do
+      KVCOMPILE_MERGE_PROJECTIONS=$m B=16 P=32768 N=16 ROW_LIMIT=${N_LIMIT:-150} \
+        OUT=$OUT/n_long_m$m bash benchmarks/e2e_kv_rows.sh "kvc_fp8:auto" 2>&1 | tail -2
     done ;;
   p)
     # issue 16 item 3 (append at 0.7x copy): tile and warp sweeps of the 4-bit rows' kernels
