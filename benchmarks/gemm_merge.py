@@ -10,9 +10,15 @@ Prints ms a replay and TB/s of weight bytes, and merged / separate.
 from __future__ import annotations
 
 import argparse
+import functools
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kvcompile.engine.cudagraph import capture  # noqa: E402
 
 
 def _layers(n, hidden, q, kv, inter, merged, dev, dt):
@@ -67,15 +73,9 @@ def main(argv=None):
         for merged in (False, True):
             layers = _layers(a.layers, a.hidden, a.q, a.kv, a.inter, merged, dev, dt)
             x = torch.randn(m, a.hidden, device=dev, dtype=dt)
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(3):
-                    _step(x, layers, merged, a.q, a.kv, a.inter)
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                _step(x, layers, merged, a.q, a.kv, a.inter)
+            # warmed up on the side stream, then captured, as the runtime's graphs are
+            g, _ = capture(functools.partial(_step, x, layers, merged, a.q, a.kv, a.inter),
+                           torch.device(dev), None)
             for _ in range(5):
                 g.replay()
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

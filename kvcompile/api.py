@@ -13,6 +13,7 @@ from kvcompile import telemetry as _telemetry  # noqa: F401  (the silent `kvcomp
 from kvcompile.backend import kvcompile_backend
 from kvcompile.config import KVConfig
 from kvcompile.integrations.tp import check_tensor_parallel, tensor_parallel_of
+from kvcompile.passes import merge_projections
 from kvcompile.passes.notices import warn_quality
 from kvcompile.runtime.state import ModelState, all_states
 
@@ -168,12 +169,9 @@ class Report:
         if kc:
             lines.append("kernels: " + ", ".join(f"{k} {v}" for k, v in sorted(kc.items())))
         lines += [f"  {n}" for n in self.kernel_notes]
-        if self.counters.get("projections_merged"):
-            c = self.counters
-            lines.append(f"projections: {c['projections_linears']} linears run as "
-                         f"{c['projections_merged']} GEMMs over the graphs (merge_projections)"
-                         + (f"; {c['projections_copied']} read a contiguous copy of their rows"
-                            if c.get("projections_copied") else ""))
+        merged = merge_projections.summary(self.counters)
+        if merged:
+            lines.append(merged)
         if not self.rewritten:
             lines.append("nothing rewritten: the model runs with its own cache; "
                          "`kvcompile inspect MODEL` shows why")

@@ -113,9 +113,7 @@ def _compile(gm, example_inputs, options, state):
 def _merging(config: KVConfig, example_inputs) -> bool:
     """KVConfig.merge_projections: True, False, or "auto" (graphs on CUDA)."""
     m = config.merge_projections
-    if m != "auto":
-        return bool(m)
-    return any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
+    return _on_cuda(example_inputs) if m == "auto" else bool(m)
 
 
 def _lay_out_projections(gm, example_inputs, state) -> None:
@@ -190,8 +188,12 @@ def resolve_inner(inner: str, example_inputs) -> str:
     KVConfig's docstring for what inductor costs there)."""
     if inner != "auto":
         return inner
-    cuda = any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
-    return "inductor" if cuda else "eager"
+    return "inductor" if _on_cuda(example_inputs) else "eager"
+
+
+def _on_cuda(example_inputs) -> bool:
+    """The graph runs on CUDA (one of its tensor inputs lives there)."""
+    return any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
 
 
 def compile_inner(gm, example_inputs, inner: str):

@@ -23,6 +23,7 @@ from kvcompile.cli.common import (
     table,
 )
 from kvcompile.cli.memory import policy_name
+from kvcompile.passes import merge_projections
 
 CONTEXT_CAP = 32768
 
@@ -69,12 +70,11 @@ def run(args) -> Result:
     payload["rewritten"] = sum(1 for r in rows if r["rewritten"])
     text.append(_sites_text(rows, len(traces), args.stop_pass))
     counters = state.counters if state is not None else {}
-    if counters.get("projections_merged"):
+    merged = merge_projections.summary(counters)
+    if merged:
         payload["projections"] = {k: counters.get(f"projections_{k}", 0)
                                   for k in ("linears", "merged", "copied")}
-        text.append(f"merged projections: {counters['projections_linears']} linears run as "
-                    f"{counters['projections_merged']} GEMMs over the graphs "
-                    f"(passes/merge_projections.py; KVConfig.merge_projections)")
+        text.append(merged)
     misses = _near_misses(traces)
     payload["near_misses"] = misses
     if misses:

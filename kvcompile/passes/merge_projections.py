@@ -272,6 +272,17 @@ def merge(gm: fx.GraphModule, groups: list[Group]) -> int:
     return copied
 
 
+def summary(counters: dict) -> str | None:
+    """The report's and `kvcompile inspect`'s line on what the pass did (None: nothing)."""
+    if not counters.get("projections_merged"):
+        return None
+    copied = counters.get("projections_copied")
+    return (f"merged projections: {counters['projections_linears']} linears run as "
+            f"{counters['projections_merged']} GEMMs over the graphs "
+            f"(KVConfig.merge_projections)"
+            + (f"; {copied} read a contiguous copy of their rows" if copied else ""))
+
+
 class Merged:
     """The runner's side: the merged groups of one compiled graph, checked before each call."""
 

@@ -192,13 +192,15 @@ def _fresh_prefill(state, layer, q, fresh, plan, mask_info, attn_mask, is_causal
         return _padded_rows(state, q, k, v, starts, scale)
     if causal and state.config.prefill_attends == "fresh_fp8" and _fp8_fresh_ok(state, q, v):
         B, Hq, S, _ = q.shape
-
-        def packed(x):   # [B, H, S, D] -> [B * S, H, D]
-            return x.transpose(1, 2).reshape(B * S, x.shape[1], x.shape[3])
         cu = torch.arange(0, B + 1, dtype=torch.int32, device=q.device) * S
-        out = _packed_fp8(state, packed(q), packed(k), packed(v), cu, S, scale)
+        out = _packed_fp8(state, _tokens(q), _tokens(k), _tokens(v), cu, S, scale)
         return out.view(B, S, Hq, -1).transpose(1, 2)
     return sdpa_attention(q, k, v, None, None, scale, causal)
+
+
+def _tokens(x: torch.Tensor) -> torch.Tensor:
+    """[B, H, S, D] -> [B * S, H, D]: the rows' tokens, packed."""
+    return x.transpose(1, 2).reshape(x.shape[0] * x.shape[2], x.shape[1], x.shape[3])
 
 
 def _fp8_fresh_ok(state, q, v) -> bool:
@@ -261,14 +263,13 @@ def _fresh_packed(state, layer, q, fresh, plan, window, softcap, scale, extras):
     k, v = fresh
     if k.shape[2] != q.shape[2] or sum(q_lens) != q.shape[2]:
         return None
+    t = lambda x: x[0].transpose(0, 1).contiguous()   # noqa: E731  [T, H, D]
     if state.config.prefill_attends == "fresh_fp8" and _fp8_fresh_ok(state, q, v):
-        t = lambda x: x[0].transpose(0, 1).contiguous()   # noqa: E731  [T, H, D]
         out = _packed_fp8(state, t(q), t(k), t(v), plan.cu_seqlens_q, max(q_lens), scale)
         out = out.transpose(0, 1).unsqueeze(0)
     elif len(q_lens) > FRESH_PACKED_SDPA_MAX and state.kernels.use_triton(q.device):
         from kvcompile.kernels.prefill import prefill_attention
 
-        t = lambda x: x[0].transpose(0, 1).contiguous()   # noqa: E731  [T, H, D]
         state.count("prefill_fresh_varlen")   # which kernel (prefill_fresh_sdpa: attended fresh)
         out = prefill_attention(t(q), t(k), t(v), plan.cu_seqlens_q, scale, causal=True,
                                 max_seqlen=max(q_lens))
@@ -344,8 +345,8 @@ def _padded_rows(state, q, k, v, starts: list[int], scale: float) -> torch.Tenso
                      if s < S]).to(q.device)
     cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=q.device)
 
-    def packed(x):   # [B, H, S, D] -> [T, H, D], the rows' tokens
-        return x.transpose(1, 2).reshape(B * S, x.shape[1], x.shape[3]).index_select(0, idx)
+    def packed(x):   # [B, H, S, D] -> [T, H, D], the rows' tokens, padding dropped
+        return _tokens(x).index_select(0, idx)
 
     dt = compute_dtype(q.dtype)
     if fp8:
