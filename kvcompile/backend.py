@@ -118,19 +118,21 @@ def _merging(config: KVConfig, example_inputs) -> bool:
 
 def _lay_out_projections(gm, example_inputs, state) -> None:
     """Lay out the parameters of this graph's mergeable linears (passes/merge_projections.py)
-    as one tensor a group, before the passes: groups not yet laid out are laid out here and
-    the frame traced again (its fake inputs describe the old storage), once for a set of
-    parameters; a group still not in place after that is left unmerged (`_merge`)."""
+    as one tensor a group, before the passes: groups not in place are laid out here and the
+    frame traced again (its fake inputs describe the old storage). Groups still not in place
+    on that retrace are not laid out again (no loop): `_merge` leaves them unmerged and says
+    so."""
     from kvcompile.passes import merge_projections as mp
 
     todo = [g for g in mp.find_groups(gm, example_inputs) if not mp.in_place(g, example_inputs)]
-    key = frozenset(id(example_inputs[i]) for g in todo for i in g.params)
-    if todo and key not in state.laid_out:
-        state.laid_out.add(key)
+    key = frozenset(id(example_inputs[i]) for g in todo for i in g.params) if todo else None
+    if todo and key != state.laid_out:
+        state.laid_out = key
         for g in todo:
             mp.lay_out(g, example_inputs)
         state.count("projections_laid_out", len(todo))
         raise mp.retrace()
+    state.laid_out = None   # in place (or given up on): a later move lays them out again
 
 
 def _merge(gm, example_inputs, state):
@@ -138,7 +140,14 @@ def _merge(gm, example_inputs, state):
     have restored the graph from its copy); -> the runner's check, or None."""
     from kvcompile.passes import merge_projections as mp
 
-    groups = [g for g in mp.find_groups(gm, example_inputs) if mp.in_place(g, example_inputs)]
+    found = mp.find_groups(gm, example_inputs)
+    groups = [g for g in found if mp.in_place(g, example_inputs)]
+    if len(groups) < len(found):   # laid out for this trace, and still not in place
+        notices.warn_once(state, ("unmerged groups", state.graphs),
+                          f"kvcompile left {len(found) - len(groups)} projection group(s) of "
+                          f"graph {state.graphs} of {notices.model_name(state)} unmerged: "
+                          f"their parameters were not in one tensor after kvcompile laid them "
+                          f"out")
     if not groups:
         return None
     copied = mp.merge(gm, groups)

@@ -43,8 +43,9 @@ class ModelState:
         self.compile_seconds = 0.0
         self.counters: dict[str, int] = {}
         self.param_ids: set[int] = set()
-        # sets of parameter ids laid out for merged projections (passes/merge_projections.py)
-        self.laid_out: set[frozenset] = set()
+        # the parameter ids last laid out for merged projections, until the retrace that
+        # follows finds them in place (backend.py `_lay_out_projections`)
+        self.laid_out: frozenset | None = None
         self.kernels = KernelDispatch(self)
         self.eviction = None                   # eviction runtime (kvcompile.eviction), if any
         self.hooks: list[RuntimeHook] = []     # eviction / telemetry / calibration hooks

@@ -299,3 +299,47 @@ def test_an_inner_compiler_failing_on_the_merge_drops_the_merge_only(monkeypatch
     assert r.rewritten and len(r.rewritten) == len(r.sites)
     assert not r.counters.get("projections_merged")
     assert has(caught, "projections unmerged.*no merged GEMMs here")
+
+
+def test_several_models_in_one_process_each_rewritten_and_merged():
+    ids = torch.randint(3, 250, (2, 6), generator=torch.Generator().manual_seed(8))
+    models = {f: make_hf(f) for f in ("llama", "qwen2", "mistral")}
+    refs = {f: _generate(make_hf(f), ids) for f in models}
+    for m in models.values():
+        kvcompile.compile(m, _cfg())
+    for f, m in models.items():
+        assert torch.equal(_generate(m, ids), refs[f]), f
+        r = kvcompile.report(m)
+        assert r.sites and len(r.rewritten) == len(r.sites), f
+        assert r.counters.get("projections_merged", 0) >= 2 * m.config.num_hidden_layers, f
+
+
+def test_parameters_moved_after_the_layout_are_laid_out_again_at_the_next_trace():
+    m, ref = make_hf("llama"), make_hf("llama")
+    ids = torch.randint(3, 250, (1, 6), generator=torch.Generator().manual_seed(9))
+    kvcompile.compile(m, _cfg())
+    _generate(m, ids, new=2)
+    laid = kvcompile.report(m).counters["projections_laid_out"]
+    for p in m.parameters():   # every parameter moved out of the laid-out tensors
+        p.data = p.data.clone()
+    torch._dynamo.reset()      # the next forward is traced and compiled again
+    assert torch.equal(_generate(m, ids), _generate(ref, ids))
+    assert kvcompile.report(m).counters["projections_laid_out"] == 2 * laid
+    attn = m.model.layers[0].self_attn
+    assert mp._adjacent([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+
+
+def test_groups_not_in_place_after_their_layout_are_left_unmerged_and_said(monkeypatch):
+    """A layout that did not take (here: made a no-op): the retrace does not lay out again
+    (no loop); the groups run unmerged and a warning says so."""
+    from tests.passes.caught import has, kv_warnings
+
+    monkeypatch.setattr(mp, "lay_out", lambda g, tensors: None)
+    m, ref = make_hf("llama"), make_hf("llama")
+    ids = torch.randint(3, 250, (1, 6), generator=torch.Generator().manual_seed(10))
+    kvcompile.compile(m, _cfg())
+    with kv_warnings() as caught:
+        assert torch.equal(_generate(m, ids), _generate(ref, ids))
+    assert has(caught, r"left \d+ projection group\(s\) of graph \d+ .* unmerged")
+    r = kvcompile.report(m)
+    assert not r.counters.get("projections_merged") and len(r.rewritten) == len(r.sites)
