@@ -102,6 +102,16 @@ def policy(name: str, prompt: int):
     return make[name]() if name else None
 
 
+_COMPILED = []   # the row's compiled model, for its route counters when the row fails
+
+
+def _routes(model) -> str:
+    """The prefill / attention route counters of a compiled model (kvcompile.stats)."""
+    c = kvcompile.stats(model).get("counters", {})
+    keys = ("prefill_", "latent_", "decode_")
+    return ", ".join(f"{k} {v}" for k, v in sorted(c.items()) if k.startswith(keys))
+
+
 def run_row(row, a, ids, ref_logits=None):
     """One row's timing (and for hf_eager its logits; for a kvcompile row without eviction,
     given HF eager's logits, the teacher-forced comparison)."""
@@ -121,6 +131,7 @@ def run_row(row, a, ids, ref_logits=None):
         kvcompile.compile(model, kvcompile.KVConfig(
             kv_dtype=fmt, max_kv_bytes=(1 << 26 if a.smoke else 40 << 30),
             eviction=policy(pol, a.prompt), eviction_interval=a.evict_interval))
+        _COMPILED[:] = [model]
     info = {}
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=a.new, output_logits=True,
@@ -151,6 +162,7 @@ def run_row(row, a, ids, ref_logits=None):
             f", {getattr(model.forward, 'replays', 0)} graph replays")
         st = kvcompile.stats(model)
         info["bytes"] = st["bytes_per_token"]
+        print(f"# {row} routes: {_routes(model)}", file=sys.stderr, flush=True)
         if pol:
             c = st.get("counters", {})
             info["sites"] += (f", {c.get('eviction_device_runs', 0)} device evictions, "
@@ -277,6 +289,9 @@ def main():
             frames = [f for f in traceback.extract_tb(e.__traceback__)
                       if "kvcompile" in f.filename or "benchmarks" in f.filename]
             print("".join(traceback.format_list(frames[-6:])), file=sys.stderr, flush=True)
+            if _COMPILED and row.startswith("kvc_"):
+                print(f"# {row} routes: {_routes(_COMPILED[0])}", file=sys.stderr, flush=True)
+            _COMPILED.clear()
             continue
         if row == "hf_eager":
             ref, base = r["tokens"], r["tok_s"]

@@ -79,7 +79,11 @@ def chunk_size(batch: int, prompt: int, per_token: int, budget: int | None,
         return None
     chunks = math.ceil(need / budget)
     size = max(MIN_CHUNK, math.ceil(prompt / chunks))
-    size = max(page, size // page * page)
+    size = max(page, size // page * page)          # the most a chunk may take, in pages
+    # the chunks that takes, balanced (at most `size`, a page apart): cut at the budget alone,
+    # 32,768 tokens became 3 chunks of 10,912 and a 4th of 32, and a short chunk over a long
+    # prefix takes the slow paths (an MLA layer's absorbed form over every cached token)
+    size = max(page, -(-math.ceil(prompt / math.ceil(prompt / size)) // page) * page)
     while 0 < prompt % size <= _DECODE_TOKENS and size > page:
         size -= page
     return size if size < prompt else None

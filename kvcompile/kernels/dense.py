@@ -202,8 +202,60 @@ def _sdpa(q, k, v, mask, scale: float, causal: bool) -> torch.Tensor:
         out = F.scaled_dot_product_attention(q.reshape(B, Hkv, Hq // Hkv, -1), k, v,
                                              attn_mask=mask, scale=scale)
         return out.reshape(B, Hq, 1, -1)
+    if _math_expands(q, k, mask) and _math_bytes(q, k) > MATH_BLOCK_BYTES:
+        return _sdpa_blocks(q, k, v, mask, scale, causal)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                           is_causal=causal, enable_gqa=Hq != Hkv)
+
+
+# scores of one call of torch's math SDPA at most (fp32 bytes of [B, H, S, L]): past this, a
+# call that only the math path takes runs in blocks (`_sdpa_blocks`)
+MATH_BLOCK_BYTES = 1 << 30
+
+
+def _math_expands(q, k, mask) -> bool:
+    """Whether only torch's math SDPA takes this call (head dims past the fused kernels' 256,
+    or query heads sharing K/V heads under a mask), which materializes the [B, Hq, S, L]
+    scores and repeats K / V to every query head (a 32-query MLA chunk absorbed over 32k
+    latents at 128 heads asked for 144 GiB)."""
+    return q.shape[-1] > 256 or (q.shape[1] != k.shape[1] and mask is not None)
+
+
+def _math_bytes(q, k) -> int:
+    return 4 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+
+
+def _sdpa_blocks(q, k, v, mask, scale: float, causal: bool) -> torch.Tensor:
+    """`_sdpa` for a call only the math path takes, MATH_BLOCK_BYTES of scores a block: a
+    K/V head at a time, the query heads of its group folded into the query rows (as the
+    one-query case does: K / V read once, never repeated), query rows in blocks, a causal
+    mask built per block. Rows are independent, so the result is the unblocked call's."""
+    B, Hq, S, _ = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    rows = max(1, min(S, MATH_BLOCK_BYTES // max(4 * B * G * L, 1)))
+    out = q.new_empty((B, Hq, S, v.shape[-1]))
+    k_pos = torch.arange(L, device=q.device)
+    for j in range(Hkv):
+        heads = slice(j * G, (j + 1) * G)
+        for s0 in range(0, S, rows):
+            s1 = min(S, s0 + rows)
+            n = s1 - s0
+            qb = q[:, heads, s0:s1].reshape(B, 1, G * n, -1)
+            if causal:
+                q_pos = torch.arange(L - S + s0, L - S + s1, device=q.device)
+                m = (k_pos[None] <= q_pos[:, None])[None, None]          # [1, 1, n, L]
+            else:
+                m = mask
+            if m is not None:
+                m = m[:, heads if m.shape[1] > 1 else slice(None)]
+                if not causal and m.shape[2] > 1:
+                    m = m[:, :, s0:s1]
+                m = m.expand(m.shape[0], G, n, L).reshape(m.shape[0], 1, G * n, L)
+            o = F.scaled_dot_product_attention(qb, k[:, j:j + 1], v[:, j:j + 1],
+                                               attn_mask=m, scale=scale)
+            out[:, heads, s0:s1] = o.reshape(B, G, n, -1)
+    return out
 
 
 def exact_attention(q, k, v, allowed, additive, scale: float, softcap: float,

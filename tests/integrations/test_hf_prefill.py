@@ -104,6 +104,17 @@ def test_chunk_size_rule():
         size = hf_prefill.chunk_size(8, prompt, 50_000, 200 << 20, page)
         assert size is not None and size % page == 0 and not 0 < prompt % size <= 8, prompt
     assert hf_prefill.chunk_size(8, 400, 10**6, 1, page) is None            # <= MIN_CHUNK
+    # within the budget, and balanced: no chunk much shorter than the others (cut at the
+    # budget alone, 32,768 tokens in 3 became 10,912 x 3 and a tail of 32)
+    for prompt in (32768, 20_003, 9000, 4105):
+        need = 16 * prompt * 50_000 + prompt * prompt
+        for n in range(2, 9):
+            budget = -(-need // n)
+            size = hf_prefill.chunk_size(16, prompt, 50_000, budget, page)
+            chunks = -(-prompt // size)
+            tail = prompt - (chunks - 1) * size
+            assert size * (16 * 50_000 + prompt) <= budget, (prompt, n, size)
+            assert chunks <= n + 1 and tail >= size - chunks * page, (prompt, n, size, tail)
     # the H200 case (8-layer Llama-3-8B shape, 128 KB per token): B16 x 32k runs whole in
     # PREFILL_MEMORY_FRACTION of 140 GiB, and in two chunks in half that
     budget = int(hf_prefill.PREFILL_MEMORY_FRACTION * (140 << 30))

@@ -391,3 +391,62 @@ def test_paged_reference_rows_of_different_lengths(packed):
         seen = torch.arange(n)[None] <= torch.arange(n - s, n)[:, None]
         ref = eager_rows(q[b:b + 1], kd, vd, seen[None, None], 0.2)
         assert_matches_eager(got[b:b + 1], ref, torch.float32, f"row {b}, packed={packed}")
+
+
+@pytest.mark.parametrize("case", ["mla_causal_chunk", "gqa_bool_per_row", "mha_d288_additive",
+                                  "causal_square_d288", "per_head_bool"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_math_blocks_equal_plain_attention(monkeypatch, case, dtype):
+    """A call only torch's math SDPA takes (head dim > 256, or shared K/V heads under a mask)
+    past MATH_BLOCK_BYTES of scores runs a K/V head at a time, the group's query heads folded
+    into the rows, the rows in blocks (`_sdpa_blocks`): equal to plain attention (fp32 softmax
+    over the masked scores), with the blocks forced small and the route seen taken. Negative:
+    a call the fused kernels take (head dim 64, no mask) is not blocked at the same bound."""
+    import kvcompile.kernels.dense as dense
+
+    g = torch.Generator().manual_seed(len(case) * 7 + (dtype == torch.bfloat16))
+    B, S, L = 3, 6, 29
+    hq, hkv, D, Dv = {"mla_causal_chunk": (8, 1, 288, 256), "gqa_bool_per_row": (8, 2, 64, 64),
+                      "mha_d288_additive": (3, 3, 288, 288), "causal_square_d288": (4, 1, 288, 32),
+                      "per_head_bool": (6, 2, 64, 48)}[case]
+    if case == "causal_square_d288":
+        L = S
+    q = torch.randn(B, hq, S, D, generator=g).to(dtype)
+    k = torch.randn(B, hkv, L, D, generator=g).to(dtype)
+    v = torch.randn(B, hkv, L, Dv, generator=g).to(dtype)
+    causal = case == "causal_square_d288"
+    ok = torch.arange(L)[None] <= torch.arange(L - S, L)[:, None]              # [S, L]
+    mask = None
+    if case == "mla_causal_chunk":
+        mask = ok[None, None]
+    elif case == "gqa_bool_per_row":
+        mask = (torch.rand(B, 1, S, L, generator=g) > 0.3) & ok
+    elif case == "mha_d288_additive":
+        mask = torch.where(torch.rand(1, 1, S, L, generator=g) > 0.2, 0.0,
+                           float("-inf")).to(dtype)
+        mask[..., 0] = 0.0
+    elif case == "per_head_bool":
+        mask = torch.rand(B, hq, S, L, generator=g) > 0.4
+        mask[..., -1] = True
+    allowed = ok if causal else (mask if mask is None or mask.dtype == torch.bool
+                                 else mask == 0)
+    rep = hq // hkv
+    s = torch.einsum("bhsd,bhld->bhsl", q.float(), k.float().repeat_interleave(rep, 1))
+    s = s / D ** 0.5
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    ref = torch.einsum("bhsl,bhld->bhsd", s.softmax(-1), v.float().repeat_interleave(rep, 1))
+
+    calls = []
+    blocks = dense._sdpa_blocks
+    monkeypatch.setattr(dense, "_sdpa_blocks", lambda *a: calls.append(1) or blocks(*a))
+    monkeypatch.setattr(dense, "MATH_BLOCK_BYTES", 4 * B * (hq // hkv) * L * 2)   # 2 rows
+    out = dense._sdpa(q, k, v, mask, D ** -0.5, causal)
+    assert calls, "the blocked route was not taken"
+    assert out.dtype == dtype and out.shape == (B, hq, S, Dv)
+    assert_rel_close(out.float(), ref, dtype, what=case)
+    # negative: head dim 64 without a mask is a fused-kernel call, never blocked
+    calls.clear()
+    q64, k64 = q[..., :64].contiguous(), k[..., :64].contiguous()
+    dense._sdpa(q64, k64, v, None, 0.125, False)
+    assert not calls

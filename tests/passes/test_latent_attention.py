@@ -361,9 +361,13 @@ def test_prompt_chunks_over_latent_pages_expand(monkeypatch, pad):
     (latent.paged_latent_expanded: the rows' stored latents through kv_b_proj, causal SDPA
     from each row's padding on), and with LATENT_EXPAND_BYTES = 1 a row at a time, the fresh
     chunk too. Logits of every step within fp32 tolerance of eager's (fp32 latent pages),
-    tokens equal; negative: at the default threshold (256 queries) the same chunks absorb."""
+    tokens equal; negative: at the default threshold (256 queries) the same chunks absorb,
+    here with the paged reference's math SDPA forced into blocks (dense._sdpa_blocks: a
+    32-token chunk over 32k latents at 128 heads asked for 144 GiB at once)."""
+    from kvcompile.kernels import dense
     from kvcompile.runtime import dispatch
 
+    blocks, sdpa_blocks = [], dense._sdpa_blocks
     model = make_mla("deepseek_v3", "sdpa")
     ids, mask = _prompt(batch=3, length=34, pad=5 if pad else 0)
     kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
@@ -376,8 +380,11 @@ def test_prompt_chunks_over_latent_pages_expand(monkeypatch, pad):
             if expand:
                 monkeypatch.setattr(dispatch, "LATENT_EXPAND_MIN_QUERIES", 1)
                 monkeypatch.setattr(dispatch, "LATENT_EXPAND_BYTES", 1)
-            else:
+            else:   # absorbed: the paged reference's math SDPA in blocks of a few rows
                 monkeypatch.undo()
+                monkeypatch.setattr(dense, "MATH_BLOCK_BYTES", 256)
+                monkeypatch.setattr(dense, "_sdpa_blocks", lambda *a: blocks.append(1) or
+                                    sdpa_blocks(*a))
             before = dict(kvcompile.stats(model)["counters"])
             got = model.generate(ids, **kw)
             c = {k: v - before.get(k, 0) for k, v in kvcompile.stats(model)["counters"].items()}
@@ -391,6 +398,7 @@ def test_prompt_chunks_over_latent_pages_expand(monkeypatch, pad):
             else:
                 assert c.get("latent_chunk_expanded", 0) == 0, c
                 assert c.get("latent_absorbed", 0) >= 2 * LAYERS, c
+                assert blocks
 
 
 @pytest.mark.parametrize("mask_rows", [1, 5])
