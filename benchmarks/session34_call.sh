@@ -6,6 +6,7 @@
 #   m1 / m2: issue 22's MLA rows (bench_latent_generate.py, DeepSeek-V3-shaped, 4 layers),
 #      B64 x 8k (m1) and B16 x 32k (m2), a process a row: HF eager (writes the reference
 #      tokens), HF static, kvcompile bf16 and fp8_e4m3 latent pages
+#   k: what is live at the prefill's peak (peak_live.py), merged and unmerged, B16 x P4096
 #   g: gemm_merge.py through engine/cudagraph.capture, host_gap.py (deferred stop)
 #   other parts: session33_call.sh's
 cd "$(dirname "$0")/.."
@@ -26,6 +27,11 @@ case "${PART:-n}" in
     mla_rows 64 8192 m1 ;;
   m2)
     mla_rows 16 32768 m2 ;;
+  k)
+    for m in 1 0; do
+      KVCOMPILE_MERGE_PROJECTIONS=$m timeout -k 5 ${K_LIMIT:-150} python3 benchmarks/peak_live.py \
+        --batch ${B:-16} --prompt ${P:-4096} 2>&1 | grep -E "^#|^\|" | tee "$OUT/k_m$m.txt"
+    done ;;
   g)
     timeout -k 5 ${G0_LIMIT:-90} python3 benchmarks/gemm_merge.py 2>&1 | tee "$OUT/g_gemm.txt"
     timeout -k 5 ${G1_LIMIT:-170} python3 benchmarks/host_gap.py --kv fp8_e4m3 --batch 16 \
