@@ -7,6 +7,8 @@
 #      B64 x 8k (m1) and B16 x 32k (m2), a process a row: HF eager (writes the reference
 #      tokens), HF static, kvcompile bf16 and fp8_e4m3 latent pages
 #   k: what is live at the prefill's peak (peak_live.py), merged and unmerged, B16 x P4096
+#   v: after the in-place gated product (kernels/gated.py): peak_live.py merged, the merged
+#      rows at B16 x P4096 and B16 x P32768, then generate's graph tests (the op in graphs)
 #   g: gemm_merge.py through engine/cudagraph.capture, host_gap.py (deferred stop)
 #   other parts: session33_call.sh's
 cd "$(dirname "$0")/.."
@@ -32,6 +34,15 @@ case "${PART:-n}" in
       KVCOMPILE_MERGE_PROJECTIONS=$m timeout -k 5 ${K_LIMIT:-150} python3 benchmarks/peak_live.py \
         --batch ${B:-16} --prompt ${P:-4096} 2>&1 | grep -E "^#|^\|" | tee "$OUT/k_m$m.txt"
     done ;;
+  v)
+    KVCOMPILE_MERGE_PROJECTIONS=1 timeout -k 5 ${K_LIMIT:-150} python3 benchmarks/peak_live.py \
+      --batch 16 --prompt 4096 2>&1 | grep -E "^#|^\|" | head -8 | tee "$OUT/v_peak.txt"
+    B=16 P=4096 N=64 ROW_LIMIT=100 OUT=$OUT/v_m1 bash benchmarks/e2e_kv_rows.sh "kvc_fp8:auto" \
+      2>&1 | tail -2
+    B=16 P=32768 N=16 ROW_LIMIT=150 OUT=$OUT/v_long bash benchmarks/e2e_kv_rows.sh \
+      "kvc_fp8:auto" 2>&1 | tail -2
+    timeout -k 5 ${V_LIMIT:-150} python3 -m pytest -q -x -m gpu tests/gpu/test_hf_graphs_gpu.py \
+      2>&1 | tail -4 | tee "$OUT/v_tests.txt" ;;
   g)
     timeout -k 5 ${G0_LIMIT:-90} python3 benchmarks/gemm_merge.py 2>&1 | tee "$OUT/g_gemm.txt"
     timeout -k 5 ${G1_LIMIT:-170} python3 benchmarks/host_gap.py --kv fp8_e4m3 --batch 16 \

@@ -151,6 +151,9 @@ def _merge(gm, example_inputs, state):
     if not groups:
         return None
     copied = mp.merge(gm, groups)
+    gated = mp.fuse_gated(gm, groups)
+    if gated:
+        state.count("projections_gated_in_place", gated)
     state.count("projections_merged", len(groups))
     state.count("projections_linears", sum(len(g.rows) for g in groups))
     if copied:

@@ -27,6 +27,7 @@ reads a contiguous copy instead; not across an in-place write of the shared inpu
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,7 @@ class Group:
     weights: tuple
     biases: tuple | None
     rows: tuple
+    merged: tuple | None = None   # after `merge`: (the merged linear, each member's view)
 
     @property
     def params(self) -> tuple:
@@ -250,7 +252,7 @@ def merge(gm: fx.GraphModule, groups: list[Group]) -> int:
             b = None if b0 is None else graph.call_function(torch.as_strided,
                                                             (b0, (total,), (1,)))
             y = graph.call_function(torch._C._nn.linear, (x, w, b))
-        start = 0
+        start, views = 0, []
         for n, rows in zip(g.nodes, g.rows):
             contiguous = not _safe_users(n)
             copied += contiguous
@@ -266,10 +268,72 @@ def merge(gm: fx.GraphModule, groups: list[Group]) -> int:
                 out.meta["example_value"] = n.meta["example_value"]
             n.replace_all_uses_with(out)
             graph.erase_node(n)
+            views.append(out)
             start += rows
+        g.merged = (y, tuple(views))
     graph.lint()
     gm.recompile()
     return copied
+
+
+def _activation(n: fx.Node) -> str | None:
+    """The name (kernels/gated.py ACTS) of the activation node n applies, else None."""
+    if n.op == "call_function" and n.target in (F.silu, torch._C._nn.silu):
+        return None if n.kwargs.get("inplace") or (len(n.args) > 1 and n.args[1]) else "silu"
+    if n.op == "call_method" and n.target == "silu":
+        return "silu"
+    if n.op == "call_function" and n.target in (F.gelu, torch._C._nn.gelu):
+        approx = n.kwargs.get("approximate", n.args[1] if len(n.args) > 1 else "none")
+        return "gelu_tanh" if approx == "tanh" else None
+    return None
+
+
+def _is_mul(n: fx.Node) -> bool:
+    return (n.op == "call_function" and n.target in (operator.mul, torch.mul)
+            or n.op == "call_method" and n.target == "mul") and len(n.args) == 2 \
+        and not n.kwargs
+
+
+def fuse_gated(gm: fx.GraphModule, groups: list[Group]) -> int:
+    """Where a merged pair's views meet only in act(first) * second (or second * act(first),
+    either member gated), the product is written into the gated half of the merged output
+    (`torch.ops.kvcompile.act_mul_`, kernels/gated.py) and its consumers read that half as a
+    view: no [..., I] buffer beside the merged [..., 2I] one. Consumers of the product must
+    take a narrowed view (`_safe_users`); -> how many products were rewritten."""
+    from kvcompile.runtime import gated_op  # noqa: F401  (registers the op)
+
+    graph, fused = gm.graph, 0
+    for g in groups:
+        if g.merged is None or len(g.rows) != 2 or g.rows[0] != g.rows[1]:
+            continue
+        y, views = g.merged
+        if any(_name(v) != "narrow" or len(v.users) != 1 for v in views):
+            continue
+        uses = [next(iter(v.users)) for v in views]
+        for gi in (0, 1):
+            act, mul = uses[gi], uses[1 - gi]
+            name = _activation(act)
+            if (name is None or len(act.users) != 1 or next(iter(act.users)) is not mul
+                    or not _is_mul(mul) or set(mul.args) != {act, views[1 - gi]}
+                    or not _safe_users(mul)):
+                continue
+            width = g.rows[0]
+            a, b = views[gi].args[2], views[1 - gi].args[2]
+            with graph.inserting_before(mul):
+                graph.call_function(torch.ops.kvcompile.act_mul_.default,
+                                    (y, a, b, width, name))
+                out = graph.call_function(torch.narrow, (y, -1, a, width))
+            if "example_value" in mul.meta:
+                out.meta["example_value"] = mul.meta["example_value"]
+            mul.replace_all_uses_with(out)
+            for n in (mul, act, *views):
+                graph.erase_node(n)
+            fused += 1
+            break
+    if fused:
+        graph.lint()
+        gm.recompile()
+    return fused
 
 
 def summary(counters: dict) -> str | None:
@@ -277,10 +341,12 @@ def summary(counters: dict) -> str | None:
     if not counters.get("projections_merged"):
         return None
     copied = counters.get("projections_copied")
+    gated = counters.get("projections_gated_in_place")
     return (f"merged projections: {counters['projections_linears']} linears run as "
             f"{counters['projections_merged']} GEMMs over the graphs "
             f"(KVConfig.merge_projections)"
-            + (f"; {copied} read a contiguous copy of their rows" if copied else ""))
+            + (f"; {copied} read a contiguous copy of their rows" if copied else "")
+            + (f"; {gated} gated products written into their gate's rows" if gated else ""))
 
 
 class Merged:
