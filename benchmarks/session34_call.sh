@@ -41,7 +41,8 @@ case "${PART:-n}" in
       2>&1 | tail -2
     B=16 P=32768 N=16 ROW_LIMIT=150 OUT=$OUT/v_long bash benchmarks/e2e_kv_rows.sh \
       "kvc_fp8:auto" 2>&1 | tail -2
-    timeout -k 5 ${V_LIMIT:-150} python3 -m pytest -q -x -m gpu tests/gpu/test_hf_graphs_gpu.py \
+    timeout -k 5 ${V_LIMIT:-150} python3 -m pytest -q -s -m gpu tests/gpu/test_gated_gpu.py \
+      tests/gpu/test_hf_graphs_gpu.py \
       2>&1 | tail -4 | tee "$OUT/v_tests.txt" ;;
   g)
     timeout -k 5 ${G0_LIMIT:-90} python3 benchmarks/gemm_merge.py 2>&1 | tee "$OUT/g_gemm.txt"
