@@ -29,6 +29,7 @@ from kvcompile.passes.pipeline import _restore, run_passes
 from kvcompile.passes.rewrite import _virtual_cat
 from kvcompile.runtime import attention_op as _attention_op  # noqa: F401  (registers the op)
 from kvcompile.runtime import binding as _binding
+from kvcompile.runtime import gated_op as _gated_op  # noqa: F401  (registers the op)
 from kvcompile.runtime.context import ForwardContext, current, forward_context, in_packed_step
 from kvcompile.runtime.ownership import find_state
 from kvcompile.runtime.state import ModelState
