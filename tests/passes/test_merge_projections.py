@@ -424,3 +424,41 @@ def test_fuse_gated_fires_only_on_the_pattern(kind, fused):
     assert seen["fused"] == fused, seen["code"]
     assert seen["code"].count("kvcompile.act_mul_") == fused
     assert_rel_close(out, want, torch.float32)
+
+
+def test_inductor_runs_the_gated_product_in_place():
+    """What the rewrite is for: inductor re-inplaces `act_mul_` on the merged linear's own
+    buffer (no copy of it, no [T, I] product buffer), and the down projection's mm reads gate's
+    rows with the merged row stride. Negative: without the rewrite the same graph allocates
+    the product. (CPU inductor; the output code is device-independent in this respect.)"""
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.utils import run_and_get_code
+
+    T, width = 64, 12
+    product = f"empty_strided_cpu(({T}, {width}), ({width}, 1)"
+
+    def code_of(fuse: bool) -> str:
+        mod = _Gated("plain")
+        mp.lay_out(mp.Group([], (0, 1), None, ()), [mod.a.weight, mod.b.weight])
+        x, y = torch.randn(T, 16), torch.randn(T, 12)
+        with torch.no_grad():
+            want = mod(x, y)
+
+        def backend(gm, example_inputs):
+            groups = [g for g in mp.find_groups(gm, example_inputs)
+                      if mp.in_place(g, example_inputs)]
+            mp.merge(gm, groups)
+            if fuse:
+                assert mp.fuse_gated(gm, groups) == 1
+            return compile_fx(gm, example_inputs)
+
+        torch._dynamo.reset()
+        with torch.no_grad():
+            out, (code, *_) = run_and_get_code(torch.compile(mod, backend=backend), x, y)
+        assert_rel_close(out, want, torch.float32)
+        return code
+
+    fused, plain = code_of(True), code_of(False)
+    assert "kvcompile.act_mul_" in fused and product not in fused, fused
+    assert f"({T}, {width}), ({2 * width}, 1)" in fused       # the down mm reads gate's rows in place
+    assert product in plain, plain
