@@ -79,8 +79,8 @@ def _compile(gm, example_inputs, options, state):
                 raise
             # the merge is what this graph's rewrite least needs: drop it first
             _restore(gm, unmerged)
-            state.count("projections_merged", -len(merged.groups))
-            state.count("projections_linears", -sum(len(g.rows) for g in merged.groups))
+            for k, v in merged.counts.items():   # every counter the merge added
+                state.count(k, -v)
             merged = None
             line = (str(e).strip().splitlines() or [""])[0]
             notices.warn_once(state, ("unmerged", state.graphs),
@@ -153,13 +153,13 @@ def _merge(gm, example_inputs, state):
         return None
     copied = mp.merge(gm, groups)
     gated = mp.fuse_gated(gm, groups)
-    if gated:
-        state.count("projections_gated_in_place", gated)
-    state.count("projections_merged", len(groups))
-    state.count("projections_linears", sum(len(g.rows) for g in groups))
-    if copied:
-        state.count("projections_copied", copied)
-    return mp.Merged(groups)
+    counts = {"projections_merged": len(groups),
+              "projections_linears": sum(len(g.rows) for g in groups),
+              "projections_copied": copied, "projections_gated_in_place": gated}
+    counts = {k: v for k, v in counts.items() if v}
+    for k, v in counts.items():
+        state.count(k, v)
+    return mp.Merged(groups, counts)
 
 
 class _Counted:

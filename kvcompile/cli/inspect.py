@@ -73,7 +73,7 @@ def run(args) -> Result:
     merged = merge_projections.summary(counters)
     if merged:
         payload["projections"] = {k: counters.get(f"projections_{k}", 0)
-                                  for k in ("linears", "merged", "copied")}
+                                  for k in ("linears", "merged", "copied", "gated_in_place")}
         text.append(merged)
     misses = _near_misses(traces)
     payload["near_misses"] = misses

@@ -63,7 +63,7 @@ def act_mul_(y: torch.Tensor, a: int, b: int, width: int, act: str,
         raise ValueError(f"act_mul_: columns [{a}, {a + width}) and [{b}, {b + width}) must be "
                          f"disjoint and within y's last dimension ({y.shape[-1]})")
     rows = y.numel() // max(y.shape[-1], 1)
-    flat = y.view(rows, y.shape[-1]) if _rows_evenly_spaced(y) else None
+    flat = _rows(y)
     if kernel == "auto":
         kernel = "triton" if y.is_cuda and flat is not None else "torch"
     if kernel == "triton":
@@ -81,16 +81,16 @@ def act_mul_(y: torch.Tensor, a: int, b: int, width: int, act: str,
         blk = y2[r0:r0 + step]
         g = blk[:, a:a + width]
         g.copy_(fn(g) * blk[:, b:b + width])
-    if flat is None and y2.data_ptr() != y.data_ptr():   # (a copy: write it back)
+    if flat is None:   # y2 is a copy (reshape could not view y): write it back
         y.copy_(y2.view(y.shape))
 
 
-def _rows_evenly_spaced(y: torch.Tensor) -> bool:
-    """Whether y's rows (every index but the last) sit a fixed stride apart, last stride 1."""
+def _rows(y: torch.Tensor) -> torch.Tensor | None:
+    """y as [rows, W] without a copy, where its rows (every index but the last) sit a fixed
+    stride apart with a unit last stride; else None."""
     if y.dim() == 0 or y.stride(-1) != 1:
-        return False
+        return None
     try:
-        y.view(-1, y.shape[-1])
-        return True
+        return y.view(-1, y.shape[-1])
     except RuntimeError:
-        return False
+        return None

@@ -352,8 +352,9 @@ def summary(counters: dict) -> str | None:
 class Merged:
     """The runner's side: the merged groups of one compiled graph, checked before each call."""
 
-    def __init__(self, groups: list[Group]):
+    def __init__(self, groups: list[Group], counts: dict | None = None):
         self.groups = groups
+        self.counts = counts or {}   # the state counters the merge added (undone on a fallback)
         self._members = [i for g in groups for i in g.params]
         self._verified: list | None = None   # the members' addresses when last found in place
 

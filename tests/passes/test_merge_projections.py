@@ -301,6 +301,9 @@ def test_an_inner_compiler_failing_on_the_merge_drops_the_merge_only(monkeypatch
     r = kvcompile.report(m)
     assert r.rewritten and len(r.rewritten) == len(r.sites)
     assert not r.counters.get("projections_merged")
+    # every counter the merge added is undone (the gated products' were left before)
+    assert not any(v for k, v in r.counters.items()
+                   if k.startswith("projections_") and k != "projections_laid_out"), r.counters
     assert has(caught, "projections unmerged.*no merged GEMMs here")
 
 
@@ -398,6 +401,19 @@ class _Gated(nn.Module):
         return self.c(h)
 
 
+def _gated_backend(seen: dict, fuse: bool = True, inner=None):
+    """A Dynamo backend applying merge (and fuse_gated) to the laid-out groups, then `inner`
+    (None: the graph as it is); seen: what fuse_gated did and the rewritten code."""
+    def backend(gm, example_inputs):
+        groups = [g for g in mp.find_groups(gm, example_inputs) if mp.in_place(g, example_inputs)]
+        mp.merge(gm, groups)
+        seen["fused"] = mp.fuse_gated(gm, groups) if fuse else 0
+        seen["code"] = gm.code
+        return gm.forward if inner is None else inner(gm, example_inputs)
+
+    return backend
+
+
 @pytest.mark.parametrize("kind,fused", [("plain", 1), ("up_first", 1), ("gate_read_twice", 0),
                                         ("relu", 0), ("inplace", 0), ("third_factor", 1)])
 def test_fuse_gated_fires_only_on_the_pattern(kind, fused):
@@ -410,17 +426,9 @@ def test_fuse_gated_fires_only_on_the_pattern(kind, fused):
         want = mod(x.clone(), y)
     mp.lay_out(mp.Group([], (0, 1), None, ()), [mod.a.weight, mod.b.weight])
     seen = {}
-
-    def backend(gm, example_inputs):
-        groups = [g for g in mp.find_groups(gm, example_inputs) if mp.in_place(g, example_inputs)]
-        mp.merge(gm, groups)
-        seen["fused"] = mp.fuse_gated(gm, groups)
-        seen["code"] = gm.code
-        return gm.forward
-
     torch._dynamo.reset()
     with torch.no_grad():
-        out = torch.compile(mod, backend=backend, fullgraph=True)(x.clone(), y)
+        out = torch.compile(mod, backend=_gated_backend(seen), fullgraph=True)(x.clone(), y)
     assert seen["fused"] == fused, seen["code"]
     assert seen["code"].count("kvcompile.act_mul_") == fused
     assert_rel_close(out, want, torch.float32)
@@ -444,17 +452,12 @@ def test_inductor_runs_the_gated_product_in_place():
         with torch.no_grad():
             want = mod(x, y)
 
-        def backend(gm, example_inputs):
-            groups = [g for g in mp.find_groups(gm, example_inputs)
-                      if mp.in_place(g, example_inputs)]
-            mp.merge(gm, groups)
-            if fuse:
-                assert mp.fuse_gated(gm, groups) == 1
-            return compile_fx(gm, example_inputs)
-
+        seen = {}
         torch._dynamo.reset()
         with torch.no_grad():
-            out, (code, *_) = run_and_get_code(torch.compile(mod, backend=backend), x, y)
+            out, (code, *_) = run_and_get_code(
+                torch.compile(mod, backend=_gated_backend(seen, fuse, compile_fx)), x, y)
+        assert seen["fused"] == int(fuse)
         assert_rel_close(out, want, torch.float32)
         return code
 
