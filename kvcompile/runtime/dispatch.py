@@ -412,7 +412,8 @@ def _latent_evicting(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, 
     # step (its attn_mass output); elsewhere they stay on the host path
     mass_ok = (free and any(ev.adds_mass(sid, layer) for sid in plan.seq_ids)
                and _latent_kernel_why(state, q, pool.k[layer], pool.v[layer], plan, None,
-                                      None, window, softcap)[0] == "")
+                                      None, window, softcap, mass=True,
+                                      is_causal=is_causal)[0] == "")
     kinds = ev.latent_rows(plan, layer, free, mass_ok)
     host = {i for i, k in enumerate(kinds) if k == "host"}
     plain = {i for i, k in enumerate(kinds) if k == "plain"}
@@ -511,7 +512,8 @@ def _attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, wi
                                      LATENT_EXPAND_BYTES)
     q_lat = absorb_query(q, kv_b_weight, nope_dim)                  # [B, H, S, r + dr]
     o_lat = _latent_kernel(state, q_lat, pool.k[layer], pool.v[layer], plan, mask_info,
-                           attn_mask, window, softcap, scale, attn_mass=attn_mass)
+                           attn_mask, window, softcap, scale, attn_mass=attn_mass,
+                           is_causal=is_causal)
     if o_lat is not None:
         o_lat, route = o_lat
         state.count(f"latent_decode_{route}")
@@ -636,26 +638,38 @@ def mask_hides_no_key(plan, mask_info) -> bool:
 
 
 def _latent_kernel_why(state, q_lat, c_pages, r_pages, plan, mask_info, attn_mask, window,
-                       softcap):
-    """(why, key_mask, packed) of `_latent_kernel`'s choice: why None where the step is not
-    one for it (no Triton kernels, not a decode step of one token a row: the reference
-    attends, nothing said), "" where the kernel takes it, else the reason it does not;
-    key_mask the step's key row (or None); packed: an engine step of one token a row."""
-    # an engine step in which every sequence adds one token (packed: q_lat [1, H, B, W])
-    packed = (plan.packed and bool(plan.q_lens) and max(plan.q_lens) == 1
-              and min(plan.past_lens) > 0)
-    if not state.kernels.use_triton(q_lat.device) or not (plan.is_decode and not plan.packed
-                                                          or packed):
-        return None, None, packed
+                       softcap, mass: bool = False, is_causal: bool = True):
+    """(why, key_mask, layout) of `_latent_kernel`'s choice: why None where the step is not
+    one for it (no Triton kernels, or nothing cached before a non-packed step: the fresh
+    routes attend), "" where the kernel takes it, else the reason it does not; key_mask the
+    step's key row (or None); layout "decode" (one query a row), "packed" (an engine step of
+    one token a sequence: q_lat [1, H, B, W]) or "fold" (several queries a row, or an engine
+    step with prompt chunks: each query a kernel row, `_fold_rows`). mass: the step adds H2O
+    mass (one query a row only); is_causal: a maskless call's (several queries a row are
+    folded only under causality)."""
+    packed = plan.packed and bool(plan.q_lens)
+    if not state.kernels.use_triton(q_lat.device) or not (packed or plan.past_lens
+                                                          and min(plan.past_lens) > 0):
+        return None, None, ""
+    if packed:
+        layout = "packed" if max(plan.q_lens) == 1 and min(plan.past_lens) > 0 else "fold"
+    else:
+        layout = "decode" if q_lat.shape[2] == 1 else "fold"
     why = ""
     key_mask = None
-    if q_lat.shape[2] != 1 and not packed:
-        why = "several queries per row"
-    elif window or softcap:
+    if window or softcap:
         why = "a sliding window or soft-capping"
-    elif attn_mask is not None and not packed and not mask_hides_no_key(plan, mask_info):
-        # (a packed step's structure is the engine's plan: causal per sequence, whatever
-        # mask the model built with use_cache=False)
+    elif layout == "fold":
+        # (a packed step's structure is the engine's plan: causal per sequence)
+        if mass:
+            why = "H2O mass over several queries a row"
+        elif not packed and (attn_mask is None and not is_causal
+                             or attn_mask is not None and not (mask_info is not None
+                                                               and mask_info.exact
+                                                               and not mask_info.window)):
+            why = "several queries a row under a mask that is not causal"
+    elif attn_mask is not None and layout == "decode" and not mask_hides_no_key(plan,
+                                                                                mask_info):
         key_mask = getattr(mask_info, "key_mask", None)
         if key_mask is None or mask_info.reason != "decode":
             why = "a mask that is not one key row per sequence"
@@ -666,22 +680,56 @@ def _latent_kernel_why(state, q_lat, c_pages, r_pages, plan, mask_info, attn_mas
             why = f"ImportError: {e}"
         else:
             why = fast_path_reason(q_lat, c_pages, r_pages)
-    return why, key_mask, packed
+    return why, key_mask, layout
+
+
+def _fold_rows(plan, mask_info, n_queries: int, device: torch.device):
+    """A step of several queries a row as rows of the latent decode kernels: each query its
+    own row, with its sequence's block-table row and the causal length it sees (the keys up
+    to its own position; the step's tokens are already stored). -> (index [N] int64 of each
+    kernel row's sequence, seq_lens [N] int32, key_mask [N, Lm] bool or None: a row's left
+    padding, keys j < kv_start hidden). Non-packed: N = B x S in (row, query) order; packed:
+    N = T, the packed tokens' order. Device arithmetic (no host read) for a non-packed step."""
+    if plan.packed:
+        seqs, lens = [], []
+        for s, (past, n) in enumerate(zip(plan.past_lens, plan.q_lens)):
+            seqs += [s] * n
+            lens += range(past + 1, past + n + 1)
+        index = torch.tensor(seqs, dtype=torch.int64).to(device, non_blocking=True)
+        seq_lens = torch.tensor(lens, dtype=torch.int32).to(device, non_blocking=True)
+        return index, seq_lens, None
+    B, S = plan.batch, n_queries
+    index = torch.arange(B, device=device).repeat_interleave(S)
+    offs = torch.arange(1 - S, 1, device=device, dtype=torch.int32)
+    seq_lens = (plan.seq_lens.to(torch.int32)[:, None] + offs[None]).reshape(-1)
+    starts = list(mask_info.kv_start) if mask_info is not None else list(plan.kv_start)
+    key_mask = None
+    if any(starts):
+        width = max(starts)
+        key_mask = (torch.arange(width, device=device)[None]
+                    >= torch.tensor(starts, device=device)[:, None]).index_select(0, index)
+    return index, seq_lens, key_mask
 
 
 def _latent_kernel(state, q_lat, c_pages, r_pages, plan, mask_info, attn_mask, window,
-                   softcap, scale, attn_mass=None):
-    """The absorbed decode kernel for a decode step of one query per row (no window or
-    softcap), on CUDA or with KVConfig(kernels="triton"): ([B, H, 1, r] fp32, route), or None
+                   softcap, scale, attn_mass=None, is_causal: bool = True):
+    """The absorbed decode kernel over the latent pages (no window or softcap), on CUDA or
+    with KVConfig(kernels="triton"): ([B, H, S, r] fp32 in q_lat's layout, route), or None
     (the reference attends). route "cuda": the CUDA kernel (kernels/latent_sm90.py) on sm_90
     where latent_sm90.use_cuda says the H200 measured it faster; "triton":
     kernels/latent_decode.py. Both take the step's key mask (left padding, or any mask under
     CUDA graph capture, where the key row cannot be read on the host: mask_hides_no_key).
+    A step of several queries a row (a prompt chunk over a cached prefix, speculative
+    tokens) or an engine step with prompt chunks runs the same kernels with each query as a
+    row of its own (`_fold_rows`, route "triton_rows" / "cuda_rows"): causal, each query
+    reads its sequence's pages up to its own position.
     attn_mass [B, 1, Lm] fp32 (H2O, `_latent_aside_mass`): either kernel adds the step's
-    probabilities to it."""
+    probabilities to it (one query a row)."""
     kernels = state.kernels
-    why, key_mask, packed = _latent_kernel_why(state, q_lat, c_pages, r_pages, plan,
-                                               mask_info, attn_mask, window, softcap)
+    why, key_mask, layout = _latent_kernel_why(state, q_lat, c_pages, r_pages, plan,
+                                               mask_info, attn_mask, window, softcap,
+                                               mass=attn_mass is not None,
+                                               is_causal=is_causal)
     if why is None:
         return None
     if why:
@@ -690,22 +738,39 @@ def _latent_kernel(state, q_lat, c_pages, r_pages, plan, mask_info, attn_mask, w
     from kvcompile.kernels import latent_sm90
     from kvcompile.kernels.latent_decode import latent_decode_attention
 
-    q_rows = q_lat[0].transpose(0, 1).contiguous() if packed else q_lat[:, :, 0]   # [B, H, W]
+    tables, seq_lens, suffix = plan.block_tables, plan.seq_lens, ""
+    if layout == "decode":
+        q_rows = q_lat[:, :, 0]                                                  # [B, H, W]
+    else:
+        q_rows = q_lat[0].transpose(0, 1)                      # packed: [T, H, W]
+        if layout == "fold":
+            suffix = "_rows"
+            if not plan.packed:
+                B, H, S, W = q_lat.shape
+                q_rows = q_lat.transpose(1, 2).reshape(B * S, H, W)
+            index, seq_lens, key_mask = _fold_rows(plan, mask_info, q_lat.shape[2],
+                                                   q_lat.device)
+            tables = plan.block_tables.index_select(0, index)
+        q_rows = q_rows.contiguous()
 
-    def shaped(out):   # [B, H, r] -> the attention's [B, H, 1, r] ([1, H, B, r] packed)
-        return out.transpose(0, 1)[None] if packed else out[:, :, None]
+    def shaped(out):   # [N, H, r] -> the attention's layout
+        if layout == "decode":
+            return out[:, :, None]                                               # [B, H, 1, r]
+        if plan.packed:
+            return out.transpose(0, 1)[None]                                     # [1, H, T, r]
+        B, H, S, _ = q_lat.shape
+        return out.view(B, S, H, -1).transpose(1, 2)                             # [B, H, S, r]
 
-    launch = latent_sm90.use_cuda(q_rows, c_pages, r_pages, plan.block_tables.shape[1]
+    launch = latent_sm90.use_cuda(q_rows, c_pages, r_pages, tables.shape[1]
                                   * c_pages.page_size)
     if launch is not None:
-        out = latent_sm90.latent_decode_sm90(q_rows, c_pages, r_pages, plan.block_tables,
-                                             plan.seq_lens, scale, key_mask=key_mask,
-                                             attn_mass=attn_mass, **launch)
-        return shaped(out), "cuda"
-    out = latent_decode_attention(q_rows, c_pages, r_pages, plan.block_tables,
-                                  plan.seq_lens, scale, key_mask=key_mask,
-                                  attn_mass=attn_mass)
-    return shaped(out), "triton"
+        out = latent_sm90.latent_decode_sm90(q_rows, c_pages, r_pages, tables, seq_lens,
+                                             scale, key_mask=key_mask, attn_mass=attn_mass,
+                                             **launch)
+        return shaped(out), "cuda" + suffix
+    out = latent_decode_attention(q_rows, c_pages, r_pages, tables, seq_lens, scale,
+                                  key_mask=key_mask, attn_mass=attn_mass)
+    return shaped(out), "triton" + suffix
 
 
 def _packed_decode(state, layer, q, plan, window, softcap, scale, extras, key_mask=None):

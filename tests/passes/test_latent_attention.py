@@ -294,8 +294,8 @@ def test_engine_serves_latent_pages_with_eager_tokens(kernels):
     rotary key joined from its halves in this forward) on latent pages: greedy tokens of
     prompts packed together are eager Hugging Face's, decode steps absorbed. With
     kernels="triton" (CUDA's default; the interpreter here) a step in which every sequence
-    adds one token runs the latent decode kernel over the packed rows (before: the
-    reference); steps with prompt chunks stay on the reference."""
+    adds one token runs the latent decode kernel over the packed rows, and a step with
+    prompt chunks the same kernel with each packed token as a row (before: the reference)."""
     import random
 
     from tests.engine.tiny import config, hf_greedy, random_prompts
@@ -317,6 +317,8 @@ def test_engine_serves_latent_pages_with_eager_tokens(kernels):
         assert c["latent_absorbed"] >= LAYERS * 7 and "latent_decode_triton" not in c, c
     else:   # 7 decode steps of the 3 sequences together (the 8th token: the last step's)
         assert c.get("latent_decode_triton", 0) >= LAYERS * 7, c
+        assert c.get("latent_decode_triton_rows", 0) >= LAYERS, c   # decodes + a chunk
+        assert "latent_absorbed" not in c and "reference_fallback" not in c, c
 
 
 def test_decode_mask_that_hides_no_key_lets_the_latent_kernel_run():
@@ -399,6 +401,45 @@ def test_prompt_chunks_over_latent_pages_expand(monkeypatch, pad):
                 assert c.get("latent_chunk_expanded", 0) == 0, c
                 assert c.get("latent_absorbed", 0) >= 2 * LAYERS, c
                 assert blocks
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["unpadded", "left_padded"])
+def test_prompt_chunks_over_latent_pages_fold_into_kernel_rows(monkeypatch, pad):
+    """KVConfig(kernels="triton") (CUDA's default; the interpreter here): a prompt chunk over
+    latent pages of fewer than LATENT_EXPAND_MIN_QUERIES queries a row runs the latent decode
+    kernel with each query as a row of its own (the causal length it sees, its row's left
+    padding as the key mask; before: the paged reference's math SDPA). Tokens equal eager's,
+    logits of every step within fp32 tolerance. Negative: from LATENT_EXPAND_MIN_QUERIES on
+    (1 here) the same chunks expand instead and no rows are folded."""
+    from kvcompile.runtime import dispatch
+
+    model = make_mla("deepseek_v3", "sdpa", rope=16)   # the kernel's dots need widths >= 16
+    ids, mask = _prompt(batch=3, length=30, pad=5 if pad else 0)
+    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+              eos_token_id=None, output_logits=True, return_dict_in_generate=True,
+              prefill_chunk_size=10)
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+        _compile(model, kernels="triton")
+        for expand in (False, True):
+            if expand:
+                monkeypatch.setattr(dispatch, "LATENT_EXPAND_MIN_QUERIES", 1)
+            before = dict(kvcompile.stats(model)["counters"])
+            got = model.generate(ids, **kw)
+            c = {k: v - before.get(k, 0) for k, v in kvcompile.stats(model)["counters"].items()}
+            assert torch.equal(got.sequences, ref.sequences), expand
+            for g, r in zip(got.logits, ref.logits):
+                assert_rel_close(g, r, torch.float32, factor=4, what=f"logits, {expand}")
+            # chunks of 10 tokens: the first fresh, the two others over pages
+            assert c.get("prefill_fresh_sdpa") == LAYERS, c
+            assert not c.get("reference_fallback") and not c.get("latent_absorbed"), c
+            assert c.get("latent_decode_triton") == 2 * LAYERS, c     # the 2 decode steps
+            if expand:
+                assert c.get("latent_chunk_expanded") == 2 * LAYERS, c
+                assert not c.get("latent_decode_triton_rows"), c
+            else:
+                assert c.get("latent_decode_triton_rows") == 2 * LAYERS, c
+                assert not c.get("latent_chunk_expanded"), c
 
 
 @pytest.mark.parametrize("mask_rows", [1, 5])

@@ -1,0 +1,143 @@
+"""Several queries a row over latent pages on the latent decode kernels (runtime/dispatch.py
+`_latent_kernel`, layout "fold"): each query a kernel row of its own, with its sequence's
+block-table row and the causal length it sees. Checked against a float64 reference computed
+from the values written (fp32 pages) or the paged reference over the stored ones (quantized
+pages), on fresh random inputs: a prompt chunk over a cached prefix with left padding, and an
+engine step that packs decodes with prompt chunks (a fresh prompt among them). Negative: a
+maskless call that is not causal, a window, H2O mass over several queries, and a mask that is
+not causal are not folded and say why (the reference attends)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvcompile.cache.formats import KVFormat
+from kvcompile.cache.pool import LayerSpec, PagePool
+from kvcompile.kernels.dense import paged_reference_attention
+from kvcompile.kernels.masks import MaskInfo
+from kvcompile.runtime.dispatch import _latent_kernel
+from kvcompile.testing import assert_rel_close
+
+R, DR, H, PAGE, SCALE = 32, 16, 16, 8, 0.2
+
+
+def _state(notes: list[str]):
+    return SimpleNamespace(kernels=SimpleNamespace(use_triton=lambda device: True,
+                                                   _fallback=notes.append))
+
+
+def _pages(fmt: str, lens: list[int], g):
+    """One layer of latent pages holding `lens` tokens a sequence: (pool, seqs, the values
+    written: [(c [n, R], rope [n, DR])] a sequence)."""
+    spec = LayerSpec(num_kv_heads=1, head_dim=R, v_head_dim=DR,
+                     k_format=KVFormat(fmt, "page"), v_format=KVFormat(fmt, "page"))
+    pool = PagePool([spec], sum(math.ceil(n / PAGE) for n in lens) + 4, PAGE)
+    seqs = []
+    written = []
+    for n in lens:
+        pool.allocate(1)                      # a sequence between: tables are not the identity
+        seqs += pool.allocate(1)
+        c, rope = torch.randn(n, 1, R, generator=g) * 2, torch.randn(n, 1, DR, generator=g)
+        pool.write(0, pool.reserve(seqs[-1:], n), c, rope)
+        written.append((c[:, 0].double(), rope[:, 0].double()))
+    return pool, seqs, written
+
+
+def _want(q_rows, written, seq_of, lens_of, starts) -> torch.Tensor:
+    """float64: row t attends to keys kv_start <= j < lens_of[t] of its sequence."""
+    out = []
+    for t, (s, n) in enumerate(zip(seq_of, lens_of)):
+        c, rope = written[s]
+        keys = torch.cat([c, rope], dim=-1)[starts[s]:n]                 # [n', R + DR]
+        p = torch.softmax(q_rows[t].double() @ keys.T * SCALE, dim=-1)  # [H, n']
+        out.append(p @ c[starts[s]:n])
+    return torch.stack(out)                                            # [N, H, R]
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp8_e4m3"])
+def test_a_chunk_over_a_cached_prefix_folds_into_kernel_rows(fmt):
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10_000, (1,))))
+    S = int(torch.randint(2, 7, (1,), generator=g))
+    past = [int(x) for x in torch.randint(1, 30, (3,), generator=g)]
+    lens = [p + S for p in past]
+    starts = [0, min(3, past[1]), 0]                      # row 1 left-padded
+    pool, seqs, written = _pages(fmt, lens, g)
+    plan = SimpleNamespace(packed=False, q_lens=[], past_lens=past, batch=3, new_tokens=S,
+                           seq_lens=torch.tensor(lens, dtype=torch.int32), seq_lens_list=lens,
+                           block_tables=pool.block_table(seqs), kv_start=starts, cache={})
+    q = torch.randn(3, H, S, R + DR, generator=g)
+    info = MaskInfo(None, starts, 0, True)
+    notes: list[str] = []
+    got, route = _latent_kernel(_state(notes), q, pool.k[0], pool.v[0], plan, info,
+                                torch.ones(1), 0, 0.0, SCALE)
+    assert route == "triton_rows" and not notes and got.shape == (3, H, S, R)
+    if fmt == "fp32":
+        rows = q.transpose(1, 2).reshape(3 * S, H, R + DR)
+        want = _want(rows, written, [b for b in range(3) for _ in range(S)],
+                     [n - S + i + 1 for n in lens for i in range(S)], starts)
+        want = want.view(3, S, H, R).transpose(1, 2)
+    else:   # the stored (quantized) values: the paged reference over the same pages
+        want = paged_reference_attention(pool.k[0], pool.v[0], q, plan, None, True, 0, 0.0,
+                                         SCALE, latent=True)
+    assert_rel_close(got, want, torch.float32, what=f"{fmt}, S={S}, past={past}")
+
+
+def test_an_engine_step_with_prompt_chunks_folds_into_kernel_rows():
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10_000, (1,))))
+    q_lens = [1, int(torch.randint(2, 9, (1,), generator=g)), 3, 1]
+    past = [int(torch.randint(1, 40, (1,), generator=g)), 0, 17, 5]   # row 1: a fresh prompt
+    lens = [p + n for p, n in zip(past, q_lens)]
+    pool, seqs, written = _pages("fp32", lens, g)
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    plan = SimpleNamespace(packed=True, q_lens=q_lens, past_lens=past, batch=4,
+                           new_tokens=cu[-1], seq_lens=torch.tensor(lens, dtype=torch.int32),
+                           seq_lens_list=lens, block_tables=pool.block_table(seqs),
+                           kv_start=[0] * 4, cache={},
+                           cu_seqlens_q=torch.tensor(cu, dtype=torch.int32))
+    q = torch.randn(1, H, cu[-1], R + DR, generator=g)
+    notes: list[str] = []
+    got, route = _latent_kernel(_state(notes), q, pool.k[0], pool.v[0], plan, None, None, 0,
+                                0.0, SCALE)
+    assert route == "triton_rows" and not notes and got.shape == (1, H, cu[-1], R)
+    seq_of = [s for s, n in enumerate(q_lens) for _ in range(n)]
+    lens_of = [p + i + 1 for p, n in zip(past, q_lens) for i in range(n)]
+    want = _want(q[0].transpose(0, 1), written, seq_of, lens_of, [0] * 4)
+    assert_rel_close(got[0].transpose(0, 1), want, torch.float32)
+    ref = paged_reference_attention(pool.k[0], pool.v[0], q, plan, None, True, 0, 0.0, SCALE,
+                                    latent=True)
+    assert_rel_close(got, ref, torch.float32)
+
+
+@pytest.mark.parametrize("case,reason", [
+    ("not_causal", "not causal"),
+    ("window", "sliding window"),
+    ("mass", "H2O mass over several queries"),
+    ("mask_with_holes", "not causal"),
+])
+def test_what_is_not_folded_says_why(case, reason):
+    g = torch.Generator().manual_seed(3)
+    pool, seqs, _ = _pages("fp32", [12, 15], g)
+    plan = SimpleNamespace(packed=False, q_lens=[], past_lens=[8, 11], batch=2, new_tokens=4,
+                           seq_lens=torch.tensor([12, 15], dtype=torch.int32),
+                           seq_lens_list=[12, 15], block_tables=pool.block_table(seqs),
+                           kv_start=[0, 0], cache={})
+    q = torch.randn(2, H, 4, R + DR, generator=g)
+    kw = dict(mask_info=None, attn_mask=None, window=0, softcap=0.0, scale=SCALE)
+    if case == "not_causal":
+        kw["is_causal"] = False
+    elif case == "window":
+        kw["window"] = 4
+    elif case == "mass":
+        kw["attn_mass"] = torch.zeros(2, 1, 15)
+    else:
+        kw.update(mask_info=MaskInfo(None, [0, 0], 0, False, "holes"),
+                  attn_mask=torch.ones(2, 1, 4, 15, dtype=torch.bool))
+    notes: list[str] = []
+    assert _latent_kernel(_state(notes), q, pool.k[0], pool.v[0], plan, **kw) is None
+    assert len(notes) == 1 and reason in notes[0], notes
