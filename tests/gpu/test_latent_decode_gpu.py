@@ -124,3 +124,38 @@ def test_tensor_parallel_fp8_sweep_tiles_on_cuda(tiles, splits, c_fmt, r_fmt):
     out = latent_decode_attention(q, pool.k[0], pool.v[0], plan.block_tables, lens_t, 0.07,
                                   num_splits=splits, tiles=tiles)
     assert_rel_close(out, ref, torch.bfloat16, what=f"{c_fmt}/{r_fmt} {tiles} x {splits}")
+
+
+@pytest.mark.parametrize("route", ["triton", "cuda"])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("c_fmt", ["bf16", "fp8_e4m3"])
+def test_folded_chunk_matches_reference_on_cuda(route, heads, c_fmt, monkeypatch):
+    """A chunk of several queries a row over latent pages (runtime/dispatch.py
+    `_latent_kernel`, layout "fold"): each query a kernel row of its own, on the Triton and
+    the CUDA latent kernels (latent_sm90.ROUTE forced; where the CUDA kernel does not take the
+    shape, Triton), against the paged reference of the whole chunk, causal from each row's
+    past, over a ragged batch with a left-padded row."""
+    from kvcompile.kernels import latent_sm90
+    from kvcompile.kernels.masks import MaskInfo
+    from kvcompile.runtime.dispatch import _latent_kernel
+
+    monkeypatch.setattr(latent_sm90, "ROUTE", route)
+    S, lens = 7, [40, 1031, 4100]
+    pool, plan, _, _, _ = _case(c_fmt, c_fmt, lens, heads, seed=11)
+    g = torch.Generator(device="cuda").manual_seed(12)
+    q = (torch.randn(len(lens), heads, S, R + DR, device="cuda", generator=g) / 8).bfloat16()
+    plan.kv_start = [0, 5, 0]
+    plan.q_lens, plan.new_tokens, plan.past_lens = [], S, [n - S for n in lens]
+    plan.seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    notes: list[str] = []
+    state = SimpleNamespace(kernels=SimpleNamespace(use_triton=lambda d: True,
+                                                    _fallback=notes.append))
+    got, used = _latent_kernel(state, q, pool.k[0], pool.v[0], plan,
+                               MaskInfo(None, plan.kv_start, 0, True), torch.ones(1), 0, 0.0,
+                               0.07)
+    ref = paged_reference_attention(pool.k[0], pool.v[0], q.float(), plan, None, True, 0, 0.0,
+                                    0.07, latent=True)
+    assert not notes and used.endswith("_rows"), (notes, used)
+    if route == "cuda" and not latent_sm90.unsupported(q[:, :, 0], pool.k[0], pool.v[0]):
+        assert used == "cuda_rows", used
+    assert_rel_close(got, ref, torch.bfloat16, what=f"{route} {heads} heads {c_fmt} ({used})")
