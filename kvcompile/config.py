@@ -312,6 +312,13 @@ class KVConfig:
         runs one more step, undone. Not where the cache outlives the call (returned, or
         passed in): `kvcompile.report` says so. Default True; KVCOMPILE_DEFERRED_STOP=0 sets
         False.
+    device_loop: Hugging Face `generate`'s greedy decoding over CUDA-graphed decode steps
+        runs its steps on the device (integrations/hf_loop.py): each step a forward replay and
+        a captured tail (argmax, the finished rows' padding, the next step's inputs, the stop
+        flag, read a step late), with none of transformers' per-step Python or small kernels.
+        Greedy tokens are transformers' own. Sampling, streamers, logits processors, stop
+        strings and the other features that need the host keep transformers' loop
+        (`kvcompile.report` says which). Default True; KVCOMPILE_DEVICE_LOOP=0 sets False.
     prefill: "auto", "triton" or "sdpa" (PREFILL_CHOICES). Default from KVCOMPILE_PREFILL
         ("triton"; any other value set means "sdpa").
     prefill_tma / prefill_q_tma / prefill_scale_tma / prefill_warp_spec: diagnostic switches
@@ -373,6 +380,7 @@ class KVConfig:
     # run-time switches: their defaults come from the environment (see the docstring)
     cuda_graphs: bool = _env_field(_cuda_graphs_default)
     deferred_stop: bool = _env_field(lambda: _env_on("KVCOMPILE_DEFERRED_STOP", True))
+    device_loop: bool = _env_field(lambda: _env_on("KVCOMPILE_DEVICE_LOOP", True))
     merge_projections: bool | str = _env_field(_merge_default)
     prefill: str = _env_field(_prefill_default)
     prefill_tma: bool = _env_field(lambda: _env_on("KVCOMPILE_PREFILL_TMA", True))
@@ -441,6 +449,7 @@ class KVConfig:
             raise KVConfigError("merge_projections", self.merge_projections,
                                 "'auto', True, False")
         for name in ("check_finite", "residual", "enabled", "cuda_graphs", "deferred_stop",
+                     "device_loop",
                      "prefill_tma", "prefill_q_tma", "prefill_scale_tma", "prefill_warp_spec",
                      "graph_check"):
             if not isinstance(getattr(self, name), bool):

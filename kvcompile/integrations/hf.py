@@ -35,6 +35,7 @@ import threading
 import torch
 
 from kvcompile.integrations import hf_graphs as _hf_graphs
+from kvcompile.integrations import hf_loop as _hf_loop
 from kvcompile.integrations import hf_prefill as _hf_prefill
 from kvcompile.integrations.hf_graphs import generating
 from kvcompile.runtime.binding import binding_of, call_scope, is_stub
@@ -125,6 +126,9 @@ def install() -> None:
         return
     if not getattr(GenerationMixin.generate, "_kvcompile_owns_pages", False):
         GenerationMixin.generate = _own_pages(GenerationMixin.generate)
+    sample = getattr(GenerationMixin, "_sample", None)
+    if sample is not None and not getattr(sample, "_kvcompile_loop", False):
+        GenerationMixin._sample = _device_sample(sample)
     prepare = getattr(GenerationMixin, "prepare_inputs_for_generation", None)
     if prepare is not None and not getattr(prepare, "_kvcompile_marks", False):
         GenerationMixin.prepare_inputs_for_generation = _mark_decode(prepare)
@@ -206,6 +210,28 @@ def _own_pages(generate):
                             b.release()
 
     run._kvcompile_owns_pages = True
+    return run
+
+
+def _device_sample(sample):
+    """transformers' `_sample` (greedy search and sampling), whose greedy calls on a compiled
+    model with graphed decode steps run their steps on the device (hf_loop.py,
+    KVConfig.device_loop); every other call, and those it refuses (said in the report), as
+    transformers runs them."""
+
+    @functools.wraps(sample)
+    def run(self, input_ids, logits_processor, stopping_criteria, generation_config,
+            synced_gpus=False, streamer=None, **model_kwargs):
+        fwd, why = _hf_loop.refusal(self, input_ids, logits_processor, stopping_criteria,
+                                    generation_config, synced_gpus, streamer, model_kwargs)
+        if fwd is None or why:
+            return sample(self, input_ids, logits_processor, stopping_criteria,
+                          generation_config, synced_gpus=synced_gpus, streamer=streamer,
+                          **model_kwargs)
+        return _hf_loop.run(self, fwd, input_ids, stopping_criteria, generation_config,
+                            model_kwargs)
+
+    run._kvcompile_loop = True
     return run
 
 

@@ -175,6 +175,7 @@ class GraphedForward:
         self.scratch = None          # (pool, seq id, slots, row)
         self.replays = 0
         self.captures = 0
+        self.last = None             # (graph, binding) of the last replay
         self._why_not = None
         self._store = None           # the eviction mass store the graphs with mass captured
         state.release_hooks.append(weakref.WeakMethod(self.release))
@@ -209,6 +210,7 @@ class GraphedForward:
             pool.free([self.scratch[1]])
         self.scratch = None
         self.graphs.clear()
+        self.last = None
 
     def release(self) -> None:
         """kvcompile.release(model): the graphs, and their private memory pool."""
@@ -308,6 +310,23 @@ class GraphedForward:
 
     # -- replay -------------------------------------------------------------------------------
     def _run(self, kw, cache, b, past, aside=False):
+        g = self.step(kw, cache, b, past, aside)
+        cls, captured = g.out
+        fields = dict(captured)
+        fields["logits"] = captured["logits"].clone()
+        names = getattr(cls, "__dataclass_fields__", {})
+        for k in _CACHE_KEYS:   # transformers < 5.20 name it past_key_values, later `cache`
+            if k in names:
+                fields[k] = cache
+        return cls(**fields)
+
+    def step(self, kw, cache, b, past: int, aside: bool = False) -> _Graph:
+        """One decode step replayed: the pool's slots reserved, the plan staged and uploaded,
+        `kw`'s inputs loaded into the graph's buffers (captured first where no graph fits),
+        the graph replayed, eviction's after-step work, the cache's stubs grown. -> the graph
+        (its static outputs valid until the next replay). kw's tensors may be the graph's
+        own buffers (`_load_inputs` then leaves them: integrations/hf_loop.py's device loop,
+        whose captured tail writes each step's inputs there)."""
         B = b.batch
         mask = kw.get("attention_mask")
         L = past + 1
@@ -356,18 +375,12 @@ class GraphedForward:
                 pool.truncate(sid, n)
             raise
         self.replays += 1
+        self.last = (g, b)   # (the device loop, hf_loop.py, goes on from here)
         self.state.count("generate_cuda_graph_replays")
         if ev is not None:   # evicts those due, on the device where it can (no host sync)
             ev.after_decode_step(list(b.seq_ids))
         _grow_stubs(cache, b, past + 1)
-        cls, captured = g.out
-        fields = dict(captured)
-        fields["logits"] = captured["logits"].clone()
-        names = getattr(cls, "__dataclass_fields__", {})
-        for k in _CACHE_KEYS:   # transformers < 5.20 name it past_key_values, later `cache`
-            if k in names:
-                fields[k] = cache
-        return cls(**fields)
+        return g
 
     # -- capture ------------------------------------------------------------------------------
     def _scratch_for(self, rows: int):
@@ -452,13 +465,13 @@ class GraphedForward:
 def _load_inputs(g: _Graph, kw) -> None:
     """The step's inputs into the graph's static buffers. The mask's columns past the width
     captured are ones in `generate`; columns past this step's width (a shorter prompt than
-    the capture's) are set to one: keys there are past every row's length, never read."""
-    g.ids.copy_(kw["input_ids"])
-    if g.pos is not None:
-        g.pos.copy_(kw["position_ids"])
-    if g.cp is not None:
-        g.cp.copy_(kw["cache_position"])
-    if g.mask is not None:
+    the capture's) are set to one: keys there are past every row's length, never read. An
+    input that is the graph's own buffer already (the device loop's) is not copied."""
+    for buf, name in ((g.ids, "input_ids"), (g.pos, "position_ids"),
+                      (g.cp, "cache_position")):
+        if buf is not None and kw[name] is not buf:
+            buf.copy_(kw[name])
+    if g.mask is not None and kw["attention_mask"] is not g.mask:
         mask = kw["attention_mask"]
         n = min(mask.shape[1], g.width)
         g.mask[:, :n].copy_(mask[:, :n])

@@ -143,6 +143,58 @@ def test_deferred_stop_check_equals_the_per_step_check(compiled, eos):
     assert torch.equal(outs[0], outs[1]) and puts[0] == puts[1]
 
 
+def _dropping_graphs_at(n: int, model, reserve):
+    """pool.reserve that drops the model's graphs at its n-th call (as a pool growth does)."""
+    calls = []
+
+    def growing(*a, **k):
+        calls.append(1)
+        if len(calls) == n:
+            model.forward.release_graphs()
+        return reserve(*a, **k)
+
+    return growing
+
+
+@pytest.mark.parametrize("case", ["to max_new_tokens", "rows end at EOS", "recapture"])
+def test_device_loop_equals_transformers_loop(compiled, case):
+    """KVConfig.device_loop (the default; integrations/hf_loop.py): greedy `generate` whose
+    graphed steps run a forward replay and a captured tail each gives transformers' own loop's
+    tokens (device_loop=False, same graphs); with EOS ids that end the rows early (a
+    left-padded batch: positions per row) one more step runs and is cropped; a graph
+    recaptured mid-call (the graphs dropped as a pool growth drops them) keeps the tokens.
+    No page is left."""
+    model = compiled
+    st = state_of(model)
+    ids, am = inputs(B=3, L=30, pad=True, seed=9)
+    kw = dict(attention_mask=am, max_new_tokens=24, do_sample=False, pad_token_id=0,
+              eos_token_id=None)
+    if case == "rows end at EOS":
+        free = model.generate(ids, **kw)[:, ids.shape[1]:]
+        kw["eos_token_id"] = [int(free[r, 4 + 3 * r]) for r in range(3)]
+    outs, counts = [], []
+    for loop in (True, False):
+        st.config = dataclasses.replace(st.config, device_loop=loop)
+        before = dict(st.counters)
+        if case == "recapture" and loop:
+            st.pool.reserve = _dropping_graphs_at(8, model, st.pool.reserve)
+        try:
+            outs.append(model.generate(ids, **kw))
+        finally:
+            st.pool.__dict__.pop("reserve", None)
+        counts.append({k: v - before.get(k, 0) for k, v in st.counters.items()
+                       if v != before.get(k, 0)})
+        assert not kvcompile.stats(model).get("pages_used")
+    st.config = dataclasses.replace(st.config, device_loop=True)
+    print(case, counts[0])
+    assert counts[0].get("generate_device_loop") == 1, counts[0]
+    assert counts[0].get("generate_device_loop_steps", 0) > 0, counts[0]
+    assert "generate_device_loop" not in counts[1], counts[1]
+    if case == "recapture":
+        assert counts[0].get("generate_cuda_graph_captures", 0) >= 1, counts[0]
+    assert torch.equal(outs[0], outs[1])
+
+
 def _deepseek(dtype):
     """A DeepSeek-V3 stack (MLA: r 512, rope 64, 16 heads, 2 layers, random weights)."""
     import transformers

@@ -1,0 +1,305 @@
+"""`generate`'s greedy decode loop on the device (KVConfig.device_loop).
+
+transformers' `_sample` runs each decode step as: its kwargs update and
+`prepare_inputs_for_generation` on the host, the forward (here a CUDA graph replay,
+integrations/hf_graphs.py), then, outside the graph, the logits copied to fp32, the logits
+processors, argmax, the finished rows' padding, `torch.cat` of the ids, the stopping criteria
+and the stop check: about 41 small kernels and 14 copies a step on the GPU besides the graph,
+and the host's Python between them (benchmarks/host_gap.py: the step 124 us longer than its
+graph at B16 x P4096 on the H100 with the stop check deferred).
+
+For a compiled model whose decode steps replay CUDA graphs, kvcompile takes over `_sample`
+for greedy decoding (`GenerationMixin._sample` wrapped at install, integrations/hf.py) and,
+from the first decode step that replayed a graph on, runs each step as two replays and no
+Python of transformers':
+- the forward's graph (`GraphedForward.step`: the pool's slots reserved, the plan staged and
+  uploaded, the replay), its inputs already in the graph's buffers;
+- a captured *tail* over the forward graph's static logits: fp32 argmax, a finished row's
+  token replaced by the pad token, the token stored in the call's output buffer at the step's
+  column (a device counter), the next step's inputs written into the forward graph's buffers
+  (input ids, position ids + 1, cache position + 1; the attention mask needs nothing: its
+  columns past the captured width are ones, which is what `generate` appends), the finished
+  rows updated against the EOS ids and the flag "every row finished" set.
+The host reads that flag a step late (pinned memory behind an event, as transformers'
+DeferredStopCheck does): it queues step n + 1 before step n has finished. A call whose rows
+all stop at EOS runs one step more, whose token is dropped and whose cache entry is cropped
+(`cache.crop`), as with the deferred check. A length limit is known in advance: no extra step.
+
+The prefill, the first token and any step that did not replay a graph run as `_sample` runs
+them (`_prefill`, `prepare_inputs_for_generation`, the model's forward,
+`_update_model_kwargs_for_generation`, the same selection in fp32). Greedy tokens are
+transformers' own: the same forwards, the same argmax.
+
+transformers' loop keeps the call (said once in `kvcompile.report`, counted as
+`generate_device_loop_refused`) where it needs its host work or its exact behaviour:
+sampling (its random stream), a streamer, logits processors (repetition penalties, forced or
+suppressed tokens: any), stopping criteria other than the length limit and EOS (stop
+strings, a time limit), `return_dict_in_generate`, a cache passed in, an assistant's loop,
+synced GPUs, an eviction policy or a runtime hook (whose steps are checked one at a time),
+and `KVConfig.device_loop=False` (KVCOMPILE_DEVICE_LOOP=0). Without CUDA graphs for the
+decode steps (their own reason in the report) it is not offered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from kvcompile.integrations.hf_graphs import GraphedForward
+
+# the devices whose graphed decode steps the loop runs (the tests add "cpu", with the graphs'
+# capture and replay emulated)
+LOOP_DEVICES = ("cuda",)
+_STOPS = {"MaxLengthCriteria", "EosTokenCriteria"}
+# the cache's name in model kwargs and outputs: `cache` first (transformers >= 5.20 warns when
+# an output is asked for the deprecated `past_key_values`)
+_CACHE_KEYS = ("cache", "past_key_values")
+
+
+def refusal(model, input_ids, logits_processor, stopping_criteria, generation_config,
+            synced_gpus, streamer, model_kwargs) -> tuple[GraphedForward | None, str]:
+    """(forward, why not): forward None where the loop is not kvcompile's to offer (not a
+    compiled model, not on CUDA, graphs off for its decode steps: transformers' loop,
+    nothing said); why "" where it runs, else the reason transformers' loop keeps the call.
+    (The pool may not exist yet: a first call's prefill makes it. Where its formats then
+    refuse graphs, the loop runs every step as transformers would, stop check deferred.)"""
+    fwd = getattr(model, "forward", None)
+    if not isinstance(fwd, GraphedForward):
+        return None, ""
+    st = fwd.state
+    dev = input_ids.device
+    if (dev.type not in LOOP_DEVICES or not st.config.cuda_graphs or st.config.check_finite
+            or not st.kernels.use_triton(dev) or fwd._why_not):
+        return None, ""
+    cfg = generation_config
+    cache = next((model_kwargs.get(k) for k in _CACHE_KEYS if model_kwargs.get(k) is not None),
+                 None)
+    names = sorted({type(p).__name__ for p in logits_processor or ()})
+    stops = sorted({type(c).__name__ for c in stopping_criteria or ()} - _STOPS)
+    why = ""
+    if not st.config.device_loop:
+        why = "KVConfig.device_loop is False (KVCOMPILE_DEVICE_LOOP=0)"
+    elif cfg.do_sample:
+        why = "sampling (do_sample=True: its random stream is transformers')"
+    elif streamer is not None:
+        why = "a streamer"
+    elif names:
+        why = f"logits processors ({', '.join(names)})"
+    elif stops:
+        why = f"stopping criteria ({', '.join(stops)})"
+    elif cfg.return_dict_in_generate:
+        why = "return_dict_in_generate=True"
+    elif getattr(cache, "_is_user_defined", False):
+        why = "a cache passed in (it outlives the call)"
+    elif getattr(cfg, "is_assistant", False) or synced_gpus:
+        why = "an assistant's loop or synced GPUs"
+    elif not model_kwargs.get("use_cache", True) or getattr(model.config, "is_encoder_decoder",
+                                                             False):
+        why = "use_cache=False or an encoder-decoder"
+    elif st.eviction is not None or st.hooks:
+        why = "an eviction policy or a runtime hook (its steps are checked one at a time)"
+    if why:
+        st.kernels.note(f"generate: transformers' decode loop runs the call, not the device "
+                        f"loop ({why})")
+        st.count("generate_device_loop_refused")
+    return fwd, why
+
+
+def capture_tail(fn, device, mempool):
+    """A CUDA graph of the tail (`_Tail.run`): it runs once first (lazy initialization of
+    the ops, on buffers the caller restores), then is captured into the forward graphs'
+    memory pool."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=mempool):
+        fn()
+    return graph
+
+
+class _Tail:
+    """The captured token selection after a forward graph `g` (module docstring)."""
+
+    def __init__(self, g, out: torch.Tensor, col: torch.Tensor, unfinished: torch.Tensor,
+                 done: torch.Tensor, eos: torch.Tensor | None, pad: torch.Tensor | None):
+        self.g, self.out, self.col = g, out, col
+        self.unfinished, self.done, self.eos, self.pad = unfinished, done, eos, pad
+        self.logits = g.out[1]["logits"]
+        self.graph = None
+
+    def run(self) -> None:
+        nxt = select(self.logits, self.unfinished, self.eos, self.pad)
+        self.out.index_copy_(1, self.col, nxt[:, None])
+        self.col.add_(1)
+        self.g.ids.copy_(nxt[:, None])
+        if self.g.pos is not None:
+            self.g.pos.add_(1)
+        if self.g.cp is not None:
+            self.g.cp.add_(1)
+        if self.eos is not None:
+            self.unfinished.mul_((~torch.isin(nxt, self.eos)).long())
+            torch.eq(self.unfinished.amax(), 0, out=self.done)
+
+    def capture(self, device, mempool) -> None:
+        state = [t for t in (self.out, self.col, self.unfinished, self.done, self.g.ids,
+                             self.g.pos, self.g.cp) if t is not None]
+        saved = [t.clone() for t in state]
+        self.run()                              # lazy initialization, then undone
+        for t, s in zip(state, saved):
+            t.copy_(s)
+        self.graph = capture_tail(self.run, device, mempool)
+
+
+def select(logits: torch.Tensor, unfinished: torch.Tensor, eos, pad) -> torch.Tensor:
+    """`_sample`'s greedy choice: argmax of the last position's logits in fp32; a finished
+    row (where EOS stops rows) takes the pad token."""
+    nxt = logits[:, -1].float().argmax(dim=-1)
+    if eos is not None:
+        nxt = nxt * unfinished + pad * (1 - unfinished)
+    return nxt
+
+
+class _Flags:
+    """"Every row finished" a step late: each step's flag copied into pinned memory without
+    blocking behind an event, read when the step after next is about to be queued."""
+
+    def __init__(self, device):
+        pin = torch.device(device).type == "cuda"
+        self.host = [torch.zeros(1, dtype=torch.bool, pin_memory=pin) for _ in range(2)]
+        self.events = [torch.cuda.Event() if pin else None for _ in range(2)]
+        self.pending: list[tuple[int, int]] = []   # (buffer, tokens by that step)
+
+    def record(self, done: torch.Tensor, tokens: int) -> None:
+        i = 1 - self.pending[-1][0] if self.pending else 0
+        self.host[i].copy_(done, non_blocking=True)
+        if self.events[i] is not None:
+            self.events[i].record()
+        self.pending.append((i, tokens))
+
+    def stopped(self, keep_in_flight: int) -> int | None:
+        """Tokens at the first recorded step whose flag says every row finished, reading all
+        but the last `keep_in_flight` steps' flags; None if none did."""
+        while len(self.pending) > keep_in_flight:
+            i, tokens = self.pending.pop(0)
+            if self.events[i] is not None:
+                self.events[i].synchronize()
+            if bool(self.host[i]):
+                self.pending.clear()
+                return tokens
+        return None
+
+
+def run(model, fwd: GraphedForward, input_ids, stopping_criteria, generation_config,
+        model_kwargs):
+    """`_sample`'s greedy loop, its graphed steps on the device (module docstring).
+    -> the sequences [B, prompt + new] as `_sample` returns them."""
+    st = fwd.state
+    eos_crit = [c for c in stopping_criteria if hasattr(c, "eos_token_id")]
+    device = input_ids.device
+    eos = eos_crit[0].eos_token_id.to(device) if eos_crit else None
+    pad = generation_config._pad_token_tensor
+    pad = pad.to(device) if pad is not None else None
+    if eos is not None and pad is None:
+        raise ValueError("generate: EOS stops rows but no pad_token_id is set for the "
+                         "finished rows; pass pad_token_id=")
+    prompt = input_ids.shape[1]
+    new_max = stopping_criteria.max_length - prompt
+    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=device)
+    done = torch.zeros((), dtype=torch.bool, device=device)
+    flags = _Flags(device)
+    st.count("generate_device_loop")
+    outputs = model._prefill(input_ids, generation_config, model_kwargs,
+                             is_first_iteration=True)
+    cache = next((outputs[k] for k in _CACHE_KEYS if k in outputs), None)
+    made = 0
+    stop = None
+    decode = getattr(model, "_optimize_model_for_decode", None)
+    with decode() if decode is not None else contextlib.nullcontext():
+        # transformers' steps (the prefill's token, steps that replay no graph), the stop
+        # flag read a step late as in its DeferredStopCheck
+        while True:
+            model_kwargs = model._update_model_kwargs_for_generation(
+                outputs, model_kwargs, is_encoder_decoder=False)
+            nxt = select(outputs.logits, unfinished, eos, pad)
+            del outputs
+            input_ids = torch.cat([input_ids, nxt[:, None]], dim=-1)
+            made += 1
+            if eos is not None:
+                unfinished.mul_((~torch.isin(nxt, eos)).long())
+                torch.eq(unfinished.amax(), 0, out=done)
+                flags.record(done, made)
+            if made >= new_max:
+                break
+            stop = flags.stopped(keep_in_flight=1)
+            if stop is not None:
+                break
+            model_inputs = model.prepare_inputs_for_generation(
+                input_ids, next_sequence_length=1, **model_kwargs)
+            replays = fwd.replays
+            outputs = model(**model_inputs, return_dict=True)
+            if fwd.replays > replays:   # a graph ran it: the rest on the device
+                del outputs
+                return _on_device(fwd, dict(model_inputs, return_dict=True), input_ids,
+                                  prompt, made, new_max, unfinished, done, eos, pad, flags)
+    if stop is None and eos is not None:
+        stop = flags.stopped(keep_in_flight=0)
+    return _finish(st, cache, input_ids, prompt, made, stop)
+
+
+def _finish(st, cache, ids, prompt: int, made: int, stop: int | None) -> torch.Tensor:
+    """The sequences up to the stop; a step run past it has its cache entry cropped."""
+    keep = made if stop is None else stop
+    if made > keep:
+        cache.crop(keep - made)
+        st.count("generate_device_loop_undone", made - keep)
+    return ids[:, :prompt + keep]
+
+
+def _graph_inputs(g, kw: dict) -> dict:
+    """The forward's keyword arguments with its tensors the graph's own buffers."""
+    kw = dict(kw)
+    for name, buf in (("input_ids", g.ids), ("position_ids", g.pos),
+                      ("cache_position", g.cp), ("attention_mask", g.mask)):
+        if kw.get(name) is not None:
+            kw[name] = buf
+    return kw
+
+
+def _on_device(fwd, kw, input_ids, prompt: int, made: int, new_max: int, unfinished, done,
+               eos, pad, flags):
+    """The loop from the first replayed decode step on (`kw` its inputs): its logits are in
+    the graph's static output; every later step is a forward replay and a tail replay.
+    `made` tokens so far, in input_ids."""
+    st = fwd.state
+    device = input_ids.device
+    cache = next(kw[k] for k in _CACHE_KEYS if kw.get(k) is not None)
+    g, b = fwd.last
+    out = torch.empty((input_ids.shape[0], new_max - made), dtype=torch.long, device=device)
+    col = torch.zeros(1, dtype=torch.long, device=device)
+    tail = _Tail(g, out, col, unfinished, done, eos, pad)
+    tail.capture(device, fwd.mempool)
+    kw = _graph_inputs(g, kw)
+    stop = None
+    launched = produced = 0
+    while True:
+        tail.graph.replay()       # the token of the step just run
+        produced += 1
+        if eos is not None:
+            flags.record(done, made + produced)
+        if made + produced >= new_max:
+            break
+        if eos is not None:
+            stop = flags.stopped(keep_in_flight=1)
+            if stop is not None:
+                break
+        g2 = fwd.step(kw, cache, b, b.seq_len())
+        launched += 1
+        if g2 is not g:   # recaptured (the pool grew): the tail follows the new buffers
+            g, kw = g2, _graph_inputs(g2, kw)
+            tail = _Tail(g, out, col, unfinished, done, eos, pad)
+            tail.capture(device, fwd.mempool)
+            st.count("generate_device_loop_recaptures")
+    if stop is None and eos is not None:
+        stop = flags.stopped(keep_in_flight=0)
+    st.count("generate_device_loop_steps", launched)
+    ids = torch.cat([input_ids, out[:, :produced]], dim=-1)
+    return _finish(st, cache, ids, prompt, made + produced, stop)

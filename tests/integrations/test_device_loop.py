@@ -1,0 +1,214 @@
+"""`generate`'s greedy decode loop on the device (integrations/hf_loop.py, KVConfig.device_loop).
+
+CUDA graphs need CUDA (tests/gpu/test_hf_graphs_gpu.py replays them); here their capture and
+replay are emulated: a captured forward re-runs over the same static buffers and plan and
+refills its static logits, a captured tail re-runs its ops over the same buffers. So the CPU
+checks what the loop feeds each replay and reads back: the next step's inputs written by the
+tail (ids, positions, cache position), the stop flag read a step late, the tokens stored at the
+step's column, a step run past an EOS stop cropped, a graph recaptured mid-call. Tokens are
+compared with eager transformers and with the same compiled model with the loop off; the calls
+that keep transformers' loop say why in the report."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcompile
+from kvcompile.api import state_of
+from kvcompile.config import KVConfig
+from kvcompile.integrations import hf_graphs, hf_loop
+from tests.engine.tiny import make_llama64
+
+
+class _Replay:
+    def __init__(self, step, out):
+        self.step, self.out = step, out
+
+    def replay(self):
+        self.out.logits.copy_(self.step().logits)
+
+
+def _capture(step, device, mempool):
+    step()
+    step()   # capture()'s two warm-up runs
+    out = step()
+    return _Replay(step, out), out
+
+
+class _TailReplay:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def replay(self):
+        self.fn()
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setattr(hf_graphs, "capture", _capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(hf_loop, "LOOP_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(hf_loop, "capture_tail", lambda fn, device, mempool: _TailReplay(fn))
+
+
+def _refusal(m):
+    """hf_graphs' per-layer refusal (the formats the kernels take), as on CUDA."""
+    st = state_of(m)
+    if st.pool is None:
+        return None
+    return next((w for w in (hf_graphs.graph_refusal(k, v) for k, v in zip(st.pool.k, st.pool.v))
+                 if w), None)
+
+
+def _model(**kw):
+    torch._dynamo.reset()
+    m = make_llama64()
+    # kernels="triton" (the interpreter): the graph path's kernels, which read lengths and
+    # block tables from the plan's tensors
+    kvcompile.compile(m, KVConfig(inner="eager", kernels="triton", max_kv_bytes=1 << 22,
+                                  page_size=8, **kw))
+    m.forward.why_not = lambda: _refusal(m)
+    return m
+
+
+def _prompts(pad: int = 3):
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 200, (2, 11), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    ids[1, :pad] = 0
+    return ids, mask
+
+
+def _generate(m, ids, mask, new=9, **kw):
+    args = dict(max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
+    args.update(kw)
+    with torch.no_grad():
+        return m.generate(ids, attention_mask=mask, **args)
+
+
+def _delta(m, before):
+    return {k: v - before.get(k, 0) for k, v in state_of(m).counters.items()
+            if v != before.get(k, 0)}
+
+
+def test_greedy_tokens_equal_transformers_and_the_loop_off(emulated):
+    """A left-padded batch: the prefill's token and the first decode step's as transformers
+    runs them, the other 7 steps a forward replay and a tail replay each, no host read."""
+    ids, mask = _prompts()
+    eager = _generate(make_llama64(), ids, mask)
+    m = _model()
+    before = dict(state_of(m).counters)
+    got = _generate(m, ids, mask)
+    c = _delta(m, before)
+    assert torch.equal(got, eager)
+    assert c.get("generate_device_loop") == 1 and c.get("generate_device_loop_steps") == 7, c
+    assert c.get("generate_cuda_graph_replays") == 8, c
+    assert c.get("generate_cuda_graph_captures") == 1, c    # the loop's steps find the graph
+    assert not c.get("generate_device_loop_undone"), c
+    # the tail's writes for the step after the last: its input id, each row's position (left
+    # padding: 3 in row 1), the cache position
+    g, _ = m.forward.last
+    total = got.shape[1]
+    assert torch.equal(g.ids[:, 0], got[:, -1])
+    assert g.pos[:, 0].tolist() == [total - 1, total - 1 - 3]
+    assert g.cp is None or g.cp.tolist() == [total - 1]
+    off = _model(device_loop=False)
+    assert torch.equal(_generate(off, ids, mask), eager)
+    assert "device_loop is False" in str(kvcompile.report(off))
+    assert state_of(m).pool.stats().pages_used == 0
+
+
+def test_rows_stopping_at_eos_run_one_step_more_cropped(emulated, monkeypatch):
+    """Each row ends at one of two EOS ids, at different steps: the first is padded after its
+    EOS (transformers' rule), the call ends when both have; the step queued before the flag was read runs, its
+    token dropped and its cache entry cropped."""
+    ids, mask = _prompts(pad=0)
+    free = _generate(make_llama64(), ids, mask, new=12)[:, ids.shape[1]:]
+    eos = [int(free[0, 3]), int(free[1, 5])]   # two EOS ids, each row ends at its own
+    eager = _generate(make_llama64(), ids, mask, new=12, eos_token_id=eos)
+    stop = eager.shape[1] - ids.shape[1]
+    assert stop < 12, "the rows were to stop early"
+    assert (eager[:, -1] == 0).any(), "one row was to end before the other (then padded)"
+    m = _model()
+    finish, lengths = hf_loop._finish, []
+
+    def finished(st, cache, *a):
+        out = finish(st, cache, *a)
+        b = hf_graphs.binding_of(cache.layers[0].keys)
+        lengths.append((cache.get_seq_length(), b.seq_len()))
+        return out
+
+    monkeypatch.setattr(hf_loop, "_finish", finished)
+    before = dict(state_of(m).counters)
+    got = _generate(m, ids, mask, new=12, eos_token_id=eos)
+    c = _delta(m, before)
+    assert torch.equal(got, eager)
+    assert c.get("generate_device_loop_undone") == 1, c
+    # the cache, after the crop, holds every token but the last (whose forward never runs)
+    assert lengths == [(got.shape[1] - 1,) * 2], lengths
+    assert c.get("generate_cuda_graph_replays") == stop, c   # stop - 1 decode steps, 1 more
+    assert state_of(m).pool.stats().pages_used == 0
+
+
+def test_a_graph_recaptured_mid_call_takes_the_tail_along(emulated, monkeypatch):
+    """A pool whose storage changes mid-call (as a growth does) drops the graphs: the next
+    step captures a new one from the old graph's buffers (ids, positions, mask), and the loop
+    captures a tail over the new graph's."""
+    ids, mask = _prompts()
+    eager = _generate(make_llama64(), ids, mask)
+    m = _model()
+    _generate(m, ids[:, :4], mask[:, :4], new=2)   # the pool exists
+    pool = state_of(m).pool
+    reserve, calls = pool.reserve, []
+
+    def growing(*a, **kw):
+        calls.append(1)
+        if len(calls) == 5:
+            pool.generation += 1
+        return reserve(*a, **kw)
+
+    monkeypatch.setattr(pool, "reserve", growing)
+    before = dict(state_of(m).counters)
+    got = _generate(m, ids, mask)
+    c = _delta(m, before)
+    assert torch.equal(got, eager)
+    assert c.get("generate_device_loop_recaptures") == 1, c
+    assert c.get("generate_cuda_graph_captures") == 2, c
+
+
+@pytest.mark.parametrize("case,why", [
+    ("sample", "sampling"),
+    ("penalty", "logits processors (RepetitionPenaltyLogitsProcessor)"),
+    ("stream", "a streamer"),
+    ("dict", "return_dict_in_generate=True"),
+])
+def test_calls_the_loop_does_not_take_keep_transformers_loop_and_say_why(emulated, case, why):
+    ids, mask = _prompts()
+    kw = {"sample": dict(do_sample=True, top_k=5),
+          "penalty": dict(repetition_penalty=1.3),
+          "stream": dict(streamer=_Streamer()),
+          "dict": dict(return_dict_in_generate=True)}[case]
+    m = _model()
+    before = dict(state_of(m).counters)
+    torch.manual_seed(0)
+    got = _generate(m, ids, mask, new=4, **kw)
+    c = _delta(m, before)
+    assert "generate_device_loop" not in c and c.get("generate_device_loop_refused") == 1, c
+    assert c.get("generate_cuda_graph_replays") == 3, c     # the graphs still replay
+    assert f"not the device loop ({why}" in str(kvcompile.report(m))
+    if case != "sample":
+        torch.manual_seed(0)
+        want = _generate(make_llama64(), ids, mask, new=4, **{
+            k: (_Streamer() if k == "streamer" else v) for k, v in kw.items()})
+        seq = got.sequences if case == "dict" else got
+        assert torch.equal(seq, want.sequences if case == "dict" else want)
+
+
+class _Streamer:
+    def put(self, value):
+        pass
+
+    def end(self):
+        pass
