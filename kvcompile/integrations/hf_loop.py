@@ -291,7 +291,8 @@ def _on_device(fwd, kw, input_ids, prompt: int, made: int, new_max: int, unfinis
             stop = flags.stopped(keep_in_flight=1)
             if stop is not None:
                 break
-        g2 = fwd.step(kw, cache, b, b.seq_len())
+        with st.lock:   # one forward of a model at a time, as GraphedForward's calls
+            g2 = fwd.step(kw, cache, b, b.seq_len())
         launched += 1
         if g2 is not g:   # recaptured (the pool grew): the tail follows the new buffers
             g, kw = g2, _graph_inputs(g2, kw)
