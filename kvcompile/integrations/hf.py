@@ -229,7 +229,7 @@ def _device_sample(sample):
                           generation_config, synced_gpus=synced_gpus, streamer=streamer,
                           **model_kwargs)
         return _hf_loop.run(self, fwd, input_ids, stopping_criteria, generation_config,
-                            model_kwargs)
+                            model_kwargs, streamer=streamer)
 
     run._kvcompile_loop = True
     return run

@@ -21,7 +21,8 @@ Python of transformers':
   columns past the captured width are ones, which is what `generate` appends), the finished
   rows updated against the EOS ids and the flag "every row finished" set.
 The host reads that flag a step late (pinned memory behind an event, as transformers'
-DeferredStopCheck does): it queues step n + 1 before step n has finished. A call whose rows
+DeferredStopCheck does): it queues step n + 1 before step n has finished. A streamer gets each
+step's tokens the same way, a step late, and never a token past the stop. A call whose rows
 all stop at EOS runs one step more, whose token is dropped and whose cache entry is cropped
 (`cache.crop`), as with the deferred check. A length limit is known in advance: no extra step.
 
@@ -32,7 +33,7 @@ transformers' own: the same forwards, the same argmax.
 
 transformers' loop keeps the call (said once in `kvcompile.report`, counted as
 `generate_device_loop_refused`) where it needs its host work or its exact behaviour:
-sampling (its random stream), a streamer, logits processors (repetition penalties, forced or
+sampling (its random stream), logits processors (repetition penalties, forced or
 suppressed tokens: any), stopping criteria other than the length limit and EOS (stop
 strings, a time limit), `return_dict_in_generate`, a cache passed in, an assistant's loop,
 synced GPUs, an eviction policy or a runtime hook (whose steps are checked one at a time),
@@ -82,8 +83,6 @@ def refusal(model, input_ids, logits_processor, stopping_criteria, generation_co
         why = "KVConfig.device_loop is False (KVCOMPILE_DEVICE_LOOP=0)"
     elif cfg.do_sample:
         why = "sampling (do_sample=True: its random stream is transformers')"
-    elif streamer is not None:
-        why = "a streamer"
     elif names:
         why = f"logits processors ({', '.join(names)})"
     elif stops:
@@ -158,38 +157,52 @@ def select(logits: torch.Tensor, unfinished: torch.Tensor, eos, pad) -> torch.Te
     return nxt
 
 
-class _Flags:
-    """"Every row finished" a step late: each step's flag copied into pinned memory without
-    blocking behind an event, read when the step after next is about to be queued."""
+class _Deferred:
+    """What the host learns of each step a step late (transformers' DeferredStopCheck): the
+    flag "every row finished" (where EOS stops rows) and the step's tokens (for a streamer),
+    copied into pinned memory without blocking behind an event, read when the step after
+    next is about to be queued. A token is streamed once its step is read, never one past
+    the stop."""
 
-    def __init__(self, device):
+    def __init__(self, device, batch: int, eos, streamer):
         pin = torch.device(device).type == "cuda"
-        self.host = [torch.zeros(1, dtype=torch.bool, pin_memory=pin) for _ in range(2)]
+        self.eos, self.streamer = eos, streamer
+        self.on = eos is not None or streamer is not None
+        self.flag = [torch.zeros(1, dtype=torch.bool, pin_memory=pin) for _ in range(2)]
+        self.tokens = [torch.zeros(batch, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self.events = [torch.cuda.Event() if pin else None for _ in range(2)]
         self.pending: list[tuple[int, int]] = []   # (buffer, tokens by that step)
 
-    def record(self, done: torch.Tensor, tokens: int) -> None:
+    def record(self, done: torch.Tensor, tokens: torch.Tensor, count: int) -> None:
+        """After the step that made the `count`-th token (`tokens` [B], on the device)."""
+        if not self.on:
+            return
         i = 1 - self.pending[-1][0] if self.pending else 0
-        self.host[i].copy_(done, non_blocking=True)
+        if self.eos is not None:
+            self.flag[i].copy_(done, non_blocking=True)
+        if self.streamer is not None:
+            self.tokens[i].copy_(tokens, non_blocking=True)
         if self.events[i] is not None:
             self.events[i].record()
-        self.pending.append((i, tokens))
+        self.pending.append((i, count))
 
     def stopped(self, keep_in_flight: int) -> int | None:
-        """Tokens at the first recorded step whose flag says every row finished, reading all
-        but the last `keep_in_flight` steps' flags; None if none did."""
+        """Reads all but the last `keep_in_flight` recorded steps (streaming their tokens):
+        the token count at the first whose flag says every row finished, else None."""
         while len(self.pending) > keep_in_flight:
-            i, tokens = self.pending.pop(0)
+            i, count = self.pending.pop(0)
             if self.events[i] is not None:
                 self.events[i].synchronize()
-            if bool(self.host[i]):
+            if self.streamer is not None:
+                self.streamer.put(self.tokens[i].clone())
+            if self.eos is not None and bool(self.flag[i]):
                 self.pending.clear()
-                return tokens
+                return count
         return None
 
 
 def run(model, fwd: GraphedForward, input_ids, stopping_criteria, generation_config,
-        model_kwargs):
+        model_kwargs, streamer=None):
     """`_sample`'s greedy loop, its graphed steps on the device (module docstring).
     -> the sequences [B, prompt + new] as `_sample` returns them."""
     st = fwd.state
@@ -205,7 +218,7 @@ def run(model, fwd: GraphedForward, input_ids, stopping_criteria, generation_con
     new_max = stopping_criteria.max_length - prompt
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=device)
     done = torch.zeros((), dtype=torch.bool, device=device)
-    flags = _Flags(device)
+    flags = _Deferred(device, input_ids.shape[0], eos, streamer)
     st.count("generate_device_loop")
     outputs = model._prefill(input_ids, generation_config, model_kwargs,
                              is_first_iteration=True)
@@ -226,7 +239,7 @@ def run(model, fwd: GraphedForward, input_ids, stopping_criteria, generation_con
             if eos is not None:
                 unfinished.mul_((~torch.isin(nxt, eos)).long())
                 torch.eq(unfinished.amax(), 0, out=done)
-                flags.record(done, made)
+            flags.record(done, nxt, made)
             if made >= new_max:
                 break
             stop = flags.stopped(keep_in_flight=1)
@@ -240,17 +253,21 @@ def run(model, fwd: GraphedForward, input_ids, stopping_criteria, generation_con
                 del outputs
                 return _on_device(fwd, dict(model_inputs, return_dict=True), input_ids,
                                   prompt, made, new_max, unfinished, done, eos, pad, flags)
-    if stop is None and eos is not None:
+    # (the rest of the steps ran as transformers runs them)
+    if stop is None:
         stop = flags.stopped(keep_in_flight=0)
-    return _finish(st, cache, input_ids, prompt, made, stop)
+    return _finish(st, cache, input_ids, prompt, made, stop, streamer)
 
 
-def _finish(st, cache, ids, prompt: int, made: int, stop: int | None) -> torch.Tensor:
+def _finish(st, cache, ids, prompt: int, made: int, stop: int | None,
+            streamer) -> torch.Tensor:
     """The sequences up to the stop; a step run past it has its cache entry cropped."""
     keep = made if stop is None else stop
     if made > keep:
         cache.crop(keep - made)
         st.count("generate_device_loop_undone", made - keep)
+    if streamer is not None:
+        streamer.end()
     return ids[:, :prompt + keep]
 
 
@@ -283,14 +300,12 @@ def _on_device(fwd, kw, input_ids, prompt: int, made: int, new_max: int, unfinis
     while True:
         tail.graph.replay()       # the token of the step just run
         produced += 1
-        if eos is not None:
-            flags.record(done, made + produced)
+        flags.record(done, out[:, produced - 1], made + produced)
         if made + produced >= new_max:
             break
-        if eos is not None:
-            stop = flags.stopped(keep_in_flight=1)
-            if stop is not None:
-                break
+        stop = flags.stopped(keep_in_flight=1)
+        if stop is not None:
+            break
         with st.lock:   # one forward of a model at a time, as GraphedForward's calls
             g2 = fwd.step(kw, cache, b, b.seq_len())
         launched += 1
@@ -299,8 +314,8 @@ def _on_device(fwd, kw, input_ids, prompt: int, made: int, new_max: int, unfinis
             tail = _Tail(g, out, col, unfinished, done, eos, pad)
             tail.capture(device, fwd.mempool)
             st.count("generate_device_loop_recaptures")
-    if stop is None and eos is not None:
+    if stop is None:
         stop = flags.stopped(keep_in_flight=0)
     st.count("generate_device_loop_steps", launched)
     ids = torch.cat([input_ids, out[:, :produced]], dim=-1)
-    return _finish(st, cache, ids, prompt, made + produced, stop)
+    return _finish(st, cache, ids, prompt, made + produced, stop, flags.streamer)

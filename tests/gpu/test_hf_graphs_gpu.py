@@ -118,9 +118,11 @@ def test_deferred_stop_check_equals_the_per_step_check(compiled, eos):
     """KVConfig.deferred_stop (the default): graphed steps with the stop decision read a step
     late (the host runs a step ahead; each step's plan in its own staging buffer) give the
     tokens of the per-step check; with an EOS that ends the rows early, one more step runs
-    and is undone; a streamer gets every token; no page is left."""
+    and is undone; a streamer gets every token; no page is left. (transformers' own loop:
+    device_loop off, test_device_loop_equals_transformers_loop checks the device loop.)"""
     model = compiled
     st = state_of(model)
+    st.config = dataclasses.replace(st.config, device_loop=False)
     ids, am = inputs(B=1 if eos else 3, L=30, pad=not eos, seed=7)   # one row: all end early
     kw = dict(attention_mask=am, max_new_tokens=24, do_sample=False, pad_token_id=0)
     free = model.generate(ids, **kw, eos_token_id=None)[:, ids.shape[1]:]
@@ -139,7 +141,7 @@ def test_deferred_stop_check_equals_the_per_step_check(compiled, eos):
         assert st.counters.get("generate_deferred_stop", 0) - d0 == int(defer)
         assert model.forward.replays > r0
         assert not kvcompile.stats(model).get("pages_used")
-    st.config = dataclasses.replace(st.config, deferred_stop=True)
+    st.config = dataclasses.replace(st.config, deferred_stop=True, device_loop=True)
     assert torch.equal(outs[0], outs[1]) and puts[0] == puts[1]
 
 
@@ -163,7 +165,7 @@ def test_device_loop_equals_transformers_loop(compiled, case):
     tokens (device_loop=False, same graphs); with EOS ids that end the rows early (a
     left-padded batch: positions per row) one more step runs and is cropped; a graph
     recaptured mid-call (the graphs dropped as a pool growth drops them) keeps the tokens.
-    No page is left."""
+    A streamer gets the same tokens; no page is left."""
     model = compiled
     st = state_of(model)
     ids, am = inputs(B=3, L=30, pad=True, seed=9)
@@ -172,10 +174,11 @@ def test_device_loop_equals_transformers_loop(compiled, case):
     if case == "rows end at EOS":
         free = model.generate(ids, **kw)[:, ids.shape[1]:]
         kw["eos_token_id"] = [int(free[r, 4 + 3 * r]) for r in range(3)]
-    outs, counts = [], []
+    outs, counts, puts = [], [], []
     for loop in (True, False):
         st.config = dataclasses.replace(st.config, device_loop=loop)
         before = dict(st.counters)
+        kw["streamer"] = streamer = Tokens()
         if case == "recapture" and loop:
             st.pool.reserve = _dropping_graphs_at(8, model, st.pool.reserve)
         try:
@@ -184,6 +187,7 @@ def test_device_loop_equals_transformers_loop(compiled, case):
             st.pool.__dict__.pop("reserve", None)
         counts.append({k: v - before.get(k, 0) for k, v in st.counters.items()
                        if v != before.get(k, 0)})
+        puts.append(streamer.seen)
         assert not kvcompile.stats(model).get("pages_used")
     st.config = dataclasses.replace(st.config, device_loop=True)
     print(case, counts[0])
@@ -192,7 +196,7 @@ def test_device_loop_equals_transformers_loop(compiled, case):
     assert "generate_device_loop" not in counts[1], counts[1]
     if case == "recapture":
         assert counts[0].get("generate_cuda_graph_captures", 0) >= 1, counts[0]
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[1]) and puts[0] == puts[1]
 
 
 def _deepseek(dtype):

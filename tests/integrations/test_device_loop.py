@@ -178,17 +178,36 @@ def test_a_graph_recaptured_mid_call_takes_the_tail_along(emulated, monkeypatch)
     assert c.get("generate_cuda_graph_captures") == 2, c
 
 
+@pytest.mark.parametrize("eos", [False, True], ids=["to max_new_tokens", "rows end at EOS"])
+def test_a_streamer_gets_every_token_a_step_late_and_none_past_the_stop(emulated, eos):
+    """The streamer gets the prompt, then each step's tokens, the same as with transformers'
+    loop (the loop off), none of the step run past an EOS stop; then end()."""
+    ids, mask = _prompts(pad=0)
+    kw = {}
+    if eos:
+        free = _generate(make_llama64(), ids, mask)[:, ids.shape[1]:]
+        kw["eos_token_id"] = [int(free[0, 2]), int(free[1, 4])]
+    seen = []
+    for loop in (True, False):
+        m = _model(device_loop=loop)
+        streamer = _Streamer()
+        before = dict(state_of(m).counters)
+        out = _generate(m, ids, mask, streamer=streamer, **kw)
+        assert bool(_delta(m, before).get("generate_device_loop")) == loop
+        assert streamer.seen[-1] == "end" and len(streamer.seen) == out.shape[1] - ids.shape[1] + 2
+        seen.append(streamer.seen)
+    assert seen[0] == seen[1]
+
+
 @pytest.mark.parametrize("case,why", [
     ("sample", "sampling"),
     ("penalty", "logits processors (RepetitionPenaltyLogitsProcessor)"),
-    ("stream", "a streamer"),
     ("dict", "return_dict_in_generate=True"),
 ])
 def test_calls_the_loop_does_not_take_keep_transformers_loop_and_say_why(emulated, case, why):
     ids, mask = _prompts()
     kw = {"sample": dict(do_sample=True, top_k=5),
           "penalty": dict(repetition_penalty=1.3),
-          "stream": dict(streamer=_Streamer()),
           "dict": dict(return_dict_in_generate=True)}[case]
     m = _model()
     before = dict(state_of(m).counters)
@@ -200,15 +219,17 @@ def test_calls_the_loop_does_not_take_keep_transformers_loop_and_say_why(emulate
     assert f"not the device loop ({why}" in str(kvcompile.report(m))
     if case != "sample":
         torch.manual_seed(0)
-        want = _generate(make_llama64(), ids, mask, new=4, **{
-            k: (_Streamer() if k == "streamer" else v) for k, v in kw.items()})
+        want = _generate(make_llama64(), ids, mask, new=4, **kw)
         seq = got.sequences if case == "dict" else got
         assert torch.equal(seq, want.sequences if case == "dict" else want)
 
 
 class _Streamer:
+    def __init__(self):
+        self.seen = []
+
     def put(self, value):
-        pass
+        self.seen.append(value.tolist())
 
     def end(self):
-        pass
+        self.seen.append("end")
