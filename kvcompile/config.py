@@ -316,9 +316,11 @@ class KVConfig:
         runs its steps on the device (integrations/hf_loop.py): each step a forward replay and
         a captured tail (argmax, the finished rows' padding, the next step's inputs, the stop
         flag, read a step late), with none of transformers' per-step Python or small kernels.
-        Greedy tokens are transformers' own. Sampling, streamers, logits processors, stop
-        strings and the other features that need the host keep transformers' loop
-        (`kvcompile.report` says which). Default True; KVCOMPILE_DEVICE_LOOP=0 sets False.
+        Greedy tokens are transformers' own; sampling through the temperature / top-k /
+        top-p / min-p warpers draws from the same distribution with a graph-safe draw (not
+        transformers' random numbers). Other logits processors, stop strings and the other
+        features that need the host keep transformers' loop (`kvcompile.report` says
+        which). Default True; KVCOMPILE_DEVICE_LOOP=0 sets False.
     prefill: "auto", "triton" or "sdpa" (PREFILL_CHOICES). Default from KVCOMPILE_PREFILL
         ("triton"; any other value set means "sdpa").
     prefill_tma / prefill_q_tma / prefill_scale_tma / prefill_warp_spec: diagnostic switches

@@ -228,8 +228,8 @@ def _device_sample(sample):
             return sample(self, input_ids, logits_processor, stopping_criteria,
                           generation_config, synced_gpus=synced_gpus, streamer=streamer,
                           **model_kwargs)
-        return _hf_loop.run(self, fwd, input_ids, stopping_criteria, generation_config,
-                            model_kwargs, streamer=streamer)
+        return _hf_loop.run(self, fwd, input_ids, logits_processor, stopping_criteria,
+                            generation_config, model_kwargs, streamer=streamer)
 
     run._kvcompile_loop = True
     return run

@@ -9,12 +9,14 @@ and the host's Python between them (benchmarks/host_gap.py: the step 124 us long
 graph at B16 x P4096 on the H100 with the stop check deferred).
 
 For a compiled model whose decode steps replay CUDA graphs, kvcompile takes over `_sample`
-for greedy decoding (`GenerationMixin._sample` wrapped at install, integrations/hf.py) and,
+(`GenerationMixin._sample` wrapped at install, integrations/hf.py) for greedy decoding and
+for sampling through transformers' warpers (temperature, top-k, top-p, min-p) and,
 from the first decode step that replayed a graph on, runs each step as two replays and no
 Python of transformers':
 - the forward's graph (`GraphedForward.step`: the pool's slots reserved, the plan staged and
   uploaded, the replay), its inputs already in the graph's buffers;
-- a captured *tail* over the forward graph's static logits: fp32 argmax, a finished row's
+- a captured *tail* over the forward graph's static logits: the token chosen in fp32
+  (argmax; or the warpers, softmax and a draw, `_Choice`), a finished row's
   token replaced by the pad token, the token stored in the call's output buffer at the step's
   column (a device counter), the next step's inputs written into the forward graph's buffers
   (input ids, position ids + 1, cache position + 1; the attention mask needs nothing: its
@@ -29,12 +31,14 @@ all stop at EOS runs one step more, whose token is dropped and whose cache entry
 The prefill, the first token and any step that did not replay a graph run as `_sample` runs
 them (`_prefill`, `prepare_inputs_for_generation`, the model's forward,
 `_update_model_kwargs_for_generation`, the same selection in fp32). Greedy tokens are
-transformers' own: the same forwards, the same argmax.
+transformers' own: the same forwards, the same argmax. Sampled tokens follow the same
+distribution but not transformers' random draws (`_Choice`: a graph-safe draw instead of
+`torch.multinomial`): a seed reproduces kvcompile's samples, not transformers'.
 
 transformers' loop keeps the call (said once in `kvcompile.report`, counted as
 `generate_device_loop_refused`) where it needs its host work or its exact behaviour:
-sampling (its random stream), logits processors (repetition penalties, forced or
-suppressed tokens: any), stopping criteria other than the length limit and EOS (stop
+logits processors other than the sampling warpers (repetition penalties, forced or
+suppressed tokens, minimum lengths: any), stopping criteria other than the length limit and EOS (stop
 strings, a time limit), `return_dict_in_generate`, a cache passed in, an assistant's loop,
 synced GPUs, an eviction policy or a runtime hook (whose steps are checked one at a time),
 and `KVConfig.device_loop=False` (KVCOMPILE_DEVICE_LOOP=0). Without CUDA graphs for the
@@ -53,6 +57,10 @@ from kvcompile.integrations.hf_graphs import GraphedForward
 # capture and replay emulated)
 LOOP_DEVICES = ("cuda",)
 _STOPS = {"MaxLengthCriteria", "EosTokenCriteria"}
+# logits processors the tail runs (transformers' own objects, called inside the capture): the
+# sampling warpers, pure functions of the scores (none reads the ids or keeps state)
+_WARPERS = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper",
+            "MinPLogitsWarper"}
 # the cache's name in model kwargs and outputs: `cache` first (transformers >= 5.20 warns when
 # an output is asked for the deprecated `past_key_values`)
 _CACHE_KEYS = ("cache", "past_key_values")
@@ -76,13 +84,12 @@ def refusal(model, input_ids, logits_processor, stopping_criteria, generation_co
     cfg = generation_config
     cache = next((model_kwargs.get(k) for k in _CACHE_KEYS if model_kwargs.get(k) is not None),
                  None)
-    names = sorted({type(p).__name__ for p in logits_processor or ()})
+    names = sorted({type(p).__name__ for p in logits_processor or ()}
+                   - (_WARPERS if cfg.do_sample else set()))
     stops = sorted({type(c).__name__ for c in stopping_criteria or ()} - _STOPS)
     why = ""
     if not st.config.device_loop:
         why = "KVConfig.device_loop is False (KVCOMPILE_DEVICE_LOOP=0)"
-    elif cfg.do_sample:
-        why = "sampling (do_sample=True: its random stream is transformers')"
     elif names:
         why = f"logits processors ({', '.join(names)})"
     elif stops:
@@ -119,14 +126,16 @@ class _Tail:
     """The captured token selection after a forward graph `g` (module docstring)."""
 
     def __init__(self, g, out: torch.Tensor, col: torch.Tensor, unfinished: torch.Tensor,
-                 done: torch.Tensor, eos: torch.Tensor | None, pad: torch.Tensor | None):
+                 done: torch.Tensor, eos: torch.Tensor | None, pad: torch.Tensor | None,
+                 choose: _Choice):
         self.g, self.out, self.col = g, out, col
         self.unfinished, self.done, self.eos, self.pad = unfinished, done, eos, pad
+        self.choose = choose
         self.logits = g.out[1]["logits"]
         self.graph = None
 
     def run(self) -> None:
-        nxt = select(self.logits, self.unfinished, self.eos, self.pad)
+        nxt = select(self.logits, self.unfinished, self.eos, self.pad, self.choose, self.g.ids)
         self.out.index_copy_(1, self.col, nxt[:, None])
         self.col.add_(1)
         self.g.ids.copy_(nxt[:, None])
@@ -148,10 +157,36 @@ class _Tail:
         self.graph = capture_tail(self.run, device, mempool)
 
 
-def select(logits: torch.Tensor, unfinished: torch.Tensor, eos, pad) -> torch.Tensor:
-    """`_sample`'s greedy choice: argmax of the last position's logits in fp32; a finished
-    row (where EOS stops rows) takes the pad token."""
-    nxt = logits[:, -1].float().argmax(dim=-1)
+class _Choice:
+    """`_sample`'s token choice: greedy (argmax), or sampling from the softmax of the scores
+    after transformers' warpers (its `logits_processor`, only `_WARPERS`), drawn by the
+    exponential race: argmax of p / E with E ~ Exp(1) i.i.d., which picks token i with
+    probability p_i, as `torch.multinomial(p, 1)` does, with one elementwise RNG op that a
+    CUDA graph captures (graph-safe Philox offsets). The draws are not transformers': the
+    same seed gives other samples of the same distribution."""
+
+    def __init__(self, sample: bool, processors=None):
+        self.sample, self.processors = sample, processors
+
+    def __call__(self, scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if not self.sample:
+            return scores.argmax(dim=-1)
+        if self.processors:
+            scores = self.processors(ids, scores)
+        probs = torch.softmax(scores, dim=-1)
+        return race(probs)
+
+
+def race(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row drawn from `probs` [B, V]: argmax of p / E, E ~ Exp(1)."""
+    return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+
+
+def select(logits: torch.Tensor, unfinished: torch.Tensor, eos, pad, choose: _Choice,
+           ids: torch.Tensor) -> torch.Tensor:
+    """`_sample`'s step after the forward: the last position's logits in fp32, the token
+    chosen (`_Choice`); a finished row (where EOS stops rows) takes the pad token."""
+    nxt = choose(logits[:, -1].float(), ids)
     if eos is not None:
         nxt = nxt * unfinished + pad * (1 - unfinished)
     return nxt
@@ -201,8 +236,8 @@ class _Deferred:
         return None
 
 
-def run(model, fwd: GraphedForward, input_ids, stopping_criteria, generation_config,
-        model_kwargs, streamer=None):
+def run(model, fwd: GraphedForward, input_ids, logits_processor, stopping_criteria,
+        generation_config, model_kwargs, streamer=None):
     """`_sample`'s greedy loop, its graphed steps on the device (module docstring).
     -> the sequences [B, prompt + new] as `_sample` returns them."""
     st = fwd.state
@@ -219,6 +254,7 @@ def run(model, fwd: GraphedForward, input_ids, stopping_criteria, generation_con
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=device)
     done = torch.zeros((), dtype=torch.bool, device=device)
     flags = _Deferred(device, input_ids.shape[0], eos, streamer)
+    choose = _Choice(bool(generation_config.do_sample), logits_processor)
     st.count("generate_device_loop")
     outputs = model._prefill(input_ids, generation_config, model_kwargs,
                              is_first_iteration=True)
@@ -232,7 +268,7 @@ def run(model, fwd: GraphedForward, input_ids, stopping_criteria, generation_con
         while True:
             model_kwargs = model._update_model_kwargs_for_generation(
                 outputs, model_kwargs, is_encoder_decoder=False)
-            nxt = select(outputs.logits, unfinished, eos, pad)
+            nxt = select(outputs.logits, unfinished, eos, pad, choose, input_ids)
             del outputs
             input_ids = torch.cat([input_ids, nxt[:, None]], dim=-1)
             made += 1
@@ -252,7 +288,8 @@ def run(model, fwd: GraphedForward, input_ids, stopping_criteria, generation_con
             if fwd.replays > replays:   # a graph ran it: the rest on the device
                 del outputs
                 return _on_device(fwd, dict(model_inputs, return_dict=True), input_ids,
-                                  prompt, made, new_max, unfinished, done, eos, pad, flags)
+                                  prompt, made, new_max, unfinished, done, eos, pad, flags,
+                                  choose)
     # (the rest of the steps ran as transformers runs them)
     if stop is None:
         stop = flags.stopped(keep_in_flight=0)
@@ -282,7 +319,7 @@ def _graph_inputs(g, kw: dict) -> dict:
 
 
 def _on_device(fwd, kw, input_ids, prompt: int, made: int, new_max: int, unfinished, done,
-               eos, pad, flags):
+               eos, pad, flags, choose):
     """The loop from the first replayed decode step on (`kw` its inputs): its logits are in
     the graph's static output; every later step is a forward replay and a tail replay.
     `made` tokens so far, in input_ids."""
@@ -292,7 +329,7 @@ def _on_device(fwd, kw, input_ids, prompt: int, made: int, new_max: int, unfinis
     g, b = fwd.last
     out = torch.empty((input_ids.shape[0], new_max - made), dtype=torch.long, device=device)
     col = torch.zeros(1, dtype=torch.long, device=device)
-    tail = _Tail(g, out, col, unfinished, done, eos, pad)
+    tail = _Tail(g, out, col, unfinished, done, eos, pad, choose)
     tail.capture(device, fwd.mempool)
     kw = _graph_inputs(g, kw)
     stop = None
@@ -311,7 +348,7 @@ def _on_device(fwd, kw, input_ids, prompt: int, made: int, new_max: int, unfinis
         launched += 1
         if g2 is not g:   # recaptured (the pool grew): the tail follows the new buffers
             g, kw = g2, _graph_inputs(g2, kw)
-            tail = _Tail(g, out, col, unfinished, done, eos, pad)
+            tail = _Tail(g, out, col, unfinished, done, eos, pad, choose)
             tail.capture(device, fwd.mempool)
             st.count("generate_device_loop_recaptures")
     if stop is None:

@@ -199,14 +199,56 @@ def test_a_streamer_gets_every_token_a_step_late_and_none_past_the_stop(emulated
     assert seen[0] == seen[1]
 
 
+def test_sampling_runs_the_warpers_in_the_tail(emulated):
+    """do_sample=True through transformers' warpers on the device loop: top_k=1 leaves one
+    token, so the draw must be greedy's (the warpers ran, the draw took the only token left);
+    with top_k=5 and a temperature every token is among the 5 best of its step (checked
+    against the logits of the same prefix, teacher-forced), and a seed repeats the samples."""
+    ids, mask = _prompts(pad=0)
+    greedy = _generate(make_llama64(), ids, mask, new=6)
+    m = _model()
+    before = dict(state_of(m).counters)
+    one = _generate(m, ids, mask, new=6, do_sample=True, top_k=1)
+    c = _delta(m, before)
+    assert torch.equal(one, greedy)
+    assert c.get("generate_device_loop") == 1 and c.get("generate_device_loop_steps") == 4, c
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        runs.append(_generate(m, ids, mask, new=6, do_sample=True, top_k=5, temperature=2.0))
+    assert torch.equal(runs[0], runs[1])
+    ref = make_llama64()
+    with torch.no_grad():
+        logits = ref(runs[0][:, :-1]).logits[:, ids.shape[1] - 1:]       # [B, 6, V]
+    top5 = logits.topk(5, dim=-1).indices
+    new = runs[0][:, ids.shape[1]:]
+    assert (top5 == new[..., None]).any(-1).all(), (new, top5)
+    assert not torch.equal(new, greedy[:, ids.shape[1]:]), "temperature 2 drew greedy's tokens"
+
+
+def test_the_race_draws_each_token_with_its_probability():
+    """argmax(p / E), E ~ Exp(1): token frequencies over 40,000 draws within 5 standard
+    deviations of p, zero-probability tokens never drawn (a plain PyTorch reference: p)."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1000, (1,))))
+    p = torch.rand(7, generator=g) ** 2
+    p[3] = 0.0
+    p /= p.sum()
+    torch.manual_seed(1)
+    draws = hf_loop.race(p.expand(40_000, 7).contiguous())
+    freq = torch.bincount(draws, minlength=7).double() / 40_000
+    sd = (p.double() * (1 - p.double()) / 40_000).sqrt()
+    assert freq[3] == 0
+    assert ((freq - p.double()).abs() <= 5 * sd + 1e-12).all(), (freq, p)
+
+
 @pytest.mark.parametrize("case,why", [
-    ("sample", "sampling"),
     ("penalty", "logits processors (RepetitionPenaltyLogitsProcessor)"),
+    ("sample_penalty", "logits processors (RepetitionPenaltyLogitsProcessor)"),
     ("dict", "return_dict_in_generate=True"),
 ])
 def test_calls_the_loop_does_not_take_keep_transformers_loop_and_say_why(emulated, case, why):
     ids, mask = _prompts()
-    kw = {"sample": dict(do_sample=True, top_k=5),
+    kw = {"sample_penalty": dict(do_sample=True, top_k=5, repetition_penalty=1.3),
           "penalty": dict(repetition_penalty=1.3),
           "dict": dict(return_dict_in_generate=True)}[case]
     m = _model()
@@ -217,7 +259,7 @@ def test_calls_the_loop_does_not_take_keep_transformers_loop_and_say_why(emulate
     assert "generate_device_loop" not in c and c.get("generate_device_loop_refused") == 1, c
     assert c.get("generate_cuda_graph_replays") == 3, c     # the graphs still replay
     assert f"not the device loop ({why}" in str(kvcompile.report(m))
-    if case != "sample":
+    if case != "sample_penalty":
         torch.manual_seed(0)
         want = _generate(make_llama64(), ids, mask, new=4, **kw)
         seq = got.sequences if case == "dict" else got
