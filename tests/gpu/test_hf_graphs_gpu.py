@@ -199,6 +199,27 @@ def test_device_loop_equals_transformers_loop(compiled, case):
     assert torch.equal(outs[0], outs[1]) and puts[0] == puts[1]
 
 
+def test_device_loop_samples_in_graphs(compiled):
+    """Sampling on the device loop (the warpers and the exponential race captured in the
+    tail, graph-safe RNG): top_k=1 gives greedy's tokens; a seed repeats a top_k=20 sample;
+    two seeds give different samples (the draws advance across replays)."""
+    model = compiled
+    st = state_of(model)
+    ids, am = inputs(B=3, L=30, pad=True, seed=11)
+    kw = dict(attention_mask=am, max_new_tokens=24, pad_token_id=0, eos_token_id=None)
+    greedy = model.generate(ids, do_sample=False, **kw)
+    before = st.counters.get("generate_device_loop", 0)
+    assert torch.equal(model.generate(ids, do_sample=True, top_k=1, **kw), greedy)
+    runs = []
+    for seed in (1, 1, 2):
+        torch.manual_seed(seed)
+        runs.append(model.generate(ids, do_sample=True, top_k=20, temperature=1.5, **kw))
+    assert st.counters.get("generate_device_loop", 0) - before == 4
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+    new = runs[0][:, ids.shape[1]:]
+    assert len(set(new[0].tolist())) > 1, "every step drew the same token: RNG not advancing"
+
+
 def _deepseek(dtype):
     """A DeepSeek-V3 stack (MLA: r 512, rope 64, 16 heads, 2 layers, random weights)."""
     import transformers
