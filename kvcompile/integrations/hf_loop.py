@@ -113,9 +113,8 @@ def refusal(model, input_ids, logits_processor, stopping_criteria, generation_co
 
 
 def capture_tail(fn, device, mempool):
-    """A CUDA graph of the tail (`_Tail.run`): it runs once first (lazy initialization of
-    the ops, on buffers the caller restores), then is captured into the forward graphs'
-    memory pool."""
+    """A CUDA graph of the tail (`_Tail.run`, run once before by `_Tail.capture`), captured
+    into the forward graphs' memory pool (replayed after them, in capture order)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=mempool):
         fn()
@@ -261,6 +260,10 @@ def run(model, fwd: GraphedForward, input_ids, logits_processor, stopping_criter
     cache = next((outputs[k] for k in _CACHE_KEYS if k in outputs), None)
     made = 0
     stop = None
+    # the forward `_sample` calls (transformers' own compiled call where it would compile)
+    auto = getattr(model, "_valid_auto_compile_criteria", None)
+    forward = (model.get_compiled_call(generation_config.compile_config)
+               if auto is not None and auto(model_kwargs, generation_config) else model)
     decode = getattr(model, "_optimize_model_for_decode", None)
     with decode() if decode is not None else contextlib.nullcontext():
         # transformers' steps (the prefill's token, steps that replay no graph), the stop
@@ -284,7 +287,7 @@ def run(model, fwd: GraphedForward, input_ids, logits_processor, stopping_criter
             model_inputs = model.prepare_inputs_for_generation(
                 input_ids, next_sequence_length=1, **model_kwargs)
             replays = fwd.replays
-            outputs = model(**model_inputs, return_dict=True)
+            outputs = forward(**model_inputs, return_dict=True)
             if fwd.replays > replays:   # a graph ran it: the rest on the device
                 del outputs
                 return _on_device(fwd, dict(model_inputs, return_dict=True), input_ids,

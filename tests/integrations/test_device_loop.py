@@ -275,3 +275,25 @@ class _Streamer:
 
     def end(self):
         self.seen.append("end")
+
+
+@pytest.mark.parametrize("eos", [False, True], ids=["to max_new_tokens", "rows end at EOS"])
+def test_steps_that_replay_no_graph_run_as_transformers_runs_them(emulated, eos):
+    """A StaticCache's steps replay no graph (hf_graphs takes DynamicCache steps): the loop
+    runs each step as `_sample` does, the stop flag still read a step late; tokens equal
+    transformers' (eager), a step past an EOS stop undone, no page left."""
+    ids, mask = _prompts()
+    kw = dict(cache_implementation="static")
+    if eos:
+        free = _generate(make_llama64(), ids, mask, **kw)[:, ids.shape[1]:]
+        kw["eos_token_id"] = [int(free[0, 2]), int(free[1, 3])]
+    eager = _generate(make_llama64(), ids, mask, **kw)
+    m = _model()
+    before = dict(state_of(m).counters)
+    got = _generate(m, ids, mask, **kw)
+    c = _delta(m, before)
+    assert torch.equal(got, eager)
+    assert c.get("generate_device_loop") == 1 and not c.get("generate_cuda_graph_replays"), c
+    assert not c.get("generate_device_loop_steps"), c
+    assert bool(c.get("generate_device_loop_undone")) == (eager.shape[1] < ids.shape[1] + 9), c
+    assert state_of(m).pool.stats().pages_used == 0
