@@ -301,10 +301,13 @@ def run(model, fwd: GraphedForward, input_ids, logits_processor, stopping_criter
 
 def _finish(st, cache, ids, prompt: int, made: int, stop: int | None,
             streamer) -> torch.Tensor:
-    """The sequences up to the stop; a step run past it has its cache entry cropped."""
+    """The sequences up to the stop; a step run past it has its cache entry cropped where the
+    cache can be (a DynamicCache; transformers 5.17's StaticCache cannot, and need not: the
+    loop runs only for caches that do not outlive the call, whose pages return with it)."""
     keep = made if stop is None else stop
     if made > keep:
-        cache.crop(keep - made)
+        if getattr(cache, "is_croppable", True):
+            cache.crop(keep - made)
         st.count("generate_device_loop_undone", made - keep)
     if streamer is not None:
         streamer.end()
