@@ -5,9 +5,9 @@
 #      expansion vs the reference, 128 heads then 16 (DeepSeek-V3 at TP 8), then the GPU test
 #      of the folded chunk on the Triton and CUDA latent kernels
 #   d: generate's device loop (integrations/hf_loop.py): its GPU tests (greedy, EOS, recapture,
-#      streamers, sampling in graphs; the deferred-stop test on transformers' loop), then fp8
-#      rows with the loop on and off (KVCOMPILE_DEVICE_LOOP), a process a row, at B16 x P4096
-#      and B1 x P32768 (D_ROWS to pick)
+#      streamers, sampling in graphs; the deferred-stop test on transformers' loop)
+#   d2: fp8 rows with the loop on and off (KVCOMPILE_DEVICE_LOOP), a process a row, at
+#      B16 x P4096 and B1 x P32768 (D_ROWS to pick: "BxP ...")
 #   other parts: session34_call.sh's (v: the in-place gated product's peak, rows and tests)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvc_out}; mkdir -p "$OUT"
@@ -20,8 +20,9 @@ case "${PART:-c}" in
         --shapes ${C_SHAPES:-B16_L8k,B4_L32k} 2>&1 | grep -vE "^\{" | tee "$OUT/c_h$h.txt"
     done ;;
   d)
-    timeout -k 5 ${D_LIMIT:-240} python3 -m pytest -q -s -m gpu tests/gpu/test_hf_graphs_gpu.py \
-      -k "device_loop or deferred" 2>&1 | tail -8 | tee "$OUT/d_tests.txt"
+    timeout -k 5 ${D_LIMIT:-400} python3 -m pytest -q -s -m gpu tests/gpu/test_hf_graphs_gpu.py \
+      -k "device_loop or deferred" 2>&1 | tail -8 | tee "$OUT/d_tests.txt" ;;
+  d2)
     for shape in ${D_ROWS:-16x4096 1x32768}; do
       for loop in 1 0; do
         KVCOMPILE_DEVICE_LOOP=$loop B=${shape%x*} P=${shape#*x} N=64 ROW_LIMIT=${ROW_LIMIT:-100} \
