@@ -265,7 +265,10 @@ def run(model, fwd: GraphedForward, input_ids, logits_processor, stopping_criter
     forward = (model.get_compiled_call(generation_config.compile_config)
                if auto is not None and auto(model_kwargs, generation_config) else model)
     decode = getattr(model, "_optimize_model_for_decode", None)
-    with decode() if decode is not None else contextlib.nullcontext():
+    # the model's lock for the whole decode: the graph's input buffers carry this call's
+    # state from one step to the next (written by the tail), which another thread's step of
+    # the same graph would overwrite (generate calls from threads then decode in turn)
+    with st.lock, decode() if decode is not None else contextlib.nullcontext():
         # transformers' steps (the prefill's token, steps that replay no graph), the stop
         # flag read a step late as in its DeferredStopCheck
         while True:
@@ -293,10 +296,10 @@ def run(model, fwd: GraphedForward, input_ids, logits_processor, stopping_criter
                 return _on_device(fwd, dict(model_inputs, return_dict=True), input_ids,
                                   prompt, made, new_max, unfinished, done, eos, pad, flags,
                                   choose)
-    # (the rest of the steps ran as transformers runs them)
-    if stop is None:
-        stop = flags.stopped(keep_in_flight=0)
-    return _finish(st, cache, input_ids, prompt, made, stop, streamer)
+        # (every step ran as transformers runs them)
+        if stop is None:
+            stop = flags.stopped(keep_in_flight=0)
+        return _finish(st, cache, input_ids, prompt, made, stop, streamer)
 
 
 def _finish(st, cache, ids, prompt: int, made: int, stop: int | None,
@@ -349,8 +352,7 @@ def _on_device(fwd, kw, input_ids, prompt: int, made: int, new_max: int, unfinis
         stop = flags.stopped(keep_in_flight=1)
         if stop is not None:
             break
-        with st.lock:   # one forward of a model at a time, as GraphedForward's calls
-            g2 = fwd.step(kw, cache, b, b.seq_len())
+        g2 = fwd.step(kw, cache, b, b.seq_len())   # (under the model's lock: `run`)
         launched += 1
         if g2 is not g:   # recaptured (the pool grew): the tail follows the new buffers
             g, kw = g2, _graph_inputs(g2, kw)

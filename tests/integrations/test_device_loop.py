@@ -297,3 +297,34 @@ def test_steps_that_replay_no_graph_run_as_transformers_runs_them(emulated, eos)
     assert not c.get("generate_device_loop_steps"), c
     assert bool(c.get("generate_device_loop_undone")) == (eager.shape[1] < ids.shape[1] + 9), c
     assert state_of(m).pool.stats().pages_used == 0
+
+
+def test_generate_from_threads_decodes_in_turn_with_sequential_tokens(emulated):
+    """Four threads, each a batch of 2 (one graph, whose input buffers carry each call's state
+    between steps): the loop holds the model's lock for its decode, so the calls' steps never
+    interleave on the graph; tokens equal sequential calls', no page left."""
+    import threading
+
+    m = _model()
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 200, (2, 6 + i), generator=g) for i in range(4)]
+    want = [_generate(m, p, torch.ones_like(p), new=6) for p in prompts]
+    got, errors = [None] * 4, []
+    start = threading.Barrier(4)
+
+    def run(i):
+        try:
+            start.wait()
+            got[i] = _generate(m, prompts[i], torch.ones_like(prompts[i]), new=6)
+        except BaseException as e:   # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, repr(errors[0])
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert state_of(m).counters.get("generate_device_loop") == 8
+    assert state_of(m).pool.stats().pages_used == 0
