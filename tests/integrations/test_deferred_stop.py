@@ -172,9 +172,10 @@ def test_graphed_steps_under_the_deferred_check_equal_the_eager_steps(on_cpu, mo
     without graphs, also when a row ends at EOS (one more step replayed, undone)."""
     from kvcompile.integrations import hf_graphs
     from tests.engine.tiny import make_llama64
-    from tests.integrations.test_hf_graphs_eviction import _capture, _refusal
+    from tests.integrations.graphs_emulated import capture
+    from tests.integrations.test_hf_graphs_eviction import _refusal
 
-    monkeypatch.setattr(hf_graphs, "capture", _capture)
+    monkeypatch.setattr(hf_graphs, "capture", capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     m = make_llama64()
     kvcompile.compile(m, kvcompile.KVConfig(inner="eager", kernels="triton", page_size=8,

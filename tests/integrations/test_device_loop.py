@@ -19,21 +19,7 @@ from kvcompile.api import state_of
 from kvcompile.config import KVConfig
 from kvcompile.integrations import hf_graphs, hf_loop
 from tests.engine.tiny import make_llama64
-
-
-class _Replay:
-    def __init__(self, step, out):
-        self.step, self.out = step, out
-
-    def replay(self):
-        self.out.logits.copy_(self.step().logits)
-
-
-def _capture(step, device, mempool):
-    step()
-    step()   # capture()'s two warm-up runs
-    out = step()
-    return _Replay(step, out), out
+from tests.integrations.graphs_emulated import capture
 
 
 class _TailReplay:
@@ -46,7 +32,7 @@ class _TailReplay:
 
 @pytest.fixture
 def emulated(monkeypatch):
-    monkeypatch.setattr(hf_graphs, "capture", _capture)
+    monkeypatch.setattr(hf_graphs, "capture", capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(hf_loop, "LOOP_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(hf_loop, "capture_tail", lambda fn, device, mempool: _TailReplay(fn))

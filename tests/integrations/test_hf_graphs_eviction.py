@@ -25,29 +25,12 @@ from kvcompile.config import H2O, KVConfig, SinkWindow, SnapKV
 from kvcompile.integrations import hf_graphs
 from kvcompile.testing import assert_rel_close
 from tests.engine.tiny import make_llama64
-
-
-class _Replay:
-    """A captured step, re-run on replay over the same static buffers, outputs copied into the
-    captured ones (as a CUDA graph's replay refills its static outputs)."""
-
-    def __init__(self, step, out):
-        self.step, self.out = step, out
-
-    def replay(self):
-        self.out.logits.copy_(self.step().logits)
-
-
-def _capture(step, device, mempool):
-    step()
-    step()   # capture()'s two warm-up runs
-    out = step()
-    return _Replay(step, out), out
+from tests.integrations.graphs_emulated import capture
 
 
 @pytest.fixture
 def emulated(monkeypatch):
-    monkeypatch.setattr(hf_graphs, "capture", _capture)
+    monkeypatch.setattr(hf_graphs, "capture", capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
 
 

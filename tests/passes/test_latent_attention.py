@@ -353,6 +353,18 @@ def test_decode_mask_that_hides_no_key_lets_the_latent_kernel_run():
     assert not mask_hides_no_key(SimpleNamespace(cache={}), None)
 
 
+def _generate_like(model, ids, kw, ref, what: str) -> dict:
+    """`generate` whose tokens equal `ref`'s and whose per-step logits are within fp32
+    tolerance of them -> the counters it moved."""
+    before = dict(kvcompile.stats(model)["counters"])
+    got = model.generate(ids, **kw)
+    c = {k: v - before.get(k, 0) for k, v in kvcompile.stats(model)["counters"].items()}
+    assert torch.equal(got.sequences, ref.sequences), what
+    for g, r in zip(got.logits, ref.logits):
+        assert_rel_close(g, r, torch.float32, factor=4, what=f"logits, {what}")
+    return c
+
+
 @pytest.mark.parametrize("pad", [pytest.param(False, marks=FULL_ONLY), True],
                          ids=["unpadded", "left_padded"])
 def test_prompt_chunks_over_latent_pages_expand(monkeypatch, pad):
@@ -387,12 +399,7 @@ def test_prompt_chunks_over_latent_pages_expand(monkeypatch, pad):
                 monkeypatch.setattr(dense, "MATH_BLOCK_BYTES", 256)
                 monkeypatch.setattr(dense, "_sdpa_blocks", lambda *a: blocks.append(1) or
                                     sdpa_blocks(*a))
-            before = dict(kvcompile.stats(model)["counters"])
-            got = model.generate(ids, **kw)
-            c = {k: v - before.get(k, 0) for k, v in kvcompile.stats(model)["counters"].items()}
-            assert torch.equal(got.sequences, ref.sequences), expand
-            for g, r in zip(got.logits, ref.logits):
-                assert_rel_close(g, r, torch.float32, factor=4, what=f"logits, {expand}")
+            c = _generate_like(model, ids, kw, ref, f"expand={expand}")
             # chunks of 12, 12 and 10 tokens: the first fresh, the two others over pages
             assert c.get("prefill_fresh_sdpa") == LAYERS, c
             if expand:
@@ -424,12 +431,7 @@ def test_prompt_chunks_over_latent_pages_fold_into_kernel_rows(monkeypatch, pad)
         for expand in (False, True):
             if expand:
                 monkeypatch.setattr(dispatch, "LATENT_EXPAND_MIN_QUERIES", 1)
-            before = dict(kvcompile.stats(model)["counters"])
-            got = model.generate(ids, **kw)
-            c = {k: v - before.get(k, 0) for k, v in kvcompile.stats(model)["counters"].items()}
-            assert torch.equal(got.sequences, ref.sequences), expand
-            for g, r in zip(got.logits, ref.logits):
-                assert_rel_close(g, r, torch.float32, factor=4, what=f"logits, {expand}")
+            c = _generate_like(model, ids, kw, ref, f"expand={expand}")
             # chunks of 10 tokens: the first fresh, the two others over pages
             assert c.get("prefill_fresh_sdpa") == LAYERS, c
             assert not c.get("reference_fallback") and not c.get("latent_absorbed"), c
