@@ -231,12 +231,14 @@ def test_the_race_draws_each_token_with_its_probability():
     ("penalty", "logits processors (RepetitionPenaltyLogitsProcessor)"),
     ("sample_penalty", "logits processors (RepetitionPenaltyLogitsProcessor)"),
     ("dict", "return_dict_in_generate=True"),
+    ("time", "stopping criteria (MaxTimeCriteria)"),   # (stop strings: StopStringCriteria)
 ])
 def test_calls_the_loop_does_not_take_keep_transformers_loop_and_say_why(emulated, case, why):
     ids, mask = _prompts()
     kw = {"sample_penalty": dict(do_sample=True, top_k=5, repetition_penalty=1.3),
           "penalty": dict(repetition_penalty=1.3),
-          "dict": dict(return_dict_in_generate=True)}[case]
+          "dict": dict(return_dict_in_generate=True),
+          "time": dict(max_time=600.0)}[case]
     m = _model()
     before = dict(state_of(m).counters)
     torch.manual_seed(0)
