@@ -1,4 +1,4 @@
-"""`generate`'s greedy decode loop on the device (KVConfig.device_loop).
+"""`generate`'s decode loop on the device (KVConfig.device_loop): greedy and warper sampling.
 
 transformers' `_sample` runs each decode step as: its kwargs update and
 `prepare_inputs_for_generation` on the host, the forward (here a CUDA graph replay,
@@ -33,7 +33,9 @@ them (`_prefill`, `prepare_inputs_for_generation`, the model's forward,
 `_update_model_kwargs_for_generation`, the same selection in fp32). Greedy tokens are
 transformers' own: the same forwards, the same argmax. Sampled tokens follow the same
 distribution but not transformers' random draws (`_Choice`: a graph-safe draw instead of
-`torch.multinomial`): a seed reproduces kvcompile's samples, not transformers'.
+`torch.multinomial`): a seed reproduces kvcompile's samples, not transformers'. The decode
+holds the model's lock (the graph's input buffers carry the call's state from step to step):
+`generate` calls from several threads decode in turn.
 
 transformers' loop keeps the call (said once in `kvcompile.report`, counted as
 `generate_device_loop_refused`) where it needs its host work or its exact behaviour:
@@ -237,7 +239,7 @@ class _Deferred:
 
 def run(model, fwd: GraphedForward, input_ids, logits_processor, stopping_criteria,
         generation_config, model_kwargs, streamer=None):
-    """`_sample`'s greedy loop, its graphed steps on the device (module docstring).
+    """`_sample`'s loop, its graphed steps on the device (module docstring).
     -> the sequences [B, prompt + new] as `_sample` returns them."""
     st = fwd.state
     eos_crit = [c for c in stopping_criteria if hasattr(c, "eos_token_id")]
