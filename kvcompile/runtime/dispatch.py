@@ -748,9 +748,12 @@ def _latent_kernel(state, q_lat, c_pages, r_pages, plan, mask_info, attn_mask, w
             if not plan.packed:
                 B, H, S, W = q_lat.shape
                 q_rows = q_lat.transpose(1, 2).reshape(B * S, H, W)
-            index, seq_lens, key_mask = _fold_rows(plan, mask_info, q_lat.shape[2],
-                                                   q_lat.device)
-            tables = plan.block_tables.index_select(0, index)
+            key = ("latent_fold", q_lat.shape[2], id(mask_info))   # once a forward, not a layer
+            if key not in plan.cache:
+                index, lens, km = _fold_rows(plan, mask_info, q_lat.shape[2], q_lat.device)
+                plan.cache[key] = (plan.block_tables.index_select(0, index), lens, km,
+                                   mask_info)   # (mask_info held: its id stays its own)
+            tables, seq_lens, key_mask, _ = plan.cache[key]
         q_rows = q_rows.contiguous()
 
     def shaped(out):   # [N, H, r] -> the attention's layout

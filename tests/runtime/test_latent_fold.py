@@ -75,6 +75,10 @@ def test_a_chunk_over_a_cached_prefix_folds_into_kernel_rows(fmt):
     got, route = _latent_kernel(_state(notes), q, pool.k[0], pool.v[0], plan, info,
                                 torch.ones(1), 0, 0.0, SCALE)
     assert route == "triton_rows" and not notes and got.shape == (3, H, S, R)
+    again, _ = _latent_kernel(_state(notes), q, pool.k[0], pool.v[0], plan, info,
+                              torch.ones(1), 0, 0.0, SCALE)   # the next layer of the forward
+    assert torch.equal(again, got)
+    assert sum(1 for k in plan.cache if k[0] == "latent_fold") == 1   # rows made once
     if fmt == "fp32":
         rows = q.transpose(1, 2).reshape(3 * S, H, R + DR)
         want = _want(rows, written, [b for b in range(3) for _ in range(S)],
