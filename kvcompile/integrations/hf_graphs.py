@@ -176,6 +176,7 @@ class GraphedForward:
         self.replays = 0
         self.captures = 0
         self.last = None             # (graph, binding) of the last replay
+        self.loop_off = None         # why the device loop is off for this model (hf_loop.py)
         self._why_not = None
         self._store = None           # the eviction mass store the graphs with mass captured
         state.release_hooks.append(weakref.WeakMethod(self.release))
@@ -217,6 +218,7 @@ class GraphedForward:
         self.release_graphs()
         self.mempool = None
         self._why_not = None   # asked again of the next pool
+        self.loop_off = None
 
     # -- eligibility --------------------------------------------------------------------------
     def why_not(self) -> str | None:

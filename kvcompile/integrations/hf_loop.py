@@ -92,6 +92,8 @@ def refusal(model, input_ids, logits_processor, stopping_criteria, generation_co
     why = ""
     if not st.config.device_loop:
         why = "KVConfig.device_loop is False (KVCOMPILE_DEVICE_LOOP=0)"
+    elif fwd.loop_off:
+        why = fwd.loop_off
     elif names:
         why = f"logits processors ({', '.join(names)})"
     elif stops:
@@ -293,11 +295,16 @@ def run(model, fwd: GraphedForward, input_ids, logits_processor, stopping_criter
                 input_ids, next_sequence_length=1, **model_kwargs)
             replays = fwd.replays
             outputs = forward(**model_inputs, return_dict=True)
-            if fwd.replays > replays:   # a graph ran it: the rest on the device
-                del outputs
-                return _on_device(fwd, dict(model_inputs, return_dict=True), input_ids,
-                                  prompt, made, new_max, unfinished, done, eos, pad, flags,
-                                  choose)
+            if fwd.replays > replays and not fwd.loop_off:   # graphed: the rest on the device
+                out = torch.empty((input_ids.shape[0], new_max - made), dtype=torch.long,
+                                  device=device)
+                tail = _first_tail(fwd, out, unfinished, done, eos, pad, choose)
+                if tail is not None:
+                    del outputs
+                    return _on_device(fwd, dict(model_inputs, return_dict=True), input_ids,
+                                      prompt, made, unfinished, done, eos, pad, flags, choose,
+                                      tail)
+                # (its capture failed, said: this call's steps go on as transformers')
         # (every step ran as transformers runs them)
         if stop is None:
             stop = flags.stopped(keep_in_flight=0)
@@ -329,19 +336,33 @@ def _graph_inputs(g, kw: dict) -> dict:
     return kw
 
 
-def _on_device(fwd, kw, input_ids, prompt: int, made: int, new_max: int, unfinished, done,
-               eos, pad, flags, choose):
+def _first_tail(fwd, out, unfinished, done, eos, pad, choose) -> _Tail | None:
+    """The tail over the graph that just ran, captured; None where its capture failed: said
+    once in the report, and the model's later calls keep transformers' loop (`refusal`)."""
+    g, _ = fwd.last
+    col = torch.zeros(1, dtype=torch.long, device=out.device)
+    tail = _Tail(g, out, col, unfinished, done, eos, pad, choose)
+    try:
+        tail.capture(out.device, fwd.mempool)
+    except RuntimeError as e:
+        fwd.loop_off = f"its tail's CUDA graph capture failed ({type(e).__name__}: {e})"
+        fwd.state.kernels.note(f"generate: the device loop is off for this model: "
+                               f"{fwd.loop_off}")
+        return None
+    return tail
+
+
+def _on_device(fwd, kw, input_ids, prompt: int, made: int, unfinished, done, eos, pad, flags,
+               choose, tail):
     """The loop from the first replayed decode step on (`kw` its inputs): its logits are in
-    the graph's static output; every later step is a forward replay and a tail replay.
-    `made` tokens so far, in input_ids."""
+    the graph's static output, `tail` captured over it; every later step is a forward replay
+    and a tail replay. `made` tokens so far, in input_ids."""
     st = fwd.state
     device = input_ids.device
     cache = next(kw[k] for k in _CACHE_KEYS if kw.get(k) is not None)
     g, b = fwd.last
-    out = torch.empty((input_ids.shape[0], new_max - made), dtype=torch.long, device=device)
-    col = torch.zeros(1, dtype=torch.long, device=device)
-    tail = _Tail(g, out, col, unfinished, done, eos, pad, choose)
-    tail.capture(device, fwd.mempool)
+    out, col = tail.out, tail.col
+    new_max = made + out.shape[1]
     kw = _graph_inputs(g, kw)
     stop = None
     launched = produced = 0

@@ -316,3 +316,27 @@ def test_generate_from_threads_decodes_in_turn_with_sequential_tokens(emulated):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert state_of(m).counters.get("generate_device_loop") == 8
     assert state_of(m).pool.stats().pages_used == 0
+
+
+def test_a_tail_that_fails_to_capture_leaves_the_call_to_transformers_steps(emulated,
+                                                                           monkeypatch):
+    """The tail's capture raising (a CUDA capture error): the call goes on as transformers
+    runs it (tokens equal eager), the report says why, and the model's later calls keep
+    transformers' loop with that reason; kvcompile.release clears it."""
+    def broken(fn, device, mempool):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(hf_loop, "capture_tail", broken)
+    ids, mask = _prompts()
+    eager = _generate(make_llama64(), ids, mask)
+    m = _model()
+    assert torch.equal(_generate(m, ids, mask), eager)
+    rep = str(kvcompile.report(m))
+    assert "device loop is off for this model: its tail's CUDA graph capture failed" in rep
+    before = dict(state_of(m).counters)
+    assert torch.equal(_generate(m, ids, mask), eager)
+    c = _delta(m, before)
+    assert c.get("generate_device_loop_refused") == 1 and not c.get("generate_device_loop"), c
+    assert c.get("generate_cuda_graph_replays") == 8, c      # the graphs still replay
+    kvcompile.release(m)
+    assert m.forward.loop_off is None
