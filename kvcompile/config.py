@@ -318,9 +318,10 @@ class KVConfig:
         flag, read a step late), with none of transformers' per-step Python or small kernels.
         Greedy tokens are transformers' own; sampling through the temperature / top-k /
         top-p / min-p warpers draws from the same distribution with a graph-safe draw (not
-        transformers' random numbers). Other logits processors, stop strings and the other
-        features that need the host keep transformers' loop (`kvcompile.report` says
-        which). Default True; KVCOMPILE_DEVICE_LOOP=0 sets False.
+        transformers' random numbers); with an eviction policy each step goes through the
+        forward (a graph where eviction steps aside). Other logits processors, stop strings
+        and the other features that need the host keep transformers' loop
+        (`kvcompile.report` says which). Default True; KVCOMPILE_DEVICE_LOOP=0 sets False.
     prefill: "auto", "triton" or "sdpa" (PREFILL_CHOICES). Default from KVCOMPILE_PREFILL
         ("triton"; any other value set means "sdpa").
     prefill_tma / prefill_q_tma / prefill_scale_tma / prefill_warp_spec: diagnostic switches

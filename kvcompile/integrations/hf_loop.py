@@ -42,8 +42,10 @@ transformers' loop keeps the call (said once in `kvcompile.report`, counted as
 logits processors other than the sampling warpers (repetition penalties, forced or
 suppressed tokens, minimum lengths: any), stopping criteria other than the length limit and EOS (stop
 strings, a time limit), `return_dict_in_generate`, a cache passed in, an assistant's loop,
-synced GPUs, an eviction policy or a runtime hook (whose steps are checked one at a time),
-and `KVConfig.device_loop=False` (KVCOMPILE_DEVICE_LOOP=0). Without CUDA graphs for the
+synced GPUs, a runtime hook (`kvcompile inspect` / `verify`), and `KVConfig.device_loop=False`
+(KVCOMPILE_DEVICE_LOOP=0). A model with an eviction policy runs the loop with its steps
+through the model's forward (`_evicting`: a graph where the eviction runtime steps aside, the
+compiled forward where its rules need the host), inputs from the tail's own buffers. Without CUDA graphs for the
 decode steps (their own reason in the report) it is not offered.
 """
 
@@ -107,8 +109,8 @@ def refusal(model, input_ids, logits_processor, stopping_criteria, generation_co
     elif not model_kwargs.get("use_cache", True) or getattr(model.config, "is_encoder_decoder",
                                                              False):
         why = "use_cache=False or an encoder-decoder"
-    elif st.eviction is not None or st.hooks:
-        why = "an eviction policy or a runtime hook (its steps are checked one at a time)"
+    elif any(h is not st.eviction for h in st.hooks):
+        why = "a runtime hook (kvcompile inspect / verify: its steps need the host)"
     if why:
         st.kernels.note(f"generate: transformers' decode loop runs the call, not the device "
                         f"loop ({why})")
@@ -125,8 +127,22 @@ def capture_tail(fn, device, mempool):
     return graph
 
 
+class _Own:
+    """The step inputs and logits of an evicting model's loop (`_evicting`): its own buffers,
+    since its steps go through the model's forward (a graph, or the compiled forward where
+    eviction needs the host), not one graph's buffers."""
+
+    def __init__(self, kw: dict, logits: torch.Tensor):
+        self.ids = kw["input_ids"].clone()
+        self.pos = kw["position_ids"].clone() if kw.get("position_ids") is not None else None
+        self.cp = (kw["cache_position"].clone() if kw.get("cache_position") is not None
+                   else None)
+        self.out = (None, {"logits": logits[:, -1:].clone()})
+
+
 class _Tail:
-    """The captured token selection after a forward graph `g` (module docstring)."""
+    """The captured token selection after a forward: reads `g`'s static logits, writes the
+    next step's inputs into `g`'s buffers (a forward graph's, or `_Own`'s)."""
 
     def __init__(self, g, out: torch.Tensor, col: torch.Tensor, unfinished: torch.Tensor,
                  done: torch.Tensor, eos: torch.Tensor | None, pad: torch.Tensor | None,
@@ -298,12 +314,15 @@ def run(model, fwd: GraphedForward, input_ids, logits_processor, stopping_criter
             if fwd.replays > replays and not fwd.loop_off:   # graphed: the rest on the device
                 out = torch.empty((input_ids.shape[0], new_max - made), dtype=torch.long,
                                   device=device)
-                tail = _first_tail(fwd, out, unfinished, done, eos, pad, choose)
+                kw = dict(model_inputs, return_dict=True)
+                evicting = st.eviction is not None
+                bufs = _Own(kw, outputs.logits) if evicting else fwd.last[0]
+                tail = _first_tail(fwd, bufs, out, unfinished, done, eos, pad, choose)
                 if tail is not None:
                     del outputs
-                    return _on_device(fwd, dict(model_inputs, return_dict=True), input_ids,
-                                      prompt, made, unfinished, done, eos, pad, flags, choose,
-                                      tail)
+                    loop = _evicting if evicting else _on_device
+                    return loop(fwd, kw, input_ids, prompt, made, unfinished, done, eos, pad,
+                                flags, choose, tail)
                 # (its capture failed, said: this call's steps go on as transformers')
         # (every step ran as transformers runs them)
         if stop is None:
@@ -336,12 +355,12 @@ def _graph_inputs(g, kw: dict) -> dict:
     return kw
 
 
-def _first_tail(fwd, out, unfinished, done, eos, pad, choose) -> _Tail | None:
-    """The tail over the graph that just ran, captured; None where its capture failed: said
-    once in the report, and the model's later calls keep transformers' loop (`refusal`)."""
-    g, _ = fwd.last
+def _first_tail(fwd, bufs, out, unfinished, done, eos, pad, choose) -> _Tail | None:
+    """The tail over `bufs` (the graph that just ran, or `_Own`), captured; None where its
+    capture failed: said once in the report, and the model's later calls keep transformers'
+    loop (`refusal`)."""
     col = torch.zeros(1, dtype=torch.long, device=out.device)
-    tail = _Tail(g, out, col, unfinished, done, eos, pad, choose)
+    tail = _Tail(bufs, out, col, unfinished, done, eos, pad, choose)
     try:
         tail.capture(out.device, fwd.mempool)
     except RuntimeError as e:
@@ -382,6 +401,55 @@ def _on_device(fwd, kw, input_ids, prompt: int, made: int, unfinished, done, eos
             tail = _Tail(g, out, col, unfinished, done, eos, pad, choose)
             tail.capture(device, fwd.mempool)
             st.count("generate_device_loop_recaptures")
+    if stop is None:
+        stop = flags.stopped(keep_in_flight=0)
+    st.count("generate_device_loop_steps", launched)
+    ids = torch.cat([input_ids, out[:, :produced]], dim=-1)
+    return _finish(st, cache, ids, prompt, made + produced, stop, flags.streamer)
+
+
+def _evicting(fwd, kw, input_ids, prompt: int, made: int, unfinished, done, eos, pad, flags,
+              choose, tail):
+    """`_on_device` for a model with an eviction policy: each step goes through the model's
+    forward (`GraphedForward.__call__`: a graph where the eviction runtime steps aside, the
+    compiled forward where its rules need the host, its work after the step either way) with
+    the tail's own buffers as inputs and the attention mask a growing view of one buffer; its
+    logits are copied into the tail's buffer. No transformers Python or per-step kernels, but
+    the forward's own input checks and copies."""
+    st = fwd.state
+    device = input_ids.device
+    cache = next(kw[k] for k in _CACHE_KEYS if kw.get(k) is not None)
+    own, out = tail.g, tail.out
+    new_max = made + out.shape[1]
+    mask = kw.get("attention_mask")
+    if mask is not None:   # every later step's mask: a view of this buffer (ones appended)
+        grown = torch.ones((mask.shape[0], mask.shape[1] + out.shape[1]), dtype=mask.dtype,
+                           device=device)
+        grown[:, :mask.shape[1]].copy_(mask)
+    width = mask.shape[1] if mask is not None else 0
+    logits = own.out[1]["logits"]
+    stop = None
+    launched = produced = 0
+    while True:
+        tail.graph.replay()       # the token of the step just run
+        produced += 1
+        flags.record(done, out[:, produced - 1], made + produced)
+        if made + produced >= new_max:
+            break
+        stop = flags.stopped(keep_in_flight=1)
+        if stop is not None:
+            break
+        step = dict(kw, input_ids=own.ids)
+        if own.pos is not None:
+            step["position_ids"] = own.pos
+        if own.cp is not None:
+            step["cache_position"] = own.cp
+        if mask is not None:
+            step["attention_mask"] = grown[:, :width + produced]
+        outputs = fwd(**step)
+        logits.copy_(outputs.logits[:, -1:])
+        del outputs
+        launched += 1
     if stop is None:
         stop = flags.stopped(keep_in_flight=0)
     st.count("generate_device_loop_steps", launched)

@@ -340,3 +340,42 @@ def test_a_tail_that_fails_to_capture_leaves_the_call_to_transformers_steps(emul
     assert c.get("generate_cuda_graph_replays") == 8, c      # the graphs still replay
     kvcompile.release(m)
     assert m.forward.loop_off is None
+
+
+@pytest.mark.parametrize("name", ["SinkWindow", "H2O", "SnapKV hold, interval 3",
+                                  "H2O, left-padded"])
+def test_evicting_models_run_their_steps_through_the_forward(emulated, name):
+    """With an eviction policy the loop's steps go through the model's forward (a graph that
+    steps aside, eviction's work after it), inputs from the tail's own buffers and the mask a
+    growing view: tokens equal transformers' loop over the same graphs (device_loop off) and
+    the steps replay graphs as often (a left-padded batch: its steps read the mask view)."""
+    import dataclasses
+
+    from kvcompile.config import H2O, SinkWindow, SnapKV
+    from tests.integrations.test_hf_graphs_eviction import _model as evicting_model
+    from tests.integrations.test_hf_graphs_eviction import _refusal as refusal
+
+    policy, interval = {"SinkWindow": (SinkWindow(2, 10), 1),
+                        "H2O": (H2O(budget=12, recent=4, sinks=2), 1),
+                        "SnapKV hold, interval 3": (SnapKV(budget=12, window=4, hold=True),
+                                                    3),
+                        "H2O, left-padded": (H2O(budget=12, recent=4, sinks=2), 1)}[name]
+    m = evicting_model(policy, interval)
+    m.forward.why_not = lambda: refusal(m)
+    st = state_of(m)
+    ids = torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    padded = name.endswith("left-padded")
+    if padded:
+        ids[1, :5], mask[1, :5] = 0, 0
+    outs, counts = [], []
+    for loop in (True, False):
+        st.config = dataclasses.replace(st.config, device_loop=loop)
+        before = dict(st.counters)
+        outs.append(_generate(m, ids, mask, new=10))
+        counts.append(_delta(m, before))
+    assert torch.equal(outs[0], outs[1])
+    c = counts[0]
+    replays = c.get("generate_cuda_graph_replays", 0)
+    assert replays == counts[1].get("generate_cuda_graph_replays", 0), (c, counts[1])
+    assert replays > 0 and c.get("generate_device_loop_steps") == 8, c
