@@ -329,6 +329,38 @@ def test_eviction_in_generate_graphs(fmt, name, policy, interval, sinks, pad):
         kvcompile.release(model)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("policy", [lambda: kvcompile.SinkWindow(4, 60),
+                                    lambda: kvcompile.H2O(budget=64, recent=16, sinks=4)],
+                         ids=["SinkWindow", "H2O"])
+def test_device_loop_with_eviction_equals_transformers_loop(fmt, policy):
+    """An evicting model's device loop (each step through the forward: a graph that steps
+    aside) against transformers' loop over the same graphs: tokens and replays equal."""
+    torch._dynamo.reset()
+    model = tiny()
+    kvcompile.compile(model, KVConfig(max_kv_bytes=256 << 20, eviction=policy(),
+                                      **FORMATS[fmt]))
+    try:
+        st = state_of(model)
+        ids, am = inputs(B=3, L=100, pad=True, seed=23)
+        kw = dict(attention_mask=am, max_new_tokens=24, do_sample=False, pad_token_id=0,
+                  eos_token_id=None)
+        outs, counts = [], []
+        for loop in (True, False):
+            st.config = dataclasses.replace(st.config, device_loop=loop)
+            before = dict(st.counters)
+            outs.append(model.generate(ids, **kw))
+            counts.append({k: v - before.get(k, 0) for k, v in st.counters.items()
+                           if v != before.get(k, 0)})
+        print(fmt, counts[0])
+        assert counts[0].get("generate_device_loop") == 1, counts[0]
+        assert (counts[0].get("generate_cuda_graph_replays")
+                == counts[1].get("generate_cuda_graph_replays")), counts
+        assert torch.equal(outs[0], outs[1])
+    finally:
+        kvcompile.release(model)
+
+
 def test_engine_latent_steps_take_the_kernel():
     """The engine on MLA layers (DeepSeek-V3 widths, fp32 weights): decode steps in which
     every sequence adds one token run the latent kernel over the packed rows (eagerly: the
