@@ -321,8 +321,7 @@ def run(model, fwd: GraphedForward, input_ids, logits_processor, stopping_criter
                 if tail is not None:
                     del outputs
                     loop = _evicting if evicting else _on_device
-                    return loop(fwd, kw, input_ids, prompt, made, unfinished, done, eos, pad,
-                                flags, choose, tail)
+                    return loop(fwd, kw, input_ids, prompt, made, tail, flags)
                 # (its capture failed, said: this call's steps go on as transformers')
         # (every step ran as transformers runs them)
         if stop is None:
@@ -371,45 +370,32 @@ def _first_tail(fwd, bufs, out, unfinished, done, eos, pad, choose) -> _Tail | N
     return tail
 
 
-def _on_device(fwd, kw, input_ids, prompt: int, made: int, unfinished, done, eos, pad, flags,
-               choose, tail):
+def _on_device(fwd, kw, input_ids, prompt: int, made: int, tail, flags):
     """The loop from the first replayed decode step on (`kw` its inputs): its logits are in
     the graph's static output, `tail` captured over it; every later step is a forward replay
     and a tail replay. `made` tokens so far, in input_ids."""
     st = fwd.state
-    device = input_ids.device
     cache = next(kw[k] for k in _CACHE_KEYS if kw.get(k) is not None)
     g, b = fwd.last
-    out, col = tail.out, tail.col
-    new_max = made + out.shape[1]
     kw = _graph_inputs(g, kw)
-    stop = None
-    launched = produced = 0
-    while True:
-        tail.graph.replay()       # the token of the step just run
-        produced += 1
-        flags.record(done, out[:, produced - 1], made + produced)
-        if made + produced >= new_max:
-            break
-        stop = flags.stopped(keep_in_flight=1)
-        if stop is not None:
-            break
+
+    def forward_step(produced: int, tail: _Tail) -> _Tail:
+        nonlocal g, kw
         g2 = fwd.step(kw, cache, b, b.seq_len())   # (under the model's lock: `run`)
-        launched += 1
-        if g2 is not g:   # recaptured (the pool grew): the tail follows the new buffers
-            g, kw = g2, _graph_inputs(g2, kw)
-            tail = _Tail(g, out, col, unfinished, done, eos, pad, choose)
-            tail.capture(device, fwd.mempool)
-            st.count("generate_device_loop_recaptures")
-    if stop is None:
-        stop = flags.stopped(keep_in_flight=0)
-    st.count("generate_device_loop_steps", launched)
-    ids = torch.cat([input_ids, out[:, :produced]], dim=-1)
-    return _finish(st, cache, ids, prompt, made + produced, stop, flags.streamer)
+        if g2 is g:
+            return tail
+        # recaptured (the pool grew): the tail follows the new graph's buffers
+        g, kw = g2, _graph_inputs(g2, kw)
+        tail = _Tail(g, tail.out, tail.col, tail.unfinished, tail.done, tail.eos, tail.pad,
+                     tail.choose)
+        tail.capture(input_ids.device, fwd.mempool)
+        st.count("generate_device_loop_recaptures")
+        return tail
+
+    return _drive(st, cache, input_ids, prompt, made, tail, flags, forward_step)
 
 
-def _evicting(fwd, kw, input_ids, prompt: int, made: int, unfinished, done, eos, pad, flags,
-              choose, tail):
+def _evicting(fwd, kw, input_ids, prompt: int, made: int, tail, flags):
     """`_on_device` for a model with an eviction policy: each step goes through the model's
     forward (`GraphedForward.__call__`: a graph where the eviction runtime steps aside, the
     compiled forward where its rules need the host, its work after the step either way) with
@@ -417,38 +403,48 @@ def _evicting(fwd, kw, input_ids, prompt: int, made: int, unfinished, done, eos,
     logits are copied into the tail's buffer. No transformers Python or per-step kernels, but
     the forward's own input checks and copies."""
     st = fwd.state
-    device = input_ids.device
     cache = next(kw[k] for k in _CACHE_KEYS if kw.get(k) is not None)
-    own, out = tail.g, tail.out
-    new_max = made + out.shape[1]
+    own = tail.g
     mask = kw.get("attention_mask")
     if mask is not None:   # every later step's mask: a view of this buffer (ones appended)
-        grown = torch.ones((mask.shape[0], mask.shape[1] + out.shape[1]), dtype=mask.dtype,
-                           device=device)
+        grown = torch.ones((mask.shape[0], mask.shape[1] + tail.out.shape[1]),
+                           dtype=mask.dtype, device=mask.device)
         grown[:, :mask.shape[1]].copy_(mask)
-    width = mask.shape[1] if mask is not None else 0
     logits = own.out[1]["logits"]
-    stop = None
-    launched = produced = 0
-    while True:
-        tail.graph.replay()       # the token of the step just run
-        produced += 1
-        flags.record(done, out[:, produced - 1], made + produced)
-        if made + produced >= new_max:
-            break
-        stop = flags.stopped(keep_in_flight=1)
-        if stop is not None:
-            break
+
+    def forward_step(produced: int, tail: _Tail) -> _Tail:
         step = dict(kw, input_ids=own.ids)
         if own.pos is not None:
             step["position_ids"] = own.pos
         if own.cp is not None:
             step["cache_position"] = own.cp
         if mask is not None:
-            step["attention_mask"] = grown[:, :width + produced]
-        outputs = fwd(**step)
-        logits.copy_(outputs.logits[:, -1:])
-        del outputs
+            step["attention_mask"] = grown[:, :mask.shape[1] + produced]
+        logits.copy_(fwd(**step).logits[:, -1:])
+        return tail
+
+    return _drive(st, cache, input_ids, prompt, made, tail, flags, forward_step)
+
+
+def _drive(st, cache, input_ids, prompt: int, made: int, tail: _Tail, flags, forward_step):
+    """The device phase: a tail replay a step (the token of the forward just run, stored at
+    its column), the step's flag and tokens recorded, the step before last read, then
+    `forward_step(produced, tail)`: the next forward, -> the tail to replay after it. Ends at
+    the length limit or a read stop; the sequences as `_sample` returns them."""
+    out = tail.out
+    new_max = made + out.shape[1]
+    stop = None
+    launched = produced = 0
+    while True:
+        tail.graph.replay()
+        produced += 1
+        flags.record(tail.done, out[:, produced - 1], made + produced)
+        if made + produced >= new_max:
+            break
+        stop = flags.stopped(keep_in_flight=1)
+        if stop is not None:
+            break
+        tail = forward_step(produced, tail)
         launched += 1
     if stop is None:
         stop = flags.stopped(keep_in_flight=0)
