@@ -79,16 +79,16 @@ def _quiet_logs():
     _quiet_torch_trace()
 
 
-def _hidden_torch_options() -> list[str]:
-    """Options of torch's config modules that a test left deleted. pytest >= 9's monkeypatch
-    undoes an option it set on such a module by deleting it (the option is not in the module's
-    __dict__), which hides it from every later compile in the worker; CI once failed a test of
-    another file that way."""
+def _hidden_torch_options() -> dict:
+    """{name: config entry} of the options of torch's config modules that a test left deleted.
+    pytest >= 9's monkeypatch undoes an option it set on such a module by deleting it (the
+    option is not in the module's __dict__), which hides it from every later compile in the
+    worker; CI once failed a test of another file that way."""
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
 
-    return [f"{mod.__name__}.{name}" for mod in (dynamo_config, inductor_config)
-            for name, entry in getattr(mod, "_config", {}).items() if getattr(entry, "hide", 0)]
+    return {f"{mod.__name__}.{name}": entry for mod in (dynamo_config, inductor_config)
+            for name, entry in getattr(mod, "_config", {}).items() if getattr(entry, "hide", 0)}
 
 
 @pytest.fixture(autouse=True)
@@ -100,14 +100,10 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     hidden = _hidden_torch_options()
     if hidden:
-        import torch._dynamo.config as dynamo_config
-        import torch._inductor.config as inductor_config
-
-        for mod in (dynamo_config, inductor_config):
-            for entry in getattr(mod, "_config", {}).values():
-                entry.hide = False
-        pytest.fail(f"this test left torch options deleted: {hidden}; set them with the "
-                    "module's own patch() (e.g. torch._inductor.config.patch(...)), not "
+        for entry in hidden.values():
+            entry.hide = False
+        pytest.fail(f"this test left torch options deleted: {sorted(hidden)}; set them with "
+                    "the module's own patch() (e.g. torch._inductor.config.patch(...)), not "
                     "monkeypatch.setattr")
 
 

@@ -357,8 +357,6 @@ def _reset(cache, b) -> None:
 
 # --- generate ----------------------------------------------------------------------------------
 
-_CACHE_KWARGS = ("past_key_values", "cache")
-
 
 def wrap_generate(model) -> None:
     """Make `model.generate` share prompt pages among the copies HF makes of each prompt.
@@ -423,8 +421,7 @@ def _shared_prefill_inputs(input_ids, generation_config, model_kwargs, g: int):
         return None
     if model_kwargs.get("inputs_embeds") is not None:
         return None
-    cache = next((model_kwargs[k] for k in _CACHE_KWARGS if model_kwargs.get(k) is not None),
-                 None)
+    cache = _hf_graphs.cache_of(model_kwargs)
     if cache is None or type(cache).__name__ != "DynamicCache" or cache.get_seq_length() != 0:
         return None
     B = input_ids.shape[0]
@@ -459,7 +456,7 @@ def _repeat_outputs(out, g: int, rows: int):
 
 
 def _caches(kwargs: dict, result) -> list:
-    out = [kwargs.get(k) for k in _CACHE_KWARGS]
+    out = [kwargs.get(k) for k in _hf_graphs._CACHE_KEYS]
     # the output's cache field: `cache` from transformers 5.25 (where reading the old name
     # warns that it is deprecated), `past_key_values` before
     fields = getattr(type(result), "__dataclass_fields__", None) or {}

@@ -117,6 +117,11 @@ class _Graph(Staged):
         self.generation = -1     # the pool's storage generation the graph captured
 
 
+def cache_of(kwargs: dict):
+    """The cache object among a forward's or `generate`'s keyword arguments, or None."""
+    return next((kwargs[k] for k in _CACHE_KEYS if kwargs.get(k) is not None), None)
+
+
 def _cache_in_pool(kwargs: dict) -> bool:
     """Whether the call's cache object holds kvcompile stubs (or bound buffers): its tokens
     live in the pool, so a forward that runs without kvcompile reads no real K/V."""

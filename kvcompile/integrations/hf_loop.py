@@ -55,7 +55,7 @@ import contextlib
 
 import torch
 
-from kvcompile.integrations.hf_graphs import GraphedForward
+from kvcompile.integrations.hf_graphs import GraphedForward, cache_of
 
 # the devices whose graphed decode steps the loop runs (the tests add "cpu", with the graphs'
 # capture and replay emulated)
@@ -65,9 +65,6 @@ _STOPS = {"MaxLengthCriteria", "EosTokenCriteria"}
 # sampling warpers, pure functions of the scores (none reads the ids or keeps state)
 _WARPERS = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper",
             "MinPLogitsWarper"}
-# the cache's name in model kwargs and outputs: `cache` first (transformers >= 5.20 warns when
-# an output is asked for the deprecated `past_key_values`)
-_CACHE_KEYS = ("cache", "past_key_values")
 
 
 def refusal(model, input_ids, logits_processor, stopping_criteria, generation_config,
@@ -86,8 +83,7 @@ def refusal(model, input_ids, logits_processor, stopping_criteria, generation_co
             or not st.kernels.use_triton(dev) or fwd._why_not):
         return None, ""
     cfg = generation_config
-    cache = next((model_kwargs.get(k) for k in _CACHE_KEYS if model_kwargs.get(k) is not None),
-                 None)
+    cache = cache_of(model_kwargs)
     names = sorted({type(p).__name__ for p in logits_processor or ()}
                    - (_WARPERS if cfg.do_sample else set()))
     stops = sorted({type(c).__name__ for c in stopping_criteria or ()} - _STOPS)
@@ -137,12 +133,17 @@ class _Own:
         self.pos = kw["position_ids"].clone() if kw.get("position_ids") is not None else None
         self.cp = (kw["cache_position"].clone() if kw.get("cache_position") is not None
                    else None)
-        self.out = (None, {"logits": logits[:, -1:].clone()})
+        self.logits = logits[:, -1:].clone()
+
+
+def _logits(bufs) -> torch.Tensor:
+    """The logits a tail reads: a forward graph's static output, or `_Own`'s buffer."""
+    return bufs.logits if isinstance(bufs, _Own) else bufs.out[1]["logits"]
 
 
 class _Tail:
-    """The captured token selection after a forward: reads `g`'s static logits, writes the
-    next step's inputs into `g`'s buffers (a forward graph's, or `_Own`'s)."""
+    """The captured token selection after a forward: reads `g`'s logits (`_logits`), writes
+    the next step's inputs into `g`'s buffers (a forward graph's, or `_Own`'s)."""
 
     def __init__(self, g, out: torch.Tensor, col: torch.Tensor, unfinished: torch.Tensor,
                  done: torch.Tensor, eos: torch.Tensor | None, pad: torch.Tensor | None,
@@ -150,8 +151,13 @@ class _Tail:
         self.g, self.out, self.col = g, out, col
         self.unfinished, self.done, self.eos, self.pad = unfinished, done, eos, pad
         self.choose = choose
-        self.logits = g.out[1]["logits"]
+        self.logits = _logits(g)
         self.graph = None
+
+    def over(self, g) -> _Tail:
+        """The same tail (its output, counter and row state) over another graph's buffers."""
+        return _Tail(g, self.out, self.col, self.unfinished, self.done, self.eos, self.pad,
+                     self.choose)
 
     def run(self) -> None:
         nxt = select(self.logits, self.unfinished, self.eos, self.pad, self.choose, self.g.ids)
@@ -163,8 +169,7 @@ class _Tail:
         if self.g.cp is not None:
             self.g.cp.add_(1)
         if self.eos is not None:
-            self.unfinished.mul_((~torch.isin(nxt, self.eos)).long())
-            torch.eq(self.unfinished.amax(), 0, out=self.done)
+            finish_rows(nxt, self.eos, self.unfinished, self.done)
 
     def capture(self, device, mempool) -> None:
         state = [t for t in (self.out, self.col, self.unfinished, self.done, self.g.ids,
@@ -199,6 +204,14 @@ class _Choice:
 def race(probs: torch.Tensor) -> torch.Tensor:
     """One token per row drawn from `probs` [B, V]: argmax of p / E, E ~ Exp(1)."""
     return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+
+
+def finish_rows(nxt: torch.Tensor, eos: torch.Tensor, unfinished: torch.Tensor,
+                done: torch.Tensor) -> None:
+    """In place: rows whose token is an EOS id finish (`unfinished` 0); `done` set where every
+    row has (transformers' EosTokenCriteria and stop check, without a host read)."""
+    unfinished.mul_((~torch.isin(nxt, eos)).long())
+    torch.eq(unfinished.amax(), 0, out=done)
 
 
 def select(logits: torch.Tensor, unfinished: torch.Tensor, eos, pad, choose: _Choice,
@@ -277,7 +290,6 @@ def run(model, fwd: GraphedForward, input_ids, logits_processor, stopping_criter
     st.count("generate_device_loop")
     outputs = model._prefill(input_ids, generation_config, model_kwargs,
                              is_first_iteration=True)
-    cache = next((outputs[k] for k in _CACHE_KEYS if k in outputs), None)
     made = 0
     stop = None
     # the forward `_sample` calls (transformers' own compiled call where it would compile)
@@ -299,8 +311,7 @@ def run(model, fwd: GraphedForward, input_ids, logits_processor, stopping_criter
             input_ids = torch.cat([input_ids, nxt[:, None]], dim=-1)
             made += 1
             if eos is not None:
-                unfinished.mul_((~torch.isin(nxt, eos)).long())
-                torch.eq(unfinished.amax(), 0, out=done)
+                finish_rows(nxt, eos, unfinished, done)
             flags.record(done, nxt, made)
             if made >= new_max:
                 break
@@ -326,7 +337,7 @@ def run(model, fwd: GraphedForward, input_ids, logits_processor, stopping_criter
         # (every step ran as transformers runs them)
         if stop is None:
             stop = flags.stopped(keep_in_flight=0)
-        return _finish(st, cache, input_ids, prompt, made, stop, streamer)
+        return _finish(st, cache_of(model_kwargs), input_ids, prompt, made, stop, streamer)
 
 
 def _finish(st, cache, ids, prompt: int, made: int, stop: int | None,
@@ -375,7 +386,7 @@ def _on_device(fwd, kw, input_ids, prompt: int, made: int, tail, flags):
     the graph's static output, `tail` captured over it; every later step is a forward replay
     and a tail replay. `made` tokens so far, in input_ids."""
     st = fwd.state
-    cache = next(kw[k] for k in _CACHE_KEYS if kw.get(k) is not None)
+    cache = cache_of(kw)
     g, b = fwd.last
     kw = _graph_inputs(g, kw)
 
@@ -386,8 +397,7 @@ def _on_device(fwd, kw, input_ids, prompt: int, made: int, tail, flags):
             return tail
         # recaptured (the pool grew): the tail follows the new graph's buffers
         g, kw = g2, _graph_inputs(g2, kw)
-        tail = _Tail(g, tail.out, tail.col, tail.unfinished, tail.done, tail.eos, tail.pad,
-                     tail.choose)
+        tail = tail.over(g)
         tail.capture(input_ids.device, fwd.mempool)
         st.count("generate_device_loop_recaptures")
         return tail
@@ -403,14 +413,14 @@ def _evicting(fwd, kw, input_ids, prompt: int, made: int, tail, flags):
     logits are copied into the tail's buffer. No transformers Python or per-step kernels, but
     the forward's own input checks and copies."""
     st = fwd.state
-    cache = next(kw[k] for k in _CACHE_KEYS if kw.get(k) is not None)
+    cache = cache_of(kw)
     own = tail.g
     mask = kw.get("attention_mask")
     if mask is not None:   # every later step's mask: a view of this buffer (ones appended)
         grown = torch.ones((mask.shape[0], mask.shape[1] + tail.out.shape[1]),
                            dtype=mask.dtype, device=mask.device)
         grown[:, :mask.shape[1]].copy_(mask)
-    logits = own.out[1]["logits"]
+    logits = own.logits
 
     def forward_step(produced: int, tail: _Tail) -> _Tail:
         step = dict(kw, input_ids=own.ids)
