@@ -1,0 +1,24 @@
+#!/bin/bash
+# Device calls of the thirty-sixth session, one part a call, each under 600 s; every part
+# writes $OUT/<part>*.txt and prints a summary.
+#   a: generate's device loop GPU tests (session35's d) and the folded MLA chunk's GPU test
+#   b: rows at B x P (default 16 x 4096, N 64), a process a row: HF static + inductor, fp8
+#      pages with the device loop on and off, bf16 pages with it on (B_ROWS to pick)
+#   other parts: session35_call.sh's (d2, c, v, ...)
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kvc_out}; mkdir -p "$OUT"
+case "${PART:-a}" in
+  a)
+    timeout -k 5 ${A_LIMIT:-380} python3 -m pytest -q -s -m gpu tests/gpu/test_hf_graphs_gpu.py \
+      -k "device_loop or deferred" 2>&1 | tail -8 | tee "$OUT/a_loop_tests.txt"
+    timeout -k 5 ${C_LIMIT:-150} python3 -m pytest -q -s -m gpu tests/gpu/test_latent_decode_gpu.py \
+      -k folded 2>&1 | tail -4 | tee "$OUT/a_fold_tests.txt" ;;
+  b)
+    for row in ${B_ROWS:-hf_static:auto:1 kvc_fp8:auto:1 kvc_fp8:auto:0 kvc_bf16:auto:1}; do
+      loop=${row##*:}; r=${row%:*}
+      KVCOMPILE_DEVICE_LOOP=$loop B=${B:-16} P=${P:-4096} N=${N:-64} ROW_LIMIT=${ROW_LIMIT:-110} \
+        OUT=$OUT/b_${B:-16}x${P:-4096}_l$loop bash benchmarks/e2e_kv_rows.sh "$r" 2>&1 | tail -2
+    done ;;
+  *)
+    PART=$PART bash benchmarks/session35_call.sh ;;
+esac
