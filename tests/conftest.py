@@ -194,6 +194,14 @@ FULL_ONLY = {
     "tests/engine/test_engine_nan.py::test_nan_request_fails_alone_on_the_triton_path[fp8":
         "a NaN request over fp8 pages in the Engine (the fp32 case stays; NaN over fp8 pages "
         "in the kernels: tests/kernels/test_nan.py)",
+    "tests/integrations/test_device_loop.py::test_evicting_models_run_their_steps_through_the_"
+    "forward[H2O]": "H2O through the device loop's forward steps (its left-padded case stays)",
+    "tests/integrations/test_device_loop.py::test_calls_the_loop_does_not_take_keep_"
+    "transformers_loop_and_say_why[sample_penalty": "a penalty refused under sampling (the "
+    "greedy penalty case stays)",
+    "tests/integrations/test_device_loop.py::test_a_streamer_gets_every_token_a_step_late_and_"
+    "none_past_the_stop[to max_new_tokens]": "the device loop's streamer to the length limit "
+    "(its EOS case, the stop included, stays)",
     # a case whose twin (another kernel route, policy or format of the same test) stays
     "tests/eviction/test_latent_eviction.py::test_h2o_mass_is_the_models_attention[reference]":
         "the reference route's H2O mass on latent pages (the Triton route's stays)",
