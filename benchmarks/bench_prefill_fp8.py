@@ -10,7 +10,9 @@ tokens, GQA 4/2 and MHA, head_dim 64 / 128), the Gluon output (poisoned first) a
 reference over the dequantized E4M3 values, and the Triton FP8 kernel's error on the same
 inputs beside it; the Triton quantization bit for bit against the torch form; the Gluon
 kernel with bf16 q that it quantizes a scale per row, and prefill_attention(fp8=True) (which
-takes that route on Hopper), against a reference over the row-quantized queries. Then per
+takes that route on Hopper), against a reference over the row-quantized queries; the lazy
+rescale build (`lazy=True`) also on scores that grow along the keys and V blocks 2^-8..2^8
+apart. Then per
 shape: cuDNN SDPA bf16, flash SDPA bf16, the Triton FP8 kernel, the Gluon FP8 kernel and its
 variants, each quantization, Gluon + Triton quantization, and the public entry point with its
 quantization (the issue's "including the quantization").
@@ -68,14 +70,25 @@ def check() -> list[str]:
     """The correctness rows; returns the failures."""
     fails = []
     g = torch.Generator(device="cuda").manual_seed(1)
-    for lens, hq, hkv, d in (([700, 1, 129, 256, 5], 4, 2, 128), ([300, 64, 513], 8, 8, 64),
-                             ([1024, 1024], 32, 8, 128)):
+    for lens, hq, hkv, d, hard in (([700, 1, 129, 256, 5], 4, 2, 128, False),
+                                   ([300, 64, 513], 8, 8, 64, False),
+                                   ([1024, 1024], 32, 8, 128, False),
+                                   ([2048, 700], 8, 2, 128, True)):
         T = sum(lens)
         cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
                           device="cuda")
         q = torch.randn(T, hq, d, device="cuda", generator=g) * 2
         k = torch.randn(T, hkv, d, device="cuda", generator=g)
         v = torch.randn(T, hkv, d, device="cuda", generator=g)
+        if hard:   # for the lazy rescale: scores that grow along the keys (a row's max grows
+            # tile after tile, by more than 2^3 at times) and V's blocks 2^-8..2^8 apart
+            u = torch.randn(d, device="cuda", generator=g)
+            u = u / u.norm()
+            t = torch.cat([torch.arange(n, device="cuda") / n for n in lens])
+            q = torch.randn(T, hq, d, device="cuda", generator=g) + 3 * u
+            k = k + (6 * t)[:, None, None] * u
+            e = torch.randint(-8, 9, ((T + 127) // 128,), device="cuda", generator=g)
+            v = v * torch.exp2(e.float()).repeat_interleave(128)[:T, None, None]
         q8, k8, vt8, sc = quantize_fp8_prefill(q, k, v, cu)
         rq = quantize_fp8_prefill_ref(q, k, v, cu, PQ.block_bound(T, len(lens)))
         same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
@@ -98,17 +111,19 @@ def check() -> list[str]:
             print(f"gluon {name}: not taken ({why})")
             fails.append(f"gluon not taken: {why}")
             continue
-        for warps, overlap, tree in ((8, False, False), (4, False, False), (4, False, True),
-                                     (8, True, True), (4, True, True)):
+        for warps, overlap, tree, lazy in ((8, False, False, False), (4, False, False, False),
+                                           (4, False, True, False), (8, True, True, False),
+                                           (4, True, True, False), (4, False, False, True)):
             glu = torch.full_like(tri, float("nan"))
             prefill_sm90.launch_prefill_fp8_sm90(q8, k8, vt8, sc, cu, glu, d ** -0.5,
                                                  max(lens), warps=warps, overlap=overlap,
-                                                 tree=tree)
+                                                 tree=tree, lazy=lazy)
             torch.cuda.synchronize()
             nan = torch.isnan(glu).any().item()
             e_glu = rel_err(glu.float(), ref)
             ok = not nan and e_glu <= max(2.0 * e_tri, 0.03)
-            how = f"{warps} warps, {'overlap' if overlap else 'serial'}, tree {tree}"
+            how = (f"{warps} warps, {'overlap' if overlap else 'serial'}, tree {tree}"
+                   f"{', lazy rescale' if lazy else ''}")
             print(f"gluon ({how}) {name}: rel err {e_glu:.4f} (triton fp8 "
                   f"{e_tri:.4f}), nan {nan}: {'ok' if ok else 'FAIL'}")
             if not ok:
@@ -119,19 +134,20 @@ def check() -> list[str]:
         q_rows = codes.float() * qs
         ref_r = prefill_attention_ref(q_rows, kd, vd, cu, d ** -0.5).float()
         _, k8b, vt8b, scb = quantize_fp8_prefill(qb, k, v, cu, with_q=False)
-        for warps in (4, 8):
+        for warps, lazy in ((4, False), (8, False), (4, True)):
             glu = torch.full_like(tri, float("nan"))
             prefill_sm90.launch_prefill_fp8_sm90(qb, k8b, vt8b, scb, cu, glu, d ** -0.5,
-                                                 max(lens), warps=warps)
+                                                 max(lens), warps=warps, lazy=lazy)
             torch.cuda.synchronize()
             nan = torch.isnan(glu).any().item()
             e_glu = rel_err(glu.float(), ref_r)
             ok = not nan and e_glu <= max(2.0 * e_tri, 0.03)
-            print(f"gluon ({warps} warps, Q quantized in the kernel) {name}: rel err "
+            print(f"gluon ({warps} warps{', lazy' if lazy else ''}, Q quantized in the "
+                  f"kernel) {name}: rel err "
                   f"{e_glu:.4f} (against the row-quantized reference; triton fp8 {e_tri:.4f}),"
                   f" nan {nan}: {'ok' if ok else 'FAIL'}")
             if not ok:
-                fails.append(f"gluon Q in kernel {warps} warps {name}")
+                fails.append(f"gluon Q in kernel {warps} warps lazy {lazy} {name}")
         # the public entry point with bf16 q: K / V quantized, Q by the kernel
         pub = prefill_attention(qb, k, v, cu, d ** -0.5, fp8=True, max_seqlen=max(lens))
         e_pub = rel_err(pub.float(), ref_r)
@@ -189,6 +205,9 @@ def bench_shape(s) -> list[dict]:
         row(f"gluon fp8, {warps} warps, {how}{', four chains a row' if tree else ''}",
             lambda w=warps, o=overlap, y=sync, t=tree: prefill_sm90.launch_prefill_fp8_sm90(
                 q8, k8, vt8, sc, cu, out, scale, Lq, warps=w, overlap=o, sync=y, tree=t))
+    row("gluon fp8, 4 warps, serial, lazy rescale",
+        lambda: prefill_sm90.launch_prefill_fp8_sm90(q8, k8, vt8, sc, cu, out, scale, Lq,
+                                                     lazy=True))
     nb = PQ.block_bound(B * Lq, B)
     row("quantize, triton", lambda: PQ.quantize_fp8_prefill_triton(q, k, v, cu, nb))
     row("quantize K / V alone, triton",
@@ -196,6 +215,9 @@ def bench_shape(s) -> list[dict]:
     _, k8b, vt8b, scb = quantize_fp8_prefill(q, k, v, cu, with_q=False)
     row("gluon fp8, Q quantized in the kernel", lambda: prefill_sm90.launch_prefill_fp8_sm90(
         q, k8b, vt8b, scb, cu, out, scale, Lq))
+    row("gluon fp8, Q quantized in the kernel, lazy rescale",
+        lambda: prefill_sm90.launch_prefill_fp8_sm90(q, k8b, vt8b, scb, cu, out, scale, Lq,
+                                                     lazy=True))
 
     def fused_q():
         _, k8c, vt8c, scc = quantize_fp8_prefill(q, k, v, cu, with_q=False)

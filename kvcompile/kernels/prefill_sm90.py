@@ -209,12 +209,73 @@ if GLUON_ERROR is None:
         return acc, m_i, l_i, vs
 
     @gluon.jit
+    def _lg2(x):
+        return gl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x],
+                                         dtype=gl.float32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _tile_lazy(q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, m_i, l_i, v_ref,
+                   zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start, v_col, keys0,
+                   pos, row_o: gl.constexpr, p_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   KV_BYTES: gl.constexpr, MASKED: gl.constexpr, P_SH: gl.constexpr,
+                   TAU: gl.constexpr):
+        # _tile_serial with O rescaled only when it must be (FlashAttention-4's conditional
+        # rescale): O and l stay in the units of a reference max m_i per row and a reference V
+        # scale v_ref, moved (O and l rescaled, one test for the whole CTA) only where a row's
+        # max grew by more than TAU (log2 units) or this tile's V scale exceeds v_ref. Between
+        # moves P = 2^(s c - m_i + P_SH) * vs / v_ref, the V scale ratio folded into P's
+        # exponent (at most 2^(P_SH + TAU) <= 448: E4M3's range); l gets P's sum without the
+        # ratio. In steady state a tile skips the rescale's 64 FMUL a thread and 2 MUFU.EX2.
+        mbarrier.wait(k_bar.index(j % 2), (j // 2) & 1)
+        s = warpgroup_mma(q_smem, k_smem.index(j % 2).permute((1, 0)), zero_s, use_acc=False,
+                          is_async=True)
+        blk = (kblk0 + j) * stride_sb + hkv
+        kd = gl.load(KD + blk)
+        vs = gl.load(VD + blk)
+        s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
+        c = c_q * kd
+        if MASKED:
+            s = gl.where((j * 128 + keys0)[None, :] <= pos[:, None], s * c[:, None],
+                         float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, 1) * c)
+        grow = gl.max(m_new - m_i, 0)   # (the first tile: m_i is -inf, grow +inf)
+        if (grow > TAU) | (vs > v_ref):
+            v_new = gl.maximum(v_ref, vs)
+            alpha = gl.exp2(m_i - m_new)
+            acc = acc * gl.convert_layout(alpha * (v_ref / v_new), row_o)[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+            v_ref = v_new
+        # <= 1; floored where V's scale is 2^24 below v_ref (its values then weigh at most
+        # 2^-24 of O's units too much; l stays consistent with P)
+        ratio = gl.maximum(gl.fdiv(vs, v_ref, ieee_rounding=False), 5.9604645e-08)
+        e = _lg2(ratio)                  # MUFU.LG2 (libdevice's log2: 25 instructions)
+        sub = m_i - (P_SH + e)
+        if MASKED:
+            p = gl.exp2(s - sub[:, None])
+        else:
+            p = gl.exp2(s * c[:, None] - sub[:, None])
+        l_i = l_i + gl.sum(p, 1) * gl.exp2(-e)
+        p8 = _p_operand(p, p_layout, p.shape[0], p.shape[1])
+        mbarrier.wait(v_bar.index(j % 2), (j // 2) & 1)
+        acc = warpgroup_mma(p8, v_smem.index(j % 2).permute((1, 0)), acc, is_async=True)
+        cta_barrier()
+        if j + 2 < n_tiles:
+            _load_k(k_desc, k_smem, k_bar, q_start, hkv * HEAD_DIM, j + 2, KV_BYTES)
+        if j > 0 and j + 1 < n_tiles:
+            _load_v(v_desc, v_smem, v_bar, hkv * HEAD_DIM, v_col, j + 1, KV_BYTES)
+        return acc, m_i, l_i, v_ref
+
+    @gluon.jit
     def prefill_fp8_sm90_kernel(q_desc, k_desc, v_desc, Out, cu_seqlens, cu_blocks, QD, KD, VD,
                                 sm_scale_log2, stride_ot, stride_oh, stride_sb, ratio,
                                 HEAD_DIM: gl.constexpr, SYNC: gl.constexpr,
                                 num_warps: gl.constexpr, OVERLAP: gl.constexpr,
                                 TREE: gl.constexpr, Q_BF16: gl.constexpr,
-                                q8_layout: gl.constexpr):
+                                q8_layout: gl.constexpr, LAZY: gl.constexpr = False,
+                                TAU: gl.constexpr = 3.0):
         BM: gl.constexpr = 16 * num_warps   # 64 rows a warpgroup
         BN: gl.constexpr = 128
         P_SH: gl.constexpr = 8.0
@@ -291,7 +352,27 @@ if GLUON_ERROR is None:
             keys0 = gl.arange(0, BN, col_s)
             pos = t0 + gl.arange(0, BM, row_s)
 
-            if not OVERLAP:   # the default: P made and used in one iteration
+            if LAZY:   # the serial order, O rescaled only when a max or V's scale grows
+                LP_SH: gl.constexpr = 8.0 - TAU   # P <= 2^(8 - TAU + TAU) = 256
+                acc = gl.zeros([BM, HEAD_DIM], gl.float32, o_layout)
+                v_prev = gl.load(VD + kblk0 * stride_sb + hkv)
+                acc, m_i, l_i, v_prev = _tile_lazy(
+                    q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, m_i, l_i, v_prev,
+                    zero_s, 0, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start, v_col, keys0,
+                    pos, row_o, p_layout, HEAD_DIM, KV_BYTES, True, LP_SH, TAU)
+                for j in range(1, n_tiles - 1):
+                    acc, m_i, l_i, v_prev = _tile_lazy(
+                        q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, m_i, l_i,
+                        v_prev, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start,
+                        v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, False, LP_SH, TAU)
+                if n_tiles > 1:
+                    acc, m_i, l_i, v_prev = _tile_lazy(
+                        q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, m_i, l_i,
+                        v_prev, zero_s, n_tiles - 1, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv,
+                        q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, True,
+                        LP_SH, TAU)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            elif not OVERLAP:   # P made and used in one iteration
                 acc = gl.zeros([BM, HEAD_DIM], gl.float32, o_layout)
                 v_prev = gl.load(VD + kblk0 * stride_sb + hkv)
                 acc, m_i, l_i, v_prev = _tile_serial(
@@ -411,7 +492,7 @@ def takes_bf16_q(q, k, v, out_dtype, causal, window, sinks, softcap,
 
 def launch_prefill_fp8_sm90(q, k8, vt8, scales, cu_seqlens, out, scale: float,
                             max_seqlen: int, warps: int = NUM_WARPS, overlap: bool = False,
-                            sync: bool = False, tree: bool = False):
+                            sync: bool = False, tree: bool = False, lazy: bool = False):
     """Run the kernel (unsupported(...) is None): out [T, Hq, D] written, returned. q: E4M3
     with its block scales in `scales`, or bf16 (scales' q descale None or ignored): the kernel
     quantizes each query row itself (a scale per row; `quantize_fp8_prefill(..., with_q=False)`
@@ -420,7 +501,13 @@ def launch_prefill_fp8_sm90(q, k8, vt8, scales, cu_seqlens, out, scale: float,
     (tile j - 1's P V runs during tile j's softmax; P crosses the loop as single bytes) instead
     of the serial order; sync (with overlap): a diagnostic build that waits for each wgmma at
     once; tree: the rows' max and sum in four chains a row instead of Triton's one (fewer
-    dependent steps, yet 2-8% slower on the H200 in three of four shapes: not the default)."""
+    dependent steps, yet 2-8% slower on the H200 in three of four shapes: not the default);
+    lazy (serial order only): O rescaled only when a row's max grows by more than 2^3 or a V
+    block's scale exceeds the largest so far (`_tile_lazy`: 453 SASS instructions a tile
+    and warp in steady state against 497; not yet timed on a GPU: not the default)."""
+    if lazy and overlap:
+        raise ValueError("launch_prefill_fp8_sm90: lazy rescaling is built for the serial "
+                         "order; pass overlap=False")
     import triton
 
     TD = TensorDescriptor
@@ -448,5 +535,5 @@ def launch_prefill_fp8_sm90(q, k8, vt8, scales, cu_seqlens, out, scale: float,
                                   float(scale) * 1.4426950408889634, out.stride(0),
                                   out.stride(1), k_ds.stride(0), Hq // Hkv, HEAD_DIM=D,
                                   SYNC=sync, OVERLAP=overlap, TREE=tree, Q_BF16=q_bf16,
-                                  q8_layout=lay_q8, num_warps=warps)
+                                  q8_layout=lay_q8, LAZY=lazy, num_warps=warps)
     return out
