@@ -4,6 +4,8 @@
 #   a: generate's device loop GPU tests (session35's d) and the folded MLA chunk's GPU test
 #   b: rows at B x P (default 16 x 4096, N 64), a process a row: HF static + inductor, fp8
 #      pages with the device loop on and off, bf16 pages with it on (B_ROWS to pick)
+#   p: bench_prefill_fp8.py --quick: the Gluon FP8 prefill's checks (the lazy rescale build
+#      included) and its table beside cuDNN
 #   other parts: session35_call.sh's (d2, c, v, ...)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvc_out}; mkdir -p "$OUT"
@@ -19,6 +21,9 @@ case "${PART:-a}" in
       KVCOMPILE_DEVICE_LOOP=$loop B=${B:-16} P=${P:-4096} N=${N:-64} ROW_LIMIT=${ROW_LIMIT:-110} \
         OUT=$OUT/b_${B:-16}x${P:-4096}_l$loop bash benchmarks/e2e_kv_rows.sh "$r" 2>&1 | tail -2
     done ;;
+  p)
+    timeout -k 5 ${P_LIMIT:-300} python3 benchmarks/bench_prefill_fp8.py --quick \
+      --json "$OUT/p_prefill.json" 2>&1 | grep -vE "^\{" | tee "$OUT/p_prefill.txt" ;;
   *)
     PART=$PART bash benchmarks/session35_call.sh ;;
 esac
