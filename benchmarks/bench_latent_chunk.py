@@ -1,6 +1,6 @@
 """A prompt chunk over latent pages on the GPU: which route should attend S queries a row over
 a cached prefix of L tokens (MLA, DeepSeek-V3 widths), and where `LATENT_EXPAND_MIN_QUERIES`
-(runtime/dispatch.py) should sit.
+and `LATENT_EXPAND_MIN_QUERIES_FP8` (runtime/dispatch.py: 16-bit and fp8 pages) should sit.
 
     python benchmarks/bench_latent_chunk.py [--heads 128] [--shapes B16_L8k,B4_L32k]
         [--queries 8,16,32,64,128,255,512] [--formats bf16,fp8_e4m3]
@@ -8,10 +8,10 @@ a cached prefix of L tokens (MLA, DeepSeek-V3 widths), and where `LATENT_EXPAND_
 
 Contenders per (shape, S, format), each from the same pages and the same query:
 - `fold`: `_latent_kernel`'s "fold" layout, the latent decode kernels with each query as a
-  row of its own (absorption and W_UV included), what a chunk of under
-  LATENT_EXPAND_MIN_QUERIES queries runs since the thirty-fifth session;
+  row of its own (absorption and W_UV included), what a chunk under the threshold runs since
+  the thirty-fifth session;
 - `expand`: `latent.paged_latent_expanded`, each row's stored latents gathered and expanded
-  through kv_b_proj, causal SDPA (what a chunk of LATENT_EXPAND_MIN_QUERIES+ queries runs);
+  through kv_b_proj, causal SDPA (what a chunk at or past the threshold runs);
 - `reference`: the absorbed paged reference (kernels/dense.py, math SDPA in blocks), what
   such a chunk ran before, only where S x L is small (--ref-max, default 2^20 tokens x
   queries a row; 3 timed runs), since it is slow.
@@ -183,8 +183,10 @@ def main() -> None:
             wins = [r["S"] for r in rows if r["shape"] == name and r["fmt"] == fmt
                     and isinstance(r.get("fold"), float) and isinstance(r.get("expand"), float)
                     and r["expand"] < r["fold"]]
+            now = (dispatch.LATENT_EXPAND_MIN_QUERIES_FP8 if fmt.startswith("fp8")
+                   else dispatch.LATENT_EXPAND_MIN_QUERIES)
             print(f"{name} {fmt}: expand is faster from S = {min(wins) if wins else 'never'} "
-                  f"(LATENT_EXPAND_MIN_QUERIES now {dispatch.LATENT_EXPAND_MIN_QUERIES})")
+                  f"(the threshold now {now})")
     if notes:
         print("fallbacks:", sorted(set(notes)))
 

@@ -483,7 +483,7 @@ def _attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, wi
     row's tokens, a custom mask under the model's own: `_fresh_latent_mask`) expands its own
     latents through kv_b_proj and runs dense SDPA, as the model does, a row group at a time
     (`_fresh_latent_rows`): compute-bound, the expansion is cheap there. A prompt chunk over
-    a cached prefix of LATENT_EXPAND_MIN_QUERIES or more queries a row expands its rows'
+    a cached prefix of `latent_expand_min_queries` or more queries a row expands its rows'
     stored latents the same way (latent.paged_latent_expanded). Everything else (decode
     steps, shorter chunks) attends in the latent space over the stored pages: q_nope
     absorbed by W_UK once per step, one latent head per token read for every query head, W_UV
@@ -503,8 +503,8 @@ def _attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, wi
         return _fresh_latent_rows(state, q, fresh, kv_b_weight, nope_dim, scale, causal,
                                   starts, masked)
     pool = state.pool
-    if _latent_chunk_expands(q, plan, mask_info, attn_mask, is_causal, window, softcap,
-                             attn_mass):
+    if _latent_chunk_expands(q, pool.k[layer], plan, mask_info, attn_mask, is_causal, window,
+                             softcap, attn_mass):
         state.count("latent_chunk_expanded")
         return paged_latent_expanded(pool.k[layer], pool.v[layer], q, plan, kv_b_weight,
                                      nope_dim, scale,
@@ -533,8 +533,20 @@ def _attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, wi
 # latent.paged_latent_expanded); B64 x 8k at DeepSeek-V3's 128 heads expands to 43 GB at once
 LATENT_EXPAND_BYTES = 2 << 30
 # a prompt chunk over latent pages (a cached prefix) of at least this many queries a row
-# attends by expansion (the model's form) instead of the absorbed one
-LATENT_EXPAND_MIN_QUERIES = 256
+# attends by expansion (the model's form) instead of the absorbed one (the latent kernels with
+# each query a row: `_fold_rows`), by the pages' element size: 16-bit or wider, one byte (fp8).
+# H100, benchmarks/bench_latent_chunk.py (B16 x 8k and B4 x 32k, 16 and 128 heads), the
+# folded rows' time over the expansion's: 16-bit pages 0.56-0.64 at 64 queries, 1.10-1.23 at
+# 128; fp8 pages 0.64-0.82 at 128, 1.18-1.42 at 255 (benchmarks/RESULTS.md, 36th session)
+LATENT_EXPAND_MIN_QUERIES = 112
+LATENT_EXPAND_MIN_QUERIES_FP8 = 192
+
+
+def latent_expand_min_queries(pages) -> int:
+    """The queries a row from which a prompt chunk over these latent pages (a PagedTensor)
+    expands: 8 bits a value or fewer take the fp8 threshold."""
+    return (LATENT_EXPAND_MIN_QUERIES_FP8 if pages.fmt.bits_per_value <= 8
+            else LATENT_EXPAND_MIN_QUERIES)
 
 
 def _fresh_latent_rows(state, q, fresh, w, nope_dim: int, scale: float, causal, starts,
@@ -567,14 +579,14 @@ def _fresh_latent_rows(state, q, fresh, w, nope_dim: int, scale: float, causal, 
     return out
 
 
-def _latent_chunk_expands(q, plan, mask_info, attn_mask, is_causal, window, softcap,
+def _latent_chunk_expands(q, pages, plan, mask_info, attn_mask, is_causal, window, softcap,
                           attn_mass) -> bool:
     """Whether an MLA layer's prompt chunk over a cached prefix attends by expansion
-    (latent.paged_latent_expanded): a non-packed step of at least LATENT_EXPAND_MIN_QUERIES
+    (latent.paged_latent_expanded): a non-packed step of at least `latent_expand_min_queries`
     queries a row, causal, no softcap or mass to add, and a mask that is none or exactly
     causal past each row's padding (its window, if any, taken from the analysis)."""
-    if (plan.packed or plan.is_decode or q.shape[2] < LATENT_EXPAND_MIN_QUERIES or softcap
-            or attn_mass is not None or not is_causal and attn_mask is None):
+    if (plan.packed or plan.is_decode or q.shape[2] < latent_expand_min_queries(pages)
+            or softcap or attn_mass is not None or not is_causal and attn_mask is None):
         return False
     return attn_mask is None or (mask_info is not None and mask_info.exact)
 

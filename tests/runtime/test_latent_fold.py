@@ -145,3 +145,29 @@ def test_what_is_not_folded_says_why(case, reason):
     notes: list[str] = []
     assert _latent_kernel(_state(notes), q, pool.k[0], pool.v[0], plan, **kw) is None
     assert len(notes) == 1 and reason in notes[0], notes
+
+
+@pytest.mark.parametrize("fmt, expands_from", [("bf16", "LATENT_EXPAND_MIN_QUERIES"),
+                                                ("fp8_e4m3", "LATENT_EXPAND_MIN_QUERIES_FP8")])
+def test_a_chunk_expands_from_its_pages_threshold(fmt, expands_from):
+    """A prompt chunk over latent pages expands from the threshold of its pages' element size
+    (fp8 pages fold longer chunks: the kernel reads half the bytes), folds below it; never a
+    packed step, and never where the threshold of the other format would say so."""
+    from kvcompile.runtime import dispatch
+
+    pool, _, _ = _pages(fmt, [40], torch.Generator().manual_seed(5))
+    pages = pool.k[0]
+    n = getattr(dispatch, expands_from)
+    assert dispatch.LATENT_EXPAND_MIN_QUERIES < dispatch.LATENT_EXPAND_MIN_QUERIES_FP8
+    assert dispatch.latent_expand_min_queries(pages) == n
+    plan = SimpleNamespace(packed=False, is_decode=False)
+
+    def expands(s, p=plan):
+        q = torch.zeros(1, H, s, R + DR)
+        return dispatch._latent_chunk_expands(q, pages, p, None, None, True, 0, 0.0, None)
+
+    assert expands(n) and not expands(n - 1)
+    # between the two thresholds: only 16-bit pages expand
+    mid = (dispatch.LATENT_EXPAND_MIN_QUERIES + dispatch.LATENT_EXPAND_MIN_QUERIES_FP8) // 2
+    assert expands(mid) == (fmt == "bf16")
+    assert not expands(n, SimpleNamespace(packed=True, is_decode=False))
