@@ -12,7 +12,7 @@ inputs beside it; the Triton quantization bit for bit against the torch form; th
 kernel with bf16 q that it quantizes a scale per row, and prefill_attention(fp8=True) (which
 takes that route on Hopper), against a reference over the row-quantized queries; the lazy
 rescale build (`lazy=True`) also on scores that grow along the keys and V blocks 2^-8..2^8
-apart. Then per
+apart; the piped build (`pipe=True`, 64-key tiles) on every input. Then per
 shape: cuDNN SDPA bf16, flash SDPA bf16, the Triton FP8 kernel, the Gluon FP8 kernel and its
 variants, each quantization, Gluon + Triton quantization, and the public entry point with its
 quantization (the issue's "including the quantization").
@@ -111,19 +111,21 @@ def check() -> list[str]:
             print(f"gluon {name}: not taken ({why})")
             fails.append(f"gluon not taken: {why}")
             continue
-        for warps, overlap, tree, lazy in ((8, False, False, False), (4, False, False, False),
-                                           (4, False, True, False), (8, True, True, False),
-                                           (4, True, True, False), (4, False, False, True)):
+        for warps, overlap, tree, lazy, pipe in (
+                (8, False, False, False, False), (4, False, False, False, False),
+                (4, False, True, False, False), (8, True, True, False, False),
+                (4, True, True, False, False), (4, False, False, True, False),
+                (4, False, False, False, True)):
             glu = torch.full_like(tri, float("nan"))
             prefill_sm90.launch_prefill_fp8_sm90(q8, k8, vt8, sc, cu, glu, d ** -0.5,
                                                  max(lens), warps=warps, overlap=overlap,
-                                                 tree=tree, lazy=lazy)
+                                                 tree=tree, lazy=lazy, pipe=pipe)
             torch.cuda.synchronize()
             nan = torch.isnan(glu).any().item()
             e_glu = rel_err(glu.float(), ref)
             ok = not nan and e_glu <= max(2.0 * e_tri, 0.03)
             how = (f"{warps} warps, {'overlap' if overlap else 'serial'}, tree {tree}"
-                   f"{', lazy rescale' if lazy else ''}")
+                   f"{', lazy rescale' if lazy else ''}{', 64-key tiles piped' if pipe else ''}")
             print(f"gluon ({how}) {name}: rel err {e_glu:.4f} (triton fp8 "
                   f"{e_tri:.4f}), nan {nan}: {'ok' if ok else 'FAIL'}")
             if not ok:
@@ -134,20 +136,21 @@ def check() -> list[str]:
         q_rows = codes.float() * qs
         ref_r = prefill_attention_ref(q_rows, kd, vd, cu, d ** -0.5).float()
         _, k8b, vt8b, scb = quantize_fp8_prefill(qb, k, v, cu, with_q=False)
-        for warps, lazy in ((4, False), (8, False), (4, True)):
+        for warps, lazy, pipe in ((4, False, False), (8, False, False), (4, True, False),
+                                  (4, False, True)):
             glu = torch.full_like(tri, float("nan"))
             prefill_sm90.launch_prefill_fp8_sm90(qb, k8b, vt8b, scb, cu, glu, d ** -0.5,
-                                                 max(lens), warps=warps, lazy=lazy)
+                                                 max(lens), warps=warps, lazy=lazy, pipe=pipe)
             torch.cuda.synchronize()
             nan = torch.isnan(glu).any().item()
             e_glu = rel_err(glu.float(), ref_r)
             ok = not nan and e_glu <= max(2.0 * e_tri, 0.03)
-            print(f"gluon ({warps} warps{', lazy' if lazy else ''}, Q quantized in the "
-                  f"kernel) {name}: rel err "
+            print(f"gluon ({warps} warps{', lazy' if lazy else ''}{', piped' if pipe else ''}"
+                  f", Q quantized in the kernel) {name}: rel err "
                   f"{e_glu:.4f} (against the row-quantized reference; triton fp8 {e_tri:.4f}),"
                   f" nan {nan}: {'ok' if ok else 'FAIL'}")
             if not ok:
-                fails.append(f"gluon Q in kernel {warps} warps lazy {lazy} {name}")
+                fails.append(f"gluon Q in kernel {warps} warps lazy {lazy} pipe {pipe} {name}")
         # the public entry point with bf16 q: K / V quantized, Q by the kernel
         pub = prefill_attention(qb, k, v, cu, d ** -0.5, fp8=True, max_seqlen=max(lens))
         e_pub = rel_err(pub.float(), ref_r)
@@ -208,6 +211,9 @@ def bench_shape(s) -> list[dict]:
     row("gluon fp8, 4 warps, serial, lazy rescale",
         lambda: prefill_sm90.launch_prefill_fp8_sm90(q8, k8, vt8, sc, cu, out, scale, Lq,
                                                      lazy=True))
+    row("gluon fp8, 4 warps, 64-key tiles piped",
+        lambda: prefill_sm90.launch_prefill_fp8_sm90(q8, k8, vt8, sc, cu, out, scale, Lq,
+                                                     pipe=True))
     nb = PQ.block_bound(B * Lq, B)
     row("quantize, triton", lambda: PQ.quantize_fp8_prefill_triton(q, k, v, cu, nb))
     row("quantize K / V alone, triton",
@@ -218,6 +224,9 @@ def bench_shape(s) -> list[dict]:
     row("gluon fp8, Q quantized in the kernel, lazy rescale",
         lambda: prefill_sm90.launch_prefill_fp8_sm90(q, k8b, vt8b, scb, cu, out, scale, Lq,
                                                      lazy=True))
+    row("gluon fp8, Q quantized in the kernel, 64-key tiles piped",
+        lambda: prefill_sm90.launch_prefill_fp8_sm90(q, k8b, vt8b, scb, cu, out, scale, Lq,
+                                                     pipe=True))
 
     def fused_q():
         _, k8c, vt8c, scc = quantize_fp8_prefill(q, k, v, cu, with_q=False)

@@ -75,16 +75,18 @@ except ImportError as e:   # pragma: no cover - a triton without Gluon
 
 if GLUON_ERROR is None:
     @gluon.jit
-    def _load_k(k_desc, k_smem, k_bar, row, col, j, NBYTES: gl.constexpr):
+    def _load_k(k_desc, k_smem, k_bar, row, col, j, NBYTES: gl.constexpr,
+                BN: gl.constexpr = 128):
         s = j % 2
         mbarrier.expect(k_bar.index(s), NBYTES)
-        tma_load(k_desc, [row + j * 128, col], k_bar.index(s), k_smem.index(s))
+        tma_load(k_desc, [row + j * BN, col], k_bar.index(s), k_smem.index(s))
 
     @gluon.jit
-    def _load_v(v_desc, v_smem, v_bar, row, col, j, NBYTES: gl.constexpr):
+    def _load_v(v_desc, v_smem, v_bar, row, col, j, NBYTES: gl.constexpr,
+                BN: gl.constexpr = 128):
         s = j % 2
         mbarrier.expect(v_bar.index(s), NBYTES)
-        tma_load(v_desc, [row, col + j * 128], v_bar.index(s), v_smem.index(s))
+        tma_load(v_desc, [row, col + j * BN], v_bar.index(s), v_smem.index(s))
 
     @gluon.jit
     def _row_reduce(x, row_layout: gl.constexpr, SUM: gl.constexpr, TREE: gl.constexpr):
@@ -209,6 +211,45 @@ if GLUON_ERROR is None:
         return acc, m_i, l_i, vs
 
     @gluon.jit
+    def _tile_pipe(q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, s, acc, m_i, l_i,
+                   v_prev, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start,
+                   v_col, keys0, pos, row_o: gl.constexpr, p_layout: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, KV_BYTES: gl.constexpr, MASKED: gl.constexpr,
+                   P_SH: gl.constexpr, FIRST: gl.constexpr, NEXT: gl.constexpr,
+                   BN: gl.constexpr):
+        # key tile j of BN (64) keys, its scores s issued a tile ahead: wait for them (the
+        # last tile's P V, issued after them, may run on), issue the next tile's scores, the
+        # softmax of these while both products run on the tensor cores, then wait for the
+        # last P V (the next scores may run on), rescale O, issue this tile's P V. What
+        # crosses the loop is the next tile's fp32 scores (in the wgmma's own layout: no
+        # repacking, unlike P in FlashAttention-3's order); a 128-key tile would need 64 more
+        # registers a thread than the 255 there are
+        s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
+        s_next = s
+        if NEXT:
+            jn = j + 1
+            mbarrier.wait(k_bar.index(jn % 2), (jn // 2) & 1)
+            s_next = warpgroup_mma(q_smem, k_smem.index(jn % 2).permute((1, 0)), zero_s,
+                                   use_acc=False, is_async=True)
+        blk = (kblk0 + (j * BN) // 128) * stride_sb + hkv   # (a descale per 128 keys)
+        kd = gl.load(KD + blk)
+        vs = gl.load(VD + blk)
+        p, alpha, m_i, l_i = _softmax(s, c_q * kd, m_i, l_i, j * BN + keys0, pos, MASKED,
+                                      P_SH, False)
+        acc = acc * gl.convert_layout(alpha * (v_prev / vs), row_o)[:, None]
+        p8 = _p_operand(p, p_layout, p.shape[0], p.shape[1])
+        mbarrier.wait(v_bar.index(j % 2), (j // 2) & 1)
+        acc = warpgroup_mma(p8, v_smem.index(j % 2).permute((1, 0)), acc, is_async=True)
+        # every warp is past tile j's q.k and tile j - 1's P V: K stage j % 2 and V stage
+        # (j + 1) % 2 are free for tiles j + 2 and j + 1 (V of tiles 0 and 1: the prologue's)
+        cta_barrier()
+        if j + 2 < n_tiles:
+            _load_k(k_desc, k_smem, k_bar, q_start, hkv * HEAD_DIM, j + 2, KV_BYTES, BN)
+        if j > 0 and j + 1 < n_tiles:
+            _load_v(v_desc, v_smem, v_bar, hkv * HEAD_DIM, v_col, j + 1, KV_BYTES, BN)
+        return acc, s_next, m_i, l_i, vs
+
+    @gluon.jit
     def _lg2(x):
         return gl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x],
                                          dtype=gl.float32, is_pure=True, pack=1)
@@ -275,9 +316,10 @@ if GLUON_ERROR is None:
                                 num_warps: gl.constexpr, OVERLAP: gl.constexpr,
                                 TREE: gl.constexpr, Q_BF16: gl.constexpr,
                                 q8_layout: gl.constexpr, LAZY: gl.constexpr = False,
-                                TAU: gl.constexpr = 3.0):
+                                TAU: gl.constexpr = 3.0, PIPE: gl.constexpr = False,
+                                BLOCK: gl.constexpr = 128):
         BM: gl.constexpr = 16 * num_warps   # 64 rows a warpgroup
-        BN: gl.constexpr = 128
+        BN: gl.constexpr = BLOCK            # keys a tile: 128 (64 for PIPE)
         P_SH: gl.constexpr = 8.0
         h = gl.program_id(0)
         tile = gl.num_programs(1) - 1 - gl.program_id(1)   # the longest tiles first
@@ -312,7 +354,7 @@ if GLUON_ERROR is None:
 
             KV_BYTES: gl.constexpr = BN * HEAD_DIM
             kblk0 = gl.load(cu_blocks + b)
-            v_col = kblk0 * BN
+            v_col = kblk0 * 128                      # (vt8's columns: 128 per block)
             hi = gl.minimum(q_len, t0 + BM)          # keys the tile's last row may see
             n_tiles = gl.cdiv(hi, BN)                # the last one is the diagonal tile
             if Q_BF16:   # Q's rows in bf16, quantized below
@@ -322,11 +364,11 @@ if GLUON_ERROR is None:
             else:
                 mbarrier.expect(q_bar, BM * HEAD_DIM)
                 tma_load(q_desc, [q_start + t0, h * HEAD_DIM], q_bar, q_smem)
-            _load_k(k_desc, k_smem, k_bar, q_start, hkv * HEAD_DIM, 0, KV_BYTES)
-            _load_v(v_desc, v_smem, v_bar, hkv * HEAD_DIM, v_col, 0, KV_BYTES)
+            _load_k(k_desc, k_smem, k_bar, q_start, hkv * HEAD_DIM, 0, KV_BYTES, BN)
+            _load_v(v_desc, v_smem, v_bar, hkv * HEAD_DIM, v_col, 0, KV_BYTES, BN)
             if n_tiles > 1:
-                _load_k(k_desc, k_smem, k_bar, q_start, hkv * HEAD_DIM, 1, KV_BYTES)
-                _load_v(v_desc, v_smem, v_bar, hkv * HEAD_DIM, v_col, 1, KV_BYTES)
+                _load_k(k_desc, k_smem, k_bar, q_start, hkv * HEAD_DIM, 1, KV_BYTES, BN)
+                _load_v(v_desc, v_smem, v_bar, hkv * HEAD_DIM, v_col, 1, KV_BYTES, BN)
 
             mbarrier.wait(q_bar, 0)
             if Q_BF16:
@@ -352,7 +394,64 @@ if GLUON_ERROR is None:
             keys0 = gl.arange(0, BN, col_s)
             pos = t0 + gl.arange(0, BM, row_s)
 
-            if LAZY:   # the serial order, O rescaled only when a max or V's scale grows
+            if PIPE:   # 64-key tiles, each tile's scores issued a tile ahead (_tile_pipe)
+                acc = gl.zeros([BM, HEAD_DIM], gl.float32, o_layout)
+                v_prev = gl.load(VD + kblk0 * stride_sb + hkv)
+                if n_tiles == 1:
+                    a1, m_i, l_i, v_prev = _tile_serial(
+                        q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, m_i, l_i,
+                        v_prev, zero_s, 0, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start,
+                        v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, True, P_SH,
+                        TREE)
+                    o_one = warpgroup_mma_wait(num_outstanding=0, deps=(a1,))
+                else:
+                    mbarrier.wait(k_bar.index(0), 0)
+                    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s,
+                                      use_acc=False, is_async=True)
+                    ac, s, m_i, l_i, v_prev = _tile_pipe(
+                        q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, s, acc, m_i, l_i,
+                        v_prev, zero_s, 0, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv,
+                        q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, True,
+                        P_SH, True, True, BN)
+                    # the middle tiles two at a time: the scores in flight alternate between
+                    # two variables, each dead before the other is issued into, so that the
+                    # loop carries them without register moves (a move of an in-flight
+                    # accumulator makes ptxas serialize every wgmma: C7514)
+                    for jj in range(0, (n_tiles - 2) // 2):
+                        j = 1 + 2 * jj
+                        ac, s2, m_i, l_i, v_prev = _tile_pipe(
+                            q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, s, ac, m_i,
+                            l_i, v_prev, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb,
+                            hkv, q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM,
+                            KV_BYTES, False, P_SH, False, True, BN)
+                        ac, s, m_i, l_i, v_prev = _tile_pipe(
+                            q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, s2, ac, m_i,
+                            l_i, v_prev, zero_s, j + 1, n_tiles, c_q, KD, VD, kblk0, stride_sb,
+                            hkv, q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM,
+                            KV_BYTES, False, P_SH, False, True, BN)
+                    jl = n_tiles - 1
+                    if (n_tiles - 2) % 2 == 1:   # an odd middle tile left, then the last
+                        a2, s2, m_i, l_i, v_prev = _tile_pipe(
+                            q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, s, ac, m_i,
+                            l_i, v_prev, zero_s, jl - 1, n_tiles, c_q, KD, VD, kblk0, stride_sb,
+                            hkv, q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM,
+                            KV_BYTES, False, P_SH, False, True, BN)
+                        a2, s2, m_i, l_i, v_prev = _tile_pipe(
+                            q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, s2, a2, m_i,
+                            l_i, v_prev, zero_s, jl, n_tiles, c_q, KD, VD, kblk0, stride_sb,
+                            hkv, q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM,
+                            KV_BYTES, True, P_SH, False, False, BN)
+                        o_fin = warpgroup_mma_wait(num_outstanding=0, deps=(a2,))
+                    else:
+                        a2, s2, m_i, l_i, v_prev = _tile_pipe(
+                            q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, s, ac, m_i,
+                            l_i, v_prev, zero_s, jl, n_tiles, c_q, KD, VD, kblk0, stride_sb,
+                            hkv, q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM,
+                            KV_BYTES, True, P_SH, False, False, BN)
+                        o_fin = warpgroup_mma_wait(num_outstanding=0, deps=(a2,))
+                    o_one = o_fin
+                acc = o_one
+            elif LAZY:   # the serial order, O rescaled only when a max or V's scale grows
                 LP_SH: gl.constexpr = 8.0 - TAU   # P <= 2^(8 - TAU + TAU) = 256
                 acc = gl.zeros([BM, HEAD_DIM], gl.float32, o_layout)
                 v_prev = gl.load(VD + kblk0 * stride_sb + hkv)
@@ -492,7 +591,8 @@ def takes_bf16_q(q, k, v, out_dtype, causal, window, sinks, softcap,
 
 def launch_prefill_fp8_sm90(q, k8, vt8, scales, cu_seqlens, out, scale: float,
                             max_seqlen: int, warps: int = NUM_WARPS, overlap: bool = False,
-                            sync: bool = False, tree: bool = False, lazy: bool = False):
+                            sync: bool = False, tree: bool = False, lazy: bool = False,
+                            pipe: bool = False):
     """Run the kernel (unsupported(...) is None): out [T, Hq, D] written, returned. q: E4M3
     with its block scales in `scales`, or bf16 (scales' q descale None or ignored): the kernel
     quantizes each query row itself (a scale per row; `quantize_fp8_prefill(..., with_q=False)`
@@ -506,10 +606,13 @@ def launch_prefill_fp8_sm90(q, k8, vt8, scales, cu_seqlens, out, scale: float,
     block's scale exceeds the largest so far (`_tile_lazy`: 453 SASS instructions a tile
     and warp in steady state against 497, yet 0.98-0.99x the default's speed on the H100,
     0.91-0.94x with Q quantized in the kernel: the loop is bound by its serial chain, not by
-    its instruction count; not the default)."""
-    if lazy and overlap:
-        raise ValueError("launch_prefill_fp8_sm90: lazy rescaling is built for the serial "
-                         "order; pass overlap=False")
+    its instruction count; not the default);
+    pipe (4 warps): 64-key tiles, each tile's q.k issued a tile ahead so that a tile's
+    softmax runs while the next tile's scores and the last tile's P V are on the tensor cores
+    (`_tile_pipe`; not yet timed on a GPU: not the default)."""
+    if lazy and overlap or pipe and (lazy or overlap or warps != 4):
+        raise ValueError("launch_prefill_fp8_sm90: lazy rescaling and the pipelined tiles are "
+                         "built for the serial order, the latter with 4 warps")
     import triton
 
     TD = TensorDescriptor
@@ -524,11 +627,12 @@ def launch_prefill_fp8_sm90(q, k8, vt8, scales, cu_seqlens, out, scale: float,
     bm = 16 * warps   # query rows a CTA
     lay_q8 = gl.NVMMASharedLayout.get_default_for([bm, D], gl.float8e4nv)
     lay_q = gl.NVMMASharedLayout.get_default_for([bm, D], gl.bfloat16) if q_bf16 else lay_q8
-    lay_k = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.float8e4nv)
-    lay_v = gl.NVMMASharedLayout.get_default_for([D, BLOCK_N], gl.float8e4nv)
+    bn = 64 if pipe else BLOCK_N   # keys a tile
+    lay_k = gl.NVMMASharedLayout.get_default_for([bn, D], gl.float8e4nv)
+    lay_v = gl.NVMMASharedLayout.get_default_for([D, bn], gl.float8e4nv)
     qd = TD(q2, list(q2.shape), list(q2.stride()), [bm, D], lay_q)
-    kd = TD(k2, list(k2.shape), list(k2.stride()), [BLOCK_N, D], lay_k)
-    vd = TD(vt8, list(vt8.shape), list(vt8.stride()), [D, BLOCK_N], lay_v)
+    kd = TD(k2, list(k2.shape), list(k2.stride()), [bn, D], lay_k)
+    vd = TD(vt8, list(vt8.shape), list(vt8.stride()), [D, bn], lay_v)
     q_ds, k_ds, v_ds, cu_blocks = scales
     if q_bf16:
         q_ds = k_ds   # not read
@@ -537,5 +641,6 @@ def launch_prefill_fp8_sm90(q, k8, vt8, scales, cu_seqlens, out, scale: float,
                                   float(scale) * 1.4426950408889634, out.stride(0),
                                   out.stride(1), k_ds.stride(0), Hq // Hkv, HEAD_DIM=D,
                                   SYNC=sync, OVERLAP=overlap, TREE=tree, Q_BF16=q_bf16,
-                                  q8_layout=lay_q8, LAZY=lazy, num_warps=warps)
+                                  q8_layout=lay_q8, LAZY=lazy, PIPE=pipe, BLOCK=bn,
+                                  num_warps=warps)
     return out

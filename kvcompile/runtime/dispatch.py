@@ -48,6 +48,7 @@ from kvcompile.kernels.latent import (
     latent_output,
     paged_latent_expanded,
 )
+from kvcompile.runtime.context import StepPlan
 from kvcompile.runtime.hooks import RuntimeHook
 from kvcompile.runtime.kernel_formats import kernel_readable
 
@@ -484,7 +485,8 @@ def _attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, wi
     latents through kv_b_proj and runs dense SDPA, as the model does, a row group at a time
     (`_fresh_latent_rows`): compute-bound, the expansion is cheap there. A prompt chunk over
     a cached prefix of `latent_expand_min_queries` or more queries a row expands its rows'
-    stored latents the same way (latent.paged_latent_expanded). Everything else (decode
+    stored latents the same way (latent.paged_latent_expanded), and so does such a chunk in
+    an engine step beside other rows (`_packed_latent_split`). Everything else (decode
     steps, shorter chunks) attends in the latent space over the stored pages: q_nope
     absorbed by W_UK once per step, one latent head per token read for every query head, W_UV
     applied to the weighted latents; nothing of the past is expanded. Rotation is refused for
@@ -510,6 +512,18 @@ def _attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, wi
                                      nope_dim, scale,
                                      window or (mask_info.window if mask_info else 0),
                                      LATENT_EXPAND_BYTES)
+    split = _packed_latent_split(q, pool.k[layer], plan, attn_mask, window, softcap, attn_mass)
+    if split is not None:
+        return _attend_latent_split(ctx, layer, q, plan, split, scale, kv_b_weight, nope_dim)
+    return _absorbed_latent(state, layer, q, plan, mask_info, attn_mask, is_causal, window,
+                            softcap, scale, kv_b_weight, nope_dim, attn_mass)
+
+
+def _absorbed_latent(state, layer: int, q, plan, mask_info, attn_mask, is_causal, window,
+                     softcap, scale, kv_b_weight, nope_dim: int, attn_mass=None):
+    """`_attend_latent` in the latent space: the absorbed query over the latent pages, on the
+    latent kernels (`_latent_kernel`) or the paged reference; W_UV after."""
+    pool = state.pool
     q_lat = absorb_query(q, kv_b_weight, nope_dim)                  # [B, H, S, r + dr]
     o_lat = _latent_kernel(state, q_lat, pool.k[layer], pool.v[layer], plan, mask_info,
                            attn_mask, window, softcap, scale, attn_mass=attn_mass,
@@ -547,6 +561,78 @@ def latent_expand_min_queries(pages) -> int:
     expands: 8 bits a value or fewer take the fp8 threshold."""
     return (LATENT_EXPAND_MIN_QUERIES_FP8 if pages.fmt.bits_per_value <= 8
             else LATENT_EXPAND_MIN_QUERIES)
+
+
+def _packed_latent_split(q, pages, plan, attn_mask, window, softcap, attn_mass):
+    """An engine step (packed) of an MLA layer in which some sequences add a prompt chunk of
+    `latent_expand_min_queries` tokens or more: (long rows, the step without them as a
+    StepPlan of its own and the packed columns of its tokens), made once a forward; None
+    where no row is that long, or where the step has a window, softcap, H2O mass or a mask
+    (their rows stay together on the usual route). The long rows attend by expansion, as a
+    generate chunk of their length does, the rest as before (`_attend_latent_split`)."""
+    if (not plan.packed or not plan.q_lens or window or softcap or attn_mass is not None
+            or attn_mask is not None):
+        return None
+    n_min = latent_expand_min_queries(pages)
+    if max(plan.q_lens) < n_min:
+        return None
+    key = ("latent_split", n_min)
+    if key not in plan.cache:
+        plan.cache[key] = _split_plan(plan, [i for i, n in enumerate(plan.q_lens) if n >= n_min],
+                                      q.device)
+    return plan.cache[key]
+
+
+def _split_plan(plan, long: list[int], device: torch.device):
+    """(long, rest plan or None, rest's packed columns [T'] int64 or None) of `_packed_latent_split`."""
+    short = [i for i in range(len(plan.q_lens)) if i not in set(long)]
+    if not short:
+        return long, None, None
+    cu = list(itertools.accumulate(plan.q_lens, initial=0))
+    cols = torch.tensor([t for i in short for t in range(cu[i], cu[i + 1])],
+                        dtype=torch.int64).to(device, non_blocking=True)
+    q_lens = [plan.q_lens[i] for i in short]
+    rows = torch.tensor(short, dtype=torch.int64).to(plan.block_tables.device, non_blocking=True)
+    rest = StepPlan(
+        seq_ids=[plan.seq_ids[i] for i in short], batch=len(short), new_tokens=sum(q_lens),
+        past_lens=[plan.past_lens[i] for i in short], slots=plan.slots.new_empty(0),
+        block_tables=plan.block_tables.index_select(0, rows),
+        seq_lens=plan.seq_lens.index_select(0, rows.to(plan.seq_lens.device)),
+        seq_lens_list=[plan.seq_lens_list[i] for i in short],
+        kv_start=[plan.kv_start[i] for i in short], packed=True,
+        cu_seqlens_q=torch.tensor(list(itertools.accumulate(q_lens, initial=0)),
+                                  dtype=torch.int32).to(device, non_blocking=True),
+        q_lens=q_lens)
+    return long, rest, cols
+
+
+def _attend_latent_split(ctx, layer: int, q, plan, split, scale, kv_b_weight, nope_dim: int):
+    """`_packed_latent_split`'s step: each long row's chunk by expansion over its stored
+    latents (latent.paged_latent_expanded on that row: causal, its chunk the last of its
+    positions), the other rows' tokens through `_absorbed_latent` as a step of their own.
+    q [1, H, T, dn + dr] -> [1, H, T, dv]."""
+    state = ctx.state
+    pool = state.pool
+    long, rest, cols = split
+    H, T = q.shape[1], q.shape[2]
+    dv = kv_b_weight.shape[0] // H - nope_dim
+    out = torch.empty((1, H, T, dv), dtype=compute_dtype(q.dtype), device=q.device)
+    cu = list(itertools.accumulate(plan.q_lens, initial=0))
+    for i in long:
+        one = StepPlan(seq_ids=[plan.seq_ids[i]], batch=1, new_tokens=plan.q_lens[i],
+                       past_lens=[plan.past_lens[i]], slots=plan.slots.new_empty(0),
+                       block_tables=plan.block_tables[i:i + 1],
+                       seq_lens=plan.seq_lens[i:i + 1],
+                       seq_lens_list=[plan.seq_lens_list[i]], kv_start=[plan.kv_start[i]])
+        out[:, :, cu[i]:cu[i + 1]] = paged_latent_expanded(
+            pool.k[layer], pool.v[layer], q[:, :, cu[i]:cu[i + 1]], one, kv_b_weight,
+            nope_dim, scale, 0, LATENT_EXPAND_BYTES)
+    state.count("latent_chunk_expanded")
+    if rest is not None:
+        o = _absorbed_latent(state, layer, q.index_select(2, cols), rest, None, None, True, 0,
+                             0.0, scale, kv_b_weight, nope_dim)
+        out.index_copy_(2, cols, o.to(out.dtype))
+    return out
 
 
 def _fresh_latent_rows(state, q, fresh, w, nope_dim: int, scale: float, causal, starts,

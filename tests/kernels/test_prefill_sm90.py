@@ -20,7 +20,7 @@ from kvcompile.kernels import prefill_sm90 as P
 from tests.kernels.sm90_compile import compile_rows, innermost_error
 
 
-def _build(d: int, q_bf16: bool, lazy: bool = False) -> list:
+def _build(d: int, q_bf16: bool, variant: str = "serial") -> list:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -37,24 +37,26 @@ def _build(d: int, q_bf16: bool, lazy: bool = False) -> list:
         return mangle_type(TensorDescriptor(t, list(t.shape), list(t.stride()), block, lay))
 
     bm = 16 * P.NUM_WARPS
-    types = dict(q_desc=desc([bm, d], xq if q_bf16 else x), k_desc=desc([P.BLOCK_N, d]),
-                 v_desc=desc([d, P.BLOCK_N]),
+    bn = 64 if variant == "pipe" else P.BLOCK_N   # keys a tile
+    types = dict(q_desc=desc([bm, d], xq if q_bf16 else x), k_desc=desc([bn, d]),
+                 v_desc=desc([d, bn]),
                  Out="*bf16", cu_seqlens="*i32", cu_blocks="*i32", QD="*fp32", KD="*fp32",
                  VD="*fp32", sm_scale_log2="fp32", stride_ot="i32", stride_oh="i32",
                  stride_sb="i32", ratio="i32", HEAD_DIM="constexpr", SYNC="constexpr",
                  OVERLAP="constexpr", TREE="constexpr", Q_BF16="constexpr",
                  q8_layout="constexpr", LAZY="constexpr", TAU="constexpr",
-                 num_warps="constexpr")
+                 PIPE="constexpr", BLOCK="constexpr", num_warps="constexpr")
     fn = P.prefill_fp8_sm90_kernel
     try:
         cx = {"HEAD_DIM": d, "SYNC": False, "OVERLAP": False, "TREE": False, "Q_BF16": q_bf16,
               "q8_layout": gl.NVMMASharedLayout.get_default_for([bm, d], gl.float8e4nv),
-              "LAZY": lazy, "TAU": 3.0, "num_warps": P.NUM_WARPS}
+              "LAZY": variant == "lazy", "TAU": 3.0, "PIPE": variant == "pipe",
+              "BLOCK": bn, "num_warps": P.NUM_WARPS}
         k = triton.compile(GluonASTSource(fn=fn, signature=types, constexprs=cx),
                            target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=P.NUM_WARPS))
     except Exception as e:  # reported to the test, which fails with the innermost cause
-        return [d, q_bf16, lazy, innermost_error(e), 0, -1, ""]
+        return [d, q_bf16, variant, innermost_error(e), 0, -1, ""]
     from triton.backends.nvidia.compiler import get_ptxas
 
     ptxas = get_ptxas(90).path   # the ptxas this Triton builds sm_90 with
@@ -67,26 +69,27 @@ def _build(d: int, q_bf16: bool, lazy: bool = False) -> list:
     regs = re.search(r"Used (\d+) registers", r.stderr)
     stack = re.search(r"(\d+) bytes stack frame", r.stderr)
     warn = " ".join(re.findall(r"\(C7514\)[^\n]*", r.stderr))
-    return [d, q_bf16, lazy, "ok" if r.returncode == 0 else r.stderr[-1500:],
+    return [d, q_bf16, variant, "ok" if r.returncode == 0 else r.stderr[-1500:],
             int(regs.group(1)) if regs else 0, int(stack.group(1)) if stack else -1, warn]
 
 
-# (head_dim, Q in bf16 for the kernel to quantize, O rescaled lazily) of the builds checked
-BUILDS = [(d, b, False) for d in P.HEAD_DIMS for b in (False, True)] + [(128, False, True),
-                                                                         (128, True, True)]
+# (head_dim, Q in bf16 for the kernel to quantize, the loop: "serial" (the default), "lazy"
+# (O rescaled lazily), "pipe" (64-key tiles, q.k a tile ahead)) of the builds checked
+BUILDS = ([(d, b, "serial") for d in P.HEAD_DIMS for b in (False, True)]
+          + [(128, b, v) for v in ("lazy", "pipe") for b in (False, True)])
 
 
 def _main() -> None:
-    for d, q_bf16, lazy in BUILDS:
-        print(json.dumps(_build(d, q_bf16, lazy)), flush=True)
+    for d, q_bf16, variant in BUILDS:
+        print(json.dumps(_build(d, q_bf16, variant)), flush=True)
 
 
 @pytest.mark.skipif(P.GLUON_ERROR is not None, reason=str(P.GLUON_ERROR))
 def test_gluon_fp8_prefill_builds_for_sm90_without_serialized_wgmma():
     rows = compile_rows("tests.kernels.test_prefill_sm90")
     assert [tuple(r[:3]) for r in rows] == BUILDS
-    for d, q_bf16, lazy, status, regs, stack, warn in rows:
-        what = f"head_dim {d}, q {'bf16' if q_bf16 else 'e4m3'}{', lazy' if lazy else ''}"
+    for d, q_bf16, variant, status, regs, stack, warn in rows:
+        what = f"head_dim {d}, q {'bf16' if q_bf16 else 'e4m3'}, {variant}"
         assert status == "ok", f"{what}: {status}"
         assert stack == 0, f"{what}: {stack} bytes of stack (spills), {regs} registers"
         assert not warn, f"{what}: ptxas serialized the wgmma: {warn}"

@@ -319,6 +319,39 @@ def test_engine_serves_latent_pages_with_eager_tokens(kernels):
         assert c.get("latent_decode_triton", 0) >= LAYERS * 7, c
         assert c.get("latent_decode_triton_rows", 0) >= LAYERS, c   # decodes + a chunk
         assert "latent_absorbed" not in c and "reference_fallback" not in c, c
+    assert "latent_chunk_expanded" not in c, c   # no chunk reaches the expansion threshold
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_engine_long_prompt_chunks_expand_beside_the_other_rows(monkeypatch, kernels):
+    """An engine step that packs a prompt chunk of the expansion threshold's length or more
+    (4 here) with decodes and shorter chunks over latent pages: the long chunk attends by
+    expansion over its sequence's stored latents, as generate's chunks do, the other rows
+    as a step of their own (the latent kernel's rows with kernels="triton", the reference
+    otherwise). Greedy tokens equal eager Hugging Face's; negative: the test above, at the
+    default threshold, expands nothing."""
+    import random
+
+    from kvcompile.runtime import dispatch
+    from tests.engine.tiny import config, hf_greedy, random_prompts
+
+    monkeypatch.setattr(dispatch, "LATENT_EXPAND_MIN_QUERIES", 4)
+    monkeypatch.setattr(dispatch, "LATENT_EXPAND_MIN_QUERIES_FP8", 4)
+    torch._dynamo.reset()
+    prompts = random_prompts(random.Random(4), 4, 2, 30)
+    ref = make_mla("deepseek_v3", "sdpa", rope=16)
+    model = make_mla("deepseek_v3", "sdpa", rope=16)
+    eng = kvcompile.Engine(model, config=config(page_size=8, kernels=kernels),
+                           max_num_batched_tokens=12)   # prompts in chunks beside decodes
+    outs = eng.generate(prompts, kvcompile.SamplingParams(temperature=0, max_tokens=6,
+                                                          ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(ref, p, 6)
+    c = state_of(model).counters
+    assert c.get("latent_chunk_expanded", 0) >= LAYERS, c
+    if kernels == "triton":
+        assert c.get("latent_decode_triton", 0) + c.get("latent_decode_triton_rows", 0) > 0, c
+        assert "reference_fallback" not in c and "latent_absorbed" not in c, c
 
 
 def test_decode_mask_that_hides_no_key_lets_the_latent_kernel_run():

@@ -171,3 +171,51 @@ def test_a_chunk_expands_from_its_pages_threshold(fmt, expands_from):
     mid = (dispatch.LATENT_EXPAND_MIN_QUERIES + dispatch.LATENT_EXPAND_MIN_QUERIES_FP8) // 2
     assert expands(mid) == (fmt == "bf16")
     assert not expands(n, SimpleNamespace(packed=True, is_decode=False))
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["latent kernel rows", "reference"])
+def test_an_engine_step_with_long_chunks_expands_them_and_equals_the_reference(monkeypatch,
+                                                                                kernels):
+    """An engine step packing decodes, a short chunk, a fresh prompt and two chunks at the
+    expansion threshold or past it (4 here): the long chunks by expansion over their
+    sequences' stored latents, the rest as a step of their own (`_attend_latent_split`),
+    together equal to the absorbed reference over the whole step; the split made once a
+    forward. Negative: a step whose chunks are all shorter is not split."""
+    from kvcompile.kernels.latent import absorb_query, latent_output
+    from kvcompile.runtime import dispatch
+
+    monkeypatch.setattr(dispatch, "LATENT_EXPAND_MIN_QUERIES", 4)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10_000, (1,))))
+    q_lens = [1, 5, 2, 1, int(torch.randint(4, 9, (1,), generator=g)), 3]
+    past = [int(torch.randint(1, 40, (1,), generator=g)), 13, 9, 21, 0, 0]
+    lens = [p + n for p, n in zip(past, q_lens)]
+    pool, seqs, _ = _pages("fp32", lens, g)
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    plan = SimpleNamespace(packed=True, q_lens=q_lens, past_lens=past, batch=len(lens),
+                           new_tokens=cu[-1], seq_lens=torch.tensor(lens, dtype=torch.int32),
+                           seq_lens_list=lens, block_tables=pool.block_table(seqs),
+                           kv_start=[0] * len(lens), cache={}, seq_ids=seqs,
+                           slots=torch.zeros(0, dtype=torch.int64),
+                           cu_seqlens_q=torch.tensor(cu, dtype=torch.int32))
+    nope, dv = 8, 12
+    w = torch.randn(H * (nope + dv), R, generator=g) * 0.3
+    q = torch.randn(1, H, cu[-1], nope + DR, generator=g)
+    counts: list[str] = []
+    notes: list[str] = []
+    state = SimpleNamespace(pool=pool, count=counts.append, kernels=SimpleNamespace(
+        use_triton=lambda device: kernels, _fallback=notes.append))
+    split = dispatch._packed_latent_split(q, pool.k[0], plan, None, 0, 0.0, None)
+    assert split[0] == [1, 4] and split[1].q_lens == [1, 2, 1, 3]
+    assert dispatch._packed_latent_split(q, pool.k[0], plan, None, 0, 0.0, None) is split
+    got = dispatch._attend_latent_split(SimpleNamespace(state=state), 0, q, plan, split, SCALE,
+                                        w, nope)
+    q_lat = absorb_query(q, w, nope)
+    want = latent_output(paged_reference_attention(pool.k[0], pool.v[0], q_lat, plan, None,
+                                                   True, 0, 0.0, SCALE, latent=True), w, nope)
+    assert_rel_close(got, want, torch.float32, what=f"q_lens {q_lens}, past {past}")
+    assert "latent_chunk_expanded" in counts and not notes
+    assert ("latent_decode_triton_rows" if kernels else "latent_absorbed") in counts, counts
+    short = SimpleNamespace(**{**vars(plan), "q_lens": [1, 3, 2, 1, 3, 3], "cache": {}})
+    assert dispatch._packed_latent_split(q, pool.k[0], short, None, 0, 0.0, None) is None
