@@ -565,10 +565,10 @@ def latent_expand_min_queries(pages) -> int:
 
 def _packed_latent_split(q, pages, plan, attn_mask, window, softcap, attn_mass):
     """An engine step (packed) of an MLA layer in which some sequences add a prompt chunk of
-    `latent_expand_min_queries` tokens or more: (long rows, the step without them as a
-    StepPlan of its own and the packed columns of its tokens), made once a forward; None
-    where no row is that long, or where the step has a window, softcap, H2O mass or a mask
-    (their rows stay together on the usual route). The long rows attend by expansion, as a
+    `latent_expand_min_queries` tokens or more: (the long rows' one-row plans, the step
+    without them as a StepPlan of its own and the packed columns of its tokens:
+    `_split_plan`), made once a forward; None where no row is that long, or where the step
+    has a window, softcap, H2O mass or a mask (their rows stay together on the usual route). The long rows attend by expansion, as a
     generate chunk of their length does, the rest as before (`_attend_latent_split`)."""
     if (not plan.packed or not plan.q_lens or window or softcap or attn_mass is not None
             or attn_mask is not None):
@@ -584,11 +584,19 @@ def _packed_latent_split(q, pages, plan, attn_mask, window, softcap, attn_mass):
 
 
 def _split_plan(plan, long: list[int], device: torch.device):
-    """(long, rest plan or None, rest's packed columns [T'] int64 or None) of `_packed_latent_split`."""
-    short = [i for i in range(len(plan.q_lens)) if i not in set(long)]
-    if not short:
-        return long, None, None
+    """`_packed_latent_split`'s ([(packed columns, one-row StepPlan)] of the long rows, the
+    rest's StepPlan or None, the rest's packed columns [T'] int64 or None)."""
     cu = list(itertools.accumulate(plan.q_lens, initial=0))
+    ones = [(slice(cu[i], cu[i + 1]),
+             StepPlan(seq_ids=[plan.seq_ids[i]], batch=1, new_tokens=plan.q_lens[i],
+                      past_lens=[plan.past_lens[i]], slots=plan.slots.new_empty(0),
+                      block_tables=plan.block_tables[i:i + 1], seq_lens=plan.seq_lens[i:i + 1],
+                      seq_lens_list=[plan.seq_lens_list[i]], kv_start=[plan.kv_start[i]]))
+            for i in long]
+    taken = set(long)
+    short = [i for i in range(len(plan.q_lens)) if i not in taken]
+    if not short:
+        return ones, None, None
     cols = torch.tensor([t for i in short for t in range(cu[i], cu[i + 1])],
                         dtype=torch.int64).to(device, non_blocking=True)
     q_lens = [plan.q_lens[i] for i in short]
@@ -603,7 +611,7 @@ def _split_plan(plan, long: list[int], device: torch.device):
         cu_seqlens_q=torch.tensor(list(itertools.accumulate(q_lens, initial=0)),
                                   dtype=torch.int32).to(device, non_blocking=True),
         q_lens=q_lens)
-    return long, rest, cols
+    return ones, rest, cols
 
 
 def _attend_latent_split(ctx, layer: int, q, plan, split, scale, kv_b_weight, nope_dim: int):
@@ -613,20 +621,14 @@ def _attend_latent_split(ctx, layer: int, q, plan, split, scale, kv_b_weight, no
     q [1, H, T, dn + dr] -> [1, H, T, dv]."""
     state = ctx.state
     pool = state.pool
-    long, rest, cols = split
+    ones, rest, cols = split
     H, T = q.shape[1], q.shape[2]
     dv = kv_b_weight.shape[0] // H - nope_dim
     out = torch.empty((1, H, T, dv), dtype=compute_dtype(q.dtype), device=q.device)
-    cu = list(itertools.accumulate(plan.q_lens, initial=0))
-    for i in long:
-        one = StepPlan(seq_ids=[plan.seq_ids[i]], batch=1, new_tokens=plan.q_lens[i],
-                       past_lens=[plan.past_lens[i]], slots=plan.slots.new_empty(0),
-                       block_tables=plan.block_tables[i:i + 1],
-                       seq_lens=plan.seq_lens[i:i + 1],
-                       seq_lens_list=[plan.seq_lens_list[i]], kv_start=[plan.kv_start[i]])
-        out[:, :, cu[i]:cu[i + 1]] = paged_latent_expanded(
-            pool.k[layer], pool.v[layer], q[:, :, cu[i]:cu[i + 1]], one, kv_b_weight,
-            nope_dim, scale, 0, LATENT_EXPAND_BYTES)
+    for part, one in ones:
+        out[:, :, part] = paged_latent_expanded(pool.k[layer], pool.v[layer], q[:, :, part],
+                                                one, kv_b_weight, nope_dim, scale, 0,
+                                                LATENT_EXPAND_BYTES)
     state.count("latent_chunk_expanded")
     if rest is not None:
         o = _absorbed_latent(state, layer, q.index_select(2, cols), rest, None, None, True, 0,

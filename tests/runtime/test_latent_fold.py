@@ -207,7 +207,8 @@ def test_an_engine_step_with_long_chunks_expands_them_and_equals_the_reference(m
     state = SimpleNamespace(pool=pool, count=counts.append, kernels=SimpleNamespace(
         use_triton=lambda device: kernels, _fallback=notes.append))
     split = dispatch._packed_latent_split(q, pool.k[0], plan, None, 0, 0.0, None)
-    assert split[0] == [1, 4] and split[1].q_lens == [1, 2, 1, 3]
+    assert [one.seq_ids for _, one in split[0]] == [[seqs[1]], [seqs[4]]]
+    assert split[1].q_lens == [1, 2, 1, 3]
     assert dispatch._packed_latent_split(q, pool.k[0], plan, None, 0, 0.0, None) is split
     got = dispatch._attend_latent_split(SimpleNamespace(state=state), 0, q, plan, split, SCALE,
                                         w, nope)
