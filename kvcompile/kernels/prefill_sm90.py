@@ -250,6 +250,26 @@ if GLUON_ERROR is None:
         return acc, s_next, m_i, l_i, vs
 
     @gluon.jit
+    def _tile_one(q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, m_i, l_i, v_prev,
+                  zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start, v_col, keys0,
+                  pos, row_o: gl.constexpr, p_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  KV_BYTES: gl.constexpr, MASKED: gl.constexpr, P_SH: gl.constexpr,
+                  TREE: gl.constexpr, LAZY: gl.constexpr, TAU: gl.constexpr):
+        # a tile in the serial order: `_tile_lazy` (P shifted by 2^(P_SH - TAU)) or
+        # `_tile_serial`
+        if LAZY:
+            acc, m_i, l_i, v_prev = _tile_lazy(
+                q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, m_i, l_i, v_prev,
+                zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start, v_col, keys0,
+                pos, row_o, p_layout, HEAD_DIM, KV_BYTES, MASKED, P_SH - TAU, TAU)
+        else:
+            acc, m_i, l_i, v_prev = _tile_serial(
+                q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, m_i, l_i, v_prev,
+                zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start, v_col, keys0,
+                pos, row_o, p_layout, HEAD_DIM, KV_BYTES, MASKED, P_SH, TREE)
+        return acc, m_i, l_i, v_prev
+
+    @gluon.jit
     def _lg2(x):
         return gl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x],
                                          dtype=gl.float32, is_pure=True, pack=1)
@@ -451,45 +471,26 @@ if GLUON_ERROR is None:
                         o_fin = warpgroup_mma_wait(num_outstanding=0, deps=(a2,))
                     o_one = o_fin
                 acc = o_one
-            elif LAZY:   # the serial order, O rescaled only when a max or V's scale grows
-                LP_SH: gl.constexpr = 8.0 - TAU   # P <= 2^(8 - TAU + TAU) = 256
+            elif not OVERLAP:   # P made and used in one iteration (LAZY: O rescaled lazily)
                 acc = gl.zeros([BM, HEAD_DIM], gl.float32, o_layout)
                 v_prev = gl.load(VD + kblk0 * stride_sb + hkv)
-                acc, m_i, l_i, v_prev = _tile_lazy(
+                acc, m_i, l_i, v_prev = _tile_one(
                     q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, m_i, l_i, v_prev,
                     zero_s, 0, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start, v_col, keys0,
-                    pos, row_o, p_layout, HEAD_DIM, KV_BYTES, True, LP_SH, TAU)
+                    pos, row_o, p_layout, HEAD_DIM, KV_BYTES, True, P_SH, TREE, LAZY,
+                    TAU)
                 for j in range(1, n_tiles - 1):
-                    acc, m_i, l_i, v_prev = _tile_lazy(
-                        q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, m_i, l_i,
-                        v_prev, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start,
-                        v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, False, LP_SH, TAU)
-                if n_tiles > 1:
-                    acc, m_i, l_i, v_prev = _tile_lazy(
-                        q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, m_i, l_i,
-                        v_prev, zero_s, n_tiles - 1, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv,
-                        q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, True,
-                        LP_SH, TAU)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            elif not OVERLAP:   # P made and used in one iteration
-                acc = gl.zeros([BM, HEAD_DIM], gl.float32, o_layout)
-                v_prev = gl.load(VD + kblk0 * stride_sb + hkv)
-                acc, m_i, l_i, v_prev = _tile_serial(
-                    q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, m_i, l_i, v_prev,
-                    zero_s, 0, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start, v_col, keys0,
-                    pos, row_o, p_layout, HEAD_DIM, KV_BYTES, True, P_SH, TREE)
-                for j in range(1, n_tiles - 1):
-                    acc, m_i, l_i, v_prev = _tile_serial(
+                    acc, m_i, l_i, v_prev = _tile_one(
                         q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, m_i, l_i,
                         v_prev, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start,
                         v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, False, P_SH,
-                        TREE)
+                        TREE, LAZY, TAU)
                 if n_tiles > 1:
-                    acc, m_i, l_i, v_prev = _tile_serial(
+                    acc, m_i, l_i, v_prev = _tile_one(
                         q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, m_i, l_i,
                         v_prev, zero_s, n_tiles - 1, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv,
                         q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, True,
-                        P_SH, TREE)
+                        P_SH, TREE, LAZY, TAU)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             else:   # FlashAttention-3's order: P V of tile j - 1 during tile j's softmax
                 # tile 0: its scores, then its softmax (masked: it may be the diagonal tile)
