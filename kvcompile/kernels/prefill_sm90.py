@@ -137,6 +137,24 @@ if GLUON_ERROR is None:
         return gl.convert_layout(x, p_layout)
 
     @gluon.jit
+    def _pv_refill(acc, p, p_layout: gl.constexpr, k_desc, k_smem, k_bar, v_desc, v_smem, v_bar,
+                   j, n_tiles, q_start, hkv, v_col, HEAD_DIM: gl.constexpr,
+                   KV_BYTES: gl.constexpr, BN: gl.constexpr):
+        # the serial orders' end of tile j: P in E4M3, O += P V[j] issued (left running into
+        # the next tile); then every warp is past tile j's q.k and tile j - 1's P V: K stage
+        # j % 2 and V stage (j + 1) % 2 are free for tiles j + 2 and j + 1 (V of tiles 0 and
+        # 1: the prologue's)
+        p8 = _p_operand(p, p_layout, p.shape[0], p.shape[1])
+        mbarrier.wait(v_bar.index(j % 2), (j // 2) & 1)
+        acc = warpgroup_mma(p8, v_smem.index(j % 2).permute((1, 0)), acc, is_async=True)
+        cta_barrier()
+        if j + 2 < n_tiles:
+            _load_k(k_desc, k_smem, k_bar, q_start, hkv * HEAD_DIM, j + 2, KV_BYTES, BN)
+        if j > 0 and j + 1 < n_tiles:
+            _load_v(v_desc, v_smem, v_bar, hkv * HEAD_DIM, v_col, j + 1, KV_BYTES, BN)
+        return acc
+
+    @gluon.jit
     def _tile(q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, acc, p8, m_i, l_i, v_prev,
               r, kd, vs, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start, v_col,
               keys0, pos, row_o: gl.constexpr, p_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -198,16 +216,8 @@ if GLUON_ERROR is None:
         p, alpha, m_i, l_i = _softmax(s, c_q * kd, m_i, l_i, j * 128 + keys0, pos, MASKED,
                                       P_SH, TREE)
         acc = acc * gl.convert_layout(alpha * (v_prev / vs), row_o)[:, None]
-        p8 = _p_operand(p, p_layout, p.shape[0], p.shape[1])
-        mbarrier.wait(v_bar.index(j % 2), (j // 2) & 1)
-        acc = warpgroup_mma(p8, v_smem.index(j % 2).permute((1, 0)), acc, is_async=True)
-        # every warp is past tile j's q.k and tile j - 1's P V: K stage j % 2 and V stage
-        # (j + 1) % 2 are free for tiles j + 2 and j + 1 (V of tiles 0 and 1: the prologue's)
-        cta_barrier()
-        if j + 2 < n_tiles:
-            _load_k(k_desc, k_smem, k_bar, q_start, hkv * HEAD_DIM, j + 2, KV_BYTES)
-        if j > 0 and j + 1 < n_tiles:
-            _load_v(v_desc, v_smem, v_bar, hkv * HEAD_DIM, v_col, j + 1, KV_BYTES)
+        acc = _pv_refill(acc, p, p_layout, k_desc, k_smem, k_bar, v_desc, v_smem, v_bar, j,
+                         n_tiles, q_start, hkv, v_col, HEAD_DIM, KV_BYTES, 128)
         return acc, m_i, l_i, vs
 
     @gluon.jit
@@ -237,16 +247,8 @@ if GLUON_ERROR is None:
         p, alpha, m_i, l_i = _softmax(s, c_q * kd, m_i, l_i, j * BN + keys0, pos, MASKED,
                                       P_SH, False)
         acc = acc * gl.convert_layout(alpha * (v_prev / vs), row_o)[:, None]
-        p8 = _p_operand(p, p_layout, p.shape[0], p.shape[1])
-        mbarrier.wait(v_bar.index(j % 2), (j // 2) & 1)
-        acc = warpgroup_mma(p8, v_smem.index(j % 2).permute((1, 0)), acc, is_async=True)
-        # every warp is past tile j's q.k and tile j - 1's P V: K stage j % 2 and V stage
-        # (j + 1) % 2 are free for tiles j + 2 and j + 1 (V of tiles 0 and 1: the prologue's)
-        cta_barrier()
-        if j + 2 < n_tiles:
-            _load_k(k_desc, k_smem, k_bar, q_start, hkv * HEAD_DIM, j + 2, KV_BYTES, BN)
-        if j > 0 and j + 1 < n_tiles:
-            _load_v(v_desc, v_smem, v_bar, hkv * HEAD_DIM, v_col, j + 1, KV_BYTES, BN)
+        acc = _pv_refill(acc, p, p_layout, k_desc, k_smem, k_bar, v_desc, v_smem, v_bar, j,
+                         n_tiles, q_start, hkv, v_col, HEAD_DIM, KV_BYTES, BN)
         return acc, s_next, m_i, l_i, vs
 
     @gluon.jit
@@ -319,14 +321,8 @@ if GLUON_ERROR is None:
         else:
             p = gl.exp2(s * c[:, None] - sub[:, None])
         l_i = l_i + gl.sum(p, 1) * gl.exp2(-e)
-        p8 = _p_operand(p, p_layout, p.shape[0], p.shape[1])
-        mbarrier.wait(v_bar.index(j % 2), (j // 2) & 1)
-        acc = warpgroup_mma(p8, v_smem.index(j % 2).permute((1, 0)), acc, is_async=True)
-        cta_barrier()
-        if j + 2 < n_tiles:
-            _load_k(k_desc, k_smem, k_bar, q_start, hkv * HEAD_DIM, j + 2, KV_BYTES)
-        if j > 0 and j + 1 < n_tiles:
-            _load_v(v_desc, v_smem, v_bar, hkv * HEAD_DIM, v_col, j + 1, KV_BYTES)
+        acc = _pv_refill(acc, p, p_layout, k_desc, k_smem, k_bar, v_desc, v_smem, v_bar, j,
+                         n_tiles, q_start, hkv, v_col, HEAD_DIM, KV_BYTES, 128)
         return acc, m_i, l_i, v_ref
 
     @gluon.jit
