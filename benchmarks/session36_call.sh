@@ -4,8 +4,13 @@
 #   a: generate's device loop GPU tests (session35's d) and the folded MLA chunk's GPU test
 #   b: rows at B x P (default 16 x 4096, N 64), a process a row: HF static + inductor, fp8
 #      pages with the device loop on and off, bf16 pages with it on (B_ROWS to pick)
-#   p: bench_prefill_fp8.py --quick: the Gluon FP8 prefill's checks (the lazy rescale build
-#      included) and its table beside cuDNN
+#   p: bench_prefill_fp8.py --quick: the Gluon FP8 prefill's checks (the lazy rescale and
+#      the piped 64-key builds included) and its table beside cuDNN
+#   m: the MLA latent tests on CUDA (the engine split of long prompt chunks, the fold, the
+#      thresholds) and bench_latent_chunk at 16 heads
+# The next session's calls, in order: p (the piped build: correct? faster?), a (device loop
+# tests again after this session's changes elsewhere), m, then on an H200 the issue-16 rows
+# (B=16 P=4096, B=64 P=2048, B=1 P=32768 with PART=b) for the 60% roofline.
 #   other parts: session35_call.sh's (d2, c, v, ...)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvc_out}; mkdir -p "$OUT"
@@ -24,6 +29,14 @@ case "${PART:-a}" in
   p)
     timeout -k 5 ${P_LIMIT:-300} python3 benchmarks/bench_prefill_fp8.py --quick \
       --json "$OUT/p_prefill.json" 2>&1 | grep -vE "^\{" | tee "$OUT/p_prefill.txt" ;;
+  m)
+    timeout -k 5 ${M_LIMIT:-300} python3 -m pytest -q -s -m gpu \
+      tests/gpu/test_latent_decode_gpu.py 2>&1 | tail -3 | tee "$OUT/m_gpu.txt"
+    KVCOMPILE_TEST_FULL=1 timeout -k 5 ${M_LIMIT:-300} python3 -m pytest -q \
+      tests/runtime/test_latent_fold.py tests/passes/test_latent_attention.py 2>&1 | tail -3 \
+      | tee "$OUT/m_cpu_tests_on_gpu.txt"
+    timeout -k 5 200 python3 benchmarks/bench_latent_chunk.py --heads 16 2>&1 \
+      | grep -vE "^\{" | tee "$OUT/m_chunk_h16.txt" | tail -12 ;;
   *)
     PART=$PART bash benchmarks/session35_call.sh ;;
 esac
