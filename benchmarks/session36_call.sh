@@ -6,8 +6,7 @@
 #      pages with the device loop on and off, bf16 pages with it on (B_ROWS to pick)
 #   p: bench_prefill_fp8.py --quick: the Gluon FP8 prefill's checks (the lazy rescale and
 #      the piped 64-key builds included) and its table beside cuDNN
-#   m: the MLA latent tests on CUDA (the engine split of long prompt chunks, the fold, the
-#      thresholds) and bench_latent_chunk at 16 heads
+#   m: the MLA latent GPU tests (the fold included) and bench_latent_chunk at 16 heads
 # The next session's calls, in order: p (the piped build: correct? faster?), a (device loop
 # tests again after this session's changes elsewhere), m, then on an H200 the issue-16 rows
 # (B=16 P=4096, B=64 P=2048, B=1 P=32768 with PART=b) for the 60% roofline.
@@ -32,9 +31,6 @@ case "${PART:-a}" in
   m)
     timeout -k 5 ${M_LIMIT:-300} python3 -m pytest -q -s -m gpu \
       tests/gpu/test_latent_decode_gpu.py 2>&1 | tail -3 | tee "$OUT/m_gpu.txt"
-    KVCOMPILE_TEST_FULL=1 timeout -k 5 ${M_LIMIT:-300} python3 -m pytest -q \
-      tests/runtime/test_latent_fold.py tests/passes/test_latent_attention.py 2>&1 | tail -3 \
-      | tee "$OUT/m_cpu_tests_on_gpu.txt"
     timeout -k 5 200 python3 benchmarks/bench_latent_chunk.py --heads 16 2>&1 \
       | grep -vE "^\{" | tee "$OUT/m_chunk_h16.txt" | tail -12 ;;
   *)
