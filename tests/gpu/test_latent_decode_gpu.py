@@ -159,3 +159,45 @@ def test_folded_chunk_matches_reference_on_cuda(route, heads, c_fmt, monkeypatch
     if route == "cuda" and not latent_sm90.unsupported(q[:, :, 0], pool.k[0], pool.v[0]):
         assert used == "cuda_rows", used
     assert_rel_close(got, ref, torch.bfloat16, what=f"{route} {heads} heads {c_fmt} ({used})")
+
+
+@pytest.mark.parametrize("c_fmt", ["bf16", "fp8_e4m3"])
+def test_engine_step_split_matches_reference_on_cuda(c_fmt, monkeypatch):
+    """An engine step (packed) with prompt chunks at the expansion threshold or past it (16
+    here) beside decodes and a short chunk (runtime/dispatch.py `_attend_latent_split`): the
+    long chunks by expansion over their stored latents, the rest on the latent kernel's rows,
+    against the absorbed paged reference of the whole step, W_UV applied to both."""
+    from kvcompile.kernels.latent import absorb_query, latent_output
+    from kvcompile.runtime import dispatch
+
+    monkeypatch.setattr(dispatch, "LATENT_EXPAND_MIN_QUERIES", 16)
+    monkeypatch.setattr(dispatch, "LATENT_EXPAND_MIN_QUERIES_FP8", 16)
+    heads, nope, dv = 16, 128, 128
+    q_lens, past = [1, 40, 3, 1, 20], [1000, 200, 17, 4000, 0]
+    lens = [p + n for p, n in zip(past, q_lens)]
+    pool, plan, _, _, _ = _case(c_fmt, c_fmt, lens, heads, seed=21)
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    g = torch.Generator(device="cuda").manual_seed(22)
+    plan.packed, plan.q_lens, plan.past_lens, plan.new_tokens = True, q_lens, past, cu[-1]
+    plan.seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    plan.cu_seqlens_q = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    plan.seq_ids, plan.slots = list(range(len(lens))), torch.zeros(0, dtype=torch.int64)
+    w = (torch.randn(heads * (nope + dv), R, device="cuda", generator=g) / 16).bfloat16()
+    q = (torch.randn(1, heads, cu[-1], nope + DR, device="cuda", generator=g) / 8).bfloat16()
+    counts: list[str] = []
+    notes: list[str] = []
+    state = SimpleNamespace(pool=pool, count=counts.append, kernels=SimpleNamespace(
+        use_triton=lambda d: True, _fallback=notes.append))
+    split = dispatch._packed_latent_split(q, pool.k[0], plan, None, 0, 0.0, None)
+    assert len(split[0]) == 2 and split[1].q_lens == [1, 3, 1]
+    got = dispatch._attend_latent_split(SimpleNamespace(state=state), 0, q, plan, split, 0.07,
+                                        w, nope)
+    q_lat = absorb_query(q, w, nope).float()
+    ref = latent_output(paged_reference_attention(pool.k[0], pool.v[0], q_lat, plan, None,
+                                                  True, 0, 0.0, 0.07, latent=True),
+                        w.float(), nope)
+    assert not notes and "latent_chunk_expanded" in counts, (notes, counts)
+    assert any(c.startswith("latent_decode_") for c in counts), counts
+    assert_rel_close(got.float(), ref, torch.bfloat16, what=f"{c_fmt} split step")
