@@ -28,6 +28,10 @@ instructions); on the H200 the serial order runs 1.17-1.32x cuDNN SDPA bf16 agai
 FlashAttention-3's order's 1.00-1.14x in the same run. `overlap=True` keeps that order (tile
 j - 1's P V issued after S[j], running during tile j's softmax; O rescaled before it, else
 ptxas serializes the wgmma: C7514, which tests/kernels/test_prefill_sm90.py fails on).
+Two opt-in builds of the serial order: `lazy=True` rescales O only when a row's max or V's
+scale grows (fewer instructions, measured no faster: the serial chain, not issue, bounds the
+loop), `pipe=True` walks 64-key tiles with each tile's q.k issued a tile ahead, so that a
+tile's softmax runs while the next tile's scores are on the tensor cores (not yet timed).
 Numbers: benchmarks/RESULTS.md.
 
 One CTA of 4 warps (one warpgroup; 8 warps: two, 128 rows) owns 64 query rows of one query
