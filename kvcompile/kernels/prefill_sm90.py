@@ -141,6 +141,19 @@ if GLUON_ERROR is None:
         return gl.convert_layout(x, p_layout)
 
     @gluon.jit
+    def _scores(q_smem, k_smem, k_bar, zero_s, acc, j, KD, VD, kblk0, stride_sb, hkv):
+        # the serial orders' start of a 128-key tile j: S = Q K[j]^T issued, the tile's K / V
+        # descales loaded meanwhile, then S and the last tile's P V waited for
+        mbarrier.wait(k_bar.index(j % 2), (j // 2) & 1)
+        s = warpgroup_mma(q_smem, k_smem.index(j % 2).permute((1, 0)), zero_s, use_acc=False,
+                          is_async=True)
+        blk = (kblk0 + j) * stride_sb + hkv
+        kd = gl.load(KD + blk)
+        vs = gl.load(VD + blk)
+        s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
+        return s, acc, kd, vs
+
+    @gluon.jit
     def _pv_refill(acc, p, p_layout: gl.constexpr, k_desc, k_smem, k_bar, v_desc, v_smem, v_bar,
                    j, n_tiles, q_start, hkv, v_col, HEAD_DIM: gl.constexpr,
                    KV_BYTES: gl.constexpr, BN: gl.constexpr):
@@ -210,13 +223,8 @@ if GLUON_ERROR is None:
         # iteration: carried across the loop, Triton keeps an E4M3 tensor as single bytes and
         # repacks them for the wgmma (112 PRMT + 64 LOP3 + 32 SHF a tile and warp, against 16
         # PRMT here: the loop body 718 -> 515 SASS instructions at head_dim 128)
-        mbarrier.wait(k_bar.index(j % 2), (j // 2) & 1)
-        s = warpgroup_mma(q_smem, k_smem.index(j % 2).permute((1, 0)), zero_s, use_acc=False,
-                          is_async=True)
-        blk = (kblk0 + j) * stride_sb + hkv
-        kd = gl.load(KD + blk)
-        vs = gl.load(VD + blk)
-        s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
+        s, acc, kd, vs = _scores(q_smem, k_smem, k_bar, zero_s, acc, j, KD, VD, kblk0,
+                                 stride_sb, hkv)
         p, alpha, m_i, l_i = _softmax(s, c_q * kd, m_i, l_i, j * 128 + keys0, pos, MASKED,
                                       P_SH, TREE)
         acc = acc * gl.convert_layout(alpha * (v_prev / vs), row_o)[:, None]
@@ -293,13 +301,8 @@ if GLUON_ERROR is None:
         # moves P = 2^(s c - m_i + P_SH) * vs / v_ref, the V scale ratio folded into P's
         # exponent (at most 2^(P_SH + TAU) <= 448: E4M3's range); l gets P's sum without the
         # ratio. In steady state a tile skips the rescale's 64 FMUL a thread and 2 MUFU.EX2.
-        mbarrier.wait(k_bar.index(j % 2), (j // 2) & 1)
-        s = warpgroup_mma(q_smem, k_smem.index(j % 2).permute((1, 0)), zero_s, use_acc=False,
-                          is_async=True)
-        blk = (kblk0 + j) * stride_sb + hkv
-        kd = gl.load(KD + blk)
-        vs = gl.load(VD + blk)
-        s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
+        s, acc, kd, vs = _scores(q_smem, k_smem, k_bar, zero_s, acc, j, KD, VD, kblk0,
+                                 stride_sb, hkv)
         c = c_q * kd
         if MASKED:
             s = gl.where((j * 128 + keys0)[None, :] <= pos[:, None], s * c[:, None],
