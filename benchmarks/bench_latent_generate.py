@@ -9,7 +9,11 @@ Model: DeepSeek-V3 attention (128 heads, q_lora 1536, kv_lora 512, rope 64, nope
 hidden 7168) with a dense MLP in every layer (`first_k_dense_replace` = layers), `--layers`
 layers, vocab 32000, random bf16 weights, SDPA. Rows: HF eager (DynamicCache), HF StaticCache
 with generate's own auto-compile of the decode step (CUDA only), kvcompile with bf16 and
-fp8_e4m3 latent pages; "kvc_<format>+sink" / "+snapkv" / "+h2o" add an eviction policy keeping
+fp8_e4m3 latent pages, and "engine_<format>": the same prompts through kvcompile.Engine in
+chunked prefill steps of --engine-tokens tokens (2,048: a long prompt's chunks over its own
+latent pages, packed with other rows; decode tok/s = B * (N - 1) / (total - first token),
+its first-token time printed to stderr); "kvc_<format>+sink" / "+snapkv" / "+h2o" add an
+eviction policy keeping
 half the prompt (SinkWindow, SnapKV(hold), H2O; their tokens differ from eager's by design;
 --evict-interval, 64 by default). Each row: how many of its rows' new tokens equal HF eager's
 (and their mean common start; kvcompile rows without eviction also along eager's tokens: how
@@ -60,6 +64,8 @@ def parse_args():
     p.add_argument("--evict-interval", type=int, default=64,
                    help="KVConfig.eviction_interval of the +sink / +snapkv / +h2o rows (1: "
                         "evict at every step once over budget)")
+    p.add_argument("--engine-tokens", type=int, default=2048,
+                   help="max_num_batched_tokens of the engine_* rows (their prefill chunks)")
     p.add_argument("--ref", default="", help="a file for hf_eager's tokens and tok/s: the "
                    "hf_eager row writes it, the others compare with it (one process a row)")
     a = p.parse_args()
@@ -119,6 +125,8 @@ def run_row(row, a, ids, ref_logits=None):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     model, _ = make_model(a)
+    if row.startswith("engine_"):
+        return _engine_row(row, model, a, ids)
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
     if row == "hf_static":
         # HF's own auto-compile of the decode step (generate's compile_config: fullgraph,
@@ -178,6 +186,47 @@ def run_row(row, a, ids, ref_logits=None):
     model = None   # the next row's model takes its memory
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    return info
+
+
+def _engine_row(row, model, a, ids) -> dict:
+    """The prompts through kvcompile.Engine (latent pages of the row's format, chunked
+    prefill of --engine-tokens a step, CUDA-graph decode on CUDA): a warm-up call, then
+    --repeats timed calls; decode tok/s over the time after the last first token."""
+    import time
+
+    fmt = row[len("engine_"):]
+    cfg = kvcompile.KVConfig(kv_dtype=fmt, max_kv_bytes=(1 << 26 if a.smoke else 40 << 30))
+    eng = kvcompile.Engine(model, None, cfg, max_num_batched_tokens=a.engine_tokens,
+                           max_num_seqs=a.batch, enable_prefix_caching=False)
+    _COMPILED[:] = [model]
+    prompts = [r.tolist() for r in ids.cpu()]
+    sp = kvcompile.SamplingParams
+    eng.generate(prompts, sp(temperature=0, max_tokens=3, ignore_eos=True))   # compiles
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    runs = []
+    for _ in range(a.repeats):
+        t0 = time.perf_counter()
+        outs = eng.generate(prompts, sp(temperature=0, max_tokens=a.new, ignore_eos=True))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        total = time.perf_counter() - t0
+        runs.append((total, max(o.first_token_time - o.arrival_time for o in outs)))
+    total, first = sorted(runs)[len(runs) // 2]
+    new = torch.tensor([o.token_ids for o in outs], device=ids.device)
+    rep = kvcompile.report(model)
+    print(f"# {row}: first token {first:.3f} s, total {total:.3f} s (median of "
+          f"{a.repeats}); routes: {_routes(model)}", file=sys.stderr, flush=True)
+    info = dict(row=row, tokens=torch.cat([ids, new], dim=1),
+                tok_s=a.batch * (a.new - 1) / max(total - first, 1e-9),
+                peak=(torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available()
+                      else None),
+                sites=f"{len(rep.rewritten)}/{len(rep.sites)} " + ",".join(
+                    sorted({s.gqa for s in rep.rewritten})) + f", engine, first token "
+                f"{first:.3f} s", bytes=kvcompile.stats(model)["bytes_per_token"])
+    eng.close()
     return info
 
 
@@ -289,7 +338,7 @@ def main():
             frames = [f for f in traceback.extract_tb(e.__traceback__)
                       if "kvcompile" in f.filename or "benchmarks" in f.filename]
             print("".join(traceback.format_list(frames[-6:])), file=sys.stderr, flush=True)
-            if _COMPILED and row.startswith("kvc_"):
+            if _COMPILED and row.startswith(("kvc_", "engine_")):
                 print(f"# {row} routes: {_routes(_COMPILED[0])}", file=sys.stderr, flush=True)
             _COMPILED.clear()
             continue

@@ -7,8 +7,11 @@
 #   p: bench_prefill_fp8.py --quick: the Gluon FP8 prefill's checks (the lazy rescale and
 #      the piped 64-key builds included) and its table beside cuDNN
 #   m: the MLA latent GPU tests (the fold included) and bench_latent_chunk at 16 heads
-# The next session's calls, in order: p (the piped build: correct? faster?), a (device loop
-# tests again after this session's changes elsewhere), m, then on an H200 the issue-16 rows
+#   e: MLA rows (bench_latent_generate.py, DeepSeek-V3-shaped, 4 layers), a process a row:
+#      generate over fp8 latent pages and the Engine in 2,048-token prefill chunks (its long
+#      chunks expanded beside the other rows since this session), B x P = 16 x 8192
+# The next session's calls, in order: p (the piped build: correct? faster?), m, e, then on
+# an H200 the issue-16 rows
 # (B=16 P=4096, B=64 P=2048, B=1 P=32768 with PART=b) for the 60% roofline.
 #   other parts: session35_call.sh's (d2, c, v, ...)
 cd "$(dirname "$0")/.."
@@ -33,6 +36,12 @@ case "${PART:-a}" in
       tests/gpu/test_latent_decode_gpu.py 2>&1 | tail -3 | tee "$OUT/m_gpu.txt"
     timeout -k 5 200 python3 benchmarks/bench_latent_chunk.py --heads 16 2>&1 \
       | grep -vE "^\{" | tee "$OUT/m_chunk_h16.txt" | tail -12 ;;
+  e)
+    for row in ${E_ROWS:-kvc_fp8_e4m3 engine_fp8_e4m3}; do
+      timeout -k 5 ${E_LIMIT:-200} python3 benchmarks/bench_latent_generate.py \
+        --batch ${B:-16} --prompt ${P:-8192} --new 16 --repeats 2 --rows "$row" 2>&1 \
+        | grep -E "^\| |^# " | tail -3 | tee -a "$OUT/e_rows.txt"
+    done ;;
   *)
     PART=$PART bash benchmarks/session35_call.sh ;;
 esac
