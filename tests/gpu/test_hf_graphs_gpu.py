@@ -145,6 +145,11 @@ def test_deferred_stop_check_equals_the_per_step_check(compiled, eos):
     assert torch.equal(outs[0], outs[1]) and puts[0] == puts[1]
 
 
+def _counted(st, before: dict) -> dict:
+    """The counters that moved since `before` (a copy of st.counters), by how much."""
+    return {k: v - before.get(k, 0) for k, v in st.counters.items() if v != before.get(k, 0)}
+
+
 def _dropping_graphs_at(n: int, model, reserve):
     """pool.reserve that drops the model's graphs at its n-th call (as a pool growth does)."""
     calls = []
@@ -185,8 +190,7 @@ def test_device_loop_equals_transformers_loop(compiled, case):
             outs.append(model.generate(ids, **kw))
         finally:
             st.pool.__dict__.pop("reserve", None)
-        counts.append({k: v - before.get(k, 0) for k, v in st.counters.items()
-                       if v != before.get(k, 0)})
+        counts.append(_counted(st, before))
         puts.append(streamer.seen)
         assert not kvcompile.stats(model).get("pages_used")
     st.config = dataclasses.replace(st.config, device_loop=True)
@@ -350,8 +354,7 @@ def test_device_loop_with_eviction_equals_transformers_loop(fmt, policy):
             st.config = dataclasses.replace(st.config, device_loop=loop)
             before = dict(st.counters)
             outs.append(model.generate(ids, **kw))
-            counts.append({k: v - before.get(k, 0) for k, v in st.counters.items()
-                           if v != before.get(k, 0)})
+            counts.append(_counted(st, before))
         print(fmt, counts[0])
         assert counts[0].get("generate_device_loop") == 1, counts[0]
         assert (counts[0].get("generate_cuda_graph_replays")
