@@ -456,7 +456,7 @@ def _repeat_outputs(out, g: int, rows: int):
 
 
 def _caches(kwargs: dict, result) -> list:
-    out = [kwargs.get(k) for k in _hf_graphs._CACHE_KEYS]
+    out = [kwargs.get(k) for k in _hf_graphs.CACHE_KEYS]
     # the output's cache field: `cache` from transformers 5.25 (where reading the old name
     # warns that it is deprecated), `past_key_values` before
     fields = getattr(type(result), "__dataclass_fields__", None) or {}

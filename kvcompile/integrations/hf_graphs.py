@@ -66,7 +66,7 @@ from kvcompile.runtime.kernel_formats import graph_refusal
 log = logging.getLogger("kvcompile")
 
 _local = threading.local()
-_CACHE_KEYS = ("past_key_values", "cache")
+CACHE_KEYS = ("past_key_values", "cache")
 _TENSOR_KEYS = {"input_ids", "position_ids", "attention_mask", "cache_position"}
 _PLAIN_KEYS = {"use_cache": (True,), "return_dict": (True, None),
                "output_attentions": (False, None), "output_hidden_states": (False, None)}
@@ -119,13 +119,13 @@ class _Graph(Staged):
 
 def cache_of(kwargs: dict):
     """The cache object among a forward's or `generate`'s keyword arguments, or None."""
-    return next((kwargs[k] for k in _CACHE_KEYS if kwargs.get(k) is not None), None)
+    return next((kwargs[k] for k in CACHE_KEYS if kwargs.get(k) is not None), None)
 
 
 def _cache_in_pool(kwargs: dict) -> bool:
     """Whether the call's cache object holds kvcompile stubs (or bound buffers): its tokens
     live in the pool, so a forward that runs without kvcompile reads no real K/V."""
-    for key in _CACHE_KEYS:
+    for key in CACHE_KEYS:
         for layer in getattr(kwargs.get(key), "layers", None) or ():
             if binding_of(getattr(layer, "keys", None)) is not None:
                 return True
@@ -144,7 +144,7 @@ def mark_decode_dynamic(kwargs: dict) -> None:
     ids = kwargs.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
         return
-    for key in _CACHE_KEYS:
+    for key in CACHE_KEYS:
         layers = getattr(kwargs.get(key), "layers", None) or ()
         b = binding_of(getattr(layers[0], "keys", None)) if layers else None
         if b is None or b.decode_marked:
@@ -263,7 +263,7 @@ class GraphedForward:
         cache = None
         dev = self.state.device
         for k, v in kw.items():
-            if k in _CACHE_KEYS:
+            if k in CACHE_KEYS:
                 cache = v
             elif k in _TENSOR_KEYS:   # on the pool's device (why_not: a CUDA one)
                 if v is not None and not (isinstance(v, torch.Tensor) and dev is not None
@@ -322,7 +322,7 @@ class GraphedForward:
         fields = dict(captured)
         fields["logits"] = captured["logits"].clone()
         names = getattr(cls, "__dataclass_fields__", {})
-        for k in _CACHE_KEYS:   # transformers < 5.20 name it past_key_values, later `cache`
+        for k in CACHE_KEYS:   # transformers < 5.20 name it past_key_values, later `cache`
             if k in names:
                 fields[k] = cache
         return cls(**fields)
@@ -457,7 +457,7 @@ class GraphedForward:
         # call's pool sequences for the graph's life
         g.graph = graph
         g.generation = generation
-        g.out = (type(out), {k: v for k, v in out.items() if k not in _CACHE_KEYS})
+        g.out = (type(out), {k: v for k, v in out.items() if k not in CACHE_KEYS})
         self.graphs[key] = g
         # the scratch slots served the warm-up only (replays have no padding rows)
         if self.scratch is not None and pool.has(self.scratch[1]):

@@ -123,6 +123,14 @@ def capture_tail(fn, device, mempool):
     return graph
 
 
+class _EagerTail:
+    """A tail whose recapture failed mid-call: `replay` runs its ops (`_Tail.run`) eagerly
+    over the same buffers, so the call's tokens and row state carry on."""
+
+    def __init__(self, run):
+        self.replay = run
+
+
 class _Own:
     """The step inputs and logits of an evicting model's loop (`_evicting`): its own buffers,
     since its steps go through the model's forward (a graph, or the compiled forward where
@@ -398,8 +406,19 @@ def _on_device(fwd, kw, input_ids, prompt: int, made: int, tail, flags):
         # recaptured (the pool grew): the tail follows the new graph's buffers
         g, kw = g2, _graph_inputs(g2, kw)
         tail = tail.over(g)
-        tail.capture(input_ids.device, fwd.mempool)
         st.count("generate_device_loop_recaptures")
+        try:
+            tail.capture(input_ids.device, fwd.mempool)
+        except RuntimeError as e:
+            # the call's tokens and row state live in the tail's buffers: the rest of it runs
+            # the tail's ops eagerly over them (a few kernel launches a step), and the
+            # model's later calls keep transformers' loop, as after a first capture's failure
+            tail.graph = _EagerTail(tail.run)
+            fwd.loop_off = (f"its tail's CUDA graph recapture failed "
+                            f"({type(e).__name__}: {e})")
+            st.kernels.note(f"generate: the device loop is off for this model: "
+                            f"{fwd.loop_off}; this call's later steps ran its tail eagerly")
+            st.count("generate_device_loop_eager_tail")
         return tail
 
     return _drive(st, cache, input_ids, prompt, made, tail, flags, forward_step)

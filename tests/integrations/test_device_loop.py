@@ -318,6 +318,47 @@ def test_generate_from_threads_decodes_in_turn_with_sequential_tokens(emulated):
     assert state_of(m).pool.stats().pages_used == 0
 
 
+def test_a_tail_whose_recapture_fails_runs_eagerly_for_the_rest_of_the_call(emulated,
+                                                                            monkeypatch):
+    """A graph recaptured mid-call whose tail then fails to capture: the call's tokens are
+    still eager's (the rest of its tails run their ops eagerly over the same buffers), the
+    report says so, and the model's later calls keep transformers' loop."""
+    ids, mask = _prompts()
+    eager = _generate(make_llama64(), ids, mask)
+    m = _model()
+    _generate(m, ids[:, :4], mask[:, :4], new=2)   # the pool exists
+    pool = state_of(m).pool
+    reserve, calls, tails = pool.reserve, [], []
+
+    def growing(*a, **kw):
+        calls.append(1)
+        if len(calls) == 5:
+            pool.generation += 1
+        return reserve(*a, **kw)
+
+    def second_fails(fn, device, mempool):
+        tails.append(1)
+        if len(tails) > 1:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return _TailReplay(fn)
+
+    monkeypatch.setattr(pool, "reserve", growing)
+    monkeypatch.setattr(hf_loop, "capture_tail", second_fails)
+    before = dict(state_of(m).counters)
+    got = _generate(m, ids, mask)
+    c = _delta(m, before)
+    assert torch.equal(got, eager)
+    assert c.get("generate_device_loop_recaptures") == 1, c
+    assert c.get("generate_device_loop_eager_tail") == 1, c
+    rep = str(kvcompile.report(m))
+    assert "its tail's CUDA graph recapture failed" in rep
+    assert "later steps ran its tail eagerly" in rep
+    before = dict(state_of(m).counters)
+    assert torch.equal(_generate(m, ids, mask), eager)
+    c = _delta(m, before)
+    assert c.get("generate_device_loop_refused") == 1 and not c.get("generate_device_loop"), c
+
+
 def test_a_tail_that_fails_to_capture_leaves_the_call_to_transformers_steps(emulated,
                                                                            monkeypatch):
     """The tail's capture raising (a CUDA capture error): the call goes on as transformers
