@@ -31,7 +31,8 @@ ptxas serializes the wgmma: C7514, which tests/kernels/test_prefill_sm90.py fail
 Two opt-in builds of the serial order: `lazy=True` rescales O only when a row's max or V's
 scale grows (fewer instructions, measured no faster: the serial chain, not issue, bounds the
 loop), `pipe=True` walks 64-key tiles with each tile's q.k issued a tile ahead, so that a
-tile's softmax runs while the next tile's scores are on the tensor cores (not yet timed).
+tile's softmax runs while the next tile's scores are on the tensor cores (0.72-0.85x the
+default on the H100: the halved tile costs more than the overlap wins).
 Numbers: benchmarks/RESULTS.md.
 
 One CTA of 4 warps (one warpgroup; 8 warps: two, 128 rows) owns 64 query rows of one query
@@ -410,7 +411,7 @@ if GLUON_ERROR is None:
                 c_q = sm_scale_log2 * gl.convert_layout(qs, row_s)
             else:
                 c_q = gl.full([BM], sm_scale_log2, gl.float32, row_s) * gl.load(
-                    QD + (kblk0 + t0 // BN) * stride_sb + hkv)
+                    QD + (kblk0 + t0 // 128) * stride_sb + hkv)
             m_i = gl.full([BM], float("-inf"), gl.float32, row_s)
             l_i = gl.zeros([BM], gl.float32, row_s)
             zero_s = gl.zeros([BM, BN], gl.float32, s_layout)
@@ -613,7 +614,9 @@ def launch_prefill_fp8_sm90(q, k8, vt8, scales, cu_seqlens, out, scale: float,
     its instruction count; not the default);
     pipe (4 warps): 64-key tiles, each tile's q.k issued a tile ahead so that a tile's
     softmax runs while the next tile's scores and the last tile's P V are on the tensor cores
-    (`_tile_pipe`; not yet timed on a GPU: not the default)."""
+    (`_tile_pipe`; 0.72-0.85x the default's speed on the H100 with 128-key tiles, 37th
+    session: halving the tile halves each wgmma's N and doubles the per-tile softmax and
+    barrier work, more than the overlap wins back; not the default)."""
     if lazy and overlap or pipe and (lazy or overlap or warps != 4):
         raise ValueError("launch_prefill_fp8_sm90: lazy rescaling and the pipelined tiles are "
                          "built for the serial order, the latter with 4 warps")
