@@ -13,7 +13,7 @@ from kvcompile import telemetry as _telemetry  # noqa: F401  (the silent `kvcomp
 from kvcompile.backend import kvcompile_backend
 from kvcompile.config import KVConfig
 from kvcompile.integrations.tp import check_tensor_parallel, tensor_parallel_of
-from kvcompile.passes import merge_projections
+from kvcompile.passes import merge_projections, skinny_linears
 from kvcompile.passes.notices import warn_quality
 from kvcompile.runtime.state import ModelState, all_states
 
@@ -172,6 +172,9 @@ class Report:
         merged = merge_projections.summary(self.counters)
         if merged:
             lines.append(merged)
+        gemms = skinny_linears.summary(self.counters)
+        if gemms:
+            lines.append(gemms)
         if not self.rewritten:
             lines.append("nothing rewritten: the model runs with its own cache; "
                          "`kvcompile inspect MODEL` shows why")

@@ -30,6 +30,7 @@ from kvcompile.passes.rewrite import _virtual_cat
 from kvcompile.runtime import attention_op as _attention_op  # noqa: F401  (registers the op)
 from kvcompile.runtime import binding as _binding
 from kvcompile.runtime import gated_op as _gated_op  # noqa: F401  (registers the op)
+from kvcompile.runtime import skinny_op as _skinny_op  # noqa: F401  (registers the op)
 from kvcompile.runtime.context import ForwardContext, current, forward_context, in_packed_step
 from kvcompile.runtime.ownership import find_state
 from kvcompile.runtime.state import ModelState
@@ -66,27 +67,42 @@ def _compile(gm, example_inputs, options, state):
         result = run_passes(gm, example_inputs, state, configured=configured_instances(),
                             packed_steps=in_packed_step(state))
     merged = unmerged = None
+    skinny = 0
     if merging and result.plan.rewritten:
         unmerged = copy.deepcopy(gm.graph, {})
         merged = _merge(gm, example_inputs, state)
+    if config.decode_gemms == "triton" and result.plan.rewritten:
+        from kvcompile.passes import skinny_linears
+
+        if unmerged is None:
+            unmerged = copy.deepcopy(gm.graph, {})
+        skinny = skinny_linears.rewrite(gm)
+        if skinny:
+            state.count("decode_gemms_triton", skinny)
     try:
         try:
             compiled = compile_inner(gm, example_inputs, config.inner)
         except Exception as e:
             from torch._dynamo.exc import RestartAnalysis
 
-            if merged is None or isinstance(e, RestartAnalysis):
+            if (merged is None and not skinny) or isinstance(e, RestartAnalysis):
                 raise
-            # the merge is what this graph's rewrite least needs: drop it first
+            # the merge and the decode GEMMs are what this graph's rewrite least needs: drop
+            # them first
             _restore(gm, unmerged)
-            for k, v in merged.counts.items():   # every counter the merge added
-                state.count(k, -v)
-            merged = None
+            for k, v in (merged.counts if merged is not None else {}).items():
+                state.count(k, -v)   # every counter the merge added
+            if skinny:
+                state.count("decode_gemms_triton", -skinny)
+            what = " and ".join(w for w, on in (("its projections unmerged", merged),
+                                                ("its linears on the inner compiler's GEMMs",
+                                                 skinny)) if on)
+            merged, skinny = None, 0
             line = (str(e).strip().splitlines() or [""])[0]
             notices.warn_once(state, ("unmerged", state.graphs),
                               f"kvcompile ran graph {state.graphs} of {notices.model_name(state)} "
-                              f"with its projections unmerged: the inner compiler "
-                              f"({config.inner}) failed on the merged graph: "
+                              f"with {what}: the inner compiler "
+                              f"({config.inner}) failed on the rewritten graph: "
                               f"{type(e).__name__}: {line}")
             compiled = compile_inner(gm, example_inputs, config.inner)
     except Exception as e:

@@ -53,6 +53,7 @@ PREFILL_ATTENDS = ("fresh", "stored", "fresh_fp8")
 PREFILL_CHUNK_ROUTES = ("auto", "gather", "paged")
 # fp8 pages' CPU decode step (kernels/cpu_fp8.py): C where it builds, C or an error, numpy
 CPU_FP8_ROUTES = ("auto", "c", "numpy")
+DECODE_GEMMS = ("torch", "triton")
 
 # Fields that `configure` may override per module; the rest are global to the pool.
 PER_MODULE_FIELDS = (
@@ -305,6 +306,11 @@ class KVConfig:
         default): in graphs on CUDA (a decode step's GEMMs 5-7% faster there; on the CPU,
         where the eager inner compiler runs the narrowed views as they are, it measured no
         gain); True: everywhere; False: never. KVCOMPILE_MERGE_PROJECTIONS=0 / 1 / auto.
+    decode_gemms: who runs a rewritten CUDA graph's linears whose input has at most 16 rows
+        (a decode step's weight GEMMs): "torch" (the default: the inner compiler, cuBLAS) or
+        "triton" (kernels/skinny.py through passes/skinny_linears.py; on the H100 it matched
+        cuBLAS, 0.97-0.99x over a step's shapes; the H200 is unmeasured).
+        KVCOMPILE_DECODE_GEMMS=torch / triton.
     deferred_stop: in Hugging Face `generate` on CUDA, read each step's stop decision one step
         late (transformers' own DeferredStopCheck, which it uses on "mps" only), so the host
         queues step n + 1 while the GPU runs step n instead of waiting for it every step;
@@ -385,6 +391,7 @@ class KVConfig:
     deferred_stop: bool = _env_field(lambda: _env_on("KVCOMPILE_DEFERRED_STOP", True))
     device_loop: bool = _env_field(lambda: _env_on("KVCOMPILE_DEVICE_LOOP", True))
     merge_projections: bool | str = _env_field(_merge_default)
+    decode_gemms: str = _env_field(lambda: os.environ.get("KVCOMPILE_DECODE_GEMMS") or "torch")
     prefill: str = _env_field(_prefill_default)
     prefill_tma: bool = _env_field(lambda: _env_on("KVCOMPILE_PREFILL_TMA", True))
     prefill_q_tma: bool = _env_field(lambda: _env_on("KVCOMPILE_PREFILL_Q_TMA", True))
@@ -448,6 +455,9 @@ class KVConfig:
             raise KVConfigError("cpu_fp8", self.cpu_fp8, ", ".join(map(repr, CPU_FP8_ROUTES)))
         if self.prefill not in PREFILL_CHOICES:
             raise KVConfigError("prefill", self.prefill, ", ".join(map(repr, PREFILL_CHOICES)))
+        if self.decode_gemms not in DECODE_GEMMS:
+            raise KVConfigError("decode_gemms", self.decode_gemms,
+                                ", ".join(map(repr, DECODE_GEMMS)))
         if not (isinstance(self.merge_projections, bool) or self.merge_projections == "auto"):
             raise KVConfigError("merge_projections", self.merge_projections,
                                 "'auto', True, False")

@@ -15,7 +15,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvcompile"
 SWITCHES = ("KVCOMPILE_CUDA_GRAPHS", "KVCOMPILE_PREFILL", "KVCOMPILE_PREFILL_TMA",
             "KVCOMPILE_PREFILL_Q_TMA", "KVCOMPILE_PREFILL_SCALE_TMA",
             "KVCOMPILE_PREFILL_WARP_SPEC", "KVCOMPILE_REROT_ASIDE", "KVCOMPILE_WINDOW_EVICTION",
-            "KVCOMPILE_CPU_FP8", "KVCOMPILE_GRAPH_CHECK", "KVCOMPILE_DEFERRED_STOP")
+            "KVCOMPILE_CPU_FP8", "KVCOMPILE_GRAPH_CHECK", "KVCOMPILE_DEFERRED_STOP",
+            "KVCOMPILE_DECODE_GEMMS")
 
 
 @pytest.fixture
@@ -58,6 +59,8 @@ def test_defaults_without_the_environment(clean_env):
     ("KVCOMPILE_GRAPH_CHECK", "", "graph_check", False),
     ("KVCOMPILE_DEFERRED_STOP", "0", "deferred_stop", False),
     ("KVCOMPILE_DEFERRED_STOP", "", "deferred_stop", True),
+    ("KVCOMPILE_DECODE_GEMMS", "triton", "decode_gemms", "triton"),
+    ("KVCOMPILE_DECODE_GEMMS", "", "decode_gemms", "torch"),
 ])
 def test_the_environment_sets_the_default(clean_env, var, value, field, expected):
     clean_env.setenv(var, value)
@@ -74,7 +77,8 @@ def test_an_explicit_field_wins_over_the_environment(clean_env):
 
 @pytest.mark.parametrize("field,value", [("prefill", "flash"), ("cuda_graphs", "yes"),
                                          ("prefill_tma", 1), ("cpu_fp8", "asm"),
-                                         ("graph_check", "1"), ("deferred_stop", 0)])
+                                         ("graph_check", "1"), ("deferred_stop", 0),
+                                         ("decode_gemms", "cublas")])
 def test_bad_values_name_the_field(clean_env, field, value):
     with pytest.raises(KVConfigError, match=field):
         KVConfig(**{field: value})

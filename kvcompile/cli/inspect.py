@@ -23,7 +23,7 @@ from kvcompile.cli.common import (
     table,
 )
 from kvcompile.cli.memory import policy_name
-from kvcompile.passes import merge_projections
+from kvcompile.passes import merge_projections, skinny_linears
 
 CONTEXT_CAP = 32768
 
@@ -75,6 +75,10 @@ def run(args) -> Result:
         payload["projections"] = {k: counters.get(f"projections_{k}", 0)
                                   for k in ("linears", "merged", "copied", "gated_in_place")}
         text.append(merged)
+    gemms = skinny_linears.summary(counters)
+    if gemms:
+        payload["decode_gemms_triton"] = counters.get("decode_gemms_triton", 0)
+        text.append(gemms)
     misses = _near_misses(traces)
     payload["near_misses"] = misses
     if misses:

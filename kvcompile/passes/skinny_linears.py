@@ -1,0 +1,105 @@
+"""Run a decode graph's small-M linears on kernels/skinny.py's Triton kernel.
+
+A decode step multiplies at most a few rows by every weight of the model; cuBLAS's kernels for
+such products did not use the H200's bandwidth as fully as the H100's (issue 16 item 5). With
+`KVConfig.decode_gemms="triton"` this pass replaces each linear (F.linear, merged or not) of a
+rewritten graph on CUDA whose input has a static row count of at most 16 by
+`torch.ops.kvcompile.skinny_linear` (runtime/skinny_op.py), which is F.linear computed by that
+kernel. Fires only where no gradient can flow (grad mode off when traced, or no parameter
+requiring it) and on float16 / bfloat16 / float32 operands of one dtype; a linear whose weight
+is not a 2-D tensor with contiguous rows keeps F.linear. The default ("torch") leaves every
+linear to the inner compiler (cuBLAS through inductor).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from kvcompile.kernels.skinny import MAX_M
+from kvcompile.passes.graph_utils import val
+from kvcompile.passes.merge_projections import _linear_parts
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DEVICES = ("cuda",)   # (the CPU tests add "cpu": the kernel under the Triton interpreter)
+
+
+def _static_rows(x: torch.Tensor) -> int | None:
+    if any(not isinstance(s, int) for s in x.shape):
+        return None
+    k = x.shape[-1] if x.dim() else 0
+    return x.numel() // k if k else None
+
+
+class _Meta:
+    """What the pass reads of an operand: dims, last stride, dtype, device, requires_grad."""
+
+    def __init__(self, dim, stride1, dtype, device, requires_grad):
+        self.dim, self.stride1, self.dtype = dim, stride1, dtype
+        self.device, self.requires_grad = device, requires_grad
+
+
+def _meta(p) -> _Meta | None:
+    """An operand's meta from its fake tensor; for merge_projections' merged weight (an
+    `as_strided` view of the group's first parameter, recorded without a fake tensor) from
+    that view's arguments."""
+    v = val(p)
+    if v is not None:
+        return _Meta(v.dim(), v.stride(-1) if v.dim() else 1, v.dtype, v.device,
+                     v.requires_grad)
+    if isinstance(p, fx.Node) and p.op == "call_function" and p.target is torch.as_strided:
+        base = val(p.args[0])
+        size, stride = p.args[1], p.args[2]
+        if base is not None and isinstance(size, (tuple, list)):
+            return _Meta(len(size), stride[-1], base.dtype, base.device, base.requires_grad)
+    return None
+
+
+def _eligible(n: fx.Node, grad: bool) -> bool:
+    parts = _linear_parts(n)
+    if parts is None:
+        return False
+    xn, wn, bn = parts
+    x = val(xn)
+    w = _meta(wn)
+    b = None if bn is None else _meta(bn)
+    if x is None or w is None or (bn is not None and (b is None or b.dim != 1)):
+        return False
+    rows = _static_rows(x)
+    if rows is None or rows > MAX_M or x.device.type not in DEVICES or w.device != x.device:
+        return False
+    if w.dim != 2 or w.stride1 != 1 or x.dtype not in _DTYPES or w.dtype != x.dtype:
+        return False
+    if b is not None and b.dtype != x.dtype:
+        return False
+    return not (grad and any(t is not None and t.requires_grad for t in (x, w, b)))
+
+
+def rewrite(gm: fx.GraphModule) -> int:
+    """Replace the eligible linears of `gm` in place; -> how many."""
+    import kvcompile.runtime.skinny_op  # noqa: F401  (registers the op)
+
+    grad = torch.is_grad_enabled() and not any(
+        n.op == "call_function" and n.target is torch._C._set_grad_enabled
+        for n in gm.graph.nodes)
+    count = 0
+    for n in list(gm.graph.nodes):
+        if not _eligible(n, grad):
+            continue
+        x, w, b = _linear_parts(n)
+        n.target = torch.ops.kvcompile.skinny_linear.default
+        n.args, n.kwargs = (x, w, b), {}
+        count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
+def summary(counters: dict) -> str | None:
+    """The report's line on what the pass did (None: nothing)."""
+    n = counters.get("decode_gemms_triton")
+    if not n:
+        return None
+    return (f"decode GEMMs: {n} small-M linears over the graphs on kvcompile's Triton kernel "
+            f"(KVConfig.decode_gemms='triton')")

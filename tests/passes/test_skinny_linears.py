@@ -1,0 +1,107 @@
+"""Decode GEMMs on kernels/skinny.py (passes/skinny_linears.py, KVConfig.decode_gemms="triton"):
+a rewritten graph's linears with at most 16 input rows run as torch.ops.kvcompile.skinny_linear.
+On the CPU the pass is let fire on "cpu" tensors (the kernel under the Triton interpreter, fp32
+models); tokens equal the uncompiled model's, merged projections included, and where it must
+not fire: the default, a prefill of more rows, grad mode."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import kvcompile  # noqa: E402
+from kvcompile.passes import skinny_linears  # noqa: E402
+from tests.passes.zoo import make_hf  # noqa: E402
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    monkeypatch.setattr(skinny_linears, "DEVICES", ("cuda", "cpu"))
+
+
+def _cfg(**kw):
+    return kvcompile.KVConfig(**{"inner": "aot_eager", "kernels": "reference",
+                                 "max_kv_bytes": 1 << 24, "decode_gemms": "triton", **kw})
+
+
+def _generate(model, ids, new=5):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                              do_sample=False, pad_token_id=0)
+
+
+def _linears(m) -> int:
+    return sum(isinstance(x, torch.nn.Linear) for x in m.modules())
+
+
+@pytest.mark.parametrize("merge", [False, True])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])   # qwen2: q / k / v with biases
+def test_decode_linears_run_on_the_kernel_with_the_model_tokens(on_cpu, family, merge,
+                                                                monkeypatch):
+    from kvcompile.kernels import skinny
+
+    real, calls = skinny.skinny_linear, []
+    monkeypatch.setattr(skinny, "skinny_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    m, ref = make_hf(family), make_hf(family)
+    # 3 x 7 prompt rows: 21 > 16, so the prefill graph keeps F.linear; decode rows: 3
+    ids = torch.randint(3, 250, (3, 7), generator=torch.Generator().manual_seed(2))
+    kvcompile.compile(m, _cfg(merge_projections=merge))
+    assert torch.equal(_generate(m, ids), _generate(ref, ids))
+    c = kvcompile.report(m).counters
+    # the decode graph: every linear (merged: q/k/v and gate/up as one each); the prefill's
+    # LM head too (generate keeps the last position's 3 rows), none of its other linears
+    n = _linears(m) - (2 + 1) * m.config.num_hidden_layers if merge else _linears(m)
+    n += 1
+    assert c.get("decode_gemms_triton") == n, (c.get("decode_gemms_triton"), n)
+    assert len(calls) >= 4 * (n - 1), len(calls)   # the kernel ran: 4 decode steps at least
+    assert "small-M linears over the graphs on kvcompile's Triton kernel" in str(
+        kvcompile.report(m))
+
+
+def test_the_default_and_a_long_prompt_leave_f_linear(on_cpu):
+    ids = torch.randint(3, 250, (1, 20), generator=torch.Generator().manual_seed(3))
+    m = make_hf("llama")
+    kvcompile.compile(m, _cfg(decode_gemms="torch"))
+    _generate(m, ids, new=3)
+    assert not kvcompile.report(m).counters.get("decode_gemms_triton")
+    m = make_hf("llama")
+    kvcompile.compile(m, _cfg())
+    with torch.no_grad():   # a 20-row prefill alone: nothing to replace
+        m(ids, attention_mask=torch.ones_like(ids))
+    assert not kvcompile.report(m).counters.get("decode_gemms_triton")
+
+
+def test_not_on_the_cpu_unless_asked_nor_where_gradients_flow(on_cpu, monkeypatch):
+    import torch.fx as fx
+
+    def graph(x, w):
+        return torch.nn.functional.linear(x, w)
+
+    x, w = torch.randn(2, 8), torch.nn.Parameter(torch.randn(4, 8))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fx_, fw = mode.from_tensor(x), mode.from_tensor(w)
+    gm = fx.symbolic_trace(graph)
+    for n, v in zip(gm.graph.find_nodes(op="placeholder"), (fx_, fw)):
+        n.meta["example_value"] = v
+    with torch.enable_grad():
+        assert skinny_linears.rewrite(gm) == 0          # w requires grad, grad mode on
+    with torch.no_grad():
+        assert skinny_linears.rewrite(gm) == 1
+    gm = fx.symbolic_trace(graph)
+    for n, v in zip(gm.graph.find_nodes(op="placeholder"), (fx_, fw)):
+        n.meta["example_value"] = v
+    monkeypatch.setattr(skinny_linears, "DEVICES", ("cuda",))
+    with torch.no_grad():
+        assert skinny_linears.rewrite(gm) == 0          # CPU tensors: CUDA only by default
+
+
+def test_an_unknown_choice_is_refused():
+    with pytest.raises(kvcompile.KVConfigError, match="decode_gemms"):
+        kvcompile.KVConfig(decode_gemms="cublas")
