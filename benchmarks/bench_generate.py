@@ -397,6 +397,7 @@ def kvc(model, args, device, ctx, kv_dtype, eviction=None, sinks=None, name="",
         row["graphs"] = st.get("graphs")
         row["reference_fallbacks"] = st.get("reference_fallback", 0)
         row["projections_merged"] = st.get("projections_merged", 0)   # GEMMs over the graphs
+        row["decode_gemms_triton"] = st.get("decode_gemms_triton", 0)   # kernels/skinny.py
         # decode steps run by the device loop (integrations/hf_loop.py; 0: transformers' loop)
         row["device_loop_steps"] = st.get("generate_device_loop_steps", 0)
         # which kernels ran and why (the reasons of reference fallbacks among them), once each

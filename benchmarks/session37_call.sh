@@ -1,13 +1,36 @@
 #!/bin/bash
-# Device calls of the thirty-seventh session: session36_call.sh's parts, several a call
-# (PARTS="p m"), each part's output under $OUT; ends with the GPU's name and versions.
-#   on an H200 first: PARTS=b (B16 x P4096), then B=64 P=2048 and B=1 P=32768 (B_ROWS to pick)
-#   on any Hopper: PARTS="p" (piped FP8 prefill), PARTS="m e" (MLA tests, split rows)
+# Device calls of the thirty-seventh session (and the next's): several parts a call
+# (PARTS="g t"), each part's output under $OUT; ends with the GPU's name and versions.
+#   g: bench_skinny_gemm.py --m 1 16 --sweep: a decode step's weight GEMMs, cuBLAS against
+#      kernels/skinny.py (the H200 is the open question: cuBLAS streamed ~65% of copy there)
+#   t: rows at B x P (default 16 x 4096), fp8 pages, a process a row: the step's GEMMs by
+#      cuBLAS (KVConfig.decode_gemms="torch", the default) and by kernels/skinny.py ("triton")
+#   k: issue 14 / 16's B16 x P32768 rows (HF static + inductor needs more than 78 GiB: an
+#      H200), a process a row: HF static, kvcompile bf16 / fp8 / int4 pages (K_ROWS to pick)
+#   other parts: session36_call.sh's (b, p, m, e, ...)
+# The next session's order, on an H200: g, then t; then b (the 60% roofline: B16 x P4096,
+# B64 x P2048, B1 x P32768) and k.
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvc_out}; mkdir -p "$OUT"
-for part in ${PARTS:-p}; do
+for part in ${PARTS:-g}; do
   echo "== part $part =="
-  PART=$part OUT=$OUT bash benchmarks/session36_call.sh
+  case $part in
+    g)
+      timeout -k 5 ${G_LIMIT:-240} python3 benchmarks/bench_skinny_gemm.py --m 1 16 \
+        ${G_ARGS:---sweep} --json "$OUT/g_gemms.json" 2>&1 | grep -vE "^\{" \
+        | tee "$OUT/g_gemms.txt" | tail -24 ;;
+    t)
+      for g in torch triton; do
+        KVCOMPILE_DECODE_GEMMS=$g B=${B:-16} P=${P:-4096} N=${N:-64} \
+          ROW_LIMIT=${ROW_LIMIT:-110} OUT=$OUT/t_$g bash benchmarks/e2e_kv_rows.sh \
+          "${T_ROWS:-kvc_fp8:auto}" 2>&1 | tail -2
+      done ;;
+    k)
+      B=16 P=32768 N=64 ROW_LIMIT=${ROW_LIMIT:-170} OUT=$OUT/k bash benchmarks/e2e_kv_rows.sh \
+        "${K_ROWS:-hf_static:auto kvc_bf16:auto kvc_fp8:auto kvc_int4:auto}" 2>&1 ;;
+    *)
+      PART=$part OUT=$OUT bash benchmarks/session36_call.sh ;;
+  esac
 done
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, triton, transformers as t; print(torch.__version__, triton.__version__, t.__version__)"
