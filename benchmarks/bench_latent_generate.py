@@ -68,9 +68,18 @@ def parse_args():
                    help="max_num_batched_tokens of the engine_* rows (their prefill chunks)")
     p.add_argument("--ref", default="", help="a file for hf_eager's tokens and tok/s: the "
                    "hf_eager row writes it, the others compare with it (one process a row)")
+    p.add_argument("--expand-min", type=int, default=0, metavar="N",
+                   help="set both of dispatch's expansion thresholds (queries a row from which "
+                        "an MLA prompt chunk expands) to N for this process: a large N keeps "
+                        "every chunk folded (the engine step's whole-step fold before the "
+                        "split), for an A/B of the engine_* rows; 0: the defaults")
     a = p.parse_args()
     if a.smoke:
         a.batch, a.prompt, a.new, a.layers, a.repeats = 2, 24, 6, 2, 1
+    if a.expand_min:
+        from kvcompile.runtime import dispatch
+
+        dispatch.LATENT_EXPAND_MIN_QUERIES = dispatch.LATENT_EXPAND_MIN_QUERIES_FP8 = a.expand_min
     return a
 
 

@@ -7,6 +7,8 @@
 #      cuBLAS (KVConfig.decode_gemms="torch", the default) and by kernels/skinny.py ("triton")
 #   k: issue 14 / 16's B16 x P32768 rows (HF static + inductor needs more than 78 GiB: an
 #      H200), a process a row: HF static, kvcompile bf16 / fp8 / int4 pages (K_ROWS to pick)
+#   e2: the MLA Engine row (fp8 latent pages, B16 x P8192, 2,048-token chunks) with the
+#      step split (default) and with every chunk folded (--expand-min 1000000): its A/B
 #   other parts: session36_call.sh's (b, p, m, e, ...)
 # The next session's order, on an H200: g, then t; then b (the 60% roofline: B16 x P4096,
 # B64 x P2048, B1 x P32768) and k.
@@ -28,6 +30,12 @@ for part in ${PARTS:-g}; do
     k)
       B=16 P=32768 N=64 ROW_LIMIT=${ROW_LIMIT:-170} OUT=$OUT/k bash benchmarks/e2e_kv_rows.sh \
         "${K_ROWS:-hf_static:auto kvc_bf16:auto kvc_fp8:auto kvc_int4:auto}" 2>&1 ;;
+    e2)
+      for x in 0 1000000; do
+        timeout -k 5 ${E_LIMIT:-200} python3 benchmarks/bench_latent_generate.py \
+          --batch ${B:-16} --prompt ${P:-8192} --new 16 --repeats 2 --rows engine_fp8_e4m3 \
+          --expand-min $x 2>&1 | grep -E "^\| engine|^# engine" | tee -a "$OUT/e2_rows.txt"
+      done ;;
     *)
       PART=$part OUT=$OUT bash benchmarks/session36_call.sh ;;
   esac
