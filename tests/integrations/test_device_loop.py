@@ -138,12 +138,9 @@ def test_rows_stopping_at_eos_run_one_step_more_cropped(emulated, monkeypatch):
     assert state_of(m).pool.stats().pages_used == 0
 
 
-def test_a_graph_recaptured_mid_call_takes_the_tail_along(emulated, monkeypatch):
-    """A pool whose storage changes mid-call (as a growth does) drops the graphs: the next
-    step captures a new one from the old graph's buffers (ids, positions, mask), and the loop
-    captures a tail over the new graph's."""
-    ids, mask = _prompts()
-    eager = _generate(make_llama64(), ids, mask)
+def _growing_at_the_fifth_reserve(monkeypatch, ids, mask):
+    """A compiled model whose pool exists, its storage changing (as a growth does) at the
+    fifth `reserve` from here on: the graphs then in use are dropped mid-call."""
     m = _model()
     _generate(m, ids[:, :4], mask[:, :4], new=2)   # the pool exists
     pool = state_of(m).pool
@@ -156,6 +153,16 @@ def test_a_graph_recaptured_mid_call_takes_the_tail_along(emulated, monkeypatch)
         return reserve(*a, **kw)
 
     monkeypatch.setattr(pool, "reserve", growing)
+    return m
+
+
+def test_a_graph_recaptured_mid_call_takes_the_tail_along(emulated, monkeypatch):
+    """A pool whose storage changes mid-call (as a growth does) drops the graphs: the next
+    step captures a new one from the old graph's buffers (ids, positions, mask), and the loop
+    captures a tail over the new graph's."""
+    ids, mask = _prompts()
+    eager = _generate(make_llama64(), ids, mask)
+    m = _growing_at_the_fifth_reserve(monkeypatch, ids, mask)
     before = dict(state_of(m).counters)
     got = _generate(m, ids, mask)
     c = _delta(m, before)
@@ -325,16 +332,8 @@ def test_a_tail_whose_recapture_fails_runs_eagerly_for_the_rest_of_the_call(emul
     report says so, and the model's later calls keep transformers' loop."""
     ids, mask = _prompts()
     eager = _generate(make_llama64(), ids, mask)
-    m = _model()
-    _generate(m, ids[:, :4], mask[:, :4], new=2)   # the pool exists
-    pool = state_of(m).pool
-    reserve, calls, tails = pool.reserve, [], []
-
-    def growing(*a, **kw):
-        calls.append(1)
-        if len(calls) == 5:
-            pool.generation += 1
-        return reserve(*a, **kw)
+    m = _growing_at_the_fifth_reserve(monkeypatch, ids, mask)
+    tails = []
 
     def second_fails(fn, device, mempool):
         tails.append(1)
@@ -342,7 +341,6 @@ def test_a_tail_whose_recapture_fails_runs_eagerly_for_the_rest_of_the_call(emul
             raise RuntimeError("operation not permitted when stream is capturing")
         return _TailReplay(fn)
 
-    monkeypatch.setattr(pool, "reserve", growing)
     monkeypatch.setattr(hf_loop, "capture_tail", second_fails)
     before = dict(state_of(m).counters)
     got = _generate(m, ids, mask)
