@@ -4,11 +4,14 @@
 
 passes/skinny_linears.py puts it in place of a decode graph's linears whose input has at most
 16 rows (KVConfig.decode_gemms="triton"). It is F.linear by definition: the kernel takes x of at
-most 16 rows and w with contiguous rows in one dtype with x; anything else (which the pass
-does not insert, but a graph's input could change under it) runs F.linear.
+most 16 rows and w with contiguous rows in one dtype with x, on CUDA (or under the Triton
+interpreter); anything else (which the pass does not insert, but a graph's input could change
+under it) runs F.linear.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +26,8 @@ def takes(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
     return (x.dim() >= 1 and w.dim() == 2 and w.shape[1] == k and rows <= skinny.MAX_M
             and w.stride(1) == 1 and x.dtype == w.dtype and (b is None or b.dtype == x.dtype)
             and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and x.device == w.device)
+            and x.device == w.device
+            and (x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
 
 
 @torch.library.custom_op("kvcompile::skinny_linear", mutates_args=())

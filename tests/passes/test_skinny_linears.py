@@ -105,3 +105,19 @@ def test_not_on_the_cpu_unless_asked_nor_where_gradients_flow(on_cpu, monkeypatc
 def test_an_unknown_choice_is_refused():
     with pytest.raises(kvcompile.KVConfigError, match="decode_gemms"):
         kvcompile.KVConfig(decode_gemms="cublas")
+
+
+def test_the_op_is_f_linear_for_what_the_kernel_does_not_take(monkeypatch):
+    import torch.nn.functional as F
+
+    import kvcompile.runtime.skinny_op  # noqa: F401
+    from kvcompile.kernels import skinny
+
+    monkeypatch.setattr(skinny, "skinny_linear", lambda *a, **k: pytest.fail("kernel ran"))
+    op = torch.ops.kvcompile.skinny_linear
+    x, w = torch.randn(20, 8), torch.randn(6, 8)
+    assert torch.equal(op(x, w, None), F.linear(x, w))             # more than 16 rows
+    assert torch.equal(op(x[:4], w.t().contiguous().t()[:, :8], None),
+                       F.linear(x[:4], w.t().contiguous().t()[:, :8]))   # columns strided
+    monkeypatch.setenv("TRITON_INTERPRET", "0")                     # CPU, no interpreter
+    assert torch.equal(op(x[:4], w, None), F.linear(x[:4], w))
