@@ -33,7 +33,7 @@ start=$(date +%s)
 status=0
 if [ $# -eq 0 ]; then
   # 9-26 min of pytest in 2 workers on an idle 2-core machine, every build cache empty
-  # (fresh clones, 2026-12-06/07, twenty-fifth to thirty-sixth sessions: 9 min 14 s to 25 min
+  # (fresh clones, 2026-12-06/07, twenty-fifth to thirty-seventh sessions: 9 min 14 s to 25 min
   # 40 s; the machine's speed varies up to 1.8x from day to day); slower on a loaded machine
   # (README.md, "The two commands")
   where="one process"
