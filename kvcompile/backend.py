@@ -76,9 +76,16 @@ def _compile(gm, example_inputs, options, state):
 
         if unmerged is None:
             unmerged = copy.deepcopy(gm.graph, {})
-        skinny = skinny_linears.rewrite(gm)
+        skinny, dynamic = skinny_linears.rewrite(gm)
         if skinny:
             state.count("decode_gemms_triton", skinny)
+        if dynamic:
+            notices.warn_once(state, ("decode gemms dynamic", state.graphs),
+                              f"kvcompile left {dynamic} linear(s) of graph {state.graphs} of "
+                              f"{notices.model_name(state)} on the inner compiler's GEMMs "
+                              f"(KVConfig.decode_gemms='triton'): their row count is dynamic "
+                              f"in this graph, and the kernel takes at most "
+                              f"{skinny_linears.MAX_M} rows")
     try:
         try:
             compiled = compile_inner(gm, example_inputs, config.inner)

@@ -55,7 +55,8 @@ def _meta(p) -> _Meta | None:
     return None
 
 
-def _eligible(n: fx.Node, grad: bool) -> bool:
+def _eligible(n: fx.Node, grad: bool) -> bool | None:
+    """Whether the pass takes linear `n`; None: it would, but its row count is dynamic."""
     parts = _linear_parts(n)
     if parts is None:
         return False
@@ -65,26 +66,33 @@ def _eligible(n: fx.Node, grad: bool) -> bool:
     b = None if bn is None else _meta(bn)
     if x is None or w is None or (bn is not None and (b is None or b.dim != 1)):
         return False
-    rows = _static_rows(x)
-    if rows is None or rows > MAX_M or x.device.type not in DEVICES or w.device != x.device:
+    if x.device.type not in DEVICES or w.device != x.device:
         return False
     if w.dim != 2 or w.stride1 != 1 or x.dtype not in _DTYPES or w.dtype != x.dtype:
         return False
     if b is not None and b.dtype != x.dtype:
         return False
-    return not (grad and any(t is not None and t.requires_grad for t in (x, w, b)))
+    if grad and any(t is not None and t.requires_grad for t in (x, w, b)):
+        return False
+    rows = _static_rows(x)
+    if rows is None:
+        return None
+    return rows <= MAX_M
 
 
-def rewrite(gm: fx.GraphModule) -> int:
-    """Replace the eligible linears of `gm` in place; -> how many."""
+def rewrite(gm: fx.GraphModule) -> tuple[int, int]:
+    """Replace the eligible linears of `gm` in place; -> (how many, how many it left for a
+    dynamic row count: the caller says so)."""
     import kvcompile.runtime.skinny_op  # noqa: F401  (registers the op)
 
     grad = torch.is_grad_enabled() and not any(
         n.op == "call_function" and n.target is torch._C._set_grad_enabled
         for n in gm.graph.nodes)
-    count = 0
+    count = dynamic = 0
     for n in list(gm.graph.nodes):
-        if not _eligible(n, grad):
+        ok = _eligible(n, grad)
+        dynamic += ok is None
+        if not ok:
             continue
         x, w, b = _linear_parts(n)
         n.target = torch.ops.kvcompile.skinny_linear.default
@@ -93,7 +101,7 @@ def rewrite(gm: fx.GraphModule) -> int:
     if count:
         gm.graph.lint()
         gm.recompile()
-    return count
+    return count, dynamic
 
 
 def summary(counters: dict) -> str | None:

@@ -91,15 +91,15 @@ def test_not_on_the_cpu_unless_asked_nor_where_gradients_flow(on_cpu, monkeypatc
     for n, v in zip(gm.graph.find_nodes(op="placeholder"), (fx_, fw)):
         n.meta["example_value"] = v
     with torch.enable_grad():
-        assert skinny_linears.rewrite(gm) == 0          # w requires grad, grad mode on
+        assert skinny_linears.rewrite(gm) == (0, 0)     # w requires grad, grad mode on
     with torch.no_grad():
-        assert skinny_linears.rewrite(gm) == 1
+        assert skinny_linears.rewrite(gm) == (1, 0)
     gm = fx.symbolic_trace(graph)
     for n, v in zip(gm.graph.find_nodes(op="placeholder"), (fx_, fw)):
         n.meta["example_value"] = v
     monkeypatch.setattr(skinny_linears, "DEVICES", ("cuda",))
     with torch.no_grad():
-        assert skinny_linears.rewrite(gm) == 0          # CPU tensors: CUDA only by default
+        assert skinny_linears.rewrite(gm) == (0, 0)     # CPU tensors: CUDA only by default
 
 
 def test_an_unknown_choice_is_refused():
@@ -121,3 +121,19 @@ def test_the_op_is_f_linear_for_what_the_kernel_does_not_take(monkeypatch):
                        F.linear(x[:4], w.t().contiguous().t()[:, :8]))   # columns strided
     monkeypatch.setenv("TRITON_INTERPRET", "0")                     # CPU, no interpreter
     assert torch.equal(op(x[:4], w, None), F.linear(x[:4], w))
+
+
+def test_a_dynamic_row_count_is_said_once_not_run(on_cpu):
+    """A second batch size makes Dynamo trace the decode graph with the batch dynamic: its
+    linears stay on the inner compiler's GEMMs (the kernel needs a known row count) and a
+    warning says so; the tokens are the model's."""
+    from tests.passes.caught import has, kv_warnings
+
+    m, ref = make_hf("llama"), make_hf("llama")
+    kvcompile.compile(m, _cfg())
+    g = torch.Generator().manual_seed(4)
+    with kv_warnings() as caught:
+        for b in (3, 2):
+            ids = torch.randint(3, 250, (b, 7), generator=g)
+            assert torch.equal(_generate(m, ids), _generate(ref, ids))
+    assert has(caught, "on the inner compiler's GEMMs.*row count is dynamic")
