@@ -85,9 +85,9 @@ def decode_profile(model, ids, am, new, label, **kw):
         ids.device, new)
     print(f"\n#### {label}: one decode step (steps 2..{new} of one generate call, profiled)")
     print(profile_table({label: prof}))
-    print(f"#### {label}: top kernels per step")
-    for ms, name in prof["top"]:
-        print(f"  {ms:8.3f} ms  {name[:100]}")
+    print(f"#### {label}: every kernel of a step (ms a step, launches a step, part, name)")
+    for ms, n, part, name in prof["every"]:
+        print(f"  {ms:8.3f} ms  {n:6.1f}  {part:10s}  {name[:100]}")
 
 
 def python_breakdown(model, ids, am, label, new=9, **kw):

@@ -9,6 +9,8 @@
 #      H200), a process a row: HF static, kvcompile bf16 / fp8 / int4 pages (K_ROWS to pick)
 #   e2: the MLA Engine row (fp8 latent pages, B16 x P8192, 2,048-token chunks) with the
 #      step split (default) and with every chunk folded (--expand-min 1000000): its A/B
+#   s: every kernel of a B16 x P4096 fp8 decode step (profile_generate.py --steps): names,
+#      launches and ms a step, the list to fuse from (~177 kernels a step, 33rd session)
 #   other parts: session36_call.sh's (b, p, m, e, ...)
 # The next session's order, on an H200: g, then t; then b (the 60% roofline: B16 x P4096,
 # B64 x P2048, B1 x P32768) and k.
@@ -30,6 +32,9 @@ for part in ${PARTS:-g}; do
     k)
       B=16 P=32768 N=64 ROW_LIMIT=${ROW_LIMIT:-170} OUT=$OUT/k bash benchmarks/e2e_kv_rows.sh \
         "${K_ROWS:-hf_static:auto kvc_bf16:auto kvc_fp8:auto kvc_int4:auto}" 2>&1 ;;
+    s)
+      timeout -k 5 ${S_LIMIT:-200} python3 benchmarks/profile_generate.py --paths fp8 --steps \
+        --new 16 2>&1 | tee "$OUT/s_profile.txt" | grep -A200 "every kernel" | head -80 ;;
     e2)
       for x in 0 1000000; do
         timeout -k 5 ${E_LIMIT:-200} python3 benchmarks/bench_latent_generate.py \

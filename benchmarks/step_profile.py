@@ -72,7 +72,8 @@ def decode_step_profile(run, device, new: int, top: int = 12) -> dict:
     """One decode step by part, over steps 2..new of one `generate` call: run(streamer) makes
     the call (`new` tokens). On CUDA the device time of each kernel; elsewhere each op's self
     CPU time (the host is the device there). -> {"wall_ms", "busy_ms", "parts": {part: ms},
-    "top": [(ms, name)], "kernels": kernels and copies}, per step (kernels 0 off CUDA)."""
+    "top": [(ms, name)], "kernels": kernels and copies, "every": [(ms, launches, part, name)]
+    of every kernel}, per step (kernels 0 and "every" empty off CUDA)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -84,11 +85,13 @@ def decode_step_profile(run, device, new: int, top: int = 12) -> dict:
         raise RuntimeError(f"step profile: {len(clock.t)} puts, expected {new + 1}")
     steps = new - 1
     per: dict[str, float] = {}
+    count: dict[str, int] = {}
     launches = 0
     if cuda:
         for e in p.events():
             if e.device_type == DeviceType.CUDA:
                 per[e.name] = per.get(e.name, 0.0) + e.device_time_total
+                count[e.name] = count.get(e.name, 0) + 1
                 launches += 1
     else:
         for e in p.key_averages():
@@ -100,7 +103,10 @@ def decode_step_profile(run, device, new: int, top: int = 12) -> dict:
         parts[part_of(name)] = parts.get(part_of(name), 0.0) + t
     return dict(wall_ms=clock.step_s(new) * 1e3, busy_ms=sum(parts.values()), parts=parts,
                 kernels=launches / steps,
-                top=sorted(((t, n) for n, t in ms.items()), reverse=True)[:top])
+                top=sorted(((t, n) for n, t in ms.items()), reverse=True)[:top],
+                # every kernel (CUDA): (ms a step, launches a step, part, name), longest first
+                every=sorted(((t, count.get(n, 0) / steps, part_of(n), n)
+                              for n, t in ms.items()), reverse=True) if cuda else [])
 
 
 def profile_table(rows: dict) -> str:
