@@ -20,6 +20,8 @@ Not routed by anything yet: benchmarks/bench_skinny_gemm.py times it beside cuBL
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -77,8 +79,14 @@ MAX_M = 16
 
 def _sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132
+        return _cuda_sms(device.index if device.index is not None
+                         else torch.cuda.current_device())
+    return 132   # (the interpreter: an H100's count, so the CPU tests take the GPU's tiles)
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def pick(M: int, N: int, K: int, sms: int) -> dict:
