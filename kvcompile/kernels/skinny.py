@@ -14,8 +14,9 @@ partials in a second pass.
 Numerics: fp32 accumulation of bf16 / fp16 products, as cuBLAS; the sum's order differs (a
 tile of BK at a time), so results match torch's to the dtype's rounding, not bit for bit.
 
-Not routed by anything yet: benchmarks/bench_skinny_gemm.py times it beside cuBLAS
-(`torch.nn.functional.linear`) on the decode step's shapes.
+Routed only with KVConfig.decode_gemms="triton" (passes/skinny_linears.py): on the H100 it
+matched cuBLAS (0.97-0.99x over a step's shapes, RESULTS.md, thirty-seventh session);
+benchmarks/bench_skinny_gemm.py times it beside cuBLAS (`F.linear`) on the step's shapes.
 """
 
 from __future__ import annotations
