@@ -6,7 +6,8 @@
 #   t: rows at B x P (default 16 x 4096), fp8 pages, a process a row: the step's GEMMs by
 #      cuBLAS (KVConfig.decode_gemms="torch", the default) and by kernels/skinny.py ("triton")
 #   k: issue 14 / 16's B16 x P32768 rows (HF static + inductor needs more than 78 GiB: an
-#      H200), a process a row: HF static, kvcompile bf16 / fp8 / int4 pages (K_ROWS to pick)
+#      H200), a process a row, up to 170 s each: two a call, HF static and fp8 pages by
+#      default, then K_ROWS="kvc_bf16:auto kvc_int4:auto" (the same machine: ratios hold)
 #   e2: the MLA Engine row (fp8 latent pages, B16 x P8192, 2,048-token chunks) with the
 #      step split (default) and with every chunk folded (--expand-min 1000000): its A/B
 #   s: every kernel of a B16 x P4096 fp8 decode step (profile_generate.py --steps): names,
@@ -31,7 +32,7 @@ for part in ${PARTS:-g}; do
       done ;;
     k)
       B=16 P=32768 N=64 ROW_LIMIT=${ROW_LIMIT:-170} OUT=$OUT/k bash benchmarks/e2e_kv_rows.sh \
-        "${K_ROWS:-hf_static:auto kvc_bf16:auto kvc_fp8:auto kvc_int4:auto}" 2>&1 ;;
+        "${K_ROWS:-hf_static:auto kvc_fp8:auto}" 2>&1 ;;
     s)
       timeout -k 5 ${S_LIMIT:-200} python3 benchmarks/profile_generate.py --paths fp8 --steps \
         --new 16 2>&1 | tee "$OUT/s_profile.txt" | grep -A200 "every kernel" | head -80 ;;
