@@ -85,13 +85,13 @@ def check_inputs(g, pool, generation, seq_ids) -> None:
 
 def upload_plan(g, pool, non_blocking: bool = True, rows_key=None) -> None:
     """Fill a graph's static plan buffers: `g.dev64` / `g.seq_lens` from its pinned host buffers
-    (one int64 and one int32 copy), then `g.block_tables` as the pool's table rows `g.rows`.
+    (one copy: both are views of `g.dev_plan`, Staged), then `g.block_tables` as the pool's
+    table rows `g.rows`.
     rows_key: the rows as host ints (hashable); with it the rows' copy is skipped while the
     rows and the pool's table stand as at the last copy (`generate`'s steps: a sequence takes
     a new page once in page_size steps). Shared by the engine's and `generate`'s graphs
     (integrations/hf_graphs.py)."""
-    g.dev64.copy_(g.host64, non_blocking=non_blocking)
-    g.seq_lens.copy_(g.host32, non_blocking=non_blocking)
+    g.dev_plan.copy_(g.host_plan, non_blocking=non_blocking)
     table = pool.table()                     # flushed; its width may have grown
     key = None if rows_key is None else (id(pool), pool.generation, pool.table_version,
                                          rows_key)
@@ -145,21 +145,37 @@ class Staged:
     the caller keeps at most one step in flight (the engine's overlapped steps)."""
 
     def _stage(self, n64: int, n32: int, device, events: bool) -> None:
+        """The staging buffers and the device buffers they fill: one int64 buffer each,
+        `n64` int64 values then `n32` int32 values (`host64` / `host32` and `dev64` /
+        `seq_lens` views of it, the int32 part 16-byte aligned), so that a step's upload is
+        one copy, not one a dtype."""
         pin = torch.device(device).type == "cuda"   # (unpinned: the tests' CPU emulation)
+        a64 = -(-n64 // 2) * 2                       # the int32 part at a 16-byte boundary
+        total = a64 + -(-n32 // 2)
+
+        def views(buf):
+            b32 = buf[a64:].view(torch.int32)[:n32]
+            b32.fill_(1)
+            return buf[:n64], b32
+
         self._stages = []
         for _ in range(2):
-            h64 = torch.zeros(n64, dtype=torch.int64, pin_memory=pin)
-            h32 = torch.ones(n32, dtype=torch.int32, pin_memory=pin)
-            self._stages.append((h64, h32, h64.numpy(), h32.numpy(),
+            buf = torch.zeros(total, dtype=torch.int64, pin_memory=pin)
+            h64, h32 = views(buf)
+            self._stages.append((buf, h64, h32, h64.numpy(), h32.numpy(),
                                  torch.cuda.Event() if pin and events else None))
+        self.dev_plan = torch.zeros(total, dtype=torch.int64, device=device)
+        self.dev64, self.seq_lens = views(self.dev_plan)
         self._recorded = [False, False]
         self._turn = 0
-        self.host64, self.host32, self.h64, self.h32, self._uploaded = self._stages[0]
+        (self.host_plan, self.host64, self.host32, self.h64, self.h32,
+         self._uploaded) = self._stages[0]
 
     def next_stage(self) -> None:
         """Switch to the other staging buffer, once its last upload has left it."""
         self._turn ^= 1
-        self.host64, self.host32, self.h64, self.h32, self._uploaded = self._stages[self._turn]
+        (self.host_plan, self.host64, self.host32, self.h64, self.h32,
+         self._uploaded) = self._stages[self._turn]
         if self._uploaded is not None and self._recorded[self._turn]:
             self._uploaded.synchronize()
 
@@ -180,9 +196,7 @@ class _Graph(Staged):
         # int64 inputs in one buffer (one copy per step): ids | positions | slots | table rows
         # | eviction's mass rows | sink shifts | re-rotated sink counts | hidden slots [lo, hi),
         # staged in turn (Staged: overlapped steps, engine/overlap.py, keep one in flight)
-        self._stage(9 * bp, bp, device, events=False)
-        self.dev64 = torch.zeros(9 * bp, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(bp, dtype=torch.int32, device=device)
+        self._stage(9 * bp, bp, device, events=False)   # dev64 [9 bp], seq_lens [bp]
         self.ids = self.dev64[:bp].view(1, bp)
         self.pos = self.dev64[bp:2 * bp].view(1, bp)
         self.slots = self.dev64[2 * bp:3 * bp]

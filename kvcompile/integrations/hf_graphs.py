@@ -103,9 +103,7 @@ class _Graph(Staged):
         # staged in turn, each buffer rewritten after its last upload's event (Staged): under
         # a deferred stop check (KVConfig.deferred_stop) the host prepares step n + 1 while
         # step n's host-to-device copy may still be queued
-        self._stage(n64, B, device, events=True)
-        self.dev64 = torch.zeros(n64, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(B, dtype=torch.int32, device=device)
+        self._stage(n64, B, device, events=True)   # dev64 [n64], seq_lens [B]: one upload
         self.slots = self.dev64[:B]
         self.rows = self.dev64[B:2 * B]
         self.aside = None

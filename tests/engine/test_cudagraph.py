@@ -13,7 +13,7 @@ import kvcompile
 from kvcompile import Engine, SamplingParams
 from kvcompile.cache.pool import LayerSpec, PagePool
 from kvcompile.config import KVConfig
-from kvcompile.engine.cudagraph import DecodeGraphs, bucket_sizes
+from kvcompile.engine.cudagraph import DecodeGraphs, Staged, bucket_sizes
 from tests.engine.tiny import config, make_hf, random_prompts
 
 
@@ -62,19 +62,18 @@ def test_upload_plan_copies_the_table_rows_again_only_when_they_can_differ(pool)
     seqs = pool.allocate(3)
     pool.reserve(seqs, 3)                       # pages of 4: the next token fits
     B = len(seqs)
-    g = SimpleNamespace(host64=torch.zeros(2 * B, dtype=torch.int64),
-                        host32=torch.ones(B, dtype=torch.int32),
-                        dev64=torch.zeros(2 * B, dtype=torch.int64),
-                        seq_lens=torch.ones(B, dtype=torch.int32),
-                        block_tables=torch.zeros(B, 8, dtype=torch.int32))
+    g = SimpleNamespace(block_tables=torch.zeros(B, 8, dtype=torch.int32))
+    Staged._stage(g, 2 * B, B, "cpu", events=False)   # the plan's buffers, one upload
     g.rows = g.dev64[B:]
 
     def step(key=True):
         pool.reserve(seqs, 1, slots=False)
-        _, rows, _ = pool.decode_slots(seqs)
-        g.host64[B:] = torch.tensor(rows)
+        slots, rows, lens = pool.decode_slots(seqs)
+        g.h64[:B], g.h64[B:], g.h32[:] = slots, rows, lens
         g.block_tables.fill_(-1)                # poison: a skipped gather leaves it
         upload_plan(g, pool, non_blocking=False, rows_key=tuple(rows) if key else None)
+        # slots, rows and lengths (two dtypes) arrive in the one copy
+        assert g.dev64.tolist() == slots + rows and g.seq_lens.tolist() == lens
         want = pool.table()[torch.tensor(rows)][:, :8]
         return torch.equal(g.block_tables, want)
 
