@@ -79,15 +79,20 @@ def _delta(m, before):
             if v != before.get(k, 0)}
 
 
+def _generate_counted(m, ids, mask, **kw):
+    """`_generate`'s sequences and the counters the call moved."""
+    before = dict(state_of(m).counters)
+    got = _generate(m, ids, mask, **kw)
+    return got, _delta(m, before)
+
+
 def test_greedy_tokens_equal_transformers_and_the_loop_off(emulated):
     """A left-padded batch: the prefill's token and the first decode step's as transformers
     runs them, the other 7 steps a forward replay and a tail replay each, no host read."""
     ids, mask = _prompts()
     eager = _generate(make_llama64(), ids, mask)
     m = _model()
-    before = dict(state_of(m).counters)
-    got = _generate(m, ids, mask)
-    c = _delta(m, before)
+    got, c = _generate_counted(m, ids, mask)
     assert torch.equal(got, eager)
     assert c.get("generate_device_loop") == 1 and c.get("generate_device_loop_steps") == 7, c
     assert c.get("generate_cuda_graph_replays") == 8, c
@@ -127,9 +132,7 @@ def test_rows_stopping_at_eos_run_one_step_more_cropped(emulated, monkeypatch):
         return out
 
     monkeypatch.setattr(hf_loop, "_finish", finished)
-    before = dict(state_of(m).counters)
-    got = _generate(m, ids, mask, new=12, eos_token_id=eos)
-    c = _delta(m, before)
+    got, c = _generate_counted(m, ids, mask, new=12, eos_token_id=eos)
     assert torch.equal(got, eager)
     assert c.get("generate_device_loop_undone") == 1, c
     # the cache, after the crop, holds every token but the last (whose forward never runs)
@@ -163,9 +166,7 @@ def test_a_graph_recaptured_mid_call_takes_the_tail_along(emulated, monkeypatch)
     ids, mask = _prompts()
     eager = _generate(make_llama64(), ids, mask)
     m = _growing_at_the_fifth_reserve(monkeypatch, ids, mask)
-    before = dict(state_of(m).counters)
-    got = _generate(m, ids, mask)
-    c = _delta(m, before)
+    got, c = _generate_counted(m, ids, mask)
     assert torch.equal(got, eager)
     assert c.get("generate_device_loop_recaptures") == 1, c
     assert c.get("generate_cuda_graph_captures") == 2, c
@@ -200,9 +201,7 @@ def test_sampling_runs_the_warpers_in_the_tail(emulated):
     ids, mask = _prompts(pad=0)
     greedy = _generate(make_llama64(), ids, mask, new=6)
     m = _model()
-    before = dict(state_of(m).counters)
-    one = _generate(m, ids, mask, new=6, do_sample=True, top_k=1)
-    c = _delta(m, before)
+    one, c = _generate_counted(m, ids, mask, new=6, do_sample=True, top_k=1)
     assert torch.equal(one, greedy)
     assert c.get("generate_device_loop") == 1 and c.get("generate_device_loop_steps") == 4, c
     runs = []
@@ -284,9 +283,7 @@ def test_steps_that_replay_no_graph_run_as_transformers_runs_them(emulated, eos)
         kw["eos_token_id"] = [int(free[0, 2]), int(free[1, 3])]
     eager = _generate(make_llama64(), ids, mask, **kw)
     m = _model()
-    before = dict(state_of(m).counters)
-    got = _generate(m, ids, mask, **kw)
-    c = _delta(m, before)
+    got, c = _generate_counted(m, ids, mask, **kw)
     assert torch.equal(got, eager)
     assert c.get("generate_device_loop") == 1 and not c.get("generate_cuda_graph_replays"), c
     assert not c.get("generate_device_loop_steps"), c
@@ -342,18 +339,15 @@ def test_a_tail_whose_recapture_fails_runs_eagerly_for_the_rest_of_the_call(emul
         return _TailReplay(fn)
 
     monkeypatch.setattr(hf_loop, "capture_tail", second_fails)
-    before = dict(state_of(m).counters)
-    got = _generate(m, ids, mask)
-    c = _delta(m, before)
+    got, c = _generate_counted(m, ids, mask)
     assert torch.equal(got, eager)
     assert c.get("generate_device_loop_recaptures") == 1, c
     assert c.get("generate_device_loop_eager_tail") == 1, c
     rep = str(kvcompile.report(m))
     assert "its tail's CUDA graph recapture failed" in rep
     assert "later steps ran its tail eagerly" in rep
-    before = dict(state_of(m).counters)
-    assert torch.equal(_generate(m, ids, mask), eager)
-    c = _delta(m, before)
+    got, c = _generate_counted(m, ids, mask)
+    assert torch.equal(got, eager)
     assert c.get("generate_device_loop_refused") == 1 and not c.get("generate_device_loop"), c
 
 
@@ -372,9 +366,8 @@ def test_a_tail_that_fails_to_capture_leaves_the_call_to_transformers_steps(emul
     assert torch.equal(_generate(m, ids, mask), eager)
     rep = str(kvcompile.report(m))
     assert "device loop is off for this model: its tail's CUDA graph capture failed" in rep
-    before = dict(state_of(m).counters)
-    assert torch.equal(_generate(m, ids, mask), eager)
-    c = _delta(m, before)
+    got, c = _generate_counted(m, ids, mask)
+    assert torch.equal(got, eager)
     assert c.get("generate_device_loop_refused") == 1 and not c.get("generate_device_loop"), c
     assert c.get("generate_cuda_graph_replays") == 8, c      # the graphs still replay
     kvcompile.release(m)
