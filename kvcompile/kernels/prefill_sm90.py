@@ -238,8 +238,7 @@ if GLUON_ERROR is None:
                    v_prev, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv, q_start,
                    v_col, keys0, pos, row_o: gl.constexpr, p_layout: gl.constexpr,
                    HEAD_DIM: gl.constexpr, KV_BYTES: gl.constexpr, MASKED: gl.constexpr,
-                   P_SH: gl.constexpr, FIRST: gl.constexpr, NEXT: gl.constexpr,
-                   BN: gl.constexpr):
+                   P_SH: gl.constexpr, NEXT: gl.constexpr, BN: gl.constexpr):
         # key tile j of BN (64) keys, its scores s issued a tile ahead: wait for them (the
         # last tile's P V, issued after them, may run on), issue the next tile's scores, the
         # softmax of these while both products run on the tensor cores, then wait for the
@@ -436,7 +435,7 @@ if GLUON_ERROR is None:
                         q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, s, acc, m_i, l_i,
                         v_prev, zero_s, 0, n_tiles, c_q, KD, VD, kblk0, stride_sb, hkv,
                         q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM, KV_BYTES, True,
-                        P_SH, True, True, BN)
+                        P_SH, True, BN)
                     # the middle tiles two at a time: the scores in flight alternate between
                     # two variables, each dead before the other is issued into, so that the
                     # loop carries them without register moves (a move of an in-flight
@@ -447,31 +446,31 @@ if GLUON_ERROR is None:
                             q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, s, ac, m_i,
                             l_i, v_prev, zero_s, j, n_tiles, c_q, KD, VD, kblk0, stride_sb,
                             hkv, q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM,
-                            KV_BYTES, False, P_SH, False, True, BN)
+                            KV_BYTES, False, P_SH, True, BN)
                         ac, s, m_i, l_i, v_prev = _tile_pipe(
                             q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, s2, ac, m_i,
                             l_i, v_prev, zero_s, j + 1, n_tiles, c_q, KD, VD, kblk0, stride_sb,
                             hkv, q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM,
-                            KV_BYTES, False, P_SH, False, True, BN)
+                            KV_BYTES, False, P_SH, True, BN)
                     jl = n_tiles - 1
                     if (n_tiles - 2) % 2 == 1:   # an odd middle tile left, then the last
                         a2, s2, m_i, l_i, v_prev = _tile_pipe(
                             q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, s, ac, m_i,
                             l_i, v_prev, zero_s, jl - 1, n_tiles, c_q, KD, VD, kblk0, stride_sb,
                             hkv, q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM,
-                            KV_BYTES, False, P_SH, False, True, BN)
+                            KV_BYTES, False, P_SH, True, BN)
                         a2, s2, m_i, l_i, v_prev = _tile_pipe(
                             q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, s2, a2, m_i,
                             l_i, v_prev, zero_s, jl, n_tiles, c_q, KD, VD, kblk0, stride_sb,
                             hkv, q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM,
-                            KV_BYTES, True, P_SH, False, False, BN)
+                            KV_BYTES, True, P_SH, False, BN)
                         o_fin = warpgroup_mma_wait(num_outstanding=0, deps=(a2,))
                     else:
                         a2, s2, m_i, l_i, v_prev = _tile_pipe(
                             q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc, s, ac, m_i,
                             l_i, v_prev, zero_s, jl, n_tiles, c_q, KD, VD, kblk0, stride_sb,
                             hkv, q_start, v_col, keys0, pos, row_o, p_layout, HEAD_DIM,
-                            KV_BYTES, True, P_SH, False, False, BN)
+                            KV_BYTES, True, P_SH, False, BN)
                         o_fin = warpgroup_mma_wait(num_outstanding=0, deps=(a2,))
                     o_one = o_fin
                 acc = o_one
