@@ -25,10 +25,10 @@ DEVICES = ("cuda",)   # (the CPU tests add "cpu": the kernel under the Triton in
 
 
 def _static_rows(x: torch.Tensor) -> int | None:
+    """x's rows (all but its last dim) where its shape is static, else None."""
     if any(not isinstance(s, int) for s in x.shape):
         return None
-    k = x.shape[-1] if x.dim() else 0
-    return x.numel() // k if k else None
+    return x.numel() // x.shape[-1]
 
 
 class _Meta:
@@ -66,6 +66,8 @@ def _eligible(n: fx.Node, grad: bool) -> bool | None:
     b = None if bn is None else _meta(bn)
     if x is None or w is None or (bn is not None and (b is None or b.dim != 1)):
         return False
+    if x.dim() == 0 or (isinstance(x.shape[-1], int) and x.shape[-1] == 0):
+        return False   # (no product: F.linear's zeros or bias)
     if x.device.type not in DEVICES or w.device != x.device:
         return False
     if w.dim != 2 or w.stride1 != 1 or x.dtype not in _DTYPES or w.dtype != x.dtype:

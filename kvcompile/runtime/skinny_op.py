@@ -23,7 +23,7 @@ def takes(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
     """Whether the kernel takes these operands (else F.linear runs them)."""
     k = x.shape[-1] if x.dim() else 0
     rows = x.numel() // k if k else 0
-    return (x.dim() >= 1 and w.dim() == 2 and w.shape[1] == k and rows <= skinny.MAX_M
+    return (k > 0 and w.dim() == 2 and w.shape[1] == k and rows <= skinny.MAX_M
             and w.stride(1) == 1 and x.dtype == w.dtype and (b is None or b.dtype == x.dtype)
             and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
             and x.device == w.device

@@ -119,6 +119,7 @@ def test_the_op_is_f_linear_for_what_the_kernel_does_not_take(monkeypatch):
     assert torch.equal(op(x, w, None), F.linear(x, w))             # more than 16 rows
     assert torch.equal(op(x[:4], w.t().contiguous().t()[:, :8], None),
                        F.linear(x[:4], w.t().contiguous().t()[:, :8]))   # columns strided
+    assert torch.equal(op(x[:4, :0], w[:, :0], None), F.linear(x[:4, :0], w[:, :0]))   # K 0
     monkeypatch.setenv("TRITON_INTERPRET", "0")                     # CPU, no interpreter
     assert torch.equal(op(x[:4], w, None), F.linear(x[:4], w))
 
