@@ -398,6 +398,9 @@ def kvc(model, args, device, ctx, kv_dtype, eviction=None, sinks=None, name="",
         row["reference_fallbacks"] = st.get("reference_fallback", 0)
         row["projections_merged"] = st.get("projections_merged", 0)   # GEMMs over the graphs
         row["decode_gemms_triton"] = st.get("decode_gemms_triton", 0)   # kernels/skinny.py
+        # decode_gemms="auto": linears routed, and the shapes it put on each (runtime/skinny_op)
+        row["decode_gemms_auto"] = [st.get(f"decode_gemms_auto{k}", 0)
+                                    for k in ("", "_triton", "_torch", "_unmeasured")]
         # decode steps run by the device loop (integrations/hf_loop.py; 0: transformers' loop)
         row["device_loop_steps"] = st.get("generate_device_loop_steps", 0)
         # which kernels ran and why (the reasons of reference fallbacks among them), once each

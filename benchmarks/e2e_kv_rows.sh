@@ -26,7 +26,7 @@ for k, r in d["results"].items():
         print(f"  {k}: decode {r['decode_tok_s']:.0f} tok/s, first token {r['first_token_s']:.3f} s,"
               f" total {r['total_s']:.2f} s, roofline {pct}, peak {peak} GiB,"
               f" kernels {r.get('decode_kernel_calls')}, merged GEMMs {r.get('projections_merged')},"
-              f" skinny GEMMs {r.get('decode_gemms_triton')},"
+              f" skinny GEMMs {r.get('decode_gemms_triton')} / auto {r.get('decode_gemms_auto')},"
               f" device-loop steps {r.get('device_loop_steps')}")
 print("  errors:", d["errors"]) if d["errors"] else None
 PY

@@ -71,20 +71,21 @@ def _compile(gm, example_inputs, options, state):
     if merging and result.plan.rewritten:
         unmerged = copy.deepcopy(gm.graph, {})
         merged = _merge(gm, example_inputs, state)
-    if config.decode_gemms == "triton" and result.plan.rewritten:
+    gemms_key = "decode_gemms_" + ("auto" if config.decode_gemms == "auto" else "triton")
+    if config.decode_gemms in ("triton", "auto") and result.plan.rewritten:
         from kvcompile.passes import skinny_linears
 
         if unmerged is None:
             unmerged = copy.deepcopy(gm.graph, {})
-        skinny, dynamic = skinny_linears.rewrite(gm)
+        skinny, dynamic = skinny_linears.rewrite(gm, auto=config.decode_gemms == "auto")
         if skinny:
-            state.count("decode_gemms_triton", skinny)
+            state.count(gemms_key, skinny)
         if dynamic:
             notices.warn_once(state, ("decode gemms dynamic", state.graphs),
                               f"kvcompile left {dynamic} linear(s) of graph {state.graphs} of "
                               f"{notices.model_name(state)} on the inner compiler's GEMMs "
-                              f"(KVConfig.decode_gemms='triton'): their row count is dynamic "
-                              f"in this graph, and the kernel takes at most "
+                              f"(KVConfig.decode_gemms={config.decode_gemms!r}): their row "
+                              f"count is dynamic in this graph, and the kernel takes at most "
                               f"{skinny_linears.MAX_M} rows")
     try:
         try:
@@ -100,7 +101,7 @@ def _compile(gm, example_inputs, options, state):
             for k, v in (merged.counts if merged is not None else {}).items():
                 state.count(k, -v)   # every counter the merge added
             if skinny:
-                state.count("decode_gemms_triton", -skinny)
+                state.count(gemms_key, -skinny)
             what = " and ".join(w for w, on in (("its projections unmerged", merged),
                                                 ("its linears on the inner compiler's GEMMs",
                                                  skinny)) if on)

@@ -53,7 +53,7 @@ PREFILL_ATTENDS = ("fresh", "stored", "fresh_fp8")
 PREFILL_CHUNK_ROUTES = ("auto", "gather", "paged")
 # fp8 pages' CPU decode step (kernels/cpu_fp8.py): C where it builds, C or an error, numpy
 CPU_FP8_ROUTES = ("auto", "c", "numpy")
-DECODE_GEMMS = ("torch", "triton")
+DECODE_GEMMS = ("torch", "triton", "auto")
 
 # Fields that `configure` may override per module; the rest are global to the pool.
 PER_MODULE_FIELDS = (
@@ -307,10 +307,12 @@ class KVConfig:
         where the eager inner compiler runs the narrowed views as they are, it measured no
         gain); True: everywhere; False: never. KVCOMPILE_MERGE_PROJECTIONS=0 / 1 / auto.
     decode_gemms: who runs a rewritten CUDA graph's linears whose input has at most 16 rows
-        (a decode step's weight GEMMs): "torch" (the default: the inner compiler, cuBLAS) or
+        (a decode step's weight GEMMs): "torch" (the default: the inner compiler, cuBLAS),
         "triton" (kernels/skinny.py through passes/skinny_linears.py; on the H100 it matched
-        cuBLAS, 0.97-0.99x over a step's shapes; the H200 is unmeasured).
-        KVCOMPILE_DECODE_GEMMS=torch / triton.
+        cuBLAS, 0.97-0.99x over a step's shapes; the H200 is unmeasured) or "auto" (each
+        shape on whichever of the two ran it faster on this GPU, measured once a shape at its
+        first call: runtime/skinny_op.py; the report lists the choices).
+        KVCOMPILE_DECODE_GEMMS=torch / triton / auto.
     deferred_stop: in Hugging Face `generate` on CUDA, read each step's stop decision one step
         late (transformers' own DeferredStopCheck, which it uses on "mps" only), so the host
         queues step n + 1 while the GPU runs step n instead of waiting for it every step;

@@ -60,6 +60,7 @@ def test_defaults_without_the_environment(clean_env):
     ("KVCOMPILE_DEFERRED_STOP", "0", "deferred_stop", False),
     ("KVCOMPILE_DEFERRED_STOP", "", "deferred_stop", True),
     ("KVCOMPILE_DECODE_GEMMS", "triton", "decode_gemms", "triton"),
+    ("KVCOMPILE_DECODE_GEMMS", "auto", "decode_gemms", "auto"),
     ("KVCOMPILE_DECODE_GEMMS", "", "decode_gemms", "torch"),
 ])
 def test_the_environment_sets_the_default(clean_env, var, value, field, expected):

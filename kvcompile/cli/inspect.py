@@ -77,7 +77,10 @@ def run(args) -> Result:
         text.append(merged)
     gemms = skinny_linears.summary(counters)
     if gemms:
-        payload["decode_gemms_triton"] = counters.get("decode_gemms_triton", 0)
+        for k in ("decode_gemms_triton", "decode_gemms_auto", "decode_gemms_auto_triton",
+                  "decode_gemms_auto_torch", "decode_gemms_auto_unmeasured"):
+            if counters.get(k):
+                payload[k] = counters[k]
         text.append(gemms)
     misses = _near_misses(traces)
     payload["near_misses"] = misses

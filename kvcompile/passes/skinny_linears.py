@@ -2,10 +2,11 @@
 
 A decode step multiplies at most a few rows by every weight of the model; cuBLAS's kernels for
 such products did not use the H200's bandwidth as fully as the H100's (issue 16 item 5). With
-`KVConfig.decode_gemms="triton"` this pass replaces each linear (F.linear, merged or not) of a
+`KVConfig.decode_gemms="triton"` (or "auto") this pass replaces each linear (F.linear, merged or not) of a
 rewritten graph on CUDA whose input has a static row count of at most 16 by
 `torch.ops.kvcompile.skinny_linear` (runtime/skinny_op.py), which is F.linear computed by that
-kernel. Fires only where no gradient can flow (grad mode off when traced, or no parameter
+kernel ("auto": the op's own measured choice between that kernel and cuBLAS, per shape on
+this GPU; runtime/skinny_op.py `choose`). Fires only where no gradient can flow (grad mode off when traced, or no parameter
 requiring it) and on float16 / bfloat16 / float32 operands of one dtype; a linear whose weight
 is not a 2-D tensor with contiguous rows keeps F.linear. The default ("torch") leaves every
 linear to the inner compiler (cuBLAS through inductor).
@@ -82,9 +83,9 @@ def _eligible(n: fx.Node, grad: bool) -> bool | None:
     return rows <= MAX_M
 
 
-def rewrite(gm: fx.GraphModule) -> tuple[int, int]:
-    """Replace the eligible linears of `gm` in place; -> (how many, how many it left for a
-    dynamic row count: the caller says so)."""
+def rewrite(gm: fx.GraphModule, auto: bool = False) -> tuple[int, int]:
+    """Replace the eligible linears of `gm` in place (auto: by the op's measured choice);
+    -> (how many, how many it left for a dynamic row count: the caller says so)."""
     import kvcompile.runtime.skinny_op  # noqa: F401  (registers the op)
 
     grad = torch.is_grad_enabled() and not any(
@@ -98,7 +99,7 @@ def rewrite(gm: fx.GraphModule) -> tuple[int, int]:
             continue
         x, w, b = _linear_parts(n)
         n.target = torch.ops.kvcompile.skinny_linear.default
-        n.args, n.kwargs = (x, w, b), {}
+        n.args, n.kwargs = ((x, w, b, True) if auto else (x, w, b)), {}
         count += 1
     if count:
         gm.graph.lint()
@@ -109,7 +110,15 @@ def rewrite(gm: fx.GraphModule) -> tuple[int, int]:
 def summary(counters: dict) -> str | None:
     """The report's line on what the pass did (None: nothing)."""
     n = counters.get("decode_gemms_triton")
-    if not n:
+    a = counters.get("decode_gemms_auto")
+    if not n and not a:
         return None
-    return (f"decode GEMMs: {n} small-M linears over the graphs on kvcompile's Triton kernel "
-            f"(KVConfig.decode_gemms='triton')")
+    if n:
+        return (f"decode GEMMs: {n} small-M linears over the graphs on kvcompile's Triton "
+                f"kernel (KVConfig.decode_gemms='triton')")
+    chosen = ", ".join(f"{counters.get(f'decode_gemms_auto_{c}', 0)} {what}" for c, what in
+                       (("triton", "on the Triton kernel"), ("torch", "on cuBLAS"),
+                        ("unmeasured", "first met in a capture (cuBLAS)")))
+    return (f"decode GEMMs: {a} small-M linears over the graphs chosen by shape "
+            f"(KVConfig.decode_gemms='auto'); shapes measured: {chosen} (the kernel notes "
+            f"give each shape's times)")

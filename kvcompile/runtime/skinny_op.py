@@ -1,22 +1,39 @@
 """`torch.ops.kvcompile.skinny_linear`: F.linear on kernels/skinny.py's Triton kernel.
 
-    torch.ops.kvcompile.skinny_linear(x, w, b)   # = F.linear(x, w, b)
+    torch.ops.kvcompile.skinny_linear(x, w, b)         # = F.linear(x, w, b), the Triton kernel
+    torch.ops.kvcompile.skinny_linear(x, w, b, True)   # = F.linear(x, w, b), the faster one
 
 passes/skinny_linears.py puts it in place of a decode graph's linears whose input has at most
-16 rows (KVConfig.decode_gemms="triton"). It is F.linear by definition: the kernel takes x of at
-most 16 rows and w with contiguous rows in one dtype with x, on CUDA (or under the Triton
-interpreter); anything else (which the pass does not insert, but a graph's input could change
-under it) runs F.linear.
+16 rows (KVConfig.decode_gemms="triton" or "auto"). It is F.linear by definition: the kernel
+takes x of at most 16 rows and w with contiguous rows in one dtype with x, on CUDA (or under the
+Triton interpreter); anything else (which the pass does not insert, but a graph's input could
+change under it) runs F.linear.
+
+With `auto` the op measures, once per shape (device, rows, N, K, dtype, bias), the Triton kernel
+against F.linear (cuBLAS) on this GPU at the shape's first call outside a CUDA graph capture
+(the capture's warm-up runs are such calls): each candidate's median of `REPS` runs, the L2
+flushed before each run as the weights stream from memory in a real step. The kernel is kept
+where it takes at most `MARGIN` of cuBLAS's time, else F.linear. A shape first met inside a
+capture runs F.linear, said once. The choices and their times are in `CHOICES` and
+`kvcompile.report`. The sums' order differs between the two (both accumulate in fp32), so a
+choice that flips between processes changes outputs by the dtype's rounding only.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 
 import torch
 import torch.nn.functional as F
 
 from kvcompile.kernels import skinny
+
+REPS = 7        # timed runs a candidate (interleaved, each after an L2 flush)
+MARGIN = 0.97   # the Triton kernel is chosen at most this fraction of cuBLAS's median time
+# shape key -> (choice "triton" / "torch", cuBLAS ms, Triton ms); ms None where not measured
+CHOICES: dict[tuple, tuple[str, float | None, float | None]] = {}
+_FLUSH: dict[torch.device, torch.Tensor] = {}
 
 
 def takes(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
@@ -30,13 +47,96 @@ def takes(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
             and (x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
 
 
+def shape_key(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple:
+    """What a choice is made for: device, rows, N, K, dtype, bias, w's row stride."""
+    k = x.shape[-1]
+    return (str(x.device), x.numel() // k, w.shape[0], k, str(x.dtype).removeprefix("torch."),
+            b is not None, w.stride(0))
+
+
+def _flush_buffer(device: torch.device) -> torch.Tensor:
+    """Twice the device's L2 (at least 64 MiB), zeroed before each timed run."""
+    buf = _FLUSH.get(device)
+    if buf is None:
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0
+        buf = _FLUSH[device] = torch.empty(max(2 * l2, 64 << 20), dtype=torch.uint8,
+                                           device=device)
+    return buf
+
+
+def time_candidates(fns, device: torch.device) -> list[float]:
+    """Each fn's median ms over REPS runs on CUDA, the candidates interleaved, the L2 flushed
+    before each run. (Replaced by the tests: no CUDA there.)"""
+    flush = _flush_buffer(device)
+    for fn in fns:   # warm-up (the Triton kernel's compile, cuBLAS's heuristics)
+        fn()
+    times = [[] for _ in fns]
+    events = []
+    for _ in range(REPS):
+        for i, fn in enumerate(fns):
+            flush.zero_()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            events.append((i, s, e))
+    torch.cuda.synchronize(device)
+    for i, s, e in events:
+        times[i].append(s.elapsed_time(e))
+    return [statistics.median(t) for t in times]
+
+
+def capturing(x: torch.Tensor) -> bool:
+    """Whether x's device stream is being captured into a CUDA graph (no timing there)."""
+    return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _say(text: str, counter: str | None = None) -> None:
+    """A note in the current model's kernel notes (kvcompile.report) and a count."""
+    from kvcompile.runtime import context
+
+    ctx = context.current()
+    state = getattr(ctx, "state", None)
+    kernels = getattr(state, "kernels", None)
+    if kernels is not None:
+        kernels.note(text)
+    if state is not None and counter:
+        state.count(counter)
+
+
+def choose(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> str:
+    """"triton" or "torch" for this shape: measured at its first call outside a capture."""
+    key = shape_key(x, w, b)
+    got = CHOICES.get(key)
+    if got is not None:
+        return got[0]
+    _, m, n, k, dtype, _, _ = key
+    what = f"{m} x {k} @ {n} x {k}^T ({dtype}{', bias' if b is not None else ''})"
+    if capturing(x):
+        # no timing inside a capture: cuBLAS, and the next process measures
+        CHOICES[key] = ("torch", None, None)
+        _say(f"decode GEMMs (auto): {what} first met inside a CUDA graph capture: "
+             f"cuBLAS, not measured", "decode_gemms_auto_unmeasured")
+        return "torch"
+    xc = x.contiguous()
+    t_torch, t_triton = time_candidates(
+        [lambda: F.linear(xc, w, b), lambda: skinny.skinny_linear(xc, w, b)], x.device)
+    pick = "triton" if t_triton <= MARGIN * t_torch else "torch"
+    CHOICES[key] = (pick, t_torch, t_triton)
+    _say(f"decode GEMMs (auto): {what}: {'Triton' if pick == 'triton' else 'cuBLAS'} "
+         f"(cuBLAS {t_torch:.4f} ms, Triton {t_triton:.4f} ms)",
+         f"decode_gemms_auto_{pick}")
+    return pick
+
+
 @torch.library.custom_op("kvcompile::skinny_linear", mutates_args=())
-def skinny_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    if takes(x, w, b):
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                  auto: bool = False) -> torch.Tensor:
+    if takes(x, w, b) and (not auto or choose(x, w, b) == "triton"):
         return skinny.skinny_linear(x.contiguous(), w, b)
     return F.linear(x, w, b)
 
 
 @skinny_linear.register_fake
-def _(x, w, b):
+def _(x, w, b, auto=False):
     return x.new_empty((*x.shape[:-1], w.shape[0]))

@@ -138,3 +138,95 @@ def test_a_dynamic_row_count_is_said_once_not_run(on_cpu):
             ids = torch.randint(3, 250, (b, 7), generator=g)
             assert torch.equal(_generate(m, ids), _generate(ref, ids))
     assert has(caught, "on the inner compiler's GEMMs.*row count is dynamic")
+
+
+@pytest.fixture
+def fake_timing(monkeypatch):
+    """decode_gemms="auto" with the op's timer replaced: the Triton kernel "measures" `fast`
+    of cuBLAS's time for shapes whose N is in `faster`, 1.5x it elsewhere; every timing is
+    recorded (the op's choices start empty)."""
+    from kvcompile.runtime import skinny_op
+
+    monkeypatch.setattr(skinny_op, "CHOICES", {})
+    timed, faster, fast = [], set(), [0.5]
+
+    def fake(fns, device):
+        n = fake.shape[-1]
+        timed.append(n)
+        return [1.0, fast[0] if n in faster else 1.5]
+
+    real_choose = skinny_op.choose
+
+    def choose(x, w, b):   # the shape the timer is asked about
+        fake.shape = (w.shape[0],)
+        return real_choose(x, w, b)
+
+    monkeypatch.setattr(skinny_op, "time_candidates", fake)
+    monkeypatch.setattr(skinny_op, "choose", choose)
+    return timed, faster, fast
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_auto_runs_each_shape_on_the_faster_of_the_two(on_cpu, fake_timing, merge,
+                                                       monkeypatch):
+    """"auto": each shape timed once (not once a step or a layer), the kernel run for the
+    shapes it won, cuBLAS for the others; tokens the model's; the report counts the choices
+    and the kernel notes give each shape's times."""
+    from kvcompile.kernels import skinny
+
+    timed, faster, _ = fake_timing
+    real, ran = skinny.skinny_linear, []
+    monkeypatch.setattr(skinny, "skinny_linear",
+                        lambda x, w, *a, **k: ran.append(w.shape[0]) or real(x, w, *a, **k))
+    m, ref = make_hf("llama"), make_hf("llama")
+    faster.add(m.config.vocab_size)                       # the LM head: the kernel's
+    faster.add(m.config.hidden_size)                      # o_proj / down_proj: the kernel's
+    ids = torch.randint(3, 250, (3, 7), generator=torch.Generator().manual_seed(5))
+    kvcompile.compile(m, _cfg(decode_gemms="auto", merge_projections=merge))
+    assert torch.equal(_generate(m, ids, new=6), _generate(ref, ids, new=6))
+    from kvcompile.runtime import skinny_op
+
+    c = kvcompile.report(m).counters
+    shapes = len(timed)
+    assert shapes == len(skinny_op.CHOICES)                 # a timing a distinct shape
+    assert c.get("decode_gemms_auto_triton", 0) + c.get("decode_gemms_auto_torch", 0) == shapes
+    assert c.get("decode_gemms_auto_triton") and c.get("decode_gemms_auto_torch")
+    assert not c.get("decode_gemms_triton")
+    assert c.get("decode_gemms_auto", 0) > 0
+    assert set(ran) <= faster and ran, (set(ran), faster)   # never a shape cuBLAS won
+    assert ran.count(m.config.vocab_size) >= 5             # every decode step's LM head
+    # timed once a shape: 6 steps x layers of linears, yet one timing each
+    steps_linears = 5 * m.config.num_hidden_layers
+    assert shapes < steps_linears, (shapes, steps_linears)
+    rep = kvcompile.report(m)
+    assert "chosen by shape (KVConfig.decode_gemms='auto')" in str(rep)
+    assert any("decode GEMMs (auto)" in n and "Triton 0.5000 ms" in n for n in rep.kernel_notes)
+
+
+def test_auto_keeps_cublas_within_the_margin_and_inside_a_capture(fake_timing, monkeypatch):
+    """The kernel must beat cuBLAS by more than the margin (a tie keeps the library); a shape
+    first met inside a CUDA graph capture is not timed: cuBLAS, counted as unmeasured."""
+    import torch.nn.functional as F
+
+    from kvcompile.kernels import skinny
+    from kvcompile.runtime import skinny_op
+
+    timed, faster, fast = fake_timing
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(skinny, "skinny_linear", lambda *a, **k: pytest.fail("kernel ran"))
+    op = torch.ops.kvcompile.skinny_linear
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    faster.add(6)
+    fast[0] = 0.98                     # 2% faster: inside the 3% margin
+    assert torch.equal(op(x, w, None, True), F.linear(x, w))
+    assert skinny_op.CHOICES[skinny_op.shape_key(x, w, None)][0] == "torch"
+    assert timed == [6]
+    assert torch.equal(op(x, w, None, True), F.linear(x, w))   # cached: not timed again
+    assert timed == [6]
+    monkeypatch.setattr(skinny_op, "capturing", lambda x: True)
+    w2 = torch.randn(10, 8)
+    faster.add(10)
+    fast[0] = 0.5
+    assert torch.equal(op(x, w2, None, True), F.linear(x, w2))
+    assert timed == [6]                                        # no timing in a capture
+    assert skinny_op.CHOICES[skinny_op.shape_key(x, w2, None)] == ("torch", None, None)

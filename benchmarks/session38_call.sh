@@ -1,0 +1,39 @@
+#!/bin/bash
+# Device calls of the thirty-eighth session: several parts a call (PARTS="u t"), each part's
+# output under $OUT; ends with the GPU's name and versions.
+#   u: tests/gpu/test_skinny_gpu.py (the Triton GEMM kernel at a step's shapes; "auto"'s real
+#      timings, its choice replayed by a CUDA graph, a shape first met in a capture)
+#   t: rows at B x P (default 16 x 4096), fp8 pages, a process a row, the step's GEMMs by
+#      KVConfig.decode_gemms = each of T_GEMMS (default "torch auto"); the auto row's kernel
+#      notes (each shape's choice and times) follow its line
+#   other parts: session37_call.sh's (g, k, s, e2; and through it session36_call.sh's b, p, ...)
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kvc_out}; mkdir -p "$OUT"
+for part in ${PARTS:-u}; do
+  echo "== part $part =="
+  case $part in
+    u)
+      timeout -k 5 ${U_LIMIT:-200} python3 -m pytest -q -m gpu tests/gpu/test_skinny_gpu.py \
+        2>&1 | tail -4 | tee "$OUT/u_tests.txt" ;;
+    t)
+      for g in ${T_GEMMS:-torch auto}; do
+        KVCOMPILE_DECODE_GEMMS=$g B=${B:-16} P=${P:-4096} N=${N:-64} \
+          ROW_LIMIT=${ROW_LIMIT:-110} OUT=$OUT/t_$g bash benchmarks/e2e_kv_rows.sh \
+          "${T_ROWS:-kvc_fp8:auto}" 2>&1 | tail -2
+        python3 - "$OUT/t_$g" <<'PY'
+import glob, json, sys
+for f in glob.glob(sys.argv[1] + "/*/bench_generate.json"):
+    for k, r in json.load(open(f))["results"].items():
+        if isinstance(r, dict):
+            for n in r.get("kernel_notes", []):
+                if "decode GEMMs" in n:
+                    print("   ", n)
+PY
+      done ;;
+    *)
+      PARTS=$part OUT=$OUT bash benchmarks/session37_call.sh | grep -v "^== part" \
+        | grep -vE "^NVIDIA|^[0-9]+\.[0-9]+\.[0-9]+" ;;
+  esac
+done
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c "import torch, triton, transformers as t; print(torch.__version__, triton.__version__, t.__version__)"
