@@ -67,7 +67,7 @@ def _compile(gm, example_inputs, options, state):
         result = run_passes(gm, example_inputs, state, configured=configured_instances(),
                             packed_steps=in_packed_step(state))
     merged = unmerged = None
-    skinny = 0
+    skinny = dynamic = 0
     if merging and result.plan.rewritten:
         unmerged = copy.deepcopy(gm.graph, {})
         merged = _merge(gm, example_inputs, state)
@@ -81,12 +81,7 @@ def _compile(gm, example_inputs, options, state):
         if skinny:
             state.count(gemms_key, skinny)
         if dynamic:
-            notices.warn_once(state, ("decode gemms dynamic", state.graphs),
-                              f"kvcompile left {dynamic} linear(s) of graph {state.graphs} of "
-                              f"{notices.model_name(state)} on the inner compiler's GEMMs "
-                              f"(KVConfig.decode_gemms={config.decode_gemms!r}): their row "
-                              f"count is dynamic in this graph, and the kernel takes at most "
-                              f"{skinny_linears.MAX_M} rows")
+            state.count(gemms_key + "_dynamic", dynamic)
     try:
         try:
             compiled = compile_inner(gm, example_inputs, config.inner)
@@ -102,6 +97,8 @@ def _compile(gm, example_inputs, options, state):
                 state.count(k, -v)   # every counter the merge added
             if skinny:
                 state.count(gemms_key, -skinny)
+                if dynamic:
+                    state.count(gemms_key + "_dynamic", -dynamic)
             what = " and ".join(w for w, on in (("its projections unmerged", merged),
                                                 ("its linears on the inner compiler's GEMMs",
                                                  skinny)) if on)

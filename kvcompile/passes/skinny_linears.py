@@ -85,7 +85,11 @@ def _eligible(n: fx.Node, grad: bool) -> bool | None:
 
 def rewrite(gm: fx.GraphModule, auto: bool = False) -> tuple[int, int]:
     """Replace the eligible linears of `gm` in place (auto: by the op's measured choice);
-    -> (how many, how many it left for a dynamic row count: the caller says so)."""
+    -> (how many, how many of them have a dynamic row count). A graph Dynamo traced with its
+    token dim dynamic (the decode step after a prefill of another length, in `generate`) has
+    no static row count, yet runs decode steps of at most 16 rows: its linears go to the op
+    too, which checks the rows at each call (runtime/skinny_op.py `takes`: more than 16 run
+    F.linear; a CUDA graph bakes the call's choice in)."""
     import kvcompile.runtime.skinny_op  # noqa: F401  (registers the op)
 
     grad = torch.is_grad_enabled() and not any(
@@ -95,7 +99,7 @@ def rewrite(gm: fx.GraphModule, auto: bool = False) -> tuple[int, int]:
     for n in list(gm.graph.nodes):
         ok = _eligible(n, grad)
         dynamic += ok is None
-        if not ok:
+        if ok is False:
             continue
         x, w, b = _linear_parts(n)
         n.target = torch.ops.kvcompile.skinny_linear.default
@@ -113,12 +117,16 @@ def summary(counters: dict) -> str | None:
     a = counters.get("decode_gemms_auto")
     if not n and not a:
         return None
+    mode = "triton" if n else "auto"
+    d = counters.get(f"decode_gemms_{mode}_dynamic")
+    dyn = (f" ({d} of them in graphs with a dynamic row count: the op checks the rows at "
+           f"each call, more than 16 run F.linear)") if d else ""
     if n:
         return (f"decode GEMMs: {n} small-M linears over the graphs on kvcompile's Triton "
-                f"kernel (KVConfig.decode_gemms='triton')")
+                f"kernel (KVConfig.decode_gemms='triton'){dyn}")
     chosen = ", ".join(f"{counters.get(f'decode_gemms_auto_{c}', 0)} {what}" for c, what in
                        (("triton", "on the Triton kernel"), ("torch", "on cuBLAS"),
                         ("unmeasured", "first met in a capture (cuBLAS)")))
     return (f"decode GEMMs: {a} small-M linears over the graphs chosen by shape "
-            f"(KVConfig.decode_gemms='auto'); shapes measured: {chosen} (the kernel notes "
-            f"give each shape's times)")
+            f"(KVConfig.decode_gemms='auto'){dyn}; shapes measured: {chosen} (the kernel "
+            f"notes give each shape's times)")

@@ -124,20 +124,27 @@ def test_the_op_is_f_linear_for_what_the_kernel_does_not_take(monkeypatch):
     assert torch.equal(op(x[:4], w, None), F.linear(x[:4], w))
 
 
-def test_a_dynamic_row_count_is_said_once_not_run(on_cpu):
+def test_a_dynamic_row_count_goes_to_the_op_which_checks_the_rows(on_cpu, monkeypatch):
     """A second batch size makes Dynamo trace the decode graph with the batch dynamic: its
-    linears stay on the inner compiler's GEMMs (the kernel needs a known row count) and a
-    warning says so; the tokens are the model's."""
-    from tests.passes.caught import has, kv_warnings
+    linears still go to the op (counted as dynamic), which runs the kernel for the decode
+    steps' rows (at most 16) and F.linear for more; the tokens are the model's."""
+    from kvcompile.kernels import skinny
 
+    real, rows = skinny.skinny_linear, []
+    monkeypatch.setattr(skinny, "skinny_linear",
+                        lambda x, *a, **k: rows.append(x.numel() // x.shape[-1])
+                        or real(x, *a, **k))
     m, ref = make_hf("llama"), make_hf("llama")
     kvcompile.compile(m, _cfg())
     g = torch.Generator().manual_seed(4)
-    with kv_warnings() as caught:
-        for b in (3, 2):
-            ids = torch.randint(3, 250, (b, 7), generator=g)
-            assert torch.equal(_generate(m, ids), _generate(ref, ids))
-    assert has(caught, "on the inner compiler's GEMMs.*row count is dynamic")
+    for b in (3, 2, 6):
+        ids = torch.randint(3, 250, (b, 7), generator=g)
+        assert torch.equal(_generate(m, ids), _generate(ref, ids))
+    c = kvcompile.report(m).counters
+    assert c.get("decode_gemms_triton_dynamic", 0) > 0, c
+    assert 2 in rows and 6 in rows and max(rows) <= 16   # the dynamic graph's decode steps
+    # the 6 x 7 = 42-row prefill through a dynamic graph (if any) ran F.linear
+    assert "small-M linears" in str(kvcompile.report(m))
 
 
 @pytest.fixture
