@@ -64,16 +64,26 @@ def _flush_buffer(device: torch.device) -> torch.Tensor:
     return buf
 
 
+SLEEP_CYCLES = 2_000_000   # ~1 ms of GPU spin before each timed run (see time_candidates)
+
+
 def time_candidates(fns, device: torch.device) -> list[float]:
     """Each fn's median ms over REPS runs on CUDA, the candidates interleaved, the L2 flushed
-    before each run. (Replaced by the tests: no CUDA there.)"""
+    before each run. Each run is queued behind a ~1 ms GPU spin, so that the host has queued
+    the run before the GPU reaches its start event: the times are the kernels' GPU time, as
+    in a replayed CUDA graph, not the host's launch cost (a Python-launched Triton kernel's
+    is tens of microseconds, which the first version's timings held: on the H100 it made the
+    kernel look 3-4x slower than cuBLAS at 4096 x 4096). (Replaced by the tests: no CUDA.)"""
     flush = _flush_buffer(device)
     for fn in fns:   # warm-up (the Triton kernel's compile, cuBLAS's heuristics)
         fn()
+    spin = getattr(torch.cuda, "_sleep", None)
     times = [[] for _ in fns]
     events = []
     for _ in range(REPS):
         for i, fn in enumerate(fns):
+            if spin is not None:
+                spin(SLEEP_CYCLES)
             flush.zero_()
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
