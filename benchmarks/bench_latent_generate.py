@@ -71,9 +71,16 @@ def parse_args():
     p.add_argument("--expand-min", type=int, default=0, metavar="N",
                    help="set both of dispatch's expansion thresholds (queries a row from which "
                         "an MLA prompt chunk expands) to N for this process: a large N keeps "
-                        "every chunk folded (the engine step's whole-step fold before the "
-                        "split), for an A/B of the engine_* rows; 0: the defaults")
+                        "every chunk folded; 0: the defaults")
+    p.add_argument("--packed-split", action="store_true",
+                   help="engine steps split their long chunks off to be expanded "
+                        "(dispatch.LATENT_SPLIT_PACKED, off by default: measured slower), "
+                        "for an A/B of the engine_* rows")
     a = p.parse_args()
+    if a.packed_split:
+        from kvcompile.runtime import dispatch
+
+        dispatch.LATENT_SPLIT_PACKED = True
     if a.smoke:
         a.batch, a.prompt, a.new, a.layers, a.repeats = 2, 24, 6, 2, 1
     if a.expand_min:

@@ -6,6 +6,8 @@
 #   t: rows at B x P (default 16 x 4096), fp8 pages, a process a row, the step's GEMMs by
 #      KVConfig.decode_gemms = each of T_GEMMS (default "torch auto"); the auto row's kernel
 #      notes (each shape's choice and times) follow its line
+#   e3: the MLA Engine row (fp8 latent, B16 x P8192 by default) with the packed split on
+#      (--packed-split) and off (the default now)
 #   other parts: session37_call.sh's (g, k, s, e2; and through it session36_call.sh's b, p, ...)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvc_out}; mkdir -p "$OUT"
@@ -29,6 +31,12 @@ for f in glob.glob(sys.argv[1] + "/*/bench_generate.json"):
                 if "decode GEMMs" in n:
                     print("   ", n)
 PY
+      done ;;
+    e3)   # the MLA Engine row with the packed split (opt-in since this session) and without
+      for x in "--packed-split" ""; do
+        timeout -k 5 ${E_LIMIT:-200} python3 benchmarks/bench_latent_generate.py \
+          --batch ${B:-16} --prompt ${P:-8192} --new 16 --repeats 2 --rows engine_fp8_e4m3 \
+          $x 2>&1 | grep -E "^\| engine|^# engine" | tee -a "$OUT/e3_rows.txt"
       done ;;
     *)
       PARTS=$part OUT=$OUT bash benchmarks/session37_call.sh | grep -v "^== part" \

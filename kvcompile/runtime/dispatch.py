@@ -486,7 +486,8 @@ def _attend_latent(ctx, layer: int, q, plan, mask_info, attn_mask, is_causal, wi
     (`_fresh_latent_rows`): compute-bound, the expansion is cheap there. A prompt chunk over
     a cached prefix of `latent_expand_min_queries` or more queries a row expands its rows'
     stored latents the same way (latent.paged_latent_expanded), and so does such a chunk in
-    an engine step beside other rows (`_packed_latent_split`). Everything else (decode
+    an engine step beside other rows where LATENT_SPLIT_PACKED is on (`_packed_latent_split`;
+    off by default). Everything else (decode
     steps, shorter chunks) attends in the latent space over the stored pages: q_nope
     absorbed by W_UK once per step, one latent head per token read for every query head, W_UV
     applied to the weighted latents; nothing of the past is expanded. Rotation is refused for
@@ -554,6 +555,14 @@ LATENT_EXPAND_BYTES = 2 << 30
 # 128; fp8 pages 0.64-0.82 at 128, 1.18-1.42 at 255 (benchmarks/RESULTS.md, 36th session)
 LATENT_EXPAND_MIN_QUERIES = 112
 LATENT_EXPAND_MIN_QUERIES_FP8 = 192
+# an engine step (packed) splits its chunks of latent_expand_min_queries or more off to be
+# expanded (`_packed_latent_split`) only with this on. Off: measured end to end on the H100
+# (38th session, bench_latent_generate.py, DeepSeek-V3-shaped, B16 x P4096, fp8 latent pages,
+# 2,048-token chunks), the split step took the first token at 3.295 s against 1.653 s with
+# every chunk folded onto the latent kernel's rows, and decoded at 4,895 against 5,173 tok/s
+# (the step's other rows then ran the Triton latent kernel, not the CUDA rows kernel, and each
+# long row was expanded and attended alone under an explicit causal mask)
+LATENT_SPLIT_PACKED = False
 
 
 def latent_expand_min_queries(pages) -> int:
@@ -564,14 +573,15 @@ def latent_expand_min_queries(pages) -> int:
 
 
 def _packed_latent_split(q, pages, plan, attn_mask, window, softcap, attn_mass):
-    """An engine step (packed) of an MLA layer in which some sequences add a prompt chunk of
+    """With LATENT_SPLIT_PACKED (off by default: measured slower end to end), an engine step
+    (packed) of an MLA layer in which some sequences add a prompt chunk of
     `latent_expand_min_queries` tokens or more: (the long rows' one-row plans, the step
     without them as a StepPlan of its own and the packed columns of its tokens:
     `_split_plan`), made once a forward; None where no row is that long, or where the step
     has a window, softcap, H2O mass or a mask (their rows stay together on the usual route). The long rows attend by expansion, as a
     generate chunk of their length does, the rest as before (`_attend_latent_split`)."""
-    if (not plan.packed or not plan.q_lens or window or softcap or attn_mass is not None
-            or attn_mask is not None):
+    if (not LATENT_SPLIT_PACKED or not plan.packed or not plan.q_lens or window or softcap
+            or attn_mass is not None or attn_mask is not None):
         return None
     n_min = latent_expand_min_queries(pages)
     if max(plan.q_lens) < n_min:

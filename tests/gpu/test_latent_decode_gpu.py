@@ -172,6 +172,7 @@ def test_engine_step_split_matches_reference_on_cuda(c_fmt, monkeypatch):
 
     monkeypatch.setattr(dispatch, "LATENT_EXPAND_MIN_QUERIES", 16)
     monkeypatch.setattr(dispatch, "LATENT_EXPAND_MIN_QUERIES_FP8", 16)
+    monkeypatch.setattr(dispatch, "LATENT_SPLIT_PACKED", True)
     heads, nope, dv = 16, 128, 128
     q_lens, past = [1, 40, 3, 1, 20], [1000, 200, 17, 4000, 0]
     lens = [p + n for p, n in zip(past, q_lens)]

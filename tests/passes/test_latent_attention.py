@@ -337,6 +337,7 @@ def test_engine_long_prompt_chunks_expand_beside_the_other_rows(monkeypatch, ker
 
     monkeypatch.setattr(dispatch, "LATENT_EXPAND_MIN_QUERIES", 4)
     monkeypatch.setattr(dispatch, "LATENT_EXPAND_MIN_QUERIES_FP8", 4)
+    monkeypatch.setattr(dispatch, "LATENT_SPLIT_PACKED", True)
     torch._dynamo.reset()
     prompts = random_prompts(random.Random(4), 4, 2, 30)
     ref = make_mla("deepseek_v3", "sdpa", rope=16)
@@ -352,6 +353,32 @@ def test_engine_long_prompt_chunks_expand_beside_the_other_rows(monkeypatch, ker
     if kernels == "triton":
         assert c.get("latent_decode_triton", 0) + c.get("latent_decode_triton_rows", 0) > 0, c
         assert "reference_fallback" not in c and "latent_absorbed" not in c, c
+
+
+def test_engine_steps_fold_long_chunks_by_default(monkeypatch):
+    """The packed split is off by default (dispatch.LATENT_SPLIT_PACKED, measured slower end
+    to end): an engine step with a chunk past the expansion threshold (4 here) folds it onto
+    the latent rows with the rest; greedy tokens equal eager Hugging Face's."""
+    import random
+
+    from kvcompile.runtime import dispatch
+    from tests.engine.tiny import config, hf_greedy, random_prompts
+
+    monkeypatch.setattr(dispatch, "LATENT_EXPAND_MIN_QUERIES", 4)
+    monkeypatch.setattr(dispatch, "LATENT_EXPAND_MIN_QUERIES_FP8", 4)
+    torch._dynamo.reset()
+    prompts = random_prompts(random.Random(4), 4, 2, 30)
+    ref = make_mla("deepseek_v3", "sdpa", rope=16)
+    model = make_mla("deepseek_v3", "sdpa", rope=16)
+    eng = kvcompile.Engine(model, config=config(page_size=8, kernels="reference"),
+                           max_num_batched_tokens=12)
+    outs = eng.generate(prompts, kvcompile.SamplingParams(temperature=0, max_tokens=6,
+                                                          ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(ref, p, 6)
+    c = state_of(model).counters
+    assert "latent_chunk_expanded" not in c, c
+    assert c.get("latent_absorbed", 0) > 0, c
 
 
 def test_decode_mask_that_hides_no_key_lets_the_latent_kernel_run():
