@@ -33,7 +33,6 @@ REPS = 7        # timed runs a candidate (interleaved, each after an L2 flush)
 MARGIN = 0.97   # the Triton kernel is chosen at most this fraction of cuBLAS's median time
 # shape key -> (choice "triton" / "torch", cuBLAS ms, Triton ms); ms None where not measured
 CHOICES: dict[tuple, tuple[str, float | None, float | None]] = {}
-_FLUSH: dict[torch.device, torch.Tensor] = {}
 
 
 def takes(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
@@ -55,13 +54,11 @@ def shape_key(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple
 
 
 def _flush_buffer(device: torch.device) -> torch.Tensor:
-    """Twice the device's L2 (at least 64 MiB), zeroed before each timed run."""
-    buf = _FLUSH.get(device)
-    if buf is None:
-        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0
-        buf = _FLUSH[device] = torch.empty(max(2 * l2, 64 << 20), dtype=torch.uint8,
-                                           device=device)
-    return buf
+    """Twice the device's L2 (at least 64 MiB), zeroed before each timed run; made for one
+    shape's timing and dropped after it (kept, it held 0.1 GiB of the H100 for the process's
+    life: the first GPU run's peak)."""
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0
+    return torch.empty(max(2 * l2, 64 << 20), dtype=torch.uint8, device=device)
 
 
 SLEEP_CYCLES = 2_000_000   # ~1 ms of GPU spin before each timed run (see time_candidates)
@@ -91,6 +88,7 @@ def time_candidates(fns, device: torch.device) -> list[float]:
             e.record()
             events.append((i, s, e))
     torch.cuda.synchronize(device)
+    del flush
     for i, s, e in events:
         times[i].append(s.elapsed_time(e))
     return [statistics.median(t) for t in times]
