@@ -2,14 +2,15 @@
 
 A decode step multiplies at most a few rows by every weight of the model; cuBLAS's kernels for
 such products did not use the H200's bandwidth as fully as the H100's (issue 16 item 5). With
-`KVConfig.decode_gemms="triton"` (or "auto") this pass replaces each linear (F.linear, merged or not) of a
-rewritten graph on CUDA whose input has a static row count of at most 16 by
-`torch.ops.kvcompile.skinny_linear` (runtime/skinny_op.py), which is F.linear computed by that
-kernel ("auto": the op's own measured choice between that kernel and cuBLAS, per shape on
-this GPU; runtime/skinny_op.py `choose`). Fires only where no gradient can flow (grad mode off when traced, or no parameter
-requiring it) and on float16 / bfloat16 / float32 operands of one dtype; a linear whose weight
-is not a 2-D tensor with contiguous rows keeps F.linear. The default ("torch") leaves every
-linear to the inner compiler (cuBLAS through inductor).
+`KVConfig.decode_gemms="triton"` (or "auto") this pass replaces each linear (F.linear, merged
+or not) of a rewritten graph on CUDA whose input has at most 16 rows (a static count, or a
+dynamic one the op checks at each call) by `torch.ops.kvcompile.skinny_linear`
+(runtime/skinny_op.py), which is F.linear computed by that kernel ("auto": the op's own
+measured choice between that kernel and cuBLAS, per shape on this GPU: `skinny_op.choose`).
+Fires only where no gradient can flow (grad mode off when traced, or no parameter requiring
+it), on float16 / bfloat16 / float32 operands of one dtype, never on DTensors (tensor
+parallelism); a linear whose weight is not a 2-D tensor with contiguous rows keeps F.linear.
+The default ("torch") leaves every linear to the inner compiler (cuBLAS through inductor).
 """
 
 from __future__ import annotations
@@ -56,6 +57,15 @@ def _meta(p) -> _Meta | None:
     return None
 
 
+def _is_dtensor(v) -> bool:
+    """A DTensor (tensor parallelism): the kernel takes local tensors only."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:   # pragma: no cover - a torch without torch.distributed
+        return False
+    return isinstance(v, DTensor)
+
+
 def _eligible(n: fx.Node, grad: bool) -> bool | None:
     """Whether the pass takes linear `n`; None: it would, but its row count is dynamic."""
     parts = _linear_parts(n)
@@ -66,6 +76,8 @@ def _eligible(n: fx.Node, grad: bool) -> bool | None:
     w = _meta(wn)
     b = None if bn is None else _meta(bn)
     if x is None or w is None or (bn is not None and (b is None or b.dim != 1)):
+        return False
+    if _is_dtensor(x) or _is_dtensor(val(wn)):
         return False
     if x.dim() == 0 or (isinstance(x.shape[-1], int) and x.shape[-1] == 0):
         return False   # (no product: F.linear's zeros or bias)

@@ -237,3 +237,34 @@ def test_auto_keeps_cublas_within_the_margin_and_inside_a_capture(fake_timing, m
     assert torch.equal(op(x, w2, None, True), F.linear(x, w2))
     assert timed == [6]                                        # no timing in a capture
     assert skinny_op.CHOICES[skinny_op.shape_key(x, w2, None)] == ("torch", None, None)
+
+
+def test_not_on_dtensors(on_cpu):
+    """Under tensor parallelism a linear's weight may be a DTensor: the kernel takes local
+    tensors only, so the pass leaves such a linear to F.linear (the same graph over a plain
+    weight is taken). A one-rank gloo group and mesh, made and destroyed here."""
+    import torch.distributed as dist
+    import torch.fx as fx
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed without a process group already set up")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    def graph(x, w):
+        return torch.nn.functional.linear(x, w)
+
+    def traced(w):
+        gm = fx.symbolic_trace(graph)
+        for n, v in zip(gm.graph.find_nodes(op="placeholder"), (torch.randn(2, 8), w)):
+            n.meta["example_value"] = v
+        return gm
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        w = distribute_tensor(torch.randn(4, 8), init_device_mesh("cpu", (1,)), [Shard(0)])
+        with torch.no_grad():
+            assert skinny_linears.rewrite(traced(w)) == (0, 0)
+            assert skinny_linears.rewrite(traced(torch.randn(4, 8))) == (1, 0)
+    finally:
+        dist.destroy_process_group()
