@@ -138,7 +138,7 @@ def summary(counters: dict) -> str | None:
                 f"kernel (KVConfig.decode_gemms='triton'){dyn}")
     chosen = ", ".join(f"{counters.get(f'decode_gemms_auto_{c}', 0)} {what}" for c, what in
                        (("triton", "on the Triton kernel"), ("torch", "on cuBLAS"),
-                        ("unmeasured", "first met in a capture (cuBLAS)")))
+                        ("unmeasured", "first met in a capture (cuBLAS there)")))
     return (f"decode GEMMs: {a} small-M linears over the graphs chosen by shape "
-            f"(KVConfig.decode_gemms='auto'){dyn}; shapes measured: {chosen} (the kernel "
-            f"notes give each shape's times)")
+            f"(KVConfig.decode_gemms='auto'){dyn}; shapes this model measured: {chosen} "
+            f"(the kernel notes give each shape's times)")

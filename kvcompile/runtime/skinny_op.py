@@ -14,7 +14,7 @@ against F.linear (cuBLAS) on this GPU at the shape's first call outside a CUDA g
 (the capture's warm-up runs are such calls): each candidate's median of `REPS` runs, the L2
 flushed before each run as the weights stream from memory in a real step. The kernel is kept
 where it takes at most `MARGIN` of cuBLAS's time, else F.linear. A shape first met inside a
-capture runs F.linear, said once. The choices and their times are in `CHOICES` and
+capture runs F.linear there, said once, and is measured at its next call outside one. The choices and their times are in `CHOICES` and
 `kvcompile.report`. The sums' order differs between the two (both accumulate in fp32), so a
 choice that flips between processes changes outputs by the dtype's rounding only.
 """
@@ -31,8 +31,10 @@ from kvcompile.kernels import skinny
 
 REPS = 7        # timed runs a candidate (interleaved, each after an L2 flush)
 MARGIN = 0.97   # the Triton kernel is chosen at most this fraction of cuBLAS's median time
-# shape key -> (choice "triton" / "torch", cuBLAS ms, Triton ms); ms None where not measured
-CHOICES: dict[tuple, tuple[str, float | None, float | None]] = {}
+# shape key -> (choice "triton" / "torch", cuBLAS ms, Triton ms), process-wide (the counts
+# and notes go to the model whose call measured the shape)
+CHOICES: dict[tuple, tuple[str, float, float]] = {}
+_UNMEASURED: set[tuple] = set()   # shapes met inside a capture before any timing (said once)
 
 
 def takes(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
@@ -121,10 +123,12 @@ def choose(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> str:
     _, m, n, k, dtype, _, _ = key
     what = f"{m} x {k} @ {n} x {k}^T ({dtype}{', bias' if b is not None else ''})"
     if capturing(x):
-        # no timing inside a capture: cuBLAS, and the next process measures
-        CHOICES[key] = ("torch", None, None)
-        _say(f"decode GEMMs (auto): {what} first met inside a CUDA graph capture: "
-             f"cuBLAS, not measured", "decode_gemms_auto_unmeasured")
+        # no timing inside a capture: cuBLAS in this graph; the shape's next call outside a
+        # capture (a recapture's warm-up, an eager step) measures it
+        if key not in _UNMEASURED:
+            _UNMEASURED.add(key)
+            _say(f"decode GEMMs (auto): {what} first met inside a CUDA graph capture: "
+                 f"cuBLAS there, not measured", "decode_gemms_auto_unmeasured")
         return "torch"
     xc = x.contiguous()
     t_torch, t_triton = time_candidates(

@@ -155,6 +155,7 @@ def fake_timing(monkeypatch):
     from kvcompile.runtime import skinny_op
 
     monkeypatch.setattr(skinny_op, "CHOICES", {})
+    monkeypatch.setattr(skinny_op, "_UNMEASURED", set())
     timed, faster, fast = [], set(), [0.5]
 
     def fake(fns, device):
@@ -236,7 +237,11 @@ def test_auto_keeps_cublas_within_the_margin_and_inside_a_capture(fake_timing, m
     fast[0] = 0.5
     assert torch.equal(op(x, w2, None, True), F.linear(x, w2))
     assert timed == [6]                                        # no timing in a capture
-    assert skinny_op.CHOICES[skinny_op.shape_key(x, w2, None)] == ("torch", None, None)
+    assert skinny_op.shape_key(x, w2, None) not in skinny_op.CHOICES
+    monkeypatch.setattr(skinny_op, "capturing", lambda x: False)
+    monkeypatch.setattr(skinny, "skinny_linear", lambda x, w, b=None: F.linear(x, w, b))
+    assert torch.equal(op(x, w2, None, True), F.linear(x, w2))   # measured at its next call
+    assert timed == [6, 10] and skinny_op.CHOICES[skinny_op.shape_key(x, w2, None)][0] == "triton"
 
 
 def test_not_on_dtensors(on_cpu):
