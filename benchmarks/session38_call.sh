@@ -8,6 +8,8 @@
 #      notes (each shape's choice and times) follow its line
 #   e3: the MLA Engine row (fp8 latent, B16 x P8192 by default) with the packed split on
 #      (--packed-split) and off (the default now)
+#   h: one call on an H200 (~500 s): u, t (torch / auto), fp8 rows at B1 x P32768 and
+#      B64 x P2048, e3 at B16 x P4096
 #   other parts: session37_call.sh's (g, k, s, e2; and through it session36_call.sh's b, p, ...)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvc_out}; mkdir -p "$OUT"
@@ -32,6 +34,15 @@ for f in glob.glob(sys.argv[1] + "/*/bench_generate.json"):
                     print("   ", n)
 PY
       done ;;
+    h)    # one call's worth on an H200 (~500 s): u, t (torch / auto), then the fp8 rows at
+          # B1 x P32768 and B64 x P2048 (the 60% roofline there), then the MLA A/B at P4096
+      PARTS="u t" T_GEMMS="torch auto" OUT=$OUT bash "$0" | grep -vE "^NVIDIA|^[0-9]+\.[0-9]+"
+      for bp in "1 32768" "64 2048"; do
+        set -- $bp
+        KVCOMPILE_DEVICE_LOOP=1 B=$1 P=$2 N=64 ROW_LIMIT=90 OUT=$OUT/h_${1}x$2 \
+          bash benchmarks/e2e_kv_rows.sh "kvc_fp8:auto" 2>&1 | tail -1
+      done
+      PARTS=e3 B=16 P=4096 E_LIMIT=90 OUT=$OUT bash "$0" | grep -vE "^NVIDIA|^[0-9]+\.[0-9]+" ;;
     e3)   # the MLA Engine row with the packed split (opt-in since this session) and without
       for x in "--packed-split" ""; do
         timeout -k 5 ${E_LIMIT:-200} python3 benchmarks/bench_latent_generate.py \
