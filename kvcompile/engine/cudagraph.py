@@ -137,18 +137,18 @@ def capture(step, device: torch.device, mempool):
 
 
 class Staged:
-    """A graph's plan staged on the host for `upload_plan`: two int64 / int32 buffer pairs
-    (`host64` / `host32`, pinned on CUDA; `h64` / `h32` their numpy views), used in turn, since
+    """A graph's plan staged on the host for `upload_plan`: two buffers (`host_plan`, pinned on
+    CUDA; `h64` / `h32` numpy views of its int64 and int32 parts), used in turn, since
     a step's host-to-device copy may still be queued when the next step writes its inputs.
     With events, a buffer is rewritten only after the event of its last upload (`uploaded`):
     `generate`'s graphs, whose host runs a step ahead under a deferred stop check. Without,
     the caller keeps at most one step in flight (the engine's overlapped steps)."""
 
     def _stage(self, n64: int, n32: int, device, events: bool) -> None:
-        """The staging buffers and the device buffers they fill: one int64 buffer each,
-        `n64` int64 values then `n32` int32 values (`host64` / `host32` and `dev64` /
-        `seq_lens` views of it, the int32 part 16-byte aligned), so that a step's upload is
-        one copy, not one a dtype."""
+        """The staging buffers and the device buffer they fill: one int64 buffer each,
+        `n64` int64 values then `n32` int32 values (`h64` / `h32` numpy views of a staging
+        buffer's parts, `dev64` / `seq_lens` of the device's; the int32 part 16-byte
+        aligned), so that a step's upload is one copy, not one a dtype."""
         pin = torch.device(device).type == "cuda"   # (unpinned: the tests' CPU emulation)
         a64 = -(-n64 // 2) * 2                       # the int32 part at a 16-byte boundary
         total = a64 + -(-n32 // 2)
@@ -162,20 +162,18 @@ class Staged:
         for _ in range(2):
             buf = torch.zeros(total, dtype=torch.int64, pin_memory=pin)
             h64, h32 = views(buf)
-            self._stages.append((buf, h64, h32, h64.numpy(), h32.numpy(),
+            self._stages.append((buf, h64.numpy(), h32.numpy(),
                                  torch.cuda.Event() if pin and events else None))
         self.dev_plan = torch.zeros(total, dtype=torch.int64, device=device)
         self.dev64, self.seq_lens = views(self.dev_plan)
         self._recorded = [False, False]
         self._turn = 0
-        (self.host_plan, self.host64, self.host32, self.h64, self.h32,
-         self._uploaded) = self._stages[0]
+        self.host_plan, self.h64, self.h32, self._uploaded = self._stages[0]
 
     def next_stage(self) -> None:
         """Switch to the other staging buffer, once its last upload has left it."""
         self._turn ^= 1
-        (self.host_plan, self.host64, self.host32, self.h64, self.h32,
-         self._uploaded) = self._stages[self._turn]
+        self.host_plan, self.h64, self.h32, self._uploaded = self._stages[self._turn]
         if self._uploaded is not None and self._recorded[self._turn]:
             self._uploaded.synchronize()
 
