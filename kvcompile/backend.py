@@ -24,7 +24,7 @@ import torch
 from kvcompile.config import KVConfig, configured_instances
 from kvcompile.errors import CacheStateError, KVCompileError
 from kvcompile.integrations.tp import tensor_parallel_of_graph
-from kvcompile.passes import notices
+from kvcompile.passes import notices, skinny_linears
 from kvcompile.passes.pipeline import _restore, run_passes
 from kvcompile.passes.rewrite import _virtual_cat
 from kvcompile.runtime import attention_op as _attention_op  # noqa: F401  (registers the op)
@@ -73,8 +73,6 @@ def _compile(gm, example_inputs, options, state):
         merged = _merge(gm, example_inputs, state)
     gemms_key = "decode_gemms_" + ("auto" if config.decode_gemms == "auto" else "triton")
     if config.decode_gemms in ("triton", "auto") and result.plan.rewritten:
-        from kvcompile.passes import skinny_linears
-
         if unmerged is None:
             unmerged = copy.deepcopy(gm.graph, {})
         skinny, dynamic = skinny_linears.rewrite(gm, auto=config.decode_gemms == "auto")

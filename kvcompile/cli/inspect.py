@@ -77,10 +77,8 @@ def run(args) -> Result:
         text.append(merged)
     gemms = skinny_linears.summary(counters)
     if gemms:
-        for k in ("decode_gemms_triton", "decode_gemms_auto", "decode_gemms_auto_triton",
-                  "decode_gemms_auto_torch", "decode_gemms_auto_unmeasured"):
-            if counters.get(k):
-                payload[k] = counters[k]
+        payload.update({k: v for k, v in counters.items()
+                        if k.startswith("decode_gemms_") and v})
         text.append(gemms)
     misses = _near_misses(traces)
     payload["near_misses"] = misses

@@ -49,10 +49,10 @@ def takes(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
 
 
 def shape_key(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple:
-    """What a choice is made for: device, rows, N, K, dtype, bias, w's row stride."""
+    """What a choice is made for: device, rows, N, K, dtype, bias, w's row stride (read at
+    every call of an eager step: no strings made)."""
     k = x.shape[-1]
-    return (str(x.device), x.numel() // k, w.shape[0], k, str(x.dtype).removeprefix("torch."),
-            b is not None, w.stride(0))
+    return (x.device, x.numel() // k, w.shape[0], k, x.dtype, b is not None, w.stride(0))
 
 
 def _flush_buffer(device: torch.device) -> torch.Tensor:
@@ -121,7 +121,8 @@ def choose(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> str:
     if got is not None:
         return got[0]
     _, m, n, k, dtype, _, _ = key
-    what = f"{m} x {k} @ {n} x {k}^T ({dtype}{', bias' if b is not None else ''})"
+    what = (f"{m} x {k} @ {n} x {k}^T ({str(dtype).removeprefix('torch.')}"
+            f"{', bias' if b is not None else ''})")
     if capturing(x):
         # no timing inside a capture: cuBLAS in this graph; the shape's next call outside a
         # capture (a recapture's warm-up, an eager step) measures it
