@@ -62,6 +62,7 @@ import triton  # noqa: E402  (after TRITON_INTERPRET is set)
 
 from kvcompile.cache.formats import KVFormat  # noqa: E402
 from kvcompile.cache.pool import LayerSpec, PagePool  # noqa: E402
+from kvcompile.engine.cudagraph import capture  # noqa: E402
 from kvcompile.kernels.dense import paged_reference_attention  # noqa: E402
 from kvcompile.kernels.latent import absorb_query, latent_output  # noqa: E402
 from kvcompile.kernels.latent_decode import (  # noqa: E402
@@ -114,16 +115,12 @@ def bench_graph(fn, calls: int = GRAPH_CALLS) -> float:
     (which leaves L2 full of dirty lines) once per `calls` calls, not before every call."""
     if DRY:
         return bench(fn)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+
+    def calls_in_a_row():
         for _ in range(calls):
             fn()
+
+    g, _ = capture(calls_in_a_row, torch.device("cuda"), None)   # (warmed up first)
     return bench(g.replay, warmup=10, rep=50) / calls
 
 

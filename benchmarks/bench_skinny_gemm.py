@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kvcompile.engine.cudagraph import capture  # noqa: E402
 from kvcompile.kernels.skinny import pick, skinny_linear  # noqa: E402
 from kvcompile.testing import REL_ERR, rel_err  # noqa: E402
 
@@ -36,15 +37,7 @@ SHAPES = {  # name: (N, K), 8-layer Llama-3-8B shape, projections merged
 
 
 def _graph_ms(fn, reps: int = 20) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g, _ = capture(fn, torch.device("cuda"), None)   # (warmed up on the side stream first)
     g.replay()
     torch.cuda.synchronize()
     times = []
