@@ -75,11 +75,14 @@ def _compile(gm, example_inputs, options, state):
     if config.decode_gemms in ("triton", "auto") and result.plan.rewritten:
         if unmerged is None:
             unmerged = copy.deepcopy(gm.graph, {})
-        skinny, dynamic = skinny_linears.rewrite(gm, auto=config.decode_gemms == "auto")
+        refused: dict[str, int] = {}
+        skinny, dynamic = skinny_linears.rewrite(gm, auto=config.decode_gemms == "auto",
+                                                 refusals=refused)
         if skinny:
             state.count(gemms_key, skinny)
         if dynamic:
             state.count(gemms_key + "_dynamic", dynamic)
+        skinny_linears.say_refusals(state, refused, config.decode_gemms)
     try:
         try:
             compiled = compile_inner(gm, example_inputs, config.inner)

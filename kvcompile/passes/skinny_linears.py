@@ -66,8 +66,11 @@ def _is_dtensor(v) -> bool:
     return isinstance(v, DTensor)
 
 
-def _eligible(n: fx.Node, grad: bool) -> bool | None:
-    """Whether the pass takes linear `n`; None: it would, but its row count is dynamic."""
+def _eligible(n: fx.Node, grad: bool) -> bool | str | None:
+    """Whether the pass takes linear `n`: True; None: it would, but its row count is dynamic;
+    False: not a linear it could take (not a linear, a product of no columns, more than 16
+    static rows); a string: a linear refused for its operands, the reason (said once a model
+    by the backend, `refusals`)."""
     parts = _linear_parts(n)
     if parts is None:
         return False
@@ -75,29 +78,34 @@ def _eligible(n: fx.Node, grad: bool) -> bool | None:
     x = val(xn)
     w = _meta(wn)
     b = None if bn is None else _meta(bn)
-    if x is None or w is None or (bn is not None and (b is None or b.dim != 1)):
-        return False
+    if x is None or w is None or (bn is not None and b is None):
+        return "its operands carry no traced shape"
+    if bn is not None and b.dim != 1:
+        return "its bias is not 1-D"
     if _is_dtensor(x) or _is_dtensor(val(wn)):
-        return False
+        return "its operands are DTensors (tensor parallelism; the kernel takes local tensors)"
     if x.dim() == 0 or (isinstance(x.shape[-1], int) and x.shape[-1] == 0):
         return False   # (no product: F.linear's zeros or bias)
     if x.device.type not in DEVICES or w.device != x.device:
-        return False
-    if w.dim != 2 or w.stride1 != 1 or x.dtype not in _DTYPES or w.dtype != x.dtype:
-        return False
-    if b is not None and b.dtype != x.dtype:
-        return False
+        return f"its operands are on {x.device.type}, the kernel runs on CUDA"
+    if w.dim != 2 or w.stride1 != 1:
+        return "its weight is not a 2-D tensor with contiguous rows"
+    if x.dtype not in _DTYPES or w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
+        return (f"its operands' dtypes ({x.dtype}, {w.dtype}) are not one of float16 / "
+                f"bfloat16 / float32")
     if grad and any(t is not None and t.requires_grad for t in (x, w, b)):
-        return False
+        return "gradients can flow through it (grad mode on, a parameter requiring grad)"
     rows = _static_rows(x)
     if rows is None:
         return None
     return rows <= MAX_M
 
 
-def rewrite(gm: fx.GraphModule, auto: bool = False) -> tuple[int, int]:
+def rewrite(gm: fx.GraphModule, auto: bool = False,
+            refusals: dict | None = None) -> tuple[int, int]:
     """Replace the eligible linears of `gm` in place (auto: by the op's measured choice);
-    -> (how many, how many of them have a dynamic row count). A graph Dynamo traced with its
+    -> (how many, how many of them have a dynamic row count). `refusals`, if given, gets
+    {reason: count} for the linears refused for their operands. A graph Dynamo traced with its
     token dim dynamic (the decode step after a prefill of another length, in `generate`) has
     no static row count, yet runs decode steps of at most 16 rows: its linears go to the op
     too, which checks the rows at each call (runtime/skinny_op.py `takes`: more than 16 run
@@ -111,6 +119,10 @@ def rewrite(gm: fx.GraphModule, auto: bool = False) -> tuple[int, int]:
     for n in list(gm.graph.nodes):
         ok = _eligible(n, grad)
         dynamic += ok is None
+        if isinstance(ok, str):
+            if refusals is not None:
+                refusals[ok] = refusals.get(ok, 0) + 1
+            continue
         if ok is False:
             continue
         x, w, b = _linear_parts(n)
@@ -123,22 +135,41 @@ def rewrite(gm: fx.GraphModule, auto: bool = False) -> tuple[int, int]:
     return count, dynamic
 
 
+def say_refusals(state, refused: dict, mode: str) -> None:
+    """Count the linears `rewrite` refused for their operands (`decode_gemms_refused`) and say
+    each reason once a model: they stay on the inner compiler's GEMMs although the config asked
+    for the kernel."""
+    from kvcompile.passes import notices
+
+    for reason, k in refused.items():
+        state.count("decode_gemms_refused", k)
+        notices.warn_once(state, ("decode_gemms", reason),
+                          f"kvcompile left {k} linear(s) of graph {state.graphs} of "
+                          f"{notices.model_name(state)} on the inner compiler's GEMMs although "
+                          f"KVConfig.decode_gemms={mode!r} asked for kvcompile's kernel: "
+                          f"{reason}. Nothing to fix if that is expected; "
+                          f"decode_gemms='torch' (the default) does not try.")
+
+
 def summary(counters: dict) -> str | None:
     """The report's line on what the pass did (None: nothing)."""
     n = counters.get("decode_gemms_triton")
     a = counters.get("decode_gemms_auto")
+    r = counters.get("decode_gemms_refused")
+    refused = (f"; {r} linears refused for their operands (the warnings give the reasons)"
+               if r else "")
     if not n and not a:
-        return None
+        return (f"decode GEMMs: no linear on kvcompile's kernel{refused}" if r else None)
     mode = "triton" if n else "auto"
     d = counters.get(f"decode_gemms_{mode}_dynamic")
     dyn = (f" ({d} of them in graphs with a dynamic row count: the op checks the rows at "
            f"each call, more than 16 run F.linear)") if d else ""
     if n:
         return (f"decode GEMMs: {n} small-M linears over the graphs on kvcompile's Triton "
-                f"kernel (KVConfig.decode_gemms='triton'){dyn}")
+                f"kernel (KVConfig.decode_gemms='triton'){dyn}{refused}")
     chosen = ", ".join(f"{counters.get(f'decode_gemms_auto_{c}', 0)} {what}" for c, what in
                        (("triton", "on the Triton kernel"), ("torch", "on cuBLAS"),
                         ("unmeasured", "first met in a capture (cuBLAS there)")))
     return (f"decode GEMMs: {a} small-M linears over the graphs chosen by shape "
             f"(KVConfig.decode_gemms='auto'){dyn}; shapes this model measured: {chosen} "
-            f"(the kernel notes give each shape's times)")
+            f"(the kernel notes give each shape's times){refused}")

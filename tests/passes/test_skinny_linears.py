@@ -90,16 +90,47 @@ def test_not_on_the_cpu_unless_asked_nor_where_gradients_flow(on_cpu, monkeypatc
     gm = fx.symbolic_trace(graph)
     for n, v in zip(gm.graph.find_nodes(op="placeholder"), (fx_, fw)):
         n.meta["example_value"] = v
-    with torch.enable_grad():
-        assert skinny_linears.rewrite(gm) == (0, 0)     # w requires grad, grad mode on
+    refused = {}
+    with torch.enable_grad():   # w requires grad, grad mode on: refused, the reason given
+        assert skinny_linears.rewrite(gm, refusals=refused) == (0, 0)
+    assert list(refused) == ["gradients can flow through it (grad mode on, a parameter "
+                             "requiring grad)"]
     with torch.no_grad():
         assert skinny_linears.rewrite(gm) == (1, 0)
     gm = fx.symbolic_trace(graph)
     for n, v in zip(gm.graph.find_nodes(op="placeholder"), (fx_, fw)):
         n.meta["example_value"] = v
     monkeypatch.setattr(skinny_linears, "DEVICES", ("cuda",))
-    with torch.no_grad():
-        assert skinny_linears.rewrite(gm) == (0, 0)     # CPU tensors: CUDA only by default
+    refused = {}
+    with torch.no_grad():   # CPU tensors: CUDA only by default
+        assert skinny_linears.rewrite(gm, refusals=refused) == (0, 0)
+    assert refused == {"its operands are on cpu, the kernel runs on CUDA": 1}
+
+
+def test_refused_linears_are_said_once_a_model():
+    """decode_gemms="triton" on a model whose linears the kernel cannot take (here: CPU
+    tensors, the kernel being CUDA's): the tokens are the model's, one warning names the
+    reason and the graph, the report counts the refused linears; "torch" says nothing."""
+    from tests.passes.caught import kv_warnings
+
+    m, ref = make_hf("llama"), make_hf("llama")
+    ids = torch.randint(3, 250, (2, 5), generator=torch.Generator().manual_seed(6))
+    kvcompile.compile(m, _cfg())
+    with kv_warnings() as said:
+        assert torch.equal(_generate(m, ids), _generate(ref, ids))
+    mine = [w for w in said if "decode_gemms='triton'" in w]
+    assert len(mine) == 1, said
+    assert "on cpu, the kernel runs on CUDA" in mine[0] and "graph " in mine[0], mine
+    c = kvcompile.report(m).counters
+    assert c.get("decode_gemms_refused", 0) >= _linears(m), c   # prefill's and decode's
+    assert not c.get("decode_gemms_triton")
+    assert "linears refused for their operands" in str(kvcompile.report(m))
+    m = make_hf("llama")
+    kvcompile.compile(m, _cfg(decode_gemms="torch"))
+    with kv_warnings() as said:
+        _generate(m, ids)
+    assert not [w for w in said if "decode_gemms" in w], said
+    assert not kvcompile.report(m).counters.get("decode_gemms_refused")
 
 
 def test_an_unknown_choice_is_refused():
@@ -269,7 +300,10 @@ def test_not_on_dtensors(on_cpu):
     try:
         w = distribute_tensor(torch.randn(4, 8), init_device_mesh("cpu", (1,)), [Shard(0)])
         with torch.no_grad():
-            assert skinny_linears.rewrite(traced(w)) == (0, 0)
+            refused = {}
+            assert skinny_linears.rewrite(traced(w), refusals=refused) == (0, 0)
+            assert list(refused) == ["its operands are DTensors (tensor parallelism; the "
+                                     "kernel takes local tensors)"]
             assert skinny_linears.rewrite(traced(torch.randn(4, 8))) == (1, 0)
     finally:
         dist.destroy_process_group()
