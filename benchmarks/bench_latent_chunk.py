@@ -12,6 +12,8 @@ Contenders per (shape, S, format), each from the same pages and the same query:
   the thirty-fifth session;
 - `expand`: `latent.paged_latent_expanded`, each row's stored latents gathered and expanded
   through kv_b_proj, causal SDPA (what a chunk at or past the threshold runs);
+- `expand_mask`: `expand` with the explicit [S, L] causal mask SDPA took before the 39th
+  session (dense.LOWER_RIGHT_DEVICES emptied), against `expand`'s lower-right causal bias;
 - `reference`: the absorbed paged reference (kernels/dense.py, math SDPA in blocks), what
   such a chunk ran before, only where S x L is small (--ref-max, default 2^20 tokens x
   queries a row; 3 timed runs), since it is slow.
@@ -111,6 +113,15 @@ def run_case(state, pool, tables, w, B: int, L: int, S: int, H: int, dt, g,
         return paged_latent_expanded(pool.k[0], pool.v[0], q, plan, w, DN, scale, 0,
                                      dispatch.LATENT_EXPAND_BYTES)
 
+    def expand_mask():
+        from kvcompile.kernels import dense
+
+        keep, dense.LOWER_RIGHT_DEVICES = dense.LOWER_RIGHT_DEVICES, ()
+        try:
+            return expand()
+        finally:
+            dense.LOWER_RIGHT_DEVICES = keep
+
     def reference():
         q_lat = absorb_query(q, w, DN)
         o = paged_reference_attention(pool.k[0], pool.v[0], q_lat, plan, None, True, 0, 0.0,
@@ -119,7 +130,8 @@ def run_case(state, pool, tables, w, B: int, L: int, S: int, H: int, dt, g,
 
     want = expand().float()
     row: dict = {"S": S}
-    for label, fn in (("fold", fold), ("expand", expand), ("reference", reference)):
+    for label, fn in (("fold", fold), ("expand", expand), ("expand_mask", expand_mask),
+                      ("reference", reference)):
         if label == "reference" and S * L > ref_max:
             continue
         try:
@@ -169,15 +181,16 @@ def main() -> None:
                 rows.append(row)
                 print(row, flush=True)
             del pool, tables
-    print("\n| shape | format | S | fold ms | expand ms | reference ms | fold / expand | "
-          "fold err | reference err |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| shape | format | S | fold ms | expand ms | expand, mask ms | reference ms | "
+          "fold / expand | fold err | mask err | reference err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = (f"{r['fold'] / r['expand']:.2f}" if isinstance(r.get("fold"), float)
                  and isinstance(r.get("expand"), float) else "-")
         print(f"| {r['shape']} | {r['fmt']} | {r['S']} | {_cell(r, 'fold')} | "
-              f"{_cell(r, 'expand')} | {_cell(r, 'reference')} | {ratio} | "
-              f"{_cell(r, 'fold_err', '.1e')} | {_cell(r, 'reference_err', '.1e')} |")
+              f"{_cell(r, 'expand')} | {_cell(r, 'expand_mask')} | {_cell(r, 'reference')} | "
+              f"{ratio} | {_cell(r, 'fold_err', '.1e')} | {_cell(r, 'expand_mask_err', '.1e')} "
+              f"| {_cell(r, 'reference_err', '.1e')} |")
     for name in args.shapes.split(","):
         for fmt in args.formats.split(","):
             wins = [r["S"] for r in rows if r["shape"] == name and r["fmt"] == fmt

@@ -58,7 +58,8 @@ def sdpa_attention(q, k, v, allowed, additive, scale: float, causal: bool = Fals
     at or before their own; sink_logits [Hq] or None (attention sinks, the module docstring).
     -> [B, Hq, S, Dv] in compute_dtype(q.dtype)."""
     S, L = q.shape[2], k.shape[2]
-    if causal and (allowed is not None or additive is not None or S != L):
+    if causal and (allowed is not None or additive is not None or S > L
+                   or S != L and not _lower_right_ok(q, k)):
         c = _causal(S, L, q.device)[None, None]
         allowed = c if allowed is None else allowed & c
         causal = False
@@ -193,9 +194,28 @@ def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.dtype == dtype else x.to(dtype)
 
 
+# devices on which causal attention of S queries over L > S keys (a prompt chunk after its
+# cached prefix) runs SDPA under torch's lower-right causal bias (its flash / memory-efficient
+# kernels skip the masked blocks and read no mask) instead of an explicit [S, L] mask
+LOWER_RIGHT_DEVICES = ("cuda",)
+
+
+def _lower_right_ok(q, k) -> bool:
+    """Whether `_sdpa` takes causal S < L through torch's lower-right causal bias: on
+    LOWER_RIGHT_DEVICES, one K/V head a query head (the bias's fused kernels take no GQA),
+    head dims within the fused kernels' 256."""
+    return (q.device.type in LOWER_RIGHT_DEVICES and q.shape[1] == k.shape[1]
+            and q.shape[-1] <= 256)
+
+
 def _sdpa(q, k, v, mask, scale: float, causal: bool) -> torch.Tensor:
     B, Hq, S, _ = q.shape
-    Hkv = k.shape[1]
+    Hkv, L = k.shape[1], k.shape[2]
+    if causal and S != L:   # (sdpa_attention: S < L, _lower_right_ok, no mask)
+        from torch.nn.attention.bias import causal_lower_right
+
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(S, L),
+                                              scale=scale)
     if S == 1 and Hq != Hkv and (mask is None or mask.shape[1] == 1):
         # one query per row: the query heads of a group become the group's query rows (as HF
         # does for a masked decode step), so that each K/V head is read once
@@ -403,10 +423,11 @@ def _model_mask(attn_mask: torch.Tensor | None, total: int):
 def _masks(attn_mask, s: int, total: int, is_causal: bool, window: int, starts, device):
     """(allowed, additive, causal) for sdpa_attention: the model's mask, causality, the window
     and per-row kv_start (starts: list or None), combined. causal=True (and no mask) where
-    plain causal attention over S == L keys is all there is, as the model's own SDPA call."""
-    if (attn_mask is None and is_causal and s == total and not (window and total > window)
-            and not any(starts or ())):
-        return None, None, True
+    plain causal attention of the last S of L positions (S == L, or 1 < S < L: a chunk after
+    its prefix) is all there is."""
+    if (attn_mask is None and is_causal and (s == total or 1 < s < total)
+            and not (window and total > window) and not any(starts or ())):
+        return None, None, True   # (S < L: sdpa_attention's lower-right causal bias or mask)
     allowed, additive = _model_mask(attn_mask, total)
     struct = _structure(s, total, is_causal, window, device)
     if struct is not None:

@@ -60,6 +60,37 @@ def test_sdpa_causal_fast_path():
                      attend_fp32(q, k2, v2, allowed2, None, 0.2, 0.0), torch.float32, factor=10)
 
 
+@pytest.mark.parametrize("hq,hkv,dv", [(4, 4, 32), (4, 4, 24), (8, 2, 32)])
+def test_chunk_causal_lower_right(monkeypatch, hq, hkv, dv):
+    """Causal S < L with no mask (a prompt chunk after its cached prefix): on the devices of
+    LOWER_RIGHT_DEVICES, one K/V head a query head, sdpa_attention runs SDPA under torch's
+    lower-right causal bias and builds no [S, L] mask; elsewhere (GQA here) the explicit mask.
+    Both equal the fp32 reference over the causal mask of the last S positions; `_masks`
+    hands such a chunk over as causal (no mask), not S == L only."""
+    from kvcompile.kernels import dense
+
+    monkeypatch.setattr(dense, "LOWER_RIGHT_DEVICES", ("cpu",))
+    built = []
+    real_causal = dense._causal
+    monkeypatch.setattr(dense, "_causal", lambda *a: built.append(a) or real_causal(*a))
+    g = torch.Generator().manual_seed(hq + dv)
+    S, L = 9, 30
+    q = torch.randn(2, hq, S, 32, generator=g)
+    k = torch.randn(2, hkv, L, 32, generator=g)
+    v = torch.randn(2, hkv, L, dv, generator=g)
+    assert dense._masks(None, S, L, True, 0, None, q.device) == (None, None, True)
+    allowed = torch.arange(L)[None] <= torch.arange(L - S, L)[:, None]
+    ref = torch.stack([attend_fp32(q[b], k[b], v[b], allowed, None, 0.2, 0.0) for b in range(2)])
+    got = sdpa_attention(q, k, v, None, None, 0.2, True)
+    assert_rel_close(got, ref, torch.float32, factor=10, what=f"lower right {hq}/{hkv}")
+    assert bool(built) == (hq != hkv), built     # the explicit mask only where GQA needs it
+    monkeypatch.setattr(dense, "LOWER_RIGHT_DEVICES", ())
+    built.clear()
+    assert_rel_close(sdpa_attention(q, k, v, None, None, 0.2, True), ref, torch.float32,
+                     factor=10, what="explicit mask")
+    assert built
+
+
 # --- NaN / Inf: eager attention over the keys each query sees ----------------------------------
 
 def eager_rows(q, k, v, allowed, scale: float) -> torch.Tensor:
