@@ -155,13 +155,14 @@ def test_padded_rows_varlen_on_cuda(monkeypatch):
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16], ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("dv", [64, 48])
 @pytest.mark.parametrize("name", ("finite", "v_nan_seen", "k_nan_seen", "masked_nan"))
-def test_chunk_causal_lower_right_on_cuda(name, dv, dt):
+def test_chunk_causal_lower_right_on_cuda(name, dv, dt, monkeypatch):
     """Causal S < L without a mask (a chunk after its prefix, one K/V head a query head): SDPA
     under torch's lower-right causal bias on CUDA (flash / memory-efficient), no [S, L] mask
     built; eager's values over the causal keys of the last S positions, NaN / Inf included
     (a NaN under the causal mask inert)."""
     from kvcompile.kernels import dense
 
+    monkeypatch.setattr(dense, "LOWER_RIGHT_DEVICES", ("cuda",))   # (whatever the default)
     g = torch.Generator().manual_seed(CASES.index(name) + dv)
     q, k, v, seen = make_case(name, g)
     k = k.repeat_interleave(4, 1)                     # MHA: 8 K/V heads
@@ -176,12 +177,9 @@ def test_chunk_causal_lower_right_on_cuda(name, dv, dt):
     seen = seen.expand(q.shape[0], 1, *seen.shape[2:])
     built = []
     real = dense._causal
-    dense._causal = lambda *a: built.append(a) or real(*a)
-    try:
-        got = sdpa_attention(q.cuda().to(dt), k.cuda().to(dt), v.cuda().to(dt), None, None,
-                             0.125, True)
-    finally:
-        dense._causal = real
+    monkeypatch.setattr(dense, "_causal", lambda *a: built.append(a) or real(*a))
+    got = sdpa_attention(q.cuda().to(dt), k.cuda().to(dt), v.cuda().to(dt), None, None,
+                         0.125, True)
     ref = eager_rows(q, k, v, seen, 0.125)
     assert_like_eager(got.double().cpu(), ref, f"{name} dv {dv} {dt}", dt)
     if name == "finite":
