@@ -196,8 +196,11 @@ def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 # devices on which causal attention of S queries over L > S keys (a prompt chunk after its
 # cached prefix) runs SDPA under torch's lower-right causal bias (its flash / memory-efficient
-# kernels skip the masked blocks and read no mask) instead of an explicit [S, L] mask
-LOWER_RIGHT_DEVICES = ("cuda",)
+# kernels skip the masked blocks and read no mask) instead of an explicit [S, L] mask. None
+# by default until the route has run on a GPU: tests/gpu/test_dense_gpu.py
+# (test_chunk_causal_lower_right_on_cuda) checks it there and benchmarks/bench_latent_chunk.py
+# times it (expand_lr against expand_mask); set ("cuda",) to take it
+LOWER_RIGHT_DEVICES: tuple[str, ...] = ()
 
 
 def _lower_right_ok(q, k) -> bool:
