@@ -426,11 +426,13 @@ def _model_mask(attn_mask: torch.Tensor | None, total: int):
 def _masks(attn_mask, s: int, total: int, is_causal: bool, window: int, starts, device):
     """(allowed, additive, causal) for sdpa_attention: the model's mask, causality, the window
     and per-row kv_start (starts: list or None), combined. causal=True (and no mask) where
-    plain causal attention of the last S of L positions (S == L, or 1 < S < L: a chunk after
-    its prefix) is all there is."""
-    if (attn_mask is None and is_causal and (s == total or 1 < s < total)
+    plain causal attention of the last S of L positions (S == L, or on LOWER_RIGHT_DEVICES
+    1 < S < L: a chunk after its prefix, for sdpa_attention's lower-right causal bias) is all
+    there is. (Elsewhere a chunk's mask is built here, once a forward for a plan's rows.)"""
+    lower_right = 1 < s < total and torch.device(device).type in LOWER_RIGHT_DEVICES
+    if (attn_mask is None and is_causal and (s == total or lower_right)
             and not (window and total > window) and not any(starts or ())):
-        return None, None, True   # (S < L: sdpa_attention's lower-right causal bias or mask)
+        return None, None, True
     allowed, additive = _model_mask(attn_mask, total)
     struct = _structure(s, total, is_causal, window, device)
     if struct is not None:

@@ -66,7 +66,7 @@ def test_chunk_causal_lower_right(monkeypatch, hq, hkv, dv):
     LOWER_RIGHT_DEVICES, one K/V head a query head, sdpa_attention runs SDPA under torch's
     lower-right causal bias and builds no [S, L] mask; elsewhere (GQA here) the explicit mask.
     Both equal the fp32 reference over the causal mask of the last S positions; `_masks`
-    hands such a chunk over as causal (no mask), not S == L only."""
+    hands such a chunk over as causal (no mask) on those devices only."""
     from kvcompile.kernels import dense
 
     monkeypatch.setattr(dense, "LOWER_RIGHT_DEVICES", ("cpu",))
@@ -85,6 +85,8 @@ def test_chunk_causal_lower_right(monkeypatch, hq, hkv, dv):
     assert_rel_close(got, ref, torch.float32, factor=10, what=f"lower right {hq}/{hkv}")
     assert bool(built) == (hq != hkv), built     # the explicit mask only where GQA needs it
     monkeypatch.setattr(dense, "LOWER_RIGHT_DEVICES", ())
+    allowed2, _, causal2 = dense._masks(None, S, L, True, 0, None, q.device)
+    assert not causal2 and torch.equal(allowed2[0, 0], allowed)   # off: the mask, as before
     built.clear()
     assert_rel_close(sdpa_attention(q, k, v, None, None, 0.2, True), ref, torch.float32,
                      factor=10, what="explicit mask")
